@@ -1,0 +1,139 @@
+"""Per-request generation settings: token sampling plus the looped-model loop controls."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+INIT_STATES = ("random", "zero")
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded. Validated on construction: a bad value raises ``ValueError``
+    naming the field.
+
+    Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
+    ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
+    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    min_loops: int = 1
+    max_loops: int | None = None
+    exit_threshold: float = 1.0
+    priority: int = 0
+    logprobs: int | None = None
+    init_state: str = "random"
+    trace_depths: tuple[int, ...] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # Accept lists and a bare string where tuples are stored, so the params stay hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.trace_depths is not None:
+            object.__setattr__(self, "trace_depths", tuple(self.trace_depths))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        _check_int(self, "max_tokens")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        _check_number(self, "temperature")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", "must be in [0, 2]")
+        _check_number(self, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        _check_int(self, "top_k")
+        if self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", "must be -1 (disabled) or >= 1")
+        _check_number(self, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        _check_number(self, "repetition_penalty")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(self, name)
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None:
+            _check_int(self, "seed")
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    raise bad("stop", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("stop_token_ids", "must be non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a bool")
+        _check_int(self, "min_tokens")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be >= 0")
+        _check_int(self, "min_loops")
+        if self.min_loops < 1:
+            raise bad("min_loops", "must be >= 1")
+        if self.max_loops is not None:
+            _check_int(self, "max_loops")
+            if self.max_loops < self.min_loops:
+                raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
+        _check_number(self, "exit_threshold")
+        if not 0.0 < self.exit_threshold or math.isnan(self.exit_threshold):
+            raise bad("exit_threshold", "must be > 0 (>= 1.0 means fixed depth)")
+        _check_int(self, "priority")
+        if self.logprobs is not None:
+            _check_int(self, "logprobs")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.init_state not in INIT_STATES:
+            raise bad("init_state", f"must be one of {INIT_STATES}")
+        if self.trace_depths is not None:
+            for d in self.trace_depths:
+                if not isinstance(d, int) or d < 1:
+                    raise bad("trace_depths", "must be ints >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def adaptive_exit(self) -> bool:
+        return self.exit_threshold < 1.0
+
+    def replace(self, **changes: object) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+def _check_int(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be an int")
+
+
+def _check_number(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ValueError(f"{name}={value!r}: must be a number")
