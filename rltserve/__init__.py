@@ -1,0 +1,31 @@
+"""rltserve: an inference and serving engine for looped (recurrent-depth) language models.
+
+The public names load lazily so that torch-free modules (the scheduler, the KV manager) can be
+imported without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from rltserve.llm import LLM
+    from rltserve.outputs import RequestOutput
+    from rltserve.sampling import SamplingParams
+
+_EXPORTS = {
+    "LLM": "rltserve.llm",
+    "RequestOutput": "rltserve.outputs",
+    "SamplingParams": "rltserve.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rltserve' has no attribute {name!r}")

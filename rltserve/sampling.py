@@ -99,7 +99,7 @@ class SamplingParams:
             if self.max_loops < self.min_loops:
                 raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
         _check_number(self, "exit_threshold")
-        if not 0.0 < self.exit_threshold or math.isnan(self.exit_threshold):
+        if self.exit_threshold <= 0.0:
             raise bad("exit_threshold", "must be > 0 (>= 1.0 means fixed depth)")
         _check_int(self, "priority")
         if self.logprobs is not None:

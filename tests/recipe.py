@@ -140,4 +140,6 @@ def _write(out_dir: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
 def tensor_sums(path: Path) -> dict[str, float]:
     from safetensors.torch import load_file
 
-    return {k: float(v.double().sum()) for k, v in load_file(str(path / "model.safetensors")).items()}
+    return {
+        k: float(v.double().sum()) for k, v in load_file(str(path / "model.safetensors")).items()
+    }

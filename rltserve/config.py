@@ -1,0 +1,117 @@
+"""Frozen configuration of an engine, validated on construction.
+
+Every field's ``metadata["help"]`` is the one description of that setting: the CLI derives its
+flags (``--max-num-seqs`` from ``max_num_seqs``) and help texts from these dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULING = ("refill", "no_refill")
+EXIT_MODES = ("gate", "delayed", "trace")
+
+
+def _help(text: str, **extra: object) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(
+        default=None, metadata=_help("checkpoint directory (default: the built-in demo model)")
+    )
+    dtype: str = field(default="float32", metadata=_help("weight and activation dtype"))
+    device: str = field(default="cpu", metadata=_help("torch device, e.g. cpu or cuda"))
+    seed: int = field(default=0, metadata=_help("engine seed for requests without a seed"))
+    max_model_len: int | None = field(
+        default=None, metadata=_help("context limit in tokens (default: the model's)")
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r}: must be an int")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kv_policy: str = field(
+        default="last_exited",
+        metadata=_help("KV policy: full, last_exited, shared or ring:K (Huginn)"),
+    )
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    num_blocks: int | None = field(
+        default=None, metadata=_help("KV blocks in the pool (default: sized from kv_cache_gb)")
+    )
+    kv_cache_gb: float = field(
+        default=1.0, metadata=_help("KV pool size in GiB when num_blocks is not given")
+    )
+
+    def __post_init__(self) -> None:
+        from rltserve.core.kv_cache import KVPolicy
+
+        KVPolicy.parse(self.kv_policy)  # raises ValueError naming the bad value
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size!r}: must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks!r}: must be >= 1")
+        if not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb={self.kv_cache_gb!r}: must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    scheduling: str = field(
+        default="refill",
+        metadata=_help("refill: free rows take new work every loop; no_refill: lockstep cohorts"),
+    )
+    exit_mode: str = field(
+        default="gate",
+        metadata=_help("gate: exit decided in the step; delayed: one loop late; trace: replay"),
+    )
+    max_num_seqs: int = field(default=64, metadata=_help("running requests at most"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("tokens per step at most"))
+    prefill_chunk_size: int = field(default=512, metadata=_help("prompt tokens per chunk at most"))
+
+    def __post_init__(self) -> None:
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling={self.scheduling!r}: must be one of {SCHEDULING}")
+        if self.exit_mode not in EXIT_MODES:
+            raise ValueError(f"exit_mode={self.exit_mode!r}: must be one of {EXIT_MODES}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk_size={self.prefill_chunk_size}: must be <= "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_flat(cls, **values: object) -> EngineConfig:
+        """Builds the nested config from flat keyword arguments (LLM and CLI use this)."""
+        parts = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig)):
+            parts[name] = sub(**_take(values, sub))
+        parts["scheduler"] = SchedulerConfig(**_take(values, SchedulerConfig))
+        if values:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(values))}")
+        return cls(**parts)
+
+
+def _take(values: dict, cls: type) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: values.pop(k) for k in list(values) if k in names}

@@ -1,0 +1,173 @@
+"""Paged attention over block tables: the torch reference implementation of ``AttentionFn``.
+
+KV storage is one tensor per call-site kind (core loop, boundary): ``[num_layers, 2, num_slots,
+num_kv_heads, head_dim]`` with ``num_slots = num_blocks * block_size`` and slot ``block *
+block_size + offset``. Which plane a row uses is decided entirely by the block table its work item
+carries, so this module knows nothing about depths or policies.
+
+Per step and call-site the runner builds one ``AttentionMetadata`` from plain lists; every layer
+then reuses it. Rows of the step are the items' tokens concatenated in item order. Internally the
+items are padded to ``[B, max_q]`` queries over ``[B, max_ctx]`` gathered keys; padding is
+excluded by a boolean mask, and padded query rows attend to a valid key so they never produce NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# (start, num_tokens, block_table): rows at positions start..start+num_tokens-1 whose context is
+# positions [0, start + num_tokens) under block_table.
+ItemSpec = tuple[int, int, Sequence[int]]
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Zeroed KV storage: [num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]."""
+    shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def copy_slots(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> torch.Tensor:
+    """Copy K and V of ``src_slots`` into ``dst_slots`` in every layer at once (in place).
+
+    src_slots, dst_slots: [M] int64 on kv's device. The sources are read before any write, so
+    overlapping lists are safe; a destination listed twice gets one of its sources.
+    """
+    kv.index_copy_(2, dst_slots, kv.index_select(2, src_slots))
+    return kv
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Index tensors of one step at one call-site, shared by all its layers.
+
+    Invariant: every slot in ``gather_slots`` is a valid slot (padding points at a real slot and
+    is masked), so gathering never goes out of bounds.
+    """
+
+    num_rows: int  # N
+    num_items: int  # B
+    max_q: int
+    max_ctx: int
+    block_size: int
+    positions: torch.Tensor  # [N] int64: position of each row
+    slot_mapping: torch.Tensor  # [N] int64: where each row's K/V is written
+    pad_index: torch.Tensor  # [N] int64: row -> item * max_q + q index (into [B * max_q])
+    gather_slots: torch.Tensor  # [B, max_ctx] int64: slot of each context position
+    mask: torch.Tensor  # [B, 1, max_q, max_ctx] bool: True = attend
+
+    @classmethod
+    def build(
+        cls, items: Sequence[ItemSpec], block_size: int, device: torch.device | str = "cpu"
+    ) -> AttentionMetadata:
+        if not items:
+            raise ValueError("attention metadata needs at least one item")
+        starts, lens, tables = [], [], []
+        for start, n, table in items:
+            if n < 1 or start < 0:
+                raise ValueError(f"item (start={start}, num_tokens={n}): need start >= 0, n >= 1")
+            if len(table) * block_size < start + n:
+                raise ValueError(
+                    f"block table of {len(table)} blocks cannot hold position {start + n - 1}"
+                )
+            starts.append(start)
+            lens.append(n)
+            tables.append(table)
+        max_q = max(lens)
+        max_ctx = max(s + n for s, n in zip(starts, lens))
+        num_cols = -(-max_ctx // block_size)
+        # Pad every table to num_cols blocks with a valid block id (its own first block).
+        padded = [list(t[:num_cols]) + [t[0]] * (num_cols - min(len(t), num_cols)) for t in tables]
+
+        num_items, num_rows = len(items), sum(lens)
+        table_t = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, num_cols]
+        start_t = torch.tensor(starts, dtype=torch.int64, device=device)  # [B]
+        len_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [B]
+
+        item_ids = torch.arange(num_items, device=device)
+        row_item = torch.repeat_interleave(item_ids, len_t, output_size=num_rows)  # [N]
+        first_row = torch.cumsum(len_t, 0) - len_t  # [B]
+        row_q = torch.arange(num_rows, device=device) - first_row[row_item]  # [N]
+        positions = start_t[row_item] + row_q  # [N]
+        slot_mapping = (
+            table_t[row_item, positions // block_size] * block_size + positions % block_size
+        )
+
+        key_pos = torch.arange(max_ctx, device=device)  # [max_ctx]
+        gather_slots = table_t[:, key_pos // block_size] * block_size + key_pos % block_size
+
+        # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal for
+        # real rows, and all of the item's context for padded rows (i >= len_b).
+        q_idx = torch.arange(max_q, device=device)  # [max_q]
+        last_key = torch.minimum(
+            start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
+        )  # [B, max_q]
+        mask = key_pos[None, None, :] <= last_key[:, :, None]  # [B, max_q, max_ctx]
+        return cls(
+            num_rows=num_rows,
+            num_items=num_items,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            block_size=block_size,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            pad_index=row_item * max_q + row_q,
+            gather_slots=gather_slots,
+            mask=mask[:, None],
+        )
+
+
+class PagedAttention:
+    """``AttentionFn`` over one KV tensor and one step's metadata.
+
+    ``layer`` indexes ``kv``'s first dimension. Each call first writes the rows' K/V at their
+    slots, then attends over the gathered context, so an item's rows see each other causally.
+    K/V are stored in ``kv.dtype``; attention runs in q's dtype.
+    """
+
+    def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
+        self.kv = kv  # [L, 2, num_slots, Hkv, hd]
+        self.md = metadata
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        md = self.md
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        if n != md.num_rows:
+            raise ValueError(f"{n} rows, metadata has {md.num_rows}")
+        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # [num_slots, Hkv, hd]
+        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+
+        b, max_q, max_ctx = md.num_items, md.max_q, md.max_ctx
+        keys = k_cache[md.gather_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, ctx, hd]
+        values = v_cache[md.gather_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, ctx, hd]
+        if num_kv_heads != num_heads:
+            rep = num_heads // num_kv_heads  # q head h reads kv head h // rep
+            keys = keys[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)
+            keys = keys.reshape(b, num_heads, max_ctx, head_dim)
+            values = values[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)
+            values = values.reshape(b, num_heads, max_ctx, head_dim)
+
+        q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
+        q_pad.index_copy_(0, md.pad_index, q)
+        q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # [B, Hq, max_q, hd]
+        out = F.scaled_dot_product_attention(
+            q_pad, keys, values, attn_mask=md.mask, scale=1.0 / math.sqrt(head_dim)
+        )  # [B, Hq, max_q, hd]
+        out = out.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
+        return out.index_select(0, md.pad_index)  # [N, Hq, hd]

@@ -1,0 +1,221 @@
+"""EngineCore (model + KV + scheduler + runner) and the asyncio loop that drives it.
+
+``EngineCore.step()`` is one synchronous plan -> execute -> apply round; ``run_engine_loop`` is
+the stage's asyncio loop: it takes commands from an inbox, submits each planned step to the
+runner as an ``ExecutionFuture`` (so the event loop stays free for IPC while the step computes)
+and hands every request update to ``emit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rltserve.config import EngineConfig
+from rltserve.core.kv_cache import KVManager, KVPolicy
+from rltserve.core.plan import StepPlan
+from rltserve.core.request import FinishReason, Request
+from rltserve.core.runner import ModelRunner
+from rltserve.core.scheduler import RequestUpdate, Scheduler
+from rltserve.models import load_model, read_config
+from rltserve.models.base import LoopedModel
+from rltserve.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Plain facts about a started engine, for front ends."""
+
+    model_path: str
+    family: str
+    num_loops: int
+    max_loops: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    kv_policy: str
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LoopedModel | None = None) -> None:
+        self.config = config
+        mc = config.model
+        if model is None:
+            if mc.model is None:
+                raise ValueError("model: a checkpoint directory is required")
+            model = load_model(mc.model, dtype=mc.dtype, device=mc.device)
+            read_config(mc.model)  # fail early on a bad directory even if load_model is lazy
+        self.model = model
+        spec = model.spec
+        self.spec = spec
+        self.policy = KVPolicy.parse(config.cache.kv_policy)
+        if self.policy.kind == "ring" and spec.family != "huginn_raven":
+            raise ValueError(f"kv_policy={config.cache.kv_policy!r}: ring:K is for Huginn only")
+        self.max_model_len = min(mc.max_model_len or spec.max_position, spec.max_position)
+        num_blocks = config.cache.num_blocks or self._auto_num_blocks()
+        self.kv = KVManager(
+            num_blocks, config.cache.block_size, self.policy, spec.num_boundary_layers > 0
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            has_gate=spec.has_gate,
+            has_boundary=spec.num_boundary_layers > 0,
+        )
+        self.runner = ModelRunner(
+            model, num_blocks=num_blocks, block_size=config.cache.block_size, device=mc.device
+        )
+        self._seed_rng = torch.Generator().manual_seed(mc.seed)
+        self.info = EngineInfo(
+            model_path=str(mc.model),
+            family=spec.family,
+            num_loops=spec.num_loops,
+            max_loops=spec.max_loops,
+            max_model_len=self.max_model_len,
+            vocab_size=spec.vocab_size,
+            eos_token_ids=tuple(spec.eos_token_ids),
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            kv_policy=config.cache.kv_policy,
+        )
+
+    def _auto_num_blocks(self) -> int:
+        spec, cache, sched = self.spec, self.config.cache, self.config.scheduler
+        layers = max(spec.num_core_layers, spec.num_boundary_layers)
+        itemsize = torch.empty((), dtype=_DTYPES[self.config.model.dtype]).element_size()
+        block_bytes = layers * 2 * cache.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        budget = int(cache.kv_cache_gb * 2**30 // block_bytes)
+        # Never more than every running request at full context could use.
+        planes = self.policy.num_planes(spec.max_loops) + (spec.num_boundary_layers > 0)
+        ceiling = sched.max_num_seqs * math.ceil(self.max_model_len / cache.block_size) * planes
+        return max(1, min(budget, ceiling))
+
+    # ---------------------------------------------------------------- requests
+
+    def make_request(
+        self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validates a request against the model and wraps it; raises ValueError."""
+        spec = self.spec
+        rid = request_id or uuid.uuid4().hex
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < spec.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
+            )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
+                f"context limit of {self.max_model_len} tokens"
+            )
+        if params.max_loops is not None and params.max_loops > spec.max_loops:
+            raise ValueError(
+                f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
+            )
+        if self.config.scheduler.exit_mode == "trace" and params.trace_depths is None:
+            raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
+        cap = params.max_loops or spec.num_loops
+        num_loops = max(spec.num_loops, cap) if spec.has_gate else cap
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        eos = frozenset(spec.eos_token_ids)
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            num_loops=num_loops,
+            max_loops=cap,
+            eos_token_ids=eos,
+            max_total_tokens=self.max_model_len,
+            seed=seed,
+        )
+
+    def add_request(
+        self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> str:
+        request = self.make_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def abort(self, request_id: str) -> RequestUpdate | None:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- stepping
+
+    def plan(self) -> StepPlan | None:
+        return self.scheduler.schedule()
+
+    def step(self) -> list[RequestUpdate]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        return self.scheduler.apply(plan, self.runner.execute(plan))
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+Emit = Callable[[list[RequestUpdate]], None]
+
+
+async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) -> None:
+    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params),
+    ("abort", rid). A rejected add is emitted as an ERROR update for that request id."""
+    while True:
+        if not core.has_work():
+            command = await inbox.get()
+            if _handle(core, command, emit):
+                return
+        while not inbox.empty():
+            if _handle(core, inbox.get_nowait(), emit):
+                return
+        plan = core.plan()
+        if plan is None:
+            if _handle(core, await inbox.get(), emit):
+                return
+            continue
+        result = await core.runner.submit(plan).wait()
+        updates = core.scheduler.apply(plan, result)
+        if updates:
+            emit(updates)
+
+
+def _handle(core: EngineCore, command: tuple, emit: Emit) -> bool:
+    kind = command[0]
+    if kind == "shutdown":
+        aborted = [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
+        if aborted:
+            emit(aborted)
+        return True
+    if kind == "add":
+        _, rid, prompt, params = command
+        try:
+            core.add_request(rid, prompt, params)
+        except ValueError as exc:
+            emit(
+                [
+                    RequestUpdate(
+                        rid, finish_reason=FinishReason.ERROR, error=str(exc), rejected=True
+                    )
+                ]
+            )
+    elif kind == "abort":
+        update = core.abort(command[1])
+        if update is not None:
+            emit([update])
+    return False

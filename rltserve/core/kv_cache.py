@@ -1,0 +1,300 @@
+"""Paged KV bookkeeping: a reference-counted block pool and per-(request, plane) block tables.
+
+Torch-free on purpose: the scheduler owns this state and only ever deals in block ids. The runner
+turns a block table into slots (``slot = table[pos // block_size] * block_size + pos %
+block_size``) and owns the KV tensors themselves.
+
+Planes (DESIGN.md §4): loop ``d`` of a request reads and writes core plane ``policy.plane(d)``.
+Models with prelude/coda attention (Huginn) also get one ``BOUNDARY`` plane per request. Every
+plane of a request covers the same positions, and all of a request's KV is reserved at admission,
+so a running request can never run out of blocks (early exit never frees planes either).
+
+Room left for later work, not built yet: blocks are reference counted and a request's tables are
+only ever released through ``BlockPool.free``, so prefix caching can share a full prompt block
+(every plane's copy of it, under one chained hash) by ``incref`` instead of allocating it, and
+preemption can drop a request with ``KVManager.free`` and re-admit it with ``allocate``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+BOUNDARY = -1  # plane index of the prelude/coda ("boundary") plane
+POLICY_KINDS = ("full", "last_exited", "shared", "ring")
+
+
+class NoFreeBlocks(RuntimeError):
+    """Not enough free blocks for an allocation; nothing was allocated."""
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"need {requested} KV blocks, {available} free")
+        self.requested = requested
+        self.available = available
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """How core planes map to depths, and what an early exit does to the deeper planes."""
+
+    kind: str = "last_exited"
+    ring_size: int = 0  # k of ``ring:k``; 0 for every other kind
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"kind={self.kind!r}: must be one of {POLICY_KINDS}")
+        if self.kind == "ring":
+            if not isinstance(self.ring_size, int) or self.ring_size < 1:
+                raise ValueError(f"ring_size={self.ring_size!r}: must be an int >= 1 for ring")
+        elif self.ring_size != 0:
+            raise ValueError(f"ring_size={self.ring_size!r}: only ring takes a size")
+
+    @classmethod
+    def parse(cls, text: str) -> KVPolicy:
+        """``"full" | "last_exited" | "shared" | "ring:K"`` -> policy."""
+        if text in ("full", "last_exited", "shared"):
+            return cls(text)
+        if text.startswith("ring:"):
+            size = text[len("ring:") :]
+            if size.isdigit() and int(size) >= 1:
+                return cls("ring", int(size))
+        raise ValueError(
+            f"kv policy {text!r}: expected 'full', 'last_exited', 'shared' or 'ring:K' (K >= 1)"
+        )
+
+    def __str__(self) -> str:
+        return f"ring:{self.ring_size}" if self.kind == "ring" else self.kind
+
+    def num_planes(self, num_loops: int) -> int:
+        """Core planes a request with ``num_loops`` loops needs."""
+        if num_loops < 1:
+            raise ValueError(f"num_loops={num_loops}: must be >= 1")
+        if self.kind == "shared":
+            return 1
+        if self.kind == "ring":
+            return min(self.ring_size, num_loops)
+        return num_loops
+
+    def plane(self, depth: int) -> int:
+        """Core plane that loop ``depth`` (1-based) reads and writes."""
+        if depth < 1:
+            raise ValueError(f"depth={depth}: must be >= 1")
+        if self.kind == "shared":
+            return 0
+        if self.kind == "ring":
+            return (depth - 1) % self.ring_size
+        return depth - 1
+
+    @property
+    def copies_on_exit(self) -> bool:
+        """An early-exited token's KV must be copied into the planes of the loops it skips."""
+        return self.kind == "last_exited"
+
+    @property
+    def per_depth(self) -> bool:
+        """Every depth has its own plane."""
+        return self.kind in ("full", "last_exited")
+
+
+class BlockPool:
+    """Fixed set of block ids with reference counts.
+
+    Invariant: a block is in the free list iff its count is 0. ``allocate`` hands out the lowest
+    free ids first, so allocation order is deterministic.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: must be >= 1")
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks))  # a heap (sorted, hence already a valid heap)
+
+    @property
+    def num_total(self) -> int:
+        return len(self._refs)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._refs) - len(self._free)
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with count 1; raises ``NoFreeBlocks`` (allocating none) if short."""
+        if n < 0:
+            raise ValueError(f"n={n}: must be >= 0")
+        if n > len(self._free):
+            raise NoFreeBlocks(n, len(self._free))
+        ids = [heapq.heappop(self._free) for _ in range(n)]
+        for b in ids:
+            self._refs[b] = 1
+        return ids
+
+    def incref(self, ids: list[int]) -> None:
+        """Add a reference to blocks that are already in use (sharing)."""
+        for b in ids:
+            if self._refs[b] == 0:
+                raise ValueError(f"block {b} is free; incref needs a block in use")
+        for b in ids:
+            self._refs[b] += 1
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference per id; a block returns to the free list at count 0.
+
+        Raises ``ValueError`` on a free block (double free) before changing anything, also
+        when the same id appears more often than its count allows.
+        """
+        drops: dict[int, int] = {}
+        for b in ids:
+            drops[b] = drops.get(b, 0) + 1
+        for b, n in drops.items():
+            if self._refs[b] < n:
+                raise ValueError(f"double free of block {b}")
+        for b, n in drops.items():
+            self._refs[b] -= n
+            if self._refs[b] == 0:
+                heapq.heappush(self._free, b)
+
+
+@dataclass
+class _RequestKV:
+    num_tokens: int  # positions every plane covers
+    num_loops: int
+    tables: dict[int, list[int]] = field(default_factory=dict)  # plane (or BOUNDARY) -> blocks
+
+
+def slot(table: list[int], position: int, block_size: int) -> int:
+    """Flat KV slot of ``position`` under ``table`` (the runner does this vectorized)."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+class KVManager:
+    """Block tables of every admitted request, one per (request, plane).
+
+    A request's whole KV (every plane, ``num_tokens`` positions) is reserved by ``allocate`` and
+    released by ``free``; nothing grows in between.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, policy: KVPolicy, has_boundary: bool):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1")
+        self.block_size = block_size
+        self.policy = policy
+        self.has_boundary = has_boundary
+        self.pool = BlockPool(num_blocks)
+        self._requests: dict[str, _RequestKV] = {}
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    def planes_of(self, num_loops: int) -> list[int]:
+        """Plane indices a request holds: core planes 0..P-1, then ``BOUNDARY`` if any."""
+        planes = list(range(self.policy.num_planes(num_loops)))
+        return planes + [BOUNDARY] if self.has_boundary else planes
+
+    def blocks_needed(self, num_tokens: int, num_loops: int) -> int:
+        per_plane = -(-num_tokens // self.block_size)
+        return per_plane * len(self.planes_of(num_loops))
+
+    def can_allocate(self, num_tokens: int, num_loops: int) -> bool:
+        return self.blocks_needed(num_tokens, num_loops) <= self.pool.num_free
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's blocks in use."""
+        return self.pool.num_used / self.pool.num_total
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def allocate(self, request_id: str, num_tokens: int, num_loops: int) -> None:
+        """Reserve every plane's table for positions ``[0, num_tokens)``.
+
+        All or nothing: raises ``NoFreeBlocks`` with nothing allocated when the pool is short, and
+        ``ValueError`` if the request already holds KV.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds KV blocks")
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens}: must be >= 1")
+        planes = self.planes_of(num_loops)
+        per_plane = -(-num_tokens // self.block_size)
+        ids = self.pool.allocate(per_plane * len(planes))
+        entry = _RequestKV(num_tokens, num_loops)
+        for i, plane in enumerate(planes):
+            entry.tables[plane] = ids[i * per_plane : (i + 1) * per_plane]
+        self._requests[request_id] = entry
+
+    def free(self, request_id: str) -> None:
+        """Release all of a request's blocks. An unknown id raises ``KeyError``: the scheduler
+        always knows whether it admitted a request, so a miss is a bookkeeping bug."""
+        entry = self._requests.pop(request_id)
+        for table in entry.tables.values():
+            self.pool.free(table)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def block_table(self, request_id: str, plane: int) -> list[int]:
+        """The table of one plane (``BOUNDARY`` for the boundary plane). Do not mutate it."""
+        tables = self._requests[request_id].tables
+        if plane not in tables:
+            raise KeyError(f"request {request_id!r} has no plane {plane}")
+        return tables[plane]
+
+    def table_for_depth(self, request_id: str, depth: int) -> list[int]:
+        """The table loop ``depth`` (1..num_loops of the request) reads and writes."""
+        entry = self._requests[request_id]
+        if not 1 <= depth <= entry.num_loops:
+            raise ValueError(f"depth={depth}: request {request_id!r} has {entry.num_loops} loops")
+        return entry.tables[self.policy.plane(depth)]
+
+    def boundary_table(self, request_id: str) -> list[int]:
+        if not self.has_boundary:
+            raise KeyError("this KV manager has no boundary plane")
+        return self._requests[request_id].tables[BOUNDARY]
+
+    def exit_copy_blocks(
+        self, request_id: str, position: int, depth: int, num_loops: int
+    ) -> list[int]:
+        """Blocks holding ``position`` in the planes of depths ``depth+1 .. num_loops``, in depth
+        order, for last_exited copy-on-exit; ``[]`` for every other policy."""
+        if not self.policy.copies_on_exit:
+            return []
+        entry = self._requests[request_id]
+        if not 0 <= position < entry.num_tokens:
+            raise ValueError(f"position={position}: request {request_id!r} has {entry.num_tokens}")
+        if num_loops > entry.num_loops:
+            raise ValueError(f"num_loops={num_loops}: request has {entry.num_loops} loops")
+        index = position // self.block_size
+        return [entry.tables[self.policy.plane(d)][index] for d in range(depth + 1, num_loops + 1)]
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_no_leaks(self) -> None:
+        """Raise ``AssertionError`` unless every block's count equals the number of tables that
+        hold it (so with no requests, every block is free)."""
+        expected = [0] * self.pool.num_total
+        for entry in self._requests.values():
+            for table in entry.tables.values():
+                for b in table:
+                    expected[b] += 1
+        actual = [self.pool.ref_count(b) for b in range(self.pool.num_total)]
+        if expected != actual:
+            bad = [b for b in range(len(actual)) if expected[b] != actual[b]]
+            raise AssertionError(f"KV block counts disagree with the tables at blocks {bad[:16]}")
+        if self.pool.num_free != actual.count(0):
+            raise AssertionError("free list disagrees with the reference counts")

@@ -1,0 +1,159 @@
+"""Batched token sampling with per-request seeded generators.
+
+Order of operations per row: penalties (repetition over prompt + output tokens, vLLM style;
+presence/frequency over output tokens, OpenAI style) -> greedy argmax, or temperature -> top-k ->
+top-p -> min-p -> exponential-race sampling. Filters run vectorized over the rows that sample,
+with per-row parameters as tensors, and are skipped when no row uses them.
+
+Reproducibility: a seeded request's row draws its ``Exp(1)`` noise ``[V]`` from its own generator
+and nothing else does, and every other operation is row-wise, so its tokens do not depend on the
+rest of the batch. Rows without a generator share one batched draw from the global RNG.
+
+Logprobs are ``log_softmax`` of the logits after penalties but before temperature and filters:
+they describe the model's (penalized) distribution, independent of the sampling knobs, so they
+are comparable across requests and meaningful for greedy rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rltserve.sampling import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """One logits row to sample. ``generator`` lives on the logits' device and is owned by the
+    runner (one per seeded request); ``penalty_tokens`` is (prompt ids, output ids)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    penalty_tokens: tuple[list[int], list[int]] | None = None
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # of the sampled token; None where not asked for
+    top_logprobs: list[list[tuple[int, float]] | None]  # descending by logprob
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class Sampler:
+    """Stateless; all per-request state (generators, token history) comes in the rows."""
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
+        """logits: [R, V] fp32, one row per ``rows`` entry. The input tensor is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
+        logits = logits.float()
+        device = logits.device
+        penalized = [
+            i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
+        ]
+        if penalized:
+            logits = logits.clone()
+            idx = torch.tensor(penalized, device=device)
+            logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
+
+        tokens = logits.argmax(dim=-1)  # [R]; the result of greedy rows
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=device)
+            tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
+
+        token_list = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(rows)
+        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if wanted:
+            idx = torch.tensor(wanted, device=device)
+            logp = torch.log_softmax(logits[idx], dim=-1)  # [W, V]
+            chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()  # [W]
+            n_top = max(rows[i].params.logprobs or 0 for i in wanted)
+            top_vals, top_ids = [[]] * len(wanted), [[]] * len(wanted)
+            if n_top:
+                vals, ids = logp.topk(n_top, dim=-1)  # [W, n_top], descending
+                top_vals, top_ids = vals.tolist(), ids.tolist()
+            for j, i in enumerate(wanted):
+                n = rows[i].params.logprobs or 0
+                logprobs[i] = chosen[j]
+                top[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
+        return SampleOutput(token_list, logprobs, top)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """[P, V] -> [P, V] with repetition, presence and frequency penalties applied."""
+    p, vocab = logits.shape
+    device = logits.device
+    seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
+    for j, row in enumerate(rows):
+        prompt, output = row.penalty_tokens or ([], [])
+        seen_ids += prompt
+        seen_ids += output
+        seen_rows += [j] * (len(prompt) + len(output))
+        out_ids += output
+        out_rows += [j] * len(output)
+    counts = torch.zeros(p, vocab, device=device)  # [P, V]: occurrences in the output
+    if out_ids:
+        flat = torch.tensor(out_rows, device=device) * vocab + torch.tensor(out_ids, device=device)
+        counts.view(-1).index_add_(0, flat, torch.ones(len(out_ids), device=device))
+    seen = torch.zeros(p, vocab, dtype=torch.bool, device=device)  # [P, V]: in prompt or output
+    if seen_ids:
+        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
+
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, repeated, logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """[S, V] penalized logits of non-greedy rows -> [S] sampled token ids."""
+    s, vocab = logits.shape
+    device = logits.device
+    params = [r.params for r in rows]
+    temp = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / temp
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    use_k = any(k < vocab for k in top_k)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if use_k or use_p:
+        # Stable sort: among equal logits the lower id ranks first, as in argmax.
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [S, V]
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if use_k:
+            ranks = torch.arange(vocab, device=device)[None, :]
+            drop |= ranks >= torch.tensor(top_k, device=device)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        if use_p:
+            probs = sorted_logits.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass ranked strictly above each token
+            top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+            drop |= before >= top_p
+            drop[:, 0] = False  # the most likely token always survives
+        drop = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+
+    probs = logits.softmax(dim=-1)  # [S, V]
+    noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
+    shared = [j for j, r in enumerate(rows) if r.generator is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
+    for j, row in enumerate(rows):
+        if row.generator is not None:
+            noise[j] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
+    # argmax(probs / q) with q ~ Exp(1) draws from probs; q is kept > 0 so 0/0 cannot occur.
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -1,0 +1,89 @@
+"""Drives an ``EngineCore`` synchronously in tests and compares it with the dense oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reference import Reference
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineCore
+from rltserve.sampling import SamplingParams
+
+
+@dataclass
+class Run:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    depths: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    steps: int = 0
+    max_rows: int = 0
+
+
+def make_core(path, **engine) -> EngineCore:
+    engine.setdefault("num_blocks", 512)
+    return EngineCore(EngineConfig.from_flat(model=str(path), **engine))
+
+
+def run_core(
+    core: EngineCore,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    *,
+    arrivals: list[int] | None = None,
+    aborts: dict[int, int] | None = None,
+    max_steps: int = 10_000,
+) -> Run:
+    """Runs requests to completion. ``arrivals[i]`` is the step at which request i is added;
+    ``aborts`` maps a request index to the step at which it is aborted."""
+    arrivals = arrivals or [0] * len(prompts)
+    aborts = aborts or {}
+    run = Run()
+    rids = [f"r{i}" for i in range(len(prompts))]
+    step = 0
+    added = set()
+    while True:
+        for i, at in enumerate(arrivals):
+            if at == step and i not in added:
+                core.add_request(rids[i], prompts[i], params[i])
+                run.tokens[rids[i]] = []
+                run.depths[rids[i]] = []
+                added.add(i)
+        for i, at in aborts.items():
+            if at == step:
+                update = core.abort(rids[i])
+                if update is not None:
+                    run.finish[rids[i]] = "abort"
+        plan = core.plan()
+        if plan is not None:
+            run.max_rows = max(run.max_rows, plan.num_tokens)
+            for u in core.scheduler.apply(plan, core.runner.execute(plan)):
+                run.tokens[u.request_id].extend(u.new_token_ids)
+                run.depths[u.request_id].extend(u.new_exit_depths)
+                if u.error:
+                    raise AssertionError(f"{u.request_id} failed: {u.error}")
+                if u.finish_reason is not None:
+                    run.finish[u.request_id] = u.finish_reason.value
+            run.steps += 1
+        step += 1
+        if len(added) == len(prompts) and not core.has_work():
+            break
+        assert step < max_steps, "engine did not finish"
+    # Release the last finished requests' runner state and check that no KV leaked.
+    core.kv.check_no_leaks()
+    return run
+
+
+def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
+    return ref.generate(
+        prompt,
+        p.max_tokens,
+        min_loops=p.min_loops,
+        max_loops=p.max_loops,
+        exit_threshold=p.exit_threshold,
+        trace_depths=list(p.trace_depths) if p.trace_depths else None,
+        init_state=p.init_state,
+        seed=p.seed,
+        stop_token_ids=tuple(p.stop_token_ids),
+        **kw,
+    )

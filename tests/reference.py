@@ -1,0 +1,654 @@
+"""Dense reference oracle for looped language models (DESIGN §9).
+
+Written from MODELS.md alone and sharing no code with the engine: it never imports ``rltserve``.
+One request at a time, no paging, no batching; every KV policy is expressed directly on dense
+per-depth K/V tensors. Engine tests compare token ids, exit depths and logits against it.
+
+Families (by ``config.json`` ``model_type``): ``"ouro"`` (sandwich norms, exit gate),
+``"nanbeige"`` (pre-norm llama block, no gate) and ``"huginn_raven"`` (prelude / recurrent core /
+coda, interleaved RoPE, boundary KV for prelude and coda layers).
+
+Semantics (what the engine must reproduce):
+
+* Depth of a request: ``D_r = max(D, cap)`` for Ouro, ``D_r = cap`` for gateless families, with
+  ``cap = max_loops or D``.
+* The prompt runs in one forward per depth over all prompt positions, always all ``D_r`` loops.
+  The first output token comes from the last prompt position's exit depth. Decode tokens run one
+  at a time; loop ``d`` of a token attends over the plane of depth ``d``.
+* KV policies: ``full`` (a plane per depth, exited decode tokens keep looping to ``D_r``),
+  ``last_exited`` (a plane per depth, an exited decode token's plane-``e`` K/V is copied into the
+  deeper planes), ``shared`` (one plane, overwritten every loop), ``ring:k`` (plane ``(d-1) % k``).
+  Under the last three a decode token stops at its exit depth.
+* Huginn coda: the coda input of a position is its state at its own exit depth (prompt positions
+  other than the last: depth ``D_r``); the coda K/V of every position lives in one boundary plane.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+EXIT_MODES = ("gate", "delayed", "trace")
+FAMILIES = ("ouro", "nanbeige", "huginn_raven")
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class RefOutput:
+    """Result of :meth:`Reference.generate`, one entry per output token.
+
+    ``exit_depths[k]`` is the 1-based loop whose state produced ``tokens[k]`` (entry 0 belongs to
+    the last prompt position). ``logits[k]`` is the fp32 ``[V]`` logit vector at that depth.
+    ``gate_logits[k]`` / ``cdfs[k]`` hold the fp32 gate logit and exit CDF after each loop of the
+    producing position up to its exit (empty lists for models without a gate).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    gate_logits: list[list[float]] = field(default_factory=list)
+    cdfs: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class RecomputeOutput:
+    """Result of :meth:`Reference.full_recompute` over ``T`` positions.
+
+    ``logits``: ``[T, V]`` fp32 at each position's exit depth. ``depth_logits``: ``[D_r, T, V]``
+    fp32 at every depth (None for Huginn, whose coda output depends on the exit depths).
+    ``gate_logits``: ``[D_r, T]`` fp32 (None without a gate).
+    """
+
+    logits: torch.Tensor
+    depth_logits: torch.Tensor | None
+    gate_logits: torch.Tensor | None
+
+
+# --------------------------------------------------------------------------- exit rule
+
+
+class ExitRule:
+    """Incremental exit decision for one position (DESIGN §5, MODELS §1.5).
+
+    Call :meth:`update` after loop ``t = 1, 2, ...`` with that loop's gate logit (None without a
+    gate); it returns True when the position exits at depth ``t``. The gate arithmetic is fp32
+    torch ops in HF's order: ``lam = sigmoid(g)``, ``p = lam * S``, ``S = S * (1 - lam)``,
+    ``CDF = CDF + p`` (a sequential cumsum), and ``CDF >= q`` compares against ``q`` rounded to
+    fp32, as a tensor/scalar comparison does.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        cap: int,
+        *,
+        min_loops: int = 1,
+        exit_threshold: float = 1.0,
+        trace_depth: int | None = None,
+    ) -> None:
+        if mode not in EXIT_MODES:
+            raise ValueError(f"unknown exit_mode {mode!r}")
+        if cap < 1:
+            raise ValueError("cap must be >= 1")
+        if mode == "trace" and trace_depth is None:
+            raise ValueError("trace mode needs a trace depth")
+        self.mode = mode
+        self.cap = cap
+        self.min_loops = min_loops
+        self.exit_threshold = exit_threshold
+        self.target = min(max(int(trace_depth), 1), cap) if trace_depth is not None else cap
+        self.survival = torch.ones((), dtype=torch.float32)
+        self.cdf = torch.zeros((), dtype=torch.float32)
+        self.pending = False
+        self.gate_logits: list[float] = []
+        self.cdfs: list[float] = []
+
+    def update(self, t: int, gate_logit: torch.Tensor | float | None) -> bool:
+        hit = False
+        if gate_logit is not None:
+            g = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
+            lam = torch.sigmoid(g)
+            p = lam * self.survival
+            self.survival = self.survival * (1.0 - lam)
+            self.cdf = self.cdf + p
+            self.gate_logits.append(float(g))
+            self.cdfs.append(float(self.cdf))
+            hit = (
+                self.exit_threshold < 1.0
+                and t >= self.min_loops
+                and bool(self.cdf >= self.exit_threshold)
+            )
+        if t >= self.cap:
+            return True
+        if self.mode == "trace":
+            return t >= self.target
+        if self.mode == "gate":
+            return hit
+        if self.pending:  # delayed: the decision of loop t-1 takes effect now
+            return True
+        self.pending = hit
+        return False
+
+
+def exit_depth_from_gates(
+    gate_logits: list[float] | torch.Tensor | None,
+    *,
+    cap: int,
+    exit_mode: str = "gate",
+    min_loops: int = 1,
+    exit_threshold: float = 1.0,
+    trace_depth: int | None = None,
+) -> int:
+    """Exit depth (1-based) of one position given its gate logits after loops 1..n (n >= cap, or
+    enough to decide). ``gate_logits=None`` means a model without a gate."""
+    rule = ExitRule(
+        exit_mode, cap, min_loops=min_loops, exit_threshold=exit_threshold, trace_depth=trace_depth
+    )
+    for t in range(1, cap + 1):
+        g = None if gate_logits is None else gate_logits[t - 1]
+        if rule.update(t, g):
+            return t
+    raise AssertionError("unreachable: the cap always forces an exit")
+
+
+def parse_kv_policy(policy: str, depth: int) -> tuple[str, int]:
+    """-> (kind, number of planes) for a request of depth ``depth``."""
+    if policy in ("full", "last_exited"):
+        return policy, depth
+    if policy == "shared":
+        return policy, 1
+    if policy.startswith("ring:"):
+        try:
+            k = int(policy[5:])
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise ValueError(f"bad ring size in {policy!r}")
+        return "ring", k
+    raise ValueError(f"unknown kv_policy {policy!r}")
+
+
+def plane_of(kind: str, planes: int, d: int) -> int:
+    if kind in ("full", "last_exited"):
+        return d - 1
+    if kind == "shared":
+        return 0
+    return (d - 1) % planes
+
+
+# --------------------------------------------------------------------------- math helpers
+
+
+def noise_seed(seed: int, position: int) -> int:
+    return (seed * 1_000_003 + position) % (2**63)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """NeoX / rotate_half RoPE over the full head dim. x: [T, H, hd]."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype)[:, None, :]
+    sin = emb.sin().to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Interleaved (complex-pair) RoPE in fp32, cast back. x: [T, H, hd]."""
+    hd = x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = positions.float()[:, None] * inv[None, :]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    xr = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xr[..., 0], xr[..., 1]
+    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float
+) -> torch.Tensor:
+    """q: [T, H, hd] at positions q_start..q_start+T-1; k, v: [S, KVH, hd] at positions 0..S-1.
+    Causal (key position <= query position), softmax in fp32. Returns [T, H, hd]."""
+    t, h, _ = q.shape
+    rep = h // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [H, T, S]
+    qpos = torch.arange(t)[:, None] + q_start
+    kpos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1)
+
+
+class DenseKV:
+    """Dense K/V of one request: [planes, layers, max_len, kv_heads, head_dim]."""
+
+    def __init__(self, planes: int, layers: int, max_len: int, kvh: int, hd: int, dtype) -> None:
+        self.k = torch.zeros(planes, layers, max_len, kvh, hd, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def attn_fn(self, plane: int, start: int, scale: float) -> AttnFn:
+        def fn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            end = start + q.shape[0]
+            self.k[plane, layer, start:end] = k
+            self.v[plane, layer, start:end] = v
+            return causal_attention(
+                q, self.k[plane, layer, :end], self.v[plane, layer, :end], start, scale
+            )
+
+        return fn
+
+    def copy_position(self, src_plane: int, dst_planes: range, position: int) -> None:
+        for p in dst_planes:
+            self.k[p, :, position] = self.k[src_plane, :, position]
+            self.v[p, :, position] = self.v[src_plane, :, position]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    index = path / "model.safetensors.index.json"
+    tensors: dict[str, torch.Tensor] = {}
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(load_file(str(path / shard)))
+    else:
+        tensors = load_file(str(path / "model.safetensors"))
+    return cfg, tensors
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+class Reference:
+    """Dense oracle over one checkpoint. Build with :meth:`load`."""
+
+    def __init__(self, cfg: dict, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> None:
+        family = cfg.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported model_type {family!r}")
+        self.cfg = cfg
+        self.family = family
+        self.dtype = dtype
+        self.w = {
+            k: v.to(dtype)
+            for k, v in tensors.items()
+            if k != "freqs_cis" and not k.endswith("rotary_emb.inv_freq")
+        }
+        if family == "huginn_raven":
+            self._init_huginn(cfg)
+        else:
+            self._init_llama(cfg)
+        if "lm_head.weight" not in self.w:  # tied embeddings
+            self.w["lm_head.weight"] = self.w[self.embed_name]
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    @classmethod
+    def load(cls, path: str | Path, dtype=torch.float32) -> Reference:
+        cfg, tensors = load_checkpoint(path)
+        return cls(cfg, tensors, dtype)
+
+    def _init_llama(self, cfg: dict) -> None:
+        self.has_gate = self.family == "ouro"
+        self.sandwich = self.family == "ouro"
+        self.num_loops = int(cfg["total_ut_steps"] if self.has_gate else cfg["num_loops"])
+        self.hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = (
+            cfg.get("head_dim") or cfg.get("kv_channels") or self.hidden // self.num_heads
+        )
+        self.num_core_layers = cfg["num_hidden_layers"]
+        self.num_boundary_layers = 0
+        self.eps = cfg["rms_norm_eps"]
+        self.theta = float(cfg["rope_theta"])
+        self.skip_loop_norm = bool(cfg.get("skip_loop_final_norm", False))
+        self.embed_name = "model.embed_tokens.weight"
+
+    def _init_huginn(self, cfg: dict) -> None:
+        self.has_gate = False
+        self.num_loops = int(cfg["mean_recurrence"])
+        self.hidden = cfg["n_embd"]
+        self.num_heads = cfg["n_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or self.hidden // self.num_heads
+        self.n_prelude = cfg["n_layers_in_prelude"]
+        self.n_coda = cfg["n_layers_in_coda"]
+        self.num_core_layers = cfg["n_layers_in_recurrent_block"]
+        self.num_boundary_layers = self.n_prelude + self.n_coda
+        self.eps = cfg["norm_eps"]
+        self.rope_base = float(cfg["rope_base"])
+        self.embed_scale = float(cfg["init_values"]["embed_scale"])
+        self.init_std = float(cfg["init_values"]["std"])
+        self.embed_name = "transformer.wte.weight"
+
+    # ------------------------------------------------------------------ llama-style layers
+
+    def _llama_layer(self, h: torch.Tensor, i: int, positions: torch.Tensor, attn: AttnFn):
+        w, p, eps = self.w, f"model.layers.{i}.", self.eps
+        t = h.shape[0]
+        x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
+        q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(t, self.num_heads, self.head_dim)
+        k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(t, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(t, self.num_kv_heads, self.head_dim)
+        q = rope_half(q, positions, self.theta)
+        k = rope_half(k, positions, self.theta)
+        a = attn(i, q, k, v).reshape(t, self.num_heads * self.head_dim)
+        a = F.linear(a, w[p + "self_attn.o_proj.weight"])
+        if self.sandwich:
+            a = rms_norm(a, w[p + "input_layernorm_2.weight"], eps)
+        h = h + a
+        x = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+        m = F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(
+            x, w[p + "mlp.up_proj.weight"]
+        )
+        m = F.linear(m, w[p + "mlp.down_proj.weight"])
+        if self.sandwich:
+            m = rms_norm(m, w[p + "post_attention_layernorm_2.weight"], eps)
+        return h + m
+
+    # ------------------------------------------------------------------ huginn layers
+
+    def _huginn_block(self, x: torch.Tensor, name: str, positions: torch.Tensor, attn: AttnFn, i):
+        w, p, eps = self.w, f"transformer.{name}.", self.eps
+        t, e = x.shape
+        y = rms_norm(x, w[p + "norm_1.weight"], eps)
+        qkv = F.linear(y, w[p + "attn.Wqkv.weight"]).view(t, 3 * self.num_heads, self.head_dim)
+        q, k, v = qkv.chunk(3, dim=1)
+        bias = w[p + "attn.qk_bias"]
+        q = rope_interleaved(q + bias[0, 0], positions, self.rope_base)
+        k = rope_interleaved(k + bias[1, 0], positions, self.rope_base)
+        a = F.linear(attn(i, q, k, v.contiguous()).reshape(t, e), w[p + "attn.proj.weight"])
+        x = rms_norm(a + x, w[p + "norm_2.weight"], eps)
+        y = rms_norm(x, w[p + "norm_3.weight"], eps)
+        gate, up = F.linear(y, w[p + "mlp.fc.weight"]).chunk(2, dim=-1)
+        m = F.linear(F.silu(gate) * up, w[p + "mlp.proj.weight"])
+        return rms_norm(m + x, w[p + "norm_4.weight"], eps)
+
+    # ------------------------------------------------------------------ pieces of a forward
+
+    def _prelude(self, ids: list[int], start: int, bkv: DenseKV | None) -> torch.Tensor:
+        positions = torch.arange(start, start + len(ids))
+        x = self.w[self.embed_name][torch.tensor(ids, dtype=torch.long)]
+        if self.family != "huginn_raven":
+            return x
+        x = x * self.embed_scale
+        attn = bkv.attn_fn(0, start, self.scale)
+        for i in range(self.n_prelude):
+            x = self._huginn_block(x, f"prelude.{i}", positions, attn, i)
+        return x
+
+    def _initial_state(
+        self, e: torch.Tensor, start: int, init_state: str, seed: int | None
+    ) -> torch.Tensor:
+        if self.family != "huginn_raven":
+            return e
+        if init_state == "zero":
+            return torch.zeros_like(e)
+        rows = []
+        sd = self.init_std
+        for p in range(start, start + e.shape[0]):
+            g = torch.Generator().manual_seed(noise_seed(seed, p))
+            r = torch.nn.init.trunc_normal_(
+                torch.empty(self.hidden, dtype=torch.float32),
+                mean=0.0,
+                std=sd,
+                a=-3 * sd,
+                b=3 * sd,
+                generator=g,
+            )
+            rows.append(r * self.embed_scale)
+        return torch.stack(rows).to(e.dtype)
+
+    def _loop(self, s: torch.Tensor, e: torch.Tensor, start: int, attn: AttnFn) -> torch.Tensor:
+        positions = torch.arange(start, start + s.shape[0])
+        if self.family == "huginn_raven":
+            s = F.linear(torch.cat((s, e), dim=-1), self.w["transformer.adapter.weight"])
+            for i in range(self.num_core_layers):
+                s = self._huginn_block(s, f"core_block.{i}", positions, attn, i)
+            return s
+        for i in range(self.num_core_layers):
+            s = self._llama_layer(s, i, positions, attn)
+        if not self.skip_loop_norm:
+            s = rms_norm(s, self.w["model.norm.weight"], self.eps)
+        return s
+
+    def _gate(self, s: torch.Tensor) -> torch.Tensor | None:
+        """fp32 gate logits [T] of post-loop states, or None."""
+        if not self.has_gate:
+            return None
+        w = self.w["model.early_exit_gate.weight"].float()
+        b = self.w["model.early_exit_gate.bias"].float()
+        return F.linear(s.float(), w, b)[:, 0]
+
+    def _coda(self, s: torch.Tensor, start: int, bkv: DenseKV | None) -> torch.Tensor:
+        """States [T, S] at positions start.. -> fp32 logits [T, V]."""
+        if self.family == "huginn_raven":
+            positions = torch.arange(start, start + s.shape[0])
+            attn = bkv.attn_fn(0, start, self.scale)
+            x = rms_norm(s, self.w["transformer.ln_f.weight"], self.eps)
+            for i in range(self.n_coda):
+                x = self._huginn_block(x, f"coda.{i}", positions, attn, self.n_prelude + i)
+            s = rms_norm(x, self.w["transformer.ln_f.weight"], self.eps)
+        elif self.skip_loop_norm:
+            s = rms_norm(s, self.w["model.norm.weight"], self.eps)
+        return F.linear(s, self.w["lm_head.weight"]).float()
+
+    # ------------------------------------------------------------------ public API
+
+    def depths(self, max_loops: int | None) -> tuple[int, int]:
+        """-> (cap, D_r) for a request's max_loops."""
+        cap = self.num_loops if max_loops is None else max_loops
+        if cap < 1:
+            raise ValueError("max_loops must be >= 1")
+        depth = max(self.num_loops, cap) if self.has_gate else cap
+        return cap, depth
+
+    def _new_caches(self, planes: int, max_len: int) -> tuple[DenseKV, DenseKV | None]:
+        kv = DenseKV(
+            planes, self.num_core_layers, max_len, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        bkv = None
+        if self.num_boundary_layers:
+            bkv = DenseKV(
+                1, self.num_boundary_layers, max_len, self.num_kv_heads, self.head_dim, self.dtype
+            )
+        return kv, bkv
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        kv_policy: str = "full",
+        exit_mode: str = "gate",
+        min_loops: int = 1,
+        max_loops: int | None = None,
+        exit_threshold: float = 1.0,
+        trace_depths: list[int] | None = None,
+        init_state: str = "zero",
+        seed: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> RefOutput:
+        """Greedy generation of one request; see the module docstring for the semantics."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if exit_mode not in EXIT_MODES:
+            raise ValueError(f"unknown exit_mode {exit_mode!r}")
+        if min_loops < 1:
+            raise ValueError("min_loops must be >= 1")
+        if init_state not in ("zero", "random"):
+            raise ValueError(f"unknown init_state {init_state!r}")
+        if init_state == "random" and self.family == "huginn_raven" and seed is None:
+            raise ValueError("init_state='random' needs a seed")
+        cap, depth = self.depths(max_loops)
+        kind, planes = parse_kv_policy(kv_policy, depth)
+        out = RefOutput()
+        if max_tokens <= 0:
+            return out
+
+        def rule_for(k: int) -> ExitRule:
+            trace = None
+            if exit_mode == "trace":
+                if trace_depths is None or k >= len(trace_depths):
+                    raise ValueError(f"trace_depths has no entry for output token {k}")
+                trace = trace_depths[k]
+            return ExitRule(
+                exit_mode,
+                cap,
+                min_loops=min_loops,
+                exit_threshold=exit_threshold,
+                trace_depth=trace,
+            )
+
+        def emit(rule: ExitRule, exit_d: int, logits: torch.Tensor) -> bool:
+            tok = int(torch.argmax(logits))
+            out.tokens.append(tok)
+            out.exit_depths.append(exit_d)
+            out.logits.append(logits)
+            out.gate_logits.append(rule.gate_logits)
+            out.cdfs.append(rule.cdfs)
+            return tok in stop_token_ids or len(out.tokens) >= max_tokens
+
+        n = len(prompt)
+        kv, bkv = self._new_caches(planes, n + max_tokens)
+
+        # Prompt: one forward per depth over all positions, always all D_r loops.
+        e = self._prelude(list(prompt), 0, bkv)
+        s = self._initial_state(e, 0, init_state, seed)
+        rule = rule_for(0)
+        exit_d, exit_state = None, None
+        for d in range(1, depth + 1):
+            s = self._loop(s, e, 0, kv.attn_fn(plane_of(kind, planes, d), 0, self.scale))
+            g = self._gate(s[-1:])
+            if exit_d is None and rule.update(d, None if g is None else g[0]):
+                exit_d, exit_state = d, s[-1:].clone()
+        coda_in = torch.cat((s[:-1], exit_state)) if self.family == "huginn_raven" else exit_state
+        logits = self._coda(coda_in, 0, bkv)[-1]
+        if emit(rule, exit_d, logits):
+            return out
+
+        # Decode: one token at a time.
+        while True:
+            k = len(out.tokens)
+            pos = n + k - 1
+            e = self._prelude([out.tokens[-1]], pos, bkv)
+            s = self._initial_state(e, pos, init_state, seed)
+            rule = rule_for(k)
+            exit_d, exit_state = None, None
+            for d in range(1, depth + 1):
+                s = self._loop(s, e, pos, kv.attn_fn(plane_of(kind, planes, d), pos, self.scale))
+                if exit_d is None:
+                    g = self._gate(s)
+                    if rule.update(d, None if g is None else g[0]):
+                        exit_d, exit_state = d, s
+                        if kind != "full":
+                            break
+            if kind == "last_exited" and exit_d < depth:
+                kv.copy_position(exit_d - 1, range(exit_d, depth), pos)
+            if emit(rule, exit_d, self._coda(exit_state, pos, bkv)[0]):
+                return out
+
+    @torch.no_grad()
+    def full_recompute(
+        self,
+        tokens: list[int],
+        exit_depths: list[int] | None = None,
+        *,
+        prompt_len: int | None = None,
+        kv_policy: str = "full",
+        max_loops: int | None = None,
+        init_state: str = "zero",
+        seed: int | None = None,
+    ) -> RecomputeOutput:
+        """One dense forward per depth over the whole sequence (every position at all D_r loops,
+        causal attention over plane d).
+
+        ``exit_depths[p]``: the exit depth of position p (default: the cap); it selects the output
+        logits and, for Huginn, the coda input. ``kv_policy="last_exited"`` replaces, at every
+        depth d > e_p, the K/V of each decode position p (``p >= prompt_len``) by its depth-e_p
+        K/V, which is the last_exited policy written as a whole-sequence computation.
+        """
+        cap, depth = self.depths(max_loops)
+        t = len(tokens)
+        if exit_depths is None:
+            exit_depths = [cap] * t
+        if len(exit_depths) != t:
+            raise ValueError("exit_depths must have one entry per position")
+        if kv_policy not in ("full", "last_exited"):
+            raise ValueError("full_recompute supports kv_policy 'full' and 'last_exited'")
+        if prompt_len is None:
+            prompt_len = t
+        ex = torch.tensor(exit_depths, dtype=torch.long)
+        kv_depth = ex.clone()
+        kv_depth[:prompt_len] = depth
+        if kv_policy == "full":
+            kv_depth[:] = depth
+
+        _, bkv = self._new_caches(1, t)
+        saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # [depth][layer] -> (k, v)
+
+        def make_attn(d: int) -> AttnFn:
+            saved.append([])
+
+            def fn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                stale = kv_depth < d
+                if bool(stale.any()):
+                    src = kv_depth.clamp(max=d - 1) - 1
+                    idx = torch.arange(t)
+                    ks = torch.stack([saved[j][layer][0] for j in range(d - 1)])[src, idx]
+                    vs = torch.stack([saved[j][layer][1] for j in range(d - 1)])[src, idx]
+                    k = torch.where(stale[:, None, None], ks, k)
+                    v = torch.where(stale[:, None, None], vs, v)
+                saved[d - 1].append((k, v))
+                return causal_attention(q, k, v, 0, self.scale)
+
+            return fn
+
+        e = self._prelude(list(tokens), 0, bkv)
+        s = self._initial_state(e, 0, init_state, seed)
+        states, gates = [], []
+        for d in range(1, depth + 1):
+            s = self._loop(s, e, 0, make_attn(d))
+            states.append(s)
+            g = self._gate(s)
+            if g is not None:
+                gates.append(g)
+        stacked = torch.stack(states)  # [D_r, T, S]
+        exit_states = stacked[ex - 1, torch.arange(t)]
+        gate_logits = torch.stack(gates) if gates else None
+        if self.family == "huginn_raven":
+            return RecomputeOutput(self._coda(exit_states, 0, bkv), None, gate_logits)
+        depth_logits = torch.stack([self._coda(x, 0, None) for x in states])
+        return RecomputeOutput(depth_logits[ex - 1, torch.arange(t)], depth_logits, gate_logits)

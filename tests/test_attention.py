@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+
+from rltserve.core.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    allocate_kv_cache,
+    copy_slots,
+)
+
+BS = 4
+NUM_BLOCKS = 32
+HD = 8
+
+
+def dense_reference(q, k_ctx, v_ctx, start):
+    """Explicit softmax attention of rows at positions start.. over keys 0..pos (fp64).
+
+    q: [n, Hq, hd]; k_ctx, v_ctx: [ctx, Hkv, hd] -> [n, Hq, hd]
+    """
+    q, k_ctx, v_ctx = q.double(), k_ctx.double(), v_ctx.double()
+    rep = q.shape[1] // k_ctx.shape[1]
+    k = k_ctx.repeat_interleave(rep, dim=1)  # [ctx, Hq, hd]
+    v = v_ctx.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])  # [Hq, n, ctx]
+    pos = torch.arange(start, start + q.shape[0])
+    allowed = torch.arange(k.shape[0])[None, :] <= pos[:, None]  # [n, ctx]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def write_prior(kv, layer, table, k_ctx, v_ctx, upto):
+    """Place K/V of positions [0, upto) of one item straight into the cache."""
+    for p in range(upto):
+        s = table[p // BS] * BS + p % BS
+        kv[layer, 0, s] = k_ctx[p]
+        kv[layer, 1, s] = v_ctx[p]
+
+
+def make_items(gen):
+    # (start, num_tokens): decode rows (q_len 1) and prefill chunks with and without context.
+    shapes = [(0, 5), (6, 1), (9, 3), (0, 1), (3, 1), (13, 6)]
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    items, used = [], 0
+    for start, n in shapes:
+        nblocks = -(-(start + n) // BS) + 1  # tables may be longer than the context
+        items.append((start, n, perm[used : used + nblocks]))
+        used += nblocks
+    return items
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)])
+def test_matches_dense_reference_fp32(heads):
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(0)
+    items = make_items(gen)
+    num_layers = 3
+    kv = allocate_kv_cache(num_layers, NUM_BLOCKS, BS, hkv, HD, torch.float32, "cpu")
+    md = AttentionMetadata.build(items, BS, "cpu")
+    attn = PagedAttention(kv, md)
+    assert md.num_rows == sum(n for _, n, _ in items)
+    assert md.positions.tolist() == [p for s, n, _ in items for p in range(s, s + n)]
+
+    for layer in range(num_layers):
+        ctxs = []
+        for start, n, table in items:
+            k_ctx = torch.randn(start + n, hkv, HD, generator=gen)
+            v_ctx = torch.randn(start + n, hkv, HD, generator=gen)
+            write_prior(kv, layer, table, k_ctx, v_ctx, start)
+            ctxs.append((k_ctx, v_ctx))
+        q = torch.randn(md.num_rows, hq, HD, generator=gen)
+        k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
+        v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
+        out = attn(layer, q, k, v)
+        assert out.shape == (md.num_rows, hq, HD) and out.dtype == torch.float32
+        row = 0
+        for (start, n, _), (k_ctx, v_ctx) in zip(items, ctxs):
+            want = dense_reference(q[row : row + n], k_ctx, v_ctx, start)
+            torch.testing.assert_close(out[row : row + n].double(), want, atol=2e-6, rtol=1e-6)
+            row += n
+        # this layer's K/V landed at the item slots; earlier layers untouched
+        assert torch.equal(kv[layer, 0, md.slot_mapping], k)
+        assert torch.equal(kv[layer, 1, md.slot_mapping], v)
+
+
+def test_prefill_then_decode_through_cache():
+    """K/V written by earlier steps (chunked prefill, then decode) are what later steps read."""
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, total = 4, 2, 11
+    table = [9, 3, 17]
+    kv = allocate_kv_cache(1, NUM_BLOCKS, BS, hkv, HD, torch.float32, "cpu")
+    q_all = torch.randn(total, hq, HD, generator=gen)
+    k_all = torch.randn(total, hkv, HD, generator=gen)
+    v_all = torch.randn(total, hkv, HD, generator=gen)
+    outs = []
+    for start, n in [(0, 3), (3, 5), (8, 1), (9, 1), (10, 1)]:
+        attn = PagedAttention(kv, AttentionMetadata.build([(start, n, table)], BS))
+        sl = slice(start, start + n)
+        outs.append(attn(0, q_all[sl], k_all[sl], v_all[sl]))
+    want = dense_reference(q_all, k_all, v_all, 0)
+    torch.testing.assert_close(torch.cat(outs).double(), want, atol=2e-6, rtol=1e-6)
+
+
+def test_bf16_sanity():
+    gen = torch.Generator().manual_seed(2)
+    items = make_items(gen)
+    hq, hkv = 4, 2
+    kv = allocate_kv_cache(1, NUM_BLOCKS, BS, hkv, HD, torch.bfloat16, "cpu")
+    md = AttentionMetadata.build(items, BS)
+    ctxs = []
+    for start, n, table in items:
+        k_ctx = torch.randn(start + n, hkv, HD, generator=gen).bfloat16()
+        v_ctx = torch.randn(start + n, hkv, HD, generator=gen).bfloat16()
+        write_prior(kv, 0, table, k_ctx, v_ctx, start)
+        ctxs.append((k_ctx, v_ctx))
+    q = torch.randn(md.num_rows, hq, HD, generator=gen).bfloat16()
+    k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
+    v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
+    out = PagedAttention(kv, md)(0, q, k, v)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    row = 0
+    for (start, n, _), (k_ctx, v_ctx) in zip(items, ctxs):
+        want = dense_reference(q[row : row + n], k_ctx, v_ctx, start)
+        torch.testing.assert_close(out[row : row + n].double(), want, atol=3e-2, rtol=3e-2)
+        row += n
+
+
+def test_metadata_layout():
+    md = AttentionMetadata.build([(2, 2, [5]), (0, 1, [1, 2])], block_size=4)
+    assert (md.num_items, md.num_rows, md.max_q, md.max_ctx) == (2, 3, 2, 4)
+    assert md.slot_mapping.tolist() == [22, 23, 4]
+    assert md.pad_index.tolist() == [0, 1, 2]
+    assert md.gather_slots.tolist() == [[20, 21, 22, 23], [4, 5, 6, 7]]
+    assert md.mask.shape == (2, 1, 2, 4)
+    assert md.mask[0, 0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    # item 1's padded query row sees the item's whole context (no all-False rows)
+    assert md.mask[1, 0].tolist() == [[True, False, False, False], [True, False, False, False]]
+
+
+def test_metadata_errors():
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([], 4)
+    with pytest.raises(ValueError, match="block table"):
+        AttentionMetadata.build([(3, 2, [0])], 4)
+    with pytest.raises(ValueError):
+        AttentionMetadata.build([(0, 0, [0])], 4)
+    md = AttentionMetadata.build([(0, 2, [0])], 4)
+    kv = allocate_kv_cache(1, 2, 4, 1, HD, torch.float32, "cpu")
+    x = torch.zeros(3, 1, HD)
+    with pytest.raises(ValueError, match="rows"):
+        PagedAttention(kv, md)(0, x, x, x)
+
+
+def test_copy_slots_all_layers():
+    kv = torch.randn(3, 2, 16, 2, HD)
+    before = kv.clone()
+    src = torch.tensor([1, 5, 9])
+    dst = torch.tensor([12, 13, 5])  # dst overlaps a src: sources are read first
+    copy_slots(kv, src, dst)
+    torch.testing.assert_close(kv[:, :, dst], before[:, :, src], rtol=0, atol=0)
+    untouched = [s for s in range(16) if s not in (12, 13, 5)]
+    assert torch.equal(kv[:, :, untouched], before[:, :, untouched])

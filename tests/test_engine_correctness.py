@@ -1,0 +1,189 @@
+"""The engine reproduces the Hugging Face vectors and the dense oracle (float32, tiny models)
+in every scheduling configuration, with zero leaked KV blocks after every run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_util import make_core, oracle_run, run_core
+from recipe import build_huginn_rv1, build_ouro_rv1, load_vectors
+from reference import Reference
+
+from rltserve.sampling import SamplingParams
+
+VECTORS = load_vectors()
+PROMPTS = VECTORS["prompts"]
+
+OURO_CASES = {
+    "ouro_full_depth": ({}, {}),
+    "ouro_threshold_0.5": ({"exit_threshold": 0.5}, {"kv_policy": "full"}),
+    "ouro_threshold_0.3": ({"exit_threshold": 0.3}, {"kv_policy": "full"}),
+    "ouro_exit_at_depth_2": ({"max_loops": 2}, {"kv_policy": "full"}),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return {"ouro": build_ouro_rv1(root / "ouro"), "huginn": build_huginn_rv1(root / "huginn")}
+
+
+@pytest.fixture(scope="module")
+def ouro_ref(ckpts) -> Reference:
+    return Reference.load(ckpts["ouro"])
+
+
+@pytest.fixture(scope="module")
+def huginn_ref(ckpts) -> Reference:
+    return Reference.load(ckpts["huginn"])
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(OURO_CASES))
+def test_hf_vectors_ouro_batched(ckpts, case):
+    params_kw, engine_kw = OURO_CASES[case]
+    core = make_core(ckpts["ouro"], **engine_kw)
+    expected = VECTORS["cases"][case]
+    run = run_core(core, PROMPTS, [greedy(16, **params_kw)] * len(PROMPTS))
+    for i in range(len(PROMPTS)):
+        assert run.tokens[f"r{i}"] == expected["tokens"][i], f"prompt {i}"
+        assert run.depths[f"r{i}"] == expected["exit_depths"][i], f"prompt {i}"
+
+
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+def test_hf_vectors_huginn_batched(ckpts, kv_policy):
+    core = make_core(ckpts["huginn"], kv_policy=kv_policy)
+    expected = VECTORS["cases"]["huginn_4_loops_zero_state"]
+    params = greedy(12, max_loops=4, init_state="zero")
+    run = run_core(core, PROMPTS, [params] * len(PROMPTS))
+    for i in range(len(PROMPTS)):
+        assert run.tokens[f"r{i}"] == expected["tokens"][i], f"prompt {i}"
+        assert run.depths[f"r{i}"] == [4] * 12
+
+
+def _mixed_workload(n: int, seed: int, thresholds=(1.0, 0.3, 0.5, 0.7)):
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append([rng.randrange(384) for _ in range(rng.randint(1, 40))])
+        params.append(
+            greedy(
+                rng.randint(1, 12),
+                exit_threshold=thresholds[i % len(thresholds)],
+                min_loops=rng.choice([1, 1, 2]),
+            )
+        )
+    return prompts, params
+
+
+def _check_against_oracle(ref, run, prompts, params, kv_policy, exit_mode="gate"):
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ref, prompt, p, kv_policy=kv_policy, exit_mode=exit_mode)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+
+
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+@pytest.mark.parametrize("scheduling", ["refill", "no_refill"])
+@pytest.mark.parametrize(
+    "budget",
+    [
+        {"prefill_chunk_size": 512, "max_num_batched_tokens": 2048, "max_num_seqs": 64},
+        {"prefill_chunk_size": 7, "max_num_batched_tokens": 16, "max_num_seqs": 5},
+        {"prefill_chunk_size": 1, "max_num_batched_tokens": 3, "max_num_seqs": 2},
+    ],
+    ids=["roomy", "chunk7", "chunk1"],
+)
+def test_matches_oracle(ckpts, ouro_ref, kv_policy, scheduling, budget):
+    prompts, params = _mixed_workload(12, seed=hash((kv_policy, scheduling)) % 1000)
+    core = make_core(ckpts["ouro"], kv_policy=kv_policy, scheduling=scheduling, **budget)
+    run = run_core(core, prompts, params)
+    _check_against_oracle(ouro_ref, run, prompts, params, kv_policy)
+
+
+def test_shared_policy_matches_oracle(ckpts, ouro_ref):
+    # `shared` is chunking-dependent by nature (a later chunk reads an earlier chunk's final
+    # version), so it is compared with the oracle's whole-prompt prefill.
+    prompts, params = _mixed_workload(8, seed=5)
+    core = make_core(ckpts["ouro"], kv_policy="shared")
+    run = run_core(core, prompts, params)
+    _check_against_oracle(ouro_ref, run, prompts, params, "shared")
+
+
+def test_32_concurrent_staggered_arrivals(ckpts, ouro_ref):
+    prompts, params = _mixed_workload(32, seed=11)
+    arrivals = [random.Random(3).randint(0, 30) for _ in prompts]
+    core = make_core(ckpts["ouro"], max_num_batched_tokens=64, prefill_chunk_size=16)
+    run = run_core(core, prompts, params, arrivals=arrivals)
+    _check_against_oracle(ouro_ref, run, prompts, params, "last_exited")
+    assert run.max_rows > 8  # many requests shared steps
+
+
+@pytest.mark.parametrize("exit_mode", ["delayed", "trace"])
+def test_exit_modes_match_oracle(ckpts, ouro_ref, exit_mode):
+    prompts, params = _mixed_workload(10, seed=7, thresholds=(0.3, 0.5, 0.7))
+    if exit_mode == "trace":
+        rng = random.Random(1)
+        params = [p.replace(trace_depths=[rng.randint(1, 4) for _ in range(12)]) for p in params]
+    core = make_core(ckpts["ouro"], exit_mode=exit_mode)
+    run = run_core(core, prompts, params)
+    _check_against_oracle(ouro_ref, run, prompts, params, "last_exited", exit_mode)
+
+
+def test_aborts_mid_flight(ckpts, ouro_ref):
+    prompts, params = _mixed_workload(10, seed=13)
+    params = [p.replace(max_tokens=12) for p in params]
+    core = make_core(ckpts["ouro"], prefill_chunk_size=8, max_num_batched_tokens=24)
+    aborts = {0: 0, 3: 2, 5: 7, 8: 15}
+    run = run_core(core, prompts, params, aborts=aborts)
+    for i in range(len(prompts)):
+        want = oracle_run(ouro_ref, prompts[i], params[i], kv_policy="last_exited")
+        got = run.tokens[f"r{i}"]
+        if i in aborts:
+            assert run.finish[f"r{i}"] == "abort"
+            assert got == want.tokens[: len(got)]
+        else:
+            assert got == want.tokens
+
+
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
+def test_huginn_matches_oracle(ckpts, huginn_ref, kv_policy):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    params = [
+        greedy(rng.randint(1, 8), max_loops=rng.choice([2, 3, 4]), init_state="random", seed=i)
+        for i in range(6)
+    ]
+    core = make_core(ckpts["huginn"], kv_policy=kv_policy, prefill_chunk_size=512)
+    run = run_core(core, prompts, params)
+    _check_against_oracle(huginn_ref, run, prompts, params, kv_policy)
+
+
+def test_seeded_sampling_same_alone_and_batched(ckpts):
+    core = make_core(ckpts["ouro"])
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = run_core(core, [[5, 6, 7]], [p]).tokens["r0"]
+    prompts, params = _mixed_workload(8, seed=3)
+    params = [q.replace(temperature=0.8, seed=None) for q in params]
+    run = run_core(make_core(ckpts["ouro"]), [[5, 6, 7]] + prompts, [p] + params)
+    assert run.tokens["r0"] == alone
+
+
+def test_stop_tokens_and_eos(ckpts, ouro_ref):
+    want = ouro_ref.generate(PROMPTS[1], 16).tokens
+    stop = want[3]
+    core = make_core(ckpts["ouro"])
+    p = SamplingParams(max_tokens=16, stop_token_ids=(stop,), ignore_eos=True)
+    run = run_core(core, [PROMPTS[1]], [p])
+    assert run.tokens["r0"] == want[: want.index(stop) + 1]
+    assert run.finish["r0"] == "stop"
+
+
+def test_request_too_big_for_pool_is_rejected(ckpts):
+    core = make_core(ckpts["ouro"], num_blocks=8)
+    with pytest.raises(ValueError, match="KV blocks"):
+        core.add_request("big", list(range(100)), greedy(50))

@@ -1,0 +1,166 @@
+import math
+
+import pytest
+import torch
+
+from rltserve.core.sampler import Sampler, SampleRow
+from rltserve.sampling import SamplingParams
+
+V = 50
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rand_logits(rows, seed=0):
+    return torch.randn(rows, V, generator=gen(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = rand_logits(4)
+    out = Sampler().sample(logits, [SampleRow(SamplingParams()) for _ in range(4)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 4 and out.top_logprobs == [None] * 4
+
+
+def test_input_not_modified():
+    logits = rand_logits(2)
+    before = logits.clone()
+    p = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=2.0)
+    Sampler().sample(logits, [SampleRow(p, gen(1), ([1, 2], [3])), SampleRow(p)])
+    assert torch.equal(logits, before)
+
+
+def test_seeded_rows_independent_of_batch():
+    p = SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.01)
+    target = torch.randn(V, generator=gen(5)) * 2
+    alone = []
+    g = gen(42)
+    for _ in range(8):
+        alone += Sampler().sample(target[None], [SampleRow(p, g)]).token_ids
+
+    batched = []
+    g, other = gen(42), gen(7)
+    for step in range(8):
+        noise = rand_logits(3, seed=100 + step)
+        logits = torch.stack([noise[0], target, noise[1], noise[2]])
+        rows = [
+            SampleRow(SamplingParams(temperature=0.7)),  # unseeded: shared draw
+            SampleRow(p, g),
+            SampleRow(SamplingParams()),  # greedy
+            SampleRow(SamplingParams(temperature=1.0, top_p=0.5), other),
+        ]
+        batched.append(Sampler().sample(logits, rows).token_ids[1])
+    assert alone == batched
+    assert len(set(alone)) > 1  # actually sampling, not collapsing to argmax
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    p = SamplingParams(temperature=1.0)
+    logits = torch.zeros(1, V)  # uniform: any difference in noise shows up
+    a = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(3)] * 10]
+    b = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(3)] * 10]
+    c = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(4)] * 10]
+    assert a == b and a != c
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = rand_logits(6, seed=3)
+    want = logits.argmax(-1).tolist()
+    rows = [SampleRow(SamplingParams(temperature=2.0, top_k=1), gen(i)) for i in range(3)]
+    rows += [SampleRow(SamplingParams(temperature=2.0, top_p=1e-6), gen(i)) for i in range(3)]
+    for _ in range(5):
+        assert Sampler().sample(logits, rows).token_ids == want
+
+
+def test_top_k_restricts_support():
+    logits = rand_logits(1, seed=4)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    g = gen(0)
+    row = SampleRow(SamplingParams(temperature=2.0, top_k=3), g)
+    seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(60)}
+    assert seen == allowed
+
+
+def test_top_p_keeps_smallest_covering_set():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    row = SampleRow(SamplingParams(temperature=1.0, top_p=0.75), gen(0))
+    seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(60)}
+    assert seen == {0, 1}
+
+
+def test_min_p_filters_relative_to_max():
+    probs = torch.tensor([0.4, 0.35, 0.2, 0.05])
+    logits = probs.log()[None]
+    row = SampleRow(SamplingParams(temperature=1.0, min_p=0.3), gen(0))  # threshold 0.12
+    seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(80)}
+    assert seen == {0, 1, 2}
+
+
+def test_repetition_penalty_changes_argmax():
+    logits = torch.full((2, V), -5.0)
+    logits[:, 7] = 2.0  # seen before: 2.0 / 4 = 0.5
+    logits[:, 9] = 1.0  # unseen
+    logits[:, 11] = -0.5  # seen, negative: -0.5 * 4 = -2.0
+    p = SamplingParams(repetition_penalty=4.0, logprobs=0)
+    rows = [SampleRow(p, None, ([7], [11])), SampleRow(p)]  # row 1 has no token history
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids == [9, 7]
+    expected = logits[0].clone()
+    expected[7], expected[11] = 0.5, -2.0
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(expected, -1)[9].item(), abs=1e-6)
+
+
+def test_presence_and_frequency_penalties():
+    logits = torch.zeros(1, 4)
+    logits[0, 0] = 1.0
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logprobs=4)
+    out = Sampler().sample(logits, [SampleRow(p, None, ([1, 3], [0, 0, 2]))])
+    # token 0: 1 - 0.5 - 2*0.25 = 0; token 2: -0.75; prompt-only tokens untouched
+    expected = torch.log_softmax(torch.tensor([0.0, 0.0, -0.75, 0.0]), -1)
+    got = dict(out.top_logprobs[0])
+    for t in range(4):
+        assert got[t] == pytest.approx(expected[t].item(), abs=1e-6)
+    assert out.token_ids == [0]  # ties broken toward the lowest id
+
+
+def test_logprobs_values_and_order():
+    logits = rand_logits(3, seed=8)
+    rows = [
+        SampleRow(SamplingParams(logprobs=5)),
+        SampleRow(SamplingParams(temperature=0.5, top_k=2, logprobs=2), gen(1)),
+        SampleRow(SamplingParams(logprobs=0)),
+    ]
+    out = Sampler().sample(logits, rows)
+    ref = torch.log_softmax(logits.double(), -1)  # before temperature and filters
+    for i, row in enumerate(rows):
+        tok = out.token_ids[i]
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+        top = out.top_logprobs[i]
+        assert len(top) == row.params.logprobs
+        assert [t for t, _ in top] == ref[i].topk(len(top)).indices.tolist()
+        vals = [lp for _, lp in top]
+        assert vals == sorted(vals, reverse=True)
+        for t, lp in top:
+            assert lp == pytest.approx(ref[i, t].item(), abs=1e-5)
+    assert out.top_logprobs[2] == []
+
+
+def test_distribution_matches_probs():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 2000
+    logits = probs.log().expand(n, 3).contiguous()  # n draws in one batched call
+    rows = [SampleRow(SamplingParams(temperature=1.0), gen(i)) for i in range(n // 2)]
+    rows += [SampleRow(SamplingParams(temperature=1.0)) for _ in range(n // 2)]  # shared draw
+    torch.manual_seed(0)
+    out = Sampler().sample(logits, rows)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=3).double() / n
+    sigma = math.sqrt(0.25 / n)
+    assert torch.allclose(counts, probs.double(), atol=5 * sigma)
+
+
+def test_shape_mismatch():
+    with pytest.raises(ValueError):
+        Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams())])
