@@ -60,7 +60,7 @@ class OutputAssembler:
         self.output = RequestOutput(request_id, list(prompt_token_ids))
         if want_logprobs:
             self.output.logprobs = []
-        self._detok = tokenizer.incremental(prompt_token_ids) if tokenizer is not None else None
+        self._detok = tokenizer.detokenizer(prompt_token_ids) if tokenizer is not None else None
         self._stop = tuple(stop or ())
         self._stop_token_ids = frozenset(stop_token_ids)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -85,8 +85,9 @@ class OutputAssembler:
             last = update.new_token_ids[-1]
             stop_reason = last if last in self._stop_token_ids else None
         if self._detok is not None:
-            for tok in update.new_token_ids:
-                self._text += self._detok.add(tok)
+            self._text += self._detok.add_many(update.new_token_ids)
+            if finish is not None:
+                self._text += self._detok.flush()
         hit = self._find_stop()
         if hit is not None:
             cut, stop_reason = hit

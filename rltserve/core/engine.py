@@ -18,7 +18,7 @@ import torch
 
 from rltserve.config import EngineConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
-from rltserve.core.plan import StepPlan
+from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import RequestUpdate, Scheduler
@@ -27,6 +27,18 @@ from rltserve.models.base import LoopedModel
 from rltserve.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine counters (plain values; crosses the stage boundary)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_steps: int
+    num_rows: int  # rows run through the core loop, all steps together
+    num_coda_rows: int  # rows that reached the coda
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class EngineCore:
             model, num_blocks=num_blocks, block_size=config.cache.block_size, device=mc.device
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
+        self._num_steps = self._num_rows = self._num_coda_rows = 0
         self.info = EngineInfo(
             model_path=str(mc.model),
             family=spec.family,
@@ -155,6 +168,26 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv.usage,
+            num_steps=self._num_steps,
+            num_rows=self._num_rows,
+            num_coda_rows=self._num_coda_rows,
+        )
+
+    def execute(self, plan: StepPlan) -> list[RequestUpdate]:
+        """Runs a planned step synchronously and applies its result."""
+        return self.apply(plan, self.runner.execute(plan))
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        self._num_steps += 1
+        self._num_rows += result.num_rows
+        self._num_coda_rows += result.num_coda_rows
+        return self.scheduler.apply(plan, result)
+
     # ---------------------------------------------------------------- stepping
 
     def plan(self) -> StepPlan | None:
@@ -162,15 +195,13 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        return self.scheduler.apply(plan, self.runner.execute(plan))
+        return [] if plan is None else self.execute(plan)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
 
 
-Emit = Callable[[list[RequestUpdate]], None]
+Emit = Callable[[list[RequestUpdate], EngineStats], None]
 
 
 async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) -> None:
@@ -190,32 +221,27 @@ async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) ->
                 return
             continue
         result = await core.runner.submit(plan).wait()
-        updates = core.scheduler.apply(plan, result)
-        if updates:
-            emit(updates)
+        emit(core.apply(plan, result), core.stats())
 
 
 def _handle(core: EngineCore, command: tuple, emit: Emit) -> bool:
     kind = command[0]
     if kind == "shutdown":
         aborted = [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
-        if aborted:
-            emit(aborted)
+        emit(aborted, core.stats())
         return True
     if kind == "add":
         _, rid, prompt, params = command
         try:
             core.add_request(rid, prompt, params)
         except ValueError as exc:
+            reason = FinishReason.ERROR
             emit(
-                [
-                    RequestUpdate(
-                        rid, finish_reason=FinishReason.ERROR, error=str(exc), rejected=True
-                    )
-                ]
+                [RequestUpdate(rid, finish_reason=reason, error=str(exc), rejected=True)],
+                core.stats(),
             )
     elif kind == "abort":
         update = core.abort(command[1])
         if update is not None:
-            emit([update])
+            emit([update], core.stats())
     return False

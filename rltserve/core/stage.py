@@ -8,7 +8,7 @@ given with the request, on the client's reader thread.
 
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [RequestUpdate, ...]),
-("fatal", message).
+("fatal", message). Updates carry an EngineStats snapshot: ("updates", [RequestUpdate], stats).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from rltserve.config import EngineConfig
-from rltserve.core.engine import EngineCore, EngineInfo, run_engine_loop
+from rltserve.core.engine import EngineCore, EngineInfo, EngineStats, run_engine_loop
 from rltserve.core.request import FinishReason
 from rltserve.core.scheduler import RequestUpdate
 from rltserve.sampling import SamplingParams
@@ -67,7 +67,9 @@ def _serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tupl
 
     threading.Thread(target=pump, name="rltserve-stage-inbox", daemon=True).start()
     try:
-        loop.run_until_complete(run_engine_loop(core, inbox, lambda u: send(("updates", u))))
+        loop.run_until_complete(
+            run_engine_loop(core, inbox, lambda u, st: send(("updates", u, st)))
+        )
     except Exception:
         send(("fatal", traceback.format_exc()))
     finally:
@@ -89,6 +91,7 @@ class _ClientBase:
         self._ready = threading.Event()
         self._fatal: str | None = None
         self.info: EngineInfo | None = None
+        self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
 
     def _dispatch(self, message: tuple) -> None:
@@ -97,6 +100,7 @@ class _ClientBase:
             self.info = message[1]
             self._ready.set()
         elif kind == "updates":
+            self.stats = message[2]
             for update in message[1]:
                 with self._lock:
                     sink = self._sinks.get(update.request_id)

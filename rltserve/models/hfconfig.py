@@ -1,0 +1,113 @@
+"""Helpers that turn a Hugging Face ``config.json`` dict into a validated, frozen dataclass.
+
+Each family's config class reads raw keys with ``read`` / ``read_ids`` in ``from_dict`` and checks
+every field in ``__post_init__`` with the ``check_*`` helpers, so a bad value raises ``ValueError``
+naming the family, the field and the value whether the object came from JSON or from code.
+Never fall back to the upstream config classes' defaults (MODELS.md §1.2: Ouro's are Qwen values).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_MISSING: Any = object()
+
+
+def bad(family: str, name: str, value: object, why: str) -> ValueError:
+    return ValueError(f"{family} config: {name}={value!r}: {why}")
+
+
+def read(raw: dict[str, Any], family: str, key: str, default: Any = _MISSING) -> Any:
+    """``raw[key]``; a missing key is an error unless a default is given."""
+    if key in raw:
+        return raw[key]
+    if default is _MISSING:
+        raise ValueError(f"{family} config: required key {key!r} is missing")
+    return default
+
+
+def read_ids(raw: dict[str, Any], family: str, key: str) -> tuple[int, ...]:
+    """A token id field that may be null, an int or a list of ints, as a tuple."""
+    value = raw.get(key)
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise bad(family, key, value, "must be null, a non-negative int or a list of them")
+    return tuple(values)
+
+
+def check_model_type(raw: dict[str, Any], family: str) -> None:
+    """``model_type`` may be absent (the registry already dispatched) but must not differ."""
+    if raw.get("model_type", family) != family:
+        raise bad(family, "model_type", raw["model_type"], f"expected {family!r}")
+
+
+def check_fixed(raw: dict[str, Any], family: str, allowed: dict[str, Any]) -> None:
+    """Keys whose only supported value is given (absent keys take that value)."""
+    for key, want in allowed.items():
+        value = raw.get(key, want)
+        if value != want or type(value) is not type(want):
+            raise bad(family, key, value, f"only {want!r} is supported")
+
+
+def check_ints(obj: object, family: str, names: str, minimum: int = 1) -> None:
+    """``check_int`` for each space-separated field name."""
+    for name in names.split():
+        check_int(obj, family, name, minimum)
+
+
+def check_positives(obj: object, family: str, names: str) -> None:
+    for name in names.split():
+        check_positive(obj, family, name)
+
+
+def check_int(obj: object, family: str, name: str, minimum: int = 1) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad(family, name, value, "must be an int")
+    if value < minimum:
+        raise bad(family, name, value, f"must be >= {minimum}")
+
+
+def check_positive(obj: object, family: str, name: str) -> None:
+    value = getattr(obj, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or math.isnan(value) or math.isinf(value) or value <= 0:
+        raise bad(family, name, value, "must be a finite number > 0")
+
+
+def check_equal(obj: object, family: str, name: str, expected: object) -> None:
+    value = getattr(obj, name)
+    if value != expected or type(value) is not type(expected):
+        raise bad(family, name, value, f"only {expected!r} is supported")
+
+
+def check_token(obj: object, family: str, name: str, vocab_size: int) -> None:
+    value = getattr(obj, name)
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+        raise bad(family, name, value, f"must be null or an id in [0, {vocab_size})")
+
+
+def check_tokens(obj: object, family: str, name: str, vocab_size: int) -> None:
+    values = getattr(obj, name)
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < vocab_size:
+            raise bad(family, name, values, f"ids must be in [0, {vocab_size})")
+
+
+def check_full_attention(family: str, layer_types: object, num_layers: int) -> None:
+    """``layer_types`` may be absent; when present every layer must be ``full_attention``."""
+    if layer_types is None:
+        return
+    ok = isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types)
+    if not ok or len(layer_types) != num_layers:
+        raise bad(family, "layer_types", layer_types, f"must be {num_layers} x 'full_attention'")
+
+
+def first_id(ids: tuple[int, ...]) -> int | None:
+    return ids[0] if ids else None

@@ -1,0 +1,281 @@
+"""The strict safetensors loader and every family's checkpoint layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from builders import (
+    HUGINN_0125,
+    NANBEIGE_4_2_3B,
+    NANBEIGE_TINY,
+    OURO_1_4B,
+    OURO_2_6B,
+    random_tensors,
+    write_checkpoint,
+)
+from recipe import huginn_shapes, load_vectors, ouro_shapes
+from safetensors.torch import load_file
+
+from rltserve.models import CheckpointError, get_family, load_model, read_config
+from rltserve.models.huginn import HuginnModel
+
+CONFIGS = {
+    "ouro": load_vectors()["configs"]["ouro"],
+    "huginn_raven": load_vectors()["configs"]["huginn"],
+    "nanbeige": NANBEIGE_TINY,
+}
+
+
+def shapes_of(cfg: dict) -> dict[str, tuple[int, ...]]:
+    return get_family(cfg["model_type"]).tensor_shapes(cfg)
+
+
+def build(tmp_path: Path, family: str, name: str = "ckpt", **kw) -> Path:
+    cfg = CONFIGS[family]
+    return write_checkpoint(tmp_path / name, cfg, random_tensors(cfg), **kw)
+
+
+def test_layouts_match_independent_tables():
+    # recipe.py spells out the real names independently of rltserve
+    for cfg in (CONFIGS["ouro"], OURO_1_4B, OURO_2_6B):
+        assert shapes_of(cfg) == ouro_shapes(cfg)
+    for cfg in (CONFIGS["huginn_raven"], HUGINN_0125):
+        assert shapes_of(cfg) == huginn_shapes(cfg)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "params", "examples"),
+    [
+        (
+            OURO_1_4B,
+            1_434_652_673,
+            {
+                "model.layers.23.self_attn.q_proj.weight": (2048, 2048),
+                "lm_head.weight": (49152, 2048),
+            },
+        ),
+        (OURO_2_6B, 2_667_974_657, {"model.layers.47.mlp.down_proj.weight": (2048, 5632)}),
+        (
+            HUGINN_0125,
+            3_564_976_800,
+            {
+                "transformer.core_block.3.attn.Wqkv.weight": (15840, 5280),
+                "transformer.coda.1.attn.qk_bias": (2, 1, 55, 96),
+                "transformer.adapter.weight": (5280, 10560),
+                "freqs_cis": (1, 4096, 1, 48, 2),
+            },
+        ),
+        (
+            NANBEIGE_4_2_3B,
+            4_169_800_704,
+            {
+                "model.layers.21.self_attn.q_proj.weight": (6144, 3072),
+                "model.layers.0.self_attn.k_proj.weight": (1024, 3072),
+                "model.layers.0.self_attn.o_proj.weight": (3072, 6144),
+                "lm_head.weight": (166144, 3072),
+            },
+        ),
+    ],
+)
+def test_real_layouts(cfg, params, examples):
+    """Parameter counts from MODELS.md (Huginn: without the duplicate head and freqs_cis)."""
+    shapes = shapes_of(cfg)
+    family = get_family(cfg["model_type"])
+    skip = set(family.tied) | set(family.buffers)
+    assert sum(math.prod(s) for n, s in shapes.items() if n not in skip) == params
+    for name, shape in examples.items():
+        assert shapes[name] == shape
+    sources = [s for group in family.param_sources(cfg).values() for s in group]
+    assert sorted(sources) == sorted(set(shapes) - skip)  # every tensor feeds exactly one param
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_missing_tensor_is_reported(tmp_path, family):
+    cfg = CONFIGS[family]
+    tensors = random_tensors(cfg)
+    for i, name in enumerate(sorted(shapes_of(cfg))):
+        path = write_checkpoint(
+            tmp_path / str(i), cfg, {k: v for k, v in tensors.items() if k != name}
+        )
+        with pytest.raises(CheckpointError, match="missing tensors") as info:
+            load_model(path)
+        assert f"\n    {name}" in str(info.value)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_extra_and_misshaped_tensors_in_one_error(tmp_path, family):
+    cfg = CONFIGS[family]
+    tensors = random_tensors(cfg)
+    victim = sorted(tensors)[1]
+    dropped = sorted(tensors)[0]
+    tensors["model.extra.weight"] = torch.zeros(3)
+    tensors[victim] = torch.zeros(*tensors[victim].shape[:-1], tensors[victim].shape[-1] + 1)
+    del tensors[dropped]
+    with pytest.raises(CheckpointError) as info:
+        load_model(write_checkpoint(tmp_path / "bad", cfg, tensors))
+    msg = str(info.value)
+    assert "missing tensors (1)" in msg and dropped in msg
+    assert "unexpected tensors (1)" in msg and "model.extra.weight" in msg
+    assert "wrong shapes (1)" in msg and victim in msg
+
+
+def test_extra_only_and_shape_only(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = random_tensors(cfg)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \(1\):\n    foo"):
+        load_model(write_checkpoint(tmp_path / "a", cfg, {**tensors, "foo": torch.zeros(1)}))
+    bad = {**tensors, "model.norm.weight": torch.ones(65)}
+    with pytest.raises(
+        CheckpointError, match=r"model.norm.weight: checkpoint \[65\], expected \[64\]"
+    ):
+        load_model(write_checkpoint(tmp_path / "b", cfg, bad))
+
+
+def test_inv_freq_dropped(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = {**random_tensors(cfg), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    load_model(write_checkpoint(tmp_path / "c", cfg, tensors))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_sharded_equals_single_file(tmp_path, family):
+    single = load_model(build(tmp_path, family, "single"))
+    sharded = load_model(build(tmp_path, family, "sharded", shards=3))
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    a, b = single.state_dict(), sharded.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_fused_parameters_hold_checkpoint_values(tmp_path):
+    path = build(tmp_path, "ouro")
+    stored = load_file(str(path / "model.safetensors"))
+    params = dict(load_model(path).named_parameters())
+    p = "model.layers.1."
+    qkv = torch.cat([stored[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv)
+    gate_up = torch.cat([stored[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+    assert torch.equal(params[p + "mlp.gate_up_proj.weight"], gate_up)
+    assert torch.equal(params["model.early_exit_gate.bias"], stored["model.early_exit_gate.bias"])
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", torch.bfloat16, torch.float16, "bf16"]
+)
+def test_dtype_casting(tmp_path, dtype):
+    path = build(tmp_path, "nanbeige")
+    model = load_model(path, dtype=dtype)
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(
+        dtype, dtype if isinstance(dtype, torch.dtype) else torch.float16
+    )
+    stored = load_file(str(path / "model.safetensors"))
+    for name, param in model.named_parameters():
+        assert param.dtype == want and param.device.type == "cpu", name
+        assert not param.requires_grad
+    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"].to(want))
+    assert not model.training
+
+
+def test_stored_bf16_cast_up(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = {k: v.to(torch.bfloat16) for k, v in random_tensors(cfg).items()}
+    model = load_model(write_checkpoint(tmp_path / "bf", cfg, tensors), dtype="float32")
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"].float())
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("/nonexistent", dtype="int8")
+
+
+def test_huginn_tied_head(tmp_path):
+    model = load_model(build(tmp_path, "huginn_raven"))
+    assert isinstance(model, HuginnModel)
+    names = [n for n, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+    h = torch.randn(2, 64)
+    torch.testing.assert_close(model.logits(h), h @ model.transformer.wte.weight.T)
+    cfg = CONFIGS["huginn_raven"]
+    tensors = random_tensors(cfg)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.01
+    with pytest.raises(CheckpointError, match="lm_head.weight differs"):
+        load_model(write_checkpoint(tmp_path / "untied", cfg, tensors))
+
+
+def test_non_float_tensor(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = {**random_tensors(cfg), "model.norm.weight": torch.ones(64, dtype=torch.int32)}
+    with pytest.raises(CheckpointError, match="non-float"):
+        load_model(write_checkpoint(tmp_path / "i", cfg, tensors))
+
+
+# --------------------------------------------------------------------------- directory errors
+
+
+def test_missing_and_non_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_model(tmp_path / "file")
+
+
+def test_config_errors(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        read_config(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="invalid JSON"):
+        load_model(d)
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="JSON object"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="'llama'.*supported: huginn_raven, nanbeige, ouro"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps({**CONFIGS["ouro"], "rope_scaling": {"a": 1}}))
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        load_model(d)
+    (d / "config.json").write_text(json.dumps(CONFIGS["ouro"]))
+    assert read_config(d) == CONFIGS["ouro"]
+    with pytest.raises(CheckpointError, match="no .safetensors"):
+        load_model(d)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00" * 3, b"\xff" * 8 + b"{", b"\x10\x00\x00\x00\x00\x00\x00\x00{bad json}xxx"],
+)
+def test_corrupt_safetensors(tmp_path, content):
+    path = build(tmp_path, "ouro")
+    (path / "model.safetensors").write_bytes(content)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(path)
+
+
+def test_truncated_safetensors(tmp_path):
+    path = build(tmp_path, "ouro")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(path)
+
+
+def test_bad_index(tmp_path):
+    path = build(tmp_path, "nanbeige", shards=2)
+    index = path / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    first = next(iter(weight_map))
+    index.write_text(json.dumps({"weight_map": {**weight_map, first: "model-gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match="shard files missing"):
+        load_model(path)
+    index.write_text("{}")
+    with pytest.raises(CheckpointError, match="invalid index"):
+        load_model(path)

@@ -1,0 +1,308 @@
+"""Model families against the Hugging Face vectors, through the naive generate loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from builders import (
+    HUGINN_0125,
+    NANBEIGE_4_2_3B,
+    NANBEIGE_TINY,
+    OURO_1_4B,
+    OURO_2_6B,
+    build_nanbeige_tiny,
+)
+from recipe import build_huginn_rv1, build_ouro_rv1, load_vectors, tensor_sums
+
+from rltserve.models import LoopedModel, get_family, load_model, supported_model_types
+from rltserve.models.huginn import HuginnConfig
+from rltserve.models.layers import (
+    apply_rope_interleaved,
+    apply_rope_rotate_half,
+    rms_norm,
+    rope_cos_sin,
+    silu_and_mul,
+)
+from rltserve.models.naive import DenseKVCache, dense_causal_attention, naive_generate
+from rltserve.models.nanbeige import NanbeigeConfig
+from rltserve.models.ouro import OuroConfig
+
+VECTORS = load_vectors()
+PROMPTS: list[list[int]] = VECTORS["prompts"]
+OURO_CASES = {
+    "ouro_full_depth": {},
+    "ouro_threshold_0.5": {"exit_threshold": 0.5, "min_loops": 1},
+    "ouro_threshold_0.3": {"exit_threshold": 0.3, "min_loops": 1},
+    "ouro_exit_at_depth_2": {"max_loops": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "ouro": build_ouro_rv1(root / "ouro"),
+        "huginn": build_huginn_rv1(root / "huginn"),
+        "nanbeige": build_nanbeige_tiny(root / "nanbeige"),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(dirs) -> dict[str, LoopedModel]:
+    return {name: load_model(path) for name, path in dirs.items()}
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_rv1_build_matches_recipe_sums(dirs, family):
+    expected = VECTORS["tensor_sums"][family]
+    got = tensor_sums(dirs[family])
+    assert set(expected) <= set(got)
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=1e-5), name
+
+
+@pytest.mark.parametrize("case", sorted(OURO_CASES))
+def test_ouro_reproduces_hf_vectors(models, case):
+    expected = VECTORS["cases"][case]
+    for i, prompt in enumerate(PROMPTS):
+        n = len(expected["tokens"][i])
+        tokens, depths = naive_generate(models["ouro"], prompt, n, **OURO_CASES[case])
+        assert tokens == expected["tokens"][i], (case, i)
+        assert depths == expected["exit_depths"][i], (case, i)
+
+
+def test_huginn_reproduces_hf_vectors(models):
+    expected = VECTORS["cases"]["huginn_4_loops_zero_state"]
+    for i, prompt in enumerate(PROMPTS):
+        n = len(expected["tokens"][i])
+        tokens, depths = naive_generate(models["huginn"], prompt, n, max_loops=4, seed=None)
+        assert tokens == expected["tokens"][i], i
+        assert depths == [4] * n
+
+
+def _cached_and_recomputed_logits(
+    model: LoopedModel, ids: list[int], prompt_len: int, depth: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-depth logits of positions prompt_len-1.. two ways: prompt in one call per depth then
+    one token per call on one cache, and the whole sequence in one call per depth."""
+
+    def run(cache: DenseKVCache, chunk: list[int], start: int) -> torch.Tensor:
+        pos = torch.arange(start, start + len(chunk))
+        e = model.prelude(torch.tensor(chunk), pos, cache.attn(None, start))
+        s = model.initial_state(e, None)
+        for d in range(depth):
+            s = model.loop(s, e, pos, cache.attn(d, start))
+        return model.logits(model.coda(s, pos, cache.attn(None, start)))
+
+    with torch.inference_mode():
+        cache = DenseKVCache(model, len(ids))
+        cached = [run(cache, ids[:prompt_len], 0)[-1]]
+        cached += [run(cache, [t], p)[0] for p, t in enumerate(ids) if p >= prompt_len]
+        full = run(DenseKVCache(model, len(ids)), ids, 0)[prompt_len - 1 :]
+    return torch.stack(cached), full
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn", "nanbeige"])
+def test_cached_decode_equals_full_recompute(models, family):
+    model = models[family]
+    ids = [7, 100, 3, 250, 42, 9, 300, 17, 5, 77, 1]
+    for depth in (1, model.spec.num_loops):
+        cached, full = _cached_and_recomputed_logits(model, ids, 4, depth)
+        torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [{}, {"exit_threshold": 0.4}, {"max_loops": 3}])
+def test_naive_generate_equals_token_by_token_recompute(models, kw):
+    for family in ("ouro", "nanbeige"):
+        model = models[family]
+        prompt = PROMPTS[1]
+        tokens, depths = naive_generate(model, prompt, 8, **kw)
+        seq = list(prompt)
+        for tok, depth in zip(tokens, depths):
+            assert naive_generate(model, seq, 1, **kw) == ([tok], [depth])
+            seq.append(tok)
+
+
+def test_nanbeige_runs(models):
+    model = models["nanbeige"]
+    assert model.spec.head_dim == 32 and model.spec.num_kv_heads == 2
+    tokens, depths = naive_generate(model, PROMPTS[0], 10)
+    assert len(tokens) == 10 and depths == [2] * 10
+    # no gate: a threshold is ignored and depth is the cap
+    assert naive_generate(model, PROMPTS[0], 10, exit_threshold=0.1) == (tokens, depths)
+    assert naive_generate(model, PROMPTS[0], 4, max_loops=3)[1] == [3] * 4
+
+
+def test_specs(models):
+    ouro, huginn, nanbeige = models["ouro"].spec, models["huginn"].spec, models["nanbeige"].spec
+    assert (ouro.num_loops, ouro.max_loops, ouro.has_gate, ouro.needs_noise) == (4, 8, True, False)
+    assert ouro.eos_token_ids == (0, 2) and ouro.bos_token_id == 0
+    assert (ouro.num_heads, ouro.num_kv_heads, ouro.head_dim) == (4, 2, 16)
+    assert (ouro.num_core_layers, ouro.num_boundary_layers, ouro.max_position) == (2, 0, 512)
+    assert (huginn.num_loops, huginn.max_loops, huginn.needs_noise) == (4, 256, True)
+    assert (huginn.num_core_layers, huginn.num_boundary_layers) == (2, 4)
+    assert huginn.eos_token_ids == (353,) and huginn.pad_token_id == 357
+    assert (huginn.vocab_size, huginn.max_position) == (384, 256)
+    assert (nanbeige.num_loops, nanbeige.max_loops, nanbeige.has_gate) == (2, 4, False)
+    assert nanbeige.eos_token_ids == (381,)
+    assert models["nanbeige"].exit_logit(torch.zeros(3, 64)) is None
+    assert models["ouro"].exit_logit(torch.zeros(3, 64)).dtype == torch.float32
+
+
+def _real_spec(raw: dict):
+    family = get_family(raw["model_type"])
+    with torch.device("meta"):
+        return family.model_cls(family.parse_config(raw)).spec
+
+
+def test_real_checkpoint_specs():
+    """Specs of the real configs, built on the meta device (no weights)."""
+    o14, o26 = _real_spec(OURO_1_4B), _real_spec(OURO_2_6B)
+    assert (o14.num_core_layers, o26.num_core_layers, o14.head_dim, o26.head_dim) == (
+        24,
+        48,
+        128,
+        128,
+    )
+    assert o14.eos_token_ids == (0, 2) and o14.num_kv_heads == 16 and o14.max_position == 65536
+    h = _real_spec(HUGINN_0125)
+    assert (h.num_loops, h.max_loops, h.head_dim, h.num_heads, h.max_position) == (
+        32,
+        256,
+        96,
+        55,
+        4096,
+    )
+    assert (h.num_core_layers, h.num_boundary_layers) == (4, 4)
+    assert h.eos_token_ids == (65505, 65508) and h.bos_token_id == 65504
+    n = _real_spec(NANBEIGE_4_2_3B)
+    assert (n.num_loops, n.head_dim, n.num_heads, n.num_kv_heads) == (2, 128, 48, 8)
+    assert n.eos_token_ids == (166101,) and n.vocab_size == 166144
+
+
+def test_huginn_noise_is_seeded_per_position(models):
+    model = models["huginn"]
+    a = model.draw_noise(11, [0, 1, 2, 3])
+    assert a.shape == (4, 64) and a.dtype == torch.float32
+    torch.testing.assert_close(model.draw_noise(11, [2, 3]), a[2:], rtol=0, atol=0)
+    assert not torch.equal(model.draw_noise(12, [0]), a[:1])
+    assert torch.count_nonzero(model.draw_noise(None, [0, 1])) == 0
+    cfg = model.config
+    assert a.abs().max() <= 3 * cfg.init_std * cfg.embed_scale + 1e-6
+    seeded = naive_generate(model, PROMPTS[1], 6, seed=11)
+    assert seeded == naive_generate(model, PROMPTS[1], 6, seed=11)
+    assert seeded[0] != naive_generate(model, PROMPTS[1], 6)[0]
+
+
+def test_huginn_head_dim_must_tile_n_embd():
+    raw = dict(VECTORS["configs"]["huginn"], head_dim=32)
+    with pytest.raises(ValueError, match="head_dim"):
+        HuginnConfig.from_dict(raw)
+
+
+def test_bfloat16_models_run(dirs):
+    for path in dirs.values():
+        model = load_model(path, dtype="bfloat16")
+        tokens, _ = naive_generate(model, PROMPTS[0], 4)
+        assert len(tokens) == 4
+        hidden = torch.zeros(2, model.spec.hidden_size, dtype=torch.bfloat16)
+        assert model.logits(hidden).dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    ("cls", "raw", "key", "value"),
+    [
+        (OuroConfig, VECTORS["configs"]["ouro"], "rope_scaling", {"type": "linear"}),
+        (OuroConfig, VECTORS["configs"]["ouro"], "tie_word_embeddings", True),
+        (OuroConfig, VECTORS["configs"]["ouro"], "hidden_size", 0),
+        (OuroConfig, VECTORS["configs"]["ouro"], "num_key_value_heads", 3),
+        (OuroConfig, VECTORS["configs"]["ouro"], "eos_token_id", 10_000),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "qk_bias", False),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "n_layers", 7),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "rope_base", -1),
+        (NanbeigeConfig, NANBEIGE_TINY, "skip_loop_final_norm", True),
+        (NanbeigeConfig, NANBEIGE_TINY, "loop_share_kv", True),
+        (NanbeigeConfig, NANBEIGE_TINY, "num_loops", 0),
+        (NanbeigeConfig, NANBEIGE_TINY, "rms_norm_eps", "x"),
+    ],
+)
+def test_config_rejects_bad_values(cls, raw, key, value):
+    name = "eos_token_ids" if key == "eos_token_id" else key
+    with pytest.raises(ValueError, match=name):
+        cls.from_dict({**raw, key: value})
+
+
+def test_config_requires_keys_and_reads_head_dim():
+    raw = {k: v for k, v in VECTORS["configs"]["ouro"].items() if k != "total_ut_steps"}
+    with pytest.raises(ValueError, match="total_ut_steps"):
+        OuroConfig.from_dict(raw)
+    no_head_dim = {k: v for k, v in VECTORS["configs"]["ouro"].items() if k != "head_dim"}
+    assert OuroConfig.from_dict(no_head_dim).head_dim == 16  # hidden / heads
+    kv_channels = {k: v for k, v in NANBEIGE_TINY.items() if k != "head_dim"}
+    assert NanbeigeConfig.from_dict({**kv_channels, "kv_channels": 32}).head_dim == 32
+    with pytest.raises(ValueError, match="model_type"):
+        OuroConfig.from_dict({**VECTORS["configs"]["ouro"], "model_type": "qwen2"})
+
+
+def test_registry():
+    assert supported_model_types() == ["huginn_raven", "nanbeige", "ouro"]
+    assert get_family("ouro").config_cls is OuroConfig
+    with pytest.raises(ValueError, match="huginn_raven, nanbeige, ouro"):
+        get_family("llama")
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def test_rms_norm_order():
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    w = torch.randn(8, dtype=torch.bfloat16)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(rms_norm(x, w, 1e-6), want)
+
+
+def test_rope_forms():
+    pos = torch.tensor([0, 1, 5, 77])
+    x = torch.randn(4, 3, 16)
+    cos, sin = rope_cos_sin(pos, 16, 10000.0)
+    assert cos.dtype == torch.float32 and cos.shape == (4, 8)
+    torch.testing.assert_close(cos[:, 1], torch.cos(pos.float() * 10000.0 ** (-2 / 16)))
+    # interleaved == complex multiplication of adjacent pairs by exp(i * angle)
+    rot = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))[:, None, :]
+    want = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+    torch.testing.assert_close(apply_rope_interleaved(x, cos, sin), want)
+    # rotate-half == the interleaved form on a de-interleaved layout
+    perm = torch.cat((torch.arange(0, 16, 2), torch.arange(1, 16, 2)))
+    inter = apply_rope_interleaved(x, cos, sin)
+    torch.testing.assert_close(apply_rope_rotate_half(x[..., perm], cos, sin), inter[..., perm])
+    # position 0 is the identity in both forms
+    assert torch.equal(apply_rope_rotate_half(x[:1], cos[:1], sin[:1]), x[:1])
+    assert torch.equal(apply_rope_interleaved(x[:1], cos[:1], sin[:1]), x[:1])
+
+
+def test_silu_and_mul():
+    x = torch.randn(5, 12)
+    torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :6]) * x[:, 6:])
+
+
+@pytest.mark.parametrize("q_start", [0, 3])
+def test_dense_attention_matches_sdpa(q_start):
+    t, n = 9, 9 - q_start
+    q = torch.randn(n, 4, 16)
+    k, v = torch.randn(t, 2, 16), torch.randn(t, 2, 16)
+    out = dense_causal_attention(q, k, v, q_start)
+    mask = torch.ones(n, t, dtype=torch.bool).tril(q_start)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=mask,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, want)
