@@ -57,7 +57,7 @@ def run_core(
         plan = core.plan()
         if plan is not None:
             run.max_rows = max(run.max_rows, plan.num_tokens)
-            for u in core.scheduler.apply(plan, core.runner.execute(plan)):
+            for u in core.execute(plan):
                 run.tokens[u.request_id].extend(u.new_token_ids)
                 run.depths[u.request_id].extend(u.new_exit_depths)
                 if u.error:

@@ -134,7 +134,7 @@ def test_metadata_layout():
     assert (md.num_items, md.num_rows, md.max_q, md.max_ctx) == (2, 3, 2, 4)
     assert md.slot_mapping.tolist() == [22, 23, 4]
     assert md.pad_index.tolist() == [0, 1, 2]
-    assert md.gather_slots.tolist() == [[20, 21, 22, 23], [4, 5, 6, 7]]
+    assert md.gather_blocks.tolist() == [5, 1]
     assert md.mask.shape == (2, 1, 2, 4)
     assert md.mask[0, 0].tolist() == [[True, True, True, False], [True, True, True, True]]
     # item 1's padded query row sees the item's whole context (no all-False rows)

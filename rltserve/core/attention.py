@@ -53,8 +53,8 @@ def copy_slots(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tenso
 class AttentionMetadata:
     """Index tensors of one step at one call-site, shared by all its layers.
 
-    Invariant: every slot in ``gather_slots`` is a valid slot (padding points at a real slot and
-    is masked), so gathering never goes out of bounds.
+    Invariant: every block in ``gather_blocks`` is a valid block (padding points at a real block
+    and is masked), so gathering never goes out of bounds.
     """
 
     num_rows: int  # N
@@ -65,8 +65,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [N] int64: position of each row
     slot_mapping: torch.Tensor  # [N] int64: where each row's K/V is written
     pad_index: torch.Tensor  # [N] int64: row -> item * max_q + q index (into [B * max_q])
-    gather_slots: torch.Tensor  # [B, max_ctx] int64: slot of each context position
-    mask: torch.Tensor  # [B, 1, max_q, max_ctx] bool: True = attend
+    gather_blocks: torch.Tensor  # [B * num_cols] int64: blocks holding each item's context
+    mask: torch.Tensor  # [B, 1, max_q, num_cols * block_size] bool: True = attend
 
     @classmethod
     def build(
@@ -105,8 +105,9 @@ class AttentionMetadata:
             table_t[row_item, positions // block_size] * block_size + positions % block_size
         )
 
-        key_pos = torch.arange(max_ctx, device=device)  # [max_ctx]
-        gather_slots = table_t[:, key_pos // block_size] * block_size + key_pos % block_size
+        # Context is gathered whole blocks at a time (one contiguous copy per block, not per
+        # slot); the mask drops positions past each item's context.
+        key_pos = torch.arange(num_cols * block_size, device=device)  # [num_cols * bs]
 
         # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal for
         # real rows, and all of the item's context for padded rows (i >= len_b).
@@ -114,7 +115,7 @@ class AttentionMetadata:
         last_key = torch.minimum(
             start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
         )  # [B, max_q]
-        mask = key_pos[None, None, :] <= last_key[:, :, None]  # [B, max_q, max_ctx]
+        mask = key_pos[None, None, :] <= last_key[:, :, None]  # [B, max_q, num_cols * bs]
         return cls(
             num_rows=num_rows,
             num_items=num_items,
@@ -124,7 +125,7 @@ class AttentionMetadata:
             positions=positions,
             slot_mapping=slot_mapping,
             pad_index=row_item * max_q + row_q,
-            gather_slots=gather_slots,
+            gather_blocks=table_t.reshape(-1),
             mask=mask[:, None],
         )
 
@@ -153,9 +154,13 @@ class PagedAttention:
         k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
 
-        b, max_q, max_ctx = md.num_items, md.max_q, md.max_ctx
-        keys = k_cache[md.gather_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, ctx, hd]
-        values = v_cache[md.gather_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, ctx, hd]
+        b, max_q, bs = md.num_items, md.max_q, md.block_size
+        max_ctx = md.mask.shape[-1]  # whole blocks
+        blocks = (-1, bs, num_kv_heads, head_dim)
+        keys = k_cache.view(blocks).index_select(0, md.gather_blocks)  # [B * cols, bs, Hkv, hd]
+        values = v_cache.view(blocks).index_select(0, md.gather_blocks)
+        keys = keys.view(b, max_ctx, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
+        values = values.view(b, max_ctx, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
         if num_kv_heads != num_heads:
             rep = num_heads // num_kv_heads  # q head h reads kv head h // rep
             keys = keys[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)

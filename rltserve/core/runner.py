@@ -12,6 +12,7 @@ coda, logits and sampler run for rows that finished.
 from __future__ import annotations
 
 import asyncio
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -72,6 +73,7 @@ class ModelRunner:
         self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
         self._executor: ThreadPoolExecutor | None = None
+        self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
 
     # ---------------------------------------------------------------- execution
 
@@ -94,6 +96,12 @@ class ModelRunner:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             return StepResult(plan.step_id, [None] * len(plan.items), error=detail)
 
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.model_seconds += time.perf_counter() - start
+        return out
+
     def _execute(self, plan: StepPlan) -> StepResult:
         self._update_requests(plan)
         items = plan.items
@@ -111,7 +119,7 @@ class ModelRunner:
                 self.device,
             ),
         )
-        state = self.model.loop(state, e, positions, core)  # [N, S]
+        state = self._timed(self.model.loop, state, e, positions, core)  # [N, S]
 
         offsets = _offsets(counts)
         out_items = [i for i, it in enumerate(items) if it.exit is not None]
@@ -180,7 +188,7 @@ class ModelRunner:
                         self.device,
                     ),
                 )
-            e_new = self.model.prelude(ids, pos, boundary)  # [n_enter, E]
+            e_new = self._timed(self.model.prelude, ids, pos, boundary)  # [n_enter, E]
             noise = None
             if self.spec.needs_noise:
                 noise = torch.cat([self._noise(it) for it in entering]).to(self.device)
@@ -221,7 +229,7 @@ class ModelRunner:
         rows = torch.tensor([offsets[i + 1] - 1 for i in out_items], device=self.device)
         surv = torch.tensor([s.survival for s in specs], dtype=torch.float32, device=self.device)
         cdf = torch.tensor([s.cdf for s in specs], dtype=torch.float32, device=self.device)
-        logit = self.model.exit_logit(state.index_select(0, rows))
+        logit = self._timed(self.model.exit_logit, state.index_select(0, rows))
         if logit is not None:
             lam = torch.sigmoid(logit.float())
             p = lam * surv
@@ -286,8 +294,8 @@ class ModelRunner:
             rows = [offsets[i + 1] - 1 for i in coda_items]
             attn = None
         index = torch.tensor(rows, device=self.device)
-        hidden = self.model.coda(
-            state.index_select(0, index), positions.index_select(0, index), attn
+        hidden = self._timed(
+            self.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
         )
         # The output row of item i is its last coda row.
         sample_items = [i for i in coda_items if i in exited]
@@ -299,7 +307,7 @@ class ModelRunner:
         )
         last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}
         pick = torch.tensor([last[i] for i in sample_items], device=self.device)
-        logits = self.model.logits(hidden.index_select(0, pick))  # [M, V] fp32
+        logits = self._timed(self.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
         sample_rows = [
             SampleRow(
                 params=self._setups[items[i].request_id].params,

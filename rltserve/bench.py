@@ -1,0 +1,155 @@
+"""Offline throughput benchmark (``rltserve bench offline``).
+
+Runs a synthetic workload (random token-id prompts, fixed output length, EOS ignored) through an
+in-process engine driven step by step, and reports throughput, steps, rows per step, mean exit
+depth and the FLOP bound of DESIGN §10. ``--compare`` runs, in one process on one loaded model:
+refill at the requested threshold, no-refill at the same threshold, refill at full depth, and a
+plain per-request generate loop (the naive baseline), so ratios come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineCore
+from rltserve.models import load_model
+from rltserve.models.base import LoopedModel, LoopedSpec
+from rltserve.models.naive import naive_generate
+from rltserve.sampling import SamplingParams
+
+
+def flops_per_token(model: LoopedModel) -> tuple[float, float]:
+    """(F0, Fr): matmul FLOPs of one token outside the loop (prelude + coda + head) and of one
+    loop, counted as 2 x the parameters each touches (attention scores are left out)."""
+    names = dict(model.named_parameters())
+    loop_keys = ("layers.", "core_block.", "adapter", "model.norm", "early_exit_gate")
+    per_loop = sum(p.numel() for n, p in names.items() if any(k in n for k in loop_keys))
+    total = sum(p.numel() for p in names.values())
+    spec: LoopedSpec = model.spec
+    # An untied embedding is a lookup (no FLOPs); a tied one is also the head and counts once.
+    tied = not any("lm_head" in n for n in names)
+    embed = 0 if tied else spec.vocab_size * spec.hidden_size
+    return 2.0 * (total - per_loop - embed), 2.0 * per_loop
+
+
+def flop_bound(f0: float, fr: float, loops: int, mean_exit: float, prompt: int, out: int) -> dict:
+    """Speed-up bounds of early exit: decode-only (DESIGN §10) and for the whole workload, where
+    prompt tokens always run every loop."""
+    decode = (f0 + loops * fr) / (f0 + mean_exit * fr)
+    full = prompt * loops * fr + out * (f0 + loops * fr)
+    adaptive = prompt * loops * fr + out * (f0 + mean_exit * fr)
+    return {"flop_bound_decode": decode, "flop_bound_workload": full / adaptive}
+
+
+def _workload(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
+
+
+def run_engine(
+    model: LoopedModel, engine_kw: dict, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, Any]:
+    core = EngineCore(EngineConfig.from_flat(**engine_kw), model=model)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"b{i}", prompt, params)
+    depths: list[int] = []
+    tokens = 0
+    start = time.perf_counter()
+    while core.has_work():
+        for update in core.step():
+            tokens += len(update.new_token_ids)
+            depths.extend(update.new_exit_depths)
+    elapsed = time.perf_counter() - start
+    stats = core.stats()
+    model_seconds = core.runner.model_seconds
+    core.shutdown()
+    return {
+        "output_tokens": tokens,
+        "seconds": round(elapsed, 4),
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+        "steps": stats.num_steps,
+        "mean_rows_per_step": round(stats.num_rows / max(stats.num_steps, 1), 2),
+        "mean_exit_depth": round(sum(depths) / max(len(depths), 1), 3),
+        "model_seconds": round(model_seconds, 4),
+        "step_overhead": round(elapsed / max(model_seconds, 1e-9), 3),
+    }
+
+
+def run_naive(model: LoopedModel, prompts: list[list[int]], params: SamplingParams) -> dict:
+    tokens = 0
+    start = time.perf_counter()
+    for prompt in prompts:
+        out, _ = naive_generate(
+            model,
+            prompt,
+            params.max_tokens,
+            max_loops=params.max_loops,
+            exit_threshold=params.exit_threshold,
+            min_loops=params.min_loops,
+        )
+        tokens += len(out)
+    elapsed = time.perf_counter() - start
+    return {
+        "output_tokens": tokens,
+        "seconds": round(elapsed, 4),
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+    }
+
+
+def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, Any]:
+    engine_kw = dict(engine_kw)
+    if engine_kw.get("model") is None:
+        from rltserve.models.demo import demo_model_path
+
+        engine_kw["model"] = str(demo_model_path())
+    engine_kw["max_num_seqs"] = args.concurrency
+    model = load_model(engine_kw["model"], dtype=engine_kw["dtype"], device=engine_kw["device"])
+    prompts = _workload(args.num_prompts, args.input_len, model.spec.vocab_size)
+    params = SamplingParams(
+        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
+    )
+    f0, fr = flops_per_token(model)
+    report: dict[str, Any] = {
+        "model": engine_kw["model"],
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "concurrency": args.concurrency,
+        "exit_threshold": args.exit_threshold,
+        "kv_policy": engine_kw["kv_policy"],
+    }
+    main = run_engine(model, engine_kw, prompts, params)
+    report[engine_kw["scheduling"]] = main
+    report.update(
+        flop_bound(
+            f0, fr, model.spec.num_loops, main["mean_exit_depth"], args.input_len, args.output_len
+        )
+    )
+    if not args.compare:
+        return report
+    other = "no_refill" if engine_kw["scheduling"] == "refill" else "refill"
+    report[other] = run_engine(model, {**engine_kw, "scheduling": other}, prompts, params)
+    full_params = params.replace(exit_threshold=1.0)
+    report["full_depth"] = run_engine(
+        model, {**engine_kw, "scheduling": "refill"}, prompts, full_params
+    )
+    naive_prompts = prompts[: min(len(prompts), 8)]
+    report["naive"] = run_naive(model, naive_prompts, params)
+    refill = report["refill"]
+    report["ratios"] = {
+        "refill_vs_no_refill": _ratio(refill, report["no_refill"]),
+        "refill_vs_full_depth": _ratio(refill, report["full_depth"]),
+        "refill_vs_naive": _ratio(refill, report["naive"]),
+        "refill_speedup_vs_flop_bound": round(
+            _ratio(refill, report["full_depth"]) / report["flop_bound_workload"], 3
+        ),
+    }
+    return report
+
+
+def _ratio(a: dict, b: dict) -> float:
+    return round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
