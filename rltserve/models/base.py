@@ -115,4 +115,3 @@ class LoopedModel(nn.Module, metaclass=ABCMeta):
 def noise_seed(seed: int, position: int) -> int:
     """Seed of the generator that draws the initial state of one position of a request."""
     return (seed * 1_000_003 + position) % (2**63)
-
