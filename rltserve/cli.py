@@ -35,6 +35,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
+            if hints[f.name] is bool:
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=f.default,
+                    help=f.metadata.get("help", ""),
+                )
+                continue
             group.add_argument(
                 flag,
                 dest=f.name,
@@ -104,14 +113,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_make_model(args: argparse.Namespace) -> int:
-    from rltserve.models.presets import make_model
-
-    path = make_model(args.preset, args.out, seed=args.seed)
-    print(path)
-    return 0
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
@@ -139,7 +140,7 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rltserve.models.presets import PRESETS
+    from rltserve.models.presets import add_make_model_args, run_make_model
 
     parser = argparse.ArgumentParser(prog="rltserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,10 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     mm = sub.add_parser("make-model", help="write a random checkpoint of a preset shape")
-    mm.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    mm.add_argument("--out", required=True)
-    mm.add_argument("--seed", type=int, default=0)
-    mm.set_defaults(func=cmd_make_model)
+    add_make_model_args(mm)
+    mm.set_defaults(func=run_make_model)
 
     info = sub.add_parser("info", help="versions and available backends")
     info.set_defaults(func=cmd_info)

@@ -77,6 +77,10 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata=_help("running requests at most"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("tokens per step at most"))
     prefill_chunk_size: int = field(default=512, metadata=_help("prompt tokens per chunk at most"))
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help("plan the next step while the current one runs (two steps in flight)"),
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING:

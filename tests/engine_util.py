@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from reference import Reference
@@ -32,14 +33,29 @@ def run_core(
     *,
     arrivals: list[int] | None = None,
     aborts: dict[int, int] | None = None,
+    lag: int = 0,
     max_steps: int = 10_000,
 ) -> Run:
     """Runs requests to completion. ``arrivals[i]`` is the step at which request i is added;
-    ``aborts`` maps a request index to the step at which it is aborted."""
+    ``aborts`` maps a request index to the step at which it is aborted. With ``lag=1`` each
+    step is planned before the previous step's result is applied, as async scheduling does
+    (steps still execute in order)."""
     arrivals = arrivals or [0] * len(prompts)
     aborts = aborts or {}
     run = Run()
     rids = [f"r{i}" for i in range(len(prompts))]
+    pending: deque = deque()
+
+    def apply_oldest() -> None:
+        plan, result = pending.popleft()
+        for u in core.apply(plan, result):
+            run.tokens[u.request_id].extend(u.new_token_ids)
+            run.depths[u.request_id].extend(u.new_exit_depths)
+            if u.error:
+                raise AssertionError(f"{u.request_id} failed: {u.error}")
+            if u.finish_reason is not None:
+                run.finish[u.request_id] = u.finish_reason.value
+
     step = 0
     added = set()
     while True:
@@ -50,26 +66,24 @@ def run_core(
                 run.depths[rids[i]] = []
                 added.add(i)
         for i, at in aborts.items():
-            if at == step:
-                update = core.abort(rids[i])
-                if update is not None:
-                    run.finish[rids[i]] = "abort"
+            if at == step and core.abort(rids[i]) is not None:
+                run.finish[rids[i]] = "abort"
         plan = core.plan()
         if plan is not None:
             run.max_rows = max(run.max_rows, plan.num_tokens)
-            for u in core.execute(plan):
-                run.tokens[u.request_id].extend(u.new_token_ids)
-                run.depths[u.request_id].extend(u.new_exit_depths)
-                if u.error:
-                    raise AssertionError(f"{u.request_id} failed: {u.error}")
-                if u.finish_reason is not None:
-                    run.finish[u.request_id] = u.finish_reason.value
+            pending.append((plan, core.runner.execute(plan)))
             run.steps += 1
+        if len(pending) > lag or (plan is None and pending):
+            apply_oldest()
         step += 1
-        if len(added) == len(prompts) and not core.has_work():
+        if len(added) == len(prompts) and not core.has_work() and not pending:
             break
         assert step < max_steps, "engine did not finish"
-    # Release the last finished requests' runner state and check that no KV leaked.
+    # Flush the releases of the last finished requests to the runner, then check for leaks.
+    final = core.plan()
+    if final is not None:
+        core.execute(final)
+    assert not core.runner.live, "runner kept state of finished requests"
     core.kv.check_no_leaks()
     return run
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import FinishReason, Request
-from rltserve.core.runner import ModelRunner
+from rltserve.core.runner import ExecutionFuture, ModelRunner
 from rltserve.core.scheduler import RequestUpdate, Scheduler
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel
@@ -136,8 +137,16 @@ class EngineCore:
             raise ValueError(
                 f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
             )
-        if self.config.scheduler.exit_mode == "trace" and params.trace_depths is None:
+        sched = self.config.scheduler
+        if sched.exit_mode == "trace" and params.trace_depths is None:
             raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
+        gated = sched.exit_mode == "gate" and spec.has_gate and params.adaptive_exit
+        if sched.async_scheduling and gated:
+            raise ValueError(
+                f"exit_threshold={params.exit_threshold}: adaptive exit with "
+                "async_scheduling needs exit_mode='delayed' (or 'trace'); the in-step "
+                "gate rule would make every step wait for the previous one"
+            )
         cap = params.max_loops or spec.num_loops
         num_loops = max(spec.num_loops, cap) if spec.has_gate else cap
         seed = params.seed
@@ -206,21 +215,31 @@ Emit = Callable[[list[RequestUpdate], EngineStats], None]
 
 async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) -> None:
     """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params),
-    ("abort", rid). A rejected add is emitted as an ERROR update for that request id."""
+    ("abort", rid). A rejected add is emitted as an ERROR update for that request id.
+
+    With ``async_scheduling`` up to two steps are in flight: the next step is planned and
+    submitted before the current one's result is applied, so planning, IPC and output handling
+    overlap the computation. Steps execute in submission order on the runner's executor.
+    """
+    in_flight: deque[tuple[StepPlan, ExecutionFuture]] = deque()
+    limit = 2 if core.config.scheduler.async_scheduling else 1
     while True:
-        if not core.has_work():
-            command = await inbox.get()
-            if _handle(core, command, emit):
-                return
+        if not in_flight and not core.has_work() and _handle(core, await inbox.get(), emit):
+            break
         while not inbox.empty():
             if _handle(core, inbox.get_nowait(), emit):
                 return
-        plan = core.plan()
-        if plan is None:
+        while len(in_flight) < limit:
+            plan = core.plan()
+            if plan is None:
+                break
+            in_flight.append((plan, core.runner.submit(plan)))
+        if not in_flight:
             if _handle(core, await inbox.get(), emit):
                 return
             continue
-        result = await core.runner.submit(plan).wait()
+        plan, future = in_flight.popleft()
+        result = await future.wait()
         emit(core.apply(plan, result), core.stats())
 
 

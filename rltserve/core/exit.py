@@ -1,13 +1,15 @@
-"""Exit policies: how the scheduler fills an item's ``ExitSpec`` (torch-free).
+"""Exit policies on the scheduler side (torch-free): which ExitSpec an output position carries,
+and what the scheduler already knows about where it exits.
 
-The Ouro gate rule itself (DESIGN §5) runs on the device inside the step (``gate_mode`` below
-returns ``exit_now=None`` for it) so an exiting token reaches its coda in the same step. The
-other policies are decided here, before the step:
+A request's exit mode is fixed when it is created:
 
-- fixed depth: models without a gate, or ``exit_threshold >= 1``: exit at ``max_loops``;
-- delayed: the gate's decision after loop t takes effect after loop t+1, so it is known when the
-  step for loop t+1 is planned (the runner still reports the gate state every loop);
-- trace: replay the request's ``trace_depths`` (benchmarks), the cap applying.
+- ``fixed``: models without a gate, ``exit_threshold >= 1``, or trace replay (benchmarks): the
+  exit depth is known before any loop runs;
+- ``gate``: the Ouro gate rule (DESIGN §5) runs on the device in the step that computes the gate,
+  so an exiting token reaches its coda in that same step; the scheduler learns the exit from the
+  step's result;
+- ``delayed``: the gate's decision after loop t takes effect after loop t+1, so when loop t+1 is
+  planned the scheduler need not have read loop t's result yet (async scheduling).
 """
 
 from __future__ import annotations
@@ -16,33 +18,52 @@ from rltserve.core.plan import ExitSpec
 from rltserve.core.request import InFlight, Request
 
 
-def exit_spec(request: Request, item: InFlight, has_gate: bool, exit_mode: str) -> ExitSpec:
-    """The ExitSpec of ``item``'s output position for the loop ``item.depth``."""
+def choose_exit_mode(request: Request, has_gate: bool, engine_mode: str) -> str:
     params = request.params
+    if engine_mode == "trace" and params.trace_depths is not None:
+        return "fixed"
+    if not (has_gate and params.adaptive_exit):
+        return "fixed"
+    return "delayed" if engine_mode == "delayed" else "gate"
+
+
+def fixed_exit_depth(request: Request, output_index: int) -> int:
+    """Exit depth of output number ``output_index`` in fixed mode (trace replay or the cap)."""
     cap = request.max_loops
-    depth = item.depth
-    adaptive = has_gate and params.adaptive_exit
-    if exit_mode == "trace" and params.trace_depths is not None:
-        k = len(request.output_token_ids)
-        target = params.trace_depths[k] if k < len(params.trace_depths) else cap
-        exit_now: bool | None = depth >= min(max(target, 1), cap)
-    elif not adaptive:
-        exit_now = depth >= cap
-    elif exit_mode == "delayed":
-        exit_now = depth >= cap or item.exit_pending
-    else:
-        exit_now = None
+    trace = request.params.trace_depths
+    if trace is not None and output_index < len(trace):
+        return min(max(trace[output_index], 1), cap)
+    return cap
+
+
+def exit_spec(request: Request, item: InFlight, depth: int) -> ExitSpec:
+    params = request.params
+    exit_now = request.exit_mode == "fixed" and depth >= fixed_exit_depth(
+        request, item.output_index
+    )
     return ExitSpec(
+        mode=request.exit_mode,
         exit_now=exit_now,
         min_loops=params.min_loops,
-        max_loops=cap,
+        max_loops=request.max_loops,
         threshold=params.exit_threshold,
-        survival=item.survival,
-        cdf=item.cdf,
     )
 
 
-def delayed_wants_exit(request: Request, depth: int, cdf: float) -> bool:
-    """Whether the gate state after loop ``depth`` asks the next loop to be the exit."""
-    params = request.params
-    return params.adaptive_exit and depth >= params.min_loops and cdf >= params.exit_threshold
+def exit_known(request: Request, item: InFlight, depth: int) -> bool | None:
+    """Whether loop ``depth`` is the exit of the item's output: True/False when known from the
+    plan or from applied results, None while it depends on a result not yet applied."""
+    if not item.has_output:
+        return False
+    if item.exit_depth is not None:
+        return depth >= item.exit_depth
+    if depth >= request.max_loops:
+        return True
+    if request.exit_mode == "fixed":
+        return depth >= fixed_exit_depth(request, item.output_index)
+    if request.exit_mode == "delayed":
+        if item.delayed_exit_at is not None:
+            return depth >= item.delayed_exit_at
+        # Loop d exits only if loop d-1's gate asked for it; a known "no" is known.
+        return False if item.applied >= depth - 1 else None
+    return False if item.applied >= depth else None

@@ -23,24 +23,33 @@ class RequestSetup:
     params: SamplingParams
     num_loops: int  # D_r: loops of a prompt token (and of every token under the `full` policy)
     seed: int  # effective seed of the request's generators (the engine derives one if unset)
+    # The prompt, sent only when the request uses repetition/presence/frequency penalties: the
+    # runner keeps the sampled history itself, so penalties never wait for the CPU.
+    prompt_token_ids: list[int] | None = None
+
+
+EXIT_MODES = ("fixed", "gate", "delayed")
 
 
 @dataclass(frozen=True)
 class ExitSpec:
-    """The output position of a work item still owes a token (it has not exited yet).
+    """How the output position of a work item decides its exit at this loop.
 
-    ``exit_now`` is True/False when the scheduler already knows whether this depth is the exit
-    (fixed depth, delayed gate, trace replay); None asks the runner to apply the Ouro gate rule
-    in this step: exit when ``depth >= max_loops`` or when ``threshold < 1``,
-    ``depth >= min_loops`` and the updated CDF reaches ``threshold``.
+    - ``fixed``: ``exit_now`` says it (fixed depth, trace replay), known at planning time;
+    - ``gate``: the Ouro rule on this loop's gate: exit when ``depth >= max_loops`` or when
+      ``threshold < 1``, ``depth >= min_loops`` and the updated CDF reaches ``threshold``;
+    - ``delayed``: the same rule, one loop late: the gate after loop t decides an exit after loop
+      t+1, so a step can be planned before the previous step's gate has been read.
+
+    The gate state (survival, CDF, the delayed decision) lives with the runner between loops, and
+    the runner ignores the spec once the position has exited.
     """
 
-    exit_now: bool | None
+    mode: str
+    exit_now: bool
     min_loops: int
     max_loops: int
     threshold: float
-    survival: float  # S_{depth-1}: probability mass not yet assigned before this loop
-    cdf: float  # CDF_{depth-1}
 
 
 @dataclass(frozen=True)
@@ -60,14 +69,14 @@ class WorkItem:
     ends_at: int
     stop_at_exit: bool
     block_table: list[int]  # blocks of the plane that loop `depth` reads and writes
-    token_ids: list[int] | None = None  # set when depth == 1: the prelude runs for these rows
+    # Inputs of the prelude at depth 1: the prompt tokens of a chunk. None for a decode token:
+    # its input is the request's last sampled token, which the runner already holds.
+    token_ids: list[int] | None = None
     boundary_table: list[int] | None = None  # prelude/coda plane (models with coda attention)
     exit: ExitSpec | None = None
     # last_exited copy-on-exit targets: the block holding position `start` in each plane of
     # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed.
     exit_copy_blocks: list[int] = field(default_factory=list)
-    # (prompt ids, output ids) when the request uses repetition/presence/frequency penalties.
-    penalty_tokens: tuple[list[int], list[int]] | None = None
 
     @property
     def end(self) -> int:
@@ -90,11 +99,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class ItemResult:
-    """What the device decided for one work item that carried an ``ExitSpec``."""
+    """What the device decided for one work item whose output position had not exited."""
 
     exited: bool
     survival: float  # S after this loop (gate models; 1.0 otherwise)
     cdf: float  # CDF after this loop (gate models; 0.0 otherwise)
+    exit_next: bool = False  # delayed mode: the next loop will be the exit
     token_id: int = -1  # sampled token when exited
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None
@@ -103,7 +113,7 @@ class ItemResult:
 @dataclass
 class StepResult:
     step_id: int
-    # Aligned with plan.items: None for items that carried no ExitSpec.
+    # Aligned with plan.items: None for items without an output position still to exit.
     items: list[ItemResult | None]
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0

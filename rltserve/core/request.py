@@ -30,17 +30,24 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class InFlight:
-    """The work item a request has in flight: tokens [start, start + num_tokens) at ``depth``."""
+    """A work item of a request: tokens [start, start + num_tokens), looping toward ``ends_at``.
+
+    Planning runs ahead of results (async scheduling keeps two steps in flight), so the item
+    records how far it was planned and how far its results have been applied. The item is over
+    for planning once its last loop is planned: ``ends_at``, or the output's exit when
+    ``stop_at_exit``.
+    """
 
     start: int
     num_tokens: int
-    depth: int  # the loop the next step runs (1-based)
-    ends_at: int  # the item's last loop unless it stops at its output's exit
+    ends_at: int
     stop_at_exit: bool
-    has_output: bool  # the item's last row still owes an output token
-    survival: float = 1.0
-    cdf: float = 0.0
-    exit_pending: bool = False  # delayed exit: the previous loop's gate asked to exit
+    has_output: bool  # the last row produces output token number ``output_index``
+    output_index: int = 0
+    planned: int = 0  # loops planned so far
+    applied: int = 0  # loops whose results were applied
+    exit_depth: int | None = None  # the loop at which the output exited (from a result)
+    delayed_exit_at: int | None = None  # delayed mode: the loop a result said will be the exit
 
 
 @dataclass
@@ -59,9 +66,9 @@ class Request:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    num_prefilled: int = 0  # prompt tokens whose loops are complete
-    num_decoded: int = 0  # output tokens whose own loops (as inputs) are complete
-    in_flight: InFlight | None = None
+    exit_mode: str = "fixed"  # how output positions exit: fixed | gate | delayed (ExitSpec)
+    num_scheduled: int = 0  # positions already covered by work items
+    in_flight: InFlight | None = None  # the item being planned
     finish_reason: FinishReason | None = None
     error: str | None = None
     admitted: bool = False  # its KV is reserved and the runner knows it
@@ -72,8 +79,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def prefill_done(self) -> bool:
-        return self.num_prefilled == self.num_prompt_tokens
+    def prefill_scheduled(self) -> bool:
+        return self.num_scheduled >= self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

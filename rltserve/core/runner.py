@@ -1,8 +1,10 @@
 """ModelRunner: StepPlan -> tensors -> one model pass -> sampling -> StepResult.
 
 The only torch user in ``rltserve.core`` besides attention and sampling. It never mutates a
-request; what it keeps between steps is device state keyed by request id: the hidden state (and
-input injection) of each in-flight work item, and each request's sampling generator.
+request. Between steps it keeps per-request execution state (``LiveRequest``): the hidden state
+of the in-flight work item, the exit-gate state of its output position, the last sampled token
+(the next decode token's input) and the sampling generator. Because the runner owns these, the
+scheduler can plan a step before it has read the previous step's result.
 
 One step: the prelude runs for items entering loop 1; every item runs one loop at its own depth
 (each reads and writes the KV plane of that depth); the exit rule runs for output positions; the
@@ -19,7 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, copy_slots
-from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
+from rltserve.core.live import ItemState, LiveRequest
+from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SampleRow
 from rltserve.models.base import LoopedModel
 
@@ -67,18 +70,17 @@ class ModelRunner:
             self.device,
         )
         self.sampler = Sampler()
-        self._setups: dict[str, RequestSetup] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
-        # request id -> (state [n, S], e [n, E] or None) of its in-flight item
-        self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.live: dict[str, LiveRequest] = {}
         self._keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
         self._executor: ThreadPoolExecutor | None = None
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
+        self.busy_seconds = 0.0  # wall time executing steps
 
     # ---------------------------------------------------------------- execution
 
     def submit(self, plan: StepPlan) -> ExecutionFuture:
-        """Runs the step on the executor thread (torch releases the GIL while it computes)."""
+        """Runs the step on the executor thread (torch releases the GIL while it computes).
+        Steps run one at a time in submission order."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="rltserve-step")
         return ExecutionFuture(self._executor.submit(self.execute, plan))
@@ -89,12 +91,17 @@ class ModelRunner:
             self._executor = None
 
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         try:
             with torch.inference_mode():
                 return self._execute(plan)
         except Exception as exc:  # a failed step fails its requests, not the engine
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            for item in plan.items:  # their device state is unknown now
+                self.live.pop(item.request_id, None)
             return StepResult(plan.step_id, [None] * len(plan.items), error=detail)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -107,9 +114,10 @@ class ModelRunner:
         items = plan.items
         if not items:
             return StepResult(plan.step_id, [])
-        counts = [item.num_tokens for item in items]
+        lives = [self.live[it.request_id] for it in items]
+        offsets = _offsets([it.num_tokens for it in items])
         positions = _positions(items, self.device)  # [N]
-        state, e = self._gather_inputs(items, positions)
+        state, e = self._gather_inputs(items, lives, positions)
 
         core = PagedAttention(
             self.kv,
@@ -121,9 +129,10 @@ class ModelRunner:
         )
         state = self._timed(self.model.loop, state, e, positions, core)  # [N, S]
 
-        offsets = _offsets(counts)
-        out_items = [i for i, it in enumerate(items) if it.exit is not None]
-        exited, survival, cdf = self._decide_exits(items, out_items, offsets, state)
+        out_items = [
+            i for i, it in enumerate(items) if it.exit is not None and not lives[i].item.exited
+        ]
+        exited, exit_next = self._decide_exits(items, lives, out_items, offsets, state)
         self._copy_on_exit(items, out_items, exited)
 
         exited_set = {i for i, x in zip(out_items, exited) if x}
@@ -132,117 +141,137 @@ class ModelRunner:
             for i, it in enumerate(items)
             if it.depth >= it.ends_at or (it.stop_at_exit and i in exited_set)
         ]
-        samples = self._coda_and_sample(items, offsets, positions, state, ending, exited_set)
+        samples = self._coda_and_sample(items, lives, offsets, positions, state, ending, exited_set)
 
         results: list[ItemResult | None] = [None] * len(items)
         for k, i in enumerate(out_items):
             token = samples.get(i)
+            gate = lives[i].item
             results[i] = ItemResult(
                 exited=exited[k],
-                survival=survival[k],
-                cdf=cdf[k],
+                survival=gate.survival,
+                cdf=gate.cdf,
+                exit_next=exit_next[k],
                 token_id=token[0] if token else -1,
                 logprob=token[1] if token else None,
                 top_logprobs=token[2] if token else None,
             )
-        self._store_states(items, offsets, state, e, set(ending))
+        ending_set = set(ending)
+        for i, live in enumerate(lives):
+            if i in ending_set:
+                live.item = None
+            else:
+                lo, hi = offsets[i], offsets[i + 1]
+                live.item.state = state[lo:hi]
+                live.item.e = None if e is None else e[lo:hi]
         return StepResult(
-            plan.step_id,
-            results,
-            num_rows=int(positions.shape[0]),
-            num_coda_rows=len(samples),
+            plan.step_id, results, num_rows=int(positions.shape[0]), num_coda_rows=len(samples)
         )
 
     # ---------------------------------------------------------------- pieces
 
     def _update_requests(self, plan: StepPlan) -> None:
         for rid in plan.released:
-            self._setups.pop(rid, None)
-            self._generators.pop(rid, None)
-            self._states.pop(rid, None)
+            self.live.pop(rid, None)
         for setup in plan.new_requests:
-            self._setups[setup.request_id] = setup
-            gen = None
-            if not setup.params.greedy:
-                gen = torch.Generator(device=self.device).manual_seed(setup.seed)
-            self._generators[setup.request_id] = gen
+            self.live[setup.request_id] = LiveRequest.create(setup, self.device)
 
     def _gather_inputs(
-        self, items: list[WorkItem], positions: torch.Tensor
+        self, items: list[WorkItem], lives: list[LiveRequest], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        entering = [it for it in items if it.depth == 1]
-        fresh_state: list[torch.Tensor] = []
-        fresh_e: list[torch.Tensor] = []
+        entering = [i for i, it in enumerate(items) if it.depth == 1]
+        fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if entering:
             ids = torch.tensor(
-                [t for it in entering for t in it.token_ids], dtype=torch.long, device=self.device
+                [t for i in entering for t in _input_ids(items[i], lives[i])],
+                dtype=torch.long,
+                device=self.device,
             )
-            pos = _positions(entering, self.device)
+            sub = [items[i] for i in entering]
+            pos = _positions(sub, self.device)
             boundary = None
             if self.spec.num_boundary_layers:
+                spans = [(it.start, it.num_tokens, it.boundary_table) for it in sub]
                 boundary = PagedAttention(
-                    self.kv,
-                    AttentionMetadata.build(
-                        [(it.start, it.num_tokens, it.boundary_table) for it in entering],
-                        self.block_size,
-                        self.device,
-                    ),
+                    self.kv, AttentionMetadata.build(spans, self.block_size, self.device)
                 )
             e_new = self._timed(self.model.prelude, ids, pos, boundary)  # [n_enter, E]
             noise = None
             if self.spec.needs_noise:
-                noise = torch.cat([self._noise(it) for it in entering]).to(self.device)
+                noise = torch.cat([self._noise(it, lives[i]) for i, it in zip(entering, sub)])
+                noise = noise.to(self.device)
             s_new = self.model.initial_state(e_new, noise)  # [n_enter, S]
-            fresh_state = list(s_new.split([it.num_tokens for it in entering]))
-            fresh_e = list(e_new.split([it.num_tokens for it in entering]))
+            sizes = [it.num_tokens for it in sub]
+            for i, s_part, e_part in zip(entering, s_new.split(sizes), e_new.split(sizes)):
+                fresh[i] = (s_part, e_part)
+                lives[i].item = ItemState(items[i].start)
         states: list[torch.Tensor] = []
         injections: list[torch.Tensor] = []
-        k = 0
-        for it in items:
-            if it.depth == 1:
-                states.append(fresh_state[k])
-                injections.append(fresh_e[k])
-                k += 1
+        for i, (it, live) in enumerate(zip(items, lives)):
+            if i in fresh:
+                s, e = fresh[i]
             else:
-                s, e = self._states[it.request_id]
-                states.append(s)
-                if e is not None:
-                    injections.append(e)
+                held = live.item
+                if held is None or held.start != it.start:
+                    raise RuntimeError(f"{it.request_id}: no in-flight state at {it.start}")
+                s, e = held.state, held.e
+            states.append(s)
+            if self._keeps_e:
+                injections.append(e)
         state = torch.cat(states) if len(states) > 1 else states[0]
         if not self._keeps_e:
             return state, None
         return state, torch.cat(injections) if len(injections) > 1 else injections[0]
 
-    def _noise(self, item: WorkItem) -> torch.Tensor:
-        setup = self._setups[item.request_id]
-        seed = setup.seed if setup.params.init_state == "random" else None
+    def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
+        seed = live.setup.seed if live.setup.params.init_state == "random" else None
         return self.model.draw_noise(seed, list(range(item.start, item.end)))
 
     def _decide_exits(
-        self, items: list[WorkItem], out_items: list[int], offsets: list[int], state: torch.Tensor
-    ) -> tuple[list[bool], list[float], list[float]]:
-        """Applies the exit rule to the output rows: fp32, the same arithmetic as the reference
-        (p = lam * S; S' = S * (1 - lam); CDF' = CDF + p)."""
+        self,
+        items: list[WorkItem],
+        lives: list[LiveRequest],
+        out_items: list[int],
+        offsets: list[int],
+        state: torch.Tensor,
+    ) -> tuple[list[bool], list[bool]]:
+        """The exit rule for the output rows, in fp32 with the reference's arithmetic:
+        lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p."""
         if not out_items:
-            return [], [], []
+            return [], []
         specs = [items[i].exit for i in out_items]
-        rows = torch.tensor([offsets[i + 1] - 1 for i in out_items], device=self.device)
-        surv = torch.tensor([s.survival for s in specs], dtype=torch.float32, device=self.device)
-        cdf = torch.tensor([s.cdf for s in specs], dtype=torch.float32, device=self.device)
+        gates = [lives[i].item for i in out_items]
+        dev = self.device
+        rows = torch.tensor([offsets[i + 1] - 1 for i in out_items], device=dev)
+        surv = torch.tensor([g.survival for g in gates], dtype=torch.float32, device=dev)
+        cdf = torch.tensor([g.cdf for g in gates], dtype=torch.float32, device=dev)
         logit = self._timed(self.model.exit_logit, state.index_select(0, rows))
         if logit is not None:
             lam = torch.sigmoid(logit.float())
-            p = lam * surv
+            cdf = cdf + lam * surv
             surv = surv * (1.0 - lam)
-            cdf = cdf + p
-        depth = torch.tensor([items[i].depth for i in out_items], device=self.device)
-        min_l = torch.tensor([s.min_loops for s in specs], device=self.device)
-        max_l = torch.tensor([s.max_loops for s in specs], device=self.device)
-        thr = torch.tensor([s.threshold for s in specs], dtype=torch.float32, device=self.device)
-        gate_exit = (depth >= max_l) | ((thr < 1.0) & (depth >= min_l) & (cdf >= thr))
-        decided = gate_exit.tolist()
-        exited = [d if s.exit_now is None else s.exit_now for s, d in zip(specs, decided)]
-        return exited, surv.tolist(), cdf.tolist()
+        depth = torch.tensor([items[i].depth for i in out_items], device=dev)
+        min_l = torch.tensor([s.min_loops for s in specs], device=dev)
+        max_l = torch.tensor([s.max_loops for s in specs], device=dev)
+        thr = torch.tensor([s.threshold for s in specs], dtype=torch.float32, device=dev)
+        crossed = ((thr < 1.0) & (depth >= min_l) & (cdf >= thr)).tolist()
+        capped = (depth >= max_l).tolist()
+        exited: list[bool] = []
+        exit_next: list[bool] = []
+        for k, (spec, gate) in enumerate(zip(specs, gates)):
+            if spec.mode == "fixed":
+                now = spec.exit_now
+            elif spec.mode == "delayed":
+                now = capped[k] or gate.pending
+            else:
+                now = capped[k] or crossed[k]
+            gate.pending = spec.mode == "delayed" and crossed[k] and not now
+            exited.append(now)
+            exit_next.append(gate.pending)
+        for gate, s, c, x in zip(gates, surv.tolist(), cdf.tolist(), exited):
+            gate.survival, gate.cdf = s, c
+            gate.exited = x
+        return exited, exit_next
 
     def _copy_on_exit(self, items: list[WorkItem], out_items: list[int], exited: list[bool]):
         """last_exited: the exit-depth K/V of a token stopping early serves deeper planes."""
@@ -268,6 +297,7 @@ class ModelRunner:
     def _coda_and_sample(
         self,
         items: list[WorkItem],
+        lives: list[LiveRequest],
         offsets: list[int],
         positions: torch.Tensor,
         state: torch.Tensor,
@@ -275,14 +305,12 @@ class ModelRunner:
         exited: set[int],
     ) -> dict[int, tuple[int, float | None, list[tuple[int, float]] | None]]:
         """Coda for finishing rows, logits + sampling for exited output rows."""
-        if self.spec.num_boundary_layers:
-            # Coda attention: every row of an ending item writes coda KV that later tokens read.
-            coda_items = sorted(set(ending) | exited)
-        else:
-            coda_items = sorted(exited)
+        boundary = self.spec.num_boundary_layers > 0
+        # With coda attention every row of an ending item writes coda KV that later tokens read.
+        coda_items = sorted(set(ending) | exited) if boundary else sorted(exited)
         if not coda_items:
             return {}
-        if self.spec.num_boundary_layers:
+        if boundary:
             rows = [r for i in coda_items for r in range(offsets[i], offsets[i + 1])]
             spans = [
                 (items[i].start, items[i].num_tokens, items[i].boundary_table) for i in coda_items
@@ -290,52 +318,43 @@ class ModelRunner:
             attn = PagedAttention(
                 self.kv, AttentionMetadata.build(spans, self.block_size, self.device)
             )
+            widths = [offsets[i + 1] - offsets[i] for i in coda_items]
         else:
             rows = [offsets[i + 1] - 1 for i in coda_items]
             attn = None
+            widths = [1] * len(coda_items)
         index = torch.tensor(rows, device=self.device)
         hidden = self._timed(
             self.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
         )
-        # The output row of item i is its last coda row.
+        ends = _offsets(widths)
         sample_items = [i for i in coda_items if i in exited]
-        ends = _offsets(
-            [
-                (offsets[i + 1] - offsets[i]) if self.spec.num_boundary_layers else 1
-                for i in coda_items
-            ]
-        )
-        last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}
+        last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
         pick = torch.tensor([last[i] for i in sample_items], device=self.device)
         logits = self._timed(self.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
         sample_rows = [
             SampleRow(
-                params=self._setups[items[i].request_id].params,
-                generator=self._generators.get(items[i].request_id),
-                penalty_tokens=items[i].penalty_tokens,
+                params=lives[i].setup.params,
+                generator=lives[i].generator,
+                penalty_tokens=lives[i].penalty_tokens(),
             )
             for i in sample_items
         ]
         out = self.sampler.sample(logits, sample_rows)
+        for k, i in enumerate(sample_items):
+            lives[i].record(out.token_ids[k])
         return {
             i: (out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
             for k, i in enumerate(sample_items)
         }
 
-    def _store_states(
-        self,
-        items: list[WorkItem],
-        offsets: list[int],
-        state: torch.Tensor,
-        e: torch.Tensor | None,
-        ending: set[int],
-    ) -> None:
-        for i, it in enumerate(items):
-            if i in ending:
-                self._states.pop(it.request_id, None)
-                continue
-            lo, hi = offsets[i], offsets[i + 1]
-            self._states[it.request_id] = (state[lo:hi], None if e is None else e[lo:hi])
+
+def _input_ids(item: WorkItem, live: LiveRequest) -> list[int]:
+    if item.token_ids is not None:
+        return item.token_ids
+    if live.last_token is None:
+        raise RuntimeError(f"{item.request_id}: decode input requested before any token")
+    return [live.last_token]
 
 
 def _offsets(counts: list[int]) -> list[int]:

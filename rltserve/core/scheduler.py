@@ -6,11 +6,18 @@ token that exits frees its row for new work in the very next step.
 
 - refill (default): any step may start new items at depth 1 (new prompt chunks, new decode
   tokens, newly admitted requests) beside other requests' deeper loops;
-- no_refill: a cohort of items runs in lockstep; new items start only when every item of the
-  previous cohort has finished its loops (the static baseline).
+- no_refill: a cohort of items runs in lockstep; new items start only once every item of the
+  previous cohort has planned its last loop (the static baseline).
+
+Planning may run one step ahead of results (async scheduling): an item's next loop is planned
+only when everything it depends on is known, either from the plan itself (fixed depths, the
+delayed exit rule) or from applied results; otherwise the item waits a step. A decode token's
+input is the token sampled in the previous step, which the runner holds, so it needs no result.
 
 Budgets per step: ``max_num_batched_tokens`` rows in all; ``max_num_seqs`` running requests.
 Admission reserves a request's whole KV (every plane) so a running request never runs out.
+Steps execute in submission order, so KV freed while a submitted step still uses it is only
+reused by later steps.
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rltserve.config import SchedulerConfig
-from rltserve.core.exit import delayed_wants_exit, exit_spec
+from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
-from rltserve.core.plan import RequestSetup, StepPlan, StepResult, WorkItem
+from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus
+
+PLAN, WAIT, OVER = "plan", "wait", "over"
 
 
 @dataclass
@@ -55,8 +64,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._released: list[str] = []
+        self._new_setups: list[RequestSetup] = []
         self._step_id = 0
-        self.num_steps = 0
+        # step id -> the InFlight record behind each planned WorkItem, until its result is applied
+        self._planned: dict[int, list[InFlight]] = {}
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -70,26 +81,16 @@ class Scheduler:
                 f"({request.kv_tokens} tokens x {request.num_loops} loops) but the pool has "
                 f"{self.kv.pool.num_total}; lower max_tokens or raise num_blocks"
             )
+        request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
         request = self.requests.get(request_id)
-        if request is None or request.is_finished:
+        if request is None:
             return None
         self._finish(request, FinishReason.ABORT)
         return RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
-
-    def fail_all(self, error: str) -> list[RequestUpdate]:
-        """Fails every unfinished request (a step raised); the engine keeps serving."""
-        updates = []
-        for request in list(self.running) + list(self.waiting):
-            request.error = error
-            self._finish(request, FinishReason.ERROR)
-            updates.append(
-                RequestUpdate(request.request_id, finish_reason=FinishReason.ERROR, error=error)
-            )
-        return updates
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -102,44 +103,75 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_unapplied_steps(self) -> int:
+        return len(self._planned)
+
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> StepPlan | None:
-        """Plans the next step, or returns None when there is nothing to run."""
+        """Plans the next step, or returns None when nothing can run until a result arrives."""
         budget = self.config.max_num_batched_tokens
         items: list[WorkItem] = []
-        new: list[RequestSetup] = []
-        # Items already mid-loop continue first; they fit because they fitted last step.
+        owners: list[InFlight] = []
+        busy = False  # some item is mid-loop (planned or waiting)
         for request in self.running:
-            if request.in_flight is not None:
-                items.append(self._work_item(request))
-                budget -= request.in_flight.num_tokens
-        lockstep_busy = self.config.scheduling == "no_refill" and bool(items)
-        if not lockstep_busy:
-            budget = self._start_items(items, budget)
-            self._admit(items, new, budget)
+            item = request.in_flight
+            if item is None:
+                continue
+            state = self._next_loop(request, item)
+            if state == OVER:
+                request.in_flight = None
+            elif state == WAIT:
+                busy = True
+            elif budget >= item.num_tokens:
+                busy = True
+                budget -= self._plan_loop(request, item, items, owners)
+            else:
+                busy = True
+        if not (self.config.scheduling == "no_refill" and busy):
+            budget = self._start_items(items, owners, budget)
+            self._admit(items, owners, budget)
         if not items and not self._released:
             return None
         self._step_id += 1
-        plan = StepPlan(self._step_id, items, new, self._released)
-        self._released = []
+        plan = StepPlan(self._step_id, items, self._new_setups, self._released)
+        self._new_setups, self._released = [], []
+        self._planned[plan.step_id] = owners
         return plan
 
-    def _start_items(self, items: list[WorkItem], budget: int) -> int:
-        """New depth-1 items for running requests that have none in flight."""
+    def _next_loop(self, request: Request, item: InFlight) -> str:
+        done = item.planned
+        if done >= item.ends_at:
+            return OVER
+        if not item.stop_at_exit:
+            return PLAN
+        known = exit_known(request, item, done)
+        if known is None:
+            return WAIT
+        return OVER if known else PLAN
+
+    def _plan_loop(
+        self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
+    ) -> int:
+        item.planned += 1
+        items.append(self._work_item(request, item, item.planned))
+        owners.append(item)
+        return item.num_tokens
+
+    def _start_items(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> int:
+        """New depth-1 items for running requests whose previous item is over."""
         for request in self.running:
             if request.in_flight is not None or budget <= 0:
                 continue
-            if not request.prefill_done:
-                item = self._next_chunk(request, budget)
-            else:
-                item = self._next_decode(request)
+            item = self._next_item(request, budget)
+            if item is None:
+                continue  # every output is planned; the request ends with its last result
             request.in_flight = item
-            items.append(self._work_item(request))
-            budget -= item.num_tokens
+            budget -= self._plan_loop(request, item, items, owners)
         return budget
 
-    def _admit(self, items: list[WorkItem], new: list[RequestSetup], budget: int) -> None:
+    def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
         self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_time))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -150,105 +182,99 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admitted = True
             self.running.append(request)
-            new.append(
-                RequestSetup(request.request_id, request.params, request.num_loops, request.seed)
+            penalties = _uses_penalties(request)
+            self._new_setups.append(
+                RequestSetup(
+                    request.request_id,
+                    request.params,
+                    request.num_loops,
+                    request.seed,
+                    list(request.prompt_token_ids) if penalties else None,
+                )
             )
-            request.in_flight = self._next_chunk(request, budget)
-            items.append(self._work_item(request))
-            budget -= request.in_flight.num_tokens
+            item = self._next_item(request, budget)
+            assert item is not None
+            request.in_flight = item
+            budget -= self._plan_loop(request, item, items, owners)
 
-    def _next_chunk(self, request: Request, budget: int) -> InFlight:
-        start = request.num_prefilled
-        n = min(self.config.prefill_chunk_size, request.num_prompt_tokens - start, budget)
-        last = start + n == request.num_prompt_tokens
-        return InFlight(
-            start=start,
-            num_tokens=n,
-            depth=1,
-            ends_at=request.num_loops,
-            stop_at_exit=False,
-            has_output=last and not request.output_token_ids,
-        )
-
-    def _next_decode(self, request: Request) -> InFlight:
+    def _next_item(self, request: Request, budget: int) -> InFlight | None:
+        start = request.num_scheduled
+        p = request.num_prompt_tokens
+        if start < p:
+            n = min(self.config.prefill_chunk_size, p - start, budget)
+            request.num_scheduled += n
+            return InFlight(
+                start=start,
+                num_tokens=n,
+                ends_at=request.num_loops,
+                stop_at_exit=False,
+                has_output=start + n == p,
+            )
+        produces = start - p + 1  # index of the output this decode token produces
+        if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
+            return None
+        request.num_scheduled += 1
         full = self.kv.policy.kind == "full"
         return InFlight(
-            start=request.num_prompt_tokens + request.num_decoded,
+            start=start,
             num_tokens=1,
-            depth=1,
             ends_at=request.num_loops if full else request.max_loops,
             stop_at_exit=not full,
             has_output=True,
+            output_index=produces,
         )
 
-    def _work_item(self, request: Request) -> WorkItem:
-        item = request.in_flight
-        assert item is not None
+    def _work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
         rid = request.request_id
-        exit = None
+        spec = None
         copy_blocks: list[int] = []
-        if item.has_output:
-            exit = exit_spec(request, item, self.has_gate, self.config.exit_mode)
+        if item.has_output and item.exit_depth is None:
+            spec = exit_spec(request, item, depth)
             if item.stop_at_exit and self.kv.policy.copies_on_exit:
-                copy_blocks = self.kv.exit_copy_blocks(
-                    rid, item.start, item.depth, request.num_loops
-                )
-        params = request.params
-        penalties = None
-        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-            penalties = (request.prompt_token_ids, request.output_token_ids)
+                copy_blocks = self.kv.exit_copy_blocks(rid, item.start, depth, request.num_loops)
+        prompt_ids = None
+        if depth == 1 and item.start < request.num_prompt_tokens:
+            prompt_ids = request.prompt_token_ids[item.start : item.start + item.num_tokens]
         return WorkItem(
             request_id=rid,
             start=item.start,
             num_tokens=item.num_tokens,
-            depth=item.depth,
+            depth=depth,
             ends_at=item.ends_at,
             stop_at_exit=item.stop_at_exit,
-            block_table=self.kv.table_for_depth(rid, item.depth),
-            token_ids=(
-                [request.token_at(p) for p in range(item.start, item.start + item.num_tokens)]
-                if item.depth == 1
-                else None
-            ),
+            block_table=self.kv.table_for_depth(rid, depth),
+            token_ids=prompt_ids,
             boundary_table=self.kv.boundary_table(rid) if self.has_boundary else None,
-            exit=exit,
+            exit=spec,
             exit_copy_blocks=copy_blocks,
-            penalty_tokens=penalties,
         )
 
     # ---------------------------------------------------------------- results
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Applies a step's result to the requests it planned for."""
-        self.num_steps += 1
+        """Applies a step's result to the requests it planned for (in submission order)."""
+        owners = self._planned.pop(plan.step_id)
         if result.error is not None:
             return self._fail_planned(plan, result.error)
         updates: dict[str, RequestUpdate] = {}
-        for work, outcome in zip(plan.items, result.items):
+        for work, item, outcome in zip(plan.items, owners, result.items):
             request = self.requests.get(work.request_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
-            item = request.in_flight
-            assert item is not None and item.depth == work.depth and item.start == work.start
-            exited = False
-            if outcome is not None and item.has_output:
-                item.survival, item.cdf = outcome.survival, outcome.cdf
-                if self.config.exit_mode == "delayed":
-                    item.exit_pending = delayed_wants_exit(request, item.depth, outcome.cdf)
-                if outcome.exited:
-                    exited = True
-                    item.has_output = False
-                    update = updates.setdefault(request.request_id, RequestUpdate(work.request_id))
-                    self._append_token(request, work.depth, outcome, update)
-                    if request.is_finished:
-                        continue
-            if item.depth >= item.ends_at or (item.stop_at_exit and exited):
-                self._complete_item(request, item)
-            else:
-                item.depth += 1
+            if request is None:
+                continue  # finished or aborted after this step was planned: drop its work
+            item.applied = work.depth
+            if outcome is None:
+                continue
+            if outcome.exit_next:
+                item.delayed_exit_at = work.depth + 1
+            if outcome.exited:
+                item.exit_depth = work.depth
+                update = updates.setdefault(work.request_id, RequestUpdate(work.request_id))
+                self._append_token(request, work.depth, outcome, update)
         return list(updates.values())
 
-    def _append_token(self, request: Request, depth: int, outcome, update: RequestUpdate) -> None:
+    def _append_token(
+        self, request: Request, depth: int, outcome: ItemResult, update: RequestUpdate
+    ) -> None:
         token = outcome.token_id
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
@@ -275,13 +301,6 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _complete_item(self, request: Request, item: InFlight) -> None:
-        request.in_flight = None
-        if not request.prefill_done:
-            request.num_prefilled += item.num_tokens
-        else:
-            request.num_decoded += 1
-
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -299,7 +318,7 @@ class Scheduler:
         updates = []
         for work in plan.items:
             request = self.requests.get(work.request_id)
-            if request is None or request.is_finished:
+            if request is None:
                 continue
             request.error = error
             self._finish(request, FinishReason.ERROR)
@@ -307,3 +326,8 @@ class Scheduler:
                 RequestUpdate(work.request_id, finish_reason=FinishReason.ERROR, error=error)
             )
         return updates
+
+
+def _uses_penalties(request: Request) -> bool:
+    p = request.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)

@@ -14,9 +14,9 @@ that one batch can hold rows at different depths:
 Attention is injected: a layer never owns a KV cache. It calls ``attn(layer, q, k, v)`` and the
 callable stores this step's K/V and attends over each row's context (paged in the engine, a dense
 cache in the naive loop). Which *plane* (per-depth KV copy) a row reads and writes is the
-callable's business, so model code is depth-agnostic. Core layers are numbered ``0..num_core_layers-1``
-on the core callable; prelude and coda layers (Huginn only) are numbered
-``0..num_boundary_layers-1`` on the boundary callable (prelude first, then coda).
+callable's business, so model code is depth-agnostic. Core layers are numbered
+``0..num_core_layers-1`` on the core callable; prelude and coda layers (Huginn only) are
+numbered ``0..num_boundary_layers-1`` on the boundary callable (prelude first, then coda).
 """
 
 from __future__ import annotations

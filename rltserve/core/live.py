@@ -1,0 +1,55 @@
+"""Per-request execution state the runner keeps between steps.
+
+The scheduler owns request progress; the runner owns what the device computed that the next step
+needs, so the next step can be planned before this one's result is read: the in-flight item's
+hidden state and exit-gate state, the last sampled token (the next decode token's input), the
+sampling generator and, for penalties, the sampled history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rltserve.core.plan import RequestSetup
+
+
+@dataclass
+class ItemState:
+    """The in-flight work item of a request, as the device sees it."""
+
+    start: int
+    state: torch.Tensor | None = None  # [n, S] after the last loop run
+    e: torch.Tensor | None = None  # [n, E] input injection (models that re-inject it)
+    survival: float = 1.0  # exit gate of the output position: S and CDF after the last loop
+    cdf: float = 0.0
+    pending: bool = False  # delayed exit: the next loop is the exit
+    exited: bool = False  # the output position has produced its token
+
+
+@dataclass
+class LiveRequest:
+    setup: RequestSetup
+    generator: torch.Generator | None
+    item: ItemState | None = None
+    last_token: int | None = None
+    history: list[int] | None = None  # sampled tokens, kept only for penalties
+
+    @classmethod
+    def create(cls, setup: RequestSetup, device: torch.device) -> LiveRequest:
+        generator = None
+        if not setup.params.greedy:
+            generator = torch.Generator(device=device).manual_seed(setup.seed)
+        history = [] if setup.prompt_token_ids is not None else None
+        return cls(setup, generator, history=history)
+
+    def record(self, token: int) -> None:
+        self.last_token = token
+        if self.history is not None:
+            self.history.append(token)
+
+    def penalty_tokens(self) -> tuple[list[int], list[int]] | None:
+        if self.history is None:
+            return None
+        return self.setup.prompt_token_ids, self.history

@@ -1,0 +1,219 @@
+"""Tokenizer loading, chat templates, stop ids and incremental detokenization.
+
+``load_tokenizer(path)`` wraps ``transformers.AutoTokenizer`` (local files only, no remote code)
+and returns None when the checkpoint has no tokenizer files: such a checkpoint still loads and
+serves token-id prompts. The wrapper hides transformers-version differences (``BatchEncoding``
+vs list returns) behind plain ``list[int]`` / ``str`` results.
+
+Stop ids (``eos_token_ids``) are the tokenizer's eos, the ``eos_token_id`` of ``config.json`` and
+``generation_config.json``, and the family's chat terminators found in the vocabulary: the real
+configs get these wrong (MODELS.md §1.7: Ouro says eos=0 while chat turns end with
+``<|im_end|>``=2), so an engine must stop on all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+# Files whose presence means "this directory has a tokenizer" (vocabulary-bearing files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+# Chat/text terminators per config.json model_type; looked up by content, so ids may differ.
+FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {
+    "ouro": ("<|endoftext|>", "<|im_end|>"),
+    "huginn_raven": ("<|end_text|>", "<|end_turn|>"),
+    "nanbeige": ("<|im_end|>", "<|endoftext|>"),
+}
+DEFAULT_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_turn|>", "<|eot_id|>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that exists but cannot be loaded or used (corrupt files, no chat template)."""
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silences transformers' warnings about unknown ``model_type`` (our families have no
+    transformers config class) while the tokenizer loads."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value: object) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+class Tokenizer:
+    """Thin, typed wrapper over a Hugging Face tokenizer. Build with ``load_tokenizer``."""
+
+    def __init__(self, hf: Any, path: Path) -> None:
+        self.hf = hf
+        self.path = path
+        self.vocab_size: int = len(hf)
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.eos_token_id: int | None = hf.eos_token_id
+        self.pad_token_id: int | None = hf.pad_token_id
+        config = _read_json(path / "config.json")
+        stops: list[int] = _ids(self.eos_token_id)
+        stops += _ids(config.get("eos_token_id"))
+        stops += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+        vocab = hf.get_vocab()
+        names = FAMILY_STOP_TOKENS.get(config.get("model_type"), DEFAULT_STOP_TOKENS)
+        stops += [vocab[n] for n in names if n in vocab]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+        # Ids that decode(skip_special_tokens=True) drops: backend special added tokens plus
+        # the named specials transformers knows about.
+        backend = getattr(hf, "backend_tokenizer", None)
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        special = {i for i, tok in added.items() if tok.special}
+        self.special_ids: frozenset[int] = frozenset(special | set(hf.all_special_ids))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(
+            self.hf.decode(
+                list(ids),
+                skip_special_tokens=skip_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **chat_template_kwargs: Any,
+    ) -> list[int] | str:
+        """Renders ``messages`` with the checkpoint's template: token ids (``tokenize=True``,
+        encoded without extra special tokens, as the templates already hold them) or the text.
+        Extra keyword arguments (e.g. ``enable_thinking=True``) are template variables."""
+        if not self.has_chat_template:
+            raise TokenizerError(f"the tokenizer in {self.path} has no chat_template")
+        text = self.hf.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **chat_template_kwargs,
+        )
+        if not isinstance(text, str):
+            raise TokenizerError(f"chat template returned {type(text).__name__}, not str")
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas whose concatenation (plus ``flush()``) equals
+    ``tokenizer.decode(all generated ids)``.
+
+    The prefix/read-offset method (as in vLLM): the text of the new tokens is the decode of a
+    short window ``ids[prefix:]`` minus the decode of ``ids[prefix:read]``, so context-dependent
+    rendering (byte-level spaces, SentencePiece prefix spaces) comes out right. A delta that ends
+    in U+FFFD is held back: the token split a multi-byte UTF-8 character whose remaining bytes are
+    still to come. Offsets only advance past text that ended cleanly, so every window starts on a
+    character boundary.
+    """
+
+    _CONTEXT = 5  # prompt tokens kept as left context of the first window
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = [t for t in prompt_ids if not self._skipped(t)]
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - self._CONTEXT)
+        self.text = ""  # everything returned so far
+
+    def _skipped(self, token_id: int) -> bool:
+        return self.skip_special_tokens and token_id in self.tokenizer.special_ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feeds one generated token; returns the newly completed text ("" if none yet)."""
+        if self._skipped(token_id):
+            return ""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Text held back at the end of generation (an incomplete character decodes as U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        delta = new_text[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer stored in checkpoint directory ``path``, or None if it has none.
+
+    Raises ``TokenizerError`` (naming the directory) when tokenizer files exist but do not load.
+    """
+    path = Path(path)
+    if not has_tokenizer_files(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            hf = AutoTokenizer.from_pretrained(
+                str(path), trust_remote_code=False, local_files_only=True
+            )
+        return Tokenizer(hf, path)
+    except Exception as exc:  # noqa: BLE001 - any failure here means unusable tokenizer files
+        raise TokenizerError(
+            f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,188 @@
+"""Tokenizer loading, chat templates, stop ids and the incremental detokenizer, on the locally
+trained tokenizers that ``make_model`` writes (no network)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from rltserve.models.presets import make_model
+from rltserve.models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+
+TEXTS = [
+    "Hello world",
+    "  leading and trailing spaces  ",
+    "The café serves crème brûlée. Grüße aus München!",
+    "日本語の文章 and 中文 mixed with English.",
+    "Emoji 🙂🚀🤔 and math α+β=γ, ∑x² ≥ 0",
+    "line one\nline two\n\ttabbed",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tok")
+    return {n: make_model(n, root / n) for n in ("ouro-tiny", "huginn-tiny", "nanbeige-tiny")}
+
+
+@pytest.fixture(scope="module")
+def toks(ckpt_dirs: dict[str, Path]) -> dict[str, Tokenizer]:
+    out = {}
+    for name, path in ckpt_dirs.items():
+        tok = load_tokenizer(path)
+        assert tok is not None
+        out[name] = tok
+    return out
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny", "nanbeige-tiny"])
+def test_round_trip(toks: dict[str, Tokenizer], name: str) -> None:
+    tok = toks[name]
+    assert tok.vocab_size == 512
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+
+
+def test_ouro_specials_and_stop_ids(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["ouro-tiny"]
+    vocab = tok.hf.get_vocab()
+    assert (vocab["<|endoftext|>"], vocab["<|im_start|>"], vocab["<|im_end|>"]) == (0, 1, 2)
+    assert {"<think>", "</think>"} <= set(vocab)
+    assert {0, 2} <= set(tok.eos_token_ids)
+    assert tok.encode("Hi", add_special_tokens=True) == tok.encode("Hi", add_special_tokens=False)
+    # <think> is not special: it survives skip_special_tokens, <|im_end|> does not.
+    ids = tok.encode("<think>x</think><|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids) == "<think>x</think>"
+    assert tok.decode(ids, skip_special_tokens=False) == "<think>x</think><|im_end|>"
+
+
+def test_ouro_chat_template(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["ouro-tiny"]
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.apply_chat_template(messages)
+    assert ids == tok.encode(str(text), add_special_tokens=False)
+    assert ids[0] == 1 and ids.count(2) == 1
+    think = tok.apply_chat_template(messages, tokenize=False, enable_thinking=True)
+    assert think == str(text) + "<think>\n"
+    no_gen = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert no_gen == "<|im_start|>user\nHi<|im_end|>\n"
+    multi = [{"role": "system", "content": "Be brief."}, *messages]
+    assert tok.apply_chat_template(multi, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n" + str(text)
+    )
+
+
+def test_huginn_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
+    tok = toks["huginn-tiny"]
+    cfg = json.loads((ckpt_dirs["huginn-tiny"] / "config.json").read_text())
+    vocab = tok.hf.get_vocab()
+    assert vocab["<|begin_text|>"] == cfg["bos_token_id"] == 512 - 32
+    assert vocab["<|end_text|>"] == cfg["eos_token_id"] == 512 - 31
+    assert vocab["<|end_turn|>"] == 512 - 28 and vocab["<|pad|>"] == cfg["pad_token_id"]
+    text = tok.apply_chat_template([{"role": "user", "content": " Hi \n"}], tokenize=False)
+    assert text == (
+        "<|begin_text|><|begin_header|>user<|end_header|>\n\nHi<|end_turn|>"
+        "<|begin_header|>Huginn<|end_header|>\n\n"
+    )
+    assert {vocab["<|end_text|>"], vocab["<|end_turn|>"]} <= set(tok.eos_token_ids)
+    # add_special_tokens=True wraps text in begin/end (the README strips the appended end).
+    ids = tok.encode("Hi", add_special_tokens=True)
+    assert ids[0] == cfg["bos_token_id"] and ids[-1] == cfg["eos_token_id"]
+    assert ids[1:-1] == tok.encode("Hi", add_special_tokens=False)
+
+
+def test_nanbeige_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
+    tok = toks["nanbeige-tiny"]
+    cfg = json.loads((ckpt_dirs["nanbeige-tiny"] / "config.json").read_text())
+    vocab = tok.hf.get_vocab()
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (468, 469, 0)
+    assert vocab["<|im_start|>"] == 468 and vocab["<|im_end|>"] == 469
+    assert cfg["eos_token_id"] in tok.eos_token_ids
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _stream(tok: Tokenizer, ids: list[int], skip: bool, prompt: list[int] | None = None) -> str:
+    det = tok.detokenizer(prompt or [], skip_special_tokens=skip)
+    deltas = [det.add(i) for i in ids]
+    out = "".join(deltas) + det.flush()
+    assert det.text == out
+    return out
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny", "nanbeige-tiny"])
+def test_incremental_matches_full_decode_on_random_ids(toks: dict[str, Tokenizer], name: str):
+    tok = toks[name]
+    rng = random.Random(1234)
+    byte_ids = [tok.encode(c, add_special_tokens=False) for c in "éü中🙂"]
+    for _ in range(150):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 30))]
+        if rng.random() < 0.5:  # splice in multi-byte characters split across tokens
+            for piece in rng.sample(byte_ids, 2):
+                at = rng.randrange(len(ids) + 1)
+                ids[at:at] = piece
+        for skip in (True, False):
+            assert _stream(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "nanbeige-tiny"])
+def test_incremental_multibyte_text_with_prompt(toks: dict[str, Tokenizer], name: str) -> None:
+    tok = toks[name]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert isinstance(prompt, list)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        det = tok.detokenizer(prompt)
+        deltas = [det.add(i) for i in ids]
+        assert "".join(deltas) == text  # valid UTF-8: nothing held back at the end
+        assert det.flush() == ""
+        assert not any("\ufffd" in d for d in deltas)
+    # A character split across tokens is emitted whole, once its last byte arrives.
+    pieces = tok.encode("中", add_special_tokens=False)
+    assert len(pieces) > 1
+    det = tok.detokenizer()
+    assert [det.add(i) for i in pieces] == [""] * (len(pieces) - 1) + ["中"]
+
+
+def test_incremental_skips_special_tokens(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["ouro-tiny"]
+    ids = tok.encode("Hi<|im_end|> there", add_special_tokens=False)
+    assert _stream(tok, ids, skip=True) == "Hi there"
+    assert _stream(tok, ids, skip=False) == "Hi<|im_end|> there"
+
+
+def test_dir_without_tokenizer_returns_none(tmp_path: Path) -> None:
+    make_model("ouro-tiny", tmp_path, tokenizer=False)
+    assert load_tokenizer(tmp_path) is None
+    assert load_tokenizer(tmp_path / "missing") is None
+
+
+def test_corrupt_tokenizer_raises_clear_error(tmp_path: Path, ckpt_dirs: dict[str, Path]) -> None:
+    src = ckpt_dirs["ouro-tiny"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", ')
+    with pytest.raises(TokenizerError, match="cannot load the tokenizer in") as err:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_missing_chat_template_raises(tmp_path: Path, ckpt_dirs: dict[str, Path]) -> None:
+    src = ckpt_dirs["ouro-tiny"]
+    (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path)
+    assert tok is not None and not tok.has_chat_template
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert tok.decode(tok.encode("plain text still works")) == "plain text still works"
