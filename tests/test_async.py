@@ -74,7 +74,9 @@ def test_lagged_aborts_and_eos_in_flight(ckpts, ouro_ref):
     # while the next token is already planned.
     stopped, wants = [], []
     for prompt, p in zip(prompts, params):
-        want = oracle_run(ouro_ref, prompt, p.replace(max_tokens=10), exit_mode="delayed")
+        want = oracle_run(
+            ouro_ref, prompt, p.replace(max_tokens=10), exit_mode="delayed", kv_policy="last_exited"
+        )
         stop = want.tokens[min(3, len(want.tokens) - 1)]
         stopped.append(p.replace(max_tokens=10, stop_token_ids=(stop,)))
         wants.append(want.tokens[: want.tokens.index(stop) + 1])
