@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
 from typing import Any
 
@@ -107,6 +108,8 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
 
         engine_kw["model"] = str(demo_model_path())
     engine_kw["max_num_seqs"] = args.concurrency
+    if engine_kw["async_scheduling"] and engine_kw["exit_mode"] == "gate":
+        engine_kw["exit_mode"] = "delayed"  # async needs exits decided a loop ahead
     model = load_model(engine_kw["model"], dtype=engine_kw["dtype"], device=engine_kw["device"])
     prompts = _workload(args.num_prompts, args.input_len, model.spec.vocab_size)
     params = SamplingParams(
@@ -121,6 +124,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "concurrency": args.concurrency,
         "exit_threshold": args.exit_threshold,
         "kv_policy": engine_kw["kv_policy"],
+        "exit_mode": engine_kw["exit_mode"],
     }
     main = run_engine(model, engine_kw, prompts, params)
     report[engine_kw["scheduling"]] = main
@@ -129,6 +133,9 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
             f0, fr, model.spec.num_loops, main["mean_exit_depth"], args.input_len, args.output_len
         )
     )
+    if args.async_scheduling and args.compare:
+        report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
+        return report
     if not args.compare:
         return report
     other = "no_refill" if engine_kw["scheduling"] == "refill" else "refill"
@@ -149,6 +156,69 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         ),
     }
     return report
+
+
+def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """The workload through a spawned stage (engine loop, executor thread, IPC) with the front
+    end's per-token work (incremental detokenization) in this process."""
+    from rltserve.core.stage import StageClient
+    from rltserve.models.tokenizer import load_tokenizer
+    from rltserve.outputs import OutputAssembler
+
+    tokenizer = load_tokenizer(engine_kw["model"])
+    client = StageClient(EngineConfig.from_flat(**engine_kw))
+    try:
+        client.wait_ready(300)
+        done = threading.Event()
+        left = [len(prompts)]
+        lock = threading.Lock()
+
+        def sink_for(asm: OutputAssembler):
+            def sink(update) -> None:
+                asm.add(update)
+                if update.finish_reason is not None:
+                    with lock:
+                        left[0] -= 1
+                        if left[0] == 0:
+                            done.set()
+
+            return sink
+
+        start = time.perf_counter()
+        before = client.stats
+        for i, prompt in enumerate(prompts):
+            asm = OutputAssembler(f"s{i}", prompt, tokenizer)
+            client.add_request(f"s{i}", prompt, params, sink_for(asm))
+        done.wait()
+        elapsed = time.perf_counter() - start
+        stats = client.stats
+    finally:
+        client.close()
+    busy = stats.busy_seconds - (before.busy_seconds if before else 0.0)
+    tokens = len(prompts) * params.max_tokens
+    return {
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+        "seconds": round(elapsed, 4),
+        "executor_busy": round(busy / elapsed, 3),
+        "steps": stats.num_steps,
+    }
+
+
+def run_async_compare(engine_kw: dict, args: argparse.Namespace, vocab: int) -> dict:
+    """Async vs sync scheduling through the real engine loop, at several concurrencies."""
+    out: dict[str, Any] = {}
+    params = SamplingParams(
+        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
+    )
+    for concurrency in args.concurrency_list:
+        prompts = _workload(max(args.num_prompts, concurrency), args.input_len, vocab)
+        row = {}
+        for mode in (False, True):
+            kw = {**engine_kw, "max_num_seqs": concurrency, "async_scheduling": mode}
+            row["async" if mode else "sync"] = run_stage(kw, prompts, params)
+        row["async_vs_sync"] = _ratio(row["async"], row["sync"])
+        out[str(concurrency)] = row
+    return out
 
 
 def _ratio(a: dict, b: dict) -> float:

@@ -77,6 +77,10 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata=_help("running requests at most"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("tokens per step at most"))
     prefill_chunk_size: int = field(default=512, metadata=_help("prompt tokens per chunk at most"))
+    wavefront_prefill: bool = field(
+        default=False,
+        metadata=_help("run prompt chunks as a wavefront over (chunk, depth) cells"),
+    )
     async_scheduling: bool = field(
         default=False,
         metadata=_help("plan the next step while the current one runs (two steps in flight)"),
@@ -91,6 +95,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.wavefront_prefill and self.scheduling == "no_refill":
+            raise ValueError("wavefront_prefill=True: needs scheduling='refill'")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"prefill_chunk_size={self.prefill_chunk_size}: must be <= "

@@ -168,11 +168,14 @@ class PagedAttention:
             values = values[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)
             values = values.reshape(b, num_heads, max_ctx, head_dim)
 
-        q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
-        q_pad.index_copy_(0, md.pad_index, q)
-        q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # [B, Hq, max_q, hd]
+        if max_q == 1:  # decode-only step: rows are items already, no padding to undo
+            q_pad = q.view(b, 1, num_heads, head_dim).transpose(1, 2)
+        else:
+            q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
+            q_pad.index_copy_(0, md.pad_index, q)
+            q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # [B, Hq, max_q, hd]
         out = F.scaled_dot_product_attention(
             q_pad, keys, values, attn_mask=md.mask, scale=1.0 / math.sqrt(head_dim)
         )  # [B, Hq, max_q, hd]
         out = out.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
-        return out.index_select(0, md.pad_index)  # [N, Hq, hd]
+        return out if max_q == 1 else out.index_select(0, md.pad_index)  # [N, Hq, hd]

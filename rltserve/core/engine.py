@@ -40,6 +40,7 @@ class EngineStats:
     num_steps: int
     num_rows: int  # rows run through the core loop, all steps together
     num_coda_rows: int  # rows that reached the coda
+    busy_seconds: float  # wall time the runner spent executing steps
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class EngineCore:
         self.policy = KVPolicy.parse(config.cache.kv_policy)
         if self.policy.kind == "ring" and spec.family != "huginn_raven":
             raise ValueError(f"kv_policy={config.cache.kv_policy!r}: ring:K is for Huginn only")
+        if config.scheduler.wavefront_prefill and not self.policy.per_depth:
+            raise ValueError(
+                f"kv_policy={config.cache.kv_policy!r}: wavefront_prefill needs a per-depth "
+                "policy (last_exited or full); chunks at different depths would share a plane"
+            )
         self.max_model_len = min(mc.max_model_len or spec.max_position, spec.max_position)
         num_blocks = config.cache.num_blocks or self._auto_num_blocks()
         self.kv = KVManager(
@@ -185,6 +191,7 @@ class EngineCore:
             num_steps=self._num_steps,
             num_rows=self._num_rows,
             num_coda_rows=self._num_coda_rows,
+            busy_seconds=self.runner.busy_seconds,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

@@ -2,13 +2,14 @@
 
 The scheduler owns request progress; the runner owns what the device computed that the next step
 needs, so the next step can be planned before this one's result is read: the in-flight item's
-hidden state and exit-gate state, the last sampled token (the next decode token's input), the
+hidden states and exit-gate states (several items of one request may be in flight at different
+depths: wavefront prefill), the last sampled token (the next decode token's input), the
 sampling generator and, for penalties, the sampled history.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +33,7 @@ class ItemState:
 class LiveRequest:
     setup: RequestSetup
     generator: torch.Generator | None
-    item: ItemState | None = None
+    items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
     last_token: int | None = None
     history: list[int] | None = None  # sampled tokens, kept only for penalties
 

@@ -2,8 +2,8 @@
 
 Positions: the prompt occupies ``0..P-1``. Output token k is sampled at position ``P-1+k`` (the
 first from the last prompt position) and, unless generation stops, is fed back as the input of
-position ``P+k``. At most one work item of a request is in flight at a time; its depth progress
-lives in ``InFlight``.
+position ``P+k``. Work items of a request are planned loop by loop (``InFlight``); several can be
+in flight at once at different depths under wavefront prefill.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     exit_mode: str = "fixed"  # how output positions exit: fixed | gate | delayed (ExitSpec)
     num_scheduled: int = 0  # positions already covered by work items
-    in_flight: InFlight | None = None  # the item being planned
+    items: list[InFlight] = field(default_factory=list)  # items still planning, by position
     finish_reason: FinishReason | None = None
     error: str | None = None
     admitted: bool = False  # its KV is reserved and the runner knows it

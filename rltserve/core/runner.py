@@ -129,10 +129,9 @@ class ModelRunner:
         )
         state = self._timed(self.model.loop, state, e, positions, core)  # [N, S]
 
-        out_items = [
-            i for i, it in enumerate(items) if it.exit is not None and not lives[i].item.exited
-        ]
-        exited, exit_next = self._decide_exits(items, lives, out_items, offsets, state)
+        held = [live.items[it.start] for it, live in zip(items, lives)]
+        out_items = [i for i, it in enumerate(items) if it.exit is not None and not held[i].exited]
+        exited, exit_next = self._decide_exits(items, held, out_items, offsets, state)
         self._copy_on_exit(items, out_items, exited)
 
         exited_set = {i for i, x in zip(out_items, exited) if x}
@@ -146,7 +145,7 @@ class ModelRunner:
         results: list[ItemResult | None] = [None] * len(items)
         for k, i in enumerate(out_items):
             token = samples.get(i)
-            gate = lives[i].item
+            gate = held[i]
             results[i] = ItemResult(
                 exited=exited[k],
                 survival=gate.survival,
@@ -157,13 +156,13 @@ class ModelRunner:
                 top_logprobs=token[2] if token else None,
             )
         ending_set = set(ending)
-        for i, live in enumerate(lives):
+        for i, (it, live) in enumerate(zip(items, lives)):
             if i in ending_set:
-                live.item = None
+                del live.items[it.start]
             else:
                 lo, hi = offsets[i], offsets[i + 1]
-                live.item.state = state[lo:hi]
-                live.item.e = None if e is None else e[lo:hi]
+                held[i].state = state[lo:hi]
+                held[i].e = None if e is None else e[lo:hi]
         return StepResult(
             plan.step_id, results, num_rows=int(positions.shape[0]), num_coda_rows=len(samples)
         )
@@ -204,17 +203,17 @@ class ModelRunner:
             sizes = [it.num_tokens for it in sub]
             for i, s_part, e_part in zip(entering, s_new.split(sizes), e_new.split(sizes)):
                 fresh[i] = (s_part, e_part)
-                lives[i].item = ItemState(items[i].start)
+                lives[i].items[items[i].start] = ItemState(items[i].start)
         states: list[torch.Tensor] = []
         injections: list[torch.Tensor] = []
         for i, (it, live) in enumerate(zip(items, lives)):
             if i in fresh:
                 s, e = fresh[i]
             else:
-                held = live.item
-                if held is None or held.start != it.start:
+                item = live.items.get(it.start)
+                if item is None:
                     raise RuntimeError(f"{it.request_id}: no in-flight state at {it.start}")
-                s, e = held.state, held.e
+                s, e = item.state, item.e
             states.append(s)
             if self._keeps_e:
                 injections.append(e)
@@ -230,7 +229,7 @@ class ModelRunner:
     def _decide_exits(
         self,
         items: list[WorkItem],
-        lives: list[LiveRequest],
+        held: list[ItemState],
         out_items: list[int],
         offsets: list[int],
         state: torch.Tensor,
@@ -240,7 +239,7 @@ class ModelRunner:
         if not out_items:
             return [], []
         specs = [items[i].exit for i in out_items]
-        gates = [lives[i].item for i in out_items]
+        gates = [held[i] for i in out_items]
         dev = self.device
         rows = torch.tensor([offsets[i + 1] - 1 for i in out_items], device=dev)
         surv = torch.tensor([g.survival for g in gates], dtype=torch.float32, device=dev)
@@ -327,8 +326,10 @@ class ModelRunner:
         hidden = self._timed(
             self.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
         )
-        ends = _offsets(widths)
         sample_items = [i for i in coda_items if i in exited]
+        if not sample_items:
+            return {}  # coda rows that only write coda KV (non-final prompt chunks)
+        ends = _offsets(widths)
         last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
         pick = torch.tensor([last[i] for i in sample_items], device=self.device)
         logits = self._timed(self.model.logits, hidden.index_select(0, pick))  # [M, V] fp32

@@ -114,23 +114,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         items: list[WorkItem] = []
         owners: list[InFlight] = []
-        busy = False  # some item is mid-loop (planned or waiting)
+        busy = False  # some item still has loops to plan
+        starters = []
         for request in self.running:
-            item = request.in_flight
-            if item is None:
-                continue
-            state = self._next_loop(request, item)
-            if state == OVER:
-                request.in_flight = None
-            elif state == WAIT:
-                busy = True
-            elif budget >= item.num_tokens:
-                busy = True
-                budget -= self._plan_loop(request, item, items, owners)
-            else:
-                busy = True
+            if self._may_start(request):  # judged on the state before this step's planning
+                starters.append(request)
+            budget, request_busy = self._continue_items(request, items, owners, budget)
+            busy = busy or request_busy
         if not (self.config.scheduling == "no_refill" and busy):
-            budget = self._start_items(items, owners, budget)
+            budget = self._start_items(starters, items, owners, budget)
             self._admit(items, owners, budget)
         if not items and not self._released:
             return None
@@ -139,6 +131,45 @@ class Scheduler:
         self._new_setups, self._released = [], []
         self._planned[plan.step_id] = owners
         return plan
+
+    def _continue_items(
+        self, request: Request, items: list[WorkItem], owners: list[InFlight], budget: int
+    ) -> tuple[int, bool]:
+        """Plans the next loop of each of the request's items that is ready. Wavefront rule: an
+        item's loop d also needs the previous item's loop d planned in an earlier step (it
+        writes the plane-d KV the item attends to). Items are visited last to first, so the
+        previous item's progress is still the one from earlier steps."""
+        busy = False
+        over = []
+        for k in range(len(request.items) - 1, -1, -1):
+            item = request.items[k]
+            state = self._next_loop(request, item)
+            if state == OVER:
+                over.append(item)
+                continue
+            busy = True
+            if state == WAIT or budget < item.num_tokens:
+                continue
+            if k > 0 and request.items[k - 1].planned < item.planned + 1:
+                prev = request.items[k - 1]
+                if self._next_loop(request, prev) != OVER:
+                    continue
+            budget -= self._plan_loop(request, item, items, owners)
+        for item in over:
+            request.items.remove(item)
+        return budget, busy
+
+    def _may_start(self, request: Request) -> bool:
+        """Whether a new item of the request may enter loop 1 in this step."""
+        if all(self._next_loop(request, item) == OVER for item in request.items):
+            return True
+        if not self.config.wavefront_prefill:
+            return False
+        last = request.items[-1]
+        if request.num_scheduled < request.num_prompt_tokens:
+            return True  # the next chunk trails the previous one by a loop
+        # A decode token needs its input: the previous item's output, sampled in an earlier step.
+        return exit_known(request, last, last.planned) is True
 
     def _next_loop(self, request: Request, item: InFlight) -> str:
         done = item.planned
@@ -159,15 +190,17 @@ class Scheduler:
         owners.append(item)
         return item.num_tokens
 
-    def _start_items(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> int:
-        """New depth-1 items for running requests whose previous item is over."""
-        for request in self.running:
-            if request.in_flight is not None or budget <= 0:
-                continue
+    def _start_items(
+        self, starters: list[Request], items: list[WorkItem], owners: list[InFlight], budget: int
+    ) -> int:
+        """New depth-1 items: next prompt chunks and next decode tokens."""
+        for request in starters:
+            if budget <= 0:
+                break
             item = self._next_item(request, budget)
             if item is None:
                 continue  # every output is planned; the request ends with its last result
-            request.in_flight = item
+            request.items.append(item)
             budget -= self._plan_loop(request, item, items, owners)
         return budget
 
@@ -194,7 +227,7 @@ class Scheduler:
             )
             item = self._next_item(request, budget)
             assert item is not None
-            request.in_flight = item
+            request.items.append(item)
             budget -= self._plan_loop(request, item, items, owners)
 
     def _next_item(self, request: Request, budget: int) -> InFlight | None:
@@ -304,7 +337,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.in_flight = None
+        request.items.clear()
         if request in self.running:
             self.running.remove(request)
         if request in self.waiting:
