@@ -126,6 +126,15 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "kv_policy": engine_kw["kv_policy"],
         "exit_mode": engine_kw["exit_mode"],
     }
+    # With --compare, the wavefront and async flags select their own comparisons.
+    if engine_kw["wavefront_prefill"] and args.compare:
+        from rltserve.bench_prefill import run_wcpb_compare
+
+        report["wcpb_compare"] = run_wcpb_compare(model, engine_kw, args.chunk_sizes)
+        return report
+    if engine_kw["async_scheduling"] and args.compare:
+        report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
+        return report
     main = run_engine(model, engine_kw, prompts, params)
     report[engine_kw["scheduling"]] = main
     report.update(
@@ -133,9 +142,6 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
             f0, fr, model.spec.num_loops, main["mean_exit_depth"], args.input_len, args.output_len
         )
     )
-    if args.async_scheduling and args.compare:
-        report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
-        return report
     if not args.compare:
         return report
     other = "no_refill" if engine_kw["scheduling"] == "refill" else "refill"

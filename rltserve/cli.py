@@ -139,6 +139,10 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def build_parser() -> argparse.ArgumentParser:
     from rltserve.models.presets import add_make_model_args, run_make_model
 
@@ -170,7 +174,21 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument(
         "--compare",
         action="store_true",
-        help="refill, no-refill, full depth and a naive loop in one run",
+        help="refill, no-refill, full depth and a naive loop in one run; with "
+        "--async-scheduling: async vs sync through the engine loop at --concurrency-list; "
+        "with --wavefront-prefill: time to first token vs chunked prefill at --chunk-sizes",
+    )
+    off.add_argument(
+        "--concurrency-list",
+        type=_int_list,
+        default=[1, 8, 32, 64],
+        help="concurrencies of the async comparison (default 1,8,32,64)",
+    )
+    off.add_argument(
+        "--chunk-sizes",
+        type=_int_list,
+        default=[8, 32, 128],
+        help="prefill chunk sizes of the wavefront comparison (default 8,32,128)",
     )
     off.add_argument("--json", action="store_true")
     add_engine_args(off)
