@@ -68,7 +68,10 @@ def run_engine(
     stats = core.stats()
     model_seconds = core.runner.model_seconds
     core.shutdown()
-    return {
+    extra = {}
+    if stats.drafts_checked:
+        extra["draft_acceptance"] = round(1 - stats.drafts_rejected / stats.drafts_checked, 3)
+    return extra | {
         "output_tokens": tokens,
         "seconds": round(elapsed, 4),
         "output_tokens_per_s": round(tokens / elapsed, 2),
@@ -78,6 +81,26 @@ def run_engine(
         "model_seconds": round(model_seconds, 4),
         "step_overhead": round(elapsed / max(model_seconds, 1e-9), 3),
     }
+
+
+def run_pipelining_compare(model: LoopedModel, engine_kw: dict, args: argparse.Namespace) -> dict:
+    """Token pipelining vs block mode (greedy, full depth) at concurrency 1 and 8."""
+    out: dict[str, Any] = {
+        "speculative_tokens": engine_kw["speculative_tokens"],
+        "draft_loops": engine_kw["draft_loops"],
+    }
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    for concurrency in (1, 8):
+        prompts = _workload(concurrency, args.input_len, model.spec.vocab_size, seed=concurrency)
+        kw = {**engine_kw, "max_num_seqs": concurrency}
+        block = run_engine(model, {**kw, "speculative_tokens": 0}, prompts, params)
+        piped = run_engine(model, kw, prompts, params)
+        out[str(concurrency)] = {
+            "block": block,
+            "pipelined": piped,
+            "speedup": _ratio(piped, block),
+        }
+    return out
 
 
 def run_naive(model: LoopedModel, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -126,7 +149,10 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "kv_policy": engine_kw["kv_policy"],
         "exit_mode": engine_kw["exit_mode"],
     }
-    # With --compare, the wavefront and async flags select their own comparisons.
+    # With --compare, the wavefront, async and pipelining flags select their own comparisons.
+    if engine_kw["speculative_tokens"] and args.compare:
+        report["pipelining_compare"] = run_pipelining_compare(model, engine_kw, args)
+        return report
     if engine_kw["wavefront_prefill"] and args.compare:
         from rltserve.bench_prefill import run_wcpb_compare
 

@@ -81,6 +81,13 @@ class SchedulerConfig:
         default=False,
         metadata=_help("run prompt chunks as a wavefront over (chunk, depth) cells"),
     )
+    speculative_tokens: int = field(
+        default=0,
+        metadata=_help("token pipelining: draft tokens in flight per request (0 = off)"),
+    )
+    draft_loops: int = field(
+        default=2, metadata=_help("token pipelining: loops after which a token drafts the next")
+    )
     async_scheduling: bool = field(
         default=False,
         metadata=_help("plan the next step while the current one runs (two steps in flight)"),
@@ -91,7 +98,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduling={self.scheduling!r}: must be one of {SCHEDULING}")
         if self.exit_mode not in EXIT_MODES:
             raise ValueError(f"exit_mode={self.exit_mode!r}: must be one of {EXIT_MODES}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "draft_loops"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")

@@ -38,6 +38,9 @@ class SamplingParams:
     priority: int = 0
     logprobs: int | None = None
     init_state: str = "random"
+    # Token pipelining (self-speculative decode) when the engine has it on: None uses it where
+    # the request allows (greedy, fixed full depth), True requires it, False opts out.
+    speculative: bool | None = None
     trace_depths: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class SamplingParams:
             _check_int(self, "logprobs")
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be true, false or null")
         if self.init_state not in INIT_STATES:
             raise bad("init_state", f"must be one of {INIT_STATES}")
         if self.trace_depths is not None:

@@ -41,6 +41,8 @@ class EngineStats:
     num_rows: int  # rows run through the core loop, all steps together
     num_coda_rows: int  # rows that reached the coda
     busy_seconds: float  # wall time the runner spent executing steps
+    drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
+    drafts_rejected: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,17 @@ class EngineCore:
         self.policy = KVPolicy.parse(config.cache.kv_policy)
         if self.policy.kind == "ring" and spec.family != "huginn_raven":
             raise ValueError(f"kv_policy={config.cache.kv_policy!r}: ring:K is for Huginn only")
+        if config.scheduler.speculative_tokens:
+            if config.scheduler.draft_loops >= spec.num_loops:
+                raise ValueError(
+                    f"draft_loops={config.scheduler.draft_loops}: must be below the model's "
+                    f"{spec.num_loops} loops"
+                )
+            if not self.policy.per_depth or spec.num_boundary_layers:
+                raise ValueError(
+                    "speculative_tokens: token pipelining needs a per-depth KV policy "
+                    "(last_exited or full) and a model without coda attention"
+                )
         if config.scheduler.wavefront_prefill and not self.policy.per_depth:
             raise ValueError(
                 f"kv_policy={config.cache.kv_policy!r}: wavefront_prefill needs a per-depth "
@@ -159,6 +172,7 @@ class EngineCore:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         eos = frozenset(spec.eos_token_ids)
+        pipelined = self._pipelined(params, cap)
         return Request(
             request_id=rid,
             prompt_token_ids=list(prompt_token_ids),
@@ -168,7 +182,31 @@ class EngineCore:
             eos_token_ids=eos,
             max_total_tokens=self.max_model_len,
             seed=seed,
+            pipelined=pipelined,
         )
+
+    def _pipelined(self, params: SamplingParams, cap: int) -> bool:
+        """Whether the request decodes with token pipelining; raises when it asks for it and
+        cannot have it."""
+        sched = self.config.scheduler
+        if params.speculative is False or (
+            params.speculative is None and not sched.speculative_tokens
+        ):
+            return False
+        reasons = []
+        if not sched.speculative_tokens:
+            reasons.append("the engine runs with speculative_tokens=0")
+        if not params.greedy:
+            reasons.append("it needs greedy sampling (temperature=0)")
+        if params.adaptive_exit or cap != self.spec.num_loops:
+            reasons.append("it needs a fixed full depth (exit_threshold >= 1, max_loops unset)")
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            reasons.append("it does not combine with penalties")
+        if sched.exit_mode == "trace":
+            reasons.append("it does not combine with exit_mode='trace'")
+        if reasons and params.speculative:
+            raise ValueError("speculative=True: " + "; ".join(reasons))
+        return not reasons
 
     def add_request(
         self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -192,6 +230,8 @@ class EngineCore:
             num_rows=self._num_rows,
             num_coda_rows=self._num_coda_rows,
             busy_seconds=self.runner.busy_seconds,
+            drafts_checked=self.runner.drafts_checked,
+            drafts_rejected=self.runner.drafts_rejected,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

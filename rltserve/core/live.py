@@ -36,6 +36,8 @@ class LiveRequest:
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
     last_token: int | None = None
     history: list[int] | None = None  # sampled tokens, kept only for penalties
+    drafts: dict[int, int] = field(default_factory=dict)  # position -> drafted input token
+    epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
 
     @classmethod
     def create(cls, setup: RequestSetup, device: torch.device) -> LiveRequest:
@@ -49,6 +51,21 @@ class LiveRequest:
         self.last_token = token
         if self.history is not None:
             self.history.append(token)
+
+    def commit(self, next_position: int, token: int) -> bool:
+        """Records a sampled token, the input of ``next_position``. Returns True when a draft
+        of that input was used and differs: everything from ``next_position`` on must go."""
+        draft = self.drafts.pop(next_position, None)
+        self.record(token)
+        return draft is not None and draft != token
+
+    def rollback(self, position: int) -> None:
+        """Drops the in-flight items and drafts at ``position`` and beyond."""
+        for start in [s for s in self.items if s >= position]:
+            del self.items[start]
+        for key in [k for k in self.drafts if k >= position]:
+            del self.drafts[key]
+        self.epoch += 1
 
     def penalty_tokens(self) -> tuple[list[int], list[int]] | None:
         if self.history is None:

@@ -77,6 +77,11 @@ class WorkItem:
     # last_exited copy-on-exit targets: the block holding position `start` in each plane of
     # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed.
     exit_copy_blocks: list[int] = field(default_factory=list)
+    # Token pipelining: the last row's state after this loop drafts the next position's input.
+    draft: bool = False
+    # The request's rollback count when the item was created; the runner skips items of an
+    # older epoch (planned before a rollback the runner has already done).
+    epoch: int = 0
 
     @property
     def end(self) -> int:
@@ -105,6 +110,7 @@ class ItemResult:
     survival: float  # S after this loop (gate models; 1.0 otherwise)
     cdf: float  # CDF after this loop (gate models; 0.0 otherwise)
     exit_next: bool = False  # delayed mode: the next loop will be the exit
+    rollback: bool = False  # the token contradicts the draft the next position ran on
     token_id: int = -1  # sampled token when exited
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None

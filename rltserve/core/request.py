@@ -48,6 +48,8 @@ class InFlight:
     applied: int = 0  # loops whose results were applied
     exit_depth: int | None = None  # the loop at which the output exited (from a result)
     delayed_exit_at: int | None = None  # delayed mode: the loop a result said will be the exit
+    draft_at: int = 0  # token pipelining: the loop whose state drafts the next position's input
+    epoch: int = 0  # the request's rollback count when the item was created
 
 
 @dataclass
@@ -67,6 +69,8 @@ class Request:
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     exit_mode: str = "fixed"  # how output positions exit: fixed | gate | delayed (ExitSpec)
+    pipelined: bool = False  # decode tokens enter loop 1 on a draft of their input
+    epoch: int = 0  # rollbacks so far: a rejected draft discards every later in-flight item
     num_scheduled: int = 0  # positions already covered by work items
     items: list[InFlight] = field(default_factory=list)  # items still planning, by position
     finish_reason: FinishReason | None = None

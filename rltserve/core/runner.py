@@ -75,6 +75,8 @@ class ModelRunner:
         self._executor: ThreadPoolExecutor | None = None
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
         self.busy_seconds = 0.0  # wall time executing steps
+        self.drafts_checked = 0  # token pipelining: drafts compared with the committed token
+        self.drafts_rejected = 0
 
     # ---------------------------------------------------------------- execution
 
@@ -111,9 +113,19 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         self._update_requests(plan)
-        items = plan.items
-        if not items:
-            return StepResult(plan.step_id, [])
+        # Items planned before a rollback this runner already did are stale: skip them.
+        active = [
+            k for k, it in enumerate(plan.items) if it.epoch >= self.live[it.request_id].epoch
+        ]
+        results: list[ItemResult | None] = [None] * len(plan.items)
+        if not active:
+            return StepResult(plan.step_id, results)
+        sub, rows, coda_rows = self._run([plan.items[k] for k in active])
+        for k, result in zip(active, sub):
+            results[k] = result
+        return StepResult(plan.step_id, results, num_rows=rows, num_coda_rows=coda_rows)
+
+    def _run(self, items: list[WorkItem]) -> tuple[list[ItemResult | None], int, int]:
         lives = [self.live[it.request_id] for it in items]
         offsets = _offsets([it.num_tokens for it in items])
         positions = _positions(items, self.device)  # [N]
@@ -141,11 +153,19 @@ class ModelRunner:
             if it.depth >= it.ends_at or (it.stop_at_exit and i in exited_set)
         ]
         samples = self._coda_and_sample(items, lives, offsets, positions, state, ending, exited_set)
+        self._draft(items, lives, offsets, positions, state)
 
         results: list[ItemResult | None] = [None] * len(items)
+        rollbacks: list[int] = []
         for k, i in enumerate(out_items):
             token = samples.get(i)
             gate = held[i]
+            checked = token is not None and items[i].end in lives[i].drafts
+            rollback = token is not None and lives[i].commit(items[i].end, token[0])
+            self.drafts_checked += checked
+            if rollback:
+                rollbacks.append(i)
+                self.drafts_rejected += 1
             results[i] = ItemResult(
                 exited=exited[k],
                 survival=gate.survival,
@@ -154,6 +174,7 @@ class ModelRunner:
                 token_id=token[0] if token else -1,
                 logprob=token[1] if token else None,
                 top_logprobs=token[2] if token else None,
+                rollback=rollback,
             )
         ending_set = set(ending)
         for i, (it, live) in enumerate(zip(items, lives)):
@@ -163,9 +184,30 @@ class ModelRunner:
                 lo, hi = offsets[i], offsets[i + 1]
                 held[i].state = state[lo:hi]
                 held[i].e = None if e is None else e[lo:hi]
-        return StepResult(
-            plan.step_id, results, num_rows=int(positions.shape[0]), num_coda_rows=len(samples)
+        for i in rollbacks:  # after storing states, so the discarded items stay discarded
+            lives[i].rollback(items[i].end)
+        return results, int(positions.shape[0]), len(samples)
+
+    def _draft(
+        self,
+        items: list[WorkItem],
+        lives: list[LiveRequest],
+        offsets: list[int],
+        positions: torch.Tensor,
+        state: torch.Tensor,
+    ) -> None:
+        """Token pipelining: the greedy prediction from a token's state at ``draft_loops``
+        becomes the input of the next position, which enters loop 1 in the next step."""
+        drafting = [i for i, it in enumerate(items) if it.draft]
+        if not drafting:
+            return
+        rows = torch.tensor([offsets[i + 1] - 1 for i in drafting], device=self.device)
+        hidden = self._timed(
+            self.model.coda, state.index_select(0, rows), positions.index_select(0, rows), None
         )
+        tokens = self._timed(self.model.logits, hidden).argmax(dim=-1).tolist()
+        for i, token in zip(drafting, tokens):
+            lives[i].drafts[items[i].end] = token
 
     # ---------------------------------------------------------------- pieces
 
@@ -353,6 +395,8 @@ class ModelRunner:
 def _input_ids(item: WorkItem, live: LiveRequest) -> list[int]:
     if item.token_ids is not None:
         return item.token_ids
+    if item.start in live.drafts:
+        return [live.drafts[item.start]]
     if live.last_token is None:
         raise RuntimeError(f"{item.request_id}: decode input requested before any token")
     return [live.last_token]

@@ -161,11 +161,16 @@ class Scheduler:
 
     def _may_start(self, request: Request) -> bool:
         """Whether a new item of the request may enter loop 1 in this step."""
-        if all(self._next_loop(request, item) == OVER for item in request.items):
+        active = [it for it in request.items if self._next_loop(request, it) != OVER]
+        if not active:
             return True
+        last = request.items[-1]
+        if request.pipelined and request.num_scheduled >= request.num_prompt_tokens:
+            # Token pipelining: the next token enters on the draft of the newest item.
+            drafted = last.draft_at and last.planned >= last.draft_at
+            return bool(drafted) and len(active) <= self.config.speculative_tokens
         if not self.config.wavefront_prefill:
             return False
-        last = request.items[-1]
         if request.num_scheduled < request.num_prompt_tokens:
             return True  # the next chunk trails the previous one by a loop
         # A decode token needs its input: the previous item's output, sampled in an earlier step.
@@ -233,6 +238,7 @@ class Scheduler:
     def _next_item(self, request: Request, budget: int) -> InFlight | None:
         start = request.num_scheduled
         p = request.num_prompt_tokens
+        draft_at = self.config.draft_loops if request.pipelined else 0
         if start < p:
             n = min(self.config.prefill_chunk_size, p - start, budget)
             request.num_scheduled += n
@@ -242,6 +248,8 @@ class Scheduler:
                 ends_at=request.num_loops,
                 stop_at_exit=False,
                 has_output=start + n == p,
+                draft_at=draft_at if start + n == p else 0,
+                epoch=request.epoch,
             )
         produces = start - p + 1  # index of the output this decode token produces
         if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
@@ -255,6 +263,8 @@ class Scheduler:
             stop_at_exit=not full,
             has_output=True,
             output_index=produces,
+            draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
+            epoch=request.epoch,
         )
 
     def _work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
@@ -280,6 +290,8 @@ class Scheduler:
             boundary_table=self.kv.boundary_table(rid) if self.has_boundary else None,
             exit=spec,
             exit_copy_blocks=copy_blocks,
+            draft=depth == item.draft_at,
+            epoch=item.epoch,
         )
 
     # ---------------------------------------------------------------- results
@@ -303,6 +315,8 @@ class Scheduler:
                 item.exit_depth = work.depth
                 update = updates.setdefault(work.request_id, RequestUpdate(work.request_id))
                 self._append_token(request, work.depth, outcome, update)
+                if outcome.rollback and not request.is_finished:
+                    self._rollback(request, work.end)
         return list(updates.values())
 
     def _append_token(
@@ -321,6 +335,14 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
             update.finish_reason = reason
+
+    def _rollback(self, request: Request, position: int) -> None:
+        """A committed token contradicted the draft that position ``position`` ran on: every
+        item from there on is discarded and decoding resumes from the committed token. Their
+        KV positions are simply overwritten when recomputed (the blocks stay reserved)."""
+        request.items = [it for it in request.items if it.start < position]
+        request.num_scheduled = position
+        request.epoch += 1
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
