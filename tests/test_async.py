@@ -9,23 +9,10 @@ import threading
 
 import pytest
 from engine_util import make_core, oracle_run, run_core
-from recipe import build_huginn_rv1, build_ouro_rv1
-from reference import Reference
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient
 from rltserve.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async")
-    return {"ouro": build_ouro_rv1(root / "ouro"), "huginn": build_huginn_rv1(root / "huginn")}
-
-
-@pytest.fixture(scope="module")
-def ouro_ref(ckpts) -> Reference:
-    return Reference.load(ckpts["ouro"])
 
 
 def _workload(n: int, seed: int, threshold: float):

@@ -7,8 +7,7 @@ import random
 
 import pytest
 from engine_util import make_core, oracle_run, run_core
-from recipe import build_huginn_rv1, build_ouro_rv1, load_vectors
-from reference import Reference
+from recipe import load_vectors
 
 from rltserve.sampling import SamplingParams
 
@@ -21,22 +20,6 @@ OURO_CASES = {
     "ouro_threshold_0.3": ({"exit_threshold": 0.3}, {"kv_policy": "full"}),
     "ouro_exit_at_depth_2": ({"max_loops": 2}, {"kv_policy": "full"}),
 }
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine")
-    return {"ouro": build_ouro_rv1(root / "ouro"), "huginn": build_huginn_rv1(root / "huginn")}
-
-
-@pytest.fixture(scope="module")
-def ouro_ref(ckpts) -> Reference:
-    return Reference.load(ckpts["ouro"])
-
-
-@pytest.fixture(scope="module")
-def huginn_ref(ckpts) -> Reference:
-    return Reference.load(ckpts["huginn"])
 
 
 def greedy(n: int, **kw) -> SamplingParams:

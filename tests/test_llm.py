@@ -6,7 +6,7 @@ import threading
 
 import pytest
 from engine_util import make_core, run_core
-from recipe import build_ouro_rv1, load_vectors
+from recipe import load_vectors
 
 from rltserve import LLM, SamplingParams
 from rltserve.config import EngineConfig
@@ -18,13 +18,8 @@ PROMPTS = VECTORS["prompts"]
 
 
 @pytest.fixture(scope="module")
-def ouro_path(tmp_path_factory):
-    return build_ouro_rv1(tmp_path_factory.mktemp("llm") / "ouro")
-
-
-@pytest.fixture(scope="module")
-def spawned(ouro_path):
-    with LLM(str(ouro_path), kv_policy="full", num_blocks=64) as llm:
+def spawned(ouro_rv1):
+    with LLM(str(ouro_rv1), kv_policy="full", num_blocks=64) as llm:
         yield llm
 
 
@@ -69,8 +64,8 @@ def test_invalid_requests_raise_value_error(spawned):
     assert len(spawned.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids) == 2
 
 
-def test_stage_crash_fails_requests_instead_of_hanging(ouro_path):
-    client = StageClient(EngineConfig.from_flat(model=str(ouro_path), num_blocks=64))
+def test_stage_crash_fails_requests_instead_of_hanging(ouro_rv1):
+    client = StageClient(EngineConfig.from_flat(model=str(ouro_rv1), num_blocks=64))
     try:
         client.wait_ready(120)
         got: list = []
@@ -91,8 +86,8 @@ def test_stage_crash_fails_requests_instead_of_hanging(ouro_path):
         client.close()
 
 
-def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_path, monkeypatch):
-    core = make_core(ouro_path)
+def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, monkeypatch):
+    core = make_core(ouro_rv1)
     loop = core.model.loop
     calls = {"n": 0}
 
@@ -114,8 +109,8 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_path, monk
     assert len(run.tokens["r0"]) == 4
 
 
-def test_in_process_client_and_abort(ouro_path):
-    client = InProcessStageClient(EngineConfig.from_flat(model=str(ouro_path), num_blocks=256))
+def test_in_process_client_and_abort(ouro_rv1):
+    client = InProcessStageClient(EngineConfig.from_flat(model=str(ouro_rv1), num_blocks=256))
     try:
         client.wait_ready(60)
         done = threading.Event()

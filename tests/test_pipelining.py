@@ -8,20 +8,8 @@ import random
 
 import pytest
 from engine_util import make_core, oracle_run, run_core
-from recipe import build_ouro_rv1
-from reference import Reference
 
 from rltserve.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def ouro(tmp_path_factory):
-    return build_ouro_rv1(tmp_path_factory.mktemp("pipe") / "ouro")
-
-
-@pytest.fixture(scope="module")
-def ouro_ref(ouro) -> Reference:
-    return Reference.load(ouro)
 
 
 def _workload(n: int, seed: int, max_tokens: int = 12):
@@ -35,10 +23,10 @@ def _workload(n: int, seed: int, max_tokens: int = 12):
 
 @pytest.mark.parametrize("k,d", [(1, 2), (2, 1), (3, 1), (1, 3), (2, 2)])
 @pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
-def test_pipelined_equals_block_mode_and_oracle(ouro, ouro_ref, k, d, kv_policy):
+def test_pipelined_equals_block_mode_and_oracle(ouro_rv1, ouro_ref, k, d, kv_policy):
     prompts, params = _workload(10, seed=k * 10 + d)
-    block = run_core(make_core(ouro, kv_policy=kv_policy), prompts, params)
-    core = make_core(ouro, kv_policy=kv_policy, speculative_tokens=k, draft_loops=d)
+    block = run_core(make_core(ouro_rv1, kv_policy=kv_policy), prompts, params)
+    core = make_core(ouro_rv1, kv_policy=kv_policy, speculative_tokens=k, draft_loops=d)
     piped = run_core(core, prompts, params)
     assert piped.tokens == block.tokens
     assert piped.depths == block.depths
@@ -50,31 +38,31 @@ def test_pipelined_equals_block_mode_and_oracle(ouro, ouro_ref, k, d, kv_policy)
         assert piped.tokens[f"r{i}"] == oracle_run(ouro_ref, prompt, p, kv_policy=kv_policy).tokens
 
 
-def test_pipelining_takes_fewer_steps_alone(ouro):
+def test_pipelining_takes_fewer_steps_alone(ouro_rv1):
     prompt, p = [5, 6, 7, 8], SamplingParams(max_tokens=24, ignore_eos=True)
-    block = run_core(make_core(ouro), [prompt], [p])
-    piped = run_core(make_core(ouro, speculative_tokens=1, draft_loops=2), [prompt], [p])
+    block = run_core(make_core(ouro_rv1), [prompt], [p])
+    piped = run_core(make_core(ouro_rv1, speculative_tokens=1, draft_loops=2), [prompt], [p])
     assert piped.tokens == block.tokens
     assert piped.steps < block.steps
 
 
-def test_eos_and_max_tokens_inside_the_window(ouro, ouro_ref):
+def test_eos_and_max_tokens_inside_the_window(ouro_rv1, ouro_ref):
     prompts, params = _workload(8, seed=5)
     stopped = []
     for prompt, p in zip(prompts, params):
         want = oracle_run(ouro_ref, prompt, p.replace(max_tokens=12)).tokens
         stopped.append(p.replace(max_tokens=12, stop_token_ids=(want[min(4, len(want) - 1)],)))
-    block = run_core(make_core(ouro), prompts, stopped)
-    piped = run_core(make_core(ouro, speculative_tokens=2, draft_loops=1), prompts, stopped)
+    block = run_core(make_core(ouro_rv1), prompts, stopped)
+    piped = run_core(make_core(ouro_rv1, speculative_tokens=2, draft_loops=1), prompts, stopped)
     assert piped.tokens == block.tokens
     assert piped.finish == block.finish
 
 
-def test_aborts_and_async_lag(ouro, ouro_ref):
+def test_aborts_and_async_lag(ouro_rv1, ouro_ref):
     prompts, params = _workload(8, seed=8)
     aborts = {2: 4, 5: 9}
     kw = {"speculative_tokens": 2, "draft_loops": 1, "async_scheduling": True}
-    piped = run_core(make_core(ouro, **kw), prompts, params, aborts=aborts, lag=1)
+    piped = run_core(make_core(ouro_rv1, **kw), prompts, params, aborts=aborts, lag=1)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         want = oracle_run(ouro_ref, prompt, p).tokens
         got = piped.tokens[f"r{i}"]
@@ -84,7 +72,7 @@ def test_aborts_and_async_lag(ouro, ouro_ref):
             assert got == want
 
 
-def test_mixed_pipelined_and_ordinary_requests(ouro, ouro_ref):
+def test_mixed_pipelined_and_ordinary_requests(ouro_rv1, ouro_ref):
     prompts, params = _workload(9, seed=13)
     mixed = [
         p
@@ -94,21 +82,21 @@ def test_mixed_pipelined_and_ordinary_requests(ouro, ouro_ref):
         else p.replace(temperature=0.9, seed=i)
         for i, p in enumerate(params)
     ]
-    block = run_core(make_core(ouro), prompts, mixed)
-    piped = run_core(make_core(ouro, speculative_tokens=1, draft_loops=2), prompts, mixed)
+    block = run_core(make_core(ouro_rv1), prompts, mixed)
+    piped = run_core(make_core(ouro_rv1, speculative_tokens=1, draft_loops=2), prompts, mixed)
     assert piped.tokens == block.tokens
     assert piped.depths == block.depths
 
 
-def test_requirements_are_enforced(ouro):
-    core = make_core(ouro, speculative_tokens=1)
+def test_requirements_are_enforced(ouro_rv1):
+    core = make_core(ouro_rv1, speculative_tokens=1)
     with pytest.raises(ValueError, match="greedy"):
         core.add_request("a", [1], SamplingParams(temperature=0.7, speculative=True))
     with pytest.raises(ValueError, match="fixed full depth"):
         core.add_request("b", [1], SamplingParams(exit_threshold=0.5, speculative=True))
     with pytest.raises(ValueError, match="speculative_tokens=0"):
-        make_core(ouro).add_request("c", [1], SamplingParams(speculative=True))
+        make_core(ouro_rv1).add_request("c", [1], SamplingParams(speculative=True))
     with pytest.raises(ValueError, match="draft_loops"):
-        make_core(ouro, speculative_tokens=1, draft_loops=4)
+        make_core(ouro_rv1, speculative_tokens=1, draft_loops=4)
     with pytest.raises(ValueError, match="per-depth"):
-        make_core(ouro, speculative_tokens=1, kv_policy="shared")
+        make_core(ouro_rv1, speculative_tokens=1, kv_policy="shared")

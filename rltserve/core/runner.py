@@ -105,6 +105,10 @@ class ModelRunner:
         finally:
             self.busy_seconds += time.perf_counter() - start
 
+    def _attention(self, spans: list[tuple[int, int, list[int]]]) -> PagedAttention:
+        """Attention over ``(start, num_tokens, block_table)`` spans, one per item."""
+        return PagedAttention(self.kv, AttentionMetadata.build(spans, self.block_size, self.device))
+
     def _timed(self, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
@@ -131,14 +135,7 @@ class ModelRunner:
         positions = _positions(items, self.device)  # [N]
         state, e = self._gather_inputs(items, lives, positions)
 
-        core = PagedAttention(
-            self.kv,
-            AttentionMetadata.build(
-                [(it.start, it.num_tokens, it.block_table) for it in items],
-                self.block_size,
-                self.device,
-            ),
-        )
+        core = self._attention([(it.start, it.num_tokens, it.block_table) for it in items])
         state = self._timed(self.model.loop, state, e, positions, core)  # [N, S]
 
         held = [live.items[it.start] for it, live in zip(items, lives)]
@@ -233,9 +230,7 @@ class ModelRunner:
             boundary = None
             if self.spec.num_boundary_layers:
                 spans = [(it.start, it.num_tokens, it.boundary_table) for it in sub]
-                boundary = PagedAttention(
-                    self.kv, AttentionMetadata.build(spans, self.block_size, self.device)
-                )
+                boundary = self._attention(spans)
             e_new = self._timed(self.model.prelude, ids, pos, boundary)  # [n_enter, E]
             noise = None
             if self.spec.needs_noise:
@@ -356,9 +351,7 @@ class ModelRunner:
             spans = [
                 (items[i].start, items[i].num_tokens, items[i].boundary_table) for i in coda_items
             ]
-            attn = PagedAttention(
-                self.kv, AttentionMetadata.build(spans, self.block_size, self.device)
-            )
+            attn = self._attention(spans)
             widths = [offsets[i + 1] - offsets[i] for i in coda_items]
         else:
             rows = [offsets[i + 1] - 1 for i in coda_items]

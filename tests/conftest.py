@@ -1,0 +1,48 @@
+"""Shared fixtures: the rv1 checkpoints of the Hugging Face vectors, built once per session, and
+the dense oracle loaded on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recipe import build_huginn_rv1, build_ouro_rv1
+from reference import Reference
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rv1_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("rv1")
+
+
+@pytest.fixture(scope="session")
+def ouro_rv1(rv1_dir):
+    return build_ouro_rv1(rv1_dir / "ouro")
+
+
+@pytest.fixture(scope="session")
+def huginn_rv1(rv1_dir):
+    return build_huginn_rv1(rv1_dir / "huginn")
+
+
+@pytest.fixture(scope="session")
+def ouro_ref(ouro_rv1) -> Reference:
+    return Reference.load(ouro_rv1)
+
+
+@pytest.fixture(scope="session")
+def huginn_ref(huginn_rv1) -> Reference:
+    return Reference.load(huginn_rv1)
+
+
+@pytest.fixture(scope="session")
+def ckpts(ouro_rv1, huginn_rv1):
+    return {"ouro": ouro_rv1, "huginn": huginn_rv1}
