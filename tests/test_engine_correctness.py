@@ -8,6 +8,7 @@ import random
 import pytest
 from engine_util import make_core, oracle_run, run_core
 from recipe import load_vectors
+from reference import Reference
 
 from rltserve.sampling import SamplingParams
 
@@ -174,3 +175,17 @@ def test_request_too_big_for_pool_is_rejected(ckpts):
     core = make_core(ckpts["ouro"], num_blocks=8)
     with pytest.raises(ValueError, match="KV blocks"):
         core.add_request("big", list(range(100)), greedy(50))
+
+
+@pytest.mark.parametrize("kv_policy,chunk", [("last_exited", 6), ("full", 512)])
+def test_nanbeige_matches_oracle(tmp_path, kv_policy, chunk):
+    from builders import build_nanbeige_tiny
+
+    path = build_nanbeige_tiny(tmp_path / "nanbeige")
+    ref = Reference.load(path)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 25))] for _ in range(6)]
+    params = [greedy(rng.randint(1, 8)) for _ in prompts]
+    run = run_core(make_core(path, kv_policy=kv_policy, prefill_chunk_size=chunk), prompts, params)
+    _check_against_oracle(ref, run, prompts, params, kv_policy)
+    assert all(d == 2 for depths in run.depths.values() for d in depths)
