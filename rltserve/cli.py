@@ -1,4 +1,4 @@
-"""The ``rltserve`` command: generate, bench, make-model, info.
+"""The ``rltserve`` command: generate, serve, bench, make-model, info.
 
 Engine flags are derived from the config dataclasses (``--max-num-seqs`` from
 ``SchedulerConfig.max_num_seqs``), so names and help texts have one source.
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import orjson
 
 from rltserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions and available backends")
     info.set_defaults(func=cmd_info)
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--json", action="store_true")
     add_engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
+    add_bench_serve_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,339 @@
+"""AsyncClient: an asyncio client for ``rltserve serve`` (and other OpenAI-compatible servers).
+
+Responses are the server's JSON objects as dicts; error responses raise typed ``APIError``s.
+Streams are async iterators of chunk dicts; leaving a stream early (``break``, an exception, or
+closing its ``async with``) closes the connection, which makes the server abort the request.
+
+Embedding it in an aiohttp app (one client per app, closed with the app)::
+
+    from aiohttp import web
+    from rltserve.client import AsyncClient
+
+    LLM_CLIENT = web.AppKey("llm_client", AsyncClient)
+
+    async def llm_client(app: web.Application):
+        async with AsyncClient("http://127.0.0.1:8000", api_key="secret") as client:
+            await client.wait_ready()
+            app[LLM_CLIENT] = client
+            yield
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        client = request.app[LLM_CLIENT]
+        response = web.StreamResponse()
+        await response.prepare(request)
+        async with client.chat_stream(
+            [{"role": "user", "content": request.query["q"]}], max_tokens=64, temperature=0
+        ) as chunks:
+            async for chunk in chunks:
+                for choice in chunk["choices"]:
+                    await response.write(choice["delta"].get("content", "").encode())
+        return response
+
+    app = web.Application()
+    app.cleanup_ctx.append(llm_client)
+    app.router.add_get("/answer", answer)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+__all__ = [
+    "APIConnectionError",
+    "APIError",
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "ChunkStream",
+    "InternalServerError",
+    "NotFoundError",
+    "RateLimitError",
+    "RequestTooLargeError",
+    "ServiceUnavailableError",
+    "UnsupportedMediaTypeError",
+]
+
+
+class APIError(Exception):
+    """An error response (or an error event inside a stream)."""
+
+    status: int | None = None
+
+    def __init__(
+        self,
+        status: int | None,
+        message: str,
+        type: str | None = None,  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"{status}: {message}" if status is not None else message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.retry_after = retry_after
+
+
+class BadRequestError(APIError):
+    """400: the request was invalid; ``param`` names the field."""
+
+
+class AuthenticationError(APIError):
+    """401: missing or wrong API key."""
+
+
+class NotFoundError(APIError):
+    """404: unknown model or route."""
+
+
+class RequestTooLargeError(APIError):
+    """413: the request body exceeds the server's limit."""
+
+
+class UnsupportedMediaTypeError(APIError):
+    """415: the body was not sent as JSON."""
+
+
+class RateLimitError(APIError):
+    """429: too many requests."""
+
+
+class InternalServerError(APIError):
+    """500: the server failed."""
+
+
+class ServiceUnavailableError(APIError):
+    """503: loading, overloaded or shutting down; ``retry_after`` is the server's hint."""
+
+
+class APIConnectionError(APIError):
+    """The server could not be reached, or the connection broke mid-response."""
+
+
+_ERRORS: dict[int, type[APIError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    404: NotFoundError,
+    413: RequestTooLargeError,
+    415: UnsupportedMediaTypeError,
+    429: RateLimitError,
+    500: InternalServerError,
+    503: ServiceUnavailableError,
+}
+
+
+def error_from(status: int, body: object, retry_after: str | None = None) -> APIError:
+    """The typed error for an error response body (OpenAI or llama.cpp shape)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        error = {"message": str(body) if body else f"HTTP {status}"}
+    cls = _ERRORS.get(status, APIError)
+    try:
+        retry = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        retry = None
+    return cls(status, str(error.get("message")), error.get("type"), error.get("param"), retry)
+
+
+async def iter_sse(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON events of an SSE body, up to ``[DONE]``; an error event raises APIError."""
+    buffer = b""
+    async for data in response.content.iter_any():
+        buffer += data
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, buffer = buffer[:end], buffer[end + 2 :]
+            payload = b"\n".join(
+                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+            )
+            if not payload:
+                continue  # comments and keep-alives
+            if payload == b"[DONE]":
+                return
+            obj = orjson.loads(payload)
+            if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
+                code = obj["error"].get("code") if isinstance(obj["error"], dict) else None
+                raise error_from(code if isinstance(code, int) else 500, obj)
+            yield obj
+    raise APIConnectionError(None, "the stream ended without [DONE]")
+
+
+class ChunkStream:
+    """An open streaming response. Iterate it for chunk dicts; use ``async with`` (or let the
+    iteration finish) to release the connection."""
+
+    def __init__(self, client: AsyncClient, path: str, body: dict) -> None:
+        self._client = client
+        self._path = path
+        self._body = body
+        self._response: aiohttp.ClientResponse | None = None
+        self._events: AsyncIterator[dict] | None = None
+
+    async def __aenter__(self) -> ChunkStream:
+        self._response = await self._client._post(self._path, self._body)
+        self._events = iter_sse(self._response)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._response is not None:
+            self._response.close()  # drops the connection: the server aborts the request
+
+    def __aiter__(self) -> AsyncIterator[dict]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[dict]:
+        owned = self._response is None
+        if owned:
+            await self.__aenter__()
+        assert self._events is not None
+        try:
+            async for chunk in self._events:
+                yield chunk
+        except aiohttp.ClientError as exc:
+            raise APIConnectionError(None, f"stream broke: {exc}") from exc
+        finally:
+            if owned:
+                await self.close()
+
+
+class AsyncClient:
+    """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
+    Extra keyword arguments of the request methods go into the JSON body as they are (None
+    values are left out). ``timeout`` is the longest wait for the server to connect or to send
+    anything (None: no limit); ``max_connections=0`` means unlimited."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 600.0,
+        max_connections: int = 100,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._owns_session = session is None
+        self._session = session
+        # An idle-read limit, not a total: a long stream is fine while tokens keep coming.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        self._max_connections = max_connections
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
+
+    # ------------------------------------------------------------------ transport
+
+    async def _request(self, method: str, path: str, body: dict | None = None):
+        data = orjson.dumps(body) if body is not None else None
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            response = await self.session.request(
+                method, self.base_url + path, data=data, headers=headers
+            )
+        except aiohttp.ClientError as exc:
+            raise APIConnectionError(None, f"cannot reach {self.base_url}: {exc}") from exc
+        if response.status >= 400:
+            async with response:
+                raw = await response.read()
+            try:
+                parsed: object = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                parsed = raw.decode(errors="replace")
+            raise error_from(response.status, parsed, response.headers.get("Retry-After"))
+        return response
+
+    async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        return await self._request("POST", path, body)
+
+    async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+        response = await self._request(method, path, body)
+        async with response:
+            return orjson.loads(await response.read())
+
+    # ------------------------------------------------------------------ API
+
+    async def complete(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> dict:
+        """POST /v1/completions; returns the completion object."""
+        return await self._json("POST", "/v1/completions", _body(prompt=prompt, **params))
+
+    def stream(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> ChunkStream:
+        """Streaming /v1/completions: ``async for chunk in client.stream("Hi")``."""
+        return ChunkStream(self, "/v1/completions", _body(prompt=prompt, stream=True, **params))
+
+    async def chat(self, messages: Sequence[dict], **params: Any) -> dict:
+        """POST /v1/chat/completions; returns the chat.completion object."""
+        return await self._json("POST", "/v1/chat/completions", _body(messages=messages, **params))
+
+    def chat_stream(self, messages: Sequence[dict], **params: Any) -> ChunkStream:
+        """Streaming chat: chunks whose choices carry ``delta``s (the role first)."""
+        body = _body(messages=messages, stream=True, **params)
+        return ChunkStream(self, "/v1/chat/completions", body)
+
+    async def models(self) -> list[dict]:
+        return (await self._json("GET", "/v1/models"))["data"]
+
+    async def health(self) -> bool:
+        """True when the server is up and its engine ready (False while loading or down)."""
+        try:
+            await self._json("GET", "/health")
+        except (ServiceUnavailableError, APIConnectionError):
+            return False
+        return True
+
+    async def wait_ready(self, timeout: float = 300.0, interval: float = 0.1) -> None:
+        deadline = time.monotonic() + timeout
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise APIConnectionError(None, f"{self.base_url} not ready after {timeout} s")
+            await asyncio.sleep(interval)
+
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, **params: Any
+    ) -> list[int]:
+        body = _body(prompt=prompt, messages=messages, **params)
+        return (await self._json("POST", "/tokenize", body))["tokens"]
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        return (await self._json("POST", "/detokenize", {"tokens": list(tokens)}))["prompt"]
+
+    async def version(self) -> str:
+        return (await self._json("GET", "/version"))["version"]
+
+    async def metrics(self) -> str:
+        response = await self._request("GET", "/metrics")
+        async with response:
+            return await response.text()
+
+
+def _body(**fields: Any) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}

@@ -1,0 +1,79 @@
+"""Bounded concurrency and queueing in front of the engine.
+
+At most ``max_concurrent`` sequences are in the engine at once (a request with n choices holds n
+slots); up to ``max_queued`` requests wait for slots in FIFO order; any request beyond that is
+refused at once with ``Overloaded`` (the server answers 503 + Retry-After, so a load balancer can
+try elsewhere). A waiter that is cancelled (client gone) leaves the queue without a trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+class Overloaded(Exception):
+    """No slot free and the queue is full."""
+
+
+@dataclass
+class _Waiter:
+    weight: int
+    future: asyncio.Future[None]
+
+
+class AdmissionGate:
+    def __init__(self, max_concurrent: int, max_queued: int) -> None:
+        self.max_concurrent = max_concurrent
+        self.max_queued = max_queued
+        self.in_use = 0
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiters)
+
+    @contextlib.asynccontextmanager
+    async def slots(self, weight: int = 1) -> AsyncIterator[None]:
+        """Holds ``weight`` slots for the body; raises Overloaded or ValueError (weight too big)."""
+        await self._acquire(weight)
+        try:
+            yield
+        finally:
+            self._release(weight)
+
+    async def _acquire(self, weight: int) -> None:
+        if weight > self.max_concurrent:
+            raise ValueError(
+                f"n={weight}: exceeds the server's max_concurrent={self.max_concurrent}"
+            )
+        if not self._waiters and self.in_use + weight <= self.max_concurrent:
+            self.in_use += weight
+            return
+        if len(self._waiters) >= self.max_queued:
+            raise Overloaded("the server is at capacity and its queue is full")
+        waiter = _Waiter(weight, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self._release(weight)  # granted in the same instant as the cancel
+            else:
+                self._waiters.remove(waiter)
+                self._wake()
+            raise
+
+    def _release(self, weight: int) -> None:
+        self.in_use -= weight
+        self._wake()
+
+    def _wake(self) -> None:
+        # FIFO: the head waiter blocks later, smaller ones so a big request cannot starve.
+        while self._waiters and self.in_use + self._waiters[0].weight <= self.max_concurrent:
+            waiter = self._waiters.popleft()
+            self.in_use += waiter.weight
+            waiter.future.set_result(None)

@@ -1,0 +1,236 @@
+"""``rltserve bench serve``: a serving benchmark client in the manner of ``vllm bench serve``.
+
+Every request streams ``/v1/completions`` with a random token-id prompt of ``input_len`` tokens,
+``max_tokens=output_len`` and ``ignore_eos``, so each produces exactly ``output_len`` tokens.
+Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burstiness`` 1 =
+Poisson), optionally capped at ``max_concurrency`` in flight.
+
+Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = gaps between
+consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request; E2EL = send
+-> last byte. Output tokens are the server's ``usage.completion_tokens``. Throughputs divide by
+the benchmark's wall time. Latencies are reported in ms as mean, median and p99 (numpy's linear
+percentile).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rltserve.client import APIError, AsyncClient
+
+_FALLBACK_VOCAB = 1000  # servers whose model card has no vocab_size
+_PROGRESS_WIDTH = 30
+_SECTIONS = (
+    ("ttft", "Time to First Token"),
+    ("tpot", "Time per Output Token (excl. 1st token)"),
+    ("itl", "Inter-token Latency"),
+    ("e2el", "End-to-end Latency"),
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    api_key: str | None = None
+    model: str | None = None
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    input_len: int = 128
+    output_len: int = 128
+    seed: int = 0
+    temperature: float = 0.0
+    exit_threshold: float | None = None
+    progress: bool = False
+    ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate={self.request_rate}: must be > 0 (or inf)")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness={self.burstiness}: must be > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency}: must be >= 1")
+
+
+@dataclass
+class RequestResult:
+    """What one benchmark request measured (seconds)."""
+
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(config.seed)
+    return [
+        [rng.randrange(vocab_size) for _ in range(config.input_len)]
+        for _ in range(config.num_prompts)
+    ]
+
+
+def arrival_gaps(config: BenchConfig) -> list[float]:
+    """Seconds to wait before sending each request (gamma gaps; all zero at rate inf)."""
+    if math.isinf(config.request_rate):
+        return [0.0] * config.num_prompts
+    rng = random.Random(config.seed + 1)
+    theta = 1.0 / (config.request_rate * config.burstiness)
+    return [0.0] + [
+        rng.gammavariate(config.burstiness, theta) for _ in range(config.num_prompts - 1)
+    ]
+
+
+async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> RequestResult:
+    result = RequestResult(len(prompt))
+    body: dict = {
+        "max_tokens": config.output_len,
+        "temperature": config.temperature,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.model is not None:
+        body["model"] = config.model
+    if config.exit_threshold is not None:
+        body["exit_threshold"] = config.exit_threshold
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream(prompt, **body) as chunks:
+            async for chunk in chunks:
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.e2el = time.perf_counter() - start
+        result.success = result.ttft > 0.0
+    except (APIError, OSError, asyncio.TimeoutError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.start = time.perf_counter()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = _PROGRESS_WIDTH * self.done // self.total
+            bar = "#" * filled + "." * (_PROGRESS_WIDTH - filled)
+            elapsed = time.perf_counter() - self.start
+            end = "\n" if self.done == self.total else ""
+            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:6.1f}s{end}")
+            sys.stderr.flush()
+
+
+async def run_bench(config: BenchConfig) -> dict:
+    async with AsyncClient(config.url, config.api_key, timeout=None, max_connections=0) as client:
+        await client.wait_ready(timeout=config.ready_timeout_s)
+        cards = await client.models()
+        vocab = int(cards[0].get("vocab_size") or _FALLBACK_VOCAB) if cards else _FALLBACK_VOCAB
+        prompts = random_prompts(config, vocab)
+        gaps = arrival_gaps(config)
+        limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
+        progress = _Progress(config.num_prompts, config.progress)
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with limit:
+                result = await _one(client, config, prompt)
+            progress.step()
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(prompt)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(config, results, duration)
+
+
+def _stats(prefix: str, values_s: list[float]) -> dict[str, float]:
+    ms = np.asarray(values_s, dtype=float) * 1000.0 if values_s else np.zeros(1)
+    return {
+        f"mean_{prefix}_ms": float(ms.mean()),
+        f"median_{prefix}_ms": float(np.median(ms)),
+        f"p99_{prefix}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def summarize(config: BenchConfig, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    report: dict = {
+        "num_prompts": config.num_prompts,
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "input_len": config.input_len,
+        "output_len": config.output_len,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    report.update(_stats("ttft", [r.ttft for r in ok]))
+    report.update(_stats("tpot", tpots))
+    report.update(_stats("itl", [gap for r in ok for gap in r.itl]))
+    report.update(_stats("e2el", [r.e2el for r in ok]))
+    report["errors"] = sorted({r.error for r in results if r.error})[:5]
+    return report
+
+
+def format_report(report: dict) -> str:
+    rows = [
+        ("Successful requests", report["completed"]),
+        ("Failed requests", report["failed"]),
+        ("Maximum request concurrency", report["max_concurrency"]),
+        ("Request rate (req/s)", report["request_rate"]),
+        ("Benchmark duration (s)", f"{report['duration']:.2f}"),
+        ("Total input tokens", report["total_input_tokens"]),
+        ("Total generated tokens", report["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{report['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
+    ]
+    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
+    lines += [f"{name + ':':<45}{value!s:>15}" for name, value in rows]
+    for key, title in _SECTIONS:
+        lines.append(f"{' ' + title + ' ':-^60}")
+        for stat in ("mean", "median", "p99"):
+            name = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
+            lines.append(f"{name:<45}{report[f'{stat}_{key}_ms']:>15.2f}")
+    for error in report["errors"]:
+        lines.append(f"error: {error}")
+    lines.append("=" * 60)
+    return "\n".join(lines)

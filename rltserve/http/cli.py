@@ -1,0 +1,148 @@
+"""``rltserve serve`` and ``rltserve bench serve``: their parsers and commands.
+
+Flags come from the config dataclasses (``--max-concurrent`` from ``ServerConfig``; the engine
+flags through ``rltserve.cli.add_engine_args``). This module imports nothing heavy at import
+time, so the main CLI can import it unconditionally; ``rltserve.cli`` is imported inside the
+functions (it imports this module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+BENCH_SERVE_HELP = "serving benchmark against a running server (random token-id prompts)"
+
+
+def _flag_type(hint: object) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
+        hint = args[0]
+    return hint if hint in (int, float, str) else str
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field of dataclass ``cls`` (``--snake-name``), help from its metadata.
+    Defaults are left as None so ``dataclass_kwargs`` passes only what the user set."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        if hints[f.name] is bool:
+            group.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), help=help_text)
+
+
+def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(args, f.name, None) is not None
+    }
+
+
+# ---------------------------------------------------------------------- serve
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from rltserve.cli import add_engine_args
+    from rltserve.http.config import ServerConfig
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Serves /v1/completions, /v1/chat/completions and friends. Without --model "
+        "it serves the built-in demo model.",
+    )
+    add_dataclass_args(parser, ServerConfig, "server")
+    add_engine_args(parser)
+    parser.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    parser.set_defaults(func=cmd_serve)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rltserve.cli import engine_kwargs
+    from rltserve.config import EngineConfig
+    from rltserve.http.config import ServerConfig
+    from rltserve.http.server import run_server
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
+    engine_config = EngineConfig.from_flat(**engine_kwargs(args))
+    return run_server(server_config, engine_config)
+
+
+# ---------------------------------------------------------------------- bench serve
+
+
+def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = bench_subparsers.add_parser("serve", help=BENCH_SERVE_HELP)
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--api-key", default=None, help="or env RLTSERVE_API_KEY")
+    parser.add_argument("--model", default=None, help="model name to send (default: none)")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: inf = all at once)",
+    )
+    parser.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--exit-threshold", type=float, default=None)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(func=cmd_bench_serve)
+    return parser
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    import orjson
+
+    from rltserve.http.bench_serve import BenchConfig, format_report, run_bench
+
+    config = BenchConfig(
+        url=args.url,
+        api_key=args.api_key or os.environ.get("RLTSERVE_API_KEY"),
+        model=args.model,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        seed=args.seed,
+        temperature=args.temperature,
+        exit_threshold=args.exit_threshold,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    report = asyncio.run(run_bench(config))
+    if args.json:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(format_report(report))
+    return 0 if report["completed"] > 0 else 1

@@ -1,0 +1,84 @@
+"""Frozen configuration of the HTTP server, validated on construction.
+
+As with the engine configs, every field's ``metadata["help"]`` is the one description of the
+setting: ``rltserve serve`` derives its flags (``--max-concurrent`` from ``max_concurrent``) and
+help texts from this dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+API_KEY_ENV = "RLTSERVE_API_KEY"
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_help("interface to listen on"))
+    port: int = field(default=8000, metadata=_help("TCP port (0 picks a free one)"))
+    served_model_name: str | None = field(
+        default=None,
+        metadata=_help("model name clients use (default: the checkpoint directory's name)"),
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=_help(f"require 'Authorization: Bearer KEY' on /v1/* (or env {API_KEY_ENV})"),
+    )
+    ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
+    ssl_keyfile: str | None = field(default=None, metadata=_help("TLS private key (PEM)"))
+    max_concurrent: int = field(
+        default=256,
+        metadata=_help("sequences in the engine at once (a request with n=4 counts 4)"),
+    )
+    max_queued: int = field(
+        default=1024,
+        metadata=_help("requests waiting for a slot; beyond it requests get 503 + Retry-After"),
+    )
+    max_body_bytes: int = field(
+        default=8 * 2**20, metadata=_help("largest request body accepted (else 413)")
+    )
+    retry_after_s: int = field(
+        default=1, metadata=_help("Retry-After seconds sent with 503 responses")
+    )
+    startup_timeout_s: float = field(
+        default=600.0, metadata=_help("seconds the engine may take to load")
+    )
+    drain_timeout_s: float = field(
+        default=10.0,
+        metadata=_help("on shutdown, seconds in-flight requests may finish before being aborted"),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port!r}: must be an int in [0, 65535]")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name='': must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key='': must not be empty (omit it to disable auth)")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile, ssl_keyfile: give both or neither")
+        for name, low in (("max_concurrent", 1), ("max_queued", 0), ("max_body_bytes", 1024)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r}: must be an int >= {low}")
+        if not isinstance(self.retry_after_s, int) or self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s={self.retry_after_s!r}: must be an int >= 0")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
+
+    def with_env(self) -> ServerConfig:
+        """The config with ``api_key`` taken from the environment when not given; resolved
+        after parsing so that a key never shows up as a flag default in ``--help``."""
+        key = os.environ.get(API_KEY_ENV)
+        return replace(self, api_key=key) if self.api_key is None and key else self
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.ssl_certfile is not None

@@ -1,0 +1,91 @@
+"""Delivering a generating request: admission, then an SSE stream or one JSON body.
+
+An error that ends a choice before anything was streamed becomes a plain error response (a 400
+for a request the engine rejected); once the stream has started it becomes an error event and
+``[DONE]`` inside the 200 stream. Leaving ``deliver`` by any path (cancellation on client
+disconnect included) aborts the unfinished choices in the engine.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from rltserve.http.admission import Overloaded
+from rltserve.http.errors import bad_request, json_response, unavailable
+from rltserve.http.frontend import Generation, failure
+from rltserve.http.plans import GenerationPlan
+from rltserve.http.responses import usage
+from rltserve.http.sse import SSEWriter
+from rltserve.http.state import ServingState
+
+
+async def deliver(
+    request: web.Request, state: ServingState, plan: GenerationPlan
+) -> web.StreamResponse:
+    gate = state.gate
+    if len(plan.choices) > gate.max_concurrent:
+        raise bad_request(
+            f"n: {len(plan.choices)} sequences exceed the server's limit of "
+            f"{gate.max_concurrent} at once",
+            "n",
+        )
+    try:
+        async with gate.slots(len(plan.choices)):
+            frontend = state.require_frontend()
+            async with frontend.open(plan.choices, plan.arrival) as generation:
+                if plan.stream:
+                    return await _stream(request, state, plan, generation)
+                return await _collect(state, plan, generation)
+    except Overloaded as exc:
+        raise unavailable(f"{exc}; retry later", state.config.retry_after_s) from exc
+
+
+async def _stream(
+    request: web.Request, state: ServingState, plan: GenerationPlan, generation: Generation
+) -> web.StreamResponse:
+    writer = SSEWriter(request, state.passthrough_headers(request))
+    fmt = plan.format
+    try:
+        async for events in generation.batches():
+            chunks = []
+            for event in events:
+                error = failure(event, state.closing)
+                if error is not None:
+                    if not writer.started:
+                        raise error
+                    generation.abort()
+                    await writer.send(*chunks)
+                    return await writer.finish((error.status, error.message))
+                for choice in fmt.stream_choices(event):
+                    chunk = fmt.chunk([choice])
+                    if plan.include_usage:
+                        chunk["usage"] = (
+                            usage(plan.prompt_tokens, generation.num_completion_tokens())
+                            if plan.continuous_usage
+                            else None
+                        )
+                    chunks.append(chunk)
+            await writer.send(*chunks)
+        if plan.include_usage:
+            final = fmt.chunk([])
+            final["usage"] = usage(plan.prompt_tokens, generation.num_completion_tokens())
+            await writer.send(final)
+        return await writer.finish()
+    except ConnectionResetError:
+        # The client went away mid-write; leaving the generation aborts its choices.
+        return writer.response or web.Response(status=499)
+
+
+async def _collect(
+    state: ServingState, plan: GenerationPlan, generation: Generation
+) -> web.Response:
+    async for events in generation.batches():
+        for event in events:
+            error = failure(event, state.closing)
+            if error is not None:
+                raise error
+    outputs = generation.outputs()
+    fmt = plan.format
+    choices = [fmt.final_choice(i, outputs[i]) for i in sorted(outputs)]
+    body = fmt.response(choices, usage(plan.prompt_tokens, generation.num_completion_tokens()))
+    return json_response(body)

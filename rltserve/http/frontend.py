@@ -1,0 +1,333 @@
+"""The engine as HTTP handlers see it: prompt preparation and per-request event streams.
+
+``Frontend`` tokenizes and checks prompts (so that bad input is a 400 before anything streams)
+and opens ``Generation``s. A ``Generation`` is the set of engine requests behind one HTTP request
+(prompts x n choices), bridged from the stage client's reader thread into the event loop with
+``call_soon_threadsafe``; it detokenizes and applies stop strings through ``OutputAssembler``.
+Leaving its ``async with`` block aborts every choice that has not finished, which is how a client
+disconnect (the handler is cancelled) frees the engine's KV within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from rltserve.core.engine import EngineInfo, EngineStats
+from rltserve.core.request import FinishReason
+from rltserve.core.scheduler import RequestUpdate
+from rltserve.core.stage import Sink, StageError
+from rltserve.http.errors import HTTPError, bad_request, unavailable
+from rltserve.http.metrics import RequestTimeline, ServingMetrics
+from rltserve.http.validation import param_of
+from rltserve.models.tokenizer import Tokenizer, TokenizerError
+from rltserve.outputs import OutputAssembler, RequestOutput, TextDelta
+from rltserve.sampling import SamplingParams
+
+
+class StageClientLike(Protocol):
+    """What the server needs of ``StageClient`` / ``InProcessStageClient``."""
+
+    info: EngineInfo | None
+    stats: EngineStats | None
+
+    @property
+    def alive(self) -> bool: ...
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
+    ) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt of a request: its token ids and, when it came as text, that text (echo)."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceRequest:
+    """One engine request behind an HTTP request: choice ``index`` samples prompt
+    ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt: PromptInput
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """One engine update of one choice, turned into text. ``output`` is the choice so far."""
+
+    index: int
+    delta: TextDelta
+    output: RequestOutput
+    rejected: bool
+
+
+@dataclass
+class _Choice:
+    request: ChoiceRequest
+    stage_id: str
+    assembler: OutputAssembler
+    timeline: RequestTimeline
+    open: bool = False  # in the stage and not finished yet
+
+
+class Frontend:
+    def __init__(
+        self,
+        client: StageClientLike,
+        info: EngineInfo,
+        tokenizer: Tokenizer | None,
+        metrics: ServingMetrics,
+    ) -> None:
+        self.client = client
+        self.info = info
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._ids = itertools.count()
+        self._generations: set[Generation] = set()
+
+    # ------------------------------------------------------------------ prompts
+
+    def require_tokenizer(self, param: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
+        return self.tokenizer
+
+    def completion_prompts(self, prompt: str | list) -> list[PromptInput]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt: must not be empty", "prompt")
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self.require_tokenizer("prompt").encode(item)
+                out.append(PromptInput(self.check_prompt(ids, "prompt"), item))
+            else:
+                out.append(PromptInput(self.check_prompt(list(item), "prompt")))
+        return out
+
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None
+    ) -> PromptInput:
+        ids = self.render_chat(messages, add_generation_prompt, template_kwargs)
+        return PromptInput(self.check_prompt(ids, "messages"))
+
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None
+    ) -> list[int]:
+        tokenizer = self.require_tokenizer("messages")
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt, tokenize=True, **(template_kwargs or {})
+            )
+        except TokenizerError as exc:
+            raise bad_request(f"messages: {exc}", "messages") from exc
+        except Exception as exc:  # noqa: BLE001 - template code raising on its input (jinja)
+            raise bad_request(
+                f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
+            ) from exc
+        assert isinstance(ids, list)
+        return ids
+
+    def check_prompt(self, ids: list[int], param: str) -> list[int]:
+        """The engine's own admission checks, run here so they are a 400 before streaming."""
+        info = self.info
+        if not ids:
+            raise bad_request(f"{param}: must contain at least one token", param)
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"{param}: token id {bad} is outside the vocabulary [0, {info.vocab_size})", param
+            )
+        if len(ids) >= info.max_model_len:
+            raise bad_request(
+                f"{param}: {len(ids)} tokens leave no room to generate within this model's "
+                f"maximum context length of {info.max_model_len} tokens",
+                param,
+            )
+        return ids
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        cap = self.info.max_loops
+        if params.max_loops is not None and params.max_loops > cap:
+            raise bad_request(
+                f"max_loops={params.max_loops}: this model allows at most {cap}", "max_loops"
+            )
+        return params
+
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_text(self, prompt: PromptInput) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
+
+    # ------------------------------------------------------------------ generation
+
+    def open(self, choices: list[ChoiceRequest], arrival: float) -> Generation:
+        return Generation(self, choices, arrival)
+
+    def next_stage_id(self) -> str:
+        return f"http-{next(self._ids)}"
+
+    def interrupt_all(self) -> None:
+        """Ends every open generation with abort events (server shutdown)."""
+        for generation in list(self._generations):
+            generation.interrupt()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._generations)
+
+
+class Generation:
+    """The choices of one HTTP request as one stream of ``ChoiceEvent`` batches. Enter it with
+    ``async with`` (adds the requests to the stage); leaving aborts unfinished choices."""
+
+    def __init__(self, frontend: Frontend, choices: list[ChoiceRequest], arrival: float) -> None:
+        self._frontend = frontend
+        self._queue: asyncio.Queue[tuple[int, RequestUpdate]] = asyncio.Queue()
+        self._arrival = arrival
+        self._choices = {
+            c.index: _Choice(
+                c,
+                frontend.next_stage_id(),
+                OutputAssembler(
+                    "",
+                    c.prompt.token_ids,
+                    frontend.tokenizer,
+                    c.params.stop,
+                    c.params.logprobs is not None,
+                    c.params.stop_token_ids,
+                ),
+                RequestTimeline(arrival, arrival),
+            )
+            for c in choices
+        }
+
+    async def __aenter__(self) -> Generation:
+        loop = asyncio.get_running_loop()
+        admitted = time.monotonic()
+        client, metrics = self._frontend.client, self._frontend.metrics
+        self._frontend._generations.add(self)
+        try:
+            for index, choice in self._choices.items():
+                choice.timeline.admitted = admitted
+                req = choice.request
+                client.add_request(
+                    choice.stage_id, req.prompt.token_ids, req.params, self._sink(loop, index)
+                )
+                choice.open = True
+                metrics.on_start(choice.timeline, len(req.prompt.token_ids))
+        except StageError as exc:
+            await self.__aexit__(None, None, None)
+            raise unavailable(f"the engine is not running: {exc}") from exc
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+        self._frontend._generations.discard(self)
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Sink:
+        put = self._queue.put_nowait
+
+        def sink(update: RequestUpdate) -> None:  # the stage client's reader thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                loop.call_soon_threadsafe(put, (index, update))
+
+        return sink
+
+    def abort(self) -> None:
+        """Aborts every unfinished choice in the stage (idempotent)."""
+        now = time.monotonic()
+        for choice in self._choices.values():
+            if choice.open:
+                choice.open = False
+                with contextlib.suppress(StageError):
+                    self._frontend.client.abort(choice.stage_id)
+                self._frontend.metrics.on_finish(choice.timeline, now, "abort")
+
+    def interrupt(self) -> None:
+        """Aborts unfinished choices and ends each with an abort event, so that its handler
+        still writes a proper ending (the stage's own abort update may never come)."""
+        for index, choice in self._choices.items():
+            if choice.open:
+                with contextlib.suppress(StageError):
+                    self._frontend.client.abort(choice.stage_id)
+                ended = RequestUpdate(choice.stage_id, finish_reason=FinishReason.ABORT)
+                self._queue.put_nowait((index, ended))
+
+    @property
+    def finished(self) -> bool:
+        return not any(c.open for c in self._choices.values())
+
+    def outputs(self) -> dict[int, RequestOutput]:
+        return {i: c.assembler.output for i, c in self._choices.items()}
+
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
+
+    async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
+        """Yields the events available at each wake-up until every choice has finished."""
+        while not self.finished:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            events = [e for index, update in items if (e := self._apply(index, update))]
+            if events:
+                yield events
+
+    def _apply(self, index: int, update: RequestUpdate) -> ChoiceEvent | None:
+        choice = self._choices[index]
+        if not choice.open:
+            return None  # late updates after a stop string ended the choice, or after abort
+        now = time.monotonic()
+        delta = choice.assembler.add(update)
+        metrics = self._frontend.metrics
+        metrics.on_tokens(choice.timeline, now, delta.exit_depths)
+        if delta.finish_reason is not None:
+            choice.open = False
+            if update.finish_reason is None:  # a stop string: stop the engine's work too
+                with contextlib.suppress(StageError):
+                    self._frontend.client.abort(choice.stage_id)
+            metrics.on_finish(choice.timeline, now, delta.finish_reason)
+        return ChoiceEvent(index, delta, choice.assembler.output, update.rejected)
+
+
+def failure(event: ChoiceEvent, closing: bool) -> HTTPError | None:
+    """The error response an event stands for, if it ended its choice abnormally."""
+    delta = event.delta
+    if delta.finish_reason == "error":
+        message = delta.error or "the engine failed"
+        if event.rejected:
+            return bad_request(message, param_of(message))
+        if message.startswith("stage died"):
+            return unavailable(message)
+        return HTTPError(500, message)
+    if delta.finish_reason == "abort":
+        why = "the server is shutting down" if closing else "the request was aborted"
+        return unavailable(why)
+    return None

@@ -1,0 +1,141 @@
+"""Route handlers: parse, plan, deliver. The work is in plans, frontend, delivery, responses."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from rltserve import __version__
+from rltserve.http.delivery import deliver
+from rltserve.http.errors import HTTPError, bad_request, json_response
+from rltserve.http.plans import chat_plan, completion_plan
+from rltserve.http.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rltserve.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from rltserve.http.state import STATE
+from rltserve.http.validation import parse_object
+
+_JSON_TYPES = ("application/json",)
+
+
+async def read_body(request: web.Request, cls: type) -> Any:
+    """The request body parsed into ``cls`` (415 / 413 / 400 on bad bodies)."""
+    if "Content-Type" in request.headers:
+        ctype = request.content_type
+        if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
+            raise HTTPError(415, f"Content-Type must be application/json, not {ctype!r}")
+    limit = request.app[STATE].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise HTTPError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise HTTPError(413, f"request body exceeds {limit} bytes") from exc
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"body: invalid JSON: {exc}") from exc
+    parsed = parse_object(cls, data)
+    parsed.validate()
+    return parsed
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req: CompletionRequest = await read_body(request, CompletionRequest)
+    state.check_model(req.model)
+    return await deliver(request, state, completion_plan(state, req, arrival))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    return await deliver(request, state, chat_plan(state, req, arrival))
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    info = state.require_frontend().info
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "rltserve",
+        "root": info.model_path,
+        "max_model_len": info.max_model_len,
+        "vocab_size": info.vocab_size,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    request.app[STATE].require_frontend()
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    client = state.client
+    text = state.metrics.render(client.stats if client else None, state.gate.num_queued)
+    return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req: TokenizeRequest = await read_body(request, TokenizeRequest)
+    state.check_model(req.model)
+    frontend = state.require_frontend()
+    if req.messages is not None:
+        messages = [m.as_template_input(f"messages[{i}]") for i, m in enumerate(req.messages)]
+        ids = frontend.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+    else:
+        tokenizer = frontend.require_tokenizer("prompt")
+        ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+    body = {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}
+    return json_response(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req: DetokenizeRequest = await read_body(request, DetokenizeRequest)
+    state.check_model(req.model)
+    frontend = state.require_frontend()
+    tokenizer = frontend.require_tokenizer("tokens")
+    vocab = frontend.info.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(
+            f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens"
+        )
+    return json_response({"prompt": tokenizer.decode(req.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": __version__})
+
+
+ROUTES = (
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("GET", "/v1/models", models),
+    ("GET", "/health", health),
+    ("GET", "/metrics", metrics),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+    ("GET", "/version", version),
+)
+
+
+def add_routes(app: web.Application) -> None:
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)

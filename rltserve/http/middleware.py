@@ -1,0 +1,71 @@
+"""Middlewares: OpenAI-style error bodies for every failure, API-key auth on ``/v1/*``, header
+passthrough and the HTTP request counter.
+
+Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
+``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
+as JSON; then ``auth``. ``/health`` and the other non-``/v1`` routes stay open, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from aiohttp import web
+
+from rltserve.http.errors import HTTPError, error_response
+from rltserve.http.state import STATE
+from rltserve.http.validation import SchemaError
+
+log = logging.getLogger("rltserve.http")
+
+
+def _route_name(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def errors(request: web.Request, handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        response = await handler(request)
+    except HTTPError as exc:
+        response = error_response(exc)
+    except SchemaError as exc:
+        response = error_response(HTTPError(400, exc.message, param=exc.param))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.status != 404 else f"no route {request.method} {request.path}"
+        if exc.status == 405:
+            message = f"method {request.method} not allowed on {request.path}"
+        response = error_response(HTTPError(exc.status, message or exc.reason))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = error_response(HTTPError(500, "internal server error"))
+    if not response.prepared:
+        for name, value in state.passthrough_headers(request).items():
+            response.headers.setdefault(name, value)
+    state.metrics.on_http(_route_name(request), request.method, response.status)
+    return response
+
+
+@web.middleware
+async def auth(request: web.Request, handler) -> web.StreamResponse:
+    key = request.app[STATE].config.api_key
+    if key is not None and request.path.startswith("/v1/"):
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            raise _unauthorized("Invalid API Key")
+    return await handler(request)
+
+
+def _unauthorized(message: str) -> HTTPError:
+    return HTTPError(401, message, headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,85 @@
+"""Turning a parsed completion or chat request into a ``GenerationPlan``: prompts tokenized and
+checked, one ``ChoiceRequest`` per (prompt, sample), and the response format to render with.
+
+Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. A request
+without ``max_tokens`` may use all the context its prompt leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
+from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
+from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
+from rltserve.http.state import ServingState
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """What ``deliver`` needs to run one generating request."""
+
+    choices: list[ChoiceRequest]
+    format: CompletionFormat | ChatFormat
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    prompt_tokens: int  # each prompt once, however many choices sample it
+    arrival: float  # time.monotonic() when the request arrived
+
+
+def _token_limit(asked: int | None, frontend: Frontend, prompt: PromptInput) -> int:
+    return frontend.info.max_model_len - len(prompt.token_ids) if asked is None else asked
+
+
+def _header(state: ServingState, prefix: str) -> ResponseHeader:
+    return ResponseHeader(state.ids(prefix), int(state.clock()), state.model_name)
+
+
+def _choices(
+    frontend: Frontend,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[PromptInput],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> list[ChoiceRequest]:
+    choices = []
+    for p, prompt in enumerate(prompts):
+        limit = _token_limit(max_tokens, frontend, prompt)
+        for j in range(req.n):
+            params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
+            choices.append(ChoiceRequest(p * req.n + j, p, prompt, frontend.check_params(params)))
+    return choices
+
+
+def completion_plan(state: ServingState, req: CompletionRequest, arrival: float) -> GenerationPlan:
+    frontend = state.require_frontend()
+    prompts = frontend.completion_prompts(req.prompt)
+    choices = _choices(frontend, req, prompts, req.max_tokens, req.logprobs)
+    echo = {c.index: frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
+    return GenerationPlan(
+        choices=choices,
+        format=CompletionFormat(_header(state, "cmpl"), req, frontend, echo),
+        stream=req.stream,
+        include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
+        prompt_tokens=sum(len(p.token_ids) for p in prompts),
+        arrival=arrival,
+    )
+
+
+def chat_plan(state: ServingState, req: ChatCompletionRequest, arrival: float) -> GenerationPlan:
+    frontend = state.require_frontend()
+    prompt = frontend.chat_prompt(
+        req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
+    )
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return GenerationPlan(
+        choices=_choices(frontend, req, [prompt], req.token_limit, logprobs),
+        format=ChatFormat(_header(state, "chatcmpl"), req, frontend),
+        stream=req.stream,
+        include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
+        prompt_tokens=len(prompt.token_ids),
+        arrival=arrival,
+    )

@@ -1,0 +1,195 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions.
+
+Key order is OpenAI's (``id, object, created, model, choices, usage``; a choice is ``index,
+text|message|delta, logprobs, finish_reason``) since streams are compared byte for byte. The
+opt-in extensions ``exit_depths`` and ``token_ids`` follow ``finish_reason`` in a choice.
+Stream chunks carry a ``usage`` key only when the client asked for usage (null until the last,
+``choices: []`` chunk; or running totals with ``continuous_usage_stats``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rltserve.http.frontend import ChoiceEvent, Frontend
+from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
+from rltserve.outputs import RequestOutput
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """The fields every chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _logprob(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else _MIN_LOGPROB
+
+
+class _Format:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self,
+        header: ResponseHeader,
+        req: CompletionRequest | ChatCompletionRequest,
+        frontend: Frontend,
+    ) -> None:
+        self.header = header
+        self.frontend = frontend
+        self.want_depths = req.return_exit_depths
+        self.want_ids = req.return_token_ids
+        self._started: set[int] = set()
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        h = self.header
+        return {"id": h.id, "object": object_name, "created": h.created, "model": h.model}
+
+    def chunk(self, choices: list[dict]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object_name), "choices": choices}
+
+    def response(self, choices: list[dict], usage_: dict) -> dict[str, Any]:
+        return {**self._envelope(self.object_name), "choices": choices, "usage": usage_}
+
+    def _extensions(self, entry: dict, token_ids: list[int], exit_depths: list[int]) -> dict:
+        if self.want_depths:
+            entry["exit_depths"] = exit_depths
+        if self.want_ids:
+            entry["token_ids"] = token_ids
+        return entry
+
+    def stream_choices(self, event: ChoiceEvent) -> list[dict]:
+        """The choice entries (one per chunk) that one event turns into."""
+        first = event.index not in self._started
+        self._started.add(event.index)
+        return self._stream_choices(event, first)
+
+    def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
+        raise NotImplementedError
+
+    def final_choice(self, index: int, output: RequestOutput) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(_Format):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, header, req: CompletionRequest, frontend, echo_texts: dict[int, str]):
+        super().__init__(header, req, frontend)
+        self.echo_texts = echo_texts  # choice index -> prompt text, when echo is on
+        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+
+    def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
+        delta = event.delta
+        text = delta.text
+        if first:
+            text = self.echo_texts.get(event.index, "") + text
+            self._offsets[event.index] = len(self.echo_texts.get(event.index, ""))
+        logprobs = None
+        if event.output.logprobs is not None:  # the request asked for logprobs
+            logprobs = self._logprobs(event.index, delta.logprobs)
+        entry = {
+            "index": event.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+        }
+        return [self._extensions(entry, delta.token_ids, delta.exit_depths)]
+
+    def final_choice(self, index: int, output: RequestOutput) -> dict:
+        echo = self.echo_texts.get(index, "")
+        self._offsets[index] = len(echo)
+        logprobs = None if output.logprobs is None else self._logprobs(index, output.logprobs)
+        entry = {
+            "index": index,
+            "text": echo + output.text,
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+        }
+        return self._extensions(entry, output.token_ids, output.exit_depths)
+
+    def _logprobs(self, index: int, entries: list[dict]) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        offset = self._offsets.get(index, 0)
+        text_of = self.frontend.token_text
+        for entry in entries:
+            token = text_of(entry["token_id"])
+            tokens.append(token)
+            values.append(_logprob(entry["logprob"]))
+            tops.append({text_of(t): _logprob(lp) for t, lp in entry["top_logprobs"]})
+            offsets.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
+        delta = event.delta
+        out = []
+        if first:
+            role = {"role": "assistant", "content": ""}
+            out.append(
+                {"index": event.index, "delta": role, "logprobs": None, "finish_reason": None}
+            )
+        final_and_empty = delta.finish_reason is not None and not delta.text
+        content = {} if final_and_empty else {"content": delta.text}
+        logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
+        entry = {
+            "index": event.index,
+            "delta": content,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+        }
+        out.append(self._extensions(entry, delta.token_ids, delta.exit_depths))
+        return out
+
+    def final_choice(self, index: int, output: RequestOutput) -> dict:
+        logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
+        entry = {
+            "index": index,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": logprobs,
+            "finish_reason": output.finish_reason,
+        }
+        return self._extensions(entry, output.token_ids, output.exit_depths)
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        text_of = self.frontend.token_text
+
+        def item(token_id: int, value: float | None) -> dict:
+            token = text_of(token_id)
+            return {"token": token, "logprob": _logprob(value), "bytes": list(token.encode())}
+
+        content = []
+        for entry in entries:
+            record = item(entry["token_id"], entry["logprob"])
+            record["top_logprobs"] = [item(t, lp) for t, lp in entry["top_logprobs"]]
+            content.append(record)
+        return {"content": content}

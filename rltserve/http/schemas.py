@@ -1,0 +1,223 @@
+"""Request bodies of the OpenAI-compatible endpoints, as strict frozen dataclasses.
+
+Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temperature`` 1.0),
+plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
+(alias ``num_steps``, Huginn's name), ``exit_threshold`` and ``priority``. Two opt-in response
+extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays. Parsing is in
+``validation``; ``validate()`` adds the cross-field rules; ``sampling_params`` maps a request
+onto ``SamplingParams``, whose ValueErrors name the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rltserve.http.validation import SchemaError, param_of
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationFields:
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM / SGLang extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    # looped-model extensions
+    min_loops: int = 1
+    max_loops: int | None = None
+    num_steps: int | None = None  # Huginn's name for max_loops
+    exit_threshold: float = 1.0
+    priority: int = 0
+    return_exit_depths: bool = False
+    return_token_ids: bool = False
+
+    def validate(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
+        if self.stream_options is not None and not self.stream:
+            raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
+        if self.logit_bias:
+            raise SchemaError("logit_bias", "logit_bias: not supported")
+        if (
+            self.num_steps is not None
+            and self.max_loops is not None
+            and self.num_steps != self.max_loops
+        ):
+            raise SchemaError("num_steps", "num_steps: an alias of max_loops; they disagree")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompletionRequest(GenerationFields):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.best_of is not None and self.best_of != self.n:
+            raise SchemaError("best_of", "best_of: only best_of == n is supported")
+        if self.suffix:
+            raise SchemaError("suffix", "suffix: not supported")
+        if self.echo and self.logprobs is not None:
+            raise SchemaError("echo", "echo: not supported with logprobs (no prompt logprobs)")
+
+    @property
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContentPart:
+    type: str
+    text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatMessage:
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self, path: str) -> dict[str, Any]:
+        """The message as chat templates expect it: text content only."""
+        if self.role not in CHAT_ROLES:
+            raise SchemaError(f"{path}.role", f"{path}.role: must be one of {CHAT_ROLES}")
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    where = f"{path}.content[{i}]"
+                    raise SchemaError(where, f"{where}: only text parts are supported")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # OpenAI chat: up to the context limit
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.messages:
+            raise SchemaError("messages", "messages: must not be empty")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise SchemaError("top_logprobs", "top_logprobs: requires logprobs=true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise SchemaError("top_logprobs", f"top_logprobs: must be in [0, {MAX_LOGPROBS}]")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_input(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeRequest:
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise SchemaError("prompt", "prompt, messages: give exactly one")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
+
+    def validate(self) -> None:
+        pass
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    sample_index: int,
+) -> SamplingParams:
+    """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j`` so
+    that n > 1 gives distinct but reproducible samples."""
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    seed = None if req.seed is None else req.seed + sample_index
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=seed,
+            stop=tuple(stop) if stop else None,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            min_loops=req.min_loops,
+            max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
+            exit_threshold=req.exit_threshold,
+            priority=req.priority,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise SchemaError(param_of(str(exc)), str(exc)) from exc

@@ -1,0 +1,113 @@
+"""Running the app on a socket: ``start_server`` (tests and embedding) and ``run_server`` (the
+``rltserve serve`` process: uvloop, signals, exit code).
+
+The runner is created with ``handler_cancellation=True``: aiohttp then cancels a handler whose
+client disconnected, and the cancellation aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from rltserve.config import EngineConfig
+from rltserve.http.app import create_app
+from rltserve.http.config import ServerConfig
+from rltserve.http.state import STATE
+
+log = logging.getLogger("rltserve.http")
+_SHUTDOWN_MARGIN_S = 5.0  # beyond drain_timeout_s, for aborted handlers to write their ending
+
+
+@dataclass
+class RunningServer:
+    """An app listening on a socket. ``url`` has the bound port (useful with port 0)."""
+
+    app: web.Application
+    runner: web.AppRunner
+    url: str
+    closed: bool = False
+
+    async def close(self) -> None:
+        """Graceful stop: no new connections, drain or abort in-flight requests, close the
+        engine. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            await self.runner.cleanup()
+
+
+def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if not config.uses_tls:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    return context
+
+
+async def start_server(app: web.Application, config: ServerConfig) -> RunningServer:
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=config.drain_timeout_s + _SHUTDOWN_MARGIN_S,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context(config))
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    host, port = runner.addresses[0][:2]
+    host = f"[{host}]" if ":" in host else host
+    scheme = "https" if config.uses_tls else "http"
+    return RunningServer(app, runner, f"{scheme}://{host}:{port}")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, config: ServerConfig) -> AsyncIterator[RunningServer]:
+    server = await start_server(app, config)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def serve_until_signalled(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    app = create_app(server_config, engine_config)
+    server = await start_server(app, server_config)
+    log.info("listening on %s (model loading)", server.url)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    state = app[STATE]
+    ready = asyncio.create_task(state.ready.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if state.load_error is not None:
+        await server.close()
+        log.error("giving up: the engine failed to start")
+        return 1
+    if not stop.is_set():
+        log.info("serving %s on %s", state.model_name, server.url)
+        await stop.wait()
+    log.info("shutting down")
+    ready.cancel()
+    await server.close()
+    return 0
+
+
+def run_server(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serves until SIGINT/SIGTERM; returns the process exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.run(serve_until_signalled(server_config, engine_config))
+    return uvloop.run(serve_until_signalled(server_config, engine_config))

@@ -1,0 +1,66 @@
+"""Server-sent events: the one place that frames stream bytes.
+
+Every event is ``data: <compact json>\\n\\n``; a stream ends with ``data: [DONE]\\n\\n``; an
+error inside a stream (after the 200 went out) is ``data: {"error": {...}}\\n\\n`` followed by
+``[DONE]``, as vLLM and SGLang send it. The response is prepared lazily, on the first event, so
+that a request the engine rejects before producing anything still gets a proper 4xx status.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from rltserve.http.errors import error_body
+
+DONE = b"data: [DONE]\n\n"
+CONTENT_TYPE = "text/event-stream"
+
+
+def encode_event(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def encode_error(status: int, message: str) -> bytes:
+    return encode_event(error_body(status, message))
+
+
+class SSEWriter:
+    """Writes events of one stream. ``started`` tells whether the headers went out."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
+        self._request = request
+        self._headers = headers or {}
+        self._response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._response is not None
+
+    @property
+    def response(self) -> web.StreamResponse | None:
+        return self._response
+
+    async def _ensure_started(self) -> web.StreamResponse:
+        if self._response is None:
+            response = web.StreamResponse(
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._headers}
+            )
+            response.content_type = CONTENT_TYPE
+            await response.prepare(self._request)
+            self._response = response
+        return self._response
+
+    async def send(self, *objs: object) -> None:
+        """Sends events in one write (the chunks of one engine update go out together)."""
+        if objs:
+            response = await self._ensure_started()
+            await response.write(b"".join(encode_event(o) for o in objs))
+
+    async def finish(self, error: tuple[int, str] | None = None) -> web.StreamResponse:
+        """Ends the stream: an optional error event, then ``[DONE]``."""
+        response = await self._ensure_started()
+        tail = encode_error(*error) + DONE if error is not None else DONE
+        await response.write(tail)
+        await response.write_eof()
+        return response

@@ -1,0 +1,150 @@
+"""The server's state and the engine's lifecycle inside the app.
+
+The engine loads in the background once the app starts, so ``/health`` can answer 503 "Loading
+model" meanwhile (as llama.cpp does) and 200 once ready. Shutdown runs in two phases: ``drain``
+(aiohttp's on_shutdown, before it waits for handlers) refuses new work and gives in-flight
+requests ``drain_timeout_s`` to finish, then aborts the rest; ``stop`` (cleanup) closes the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from rltserve.config import EngineConfig
+from rltserve.core.stage import StageError
+from rltserve.http.admission import AdmissionGate
+from rltserve.http.config import ServerConfig
+from rltserve.http.errors import HTTPError, unavailable
+from rltserve.http.frontend import Frontend, StageClientLike
+from rltserve.http.metrics import ServingMetrics
+from rltserve.models.tokenizer import load_tokenizer
+
+log = logging.getLogger("rltserve.http")
+
+ClientFactory = Callable[[EngineConfig], StageClientLike]
+IdFactory = Callable[[str], str]  # prefix ("cmpl", "chatcmpl") -> response id
+Clock = Callable[[], float]  # unix seconds, for "created"
+_POLL_S = 0.25  # how often a loading engine is checked (lets shutdown interrupt loading)
+PASSTHROUGH_HEADERS = ("X-Request-Id",)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ServingState:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine_config: EngineConfig,
+        client_factory: ClientFactory,
+        *,
+        ids: IdFactory = random_id,
+        clock: Clock = time.time,
+    ) -> None:
+        self.config = config
+        self.engine_config = engine_config
+        self.ids = ids
+        self.clock = clock
+        self.metrics = ServingMetrics()
+        self.gate = AdmissionGate(config.max_concurrent, config.max_queued)
+        self.model_name = config.served_model_name or Path(str(engine_config.model.model)).name
+        self.created = int(clock())
+        self.closing = False
+        self.load_error: str | None = None
+        self.ready = asyncio.Event()  # set once loading ended, successfully or not
+        self._client_factory = client_factory
+        self._client: StageClientLike | None = None
+        self._frontend: Frontend | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Starts the stage and loads the tokenizer (meanwhile); records a failure instead of
+        raising."""
+        path = str(self.engine_config.model.model)
+        tokenizer_job = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
+        try:
+            self._client = await asyncio.to_thread(self._client_factory, self.engine_config)
+            info = await self._wait_ready(self._client)
+            tokenizer = await tokenizer_job
+            self.metrics.configure(self.model_name, info.max_loops)
+            self._frontend = Frontend(self._client, info, tokenizer, self.metrics)
+            log.info(
+                "engine ready: %s (%s, %d loops)", self.model_name, info.family, info.num_loops
+            )
+        except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("engine failed to start: %s", self.load_error)
+        finally:
+            if tokenizer_job.done() and not tokenizer_job.cancelled():
+                tokenizer_job.exception()  # retrieved: a failure was reported above, if any
+            else:
+                tokenizer_job.cancel()
+            self.ready.set()
+
+    async def _wait_ready(self, client: StageClientLike):
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            try:
+                return await asyncio.to_thread(client.wait_ready, _POLL_S)
+            except StageError:
+                if not client.alive or time.monotonic() > deadline:
+                    raise
+                if self.closing:
+                    raise StageError("shutdown while the engine was loading") from None
+
+    async def drain(self) -> None:
+        self.closing = True
+        frontend = self._frontend
+        if frontend is None:
+            return
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while frontend.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if frontend.num_open:
+            log.info("aborting %d in-flight request(s)", frontend.num_open)
+            frontend.interrupt_all()
+
+    async def stop(self) -> None:
+        self.closing = True
+        if self._frontend is not None:
+            self._frontend.interrupt_all()
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+
+    # ------------------------------------------------------------------ for handlers
+
+    def require_frontend(self) -> Frontend:
+        """The frontend of a ready engine, or a 503 saying why there is none."""
+        retry = self.config.retry_after_s
+        if self.closing:
+            raise unavailable("the server is shutting down", retry)
+        if self.load_error is not None:
+            raise unavailable(f"the engine failed to start: {self.load_error}")
+        if self._frontend is None:
+            raise unavailable("Loading model", retry)
+        if not self._frontend.client.alive:
+            raise unavailable("the engine is not running")
+        return self._frontend
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
+
+    def passthrough_headers(self, request: web.Request) -> dict[str, str]:
+        return {h: request.headers[h] for h in PASSTHROUGH_HEADERS if h in request.headers}
+
+    @property
+    def client(self) -> StageClientLike | None:
+        return self._client
+
+
+STATE = web.AppKey("rltserve.state", ServingState)

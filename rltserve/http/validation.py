@@ -1,0 +1,147 @@
+"""Parses a decoded JSON object into a frozen request dataclass, strictly.
+
+The dataclass's type hints are the schema: unknown keys, missing required keys and values of the
+wrong JSON type are errors naming the field (``messages[2].role``). ``null`` stands for the
+field's default, as OpenAI clients send explicit nulls for unset options. Nested dataclasses are
+parsed recursively. Value ranges are the dataclasses' own business (``validate`` methods and
+``SamplingParams``).
+
+Type hints understood: int, float, bool, str, Any, ``list[X]``, ``dict[str, X]``, unions
+(including ``X | None``) and dataclasses. JSON numbers: bool is never an int; an int is a float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+_MISSING = dataclasses.MISSING
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+class SchemaError(ValueError):
+    """A request body that does not fit its schema; ``param`` is the offending field path."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message names: ``"max_tokens=0: must be >= 1"`` -> max_tokens.
+    SamplingParams and the engine both start their messages with the field name."""
+    head = message.split(":", 1)[0].split("=", 1)[0].strip()
+    return head if head.replace("_", "").isalnum() and head.isascii() else None
+
+
+def parse_object(cls: type, data: object, path: str = "") -> Any:
+    """Builds ``cls`` from ``data`` (a decoded JSON object); raises SchemaError."""
+    if not isinstance(data, dict):
+        raise SchemaError(path or None, f"{path or 'body'}: must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            name = _join(path, str(key))
+            raise SchemaError(name, f"{name}: unknown field")
+    values: dict[str, Any] = {}
+    for name, f in fields.items():
+        full = _join(path, name)
+        value = data.get(name)
+        required = f.default is _MISSING and f.default_factory is _MISSING
+        if value is None:
+            if required:
+                raise SchemaError(full, f"{full}: is required")
+            continue  # the default
+        values[name] = convert(value, hints[name], full)
+    return cls(**values)
+
+
+def convert(value: object, hint: Any, path: str) -> Any:
+    """Checks ``value`` against ``hint``; returns it (nested dataclasses built, tuples kept)."""
+    ok, out = _try(value, hint, path)
+    if not ok:
+        raise SchemaError(path, f"{path}: must be {describe(hint)}")
+    return out
+
+
+def _try(value: object, hint: Any, path: str) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if arg is type(None):
+                continue
+            ok, out = _try(value, arg, path)
+            if ok:
+                return True, out
+        return False, None
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            return False, None
+        return True, parse_object(hint, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, None
+        (item,) = typing.get_args(hint) or (Any,)
+        out = []
+        for i, v in enumerate(value):
+            ok, x = _try(v, item, f"{path}[{i}]")
+            if not ok:
+                return False, None
+            out.append(x)
+        return True, out
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            return False, None
+        _, item = typing.get_args(hint) or (str, Any)
+        out_d = {}
+        for k, v in value.items():
+            ok, x = _try(v, item, _join(path, k))
+            if not ok:
+                return False, None
+            out_d[k] = x
+        return True, out_d
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and math.isfinite(value), value
+    if hint is str:
+        return isinstance(value, str), value
+    raise TypeError(f"{path}: unsupported schema type {hint!r}")  # a bug in a schema
+
+
+def describe(hint: Any) -> str:
+    """Words for a type hint, for error messages: ``list[int]`` -> "an array of integers"."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe(a) for a in typing.get_args(hint) if a is not type(None)]
+        return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        inner = describe(item)
+        return "an array of " + _plural(inner)
+    if origin is dict or dataclasses.is_dataclass(hint):
+        return "an object"
+    return _TYPE_NAMES.get(hint, "a value")
+
+
+def _plural(words: str) -> str:
+    if words.startswith("an array of "):
+        return "arrays of " + words[len("an array of ") :]
+    for article in ("an ", "a "):
+        if words.startswith(article):
+            return words[len(article) :] + "s"
+    return words
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

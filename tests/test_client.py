@@ -1,0 +1,132 @@
+"""AsyncClient against a live server (scripted stage): every method, typed errors, stream errors
+and early stream exit aborting the request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+    wait_for,
+)
+
+from rltserve.client import (
+    APIConnectionError,
+    APIError,
+    AsyncClient,
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def stage_for(ckpt, **script) -> ScriptedStage:
+    return ScriptedStage(scripted_info(ckpt), Script([225, 44, 77, 5], **script))
+
+
+async def test_every_method(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, api_key="k") as live:
+        client = AsyncClient(live.url, api_key="k")
+        async with client:
+            await client.wait_ready(timeout=5)
+            assert await client.health()
+            assert [m["id"] for m in await client.models()] == ["tiny"]
+            assert await client.version()
+            result = await client.complete([5, 6], max_tokens=4)
+            assert result["choices"][0]["text"] == " Hi!"
+            chunks = [c async for c in client.stream([5, 6], max_tokens=4)]
+            assert "".join(c["choices"][0]["text"] for c in chunks) == " Hi!"
+            messages = [{"role": "user", "content": "x"}]
+            chat = await client.chat(messages, max_tokens=3)
+            assert chat["choices"][0]["message"]["content"] == " Hi"
+            usage = {"include_usage": True}
+            async with client.chat_stream(messages, max_tokens=3, stream_options=usage) as stream:
+                chunks = [c async for c in stream]
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+            ids = await client.tokenize("Hi!")
+            assert await client.detokenize(ids) == "Hi!"
+            assert len(await client.tokenize(messages=messages)) > len(ids)
+            assert "rltserve:generation_tokens_total" in await client.metrics()
+
+
+async def test_typed_errors(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, api_key="k", max_body_bytes=4096) as live:
+        client = AsyncClient(live.url, api_key="k")
+        async with client:
+            with pytest.raises(BadRequestError) as err:
+                await client.complete("x", temperature=9)
+            assert err.value.status == 400 and err.value.param == "temperature"
+            assert err.value.type == "invalid_request_error"
+            with pytest.raises(NotFoundError):
+                await client.complete("x", model="nope")
+            with pytest.raises(RequestTooLargeError):
+                await client.complete("x" * 5000)
+            with pytest.raises(BadRequestError):  # raised when the stream opens
+                async with client.stream("x", n=0):
+                    pass
+        client = AsyncClient(live.url, api_key="wrong")
+        async with client:
+            with pytest.raises(AuthenticationError) as err:
+                await client.models()
+            assert err.value.message == "Invalid API Key"
+            assert await client.health()  # open without a key
+    async with AsyncClient("http://127.0.0.1:9", timeout=2) as client:
+        assert not await client.health()
+        with pytest.raises(APIConnectionError):
+            await client.models()
+
+
+async def test_overload_and_stream_errors(ckpt):
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=0) as live:
+        client = AsyncClient(live.url)
+        async with client:
+            # Stream headers go out with the first event, so the held request waits in a task.
+            blocker = asyncio.create_task(client.complete([5], max_tokens=2))
+            await wait_for(lambda: len(stage.added) == 1)
+            with pytest.raises(ServiceUnavailableError) as err:
+                await client.complete([5])
+            assert err.value.retry_after == 1.0
+            hold.set()
+            assert (await blocker)["usage"]["completion_tokens"] == 2
+            async with client.stream([5], max_tokens=10_000) as stream:
+                chunks = aiter(stream)
+                await anext(chunks)
+                stage.kill()
+                with pytest.raises(ServiceUnavailableError) as err:
+                    async for _ in chunks:
+                        pass
+            assert "stage died" in err.value.message and isinstance(err.value, APIError)
+
+
+async def test_leaving_a_stream_early_aborts_the_request(ckpt):
+    stage = stage_for(ckpt, interval_s=0.005)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        client = AsyncClient(live.url)
+        async with client:
+            async with client.stream([5], max_tokens=10_000) as stream:
+                async for _ in stream:
+                    break
+            await wait_for(lambda: stage.aborted == stage.added)
+            await wait_for(lambda: live.state.gate.in_use == 0)
+            result = await client.complete([5], max_tokens=1)
+            assert result["usage"]["completion_tokens"] == 1

@@ -1,0 +1,113 @@
+"""``rltserve bench serve``: metric definitions on synthetic timings, the arrival process, a
+short run against a live (scripted) server, and the CLI parsers of serve and bench serve."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+)
+
+from rltserve.http.bench_serve import (
+    BenchConfig,
+    RequestResult,
+    arrival_gaps,
+    format_report,
+    random_prompts,
+    run_bench,
+    summarize,
+)
+from rltserve.http.cli import add_bench_serve_parser, add_serve_parser, dataclass_kwargs
+from rltserve.http.config import ServerConfig
+
+
+def test_summary_follows_the_serving_definitions():
+    config = BenchConfig(url="http://x", num_prompts=3, input_len=4, output_len=5)
+    results = [
+        RequestResult(4, True, 5, ttft=0.1, e2el=0.5, itl=[0.1, 0.1, 0.1, 0.1]),
+        RequestResult(4, True, 5, ttft=0.3, e2el=1.1, itl=[0.2, 0.2, 0.2, 0.2]),
+        RequestResult(4, False, error="APIError: 503"),
+    ]
+    report = summarize(config, results, duration=2.0)
+    assert (report["completed"], report["failed"]) == (2, 1)
+    assert report["request_throughput"] == 1.0
+    assert report["output_throughput"] == 5.0  # 10 tokens / 2 s
+    assert report["total_token_throughput"] == 9.0  # (8 + 10) / 2 s
+    assert report["mean_ttft_ms"] == pytest.approx(200.0)
+    assert report["median_ttft_ms"] == pytest.approx(200.0)
+    # TPOT = (E2EL - TTFT) / (tokens - 1): 100 ms and 200 ms
+    assert report["mean_tpot_ms"] == pytest.approx(150.0)
+    assert report["p99_tpot_ms"] == pytest.approx(199.0)
+    assert report["mean_itl_ms"] == pytest.approx(150.0)
+    assert report["mean_e2el_ms"] == pytest.approx(800.0)
+    assert report["errors"] == ["APIError: 503"]
+    assert "Output token throughput (tok/s):" in format_report(report)
+
+
+def test_arrivals_and_prompts_are_seeded():
+    config = BenchConfig(url="x", num_prompts=2000, request_rate=50.0, seed=3, input_len=8)
+    gaps = arrival_gaps(config)
+    assert gaps == arrival_gaps(config) and gaps[0] == 0.0
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson at 50 req/s
+    assert arrival_gaps(BenchConfig(url="x", num_prompts=3)) == [0.0, 0.0, 0.0]
+    prompts = random_prompts(config, 512)
+    assert prompts == random_prompts(config, 512)
+    assert all(len(p) == 8 and all(0 <= t < 512 for t in p) for p in prompts)
+    with pytest.raises(ValueError, match="request_rate"):
+        BenchConfig(url="x", request_rate=0)
+
+
+async def test_short_run_against_a_server(tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77], interval_s=0.001))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        config = BenchConfig(
+            url=live.url, num_prompts=6, input_len=5, output_len=4, max_concurrency=2,
+            request_rate=200.0,
+        )  # fmt: skip
+        report = await run_bench(config)
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 24 and report["total_input_tokens"] == 30
+    assert report["mean_ttft_ms"] > 0 and report["mean_tpot_ms"] > 0
+    assert report["mean_e2el_ms"] >= report["mean_ttft_ms"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rltserve")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
+    add_bench_serve_parser(bench)
+    return parser
+
+
+def test_serve_flags_come_from_server_config(monkeypatch):
+    args = _parser().parse_args(
+        ["serve", "--port", "0", "--max-concurrent", "8", "--served-model-name", "m",
+         "--max-num-seqs", "4"]
+    )  # fmt: skip
+    config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+    assert (config.port, config.max_concurrent, config.served_model_name) == (0, 8, "m")
+    assert config.max_queued == ServerConfig().max_queued  # unset flags keep the defaults
+    assert args.max_num_seqs == 4  # engine flags ride along
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    assert config.with_env().api_key == "from-env"
+    with pytest.raises(ValueError, match="ssl_certfile"):
+        ServerConfig(ssl_certfile="cert.pem")
+    with pytest.raises(ValueError, match="max_concurrent"):
+        ServerConfig(max_concurrent=0)
+
+
+def test_bench_serve_flags():
+    args = _parser().parse_args(
+        ["bench", "serve", "--num-prompts", "5", "--request-rate", "inf", "--json"]
+    )
+    assert args.num_prompts == 5 and math.isinf(args.request_rate) and args.json

@@ -1,0 +1,250 @@
+"""Every error response: OpenAI-style bodies with the right status, never a 500 for bad input.
+Uses the scripted stage, so each case is cheap and deterministic."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import orjson
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    sse_payloads,
+    tiny_checkpoint,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def stage_for(ckpt, **script) -> ScriptedStage:
+    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77], **script))
+
+
+def error_of(raw: bytes) -> dict:
+    body = orjson.loads(raw)
+    assert list(body) == ["error"] and list(body["error"]) == ["message", "type", "param", "code"]
+    return body["error"]
+
+
+BAD_REQUESTS = [
+    # (endpoint, body, param, message fragment)
+    ("completions", {"prompt": "x", "temprature": 0.5}, "temprature", "unknown field"),
+    ("completions", {"prompt": "x", "temperature": 5}, "temperature", "[0, 2]"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens", "an integer"),
+    ("completions", {"prompt": "x", "n": 0}, "n", "[1, 128]"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ("completions", {"prompt": "x", "stop": [1]}, "stop", "a string or an array of strings"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+     "stream=true"),
+    ("completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}},
+     "stream_options.usage", "unknown field"),
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+    ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ("completions", {"prompt": "x", "max_loops": 9}, "max_loops", "at most 8"),
+    ("completions", {"prompt": "x", "min_loops": 3, "max_loops": 2}, "max_loops", "min_loops"),
+    ("completions", {"prompt": "x", "exit_threshold": 0}, "exit_threshold", "> 0"),
+    ("completions", {"prompt": "x", "num_steps": 2, "max_loops": 3}, "num_steps", "alias"),
+    ("completions", {"prompt": []}, "prompt", "must not be empty"),
+    ("completions", {"prompt": [[]]}, "prompt", "at least one token"),
+    ("completions", {"prompt": [1, 512]}, "prompt", "outside the vocabulary"),
+    ("completions", {"prompt": [1] * 64}, "prompt", "maximum context length of 64"),
+    ("completions", {"prompt": True}, "prompt", "must be a string"),
+    ("completions", {"max_tokens": 3}, "prompt", "is required"),
+    ("chat/completions", {"messages": []}, "messages", "must not be empty"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+     "must be one of"),
+    ("chat/completions", {"messages": [{"role": "user", "text": "x"}]}, "messages[0].text",
+     "unknown field"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]", "only text parts"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 400}]}, "messages",
+     "maximum context length"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs", "requires logprobs=true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools",
+     "unknown field"),
+]  # fmt: skip
+
+
+async def test_bad_requests_name_the_field(ckpt):
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        for endpoint, body, param, fragment in BAD_REQUESTS:
+            status, _, raw = await live.post(f"/v1/{endpoint}", body)
+            error = error_of(raw)
+            assert (status, error["param"]) == (400, param), (body, error)
+            assert fragment in error["message"], (body, error)
+            assert error["type"] == "invalid_request_error" and error["code"] == 400
+        # the server still serves after all that
+        status, _, _ = await live.post("/v1/completions", {"prompt": "x"})
+        assert status == 200
+
+
+async def test_body_and_routing_errors(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, max_body_bytes=2048) as live:
+        s, url = live.session, live.url + "/v1/completions"
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x" * 4096})
+        assert status == 413 and error_of(raw)["code"] == 413
+        json_type = {"Content-Type": "application/json"}
+        async with s.post(url, data=_chunked(4096), headers=json_type) as r:  # no length
+            assert r.status == 413 and error_of(await r.read())["code"] == 413
+        async with s.post(url, data=b"prompt=x") as r:  # form-encoded, as curl -d sends
+            assert r.status == 415
+            assert "application/json" in error_of(await r.read())["message"]
+        for raw_body, fragment in ((b"{nope", "invalid JSON"), (b"[1, 2]", "JSON object")):
+            async with s.post(url, data=raw_body, headers=json_type) as r:
+                assert r.status == 400 and fragment in error_of(await r.read())["message"]
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x", "model": "gpt-4"})
+        assert status == 404
+        assert error_of(raw) == {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "not_found_error",
+            "param": "model",
+            "code": 404,
+        }
+        status, _, raw = await live.get("/v1/nothing")
+        assert status == 404 and error_of(raw)["type"] == "not_found_error"
+        status, _, raw = await live.get("/v1/completions")
+        assert status == 405 and error_of(raw)["code"] == 405
+        status, _, _ = await live.post("/v1/completions", {"prompt": "x", "model": "tiny"})
+        assert status == 200
+
+
+async def _chunked(size: int):
+    for _ in range(size // 1024):
+        yield b"x" * 1024
+
+
+async def test_string_prompt_without_tokenizer(ckpt, tmp_path):
+    # A checkpoint directory without tokenizer files serves token ids only.
+    stage = ScriptedStage(scripted_info(tmp_path), Script([44]))
+    async with running(tmp_path, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": "hello"})
+        assert status == 400 and "no tokenizer" in error_of(raw)["message"]
+        chat = {"messages": [{"role": "user", "content": "x"}]}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        assert status == 400 and error_of(raw)["param"] == "messages"
+        status, _, raw = await live.post("/v1/completions", {"prompt": [3, 4]})
+        assert status == 200
+        choice = orjson.loads(raw)["choices"][0]
+        assert choice["text"] == "" and choice["finish_reason"] == "length"
+
+
+async def test_api_key(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, api_key="sesame") as live:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            status, resp_headers, raw = await live.post(
+                "/v1/completions", {"prompt": "x"}, headers=headers
+            )
+            assert status == 401 and resp_headers["WWW-Authenticate"] == "Bearer"
+            assert error_of(raw)["type"] == "authentication_error"
+        assert (await live.get("/v1/models"))[0] == 401
+        status, _, raw = await live.get("/health")  # health stays open
+        assert status == 200 and orjson.loads(raw) == {"status": "ok"}
+        ok = {"Authorization": "Bearer sesame"}
+        status, _, _ = await live.post("/v1/completions", {"prompt": "x"}, headers=ok)
+        assert status == 200
+
+
+async def test_overload_gives_503_with_retry_after(ckpt):
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=2, max_queued=1) as live:
+        path, gate = "/v1/completions", live.state.gate
+        running_ = asyncio.create_task(live.post(path, {"prompt": "x", "n": 2}))
+        await wait_for(lambda: len(stage.added) == 2)
+        queued = asyncio.create_task(live.post(path, {"prompt": "x", "stream": True}))
+        await wait_for(lambda: gate.num_queued == 1)
+        status, headers, raw = await live.post(path, {"prompt": "x"})
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert error_of(raw)["type"] == "unavailable_error"
+        status, _, raw = await live.post(path, {"prompt": "x", "n": 3})  # can never fit
+        assert status == 400 and error_of(raw)["param"] == "n"
+        hold.set()
+        assert (await running_)[0] == 200
+        status, _, raw = await queued
+        assert status == 200 and sse_payloads(raw)[-1] == "[DONE]"
+        assert gate.in_use == 0 and gate.num_queued == 0
+
+
+async def test_queued_request_that_disconnects_leaves_the_queue(ckpt):
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
+        gate = live.state.gate
+        first = asyncio.create_task(live.post("/v1/completions", {"prompt": "x"}))
+        await wait_for(lambda: len(stage.added) == 1)
+        waiter = asyncio.create_task(live.post("/v1/completions", {"prompt": "x"}))
+        await wait_for(lambda: gate.num_queued == 1)
+        waiter.cancel()
+        await wait_for(lambda: gate.num_queued == 0)
+        hold.set()
+        assert (await first)[0] == 200
+        assert len(stage.added) == 1 and gate.in_use == 0
+
+
+async def test_health_while_loading_then_ready(ckpt):
+    release = threading.Event()
+    stage = stage_for(ckpt)
+
+    def slow_factory(config):
+        release.wait(10)
+        return stage
+
+    async with running(ckpt, client_factory=slow_factory, wait=False) as live:
+        status, _, raw = await live.get("/health")
+        assert status == 503
+        assert error_of(raw) == {
+            "message": "Loading model",
+            "type": "unavailable_error",
+            "param": None,
+            "code": 503,
+        }
+        status, headers, _ = await live.post("/v1/completions", {"prompt": "x"})
+        assert status == 503 and "Retry-After" in headers
+        release.set()
+        await live.state.ready.wait()
+        assert (await live.get("/health"))[0] == 200
+
+
+async def test_engine_rejection_is_a_400(ckpt):
+    stage = stage_for(ckpt, reject="max_tokens=40: the KV pool is too small")
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for stream in (False, True):
+            body = {"prompt": "x", "max_tokens": 40, "stream": stream}
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 400, raw  # nothing was streamed yet: a real status
+            assert error_of(raw)["param"] == "max_tokens"
+
+
+async def test_stage_death_mid_stream(ckpt):
+    stage = stage_for(ckpt, interval_s=0.01)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": "x", "max_tokens": 10_000, "stream": True}
+        async with live.stream("/v1/completions", body) as r:
+            first = await r.content.readuntil(b"\n\n")
+            stage.kill()
+            events = sse_payloads(first + await r.content.read())
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == 503 and "stage died" in error["message"]
+        assert (await live.get("/health"))[0] == 503
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x"})
+        assert status == 503 and "not running" in error_of(raw)["message"]

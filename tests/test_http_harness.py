@@ -1,0 +1,254 @@
+"""Shared pieces of the HTTP tests (no tests here): the tiny checkpoint, a scripted stage client,
+servers on loopback sockets and SSE parsing.
+
+``ScriptedStage`` stands in for the engine where a test needs exact, model-independent tokens
+(byte-for-byte stream checks), held requests (overload) or a dying stage. It speaks the stage
+client interface and calls sinks from its own thread, as the real clients do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineInfo, EngineStats
+from rltserve.core.request import FinishReason
+from rltserve.core.scheduler import RequestUpdate
+from rltserve.core.stage import InProcessStageClient, StageError
+from rltserve.http.app import create_app
+from rltserve.http.config import ServerConfig
+from rltserve.http.server import RunningServer, serving
+from rltserve.http.state import STATE, ServingState
+
+FIXED_CREATED = 1730000000
+MODEL = "tiny"
+ENGINE = {"num_blocks": 512, "max_num_seqs": 16}
+
+
+def fixed_ids(prefix: str) -> str:
+    return f"{prefix}-test"
+
+
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """ouro-tiny with its tokenizer, built once per test session."""
+    from rltserve.models.presets import make_model
+
+    path = tmp_path_factory.getbasetemp() / "ouro-tiny-http"
+    if not (path / "config.json").exists():
+        make_model("ouro-tiny", path)
+    return path
+
+
+def engine_config(path: Path, **overrides) -> EngineConfig:
+    return EngineConfig.from_flat(model=str(path), **{**ENGINE, **overrides})
+
+
+@dataclass
+class Script:
+    """What a ScriptedStage generates: ``tokens`` cycled up to max_tokens, one per update."""
+
+    tokens: list[int]
+    interval_s: float = 0.0
+    hold: threading.Event | None = None  # tokens flow only once set
+    reject: str | None = None  # every request is rejected with this message
+
+
+@dataclass
+class _Open:
+    prompt: list[int]
+    params: object
+    sink: object
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+
+class ScriptedStage:
+    """A stage client that plays back a script (see module docstring)."""
+
+    def __init__(self, info: EngineInfo, script: Script) -> None:
+        self.info = info
+        self.script = script
+        self.stats: EngineStats | None = None
+        self.aborted: list[str] = []
+        self.added: list[str] = []
+        self._open: dict[str, _Open] = {}
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and not self._closed
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        return self.info
+
+    def add_request(self, request_id, prompt_token_ids, params, sink) -> None:
+        if not self.alive:
+            raise StageError("stage is not running")
+        with self._lock:
+            self._open[request_id] = _Open(list(prompt_token_ids), params, sink)
+            self.added.append(request_id)
+        threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.aborted.append(request_id)
+            item = self._open.get(request_id)
+        if item is not None:
+            item.aborted.set()
+
+    def close(self) -> None:
+        self._closed = True
+        for rid in list(self._open):
+            self.abort(rid)
+
+    def kill(self) -> None:
+        """Dies like a crashed stage: every open request gets an ERROR update."""
+        self._dead = "worker process exited (code -9)"
+        with self._lock:
+            items, self._open = dict(self._open), {}
+        for rid, item in items.items():
+            item.aborted.set()
+            error = f"stage died: {self._dead}"
+            item.sink(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
+
+    def _stats(self) -> EngineStats:
+        running = len(self._open)
+        zeros = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+        return EngineStats(**{**zeros, "num_running": running, "kv_usage": running / 10})
+
+    def _finish(self, rid: str, update: RequestUpdate, item: _Open) -> None:
+        with self._lock:
+            if self._open.pop(rid, None) is None:
+                return  # killed meanwhile: the ERROR update went out
+            self.stats = self._stats()
+        item.sink(update)
+
+    def _play(self, rid: str) -> None:
+        item = self._open[rid]
+        script, params = self.script, item.params
+        if script.reject is not None:
+            error = RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=script.reject)
+            error.rejected = True
+            self._finish(rid, error, item)
+            return
+        if script.hold is not None:
+            while not script.hold.wait(0.01):
+                if item.aborted.is_set():
+                    break
+        for i in range(params.max_tokens):
+            if script.interval_s:
+                item.aborted.wait(script.interval_s)
+            if item.aborted.is_set():
+                self._finish(rid, RequestUpdate(rid, finish_reason=FinishReason.ABORT), item)
+                return
+            token = script.tokens[i % len(script.tokens)]
+            finish = None
+            stops = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else set(self.info.eos_token_ids)
+            )
+            if token in stops:
+                finish = FinishReason.STOP
+            elif i + 1 == params.max_tokens:
+                finish = FinishReason.LENGTH
+            top = [(token, -0.5), (token + 1, -1.5)][: params.logprobs or 0]
+            update = RequestUpdate(rid, [token], [i % 4 + 1], [-0.5], [top], finish)
+            if finish is not None:
+                self._finish(rid, update, item)
+                return
+            self.stats = self._stats()
+            item.sink(update)
+
+
+def scripted_info(path: Path, max_model_len: int = 64) -> EngineInfo:
+    return EngineInfo(str(path), "ouro", 4, 8, max_model_len, 512, (0, 2), 64, 16, "last_exited")
+
+
+def scripted_factory(stage: ScriptedStage):
+    return lambda config: stage
+
+
+@dataclass
+class Live:
+    """A running app, its state and an HTTP session to talk to it."""
+
+    server: RunningServer
+    state: ServingState
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def post(self, path: str, body: object, **kw) -> tuple[int, dict, bytes]:
+        """POSTs JSON; returns (status, headers, raw body)."""
+        return await post(self.session, self.url + path, body, **kw)
+
+    async def get(self, path: str, **kw) -> tuple[int, dict, bytes]:
+        async with self.session.get(self.url + path, **kw) as r:
+            return r.status, r.headers, await r.read()
+
+    def stream(self, path: str, body: object):
+        """An open streaming response (an aiohttp response context manager)."""
+        return self.session.post(self.url + path, json=body)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    path: Path,
+    *,
+    client_factory=InProcessStageClient,
+    wait: bool = True,
+    engine: dict | None = None,
+    **server,
+) -> AsyncIterator[Live]:
+    """An app on a loopback port with fixed ids and clock; yields once the engine is ready."""
+    config = ServerConfig(port=0, served_model_name=MODEL, **server)
+    app = create_app(
+        config,
+        engine_config(path, **(engine or {})),
+        client_factory=client_factory,
+        ids=fixed_ids,
+        clock=lambda: FIXED_CREATED,
+    )
+    async with serving(app, config) as srv, aiohttp.ClientSession() as session:
+        state = app[STATE]
+        if wait:
+            await state.ready.wait()
+            assert state.load_error is None, state.load_error
+        yield Live(srv, state, session)
+
+
+def sse_payloads(raw: bytes) -> list:
+    """The decoded ``data:`` payloads of an SSE body (``[DONE]`` kept as the string)."""
+    assert raw.endswith(b"\n\n"), raw[-50:]
+    out = []
+    for event in raw[:-2].split(b"\n\n"):
+        assert event.startswith(b"data: "), event
+        payload = event[len(b"data: ") :]
+        out.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return out
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: object, **kw):
+    """POSTs JSON; returns (status, headers, raw body)."""
+    headers = {"Content-Type": "application/json", **kw.pop("headers", {})}
+    async with session.post(url, data=orjson.dumps(body), headers=headers, **kw) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

@@ -1,0 +1,96 @@
+"""The server with its default, spawned stage process (the production path), TLS, and the small
+endpoints (/v1/models, /version, request-id passthrough)."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+
+import orjson
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+    wait_for,
+)
+
+from rltserve import __version__
+from rltserve.core.stage import StageClient
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+async def test_spawned_stage_serves_and_dies_cleanly(ckpt):
+    async with running(ckpt, client_factory=StageClient) as live:
+        client = live.state.client
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 4
+        stream = {**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        async with live.stream("/v1/completions", stream) as r:
+            first = await r.content.readuntil(b"\n\n")
+            client.kill()  # the stage process crashes mid-stream
+            rest = await r.content.read()
+        assert first.startswith(b"data: {")
+        assert b'"code":503' in rest and rest.endswith(b"data: [DONE]\n\n")
+        await wait_for(lambda: not client.alive)
+        assert (await live.get("/health"))[0] == 503
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 503
+
+
+async def test_models_version_and_request_id(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.get("/v1/models")
+        assert orjson.loads(raw) == {
+            "object": "list",
+            "data": [
+                {
+                    "id": "tiny",
+                    "object": "model",
+                    "created": 1730000000,
+                    "owned_by": "rltserve",
+                    "root": str(ckpt),
+                    "max_model_len": 64,
+                    "vocab_size": 512,
+                }
+            ],
+        }
+        assert orjson.loads((await live.get("/version"))[2]) == {"version": __version__}
+        for stream in (False, True):
+            body = {"prompt": [5], "max_tokens": 1, "stream": stream}
+            _, headers, _ = await live.post(
+                "/v1/completions", body, headers={"X-Request-Id": "abc-1"}
+            )
+            assert headers["X-Request-Id"] == "abc-1"
+        _, headers, _ = await live.post(
+            "/v1/completions", {"prompt": []}, headers={"X-Request-Id": "e"}
+        )
+        assert headers["X-Request-Id"] == "e"  # on errors too
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary")
+async def test_tls(ckpt, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    tls = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+    async with running(ckpt, client_factory=scripted_factory(stage), **tls) as live:
+        assert live.url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False
+        assert (await live.get("/health", ssl=context))[0] == 200

@@ -1,0 +1,119 @@
+"""Socket-free units of the server: Prometheus text, the admission gate, schema parsing and the
+request -> SamplingParams mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import typing
+
+import pytest
+
+from rltserve.http.admission import AdmissionGate, Overloaded
+from rltserve.http.errors import error_body
+from rltserve.http.prometheus import Counter, Histogram, format_labels
+from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
+from rltserve.http.validation import SchemaError, describe, param_of, parse_object
+
+
+def test_prometheus_text_exact():
+    hist = Histogram("x:lat_seconds", "Latency.", (0.1, 1.0))
+    for value in (0.05, 0.5, 0.5, 3.0):
+        hist.observe(value)
+    assert hist.render((("model_name", "m"),)) == [
+        "# HELP x:lat_seconds Latency.",
+        "# TYPE x:lat_seconds histogram",
+        'x:lat_seconds_bucket{model_name="m",le="0.1"} 1.0',
+        'x:lat_seconds_bucket{model_name="m",le="1.0"} 3.0',
+        'x:lat_seconds_bucket{model_name="m",le="+Inf"} 4.0',
+        'x:lat_seconds_sum{model_name="m"} 4.05',
+        'x:lat_seconds_count{model_name="m"} 4.0',
+    ]
+    counter = Counter("x:done_total", "Done.")
+    counter.inc(2, (("reason", "stop"),))
+    assert counter.render(()) == [
+        "# HELP x:done_total Done.",
+        "# TYPE x:done_total counter",
+        'x:done_total{reason="stop"} 2.0',
+    ]
+    assert format_labels([("a", 'q"\\\n')]) == '{a="q\\"\\\\\\n"}'
+
+
+async def test_admission_gate_fifo_and_limits():
+    gate = AdmissionGate(max_concurrent=3, max_queued=2)
+    order: list[str] = []
+    release = {name: asyncio.Event() for name in "abcd"}
+
+    async def hold(name: str, weight: int) -> None:
+        async with gate.slots(weight):
+            order.append(name)
+            await release[name].wait()
+
+    a = asyncio.create_task(hold("a", 2))
+    await asyncio.sleep(0)
+    b = asyncio.create_task(hold("b", 2))  # does not fit next to a: queued
+    c = asyncio.create_task(hold("c", 1))  # would fit, but must not overtake b
+    await asyncio.sleep(0)
+    assert order == ["a"] and gate.num_queued == 2
+    with pytest.raises(Overloaded):
+        async with gate.slots(1):
+            pass
+    release["a"].set()
+    await asyncio.sleep(0.01)
+    assert order == ["a", "b", "c"] and gate.in_use == 3
+    d = asyncio.create_task(hold("d", 1))
+    await asyncio.sleep(0)
+    d.cancel()  # a waiter that goes away leaves no trace
+    await asyncio.sleep(0)
+    assert gate.num_queued == 0
+    release["b"].set()
+    release["c"].set()
+    await asyncio.gather(a, b, c)
+    assert d.cancelled() and gate.in_use == 0
+
+
+def test_schema_parsing_is_strict_and_names_fields():
+    req = parse_object(CompletionRequest, {"prompt": [[1, 2], [3]], "stop": None, "n": 2})
+    assert req.prompt == [[1, 2], [3]] and req.stop is None and req.max_tokens == 16
+    cases = [
+        ({"prompt": "x", "n": True}, "n"),  # a bool is not an int
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ]
+    for body, param in cases:
+        with pytest.raises(SchemaError) as err:
+            parse_object(CompletionRequest, body)
+        assert err.value.param == param
+    chat = parse_object(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text", "text": "b"}]}]},
+    )  # fmt: skip
+    assert chat.template_messages() == [{"role": "user", "content": "a\nb"}]
+    assert describe(typing.get_type_hints(CompletionRequest)["prompt"]) == (
+        "a string, an array of integers, an array of strings or an array of arrays of integers"
+    )
+
+
+def test_request_to_sampling_params():
+    req = parse_object(
+        CompletionRequest,
+        {"prompt": "x", "stop": "END", "seed": 7, "num_steps": 3, "top_k": 5,
+         "exit_threshold": 0.8, "priority": -1, "stop_token_ids": [9]},
+    )  # fmt: skip
+    params = sampling_params(req, max_tokens=10, logprobs=2, sample_index=2)
+    assert params.stop == ("END",) and params.seed == 9 and params.max_loops == 3
+    assert (params.top_k, params.exit_threshold, params.priority) == (5, 0.8, -1)
+    assert params.stop_token_ids == (9,) and params.logprobs == 2 and params.temperature == 1.0
+    bad = parse_object(CompletionRequest, {"prompt": "x", "repetition_penalty": 0})
+    with pytest.raises(SchemaError) as err:
+        sampling_params(bad, max_tokens=1, logprobs=None, sample_index=0)
+    assert err.value.param == "repetition_penalty"
+
+
+def test_error_helpers():
+    assert param_of("max_tokens=0: must be >= 1") == "max_tokens"
+    assert param_of("request 'x' needs 9 KV blocks") is None
+    assert error_body(429, "slow down") == {
+        "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": 429}
+    }
