@@ -18,6 +18,7 @@ import contextlib
 import multiprocessing as mp
 import threading
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -82,7 +83,7 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
     conn.close()
 
 
-class _ClientBase:
+class _ClientBase(ABC):
     """Routes updates to per-request sinks; fails every open request when the stage dies."""
 
     def __init__(self) -> None:
@@ -147,8 +148,9 @@ class _ClientBase:
         if self.alive:
             self._send(("abort", request_id))
 
-    def _send(self, message: tuple) -> None:  # pragma: no cover - overridden
-        raise RuntimeError("abstract")
+    @abstractmethod
+    def _send(self, message: tuple) -> None:
+        """Delivers one command to the stage."""
 
 
 class StageClient(_ClientBase):

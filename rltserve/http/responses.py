@@ -10,6 +10,7 @@ Stream chunks carry a ``usage`` key only when the client asked for usage (null u
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ def _logprob(value: float | None) -> float | None:
     return value if math.isfinite(value) else _MIN_LOGPROB
 
 
-class _Format:
+class _Format(ABC):
     object_name = ""
     chunk_object_name = ""
 
@@ -82,11 +83,13 @@ class _Format:
         self._started.add(event.index)
         return self._stream_choices(event, first)
 
+    @abstractmethod
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
-        raise NotImplementedError
+        """The chunk entries of one event (the first event of a choice has ``first``)."""
 
+    @abstractmethod
     def final_choice(self, index: int, output: RequestOutput) -> dict:
-        raise NotImplementedError
+        """The choice entry of a non-streaming response."""
 
 
 class CompletionFormat(_Format):
