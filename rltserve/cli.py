@@ -118,11 +118,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     import torch
 
     from rltserve import __version__
+    from rltserve.native import backend_info
 
     info = {
         "version": __version__,
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
+        "native": backend_info(),
     }
     print(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode())
     return 0

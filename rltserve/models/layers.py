@@ -13,9 +13,9 @@ Everything here works on flattened token rows: ``[num_tokens, ...]``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from rltserve import native as _native
 from rltserve.models.base import AttentionFn
 
 
@@ -78,10 +78,10 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Gated SiLU on a fused input: [..., 2I] (gate first, then up) -> [..., I].
 
-    Kept as one function so that a native kernel can replace it without touching model code.
+    Kept as one function so that a native kernel can replace it without touching model code:
+    rltserve.native runs the fused extension when built, else ``F.silu(gate) * up`` (same bits).
     """
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return _native.silu_and_mul(x)
 
 
 class GatedMLP(nn.Module):
