@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec, noise_seed
 from rltserve.models.layers import (
+    Linear,
     RMSNorm,
     apply_rope_interleaved,
+    linear,
     rope_cos_sin,
     silu_and_mul,
     split_qkv,
@@ -187,9 +188,9 @@ class HuginnAttention(nn.Module):
     def __init__(self, c: HuginnConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = c.n_heads, c.head_dim
-        self.Wqkv = nn.Linear(c.n_embd, 3 * c.n_embd, bias=False)
+        self.Wqkv = Linear(c.n_embd, 3 * c.n_embd)
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, c.n_heads, c.head_dim))
-        self.proj = nn.Linear(c.n_embd, c.n_embd, bias=False)
+        self.proj = Linear(c.n_embd, c.n_embd)
 
     def forward(
         self,
@@ -208,8 +209,8 @@ class HuginnAttention(nn.Module):
 class HuginnMLP(nn.Module):
     def __init__(self, c: HuginnConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(c.n_embd, 2 * c.intermediate_size, bias=False)  # [gate; up]
-        self.proj = nn.Linear(c.intermediate_size, c.n_embd, bias=False)
+        self.fc = Linear(c.n_embd, 2 * c.intermediate_size)  # [gate; up]
+        self.proj = Linear(c.intermediate_size, c.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(silu_and_mul(self.fc(x)))
@@ -240,7 +241,7 @@ class HuginnTransformer(nn.Module):
         sizes = _group_sizes(c)
         self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd)
         self.prelude = nn.ModuleList(SandwichBlock(c) for _ in range(sizes["prelude"]))
-        self.adapter = nn.Linear(2 * c.n_embd, c.n_embd, bias=False)
+        self.adapter = Linear(2 * c.n_embd, c.n_embd)
         self.core_block = nn.ModuleList(SandwichBlock(c) for _ in range(sizes["core_block"]))
         self.coda = nn.ModuleList(SandwichBlock(c) for _ in range(sizes["coda"]))
         self.ln_f = RMSNorm(c.n_embd, c.norm_eps)
@@ -326,4 +327,4 @@ class HuginnModel(LoopedModel):
         return self.transformer.ln_f(x)  # [N, E]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.transformer.wte.weight).float()  # [N, vocab]
+        return linear(hidden, self.transformer.wte.weight).float()  # [N, vocab]

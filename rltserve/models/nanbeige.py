@@ -19,6 +19,7 @@ from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 from rltserve.models.layers import (
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryAttention,
     fused_projection_sources,
@@ -198,7 +199,7 @@ class NanbeigeModel(LoopedModel):
         super().__init__()
         c = self.config = config
         self.model = NanbeigeBody(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size)
         self.spec = LoopedSpec(
             family=FAMILY,
             vocab_size=c.vocab_size,

@@ -22,6 +22,7 @@ from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 from rltserve.models.layers import (
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryAttention,
     fused_projection_sources,
@@ -198,7 +199,7 @@ class OuroModel(LoopedModel):
         super().__init__()
         c = self.config = config
         self.model = OuroBody(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size)
         eos = CHAT_STOP_IDS + tuple(t for t in c.eos_token_ids if t not in CHAT_STOP_IDS)
         self.spec = LoopedSpec(
             family=FAMILY,
