@@ -33,6 +33,13 @@ class ExecutionFuture:
     def __init__(self, future: Future[StepResult]) -> None:
         self._future = future
 
+    @classmethod
+    def completed(cls, result: StepResult) -> ExecutionFuture:
+        """A step that already ran (synchronous execution)."""
+        future: Future[StepResult] = Future()
+        future.set_result(result)
+        return cls(future)
+
     def done(self) -> bool:
         return self._future.done()
 
