@@ -59,6 +59,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -79,7 +80,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
         self._keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = executor  # the thread steps run on when submitted
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
         self.busy_seconds = 0.0  # wall time executing steps
         self.drafts_checked = 0  # token pipelining: drafts compared with the committed token
