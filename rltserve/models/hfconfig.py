@@ -100,6 +100,21 @@ def check_tokens(obj: object, family: str, name: str, vocab_size: int) -> None:
             raise bad(family, name, values, f"ids must be in [0, {vocab_size})")
 
 
+def check_decoder(cfg: object, family: str) -> None:
+    """Checks shared by the llama-shaped configs (Ouro, Nanbeige): GQA head grouping, an even
+    head_dim for RoPE, special token ids inside the vocabulary."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % kv_heads:
+        raise bad(
+            family, "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
+        )
+    if cfg.head_dim % 2:
+        raise bad(family, "head_dim", cfg.head_dim, "must be even (RoPE)")
+    check_token(cfg, family, "bos_token_id", cfg.vocab_size)
+    check_token(cfg, family, "pad_token_id", cfg.vocab_size)
+    check_tokens(cfg, family, "eos_token_ids", cfg.vocab_size)
+
+
 def check_full_attention(family: str, layer_types: object, num_layers: int) -> None:
     """``layer_types`` may be absent; when present every layer must be ``full_attention``."""
     if layer_types is None:

@@ -72,18 +72,7 @@ class NanbeigeConfig:
     def __post_init__(self) -> None:
         hc.check_ints(self, FAMILY, _POSITIVE_INTS)
         hc.check_positives(self, FAMILY, "rms_norm_eps rope_theta")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise hc.bad(
-                FAMILY,
-                "num_key_value_heads",
-                self.num_key_value_heads,
-                f"must divide num_attention_heads={self.num_attention_heads}",
-            )
-        if self.head_dim % 2:
-            raise hc.bad(FAMILY, "head_dim", self.head_dim, "must be even (RoPE)")
-        hc.check_token(self, FAMILY, "bos_token_id", self.vocab_size)
-        hc.check_token(self, FAMILY, "pad_token_id", self.vocab_size)
-        hc.check_tokens(self, FAMILY, "eos_token_ids", self.vocab_size)
+        hc.check_decoder(self, FAMILY)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
