@@ -28,9 +28,6 @@ class RequestSetup:
     prompt_token_ids: list[int] | None = None
 
 
-EXIT_MODES = ("fixed", "gate", "delayed")
-
-
 @dataclass(frozen=True)
 class ExitSpec:
     """How the output position of a work item decides its exit at this loop.

@@ -103,10 +103,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_unapplied_steps(self) -> int:
-        return len(self._planned)
-
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> StepPlan | None:
