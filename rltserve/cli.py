@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import orjson
 
-from rltserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
 
 def _flag_type(field: dataclasses.Field, hints: dict) -> type:

@@ -114,18 +114,49 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    cuda_graphs: bool = field(
+        default=False,
+        metadata=_help("replay the loop of decode-only steps from CUDA graphs (device cuda)"),
+    )
+    cuda_graph_max_rows: int = field(
+        default=256, metadata=_help("largest decode batch captured in a CUDA graph")
+    )
+    cuda_graph_max_context: int = field(
+        default=4096,
+        metadata=_help("longest context a CUDA graph covers (longer decode steps run eagerly)"),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+
+    def __post_init__(self) -> None:
+        device = self.model.device
+        if self.execution.cuda_graphs and not device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs=True: needs a CUDA device (device={device!r})")
 
     @classmethod
     def from_flat(cls, **values: object) -> EngineConfig:
         """Builds the nested config from flat keyword arguments (LLM and CLI use this)."""
         parts = {}
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig)):
+        for name, sub in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("execution", ExecutionConfig),
+        ):
             parts[name] = sub(**_take(values, sub))
-        parts["scheduler"] = SchedulerConfig(**_take(values, SchedulerConfig))
         if values:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(values))}")
         return cls(**parts)

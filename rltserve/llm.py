@@ -46,6 +46,7 @@ class LLM:
         seed: int = 0,
         max_model_len: int | None = None,
         kv_cache_gb: float = 1.0,
+        cuda_graphs: bool = False,
         in_process: bool = False,
         startup_timeout: float = 300.0,
     ) -> None:
@@ -72,6 +73,7 @@ class LLM:
             seed=seed,
             max_model_len=max_model_len,
             kv_cache_gb=kv_cache_gb,
+            cuda_graphs=cuda_graphs,
         )
         self.tokenizer = load_tokenizer(model)
         client_cls = InProcessStageClient if in_process else StageClient

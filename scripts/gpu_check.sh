@@ -8,7 +8,9 @@
 #      with `rltserve bench offline` at concurrency 1, 32 and 128: refill at an exit threshold
 #      giving mean depth ~2.5 vs full depth (threshold 1.0); eager, plus CUDA graphs when
 #      `rltserve bench offline --help` lists --cuda-graphs,
-#   5. prints a summary and writes four files to the output dir: summary.json (environment,
+#   5. async vs sync scheduling through the spawned stage (dedicated stream, deferred result
+#      reads) at concurrency 32 and 128 (ASYNC_CONCURRENCY), with CUDA graphs when available,
+#   6. prints a summary and writes four files to the output dir: summary.json (environment,
 #      native build, every run's full report), summary.txt, gpu_check.log, gpu_tests.xml.
 #
 # Usage: scripts/gpu_check.sh            (from anywhere; exit 0 when every step passed)
@@ -22,6 +24,7 @@
 #   EXIT_THRESHOLD      Ouro exit threshold for the early-exit runs (default 0.55: mean depth
 #                       ~2.5 of 4 with the synthetic weights; the summary prints the measured one)
 #   CONCURRENCY         default "1 32 128";  INPUT_LEN / OUTPUT_LEN default 128 / 64
+#   ASYNC_CONCURRENCY   default "32,128" (the async-vs-sync comparison; empty skips it)
 #   KV_CACHE_GB         KV pool per run (default 24)
 #   BUDGET_S            overall time budget in seconds (default 480); steps that no longer fit
 #                       are skipped and reported
@@ -37,6 +40,7 @@ DTYPE="${DTYPE:-bfloat16}"
 MODEL_DIR="${MODEL_DIR:-/tmp/rltserve-$PRESET}"
 EXIT_THRESHOLD="${EXIT_THRESHOLD:-0.55}"
 CONCURRENCY="${CONCURRENCY:-1 32 128}"
+ASYNC_CONCURRENCY="${ASYNC_CONCURRENCY:-32,128}"
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-64}"
 KV_CACHE_GB="${KV_CACHE_GB:-24}"
@@ -167,7 +171,9 @@ if [[ ! -f "$MODEL_DIR/config.json" ]]; then
     "${RLT[@]}" make-model --preset "$PRESET" --out "$MODEL_DIR" --force || true
 fi
 GRAPH_MODES=(eager)
-if "${RLT[@]}" bench offline --help 2>>"$LOG" | grep -q -- "--cuda-graphs"; then
+if [[ "$DEVICE" != cuda ]]; then
+  SUMMARY+=("note     CUDA graphs: DEVICE=$DEVICE; eager only")
+elif "${RLT[@]}" bench offline --help 2>>"$LOG" | grep -q -- "--cuda-graphs"; then
   GRAPH_MODES+=(graphs)
 else
   SUMMARY+=("note     CUDA graphs: 'rltserve bench offline' has no --cuda-graphs flag yet; eager only")
@@ -194,7 +200,18 @@ if [[ -f "$MODEL_DIR/config.json" ]]; then
   done
 fi
 
-# ---------------------------------------------------------------- 5. summary
+if [[ -f "$MODEL_DIR/config.json" && -n "$ASYNC_CONCURRENCY" ]]; then
+  extra=()
+  [[ "${#GRAPH_MODES[@]}" -gt 1 ]] && extra=(--cuda-graphs)
+  step "async_compare" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/async_compare.json" \
+    "${RLT[@]}" bench offline --model "$MODEL_DIR" --dtype "$DTYPE" --device "$DEVICE" \
+    --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" \
+    --num-prompts 128 --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+    --exit-threshold "$EXIT_THRESHOLD" --kv-cache-gb "$KV_CACHE_GB" \
+    --max-model-len $((INPUT_LEN + OUTPUT_LEN + 16)) --json "${extra[@]}" || true
+fi
+
+# ---------------------------------------------------------------- 6. summary
 "$PY" - "$WORK" "$OUT" >>"$LOG" 2>&1 <<'EOF' || true
 import json, sys
 from pathlib import Path
@@ -224,7 +241,14 @@ for r in rows:
 build = work / "native_build.json"
 native = json.loads(build.read_text()).get("backend_info") if build.is_file() and build.stat().st_size else None
 env = json.loads((work / "env.json").read_text()) if (work / "env.json").is_file() else {}
-summary = {"env": env, "native": native, "runs": sorted(rows, key=lambda r: (r["concurrency"], r["mode"], -r["exit_threshold"]))}
+async_file = work / "async_compare.json"
+async_cmp = None
+if async_file.is_file() and async_file.stat().st_size:
+    try:
+        async_cmp = json.loads(async_file.read_text()).get("async_compare")
+    except ValueError:
+        pass
+summary = {"env": env, "native": native, "runs": sorted(rows, key=lambda r: (r["concurrency"], r["mode"], -r["exit_threshold"])), "async_compare": async_cmp}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 lines = [f"native backend: {native['backend'] if native else 'not built'}",
          f"{'conc':>5} {'mode':>6} {'thr':>5} {'tok/s':>9} {'depth':>6} {'vs full':>8} {'vs eager':>8}"]
@@ -232,5 +256,9 @@ for r in summary["runs"]:
     lines.append(f"{r['concurrency']:>5} {r['mode']:>6} {r['exit_threshold']:>5} "
                  f"{r['tokens_per_s'] or '-':>9} {r['mean_exit_depth'] or '-':>6} "
                  f"{r.get('vs_full_depth', '-'):>8} {r.get('vs_eager', '-'):>8}")
+for c, row in (async_cmp or {}).items():
+    lines.append(f"async c={c}: sync {row['sync']['output_tokens_per_s']} tok/s, async "
+                 f"{row['async']['output_tokens_per_s']} tok/s ({row['async_vs_sync']}x), busy "
+                 f"{row['sync']['executor_busy']} / {row['async']['executor_busy']}")
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
 EOF

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,12 +35,15 @@ def run_core(
     arrivals: list[int] | None = None,
     aborts: dict[int, int] | None = None,
     lag: int = 0,
+    deferred: bool = False,
     max_steps: int = 10_000,
 ) -> Run:
     """Runs requests to completion. ``arrivals[i]`` is the step at which request i is added;
     ``aborts`` maps a request index to the step at which it is aborted. With ``lag=1`` each
     step is planned before the previous step's result is applied, as async scheduling does
-    (steps still execute in order)."""
+    (steps still execute in order). ``deferred`` makes the runner deliver each step's result
+    inside the next launch, as it does on a GPU with async scheduling."""
+    core.runner.defer_results = deferred
     arrivals = arrivals or [0] * len(prompts)
     aborts = aborts or {}
     run = Run()
@@ -47,8 +51,8 @@ def run_core(
     pending: deque = deque()
 
     def apply_oldest() -> None:
-        plan, result = pending.popleft()
-        for u in core.apply(plan, result):
+        plan, handle = pending.popleft()
+        for u in core.apply(plan, handle.result()):
             run.tokens[u.request_id].extend(u.new_token_ids)
             run.depths[u.request_id].extend(u.new_exit_depths)
             if u.error:
@@ -71,7 +75,7 @@ def run_core(
         plan = core.plan()
         if plan is not None:
             run.max_rows = max(run.max_rows, plan.num_tokens)
-            pending.append((plan, core.runner.execute(plan)))
+            pending.append((plan, core.runner.launch(plan)))
             run.steps += 1
         if len(pending) > lag or (plan is None and pending):
             apply_oldest()
@@ -101,3 +105,31 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
         stop_token_ids=tuple(p.stop_token_ids),
         **kw,
     )
+
+
+def stream_all(client, prompts, params, timeout: float = 300) -> Run:
+    """Sends every request through a stage client at once and waits for all of them; fails on
+    any error update."""
+    run = Run()
+    for i in range(len(prompts)):
+        run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
+    done = threading.Event()
+    left = [len(prompts)]
+    lock = threading.Lock()
+
+    def sink(update):
+        run.tokens[update.request_id].extend(update.new_token_ids)
+        run.depths[update.request_id].extend(update.new_exit_depths)
+        if update.finish_reason is not None:
+            run.finish[update.request_id] = update.error or update.finish_reason.value
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        client.add_request(f"r{i}", prompt, p, sink)
+    assert done.wait(timeout), "requests did not finish"
+    errors = {rid: f for rid, f in run.finish.items() if f not in ("stop", "length")}
+    assert not errors, errors
+    return run

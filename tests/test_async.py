@@ -5,10 +5,9 @@ arrivals and chunked prefill interleaved with decode; nothing leaks."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
-from engine_util import make_core, oracle_run, run_core
+from engine_util import make_core, oracle_run, run_core, stream_all
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient
@@ -36,7 +35,10 @@ ENGINE = {"prefill_chunk_size": 8, "max_num_batched_tokens": 24, "max_num_seqs":
 
 @pytest.mark.parametrize("exit_mode,threshold", [("gate", 1.0), ("delayed", 0.5), ("delayed", 0.3)])
 @pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
-def test_lagged_planning_equals_sync_and_oracle(ckpts, ouro_ref, exit_mode, threshold, kv_policy):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_lagged_planning_equals_sync_and_oracle(
+    ckpts, ouro_ref, exit_mode, threshold, kv_policy, deferred
+):
     prompts, params, arrivals = _workload(14, seed=int(threshold * 10), threshold=threshold)
     kw = {**ENGINE, "exit_mode": exit_mode, "kv_policy": kv_policy}
     sync = run_core(make_core(ckpts["ouro"], **kw), prompts, params, arrivals=arrivals)
@@ -46,6 +48,7 @@ def test_lagged_planning_equals_sync_and_oracle(ckpts, ouro_ref, exit_mode, thre
         params,
         arrivals=arrivals,
         lag=1,
+        deferred=deferred,
     )
     assert lagged.tokens == sync.tokens
     assert lagged.depths == sync.depths
@@ -55,7 +58,8 @@ def test_lagged_planning_equals_sync_and_oracle(ckpts, ouro_ref, exit_mode, thre
         assert lagged.depths[f"r{i}"] == want.exit_depths
 
 
-def test_lagged_aborts_and_eos_in_flight(ckpts, ouro_ref):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_lagged_aborts_and_eos_in_flight(ckpts, ouro_ref, deferred):
     prompts, params, arrivals = _workload(10, seed=4, threshold=0.5)
     # Stop tokens chosen from each request's own greedy output so EOS lands mid-generation,
     # while the next token is already planned.
@@ -79,6 +83,7 @@ def test_lagged_aborts_and_eos_in_flight(ckpts, ouro_ref):
         arrivals=arrivals,
         aborts=aborts,
         lag=1,
+        deferred=deferred,
     )
     for i in range(len(prompts)):
         rid = f"r{i}"
@@ -91,7 +96,8 @@ def test_lagged_aborts_and_eos_in_flight(ckpts, ouro_ref):
         assert lagged.tokens[rid][-1] in stopped[i].stop_token_ids
 
 
-def test_lagged_huginn_fixed_depth(ckpts):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_lagged_huginn_fixed_depth(ckpts, deferred):
     rng = random.Random(9)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(5)]
     params = [
@@ -100,7 +106,11 @@ def test_lagged_huginn_fixed_depth(ckpts):
     ]
     sync = run_core(make_core(ckpts["huginn"], **ENGINE), prompts, params)
     lagged = run_core(
-        make_core(ckpts["huginn"], async_scheduling=True, **ENGINE), prompts, params, lag=1
+        make_core(ckpts["huginn"], async_scheduling=True, **ENGINE),
+        prompts,
+        params,
+        lag=1,
+        deferred=deferred,
     )
     assert lagged.tokens == sync.tokens
 
@@ -110,26 +120,6 @@ def test_async_rejects_in_step_gate_rule(ckpts):
     with pytest.raises(ValueError, match="exit_mode='delayed'"):
         core.add_request("x", [1, 2], SamplingParams(exit_threshold=0.5))
     core.add_request("y", [1, 2], SamplingParams(exit_threshold=1.0))  # fixed depth is fine
-
-
-def _stream_all(client, prompts, params) -> dict[str, list[int]]:
-    done = threading.Event()
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    left = [len(prompts)]
-    lock = threading.Lock()
-
-    def sink(update):
-        tokens[update.request_id].extend(update.new_token_ids)
-        if update.finish_reason is not None:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    done.set()
-
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        client.add_request(f"r{i}", prompt, p, sink)
-    assert done.wait(120)
-    return tokens
 
 
 def test_engine_loop_two_steps_in_flight_matches_sync(ckpts):
@@ -146,7 +136,7 @@ def test_engine_loop_two_steps_in_flight_matches_sync(ckpts):
         client = InProcessStageClient(config)
         try:
             client.wait_ready(60)
-            results.append(_stream_all(client, prompts, params))
+            results.append(stream_all(client, prompts, params).tokens)
         finally:
             client.close()
         assert client.stats.kv_usage == 0.0

@@ -58,11 +58,14 @@ def test_eos_and_max_tokens_inside_the_window(ouro_rv1, ouro_ref):
     assert piped.finish == block.finish
 
 
-def test_aborts_and_async_lag(ouro_rv1, ouro_ref):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_aborts_and_async_lag(ouro_rv1, ouro_ref, deferred):
     prompts, params = _workload(8, seed=8)
     aborts = {2: 4, 5: 9}
     kw = {"speculative_tokens": 2, "draft_loops": 1, "async_scheduling": True}
-    piped = run_core(make_core(ouro_rv1, **kw), prompts, params, aborts=aborts, lag=1)
+    piped = run_core(
+        make_core(ouro_rv1, **kw), prompts, params, aborts=aborts, lag=1, deferred=deferred
+    )
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         want = oracle_run(ouro_ref, prompt, p).tokens
         got = piped.tokens[f"r{i}"]

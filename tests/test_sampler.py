@@ -164,3 +164,20 @@ def test_distribution_matches_probs():
 def test_shape_mismatch():
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams())])
+
+
+def test_sample_device_matches_sample():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    rows = lambda: [  # noqa: E731
+        SampleRow(SamplingParams(logprobs=3)),
+        SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=1), gen(1)),
+        SampleRow(SamplingParams()),
+        SampleRow(SamplingParams(temperature=1.2, top_k=5, logprobs=0), gen(2)),
+        SampleRow(SamplingParams(min_p=0.1, temperature=0.7, logprobs=1), gen(3)),
+    ]
+    want = Sampler().sample(logits, rows())
+    dev = Sampler().sample_device(logits, rows())
+    assert dev.token_ids.dtype == torch.int64 and dev.token_ids.shape == (5,)
+    got = dev.to_output({k: v.tolist() for k, v in dev.tensors().items()})
+    assert got == want
+    assert got.logprobs[2] is None and got.top_logprobs[3] == []

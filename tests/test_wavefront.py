@@ -70,7 +70,8 @@ def test_wavefront_equals_chunked_prefill_and_oracle(ckpts, ouro_ref, kv_policy,
         assert wave.depths[f"r{i}"] == want.exit_depths
 
 
-def test_wavefront_with_async_lag_and_delayed_exit(ckpts):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_wavefront_with_async_lag_and_delayed_exit(ckpts, deferred):
     prompts, params, arrivals = _workload(8, seed=3, thresholds=(1.0, 0.5))
     kw = {"prefill_chunk_size": 5, "max_num_batched_tokens": 40, "exit_mode": "delayed"}
     plain = run_core(make_core(ckpts["ouro"], **kw), prompts, params, arrivals=arrivals)
@@ -80,6 +81,7 @@ def test_wavefront_with_async_lag_and_delayed_exit(ckpts):
         params,
         arrivals=arrivals,
         lag=1,
+        deferred=deferred,
     )
     assert wave.tokens == plain.tokens
     assert wave.depths == plain.depths

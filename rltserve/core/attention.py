@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rltserve.core.staging import move_to
+
 # (start, num_tokens, block_table): rows at positions start..start+num_tokens-1 whose context is
 # positions [0, start + num_tokens) under block_table.
 ItemSpec = tuple[int, int, Sequence[int]]
@@ -70,8 +72,16 @@ class AttentionMetadata:
 
     @classmethod
     def build(
-        cls, items: Sequence[ItemSpec], block_size: int, device: torch.device | str = "cpu"
+        cls,
+        items: Sequence[ItemSpec],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        num_cols: int | None = None,
     ) -> AttentionMetadata:
+        """Metadata of ``items``. ``num_cols`` fixes the number of context block columns (default:
+        just enough for the longest context), so that the tensor shapes depend only on (number
+        of items, max_q, num_cols); an item whose context needs more blocks is a ValueError."""
         if not items:
             raise ValueError("attention metadata needs at least one item")
         starts, lens, tables = [], [], []
@@ -87,19 +97,28 @@ class AttentionMetadata:
             tables.append(table)
         max_q = max(lens)
         max_ctx = max(s + n for s, n in zip(starts, lens))
-        num_cols = -(-max_ctx // block_size)
+        needed = -(-max_ctx // block_size)
+        if num_cols is None:
+            num_cols = needed
+        elif num_cols < needed:
+            raise ValueError(
+                f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
+            )
         # Pad every table to num_cols blocks with a valid block id (its own first block).
         padded = [list(t[:num_cols]) + [t[0]] * (num_cols - min(len(t), num_cols)) for t in tables]
 
         num_items, num_rows = len(items), sum(lens)
-        table_t = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, num_cols]
-        start_t = torch.tensor(starts, dtype=torch.int64, device=device)  # [B]
-        len_t = torch.tensor(lens, dtype=torch.int64, device=device)  # [B]
+        # Only these three leave the host (non-blocking from pinned memory on CUDA, so building
+        # a step's metadata never waits for the device); the rest is computed where it is used.
+        dev = torch.device(device)
+        table_t = move_to(torch.tensor(padded, dtype=torch.int64), dev)  # [B, num_cols]
+        start_t = move_to(torch.tensor(starts, dtype=torch.int64), dev)  # [B]
+        len_t = move_to(torch.tensor(lens, dtype=torch.int64), dev)  # [B]
 
-        item_ids = torch.arange(num_items, device=device)
+        item_ids = torch.arange(num_items, device=dev)
         row_item = torch.repeat_interleave(item_ids, len_t, output_size=num_rows)  # [N]
         first_row = torch.cumsum(len_t, 0) - len_t  # [B]
-        row_q = torch.arange(num_rows, device=device) - first_row[row_item]  # [N]
+        row_q = torch.arange(num_rows, device=dev) - first_row[row_item]  # [N]
         positions = start_t[row_item] + row_q  # [N]
         slot_mapping = (
             table_t[row_item, positions // block_size] * block_size + positions % block_size
@@ -107,11 +126,11 @@ class AttentionMetadata:
 
         # Context is gathered whole blocks at a time (one contiguous copy per block, not per
         # slot); the mask drops positions past each item's context.
-        key_pos = torch.arange(num_cols * block_size, device=device)  # [num_cols * bs]
+        key_pos = torch.arange(num_cols * block_size, device=dev)  # [num_cols * bs]
 
         # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal for
         # real rows, and all of the item's context for padded rows (i >= len_b).
-        q_idx = torch.arange(max_q, device=device)  # [max_q]
+        q_idx = torch.arange(max_q, device=dev)  # [max_q]
         last_key = torch.minimum(
             start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
         )  # [B, max_q]

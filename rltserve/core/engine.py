@@ -13,16 +13,16 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from rltserve.config import EngineConfig
+from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import FinishReason, Request
-from rltserve.core.runner import ExecutionFuture, ModelRunner
+from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import RequestUpdate, Scheduler
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel
@@ -44,6 +44,7 @@ class EngineStats:
     busy_seconds: float  # wall time the runner spent executing steps
     drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
     drafts_rejected: int = 0
+    num_graph_steps: int = 0  # steps whose loop was replayed from a CUDA graph
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,12 @@ class EngineCore:
         # All heavy torch work stays on one thread: torch split across two threads measured
         # ~15% slower on CPU. Sync scheduling runs steps on this thread; async runs them on the
         # step thread, so the model is loaded and the runner built there too.
-        step_thread = None
-        if config.scheduler.async_scheduling:
-            step_thread = ThreadPoolExecutor(1, thread_name_prefix="rltserve-step")
+        step_thread = StepThread() if config.scheduler.async_scheduling else None
 
         def on_step_thread(fn, *args, **kwargs):
             if step_thread is None:
                 return fn(*args, **kwargs)
-            return step_thread.submit(fn, *args, **kwargs).result()
+            return step_thread.call(fn, *args, **kwargs)
 
         if model is None:
             if mc.model is None:
@@ -123,6 +122,13 @@ class EngineCore:
             block_size=config.cache.block_size,
             device=mc.device,
             executor=step_thread,
+            # On a GPU a step's result is read inside the next step, once that step's work is
+            # queued; on the CPU there is nothing to overlap and results are read at once.
+            defer_results=step_thread is not None and torch.device(mc.device).type == "cuda",
+            decode_graphs="cuda" if config.execution.cuda_graphs else None,
+            graph_max_rows=self._max_decode_rows(),
+            graph_max_context=config.execution.cuda_graph_max_context,
+            max_model_len=self.max_model_len,
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
         self._num_steps = self._num_rows = self._num_coda_rows = 0
@@ -138,6 +144,12 @@ class EngineCore:
             block_size=config.cache.block_size,
             kv_policy=config.cache.kv_policy,
         )
+
+    def _max_decode_rows(self) -> int:
+        """Rows of a decode-only step at most: one per running request, plus its drafts."""
+        sched = self.config.scheduler
+        rows = sched.max_num_seqs * (1 + sched.speculative_tokens)
+        return min(self.config.execution.cuda_graph_max_rows, rows, sched.max_num_batched_tokens)
 
     def _auto_num_blocks(self) -> int:
         spec, cache, sched = self.spec, self.config.cache, self.config.scheduler
@@ -250,6 +262,7 @@ class EngineCore:
             busy_seconds=self.runner.busy_seconds,
             drafts_checked=self.runner.drafts_checked,
             drafts_rejected=self.runner.drafts_rejected,
+            num_graph_steps=self.runner.graphs.num_replays if self.runner.graphs else 0,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

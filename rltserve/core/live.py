@@ -1,10 +1,15 @@
 """Per-request execution state the runner keeps between steps.
 
 The scheduler owns request progress; the runner owns what the device computed that the next step
-needs, so the next step can be planned before this one's result is read: the in-flight item's
-hidden states and exit-gate states (several items of one request may be in flight at different
-depths: wavefront prefill), the last sampled token (the next decode token's input), the
-sampling generator and, for penalties, the sampled history.
+needs, so the next step can be planned, and launched, before this one's result is read: the
+in-flight items' hidden states and exit-gate states (several items of one request may be in
+flight at different depths: wavefront prefill, token pipelining), the last sampled token (the
+next decode token's input), drafts, the sampling generator and, for penalties, the sampled
+history.
+
+Device-resident values (tensors) feed the next step directly. Their host copies (``pending``,
+``Draft.value``, ``history``) are filled when a step's result is delivered, which always
+happens before the next decision that reads them (the runner's invariant).
 """
 
 from __future__ import annotations
@@ -23,10 +28,17 @@ class ItemState:
     start: int
     state: torch.Tensor | None = None  # [n, S] after the last loop run
     e: torch.Tensor | None = None  # [n, E] input injection (models that re-inject it)
-    survival: float = 1.0  # exit gate of the output position: S and CDF after the last loop
-    cdf: float = 0.0
-    pending: bool = False  # delayed exit: the next loop is the exit
+    gate: torch.Tensor | None = None  # [2] fp32: survival S and CDF of the output position
+    pending: bool = False  # delayed exit: the next loop is the exit (host copy)
     exited: bool = False  # the output position has produced its token
+
+
+@dataclass
+class Draft:
+    """Token pipelining: the drafted input of one position."""
+
+    token: torch.Tensor  # [1] int64 on the device: the next position's prelude input
+    value: int | None = None  # host copy, once the drafting step's result is delivered
 
 
 @dataclass
@@ -34,9 +46,9 @@ class LiveRequest:
     setup: RequestSetup
     generator: torch.Generator | None
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
-    last_token: int | None = None
-    history: list[int] | None = None  # sampled tokens, kept only for penalties
-    drafts: dict[int, int] = field(default_factory=dict)  # position -> drafted input token
+    last_token: torch.Tensor | None = None  # [1] int64 on the device: the last sampled token
+    history: list[int] | None = None  # sampled tokens (host), kept only for penalties
+    drafts: dict[int, Draft] = field(default_factory=dict)  # by the position it feeds
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
 
     @classmethod
@@ -47,17 +59,27 @@ class LiveRequest:
         history = [] if setup.prompt_token_ids is not None else None
         return cls(setup, generator, history=history)
 
-    def record(self, token: int) -> None:
-        self.last_token = token
-        if self.history is not None:
-            self.history.append(token)
+    def input_token(self, position: int) -> torch.Tensor:
+        """[1] int64: the prelude input of the decode token at ``position``."""
+        draft = self.drafts.get(position)
+        if draft is not None:
+            return draft.token
+        if self.last_token is None:
+            raise RuntimeError(f"{self.setup.request_id}: decode input requested before any token")
+        return self.last_token
 
     def commit(self, next_position: int, token: int) -> bool:
-        """Records a sampled token, the input of ``next_position``. Returns True when a draft
-        of that input was used and differs: everything from ``next_position`` on must go."""
+        """Records the host value of a sampled token, the input of ``next_position``. Returns
+        True when a draft of that input was used and differs: everything from
+        ``next_position`` on must go."""
         draft = self.drafts.pop(next_position, None)
-        self.record(token)
-        return draft is not None and draft != token
+        if self.history is not None:
+            self.history.append(token)
+        if draft is None:
+            return False
+        if draft.value is None:
+            raise RuntimeError(f"{self.setup.request_id}: draft at {next_position} never read")
+        return draft.value != token
 
     def rollback(self, position: int) -> None:
         """Drops the in-flight items and drafts at ``position`` and beyond."""

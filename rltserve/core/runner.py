@@ -1,54 +1,68 @@
 """ModelRunner: StepPlan -> tensors -> one model pass -> sampling -> StepResult.
 
-The only torch user in ``rltserve.core`` besides attention and sampling. It never mutates a
-request. Between steps it keeps per-request execution state (``LiveRequest``): the hidden state
-of the in-flight work item, the exit-gate state of its output position, the last sampled token
-(the next decode token's input) and the sampling generator. Because the runner owns these, the
-scheduler can plan a step before it has read the previous step's result.
+With ``step.py`` (one step's work), the only torch user in ``rltserve.core`` besides
+attention, sampling, staging and CUDA graphs. It never
+mutates a request. Between steps it keeps per-request execution state (``LiveRequest``): the
+hidden states of in-flight work items, the exit-gate state of their output positions, the last
+sampled token (the next decode token's input) and the sampling generator. Because the runner
+owns these, the scheduler can plan a step before it has read the previous step's result.
 
 One step: the prelude runs for items entering loop 1; every item runs one loop at its own depth
 (each reads and writes the KV plane of that depth); the exit rule runs for output positions; the
 coda, logits and sampler run for rows that finished.
+
+Launching and delivering are separate (``launch`` -> ``StepHandle``). Everything the device
+decides stays on the device until the result is delivered: sampled tokens feed the next prelude
+as tensors, the gate state lives in tensors, and the host reads one staged buffer per step.
+With ``defer_results`` (CUDA with async scheduling) a step's result is delivered inside the
+*next* step, right after that step's loop is queued, so the host waits only on a step the device
+has already moved past; otherwise it is delivered at the end of its own launch. A step whose
+result decides the next step's inputs (a draft check that may roll back) is always delivered at
+once. Invariant: results are delivered in launch order, and a step's host copies (delayed-exit
+decisions, drafts, penalty history) are delivered before any later decision reads them.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
-from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache, copy_slots
-from rltserve.core.live import ItemState, LiveRequest
-from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
-from rltserve.core.sampler import Sampler, SampleRow
+from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache
+from rltserve.core.cuda_graphs import DecodeGraphs
+from rltserve.core.executor import ExecutionFuture, StepThread
+from rltserve.core.live import LiveRequest
+from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.sampler import Sampler
+from rltserve.core.staging import StepOutputs, to_device
+from rltserve.core.step import Step
 from rltserve.models.base import LoopedModel
 
 
-class ExecutionFuture:
-    """A submitted step. ``result()`` blocks until the step's StepResult is available."""
+class StepHandle:
+    """A launched step. ``future`` completes with its StepResult once that is on the host."""
 
-    def __init__(self, future: Future[StepResult]) -> None:
-        self._future = future
+    def __init__(self, step_id: int, future: Future[StepResult] | None = None) -> None:
+        self.step_id = step_id
+        self.future: Future[StepResult] = future or Future()
+        self.outputs: StepOutputs | None = None
+        self.finish: Callable[[], StepResult] | None = None  # builds the result on the host
+        self.item_ids: list[str] = []  # the plan's items' requests (to fail them on an error)
+        self._runner: ModelRunner | None = None
 
-    @classmethod
-    def completed(cls, result: StepResult) -> ExecutionFuture:
-        """A step that already ran (synchronous execution)."""
-        future: Future[StepResult] = Future()
-        future.set_result(result)
-        return cls(future)
-
-    def done(self) -> bool:
-        return self._future.done()
+    def ready(self) -> bool:
+        return self.outputs is None or self.outputs.ready()
 
     def result(self) -> StepResult:
-        return self._future.result()
-
-    def wait(self) -> asyncio.Future[StepResult]:
-        """Awaitable form for an asyncio loop."""
-        return asyncio.wrap_future(self._future)
+        """Delivers this step (and every earlier one) if needed; call on the runner's thread."""
+        if not self.future.done() and self._runner is not None:
+            self._runner.deliver(upto=self)
+        return self.future.result()
 
 
 class ModelRunner:
@@ -59,8 +73,17 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device | str = "cpu",
-        executor: ThreadPoolExecutor | None = None,
+        executor: StepThread | None = None,
+        defer_results: bool = False,
+        decode_graphs: str | None = None,
+        graph_max_rows: int = 256,
+        graph_max_context: int = 4096,
+        max_model_len: int | None = None,
     ) -> None:
+        """``decode_graphs``: None (eager), "cuda" (replay the loop of decode-only steps from
+        CUDA graphs, all captured here) or "emulate" (the same padded static buffers run
+        eagerly: CPU tests). Graphs cover decode steps of up to ``graph_max_rows`` rows whose
+        contexts fit ``min(max_model_len, graph_max_context)`` tokens."""
         self.model = model
         self.spec = model.spec
         self.device = torch.device(device)
@@ -68,9 +91,10 @@ class ModelRunner:
         self.block_size = block_size
         num_layers = max(self.spec.num_core_layers, self.spec.num_boundary_layers)
         # Core and boundary planes draw blocks from one pool, so they share one slot space.
+        # With decode graphs one extra block, never handed out, takes the padding rows' K/V.
         self.kv = allocate_kv_cache(
             num_layers,
-            num_blocks,
+            num_blocks + (decode_graphs is not None),
             block_size,
             self.spec.num_kv_heads,
             self.spec.head_dim,
@@ -79,338 +103,180 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
-        self._keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
+        self.keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
+        self.gate_init = torch.tensor([1.0, 0.0], dtype=torch.float32, device=self.device)
+        # Steps run on a dedicated stream on CUDA; everything allocated so far (weights, KV)
+        # was made on the default stream, which the step stream waits for once.
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs is not None:
+            context = min(max_model_len or self.spec.max_position, graph_max_context)
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv,
+                block_size=block_size,
+                scratch_block=num_blocks,
+                max_rows=graph_max_rows,
+                max_cols=-(-context // block_size),
+                backend=decode_graphs,
+            )
+            if decode_graphs == "cuda":  # capture up front, not mid-serving
+                with self._on_stream():
+                    self.graphs.capture_all()
+        self.defer_results = defer_results
+        self._undelivered: deque[StepHandle] = deque()
+        self._launching = False
+        self._dropped: set[str] = set()  # requests a failed step dropped, until released
         self._executor = executor  # the thread steps run on when submitted
+        if executor is not None:
+            executor.set_idle(self.poll)
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
-        self.busy_seconds = 0.0  # wall time executing steps
+        self.busy_seconds = 0.0  # wall time launching steps and delivering their results
         self.drafts_checked = 0  # token pipelining: drafts compared with the committed token
         self.drafts_rejected = 0
 
     # ---------------------------------------------------------------- execution
 
     def submit(self, plan: StepPlan) -> ExecutionFuture:
-        """Runs the step on the executor thread (torch releases the GIL while it computes).
-        Steps run one at a time in submission order."""
+        """Launches the step on the step thread (torch releases the GIL while it computes).
+        Steps launch one at a time in submission order; the future completes on delivery."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="rltserve-step")
-        return ExecutionFuture(self._executor.submit(self.execute, plan))
+            self._executor = StepThread()
+            self._executor.set_idle(self.poll)
+        future: Future[StepResult] = Future()
+        self._executor.submit(self.launch, plan, future)
+        return ExecutionFuture(future)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Launches the step and returns its result (synchronous execution)."""
+        return self.launch(plan).result()
 
     def shutdown(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            if self._executor.alive:
+                self._executor.call(self.deliver)
+            self._executor.shutdown()
             self._executor = None
+        self.deliver()
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def poll(self) -> bool:
+        """Delivers launched steps whose device work is done; True while one is still running.
+        The step thread calls this when it has nothing else to do."""
+        while self._undelivered:
+            try:
+                ready = self._undelivered[0].ready()
+            except Exception:  # a device error: delivering turns it into a failed result
+                ready = True
+            if not ready:
+                return True
+            self._deliver_one()
+        return False
+
+    def deliver(self, upto: StepHandle | None = None) -> None:
+        """Delivers launched steps in order: all of them, or up to and including ``upto``."""
+        while self._undelivered:
+            handle = self._deliver_one()
+            if handle is upto:
+                return
+
+    def _deliver_one(self) -> StepHandle:
+        handle = self._undelivered.popleft()
         start = time.perf_counter()
         try:
-            with torch.inference_mode():
-                return self._execute(plan)
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            for item in plan.items:  # their device state is unknown now
-                self.live.pop(item.request_id, None)
-            return StepResult(plan.step_id, [None] * len(plan.items), error=detail)
+            assert handle.finish is not None
+            result = handle.finish()
+        except Exception as exc:  # e.g. a device error surfacing at the copy
+            result = self._failed(handle.step_id, handle.item_ids, exc)
         finally:
-            self.busy_seconds += time.perf_counter() - start
+            if not self._launching:  # a launch times its deliveries itself
+                self.busy_seconds += time.perf_counter() - start
+        handle.future.set_result(result)
+        return handle
 
-    def _attention(self, spans: list[tuple[int, int, list[int]]]) -> PagedAttention:
+    def launch(self, plan: StepPlan, future: Future[StepResult] | None = None) -> StepHandle:
+        """Queues the step's work. The result is delivered now, or (``defer_results``) during
+        the next launch or when the step thread is idle."""
+        handle = StepHandle(plan.step_id, future)
+        handle._runner = self
+        handle.item_ids = [it.request_id for it in plan.items]
+        start = time.perf_counter()
+        eager = not self.defer_results
+        self._launching = True
+        try:
+            with torch.inference_mode(), self._on_stream():
+                eager |= self._launch(plan, handle)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            self.deliver()
+            result = self._failed(plan.step_id, handle.item_ids, exc)
+            handle.finish = lambda: result
+        finally:
+            self._launching = False
+            self.busy_seconds += time.perf_counter() - start
+        self._undelivered.append(handle)
+        if eager:
+            self.deliver()
+        return handle
+
+    def _failed(self, step_id: int, request_ids: list[str], exc: Exception) -> StepResult:
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        for rid in request_ids:  # their device state is unknown now
+            self.live.pop(rid, None)
+        # Steps planned before the scheduler learns of the failure skip these requests' items
+        # (instead of failing on the missing state) until the scheduler releases them.
+        self._dropped.update(request_ids)
+        return StepResult(step_id, [None] * len(request_ids), error=detail)
+
+    def _on_stream(self):
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    def attention(self, spans: list[tuple[int, int, list[int]]]) -> PagedAttention:
         """Attention over ``(start, num_tokens, block_table)`` spans, one per item."""
         return PagedAttention(self.kv, AttentionMetadata.build(spans, self.block_size, self.device))
 
-    def _timed(self, fn, *args):
+    def timed(self, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
         self.model_seconds += time.perf_counter() - start
         return out
 
-    def _execute(self, plan: StepPlan) -> StepResult:
-        self._update_requests(plan)
-        # Items planned before a rollback this runner already did are stale: skip them.
-        active = [
-            k for k, it in enumerate(plan.items) if it.epoch >= self.live[it.request_id].epoch
-        ]
-        results: list[ItemResult | None] = [None] * len(plan.items)
-        if not active:
-            return StepResult(plan.step_id, results)
-        sub, rows, coda_rows = self._run([plan.items[k] for k in active])
-        for k, result in zip(active, sub):
-            results[k] = result
-        return StepResult(plan.step_id, results, num_rows=rows, num_coda_rows=coda_rows)
+    def tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return to_device(values, self.device, dtype)
 
-    def _run(self, items: list[WorkItem]) -> tuple[list[ItemResult | None], int, int]:
-        lives = [self.live[it.request_id] for it in items]
-        offsets = _offsets([it.num_tokens for it in items])
-        positions = _positions(items, self.device)  # [N]
-        state, e = self._gather_inputs(items, lives, positions)
-
-        core = self._attention([(it.start, it.num_tokens, it.block_table) for it in items])
-        state = self._timed(self.model.loop, state, e, positions, core)  # [N, S]
-
-        held = [live.items[it.start] for it, live in zip(items, lives)]
-        out_items = [i for i, it in enumerate(items) if it.exit is not None and not held[i].exited]
-        exited, exit_next = self._decide_exits(items, held, out_items, offsets, state)
-        self._copy_on_exit(items, out_items, exited)
-
-        exited_set = {i for i, x in zip(out_items, exited) if x}
-        ending = [
-            i
-            for i, it in enumerate(items)
-            if it.depth >= it.ends_at or (it.stop_at_exit and i in exited_set)
-        ]
-        samples = self._coda_and_sample(items, lives, offsets, positions, state, ending, exited_set)
-        self._draft(items, lives, offsets, positions, state)
-
-        results: list[ItemResult | None] = [None] * len(items)
-        rollbacks: list[int] = []
-        for k, i in enumerate(out_items):
-            token = samples.get(i)
-            gate = held[i]
-            checked = token is not None and items[i].end in lives[i].drafts
-            rollback = token is not None and lives[i].commit(items[i].end, token[0])
-            self.drafts_checked += checked
-            if rollback:
-                rollbacks.append(i)
-                self.drafts_rejected += 1
-            results[i] = ItemResult(
-                exited=exited[k],
-                survival=gate.survival,
-                cdf=gate.cdf,
-                exit_next=exit_next[k],
-                token_id=token[0] if token else -1,
-                logprob=token[1] if token else None,
-                top_logprobs=token[2] if token else None,
-                rollback=rollback,
-            )
-        ending_set = set(ending)
-        for i, (it, live) in enumerate(zip(items, lives)):
-            if i in ending_set:
-                del live.items[it.start]
-            else:
-                lo, hi = offsets[i], offsets[i + 1]
-                held[i].state = state[lo:hi]
-                held[i].e = None if e is None else e[lo:hi]
-        for i in rollbacks:  # after storing states, so the discarded items stay discarded
-            lives[i].rollback(items[i].end)
-        return results, int(positions.shape[0]), len(samples)
-
-    def _draft(
-        self,
-        items: list[WorkItem],
-        lives: list[LiveRequest],
-        offsets: list[int],
-        positions: torch.Tensor,
-        state: torch.Tensor,
-    ) -> None:
-        """Token pipelining: the greedy prediction from a token's state at ``draft_loops``
-        becomes the input of the next position, which enters loop 1 in the next step."""
-        drafting = [i for i, it in enumerate(items) if it.draft]
-        if not drafting:
-            return
-        rows = torch.tensor([offsets[i + 1] - 1 for i in drafting], device=self.device)
-        hidden = self._timed(
-            self.model.coda, state.index_select(0, rows), positions.index_select(0, rows), None
-        )
-        tokens = self._timed(self.model.logits, hidden).argmax(dim=-1).tolist()
-        for i, token in zip(drafting, tokens):
-            lives[i].drafts[items[i].end] = token
-
-    # ---------------------------------------------------------------- pieces
-
-    def _update_requests(self, plan: StepPlan) -> None:
+    def _launch(self, plan: StepPlan, handle: StepHandle) -> bool:
+        """Queues the step's work and sets ``handle.finish``; True when the result must be
+        delivered at once."""
         for rid in plan.released:
             self.live.pop(rid, None)
+            self._dropped.discard(rid)
         for setup in plan.new_requests:
             self.live[setup.request_id] = LiveRequest.create(setup, self.device)
-
-    def _gather_inputs(
-        self, items: list[WorkItem], lives: list[LiveRequest], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        entering = [i for i, it in enumerate(items) if it.depth == 1]
-        fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if entering:
-            ids = torch.tensor(
-                [t for i in entering for t in _input_ids(items[i], lives[i])],
-                dtype=torch.long,
-                device=self.device,
-            )
-            sub = [items[i] for i in entering]
-            pos = _positions(sub, self.device)
-            boundary = None
-            if self.spec.num_boundary_layers:
-                spans = [(it.start, it.num_tokens, it.boundary_table) for it in sub]
-                boundary = self._attention(spans)
-            e_new = self._timed(self.model.prelude, ids, pos, boundary)  # [n_enter, E]
-            noise = None
-            if self.spec.needs_noise:
-                noise = torch.cat([self._noise(it, lives[i]) for i, it in zip(entering, sub)])
-                noise = noise.to(self.device)
-            s_new = self.model.initial_state(e_new, noise)  # [n_enter, S]
-            sizes = [it.num_tokens for it in sub]
-            for i, s_part, e_part in zip(entering, s_new.split(sizes), e_new.split(sizes)):
-                fresh[i] = (s_part, e_part)
-                lives[i].items[items[i].start] = ItemState(items[i].start)
-        states: list[torch.Tensor] = []
-        injections: list[torch.Tensor] = []
-        for i, (it, live) in enumerate(zip(items, lives)):
-            if i in fresh:
-                s, e = fresh[i]
-            else:
-                item = live.items.get(it.start)
-                if item is None:
-                    raise RuntimeError(f"{it.request_id}: no in-flight state at {it.start}")
-                s, e = item.state, item.e
-            states.append(s)
-            if self._keeps_e:
-                injections.append(e)
-        state = torch.cat(states) if len(states) > 1 else states[0]
-        if not self._keeps_e:
-            return state, None
-        return state, torch.cat(injections) if len(injections) > 1 else injections[0]
-
-    def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
-        seed = live.setup.seed if live.setup.params.init_state == "random" else None
-        return self.model.draw_noise(seed, list(range(item.start, item.end)))
-
-    def _decide_exits(
-        self,
-        items: list[WorkItem],
-        held: list[ItemState],
-        out_items: list[int],
-        offsets: list[int],
-        state: torch.Tensor,
-    ) -> tuple[list[bool], list[bool]]:
-        """The exit rule for the output rows, in fp32 with the reference's arithmetic:
-        lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p."""
-        if not out_items:
-            return [], []
-        specs = [items[i].exit for i in out_items]
-        gates = [held[i] for i in out_items]
-        dev = self.device
-        rows = torch.tensor([offsets[i + 1] - 1 for i in out_items], device=dev)
-        surv = torch.tensor([g.survival for g in gates], dtype=torch.float32, device=dev)
-        cdf = torch.tensor([g.cdf for g in gates], dtype=torch.float32, device=dev)
-        logit = self._timed(self.model.exit_logit, state.index_select(0, rows))
-        if logit is not None:
-            lam = torch.sigmoid(logit.float())
-            cdf = cdf + lam * surv
-            surv = surv * (1.0 - lam)
-        depth = torch.tensor([items[i].depth for i in out_items], device=dev)
-        min_l = torch.tensor([s.min_loops for s in specs], device=dev)
-        max_l = torch.tensor([s.max_loops for s in specs], device=dev)
-        thr = torch.tensor([s.threshold for s in specs], dtype=torch.float32, device=dev)
-        crossed = ((thr < 1.0) & (depth >= min_l) & (cdf >= thr)).tolist()
-        capped = (depth >= max_l).tolist()
-        exited: list[bool] = []
-        exit_next: list[bool] = []
-        for k, (spec, gate) in enumerate(zip(specs, gates)):
-            if spec.mode == "fixed":
-                now = spec.exit_now
-            elif spec.mode == "delayed":
-                now = capped[k] or gate.pending
-            else:
-                now = capped[k] or crossed[k]
-            gate.pending = spec.mode == "delayed" and crossed[k] and not now
-            exited.append(now)
-            exit_next.append(gate.pending)
-        for gate, s, c, x in zip(gates, surv.tolist(), cdf.tolist(), exited):
-            gate.survival, gate.cdf = s, c
-            gate.exited = x
-        return exited, exit_next
-
-    def _copy_on_exit(self, items: list[WorkItem], out_items: list[int], exited: list[bool]):
-        """last_exited: the exit-depth K/V of a token stopping early serves deeper planes."""
-        src: list[int] = []
-        dst: list[int] = []
-        bs = self.block_size
-        for i, x in zip(out_items, exited):
-            it = items[i]
-            if not x or not it.exit_copy_blocks:
-                continue
-            offset = it.start % bs
-            slot = it.block_table[it.start // bs] * bs + offset
-            for block in it.exit_copy_blocks:
-                src.append(slot)
-                dst.append(block * bs + offset)
-        if src:
-            copy_slots(
-                self.kv,
-                torch.tensor(src, device=self.device),
-                torch.tensor(dst, device=self.device),
-            )
-
-    def _coda_and_sample(
-        self,
-        items: list[WorkItem],
-        lives: list[LiveRequest],
-        offsets: list[int],
-        positions: torch.Tensor,
-        state: torch.Tensor,
-        ending: list[int],
-        exited: set[int],
-    ) -> dict[int, tuple[int, float | None, list[tuple[int, float]] | None]]:
-        """Coda for finishing rows, logits + sampling for exited output rows."""
-        boundary = self.spec.num_boundary_layers > 0
-        # With coda attention every row of an ending item writes coda KV that later tokens read.
-        coda_items = sorted(set(ending) | exited) if boundary else sorted(exited)
-        if not coda_items:
-            return {}
-        if boundary:
-            rows = [r for i in coda_items for r in range(offsets[i], offsets[i + 1])]
-            spans = [
-                (items[i].start, items[i].num_tokens, items[i].boundary_table) for i in coda_items
-            ]
-            attn = self._attention(spans)
-            widths = [offsets[i + 1] - offsets[i] for i in coda_items]
-        else:
-            rows = [offsets[i + 1] - 1 for i in coda_items]
-            attn = None
-            widths = [1] * len(coda_items)
-        index = torch.tensor(rows, device=self.device)
-        hidden = self._timed(
-            self.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
-        )
-        sample_items = [i for i in coda_items if i in exited]
-        if not sample_items:
-            return {}  # coda rows that only write coda KV (non-final prompt chunks)
-        ends = _offsets(widths)
-        last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
-        pick = torch.tensor([last[i] for i in sample_items], device=self.device)
-        logits = self._timed(self.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
-        sample_rows = [
-            SampleRow(
-                params=lives[i].setup.params,
-                generator=lives[i].generator,
-                penalty_tokens=lives[i].penalty_tokens(),
-            )
-            for i in sample_items
+        # Items planned before a rollback this runner already did are stale: skip them.
+        # (Steps that can roll back are delivered before the next launch, so epochs are
+        # current here.) So are items of requests a failed step dropped.
+        active = [
+            k
+            for k, it in enumerate(plan.items)
+            if it.request_id not in self._dropped and it.epoch >= self.live[it.request_id].epoch
         ]
-        out = self.sampler.sample(logits, sample_rows)
-        for k, i in enumerate(sample_items):
-            lives[i].record(out.token_ids[k])
-        return {
-            i: (out.token_ids[k], out.logprobs[k], out.top_logprobs[k])
-            for k, i in enumerate(sample_items)
-        }
+        if not active:
+            handle.finish = lambda: StepResult(plan.step_id, [None] * len(plan.items))
+            return False
+        step = Step(self, [plan.items[k] for k in active])
+        eager = step.run()
+        handle.outputs = step.outputs
 
+        def finish() -> StepResult:
+            results: list[ItemResult | None] = [None] * len(plan.items)
+            for k, result in zip(active, step.results()):
+                results[k] = result
+            return StepResult(
+                plan.step_id, results, num_rows=step.num_rows, num_coda_rows=step.num_coda_rows
+            )
 
-def _input_ids(item: WorkItem, live: LiveRequest) -> list[int]:
-    if item.token_ids is not None:
-        return item.token_ids
-    if item.start in live.drafts:
-        return [live.drafts[item.start]]
-    if live.last_token is None:
-        raise RuntimeError(f"{item.request_id}: decode input requested before any token")
-    return [live.last_token]
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
-
-
-def _positions(items: list[WorkItem], device: torch.device) -> torch.Tensor:
-    return torch.tensor(
-        [p for it in items for p in range(it.start, it.end)], dtype=torch.long, device=device
-    )
+        handle.finish = finish
+        return eager

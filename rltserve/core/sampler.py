@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rltserve.core.staging import to_device
 from rltserve.sampling import SamplingParams
 
 
@@ -44,11 +45,52 @@ def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+@dataclass
+class DeviceSample:
+    """A sampling result still on the device: the runner feeds ``token_ids`` to the next
+    prelude directly and reads everything on the host only when the step's result is
+    delivered (``StepOutputs``)."""
+
+    token_ids: torch.Tensor  # [R] int64
+    logprob_rows: list[int]  # rows that asked for logprobs, in order
+    num_top: list[int]  # per such row: how many top logprobs it asked for
+    chosen: torch.Tensor | None = None  # [W] fp32: logprob of each such row's token
+    top_values: torch.Tensor | None = None  # [W, n_top] fp32, descending
+    top_ids: torch.Tensor | None = None  # [W, n_top] int64
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors ``to_output`` needs, by name (for staging to the host)."""
+        out = {"token_ids": self.token_ids}
+        for name in ("chosen", "top_values", "top_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def to_output(self, host: dict[str, list]) -> SampleOutput:
+        """``host``: ``tensors()`` as lists (``tensor.tolist()``)."""
+        token_ids = host["token_ids"]
+        rows = len(token_ids)
+        logprobs: list[float | None] = [None] * rows
+        top: list[list[tuple[int, float]] | None] = [None] * rows
+        chosen = host.get("chosen", [])
+        values, ids = host.get("top_values"), host.get("top_ids")
+        for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top)):
+            logprobs[i] = chosen[j]
+            top[i] = list(zip(ids[j][:n], values[j][:n])) if n else []
+        return SampleOutput(token_ids, logprobs, top)
+
+
 class Sampler:
     """Stateless; all per-request state (generators, token history) comes in the rows."""
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits: [R, V] fp32, one row per ``rows`` entry. The input tensor is not modified."""
+        out = self.sample_device(logits, rows)
+        return out.to_output({k: v.tolist() for k, v in out.tensors().items()})
+
+    def sample_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+        """As ``sample``, leaving the results on the device (no host synchronisation)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
         logits = logits.float()
@@ -58,33 +100,25 @@ class Sampler:
         ]
         if penalized:
             logits = logits.clone()
-            idx = torch.tensor(penalized, device=device)
+            idx = to_device(penalized, device)
             logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
 
         tokens = logits.argmax(dim=-1)  # [R]; the result of greedy rows
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled, device=device)
+            idx = to_device(sampled, device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
 
-        token_list = tokens.tolist()
-        logprobs: list[float | None] = [None] * len(rows)
-        top: list[list[tuple[int, float]] | None] = [None] * len(rows)
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        num_top = [rows[i].params.logprobs or 0 for i in wanted]
+        out = DeviceSample(tokens, wanted, num_top)
         if wanted:
-            idx = torch.tensor(wanted, device=device)
+            idx = to_device(wanted, device)
             logp = torch.log_softmax(logits[idx], dim=-1)  # [W, V]
-            chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()  # [W]
-            n_top = max(rows[i].params.logprobs or 0 for i in wanted)
-            top_vals, top_ids = [[]] * len(wanted), [[]] * len(wanted)
-            if n_top:
-                vals, ids = logp.topk(n_top, dim=-1)  # [W, n_top], descending
-                top_vals, top_ids = vals.tolist(), ids.tolist()
-            for j, i in enumerate(wanted):
-                n = rows[i].params.logprobs or 0
-                logprobs[i] = chosen[j]
-                top[i] = list(zip(top_ids[j][:n], top_vals[j][:n]))
-        return SampleOutput(token_list, logprobs, top)
+            out.chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)  # [W]
+            if max(num_top):
+                out.top_values, out.top_ids = logp.topk(max(num_top), dim=-1)  # [W, n_top]
+        return out
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -101,15 +135,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         out_rows += [j] * len(output)
     counts = torch.zeros(p, vocab, device=device)  # [P, V]: occurrences in the output
     if out_ids:
-        flat = torch.tensor(out_rows, device=device) * vocab + torch.tensor(out_ids, device=device)
+        flat = to_device(out_rows, device) * vocab + to_device(out_ids, device)
         counts.view(-1).index_add_(0, flat, torch.ones(len(out_ids), device=device))
     seen = torch.zeros(p, vocab, dtype=torch.bool, device=device)  # [P, V]: in prompt or output
     if seen_ids:
-        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
+        seen[to_device(seen_rows, device), to_device(seen_ids, device)] = True
 
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    rep = to_device([r.params.repetition_penalty for r in rows], device)[:, None]
+    pres = to_device([r.params.presence_penalty for r in rows], device)[:, None]
+    freq = to_device([r.params.frequency_penalty for r in rows], device)[:, None]
     repeated = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, repeated, logits)
     return logits - freq * counts - pres * (counts > 0).float()
@@ -120,7 +154,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     s, vocab = logits.shape
     device = logits.device
     params = [r.params for r in rows]
-    temp = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temp = to_device([p.temperature for p in params], device)[:, None]
     logits = logits / temp
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -132,26 +166,28 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if use_k:
             ranks = torch.arange(vocab, device=device)[None, :]
-            drop |= ranks >= torch.tensor(top_k, device=device)[:, None]
+            drop |= ranks >= to_device(top_k, device)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         if use_p:
             probs = sorted_logits.softmax(dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass ranked strictly above each token
-            top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+            top_p = to_device([p.top_p for p in params], device)[:, None]
             drop |= before >= top_p
             drop[:, 0] = False  # the most likely token always survives
         drop = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0.0 for p in params):
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = to_device([p.min_p for p in params], device)[:, None]
         logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
     probs = logits.softmax(dim=-1)  # [S, V]
     noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
     shared = [j for j, r in enumerate(rows) if r.generator is None]
     if shared:
-        noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
+        noise[to_device(shared, device)] = torch.empty(
+            len(shared), vocab, device=device
+        ).exponential_()
     for j, row in enumerate(rows):
         if row.generator is not None:
             noise[j] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
