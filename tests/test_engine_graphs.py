@@ -122,3 +122,12 @@ def test_cuda_engine_matches_oracle(ckpts, ouro_ref, async_scheduling, cuda_grap
         want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode="delayed")
         assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
         assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+
+
+def test_emulated_graphs_with_token_pipelining(ckpts, ouro_ref):
+    prompts, _, arrivals = _workload(6, seed=5)
+    params = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]  # greedy, full
+    core = make_core(ckpts["ouro"], speculative_tokens=2, draft_loops=1, **ENGINE)
+    run = run_core(_emulated(core, max_rows=8), prompts, params, arrivals=arrivals)
+    _check(ouro_ref, run, prompts, params, kv_policy="last_exited")
+    assert core.runner.graphs.num_replays > 0 and core.runner.drafts_checked > 0

@@ -151,7 +151,10 @@ class ModelRunner:
         return ExecutionFuture(future)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Launches the step and returns its result (synchronous execution)."""
+        """Launches the step and returns its result (synchronous execution), on the step
+        thread when there is one: the runner's state and torch stay on one thread."""
+        if self._executor is not None:
+            return self._executor.call(lambda: self.launch(plan).result())
         return self.launch(plan).result()
 
     def shutdown(self) -> None:
