@@ -71,6 +71,8 @@ def run_engine(
     extra = {}
     if stats.drafts_checked:
         extra["draft_acceptance"] = round(1 - stats.drafts_rejected / stats.drafts_checked, 3)
+    if core.runner.graphs is not None:  # how much of the run the CUDA graphs covered
+        extra["graph_steps"] = stats.num_graph_steps
     return extra | {
         "output_tokens": tokens,
         "seconds": round(elapsed, 4),

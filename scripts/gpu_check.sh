@@ -229,6 +229,7 @@ for f in sorted(work.glob("bench_c*_q*_*.json")):
                  "tokens_per_s": run.get("output_tokens_per_s"),
                  "mean_exit_depth": run.get("mean_exit_depth"),
                  "mean_rows_per_step": run.get("mean_rows_per_step"),
+                 "graph_steps": run.get("graph_steps"), "steps": run.get("steps"),
                  "seconds": run.get("seconds"), "report": rep})
 by = {(r["concurrency"], r["mode"], r["exit_threshold"]): r for r in rows}
 for r in rows:
@@ -251,11 +252,12 @@ if async_file.is_file() and async_file.stat().st_size:
 summary = {"env": env, "native": native, "runs": sorted(rows, key=lambda r: (r["concurrency"], r["mode"], -r["exit_threshold"])), "async_compare": async_cmp}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 lines = [f"native backend: {native['backend'] if native else 'not built'}",
-         f"{'conc':>5} {'mode':>6} {'thr':>5} {'tok/s':>9} {'depth':>6} {'vs full':>8} {'vs eager':>8}"]
+         f"{'conc':>5} {'mode':>6} {'thr':>5} {'tok/s':>9} {'depth':>6} {'vs full':>8} {'vs eager':>8} {'graphed':>9}"]
 for r in summary["runs"]:
     lines.append(f"{r['concurrency']:>5} {r['mode']:>6} {r['exit_threshold']:>5} "
                  f"{r['tokens_per_s'] or '-':>9} {r['mean_exit_depth'] or '-':>6} "
-                 f"{r.get('vs_full_depth', '-'):>8} {r.get('vs_eager', '-'):>8}")
+                 f"{r.get('vs_full_depth', '-'):>8} {r.get('vs_eager', '-'):>8} "
+                 f"{str(r['graph_steps']) + '/' + str(r['steps']) if r['graph_steps'] is not None else '-':>9}")
 for c, row in (async_cmp or {}).items():
     lines.append(f"async c={c}: sync {row['sync']['output_tokens_per_s']} tok/s, async "
                  f"{row['async']['output_tokens_per_s']} tok/s ({row['async_vs_sync']}x), busy "

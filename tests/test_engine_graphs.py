@@ -112,7 +112,7 @@ def test_cuda_engine_matches_oracle(ckpts, ouro_ref, async_scheduling, cuda_grap
     client = InProcessStageClient(config)
     try:
         client.wait_ready(120)
-        run = stream_all(client, prompts, params)
+        run = stream_all(client, prompts, params, timeout=60)
     finally:
         client.close()
     assert client.stats.kv_usage == 0.0
