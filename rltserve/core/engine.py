@@ -297,7 +297,8 @@ async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) ->
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
-    overlap the computation. Steps execute in submission order on the runner's executor.
+    overlap the computation. Steps launch in submission order on the runner's step thread, and
+    a step's future completes when its result reaches the host.
     """
     in_flight: deque[tuple[StepPlan, ExecutionFuture]] = deque()
     limit = 2 if core.config.scheduler.async_scheduling else 1
