@@ -36,7 +36,7 @@ class Step:
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
-        self.offsets = offsets = _offsets([it.num_tokens for it in items])
+        self.offsets = _offsets([it.num_tokens for it in items])
         positions = r.tensor([p for it in items for p in range(it.start, it.end)])  # [N]
         state, e = self._gather_inputs(positions)
         spans = [(it.start, it.num_tokens, it.block_table) for it in items]
@@ -60,13 +60,14 @@ class Step:
         self.sampled = self._coda_and_sample(positions, state, ending, exited_set)
         self.drafts = self._draft(positions, state)
         ending_set = set(ending)
+        sizes = [it.num_tokens for it in items]
+        states = state.split(sizes)  # one call for every item's view
+        injections = e.split(sizes) if e is not None else [None] * len(items)
         for i, (it, live) in enumerate(zip(items, lives)):
             if i in ending_set:
                 del live.items[it.start]
             else:
-                lo, hi = offsets[i], offsets[i + 1]
-                held[i].state = state[lo:hi]
-                held[i].e = None if e is None else e[lo:hi]
+                held[i].state, held[i].e = states[i], injections[i]
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
@@ -150,8 +151,8 @@ class Step:
             cdf = cdf + lam * surv
             surv = surv * (1.0 - lam)
             new_gate = torch.stack((surv, cdf), dim=1)  # [M, 2]
-            for k, i in enumerate(out):
-                held[i].gate = new_gate[k]
+            for i, row in zip(out, new_gate.unbind(0)):
+                held[i].gate = row
             depth = r.tensor([items[i].depth for i in out])
             min_l = r.tensor([s.min_loops for s in specs])
             thr = r.tensor([s.threshold for s in specs], torch.float32)
@@ -235,8 +236,8 @@ class Step:
             for i in sample_items
         ]
         self.sample = r.sampler.sample_device(logits, sample_rows)
-        for k, i in enumerate(sample_items):
-            lives[i].last_token = self.sample.token_ids[k : k + 1]
+        for i, token in zip(sample_items, self.sample.token_ids.split(1)):
+            lives[i].last_token = token  # [1]: the next decode token's input
         for name, tensor in self.sample.tensors().items():
             self.outputs.add("sample." + name, tensor)
         self.num_coda_rows = len(sample_items)
@@ -254,7 +255,7 @@ class Step:
             r.model.coda, state.index_select(0, rows), positions.index_select(0, rows), None
         )
         tokens = r.timed(r.model.logits, hidden).argmax(dim=-1)  # [K]
-        drafts = [Draft(tokens[k : k + 1]) for k in range(len(drafting))]
+        drafts = [Draft(token) for token in tokens.split(1)]
         for i, draft in zip(drafting, drafts):
             self.lives[i].drafts[items[i].end] = draft
         self.outputs.add("drafts", tokens)
