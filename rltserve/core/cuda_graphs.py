@@ -13,9 +13,10 @@ Real rows do the eager math; their masks only gain masked-out key columns. (Resu
 from an unpadded eager batch in the last bits where kernels block by row or key count.)
 
 Backends:
-- ``"cuda"``: a bucket is captured on its first use (two warm-up loops on the capture stream,
-  then ``torch.cuda.graph``); all graphs of one object share one memory pool and one capture
-  stream. Replays are enqueued on the caller's current stream.
+- ``"cuda"``: a bucket is captured by ``capture_all`` (the runner calls it at start-up) or on
+  its first use (two warm-up loops on the capture stream, then ``torch.cuda.graph``); all
+  graphs of one object share one memory pool and one capture stream. Replays are enqueued on
+  the caller's current stream.
 - ``"emulate"``: the same buffers, padding and metadata, but ``model.loop`` runs eagerly on the
   static buffers instead of a replay. It needs no GPU; the CPU tests check the padding logic
   with it.
@@ -224,20 +225,19 @@ class DecodeGraphs:
             b.e[:n].copy_(e)
             b.e[n:].zero_()
         pads = [(0, 1, (self.scratch_block,))] * (rows - n)
-        # Built on the host and sent with asynchronous copies from pinned memory: building on
-        # the GPU would synchronize the stream on every H2D copy of torch.tensor(list).
-        md = AttentionMetadata.build([*spans, *pads], self.block_size, "cpu", num_cols=cols)
-        pin = self.device.type == "cuda"
+        # build() sends its inputs without waiting for the device; the copies into the static
+        # tensors stay on the device.
+        md = AttentionMetadata.build([*spans, *pads], self.block_size, self.device, num_cols=cols)
         for name in _MD_TENSORS:
-            src = getattr(md, name)
-            getattr(b.md, name).copy_(src.pin_memory() if pin else src, non_blocking=pin)
+            getattr(b.md, name).copy_(getattr(md, name))
 
     def _loop(self, b: _Bucket) -> torch.Tensor:
         return self.model.loop(b.state, b.e, b.md.positions, b.attn)  # [B, S]
 
     def _capture(self, b: _Bucket) -> None:
-        """Capture the bucket's loop. The static buffers hold this step's inputs already; the
-        warm-up loops write the same K/V the replay will write, so running them is harmless."""
+        """Capture the bucket's loop. The static buffers hold whatever the last run left or the
+        padding rows of a new bucket; the warm-up loops write K/V only where a replay of those
+        inputs would, so running them is harmless."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         if self._pool is None:

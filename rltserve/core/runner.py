@@ -47,20 +47,22 @@ from rltserve.models.base import LoopedModel
 class StepHandle:
     """A launched step. ``future`` completes with its StepResult once that is on the host."""
 
-    def __init__(self, step_id: int, future: Future[StepResult] | None = None) -> None:
-        self.step_id = step_id
+    def __init__(
+        self, runner: ModelRunner, plan: StepPlan, future: Future[StepResult] | None = None
+    ) -> None:
+        self.step_id = plan.step_id
+        self.item_ids = [it.request_id for it in plan.items]  # to fail them on an error
         self.future: Future[StepResult] = future or Future()
         self.outputs: StepOutputs | None = None
         self.finish: Callable[[], StepResult] | None = None  # builds the result on the host
-        self.item_ids: list[str] = []  # the plan's items' requests (to fail them on an error)
-        self._runner: ModelRunner | None = None
+        self._runner = runner
 
     def ready(self) -> bool:
         return self.outputs is None or self.outputs.ready()
 
     def result(self) -> StepResult:
         """Delivers this step (and every earlier one) if needed; call on the runner's thread."""
-        if not self.future.done() and self._runner is not None:
+        if not self.future.done():
             self._runner.deliver(upto=self)
         return self.future.result()
 
@@ -202,9 +204,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan, future: Future[StepResult] | None = None) -> StepHandle:
         """Queues the step's work. The result is delivered now, or (``defer_results``) during
         the next launch or when the step thread is idle."""
-        handle = StepHandle(plan.step_id, future)
-        handle._runner = self
-        handle.item_ids = [it.request_id for it in plan.items]
+        handle = StepHandle(self, plan, future)
         start = time.perf_counter()
         eager = not self.defer_results
         self._launching = True

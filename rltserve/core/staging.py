@@ -56,9 +56,6 @@ class StepOutputs:
             raise RuntimeError("StepOutputs: add() after stage()")
         self._parts.append((name, tensor))
 
-    def __contains__(self, name: str) -> bool:
-        return any(n == name for n, _ in self._parts)
-
     def stage(self) -> None:
         """Starts the device-to-host copy (CUDA); call once, after the step's work is queued."""
         if self.device.type != "cuda" or not self._parts:
