@@ -180,13 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refill, no-refill, full depth and a naive loop in one run; with "
         "--async-scheduling: async vs sync through the engine loop at --concurrency-list; "
+        "with --cuda-graphs: eager vs CUDA graphs at --exit-threshold and full depth at "
+        "--concurrency-list; "
         "with --wavefront-prefill: time to first token vs chunked prefill at --chunk-sizes",
     )
     off.add_argument(
         "--concurrency-list",
         type=_int_list,
         default=[1, 8, 32, 64],
-        help="concurrencies of the async comparison (default 1,8,32,64)",
+        help="concurrencies of the async and CUDA-graph comparisons (default 1,8,32,64)",
     )
     off.add_argument(
         "--chunk-sizes",

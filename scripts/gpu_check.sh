@@ -2,49 +2,64 @@
 # One-shot GPU check of rltserve, for a machine with an NVIDIA GPU (within ~8 minutes):
 #   1. picks a Python with a CUDA torch (a venv: $RLTSERVE_GPU_VENV, the current one, or a new
 #      --system-site-packages venv), makes the repo importable (PYTHONPATH, nothing installed),
+#      and installs missing packages from $WHEELS,
 #   2. builds the native extension with its CUDA kernel (python native/build.py --cuda on),
 #   3. runs the gpu-marked tests (pytest -m gpu),
 #   4. makes ouro-1.4b with random weights (bf16) unless present, and benchmarks decode tokens/s
-#      with `rltserve bench offline` at concurrency 1, 32 and 128: refill at an exit threshold
-#      giving mean depth ~2.5 vs full depth (threshold 1.0); eager, plus CUDA graphs when
-#      `rltserve bench offline --help` lists --cuda-graphs,
+#      in one process (`rltserve bench offline --cuda-graphs --compare`) at concurrency 1, 32
+#      and 128: eager vs CUDA graphs, each at an exit threshold giving mean depth ~2.5 and at
+#      full depth (threshold 1.0),
 #   5. async vs sync scheduling through the spawned stage (dedicated stream, deferred result
-#      reads) at concurrency 32 and 128 (ASYNC_CONCURRENCY), with CUDA graphs when available,
+#      reads) at concurrency 32 and 128 (ASYNC_CONCURRENCY), with CUDA graphs,
 #   6. prints a summary and writes four files to the output dir: summary.json (environment,
-#      native build, every run's full report), summary.txt, gpu_check.log, gpu_tests.xml.
+#      native build, the full reports), summary.txt, gpu_check.log, gpu_tests.xml.
 #
-# Usage: scripts/gpu_check.sh            (from anywhere; exit 0 when every step passed)
+# Usage: scripts/gpu_check.sh                 (from anywhere; exit 0 when every step passed)
+#        scripts/gpu_check.sh --fetch-wheels  (on a machine with a package index: downloads the
+#                     wheels of packages a bare GPU image may lack into .whl/ of the repo, which
+#                     is git-ignored; take .whl along to the GPU machine)
 # Environment (all optional):
 #   OUT                 output dir (default: bench_out/gpu_check in the repo, git-ignored)
 #   PYTHON              interpreter to use or to base a venv on (default: python3)
 #   RLTSERVE_GPU_VENV   venv to use, created with --system-site-packages when missing
-#   WHEELS              dir of wheels for missing packages (pip --no-index --find-links); the
-#                       workplace H200 image lacks orjson, which the CLI needs
+#   WHEELS              dir of wheels for missing packages (pip --no-index --find-links;
+#                       default: the repo's .whl/ when it exists, else the package index)
+#   WHEEL_PYTHON        Python version of the wheels --fetch-wheels gets (default 3.12)
 #   MODEL_DIR           checkpoint dir (default: /tmp/rltserve-<preset>; made when missing)
 #   EXIT_THRESHOLD      Ouro exit threshold for the early-exit runs (default 0.55: mean depth
 #                       ~2.5 of 4 with the synthetic weights; the summary prints the measured one)
-#   CONCURRENCY         default "1 32 128";  INPUT_LEN / OUTPUT_LEN default 128 / 64
+#   CONCURRENCY         default "1,32,128";  INPUT_LEN / OUTPUT_LEN default 128 / 64
 #   ASYNC_CONCURRENCY   default "32,128" (the async-vs-sync comparison; empty skips it)
 #   KV_CACHE_GB         KV pool per run (default 24)
 #   BUDGET_S            overall time budget in seconds (default 480); steps that no longer fit
 #                       are skipped and reported
 #   PRESET, DEVICE, DTYPE   default ouro-1.4b, cuda, bfloat16 (DEVICE=cpu PRESET=ouro-tiny
-#                       smoke-tests this script without a GPU)
+#                       smoke-tests this script without a GPU; the benchmarks then run eager only)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Packages that GPU images with torch preinstalled often lack; --fetch-wheels gets them.
+IMAGE_MISSING=(orjson)
+if [[ "${1:-}" == --fetch-wheels ]]; then
+  platforms=()
+  for tag in manylinux_2_28 manylinux_2_17 manylinux2014; do platforms+=(--platform "${tag}_x86_64"); done
+  exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: \
+    --python-version "${WHEEL_PYTHON:-3.12}" --implementation cp "${platforms[@]}" \
+    -d "$REPO/.whl" "${IMAGE_MISSING[@]}"
+fi
 OUT="${OUT:-$REPO/bench_out/gpu_check}"
 PRESET="${PRESET:-ouro-1.4b}"
 DEVICE="${DEVICE:-cuda}"
 DTYPE="${DTYPE:-bfloat16}"
 MODEL_DIR="${MODEL_DIR:-/tmp/rltserve-$PRESET}"
 EXIT_THRESHOLD="${EXIT_THRESHOLD:-0.55}"
-CONCURRENCY="${CONCURRENCY:-1 32 128}"
+CONCURRENCY="${CONCURRENCY:-1,32,128}"
 ASYNC_CONCURRENCY="${ASYNC_CONCURRENCY:-32,128}"
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-64}"
 KV_CACHE_GB="${KV_CACHE_GB:-24}"
 BUDGET_S="${BUDGET_S:-480}"
+if [[ -z "${WHEELS:-}" && -d "$REPO/.whl" ]]; then WHEELS="$REPO/.whl"; fi
 START=$(date +%s)
 mkdir -p "$OUT"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/rltserve-gpu-check.XXXXXX")"  # per-step JSON
@@ -89,6 +104,8 @@ step() {
 }
 
 finish() {
+  local rc=$?  # non-zero when `set -e` ended the script early: never report success then
+  ((rc != 0 && FAILED == 0)) && FAILED=$rc
   echo
   echo "==== gpu_check summary ($(($(date +%s) - START))s, output in $OUT)"
   local line
@@ -170,45 +187,23 @@ if [[ ! -f "$MODEL_DIR/config.json" ]]; then
   step "make-model $PRESET -> $MODEL_DIR" 240 \
     "${RLT[@]}" make-model --preset "$PRESET" --out "$MODEL_DIR" --force || true
 fi
-GRAPH_MODES=(eager)
-if [[ "$DEVICE" != cuda ]]; then
-  SUMMARY+=("note     CUDA graphs: DEVICE=$DEVICE; eager only")
-elif "${RLT[@]}" bench offline --help 2>>"$LOG" | grep -q -- "--cuda-graphs"; then
-  GRAPH_MODES+=(graphs)
-else
-  SUMMARY+=("note     CUDA graphs: 'rltserve bench offline' has no --cuda-graphs flag yet; eager only")
-fi
+BENCH_ARGS=(--model "$MODEL_DIR" --dtype "$DTYPE" --device "$DEVICE" --input-len "$INPUT_LEN"
+  --output-len "$OUTPUT_LEN" --exit-threshold "$EXIT_THRESHOLD" --kv-cache-gb "$KV_CACHE_GB"
+  --max-model-len $((INPUT_LEN + OUTPUT_LEN + 16)) --json)
 if [[ -f "$MODEL_DIR/config.json" ]]; then
-  for c in $CONCURRENCY; do
-    n=$((c >= 4 ? 2 * c : 4))
-    for mode in "${GRAPH_MODES[@]}"; do
-      extra=()
-      if [[ "${#GRAPH_MODES[@]}" -gt 1 ]]; then
-        # Explicit either way, whatever the engine's default.
-        [[ "$mode" == graphs ]] && extra=(--cuda-graphs) || extra=(--no-cuda-graphs)
-      fi
-      for q in "$EXIT_THRESHOLD" 1.0; do
-        name="bench_c${c}_q${q}_${mode}"
-        step "$name" 120 bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/$name.json" \
-          "${RLT[@]}" bench offline --model "$MODEL_DIR" --dtype "$DTYPE" --device "$DEVICE" \
-          --num-prompts "$n" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-          --concurrency "$c" --exit-threshold "$q" --kv-cache-gb "$KV_CACHE_GB" \
-          --max-model-len $((INPUT_LEN + OUTPUT_LEN + 16)) --json "${extra[@]}" \
-          || true
-      done
-    done
-  done
+  # Eager vs graphs at the threshold and at full depth; on a CPU the eager cells only.
+  step "graphs_compare ($CONCURRENCY)" 240 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+    "$WORK/graphs_compare.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
+    --cuda-graphs --compare --concurrency-list "$CONCURRENCY" || true
 fi
 
 if [[ -f "$MODEL_DIR/config.json" && -n "$ASYNC_CONCURRENCY" ]]; then
   extra=()
-  [[ "${#GRAPH_MODES[@]}" -gt 1 ]] && extra=(--cuda-graphs)
-  step "async_compare" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/async_compare.json" \
-    "${RLT[@]}" bench offline --model "$MODEL_DIR" --dtype "$DTYPE" --device "$DEVICE" \
-    --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" \
-    --num-prompts 128 --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-    --exit-threshold "$EXIT_THRESHOLD" --kv-cache-gb "$KV_CACHE_GB" \
-    --max-model-len $((INPUT_LEN + OUTPUT_LEN + 16)) --json "${extra[@]}" || true
+  [[ "$DEVICE" == cuda ]] && extra=(--cuda-graphs)
+  step "async_compare ($ASYNC_CONCURRENCY)" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+    "$WORK/async_compare.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
+    --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" --num-prompts 128 \
+    "${extra[@]}" || true
 fi
 
 # ---------------------------------------------------------------- 6. summary
@@ -216,48 +211,41 @@ fi
 import json, sys
 from pathlib import Path
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
-rows = []
-for f in sorted(work.glob("bench_c*_q*_*.json")):
+
+def load(name, key):
+    f = work / name
     try:
-        rep = json.loads(f.read_text())
+        return json.loads(f.read_text()).get(key) if f.is_file() and f.stat().st_size else None
     except ValueError:
-        continue
-    run = rep.get("refill", {})
-    c, rest = f.stem[len("bench_c"):].split("_q", 1)
-    thr, mode = rest.rsplit("_", 1)
-    rows.append({"concurrency": int(c), "mode": mode, "exit_threshold": float(thr),
-                 "tokens_per_s": run.get("output_tokens_per_s"),
-                 "mean_exit_depth": run.get("mean_exit_depth"),
-                 "mean_rows_per_step": run.get("mean_rows_per_step"),
-                 "graph_steps": run.get("graph_steps"), "steps": run.get("steps"),
-                 "seconds": run.get("seconds"), "report": rep})
-by = {(r["concurrency"], r["mode"], r["exit_threshold"]): r for r in rows}
-for r in rows:
-    full = by.get((r["concurrency"], r["mode"], 1.0))
-    if full and r["tokens_per_s"] and full["tokens_per_s"]:
-        r["vs_full_depth"] = round(r["tokens_per_s"] / full["tokens_per_s"], 3)
-    eager = by.get((r["concurrency"], "eager", r["exit_threshold"]))
-    if r["mode"] != "eager" and eager and r["tokens_per_s"] and eager["tokens_per_s"]:
-        r["vs_eager"] = round(r["tokens_per_s"] / eager["tokens_per_s"], 3)
-build = work / "native_build.json"
-native = json.loads(build.read_text()).get("backend_info") if build.is_file() and build.stat().st_size else None
+        return None
+
+graphs_cmp = load("graphs_compare.json", "graphs_compare")
+async_cmp = load("async_compare.json", "async_compare")
+native = load("native_build.json", "backend_info")
 env = json.loads((work / "env.json").read_text()) if (work / "env.json").is_file() else {}
-async_file = work / "async_compare.json"
-async_cmp = None
-if async_file.is_file() and async_file.stat().st_size:
-    try:
-        async_cmp = json.loads(async_file.read_text()).get("async_compare")
-    except ValueError:
-        pass
-summary = {"env": env, "native": native, "runs": sorted(rows, key=lambda r: (r["concurrency"], r["mode"], -r["exit_threshold"])), "async_compare": async_cmp}
+rows = []
+for c, row in (graphs_cmp or {}).items():
+    if not c.isdigit():
+        continue
+    for mode in graphs_cmp["modes"]:
+        for q in graphs_cmp["exit_thresholds"]:
+            run = row.get(f"{mode}_q{q}", {})
+            rows.append({"concurrency": int(c), "mode": mode, "exit_threshold": q,
+                         "tokens_per_s": run.get("output_tokens_per_s"),
+                         "mean_exit_depth": run.get("mean_exit_depth"),
+                         "graph_steps": run.get("graph_steps"), "steps": run.get("steps"),
+                         "vs_full_depth": row.get(f"{mode}_vs_full_depth") if q != 1.0 else None,
+                         "vs_eager": row.get(f"graphs_vs_eager_q{q}") if mode != "eager" else None})
+summary = {"env": env, "native": native, "runs": rows, "graphs_compare": graphs_cmp,
+           "async_compare": async_cmp}
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 lines = [f"native backend: {native['backend'] if native else 'not built'}",
          f"{'conc':>5} {'mode':>6} {'thr':>5} {'tok/s':>9} {'depth':>6} {'vs full':>8} {'vs eager':>8} {'graphed':>9}"]
-for r in summary["runs"]:
+for r in rows:
+    graphed = f"{r['graph_steps']}/{r['steps']}" if r["graph_steps"] is not None else "-"
     lines.append(f"{r['concurrency']:>5} {r['mode']:>6} {r['exit_threshold']:>5} "
                  f"{r['tokens_per_s'] or '-':>9} {r['mean_exit_depth'] or '-':>6} "
-                 f"{r.get('vs_full_depth', '-'):>8} {r.get('vs_eager', '-'):>8} "
-                 f"{str(r['graph_steps']) + '/' + str(r['steps']) if r['graph_steps'] is not None else '-':>9}")
+                 f"{r['vs_full_depth'] or '-':>8} {r['vs_eager'] or '-':>8} {graphed:>9}")
 for c, row in (async_cmp or {}).items():
     lines.append(f"async c={c}: sync {row['sync']['output_tokens_per_s']} tok/s, async "
                  f"{row['async']['output_tokens_per_s']} tok/s ({row['async_vs_sync']}x), busy "

@@ -87,6 +87,33 @@ def test_matches_dense_reference_fp32(heads):
         assert torch.equal(kv[layer, 1, md.slot_mapping], v)
 
 
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1), (4, 4)])
+def test_decode_only_step_matches_dense_reference(heads):
+    """A decode-only step (one row per item) takes the GQA path that folds query heads into
+    rows; q need not be contiguous."""
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(3)
+    starts = [0, 5, 12, 3]
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    items = [(s, 1, perm[4 * i : 4 * i + 4]) for i, s in enumerate(starts)]
+    kv = allocate_kv_cache(1, NUM_BLOCKS, BS, hkv, HD, torch.float32, "cpu")
+    attn = PagedAttention(kv, AttentionMetadata.build(items, BS))
+    ctxs = []
+    for start, _, table in items:
+        k_ctx = torch.randn(start + 1, hkv, HD, generator=gen)
+        v_ctx = torch.randn(start + 1, hkv, HD, generator=gen)
+        write_prior(kv, 0, table, k_ctx, v_ctx, start)
+        ctxs.append((k_ctx, v_ctx))
+    q = torch.randn(hq, len(items), HD, generator=gen).transpose(0, 1)  # [N, Hq, hd], strided
+    k = torch.stack([kc[-1] for kc, _ in ctxs])
+    v = torch.stack([vc[-1] for _, vc in ctxs])
+    out = attn(0, q, k, v)
+    assert out.shape == (len(items), hq, HD)
+    for row, ((start, _, _), (k_ctx, v_ctx)) in enumerate(zip(items, ctxs)):
+        want = dense_reference(q[row : row + 1], k_ctx, v_ctx, start)
+        torch.testing.assert_close(out[row : row + 1].double(), want, atol=2e-6, rtol=1e-6)
+
+
 def test_prefill_then_decode_through_cache():
     """K/V written by earlier steps (chunked prefill, then decode) are what later steps read."""
     gen = torch.Generator().manual_seed(1)

@@ -160,6 +160,14 @@ class PagedAttention:
     def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.md = metadata
+        self._masks: dict[int, torch.Tensor] = {1: metadata.mask}
+
+    def _mask(self, rep: int) -> torch.Tensor:
+        """The mask for ``rep`` query heads folded into rows: [B, 1, rep * max_q, ctx]; built
+        once per step and shared by its layers."""
+        if rep not in self._masks:
+            self._masks[rep] = self.md.mask.repeat(1, 1, rep, 1)
+        return self._masks[rep]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -180,21 +188,29 @@ class PagedAttention:
         values = v_cache.view(blocks).index_select(0, md.gather_blocks)
         keys = keys.view(b, max_ctx, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
         values = values.view(b, max_ctx, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
-        if num_kv_heads != num_heads:
-            rep = num_heads // num_kv_heads  # q head h reads kv head h // rep
-            keys = keys[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)
-            keys = keys.reshape(b, num_heads, max_ctx, head_dim)
-            values = values[:, :, None].expand(b, num_kv_heads, rep, max_ctx, head_dim)
-            values = values.reshape(b, num_heads, max_ctx, head_dim)
-
+        scale = 1.0 / math.sqrt(head_dim)
+        # GQA: q head h reads kv head h // rep. A kv head's rep query heads become rep times as
+        # many query rows over the same keys, so K/V are never copied per query head (that copy
+        # costs more than the attention, docs/benchmarks.md) and every SDPA backend applies.
+        rep = num_heads // num_kv_heads
         if max_q == 1:  # decode-only step: rows are items already, no padding to undo
-            q_pad = q.view(b, 1, num_heads, head_dim).transpose(1, 2)
-        else:
-            q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
-            q_pad.index_copy_(0, md.pad_index, q)
-            q_pad = q_pad.view(b, max_q, num_heads, head_dim).transpose(1, 2)  # [B, Hq, max_q, hd]
+            q_rows = q.reshape(b, num_kv_heads, rep, head_dim)  # [B, Hkv, rep, hd]
+            mask = md.mask.expand(b, 1, rep, max_ctx)
+            out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+            return out.reshape(b, num_heads, head_dim)  # [N, Hq, hd]
+        q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
+        q_pad.index_copy_(0, md.pad_index, q)
+        q_rows = (
+            q_pad.view(b, max_q, num_kv_heads, rep, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, num_kv_heads, rep * max_q, head_dim)
+        )  # row r * max_q + i: query i of head kv * rep + r
         out = F.scaled_dot_product_attention(
-            q_pad, keys, values, attn_mask=md.mask, scale=1.0 / math.sqrt(head_dim)
-        )  # [B, Hq, max_q, hd]
-        out = out.transpose(1, 2).reshape(b * max_q, num_heads, head_dim)
-        return out if max_q == 1 else out.index_select(0, md.pad_index)  # [N, Hq, hd]
+            q_rows, keys, values, attn_mask=self._mask(rep), scale=scale
+        )  # [B, Hkv, rep * max_q, hd]
+        out = (
+            out.view(b, num_kv_heads, rep, max_q, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(b * max_q, num_heads, head_dim)
+        )
+        return out.index_select(0, md.pad_index)  # [N, Hq, hd]

@@ -87,7 +87,8 @@ class DecodeGraphs:
     are (rows B, block columns C) with B in ``row_buckets(max_rows)`` and C in
     ``col_buckets(max_cols)``. ``stream`` is the capture stream (cuda backend only; default: one
     private side stream). Counters: ``num_captured`` buckets built, ``num_replays`` bucketed runs
-    (replays, or emulated replays), ``num_eager`` runs outside the buckets.
+    (replays, or emulated replays), ``num_eager`` runs outside the buckets (or in buckets left
+    eager: once a capture fails, no further capture is tried).
     """
 
     def __init__(
@@ -129,6 +130,7 @@ class DecodeGraphs:
         self.num_captured = 0
         self.num_replays = 0
         self.num_eager = 0
+        self.capture_failed = False  # after one failed capture no other is tried
 
     def bucket(self, spans: Sequence[ItemSpec]) -> tuple[int, int] | None:
         """The smallest (B, C) bucket that fits a decode-only step, or None if it is not one."""
@@ -190,12 +192,18 @@ class DecodeGraphs:
                     self._capture_or_give_up(b)
 
     def _capture_or_give_up(self, b: _Bucket) -> None:
+        if self.capture_failed:  # the first failure may leave CUDA state unusable for captures
+            b.eager_only = True
+            return
         try:
             with torch.cuda.device(self.device):
                 self._capture(b)
-        except Exception:  # e.g. out of memory: this bucket's steps run eagerly from now on
-            logger.warning("CUDA graph capture failed; bucket runs eagerly", exc_info=True)
+        except Exception:  # e.g. out of memory: this and every later bucket run eagerly
+            logger.warning(
+                "CUDA graph capture failed; decode steps run eagerly from now on", exc_info=True
+            )
             b.graph, b.out, b.eager_only = None, None, True
+            self.capture_failed = True
 
     def _new_bucket(self, rows: int, cols: int, with_e: bool) -> _Bucket:
         size = self.model.spec.state_size
@@ -249,8 +257,13 @@ class DecodeGraphs:
                 self._loop(b)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
-        ):
-            out = self._loop(b)
+        # torch.cuda.graph() would restore neither the stream nor the capture state when
+        # capture_end raises; here both are restored whatever happens.
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                out = self._loop(b)
+            finally:
+                graph.capture_end()
         b.graph, b.out = graph, out

@@ -42,6 +42,7 @@ class EngineStats:
     num_rows: int  # rows run through the core loop, all steps together
     num_coda_rows: int  # rows that reached the coda
     busy_seconds: float  # wall time the runner spent executing steps
+    model_seconds: float = 0.0  # of which inside model calls (the rest is the runner's host work)
     drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
     drafts_rejected: int = 0
     num_graph_steps: int = 0  # steps whose loop was replayed from a CUDA graph
@@ -260,6 +261,7 @@ class EngineCore:
             num_rows=self._num_rows,
             num_coda_rows=self._num_coda_rows,
             busy_seconds=self.runner.busy_seconds,
+            model_seconds=self.runner.model_seconds,
             drafts_checked=self.runner.drafts_checked,
             drafts_rejected=self.runner.drafts_rejected,
             num_graph_steps=self.runner.graphs.num_replays if self.runner.graphs else 0,
