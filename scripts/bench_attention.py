@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Benchmark: paged attention of one decode step, GQA without and with a per-head K/V copy.
+"""Benchmark: paged attention of one decode step, GQA without and with a per-head K/V copy,
+and the host cost of building a step's attention inputs.
 
     python scripts/bench_attention.py                 # JSON on stdout
     python scripts/bench_attention.py --out a.json    # also write it to a file
+    python scripts/bench_attention.py --host-only     # only the host costs (fast)
 
 For each shape (items, query heads, kv heads, context, head dim) one ``PagedAttention`` call
 (write K/V, gather the context blocks, attend) is timed against the same call with the gathered
 K/V expanded to one copy per query head (the straightforward GQA implementation, which the
 engine used before). The two run alternately; medians of the per-call times and their ratio.
+Host costs: ``AttentionMetadata.build`` for decode steps and ``to_device`` of int lists on the
+CPU, medians of 300 calls (the script imports the rltserve beside it, so a copy placed in
+another checkout measures that checkout).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -25,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache  # noqa: E402
+from rltserve.core.staging import to_device  # noqa: E402
 
 # (items, q heads, kv heads, context, head dim): ouro-tiny, Nanbeige-like, Ouro-like (MHA).
 SHAPES = ((128, 4, 2, 80, 16), (32, 48, 8, 512, 128), (32, 16, 16, 512, 128))
@@ -83,14 +90,46 @@ def bench_shape(shape: tuple[int, ...], repeats: int) -> dict:
     }
 
 
+def _median_us(fn, repeats: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def host_costs() -> dict:
+    rng = random.Random(0)
+    out = {}
+    for items, cols in ((200, 4), (128, 64)):  # decode rows x block-table columns
+        spans = [
+            (rng.randrange((cols - 1) * BLOCK), 1, list(range(i * cols, (i + 1) * cols)))
+            for i in range(items)
+        ]
+        out[f"metadata_build_{items}x{cols}_us"] = _median_us(
+            lambda s=spans: AttentionMetadata.build(s, BLOCK)
+        )
+    cpu = torch.device("cpu")
+    for n in (128, 1024):
+        values = list(range(n))
+        out[f"to_device_{n}_ints_us"] = _median_us(lambda v=values: to_device(v, cpu))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--host-only", action="store_true", help="skip the attention calls")
     args = parser.parse_args()
+    report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     with torch.inference_mode():
-        rows = [bench_shape(s, args.repeats) for s in SHAPES]
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+        if not args.host_only:
+            report["rows"] = [bench_shape(s, args.repeats) for s in SHAPES]
+        report["host"] = host_costs()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rltserve.core.staging import move_to
+from rltserve.core.staging import host_tensor, move_to
 
 # (start, num_tokens, block_table): rows at positions start..start+num_tokens-1 whose context is
 # positions [0, start + num_tokens) under block_table.
@@ -104,16 +104,22 @@ class AttentionMetadata:
             raise ValueError(
                 f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
             )
-        # Pad every table to num_cols blocks with a valid block id (its own first block).
-        padded = [list(t[:num_cols]) + [t[0]] * (num_cols - min(len(t), num_cols)) for t in tables]
-
         num_items, num_rows = len(items), sum(lens)
-        # Only these three leave the host (non-blocking from pinned memory on CUDA, so building
-        # a step's metadata never waits for the device); the rest is computed where it is used.
+        # One host list leaves the host (non-blocking from pinned memory on CUDA, so building a
+        # step's metadata never waits for the device): starts, lens, then every table padded to
+        # num_cols blocks with a valid block id (its own first block). The rest is computed
+        # where it is used.
+        packed = starts + lens
+        for t in tables:
+            k = min(len(t), num_cols)
+            packed.extend(t[:k])
+            if k < num_cols:
+                packed.extend([t[0]] * (num_cols - k))
         dev = torch.device(device)
-        table_t = move_to(torch.tensor(padded, dtype=torch.int64), dev)  # [B, num_cols]
-        start_t = move_to(torch.tensor(starts, dtype=torch.int64), dev)  # [B]
-        len_t = move_to(torch.tensor(lens, dtype=torch.int64), dev)  # [B]
+        packed_t = move_to(host_tensor(packed, torch.int64), dev)
+        start_t = packed_t[:num_items]  # [B]
+        len_t = packed_t[num_items : 2 * num_items]  # [B]
+        table_t = packed_t[2 * num_items :].view(num_items, num_cols)  # [B, num_cols]
 
         item_ids = torch.arange(num_items, device=dev)
         row_item = torch.repeat_interleave(item_ids, len_t, output_size=num_rows)  # [N]

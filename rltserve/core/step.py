@@ -9,6 +9,7 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
+from math import inf
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,10 +154,16 @@ class Step:
             new_gate = torch.stack((surv, cdf), dim=1)  # [M, 2]
             for i, row in zip(out, new_gate.unbind(0)):
                 held[i].gate = row
-            depth = r.tensor([items[i].depth for i in out])
-            min_l = r.tensor([s.min_loops for s in specs])
-            thr = r.tensor([s.threshold for s in specs], torch.float32)
-            crossed = (thr < 1.0) & (depth >= min_l) & (cdf >= thr)  # [M]
+            # Only the CDF comparison needs the device; the rest of the rule is host-known.
+            # Ineligible rows get threshold inf, which no CDF reaches.
+            thr = r.tensor(
+                [
+                    s.threshold if s.threshold < 1.0 and items[i].depth >= s.min_loops else inf
+                    for i, s in zip(out, specs)
+                ],
+                torch.float32,
+            )
+            crossed = cdf >= thr  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
             if any(s.mode == "gate" for s in specs):
