@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltserve.core.staging import StepOutputs, to_device
+from rltserve.core.staging import StepOutputs, host_tensor, to_device
 
 
 def test_to_device_infers_and_keeps_dtypes():
@@ -13,6 +13,36 @@ def test_to_device_infers_and_keeps_dtypes():
     assert to_device([1, 2], cpu).dtype == torch.int64
     assert to_device([0.5], cpu).dtype == torch.float32
     assert to_device([1, 2], cpu, torch.float32).tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "values, dtype",
+    [
+        ([1, 2, 3], None),
+        ([1.5, 2], None),
+        ([1, 2.5], None),  # mixed: torch's inference (float)
+        ([True, False], None),
+        ([], None),
+        ([], torch.float32),
+        ([1, 2], torch.float32),
+        ([1 / 3], torch.float32),
+        ([2**62, -(2**62)], None),
+        ([2**63], None),  # out of int64: torch's rules (uint64 or an error) either way
+        ([1, 2], torch.int32),
+        ([1.7, -1.7], torch.int64),  # truncation, as torch.tensor
+        ([3, 0], torch.bool),
+        ((4, 5), None),  # any sequence
+    ],
+)
+def test_host_tensor_equals_torch_tensor(values, dtype):
+    try:
+        want = torch.tensor(values, dtype=dtype)
+    except Exception as exc:  # the same error type is expected
+        with pytest.raises(type(exc)):
+            host_tensor(values, dtype)
+        return
+    got = host_tensor(values, dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 def _fill(outputs: StepOutputs) -> dict:
