@@ -178,9 +178,12 @@ step "build native extension (--cuda $CUDA_FLAG)" 300 \
   "$PY" "$REPO" "$CUDA_FLAG" "$WORK" || true
 
 # ---------------------------------------------------------------- 3. gpu tests
-step "pytest -m gpu" 240 \
-  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml "$OUT/gpu_tests.xml" "$REPO/tests" || true
+# Only the modules that hold gpu tests: the others may need packages (pytest-asyncio) that a
+# GPU image lacks, and a module that fails to collect fails the whole run.
+mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" "$REPO"/tests/test_*.py)
+step "pytest -m gpu (${#GPU_TESTS[@]} modules)" 240 \
+  "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
+  "${GPU_TESTS[@]}" || true
 
 # ---------------------------------------------------------------- 4. benchmarks
 if [[ ! -f "$MODEL_DIR/config.json" ]]; then
