@@ -279,23 +279,22 @@ def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams)
         stats = client.stats
     finally:
         client.close()
-    busy = stats.busy_seconds - (before.busy_seconds if before else 0.0)
-    in_model = stats.model_seconds - (before.model_seconds if before else 0.0)
+
+    def since(name: str) -> float:  # the counter's growth during the run
+        return getattr(stats, name) - (getattr(before, name) if before else 0)
+
     tokens = len(prompts) * params.max_tokens
+    steps = int(since("num_steps"))
     return {
         "output_tokens_per_s": round(tokens / elapsed, 2),
         "seconds": round(elapsed, 4),
         # Where the wall time goes: executing steps (of which inside model calls); the rest is
         # the engine loop's planning, result handling and IPC not hidden behind a step.
-        "executor_busy": round(busy / elapsed, 3),
-        "executor_model": round(in_model / elapsed, 3),
-        "ms_per_step": round(1e3 * elapsed / max(stats.num_steps - _steps(before), 1), 2),
-        "steps": stats.num_steps,
+        "executor_busy": round(since("busy_seconds") / elapsed, 3),
+        "executor_model": round(since("model_seconds") / elapsed, 3),
+        "ms_per_step": round(1e3 * elapsed / max(steps, 1), 2),
+        "steps": steps,
     }
-
-
-def _steps(stats) -> int:
-    return stats.num_steps if stats else 0
 
 
 def run_async_compare(engine_kw: dict, args: argparse.Namespace, vocab: int) -> dict:

@@ -8,8 +8,8 @@ and the host cost of building a step's attention inputs.
 
 For each shape (items, query heads, kv heads, context, head dim) one ``PagedAttention`` call
 (write K/V, gather the context blocks, attend) is timed against the same call with the gathered
-K/V expanded to one copy per query head (the straightforward GQA implementation, which the
-engine used before). The two run alternately; medians of the per-call times and their ratio.
+K/V expanded to one copy per query head (the straightforward GQA implementation). The two
+run alternately; medians of the per-call times and their ratio.
 Host costs: ``AttentionMetadata.build`` for decode steps and ``to_device`` of int lists on the
 CPU, medians of 300 calls (the script imports the rltserve beside it, so a copy placed in
 another checkout measures that checkout).

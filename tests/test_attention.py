@@ -156,6 +156,41 @@ def test_bf16_sanity():
         row += n
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_cuda_matches_dense_reference(dtype, heads, decode_only):
+    """The CUDA SDPA kernels get the folded GQA rows, the expanded decode mask and the cached
+    additive prefill mask."""
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(4)
+    items = make_items(gen)
+    if decode_only:
+        items = [(start + n - 1, 1, table) for start, n, table in items]
+    kv = allocate_kv_cache(2, NUM_BLOCKS, BS, hkv, HD, dtype, "cuda")
+    md = AttentionMetadata.build(items, BS, "cuda")
+    attn = PagedAttention(kv, md)
+    tol = 2e-6 if dtype == torch.float32 else 3e-2
+    for layer in range(2):  # the second layer reuses the step's cached mask
+        ctxs = []
+        for start, n, table in items:
+            k_ctx = torch.randn(start + n, hkv, HD, generator=gen).to(dtype)
+            v_ctx = torch.randn(start + n, hkv, HD, generator=gen).to(dtype)
+            write_prior(kv, layer, table, k_ctx.cuda(), v_ctx.cuda(), start)
+            ctxs.append((k_ctx, v_ctx))
+        q = torch.randn(md.num_rows, hq, HD, generator=gen).to(dtype)
+        k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
+        v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
+        out = attn(layer, q.cuda(), k.cuda(), v.cuda()).cpu()
+        assert out.dtype == dtype
+        row = 0
+        for (start, n, _), (k_ctx, v_ctx) in zip(items, ctxs):
+            want = dense_reference(q[row : row + n], k_ctx, v_ctx, start)
+            torch.testing.assert_close(out[row : row + n].double(), want, atol=tol, rtol=tol)
+            row += n
+
+
 def test_metadata_layout():
     md = AttentionMetadata.build([(2, 2, [5]), (0, 1, [1, 2])], block_size=4)
     assert (md.num_items, md.num_rows, md.max_q, md.max_ctx) == (2, 3, 2, 4)

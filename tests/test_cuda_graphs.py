@@ -284,8 +284,9 @@ def test_failed_capture_leaves_the_bucket_eager(ouro_rv1, monkeypatch):
 
     calls = []
 
-    def fail(bucket):
+    def fail(bucket):  # fails once the capture has begun
         calls.append(1)
+        graphs._capturing = True
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(graphs, "_capture", fail)
@@ -306,3 +307,62 @@ def test_failed_capture_leaves_the_bucket_eager(ouro_rv1, monkeypatch):
     want = eager_loop(model, kv.clone(), state, e, spans)
     torch.testing.assert_close(graphs.run(state, e, spans), want, rtol=0, atol=0)
     assert graphs.num_eager == 3 and calls == [1]
+
+
+def test_failed_warmup_leaves_only_that_bucket_eager(ouro_rv1, monkeypatch):
+    """A failure before the capture begins (say, out of memory in a warm-up loop) does not
+    stop other buckets from being captured."""
+    model = load_model(ouro_rv1, dtype="float32", device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    kv = random_kv(model, "cpu", gen)
+    graphs = DecodeGraphs(
+        model, kv, block_size=BS, scratch_block=SCRATCH, max_rows=8, max_cols=4, backend="emulate"
+    )
+    graphs.backend = "cuda"
+    attempts = []
+
+    def warmup_fails(bucket):
+        attempts.append(bucket.state.shape[0])
+        raise torch.cuda.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(graphs, "_capture", warmup_fails)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    for n in (3, 6):
+        spans = decode_spans(n, gen, max_start=BS - 1)
+        state, e = step_inputs(model, spans, "cpu", gen)
+        want = eager_loop(model, kv.clone(), state, e, spans)
+        torch.testing.assert_close(graphs.run(state, e, spans), want, rtol=0, atol=0)
+    assert attempts == [4, 8] and not graphs.capture_failed
+    assert graphs.num_eager == 2 and graphs.num_captured == 2
+
+
+@pytest.mark.gpu
+def test_cuda_capture_failure_restores_the_stream(ouro_rv1, monkeypatch):
+    """A real capture that raises after capture_begin: the caller's stream is current again,
+    the capture state is closed (eager work still runs), and no further capture is tried."""
+    device = torch.device("cuda")
+    model = load_model(ouro_rv1, dtype="float32", device=device)
+    gen = torch.Generator().manual_seed(5)
+    kv = random_kv(model, device, gen)
+    graphs = make_graphs(model, kv.clone(), backend="cuda")
+    loop = graphs._loop
+
+    def loop_fails_in_capture(bucket):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("planted failure inside the capture")
+        return loop(bucket)
+
+    monkeypatch.setattr(graphs, "_loop", loop_fails_in_capture)
+    caller = torch.cuda.Stream(device)
+    with torch.cuda.stream(caller):
+        spans = decode_spans(3, gen)
+        state, e = step_inputs(model, spans, device, gen)
+        out = graphs.run(state, e, spans)
+        assert torch.cuda.current_stream(device) == caller
+    assert not torch.cuda.is_current_stream_capturing()
+    assert graphs.capture_failed and graphs.num_eager == 1
+    torch.testing.assert_close(out, eager_loop(model, kv, state, e, spans), rtol=1e-4, atol=1e-4)
+    spans = decode_spans(9, gen)  # another bucket: eager, nothing built or captured
+    state, e = step_inputs(model, spans, device, gen)
+    graphs.run(state, e, spans)
+    assert graphs.num_captured == 1 and graphs.num_eager == 2

@@ -116,7 +116,7 @@ class AttentionMetadata:
             if k < num_cols:
                 packed.extend([t[0]] * (num_cols - k))
         dev = torch.device(device)
-        packed_t = move_to(host_tensor(packed, torch.int64), dev)
+        packed_t = move_to(host_tensor(packed, torch.int64), dev)  # [2B + B * num_cols]
         start_t = packed_t[:num_items]  # [B]
         len_t = packed_t[num_items : 2 * num_items]  # [B]
         table_t = packed_t[2 * num_items :].view(num_items, num_cols)  # [B, num_cols]
@@ -166,14 +166,21 @@ class PagedAttention:
     def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.md = metadata
-        self._masks: dict[int, torch.Tensor] = {1: metadata.mask}
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def _mask(self, rep: int) -> torch.Tensor:
-        """The mask for ``rep`` query heads folded into rows: [B, 1, rep * max_q, ctx]; built
-        once per step and shared by its layers."""
-        if rep not in self._masks:
-            self._masks[rep] = self.md.mask.repeat(1, 1, rep, 1)
-        return self._masks[rep]
+    def _prefill_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask (0 attend, -inf not) of a step with prompt chunks, for ``rep``
+        query heads folded into rows: [B, 1, rep * max_q, ctx] in ``dtype``. Built once and
+        shared by the step's layers: SDPA would convert a boolean mask on every call (what it
+        builds is the same tensor, so results are bit-identical). Only steps with prompt
+        chunks cache it: their metadata lives for one step, while a decode graph bucket's
+        mask changes in place between replays."""
+        key = (rep, dtype)
+        if key not in self._masks:
+            mask = self.md.mask.repeat(1, 1, rep, 1) if rep > 1 else self.md.mask
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._masks[key] = additive.masked_fill_(~mask, float("-inf"))
+        return self._masks[key]
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -197,7 +204,8 @@ class PagedAttention:
         scale = 1.0 / math.sqrt(head_dim)
         # GQA: q head h reads kv head h // rep. A kv head's rep query heads become rep times as
         # many query rows over the same keys, so K/V are never copied per query head (that copy
-        # costs more than the attention, docs/benchmarks.md) and every SDPA backend applies.
+        # costs more than the attention, docs/benchmarks.md), and the kernels that take a mask
+        # (memory-efficient, cuDNN) apply; enable_gqa with a mask would fall back to the math one.
         rep = num_heads // num_kv_heads
         if max_q == 1:  # decode-only step: rows are items already, no padding to undo
             q_rows = q.reshape(b, num_kv_heads, rep, head_dim)  # [B, Hkv, rep, hd]
@@ -212,7 +220,7 @@ class PagedAttention:
             .reshape(b, num_kv_heads, rep * max_q, head_dim)
         )  # row r * max_q + i: query i of head kv * rep + r
         out = F.scaled_dot_product_attention(
-            q_rows, keys, values, attn_mask=self._mask(rep), scale=scale
+            q_rows, keys, values, attn_mask=self._prefill_mask(rep, q.dtype), scale=scale
         )  # [B, Hkv, rep * max_q, hd]
         out = (
             out.view(b, num_kv_heads, rep, max_q, head_dim)

@@ -14,9 +14,10 @@ from an unpadded eager batch in the last bits where kernels block by row or key 
 
 Backends:
 - ``"cuda"``: a bucket is captured by ``capture_all`` (the runner calls it at start-up) or on
-  its first use (two warm-up loops on the capture stream, then ``torch.cuda.graph``); all
-  graphs of one object share one memory pool and one capture stream. Replays are enqueued on
-  the caller's current stream.
+  its first use (two warm-up loops on the capture stream, then the capture); all graphs of one
+  object share one memory pool and one capture stream. Replays are enqueued on the caller's
+  current stream. A bucket whose warm-up fails (say, out of memory) stays eager; a failed
+  capture leaves every bucket eager from then on, since CUDA's capture state may be unusable.
 - ``"emulate"``: the same buffers, padding and metadata, but ``model.loop`` runs eagerly on the
   static buffers instead of a replay. It needs no GPU; the CPU tests check the padding logic
   with it.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import gc
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +77,7 @@ class _Bucket:
     attn: PagedAttention  # over kv and md
     graph: torch.cuda.CUDAGraph | None = None  # cuda backend, once captured
     out: torch.Tensor | None = None  # [B, S]: the captured loop's output (graph pool memory)
-    eager_only: bool = False  # its capture failed: the bucket's steps run eagerly
+    eager_only: bool = False  # not captured (a failure): the bucket's steps run eagerly
 
 
 class DecodeGraphs:
@@ -87,8 +89,8 @@ class DecodeGraphs:
     are (rows B, block columns C) with B in ``row_buckets(max_rows)`` and C in
     ``col_buckets(max_cols)``. ``stream`` is the capture stream (cuda backend only; default: one
     private side stream). Counters: ``num_captured`` buckets built, ``num_replays`` bucketed runs
-    (replays, or emulated replays), ``num_eager`` runs outside the buckets (or in buckets left
-    eager: once a capture fails, no further capture is tried).
+    (replays, or emulated replays), ``num_eager`` runs outside the buckets or in buckets left
+    eager (once a capture fails, no further bucket is built or captured).
     """
 
     def __init__(
@@ -130,7 +132,8 @@ class DecodeGraphs:
         self.num_captured = 0
         self.num_replays = 0
         self.num_eager = 0
-        self.capture_failed = False  # after one failed capture no other is tried
+        self.capture_failed = False  # a capture failed: no other bucket is built or captured
+        self._capturing = False  # inside a capture (a failure there sets capture_failed)
 
     def bucket(self, spans: Sequence[ItemSpec]) -> tuple[int, int] | None:
         """The smallest (B, C) bucket that fits a decode-only step, or None if it is not one."""
@@ -154,7 +157,7 @@ class DecodeGraphs:
         key = self.bucket(spans)
         b = None if key is None else self._buckets.get(key)
         with torch.inference_mode():
-            if key is not None and b is None:
+            if key is not None and b is None and not self.capture_failed:
                 b = self._buckets[key] = self._new_bucket(*key, e is not None)
                 self.num_captured += 1
             if b is not None and (b.e is None) != (e is None):
@@ -178,12 +181,14 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Builds (and on CUDA captures) every bucket now, largest first so that the shared
         pool is sized by the largest graph, instead of on first use mid-serving (a capture
-        synchronises the device and empties the allocator cache)."""
+        synchronises the device and empties the allocator's cache)."""
         with_e = self.model.spec.needs_noise  # the loop re-injects e (Huginn)
         with torch.inference_mode():
             for key in sorted(
                 ((r, c) for r in self.row_sizes for c in self.col_sizes), reverse=True
             ):
+                if self.capture_failed:
+                    return
                 if key in self._buckets:
                     continue
                 b = self._buckets[key] = self._new_bucket(*key, with_e)
@@ -192,18 +197,34 @@ class DecodeGraphs:
                     self._capture_or_give_up(b)
 
     def _capture_or_give_up(self, b: _Bucket) -> None:
-        if self.capture_failed:  # the first failure may leave CUDA state unusable for captures
+        if self.capture_failed:
             b.eager_only = True
             return
+        self._capturing = False
         try:
             with torch.cuda.device(self.device):
                 self._capture(b)
-        except Exception:  # e.g. out of memory: this and every later bucket run eagerly
-            logger.warning(
-                "CUDA graph capture failed; decode steps run eagerly from now on", exc_info=True
-            )
+        except Exception:  # e.g. out of memory: this bucket's steps run eagerly
             b.graph, b.out, b.eager_only = None, None, True
-            self.capture_failed = True
+            # A failure once capture had begun may leave CUDA unable to capture again.
+            self.capture_failed = self._capturing
+            rows, cols = b.state.shape[0], b.md.mask.shape[-1] // self.block_size
+            if self.capture_failed:
+                logger.warning(
+                    "CUDA graph capture of bucket (%d rows, %d columns) failed; decode steps "
+                    "run eagerly from now on",
+                    rows,
+                    cols,
+                    exc_info=True,
+                )
+            else:
+                logger.warning(
+                    "CUDA graph warm-up of bucket (%d rows, %d columns) failed; that bucket "
+                    "runs eagerly",
+                    rows,
+                    cols,
+                    exc_info=True,
+                )
 
     def _new_bucket(self, rows: int, cols: int, with_e: bool) -> _Bucket:
         size = self.model.spec.state_size
@@ -257,13 +278,17 @@ class DecodeGraphs:
                 self._loop(b)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # torch.cuda.graph() would restore neither the stream nor the capture state when
-        # capture_end raises; here both are restored whatever happens.
+        # As torch.cuda.graph() prepares a capture, but the stream and the capture state are
+        # restored even when capture_end raises (torch.cuda.graph() restores neither).
         torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
         with torch.cuda.stream(stream):
+            self._capturing = True
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 out = self._loop(b)
             finally:
                 graph.capture_end()
+        self._capturing = False
         b.graph, b.out = graph, out

@@ -5,6 +5,10 @@ builds plans from the requests it owns; the runner turns a plan into tensors, ru
 and reports what the device decided. The runner never sees a ``Request``.
 
 Depths are 1-based: ``depth`` is the loop a work item runs in this step.
+
+Invariant: a plan and its result are never changed once built. The per-row types (``WorkItem``,
+``ExitSpec``, ``ItemResult``) are nevertheless plain slotted dataclasses, not frozen ones: one
+of each is built per row per step, and a frozen dataclass takes about 2.5x as long to build.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class RequestSetup:
     prompt_token_ids: list[int] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ExitSpec:
     """How the output position of a work item decides its exit at this loop.
 
@@ -49,7 +53,7 @@ class ExitSpec:
     threshold: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkItem:
     """Tokens ``[start, start + num_tokens)`` of one request, all at the same ``depth``.
 
@@ -99,7 +103,7 @@ class StepPlan:
         return sum(item.num_tokens for item in self.items)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ItemResult:
     """What the device decided for one work item whose output position had not exited."""
 

@@ -162,7 +162,7 @@ class Step:
                     for i, s in zip(out, specs)
                 ],
                 torch.float32,
-            )
+            )  # [M]
             crossed = cdf >= thr  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
