@@ -47,6 +47,8 @@ class LLM:
         max_model_len: int | None = None,
         kv_cache_gb: float = 1.0,
         cuda_graphs: bool = False,
+        cuda_graph_max_rows: int = 256,
+        cuda_graph_max_context: int = 4096,
         in_process: bool = False,
         startup_timeout: float = 300.0,
     ) -> None:
@@ -74,6 +76,8 @@ class LLM:
             max_model_len=max_model_len,
             kv_cache_gb=kv_cache_gb,
             cuda_graphs=cuda_graphs,
+            cuda_graph_max_rows=cuda_graph_max_rows,
+            cuda_graph_max_context=cuda_graph_max_context,
         )
         self.tokenizer = load_tokenizer(model)
         client_cls = InProcessStageClient if in_process else StageClient

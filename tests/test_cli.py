@@ -1,0 +1,40 @@
+"""The ``rltserve`` command's offline paths: every engine flag reaches the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import orjson
+from test_http_harness import tiny_checkpoint
+
+from rltserve import LLM
+from rltserve.cli import ENGINE_CONFIGS, build_parser, engine_kwargs, main
+
+
+def test_llm_takes_every_engine_option_with_the_config_default():
+    """`rltserve generate` passes every config field to LLM: the two must not drift apart."""
+    params = inspect.signature(LLM).parameters
+    for cls in ENGINE_CONFIGS:
+        for f in dataclasses.fields(cls):
+            if f.name == "model":
+                continue  # LLM's positional argument (None: the demo model)
+            assert f.name in params, f"LLM has no argument {f.name!r} ({cls.__name__})"
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            assert params[f.name].default == default, f.name
+    args = build_parser().parse_args(["generate", "Hi"])
+    assert set(engine_kwargs(args)) <= set(params)
+
+
+def test_generate_command_prints_json_records(tmp_path_factory, capsys):
+    model = tiny_checkpoint(tmp_path_factory)  # has a tokenizer
+    rc = main(
+        ["generate", "Hello", "world", "--model", str(model), "--max-tokens", "3",
+         "--ignore-eos", "--json", "--num-blocks", "64"]
+    )  # fmt: skip
+    assert rc == 0
+    records = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert len(record["token_ids"]) == 3 and len(record["exit_depths"]) == 3
+        assert record["finish_reason"] == "length" and isinstance(record["text"], str)
