@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Benchmark: paged attention of one decode step, GQA without and with a per-head K/V copy,
-and the host cost of building a step's attention inputs.
+"""Benchmark: paged attention of one decode step, GQA without and with a per-head K/V copy;
+mixed steps (decode rows and a prompt chunk) grouped vs one padded batch; and the host cost of
+building a step's attention inputs.
 
     python scripts/bench_attention.py                 # JSON on stdout
     python scripts/bench_attention.py --out a.json    # also write it to a file
@@ -10,6 +11,8 @@ For each shape (items, query heads, kv heads, context, head dim) one ``PagedAtte
 (write K/V, gather the context blocks, attend) is timed against the same call with the gathered
 K/V expanded to one copy per query head (the straightforward GQA implementation). The two
 run alternately; medians of the per-call times and their ratio.
+Mixed steps: ``paged_attention`` (decode rows and the chunk attend apart) against one
+``PagedAttention`` over all items (every decode row padded to the chunk's rows), same inputs.
 Host costs: ``AttentionMetadata.build`` for decode steps and ``to_device`` of int lists on the
 CPU, medians of 300 calls (the script imports the rltserve beside it, so a copy placed in
 another checkout measures that checkout).
@@ -30,7 +33,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache  # noqa: E402
+from rltserve.core.attention import (  # noqa: E402
+    AttentionMetadata,
+    PagedAttention,
+    allocate_kv_cache,
+    paged_attention,
+)
 from rltserve.core.staging import to_device  # noqa: E402
 
 # (items, q heads, kv heads, context, head dim): ouro-tiny, Nanbeige-like, Ouro-like (MHA).
@@ -57,6 +65,18 @@ def copied_kv(attn: PagedAttention, layer: int, q, k, v) -> torch.Tensor:
     return o.transpose(1, 2).reshape(n, hq, hd)
 
 
+def _alternate(fns: list, repeats: int) -> list[float]:
+    """Median milliseconds of each of two calls, run alternately (A B, B A, ...) so that load
+    from other processes hits both alike."""
+    times: list[list[float]] = [[], []]
+    for r in range(repeats):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            start = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
 def bench_shape(shape: tuple[int, ...], repeats: int) -> dict:
     items, hq, hkv, ctx, hd = shape
     cols = -(-ctx // BLOCK)
@@ -70,13 +90,7 @@ def bench_shape(shape: tuple[int, ...], repeats: int) -> dict:
     v = torch.randn(items, hkv, hd, generator=gen)
     fns = [lambda: attn(0, q, k, v), lambda: copied_kv(attn, 0, q, k, v)]
     diff = (fns[0]() - fns[1]()).abs().max().item()
-    times: list[list[float]] = [[], []]
-    for r in range(repeats):
-        for i in (0, 1) if r % 2 == 0 else (1, 0):
-            start = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - start)
-    engine, copied = (statistics.median(t) * 1e3 for t in times)
+    engine, copied = _alternate(fns, repeats)
     return {
         "items": items,
         "q_heads": hq,
@@ -86,6 +100,43 @@ def bench_shape(shape: tuple[int, ...], repeats: int) -> dict:
         "engine_ms": round(engine, 3),
         "copied_kv_ms": round(copied, 3),
         "speedup": round(copied / engine, 2),
+        "max_abs_diff": diff,
+    }
+
+
+# (decode rows, their context, prompt chunk rows) at 8 heads x 64 (ouro-small-like, MHA).
+MIXED = ((128, 100, 256), (32, 500, 512), (128, 100, 32))
+
+
+def bench_mixed(shape: tuple[int, int, int], repeats: int) -> dict:
+    decodes, ctx, chunk = shape
+    heads, head_dim = 8, 64
+    cols = -(-(max(ctx + 8, chunk)) // BLOCK)
+    kv = allocate_kv_cache(1, (decodes + 1) * cols, BLOCK, heads, head_dim, torch.float32, "cpu")
+    kv.normal_()
+    rng = random.Random(0)
+    spans = [
+        (ctx - 1 + rng.randrange(8), 1, list(range(i * cols, (i + 1) * cols)))
+        for i in range(decodes)
+    ] + [(0, chunk, list(range(decodes * cols, (decodes + 1) * cols)))]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(decodes + chunk, heads, head_dim, generator=gen) for _ in range(3))
+
+    def grouped():
+        return paged_attention(kv, spans, BLOCK)(0, q, k, v)
+
+    def padded():
+        return PagedAttention(kv, AttentionMetadata.build(spans, BLOCK))(0, q, k, v)
+
+    diff = (grouped() - padded()).abs().max().item()
+    fast, slow = _alternate([grouped, padded], repeats)
+    return {
+        "decode_rows": decodes,
+        "decode_context": ctx,
+        "chunk_rows": chunk,
+        "grouped_ms": round(fast, 3),
+        "one_padded_batch_ms": round(slow, 3),
+        "speedup": round(slow / fast, 2),
         "max_abs_diff": diff,
     }
 
@@ -129,6 +180,7 @@ def main() -> None:
     with torch.inference_mode():
         if not args.host_only:
             report["rows"] = [bench_shape(s, args.repeats) for s in SHAPES]
+            report["mixed"] = [bench_mixed(m, max(args.repeats // 2, 4)) for m in MIXED]
         report["host"] = host_costs()
     text = json.dumps(report, indent=2)
     print(text)

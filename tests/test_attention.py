@@ -5,9 +5,11 @@ import torch
 
 from rltserve.core.attention import (
     AttentionMetadata,
+    GroupedAttention,
     PagedAttention,
     allocate_kv_cache,
     copy_slots,
+    paged_attention,
 )
 
 BS = 4
@@ -53,15 +55,18 @@ def make_items(gen):
     return items
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)])
-def test_matches_dense_reference_fp32(heads):
+def test_matches_dense_reference_fp32(heads, grouped):
+    """One padded batch, and (``paged_attention``) decode rows apart from prompt chunks."""
     hq, hkv = heads
     gen = torch.Generator().manual_seed(0)
     items = make_items(gen)
     num_layers = 3
     kv = allocate_kv_cache(num_layers, NUM_BLOCKS, BS, hkv, HD, torch.float32, "cpu")
     md = AttentionMetadata.build(items, BS, "cpu")
-    attn = PagedAttention(kv, md)
+    attn = paged_attention(kv, items, BS) if grouped else PagedAttention(kv, md)
+    assert isinstance(attn, GroupedAttention) == grouped
     assert md.num_rows == sum(n for _, n, _ in items)
     assert md.positions.tolist() == [p for s, n, _ in items for p in range(s, s + n)]
 
@@ -114,6 +119,23 @@ def test_decode_only_step_matches_dense_reference(heads):
         torch.testing.assert_close(out[row : row + 1].double(), want, atol=2e-6, rtol=1e-6)
 
 
+def test_paged_attention_groups_only_mixed_steps():
+    decode = [(3, 1, [0]), (5, 1, [1, 2])]
+    chunks = [(0, 4, [3]), (4, 3, [4, 5])]
+    kv = allocate_kv_cache(1, NUM_BLOCKS, BS, 2, HD, torch.float32, "cpu")
+    assert isinstance(paged_attention(kv, decode, BS), PagedAttention)
+    assert isinstance(paged_attention(kv, chunks, BS), PagedAttention)
+    mixed = paged_attention(kv, [chunks[0], decode[0], chunks[1], decode[1]], BS)
+    assert isinstance(mixed, GroupedAttention) and mixed.num_rows == 9
+    # Rows keep the step's order: chunk 0 (rows 0-3), decode 0 (4), chunk 1 (5-7), decode 1 (8).
+    (single_rows, single), (multi_rows, multi) = mixed.groups
+    assert single_rows.tolist() == [4, 8] and multi_rows.tolist() == [0, 1, 2, 3, 5, 6, 7]
+    assert (single.md.max_q, multi.md.max_q) == (1, 4)
+    assert mixed.slot_mapping.tolist() == [12, 13, 14, 15, 3, 20, 21, 22, 9]
+    with pytest.raises(ValueError, match="rows"):
+        mixed(0, *(torch.zeros(8, 2, HD) for _ in range(3)))
+
+
 def test_prefill_then_decode_through_cache():
     """K/V written by earlier steps (chunked prefill, then decode) are what later steps read."""
     gen = torch.Generator().manual_seed(1)
@@ -162,15 +184,15 @@ def test_bf16_sanity():
 @pytest.mark.parametrize("decode_only", [False, True])
 def test_cuda_matches_dense_reference(dtype, heads, decode_only):
     """The CUDA SDPA kernels get the folded GQA rows, the expanded decode mask and the cached
-    additive prefill mask."""
+    additive prefill mask (decode rows grouped apart from the chunks)."""
     hq, hkv = heads
     gen = torch.Generator().manual_seed(4)
     items = make_items(gen)
     if decode_only:
         items = [(start + n - 1, 1, table) for start, n, table in items]
     kv = allocate_kv_cache(2, NUM_BLOCKS, BS, hkv, HD, dtype, "cuda")
-    md = AttentionMetadata.build(items, BS, "cuda")
-    attn = PagedAttention(kv, md)
+    attn = paged_attention(kv, items, BS, "cuda")  # grouped unless decode_only
+    num_rows = sum(n for _, n, _ in items)
     tol = 2e-6 if dtype == torch.float32 else 3e-2
     for layer in range(2):  # the second layer reuses the step's cached mask
         ctxs = []
@@ -179,7 +201,7 @@ def test_cuda_matches_dense_reference(dtype, heads, decode_only):
             v_ctx = torch.randn(start + n, hkv, HD, generator=gen).to(dtype)
             write_prior(kv, layer, table, k_ctx.cuda(), v_ctx.cuda(), start)
             ctxs.append((k_ctx, v_ctx))
-        q = torch.randn(md.num_rows, hq, HD, generator=gen).to(dtype)
+        q = torch.randn(num_rows, hq, HD, generator=gen).to(dtype)
         k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
         v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
         out = attn(layer, q.cuda(), k.cuda(), v.cuda()).cpu()

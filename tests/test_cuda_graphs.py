@@ -7,7 +7,7 @@ import pytest
 import torch
 from builders import build_nanbeige_tiny
 
-from rltserve.core.attention import AttentionMetadata, PagedAttention
+from rltserve.core.attention import AttentionMetadata, PagedAttention, paged_attention
 from rltserve.core.cuda_graphs import DecodeGraphs, col_buckets, row_buckets
 from rltserve.models import load_model
 
@@ -63,9 +63,10 @@ def step_inputs(model, spans, device, gen):
 
 
 def eager_loop(model, kv, state, e, spans):
+    """The loop as the runner runs it without graphs."""
     md = AttentionMetadata.build(spans, BS, kv.device)
     with torch.inference_mode():
-        return model.loop(state, e, md.positions, PagedAttention(kv, md))
+        return model.loop(state, e, md.positions, paged_attention(kv, spans, BS, kv.device))
 
 
 def real_slots(kv):

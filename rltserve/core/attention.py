@@ -160,7 +160,9 @@ class PagedAttention:
 
     ``layer`` indexes ``kv``'s first dimension. Each call first writes the rows' K/V at their
     slots, then attends over the gathered context, so an item's rows see each other causally.
-    K/V are stored in ``kv.dtype``; attention runs in q's dtype.
+    K/V are stored in ``kv.dtype``; attention runs in q's dtype. Every item is padded to the
+    longest one's rows; ``paged_attention`` avoids that for steps mixing decode rows and prompt
+    chunks.
     """
 
     def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -185,15 +187,18 @@ class PagedAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        md = self.md
-        n, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        if n != md.num_rows:
-            raise ValueError(f"{n} rows, metadata has {md.num_rows}")
-        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # [num_slots, Hkv, hd]
-        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        if q.shape[0] != self.md.num_rows:
+            raise ValueError(f"{q.shape[0]} rows, metadata has {self.md.num_rows}")
+        write_kv(self.kv, layer, self.md.slot_mapping, k, v)
+        return self.attend(layer, q)
 
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the rows ``q`` [N, Hq, hd] over their items' context, whose K/V (these
+        rows' included) are already in ``kv``: [N, Hq, hd]."""
+        md = self.md
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = self.kv.shape[3]
+        k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # [num_slots, Hkv, hd]
         b, max_q, bs = md.num_items, md.max_q, md.block_size
         max_ctx = md.mask.shape[-1]  # whole blocks
         blocks = (-1, bs, num_kv_heads, head_dim)
@@ -228,3 +233,73 @@ class PagedAttention:
             .reshape(b * max_q, num_heads, head_dim)
         )
         return out.index_select(0, md.pad_index)  # [N, Hq, hd]
+
+
+def write_kv(
+    kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Writes rows' K/V ([N, Hkv, hd] each) at ``slots`` [N] of ``layer``."""
+    k_cache, v_cache = kv[layer, 0], kv[layer, 1]  # [num_slots, Hkv, hd]
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+class GroupedAttention:
+    """``AttentionFn`` of a step that mixes one-row items (decode tokens) with prompt chunks.
+
+    One padded batch would pad every decode row to the longest chunk's rows (5-8x the attention
+    time of the two groups apart in typical mixed steps, docs/benchmarks.md). Here the one-row
+    items form one group and the others another; each group attends on its own, and the rows
+    return to the step's order. K/V of all rows are written before either group attends.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        groups: Sequence[tuple[torch.Tensor, PagedAttention]],
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        self.kv = kv  # [L, 2, num_slots, Hkv, hd]
+        self.groups = groups  # (rows [N_g] int64 in the step's row order, the group's attention)
+        self.slot_mapping = slot_mapping  # [N]
+        self.num_rows = slot_mapping.shape[0]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        if q.shape[0] != self.num_rows:
+            raise ValueError(f"{q.shape[0]} rows, the step has {self.num_rows}")
+        write_kv(self.kv, layer, self.slot_mapping, k, v)
+        out = torch.empty_like(q)  # [N, Hq, hd]
+        for rows, attn in self.groups:
+            out.index_copy_(0, rows, attn.attend(layer, q.index_select(0, rows)))
+        return out
+
+
+def paged_attention(
+    kv: torch.Tensor,
+    items: Sequence[ItemSpec],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> PagedAttention | GroupedAttention:
+    """The attention of one step's ``items``: one padded batch, or two groups when one-row
+    items and longer ones are mixed."""
+    single = [k for k, (_, n, _) in enumerate(items) if n == 1]
+    if not single or len(single) == len(items):
+        return PagedAttention(kv, AttentionMetadata.build(items, block_size, device))
+    offsets = [0]
+    for _, n, _ in items:
+        offsets.append(offsets[-1] + n)
+    is_single = set(single)
+    multi = [k for k in range(len(items)) if k not in is_single]
+    rows_single = [offsets[k] for k in single]
+    rows_multi = [r for k in multi for r in range(offsets[k], offsets[k + 1])]
+    dev = torch.device(device)
+    rows = move_to(host_tensor(rows_single + rows_multi, torch.int64), dev)
+    groups = []
+    slot_mapping = torch.empty(offsets[-1], dtype=torch.int64, device=dev)  # [N]
+    for ks, group_rows in ((single, rows[: len(single)]), (multi, rows[len(single) :])):
+        md = AttentionMetadata.build([items[k] for k in ks], block_size, dev)
+        slot_mapping.index_copy_(0, group_rows, md.slot_mapping)
+        groups.append((group_rows, PagedAttention(kv, md)))
+    return GroupedAttention(kv, groups, slot_mapping)

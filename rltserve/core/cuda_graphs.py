@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rltserve.core.attention import AttentionMetadata, ItemSpec, PagedAttention
+from rltserve.core.attention import AttentionMetadata, ItemSpec, PagedAttention, paged_attention
+from rltserve.core.staging import to_device
 from rltserve.models.base import LoopedModel
 
 logger = logging.getLogger(__name__)
@@ -166,8 +167,8 @@ class DecodeGraphs:
                 self._capture_or_give_up(b)
             if b is None or b.eager_only:
                 self.num_eager += 1
-                md = AttentionMetadata.build(spans, self.block_size, self.device)
-                return self.model.loop(state, e, md.positions, PagedAttention(self.kv, md))
+                attn = paged_attention(self.kv, spans, self.block_size, self.device)
+                return self.model.loop(state, e, _positions(spans, self.device), attn)
             self._fill(b, key, state, e, spans)
             self.num_replays += 1
             if self.backend == "emulate":
@@ -292,3 +293,8 @@ class DecodeGraphs:
                 graph.capture_end()
         self._capturing = False
         b.graph, b.out = graph, out
+
+
+def _positions(spans: Sequence[ItemSpec], device: torch.device) -> torch.Tensor:
+    """The rows' positions, in span order: [N] int64."""
+    return to_device([p for start, n, _ in spans for p in range(start, start + n)], device)

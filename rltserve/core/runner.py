@@ -33,7 +33,7 @@ from concurrent.futures import Future
 
 import torch
 
-from rltserve.core.attention import AttentionMetadata, PagedAttention, allocate_kv_cache
+from rltserve.core.attention import allocate_kv_cache, paged_attention
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest
@@ -41,7 +41,7 @@ from rltserve.core.plan import ItemResult, StepPlan, StepResult
 from rltserve.core.sampler import Sampler
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
-from rltserve.models.base import LoopedModel
+from rltserve.models.base import AttentionFn, LoopedModel
 
 
 class StepHandle:
@@ -237,9 +237,9 @@ class ModelRunner:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 
-    def attention(self, spans: list[tuple[int, int, list[int]]]) -> PagedAttention:
+    def attention(self, spans: list[tuple[int, int, list[int]]]) -> AttentionFn:
         """Attention over ``(start, num_tokens, block_table)`` spans, one per item."""
-        return PagedAttention(self.kv, AttentionMetadata.build(spans, self.block_size, self.device))
+        return paged_attention(self.kv, spans, self.block_size, self.device)
 
     def timed(self, fn, *args):
         start = time.perf_counter()
