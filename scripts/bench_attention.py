@@ -104,23 +104,31 @@ def bench_shape(shape: tuple[int, ...], repeats: int) -> dict:
     }
 
 
-# (decode rows, their context, prompt chunk rows) at 8 heads x 64 (ouro-small-like, MHA).
-MIXED = ((128, 100, 256), (32, 500, 512), (128, 100, 32))
+# (decode rows, their context, prompt chunk rows, one more decode row's context) at 8 heads x
+# 64 (ouro-small-like, MHA); 0 leaves the chunk or the long row out.
+MIXED = ((128, 100, 256, 0), (32, 500, 512, 0), (128, 100, 32, 0), (127, 100, 0, 4000))
 
 
-def bench_mixed(shape: tuple[int, int, int], repeats: int) -> dict:
-    decodes, ctx, chunk = shape
+def bench_mixed(shape: tuple[int, int, int, int], repeats: int) -> dict:
+    decodes, ctx, chunk, long_ctx = shape
     heads, head_dim = 8, 64
-    cols = -(-(max(ctx + 8, chunk)) // BLOCK)
-    kv = allocate_kv_cache(1, (decodes + 1) * cols, BLOCK, heads, head_dim, torch.float32, "cpu")
+    cols = -(-(max(ctx + 8, chunk, long_ctx + 1)) // BLOCK)
+    items = decodes + (chunk > 0) + (long_ctx > 0)
+    kv = allocate_kv_cache(1, items * cols, BLOCK, heads, head_dim, torch.float32, "cpu")
     kv.normal_()
     rng = random.Random(0)
-    spans = [
-        (ctx - 1 + rng.randrange(8), 1, list(range(i * cols, (i + 1) * cols)))
-        for i in range(decodes)
-    ] + [(0, chunk, list(range(decodes * cols, (decodes + 1) * cols)))]
+
+    def table(i: int) -> list[int]:
+        return list(range(i * cols, (i + 1) * cols))
+
+    spans = [(ctx - 1 + rng.randrange(8), 1, table(i)) for i in range(decodes)]
+    if chunk:
+        spans.append((0, chunk, table(len(spans))))
+    if long_ctx:
+        spans.append((long_ctx - 1, 1, table(len(spans))))
+    rows = sum(n for _, n, _ in spans)
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(decodes + chunk, heads, head_dim, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(rows, heads, head_dim, generator=gen) for _ in range(3))
 
     def grouped():
         return paged_attention(kv, spans, BLOCK)(0, q, k, v)
@@ -134,6 +142,7 @@ def bench_mixed(shape: tuple[int, int, int], repeats: int) -> dict:
         "decode_rows": decodes,
         "decode_context": ctx,
         "chunk_rows": chunk,
+        "long_row_context": long_ctx,
         "grouped_ms": round(fast, 3),
         "one_padded_batch_ms": round(slow, 3),
         "speedup": round(slow / fast, 2),

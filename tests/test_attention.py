@@ -8,6 +8,7 @@ from rltserve.core.attention import (
     GroupedAttention,
     PagedAttention,
     allocate_kv_cache,
+    attention_groups,
     copy_slots,
     paged_attention,
 )
@@ -134,6 +135,47 @@ def test_paged_attention_groups_only_mixed_steps():
     assert mixed.slot_mapping.tolist() == [12, 13, 14, 15, 3, 20, 21, 22, 9]
     with pytest.raises(ValueError, match="rows"):
         mixed(0, *(torch.zeros(8, 2, HD) for _ in range(3)))
+
+
+def test_attention_groups_by_context_length():
+    items = [(3, 1, ()), (40, 1, ()), (100, 1, ()), (0, 4, ()), (5, 1, ()), (44, 1, ())]
+    # columns 1, 11, 26, -, 2, 12 -> buckets 8 (min), 16, 32; the chunk last
+    assert attention_groups(items, 4) == [[0, 4], [1, 5], [2], [3]]
+    assert attention_groups([(3, 1, ()), (5, 1, ())], 4) == [[0, 1]]
+    assert attention_groups([(0, 4, ()), (4, 2, ())], 4) == [[0, 1]]
+
+
+@pytest.mark.parametrize("hkv", [2, 4])
+def test_grouped_long_and_short_contexts_match_dense_reference(hkv):
+    """Decode rows of short and long contexts and a chunk in one step, in mixed order."""
+    hq, num_blocks = 4, 96
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(90, 1), (2, 1), (0, 6), (40, 1), (7, 1), (60, 3)]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    items, used = [], 0
+    for start, n in shapes:
+        nblocks = -(-(start + n) // BS)
+        items.append((start, n, perm[used : used + nblocks]))
+        used += nblocks
+    attn = paged_attention(
+        allocate_kv_cache(1, num_blocks, BS, hkv, HD, torch.float32, "cpu"), items, BS
+    )
+    assert isinstance(attn, GroupedAttention) and len(attn.groups) == 4
+    ctxs = []
+    for start, n, table in items:
+        k_ctx = torch.randn(start + n, hkv, HD, generator=gen)
+        v_ctx = torch.randn(start + n, hkv, HD, generator=gen)
+        write_prior(attn.kv, 0, table, k_ctx, v_ctx, start)
+        ctxs.append((k_ctx, v_ctx))
+    q = torch.randn(attn.num_rows, hq, HD, generator=gen)
+    k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
+    v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
+    out = attn(0, q, k, v)
+    row = 0
+    for (start, n, _), (k_ctx, v_ctx) in zip(items, ctxs):
+        want = dense_reference(q[row : row + n], k_ctx, v_ctx, start)
+        torch.testing.assert_close(out[row : row + n].double(), want, atol=2e-6, rtol=1e-6)
+        row += n
 
 
 def test_prefill_then_decode_through_cache():

@@ -245,12 +245,13 @@ def write_kv(
 
 
 class GroupedAttention:
-    """``AttentionFn`` of a step that mixes one-row items (decode tokens) with prompt chunks.
+    """``AttentionFn`` of a step whose items form several groups (``attention_groups``): decode
+    rows apart from prompt chunks, and decode rows of short contexts apart from long ones.
 
-    One padded batch would pad every decode row to the longest chunk's rows (5-8x the attention
-    time of the two groups apart in typical mixed steps, docs/benchmarks.md). Here the one-row
-    items form one group and the others another; each group attends on its own, and the rows
-    return to the step's order. K/V of all rows are written before either group attends.
+    One padded batch would pad every decode row to the longest chunk's rows and to the longest
+    context (5-8x the attention time of the groups apart in typical mixed steps,
+    docs/benchmarks.md). Each group attends on its own, and the rows return to the step's order.
+    K/V of all rows are written before any group attends.
     """
 
     def __init__(
@@ -276,30 +277,52 @@ class GroupedAttention:
         return out
 
 
+# One-row items whose contexts need at most this many blocks share one attention group:
+# below it, padding costs less than another SDPA call per layer.
+GROUP_MIN_COLS = 8
+
+
+def attention_groups(items: Sequence[ItemSpec], block_size: int) -> list[list[int]]:
+    """Indices of ``items`` per attention group: one-row items (decode tokens) by the power of
+    two of their context blocks (at least ``GROUP_MIN_COLS``), so that neither a prompt chunk's
+    rows nor the step's longest context pad a short decode row; longer items together."""
+    by_cols: dict[int, list[int]] = {}
+    multi = []
+    for k, (start, n, _) in enumerate(items):
+        if n > 1:
+            multi.append(k)
+            continue
+        cols = start // block_size + 1
+        by_cols.setdefault(max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length()), []).append(k)
+    groups = [by_cols[c] for c in sorted(by_cols)]
+    return groups + [multi] if multi else groups
+
+
 def paged_attention(
     kv: torch.Tensor,
     items: Sequence[ItemSpec],
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> PagedAttention | GroupedAttention:
-    """The attention of one step's ``items``: one padded batch, or two groups when one-row
-    items and longer ones are mixed."""
-    single = [k for k, (_, n, _) in enumerate(items) if n == 1]
-    if not single or len(single) == len(items):
+    """The attention of one step's ``items``: one padded batch when they form one group
+    (``attention_groups``), else each group on its own."""
+    groups = attention_groups(items, block_size)
+    if len(groups) == 1:
         return PagedAttention(kv, AttentionMetadata.build(items, block_size, device))
     offsets = [0]
     for _, n, _ in items:
         offsets.append(offsets[-1] + n)
-    is_single = set(single)
-    multi = [k for k in range(len(items)) if k not in is_single]
-    rows_single = [offsets[k] for k in single]
-    rows_multi = [r for k in multi for r in range(offsets[k], offsets[k + 1])]
+    rows = [r for ks in groups for k in ks for r in range(offsets[k], offsets[k + 1])]
     dev = torch.device(device)
-    rows = move_to(host_tensor(rows_single + rows_multi, torch.int64), dev)
-    groups = []
+    rows_t = move_to(host_tensor(rows, torch.int64), dev)  # [N]: the groups' rows, in order
     slot_mapping = torch.empty(offsets[-1], dtype=torch.int64, device=dev)  # [N]
-    for ks, group_rows in ((single, rows[: len(single)]), (multi, rows[len(single) :])):
+    parts = []
+    first = 0
+    for ks in groups:
+        num = sum(items[k][1] for k in ks)
+        group_rows = rows_t[first : first + num]
+        first += num
         md = AttentionMetadata.build([items[k] for k in ks], block_size, dev)
         slot_mapping.index_copy_(0, group_rows, md.slot_mapping)
-        groups.append((group_rows, PagedAttention(kv, md)))
-    return GroupedAttention(kv, groups, slot_mapping)
+        parts.append((group_rows, PagedAttention(kv, md)))
+    return GroupedAttention(kv, parts, slot_mapping)
