@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,36 @@ class Run:
     finish: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     max_rows: int = 0
+
+
+def random_workload(
+    n: int,
+    seed: int,
+    thresholds: tuple[float, ...],
+    *,
+    max_prompt: int,
+    max_tokens: tuple[int, int],
+    max_arrival: int,
+    vary_min_loops: bool = True,
+) -> tuple[list[list[int]], list[SamplingParams], list[int]]:
+    """n random prompts (1..max_prompt ids below 384), their params (thresholds in turn,
+    max_tokens in the closed range, min_loops 1 or 2 when varied) and arrival steps."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        tokens = rng.randint(*max_tokens)
+        extra = {"min_loops": rng.choice([1, 2])} if vary_min_loops else {}
+        params.append(
+            SamplingParams(
+                max_tokens=tokens,
+                ignore_eos=True,
+                exit_threshold=thresholds[i % len(thresholds)],
+                **extra,
+            )
+        )
+    arrivals = [rng.randint(0, max_arrival) for _ in range(n)]
+    return prompts, params, arrivals
 
 
 def make_core(path, **engine) -> EngineCore:

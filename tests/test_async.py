@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, run_core, stream_all
+from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient
@@ -15,19 +15,7 @@ from rltserve.sampling import SamplingParams
 
 
 def _workload(n: int, seed: int, threshold: float):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 30))] for _ in range(n)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 10),
-            ignore_eos=True,
-            exit_threshold=threshold,
-            min_loops=rng.choice([1, 2]),
-        )
-        for _ in range(n)
-    ]
-    arrivals = [rng.randint(0, 12) for _ in range(n)]
-    return prompts, params, arrivals
+    return random_workload(n, seed, (threshold,), max_prompt=30, max_tokens=(1, 10), max_arrival=12)
 
 
 ENGINE = {"prefill_chunk_size": 8, "max_num_batched_tokens": 24, "max_num_seqs": 6}

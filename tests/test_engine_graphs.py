@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, run_core, stream_all
+from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
 from rltserve.config import EngineConfig
 from rltserve.core.runner import ModelRunner
@@ -18,19 +18,7 @@ ENGINE = {"prefill_chunk_size": 8, "max_num_batched_tokens": 32, "max_num_seqs":
 
 
 def _workload(n: int, seed: int, thresholds=(1.0, 0.5, 0.3)):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 30))] for _ in range(n)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(2, 12),
-            ignore_eos=True,
-            exit_threshold=thresholds[i % len(thresholds)],
-            min_loops=rng.choice([1, 2]),
-        )
-        for i in range(n)
-    ]
-    arrivals = [rng.randint(0, 10) for _ in range(n)]
-    return prompts, params, arrivals
+    return random_workload(n, seed, thresholds, max_prompt=30, max_tokens=(2, 12), max_arrival=10)
 
 
 def _emulated(core, max_rows: int = 4):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, run_core
+from engine_util import make_core, oracle_run, random_workload, run_core
 
 from rltserve.sampling import SamplingParams
 
@@ -38,18 +38,9 @@ def test_prefill_steps_are_chunks_plus_depth_minus_one(ckpts, chunk):
 
 
 def _workload(n, seed, thresholds=(1.0, 0.5, 0.3)):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 45))] for _ in range(n)]
-    params = [
-        SamplingParams(
-            max_tokens=rng.randint(1, 8),
-            ignore_eos=True,
-            exit_threshold=thresholds[i % len(thresholds)],
-        )
-        for i in range(n)
-    ]
-    arrivals = [rng.randint(0, 10) for _ in range(n)]
-    return prompts, params, arrivals
+    return random_workload(
+        n, seed, thresholds, max_prompt=45, max_tokens=(1, 8), max_arrival=10, vary_min_loops=False
+    )
 
 
 @pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
