@@ -148,10 +148,16 @@ class DecodeGraphs:
         return rows, self.col_sizes[bisect.bisect_left(self.col_sizes, cols)]
 
     def run(
-        self, state: torch.Tensor, e: torch.Tensor | None, spans: Sequence[ItemSpec]
+        self,
+        state: torch.Tensor,
+        e: torch.Tensor | None,
+        spans: Sequence[ItemSpec],
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One loop over the rows of ``spans``: state [N, S], e [N, E] or None -> [N, S], a fresh
-        tensor (never a view of a static buffer). Writes the rows' K/V into ``kv`` as eager."""
+        tensor (never a view of a static buffer). Writes the rows' K/V into ``kv`` as eager.
+        ``positions`` [N]: the rows' positions if the caller has them (steps outside the buckets
+        need them; otherwise they are derived from the spans)."""
         num_rows = sum(num for _, num, _ in spans)
         if state.shape[0] != num_rows or (e is not None and e.shape[0] != num_rows):
             raise ValueError(f"spans have {num_rows} rows, state {tuple(state.shape)}")
@@ -167,8 +173,11 @@ class DecodeGraphs:
                 self._capture_or_give_up(b)
             if b is None or b.eager_only:
                 self.num_eager += 1
+                if positions is None:
+                    flat = [p for start, n, _ in spans for p in range(start, start + n)]
+                    positions = to_device(flat, self.device)
                 attn = paged_attention(self.kv, spans, self.block_size, self.device)
-                return self.model.loop(state, e, _positions(spans, self.device), attn)
+                return self.model.loop(state, e, positions, attn)
             self._fill(b, key, state, e, spans)
             self.num_replays += 1
             if self.backend == "emulate":
@@ -293,8 +302,3 @@ class DecodeGraphs:
                 graph.capture_end()
         self._capturing = False
         b.graph, b.out = graph, out
-
-
-def _positions(spans: Sequence[ItemSpec], device: torch.device) -> torch.Tensor:
-    """The rows' positions, in span order: [N] int64."""
-    return to_device([p for start, n, _ in spans for p in range(start, start + n)], device)

@@ -42,7 +42,7 @@ class Step:
         state, e = self._gather_inputs(positions)
         spans = [(it.start, it.num_tokens, it.block_table) for it in items]
         if r.graphs is not None:  # replays decode-only steps, runs the others eagerly
-            state = r.timed(r.graphs.run, state, e, spans)  # [N, S]
+            state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
         else:
             state = r.timed(r.model.loop, state, e, positions, r.attention(spans))  # [N, S]
         # The loop is queued: the device is busy, so waiting for the previous step is free.
