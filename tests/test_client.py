@@ -108,7 +108,7 @@ async def test_overload_and_stream_errors(ckpt):
             assert err.value.retry_after == 1.0
             hold.set()
             assert (await blocker)["usage"]["completion_tokens"] == 2
-            async with client.stream([5], max_tokens=10_000) as stream:
+            async with client.stream([5], max_tokens=63) as stream:
                 chunks = aiter(stream)
                 await anext(chunks)
                 stage.kill()
@@ -123,7 +123,7 @@ async def test_leaving_a_stream_early_aborts_the_request(ckpt):
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         client = AsyncClient(live.url)
         async with client:
-            async with client.stream([5], max_tokens=10_000) as stream:
+            async with client.stream([5], max_tokens=63) as stream:
                 async for _ in stream:
                     break
             await wait_for(lambda: stage.aborted == stage.added)

@@ -37,7 +37,6 @@ def error_of(raw: bytes) -> dict:
 
 BAD_REQUESTS = [
     # (endpoint, body, param, message fragment)
-    ("completions", {"prompt": "x", "temprature": 0.5}, "temprature", "unknown field"),
     ("completions", {"prompt": "x", "temperature": 5}, "temperature", "[0, 2]"),
     ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
@@ -48,8 +47,6 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stop": [1]}, "stop", "a string or an array of strings"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      "stream=true"),
-    ("completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}},
-     "stream_options.usage", "unknown field"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
@@ -67,16 +64,14 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, "messages", "must not be empty"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
      "must be one of"),
-    ("chat/completions", {"messages": [{"role": "user", "text": "x"}]}, "messages[0].text",
-     "unknown field"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text parts"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 400}]}, "messages",
      "maximum context length"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs", "requires logprobs=true"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools",
-     "unknown field"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}]}, "tools", "not supported"),
 ]  # fmt: skip
 
 
@@ -237,7 +232,7 @@ async def test_engine_rejection_is_a_400(ckpt):
 async def test_stage_death_mid_stream(ckpt):
     stage = stage_for(ckpt, interval_s=0.01)
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        body = {"prompt": "x", "max_tokens": 10_000, "stream": True}
+        body = {"prompt": [5], "max_tokens": 63, "stream": True}
         async with live.stream("/v1/completions", body) as r:
             first = await r.content.readuntil(b"\n\n")
             stage.kill()

@@ -48,6 +48,13 @@ class ServerConfig:
     startup_timeout_s: float = field(
         default=600.0, metadata=_help("seconds the engine may take to load")
     )
+    strict_fields: bool = field(
+        default=False,
+        metadata=_help(
+            "reject request fields the server does not know (400); by default they are ignored "
+            "with one logged warning per field name"
+        ),
+    )
     drain_timeout_s: float = field(
         default=10.0,
         metadata=_help("on shutdown, seconds in-flight requests may finish before being aborted"),
@@ -70,6 +77,8 @@ class ServerConfig:
             raise ValueError(f"retry_after_s={self.retry_after_s!r}: must be an int >= 0")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
+        if not isinstance(self.strict_fields, bool):
+            raise ValueError(f"strict_fields={self.strict_fields!r}: must be a bool")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
 

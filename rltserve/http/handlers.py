@@ -31,7 +31,8 @@ async def read_body(request: web.Request, cls: type) -> Any:
         ctype = request.content_type
         if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
             raise HTTPError(415, f"Content-Type must be application/json, not {ctype!r}")
-    limit = request.app[STATE].config.max_body_bytes
+    state = request.app[STATE]
+    limit = state.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise HTTPError(413, f"request body of {request.content_length} bytes exceeds {limit}")
     try:
@@ -42,7 +43,8 @@ async def read_body(request: web.Request, cls: type) -> Any:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"body: invalid JSON: {exc}") from exc
-    parsed = parse_object(cls, data)
+    on_unknown = None if state.config.strict_fields else state.ignore_field
+    parsed = parse_object(cls, data, on_unknown=on_unknown)
     parsed.validate()
     return parsed
 

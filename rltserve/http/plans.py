@@ -2,13 +2,15 @@
 checked, one ``ChoiceRequest`` per (prompt, sample), and the response format to render with.
 
 Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. A request
-without ``max_tokens`` may use all the context its prompt leaves.
+without ``max_tokens`` may use all the context its prompt leaves; one whose prompt plus
+``max_tokens`` exceeds the context is a 400 (as in vLLM), never silently shortened.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rltserve.http.errors import bad_request
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -28,8 +30,18 @@ class GenerationPlan:
     arrival: float  # time.monotonic() when the request arrived
 
 
-def _token_limit(asked: int | None, frontend: Frontend, prompt: PromptInput) -> int:
-    return frontend.info.max_model_len - len(prompt.token_ids) if asked is None else asked
+def _token_limit(asked: int | None, param: str, frontend: Frontend, prompt: PromptInput) -> int:
+    context, prompt_len = frontend.info.max_model_len, len(prompt.token_ids)
+    if asked is None:
+        return context - prompt_len
+    if prompt_len + asked > context:
+        raise bad_request(
+            f"This model's maximum context length is {context} tokens; requested "
+            f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the "
+            "completion). Reduce the prompt or " + param + ".",
+            param,
+        )
+    return asked
 
 
 def _header(state: ServingState, prefix: str) -> ResponseHeader:
@@ -42,10 +54,11 @@ def _choices(
     prompts: list[PromptInput],
     max_tokens: int | None,
     logprobs: int | None,
+    max_tokens_param: str = "max_tokens",
 ) -> list[ChoiceRequest]:
     choices = []
     for p, prompt in enumerate(prompts):
-        limit = _token_limit(max_tokens, frontend, prompt)
+        limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt)
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
             choices.append(ChoiceRequest(p * req.n + j, p, prompt, frontend.check_params(params)))
@@ -74,8 +87,9 @@ def chat_plan(state: ServingState, req: ChatCompletionRequest, arrival: float) -
         req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     return GenerationPlan(
-        choices=_choices(frontend, req, [prompt], req.token_limit, logprobs),
+        choices=_choices(frontend, req, [prompt], req.token_limit, logprobs, param),
         format=ChatFormat(_header(state, "chatcmpl"), req, frontend),
         stream=req.stream,
         include_usage=req.include_usage,

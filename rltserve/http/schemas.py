@@ -10,13 +10,16 @@ onto ``SamplingParams``, whose ValueErrors name the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
+# vLLM's seed range (int64). Sample j uses seed + j, which stays within what torch's generators
+# take (up to 2**64 - 1).
+SEED_RANGE = (-(2**63), 2**63 - 1)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -38,7 +41,7 @@ class GenerationFields:
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = field(default=None, metadata={"range": SEED_RANGE})
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -145,11 +148,23 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # Known so that asking for them is a clear 400 rather than an ignored unknown field.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def validate(self) -> None:
         super().validate()
         if not self.messages:
             raise SchemaError("messages", "messages: must not be empty")
+        if self.tools:
+            raise SchemaError("tools", "tools: not supported (this server has no tool calling)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise SchemaError("tool_choice", "tool_choice: not supported (no tool calling)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise SchemaError(
+                "response_format", 'response_format: only {"type": "text"} is supported'
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise SchemaError("top_logprobs", "top_logprobs: requires logprobs=true")
@@ -198,6 +213,12 @@ def sampling_params(
     that n > 1 gives distinct but reproducible samples."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     seed = None if req.seed is None else req.seed + sample_index
+    if req.min_tokens > max_tokens:
+        asked = req.max_tokens is not None or getattr(req, "max_completion_tokens", None)
+        limit = "max_tokens" if asked else "the context the prompt leaves"
+        raise SchemaError(
+            "min_tokens", f"min_tokens={req.min_tokens}: must be <= {limit} ({max_tokens})"
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,

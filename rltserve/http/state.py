@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class ServingState:
         self._client_factory = client_factory
         self._client: StageClientLike | None = None
         self._frontend: Frontend | None = None
+        self._ignored_fields: set[str] = set()  # names already warned about
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,6 +136,14 @@ class ServingState:
         if not self._frontend.client.alive:
             raise unavailable("the engine is not running")
         return self._frontend
+
+    def ignore_field(self, path: str) -> None:
+        """An unknown request field (``strict_fields`` off): dropped, with one warning per field
+        name for the app's lifetime (``messages[3].x`` counts as ``messages[].x``)."""
+        name = re.sub(r"\[\d+\]", "[]", path)
+        if name not in self._ignored_fields:
+            self._ignored_fields.add(name)
+            log.warning("ignoring unknown request field %r (--strict-fields rejects it)", name)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -1,10 +1,12 @@
 """Parses a decoded JSON object into a frozen request dataclass, strictly.
 
-The dataclass's type hints are the schema: unknown keys, missing required keys and values of the
-wrong JSON type are errors naming the field (``messages[2].role``). ``null`` stands for the
-field's default, as OpenAI clients send explicit nulls for unset options. Nested dataclasses are
-parsed recursively. Value ranges are the dataclasses' own business (``validate`` methods and
-``SamplingParams``).
+The dataclass's type hints are the schema: missing required keys and values of the wrong JSON
+type are errors naming the field (``messages[2].role``). Unknown keys go to ``on_unknown`` (the
+server logs and ignores them, as clients such as LangChain send fields this server has no use
+for); without it they are errors. ``null`` stands for the field's default, as OpenAI clients send
+explicit nulls for unset options. Nested dataclasses are parsed recursively. An integer field
+may declare ``metadata={"range": (low, high)}``, which the type message states; other value
+ranges are the dataclasses' own business (``validate`` methods and ``SamplingParams``).
 
 Type hints understood: int, float, bool, str, Any, ``list[X]``, ``dict[str, X]``, unions
 (including ``X | None``) and dataclasses. JSON numbers: bool is never an int; an int is a float.
@@ -16,9 +18,11 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 _MISSING = dataclasses.MISSING
+UnknownField = Callable[[str], None]  # called with the field's path, e.g. "messages[0].foo"
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
 
@@ -38,8 +42,11 @@ def param_of(message: str) -> str | None:
     return head if head.replace("_", "").isalnum() and head.isascii() else None
 
 
-def parse_object(cls: type, data: object, path: str = "") -> Any:
-    """Builds ``cls`` from ``data`` (a decoded JSON object); raises SchemaError."""
+def parse_object(
+    cls: type, data: object, path: str = "", on_unknown: UnknownField | None = None
+) -> Any:
+    """Builds ``cls`` from ``data`` (a decoded JSON object); raises SchemaError. Unknown keys
+    are passed to ``on_unknown`` and dropped, or are errors when it is None."""
     if not isinstance(data, dict):
         raise SchemaError(path or None, f"{path or 'body'}: must be a JSON object")
     hints = typing.get_type_hints(cls)
@@ -47,7 +54,9 @@ def parse_object(cls: type, data: object, path: str = "") -> Any:
     for key in data:
         if key not in fields:
             name = _join(path, str(key))
-            raise SchemaError(name, f"{name}: unknown field")
+            if on_unknown is None:
+                raise SchemaError(name, f"{name}: unknown field")
+            on_unknown(name)
     values: dict[str, Any] = {}
     for name, f in fields.items():
         full = _join(path, name)
@@ -57,19 +66,34 @@ def parse_object(cls: type, data: object, path: str = "") -> Any:
             if required:
                 raise SchemaError(full, f"{full}: is required")
             continue  # the default
-        values[name] = convert(value, hints[name], full)
+        values[name] = convert(value, hints[name], full, on_unknown, f.metadata.get("range"))
     return cls(**values)
 
 
-def convert(value: object, hint: Any, path: str) -> Any:
-    """Checks ``value`` against ``hint``; returns it (nested dataclasses built, tuples kept)."""
-    ok, out = _try(value, hint, path)
-    if not ok:
-        raise SchemaError(path, f"{path}: must be {describe(hint)}")
+def convert(
+    value: object,
+    hint: Any,
+    path: str,
+    on_unknown: UnknownField | None = None,
+    int_range: tuple[int, int] | None = None,
+) -> Any:
+    """Checks ``value`` against ``hint`` (and an integer against ``int_range``, inclusive);
+    returns it (nested dataclasses built, tuples kept)."""
+    ok, out = _try(value, hint, path, on_unknown)
+    in_range = int_range is None or not isinstance(out, int) or int_range[0] <= out <= int_range[1]
+    if not ok or not in_range:
+        what = describe(hint)
+        if int_range is not None:
+            what += f" in [{int_range[0]}, {int_range[1]}]"
+        # JSON integers beyond 64 bits arrive as floats: say the range, not just the type.
+        head = f"{path}={value!r}" if ok or isinstance(value, (int, float)) else path
+        raise SchemaError(path, f"{head}: must be {what}")
     return out
 
 
-def _try(value: object, hint: Any, path: str) -> tuple[bool, Any]:
+def _try(
+    value: object, hint: Any, path: str, on_unknown: UnknownField | None = None
+) -> tuple[bool, Any]:
     origin = typing.get_origin(hint)
     if hint is Any:
         return True, value
@@ -77,21 +101,21 @@ def _try(value: object, hint: Any, path: str) -> tuple[bool, Any]:
         for arg in typing.get_args(hint):
             if arg is type(None):
                 continue
-            ok, out = _try(value, arg, path)
+            ok, out = _try(value, arg, path, on_unknown)
             if ok:
                 return True, out
         return False, None
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             return False, None
-        return True, parse_object(hint, value, path)
+        return True, parse_object(hint, value, path, on_unknown)
     if origin is list:
         if not isinstance(value, list):
             return False, None
         (item,) = typing.get_args(hint) or (Any,)
         out = []
         for i, v in enumerate(value):
-            ok, x = _try(v, item, f"{path}[{i}]")
+            ok, x = _try(v, item, f"{path}[{i}]", on_unknown)
             if not ok:
                 return False, None
             out.append(x)
@@ -102,7 +126,7 @@ def _try(value: object, hint: Any, path: str) -> tuple[bool, Any]:
         _, item = typing.get_args(hint) or (str, Any)
         out_d = {}
         for k, v in value.items():
-            ok, x = _try(v, item, _join(path, k))
+            ok, x = _try(v, item, _join(path, k), on_unknown)
             if not ok:
                 return False, None
             out_d[k] = x

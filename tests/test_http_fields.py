@@ -1,0 +1,163 @@
+"""Request fields at the edges: unknown fields (ignored with one warning per name, or 400 with
+``strict_fields``), the seed's range, ``min_tokens`` against ``max_tokens`` and ``max_tokens``
+against the context. Uses the scripted stage (context of 64 tokens)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import orjson
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+)
+
+from rltserve.http.config import ServerConfig
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+EXTRAS = {"store": False, "metadata": {"k": "v"}, "parallel_tool_calls": False}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def factory(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    return scripted_factory(stage)
+
+
+def error_of(raw: bytes) -> dict:
+    return orjson.loads(raw)["error"]
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+async def test_unknown_fields_are_ignored_with_one_warning_per_name(ckpt, caplog):
+    caplog.set_level(logging.WARNING, logger="rltserve.http")
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "service_tier": "auto", **EXTRAS}
+        for _ in range(2):
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 200, raw
+            assert orjson.loads(raw)["usage"]["completion_tokens"] == 2
+        chat = {
+            "messages": [
+                {"role": "user", "content": "x", "extra_a": 1},
+                {"role": "user", "content": "y", "extra_a": 2},
+            ],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True, "extra_b": 1},
+            "store": True,
+        }
+        status, _, _ = await live.post("/v1/chat/completions", chat)
+        assert status == 200
+        # a known field with a bad value is still a 400
+        status, _, raw = await live.post("/v1/completions", {**body, "temperature": 9})
+        assert status == 400 and error_of(raw)["param"] == "temperature"
+    ignored = sorted(m for m in warnings_of(caplog) if m.startswith("ignoring unknown"))
+    names = ["messages[].extra_a", "metadata", "parallel_tool_calls", "service_tier", "store",
+             "stream_options.extra_b"]  # fmt: skip
+    assert ignored == [
+        f"ignoring unknown request field {n!r} (--strict-fields rejects it)" for n in names
+    ]
+
+
+async def test_strict_fields_rejects_unknown_fields(ckpt):
+    async with running(ckpt, client_factory=factory(ckpt), strict_fields=True) as live:
+        cases = [
+            ("completions", {"prompt": "x", "temprature": 0.5}, "temprature"),
+            ("completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}},
+             "stream_options.usage"),
+            ("chat/completions", {"messages": [{"role": "user", "text": "x"}]},
+             "messages[0].text"),
+        ]  # fmt: skip
+        for endpoint, body, param in cases:
+            status, _, raw = await live.post(f"/v1/{endpoint}", body)
+            assert status == 400, raw
+            assert error_of(raw)["param"] == param
+            assert error_of(raw)["message"] == f"{param}: unknown field"
+        status, _, _ = await live.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 200
+
+
+def test_strict_fields_is_a_validated_config_flag():
+    assert ServerConfig().strict_fields is False
+    with pytest.raises(ValueError, match="strict_fields='yes': must be a bool"):
+        ServerConfig(strict_fields="yes")
+
+
+async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        range_ = "[-9223372036854775808, 9223372036854775807]"
+        for seed in (2**70, 2**63, -(2**63) - 1):
+            # orjson cannot write such integers; the standard library can, as clients do
+            raw_body = json.dumps({"prompt": [5], "seed": seed})
+            headers = {"Content-Type": "application/json"}
+            async with live.session.post(
+                live.url + "/v1/completions", data=raw_body, headers=headers
+            ) as r:
+                status, raw = r.status, await r.read()
+            error = error_of(raw)
+            assert (status, error["param"]) == (400, "seed"), raw
+            assert error["message"].endswith(f": must be an integer in {range_}"), error
+        for seed in (2**63 - 1, -(2**63)):
+            body = {"prompt": [5], "seed": seed, "max_tokens": 2, "n": 2}
+            assert (await live.post("/v1/completions", body))[0] == 200
+        body = {"prompt": [5], "max_tokens": 4, "min_tokens": 5}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 400 and error_of(raw) == {
+            "message": "min_tokens=5: must be <= max_tokens (4)",
+            "type": "invalid_request_error",
+            "param": "min_tokens",
+            "code": 400,
+        }
+        status, _, raw = await live.post("/v1/chat/completions", {**CHAT, "min_tokens": 500})
+        assert status == 400 and error_of(raw)["param"] == "min_tokens"
+        assert "must be <= the context the prompt leaves" in error_of(raw)["message"]
+        for field, value in (
+            ("tool_choice", "required"),
+            ("response_format", {"type": "json_object"}),
+        ):
+            status, _, raw = await live.post("/v1/chat/completions", {**CHAT, field: value})
+            assert status == 400 and error_of(raw)["param"] == field
+        ok = {**CHAT, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+        assert (await live.post("/v1/chat/completions", {**ok, "max_tokens": 2}))[0] == 200
+
+
+async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        status, _, raw = await live.post(
+            "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 100_000}
+        )
+        assert status == 400 and error_of(raw) == {
+            "message": "This model's maximum context length is 64 tokens; requested 100003 "
+            "tokens (3 in the prompt, 100000 for the completion). Reduce the prompt or "
+            "max_tokens.",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": 400,
+        }
+        # exactly filling the context is fine
+        body = {"prompt": [5, 6, 7], "max_tokens": 61}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == 61
+        status, _, raw = await live.post("/v1/completions", {**body, "max_tokens": 62})
+        assert status == 400 and "requested 65 tokens" in error_of(raw)["message"]
+        chat = {**CHAT, "max_completion_tokens": 100}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        assert status == 400 and error_of(raw)["param"] == "max_completion_tokens"
+        # chat without a limit uses the rest of the context
+        status, _, raw = await live.post("/v1/chat/completions", CHAT)
+        usage = orjson.loads(raw)["usage"]
+        assert status == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 64
