@@ -55,6 +55,7 @@ __all__ = [
     "NotFoundError",
     "RateLimitError",
     "RequestTooLargeError",
+    "SSEDecoder",
     "ServiceUnavailableError",
     "UnsupportedMediaTypeError",
 ]
@@ -142,24 +143,90 @@ def error_from(status: int, body: object, retry_after: str | None = None) -> API
     return cls(status, str(error.get("message")), error.get("type"), error.get("param"), retry)
 
 
-async def iter_sse(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-    """The JSON events of an SSE body, up to ``[DONE]``; an error event raises APIError."""
-    buffer = b""
-    async for data in response.content.iter_any():
-        buffer += data
-        while True:
-            end = buffer.find(b"\n\n")
-            if end < 0:
+MAX_EVENT_BYTES = 16 * 2**20  # an SSE event (or line) larger than this is a broken stream
+
+
+class SSEDecoder:
+    """Incremental server-sent-events parser: bytes in, the ``data`` of each complete event out.
+
+    Lines end in ``\r\n``, ``\n`` or ``\r`` (all three are valid SSE; sse-starlette frames
+    with ``\r\n``). A ``\r`` at the end of a chunk may be the first half of a ``\r\n`` split
+    across reads, so it is held until the next byte arrives. Comments, ``event:``, ``id:`` and
+    ``retry:`` lines are skipped; several ``data:`` lines join with ``\n``. The bytes held for
+    one event (its data plus its unfinished line) never exceed ``max_event_bytes``.
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._line = bytearray()  # the unfinished line
+        self._data: list[bytes] = []  # data lines of the unfinished event
+        self._size = 0  # bytes in _data
+        self._pending_cr = False  # the last byte seen was a \r ending a line
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events that ``chunk`` completes (possibly none)."""
+        events: list[bytes] = []
+        if not chunk:
+            return events
+        start = 0
+        if self._pending_cr and chunk[:1] == b"\n":
+            start = 1  # the \n of a \r\n split across chunks
+        self._pending_cr = False
+        end = len(chunk)
+        while start < end:
+            cr, lf = chunk.find(b"\r", start), chunk.find(b"\n", start)
+            stops = [i for i in (cr, lf) if i >= 0]
+            if not stops:
+                self._extend(chunk[start:])
                 break
-            event, buffer = buffer[:end], buffer[end + 2 :]
-            payload = b"\n".join(
-                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+            stop = min(stops)
+            self._extend(chunk[start:stop])
+            self._end_line(events)
+            if chunk[stop : stop + 1] == b"\r":
+                if stop + 1 == end:
+                    self._pending_cr = True
+                elif chunk[stop + 1 : stop + 2] == b"\n":
+                    stop += 1
+            start = stop + 1
+        return events
+
+    def _extend(self, part: bytes) -> None:
+        self._line += part
+        if self._size + len(self._line) > self.max_event_bytes:
+            raise APIConnectionError(
+                None, f"an SSE event exceeds {self.max_event_bytes} bytes; is this an SSE stream?"
             )
+
+    def _end_line(self, events: list[bytes]) -> None:
+        line = bytes(self._line)
+        self._line.clear()
+        if not line:  # a blank line dispatches the event
+            if self._data:
+                events.append(b"\n".join(self._data))
+            self._data, self._size = [], 0
+            return
+        name, colon, value = line.partition(b":")
+        if name == b"data":
+            value = value[1:] if value.startswith(b" ") else value
+            self._data.append(value if colon else b"")
+            self._size += len(value) + 1
+
+
+async def iter_sse(
+    response: aiohttp.ClientResponse, max_event_bytes: int = MAX_EVENT_BYTES
+) -> AsyncIterator[dict]:
+    """The JSON events of an SSE body, up to ``[DONE]``; an error event raises APIError."""
+    decoder = SSEDecoder(max_event_bytes)
+    async for data in response.content.iter_any():
+        for payload in decoder.feed(data):
             if not payload:
-                continue  # comments and keep-alives
+                continue  # an empty data line: nothing to parse
             if payload == b"[DONE]":
                 return
-            obj = orjson.loads(payload)
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise APIConnectionError(None, f"the stream sent invalid JSON: {exc}") from exc
             if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
                 code = obj["error"].get("code") if isinstance(obj["error"], dict) else None
                 raise error_from(code if isinstance(code, int) else 500, obj)
@@ -180,7 +247,7 @@ class ChunkStream:
 
     async def __aenter__(self) -> ChunkStream:
         self._response = await self._client._post(self._path, self._body)
-        self._events = iter_sse(self._response)
+        self._events = iter_sse(self._response, self._client.max_event_bytes)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -212,7 +279,8 @@ class AsyncClient:
     """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
     Extra keyword arguments of the request methods go into the JSON body as they are (None
     values are left out). ``timeout`` is the longest wait for the server to connect or to send
-    anything (None: no limit); ``max_connections=0`` means unlimited."""
+    anything (None: no limit); ``max_connections=0`` means unlimited; a streamed event larger
+    than ``max_event_bytes`` ends the stream with ``APIConnectionError``."""
 
     def __init__(
         self,
@@ -222,8 +290,10 @@ class AsyncClient:
         timeout: float | None = 600.0,
         max_connections: int = 100,
         session: aiohttp.ClientSession | None = None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.max_event_bytes = max_event_bytes
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_session = session is None
         self._session = session

@@ -95,7 +95,7 @@ async def test_typed_errors(ckpt):
 
 async def test_overload_and_stream_errors(ckpt):
     hold = threading.Event()
-    stage = stage_for(ckpt, hold=hold)
+    stage = stage_for(ckpt, hold=hold, interval_s=0.01)  # a stream outlives the kill
     factory = scripted_factory(stage)
     async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=0) as live:
         client = AsyncClient(live.url)

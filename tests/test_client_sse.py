@@ -1,0 +1,103 @@
+"""The async client reads SSE framed with any of the three line endings (``\\r\\n`` as
+sse-starlette sends it, ``\\n``, ``\\r``), split across reads anywhere, and bounds what it
+buffers. A tiny aiohttp server plays each framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from aiohttp import web
+
+from rltserve.client import APIConnectionError, AsyncClient, BadRequestError, SSEDecoder
+
+CHUNKS = [{"id": "c", "choices": [{"index": 0, "text": t}]} for t in ("Hel", "lo", " \u00e9")]
+
+
+def framed(eol: str) -> bytes:
+    """A stream with a comment, an event/id line, a two-line data event and [DONE]."""
+    parts = [f": keep-alive{eol}{eol}", f"event: message{eol}id: 1{eol}"]
+    parts.append(f'data: {{"id": "c", "choices": [{eol}data: {{"index": 0, "text": "Hel"}}]}}')
+    parts.append(eol * 2)
+    parts += [f'data:{{"id": "c", "choices": [{{"index": 0, "text": "lo"}}]}}{eol}{eol}']
+    parts += [f'data: {{"id": "c", "choices": [{{"index": 0, "text": " \u00e9"}}]}}{eol}{eol}']
+    parts.append(f"data: [DONE]{eol}{eol}")
+    return "".join(parts).encode()
+
+
+def app_sending(body: bytes, piece: int) -> web.Application:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(0, len(body), piece):  # small writes: events split across reads
+            await response.write(body[i : i + piece])
+            await asyncio.sleep(0)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("eol", ["\r\n", "\n", "\r"], ids=["crlf", "lf", "cr"])
+@pytest.mark.parametrize("piece", [1, 7, 4096])
+async def test_client_reads_every_line_ending(eol, piece):
+    async with serve(app_sending(framed(eol), piece)) as url, AsyncClient(url) as client:
+        chunks = await asyncio.wait_for(_collect(client), 10)
+    assert chunks == CHUNKS
+
+
+async def _collect(client: AsyncClient) -> list[dict]:
+    async with client.stream("x") as stream:
+        return [chunk async for chunk in stream]
+
+
+def test_decoder_exact_events_and_split_crlf():
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: a\r") == []
+    assert decoder.feed(b"\n") == []  # completes the \r\n: not a blank line
+    assert decoder.feed(b"\r") == [b"a"]  # a blank line (its \n may follow)
+    assert decoder.feed(b"\ndata: b\rdata:c\r\r") == [b"b\nc"]
+    assert decoder.feed(b"data: d\n") == []
+    assert decoder.feed(b"\n") == [b"d"]
+    assert decoder.feed(b"data\n\n: comment\n\nretry: 5\nid: 1\n\n") == [b""]
+
+
+def test_decoder_bounds_its_buffer():
+    decoder = SSEDecoder(max_event_bytes=64)
+    decoder.feed(b"data: " + b"x" * 40 + b"\n")
+    with pytest.raises(APIConnectionError, match="an SSE event exceeds 64 bytes"):
+        decoder.feed(b"data: " + b"y" * 30)
+    # a stream with no line breaks at all (not SSE) fails at the bound, not at the end
+    decoder = SSEDecoder(max_event_bytes=64)
+    with pytest.raises(APIConnectionError, match="exceeds 64 bytes"):
+        for _ in range(10):
+            decoder.feed(b"z" * 10)
+
+
+async def test_client_stops_at_the_bound_and_reads_error_events():
+    endless = b"data: " + b"x" * (1 << 20)  # one line that never ends
+    app = app_sending(endless, 65536)
+    async with serve(app) as url, AsyncClient(url, max_event_bytes=4096) as client:
+        with pytest.raises(APIConnectionError, match="an SSE event exceeds 4096 bytes"):
+            await asyncio.wait_for(_collect(client), 10)
+    error = b'data: {"error": {"message": "bad", "type": "x", "param": "n", "code": 400}}\r\n\r\n'
+    async with serve(app_sending(error, 5)) as url, AsyncClient(url) as client:
+        with pytest.raises(BadRequestError) as err:
+            await asyncio.wait_for(_collect(client), 10)
+    assert (err.value.message, err.value.param) == ("bad", "n")
