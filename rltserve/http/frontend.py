@@ -1,8 +1,9 @@
 """The engine as HTTP handlers see it: prompt preparation and per-request event streams.
 
-``Frontend`` tokenizes and checks prompts (so that bad input is a 400 before anything streams)
-and opens ``Generation``s. A ``Generation`` is the set of engine requests behind one HTTP request
-(prompts x n choices), bridged from the stage client's reader thread into the event loop with
+``Frontend`` tokenizes and checks prompts (so that bad input is a 400 before anything streams;
+long texts are encoded off the event loop, see ``encoding``) and opens ``Generation``s. A
+``Generation`` is the set of engine requests behind one HTTP request (prompts x n choices),
+bridged from the stage client's reader thread into the event loop with
 ``call_soon_threadsafe``; it detokenizes and applies stop strings through ``OutputAssembler``.
 Leaving its ``async with`` block aborts every choice that has not finished, which is how a client
 disconnect (the handler is cancelled) frees the engine's KV within a step.
@@ -15,6 +16,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +24,7 @@ from rltserve.core.engine import EngineInfo, EngineStats
 from rltserve.core.request import FinishReason
 from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.stage import Sink, StageError
+from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
@@ -92,22 +95,29 @@ class Frontend:
         info: EngineInfo,
         tokenizer: Tokenizer | None,
         metrics: ServingMetrics,
+        executor: Executor | None = None,
+        token_chars: int | None = None,
     ) -> None:
         self.client = client
         self.info = info
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.codec = (
+            TextCodec(tokenizer, info.max_model_len, executor, token_chars)
+            if tokenizer is not None
+            else None
+        )
         self._ids = itertools.count()
         self._generations: set[Generation] = set()
 
     # ------------------------------------------------------------------ prompts
 
-    def require_tokenizer(self, param: str) -> Tokenizer:
-        if self.tokenizer is None:
+    def require_codec(self, param: str) -> TextCodec:
+        if self.codec is None:
             raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
-        return self.tokenizer
+        return self.codec
 
-    def completion_prompts(self, prompt: str | list) -> list[PromptInput]:
+    async def completion_prompts(self, prompt: str | list) -> list[PromptInput]:
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -119,50 +129,55 @@ class Frontend:
         out = []
         for item in items:
             if isinstance(item, str):
-                ids = self.require_tokenizer("prompt").encode(item)
+                ids = await self.require_codec("prompt").encode(item, "prompt")
                 out.append(PromptInput(self.check_prompt(ids, "prompt"), item))
             else:
                 out.append(PromptInput(self.check_prompt(list(item), "prompt")))
         return out
 
-    def chat_prompt(
+    async def chat_prompt(
         self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None
     ) -> PromptInput:
-        ids = self.render_chat(messages, add_generation_prompt, template_kwargs)
+        ids = await self.render_chat(messages, add_generation_prompt, template_kwargs)
         return PromptInput(self.check_prompt(ids, "messages"))
 
-    def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None
+    async def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None,
+        check_length: bool = True,
     ) -> list[int]:
-        tokenizer = self.require_tokenizer("messages")
+        """The conversation's prompt ids; with ``check_length`` a rendering too long to fit the
+        context is a 400 before it is encoded."""
+        codec = self.require_codec("messages")
         try:
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt, tokenize=True, **(template_kwargs or {})
-            )
+            text = await codec.chat(messages, add_generation_prompt, template_kwargs or {})
         except TokenizerError as exc:
             raise bad_request(f"messages: {exc}", "messages") from exc
         except Exception as exc:  # noqa: BLE001 - template code raising on its input (jinja)
             raise bad_request(
                 f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from exc
-        assert isinstance(ids, list)
-        return ids
+        if check_length:
+            return await codec.encode(text, "messages", add_special_tokens=False)
+        return await codec.encode_any(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
         """The engine's own admission checks, run here so they are a 400 before streaming."""
         info = self.info
         if not ids:
             raise bad_request(f"{param}: must contain at least one token", param)
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"{param}: token id {bad} is outside the vocabulary [0, {info.vocab_size})", param
-            )
-        if len(ids) >= info.max_model_len:
+        if len(ids) >= info.max_model_len:  # first: it is cheap, a long scan is not
             raise bad_request(
                 f"{param}: {len(ids)} tokens leave no room to generate within this model's "
                 f"maximum context length of {info.max_model_len} tokens",
                 param,
+            )
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"{param}: token id {bad} is outside the vocabulary [0, {info.vocab_size})", param
             )
         return ids
 
@@ -180,10 +195,10 @@ class Frontend:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prompt_text(self, prompt: PromptInput) -> str:
+    async def prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is not None:
             return prompt.text
-        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
+        return await self.codec.decode(prompt.token_ids) if self.codec is not None else ""
 
     # ------------------------------------------------------------------ generation
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from rltserve.http.state import STATE
 from rltserve.http.validation import parse_object
 
 _JSON_TYPES = ("application/json",)
+_INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed on the tokenizer pool
 
 
 async def read_body(request: web.Request, cls: type) -> Any:
@@ -39,14 +41,27 @@ async def read_body(request: web.Request, cls: type) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise HTTPError(413, f"request body exceeds {limit} bytes") from exc
+    strict = state.config.strict_fields
+    if len(raw) > _INLINE_BODY_BYTES:  # checking a million token ids takes a while
+        loop = asyncio.get_running_loop()
+        parsed, unknown = await loop.run_in_executor(state.executor, _parse, raw, cls, strict)
+    else:
+        parsed, unknown = _parse(raw, cls, strict)
+    for name in unknown:
+        state.ignore_field(name)
+    return parsed
+
+
+def _parse(raw: bytes, cls: type, strict: bool) -> tuple[Any, list[str]]:
+    """The validated request and the unknown fields it had (none when ``strict``: they raise)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"body: invalid JSON: {exc}") from exc
-    on_unknown = None if state.config.strict_fields else state.ignore_field
-    parsed = parse_object(cls, data, on_unknown=on_unknown)
+    unknown: list[str] = []
+    parsed = parse_object(cls, data, on_unknown=None if strict else unknown.append)
     parsed.validate()
-    return parsed
+    return parsed, unknown
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -54,7 +69,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: CompletionRequest = await read_body(request, CompletionRequest)
     state.check_model(req.model)
-    return await deliver(request, state, completion_plan(state, req, arrival))
+    return await deliver(request, state, await completion_plan(state, req, arrival))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -62,7 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     state.check_model(req.model)
-    return await deliver(request, state, chat_plan(state, req, arrival))
+    return await deliver(request, state, await chat_plan(state, req, arrival))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -99,10 +114,12 @@ async def tokenize(request: web.Request) -> web.Response:
     frontend = state.require_frontend()
     if req.messages is not None:
         messages = [m.as_template_input(f"messages[{i}]") for i, m in enumerate(req.messages)]
-        ids = frontend.render_chat(messages, req.add_generation_prompt, req.chat_template_kwargs)
+        ids = await frontend.render_chat(
+            messages, req.add_generation_prompt, req.chat_template_kwargs, check_length=False
+        )
     else:
-        tokenizer = frontend.require_tokenizer("prompt")
-        ids = tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        codec = frontend.require_codec("prompt")
+        ids = await codec.encode_any(req.prompt or "", add_special_tokens=req.add_special_tokens)
     body = {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}
     return json_response(body)
 
@@ -112,14 +129,14 @@ async def detokenize(request: web.Request) -> web.Response:
     req: DetokenizeRequest = await read_body(request, DetokenizeRequest)
     state.check_model(req.model)
     frontend = state.require_frontend()
-    tokenizer = frontend.require_tokenizer("tokens")
+    codec = frontend.require_codec("tokens")
     vocab = frontend.info.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(
             f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens"
         )
-    return json_response({"prompt": tokenizer.decode(req.tokens)})
+    return json_response({"prompt": await codec.decode(req.tokens)})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -65,11 +65,13 @@ def _choices(
     return choices
 
 
-def completion_plan(state: ServingState, req: CompletionRequest, arrival: float) -> GenerationPlan:
+async def completion_plan(
+    state: ServingState, req: CompletionRequest, arrival: float
+) -> GenerationPlan:
     frontend = state.require_frontend()
-    prompts = frontend.completion_prompts(req.prompt)
+    prompts = await frontend.completion_prompts(req.prompt)
     choices = _choices(frontend, req, prompts, req.max_tokens, req.logprobs)
-    echo = {c.index: frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
+    echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,
         format=CompletionFormat(_header(state, "cmpl"), req, frontend, echo),
@@ -81,9 +83,11 @@ def completion_plan(state: ServingState, req: CompletionRequest, arrival: float)
     )
 
 
-def chat_plan(state: ServingState, req: ChatCompletionRequest, arrival: float) -> GenerationPlan:
+async def chat_plan(
+    state: ServingState, req: ChatCompletionRequest, arrival: float
+) -> GenerationPlan:
     frontend = state.require_frontend()
-    prompt = frontend.chat_prompt(
+    prompt = await frontend.chat_prompt(
         req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -22,10 +23,11 @@ from rltserve.config import EngineConfig
 from rltserve.core.stage import StageError
 from rltserve.http.admission import AdmissionGate
 from rltserve.http.config import ServerConfig
+from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
-from rltserve.models.tokenizer import load_tokenizer
+from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("rltserve.http")
 
@@ -33,11 +35,18 @@ ClientFactory = Callable[[EngineConfig], StageClientLike]
 IdFactory = Callable[[str], str]  # prefix ("cmpl", "chatcmpl") -> response id
 Clock = Callable[[], float]  # unix seconds, for "created"
 _POLL_S = 0.25  # how often a loading engine is checked (lets shutdown interrupt loading)
+_TOKENIZER_THREADS = 2  # long prompts encode here, never on the event loop
 PASSTHROUGH_HEADERS = ("X-Request-Id",)
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _load_tokenizer(path: str) -> tuple[Tokenizer | None, int | None]:
+    """The checkpoint's tokenizer and the most characters one of its tokens covers."""
+    tokenizer = load_tokenizer(path)
+    return tokenizer, max_token_chars(tokenizer) if tokenizer is not None else None
 
 
 class ServingState:
@@ -65,6 +74,8 @@ class ServingState:
         self._client: StageClientLike | None = None
         self._frontend: Frontend | None = None
         self._ignored_fields: set[str] = set()  # names already warned about
+        # Owned here, shut down in stop(): long bodies and texts are parsed and encoded on it.
+        self.executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="rltserve-tok")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -72,13 +83,15 @@ class ServingState:
         """Starts the stage and loads the tokenizer (meanwhile); records a failure instead of
         raising."""
         path = str(self.engine_config.model.model)
-        tokenizer_job = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
+        tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, path))
         try:
             self._client = await asyncio.to_thread(self._client_factory, self.engine_config)
             info = await self._wait_ready(self._client)
-            tokenizer = await tokenizer_job
+            tokenizer, token_chars = await tokenizer_job
             self.metrics.configure(self.model_name, info.max_loops)
-            self._frontend = Frontend(self._client, info, tokenizer, self.metrics)
+            self._frontend = Frontend(
+                self._client, info, tokenizer, self.metrics, self.executor, token_chars
+            )
             log.info(
                 "engine ready: %s (%s, %d loops)", self.model_name, info.family, info.num_loops
             )
@@ -121,6 +134,7 @@ class ServingState:
             self._frontend.interrupt_all()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ for handlers
 

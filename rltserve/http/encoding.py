@@ -1,0 +1,132 @@
+"""Tokenizer work kept off the event loop, and a character bound that rejects hopeless prompts
+before they are encoded.
+
+Encoding megabytes of text takes seconds; on the event loop that would freeze every stream.
+Texts (and token lists) longer than ``INLINE_SIZE`` are encoded, rendered or decoded on the
+server's tokenizer thread pool instead; shorter ones stay inline, where a thread hop would cost
+more than the work.
+
+The bound: if no token of the vocabulary covers more than ``L`` characters of the input, a text
+of ``C`` characters needs at least ``C / L`` tokens, so ``C > max_model_len * L`` can never fit
+and is rejected without encoding. ``L`` is the longest token string of the vocabulary, which is
+at least the number of input characters that token covers when the tokenizer represents every
+input character in its tokens and never merges or drops characters first: byte-level BPE (one
+symbol per byte, and a character has at least one byte), SentencePiece/Metaspace (``▁`` per
+space), byte fallback (``<0xE9>`` per byte). ``max_token_chars`` returns None, and no bound is
+applied, for anything else: normalizers that can merge or drop characters (NFC, NFKC, strip,
+BERT's), unknown-token fusion (one ``<unk>`` for a run of characters), WordPiece (``[UNK]`` for
+a whole word), or a tokenizer whose backend it cannot inspect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from rltserve.http.errors import bad_request
+from rltserve.models.tokenizer import Tokenizer
+
+INLINE_SIZE = 4096  # characters (or token ids) handled on the event loop itself
+_T = TypeVar("_T")
+# Normalizers that never merge or drop characters (each input character stays at least one).
+_SAFE_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD", "Prepend"})
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int | None:
+    """The most input characters one token can cover, or None when no safe bound is known (see
+    the module docstring)."""
+    backend = getattr(tokenizer.hf, "backend_tokenizer", tokenizer.hf)
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = backend.get_vocab(with_added_tokens=True)
+    except Exception:  # noqa: BLE001 - a slow (Python) tokenizer: nothing to inspect
+        return None
+    if not _normalizer_is_safe(spec.get("normalizer")) or not _model_is_safe(spec.get("model")):
+        return None
+    return max((len(token) for token in vocab), default=0) or None
+
+
+def _normalizer_is_safe(normalizer: dict | None) -> bool:
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_normalizer_is_safe(n) for n in normalizer.get("normalizers", []))
+    if kind == "Replace":  # e.g. " " -> "▁": one character for one
+        pattern = normalizer.get("pattern", {}).get("String")
+        return isinstance(pattern, str) and len(pattern) == 1 and bool(normalizer.get("content"))
+    return kind in _SAFE_NORMALIZERS
+
+
+def _model_is_safe(model: dict | None) -> bool:
+    if not isinstance(model, dict):
+        return False
+    kind = model.get("type")
+    if model.get("byte_fallback"):
+        return kind in ("BPE", "Unigram")
+    if kind == "BPE":  # a fused <unk> could stand for any run of unknown characters
+        return model.get("unk_token") is None or not model.get("fuse_unk", False)
+    return False
+
+
+class TextCodec:
+    """The frontend's tokenizer calls, each inline or on ``executor`` by input size."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        executor: Executor | None,
+        token_chars: int | None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._executor = executor
+        self.token_chars = token_chars
+        # None: no provably safe bound, so every prompt is encoded and then checked.
+        self.limit_chars = max_model_len * token_chars if token_chars else None
+
+    async def run(self, size: int, fn: Callable[..., _T], *args: Any) -> _T:
+        if size <= INLINE_SIZE or self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def check_chars(self, text: str, param: str) -> None:
+        """A 400 for a text too long to fit the context whatever its tokens."""
+        limit = self.limit_chars
+        if limit is not None and len(text) > limit:
+            raise bad_request(
+                f"{param}: {len(text)} characters cannot fit this model's maximum context "
+                f"length of {self.max_model_len} tokens (no token covers more than "
+                f"{self.token_chars} characters, so at most {limit} characters can)",
+                param,
+            )
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; a text that cannot fit is a 400 before any encoding."""
+        self.check_chars(text, param)
+        return await self.encode_any(text, add_special_tokens)
+
+    async def encode_any(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of any text, however long (``/tokenize`` counts what it is given)."""
+        return await self.run(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def chat(
+        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict
+    ) -> str:
+        """The chat template rendered to text (on the pool for long conversations)."""
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        text = await self.run(
+            size,
+            lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt, tokenize=False, **template_kwargs
+            ),
+        )
+        assert isinstance(text, str)
+        return text
+
+    async def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return await self.run(len(ids), self.tokenizer.decode, ids, skip_special_tokens)

@@ -1,0 +1,157 @@
+"""Prompt encoding off the event loop and the character bound that rejects hopeless prompts
+before encoding (``rltserve.http.encoding``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+    wait_for,
+)
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, normalizers
+
+from rltserve.http.encoding import INLINE_SIZE, max_token_chars
+from rltserve.models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    return load_tokenizer(ckpt)
+
+
+def test_token_chars_is_the_longest_token_string(tokenizer):
+    vocab = tokenizer.hf.backend_tokenizer.get_vocab(with_added_tokens=True)
+    assert max_token_chars(tokenizer) == max(len(t) for t in vocab) == 13
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=300))
+def test_the_bound_holds_for_any_text(tokenizer, text):
+    # A text of C characters never encodes to fewer than C / L tokens.
+    bound = max_token_chars(tokenizer)
+    assert len(tokenizer.encode(text, add_special_tokens=False)) * bound >= len(text)
+
+
+def test_no_bound_for_tokenizers_that_merge_or_drop_characters():
+    def wrapped(tok: HFTokenizer):
+        return types.SimpleNamespace(hf=tok)
+
+    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    assert max_token_chars(wrapped(bpe)) == 1
+    bpe.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.NFD()])
+    assert max_token_chars(wrapped(bpe)) == 1
+    for unsafe in (normalizers.NFKC(), normalizers.Strip(), normalizers.BertNormalizer()):
+        bpe.normalizer = unsafe
+        assert max_token_chars(wrapped(bpe)) is None, unsafe
+    fused = HFTokenizer(models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>",
+                                   fuse_unk=True))  # fmt: skip
+    assert max_token_chars(wrapped(fused)) is None
+    wordpiece = HFTokenizer(models.WordPiece(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert max_token_chars(wrapped(wordpiece)) is None
+    assert max_token_chars(types.SimpleNamespace(hf=object())) is None
+
+
+def stage_for(ckpt, max_model_len: int) -> ScriptedStage:
+    info = scripted_info(ckpt, max_model_len=max_model_len)
+    return ScriptedStage(info, Script([44, 77], interval_s=0.01))
+
+
+async def test_a_long_prompt_does_not_stall_a_concurrent_stream(ckpt, monkeypatch):
+    """While a long prompt is being encoded, another stream keeps receiving events: the
+    encoder waits (in its thread) until the stream has seen three more events, which could never
+    happen if encoding blocked the event loop."""
+    stage = stage_for(ckpt, max_model_len=10**7)
+    log: list[str] = []
+    progressed = threading.Event()
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        codec = live.state.require_frontend().codec
+        real_encode = codec.tokenizer.encode
+
+        def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            if len(text) <= INLINE_SIZE:
+                return real_encode(text, add_special_tokens)
+            log.append("encode-start")
+            progressed.wait(10)  # bounded: an on-loop encode fails the test, never hangs it
+            log.append("encode-end")
+            return real_encode(text, add_special_tokens)
+
+        monkeypatch.setattr(codec.tokenizer, "encode", encode)
+
+        async def stream() -> None:
+            body = {"prompt": [5], "max_tokens": 1000, "stream": True}
+            async with live.stream("/v1/completions", body) as r:
+                while True:
+                    await r.content.readuntil(b"\n\n")
+                    log.append("event")
+                    if "encode-start" in log:
+                        since = log[log.index("encode-start") :]
+                        if since.count("event") >= 3:
+                            progressed.set()
+                            return
+
+        streaming = asyncio.create_task(stream())
+        await wait_for(lambda: "event" in log)
+        big = "hello world " * 25_000  # 300 kB: encoded on the pool
+        body = {"prompt": big, "max_tokens": 1}
+        status, _, raw = await asyncio.wait_for(live.post("/v1/completions", body), 60)
+        await asyncio.wait_for(streaming, 10)
+    assert status == 200, raw
+    assert orjson.loads(raw)["usage"]["prompt_tokens"] == len(real_encode(big))
+    start, end = log.index("encode-start"), log.index("encode-end")
+    assert log[start + 1 : end].count("event") >= 3, log
+
+
+async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
+    stage = stage_for(ckpt, max_model_len=64)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        codec = live.state.require_frontend().codec
+        assert codec.limit_chars == 64 * 13
+        calls: list[int] = []
+        real_encode = codec.tokenizer.encode
+
+        def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(len(text))
+            return real_encode(text, add_special_tokens)
+
+        monkeypatch.setattr(codec.tokenizer, "encode", encode)
+        body = {"prompt": "x" * 2_000_000, "max_tokens": 1}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 400 and orjson.loads(raw)["error"] == {
+            "message": "prompt: 2000000 characters cannot fit this model's maximum context "
+            "length of 64 tokens (no token covers more than 13 characters, so at most 832 "
+            "characters can)",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": 400,
+        }
+        chat = {"messages": [{"role": "user", "content": "y" * 5000}]}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        error = orjson.loads(raw)["error"]
+        assert status == 400 and error["param"] == "messages"
+        assert "cannot fit this model's maximum context length of 64 tokens" in error["message"]
+        assert calls == []  # neither was encoded
+        # just under the bound: encoded, then refused on its token count
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x" * 832})
+        assert status == 400 and "tokens leave no room" in orjson.loads(raw)["error"]["message"]
+        assert calls == [832]
+        # /tokenize counts whatever it is given (off the loop), without the bound
+        status, _, raw = await live.post("/tokenize", {"prompt": "x" * 5000})
+        assert status == 200 and orjson.loads(raw)["count"] == len(real_encode("x" * 5000))
