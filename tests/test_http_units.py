@@ -1,4 +1,4 @@
-"""Socket-free units of the server: Prometheus text, the admission gate, schema parsing and the
+"""Socket-free units of the server: the admission gate, schema parsing and the
 request -> SamplingParams mapping."""
 
 from __future__ import annotations
@@ -10,32 +10,8 @@ import pytest
 
 from rltserve.http.admission import AdmissionGate, Overloaded
 from rltserve.http.errors import error_body
-from rltserve.http.prometheus import Counter, Histogram, format_labels
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
 from rltserve.http.validation import SchemaError, describe, param_of, parse_object
-
-
-def test_prometheus_text_exact():
-    hist = Histogram("x:lat_seconds", "Latency.", (0.1, 1.0))
-    for value in (0.05, 0.5, 0.5, 3.0):
-        hist.observe(value)
-    assert hist.render((("model_name", "m"),)) == [
-        "# HELP x:lat_seconds Latency.",
-        "# TYPE x:lat_seconds histogram",
-        'x:lat_seconds_bucket{model_name="m",le="0.1"} 1.0',
-        'x:lat_seconds_bucket{model_name="m",le="1.0"} 3.0',
-        'x:lat_seconds_bucket{model_name="m",le="+Inf"} 4.0',
-        'x:lat_seconds_sum{model_name="m"} 4.05',
-        'x:lat_seconds_count{model_name="m"} 4.0',
-    ]
-    counter = Counter("x:done_total", "Done.")
-    counter.inc(2, (("reason", "stop"),))
-    assert counter.render(()) == [
-        "# HELP x:done_total Done.",
-        "# TYPE x:done_total counter",
-        'x:done_total{reason="stop"} 2.0',
-    ]
-    assert format_labels([("a", 'q"\\\n')]) == '{a="q\\"\\\\\\n"}'
 
 
 async def test_admission_gate_fifo_and_limits():

@@ -3,9 +3,10 @@
 Modules, outside in: ``cli`` (flags and commands), ``server`` (sockets, signals, uvloop),
 ``app`` (the app factory and engine lifecycle), ``middleware`` (errors, auth), ``handlers``
 (routes), ``plans`` (request -> choices), ``delivery`` (admission, stream or body), ``frontend``
-(tokenization and the per-request bridge to the stage), ``responses`` and ``sse`` (wire shapes),
-``schemas`` and ``validation`` (request bodies), ``admission``, ``metrics``/``prometheus``,
-``state``, ``config``, ``errors``; ``bench_serve`` is the serving benchmark client.
+(prompt checks and the per-request bridge to the stage), ``encoding`` (tokenizer work off the
+event loop), ``responses`` and ``sse`` (wire shapes), ``schemas`` and ``validation`` (request
+bodies), ``admission``, ``metrics`` (prometheus-client), ``state``, ``config``, ``errors``;
+``bench_serve`` is the serving benchmark client.
 
 Nothing is imported here, so ``rltserve.http.cli`` stays cheap to import.
 """

@@ -13,7 +13,6 @@ from rltserve import __version__
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import HTTPError, bad_request, json_response
 from rltserve.http.plans import chat_plan, completion_plan
-from rltserve.http.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rltserve.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -101,10 +100,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    client = state.client
-    text = state.metrics.render(client.stats if client else None, state.gate.num_queued)
-    return web.Response(body=text.encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    body, content_type = request.app[STATE].metrics.render(request.headers.get("Accept"))
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def tokenize(request: web.Request) -> web.Response:

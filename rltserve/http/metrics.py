@@ -10,14 +10,26 @@ the latest ``EngineStats`` the stage sent.
 Looped-model metrics: ``token_exit_depth`` (the loop at which each generated token exited),
 ``loops_per_token`` (its mean), ``rows_per_step`` (mean core-batch rows per engine step) and the
 step/row counters behind it.
+
+Exposition is ``prometheus_client``'s, from a registry per app (two apps in one process do not
+mix their numbers) that also holds the standard process, platform and GC collectors. Events
+update the client's counters and histograms; the engine-side gauges and counters are read from
+the latest ``EngineStats`` at scrape time by a collector.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.registry import Collector
+
 from rltserve.core.engine import EngineStats
-from rltserve.http.prometheus import Counter, Gauge, Histogram, Labels
 
 P = "rltserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -40,45 +52,80 @@ class RequestTimeline:
     num_tokens: int = 0
 
 
+# What the engine collector reads at scrape time: the latest stats and the admission queue length.
+StatsSource = Callable[[], tuple[EngineStats | None, int]]
+
+
 class ServingMetrics:
-    def __init__(self) -> None:
-        self._labels: Labels = (("model_name", ""),)
-        self.prompt_tokens = Counter(P + "prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = Counter(P + "generation_tokens_total", "Tokens generated.")
-        self.success = Counter(P + "request_success_total", "Finished requests by finished_reason.")
+    """The serving metrics of one app, in their own registry (``render`` exposes it)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        reg, model = self.registry, ("model_name",)
+
+        def histogram(name: str, help_text: str, buckets) -> Histogram:
+            return Histogram(P + name, help_text, model, registry=reg, buckets=buckets)
+
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens processed.", model, registry=reg
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Tokens generated.", model, registry=reg
+        ).labels(model_name)
+        self.success = Counter(
+            P + "request_success",
+            "Finished requests by finished_reason.",
+            ("model_name", "finished_reason"),
+            registry=reg,
+        )
         self.http_requests = Counter(
-            P + "http_requests_total", "HTTP responses by handler, method and status."
+            P + "http_requests",
+            "HTTP responses by handler, method and status.",
+            ("handler", "method", "status"),
+            registry=reg,
         )
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
-        )
-        self.itl = Histogram(
-            P + "inter_token_latency_seconds", "Gap between streamed token updates.", ITL_BUCKETS
-        )
-        self.e2e = Histogram(
-            P + "e2e_request_latency_seconds", "Request arrival to finish.", REQUEST_BUCKETS
-        )
-        self.queue = Histogram(
-            P + "request_queue_time_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
+        ).labels(model_name)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between streamed token updates.", ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Request arrival to finish.", REQUEST_BUCKETS
+        ).labels(model_name)
+        self.queue = histogram(
+            "request_queue_time_seconds",
             "Time waiting in the server's admission queue.",
             REQUEST_BUCKETS,
-        )
-        self.request_prompt = Histogram(
-            P + "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
-        )
-        self.request_generation = Histogram(
-            P + "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
-        )
-        self.exit_depth = Histogram(
-            P + "token_exit_depth", "Loop at which each generated token exited.", (1,)
-        )
+        ).labels(model_name)
+        self.request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
+        ).labels(model_name)
+        self.request_generation = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        ).labels(model_name)
+        self.exit_depth: Histogram | None = None  # buckets 1..max_loops: known once loaded
+        self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
+        self.sum_depths = 0  # loops_per_token
+        self._engine = _EngineCollector(model_name, self)
+        reg.register(self._engine)
 
-    def configure(self, model_name: str, max_loops: int) -> None:
-        """Sets the model label and the exit-depth buckets (1..max_loops) once the engine is up."""
-        self._labels = (("model_name", model_name),)
-        self.exit_depth = Histogram(
-            self.exit_depth.name, self.exit_depth.help, range(1, max_loops + 1)
-        )
+    def configure(self, max_loops: int, stats: StatsSource) -> None:
+        """Once the engine is up: the exit-depth buckets (1..max_loops) and where engine-side
+        numbers come from."""
+        if self.exit_depth is None:
+            self.exit_depth = Histogram(
+                P + "token_exit_depth",
+                "Loop at which each generated token exited.",
+                ("model_name",),
+                registry=self.registry,
+                buckets=range(1, max_loops + 1),
+            ).labels(self.model_name)
+        self._engine.stats = stats
 
     # ------------------------------------------------------------------ events
 
@@ -98,76 +145,77 @@ class ServingMetrics:
         timeline.last_token = now
         timeline.num_tokens += len(exit_depths)
         self.generation_tokens.inc(len(exit_depths))
-        for depth in exit_depths:
-            self.exit_depth.observe(depth)
+        self.num_tokens += len(exit_depths)
+        self.sum_depths += sum(exit_depths)
+        if self.exit_depth is not None:
+            for depth in exit_depths:
+                self.exit_depth.observe(depth)
 
     def on_finish(self, timeline: RequestTimeline, now: float, finish_reason: str) -> None:
-        self.success.inc(1, (("finished_reason", finish_reason),))
+        self.success.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(now - timeline.arrival)
         self.request_generation.observe(timeline.num_tokens)
 
     def on_http(self, handler: str, method: str, status: int) -> None:
-        labels = (("handler", handler), ("method", method), ("status", str(status)))
-        self.http_requests.inc(1, labels)
+        self.http_requests.labels(handler, method, str(status)).inc()
 
     # ------------------------------------------------------------------ exposition
 
-    def render(self, stats: EngineStats | None, queued: int) -> str:
-        const = self._labels
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition and its content type, in the format the scraper's Accept header asks
+        for (Prometheus text 0.0.4 by default, OpenMetrics on request)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+_ENGINE_COUNTERS = (
+    ("engine_steps", "Engine steps run.", "num_steps"),
+    ("engine_rows", "Rows run through the core loop.", "num_rows"),
+    ("engine_coda_rows", "Rows that reached the coda.", "num_coda_rows"),
+    ("engine_busy_seconds", "Seconds the engine spent executing steps.", "busy_seconds"),
+)
+
+
+class _EngineCollector(Collector):
+    """Engine-side numbers, read from the latest ``EngineStats`` at each scrape."""
+
+    def __init__(self, model_name: str, metrics: ServingMetrics) -> None:
+        self.model_name = model_name
+        self.metrics = metrics
+        self.stats: StatsSource = lambda: (None, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        stats, queued = self.stats()
+        labels = [self.model_name]
 
         def stat(name: str) -> float:  # before the first update there are no stats
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
 
-        gauge = _gauges(const)
-        lines = [
-            *gauge("num_requests_running", "Requests running in the engine.", stat("num_running")),
-            *gauge(
-                "num_requests_waiting",
-                "Requests waiting: the engine's queue plus the server's admission queue.",
-                stat("num_waiting") + queued,
-            ),
-            *gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage")),
-        ]
-        for counter in (self.prompt_tokens, self.generation_tokens, self.success):
-            lines += counter.render(const)
-        for hist in (self.ttft, self.itl, self.e2e, self.queue):
-            lines += hist.render(const)
-        for hist in (self.request_prompt, self.request_generation, self.exit_depth):
-            lines += hist.render(const)
-        depth = self.exit_depth
-        steps, rows = stat("num_steps"), stat("num_rows")
-        lines += gauge(
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(P + name, help_text, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests running in the engine.", stat("num_running"))
+        yield gauge(
+            "num_requests_waiting",
+            "Requests waiting: the engine's queue plus the server's admission queue.",
+            stat("num_waiting") + queued,
+        )
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
+        m = self.metrics
+        yield gauge(
             "loops_per_token",
             "Mean loops run per generated token.",
-            depth.sum / depth.count if depth.count else 0.0,
+            m.sum_depths / m.num_tokens if m.num_tokens else 0.0,
         )
-        lines += gauge(
+        steps, rows = stat("num_steps"), stat("num_rows")
+        yield gauge(
             "rows_per_step",
             "Mean rows in the core batch per engine step.",
             rows / steps if steps else 0.0,
         )
         for name, help_text, field_name in _ENGINE_COUNTERS:
-            lines += _counter_value(P + name, help_text, stat(field_name), const)
-        lines += self.http_requests.render(())
-        return "\n".join(lines) + "\n"
-
-
-_ENGINE_COUNTERS = (
-    ("engine_steps_total", "Engine steps run.", "num_steps"),
-    ("engine_rows_total", "Rows run through the core loop.", "num_rows"),
-    ("engine_coda_rows_total", "Rows that reached the coda.", "num_coda_rows"),
-    ("engine_busy_seconds_total", "Seconds the engine spent executing steps.", "busy_seconds"),
-)
-
-
-def _gauges(const: Labels):
-    def gauge(name: str, help_text: str, value: float) -> list[str]:
-        return Gauge(P + name, help_text).render_value(value, const)
-
-    return gauge
-
-
-def _counter_value(name: str, help_text: str, value: float, const: Labels) -> list[str]:
-    counter = Counter(name, help_text)
-    counter.inc(value)
-    return counter.render(const)
+            family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
+            family.add_metric(labels, stat(field_name))
+            yield family

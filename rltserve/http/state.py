@@ -63,9 +63,9 @@ class ServingState:
         self.engine_config = engine_config
         self.ids = ids
         self.clock = clock
-        self.metrics = ServingMetrics()
         self.gate = AdmissionGate(config.max_concurrent, config.max_queued)
         self.model_name = config.served_model_name or Path(str(engine_config.model.model)).name
+        self.metrics = ServingMetrics(self.model_name)
         self.created = int(clock())
         self.closing = False
         self.load_error: str | None = None
@@ -88,7 +88,8 @@ class ServingState:
             self._client = await asyncio.to_thread(self._client_factory, self.engine_config)
             info = await self._wait_ready(self._client)
             tokenizer, token_chars = await tokenizer_job
-            self.metrics.configure(self.model_name, info.max_loops)
+            client = self._client
+            self.metrics.configure(info.max_loops, lambda: (client.stats, self.gate.num_queued))
             self._frontend = Frontend(
                 self._client, info, tokenizer, self.metrics, self.executor, token_chars
             )

@@ -1,0 +1,104 @@
+"""The serving metrics on prometheus-client: exact values of a known sequence of events, a
+registry per app, the standard process/GC collectors and content negotiation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client.parser import text_string_to_metric_families
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+)
+
+from rltserve.core.engine import EngineStats
+from rltserve.http.metrics import RequestTimeline, ServingMetrics
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, parsed by prometheus-client's own parser."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def stats(**values) -> EngineStats:
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{**zeros, **values})
+
+
+def test_values_of_a_known_sequence():
+    metrics = ServingMetrics("m")
+    engine = stats(num_running=3, num_waiting=1, kv_usage=0.25, num_steps=4, num_rows=10)
+    metrics.configure(4, lambda: (engine, 2))
+    timeline = RequestTimeline(arrival=10.0, admitted=10.5)
+    metrics.on_start(timeline, 7)
+    metrics.on_tokens(timeline, 11.0, [4])  # first token: TTFT 1.0
+    metrics.on_tokens(timeline, 11.25, [2, 3])  # ITL 0.25
+    metrics.on_finish(timeline, 12.0, "length")
+    metrics.on_http("/v1/completions", "POST", 200)
+    body, content_type = metrics.render()
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    got = samples(body.decode())
+    m = (("model_name", "m"),)
+    expected = {
+        ("rltserve:prompt_tokens_total", m): 7.0,
+        ("rltserve:generation_tokens_total", m): 3.0,
+        ("rltserve:request_success_total", (("finished_reason", "length"),) + m): 1.0,
+        ("rltserve:http_requests_total",
+         (("handler", "/v1/completions"), ("method", "POST"), ("status", "200"))): 1.0,
+        ("rltserve:time_to_first_token_seconds_sum", m): 1.0,
+        ("rltserve:inter_token_latency_seconds_sum", m): 0.25,
+        ("rltserve:e2e_request_latency_seconds_sum", m): 2.0,
+        ("rltserve:request_queue_time_seconds_sum", m): 0.5,
+        ("rltserve:request_prompt_tokens_sum", m): 7.0,
+        ("rltserve:request_generation_tokens_sum", m): 3.0,
+        ("rltserve:token_exit_depth_count", m): 3.0,
+        ("rltserve:token_exit_depth_bucket", (("le", "2.0"),) + m): 1.0,
+        ("rltserve:token_exit_depth_bucket", (("le", "3.0"),) + m): 2.0,
+        ("rltserve:token_exit_depth_bucket", (("le", "4.0"),) + m): 3.0,
+        ("rltserve:loops_per_token", m): 3.0,
+        ("rltserve:num_requests_running", m): 3.0,
+        ("rltserve:num_requests_waiting", m): 3.0,  # the engine's 1 + the server's 2
+        ("rltserve:kv_cache_usage_perc", m): 0.25,
+        ("rltserve:rows_per_step", m): 2.5,
+        ("rltserve:engine_steps_total", m): 4.0,
+        ("rltserve:engine_rows_total", m): 10.0,
+    }  # fmt: skip
+    assert {k: got.get(k) for k in expected} == expected
+    # the standard collectors come with every app's registry
+    names = {name for name, _ in got}
+    assert "python_gc_objects_collected_total" in names and "python_info" in names
+    assert "process_cpu_seconds_total" in names and "process_resident_memory_bytes" in names
+
+
+def test_each_app_has_its_own_registry():
+    a, b = ServingMetrics("a"), ServingMetrics("b")
+    for metrics in (a, b):
+        metrics.configure(2, lambda: (None, 0))
+    a.on_start(RequestTimeline(0.0, 0.0), 5)
+    got_a, got_b = samples(a.render()[0].decode()), samples(b.render()[0].decode())
+    assert got_a[("rltserve:prompt_tokens_total", (("model_name", "a"),))] == 5.0
+    assert got_b[("rltserve:prompt_tokens_total", (("model_name", "b"),))] == 0.0
+    assert not any(labels == (("model_name", "a"),) for _, labels in got_b)
+
+
+async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        assert (await live.post("/v1/completions", {"prompt": [5], "max_tokens": 2}))[0] == 200
+        status, headers, raw = await live.get("/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        got = samples(raw.decode())
+        assert got[("rltserve:generation_tokens_total", (("model_name", "tiny"),))] == 2.0
+        accept = {"Accept": "application/openmetrics-text; version=1.0.0"}
+        status, headers, raw = await live.get("/metrics", headers=accept)
+        assert headers["Content-Type"].startswith("application/openmetrics-text")
+        assert raw.endswith(b"# EOF\n")
