@@ -1,0 +1,168 @@
+"""The official ``openai`` SDK against the server on a loopback port (ouro-tiny, in-process
+stage): completions and chat, streamed and not, ``n``, ``stop``, ``logprobs``,
+``stream_options.include_usage``, token counts in ``usage``, and the SDK's exception classes for
+400, 401, 404 and 503."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+import pytest_asyncio
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    running,
+    scripted_info,
+    tiny_checkpoint,
+)
+
+from rltserve.models.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+KEY = "sesame"
+PROMPT = "Once upon a time"
+CHAT = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(ckpt):
+    return load_tokenizer(ckpt)
+
+
+def sdk(url: str, api_key: str = KEY) -> openai.AsyncOpenAI:
+    # trust_env=False: a proxy from the environment must not capture loopback traffic
+    http = openai.DefaultAsyncHttpxClient(trust_env=False)
+    return openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key=api_key, max_retries=0, http_client=http
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(ckpt):
+    async with running(ckpt, api_key=KEY) as live, sdk(live.url) as client:
+        yield client
+
+
+async def test_completion_and_its_stream_agree(client, tokenizer):
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    params = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    done = await client.completions.create(**params, logprobs=2)
+    (choice,) = done.choices
+    assert done.object == "text_completion" and done.model == "tiny"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 8)
+    assert done.usage.total_tokens == prompt_tokens + 8
+    assert choice.finish_reason == "length" and choice.text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 8
+    assert "".join(logprobs.tokens) == choice.text
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+
+    stream = await client.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+
+
+async def test_completion_n_and_stop(client):
+    greedy = await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text  # a stop string from the middle of the greedy text
+    stopped = await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    many = await client.completions.create(
+        model="tiny", prompt=[PROMPT, "Hello"], max_tokens=4, n=2, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in many.choices)
+    assert many.usage.completion_tokens == 2 * 2 * 4
+
+
+async def test_chat_and_its_stream_agree(client, tokenizer):
+    prompt_tokens = len(tokenizer.apply_chat_template(CHAT))
+    params = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}
+    done = await client.chat.completions.create(**params, logprobs=True, top_logprobs=3)
+    (choice,) = done.choices
+    assert done.object == "chat.completion" and choice.message.role == "assistant"
+    assert done.usage.prompt_tokens == prompt_tokens
+    content = choice.logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 for item in content)
+    assert "".join(item.token for item in content) == choice.message.content
+
+    stream = await client.chat.completions.create(
+        **params, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+
+    two = await client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=3, n=2, temperature=1.0, seed=5
+    )
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.completion_tokens <= 6 and two.usage.prompt_tokens == prompt_tokens
+
+
+async def test_sdk_error_classes(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="tiny", prompt=PROMPT, temperature=5)
+    assert err.value.status_code == 400 and "temperature" in err.value.message
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100_000)
+    assert "maximum context length is 2048 tokens" in err.value.message
+    with pytest.raises(openai.NotFoundError) as err:
+        await client.chat.completions.create(model="gpt-4", messages=CHAT)
+    assert err.value.status_code == 404
+    wrong = sdk(str(client.base_url).removesuffix("/v1/"), api_key="wrong")
+    async with wrong:
+        with pytest.raises(openai.AuthenticationError) as err:
+            await wrong.models.list()
+    assert err.value.status_code == 401
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_sdk_sees_503_while_loading(ckpt):
+    release = threading.Event()
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+
+    def slow_factory(config):
+        release.wait(10)
+        return stage
+
+    loading = running(ckpt, client_factory=slow_factory, wait=False)
+    async with loading as live, sdk(live.url, api_key="unused") as client:
+        with pytest.raises(openai.InternalServerError) as err:
+            await client.completions.create(model="tiny", prompt=PROMPT)
+        assert err.value.status_code == 503 and err.value.body["message"] == "Loading model"
+        release.set()
+        await live.state.ready.wait()
+        done = await client.completions.create(model="tiny", prompt=[5], max_tokens=2)
+        assert done.usage.completion_tokens == 2
