@@ -124,7 +124,10 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
         }
         status, _, raw = await live.post("/v1/chat/completions", {**CHAT, "min_tokens": 500})
         assert status == 400 and error_of(raw)["param"] == "min_tokens"
-        assert "must be <= the context the prompt leaves" in error_of(raw)["message"]
+        message = error_of(raw)["message"]
+        assert message.startswith("min_tokens=500: must be <= the default max_tokens ("), message
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "min_tokens": 17})
+        assert error_of(raw)["message"] == "min_tokens=17: must be <= the default max_tokens (16)"
         for field, value in (
             ("tool_choice", "required"),
             ("response_format", {"type": "json_object"}),
@@ -157,6 +160,10 @@ async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
         chat = {**CHAT, "max_completion_tokens": 100}
         status, _, raw = await live.post("/v1/chat/completions", chat)
         assert status == 400 and error_of(raw)["param"] == "max_completion_tokens"
+        # completions without max_tokens get 16, or what the context leaves
+        for prompt, expected in (([5] * 10, 16), ([5] * 60, 4)):
+            status, _, raw = await live.post("/v1/completions", {"prompt": prompt})
+            assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == expected
         # chat without a limit uses the rest of the context
         status, _, raw = await live.post("/v1/chat/completions", CHAT)
         usage = orjson.loads(raw)["usage"]

@@ -49,7 +49,7 @@ async def test_admission_gate_fifo_and_limits():
 
 def test_schema_parsing_is_strict_and_names_fields():
     req = parse_object(CompletionRequest, {"prompt": [[1, 2], [3]], "stop": None, "n": 2})
-    assert req.prompt == [[1, 2], [3]] and req.stop is None and req.max_tokens == 16
+    assert req.prompt == [[1, 2], [3]] and req.stop is None and req.max_tokens is None
     cases = [
         ({"prompt": "x", "n": True}, "n"),  # a bool is not an int
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),

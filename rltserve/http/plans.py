@@ -2,8 +2,9 @@
 checked, one ``ChoiceRequest`` per (prompt, sample), and the response format to render with.
 
 Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. A request
-without ``max_tokens`` may use all the context its prompt leaves; one whose prompt plus
-``max_tokens`` exceeds the context is a 400 (as in vLLM), never silently shortened.
+without ``max_tokens`` gets its default (chat: all the context its prompt leaves; completions:
+16, or less if the context ends sooner); one whose prompt plus the ``max_tokens`` it asked for
+exceeds the context is a 400 (as in vLLM), never silently shortened.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from dataclasses import dataclass
 from rltserve.http.errors import bad_request
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
-from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
+from rltserve.http.schemas import (
+    COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    sampling_params,
+)
 from rltserve.http.state import ServingState
 
 
@@ -30,10 +36,13 @@ class GenerationPlan:
     arrival: float  # time.monotonic() when the request arrived
 
 
-def _token_limit(asked: int | None, param: str, frontend: Frontend, prompt: PromptInput) -> int:
+def _token_limit(
+    asked: int | None, param: str, frontend: Frontend, prompt: PromptInput, default: int | None
+) -> int:
     context, prompt_len = frontend.info.max_model_len, len(prompt.token_ids)
     if asked is None:
-        return context - prompt_len
+        rest = context - prompt_len
+        return rest if default is None else min(default, rest)
     if prompt_len + asked > context:
         raise bad_request(
             f"This model's maximum context length is {context} tokens; requested "
@@ -55,10 +64,11 @@ def _choices(
     max_tokens: int | None,
     logprobs: int | None,
     max_tokens_param: str = "max_tokens",
+    default_max_tokens: int | None = None,
 ) -> list[ChoiceRequest]:
     choices = []
     for p, prompt in enumerate(prompts):
-        limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt)
+        limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
             choices.append(ChoiceRequest(p * req.n + j, p, prompt, frontend.check_params(params)))
@@ -70,7 +80,9 @@ async def completion_plan(
 ) -> GenerationPlan:
     frontend = state.require_frontend()
     prompts = await frontend.completion_prompts(req.prompt)
-    choices = _choices(frontend, req, prompts, req.max_tokens, req.logprobs)
+    choices = _choices(
+        frontend, req, prompts, req.max_tokens, req.logprobs, "max_tokens", COMPLETION_MAX_TOKENS
+    )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,

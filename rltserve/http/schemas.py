@@ -17,6 +17,9 @@ from rltserve.http.validation import SchemaError, param_of
 from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128
+# OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
+# max_tokens the client asked for is held to the context).
+COMPLETION_MAX_TOKENS = 16
 # vLLM's seed range (int64). Sample j uses seed + j, which stays within what torch's generators
 # take (up to 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63 - 1)
@@ -88,7 +91,7 @@ class GenerationFields:
 @dataclass(frozen=True, kw_only=True)
 class CompletionRequest(GenerationFields):
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # absent: COMPLETION_MAX_TOKENS, within the context
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -215,10 +218,8 @@ def sampling_params(
     seed = None if req.seed is None else req.seed + sample_index
     if req.min_tokens > max_tokens:
         asked = req.max_tokens is not None or getattr(req, "max_completion_tokens", None)
-        limit = "max_tokens" if asked else "the context the prompt leaves"
-        raise SchemaError(
-            "min_tokens", f"min_tokens={req.min_tokens}: must be <= {limit} ({max_tokens})"
-        )
+        limit = f"max_tokens ({max_tokens})" if asked else f"the default max_tokens ({max_tokens})"
+        raise SchemaError("min_tokens", f"min_tokens={req.min_tokens}: must be <= {limit}")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
