@@ -5,6 +5,12 @@ stage): completions and chat, streamed and not, ``n``, ``stop``, ``logprobs``,
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 
 import openai
@@ -20,7 +26,7 @@ from test_http_harness import (
 
 from rltserve.models.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+module_loop = pytest.mark.asyncio(loop_scope="module")  # the loop of the module-scoped server
 KEY = "sesame"
 PROMPT = "Once upon a time"
 CHAT = [{"role": "user", "content": "Tell me a story"}]
@@ -50,6 +56,7 @@ async def client(ckpt):
         yield client
 
 
+@module_loop
 async def test_completion_and_its_stream_agree(client, tokenizer):
     prompt_tokens = len(tokenizer.encode(PROMPT))
     params = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -78,6 +85,7 @@ async def test_completion_and_its_stream_agree(client, tokenizer):
     assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
 
 
+@module_loop
 async def test_completion_n_and_stop(client):
     greedy = await client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
@@ -100,6 +108,7 @@ async def test_completion_n_and_stop(client):
     assert many.usage.completion_tokens == 2 * 2 * 4
 
 
+@module_loop
 async def test_chat_and_its_stream_agree(client, tokenizer):
     prompt_tokens = len(tokenizer.apply_chat_template(CHAT))
     params = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}
@@ -129,6 +138,7 @@ async def test_chat_and_its_stream_agree(client, tokenizer):
     assert two.usage.completion_tokens <= 6 and two.usage.prompt_tokens == prompt_tokens
 
 
+@module_loop
 async def test_sdk_error_classes(client):
     with pytest.raises(openai.BadRequestError) as err:
         await client.completions.create(model="tiny", prompt=PROMPT, temperature=5)
@@ -149,6 +159,7 @@ async def test_sdk_error_classes(client):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+@module_loop
 async def test_sdk_sees_503_while_loading(ckpt):
     release = threading.Event()
     stage = ScriptedStage(scripted_info(ckpt), Script([44]))
@@ -166,3 +177,67 @@ async def test_sdk_sees_503_while_loading(ckpt):
         await live.state.ready.wait()
         done = await client.completions.create(model="tiny", prompt=[5], max_tokens=2)
         assert done.usage.completion_tokens == 2
+
+
+def test_sync_sdk_against_rltserve_serve(ckpt):
+    """The real command line: `rltserve serve` in its own process, the key from the
+    environment, --strict-fields from its flag, SIGTERM for a clean exit."""
+    cmd = [sys.executable, "-m", "rltserve.cli", "serve", "--model", str(ckpt), "--port", "0",
+           "--served-model-name", "tiny", "--strict-fields", "--num-blocks", "512",
+           "--max-num-seqs", "16"]  # fmt: skip
+    env = {**os.environ, "RLTSERVE_API_KEY": KEY}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = _wait_for_url(proc, timeout=180)
+        http = openai.DefaultHttpxClient(trust_env=False)
+        with openai.OpenAI(
+            base_url=url + "/v1", api_key=KEY, max_retries=0, http_client=http
+        ) as client:
+            done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+            assert done.usage.completion_tokens <= 3 and done.choices[0].finish_reason
+            chunks = list(
+                client.chat.completions.create(
+                    model="tiny", messages=CHAT, max_tokens=3, stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )  # fmt: skip
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert 1 <= chunks[-1].usage.completion_tokens <= 3
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model="tiny", prompt=PROMPT, extra_body={"store": 1})
+            assert err.value.body["message"] == "store: unknown field"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        proc.stderr.close()
+
+
+def _wait_for_url(proc: subprocess.Popen, timeout: float) -> str:
+    """The URL from the server's "serving tiny on URL" log line (read on a thread, bounded)."""
+    found: list[str] = []
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            seen.append(line)
+            match = re.search(r"serving tiny on (http://\S+)", line)
+            if match:
+                found.append(match.group(1))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, "server did not come up:\n" + "".join(seen[-20:])
+    # keep draining stderr so the server never blocks on a full pipe
+    threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+    return found[0]
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ValueError, OSError):  # the test closed the pipe
+        for _ in proc.stderr:
+            pass
