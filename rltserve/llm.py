@@ -84,8 +84,8 @@ class LLM:
         self._client = client_cls(self.config)
         try:
             self.info = self._client.wait_ready(startup_timeout)
-        except Exception:
-            self._client.close()
+        except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
+            self._client.close(timeout=2.0)
             raise
         self._ids = itertools.count()
 

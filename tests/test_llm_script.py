@@ -135,6 +135,19 @@ def test_unclosed_llm_stops_its_worker_at_interpreter_exit(tiny, tmp_path):
     assert_gone(int(proc.stdout.strip()))
 
 
+def test_worker_exits_when_its_parent_is_killed(tiny, tmp_path):
+    code = (
+        "import os, signal\n"
+        "from rltserve import LLM\n"
+        f"llm = LLM({str(tiny)!r}, num_blocks=64)\n"
+        "print(llm._client.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == -signal.SIGKILL
+    assert_gone(int(proc.stdout.strip()))
+
+
 def assert_gone(pid: int, timeout_s: float = 30.0) -> None:
     """The process no longer exists (not even as a zombie: it was reaped)."""
     deadline = time.monotonic() + timeout_s

@@ -168,6 +168,21 @@ def test_startup_error_is_the_checkpoint_error_every_time(tiny, tmp_path, kind):
         client.close()
 
 
+def test_worker_that_dies_before_reporting_is_described_by_its_error_output(tiny, monkeypatch):
+    from rltserve.core import worker_process
+
+    monkeypatch.setattr(worker_process, "WORKER_MODULE", "rltserve.core.no_such_worker")
+    client = StageClient(EngineConfig.from_flat(model=str(tiny)))
+    try:
+        with pytest.raises(StageError) as info:
+            client.wait_ready(WAIT_S)
+    finally:
+        client.close()
+    message = str(info.value)
+    assert "stage failed: worker process exited (code 1)" in message
+    assert "its last error output:" in message and "rltserve.core.no_such_worker" in message
+
+
 # ---------------------------------------------------------------- close
 
 
