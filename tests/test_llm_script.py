@@ -53,7 +53,7 @@ def check_example_output(proc: subprocess.CompletedProcess) -> None:
     assert "bootstrapping phase" not in proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 2, proc.stdout  # one line per prompt
-    assert all(line.endswith(" length") for line in lines), proc.stdout
+    assert all(line.endswith((" length", " stop")) for line in lines), proc.stdout
 
 
 def test_readme_example_runs_as_a_script_file(tiny, tmp_path):
