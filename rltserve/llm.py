@@ -21,9 +21,9 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Offline generation. The model runs in a spawned stage process (``in_process=True`` runs it
+    """Offline generation. The model runs in a stage worker process (``in_process=True`` runs it
     on a thread of this process instead). Close it with ``close()`` or use it as a context
-    manager."""
+    manager; works the same in a script, on stdin or in a notebook (no ``__main__`` guard)."""
 
     def __init__(
         self,
@@ -84,8 +84,8 @@ class LLM:
         self._client = client_cls(self.config)
         try:
             self.info = self._client.wait_ready(startup_timeout)
-        except Exception:
-            self._client.close()
+        except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
+            self._client.close(timeout=2.0)
             raise
         self._ids = itertools.count()
 
@@ -95,8 +95,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._client.close()
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the stage; requests still open in other threads end as aborted. A worker that
+        does not stop within ``timeout`` seconds is killed. An LLM that is never closed stops its
+        stage when it is garbage-collected or when the interpreter exits."""
+        self._client.close(timeout)
 
     def generate(
         self,
@@ -104,47 +107,52 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns outputs in input order. Prompts are strings (needs
-        a tokenizer) or token-id lists."""
+        a tokenizer) or token-id lists. Every prompt is checked before any is submitted; if a
+        request fails or is rejected, or the call is interrupted, the requests still running
+        are aborted before the error propagates."""
         batch = self._normalize_prompts(prompts)
         if params is None:
             params = SamplingParams()
         plist = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(batch):
             raise ValueError(f"params: {len(plist)} given for {len(batch)} prompts")
-        done = threading.Condition()
-        remaining = [len(batch)]
-        assemblers: list[OutputAssembler] = []
-        for prompt, p in zip(batch, plist):
-            ids = self._encode(prompt)
-            rid = f"gen-{next(self._ids)}"
-            asm = OutputAssembler(
-                rid, ids, self.tokenizer, p.stop, p.logprobs is not None, p.stop_token_ids
-            )
-            assemblers.append(asm)
-            self._client.add_request(rid, ids, p, self._sink(asm, done, remaining))
-        with done:
-            done.wait_for(lambda: remaining[0] == 0)
-        for asm in assemblers:
+        encoded = [self._encode(prompt) for prompt in batch]
+        pending = _Pending()
+        try:
+            for ids, p in zip(encoded, plist):
+                rid = f"gen-{next(self._ids)}"
+                asm = OutputAssembler(
+                    rid, ids, self.tokenizer, p.stop, p.logprobs is not None, p.stop_token_ids
+                )
+                pending.assemblers.append(asm)
+                self._client.add_request(rid, ids, p, self._sink(asm, pending))
+            pending.wait()
+        finally:
+            for rid in pending.unfinished():
+                self._client.abort(rid)
+        for asm in pending.assemblers:
             if asm.rejected:
                 raise ValueError(asm.output.error)
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
-        return [a.output for a in assemblers]
+        return [a.output for a in pending.assemblers]
 
-    def _sink(self, asm: OutputAssembler, done: threading.Condition, remaining: list[int]):
-        finished = [False]
-
+    def _sink(self, asm: OutputAssembler, pending: _Pending):
         def sink(update) -> None:
-            if finished[0]:
-                return
-            delta = asm.add(update)
-            if delta.finish_reason is not None:
-                if update.finish_reason is None:  # a stop string: stop the stage's work too
-                    self._client.abort(asm.output.request_id)
-                finished[0] = True
-                with done:
-                    remaining[0] -= 1
-                    done.notify_all()
+            with pending.cond:
+                if asm.output.request_id in pending.finished:
+                    return
+                try:
+                    delta = asm.add(update)
+                    finish = delta.finish_reason
+                except Exception as exc:  # fail this request rather than the client's thread
+                    asm.output.finish_reason = finish = "error"
+                    asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
+                if finish is None:
+                    return
+                pending.finish(asm.output.request_id, failed=finish == "error")
+            if update.finish_reason is None:  # a stop string: stop the stage's work too
+                self._client.abort(asm.output.request_id)
 
         return sink
 
@@ -164,4 +172,37 @@ class LLM:
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt: token ids must be ints")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:  # the engine's own check, made here before anything is submitted
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
+
+
+class _Pending:
+    """The requests of one ``generate`` call. ``cond`` guards ``finished``; the waiter wakes
+    when every request has finished or one has failed (the rest are then aborted)."""
+
+    def __init__(self) -> None:
+        self.assemblers: list[OutputAssembler] = []
+        self.finished: set[str] = set()
+        self.failed = False
+        self.cond = threading.Condition()
+
+    def finish(self, request_id: str, failed: bool) -> None:
+        """Called with ``cond`` held."""
+        self.finished.add(request_id)
+        self.failed = self.failed or failed
+        self.cond.notify_all()
+
+    def wait(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.failed or len(self.finished) == len(self.assemblers))
+
+    def unfinished(self) -> list[str]:
+        with self.cond:
+            return [
+                a.output.request_id
+                for a in self.assemblers
+                if a.output.request_id not in self.finished
+            ]

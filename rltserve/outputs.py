@@ -84,7 +84,8 @@ class OutputAssembler:
         if finish == "stop" and update.new_token_ids:
             last = update.new_token_ids[-1]
             stop_reason = last if last in self._stop_token_ids else None
-        if self._detok is not None:
+        # A rejected request has no text; its prompt may hold ids the tokenizer cannot decode.
+        if self._detok is not None and not update.rejected:
             self._text += self._detok.add_many(update.new_token_ids)
             if finish is not None:
                 self._text += self._detok.flush()

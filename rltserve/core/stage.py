@@ -1,34 +1,44 @@
 """Stage worker and its clients.
 
 A stage owns a model replica, its KV pool, a scheduler, a runner and the asyncio engine loop.
-``StageClient`` spawns the stage as a separate process and talks to it over a pipe; the
-``InProcessStageClient`` runs the same loop on a thread of the calling process (unit tests, and
-callers that do not want a second process). Both deliver every request update to the ``sink``
-given with the request, on the client's reader thread.
+``StageClient`` runs the stage in a worker process (``rltserve.core.stage_worker``) and talks to
+it over a socket pair; the ``InProcessStageClient`` runs the same loop on a thread of the calling
+process (unit tests, and callers that do not want a second process). Both deliver every request
+update to the ``sink`` given with the request, on the client's reader thread.
 
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [RequestUpdate, ...]),
 ("fatal", message). Updates carry an EngineStats snapshot: ("updates", [RequestUpdate], stats).
+
+Invariants of a client: every request whose ``add_request`` returned gets exactly one final
+update (finished, aborted or failed), whatever the stage does; the first known cause of a stage
+failure is the one reported; the client's threads hold it only weakly, so an unreferenced client
+is collected and its finalizer stops the stage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
+import logging
+import queue
 import threading
 import traceback
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore, EngineInfo, EngineStats, run_engine_loop
 from rltserve.core.request import FinishReason
 from rltserve.core.scheduler import RequestUpdate
+from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
 
 Sink = Callable[[RequestUpdate], None]
+log = logging.getLogger(__name__)
+
+_CLOSED = "stage closed before the request finished"
 
 
 class StageError(RuntimeError):
@@ -44,7 +54,7 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple], None]) -> None:
+def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple], None]) -> None:
     """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``."""
     try:
         core = EngineCore(config)
@@ -78,17 +88,13 @@ def _serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tupl
         loop.close()
 
 
-def _worker_main(config: EngineConfig, conn: Connection) -> None:
-    _serve(config, conn.recv, conn.send)
-    conn.close()
-
-
 class _ClientBase(ABC):
-    """Routes updates to per-request sinks; fails every open request when the stage dies."""
+    """Routes updates to per-request sinks; fails every open request when the stage dies or the
+    client closes."""
 
     def __init__(self) -> None:
         self._sinks: dict[str, Sink] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _sinks, _fatal and _closed together
         self._ready = threading.Event()
         self._fatal: str | None = None
         self.info: EngineInfo | None = None
@@ -96,6 +102,17 @@ class _ClientBase(ABC):
         self._closed = False
 
     def _dispatch(self, message: tuple) -> None:
+        """Handles one message from the stage. Never raises: a failure here (a sink that
+        raises, say) would otherwise end the thread that delivers updates and leave every
+        caller waiting, so it fails every open request and marks the client broken instead."""
+        try:
+            self._handle(message)
+        except Exception as exc:
+            log.exception("stage client: handling a stage message failed")
+            self._die(f"{type(exc).__name__} while handling a stage message: {exc}")
+            self._stop_stage()
+
+    def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "ready":
             self.info = message[1]
@@ -113,14 +130,22 @@ class _ClientBase(ABC):
             self._die(message[1])
 
     def _die(self, reason: str) -> None:
-        self._fatal = reason
+        """Records the stage's failure (the first cause known wins) and fails open requests."""
+        with self._lock:
+            if self._fatal is None:
+                self._fatal = reason
+            reason = self._fatal
         self._ready.set()
+        self._fail_open(FinishReason.ERROR, f"stage died: {reason}")
+
+    def _fail_open(self, finish: FinishReason, error: str) -> None:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
-            sink(
-                RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=f"stage died: {reason}")
-            )
+            try:
+                sink(RequestUpdate(rid, finish_reason=finish, error=error))
+            except Exception:  # one sink's failure must not keep the others waiting
+                log.exception("stage client: the sink of request %s failed", rid)
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         if not self._ready.wait(timeout):
@@ -133,77 +158,110 @@ class _ClientBase(ABC):
     def alive(self) -> bool:
         return self._fatal is None and not self._closed
 
+    @property
+    def error(self) -> str | None:
+        """Why the stage is not running: its failure, "closed", or None while it runs."""
+        return self._fatal or ("closed" if self._closed else None)
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
     ) -> None:
-        if not self.alive:
-            raise StageError(f"stage is not running: {self._fatal or 'closed'}")
-        with self._lock:
+        with self._lock:  # so that close() either sees this sink or this call sees it closed
+            if not self.alive:
+                raise StageError(f"stage is not running: {self.error}")
             if request_id in self._sinks:
                 raise ValueError(f"request_id={request_id!r}: already in use")
             self._sinks[request_id] = sink
-        self._send(("add", request_id, list(prompt_token_ids), params))
+        try:
+            self._send(("add", request_id, list(prompt_token_ids), params))
+        except StageError:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+            raise
 
     def abort(self, request_id: str) -> None:
         if self.alive:
-            self._send(("abort", request_id))
+            with contextlib.suppress(StageError):  # a dead stage fails the request itself
+                self._send(("abort", request_id))
 
     @abstractmethod
     def _send(self, message: tuple) -> None:
-        """Delivers one command to the stage."""
+        """Delivers one command to the stage; raises StageError when it cannot."""
+
+    @abstractmethod
+    def _stop_stage(self) -> None:
+        """Asks the stage to stop (best effort, never raises)."""
+
+    def _mark_closed(self) -> bool:
+        """Marks the client closed; False if it already was."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+
+def _read(ref: weakref.ref, worker: WorkerProcess) -> None:
+    """The reader thread: delivers the worker's messages to the client. Holds the client only
+    while handling a message, so an unreferenced client can be collected."""
+    while True:
+        try:
+            message = worker.recv()
+        except (EOFError, OSError):
+            client = ref()
+            if client is not None:
+                client._worker_gone()
+            return
+        client = ref()
+        if client is None:
+            return
+        client._dispatch(message)
+        del client
 
 
 class StageClient(_ClientBase):
-    """Spawns the stage worker process and talks to it over a pipe."""
+    """Runs the stage in a worker process and talks to it over a socket pair."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._send_lock = threading.Lock()
-        self._proc = ctx.Process(target=_worker_main, args=(config, child), daemon=True)
-        self._proc.start()
-        child.close()
+        self._worker = WorkerProcess.start(config)
+        self.pid = self._worker.pid
         self._reader = threading.Thread(
-            target=self._read, name="rltserve-stage-reader", daemon=True
+            target=_read, args=(weakref.ref(self), self._worker), name="rltserve-stage-reader"
         )
+        self._reader.daemon = True
         self._reader.start()
+        # Stops the worker when the client is collected or at interpreter exit.
+        self._finalizer = weakref.finalize(self, self._worker.stop, 5.0)
 
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closed:
-                    code = self._proc.exitcode if not self._proc.is_alive() else None
-                    self._die(f"worker process exited (code {code})")
-                return
-            self._dispatch(message)
+    def _worker_gone(self) -> None:
+        if not self._closed:
+            self._die(self._worker.exit_reason())
 
     def _send(self, message: tuple) -> None:
         try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (BrokenPipeError, OSError) as exc:
-            self._die(f"pipe closed: {exc}")
-            raise StageError("stage is not running") from exc
+            self._worker.send(message)
+        except OSError as exc:
+            raise StageError(f"stage is not running: {self.error or exc}") from exc
+
+    def _stop_stage(self) -> None:
+        self._worker.request_stop()
 
     def close(self, timeout: float = 10.0) -> None:
-        if self._closed:
+        """Stops the worker: asks it to shut down (it aborts its requests), kills it if it has
+        not exited within ``timeout`` seconds, and ends every request still open."""
+        if not self._mark_closed():
             return
-        with contextlib.suppress(StageError):
-            if self._fatal is None:
-                self._send(("shutdown",))
-        self._closed = True
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout)
-        self._conn.close()
+        self._finalizer.detach()
+        self._worker.stop(timeout)
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout)  # the abort updates the worker sent are delivered
+        self._fail_open(FinishReason.ABORT, _CLOSED)
+        self._worker.close()
 
     def kill(self) -> None:
         """Kills the worker (tests use this to check that requests fail instead of hanging)."""
-        self._proc.kill()
+        self._worker.kill()
 
 
 class InProcessStageClient(_ClientBase):
@@ -211,20 +269,34 @@ class InProcessStageClient(_ClientBase):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
-        import queue
-
         self._commands: queue.Queue = queue.Queue()
+        ref = weakref.ref(self)
+
+        def deliver(message: tuple) -> None:  # holds the client weakly (see the module doc)
+            client = ref()
+            if client is not None:
+                client._dispatch(message)
+
         self._thread = threading.Thread(
-            target=_serve, args=(config, self._commands.get, self._dispatch), daemon=True
+            target=serve,
+            args=(config, self._commands.get, deliver),
+            name="rltserve-stage-loop",
+            daemon=True,
         )
         self._thread.start()
+        self._finalizer = weakref.finalize(self, self._commands.put, ("shutdown",))
 
     def _send(self, message: tuple) -> None:
         self._commands.put(message)
 
+    def _stop_stage(self) -> None:
+        self._commands.put(("shutdown",))
+
     def close(self, timeout: float = 10.0) -> None:
-        if self._closed:
+        if not self._mark_closed():
             return
-        self._send(("shutdown",))
-        self._closed = True
-        self._thread.join(timeout)
+        self._finalizer.detach()
+        self._commands.put(("shutdown",))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._fail_open(FinishReason.ABORT, _CLOSED)

@@ -1,0 +1,66 @@
+"""The stage worker process: ``python -m rltserve.core.stage_worker --fd N --parent-pid P``.
+
+The worker is a program of its own, so starting it never re-imports the caller's main module: a
+script, code piped on stdin or a notebook needs no ``if __name__ == "__main__"`` guard. It
+inherits one end of a socket pair as file descriptor N and speaks the stage protocol (see
+``rltserve.core.stage``) over it; the first message it receives is the ``EngineConfig``.
+
+Signals: the worker ignores SIGINT and SIGTERM. A Ctrl-C in a terminal or a service manager's
+SIGTERM to the process group is meant for the parent, which decides how the stage stops (a
+drain, then ("shutdown",)). The worker stops when told, when the channel closes, or when the
+parent process goes away (it is then re-parented, which a watchdog thread notices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+
+_PARENT_POLL_S = 1.0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exits the worker once its parent is gone; nobody is left to read its output. The channel's
+    EOF normally ends the worker first; this covers a channel kept open by a forked copy."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    parser = argparse.ArgumentParser(prog="python -m rltserve.core.stage_worker")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket of the channel")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    threading.Thread(
+        target=_watch_parent, args=(args.parent_pid,), name="rltserve-parent-watch", daemon=True
+    ).start()
+    conn = Connection(args.fd)
+    try:
+        config = conn.recv()
+    except (EOFError, OSError):
+        return 0  # the client went away before sending the configuration
+
+    def send(message: tuple) -> None:
+        try:
+            conn.send(message)
+        except OSError:
+            raise SystemExit(0) from None  # the client is gone: stop quietly
+
+    from rltserve.core.stage import serve
+
+    try:
+        serve(config, conn.recv, send)
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The parent's handle on a stage worker process: launch, channel, error output, stop.
+
+The worker runs ``python -m rltserve.core.stage_worker`` (never the caller's main module) with one
+end of a socket pair inherited as its channel. Its error output is relayed to this process's
+``sys.stderr`` line by line, and the last lines are kept so that a worker that dies before it
+can report (an import error, a crash) is described by its own last words.
+
+Invariant: this handle holds no reference to any client, so a client that owns it can be
+collected while the reader and relay threads run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import site
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import IO
+
+import rltserve
+from rltserve.config import EngineConfig
+
+WORKER_MODULE = "rltserve.core.stage_worker"
+_TAIL_LINES = 20
+
+
+def _worker_env() -> dict[str, str]:
+    """The environment of the worker: this one, with the directory this ``rltserve`` was
+    imported from on PYTHONPATH (unless it is a site directory already on the path), so the
+    worker runs the same code even when the caller put it on ``sys.path`` by hand."""
+    env = dict(os.environ)
+    root = str(Path(rltserve.__file__).resolve().parent.parent)
+    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root not in sites:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _relay(stream: IO[bytes], tail: collections.deque) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if line.strip():
+            tail.append(line.rstrip())
+        with contextlib.suppress(Exception):  # a closed or odd sys.stderr must not stop the relay
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    stream.close()
+
+
+class WorkerProcess:
+    def __init__(self, proc: subprocess.Popen, conn: Connection) -> None:
+        self._proc = proc
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._relay = threading.Thread(
+            target=_relay, args=(proc.stderr, self._tail), name="rltserve-stage-stderr"
+        )
+        self._relay.daemon = True
+        self._relay.start()
+        self.pid = proc.pid
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> WorkerProcess:
+        """Launches a worker and hands it ``config``; raises ``StageError`` naming the cause
+        when it cannot be started."""
+        from rltserve.core.stage import StageError
+
+        command = f"{sys.executable or 'python'} -m {WORKER_MODULE}"
+        if not sys.executable:
+            raise StageError(
+                f"cannot start the stage worker ({command}): this interpreter does not know its "
+                "own executable (sys.executable is empty); pass in_process=True instead"
+            )
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    WORKER_MODULE,
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],  # fmt: skip
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=_worker_env(),
+            )
+        except OSError as exc:
+            ours.close()
+            raise StageError(f"cannot start the stage worker ({command}): {exc}") from exc
+        finally:
+            theirs.close()
+        worker = cls(proc, Connection(ours.detach()))
+        with contextlib.suppress(OSError):  # it died at once; the reader reports why
+            worker.send(config)
+        return worker
+
+    def send(self, message: object) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def recv(self) -> tuple:
+        return self._conn.recv()
+
+    def request_stop(self) -> None:
+        """Sends ("shutdown",) from a helper thread: the send may block while the worker does
+        not read (stopped, or stuck in a step), and the caller must not."""
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                self.send(("shutdown",))
+
+        threading.Thread(target=send, name="rltserve-stage-stop", daemon=True).start()
+
+    def stop(self, timeout: float) -> None:
+        """Asks the worker to shut down and waits up to ``timeout`` seconds; then kills it."""
+        if self._proc.poll() is None:
+            self.request_stop()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                self._proc.wait()
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def exit_reason(self) -> str:
+        """Why the channel closed: the worker's exit code and last line of error output."""
+        try:
+            code = self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        self._relay.join(2.0)
+        reason = f"worker process exited (code {code})"
+        if code is not None and code < 0:
+            reason = f"worker process killed by signal {-code}"
+        if self._tail:
+            reason += f"; its last error output: {self._tail[-1]}"
+        return reason

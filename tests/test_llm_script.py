@@ -1,0 +1,164 @@
+"""The offline API as users run it: the README example as a script file, on stdin and with a
+``__main__`` guard (no guard needed: the stage worker never re-runs the caller's script), Ctrl-C
+to the whole process group, and a worker that stops at interpreter exit. Every case runs in a
+subprocess with a bounded timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rltserve.models.presets import make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Using it") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "README 'Using it' has no python example"
+    return match.group(1)
+
+
+def example_on(model: Path) -> str:
+    code = readme_example()
+    assert '"path/to/Ouro-1.4B"' in code
+    return code.replace('"path/to/Ouro-1.4B"', repr(str(model)))
+
+
+def run_python(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=TIMEOUT_S, **kw
+    )
+
+
+def check_example_output(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stderr
+    assert "bootstrapping phase" not in proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout  # one line per prompt
+    assert all(line.endswith((" length", " stop")) for line in lines), proc.stdout
+
+
+def test_readme_example_runs_as_a_script_file(tiny, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(example_on(tiny))
+    check_example_output(run_python([str(script)], cwd=tmp_path))
+
+
+def test_readme_example_runs_from_stdin(tiny, tmp_path):
+    check_example_output(run_python(["-"], input=example_on(tiny), cwd=tmp_path))
+
+
+def test_readme_example_runs_with_a_main_guard(tiny, tmp_path):
+    body = "".join(f"    {line}\n" for line in example_on(tiny).splitlines())
+    script = tmp_path / "guarded.py"
+    script.write_text(f'if __name__ == "__main__":\n{body}')
+    check_example_output(run_python([str(script)], cwd=tmp_path))
+
+
+def test_worker_that_cannot_start_is_named_in_the_error(tiny, tmp_path):
+    code = (
+        "import sys\n"
+        "from rltserve import LLM\n"
+        "from rltserve.core.stage import StageError\n"
+        "sys.executable = '/nonexistent/python'\n"
+        f"try:\n    LLM({str(tiny)!r})\n"
+        "except StageError as exc:\n    print('ERR', exc)\n"
+    )
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR cannot start the stage worker (/nonexistent/python -m" in proc.stdout
+
+
+def test_ctrl_c_to_the_process_group_interrupts_generate_not_the_engine(tiny, tmp_path):
+    # A terminal's Ctrl-C goes to the whole foreground group: the script and its worker. The
+    # generate call is interrupted (and aborts its requests); the worker keeps serving.
+    code = f"""
+import json, os, signal, threading, time
+from rltserve import LLM, SamplingParams
+llm = LLM({str(tiny)!r}, num_blocks=1024)
+def interrupt_when_running():
+    for _ in range(30000):
+        stats = llm._client.stats
+        if stats is not None and stats.num_running:
+            os.killpg(0, signal.SIGINT)
+            return
+        time.sleep(0.001)
+threading.Thread(target=interrupt_when_running, daemon=True).start()
+try:
+    llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=1500, ignore_eos=True))
+    print("NOT INTERRUPTED")
+except KeyboardInterrupt:
+    print("INTERRUPTED")
+out = llm.generate([[7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+stats = llm._client.stats
+print(json.dumps({{"tokens": len(out.token_ids), "running": stats.num_running,
+                  "kv": stats.kv_usage, "worker": llm._client.pid}}))
+llm.close()
+"""
+    proc = run_python(["-c", code], cwd=tmp_path, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    first, last = proc.stdout.strip().splitlines()
+    assert first == "INTERRUPTED"
+    result = json.loads(last)
+    assert result["tokens"] == 3
+    assert result["running"] == 0 and result["kv"] == 0.0  # the interrupted requests were aborted
+    assert_gone(result["worker"])
+
+
+def test_unclosed_llm_stops_its_worker_at_interpreter_exit(tiny, tmp_path):
+    code = (
+        "from rltserve import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny)!r}, num_blocks=64)\n"
+        "llm.generate([[1, 2]], SamplingParams(max_tokens=2))\n"
+        "print(llm._client.pid)\n"
+    )
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_gone(int(proc.stdout.strip()))
+
+
+def test_worker_exits_when_its_parent_is_killed(tiny, tmp_path):
+    code = (
+        "import os, signal\n"
+        "from rltserve import LLM\n"
+        f"llm = LLM({str(tiny)!r}, num_blocks=64)\n"
+        "print(llm._client.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == -signal.SIGKILL
+    assert_gone(int(proc.stdout.strip()))
+
+
+def assert_gone(pid: int, timeout_s: float = 30.0) -> None:
+    """The process no longer exists (not even as a zombie: it was reaped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        state = Path(f"/proc/{pid}/stat")
+        if state.exists() and state.read_text().split(")")[-1].split()[0] == "Z":
+            return  # a zombie of an exited parent, waiting for init to reap it
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"worker {pid} still running {timeout_s} s later")

@@ -1,0 +1,318 @@
+"""Request and process lifecycle of the LLM API and the stage clients on unhappy paths: bad
+token ids, failures on the delivering thread, start-up errors, close with a stuck worker,
+signals aimed at the worker, garbage collection, and generate() failing part-way. Every wait is
+bounded so that a regression fails instead of hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+from test_llm_script import assert_gone
+
+from rltserve import LLM, SamplingParams
+from rltserve.config import EngineConfig
+from rltserve.core.request import FinishReason
+from rltserve.core.stage import InProcessStageClient, StageClient, StageError
+from rltserve.models.presets import make_model
+from rltserve.outputs import OutputAssembler
+
+WAIT_S = 60
+LONG = SamplingParams(max_tokens=1500, ignore_eos=True)  # runs for many steps on ouro-tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))  # vocab 512, a tokenizer
+
+
+@pytest.fixture(scope="module", params=["spawned", "in_process"])
+def llm(request, tiny):
+    with LLM(str(tiny), num_blocks=1024, in_process=request.param == "in_process") as llm:
+        yield llm
+
+
+def bounded(fn, *args, timeout: float = WAIT_S):
+    """Runs ``fn`` on a thread; returns its result or re-raises its exception; fails the test
+    if it has not returned within ``timeout`` seconds."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still waiting after {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def assert_idle(llm: LLM) -> None:
+    """Nothing left running in the engine: a fresh request's final stats show no other request
+    and no KV in use (commands reach the stage in order, so earlier aborts came first)."""
+    out = bounded(llm.generate, [[7, 8]], SamplingParams(max_tokens=1))[0]
+    assert out.finish_reason == "length"
+    stats = llm._client.stats
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_usage == 0.0
+
+
+# ---------------------------------------------------------------- token ids out of range
+
+
+@pytest.mark.parametrize("bad", [-3, 512, 2**32, 2**70])
+def test_token_id_outside_vocabulary_raises_and_llm_keeps_working(llm, bad):
+    with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 512\)"):
+        bounded(llm.generate, [[bad]], SamplingParams(max_tokens=2))
+    out = bounded(llm.generate, [[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
+
+
+def test_rejection_of_undecodable_prompt_does_not_break_the_assembler(tiny):
+    # The server assembles engine rejections too: the prompt ids must not be decoded.
+    from rltserve.core.scheduler import RequestUpdate
+    from rltserve.models.tokenizer import load_tokenizer
+
+    asm = OutputAssembler("r", [-3], load_tokenizer(tiny))
+    error = "prompt: token id -3 is outside the vocabulary [0, 512)"
+    asm.add(RequestUpdate("r", finish_reason=FinishReason.ERROR, error=error, rejected=True))
+    assert asm.rejected and asm.output.error == error and asm.output.text == ""
+
+
+# ---------------------------------------------------------------- failures while delivering
+
+
+def test_output_assembly_failure_fails_the_request_not_the_llm(llm, monkeypatch):
+    real = OutputAssembler.add
+
+    def boom(self, update):
+        monkeypatch.setattr(OutputAssembler, "add", real)
+        raise OverflowError("out of range integral type conversion attempted")
+
+    monkeypatch.setattr(OutputAssembler, "add", boom)
+    with pytest.raises(RuntimeError, match="OverflowError while assembling output"):
+        bounded(llm.generate, [[1, 2, 3]], SamplingParams(max_tokens=4))
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("client_cls", [StageClient, InProcessStageClient])
+def test_sink_failure_fails_every_open_request_and_marks_the_client_broken(tiny, client_cls):
+    client = client_cls(EngineConfig.from_flat(model=str(tiny), num_blocks=1024))
+    try:
+        client.wait_ready(WAIT_S)
+        finals: list = []
+        done = threading.Event()
+
+        def record(update):
+            if update.finish_reason is not None:
+                finals.append(update)
+                done.set()
+
+        def explode(update):
+            raise RuntimeError("sink exploded")
+
+        client.add_request("victim", [1, 2, 3], LONG, record)
+        client.add_request("culprit", [4, 5], SamplingParams(max_tokens=2), explode)
+        assert done.wait(WAIT_S), "an open request was left waiting"
+        assert finals[0].finish_reason is FinishReason.ERROR
+        assert "RuntimeError while handling a stage message: sink exploded" in finals[0].error
+        assert not client.alive
+        with pytest.raises(StageError, match="sink exploded"):
+            client.add_request("later", [1], SamplingParams(), record)
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- start-up errors
+
+
+def broken_checkpoint(tiny, tmp_path, kind: str):
+    path = tmp_path / kind
+    shutil.copytree(tiny, path)
+    if kind == "unknown_model_type":
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+        return path, r"CheckpointError: .*'llama'.*supported: huginn_raven, nanbeige, ouro"
+    (path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{")
+    return path, r"CheckpointError: .*corrupt"
+
+
+@pytest.mark.parametrize("kind", ["unknown_model_type", "corrupt_safetensors"])
+def test_startup_error_is_the_checkpoint_error_every_time(tiny, tmp_path, kind):
+    path, expected = broken_checkpoint(tiny, tmp_path, kind)
+    for _ in range(2):
+        with pytest.raises(StageError, match=expected) as info:
+            bounded(LLM, str(path))
+        assert "code None" not in str(info.value)
+    # After the worker has exited and the reader has seen the channel close, the client still
+    # reports the checkpoint error, not the exit.
+    client = StageClient(EngineConfig.from_flat(model=str(path)))
+    try:
+        with pytest.raises(StageError, match=expected):
+            client.wait_ready(WAIT_S)
+        client._reader.join(WAIT_S)
+        with pytest.raises(StageError, match=expected):
+            client.add_request("r", [1], SamplingParams(), lambda update: None)
+    finally:
+        client.close()
+
+
+def test_worker_that_dies_before_reporting_is_described_by_its_error_output(tiny, monkeypatch):
+    from rltserve.core import worker_process
+
+    monkeypatch.setattr(worker_process, "WORKER_MODULE", "rltserve.core.no_such_worker")
+    client = StageClient(EngineConfig.from_flat(model=str(tiny)))
+    try:
+        with pytest.raises(StageError) as info:
+            client.wait_ready(WAIT_S)
+    finally:
+        client.close()
+    message = str(info.value)
+    assert "stage failed: worker process exited (code 1)" in message
+    assert "its last error output:" in message and "rltserve.core.no_such_worker" in message
+
+
+# ---------------------------------------------------------------- close
+
+
+def test_close_ends_a_generate_blocked_on_a_stopped_worker(tiny):
+    llm = LLM(str(tiny), num_blocks=1024)
+    pid = llm._client.pid
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(out=llm.generate([[1, 2, 3]], LONG)))
+    thread.daemon = True
+    try:
+        thread.start()
+        wait_running(llm)
+        os.kill(pid, signal.SIGSTOP)
+        llm.close(timeout=2.0)
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "generate() still blocked after close()"
+        assert box["out"][0].finish_reason == "abort"
+    finally:
+        with_suppressed_lookup(os.kill, pid, signal.SIGKILL)
+        llm.close()
+    assert_gone(pid)
+
+
+@pytest.mark.parametrize("client_cls", [StageClient, InProcessStageClient])
+def test_request_added_while_closing_is_ended(tiny, client_cls):
+    client = client_cls(EngineConfig.from_flat(model=str(tiny), num_blocks=1024))
+    client.wait_ready(WAIT_S)
+    finals: list = []
+    send = client._send
+
+    def close_first(message):  # close() runs between the add's check and its send
+        if message[0] == "add":
+            client.close()
+        send(message)
+
+    client._send = close_first
+    try:
+        client.add_request("late", [1, 2], LONG, finals.append)
+    except StageError:
+        pass  # refused outright is fine too; being accepted and never ended is not
+    else:
+        assert [u.finish_reason for u in finals] == [FinishReason.ABORT]
+    with pytest.raises(StageError, match="closed"):
+        client.add_request("after", [1, 2], LONG, finals.append)
+
+
+def test_close_aborts_open_requests_in_process(tiny):
+    llm = LLM(str(tiny), num_blocks=1024, in_process=True)
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(out=llm.generate([[1, 2, 3]], LONG)))
+    thread.daemon = True
+    thread.start()
+    wait_running(llm)
+    llm.close()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert box["out"][0].finish_reason == "abort"
+
+
+# ---------------------------------------------------------------- signals and leaks
+
+
+def test_worker_ignores_sigint_and_sigterm(llm):
+    pid = llm._client.pid if isinstance(llm._client, StageClient) else None
+    if pid is None:
+        pytest.skip("no worker process in process")
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+    out = bounded(llm.generate, [[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_unreferenced_llm_stops_its_worker(tiny):
+    llm = LLM(str(tiny), num_blocks=64)
+    bounded(llm.generate, [[1, 2]], SamplingParams(max_tokens=2))
+    pid = llm._client.pid
+    del llm
+    gc.collect()
+    assert_gone(pid)
+
+
+def test_unreferenced_in_process_llm_stops_its_loop(tiny):
+    llm = LLM(str(tiny), num_blocks=64, in_process=True)
+    bounded(llm.generate, [[1, 2]], SamplingParams(max_tokens=2))
+    thread = llm._client._thread
+    del llm
+    gc.collect()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+def test_bad_prompt_at_index_k_submits_nothing(llm):
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        llm.generate([[1, 2, 3], [4, 5, 6], [1.5]], LONG)
+    assert_idle(llm)
+
+
+def test_stage_error_part_way_aborts_what_was_submitted(llm, monkeypatch):
+    add = llm._client.add_request
+    calls = []
+
+    def failing_third(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise StageError("stage is not running: injected")
+        add(*args)
+
+    monkeypatch.setattr(llm._client, "add_request", failing_third)
+    with pytest.raises(StageError, match="injected"):
+        bounded(llm.generate, [[1, 2, 3], [4, 5, 6], [7, 8]], LONG)
+    monkeypatch.undo()
+    assert_idle(llm)
+
+
+def test_rejection_part_way_aborts_the_others_at_once(llm):
+    with pytest.raises(ValueError, match="context limit of 2048 tokens"):
+        bounded(llm.generate, [[1, 2, 3], [4, 5, 6], [7] * 2048], LONG)
+    assert_idle(llm)
+
+
+def wait_running(llm: LLM) -> None:
+    event = threading.Event()
+    for _ in range(WAIT_S * 100):
+        stats = llm._client.stats
+        if stats is not None and stats.num_running:
+            return
+        event.wait(0.01)
+    pytest.fail("the request never started running")
+
+
+def with_suppressed_lookup(fn, *args) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        fn(*args)
