@@ -85,8 +85,12 @@ class SchedulerConfig:
         default=0,
         metadata=_help("token pipelining: draft tokens in flight per request (0 = off)"),
     )
-    draft_loops: int = field(
-        default=2, metadata=_help("token pipelining: loops after which a token drafts the next")
+    draft_loops: int | None = field(
+        default=None,
+        metadata=_help(
+            "token pipelining: loops after which a token drafts the next "
+            "(default: 2, or the model's loops - 1 when it has fewer than 3)"
+        ),
     )
     async_scheduling: bool = field(
         default=False,
@@ -102,6 +106,8 @@ class SchedulerConfig:
             raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "draft_loops"):
             value = getattr(self, name)
+            if name == "draft_loops" and value is None:
+                continue  # resolved against the model's loop count when the engine starts
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if self.wavefront_prefill and self.scheduling == "no_refill":
