@@ -6,11 +6,15 @@ flags (``--max-num-seqs`` from ``max_num_seqs``) and help texts from these datac
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING = ("refill", "no_refill")
 EXIT_MODES = ("gate", "delayed", "trace")
+# Device strings torch accepts for the backends this engine runs on (a type, optionally ":N");
+# checked here, torch-free, so a typo fails before a model is loaded.
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 
 
 def _help(text: str, **extra: object) -> dict:
@@ -32,6 +36,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(
+                f"device={self.device!r}: must be cpu, cuda, cuda:N, mps or xpu (a torch device)"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an int")
         if self.max_model_len is not None and self.max_model_len < 2:
