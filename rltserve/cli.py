@@ -68,13 +68,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def checked_engine_kwargs(args: argparse.Namespace) -> dict:
+def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     """``engine_kwargs`` after the cheap checks (config, checkpoint path, device): bad flags
-    fail here as usage errors, before a model loads. The chunk size is capped at the step's
-    token budget, as ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
+    fail here as usage errors, before a model loads. ``as_run`` overrides what the command
+    changes before it builds engines. The chunk size is capped at the step's token budget, as
+    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
     kw = engine_kwargs(args)
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
-    check_engine(kw)
+    check_engine({**kw, **as_run})
     return kw
 
 
@@ -155,7 +156,9 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     args.progress = progress_enabled(args.quiet)
-    report = run_offline_bench(args, checked_engine_kwargs(args))
+    # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
+    graphs = args.cuda_graphs and not args.compare
+    report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:

@@ -172,3 +172,28 @@ def test_bench_serve_against_nothing_says_it_waits_then_fails():
     assert "waiting up to 1 s for the server at http://127.0.0.1:1" in proc.stderr
     assert_fails(proc, 1, "no server ready at http://127.0.0.1:1 after 1 s")
     assert proc.stdout == ""
+
+
+def test_exit_codes_by_kind_of_failure():
+    from rltserve.cli import exit_code
+    from rltserve.core.stage import StageError
+    from rltserve.models import CheckpointError
+
+    assert exit_code(ValueError("bad flag")) == 2
+    assert exit_code(CheckpointError("weights do not load")) == 1  # a ValueError, but not input
+    assert exit_code(StageError("stage failed")) == 1
+    assert exit_code(ConnectionRefusedError()) == 1
+    assert exit_code(KeyError("a bug")) is None  # re-raised: its traceback is the report
+
+
+def test_bench_offline_compare_of_cuda_graphs_runs_eager_cells_on_a_cpu(ckpts):
+    """--cuda-graphs --compare picks graphs per cell, so the flag is no config error off CUDA
+    (scripts/gpu_check.sh smoke-tests itself this way)."""
+    proc = rltserve(
+        "bench", "offline", "--model", ckpts["ouro"], "--cuda-graphs", "--compare",
+        "--concurrency-list", "1", "--input-len", "4", "--output-len", "2", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert orjson.loads(proc.stdout)["graphs_compare"]["modes"] == ["eager"]
+    proc = rltserve("bench", "offline", "--model", ckpts["ouro"], "--cuda-graphs")
+    assert_fails(proc, 2, "cuda_graphs=True: needs a CUDA device")
