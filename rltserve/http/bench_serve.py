@@ -154,7 +154,7 @@ async def _wait_for_server(client: AsyncClient, config: BenchConfig) -> None:
     """Returns once the server is ready; says on stderr that it waits when it is not at once."""
     with contextlib.suppress(asyncio.TimeoutError):
         # Bounded: the client has no timeout, and a host that drops packets never answers.
-        if await asyncio.wait_for(client.health(), _FIRST_PROBE_S):
+        if await asyncio.wait_for(client.health(), min(_FIRST_PROBE_S, config.ready_timeout_s)):
             return
     print(
         f"waiting up to {config.ready_timeout_s:g} s for the server at {config.url} "
