@@ -20,6 +20,7 @@ from rltserve.core.engine import EngineCore
 from rltserve.models import load_model
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.naive import naive_generate
+from rltserve.progress import progress_bar
 from rltserve.sampling import SamplingParams
 
 
@@ -51,24 +52,39 @@ def _workload(num: int, input_len: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num)]
 
 
+def _show(args: argparse.Namespace) -> bool:
+    """Whether the run shows progress bars (set by the command; tests leave it unset)."""
+    return getattr(args, "progress", False)
+
+
 def run_engine(
-    model: LoopedModel, engine_kw: dict, prompts: list[list[int]], params: SamplingParams
+    model: LoopedModel,
+    engine_kw: dict,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    desc: str = "engine",
+    show: bool = False,
 ) -> dict[str, Any]:
     core = EngineCore(EngineConfig.from_flat(**engine_kw), model=model)
     for i, prompt in enumerate(prompts):
         core.add_request(f"b{i}", prompt, params)
     depths: list[int] = []
     tokens = 0
+    bar = progress_bar(len(prompts) * params.max_tokens, desc, show, unit="tok")
     start = time.perf_counter()
-    while core.has_work():
-        for update in core.step():
-            tokens += len(update.new_token_ids)
-            depths.extend(update.new_exit_depths)
+    with bar:
+        while core.has_work():
+            for update in core.step():
+                tokens += len(update.new_token_ids)
+                depths.extend(update.new_exit_depths)
+                bar.update(len(update.new_token_ids))
     elapsed = time.perf_counter() - start
     stats = core.stats()
     model_seconds = core.runner.model_seconds
     core.shutdown()
-    extra = {}
+    extra: dict[str, Any] = {}
+    if core.config.scheduler.speculative_tokens:
+        extra["draft_loops"] = core.config.scheduler.draft_loops  # the model's default if unset
     if stats.drafts_checked:
         extra["draft_acceptance"] = round(1 - stats.drafts_rejected / stats.drafts_checked, 3)
     if core.runner.graphs is not None:  # how much of the run the CUDA graphs covered
@@ -87,16 +103,15 @@ def run_engine(
 
 def run_pipelining_compare(model: LoopedModel, engine_kw: dict, args: argparse.Namespace) -> dict:
     """Token pipelining vs block mode (greedy, full depth) at concurrency 1 and 8."""
-    out: dict[str, Any] = {
-        "speculative_tokens": engine_kw["speculative_tokens"],
-        "draft_loops": engine_kw["draft_loops"],
-    }
+    out: dict[str, Any] = {"speculative_tokens": engine_kw["speculative_tokens"]}
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     for concurrency in (1, 8):
         prompts = _workload(concurrency, args.input_len, model.spec.vocab_size, seed=concurrency)
         kw = {**engine_kw, "max_num_seqs": concurrency}
-        block = run_engine(model, {**kw, "speculative_tokens": 0}, prompts, params)
-        piped = run_engine(model, kw, prompts, params)
+        no_spec = {**kw, "speculative_tokens": 0}
+        block = run_engine(model, no_spec, prompts, params, f"c{concurrency} block", _show(args))
+        piped = run_engine(model, kw, prompts, params, f"c{concurrency} pipelined", _show(args))
+        out["draft_loops"] = piped["draft_loops"]
         out[str(concurrency)] = {
             "block": block,
             "pipelined": piped,
@@ -128,7 +143,9 @@ def run_graphs_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
                 params = SamplingParams(
                     max_tokens=args.output_len, ignore_eos=True, exit_threshold=q
                 )
-                row[f"{mode}_q{q}"] = run_engine(model, kw, prompts, params)
+                row[f"{mode}_q{q}"] = run_engine(
+                    model, kw, prompts, params, f"c{concurrency} {mode} q{q}", _show(args)
+                )
                 _release_device_memory()
         for mode in modes:
             if args.exit_threshold != 1.0:
@@ -153,19 +170,23 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_naive(model: LoopedModel, prompts: list[list[int]], params: SamplingParams) -> dict:
+def run_naive(
+    model: LoopedModel, prompts: list[list[int]], params: SamplingParams, show: bool = False
+) -> dict:
     tokens = 0
     start = time.perf_counter()
-    for prompt in prompts:
-        out, _ = naive_generate(
-            model,
-            prompt,
-            params.max_tokens,
-            max_loops=params.max_loops,
-            exit_threshold=params.exit_threshold,
-            min_loops=params.min_loops,
-        )
-        tokens += len(out)
+    with progress_bar(len(prompts), "naive", show, unit="req") as bar:
+        for prompt in prompts:
+            out, _ = naive_generate(
+                model,
+                prompt,
+                params.max_tokens,
+                max_loops=params.max_loops,
+                exit_threshold=params.exit_threshold,
+                min_loops=params.min_loops,
+            )
+            tokens += len(out)
+            bar.update()
     elapsed = time.perf_counter() - start
     return {
         "output_tokens": tokens,
@@ -214,7 +235,8 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if engine_kw["cuda_graphs"] and args.compare:
         report["graphs_compare"] = run_graphs_compare(model, engine_kw, args)
         return report
-    main = run_engine(model, engine_kw, prompts, params)
+    show = _show(args)
+    main = run_engine(model, engine_kw, prompts, params, engine_kw["scheduling"], show)
     report[engine_kw["scheduling"]] = main
     report.update(
         flop_bound(
@@ -224,13 +246,13 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if not args.compare:
         return report
     other = "no_refill" if engine_kw["scheduling"] == "refill" else "refill"
-    report[other] = run_engine(model, {**engine_kw, "scheduling": other}, prompts, params)
+    other_kw = {**engine_kw, "scheduling": other}
+    report[other] = run_engine(model, other_kw, prompts, params, other, show)
     full_params = params.replace(exit_threshold=1.0)
-    report["full_depth"] = run_engine(
-        model, {**engine_kw, "scheduling": "refill"}, prompts, full_params
-    )
+    refill_kw = {**engine_kw, "scheduling": "refill"}
+    report["full_depth"] = run_engine(model, refill_kw, prompts, full_params, "full depth", show)
     naive_prompts = prompts[: min(len(prompts), 8)]
-    report["naive"] = run_naive(model, naive_prompts, params)
+    report["naive"] = run_naive(model, naive_prompts, params, show)
     refill = report["refill"]
     report["ratios"] = {
         "refill_vs_no_refill": _ratio(refill, report["no_refill"]),
@@ -243,7 +265,13 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     return report
 
 
-def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams) -> dict:
+def run_stage(
+    engine_kw: dict,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    desc: str = "stage",
+    show: bool = False,
+) -> dict:
     """The workload through a spawned stage (engine loop, executor thread, IPC) with the front
     end's per-token work (incremental detokenization) in this process."""
     from rltserve.core.stage import StageClient
@@ -252,6 +280,7 @@ def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams)
 
     tokenizer = load_tokenizer(engine_kw["model"])
     client = StageClient(EngineConfig.from_flat(**engine_kw))
+    bar = progress_bar(len(prompts), desc, show, unit="req")
     try:
         client.wait_ready(300)
         done = threading.Event()
@@ -262,6 +291,7 @@ def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams)
             def sink(update) -> None:
                 asm.add(update)
                 if update.finish_reason is not None:
+                    bar.update()
                     with lock:
                         left[0] -= 1
                         if left[0] == 0:
@@ -278,6 +308,7 @@ def run_stage(engine_kw: dict, prompts: list[list[int]], params: SamplingParams)
         elapsed = time.perf_counter() - start
         stats = client.stats
     finally:
+        bar.close()
         client.close()
 
     def since(name: str) -> float:  # the counter's growth during the run
@@ -308,7 +339,9 @@ def run_async_compare(engine_kw: dict, args: argparse.Namespace, vocab: int) -> 
         row = {}
         for mode in (False, True):
             kw = {**engine_kw, "max_num_seqs": concurrency, "async_scheduling": mode}
-            row["async" if mode else "sync"] = run_stage(kw, prompts, params)
+            name = "async" if mode else "sync"
+            desc = f"c{concurrency} {name}"
+            row[name] = run_stage(kw, prompts, params, desc, _show(args))
         row["async_vs_sync"] = _ratio(row["async"], row["sync"])
         out[str(concurrency)] = row
     return out

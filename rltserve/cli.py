@@ -2,6 +2,10 @@
 
 Engine flags are derived from the config dataclasses (``--max-num-seqs`` from
 ``SchedulerConfig.max_num_seqs``), so names and help texts have one source.
+
+Exit codes: 0 done, 1 a failure at run time (a checkpoint that does not load, a stage that
+does not start, a port in use, no server to benchmark), 2 bad input (flags, paths, devices).
+Either way the failure is one line on stderr, ``rltserve: error: ...``.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
+from rltserve.preflight import check_engine, check_output_dir
+from rltserve.progress import progress_enabled, watch_dir_growth
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
@@ -45,12 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     help=f.metadata.get("help", ""),
                 )
                 continue
+            default = "" if f.default is None else f" (default: {f.default})"
             group.add_argument(
                 flag,
                 dest=f.name,
                 type=_flag_type(f, hints),
                 default=f.default,
-                help=f"{f.metadata.get('help', '')} (default: {f.default})",
+                help=f.metadata.get("help", "") + default,
             )
 
 
@@ -58,6 +66,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)
     }
+
+
+def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
+    """``engine_kwargs`` after the cheap checks (config, checkpoint path, device): bad flags
+    fail here as usage errors, before a model loads. ``as_run`` overrides what the command
+    changes before it builds engines. The chunk size is capped at the step's token budget, as
+    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
+    kw = engine_kwargs(args)
+    kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
+    check_engine({**kw, **as_run})
+    return kw
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -94,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling_from_args(args)
     prompts = args.prompt or ["Hello"]
-    with LLM(**engine_kwargs(args)) as llm:
+    with LLM(**checked_engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params)
     for out in outputs:
         if args.json:
@@ -133,7 +152,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from rltserve.bench import run_offline_bench
 
-    report = run_offline_bench(args, engine_kwargs(args))
+    for name in ("num_prompts", "input_len", "output_len", "concurrency"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    args.progress = progress_enabled(args.quiet)
+    # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
+    graphs = args.cuda_graphs and not args.compare
+    report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -142,12 +167,31 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from rltserve.models.presets import get_preset, run_make_model
+
+    out: Path = args.out
+    check_output_dir(out, args.force)
+    spec = get_preset(args.preset)
+    itemsize = spec.dtype.itemsize
+    total = sum(itemsize * _numel(shape) for shape in spec.tensor_shapes().values())
+    with watch_dir_growth(out, total, f"{spec.name} weights", progress_enabled(args.quiet)):
+        return run_make_model(args)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rltserve.models.presets import add_make_model_args, run_make_model
+    from rltserve.models.presets import add_make_model_args
 
     parser = argparse.ArgumentParser(prog="rltserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="write a random checkpoint of a preset shape")
     add_make_model_args(mm)
-    mm.set_defaults(func=run_make_model)
+    mm.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    mm.set_defaults(func=cmd_make_model)
 
     info = sub.add_parser("info", help="versions and available backends")
     info.set_defaults(func=cmd_info)
@@ -196,20 +241,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=[8, 32, 128],
         help="prefill chunk sizes of the wavefront comparison (default 8,32,128)",
     )
-    off.add_argument("--json", action="store_true")
+    off.add_argument("--json", action="store_true", help="print the report as JSON")
+    off.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     add_engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
     add_bench_serve_parser(bench_sub)
     return parser
 
 
+def exit_code(exc: BaseException) -> int | None:
+    """2 for bad input, 1 for a failure at run time, None for anything else (a bug: its
+    traceback is kept)."""
+    # CheckpointError is a ValueError, but the checkpoint path was checked before loading: what
+    # is left is a file that does not load. Not imported here (it pulls in torch); an instance
+    # can only exist once its module is loaded.
+    loader = sys.modules.get("rltserve.models.loader")
+    if loader is not None and isinstance(exc, loader.CheckpointError):
+        return 1
+    if isinstance(exc, ValueError):
+        return 2
+    if isinstance(exc, (OSError, RuntimeError)):  # StageError, torch, sockets, files
+        return 1
+    return None
+
+
+def one_line(message: str) -> str:
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("rltserve: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None:
+            raise
+        print(f"rltserve: error: {one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

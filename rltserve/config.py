@@ -6,11 +6,15 @@ flags (``--max-num-seqs`` from ``max_num_seqs``) and help texts from these datac
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING = ("refill", "no_refill")
 EXIT_MODES = ("gate", "delayed", "trace")
+# Device strings torch accepts for the backends this engine runs on (a type, optionally ":N");
+# checked here, torch-free, so a typo fails before a model is loaded.
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 
 
 def _help(text: str, **extra: object) -> dict:
@@ -32,6 +36,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(
+                f"device={self.device!r}: must be cpu, cuda, cuda:N, mps or xpu (a torch device)"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an int")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -85,8 +93,12 @@ class SchedulerConfig:
         default=0,
         metadata=_help("token pipelining: draft tokens in flight per request (0 = off)"),
     )
-    draft_loops: int = field(
-        default=2, metadata=_help("token pipelining: loops after which a token drafts the next")
+    draft_loops: int | None = field(
+        default=None,
+        metadata=_help(
+            "token pipelining: loops after which a token drafts the next "
+            "(default: 2, or the model's loops - 1 when it has fewer than 3)"
+        ),
     )
     async_scheduling: bool = field(
         default=False,
@@ -102,6 +114,8 @@ class SchedulerConfig:
             raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "draft_loops"):
             value = getattr(self, name)
+            if name == "draft_loops" and value is None:
+                continue  # resolved against the model's loop count when the engine starts
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if self.wavefront_prefill and self.scheduling == "no_refill":

@@ -40,7 +40,7 @@ class LLM:
         async_scheduling: bool = False,
         wavefront_prefill: bool = False,
         speculative_tokens: int = 0,
-        draft_loops: int = 2,
+        draft_loops: int | None = None,
         num_blocks: int | None = None,
         block_size: int = 16,
         seed: int = 0,

@@ -16,7 +16,9 @@ class SamplingParams:
 
     Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
-    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``.
+    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. ``trace_depths`` (benchmarks
+    and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
+    output token, each within ``[min_loops, max_loops]``.
     """
 
     max_tokens: int = 16
@@ -94,6 +96,8 @@ class SamplingParams:
         _check_int(self, "min_tokens")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         _check_int(self, "min_loops")
         if self.min_loops < 1:
             raise bad("min_loops", "must be >= 1")
@@ -114,9 +118,15 @@ class SamplingParams:
         if self.init_state not in INIT_STATES:
             raise bad("init_state", f"must be one of {INIT_STATES}")
         if self.trace_depths is not None:
+            # A replayed depth obeys the same loop bounds as a gate's exit would.
+            top = self.max_loops
             for d in self.trace_depths:
-                if not isinstance(d, int) or d < 1:
+                if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                     raise bad("trace_depths", "must be ints >= 1")
+                if d < self.min_loops:
+                    raise bad("trace_depths", f"depth {d} is below min_loops ({self.min_loops})")
+                if top is not None and d > top:
+                    raise bad("trace_depths", f"depth {d} is above max_loops ({top})")
 
     @property
     def greedy(self) -> bool:

@@ -112,7 +112,9 @@ def test_exit_modes_match_oracle(ckpts, ouro_ref, exit_mode):
     prompts, params = _mixed_workload(10, seed=7, thresholds=(0.3, 0.5, 0.7))
     if exit_mode == "trace":
         rng = random.Random(1)
-        params = [p.replace(trace_depths=[rng.randint(1, 4) for _ in range(12)]) for p in params]
+        params = [
+            p.replace(trace_depths=[rng.randint(p.min_loops, 4) for _ in range(12)]) for p in params
+        ]
     core = make_core(ckpts["ouro"], exit_mode=exit_mode)
     run = run_core(core, prompts, params)
     _check_against_oracle(ouro_ref, run, prompts, params, "last_exited", exit_mode)

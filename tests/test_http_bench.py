@@ -53,16 +53,16 @@ def test_summary_follows_the_serving_definitions():
 
 
 def test_arrivals_and_prompts_are_seeded():
-    config = BenchConfig(url="x", num_prompts=2000, request_rate=50.0, seed=3, input_len=8)
+    config = BenchConfig(url="http://x", num_prompts=2000, request_rate=50.0, seed=3, input_len=8)
     gaps = arrival_gaps(config)
     assert gaps == arrival_gaps(config) and gaps[0] == 0.0
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson at 50 req/s
-    assert arrival_gaps(BenchConfig(url="x", num_prompts=3)) == [0.0, 0.0, 0.0]
+    assert arrival_gaps(BenchConfig(url="http://x", num_prompts=3)) == [0.0, 0.0, 0.0]
     prompts = random_prompts(config, 512)
     assert prompts == random_prompts(config, 512)
     assert all(len(p) == 8 and all(0 <= t < 512 for t in p) for p in prompts)
     with pytest.raises(ValueError, match="request_rate"):
-        BenchConfig(url="x", request_rate=0)
+        BenchConfig(url="http://x", request_rate=0)
 
 
 async def test_short_run_against_a_server(tmp_path_factory):

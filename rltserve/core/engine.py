@@ -13,7 +13,7 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import RequestUpdate, Scheduler
 from rltserve.models import load_model, read_config
-from rltserve.models.base import LoopedModel
+from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +64,11 @@ class EngineInfo:
     kv_policy: str
 
 
+def _draft_loops(spec: LoopedSpec) -> int:
+    """Default draft depth of token pipelining: 2 loops, fewer on a model of 2 loops."""
+    return max(1, min(2, spec.num_loops - 1))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoopedModel | None = None) -> None:
         self.config = config
@@ -86,6 +91,11 @@ class EngineCore:
         self.model = model
         spec = model.spec
         self.spec = spec
+        if config.scheduler.draft_loops is None:
+            config = replace(
+                config, scheduler=replace(config.scheduler, draft_loops=_draft_loops(spec))
+            )
+            self.config = config
         self.policy = KVPolicy.parse(config.cache.kv_policy)
         if self.policy.kind == "ring" and spec.family != "huginn_raven":
             raise ValueError(f"kv_policy={config.cache.kv_policy!r}: ring:K is for Huginn only")
@@ -93,7 +103,9 @@ class EngineCore:
             if config.scheduler.draft_loops >= spec.num_loops:
                 raise ValueError(
                     f"draft_loops={config.scheduler.draft_loops}: must be below the model's "
-                    f"{spec.num_loops} loops"
+                    f"{spec.num_loops} loops (at most {spec.num_loops - 1}; unset picks a default)"
+                    if spec.num_loops > 1
+                    else "speculative_tokens: token pipelining needs a model of 2 loops or more"
                 )
             if not self.policy.per_depth or spec.num_boundary_layers:
                 raise ValueError(
@@ -190,6 +202,11 @@ class EngineCore:
         sched = self.config.scheduler
         if sched.exit_mode == "trace" and params.trace_depths is None:
             raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
+        if sched.exit_mode != "trace" and params.trace_depths is not None:
+            raise ValueError(
+                f"trace_depths: only for an engine with exit_mode='trace' (this one runs "
+                f"exit_mode={sched.exit_mode!r})"
+            )
         gated = sched.exit_mode == "gate" and spec.has_gate and params.adaptive_exit
         if sched.async_scheduling and gated:
             raise ValueError(
@@ -198,6 +215,11 @@ class EngineCore:
                 "gate rule would make every step wait for the previous one"
             )
         cap = params.max_loops or spec.num_loops
+        if params.trace_depths and max(params.trace_depths) > cap:
+            raise ValueError(
+                f"trace_depths: depth {max(params.trace_depths)} is above the request's "
+                f"{cap} loops at most"
+            )
         num_loops = max(spec.num_loops, cap) if spec.has_gate else cap
         seed = params.seed
         if seed is None:

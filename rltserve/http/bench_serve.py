@@ -15,18 +15,21 @@ percentile).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from rltserve.client import APIError, AsyncClient
+from rltserve.progress import progress_bar
 
 _FALLBACK_VOCAB = 1000  # servers whose model card has no vocab_size
-_PROGRESS_WIDTH = 30
+_FIRST_PROBE_S = 5.0  # the first readiness probe; a longer wait is announced on stderr
 _SECTIONS = (
     ("ttft", "Time to First Token"),
     ("tpot", "Time per Output Token (excl. 1st token)"),
@@ -53,6 +56,7 @@ class BenchConfig:
     ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
 
     def __post_init__(self) -> None:
+        _check_url(self.url)
         for name in ("num_prompts", "input_len", "output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -62,6 +66,23 @@ class BenchConfig:
             raise ValueError(f"burstiness={self.burstiness}: must be > 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency}: must be >= 1")
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
+
+
+def _check_url(url: str) -> None:
+    why = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"url={url!r}: {why} ({exc})") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url={url!r}: {why}")
+
+
+class ServerNotReadyError(ConnectionError):
+    """No server answered ready at the URL within the wait."""
 
 
 @dataclass
@@ -129,45 +150,52 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
     return result
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.done = total, enabled, 0
-        self.start = time.perf_counter()
-
-    def step(self) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = _PROGRESS_WIDTH * self.done // self.total
-            bar = "#" * filled + "." * (_PROGRESS_WIDTH - filled)
-            elapsed = time.perf_counter() - self.start
-            end = "\n" if self.done == self.total else ""
-            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:6.1f}s{end}")
-            sys.stderr.flush()
+async def _wait_for_server(client: AsyncClient, config: BenchConfig) -> None:
+    """Returns once the server is ready; says on stderr that it waits when it is not at once."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        # Bounded: the client has no timeout, and a host that drops packets never answers.
+        if await asyncio.wait_for(client.health(), min(_FIRST_PROBE_S, config.ready_timeout_s)):
+            return
+    print(
+        f"waiting up to {config.ready_timeout_s:g} s for the server at {config.url} "
+        "(--wait-timeout) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    wait = config.ready_timeout_s
+    try:
+        await asyncio.wait_for(client.wait_ready(timeout=wait, interval=0.25), wait)
+    except (APIError, asyncio.TimeoutError) as exc:
+        raise ServerNotReadyError(
+            f"no server ready at {config.url} after {config.ready_timeout_s:g} s "
+            "(is `rltserve serve` running there?)"
+        ) from exc
 
 
 async def run_bench(config: BenchConfig) -> dict:
     async with AsyncClient(config.url, config.api_key, timeout=None, max_connections=0) as client:
-        await client.wait_ready(timeout=config.ready_timeout_s)
+        await _wait_for_server(client, config)
         cards = await client.models()
         vocab = int(cards[0].get("vocab_size") or _FALLBACK_VOCAB) if cards else _FALLBACK_VOCAB
         prompts = random_prompts(config, vocab)
         gaps = arrival_gaps(config)
         limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
-        progress = _Progress(config.num_prompts, config.progress)
+        progress = progress_bar(config.num_prompts, "requests", config.progress, unit="req")
 
         async def limited(prompt: list[int]) -> RequestResult:
             async with limit:
                 result = await _one(client, config, prompt)
-            progress.step()
+            progress.update()
             return result
 
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps):
-            if gap > 0:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt)))
-        results = await asyncio.gather(*tasks)
+        with progress:
+            for prompt, gap in zip(prompts, gaps):
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                tasks.append(asyncio.create_task(limited(prompt)))
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return summarize(config, results, duration)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import sys
 import types
 import typing
 
@@ -74,16 +73,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rltserve.cli import engine_kwargs
+    from rltserve.cli import checked_engine_kwargs
     from rltserve.config import EngineConfig
     from rltserve.http.config import ServerConfig
     from rltserve.http.server import run_server
+    from rltserve.preflight import check_listen_address, check_tls_files
 
+    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
+    engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
+    check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
+    check_listen_address(server_config.host, server_config.port)  # before the model loads
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
-    engine_config = EngineConfig.from_flat(**engine_kwargs(args))
     return run_server(server_config, engine_config)
 
 
@@ -111,8 +113,16 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--exit-threshold", type=float, default=None)
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the server to be ready, e.g. while it loads (default: 600)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--quiet", "--no-progress", action="store_true", help="no progress bar on stderr"
+    )
     parser.set_defaults(func=cmd_bench_serve)
     return parser
 
@@ -123,7 +133,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     import orjson
 
+    from rltserve.client import APIError
     from rltserve.http.bench_serve import BenchConfig, format_report, run_bench
+    from rltserve.progress import progress_enabled
 
     config = BenchConfig(
         url=args.url,
@@ -138,9 +150,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         temperature=args.temperature,
         exit_threshold=args.exit_threshold,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=progress_enabled(args.quiet),
+        ready_timeout_s=args.wait_timeout,
     )
-    report = asyncio.run(run_bench(config))
+    try:
+        report = asyncio.run(run_bench(config))
+    except APIError as exc:  # e.g. 401 without the right key: one line, exit 1
+        raise RuntimeError(f"{config.url}: {exc}") from exc
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:

@@ -1,0 +1,7 @@
+"""``python -m rltserve``: the ``rltserve`` command."""
+
+import sys
+
+from rltserve.cli import main
+
+sys.exit(main())

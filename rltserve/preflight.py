@@ -1,0 +1,104 @@
+"""Checks of command-line input made before a model loads or a stage starts.
+
+A bad flag then fails at once as a usage error (``ValueError``, exit code 2) instead of as a
+failed start seconds later. Only cheap facts are checked here (paths, device presence, name
+resolution); whether a checkpoint's contents load is the loader's business.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+from pathlib import Path
+
+from rltserve.config import EngineConfig
+
+
+def check_checkpoint_dir(model: str | None) -> None:
+    """``model`` names a directory with a config.json (None: the built-in demo model)."""
+    if model is None:
+        return
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"--model {model}: no such checkpoint directory")
+    if not path.is_dir():
+        raise ValueError(f"--model {model}: is a file; pass the checkpoint's directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model}: has no config.json, so it is not a checkpoint")
+
+
+def check_device(device: str) -> None:
+    """The backend of ``device`` is present (its syntax is ModelConfig's check). Imports torch
+    only for a device other than the CPU."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            why = "no CUDA device found" if torch.version.cuda else "torch built without CUDA"
+            raise ValueError(f"--device {device}: CUDA is not available ({why})")
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            raise ValueError(f"--device {device}: there are {count} CUDA device(s)")
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available")
+    elif kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise ValueError(f"--device {device}: XPU is not available")
+
+
+def check_engine(engine_kw: dict) -> EngineConfig:
+    """The engine flags build a valid config, name a checkpoint and a present device."""
+    config = EngineConfig.from_flat(**engine_kw)  # ValueError naming the field
+    check_checkpoint_dir(config.model.model)
+    check_device(config.model.device)
+    return config
+
+
+def check_output_dir(out: Path, force: bool) -> None:
+    """``out`` is a writable directory ``make-model`` may fill: not a file, empty unless
+    ``force``. Creates it (as the command would next)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a directory")
+    if out.is_dir() and not force and any(out.iterdir()):
+        raise ValueError(f"--out {out}: is not empty (use --force to replace it)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create it ({exc.strerror})") from exc
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: is not writable")
+
+
+def check_tls_files(certfile: str | None, keyfile: str | None) -> None:
+    """The certificate and key exist and load as a pair (ServerConfig checks both or none)."""
+    if certfile is None or keyfile is None:
+        return
+    for flag, name in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not Path(name).is_file():
+            raise ValueError(f"{flag} {name}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load them ({exc})") from exc
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """``host`` resolves (else ValueError) and ``host:port`` can be bound now (else OSError:
+    the port is taken, or needs privileges). Port 0 picks a free port and is not tried."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot be resolved ({exc.strerror})") from exc
+    if port == 0:
+        return
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # As the server binds: address reuse on, so a port in TIME_WAIT is not "in use".
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc

@@ -1,0 +1,68 @@
+"""Progress bars for the commands people wait on (``make-model``, the benchmarks).
+
+Bars go to stderr, so a ``--json`` report on stdout stays parseable, and only when a person is
+watching: never with ``--quiet`` and never when stderr is not a terminal (a pipe, a log file, a
+test). The server's request path has none.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+_POLL_S = 0.25  # how often a watched directory's size is read
+
+
+def progress_enabled(quiet: bool = False) -> bool:
+    return not quiet and sys.stderr.isatty()
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it") -> tqdm:
+    """A bar on stderr; a no-op object when ``enabled`` is False."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=not enabled,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+        unit_scale=unit == "B",
+    )
+
+
+def _dir_bytes(path: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:  # not created yet, or a file replaced while listed
+        return 0
+
+
+@contextmanager
+def watch_dir_growth(path: Path, total_bytes: int, desc: str, enabled: bool) -> Iterator[None]:
+    """Shows the bytes written into directory ``path`` (up to ``total_bytes``) while the body
+    runs: progress of a writer that reports none, observed from outside."""
+    if not enabled:
+        yield
+        return
+    bar = progress_bar(total_bytes, desc, True, unit="B")
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(_POLL_S):
+            bar.n = min(_dir_bytes(path), total_bytes)
+            bar.refresh()
+
+    thread = threading.Thread(target=poll, name="rltserve-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()

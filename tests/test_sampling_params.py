@@ -1,0 +1,71 @@
+"""Request settings that cannot hold together are rejected with a ValueError naming the field:
+min_tokens above max_tokens, trace depths outside the loop bounds or in an engine that does not
+replay traces; token pipelining's draft depth defaults to one that fits the model."""
+
+from __future__ import annotations
+
+import pytest
+from builders import build_nanbeige_tiny
+from engine_util import make_core, run_core
+
+from rltserve.sampling import SamplingParams
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match=r"min_tokens=5: must be <= max_tokens \(3\)"):
+        SamplingParams(max_tokens=3, min_tokens=5)
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"min_loops": 2, "trace_depths": [2, 1]}, r"depth 1 is below min_loops \(2\)"),
+        ({"max_loops": 3, "trace_depths": [3, 4]}, r"depth 4 is above max_loops \(3\)"),
+        ({"trace_depths": [1, 0]}, "must be ints >= 1"),
+        ({"trace_depths": [True]}, "must be ints >= 1"),
+    ],
+)
+def test_trace_depths_outside_the_loop_bounds_are_rejected(kw, message):
+    with pytest.raises(ValueError, match=r"trace_depths=.*" + message):
+        SamplingParams(**kw)
+
+
+def test_trace_depths_are_rejected_outside_trace_mode(ouro_rv1):
+    traced = SamplingParams(max_tokens=2, exit_threshold=0.5, trace_depths=[4, 4])
+    for mode in ("gate", "delayed"):
+        core = make_core(ouro_rv1, exit_mode=mode)
+        with pytest.raises(ValueError, match=f"only for an engine with exit_mode='trace'.*{mode}"):
+            core.add_request("r", [1, 2, 3], traced)
+        assert not core.has_work()  # nothing half-added
+
+
+def test_trace_depths_above_the_models_loops_are_rejected(ouro_rv1):
+    core = make_core(ouro_rv1, exit_mode="trace")
+    with pytest.raises(ValueError, match="depth 5 is above the request's 4 loops"):
+        core.add_request("r", [1, 2], SamplingParams(max_tokens=2, trace_depths=[2, 5]))
+    capped = SamplingParams(max_tokens=2, max_loops=2, trace_depths=[1, 2])
+    run = run_core(core, [[1, 2]], [capped])
+    assert run.depths["r0"] == [1, 2]
+
+
+def test_trace_depths_honour_min_loops(ouro_rv1):
+    core = make_core(ouro_rv1, exit_mode="trace")
+    params = SamplingParams(max_tokens=3, min_loops=2, ignore_eos=True, trace_depths=[2, 3, 4])
+    assert run_core(core, [[5, 6, 7]], [params]).depths["r0"] == [2, 3, 4]
+
+
+def test_draft_loops_default_fits_a_two_loop_model(tmp_path):
+    path = build_nanbeige_tiny(tmp_path / "nanbeige")
+    prompts = [[3, 4, 5], [9, 8]]
+    params = [SamplingParams(max_tokens=5, ignore_eos=True)] * 2
+    piped_core = make_core(path, speculative_tokens=1)
+    assert piped_core.config.scheduler.draft_loops == 1
+    piped = run_core(piped_core, prompts, params)
+    assert piped.tokens == run_core(make_core(path), prompts, params).tokens
+    with pytest.raises(ValueError, match="draft_loops=2: must be below the model's 2 loops"):
+        make_core(path, speculative_tokens=1, draft_loops=2)
+
+
+def test_draft_loops_default_stays_two_on_a_four_loop_model(ouro_rv1):
+    assert make_core(ouro_rv1, speculative_tokens=1).config.scheduler.draft_loops == 2
