@@ -125,3 +125,46 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(
     assert pipe.getvalue() == ""
     load_model(path, progress=True)  # asked for explicitly
     assert "loading weights" in pipe.getvalue()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_read_concat_equals_cat_of_the_stored_tensors(tmp_path: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    from rltserve.models.weight_file import extents, read_concat
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 5, generator=gen).to(dtype)
+    b = torch.randn(4, 5, generator=gen).to(dtype)
+    c = torch.randn(1, 5, generator=gen).to(dtype)
+    save_file({"a": a, "odd": torch.ones(3, dtype=torch.float64)}, str(tmp_path / "x.safetensors"))
+    save_file({"b": b, "c": c}, str(tmp_path / "y.safetensors"))
+    places = {**extents(tmp_path / "x.safetensors"), **extents(tmp_path / "y.safetensors")}
+    got = read_concat([places["b"], places["a"], places["c"]], dtype)
+    assert got.dtype == dtype and torch.equal(got, torch.cat([b, a, c]))
+    # A truncated file is an error, not silently short data.
+    data = (tmp_path / "y.safetensors").read_bytes()
+    (tmp_path / "y.safetensors").write_bytes(data[:-8])
+    with pytest.raises(OSError, match="file ends at byte"):
+        read_concat([places["b"], places["c"]], dtype)
+
+
+def test_fused_parameters_read_directly_equal_the_mapped_path(tmp_path: Path) -> None:
+    # float32 checkpoint loaded as float32 reads fused q/k/v and gate/up with preadv; as
+    # bfloat16 it casts from the mapping. Both hold the checkpoint's values.
+    path = write_checkpoint(tmp_path / "n", NANBEIGE_TINY, random_tensors(NANBEIGE_TINY), shards=2)
+    direct = load_model(path, dtype="float32", progress=False)
+    cast = load_model(path, dtype="bfloat16", progress=False)
+    for name, p in direct.state_dict().items():
+        assert torch.equal(p.to(torch.bfloat16), cast.state_dict()[name]), name
+    layer = direct.model.layers[0]
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({n: f.get_tensor(n) for n in f.keys()})  # noqa: SIM118
+    prefix = "model.layers.0.self_attn."
+    want = torch.cat([tensors[prefix + f"{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, want)

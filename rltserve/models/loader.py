@@ -10,7 +10,8 @@ Invariants:
   requested dtype on the target device, and assigned into a module built on the ``meta`` device
   without initialisation (``layers.Embedding``), so no weight is ever allocated twice. A tensor
   whose dtype and device already match stays a view of the mapped file (pages are read when first
-  touched); fused parameters (q/k/v, gate/up) are one copy straight from the mapping.
+  touched). Fused parameters (q/k/v, gate/up) are one copy: read with ``preadv`` into their
+  buffer when the stored dtype is the target one (``weight_file``), else cast from the mapping.
 - Loading a large checkpoint (``PROGRESS_MIN_BYTES`` or ``PROGRESS_MIN_FILES`` shards) shows a
   progress bar on stderr when stderr is a terminal; ``progress=False`` turns it off.
 - Tied copies (Huginn's ``lm_head.weight``) must equal their source and are then dropped: the
@@ -30,6 +31,7 @@ from safetensors import safe_open
 
 from rltserve.models.base import LoopedModel
 from rltserve.models.registry import Family, get_family
+from rltserve.models.weight_file import Extent, extents, read_concat
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,6 +46,7 @@ DTYPES = {
     "fp16": torch.float16,
 }
 ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 PROGRESS_MIN_BYTES = 1 << 30
 PROGRESS_MIN_FILES = 4
 _MAX_LISTED = 20  # names listed per category in a CheckpointError
@@ -195,6 +198,8 @@ def load_model(
         handles: dict[str, Any] = {}  # tensor name -> open safe_open handle
         found: dict[str, tuple[int, ...]] = {}
         nbytes: dict[str, int] = {}
+        stored: dict[str, str] = {}  # tensor name -> safetensors dtype
+        places: dict[str, Extent] = {}
         bad_dtypes: list[str] = []
         files = _weight_files(root)
         for file in files:
@@ -204,6 +209,7 @@ def load_model(
                 slices = {n: f.get_slice(n) for n in names}
                 shapes = {n: tuple(sl.get_shape()) for n, sl in slices.items()}
                 dtypes = {n: sl.get_dtype() for n, sl in slices.items()}
+                places.update(extents(file))
             except Exception as exc:  # safetensors raises its own error types for bad headers
                 raise CheckpointError(f"{file}: corrupt or unreadable safetensors ({exc})") from exc
             for name in names:
@@ -212,6 +218,7 @@ def load_model(
                 if name in handles:
                     raise CheckpointError(f"{file}: tensor {name!r} is also in another file")
                 handles[name], found[name] = f, shapes[name]
+                stored[name] = dtypes[name]
                 size = ST_ITEMSIZE.get(dtypes[name], 1)
                 nbytes[name] = size * int(torch.Size(shapes[name]).numel())
                 if dtypes[name] not in FLOAT_DTYPES:
@@ -228,13 +235,21 @@ def load_model(
         needed = sum(nbytes[s] for sources in sources_of.values() for s in sources)
         bar = _progress_bar(needed, len(files), progress)
         try:
+            direct_ok = target_device.type == "cpu"
+            want = ST_NAMES[target_dtype]
             for param, sources in sources_of.items():
-                parts = [
-                    handles[s].get_tensor(s).to(device=target_device, dtype=target_dtype)
-                    for s in sources
-                ]
-                state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-                del parts
+                if direct_ok and len(sources) > 1 and all(stored[s] == want for s in sources):
+                    try:
+                        state[param] = read_concat([places[s] for s in sources], target_dtype)
+                    except OSError as exc:
+                        raise CheckpointError(f"{root}: reading {param}: {exc}") from exc
+                else:
+                    parts = [
+                        handles[s].get_tensor(s).to(device=target_device, dtype=target_dtype)
+                        for s in sources
+                    ]
+                    state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                    del parts
                 if bar is not None:
                     bar.update(sum(nbytes[s] for s in sources))
         finally:
