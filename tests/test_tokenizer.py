@@ -51,7 +51,7 @@ def test_round_trip(toks: dict[str, Tokenizer], name: str) -> None:
 
 def test_ouro_specials_and_stop_ids(toks: dict[str, Tokenizer]) -> None:
     tok = toks["ouro-tiny"]
-    vocab = tok.hf.get_vocab()
+    vocab = tok.get_vocab()
     assert (vocab["<|endoftext|>"], vocab["<|im_start|>"], vocab["<|im_end|>"]) == (0, 1, 2)
     assert {"<think>", "</think>"} <= set(vocab)
     assert {0, 2} <= set(tok.eos_token_ids)
@@ -83,7 +83,7 @@ def test_ouro_chat_template(toks: dict[str, Tokenizer]) -> None:
 def test_huginn_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
     tok = toks["huginn-tiny"]
     cfg = json.loads((ckpt_dirs["huginn-tiny"] / "config.json").read_text())
-    vocab = tok.hf.get_vocab()
+    vocab = tok.get_vocab()
     assert vocab["<|begin_text|>"] == cfg["bos_token_id"] == 512 - 32
     assert vocab["<|end_text|>"] == cfg["eos_token_id"] == 512 - 31
     assert vocab["<|end_turn|>"] == 512 - 28 and vocab["<|pad|>"] == cfg["pad_token_id"]
@@ -102,7 +102,7 @@ def test_huginn_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str
 def test_nanbeige_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
     tok = toks["nanbeige-tiny"]
     cfg = json.loads((ckpt_dirs["nanbeige-tiny"] / "config.json").read_text())
-    vocab = tok.hf.get_vocab()
+    vocab = tok.get_vocab()
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (468, 469, 0)
     assert vocab["<|im_start|>"] == 468 and vocab["<|im_end|>"] == 469
     assert cfg["eos_token_id"] in tok.eos_token_ids

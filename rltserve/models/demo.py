@@ -20,8 +20,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rltserve.models.presets import make_model
-
 DEMO_PRESET = "ouro-demo"
 DEMO_SEED = 0
 DEMO_VERSION = 1
@@ -45,6 +43,8 @@ def demo_model_path(root: str | Path | None = None) -> Path:
     if _complete(final):
         return final
     base.mkdir(parents=True, exist_ok=True)
+    from rltserve.models.presets import make_model  # imports torch: only when building
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=base))
     try:
         make_model(DEMO_PRESET, tmp, seed=DEMO_SEED)

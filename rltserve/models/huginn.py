@@ -25,6 +25,7 @@ from torch import nn
 from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec, noise_seed
 from rltserve.models.layers import (
+    Embedding,
     Linear,
     RMSNorm,
     apply_rope_interleaved,
@@ -239,7 +240,7 @@ class HuginnTransformer(nn.Module):
     def __init__(self, c: HuginnConfig) -> None:
         super().__init__()
         sizes = _group_sizes(c)
-        self.wte = nn.Embedding(c.padded_vocab_size, c.n_embd)
+        self.wte = Embedding(c.padded_vocab_size, c.n_embd)
         self.prelude = nn.ModuleList(SandwichBlock(c) for _ in range(sizes["prelude"]))
         self.adapter = Linear(2 * c.n_embd, c.n_embd)
         self.core_block = nn.ModuleList(SandwichBlock(c) for _ in range(sizes["core_block"]))

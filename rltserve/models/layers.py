@@ -39,13 +39,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free ``nn.Linear`` (same parameter name, ``weight``) that uses ``linear``."""
+    """A bias-free ``nn.Linear`` (same parameter name, ``weight``) that uses ``linear``.
+    Uninitialised, like every layer here (see ``Embedding``)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
+    def reset_parameters(self) -> None:
+        pass
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
+
+
+class BiasedLinear(nn.Linear):
+    """``nn.Linear`` with a bias, uninitialised (see ``Embedding``)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=True)
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without its random initialisation.
+
+    Why: models are only ever built on the meta device and then filled from a checkpoint
+    (``load_state_dict(assign=True)``), so an initialisation would be thrown away; worse, torch
+    runs ``normal_`` on meta tensors through its Python reference ops, whose first use imports
+    ``torch._dynamo`` (about 3 s of start-up). Invariant: every parameter is assigned from the
+    checkpoint before the model is used.
+    """
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,8 +7,13 @@ Invariants:
   (``rotary_emb.inv_freq`` buffers are dropped first). Every missing, unexpected and mis-shaped
   tensor is listed in ONE ``CheckpointError`` so a bad conversion is diagnosed in one run.
 - Weights are read one tensor at a time through ``safe_open`` (memory-mapped), cast to the
-  requested dtype on the target device, and assigned into a module built on the ``meta`` device,
-  so no weight is ever allocated twice.
+  requested dtype on the target device, and assigned into a module built on the ``meta`` device
+  without initialisation (``layers.Embedding``), so no weight is ever allocated twice. A tensor
+  whose dtype and device already match stays a view of the mapped file (pages are read when first
+  touched). Fused parameters (q/k/v, gate/up) are one copy: read with ``preadv`` into their
+  buffer when the stored dtype is the target one (``weight_file``), else cast from the mapping.
+- Loading a large checkpoint (``PROGRESS_MIN_BYTES`` or ``PROGRESS_MIN_FILES`` shards) shows a
+  progress bar on stderr when stderr is a terminal; ``progress=False`` turns it off.
 - Tied copies (Huginn's ``lm_head.weight``) must equal their source and are then dropped: the
   model holds one parameter.
 """
@@ -16,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,7 @@ from safetensors import safe_open
 
 from rltserve.models.base import LoopedModel
 from rltserve.models.registry import Family, get_family
+from rltserve.models.weight_file import Extent, extents, read_concat
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,6 +45,10 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+ST_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+PROGRESS_MIN_BYTES = 1 << 30
+PROGRESS_MIN_FILES = 4
 _MAX_LISTED = 20  # names listed per category in a CheckpointError
 _TIE_ROWS = 4096  # rows compared at a time when checking a tied copy
 
@@ -143,12 +154,36 @@ def _check_tied(handles: dict[str, Any], copy: str, source: str) -> None:
             )
 
 
+def _progress_bar(total_bytes: int, files: int, progress: bool | None) -> Any:
+    """A tqdm bar over the checkpoint's bytes, or None (see module docstring)."""
+    if progress is None:
+        large = total_bytes >= PROGRESS_MIN_BYTES or files >= PROGRESS_MIN_FILES
+        progress = large and sys.stderr is not None and sys.stderr.isatty()
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="loading weights",
+        file=sys.stderr,
+        leave=False,
+    )
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    progress: bool | None = None,
 ) -> LoopedModel:
-    """Load a looped model from a Hugging Face-style checkpoint directory (eval mode, no grad)."""
+    """Load a looped model from a Hugging Face-style checkpoint directory (eval mode, no grad).
+
+    ``progress``: None shows a bar on a terminal for large checkpoints, True always, False never.
+    """
     target_dtype = resolve_dtype(dtype)
     target_device = torch.device(device)
     root = _check_dir(path)
@@ -162,14 +197,19 @@ def load_model(
     with ExitStack() as stack:
         handles: dict[str, Any] = {}  # tensor name -> open safe_open handle
         found: dict[str, tuple[int, ...]] = {}
+        nbytes: dict[str, int] = {}
+        stored: dict[str, str] = {}  # tensor name -> safetensors dtype
+        places: dict[str, Extent] = {}
         bad_dtypes: list[str] = []
-        for file in _weight_files(root):
+        files = _weight_files(root)
+        for file in files:
             try:
                 f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
                 names = list(f.keys())
                 slices = {n: f.get_slice(n) for n in names}
                 shapes = {n: tuple(sl.get_shape()) for n, sl in slices.items()}
                 dtypes = {n: sl.get_dtype() for n, sl in slices.items()}
+                places.update(extents(file))
             except Exception as exc:  # safetensors raises its own error types for bad headers
                 raise CheckpointError(f"{file}: corrupt or unreadable safetensors ({exc})") from exc
             for name in names:
@@ -178,6 +218,9 @@ def load_model(
                 if name in handles:
                     raise CheckpointError(f"{file}: tensor {name!r} is also in another file")
                 handles[name], found[name] = f, shapes[name]
+                stored[name] = dtypes[name]
+                size = ST_ITEMSIZE.get(dtypes[name], 1)
+                nbytes[name] = size * int(torch.Size(shapes[name]).numel())
                 if dtypes[name] not in FLOAT_DTYPES:
                     bad_dtypes.append(f"{name}: {dtypes[name]}")
         _check_layout(root, found, expected)
@@ -188,13 +231,30 @@ def load_model(
         with torch.device("meta"):
             model = family.model_cls(cfg)
         state: dict[str, torch.Tensor] = {}
-        for param, sources in family.param_sources(cfg).items():
-            parts = [
-                handles[s].get_tensor(s).to(device=target_device, dtype=target_dtype)
-                for s in sources
-            ]
-            state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            del parts
+        sources_of = family.param_sources(cfg)
+        needed = sum(nbytes[s] for sources in sources_of.values() for s in sources)
+        bar = _progress_bar(needed, len(files), progress)
+        try:
+            direct_ok = target_device.type == "cpu"
+            want = ST_NAMES[target_dtype]
+            for param, sources in sources_of.items():
+                if direct_ok and len(sources) > 1 and all(stored[s] == want for s in sources):
+                    try:
+                        state[param] = read_concat([places[s] for s in sources], target_dtype)
+                    except OSError as exc:
+                        raise CheckpointError(f"{root}: reading {param}: {exc}") from exc
+                else:
+                    parts = [
+                        handles[s].get_tensor(s).to(device=target_device, dtype=target_dtype)
+                        for s in sources
+                    ]
+                    state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                    del parts
+                if bar is not None:
+                    bar.update(sum(nbytes[s] for s in sources))
+        finally:
+            if bar is not None:
+                bar.close()
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()

@@ -18,6 +18,7 @@ from torch import nn
 from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 from rltserve.models.layers import (
+    Embedding,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -178,7 +179,7 @@ class NanbeigeBody(nn.Module):
 
     def __init__(self, c: NanbeigeConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(NanbeigeDecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -21,6 +21,8 @@ from torch import nn
 from rltserve.models import hfconfig as hc
 from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 from rltserve.models.layers import (
+    BiasedLinear,
+    Embedding,
     GatedMLP,
     Linear,
     RMSNorm,
@@ -177,10 +179,10 @@ class OuroBody(nn.Module):
 
     def __init__(self, c: OuroConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(OuroDecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.early_exit_gate = nn.Linear(c.hidden_size, 1, bias=True)
+        self.early_exit_gate = BiasedLinear(c.hidden_size, 1)
 
 
 class OuroModel(LoopedModel):

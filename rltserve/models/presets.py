@@ -21,12 +21,9 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rltserve.models import toktrain
-from rltserve.models.checkpoint import synth_tensors, write_safetensors
 from rltserve.models.preset_configs import (
     huginn_config,
     huginn_layout,
@@ -36,7 +33,12 @@ from rltserve.models.preset_configs import (
     ouro_layout,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# The presets' weight dtypes. Listing them by name keeps this module (imported by the command
+# line to list the presets) free of torch; ``make_model`` imports it.
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ class PresetSpec:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.config()["torch_dtype"]]
+        import torch
+
+        return getattr(torch, self.config()["torch_dtype"])
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         from rltserve.models.registry import get_family
@@ -162,6 +166,10 @@ def make_model(
     weights and config only (a checkpoint that must run on token-id prompts). Existing files of
     the same names are overwritten; other files in ``out_dir`` are left alone.
     """
+    import torch
+
+    from rltserve.models.checkpoint import synth_tensors, write_safetensors
+
     spec = get_preset(preset) if isinstance(preset, str) else preset
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")

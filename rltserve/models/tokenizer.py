@@ -1,9 +1,11 @@
 """Tokenizer loading, chat templates, stop ids and incremental detokenization.
 
-``load_tokenizer(path)`` wraps ``transformers.AutoTokenizer`` (local files only, no remote code)
-and returns None when the checkpoint has no tokenizer files: such a checkpoint still loads and
-serves token-id prompts. The wrapper hides transformers-version differences (``BatchEncoding``
-vs list returns) behind plain ``list[int]`` / ``str`` results.
+``load_tokenizer(path)`` reads ``tokenizer.json`` with the ``tokenizers`` library and renders chat
+templates with jinja2 (``chat_template``), which is what ``transformers.AutoTokenizer`` does for
+these files, without importing transformers (about 2 s of start-up). Only a directory without
+``tokenizer.json`` (a SentencePiece model, vocab/merges files) goes through transformers. It
+returns None when the checkpoint has no tokenizer files: such a checkpoint still loads and serves
+token-id prompts. Results are plain ``list[int]`` / ``str`` either way.
 
 Stop ids (``eos_token_ids``) are the tokenizer's eos, the ``eos_token_id`` of ``config.json`` and
 ``generation_config.json``, and the family's chat terminators found in the vocabulary: the real
@@ -13,15 +15,22 @@ configs get these wrong (MODELS.md §1.7: Ouro says eos=0 while chat turns end w
 
 from __future__ import annotations
 
-import contextlib
 import json
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rltserve.models.chat_template import ChatTemplate
+from rltserve.models.tokenizer_backend import (
+    FastBackend,
+    TokenizerBackend,
+    TransformersBackend,
+)
+from rltserve.models.tokenizer_files import NAMED_TOKENS, TokenizerFiles
+
+FAST_FILE = "tokenizer.json"
 # Files whose presence means "this directory has a tokenizer" (vocabulary-bearing files).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_FILES = (FAST_FILE, "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 # Chat/text terminators per config.json model_type; looked up by content, so ids may differ.
 FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "ouro": ("<|endoftext|>", "<|im_end|>"),
@@ -33,22 +42,6 @@ DEFAULT_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_turn|>", "<|eot_id|
 
 class TokenizerError(ValueError):
     """A tokenizer that exists but cannot be loaded or used (corrupt files, no chat template)."""
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silences transformers' warnings about unknown ``model_type`` (our families have no
-    transformers config class) while the tokenizer loads."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -65,48 +58,59 @@ def _ids(value: object) -> list[int]:
 
 
 class Tokenizer:
-    """Thin, typed wrapper over a Hugging Face tokenizer. Build with ``load_tokenizer``."""
+    """Encode/decode, chat templates and stop ids of one checkpoint. Build with
+    ``load_tokenizer``. ``backend`` does the encoding; ``files`` holds the special tokens and
+    chat templates."""
 
-    def __init__(self, hf: Any, path: Path) -> None:
-        self.hf = hf
+    def __init__(self, backend: TokenizerBackend, files: TokenizerFiles, path: Path) -> None:
+        self.backend = backend
+        self.files = files
         self.path = path
-        self.vocab_size: int = len(hf)
-        self.bos_token_id: int | None = hf.bos_token_id
-        self.eos_token_id: int | None = hf.eos_token_id
-        self.pad_token_id: int | None = hf.pad_token_id
+        vocab = backend.get_vocab()
+        self.vocab_size: int = backend.vocab_size
+        # The named special tokens as text, the template variables transformers passes too.
+        self.special_tokens: dict[str, str] = {
+            k: files.named[k] for k in NAMED_TOKENS if k in files.named
+        }
+        ids = {k: vocab.get(v) for k, v in self.special_tokens.items()}
+        self.bos_token_id: int | None = ids.get("bos_token")
+        self.eos_token_id: int | None = ids.get("eos_token")
+        self.pad_token_id: int | None = ids.get("pad_token")
         config = _read_json(path / "config.json")
         stops: list[int] = _ids(self.eos_token_id)
         stops += _ids(config.get("eos_token_id"))
         stops += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
-        vocab = hf.get_vocab()
         names = FAMILY_STOP_TOKENS.get(config.get("model_type"), DEFAULT_STOP_TOKENS)
         stops += [vocab[n] for n in names if n in vocab]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
-        # Ids that decode(skip_special_tokens=True) drops: backend special added tokens plus
-        # the named specials transformers knows about.
-        backend = getattr(hf, "backend_tokenizer", None)
-        added = backend.get_added_tokens_decoder() if backend is not None else {}
-        special = {i for i, tok in added.items() if tok.special}
-        self.special_ids: frozenset[int] = frozenset(special | set(hf.all_special_ids))
+        # Ids that decode(skip_special_tokens=True) drops: special added tokens plus the named
+        # and extra special tokens (transformers' all_special_ids).
+        named = [vocab.get(t) for t in (*self.special_tokens.values(), *files.extra)]
+        self.special_ids: frozenset[int] = frozenset(
+            backend.special_added_ids() | {i for i in named if i is not None}
+        )
+        source = files.chat_template
+        try:
+            self._template = ChatTemplate(source) if source else None
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            raise TokenizerError(f"invalid chat_template in {path}: {exc}") from exc
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return self._template is not None
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included."""
+        return self.backend.get_vocab()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return self.backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(
-            self.hf.decode(
-                list(ids),
-                skip_special_tokens=skip_special_tokens,
-                clean_up_tokenization_spaces=False,
-            )
-        )
+        return self.backend.decode(list(ids), skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -118,16 +122,11 @@ class Tokenizer:
         """Renders ``messages`` with the checkpoint's template: token ids (``tokenize=True``,
         encoded without extra special tokens, as the templates already hold them) or the text.
         Extra keyword arguments (e.g. ``enable_thinking=True``) are template variables."""
-        if not self.has_chat_template:
+        if self._template is None:
             raise TokenizerError(f"the tokenizer in {self.path} has no chat_template")
-        text = self.hf.apply_chat_template(
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **chat_template_kwargs,
+        text = self._template.render(
+            list(messages), add_generation_prompt, self.special_tokens, **chat_template_kwargs
         )
-        if not isinstance(text, str):
-            raise TokenizerError(f"chat template returned {type(text).__name__}, not str")
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def detokenizer(
@@ -205,15 +204,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     path = Path(path)
     if not has_tokenizer_files(path):
         return None
-    from transformers import AutoTokenizer
-
     try:
-        with _quiet_transformers():
-            hf = AutoTokenizer.from_pretrained(
-                str(path), trust_remote_code=False, local_files_only=True
-            )
-        return Tokenizer(hf, path)
+        files = TokenizerFiles.read(path)
+        if (path / FAST_FILE).is_file():
+            backend: TokenizerBackend = FastBackend.from_file(path / FAST_FILE, files)
+        else:
+            backend, files = TransformersBackend.load(path, files)
     except Exception as exc:  # noqa: BLE001 - any failure here means unusable tokenizer files
         raise TokenizerError(
             f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    return Tokenizer(backend, files, path)
