@@ -37,7 +37,7 @@ def tokenizer(ckpt):
 
 
 def test_token_chars_is_the_longest_token_string(tokenizer):
-    vocab = tokenizer.hf.backend_tokenizer.get_vocab(with_added_tokens=True)
+    vocab = tokenizer.backend.tok.get_vocab(with_added_tokens=True)
     assert max_token_chars(tokenizer) == max(len(t) for t in vocab) == 13
 
 
@@ -54,7 +54,7 @@ def test_the_bound_holds_for_any_text(tokenizer):
 
 def test_no_bound_for_tokenizers_that_merge_or_drop_characters():
     def wrapped(tok: HFTokenizer):
-        return types.SimpleNamespace(hf=tok)
+        return types.SimpleNamespace(backend=types.SimpleNamespace(tok=tok))
 
     bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
     assert max_token_chars(wrapped(bpe)) == 1
@@ -68,7 +68,7 @@ def test_no_bound_for_tokenizers_that_merge_or_drop_characters():
     assert max_token_chars(wrapped(fused)) is None
     wordpiece = HFTokenizer(models.WordPiece(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     assert max_token_chars(wrapped(wordpiece)) is None
-    assert max_token_chars(types.SimpleNamespace(hf=object())) is None
+    assert max_token_chars(types.SimpleNamespace(backend=object())) is None
 
 
 def stage_for(ckpt, max_model_len: int) -> ScriptedStage:

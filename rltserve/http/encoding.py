@@ -38,7 +38,9 @@ _SAFE_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD", "Prepend"})
 def max_token_chars(tokenizer: Tokenizer) -> int | None:
     """The most input characters one token can cover, or None when no safe bound is known (see
     the module docstring)."""
-    backend = getattr(tokenizer.hf, "backend_tokenizer", tokenizer.hf)
+    backend = _fast_tokenizer(tokenizer)
+    if backend is None:
+        return None
     try:
         spec = json.loads(backend.to_str())
         vocab = backend.get_vocab(with_added_tokens=True)
@@ -47,6 +49,15 @@ def max_token_chars(tokenizer: Tokenizer) -> int | None:
     if not _normalizer_is_safe(spec.get("normalizer")) or not _model_is_safe(spec.get("model")):
         return None
     return max((len(token) for token in vocab), default=0) or None
+
+
+def _fast_tokenizer(tokenizer: Tokenizer) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer``, or None for a slow (Python) one."""
+    backend = tokenizer.backend
+    fast = getattr(backend, "tok", None)  # read from tokenizer.json
+    if fast is None:  # loaded through transformers
+        fast = getattr(getattr(backend, "hf", None), "backend_tokenizer", None)
+    return fast
 
 
 def _normalizer_is_safe(normalizer: dict | None) -> bool:
