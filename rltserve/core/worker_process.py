@@ -36,7 +36,8 @@ def _worker_env() -> dict[str, str]:
     worker runs the same code even when the caller put it on ``sys.path`` by hand."""
     env = dict(os.environ)
     root = str(Path(rltserve.__file__).resolve().parent.parent)
-    sites = {str(Path(p).resolve()) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    dirs = [*getattr(site, "getsitepackages", list)(), site.getusersitepackages()]
+    sites = {str(Path(p).resolve()) for p in dirs}
     if root not in sites:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
