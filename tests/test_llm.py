@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine_util import make_core, run_core
+import torch
+from engine_util import make_core, oracle_run, run_core
 from recipe import load_vectors
 
 from rltserve import LLM, SamplingParams
@@ -34,19 +35,23 @@ def test_spawned_stage_reproduces_vectors_in_input_order(spawned):
     assert len({o.request_id for o in outputs}) == len(PROMPTS)
 
 
-def test_per_prompt_params_and_logprobs(spawned):
+def test_per_prompt_params_and_logprobs(spawned, ouro_ref):
     params = [
         SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=5, ignore_eos=True),
     ]
     a, b = spawned.generate([PROMPTS[0], PROMPTS[1]], params)
-    assert len(a.token_ids) == 3 and len(b.token_ids) == 5
+    want_a = oracle_run(ouro_ref, PROMPTS[0], params[0], kv_policy="full")
+    want_b = oracle_run(ouro_ref, PROMPTS[1], params[1], kv_policy="full")
+    assert a.token_ids == want_a.tokens and b.token_ids == want_b.tokens
     assert b.logprobs is None
     assert [lp["token_id"] for lp in a.logprobs] == a.token_ids
-    for lp in a.logprobs:
-        assert len(lp["top_logprobs"]) == 2
-        assert lp["top_logprobs"][0][1] >= lp["top_logprobs"][1][1]
-        assert lp["logprob"] <= 0.0
+    for lp, token, logits in zip(a.logprobs, want_a.tokens, want_a.logits, strict=True):
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        assert lp["logprob"] == pytest.approx(float(logp[token]), abs=1e-4)
+        values, ids = logp.topk(2)
+        assert [t for t, _ in lp["top_logprobs"]] == ids.tolist()
+        assert [v for _, v in lp["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 def test_invalid_requests_raise_value_error(spawned):
@@ -86,7 +91,7 @@ def test_stage_crash_fails_requests_instead_of_hanging(ouro_rv1):
         client.close()
 
 
-def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, monkeypatch):
+def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, ouro_ref, monkeypatch):
     core = make_core(ouro_rv1)
     loop = core.model.loop
     calls = {"n": 0}
@@ -105,8 +110,9 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, monke
     assert updates[-1].finish_reason is FinishReason.ERROR
     assert "injected failure" in updates[-1].error
     core.kv.check_no_leaks()
-    run = run_core(core, [[1, 2, 3]], [SamplingParams(max_tokens=4, ignore_eos=True)])
-    assert len(run.tokens["r0"]) == 4
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    run = run_core(core, [[1, 2, 3]], [p])
+    assert run.tokens["r0"] == oracle_run(ouro_ref, [1, 2, 3], p, kv_policy="last_exited").tokens
 
 
 def test_in_process_client_and_abort(ouro_rv1):
