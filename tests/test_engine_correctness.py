@@ -269,3 +269,64 @@ def test_logprobs_match_oracle_logits(ckpts, ouro_ref):
             values, ids = lp.topk(p.logprobs) if p.logprobs else (lp[:0], lp[:0].long())
             assert [t for t, _ in top] == ids.tolist(), f"request {i} token {k}"
             assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_ring_policy_is_refused_for_non_huginn_models(ckpts, tmp_path):
+    with pytest.raises(ValueError, match=r"kv_policy='ring:2': ring:K is for Huginn only"):
+        make_core(ckpts["ouro"], kv_policy="ring:2")
+    with pytest.raises(ValueError, match="ring:K is for Huginn only"):
+        make_core(build_nanbeige(tmp_path / "nanbeige"), kv_policy="ring:1")
+    make_core(ckpts["huginn"], kv_policy="ring:2")  # Huginn takes it
+
+
+def test_context_limit_truncates_with_length(ckpts, ouro_ref):
+    prompts = [list(range(1, 21)), list(range(30, 33))]
+    params = [greedy(10), greedy(10)]
+    run = run_core(make_core(ckpts["ouro"], max_model_len=24), prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited").tokens
+        n = min(p.max_tokens, 24 - len(prompt))  # prompt + output fill the context at most
+        assert run.tokens[f"r{i}"] == want[:n], f"request {i}"
+        assert run.finish[f"r{i}"] == "length"
+    assert len(run.tokens["r0"]) == 4
+
+
+@pytest.mark.parametrize(
+    "engine,blocks",
+    [
+        # 1 MiB / (2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes) = 128 blocks
+        ({"kv_cache_gb": 1 / 1024}, 128),
+        # capped by 2 requests x ceil(64 / 16) blocks x 8 planes (max_loops = 2 x 4)
+        ({"kv_cache_gb": 1.0, "max_num_seqs": 2, "max_model_len": 64}, 64),
+    ],
+    ids=["memory", "ceiling"],
+)
+def test_automatic_kv_pool_size(ckpts, ouro_ref, engine, blocks):
+    core = make_core(ckpts["ouro"], num_blocks=None, **engine)
+    assert core.kv.pool.num_total == blocks
+    prompts, params = _mixed_workload(6, seed=29)
+    run = run_core(core, prompts, params)
+    _check_against_oracle(ouro_ref, run, prompts, params, "last_exited")
+    if blocks == 128:  # 510 tokens x 8 loops need 256 blocks: refused, naming the pool size
+        with pytest.raises(ValueError, match="needs 256 KV blocks .* the pool has 128"):
+            core.add_request("big", list(range(60)), greedy(450, max_loops=8))
+
+
+def test_priority_orders_admission_then_fifo(ckpts, ouro_ref):
+    core = make_core(ckpts["ouro"], max_num_seqs=1)
+    priorities = {"a": 1, "b": 0, "c": 1, "d": -1}
+    prompts = {rid: [10 + i, 20 + i] for i, rid in enumerate(priorities)}
+    for rid, priority in priorities.items():
+        core.add_request(rid, prompts[rid], greedy(3, priority=priority))
+    order, tokens = [], {rid: [] for rid in priorities}
+    while core.has_work():
+        for u in core.step():
+            tokens[u.request_id].extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                order.append(u.request_id)
+    assert order == ["d", "b", "a", "c"]  # lower value first, FIFO among equals
+    for rid, prompt in prompts.items():
+        assert (
+            tokens[rid] == oracle_run(ouro_ref, prompt, greedy(3), kv_policy="last_exited").tokens
+        )
+    core.kv.check_no_leaks()
