@@ -263,12 +263,15 @@ async def test_engine_failure_is_a_500_or_an_error_event(ckpt):
         assert error_of(raw)["message"] == "RuntimeError: step failed"
         assert error_of(raw)["code"] == 500
         assert (await live.get("/health"))[0] == 200  # the engine keeps serving
-    late = stage_for(ckpt, fail="RuntimeError: step failed", fail_after=2)
+    gate = threading.Event()
+    late = stage_for(ckpt, fail="RuntimeError: step failed", fail_after=2, fail_gate=gate)
     async with running(ckpt, client_factory=scripted_factory(late)) as live:
         body = {"prompt": "x", "max_tokens": 5, "stream": True}
-        status, _, raw = await live.post("/v1/completions", body)
-        assert status == 200  # the stream had started: the error is an event
-        events = sse_payloads(raw)
+        async with live.stream("/v1/completions", body) as r:
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            assert r.status == 200  # the stream has started: the error becomes an event
+            gate.set()
+            events = sse_payloads(first + await asyncio.wait_for(r.content.read(), 10))
         assert events[-1] == "[DONE]"
         assert [e["choices"][0]["text"] for e in events[:2]] == ["H", "i"]
         assert events[-2]["error"]["code"] == 500

@@ -113,7 +113,10 @@ class _ClientBase(ABC):
             self._die(message[1])
 
     def _die(self, reason: str) -> None:
-        self._fatal = reason
+        # The first reason is the cause: the pipe closing after a "fatal" message must not
+        # replace it before wait_ready reads it.
+        if self._fatal is None:
+            self._fatal = reason
         self._ready.set()
         with self._lock:
             sinks, self._sinks = self._sinks, {}
