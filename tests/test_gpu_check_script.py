@@ -29,6 +29,8 @@ def _count_gpu_tests() -> int:
             "-m",
             "gpu",
             "--collect-only",
+            "-o",
+            "addopts=",
             "-q",
             "-p",
             "no:cacheprovider",
