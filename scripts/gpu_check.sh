@@ -4,7 +4,8 @@
 #      --system-site-packages venv), makes the repo importable (PYTHONPATH, nothing installed),
 #      and installs missing packages from $WHEELS,
 #   2. builds the native extension with its CUDA kernel (python native/build.py --cuda on),
-#   3. runs the gpu-marked tests (pytest -m gpu),
+#   3. runs the gpu-marked tests (pytest -m gpu); the summary counts passed and skipped tests,
+#      and a run where every test was skipped reads SKIPPED (and fails on DEVICE=cuda),
 #   4. makes ouro-1.4b with random weights (bf16) unless present, and benchmarks decode tokens/s
 #      in one process (`rltserve bench offline --cuda-graphs --compare`) at concurrency 1, 32
 #      and 128: eager vs CUDA graphs, each at an exit threshold giving mean depth ~2.5 and at
@@ -30,6 +31,7 @@
 #                       ~2.5 of 4 with the synthetic weights; the summary prints the measured one)
 #   CONCURRENCY         default "1,32,128";  INPUT_LEN / OUTPUT_LEN default 128 / 64
 #   ASYNC_CONCURRENCY   default "32,128" (the async-vs-sync comparison; empty skips it)
+#   ASYNC_NUM_PROMPTS   prompts per async-vs-sync run (default 128)
 #   KV_CACHE_GB         KV pool per run (default 24)
 #   BUDGET_S            overall time budget in seconds (default 480); steps that no longer fit
 #                       are skipped and reported
@@ -55,6 +57,7 @@ MODEL_DIR="${MODEL_DIR:-/tmp/rltserve-$PRESET}"
 EXIT_THRESHOLD="${EXIT_THRESHOLD:-0.55}"
 CONCURRENCY="${CONCURRENCY:-1,32,128}"
 ASYNC_CONCURRENCY="${ASYNC_CONCURRENCY:-32,128}"
+ASYNC_NUM_PROMPTS="${ASYNC_NUM_PROMPTS:-128}"
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-64}"
 KV_CACHE_GB="${KV_CACHE_GB:-24}"
@@ -187,9 +190,30 @@ if ((${#GPU_TESTS[@]} == 0)); then
   SUMMARY+=("FAILED   pytest -m gpu (no module with gpu tests found)")
   FAILED=1
 else
-  step "pytest -m gpu (${#GPU_TESTS[@]} modules)" 240 \
+  rm -f "$OUT/gpu_tests.xml"
+  if step "pytest -m gpu (${#GPU_TESTS[@]} modules)" 240 \
     "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$OUT/gpu_tests.xml" \
-    "${GPU_TESTS[@]}" || true
+    "${GPU_TESTS[@]}"; then
+    # pytest exits 0 when every test was skipped: count from the JUnit report, so a run that
+    # skipped everything reads SKIPPED, never ok (and fails the check on a GPU).
+    read -r passed skipped < <("$PY" - "$OUT/gpu_tests.xml" 2>>"$LOG" <<'EOF' || echo "0 0"
+import sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "skipped", "failures", "errors")}
+print(n["tests"] - n["skipped"] - n["failures"] - n["errors"], n["skipped"])
+EOF
+    )
+    last=$((${#SUMMARY[@]} - 1))
+    if ((passed == 0)); then
+      SUMMARY[last]="SKIPPED  pytest -m gpu: 0 passed, all $skipped skipped (see $LOG)"
+      [[ "$DEVICE" == cuda ]] && FAILED=1
+    else
+      SUMMARY[last]="ok       pytest -m gpu: $passed passed, $skipped skipped"
+    fi
+    say "gpu tests: $passed passed, $skipped skipped"
+  fi
 fi
 
 # ---------------------------------------------------------------- 4. benchmarks
@@ -215,7 +239,7 @@ if [[ -f "$MODEL_DIR/config.json" && -n "$ASYNC_CONCURRENCY" ]]; then
   [[ "$DEVICE" == cuda ]] && extra=(--cuda-graphs)
   step "async_compare ($ASYNC_CONCURRENCY)" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
     "$WORK/async_compare.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
-    --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" --num-prompts 128 \
+    --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" --num-prompts "$ASYNC_NUM_PROMPTS" \
     "${extra[@]}" || true
 fi
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from reference import Reference
 
@@ -19,6 +21,8 @@ class Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     depths: dict[str, list[int]] = field(default_factory=dict)
     finish: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+    top_logprobs: dict[str, list] = field(default_factory=dict)
     steps: int = 0
     max_rows: int = 0
 
@@ -51,6 +55,19 @@ def random_workload(
         )
     arrivals = [rng.randint(0, max_arrival) for _ in range(n)]
     return prompts, params, arrivals
+
+
+def with_eos(src: Path, dst: Path, eos_token_ids: list[int]) -> Path:
+    """A copy of checkpoint ``src`` (weights linked) whose config.json declares ``eos_token_ids``,
+    so that real EOS can be placed inside a tiny random model's greedy output."""
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    cfg["eos_token_id"] = list(eos_token_ids)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in Path(src).iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    return dst
 
 
 def make_core(path, **engine) -> EngineCore:
@@ -86,6 +103,8 @@ def run_core(
         for u in core.apply(plan, handle.result()):
             run.tokens[u.request_id].extend(u.new_token_ids)
             run.depths[u.request_id].extend(u.new_exit_depths)
+            run.logprobs[u.request_id].extend(u.new_logprobs)
+            run.top_logprobs[u.request_id].extend(u.new_top_logprobs)
             if u.error:
                 raise AssertionError(f"{u.request_id} failed: {u.error}")
             if u.finish_reason is not None:
@@ -99,6 +118,8 @@ def run_core(
                 core.add_request(rids[i], prompts[i], params[i])
                 run.tokens[rids[i]] = []
                 run.depths[rids[i]] = []
+                run.logprobs[rids[i]] = []
+                run.top_logprobs[rids[i]] = []
                 added.add(i)
         for i, at in aborts.items():
             if at == step and core.abort(rids[i]) is not None:
@@ -124,6 +145,7 @@ def run_core(
 
 
 def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
+    """The oracle's greedy output for ``p``, with the model's EOS ids unless ``ignore_eos``."""
     return ref.generate(
         prompt,
         p.max_tokens,
@@ -134,6 +156,8 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
         init_state=p.init_state,
         seed=p.seed,
         stop_token_ids=tuple(p.stop_token_ids),
+        eos_token_ids=() if p.ignore_eos else ref.eos_token_ids,
+        min_tokens=p.min_tokens,
         **kw,
     )
 

@@ -129,6 +129,84 @@ def build_huginn_rv1(out_dir: Path) -> Path:
     return _write(out_dir, cfg, tensors)
 
 
+def build_nanbeige(out_dir: Path) -> Path:
+    """A tiny Nanbeige checkpoint with the real key names (MODELS.md's table), sharded in two
+    files. Written independently of the engine's layout table, which it checks."""
+    cfg = {
+        "architectures": ["NanbeigeForCausalLM"],
+        "model_type": "nanbeige",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,  # != hidden / heads on purpose
+        "intermediate_size": 96,
+        "vocab_size": 384,
+        "max_position_embeddings": 512,
+        "rope_theta": 70000000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-05,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_loops": 2,
+        "skip_loop_final_norm": False,
+        "bos_token_id": 380,
+        "eos_token_id": 381,
+        "pad_token_id": 0,
+        "layer_types": ["full_attention", "full_attention"],
+        "torch_dtype": "float32",
+    }
+    h, inter, vocab, hd = 64, 96, 384, 32
+    q, kv = 4 * hd, 2 * hd
+    shapes = {
+        "model.embed_tokens.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab, h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name in sorted(shapes):
+        r = torch.randn(shapes[name], generator=g)
+        if len(r.shape) == 1:
+            tensors[name] = 1 + 0.1 * r
+        elif name == "model.embed_tokens.weight":
+            tensors[name] = r
+        else:
+            tensors[name] = r / math.sqrt(r.shape[-1])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg))
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    weight_map = {}
+    for fname, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, str(out_dir / fname))
+        weight_map.update({k: fname for k in keys})
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out_dir
+
+
 def _write(out_dir: Path, cfg: dict, tensors: dict[str, torch.Tensor]) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -466,6 +466,18 @@ class Reference:
 
     # ------------------------------------------------------------------ public API
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation by default: config.json's ``eos_token_id`` (an int or a list)
+        and, for Ouro, ``<|endoftext|>`` = 0 and ``<|im_end|>`` = 2 (MODELS.md: the chat eos
+        is 2 while the config says 0); ids outside the vocabulary are dropped."""
+        raw = self.cfg.get("eos_token_id")
+        ids = [] if raw is None else list(raw) if isinstance(raw, list) else [raw]
+        if self.family == "ouro":
+            ids = [0, 2] + ids
+        vocab = self.w["lm_head.weight"].shape[0]
+        return tuple(dict.fromkeys(i for i in ids if i < vocab))
+
     def depths(self, max_loops: int | None) -> tuple[int, int]:
         """-> (cap, D_r) for a request's max_loops."""
         cap = self.num_loops if max_loops is None else max_loops
@@ -500,8 +512,13 @@ class Reference:
         init_state: str = "zero",
         seed: int | None = None,
         stop_token_ids: tuple[int, ...] = (),
+        eos_token_ids: tuple[int, ...] = (),
+        min_tokens: int = 0,
     ) -> RefOutput:
-        """Greedy generation of one request; see the module docstring for the semantics."""
+        """Greedy generation of one request; see the module docstring for the semantics.
+
+        Generation stops after a token in ``stop_token_ids`` or ``eos_token_ids`` once at least
+        ``min_tokens`` tokens exist (the stopping token included), or after ``max_tokens``."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -539,7 +556,10 @@ class Reference:
             out.logits.append(logits)
             out.gate_logits.append(rule.gate_logits)
             out.cdfs.append(rule.cdfs)
-            return tok in stop_token_ids or len(out.tokens) >= max_tokens
+            stops = len(out.tokens) >= min_tokens and (
+                tok in stop_token_ids or tok in eos_token_ids
+            )
+            return stops or len(out.tokens) >= max_tokens
 
         n = len(prompt)
         kv, bkv = self._new_caches(planes, n + max_tokens)

@@ -6,10 +6,12 @@ import dataclasses
 import inspect
 
 import orjson
+from reference import Reference
 from test_http_harness import tiny_checkpoint
 
 from rltserve import LLM
 from rltserve.cli import ENGINE_CONFIGS, build_parser, engine_kwargs, main
+from rltserve.models.tokenizer import load_tokenizer
 
 
 def test_llm_takes_every_engine_option_with_the_config_default():
@@ -35,6 +37,11 @@ def test_generate_command_prints_json_records(tmp_path_factory, capsys):
     assert rc == 0
     records = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(records) == 2
-    for record in records:
-        assert len(record["token_ids"]) == 3 and len(record["exit_depths"]) == 3
-        assert record["finish_reason"] == "length" and isinstance(record["text"], str)
+    tok = load_tokenizer(model)
+    ref = Reference.load(model)
+    for prompt, record in zip(["Hello", "world"], records, strict=True):
+        # ouro-tiny's default: the model's 4 loops, fixed depth, greedy.
+        want = ref.generate(tok.encode(prompt), 3, kv_policy="last_exited")
+        assert record["token_ids"] == want.tokens and record["exit_depths"] == want.exit_depths
+        assert record["text"] == tok.decode(want.tokens)
+        assert record["finish_reason"] == "length"

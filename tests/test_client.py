@@ -4,9 +4,12 @@ and early stream exit aborting the request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
+import orjson
 import pytest
+from aiohttp import web
 from test_http_harness import (
     Script,
     ScriptedStage,
@@ -17,12 +20,14 @@ from test_http_harness import (
     wait_for,
 )
 
+import rltserve
 from rltserve.client import (
     APIConnectionError,
     APIError,
     AsyncClient,
     AuthenticationError,
     BadRequestError,
+    InternalServerError,
     NotFoundError,
     RequestTooLargeError,
     ServiceUnavailableError,
@@ -46,7 +51,7 @@ async def test_every_method(ckpt):
             await client.wait_ready(timeout=5)
             assert await client.health()
             assert [m["id"] for m in await client.models()] == ["tiny"]
-            assert await client.version()
+            assert await client.version() == rltserve.__version__
             result = await client.complete([5, 6], max_tokens=4)
             assert result["choices"][0]["text"] == " Hi!"
             chunks = [c async for c in client.stream([5, 6], max_tokens=4)]
@@ -130,3 +135,59 @@ async def test_leaving_a_stream_early_aborts_the_request(ckpt):
             await wait_for(lambda: live.state.gate.in_use == 0)
             result = await client.complete([5], max_tokens=1)
             assert result["usage"]["completion_tokens"] == 1
+
+
+@contextlib.asynccontextmanager
+async def misbehaving_server():
+    """A server that is never ready, ends streams without [DONE], breaks connections
+    mid-stream and answers errors with plain text, as a proxy or a crashed backend may."""
+
+    async def health(request):
+        return web.json_response({"error": {"message": "Loading model", "code": 503}}, status=503)
+
+    async def completions(request):
+        mode = (await request.json())["prompt"]
+        if mode == "text-error":
+            return web.Response(status=500, text="upstream exploded", content_type="text/plain")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if mode == "broken":
+            await response.write(b'data: {"id": "c", "cho')  # half an event, then gone
+            request.transport.close()
+            return response
+        await response.write_eof()  # "no-done": a clean end, but without [DONE]
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_client_error_paths_end_clearly():
+    async with misbehaving_server() as url, AsyncClient(url, timeout=10) as client:
+        with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
+            await asyncio.wait_for(client.wait_ready(timeout=0.3, interval=0.05), 10)
+        with pytest.raises(InternalServerError) as err:
+            await asyncio.wait_for(client.complete("text-error"), 10)
+        assert err.value.status == 500 and err.value.message == "upstream exploded"
+        for mode, message in (("no-done", "without \\[DONE\\]"), ("broken", None)):
+            got = []
+
+            async def consume(mode=mode, got=got):
+                async for chunk in client.stream(mode):
+                    got.append(chunk["choices"][0]["text"])
+
+            with pytest.raises(APIConnectionError, match=message):
+                await asyncio.wait_for(consume(), 10)
+            assert got == ["a"], mode  # what arrived before the end was delivered

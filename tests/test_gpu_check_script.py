@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,34 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _count_gpu_tests() -> int:
+    """How many gpu-marked tests pytest collects (they all skip without CUDA)."""
+    modules = [
+        str(p) for p in sorted((REPO / "tests").glob("test_*.py")) if "mark.gpu" in p.read_text()
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "--collect-only",
+            "-o",
+            "addopts=",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *modules,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    return sum(1 for line in proc.stdout.splitlines() if "::" in line)
 
 
 @pytest.mark.slow
@@ -26,6 +55,7 @@ def test_cpu_smoke_run_writes_the_summary(tmp_path):
         "MODEL_DIR": str(tmp_path / "model"),
         "CONCURRENCY": "2",
         "ASYNC_CONCURRENCY": "2",
+        "ASYNC_NUM_PROMPTS": "8",
         "INPUT_LEN": "8",
         "OUTPUT_LEN": "4",
         "KV_CACHE_GB": "0.25",
@@ -49,5 +79,8 @@ def test_cpu_smoke_run_writes_the_summary(tmp_path):
     assert runs[(2, "eager", 1.0)]["mean_exit_depth"] == 4.0
     assert summary["graphs_compare"]["note"].startswith("device=cpu")
     assert set(summary["async_compare"]) == {"2"}
-    assert "ok       pytest -m gpu" in proc.stdout and "FAILED" not in proc.stdout
+    # On a CPU every gpu test skips: reported as such, never as "ok".
+    match = re.search(r"\n  SKIPPED  pytest -m gpu: 0 passed, all (\d+) skipped", proc.stdout)
+    assert match and int(match.group(1)) == _count_gpu_tests(), proc.stdout
+    assert "ok       pytest -m gpu" not in proc.stdout and "FAILED" not in proc.stdout
     assert (out / "summary.txt").read_text().startswith("native backend:")

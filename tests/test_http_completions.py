@@ -10,6 +10,8 @@ import re
 import orjson
 import pytest
 import pytest_asyncio
+import torch
+from reference import Reference
 from test_http_harness import ENGINE, running, sse_payloads, tiny_checkpoint, wait_for
 
 from rltserve import LLM, SamplingParams
@@ -131,7 +133,20 @@ async def test_logprobs_match_offline(server, offline):
     logprobs = result["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(ref.token_ids)
     assert logprobs["token_logprobs"] == pytest.approx([e["logprob"] for e in ref.logprobs])
-    assert all(len(top) <= 3 for top in logprobs["top_logprobs"])
+    # ...and both equal log_softmax of the dense oracle's logits for these tokens.
+    want = Reference.load(server.state.engine_config.model.model).generate(
+        PROMPTS[1], len(ref.token_ids), kv_policy="last_exited"
+    )
+    assert want.tokens == ref.token_ids
+    tok = load_tokenizer(server.state.engine_config.model.model)
+    for k, (logits, top) in enumerate(zip(want.logits, logprobs["top_logprobs"], strict=True)):
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        assert logprobs["token_logprobs"][k] == pytest.approx(float(logp[want.tokens[k]]), abs=1e-4)
+        values, ids = logp.topk(3)
+        texts = [tok.decode([i]) for i in ids.tolist()]
+        if len(set(texts)) == 3:  # distinct texts: the top entries are keyed by text
+            assert sorted(top) == sorted(texts), f"token {k}"
+            assert [top[t] for t in texts] == pytest.approx(values.tolist(), abs=1e-4)
     offsets = logprobs["text_offset"]
     assert offsets[0] == 0 and offsets == sorted(offsets)
 
@@ -215,6 +230,9 @@ async def test_disconnect_mid_stream_aborts_and_frees_kv(server):
 
 
 async def test_metrics_after_traffic(server):
+    # Its own traffic (one finished by length, one streamed), so the test holds alone too.
+    await complete(server, prompt=PROMPTS[2], max_tokens=2, ignore_eos=True)
+    await stream(server, prompt=PROMPTS[3], max_tokens=3, ignore_eos=True)
     status, headers, raw = await server.get("/metrics")
     assert status == 200
     assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"

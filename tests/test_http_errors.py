@@ -4,7 +4,9 @@ Uses the scripted stage, so each case is cheap and deterministic."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
+import time
 
 import orjson
 import pytest
@@ -18,6 +20,8 @@ from test_http_harness import (
     tiny_checkpoint,
     wait_for,
 )
+
+from rltserve.core.stage import StageError
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +247,112 @@ async def test_stage_death_mid_stream(ckpt):
         assert (await live.get("/health"))[0] == 503
         status, _, raw = await live.post("/v1/completions", {"prompt": "x"})
         assert status == 503 and "not running" in error_of(raw)["message"]
+
+
+async def test_engine_failure_is_a_500_or_an_error_event(ckpt):
+    # Not a rejection: the engine failed while running the request.
+    failing = stage_for(ckpt, fail="RuntimeError: step failed", fail_after=0)
+    async with running(ckpt, client_factory=scripted_factory(failing)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x", "max_tokens": 5})
+        assert status == 500, raw
+        assert error_of(raw)["message"] == "RuntimeError: step failed"
+        assert error_of(raw)["code"] == 500
+        assert (await live.get("/health"))[0] == 200  # the engine keeps serving
+    gate = threading.Event()
+    late = stage_for(ckpt, fail="RuntimeError: step failed", fail_after=2, fail_gate=gate)
+    async with running(ckpt, client_factory=scripted_factory(late)) as live:
+        body = {"prompt": "x", "max_tokens": 5, "stream": True}
+        async with live.stream("/v1/completions", body) as r:
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            assert r.status == 200  # the stream has started: the error becomes an event
+            gate.set()
+            events = sse_payloads(first + await asyncio.wait_for(r.content.read(), 10))
+        assert events[-1] == "[DONE]"
+        assert [e["choices"][0]["text"] for e in events[:2]] == ["H", "i"]
+        assert events[-2]["error"]["code"] == 500
+        assert events[-2]["error"]["message"] == "RuntimeError: step failed"
+
+
+def _write_bad_checkpoint(ckpt, path):
+    """ouro-tiny with a config.json the engine cannot build (an unknown model_type)."""
+    shutil.copytree(ckpt, path)
+    cfg = orjson.loads((path / "config.json").read_bytes())
+    (path / "config.json").write_bytes(orjson.dumps({**cfg, "model_type": "nope"}))
+    return path
+
+
+async def test_stage_build_error_is_reported_by_health(ckpt, tmp_path):
+    bad = _write_bad_checkpoint(ckpt, tmp_path / "bad")
+    async with running(bad, wait=False) as live:
+        await asyncio.wait_for(live.state.ready.wait(), 60)
+        assert "nope" in live.state.load_error
+        status, _, raw = await live.get("/health")
+        assert status == 503
+        message = error_of(raw)["message"]
+        assert message.startswith("the engine failed to start: ") and "nope" in message
+        status, _, raw = await live.post("/v1/completions", {"prompt": [1]})
+        assert status == 503 and "failed to start" in error_of(raw)["message"]
+
+
+class NeverReady(ScriptedStage):
+    """A stage that stays alive but never finishes loading."""
+
+    def wait_ready(self, timeout=None):
+        time.sleep(min(timeout or 0.05, 0.05))
+        raise StageError("stage did not become ready in time")
+
+
+async def test_startup_timeout_is_reported_by_health(ckpt):
+    stage = NeverReady(scripted_info(ckpt), Script([44]))
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, wait=False, startup_timeout_s=0.5) as live:
+        await asyncio.wait_for(live.state.ready.wait(), 30)
+        assert live.state.load_error == "StageError: stage did not become ready in time"
+        status, _, raw = await live.get("/health")
+        assert status == 503 and "did not become ready" in error_of(raw)["message"]
+
+
+async def test_shutdown_while_loading_ends_promptly(ckpt):
+    stage = NeverReady(scripted_info(ckpt), Script([44]))
+    factory = scripted_factory(stage)
+
+    async def serve_then_stop():
+        async with running(ckpt, client_factory=factory, wait=False) as live:
+            status, _, raw = await live.get("/health")
+            assert status == 503 and error_of(raw)["message"] == "Loading model"
+            return live.state
+
+    state = await asyncio.wait_for(serve_then_stop(), 30)  # not startup_timeout_s (600 s)
+    assert state.ready.is_set()
+    assert state.load_error == "StageError: shutdown while the engine was loading"
+    assert not stage.alive  # the stage was closed
+
+
+async def test_continuous_usage_stats_count_up(ckpt):
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        body = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "stream_options": options}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200
+        events = sse_payloads(raw)[:-1]
+        with_text = [e for e in events if e["choices"]]
+        assert [e["usage"]["completion_tokens"] for e in with_text] == [1, 2, 3, 4]
+        assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
+        assert all(
+            e["usage"]["total_tokens"] == 3 + e["usage"]["completion_tokens"] for e in events
+        )
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+        body["stream_options"] = {"include_usage": True}  # without: only the final chunk
+        events = sse_payloads((await live.post("/v1/completions", body))[2])[:-1]
+        assert [e.get("usage") is not None for e in events] == [False] * 4 + [True]
+
+
+async def test_detokenize_checks_the_vocabulary(ckpt):
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        status, _, raw = await live.post("/detokenize", {"tokens": [44, 512]})
+        assert status == 400
+        error = error_of(raw)
+        assert error["param"] == "tokens"
+        assert error["message"] == "tokens: token id 512 is outside the vocabulary [0, 512)"
+        status, _, raw = await live.post("/detokenize", {"tokens": [44, 77]})
+        assert status == 200 and orjson.loads(raw)["prompt"] == "Hi"

@@ -61,6 +61,9 @@ class Script:
     interval_s: float = 0.0
     hold: threading.Event | None = None  # tokens flow only once set
     reject: str | None = None  # every request is rejected with this message
+    fail: str | None = None  # after fail_after tokens the request fails (an engine error)
+    fail_after: int = 0
+    fail_gate: threading.Event | None = None  # the failure waits for it
 
 
 @dataclass
@@ -147,6 +150,12 @@ class ScriptedStage:
                 if item.aborted.is_set():
                     break
         for i in range(params.max_tokens):
+            if script.fail is not None and i == script.fail_after:
+                if script.fail_gate is not None:
+                    script.fail_gate.wait(10)
+                error = RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=script.fail)
+                self._finish(rid, error, item)
+                return
             if script.interval_s:
                 item.aborted.wait(script.interval_s)
             if item.aborted.is_set():

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
-from engine_util import make_core, run_core
+import torch
+from engine_util import make_core, oracle_run, run_core
 from recipe import load_vectors
 
 from rltserve import LLM, SamplingParams
 from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineCore
 from rltserve.core.request import FinishReason
-from rltserve.core.stage import InProcessStageClient, StageClient
+from rltserve.core.stage import InProcessStageClient, StageClient, StageError
 
 VECTORS = load_vectors()
 PROMPTS = VECTORS["prompts"]
@@ -34,19 +37,23 @@ def test_spawned_stage_reproduces_vectors_in_input_order(spawned):
     assert len({o.request_id for o in outputs}) == len(PROMPTS)
 
 
-def test_per_prompt_params_and_logprobs(spawned):
+def test_per_prompt_params_and_logprobs(spawned, ouro_ref):
     params = [
         SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=5, ignore_eos=True),
     ]
     a, b = spawned.generate([PROMPTS[0], PROMPTS[1]], params)
-    assert len(a.token_ids) == 3 and len(b.token_ids) == 5
+    want_a = oracle_run(ouro_ref, PROMPTS[0], params[0], kv_policy="full")
+    want_b = oracle_run(ouro_ref, PROMPTS[1], params[1], kv_policy="full")
+    assert a.token_ids == want_a.tokens and b.token_ids == want_b.tokens
     assert b.logprobs is None
     assert [lp["token_id"] for lp in a.logprobs] == a.token_ids
-    for lp in a.logprobs:
-        assert len(lp["top_logprobs"]) == 2
-        assert lp["top_logprobs"][0][1] >= lp["top_logprobs"][1][1]
-        assert lp["logprob"] <= 0.0
+    for lp, token, logits in zip(a.logprobs, want_a.tokens, want_a.logits, strict=True):
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        assert lp["logprob"] == pytest.approx(float(logp[token]), abs=1e-4)
+        values, ids = logp.topk(2)
+        assert [t for t, _ in lp["top_logprobs"]] == ids.tolist()
+        assert [v for _, v in lp["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 def test_invalid_requests_raise_value_error(spawned):
@@ -86,7 +93,7 @@ def test_stage_crash_fails_requests_instead_of_hanging(ouro_rv1):
         client.close()
 
 
-def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, monkeypatch):
+def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, ouro_ref, monkeypatch):
     core = make_core(ouro_rv1)
     loop = core.model.loop
     calls = {"n": 0}
@@ -105,8 +112,9 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, monke
     assert updates[-1].finish_reason is FinishReason.ERROR
     assert "injected failure" in updates[-1].error
     core.kv.check_no_leaks()
-    run = run_core(core, [[1, 2, 3]], [SamplingParams(max_tokens=4, ignore_eos=True)])
-    assert len(run.tokens["r0"]) == 4
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    run = run_core(core, [[1, 2, 3]], [p])
+    assert run.tokens["r0"] == oracle_run(ouro_ref, [1, 2, 3], p, kv_policy="last_exited").tokens
 
 
 def test_in_process_client_and_abort(ouro_rv1):
@@ -131,3 +139,93 @@ def test_in_process_client_and_abort(ouro_rv1):
     finally:
         client.close()
     assert client.stats is not None and client.stats.kv_usage == 0.0
+
+
+def _unbuildable(src, dst):
+    """A copy of ``src`` whose config.json names a model type no family has."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).symlink_to(f.resolve())
+    (dst / "config.json").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "model_type": "nope"}))
+    return dst
+
+
+@pytest.mark.parametrize("client_cls", [InProcessStageClient, StageClient])
+def test_stage_build_error_reaches_the_caller(ouro_rv1, tmp_path, client_cls):
+    bad = _unbuildable(ouro_rv1, tmp_path / "bad")
+    client = client_cls(EngineConfig.from_flat(model=str(bad), num_blocks=64))
+    try:
+        with pytest.raises(StageError, match="stage failed: .*nope"):
+            client.wait_ready(120)
+        assert not client.alive
+        with pytest.raises(StageError, match="not running"):
+            client.add_request("x", [1], SamplingParams(), lambda u: None)
+    finally:
+        client.close()
+
+
+def test_engine_loop_crash_fails_requests_and_the_stage(ouro_rv1, monkeypatch):
+    # Not a failed step (that fails only its requests): the loop itself raises.
+    calls = {"n": 0}
+    apply = EngineCore.apply
+
+    def crashing(self, plan, result):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("apply exploded")
+        return apply(self, plan, result)
+
+    monkeypatch.setattr(EngineCore, "apply", crashing)
+    client = InProcessStageClient(EngineConfig.from_flat(model=str(ouro_rv1), num_blocks=256))
+    try:
+        client.wait_ready(60)
+        done = threading.Event()
+        got = []
+
+        def sink(update):
+            got.append(update)
+            if update.finish_reason is not None:
+                done.set()
+
+        client.add_request("x", [4, 5], SamplingParams(max_tokens=50, ignore_eos=True), sink)
+        assert done.wait(30), "request hung after the engine loop crashed"
+        assert got[-1].finish_reason is FinishReason.ERROR
+        assert "stage died" in got[-1].error and "apply exploded" in got[-1].error
+        assert not client.alive
+        with pytest.raises(StageError):
+            client.add_request("y", [1], SamplingParams(), sink)
+    finally:
+        client.close()
+
+
+def test_shutdown_with_steps_in_flight_aborts_every_request(ouro_rv1):
+    config = EngineConfig.from_flat(
+        model=str(ouro_rv1), num_blocks=256, async_scheduling=True, exit_mode="delayed"
+    )
+    client = InProcessStageClient(config)
+    client.wait_ready(60)
+    finished: dict[str, FinishReason] = {}
+    counts = {f"r{i}": 0 for i in range(4)}
+    started = threading.Event()
+    all_done = threading.Event()
+
+    def sink(update):
+        counts[update.request_id] += len(update.new_token_ids)
+        if sum(counts.values()) >= 8:
+            started.set()
+        if update.finish_reason is not None:
+            finished[update.request_id] = update.finish_reason
+            if len(finished) == len(counts):
+                all_done.set()
+
+    for rid in counts:
+        client.add_request(rid, [3, 4, 5], SamplingParams(max_tokens=400, ignore_eos=True), sink)
+    assert started.wait(60), "no tokens arrived"
+    client.close(timeout=30)
+    assert not client._thread.is_alive(), "the stage thread did not end"
+    assert all_done.wait(5), finished
+    assert set(finished.values()) == {FinishReason.ABORT}
+    assert all(n < 400 for n in counts.values())  # ended by the shutdown, not by length
+    assert client.stats.kv_usage == 0.0 and client.stats.num_running == 0

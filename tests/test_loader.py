@@ -137,8 +137,14 @@ def test_extra_only_and_shape_only(tmp_path):
 
 def test_inv_freq_dropped(tmp_path):
     cfg = CONFIGS["ouro"]
-    tensors = {**random_tensors(cfg), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
-    load_model(write_checkpoint(tmp_path / "c", cfg, tensors))
+    plain = random_tensors(cfg)
+    tensors = {**plain, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    state = load_model(write_checkpoint(tmp_path / "c", cfg, tensors)).state_dict()
+    assert not any("inv_freq" in name for name in state)
+    # Every real tensor still arrives, value for value.
+    want = load_model(write_checkpoint(tmp_path / "d", cfg, plain)).state_dict()
+    assert state.keys() == want.keys()
+    assert all(torch.equal(state[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))

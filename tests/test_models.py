@@ -13,9 +13,9 @@ from builders import (
     NANBEIGE_TINY,
     OURO_1_4B,
     OURO_2_6B,
-    build_nanbeige_tiny,
 )
-from recipe import build_huginn_rv1, build_ouro_rv1, load_vectors, tensor_sums
+from recipe import build_huginn_rv1, build_nanbeige, build_ouro_rv1, load_vectors, tensor_sums
+from reference import Reference
 
 from rltserve.models import LoopedModel, get_family, load_model, supported_model_types
 from rltserve.models.huginn import HuginnConfig
@@ -46,7 +46,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
     return {
         "ouro": build_ouro_rv1(root / "ouro"),
         "huginn": build_huginn_rv1(root / "huginn"),
-        "nanbeige": build_nanbeige_tiny(root / "nanbeige"),
+        "nanbeige": build_nanbeige(root / "nanbeige"),
     }
 
 
@@ -115,13 +115,16 @@ def test_cached_decode_equals_full_recompute(models, family):
 
 
 @pytest.mark.parametrize("kw", [{}, {"exit_threshold": 0.4}, {"max_loops": 3}])
-def test_naive_generate_equals_token_by_token_recompute(models, kw):
+def test_naive_generate_equals_oracle_and_token_by_token_recompute(dirs, models, kw):
     for family in ("ouro", "nanbeige"):
         model = models[family]
         prompt = PROMPTS[1]
         tokens, depths = naive_generate(model, prompt, 8, **kw)
+        want = Reference.load(dirs[family]).generate(prompt, 8, kv_policy="full", **kw)
+        assert (tokens, depths) == (want.tokens, want.exit_depths), family
+        # Under the full policy a decode token's KV equals a fresh prefill's.
         seq = list(prompt)
-        for tok, depth in zip(tokens, depths):
+        for tok, depth in zip(tokens[:3], depths):
             assert naive_generate(model, seq, 1, **kw) == ([tok], [depth])
             seq.append(tok)
 
@@ -197,19 +200,63 @@ def test_huginn_noise_is_seeded_per_position(models):
     assert seeded[0] != naive_generate(model, PROMPTS[1], 6)[0]
 
 
+def _trunc_normal_by_rejection(seed: int, width: int, std: float, scale: float) -> torch.Tensor:
+    """MODELS.md's state draw written out independently: standard normals from the seeded
+    generator, each value outside [-3, 3] replaced by the same entry of a fresh whole-width draw
+    until none is (torch 2.13's trunc_normal_ for a mass above 0.3), times std and embed scale."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(width, generator=g, dtype=torch.float32).double()
+    while bool((z.abs() > 3).any()):
+        fresh = torch.randn(width, generator=g, dtype=torch.float32).double()
+        z = torch.where(z.abs() > 3, fresh, z)
+    return z * std * scale
+
+
+@pytest.mark.parametrize("seed,position", [(11, 0), (11, 5), (0, 3), (123456, 77)])
+def test_huginn_random_state_pinned_to_the_formula(dirs, models, seed, position):
+    # Per-position seed: seed * 1_000_003 + position (mod 2**63), written as literals here so a
+    # shared mistake in the engine's and the oracle's seeding cannot pass.
+    generator_seed = {(11, 0): 11000033, (11, 5): 11000038, (0, 3): 3, (123456, 77): 123456370445}
+    cfg = VECTORS["configs"]["huginn"]
+    std, scale = cfg["init_values"]["std"], cfg["init_values"]["embed_scale"]
+    want = _trunc_normal_by_rejection(generator_seed[(seed, position)], 64, std, scale)
+    engine = models["huginn"].draw_noise(seed, [position])[0].double()
+    torch.testing.assert_close(engine, want, rtol=0, atol=1e-5 * scale)
+    oracle = Reference.load(dirs["huginn"])
+    e = torch.zeros(1, 64)
+    got = oracle._initial_state(e, position, "random", seed)[0].double()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
+
+
+def test_huginn_random_state_statistics(models):
+    # MODELS.md: trunc-normal(std, +-3 std) times embed_scale; a truncated unit normal has
+    # std sqrt(1 - 6 phi(3) / (2 Phi(3) - 1)) = 0.98658.
+    model, cfg = models["huginn"], VECTORS["configs"]["huginn"]
+    std, scale = cfg["init_values"]["std"], cfg["init_values"]["embed_scale"]
+    x = model.draw_noise(5, list(range(400))).double()  # 25,600 values
+    assert abs(float(x.mean())) < 0.03 * std * scale
+    assert float(x.std()) == pytest.approx(0.98658 * std * scale, rel=0.02)
+    assert float(x.abs().max()) <= 3 * std * scale * (1 + 1e-6)
+
+
 def test_huginn_head_dim_must_tile_n_embd():
     raw = dict(VECTORS["configs"]["huginn"], head_dim=32)
     with pytest.raises(ValueError, match="head_dim"):
         HuginnConfig.from_dict(raw)
 
 
-def test_bfloat16_models_run(dirs):
-    for path in dirs.values():
+def test_bfloat16_models_run(dirs, models):
+    g = torch.Generator().manual_seed(3)
+    for family, path in dirs.items():
         model = load_model(path, dtype="bfloat16")
         tokens, _ = naive_generate(model, PROMPTS[0], 4)
-        assert len(tokens) == 4
-        hidden = torch.zeros(2, model.spec.hidden_size, dtype=torch.bfloat16)
-        assert model.logits(hidden).dtype == torch.float32
+        assert len(tokens) == 4 and all(0 <= t < model.spec.vocab_size for t in tokens)
+        hidden = torch.randn(2, model.spec.hidden_size, generator=g)
+        got = model.logits(hidden.bfloat16())
+        assert got.dtype == torch.float32
+        # bf16 weights and inputs: within bf16 rounding of the float32 head.
+        want = models[family].logits(hidden)
+        assert torch.allclose(got, want, rtol=0, atol=0.05 * float(want.abs().max())), family
 
 
 # --------------------------------------------------------------------------- configs

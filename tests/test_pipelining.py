@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, run_core
+from engine_util import make_core, oracle_run, run_core, with_eos
+from reference import Reference
 
 from rltserve.sampling import SamplingParams
 
@@ -35,7 +36,9 @@ def test_pipelined_equals_block_mode_and_oracle(ouro_rv1, ouro_ref, k, d, kv_pol
     if d >= 2:  # rv1 is untrained: a depth-1 draft rarely survives, deeper ones often do
         assert stats.drafts_rejected < stats.drafts_checked
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        assert piped.tokens[f"r{i}"] == oracle_run(ouro_ref, prompt, p, kv_policy=kv_policy).tokens
+        want = oracle_run(ouro_ref, prompt, p, kv_policy=kv_policy)
+        assert piped.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert piped.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
 
 def test_pipelining_takes_fewer_steps_alone(ouro_rv1):
@@ -46,16 +49,26 @@ def test_pipelining_takes_fewer_steps_alone(ouro_rv1):
     assert piped.steps < block.steps
 
 
-def test_eos_and_max_tokens_inside_the_window(ouro_rv1, ouro_ref):
+def test_eos_and_max_tokens_inside_the_window(tmp_path, ouro_rv1, ouro_ref):
     prompts, params = _workload(8, seed=5)
-    stopped = []
-    for prompt, p in zip(prompts, params):
-        want = oracle_run(ouro_ref, prompt, p.replace(max_tokens=12)).tokens
-        stopped.append(p.replace(max_tokens=12, stop_token_ids=(want[min(4, len(want) - 1)],)))
-    block = run_core(make_core(ouro_rv1), prompts, stopped)
-    piped = run_core(make_core(ouro_rv1, speculative_tokens=2, draft_loops=1), prompts, stopped)
+    # Real EOS ids, taken from the outputs so they land inside the speculative window; half the
+    # requests also hold EOS back with min_tokens.
+    params = [
+        p.replace(max_tokens=12, ignore_eos=False, min_tokens=6 * (i % 2))
+        for i, p in enumerate(params)
+    ]
+    free = [oracle_run(ouro_ref, prompt, p).tokens for prompt, p in zip(prompts, params)]
+    path = with_eos(ouro_rv1, tmp_path / "ouro_eos", sorted({t[min(4, len(t) - 1)] for t in free}))
+    ref = Reference.load(path)
+    block = run_core(make_core(path), prompts, params)
+    piped = run_core(make_core(path, speculative_tokens=2, draft_loops=1), prompts, params)
     assert piped.tokens == block.tokens
     assert piped.finish == block.finish
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ref, prompt, p)
+        assert piped.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert piped.finish[f"r{i}"] == ("stop" if len(want.tokens) < 12 else "length")
+    assert sum(f == "stop" for f in piped.finish.values()) >= 3
 
 
 @pytest.mark.parametrize("deferred", [False, True])
@@ -89,6 +102,11 @@ def test_mixed_pipelined_and_ordinary_requests(ouro_rv1, ouro_ref):
     piped = run_core(make_core(ouro_rv1, speculative_tokens=1, draft_loops=2), prompts, mixed)
     assert piped.tokens == block.tokens
     assert piped.depths == block.depths
+    for i, (prompt, p) in enumerate(zip(prompts, mixed)):
+        if p.greedy:  # the oracle is greedy only
+            want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited")
+            assert piped.tokens[f"r{i}"] == want.tokens, f"request {i}"
+            assert piped.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
 
 def test_requirements_are_enforced(ouro_rv1):

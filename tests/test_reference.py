@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from recipe import build_huginn_rv1, build_ouro_rv1, load_vectors, tensor_sums
+from recipe import build_huginn_rv1, build_nanbeige, build_ouro_rv1, load_vectors, tensor_sums
 from reference import (
     ExitRule,
     Reference,
@@ -16,7 +15,6 @@ from reference import (
     parse_kv_policy,
     plane_of,
 )
-from safetensors.torch import save_file
 
 VECTORS = load_vectors()
 PROMPTS = VECTORS["prompts"]
@@ -36,7 +34,7 @@ def ckpt_dirs(tmp_path_factory) -> dict[str, Path]:
     return {
         "ouro": build_ouro_rv1(root / "ouro"),
         "huginn": build_huginn_rv1(root / "huginn"),
-        "nanbeige": build_nanbeige_tiny(root / "nanbeige"),
+        "nanbeige": build_nanbeige(root / "nanbeige"),
     }
 
 
@@ -53,82 +51,6 @@ def huginn(ckpt_dirs) -> Reference:
 @pytest.fixture(scope="module")
 def nanbeige(ckpt_dirs) -> Reference:
     return Reference.load(ckpt_dirs["nanbeige"])
-
-
-def build_nanbeige_tiny(out_dir: Path) -> Path:
-    """A tiny Nanbeige checkpoint with the real key names, sharded in two files."""
-    cfg = {
-        "architectures": ["NanbeigeForCausalLM"],
-        "model_type": "nanbeige",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,  # != hidden / heads on purpose
-        "intermediate_size": 96,
-        "vocab_size": 384,
-        "max_position_embeddings": 512,
-        "rope_theta": 70000000.0,
-        "rope_scaling": None,
-        "rms_norm_eps": 1e-05,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "num_loops": 2,
-        "skip_loop_final_norm": False,
-        "bos_token_id": 380,
-        "eos_token_id": 381,
-        "pad_token_id": 0,
-        "layer_types": ["full_attention", "full_attention"],
-        "torch_dtype": "float32",
-    }
-    h, inter, vocab, hd = 64, 96, 384, 32
-    q, kv = 4 * hd, 2 * hd
-    shapes = {
-        "model.embed_tokens.weight": (vocab, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (vocab, h),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-        )
-    g = torch.Generator().manual_seed(7)
-    tensors = {}
-    for name in sorted(shapes):
-        r = torch.randn(shapes[name], generator=g)
-        if len(r.shape) == 1:
-            tensors[name] = 1 + 0.1 * r
-        elif name == "model.embed_tokens.weight":
-            tensors[name] = r
-        else:
-            tensors[name] = r / math.sqrt(r.shape[-1])
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg))
-    names = sorted(tensors)
-    shards = {
-        "model-00001-of-00002.safetensors": names[: len(names) // 2],
-        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
-    }
-    weight_map = {}
-    for fname, keys in shards.items():
-        save_file({k: tensors[k].contiguous() for k in keys}, str(out_dir / fname))
-        weight_map.update({k: fname for k in keys})
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index))
-    return out_dir
 
 
 def decode_exits(prompt_len: int, depth: int, out_exits: list[int], seq_len: int) -> list[int]:
@@ -407,12 +329,33 @@ def test_exit_rule_cdf_matches_cumsum():
     assert rule.gate_logits == g.tolist()
 
 
+def _exit_by_hand(gates: list[float], q: float, cap: int) -> tuple[int, list[float]]:
+    """First depth whose CDF (sum of lam_t * prod_{i<t} (1 - lam_i), float64) reaches q."""
+    cdf, survival, cdfs = 0.0, 1.0, []
+    for t, g in enumerate(gates[:cap], start=1):
+        lam = 1.0 / (1.0 + math.exp(-g))
+        cdf, survival = cdf + lam * survival, survival * (1.0 - lam)
+        cdfs.append(cdf)
+        if cdf >= q:
+            return t, cdfs
+    return cap, cdfs
+
+
 def test_gate_values_reported(ouro):
-    out = ouro.generate(PROMPTS[0], 6, kv_policy="last_exited", exit_threshold=0.5)
-    for e, gates, cdfs in zip(out.exit_depths, out.gate_logits, out.cdfs):
-        assert len(cdfs) >= e
-        assert exit_depth_from_gates(gates, cap=4, exit_threshold=0.5) == e
-    full = ouro.generate(PROMPTS[0], 6)
+    prompt = PROMPTS[0]
+    out = ouro.generate(prompt, 6, kv_policy="last_exited", exit_threshold=0.5)
+    # The reported gate logits, checked against a whole-sequence recompute (a different
+    # computation path), and the exit depths against the CDF rule written out by hand.
+    seq = prompt + out.tokens[:-1]
+    exits = decode_exits(len(prompt), 4, out.exit_depths, len(seq))
+    whole = ouro.full_recompute(seq, exits, prompt_len=len(prompt), kv_policy="last_exited")
+    for k, (e, gates, cdfs) in enumerate(zip(out.exit_depths, out.gate_logits, out.cdfs)):
+        pos = len(prompt) - 1 + k
+        assert gates == pytest.approx(whole.gate_logits[: len(gates), pos].tolist(), abs=1e-4)
+        want_e, want_cdfs = _exit_by_hand(gates, 0.5, 4)
+        assert e == want_e, f"token {k}"
+        assert cdfs[:e] == pytest.approx(want_cdfs[:e], abs=1e-6)
+    full = ouro.generate(prompt, 6)
     assert all(len(g) == 4 for g in full.gate_logits)
 
 
@@ -449,7 +392,10 @@ def test_huginn_random_state_is_seeded(huginn):
         huginn.generate(PROMPTS[0], 4, init_state="random")
 
 
-def test_bfloat16_runs(ckpt_dirs):
+def test_bfloat16_runs(ckpt_dirs, ouro):
     ref = Reference.load(ckpt_dirs["ouro"], dtype=torch.bfloat16)
     out = ref.generate(PROMPTS[0], 4, exit_threshold=0.5)
     assert len(out.tokens) == 4 and all(x.dtype == torch.float32 for x in out.logits)
+    # The first token's logits are the float32 oracle's within bf16 rounding.
+    want = ouro.generate(PROMPTS[0], 1, exit_threshold=0.5).logits[0]
+    assert torch.allclose(out.logits[0], want, rtol=0, atol=0.05 * float(want.abs().max()))

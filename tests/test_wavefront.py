@@ -62,7 +62,7 @@ def test_wavefront_equals_chunked_prefill_and_oracle(ckpts, ouro_ref, kv_policy,
 
 
 @pytest.mark.parametrize("deferred", [False, True])
-def test_wavefront_with_async_lag_and_delayed_exit(ckpts, deferred):
+def test_wavefront_with_async_lag_and_delayed_exit(ckpts, ouro_ref, deferred):
     prompts, params, arrivals = _workload(8, seed=3, thresholds=(1.0, 0.5))
     kw = {"prefill_chunk_size": 5, "max_num_batched_tokens": 40, "exit_mode": "delayed"}
     plain = run_core(make_core(ckpts["ouro"], **kw), prompts, params, arrivals=arrivals)
@@ -76,9 +76,14 @@ def test_wavefront_with_async_lag_and_delayed_exit(ckpts, deferred):
     )
     assert wave.tokens == plain.tokens
     assert wave.depths == plain.depths
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode="delayed")
+        assert wave.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert wave.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
 
-def test_wavefront_huginn_boundary_plane(ckpts):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_wavefront_huginn_boundary_plane(ckpts, huginn_ref, deferred):
     rng = random.Random(5)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(5, 30))] for _ in range(4)]
     params = [
@@ -87,8 +92,18 @@ def test_wavefront_huginn_boundary_plane(ckpts):
     ]
     kw = {"prefill_chunk_size": 4, "max_num_batched_tokens": 32}
     plain = run_core(make_core(ckpts["huginn"], **kw), prompts, params)
-    wave = run_core(make_core(ckpts["huginn"], wavefront_prefill=True, **kw), prompts, params)
+    wave = run_core(
+        make_core(ckpts["huginn"], wavefront_prefill=True, async_scheduling=True, **kw),
+        prompts,
+        params,
+        lag=1,
+        deferred=deferred,
+    )
     assert wave.tokens == plain.tokens
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(huginn_ref, prompt, p, kv_policy="last_exited")
+        assert wave.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert wave.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
 
 def test_wavefront_rejects_shared_planes(ckpts):

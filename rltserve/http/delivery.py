@@ -48,7 +48,10 @@ async def _stream(
     try:
         async for events in generation.batches():
             chunks = []
+            # Running totals per chunk: a batch's events all arrived before it is written.
+            sent = generation.num_completion_tokens() - sum(len(e.delta.token_ids) for e in events)
             for event in events:
+                sent += len(event.delta.token_ids)
                 error = failure(event, state.closing)
                 if error is not None:
                     if not writer.started:
@@ -60,9 +63,7 @@ async def _stream(
                     chunk = fmt.chunk([choice])
                     if plan.include_usage:
                         chunk["usage"] = (
-                            usage(plan.prompt_tokens, generation.num_completion_tokens())
-                            if plan.continuous_usage
-                            else None
+                            usage(plan.prompt_tokens, sent) if plan.continuous_usage else None
                         )
                     chunks.append(chunk)
             await writer.send(*chunks)
