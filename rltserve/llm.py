@@ -79,10 +79,11 @@ class LLM:
             cuda_graph_max_rows=cuda_graph_max_rows,
             cuda_graph_max_context=cuda_graph_max_context,
         )
-        self.tokenizer = load_tokenizer(model)
         client_cls = InProcessStageClient if in_process else StageClient
+        # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = client_cls(self.config)
         try:
+            self.tokenizer = load_tokenizer(model)
             self.info = self._client.wait_ready(startup_timeout)
         except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
             self._client.close(timeout=2.0)
