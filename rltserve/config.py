@@ -36,6 +36,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
+        if type(self.device).__name__ == "device":  # a torch.device: kept as its string
+            object.__setattr__(self, "device", str(self.device))
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device={self.device!r}: must be cpu, cuda, cuda:N, mps or xpu (a torch device)"

@@ -84,7 +84,7 @@ def test_worker_that_cannot_start_is_named_in_the_error(tiny, tmp_path):
     )
     proc = run_python(["-c", code], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "ERR cannot start the stage worker (/nonexistent/python -m" in proc.stdout
+    assert "ERR cannot start the stage worker (/nonexistent/python -c" in proc.stdout
 
 
 def test_ctrl_c_to_the_process_group_interrupts_generate_not_the_engine(tiny, tmp_path):
@@ -162,3 +162,17 @@ def assert_gone(pid: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     pytest.fail(f"worker {pid} still running {timeout_s} s later")
+
+
+def test_worker_ignores_modules_in_the_current_directory(tiny, tmp_path):
+    # A decoy package named like ours (another checkout, say) in the directory the user runs
+    # from: the script itself does not see it (its own folder comes first), and neither may
+    # the worker.
+    decoy = tmp_path / "rltserve"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise SystemExit('decoy rltserve imported')\n")
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    script = scripts / "example.py"
+    script.write_text(example_on(tiny))
+    check_example_output(run_python([str(script)], cwd=tmp_path))

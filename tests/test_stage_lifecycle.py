@@ -107,29 +107,40 @@ def test_output_assembly_failure_fails_the_request_not_the_llm(llm, monkeypatch)
 
 
 @pytest.mark.parametrize("client_cls", [StageClient, InProcessStageClient])
-def test_sink_failure_fails_every_open_request_and_marks_the_client_broken(tiny, client_cls):
+def test_sink_failure_fails_only_its_request(tiny, client_cls):
     client = client_cls(EngineConfig.from_flat(model=str(tiny), num_blocks=1024))
     try:
         client.wait_ready(WAIT_S)
-        finals: list = []
+        finals: dict = {}
         done = threading.Event()
+        calls: list = []
 
-        def record(update):
-            if update.finish_reason is not None:
-                finals.append(update)
-                done.set()
+        def record(name):
+            def sink(update):
+                if update.finish_reason is not None:
+                    finals[name] = update
+                    if len(finals) == 2:
+                        done.set()
+
+            return sink
 
         def explode(update):
-            raise RuntimeError("sink exploded")
+            calls.append(update)
+            if len(calls) == 1:
+                raise RuntimeError("sink exploded")
+            record("culprit")(update)
 
-        client.add_request("victim", [1, 2, 3], LONG, record)
-        client.add_request("culprit", [4, 5], SamplingParams(max_tokens=2), explode)
+        client.add_request("culprit", [4, 5], SamplingParams(max_tokens=8), explode)
+        client.add_request(
+            "victim", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), record("victim")
+        )
         assert done.wait(WAIT_S), "an open request was left waiting"
-        assert finals[0].finish_reason is FinishReason.ERROR
-        assert "RuntimeError while handling a stage message: sink exploded" in finals[0].error
-        assert not client.alive
-        with pytest.raises(StageError, match="sink exploded"):
-            client.add_request("later", [1], SamplingParams(), record)
+        assert finals["culprit"].finish_reason is FinishReason.ERROR
+        assert "RuntimeError while delivering output: sink exploded" in finals["culprit"].error
+        assert finals["victim"].finish_reason is FinishReason.LENGTH
+        assert len(calls) == 2  # the failing update, then one final error; nothing after
+        assert client.alive
+        client.add_request("later", [1], SamplingParams(max_tokens=2), record("later"))
     finally:
         client.close()
 

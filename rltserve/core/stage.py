@@ -81,8 +81,11 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
         loop.run_until_complete(
             run_engine_loop(core, inbox, lambda u, st: send(("updates", u, st)))
         )
-    except Exception:
-        send(("fatal", traceback.format_exc()))
+    except Exception as exc:
+        # The traceback goes to this process's error output (the server's log); clients get
+        # only the exception's type and message.
+        traceback.print_exc()
+        send(("fatal", f"engine loop failed: {type(exc).__name__}: {exc}"))
     finally:
         core.shutdown()
         loop.close()
@@ -125,9 +128,26 @@ class _ClientBase(ABC):
                     if update.finish_reason is not None:
                         self._sinks.pop(update.request_id, None)
                 if sink is not None:
-                    sink(update)
+                    self._deliver(update, sink)
         elif kind == "fatal":
             self._die(message[1])
+
+    def _deliver(self, update: RequestUpdate, sink: Sink) -> None:
+        """Hands ``update`` to its sink. A sink that raises fails its own request only: the stage
+        stops its work and the sink gets one final error update (if that raises too, the caller
+        behind it cannot be reached any more)."""
+        try:
+            sink(update)
+        except Exception as exc:
+            rid = update.request_id
+            log.exception("stage client: the sink of request %s failed", rid)
+            with self._lock:
+                self._sinks.pop(rid, None)
+            if update.finish_reason is None:
+                self.abort(rid)
+            error = f"{type(exc).__name__} while delivering output: {exc}"
+            with contextlib.suppress(Exception):
+                sink(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
 
     def _die(self, reason: str) -> None:
         """Records the stage's failure (the first cause known wins) and fails open requests."""
@@ -150,8 +170,8 @@ class _ClientBase(ABC):
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         if not self._ready.wait(timeout):
             raise StageError("stage did not become ready in time")
-        if self.info is None or self._fatal is not None:
-            raise StageError(f"stage failed: {self._fatal}")
+        if self.info is None or self._fatal is not None or self._closed:
+            raise StageError(f"stage failed: {self.error}")
         return self.info
 
     @property
@@ -176,8 +196,9 @@ class _ClientBase(ABC):
             self._send(("add", request_id, list(prompt_token_ids), params))
         except StageError:
             with self._lock:
-                self._sinks.pop(request_id, None)
-            raise
+                ours = self._sinks.pop(request_id, None) is not None
+            if ours:  # else close() or a failure already gave the sink its final update
+                raise
 
     def abort(self, request_id: str) -> None:
         if self.alive:
@@ -198,7 +219,8 @@ class _ClientBase(ABC):
             if self._closed:
                 return False
             self._closed = True
-            return True
+        self._ready.set()  # a thread in wait_ready() learns at once that the stage is closed
+        return True
 
 
 def _read(ref: weakref.ref, worker: WorkerProcess) -> None:

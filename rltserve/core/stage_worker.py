@@ -1,4 +1,6 @@
-"""The stage worker process: ``python -m rltserve.core.stage_worker --fd N --parent-pid P``.
+"""The stage worker process: ``main()`` with ``--fd N --parent-pid P`` (``python -m
+rltserve.core.stage_worker`` runs it too; the client starts it with a bootstrap that keeps the
+caller's current directory off ``sys.path``).
 
 The worker is a program of its own, so starting it never re-imports the caller's main module: a
 script, code piped on stdin or a notebook needs no ``if __name__ == "__main__"`` guard. It
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="inherited socket of the channel")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
+    # Children of the worker must not hold the channel open: its EOF is how the parent learns
+    # that the worker died.
+    os.set_inheritable(args.fd, False)
     threading.Thread(
         target=_watch_parent, args=(args.parent_pid,), name="rltserve-parent-watch", daemon=True
     ).start()

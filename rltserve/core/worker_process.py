@@ -1,7 +1,8 @@
 """The parent's handle on a stage worker process: launch, channel, error output, stop.
 
-The worker runs ``python -m rltserve.core.stage_worker`` (never the caller's main module) with one
-end of a socket pair inherited as its channel. Its error output is relayed to this process's
+The worker runs ``rltserve.core.stage_worker.main`` in a fresh interpreter (never the caller's
+main module, nor modules from the caller's current directory) with one end of a socket pair
+inherited as its channel. Its error output is relayed to this process's
 ``sys.stderr`` line by line, and the last lines are kept so that a worker that dies before it
 can report (an import error, a crash) is described by its own last words.
 
@@ -28,6 +29,16 @@ from rltserve.config import EngineConfig
 
 WORKER_MODULE = "rltserve.core.stage_worker"
 _TAIL_LINES = 20
+# ``python -m`` would put the current directory first on sys.path, where a stray ``rltserve/``
+# (another checkout) or a file named like a dependency would shadow the code this process runs;
+# the worker puts this process's package root there instead.
+_BOOTSTRAP = (
+    "import sys; sys.path[0] = {root!r}; from {module} import main; raise SystemExit(main())"
+)
+
+
+def _package_root() -> str:
+    return str(Path(rltserve.__file__).resolve().parent.parent)
 
 
 def _worker_env() -> dict[str, str]:
@@ -35,7 +46,7 @@ def _worker_env() -> dict[str, str]:
     imported from on PYTHONPATH (unless it is a site directory already on the path), so the
     worker runs the same code even when the caller put it on ``sys.path`` by hand."""
     env = dict(os.environ)
-    root = str(Path(rltserve.__file__).resolve().parent.parent)
+    root = _package_root()
     dirs = [*getattr(site, "getsitepackages", list)(), site.getusersitepackages()]
     sites = {str(Path(p).resolve()) for p in dirs}
     if root not in sites:
@@ -73,7 +84,7 @@ class WorkerProcess:
         when it cannot be started."""
         from rltserve.core.stage import StageError
 
-        command = f"{sys.executable or 'python'} -m {WORKER_MODULE}"
+        command = f"{sys.executable or 'python'} -c <{WORKER_MODULE}.main>"
         if not sys.executable:
             raise StageError(
                 f"cannot start the stage worker ({command}): this interpreter does not know its "
@@ -84,8 +95,8 @@ class WorkerProcess:
             proc = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    WORKER_MODULE,
+                    "-c",
+                    _BOOTSTRAP.format(root=_package_root(), module=WORKER_MODULE),
                     "--fd",
                     str(theirs.fileno()),
                     "--parent-pid",
@@ -96,7 +107,7 @@ class WorkerProcess:
                 stderr=subprocess.PIPE,
                 env=_worker_env(),
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: pass_fds where it is unsupported
             ours.close()
             raise StageError(f"cannot start the stage worker ({command}): {exc}") from exc
         finally:
@@ -121,7 +132,10 @@ class WorkerProcess:
             with contextlib.suppress(OSError):
                 self.send(("shutdown",))
 
-        threading.Thread(target=send, name="rltserve-stage-stop", daemon=True).start()
+        try:
+            threading.Thread(target=send, name="rltserve-stage-stop", daemon=True).start()
+        except RuntimeError:  # interpreter shutdown (3.12 starts no new threads then)
+            self.close()  # EOF on the channel stops the worker just as well
 
     def stop(self, timeout: float) -> None:
         """Asks the worker to shut down and waits up to ``timeout`` seconds; then kills it."""

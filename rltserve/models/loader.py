@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -235,7 +236,7 @@ def load_model(
         needed = sum(nbytes[s] for sources in sources_of.values() for s in sources)
         bar = _progress_bar(needed, len(files), progress)
         try:
-            direct_ok = target_device.type == "cpu"
+            direct_ok = target_device.type == "cpu" and hasattr(os, "preadv")
             want = ST_NAMES[target_dtype]
             for param, sources in sources_of.items():
                 if direct_ok and len(sources) > 1 and all(stored[s] == want for s in sources):
