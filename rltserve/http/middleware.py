@@ -3,7 +3,8 @@ passthrough and the HTTP request counter.
 
 Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
-as JSON; then ``auth``. ``/health`` and the other non-``/v1`` routes stay open, as in vLLM.
+as JSON; then ``auth``, which guards every route but ``/health`` (and ``/metrics`` unless
+configured). Error bodies never carry a traceback or a request's own header values.
 """
 
 from __future__ import annotations
@@ -52,10 +53,17 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
+def needs_key(path: str, metrics_auth: bool) -> bool:
+    """Every route needs the key except ``/health`` (load balancers probe it) and, unless
+    ``metrics_auth``, ``/metrics`` (scrapers rarely carry keys)."""
+    return path != "/health" and (metrics_auth or path != "/metrics")
+
+
 @web.middleware
 async def auth(request: web.Request, handler) -> web.StreamResponse:
-    key = request.app[STATE].config.api_key
-    if key is not None and request.path.startswith("/v1/"):
+    config = request.app[STATE].config
+    key = config.api_key
+    if key is not None and needs_key(request.path, config.metrics_auth):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if not header:
