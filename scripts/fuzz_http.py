@@ -93,7 +93,10 @@ def start_server(path: Path, **server: Any) -> ServerThread:
     from rltserve.http.state import STATE
 
     config = ServerConfig(port=0, served_model_name="tiny", **server)
-    engine = EngineConfig.from_flat(model=str(path), num_blocks=512, max_num_seqs=16)
+    # A short context keeps every generation short (chat without max_tokens fills it).
+    engine = EngineConfig.from_flat(
+        model=str(path), num_blocks=512, max_num_seqs=16, max_model_len=96
+    )
     loop = asyncio.new_event_loop()
     ready: dict[str, Any] = {}
     started = threading.Event()
@@ -392,6 +395,14 @@ SAMPLING_KWARGS = st.fixed_dictionaries({}, optional=SAMPLING_FIELDS)
 # ---------------------------------------------------------------------- the long run
 
 
+def _bind(check: Callable[[ServerThread, str, Any], int], server: ServerThread, path: str):
+    def prop(**drawn: Any) -> None:  # hypothesis passes the one drawn value by keyword
+        (value,) = drawn.values()
+        check(server, path, value)
+
+    return prop
+
+
 def run(examples: int, seed: int | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(tiny_checkpoint(Path(tmp)))
@@ -405,12 +416,8 @@ def run(examples: int, seed: int | None) -> dict:
         )
         properties: dict[str, Callable[[], None]] = {}
         for path, strategy in ENDPOINTS.items():
-            properties[path] = given(body=strategy())(
-                lambda body, p=path: check_body(server, p, body)
-            )
-            properties[path + " raw"] = given(raw=raw_bodies(path))(
-                lambda raw, p=path: check_raw(server, p, raw)
-            )
+            properties[path] = given(body=strategy())(_bind(check_body, server, path))
+            properties[path + " raw"] = given(raw=raw_bodies(path))(_bind(check_raw, server, path))
         properties["SamplingParams"] = given(kwargs=SAMPLING_KWARGS)(check_sampling_params)
         try:
             for name, prop in properties.items():
@@ -424,7 +431,10 @@ def run(examples: int, seed: int | None) -> dict:
                     test()
                     outcome = "passed"
                 except Exception as exc:  # noqa: BLE001 - reported, the run goes on
-                    outcome = f"FAILED: {type(exc).__name__}: {str(exc)[:500]}"
+                    causes = [exc, *getattr(exc, "exceptions", ())]
+                    outcome = "FAILED: " + " | ".join(
+                        f"{type(e).__name__}: {str(e)[:800]}" for e in causes
+                    )
                 server.wait_idle()
                 results["properties"][name] = {
                     "outcome": outcome,

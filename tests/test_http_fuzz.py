@@ -134,3 +134,105 @@ def test_raw_http_oddities(idle):
 @given(kwargs=fuzz.SAMPLING_KWARGS)
 def test_sampling_params_build_or_name_the_field(kwargs):
     fuzz.check_sampling_params(kwargs)
+
+
+# ---------------------------------------------------------------------- /openapi.json
+
+
+def _accepts(schema: dict, value: object) -> bool:
+    """A validator for the JSON Schema subset /openapi.json uses, written apart from
+    rltserve.http.validation so that the two are compared, not copied."""
+    if "anyOf" in schema:
+        return any(_accepts(s, value) for s in schema["anyOf"])
+    kind = schema.get("type")
+    if kind is None:
+        return True
+    if kind == "null":
+        return value is None
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "integer":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return False
+        return schema.get("minimum", value) <= value <= schema.get("maximum", value)
+    if kind == "number":
+        return (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (value == value and abs(value) != float("inf"))
+        )
+    if kind == "array":
+        return isinstance(value, list) and all(_accepts(schema["items"], v) for v in value)
+    assert kind == "object", schema
+    if not isinstance(value, dict):
+        return False
+    properties = schema.get("properties", {})
+    if any(name not in value for name in schema.get("required", ())):
+        return False
+    extra = schema.get("additionalProperties", True)
+    for key, item in value.items():
+        sub = properties.get(key, extra)
+        if sub is False or (isinstance(sub, dict) and not _accepts(sub, item)):
+            return False
+    return True
+
+
+def _served_schema(document: dict, path: str) -> dict:
+    ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    return document["components"]["schemas"][ref["schema"]["$ref"].rsplit("/", 1)[1]]
+
+
+def test_openapi_is_served_and_lists_every_route(idle):
+    from rltserve.http.handlers import ROUTES
+
+    conn = fuzz.http.client.HTTPConnection(idle.host, idle.port, timeout=30)
+    conn.request("GET", "/openapi.json")
+    document = json.loads(conn.getresponse().read())
+    conn.close()
+    assert document["openapi"].startswith("3.")
+    assert {(r.method.lower(), r.path) for r in ROUTES} == {
+        (method, path) for path, ops in document["paths"].items() for method in ops
+    }
+    schema = _served_schema(document, "/v1/completions")
+    assert schema["required"] == ["prompt"]
+    assert schema["properties"]["seed"]["anyOf"][0] == {
+        "type": "integer",
+        "minimum": -(2**63),
+        "maximum": 2**63 - 1,
+    }
+
+
+@pytest.mark.parametrize("path", list(fuzz.ENDPOINTS))
+def test_openapi_accepts_what_validation_accepts(path):
+    """For generated bodies, the served schema accepts a body iff parsing it (types, required
+    fields, ranges; before the cross-field rules) succeeds."""
+    import orjson
+
+    from rltserve.http.handlers import ROUTES
+    from rltserve.http.openapi import openapi_document
+    from rltserve.http.validation import SchemaError, parse_object
+
+    document = json.loads(json.dumps(openapi_document(ROUTES, "test")))
+    schema = _served_schema(document, path)
+    cls = next(r.body for r in ROUTES if r.path == path)
+    outcomes: set[bool] = set()
+
+    @settings(BOUNDED, max_examples=300)
+    @given(body=fuzz.ENDPOINTS[path]())
+    def prop(body):
+        try:
+            value = orjson.loads(fuzz.encode(body))
+        except orjson.JSONDecodeError:
+            return  # not JSON: neither side sees it
+        try:
+            parse_object(cls, value, on_unknown=lambda name: None)
+            parsed = True
+        except SchemaError:
+            parsed = False
+        assert _accepts(schema, value) == parsed, value
+        outcomes.add(parsed)
+
+    prop()
+    assert outcomes == {True, False}
