@@ -19,6 +19,7 @@ from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 
 log = logging.getLogger("rltserve.http")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 
 
 def _route_name(request: web.Request) -> str:
@@ -43,6 +44,9 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status == 405:
             message = f"method {request.method} not allowed on {request.path}"
         response = error_response(HTTPError(exc.status, message or exc.reason))
+    except ConnectionResetError:
+        # The client went away (mid-body, mid-stream): nobody reads this; not a server error.
+        response = web.Response(status=CLIENT_CLOSED)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(HTTPError(500, "internal server error"))
