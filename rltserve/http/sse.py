@@ -16,6 +16,7 @@ from aiohttp import web
 from rltserve.http.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
+_UNBLOCKED_BYTES = 16 * 1024  # asyncio's default low-water mark: a transport below it is writable
 CONTENT_TYPE = "text/event-stream"
 
 
@@ -74,6 +75,16 @@ class SSEWriter:
             await self._write(response, b"".join(encode_event(o) for o in objs))
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+        transport = self._request.transport
+        if (
+            self._stall_timeout_s is None
+            or transport is None
+            or (transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES)
+        ):
+            # Below the transport's low-water mark writing never waits: no timer needed (the
+            # common case, kept free of wait_for's extra task per write).
+            await response.write(data)
+            return
         try:
             await asyncio.wait_for(response.write(data), self._stall_timeout_s)
         except asyncio.TimeoutError:
