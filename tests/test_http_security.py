@@ -192,6 +192,7 @@ async def test_errors_carry_no_tracebacks_secrets_or_paths(ckpt):
         assert status == 500
         assert error_of(raw)["message"] == "internal server error"
         assert b"Traceback" not in raw and KEY.encode() not in raw and b"/srv" not in raw
+        assert live.state._frontend.num_open == 0 and live.state.gate.in_use == 0  # no leak
         _, _, raw = await live.get("/v1/models", headers=auth)
         assert str(ckpt).encode() not in raw  # no filesystem path unless configured
         assert orjson.loads(raw)["data"][0]["root"] == "tiny"
