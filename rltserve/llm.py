@@ -114,9 +114,13 @@ class LLM:
         batch = self._normalize_prompts(prompts)
         if params is None:
             params = SamplingParams()
+        if not isinstance(params, (SamplingParams, Sequence)):
+            raise ValueError("params: must be SamplingParams or a list of them")
         plist = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(batch):
             raise ValueError(f"params: {len(plist)} given for {len(batch)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise ValueError("params: must be SamplingParams or a list of them")
         encoded = [self._encode(prompt) for prompt in batch]
         pending = _Pending()
         try:
@@ -160,6 +164,8 @@ class LLM:
     def _normalize_prompts(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts={prompts!r:.80}: must be a string, token ids or a list")
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) for t in prompts):
             raise ValueError("prompts: pass a list of token-id lists, not one flat list of ids")
@@ -170,6 +176,8 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt={prompt!r:.80}: must be a string or a list of token ids")
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt: token ids must be ints")

@@ -50,11 +50,18 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            self._to_tuple("stop")
+        self._to_tuple("stop_token_ids")
         if self.trace_depths is not None:
-            object.__setattr__(self, "trace_depths", tuple(self.trace_depths))
+            self._to_tuple("trace_depths")
         self._validate()
+
+    def _to_tuple(self, name: str) -> None:
+        value = getattr(self, name)
+        try:
+            object.__setattr__(self, name, tuple(value))
+        except TypeError:  # not iterable: a ValueError naming the field, like every bad value
+            raise ValueError(f"{name}={value!r}: must be a list") from None
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:

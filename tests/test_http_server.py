@@ -60,7 +60,7 @@ async def test_models_version_and_request_id(ckpt):
                     "object": "model",
                     "created": 1730000000,
                     "owned_by": "rltserve",
-                    "root": str(ckpt),
+                    "root": "tiny",
                     "max_model_len": 64,
                     "vocab_size": 512,
                 }

@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from rltserve.sampling import MAX_LOGPROBS
+
+# The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
+MAX_N = 128
+
 API_KEY_ENV = "RLTSERVE_API_KEY"
 
 
@@ -59,6 +64,41 @@ class ServerConfig:
         default=10.0,
         metadata=_help("on shutdown, seconds in-flight requests may finish before being aborted"),
     )
+    # Bounds on what one request may ask for (each beyond its bound is a 400 naming the field).
+    max_n: int = field(default=MAX_N, metadata=_help(f"largest n (at most {MAX_N})"))
+    max_tokens_limit: int | None = field(
+        default=None,
+        metadata=_help("largest max_tokens a request may ask for (default: the context length)"),
+    )
+    max_stop: int = field(default=16, metadata=_help("most stop strings in one request"))
+    max_stop_chars: int = field(default=256, metadata=_help("longest stop string (characters)"))
+    max_logprobs: int = field(
+        default=MAX_LOGPROBS,
+        metadata=_help(f"largest logprobs / top_logprobs (at most {MAX_LOGPROBS})"),
+    )
+    max_header_bytes: int = field(
+        default=8190, metadata=_help("longest request line or header field (else 400)")
+    )
+    # Slow clients: a connection that sends no complete request, a body that trickles in, or a
+    # stream nobody reads would otherwise hold its socket (and a stream its engine slot) forever.
+    idle_timeout_s: float = field(
+        default=60.0,
+        metadata=_help("seconds a connection may wait for a complete request (headers) or idle"),
+    )
+    body_timeout_s: float = field(
+        default=30.0, metadata=_help("seconds a request body may take to arrive (else 408)")
+    )
+    stream_stall_timeout_s: float = field(
+        default=30.0,
+        metadata=_help(
+            "seconds a stream may wait for its client to read before the request is aborted"
+        ),
+    )
+    metrics_auth: bool = field(default=False, metadata=_help("require the API key on /metrics too"))
+    expose_model_path: bool = field(
+        default=False,
+        metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -81,6 +121,30 @@ class ServerConfig:
             raise ValueError(f"strict_fields={self.strict_fields!r}: must be a bool")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
+        bounds = (
+            ("max_n", 1, MAX_N),
+            ("max_stop", 0, None),
+            ("max_stop_chars", 1, None),
+            ("max_logprobs", 0, MAX_LOGPROBS),
+            ("max_header_bytes", 256, None),
+        )
+        for name, low, high in bounds:
+            value = getattr(self, name)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            if not ok or (high is not None and value > high):
+                where = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"{name}={value!r}: must be an int {where}")
+        limit = self.max_tokens_limit
+        bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        if limit is not None and bad_limit:
+            raise ValueError(f"max_tokens_limit={limit!r}: must be an int >= 1")
+        for name in ("idle_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name}={value!r}: must be a number > 0")
+        for name in ("metrics_auth", "expose_model_path"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
 
     def with_env(self) -> ServerConfig:
         """The config with ``api_key`` taken from the environment when not given; resolved

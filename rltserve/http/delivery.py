@@ -43,7 +43,9 @@ async def deliver(
 async def _stream(
     request: web.Request, state: ServingState, plan: GenerationPlan, generation: Generation
 ) -> web.StreamResponse:
-    writer = SSEWriter(request, state.passthrough_headers(request))
+    writer = SSEWriter(
+        request, state.passthrough_headers(request), state.config.stream_stall_timeout_s
+    )
     fmt = plan.format
     try:
         async for events in generation.batches():
@@ -73,7 +75,8 @@ async def _stream(
             await writer.send(final)
         return await writer.finish()
     except ConnectionResetError:
-        # The client went away mid-write; leaving the generation aborts its choices.
+        # The client went away mid-write, or stalled (StreamStalled); leaving the generation
+        # aborts its choices.
         return writer.response or web.Response(status=499)
 
 

@@ -260,6 +260,11 @@ class Generation:
         except StageError as exc:
             await self.__aexit__(None, None, None)
             raise unavailable(f"the engine is not running: {exc}") from exc
+        except BaseException:
+            # Any other failure (a 500) must not leave this generation registered: shutdown
+            # would wait the whole drain timeout for it, and added choices would keep running.
+            await self.__aexit__(None, None, None)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

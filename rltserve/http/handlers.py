@@ -12,6 +12,8 @@ from aiohttp import web
 from rltserve import __version__
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import HTTPError, bad_request, json_response
+from rltserve.http.limits import check_limits
+from rltserve.http.openapi import Route, openapi_document
 from rltserve.http.plans import chat_plan, completion_plan
 from rltserve.http.schemas import (
     ChatCompletionRequest,
@@ -36,10 +38,13 @@ async def read_body(request: web.Request, cls: type) -> Any:
     limit = state.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise HTTPError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+    timeout = state.config.body_timeout_s
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), timeout)
     except web.HTTPRequestEntityTooLarge as exc:
         raise HTTPError(413, f"request body exceeds {limit} bytes") from exc
+    except asyncio.TimeoutError as exc:
+        raise HTTPError(408, f"request body not received within {timeout:g} s") from exc
     strict = state.config.strict_fields
     if len(raw) > _INLINE_BODY_BYTES:  # checking a million token ids takes a while
         loop = asyncio.get_running_loop()
@@ -68,6 +73,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: CompletionRequest = await read_body(request, CompletionRequest)
     state.check_model(req.model)
+    check_limits(req, state.config)
     return await deliver(request, state, await completion_plan(state, req, arrival))
 
 
@@ -76,6 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     state.check_model(req.model)
+    check_limits(req, state.config)
     return await deliver(request, state, await chat_plan(state, req, arrival))
 
 
@@ -87,7 +94,8 @@ async def models(request: web.Request) -> web.Response:
         "object": "model",
         "created": state.created,
         "owned_by": "rltserve",
-        "root": info.model_path,
+        # A filesystem path tells clients about the host; shown only when configured.
+        "root": info.model_path if state.config.expose_model_path else state.model_name,
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
     }
@@ -140,18 +148,24 @@ async def version(request: web.Request) -> web.Response:
     return json_response({"version": __version__})
 
 
-ROUTES = (
-    ("POST", "/v1/completions", completions),
-    ("POST", "/v1/chat/completions", chat_completions),
-    ("GET", "/v1/models", models),
-    ("GET", "/health", health),
-    ("GET", "/metrics", metrics),
-    ("POST", "/tokenize", tokenize),
-    ("POST", "/detokenize", detokenize),
-    ("GET", "/version", version),
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document(ROUTES, __version__))
+
+
+# (method, path, handler, request body schema): the table /openapi.json is generated from.
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/completions", completions, CompletionRequest),
+    Route("POST", "/v1/chat/completions", chat_completions, ChatCompletionRequest),
+    Route("GET", "/v1/models", models),
+    Route("GET", "/health", health),
+    Route("GET", "/metrics", metrics),
+    Route("POST", "/tokenize", tokenize, TokenizeRequest),
+    Route("POST", "/detokenize", detokenize, DetokenizeRequest),
+    Route("GET", "/version", version),
+    Route("GET", "/openapi.json", openapi),
 )
 
 
 def add_routes(app: web.Application) -> None:
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)
+    for route in ROUTES:
+        app.router.add_route(route.method, route.path, route.handler)

@@ -3,7 +3,8 @@ passthrough and the HTTP request counter.
 
 Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
-as JSON; then ``auth``. ``/health`` and the other non-``/v1`` routes stay open, as in vLLM.
+as JSON; then ``auth``, which guards every route but ``/health`` (and ``/metrics`` unless
+configured). Error bodies never carry a traceback or a request's own header values.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 
 log = logging.getLogger("rltserve.http")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 
 
 def _route_name(request: web.Request) -> str:
@@ -42,6 +44,9 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status == 405:
             message = f"method {request.method} not allowed on {request.path}"
         response = error_response(HTTPError(exc.status, message or exc.reason))
+    except ConnectionResetError:
+        # The client went away (mid-body, mid-stream): nobody reads this; not a server error.
+        response = web.Response(status=CLIENT_CLOSED)
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(HTTPError(500, "internal server error"))
@@ -52,10 +57,17 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     return response
 
 
+def needs_key(path: str, metrics_auth: bool) -> bool:
+    """Every route needs the key except ``/health`` (load balancers probe it) and, unless
+    ``metrics_auth``, ``/metrics`` (scrapers rarely carry keys)."""
+    return path != "/health" and (metrics_auth or path != "/metrics")
+
+
 @web.middleware
 async def auth(request: web.Request, handler) -> web.StreamResponse:
-    key = request.app[STATE].config.api_key
-    if key is not None and request.path.startswith("/v1/"):
+    config = request.app[STATE].config
+    key = config.api_key
+    if key is not None and needs_key(request.path, config.metrics_auth):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
         if not header:

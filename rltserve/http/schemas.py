@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 128
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
 COMPLETION_MAX_TOKENS = 16

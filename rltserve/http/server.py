@@ -56,6 +56,11 @@ async def start_server(app: web.Application, config: ServerConfig) -> RunningSer
         app,
         handler_cancellation=True,
         shutdown_timeout=config.drain_timeout_s + _SHUTDOWN_MARGIN_S,
+        # aiohttp arms this timer when a connection opens, so it also closes a connection that
+        # trickles its headers in (slow loris), not only idle keep-alive ones.
+        keepalive_timeout=config.idle_timeout_s,
+        max_line_size=config.max_header_bytes,
+        max_field_size=config.max_header_bytes,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context(config))

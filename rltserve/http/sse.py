@@ -8,12 +8,15 @@ that a request the engine rejects before producing anything still gets a proper 
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from aiohttp import web
 
 from rltserve.http.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
+_UNBLOCKED_BYTES = 16 * 1024  # asyncio's default low-water mark: a transport below it is writable
 CONTENT_TYPE = "text/event-stream"
 
 
@@ -25,12 +28,26 @@ def encode_error(status: int, message: str) -> bytes:
     return encode_event(error_body(status, message))
 
 
-class SSEWriter:
-    """Writes events of one stream. ``started`` tells whether the headers went out."""
+class StreamStalled(ConnectionResetError):
+    """The client did not read for ``stall_timeout_s``: the connection was dropped."""
 
-    def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
+
+class SSEWriter:
+    """Writes events of one stream. ``started`` tells whether the headers went out.
+
+    What the server holds for a slow reader is bounded: a write waits while the socket's buffers
+    are full, and one that waits longer than ``stall_timeout_s`` drops the connection and raises
+    ``StreamStalled`` (so the request is aborted and its KV freed)."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        headers: dict[str, str] | None = None,
+        stall_timeout_s: float | None = None,
+    ) -> None:
         self._request = request
         self._headers = headers or {}
+        self._stall_timeout_s = stall_timeout_s
         self._response: web.StreamResponse | None = None
 
     @property
@@ -55,12 +72,33 @@ class SSEWriter:
         """Sends events in one write (the chunks of one engine update go out together)."""
         if objs:
             response = await self._ensure_started()
-            await response.write(b"".join(encode_event(o) for o in objs))
+            await self._write(response, b"".join(encode_event(o) for o in objs))
+
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
+        transport = self._request.transport
+        if (
+            self._stall_timeout_s is None
+            or transport is None
+            or (transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES)
+        ):
+            # Below the transport's low-water mark writing never waits: no timer needed (the
+            # common case, kept free of wait_for's extra task per write).
+            await response.write(data)
+            return
+        try:
+            await asyncio.wait_for(response.write(data), self._stall_timeout_s)
+        except asyncio.TimeoutError:
+            transport = self._request.transport
+            if transport is not None:
+                transport.abort()
+            raise StreamStalled(
+                f"client read nothing for {self._stall_timeout_s:g} s; stream dropped"
+            ) from None
 
     async def finish(self, error: tuple[int, str] | None = None) -> web.StreamResponse:
         """Ends the stream: an optional error event, then ``[DONE]``."""
         response = await self._ensure_started()
         tail = encode_error(*error) + DONE if error is not None else DONE
-        await response.write(tail)
+        await self._write(response, tail)
         await response.write_eof()
         return response

@@ -1,0 +1,212 @@
+"""Fault injection at the HTTP level: a client that stops reading a stream, disconnects at every
+phase, the tokenizer failing on one request, one request larger than the KV pool, and SIGTERM
+with requests in flight. Each ends with nothing held: no open generations, no admission slots,
+no engine requests (and, with the real engine, no KV blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    post,
+    running,
+    scripted_factory,
+    scripted_info,
+    sse_payloads,
+    tiny_checkpoint,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def released(live) -> bool:
+    state = live.state
+    return state.gate.in_use == 0 and state.gate.num_queued == 0 and state._frontend.num_open == 0
+
+
+async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=10**7), Script([44, 45]))
+    async with running(
+        ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
+    ) as live:
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: fills fast
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, (host, int(port)))
+        body = orjson.dumps({"prompt": [5], "max_tokens": 1_000_000, "stream": True})
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await loop.sock_sendall(sock, request)
+        try:  # never read: the server's writes block once the socket buffers are full
+            await wait_for(lambda: len(stage.aborted) == 1, timeout=30)
+            await wait_for(lambda: released(live), timeout=5)
+        finally:
+            sock.close()
+        status, _, raw = await live.post(COMPLETIONS, {"prompt": [5], "max_tokens": 2})
+        assert status == 200, raw  # the server goes on serving
+
+
+async def test_disconnects_at_every_phase_release_everything(ckpt):
+    hold = threading.Event()
+    stage = ScriptedStage(scripted_info(ckpt), Script([44], hold=hold, interval_s=0.01))
+    async with running(
+        ckpt, client_factory=scripted_factory(stage), max_concurrent=1, max_queued=4
+    ) as live:
+        gate = live.state.gate
+        body = {"prompt": [5], "max_tokens": 50, "stream": True}
+        # 1. in the engine before the first token (held), 2. queued behind it
+        first = asyncio.create_task(post(live.session, live.url + COMPLETIONS, body))
+        await wait_for(lambda: len(stage.added) == 1)
+        queued = asyncio.create_task(post(live.session, live.url + COMPLETIONS, body))
+        await wait_for(lambda: gate.num_queued == 1)
+        queued.cancel()
+        await wait_for(lambda: gate.num_queued == 0)
+        first.cancel()
+        await wait_for(lambda: len(stage.aborted) == 1)
+        await wait_for(lambda: released(live))
+        hold.set()
+        # 3. mid-stream, after some chunks
+        async with live.stream(COMPLETIONS, body) as response:
+            await response.content.readuntil(b"\n\n")
+            await response.content.readuntil(b"\n\n")
+            response.close()
+        await wait_for(lambda: len(stage.aborted) == 2)
+        await wait_for(lambda: released(live))
+        # 4. a non-streaming request, mid-generation
+        task = asyncio.create_task(
+            post(live.session, live.url + COMPLETIONS, {**body, "stream": False})
+        )
+        await wait_for(lambda: len(stage.added) == 3)  # the queued one never got in
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await wait_for(lambda: len(stage.aborted) == 3)
+        await wait_for(lambda: released(live))
+        # 5. while the body is being uploaded: nothing reaches the engine
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+        await writer.drain()
+        writer.close()
+        await asyncio.sleep(0.2)
+        assert len(stage.added) == 3 and released(live)
+        status, _, _ = await live.post(COMPLETIONS, {"prompt": [5], "max_tokens": 2})
+        assert status == 200
+
+
+async def test_the_tokenizer_failing_on_one_request(ckpt):
+    async with running(ckpt) as live:
+        codec = live.state._frontend.codec
+        encode = codec.encode
+
+        async def flaky(text, *args, **kwargs):
+            if "poison" in text:
+                raise RuntimeError("tokenizer crashed")
+            return await encode(text, *args, **kwargs)
+
+        codec.encode = flaky
+        ok = {"prompt": "hello there", "max_tokens": 3, "temperature": 0}
+        results = await asyncio.gather(
+            live.post(COMPLETIONS, ok),
+            live.post(COMPLETIONS, {**ok, "prompt": "poison"}),
+            live.post(COMPLETIONS, ok),
+        )
+        statuses = [status for status, _, _ in results]
+        assert statuses == [200, 500, 200], results
+        error = orjson.loads(results[1][2])["error"]
+        assert error["message"] == "internal server error"  # no exception text leaks
+        client = live.state.client
+        await wait_for(lambda: released(live))
+        await wait_for(lambda: client.stats.num_running == 0 and client.stats.kv_usage == 0)
+
+
+async def test_one_request_larger_than_the_kv_pool(ckpt):
+    # 4 blocks of 16 tokens: 64 tokens of KV in all, a context of 64.
+    engine = {"num_blocks": 4, "block_size": 16, "max_model_len": 64}
+    async with running(ckpt, engine=engine) as live:
+        client = live.state.client
+        giant = {"prompt": list(range(5, 60)), "max_tokens": 9, "ignore_eos": True, "n": 2}
+        small = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+        statuses = await asyncio.wait_for(
+            asyncio.gather(live.post(COMPLETIONS, giant), live.post(COMPLETIONS, small)), 120
+        )
+        assert statuses[1][0] == 200, statuses[1]
+        assert statuses[0][0] in (200, 400), statuses[0]  # served in turn, or refused clearly
+        await wait_for(lambda: released(live))
+        await wait_for(lambda: client.stats.num_running == 0 and client.stats.kv_usage == 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_sigterm_drains_in_flight_requests_and_exits_zero(ckpt):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "rltserve.cli", "serve", "--model", str(ckpt)]
+    cmd += ["--port", str(port), "--drain-timeout-s", "60", "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 180
+            while True:
+                assert process.poll() is None and time.monotonic() < deadline
+                try:
+                    async with session.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+            body = {"prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True, "stream": True}
+            async with session.post(url + COMPLETIONS, json=body) as response:
+                first = await response.content.readuntil(b"\n\n")
+                process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                late = None
+                try:  # a new request while draining: 503, or refused (no longer listening)
+                    async with aiohttp.ClientSession() as other:
+                        late, _, _ = await post(other, url + COMPLETIONS, {"prompt": [5]})
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert late in (None, 503)
+                rest = await asyncio.wait_for(response.content.read(), 120)
+        events = sse_payloads(first + rest)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # finished, not aborted
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text  # the request ran to its end
+        assert await asyncio.to_thread(process.wait, 60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,207 @@
+"""Security bounds of the server: auth on every route but /health (and /metrics unless
+configured), per-request limits from ServerConfig, slow clients timed out, no secrets, paths or
+tracebacks in responses."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
+
+from rltserve.http.config import ServerConfig
+from rltserve.http.handlers import ROUTES
+
+KEY = "sk-very-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_http_harness import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def scripted(ckpt, **script):
+    return scripted_factory(ScriptedStage(scripted_info(ckpt), Script([44, 45, 46], **script)))
+
+
+BODIES = {
+    "/v1/completions": {"prompt": [5], "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [5]},
+}
+
+
+def error_of(raw: bytes) -> dict:
+    return orjson.loads(raw)["error"]
+
+
+async def _call(live, method: str, path: str, headers: dict) -> tuple[int, bytes]:
+    if method == "GET":
+        status, _, raw = await live.get(path, headers=headers)
+    else:
+        status, _, raw = await live.post(path, BODIES[path], headers=headers)
+    return status, raw
+
+
+@pytest.mark.parametrize("metrics_auth", [False, True])
+async def test_every_route_but_health_needs_the_key(ckpt, metrics_auth):
+    open_routes = {"/health"} | (set() if metrics_auth else {"/metrics"})
+    async with running(
+        ckpt, client_factory=scripted(ckpt), api_key=KEY, metrics_auth=metrics_auth
+    ) as live:
+        for route in ROUTES:
+            status, raw = await _call(live, route.method, route.path, {})
+            if route.path in open_routes:
+                assert status == 200, (route.path, raw)
+                continue
+            assert status == 401, (route.path, status)
+            assert error_of(raw)["type"] == "authentication_error"
+            status, raw = await _call(
+                live, route.method, route.path, {"Authorization": "Bearer wrong-" + KEY}
+            )
+            assert status == 401 and KEY.encode() not in raw  # the key is never echoed
+            status, raw = await _call(
+                live, route.method, route.path, {"Authorization": f"Bearer {KEY}"}
+            )
+            assert status == 200, (route.path, raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("/v1/completions", {"prompt": [5], "n": 3}, "n", "[1, 2]"),
+        ("/v1/completions", {"prompt": [5], "max_tokens": 9}, "max_tokens", "<= 8"),
+        ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 9}, None, None),
+        ("/v1/completions", {"prompt": [5], "stop": ["a", "b", "c"]}, "stop", "at most 2"),
+        ("/v1/completions", {"prompt": [5], "stop": "x" * 11}, "stop", "at most 10"),
+        ("/v1/completions", {"prompt": [5], "logprobs": 4}, "logprobs", "[0, 3]"),
+        ("/v1/chat/completions", {"top_logprobs": 4}, "top_logprobs", "[0, 3]"),
+    ],
+)
+async def test_request_bounds_come_from_the_config(ckpt, path, body, param, fragment):
+    limits = {"max_n": 2, "max_tokens_limit": 8, "max_stop": 2, "max_stop_chars": 10}
+    async with running(ckpt, client_factory=scripted(ckpt), max_logprobs=3, **limits) as live:
+        if path.endswith("chat/completions"):
+            body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, **body}
+        if param is None:  # an empty conversation is its own 400
+            body = {**body, "messages": [{"role": "user", "content": "hi"}]}
+            param, fragment = "max_completion_tokens", "<= 8"
+        status, _, raw = await live.post(path, body)
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, param), error
+        assert fragment in error["message"], error
+        # at the bound itself: served
+        ok = {k: v for k, v in body.items() if k != param}
+        status, _, raw = await live.post(path, ok)
+        assert status == 200, raw
+
+
+def test_config_rejects_bad_bounds():
+    for kwargs, fragment in [
+        ({"max_n": 0}, "max_n=0: must be an int in [1, 128]"),
+        ({"max_n": 129}, "max_n=129"),
+        ({"max_logprobs": 21}, "max_logprobs=21: must be an int in [0, 20]"),
+        ({"max_tokens_limit": 0}, "max_tokens_limit=0"),
+        ({"idle_timeout_s": 0}, "idle_timeout_s=0"),
+        ({"stream_stall_timeout_s": -1.0}, "stream_stall_timeout_s=-1.0"),
+        ({"max_header_bytes": 10}, "max_header_bytes=10"),
+        ({"metrics_auth": "yes"}, "metrics_auth='yes'"),
+    ]:
+        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+            ServerConfig(**kwargs)
+
+
+async def test_oversized_bodies_and_headers(ckpt):
+    async with running(
+        ckpt, client_factory=scripted(ckpt), max_body_bytes=4096, max_header_bytes=1024
+    ) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x" * 5000})
+        assert status == 413 and error_of(raw)["type"] == "invalid_request_error"
+        status, _, _ = await live.post(
+            "/v1/completions", {"prompt": [5]}, headers={"X-Long": "a" * 2000}
+        )
+        assert status == 400
+        status, _, _ = await live.post(
+            "/v1/completions", {"prompt": [5]}, headers={"X-Long": "a" * 900}
+        )
+        assert status == 200
+
+
+async def _read_all(reader: asyncio.StreamReader, timeout: float) -> bytes:
+    return await asyncio.wait_for(reader.read(), timeout)
+
+
+async def test_slow_loris_headers_are_cut_off(ckpt):
+    async with running(ckpt, client_factory=scripted(ckpt), idle_timeout_s=0.5) as live:
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        started = time.monotonic()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for i in range(100):  # a header line every 0.1 s, never the blank line
+            try:
+                writer.write(b"X-Slow-%d: y\r\n" % i)
+                await writer.drain()
+            except ConnectionError:
+                closed = True
+                break
+            await asyncio.sleep(0.1)
+            if reader.at_eof() or writer.is_closing():
+                closed = True
+                break
+            try:
+                if await asyncio.wait_for(reader.read(1), 0.01) == b"":
+                    closed = True
+                    break
+            except asyncio.TimeoutError:
+                pass
+        writer.close()
+        assert closed, "the server kept a trickling connection open"
+        assert time.monotonic() - started < 8
+
+
+async def test_slow_body_gets_408(ckpt):
+    async with running(ckpt, client_factory=scripted(ckpt), body_timeout_s=0.5) as live:
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+
+
+class _Exploding(ScriptedStage):
+    def add_request(self, request_id, prompt_token_ids, params, sink) -> None:
+        raise RuntimeError(f"boom in /srv/secret/{KEY}")
+
+
+async def test_errors_carry_no_tracebacks_secrets_or_paths(ckpt):
+    stage = _Exploding(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage), api_key=KEY) as live:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5]}, headers=auth)
+        assert status == 500
+        assert error_of(raw)["message"] == "internal server error"
+        assert b"Traceback" not in raw and KEY.encode() not in raw and b"/srv" not in raw
+        assert live.state._frontend.num_open == 0 and live.state.gate.in_use == 0  # no leak
+        _, _, raw = await live.get("/v1/models", headers=auth)
+        assert str(ckpt).encode() not in raw  # no filesystem path unless configured
+        assert orjson.loads(raw)["data"][0]["root"] == "tiny"
+        for route in ROUTES:
+            status, raw = await _call(live, route.method, route.path, auth)
+            assert KEY.encode() not in raw and b"Traceback" not in raw, route.path
+
+
+async def test_model_path_shown_when_configured(ckpt):
+    async with running(ckpt, client_factory=scripted(ckpt), expose_model_path=True) as live:
+        _, _, raw = await live.get("/v1/models")
+        assert orjson.loads(raw)["data"][0]["root"] == str(ckpt)
