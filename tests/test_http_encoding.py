@@ -20,7 +20,7 @@ from test_http_harness import (
     wait_for,
 )
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, normalizers
+from tokenizers import models, normalizers, pre_tokenizers
 
 from rltserve.http.encoding import INLINE_SIZE, max_token_chars
 from rltserve.models.tokenizer import load_tokenizer
@@ -56,10 +56,28 @@ def test_no_bound_for_tokenizers_that_merge_or_drop_characters():
     def wrapped(tok: HFTokenizer):
         return types.SimpleNamespace(backend=types.SimpleNamespace(tok=tok))
 
-    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
-    assert max_token_chars(wrapped(bpe)) == 1
+    # Without an unk token (and no byte-level alphabet) BPE silently drops unknown characters.
+    assert max_token_chars(wrapped(HFTokenizer(models.BPE(vocab={"a": 0}, merges=[])))) is None
+    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "<u>": 2}, merges=[], unk_token="<u>"))
+    assert max_token_chars(wrapped(bpe)) == 3
+    for unsafe in (
+        pre_tokenizers.Whitespace(),
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.BertPreTokenizer(),
+        pre_tokenizers.Split(" ", behavior="removed"),
+    ):
+        bpe.pre_tokenizer = unsafe
+        assert max_token_chars(wrapped(bpe)) is None, unsafe
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(), pre_tokenizers.Split(" ", behavior="isolated")]
+    )
+    assert max_token_chars(wrapped(bpe)) == 3
+    byte_level = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert max_token_chars(wrapped(byte_level)) == 2
+    bpe.pre_tokenizer = None
     bpe.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.NFD()])
-    assert max_token_chars(wrapped(bpe)) == 1
+    assert max_token_chars(wrapped(bpe)) == 3
     for unsafe in (normalizers.NFKC(), normalizers.Strip(), normalizers.BertNormalizer()):
         bpe.normalizer = unsafe
         assert max_token_chars(wrapped(bpe)) is None, unsafe

@@ -73,6 +73,20 @@ async def test_unknown_fields_are_ignored_with_one_warning_per_name(ckpt, caplog
     ]
 
 
+async def test_unknown_field_warnings_are_bounded(ckpt, caplog):
+    # Clients choose the names: 100 distinct (long) ones give 64 named warnings and one more.
+    caplog.set_level(logging.WARNING, logger="rltserve.http")
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        for i in range(10):
+            extra = {f"x{i}_{j}_" + "y" * 200: 1 for j in range(10)}
+            status, _, raw = await live.post("/v1/completions", {"prompt": [5], **extra})
+            assert status == 200, raw
+    ignored = [m for m in warnings_of(caplog) if m.startswith("ignoring")]
+    assert len(ignored) == 65
+    assert ignored[-1] == "ignoring further unknown request fields without naming them"
+    assert all(len(m) < 160 for m in ignored)
+
+
 async def test_strict_fields_rejects_unknown_fields(ckpt):
     async with running(ckpt, client_factory=factory(ckpt), strict_fields=True) as live:
         cases = [

@@ -33,6 +33,7 @@ INLINE_SIZE = 4096  # characters (or token ids) handled on the event loop itself
 _T = TypeVar("_T")
 # Normalizers that never merge or drop characters (each input character stays at least one).
 _SAFE_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD", "Prepend"})
+_SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation"})
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int | None:
@@ -46,7 +47,12 @@ def max_token_chars(tokenizer: Tokenizer) -> int | None:
         vocab = backend.get_vocab(with_added_tokens=True)
     except Exception:  # noqa: BLE001 - a slow (Python) tokenizer: nothing to inspect
         return None
-    if not _normalizer_is_safe(spec.get("normalizer")) or not _model_is_safe(spec.get("model")):
+    pre = spec.get("pre_tokenizer")
+    if not (
+        _normalizer_is_safe(spec.get("normalizer"))
+        and _pre_tokenizer_is_safe(pre)
+        and _model_is_safe(spec.get("model"), byte_level=_has_byte_level(pre))
+    ):
         return None
     return max((len(token) for token in vocab), default=0) or None
 
@@ -72,15 +78,40 @@ def _normalizer_is_safe(normalizer: dict | None) -> bool:
     return kind in _SAFE_NORMALIZERS
 
 
-def _model_is_safe(model: dict | None) -> bool:
+def _pre_tokenizer_is_safe(pre: dict | None) -> bool:
+    """Pre-tokenizers that split without dropping characters (Whitespace, WhitespaceSplit and
+    BERT's drop the spaces; a ``Split`` may remove its matches)."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_is_safe(p) for p in pre.get("pretokenizers", []))
+    if kind == "Split":
+        return pre.get("behavior") != "Removed"
+    return kind in _SAFE_PRE_TOKENIZERS
+
+
+def _has_byte_level(pre: dict | None) -> bool:
+    if pre is None:
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") == "ByteLevel"
+
+
+def _model_is_safe(model: dict | None, byte_level: bool) -> bool:
     if not isinstance(model, dict):
         return False
     kind = model.get("type")
     if model.get("byte_fallback"):
         return kind in ("BPE", "Unigram")
-    if kind == "BPE":  # a fused <unk> could stand for any run of unknown characters
-        return model.get("unk_token") is None or not model.get("fuse_unk", False)
-    return False
+    if kind != "BPE":
+        return False
+    if byte_level:  # every byte is a symbol of the alphabet: nothing is unknown
+        return True
+    # Without an unk token, BPE drops characters it does not know; a fused <unk> could stand
+    # for any run of them.
+    return model.get("unk_token") is not None and not model.get("fuse_unk", False)
 
 
 class TextCodec:

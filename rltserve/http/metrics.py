@@ -3,9 +3,10 @@
 Latencies use ``time.monotonic()`` in the front-end process. TTFT runs from the HTTP request's
 arrival (before tokenization), as vLLM measures it. ``request_queue_time_seconds`` is the time a
 request waited in the server's admission queue (``--max-queued``) before reaching the stage;
-the stage's own waiting queue shows in ``num_requests_waiting``. Every sample carries a
-``model_name`` label. Engine-side numbers (running/waiting, KV usage, steps and rows) come from
-the latest ``EngineStats`` the stage sent.
+the stage's own waiting queue shows in ``num_requests_waiting``. Every request and engine
+sample carries a ``model_name`` label; ``http_requests_total`` carries ``handler, method,
+status``. Engine-side numbers (running/waiting, KV usage, steps and rows) come from the latest
+``EngineStats`` the stage sent.
 
 Looped-model metrics: ``token_exit_depth`` (the loop at which each generated token exited),
 ``loops_per_token`` (its mean), ``rows_per_step`` (mean core-batch rows per engine step) and the

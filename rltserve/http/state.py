@@ -29,6 +29,7 @@ from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 
+_MAX_WARNED_FIELDS = 64  # distinct unknown field names warned about, per app
 log = logging.getLogger("rltserve.http")
 
 ClientFactory = Callable[[EngineConfig], StageClientLike]
@@ -156,9 +157,14 @@ class ServingState:
         """An unknown request field (``strict_fields`` off): dropped, with one warning per field
         name for the app's lifetime (``messages[3].x`` counts as ``messages[].x``)."""
         name = re.sub(r"\[\d+\]", "[]", path)
-        if name not in self._ignored_fields:
-            self._ignored_fields.add(name)
-            log.warning("ignoring unknown request field %r (--strict-fields rejects it)", name)
+        if name in self._ignored_fields or len(self._ignored_fields) > _MAX_WARNED_FIELDS:
+            return
+        self._ignored_fields.add(name)
+        if len(self._ignored_fields) > _MAX_WARNED_FIELDS:  # clients choose the names: bounded
+            log.warning("ignoring further unknown request fields without naming them")
+        else:
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            log.warning("ignoring unknown request field %r (--strict-fields rejects it)", shown)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
