@@ -185,9 +185,12 @@ class Step:
         src: list[int] = []
         dst: list[int] = []
         bs = self.r.block_size
-        for i, x in zip(self.out, self.exited):
+        exits = [i for i, x in zip(self.out, self.exited) if x]
+        # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
+        exits += [i for i, it in enumerate(self.items) if it.exit is None and it.exit_copy_blocks]
+        for i in exits:
             it = self.items[i]
-            if not x or not it.exit_copy_blocks:
+            if not it.exit_copy_blocks:
                 continue
             offset = it.start % bs
             slot = it.block_table[it.start // bs] * bs + offset
@@ -234,6 +237,7 @@ class Step:
         last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
         pick = r.tensor([last[i] for i in sample_items])
         logits = r.timed(r.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
+        r.logits_width = logits.shape[-1]
         sample_rows = [
             SampleRow(
                 params=lives[i].setup.params,
