@@ -68,7 +68,7 @@ def run_kv_pressure(
         exit_threshold=args.exit_threshold,
     )
     kw = {**engine_kw, "max_num_seqs": num, "kv_watermark": 0.0}
-    probe = EngineCore(EngineConfig.from_flat(**{**kw, "num_blocks": 1 << 20}), model=model)
+    probe = EngineCore(EngineConfig.from_flat(**{**kw, "num_blocks": 1}), model=model)
     request = probe.make_request(None, prompts[0], params)
     worst = probe.kv.blocks_needed(request.kv_tokens, request.num_loops)
     probe.shutdown()
