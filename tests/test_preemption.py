@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, random_workload, run_core
+from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
+from rltserve.config import EngineConfig
+from rltserve.core.stage import InProcessStageClient
 from rltserve.sampling import SamplingParams
 
 MODES = ["recompute", "swap"]
@@ -252,3 +254,27 @@ def test_full_reservation_never_preempts(ckpts, ouro_ref):
     run, stats = _run(ckpts["ouro"], prompts, params, arrivals, kv_reservation="full", **TIGHT)
     assert stats.num_preemptions == 0
     _oracle(ouro_ref, run, prompts, params, "last_exited")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_loop_two_steps_in_flight_under_pressure(ckpts, ouro_ref, mode):
+    prompts, params, _ = _workload(6, seed=12, thresholds=(0.5, 1.0))
+    blocks = _tight_blocks(ckpts["ouro"], prompts, params, exit_mode="delayed")
+    config = EngineConfig.from_flat(
+        model=str(ckpts["ouro"]),
+        block_size=4,
+        num_blocks=blocks,
+        kv_watermark=0.0,
+        exit_mode="delayed",
+        async_scheduling=True,
+        preemption_mode=mode,
+    )
+    client = InProcessStageClient(config)
+    try:
+        client.wait_ready(60)
+        run = stream_all(client, prompts, params)
+    finally:
+        client.close()
+    assert client.stats.num_preemptions >= 1
+    assert client.stats.kv_usage == 0.0 and client.stats.swapped_bytes == 0
+    _oracle(ouro_ref, run, prompts, params, "last_exited", "delayed")
