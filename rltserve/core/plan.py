@@ -82,7 +82,9 @@ class WorkItem:
     boundary_table: list[int] | None = None  # prelude/coda plane (models with coda attention)
     exit: ExitSpec | None = None
     # last_exited copy-on-exit targets: the block holding position `start` in each plane of
-    # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed.
+    # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed. An item
+    # without `exit` that carries them (tokens recomputed after preemption, at their recorded
+    # exit depth) lists them for every position start..end-1 in turn.
     exit_copy_blocks: list[int] = field(default_factory=list)
     # Token pipelining: the last row's state after this loop drafts the next position's input.
     draft: bool = False

@@ -343,8 +343,8 @@ class Scheduler:
     def _replay_item(self, request: Request, start: int, budget: int) -> InFlight:
         """Recomputes generated tokens from ``start`` exactly as they first ran: under ``full``
         every token looped to the request's depth, so a chunk of them runs like a prompt chunk;
-        otherwise each token loops alone to its recorded exit depth (and ``last_exited`` copies
-        its K/V into the deeper planes there). No replayed token samples."""
+        otherwise each token loops to its recorded exit depth (and ``last_exited`` copies its
+        K/V into the deeper planes there). No replayed token samples."""
         if self.kv.policy.kind == "full":
             n = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
             return InFlight(
@@ -356,10 +356,20 @@ class Scheduler:
                 epoch=request.epoch,
                 life=request.num_preemptions,
             )
-        exit_depth = request.exit_depths[start - request.num_prompt_tokens + 1]
+        exits = request.exit_depths
+        first = start - request.num_prompt_tokens + 1  # the output the token at start produced
+        exit_depth = exits[first]
+        n = 1
+        if self.kv.policy.per_depth:
+            # Tokens that exited at the same depth run as one chunk: at every loop up to that
+            # depth each reads its predecessors' real K/V of that loop, as when they decoded.
+            # (Under shared/ring a token reads its predecessor's final version: one at a time.)
+            limit = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
+            while n < limit and exits[first + n] == exit_depth:
+                n += 1
         return InFlight(
             start=start,
-            num_tokens=1,
+            num_tokens=n,
             ends_at=exit_depth,
             stop_at_exit=False,
             has_output=False,
@@ -377,7 +387,12 @@ class Scheduler:
             if item.stop_at_exit and self.kv.policy.copies_on_exit:
                 copy_blocks = self.kv.exit_copy_blocks(rid, item.start, depth, request.num_loops)
         elif item.copy_at_end and depth == item.ends_at:
-            copy_blocks = self.kv.exit_copy_blocks(rid, item.start, depth, request.num_loops)
+            loops = request.num_loops
+            copy_blocks = [
+                b
+                for q in range(item.start, item.end)
+                for b in self.kv.exit_copy_blocks(rid, q, depth, loops)
+            ]
         prompt_ids = None
         if depth == 1 and item.start < request.num_prompt_tokens:
             prompt_ids = request.prompt_token_ids[item.start : item.start + item.num_tokens]

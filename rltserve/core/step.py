@@ -192,11 +192,16 @@ class Step:
             it = self.items[i]
             if not it.exit_copy_blocks:
                 continue
-            offset = it.start % bs
-            slot = it.block_table[it.start // bs] * bs + offset
-            for block in it.exit_copy_blocks:
-                src.append(slot)
-                dst.append(block * bs + offset)
+            # An exiting output copies position start; a recomputed chunk copies every position
+            # (its blocks are listed position by position).
+            positions = range(it.start, it.end) if it.exit is None else (it.start,)
+            per = len(it.exit_copy_blocks) // len(positions)
+            for k, q in enumerate(positions):
+                offset = q % bs
+                slot = it.block_table[q // bs] * bs + offset
+                for block in it.exit_copy_blocks[k * per : (k + 1) * per]:
+                    src.append(slot)
+                    dst.append(block * bs + offset)
         if src:
             copy_slots(self.r.kv, self.r.tensor(src), self.r.tensor(dst))
 
