@@ -232,6 +232,14 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if engine_kw["async_scheduling"] and args.compare:
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
+    if engine_kw["kv_reservation"] == "full" and args.compare:
+        from rltserve.bench_kv import run_kv_pressure
+
+        def prompts_for(n: int) -> list[list[int]]:
+            return _workload(n, args.input_len, model.spec.vocab_size)
+
+        report["kv_pressure"] = run_kv_pressure(model, engine_kw, args, prompts_for)
+        return report
     if engine_kw["cuda_graphs"] and args.compare:
         report["graphs_compare"] = run_graphs_compare(model, engine_kw, args)
         return report

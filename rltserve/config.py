@@ -15,6 +15,9 @@ EXIT_MODES = ("gate", "delayed", "trace")
 # Device strings torch accepts for the backends this engine runs on (a type, optionally ":N");
 # checked here, torch-free, so a typo fails before a model is loaded.
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
+KV_RESERVATIONS = ("ondemand", "full")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _help(text: str, **extra: object) -> dict:
@@ -61,6 +64,21 @@ class CacheConfig:
     kv_cache_gb: float = field(
         default=1.0, metadata=_help("KV pool size in GiB when num_blocks is not given")
     )
+    kv_reservation: str = field(
+        default="ondemand",
+        metadata=_help(
+            "ondemand: blocks are taken as steps write them (preemption under pressure); "
+            "full: a request reserves prompt + max_tokens at admission (never preempted)"
+        ),
+    )
+    kv_watermark: float = field(
+        default=0.01,
+        metadata=_help("ondemand: fraction of the KV pool that admission keeps free"),
+    )
+    swap_space_gb: float = field(
+        default=4.0,
+        metadata=_help("host memory in GiB for KV of swapped-out requests (preemption_mode=swap)"),
+    )
 
     def __post_init__(self) -> None:
         from rltserve.core.kv_cache import KVPolicy
@@ -72,6 +90,14 @@ class CacheConfig:
             raise ValueError(f"num_blocks={self.num_blocks!r}: must be >= 1")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb={self.kv_cache_gb!r}: must be > 0")
+        if self.kv_reservation not in KV_RESERVATIONS:
+            raise ValueError(
+                f"kv_reservation={self.kv_reservation!r}: must be one of {KV_RESERVATIONS}"
+            )
+        if not isinstance(self.kv_watermark, (int, float)) or not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"kv_watermark={self.kv_watermark!r}: must be in [0, 1)")
+        if not isinstance(self.swap_space_gb, (int, float)) or not self.swap_space_gb >= 0:
+            raise ValueError(f"swap_space_gb={self.swap_space_gb!r}: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -106,12 +132,35 @@ class SchedulerConfig:
         default=False,
         metadata=_help("plan the next step while the current one runs (two steps in flight)"),
     )
+    preemption_mode: str = field(
+        default="recompute",
+        metadata=_help(
+            "recompute: a preempted request's KV is freed and rebuilt on resume; "
+            "swap: it goes to host swap space (recompute when that is full)"
+        ),
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=_help(
+            "fcfs: admit and preempt by arrival; priority: by SamplingParams.priority (lower "
+            "first), and a better-priority arrival preempts running requests"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling={self.scheduling!r}: must be one of {SCHEDULING}")
         if self.exit_mode not in EXIT_MODES:
             raise ValueError(f"exit_mode={self.exit_mode!r}: must be one of {EXIT_MODES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r}: must be one of {PREEMPTION_MODES}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r}: must be one of "
+                f"{SCHEDULING_POLICIES}"
+            )
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "draft_loops"):

@@ -49,6 +49,11 @@ class LLM:
         cuda_graphs: bool = False,
         cuda_graph_max_rows: int = 256,
         cuda_graph_max_context: int = 4096,
+        kv_reservation: str = "ondemand",
+        kv_watermark: float = 0.01,
+        swap_space_gb: float = 4.0,
+        preemption_mode: str = "recompute",
+        scheduling_policy: str = "fcfs",
         in_process: bool = False,
         startup_timeout: float = 300.0,
     ) -> None:
@@ -78,6 +83,11 @@ class LLM:
             cuda_graphs=cuda_graphs,
             cuda_graph_max_rows=cuda_graph_max_rows,
             cuda_graph_max_context=cuda_graph_max_context,
+            kv_reservation=kv_reservation,
+            kv_watermark=kv_watermark,
+            swap_space_gb=swap_space_gb,
+            preemption_mode=preemption_mode,
+            scheduling_policy=scheduling_policy,
         )
         client_cls = InProcessStageClient if in_process else StageClient
         # The stage starts first: its imports and model load overlap the tokenizer's load here.

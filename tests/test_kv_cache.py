@@ -155,7 +155,7 @@ def test_capacity_errors_are_atomic():
     with pytest.raises(ValueError, match="already"):
         kv.allocate("a", 1, 1)
     with pytest.raises(ValueError):
-        kv.allocate("b", 0, 1)
+        kv.allocate("b", -1, 1)
     with pytest.raises(KeyError):
         kv.free("nope")
     kv.free("a")

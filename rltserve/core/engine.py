@@ -24,6 +24,7 @@ from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import RequestUpdate, Scheduler
+from rltserve.core.swap import SwapSpace
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
@@ -46,6 +47,11 @@ class EngineStats:
     drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
     drafts_rejected: int = 0
     num_graph_steps: int = 0  # steps whose loop was replayed from a CUDA graph
+    num_preemptions: int = 0  # requests preempted under KV pressure or by priority, in all
+    num_swapped: int = 0  # preempted requests whose KV waits in host swap space
+    num_recomputing: int = 0  # preempted requests that will recompute (or are recomputing) KV
+    swapped_bytes: int = 0  # host swap space in use
+    swap_fallbacks: int = 0  # swap-mode preemptions recomputed because swap space was full
 
 
 @dataclass(frozen=True)
@@ -122,11 +128,18 @@ class EngineCore:
         self.kv = KVManager(
             num_blocks, config.cache.block_size, self.policy, spec.num_boundary_layers > 0
         )
+        swap = None
+        if config.scheduler.preemption_mode == "swap":
+            block_bytes = self._block_bytes()
+            swap = SwapSpace(int(config.cache.swap_space_gb * 2**30 // block_bytes), block_bytes)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
             has_gate=spec.has_gate,
             has_boundary=spec.num_boundary_layers > 0,
+            reservation=config.cache.kv_reservation,
+            watermark=config.cache.kv_watermark,
+            swap=swap,
         )
         self.runner = on_step_thread(
             ModelRunner,
@@ -164,12 +177,16 @@ class EngineCore:
         rows = sched.max_num_seqs * (1 + sched.speculative_tokens)
         return min(self.config.execution.cuda_graph_max_rows, rows, sched.max_num_batched_tokens)
 
-    def _auto_num_blocks(self) -> int:
-        spec, cache, sched = self.spec, self.config.cache, self.config.scheduler
+    def _block_bytes(self) -> int:
+        """Bytes of one KV block (K and V of every layer of one plane)."""
+        spec, cache = self.spec, self.config.cache
         layers = max(spec.num_core_layers, spec.num_boundary_layers)
         itemsize = torch.empty((), dtype=_DTYPES[self.config.model.dtype]).element_size()
-        block_bytes = layers * 2 * cache.block_size * spec.num_kv_heads * spec.head_dim * itemsize
-        budget = int(cache.kv_cache_gb * 2**30 // block_bytes)
+        return layers * 2 * cache.block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+    def _auto_num_blocks(self) -> int:
+        spec, cache, sched = self.spec, self.config.cache, self.config.scheduler
+        budget = int(cache.kv_cache_gb * 2**30 // self._block_bytes())
         # Never more than every running request at full context could use.
         planes = self.policy.num_planes(spec.max_loops) + (spec.num_boundary_layers > 0)
         ceiling = sched.max_num_seqs * math.ceil(self.max_model_len / cache.block_size) * planes
@@ -275,6 +292,7 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
+        preemptor = self.scheduler.preemptor
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -287,6 +305,11 @@ class EngineCore:
             drafts_checked=self.runner.drafts_checked,
             drafts_rejected=self.runner.drafts_rejected,
             num_graph_steps=self.runner.graphs.num_replays if self.runner.graphs else 0,
+            num_preemptions=preemptor.num_preemptions,
+            num_swapped=preemptor.num_swapped,
+            num_recomputing=preemptor.num_recomputing(),
+            swapped_bytes=preemptor.swapped_bytes,
+            swap_fallbacks=preemptor.swap_fallbacks,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

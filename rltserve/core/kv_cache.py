@@ -5,14 +5,18 @@ turns a block table into slots (``slot = table[pos // block_size] * block_size +
 block_size``) and owns the KV tensors themselves.
 
 Planes (DESIGN.md §4): loop ``d`` of a request reads and writes core plane ``policy.plane(d)``.
-Models with prelude/coda attention (Huginn) also get one ``BOUNDARY`` plane per request. Every
-plane of a request covers the same positions, and all of a request's KV is reserved at admission,
-so a running request can never run out of blocks (early exit never frees planes either).
+Models with prelude/coda attention (Huginn) also get one ``BOUNDARY`` plane per request.
+Invariant: every plane of a request covers the same positions ``[0, covered)``; tables only
+grow (``grow``, all planes at once, all or nothing) until ``free`` returns them all. Early exit
+never frees planes. Whether a request reserves its whole context at admission or grows step by
+step is the scheduler's choice.
+
+A grown table is a new list, never the old one extended: a plan already handed to the runner
+keeps the table it was built with.
 
 Room left for later work, not built yet: blocks are reference counted and a request's tables are
 only ever released through ``BlockPool.free``, so prefix caching can share a full prompt block
-(every plane's copy of it, under one chained hash) by ``incref`` instead of allocating it, and
-preemption can drop a request with ``KVManager.free`` and re-admit it with ``allocate``.
+(every plane's copy of it, under one chained hash) by ``incref`` instead of allocating it.
 """
 
 from __future__ import annotations
@@ -176,8 +180,9 @@ def slot(table: list[int], position: int, block_size: int) -> int:
 class KVManager:
     """Block tables of every admitted request, one per (request, plane).
 
-    A request's whole KV (every plane, ``num_tokens`` positions) is reserved by ``allocate`` and
-    released by ``free``; nothing grows in between.
+    ``allocate`` registers a request with every plane covering ``num_tokens`` positions (0 is
+    allowed: on-demand allocation grows it later), ``grow`` extends every plane, ``free``
+    releases everything.
     """
 
     def __init__(self, num_blocks: int, block_size: int, policy: KVPolicy, has_boundary: bool):
@@ -203,6 +208,17 @@ class KVManager:
     def can_allocate(self, num_tokens: int, num_loops: int) -> bool:
         return self.blocks_needed(num_tokens, num_loops) <= self.pool.num_free
 
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks ``grow(request_id, num_tokens)`` would take (0 when already covered)."""
+        entry = self._requests[request_id]
+        have = -(-entry.num_tokens // self.block_size)
+        want = -(-num_tokens // self.block_size)
+        return max(0, want - have) * len(entry.tables)
+
+    def covered(self, request_id: str) -> int:
+        """Positions ``[0, covered)`` that every plane of the request has blocks for."""
+        return self._requests[request_id].num_tokens
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -226,8 +242,8 @@ class KVManager:
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds KV blocks")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens={num_tokens}: must be >= 1")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens}: must be >= 0")
         planes = self.planes_of(num_loops)
         per_plane = -(-num_tokens // self.block_size)
         ids = self.pool.allocate(per_plane * len(planes))
@@ -235,6 +251,28 @@ class KVManager:
         for i, plane in enumerate(planes):
             entry.tables[plane] = ids[i * per_plane : (i + 1) * per_plane]
         self._requests[request_id] = entry
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Extends every plane to cover ``[0, num_tokens)``; a no-op when already covered.
+        All or nothing: raises ``NoFreeBlocks`` with nothing allocated when the pool is short."""
+        entry = self._requests[request_id]
+        have = -(-entry.num_tokens // self.block_size)
+        want = -(-num_tokens // self.block_size)
+        if want > have:
+            extra = want - have
+            ids = self.pool.allocate(extra * len(entry.tables))
+            for i, plane in enumerate(entry.tables):
+                entry.tables[plane] = entry.tables[plane] + ids[i * extra : (i + 1) * extra]
+        entry.num_tokens = max(entry.num_tokens, num_tokens)
+
+    def all_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """The blocks holding positions ``[0, num_tokens)`` on every plane, plane by plane in
+        ``planes_of`` order: the layout swap space stores a request's KV in."""
+        entry = self._requests[request_id]
+        if num_tokens > entry.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens}: request covers {entry.num_tokens}")
+        n = -(-num_tokens // self.block_size)
+        return [b for plane in self.planes_of(entry.num_loops) for b in entry.tables[plane][:n]]
 
     def free(self, request_id: str) -> None:
         """Release all of a request's blocks. An unknown id raises ``KeyError``: the scheduler

@@ -52,11 +52,18 @@ class LiveRequest:
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
 
     @classmethod
-    def create(cls, setup: RequestSetup, device: torch.device) -> LiveRequest:
+    def create(cls, setup: RequestSetup, device: torch.device, vocab_size: int) -> LiveRequest:
+        """A resumed request (``setup.num_sampled > 0``) gets its generator advanced past the
+        draws of the tokens it sampled before preemption: the sampler draws one ``Exp(1)`` row
+        of ``vocab_size`` per sampled token, so repeating those draws restores the state."""
         generator = None
         if not setup.params.greedy:
             generator = torch.Generator(device=device).manual_seed(setup.seed)
-        history = [] if setup.prompt_token_ids is not None else None
+            for _ in range(setup.num_sampled):
+                torch.empty(vocab_size, device=device).exponential_(generator=generator)
+        history = None
+        if setup.prompt_token_ids is not None:
+            history = list(setup.output_token_ids or [])
         return cls(setup, generator, history=history)
 
     def input_token(self, position: int) -> torch.Tensor:

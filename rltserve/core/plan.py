@@ -30,6 +30,12 @@ class RequestSetup:
     # The prompt, sent only when the request uses repetition/presence/frequency penalties: the
     # runner keeps the sampled history itself, so penalties never wait for the CPU.
     prompt_token_ids: list[int] | None = None
+    # A request resumed after preemption: the tokens it has already sampled. Their count is how
+    # many draws the sampling generator skips (each sampled token draws one ``Exp(1)`` row of
+    # the vocabulary), so the continuation draws what an uninterrupted run draws; the tokens
+    # themselves seed the penalty history when ``prompt_token_ids`` is set.
+    num_sampled: int = 0
+    output_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -76,7 +82,9 @@ class WorkItem:
     boundary_table: list[int] | None = None  # prelude/coda plane (models with coda attention)
     exit: ExitSpec | None = None
     # last_exited copy-on-exit targets: the block holding position `start` in each plane of
-    # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed.
+    # depths depth+1 .. num_loops (in that order). Empty when no copy can be needed. An item
+    # without `exit` that carries them (tokens recomputed after preemption, at their recorded
+    # exit depth) lists them for every position start..end-1 in turn.
     exit_copy_blocks: list[int] = field(default_factory=list)
     # Token pipelining: the last row's state after this loop drafts the next position's input.
     draft: bool = False
@@ -94,9 +102,16 @@ class StepPlan:
     step_id: int
     items: list[WorkItem]
     new_requests: list[RequestSetup] = field(default_factory=list)
-    # Requests whose runner state (in-flight hidden states, generators) must be dropped before
-    # this step runs: finished, aborted or preempted.
+    # Requests whose runner state (in-flight hidden states, generators, swapped KV) must be
+    # dropped before this step runs: finished or aborted.
     released: list[str] = field(default_factory=list)
+    # Preempted requests: the runner drops their in-flight state (a resume sends a new setup).
+    preempted: list[str] = field(default_factory=list)
+    # Swap mode, before anything else in the step: the KV of these blocks (every plane, in
+    # ``KVManager.all_blocks`` order) goes to host swap space under the request id ...
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
+    # ... and comes back into these blocks (same order), after ``swap_out`` and ``released``.
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Resume(enum.Enum):
+    """How a preempted request gets its KV back when it is admitted again."""
+
+    NONE = "none"  # never preempted, or fully rebuilt since
+    RECOMPUTE = "recompute"  # every position is recomputed
+    SWAP = "swap"  # positions [0, swapped_tokens) come back from host swap space
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token, or (front end) a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -50,6 +58,14 @@ class InFlight:
     delayed_exit_at: int | None = None  # delayed mode: the loop a result said will be the exit
     draft_at: int = 0  # token pipelining: the loop whose state drafts the next position's input
     epoch: int = 0  # the request's rollback count when the item was created
+    life: int = 0  # the request's preemption count when the item was created
+    # Recompute of a generated token after preemption: at its last loop (its recorded exit) its
+    # K/V is copied into the deeper planes, as its original exit did (last_exited).
+    copy_at_end: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass
@@ -75,8 +91,17 @@ class Request:
     items: list[InFlight] = field(default_factory=list)  # items still planning, by position
     finish_reason: FinishReason | None = None
     error: str | None = None
-    admitted: bool = False  # its KV is reserved and the runner knows it
+    admitted: bool = False  # it holds KV and the runner knows it
     first_token_time: float | None = None
+    seq: int = 0  # arrival order (set by the scheduler): ties in priority go to the earlier
+    # Preemption (DESIGN §8). Positions below ``replay_until`` are recomputed on resume without
+    # sampling: prompt chunks at full depth, generated tokens each to its recorded exit depth.
+    # The generated tokens fed back as inputs up to and including ``replay_until`` come from
+    # ``output_token_ids`` (the runner's device copy of the last token was dropped).
+    num_preemptions: int = 0
+    replay_until: int = 0
+    resume: Resume = Resume.NONE
+    swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +120,11 @@ class Request:
         """Positions whose KV the request may ever write: the last output token needs none."""
         want = self.num_prompt_tokens + self.params.max_tokens - 1
         return min(want, self.max_total_tokens - 1)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority (lower value first), then arrival."""
+        return (self.params.priority, self.seq)
 
     def token_at(self, position: int) -> int:
         p = self.num_prompt_tokens

@@ -105,6 +105,11 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
+        # Width of the sampled logits (the model's possibly padded vocabulary), known once a
+        # step has sampled: a resumed request repeats its generator draws at this width.
+        self.logits_width = self.spec.vocab_size
+        # Swap space: KV of preempted requests on the host, [L, 2, slots, H, Dh] per request.
+        self.swapped: dict[str, torch.Tensor] = {}
         self.keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
         self.gate_init = torch.tensor([1.0, 0.0], dtype=torch.float32, device=self.device)
         # Steps run on a dedicated stream on CUDA; everything allocated so far (weights, KV)
@@ -241,6 +246,16 @@ class ModelRunner:
         """Attention over ``(start, num_tokens, block_table)`` spans, one per item."""
         return paged_attention(self.kv, spans, self.block_size, self.device)
 
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
+        bs = self.block_size
+        base = torch.tensor(blocks, dtype=torch.int64).repeat_interleave(bs) * bs
+        return (base + torch.arange(bs).repeat(len(blocks))).to(self.device)
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.swapped.values())
+
     def timed(self, fn, *args):
         start = time.perf_counter()
         out = fn(*args)
@@ -253,11 +268,20 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, handle: StepHandle) -> bool:
         """Queues the step's work and sets ``handle.finish``; True when the result must be
         delivered at once."""
-        for rid in plan.released:
+        for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
+            self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
+        for rid in plan.preempted:
             self.live.pop(rid, None)
             self._dropped.discard(rid)
+        for rid in plan.released:
+            self.live.pop(rid, None)
+            self.swapped.pop(rid, None)
+            self._dropped.discard(rid)
+        for rid, blocks in plan.swap_in:
+            saved = self.swapped.pop(rid)
+            self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
         for setup in plan.new_requests:
-            self.live[setup.request_id] = LiveRequest.create(setup, self.device)
+            self.live[setup.request_id] = LiveRequest.create(setup, self.device, self.logits_width)
         # Items planned before a rollback this runner already did are stale: skip them.
         # (Steps that can roll back are delivered before the next launch, so epochs are
         # current here.) So are items of requests a failed step dropped.

@@ -15,9 +15,16 @@ delayed exit rule) or from applied results; otherwise the item waits a step. A d
 input is the token sampled in the previous step, which the runner holds, so it needs no result.
 
 Budgets per step: ``max_num_batched_tokens`` rows in all; ``max_num_seqs`` running requests.
-Admission reserves a request's whole KV (every plane) so a running request never runs out.
+
+KV (DESIGN §8). ``kv_reservation="full"``: admission reserves a request's whole context on every
+plane, so a running request never runs out. ``"ondemand"`` (default): a new item takes the
+blocks of its positions on every plane when it is planned; admission checks the first item plus
+a watermark. When an item cannot get its blocks, requests are preempted (``preemption.py``):
+the worst by (priority, arrival) among the running requests the step being built does not use
+(possibly the asking request itself). A preempted request goes back to waiting; on resume its
+positions are recomputed depth-faithfully, or its complete positions come back from swap space.
 Steps execute in submission order, so KV freed while a submitted step still uses it is only
-reused by later steps.
+reused by later steps, and a result of a preempted incarnation (``InFlight.life``) is dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from rltserve.config import SchedulerConfig
 from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus
+from rltserve.core.preemption import Preemptor
+from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
+from rltserve.core.swap import SwapSpace
 
 PLAN, WAIT, OVER = "plan", "wait", "over"
 
@@ -55,17 +64,29 @@ class Scheduler:
         *,
         has_gate: bool,
         has_boundary: bool,
+        reservation: str = "full",
+        watermark: float = 0.0,
+        swap: SwapSpace | None = None,
     ) -> None:
+        """``reservation``: "full" or "ondemand" (``CacheConfig.kv_reservation``);
+        ``watermark``: fraction of the pool on-demand admission leaves free; ``swap``: host
+        swap space (None: preemption recomputes)."""
         self.config = config
         self.kv = kv
         self.has_gate = has_gate
         self.has_boundary = has_boundary
+        self.ondemand = reservation == "ondemand"
+        self.watermark_blocks = int(watermark * kv.pool.num_total)
+        self.priority = config.scheduling_policy == "priority"
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.preemptor = Preemptor(self, swap)
         self._released: list[str] = []
         self._new_setups: list[RequestSetup] = []
         self._step_id = 0
+        self._seq = 0
+        self._in_step: set[str] = set()  # requests with an item in the step being built
         # step id -> the InFlight record behind each planned WorkItem, until its result is applied
         self._planned: dict[int, list[InFlight]] = {}
 
@@ -82,6 +103,8 @@ class Scheduler:
                 f"{self.kv.pool.num_total}; lower max_tokens or raise num_blocks"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
+        request.seq = self._seq
+        self._seq += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -103,6 +126,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def order_key(self, request: Request) -> tuple[int, int]:
+        """Admission order (lower first) and preemption order (higher first): priority, then
+        arrival, under ``scheduling_policy="priority"``; arrival alone under ``"fcfs"``."""
+        return request.sort_key if self.priority else (0, request.seq)
+
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> StepPlan | None:
@@ -111,6 +139,9 @@ class Scheduler:
         items: list[WorkItem] = []
         owners: list[InFlight] = []
         busy = False  # some item still has loops to plan
+        self._in_step = set()
+        self.preemptor.begin_step()
+        self.preemptor.admit_by_priority()
         starters = []
         for request in self.running:
             if self._may_start(request):  # judged on the state before this step's planning
@@ -118,12 +149,14 @@ class Scheduler:
             budget, request_busy = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
         if not (self.config.scheduling == "no_refill" and busy):
+            starters.sort(key=self.order_key)  # the best get blocks first
             budget = self._start_items(starters, items, owners, budget)
             self._admit(items, owners, budget)
-        if not items and not self._released:
+        changes = self.preemptor.take_changes()
+        if not items and not self._released and not any(changes):
             return None
         self._step_id += 1
-        plan = StepPlan(self._step_id, items, self._new_setups, self._released)
+        plan = StepPlan(self._step_id, items, self._new_setups, self._released, *changes)
         self._new_setups, self._released = [], []
         self._planned[plan.step_id] = owners
         return plan
@@ -160,15 +193,20 @@ class Scheduler:
         active = [it for it in request.items if self._next_loop(request, it) != OVER]
         if not active:
             return True
+        start = request.num_scheduled
+        if start < request.num_prompt_tokens:
+            return self.config.wavefront_prefill  # the next chunk trails the previous by a loop
+        if start <= request.replay_until:
+            # Resume after preemption: inputs are recorded tokens and no replayed token samples,
+            # so on per-depth planes the recompute runs as a wavefront over (token, depth).
+            return self.kv.policy.per_depth
         last = request.items[-1]
-        if request.pipelined and request.num_scheduled >= request.num_prompt_tokens:
+        if request.pipelined:
             # Token pipelining: the next token enters on the draft of the newest item.
             drafted = last.draft_at and last.planned >= last.draft_at
             return bool(drafted) and len(active) <= self.config.speculative_tokens
         if not self.config.wavefront_prefill:
             return False
-        if request.num_scheduled < request.num_prompt_tokens:
-            return True  # the next chunk trails the previous one by a loop
         # A decode token needs its input: the previous item's output, sampled in an earlier step.
         return exit_known(request, last, last.planned) is True
 
@@ -186,6 +224,7 @@ class Scheduler:
     def _plan_loop(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
+        self._in_step.add(request.request_id)
         item.planned += 1
         items.append(self._work_item(request, item, item.planned))
         owners.append(item)
@@ -198,59 +237,96 @@ class Scheduler:
         for request in starters:
             if budget <= 0:
                 break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier starter of this step
             item = self._next_item(request, budget)
             if item is None:
                 continue  # every output is planned; the request ends with its last result
-            request.items.append(item)
-            budget -= self._plan_loop(request, item, items, owners)
+            if not self.preemptor.make_room(request, item.end):
+                continue  # waits for blocks (or was preempted itself)
+            self.kv.grow(request.request_id, item.end)
+            budget -= self._start(request, item, items, owners)
         return budget
 
+    def _start(
+        self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
+    ) -> int:
+        request.num_scheduled = item.end
+        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
+            request.resume = Resume.NONE  # back where it was preempted
+        request.items.append(item)
+        return self._plan_loop(request, item, items, owners)
+
+    def admission_blocks(self, request: Request, item: InFlight) -> int:
+        """Free blocks admitting ``request`` with first item ``item`` needs (watermark
+        included: on-demand admission keeps it free for running requests to grow into)."""
+        loops = request.num_loops
+        if not self.ondemand:
+            return self.kv.blocks_needed(request.kv_tokens, loops)
+        need = self.kv.blocks_needed(max(item.end, request.swapped_tokens), loops)
+        return need + (self.watermark_blocks if self.running else 0)
+
     def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
-        self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_time))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        self.waiting.sort(key=self.order_key)
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            if not self.kv.can_allocate(request.kv_tokens, request.num_loops):
-                break  # FIFO within priority: do not let later requests overtake
+            if self.preemptor.preempted_now(request):
+                break  # no re-admission in the step that preempted it
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            item = self._next_item(request, budget)
+            assert item is not None
+            if self.admission_blocks(request, item) > self.kv.num_free_blocks:
+                break  # in order: do not let later requests overtake
             self.waiting.pop(0)
-            self.kv.allocate(request.request_id, request.kv_tokens, request.num_loops)
+            rid = request.request_id
+            if self.ondemand:
+                self.kv.allocate(rid, max(item.end, request.swapped_tokens), request.num_loops)
+            else:
+                self.kv.allocate(rid, request.kv_tokens, request.num_loops)
+            self.preemptor.restore(request)
             request.status = RequestStatus.RUNNING
             request.admitted = True
             self.running.append(request)
             penalties = _uses_penalties(request)
             self._new_setups.append(
                 RequestSetup(
-                    request.request_id,
+                    rid,
                     request.params,
                     request.num_loops,
                     request.seed,
                     list(request.prompt_token_ids) if penalties else None,
+                    num_sampled=len(request.output_token_ids),
+                    output_token_ids=list(request.output_token_ids) if penalties else None,
                 )
             )
-            item = self._next_item(request, budget)
-            assert item is not None
-            request.items.append(item)
-            budget -= self._plan_loop(request, item, items, owners)
+            budget -= self._start(request, item, items, owners)
 
     def _next_item(self, request: Request, budget: int) -> InFlight | None:
+        """The request's next item (not yet started: ``_start`` commits it)."""
         start = request.num_scheduled
         p = request.num_prompt_tokens
         draft_at = self.config.draft_loops if request.pipelined else 0
+        life = request.num_preemptions
         if start < p:
             n = min(self.config.prefill_chunk_size, p - start, budget)
-            request.num_scheduled += n
+            # After a preemption the first output may be recorded already: no output then.
+            out = start + n == p and not request.output_token_ids
             return InFlight(
                 start=start,
                 num_tokens=n,
                 ends_at=request.num_loops,
                 stop_at_exit=False,
-                has_output=start + n == p,
-                draft_at=draft_at if start + n == p else 0,
+                has_output=out,
+                draft_at=draft_at if out else 0,
                 epoch=request.epoch,
+                life=life,
             )
+        if start < request.replay_until:
+            return self._replay_item(request, start, budget)
         produces = start - p + 1  # index of the output this decode token produces
         if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
             return None
-        request.num_scheduled += 1
         full = self.kv.policy.kind == "full"
         return InFlight(
             start=start,
@@ -261,6 +337,45 @@ class Scheduler:
             output_index=produces,
             draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
             epoch=request.epoch,
+            life=life,
+        )
+
+    def _replay_item(self, request: Request, start: int, budget: int) -> InFlight:
+        """Recomputes generated tokens from ``start`` exactly as they first ran: under ``full``
+        every token looped to the request's depth, so a chunk of them runs like a prompt chunk;
+        otherwise each token loops to its recorded exit depth (and ``last_exited`` copies its
+        K/V into the deeper planes there). No replayed token samples."""
+        if self.kv.policy.kind == "full":
+            n = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
+            return InFlight(
+                start=start,
+                num_tokens=n,
+                ends_at=request.num_loops,
+                stop_at_exit=False,
+                has_output=False,
+                epoch=request.epoch,
+                life=request.num_preemptions,
+            )
+        exits = request.exit_depths
+        first = start - request.num_prompt_tokens + 1  # the output the token at start produced
+        exit_depth = exits[first]
+        n = 1
+        if self.kv.policy.per_depth:
+            # Tokens that exited at the same depth run as one chunk: at every loop up to that
+            # depth each reads its predecessors' real K/V of that loop, as when they decoded.
+            # (Under shared/ring a token reads its predecessor's final version: one at a time.)
+            limit = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
+            while n < limit and exits[first + n] == exit_depth:
+                n += 1
+        return InFlight(
+            start=start,
+            num_tokens=n,
+            ends_at=exit_depth,
+            stop_at_exit=False,
+            has_output=False,
+            epoch=request.epoch,
+            life=request.num_preemptions,
+            copy_at_end=self.kv.policy.copies_on_exit and exit_depth < request.num_loops,
         )
 
     def _work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
@@ -271,9 +386,18 @@ class Scheduler:
             spec = exit_spec(request, item, depth)
             if item.stop_at_exit and self.kv.policy.copies_on_exit:
                 copy_blocks = self.kv.exit_copy_blocks(rid, item.start, depth, request.num_loops)
+        elif item.copy_at_end and depth == item.ends_at:
+            loops = request.num_loops
+            copy_blocks = [
+                b
+                for q in range(item.start, item.end)
+                for b in self.kv.exit_copy_blocks(rid, q, depth, loops)
+            ]
         prompt_ids = None
         if depth == 1 and item.start < request.num_prompt_tokens:
             prompt_ids = request.prompt_token_ids[item.start : item.start + item.num_tokens]
+        elif depth == 1 and item.start <= request.replay_until:
+            prompt_ids = [request.token_at(q) for q in range(item.start, item.end)]
         return WorkItem(
             request_id=rid,
             start=item.start,
@@ -300,8 +424,8 @@ class Scheduler:
         updates: dict[str, RequestUpdate] = {}
         for work, item, outcome in zip(plan.items, owners, result.items):
             request = self.requests.get(work.request_id)
-            if request is None:
-                continue  # finished or aborted after this step was planned: drop its work
+            if request is None or item.life != request.num_preemptions:
+                continue  # finished, aborted or preempted after this step was planned
             item.applied = work.depth
             if outcome is None:
                 continue
@@ -363,6 +487,8 @@ class Scheduler:
         if request.admitted:
             self.kv.free(request.request_id)
             self._released.append(request.request_id)
+        elif self.preemptor.forget(request):
+            self._released.append(request.request_id)  # the runner drops its swapped KV
         del self.requests[request.request_id]
 
     def _fail_planned(self, plan: StepPlan, error: str) -> list[RequestUpdate]:

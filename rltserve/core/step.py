@@ -185,15 +185,23 @@ class Step:
         src: list[int] = []
         dst: list[int] = []
         bs = self.r.block_size
-        for i, x in zip(self.out, self.exited):
+        exits = [i for i, x in zip(self.out, self.exited) if x]
+        # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
+        exits += [i for i, it in enumerate(self.items) if it.exit is None and it.exit_copy_blocks]
+        for i in exits:
             it = self.items[i]
-            if not x or not it.exit_copy_blocks:
+            if not it.exit_copy_blocks:
                 continue
-            offset = it.start % bs
-            slot = it.block_table[it.start // bs] * bs + offset
-            for block in it.exit_copy_blocks:
-                src.append(slot)
-                dst.append(block * bs + offset)
+            # An exiting output copies position start; a recomputed chunk copies every position
+            # (its blocks are listed position by position).
+            positions = range(it.start, it.end) if it.exit is None else (it.start,)
+            per = len(it.exit_copy_blocks) // len(positions)
+            for k, q in enumerate(positions):
+                offset = q % bs
+                slot = it.block_table[q // bs] * bs + offset
+                for block in it.exit_copy_blocks[k * per : (k + 1) * per]:
+                    src.append(slot)
+                    dst.append(block * bs + offset)
         if src:
             copy_slots(self.r.kv, self.r.tensor(src), self.r.tensor(dst))
 
@@ -234,6 +242,7 @@ class Step:
         last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
         pick = r.tensor([last[i] for i in sample_items])
         logits = r.timed(r.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
+        r.logits_width = logits.shape[-1]
         sample_rows = [
             SampleRow(
                 params=lives[i].setup.params,

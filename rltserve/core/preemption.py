@@ -1,0 +1,166 @@
+"""Preemption under KV pressure (DESIGN §8): victim choice, swap-out/in bookkeeping, resume state.
+
+Torch-free; works on the scheduler's queues. A victim is the worst running request by the
+scheduler's ``order_key`` (priority, then arrival; arrival alone under fcfs) among those the step
+being built does not use. Preempting frees every block and sends the request back to waiting:
+
+- recompute: on resume every position is recomputed without sampling, prompt chunks at full
+  depth and each generated token to its recorded exit depth (``Request.replay_until``); the
+  runner skips the generator draws of the tokens already sampled;
+- swap: the blocks of the positions whose KV is final on every plane (all loops planned, inputs
+  recorded) go to host swap space and come back into fresh blocks on resume; the positions after
+  them are recomputed as above. When the swap space is full, the request is recomputed instead
+  (``swap_fallbacks``).
+
+Either way the continuation equals an uninterrupted run, and results of the preempted
+incarnation still in flight are dropped by the scheduler (``InFlight.life``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rltserve.core.request import Request, RequestStatus, Resume
+from rltserve.core.swap import SwapSpace
+
+if TYPE_CHECKING:
+    from rltserve.core.scheduler import Scheduler
+
+
+class Preemptor:
+    def __init__(self, scheduler: Scheduler, swap: SwapSpace | None) -> None:
+        self.s = scheduler
+        self.swap = swap
+        self.num_preemptions = 0
+        self.swap_fallbacks = 0  # swap mode, swap space full: recomputed instead
+        self._preempted: list[str] = []
+        self._swap_out: list[tuple[str, list[int]]] = []
+        self._swap_in: list[tuple[str, list[int]]] = []
+        self._now: set[str] = set()  # preempted while building the current step
+
+    # ---------------------------------------------------------------- per step
+
+    def begin_step(self) -> None:
+        self._now = set()
+
+    def take_changes(self) -> tuple[list[str], list, list]:
+        """(preempted, swap_out, swap_in) for the plan being emitted."""
+        out = (self._preempted, self._swap_out, self._swap_in)
+        self._preempted, self._swap_out, self._swap_in = [], [], []
+        return out
+
+    def preempted_now(self, request: Request) -> bool:
+        return request.request_id in self._now
+
+    # ---------------------------------------------------------------- decisions
+
+    def make_room(self, request: Request, num_tokens: int) -> bool:
+        """Preempts until ``request`` can cover ``num_tokens`` positions; False when it cannot
+        now. Victims are worse than ``request`` and not in the step being built. With none, a
+        request that is the worst of all running preempts itself (its blocks serve the
+        others); otherwise it waits for worse requests in the step to end or yield."""
+        s = self.s
+        rid = request.request_id
+        key = s.order_key(request)
+        while s.kv.blocks_to_grow(rid, num_tokens) > s.kv.num_free_blocks:
+            worse = [r for r in s.running if s.order_key(r) > key]
+            free_to_go = [r for r in worse if r.request_id not in s._in_step]
+            if free_to_go:
+                self.preempt(max(free_to_go, key=s.order_key))
+                continue
+            if not worse and rid not in s._in_step:
+                self.preempt(request)
+            return False
+        return True
+
+    def admit_by_priority(self) -> None:
+        """Priority policy, before a step is built: while the best waiting request cannot be
+        admitted (seats or KV full), preempt the worst running request of strictly worse
+        priority."""
+        s = self.s
+        if not (s.priority and s.ondemand and s.waiting):
+            return
+        best = min(s.waiting, key=s.order_key)
+        budget = s.config.max_num_batched_tokens
+        while True:
+            item = s._next_item(best, budget)
+            seats = len(s.running) >= s.config.max_num_seqs
+            if item is None or not (seats or s.admission_blocks(best, item) > s.kv.num_free_blocks):
+                return
+            worse = [r for r in s.running if r.params.priority > best.params.priority]
+            if not worse:
+                return
+            self.preempt(max(worse, key=s.order_key))
+
+    # ---------------------------------------------------------------- state changes
+
+    def preempt(self, victim: Request) -> None:
+        s = self.s
+        rid = victim.request_id
+        k = len(victim.output_token_ids)
+        p = victim.num_prompt_tokens
+        keep = self._final_positions(victim)
+        victim.resume = Resume.RECOMPUTE
+        if keep:
+            blocks = s.kv.all_blocks(rid, keep)
+            if self.swap.can_hold(len(blocks)):
+                self.swap.hold(rid, len(blocks))
+                self._swap_out.append((rid, blocks))
+                victim.resume = Resume.SWAP
+            else:
+                self.swap_fallbacks += 1
+                keep = 0
+        victim.swapped_tokens = keep
+        victim.items.clear()
+        victim.num_preemptions += 1
+        victim.replay_until = p + k - 1 if k else 0
+        victim.num_scheduled = keep
+        s.kv.free(rid)
+        victim.admitted = False
+        victim.status = RequestStatus.WAITING
+        s.running.remove(victim)
+        s.waiting.append(victim)
+        self._preempted.append(rid)
+        self._now.add(rid)
+        self.num_preemptions += 1
+
+    def _final_positions(self, victim: Request) -> int:
+        """Swap mode: positions ``[0, n)`` whose KV is final on every plane: below every item
+        that still plans loops, with recorded inputs (so a rolled-back draft never counts), and
+        short of the position that produces the next unrecorded output."""
+        if self.swap is None:
+            return 0
+        k = len(victim.output_token_ids)
+        limit = victim.num_prompt_tokens + k - 1
+        starts = [it.start for it in victim.items] + [victim.num_scheduled, limit]
+        return max(0, min(min(starts), self.s.kv.covered(victim.request_id)))
+
+    def restore(self, request: Request) -> None:
+        """On admission (blocks already allocated): schedules the swap-in of a swapped request."""
+        if request.resume is not Resume.SWAP:
+            return
+        rid = request.request_id
+        self._swap_in.append((rid, self.s.kv.all_blocks(rid, request.swapped_tokens)))
+        self.swap.release(rid)
+        request.swapped_tokens = 0
+        request.resume = Resume.RECOMPUTE  # the positions after the swapped ones, if any
+
+    def forget(self, request: Request) -> bool:
+        """A waiting request ends: frees its swap space. True when it held some."""
+        if self.swap is None or not self.swap.holds(request.request_id):
+            return False
+        self.swap.release(request.request_id)
+        return True
+
+    # ---------------------------------------------------------------- stats
+
+    @property
+    def num_swapped(self) -> int:
+        return self.swap.num_requests if self.swap is not None else 0
+
+    @property
+    def swapped_bytes(self) -> int:
+        return self.swap.used_bytes if self.swap is not None else 0
+
+    def num_recomputing(self) -> int:
+        return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)

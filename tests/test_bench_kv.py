@@ -1,0 +1,23 @@
+"""The KV pressure comparison (``bench offline --kv-reservation full --compare``) on a tiny
+checkpoint: structure and counts, no timings asserted."""
+
+from __future__ import annotations
+
+from rltserve.bench import run_offline_bench
+from rltserve.cli import build_parser, engine_kwargs
+
+
+def test_kv_pressure_compare(ouro_rv1):
+    argv = [
+        "bench", "offline", "--model", str(ouro_rv1), "--input-len", "6", "--output-len", "3",
+        "--concurrency", "16", "--kv-reservation", "full", "--block-size", "4", "--compare",
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    report = run_offline_bench(args, engine_kwargs(args))["kv_pressure"]
+    assert (report["pool_requests"], report["num_requests"], report["max_tokens"]) == (2, 16, 24)
+    for name in ("full", "ondemand_recompute", "ondemand_swap", "unpressured"):
+        assert report[name]["output_tokens"] == 16 * 3, name  # every request stops after 3
+    assert report["full"]["peak_running"] == 2 and report["full"]["preemptions"] == 0
+    assert report["ondemand_recompute"]["peak_running"] >= 8
+    assert report["unpressured"]["preemptions"] == 0
+    assert report["ratios"]["recompute_vs_full_running"] >= 4

@@ -1,0 +1,239 @@
+"""On-demand KV blocks, admission, victim choice and priority, on the torch-free scheduler with
+hand-built step results (milliseconds), plus the engine's KV usage and config validation."""
+
+from __future__ import annotations
+
+import pytest
+from engine_util import make_core, run_core
+
+from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from rltserve.core.kv_cache import KVManager, KVPolicy
+from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.request import Request, RequestStatus
+from rltserve.core.scheduler import Scheduler
+from rltserve.sampling import SamplingParams
+
+LOOPS = 2
+
+
+def _scheduler(num_blocks=64, *, reservation="ondemand", watermark=0.0, **config) -> Scheduler:
+    config.setdefault("prefill_chunk_size", 4)
+    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False)
+    return Scheduler(
+        SchedulerConfig(**config),
+        kv,
+        has_gate=False,
+        has_boundary=False,
+        reservation=reservation,
+        watermark=watermark,
+    )
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
+        num_loops=LOOPS,
+        max_loops=LOOPS,
+        eos_token_ids=frozenset(),
+        max_total_tokens=1000,
+        seed=0,
+    )
+
+
+def _result(plan: StepPlan) -> StepResult:
+    """Every output position exits where its fixed spec says, sampling token 7."""
+    items = []
+    for work in plan.items:
+        if work.exit is None:
+            items.append(None)
+        else:
+            exited = work.exit.exit_now
+            items.append(ItemResult(exited, 1.0, 0.0, token_id=7 if exited else -1))
+    return StepResult(plan.step_id, items)
+
+
+def _step(s: Scheduler) -> StepPlan | None:
+    plan = s.schedule()
+    if plan is not None:
+        s.apply(plan, _result(plan))
+    return plan
+
+
+def _drain(s: Scheduler, limit: int = 1000) -> list[StepPlan]:
+    plans = []
+    while s.has_work():
+        plan = _step(s)
+        if plan is not None:
+            plans.append(plan)
+        assert len(plans) < limit
+    _step(s)  # hands the last releases over
+    s.kv.check_no_leaks()
+    assert s.kv.pool.num_used == 0
+    return plans
+
+
+def test_blocks_follow_written_positions():
+    s = _scheduler()
+    s.add_request(_request("a", 10, 20))
+    planes = LOOPS
+    while s.has_work():
+        plan = _step(s)
+        if s.has_work():
+            scheduled = s.requests["a"].num_scheduled
+            # What is written plus what the planned step writes, on every plane, no more.
+            assert s.kv.pool.num_used == planes * -(-scheduled // 4)
+            assert s.kv.covered("a") == scheduled
+        assert plan is not None
+    _step(s)
+    assert s.kv.pool.num_used == 0
+
+
+def test_full_reservation_reserves_the_whole_context():
+    s = _scheduler(reservation="full")
+    s.add_request(_request("a", 10, 20))
+    _step(s)
+    assert s.kv.pool.num_used == LOOPS * -(-29 // 4)  # prompt + max_tokens - 1 positions
+    _drain(s)
+
+
+def test_admission_checks_first_chunk_plus_watermark():
+    # 16 blocks, 2 planes: a 4-token first chunk takes 2 blocks; a watermark of 0.5 keeps 8 free.
+    s = _scheduler(16, watermark=0.5, max_num_seqs=8)
+    for i in range(5):
+        s.add_request(_request(f"r{i}", 4, 20))
+    _step(s)
+    # The first request ignores the watermark (nothing runs); later ones need 2 + 8 free.
+    assert s.num_running == 4
+    assert s.kv.num_free_blocks == 8
+    _drain(s)
+
+
+def test_unpreemptable_request_still_fails_at_admission():
+    s = _scheduler(8)
+    with pytest.raises(ValueError, match="needs 16 KV blocks"):
+        s.add_request(_request("big", 20, 12))  # 31 positions x 2 planes
+
+
+def test_pressure_preempts_latest_arrival_and_everything_finishes():
+    s = _scheduler(12, max_num_seqs=8)  # 6 blocks per plane: one 24-position request at most
+    for i in range(3):
+        s.add_request(_request(f"r{i}", 4, 20))
+    outputs = {f"r{i}": 0 for i in range(3)}
+    while s.has_work():
+        plan = s.schedule()
+        if plan is None:
+            continue
+        for rid in plan.preempted:
+            assert rid != "r0"  # the earliest arrival is never the victim
+        for u in s.apply(plan, _result(plan)):
+            outputs[u.request_id] += len(u.new_token_ids)
+    assert s.preemptor.num_preemptions > 0
+    assert outputs == {f"r{i}": 20 for i in range(3)}
+    _step(s)
+    s.kv.check_no_leaks()
+
+
+def test_victim_is_lowest_priority_then_latest():
+    s = _scheduler(12, max_num_seqs=8, scheduling_policy="priority")
+    s.add_request(_request("a", 4, 20, priority=0))
+    s.add_request(_request("b", 4, 20, priority=-1))
+    s.add_request(_request("c", 4, 20, priority=0))
+    victims = []
+    while s.has_work():
+        plan = _step(s)
+        if plan is not None:
+            victims += plan.preempted
+    assert victims and "b" not in victims
+    assert victims[0] == "c"  # same priority as a, later arrival
+
+
+def test_fcfs_admits_by_arrival_priority_policy_by_priority():
+    for policy, order in (("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"])):
+        s = _scheduler(64, max_num_seqs=1, scheduling_policy=policy)
+        s.add_request(_request("a", 4, 2, priority=3))
+        s.add_request(_request("b", 4, 2, priority=5))
+        s.add_request(_request("c", 4, 2, priority=1))
+        admitted = []
+        for plan in _drain(s):
+            admitted += [setup.request_id for setup in plan.new_requests]
+        assert admitted == order, policy
+
+
+def test_better_priority_preempts_running_when_seats_are_full():
+    s = _scheduler(64, max_num_seqs=1, scheduling_policy="priority")
+    s.add_request(_request("low", 4, 10, priority=5))
+    for _ in range(4):
+        _step(s)
+    s.add_request(_request("same", 4, 2, priority=5))
+    _step(s)
+    assert [r.request_id for r in s.running] == ["low"]  # equal priority does not preempt
+    s.add_request(_request("high", 4, 2, priority=0))
+    plan = _step(s)
+    assert plan.preempted == ["low"]
+    assert [r.request_id for r in s.running] == ["high"]
+    assert s.requests["low"].status is RequestStatus.WAITING
+    _drain(s)
+
+
+def test_fcfs_never_preempts_for_priority():
+    s = _scheduler(64, max_num_seqs=1)
+    s.add_request(_request("low", 4, 10, priority=5))
+    _step(s)
+    s.add_request(_request("high", 4, 2, priority=0))
+    plans = _drain(s)
+    assert not any(p.preempted for p in plans)
+
+
+@pytest.mark.parametrize(
+    "cls,field,value",
+    [
+        (CacheConfig, "kv_reservation", "lazy"),
+        (CacheConfig, "kv_watermark", 1.5),
+        (CacheConfig, "swap_space_gb", -1),
+        (SchedulerConfig, "preemption_mode", "drop"),
+        (SchedulerConfig, "scheduling_policy", "lifo"),
+    ],
+)
+def test_bad_config_names_the_field(cls, field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        cls(**{field: value})
+
+
+@pytest.mark.parametrize("value", ["1", 1.5, None])
+def test_bad_priority_names_the_field(value):
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=value)
+
+
+def test_engine_kv_usage_counts_blocks_in_use(ckpts):
+    core = make_core(ckpts["ouro"], num_blocks=4096, block_size=16)
+    full = make_core(ckpts["ouro"], num_blocks=4096, block_size=16, kv_reservation="full")
+    p = SamplingParams(max_tokens=1000, ignore_eos=True)
+    for c in (core, full):
+        c.add_request("r", [1, 2, 3], p)
+        c.step()
+    assert core.stats().kv_usage == 4 / 4096  # one block on each of the 4 planes
+    r = full.scheduler.requests["r"]
+    assert full.stats().kv_usage == full.kv.blocks_needed(r.kv_tokens, 4) / 4096 > 16 / 4096
+    for c in (core, full):
+        c.abort("r")
+        c.step()
+        assert c.stats().kv_usage == 0.0
+        c.kv.check_no_leaks()
+
+
+def test_engine_config_defaults():
+    config = EngineConfig()
+    assert config.cache.kv_reservation == "ondemand"
+    assert config.scheduler.preemption_mode == "recompute"
+    assert config.scheduler.scheduling_policy == "fcfs"
+
+
+def test_ondemand_matches_full_reservation(ckpts):
+    prompts = [[5, 6, 7], list(range(1, 40)), [9] * 17]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, exit_threshold=0.5) for n in (9, 5, 12)]
+    a = run_core(make_core(ckpts["ouro"], block_size=4), prompts, params)
+    b = run_core(make_core(ckpts["ouro"], block_size=4, kv_reservation="full"), prompts, params)
+    assert a.tokens == b.tokens and a.depths == b.depths

@@ -1,0 +1,280 @@
+"""Preemption under KV pressure: with a pool so small that requests are preempted again and
+again, token ids and exit depths equal an unpressured run and the dense oracle, in both modes
+(recompute and swap), for every KV policy, exit rule, prefill mode, async lag and token
+pipelining; aborts of preempted requests; after every run the pool and the swap space are
+empty."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
+
+from rltserve.config import EngineConfig
+from rltserve.core.stage import InProcessStageClient
+from rltserve.sampling import SamplingParams
+
+MODES = ["recompute", "swap"]
+TIGHT = {"tight": True}
+ROOMY = {"block_size": 4, "num_blocks": 1024}
+
+
+def _workload(n: int, seed: int, thresholds=(1.0, 0.5, 0.3), max_tokens=(10, 16)):
+    # Short prompts and long outputs: requests are admitted on their first chunk and collide
+    # as they grow.
+    return random_workload(n, seed, thresholds, max_prompt=12, max_tokens=max_tokens, max_arrival=0)
+
+
+def _tight_blocks(path, prompts, params, **kw) -> int:
+    """The smallest pool every request fits alone, plus two blocks: requests are preempted
+    again and again."""
+    kw = {**kw, "block_size": 4, "num_blocks": 4096}
+    core = make_core(path, **kw)
+    need = 0
+    for prompt, p in zip(prompts, params):
+        r = core.make_request(None, prompt, p)
+        need = max(need, core.kv.blocks_needed(r.kv_tokens, r.num_loops))
+    core.shutdown()
+    return need + 2
+
+
+def _run(path, prompts, params, arrivals=None, *, lag=0, deferred=False, aborts=None, **kw):
+    if kw.pop("tight", False):
+        kw.update(block_size=4, kv_watermark=0.0)
+        kw["num_blocks"] = _tight_blocks(path, prompts, params, **kw)
+    core = make_core(path, **kw)
+    run = run_core(
+        core, prompts, params, arrivals=arrivals, lag=lag, deferred=deferred, aborts=aborts
+    )
+    _assert_empty(core)
+    return run, core.stats()
+
+
+def _assert_empty(core) -> None:
+    assert core.kv.pool.num_used == 0
+    assert not core.runner.swapped
+    stats = core.stats()
+    assert stats.swapped_bytes == 0 and stats.num_swapped == 0 and stats.num_recomputing == 0
+
+
+def _same(a, b) -> None:
+    assert a.tokens == b.tokens
+    assert a.depths == b.depths
+
+
+def _oracle(ref, run, prompts, params, kv_policy, exit_mode="gate") -> None:
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ref, prompt, p, kv_policy=kv_policy, exit_mode=exit_mode)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
+def test_pressure_equals_unpressured_and_oracle(ckpts, ouro_ref, mode, kv_policy):
+    prompts, params, arrivals = _workload(6, seed=1)
+    kw = {"kv_policy": kv_policy, "prefill_chunk_size": 8, "max_num_batched_tokens": 32}
+    plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **ROOMY)
+    tight, stats = _run(
+        ckpts["ouro"], prompts, params, arrivals, preemption_mode=mode, **kw, **TIGHT
+    )
+    assert stats.num_preemptions >= 3
+    _same(tight, plain)
+    _oracle(ouro_ref, tight, prompts, params, kv_policy)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_policy_under_pressure(ckpts, ouro_ref, mode):
+    # `shared` depends on chunking, so prompts run as one chunk, as in the oracle.
+    prompts, params, arrivals = _workload(6, seed=2)
+    tight, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        kv_policy="shared",
+        preemption_mode=mode,
+        tight=True,
+    )
+    assert stats.num_preemptions >= 3
+    _oracle(ouro_ref, tight, prompts, params, "shared")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_under_pressure(ckpts, mode):
+    prompts, params, arrivals = _workload(6, seed=3)
+    params = [
+        p.replace(temperature=0.9, top_p=0.95, seed=100 + i, repetition_penalty=1.0 + (i % 2) / 5)
+        for i, p in enumerate(params)
+    ]
+    plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **ROOMY)
+    tight, stats = _run(ckpts["ouro"], prompts, params, arrivals, preemption_mode=mode, **TIGHT)
+    assert stats.num_preemptions >= 3
+    _same(tight, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefill", ["chunked", "wavefront"])
+def test_chunked_and_wavefront_prefill_under_pressure(ckpts, ouro_ref, mode, prefill):
+    prompts, params, arrivals = _workload(6, seed=4)
+    kw = {"prefill_chunk_size": 5, "max_num_batched_tokens": 24}
+    if prefill == "wavefront":
+        kw["wavefront_prefill"] = True
+    tight, stats = _run(
+        ckpts["ouro"], prompts, params, arrivals, preemption_mode=mode, **kw, **TIGHT
+    )
+    assert stats.num_preemptions >= 3
+    _oracle(ouro_ref, tight, prompts, params, "last_exited")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_async_lag_and_delayed_exit_under_pressure(ckpts, ouro_ref, mode, deferred):
+    prompts, params, arrivals = _workload(6, seed=5, thresholds=(0.5, 0.3, 1.0))
+    kw = {"exit_mode": "delayed", "prefill_chunk_size": 8, "max_num_batched_tokens": 24}
+    tight, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        lag=1,
+        deferred=deferred,
+        async_scheduling=True,
+        preemption_mode=mode,
+        **kw,
+        **TIGHT,
+    )
+    assert stats.num_preemptions >= 3
+    _oracle(ouro_ref, tight, prompts, params, "last_exited", "delayed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_pipelining_under_pressure(ckpts, ouro_ref, mode):
+    prompts, params, arrivals = _workload(6, seed=6, thresholds=(1.0,))
+    params = [p.replace(min_loops=1) for p in params]
+    tight, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        speculative_tokens=2,
+        draft_loops=2,
+        preemption_mode=mode,
+        **TIGHT,
+    )
+    assert stats.num_preemptions >= 3
+    _oracle(ouro_ref, tight, prompts, params, "last_exited")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "kv_policy,init_state", [("full", "random"), ("last_exited", "zero"), ("ring:2", "random")]
+)
+def test_huginn_under_pressure(ckpts, huginn_ref, mode, kv_policy, init_state):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 8))] for _ in range(5)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(8, 14),
+            ignore_eos=True,
+            max_loops=rng.choice([2, 3, 4]),
+            init_state=init_state,
+            seed=i,
+        )
+        for i in range(5)
+    ]
+    # ring:K depends on chunking like shared: prompts run as one chunk.
+    tight, stats = _run(
+        ckpts["huginn"],
+        prompts,
+        params,
+        kv_policy=kv_policy,
+        preemption_mode=mode,
+        tight=True,
+    )
+    assert stats.num_preemptions >= 3
+    _oracle(huginn_ref, tight, prompts, params, kv_policy)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aborts_of_preempted_requests(ckpts, ouro_ref, mode):
+    prompts, params, arrivals = _workload(6, seed=8)
+    aborts = {1: 9, 3: 14, 4: 20, 5: 25}
+    tight, stats = _run(
+        ckpts["ouro"], prompts, params, arrivals, aborts=aborts, preemption_mode=mode, **TIGHT
+    )
+    assert stats.num_preemptions >= 1
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited").tokens
+        got = tight.tokens[f"r{i}"]
+        assert got == want[: len(got)]
+        if i not in aborts:
+            assert got == want
+
+
+def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref):
+    prompts, params, arrivals = _workload(6, seed=9)
+    tight, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        preemption_mode="swap",
+        swap_space_gb=1e-6,
+        **TIGHT,
+    )
+    assert stats.swap_fallbacks > 0
+    _oracle(ouro_ref, tight, prompts, params, "last_exited")
+
+
+def test_swap_mode_swaps_and_reports_it(ckpts):
+    prompts, params, _ = _workload(6, seed=10)
+    blocks = _tight_blocks(ckpts["ouro"], prompts, params)
+    core = make_core(ckpts["ouro"], preemption_mode="swap", block_size=4, num_blocks=blocks)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", prompt, p)
+    seen = 0
+    for _ in range(5000):
+        if not core.has_work():
+            break
+        core.step()
+        stats = core.stats()
+        # The scheduler's accounting and the runner's host copies agree after every step.
+        assert stats.swapped_bytes == core.runner.swapped_bytes
+        assert stats.num_swapped == len(core.runner.swapped)
+        seen = max(seen, stats.swapped_bytes)
+    core.step()  # hands the last releases to the runner
+    assert seen > 0
+    _assert_empty(core)
+
+
+def test_full_reservation_never_preempts(ckpts, ouro_ref):
+    prompts, params, arrivals = _workload(6, seed=11)
+    run, stats = _run(ckpts["ouro"], prompts, params, arrivals, kv_reservation="full", **TIGHT)
+    assert stats.num_preemptions == 0
+    _oracle(ouro_ref, run, prompts, params, "last_exited")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_loop_two_steps_in_flight_under_pressure(ckpts, ouro_ref, mode):
+    prompts, params, _ = _workload(6, seed=12, thresholds=(0.5, 1.0))
+    blocks = _tight_blocks(ckpts["ouro"], prompts, params, exit_mode="delayed")
+    config = EngineConfig.from_flat(
+        model=str(ckpts["ouro"]),
+        block_size=4,
+        num_blocks=blocks,
+        kv_watermark=0.0,
+        exit_mode="delayed",
+        async_scheduling=True,
+        preemption_mode=mode,
+    )
+    client = InProcessStageClient(config)
+    try:
+        client.wait_ready(60)
+        run = stream_all(client, prompts, params)
+    finally:
+        client.close()
+    assert client.stats.num_preemptions >= 1
+    assert client.stats.kv_usage == 0.0 and client.stats.swapped_bytes == 0
+    _oracle(ouro_ref, run, prompts, params, "last_exited", "delayed")
