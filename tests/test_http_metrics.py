@@ -35,7 +35,10 @@ def stats(**values) -> EngineStats:
 
 def test_values_of_a_known_sequence():
     metrics = ServingMetrics("m")
-    engine = stats(num_running=3, num_waiting=1, kv_usage=0.25, num_steps=4, num_rows=10)
+    engine = stats(
+        num_running=3, num_waiting=1, kv_usage=0.25, num_steps=4, num_rows=10,
+        num_preemptions=5, swap_fallbacks=1, num_swapped=2, num_recomputing=1, swapped_bytes=4096,
+    )  # fmt: skip
     metrics.configure(4, lambda: (engine, 2))
     timeline = RequestTimeline(arrival=10.0, admitted=10.5)
     metrics.on_start(timeline, 7)
@@ -70,6 +73,11 @@ def test_values_of_a_known_sequence():
         ("rltserve:rows_per_step", m): 2.5,
         ("rltserve:engine_steps_total", m): 4.0,
         ("rltserve:engine_rows_total", m): 10.0,
+        ("rltserve:num_preemptions_total", m): 5.0,
+        ("rltserve:swap_fallbacks_total", m): 1.0,
+        ("rltserve:num_requests_swapped", m): 2.0,
+        ("rltserve:num_requests_recomputing", m): 1.0,
+        ("rltserve:swapped_bytes", m): 4096.0,
     }  # fmt: skip
     assert {k: got.get(k) for k in expected} == expected
     # the standard collectors come with every app's registry

@@ -174,7 +174,16 @@ _ENGINE_COUNTERS = (
     ("engine_rows", "Rows run through the core loop.", "num_rows"),
     ("engine_coda_rows", "Rows that reached the coda.", "num_coda_rows"),
     ("engine_busy_seconds", "Seconds the engine spent executing steps.", "busy_seconds"),
-)
+    ("num_preemptions", "Requests preempted (KV pressure or priority).", "num_preemptions"),
+    ("swap_fallbacks", "Swap preemptions recomputed because swap space was full.",
+     "swap_fallbacks"),
+)  # fmt: skip
+_ENGINE_GAUGES = (
+    ("num_requests_swapped", "Preempted requests whose KV is in host swap space.", "num_swapped"),
+    ("num_requests_recomputing", "Preempted requests that recompute their KV.",
+     "num_recomputing"),
+    ("swapped_bytes", "Host swap space in use, in bytes.", "swapped_bytes"),
+)  # fmt: skip
 
 
 class _EngineCollector(Collector):
@@ -204,6 +213,8 @@ class _EngineCollector(Collector):
             stat("num_waiting") + queued,
         )
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
+        for name, help_text, field_name in _ENGINE_GAUGES:
+            yield gauge(name, help_text, stat(field_name))
         m = self.metrics
         yield gauge(
             "loops_per_token",
