@@ -314,8 +314,14 @@ def test_automatic_kv_pool_size(ckpts, ouro_ref, engine, blocks):
             core.add_request("big", list(range(60)), greedy(450, max_loops=8))
 
 
-def test_priority_orders_admission_then_fifo(ckpts, ouro_ref):
-    core = make_core(ckpts["ouro"], max_num_seqs=1)
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("priority", ["d", "b", "a", "c"]), ("fcfs", ["a", "b", "c", "d"])],
+)
+def test_priority_orders_admission_then_fifo(ckpts, ouro_ref, policy, expected):
+    # Under "priority" lower values go first, FIFO among equals; "fcfs" (the default, as in
+    # vLLM) admits by arrival alone.
+    core = make_core(ckpts["ouro"], max_num_seqs=1, scheduling_policy=policy)
     priorities = {"a": 1, "b": 0, "c": 1, "d": -1}
     prompts = {rid: [10 + i, 20 + i] for i, rid in enumerate(priorities)}
     for rid, priority in priorities.items():
@@ -326,7 +332,7 @@ def test_priority_orders_admission_then_fifo(ckpts, ouro_ref):
             tokens[u.request_id].extend(u.new_token_ids)
             if u.finish_reason is not None:
                 order.append(u.request_id)
-    assert order == ["d", "b", "a", "c"]  # lower value first, FIFO among equals
+    assert order == expected
     for rid, prompt in prompts.items():
         assert (
             tokens[rid] == oracle_run(ouro_ref, prompt, greedy(3), kv_policy="last_exited").tokens
