@@ -71,6 +71,19 @@ def test_demo_path_of_a_built_cache_imports_no_torch(tmp_path: Path) -> None:
     assert not mods["torch"]
 
 
+def test_llm_parent_process_imports_no_torch(ouro_dir: Path) -> None:
+    # The spawned stage owns the model; the caller's process only tokenizes and assembles
+    # outputs, so it need not pay for importing torch (the server's front end neither).
+    mods = _modules_after(
+        "from rltserve import LLM, SamplingParams\n"
+        "import rltserve.http.server, rltserve.cli\n"
+        f"with LLM({str(ouro_dir)!r}) as llm:\n"
+        "    out = llm.generate(['Hello'], SamplingParams(max_tokens=2, ignore_eos=True))\n"
+        "assert len(out[0].token_ids) == 2"
+    )
+    assert not mods["torch"] and not mods["transformers"]
+
+
 def test_load_model_runs_no_initialisation(ouro_dir: Path) -> None:
     # Initialising on the meta device imported torch._dynamo (seconds); building must not.
     mods = _modules_after(f"from rltserve.models import load_model\nload_model({str(ouro_dir)!r})")

@@ -13,11 +13,12 @@ import math
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from rltserve.config import EngineConfig
+from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
@@ -30,44 +31,6 @@ from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of engine counters (plain values; crosses the stage boundary)."""
-
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks in use
-    num_steps: int
-    num_rows: int  # rows run through the core loop, all steps together
-    num_coda_rows: int  # rows that reached the coda
-    busy_seconds: float  # wall time the runner spent executing steps
-    model_seconds: float = 0.0  # of which inside model calls (the rest is the runner's host work)
-    drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
-    drafts_rejected: int = 0
-    num_graph_steps: int = 0  # steps whose loop was replayed from a CUDA graph
-    num_preemptions: int = 0  # requests preempted under KV pressure or by priority, in all
-    num_swapped: int = 0  # preempted requests whose KV waits in host swap space
-    num_recomputing: int = 0  # preempted requests that will recompute (or are recomputing) KV
-    swapped_bytes: int = 0  # host swap space in use
-    swap_fallbacks: int = 0  # swap-mode preemptions recomputed because swap space was full
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Plain facts about a started engine, for front ends."""
-
-    model_path: str
-    family: str
-    num_loops: int
-    max_loops: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    num_blocks: int
-    block_size: int
-    kv_policy: str
 
 
 def _draft_loops(spec: LoopedSpec) -> int:

@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from rltserve.config import EngineConfig
-from rltserve.core.engine import EngineCore, EngineInfo, EngineStats, run_engine_loop
+from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request import FinishReason
 from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.worker_process import WorkerProcess
@@ -56,6 +56,9 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple], None]) -> None:
     """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``."""
+    # Imported here: torch comes with the engine, and only the process that runs it needs it.
+    from rltserve.core.engine import EngineCore, run_engine_loop
+
     try:
         core = EngineCore(config)
     except Exception as exc:

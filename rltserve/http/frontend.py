@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
-from rltserve.core.engine import EngineInfo, EngineStats
+from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request import FinishReason
 from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.stage import Sink, StageError

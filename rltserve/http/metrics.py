@@ -30,7 +30,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.registry import Collector
 
-from rltserve.core.engine import EngineStats
+from rltserve.core.engine_info import EngineStats
 
 P = "rltserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -1,0 +1,45 @@
+"""What an engine tells its front ends: ``EngineInfo`` (facts fixed at start) and
+``EngineStats`` (counters). Plain values that cross the stage boundary; torch-free, so a front
+end (the ``LLM`` parent process, the HTTP server) never imports torch for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine counters (plain values; crosses the stage boundary)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_steps: int
+    num_rows: int  # rows run through the core loop, all steps together
+    num_coda_rows: int  # rows that reached the coda
+    busy_seconds: float  # wall time the runner spent executing steps
+    model_seconds: float = 0.0  # of which inside model calls (the rest is the runner's host work)
+    drafts_checked: int = 0  # token pipelining: drafts compared with committed tokens
+    drafts_rejected: int = 0
+    num_graph_steps: int = 0  # steps whose loop was replayed from a CUDA graph
+    num_preemptions: int = 0  # requests preempted under KV pressure or by priority, in all
+    num_swapped: int = 0  # preempted requests whose KV waits in host swap space
+    num_recomputing: int = 0  # preempted requests that will recompute (or are recomputing) KV
+    swapped_bytes: int = 0  # host swap space in use
+    swap_fallbacks: int = 0  # swap-mode preemptions recomputed because swap space was full
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Plain facts about a started engine, for front ends."""
+
+    model_path: str
+    family: str
+    num_loops: int
+    max_loops: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_blocks: int
+    block_size: int
+    kv_policy: str
