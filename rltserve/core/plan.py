@@ -130,6 +130,9 @@ class ItemResult:
     token_id: int = -1  # sampled token when exited
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None
+    # False when the sampled row's logits held a NaN or an infinity: ``token_id`` is then
+    # meaningless and the scheduler fails the request.
+    finite: bool = True
 
 
 @dataclass

@@ -25,6 +25,7 @@ decisions, drafts, penalty history) are delivered before any later decision read
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import traceback
 from collections import deque
@@ -42,6 +43,8 @@ from rltserve.core.sampler import Sampler
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
 from rltserve.models.base import AttentionFn, LoopedModel
+
+logger = logging.getLogger(__name__)
 
 
 class StepHandle:
@@ -229,7 +232,11 @@ class ModelRunner:
         return handle
 
     def _failed(self, step_id: int, request_ids: list[str], exc: Exception) -> StepResult:
+        # Clients get the exception's type and message; the traceback goes to the log.
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        logger.error(
+            "step %d failed; its requests fail: %s", step_id, sorted(set(request_ids)), exc_info=exc
+        )
         for rid in request_ids:  # their device state is unknown now
             self.live.pop(rid, None)
         # Steps planned before the scheduler learns of the failure skip these requests' items
