@@ -27,10 +27,12 @@ class Outcome:
     omitted: set[str] = field(default_factory=set)  # running then, but not in that step
 
 
-def drive(core, params: dict[str, SamplingParams], *, lag: int, fault=None) -> Outcome:
+def drive(
+    core, params: dict[str, SamplingParams], *, lag: int, fault=None, breaks=("model", "loop")
+) -> Outcome:
     """Runs the requests to completion, planning ``lag`` steps ahead of applied results (as
     async scheduling does). ``fault(plan, core)`` is asked before each launch until it answers
-    True once; that step's model loop raises."""
+    True once; in that step ``breaks`` (the model's loop unless told) raises."""
     out = Outcome()
     for rid, p in params.items():
         core.add_request(rid, PROMPTS[rid], p)
@@ -44,16 +46,16 @@ def drive(core, params: dict[str, SamplingParams], *, lag: int, fault=None) -> O
                 armed = False
                 out.faulty = {it.request_id for it in plan.items}
                 out.omitted = {r.request_id for r in core.scheduler.running} - out.faulty
-                loop = core.model.loop
+                owner = core.model if breaks[0] == "model" else core.runner
 
                 def broken(*args):
                     raise RuntimeError("injected step failure")
 
-                core.model.loop = broken
+                setattr(owner, breaks[1], broken)
                 try:
                     handle = core.runner.launch(plan)
                 finally:
-                    core.model.loop = loop
+                    delattr(owner, breaks[1])  # the class's method again
             else:
                 handle = core.runner.launch(plan)
             pending.append((plan, handle))
@@ -78,6 +80,7 @@ def drive(core, params: dict[str, SamplingParams], *, lag: int, fault=None) -> O
 
 def assert_clean(core) -> None:
     assert core.kv.usage == 0
+    assert not core.runner.swapped and core.stats().swapped_bytes == 0
     core.kv.check_no_leaks()
     assert not core.runner.live and not core.runner._dropped
     assert not core.scheduler.requests
@@ -230,3 +233,37 @@ def test_failed_step_logs_its_traceback(ouro_rv1, monkeypatch, caplog):
     assert "Traceback" not in updates[0].error
     assert "step 1 failed" in caplog.text and "injected step failure" in caplog.text
     assert caplog.records[-1].exc_info is not None
+
+
+def test_a_failed_swap_out_fails_the_requests_it_preempted(ouro_rv1, ouro_ref):
+    params = {rid: SamplingParams(max_tokens=12, ignore_eos=True) for rid in PROMPTS}
+    probe = make_core(ouro_rv1, block_size=4)
+    need = max(
+        probe.kv.blocks_needed(r.kv_tokens, r.num_loops)
+        for r in (probe.make_request(rid, PROMPTS[rid], params[rid]) for rid in PROMPTS)
+    )
+    probe.shutdown()
+    core = make_core(
+        ouro_rv1,
+        preemption_mode="swap",
+        block_size=4,
+        num_blocks=need + 2,
+        kv_watermark=0.0,
+        max_num_seqs=3,
+    )
+    preempted: set[str] = set()
+
+    def fault(plan, core) -> bool:
+        preempted.update(rid for rid, _ in plan.swap_out)
+        return bool(plan.swap_out)
+
+    out = drive(core, params, lag=0, fault=fault, breaks=("runner", "_slots"))
+    assert preempted - out.faulty, "the faulty step preempted nobody"
+    failed = {rid for rid, why in out.finish.items() if why == "error"}
+    assert failed == out.faulty | preempted
+    assert all(out.errors[rid] == "RuntimeError: injected step failure" for rid in failed)
+    survivors = set(PROMPTS) - failed
+    assert survivors
+    assert_oracle(ouro_ref, core, out, params, sorted(survivors))
+    assert_clean(core)
+    core.shutdown()

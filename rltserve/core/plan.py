@@ -143,3 +143,6 @@ class StepResult:
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
     error: str | None = None  # set when the step failed; the scheduler fails its requests
+    # With ``error``: requests outside ``items`` the failure lost too (preempted by the step,
+    # their KV never reached swap space).
+    lost: list[str] = field(default_factory=list)

@@ -420,7 +420,7 @@ class Scheduler:
         """Applies a step's result to the requests it planned for (in submission order)."""
         owners = self._planned.pop(plan.step_id)
         if result.error is not None:
-            return self._fail_planned(plan, result.error)
+            return self._fail_planned(plan, result.error, result.lost)
         updates: dict[str, RequestUpdate] = {}
         for work, item, outcome in zip(plan.items, owners, result.items):
             request = self.requests.get(work.request_id)
@@ -508,17 +508,16 @@ class Scheduler:
             self._released.append(request.request_id)  # the runner drops its swapped KV
         del self.requests[request.request_id]
 
-    def _fail_planned(self, plan: StepPlan, error: str) -> list[RequestUpdate]:
+    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
+        """A failed step: its requests (and those it lost) end; nothing else is touched."""
         updates = []
-        for work in plan.items:
-            request = self.requests.get(work.request_id)
+        for rid in [work.request_id for work in plan.items] + lost:
+            request = self.requests.get(rid)
             if request is None:
-                continue
+                continue  # a second item of a request already failed, or it ended meanwhile
             request.error = error
             self._finish(request, FinishReason.ERROR)
-            updates.append(
-                RequestUpdate(work.request_id, finish_reason=FinishReason.ERROR, error=error)
-            )
+            updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
         return updates
 
 
