@@ -214,6 +214,7 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero(ckpt):
 
 
 POISON_SEED = 4242
+ASYNC = {"async_scheduling": True, "exit_mode": "delayed"}
 
 
 async def _fault_outcomes(live, poisoned: dict) -> tuple[tuple, list[tuple]]:
@@ -242,7 +243,8 @@ def _text(result) -> str:
     return orjson.loads(raw)["choices"][0]["text"]
 
 
-async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch):
+@pytest.mark.parametrize("engine", [{}, ASYNC], ids=["sync", "async"])
+async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch, engine):
     from rltserve.core.sampler import Sampler
 
     sample_device = Sampler.sample_device
@@ -255,7 +257,7 @@ async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch):
         return sample_device(self, logits, rows)
 
     monkeypatch.setattr(Sampler, "sample_device", poisoned)
-    async with running(ckpt) as live:
+    async with running(ckpt, engine=engine) as live:
         bad, healthy = await _fault_outcomes(live, {"seed": POISON_SEED})
     status, _, raw = bad
     assert status == 500, raw
@@ -265,7 +267,8 @@ async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch):
     assert texts == [texts[0]] * 4, texts  # the others are unaffected, before and after
 
 
-async def test_a_step_that_raises_fails_its_requests_over_http(ckpt, monkeypatch):
+@pytest.mark.parametrize("engine", [{}, ASYNC], ids=["sync", "async"])
+async def test_a_step_that_raises_fails_its_requests_over_http(ckpt, monkeypatch, engine):
     from rltserve.core.step import Step
 
     run = Step.run
@@ -276,7 +279,7 @@ async def test_a_step_that_raises_fails_its_requests_over_http(ckpt, monkeypatch
         return run(self)
 
     monkeypatch.setattr(Step, "run", flaky)
-    async with running(ckpt) as live:
+    async with running(ckpt, engine=engine) as live:
         bad, healthy = await _fault_outcomes(live, {"seed": POISON_SEED})
         assert (await live.get("/health"))[0] == 200
     status, _, raw = bad
