@@ -1,7 +1,8 @@
 """Fault injection at the HTTP level: a client that stops reading a stream, disconnects at every
-phase, the tokenizer failing on one request, one request larger than the KV pool, and SIGTERM
-with requests in flight. Each ends with nothing held: no open generations, no admission slots,
-no engine requests (and, with the real engine, no KV blocks)."""
+phase, the tokenizer failing on one request, one request larger than the KV pool, SIGTERM
+with requests in flight, a model step that raises and NaN logits for one request. Each ends
+with nothing held: no open generations, no admission slots, no engine requests (and, with the
+real engine, no KV blocks)."""
 
 from __future__ import annotations
 
@@ -210,3 +211,87 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero(ckpt):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+POISON_SEED = 4242
+ASYNC = {"async_scheduling": True, "exit_mode": "delayed"}
+
+
+async def _fault_outcomes(live, poisoned: dict) -> tuple[tuple, list[tuple]]:
+    """A poisoned request beside two healthy ones, after a healthy baseline: the poisoned
+    request's response and the healthy ones (baseline first, then a request sent after)."""
+    healthy = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    baseline = await live.post(COMPLETIONS, healthy)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            live.post(COMPLETIONS, {**healthy, **poisoned}),
+            live.post(COMPLETIONS, healthy),
+            live.post(COMPLETIONS, healthy),
+        ),
+        120,
+    )
+    client = live.state.client
+    await wait_for(lambda: released(live))
+    await wait_for(lambda: client.stats.num_running == 0 and client.stats.kv_usage == 0)
+    after = await live.post(COMPLETIONS, healthy)  # the engine is not corrupted
+    return results[0], [baseline, *results[1:], after]
+
+
+def _text(result) -> str:
+    status, _, raw = result
+    assert status == 200, raw
+    return orjson.loads(raw)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("engine", [{}, ASYNC], ids=["sync", "async"])
+async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch, engine):
+    from rltserve.core.sampler import Sampler
+
+    sample_device = Sampler.sample_device
+
+    def poisoned(self, logits, rows):
+        hit = [j for j, row in enumerate(rows) if row.params.seed == POISON_SEED]
+        if hit:
+            logits = logits.clone()
+            logits[hit, 0] = float("nan")
+        return sample_device(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "sample_device", poisoned)
+    async with running(ckpt, engine=engine) as live:
+        bad, healthy = await _fault_outcomes(live, {"seed": POISON_SEED})
+    status, _, raw = bad
+    assert status == 500, raw
+    message = orjson.loads(raw)["error"]["message"]
+    assert message.startswith("non-finite logits (NaN or infinity) for output token 0 ")
+    texts = [_text(r) for r in healthy]
+    assert texts == [texts[0]] * 4, texts  # the others are unaffected, before and after
+
+
+@pytest.mark.parametrize("engine", [{}, ASYNC], ids=["sync", "async"])
+async def test_a_step_that_raises_fails_its_requests_over_http(ckpt, monkeypatch, engine):
+    from rltserve.core.step import Step
+
+    run = Step.run
+
+    def flaky(self):
+        if any(live.setup.params.seed == POISON_SEED for live in self.lives):
+            raise RuntimeError("injected step failure")
+        return run(self)
+
+    monkeypatch.setattr(Step, "run", flaky)
+    async with running(ckpt, engine=engine) as live:
+        bad, healthy = await _fault_outcomes(live, {"seed": POISON_SEED})
+        assert (await live.get("/health"))[0] == 200
+    status, _, raw = bad
+    assert status == 500, raw
+    error = orjson.loads(raw)["error"]
+    assert error["message"] == "RuntimeError: injected step failure"  # no traceback
+    # The healthy requests either shared the failed step (and failed with it) or were served
+    # with the baseline's text; the requests before and after are always served.
+    texts = [_text(r) for r in (healthy[0], healthy[-1])]
+    assert texts[0] == texts[1]
+    for status, _, raw in healthy[1:-1]:
+        if status == 200:
+            assert _text((status, None, raw)) == texts[0]
+        else:
+            assert status == 500 and b"injected step failure" in raw

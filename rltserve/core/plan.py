@@ -130,6 +130,9 @@ class ItemResult:
     token_id: int = -1  # sampled token when exited
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None
+    # False when the sampled row's logits held a NaN or an infinity: ``token_id`` is then
+    # meaningless and the scheduler fails the request.
+    finite: bool = True
 
 
 @dataclass
@@ -140,3 +143,6 @@ class StepResult:
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
     error: str | None = None  # set when the step failed; the scheduler fails its requests
+    # With ``error``: requests outside ``items`` the failure lost too (preempted by the step,
+    # their KV never reached swap space).
+    lost: list[str] = field(default_factory=list)

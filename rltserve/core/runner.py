@@ -25,6 +25,7 @@ decisions, drafts, penalty history) are delivered before any later decision read
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import traceback
 from collections import deque
@@ -42,6 +43,8 @@ from rltserve.core.sampler import Sampler
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
 from rltserve.models.base import AttentionFn, LoopedModel
+
+logger = logging.getLogger(__name__)
 
 
 class StepHandle:
@@ -218,7 +221,10 @@ class ModelRunner:
                 eager |= self._launch(plan, handle)
         except Exception as exc:  # a failed step fails its requests, not the engine
             self.deliver()
-            result = self._failed(plan.step_id, handle.item_ids, exc)
+            # A request preempted by this step whose KV had not reached swap space yet has
+            # lost it: it fails too (its resume would find nothing to swap in).
+            lost = [rid for rid, _ in plan.swap_out if rid not in self.swapped]
+            result = self._failed(plan.step_id, handle.item_ids, exc, lost)
             handle.finish = lambda: result
         finally:
             self._launching = False
@@ -228,14 +234,24 @@ class ModelRunner:
             self.deliver()
         return handle
 
-    def _failed(self, step_id: int, request_ids: list[str], exc: Exception) -> StepResult:
+    def _failed(
+        self, step_id: int, request_ids: list[str], exc: Exception, lost: list[str] | None = None
+    ) -> StepResult:
+        # Clients get the exception's type and message; the traceback goes to the log.
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        logger.error(
+            "step %d failed; its requests fail: %s",
+            step_id,
+            sorted(set(request_ids) | set(lost or ())),
+            exc_info=exc,
+        )
         for rid in request_ids:  # their device state is unknown now
             self.live.pop(rid, None)
         # Steps planned before the scheduler learns of the failure skip these requests' items
         # (instead of failing on the missing state) until the scheduler releases them.
         self._dropped.update(request_ids)
-        return StepResult(step_id, [None] * len(request_ids), error=detail)
+        self._dropped.update(lost or ())
+        return StepResult(step_id, [None] * len(request_ids), error=detail, lost=list(lost or ()))
 
     def _on_stream(self):
         if self.stream is None:
@@ -278,6 +294,8 @@ class ModelRunner:
             self.swapped.pop(rid, None)
             self._dropped.discard(rid)
         for rid, blocks in plan.swap_in:
+            if rid in self._dropped:  # its swap-out failed; the scheduler fails it
+                continue
             saved = self.swapped.pop(rid)
             self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
         for setup in plan.new_requests:

@@ -39,6 +39,9 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # of the sampled token; None where not asked for
     top_logprobs: list[list[tuple[int, float]] | None]  # descending by logprob
+    # Per row: every logit was finite. A row with a NaN or infinity samples a meaningless token
+    # (argmax treats NaN as the largest value); the scheduler fails its request.
+    finite: list[bool] | None = None
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -52,6 +55,7 @@ class DeviceSample:
     delivered (``StepOutputs``)."""
 
     token_ids: torch.Tensor  # [R] int64
+    finite: torch.Tensor  # [R] bool: the row's (penalized) logits were all finite
     logprob_rows: list[int]  # rows that asked for logprobs, in order
     num_top: list[int]  # per such row: how many top logprobs it asked for
     chosen: torch.Tensor | None = None  # [W] fp32: logprob of each such row's token
@@ -60,7 +64,7 @@ class DeviceSample:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors ``to_output`` needs, by name (for staging to the host)."""
-        out = {"token_ids": self.token_ids}
+        out = {"token_ids": self.token_ids, "finite": self.finite}
         for name in ("chosen", "top_values", "top_ids"):
             value = getattr(self, name)
             if value is not None:
@@ -78,7 +82,8 @@ class DeviceSample:
         for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top)):
             logprobs[i] = chosen[j]
             top[i] = list(zip(ids[j][:n], values[j][:n])) if n else []
-        return SampleOutput(token_ids, logprobs, top)
+        finite = [bool(f) for f in host["finite"]] if "finite" in host else [True] * rows
+        return SampleOutput(token_ids, logprobs, top, finite)
 
 
 class Sampler:
@@ -103,6 +108,8 @@ class Sampler:
             idx = to_device(penalized, device)
             logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
 
+        # One reduction per step over the sampled rows only; read with the tokens, no sync.
+        finite = torch.isfinite(logits).all(dim=-1)  # [R]
         tokens = logits.argmax(dim=-1)  # [R]; the result of greedy rows
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
@@ -111,7 +118,7 @@ class Sampler:
 
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_top = [rows[i].params.logprobs or 0 for i in wanted]
-        out = DeviceSample(tokens, wanted, num_top)
+        out = DeviceSample(tokens, finite, wanted, num_top)
         if wanted:
             idx = to_device(wanted, device)
             logp = torch.log_softmax(logits[idx], dim=-1)  # [W, V]

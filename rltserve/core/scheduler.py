@@ -420,7 +420,7 @@ class Scheduler:
         """Applies a step's result to the requests it planned for (in submission order)."""
         owners = self._planned.pop(plan.step_id)
         if result.error is not None:
-            return self._fail_planned(plan, result.error)
+            return self._fail_planned(plan, result.error, result.lost)
         updates: dict[str, RequestUpdate] = {}
         for work, item, outcome in zip(plan.items, owners, result.items):
             request = self.requests.get(work.request_id)
@@ -434,6 +434,9 @@ class Scheduler:
             if outcome.exited:
                 item.exit_depth = work.depth
                 update = updates.setdefault(work.request_id, RequestUpdate(work.request_id))
+                if not outcome.finite:
+                    self._fail_nonfinite(request, work, update)
+                    continue
                 self._append_token(request, work.depth, outcome, update)
                 if outcome.rollback and not request.is_finished:
                     self._rollback(request, work.end)
@@ -455,6 +458,20 @@ class Scheduler:
         if reason is not None:
             self._finish(request, reason)
             update.finish_reason = reason
+
+    def _fail_nonfinite(self, request: Request, work: WorkItem, update: RequestUpdate) -> None:
+        """The model's logits for the request's next token held a NaN or an infinity: its token
+        is meaningless and its state likely too, so the request ends; others are unaffected
+        (every row is computed independently of the others)."""
+        error = (
+            f"non-finite logits (NaN or infinity) for output token "
+            f"{len(request.output_token_ids)} (position {work.end - 1}, loop {work.depth}); "
+            "the model's computation overflowed or the weights hold non-finite values"
+        )
+        request.error = error
+        self._finish(request, FinishReason.ERROR)
+        update.finish_reason = FinishReason.ERROR
+        update.error = error
 
     def _rollback(self, request: Request, position: int) -> None:
         """A committed token contradicted the draft that position ``position`` ran on: every
@@ -491,17 +508,16 @@ class Scheduler:
             self._released.append(request.request_id)  # the runner drops its swapped KV
         del self.requests[request.request_id]
 
-    def _fail_planned(self, plan: StepPlan, error: str) -> list[RequestUpdate]:
+    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
+        """A failed step: its requests (and those it lost) end; nothing else is touched."""
         updates = []
-        for work in plan.items:
-            request = self.requests.get(work.request_id)
+        for rid in [work.request_id for work in plan.items] + lost:
+            request = self.requests.get(rid)
             if request is None:
-                continue
+                continue  # a second item of a request already failed, or it ended meanwhile
             request.error = error
             self._finish(request, FinishReason.ERROR)
-            updates.append(
-                RequestUpdate(work.request_id, finish_reason=FinishReason.ERROR, error=error)
-            )
+            updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
         return updates
 
 

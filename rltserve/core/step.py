@@ -305,6 +305,7 @@ class Step:
             held[i].pending = exit_next
             token, logprob, top = -1, None, None
             rollback = False
+            finite = True
             j = row_of.get(i)
             if j is not None:
                 token, logprob, top = (
@@ -312,6 +313,7 @@ class Step:
                     sample.logprobs[j],
                     sample.top_logprobs[j],
                 )
+                finite = sample.finite[j]
                 checked = items[i].end in lives[i].drafts
                 rollback = lives[i].commit(items[i].end, token)
                 r.drafts_checked += checked
@@ -327,6 +329,7 @@ class Step:
                 logprob=logprob,
                 top_logprobs=top,
                 rollback=rollback,
+                finite=finite,
             )
         for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
             lives[i].rollback(items[i].end)

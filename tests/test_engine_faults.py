@@ -1,0 +1,269 @@
+"""Engine faults: a step that raises fails exactly the requests it ran, and a row of non-finite
+logits fails exactly its request. Everything else continues with the oracle's tokens, every KV
+block comes back, and the engine serves new requests unchanged afterwards."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from engine_util import make_core, oracle_run
+
+from rltserve.core.request import FinishReason
+from rltserve.sampling import SamplingParams
+
+PROMPTS = {"a": [1, 2, 3, 4, 5, 6, 7], "b": [8, 9], "c": [10, 11, 12], "d": [13]}
+
+
+@dataclass
+class Outcome:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    depths: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    faulty: set[str] = field(default_factory=set)  # requests in the step that raised
+    omitted: set[str] = field(default_factory=set)  # running then, but not in that step
+
+
+def drive(
+    core, params: dict[str, SamplingParams], *, lag: int, fault=None, breaks=("model", "loop")
+) -> Outcome:
+    """Runs the requests to completion, planning ``lag`` steps ahead of applied results (as
+    async scheduling does). ``fault(plan, core)`` is asked before each launch until it answers
+    True once; in that step ``breaks`` (the model's loop unless told) raises."""
+    out = Outcome()
+    for rid, p in params.items():
+        core.add_request(rid, PROMPTS[rid], p)
+        out.tokens[rid], out.depths[rid] = [], []
+    pending: deque = deque()
+    armed = fault is not None
+    for _ in range(2_000):
+        plan = core.plan()
+        if plan is not None:
+            if armed and fault(plan, core):
+                armed = False
+                out.faulty = {it.request_id for it in plan.items}
+                out.omitted = {r.request_id for r in core.scheduler.running} - out.faulty
+                owner = core.model if breaks[0] == "model" else core.runner
+
+                def broken(*args):
+                    raise RuntimeError("injected step failure")
+
+                setattr(owner, breaks[1], broken)
+                try:
+                    handle = core.runner.launch(plan)
+                finally:
+                    delattr(owner, breaks[1])  # the class's method again
+            else:
+                handle = core.runner.launch(plan)
+            pending.append((plan, handle))
+        if len(pending) > lag or (plan is None and pending):
+            done, handle = pending.popleft()
+            for u in core.apply(done, handle.result()):
+                out.tokens[u.request_id] += u.new_token_ids
+                out.depths[u.request_id] += u.new_exit_depths
+                if u.finish_reason is not None:
+                    out.finish[u.request_id] = u.finish_reason.value
+                if u.error is not None:
+                    out.errors[u.request_id] = u.error
+        if not core.has_work() and not pending:
+            break
+    else:
+        raise AssertionError("engine did not finish")
+    final = core.plan()  # the releases of the last finished requests reach the runner
+    if final is not None:
+        core.execute(final)
+    return out
+
+
+def assert_clean(core) -> None:
+    assert core.kv.usage == 0
+    assert not core.runner.swapped and core.stats().swapped_bytes == 0
+    core.kv.check_no_leaks()
+    assert not core.runner.live and not core.runner._dropped
+    assert not core.scheduler.requests
+
+
+def oracle(ref, core, rid: str, p: SamplingParams):
+    mode = core.config.scheduler.exit_mode
+    return oracle_run(ref, PROMPTS[rid], p, kv_policy="last_exited", exit_mode=mode)
+
+
+def assert_oracle(ref, core, out: Outcome, params, rids) -> None:
+    for rid in rids:
+        want = oracle(ref, core, rid, params[rid])
+        assert out.tokens[rid] == want.tokens, rid
+        assert out.depths[rid] == want.exit_depths, rid
+        assert out.finish[rid] == "length", rid
+
+
+def omits_a_running_request(plan, core) -> bool:
+    """A step that leaves out a running request (its exit is not known yet) and has run
+    before (so the fault hits requests mid-generation)."""
+    planned = {it.request_id for it in plan.items}
+    running = {r.request_id for r in core.scheduler.running}
+    return plan.step_id > 3 and bool(planned) and bool(running - planned)
+
+
+def poison_rows(core, monkeypatch, marker: int, from_call: int) -> None:
+    """The logits reaching the sampler become NaN in the rows of requests seeded ``marker``,
+    from that request's ``from_call``-th sampled token on (0-based)."""
+    sample_device = core.runner.sampler.sample_device
+    calls = {"n": 0}
+
+    def poisoned(logits, rows):
+        hit = [j for j, row in enumerate(rows) if row.params.seed == marker]
+        if hit:
+            if calls["n"] >= from_call:
+                logits = logits.clone()
+                logits[hit[0], 3] = float("nan")
+            calls["n"] += 1
+        return sample_device(logits, rows)
+
+    monkeypatch.setattr(core.runner.sampler, "sample_device", poisoned)
+
+
+CONFIGS = {
+    "sync": ({}, 0, 1.0),
+    "async-delayed": ({"async_scheduling": True, "exit_mode": "delayed"}, 1, 0.5),
+    "deferred": ({"async_scheduling": True, "exit_mode": "delayed"}, 1, 0.3),
+    "small-budget": (
+        {"max_num_batched_tokens": 6, "prefill_chunk_size": 4, "exit_mode": "delayed"},
+        1,
+        1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_step_that_raises_fails_only_its_requests(ouro_rv1, ouro_ref, name):
+    engine, lag, threshold = CONFIGS[name]
+    core = make_core(ouro_rv1, max_num_seqs=3, **engine)
+    core.runner.defer_results = name == "deferred"
+    params = {
+        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
+        for rid in PROMPTS
+    }
+
+    def fault(plan, core) -> bool:
+        if name == "sync":  # every running request is in every step: fault mid-generation
+            return plan.step_id == 6
+        return omits_a_running_request(plan, core)
+
+    out = drive(core, params, lag=lag, fault=fault)
+    assert out.faulty, "the fault was never injected"
+    if name != "sync":
+        assert out.omitted, "the faulty step left no running request out"
+    failed = {rid for rid, why in out.finish.items() if why == "error"}
+    assert failed == out.faulty
+    for rid in failed:
+        assert out.errors[rid] == "RuntimeError: injected step failure"
+    survivors = set(PROMPTS) - failed
+    assert survivors  # "d" waited for a slot at least
+    assert_oracle(ouro_ref, core, out, params, sorted(survivors))
+    assert_clean(core)
+    # The engine is not corrupted: a new request gives the oracle's tokens and exit depths.
+    again = drive(core, {"a": params["a"]}, lag=lag)
+    assert_oracle(ouro_ref, core, again, params, ["a"])
+    assert_clean(core)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_nan_logits_fail_only_their_request(ouro_rv1, ouro_ref, monkeypatch, name):
+    engine, lag, threshold = CONFIGS[name]
+    core = make_core(ouro_rv1, **engine)
+    core.runner.defer_results = name == "deferred"
+    params = {
+        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
+        for rid in PROMPTS
+    }
+    params["c"] = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold, seed=4242)
+    poison_rows(core, monkeypatch, marker=4242, from_call=2)
+    out = drive(core, params, lag=lag)
+    assert out.finish["c"] == "error"
+    assert out.errors["c"].startswith("non-finite logits (NaN or infinity) for output token 2 ")
+    want = oracle(ouro_ref, core, "c", params["c"])
+    assert out.tokens["c"] == want.tokens[:2]  # the tokens before the NaN row stand
+    assert_oracle(ouro_ref, core, out, params, ["a", "b", "d"])
+    assert_clean(core)
+    core.shutdown()
+
+
+def test_nan_logits_under_token_pipelining(ouro_rv1, ouro_ref, monkeypatch):
+    core = make_core(ouro_rv1, speculative_tokens=1, async_scheduling=True)
+    params = {rid: SamplingParams(max_tokens=6, ignore_eos=True) for rid in ("a", "b")}
+    params["b"] = SamplingParams(max_tokens=6, ignore_eos=True, seed=4242)
+    poison_rows(core, monkeypatch, marker=4242, from_call=3)
+    out = drive(core, params, lag=1)
+    assert out.finish["b"] == "error" and "non-finite logits" in out.errors["b"]
+    assert len(out.tokens["b"]) == 3
+    assert_oracle(ouro_ref, core, out, params, ["a"])
+    assert_clean(core)
+    core.shutdown()
+
+
+def test_sampler_flags_non_finite_rows():
+    from rltserve.core.sampler import Sampler, SampleRow
+
+    logits = torch.zeros(4, 8)
+    logits[1, 2] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3, 0] = float("-inf")  # a masked token is not finite either
+    rows = [SampleRow(SamplingParams(temperature=0.0))] * 2
+    rows += [SampleRow(SamplingParams(temperature=0.8, top_p=0.5, logprobs=2))] * 2
+    out = Sampler().sample(logits, rows)
+    assert out.finite == [True, False, False, False]
+    assert len(out.token_ids) == 4
+
+
+def test_failed_step_logs_its_traceback(ouro_rv1, monkeypatch, caplog):
+    core = make_core(ouro_rv1)
+    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+
+    def broken(*args):
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(core.model, "loop", broken)
+    with caplog.at_level("ERROR", logger="rltserve.core.runner"):
+        updates = core.step()
+    assert [(u.request_id, u.finish_reason) for u in updates] == [("a", FinishReason.ERROR)]
+    assert "Traceback" not in updates[0].error
+    assert "step 1 failed" in caplog.text and "injected step failure" in caplog.text
+    assert caplog.records[-1].exc_info is not None
+
+
+def test_a_failed_swap_out_fails_the_requests_it_preempted(ouro_rv1, ouro_ref):
+    params = {rid: SamplingParams(max_tokens=12, ignore_eos=True) for rid in PROMPTS}
+    probe = make_core(ouro_rv1, block_size=4)
+    need = max(
+        probe.kv.blocks_needed(r.kv_tokens, r.num_loops)
+        for r in (probe.make_request(rid, PROMPTS[rid], params[rid]) for rid in PROMPTS)
+    )
+    probe.shutdown()
+    core = make_core(
+        ouro_rv1,
+        preemption_mode="swap",
+        block_size=4,
+        num_blocks=need + 2,
+        kv_watermark=0.0,
+        max_num_seqs=3,
+    )
+    preempted: set[str] = set()
+
+    def fault(plan, core) -> bool:
+        preempted.update(rid for rid, _ in plan.swap_out)
+        return bool(plan.swap_out)
+
+    out = drive(core, params, lag=0, fault=fault, breaks=("runner", "_slots"))
+    assert preempted - out.faulty, "the faulty step preempted nobody"
+    failed = {rid for rid, why in out.finish.items() if why == "error"}
+    assert failed == out.faulty | preempted
+    assert all(out.errors[rid] == "RuntimeError: injected step failure" for rid in failed)
+    survivors = set(PROMPTS) - failed
+    assert survivors
+    assert_oracle(ouro_ref, core, out, params, sorted(survivors))
+    assert_clean(core)
+    core.shutdown()
