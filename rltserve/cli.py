@@ -1,7 +1,7 @@
 """The ``rltserve`` command: generate, serve, bench, make-model, info.
 
-Engine flags are derived from the config dataclasses (``--max-num-seqs`` from
-``SchedulerConfig.max_num_seqs``), so names and help texts have one source.
+Engine flags are derived from the config dataclasses (``rltserve.engine_args``), so names and
+help texts have one source.
 
 Exit codes: 0 done, 1 a failure at run time (a checkpoint that does not load, a stage that
 does not start, a port in use, no server to benchmark), 2 bad input (flags, paths, devices).
@@ -11,72 +11,16 @@ Either way the failure is one line on stderr, ``rltserve: error: ...``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 
-from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
+from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
-from rltserve.preflight import check_engine, check_output_dir
+from rltserve.preflight import check_output_dir
 from rltserve.progress import progress_enabled, watch_dir_growth
-
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
-
-
-def _flag_type(field: dataclasses.Field, hints: dict) -> type:
-    hint = hints[field.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
-        hint = args[0]
-    return hint if hint in (int, float, str) else str
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per engine config field."""
-    for cls in ENGINE_CONFIGS:
-        group = parser.add_argument_group(cls.__name__)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if hints[f.name] is bool:
-                group.add_argument(
-                    flag,
-                    dest=f.name,
-                    action=argparse.BooleanOptionalAction,
-                    default=f.default,
-                    help=f.metadata.get("help", ""),
-                )
-                continue
-            default = "" if f.default is None else f" (default: {f.default})"
-            group.add_argument(
-                flag,
-                dest=f.name,
-                type=_flag_type(f, hints),
-                default=f.default,
-                help=f.metadata.get("help", "") + default,
-            )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)
-    }
-
-
-def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
-    """``engine_kwargs`` after the cheap checks (config, checkpoint path, device): bad flags
-    fail here as usage errors, before a model loads. ``as_run`` overrides what the command
-    changes before it builds engines. The chunk size is capped at the step's token budget, as
-    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
-    kw = engine_kwargs(args)
-    kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
-    check_engine({**kw, **as_run})
-    return kw
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -150,7 +94,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from rltserve.bench import run_offline_bench
+    from rltserve.bench.offline import run_offline_bench
 
     for name in ("num_prompts", "input_len", "output_len", "concurrency"):
         if getattr(args, name) < 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
+from rltserve.kv_policy import KVPolicy
+
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING = ("refill", "no_refill")
 EXIT_MODES = ("gate", "delayed", "trace")
@@ -81,8 +83,6 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        from rltserve.core.kv_cache import KVPolicy
-
         KVPolicy.parse(self.kv_policy)  # raises ValueError naming the bad value
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size!r}: must be a power of two")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rltserve.core.scheduler import RequestUpdate
+from rltserve.updates import RequestUpdate
 
 
 @dataclass

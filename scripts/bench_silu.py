@@ -140,8 +140,9 @@ def share(model: str, rounds: int, extra: list[str]) -> dict[str, Any]:
     tokens/s of separate runs)."""
     from types import SimpleNamespace
 
-    from rltserve.bench import run_offline_bench
-    from rltserve.cli import build_parser, engine_kwargs
+    from rltserve.bench.offline import run_offline_bench
+    from rltserve.cli import build_parser
+    from rltserve.engine_args import engine_kwargs
     from rltserve.models import layers
 
     argv = ["bench", "offline", "--model", model, "--concurrency", "32", *extra]

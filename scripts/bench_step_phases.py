@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rltserve.bench import _workload  # noqa: E402
+from rltserve.bench.offline import _workload  # noqa: E402
 from rltserve.config import EngineConfig  # noqa: E402
 from rltserve.core.engine import EngineCore  # noqa: E402
 from rltserve.models import load_model  # noqa: E402

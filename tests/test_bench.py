@@ -7,8 +7,9 @@ import random
 
 from engine_util import oracle_run
 
-from rltserve.bench import run_offline_bench
-from rltserve.cli import build_parser, engine_kwargs
+from rltserve.bench.offline import run_offline_bench
+from rltserve.cli import build_parser
+from rltserve.engine_args import engine_kwargs
 from rltserve.sampling import SamplingParams
 
 

@@ -3,8 +3,9 @@ checkpoint: structure and counts, no timings asserted."""
 
 from __future__ import annotations
 
-from rltserve.bench import run_offline_bench
-from rltserve.cli import build_parser, engine_kwargs
+from rltserve.bench.offline import run_offline_bench
+from rltserve.cli import build_parser
+from rltserve.engine_args import engine_kwargs
 
 
 def test_kv_pressure_compare(ouro_rv1):

@@ -10,7 +10,8 @@ from reference import Reference
 from test_http_harness import tiny_checkpoint
 
 from rltserve import LLM
-from rltserve.cli import ENGINE_CONFIGS, build_parser, engine_kwargs, main
+from rltserve.cli import build_parser, main
+from rltserve.engine_args import ENGINE_CONFIGS, engine_kwargs
 from rltserve.models.tokenizer import load_tokenizer
 
 

@@ -16,7 +16,7 @@ from test_http_harness import (
     tiny_checkpoint,
 )
 
-from rltserve.http.bench_serve import (
+from rltserve.bench.serve import (
     BenchConfig,
     RequestResult,
     arrival_gaps,

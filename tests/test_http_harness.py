@@ -23,12 +23,12 @@ import orjson
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineInfo, EngineStats
 from rltserve.core.request import FinishReason
-from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.stage import InProcessStageClient, StageError
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
 from rltserve.http.server import RunningServer, serving
 from rltserve.http.state import STATE, ServingState
+from rltserve.updates import RequestUpdate
 
 FIXED_CREATED = 1730000000
 MODEL = "tiny"

@@ -81,8 +81,8 @@ def test_token_id_outside_vocabulary_raises_and_llm_keeps_working(llm, bad):
 
 def test_rejection_of_undecodable_prompt_does_not_break_the_assembler(tiny):
     # The server assembles engine rejections too: the prompt ids must not be decoded.
-    from rltserve.core.scheduler import RequestUpdate
     from rltserve.models.tokenizer import load_tokenizer
+    from rltserve.updates import RequestUpdate
 
     asm = OutputAssembler("r", [-3], load_tokenizer(tiny))
     error = "prompt: token id -3 is outside the vocabulary [0, 512)"

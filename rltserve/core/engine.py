@@ -24,11 +24,12 @@ from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
-from rltserve.core.scheduler import RequestUpdate, Scheduler
+from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
+from rltserve.updates import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+# Re-exported: the policy is parsed by the config, below the core; its home is rltserve.kv_policy.
+from rltserve.kv_policy import POLICY_KINDS, KVPolicy  # noqa: F401
+
 BOUNDARY = -1  # plane index of the prelude/coda ("boundary") plane
-POLICY_KINDS = ("full", "last_exited", "shared", "ring")
 
 
 class NoFreeBlocks(RuntimeError):
@@ -35,69 +37,6 @@ class NoFreeBlocks(RuntimeError):
         super().__init__(f"need {requested} KV blocks, {available} free")
         self.requested = requested
         self.available = available
-
-
-@dataclass(frozen=True)
-class KVPolicy:
-    """How core planes map to depths, and what an early exit does to the deeper planes."""
-
-    kind: str = "last_exited"
-    ring_size: int = 0  # k of ``ring:k``; 0 for every other kind
-
-    def __post_init__(self) -> None:
-        if self.kind not in POLICY_KINDS:
-            raise ValueError(f"kind={self.kind!r}: must be one of {POLICY_KINDS}")
-        if self.kind == "ring":
-            if not isinstance(self.ring_size, int) or self.ring_size < 1:
-                raise ValueError(f"ring_size={self.ring_size!r}: must be an int >= 1 for ring")
-        elif self.ring_size != 0:
-            raise ValueError(f"ring_size={self.ring_size!r}: only ring takes a size")
-
-    @classmethod
-    def parse(cls, text: str) -> KVPolicy:
-        """``"full" | "last_exited" | "shared" | "ring:K"`` -> policy."""
-        if text in ("full", "last_exited", "shared"):
-            return cls(text)
-        if text.startswith("ring:"):
-            size = text[len("ring:") :]
-            if size.isdigit() and int(size) >= 1:
-                return cls("ring", int(size))
-        raise ValueError(
-            f"kv policy {text!r}: expected 'full', 'last_exited', 'shared' or 'ring:K' (K >= 1)"
-        )
-
-    def __str__(self) -> str:
-        return f"ring:{self.ring_size}" if self.kind == "ring" else self.kind
-
-    def num_planes(self, num_loops: int) -> int:
-        """Core planes a request with ``num_loops`` loops needs."""
-        if num_loops < 1:
-            raise ValueError(f"num_loops={num_loops}: must be >= 1")
-        if self.kind == "shared":
-            return 1
-        if self.kind == "ring":
-            return min(self.ring_size, num_loops)
-        return num_loops
-
-    def plane(self, depth: int) -> int:
-        """Core plane that loop ``depth`` (1-based) reads and writes."""
-        if depth < 1:
-            raise ValueError(f"depth={depth}: must be >= 1")
-        if self.kind == "shared":
-            return 0
-        if self.kind == "ring":
-            return (depth - 1) % self.ring_size
-        return depth - 1
-
-    @property
-    def copies_on_exit(self) -> bool:
-        """An early-exited token's KV must be copied into the planes of the loops it skips."""
-        return self.kind == "last_exited"
-
-    @property
-    def per_depth(self) -> bool:
-        """Every depth has its own plane."""
-        return self.kind in ("full", "last_exited")
 
 
 class BlockPool:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason
 
 
 class RequestStatus(enum.Enum):
@@ -27,13 +28,6 @@ class Resume(enum.Enum):
     NONE = "none"  # never preempted, or fully rebuilt since
     RECOMPUTE = "recompute"  # every position is recomputed
     SWAP = "swap"  # positions [0, swapped_tokens) come back from host swap space
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token, or (front end) a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"
-    ERROR = "error"
 
 
 @dataclass

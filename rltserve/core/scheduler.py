@@ -29,8 +29,6 @@ reused by later steps, and a result of a preempted incarnation (``InFlight.life`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from rltserve.config import SchedulerConfig
 from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
@@ -38,22 +36,9 @@ from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, W
 from rltserve.core.preemption import Preemptor
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
+from rltserve.updates import RequestUpdate
 
 PLAN, WAIT, OVER = "plan", "wait", "over"
-
-
-@dataclass
-class RequestUpdate:
-    """What one step (or an abort) changed for a request, for the engine to emit."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_exit_depths: list[int] = field(default_factory=list)
-    new_logprobs: list[float | None] = field(default_factory=list)
-    new_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    rejected: bool = False  # the request never started: its arguments were invalid
 
 
 class Scheduler:

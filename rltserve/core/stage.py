@@ -30,10 +30,9 @@ from collections.abc import Callable
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.request import FinishReason
-from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason, RequestUpdate
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 from __future__ import annotations
 
 from math import inf
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,15 +18,13 @@ from rltserve.core.live import Draft, ItemState, LiveRequest
 from rltserve.core.plan import ItemResult, WorkItem
 from rltserve.core.sampler import SampleRow
 from rltserve.core.staging import StepOutputs, move_to
-
-if TYPE_CHECKING:
-    from rltserve.core.runner import ModelRunner
+from rltserve.core.step_host import StepHost
 
 
 class Step:
     """One step's work on the runner's state: launched by ``run()``, read by ``results()``."""
 
-    def __init__(self, runner: ModelRunner, items: list[WorkItem]) -> None:
+    def __init__(self, runner: StepHost, items: list[WorkItem]) -> None:
         self.r = runner
         self.items = items
         self.lives = [runner.live[it.request_id] for it in items]

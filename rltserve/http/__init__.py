@@ -6,7 +6,7 @@ Modules, outside in: ``cli`` (flags and commands), ``server`` (sockets, signals,
 (prompt checks and the per-request bridge to the stage), ``encoding`` (tokenizer work off the
 event loop), ``responses`` and ``sse`` (wire shapes), ``schemas`` and ``validation`` (request
 bodies), ``admission``, ``metrics`` (prometheus-client), ``state``, ``config``, ``errors``;
-``bench_serve`` is the serving benchmark client.
+The serving benchmark client is ``rltserve.bench.serve``.
 
 Nothing is imported here, so ``rltserve.http.cli`` stays cheap to import.
 """

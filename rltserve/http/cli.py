@@ -1,9 +1,8 @@
 """``rltserve serve`` and ``rltserve bench serve``: their parsers and commands.
 
 Flags come from the config dataclasses (``--max-concurrent`` from ``ServerConfig``; the engine
-flags through ``rltserve.cli.add_engine_args``). This module imports nothing heavy at import
-time, so the main CLI can import it unconditionally; ``rltserve.cli`` is imported inside the
-functions (it imports this module).
+flags through ``rltserve.engine_args``). This module imports nothing heavy at import time, so
+the main CLI can import it unconditionally; it never imports ``rltserve.cli``.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from rltserve.cli import add_engine_args
+    from rltserve.engine_args import add_engine_args
     from rltserve.http.config import ServerConfig
 
     parser = subparsers.add_parser(
@@ -73,8 +72,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rltserve.cli import checked_engine_kwargs
     from rltserve.config import EngineConfig
+    from rltserve.engine_args import checked_engine_kwargs
     from rltserve.http.config import ServerConfig
     from rltserve.http.server import run_server
     from rltserve.preflight import check_listen_address, check_tls_files
@@ -133,8 +132,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     import orjson
 
+    from rltserve.bench.serve import BenchConfig, format_report, run_bench
     from rltserve.client import APIError
-    from rltserve.http.bench_serve import BenchConfig, format_report, run_bench
     from rltserve.progress import progress_enabled
 
     config = BenchConfig(

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.request import FinishReason
-from rltserve.core.scheduler import RequestUpdate
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, unavailable
@@ -31,6 +29,7 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import OutputAssembler, RequestOutput, TextDelta
 from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason, RequestUpdate
 
 
 class StageClientLike(Protocol):

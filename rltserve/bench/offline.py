@@ -225,7 +225,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         report["pipelining_compare"] = run_pipelining_compare(model, engine_kw, args)
         return report
     if engine_kw["wavefront_prefill"] and args.compare:
-        from rltserve.bench_prefill import run_wcpb_compare
+        from rltserve.bench.prefill import run_wcpb_compare
 
         report["wcpb_compare"] = run_wcpb_compare(model, engine_kw, args.chunk_sizes)
         return report
@@ -233,7 +233,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
     if engine_kw["kv_reservation"] == "full" and args.compare:
-        from rltserve.bench_kv import run_kv_pressure
+        from rltserve.bench.kv import run_kv_pressure
 
         def prompts_for(n: int) -> list[list[int]]:
             return _workload(n, args.input_len, model.spec.vocab_size)

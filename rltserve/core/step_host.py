@@ -1,0 +1,48 @@
+"""``StepHost``: what a ``Step`` uses of the runner that launches it.
+
+A structural type, so ``step.py`` needs no import of ``runner.py`` (which imports ``step.py``):
+the runner satisfies it by having these members. Invariant: a ``Step`` touches the runner only
+through the members listed here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    from rltserve.core.cuda_graphs import DecodeGraphs
+    from rltserve.core.live import LiveRequest
+    from rltserve.core.sampler import Sampler
+    from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
+
+
+class StepHost(Protocol):
+    model: LoopedModel
+    spec: LoopedSpec
+    device: torch.device
+    block_size: int
+    kv: torch.Tensor  # the paged KV cache of every plane
+    sampler: Sampler
+    live: dict[str, LiveRequest]
+    logits_width: int
+    keeps_e: bool
+    gate_init: torch.Tensor
+    graphs: DecodeGraphs | None
+    drafts_checked: int
+    drafts_rejected: int
+
+    def deliver(self) -> None:
+        """Delivers every launched step before this one."""
+        ...
+
+    def attention(self, spans: list[tuple[int, int, list[int]]]) -> AttentionFn: ...
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its wall time counted as model time."""
+        ...
+
+    def tensor(self, values: Any, dtype: torch.dtype | None = None) -> torch.Tensor: ...

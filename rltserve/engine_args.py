@@ -1,0 +1,70 @@
+"""Engine flags for every command that builds an engine (``generate``, ``serve``, ``bench
+offline``): one flag per field of the engine config dataclasses (``--max-num-seqs`` from
+``SchedulerConfig.max_num_seqs``), so names and help texts have one source.
+
+Below both CLIs (``rltserve.cli`` and ``rltserve.http.cli`` import it, it imports neither) and
+torch-free: argparse, the configs and the preflight checks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
+from rltserve.preflight import check_engine
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
+
+
+def _flag_type(field: dataclasses.Field, hints: dict) -> type:
+    hint = hints[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
+        hint = args[0]
+    return hint if hint in (int, float, str) else str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per engine config field."""
+    for cls in ENGINE_CONFIGS:
+        group = parser.add_argument_group(cls.__name__)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if hints[f.name] is bool:
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=f.default,
+                    help=f.metadata.get("help", ""),
+                )
+                continue
+            default = "" if f.default is None else f" (default: {f.default})"
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=_flag_type(f, hints),
+                default=f.default,
+                help=f.metadata.get("help", "") + default,
+            )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)
+    }
+
+
+def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
+    """``engine_kwargs`` after the cheap checks (config, checkpoint path, device): bad flags
+    fail here as usage errors, before a model loads. ``as_run`` overrides what the command
+    changes before it builds engines. The chunk size is capped at the step's token budget, as
+    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
+    kw = engine_kwargs(args)
+    kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
+    check_engine({**kw, **as_run})
+    return kw

@@ -1,0 +1,32 @@
+"""What the engine reports per request: ``RequestUpdate`` (the tokens, exit depths and logprobs
+one step or an abort added, and how the request ended) and ``FinishReason``.
+
+At the bottom of the package, beside ``outputs`` which consumes updates: the scheduler makes
+them, the stage carries them across processes, the LLM API and the server assemble them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token, or (front end) a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class RequestUpdate:
+    """What one step (or an abort) changed for a request, for the engine to emit."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_exit_depths: list[int] = field(default_factory=list)
+    new_logprobs: list[float | None] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    rejected: bool = False  # the request never started: its arguments were invalid
