@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rltserve.core.request import Request, RequestStatus, Resume
+from rltserve.core.request import InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
+from rltserve.kv_policy import KVPolicy
 
 if TYPE_CHECKING:
     from rltserve.core.scheduler import Scheduler
@@ -164,3 +165,41 @@ class Preemptor:
 
     def num_recomputing(self) -> int:
         return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)
+
+
+def replay_item(request: Request, start: int, max_tokens: int, policy: KVPolicy) -> InFlight:
+    """The item that recomputes generated tokens from ``start`` (at most ``max_tokens`` of them)
+    exactly as they first ran: under ``full`` every token looped to the request's depth, so a
+    chunk of them runs like a prompt chunk; otherwise each token loops to its recorded exit depth
+    (and ``last_exited`` copies its K/V into the deeper planes there). No replayed token
+    samples."""
+    if policy.kind == "full":
+        return InFlight(
+            start=start,
+            num_tokens=max_tokens,
+            ends_at=request.num_loops,
+            stop_at_exit=False,
+            has_output=False,
+            epoch=request.epoch,
+            life=request.num_preemptions,
+        )
+    exits = request.exit_depths
+    first = start - request.num_prompt_tokens + 1  # the output the token at start produced
+    exit_depth = exits[first]
+    n = 1
+    if policy.per_depth:
+        # Tokens that exited at the same depth run as one chunk: at every loop up to that
+        # depth each reads its predecessors' real K/V of that loop, as when they decoded.
+        # (Under shared/ring a token reads its predecessor's final version: one at a time.)
+        while n < max_tokens and exits[first + n] == exit_depth:
+            n += 1
+    return InFlight(
+        start=start,
+        num_tokens=n,
+        ends_at=exit_depth,
+        stop_at_exit=False,
+        has_output=False,
+        epoch=request.epoch,
+        life=request.num_preemptions,
+        copy_at_end=policy.copies_on_exit and exit_depth < request.num_loops,
+    )

@@ -33,7 +33,7 @@ from rltserve.config import SchedulerConfig
 from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.preemption import Preemptor
+from rltserve.core.preemption import Preemptor, replay_item
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.updates import RequestUpdate
@@ -308,7 +308,8 @@ class Scheduler:
                 life=life,
             )
         if start < request.replay_until:
-            return self._replay_item(request, start, budget)
+            chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
+            return replay_item(request, start, chunk, self.kv.policy)
         produces = start - p + 1  # index of the output this decode token produces
         if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
             return None
@@ -323,44 +324,6 @@ class Scheduler:
             draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
             epoch=request.epoch,
             life=life,
-        )
-
-    def _replay_item(self, request: Request, start: int, budget: int) -> InFlight:
-        """Recomputes generated tokens from ``start`` exactly as they first ran: under ``full``
-        every token looped to the request's depth, so a chunk of them runs like a prompt chunk;
-        otherwise each token loops to its recorded exit depth (and ``last_exited`` copies its
-        K/V into the deeper planes there). No replayed token samples."""
-        if self.kv.policy.kind == "full":
-            n = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
-            return InFlight(
-                start=start,
-                num_tokens=n,
-                ends_at=request.num_loops,
-                stop_at_exit=False,
-                has_output=False,
-                epoch=request.epoch,
-                life=request.num_preemptions,
-            )
-        exits = request.exit_depths
-        first = start - request.num_prompt_tokens + 1  # the output the token at start produced
-        exit_depth = exits[first]
-        n = 1
-        if self.kv.policy.per_depth:
-            # Tokens that exited at the same depth run as one chunk: at every loop up to that
-            # depth each reads its predecessors' real K/V of that loop, as when they decoded.
-            # (Under shared/ring a token reads its predecessor's final version: one at a time.)
-            limit = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
-            while n < limit and exits[first + n] == exit_depth:
-                n += 1
-        return InFlight(
-            start=start,
-            num_tokens=n,
-            ends_at=exit_depth,
-            stop_at_exit=False,
-            has_output=False,
-            epoch=request.epoch,
-            life=request.num_preemptions,
-            copy_at_end=self.kv.policy.copies_on_exit and exit_depth < request.num_loops,
         )
 
     def _work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
