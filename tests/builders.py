@@ -13,36 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from recipe import NANBEIGE_TINY
 from safetensors.torch import save_file
 
 from rltserve.models import get_family
-
-NANBEIGE_TINY: dict[str, Any] = {
-    "architectures": ["NanbeigeForCausalLM"],
-    "model_type": "nanbeige",
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,  # != hidden / heads on purpose
-    "intermediate_size": 96,
-    "vocab_size": 384,
-    "max_position_embeddings": 512,
-    "rope_theta": 70000000.0,
-    "rope_scaling": None,
-    "rms_norm_eps": 1e-05,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "num_loops": 2,
-    "skip_loop_final_norm": False,
-    "bos_token_id": 380,
-    "eos_token_id": 381,
-    "pad_token_id": 0,
-    "layer_types": ["full_attention", "full_attention"],
-    "torch_dtype": "float32",
-}
 
 # Real configs (MODELS.md tables), for name/shape/parameter-count checks only.
 OURO_1_4B: dict[str, Any] = {

@@ -18,8 +18,51 @@ VECTORS_PATH = Path(__file__).parent / "data" / "hf_vectors.json"
 SEED = 20261130
 
 
+# The tiny Nanbeige config; tests/builders.py takes it from here (one source for the config,
+# while the tensor layout below stays written independently of the engine).
+NANBEIGE_TINY: dict = {
+    "architectures": ["NanbeigeForCausalLM"],
+    "model_type": "nanbeige",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # != hidden / heads on purpose
+    "intermediate_size": 96,
+    "vocab_size": 384,
+    "max_position_embeddings": 512,
+    "rope_theta": 70000000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-05,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "num_loops": 2,
+    "skip_loop_final_norm": False,
+    "bos_token_id": 380,
+    "eos_token_id": 381,
+    "pad_token_id": 0,
+    "layer_types": ["full_attention", "full_attention"],
+    "torch_dtype": "float32",
+}
+
+
 def load_vectors() -> dict:
     return json.loads(VECTORS_PATH.read_text())
+
+
+def llama_block_shapes(p: str, h: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """The attention and MLP weights of one Llama-style layer (Ouro and Nanbeige alike)."""
+    return {
+        p + "self_attn.q_proj.weight": (q, h),
+        p + "self_attn.k_proj.weight": (kv, h),
+        p + "self_attn.v_proj.weight": (kv, h),
+        p + "self_attn.o_proj.weight": (h, q),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+    }
 
 
 def ouro_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -37,13 +80,7 @@ def ouro_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update(
             {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
+                **llama_block_shapes(p, h, q, kv, inter),
                 p + "input_layernorm.weight": (h,),
                 p + "input_layernorm_2.weight": (h,),
                 p + "post_attention_layernorm.weight": (h,),
@@ -132,32 +169,7 @@ def build_huginn_rv1(out_dir: Path) -> Path:
 def build_nanbeige(out_dir: Path) -> Path:
     """A tiny Nanbeige checkpoint with the real key names (MODELS.md's table), sharded in two
     files. Written independently of the engine's layout table, which it checks."""
-    cfg = {
-        "architectures": ["NanbeigeForCausalLM"],
-        "model_type": "nanbeige",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,  # != hidden / heads on purpose
-        "intermediate_size": 96,
-        "vocab_size": 384,
-        "max_position_embeddings": 512,
-        "rope_theta": 70000000.0,
-        "rope_scaling": None,
-        "rms_norm_eps": 1e-05,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "num_loops": 2,
-        "skip_loop_final_norm": False,
-        "bos_token_id": 380,
-        "eos_token_id": 381,
-        "pad_token_id": 0,
-        "layer_types": ["full_attention", "full_attention"],
-        "torch_dtype": "float32",
-    }
+    cfg = NANBEIGE_TINY
     h, inter, vocab, hd = 64, 96, 384, 32
     q, kv = 4 * hd, 2 * hd
     shapes = {
@@ -169,13 +181,7 @@ def build_nanbeige(out_dir: Path) -> Path:
         p = f"model.layers.{i}."
         shapes.update(
             {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
+                **llama_block_shapes(p, h, q, kv, inter),
                 p + "input_layernorm.weight": (h,),
                 p + "post_attention_layernorm.weight": (h,),
             }

@@ -10,6 +10,7 @@ import threading
 import orjson
 import pytest
 from aiohttp import web
+from test_client_sse import serve
 from test_http_harness import (
     Script,
     ScriptedStage,
@@ -163,15 +164,8 @@ async def misbehaving_server():
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve(app) as url:
+        yield url
 
 
 async def test_client_error_paths_end_clearly():
