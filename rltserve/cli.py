@@ -60,19 +60,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with LLM(**checked_engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params)
     for out in outputs:
+        sample = out.outputs[0]
         if args.json:
             record = {
                 "prompt_token_ids": out.prompt_token_ids,
-                "text": out.text,
-                "token_ids": out.token_ids,
-                "exit_depths": out.exit_depths,
-                "finish_reason": out.finish_reason,
+                "text": sample.text,
+                "token_ids": sample.token_ids,
+                "exit_depths": sample.exit_depths,
+                "finish_reason": sample.finish_reason,
             }
             sys.stdout.write(orjson.dumps(record).decode() + "\n")
         else:
-            depth = f"mean exit depth {out.mean_exit_depth:.2f}"
+            depth = f"mean exit depth {sample.mean_exit_depth:.2f}"
             sys.stdout.write(
-                f"{out.text}\n[{len(out.token_ids)} tokens, {depth}, {out.finish_reason}]\n"
+                f"{sample.text}\n[{len(sample.token_ids)} tokens, {depth}, "
+                f"{sample.finish_reason}]\n"
             )
     return 0
 

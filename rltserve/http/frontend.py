@@ -27,7 +27,7 @@ from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
-from rltserve.outputs import OutputAssembler, RequestOutput, TextDelta
+from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -74,7 +74,7 @@ class ChoiceEvent:
 
     index: int
     delta: TextDelta
-    output: RequestOutput
+    output: Completion
     rejected: bool
 
 
@@ -303,7 +303,7 @@ class Generation:
     def finished(self) -> bool:
         return not any(c.open for c in self._choices.values())
 
-    def outputs(self) -> dict[int, RequestOutput]:
+    def outputs(self) -> dict[int, Completion]:
         return {i: c.assembler.output for i, c in self._choices.items()}
 
     def num_completion_tokens(self) -> int:

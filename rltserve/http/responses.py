@@ -16,7 +16,7 @@ from typing import Any
 
 from rltserve.http.frontend import ChoiceEvent, Frontend
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
-from rltserve.outputs import RequestOutput
+from rltserve.outputs import Completion
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -88,7 +88,7 @@ class _Format(ABC):
         """The chunk entries of one event (the first event of a choice has ``first``)."""
 
     @abstractmethod
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         """The choice entry of a non-streaming response."""
 
 
@@ -117,7 +117,7 @@ class CompletionFormat(_Format):
         }
         return [self._extensions(entry, delta.token_ids, delta.exit_depths)]
 
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         echo = self.echo_texts.get(index, "")
         self._offsets[index] = len(echo)
         logprobs = None if output.logprobs is None else self._logprobs(index, output.logprobs)
@@ -173,7 +173,7 @@ class ChatFormat(_Format):
         out.append(self._extensions(entry, delta.token_ids, delta.exit_depths))
         return out
 
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
         entry = {
             "index": index,
