@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 
+from rltserve.bench.rollout import add_rollout_parser
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
@@ -113,6 +114,21 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from rltserve.bench.rollout import run_rollout_bench
+
+    for name in ("num_prompts", "n", "input_len", "max_tokens", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    report = run_rollout_bench(args, checked_engine_kwargs(args))
+    if args.json:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        for key, value in report.items():
+            print(f"{key}: {value}")
+    return 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from rltserve.models.presets import get_preset, run_make_model
 
@@ -192,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
     add_bench_serve_parser(bench_sub)
+    rollout = add_rollout_parser(bench_sub)
+    add_engine_args(rollout)
+    rollout.set_defaults(func=cmd_bench_rollout)
     return parser
 
 

@@ -33,13 +33,26 @@ def update_paths(weights: WeightsArg) -> Iterator[list[str]]:
     tensors = _collect(weights)
     from safetensors.torch import save_file
 
-    folder = tempfile.mkdtemp(prefix="rltserve-weights-")
+    folder = tempfile.mkdtemp(prefix="rltserve-weights-", dir=_scratch_dir(tensors))
     try:
         file = os.path.join(folder, "update.safetensors")
         save_file(tensors, file)
         yield [file]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _scratch_dir(tensors: dict) -> str | None:
+    """Shared memory when it has room (the file never touches a disk), else the default."""
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        return None
+    need = sum(t.nbytes for t in tensors.values())
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return None
+    return shm if free > 2 * need else None
 
 
 def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
