@@ -53,3 +53,58 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     closed)."""
     start = prompt_text.rfind(THINK_START)
     return start >= 0 and prompt_text.find(THINK_END, start) < 0
+
+
+def ids_open_thinking(ids: list[int], tokenizer) -> bool:
+    """Whether prompt ids end inside a thinking span: a ``<think>`` token after the last
+    ``</think>`` token (False for a tokenizer without them)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    start, end = vocab.get(THINK_START), vocab.get(THINK_END)
+    if start is None or end is None:
+        return False
+    for token in reversed(ids):
+        if token == end:
+            return False
+        if token == start:
+            return True
+    return False
+
+
+class ReasoningStream:
+    """Splits a streamed answer whose prompt left ``<think>`` open into reasoning and content
+    deltas: text before ``</think>`` is reasoning, after it content, the tag itself neither. A
+    tail that could be the start of the tag is held back until the next delta (or ``flush``)."""
+
+    def __init__(self) -> None:
+        self.thinking = True
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of one delta."""
+        if not self.thinking:
+            return "", text
+        text = self._held + text
+        self._held = ""
+        before, sep, after = text.partition(THINK_END)
+        if sep:
+            self.thinking = False
+            return before, after
+        keep = next(
+            (k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
+             if THINK_END.startswith(text[-k:])),
+            0,
+        )  # fmt: skip
+        if keep:
+            self._held = text[-keep:]
+            text = text[:-keep]
+        return text, ""
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        return (held, "") if self.thinking else ("", held)
+
+
+def with_thinking_prefix(prompt_text: str) -> str:
+    """A rendered chat prompt asked to think (``enable_thinking``): ``<think>\\n`` appended, as
+    the Ouro-Thinking recipes do, unless the template already opened the span."""
+    return prompt_text if prompt_opens_thinking(prompt_text) else prompt_text + THINK_START + "\n"

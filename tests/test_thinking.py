@@ -11,7 +11,7 @@ from engine_util import make_core, run_core
 from test_preemption import _tight_blocks
 
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import prompt_opens_thinking, split_reasoning
+from rltserve.thinking import ReasoningStream, prompt_opens_thinking, split_reasoning
 
 PROMPTS = [[3, 17, 42, 7, 8], [99, 5, 61], [12, 250, 31, 4, 77, 2, 6]]
 K = 3
@@ -146,3 +146,13 @@ def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
         pytest.raises(ValueError, match="thinking_end_token_ids: required"),
     ):
         llm.generate([[5]], SamplingParams(max_thinking_tokens=2))
+
+
+def test_reasoning_stream_splits_across_deltas():
+    s = ReasoningStream()
+    parts = [s.feed(t) for t in ["plan a", "nd b</th", "ink>ans", "wer"]]
+    parts.append(s.flush())
+    assert "".join(r for r, _ in parts) == "plan and b"
+    assert "".join(c for _, c in parts) == "answer"
+    s = ReasoningStream()
+    assert s.feed("x</") == ("x", "") and s.flush() == ("</", "")
