@@ -306,7 +306,13 @@ class LLM:
         return ids
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
-        """Bounded thinking in token ids, as the engine takes it (see ``SamplingParams``)."""
+        """Checks what needs text and puts bounded thinking in token ids, as the engine takes
+        it (see ``SamplingParams``)."""
+        if p.stop and (self.tokenizer is None or not p.detokenize):
+            raise ValueError(
+                f"stop={list(p.stop)!r}: stop strings need text (a tokenizer and "
+                "detokenize=True); use stop_token_ids"
+            )
         if p.max_thinking_tokens is None:
             return p
         return resolve_thinking(p, self.tokenizer)

@@ -96,6 +96,8 @@ def test_bad_prompts_and_params_name_the_field(llm):
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="stop strings need text"):
+        llm.generate([[1]], SamplingParams(stop=["x"], detokenize=False))
     with pytest.raises(ValueError, match="sampling_params: 1 given for 2"):
         llm.generate([[1], [2]], [SamplingParams()])
 
