@@ -154,3 +154,19 @@ def test_pause_and_resume_generation(llm):
     llm.resume_generation()
     t.join(60)
     assert len(results) == 1
+
+
+def test_huginn_tied_copy_follows_its_source(huginn_rv1, huginn_ref, tmp_path):
+    cfg = _config(huginn_rv1)
+    new = random_tensors(cfg, seed=9)  # lm_head.weight equals transformer.wte.weight
+    new["freqs_cis"] = load_file(huginn_rv1 / "model.safetensors")["freqs_cis"]
+    p = SamplingParams(max_tokens=5, ignore_eos=True, init_state="zero")
+    with LLM(str(huginn_rv1), in_process=True, num_blocks=128) as llm:
+        with pytest.raises(ValueError, match="tied copies without their source"):
+            llm.update_weights([("lm_head.weight", new["lm_head.weight"])])
+        llm.update_weights(new.items())
+        got = llm.generate(PROMPTS, p)
+    ref = Reference.load(write_checkpoint(tmp_path / "h", cfg, new))
+    for prompt, out in zip(PROMPTS, got):
+        want = oracle_run(ref, prompt, p, kv_policy="last_exited")
+        assert out.outputs[0].token_ids == want.tokens
