@@ -4,6 +4,7 @@ rejected whole, and updates wait for, time out on, or abort running requests."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from builders import random_tensors, write_checkpoint
-from engine_util import oracle_run
+from engine_util import make_core, oracle_run
 from reference import Reference
 from safetensors.torch import load_file
 
 from rltserve import LLM, SamplingParams
+from rltserve.core.engine import run_engine_loop
 from rltserve.core.request import FinishReason
 from rltserve.updates import UpdateTimeout
 
@@ -170,3 +172,44 @@ def test_huginn_tied_copy_follows_its_source(huginn_rv1, huginn_ref, tmp_path):
     for prompt, out in zip(PROMPTS, got):
         want = oracle_run(ref, prompt, p, kv_policy="last_exited")
         assert out.outputs[0].token_ids == want.tokens
+
+
+def test_requests_arriving_during_an_update_wait_for_it(ouro_rv1, new_ckpt):
+    """Engine loop order: r1 runs, the update waits for it, r2 (and r3, aborted while held)
+    arrive meanwhile; r2 runs after the update, on the new weights."""
+    core = make_core(ouro_rv1)
+    p = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    final: dict[str, object] = {}
+    tokens: dict[str, list[int]] = {"r1": [], "r2": []}
+    replies: list = []
+
+    async def main() -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def emit(updates, _stats) -> None:
+            for u in updates:
+                tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+                if u.finish_reason is not None:
+                    final[u.request_id] = u
+            if "r2" in final:
+                inbox.put_nowait(("shutdown",))
+
+        for command in [
+            ("add", "r1", PROMPTS[0], p.replace(max_tokens=12)),
+            ("update_weights", 7, [str(new_ckpt)], False, 60.0),
+            ("add", "r2", PROMPTS[0], p),
+            ("add", "r3", PROMPTS[1], p),
+            ("abort", "r3"),
+        ]:
+            inbox.put_nowait(command)
+        await asyncio.wait_for(
+            run_engine_loop(core, inbox, emit, lambda *r: replies.append(r)), 120
+        )
+
+    asyncio.run(main())
+    assert replies == [(7, None, 1)]
+    assert final["r1"].weight_version == 0 and len(tokens["r1"]) == 12
+    assert final["r3"].finish_reason is FinishReason.ABORT and not tokens.get("r3")
+    assert final["r2"].weight_version == 1
+    assert tokens["r2"] == _oracle(new_ckpt)[0][0]
+    core.shutdown()
