@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 
+from rltserve.bench.rollout import add_rollout_parser
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
@@ -60,19 +61,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with LLM(**checked_engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params)
     for out in outputs:
+        sample = out.outputs[0]
         if args.json:
             record = {
                 "prompt_token_ids": out.prompt_token_ids,
-                "text": out.text,
-                "token_ids": out.token_ids,
-                "exit_depths": out.exit_depths,
-                "finish_reason": out.finish_reason,
+                "text": sample.text,
+                "token_ids": sample.token_ids,
+                "exit_depths": sample.exit_depths,
+                "finish_reason": sample.finish_reason,
             }
             sys.stdout.write(orjson.dumps(record).decode() + "\n")
         else:
-            depth = f"mean exit depth {out.mean_exit_depth:.2f}"
+            depth = f"mean exit depth {sample.mean_exit_depth:.2f}"
             sys.stdout.write(
-                f"{out.text}\n[{len(out.token_ids)} tokens, {depth}, {out.finish_reason}]\n"
+                f"{sample.text}\n[{len(sample.token_ids)} tokens, {depth}, "
+                f"{sample.finish_reason}]\n"
             )
     return 0
 
@@ -103,6 +106,21 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
     graphs = args.cuda_graphs and not args.compare
     report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
+    if args.json:
+        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
+    else:
+        for key, value in report.items():
+            print(f"{key}: {value}")
+    return 0
+
+
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from rltserve.bench.rollout import run_rollout_bench
+
+    for name in ("num_prompts", "n", "input_len", "max_tokens", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    report = run_rollout_bench(args, checked_engine_kwargs(args))
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -190,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(off)
     off.set_defaults(func=cmd_bench_offline)
     add_bench_serve_parser(bench_sub)
+    rollout = add_rollout_parser(bench_sub)
+    add_engine_args(rollout)
+    rollout.set_defaults(func=cmd_bench_rollout)
     return parser
 
 

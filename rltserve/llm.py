@@ -1,23 +1,36 @@
-"""LLM: the offline Python API over a stage worker.
+"""LLM: the offline Python API over a stage worker, shaped as vLLM's offline ``LLM``.
 
 from rltserve import LLM, SamplingParams
 with LLM("path/to/checkpoint") as llm:
     out = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(out[0].outputs[0].text)
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import load_tokenizer
-from rltserve.outputs import OutputAssembler, RequestOutput
-from rltserve.sampling import SamplingParams
+from rltserve.outputs import OutputAssembler, RequestOutput, request_output
+from rltserve.sampling import SamplingParams, expand_samples
+from rltserve.thinking import resolve_thinking
+from rltserve.weights import WeightsArg, update_paths
 
-Prompt = str | Sequence[int]
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _prompt_text(prompt: PromptInput) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        return prompt.get("prompt")
+    return None
 
 
 class LLM:
@@ -56,6 +69,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         in_process: bool = False,
         startup_timeout: float = 300.0,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         if model is None:
             from rltserve.models.demo import demo_model_path
@@ -93,12 +107,15 @@ class LLM:
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = client_cls(self.config)
         try:
-            self.tokenizer = load_tokenizer(model)
+            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
             self.info = self._client.wait_ready(startup_timeout)
         except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
             self._client.close(timeout=2.0)
             raise
         self._ids = itertools.count()
+        self._running = threading.Condition()  # guards _paused and _active
+        self._paused = False
+        self._active = 0  # generate calls in progress
 
     def __enter__(self) -> LLM:
         return self
@@ -114,33 +131,61 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in input order. Prompts are strings (needs
-        a tokenizer) or token-id lists. Every prompt is checked before any is submitted; if a
-        request fails or is rejected, or the call is interrupted, the requests still running
-        are aborted before the error propagates."""
+        """Generates for every prompt; returns one ``RequestOutput`` per prompt, in input order,
+        each with ``params.n`` samples. A prompt is a string (needs a tokenizer), a list of token
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. Every prompt is checked before
+        any is submitted; if a request fails or is rejected, or the call is interrupted, the
+        requests still running are aborted before the error propagates. While generation is
+        paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm`` is
+        accepted for vLLM compatibility; no bar is shown."""
         batch = self._normalize_prompts(prompts)
-        if params is None:
-            params = SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, Sequence)):
-            raise ValueError("params: must be SamplingParams or a list of them")
+            raise ValueError("sampling_params: must be SamplingParams or a list of them")
         plist = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(batch):
-            raise ValueError(f"params: {len(plist)} given for {len(batch)} prompts")
+            raise ValueError(f"sampling_params: {len(plist)} given for {len(batch)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
-            raise ValueError("params: must be SamplingParams or a list of them")
+            raise ValueError("sampling_params: must be SamplingParams or a list of them")
         encoded = [self._encode(prompt) for prompt in batch]
+        plist = [self._resolve_thinking(p) for p in plist]
+        with self._running:
+            self._running.wait_for(lambda: not self._paused)
+            self._active += 1
+        try:
+            return self._run(batch, encoded, plist)
+        finally:
+            with self._running:
+                self._active -= 1
+                self._running.notify_all()
+
+    def _run(self, batch, encoded, plist) -> list[RequestOutput]:
         pending = _Pending()
+        groups: list[list[OutputAssembler]] = []
         try:
             for ids, p in zip(encoded, plist):
-                rid = f"gen-{next(self._ids)}"
-                asm = OutputAssembler(
-                    rid, ids, self.tokenizer, p.stop, p.logprobs is not None, p.stop_token_ids
-                )
-                pending.assemblers.append(asm)
-                self._client.add_request(rid, ids, p, self._sink(asm, pending))
+                group = []
+                for sample in expand_samples(p):
+                    rid = f"gen-{next(self._ids)}"
+                    tokenizer = self.tokenizer if p.detokenize else None
+                    asm = OutputAssembler(
+                        rid,
+                        ids,
+                        tokenizer,
+                        p.stop if tokenizer is not None else None,
+                        p.logprobs is not None,
+                        p.stop_token_ids,
+                        skip_special_tokens=p.skip_special_tokens,
+                        include_stop_str_in_output=p.include_stop_str_in_output,
+                    )
+                    group.append(asm)
+                    pending.assemblers.append(asm)
+                    self._client.add_request(rid, ids, sample, self._sink(asm, pending))
+                groups.append(group)
             pending.wait()
         finally:
             for rid in pending.unfinished():
@@ -150,7 +195,50 @@ class LLM:
                 raise ValueError(asm.output.error)
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
-        return [a.output for a in pending.assemblers]
+        return [
+            request_output(group, _prompt_text(prompt), self.tokenizer)
+            for prompt, group in zip(batch, groups)
+        ]
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(
+        self, weights: WeightsArg, *, abort: bool = False, timeout: float = 300.0
+    ) -> int:
+        """Replaces the model's weights in place and returns the new ``weight_version``.
+
+        ``weights``: a checkpoint directory (or ``.safetensors`` file) or an iterable of
+        ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
+        ``state_dict().items()``; a subset updates only those tensors. Strict: an unknown name,
+        a wrong shape or a non-float tensor rejects the whole update (``ValueError`` listing
+        them) and the old weights keep serving. The update runs once no request is running:
+        requests submitted meanwhile wait for it, running ones finish first (``UpdateTimeout``,
+        a ValueError, if they still run after ``timeout`` seconds; nothing is applied) or are
+        aborted at once with ``abort=True``. Later outputs report the new ``weight_version``."""
+        if not isinstance(abort, bool):
+            raise ValueError(f"abort={abort!r}: must be a bool")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise ValueError(f"timeout={timeout!r}: must be a number of seconds >= 0")
+        with update_paths(weights) as paths:
+            return self._client.update_weights(paths, abort, float(timeout))
+
+    @property
+    def weight_version(self) -> int:
+        """Weight updates applied so far (0: the checkpoint as loaded)."""
+        return self._client.weight_version
+
+    def pause_generation(self) -> None:
+        """New ``generate`` calls wait (they start on ``resume_generation``); calls already
+        running continue. For a trainer that updates weights between rollout steps."""
+        with self._running:
+            self._paused = True
+
+    def resume_generation(self) -> None:
+        with self._running:
+            self._paused = False
+            self._running.notify_all()
+
+    # ---------------------------------------------------------------- internals
 
     def _sink(self, asm: OutputAssembler, pending: _Pending):
         def sink(update) -> None:
@@ -160,6 +248,7 @@ class LLM:
                 try:
                     delta = asm.add(update)
                     finish = delta.finish_reason
+                    asm.weight_version = update.weight_version
                 except Exception as exc:  # fail this request rather than the client's thread
                     asm.output.finish_reason = finish = "error"
                     asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
@@ -171,8 +260,8 @@ class LLM:
 
         return sink
 
-    def _normalize_prompts(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
+    def _normalize_prompts(self, prompts) -> list[PromptInput]:
+        if isinstance(prompts, (str, Mapping)):
             return [prompts]
         if not isinstance(prompts, Sequence):
             raise ValueError(f"prompts={prompts!r:.80}: must be a string, token ids or a list")
@@ -181,12 +270,31 @@ class LLM:
             raise ValueError("prompts: pass a list of token-id lists, not one flat list of ids")
         return prompts
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, Mapping):
+            unknown = [k for k in prompt if k not in _PROMPT_KEYS]
+            if unknown:
+                raise ValueError(
+                    f"prompt: unknown key {unknown[0]!r} (accepted: {', '.join(_PROMPT_KEYS)})"
+                )
+            if "prompt_token_ids" in prompt:
+                return self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("prompt: a dict needs 'prompt' or 'prompt_token_ids'")
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError("prompt: the 'prompt' key must hold a string")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids")
+                raise ValueError(
+                    "prompt: text needs a tokenizer and there is no tokenizer "
+                    "(skip_tokenizer_init=True, or none in the checkpoint); pass token ids"
+                )
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Sequence):
+        return self._check_ids(prompt)
+
+    def _check_ids(self, prompt: object) -> list[int]:
+        if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             raise ValueError(f"prompt={prompt!r:.80}: must be a string or a list of token ids")
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -196,6 +304,18 @@ class LLM:
         if bad:  # the engine's own check, made here before anything is submitted
             raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
+
+    def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
+        """Checks what needs text and puts bounded thinking in token ids, as the engine takes
+        it (see ``SamplingParams``)."""
+        if p.stop and (self.tokenizer is None or not p.detokenize):
+            raise ValueError(
+                f"stop={list(p.stop)!r}: stop strings need text (a tokenizer and "
+                "detokenize=True); use stop_token_ids"
+            )
+        if p.max_thinking_tokens is None:
+            return p
+        return resolve_thinking(p, self.tokenizer)
 
 
 class _Pending:

@@ -1,5 +1,11 @@
-"""What users get back: ``RequestOutput`` (offline) and the per-request text assembler that turns
-token updates into text deltas, applying stop strings (shared by the LLM API and the server)."""
+"""What users get back and how it is built.
+
+``RequestOutput`` / ``CompletionOutput`` / ``Logprob`` are the offline API's results, shaped as
+vLLM's (``outputs[i].token_ids`` and so on) plus rltserve's ``exit_depths`` and
+``weight_version``. ``Completion`` is one sequence as it is being assembled; ``OutputAssembler``
+turns a request's token updates into text deltas and applies stop strings (shared by the LLM API
+and the server).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,80 @@ from rltserve.updates import RequestUpdate
 
 
 @dataclass
+class Logprob:
+    """vLLM's per-token logprob entry. ``rank``: 1-based rank of the token under the model's
+    distribution; None where it is unknown (a sampled token outside the returned top-k)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's shape). ``logprobs``: with ``SamplingParams.logprobs=k``,
+    per token a dict ``{token_id: Logprob}`` holding the sampled token and the top ``k`` (a
+    token forced by bounded thinking has an empty dict); None when not asked for.
+    ``cumulative_logprob`` sums the sampled tokens' logprobs (None without logprobs)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    exit_depths: list[int] = field(default_factory=list)  # loop each token exited at
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def mean_exit_depth(self) -> float:
+        return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
+
+
+@dataclass
 class RequestOutput:
+    """All samples of one prompt (vLLM's shape); ``weight_version`` is the version of the
+    weights that produced them (``LLM.update_weights`` increments it). ``text``,
+    ``token_ids``, ``exit_depths``, ``finish_reason`` and ``mean_exit_depth`` read the first
+    sample, for the common ``n=1`` case."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    weight_version: int = 0
+    prompt_logprobs: None = None  # not computed; present for vLLM compatibility
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def exit_depths(self) -> list[int]:
+        return self.outputs[0].exit_depths
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def mean_exit_depth(self) -> float:
+        return self.outputs[0].mean_exit_depth
+
+
+@dataclass
+class Completion:
+    """One sequence as the assembler builds it. ``logprobs`` is the engine's form: per token
+    ``{"token_id", "logprob", "top_logprobs"}`` (``logprob`` None for a forced token)."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -17,7 +96,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or token id that ended generation
-    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top_logprobs"}
+    logprobs: list[dict] | None = None
     error: str | None = None
 
     @property
@@ -44,7 +123,8 @@ class TextDelta:
 
 class OutputAssembler:
     """Accumulates one request's updates. Detokenizes incrementally (when a tokenizer is given)
-    and ends the text at the first stop string, which it leaves out of the text. A stop string
+    and ends the text at the first stop string, which it leaves out of the text (kept with
+    ``include_stop_str_in_output``). A stop string
     may span token boundaries: text that could be the start of a stop string is held back until
     it is known not to be one."""
 
@@ -56,17 +136,26 @@ class OutputAssembler:
         stop: tuple[str, ...] | None = None,
         want_logprobs: bool = False,
         stop_token_ids: tuple[int, ...] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
-        self.output = RequestOutput(request_id, list(prompt_token_ids))
+        self.output = Completion(request_id, list(prompt_token_ids))
         if want_logprobs:
             self.output.logprobs = []
-        self._detok = tokenizer.detokenizer(prompt_token_ids) if tokenizer is not None else None
+        self._detok = (
+            tokenizer.detokenizer(prompt_token_ids, skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
+        self._include_stop = include_stop_str_in_output
         self._stop = tuple(stop or ())
         self._stop_token_ids = frozenset(stop_token_ids)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # all text decoded so far (may run past what was emitted)
         self._emitted = 0  # characters of _text already handed out
         self.rejected = False  # the engine refused the request (invalid arguments)
+        self.weight_version = 0  # of the weights that produced the tokens (latest update)
 
     def add(self, update: RequestUpdate) -> TextDelta:
         out = self.output
@@ -92,7 +181,7 @@ class OutputAssembler:
         hit = self._find_stop()
         if hit is not None:
             cut, stop_reason = hit
-            self._text = self._text[:cut]
+            self._text = self._text[: cut + (len(stop_reason) if self._include_stop else 0)]
             finish = "stop"
         end = len(self._text)
         if finish is None and self._stop:
@@ -128,3 +217,62 @@ class OutputAssembler:
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
+
+
+def request_output(
+    assemblers: list[OutputAssembler], prompt: str | None, tokenizer=None
+) -> RequestOutput:
+    """The vLLM-shaped result of one prompt's finished samples (``assemblers``, in sample
+    order). Text is "" where none was made (no tokenizer, ``detokenize=False``)."""
+    first = assemblers[0].output
+    outputs = [
+        CompletionOutput(
+            index=j,
+            text=asm.output.text,
+            token_ids=asm.output.token_ids,
+            cumulative_logprob=_cumulative(asm.output.logprobs),
+            logprobs=_vllm_logprobs(asm.output.logprobs, tokenizer),
+            finish_reason=asm.output.finish_reason,
+            stop_reason=asm.output.stop_reason,
+            exit_depths=asm.output.exit_depths,
+        )
+        for j, asm in enumerate(assemblers)
+    ]
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=outputs,
+        finished=all(o.finish_reason is not None for o in outputs),
+        weight_version=max(a.weight_version for a in assemblers),
+    )
+
+
+def _cumulative(entries: list[dict] | None) -> float | None:
+    if entries is None:
+        return None
+    return float(sum(e["logprob"] for e in entries if e["logprob"] is not None))
+
+
+def _vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logprob]] | None:
+    """Engine entries -> vLLM's ``{token_id: Logprob}`` per token, the sampled token first: the
+    top-k are ranked 1..k; a sampled token outside them has rank None (not computed)."""
+    if entries is None:
+        return None
+
+    def decoded(token: int) -> str | None:
+        return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else None
+
+    out = []
+    for e in entries:
+        if e["logprob"] is None:  # a forced token: nothing was sampled
+            out.append({})
+            continue
+        top = e["top_logprobs"] or []
+        d = {tok: Logprob(lp, rank, decoded(tok)) for rank, (tok, lp) in enumerate(top, 1)}
+        if e["token_id"] not in d:
+            d = {e["token_id"]: Logprob(e["logprob"], None, decoded(e["token_id"])), **d}
+        else:  # vLLM lists the sampled token first
+            d = {e["token_id"]: d[e["token_id"]], **d}
+        out.append(d)
+    return out

@@ -19,6 +19,20 @@ class SamplingParams:
     ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. ``trace_depths`` (benchmarks
     and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
     output token, each within ``[min_loops, max_loops]``.
+
+    vLLM's names mean what they mean there: ``n`` samples per prompt (sample j seeded with
+    ``seed + j`` when ``seed`` is set), ``logprobs=k`` returns the sampled token's logprob plus
+    the top ``k``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``detokenize``
+    (False: token ids only, no text work) shape the text.
+
+    Bounded thinking (``max_thinking_tokens=K``): the thinking span is open from the start of
+    the output (the prompt ends inside ``<think>``, as chat templates with thinking leave it)
+    until ``thinking_end_token_ids`` appears in the output. When the K-th output token is
+    generated and the span is still open, the engine appends ``thinking_interruption`` followed
+    by ``thinking_end_token_ids`` to the output as forced tokens (they count toward
+    ``max_tokens``) and decodes the answer in the same request (``core/thinking.py``).
+    ``thinking_end_token_ids`` defaults to the tokenizer's ``</think>``; the interruption may be
+    text (the ``LLM`` front end tokenizes it) or token ids.
     """
 
     max_tokens: int = 16
@@ -44,6 +58,13 @@ class SamplingParams:
     # the request allows (greedy, fixed full depth), True requires it, False opts out.
     speculative: bool | None = None
     trace_depths: tuple[int, ...] | None = field(default=None, repr=False)
+    n: int = 1
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    max_thinking_tokens: int | None = None
+    thinking_end_token_ids: tuple[int, ...] | None = None
+    thinking_interruption: str | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string where tuples are stored, so the params stay hashable.
@@ -54,7 +75,14 @@ class SamplingParams:
         self._to_tuple("stop_token_ids")
         if self.trace_depths is not None:
             self._to_tuple("trace_depths")
+        if self.thinking_end_token_ids is not None:
+            self._to_tuple("thinking_end_token_ids")
+        if self.thinking_interruption is not None and not isinstance(
+            self.thinking_interruption, str
+        ):
+            self._to_tuple("thinking_interruption")
         self._validate()
+        self._validate_vllm()
 
     def _to_tuple(self, name: str) -> None:
         value = getattr(self, name)
@@ -135,6 +163,29 @@ class SamplingParams:
                 if top is not None and d > top:
                     raise bad("trace_depths", f"depth {d} is above max_loops ({top})")
 
+    def _validate_vllm(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        _check_int(self, "n")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+        if self.max_thinking_tokens is not None:
+            _check_int(self, "max_thinking_tokens")
+            if self.max_thinking_tokens < 1:
+                raise bad("max_thinking_tokens", "must be >= 1")
+        for name in ("thinking_end_token_ids", "thinking_interruption"):
+            value = getattr(self, name)
+            if value is None or isinstance(value, str):
+                continue
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+                raise bad(name, "must be non-negative token ids")
+        if self.thinking_end_token_ids is not None and not self.thinking_end_token_ids:
+            raise bad("thinking_end_token_ids", "must hold at least one token id")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -159,3 +210,14 @@ def _check_number(obj: object, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
         raise ValueError(f"{name}={value!r}: must be a number")
+
+
+def expand_samples(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` single-sample requests that make up ``params``: sample j is seeded with
+    ``seed + j`` when ``seed`` is set (the HTTP server's convention) and unseeded otherwise."""
+    if params.n == 1:
+        return [params]
+    return [
+        params.replace(n=1, seed=None if params.seed is None else params.seed + j)
+        for j in range(params.n)
+    ]

@@ -18,6 +18,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class UpdateTimeout(ValueError):
+    """A weight update gave up waiting for running requests (nothing was applied)."""
+
+    PREFIX = "timeout:"  # how the stage's reply marks it
+
+
 @dataclass
 class RequestUpdate:
     """What one step (or an abort) changed for a request, for the engine to emit."""
@@ -30,3 +36,4 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     error: str | None = None
     rejected: bool = False  # the request never started: its arguments were invalid
+    weight_version: int = 0  # the engine's weights when the update was made

@@ -132,7 +132,8 @@ async def test_logprobs_match_offline(server, offline):
                             logprobs=3)  # fmt: skip
     logprobs = result["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == len(ref.token_ids)
-    assert logprobs["token_logprobs"] == pytest.approx([e["logprob"] for e in ref.logprobs])
+    sampled = [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs, ref.token_ids)]
+    assert logprobs["token_logprobs"] == pytest.approx(sampled)
     # ...and both equal log_softmax of the dense oracle's logits for these tokens.
     want = Reference.load(server.state.engine_config.model.model).generate(
         PROMPTS[1], len(ref.token_ids), kv_policy="last_exited"

@@ -45,15 +45,22 @@ def test_per_prompt_params_and_logprobs(spawned, ouro_ref):
     a, b = spawned.generate([PROMPTS[0], PROMPTS[1]], params)
     want_a = oracle_run(ouro_ref, PROMPTS[0], params[0], kv_policy="full")
     want_b = oracle_run(ouro_ref, PROMPTS[1], params[1], kv_policy="full")
-    assert a.token_ids == want_a.tokens and b.token_ids == want_b.tokens
-    assert b.logprobs is None
-    assert [lp["token_id"] for lp in a.logprobs] == a.token_ids
-    for lp, token, logits in zip(a.logprobs, want_a.tokens, want_a.logits, strict=True):
+    sa, sb = a.outputs[0], b.outputs[0]
+    assert sa.token_ids == want_a.tokens and sb.token_ids == want_b.tokens
+    assert sb.logprobs is None and sb.cumulative_logprob is None
+    # vLLM's form: per token {token_id: Logprob}, the sampled token first, then the top-k.
+    assert [next(iter(lp)) for lp in sa.logprobs] == sa.token_ids
+    total = 0.0
+    for lp, token, logits in zip(sa.logprobs, want_a.tokens, want_a.logits, strict=True):
         logp = torch.log_softmax(logits.double(), dim=-1)
-        assert lp["logprob"] == pytest.approx(float(logp[token]), abs=1e-4)
+        assert lp[token].logprob == pytest.approx(float(logp[token]), abs=1e-4)
+        total += float(logp[token])
         values, ids = logp.topk(2)
-        assert [t for t, _ in lp["top_logprobs"]] == ids.tolist()
-        assert [v for _, v in lp["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert list(lp)[:2] == ids.tolist()[:2]  # greedy: the sampled token is the top-1
+        assert [lp[t].rank for t in ids.tolist()] == [1, 2]
+        assert [lp[t].logprob for t in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
+        assert lp[token].decoded_token is None  # this checkpoint has no tokenizer
+    assert sa.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
 def test_invalid_requests_raise_value_error(spawned):

@@ -26,6 +26,8 @@ from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
+from rltserve.core.thinking import check_thinking
+from rltserve.core.weight_gate import Reply, WeightGate
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
@@ -121,6 +123,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
+        self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self.info = EngineInfo(
             model_path=str(mc.model),
@@ -207,6 +210,7 @@ class EngineCore:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         eos = frozenset(spec.eos_token_ids)
         pipelined = self._pipelined(params, cap)
+        check_thinking(params, sched, pipelined)
         return Request(
             request_id=rid,
             prompt_token_ids=list(prompt_token_ids),
@@ -284,7 +288,10 @@ class EngineCore:
         self._num_steps += 1
         self._num_rows += result.num_rows
         self._num_coda_rows += result.num_coda_rows
-        return self.scheduler.apply(plan, result)
+        updates = self.scheduler.apply(plan, result)
+        for update in updates:
+            update.weight_version = self.weight_version
+        return updates
 
     # ---------------------------------------------------------------- stepping
 
@@ -295,6 +302,11 @@ class EngineCore:
         plan = self.scheduler.schedule()
         return [] if plan is None else self.execute(plan)
 
+    def on_weights_updated(self) -> None:
+        """New weights are in place (no request is running): the version moves on. State
+        derived from the old weights is keyed on ``weight_version`` and goes with it."""
+        self.weight_version += 1
+
     def shutdown(self) -> None:
         self.runner.shutdown()
 
@@ -302,9 +314,12 @@ class EngineCore:
 Emit = Callable[[list[RequestUpdate], EngineStats], None]
 
 
-async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) -> None:
+async def run_engine_loop(
+    core: EngineCore, inbox: asyncio.Queue, emit: Emit, reply: Reply | None = None
+) -> None:
     """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params),
-    ("abort", rid). A rejected add is emitted as an ERROR update for that request id.
+    ("abort", rid), ("update_weights", token, paths, abort, timeout_s) (``weight_gate``; its
+    outcome goes to ``reply``). A rejected add is emitted as an ERROR update for that request id.
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
@@ -313,11 +328,14 @@ async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) ->
     """
     in_flight: deque[tuple[StepPlan, ExecutionFuture]] = deque()
     limit = 2 if core.config.scheduler.async_scheduling else 1
+    gate = WeightGate(core, reply or (lambda *_: None))
     while True:
-        if not in_flight and not core.has_work() and _handle(core, await inbox.get(), emit):
+        for command in gate.poll(busy=bool(in_flight)):
+            _handle(core, command, emit, gate)
+        if not in_flight and not core.has_work() and _handle(core, await inbox.get(), emit, gate):
             break
         while not inbox.empty():
-            if _handle(core, inbox.get_nowait(), emit):
+            if _handle(core, inbox.get_nowait(), emit, gate):
                 return
         while len(in_flight) < limit:
             plan = core.plan()
@@ -325,7 +343,13 @@ async def run_engine_loop(core: EngineCore, inbox: asyncio.Queue, emit: Emit) ->
                 break
             in_flight.append((plan, _start(core, plan, limit)))
         if not in_flight:
-            if _handle(core, await inbox.get(), emit):
+            if gate.waiting and not core.has_work():
+                continue  # idle now: the update applies at the top of the loop
+            try:  # while an update waits, its timeout is checked even without commands
+                command = await asyncio.wait_for(inbox.get(), 0.05 if gate.waiting else None)
+            except asyncio.TimeoutError:
+                continue
+            if _handle(core, command, emit, gate):
                 return
             continue
         plan, future = in_flight.popleft()
@@ -342,13 +366,24 @@ def _start(core: EngineCore, plan: StepPlan, limit: int) -> ExecutionFuture:
     return core.runner.submit(plan)
 
 
-def _handle(core: EngineCore, command: tuple, emit: Emit) -> bool:
+def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> bool:
     kind = command[0]
     if kind == "shutdown":
         aborted = [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
+        for cmd in gate.held:  # held requests end as aborted too
+            if cmd[0] == "add":
+                aborted.append(RequestUpdate(cmd[1], finish_reason=FinishReason.ABORT))
         emit(aborted, core.stats())
         return True
-    if kind == "add":
+    if kind == "update_weights":
+        aborted = gate.request(command)
+        if aborted:
+            emit(aborted, core.stats())
+    elif gate.waiting and kind == "add":  # runs once the update is done
+        gate.held.append(command)
+    elif gate.waiting and kind == "abort" and gate.drop_held(command[1]):
+        emit([RequestUpdate(command[1], finish_reason=FinishReason.ABORT)], core.stats())
+    elif kind == "add":
         _, rid, prompt, params = command
         try:
             core.add_request(rid, prompt, params)

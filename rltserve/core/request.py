@@ -96,6 +96,10 @@ class Request:
     replay_until: int = 0
     resume: Resume = Resume.NONE
     swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
+    # Bounded thinking (core/thinking.py): output tokens the engine forced rather than sampled,
+    # and whether the thinking span is over (ended by the model or forced).
+    num_forced: int = 0
+    thinking_closed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,6 +36,7 @@ from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, W
 from rltserve.core.preemption import Preemptor, replay_item
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
+from rltserve.core.thinking import force_thinking_end
 from rltserve.updates import RequestUpdate
 
 PLAN, WAIT, OVER = "plan", "wait", "over"
@@ -281,7 +282,7 @@ class Scheduler:
                     request.num_loops,
                     request.seed,
                     list(request.prompt_token_ids) if penalties else None,
-                    num_sampled=len(request.output_token_ids),
+                    num_sampled=len(request.output_token_ids) - request.num_forced,
                     output_token_ids=list(request.output_token_ids) if penalties else None,
                 )
             )
@@ -403,6 +404,8 @@ class Scheduler:
         update.new_logprobs.append(outcome.logprob)
         update.new_top_logprobs.append(outcome.top_logprobs)
         reason = self._stop_reason(request, token)
+        if reason is None and force_thinking_end(request, update):
+            reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(request, reason)
             update.finish_reason = reason

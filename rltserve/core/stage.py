@@ -9,6 +9,8 @@ update to the ``sink`` given with the request, on the client's reader thread.
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [RequestUpdate, ...]),
 ("fatal", message). Updates carry an EngineStats snapshot: ("updates", [RequestUpdate], stats).
+A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
+("reply", token, error or None, weight_version).
 
 Invariants of a client: every request whose ``add_request`` returned gets exactly one final
 update (finished, aborted or failed), whatever the stage does; the first known cause of a stage
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -32,7 +35,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason, RequestUpdate
+from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)
@@ -81,7 +84,12 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
     threading.Thread(target=pump, name="rltserve-stage-inbox", daemon=True).start()
     try:
         loop.run_until_complete(
-            run_engine_loop(core, inbox, lambda u, st: send(("updates", u, st)))
+            run_engine_loop(
+                core,
+                inbox,
+                lambda u, st: send(("updates", u, st)),
+                lambda token, error, version: send(("reply", token, error, version)),
+            )
         )
     except Exception as exc:
         # The traceback goes to this process's error output (the server's log); clients get
@@ -105,6 +113,9 @@ class _ClientBase(ABC):
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
+        self.weight_version = 0  # the stage's, as of its latest reply
+        self._replies: dict[int, list] = {}  # token -> [event, error, version]; under _lock
+        self._tokens = itertools.count()
 
     def _dispatch(self, message: tuple) -> None:
         """Handles one message from the stage. Never raises: a failure here (a sink that
@@ -131,6 +142,14 @@ class _ClientBase(ABC):
                         self._sinks.pop(update.request_id, None)
                 if sink is not None:
                     self._deliver(update, sink)
+        elif kind == "reply":
+            _, token, error, version = message
+            with self._lock:
+                slot = self._replies.pop(token, None)
+                self.weight_version = max(self.weight_version, version)
+            if slot is not None:
+                slot[1:] = [error, version]
+                slot[0].set()
         elif kind == "fatal":
             self._die(message[1])
 
@@ -159,6 +178,41 @@ class _ClientBase(ABC):
             reason = self._fatal
         self._ready.set()
         self._fail_open(FinishReason.ERROR, f"stage died: {reason}")
+        self._fail_replies(f"stage died: {reason}")
+
+    def _fail_replies(self, error: str) -> None:
+        with self._lock:
+            slots, self._replies = list(self._replies.values()), {}
+        for slot in slots:
+            slot[1] = error
+            slot[0].set()
+
+    def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
+        """Asks the stage to load the safetensors under ``paths`` into its model once no request
+        runs (waiting up to ``timeout_s`` for them, or aborting them with ``abort``). Returns the
+        new weight version; raises ValueError with the stage's reason when it refused."""
+        event = threading.Event()
+        slot: list = [event, None, None]
+        with self._lock:
+            if not self.alive:
+                raise StageError(f"stage is not running: {self.error}")
+            token = next(self._tokens)
+            self._replies[token] = slot
+        try:
+            self._send(("update_weights", token, list(paths), abort, timeout_s))
+        except StageError:
+            with self._lock:
+                self._replies.pop(token, None)
+            raise
+        # The stage answers by timeout_s plus the time to read the weights; a dead or closed
+        # stage answers through _fail_replies.
+        event.wait()
+        _, error, version = slot
+        if error is not None:
+            if version is None:
+                raise StageError(error)
+            raise (UpdateTimeout if error.startswith(UpdateTimeout.PREFIX) else ValueError)(error)
+        return version
 
     def _fail_open(self, finish: FinishReason, error: str) -> None:
         with self._lock:
@@ -281,6 +335,7 @@ class StageClient(_ClientBase):
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout)  # the abort updates the worker sent are delivered
         self._fail_open(FinishReason.ABORT, _CLOSED)
+        self._fail_replies(_CLOSED)
         self._worker.close()
 
     def kill(self) -> None:
@@ -324,3 +379,4 @@ class InProcessStageClient(_ClientBase):
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._fail_open(FinishReason.ABORT, _CLOSED)
+        self._fail_replies(_CLOSED)

@@ -19,6 +19,7 @@ ERROR_TYPES: dict[int, str] = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    409: "conflict_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",

@@ -27,8 +27,9 @@ from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
-from rltserve.outputs import OutputAssembler, RequestOutput, TextDelta
+from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams
+from rltserve.thinking import with_thinking_prefix
 from rltserve.updates import FinishReason, RequestUpdate
 
 
@@ -74,7 +75,7 @@ class ChoiceEvent:
 
     index: int
     delta: TextDelta
-    output: RequestOutput
+    output: Completion
     rejected: bool
 
 
@@ -158,6 +159,8 @@ class Frontend:
             raise bad_request(
                 f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from exc
+        if add_generation_prompt and (template_kwargs or {}).get("enable_thinking"):
+            text = with_thinking_prefix(text)
         if check_length:
             return await codec.encode(text, "messages", add_special_tokens=False)
         return await codec.encode_any(text, add_special_tokens=False)
@@ -303,7 +306,7 @@ class Generation:
     def finished(self) -> bool:
         return not any(c.open for c in self._choices.values())
 
-    def outputs(self) -> dict[int, RequestOutput]:
+    def outputs(self) -> dict[int, Completion]:
         return {i: c.assembler.output for i, c in self._choices.items()}
 
     def num_completion_tokens(self) -> int:

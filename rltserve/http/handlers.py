@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from rltserve import __version__
+from rltserve.http.admin import add_admin_routes
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import HTTPError, bad_request, json_response
 from rltserve.http.limits import check_limits
@@ -98,6 +99,7 @@ async def models(request: web.Request) -> web.Response:
         "root": info.model_path if state.config.expose_model_path else state.model_name,
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
+        "weight_version": getattr(state.require_frontend().client, "weight_version", 0),
     }
     return json_response({"object": "list", "data": [card]})
 
@@ -169,3 +171,4 @@ ROUTES: tuple[Route, ...] = (
 def add_routes(app: web.Application) -> None:
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
+    add_admin_routes(app)

@@ -21,6 +21,7 @@ from rltserve.http.schemas import (
     sampling_params,
 )
 from rltserve.http.state import ServingState
+from rltserve.thinking import ids_open_thinking
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,12 @@ async def chat_plan(
     param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     return GenerationPlan(
         choices=_choices(frontend, req, [prompt], req.token_limit, logprobs, param),
-        format=ChatFormat(_header(state, "chatcmpl"), req, frontend),
+        format=ChatFormat(
+            _header(state, "chatcmpl"),
+            req,
+            frontend,
+            reasoning=ids_open_thinking(prompt.token_ids, frontend.tokenizer),
+        ),
         stream=req.stream,
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,

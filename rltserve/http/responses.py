@@ -16,7 +16,8 @@ from typing import Any
 
 from rltserve.http.frontend import ChoiceEvent, Frontend
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
-from rltserve.outputs import RequestOutput
+from rltserve.outputs import Completion
+from rltserve.thinking import ReasoningStream, split_reasoning
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -88,7 +89,7 @@ class _Format(ABC):
         """The chunk entries of one event (the first event of a choice has ``first``)."""
 
     @abstractmethod
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         """The choice entry of a non-streaming response."""
 
 
@@ -117,7 +118,7 @@ class CompletionFormat(_Format):
         }
         return [self._extensions(entry, delta.token_ids, delta.exit_depths)]
 
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         echo = self.echo_texts.get(index, "")
         self._offsets[index] = len(echo)
         logprobs = None if output.logprobs is None else self._logprobs(index, output.logprobs)
@@ -150,8 +151,33 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """``reasoning``: the prompt left a thinking span open (``<think>`` with no ``</think>``
+    after it, as ``enable_thinking`` renders): the answer's text up to ``</think>`` goes to
+    ``reasoning_content`` (vLLM's field, in messages and stream deltas), the rest to
+    ``content``."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, header, req, frontend, reasoning: bool = False) -> None:
+        super().__init__(header, req, frontend)
+        self.reasoning = reasoning
+        self._splitters: dict[int, ReasoningStream] = {}
+
+    def _delta(self, index: int, text: str, final: bool) -> dict:
+        if not self.reasoning:
+            return {} if final and not text else {"content": text}
+        splitter = self._splitters.setdefault(index, ReasoningStream())
+        reasoning, content = splitter.feed(text)
+        if final:
+            more = splitter.flush()
+            reasoning, content = reasoning + more[0], content + more[1]
+        out = {}
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        if content:
+            out["content"] = content
+        return out
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
         delta = event.delta
@@ -161,8 +187,7 @@ class ChatFormat(_Format):
             out.append(
                 {"index": event.index, "delta": role, "logprobs": None, "finish_reason": None}
             )
-        final_and_empty = delta.finish_reason is not None and not delta.text
-        content = {} if final_and_empty else {"content": delta.text}
+        content = self._delta(event.index, delta.text, delta.finish_reason is not None)
         logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
         entry = {
             "index": event.index,
@@ -173,11 +198,15 @@ class ChatFormat(_Format):
         out.append(self._extensions(entry, delta.token_ids, delta.exit_depths))
         return out
 
-    def final_choice(self, index: int, output: RequestOutput) -> dict:
+    def final_choice(self, index: int, output: Completion) -> dict:
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
+        message = {"role": "assistant", "content": output.text}
+        if self.reasoning:
+            reasoning, content = split_reasoning(output.text, prompt_open=True)
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
         entry = {
             "index": index,
-            "message": {"role": "assistant", "content": output.text},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": output.finish_reason,
         }

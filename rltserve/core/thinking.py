@@ -1,0 +1,87 @@
+"""Bounded thinking in the engine: the end of an over-long thinking span, forced.
+
+Semantics (``SamplingParams.max_thinking_tokens = K``): the thinking span is open from the
+start of the output until the output contains ``thinking_end_token_ids``. When the K-th output
+token has been sampled and the span is still open, the forced ids ``thinking_interruption +
+thinking_end_token_ids`` are appended to the output at once (as many as ``max_tokens`` and the
+context leave room for), and decoding continues in the same request with no re-prefill:
+
+- the positions whose inputs are the K-th output token and the forced ids but the last run to
+  full depth without sampling, exactly as a recompute replays positions after preemption
+  (``preemption.replay_item``; a forced token's recorded exit depth is the request's depth);
+- the position whose input is the last forced id samples the next token as any decode does.
+
+So the output equals the oracle run on prompt + the K thinking tokens (at their recorded exit
+depths) + the forced ids, and a recompute after preemption replays the forced ids like any
+recorded token. Forced tokens are in the output's token ids, with no logprob, and never count as
+stop tokens. Refused with a clear error where a step can be planned before the previous one's
+result is applied (async scheduling, token pipelining: the already planned next position would
+have to be unwound) and with penalties (the runner's penalty history holds sampled tokens only).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rltserve.config import SchedulerConfig
+    from rltserve.core.request import Request
+    from rltserve.sampling import SamplingParams
+    from rltserve.updates import RequestUpdate
+
+
+def check_thinking(params: SamplingParams, sched: SchedulerConfig, pipelined: bool) -> None:
+    """Raises ValueError when a request's bounded thinking cannot run on this engine."""
+    if params.max_thinking_tokens is None:
+        return
+    if params.thinking_end_token_ids is None:
+        raise ValueError("thinking_end_token_ids: required with max_thinking_tokens")
+    if isinstance(params.thinking_interruption, str):
+        raise ValueError("thinking_interruption: the engine takes token ids, not text")
+    reasons = []
+    if sched.async_scheduling:
+        reasons.append("async_scheduling")
+    if pipelined:
+        reasons.append("token pipelining (set speculative=False)")
+    p = params
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        reasons.append("repetition/presence/frequency penalties")
+    if reasons:
+        raise ValueError(
+            f"max_thinking_tokens={p.max_thinking_tokens}: does not combine with "
+            + ", ".join(reasons)
+        )
+
+
+def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
+    """Called after each sampled token of a request still running. Appends the forced ids when
+    the thinking budget is spent (see the module doc); True when that filled the request's
+    ``max_tokens`` or context (it ends with LENGTH)."""
+    p = request.params
+    if p.max_thinking_tokens is None or request.thinking_closed:
+        return False
+    out = request.output_token_ids
+    end = p.thinking_end_token_ids
+    if tuple(out[-len(end) :]) == end:
+        request.thinking_closed = True
+        return False
+    if len(out) < p.max_thinking_tokens:
+        return False
+    request.thinking_closed = True
+    forced = [*(p.thinking_interruption or ()), *end]
+    room = min(p.max_tokens, request.max_total_tokens - request.num_prompt_tokens) - len(out)
+    forced = forced[: max(0, room)]
+    depth = request.num_loops
+    for token in forced:
+        out.append(token)
+        request.exit_depths.append(depth)
+        request.logprobs.append(None)
+        request.top_logprobs.append(None)
+        update.new_token_ids.append(token)
+        update.new_exit_depths.append(depth)
+        update.new_logprobs.append(None)
+        update.new_top_logprobs.append(None)
+    request.num_forced += len(forced)
+    # Positions up to the last forced id's are recomputed from recorded inputs (replay items).
+    request.replay_until = request.num_prompt_tokens + len(out) - 1
+    return len(forced) == room

@@ -1,0 +1,99 @@
+"""When a weight update runs inside the engine loop: between steps, with no request running.
+
+The loop hands an ``("update_weights", token, files, abort, timeout_s)`` command to ``request``.
+From then on new requests are held (not scheduled) so the running ones drain; with ``abort``
+they are aborted at once. ``poll`` applies the update once no request runs and no step is in
+flight, then releases the held commands; if requests still run ``timeout_s`` after the command
+arrived, the update fails (nothing applied) and the held commands are released too. Each
+command gets exactly one reply: ``reply(token, error, weight_version)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rltserve.core.weight_update import update_files, update_weights
+from rltserve.updates import UpdateTimeout
+
+if TYPE_CHECKING:
+    from rltserve.core.engine import EngineCore
+
+Reply = Callable[[int, str | None, int], None]
+
+
+@dataclass
+class _Pending:
+    token: int
+    files: list[str]
+    deadline: float
+    timeout_s: float
+
+
+class WeightGate:
+    def __init__(self, core: EngineCore, reply: Reply) -> None:
+        self.core = core
+        self.reply = reply
+        self._pending: list[_Pending] = []
+        self.held: list[tuple] = []  # commands that arrived while an update waited
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._pending)
+
+    def request(self, command: tuple) -> list:
+        """Takes an update command; returns the abort updates to emit (``abort=True``)."""
+        _, token, files, abort, timeout_s = command
+        self._pending.append(_Pending(token, list(files), time.monotonic() + timeout_s, timeout_s))
+        if not abort:
+            return []
+        core = self.core
+        return [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
+
+    def drop_held(self, request_id: str) -> bool:
+        """Forgets a held request (it was aborted); True when it was held."""
+        for command in self.held:
+            if command[0] == "add" and command[1] == request_id:
+                self.held.remove(command)
+                return True
+        return False
+
+    def poll(self, busy: bool) -> list[tuple]:
+        """Applies the waiting updates when the engine is idle (``busy``: a step is in flight),
+        or fails the expired ones. Returns the held commands to handle now, if any."""
+        if not self._pending:
+            return []
+        core = self.core
+        if not busy and not core.has_work():
+            for p in self._pending:
+                self._apply(p)
+            self._pending = []
+        else:
+            now = time.monotonic()
+            for p in [p for p in self._pending if now >= p.deadline]:
+                n = core.scheduler.num_running + core.scheduler.num_waiting
+                self.reply(
+                    p.token,
+                    f"{UpdateTimeout.PREFIX} {n} request(s) still running after {p.timeout_s:g} s; "
+                    "nothing applied (abort=True aborts them instead of waiting)",
+                    core.weight_version,
+                )
+                self._pending.remove(p)
+        if self._pending:
+            return []
+        held, self.held = self.held, []
+        return held
+
+    def _apply(self, pending: _Pending) -> None:
+        core = self.core
+        try:
+            files = [f for path in pending.files for f in update_files(path)]
+            update_weights(core.model, core.config.model.model, files)
+        except Exception as exc:  # a bad update fails its caller, never the engine loop
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            self.reply(pending.token, error, core.weight_version)
+            return
+        core.on_weights_updated()
+        self.reply(pending.token, None, core.weight_version)

@@ -1,0 +1,110 @@
+"""Bounded thinking on the front end: ``SamplingParams`` thinking fields resolved to token ids,
+as the engine takes them (``core/thinking.py`` does the forcing), and the split of a chat
+answer into its thinking span and the rest (``reasoning_content`` and ``content``)."""
+
+from __future__ import annotations
+
+from rltserve.sampling import SamplingParams
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+def think_end_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's ``</think>`` as token ids; ValueError when it has no such token."""
+    token = tokenizer.get_vocab().get(THINK_END) if tokenizer is not None else None
+    if token is None:
+        why = "no tokenizer is loaded" if tokenizer is None else f"the tokenizer has no {THINK_END}"
+        raise ValueError(f"thinking_end_token_ids: required ({why})")
+    return (token,)
+
+
+def resolve_thinking(params: SamplingParams, tokenizer) -> SamplingParams:
+    """``params`` with ``thinking_end_token_ids`` filled in (default: ``</think>``) and a text
+    ``thinking_interruption`` tokenized (without special tokens)."""
+    end = params.thinking_end_token_ids
+    if end is None:
+        end = think_end_ids(tokenizer)
+    interruption = params.thinking_interruption
+    if isinstance(interruption, str):
+        if tokenizer is None:
+            raise ValueError("thinking_interruption: text needs a tokenizer; pass token ids")
+        interruption = tuple(tokenizer.encode(interruption, add_special_tokens=False))
+    return params.replace(thinking_end_token_ids=end, thinking_interruption=interruption)
+
+
+def split_reasoning(text: str, prompt_open: bool) -> tuple[str | None, str]:
+    """(reasoning, content) of a chat answer. The thinking span runs from the start of the
+    answer when the prompt left ``<think>`` open (else from a ``<think>`` the answer opens) to
+    ``</think>``; an answer still thinking is all reasoning. None: no thinking span."""
+    if not prompt_open:
+        stripped = text.lstrip()
+        if not stripped.startswith(THINK_START):
+            return None, text
+        text = stripped[len(THINK_START) :]
+    reasoning, sep, content = text.partition(THINK_END)
+    if not sep:
+        return reasoning, ""
+    return reasoning, content
+
+
+def prompt_opens_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends inside a thinking span (its last ``<think>`` is not
+    closed)."""
+    start = prompt_text.rfind(THINK_START)
+    return start >= 0 and prompt_text.find(THINK_END, start) < 0
+
+
+def ids_open_thinking(ids: list[int], tokenizer) -> bool:
+    """Whether prompt ids end inside a thinking span: a ``<think>`` token after the last
+    ``</think>`` token (False for a tokenizer without them)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    start, end = vocab.get(THINK_START), vocab.get(THINK_END)
+    if start is None or end is None:
+        return False
+    for token in reversed(ids):
+        if token == end:
+            return False
+        if token == start:
+            return True
+    return False
+
+
+class ReasoningStream:
+    """Splits a streamed answer whose prompt left ``<think>`` open into reasoning and content
+    deltas: text before ``</think>`` is reasoning, after it content, the tag itself neither. A
+    tail that could be the start of the tag is held back until the next delta (or ``flush``)."""
+
+    def __init__(self) -> None:
+        self.thinking = True
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of one delta."""
+        if not self.thinking:
+            return "", text
+        text = self._held + text
+        self._held = ""
+        before, sep, after = text.partition(THINK_END)
+        if sep:
+            self.thinking = False
+            return before, after
+        keep = next(
+            (k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1)
+             if THINK_END.startswith(text[-k:])),
+            0,
+        )  # fmt: skip
+        if keep:
+            self._held = text[-keep:]
+            text = text[:-keep]
+        return text, ""
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        return (held, "") if self.thinking else ("", held)
+
+
+def with_thinking_prefix(prompt_text: str) -> str:
+    """A rendered chat prompt asked to think (``enable_thinking``): ``<think>\\n`` appended, as
+    the Ouro-Thinking recipes do, unless the template already opened the span."""
+    return prompt_text if prompt_opens_thinking(prompt_text) else prompt_text + THINK_START + "\n"

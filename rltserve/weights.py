@@ -1,0 +1,86 @@
+"""What ``LLM.update_weights`` accepts, turned into files the stage can read.
+
+A checkpoint directory (or one ``.safetensors`` file) is sent as its path. An iterable of
+``(name, tensor)`` pairs in checkpoint names (a trainer's ``state_dict().items()``) is written
+to a temporary safetensors file first: the stage runs in another process, and a file is the one
+form both sides already read strictly (``core/weight_update.py`` validates it there).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+WeightsArg = str | os.PathLike | Iterable[tuple[str, Any]]
+
+
+@contextmanager
+def update_paths(weights: WeightsArg) -> Iterator[list[str]]:
+    """The paths to send for ``weights``; a temporary file lives until the block ends."""
+    if isinstance(weights, (str, os.PathLike)):
+        path = Path(weights)
+        if not path.exists():
+            raise ValueError(f"weights: {str(path)!r} does not exist")
+        yield [str(path.resolve())]
+        return
+    if isinstance(weights, dict):
+        weights = weights.items()
+    tensors = _collect(weights)
+    from safetensors.torch import save_file
+
+    folder = tempfile.mkdtemp(prefix="rltserve-weights-", dir=_scratch_dir(tensors))
+    try:
+        file = os.path.join(folder, "update.safetensors")
+        save_file(tensors, file)
+        yield [file]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _scratch_dir(tensors: dict) -> str | None:
+    """Shared memory when it has room (the file never touches a disk), else the default."""
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        return None
+    need = sum(t.nbytes for t in tensors.values())
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return None
+    return shm if free > 2 * need else None
+
+
+def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    try:
+        pairs = list(weights)
+    except TypeError:
+        raise ValueError(
+            "weights: must be a checkpoint directory or an iterable of (name, tensor) pairs"
+        ) from None
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # storages already used: tied tensors and views share one
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise ValueError(f"weights[{i}]: must be a (name, tensor) pair")
+        name, value = pair
+        if not isinstance(name, str):
+            raise ValueError(f"weights[{i}]: name {name!r} must be a string")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"weights[{i}] ({name}): must be a torch.Tensor")
+        if name in tensors:
+            raise ValueError(f"weights: tensor {name!r} is given twice")
+        t = value.detach().to("cpu").contiguous()
+        if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    if not tensors:
+        raise ValueError("weights: no tensors given")
+    return tensors

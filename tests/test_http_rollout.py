@@ -1,0 +1,128 @@
+"""The server's RL pieces on the real engine (ouro-tiny, in-process stage): POST
+/v1/update_weights (auth, 400 / 409, weight_version in /v1/models, outputs on the new weights)
+and chat thinking (enable_thinking opens <think>, reasoning_content in messages and deltas)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import orjson
+import pytest
+import pytest_asyncio
+from builders import random_tensors, write_checkpoint
+from test_http_harness import ENGINE, running, sse_payloads, tiny_checkpoint
+
+from rltserve import LLM, SamplingParams
+from rltserve.models.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+KEY = "admin-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = [11, 12, 13]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def new_ckpt(ckpt, tmp_path_factory):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    out = write_checkpoint(tmp_path_factory.mktemp("new"), cfg, random_tensors(cfg, seed=5))
+    for f in ckpt.iterdir():  # the tokenizer too, so LLM can load it as a checkpoint
+        if f.name.startswith(("tokenizer", "special")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt, new_ckpt):
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    tok = load_tokenizer(ckpt)
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = tok.apply_chat_template(messages, enable_thinking=True)
+    chat = []  # by weight version: the server's tests may run before or after the update
+    for path in (ckpt, new_ckpt):
+        with LLM(str(path), in_process=True, **ENGINE) as llm:
+            chat.append(llm.generate([chat_ids], SamplingParams(max_tokens=8))[0].outputs[0])
+            new = llm.generate([PROMPT], p)[0].outputs[0].token_ids
+    return {"new": new, "chat": chat, "chat_prompt_tokens": len(chat_ids)}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(ckpt, offline):
+    async with running(ckpt, api_key=KEY) as live:
+        yield live
+
+
+async def _tokens(server) -> list[int]:
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    status, _, raw = await server.post("/v1/completions", body, headers=AUTH)
+    assert status == 200, raw
+    return orjson.loads(raw)["choices"][0]["token_ids"]
+
+
+async def _version(server) -> int:
+    _, _, raw = await server.get("/v1/models", headers=AUTH)
+    return orjson.loads(raw)["data"][0]["weight_version"]
+
+
+async def test_update_weights_endpoint(server, new_ckpt, ckpt, tmp_path, offline):
+    path = "/v1/update_weights"
+    status, _, _ = await server.post(path, {"model_path": str(new_ckpt)})
+    assert status == 401
+    old = await _tokens(server)
+    bad_shape = json.loads((ckpt / "config.json").read_text())
+    bad_shape["intermediate_size"] += 8
+    wrong = write_checkpoint(tmp_path / "wrong", bad_shape, random_tensors(bad_shape))
+    for body, param, fragment in [
+        ({"model_path": "/no/such/dir"}, "model_path", "neither"),
+        ({"model_path": str(wrong)}, "model_path", "wrong shapes"),
+        ({"model_path": str(new_ckpt), "force": True}, "force", "unknown field"),
+        ({}, "model_path", "required"),
+        ({"model_path": str(new_ckpt), "timeout": -1}, "timeout", "[0, 3600]"),
+    ]:
+        status, _, raw = await server.post(path, body, headers=AUTH)
+        error = orjson.loads(raw)["error"]
+        assert (status, error["param"]) == (400, param), error
+        assert fragment in error["message"]
+    assert await _version(server) == 0 and await _tokens(server) == old
+    status, _, raw = await server.post(path, {"model_path": str(new_ckpt)}, headers=AUTH)
+    assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+    assert await _version(server) == 1
+    assert await _tokens(server) == offline["new"] != old
+
+
+async def test_update_during_a_stream_times_out_with_409(server, new_ckpt):
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    async with server.session.post(server.url + "/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status == 200
+        await r.content.readline()  # the stream has started: the request runs
+        update = {"model_path": str(new_ckpt), "timeout": 0}
+        status, _, raw = await server.post("/v1/update_weights", update, headers=AUTH)
+    assert status == 409, raw
+    assert orjson.loads(raw)["error"]["param"] == "timeout"
+    await asyncio.sleep(0)
+
+
+async def test_chat_thinking_fills_reasoning_content(server, offline):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    status, _, raw = await server.post("/v1/chat/completions", body, headers=AUTH)
+    assert status == 200, raw
+    result = orjson.loads(raw)
+    message = result["choices"][0]["message"]
+    want = offline["chat"][await _version(server)].text
+    reasoning, _, content = want.partition("</think>")
+    assert message["reasoning_content"] == reasoning and message["content"] == content
+    assert result["usage"]["prompt_tokens"] == offline["chat_prompt_tokens"]
+    status, _, raw = await server.post(
+        "/v1/chat/completions", {**body, "stream": True}, headers=AUTH
+    )
+    deltas = [c["choices"][0]["delta"] for c in sse_payloads(raw)[:-1] if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
+    assert "".join(d.get("content", "") for d in deltas) == content

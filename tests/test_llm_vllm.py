@@ -1,0 +1,142 @@
+"""The vLLM-compatible offline API: prompt forms, the RequestOutput / CompletionOutput shape, n
+samples, text options, skip_tokenizer_init, and a script written for vLLM run unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rltserve import LLM, SamplingParams
+from rltserve.models.presets import make_model
+from rltserve.outputs import CompletionOutput, RequestOutput
+from rltserve.sampling import expand_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(str(tiny), in_process=True, num_blocks=128, max_model_len=256) as llm:
+        yield llm
+
+
+def test_prompt_forms_give_the_same_tokens_in_input_order(llm):
+    text = "Hello there"
+    ids = llm.tokenizer.encode(text)
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], p)
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert [o.prompt for o in outs] == [text, None, text, None]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    single = llm.generate({"prompt_token_ids": ids}, p)  # one prompt, not in a list
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_output_shape_is_vllms(llm):
+    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert isinstance(out, RequestOutput) and out.finished and out.weight_version == 0
+    (c,) = out.outputs
+    assert isinstance(c, CompletionOutput)
+    assert c.index == 0 and c.finished() and c.finish_reason == "length"
+    assert len(c.token_ids) == len(c.exit_depths) == 3
+    assert c.text == llm.tokenizer.decode(c.token_ids)
+    assert c.cumulative_logprob is None and c.logprobs is None and c.stop_reason is None
+    # The n=1 conveniences read the first sample.
+    assert (out.text, out.token_ids, out.exit_depths) == (c.text, c.token_ids, c.exit_depths)
+
+
+def test_n_samples_equal_separate_requests_with_derived_seeds(llm):
+    p = SamplingParams(n=3, temperature=2.0, max_tokens=6, ignore_eos=True, seed=11)
+    (out,) = llm.generate([[5, 6, 7]], p)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    singles = [
+        llm.generate([[5, 6, 7]], p.replace(n=1, seed=11 + j))[0].outputs[0].token_ids
+        for j in range(3)
+    ]
+    assert [c.token_ids for c in out.outputs] == singles
+    assert len({tuple(s) for s in singles}) > 1  # the samples differ
+    assert [q.seed for q in expand_samples(p.replace(seed=None))] == [None] * 3
+
+
+def test_text_options(llm):
+    base = SamplingParams(max_tokens=8, ignore_eos=True)
+    (plain,) = llm.generate(["Once"], base)
+    text = plain.outputs[0].text
+    assert text
+    stop = text[2:4]
+    (cut,) = llm.generate(["Once"], base.replace(stop=[stop]))
+    (kept,) = llm.generate(["Once"], base.replace(stop=[stop], include_stop_str_in_output=True))
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+    assert cut.outputs[0].stop_reason == stop and cut.outputs[0].finish_reason == "stop"
+    (raw,) = llm.generate(["Once"], base.replace(detokenize=False))
+    assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == plain.outputs[0].token_ids
+    (special,) = llm.generate(["Once"], base.replace(skip_special_tokens=False))
+    ids = special.outputs[0].token_ids
+    assert special.outputs[0].text == llm.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_bad_prompts_and_params_name_the_field(llm):
+    with pytest.raises(ValueError, match="unknown key 'multi_modal_data'"):
+        llm.generate([{"prompt_token_ids": [1], "multi_modal_data": {}}])
+    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
+        llm.generate([{}])
+    with pytest.raises(ValueError, match="n=0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="stop strings need text"):
+        llm.generate([[1]], SamplingParams(stop=["x"], detokenize=False))
+    with pytest.raises(ValueError, match="sampling_params: 1 given for 2"):
+        llm.generate([[1], [2]], [SamplingParams()])
+
+
+def test_skip_tokenizer_init_runs_on_token_ids_only(tiny):
+    with LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm:
+        assert llm.tokenizer is None
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate(["text"])
+        (out,) = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=3))
+        assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
+
+
+VLLM_SCRIPT = """
+from rltserve import LLM, SamplingParams
+
+llm = LLM(model={model!r}, dtype="float32", seed=0, max_model_len=256)
+prompts = [[5, 6, 7, 8], [9, 10]]
+params = SamplingParams(
+    n=2, temperature=1.0, top_p=0.9, max_tokens=8, stop_token_ids=[2],
+    skip_special_tokens=False, seed=1,
+)
+outputs = llm.generate([{{"prompt_token_ids": ids}} for ids in prompts], params)
+print([[list(c.token_ids) for c in out.outputs] for out in outputs])
+"""
+
+
+def test_a_vllm_script_runs_unchanged(tiny, tmp_path, llm):
+    script = tmp_path / "rollout.py"
+    script.write_text(textwrap.dedent(VLLM_SCRIPT.format(model=str(tiny))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, stop_token_ids=[2])
+    want = [
+        [llm.generate([ids], p.replace(seed=1 + j))[0].outputs[0].token_ids for j in range(2)]
+        for ids in ([5, 6, 7, 8], [9, 10])
+    ]
+    assert got == want

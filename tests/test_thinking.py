@@ -1,0 +1,158 @@
+"""Bounded thinking in the engine (core/thinking.py): after K thinking tokens the interruption and
+end ids are forced into the output and decoding continues in the same request. The output equals
+the oracle on prompt + thinking (at its recorded exit depths) + forced ids; a recompute after
+preemption replays the forced ids; combinations that cannot work are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_util import make_core, run_core
+from test_preemption import _tight_blocks
+
+from rltserve.sampling import SamplingParams
+from rltserve.thinking import ReasoningStream, prompt_opens_thinking, split_reasoning
+
+PROMPTS = [[3, 17, 42, 7, 8], [99, 5, 61], [12, 250, 31, 4, 77, 2, 6]]
+K = 3
+INTERRUPTION = (40, 41)
+
+
+def _end_id(tokens: list[int]) -> int:
+    """An end id the thinking tokens do not contain (so the budget is what ends the span)."""
+    return next(t for t in range(300, 400) if t not in tokens)
+
+
+def _params(ref, prompt, **kw) -> SamplingParams:
+    thinking = ref.generate(prompt, K, kv_policy="last_exited").tokens
+    base = dict(max_tokens=10, ignore_eos=True, max_thinking_tokens=K)
+    base.update(thinking_end_token_ids=(_end_id(thinking),), thinking_interruption=INTERRUPTION)
+    return SamplingParams(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
+def test_fixed_depth_equals_oracle_on_prompt_thinking_forced(ouro_rv1, ouro_ref, kv_policy):
+    params = [_params(ouro_ref, p) for p in PROMPTS]
+    run = run_core(make_core(ouro_rv1, kv_policy=kv_policy), PROMPTS, params)
+    depth = ouro_ref.depths(None)[1]
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        thinking = ouro_ref.generate(prompt, K, kv_policy=kv_policy)
+        forced = [*INTERRUPTION, *p.thinking_end_token_ids]
+        rest = ouro_ref.generate(
+            prompt + thinking.tokens + forced, p.max_tokens - K - len(forced), kv_policy=kv_policy
+        )
+        assert run.tokens[f"r{i}"] == thinking.tokens + forced + rest.tokens
+        want_depths = thinking.exit_depths + [depth] * len(forced) + rest.exit_depths
+        assert run.depths[f"r{i}"] == want_depths
+        assert run.finish[f"r{i}"] == "length"
+
+
+def test_adaptive_exit_continues_from_the_recorded_depths(ouro_rv1, ouro_ref):
+    """Teacher-forced check against a dense recompute of prompt + output at the recorded exit
+    depths (last_exited): every sampled token after the forced ones is the argmax there."""
+    params = [_params(ouro_ref, p, exit_threshold=0.5) for p in PROMPTS]
+    run = run_core(make_core(ouro_rv1), PROMPTS, params)
+    depth = ouro_ref.depths(None)[1]
+    for i, prompt in enumerate(PROMPTS):
+        out, depths = run.tokens[f"r{i}"], run.depths[f"r{i}"]
+        n = len(prompt)
+        assert out[K : K + 3] == [*INTERRUPTION, *params[i].thinking_end_token_ids]
+        assert depths[K : K + 3] == [depth] * 3
+        seq = prompt + out[:-1]
+        exits = [depth] * (n - 1) + depths
+        full = ouro_ref.full_recompute(seq, exits, prompt_len=n, kv_policy="last_exited")
+        for k in [*range(K), *range(K + 3, len(out))]:
+            assert out[k] == int(torch.argmax(full.logits[n - 1 + k])), f"request {i} token {k}"
+
+
+def test_no_forcing_when_thinking_ends_in_time_and_truncation_at_max_tokens(ouro_rv1, ouro_ref):
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = run_core(make_core(ouro_rv1), PROMPTS[:1], [plain])
+    tokens = base.tokens["r0"]
+    ended = plain.replace(
+        max_thinking_tokens=K, thinking_end_token_ids=(tokens[1],), thinking_interruption=(40,)
+    )
+    short = _params(ouro_ref, PROMPTS[0], max_tokens=K + 2)  # room for 2 of the 3 forced ids
+    run = run_core(make_core(ouro_rv1), PROMPTS[:1] * 2, [ended, short])
+    assert run.tokens["r0"] == tokens  # the span ended by itself at token 2: nothing forced
+    assert run.tokens["r1"][K:] == list(INTERRUPTION)
+    assert run.finish["r1"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_replays_forced_tokens(ouro_rv1, ouro_ref, mode):
+    prompts = PROMPTS * 2
+    params = [
+        _params(ouro_ref, p, max_tokens=16, temperature=1.0, seed=5 + i, exit_threshold=0.5)
+        for i, p in enumerate(prompts)
+    ]
+    kw = {"prefill_chunk_size": 8, "max_num_batched_tokens": 32}
+    plain = run_core(make_core(ouro_rv1, block_size=4, num_blocks=1024, **kw), prompts, params)
+    tight_kw = {**kw, "block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode}
+    blocks = _tight_blocks(ouro_rv1, prompts, params, **kw)
+    core = make_core(ouro_rv1, num_blocks=blocks, **tight_kw)
+    tight = run_core(core, prompts, params)
+    assert core.stats().num_preemptions > 0
+    assert tight.tokens == plain.tokens and tight.depths == plain.depths
+    for i, p in enumerate(params):
+        assert tight.tokens[f"r{i}"][K : K + 3] == [*INTERRUPTION, *p.thinking_end_token_ids]
+
+
+def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
+    p = _params(ouro_ref, PROMPTS[0])
+    with pytest.raises(ValueError, match="async_scheduling"):
+        make_core(ouro_rv1, async_scheduling=True, exit_mode="delayed").make_request(
+            None, PROMPTS[0], p
+        )
+    core = make_core(ouro_rv1)
+    with pytest.raises(ValueError, match="penalties"):
+        core.make_request(None, PROMPTS[0], p.replace(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="thinking_end_token_ids: required"):
+        core.make_request(None, PROMPTS[0], p.replace(thinking_end_token_ids=None))
+    with pytest.raises(ValueError, match="max_thinking_tokens=0"):
+        SamplingParams(max_thinking_tokens=0)
+
+
+def test_reasoning_split():
+    assert split_reasoning("a plan</think>the answer", prompt_open=True) == (
+        "a plan",
+        "the answer",
+    )
+    assert split_reasoning("still thinking", prompt_open=True) == ("still thinking", "")
+    assert split_reasoning("<think>x</think>y", prompt_open=False) == ("x", "y")
+    assert split_reasoning("plain", prompt_open=False) == (None, "plain")
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<think>a</think>b")
+
+
+def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
+    from rltserve import LLM
+    from rltserve.models.presets import make_model
+
+    tiny = make_model("ouro-tiny", tmp_path / "tiny")
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        end = llm.tokenizer.get_vocab()["</think>"]
+        words = llm.tokenizer.encode("so the answer", add_special_tokens=False)
+        p = SamplingParams(
+            max_tokens=12, ignore_eos=True, max_thinking_tokens=2,
+            thinking_interruption="so the answer",
+        )  # fmt: skip
+        (out,) = llm.generate([[5, 6, 7]], p)
+        ids = out.outputs[0].token_ids
+        assert end not in ids[:2]  # the model did not end its thinking itself
+        assert ids[2 : 3 + len(words)] == [*words, end]
+    with (
+        LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm,
+        pytest.raises(ValueError, match="thinking_end_token_ids: required"),
+    ):
+        llm.generate([[5]], SamplingParams(max_thinking_tokens=2))
+
+
+def test_reasoning_stream_splits_across_deltas():
+    s = ReasoningStream()
+    parts = [s.feed(t) for t in ["plan a", "nd b</th", "ink>ans", "wer"]]
+    parts.append(s.flush())
+    assert "".join(r for r, _ in parts) == "plan and b"
+    assert "".join(c for _, c in parts) == "answer"
+    s = ReasoningStream()
+    assert s.feed("x</") == ("x", "") and s.flush() == ("</", "")

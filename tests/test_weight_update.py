@@ -1,0 +1,215 @@
+"""In-place weight updates: outputs after an update equal the oracle on the new weights (whole
+checkpoints, (name, tensor) pairs, subsets that touch fused parameters), malformed updates are
+rejected whole, and updates wait for, time out on, or abort running requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from builders import random_tensors, write_checkpoint
+from engine_util import make_core, oracle_run
+from reference import Reference
+from safetensors.torch import load_file
+
+from rltserve import LLM, SamplingParams
+from rltserve.core.engine import run_engine_loop
+from rltserve.core.request import FinishReason
+from rltserve.updates import UpdateTimeout
+
+PROMPTS = [[3, 17, 42, 7], [99, 5]]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def new_ckpt(ouro_rv1, tmp_path_factory) -> Path:
+    """The rv1 model's layout with other random values."""
+    cfg = _config(ouro_rv1)
+    return write_checkpoint(tmp_path_factory.mktemp("new"), cfg, random_tensors(cfg, seed=3))
+
+
+@pytest.fixture()
+def llm(ouro_rv1):
+    with LLM(str(ouro_rv1), in_process=True, num_blocks=128) as llm:
+        yield llm
+
+
+def _oracle(path: Path) -> list[tuple[list[int], list[int]]]:
+    ref = Reference.load(path)
+    runs = [oracle_run(ref, p, PARAMS, kv_policy="last_exited") for p in PROMPTS]
+    return [(r.tokens, r.exit_depths) for r in runs]
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    outs = llm.generate(PROMPTS, PARAMS)
+    return [(o.outputs[0].token_ids, o.outputs[0].exit_depths) for o in outs]
+
+
+def test_update_from_a_directory_and_from_pairs_equals_the_oracle(
+    llm, ouro_rv1, new_ckpt, tmp_path
+):
+    old = _oracle(ouro_rv1)
+    assert _generate(llm) == old
+    assert llm.update_weights(str(new_ckpt)) == 1
+    assert _generate(llm) == _oracle(new_ckpt) != old
+    assert llm.generate(PROMPTS[:1], PARAMS)[0].weight_version == 1
+    # A trainer's state_dict: (name, tensor) pairs in checkpoint names, here in bfloat16 (cast
+    # to the engine's float32).
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(ouro_rv1 / "model.safetensors").items()}
+    assert llm.update_weights(bf16.items()) == 2
+    widened = {k: v.float() for k, v in bf16.items()}
+    assert _generate(llm) == _oracle(write_checkpoint(tmp_path / "w", _config(ouro_rv1), widened))
+    assert llm.weight_version == 2
+
+
+def test_a_subset_rebuilds_fused_rows(llm, ouro_rv1, new_ckpt, tmp_path):
+    # k_proj is the middle rows of the fused qkv parameter; up_proj the second half of gate_up.
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    new = load_file(new_ckpt / "model.safetensors")
+    llm.update_weights([(n, new[n]) for n in names])
+    mixed = load_file(ouro_rv1 / "model.safetensors")
+    mixed.update({n: new[n] for n in names})
+    want = _oracle(write_checkpoint(tmp_path / "mixed", _config(ouro_rv1), mixed))
+    assert _generate(llm) == want
+
+
+def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
+    before = _generate(llm)
+    new = load_file(new_ckpt / "model.safetensors")
+    bad = [
+        ("model.norm.weight", new["model.norm.weight"]),  # valid, must not be applied
+        ("model.layers.0.mlp.gate_proj.weight", new["model.layers.0.mlp.gate_proj.weight"][:3]),
+        ("model.no_such.weight", torch.zeros(2)),
+    ]
+    with pytest.raises(ValueError) as err:
+        llm.update_weights(bad)
+    message = str(err.value)
+    assert "nothing applied" in message
+    assert "model.no_such.weight" in message and "gate_proj.weight [3, " in message
+    assert llm.weight_version == 0 and _generate(llm) == before
+    for arg, fragment in [
+        ("/no/such/dir", "does not exist"),
+        ([("x", 1)], "must be a torch.Tensor"),
+        ([], "no tensors"),
+        (42, "iterable of (name, tensor)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            llm.update_weights(arg)
+    with pytest.raises(ValueError, match="timeout=-1"):
+        llm.update_weights(str(new_ckpt), timeout=-1)
+    assert _generate(llm) == before
+
+
+def _start_long_request(llm: LLM) -> tuple[list, threading.Event]:
+    got: list = []
+    done = threading.Event()
+
+    def sink(update):
+        got.append(update)
+        if update.finish_reason is not None:
+            done.set()
+
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    llm._client.add_request("long", [1, 2, 3], params, sink)
+    return got, done
+
+
+def test_update_while_running_times_out_or_aborts(llm, ouro_rv1, new_ckpt):
+    got, done = _start_long_request(llm)
+    with pytest.raises(UpdateTimeout, match="still running after 0 s"):
+        llm.update_weights(str(new_ckpt), timeout=0)
+    assert llm.weight_version == 0 and not done.is_set()
+    assert llm.update_weights(str(new_ckpt), abort=True) == 1
+    assert done.wait(30) and got[-1].finish_reason is FinishReason.ABORT
+    assert _generate(llm) == _oracle(new_ckpt)
+
+
+def test_update_waits_for_running_requests(llm, new_ckpt):
+    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("a", llm.generate([[4, 5]], p)))
+    first.start()
+    while llm._client.stats is None or not llm._client.stats.num_running:
+        first.join(0.01)  # wait until the request runs
+    assert llm.update_weights(str(new_ckpt), timeout=60) == 1
+    first.join(60)
+    assert results["a"][0].weight_version == 0  # it finished on the old weights
+    assert len(results["a"][0].outputs[0].token_ids) == 40
+
+
+def test_pause_and_resume_generation(llm):
+    llm.pause_generation()
+    results = []
+    t = threading.Thread(target=lambda: results.append(llm.generate([[4, 5]], PARAMS)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not results  # waits while paused
+    llm.resume_generation()
+    t.join(60)
+    assert len(results) == 1
+
+
+def test_huginn_tied_copy_follows_its_source(huginn_rv1, huginn_ref, tmp_path):
+    cfg = _config(huginn_rv1)
+    new = random_tensors(cfg, seed=9)  # lm_head.weight equals transformer.wte.weight
+    new["freqs_cis"] = load_file(huginn_rv1 / "model.safetensors")["freqs_cis"]
+    p = SamplingParams(max_tokens=5, ignore_eos=True, init_state="zero")
+    with LLM(str(huginn_rv1), in_process=True, num_blocks=128) as llm:
+        with pytest.raises(ValueError, match="tied copies without their source"):
+            llm.update_weights([("lm_head.weight", new["lm_head.weight"])])
+        llm.update_weights(new.items())
+        got = llm.generate(PROMPTS, p)
+    ref = Reference.load(write_checkpoint(tmp_path / "h", cfg, new))
+    for prompt, out in zip(PROMPTS, got):
+        want = oracle_run(ref, prompt, p, kv_policy="last_exited")
+        assert out.outputs[0].token_ids == want.tokens
+
+
+def test_requests_arriving_during_an_update_wait_for_it(ouro_rv1, new_ckpt):
+    """Engine loop order: r1 runs, the update waits for it, r2 (and r3, aborted while held)
+    arrive meanwhile; r2 runs after the update, on the new weights."""
+    core = make_core(ouro_rv1)
+    p = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    final: dict[str, object] = {}
+    tokens: dict[str, list[int]] = {"r1": [], "r2": []}
+    replies: list = []
+
+    async def main() -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def emit(updates, _stats) -> None:
+            for u in updates:
+                tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+                if u.finish_reason is not None:
+                    final[u.request_id] = u
+            if "r2" in final:
+                inbox.put_nowait(("shutdown",))
+
+        for command in [
+            ("add", "r1", PROMPTS[0], p.replace(max_tokens=12)),
+            ("update_weights", 7, [str(new_ckpt)], False, 60.0),
+            ("add", "r2", PROMPTS[0], p),
+            ("add", "r3", PROMPTS[1], p),
+            ("abort", "r3"),
+        ]:
+            inbox.put_nowait(command)
+        await asyncio.wait_for(
+            run_engine_loop(core, inbox, emit, lambda *r: replies.append(r)), 120
+        )
+
+    asyncio.run(main())
+    assert replies == [(7, None, 1)]
+    assert final["r1"].weight_version == 0 and len(tokens["r1"]) == 12
+    assert final["r3"].finish_reason is FinishReason.ABORT and not tokens.get("r3")
+    assert final["r2"].weight_version == 1
+    assert tokens["r2"] == _oracle(new_ckpt)[0][0]
+    core.shutdown()
