@@ -82,7 +82,7 @@ class _Cell:
     def _fast_forward(self) -> None:
         """Runs until every request decodes, without building attention metadata."""
         runner = self.core.runner
-        runner.attention = lambda spans: None  # the stand-in never attends
+        runner.attention = _Unattended  # the stand-in never attends
         try:
             while any(not r.output_token_ids for r in self.core.scheduler.running) or (
                 self.core.scheduler.waiting
@@ -90,6 +90,8 @@ class _Cell:
                 self.core.step()
         finally:
             del runner.attention
+        if self.core.scheduler.num_running != self.rows:
+            raise RuntimeError("bench host: requests failed while reaching their context")
 
     def add_probe(self) -> None:
         self.probes += 1
@@ -102,6 +104,16 @@ class _Cell:
         self.probe_id = None
         while self.core.scheduler.num_running > self.rows or self.core.scheduler.waiting:
             self.core.step()
+
+
+class _Unattended:
+    """What a step's loop gets instead of attention while prompts are fast-forwarded."""
+
+    def __init__(self, spans: list[tuple[int, int, list[int]]], keys=None) -> None:
+        self.positions = torch.tensor([p for s, n, _ in spans for p in range(s, s + n)])
+
+    def __call__(self, layer, q, k, v):
+        raise RuntimeError("the stand-in model never attends")
 
 
 def _emit(core: EngineCore, updates: list) -> None:

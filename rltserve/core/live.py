@@ -21,14 +21,23 @@ import torch
 from rltserve.core.plan import RequestSetup
 
 
-@dataclass
+@dataclass(slots=True)
 class ItemState:
     """The in-flight work item of a request, as the device sees it."""
 
     start: int
-    state: torch.Tensor | None = None  # [n, S] after the last loop run
-    e: torch.Tensor | None = None  # [n, E] input injection (models that re-inject it)
-    gate: torch.Tensor | None = None  # [2] fp32: survival S and CDF of the output position
+    # The item's state after the last loop run is rows [row, row + n) of ``src``, that step's
+    # whole output [N, S] (one tensor shared by the step's items, so the next step gathers
+    # every item's rows with one index_select); ``e_src`` the same rows' input injection
+    # (models that re-inject it).
+    src: torch.Tensor | None = None
+    e_src: torch.Tensor | None = None
+    row: int = 0
+    # The output position's gate state (survival S, CDF) in fp32: row ``gate_row`` of
+    # ``gate_src`` [M, 2], the last loop's gate of every output row of that step; None before
+    # the position's first loop.
+    gate_src: torch.Tensor | None = None
+    gate_row: int = 0
     pending: bool = False  # delayed exit: the next loop is the exit (host copy)
     exited: bool = False  # the output position has produced its token
 
