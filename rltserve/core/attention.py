@@ -77,22 +77,25 @@ class HostMetadata:
         *,
         num_cols: int | None = None,
         tables: np.ndarray | None = None,
+        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> HostMetadata:
         """``tables``: the items' block tables already padded, [B, >= num_cols] int64 (rows
         past a table's length hold valid blocks), e.g. from ``BlockTables``; default: built
-        from the items' lists."""
+        from the items' lists. ``starts_lens``: the items' starts and lengths as arrays, when
+        the caller has them."""
         if not items:
             raise ValueError("attention metadata needs at least one item")
-        starts_l = [it[0] for it in items]
-        lens_l = [it[1] for it in items]
+        if starts_lens is None:
+            starts = np.array([it[0] for it in items], dtype=np.int64)
+            lens = np.array([it[1] for it in items], dtype=np.int64)
+        else:
+            starts, lens = starts_lens
         sizes_l = [len(it[2]) for it in items]
-        starts = np.array(starts_l, dtype=np.int64)
-        lens = np.array(lens_l, dtype=np.int64)
         ends = starts + lens
         if lens.min() < 1 or starts.min() < 0:
             k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
             raise ValueError(
-                f"item (start={starts_l[k]}, num_tokens={lens_l[k]}): need start >= 0, n >= 1"
+                f"item (start={items[k][0]}, num_tokens={items[k][1]}): need start >= 0, n >= 1"
             )
         short = np.array(sizes_l, dtype=np.int64) * block_size < ends
         if short.any():
@@ -198,12 +201,15 @@ class AttentionMetadata:
         *,
         num_cols: int | None = None,
         tables: np.ndarray | None = None,
+        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> AttentionMetadata:
         """Metadata of ``items``. ``num_cols`` fixes the number of context block columns (default:
         just enough for the longest context), so that the tensor shapes depend only on (number
         of items, max_q, num_cols); an item whose context needs more blocks is a ValueError.
         ``tables``: as for ``HostMetadata.build``."""
-        host = HostMetadata.build(items, block_size, num_cols=num_cols, tables=tables)
+        host = HostMetadata.build(
+            items, block_size, num_cols=num_cols, tables=tables, starts_lens=starts_lens
+        )
         dev = torch.device(device)
         return cls.on_device(host, to_device_packed(host.parts(), dev), block_size)
 
@@ -425,7 +431,10 @@ def paged_attention(
     lens = np.array([it[1] for it in items], dtype=np.int64)
     groups = _groups(starts, lens, block_size) if len(items) else [np.arange(0)]
     if len(groups) == 1:
-        return PagedAttention(kv, AttentionMetadata.build(items, block_size, dev, tables=tables))
+        md = AttentionMetadata.build(
+            items, block_size, dev, tables=tables, starts_lens=(starts, lens)
+        )
+        return PagedAttention(kv, md)
     hosts = [
         HostMetadata.build(
             [items[k] for k in ks.tolist()],

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rltserve.core.plan import RequestSetup
+from rltserve.core.sampler import SampleRow
 
 
 @dataclass(slots=True)
@@ -44,9 +45,11 @@ class ItemState:
 
 @dataclass
 class Draft:
-    """Token pipelining: the drafted input of one position."""
+    """Token pipelining: the drafted input of one position: row ``row`` of ``tokens`` (the
+    drafting step's [K] int64 drafts on the device)."""
 
-    token: torch.Tensor  # [1] int64 on the device: the next position's prelude input
+    tokens: torch.Tensor
+    row: int
     value: int | None = None  # host copy, once the drafting step's result is delivered
 
 
@@ -55,10 +58,14 @@ class LiveRequest:
     setup: RequestSetup
     generator: torch.Generator | None
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
-    last_token: torch.Tensor | None = None  # [1] int64 on the device: the last sampled token
+    # The last sampled token, on the device: row ``last_row`` of ``last_tokens`` (the sampling
+    # step's [R] int64 tokens), so a step gathers its decode inputs with one index_select.
+    last_tokens: torch.Tensor | None = None
+    last_row: int = 0
     history: list[int] | None = None  # sampled tokens (host), kept only for penalties
     drafts: dict[int, Draft] = field(default_factory=dict)  # by the position it feeds
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
+    sample_row: SampleRow | None = None  # what the sampler needs of this request
 
     @classmethod
     def create(cls, setup: RequestSetup, device: torch.device, vocab_size: int) -> LiveRequest:
@@ -73,16 +80,19 @@ class LiveRequest:
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])
-        return cls(setup, generator, history=history)
+        live = cls(setup, generator, history=history)
+        # One per request: its fields never change (the history list grows in place).
+        live.sample_row = SampleRow(setup.params, generator, live.penalty_tokens())
+        return live
 
-    def input_token(self, position: int) -> torch.Tensor:
-        """[1] int64: the prelude input of the decode token at ``position``."""
-        draft = self.drafts.get(position)
+    def input_token(self, position: int) -> tuple[torch.Tensor, int]:
+        """The prelude input of the decode token at ``position``: (device tensor, row)."""
+        draft = self.drafts.get(position) if self.drafts else None
         if draft is not None:
-            return draft.token
-        if self.last_token is None:
+            return draft.tokens, draft.row
+        if self.last_tokens is None:
             raise RuntimeError(f"{self.setup.request_id}: decode input requested before any token")
-        return self.last_token
+        return self.last_tokens, self.last_row
 
     def commit(self, next_position: int, token: int) -> bool:
         """Records the host value of a sampled token, the input of ``next_position``. Returns

@@ -17,7 +17,6 @@ import torch
 from rltserve.core.attention import copy_slots
 from rltserve.core.live import Draft, ItemState, LiveRequest
 from rltserve.core.plan import ItemResult, WorkItem
-from rltserve.core.sampler import SampleRow
 from rltserve.core.staging import StepOutputs, move_to, to_device
 from rltserve.core.step_host import StepHost
 
@@ -91,7 +90,10 @@ class Step:
             parts = []
             if prompts:
                 parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
-            parts += [lives[i].input_token(items[i].start) for i in decodes]
+            if decodes:  # rows of the tensors that sampled (or drafted) them
+                parts.append(
+                    _gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
+                )
             ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
             sub = [items[i] for i in entering]
             pos = r.tensor([p for it in sub for p in range(it.start, it.end)])
@@ -176,7 +178,9 @@ class Step:
             source_of: dict[int, int] = {}
             picks = []
             last, k = None, -1
+            gate_mode = False
             for i, spec in zip(out, specs):
+                gate_mode = gate_mode or spec.mode == "gate"
                 thr.append(
                     spec.threshold
                     if spec.threshold < 1.0 and items[i].depth >= spec.min_loops
@@ -201,7 +205,7 @@ class Step:
             crossed = cdf >= r.tensor(thr, torch.float32)  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
-            if any(spec.mode == "gate" for spec in specs):
+            if gate_mode:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
         exited = []
         for k, (i, spec) in enumerate(zip(out, specs)):
@@ -284,17 +288,12 @@ class Step:
         pick = r.tensor([last[i] for i in sample_items])
         logits = r.timed(r.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
         r.logits_width = logits.shape[-1]
-        sample_rows = [
-            SampleRow(
-                params=lives[i].setup.params,
-                generator=lives[i].generator,
-                penalty_tokens=lives[i].penalty_tokens(),
-            )
-            for i in sample_items
-        ]
+        sample_rows = [lives[i].sample_row for i in sample_items]
         self.sample = r.sampler.sample_device(logits, sample_rows)
-        for i, token in zip(sample_items, self.sample.token_ids.split(1)):
-            lives[i].last_token = token  # [1]: the next decode token's input
+        tokens = self.sample.token_ids
+        for k, i in enumerate(sample_items):  # the next decode token's input
+            live = lives[i]
+            live.last_tokens, live.last_row = tokens, k
         for name, tensor in self.sample.tensors().items():
             self.outputs.add("sample." + name, tensor)
         self.num_coda_rows = len(sample_items)
@@ -312,7 +311,7 @@ class Step:
             r.model.coda, state.index_select(0, rows), positions.index_select(0, rows), None
         )
         tokens = r.timed(r.model.logits, hidden).argmax(dim=-1)  # [K]
-        drafts = [Draft(token) for token in tokens.split(1)]
+        drafts = [Draft(tokens, k) for k in range(len(drafting))]
         for i, draft in zip(drafting, drafts):
             self.lives[i].drafts[items[i].end] = draft
         self.outputs.add("drafts", tokens)
@@ -367,6 +366,27 @@ class Step:
         for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
             lives[i].rollback(items[i].end)
         return results
+
+
+def _gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """[len(refs)] int64: row ``row`` of each ``(tensor, row)``; the tensor itself when the
+    rows are all of one tensor, in order."""
+    sources: list[torch.Tensor] = []
+    source_of: dict[int, int] = {}
+    picks = []
+    last, k = None, -1
+    for src, row in refs:
+        if src is not last:
+            k = source_of.get(id(src), -1)
+            if k < 0:
+                k = source_of[id(src)] = len(sources)
+                sources.append(src)
+            last = src
+        picks.append((k, row, 1))
+    in_order = len(sources) == 1 and len(picks) == sources[0].shape[0]
+    if in_order and all(p[1] == j for j, p in enumerate(picks)):
+        return sources[0]
+    return _gather_rows(sources, picks)
 
 
 def _gather_rows(sources: list[torch.Tensor], picks: list[tuple[int, int, int]]) -> torch.Tensor:
