@@ -129,6 +129,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         steps=steps,
         repeats=args.repeats,
         threads=args.threads,
+        stage_gc=not args.default_gc,
         progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
     )
     text = orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
@@ -223,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--steps", type=int, default=40, help="measured steps per cell")
     host.add_argument("--repeats", type=int, default=1, help="runs per cell; medians reported")
     host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    host.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="Python's default collector settings instead of the stage worker's",
+    )
     host.add_argument("--quick", action="store_true", help="smoke run: rows 8,32, context 128")
     host.add_argument("--out", help="also write the JSON report to this file")
     host.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")

@@ -3,6 +3,8 @@ timings are asserted), and the stand-in model it drives."""
 
 from __future__ import annotations
 
+import gc
+
 import orjson
 import torch
 
@@ -16,10 +18,12 @@ PHASES = ("plan", "runner", "apply", "emit")
 
 
 def test_quick_report_has_every_cell_and_sane_values(capsys):
-    threads = torch.get_num_threads()
+    threads, thresholds = torch.get_num_threads(), gc.get_threshold()
     assert main(["bench", "host", "--quick", "--quiet"]) == 0
     report = orjson.loads(capsys.readouterr().out)
     assert torch.get_num_threads() == threads  # restored
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    assert report["stage_gc"] is True
     assert report["steps"] == 8 and report["threads"] == 1 and report["chunk_tokens"] == 512
     expected = {
         f"{kind}/{mode}/rows{rows}/ctx128"
@@ -32,7 +36,7 @@ def test_quick_report_has_every_cell_and_sane_values(capsys):
         kind, mode = key.split("/")[:2]
         assert cell["steps"] == 8
         assert cell["context"] == 128 and cell["rows"] in (8, 32)
-        assert cell["steps_per_s"] > 0
+        assert cell["steps_per_s"] > 0 and cell["gc_ms"] >= 0
         for phase in PHASES:
             assert cell[f"{phase}_wall_ms"] > 0, (key, phase)
             if mode == "sync" or phase != "runner":  # the async runner is on another thread

@@ -25,6 +25,7 @@ token exits after 3 of the stand-in's 4 loops.
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 import statistics
@@ -39,6 +40,7 @@ from rltserve.bench.standin import StandInModel
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
 from rltserve.core.plan import StepPlan
+from rltserve.core.stage_worker import tune_gc
 from rltserve.sampling import SamplingParams
 
 PHASES = ("plan", "runner", "apply", "emit")
@@ -141,6 +143,15 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
         if mixed and any(u.request_id == cell.probe_id and u.finish_reason for u in updates):
             cell.add_probe()
 
+    collecting = [0.0, 0.0]  # collector seconds, start of the current collection
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
+
+    gc.callbacks.append(on_gc)
     model0, busy0 = runner.model_seconds, runner.busy_seconds
     start = time.perf_counter()
     if use_async:
@@ -173,6 +184,7 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
         model = runner.model_seconds - model0
         wall["runner"] -= model
         cpu["runner"] -= model  # the stand-in's calls are CPU-bound: same on both clocks
+    gc.callbacks.remove(on_gc)
     per = 1e3 / steps
     out: dict[str, Any] = {"steps": steps, "steps_per_s": round(steps / elapsed, 1)}
     for phase in PHASES:
@@ -182,6 +194,7 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
     out["host_cpu_ms"] = round(sum(v for v in cpu.values() if not math.isnan(v)) * per, 4)
     out["host_wall_ms"] = round(sum(wall.values()) * per, 4)
     out["model_wall_ms"] = round((runner.model_seconds - model0) * per, 4)
+    out["gc_ms"] = round(collecting[0] * per, 4)  # wall, inside the phases above
     out["chunk_steps"] = chunk_steps
     if mixed:
         cell.settle()
@@ -200,24 +213,32 @@ def run_host_bench(
     modes: tuple[str, ...] = ("sync", "async"),
     kinds: tuple[str, ...] = ("decode", "mixed"),
     threads: int = 1,
+    stage_gc: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """The benchmark's JSON report. Cells are keyed ``"{kind}/{mode}/rows{R}/ctx{C}"``; with
     ``repeats`` > 1 each figure is the median over repeats (the runs alternate).
 
     ``threads``: torch intra-op threads while it runs. The stand-in's tensors are tiny, and on a
-    GPU host the small torch ops of a step are device work; a thread pool only adds wake-ups."""
+    GPU host the small torch ops of a step are device work; a thread pool only adds wake-ups.
+    ``stage_gc``: the collector settings of the stage's worker process (``tune_gc``) while it
+    runs; ``gc_ms`` per cell is the collector's time per step either way."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    thresholds = tune_gc() if stage_gc else None  # as in the stage's worker process
     try:
         cells = _run_cells(rows_list, contexts, steps, repeats, modes, kinds, progress)
     finally:
         torch.set_num_threads(previous)
+        if thresholds is not None:
+            gc.unfreeze()
+            gc.set_threshold(*thresholds)
     return {
         "model": "stand-in (bench/standin.py)",
         "steps": steps,
         "repeats": repeats,
         "threads": threads,
+        "stage_gc": stage_gc,
         "chunk_tokens": CHUNK,
         "cells": cells,
         "targets": _targets(cells),
