@@ -5,8 +5,10 @@ num_kv_heads, head_dim]`` with ``num_slots = num_blocks * block_size`` and slot 
 block_size + offset``. Which plane a row uses is decided entirely by the block table its work item
 carries, so this module knows nothing about depths or policies.
 
-Per step and call-site the runner builds one ``AttentionMetadata`` from plain lists; every layer
-then reuses it. Rows of the step are the items' tokens concatenated in item order. Internally the
+Per step and call-site the runner builds one ``AttentionMetadata`` per attention group; every
+layer then reuses it. Its host half (``HostMetadata``) is computed with numpy from the items'
+starts, lengths and padded block tables, and all of a step's groups reach the device in one
+transfer. Rows of the step are the items' tokens concatenated in item order. Internally the
 items are padded to ``[B, max_q]`` queries over ``[B, max_ctx]`` gathered keys; padding is
 excluded by a boolean mask, and padded query rows attend to a valid key so they never produce NaN.
 """

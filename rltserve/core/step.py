@@ -196,7 +196,7 @@ class Step:
                         sources.append(r.gate_init[None] if src is None else src)
                     last = src
                 picks.append((k, h.gate_row, 1))
-            gate = _gather_rows(sources, picks)  # [M, 2]
+            gate = _gather_rows(sources, picks, in_order=True)  # [M, 2]
             surv, cdf = gate[:, 0], gate[:, 1]  # [M]
             lam = torch.sigmoid(logit.float())
             cdf = cdf + lam * surv
@@ -383,15 +383,24 @@ def _gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
                 sources.append(src)
             last = src
         picks.append((k, row, 1))
-    in_order = len(sources) == 1 and len(picks) == sources[0].shape[0]
-    if in_order and all(p[1] == j for j, p in enumerate(picks)):
-        return sources[0]
-    return _gather_rows(sources, picks)
+    return _gather_rows(sources, picks, in_order=True)
 
 
-def _gather_rows(sources: list[torch.Tensor], picks: list[tuple[int, int, int]]) -> torch.Tensor:
+def _gather_rows(
+    sources: list[torch.Tensor], picks: list[tuple[int, int, int]], in_order: bool = False
+) -> torch.Tensor:
     """Rows ``picks`` ((source, first row, rows) in output order) of ``sources``: one
-    index_select over their concatenation."""
+    index_select over their concatenation. ``in_order``: check first whether the picks are
+    all of one source's rows in order, which is then returned as it is."""
+    if in_order and len(sources) == 1:
+        expected = 0
+        for _, row, n in picks:
+            if row != expected:
+                break
+            expected += n
+        else:
+            if expected == sources[0].shape[0]:
+                return sources[0]
     bases = _offsets([src.shape[0] for src in sources])
     index: list[int] = []
     for k, row, n in picks:
