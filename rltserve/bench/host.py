@@ -11,8 +11,8 @@ planned while it runs, as ``run_engine_loop`` does). Per step, in milliseconds, 
 
 - ``plan``: ``EngineCore.plan`` (the scheduler);
 - ``runner``: the runner's host work: inputs, metadata, exit bookkeeping, reading results
-  (synchronous: wall of ``execute`` less the stand-in's model calls; asynchronous: the runner's
-  busy time on the step thread, wall only);
+  (synchronous: ``execute`` less the stand-in's model calls, on each clock; asynchronous: the
+  runner's busy time on the step thread less the model calls, wall only);
 - ``apply``: ``EngineCore.apply`` (the scheduler applies the result, builds the updates);
 - ``emit``: what the stage does with the updates on the engine thread: the stats snapshot and
   pickling the message for the front end (which detokenizes in its own process);
@@ -152,7 +152,7 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
             collecting[0] += time.perf_counter() - collecting[1]
 
     gc.callbacks.append(on_gc)
-    model0, busy0 = runner.model_seconds, runner.busy_seconds
+    model0, busy0, model_cpu0 = runner.model_seconds, runner.busy_seconds, runner.model_cpu_seconds
     start = time.perf_counter()
     if use_async:
         in_flight: deque = deque()
@@ -181,9 +181,8 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
             timed("emit", _emit, core, updates)
             after(plan, updates)
         elapsed = time.perf_counter() - start
-        model = runner.model_seconds - model0
-        wall["runner"] -= model
-        cpu["runner"] -= model  # the stand-in's calls are CPU-bound: same on both clocks
+        wall["runner"] -= runner.model_seconds - model0
+        cpu["runner"] -= runner.model_cpu_seconds - model_cpu0
     gc.callbacks.remove(on_gc)
     per = 1e3 / steps
     out: dict[str, Any] = {"steps": steps, "steps_per_s": round(steps / elapsed, 1)}
