@@ -121,8 +121,9 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     for name, values in (("rows", rows), ("contexts", contexts)):
         if not values or min(values) < 1:
             raise ValueError(f"--{name} {values}: every value must be >= 1")
-    if steps < 1 or args.repeats < 1:
-        raise ValueError("--steps and --repeats: must be >= 1")
+    for name in ("steps", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
     report = run_host_bench(
         rows,
         contexts,
@@ -219,8 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.set_defaults(func=cmd_bench_offline)
     add_bench_serve_parser(bench_sub)
     host = bench_sub.add_parser("host", help="host work per engine step, with a stand-in model")
-    host.add_argument("--rows", type=_int_list, default=[32, 128, 256, 512])
-    host.add_argument("--contexts", type=_int_list, default=[128, 1024, 4096])
+    host.add_argument(
+        "--rows", type=_int_list, default=[32, 128, 256, 512], help="decode rows per step (list)"
+    )
+    host.add_argument(
+        "--contexts", type=_int_list, default=[128, 1024, 4096], help="context lengths (list)"
+    )
     host.add_argument("--steps", type=int, default=40, help="measured steps per cell")
     host.add_argument("--repeats", type=int, default=1, help="runs per cell; medians reported")
     host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")

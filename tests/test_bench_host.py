@@ -52,6 +52,8 @@ def test_quick_report_has_every_cell_and_sane_values(capsys):
 def test_bench_host_usage_errors(capsys):
     assert main(["bench", "host", "--rows", "0", "--quiet"]) == 2
     assert "--rows [0]: every value must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "host", "--threads", "0", "--quiet"]) == 2
+    assert "--threads 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_standin_model_decodes_deterministically_at_a_fixed_depth():
