@@ -82,7 +82,9 @@ class LiveRequest:
             history = list(setup.output_token_ids or [])
         live = cls(setup, generator, history=history)
         # One per request: its fields never change (the history list grows in place).
-        live.sample_row = SampleRow(setup.params, generator, live.penalty_tokens())
+        live.sample_row = SampleRow(
+            params=setup.params, generator=generator, penalty_tokens=live.penalty_tokens()
+        )
         return live
 
     def input_token(self, position: int) -> tuple[torch.Tensor, int]:
