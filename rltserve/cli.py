@@ -129,6 +129,35 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_host(args: argparse.Namespace) -> int:
+    from rltserve.bench.host import run_host_bench
+
+    quick = args.quick
+    rows = [8, 32] if quick else args.rows
+    contexts = [128] if quick else args.contexts
+    steps = 8 if quick else args.steps
+    for name, values in (("rows", rows), ("contexts", contexts)):
+        if not values or min(values) < 1:
+            raise ValueError(f"--{name} {values}: every value must be >= 1")
+    for name in ("steps", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
+    report = run_host_bench(
+        rows,
+        contexts,
+        steps=steps,
+        repeats=args.repeats,
+        threads=args.threads,
+        stage_gc=not args.default_gc,
+        progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
+    )
+    text = orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from rltserve.models.presets import get_preset, run_make_model
 
@@ -211,6 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = add_rollout_parser(bench_sub)
     add_engine_args(rollout)
     rollout.set_defaults(func=cmd_bench_rollout)
+    host = bench_sub.add_parser("host", help="host work per engine step, with a stand-in model")
+    host.add_argument(
+        "--rows", type=_int_list, default=[32, 128, 256, 512], help="decode rows per step (list)"
+    )
+    host.add_argument(
+        "--contexts", type=_int_list, default=[128, 1024, 4096], help="context lengths (list)"
+    )
+    host.add_argument("--steps", type=int, default=40, help="measured steps per cell")
+    host.add_argument("--repeats", type=int, default=1, help="runs per cell; medians reported")
+    host.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    host.add_argument(
+        "--default-gc",
+        action="store_true",
+        help="Python's default collector settings instead of the stage worker's",
+    )
+    host.add_argument("--quick", action="store_true", help="smoke run: rows 8,32, context 128")
+    host.add_argument("--out", help="also write the JSON report to this file")
+    host.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
+    host.set_defaults(func=cmd_bench_host)
     return parser
 
 

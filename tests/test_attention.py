@@ -137,6 +137,46 @@ def test_paged_attention_groups_only_mixed_steps():
         mixed(0, *(torch.zeros(8, 2, HD) for _ in range(3)))
 
 
+def test_a_step_metadata_reaches_the_device_in_one_transfer(monkeypatch):
+    """Every group's metadata and the rows' positions: one move_to per step, and the same
+    tensors as each group's metadata built alone, from the tables' lists or from a padded
+    table array (as the runner's BlockTables gives them)."""
+    import numpy as np
+
+    import rltserve.core.attention as attention
+
+    calls = []
+    real = attention.move_to
+    monkeypatch.setattr(attention, "move_to", lambda t, d: calls.append(t.numel()) or real(t, d))
+    items = [(0, 4, [3]), (3, 1, [0]), (40, 1, list(range(11))), (4, 3, [4, 5])]
+    kv = allocate_kv_cache(1, NUM_BLOCKS, BS, 2, HD, torch.float32, "cpu")
+    width = max(len(t) for _, _, t in items)
+    tables = np.array([t + [t[0]] * (width - len(t)) for _, _, t in items], dtype=np.int64)
+    for given in (None, tables):
+        calls.clear()
+        step = paged_attention(kv, items, BS, tables=given)
+        assert len(calls) == 1
+        assert step.positions.tolist() == [0, 1, 2, 3, 3, 40, 4, 5, 6]
+        for rows, attn in step.groups:
+            alone = AttentionMetadata.build([items[k] for k in _items_of(rows, items)], BS)
+            for name in ("positions", "slot_mapping", "pad_index", "gather_blocks", "mask"):
+                assert torch.equal(getattr(attn.md, name), getattr(alone, name)), name
+
+
+def _items_of(rows: torch.Tensor, items) -> list[int]:
+    """The items whose rows are ``rows`` (step row order, items in order of first row)."""
+    starts, first = [], 0
+    for _, n, _ in items:
+        starts.append(first)
+        first += n
+    seen = []
+    for row in rows.tolist():
+        k = max(i for i, s in enumerate(starts) if s <= row)
+        if k not in seen:
+            seen.append(k)
+    return seen
+
+
 def test_attention_groups_by_context_length():
     items = [(3, 1, ()), (40, 1, ()), (100, 1, ()), (0, 4, ()), (5, 1, ()), (44, 1, ())]
     # columns 1, 11, 26, -, 2, 12 -> buckets 8 (min), 16, 32; the chunk last

@@ -5,8 +5,10 @@ num_kv_heads, head_dim]`` with ``num_slots = num_blocks * block_size`` and slot 
 block_size + offset``. Which plane a row uses is decided entirely by the block table its work item
 carries, so this module knows nothing about depths or policies.
 
-Per step and call-site the runner builds one ``AttentionMetadata`` from plain lists; every layer
-then reuses it. Rows of the step are the items' tokens concatenated in item order. Internally the
+Per step and call-site the runner builds one ``AttentionMetadata`` per attention group; every
+layer then reuses it. Its host half (``HostMetadata``) is computed with numpy from the items'
+starts, lengths and padded block tables, and all of a step's groups reach the device in one
+transfer. Rows of the step are the items' tokens concatenated in item order. Internally the
 items are padded to ``[B, max_q]`` queries over ``[B, max_ctx]`` gathered keys; padding is
 excluded by a boolean mask, and padded query rows attend to a valid key so they never produce NaN.
 """
@@ -17,10 +19,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rltserve.core.staging import host_tensor, move_to
+from rltserve.core.staging import move_to
 
 # (start, num_tokens, block_table): rows at positions start..start+num_tokens-1 whose context is
 # positions [0, start + num_tokens) under block_table.
@@ -52,6 +55,127 @@ def copy_slots(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tenso
 
 
 @dataclass(frozen=True)
+class HostMetadata:
+    """The host half of one group's metadata: int64 arrays computed with numpy from the items,
+    before anything reaches the device. ``tables`` is [B, num_cols], padded with valid blocks."""
+
+    num_rows: int  # N
+    num_items: int  # B
+    max_q: int
+    max_ctx: int
+    num_cols: int
+    starts: np.ndarray  # [B]
+    lens: np.ndarray  # [B]
+    positions: np.ndarray  # [N]
+    slot_mapping: np.ndarray  # [N]
+    pad_index: np.ndarray  # [N]
+    tables: np.ndarray  # [B, num_cols]
+
+    @classmethod
+    def build(
+        cls,
+        items: Sequence[ItemSpec],
+        block_size: int,
+        *,
+        num_cols: int | None = None,
+        tables: np.ndarray | None = None,
+        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> HostMetadata:
+        """``tables``: the items' block tables already padded, [B, >= num_cols] int64 (rows
+        past a table's length hold valid blocks), e.g. from ``BlockTables``; default: built
+        from the items' lists. ``starts_lens``: the items' starts and lengths as arrays, when
+        the caller has them."""
+        if not items:
+            raise ValueError("attention metadata needs at least one item")
+        if starts_lens is None:
+            starts = np.array([it[0] for it in items], dtype=np.int64)
+            lens = np.array([it[1] for it in items], dtype=np.int64)
+        else:
+            starts, lens = starts_lens
+        sizes_l = [len(it[2]) for it in items]
+        ends = starts + lens
+        if lens.min() < 1 or starts.min() < 0:
+            k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
+            raise ValueError(
+                f"item (start={items[k][0]}, num_tokens={items[k][1]}): need start >= 0, n >= 1"
+            )
+        short = np.array(sizes_l, dtype=np.int64) * block_size < ends
+        if short.any():
+            k = int(np.flatnonzero(short)[0])
+            raise ValueError(
+                f"block table of {sizes_l[k]} blocks cannot hold position {int(ends[k]) - 1}"
+            )
+        max_q = int(lens.max())
+        max_ctx = int(ends.max())
+        needed = -(-max_ctx // block_size)
+        if num_cols is None:
+            num_cols = needed
+        elif num_cols < needed:
+            raise ValueError(
+                f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
+            )
+        num_items = len(items)
+        if tables is None:
+            tables = np.empty((num_items, num_cols), dtype=np.int64)
+            for k, (_, _, table) in enumerate(items):
+                m = min(sizes_l[k], num_cols)
+                row = tables[k]
+                row[:m] = table[:m]
+                row[m:] = table[0]  # padding: a valid block, masked
+        else:
+            tables = tables[:, :num_cols]
+        if max_q == 1:  # decode rows: one row per item
+            row_item = np.arange(num_items)
+            row_q = np.zeros(num_items, dtype=np.int64)
+            positions = starts
+            num_rows = num_items
+        else:
+            num_rows = int(lens.sum())
+            row_item = np.repeat(np.arange(num_items), lens)  # [N]
+            first_row = np.cumsum(lens) - lens  # [B]
+            row_q = np.arange(num_rows) - first_row[row_item]  # [N]
+            positions = starts[row_item] + row_q  # [N]
+        slot_mapping = tables[row_item, positions // block_size] * block_size + (
+            positions % block_size
+        )
+        return cls(
+            num_rows=num_rows,
+            num_items=num_items,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            num_cols=num_cols,
+            starts=starts,
+            lens=lens,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            pad_index=row_item * max_q + row_q,
+            tables=tables,
+        )
+
+    def parts(self) -> list[np.ndarray]:
+        """What the device needs, in the order ``AttentionMetadata.on_device`` reads it."""
+        return [
+            self.starts,
+            self.lens,
+            self.positions,
+            self.slot_mapping,
+            self.pad_index,
+            self.tables.reshape(-1),
+        ]
+
+    @property
+    def size(self) -> int:
+        return 2 * self.num_items + 3 * self.num_rows + self.num_items * self.num_cols
+
+
+def to_device_packed(parts: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The int64 arrays ``parts`` concatenated and sent as one tensor: one host-to-device
+    transfer (pinned, non-blocking on CUDA) for a step's metadata."""
+    flat = np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+    return move_to(torch.from_numpy(flat), device)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Index tensors of one step at one call-site, shared by all its layers.
 
@@ -78,80 +202,57 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         *,
         num_cols: int | None = None,
+        tables: np.ndarray | None = None,
+        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> AttentionMetadata:
         """Metadata of ``items``. ``num_cols`` fixes the number of context block columns (default:
         just enough for the longest context), so that the tensor shapes depend only on (number
-        of items, max_q, num_cols); an item whose context needs more blocks is a ValueError."""
-        if not items:
-            raise ValueError("attention metadata needs at least one item")
-        starts, lens, tables = [], [], []
-        for start, n, table in items:
-            if n < 1 or start < 0:
-                raise ValueError(f"item (start={start}, num_tokens={n}): need start >= 0, n >= 1")
-            if len(table) * block_size < start + n:
-                raise ValueError(
-                    f"block table of {len(table)} blocks cannot hold position {start + n - 1}"
-                )
-            starts.append(start)
-            lens.append(n)
-            tables.append(table)
-        max_q = max(lens)
-        max_ctx = max(s + n for s, n in zip(starts, lens))
-        needed = -(-max_ctx // block_size)
-        if num_cols is None:
-            num_cols = needed
-        elif num_cols < needed:
-            raise ValueError(
-                f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
-            )
-        num_items, num_rows = len(items), sum(lens)
-        # One host list leaves the host (non-blocking from pinned memory on CUDA, so building a
-        # step's metadata never waits for the device): starts, lens, then every table padded to
-        # num_cols blocks with a valid block id (its own first block). The rest is computed
-        # where it is used.
-        packed = starts + lens
-        for t in tables:
-            k = min(len(t), num_cols)
-            packed.extend(t[:k])
-            if k < num_cols:
-                packed.extend([t[0]] * (num_cols - k))
-        dev = torch.device(device)
-        packed_t = move_to(host_tensor(packed, torch.int64), dev)  # [2B + B * num_cols]
-        start_t = packed_t[:num_items]  # [B]
-        len_t = packed_t[num_items : 2 * num_items]  # [B]
-        table_t = packed_t[2 * num_items :].view(num_items, num_cols)  # [B, num_cols]
-
-        item_ids = torch.arange(num_items, device=dev)
-        row_item = torch.repeat_interleave(item_ids, len_t, output_size=num_rows)  # [N]
-        first_row = torch.cumsum(len_t, 0) - len_t  # [B]
-        row_q = torch.arange(num_rows, device=dev) - first_row[row_item]  # [N]
-        positions = start_t[row_item] + row_q  # [N]
-        slot_mapping = (
-            table_t[row_item, positions // block_size] * block_size + positions % block_size
+        of items, max_q, num_cols); an item whose context needs more blocks is a ValueError.
+        ``tables``: as for ``HostMetadata.build``."""
+        host = HostMetadata.build(
+            items, block_size, num_cols=num_cols, tables=tables, starts_lens=starts_lens
         )
+        dev = torch.device(device)
+        return cls.on_device(host, to_device_packed(host.parts(), dev), block_size)
 
+    @classmethod
+    def on_device(
+        cls, host: HostMetadata, flat: torch.Tensor, block_size: int
+    ) -> AttentionMetadata:
+        """The metadata from ``host.parts()`` as they arrived on the device (``flat`` starts with
+        them); the mask is computed there."""
+        b, n, cols = host.num_items, host.num_rows, host.num_cols
+        start_t, len_t = flat[:b], flat[b : 2 * b]  # [B]
+        positions = flat[2 * b : 2 * b + n]
+        slot_mapping = flat[2 * b + n : 2 * b + 2 * n]
+        pad_index = flat[2 * b + 2 * n : 2 * b + 3 * n]
+        gather_blocks = flat[2 * b + 3 * n : 2 * b + 3 * n + b * cols]
+        dev = flat.device
         # Context is gathered whole blocks at a time (one contiguous copy per block, not per
         # slot); the mask drops positions past each item's context.
-        key_pos = torch.arange(num_cols * block_size, device=dev)  # [num_cols * bs]
-
-        # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal for
-        # real rows, and all of the item's context for padded rows (i >= len_b).
-        q_idx = torch.arange(max_q, device=dev)  # [max_q]
-        last_key = torch.minimum(
-            start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
-        )  # [B, max_q]
-        mask = key_pos[None, None, :] <= last_key[:, :, None]  # [B, max_q, num_cols * bs]
+        key_pos = torch.arange(cols * block_size, device=dev)  # [cols * bs]
+        if host.max_q == 1:
+            mask = key_pos[None, :] <= start_t[:, None]  # [B, cols * bs]
+            mask = mask[:, None, None, :]
+        else:
+            # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal
+            # for real rows, and all of the item's context for padded rows (i >= len_b).
+            q_idx = torch.arange(host.max_q, device=dev)  # [max_q]
+            last_key = torch.minimum(
+                start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
+            )  # [B, max_q]
+            mask = (key_pos[None, None, :] <= last_key[:, :, None])[:, None]
         return cls(
-            num_rows=num_rows,
-            num_items=num_items,
-            max_q=max_q,
-            max_ctx=max_ctx,
+            num_rows=n,
+            num_items=b,
+            max_q=host.max_q,
+            max_ctx=host.max_ctx,
             block_size=block_size,
             positions=positions,
             slot_mapping=slot_mapping,
-            pad_index=row_item * max_q + row_q,
-            gather_blocks=table_t.reshape(-1),
-            mask=mask[:, None],
+            pad_index=pad_index,
+            gather_blocks=gather_blocks,
+            mask=mask,
         )
 
 
@@ -168,6 +269,7 @@ class PagedAttention:
     def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.md = metadata
+        self.positions = metadata.positions  # [N]: each row's position
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def _prefill_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
@@ -259,10 +361,12 @@ class GroupedAttention:
         kv: torch.Tensor,
         groups: Sequence[tuple[torch.Tensor, PagedAttention]],
         slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.groups = groups  # (rows [N_g] int64 in the step's row order, the group's attention)
         self.slot_mapping = slot_mapping  # [N]
+        self.positions = positions  # [N]: each row's position
         self.num_rows = slot_mapping.shape[0]
 
     def __call__(
@@ -286,16 +390,31 @@ def attention_groups(items: Sequence[ItemSpec], block_size: int) -> list[list[in
     """Indices of ``items`` per attention group: one-row items (decode tokens) by the power of
     two of their context blocks (at least ``GROUP_MIN_COLS``), so that neither a prompt chunk's
     rows nor the step's longest context pad a short decode row; longer items together."""
-    by_cols: dict[int, list[int]] = {}
-    multi = []
-    for k, (start, n, _) in enumerate(items):
-        if n > 1:
-            multi.append(k)
-            continue
-        cols = start // block_size + 1
-        by_cols.setdefault(max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length()), []).append(k)
-    groups = [by_cols[c] for c in sorted(by_cols)]
-    return groups + [multi] if multi else groups
+    starts = np.fromiter((it[0] for it in items), dtype=np.int64, count=len(items))
+    lens = np.fromiter((it[1] for it in items), dtype=np.int64, count=len(items))
+    return [g.tolist() for g in _groups(starts, lens, block_size)]
+
+
+def _bucket(cols: int) -> int:
+    return max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length())
+
+
+def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.ndarray]:
+    """``attention_groups`` over the items' starts and lengths: index arrays, in order."""
+    single = lens == 1
+    if not single.any():
+        return [np.arange(len(starts))]
+    if single.all():
+        lo, hi = int(starts.min()) // block_size + 1, int(starts.max()) // block_size + 1
+        if _bucket(lo) == _bucket(hi):
+            return [np.arange(len(starts))]
+    multi = np.flatnonzero(~single)
+    cols = starts[single] // block_size + 1
+    # The power of two at or above cols: exact in float64 for any realistic context.
+    bucket = np.maximum(GROUP_MIN_COLS, 1 << np.ceil(np.log2(cols)).astype(np.int64))
+    ones = np.flatnonzero(single)
+    groups = [ones[bucket == b] for b in np.unique(bucket)]
+    return groups + [multi] if len(multi) else groups
 
 
 def paged_attention(
@@ -303,26 +422,61 @@ def paged_attention(
     items: Sequence[ItemSpec],
     block_size: int,
     device: torch.device | str = "cpu",
+    tables: np.ndarray | None = None,
 ) -> PagedAttention | GroupedAttention:
     """The attention of one step's ``items``: one padded batch when they form one group
-    (``attention_groups``), else each group on its own."""
-    groups = attention_groups(items, block_size)
-    if len(groups) == 1:
-        return PagedAttention(kv, AttentionMetadata.build(items, block_size, device))
-    offsets = [0]
-    for _, n, _ in items:
-        offsets.append(offsets[-1] + n)
-    rows = [r for ks in groups for k in ks for r in range(offsets[k], offsets[k + 1])]
+    (``attention_groups``), else each group on its own. ``tables``: as for
+    ``HostMetadata.build`` (rows aligned with ``items``). Everything the groups need reaches
+    the device in one transfer; ``positions`` of the result are the rows' positions."""
     dev = torch.device(device)
-    rows_t = move_to(host_tensor(rows, torch.int64), dev)  # [N]: the groups' rows, in order
-    slot_mapping = torch.empty(offsets[-1], dtype=torch.int64, device=dev)  # [N]
-    parts = []
+    starts = np.array([it[0] for it in items], dtype=np.int64)
+    lens = np.array([it[1] for it in items], dtype=np.int64)
+    groups = _groups(starts, lens, block_size) if len(items) else [np.arange(0)]
+    if len(groups) == 1:
+        md = AttentionMetadata.build(
+            items, block_size, dev, tables=tables, starts_lens=(starts, lens)
+        )
+        return PagedAttention(kv, md)
+    hosts = [
+        HostMetadata.build(
+            [items[k] for k in ks.tolist()],
+            block_size,
+            tables=None if tables is None else tables[ks],
+        )
+        for ks in groups
+    ]
+    offsets = np.cumsum(lens) - lens
+    # The groups' rows, in the step's row order, group after group.
+    rows = np.concatenate(
+        [
+            np.concatenate([np.arange(offsets[k], offsets[k] + lens[k]) for k in ks])
+            if host.max_q > 1
+            else offsets[ks]
+            for ks, host in zip(groups, hosts)
+        ]
+    )
+    num_rows = int(lens.sum())
+    slot_mapping = np.empty(num_rows, dtype=np.int64)
+    positions = np.empty(num_rows, dtype=np.int64)
     first = 0
-    for ks in groups:
-        num = sum(items[k][1] for k in ks)
-        group_rows = rows_t[first : first + num]
-        first += num
-        md = AttentionMetadata.build([items[k] for k in ks], block_size, dev)
-        slot_mapping.index_copy_(0, group_rows, md.slot_mapping)
-        parts.append((group_rows, PagedAttention(kv, md)))
-    return GroupedAttention(kv, parts, slot_mapping)
+    for host in hosts:
+        group_rows = rows[first : first + host.num_rows]
+        slot_mapping[group_rows] = host.slot_mapping
+        positions[group_rows] = host.positions
+        first += host.num_rows
+    parts = [rows, slot_mapping, positions]
+    for host in hosts:
+        parts += host.parts()
+    flat = to_device_packed(parts, dev)
+    rows_t = flat[:num_rows]
+    offset = 3 * num_rows
+    attns = []
+    first = 0
+    for host in hosts:
+        md = AttentionMetadata.on_device(host, flat[offset : offset + host.size], block_size)
+        offset += host.size
+        attns.append((rows_t[first : first + host.num_rows], PagedAttention(kv, md)))
+        first += host.num_rows
+    return GroupedAttention(
+        kv, attns, flat[num_rows : 2 * num_rows], flat[2 * num_rows : 3 * num_rows]
+    )

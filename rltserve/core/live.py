@@ -19,25 +19,37 @@ from dataclasses import dataclass, field
 import torch
 
 from rltserve.core.plan import RequestSetup
+from rltserve.core.sampler import SampleRow
 
 
-@dataclass
+@dataclass(slots=True)
 class ItemState:
     """The in-flight work item of a request, as the device sees it."""
 
     start: int
-    state: torch.Tensor | None = None  # [n, S] after the last loop run
-    e: torch.Tensor | None = None  # [n, E] input injection (models that re-inject it)
-    gate: torch.Tensor | None = None  # [2] fp32: survival S and CDF of the output position
+    # The item's state after the last loop run is rows [row, row + n) of ``src``, that step's
+    # whole output [N, S] (one tensor shared by the step's items, so the next step gathers
+    # every item's rows with one index_select); ``e_src`` the same rows' input injection
+    # (models that re-inject it).
+    src: torch.Tensor | None = None
+    e_src: torch.Tensor | None = None
+    row: int = 0
+    # The output position's gate state (survival S, CDF) in fp32: row ``gate_row`` of
+    # ``gate_src`` [M, 2], the last loop's gate of every output row of that step; None before
+    # the position's first loop.
+    gate_src: torch.Tensor | None = None
+    gate_row: int = 0
     pending: bool = False  # delayed exit: the next loop is the exit (host copy)
     exited: bool = False  # the output position has produced its token
 
 
 @dataclass
 class Draft:
-    """Token pipelining: the drafted input of one position."""
+    """Token pipelining: the drafted input of one position: row ``row`` of ``tokens`` (the
+    drafting step's [K] int64 drafts on the device)."""
 
-    token: torch.Tensor  # [1] int64 on the device: the next position's prelude input
+    tokens: torch.Tensor
+    row: int
     value: int | None = None  # host copy, once the drafting step's result is delivered
 
 
@@ -46,10 +58,14 @@ class LiveRequest:
     setup: RequestSetup
     generator: torch.Generator | None
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
-    last_token: torch.Tensor | None = None  # [1] int64 on the device: the last sampled token
+    # The last sampled token, on the device: row ``last_row`` of ``last_tokens`` (the sampling
+    # step's [R] int64 tokens), so a step gathers its decode inputs with one index_select.
+    last_tokens: torch.Tensor | None = None
+    last_row: int = 0
     history: list[int] | None = None  # sampled tokens (host), kept only for penalties
     drafts: dict[int, Draft] = field(default_factory=dict)  # by the position it feeds
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
+    sample_row: SampleRow | None = None  # what the sampler needs of this request
 
     @classmethod
     def create(cls, setup: RequestSetup, device: torch.device, vocab_size: int) -> LiveRequest:
@@ -64,16 +80,21 @@ class LiveRequest:
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])
-        return cls(setup, generator, history=history)
+        live = cls(setup, generator, history=history)
+        # One per request: its fields never change (the history list grows in place).
+        live.sample_row = SampleRow(
+            params=setup.params, generator=generator, penalty_tokens=live.penalty_tokens()
+        )
+        return live
 
-    def input_token(self, position: int) -> torch.Tensor:
-        """[1] int64: the prelude input of the decode token at ``position``."""
-        draft = self.drafts.get(position)
+    def input_token(self, position: int) -> tuple[torch.Tensor, int]:
+        """The prelude input of the decode token at ``position``: (device tensor, row)."""
+        draft = self.drafts.get(position) if self.drafts else None
         if draft is not None:
-            return draft.token
-        if self.last_token is None:
+            return draft.tokens, draft.row
+        if self.last_tokens is None:
             raise RuntimeError(f"{self.setup.request_id}: decode input requested before any token")
-        return self.last_token
+        return self.last_tokens, self.last_row
 
     def commit(self, next_position: int, token: int) -> bool:
         """Records the host value of a sampled token, the input of ``next_position``. Returns

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 import torch
 
 from rltserve.core.attention import allocate_kv_cache, paged_attention
+from rltserve.core.block_tables import BlockTables
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest
@@ -108,6 +109,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
+        self.block_tables = BlockTables()  # host copies of the tables steps use
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
         self.logits_width = self.spec.vocab_size
@@ -144,6 +146,7 @@ class ModelRunner:
         if executor is not None:
             executor.set_idle(self.poll)
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
+        self.model_cpu_seconds = 0.0  # the same calls' CPU time on the thread that ran them
         self.busy_seconds = 0.0  # wall time launching steps and delivering their results
         self.drafts_checked = 0  # token pipelining: drafts compared with the committed token
         self.drafts_rejected = 0
@@ -247,6 +250,7 @@ class ModelRunner:
         )
         for rid in request_ids:  # their device state is unknown now
             self.live.pop(rid, None)
+            self.block_tables.release(rid)
         # Steps planned before the scheduler learns of the failure skip these requests' items
         # (instead of failing on the missing state) until the scheduler releases them.
         self._dropped.update(request_ids)
@@ -258,9 +262,16 @@ class ModelRunner:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 
-    def attention(self, spans: list[tuple[int, int, list[int]]]) -> AttentionFn:
-        """Attention over ``(start, num_tokens, block_table)`` spans, one per item."""
-        return paged_attention(self.kv, spans, self.block_size, self.device)
+    def attention(
+        self, spans: list[tuple[int, int, list[int]]], keys: list[tuple[str, int]] | None = None
+    ) -> AttentionFn:
+        """Attention over ``(start, num_tokens, block_table)`` spans, one per item; with the
+        tables' ``keys`` ((request id, depth), depth 0 for the boundary plane) the tables come
+        from the persistent ``BlockTables``."""
+        tables = None
+        if keys is not None:
+            tables = self.block_tables.gather(keys, [span[2] for span in spans])
+        return paged_attention(self.kv, spans, self.block_size, self.device, tables)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
@@ -273,9 +284,10 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.swapped.values())
 
     def timed(self, fn, *args):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = fn(*args)
         self.model_seconds += time.perf_counter() - start
+        self.model_cpu_seconds += time.thread_time() - cpu
         return out
 
     def tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -288,9 +300,11 @@ class ModelRunner:
             self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
         for rid in plan.preempted:
             self.live.pop(rid, None)
+            self.block_tables.release(rid)
             self._dropped.discard(rid)
         for rid in plan.released:
             self.live.pop(rid, None)
+            self.block_tables.release(rid)
             self.swapped.pop(rid, None)
             self._dropped.discard(rid)
         for rid, blocks in plan.swap_in:
@@ -303,22 +317,30 @@ class ModelRunner:
         # Items planned before a rollback this runner already did are stale: skip them.
         # (Steps that can roll back are delivered before the next launch, so epochs are
         # current here.) So are items of requests a failed step dropped.
-        active = [
-            k
-            for k, it in enumerate(plan.items)
-            if it.request_id not in self._dropped and it.epoch >= self.live[it.request_id].epoch
-        ]
+        if self._dropped or self.drafts_rejected:  # epochs are 0 until a draft is rejected
+            active = [
+                k
+                for k, it in enumerate(plan.items)
+                if it.request_id not in self._dropped and it.epoch >= self.live[it.request_id].epoch
+            ]
+        else:
+            active = range(len(plan.items))
         if not active:
             handle.finish = lambda: StepResult(plan.step_id, [None] * len(plan.items))
             return False
-        step = Step(self, [plan.items[k] for k in active])
+        step = Step(
+            self, plan.items if len(active) == len(plan.items) else [plan.items[k] for k in active]
+        )
         eager = step.run()
         handle.outputs = step.outputs
 
         def finish() -> StepResult:
-            results: list[ItemResult | None] = [None] * len(plan.items)
-            for k, result in zip(active, step.results()):
-                results[k] = result
+            if len(active) == len(plan.items):
+                results: list[ItemResult | None] = step.results()
+            else:
+                results = [None] * len(plan.items)
+                for k, result in zip(active, step.results()):
+                    results[k] = result
             return StepResult(
                 plan.step_id, results, num_rows=step.num_rows, num_coda_rows=step.num_coda_rows
             )

@@ -39,7 +39,9 @@ class StepHost(Protocol):
         """Delivers every launched step before this one."""
         ...
 
-    def attention(self, spans: list[tuple[int, int, list[int]]]) -> AttentionFn: ...
+    def attention(
+        self, spans: list[tuple[int, int, list[int]]], keys: list[tuple[str, int]] | None = None
+    ) -> AttentionFn: ...
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, its wall time counted as model time."""

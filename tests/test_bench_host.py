@@ -1,0 +1,77 @@
+"""``rltserve bench host``: the host-overhead benchmark's report (shape and consistency; no
+timings are asserted), and the stand-in model it drives."""
+
+from __future__ import annotations
+
+import gc
+
+import orjson
+import torch
+
+from rltserve.bench.standin import StandInModel
+from rltserve.cli import main
+from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineCore
+from rltserve.sampling import SamplingParams
+
+PHASES = ("plan", "runner", "apply", "emit")
+
+
+def test_quick_report_has_every_cell_and_sane_values(capsys):
+    threads, thresholds = torch.get_num_threads(), gc.get_threshold()
+    assert main(["bench", "host", "--quick", "--quiet"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    assert torch.get_num_threads() == threads  # restored
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    assert report["stage_gc"] is True
+    assert report["steps"] == 8 and report["threads"] == 1 and report["chunk_tokens"] == 512
+    expected = {
+        f"{kind}/{mode}/rows{rows}/ctx128"
+        for kind in ("decode", "mixed")
+        for mode in ("sync", "async")
+        for rows in (8, 32)
+    }
+    assert set(report["cells"]) == expected
+    for key, cell in report["cells"].items():
+        kind, mode = key.split("/")[:2]
+        assert cell["steps"] == 8
+        assert cell["context"] == 128 and cell["rows"] in (8, 32)
+        assert cell["steps_per_s"] > 0 and cell["gc_ms"] >= 0
+        for phase in PHASES:
+            assert cell[f"{phase}_wall_ms"] > 0, (key, phase)
+            if mode == "sync" or phase != "runner":  # the async runner is on another thread
+                assert cell[f"{phase}_cpu_ms"] >= 0, (key, phase)
+        assert ("runner_cpu_ms" in cell) == (mode == "sync")
+        parts = sum(cell[f"{phase}_wall_ms"] for phase in PHASES)
+        assert abs(cell["host_wall_ms"] - parts) < 1e-3 + 1e-6 * parts
+        # Every mixed step carries the 512-token chunk; no decode-only step does.
+        assert cell["chunk_steps"] == (8 if kind == "mixed" else 0)
+    assert report["targets"] == {}  # no cell at 256 or 512 rows, 1k context
+
+
+def test_bench_host_usage_errors(capsys):
+    assert main(["bench", "host", "--rows", "0", "--quiet"]) == 2
+    assert "--rows [0]: every value must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "host", "--threads", "0", "--quiet"]) == 2
+    assert "--threads 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_standin_model_decodes_deterministically_at_a_fixed_depth():
+    """Through the engine: each token is its input + 1, and with threshold 0.8 (CDF 0.5, 0.75,
+    0.875 by depth) every token exits at depth 3."""
+    model = StandInModel(vocab_size=64)
+    core = EngineCore(
+        EngineConfig.from_flat(model="stand-in", device="cpu", num_blocks=64), model=model
+    )
+    core.add_request("a", [5, 9], SamplingParams(max_tokens=4, exit_threshold=0.8))
+    core.add_request("b", [62], SamplingParams(max_tokens=3, exit_threshold=0.8))
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    depths: dict[str, list[int]] = {"a": [], "b": []}
+    while core.has_work():
+        for u in core.step():
+            tokens[u.request_id] += u.new_token_ids
+            depths[u.request_id] += u.new_exit_depths
+    core.kv.check_no_leaks()
+    core.shutdown()
+    assert tokens == {"a": [10, 11, 12, 13], "b": [63, 0, 1]}
+    assert depths == {"a": [3, 3, 3, 3], "b": [3, 3, 3]}
