@@ -100,17 +100,25 @@ async def serve_until_signalled(server_config: ServerConfig, engine_config: Engi
         await server.close()
         log.error("giving up: the engine failed to start")
         return 1
+    code = 0
     if not stop.is_set():
         log.info("serving %s on %s", state.model_name, server.url)
-        await stop.wait()
+        failed = asyncio.create_task(state.gave_up())
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            log.error("giving up: the stage failed and could not be restarted")
+            code = 1
+        failed.cancel()
     log.info("shutting down")
     ready.cancel()
+    stopped.cancel()
     await server.close()
-    return 0
+    return code
 
 
 def run_server(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Serves until SIGINT/SIGTERM; returns the process exit code."""
+    """Serves until SIGINT/SIGTERM (exit code 0), or until the stage failed and its restarts
+    ran out (exit code 1, so that systemd or Kubernetes restarts the process)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
