@@ -103,6 +103,11 @@ class ServingState:
             self._frontend = Frontend(
                 self._client, info, tokenizer, self.metrics, self.executor, token_chars
             )
+            if hasattr(client.inner, "replicas"):
+                from rltserve.ray.metrics import ReplicaCollector
+
+                collector = ReplicaCollector(self.model_name, lambda: client.inner)
+                self.metrics.registry.register(collector)
             self._watch = asyncio.create_task(client.watch(), name="rltserve-stage-supervisor")
             log.info(
                 "engine ready: %s (%s, %d loops)", self.model_name, info.family, info.num_loops
@@ -185,7 +190,17 @@ class ServingState:
         if not stage.alive:
             why = stage.failure or stage.error or "it stopped"
             raise unavailable(f"the engine is not running; restarting it ({why})", retry)
+        if (why := stage.unavailable_reason) is not None:
+            raise unavailable(why, retry)
         return self._frontend
+
+    def health(self) -> dict:
+        """The body of a 200 /health: replica counts when serving a replica set."""
+        inner = self._client.inner if self._client is not None else None
+        live = getattr(inner, "live_replicas", None)
+        if live is None:
+            return {"status": "ok"}
+        return {"status": "ok", "replicas": {"live": live, "configured": inner.config.replicas}}
 
     def ignore_field(self, path: str) -> None:
         """An unknown request field (``strict_fields`` off): dropped, with one warning per field

@@ -130,6 +130,16 @@ class SupervisedStage:
         return self.failure or getattr(self._client, "error", None)
 
     @property
+    def unavailable_reason(self) -> str | None:
+        """Why a running client cannot take requests now (a replica set with no live replica)."""
+        return getattr(self._client, "unavailable_reason", None)
+
+    @property
+    def inner(self) -> StageClientLike:
+        """The current stage client."""
+        return self._client
+
+    @property
     def pid(self) -> int | None:
         """The current stage worker's process id (None for an in-process stage)."""
         return getattr(self._client, "pid", None)
@@ -221,6 +231,8 @@ class SupervisedStage:
         if not client.alive:
             return getattr(client, "error", None) or "the stage stopped"
         watchdog = self.policy.watchdog_s
+        if getattr(client, "self_supervised", False):
+            return None  # it replaces its own failed parts (Ray Serve replicas)
         if watchdog and self._hung_for() > watchdog:
             return f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
         return None
