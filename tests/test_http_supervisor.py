@@ -236,3 +236,20 @@ async def test_health_is_200_while_the_stage_is_idle_beyond_the_watchdog(ckpt):
         async with aiohttp.ClientSession():
             status, _, _ = await live.post(COMPLETIONS, BODY)
         assert status == 200
+
+
+class _NoReplicaStage(ScriptedStage):
+    """A running replica set with no replica alive."""
+
+    unavailable_reason = "no engine replica is alive (0 of 2); retry later"
+
+
+async def test_no_live_replica_is_a_503_with_retry_after_not_a_hang(ckpt):
+    stage = _NoReplicaStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for path, body in (("/health", None), (COMPLETIONS, BODY)):
+            request = live.get(path) if body is None else live.post(path, body)
+            status, headers, raw = await asyncio.wait_for(request, 10)
+            assert status == 503 and headers["Retry-After"] == "1", raw
+            assert orjson.loads(raw)["error"]["message"] == stage.unavailable_reason
+        assert stage.added == []

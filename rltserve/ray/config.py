@@ -56,7 +56,7 @@ class ReplicaConfig:
                 f"--replica-affinity {self.replica_affinity}: must be one of {AFFINITIES}"
             )
         if self.ray_address is not None and not self.ray_address.strip():
-            raise ValueError("--ray-address '': must not be empty")
+            raise ValueError(f"--ray-address {self.ray_address!r}: must not be empty")
 
     @property
     def enabled(self) -> bool:
