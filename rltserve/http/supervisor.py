@@ -171,9 +171,11 @@ class SupervisedStage:
     def abort(self, request_id: str) -> None:
         with self._lock:
             entry = self._open.get(request_id)
-        if entry is not None:
-            with contextlib.suppress(StageError):
-                entry.client.abort(request_id)
+            # The frontend may abort a request whose final update already passed (a stop string
+            # it found in an earlier update): the current stage gets it, where it is a no-op.
+            client = entry.client if entry is not None else self._client
+        with contextlib.suppress(StageError):
+            client.abort(request_id)
 
     def close(self) -> None:
         self._closing = True
