@@ -27,6 +27,19 @@ def require_ray(flag: str = "--replicas"):
     return ray
 
 
+def check_affinity(config: ReplicaConfig) -> None:
+    """Session affinity needs Serve's consistent-hash router (Ray 2.60 has it)."""
+    if config.replica_affinity != "session":
+        return
+    try:
+        import ray.serve.experimental.consistent_hash_router  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            "--replica-affinity session: this Ray Serve has no consistent-hash router "
+            "(ray.serve.experimental.consistent_hash_router); upgrade Ray or use 'none'"
+        ) from exc
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """A ``host:port`` (or ``ray://host:port``) address accepts TCP connections: Ray itself
     retries an unreachable address for minutes. ``auto`` is Ray's to resolve."""
@@ -46,6 +59,7 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
     """Connects this process to Ray (no-op when connected already). Returns True when it
     started a local cluster, which the caller then owns and shuts down."""
     ray = require_ray()
+    check_affinity(config)
     if ray.is_initialized():
         return False
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
