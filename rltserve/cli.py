@@ -105,7 +105,12 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     args.progress = progress_enabled(args.quiet)
     # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
     graphs = args.cuda_graphs and not args.compare
-    report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
+    if args.replicas is not None:
+        from rltserve.ray.offline import run_replicas_bench
+
+        report = run_replicas_bench(args, checked_engine_kwargs(args))
+    else:
+        report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -231,6 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_int_list,
         default=[8, 32, 128],
         help="prefill chunk sizes of the wavefront comparison (default 8,32,128)",
+    )
+    off.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="split the prompts over N engine replicas on Ray actors (needs the 'ray' extra)",
+    )
+    off.add_argument(
+        "--ray-address", default=None, help="Ray cluster for --replicas (default: a local one)"
     )
     off.add_argument("--json", action="store_true", help="print the report as JSON")
     off.add_argument("--quiet", action="store_true", help="no progress bars on stderr")

@@ -235,7 +235,8 @@ async def test_engine_rejection_is_a_400(ckpt):
 
 async def test_stage_death_mid_stream(ckpt):
     stage = stage_for(ckpt, interval_s=0.01)
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, stage_restarts=0) as live:
         body = {"prompt": [5], "max_tokens": 63, "stream": True}
         async with live.stream("/v1/completions", body) as r:
             first = await r.content.readuntil(b"\n\n")

@@ -29,7 +29,7 @@ def ckpt(tmp_path_factory):
 
 
 async def test_spawned_stage_serves_and_dies_cleanly(ckpt):
-    async with running(ckpt, client_factory=StageClient) as live:
+    async with running(ckpt, client_factory=StageClient, stage_restarts=0) as live:
         client = live.state.client
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         status, _, raw = await live.post("/v1/completions", body)

@@ -55,6 +55,7 @@ def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from rltserve.engine_args import add_engine_args
     from rltserve.http.config import ServerConfig
+    from rltserve.ray.config import ReplicaConfig
 
     parser = subparsers.add_parser(
         "serve",
@@ -63,6 +64,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "it serves the built-in demo model.",
     )
     add_dataclass_args(parser, ServerConfig, "server")
+    add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
     add_engine_args(parser)
     parser.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
@@ -77,15 +79,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rltserve.http.config import ServerConfig
     from rltserve.http.server import run_server
     from rltserve.preflight import check_listen_address, check_tls_files
+    from rltserve.ray.config import ReplicaConfig
 
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
     engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
     check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
     check_listen_address(server_config.host, server_config.port)  # before the model loads
+    replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_server(server_config, engine_config)
+    if not replica_config.enabled:
+        return run_server(server_config, engine_config)
+    from rltserve.ray.client import ReplicaSetClient
+    from rltserve.ray.cluster import connect
+
+    owned = connect(replica_config)  # before the model loads: a bad address is a usage error
+    factory = ReplicaSetClient.factory(replica_config, server_config.max_concurrent, owned)
+    return run_server(server_config, engine_config, factory)
 
 
 # ---------------------------------------------------------------------- bench serve

@@ -94,6 +94,25 @@ class ServerConfig:
             "seconds a stream may wait for its client to read before the request is aborted"
         ),
     )
+    # A dead or hung stage is restarted (see rltserve.http.supervisor); when restarts run out
+    # the process exits non-zero for an outer supervisor to act.
+    stage_watchdog_s: float = field(
+        default=300.0,
+        metadata=_help(
+            "seconds a busy stage may go without finishing a step before it is killed and "
+            "restarted (0: no watchdog)"
+        ),
+    )
+    stage_restarts: int = field(
+        default=3,
+        metadata=_help(
+            "consecutive stage restarts before the server gives up and exits with code 1"
+        ),
+    )
+    stage_restart_backoff_s: float = field(
+        default=1.0,
+        metadata=_help("seconds before the first restart of a failed stage (doubles per retry)"),
+    )
     metrics_auth: bool = field(default=False, metadata=_help("require the API key on /metrics too"))
     expose_model_path: bool = field(
         default=False,
@@ -142,6 +161,13 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r}: must be a number > 0")
+        for name in ("stage_watchdog_s", "stage_restart_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be a number >= 0")
+        restarts = self.stage_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")
         for name in ("metrics_auth", "expose_model_path"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")

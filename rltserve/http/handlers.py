@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from rltserve import __version__
+from rltserve.http import session
 from rltserve.http.admin import add_admin_routes
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import HTTPError, bad_request, json_response
@@ -54,6 +55,7 @@ async def read_body(request: web.Request, cls: type) -> Any:
         parsed, unknown = _parse(raw, cls, strict)
     for name in unknown:
         state.ignore_field(name)
+    session.remember(request.headers, getattr(parsed, "user", None))
     return parsed
 
 
@@ -105,8 +107,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    request.app[STATE].require_frontend()
-    return json_response({"status": "ok"})
+    state = request.app[STATE]
+    state.require_frontend()
+    return json_response(state.health())
 
 
 async def metrics(request: web.Request) -> web.Response:

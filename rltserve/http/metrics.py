@@ -109,6 +109,9 @@ class ServingMetrics:
         self.request_generation = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         ).labels(model_name)
+        self.stage_restarts = Counter(
+            P + "stage_restarts", "Stage restarts after a dead or hung stage.", model, registry=reg
+        ).labels(model_name)
         self.exit_depth: Histogram | None = None  # buckets 1..max_loops: known once loaded
         self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
         self.sum_depths = 0  # loops_per_token

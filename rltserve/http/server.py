@@ -20,7 +20,7 @@ from aiohttp import web
 from rltserve.config import EngineConfig
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
-from rltserve.http.state import STATE
+from rltserve.http.state import STATE, ClientFactory
 
 log = logging.getLogger("rltserve.http")
 _SHUTDOWN_MARGIN_S = 5.0  # beyond drain_timeout_s, for aborted handlers to write their ending
@@ -84,8 +84,13 @@ async def serving(app: web.Application, config: ServerConfig) -> AsyncIterator[R
         await server.close()
 
 
-async def serve_until_signalled(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    app = create_app(server_config, engine_config)
+async def serve_until_signalled(
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    client_factory: ClientFactory | None = None,
+) -> int:
+    factory = {} if client_factory is None else {"client_factory": client_factory}
+    app = create_app(server_config, engine_config, **factory)
     server = await start_server(app, server_config)
     log.info("listening on %s (model loading)", server.url)
     stop = asyncio.Event()
@@ -100,19 +105,32 @@ async def serve_until_signalled(server_config: ServerConfig, engine_config: Engi
         await server.close()
         log.error("giving up: the engine failed to start")
         return 1
+    code = 0
     if not stop.is_set():
         log.info("serving %s on %s", state.model_name, server.url)
-        await stop.wait()
+        failed = asyncio.create_task(state.gave_up())
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            log.error("giving up: the stage failed and could not be restarted")
+            code = 1
+        failed.cancel()
     log.info("shutting down")
     ready.cancel()
+    stopped.cancel()
     await server.close()
-    return 0
+    return code
 
 
-def run_server(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Serves until SIGINT/SIGTERM; returns the process exit code."""
+def run_server(
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    client_factory: ClientFactory | None = None,
+) -> int:
+    """Serves until SIGINT/SIGTERM (exit code 0), or until the stage failed and its restarts
+    ran out (exit code 1, so that systemd or Kubernetes restarts the process).
+    ``client_factory`` builds the stage client (default: one stage worker process)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        return asyncio.run(serve_until_signalled(server_config, engine_config))
-    return uvloop.run(serve_until_signalled(server_config, engine_config))
+        return asyncio.run(serve_until_signalled(server_config, engine_config, client_factory))
+    return uvloop.run(serve_until_signalled(server_config, engine_config, client_factory))

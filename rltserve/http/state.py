@@ -9,6 +9,7 @@ requests ``drain_timeout_s`` to finish, then aborts the rest; ``stop`` (cleanup)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -27,6 +28,7 @@ from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
+from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 
 _MAX_WARNED_FIELDS = 64  # distinct unknown field names warned about, per app
@@ -72,7 +74,8 @@ class ServingState:
         self.load_error: str | None = None
         self.ready = asyncio.Event()  # set once loading ended, successfully or not
         self._client_factory = client_factory
-        self._client: StageClientLike | None = None
+        self._client: SupervisedStage | None = None
+        self._watch: asyncio.Task | None = None
         self._frontend: Frontend | None = None
         self._ignored_fields: set[str] = set()  # names already warned about
         # Owned here, shut down in stop(): long bodies and texts are parsed and encoded on it.
@@ -86,7 +89,13 @@ class ServingState:
         path = str(self.engine_config.model.model)
         tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, path))
         try:
-            self._client = await asyncio.to_thread(self._client_factory, self.engine_config)
+            self._client = await asyncio.to_thread(
+                SupervisedStage,
+                self._client_factory,
+                self.engine_config,
+                self.restart_policy(),
+                self.metrics.stage_restarts.inc,
+            )
             info = await self._wait_ready(self._client)
             tokenizer, token_chars = await tokenizer_job
             client = self._client
@@ -94,6 +103,12 @@ class ServingState:
             self._frontend = Frontend(
                 self._client, info, tokenizer, self.metrics, self.executor, token_chars
             )
+            if hasattr(client.inner, "replicas"):
+                from rltserve.ray.metrics import ReplicaCollector
+
+                collector = ReplicaCollector(self.model_name, lambda: client.inner)
+                self.metrics.registry.register(collector)
+            self._watch = asyncio.create_task(client.watch(), name="rltserve-stage-supervisor")
             log.info(
                 "engine ready: %s (%s, %d loops)", self.model_name, info.family, info.num_loops
             )
@@ -106,6 +121,22 @@ class ServingState:
             else:
                 tokenizer_job.cancel()
             self.ready.set()
+
+    def restart_policy(self) -> RestartPolicy:
+        config = self.config
+        return RestartPolicy(
+            watchdog_s=config.stage_watchdog_s,
+            max_restarts=config.stage_restarts,
+            backoff_s=config.stage_restart_backoff_s,
+            startup_timeout_s=config.startup_timeout_s,
+        )
+
+    async def gave_up(self) -> None:
+        """Returns once the stage failed for good (restarts exhausted); never if it did not."""
+        await self.ready.wait()
+        if self._client is None or self.load_error is not None:
+            await asyncio.Event().wait()  # nothing to supervise: only shutdown ends this
+        await self._client.given_up.wait()
 
     async def _wait_ready(self, client: StageClientLike):
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -132,6 +163,10 @@ class ServingState:
 
     async def stop(self) -> None:
         self.closing = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         if self._frontend is not None:
             self._frontend.interrupt_all()
         if self._client is not None:
@@ -149,9 +184,23 @@ class ServingState:
             raise unavailable(f"the engine failed to start: {self.load_error}")
         if self._frontend is None:
             raise unavailable("Loading model", retry)
-        if not self._frontend.client.alive:
-            raise unavailable("the engine is not running")
+        stage = self._client
+        if stage.gave_up:
+            raise unavailable(f"the engine is not running (no restarts left): {stage.failure}")
+        if not stage.alive:
+            why = stage.failure or stage.error or "it stopped"
+            raise unavailable(f"the engine is not running; restarting it ({why})", retry)
+        if (why := stage.unavailable_reason) is not None:
+            raise unavailable(why, retry)
         return self._frontend
+
+    def health(self) -> dict:
+        """The body of a 200 /health: replica counts when serving a replica set."""
+        inner = self._client.inner if self._client is not None else None
+        live = getattr(inner, "live_replicas", None)
+        if live is None:
+            return {"status": "ok"}
+        return {"status": "ok", "replicas": {"live": live, "configured": inner.config.replicas}}
 
     def ignore_field(self, path: str) -> None:
         """An unknown request field (``strict_fields`` off): dropped, with one warning per field
@@ -174,7 +223,7 @@ class ServingState:
         return {h: request.headers[h] for h in PASSTHROUGH_HEADERS if h in request.headers}
 
     @property
-    def client(self) -> StageClientLike | None:
+    def client(self) -> SupervisedStage | None:
         return self._client
 
 

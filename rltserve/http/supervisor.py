@@ -1,0 +1,344 @@
+"""Keeps the server's stage running: notices a dead or hung stage, fails its requests, restarts it.
+
+``SupervisedStage`` is the stage client the server talks to. It owns the current stage client
+(built by the app's ``client_factory``) and swaps in a new one after a failure, so the frontend
+keeps one client for the server's lifetime. ``watch`` (a task of the server's event loop) checks
+the stage every tick:
+
+- dead: the client reports it is no longer alive (worker exit or ``kill -9``: channel EOF; a
+  fatal error of the engine loop);
+- hung: requests are open and neither an update nor fresh engine stats arrived for
+  ``watchdog_s`` seconds (one engine step sends both); the stage is then killed.
+
+Either way every request still open on that stage ends with an ERROR update whose message starts
+with "stage died" (the frontend turns it into a 503 body, or an error event then ``[DONE]`` in a
+stream), and the stage is restarted after a backoff that doubles per consecutive attempt. While
+it restarts ``alive`` is False (the server answers 503 with Retry-After). After
+``max_restarts`` consecutive failed attempts, or a stage that fails again before it ran
+``stable_s`` seconds that many times, the supervisor gives up: ``given_up`` is set and the
+server process exits non-zero so that an outer supervisor (systemd, Kubernetes) acts.
+
+Invariant: every request whose ``add_request`` returned gets exactly one final update, from the
+client it was added to or from here, never both (``_open`` is the one record of which client
+owns which request; updates of a request no longer there are dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.stage import Sink, StageError
+from rltserve.http.frontend import StageClientLike
+from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason, RequestUpdate
+
+log = logging.getLogger("rltserve.http")
+
+_POLL_S = 0.25  # wait_ready polls, so shutdown can interrupt a restart
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a failed stage is handled. ``watchdog_s`` 0 turns hang detection off."""
+
+    watchdog_s: float = 300.0
+    max_restarts: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    stable_s: float = 60.0  # a stage that ran this long starts a fresh count of restarts
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("watchdog_s", "backoff_s", "backoff_max_s", "stable_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be a number >= 0")
+        restarts = self.max_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"max_restarts={restarts!r}: must be an int >= 0")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds before restart attempt ``attempt`` (1-based)."""
+        return min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
+
+
+@dataclass
+class _Open:
+    client: StageClientLike
+    sink: Sink
+
+
+class SupervisedStage:
+    """A stage client that survives its stage (see the module doc); the StageClientLike API."""
+
+    def __init__(
+        self,
+        factory: Callable[[EngineConfig], StageClientLike],
+        engine_config: EngineConfig,
+        policy: RestartPolicy,
+        on_restart: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self._factory = factory
+        self._engine_config = engine_config
+        self._on_restart = on_restart
+        self._clock = clock
+        self._lock = threading.Lock()  # guards _open, _client and _last_progress together
+        self._open: dict[str, _Open] = {}
+        self._client = factory(engine_config)
+        self._started = clock()
+        self._last_progress = clock()
+        self._last_stats: EngineStats | None = None
+        self._attempts = 0  # consecutive restarts without a stable stage between them
+        self.restarts = 0  # successful restarts
+        self.restarting = False
+        self.failure: str | None = None  # why the last stage stopped, while restarting or given up
+        self.given_up = asyncio.Event()  # set on the server's loop, by watch()
+        self._closing = False
+        # Weight updates applied so far, in order: a restarted stage loads --model's weights,
+        # so they are applied to it again before it serves (same weights, same version).
+        self._updates: list[list[str]] = []
+
+    # ------------------------------------------------------------------ StageClientLike
+
+    @property
+    def info(self) -> EngineInfo | None:
+        return self._client.info
+
+    @property
+    def stats(self) -> EngineStats | None:
+        return self._client.stats
+
+    @property
+    def alive(self) -> bool:
+        return not self.restarting and not self.gave_up and self._client.alive
+
+    @property
+    def gave_up(self) -> bool:
+        return self.given_up.is_set()
+
+    @property
+    def error(self) -> str | None:
+        return self.failure or getattr(self._client, "error", None)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why a running client cannot take requests now (a replica set with no live replica)."""
+        return getattr(self._client, "unavailable_reason", None)
+
+    @property
+    def inner(self) -> StageClientLike:
+        """The current stage client."""
+        return self._client
+
+    @property
+    def pid(self) -> int | None:
+        """The current stage worker's process id (None for an in-process stage)."""
+        return getattr(self._client, "pid", None)
+
+    @property
+    def weight_version(self) -> int:
+        return getattr(self._client, "weight_version", 0)
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        return self._client.wait_ready(timeout)
+
+    def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
+        """The current stage's ``update_weights``, remembered so a restart applies it again."""
+        if self.restarting or self.gave_up:
+            raise StageError(f"stage is not running: {self.failure}")
+        update = getattr(self._client, "update_weights", None)
+        if update is None:
+            raise ValueError("model_path: this server's stage cannot update weights in place")
+        version = update(paths, abort, timeout_s)
+        self._updates.append(list(paths))
+        return version
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
+    ) -> None:
+        with self._lock:
+            if self.restarting or self.gave_up:
+                raise StageError(f"stage is not running: {self.failure}")
+            client = self._client
+            if request_id in self._open:
+                raise ValueError(f"request_id={request_id!r}: already in use")
+            if not self._open:  # the watchdog measures from the first open request
+                self._last_progress = self._clock()
+            self._open[request_id] = _Open(client, sink)
+        try:
+            client.add_request(request_id, prompt_token_ids, params, self._relay(client, sink))
+        except BaseException:
+            with self._lock:
+                entry = self._open.get(request_id)
+                if entry is not None and entry.client is client:
+                    del self._open[request_id]
+            raise
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._open.get(request_id)
+            # The frontend may abort a request whose final update already passed (a stop string
+            # it found in an earlier update): the current stage gets it, where it is a no-op.
+            client = entry.client if entry is not None else self._client
+        with contextlib.suppress(StageError):
+            client.abort(request_id)
+
+    def close(self) -> None:
+        self._closing = True
+        self._client.close()
+        self._fail_open(None, FinishReason.ABORT, "stage closed before the request finished")
+
+    def kill(self) -> None:
+        """Kills the current stage worker, as a crash would (tests)."""
+        self._client.kill()
+
+    # ------------------------------------------------------------------ supervision
+
+    def _relay(self, client: StageClientLike, sink: Sink) -> Sink:
+        def relay(update: RequestUpdate) -> None:  # the client's delivering thread
+            rid = update.request_id
+            with self._lock:
+                entry = self._open.get(rid)
+                if entry is None or entry.client is not client:
+                    return  # already ended here (hung stage), or a stale update
+                self._last_progress = self._clock()
+                if update.finish_reason is not None:
+                    del self._open[rid]
+            sink(update)
+
+        return relay
+
+    def _fail_open(self, client: StageClientLike | None, finish: FinishReason, error: str) -> None:
+        """Ends every open request (of ``client``, or all) with one final update."""
+        with self._lock:
+            ended = {
+                rid: e for rid, e in self._open.items() if client is None or e.client is client
+            }
+            for rid in ended:
+                del self._open[rid]
+        for rid, entry in ended.items():
+            try:
+                entry.sink(RequestUpdate(rid, finish_reason=finish, error=error))
+            except Exception:  # one sink's failure must not keep the others waiting
+                log.exception("supervisor: the sink of request %s failed", rid)
+
+    def _hung_for(self) -> float:
+        """Seconds without progress while requests are open (0 when idle or progressing)."""
+        stats = self._client.stats
+        with self._lock:
+            if stats is not self._last_stats:  # a new stats snapshot: the engine stepped
+                self._last_stats = stats
+                self._last_progress = self._clock()
+            if not self._open:
+                return 0.0
+            return self._clock() - self._last_progress
+
+    def check(self) -> str | None:
+        """Why the current stage must be replaced, if it must: dead or hung."""
+        client = self._client
+        if not client.alive:
+            return getattr(client, "error", None) or "the stage stopped"
+        watchdog = self.policy.watchdog_s
+        if getattr(client, "self_supervised", False):
+            return None  # it replaces its own failed parts (Ray Serve replicas)
+        if watchdog and self._hung_for() > watchdog:
+            return f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
+        return None
+
+    async def watch(self, tick_s: float = 0.1) -> None:
+        """Supervises until closed or given up (run as a task on the server's loop)."""
+        while not self._closing and not self.gave_up:
+            await asyncio.sleep(tick_s)
+            reason = self.check()
+            if reason is not None and not self._closing:
+                await self._replace(reason)
+
+    async def _replace(self, reason: str) -> None:
+        old = self._client
+        self.failure = reason
+        self.restarting = True
+        log.error("stage failed: %s", reason)
+        # Requests on the failed stage end now (a hung stage would never end them).
+        self._fail_open(old, FinishReason.ERROR, f"stage died: {reason}")
+        await asyncio.to_thread(_stop, old)
+        if self._clock() - self._started >= self.policy.stable_s:
+            self._attempts = 0
+        while not self._closing:
+            if self._attempts >= self.policy.max_restarts:
+                log.error(
+                    "giving up on the stage after %d restart(s): %s", self._attempts, self.failure
+                )
+                self.given_up.set()
+                return
+            self._attempts += 1
+            delay = self.policy.backoff(self._attempts)
+            log.info("restarting the stage in %.1f s (attempt %d)", delay, self._attempts)
+            await asyncio.sleep(delay)
+            try:
+                new = await asyncio.to_thread(self._factory, self._engine_config)
+            except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
+                self.failure = f"restart failed: {type(exc).__name__}: {exc}"
+                continue
+            if await self._ready(new) and await self._reapply_updates(new):
+                with self._lock:
+                    self._client = new
+                    self._last_stats = None
+                    self._last_progress = self._clock()
+                self._started = self._clock()
+                self.restarts += 1
+                self.failure = None
+                self.restarting = False
+                self._on_restart()
+                log.info("stage restarted (%d restart(s) so far)", self.restarts)
+                return
+            await asyncio.to_thread(_stop, new)
+        await asyncio.to_thread(_stop, self._client)
+
+    async def _reapply_updates(self, client: StageClientLike) -> bool:
+        for paths in self._updates:
+            try:
+                await asyncio.to_thread(
+                    client.update_weights, paths, False, self.policy.startup_timeout_s
+                )
+            except Exception as exc:  # noqa: BLE001 - the stage must not serve older weights
+                self.failure = f"restart failed: weight update {paths} again: {exc}"
+                return False
+        return True
+
+    async def _ready(self, client: StageClientLike) -> bool:
+        deadline = self._clock() + self.policy.startup_timeout_s
+        while not self._closing:
+            try:
+                await asyncio.to_thread(client.wait_ready, _POLL_S)
+            except StageError as exc:
+                if not client.alive or self._clock() > deadline:
+                    self.failure = f"restart failed: {exc}"
+                    return False
+                continue
+            if client.alive:
+                return True
+            self.failure = f"restart failed: {getattr(client, 'error', None)}"
+            return False
+        return False
+
+
+def _stop(client: StageClientLike) -> None:
+    """Stops a failed stage for good: killed first (it may be hung), then closed."""
+    kill = getattr(client, "kill", None)
+    if kill is not None:
+        with contextlib.suppress(Exception):
+            kill()
+    with contextlib.suppress(Exception):
+        client.close()

@@ -1,0 +1,290 @@
+"""The server's side of a replica set on Ray Serve: ``ReplicaSetClient``.
+
+It speaks the stage client interface the HTTP frontend uses (``add_request`` with a sink,
+``abort``, ``info``, ``stats``), so the API and SSE are those of the single-process server.
+Each request becomes one streaming call through a Serve ``DeploymentHandle``
+(``handle.options(stream=True)``); Serve picks the replica (load-aware by default; with
+``--replica-affinity session`` by consistent hashing of the session key, see
+``rltserve.http.session``). A task on the server's loop relays the replica's batches to the
+request's sink; aborting the request cancels that call, which Serve turns into a cancellation
+of the replica's generator (it aborts the request in its engine).
+
+Failures: a replica that dies mid-request ends the call with an exception; the request then gets
+one ERROR update "stage died: replica ... failed: ..." (an error event then ``[DONE]`` on a
+stream). Serve's health checks replace the replica. A poller (one thread) counts live replicas
+from ``serve.status()``; with none live, ``unavailable_reason`` says so and the server answers
+503 with Retry-After instead of queueing into a deployment that cannot serve.
+
+Invariant: every request whose ``add_request`` returned gets exactly one final update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.stage import Sink, StageError
+from rltserve.http.session import current_session
+from rltserve.ray.cluster import connect, require_ray
+from rltserve.ray.config import ReplicaConfig
+from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason, RequestUpdate
+
+log = logging.getLogger("rltserve.ray")
+APP = "rltserve"
+DEPLOYMENT = "rltserve-engine"
+_POLL_S = 0.5
+_HEALTH_PERIOD_S = 2.0
+_HEALTH_TIMEOUT_S = 30.0
+_SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
+_CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
+@dataclasses.dataclass
+class ReplicaState:
+    """What the front end knows of one replica (from the batches it streamed)."""
+
+    pid: int
+    stats: EngineStats | None = None
+    requests: int = 0  # requests routed to it
+
+
+def deployment_name(config: ReplicaConfig) -> str:
+    """The deployment's name; it differs per router because a process's handles keep the router
+    they were first built with for a deployment name, even after it is redeployed."""
+    return DEPLOYMENT if config.replica_affinity == "none" else f"{DEPLOYMENT}-session"
+
+
+def deployment_options(config: ReplicaConfig, max_ongoing: int) -> dict:
+    options = {
+        "name": deployment_name(config),
+        "num_replicas": config.replicas,
+        "ray_actor_options": {"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
+        "max_ongoing_requests": max_ongoing,
+        "health_check_period_s": _HEALTH_PERIOD_S,
+        "health_check_timeout_s": _HEALTH_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if config.replica_affinity == "session":
+        options["request_router_config"] = {"request_router_class": _CONSISTENT_HASH}
+    return options
+
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats | None:
+    """Counters and gauges summed over replicas; ``kv_usage`` is their mean."""
+    if not stats:
+        return None
+    total = {
+        f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
+    }
+    total["kv_usage"] = total["kv_usage"] / len(stats)
+    return EngineStats(**total)
+
+
+class ReplicaSetClient:
+    """N engine replicas behind one Ray Serve deployment (see the module doc)."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ReplicaConfig,
+        max_ongoing: int = 256,
+        owns_cluster: bool = False,
+    ) -> None:
+        require_ray()
+        from ray import serve
+
+        from rltserve.ray.replica import EngineReplica
+
+        self.config = config
+        # Owned: started here or by the caller (the CLI connects first, to fail fast on a bad
+        # address); then it stops with this client.
+        self._owns_cluster = connect(config) or owns_cluster
+        self._lock = threading.Lock()  # guards _tasks, _replicas and _closed
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._replicas: dict[str, ReplicaState] = {}
+        self._closed = False
+        self._fatal: str | None = None
+        self.info: EngineInfo | None = None
+        self.live_replicas = 0
+        try:
+            serve.start(proxy_location="Disabled", logging_config=_SERVE_LOGGING)
+            app = serve.deployment(EngineReplica, **deployment_options(config, max_ongoing))
+            self._handle = serve.run(
+                app.bind(engine_config, config.threads),
+                name=APP,
+                route_prefix=None,
+                logging_config=_SERVE_LOGGING,
+            )
+        except BaseException:
+            self._stop_ray()
+            raise
+        self._stream = self._handle.options(method_name="generate", stream=True)
+        self._count_live()
+        self._poller = threading.Thread(target=self._poll, name="rltserve-ray-replicas")
+        self._poller.daemon = True
+        self._poller.start()
+
+    @classmethod
+    def factory(
+        cls, config: ReplicaConfig, max_ongoing: int = 256, owns_cluster: bool = False
+    ) -> Callable[[EngineConfig], ReplicaSetClient]:
+        return lambda engine_config: cls(engine_config, config, max_ongoing, owns_cluster)
+
+    # ------------------------------------------------------------------ stage client API
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._fatal is None
+
+    @property
+    def error(self) -> str | None:
+        return self._fatal or ("closed" if self._closed else None)
+
+    @property
+    def self_supervised(self) -> bool:
+        """Ray Serve health-checks and replaces replicas; the server's watchdog stays out."""
+        return True
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self.live_replicas == 0:
+            return f"no engine replica is alive (0 of {self.config.replicas}); retry later"
+        return None
+
+    @property
+    def stats(self) -> EngineStats | None:
+        with self._lock:
+            return _sum_stats([r.stats for r in self._replicas.values() if r.stats is not None])
+
+    def replicas(self) -> dict[str, ReplicaState]:
+        with self._lock:
+            return {k: dataclasses.replace(v) for k, v in self._replicas.items()}
+
+    def wait_ready(self, timeout: float | None = None) -> EngineInfo:
+        if self.info is None:
+            try:
+                self.info = self._handle.info.remote().result(timeout_s=timeout)
+            except Exception as exc:
+                raise StageError(f"no replica answered: {type(exc).__name__}: {exc}") from exc
+        return self.info
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        session: str | None = None,
+    ) -> None:
+        session = session if session is not None else current_session()
+        with self._lock:
+            if not self.alive:
+                raise StageError(f"stage is not running: {self.error}")
+            if request_id in self._tasks:
+                raise ValueError(f"request_id={request_id!r}: already in use")
+            stream = self._stream
+            if session is not None and self.config.replica_affinity == "session":
+                stream = stream.options(session_id=session)
+            call = stream.remote(request_id, list(prompt_token_ids), params)
+            task = asyncio.get_running_loop().create_task(self._relay(request_id, call, sink))
+            self._tasks[request_id] = task
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _relay(self, request_id: str, call, sink: Sink) -> None:
+        replica = None
+        finished = False
+        try:
+            async for batch in call:
+                self._record(batch, first=replica is None)
+                replica = batch.replica
+                for update in batch.updates:
+                    finished = finished or update.finish_reason is not None
+                    sink(update)
+                if finished:
+                    return
+            if not finished:
+                error = "stage died: the replica ended the request without finishing it"
+                sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
+        except asyncio.CancelledError:
+            call.cancel()
+            sink(RequestUpdate(request_id, finish_reason=FinishReason.ABORT))
+        except Exception as exc:  # noqa: BLE001 - a dead replica, a lost node: this request ends
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            where = f"replica {replica}" if replica else "the replica"
+            error = f"stage died: {where} failed: {type(exc).__name__}: {first}"
+            log.warning("request %s: %s", request_id, error)
+            if replica is not None:
+                with self._lock:  # its numbers are gone with it; a replacement reports anew
+                    self._replicas.pop(replica, None)
+            sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
+        finally:
+            with self._lock:
+                self._tasks.pop(request_id, None)
+
+    def _record(self, batch, first: bool) -> None:
+        with self._lock:
+            state = self._replicas.get(batch.replica)
+            if state is None:
+                state = self._replicas[batch.replica] = ReplicaState(batch.pid)
+            state.requests += first
+            state.stats = batch.stats
+
+    # ------------------------------------------------------------------ replicas
+
+    def _count_live(self) -> None:
+        from ray import serve
+
+        app = serve.status().applications.get(APP)
+        name = deployment_name(self.config)
+        deployment = app.deployments.get(name) if app is not None else None
+        states = deployment.replica_states if deployment is not None else {}
+        self.live_replicas = int(states.get("RUNNING", 0))
+
+    def _poll(self) -> None:
+        while not self._closed:
+            time.sleep(_POLL_S)
+            try:
+                self._count_live()
+            except Exception as exc:  # noqa: BLE001 - the cluster went away
+                if not self._closed:
+                    self._fatal = f"Ray Serve is not answering: {type(exc).__name__}: {exc}"
+                return
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            tasks = list(self._tasks.values())
+        for task in tasks:
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        self._poller.join(5.0)
+        self._stop_ray()
+
+    def _stop_ray(self) -> None:
+        from ray import serve
+
+        try:
+            serve.delete(APP)
+            if self._owns_cluster:
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the cluster may be gone already
+            log.exception("stopping the replicas failed")
+        if self._owns_cluster:
+            import ray
+
+            ray.shutdown()

@@ -1,0 +1,93 @@
+"""Joining or starting the Ray cluster the replicas run on.
+
+Every failure here is the user's to fix (Ray missing, an address nobody answers), so it is a
+``ValueError`` naming the flag: the CLI prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from rltserve.ray.config import ReplicaConfig
+
+log = logging.getLogger("rltserve.ray")
+INSTALL_HINT = "pip install 'rltserve[ray]'"
+
+
+def require_ray(flag: str = "--replicas"):
+    """The ``ray`` module, or a ValueError saying how to install it."""
+    try:
+        import ray
+        from ray import serve  # noqa: F401 - the serve extra is what the replicas need
+    except ImportError as exc:
+        raise ValueError(
+            f"{flag}: Ray Serve is not installed ({exc.name}); {INSTALL_HINT}"
+        ) from exc
+    return ray
+
+
+def check_affinity(config: ReplicaConfig) -> None:
+    """Session affinity needs Serve's consistent-hash router (Ray 2.60 has it)."""
+    if config.replica_affinity != "session":
+        return
+    try:
+        import ray.serve.experimental.consistent_hash_router  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            "--replica-affinity session: this Ray Serve has no consistent-hash router "
+            "(ray.serve.experimental.consistent_hash_router); upgrade Ray or use 'none'"
+        ) from exc
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``host:port`` (or ``ray://host:port``) address accepts TCP connections: Ray itself
+    retries an unreachable address for minutes. ``auto`` is Ray's to resolve."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address}: expected host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise ValueError(f"--ray-address {address}: cannot reach {host}:{port} ({why})") from exc
+
+
+def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
+    """Connects this process to Ray (no-op when connected already). Returns True when it
+    started a local cluster, which the caller then owns and shuts down."""
+    ray = require_ray()
+    check_affinity(config)
+    if ray.is_initialized():
+        return False
+    quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
+    if config.ray_address is None:
+        cpus = num_cpus if num_cpus is not None else config.replicas * config.replica_cpus
+        ray.init(num_cpus=max(1, int(round(cpus))), **quiet)
+        return True
+    check_reachable(config.ray_address)
+    try:
+        ray.init(address=config.ray_address, **quiet)
+    except Exception as exc:  # ConnectionError, or Ray's own errors for a bad address
+        raise ValueError(
+            f"--ray-address {config.ray_address}: cannot join the Ray cluster "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+    return False
+
+
+def disconnect(owned: bool) -> None:
+    """Stops Serve's controller and, for a local cluster this process started, Ray itself."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the cluster may be gone already
+        log.exception("stopping Ray Serve failed")
+    if owned:
+        ray.shutdown()

@@ -1,0 +1,81 @@
+"""Bad input for the Ray scale-out flags: one ``rltserve: error:`` line and exit code 2, before
+any model loads or cluster starts, whether or not Ray is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rltserve.ray.config import ReplicaConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rltserve(*args: str, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    paths = [p for p in (pythonpath, str(ROOT), os.environ.get("PYTHONPATH")) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    return subprocess.run(
+        [sys.executable, "-m", "rltserve.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("rltserve: error:")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["bench", "offline"]])
+def test_zero_replicas_is_a_usage_error(command):
+    result = rltserve(*command, "--replicas", "0")
+    assert result.returncode == 2
+    assert "--replicas 0: must be an int >= 1" in error_line(result)
+
+
+def test_replicas_without_ray_installed_say_how_to_install_it(tmp_path):
+    fake = tmp_path / "ray"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n"
+    )
+    result = rltserve("serve", "--replicas", "2", "--port", "0", pythonpath=str(tmp_path))
+    assert result.returncode == 2
+    line = error_line(result)
+    assert "--replicas: Ray Serve is not installed" in line
+    assert "pip install 'rltserve[ray]'" in line
+
+
+def test_an_unreachable_ray_address_is_a_usage_error():
+    pytest.importorskip("ray")
+    result = rltserve("serve", "--replicas", "1", "--ray-address", "127.0.0.1:1", "--port", "0")
+    assert result.returncode == 2
+    assert "--ray-address 127.0.0.1:1: cannot reach 127.0.0.1:1" in error_line(result)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replicas": -1}, "--replicas -1: must be an int >= 1"),
+        ({"replicas": 1, "replica_cpus": -1}, "--replica-cpus -1: must be a number >= 0"),
+        ({"replicas": 1, "replica_affinity": "x"}, "--replica-affinity x: must be one of"),
+        ({"replicas": 1, "ray_address": " "}, "--ray-address ' ': must not be empty"),
+    ],
+)
+def test_replica_config_names_the_bad_flag(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        ReplicaConfig(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+def test_replica_threads_follow_cpus():
+    assert ReplicaConfig(replicas=2, replica_cpus=2.0).threads == 2
+    assert ReplicaConfig(replicas=2, replica_cpus=0.5).threads == 1

@@ -1,0 +1,184 @@
+"""Replicas on Ray Serve behind the unchanged HTTP front end: two ouro-tiny replicas answer
+byte for byte what one stage answers (completions and chat, streamed and not), requests spread
+over both, session affinity keeps a session on one replica, a replica killed mid-stream ends
+only its own streams (an error event then ``[DONE]``) and comes back, and shutdown leaves no
+replica process behind. One local Ray cluster serves the whole module; skipped without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import orjson
+import pytest
+from test_http_harness import running, sse_payloads, tiny_checkpoint, wait_for
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from rltserve.ray.client import APP, ReplicaSetClient  # noqa: E402 - after the skip
+from rltserve.ray.config import ReplicaConfig  # noqa: E402
+
+COMPLETION = {"prompt": "hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+CHAT = {
+    "messages": [{"role": "user", "content": "hi there"}],
+    "max_tokens": 8,
+    "temperature": 0,
+}
+CASES = [
+    ("/v1/completions", COMPLETION),
+    ("/v1/completions", {**COMPLETION, "stream": True}),
+    ("/v1/chat/completions", CHAT),
+    ("/v1/chat/completions", {**CHAT, "stream": True}),
+]
+LONG = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def replicas(n: int = 2, **kw):
+    return ReplicaSetClient.factory(ReplicaConfig(replicas=n, **kw))
+
+
+def replica_requests(raw: bytes) -> dict[str, float]:
+    out = {}
+    for line in raw.decode().splitlines():
+        if line.startswith("rltserve:replica_requests_total{"):
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            out[replica] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def answers(live) -> list[bytes]:
+    out = []
+    for path, body in CASES:
+        status, _, raw = await live.post(path, body)
+        assert status == 200, raw
+        out.append(raw)
+    return out
+
+
+async def test_two_replicas_answer_as_one_stage_and_share_the_load(cluster, ckpt):
+    async with running(ckpt) as single:
+        expected = await answers(single)
+    async with running(ckpt, client_factory=replicas(2)) as live:
+        assert await answers(live) == expected  # same ids and clock: byte for byte
+        status, _, raw = await live.get("/health")
+        assert status == 200
+        assert orjson.loads(raw)["replicas"] == {"live": 2, "configured": 2}
+        body = {**COMPLETION, "max_tokens": 16}
+        results = await asyncio.gather(*(live.post("/v1/completions", body) for _ in range(8)))
+        assert {r[0] for r in results} == {200}
+        assert len({r[2] for r in results}) == 1  # greedy: every replica gives the same text
+        metrics = (await live.get("/metrics"))[2]
+        per_replica = replica_requests(metrics)
+        assert len(per_replica) == 2 and all(n > 0 for n in per_replica.values()), per_replica
+        assert sum(per_replica.values()) == 8 + len(CASES)
+        assert b"rltserve:replicas_live" in metrics
+
+
+async def _open_streams(live, sessions: list[str]):
+    contexts = [
+        live.session.post(live.url + "/v1/completions", json=LONG, headers={"X-Session-Id": s})
+        for s in sessions
+    ]
+    responses = [await c.__aenter__() for c in contexts]
+    firsts = [await r.content.readuntil(b"\n\n") for r in responses]
+    return contexts, responses, firsts
+
+
+async def test_a_killed_replica_ends_only_its_streams_and_comes_back(cluster, ckpt):
+    config = {"replica_affinity": "session"}
+    async with running(ckpt, client_factory=replicas(2, **config)) as live:
+        client = live.state.client.inner
+        # Until this process's router has both replicas on its hash ring, a session may move.
+        for i in range(50):
+            await live.post("/v1/completions", COMPLETION, headers={"X-Session-Id": f"w{i}"})
+            if len(client.replicas()) == 2:
+                break
+        headers = {"X-Session-Id": "chat-1"}
+        before = replica_requests((await live.get("/metrics"))[2])
+        for _ in range(4):
+            status, _, raw = await live.post("/v1/completions", COMPLETION, headers=headers)
+            assert status == 200, raw
+        after = replica_requests((await live.get("/metrics"))[2])
+        grown = {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)}
+        assert list(grown.values()) == [4], grown  # one session, one replica
+
+        sessions = [f"s{i}" for i in range(8)]
+        contexts, responses, firsts = await _open_streams(live, sessions)
+        busy = {r: s for r, s in client.replicas().items() if s.stats and s.stats.num_running}
+        assert len(busy) == 2, busy  # eight sessions hash onto both replicas
+        victim, state = sorted(busy.items())[0]
+        os.kill(state.pid, signal.SIGKILL)
+        endings = []
+        for context, response, first in zip(contexts, responses, firsts):
+            rest = await asyncio.wait_for(response.content.read(), 120)
+            await context.__aexit__(None, None, None)
+            events = sse_payloads(first + rest)
+            assert events[-1] == "[DONE]"
+            endings.append(events[-2])
+        failed = [e["error"] for e in endings if "error" in e]
+        finished = [e["choices"][0]["finish_reason"] for e in endings if "error" not in e]
+        assert failed and finished, endings
+        assert all(e["code"] == 503 and e["message"].startswith("stage died") for e in failed)
+        assert set(finished) == {"length"}
+
+        deadline = time.monotonic() + 120  # Serve replaces the dead replica
+        while True:
+            status, _, raw = await live.post("/v1/completions", COMPLETION)
+            ids = set(client.replicas())
+            if status == 200 and client.live_replicas == 2 and len(ids - {victim}) == 2:
+                break
+            assert time.monotonic() < deadline, (status, raw, ids, client.live_replicas)
+            await asyncio.sleep(0.5)
+        pids = {s.pid for s in client.replicas().values()}
+    # The server closed: its deployment and replica processes are gone, the cluster stays.
+    assert APP not in serve.status().applications
+    await wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_offline_generate_over_two_replicas_keeps_input_order(cluster, ckpt):
+    from rltserve.llm import LLM
+    from rltserve.ray import generate
+    from rltserve.sampling import SamplingParams
+
+    prompts = [[5, 6, 7], [8, 9], "hello there", [10, 11, 12, 13], [1], "a b"]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outputs = generate(prompts, params, replicas=2, model=str(ckpt), num_blocks=512)
+    with LLM(model=str(ckpt), num_blocks=512, in_process=True) as llm:
+        expected = llm.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
+    assert [_tokens(o) for o in outputs] == [_tokens(o) for o in expected]
+    with pytest.raises(ValueError, match="token id"):
+        generate([[5], [10**6]], params, replicas=2, model=str(ckpt), num_blocks=512)
+
+
+def _tokens(output) -> list[int]:
+    """Generated ids, whether the output is flat or vLLM-shaped (``outputs[0]``)."""
+    inner = output.outputs[0] if hasattr(output, "outputs") else output
+    return list(inner.token_ids)
