@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rltserve.core.plan import RequestSetup
+from rltserve.core.sampler import SeededGenerator
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Draft:
 @dataclass
 class LiveRequest:
     setup: RequestSetup
-    generator: torch.Generator | None
+    generator: SeededGenerator | None
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
     last_token: torch.Tensor | None = None  # [1] int64 on the device: the last sampled token
     history: list[int] | None = None  # sampled tokens (host), kept only for penalties
@@ -52,15 +53,21 @@ class LiveRequest:
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
 
     @classmethod
-    def create(cls, setup: RequestSetup, device: torch.device, vocab_size: int) -> LiveRequest:
-        """A resumed request (``setup.num_sampled > 0``) gets its generator advanced past the
-        draws of the tokens it sampled before preemption: the sampler draws one ``Exp(1)`` row
-        of ``vocab_size`` per sampled token, so repeating those draws restores the state."""
+    def create(
+        cls,
+        setup: RequestSetup,
+        device: torch.device,
+        vocab_size: int,
+        kept: SeededGenerator | None = None,
+    ) -> LiveRequest:
+        """A resumed request (``setup.num_sampled > 0``) gets its generator at the state after
+        the tokens it sampled before preemption: ``kept`` (the generator it had) when that has
+        not drawn past them, else one replayed from the seed (``SeededGenerator.resume``)."""
         generator = None
         if not setup.params.greedy:
-            generator = torch.Generator(device=device).manual_seed(setup.seed)
-            for _ in range(setup.num_sampled):
-                torch.empty(vocab_size, device=device).exponential_(generator=generator)
+            generator = SeededGenerator.resume(
+                setup.seed, device, setup.num_sampled, vocab_size, kept
+            )
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])

@@ -453,7 +453,7 @@ class Scheduler:
             self.kv.free(request.request_id)
             self._released.append(request.request_id)
         elif self.preemptor.forget(request):
-            self._released.append(request.request_id)  # the runner drops its swapped KV
+            self._released.append(request.request_id)  # the runner drops what it kept
         del self.requests[request.request_id]
 
     def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
