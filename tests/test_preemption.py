@@ -151,6 +151,30 @@ def test_seeded_sampling_resumes_kept_generators_async_and_aborted(ckpts, mode, 
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_resumed_request_is_admitted_only_when_all_it_wrote_fits(ckpts, mode):
+    # Admitted on its first chunk alone, a resumed request would take the blocks for the rest
+    # of its replay by preempting later arrivals.
+    prompts, params, _ = _workload(6, seed=11)
+    kw = {"block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode}
+    core = make_core(ckpts["ouro"], **kw, num_blocks=_tight_blocks(ckpts["ouro"], prompts, params))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", prompt, p)
+    sched, checked = core.scheduler, 0
+    while core.has_work():
+        for r in sched.waiting:
+            if r.num_preemptions and r.output_token_ids:
+                written = r.num_prompt_tokens + len(r.output_token_ids)
+                item = sched._next_item(r, 1 << 20)
+                assert sched.admission_blocks(r, item) == core.kv.blocks_needed(
+                    written, r.num_loops
+                )
+                checked += 1
+        core.step()
+    assert checked > 0
+    _assert_empty(core)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("prefill", ["chunked", "wavefront"])
 def test_chunked_and_wavefront_prefill_under_pressure(ckpts, ouro_ref, mode, prefill):
     prompts, params, arrivals = _workload(6, seed=4)

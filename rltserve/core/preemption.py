@@ -167,6 +167,14 @@ class Preemptor:
         return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)
 
 
+def resume_tokens(request: Request) -> int:
+    """Positions a preempted request must be able to cover to be re-admitted: all it had
+    written (swapped in or recomputed), as vLLM admits a recomputed request with its whole
+    prefill. Admitted on its first chunk alone, it would take the rest by preempting later
+    arrivals, whose own resumes preempt in turn: every preemption costs its victim a replay."""
+    return max(request.swapped_tokens, request.replay_until + 1 if request.replay_until else 0)
+
+
 def replay_item(request: Request, start: int, max_tokens: int, policy: KVPolicy) -> InFlight:
     """The item that recomputes generated tokens from ``start`` (at most ``max_tokens`` of them)
     exactly as they first ran: under ``full`` every token looped to the request's depth, so a

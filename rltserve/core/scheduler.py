@@ -33,7 +33,7 @@ from rltserve.config import SchedulerConfig
 from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.preemption import Preemptor, replay_item
+from rltserve.core.preemption import Preemptor, replay_item, resume_tokens
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.updates import RequestUpdate
@@ -248,7 +248,7 @@ class Scheduler:
         loops = request.num_loops
         if not self.ondemand:
             return self.kv.blocks_needed(request.kv_tokens, loops)
-        need = self.kv.blocks_needed(max(item.end, request.swapped_tokens), loops)
+        need = self.kv.blocks_needed(max(item.end, resume_tokens(request)), loops)
         return need + (self.watermark_blocks if self.running else 0)
 
     def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
