@@ -178,6 +178,22 @@ class ModelRunner:
             self._executor = None
         self.deliver()
 
+    def forget_all(self) -> None:
+        """Drops every request's state (the scheduler started over), after every step already
+        submitted has run, on the step thread when there is one."""
+
+        def forget() -> None:
+            self.deliver()
+            self.live.clear()
+            self.swapped.clear()
+            self.kept_generators.clear()
+            self._dropped.clear()
+
+        if self._executor is not None:
+            self._executor.call(forget)
+        else:
+            forget()
+
     def poll(self) -> bool:
         """Delivers launched steps whose device work is done; True while one is still running.
         The step thread calls this when it has nothing else to do."""
