@@ -27,4 +27,8 @@ def test_kv_pressure_compare(ouro_rv1, select):
     assert report["full"]["peak_running"] == 2 and report["full"]["preemptions"] == 0
     assert report["ondemand_recompute"]["peak_running"] >= 8
     assert report["unpressured"]["preemptions"] == 0
+    # Without recomputation every run does the same work: each (token, loop) once.
+    rows = report["unpressured"]["loop_rows"]
+    assert report["full"]["loop_rows"] == rows == 16 * (6 + 3 - 1) * 4  # full depth: 4 loops
+    assert report["ondemand_recompute"]["loop_rows"] >= rows
     assert report["ratios"]["recompute_vs_full_running"] >= 4
