@@ -11,6 +11,7 @@ message names the kind of error only: the bytes it quotes may be a client's head
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 from aiohttp import web
@@ -19,15 +20,18 @@ from aiohttp.web_request import BaseRequest
 
 from rltserve.http.errors import HTTPError, error_response
 
+# aiohttp's descriptions quote the offending bytes after one of these ("...: b'x'", "... (20000)
+# when reading b'...'", "Bad status line 'x'"); the text before the first one names the error.
+_QUOTE_START = re.compile(r"""[:\n(]| b?['"]""")
+
 
 def parse_error_message(status: int, exc: BaseException | None) -> str:
-    """The client-facing text: aiohttp's description up to the first colon or line break
-    (``Invalid header value char``, ``Got more than 8190 bytes when reading``), without the
-    quoted request bytes that follow it."""
+    """The client-facing text: aiohttp's description up to where it starts quoting request
+    bytes (``Invalid header value char``, ``Got more than 8190 bytes when reading``)."""
     if status >= 500:
         return "internal server error" if status == 500 else HTTPStatus(status).phrase.lower()
     detail = str(getattr(exc, "message", "") or "")
-    head = detail.split("\n", 1)[0].split(":", 1)[0].strip()
+    head = _QUOTE_START.split(detail, 1)[0].strip()[:100]
     return f"malformed HTTP request: {head}" if head else "malformed HTTP request"
 
 
