@@ -226,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with --wavefront-prefill: time to first token vs chunked prefill at --chunk-sizes",
     )
     off.add_argument(
+        "--kv-pressure",
+        action="store_true",
+        help="the KV pressure workload: a pool for --concurrency/8 worst-case requests, "
+        "--concurrency requests that stop early; full reservation vs on-demand (recompute, "
+        "swap) vs an unpressured pool in one run (also: --kv-reservation full --compare)",
+    )
+    off.add_argument(
         "--concurrency-list",
         type=_int_list,
         default=[1, 8, 32, 64],

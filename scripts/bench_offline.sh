@@ -21,4 +21,7 @@ rltserve bench offline "${common[@]}" --wavefront-prefill --compare --chunk-size
 # Token pipelining vs block mode.
 rltserve bench offline "${common[@]}" --input-len 16 --output-len 64 --speculative-tokens 1 \
   --draft-loops 2 --compare >"$out/pipelining.json"
+# KV pressure: full reservation vs on-demand (recompute, swap) vs an unpressured pool.
+rltserve bench offline "${common[@]}" --num-prompts 32 --input-len 32 --output-len 32 \
+  --concurrency 32 --exit-threshold 0.5 --kv-pressure >"$out/kv_pressure.json"
 echo "wrote $out/*.json"

@@ -1,17 +1,23 @@
-"""The KV pressure comparison (``bench offline --kv-reservation full --compare``) on a tiny
-checkpoint: structure and counts, no timings asserted."""
+"""The KV pressure comparison (``bench offline --kv-pressure``, formerly spelled
+``--kv-reservation full --compare``) on a tiny checkpoint: structure and counts, no timings
+asserted."""
 
 from __future__ import annotations
+
+import pytest
 
 from rltserve.bench.offline import run_offline_bench
 from rltserve.cli import build_parser
 from rltserve.engine_args import engine_kwargs
 
 
-def test_kv_pressure_compare(ouro_rv1):
+@pytest.mark.parametrize(
+    "select", [["--kv-pressure"], ["--kv-reservation", "full", "--compare"]], ids=["flag", "old"]
+)
+def test_kv_pressure_compare(ouro_rv1, select):
     argv = [
         "bench", "offline", "--model", str(ouro_rv1), "--input-len", "6", "--output-len", "3",
-        "--concurrency", "16", "--kv-reservation", "full", "--block-size", "4", "--compare",
+        "--concurrency", "16", "--block-size", "4", *select,
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     report = run_offline_bench(args, engine_kwargs(args))["kv_pressure"]
@@ -21,4 +27,8 @@ def test_kv_pressure_compare(ouro_rv1):
     assert report["full"]["peak_running"] == 2 and report["full"]["preemptions"] == 0
     assert report["ondemand_recompute"]["peak_running"] >= 8
     assert report["unpressured"]["preemptions"] == 0
+    # Without recomputation every run does the same work: each (token, loop) once.
+    rows = report["unpressured"]["loop_rows"]
+    assert report["full"]["loop_rows"] == rows == 16 * (6 + 3 - 1) * 4  # full depth: 4 loops
+    assert report["ondemand_recompute"]["loop_rows"] >= rows
     assert report["ratios"]["recompute_vs_full_running"] >= 4

@@ -267,3 +267,138 @@ def test_a_failed_swap_out_fails_the_requests_it_preempted(ouro_rv1, ouro_ref):
     assert_oracle(ouro_ref, core, out, params, sorted(survivors))
     assert_clean(core)
     core.shutdown()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
+    """The scheduler raising while it applies a step's result: that step's requests fail with
+    the error, every other request continues exactly, nothing leaks."""
+    engine, lag, threshold = CONFIGS[name]
+    core = make_core(ouro_rv1, max_num_seqs=3, **engine)
+    core.runner.defer_results = name == "deferred"
+    params = {
+        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
+        for rid in PROMPTS
+    }
+    sched = core.scheduler
+    apply, append = sched.apply, sched._append_token
+    hit: dict[str, set[str]] = {}
+
+    def broken_append(*args):
+        raise RuntimeError("injected apply failure")
+
+    def faulty_apply(plan, result):
+        # Mid-generation, a step that samples while other requests are running or waiting.
+        planned = {it.request_id for it in plan.items}
+        others = set(sched.requests) - planned
+        samples = any(r is not None and r.exited for r in result.items)
+        if hit or plan.step_id < 4 or not samples or not others:
+            return apply(plan, result)
+        hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))
+        sched._append_token = broken_append
+        try:
+            return apply(plan, result)
+        finally:
+            sched._append_token = append
+
+    sched.apply = faulty_apply
+    out = drive(core, params, lag=lag)
+    assert hit, "the fault was never injected"
+    failed = {rid for rid, why in out.finish.items() if why == "error"}
+    assert failed == hit["faulty"]
+    (step,) = hit["step"]
+    for rid in failed:
+        want = f"engine error while applying step {step}: RuntimeError: injected apply failure"
+        assert out.errors[rid] == want
+    survivors = set(PROMPTS) - failed
+    assert survivors
+    assert_oracle(ouro_ref, core, out, params, sorted(survivors))
+    assert_clean(core)
+    again = drive(core, {"a": params["a"]}, lag=lag)
+    assert_oracle(ouro_ref, core, again, params, ["a"])
+    assert_clean(core)
+    core.shutdown()
+
+
+def _break_planning(core, at_call: int) -> None:
+    """The scheduler's ``at_call``-th schedule() raises (once: the engine replaces it)."""
+    schedule, calls = core.scheduler.schedule, [0]
+
+    def broken():
+        calls[0] += 1
+        if calls[0] == at_call:
+            raise RuntimeError("injected planning failure")
+        return schedule()
+
+    core.scheduler.schedule = broken
+
+
+PLANNING_ERROR = "engine error while planning a step: RuntimeError: injected planning failure"
+
+
+def test_a_planning_error_fails_every_request_and_the_engine_serves_on(ouro_rv1, ouro_ref):
+    core = make_core(ouro_rv1, max_num_seqs=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for rid in PROMPTS:
+        core.add_request(rid, PROMPTS[rid], params)
+    _break_planning(core, at_call=4)
+    out = Outcome()
+    for _ in range(100):
+        for u in core.step():
+            out.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                out.finish[u.request_id], out.errors[u.request_id] = u.finish_reason, u.error
+        if not core.has_work():
+            break
+    assert out.finish == dict.fromkeys(PROMPTS, FinishReason.ERROR)
+    assert out.errors == dict.fromkeys(PROMPTS, PLANNING_ERROR)
+    for rid, tokens in out.tokens.items():  # what came out before the failure is right
+        assert tokens == oracle(ouro_ref, core, rid, params).tokens[: len(tokens)]
+    assert core.kv.usage == 0 and not core.scheduler.requests
+    again = drive(core, {"a": params}, lag=0)
+    assert_oracle(ouro_ref, core, again, {"a": params}, ["a"])
+    assert_clean(core)
+    core.shutdown()
+
+
+def test_a_planning_error_in_the_engine_loop_with_two_steps_in_flight(ouro_rv1, ouro_ref):
+    import asyncio
+
+    from rltserve.core.engine import run_engine_loop
+
+    core = make_core(ouro_rv1, max_num_seqs=3, async_scheduling=True, exit_mode="delayed")
+    params = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    _break_planning(core, at_call=5)
+    finish: dict[str, tuple] = {}
+    tokens: dict[str, list[int]] = {}
+
+    async def main() -> None:
+        inbox: asyncio.Queue = asyncio.Queue()
+        for rid in PROMPTS:
+            inbox.put_nowait(("add", rid, PROMPTS[rid], params))
+
+        def emit(updates, stats) -> None:
+            for u in updates:
+                tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+                if u.finish_reason is not None:
+                    assert u.request_id not in finish, u  # one final update per request
+                    finish[u.request_id] = (u.finish_reason, u.error)
+                    if set(finish) == set(PROMPTS):  # then a new request
+                        inbox.put_nowait(("add", "again", PROMPTS["a"], params))
+                    if u.request_id == "again":
+                        inbox.put_nowait(("shutdown",))
+
+        await asyncio.wait_for(run_engine_loop(core, inbox, emit), timeout=120)
+
+    asyncio.run(main())
+    assert {rid: finish[rid] for rid in PROMPTS} == dict.fromkeys(
+        PROMPTS, (FinishReason.ERROR, PLANNING_ERROR)
+    )
+    want = oracle(ouro_ref, core, "a", params)
+    assert finish["again"] == (FinishReason.LENGTH, None)
+    assert tokens["again"] == want.tokens
+    final = core.plan()  # the release of the last request reaches the runner
+    if final is not None:
+        core.execute(final)
+    assert_clean(core)
+    core.shutdown()

@@ -54,6 +54,7 @@ def _run(path, prompts, params, arrivals=None, *, lag=0, deferred=False, aborts=
 def _assert_empty(core) -> None:
     assert core.kv.pool.num_used == 0
     assert not core.runner.swapped
+    assert not core.runner.kept_generators
     stats = core.stats()
     assert stats.swapped_bytes == 0 and stats.num_swapped == 0 and stats.num_recomputing == 0
 
@@ -112,6 +113,65 @@ def test_seeded_sampling_under_pressure(ckpts, mode):
     tight, stats = _run(ckpts["ouro"], prompts, params, arrivals, preemption_mode=mode, **TIGHT)
     assert stats.num_preemptions >= 3
     _same(tight, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_resumes_kept_generators_async_and_aborted(ckpts, mode, monkeypatch):
+    # Two steps in flight: a step launched before a preemption may sample a token whose result
+    # is dropped, leaving the kept generator a draw ahead; the resume must replay from the seed
+    # then, and continue the kept generator otherwise. Aborted preempted requests drop theirs.
+    from rltserve.core.sampler import SeededGenerator
+
+    prompts, params, arrivals = _workload(6, seed=3, thresholds=(0.5, 0.3, 1.0))
+    params = [p.replace(temperature=0.9, seed=200 + i) for i, p in enumerate(params)]
+    kw = {"exit_mode": "delayed", "async_scheduling": True}
+    plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **ROOMY)
+    resumes = []
+    original = SeededGenerator.resume.__func__
+
+    def resume(cls, seed, device, draws, width, kept=None):
+        gen = original(cls, seed, device, draws, width, kept)
+        resumes.append((kept is not None, gen is kept))
+        return gen
+
+    monkeypatch.setattr(SeededGenerator, "resume", classmethod(resume))
+    tight, stats = _run(
+        ckpts["ouro"], prompts, params, arrivals, lag=1, preemption_mode=mode, **kw, **TIGHT
+    )
+    assert stats.num_preemptions >= 3
+    _same(tight, plain)
+    assert (True, True) in resumes  # a kept generator was continued
+    aborts = {1: 9, 3: 14, 4: 20, 5: 25}
+    cut, stats = _run(
+        ckpts["ouro"], prompts, params, arrivals, aborts=aborts, preemption_mode=mode, **kw, **TIGHT
+    )
+    assert stats.num_preemptions >= 1
+    for rid, tokens in cut.tokens.items():
+        assert tokens == plain.tokens[rid][: len(tokens)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resumed_request_is_admitted_only_when_all_it_wrote_fits(ckpts, mode):
+    # Admitted on its first chunk alone, a resumed request would take the blocks for the rest
+    # of its replay by preempting later arrivals.
+    prompts, params, _ = _workload(6, seed=11)
+    kw = {"block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode}
+    core = make_core(ckpts["ouro"], **kw, num_blocks=_tight_blocks(ckpts["ouro"], prompts, params))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", prompt, p)
+    sched, checked = core.scheduler, 0
+    while core.has_work():
+        for r in sched.waiting:
+            if r.num_preemptions and r.output_token_ids:
+                written = r.num_prompt_tokens + len(r.output_token_ids)
+                item = sched._next_item(r, 1 << 20)
+                assert sched.admission_blocks(r, item) == core.kv.blocks_needed(
+                    written, r.num_loops
+                )
+                checked += 1
+        core.step()
+    assert checked > 0
+    _assert_empty(core)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rltserve.core.sampler import Sampler, SampleRow
+from rltserve.core.sampler import Sampler, SampleRow, SeededGenerator
 from rltserve.sampling import SamplingParams
 
 V = 50
@@ -11,6 +11,10 @@ V = 50
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def seeded(seed):
+    return SeededGenerator(seed, "cpu")
 
 
 def rand_logits(rows, seed=0):
@@ -28,7 +32,7 @@ def test_input_not_modified():
     logits = rand_logits(2)
     before = logits.clone()
     p = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=2.0)
-    Sampler().sample(logits, [SampleRow(p, gen(1), ([1, 2], [3])), SampleRow(p)])
+    Sampler().sample(logits, [SampleRow(p, seeded(1), ([1, 2], [3])), SampleRow(p)])
     assert torch.equal(logits, before)
 
 
@@ -36,12 +40,12 @@ def test_seeded_rows_independent_of_batch():
     p = SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.01)
     target = torch.randn(V, generator=gen(5)) * 2
     alone = []
-    g = gen(42)
+    g = seeded(42)
     for _ in range(8):
         alone += Sampler().sample(target[None], [SampleRow(p, g)]).token_ids
 
     batched = []
-    g, other = gen(42), gen(7)
+    g, other = seeded(42), seeded(7)
     for step in range(8):
         noise = rand_logits(3, seed=100 + step)
         logits = torch.stack([noise[0], target, noise[1], noise[2]])
@@ -59,17 +63,17 @@ def test_seeded_rows_independent_of_batch():
 def test_same_seed_same_tokens_different_seed_differs():
     p = SamplingParams(temperature=1.0)
     logits = torch.zeros(1, V)  # uniform: any difference in noise shows up
-    a = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(3)] * 10]
-    b = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(3)] * 10]
-    c = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [gen(4)] * 10]
+    a = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [seeded(3)] * 10]
+    b = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [seeded(3)] * 10]
+    c = [Sampler().sample(logits, [SampleRow(p, g)]).token_ids[0] for g in [seeded(4)] * 10]
     assert a == b and a != c
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = rand_logits(6, seed=3)
     want = logits.argmax(-1).tolist()
-    rows = [SampleRow(SamplingParams(temperature=2.0, top_k=1), gen(i)) for i in range(3)]
-    rows += [SampleRow(SamplingParams(temperature=2.0, top_p=1e-6), gen(i)) for i in range(3)]
+    rows = [SampleRow(SamplingParams(temperature=2.0, top_k=1), seeded(i)) for i in range(3)]
+    rows += [SampleRow(SamplingParams(temperature=2.0, top_p=1e-6), seeded(i)) for i in range(3)]
     for _ in range(5):
         assert Sampler().sample(logits, rows).token_ids == want
 
@@ -77,7 +81,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 def test_top_k_restricts_support():
     logits = rand_logits(1, seed=4)
     allowed = set(logits[0].topk(3).indices.tolist())
-    g = gen(0)
+    g = seeded(0)
     row = SampleRow(SamplingParams(temperature=2.0, top_k=3), g)
     seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(60)}
     assert seen == allowed
@@ -86,7 +90,7 @@ def test_top_k_restricts_support():
 def test_top_p_keeps_smallest_covering_set():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()[None]
-    row = SampleRow(SamplingParams(temperature=1.0, top_p=0.75), gen(0))
+    row = SampleRow(SamplingParams(temperature=1.0, top_p=0.75), seeded(0))
     seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(60)}
     assert seen == {0, 1}
 
@@ -94,7 +98,7 @@ def test_top_p_keeps_smallest_covering_set():
 def test_min_p_filters_relative_to_max():
     probs = torch.tensor([0.4, 0.35, 0.2, 0.05])
     logits = probs.log()[None]
-    row = SampleRow(SamplingParams(temperature=1.0, min_p=0.3), gen(0))  # threshold 0.12
+    row = SampleRow(SamplingParams(temperature=1.0, min_p=0.3), seeded(0))  # threshold 0.12
     seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(80)}
     assert seen == {0, 1, 2}
 
@@ -130,7 +134,7 @@ def test_logprobs_values_and_order():
     logits = rand_logits(3, seed=8)
     rows = [
         SampleRow(SamplingParams(logprobs=5)),
-        SampleRow(SamplingParams(temperature=0.5, top_k=2, logprobs=2), gen(1)),
+        SampleRow(SamplingParams(temperature=0.5, top_k=2, logprobs=2), seeded(1)),
         SampleRow(SamplingParams(logprobs=0)),
     ]
     out = Sampler().sample(logits, rows)
@@ -152,7 +156,7 @@ def test_distribution_matches_probs():
     probs = torch.tensor([0.6, 0.3, 0.1])
     n = 2000
     logits = probs.log().expand(n, 3).contiguous()  # n draws in one batched call
-    rows = [SampleRow(SamplingParams(temperature=1.0), gen(i)) for i in range(n // 2)]
+    rows = [SampleRow(SamplingParams(temperature=1.0), seeded(i)) for i in range(n // 2)]
     rows += [SampleRow(SamplingParams(temperature=1.0)) for _ in range(n // 2)]  # shared draw
     torch.manual_seed(0)
     out = Sampler().sample(logits, rows)
@@ -170,10 +174,10 @@ def test_sample_device_matches_sample():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
     rows = lambda: [  # noqa: E731
         SampleRow(SamplingParams(logprobs=3)),
-        SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=1), gen(1)),
+        SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=1), seeded(1)),
         SampleRow(SamplingParams()),
-        SampleRow(SamplingParams(temperature=1.2, top_k=5, logprobs=0), gen(2)),
-        SampleRow(SamplingParams(min_p=0.1, temperature=0.7, logprobs=1), gen(3)),
+        SampleRow(SamplingParams(temperature=1.2, top_k=5, logprobs=0), seeded(2)),
+        SampleRow(SamplingParams(min_p=0.1, temperature=0.7, logprobs=1), seeded(3)),
     ]
     want = Sampler().sample(logits, rows())
     dev = Sampler().sample_device(logits, rows())
@@ -181,3 +185,40 @@ def test_sample_device_matches_sample():
     got = dev.to_output({k: v.tolist() for k, v in dev.tensors().items()})
     assert got == want
     assert got.logprobs[2] is None and got.top_logprobs[3] == []
+
+
+def _draws(g, n, width=V):
+    return [g.noise(width) for _ in range(n)]
+
+
+def test_seeded_generator_counts_its_draws():
+    g = seeded(9)
+    Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams(temperature=1.0), g)] * 2)
+    assert g.draws == 2
+    Sampler().sample(torch.zeros(1, V), [SampleRow(SamplingParams(), g)])  # greedy: no draw
+    assert g.draws == 2
+
+
+def test_resume_continues_a_kept_generator():
+    kept = seeded(5)
+    _draws(kept, 3)
+    resumed = SeededGenerator.resume(5, "cpu", 7, V, kept)
+    assert resumed is kept and resumed.draws == 7  # four more drawn, not seven
+    fresh = seeded(5)
+    _draws(fresh, 7)
+    assert all(torch.equal(a, b) for a, b in zip(_draws(resumed, 3), _draws(fresh, 3)))
+
+
+def test_resume_replays_from_the_seed_when_the_kept_one_drew_too_far_or_is_foreign():
+    # A step in flight at preemption sampled a token the scheduler then dropped: the kept
+    # generator is a draw ahead of the recorded tokens.
+    ahead = seeded(5)
+    _draws(ahead, 4)
+    foreign = seeded(6)
+    fresh = seeded(5)
+    _draws(fresh, 3)
+    want = _draws(fresh, 2)
+    for kept in (ahead, foreign, None):
+        resumed = SeededGenerator.resume(5, "cpu", 3, V, kept)
+        assert resumed is not kept and resumed.draws == 3
+        assert all(torch.equal(a, b) for a, b in zip(_draws(resumed, 2), want))

@@ -49,6 +49,9 @@ def _run(
         "preemptions": stats.num_preemptions,
         "swap_fallbacks": stats.swap_fallbacks,
         "steps": stats.num_steps,
+        # Rows run through the loop, all steps together: the work done, recomputation included
+        # (deterministic, unlike the times).
+        "loop_rows": stats.num_rows,
     }
 
 

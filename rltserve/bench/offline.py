@@ -232,7 +232,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if engine_kw["async_scheduling"] and args.compare:
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
-    if engine_kw["kv_reservation"] == "full" and args.compare:
+    if args.kv_pressure or (engine_kw["kv_reservation"] == "full" and args.compare):
         from rltserve.bench.kv import run_kv_pressure
 
         def prompts_for(n: int) -> list[list[int]]:

@@ -52,6 +52,11 @@ class BlockTables:
         for key in self._keys_of.pop(request_id, ()):
             self._free.append(self._entries.pop(key)[0])
 
+    def clear(self) -> None:
+        """Frees every row (the runner forgot every request)."""
+        for request_id in list(self._keys_of):
+            self.release(request_id)
+
     def _sync(self, key: tuple[str, Hashable], table: list[int], entry: list | None) -> list:
         """The entry of ``key``, its row rewritten from a snapshot of ``table``."""
         if entry is None:

@@ -9,6 +9,7 @@ and hands every request update to ``emit``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import uuid
 from collections import deque
@@ -33,6 +34,7 @@ from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -91,22 +93,12 @@ class EngineCore:
             )
         self.max_model_len = min(mc.max_model_len or spec.max_position, spec.max_position)
         num_blocks = config.cache.num_blocks or self._auto_num_blocks()
-        self.kv = KVManager(
-            num_blocks, config.cache.block_size, self.policy, spec.num_boundary_layers > 0
-        )
-        swap = None
-        if config.scheduler.preemption_mode == "swap":
-            block_bytes = self._block_bytes()
-            swap = SwapSpace(int(config.cache.swap_space_gb * 2**30 // block_bytes), block_bytes)
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.kv,
-            has_gate=spec.has_gate,
-            has_boundary=spec.num_boundary_layers > 0,
-            reservation=config.cache.kv_reservation,
-            watermark=config.cache.kv_watermark,
-            swap=swap,
-        )
+        self._num_blocks = num_blocks
+        self.kv, self.scheduler = self._fresh_scheduler()
+        # Plans handed out and not yet applied; those of a scheduler that was replaced
+        # (``fail_all``) are dropped when their results come back.
+        self._outstanding: list[StepPlan] = []
+        self._stale: list[StepPlan] = []
         self.runner = on_step_thread(
             ModelRunner,
             model,
@@ -137,6 +129,27 @@ class EngineCore:
             block_size=config.cache.block_size,
             kv_policy=config.cache.kv_policy,
         )
+
+    def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
+        """An empty KV manager and scheduler (no requests, every block free)."""
+        config, spec = self.config, self.spec
+        kv = KVManager(
+            self._num_blocks, config.cache.block_size, self.policy, spec.num_boundary_layers > 0
+        )
+        swap = None
+        if config.scheduler.preemption_mode == "swap":
+            block_bytes = self._block_bytes()
+            swap = SwapSpace(int(config.cache.swap_space_gb * 2**30 // block_bytes), block_bytes)
+        scheduler = Scheduler(
+            config.scheduler,
+            kv,
+            has_gate=spec.has_gate,
+            has_boundary=spec.num_boundary_layers > 0,
+            reservation=config.cache.kv_reservation,
+            watermark=config.cache.kv_watermark,
+            swap=swap,
+        )
+        return kv, scheduler
 
     def _max_decode_rows(self) -> int:
         """Rows of a decode-only step at most: one per running request, plus its drafts."""
@@ -285,21 +298,63 @@ class EngineCore:
         return self.apply(plan, self.runner.execute(plan))
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Applies a step's result. If the scheduler raises, the step's requests fail (the
+        scheduler touches no other request while applying a step) and the rest continue; if
+        failing them raises too, or leaves the KV tables inconsistent, every request fails and
+        the engine starts over (``fail_all``)."""
         self._num_steps += 1
         self._num_rows += result.num_rows
         self._num_coda_rows += result.num_coda_rows
-        updates = self.scheduler.apply(plan, result)
+        _remove(self._outstanding, plan)
+        if _remove(self._stale, plan):
+            return []  # planned by a scheduler that was replaced; its requests have failed
+        # The step's requests still going: each gets its final update from this step.
+        requests = self.scheduler.requests
+        rids = dict.fromkeys(it.request_id for it in plan.items)
+        involved = [rid for rid in rids if rid in requests]
+        try:
+            updates = self.scheduler.apply(plan, result)
+        except Exception as exc:
+            error = _engine_error(f"applying step {plan.step_id}", exc)
+            try:
+                for rid in involved:  # ended during the failed apply, or ends now
+                    self.scheduler.abort(rid)  # frees its KV, releases its runner state
+                self.kv.check_no_leaks()
+            except Exception as again:
+                logger.error("failing the step's requests failed too", exc_info=again)
+                return self.fail_all(error)
+            reason = FinishReason.ERROR
+            updates = [RequestUpdate(rid, finish_reason=reason, error=error) for rid in involved]
         for update in updates:
             update.weight_version = self.weight_version
         return updates
 
+    def fail_all(self, error: str) -> list[RequestUpdate]:
+        """After the scheduler raised where the requests involved cannot be told apart: every
+        request fails with ``error`` and the engine starts over with an empty scheduler and KV
+        pool, so new requests are served as before. Steps still in flight are dropped when
+        their results come back; the runner forgets every request after running them."""
+        rids = list(self.scheduler.requests)
+        self.kv, self.scheduler = self._fresh_scheduler()
+        self._stale += self._outstanding
+        self._outstanding = []
+        self.runner.forget_all()
+        reason = FinishReason.ERROR
+        return [RequestUpdate(rid, finish_reason=reason, error=error) for rid in rids]
+
     # ---------------------------------------------------------------- stepping
 
     def plan(self) -> StepPlan | None:
-        return self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self._outstanding.append(plan)
+        return plan
 
     def step(self) -> list[RequestUpdate]:
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.plan()
+        except Exception as exc:
+            return self.fail_all(_engine_error("planning a step", exc))
         return [] if plan is None else self.execute(plan)
 
     def on_weights_updated(self) -> None:
@@ -312,6 +367,21 @@ class EngineCore:
 
 
 Emit = Callable[[list[RequestUpdate], EngineStats], None]
+
+
+def _remove(plans: list[StepPlan], plan: StepPlan) -> bool:
+    """Removes ``plan`` (by identity) from ``plans``; True when it was there."""
+    for k, other in enumerate(plans):
+        if other is plan:
+            del plans[k]
+            return True
+    return False
+
+
+def _engine_error(doing: str, exc: Exception) -> str:
+    """The error its requests get (the traceback goes to the log)."""
+    logger.error("engine error while %s", doing, exc_info=exc)
+    return f"engine error while {doing}: {type(exc).__name__}: {exc}"
 
 
 async def run_engine_loop(
@@ -338,7 +408,11 @@ async def run_engine_loop(
             if _handle(core, inbox.get_nowait(), emit, gate):
                 return
         while len(in_flight) < limit:
-            plan = core.plan()
+            try:
+                plan = core.plan()
+            except Exception as exc:  # steps in flight stay: their results are dropped
+                emit(core.fail_all(_engine_error("planning a step", exc)), core.stats())
+                break
             if plan is None:
                 break
             in_flight.append((plan, _start(core, plan, limit)))

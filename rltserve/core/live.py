@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rltserve.core.plan import RequestSetup
-from rltserve.core.sampler import SampleRow
+from rltserve.core.sampler import SampleRow, SeededGenerator
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class Draft:
 @dataclass
 class LiveRequest:
     setup: RequestSetup
-    generator: torch.Generator | None
+    generator: SeededGenerator | None
     items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
     # The last sampled token, on the device: row ``last_row`` of ``last_tokens`` (the sampling
     # step's [R] int64 tokens), so a step gathers its decode inputs with one index_select.
@@ -68,15 +68,21 @@ class LiveRequest:
     sample_row: SampleRow | None = None  # what the sampler needs of this request
 
     @classmethod
-    def create(cls, setup: RequestSetup, device: torch.device, vocab_size: int) -> LiveRequest:
-        """A resumed request (``setup.num_sampled > 0``) gets its generator advanced past the
-        draws of the tokens it sampled before preemption: the sampler draws one ``Exp(1)`` row
-        of ``vocab_size`` per sampled token, so repeating those draws restores the state."""
+    def create(
+        cls,
+        setup: RequestSetup,
+        device: torch.device,
+        vocab_size: int,
+        kept: SeededGenerator | None = None,
+    ) -> LiveRequest:
+        """A resumed request (``setup.num_sampled > 0``) gets its generator at the state after
+        the tokens it sampled before preemption: ``kept`` (the generator it had) when that has
+        not drawn past them, else one replayed from the seed (``SeededGenerator.resume``)."""
         generator = None
         if not setup.params.greedy:
-            generator = torch.Generator(device=device).manual_seed(setup.seed)
-            for _ in range(setup.num_sampled):
-                torch.empty(vocab_size, device=device).exponential_(generator=generator)
+            generator = SeededGenerator.resume(
+                setup.seed, device, setup.num_sampled, vocab_size, kept
+            )
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])

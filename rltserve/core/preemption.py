@@ -6,7 +6,7 @@ being built does not use. Preempting frees every block and sends the request bac
 
 - recompute: on resume every position is recomputed without sampling, prompt chunks at full
   depth and each generated token to its recorded exit depth (``Request.replay_until``); the
-  runner skips the generator draws of the tokens already sampled;
+  runner keeps the request's sampling generator meanwhile and continues from it;
 - swap: the blocks of the positions whose KV is final on every plane (all loops planned, inputs
   recorded) go to host swap space and come back into fresh blocks on resume; the positions after
   them are recomputed as above. When the swap space is full, the request is recomputed instead
@@ -147,11 +147,11 @@ class Preemptor:
         request.resume = Resume.RECOMPUTE  # the positions after the swapped ones, if any
 
     def forget(self, request: Request) -> bool:
-        """A waiting request ends: frees its swap space. True when it held some."""
-        if self.swap is None or not self.swap.holds(request.request_id):
-            return False
-        self.swap.release(request.request_id)
-        return True
+        """A waiting request ends: frees its swap space. True when the runner may hold state
+        for it (swapped KV, the kept sampling generator of a preempted request)."""
+        if self.swap is not None and self.swap.holds(request.request_id):
+            self.swap.release(request.request_id)
+        return request.num_preemptions > 0
 
     # ---------------------------------------------------------------- stats
 
@@ -165,6 +165,14 @@ class Preemptor:
 
     def num_recomputing(self) -> int:
         return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)
+
+
+def resume_tokens(request: Request) -> int:
+    """Positions a preempted request must be able to cover to be re-admitted: all it had
+    written (swapped in or recomputed), as vLLM admits a recomputed request with its whole
+    prefill. Admitted on its first chunk alone, it would take the rest by preempting later
+    arrivals, whose own resumes preempt in turn: every preemption costs its victim a replay."""
+    return max(request.swapped_tokens, request.replay_until + 1 if request.replay_until else 0)
 
 
 def replay_item(request: Request, start: int, max_tokens: int, policy: KVPolicy) -> InFlight:

@@ -40,7 +40,7 @@ from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest
 from rltserve.core.plan import ItemResult, StepPlan, StepResult
-from rltserve.core.sampler import Sampler
+from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
 from rltserve.models.base import AttentionFn, LoopedModel
@@ -115,6 +115,9 @@ class ModelRunner:
         self.logits_width = self.spec.vocab_size
         # Swap space: KV of preempted requests on the host, [L, 2, slots, H, Dh] per request.
         self.swapped: dict[str, torch.Tensor] = {}
+        # Sampling generators of preempted requests, until they resume or are released: a
+        # resume continues from one instead of replaying every draw from the seed.
+        self.kept_generators: dict[str, SeededGenerator] = {}
         self.keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
         self.gate_init = torch.tensor([1.0, 0.0], dtype=torch.float32, device=self.device)
         # Steps run on a dedicated stream on CUDA; everything allocated so far (weights, KV)
@@ -177,6 +180,23 @@ class ModelRunner:
             self._executor.shutdown()
             self._executor = None
         self.deliver()
+
+    def forget_all(self) -> None:
+        """Drops every request's state (the scheduler started over), after every step already
+        submitted has run, on the step thread when there is one."""
+
+        def forget() -> None:
+            self.deliver()
+            self.live.clear()
+            self.block_tables.clear()
+            self.swapped.clear()
+            self.kept_generators.clear()
+            self._dropped.clear()
+
+        if self._executor is not None:
+            self._executor.call(forget)
+        else:
+            forget()
 
     def poll(self) -> bool:
         """Delivers launched steps whose device work is done; True while one is still running.
@@ -251,6 +271,8 @@ class ModelRunner:
         for rid in request_ids:  # their device state is unknown now
             self.live.pop(rid, None)
             self.block_tables.release(rid)
+        for rid in lost or ():
+            self.kept_generators.pop(rid, None)
         # Steps planned before the scheduler learns of the failure skip these requests' items
         # (instead of failing on the missing state) until the scheduler releases them.
         self._dropped.update(request_ids)
@@ -299,13 +321,16 @@ class ModelRunner:
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
             self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
         for rid in plan.preempted:
-            self.live.pop(rid, None)
+            live = self.live.pop(rid, None)
             self.block_tables.release(rid)
+            if live is not None and live.generator is not None:
+                self.kept_generators[rid] = live.generator
             self._dropped.discard(rid)
         for rid in plan.released:
             self.live.pop(rid, None)
             self.block_tables.release(rid)
             self.swapped.pop(rid, None)
+            self.kept_generators.pop(rid, None)
             self._dropped.discard(rid)
         for rid, blocks in plan.swap_in:
             if rid in self._dropped:  # its swap-out failed; the scheduler fails it
@@ -313,7 +338,10 @@ class ModelRunner:
             saved = self.swapped.pop(rid)
             self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
         for setup in plan.new_requests:
-            self.live[setup.request_id] = LiveRequest.create(setup, self.device, self.logits_width)
+            kept = self.kept_generators.pop(setup.request_id, None)
+            self.live[setup.request_id] = LiveRequest.create(
+                setup, self.device, self.logits_width, kept
+            )
         # Items planned before a rollback this runner already did are stale: skip them.
         # (Steps that can roll back are delivered before the next launch, so epochs are
         # current here.) So are items of requests a failed step dropped.

@@ -24,13 +24,52 @@ from rltserve.core.staging import to_device
 from rltserve.sampling import SamplingParams
 
 
+class SeededGenerator:
+    """A request's sampling generator and the number of ``Exp(1)`` rows drawn from it.
+
+    The sampler draws exactly one row of the logits' width per token the request samples, and
+    nothing else draws from it, so ``(seed, draws)`` determines the state. A request resumed
+    after preemption continues from the generator it had (``resume``): it draws only the rows
+    it lacks instead of replaying one vocabulary-wide draw per token sampled so far."""
+
+    def __init__(self, seed: int, device: torch.device | str) -> None:
+        self.seed = seed
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.draws = 0
+
+    def noise(self, width: int) -> torch.Tensor:
+        """[width] ~ Exp(1): the draw of one sampled token."""
+        self.draws += 1
+        out = torch.empty(width, device=self.generator.device)
+        return out.exponential_(generator=self.generator)
+
+    @classmethod
+    def resume(
+        cls,
+        seed: int,
+        device: torch.device | str,
+        draws: int,
+        width: int,
+        kept: SeededGenerator | None = None,
+    ) -> SeededGenerator:
+        """The generator of a request that has sampled ``draws`` tokens. ``kept``: its
+        generator from before a preemption. It may have drawn more (a step in flight when the
+        request was preempted sampled a token whose result was dropped): then the draws are
+        replayed from the seed, as they are without one."""
+        usable = kept is not None and kept.seed == seed and kept.draws <= draws
+        gen = kept if usable else cls(seed, device)
+        while gen.draws < draws:
+            gen.noise(width)
+        return gen
+
+
 @dataclass
 class SampleRow:
     """One logits row to sample. ``generator`` lives on the logits' device and is owned by the
     runner (one per seeded request); ``penalty_tokens`` is (prompt ids, output ids)."""
 
     params: SamplingParams
-    generator: torch.Generator | None = None
+    generator: SeededGenerator | None = None
     penalty_tokens: tuple[list[int], list[int]] | None = None
 
 
@@ -197,6 +236,6 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ).exponential_()
     for j, row in enumerate(rows):
         if row.generator is not None:
-            noise[j] = torch.empty(vocab, device=device).exponential_(generator=row.generator)
+            noise[j] = row.generator.noise(vocab)
     # argmax(probs / q) with q ~ Exp(1) draws from probs; q is kept > 0 so 0/0 cannot occur.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -33,7 +33,7 @@ from rltserve.config import SchedulerConfig
 from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.preemption import Preemptor, replay_item
+from rltserve.core.preemption import Preemptor, replay_item, resume_tokens
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import force_thinking_end
@@ -249,7 +249,7 @@ class Scheduler:
         loops = request.num_loops
         if not self.ondemand:
             return self.kv.blocks_needed(request.kv_tokens, loops)
-        need = self.kv.blocks_needed(max(item.end, request.swapped_tokens), loops)
+        need = self.kv.blocks_needed(max(item.end, resume_tokens(request)), loops)
         return need + (self.watermark_blocks if self.running else 0)
 
     def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
@@ -456,7 +456,7 @@ class Scheduler:
             self.kv.free(request.request_id)
             self._released.append(request.request_id)
         elif self.preemptor.forget(request):
-            self._released.append(request.request_id)  # the runner drops its swapped KV
+            self._released.append(request.request_id)  # the runner drops what it kept
         del self.requests[request.request_id]
 
     def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:

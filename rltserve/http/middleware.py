@@ -4,7 +4,8 @@ passthrough and the HTTP request counter.
 Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
 as JSON; then ``auth``, which guards every route but ``/health`` (and ``/metrics`` unless
-configured). Error bodies never carry a traceback or a request's own header values.
+configured). Error bodies never carry a traceback or a request's own header values. Requests
+that do not parse never reach a middleware: ``protocol.py`` renders those.
 """
 
 from __future__ import annotations

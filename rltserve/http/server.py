@@ -20,6 +20,7 @@ from aiohttp import web
 from rltserve.config import EngineConfig
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
+from rltserve.http.protocol import JSONErrorRunner
 from rltserve.http.state import STATE, ClientFactory
 
 log = logging.getLogger("rltserve.http")
@@ -52,7 +53,7 @@ def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
 
 
 async def start_server(app: web.Application, config: ServerConfig) -> RunningServer:
-    runner = web.AppRunner(
+    runner = JSONErrorRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=config.drain_timeout_s + _SHUTDOWN_MARGIN_S,

@@ -1,0 +1,71 @@
+"""OpenAI-style JSON errors for requests aiohttp rejects before any middleware runs.
+
+A request whose line, headers or chunked framing do not parse (bad request line or method,
+oversized or invalid headers, malformed chunk sizes, conflicting lengths) never reaches the
+app: aiohttp's protocol handler answers it with ``RequestHandler.handle_error``, a plain-text
+400 that quotes the offending bytes. aiohttp has no public hook for that response, so
+``JSONErrorRunner`` makes its server build ``JSONErrorProtocol`` handlers, whose
+``handle_error`` answers with the same JSON body as every other error (``errors.py``). The
+message names the kind of error only: the bytes it quotes may be a client's header values.
+"""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from rltserve.http.errors import HTTPError, error_response
+
+# aiohttp's descriptions quote the offending bytes after one of these ("...: b'x'", "... (20000)
+# when reading b'...'", "Bad status line 'x'"); the text before the first one names the error.
+_QUOTE_START = re.compile(r"""[:\n(]| b?['"]""")
+
+
+def parse_error_message(status: int, exc: BaseException | None) -> str:
+    """The client-facing text: aiohttp's description up to where it starts quoting request
+    bytes (``Invalid header value char``, ``Got more than 8190 bytes when reading``)."""
+    if status >= 500:
+        return "internal server error" if status == 500 else HTTPStatus(status).phrase.lower()
+    detail = str(getattr(exc, "message", "") or "")
+    head = _QUOTE_START.split(detail, 1)[0].strip()[:100]
+    return f"malformed HTTP request: {head}" if head else "malformed HTTP request"
+
+
+class JSONErrorProtocol(RequestHandler):
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's version logs the error and refuses when a response has started; its
+        # plain-text body is replaced.
+        super().handle_error(request, status, exc, message)
+        response = error_response(HTTPError(status, parse_error_message(status, exc)))
+        response.force_close()
+        return response
+
+
+class JSONErrorServer(web.Server):
+    __slots__ = ()
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = JSONErrorProtocol  # same slots: only handle_error differs
+        return handler
+
+
+class JSONErrorRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer parse errors with JSON."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JSONErrorServer  # adds no state: only how handlers are made
+        return server

@@ -1,0 +1,107 @@
+"""Requests aiohttp rejects while parsing (before any middleware) get the OpenAI-style JSON 400
+every other error gets, over raw sockets; the message names the kind of error and never quotes
+the request's bytes; the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from aiohttp import http_parser
+from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
+from test_http_harness import tiny_checkpoint as build_checkpoint
+
+from rltserve.http.protocol import parse_error_message
+
+C_PARSER = getattr(http_parser, "HttpRequestParserC", None) is http_parser.HttpRequestParser
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+SECRET = b"s3cr3t-header-value"
+
+MALFORMED = [
+    # (raw request, message after "malformed HTTP request: ")
+    (b"GARBAGE\r\n\r\n", "Invalid method encountered"),
+    (b"G(T / HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid method encountered"),
+    (b"GET /health HTTP/9\r\nHost: x\r\n\r\n", "Bad status line"),
+    (HEAD + b"X-Big: " + SECRET * 1000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+     "Got more than 4096 bytes when reading"),
+    (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     "Got more than 4096 bytes when reading"),
+    (HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"Content-Length: 2\r\n\r\n{}",
+     "Too many headers received"),
+    (HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nxx\r\n", "Invalid character in chunk size"),
+    (HEAD + b"X-A\x01b: " + SECRET + b"\r\nContent-Length: 2\r\n\r\n{}", "Invalid header token"),
+    (HEAD + b"X-A: " + SECRET + b"\x00\r\nContent-Length: 2\r\n\r\n{}",
+     "Invalid header value char"),
+    (HEAD + b"Content-Length: abc\r\n\r\n{}", "Invalid character in Content-Length"),
+    (HEAD + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+     "Transfer-Encoding can't be present with Content-Length"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory)
+
+
+async def _exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        raw = await asyncio.wait_for(reader.read(), timeout=30)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split(" ", 2)[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+async def test_parse_errors_are_json_400s(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage), max_header_bytes=4096) as live:
+        for request, reason in MALFORMED:
+            status, headers, body = await _exchange(live.url, request)
+            assert status == 400, request[:60]
+            assert headers["content-type"] == "application/json"
+            assert int(headers["content-length"]) == len(body)
+            error = orjson.loads(body)["error"]
+            message = error.pop("message")
+            assert error == {"type": "invalid_request_error", "param": None, "code": 400}
+            if C_PARSER:  # the pure-Python parser words its errors differently
+                assert message == f"malformed HTTP request: {reason}", request[:60]
+            assert message.startswith("malformed HTTP request")
+            assert SECRET not in body and b"aaaa" not in body
+        # The server still serves well-formed requests.
+        ok = b'{"prompt": [5, 6], "max_tokens": 2}'
+        request = HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(ok)
+        status, _, body = await _exchange(live.url, request + ok)
+        assert status == 200 and orjson.loads(body)["object"] == "text_completion"
+
+
+def test_parse_error_message_drops_quoted_bytes():
+    class Parse(Exception):
+        def __init__(self, message):
+            self.message = message
+
+    cases = {  # aiohttp's C and pure-Python parsers' wordings
+        "Invalid header value char:\n\n  b'X-A: v\\x00v'\n   ^": "Invalid header value char",
+        "Bad status line 'GET /secret HTTP/9'": "Bad status line",
+        "Got more than 8190 bytes (20000) when reading b'aaaa'.": "Got more than 8190 bytes",
+        "Invalid HTTP header: b'X-A\\x01'": "Invalid HTTP header",
+        "Too many headers received": "Too many headers received",
+    }
+    for detail, head in cases.items():
+        assert parse_error_message(400, Parse(detail)) == f"malformed HTTP request: {head}"
+
+
+def test_parse_error_message_without_details():
+    class Bare(Exception):
+        message = ""
+
+    assert parse_error_message(400, Bare()) == "malformed HTTP request"
+    assert parse_error_message(400, None) == "malformed HTTP request"
+    assert parse_error_message(500, ValueError("x")) == "internal server error"
+    assert parse_error_message(504, None) == "gateway timeout"
