@@ -298,6 +298,10 @@ class ModelRunner:
                 continue
             saved = self.swapped.pop(rid)
             self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
+        if plan.block_copies:
+            sources, targets = zip(*plan.block_copies)
+            copied = self.kv.index_select(2, self._slots(list(sources)))
+            self.kv.index_copy_(2, self._slots(list(targets)), copied)
         for setup in plan.new_requests:
             self.live[setup.request_id] = LiveRequest.create(setup, self.device, self.logits_width)
         # Items planned before a rollback this runner already did are stale: skip them.
