@@ -30,3 +30,6 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     error: str | None = None
     rejected: bool = False  # the request never started: its arguments were invalid
+    # On the update with the first output token: prompt tokens whose KV was reused (prefix
+    # cache, or the prompt a group's leader computed) instead of computed.
+    num_cached_tokens: int | None = None

@@ -421,6 +421,8 @@ class Scheduler:
         update.new_exit_depths.append(depth)
         update.new_logprobs.append(outcome.logprob)
         update.new_top_logprobs.append(outcome.top_logprobs)
+        if len(request.output_token_ids) == 1:
+            update.num_cached_tokens = request.num_cached_tokens or 0
         reason = self._stop_reason(request, token)
         if reason is not None:
             self._finish(request, reason)
