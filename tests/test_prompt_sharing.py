@@ -218,15 +218,33 @@ def _samples(prompt_len: int, n: int, seed: int, **extra):
 @pytest.mark.parametrize("caching", [True, False])
 def test_group_samples_equal_independent_requests(ckpts, prompt_len, caching):
     prompts, params = _samples(prompt_len, 4, seed=prompt_len, temperature=0.9, top_p=0.95)
-    kw = {"enable_prefix_caching": caching, "prefill_chunk_size": 8}
-    alone, alone_stats = _run(ckpts["ouro"], prompts, params, [0, 0, 0, 0], **kw)
-    group, stats = _run(ckpts["ouro"], prompts, params, [0, 0, 0, 0], groups=["g"] * 4, **kw)
+    kw = {"prefill_chunk_size": 8}
+    alone, alone_stats = _run(
+        ckpts["ouro"], prompts, params, [0] * 4, enable_prefix_caching=False, **kw
+    )
+    group, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        [0] * 4,
+        groups=["g"] * 4,
+        enable_prefix_caching=caching,
+        **kw,
+    )
     _same(group, alone)
     # Each follower reuses all but the last prompt token, and computes that one alone.
     assert stats.prefix_cache_hits == 3 * (prompt_len - 1)
     assert stats.num_rows < alone_stats.num_rows
     if not caching:
         assert stats.prefix_cache_blocks == 0  # group-only sharing keeps nothing
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(ckpts, ouro_ref):
+    # Added at once: the later requests wait for the blocks the first one is computing.
+    prompts, params, _ = _workload(13)
+    on, stats = _run(ckpts["ouro"], prompts, params, [0] * len(prompts))
+    assert stats.prefix_cache_hits == EXPECTED_HITS
+    _oracle(ouro_ref, on, prompts, params)
 
 
 def test_group_samples_match_the_oracle_in_every_mode(ckpts, ouro_ref):

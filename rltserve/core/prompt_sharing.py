@@ -12,6 +12,9 @@ depends only on the tokens up to it and on what the request's salt names (``Requ
   loop *and that result was applied* (so a failed step never caches garbage, and any later
   step that reads the block runs after the steps that wrote it). Only prompt blocks are cached:
   a generated token's KV depends on exit depths.
+- In flight: a request whose first uncached prompt block is being computed by a running
+  request waits until that block is cached instead of computing it again, so a burst of
+  requests sharing a prompt prefix computes the prefix once.
 - Groups: the first request added with a group key leads; the others (followers, e.g. the
   samples of HTTP ``n``) wait while the leader computes its prompt, then share its full prompt
   blocks through the cache and get a copy of its partly filled last prompt block (the runner's
@@ -49,6 +52,9 @@ class PromptSharing:
         self.s = scheduler
         self._leaders: dict[str, str] = {}  # group key -> request id of its leader
         self._copies: list[tuple[int, int]] = []  # for the plan being built
+        # Prompt blocks not cached yet -> the request computing them (stale once it stops
+        # running: checked on use).
+        self._computing: dict[bytes, str] = {}
 
     def take_copies(self) -> list[tuple[int, int]]:
         out, self._copies = self._copies, []
@@ -71,13 +77,27 @@ class PromptSharing:
         return None if rid is None or rid == request.request_id else self.s.requests.get(rid)
 
     def waits(self, request: Request) -> bool:
-        """A follower is not admitted while its running leader has not finished its prompt."""
+        """A follower is not admitted while its running leader has not finished its prompt,
+        nor any request while a running one computes its first uncached prompt block."""
         leader = self._leader(request)
-        return (
+        if (
             leader is not None
             and leader.status is RequestStatus.RUNNING
             and leader.prompt_final < leader.num_prompt_tokens
-        )
+        ):
+            return True
+        if request.block_hashes is None or request.resume is Resume.SWAP:
+            return False
+        limit = (request.num_prompt_tokens - 1) // self.s.kv.block_size
+        cached = len(self.s.kv.cache.lookup(request.block_hashes, limit))
+        if cached == limit:
+            return False
+        key = request.block_hashes[cached]
+        owner = self.s.requests.get(self._computing.get(key, ""))
+        if owner is None or owner.status is not RequestStatus.RUNNING:
+            self._computing.pop(key, None)  # its computer ended or was preempted
+            return False
+        return owner is not request
 
     # ---------------------------------------------------------------- admission
 
@@ -114,6 +134,8 @@ class PromptSharing:
         request.blocks_cached = len(hit.entries)
         if request.block_hashes is not None:
             self.s.kv.cache.record_query(p, hit.start)
+            for key in request.block_hashes[len(hit.entries) :]:
+                self._computing.setdefault(key, request.request_id)
         if request.num_cached_tokens is None:
             request.num_cached_tokens = hit.start
         if hit.source is not None:
@@ -140,5 +162,8 @@ class PromptSharing:
         p, bs = request.num_prompt_tokens, self.s.kv.block_size
         upto = min(request.prompt_final, p) // bs
         for index in range(request.blocks_cached, upto):
-            self.s.kv.cache_block(request.request_id, index, request.block_hashes[index])
+            key = request.block_hashes[index]
+            self.s.kv.cache_block(request.request_id, index, key)
+            if self._computing.get(key) == request.request_id:
+                del self._computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
