@@ -11,7 +11,9 @@ import random
 import pytest
 from engine_util import make_core, oracle_run, run_core
 
+from rltserve.cli import build_parser
 from rltserve.config import CacheConfig
+from rltserve.engine_args import checked_engine_kwargs
 from rltserve.sampling import SamplingParams
 
 BS = 4
@@ -183,6 +185,15 @@ def test_caching_is_refused_where_not_exact(ckpts):
         CacheConfig(kv_policy="ring:2", enable_prefix_caching=True)
     assert not CacheConfig(kv_policy="shared").prefix_caching
     assert CacheConfig().prefix_caching
+    # The flag is derived from the config field, as every engine flag.
+    args = build_parser().parse_args(
+        ["generate", "--model", str(ckpts["ouro"]), "--kv-policy", "shared",
+         "--enable-prefix-caching"]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):
+        checked_engine_kwargs(args)
+    off = build_parser().parse_args(["generate", "--no-enable-prefix-caching"])
+    assert off.enable_prefix_caching is False
 
 
 def test_shared_policy_runs_without_caching(ckpts, ouro_ref):
