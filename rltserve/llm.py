@@ -52,6 +52,7 @@ class LLM:
         kv_reservation: str = "ondemand",
         kv_watermark: float = 0.01,
         swap_space_gb: float = 4.0,
+        enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute",
         scheduling_policy: str = "fcfs",
         in_process: bool = False,
@@ -86,6 +87,7 @@ class LLM:
             kv_reservation=kv_reservation,
             kv_watermark=kv_watermark,
             swap_space_gb=swap_space_gb,
+            enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             scheduling_policy=scheduling_policy,
         )

@@ -271,7 +271,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             if self.sharing.waits(request):
-                i += 1  # a follower waits for its leader's prompt; the rest need not
+                i += 1  # it waits for a prompt prefix another request computes; others need not
                 continue
             hit = self.sharing.lookup(request)
             before = request.num_scheduled
