@@ -117,7 +117,8 @@ def run_core(
     while True:
         for i, at in enumerate(arrivals):
             if at == step and i not in added:
-                core.add_request(rids[i], prompts[i], params[i], groups[i] if groups else None)
+                group = {"group": groups[i]} if groups else {}
+                core.add_request(rids[i], prompts[i], params[i], **group)
                 run.tokens[rids[i]] = []
                 run.depths[rids[i]] = []
                 run.logprobs[rids[i]] = []
