@@ -210,7 +210,7 @@ def test_weight_update_invalidates(ckpts):
     run_core(core, [prompt], [params])
     assert core.stats().prefix_cache_blocks > 0
     core.reset_prefix_cache()
-    assert core.weights_version == 1 and core.stats().prefix_cache_blocks == 0
+    assert core.weight_version == 1 and core.stats().prefix_cache_blocks == 0
     run_core(core, [prompt], [params])
     assert core.stats().prefix_cache_hits == 0
     core.shutdown()

@@ -92,7 +92,7 @@ class EngineCore:
         num_blocks = config.cache.num_blocks or self._auto_num_blocks()
         self.prefix_caching = config.cache.prefix_caching
         # Bumped by a weight update: part of every cache salt, so old prefixes never hit.
-        self.weights_version = 0
+        self.weight_version = 0
         self.kv = KVManager(
             num_blocks,
             config.cache.block_size,
@@ -252,7 +252,7 @@ class EngineCore:
         return make_salt(
             self.config.model.model,
             self.spec.family,
-            self.weights_version,
+            self.weight_version,
             self.config.model.dtype,
             str(self.policy),
             self.config.cache.block_size,
@@ -262,10 +262,11 @@ class EngineCore:
         )
 
     def reset_prefix_cache(self) -> None:
-        """Invalidates every cached prefix (call after the weights change): the weights
-        version goes up, so no later request hits a block computed with the old weights;
-        cached blocks no request holds go back to the pool."""
-        self.weights_version += 1
+        """Invalidates every cached prefix (call after the weights change): the weight
+        version, part of every cache salt, goes up, so no later request hits a block computed
+        with the old weights; cached blocks no request holds go back to the pool. (Bumping
+        ``weight_version`` alone is already exact: old entries are then only evicted later.)"""
+        self.weight_version += 1
         self.kv.cache.clear()
 
     def _pipelined(self, params: SamplingParams, cap: int) -> bool:
