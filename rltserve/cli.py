@@ -99,9 +99,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from rltserve.bench.offline import run_offline_bench
 
-    for name in ("num_prompts", "input_len", "output_len", "concurrency"):
+    for name in ("num_prompts", "input_len", "output_len", "concurrency", "n"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.shared_prefix_len < 0:
+        raise ValueError(f"--shared-prefix-len {args.shared_prefix_len}: must be >= 0")
     args.progress = progress_enabled(args.quiet)
     # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
     graphs = args.cuda_graphs and not args.compare
@@ -252,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument(
         "--ray-address", default=None, help="Ray cluster for --replicas (default: a local one)"
+    )
+    off.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="prompts are one shared prefix of this many tokens plus a distinct --input-len "
+        "suffix; compares prefix caching off and on (TTFT, tokens/s)",
+    )
+    off.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="also compare --num-prompts/N prompts sampled N times each as groups (one prefill "
+        "per prompt) with the same requests sent independently",
     )
     off.add_argument("--json", action="store_true", help="print the report as JSON")
     off.add_argument("--quiet", action="store_true", help="no progress bars on stderr")

@@ -81,6 +81,13 @@ class CacheConfig:
         default=4.0,
         metadata=_help("host memory in GiB for KV of swapped-out requests (preemption_mode=swap)"),
     )
+    enable_prefix_caching: bool | None = field(
+        default=None,
+        metadata=_help(
+            "reuse the KV of cached prompt prefixes on every plane (default: on where exact, "
+            "i.e. kv_policy full or last_exited; shared and ring:K cannot have it)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         KVPolicy.parse(self.kv_policy)  # raises ValueError naming the bad value
@@ -98,6 +105,24 @@ class CacheConfig:
             raise ValueError(f"kv_watermark={self.kv_watermark!r}: must be in [0, 1)")
         if not isinstance(self.swap_space_gb, (int, float)) or not self.swap_space_gb >= 0:
             raise ValueError(f"swap_space_gb={self.swap_space_gb!r}: must be >= 0")
+        if self.enable_prefix_caching not in (None, True, False):
+            raise ValueError(
+                f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True, False "
+                "or None (on where exact)"
+            )
+        if self.enable_prefix_caching and not KVPolicy.parse(self.kv_policy).per_depth:
+            raise ValueError(
+                f"enable_prefix_caching=True: kv_policy={self.kv_policy!r} makes prompt KV depend "
+                "on chunk boundaries, so cached prefixes would not be exact; use full or "
+                "last_exited"
+            )
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (resolving the default)."""
+        if self.enable_prefix_caching is None:
+            return KVPolicy.parse(self.kv_policy).per_depth
+        return self.enable_prefix_caching
 
 
 @dataclass(frozen=True)

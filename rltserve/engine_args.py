@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            if hints[f.name] is bool:
+            if hints[f.name] in (bool, bool | None):
                 group.add_argument(
                     flag,
                     dest=f.name,

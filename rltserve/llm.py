@@ -65,6 +65,7 @@ class LLM:
         kv_reservation: str = "ondemand",
         kv_watermark: float = 0.01,
         swap_space_gb: float = 4.0,
+        enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute",
         scheduling_policy: str = "fcfs",
         in_process: bool = False,
@@ -100,6 +101,7 @@ class LLM:
             kv_reservation=kv_reservation,
             kv_watermark=kv_watermark,
             swap_space_gb=swap_space_gb,
+            enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             scheduling_policy=scheduling_policy,
         )
@@ -169,7 +171,11 @@ class LLM:
         try:
             for ids, p in zip(encoded, plist):
                 group = []
-                for sample in expand_samples(p):
+                samples = expand_samples(p)
+                # The samples of one prompt share its prefill: the stage computes it once.
+                key = f"grp-{next(self._ids)}" if len(samples) > 1 else None
+                grouped = {"group": key} if key is not None else {}
+                for sample in samples:
                     rid = f"gen-{next(self._ids)}"
                     tokenizer = self.tokenizer if p.detokenize else None
                     asm = OutputAssembler(
@@ -184,7 +190,7 @@ class LLM:
                     )
                     group.append(asm)
                     pending.assemblers.append(asm)
-                    self._client.add_request(rid, ids, sample, self._sink(asm, pending))
+                    self._client.add_request(rid, ids, sample, self._sink(asm, pending), **grouped)
                 groups.append(group)
             pending.wait()
         finally:

@@ -37,3 +37,6 @@ class RequestUpdate:
     error: str | None = None
     rejected: bool = False  # the request never started: its arguments were invalid
     weight_version: int = 0  # the engine's weights when the update was made
+    # On the update with the first output token: prompt tokens whose KV was reused (prefix
+    # cache, or the prompt a group's leader computed) instead of computed.
+    num_cached_tokens: int | None = None

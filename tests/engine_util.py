@@ -85,12 +85,14 @@ def run_core(
     lag: int = 0,
     deferred: bool = False,
     max_steps: int = 10_000,
+    groups: list[str | None] | None = None,
 ) -> Run:
     """Runs requests to completion. ``arrivals[i]`` is the step at which request i is added;
     ``aborts`` maps a request index to the step at which it is aborted. With ``lag=1`` each
     step is planned before the previous step's result is applied, as async scheduling does
     (steps still execute in order). ``deferred`` makes the runner deliver each step's result
-    inside the next launch, as it does on a GPU with async scheduling."""
+    inside the next launch, as it does on a GPU with async scheduling. ``groups[i]``: the
+    prompt-sharing group key of request i."""
     core.runner.defer_results = deferred
     arrivals = arrivals or [0] * len(prompts)
     aborts = aborts or {}
@@ -115,7 +117,8 @@ def run_core(
     while True:
         for i, at in enumerate(arrivals):
             if at == step and i not in added:
-                core.add_request(rids[i], prompts[i], params[i])
+                group = {"group": groups[i]} if groups else {}
+                core.add_request(rids[i], prompts[i], params[i], **group)
                 run.tokens[rids[i]] = []
                 run.depths[rids[i]] = []
                 run.logprobs[rids[i]] = []

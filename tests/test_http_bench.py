@@ -80,6 +80,22 @@ async def test_short_run_against_a_server(tmp_path_factory):
     assert report["mean_e2el_ms"] >= report["mean_ttft_ms"]
 
 
+async def test_multi_turn_chat_reports_the_cache_hit_rate(tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    engine = {"block_size": 4, "num_blocks": 256}
+    async with running(ckpt, engine=engine) as live:
+        config = BenchConfig(
+            url=live.url, num_prompts=2, input_len=5, output_len=3, num_turns=3,
+        )  # fmt: skip
+        report = await run_bench(config)
+    assert report["completed"] == 6 and report["num_turns"] == 3
+    # Turn prompts: 5, 5+3+5 = 13, 13+3+5 = 21 tokens; turns 2 and 3 reuse the full blocks
+    # before their last token that the previous turn cached (its prompt: 1 and 3 blocks).
+    assert report["total_input_tokens"] == 2 * (5 + 13 + 21)
+    assert report["total_cached_tokens"] == 2 * (4 + 12)
+    assert report["prefix_cache_hit_rate"] == pytest.approx(32 / 78)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rltserve")
     sub = parser.add_subparsers(dest="command")

@@ -95,7 +95,7 @@ class ScriptedStage:
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         return self.info
 
-    def add_request(self, request_id, prompt_token_ids, params, sink) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
         if not self.alive:
             raise StageError("stage is not running")
         with self._lock:

@@ -38,6 +38,8 @@ def test_values_of_a_known_sequence():
     engine = stats(
         num_running=3, num_waiting=1, kv_usage=0.25, num_steps=4, num_rows=10,
         num_preemptions=5, swap_fallbacks=1, num_swapped=2, num_recomputing=1, swapped_bytes=4096,
+        prefix_cache_queries=40, prefix_cache_hits=24, prefix_cache_blocks=12,
+        prefix_cache_evictions=3,
     )  # fmt: skip
     metrics.configure(4, lambda: (engine, 2))
     timeline = RequestTimeline(arrival=10.0, admitted=10.5)
@@ -78,6 +80,10 @@ def test_values_of_a_known_sequence():
         ("rltserve:num_requests_swapped", m): 2.0,
         ("rltserve:num_requests_recomputing", m): 1.0,
         ("rltserve:swapped_bytes", m): 4096.0,
+        ("rltserve:prefix_cache_queries_total", m): 40.0,
+        ("rltserve:prefix_cache_hits_total", m): 24.0,
+        ("rltserve:prefix_cache_evictions_total", m): 3.0,
+        ("rltserve:prefix_cache_blocks", m): 12.0,
     }  # fmt: skip
     assert {k: got.get(k) for k in expected} == expected
     # the standard collectors come with every app's registry

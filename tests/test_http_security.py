@@ -180,7 +180,7 @@ async def test_slow_body_gets_408(ckpt):
 
 
 class _Exploding(ScriptedStage):
-    def add_request(self, request_id, prompt_token_ids, params, sink) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
         raise RuntimeError(f"boom in /srv/secret/{KEY}")
 
 

@@ -140,3 +140,12 @@ def test_a_vllm_script_runs_unchanged(tiny, tmp_path, llm):
         for ids in ([5, 6, 7, 8], [9, 10])
     ]
     assert got == want
+
+
+def test_n_samples_compute_their_prompt_once(llm):
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+    before = llm._client.stats.prefix_cache_hits
+    (out,) = llm.generate([prompt], SamplingParams(n=4, max_tokens=2, ignore_eos=True))
+    assert len(out.outputs) == 4
+    # Each of the 3 followers reuses all but the last prompt token of the leader's prefill.
+    assert llm._client.stats.prefix_cache_hits - before == 3 * 39

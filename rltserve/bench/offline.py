@@ -220,6 +220,11 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "kv_policy": engine_kw["kv_policy"],
         "exit_mode": engine_kw["exit_mode"],
     }
+    if getattr(args, "shared_prefix_len", 0) or getattr(args, "n", 1) > 1:
+        from rltserve.bench.prefix import run_prefix_compare
+
+        report["prefix_compare"] = run_prefix_compare(model, engine_kw, args)
+        return report
     # With --compare, the wavefront, async and pipelining flags select their own comparisons.
     if engine_kw["speculative_tokens"] and args.compare:
         report["pipelining_compare"] = run_pipelining_compare(model, engine_kw, args)

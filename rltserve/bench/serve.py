@@ -5,6 +5,11 @@ Every request streams ``/v1/completions`` with a random token-id prompt of ``inp
 Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burstiness`` 1 =
 Poisson), optionally capped at ``max_concurrency`` in flight.
 
+Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
+after another; turn t's prompt is turn t-1's prompt + its answer (token ids) + a new
+``input_len``-token user message. The report adds the prefix cache hit rate: prompt tokens the
+server reports as cached (``usage.prompt_tokens_details.cached_tokens``) over all prompt tokens.
+
 Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = gaps between
 consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request; E2EL = send
 -> last byte. Output tokens are the server's ``usage.completion_tokens``. Throughputs divide by
@@ -52,12 +57,13 @@ class BenchConfig:
     seed: int = 0
     temperature: float = 0.0
     exit_threshold: float | None = None
+    num_turns: int = 1  # > 1: multi-turn chat conversations (see the module doc)
     progress: bool = False
     ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
 
     def __post_init__(self) -> None:
         _check_url(self.url)
-        for name in ("num_prompts", "input_len", "output_len"):
+        for name in ("num_prompts", "input_len", "output_len", "num_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.request_rate > 0:
@@ -96,6 +102,8 @@ class RequestResult:
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the server reused (usage.prompt_tokens_details)
+    output_ids: list[int] = field(default_factory=list)  # multi-turn: the answer's token ids
 
 
 def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
@@ -129,6 +137,8 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
         body["model"] = config.model
     if config.exit_threshold is not None:
         body["exit_threshold"] = config.exit_threshold
+    if config.num_turns > 1:
+        body["return_token_ids"] = True
     start = time.perf_counter()
     last = start
     try:
@@ -136,6 +146,7 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
             async for chunk in chunks:
                 now = time.perf_counter()
                 if chunk.get("choices"):
+                    result.output_ids.extend(chunk["choices"][0].get("token_ids") or ())
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -143,6 +154,8 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
                     last = now
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
         result.e2el = time.perf_counter() - start
         result.success = result.ttft > 0.0
     except (APIError, OSError, asyncio.TimeoutError) as exc:
@@ -180,22 +193,32 @@ async def run_bench(config: BenchConfig) -> dict:
         prompts = random_prompts(config, vocab)
         gaps = arrival_gaps(config)
         limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
-        progress = progress_bar(config.num_prompts, "requests", config.progress, unit="req")
+        total = config.num_prompts * config.num_turns
+        progress = progress_bar(total, "requests", config.progress, unit="req")
 
-        async def limited(prompt: list[int]) -> RequestResult:
-            async with limit:
-                result = await _one(client, config, prompt)
-            progress.update()
-            return result
+        async def conversation(index: int, prompt: list[int]) -> list[RequestResult]:
+            """One request, or the turns of one chat, each turn extending the last."""
+            rng = random.Random(config.seed * 7919 + index + 2)
+            results = []
+            for turn in range(config.num_turns):
+                async with limit:
+                    result = await _one(client, config, prompt)
+                progress.update()
+                results.append(result)
+                if not result.success or turn + 1 == config.num_turns:
+                    break
+                user = [rng.randrange(vocab) for _ in range(config.input_len)]
+                prompt = prompt + result.output_ids + user
+            return results
 
         start = time.perf_counter()
         tasks = []
         with progress:
-            for prompt, gap in zip(prompts, gaps):
+            for index, (prompt, gap) in enumerate(zip(prompts, gaps)):
                 if gap > 0:
                     await asyncio.sleep(gap)
-                tasks.append(asyncio.create_task(limited(prompt)))
-            results = await asyncio.gather(*tasks)
+                tasks.append(asyncio.create_task(conversation(index, prompt)))
+            results = [r for turns in await asyncio.gather(*tasks) for r in turns]
         duration = time.perf_counter() - start
     return summarize(config, results, duration)
 
@@ -229,6 +252,9 @@ def summarize(config: BenchConfig, results: list[RequestResult], duration: float
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "num_turns": config.num_turns,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / max(input_tokens, 1),
     }
     report.update(_stats("ttft", [r.ttft for r in ok]))
     report.update(_stats("tpot", tpots))
@@ -250,6 +276,8 @@ def format_report(report: dict) -> str:
         ("Request throughput (req/s)", f"{report['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
+        ("Turns per conversation", report["num_turns"]),
+        ("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"),
     ]
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
     lines += [f"{name + ':':<45}{value!s:>15}" for name, value in rows]

@@ -23,6 +23,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
+from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
@@ -94,6 +95,7 @@ class EngineCore:
         self.max_model_len = min(mc.max_model_len or spec.max_position, spec.max_position)
         num_blocks = config.cache.num_blocks or self._auto_num_blocks()
         self._num_blocks = num_blocks
+        self.prefix_caching = config.cache.prefix_caching
         self.kv, self.scheduler = self._fresh_scheduler()
         # Plans handed out and not yet applied; those of a scheduler that was replaced
         # (``fail_all``) are dropped when their results come back.
@@ -134,7 +136,11 @@ class EngineCore:
         """An empty KV manager and scheduler (no requests, every block free)."""
         config, spec = self.config, self.spec
         kv = KVManager(
-            self._num_blocks, config.cache.block_size, self.policy, spec.num_boundary_layers > 0
+            self._num_blocks,
+            config.cache.block_size,
+            self.policy,
+            spec.num_boundary_layers > 0,
+            retain_cached=self.prefix_caching,
         )
         swap = None
         if config.scheduler.preemption_mode == "swap":
@@ -175,9 +181,14 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def make_request(
-        self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        group: str | None = None,
     ) -> Request:
-        """Validates a request against the model and wraps it; raises ValueError."""
+        """Validates a request against the model and wraps it; raises ValueError. ``group``:
+        see ``add_request``."""
         spec = self.spec
         rid = request_id or uuid.uuid4().hex
         if not prompt_token_ids:
@@ -224,7 +235,7 @@ class EngineCore:
         eos = frozenset(spec.eos_token_ids)
         pipelined = self._pipelined(params, cap)
         check_thinking(params, sched, pipelined)
-        return Request(
+        request = Request(
             request_id=rid,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -234,7 +245,44 @@ class EngineCore:
             max_total_tokens=self.max_model_len,
             seed=seed,
             pipelined=pipelined,
+            group=group,
         )
+        request.cache_salt = self._cache_salt(request)
+        if request.cache_salt is not None:
+            request.block_hashes = block_hashes(
+                request.cache_salt, request.prompt_token_ids, self.config.cache.block_size
+            )
+        return request
+
+    def _cache_salt(self, request: Request) -> bytes | None:
+        """Everything besides the tokens that a prompt block's KV depends on, or None when the
+        request's prompt blocks must not be shared (a policy where sharing is not exact, or
+        caching off and no group)."""
+        if not self.policy.per_depth or not (self.prefix_caching or request.group is not None):
+            return None
+        noise = None
+        if self.spec.needs_noise:  # Huginn's initial state: zeros, or random per seed
+            init = request.params.init_state
+            noise = (init, request.seed) if init == "random" else init
+        return make_salt(
+            self.config.model.model,
+            self.spec.family,
+            self.weight_version,
+            self.config.model.dtype,
+            str(self.policy),
+            self.config.cache.block_size,
+            request.num_loops,
+            noise,
+            None if self.prefix_caching else request.group,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        """Invalidates every cached prefix (call after the weights change): the weight
+        version, part of every cache salt, goes up, so no later request hits a block computed
+        with the old weights; cached blocks no request holds go back to the pool. (Bumping
+        ``weight_version`` alone is already exact: old entries are then only evicted later.)"""
+        self.weight_version += 1
+        self.kv.cache.clear()
 
     def _pipelined(self, params: SamplingParams, cap: int) -> bool:
         """Whether the request decodes with token pipelining; raises when it asks for it and
@@ -260,9 +308,17 @@ class EngineCore:
         return not reasons
 
     def add_request(
-        self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        group: str | None = None,
     ) -> str:
-        request = self.make_request(request_id, prompt_token_ids, params)
+        """``group``: a key shared by requests that sample the same prompt (the samples of one
+        request with ``n > 1``, each with its own id and seed). The first added computes the
+        prompt once; the others reuse its KV and compute only the last prompt token. Outputs
+        equal those of independent requests."""
+        request = self.make_request(request_id, prompt_token_ids, params, group)
         self.scheduler.add_request(request)
         return request.request_id
 
@@ -291,6 +347,10 @@ class EngineCore:
             num_recomputing=preemptor.num_recomputing(),
             swapped_bytes=preemptor.swapped_bytes,
             swap_fallbacks=preemptor.swap_fallbacks,
+            prefix_cache_queries=self.kv.cache.queries,
+            prefix_cache_hits=self.kv.cache.hits,
+            prefix_cache_blocks=self.kv.cache.num_blocks,
+            prefix_cache_evictions=self.kv.cache.evictions,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:
@@ -360,7 +420,7 @@ class EngineCore:
     def on_weights_updated(self) -> None:
         """New weights are in place (no request is running): the version moves on. State
         derived from the old weights is keyed on ``weight_version`` and goes with it."""
-        self.weight_version += 1
+        self.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -387,9 +447,10 @@ def _engine_error(doing: str, exc: Exception) -> str:
 async def run_engine_loop(
     core: EngineCore, inbox: asyncio.Queue, emit: Emit, reply: Reply | None = None
 ) -> None:
-    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params),
-    ("abort", rid), ("update_weights", token, paths, abort, timeout_s) (``weight_gate``; its
-    outcome goes to ``reply``). A rejected add is emitted as an ERROR update for that request id.
+    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params)
+    or ("add", rid, prompt_ids, params, group), ("abort", rid), ("update_weights", token,
+    paths, abort, timeout_s) (``weight_gate``; its outcome goes to ``reply``). A rejected add
+    is emitted as an ERROR update for that request id.
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
@@ -458,9 +519,9 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
     elif gate.waiting and kind == "abort" and gate.drop_held(command[1]):
         emit([RequestUpdate(command[1], finish_reason=FinishReason.ABORT)], core.stats())
     elif kind == "add":
-        _, rid, prompt, params = command
+        _, rid, prompt, params, *group = command
         try:
-            core.add_request(rid, prompt, params)
+            core.add_request(rid, prompt, params, *group)
         except ValueError as exc:
             reason = FinishReason.ERROR
             emit(

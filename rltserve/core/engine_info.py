@@ -27,6 +27,10 @@ class EngineStats:
     num_recomputing: int = 0  # preempted requests that will recompute (or are recomputing) KV
     swapped_bytes: int = 0  # host swap space in use
     swap_fallbacks: int = 0  # swap-mode preemptions recomputed because swap space was full
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, per admission
+    prefix_cache_hits: int = 0  # of which reused (cached, or shared within a group)
+    prefix_cache_blocks: int = 0  # blocks the prefix cache holds (all planes)
+    prefix_cache_evictions: int = 0  # cached prompt blocks (every plane's copy) evicted
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,20 @@ step is the scheduler's choice.
 A grown table is a new list, never the old one extended: a plan already handed to the runner
 keeps the table it was built with.
 
-Room left for later work, not built yet: blocks are reference counted and a request's tables are
-only ever released through ``BlockPool.free``, so prefix caching can share a full prompt block
-(every plane's copy of it, under one chained hash) by ``incref`` instead of allocating it.
+Prefix caching (``prefix_cache.py``): a request's leading table entries may be cached blocks
+shared by reference count with other requests and the cache (every plane's copy of one prompt
+block under one chained hash). Nothing ever writes a shared block: only full prompt blocks below
+the last prompt token are shared, and prompt KV is final once computed. Evictable cached blocks
+count as free: ``allocate``/``grow`` evict them (least recently released first) when the free
+list is short, so eviction always comes before preemption.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from rltserve.core.prefix_cache import CachedBlock, PrefixCache
 
 # Re-exported: the policy is parsed by the config, below the core; its home is rltserve.kv_policy.
 from rltserve.kv_policy import POLICY_KINDS, KVPolicy  # noqa: F401
@@ -109,6 +114,7 @@ class _RequestKV:
     num_tokens: int  # positions every plane covers
     num_loops: int
     tables: dict[int, list[int]] = field(default_factory=dict)  # plane (or BOUNDARY) -> blocks
+    cached: list[bytes] = field(default_factory=list)  # keys of cache entries it holds blocks of
 
 
 def slot(table: list[int], position: int, block_size: int) -> int:
@@ -124,13 +130,23 @@ class KVManager:
     releases everything.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, policy: KVPolicy, has_boundary: bool):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        policy: KVPolicy,
+        has_boundary: bool,
+        retain_cached: bool = True,
+    ):
+        """``retain_cached``: keep cached prompt blocks no request holds until the pool needs
+        them (prefix caching on); off, they are freed at once (sharing within a group only)."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be >= 1")
         self.block_size = block_size
         self.policy = policy
         self.has_boundary = has_boundary
         self.pool = BlockPool(num_blocks)
+        self.cache = PrefixCache(self.pool, retain=retain_cached)
         self._requests: dict[str, _RequestKV] = {}
 
     # -- capacity -------------------------------------------------------------------------------
@@ -145,7 +161,7 @@ class KVManager:
         return per_plane * len(self.planes_of(num_loops))
 
     def can_allocate(self, num_tokens: int, num_loops: int) -> bool:
-        return self.blocks_needed(num_tokens, num_loops) <= self.pool.num_free
+        return self.blocks_needed(num_tokens, num_loops) <= self.num_free_blocks
 
     def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         """Blocks ``grow(request_id, num_tokens)`` would take (0 when already covered)."""
@@ -160,7 +176,8 @@ class KVManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Blocks an allocation can get: free ones and evictable cached ones."""
+        return self.pool.num_free + self.cache.num_evictable_blocks
 
     @property
     def num_requests(self) -> int:
@@ -168,13 +185,30 @@ class KVManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool's blocks in use."""
-        return self.pool.num_used / self.pool.num_total
+        """Fraction of the pool's blocks in use (evictable cached blocks count as free)."""
+        used = self.pool.num_used - self.cache.num_evictable_blocks
+        return used / self.pool.num_total
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` fresh blocks, evicting cached ones when the free list is short; all or
+        nothing (``NoFreeBlocks``)."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks(n, self.num_free_blocks)
+        if n > self.pool.num_free:
+            self.cache.evict(n - self.pool.num_free)
+        return self.pool.allocate(n)
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_tokens: int, num_loops: int) -> None:
-        """Reserve every plane's table for positions ``[0, num_tokens)``.
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_loops: int,
+        prefix: list[CachedBlock] | None = None,
+    ) -> None:
+        """Reserve every plane's table for positions ``[0, num_tokens)``; the first
+        ``len(prefix)`` blocks of each plane are the cached ``prefix`` entries (shared).
 
         All or nothing: raises ``NoFreeBlocks`` with nothing allocated when the pool is short, and
         ``ValueError`` if the request already holds KV.
@@ -185,11 +219,40 @@ class KVManager:
             raise ValueError(f"num_tokens={num_tokens}: must be >= 0")
         planes = self.planes_of(num_loops)
         per_plane = -(-num_tokens // self.block_size)
-        ids = self.pool.allocate(per_plane * len(planes))
-        entry = _RequestKV(num_tokens, num_loops)
+        prefix = prefix or []
+        shared = len(prefix)
+        if shared > per_plane or any(len(e.blocks) != len(planes) for e in prefix):
+            raise ValueError(f"prefix of {shared} blocks does not fit {per_plane} per plane")
+        self.cache.acquire(prefix)  # first: the eviction below must not take them
+        fresh = per_plane - shared
+        try:
+            ids = self._take(fresh * len(planes))
+        except NoFreeBlocks:
+            self.pool.free([b for e in prefix for b in e.blocks])
+            self.cache.release([e.key for e in prefix])
+            raise
+        entry = _RequestKV(num_tokens, num_loops, cached=[e.key for e in prefix])
         for i, plane in enumerate(planes):
-            entry.tables[plane] = ids[i * per_plane : (i + 1) * per_plane]
+            head = [e.blocks[i] for e in prefix]
+            entry.tables[plane] = head + ids[i * fresh : (i + 1) * fresh]
         self._requests[request_id] = entry
+
+    def cache_block(self, request_id: str, index: int, key: bytes) -> None:
+        """Caches block ``index`` of every plane of the request under ``key``. The caller
+        guarantees its KV is final on every plane and that nothing writes it again."""
+        entry = self._requests[request_id]
+        blocks = [entry.tables[plane][index] for plane in self.planes_of(entry.num_loops)]
+        if self.cache.register(key, blocks):
+            entry.cached.append(key)
+
+    def copy_targets(self, source_id: str, request_id: str, index: int) -> list[tuple[int, int]]:
+        """(source block, request block) of block ``index`` on every plane: the copy that
+        gives a request another's partly filled prompt block."""
+        src, dst = self._requests[source_id], self._requests[request_id]
+        planes = self.planes_of(dst.num_loops)
+        if self.planes_of(src.num_loops) != planes:
+            raise ValueError(f"{source_id!r} and {request_id!r} have different planes")
+        return [(src.tables[p][index], dst.tables[p][index]) for p in planes]
 
     def grow(self, request_id: str, num_tokens: int) -> None:
         """Extends every plane to cover ``[0, num_tokens)``; a no-op when already covered.
@@ -199,7 +262,7 @@ class KVManager:
         want = -(-num_tokens // self.block_size)
         if want > have:
             extra = want - have
-            ids = self.pool.allocate(extra * len(entry.tables))
+            ids = self._take(extra * len(entry.tables))
             for i, plane in enumerate(entry.tables):
                 entry.tables[plane] = entry.tables[plane] + ids[i * extra : (i + 1) * extra]
         entry.num_tokens = max(entry.num_tokens, num_tokens)
@@ -217,8 +280,8 @@ class KVManager:
         """Release all of a request's blocks. An unknown id raises ``KeyError``: the scheduler
         always knows whether it admitted a request, so a miss is a bookkeeping bug."""
         entry = self._requests.pop(request_id)
-        for table in entry.tables.values():
-            self.pool.free(table)
+        self.pool.free([b for table in entry.tables.values() for b in table])
+        self.cache.release(entry.cached)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -262,9 +325,12 @@ class KVManager:
     # -- checks ---------------------------------------------------------------------------------
 
     def check_no_leaks(self) -> None:
-        """Raise ``AssertionError`` unless every block's count equals the number of tables that
-        hold it (so with no requests, every block is free)."""
+        """Raise ``AssertionError`` unless every block's count equals the number of tables and
+        cache entries that hold it (so with no requests, every block is free or cached and
+        evictable)."""
         expected = [0] * self.pool.num_total
+        for b in self.cache.held_blocks():
+            expected[b] += 1
         for entry in self._requests.values():
             for table in entry.tables.values():
                 for b in table:
@@ -275,3 +341,5 @@ class KVManager:
             raise AssertionError(f"KV block counts disagree with the tables at blocks {bad[:16]}")
         if self.pool.num_free != actual.count(0):
             raise AssertionError("free list disagrees with the reference counts")
+        if not self._requests and self.num_free_blocks != self.pool.num_total:
+            raise AssertionError("with no requests, every block must be free or evictable")

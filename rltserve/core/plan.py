@@ -112,6 +112,9 @@ class StepPlan:
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)
     # ... and comes back into these blocks (same order), after ``swap_out`` and ``released``.
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Then each (source, target) block is copied, every slot: a follower of a group gets its
+    # leader's partly filled last prompt block (``prompt_sharing.py``).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

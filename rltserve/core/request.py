@@ -100,6 +100,16 @@ class Request:
     # and whether the thinking span is over (ended by the model or forced).
     num_forced: int = 0
     thinking_closed: bool = False
+    # Prompt sharing (``prompt_sharing.py``). ``cache_salt`` names everything but the tokens
+    # that prompt KV depends on (None: this request's blocks are never shared); the hashes
+    # name its full prompt blocks. ``group``: requests sampling one prompt (the first leads).
+    cache_salt: bytes | None = None
+    block_hashes: list[bytes] | None = None
+    group: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens its first admission reused
+    prompt_final: int = 0  # prompt positions [0, prompt_final) have their final KV
+    final_pending: dict[int, int] = field(default_factory=dict)  # applied items past that
+    blocks_cached: int = 0  # leading prompt blocks cached (by it or before it)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -337,6 +337,10 @@ class ModelRunner:
                 continue
             saved = self.swapped.pop(rid)
             self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
+        if plan.block_copies:
+            sources, targets = zip(*plan.block_copies)
+            copied = self.kv.index_select(2, self._slots(list(sources)))
+            self.kv.index_copy_(2, self._slots(list(targets)), copied)
         for setup in plan.new_requests:
             kept = self.kept_generators.pop(setup.request_id, None)
             self.live[setup.request_id] = LiveRequest.create(

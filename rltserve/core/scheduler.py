@@ -25,6 +25,10 @@ the worst by (priority, arrival) among the running requests the step being built
 positions are recomputed depth-faithfully, or its complete positions come back from swap space.
 Steps execute in submission order, so KV freed while a submitted step still uses it is only
 reused by later steps, and a result of a preempted incarnation (``InFlight.life``) is dropped.
+
+Prefix caching and prompt sharing between the samples of a group (``prompt_sharing.py``):
+admission starts a request after the cached prefix of its prompt; a prompt item's applied last
+loop caches its full blocks; a group's followers wait for their leader's prompt.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
 from rltserve.core.preemption import Preemptor, replay_item, resume_tokens
+from rltserve.core.prompt_sharing import NO_HIT, Hit, PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import force_thinking_end
@@ -68,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.preemptor = Preemptor(self, swap)
+        self.sharing = PromptSharing(self)
         self._released: list[str] = []
         self._new_setups: list[RequestSetup] = []
         self._step_id = 0
@@ -93,6 +99,7 @@ class Scheduler:
         self._seq += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.sharing.on_add(request)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
         request = self.requests.get(request_id)
@@ -139,10 +146,11 @@ class Scheduler:
             budget = self._start_items(starters, items, owners, budget)
             self._admit(items, owners, budget)
         changes = self.preemptor.take_changes()
+        copies = self.sharing.take_copies()
         if not items and not self._released and not any(changes):
             return None
         self._step_id += 1
-        plan = StepPlan(self._step_id, items, self._new_setups, self._released, *changes)
+        plan = StepPlan(self._step_id, items, self._new_setups, self._released, *changes, copies)
         self._new_setups, self._released = [], []
         self._planned[plan.step_id] = owners
         return plan
@@ -243,33 +251,42 @@ class Scheduler:
         request.items.append(item)
         return self._plan_loop(request, item, items, owners)
 
-    def admission_blocks(self, request: Request, item: InFlight) -> int:
+    def admission_blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
         """Free blocks admitting ``request`` with first item ``item`` needs (watermark
-        included: on-demand admission keeps it free for running requests to grow into)."""
+        included: on-demand admission keeps it free for running requests to grow into), less
+        the cached blocks ``hit`` shares."""
         loops = request.num_loops
+        shared = self.sharing.admission_blocks(request, hit)
         if not self.ondemand:
-            return self.kv.blocks_needed(request.kv_tokens, loops)
-        need = self.kv.blocks_needed(max(item.end, resume_tokens(request)), loops)
+            return self.kv.blocks_needed(request.kv_tokens, loops) + shared
+        need = self.kv.blocks_needed(max(item.end, resume_tokens(request)), loops) + shared
         return need + (self.watermark_blocks if self.running else 0)
 
     def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
         self.waiting.sort(key=self.order_key)
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            request = self.waiting[i]
             if self.preemptor.preempted_now(request):
                 break  # no re-admission in the step that preempted it
             if len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.sharing.waits(request):
+                i += 1  # it waits for a prompt prefix another request computes; others need not
+                continue
+            hit = self.sharing.lookup(request)
+            before = request.num_scheduled
+            request.num_scheduled = max(before, hit.start)
             item = self._next_item(request, budget)
             assert item is not None
-            if self.admission_blocks(request, item) > self.kv.num_free_blocks:
+            if self.admission_blocks(request, item, hit) > self.kv.num_free_blocks:
+                request.num_scheduled = before
                 break  # in order: do not let later requests overtake
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             rid = request.request_id
-            if self.ondemand:
-                self.kv.allocate(rid, max(item.end, request.swapped_tokens), request.num_loops)
-            else:
-                self.kv.allocate(rid, request.kv_tokens, request.num_loops)
+            tokens = max(item.end, request.swapped_tokens) if self.ondemand else request.kv_tokens
+            self.kv.allocate(rid, tokens, request.num_loops, hit.entries)
+            self.sharing.admitted(request, hit)
             self.preemptor.restore(request)
             request.status = RequestStatus.RUNNING
             request.admitted = True
@@ -376,6 +393,8 @@ class Scheduler:
             if request is None or item.life != request.num_preemptions:
                 continue  # finished, aborted or preempted after this step was planned
             item.applied = work.depth
+            if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
+                self.sharing.on_prompt_done(request, item.start, item.end)
             if outcome is None:
                 continue
             if outcome.exit_next:
@@ -403,6 +422,8 @@ class Scheduler:
         update.new_exit_depths.append(depth)
         update.new_logprobs.append(outcome.logprob)
         update.new_top_logprobs.append(outcome.top_logprobs)
+        if len(request.output_token_ids) == 1:
+            update.num_cached_tokens = request.num_cached_tokens or 0
         reason = self._stop_reason(request, token)
         if reason is None and force_thinking_end(request, update):
             reason = FinishReason.LENGTH
@@ -452,6 +473,7 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
+        self.sharing.forget(request)
         if request.admitted:
             self.kv.free(request.request_id)
             self._released.append(request.request_id)

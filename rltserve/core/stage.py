@@ -6,7 +6,7 @@ it over a socket pair; the ``InProcessStageClient`` runs the same loop on a thre
 process (unit tests, and callers that do not want a second process). Both deliver every request
 update to the ``sink`` given with the request, on the client's reader thread.
 
-Messages are plain tuples: to the stage ("add", rid, prompt_ids, params), ("abort", rid),
+Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [RequestUpdate, ...]),
 ("fatal", message). Updates carry an EngineStats snapshot: ("updates", [RequestUpdate], stats).
 A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
@@ -240,8 +240,18 @@ class _ClientBase(ABC):
         return self._fatal or ("closed" if self._closed else None)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        group: str | None = None,
     ) -> None:
+        """Adds one request; its updates go to ``sink``. ``group``: a key the samples of one
+        prompt share (n > 1): add sample j (j = 0..n-1) as its own request, with its own id and
+        seed ``seed + j`` when a seed is set, all with the same prompt and group key; the
+        stage computes the prompt once for all of them. Outputs equal n independent requests.
+        The key only needs to be unique among the client's open requests."""
         with self._lock:  # so that close() either sees this sink or this call sees it closed
             if not self.alive:
                 raise StageError(f"stage is not running: {self.error}")
@@ -249,7 +259,8 @@ class _ClientBase(ABC):
                 raise ValueError(f"request_id={request_id!r}: already in use")
             self._sinks[request_id] = sink
         try:
-            self._send(("add", request_id, list(prompt_token_ids), params))
+            message = ("add", request_id, list(prompt_token_ids), params)
+            self._send(message if group is None else (*message, group))
         except StageError:
             with self._lock:
                 ours = self._sinks.pop(request_id, None) is not None

@@ -120,6 +120,13 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument(
+        "--num-turns",
+        type=int,
+        default=1,
+        help="multi-turn chat: turns per conversation, each prompt the previous prompt + "
+        "answer + --input-len new tokens; reports the prefix cache hit rate (default: 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--exit-threshold", type=float, default=None)
@@ -160,6 +167,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         temperature=args.temperature,
         exit_threshold=args.exit_threshold,
+        num_turns=args.num_turns,
         progress=progress_enabled(args.quiet),
         ready_timeout_s=args.wait_timeout,
     )

@@ -65,13 +65,19 @@ async def _stream(
                     chunk = fmt.chunk([choice])
                     if plan.include_usage:
                         chunk["usage"] = (
-                            usage(plan.prompt_tokens, sent) if plan.continuous_usage else None
+                            usage(plan.prompt_tokens, sent, generation.num_cached_tokens())
+                            if plan.continuous_usage
+                            else None
                         )
                     chunks.append(chunk)
             await writer.send(*chunks)
         if plan.include_usage:
             final = fmt.chunk([])
-            final["usage"] = usage(plan.prompt_tokens, generation.num_completion_tokens())
+            final["usage"] = usage(
+                plan.prompt_tokens,
+                generation.num_completion_tokens(),
+                generation.num_cached_tokens(),
+            )
             await writer.send(final)
         return await writer.finish()
     except ConnectionResetError:
@@ -91,5 +97,10 @@ async def _collect(
     outputs = generation.outputs()
     fmt = plan.format
     choices = [fmt.final_choice(i, outputs[i]) for i in sorted(outputs)]
-    body = fmt.response(choices, usage(plan.prompt_tokens, generation.num_completion_tokens()))
+    body = fmt.response(
+        choices,
+        usage(
+            plan.prompt_tokens, generation.num_completion_tokens(), generation.num_cached_tokens()
+        ),
+    )
     return json_response(body)

@@ -44,7 +44,12 @@ class StageClientLike(Protocol):
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo: ...
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        group: str | None = None,
     ) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def close(self) -> None: ...
@@ -67,6 +72,7 @@ class ChoiceRequest:
     prompt_index: int
     prompt: PromptInput
     params: SamplingParams
+    group: str | None = None  # shared by the samples of one prompt: the stage prefills it once
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class _Choice:
     assembler: OutputAssembler
     timeline: RequestTimeline
     open: bool = False  # in the stage and not finished yet
+    cached_tokens: int = 0  # prompt tokens the stage reused instead of computing
 
 
 class Frontend:
@@ -254,8 +261,13 @@ class Generation:
             for index, choice in self._choices.items():
                 choice.timeline.admitted = admitted
                 req = choice.request
+                grouped = {"group": req.group} if req.group is not None else {}
                 client.add_request(
-                    choice.stage_id, req.prompt.token_ids, req.params, self._sink(loop, index)
+                    choice.stage_id,
+                    req.prompt.token_ids,
+                    req.params,
+                    self._sink(loop, index),
+                    **grouped,
                 )
                 choice.open = True
                 metrics.on_start(choice.timeline, len(req.prompt.token_ids))
@@ -312,6 +324,15 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
 
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens reused, each prompt counted once (as in ``prompt_tokens``): those
+        that none of its choices computed."""
+        per_prompt: dict[int, int] = {}
+        for c in self._choices.values():
+            p = c.request.prompt_index
+            per_prompt[p] = min(per_prompt.get(p, c.cached_tokens), c.cached_tokens)
+        return sum(per_prompt.values())
+
     async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
         """Yields the events available at each wake-up until every choice has finished."""
         while not self.finished:
@@ -327,6 +348,8 @@ class Generation:
         if not choice.open:
             return None  # late updates after a stop string ended the choice, or after abort
         now = time.monotonic()
+        if update.num_cached_tokens is not None:
+            choice.cached_tokens = update.num_cached_tokens
         delta = choice.assembler.add(update)
         metrics = self._frontend.metrics
         metrics.on_tokens(choice.timeline, now, delta.exit_depths)

@@ -180,12 +180,20 @@ _ENGINE_COUNTERS = (
     ("num_preemptions", "Requests preempted (KV pressure or priority).", "num_preemptions"),
     ("swap_fallbacks", "Swap preemptions recomputed because swap space was full.",
      "swap_fallbacks"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (or shared by n samples).",
+     "prefix_cache_hits"),
+    ("prefix_cache_evictions", "Cached prompt blocks evicted to make room.",
+     "prefix_cache_evictions"),
 )  # fmt: skip
 _ENGINE_GAUGES = (
     ("num_requests_swapped", "Preempted requests whose KV is in host swap space.", "num_swapped"),
     ("num_requests_recomputing", "Preempted requests that recompute their KV.",
      "num_recomputing"),
     ("swapped_bytes", "Host swap space in use, in bytes.", "swapped_bytes"),
+    ("prefix_cache_blocks", "KV blocks the prefix cache holds, all planes.",
+     "prefix_cache_blocks"),
 )  # fmt: skip
 
 

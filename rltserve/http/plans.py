@@ -1,14 +1,17 @@
 """Turning a parsed completion or chat request into a ``GenerationPlan``: prompts tokenized and
 checked, one ``ChoiceRequest`` per (prompt, sample), and the response format to render with.
 
-Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. A request
-without ``max_tokens`` gets its default (chat: all the context its prompt leaves; completions:
-16, or less if the context ends sooner); one whose prompt plus the ``max_tokens`` it asked for
-exceeds the context is a 400 (as in vLLM), never silently shortened.
+Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. With ``n > 1``
+the samples of one prompt form a group: the stage computes the prompt once for all of them.
+
+A request without ``max_tokens`` gets its default (chat: all the context its prompt leaves;
+completions: 16, or less if the context ends sooner); one whose prompt plus the ``max_tokens``
+it asked for exceeds the context is a 400 (as in vLLM), never silently shortened.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from rltserve.http.errors import bad_request
@@ -70,9 +73,11 @@ def _choices(
     choices = []
     for p, prompt in enumerate(prompts):
         limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
+        group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
-            choices.append(ChoiceRequest(p * req.n + j, p, prompt, frontend.check_params(params)))
+            checked = frontend.check_params(params)
+            choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group))
     return choices
 
 

@@ -166,7 +166,12 @@ class SupervisedStage:
         return version
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        group: str | None = None,
     ) -> None:
         with self._lock:
             if self.restarting or self.gave_up:
@@ -178,7 +183,10 @@ class SupervisedStage:
                 self._last_progress = self._clock()
             self._open[request_id] = _Open(client, sink)
         try:
-            client.add_request(request_id, prompt_token_ids, params, self._relay(client, sink))
+            grouped = {"group": group} if group is not None else {}
+            client.add_request(
+                request_id, prompt_token_ids, params, self._relay(client, sink), **grouped
+            )
         except BaseException:
             with self._lock:
                 entry = self._open.get(request_id)

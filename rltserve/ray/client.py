@@ -182,6 +182,7 @@ class ReplicaSetClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         sink: Sink,
+        group: str | None = None,
         session: str | None = None,
     ) -> None:
         session = session if session is not None else current_session()
@@ -193,7 +194,7 @@ class ReplicaSetClient:
             stream = self._stream
             if session is not None and self.config.replica_affinity == "session":
                 stream = stream.options(session_id=session)
-            call = stream.remote(request_id, list(prompt_token_ids), params)
+            call = stream.remote(request_id, list(prompt_token_ids), params, group)
             task = asyncio.get_running_loop().create_task(self._relay(request_id, call, sink))
             self._tasks[request_id] = task
 

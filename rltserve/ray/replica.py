@@ -61,7 +61,13 @@ class EngineReplica:
         if not self._client.alive:
             raise RuntimeError(f"the replica's stage is not running: {self._client.error}")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        group: str | None = None,
+    ):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
 
@@ -69,7 +75,9 @@ class EngineReplica:
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(queue.put_nowait, update)
 
-        self._client.add_request(request_id, prompt_token_ids, params, sink)
+        # Samples of one prompt (``group``) share its prefill when they land on this replica;
+        # one whose group's leader runs elsewhere computes its own prompt (same outputs).
+        self._client.add_request(request_id, prompt_token_ids, params, sink, group)
         finished = False
         try:
             while not finished:

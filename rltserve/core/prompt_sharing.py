@@ -1,0 +1,169 @@
+"""Prompt sharing for the scheduler (DESIGN §8): prefix-cache hits at admission, caching of
+finished prompt blocks, and the samples of one prompt (a *group*) reusing its prefill.
+
+Torch-free, like the scheduler it serves. Why it is exact: under a per-depth KV policy
+(``full``, ``last_exited``) prompt tokens run every loop, so a prompt block's KV on every plane
+depends only on the tokens up to it and on what the request's salt names (``Request.cache_salt``).
+
+- Hit: at admission a request takes the longest cached prefix of its full prompt blocks, never
+  the block of its last prompt token (that token's final state gives the first output), and
+  starts computing after it. A swap-resumed request gets its KV from swap space instead.
+- Caching: a prompt block is cached once every prompt position up to its end has run its last
+  loop *and that result was applied* (so a failed step never caches garbage, and any later
+  step that reads the block runs after the steps that wrote it). Only prompt blocks are cached:
+  a generated token's KV depends on exit depths.
+- In flight: a request whose first uncached prompt block is being computed by a running
+  request waits until that block is cached instead of computing it again, so a burst of
+  requests sharing a prompt prefix computes the prefix once.
+- Groups: the first request added with a group key leads; the others (followers, e.g. the
+  samples of HTTP ``n``) wait while the leader computes its prompt, then share its full prompt
+  blocks through the cache and get a copy of its partly filled last prompt block (the runner's
+  block copy, ``StepPlan.block_copies``), so each computes only the last prompt token. A
+  follower whose leader is gone or was preempted just computes what it does not hit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rltserve.core.prefix_cache import CachedBlock
+from rltserve.core.request import Request, RequestStatus, Resume
+
+if TYPE_CHECKING:
+    from rltserve.core.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What admission reuses: cached ``entries`` and, for a follower, the leader to copy the
+    partly filled last prompt block from; computing starts at position ``start``."""
+
+    entries: list[CachedBlock] = field(default_factory=list)
+    start: int = 0
+    source: str | None = None
+
+
+NO_HIT = Hit()
+
+
+class PromptSharing:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self._leaders: dict[str, str] = {}  # group key -> request id of its leader
+        self._copies: list[tuple[int, int]] = []  # for the plan being built
+        # Prompt blocks not cached yet -> the request computing them (stale once it stops
+        # running: checked on use).
+        self._computing: dict[bytes, str] = {}
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self._copies = self._copies, []
+        return out
+
+    # ---------------------------------------------------------------- lifetime
+
+    def on_add(self, request: Request) -> None:
+        if request.group is not None:
+            self._leaders.setdefault(request.group, request.request_id)
+
+    def forget(self, request: Request) -> None:
+        if request.group is not None and self._leaders.get(request.group) == request.request_id:
+            del self._leaders[request.group]
+
+    def _leader(self, request: Request) -> Request | None:
+        if request.group is None:
+            return None
+        rid = self._leaders.get(request.group)
+        return None if rid is None or rid == request.request_id else self.s.requests.get(rid)
+
+    def waits(self, request: Request) -> bool:
+        """A follower is not admitted while its running leader has not finished its prompt,
+        nor any request while a running one computes its first uncached prompt block."""
+        leader = self._leader(request)
+        if (
+            leader is not None
+            and leader.status is RequestStatus.RUNNING
+            and leader.prompt_final < leader.num_prompt_tokens
+        ):
+            return True
+        if request.block_hashes is None or request.resume is Resume.SWAP:
+            return False
+        limit = (request.num_prompt_tokens - 1) // self.s.kv.block_size
+        cached = len(self.s.kv.cache.lookup(request.block_hashes, limit))
+        if cached == limit:
+            return False
+        key = request.block_hashes[cached]
+        owner = self.s.requests.get(self._computing.get(key, ""))
+        if owner is None or owner.status is not RequestStatus.RUNNING:
+            self._computing.pop(key, None)  # its computer ended or was preempted
+            return False
+        return owner is not request
+
+    # ---------------------------------------------------------------- admission
+
+    def lookup(self, request: Request) -> Hit:
+        """The reusable prefix of a request being admitted (not acquired yet)."""
+        if request.block_hashes is None or request.resume is Resume.SWAP:
+            return NO_HIT
+        p, bs = request.num_prompt_tokens, self.s.kv.block_size
+        limit = (p - 1) // bs  # full blocks before the last prompt token
+        entries = self.s.kv.cache.lookup(request.block_hashes, limit)
+        leader = self._leader(request)
+        if (
+            len(entries) == limit
+            and (p - 1) % bs
+            and leader is not None
+            and leader.admitted
+            and leader.prompt_final >= p
+            and leader.cache_salt == request.cache_salt
+            and leader.prompt_token_ids == request.prompt_token_ids
+        ):
+            return Hit(entries, p - 1, leader.request_id)
+        return Hit(entries, len(entries) * bs) if entries else NO_HIT
+
+    def admitted(self, request: Request, hit: Hit) -> None:
+        """After the request's blocks were allocated with ``hit.entries`` in front."""
+        bs = self.s.kv.block_size
+        p = request.num_prompt_tokens
+        request.final_pending = {}
+        if request.resume is Resume.SWAP:  # its KV comes back from swap space
+            request.prompt_final = min(request.swapped_tokens, p)
+            request.blocks_cached = request.prompt_final // bs
+            return
+        request.prompt_final = hit.start
+        request.blocks_cached = len(hit.entries)
+        if request.block_hashes is not None:
+            self.s.kv.cache.record_query(p, hit.start)
+            for key in request.block_hashes[len(hit.entries) :]:
+                self._computing.setdefault(key, request.request_id)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.start
+        if hit.source is not None:
+            rid = request.request_id
+            self._copies += self.s.kv.copy_targets(hit.source, rid, len(hit.entries))
+
+    def admission_blocks(self, request: Request, hit: Hit) -> int:
+        """Blocks of the pool's free count that ``hit`` itself uses up: shared blocks are not
+        allocated, but evictable ones stop being available."""
+        planes = len(self.s.kv.planes_of(request.num_loops))
+        return self.s.kv.cache.evictable_in(hit.entries) - len(hit.entries) * planes
+
+    # ---------------------------------------------------------------- results
+
+    def on_prompt_done(self, request: Request, start: int, end: int) -> None:
+        """A prompt item's last loop was applied: positions [start, end) are final. Caches the
+        full prompt blocks below the first position not final yet (items may complete out of
+        order within a step)."""
+        request.final_pending[start] = end
+        while request.prompt_final in request.final_pending:
+            request.prompt_final = request.final_pending.pop(request.prompt_final)
+        if request.block_hashes is None:
+            return
+        p, bs = request.num_prompt_tokens, self.s.kv.block_size
+        upto = min(request.prompt_final, p) // bs
+        for index in range(request.blocks_cached, upto):
+            key = request.block_hashes[index]
+            self.s.kv.cache_block(request.request_id, index, key)
+            if self._computing.get(key) == request.request_id:
+                del self._computing[key]
+        request.blocks_cached = max(request.blocks_cached, upto)

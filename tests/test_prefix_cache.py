@@ -1,0 +1,212 @@
+"""The prefix cache and the KV manager's sharing, torch-free (milliseconds): chained hashes,
+hits shared on every plane by reference count, LRU eviction before allocation fails, no
+leaks, invalidation; and the scheduler's admission after a cached prefix and group followers
+waiting for their leader, with hand-built step results."""
+
+from __future__ import annotations
+
+import pytest
+
+from rltserve.config import SchedulerConfig
+from rltserve.core.kv_cache import BOUNDARY, KVManager, KVPolicy, NoFreeBlocks
+from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.prefix_cache import block_hashes, make_salt
+from rltserve.core.request import Request
+from rltserve.core.scheduler import Scheduler
+from rltserve.sampling import SamplingParams
+
+SALT = make_salt("model", 0, "float32")
+
+
+def test_block_hashes_are_chained_and_salted():
+    a = block_hashes(SALT, list(range(10)), 4)
+    assert len(a) == 2  # the partial third block has none
+    b = block_hashes(SALT, [0, 1, 2, 3, 4, 5, 6, 99, 8], 4)
+    assert a[0] == b[0] and a[1] != b[1]
+    c = block_hashes(SALT, [9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert a[0] != c[0] and a[1] != c[1]  # a change in block 0 changes every later hash
+    assert block_hashes(make_salt("model", 1, "float32"), list(range(8)), 4)[0] != a[0]
+    assert block_hashes(SALT, list(range(8)), 4) == a  # deterministic
+
+
+def _kv(num_blocks=24, retain=True, boundary=True) -> KVManager:
+    return KVManager(num_blocks, 4, KVPolicy("last_exited"), boundary, retain_cached=retain)
+
+
+def _cache_prompt(kv: KVManager, rid: str, tokens: list[int], loops: int = 2) -> list[bytes]:
+    hashes = block_hashes(SALT, tokens, 4)
+    kv.allocate(rid, len(tokens), loops)
+    for i, h in enumerate(hashes):
+        kv.cache_block(rid, i, h)
+    return hashes
+
+
+def test_hit_shares_every_plane_and_cached_blocks_count_as_free():
+    kv = _kv()
+    hashes = _cache_prompt(kv, "a", list(range(9)))  # 3 blocks x 3 planes, 2 cached
+    assert kv.cache.num_blocks == 6 and kv.num_free_blocks == 24 - 9
+    kv.free("a")
+    kv.check_no_leaks()
+    assert kv.cache.num_evictable_blocks == 6 and kv.num_free_blocks == 24 and kv.usage == 0.0
+    hit = kv.cache.lookup(hashes, 2)
+    kv.allocate("b", 10, 2, hit)
+    for i, plane in enumerate(kv.planes_of(2)):
+        assert kv.block_table("b", plane)[:2] == [e.blocks[i] for e in hit]
+        assert all(kv.pool.ref_count(b) == 2 for b in kv.block_table("b", plane)[:2])
+    assert BOUNDARY in kv.planes_of(2)
+    assert kv.cache.num_evictable_blocks == 0 and kv.num_free_blocks == 24 - 9
+    kv.check_no_leaks()
+    kv.free("b")
+    kv.check_no_leaks()
+    assert kv.num_free_blocks == 24
+
+
+def test_eviction_is_least_recently_released_first_and_only_when_short():
+    kv = _kv(num_blocks=12, boundary=False)  # 2 planes
+    old = _cache_prompt(kv, "old", list(range(8)))
+    new = _cache_prompt(kv, "new", list(range(100, 108)))
+    kv.free("old")
+    kv.free("new")
+    kv.allocate("x", 8, 2)  # 4 blocks: from the free list, nothing evicted
+    assert kv.cache.evictions == 0
+    kv.allocate("y", 4, 2)  # 2 blocks: the free list is empty, the oldest entry goes
+    assert kv.cache.evictions == 1
+    assert len(kv.cache.lookup(old, 2)) == 0 and len(kv.cache.lookup(new, 2)) == 2
+    kv.check_no_leaks()
+    with pytest.raises(NoFreeBlocks):
+        kv.allocate("z", 16, 2)  # more than free + evictable: nothing evicted
+    assert kv.cache.evictions == 1
+    kv.check_no_leaks()
+
+
+def test_failed_allocation_returns_the_hit():
+    kv = _kv(num_blocks=9, boundary=False)
+    hashes = _cache_prompt(kv, "a", list(range(8)))
+    kv.free("a")
+    hit = kv.cache.lookup(hashes, 2)
+    with pytest.raises(NoFreeBlocks):
+        kv.allocate("b", 40, 2, hit)
+    assert not kv.has_request("b") and kv.cache.num_evictable_blocks == 4
+    kv.check_no_leaks()
+    assert kv.num_free_blocks == 9
+
+
+def test_without_retention_entries_go_with_their_last_holder():
+    kv = _kv(retain=False)
+    hashes = _cache_prompt(kv, "a", list(range(8)))
+    kv.allocate("b", 9, 2, kv.cache.lookup(hashes, 2))
+    kv.free("a")
+    assert kv.cache.num_entries == 2  # b still holds them
+    kv.free("b")
+    assert kv.cache.num_entries == 0 and kv.pool.num_free == 24
+    kv.check_no_leaks()
+
+
+def test_clear_makes_held_blocks_private_and_frees_the_rest():
+    kv = _kv()
+    held = _cache_prompt(kv, "a", list(range(8)))
+    _cache_prompt(kv, "b", list(range(50, 58)))
+    kv.free("b")
+    kv.cache.clear()
+    assert kv.cache.num_entries == 0 and kv.cache.lookup(held, 2) == []
+    kv.check_no_leaks()
+    kv.free("a")
+    kv.check_no_leaks()
+    assert kv.pool.num_free == 24
+
+
+def test_a_key_cached_twice_keeps_the_first_blocks():
+    kv = _kv()
+    _cache_prompt(kv, "a", list(range(8)))
+    _cache_prompt(kv, "b", list(range(8)))  # same tokens computed again: b's stay private
+    assert kv.cache.num_entries == 2 and kv.cache.num_blocks == 6
+    kv.free("a")
+    kv.free("b")
+    kv.check_no_leaks()
+    assert kv.num_free_blocks == 24
+
+
+# ---------------------------------------------------------------- the scheduler side
+
+
+def _scheduler(num_blocks=64) -> Scheduler:
+    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False)
+    config = SchedulerConfig(prefill_chunk_size=16)
+    return Scheduler(config, kv, has_gate=False, has_boundary=False, reservation="ondemand")
+
+
+def _request(rid: str, prompt: list[int], group: str | None = None) -> Request:
+    request = Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=3, ignore_eos=True),
+        num_loops=2,
+        max_loops=2,
+        eos_token_ids=frozenset(),
+        max_total_tokens=1000,
+        seed=0,
+        group=group,
+    )
+    request.cache_salt = SALT
+    request.block_hashes = block_hashes(SALT, prompt, 4)
+    return request
+
+
+def _result(plan: StepPlan) -> StepResult:
+    """Every output position exits where its fixed spec says, sampling token 7."""
+    items = []
+    for work in plan.items:
+        exited = work.exit is not None and work.exit.exit_now
+        items.append(ItemResult(exited, 1.0, 0.0, token_id=7) if work.exit else None)
+    return StepResult(plan.step_id, items)
+
+
+def _step(s: Scheduler) -> StepPlan | None:
+    plan = s.schedule()
+    if plan is not None:
+        s.apply(plan, _result(plan))
+    return plan
+
+
+def _drain(s: Scheduler) -> list[StepPlan]:
+    plans = []
+    while s.has_work():
+        plan = _step(s)
+        plans += [plan] if plan else []
+        assert len(plans) < 100
+    _step(s)
+    s.kv.check_no_leaks()
+    assert s.kv.usage == 0.0
+    return plans
+
+
+def test_admission_starts_after_the_cached_prefix():
+    s = _scheduler()
+    s.add_request(_request("a", list(range(14))))
+    _drain(s)
+    s.add_request(_request("b", list(range(14))))  # 13 positions before the last: 3 blocks
+    s.add_request(_request("c", list(range(6)) + [99] * 4))  # diverges mid-block 1: 1 block
+    first = {w.request_id: w.start for w in s.schedule().items}
+    assert first == {"b": 12, "c": 4}
+    assert (s.requests["b"].num_cached_tokens, s.requests["c"].num_cached_tokens) == (12, 4)
+    assert s.kv.cache.queries == 14 + 14 + 10 and s.kv.cache.hits == 16
+
+
+def test_group_followers_wait_for_the_leader_then_copy_its_last_block():
+    s = _scheduler()
+    prompt = list(range(10))  # blocks 0, 1 full; positions 8, 9 in block 2
+    for j in range(3):
+        s.add_request(_request(f"g{j}", prompt, group="g"))
+    first = _step(s)
+    assert [w.request_id for w in first.items] == ["g0"]  # the followers wait
+    second = _step(s)  # the leader's last prompt loop
+    assert [w.request_id for w in second.items] == ["g0"]
+    third = _step(s)
+    starts = {w.request_id: (w.start, w.num_tokens) for w in third.items}
+    assert starts["g1"] == starts["g2"] == (9, 1)  # only the last prompt token
+    leader_block = s.kv.block_table("g0", 0)[2]
+    assert (leader_block, s.kv.block_table("g1", 0)[2]) in third.block_copies
+    assert len(third.block_copies) == 2 * 2  # two followers, two planes
+    assert s.kv.block_table("g1", 1)[:2] == s.kv.block_table("g0", 1)[:2]
+    _drain(s)
+    assert s.kv.cache.hits == 2 * 9
