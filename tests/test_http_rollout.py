@@ -126,3 +126,25 @@ async def test_chat_thinking_fills_reasoning_content(server, offline):
     deltas = [c["choices"][0]["delta"] for c in sse_payloads(raw)[:-1] if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == reasoning
     assert "".join(d.get("content", "") for d in deltas) == content
+
+
+async def test_bounded_thinking_over_http_equals_the_offline_api(ckpt):
+    """``max_thinking_tokens`` and ``thinking_interruption`` (text) on completions and chat: the
+    same tokens as ``LLM.generate`` with those SamplingParams; bad values are a 400 naming them."""
+    think = {"max_thinking_tokens": 3, "thinking_interruption": "ok so"}
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **think)
+    with LLM(str(ckpt), in_process=True, **ENGINE) as llm:
+        want = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    async with running(ckpt) as live:
+        body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, **think}  # fmt: skip
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        assert orjson.loads(raw)["choices"][0]["token_ids"] == want
+        for bad, param in [
+            ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
+            ({"max_thinking_tokens": 2, "thinking_end_token_ids": "x"}, "thinking_end_token_ids"),
+        ]:
+            status, _, raw = await live.post("/v1/completions", {**body, **bad})
+            assert status == 400, raw
+            assert orjson.loads(raw)["error"]["param"] == param, raw

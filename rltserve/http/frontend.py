@@ -29,7 +29,7 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import with_thinking_prefix
+from rltserve.thinking import resolve_thinking, with_thinking_prefix
 from rltserve.updates import FinishReason, RequestUpdate
 
 
@@ -196,6 +196,11 @@ class Frontend:
             raise bad_request(
                 f"max_loops={params.max_loops}: this model allows at most {cap}", "max_loops"
             )
+        if params.max_thinking_tokens is not None:
+            try:
+                params = resolve_thinking(params, self.tokenizer)
+            except ValueError as exc:
+                raise bad_request(str(exc), param_of(str(exc))) from exc
         return params
 
     def token_text(self, token_id: int) -> str:

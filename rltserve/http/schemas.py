@@ -2,10 +2,11 @@
 
 Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temperature`` 1.0),
 plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
-(alias ``num_steps``, Huginn's name), ``exit_threshold`` and ``priority``. Two opt-in response
-extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays. Parsing is in
-``validation``; ``validate()`` adds the cross-field rules; ``sampling_params`` maps a request
-onto ``SamplingParams``, whose ValueErrors name the field.
+(alias ``num_steps``, Huginn's name), ``exit_threshold`` and ``priority``, and bounded thinking
+(``max_thinking_tokens``, ``thinking_interruption``, ``thinking_end_token_ids``). Two opt-in
+response extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays.
+Parsing is in ``validation``; ``validate()`` adds the cross-field rules; ``sampling_params``
+maps a request onto ``SamplingParams``, whose ValueErrors name the field.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class GenerationFields:
     num_steps: int | None = None  # Huginn's name for max_loops
     exit_threshold: float = 1.0
     priority: int = 0
+    # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
+    # thinking span, the engine appends the interruption and the end ids itself.
+    max_thinking_tokens: int | None = None
+    thinking_interruption: str | None = None
+    thinking_end_token_ids: list[int] | None = None
     return_exit_depths: bool = False
     return_token_ids: bool = False
 
@@ -240,6 +246,11 @@ def sampling_params(
             exit_threshold=req.exit_threshold,
             priority=req.priority,
             logprobs=logprobs,
+            max_thinking_tokens=req.max_thinking_tokens,
+            thinking_interruption=req.thinking_interruption,
+            thinking_end_token_ids=(
+                None if req.thinking_end_token_ids is None else tuple(req.thinking_end_token_ids)
+            ),
         )
     except ValueError as exc:
         raise SchemaError(param_of(str(exc)), str(exc)) from exc
