@@ -16,6 +16,8 @@ import time
 import ray
 from ray import serve
 
+from rltserve.ray.client import _SERVE_LOGGING  # the server's settings: no access log
+
 
 class Echo:
     async def generate(self, request_id: str, prompt: list[int], params: object):
@@ -43,8 +45,13 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     try:
-        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        app = serve.deployment(Echo, num_replicas=args.replicas, ray_actor_options={"num_cpus": 0})
+        serve.start(proxy_location="Disabled", logging_config=_SERVE_LOGGING)
+        app = serve.deployment(
+            Echo,
+            num_replicas=args.replicas,
+            ray_actor_options={"num_cpus": 0},
+            logging_config=_SERVE_LOGGING,
+        )
         handle = serve.run(app.bind(), name="routing", route_prefix=None)
         ms = sorted(asyncio.run(measure(handle, args.calls)))
         p = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
