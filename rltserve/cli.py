@@ -113,12 +113,16 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         report = run_replicas_bench(args, checked_engine_kwargs(args))
     else:
         report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
-    if args.json:
+    _print_report(report, args.json)
+    return 0
+
+
+def _print_report(report: dict, as_json: bool) -> None:
+    if as_json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         for key, value in report.items():
             print(f"{key}: {value}")
-    return 0
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
@@ -128,11 +132,7 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     report = run_rollout_bench(args, checked_engine_kwargs(args))
-    if args.json:
-        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        for key, value in report.items():
-            print(f"{key}: {value}")
+    _print_report(report, args.json)
     return 0
 
 
