@@ -129,9 +129,9 @@ def test_a_key_cached_twice_keeps_the_first_blocks():
 # ---------------------------------------------------------------- the scheduler side
 
 
-def _scheduler(num_blocks=64) -> Scheduler:
-    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False)
-    config = SchedulerConfig(prefill_chunk_size=16)
+def _scheduler(num_blocks=64, max_num_seqs=64, retain=True) -> Scheduler:
+    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False, retain_cached=retain)
+    config = SchedulerConfig(prefill_chunk_size=16, max_num_seqs=max_num_seqs)
     return Scheduler(config, kv, has_gate=False, has_boundary=False, reservation="ondemand")
 
 
@@ -190,6 +190,23 @@ def test_admission_starts_after_the_cached_prefix():
     assert first == {"b": 12, "c": 4}
     assert (s.requests["b"].num_cached_tokens, s.requests["c"].num_cached_tokens) == (12, 4)
     assert s.kv.cache.queries == 14 + 14 + 10 and s.kv.cache.hits == 16
+
+
+def test_waiting_followers_keep_their_seats_from_later_requests():
+    """With caching off and 3 seats, a group of 3 and a later request: the later request must
+    not take the followers' seats while the leader computes, or they would miss its prompt."""
+    s = _scheduler(max_num_seqs=3, retain=False)
+    prompt = list(range(10))
+    for j in range(3):
+        s.add_request(_request(f"g{j}", prompt, group="g"))
+    s.add_request(_request("late", list(range(50, 60))))
+    assert [w.request_id for w in _step(s).items] == ["g0"]  # the seats of g1, g2 are kept
+    _step(s)
+    third = _step(s)
+    assert {w.request_id for w in third.items} == {"g0", "g1", "g2"}
+    assert all(w.start == 9 for w in third.items if w.request_id != "g0")
+    _drain(s)
+    assert s.kv.cache.hits == 2 * 9
 
 
 def test_group_followers_wait_for_the_leader_then_copy_its_last_block():

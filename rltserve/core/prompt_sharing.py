@@ -76,15 +76,19 @@ class PromptSharing:
         rid = self._leaders.get(request.group)
         return None if rid is None or rid == request.request_id else self.s.requests.get(rid)
 
-    def waits(self, request: Request) -> bool:
-        """A follower is not admitted while its running leader has not finished its prompt,
-        nor any request while a running one computes its first uncached prompt block."""
+    def waits_for_leader(self, request: Request) -> bool:
+        """A follower whose running leader has not finished its prompt."""
         leader = self._leader(request)
-        if (
+        return (
             leader is not None
             and leader.status is RequestStatus.RUNNING
             and leader.prompt_final < leader.num_prompt_tokens
-        ):
+        )
+
+    def waits(self, request: Request) -> bool:
+        """A follower is not admitted while its running leader has not finished its prompt,
+        nor any request while a running one computes its first uncached prompt block."""
+        if self.waits_for_leader(request):
             return True
         if request.block_hashes is None or request.resume is Resume.SWAP:
             return False

@@ -10,9 +10,8 @@ token that exits frees its row for new work in the very next step.
   previous cohort has planned its last loop (the static baseline).
 
 Planning may run one step ahead of results (async scheduling): an item's next loop is planned
-only when everything it depends on is known, either from the plan itself (fixed depths, the
-delayed exit rule) or from applied results; otherwise the item waits a step. A decode token's
-input is the token sampled in the previous step, which the runner holds, so it needs no result.
+only once what it depends on is known, from the plan itself (fixed depths, the delayed exit rule)
+or from applied results; a decode token's input (the last sampled token) stays on the runner.
 
 Budgets per step: ``max_num_batched_tokens`` rows in all; ``max_num_seqs`` running requests.
 
@@ -26,9 +25,8 @@ positions are recomputed depth-faithfully, or its complete positions come back f
 Steps execute in submission order, so KV freed while a submitted step still uses it is only
 reused by later steps, and a result of a preempted incarnation (``InFlight.life``) is dropped.
 
-Prefix caching and prompt sharing between the samples of a group (``prompt_sharing.py``):
-admission starts a request after the cached prefix of its prompt; a prompt item's applied last
-loop caches its full blocks; a group's followers wait for their leader's prompt.
+Prefix caching and groups (``prompt_sharing.py``): admission starts a request after its cached
+prefix; a prompt item's applied last loop caches full blocks; followers wait for their leader.
 """
 
 from __future__ import annotations
@@ -264,15 +262,18 @@ class Scheduler:
 
     def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
         self.waiting.sort(key=self.order_key)
-        i = 0
+        i = reserved = 0
         while i < len(self.waiting) and budget > 0:
             request = self.waiting[i]
             if self.preemptor.preempted_now(request):
                 break  # no re-admission in the step that preempted it
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + reserved >= self.config.max_num_seqs:
                 break
             if self.sharing.waits(request):
-                i += 1  # it waits for a prompt prefix another request computes; others need not
+                # A prefix another request computes; a follower keeps its seat (else it may
+                # come too late and recompute its leader's prompt).
+                reserved += self.sharing.waits_for_leader(request)
+                i += 1
                 continue
             hit = self.sharing.lookup(request)
             before = request.num_scheduled
