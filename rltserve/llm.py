@@ -174,7 +174,6 @@ class LLM:
                 samples = expand_samples(p)
                 # The samples of one prompt share its prefill: the stage computes it once.
                 key = f"grp-{next(self._ids)}" if len(samples) > 1 else None
-                grouped = {"group": key} if key is not None else {}
                 for sample in samples:
                     rid = f"gen-{next(self._ids)}"
                     tokenizer = self.tokenizer if p.detokenize else None
@@ -190,7 +189,7 @@ class LLM:
                     )
                     group.append(asm)
                     pending.assemblers.append(asm)
-                    self._client.add_request(rid, ids, sample, self._sink(asm, pending), **grouped)
+                    self._client.add_request(rid, ids, sample, self._sink(asm, pending), key)
                 groups.append(group)
             pending.wait()
         finally:

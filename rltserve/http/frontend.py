@@ -266,13 +266,12 @@ class Generation:
             for index, choice in self._choices.items():
                 choice.timeline.admitted = admitted
                 req = choice.request
-                grouped = {"group": req.group} if req.group is not None else {}
                 client.add_request(
                     choice.stage_id,
                     req.prompt.token_ids,
                     req.params,
                     self._sink(loop, index),
-                    **grouped,
+                    req.group,
                 )
                 choice.open = True
                 metrics.on_start(choice.timeline, len(req.prompt.token_ids))

@@ -154,10 +154,13 @@ class SupervisedStage:
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         return self._client.wait_ready(timeout)
 
-    def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
-        """The current stage's ``update_weights``, remembered so a restart applies it again."""
+    def _check_running(self) -> None:
         if self.restarting or self.gave_up:
             raise StageError(f"stage is not running: {self.failure}")
+
+    def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
+        """The current stage's ``update_weights``, remembered so a restart applies it again."""
+        self._check_running()
         update = getattr(self._client, "update_weights", None)
         if update is None:
             raise ValueError("model_path: this server's stage cannot update weights in place")
@@ -174,8 +177,7 @@ class SupervisedStage:
         group: str | None = None,
     ) -> None:
         with self._lock:
-            if self.restarting or self.gave_up:
-                raise StageError(f"stage is not running: {self.failure}")
+            self._check_running()
             client = self._client
             if request_id in self._open:
                 raise ValueError(f"request_id={request_id!r}: already in use")
@@ -183,10 +185,8 @@ class SupervisedStage:
                 self._last_progress = self._clock()
             self._open[request_id] = _Open(client, sink)
         try:
-            grouped = {"group": group} if group is not None else {}
-            client.add_request(
-                request_id, prompt_token_ids, params, self._relay(client, sink), **grouped
-            )
+            relay = self._relay(client, sink)
+            client.add_request(request_id, prompt_token_ids, params, relay, group)
         except BaseException:
             with self._lock:
                 entry = self._open.get(request_id)
