@@ -364,7 +364,7 @@ def test_a_planning_error_fails_every_request_and_the_engine_serves_on(ouro_rv1,
 def test_a_planning_error_in_the_engine_loop_with_two_steps_in_flight(ouro_rv1, ouro_ref):
     import asyncio
 
-    from rltserve.core.engine import run_engine_loop
+    from rltserve.core.engine_loop import run_engine_loop
 
     core = make_core(ouro_rv1, max_num_seqs=3, async_scheduling=True, exit_mode="delayed")
     params = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)

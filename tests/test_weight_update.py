@@ -18,7 +18,7 @@ from reference import Reference
 from safetensors.torch import load_file
 
 from rltserve import LLM, SamplingParams
-from rltserve.core.engine import run_engine_loop
+from rltserve.core.engine_loop import run_engine_loop
 from rltserve.core.request import FinishReason
 from rltserve.updates import UpdateTimeout
 

@@ -1,26 +1,21 @@
-"""EngineCore (model + KV + scheduler + runner) and the asyncio loop that drives it.
+"""EngineCore: model + KV + scheduler + runner.
 
-``EngineCore.step()`` is one synchronous plan -> execute -> apply round; ``run_engine_loop`` is
-the stage's asyncio loop: it takes commands from an inbox, submits each planned step to the
-runner as an ``ExecutionFuture`` (so the event loop stays free for IPC while the step computes)
-and hands every request update to ``emit``.
+``EngineCore.step()`` is one synchronous plan -> execute -> apply round; ``engine_loop.py``
+drives the same core asynchronously for a stage.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import uuid
-from collections import deque
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.executor import ExecutionFuture, StepThread
+from rltserve.core.executor import StepThread
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
@@ -29,7 +24,6 @@ from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
-from rltserve.core.weight_gate import Reply, WeightGate
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
@@ -375,7 +369,7 @@ class EngineCore:
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
-            error = _engine_error(f"applying step {plan.step_id}", exc)
+            error = engine_error(f"applying step {plan.step_id}", exc)
             try:
                 for rid in involved:  # ended during the failed apply, or ends now
                     self.scheduler.abort(rid)  # frees its KV, releases its runner state
@@ -414,7 +408,7 @@ class EngineCore:
         try:
             plan = self.plan()
         except Exception as exc:
-            return self.fail_all(_engine_error("planning a step", exc))
+            return self.fail_all(engine_error("planning a step", exc))
         return [] if plan is None else self.execute(plan)
 
     def on_weights_updated(self) -> None:
@@ -426,9 +420,6 @@ class EngineCore:
         self.runner.shutdown()
 
 
-Emit = Callable[[list[RequestUpdate], EngineStats], None]
-
-
 def _remove(plans: list[StepPlan], plan: StepPlan) -> bool:
     """Removes ``plan`` (by identity) from ``plans``; True when it was there."""
     for k, other in enumerate(plans):
@@ -438,98 +429,7 @@ def _remove(plans: list[StepPlan], plan: StepPlan) -> bool:
     return False
 
 
-def _engine_error(doing: str, exc: Exception) -> str:
+def engine_error(doing: str, exc: Exception) -> str:
     """The error its requests get (the traceback goes to the log)."""
     logger.error("engine error while %s", doing, exc_info=exc)
     return f"engine error while {doing}: {type(exc).__name__}: {exc}"
-
-
-async def run_engine_loop(
-    core: EngineCore, inbox: asyncio.Queue, emit: Emit, reply: Reply | None = None
-) -> None:
-    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params)
-    or ("add", rid, prompt_ids, params, group), ("abort", rid), ("update_weights", token,
-    paths, abort, timeout_s) (``weight_gate``; its outcome goes to ``reply``). A rejected add
-    is emitted as an ERROR update for that request id.
-
-    With ``async_scheduling`` up to two steps are in flight: the next step is planned and
-    submitted before the current one's result is applied, so planning, IPC and output handling
-    overlap the computation. Steps launch in submission order on the runner's step thread, and
-    a step's future completes when its result reaches the host.
-    """
-    in_flight: deque[tuple[StepPlan, ExecutionFuture]] = deque()
-    limit = 2 if core.config.scheduler.async_scheduling else 1
-    gate = WeightGate(core, reply or (lambda *_: None))
-    while True:
-        for command in gate.poll(busy=bool(in_flight)):
-            _handle(core, command, emit, gate)
-        if not in_flight and not core.has_work() and _handle(core, await inbox.get(), emit, gate):
-            break
-        while not inbox.empty():
-            if _handle(core, inbox.get_nowait(), emit, gate):
-                return
-        while len(in_flight) < limit:
-            try:
-                plan = core.plan()
-            except Exception as exc:  # steps in flight stay: their results are dropped
-                emit(core.fail_all(_engine_error("planning a step", exc)), core.stats())
-                break
-            if plan is None:
-                break
-            in_flight.append((plan, _start(core, plan, limit)))
-        if not in_flight:
-            if gate.waiting and not core.has_work():
-                continue  # idle now: the update applies at the top of the loop
-            try:  # while an update waits, its timeout is checked even without commands
-                command = await asyncio.wait_for(inbox.get(), 0.05 if gate.waiting else None)
-            except asyncio.TimeoutError:
-                continue
-            if _handle(core, command, emit, gate):
-                return
-            continue
-        plan, future = in_flight.popleft()
-        result = await future.wait()
-        emit(core.apply(plan, result), core.stats())
-
-
-def _start(core: EngineCore, plan: StepPlan, limit: int) -> ExecutionFuture:
-    """Synchronous scheduling runs the step right here, on the thread that loaded the model;
-    async scheduling runs it on the step thread (which loaded the model) so that planning
-    overlaps the step."""
-    if limit == 1:
-        return ExecutionFuture.completed(core.runner.execute(plan))
-    return core.runner.submit(plan)
-
-
-def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> bool:
-    kind = command[0]
-    if kind == "shutdown":
-        aborted = [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
-        for cmd in gate.held:  # held requests end as aborted too
-            if cmd[0] == "add":
-                aborted.append(RequestUpdate(cmd[1], finish_reason=FinishReason.ABORT))
-        emit(aborted, core.stats())
-        return True
-    if kind == "update_weights":
-        aborted = gate.request(command)
-        if aborted:
-            emit(aborted, core.stats())
-    elif gate.waiting and kind == "add":  # runs once the update is done
-        gate.held.append(command)
-    elif gate.waiting and kind == "abort" and gate.drop_held(command[1]):
-        emit([RequestUpdate(command[1], finish_reason=FinishReason.ABORT)], core.stats())
-    elif kind == "add":
-        _, rid, prompt, params, *group = command
-        try:
-            core.add_request(rid, prompt, params, *group)
-        except ValueError as exc:
-            reason = FinishReason.ERROR
-            emit(
-                [RequestUpdate(rid, finish_reason=reason, error=str(exc), rejected=True)],
-                core.stats(),
-            )
-    elif kind == "abort":
-        update = core.abort(command[1])
-        if update is not None:
-            emit([update], core.stats())
-    return False

@@ -59,7 +59,8 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple], None]) -> None:
     """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``."""
     # Imported here: torch comes with the engine, and only the process that runs it needs it.
-    from rltserve.core.engine import EngineCore, run_engine_loop
+    from rltserve.core.engine import EngineCore
+    from rltserve.core.engine_loop import run_engine_loop
 
     try:
         core = EngineCore(config)
