@@ -37,17 +37,24 @@ def fixed_exit_depth(request: Request, output_index: int) -> int:
 
 
 def exit_spec(request: Request, item: InFlight, depth: int) -> ExitSpec:
-    params = request.params
-    exit_now = request.exit_mode == "fixed" and depth >= fixed_exit_depth(
-        request, item.output_index
-    )
-    return ExitSpec(
-        mode=request.exit_mode,
-        exit_now=exit_now,
-        min_loops=params.min_loops,
-        max_loops=request.max_loops,
-        threshold=params.exit_threshold,
-    )
+    """The spec of the item's output position at loop ``depth``: one of the request's two
+    shared specs (they differ only in ``exit_now``; plans treat them as immutable)."""
+    specs = request.exit_specs
+    if specs is None:
+        params = request.params
+        specs = request.exit_specs = tuple(
+            ExitSpec(
+                mode=request.exit_mode,
+                exit_now=now,
+                min_loops=params.min_loops,
+                max_loops=request.max_loops,
+                threshold=params.exit_threshold,
+            )
+            for now in (False, True)
+        )
+    if request.exit_mode != "fixed":
+        return specs[0]
+    return specs[depth >= fixed_exit_depth(request, item.output_index)]
 
 
 def exit_known(request: Request, item: InFlight, depth: int) -> bool | None:

@@ -148,6 +148,7 @@ class KVManager:
         self.pool = BlockPool(num_blocks)
         self.cache = PrefixCache(self.pool, retain=retain_cached)
         self._requests: dict[str, _RequestKV] = {}
+        self._plane_of_depth: list[int] = [-1]  # policy.plane(d) at index d >= 1
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -300,7 +301,10 @@ class KVManager:
         entry = self._requests[request_id]
         if not 1 <= depth <= entry.num_loops:
             raise ValueError(f"depth={depth}: request {request_id!r} has {entry.num_loops} loops")
-        return entry.tables[self.policy.plane(depth)]
+        planes = self._plane_of_depth
+        while len(planes) <= depth:  # planned once per depth (planning's per-row hot path)
+            planes.append(self.policy.plane(len(planes)))
+        return entry.tables[planes[depth]]
 
     def boundary_table(self, request_id: str) -> list[int]:
         if not self.has_boundary:
@@ -329,7 +333,10 @@ class KVManager:
         cache entries that hold it (so with no requests, every block is free or cached and
         evictable)."""
         expected = [0] * self.pool.num_total
-        for b in self.cache.held_blocks():
+        held = self.cache.held_blocks()
+        if len(held) != self.cache.num_blocks:
+            raise AssertionError(f"cache counts {self.cache.num_blocks} blocks, holds {len(held)}")
+        for b in held:
             expected[b] += 1
         for entry in self._requests.values():
             for table in entry.tables.values():

@@ -60,6 +60,7 @@ class PrefixCache:
         self._entries: dict[bytes, CachedBlock] = {}
         self._evictable: OrderedDict[bytes, CachedBlock] = OrderedDict()  # oldest release first
         self._num_evictable_blocks = 0
+        self._num_blocks = 0  # sum of len(e.blocks) over _entries, kept as they change
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of which found cached
         self.evictions = 0  # entries evicted to make room
@@ -73,7 +74,7 @@ class PrefixCache:
     @property
     def num_blocks(self) -> int:
         """Blocks the cache holds a reference on (in use by requests or evictable)."""
-        return sum(len(e.blocks) for e in self._entries.values())
+        return self._num_blocks
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -119,6 +120,7 @@ class PrefixCache:
             return False
         self.pool.incref(blocks)
         self._entries[key] = CachedBlock(key, tuple(blocks))
+        self._num_blocks += len(blocks)
         return True
 
     def release(self, keys: list[bytes]) -> None:
@@ -135,6 +137,7 @@ class PrefixCache:
                 self._num_evictable_blocks += len(entry.blocks)
             else:
                 del self._entries[key]
+                self._num_blocks -= len(entry.blocks)
                 self.pool.free(list(entry.blocks))
 
     def evict(self, num_blocks: int) -> int:
@@ -144,6 +147,7 @@ class PrefixCache:
         while freed < num_blocks and self._evictable:
             key, entry = self._evictable.popitem(last=False)
             del self._entries[key]
+            self._num_blocks -= len(entry.blocks)
             self._num_evictable_blocks -= len(entry.blocks)
             self.pool.free(list(entry.blocks))
             self.evictions += 1
@@ -157,4 +161,4 @@ class PrefixCache:
             self.pool.free(list(entry.blocks))
         self._entries.clear()
         self._evictable.clear()
-        self._num_evictable_blocks = 0
+        self._num_evictable_blocks = self._num_blocks = 0

@@ -30,7 +30,7 @@ class Resume(enum.Enum):
     SWAP = "swap"  # positions [0, swapped_tokens) come back from host swap space
 
 
-@dataclass
+@dataclass(slots=True)
 class InFlight:
     """A work item of a request: tokens [start, start + num_tokens), looping toward ``ends_at``.
 
@@ -56,6 +56,9 @@ class InFlight:
     # Recompute of a generated token after preemption: at its last loop (its recorded exit) its
     # K/V is copied into the deeper planes, as its original exit did (last_exited).
     copy_at_end: bool = False
+    # last_exited: the blocks holding ``start`` on the planes of depths 1..num_loops, once an
+    # exit spec needed them (a loop at depth d copies into those of depths d+1..).
+    exit_blocks: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -110,6 +113,9 @@ class Request:
     prompt_final: int = 0  # prompt positions [0, prompt_final) have their final KV
     final_pending: dict[int, int] = field(default_factory=dict)  # applied items past that
     blocks_cached: int = 0  # leading prompt blocks cached (by it or before it)
+    # The request's two ExitSpecs (exit_now False, True), built once: every output position
+    # of the request shares them (``exit.exit_spec``).
+    exit_specs: tuple | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -67,6 +67,7 @@ class Scheduler:
         self.ondemand = reservation == "ondemand"
         self.watermark_blocks = int(watermark * kv.pool.num_total)
         self.priority = config.scheduling_policy == "priority"
+        self.copies_on_exit = kv.policy.copies_on_exit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -134,11 +135,15 @@ class Scheduler:
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
         starters = []
+        next_loop = self._next_loop
         for request in self.running:
-            if self._may_start(request):  # judged on the state before this step's planning
+            # Each item's state before this step's planning: what both decisions below judge.
+            states = [next_loop(request, it) for it in request.items]
+            if self._may_start(request, states):
                 starters.append(request)
-            budget, request_busy = self._continue_items(request, items, owners, budget)
-            busy = busy or request_busy
+            if states:
+                budget, request_busy = self._continue_items(request, states, items, owners, budget)
+                busy = busy or request_busy
         if not (self.config.scheduling == "no_refill" and busy):
             starters.sort(key=self.order_key)  # the best get blocks first
             budget = self._start_items(starters, items, owners, budget)
@@ -154,35 +159,40 @@ class Scheduler:
         return plan
 
     def _continue_items(
-        self, request: Request, items: list[WorkItem], owners: list[InFlight], budget: int
+        self,
+        request: Request,
+        states: list[str],
+        items: list[WorkItem],
+        owners: list[InFlight],
+        budget: int,
     ) -> tuple[int, bool]:
-        """Plans the next loop of each of the request's items that is ready. Wavefront rule: an
-        item's loop d also needs the previous item's loop d planned in an earlier step (it
-        writes the plane-d KV the item attends to). Items are visited last to first, so the
-        previous item's progress is still the one from earlier steps."""
+        """Plans the next loop of each of the request's items that is ready (``states``: their
+        ``_next_loop`` before this step). Wavefront rule: an item's loop d also needs the
+        previous item's loop d planned in an earlier step (it writes the plane-d KV the item
+        attends to). Items are visited last to first, so the previous item's progress (and
+        state) is still the one from earlier steps."""
         busy = False
         over = []
-        for k in range(len(request.items) - 1, -1, -1):
+        for k in range(len(states) - 1, -1, -1):
             item = request.items[k]
-            state = self._next_loop(request, item)
+            state = states[k]
             if state == OVER:
                 over.append(item)
                 continue
             busy = True
             if state == WAIT or budget < item.num_tokens:
                 continue
-            if k > 0 and request.items[k - 1].planned < item.planned + 1:
-                prev = request.items[k - 1]
-                if self._next_loop(request, prev) != OVER:
-                    continue
+            if k > 0 and request.items[k - 1].planned <= item.planned and states[k - 1] != OVER:
+                continue
             budget -= self._plan_loop(request, item, items, owners)
         for item in over:
             request.items.remove(item)
         return budget, busy
 
-    def _may_start(self, request: Request) -> bool:
-        """Whether a new item of the request may enter loop 1 in this step."""
-        active = [it for it in request.items if self._next_loop(request, it) != OVER]
+    def _may_start(self, request: Request, states: list[str]) -> bool:
+        """Whether a new item of the request may enter loop 1 in this step (``states``: its
+        items' ``_next_loop`` before this step's planning)."""
+        active = len(states) - states.count(OVER)
         if not active:
             return True
         start = request.num_scheduled
@@ -196,7 +206,7 @@ class Scheduler:
         if request.pipelined:
             # Token pipelining: the next token enters on the draft of the newest item.
             drafted = last.draft_at and last.planned >= last.draft_at
-            return bool(drafted) and len(active) <= self.config.speculative_tokens
+            return bool(drafted) and active <= self.config.speculative_tokens
         if not self.config.wavefront_prefill:
             return False
         # A decode token needs its input: the previous item's output, sampled in an earlier step.
@@ -351,8 +361,14 @@ class Scheduler:
         copy_blocks: list[int] = []
         if item.has_output and item.exit_depth is None:
             spec = exit_spec(request, item, depth)
-            if item.stop_at_exit and self.kv.policy.copies_on_exit:
-                copy_blocks = self.kv.exit_copy_blocks(rid, item.start, depth, request.num_loops)
+            if item.stop_at_exit and self.copies_on_exit:
+                # The position's blocks on every plane, found once: they never change while
+                # the item lives (a rollback or preemption makes new items).
+                blocks = item.exit_blocks
+                if blocks is None:
+                    loops = request.num_loops
+                    blocks = item.exit_blocks = self.kv.exit_copy_blocks(rid, item.start, 0, loops)
+                copy_blocks = blocks[depth:]
         elif item.copy_at_end and depth == item.ends_at:
             loops = request.num_loops
             copy_blocks = [
@@ -361,10 +377,12 @@ class Scheduler:
                 for b in self.kv.exit_copy_blocks(rid, q, depth, loops)
             ]
         prompt_ids = None
-        if depth == 1 and item.start < request.num_prompt_tokens:
-            prompt_ids = request.prompt_token_ids[item.start : item.start + item.num_tokens]
-        elif depth == 1 and item.start <= request.replay_until:
-            prompt_ids = [request.token_at(q) for q in range(item.start, item.end)]
+        if depth == 1:
+            start = item.start
+            if start < len(request.prompt_token_ids):
+                prompt_ids = request.prompt_token_ids[start : start + item.num_tokens]
+            elif start <= request.replay_until:
+                prompt_ids = [request.token_at(q) for q in range(start, item.end)]
         return WorkItem(
             request_id=rid,
             start=item.start,
