@@ -165,7 +165,7 @@ def test_resumed_request_is_admitted_only_when_all_it_wrote_fits(ckpts, mode):
         for r in sched.waiting:
             if r.num_preemptions and r.output_token_ids:
                 written = r.num_prompt_tokens + len(r.output_token_ids)
-                item = sched._next_item(r, 1 << 20)
+                item = sched.item_maker.next_item(r, 1 << 20)
                 assert sched.admission_blocks(r, item) == core.kv.blocks_needed(
                     written, r.num_loops
                 )

@@ -84,7 +84,7 @@ class Preemptor:
         best = min(s.waiting, key=s.order_key)
         budget = s.config.max_num_batched_tokens
         while True:
-            item = s._next_item(best, budget)
+            item = s.item_maker.next_item(best, budget)
             seats = len(s.running) >= s.config.max_num_seqs
             if item is None or not (seats or s.admission_blocks(best, item) > s.kv.num_free_blocks):
                 return

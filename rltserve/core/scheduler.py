@@ -32,14 +32,15 @@ prefix; a prompt item's applied last loop caches full blocks; followers wait for
 from __future__ import annotations
 
 from rltserve.config import SchedulerConfig
-from rltserve.core.exit import choose_exit_mode, exit_known, exit_spec
+from rltserve.core.exit import choose_exit_mode, exit_known
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.preemption import Preemptor, replay_item, resume_tokens
+from rltserve.core.preemption import Preemptor, resume_tokens
 from rltserve.core.prompt_sharing import NO_HIT, Hit, PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import force_thinking_end
+from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate
 
 PLAN, WAIT, OVER = "plan", "wait", "over"
@@ -67,10 +68,10 @@ class Scheduler:
         self.ondemand = reservation == "ondemand"
         self.watermark_blocks = int(watermark * kv.pool.num_total)
         self.priority = config.scheduling_policy == "priority"
-        self.copies_on_exit = kv.policy.copies_on_exit
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.item_maker = ItemMaker(config, kv, has_boundary)
         self.preemptor = Preemptor(self, swap)
         self.sharing = PromptSharing(self)
         self._released: list[str] = []
@@ -228,7 +229,7 @@ class Scheduler:
     ) -> int:
         self._in_step.add(request.request_id)
         item.planned += 1
-        items.append(self._work_item(request, item, item.planned))
+        items.append(self.item_maker.work_item(request, item, item.planned))
         owners.append(item)
         return item.num_tokens
 
@@ -241,7 +242,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier starter of this step
-            item = self._next_item(request, budget)
+            item = self.item_maker.next_item(request, budget)
             if item is None:
                 continue  # every output is planned; the request ends with its last result
             if not self.preemptor.make_room(request, item.end):
@@ -288,7 +289,7 @@ class Scheduler:
             hit = self.sharing.lookup(request)
             before = request.num_scheduled
             request.num_scheduled = max(before, hit.start)
-            item = self._next_item(request, budget)
+            item = self.item_maker.next_item(request, budget)
             assert item is not None
             if self.admission_blocks(request, item, hit) > self.kv.num_free_blocks:
                 request.num_scheduled = before
@@ -315,89 +316,6 @@ class Scheduler:
                 )
             )
             budget -= self._start(request, item, items, owners)
-
-    def _next_item(self, request: Request, budget: int) -> InFlight | None:
-        """The request's next item (not yet started: ``_start`` commits it)."""
-        start = request.num_scheduled
-        p = request.num_prompt_tokens
-        draft_at = self.config.draft_loops if request.pipelined else 0
-        life = request.num_preemptions
-        if start < p:
-            n = min(self.config.prefill_chunk_size, p - start, budget)
-            # After a preemption the first output may be recorded already: no output then.
-            out = start + n == p and not request.output_token_ids
-            return InFlight(
-                start=start,
-                num_tokens=n,
-                ends_at=request.num_loops,
-                stop_at_exit=False,
-                has_output=out,
-                draft_at=draft_at if out else 0,
-                epoch=request.epoch,
-                life=life,
-            )
-        if start < request.replay_until:
-            chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
-            return replay_item(request, start, chunk, self.kv.policy)
-        produces = start - p + 1  # index of the output this decode token produces
-        if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
-            return None
-        full = self.kv.policy.kind == "full"
-        return InFlight(
-            start=start,
-            num_tokens=1,
-            ends_at=request.num_loops if full else request.max_loops,
-            stop_at_exit=not full,
-            has_output=True,
-            output_index=produces,
-            draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
-            epoch=request.epoch,
-            life=life,
-        )
-
-    def _work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
-        rid = request.request_id
-        spec = None
-        copy_blocks: list[int] = []
-        if item.has_output and item.exit_depth is None:
-            spec = exit_spec(request, item, depth)
-            if item.stop_at_exit and self.copies_on_exit:
-                # The position's blocks on every plane, found once: they never change while
-                # the item lives (a rollback or preemption makes new items).
-                blocks = item.exit_blocks
-                if blocks is None:
-                    loops = request.num_loops
-                    blocks = item.exit_blocks = self.kv.exit_copy_blocks(rid, item.start, 0, loops)
-                copy_blocks = blocks[depth:]
-        elif item.copy_at_end and depth == item.ends_at:
-            loops = request.num_loops
-            copy_blocks = [
-                b
-                for q in range(item.start, item.end)
-                for b in self.kv.exit_copy_blocks(rid, q, depth, loops)
-            ]
-        prompt_ids = None
-        if depth == 1:
-            start = item.start
-            if start < len(request.prompt_token_ids):
-                prompt_ids = request.prompt_token_ids[start : start + item.num_tokens]
-            elif start <= request.replay_until:
-                prompt_ids = [request.token_at(q) for q in range(start, item.end)]
-        return WorkItem(
-            request_id=rid,
-            start=item.start,
-            num_tokens=item.num_tokens,
-            depth=depth,
-            ends_at=item.ends_at,
-            stop_at_exit=item.stop_at_exit,
-            block_table=self.kv.table_for_depth(rid, depth),
-            token_ids=prompt_ids,
-            boundary_table=self.kv.boundary_table(rid) if self.has_boundary else None,
-            exit=spec,
-            exit_copy_blocks=copy_blocks,
-            draft=depth == item.draft_at,
-            epoch=item.epoch,
-        )
 
     # ---------------------------------------------------------------- results
 

@@ -1,0 +1,109 @@
+"""Work items: what a request's next item is (``next_item``: a prompt chunk, a replayed chunk
+after preemption, or a decode token) and what the runner gets for one loop of an item
+(``work_item``: a ``WorkItem`` with its block table, exit spec and copy-on-exit targets).
+
+Torch-free. The scheduler decides *whether* an item starts or continues in a step; this module
+only says *what* it is, from the request, the scheduler config and the KV manager's tables.
+"""
+
+from __future__ import annotations
+
+from rltserve.config import SchedulerConfig
+from rltserve.core.exit import exit_spec
+from rltserve.core.kv_cache import KVManager
+from rltserve.core.plan import WorkItem
+from rltserve.core.preemption import replay_item
+from rltserve.core.request import InFlight, Request
+
+
+class ItemMaker:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, has_boundary: bool) -> None:
+        self.config = config
+        self.kv = kv
+        self.has_boundary = has_boundary
+        self.copies_on_exit = kv.policy.copies_on_exit
+
+    def next_item(self, request: Request, budget: int) -> InFlight | None:
+        """The request's next item, of at most ``budget`` tokens (not yet started: the
+        scheduler's ``_start`` commits it); None when every output is planned."""
+        start = request.num_scheduled
+        p = request.num_prompt_tokens
+        draft_at = self.config.draft_loops if request.pipelined else 0
+        life = request.num_preemptions
+        if start < p:
+            n = min(self.config.prefill_chunk_size, p - start, budget)
+            # After a preemption the first output may be recorded already: no output then.
+            out = start + n == p and not request.output_token_ids
+            return InFlight(
+                start=start,
+                num_tokens=n,
+                ends_at=request.num_loops,
+                stop_at_exit=False,
+                has_output=out,
+                draft_at=draft_at if out else 0,
+                epoch=request.epoch,
+                life=life,
+            )
+        if start < request.replay_until:
+            chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
+            return replay_item(request, start, chunk, self.kv.policy)
+        produces = start - p + 1  # index of the output this decode token produces
+        if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
+            return None
+        full = self.kv.policy.kind == "full"
+        return InFlight(
+            start=start,
+            num_tokens=1,
+            ends_at=request.num_loops if full else request.max_loops,
+            stop_at_exit=not full,
+            has_output=True,
+            output_index=produces,
+            draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
+            epoch=request.epoch,
+            life=life,
+        )
+
+    def work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
+        """What the runner gets for loop ``depth`` of ``item``."""
+        rid = request.request_id
+        spec = None
+        copy_blocks: list[int] = []
+        if item.has_output and item.exit_depth is None:
+            spec = exit_spec(request, item, depth)
+            if item.stop_at_exit and self.copies_on_exit:
+                # The position's blocks on every plane, found once: they never change while
+                # the item lives (a rollback or preemption makes new items).
+                blocks = item.exit_blocks
+                if blocks is None:
+                    loops = request.num_loops
+                    blocks = item.exit_blocks = self.kv.exit_copy_blocks(rid, item.start, 0, loops)
+                copy_blocks = blocks[depth:]
+        elif item.copy_at_end and depth == item.ends_at:
+            loops = request.num_loops
+            copy_blocks = [
+                b
+                for q in range(item.start, item.end)
+                for b in self.kv.exit_copy_blocks(rid, q, depth, loops)
+            ]
+        prompt_ids = None
+        if depth == 1:
+            start = item.start
+            if start < len(request.prompt_token_ids):
+                prompt_ids = request.prompt_token_ids[start : start + item.num_tokens]
+            elif start <= request.replay_until:
+                prompt_ids = [request.token_at(q) for q in range(start, item.end)]
+        return WorkItem(
+            request_id=rid,
+            start=item.start,
+            num_tokens=item.num_tokens,
+            depth=depth,
+            ends_at=item.ends_at,
+            stop_at_exit=item.stop_at_exit,
+            block_table=self.kv.table_for_depth(rid, depth),
+            token_ids=prompt_ids,
+            boundary_table=self.kv.boundary_table(rid) if self.has_boundary else None,
+            exit=spec,
+            exit_copy_blocks=copy_blocks,
+            draft=depth == item.draft_at,
+            epoch=item.epoch,
+        )

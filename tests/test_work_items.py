@@ -1,0 +1,85 @@
+"""``ItemMaker``, torch-free: which item a request runs next (prompt chunks, decode tokens, the
+end of its outputs) and the ``WorkItem`` of one loop (table of the loop's plane, the request's
+shared exit specs, last_exited copy targets, prompt ids only on entry)."""
+
+from __future__ import annotations
+
+from rltserve.config import SchedulerConfig
+from rltserve.core.kv_cache import KVManager, KVPolicy
+from rltserve.core.request import Request
+from rltserve.core.work_items import ItemMaker
+from rltserve.sampling import SamplingParams
+
+
+def _maker(policy: str = "last_exited") -> ItemMaker:
+    kv = KVManager(64, 4, KVPolicy.parse(policy), has_boundary=False)
+    return ItemMaker(SchedulerConfig(prefill_chunk_size=4), kv, has_boundary=False)
+
+
+def _request(exit_mode: str = "fixed", max_tokens: int = 3) -> Request:
+    request = Request(
+        request_id="a",
+        prompt_token_ids=[5, 6, 7, 8, 9, 10],
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=0.5),
+        num_loops=3,
+        max_loops=3,
+        eos_token_ids=frozenset(),
+        max_total_tokens=100,
+        seed=0,
+    )
+    request.exit_mode = exit_mode
+    return request
+
+
+def test_prompt_chunks_then_decode_tokens_then_none():
+    maker, request = _maker(), _request(max_tokens=2)
+    first = maker.next_item(request, budget=100)
+    assert (first.start, first.num_tokens, first.has_output) == (0, 4, False)
+    assert maker.next_item(request, budget=3).num_tokens == 3  # the budget bounds a chunk
+    request.num_scheduled = 4
+    last = maker.next_item(request, budget=100)
+    assert (last.start, last.num_tokens, last.has_output, last.ends_at) == (4, 2, True, 3)
+    request.num_scheduled = 6  # the first output's position is planned: its decode token
+    token = maker.next_item(request, budget=100)
+    assert (token.start, token.num_tokens, token.output_index, token.stop_at_exit) == (
+        6,
+        1,
+        1,
+        True,
+    )
+    request.num_scheduled = 7  # output 2 would be the third: max_tokens=2 is reached
+    assert maker.next_item(request, budget=100) is None
+
+
+def test_work_item_tables_prompt_ids_and_copy_targets():
+    maker, request = _maker(), _request()
+    maker.kv.allocate("a", 8, 3)
+    request.num_scheduled = 6
+    token = maker.next_item(request, budget=100)
+    works = [maker.work_item(request, token, d) for d in (1, 2, 3)]
+    for d, work in enumerate(works, start=1):
+        assert work.block_table == maker.kv.table_for_depth("a", d)
+        assert work.token_ids is None  # a decode token's input stays on the runner
+        assert work.exit_copy_blocks == maker.kv.exit_copy_blocks("a", 6, d, 3)
+    assert works[0].exit_copy_blocks and works[2].exit_copy_blocks == []
+    request.num_scheduled = 0
+    chunk = maker.next_item(request, budget=100)
+    assert maker.work_item(request, chunk, 1).token_ids == [5, 6, 7, 8]
+    assert maker.work_item(request, chunk, 2).token_ids is None
+    assert maker.work_item(request, chunk, 2).exit is None  # no output position
+
+
+def test_exit_specs_are_shared_per_request_and_fixed_ones_say_when():
+    maker, request = _maker("full"), _request("gate")
+    maker.kv.allocate("a", 8, 3)
+    request.num_scheduled = 6
+    token = maker.next_item(request, budget=100)
+    specs = [maker.work_item(request, token, d).exit for d in (1, 2, 3)]
+    assert specs[0] is specs[1] is specs[2]
+    assert (specs[0].mode, specs[0].threshold, specs[0].max_loops) == ("gate", 0.5, 3)
+    assert maker.work_item(request, token, 1).exit_copy_blocks == []  # full copies nothing
+    fixed = _request("fixed")
+    fixed.num_scheduled = 6
+    token = maker.next_item(fixed, budget=100)
+    now = [maker.work_item(fixed, token, d).exit.exit_now for d in (1, 2, 3)]
+    assert now == [False, False, True]  # exits at the cap: max_loops
