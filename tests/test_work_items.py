@@ -5,8 +5,10 @@ shared exit specs, last_exited copy targets, prompt ids only on entry)."""
 from __future__ import annotations
 
 from rltserve.config import SchedulerConfig
+from rltserve.core.exit import exit_spec
 from rltserve.core.kv_cache import KVManager, KVPolicy
-from rltserve.core.request import Request
+from rltserve.core.plan import WorkItem
+from rltserve.core.request import InFlight, Request
 from rltserve.core.work_items import ItemMaker
 from rltserve.sampling import SamplingParams
 
@@ -83,3 +85,46 @@ def test_exit_specs_are_shared_per_request_and_fixed_ones_say_when():
     token = maker.next_item(fixed, budget=100)
     now = [maker.work_item(fixed, token, d).exit.exit_now for d in (1, 2, 3)]
     assert now == [False, False, True]  # exits at the cap: max_loops
+
+
+def test_work_item_fields_land_where_they_belong():
+    # work_item builds WorkItems positionally (speed): every field must still be the right one.
+    maker, request = _maker(), _request("delayed")
+    maker.kv.allocate("a", 8, 3)
+    request.num_scheduled, request.epoch = 6, 2
+    token = maker.next_item(request, budget=100)
+    token.draft_at = 2
+    assert maker.work_item(request, token, 2) == WorkItem(
+        request_id="a",
+        start=6,
+        num_tokens=1,
+        depth=2,
+        ends_at=3,
+        stop_at_exit=True,
+        block_table=maker.kv.table_for_depth("a", 2),
+        token_ids=None,
+        boundary_table=None,
+        exit=exit_spec(request, token, 2),
+        exit_copy_blocks=maker.kv.exit_copy_blocks("a", 6, 2, 3),
+        draft=True,
+        epoch=2,
+    )
+
+
+def test_decode_item_fields_land_where_they_belong():
+    # next_item builds decode items positionally (speed): every field must be the right one.
+    maker, request = _maker(), _request("delayed", max_tokens=3)
+    request.num_scheduled, request.epoch, request.num_preemptions = 6, 1, 2
+    request.pipelined = True
+    maker.config = SchedulerConfig(prefill_chunk_size=4, speculative_tokens=1, draft_loops=2)
+    assert maker.next_item(request, budget=100) == InFlight(
+        start=6,
+        num_tokens=1,
+        ends_at=3,
+        stop_at_exit=True,
+        has_output=True,
+        output_index=1,
+        draft_at=2,
+        epoch=1,
+        life=2,
+    )

@@ -301,10 +301,14 @@ class KVManager:
         entry = self._requests[request_id]
         if not 1 <= depth <= entry.num_loops:
             raise ValueError(f"depth={depth}: request {request_id!r} has {entry.num_loops} loops")
+        return entry.tables[self._plane(depth)]
+
+    def _plane(self, depth: int) -> int:
+        """``policy.plane(depth)``, remembered: planning asks it for every row of every step."""
         planes = self._plane_of_depth
-        while len(planes) <= depth:  # planned once per depth (planning's per-row hot path)
+        while len(planes) <= depth:
             planes.append(self.policy.plane(len(planes)))
-        return entry.tables[planes[depth]]
+        return planes[depth]
 
     def boundary_table(self, request_id: str) -> list[int]:
         if not self.has_boundary:
@@ -324,7 +328,8 @@ class KVManager:
         if num_loops > entry.num_loops:
             raise ValueError(f"num_loops={num_loops}: request has {entry.num_loops} loops")
         index = position // self.block_size
-        return [entry.tables[self.policy.plane(d)][index] for d in range(depth + 1, num_loops + 1)]
+        tables, plane = entry.tables, self._plane
+        return [tables[plane(d)][index] for d in range(depth + 1, num_loops + 1)]
 
     # -- checks ---------------------------------------------------------------------------------
 

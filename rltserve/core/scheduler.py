@@ -136,15 +136,14 @@ class Scheduler:
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
         starters = []
-        next_loop = self._next_loop
         for request in self.running:
-            # Each item's state before this step's planning: what both decisions below judge.
-            states = [next_loop(request, it) for it in request.items]
-            if self._may_start(request, states):
+            if not request.items:  # between tokens: only a new item can run
                 starters.append(request)
-            if states:
-                budget, request_busy = self._continue_items(request, states, items, owners, budget)
-                busy = busy or request_busy
+                continue
+            budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
+            busy = busy or request_busy
+            if may_start:
+                starters.append(request)
         if not (self.config.scheduling == "no_refill" and busy):
             starters.sort(key=self.order_key)  # the best get blocks first
             budget = self._start_items(starters, items, owners, budget)
@@ -160,22 +159,25 @@ class Scheduler:
         return plan
 
     def _continue_items(
-        self,
-        request: Request,
-        states: list[str],
-        items: list[WorkItem],
-        owners: list[InFlight],
-        budget: int,
-    ) -> tuple[int, bool]:
-        """Plans the next loop of each of the request's items that is ready (``states``: their
-        ``_next_loop`` before this step). Wavefront rule: an item's loop d also needs the
-        previous item's loop d planned in an earlier step (it writes the plane-d KV the item
-        attends to). Items are visited last to first, so the previous item's progress (and
-        state) is still the one from earlier steps."""
+        self, request: Request, items: list[WorkItem], owners: list[InFlight], budget: int
+    ) -> tuple[int, bool, bool]:
+        """Plans the next loop of each of the request's items that is ready. Returns the budget
+        left, whether an item still has loops to plan, and whether a new item may enter loop 1
+        in this step (``_may_start``, judged on the state before this step's planning).
+
+        Wavefront rule: an item's loop d also needs the previous item's loop d planned in an
+        earlier step (it writes the plane-d KV the item attends to). Items are visited last to
+        first, so the previous item's progress (and state) is still the one from earlier
+        steps. This runs for every running request in every step: it keeps calls per row few.
+        """
+        request_items = request.items
+        next_loop = self._next_loop
+        states = [next_loop(request, it) for it in request_items]
+        may_start = self._may_start(request, states)
         busy = False
         over = []
         for k in range(len(states) - 1, -1, -1):
-            item = request.items[k]
+            item = request_items[k]
             state = states[k]
             if state == OVER:
                 over.append(item)
@@ -183,12 +185,12 @@ class Scheduler:
             busy = True
             if state == WAIT or budget < item.num_tokens:
                 continue
-            if k > 0 and request.items[k - 1].planned <= item.planned and states[k - 1] != OVER:
+            if k > 0 and request_items[k - 1].planned <= item.planned and states[k - 1] != OVER:
                 continue
             budget -= self._plan_loop(request, item, items, owners)
         for item in over:
-            request.items.remove(item)
-        return budget, busy
+            request_items.remove(item)
+        return budget, busy, may_start
 
     def _may_start(self, request: Request, states: list[str]) -> bool:
         """Whether a new item of the request may enter loop 1 in this step (``states``: its

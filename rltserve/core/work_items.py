@@ -22,6 +22,7 @@ class ItemMaker:
         self.kv = kv
         self.has_boundary = has_boundary
         self.copies_on_exit = kv.policy.copies_on_exit
+        self.full = kv.policy.kind == "full"  # every token loops to the request's depth
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
         """The request's next item, of at most ``budget`` tokens (not yet started: the
@@ -50,17 +51,22 @@ class ItemMaker:
         produces = start - p + 1  # index of the output this decode token produces
         if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
             return None
-        full = self.kv.policy.kind == "full"
+        full = self.full
+        # Positional, in field order (one per decode token; keywords cost 2-3x as much).
         return InFlight(
-            start=start,
-            num_tokens=1,
-            ends_at=request.num_loops if full else request.max_loops,
-            stop_at_exit=not full,
-            has_output=True,
-            output_index=produces,
-            draft_at=draft_at if produces + 1 < request.params.max_tokens else 0,
-            epoch=request.epoch,
-            life=life,
+            start,  # start
+            1,  # num_tokens
+            request.num_loops if full else request.max_loops,  # ends_at
+            not full,  # stop_at_exit
+            True,  # has_output
+            produces,  # output_index
+            0,  # planned
+            0,  # applied
+            None,  # exit_depth
+            None,  # delayed_exit_at
+            draft_at if produces + 1 < request.params.max_tokens else 0,  # draft_at
+            request.epoch,  # epoch
+            life,  # life
         )
 
     def work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
@@ -92,18 +98,20 @@ class ItemMaker:
                 prompt_ids = request.prompt_token_ids[start : start + item.num_tokens]
             elif start <= request.replay_until:
                 prompt_ids = [request.token_at(q) for q in range(start, item.end)]
+        # Positional, in field order: one WorkItem per row per step, and keywords make the
+        # constructor about 3x slower (0.34 vs 0.12 ms for 256 rows).
         return WorkItem(
-            request_id=rid,
-            start=item.start,
-            num_tokens=item.num_tokens,
-            depth=depth,
-            ends_at=item.ends_at,
-            stop_at_exit=item.stop_at_exit,
-            block_table=self.kv.table_for_depth(rid, depth),
-            token_ids=prompt_ids,
-            boundary_table=self.kv.boundary_table(rid) if self.has_boundary else None,
-            exit=spec,
-            exit_copy_blocks=copy_blocks,
-            draft=depth == item.draft_at,
-            epoch=item.epoch,
+            rid,  # request_id
+            item.start,  # start
+            item.num_tokens,  # num_tokens
+            depth,  # depth
+            item.ends_at,  # ends_at
+            item.stop_at_exit,  # stop_at_exit
+            self.kv.table_for_depth(rid, depth),  # block_table
+            prompt_ids,  # token_ids
+            self.kv.boundary_table(rid) if self.has_boundary else None,  # boundary_table
+            spec,  # exit
+            copy_blocks,  # exit_copy_blocks
+            depth == item.draft_at,  # draft
+            item.epoch,  # epoch
         )
