@@ -149,11 +149,17 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     for name in ("steps", "repeats", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
+    for name, allowed in (("modes", ("sync", "async")), ("kinds", ("decode", "mixed"))):
+        values = getattr(args, name)
+        if not values or any(v not in allowed for v in values):
+            raise ValueError(f"--{name} {','.join(values)}: a list of {' and '.join(allowed)}")
     report = run_host_bench(
         rows,
         contexts,
         steps=steps,
         repeats=args.repeats,
+        modes=tuple(args.modes),
+        kinds=tuple(args.kinds),
         threads=args.threads,
         stage_gc=not args.default_gc,
         progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
@@ -186,6 +192,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     host.add_argument(
         "--contexts", type=_int_list, default=[128, 1024, 4096], help="context lengths (list)"
+    )
+    host.add_argument(
+        "--modes", type=_str_list, default=["sync", "async"], help="sync and/or async (list)"
+    )
+    host.add_argument(
+        "--kinds", type=_str_list, default=["decode", "mixed"], help="decode and/or mixed (list)"
     )
     host.add_argument("--steps", type=int, default=40, help="measured steps per cell")
     host.add_argument("--repeats", type=int, default=1, help="runs per cell; medians reported")

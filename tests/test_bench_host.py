@@ -54,6 +54,18 @@ def test_bench_host_usage_errors(capsys):
     assert "--rows [0]: every value must be >= 1" in capsys.readouterr().err
     assert main(["bench", "host", "--threads", "0", "--quiet"]) == 2
     assert "--threads 0: must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "host", "--modes", "sync,eager", "--quiet"]) == 2
+    assert "--modes sync,eager: a list of sync and async" in capsys.readouterr().err
+    assert main(["bench", "host", "--kinds", "", "--quiet"]) == 2
+    assert "--kinds : a list of decode and mixed" in capsys.readouterr().err
+
+
+def test_one_cell_by_mode_and_kind(capsys):
+    argv = ["bench", "host", "--rows", "4", "--contexts", "32", "--steps", "4"]
+    assert main([*argv, "--modes", "sync", "--kinds", "decode", "--quiet"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    assert list(report["cells"]) == ["decode/sync/rows4/ctx32"]
+    assert report["cells"]["decode/sync/rows4/ctx32"]["steps"] == 4
 
 
 def test_standin_model_decodes_deterministically_at_a_fixed_depth():
