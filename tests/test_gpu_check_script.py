@@ -59,6 +59,19 @@ def test_cpu_smoke_run_writes_the_summary(tmp_path):
         "INPUT_LEN": "8",
         "OUTPUT_LEN": "4",
         "KV_CACHE_GB": "0.25",
+        # The target steps in smoke sizes, on the same tiny model (made once by step 4).
+        "SMALL_PRESET": "ouro-tiny",
+        "SMALL_MODEL_DIR": str(tmp_path / "model"),
+        "KV_PRESSURE_CONCURRENCY": "8",
+        "KV_PRESSURE_LEN": "2",
+        "ROLLOUT_STEPS": "1",
+        "ROLLOUT_PROMPTS": "1",
+        "ROLLOUT_N": "2",
+        "ROLLOUT_MAX_TOKENS": "2",
+        "HOST_ROWS": "256",
+        "HOST_CONTEXTS": "1024",
+        "HOST_STEPS": "4",
+        "HOST_REPEATS": "1",
         "PYTHON": sys.executable,
         "OUT": str(out),
         "TMPDIR": str(tmp_path),
@@ -83,4 +96,39 @@ def test_cpu_smoke_run_writes_the_summary(tmp_path):
     match = re.search(r"\n  SKIPPED  pytest -m gpu: 0 passed, all (\d+) skipped", proc.stdout)
     assert match and int(match.group(1)) == _count_gpu_tests(), proc.stdout
     assert "ok       pytest -m gpu" not in proc.stdout and "FAILED" not in proc.stdout
-    assert (out / "summary.txt").read_text().startswith("native backend:")
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("native backend:")
+    _assert_targets(summary, text)
+
+
+def _assert_targets(summary: dict, text: str) -> None:
+    """The target steps ran and their checks hold numbers, each with its line in the text."""
+    assert summary["targets_setup"] == {"device": "cpu", "preset": "ouro-tiny", "dtype": "float32"}
+    checks = {c["target"]: c for c in summary["targets"]}
+    kv = summary["kv_pressure"]
+    # Pool for 8 // 8 = 1 worst-case request, 8 requests: full reservation runs one at a time.
+    assert (kv["pool_requests"], kv["num_requests"], kv["full"]["peak_running"]) == (1, 8, 1)
+    for mode in ("recompute", "swap"):
+        running = checks[f"kv {mode} vs full: peak running requests"]
+        assert running["measured"] == kv[f"ondemand_{mode}"]["peak_running"] > 1
+        assert running["limit"] == 4.0 and running["met"] == (running["measured"] >= 4.0)
+        tokens = checks[f"kv {mode} vs full: tokens/s"]
+        assert tokens["measured"] > 0 and tokens["limit"] == 2.0
+        lost = checks[f"kv {mode} vs unpressured: tokens/s lost"]
+        assert lost["measured"] < 1 and lost["limit"] == 0.3
+    rollout = checks["rollout restart vs in place: step time"]
+    assert rollout["measured"] == summary["rollout"]["step_speedup"] > 0
+    assert rollout["limit"] == 3.0 and rollout["met"] == (rollout["measured"] >= 3.0)
+    assert summary["rollout"]["in_place"]["tokens_per_step"] == 1 * 2 * 2
+    cells = summary["host"]["cells"]
+    kinds, modes = ("decode", "mixed"), ("sync", "async")
+    assert set(cells) == {f"{k}/{m}/rows256/ctx1024" for k in kinds for m in modes}
+    wall = checks["host decode/sync/rows256/ctx1024: wall"]
+    assert wall["measured"] == cells["decode/sync/rows256/ctx1024"]["host_wall_ms"]
+    assert (wall["limit"], wall["op"]) == (1.0, "<=")
+    assert checks["host decode/sync/rows256/ctx1024/steps_per_s"]["measured"] > 0
+    assert checks["host mixed/sync/rows256/ctx1024: wall"]["measured"] > 0
+    for c in checks.values():
+        assert isinstance(c["measured"], float | int) and isinstance(c["met"], bool), c
+        met = "yes" if c["met"] else "no"
+        assert re.search(rf"  {re.escape(c['target'])} .* met {met}", text), (c, text)
