@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of rltserve, for a machine with an NVIDIA GPU (within ~8 minutes):
+# One-shot GPU check of rltserve, for a machine with an NVIDIA GPU (within ~9 minutes):
 #   1. picks a Python with a CUDA torch (a venv: $RLTSERVE_GPU_VENV, the current one, or a new
 #      --system-site-packages venv), makes the repo importable (PYTHONPATH, nothing installed),
 #      and installs missing packages from $WHEELS,
@@ -47,7 +47,7 @@
 #                       are skipped and reported
 #   TARGETS_RESERVE_S   part of the budget steps 2-5 leave to the target steps (default 150)
 #   SMALL_PRESET, SMALL_MODEL_DIR, SMALL_DTYPE   the target steps' model: default ouro-small,
-#                       /tmp/rltserve-<preset>, float32
+#                       /tmp/rltserve-<preset> (MODEL_DIR for PRESET's), float32
 #   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
 #                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32)
 #   ROLLOUT_STEPS       training steps per rollout arm (default 3; 0 skips it); ROLLOUT_PROMPTS,
@@ -58,6 +58,8 @@
 #                       120, and 30 per row count)
 #   PRESET, DEVICE, DTYPE   default ouro-1.4b, cuda, bfloat16 (DEVICE=cpu PRESET=ouro-tiny
 #                       smoke-tests this script without a GPU; the benchmarks then run eager only)
+#   SMOKE=1             smoke sizes for a CPU without a GPU: DEVICE=cpu, ouro-tiny for both
+#                       models, every benchmark a few steps (each knob still overridable)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -69,6 +71,13 @@ if [[ "${1:-}" == --fetch-wheels ]]; then
   exec "${PYTHON:-python3}" -m pip download --no-deps --only-binary=:all: \
     --python-version "${WHEEL_PYTHON:-3.12}" --implementation cp "${platforms[@]}" \
     -d "$REPO/.whl" "${IMAGE_MISSING[@]}"
+fi
+if [[ "${SMOKE:-0}" == 1 ]]; then  # CPU smoke sizes; each still overridable
+  : "${DEVICE=cpu}" "${PRESET=ouro-tiny}" "${SMALL_PRESET=ouro-tiny}" "${CONCURRENCY=2}"
+  : "${ASYNC_CONCURRENCY=2}" "${ASYNC_NUM_PROMPTS=8}" "${INPUT_LEN=8}" "${OUTPUT_LEN=4}"
+  : "${KV_CACHE_GB=0.25}" "${KV_PRESSURE_CONCURRENCY=8}" "${KV_PRESSURE_LEN=2}"
+  : "${ROLLOUT_STEPS=1}" "${ROLLOUT_PROMPTS=1}" "${ROLLOUT_N=2}" "${ROLLOUT_MAX_TOKENS=2}"
+  : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}"
 fi
 OUT="${OUT:-$REPO/bench_out/gpu_check}"
 PRESET="${PRESET:-ouro-1.4b}"
@@ -85,7 +94,9 @@ KV_CACHE_GB="${KV_CACHE_GB:-24}"
 BUDGET_S="${BUDGET_S:-540}"
 TARGETS_RESERVE_S="${TARGETS_RESERVE_S:-150}"
 SMALL_PRESET="${SMALL_PRESET:-ouro-small}"
-SMALL_MODEL_DIR="${SMALL_MODEL_DIR:-/tmp/rltserve-$SMALL_PRESET}"
+SMALL_MODEL_DIR_DEFAULT="/tmp/rltserve-$SMALL_PRESET"
+[[ "$SMALL_PRESET" == "$PRESET" ]] && SMALL_MODEL_DIR_DEFAULT="$MODEL_DIR"
+SMALL_MODEL_DIR="${SMALL_MODEL_DIR:-$SMALL_MODEL_DIR_DEFAULT}"
 SMALL_DTYPE="${SMALL_DTYPE:-float32}"
 KV_PRESSURE_CONCURRENCY="${KV_PRESSURE_CONCURRENCY-32}"
 KV_PRESSURE_LEN="${KV_PRESSURE_LEN:-32}"

@@ -48,30 +48,13 @@ def _count_gpu_tests() -> int:
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cpu_smoke_run_writes_the_summary(tmp_path):
     out = tmp_path / "out"
+    # SMOKE=1: DEVICE=cpu, ouro-tiny for both models (made once, in MODEL_DIR), concurrency 2,
+    # 8 prompts of 8 tokens, 4 out; KV pressure on 8 requests, rollout 1 step of 1 prompt x 2,
+    # host path at 256 rows, 1k context, 4 steps.
     env = {
         **os.environ,
-        "DEVICE": "cpu",
-        "PRESET": "ouro-tiny",
+        "SMOKE": "1",
         "MODEL_DIR": str(tmp_path / "model"),
-        "CONCURRENCY": "2",
-        "ASYNC_CONCURRENCY": "2",
-        "ASYNC_NUM_PROMPTS": "8",
-        "INPUT_LEN": "8",
-        "OUTPUT_LEN": "4",
-        "KV_CACHE_GB": "0.25",
-        # The target steps in smoke sizes, on the same tiny model (made once by step 4).
-        "SMALL_PRESET": "ouro-tiny",
-        "SMALL_MODEL_DIR": str(tmp_path / "model"),
-        "KV_PRESSURE_CONCURRENCY": "8",
-        "KV_PRESSURE_LEN": "2",
-        "ROLLOUT_STEPS": "1",
-        "ROLLOUT_PROMPTS": "1",
-        "ROLLOUT_N": "2",
-        "ROLLOUT_MAX_TOKENS": "2",
-        "HOST_ROWS": "256",
-        "HOST_CONTEXTS": "1024",
-        "HOST_STEPS": "4",
-        "HOST_REPEATS": "1",
         "PYTHON": sys.executable,
         "OUT": str(out),
         "TMPDIR": str(tmp_path),
