@@ -45,7 +45,7 @@
 #   KV_CACHE_GB         KV pool per run (default 24)
 #   BUDGET_S            overall time budget in seconds (default 540); steps that no longer fit
 #                       are skipped and reported
-#   TARGETS_RESERVE_S   part of the budget steps 2-5 leave to the target steps (default 150)
+#   TARGETS_RESERVE_S   part of the budget steps 1-5 leave to the target steps (default 150)
 #   SMALL_PRESET, SMALL_MODEL_DIR, SMALL_DTYPE   the target steps' model: default ouro-small,
 #                       /tmp/rltserve-<preset> (MODEL_DIR for PRESET's), float32
 #   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
@@ -121,7 +121,7 @@ declare -a SUMMARY=()
 FAILED=0
 
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
-# The budget left to the current step: steps 2-5 leave RESERVE_S to the target steps (6), so
+# The budget left to the current step: the steps before 6 leave RESERVE_S to the targets, so
 # slow builds or benchmarks cannot crowd them out; step 6 sets it to 0.
 RESERVE_S=0
 if [[ -n "$KV_PRESSURE_CONCURRENCY" || "$ROLLOUT_STEPS" != 0 || -n "$HOST_ROWS" ]]; then
@@ -218,6 +218,7 @@ if [[ -n "$missing" ]]; then
         "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$m" || true
     done
   else
+    # shellcheck disable=SC2086  # one argument per package
     step "pip install $missing" 90 "$PY" -m pip install -q $missing || true
   fi
 fi
@@ -229,13 +230,16 @@ print(json.dumps({"python": sys.executable, "python_version": platform.python_ve
 EOF
 say "python: $PY ($(tr -d '\n ' <"$WORK/env.json" 2>/dev/null || true))"
 RLT=("$PY" -c "import sys; from rltserve.cli import main; sys.exit(main())")  # the CLI
+# TO_FILE FILE CMD...: CMD with its stdout in FILE (the JSON reports), runnable under timeout.
+# shellcheck disable=SC2016  # expanded by the inner bash
+TO_FILE=(bash -c 'out=$1; shift; "$@" >"$out"' _)
 
 # ---------------------------------------------------------------- 2. native extension
 CUDA_FLAG=on
 [[ "$DEVICE" == cpu ]] && CUDA_FLAG=auto
 step "build native extension (--cuda $CUDA_FLAG)" 300 \
-  bash -c '"$1" "$2/native/build.py" --cuda "$3" >"$4/native_build.json"' _ \
-  "$PY" "$REPO" "$CUDA_FLAG" "$WORK" || true
+  "${TO_FILE[@]}" "$WORK/native_build.json" "$PY" "$REPO/native/build.py" --cuda "$CUDA_FLAG" ||
+  true
 
 # ---------------------------------------------------------------- 3. gpu tests
 # Only the modules that hold gpu tests: the others may need packages (pytest-asyncio) that a
@@ -283,7 +287,7 @@ if [[ -f "$MODEL_DIR/config.json" ]]; then
   # Eager vs graphs at the threshold and at full depth, one process per concurrency (a
   # timeout loses only that one); on a CPU the eager cells only.
   for c in ${CONCURRENCY//,/ }; do
-    step "graphs_compare c=$c" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+    step "graphs_compare c=$c" 150 "${TO_FILE[@]}" \
       "$WORK/graphs_compare_c$c.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
       --cuda-graphs --compare --concurrency-list "$c" || true
   done
@@ -292,7 +296,7 @@ fi
 if [[ -f "$MODEL_DIR/config.json" && -n "$ASYNC_CONCURRENCY" ]]; then
   extra=()
   [[ "$DEVICE" == cuda ]] && extra=(--cuda-graphs)
-  step "async_compare ($ASYNC_CONCURRENCY)" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+  step "async_compare ($ASYNC_CONCURRENCY)" 150 "${TO_FILE[@]}" \
     "$WORK/async_compare.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
     --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" --num-prompts "$ASYNC_NUM_PROMPTS" \
     "${extra[@]}" || true
@@ -320,7 +324,7 @@ sys.exit(main(sys.argv[cut + 1:]))'
 if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; then
   KV_ARGS=(bench offline "${SMALL_ARGS[@]}" --exit-threshold 0.5 --kv-pressure --json --quiet)
   step "kv_pressure $SMALL_PRESET c=$KV_PRESSURE_CONCURRENCY" "$KV_PRESSURE_LIMIT_S" \
-    bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/kv_pressure.json" "$PY" -c "$WARM_THEN_RUN" \
+    "${TO_FILE[@]}" "$WORK/kv_pressure.json" "$PY" -c "$WARM_THEN_RUN" \
     "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
     "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
     --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
@@ -328,13 +332,13 @@ if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; the
 fi
 if [[ -f "$SMALL_MODEL_DIR/config.json" && "$ROLLOUT_STEPS" != 0 ]]; then
   step "rollout $SMALL_PRESET ($ROLLOUT_STEPS steps)" "$ROLLOUT_LIMIT_S" \
-    bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/rollout.json" \
+    "${TO_FILE[@]}" "$WORK/rollout.json" \
     "${RLT[@]}" bench rollout "${SMALL_ARGS[@]}" --num-prompts "$ROLLOUT_PROMPTS" \
     --n "$ROLLOUT_N" --max-tokens "$ROLLOUT_MAX_TOKENS" --steps "$ROLLOUT_STEPS" --json || true
 fi
 for rows in ${HOST_ROWS//,/ }; do
   step "host rows=$rows ctx=$HOST_CONTEXTS" "$HOST_LIMIT_S" \
-    bash -c 'out=$1; shift; "$@" >"$out"' _ "$WORK/host_rows$rows.json" \
+    "${TO_FILE[@]}" "$WORK/host_rows$rows.json" \
     "${RLT[@]}" bench host --rows "$rows" --contexts "$HOST_CONTEXTS" --steps "$HOST_STEPS" \
     --repeats "$HOST_REPEATS" --quiet || true
 done
