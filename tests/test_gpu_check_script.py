@@ -119,3 +119,30 @@ def _assert_targets(summary: dict, text: str) -> None:
         assert isinstance(c["measured"], float | int) and isinstance(c["met"], bool), c
         met = "yes" if c["met"] else "no"
         assert re.search(rf"  {re.escape(c['target'])} .* met {met}", text), (c, text)
+
+
+def test_summary_of_a_run_whose_steps_left_no_reports(tmp_path):
+    # Every step failed, timed out or was skipped (no JSON, or an empty file): the summary is
+    # still written, with every target listed as not measured rather than dropped.
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    (work / "kv_pressure.json").write_text("")  # a step killed before it printed
+    args = [str(work), str(out), "cuda", "ouro-small", "float32"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kv_pressure"] is None and summary["rollout"] is None
+    assert summary["host"] is None
+    targets = summary["targets"]
+    assert len(targets) == 6 + 1 + 4  # kv: 3 per preemption mode; rollout; host path
+    assert all(t["measured"] is None and t["met"] is None for t in targets)
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("native backend: not built\n")
+    assert text.count("not measured") == len(targets)
+    assert "rollout restart vs in place: step time" in text
