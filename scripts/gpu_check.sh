@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of rltserve, for a machine with an NVIDIA GPU (within ~8 minutes):
+# One-shot GPU check of rltserve, for a machine with an NVIDIA GPU (within ~9 minutes):
 #   1. picks a Python with a CUDA torch (a venv: $RLTSERVE_GPU_VENV, the current one, or a new
 #      --system-site-packages venv), makes the repo importable (PYTHONPATH, nothing installed),
 #      and installs missing packages from $WHEELS,
@@ -12,8 +12,18 @@
 #      full depth (threshold 1.0),
 #   5. async vs sync scheduling through the spawned stage (dedicated stream, deferred result
 #      reads) at concurrency 32 and 128 (ASYNC_CONCURRENCY), with CUDA graphs,
-#   6. prints a summary and writes four files to the output dir: summary.json (environment,
-#      native build, the full reports), summary.txt, gpu_check.log, gpu_tests.xml.
+#   6. the targets a CPU cannot settle, each step under its own time limit, on ouro-small
+#      (float32, made unless present; the dtype of the recorded CPU figures):
+#      - KV pressure: the command of docs/benchmarks.md "KV pressure" (`bench offline
+#        --kv-pressure`): full reservation vs on-demand recompute vs swap vs an unpressured pool,
+#      - rollout: `bench rollout`, in-place weight updates vs a new engine per training step,
+#      - host path: `bench host` (stand-in model: the host CPU's figures, whatever the device)
+#        at 256 and 512 decode rows, 1k context, sync and async, decode and mixed, one process
+#        per row count;
+#      the summary has one line per target: measured value, target, met yes/no,
+#   7. prints a summary and writes four files to the output dir: summary.json (environment,
+#      native build, the full reports, the target checks), summary.txt, gpu_check.log,
+#      gpu_tests.xml.
 #
 # Usage: scripts/gpu_check.sh                 (from anywhere; exit 0 when every step passed)
 #        scripts/gpu_check.sh --fetch-wheels  (on a machine with a package index: downloads the
@@ -33,10 +43,23 @@
 #   ASYNC_CONCURRENCY   default "32,128" (the async-vs-sync comparison; empty skips it)
 #   ASYNC_NUM_PROMPTS   prompts per async-vs-sync run (default 128)
 #   KV_CACHE_GB         KV pool per run (default 24)
-#   BUDGET_S            overall time budget in seconds (default 480); steps that no longer fit
+#   BUDGET_S            overall time budget in seconds (default 540); steps that no longer fit
 #                       are skipped and reported
+#   TARGETS_RESERVE_S   part of the budget steps 1-5 leave to the target steps (default 150)
+#   SMALL_PRESET, SMALL_MODEL_DIR, SMALL_DTYPE   the target steps' model: default ouro-small,
+#                       /tmp/rltserve-<preset> (MODEL_DIR for PRESET's), float32
+#   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
+#                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32)
+#   ROLLOUT_STEPS       training steps per rollout arm (default 3; 0 skips it); ROLLOUT_PROMPTS,
+#                       ROLLOUT_N, ROLLOUT_MAX_TOKENS default 4, 8, 8
+#   HOST_ROWS           decode rows of the host-path cells, one process each (default "256,512";
+#                       empty skips them); HOST_CONTEXTS "1024", HOST_STEPS 100, HOST_REPEATS 3
+#   KV_PRESSURE_LIMIT_S, ROLLOUT_LIMIT_S, HOST_LIMIT_S   the target steps' limits (default 90,
+#                       120, and 30 per row count)
 #   PRESET, DEVICE, DTYPE   default ouro-1.4b, cuda, bfloat16 (DEVICE=cpu PRESET=ouro-tiny
 #                       smoke-tests this script without a GPU; the benchmarks then run eager only)
+#   SMOKE=1             smoke sizes for a CPU without a GPU: DEVICE=cpu, ouro-tiny for both
+#                       models, every benchmark a few steps (each knob still overridable)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +72,13 @@ if [[ "${1:-}" == --fetch-wheels ]]; then
     --python-version "${WHEEL_PYTHON:-3.12}" --implementation cp "${platforms[@]}" \
     -d "$REPO/.whl" "${IMAGE_MISSING[@]}"
 fi
+if [[ "${SMOKE:-0}" == 1 ]]; then  # CPU smoke sizes; each still overridable
+  : "${DEVICE=cpu}" "${PRESET=ouro-tiny}" "${SMALL_PRESET=ouro-tiny}" "${CONCURRENCY=2}"
+  : "${ASYNC_CONCURRENCY=2}" "${ASYNC_NUM_PROMPTS=8}" "${INPUT_LEN=8}" "${OUTPUT_LEN=4}"
+  : "${KV_CACHE_GB=0.25}" "${KV_PRESSURE_CONCURRENCY=8}" "${KV_PRESSURE_LEN=2}"
+  : "${ROLLOUT_STEPS=1}" "${ROLLOUT_PROMPTS=1}" "${ROLLOUT_N=2}" "${ROLLOUT_MAX_TOKENS=2}"
+  : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}"
+fi
 OUT="${OUT:-$REPO/bench_out/gpu_check}"
 PRESET="${PRESET:-ouro-1.4b}"
 DEVICE="${DEVICE:-cuda}"
@@ -56,12 +86,31 @@ DTYPE="${DTYPE:-bfloat16}"
 MODEL_DIR="${MODEL_DIR:-/tmp/rltserve-$PRESET}"
 EXIT_THRESHOLD="${EXIT_THRESHOLD:-0.55}"
 CONCURRENCY="${CONCURRENCY:-1,32,128}"
-ASYNC_CONCURRENCY="${ASYNC_CONCURRENCY:-32,128}"
+ASYNC_CONCURRENCY="${ASYNC_CONCURRENCY-32,128}"  # empty: skipped
 ASYNC_NUM_PROMPTS="${ASYNC_NUM_PROMPTS:-128}"
 INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-64}"
 KV_CACHE_GB="${KV_CACHE_GB:-24}"
-BUDGET_S="${BUDGET_S:-480}"
+BUDGET_S="${BUDGET_S:-540}"
+TARGETS_RESERVE_S="${TARGETS_RESERVE_S:-150}"
+SMALL_PRESET="${SMALL_PRESET:-ouro-small}"
+SMALL_MODEL_DIR_DEFAULT="/tmp/rltserve-$SMALL_PRESET"
+[[ "$SMALL_PRESET" == "$PRESET" ]] && SMALL_MODEL_DIR_DEFAULT="$MODEL_DIR"
+SMALL_MODEL_DIR="${SMALL_MODEL_DIR:-$SMALL_MODEL_DIR_DEFAULT}"
+SMALL_DTYPE="${SMALL_DTYPE:-float32}"
+KV_PRESSURE_CONCURRENCY="${KV_PRESSURE_CONCURRENCY-32}"
+KV_PRESSURE_LEN="${KV_PRESSURE_LEN:-32}"
+KV_PRESSURE_LIMIT_S="${KV_PRESSURE_LIMIT_S:-90}"
+ROLLOUT_STEPS="${ROLLOUT_STEPS:-3}"
+ROLLOUT_PROMPTS="${ROLLOUT_PROMPTS:-4}"
+ROLLOUT_N="${ROLLOUT_N:-8}"
+ROLLOUT_MAX_TOKENS="${ROLLOUT_MAX_TOKENS:-8}"
+ROLLOUT_LIMIT_S="${ROLLOUT_LIMIT_S:-120}"
+HOST_ROWS="${HOST_ROWS-256,512}"
+HOST_CONTEXTS="${HOST_CONTEXTS:-1024}"
+HOST_STEPS="${HOST_STEPS:-100}"
+HOST_REPEATS="${HOST_REPEATS:-3}"
+HOST_LIMIT_S="${HOST_LIMIT_S:-30}"
 if [[ -z "${WHEELS:-}" && -d "$REPO/.whl" ]]; then WHEELS="$REPO/.whl"; fi
 START=$(date +%s)
 mkdir -p "$OUT"
@@ -72,7 +121,13 @@ declare -a SUMMARY=()
 FAILED=0
 
 say() { echo "[gpu_check $(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
-remaining() { echo $((BUDGET_S - ($(date +%s) - START))); }
+# The budget left to the current step: the steps before 6 leave RESERVE_S to the targets, so
+# slow builds or benchmarks cannot crowd them out; step 6 sets it to 0.
+RESERVE_S=0
+if [[ -n "$KV_PRESSURE_CONCURRENCY" || "$ROLLOUT_STEPS" != 0 || -n "$HOST_ROWS" ]]; then
+  RESERVE_S=$TARGETS_RESERVE_S
+fi
+remaining() { echo $((BUDGET_S - RESERVE_S - ($(date +%s) - START))); }
 
 # step NAME LIMIT_S CMD...: runs CMD under `timeout`, capped by the remaining budget; records
 # ok / FAILED / TIMEOUT / SKIPPED in the summary; never aborts the script.
@@ -163,6 +218,7 @@ if [[ -n "$missing" ]]; then
         "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$m" || true
     done
   else
+    # shellcheck disable=SC2086  # one argument per package
     step "pip install $missing" 90 "$PY" -m pip install -q $missing || true
   fi
 fi
@@ -174,13 +230,16 @@ print(json.dumps({"python": sys.executable, "python_version": platform.python_ve
 EOF
 say "python: $PY ($(tr -d '\n ' <"$WORK/env.json" 2>/dev/null || true))"
 RLT=("$PY" -c "import sys; from rltserve.cli import main; sys.exit(main())")  # the CLI
+# TO_FILE FILE CMD...: CMD with its stdout in FILE (the JSON reports), runnable under timeout.
+# shellcheck disable=SC2016  # expanded by the inner bash
+TO_FILE=(bash -c 'out=$1; shift; "$@" >"$out"' _)
 
 # ---------------------------------------------------------------- 2. native extension
 CUDA_FLAG=on
 [[ "$DEVICE" == cpu ]] && CUDA_FLAG=auto
 step "build native extension (--cuda $CUDA_FLAG)" 300 \
-  bash -c '"$1" "$2/native/build.py" --cuda "$3" >"$4/native_build.json"' _ \
-  "$PY" "$REPO" "$CUDA_FLAG" "$WORK" || true
+  "${TO_FILE[@]}" "$WORK/native_build.json" "$PY" "$REPO/native/build.py" --cuda "$CUDA_FLAG" ||
+  true
 
 # ---------------------------------------------------------------- 3. gpu tests
 # Only the modules that hold gpu tests: the others may need packages (pytest-asyncio) that a
@@ -228,7 +287,7 @@ if [[ -f "$MODEL_DIR/config.json" ]]; then
   # Eager vs graphs at the threshold and at full depth, one process per concurrency (a
   # timeout loses only that one); on a CPU the eager cells only.
   for c in ${CONCURRENCY//,/ }; do
-    step "graphs_compare c=$c" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+    step "graphs_compare c=$c" 150 "${TO_FILE[@]}" \
       "$WORK/graphs_compare_c$c.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
       --cuda-graphs --compare --concurrency-list "$c" || true
   done
@@ -237,59 +296,53 @@ fi
 if [[ -f "$MODEL_DIR/config.json" && -n "$ASYNC_CONCURRENCY" ]]; then
   extra=()
   [[ "$DEVICE" == cuda ]] && extra=(--cuda-graphs)
-  step "async_compare ($ASYNC_CONCURRENCY)" 150 bash -c 'out=$1; shift; "$@" >"$out"' _ \
+  step "async_compare ($ASYNC_CONCURRENCY)" 150 "${TO_FILE[@]}" \
     "$WORK/async_compare.json" "${RLT[@]}" bench offline "${BENCH_ARGS[@]}" \
     --async-scheduling --compare --concurrency-list "$ASYNC_CONCURRENCY" --num-prompts "$ASYNC_NUM_PROMPTS" \
     "${extra[@]}" || true
 fi
 
-# ---------------------------------------------------------------- 6. summary
-"$PY" - "$WORK" "$OUT" >>"$LOG" 2>&1 <<'EOF' || true
-import json, sys
-from pathlib import Path
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
+# ---------------------------------------------------------------- 6. targets
+# KV pressure, rollout and host path: what a CPU cannot settle, on the small model in the dtype
+# of the recorded CPU figures; each step under its own limit.
+RESERVE_S=0
+SMALL_ARGS=(--model "$SMALL_MODEL_DIR" --device "$DEVICE" --dtype "$SMALL_DTYPE")
+if [[ (-n "$KV_PRESSURE_CONCURRENCY" || "$ROLLOUT_STEPS" != 0) &&
+  ! -f "$SMALL_MODEL_DIR/config.json" ]]; then
+  step "make-model $SMALL_PRESET -> $SMALL_MODEL_DIR" 60 \
+    "${RLT[@]}" make-model --preset "$SMALL_PRESET" --out "$SMALL_MODEL_DIR" --force --quiet || true
+fi
+# The CLI twice in one process, the first time (ARGS before --) with its report discarded: the
+# first engine of a process pays the device's one-time start-up (context, libraries, kernels),
+# which would otherwise land on the first case measured (the KV bench's full reservation).
+WARM_THEN_RUN='import contextlib, io, sys
+from rltserve.cli import main
+cut = sys.argv.index("--")
+with contextlib.redirect_stdout(io.StringIO()):
+    main(sys.argv[1:cut])
+sys.exit(main(sys.argv[cut + 1:]))'
+if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; then
+  KV_ARGS=(bench offline "${SMALL_ARGS[@]}" --exit-threshold 0.5 --kv-pressure --json --quiet)
+  step "kv_pressure $SMALL_PRESET c=$KV_PRESSURE_CONCURRENCY" "$KV_PRESSURE_LIMIT_S" \
+    "${TO_FILE[@]}" "$WORK/kv_pressure.json" "$PY" -c "$WARM_THEN_RUN" \
+    "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
+    "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
+    --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
+    --output-len "$KV_PRESSURE_LEN" || true
+fi
+if [[ -f "$SMALL_MODEL_DIR/config.json" && "$ROLLOUT_STEPS" != 0 ]]; then
+  step "rollout $SMALL_PRESET ($ROLLOUT_STEPS steps)" "$ROLLOUT_LIMIT_S" \
+    "${TO_FILE[@]}" "$WORK/rollout.json" \
+    "${RLT[@]}" bench rollout "${SMALL_ARGS[@]}" --num-prompts "$ROLLOUT_PROMPTS" \
+    --n "$ROLLOUT_N" --max-tokens "$ROLLOUT_MAX_TOKENS" --steps "$ROLLOUT_STEPS" --json || true
+fi
+for rows in ${HOST_ROWS//,/ }; do
+  step "host rows=$rows ctx=$HOST_CONTEXTS" "$HOST_LIMIT_S" \
+    "${TO_FILE[@]}" "$WORK/host_rows$rows.json" \
+    "${RLT[@]}" bench host --rows "$rows" --contexts "$HOST_CONTEXTS" --steps "$HOST_STEPS" \
+    --repeats "$HOST_REPEATS" --quiet || true
+done
 
-def load(name, key):
-    f = work / name
-    try:
-        return json.loads(f.read_text()).get(key) if f.is_file() and f.stat().st_size else None
-    except ValueError:
-        return None
-
-graphs_cmp = None
-for f in sorted(work.glob("graphs_compare_c*.json"), key=lambda f: int(f.stem.split("_c")[-1])):
-    part = load(f.name, "graphs_compare")
-    if part:
-        graphs_cmp = {**(graphs_cmp or {}), **part}
-async_cmp = load("async_compare.json", "async_compare")
-native = load("native_build.json", "backend_info")
-env = json.loads((work / "env.json").read_text()) if (work / "env.json").is_file() else {}
-rows = []
-for c, row in (graphs_cmp or {}).items():
-    if not c.isdigit():
-        continue
-    for mode in graphs_cmp["modes"]:
-        for q in graphs_cmp["exit_thresholds"]:
-            run = row.get(f"{mode}_q{q}", {})
-            rows.append({"concurrency": int(c), "mode": mode, "exit_threshold": q,
-                         "tokens_per_s": run.get("output_tokens_per_s"),
-                         "mean_exit_depth": run.get("mean_exit_depth"),
-                         "graph_steps": run.get("graph_steps"), "steps": run.get("steps"),
-                         "vs_full_depth": row.get(f"{mode}_vs_full_depth") if q != 1.0 else None,
-                         "vs_eager": row.get(f"graphs_vs_eager_q{q}") if mode != "eager" else None})
-summary = {"env": env, "native": native, "runs": rows, "graphs_compare": graphs_cmp,
-           "async_compare": async_cmp}
-(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-lines = [f"native backend: {native['backend'] if native else 'not built'}",
-         f"{'conc':>5} {'mode':>6} {'thr':>5} {'tok/s':>9} {'depth':>6} {'vs full':>8} {'vs eager':>8} {'graphed':>9}"]
-for r in rows:
-    graphed = f"{r['graph_steps']}/{r['steps']}" if r["graph_steps"] is not None else "-"
-    lines.append(f"{r['concurrency']:>5} {r['mode']:>6} {r['exit_threshold']:>5} "
-                 f"{r['tokens_per_s'] or '-':>9} {r['mean_exit_depth'] or '-':>6} "
-                 f"{r['vs_full_depth'] or '-':>8} {r['vs_eager'] or '-':>8} {graphed:>9}")
-for c, row in (async_cmp or {}).items():
-    lines.append(f"async c={c}: sync {row['sync']['output_tokens_per_s']} tok/s, async "
-                 f"{row['async']['output_tokens_per_s']} tok/s ({row['async_vs_sync']}x), busy "
-                 f"{row['sync']['executor_busy']} / {row['async']['executor_busy']}")
-(out / "summary.txt").write_text("\n".join(lines) + "\n")
-EOF
+# ---------------------------------------------------------------- 7. summary
+"$PY" "$REPO/scripts/gpu_check_summary.py" "$WORK" "$OUT" "$DEVICE" "$SMALL_PRESET" \
+  "$SMALL_DTYPE" >>"$LOG" 2>&1 || { SUMMARY+=("FAILED   summary (see $LOG)") && FAILED=1; }

@@ -3,6 +3,8 @@ in-place arm updates its weights every step, and the report has the figures it p
 
 from __future__ import annotations
 
+import functools
+
 from rltserve.bench.rollout import run_rollout_bench
 from rltserve.cli import build_parser, main
 from rltserve.engine_args import engine_kwargs
@@ -25,3 +27,27 @@ def test_rollout_report(ouro_rv1):
 def test_rollout_rejects_bad_counts(capsys):
     assert main(["bench", "rollout", "--n", "0"]) == 2
     assert "--n 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_both_arms_build_their_engines_on_the_requested_device_and_dtype(ouro_rv1, monkeypatch):
+    # The restart arm starts a new LLM every step: each one must get --device/--dtype too, or a
+    # GPU run would time a CPU float32 baseline against a GPU in-place arm.
+    from rltserve.llm import LLM
+
+    built: list[dict] = []
+    real_init = LLM.__init__
+
+    @functools.wraps(real_init)  # keeps the signature the bench filters its kwargs by
+    def recording_init(self, *args, **kwargs):
+        built.append(kwargs)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    flags = "--num-prompts 1 --n 2 --max-tokens 2 --input-len 4 --steps 2 --num-blocks 64"
+    argv = ["bench", "rollout", "--model", str(ouro_rv1), "--dtype", "bfloat16", *flags.split()]
+    args = build_parser().parse_args([*argv, "--device", "cpu"])
+    report = run_rollout_bench(args, engine_kwargs(args))
+    assert len(built) == 1 + 2  # one in-place engine, one per restart step
+    assert [(kw.get("device"), kw.get("dtype")) for kw in built] == [("cpu", "bfloat16")] * 3
+    assert [kw["model"] == str(ouro_rv1) for kw in built] == [True, False, False]
+    assert report["in_place"]["tokens_per_step"] == report["restart"]["tokens_per_step"] == 4

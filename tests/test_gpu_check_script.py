@@ -48,17 +48,13 @@ def _count_gpu_tests() -> int:
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cpu_smoke_run_writes_the_summary(tmp_path):
     out = tmp_path / "out"
+    # SMOKE=1: DEVICE=cpu, ouro-tiny for both models (made once, in MODEL_DIR), concurrency 2,
+    # 8 prompts of 8 tokens, 4 out; KV pressure on 8 requests, rollout 1 step of 1 prompt x 2,
+    # host path at 256 rows, 1k context, 4 steps.
     env = {
         **os.environ,
-        "DEVICE": "cpu",
-        "PRESET": "ouro-tiny",
+        "SMOKE": "1",
         "MODEL_DIR": str(tmp_path / "model"),
-        "CONCURRENCY": "2",
-        "ASYNC_CONCURRENCY": "2",
-        "ASYNC_NUM_PROMPTS": "8",
-        "INPUT_LEN": "8",
-        "OUTPUT_LEN": "4",
-        "KV_CACHE_GB": "0.25",
         "PYTHON": sys.executable,
         "OUT": str(out),
         "TMPDIR": str(tmp_path),
@@ -83,4 +79,70 @@ def test_cpu_smoke_run_writes_the_summary(tmp_path):
     match = re.search(r"\n  SKIPPED  pytest -m gpu: 0 passed, all (\d+) skipped", proc.stdout)
     assert match and int(match.group(1)) == _count_gpu_tests(), proc.stdout
     assert "ok       pytest -m gpu" not in proc.stdout and "FAILED" not in proc.stdout
-    assert (out / "summary.txt").read_text().startswith("native backend:")
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("native backend:")
+    _assert_targets(summary, text)
+
+
+def _assert_targets(summary: dict, text: str) -> None:
+    """The target steps ran and their checks hold numbers, each with its line in the text."""
+    assert summary["targets_setup"] == {"device": "cpu", "preset": "ouro-tiny", "dtype": "float32"}
+    checks = {c["target"]: c for c in summary["targets"]}
+    kv = summary["kv_pressure"]
+    # Pool for 8 // 8 = 1 worst-case request, 8 requests: full reservation runs one at a time.
+    assert (kv["pool_requests"], kv["num_requests"], kv["full"]["peak_running"]) == (1, 8, 1)
+    for mode in ("recompute", "swap"):
+        running = checks[f"kv {mode} vs full: peak running requests"]
+        assert running["measured"] == kv[f"ondemand_{mode}"]["peak_running"] > 1
+        assert running["limit"] == 4.0 and running["met"] == (running["measured"] >= 4.0)
+        tokens = checks[f"kv {mode} vs full: tokens/s"]
+        assert tokens["measured"] > 0 and tokens["limit"] == 2.0
+        lost = checks[f"kv {mode} vs unpressured: tokens/s lost"]
+        assert lost["measured"] < 1 and lost["limit"] == 0.3
+    rollout = checks["rollout restart vs in place: step time"]
+    assert rollout["measured"] == summary["rollout"]["step_speedup"] > 0
+    assert rollout["limit"] == 3.0 and rollout["met"] == (rollout["measured"] >= 3.0)
+    assert summary["rollout"]["in_place"]["tokens_per_step"] == 1 * 2 * 2
+    cells = summary["host"]["cells"]
+    kinds, modes = ("decode", "mixed"), ("sync", "async")
+    assert set(cells) == {f"{k}/{m}/rows256/ctx1024" for k in kinds for m in modes}
+    wall = checks["host decode/sync/rows256/ctx1024: wall per step"]
+    assert wall["measured"] == cells["decode/sync/rows256/ctx1024"]["host_wall_ms"]
+    assert (wall["limit"], wall["op"]) == (1.0, "<=")
+    assert checks["host decode/sync/rows256/ctx1024: steps/s"]["measured"] > 0
+    assert checks["host mixed/sync/rows256/ctx1024: wall per step"]["measured"] > 0
+    # 512 rows did not run: its target is listed as such, not dropped.
+    missing = checks.pop("host decode/sync/rows512/ctx1024: wall per step")
+    assert missing["measured"] is None and missing["met"] is None
+    assert re.search(r"  host decode/sync/rows512/ctx1024: wall per step +not measured ", text)
+    for c in checks.values():
+        assert isinstance(c["measured"], float | int) and isinstance(c["met"], bool), c
+        met = "yes" if c["met"] else "no"
+        assert re.search(rf"  {re.escape(c['target'])} .* met {met}", text), (c, text)
+
+
+def test_summary_of_a_run_whose_steps_left_no_reports(tmp_path):
+    # Every step failed, timed out or was skipped (no JSON, or an empty file): the summary is
+    # still written, with every target listed as not measured rather than dropped.
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    (work / "kv_pressure.json").write_text("")  # a step killed before it printed
+    args = [str(work), str(out), "cuda", "ouro-small", "float32"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu_check_summary.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kv_pressure"] is None and summary["rollout"] is None
+    assert summary["host"] is None
+    targets = summary["targets"]
+    assert len(targets) == 6 + 1 + 4  # kv: 3 per preemption mode; rollout; host path
+    assert all(t["measured"] is None and t["met"] is None for t in targets)
+    text = (out / "summary.txt").read_text()
+    assert text.startswith("native backend: not built\n")
+    assert text.count("not measured") == len(targets)
+    assert "rollout restart vs in place: step time" in text
