@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -188,11 +189,13 @@ class AttentionMetadata:
     max_q: int
     max_ctx: int
     block_size: int
+    num_cols: int
+    starts: torch.Tensor  # [B] int64: position of each item's first row
+    lens: torch.Tensor  # [B] int64: rows of each item
     positions: torch.Tensor  # [N] int64: position of each row
     slot_mapping: torch.Tensor  # [N] int64: where each row's K/V is written
     pad_index: torch.Tensor  # [N] int64: row -> item * max_q + q index (into [B * max_q])
     gather_blocks: torch.Tensor  # [B * num_cols] int64: blocks holding each item's context
-    mask: torch.Tensor  # [B, 1, max_q, num_cols * block_size] bool: True = attend
 
     @classmethod
     def build(
@@ -220,40 +223,41 @@ class AttentionMetadata:
         cls, host: HostMetadata, flat: torch.Tensor, block_size: int
     ) -> AttentionMetadata:
         """The metadata from ``host.parts()`` as they arrived on the device (``flat`` starts with
-        them); the mask is computed there."""
+        them)."""
         b, n, cols = host.num_items, host.num_rows, host.num_cols
-        start_t, len_t = flat[:b], flat[b : 2 * b]  # [B]
-        positions = flat[2 * b : 2 * b + n]
-        slot_mapping = flat[2 * b + n : 2 * b + 2 * n]
-        pad_index = flat[2 * b + 2 * n : 2 * b + 3 * n]
-        gather_blocks = flat[2 * b + 3 * n : 2 * b + 3 * n + b * cols]
-        dev = flat.device
-        # Context is gathered whole blocks at a time (one contiguous copy per block, not per
-        # slot); the mask drops positions past each item's context.
-        key_pos = torch.arange(cols * block_size, device=dev)  # [cols * bs]
-        if host.max_q == 1:
-            mask = key_pos[None, :] <= start_t[:, None]  # [B, cols * bs]
-            mask = mask[:, None, None, :]
-        else:
-            # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal
-            # for real rows, and all of the item's context for padded rows (i >= len_b).
-            q_idx = torch.arange(host.max_q, device=dev)  # [max_q]
-            last_key = torch.minimum(
-                start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
-            )  # [B, max_q]
-            mask = (key_pos[None, None, :] <= last_key[:, :, None])[:, None]
         return cls(
             num_rows=n,
             num_items=b,
             max_q=host.max_q,
             max_ctx=host.max_ctx,
             block_size=block_size,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            pad_index=pad_index,
-            gather_blocks=gather_blocks,
-            mask=mask,
+            num_cols=cols,
+            starts=flat[:b],
+            lens=flat[b : 2 * b],
+            positions=flat[2 * b : 2 * b + n],
+            slot_mapping=flat[2 * b + n : 2 * b + 2 * n],
+            pad_index=flat[2 * b + 2 * n : 2 * b + 3 * n],
+            gather_blocks=flat[2 * b + 3 * n : 2 * b + 3 * n + b * cols],
         )
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, max_q, num_cols * block_size] bool: True = attend. Device work, computed
+        where the first layer attends (building a step's metadata queues none of it)."""
+        dev = self.starts.device
+        # Context is gathered whole blocks at a time (one contiguous copy per block, not per
+        # slot); the mask drops positions past each item's context.
+        key_pos = torch.arange(self.num_cols * self.block_size, device=dev)  # [cols * bs]
+        if self.max_q == 1:
+            mask = key_pos[None, :] <= self.starts[:, None]  # [B, cols * bs]
+            return mask[:, None, None, :]
+        # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal
+        # for real rows, and all of the item's context for padded rows (i >= len_b).
+        q_idx = torch.arange(self.max_q, device=dev)  # [max_q]
+        last_key = torch.minimum(
+            self.starts[:, None] + q_idx[None, :], (self.starts + self.lens - 1)[:, None]
+        )  # [B, max_q]
+        return (key_pos[None, None, :] <= last_key[:, :, None])[:, None]
 
 
 class PagedAttention:
@@ -302,7 +306,7 @@ class PagedAttention:
         num_kv_heads = self.kv.shape[3]
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # [num_slots, Hkv, hd]
         b, max_q, bs = md.num_items, md.max_q, md.block_size
-        max_ctx = md.mask.shape[-1]  # whole blocks
+        max_ctx = md.num_cols * bs  # whole blocks
         blocks = (-1, bs, num_kv_heads, head_dim)
         keys = k_cache.view(blocks).index_select(0, md.gather_blocks)  # [B * cols, bs, Hkv, hd]
         values = v_cache.view(blocks).index_select(0, md.gather_blocks)

@@ -34,8 +34,8 @@ class ItemState:
     src: torch.Tensor | None = None
     e_src: torch.Tensor | None = None
     row: int = 0
-    # The output position's gate state (survival S, CDF) in fp32: row ``gate_row`` of
-    # ``gate_src`` [M, 2], the last loop's gate of every output row of that step; None before
+    # The output position's gate state (survival S, CDF) in fp32: column ``gate_row`` of
+    # ``gate_src`` [2, M], the last loop's gate of every output row of that step; None before
     # the position's first loop.
     gate_src: torch.Tensor | None = None
     gate_row: int = 0
