@@ -74,6 +74,9 @@ def test_an_unchanged_table_is_not_rewritten():
     bt._write = lambda row, table: writes.append(list(table)) or real(row, table)
     assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [4, 4, 4]]
     assert writes == []
-    tables[1] = [4, 5]  # the KV manager's way: a new list
+    tables[1] = [4, 5]  # the KV manager's way: a new list; grown, so only its tail is written
     assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [4, 5, 4]]
-    assert writes == [[4, 5]]
+    assert writes == []
+    tables[1] = [9, 5]  # a block replaced: the whole row
+    assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [9, 5, 9]]
+    assert writes == [[9, 5]]

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -89,11 +90,10 @@ class HostMetadata:
         if not items:
             raise ValueError("attention metadata needs at least one item")
         if starts_lens is None:
-            starts = np.array([it[0] for it in items], dtype=np.int64)
-            lens = np.array([it[1] for it in items], dtype=np.int64)
+            starts, lens = _starts_lens(items)
         else:
             starts, lens = starts_lens
-        sizes_l = [len(it[2]) for it in items]
+        sizes_l = list(map(len, map(_TABLE, items)))
         ends = starts + lens
         if lens.min() < 1 or starts.min() < 0:
             k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
@@ -126,8 +126,7 @@ class HostMetadata:
         else:
             tables = tables[:, :num_cols]
         if max_q == 1:  # decode rows: one row per item
-            row_item = np.arange(num_items)
-            row_q = np.zeros(num_items, dtype=np.int64)
+            row_item = pad_index = np.arange(num_items)
             positions = starts
             num_rows = num_items
         else:
@@ -136,6 +135,7 @@ class HostMetadata:
             first_row = np.cumsum(lens) - lens  # [B]
             row_q = np.arange(num_rows) - first_row[row_item]  # [N]
             positions = starts[row_item] + row_q  # [N]
+            pad_index = row_item * max_q + row_q
         slot_mapping = tables[row_item, positions // block_size] * block_size + (
             positions % block_size
         )
@@ -149,7 +149,7 @@ class HostMetadata:
             lens=lens,
             positions=positions,
             slot_mapping=slot_mapping,
-            pad_index=row_item * max_q + row_q,
+            pad_index=pad_index,
             tables=tables,
         )
 
@@ -225,6 +225,10 @@ class AttentionMetadata:
         """The metadata from ``host.parts()`` as they arrived on the device (``flat`` starts with
         them)."""
         b, n, cols = host.num_items, host.num_rows, host.num_cols
+        sizes = [b, b, n, n, n, b * cols]
+        if flat.shape[0] > host.size:
+            sizes.append(flat.shape[0] - host.size)
+        starts, lens, positions, slot_mapping, pad_index, gather_blocks = flat.split(sizes)[:6]
         return cls(
             num_rows=n,
             num_items=b,
@@ -232,12 +236,12 @@ class AttentionMetadata:
             max_ctx=host.max_ctx,
             block_size=block_size,
             num_cols=cols,
-            starts=flat[:b],
-            lens=flat[b : 2 * b],
-            positions=flat[2 * b : 2 * b + n],
-            slot_mapping=flat[2 * b + n : 2 * b + 2 * n],
-            pad_index=flat[2 * b + 2 * n : 2 * b + 3 * n],
-            gather_blocks=flat[2 * b + 3 * n : 2 * b + 3 * n + b * cols],
+            starts=starts,
+            lens=lens,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            pad_index=pad_index,
+            gather_blocks=gather_blocks,
         )
 
     @cached_property
@@ -421,6 +425,15 @@ def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.nd
     return groups + [multi] if len(multi) else groups
 
 
+_TABLE = itemgetter(2)
+
+
+def _starts_lens(items: Sequence[ItemSpec]) -> tuple[np.ndarray, np.ndarray]:
+    """The items' starts and lengths as int64 arrays."""
+    columns = list(zip(*items))
+    return np.array(columns[0], dtype=np.int64), np.array(columns[1], dtype=np.int64)
+
+
 def paged_attention(
     kv: torch.Tensor,
     items: Sequence[ItemSpec],
@@ -433,9 +446,10 @@ def paged_attention(
     ``HostMetadata.build`` (rows aligned with ``items``). Everything the groups need reaches
     the device in one transfer; ``positions`` of the result are the rows' positions."""
     dev = torch.device(device)
-    starts = np.array([it[0] for it in items], dtype=np.int64)
-    lens = np.array([it[1] for it in items], dtype=np.int64)
-    groups = _groups(starts, lens, block_size) if len(items) else [np.arange(0)]
+    if not items:
+        raise ValueError("attention metadata needs at least one item")
+    starts, lens = _starts_lens(items)
+    groups = _groups(starts, lens, block_size)
     if len(groups) == 1:
         md = AttentionMetadata.build(
             items, block_size, dev, tables=tables, starts_lens=(starts, lens)

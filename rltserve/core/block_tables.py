@@ -70,7 +70,13 @@ class BlockTables:
         # The length is read before the blocks: a table appended to meanwhile (by another
         # thread) mismatches it at the next step and is rewritten then.
         n = len(table)
-        self._write(entry[0], table[:n])
+        old, m = entry[1], entry[2]
+        if 0 < m < n <= self.array.shape[1] and table[:m] == old[:m]:
+            # Grown (the usual change): only the new blocks are written; the padding after
+            # them is the first block, the same in both.
+            self.array[entry[0], m:n] = table[m:n]
+        else:
+            self._write(entry[0], table[:n])
         entry[1], entry[2] = table, n
         return entry
 

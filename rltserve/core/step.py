@@ -9,6 +9,7 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import accumulate, repeat
 from math import inf
 from operator import attrgetter, is_
@@ -37,6 +38,9 @@ _GATE_SRC = attrgetter("gate_src")
 _GATE_ROW = attrgetter("gate_row")
 _EXITED = attrgetter("exited")
 _PENDING = attrgetter("pending")
+_DRAFTS = attrgetter("drafts")
+_LAST_TOKENS = attrgetter("last_tokens")
+_LAST_ROW = attrgetter("last_row")
 
 
 class Step:
@@ -60,7 +64,7 @@ class Step:
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
         n = len(items)
-        starts = list(map(_START, items))
+        starts = self.starts = list(map(_START, items))
         counts = list(map(_COUNT, items))
         self.depths = list(map(_DEPTH, items))
         self.num_rows = sum(counts)
@@ -159,18 +163,24 @@ class Step:
         """The prelude of the items entering loop 1; each gets a fresh state: rows of the
         prelude's output."""
         r, items, lives = self.r, self.items, self.lives
+        every = len(entering) == len(items)
         prompts = [i for i in entering if items[i].token_ids is not None]
-        decodes = [i for i in entering if items[i].token_ids is None]
-        entering = prompts + decodes if prompts else decodes
+        if prompts:
+            decodes = [i for i in entering if items[i].token_ids is None]
+            entering = prompts + decodes
+            every = False
+        else:
+            decodes = entering
         parts = []
         if prompts:
             parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
         if decodes:  # rows of the tensors that sampled (or drafted) them
-            parts.append(_gather_tokens([lives[i].input_token(items[i].start) for i in decodes]))
+            parts.append(self._decode_inputs(decodes))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
-        sub = [items[i] for i in entering]
-        if all(it.num_tokens == 1 for it in sub):
-            pos = r.tensor([it.start for it in sub])
+        sub = items if every else [items[i] for i in entering]
+        starts = self.starts if every else list(map(_START, sub))
+        if every and self.one_row:
+            pos = r.tensor(starts)
         else:
             pos = r.tensor([p for it in sub for p in range(it.start, it.end)])
         boundary = None
@@ -186,10 +196,28 @@ class Step:
             noise = move_to(noise, r.device)
         s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
         e_kept = e_new if r.keeps_e else None
-        row = 0
-        for i, it in zip(entering, sub):
-            lives[i].items[it.start] = ItemState(it.start, s_new, e_kept, row)
-            row += it.num_tokens
+        counts = list(map(_COUNT, sub))
+        fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), _offsets(counts))
+        for i, start, h in zip(entering, starts, fresh):
+            lives[i].items[start] = h
+
+    def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:
+        """[len(decodes)] int64 on the device: the decode tokens' inputs, each a row of the
+        tensor that sampled (or drafted) it; that tensor itself when they are all its rows in
+        order (decode rows that all sampled in one step)."""
+        items, lives = self.items, self.lives
+        entering = lives if len(decodes) == len(lives) else [lives[i] for i in decodes]
+        if not any(map(_DRAFTS, entering)):
+            sources = list(map(_LAST_TOKENS, entering))
+            first = sources[0]
+            if (
+                first is not None
+                and first.shape[0] == len(entering)
+                and all(map(is_, sources, repeat(first)))
+                and list(map(_LAST_ROW, entering)) == list(range(len(entering)))
+            ):
+                return first
+        return _gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
 
     def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
         seed = live.setup.seed if live.setup.params.init_state == "random" else None
@@ -224,19 +252,13 @@ class Step:
         new_gate = None
         m = len(out_held)
         if logit is not None:
-            # Ineligible rows get the threshold inf, which no CDF reaches: only the CDF
-            # comparison needs the device, the rest of the rule is host-known.
-            thr = [
-                t if t < 1.0 and d >= lo else inf
-                for t, d, lo in zip(thresholds, out_depths, min_loops)
-            ]
             gate = self._gate_state(out_held)  # [2, M]
             surv, cdf = gate.unbind(0)  # [M]
             lam = torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
             cdf = cdf + lam * surv
             surv = surv * (1.0 - lam)
             new_gate = torch.stack((surv, cdf))  # [2, M]
-            crossed = cdf >= r.tensor(thr, torch.float32)  # [M]
+            crossed = cdf >= _thresholds(r, thresholds, out_depths, min_loops)  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
             if "gate" in modes:
@@ -467,6 +489,23 @@ class Step:
                     r.drafts_rejected += 1
         for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
             lives[i].rollback(items[i].end)
+
+
+def _thresholds(
+    r: StepHost, thresholds: Sequence[float], depths: Sequence[int], min_loops: Sequence[int]
+) -> float | torch.Tensor:
+    """What each output row's CDF must reach to exit: its threshold, or inf (which no CDF
+    reaches) where the rule does not apply (threshold 1, or before ``min_loops``): only the
+    CDF comparison needs the device, the rest of the rule is host-known. One float (compared
+    in fp32, as a tensor of it would be) when it is every row's, a [M] fp32 tensor else."""
+    t, d, lo = thresholds[0], depths[0], min_loops[0]
+    m = len(thresholds)
+    if thresholds.count(t) == m and depths.count(d) == m and min_loops.count(lo) == m:
+        return t if t < 1.0 and d >= lo else inf
+    thr = [t if t < 1.0 and d >= lo else inf for t, d, lo in zip(thresholds, depths, min_loops)]
+    if thr.count(thr[0]) == m:
+        return thr[0]
+    return r.tensor(thr, torch.float32)
 
 
 def _gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
