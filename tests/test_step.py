@@ -89,3 +89,37 @@ def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
         assert run.tokens[f"r{i}"] == want.tokens
         assert run.depths[f"r{i}"] == want.exit_depths
     assert gathered
+
+
+def test_pending_rows_settle_into_their_item_states():
+    from rltserve.core.live import ItemState, PendingRows
+
+    held = [ItemState(start=s) for s in (4, 9, 2)]
+    state, gate = torch.zeros(5, 3), torch.zeros(2, 3)
+    PendingRows(held, [0, 1, 3], state, None, gate).settle()
+    assert [(h.src is state, h.e_src, h.row) for h in held] == [(True, None, r) for r in (0, 1, 3)]
+    assert [(h.gate_src is gate, h.gate_row) for h in held] == [(True, k) for k in range(3)]
+    kept = torch.ones(2, 1)
+    held[0].gate_src = kept
+    PendingRows(held[:1], range(2), state, None, None).settle()  # None: gates are current
+    assert held[0].gate_src is kept
+
+
+def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
+    core = make_core(ckpts["ouro"], kv_policy="full")
+    p = SamplingParams(max_tokens=4, ignore_eos=True, max_loops=3)
+    for i in range(3):
+        core.add_request(f"r{i}", [1 + i, 2, 3], p)
+    seen = 0
+    while core.has_work():
+        plan = core.plan()
+        if plan is None:
+            break
+        core.apply(plan, core.runner.execute(plan))
+        pending = core.runner.pending_rows
+        if pending is not None:  # a step where no item ended: its items' fields lag
+            seen += 1
+            live = core.runner.live
+            assert [live[it.request_id].items[it.start] for it in plan.items] == pending.held
+            assert pending.state.shape[0] == plan.num_tokens
+    assert seen >= 4

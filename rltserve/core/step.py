@@ -17,7 +17,7 @@ from operator import attrgetter, is_
 import torch
 
 from rltserve.core.attention import copy_slots
-from rltserve.core.live import Draft, ItemState, LiveRequest
+from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import ItemResult, WorkItem
 from rltserve.core.staging import StepOutputs, move_to, to_device
 from rltserve.core.step_host import StepHost
@@ -60,6 +60,8 @@ class Step:
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
+        self.pending: PendingRows | None = None  # the runner's, when this step's states are it
+        self.gate_rows: torch.Tensor | None = None  # [2, n]: every item's new gate, unwritten
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
@@ -107,11 +109,22 @@ class Step:
         self.sampled = self._coda_and_sample(positions, state, ending, exits)
         self.drafts = self._draft(positions, state) if any(map(_DRAFT, items)) else []
         # The items' states are rows of this step's output: the next step gathers them in one
-        # call. An ending item's state goes (the one set here is never read again).
-        for h, row in zip(held, self.offsets):
-            h.src, h.e_src, h.row = state, e, row
-        for i in ending:
-            del lives[i].items[starts[i]]
+        # call. Left pending when no item ends (the next step is likely the same items);
+        # written now otherwise. An ending item's state goes.
+        if not ending:
+            r.pending_rows = PendingRows(held, self.offsets, state, e, self.gate_rows)
+        else:
+            r.pending_rows = None  # this step's items were it: all are written or go
+            gate = self.gate_rows
+            offsets = self.offsets
+            gone = set(ending)
+            for k, h in enumerate(held):
+                if k not in gone:
+                    h.src, h.e_src, h.row = state, e, offsets[k]
+                    if gate is not None:
+                        h.gate_src, h.gate_row = gate, k
+            for i in ending:
+                del lives[i].items[starts[i]]
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
@@ -127,6 +140,13 @@ class Step:
         if 1 in self.depths:
             self._enter([i for i, d in enumerate(self.depths) if d == 1])
         held = self.held = [live.items.get(s) for live, s in zip(lives, starts)]
+        pending = r.pending_rows
+        if pending is not None:
+            if held == pending.held:  # the previous step's items, in order: its output
+                self.pending = pending
+                return pending.state, pending.e
+            pending.settle()
+            r.pending_rows = None
         # Usually every item's state is rows of one source (an earlier step's output, or the
         # prelude's) and this step's rows are exactly that source's, in order.
         first = held[0]
@@ -263,8 +283,11 @@ class Step:
             self.outputs.add("crossed", crossed)
             if "gate" in modes:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
-            for k, h in enumerate(out_held):
-                h.gate_src, h.gate_row = new_gate, k
+            if every:  # written with the states, or left pending (end of run())
+                self.gate_rows = new_gate
+            else:
+                for k, h in enumerate(out_held):
+                    h.gate_src, h.gate_row = new_gate, k
         if all(mode == "delayed" for mode in set(modes)):
             exited = [
                 d >= hi or p for d, hi, p in zip(out_depths, max_loops, map(_PENDING, out_held))
@@ -292,6 +315,12 @@ class Step:
         steps' gates, or the initial state for positions at their first loop."""
         r = self.r
         m = len(out_held)
+        pending = self.pending
+        if pending is not None and pending.gate is not None and m == len(pending.held):
+            return pending.gate  # every item is an output row, as in the step that left it
+        if r.pending_rows is not None:  # this step's states are it, but not its gates
+            r.pending_rows.settle()
+            r.pending_rows = None
         srcs = list(map(_GATE_SRC, out_held))
         first = srcs[0]
         if all(map(is_, srcs, repeat(first))):
