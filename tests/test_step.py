@@ -95,14 +95,16 @@ def test_pending_rows_settle_into_their_item_states():
     from rltserve.core.live import ItemState, PendingRows
 
     held = [ItemState(start=s) for s in (4, 9, 2)]
-    state, gate = torch.zeros(5, 3), torch.zeros(2, 3)
-    PendingRows(held, [0, 1, 3], state, None, gate).settle()
-    assert [(h.src is state, h.e_src, h.row) for h in held] == [(True, None, r) for r in (0, 1, 3)]
-    assert [(h.gate_src is gate, h.gate_row) for h in held] == [(True, k) for k in range(3)]
+    state, gate = torch.zeros(5, 3), torch.zeros(2, 2)
     kept = torch.ones(2, 1)
-    held[0].gate_src = kept
-    PendingRows(held[:1], range(2), state, None, None).settle()  # None: gates are current
-    assert held[0].gate_src is kept
+    held[1].gate_src = kept  # not an output row of the step: its gate stays
+    PendingRows(held, [0, 1, 3], state, None, [0, 2], gate).settle()
+    assert [(h.src is state, h.e_src, h.row) for h in held] == [(True, None, r) for r in (0, 1, 3)]
+    assert (held[0].gate_src is gate, held[0].gate_row) == (True, 0)
+    assert (held[2].gate_src is gate, held[2].gate_row) == (True, 1)
+    assert held[1].gate_src is kept
+    PendingRows(held, range(3), state, None).settle()  # no gate computed: gates are current
+    assert held[1].gate_src is kept and held[0].gate_src is gate
 
 
 def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):

@@ -460,6 +460,7 @@ def paged_attention(
             [items[k] for k in ks.tolist()],
             block_size,
             tables=None if tables is None else tables[ks],
+            starts_lens=(starts[ks], lens[ks]),
         )
         for ks in groups
     ]

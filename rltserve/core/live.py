@@ -48,8 +48,8 @@ class ItemState:
 @dataclass(slots=True)
 class PendingRows:
     """The states a step left to its items without writing each ItemState: item ``k``'s
-    state is rows ``offsets[k]..`` of ``state`` (and ``e``), its gate column ``k`` of ``gate``
-    (None: the items' gate fields are current).
+    state is rows ``offsets[k]..`` of ``state`` (and ``e``); output item ``out[k]``'s gate is
+    column ``k`` of ``gate`` (None: no gate was computed, the gate fields are current).
 
     A decode step's next step usually runs the same items in the same order (``held``,
     compared by identity): it takes these tensors as they are and neither that step nor
@@ -62,16 +62,18 @@ class PendingRows:
     offsets: Sequence[int]
     state: torch.Tensor
     e: torch.Tensor | None
-    gate: torch.Tensor | None
+    out: Sequence[int] = ()
+    gate: torch.Tensor | None = None
 
     def settle(self) -> None:
         """Writes the states (and gates) into the items' fields."""
-        state, e = self.state, self.e
-        for h, row in zip(self.held, self.offsets):
+        state, e, held = self.state, self.e, self.held
+        for h, row in zip(held, self.offsets):
             h.src, h.e_src, h.row = state, e, row
         if self.gate is not None:
             gate = self.gate
-            for k, h in enumerate(self.held):
+            for k, i in enumerate(self.out):
+                h = held[i]
                 h.gate_src, h.gate_row = gate, k
 
 

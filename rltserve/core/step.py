@@ -61,7 +61,7 @@ class Step:
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
-        self.gate_rows: torch.Tensor | None = None  # [2, n]: every item's new gate, unwritten
+        self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
@@ -111,18 +111,13 @@ class Step:
         # The items' states are rows of this step's output: the next step gathers them in one
         # call. Left pending when no item ends (the next step is likely the same items);
         # written now otherwise. An ending item's state goes.
+        pending = PendingRows(held, self.offsets, state, e, self.out, self.gate_rows)
         if not ending:
-            r.pending_rows = PendingRows(held, self.offsets, state, e, self.gate_rows)
-        else:
-            r.pending_rows = None  # this step's items were it: all are written or go
-            gate = self.gate_rows
-            offsets = self.offsets
-            gone = set(ending)
-            for k, h in enumerate(held):
-                if k not in gone:
-                    h.src, h.e_src, h.row = state, e, offsets[k]
-                    if gate is not None:
-                        h.gate_src, h.gate_row = gate, k
+            r.pending_rows = pending
+        else:  # this step's items were the pending ones: all are written now, or go
+            r.pending_rows = None
+            if len(ending) < len(held):
+                pending.settle()
             for i in ending:
                 del lives[i].items[starts[i]]
         self.outputs.stage()
@@ -283,11 +278,7 @@ class Step:
             self.outputs.add("crossed", crossed)
             if "gate" in modes:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
-            if every:  # written with the states, or left pending (end of run())
-                self.gate_rows = new_gate
-            else:
-                for k, h in enumerate(out_held):
-                    h.gate_src, h.gate_row = new_gate, k
+            self.gate_rows = new_gate  # written with the states, or left pending (run())
         if all(mode == "delayed" for mode in set(modes)):
             exited = [
                 d >= hi or p for d, hi, p in zip(out_depths, max_loops, map(_PENDING, out_held))
@@ -316,8 +307,8 @@ class Step:
         r = self.r
         m = len(out_held)
         pending = self.pending
-        if pending is not None and pending.gate is not None and m == len(pending.held):
-            return pending.gate  # every item is an output row, as in the step that left it
+        if pending is not None and pending.gate is not None and self.out == pending.out:
+            return pending.gate  # the same output rows as in the step that left it
         if r.pending_rows is not None:  # this step's states are it, but not its gates
             r.pending_rows.settle()
             r.pending_rows = None
