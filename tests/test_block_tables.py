@@ -80,3 +80,22 @@ def test_an_unchanged_table_is_not_rewritten():
     tables[1] = [9, 5]  # a block replaced: the whole row
     assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [9, 5, 9]]
     assert writes == [[9, 5]]
+
+
+def test_keys_sharing_one_list_and_released_lists_stay_right():
+    """Depths sharing a plane hand the same list under two keys; rows are found by the list
+    itself, so growth of the shared table, release and reuse of freed lists' ids all keep the
+    rows right."""
+    bt = BlockTables(rows=2, cols=2)
+    shared = [3, 4]
+    keys = [("a", 1), ("a", 2), ("b", 1)]
+    assert bt.gather(keys, [shared, shared, [7]]).tolist() == [[3, 4], [3, 4], [7, 7]]
+    grown = shared + [5]
+    assert bt.gather(keys, [grown, grown, [7]]).tolist() == [[3, 4, 5], [3, 4, 5], [7, 7, 7]]
+    bt.release("a")
+    assert bt.gather([("b", 1)], [[7]]).tolist() == [[7]]
+    for i in range(20):  # new lists, possibly at freed lists' addresses
+        table = [i, i + 1]
+        assert bt.gather([(f"c{i}", 1), ("b", 1)], [table, [7]]).tolist() == [table, [7, 7]]
+        bt.release(f"c{i}")
+    assert bt.num_rows_used == 1

@@ -21,8 +21,12 @@ Torch-free.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from operator import itemgetter
 
 import numpy as np
+
+_ROW = itemgetter(0)
+_LENGTH = itemgetter(2)
 
 
 class BlockTables:
@@ -30,6 +34,9 @@ class BlockTables:
         self.array = np.zeros((rows, cols), dtype=np.int64)  # [rows, cols] block ids
         # (request id, which table) -> [row, the table the row was written from, its length]
         self._entries: dict[tuple[str, Hashable], list] = {}
+        # id(table) -> an entry holding that very list (which keeps it alive: the id is never
+        # another list's), so a step finds its rows without building keys.
+        self._by_table: dict[int, list] = {}
         self._keys_of: dict[str, list[tuple[str, Hashable]]] = {}  # request id -> its keys
         self._free = list(range(rows - 1, -1, -1))
 
@@ -42,20 +49,29 @@ class BlockTables:
     ) -> np.ndarray:
         """[len(tables), max table length] int64: the tables, padded as the rows are. ``keys``
         name the tables: (request id, anything telling a request's tables apart)."""
-        get = self._entries.get
-        rows = []
-        for key, table in zip(keys, tables):
-            entry = get(key)
-            if entry is None or entry[1] is not table or entry[2] != len(table):
-                entry = self._sync(key, table, entry)
-            rows.append(entry[0])
-        width = max(map(len, tables))
-        return self.array[rows, :width]
+        lengths = list(map(len, tables))
+        found = list(map(self._by_table.get, map(id, tables)))
+        if all(found) and list(map(_LENGTH, found)) == lengths:  # every table as written
+            rows = list(map(_ROW, found))
+        else:  # a few changed (a table grows every block_size tokens): only they are looked up
+            rows = [-1 if e is None or e[2] != n else e[0] for e, n in zip(found, lengths)]
+            get = self._entries.get
+            for k in [k for k, row in enumerate(rows) if row < 0]:
+                key, table = keys[k], tables[k]
+                entry = get(key)
+                if entry is None or entry[1] is not table or entry[2] != lengths[k]:
+                    entry = self._sync(key, table, entry)
+                else:
+                    self._by_table[id(table)] = entry
+                rows[k] = entry[0]
+        return self.array[rows, : max(lengths)]
 
     def release(self, request_id: str) -> None:
         """Frees the rows of a request the runner no longer runs."""
         for key in self._keys_of.pop(request_id, ()):
-            self._free.append(self._entries.pop(key)[0])
+            entry = self._entries.pop(key)
+            self._unmap(entry)
+            self._free.append(entry[0])
 
     def clear(self) -> None:
         """Frees every row (the runner forgot every request)."""
@@ -77,8 +93,16 @@ class BlockTables:
             self.array[entry[0], m:n] = table[m:n]
         else:
             self._write(entry[0], table[:n])
+        self._unmap(entry)
         entry[1], entry[2] = table, n
+        self._by_table[id(table)] = entry
         return entry
+
+    def _unmap(self, entry: list) -> None:
+        """Drops the id of the entry's table from the lookup, if it leads to this entry (two
+        keys may share one list: planes shared by several depths)."""
+        if self._by_table.get(id(entry[1])) is entry:
+            del self._by_table[id(entry[1])]
 
     def _new_row(self) -> int:
         if not self._free:

@@ -106,6 +106,9 @@ class Step:
         if exits:
             stopping = [i for i in exits if items[i].stop_at_exit]
             ending = sorted(set(ending).union(stopping)) if ending else stopping
+            staying = set(exits).difference(ending)
+            for i in staying:  # an ending item's state goes with it
+                held[i].exited = True
         self.sampled = self._coda_and_sample(positions, state, ending, exits)
         self.drafts = self._draft(positions, state) if any(map(_DRAFT, items)) else []
         # The items' states are rows of this step's output: the next step gathers them in one
@@ -296,9 +299,6 @@ class Step:
                 else:
                     now = bool(crossed_now and crossed_now[k])
                 exited.append(now)
-        if any(exited):
-            for h, now in zip(out_held, exited):
-                h.exited = now
         return exited
 
     def _gate_state(self, out_held: list[ItemState]) -> torch.Tensor:
@@ -465,8 +465,10 @@ class Step:
                 ]
         else:
             survival, cdf, nexts = repeat(1.0, m), repeat(0.0, m), [False] * m
-        for h, nxt in zip(held if every else [held[i] for i in out], nexts):
-            h.pending = nxt
+        if any(nexts):  # only ever set: a pending row exits at its next loop, never again
+            for h, nxt in zip(held if every else [held[i] for i in out], nexts):
+                if nxt:
+                    h.pending = True
         # No token this loop: positional (one is built per row per step).
         outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
         if self.sampled:
