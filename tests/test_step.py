@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_util import make_core, oracle_run, run_core
 
-import rltserve.core.step as step_module
+import rltserve.core.step_rows as step_rows
 from rltserve.sampling import SamplingParams
 
 
@@ -22,13 +22,13 @@ class _Host:
 
 def test_thresholds_are_one_float_when_every_row_shares_it():
     host = _Host()
-    assert step_module._thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3) == 0.8
+    assert step_rows.thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3) == 0.8
     # Before min_loops, or with threshold 1, the rule does not apply: inf, which no CDF reaches.
-    assert step_module._thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3) == math.inf
-    assert step_module._thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2) == math.inf
+    assert step_rows.thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3) == math.inf
+    assert step_rows.thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2) == math.inf
     # Different rows, one value once the rule is applied.
-    assert step_module._thresholds(host, (1.0, 0.5), (3, 1), (1, 2)) == math.inf
-    per_row = step_module._thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
+    assert step_rows.thresholds(host, (1.0, 0.5), (3, 1), (1, 2)) == math.inf
+    per_row = step_rows.thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
     assert per_row.dtype == torch.float32
     assert per_row.tolist() == [pytest.approx(0.8), math.inf, pytest.approx(0.7)]
 
@@ -36,7 +36,7 @@ def test_thresholds_are_one_float_when_every_row_shares_it():
 def test_a_float_threshold_compares_in_fp32_like_a_tensor_of_it():
     # fp32(0.7) < 0.7: compared in float64 this CDF would not reach its threshold.
     cdf = torch.tensor([0.7, 0.69999], dtype=torch.float32)
-    one = step_module._thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
+    one = step_rows.thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
     assert isinstance(one, float)
     assert (cdf >= one).tolist() == (cdf >= torch.tensor([0.7, 0.7])).tolist() == [True, False]
 
@@ -51,11 +51,11 @@ def test_lockstep_decode_takes_the_fast_paths_and_matches_the_oracle(
     gathered = []
 
     def counted(name):
-        real = getattr(step_module, name)
+        real = getattr(step_rows, name)
         return lambda *args: gathered.append(name) or real(*args)
 
-    for name in ("_gather_rows", "_gather_tokens"):
-        monkeypatch.setattr(step_module, name, counted(name))
+    for name in ("gather_rows", "gather_tokens"):
+        monkeypatch.setattr(step_rows, name, counted(name))
     prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
     params = [SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3) for _ in prompts]
     core = make_core(ckpts["ouro"], exit_mode=exit_mode, kv_policy="full")
@@ -73,9 +73,9 @@ def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
     """Different prompt lengths, thresholds and arrivals: items of a step come from several
     sources, out of order; the general paths gather them, with the oracle's results."""
     gathered = []
-    real = step_module._gather_rows
+    real = step_rows.gather_rows
     monkeypatch.setattr(
-        step_module, "_gather_rows", lambda *a, **k: gathered.append(1) or real(*a, **k)
+        step_rows, "gather_rows", lambda *a, **k: gathered.append(1) or real(*a, **k)
     )
     prompts = [[(5 * i + k) % 300 + 1 for k in range(2 + 3 * i)] for i in range(6)]
     params = [

@@ -93,7 +93,7 @@ class HostMetadata:
             starts, lens = _starts_lens(items)
         else:
             starts, lens = starts_lens
-        sizes_l = list(map(len, map(_TABLE, items)))
+        sizes_l = list(map(len, map(itemgetter(2), items)))
         ends = starts + lens
         if lens.min() < 1 or starts.min() < 0:
             k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
@@ -423,9 +423,6 @@ def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.nd
     ones = np.flatnonzero(single)
     groups = [ones[bucket == b] for b in np.unique(bucket)]
     return groups + [multi] if len(multi) else groups
-
-
-_TABLE = itemgetter(2)
 
 
 def _starts_lens(items: Sequence[ItemSpec]) -> tuple[np.ndarray, np.ndarray]:

@@ -9,38 +9,17 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import accumulate, repeat
-from math import inf
-from operator import attrgetter, is_
+from itertools import repeat
+from operator import is_
 
 import torch
 
+from rltserve.core import step_rows
 from rltserve.core.attention import copy_slots
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import ItemResult, WorkItem
-from rltserve.core.staging import StepOutputs, move_to, to_device
+from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
-
-# Per-item columns, read at C speed (``map``) instead of attribute by attribute in Python loops.
-_RID = attrgetter("request_id")
-_START = attrgetter("start")
-_COUNT = attrgetter("num_tokens")
-_DEPTH = attrgetter("depth")
-_TABLE = attrgetter("block_table")
-_EXIT = attrgetter("exit")
-_ENDS_AT = attrgetter("ends_at")
-_DRAFT = attrgetter("draft")
-_SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
-_SRC = attrgetter("src")
-_ROW = attrgetter("row")
-_GATE_SRC = attrgetter("gate_src")
-_GATE_ROW = attrgetter("gate_row")
-_EXITED = attrgetter("exited")
-_PENDING = attrgetter("pending")
-_DRAFTS = attrgetter("drafts")
-_LAST_TOKENS = attrgetter("last_tokens")
-_LAST_ROW = attrgetter("last_row")
 
 
 class Step:
@@ -56,7 +35,7 @@ class Step:
         self.r = runner
         self.items = items
         live = runner.live
-        self.lives = [live[rid] for rid in map(_RID, items)]
+        self.lives = [live[rid] for rid in map(step_rows.RID, items)]
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
@@ -66,14 +45,14 @@ class Step:
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
         n = len(items)
-        starts = self.starts = list(map(_START, items))
-        counts = list(map(_COUNT, items))
-        self.depths = list(map(_DEPTH, items))
+        starts = self.starts = list(map(step_rows.START, items))
+        counts = list(map(step_rows.COUNT, items))
+        self.depths = list(map(step_rows.DEPTH, items))
         self.num_rows = sum(counts)
         # Decode rows: item i is row i (offsets a range), its position its start.
         self.one_row = max(counts) == 1 and self.num_rows == n
-        self.offsets = range(n + 1) if self.one_row else _offsets(counts)
-        spans = list(zip(starts, counts, map(_TABLE, items)))
+        self.offsets = range(n + 1) if self.one_row else step_rows.offsets(counts)
+        spans = list(zip(starts, counts, map(step_rows.TABLE, items)))
         if r.graphs is not None:  # replays decode-only steps, runs the others eagerly
             flat = (
                 starts
@@ -85,7 +64,7 @@ class Step:
             state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
         else:
             # The metadata's one transfer brings the rows' positions too.
-            attn = r.attention(spans, list(zip(map(_RID, items), self.depths)))
+            attn = r.attention(spans, list(zip(map(step_rows.RID, items), self.depths)))
             positions = attn.positions  # [N]
             state, e = self._gather_inputs(starts)
             state = r.timed(r.model.loop, state, e, positions, attn)  # [N, S]
@@ -93,8 +72,8 @@ class Step:
         r.deliver()
 
         held = self.held  # each item's ItemState (from _gather_inputs)
-        specs = list(map(_EXIT, items))
-        if all(specs) and not any(map(_EXITED, held)):
+        specs = list(map(step_rows.EXIT, items))
+        if all(specs) and not any(map(step_rows.EXITED, held)):
             self.out: range | list[int] = range(n)  # every item's output position is still open
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
@@ -102,7 +81,9 @@ class Step:
         exits = [i for i, x in zip(self.out, self.exited) if x]
         self._copy_on_exit(exits, specs)
         depths = self.depths
-        ending = [i for i, (d, end) in enumerate(zip(depths, map(_ENDS_AT, items))) if d >= end]
+        ending = [
+            i for i, (d, end) in enumerate(zip(depths, map(step_rows.ENDS_AT, items))) if d >= end
+        ]
         if exits:
             stopping = [i for i in exits if items[i].stop_at_exit]
             ending = sorted(set(ending).union(stopping)) if ending else stopping
@@ -110,7 +91,7 @@ class Step:
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
         self.sampled = self._coda_and_sample(positions, state, ending, exits)
-        self.drafts = self._draft(positions, state) if any(map(_DRAFT, items)) else []
+        self.drafts = self._draft(positions, state) if any(map(step_rows.DRAFT, items)) else []
         # The items' states are rows of this step's output: the next step gathers them in one
         # call. Left pending when no item ends (the next step is likely the same items);
         # written now otherwise. An ending item's state goes.
@@ -153,8 +134,8 @@ class Step:
             src is not None
             and src.shape[0] == self.num_rows
             and all(held)
-            and all(map(is_, map(_SRC, held), repeat(src)))
-            and list(map(_ROW, held)) == list(self.offsets[:-1])
+            and all(map(is_, map(step_rows.SRC, held), repeat(src)))
+            and list(map(step_rows.ROW, held)) == list(self.offsets[:-1])
         ):
             return src, first.e_src
         sources: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -172,10 +153,10 @@ class Step:
                     k = source_of[id(last)] = len(sources)
                     sources.append((last, h.e_src))
             picks.append((k, h.row, it.num_tokens))
-        state = _gather_rows([s for s, _ in sources], picks)
+        state = step_rows.gather_rows([s for s, _ in sources], picks)
         if not r.keeps_e:
             return state, None
-        return state, _gather_rows([e_src for _, e_src in sources], picks)
+        return state, step_rows.gather_rows([e_src for _, e_src in sources], picks)
 
     def _enter(self, entering: list[int]) -> None:
         """The prelude of the items entering loop 1; each gets a fresh state: rows of the
@@ -196,7 +177,7 @@ class Step:
             parts.append(self._decode_inputs(decodes))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
         sub = items if every else [items[i] for i in entering]
-        starts = self.starts if every else list(map(_START, sub))
+        starts = self.starts if every else list(map(step_rows.START, sub))
         if every and self.one_row:
             pos = r.tensor(starts)
         else:
@@ -214,8 +195,8 @@ class Step:
             noise = move_to(noise, r.device)
         s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
         e_kept = e_new if r.keeps_e else None
-        counts = list(map(_COUNT, sub))
-        fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), _offsets(counts))
+        counts = list(map(step_rows.COUNT, sub))
+        fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
         for i, start, h in zip(entering, starts, fresh):
             lives[i].items[start] = h
 
@@ -225,17 +206,17 @@ class Step:
         order (decode rows that all sampled in one step)."""
         items, lives = self.items, self.lives
         entering = lives if len(decodes) == len(lives) else [lives[i] for i in decodes]
-        if not any(map(_DRAFTS, entering)):
-            sources = list(map(_LAST_TOKENS, entering))
+        if not any(map(step_rows.DRAFTS, entering)):
+            sources = list(map(step_rows.LAST_TOKENS, entering))
             first = sources[0]
             if (
                 first is not None
                 and first.shape[0] == len(entering)
                 and all(map(is_, sources, repeat(first)))
-                and list(map(_LAST_ROW, entering)) == list(range(len(entering)))
+                and list(map(step_rows.LAST_ROW, entering)) == list(range(len(entering)))
             ):
                 return first
-        return _gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
+        return step_rows.gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
 
     def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
         seed = live.setup.seed if live.setup.params.init_state == "random" else None
@@ -262,7 +243,7 @@ class Step:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
         modes, exit_now, min_loops, max_loops, thresholds = zip(
-            *map(_SPEC, specs if every else [specs[i] for i in out])
+            *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
         )
         self.modes = modes
         logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
@@ -276,7 +257,7 @@ class Step:
             cdf = cdf + lam * surv
             surv = surv * (1.0 - lam)
             new_gate = torch.stack((surv, cdf))  # [2, M]
-            crossed = cdf >= _thresholds(r, thresholds, out_depths, min_loops)  # [M]
+            crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
             if "gate" in modes:
@@ -284,7 +265,8 @@ class Step:
             self.gate_rows = new_gate  # written with the states, or left pending (run())
         if all(mode == "delayed" for mode in set(modes)):
             exited = [
-                d >= hi or p for d, hi, p in zip(out_depths, max_loops, map(_PENDING, out_held))
+                d >= hi or p
+                for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
             ]
         else:
             exited = []
@@ -312,12 +294,12 @@ class Step:
         if r.pending_rows is not None:  # this step's states are it, but not its gates
             r.pending_rows.settle()
             r.pending_rows = None
-        srcs = list(map(_GATE_SRC, out_held))
+        srcs = list(map(step_rows.GATE_SRC, out_held))
         first = srcs[0]
         if all(map(is_, srcs, repeat(first))):
             if first is None:
                 return r.gate_init[:, None].expand(2, m)
-            rows = list(map(_GATE_ROW, out_held))
+            rows = list(map(step_rows.GATE_ROW, out_held))
             if first.shape[1] == m and rows == list(range(m)):
                 return first
             return first.index_select(1, r.tensor(rows))
@@ -335,7 +317,7 @@ class Step:
                     sources.append(r.gate_init[None] if src is None else src.t())
                 last = src
             picks.append((k, h.gate_row, 1))
-        return _gather_rows(sources, picks).t()
+        return step_rows.gather_rows(sources, picks).t()
 
     def _copy_on_exit(self, exits: list[int], specs: list) -> None:
         """last_exited: the exit-depth K/V of a token stopping early serves deeper planes."""
@@ -402,7 +384,7 @@ class Step:
         if not exits:
             return []  # coda rows that only write coda KV (non-final prompt chunks)
         if widths is not None and max(widths) > 1:
-            ends = _offsets(widths)
+            ends = step_rows.offsets(widths)
             last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
             pick = [last[i] for i in exits]
         elif len(exits) == len(coda_items):
@@ -511,69 +493,3 @@ class Step:
                     r.drafts_rejected += 1
         for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
             lives[i].rollback(items[i].end)
-
-
-def _thresholds(
-    r: StepHost, thresholds: Sequence[float], depths: Sequence[int], min_loops: Sequence[int]
-) -> float | torch.Tensor:
-    """What each output row's CDF must reach to exit: its threshold, or inf (which no CDF
-    reaches) where the rule does not apply (threshold 1, or before ``min_loops``): only the
-    CDF comparison needs the device, the rest of the rule is host-known. One float (compared
-    in fp32, as a tensor of it would be) when it is every row's, a [M] fp32 tensor else."""
-    t, d, lo = thresholds[0], depths[0], min_loops[0]
-    m = len(thresholds)
-    if thresholds.count(t) == m and depths.count(d) == m and min_loops.count(lo) == m:
-        return t if t < 1.0 and d >= lo else inf
-    thr = [t if t < 1.0 and d >= lo else inf for t, d, lo in zip(thresholds, depths, min_loops)]
-    if thr.count(thr[0]) == m:
-        return thr[0]
-    return r.tensor(thr, torch.float32)
-
-
-def _gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """[len(refs)] int64: row ``row`` of each ``(tensor, row)``; the tensor itself when the
-    rows are all of one tensor, in order."""
-    sources: list[torch.Tensor] = []
-    source_of: dict[int, int] = {}
-    picks = []
-    last, k = None, -1
-    for src, row in refs:
-        if src is not last:
-            k = source_of.get(id(src), -1)
-            if k < 0:
-                k = source_of[id(src)] = len(sources)
-                sources.append(src)
-            last = src
-        picks.append((k, row, 1))
-    return _gather_rows(sources, picks, in_order=True)
-
-
-def _gather_rows(
-    sources: list[torch.Tensor], picks: list[tuple[int, int, int]], in_order: bool = False
-) -> torch.Tensor:
-    """Rows ``picks`` ((source, first row, rows) in output order) of ``sources``: one
-    index_select over their concatenation. ``in_order``: check first whether the picks are
-    all of one source's rows in order, which is then returned as it is."""
-    if in_order and len(sources) == 1:
-        expected = 0
-        for _, row, n in picks:
-            if row != expected:
-                break
-            expected += n
-        else:
-            if expected == sources[0].shape[0]:
-                return sources[0]
-    bases = _offsets([src.shape[0] for src in sources])
-    index: list[int] = []
-    for k, row, n in picks:
-        first = bases[k] + row
-        if n == 1:
-            index.append(first)
-        else:
-            index.extend(range(first, first + n))
-    data = torch.cat(sources) if len(sources) > 1 else sources[0]
-    return data.index_select(0, to_device(index, data.device))
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    return list(accumulate(counts, initial=0))
