@@ -98,7 +98,7 @@ class Step:
         pending = PendingRows(held, self.offsets, state, e, self.out, self.gate_rows)
         if not ending:
             r.pending_rows = pending
-        else:  # this step's items were the pending ones: all are written now, or go
+        else:  # none is left pending: the staying items' states are written now
             r.pending_rows = None
             if len(ending) < len(held):
                 pending.settle()
