@@ -330,3 +330,12 @@ def test_copy_slots_all_layers():
     torch.testing.assert_close(kv[:, :, dst], before[:, :, src], rtol=0, atol=0)
     untouched = [s for s in range(16) if s not in (12, 13, 5)]
     assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
+
+
+def test_the_mask_is_built_where_it_is_first_used():
+    """Building a step's metadata queues no mask work; the first attending layer builds it,
+    once, and later layers reuse it."""
+    md = AttentionMetadata.build([(5, 1, [2, 3]), (1, 1, [0])], block_size=4)
+    assert "mask" not in vars(md)
+    assert md.mask[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] * 2 + [False] * 6]
+    assert md.mask is md.mask

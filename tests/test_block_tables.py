@@ -13,11 +13,14 @@ def test_rows_are_padded_with_the_first_block_and_follow_table_changes():
     out = bt.gather([("a", 1), ("b", 1)], [a, b])
     assert out.tolist() == [[7, 3], [5, 5]]
     # A table that grew past the array's width (a new list, as the KV manager makes), and one
-    # changed in place: both rows are rewritten.
+    # appended to in place: both rows are rewritten.
     a2 = a + [9, 11, 13]
-    b[0] = 6
+    b.append(6)
     out = bt.gather([("b", 1), ("a", 1)], [b, a2])
-    assert out.tolist() == [[6, 6, 6, 6, 6], [7, 3, 9, 11, 13]]
+    assert out.tolist() == [[5, 6, 5, 5, 5], [7, 3, 9, 11, 13]]
+    # A new list whose block changed, at the same length: rewritten too.
+    out = bt.gather([("b", 1)], [[8, 6]])
+    assert out.tolist() == [[8, 6]]
     assert bt.array.shape[1] >= 5
 
 
@@ -37,20 +40,62 @@ def test_rows_grow_release_and_are_reused():
     assert bt.num_rows_used == 5
 
 
-def test_a_changed_snapshot_never_serves_stale_blocks():
-    """Rows are trusted only after the table compares equal to the snapshot written."""
+def test_a_changed_table_never_serves_stale_blocks():
+    """Rows are trusted only for the list they were written from, at the length written: the
+    KV manager's new lists (grown, or a block replaced) and appends in place are rewritten."""
     bt = BlockTables()
     rng = np.random.default_rng(0)
     tables = {("r", d): [int(x) for x in rng.integers(0, 100, 3)] for d in range(4)}
     for _ in range(50):
         key = ("r", int(rng.integers(0, 4)))
         table = tables[key]
-        if rng.random() < 0.5:
+        change = rng.random()
+        if change < 0.4:
             table = tables[key] = table + [int(rng.integers(0, 100))]
-        else:
+        elif change < 0.7:
+            table = tables[key] = table[:]
             table[int(rng.integers(0, len(table)))] = int(rng.integers(0, 100))
+        else:
+            table.append(int(rng.integers(0, 100)))
         keys = list(tables)
         out = bt.gather(keys, [tables[k] for k in keys])
         for row, k in zip(out.tolist(), keys):
             t = tables[k]
             assert row[: len(t)] == t and set(row[len(t) :]) <= {t[0]}
+
+
+def test_an_unchanged_table_is_not_rewritten():
+    bt = BlockTables()
+    tables = [[1, 2, 3], [4]]
+    keys = [("a", 1), ("b", 1)]
+    bt.gather(keys, tables)
+    writes = []
+    real = bt._write
+    bt._write = lambda row, table: writes.append(list(table)) or real(row, table)
+    assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [4, 4, 4]]
+    assert writes == []
+    tables[1] = [4, 5]  # the KV manager's way: a new list; grown, so only its tail is written
+    assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [4, 5, 4]]
+    assert writes == []
+    tables[1] = [9, 5]  # a block replaced: the whole row
+    assert bt.gather(keys, tables).tolist() == [[1, 2, 3], [9, 5, 9]]
+    assert writes == [[9, 5]]
+
+
+def test_keys_sharing_one_list_and_released_lists_stay_right():
+    """Depths sharing a plane hand the same list under two keys; rows are found by the list
+    itself, so growth of the shared table, release and reuse of freed lists' ids all keep the
+    rows right."""
+    bt = BlockTables(rows=2, cols=2)
+    shared = [3, 4]
+    keys = [("a", 1), ("a", 2), ("b", 1)]
+    assert bt.gather(keys, [shared, shared, [7]]).tolist() == [[3, 4], [3, 4], [7, 7]]
+    grown = shared + [5]
+    assert bt.gather(keys, [grown, grown, [7]]).tolist() == [[3, 4, 5], [3, 4, 5], [7, 7, 7]]
+    bt.release("a")
+    assert bt.gather([("b", 1)], [[7]]).tolist() == [[7]]
+    for i in range(20):  # new lists, possibly at freed lists' addresses
+        table = [i, i + 1]
+        assert bt.gather([(f"c{i}", 1), ("b", 1)], [table, [7]]).tolist() == [table, [7, 7]]
+        bt.release(f"c{i}")
+    assert bt.num_rows_used == 1

@@ -222,3 +222,32 @@ def test_resume_replays_from_the_seed_when_the_kept_one_drew_too_far_or_is_forei
         resumed = SeededGenerator.resume(5, "cpu", 3, V, kept)
         assert resumed is not kept and resumed.draws == 3
         assert all(torch.equal(a, b) for a, b in zip(_draws(resumed, 2), want))
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_finite_flags_rows_with_nan_or_infinity(greedy_only):
+    """Both paths (every row plain greedy, and the general one) flag exactly the rows that
+    hold a NaN or an infinity, as ``isfinite(logits).all(-1)`` would."""
+    logits = rand_logits(6)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, V - 1] = float("-inf")
+    logits[4] = float("nan")
+    params = SamplingParams() if greedy_only else SamplingParams(logprobs=1)
+    rows = [SampleRow(params) for _ in range(6)]
+    assert rows[0].plain is greedy_only
+    out = Sampler().sample(logits, rows)
+    assert out.finite == [True, False, False, False, False, True]
+    assert out.finite == torch.isfinite(logits).all(-1).tolist()
+    assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[5] == int(
+        logits[5].argmax()
+    )
+
+
+def test_a_row_is_plain_only_when_greedy_with_nothing_else_asked():
+    assert SampleRow(SamplingParams()).plain
+    assert not SampleRow(SamplingParams(temperature=0.7)).plain
+    assert not SampleRow(SamplingParams(logprobs=0)).plain
+    penalized = SamplingParams(repetition_penalty=1.3)
+    assert not SampleRow(penalized, penalty_tokens=([1], [2])).plain
+    assert SampleRow(penalized).plain  # no history kept: nothing to penalize

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -88,11 +90,10 @@ class HostMetadata:
         if not items:
             raise ValueError("attention metadata needs at least one item")
         if starts_lens is None:
-            starts = np.array([it[0] for it in items], dtype=np.int64)
-            lens = np.array([it[1] for it in items], dtype=np.int64)
+            starts, lens = _starts_lens(items)
         else:
             starts, lens = starts_lens
-        sizes_l = [len(it[2]) for it in items]
+        sizes_l = list(map(len, map(itemgetter(2), items)))
         ends = starts + lens
         if lens.min() < 1 or starts.min() < 0:
             k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
@@ -125,8 +126,7 @@ class HostMetadata:
         else:
             tables = tables[:, :num_cols]
         if max_q == 1:  # decode rows: one row per item
-            row_item = np.arange(num_items)
-            row_q = np.zeros(num_items, dtype=np.int64)
+            row_item = pad_index = np.arange(num_items)
             positions = starts
             num_rows = num_items
         else:
@@ -135,6 +135,7 @@ class HostMetadata:
             first_row = np.cumsum(lens) - lens  # [B]
             row_q = np.arange(num_rows) - first_row[row_item]  # [N]
             positions = starts[row_item] + row_q  # [N]
+            pad_index = row_item * max_q + row_q
         slot_mapping = tables[row_item, positions // block_size] * block_size + (
             positions % block_size
         )
@@ -148,7 +149,7 @@ class HostMetadata:
             lens=lens,
             positions=positions,
             slot_mapping=slot_mapping,
-            pad_index=row_item * max_q + row_q,
+            pad_index=pad_index,
             tables=tables,
         )
 
@@ -188,11 +189,13 @@ class AttentionMetadata:
     max_q: int
     max_ctx: int
     block_size: int
+    num_cols: int
+    starts: torch.Tensor  # [B] int64: position of each item's first row
+    lens: torch.Tensor  # [B] int64: rows of each item
     positions: torch.Tensor  # [N] int64: position of each row
     slot_mapping: torch.Tensor  # [N] int64: where each row's K/V is written
     pad_index: torch.Tensor  # [N] int64: row -> item * max_q + q index (into [B * max_q])
     gather_blocks: torch.Tensor  # [B * num_cols] int64: blocks holding each item's context
-    mask: torch.Tensor  # [B, 1, max_q, num_cols * block_size] bool: True = attend
 
     @classmethod
     def build(
@@ -220,40 +223,45 @@ class AttentionMetadata:
         cls, host: HostMetadata, flat: torch.Tensor, block_size: int
     ) -> AttentionMetadata:
         """The metadata from ``host.parts()`` as they arrived on the device (``flat`` starts with
-        them); the mask is computed there."""
+        them)."""
         b, n, cols = host.num_items, host.num_rows, host.num_cols
-        start_t, len_t = flat[:b], flat[b : 2 * b]  # [B]
-        positions = flat[2 * b : 2 * b + n]
-        slot_mapping = flat[2 * b + n : 2 * b + 2 * n]
-        pad_index = flat[2 * b + 2 * n : 2 * b + 3 * n]
-        gather_blocks = flat[2 * b + 3 * n : 2 * b + 3 * n + b * cols]
-        dev = flat.device
-        # Context is gathered whole blocks at a time (one contiguous copy per block, not per
-        # slot); the mask drops positions past each item's context.
-        key_pos = torch.arange(cols * block_size, device=dev)  # [cols * bs]
-        if host.max_q == 1:
-            mask = key_pos[None, :] <= start_t[:, None]  # [B, cols * bs]
-            mask = mask[:, None, None, :]
-        else:
-            # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal
-            # for real rows, and all of the item's context for padded rows (i >= len_b).
-            q_idx = torch.arange(host.max_q, device=dev)  # [max_q]
-            last_key = torch.minimum(
-                start_t[:, None] + q_idx[None, :], (start_t + len_t - 1)[:, None]
-            )  # [B, max_q]
-            mask = (key_pos[None, None, :] <= last_key[:, :, None])[:, None]
+        sizes = [b, b, n, n, n, b * cols]
+        if flat.shape[0] > host.size:
+            sizes.append(flat.shape[0] - host.size)
+        starts, lens, positions, slot_mapping, pad_index, gather_blocks = flat.split(sizes)[:6]
         return cls(
             num_rows=n,
             num_items=b,
             max_q=host.max_q,
             max_ctx=host.max_ctx,
             block_size=block_size,
+            num_cols=cols,
+            starts=starts,
+            lens=lens,
             positions=positions,
             slot_mapping=slot_mapping,
             pad_index=pad_index,
             gather_blocks=gather_blocks,
-            mask=mask,
         )
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, max_q, num_cols * block_size] bool: True = attend. Device work, computed
+        where the first layer attends (building a step's metadata queues none of it)."""
+        dev = self.starts.device
+        # Context is gathered whole blocks at a time (one contiguous copy per block, not per
+        # slot); the mask drops positions past each item's context.
+        key_pos = torch.arange(self.num_cols * self.block_size, device=dev)  # [cols * bs]
+        if self.max_q == 1:
+            mask = key_pos[None, :] <= self.starts[:, None]  # [B, cols * bs]
+            return mask[:, None, None, :]
+        # Query (b, i) attends to keys at positions <= min(start_b + i, ctx_b - 1): causal
+        # for real rows, and all of the item's context for padded rows (i >= len_b).
+        q_idx = torch.arange(self.max_q, device=dev)  # [max_q]
+        last_key = torch.minimum(
+            self.starts[:, None] + q_idx[None, :], (self.starts + self.lens - 1)[:, None]
+        )  # [B, max_q]
+        return (key_pos[None, None, :] <= last_key[:, :, None])[:, None]
 
 
 class PagedAttention:
@@ -302,7 +310,7 @@ class PagedAttention:
         num_kv_heads = self.kv.shape[3]
         k_cache, v_cache = self.kv[layer, 0], self.kv[layer, 1]  # [num_slots, Hkv, hd]
         b, max_q, bs = md.num_items, md.max_q, md.block_size
-        max_ctx = md.mask.shape[-1]  # whole blocks
+        max_ctx = md.num_cols * bs  # whole blocks
         blocks = (-1, bs, num_kv_heads, head_dim)
         keys = k_cache.view(blocks).index_select(0, md.gather_blocks)  # [B * cols, bs, Hkv, hd]
         values = v_cache.view(blocks).index_select(0, md.gather_blocks)
@@ -417,6 +425,12 @@ def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.nd
     return groups + [multi] if len(multi) else groups
 
 
+def _starts_lens(items: Sequence[ItemSpec]) -> tuple[np.ndarray, np.ndarray]:
+    """The items' starts and lengths as int64 arrays."""
+    columns = list(zip(*items))
+    return np.array(columns[0], dtype=np.int64), np.array(columns[1], dtype=np.int64)
+
+
 def paged_attention(
     kv: torch.Tensor,
     items: Sequence[ItemSpec],
@@ -429,9 +443,10 @@ def paged_attention(
     ``HostMetadata.build`` (rows aligned with ``items``). Everything the groups need reaches
     the device in one transfer; ``positions`` of the result are the rows' positions."""
     dev = torch.device(device)
-    starts = np.array([it[0] for it in items], dtype=np.int64)
-    lens = np.array([it[1] for it in items], dtype=np.int64)
-    groups = _groups(starts, lens, block_size) if len(items) else [np.arange(0)]
+    if not items:
+        raise ValueError("attention metadata needs at least one item")
+    starts, lens = _starts_lens(items)
+    groups = _groups(starts, lens, block_size)
     if len(groups) == 1:
         md = AttentionMetadata.build(
             items, block_size, dev, tables=tables, starts_lens=(starts, lens)
@@ -442,6 +457,7 @@ def paged_attention(
             [items[k] for k in ks.tolist()],
             block_size,
             tables=None if tables is None else tables[ks],
+            starts_lens=(starts[ks], lens[ks]),
         )
         for ks in groups
     ]

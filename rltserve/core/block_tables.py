@@ -3,28 +3,40 @@
 A step's attention metadata needs every item's block table as one padded int64 array. Built
 from the tables' Python lists each step, that costs one list-to-array conversion per item (most
 of a decode step's metadata time at long contexts). Here each table a request uses, keyed by
-(request id, depth), keeps a row of one persistent array; a step compares each table with the
-snapshot its row was written from (a C-speed list comparison) and rewrites only rows whose
-table changed (a block appended, or replaced), then takes its rows with one fancy index.
+(request id, depth), keeps a row of one persistent array; a step rewrites only rows whose table
+changed (a block appended, or replaced), then takes its rows with one fancy index.
 
-Invariants: a row holds exactly its snapshot's blocks, then the snapshot's first block in every
-further column (padding that is always a valid block id); a row is used only after its
-snapshot compares equal to the table, so a row is right whatever happened to the table since.
+Tables are lists the KV manager never changes once handed out: a table that grows is a new
+list (``KVManager.grow``). So a row whose entry holds the very list it was written from, at
+the length written, is current without reading the list (at 1k context, comparing every
+table with a snapshot read ~256 KB per 256-row step). A table changed in place by appending
+is caught by its length; a new list, equal or not, by identity.
+
+Invariants: a row holds exactly the blocks of the list its entry holds, at the length
+recorded, then that list's first block in every further column (padding that is always a
+valid block id). The entry keeps the list alive, so an identity match is never an id reused.
 Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from operator import itemgetter
 
 import numpy as np
+
+_ROW = itemgetter(0)
+_LENGTH = itemgetter(2)
 
 
 class BlockTables:
     def __init__(self, rows: int = 64, cols: int = 16) -> None:
         self.array = np.zeros((rows, cols), dtype=np.int64)  # [rows, cols] block ids
-        # (request id, which table) -> [row, snapshot of the table the row was written from]
+        # (request id, which table) -> [row, the table the row was written from, its length]
         self._entries: dict[tuple[str, Hashable], list] = {}
+        # id(table) -> an entry holding that very list (which keeps it alive: the id is never
+        # another list's), so a step finds its rows without building keys.
+        self._by_table: dict[int, list] = {}
         self._keys_of: dict[str, list[tuple[str, Hashable]]] = {}  # request id -> its keys
         self._free = list(range(rows - 1, -1, -1))
 
@@ -37,20 +49,29 @@ class BlockTables:
     ) -> np.ndarray:
         """[len(tables), max table length] int64: the tables, padded as the rows are. ``keys``
         name the tables: (request id, anything telling a request's tables apart)."""
-        entries = self._entries
-        rows = []
-        for key, table in zip(keys, tables):
-            entry = entries.get(key)
-            if entry is None or entry[1] != table:
-                entry = self._sync(key, table, entry)
-            rows.append(entry[0])
-        width = max(map(len, tables))
-        return self.array[np.array(rows, dtype=np.int64), :width]
+        lengths = list(map(len, tables))
+        found = list(map(self._by_table.get, map(id, tables)))
+        if all(found) and list(map(_LENGTH, found)) == lengths:  # every table as written
+            rows = list(map(_ROW, found))
+        else:  # a few changed (a table grows every block_size tokens): only they are looked up
+            rows = [-1 if e is None or e[2] != n else e[0] for e, n in zip(found, lengths)]
+            get = self._entries.get
+            for k in [k for k, row in enumerate(rows) if row < 0]:
+                key, table = keys[k], tables[k]
+                entry = get(key)
+                if entry is None or entry[1] is not table or entry[2] != lengths[k]:
+                    entry = self._sync(key, table, entry)
+                else:
+                    self._by_table[id(table)] = entry
+                rows[k] = entry[0]
+        return self.array[rows, : max(lengths)]
 
     def release(self, request_id: str) -> None:
         """Frees the rows of a request the runner no longer runs."""
         for key in self._keys_of.pop(request_id, ()):
-            self._free.append(self._entries.pop(key)[0])
+            entry = self._entries.pop(key)
+            self._unmap(entry)
+            self._free.append(entry[0])
 
     def clear(self) -> None:
         """Frees every row (the runner forgot every request)."""
@@ -58,16 +79,30 @@ class BlockTables:
             self.release(request_id)
 
     def _sync(self, key: tuple[str, Hashable], table: list[int], entry: list | None) -> list:
-        """The entry of ``key``, its row rewritten from a snapshot of ``table``."""
+        """The entry of ``key`` ([row, table, length]), its row rewritten from ``table``."""
         if entry is None:
-            entry = self._entries[key] = [self._new_row(), None]
+            entry = self._entries[key] = [self._new_row(), None, 0]
             self._keys_of.setdefault(key[0], []).append(key)
-        # One snapshot, written and kept: a table changed meanwhile by another thread is
-        # caught by the next step's comparison.
-        snapshot = table[:]
-        self._write(entry[0], snapshot)
-        entry[1] = snapshot
+        # The length is read before the blocks: a table appended to meanwhile (by another
+        # thread) mismatches it at the next step and is rewritten then.
+        n = len(table)
+        old, m = entry[1], entry[2]
+        if 0 < m < n <= self.array.shape[1] and table[:m] == old[:m]:
+            # Grown (the usual change): only the new blocks are written; the padding after
+            # them is the first block, the same in both.
+            self.array[entry[0], m:n] = table[m:n]
+        else:
+            self._write(entry[0], table[:n])
+        self._unmap(entry)
+        entry[1], entry[2] = table, n
+        self._by_table[id(table)] = entry
         return entry
+
+    def _unmap(self, entry: list) -> None:
+        """Drops the id of the entry's table from the lookup, if it leads to this entry (two
+        keys may share one list: planes shared by several depths)."""
+        if self._by_table.get(id(entry[1])) is entry:
+            del self._by_table[id(entry[1])]
 
     def _new_row(self) -> int:
         if not self._free:

@@ -218,7 +218,7 @@ class DecodeGraphs:
             b.graph, b.out, b.eager_only = None, None, True
             # A failure once capture had begun may leave CUDA unable to capture again.
             self.capture_failed = self._capturing
-            rows, cols = b.state.shape[0], b.md.mask.shape[-1] // self.block_size
+            rows, cols = b.state.shape[0], b.md.num_cols
             if self.capture_failed:
                 logger.warning(
                     "CUDA graph capture of bucket (%d rows, %d columns) failed; decode steps "

@@ -14,6 +14,7 @@ happens before the next decision that reads them (the runner's invariant).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +23,10 @@ from rltserve.core.plan import RequestSetup
 from rltserve.core.sampler import SampleRow, SeededGenerator
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity (``PendingRows``)
 class ItemState:
-    """The in-flight work item of a request, as the device sees it."""
+    """The in-flight work item of a request, as the device sees it. Its state and gate fields
+    may lag the runner's ``PendingRows``, which then holds their current values."""
 
     start: int
     # The item's state after the last loop run is rows [row, row + n) of ``src``, that step's
@@ -34,13 +36,45 @@ class ItemState:
     src: torch.Tensor | None = None
     e_src: torch.Tensor | None = None
     row: int = 0
-    # The output position's gate state (survival S, CDF) in fp32: row ``gate_row`` of
-    # ``gate_src`` [M, 2], the last loop's gate of every output row of that step; None before
+    # The output position's gate state (survival S, CDF) in fp32: column ``gate_row`` of
+    # ``gate_src`` [2, M], the last loop's gate of every output row of that step; None before
     # the position's first loop.
     gate_src: torch.Tensor | None = None
     gate_row: int = 0
     pending: bool = False  # delayed exit: the next loop is the exit (host copy)
     exited: bool = False  # the output position has produced its token
+
+
+@dataclass(slots=True)
+class PendingRows:
+    """The states a step left to its items without writing each ItemState: item ``k``'s
+    state is rows ``offsets[k]..`` of ``state`` (and ``e``); output item ``out[k]``'s gate is
+    column ``k`` of ``gate`` (None: no gate was computed, the gate fields are current).
+
+    A decode step's next step usually runs the same items in the same order (``held``,
+    compared by identity): it takes these tensors as they are and neither that step nor
+    this one touches an ItemState per row. Any other step ``settle()``s first. Invariant:
+    at most one is pending (the runner's), and it is settled before any ItemState's state
+    or gate field is read.
+    """
+
+    held: list[ItemState]
+    offsets: Sequence[int]
+    state: torch.Tensor
+    e: torch.Tensor | None
+    out: Sequence[int] = ()
+    gate: torch.Tensor | None = None
+
+    def settle(self) -> None:
+        """Writes the states (and gates) into the items' fields."""
+        state, e, held = self.state, self.e, self.held
+        for h, row in zip(held, self.offsets):
+            h.src, h.e_src, h.row = state, e, row
+        if self.gate is not None:
+            gate = self.gate
+            for k, i in enumerate(self.out):
+                h = held[i]
+                h.gate_src, h.gate_row = gate, k
 
 
 @dataclass

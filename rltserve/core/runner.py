@@ -38,7 +38,7 @@ from rltserve.core.attention import allocate_kv_cache, paged_attention
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
-from rltserve.core.live import LiveRequest
+from rltserve.core.live import LiveRequest, PendingRows
 from rltserve.core.plan import ItemResult, StepPlan, StepResult
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
@@ -109,6 +109,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
+        self.pending_rows: PendingRows | None = None  # see live.py
         self.block_tables = BlockTables()  # host copies of the tables steps use
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
@@ -188,6 +189,7 @@ class ModelRunner:
         def forget() -> None:
             self.deliver()
             self.live.clear()
+            self.pending_rows = None
             self.block_tables.clear()
             self.swapped.clear()
             self.kept_generators.clear()

@@ -16,7 +16,8 @@ are comparable across requests and meaningful for greedy rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -71,6 +72,14 @@ class SampleRow:
     params: SamplingParams
     generator: SeededGenerator | None = None
     penalty_tokens: tuple[list[int], list[int]] | None = None
+    # The row is the argmax and nothing else is asked of it (greedy, no penalties, no
+    # logprobs): a step whose rows all are skips the per-row sorting out.
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        penalized = self.penalty_tokens is not None and _uses_penalties(p)
+        self.plain = p.greedy and p.logprobs is None and not penalized
 
 
 @dataclass
@@ -81,6 +90,16 @@ class SampleOutput:
     # Per row: every logit was finite. A row with a NaN or infinity samples a meaningless token
     # (argmax treats NaN as the largest value); the scheduler fails its request.
     finite: list[bool] | None = None
+
+
+_PLAIN = attrgetter("plain")
+
+
+def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[R] bool: the row's logits are all finite. A row's max is NaN when it holds a NaN (max
+    and min propagate NaN) or +inf, its min NaN or -inf: two reductions instead of
+    ``isfinite(logits).all(-1)``, which writes and rereads an [R, V] mask (8x the time on CPU)."""
+    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -121,7 +140,7 @@ class DeviceSample:
         for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top)):
             logprobs[i] = chosen[j]
             top[i] = list(zip(ids[j][:n], values[j][:n])) if n else []
-        finite = [bool(f) for f in host["finite"]] if "finite" in host else [True] * rows
+        finite = host["finite"] if "finite" in host else [True] * rows  # bools already
         return SampleOutput(token_ids, logprobs, top, finite)
 
 
@@ -137,7 +156,9 @@ class Sampler:
         """As ``sample``, leaving the results on the device (no host synchronisation)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
-        logits = logits.float()
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        if all(map(_PLAIN, rows)):  # every row greedy, nothing more asked of it
+            return DeviceSample(logits.argmax(dim=-1), _finite_rows(logits), [], [])
         device = logits.device
         penalized = [
             i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
@@ -148,7 +169,7 @@ class Sampler:
             logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
 
         # One reduction per step over the sampled rows only; read with the tokens, no sync.
-        finite = torch.isfinite(logits).all(dim=-1)  # [R]
+        finite = _finite_rows(logits)  # [R]
         tokens = logits.argmax(dim=-1)  # [R]; the result of greedy rows
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:

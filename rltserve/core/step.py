@@ -9,232 +9,329 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
-from itertools import accumulate
-from math import inf
+from itertools import repeat
+from operator import is_
 
 import torch
 
+from rltserve.core import step_rows
 from rltserve.core.attention import copy_slots
-from rltserve.core.live import Draft, ItemState, LiveRequest
+from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import ItemResult, WorkItem
-from rltserve.core.staging import StepOutputs, move_to, to_device
+from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
 
 class Step:
-    """One step's work on the runner's state: launched by ``run()``, read by ``results()``."""
+    """One step's work on the runner's state: launched by ``run()``, read by ``results()``.
+
+    Per-row work is done column by column (``map`` over the items and their states) where a
+    loop over rows would cost a Python iteration each; steps of decode rows (every item one
+    row, its state the previous step's row in order, every item an output position) take
+    fast paths that skip the general bookkeeping.
+    """
 
     def __init__(self, runner: StepHost, items: list[WorkItem]) -> None:
         self.r = runner
         self.items = items
-        self.lives = [runner.live[it.request_id] for it in items]
+        live = runner.live
+        self.lives = [live[rid] for rid in map(step_rows.RID, items)]
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
+        self.pending: PendingRows | None = None  # the runner's, when this step's states are it
+        self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
-        self.offsets = _offsets([it.num_tokens for it in items])
-        self.num_rows = self.offsets[-1]
-        spans = [(it.start, it.num_tokens, it.block_table) for it in items]
+        n = len(items)
+        starts = self.starts = list(map(step_rows.START, items))
+        counts = list(map(step_rows.COUNT, items))
+        self.depths = list(map(step_rows.DEPTH, items))
+        self.num_rows = sum(counts)
+        # Decode rows: item i is row i (offsets a range), its position its start.
+        self.one_row = max(counts) == 1 and self.num_rows == n
+        self.offsets = range(n + 1) if self.one_row else step_rows.offsets(counts)
+        spans = list(zip(starts, counts, map(step_rows.TABLE, items)))
         if r.graphs is not None:  # replays decode-only steps, runs the others eagerly
-            positions = r.tensor([p for it in items for p in range(it.start, it.end)])  # [N]
-            state, e = self._gather_inputs()
+            flat = (
+                starts
+                if self.one_row
+                else [p for s, c in zip(starts, counts) for p in range(s, s + c)]
+            )
+            positions = r.tensor(flat)  # [N]
+            state, e = self._gather_inputs(starts)
             state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
         else:
             # The metadata's one transfer brings the rows' positions too.
-            attn = r.attention(spans, [(it.request_id, it.depth) for it in items])
+            attn = r.attention(spans, list(zip(map(step_rows.RID, items), self.depths)))
             positions = attn.positions  # [N]
-            state, e = self._gather_inputs()
+            state, e = self._gather_inputs(starts)
             state = r.timed(r.model.loop, state, e, positions, attn)  # [N, S]
         # The loop is queued: the device is busy, so waiting for the previous step is free.
         r.deliver()
 
         held = self.held  # each item's ItemState (from _gather_inputs)
-        self.out = [i for i, it in enumerate(items) if it.exit is not None and not held[i].exited]
-        self.exited = self._decide_exits(state)
-        self._copy_on_exit()
-        exited_set = {i for i, x in zip(self.out, self.exited) if x}
+        specs = list(map(step_rows.EXIT, items))
+        if all(specs) and not any(map(step_rows.EXITED, held)):
+            self.out: range | list[int] = range(n)  # every item's output position is still open
+        else:
+            self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
+        self.exited = self._decide_exits(state, specs)
+        exits = [i for i, x in zip(self.out, self.exited) if x]
+        self._copy_on_exit(exits, specs)
+        depths = self.depths
         ending = [
-            i
-            for i, it in enumerate(items)
-            if it.depth >= it.ends_at or (it.stop_at_exit and i in exited_set)
+            i for i, (d, end) in enumerate(zip(depths, map(step_rows.ENDS_AT, items))) if d >= end
         ]
-        self.sampled = self._coda_and_sample(positions, state, ending, exited_set)
-        self.drafts = self._draft(positions, state)
-        ending_set = set(ending)
-        offsets = self.offsets
-        for i, (it, live) in enumerate(zip(items, lives)):
-            if i in ending_set:
-                del live.items[it.start]
-            else:  # rows of this step's output: the next step gathers them in one call
-                h = held[i]
-                h.src, h.e_src, h.row = state, e, offsets[i]
+        if exits:
+            stopping = [i for i in exits if items[i].stop_at_exit]
+            ending = sorted(set(ending).union(stopping)) if ending else stopping
+            staying = set(exits).difference(ending)
+            for i in staying:  # an ending item's state goes with it
+                held[i].exited = True
+        self.sampled = self._coda_and_sample(positions, state, ending, exits)
+        self.drafts = self._draft(positions, state) if any(map(step_rows.DRAFT, items)) else []
+        # The items' states are rows of this step's output: the next step gathers them in one
+        # call. Left pending when no item ends (the next step is likely the same items);
+        # written now otherwise. An ending item's state goes.
+        pending = PendingRows(held, self.offsets, state, e, self.out, self.gate_rows)
+        if not ending:
+            r.pending_rows = pending
+        else:  # none is left pending: the staying items' states are written now
+            r.pending_rows = None
+            if len(ending) < len(held):
+                pending.settle()
+            for i in ending:
+                del lives[i].items[starts[i]]
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
-        return any(items[i].end in lives[i].drafts for i in self.sampled)
+        return any(items[i].end in lives[i].drafts for i in self.sampled if lives[i].drafts)
 
     # ---------------------------------------------------------------- pieces
 
-    def _gather_inputs(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _gather_inputs(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """States entering this loop: the prelude's for items at depth 1 (prompt chunks first,
         then decode tokens, whose inputs are device tensors), the held ones otherwise, which
         are rows of earlier steps' outputs: one index_select over their sources."""
         r, items, lives = self.r, self.items, self.lives
-        entering = [i for i, it in enumerate(items) if it.depth == 1]
-        if entering:
-            prompts = [i for i in entering if items[i].token_ids is not None]
-            decodes = [i for i in entering if items[i].token_ids is None]
-            entering = prompts + decodes
-            parts = []
-            if prompts:
-                parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
-            if decodes:  # rows of the tensors that sampled (or drafted) them
-                parts.append(
-                    _gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
-                )
-            ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
-            sub = [items[i] for i in entering]
-            pos = r.tensor([p for it in sub for p in range(it.start, it.end)])
-            boundary = None
-            if r.spec.num_boundary_layers:
-                boundary = r.attention(
-                    [(it.start, it.num_tokens, it.boundary_table) for it in sub],
-                    [(it.request_id, 0) for it in sub],
-                )
-            e_new = r.timed(r.model.prelude, ids, pos, boundary)  # [n_enter, E]
-            noise = None
-            if r.spec.needs_noise:
-                noise = torch.cat([self._noise(it, lives[i]) for i, it in zip(entering, sub)])
-                noise = move_to(noise, r.device)
-            s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
-            row = 0
-            for i in entering:  # a fresh state: rows of the prelude's output
-                start = items[i].start
-                lives[i].items[start] = ItemState(start, s_new, e_new if r.keeps_e else None, row)
-                row += items[i].num_tokens
-        # Every item's state is rows of a source (an earlier step's output, or the prelude's);
-        # usually one source whose rows are exactly this step's, in order.
-        held = self.held = []
+        if 1 in self.depths:
+            self._enter([i for i, d in enumerate(self.depths) if d == 1])
+        held = self.held = [live.items.get(s) for live, s in zip(lives, starts)]
+        pending = r.pending_rows
+        if pending is not None:
+            if held == pending.held:  # the previous step's items, in order: its output
+                self.pending = pending
+                return pending.state, pending.e
+            pending.settle()
+            r.pending_rows = None
+        # Usually every item's state is rows of one source (an earlier step's output, or the
+        # prelude's) and this step's rows are exactly that source's, in order.
+        first = held[0]
+        src = first.src if first is not None else None
+        if (
+            src is not None
+            and src.shape[0] == self.num_rows
+            and all(held)
+            and all(map(is_, map(step_rows.SRC, held), repeat(src)))
+            and list(map(step_rows.ROW, held)) == list(self.offsets[:-1])
+        ):
+            return src, first.e_src
         sources: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         source_of: dict[int, int] = {}  # id(state source) -> index in sources
         picks: list[tuple[int, int, int]] = []  # per item: (source, first row, rows)
         last = None
         k = -1
-        expected = 0  # the next row, while every pick so far continues source 0 in order
-        for it, live in zip(items, lives):
-            h = live.items.get(it.start)
+        for it, h in zip(items, held):
             if h is None or h.src is None:
                 raise RuntimeError(f"{it.request_id}: no in-flight state at {it.start}")
-            held.append(h)
-            src = h.src
-            if src is not last:
-                k = source_of.get(id(src), -1)
+            if h.src is not last:
+                last = h.src
+                k = source_of.get(id(last), -1)
                 if k < 0:
-                    k = source_of[id(src)] = len(sources)
-                    sources.append((src, h.e_src))
-                last = src
-            if expected >= 0:
-                expected = expected + it.num_tokens if k == 0 and h.row == expected else -1
+                    k = source_of[id(last)] = len(sources)
+                    sources.append((last, h.e_src))
             picks.append((k, h.row, it.num_tokens))
-        if len(sources) == 1 and expected == sources[0][0].shape[0]:
-            return sources[0]  # this step's rows are the source's, in order
-        state = _gather_rows([src for src, _ in sources], picks)
+        state = step_rows.gather_rows([s for s, _ in sources], picks)
         if not r.keeps_e:
             return state, None
-        return state, _gather_rows([e_src for _, e_src in sources], picks)
+        return state, step_rows.gather_rows([e_src for _, e_src in sources], picks)
+
+    def _enter(self, entering: list[int]) -> None:
+        """The prelude of the items entering loop 1; each gets a fresh state: rows of the
+        prelude's output."""
+        r, items, lives = self.r, self.items, self.lives
+        every = len(entering) == len(items)
+        prompts = [i for i in entering if items[i].token_ids is not None]
+        if prompts:
+            decodes = [i for i in entering if items[i].token_ids is None]
+            entering = prompts + decodes
+            every = False
+        else:
+            decodes = entering
+        parts = []
+        if prompts:
+            parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
+        if decodes:  # rows of the tensors that sampled (or drafted) them
+            parts.append(self._decode_inputs(decodes))
+        ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
+        sub = items if every else [items[i] for i in entering]
+        starts = self.starts if every else list(map(step_rows.START, sub))
+        if every and self.one_row:
+            pos = r.tensor(starts)
+        else:
+            pos = r.tensor([p for it in sub for p in range(it.start, it.end)])
+        boundary = None
+        if r.spec.num_boundary_layers:
+            boundary = r.attention(
+                [(it.start, it.num_tokens, it.boundary_table) for it in sub],
+                [(it.request_id, 0) for it in sub],
+            )
+        e_new = r.timed(r.model.prelude, ids, pos, boundary)  # [n_enter, E]
+        noise = None
+        if r.spec.needs_noise:
+            noise = torch.cat([self._noise(it, lives[i]) for i, it in zip(entering, sub)])
+            noise = move_to(noise, r.device)
+        s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
+        e_kept = e_new if r.keeps_e else None
+        counts = list(map(step_rows.COUNT, sub))
+        fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
+        for i, start, h in zip(entering, starts, fresh):
+            lives[i].items[start] = h
+
+    def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:
+        """[len(decodes)] int64 on the device: the decode tokens' inputs, each a row of the
+        tensor that sampled (or drafted) it; that tensor itself when they are all its rows in
+        order (decode rows that all sampled in one step)."""
+        items, lives = self.items, self.lives
+        entering = lives if len(decodes) == len(lives) else [lives[i] for i in decodes]
+        if not any(map(step_rows.DRAFTS, entering)):
+            sources = list(map(step_rows.LAST_TOKENS, entering))
+            first = sources[0]
+            if (
+                first is not None
+                and first.shape[0] == len(entering)
+                and all(map(is_, sources, repeat(first)))
+                and list(map(step_rows.LAST_ROW, entering)) == list(range(len(entering)))
+            ):
+                return first
+        return step_rows.gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
 
     def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
         seed = live.setup.seed if live.setup.params.init_state == "random" else None
         return self.r.model.draw_noise(seed, list(range(item.start, item.end)))
 
-    def _decide_exits(self, state: torch.Tensor) -> list[bool]:
+    def _decide_exits(self, state: torch.Tensor, specs: list) -> list[bool]:
         """The exit rule for the output rows, in fp32 with the reference's arithmetic:
         lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p.
 
         The decision itself is host-known for fixed exits and for delayed ones (made by the
         previous loop, delivered by now); only ``gate`` mode reads this loop's gate in-step.
         """
-        out, items, held = self.out, self.items, self.held
+        out, held = self.out, self.held
+        self.modes: tuple[str, ...] = ()
         if not out:
             return []
         r = self.r
-        if len(out) == state.shape[0]:  # every row is an output row (decode-only steps)
+        every = isinstance(out, range)  # every item is an output row
+        out_held = held if every else [held[i] for i in out]
+        out_depths = self.depths if every else [self.depths[i] for i in out]
+        if every and self.one_row:  # decode-only steps: every row is an output row
             out_state = state
         else:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
+        modes, exit_now, min_loops, max_loops, thresholds = zip(
+            *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
+        )
+        self.modes = modes
         logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
-        specs = [items[i].exit for i in out]
         crossed_now: list[bool] | None = None
         new_gate = None
+        m = len(out_held)
         if logit is not None:
-            # One pass: each row's threshold (ineligible rows get inf, which no CDF reaches:
-            # only the CDF comparison needs the device, the rest of the rule is host-known)
-            # and where its gate state is (rows of earlier steps' gates, or the initial one).
-            thr = []
-            sources: list[torch.Tensor] = []
-            source_of: dict[int, int] = {}
-            picks = []
-            last, k = None, -1
-            gate_mode = False
-            for i, spec in zip(out, specs):
-                gate_mode = gate_mode or spec.mode == "gate"
-                thr.append(
-                    spec.threshold
-                    if spec.threshold < 1.0 and items[i].depth >= spec.min_loops
-                    else inf
-                )
-                h = held[i]
-                src = h.gate_src
-                if src is None or src is not last:
-                    key = id(src)  # id(None) stands for the initial state
-                    k = source_of.get(key, -1)
-                    if k < 0:
-                        k = source_of[key] = len(sources)
-                        sources.append(r.gate_init[None] if src is None else src)
-                    last = src
-                picks.append((k, h.gate_row, 1))
-            gate = _gather_rows(sources, picks, in_order=True)  # [M, 2]
-            surv, cdf = gate[:, 0], gate[:, 1]  # [M]
-            lam = torch.sigmoid(logit.float())
+            gate = self._gate_state(out_held)  # [2, M]
+            surv, cdf = gate.unbind(0)  # [M]
+            lam = torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
             cdf = cdf + lam * surv
             surv = surv * (1.0 - lam)
-            new_gate = torch.stack((surv, cdf), dim=1)  # [M, 2]
-            crossed = cdf >= r.tensor(thr, torch.float32)  # [M]
+            new_gate = torch.stack((surv, cdf))  # [2, M]
+            crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
-            if gate_mode:
+            if "gate" in modes:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
-        exited = []
-        for k, (i, spec) in enumerate(zip(out, specs)):
-            h = held[i]
-            if new_gate is not None:
-                h.gate_src, h.gate_row = new_gate, k
-            mode = spec.mode
-            if mode == "fixed":
-                now = spec.exit_now
-            elif items[i].depth >= spec.max_loops:
-                now = True
-            elif mode == "delayed":
-                now = h.pending
-            else:
-                now = bool(crossed_now and crossed_now[k])
-            h.exited = now
-            exited.append(now)
+            self.gate_rows = new_gate  # written with the states, or left pending (run())
+        if all(mode == "delayed" for mode in set(modes)):
+            exited = [
+                d >= hi or p
+                for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
+            ]
+        else:
+            exited = []
+            for k in range(m):
+                mode = modes[k]
+                if mode == "fixed":
+                    now = exit_now[k]
+                elif out_depths[k] >= max_loops[k]:
+                    now = True
+                elif mode == "delayed":
+                    now = out_held[k].pending
+                else:
+                    now = bool(crossed_now and crossed_now[k])
+                exited.append(now)
         return exited
 
-    def _copy_on_exit(self) -> None:
+    def _gate_state(self, out_held: list[ItemState]) -> torch.Tensor:
+        """[2, M] fp32: the output rows' (survival, CDF) before this loop: columns of earlier
+        steps' gates, or the initial state for positions at their first loop."""
+        r = self.r
+        m = len(out_held)
+        pending = self.pending
+        if pending is not None and pending.gate is not None and self.out == pending.out:
+            return pending.gate  # the same output rows as in the step that left it
+        if r.pending_rows is not None:  # this step's states are it, but not its gates
+            r.pending_rows.settle()
+            r.pending_rows = None
+        srcs = list(map(step_rows.GATE_SRC, out_held))
+        first = srcs[0]
+        if all(map(is_, srcs, repeat(first))):
+            if first is None:
+                return r.gate_init[:, None].expand(2, m)
+            rows = list(map(step_rows.GATE_ROW, out_held))
+            if first.shape[1] == m and rows == list(range(m)):
+                return first
+            return first.index_select(1, r.tensor(rows))
+        sources: list[torch.Tensor] = []
+        source_of: dict[int, int] = {}
+        picks = []
+        last, k = None, -1
+        for h in out_held:
+            src = h.gate_src
+            if src is None or src is not last:
+                key = id(src)  # id(None) stands for the initial state
+                k = source_of.get(key, -1)
+                if k < 0:
+                    k = source_of[key] = len(sources)
+                    sources.append(r.gate_init[None] if src is None else src.t())
+                last = src
+            picks.append((k, h.gate_row, 1))
+        return step_rows.gather_rows(sources, picks).t()
+
+    def _copy_on_exit(self, exits: list[int], specs: list) -> None:
         """last_exited: the exit-depth K/V of a token stopping early serves deeper planes."""
+        items = self.items
+        # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
+        if not all(specs):
+            exits = exits + [
+                i for i, it in enumerate(items) if it.exit is None and it.exit_copy_blocks
+            ]
         src: list[int] = []
         dst: list[int] = []
         bs = self.r.block_size
-        exits = [i for i, x in zip(self.out, self.exited) if x]
-        # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
-        exits += [i for i, it in enumerate(self.items) if it.exit is None and it.exit_copy_blocks]
         for i in exits:
-            it = self.items[i]
+            it = items[i]
             if not it.exit_copy_blocks:
                 continue
             # An exiting output copies position start; a recomputed chunk copies every position
@@ -255,14 +352,15 @@ class Step:
         positions: torch.Tensor,
         state: torch.Tensor,
         ending: list[int],
-        exited: set[int],
+        exits: list[int],
     ) -> list[int]:
-        """Coda for finishing rows, logits + sampling for exited output rows. Returns the items
-        that sampled; their tokens become the requests' next inputs on the device."""
+        """Coda for finishing rows, logits + sampling for exited output rows (``exits``, in
+        item order). Returns the items that sampled; their tokens become the requests' next
+        inputs on the device."""
         r, items, lives, offsets = self.r, self.items, self.lives, self.offsets
         boundary = r.spec.num_boundary_layers > 0
         # With coda attention every row of an ending item writes coda KV that later tokens read.
-        coda_items = sorted(set(ending) | exited) if boundary else sorted(exited)
+        coda_items = sorted(set(ending).union(exits)) if boundary else exits
         if not coda_items:
             return []
         if boundary:
@@ -275,37 +373,44 @@ class Step:
         else:
             rows = [offsets[i + 1] - 1 for i in coda_items]
             attn = None
-            widths = [1] * len(coda_items)
-        index = r.tensor(rows)
-        hidden = r.timed(
-            r.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
-        )
-        sample_items = [i for i in coda_items if i in exited]
-        if not sample_items:
+            widths = None
+        if len(rows) == state.shape[0]:  # every row (rows are increasing)
+            hidden = r.timed(r.model.coda, state, positions, attn)
+        else:
+            index = r.tensor(rows)
+            hidden = r.timed(
+                r.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
+            )
+        if not exits:
             return []  # coda rows that only write coda KV (non-final prompt chunks)
-        ends = _offsets(widths)
-        last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
-        pick = r.tensor([last[i] for i in sample_items])
-        logits = r.timed(r.model.logits, hidden.index_select(0, pick))  # [M, V] fp32
+        if widths is not None and max(widths) > 1:
+            ends = step_rows.offsets(widths)
+            last = {i: ends[k + 1] - 1 for k, i in enumerate(coda_items)}  # an item's output row
+            pick = [last[i] for i in exits]
+        elif len(exits) == len(coda_items):
+            pick = None  # one row per coda item, every one sampling
+        else:
+            exiting = set(exits)
+            pick = [k for k, i in enumerate(coda_items) if i in exiting]
+        if pick is not None:
+            hidden = hidden.index_select(0, r.tensor(pick))
+        logits = r.timed(r.model.logits, hidden)  # [M, V] fp32
         r.logits_width = logits.shape[-1]
-        sample_rows = [lives[i].sample_row for i in sample_items]
-        self.sample = r.sampler.sample_device(logits, sample_rows)
+        self.sample = r.sampler.sample_device(logits, [lives[i].sample_row for i in exits])
         tokens = self.sample.token_ids
-        for k, i in enumerate(sample_items):  # the next decode token's input
+        for k, i in enumerate(exits):  # the next decode token's input
             live = lives[i]
             live.last_tokens, live.last_row = tokens, k
         for name, tensor in self.sample.tensors().items():
             self.outputs.add("sample." + name, tensor)
-        self.num_coda_rows = len(sample_items)
-        return sample_items
+        self.num_coda_rows = len(exits)
+        return exits
 
     def _draft(self, positions: torch.Tensor, state: torch.Tensor) -> list[Draft]:
         """Token pipelining: the greedy prediction from a token's state at ``draft_loops``
         becomes the input of the next position, which enters loop 1 in the next step."""
         r, items = self.r, self.items
         drafting = [i for i, it in enumerate(items) if it.draft]
-        if not drafting:
-            return []
         rows = r.tensor([self.offsets[i + 1] - 1 for i in drafting])
         hidden = r.timed(
             r.model.coda, state.index_select(0, rows), positions.index_select(0, rows), None
@@ -322,96 +427,69 @@ class Step:
     def results(self) -> list[ItemResult | None]:
         """Reads the staged outputs on the host and builds the items' results, updating the
         host copies of device state (delayed decisions, drafts, history, rollbacks)."""
-        r, items, lives, held = self.r, self.items, self.lives, self.held
+        items, held = self.items, self.held
         host = self.outputs.read()
         for draft, value in zip(self.drafts, host.get("drafts", [])):
             draft.value = value
-        sample = None
-        if self.sampled:
-            prefix = "sample."
-            sample = self.sample.to_output(
-                {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
-            )
         out, exited = self.out, self.exited
-        gates = host.get("gate") or [(1.0, 0.0)] * len(out)
-        crossed = host.get("crossed") or [False] * len(out)
-        row_of = {i: k for k, i in enumerate(self.sampled)}
+        m = len(exited)
+        every = isinstance(out, range)
+        if "gate" in host:
+            survival, cdf = host["gate"]
+            crossed = host["crossed"]
+            # Delayed mode: a crossing that did not exit now makes the next loop the exit.
+            if all(mode == "delayed" for mode in set(self.modes)):
+                nexts = [c and not x for c, x in zip(crossed, exited)]
+            else:
+                nexts = [
+                    c and not x and mode == "delayed"
+                    for c, x, mode in zip(crossed, exited, self.modes)
+                ]
+        else:
+            survival, cdf, nexts = repeat(1.0, m), repeat(0.0, m), [False] * m
+        if any(nexts):  # only ever set: a pending row exits at its next loop, never again
+            for h, nxt in zip(held if every else [held[i] for i in out], nexts):
+                if nxt:
+                    h.pending = True
+        # No token this loop: positional (one is built per row per step).
+        outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
+        if self.sampled:
+            self._sampled_results(host, outcomes)
+        if every:
+            return outcomes
         results: list[ItemResult | None] = [None] * len(items)
-        rollbacks: list[int] = []
-        for i, ex, (survival, cdf), cr in zip(out, exited, gates, crossed):
-            exit_next = bool(cr and not ex and items[i].exit.mode == "delayed")
-            held[i].pending = exit_next
-            j = row_of.get(i) if row_of else None
-            if j is None:  # no token this loop (positional: one is built per row per step)
-                results[i] = ItemResult(ex, survival, cdf, exit_next)
-                continue
-            token = sample.token_ids[j]
-            checked = items[i].end in lives[i].drafts
-            rollback = lives[i].commit(items[i].end, token)
-            r.drafts_checked += checked
-            if rollback:
-                rollbacks.append(i)
-                r.drafts_rejected += 1
-            results[i] = ItemResult(
-                exited=ex,
-                survival=survival,
-                cdf=cdf,
-                exit_next=exit_next,
-                token_id=token,
-                logprob=sample.logprobs[j],
-                top_logprobs=sample.top_logprobs[j],
-                rollback=rollback,
-                finite=sample.finite[j],
-            )
-        for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
-            lives[i].rollback(items[i].end)
+        for i, outcome in zip(out, outcomes):
+            results[i] = outcome
         return results
 
-
-def _gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """[len(refs)] int64: row ``row`` of each ``(tensor, row)``; the tensor itself when the
-    rows are all of one tensor, in order."""
-    sources: list[torch.Tensor] = []
-    source_of: dict[int, int] = {}
-    picks = []
-    last, k = None, -1
-    for src, row in refs:
-        if src is not last:
-            k = source_of.get(id(src), -1)
-            if k < 0:
-                k = source_of[id(src)] = len(sources)
-                sources.append(src)
-            last = src
-        picks.append((k, row, 1))
-    return _gather_rows(sources, picks, in_order=True)
-
-
-def _gather_rows(
-    sources: list[torch.Tensor], picks: list[tuple[int, int, int]], in_order: bool = False
-) -> torch.Tensor:
-    """Rows ``picks`` ((source, first row, rows) in output order) of ``sources``: one
-    index_select over their concatenation. ``in_order``: check first whether the picks are
-    all of one source's rows in order, which is then returned as it is."""
-    if in_order and len(sources) == 1:
-        expected = 0
-        for _, row, n in picks:
-            if row != expected:
-                break
-            expected += n
+    def _sampled_results(self, host: dict[str, list], outcomes: list[ItemResult]) -> None:
+        """Fills in the tokens of the sampled items' results (``outcomes`` is aligned with
+        ``self.out``); a draft the token contradicts rolls its request back."""
+        r, items, lives = self.r, self.items, self.lives
+        prefix = "sample."
+        sample = self.sample.to_output(
+            {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
+        )
+        if isinstance(self.out, range):
+            index = self.sampled
         else:
-            if expected == sources[0].shape[0]:
-                return sources[0]
-    bases = _offsets([src.shape[0] for src in sources])
-    index: list[int] = []
-    for k, row, n in picks:
-        first = bases[k] + row
-        if n == 1:
-            index.append(first)
-        else:
-            index.extend(range(first, first + n))
-    data = torch.cat(sources) if len(sources) > 1 else sources[0]
-    return data.index_select(0, to_device(index, data.device))
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    return list(accumulate(counts, initial=0))
+            k_of = {i: k for k, i in enumerate(self.out)}
+            index = [k_of[i] for i in self.sampled]
+        rollbacks: list[int] = []
+        for j, (i, k) in enumerate(zip(self.sampled, index)):
+            outcome = outcomes[k]
+            live = lives[i]
+            token = outcome.token_id = sample.token_ids[j]
+            outcome.logprob = sample.logprobs[j]
+            outcome.top_logprobs = sample.top_logprobs[j]
+            outcome.finite = sample.finite[j]
+            if live.drafts or live.history is not None:
+                end = items[i].end
+                checked = end in live.drafts
+                outcome.rollback = live.commit(end, token)
+                r.drafts_checked += checked
+                if outcome.rollback:
+                    rollbacks.append(i)
+                    r.drafts_rejected += 1
+        for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
+            lives[i].rollback(items[i].end)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from rltserve.core.cuda_graphs import DecodeGraphs
-    from rltserve.core.live import LiveRequest
+    from rltserve.core.live import LiveRequest, PendingRows
     from rltserve.core.sampler import Sampler
     from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 
@@ -32,6 +32,7 @@ class StepHost(Protocol):
     keeps_e: bool
     gate_init: torch.Tensor
     graphs: DecodeGraphs | None
+    pending_rows: PendingRows | None  # the last step's states, not yet in their ItemStates
     drafts_checked: int
     drafts_rejected: int
 

@@ -1,0 +1,103 @@
+"""What a ``Step`` reads per row, and how it gathers rows: column getters over work items and
+their states (``map`` with them runs at C speed where a Python loop over rows would not), the
+exit rule's thresholds, and gathering rows of earlier steps' tensors with one ``index_select``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+from math import inf
+from operator import attrgetter
+
+import torch
+
+from rltserve.core.staging import to_device
+from rltserve.core.step_host import StepHost
+
+# Per-item columns: work items, their ItemStates, their LiveRequests.
+RID = attrgetter("request_id")
+START = attrgetter("start")
+COUNT = attrgetter("num_tokens")
+DEPTH = attrgetter("depth")
+TABLE = attrgetter("block_table")
+EXIT = attrgetter("exit")
+ENDS_AT = attrgetter("ends_at")
+DRAFT = attrgetter("draft")
+SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
+SRC = attrgetter("src")
+ROW = attrgetter("row")
+GATE_SRC = attrgetter("gate_src")
+GATE_ROW = attrgetter("gate_row")
+EXITED = attrgetter("exited")
+PENDING = attrgetter("pending")
+DRAFTS = attrgetter("drafts")
+LAST_TOKENS = attrgetter("last_tokens")
+LAST_ROW = attrgetter("last_row")
+
+
+def thresholds(
+    r: StepHost, values: Sequence[float], depths: Sequence[int], min_loops: Sequence[int]
+) -> float | torch.Tensor:
+    """What each output row's CDF must reach to exit: its threshold (``values``), or inf
+    (which no CDF reaches) where the rule does not apply (threshold 1, or before
+    ``min_loops``): only the CDF comparison needs the device, the rest of the rule is
+    host-known. One float (compared in fp32, as a tensor of it would be) when it is every
+    row's, a [M] fp32 tensor else."""
+    t, d, lo = values[0], depths[0], min_loops[0]
+    m = len(values)
+    if values.count(t) == m and depths.count(d) == m and min_loops.count(lo) == m:
+        return t if t < 1.0 and d >= lo else inf
+    thr = [t if t < 1.0 and d >= lo else inf for t, d, lo in zip(values, depths, min_loops)]
+    if thr.count(thr[0]) == m:
+        return thr[0]
+    return r.tensor(thr, torch.float32)
+
+
+def gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """[len(refs)] int64: row ``row`` of each ``(tensor, row)``; the tensor itself when the
+    rows are all of one tensor, in order."""
+    sources: list[torch.Tensor] = []
+    source_of: dict[int, int] = {}
+    picks = []
+    last, k = None, -1
+    for src, row in refs:
+        if src is not last:
+            k = source_of.get(id(src), -1)
+            if k < 0:
+                k = source_of[id(src)] = len(sources)
+                sources.append(src)
+            last = src
+        picks.append((k, row, 1))
+    return gather_rows(sources, picks, in_order=True)
+
+
+def gather_rows(
+    sources: list[torch.Tensor], picks: list[tuple[int, int, int]], in_order: bool = False
+) -> torch.Tensor:
+    """Rows ``picks`` ((source, first row, rows) in output order) of ``sources``: one
+    index_select over their concatenation. ``in_order``: check first whether the picks are
+    all of one source's rows in order, which is then returned as it is."""
+    if in_order and len(sources) == 1:
+        expected = 0
+        for _, row, n in picks:
+            if row != expected:
+                break
+            expected += n
+        else:
+            if expected == sources[0].shape[0]:
+                return sources[0]
+    bases = offsets([src.shape[0] for src in sources])
+    index: list[int] = []
+    for k, row, n in picks:
+        first = bases[k] + row
+        if n == 1:
+            index.append(first)
+        else:
+            index.extend(range(first, first + n))
+    data = torch.cat(sources) if len(sources) > 1 else sources[0]
+    return data.index_select(0, to_device(index, data.device))
+
+
+def offsets(counts: list[int]) -> list[int]:
+    return list(accumulate(counts, initial=0))

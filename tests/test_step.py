@@ -1,0 +1,127 @@
+"""Step: the fast paths of decode rows give what the general paths give (the dense oracle's
+tokens and exit depths), and the exit rule's thresholds compare as fp32 tensors would."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from engine_util import make_core, oracle_run, run_core
+
+import rltserve.core.step_rows as step_rows
+from rltserve.sampling import SamplingParams
+
+
+class _Host:
+    """What ``_thresholds`` uses of the runner."""
+
+    def tensor(self, values, dtype=None):
+        return torch.tensor(values, dtype=dtype)
+
+
+def test_thresholds_are_one_float_when_every_row_shares_it():
+    host = _Host()
+    assert step_rows.thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3) == 0.8
+    # Before min_loops, or with threshold 1, the rule does not apply: inf, which no CDF reaches.
+    assert step_rows.thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3) == math.inf
+    assert step_rows.thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2) == math.inf
+    # Different rows, one value once the rule is applied.
+    assert step_rows.thresholds(host, (1.0, 0.5), (3, 1), (1, 2)) == math.inf
+    per_row = step_rows.thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
+    assert per_row.dtype == torch.float32
+    assert per_row.tolist() == [pytest.approx(0.8), math.inf, pytest.approx(0.7)]
+
+
+def test_a_float_threshold_compares_in_fp32_like_a_tensor_of_it():
+    # fp32(0.7) < 0.7: compared in float64 this CDF would not reach its threshold.
+    cdf = torch.tensor([0.7, 0.69999], dtype=torch.float32)
+    one = step_rows.thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
+    assert isinstance(one, float)
+    assert (cdf >= one).tolist() == (cdf >= torch.tensor([0.7, 0.7])).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("exit_mode", ["gate", "delayed"])
+def test_lockstep_decode_takes_the_fast_paths_and_matches_the_oracle(
+    ckpts, ouro_ref, monkeypatch, exit_mode
+):
+    """Requests of one prompt length at a fixed depth step in lockstep: every step's states,
+    gate states and decode inputs are an earlier step's rows in order, so nothing is gathered
+    row by row; the tokens and depths are the oracle's."""
+    gathered = []
+
+    def counted(name):
+        real = getattr(step_rows, name)
+        return lambda *args: gathered.append(name) or real(*args)
+
+    for name in ("gather_rows", "gather_tokens"):
+        monkeypatch.setattr(step_rows, name, counted(name))
+    prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3) for _ in prompts]
+    core = make_core(ckpts["ouro"], exit_mode=exit_mode, kv_policy="full")
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="full", exit_mode=exit_mode)
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths == [3] * 6
+    assert gathered == []
+
+
+def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
+    ckpts, ouro_ref, monkeypatch
+):
+    """Different prompt lengths, thresholds and arrivals: items of a step come from several
+    sources, out of order; the general paths gather them, with the oracle's results."""
+    gathered = []
+    real = step_rows.gather_rows
+    monkeypatch.setattr(
+        step_rows, "gather_rows", lambda *a, **k: gathered.append(1) or real(*a, **k)
+    )
+    prompts = [[(5 * i + k) % 300 + 1 for k in range(2 + 3 * i)] for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=5, ignore_eos=True, exit_threshold=t)
+        for t in (0.3, 0.9, 0.5, 1.0, 0.6, 0.4)
+    ]
+    core = make_core(ckpts["ouro"], prefill_chunk_size=4, max_num_batched_tokens=12)
+    run = run_core(core, prompts, params, arrivals=[0, 1, 1, 3, 4, 6])
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited")
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths
+    assert gathered
+
+
+def test_pending_rows_settle_into_their_item_states():
+    from rltserve.core.live import ItemState, PendingRows
+
+    held = [ItemState(start=s) for s in (4, 9, 2)]
+    state, gate = torch.zeros(5, 3), torch.zeros(2, 2)
+    kept = torch.ones(2, 1)
+    held[1].gate_src = kept  # not an output row of the step: its gate stays
+    PendingRows(held, [0, 1, 3], state, None, [0, 2], gate).settle()
+    assert [(h.src is state, h.e_src, h.row) for h in held] == [(True, None, r) for r in (0, 1, 3)]
+    assert (held[0].gate_src is gate, held[0].gate_row) == (True, 0)
+    assert (held[2].gate_src is gate, held[2].gate_row) == (True, 1)
+    assert held[1].gate_src is kept
+    PendingRows(held, range(3), state, None).settle()  # no gate computed: gates are current
+    assert held[1].gate_src is kept and held[0].gate_src is gate
+
+
+def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
+    core = make_core(ckpts["ouro"], kv_policy="full")
+    p = SamplingParams(max_tokens=4, ignore_eos=True, max_loops=3)
+    for i in range(3):
+        core.add_request(f"r{i}", [1 + i, 2, 3], p)
+    seen = 0
+    while core.has_work():
+        plan = core.plan()
+        if plan is None:
+            break
+        core.apply(plan, core.runner.execute(plan))
+        pending = core.runner.pending_rows
+        if pending is not None:  # a step where no item ended: its items' fields lag
+            seen += 1
+            live = core.runner.live
+            assert [live[it.request_id].items[it.start] for it in plan.items] == pending.held
+            assert pending.state.shape[0] == plan.num_tokens
+    assert seen >= 4
