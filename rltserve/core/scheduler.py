@@ -137,9 +137,6 @@ class Scheduler:
         self.preemptor.admit_by_priority()
         starters = []
         for request in self.running:
-            if not request.items:  # between tokens: only a new item can run
-                starters.append(request)
-                continue
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
@@ -168,7 +165,7 @@ class Scheduler:
         Wavefront rule: an item's loop d also needs the previous item's loop d planned in an
         earlier step (it writes the plane-d KV the item attends to). Items are visited last to
         first, so the previous item's progress (and state) is still the one from earlier
-        steps. This runs for every running request in every step: it keeps calls per row few.
+        steps.
         """
         request_items = request.items
         next_loop = self._next_loop
