@@ -153,6 +153,13 @@ class SchedulerConfig:
             "(default: 2, or the model's loops - 1 when it has fewer than 3)"
         ),
     )
+    carry_decode: bool = field(
+        default=True,
+        metadata=_help(
+            "plan a decode token once; the runner runs its loops to the exit by itself "
+            "(off: every loop is planned, the reference schedule)"
+        ),
+    )
     async_scheduling: bool = field(
         default=False,
         metadata=_help("plan the next step while the current one runs (two steps in flight)"),

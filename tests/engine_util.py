@@ -102,7 +102,9 @@ def run_core(
 
     def apply_oldest() -> None:
         plan, handle = pending.popleft()
-        for u in core.apply(plan, handle.result()):
+        result = handle.result()
+        run.max_rows = max(run.max_rows, result.num_rows)  # carried rows included
+        for u in core.apply(plan, result):
             run.tokens[u.request_id].extend(u.new_token_ids)
             run.depths[u.request_id].extend(u.new_exit_depths)
             run.logprobs[u.request_id].extend(u.new_logprobs)
@@ -129,7 +131,6 @@ def run_core(
                 run.finish[rids[i]] = "abort"
         plan = core.plan()
         if plan is not None:
-            run.max_rows = max(run.max_rows, plan.num_tokens)
             pending.append((plan, core.runner.launch(plan)))
             run.steps += 1
         if len(pending) > lag or (plan is None and pending):

@@ -44,7 +44,7 @@ def drive(
         if plan is not None:
             if armed and fault(plan, core):
                 armed = False
-                out.faulty = {it.request_id for it in plan.items}
+                out.faulty = step_requests(plan, core)
                 out.omitted = {r.request_id for r in core.scheduler.running} - out.faulty
                 owner = core.model if breaks[0] == "model" else core.runner
 
@@ -78,6 +78,14 @@ def drive(
     return out
 
 
+def step_requests(plan, core) -> set[str]:
+    """The requests a step about to launch runs: its items' and the runner's carried decode
+    tokens' (those its plan does not release or preempt)."""
+    gone = {*plan.released, *plan.preempted}
+    carried = {w.request_id for w in core.runner.carried.items} - gone
+    return {it.request_id for it in plan.items} | carried
+
+
 def assert_clean(core) -> None:
     assert core.kv.usage == 0
     assert not core.runner.swapped and core.stats().swapped_bytes == 0
@@ -102,7 +110,7 @@ def assert_oracle(ref, core, out: Outcome, params, rids) -> None:
 def omits_a_running_request(plan, core) -> bool:
     """A step that leaves out a running request (its exit is not known yet) and has run
     before (so the fault hits requests mid-generation)."""
-    planned = {it.request_id for it in plan.items}
+    planned = step_requests(plan, core)
     running = {r.request_id for r in core.scheduler.running}
     return plan.step_id > 3 and bool(planned) and bool(running - planned)
 
@@ -290,8 +298,10 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
     def faulty_apply(plan, result):
         # Mid-generation, a step that samples while other requests are running or waiting.
         planned = {it.request_id for it in plan.items}
+        planned |= {event.request_id for event in result.carried}
         others = set(sched.requests) - planned
         samples = any(r is not None and r.exited for r in result.items)
+        samples |= any(event.outcome is not None for event in result.carried)
         if hit or plan.step_id < 4 or not samples or not others:
             return apply(plan, result)
         hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))

@@ -365,6 +365,7 @@ class EngineCore:
         # The step's requests still going: each gets its final update from this step.
         requests = self.scheduler.requests
         rids = dict.fromkeys(it.request_id for it in plan.items)
+        rids.update(dict.fromkeys(event.request_id for event in result.carried))
         involved = [rid for rid in rids if rid in requests]
         try:
             updates = self.scheduler.apply(plan, result)

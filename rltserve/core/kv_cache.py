@@ -303,6 +303,16 @@ class KVManager:
             raise ValueError(f"depth={depth}: request {request_id!r} has {entry.num_loops} loops")
         return entry.tables[self._plane(depth)]
 
+    def depth_tables(self, request_id: str, num_loops: int) -> list[list[int]]:
+        """The tables of loops 1..``num_loops`` (index d - 1), as ``table_for_depth`` gives
+        them (planes shared by several depths give the same list)."""
+        entry = self._requests[request_id]
+        if not 1 <= num_loops <= entry.num_loops:
+            raise ValueError(f"num_loops={num_loops}: request has {entry.num_loops} loops")
+        self._plane(num_loops)
+        tables = entry.tables
+        return [tables[p] for p in self._plane_of_depth[1 : num_loops + 1]]
+
     def _plane(self, depth: int) -> int:
         """``policy.plane(depth)``, remembered: planning asks it for every row of every step."""
         planes = self._plane_of_depth

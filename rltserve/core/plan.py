@@ -6,6 +6,12 @@ and reports what the device decided. The runner never sees a ``Request``.
 
 Depths are 1-based: ``depth`` is the loop a work item runs in this step.
 
+Carried decode tokens: a ``WorkItem`` with ``carry`` set is planned once, at its first loop; the
+runner then runs its next loops by itself, one per step (before the plan's own items), until it
+ends: its loop ``ends_at``, or the exit of its output when ``stop_at_exit``, or a plan that
+releases or preempts its request. Its results come back in ``StepResult.carried`` when its output
+exits and when it ends. Planning then costs per token started, not per loop run.
+
 Invariant: a plan and its result are never changed once built. The per-row types (``WorkItem``,
 ``ExitSpec``, ``ItemResult``) are nevertheless plain slotted dataclasses, not frozen ones: one
 of each is built per row per step, and a frozen dataclass takes about 2.5x as long to build.
@@ -60,6 +66,20 @@ class ExitSpec:
 
 
 @dataclass(slots=True)
+class Carry:
+    """What the runner needs to run a decode token's later loops without a plan: the values of
+    the per-loop ``WorkItem`` fields at every depth it can reach."""
+
+    key: int  # the scheduler's name for the token in ``CarriedResult``s
+    tables: list[list[int]]  # the block table of loop d at index d - 1 (d = 1 .. ends_at)
+    specs: tuple[ExitSpec, ExitSpec] | None  # the output's spec: (exit_now False, True)
+    exit_at: int  # fixed exits: the loop whose spec says exit_now; 0 when the gate decides
+    # last_exited: the blocks holding ``start`` on the planes of depths 1..num_loops (loop d
+    # copies into those of depths d+1..); empty when no copy can be needed.
+    copy_blocks: list[int]
+
+
+@dataclass(slots=True)
 class WorkItem:
     """Tokens ``[start, start + num_tokens)`` of one request, all at the same ``depth``.
 
@@ -91,6 +111,8 @@ class WorkItem:
     # The request's rollback count when the item was created; the runner skips items of an
     # older epoch (planned before a rollback the runner has already done).
     epoch: int = 0
+    # Set on a decode token's first loop when the runner runs its later loops by itself.
+    carry: Carry | None = None
 
     @property
     def end(self) -> int:
@@ -138,11 +160,24 @@ class ItemResult:
     finite: bool = True
 
 
+@dataclass(slots=True)
+class CarriedResult:
+    """A carried token's event in a step: its output exited (``outcome``) or it ended."""
+
+    key: int  # ``Carry.key``
+    request_id: str
+    depth: int  # the loop it ran in this step
+    ended: bool  # the runner runs no further loop of it
+    outcome: ItemResult | None  # the exit (with its token) when the output exited now
+
+
 @dataclass
 class StepResult:
     step_id: int
     # Aligned with plan.items: None for items without an output position still to exit.
     items: list[ItemResult | None]
+    # Carried tokens (planned in earlier steps) whose output exited or that ended in this step.
+    carried: list[CarriedResult] = field(default_factory=list)
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
     error: str | None = None  # set when the step failed; the scheduler fails its requests

@@ -65,11 +65,11 @@ class Preemptor:
         key = s.order_key(request)
         while s.kv.blocks_to_grow(rid, num_tokens) > s.kv.num_free_blocks:
             worse = [r for r in s.running if s.order_key(r) > key]
-            free_to_go = [r for r in worse if r.request_id not in s._in_step]
+            free_to_go = [r for r in worse if not s.in_step(r)]
             if free_to_go:
                 self.preempt(max(free_to_go, key=s.order_key))
                 continue
-            if not worse and rid not in s._in_step:
+            if not worse and not s.in_step(request):
                 self.preempt(request)
             return False
         return True
@@ -112,6 +112,7 @@ class Preemptor:
                 self.swap_fallbacks += 1
                 keep = 0
         victim.swapped_tokens = keep
+        s.drop_carried(victim)
         victim.items.clear()
         victim.num_preemptions += 1
         victim.replay_until = p + k - 1 if k else 0

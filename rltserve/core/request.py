@@ -59,6 +59,9 @@ class InFlight:
     # last_exited: the blocks holding ``start`` on the planes of depths 1..num_loops, once an
     # exit spec needed them (a loop at depth d copies into those of depths d+1..).
     exit_blocks: list[int] | None = None
+    # A carried decode token (``plan.Carry``): its key while the runner runs its loops; 0 when
+    # every loop is planned.
+    carry_key: int = 0
 
     @property
     def end(self) -> int:

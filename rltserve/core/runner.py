@@ -36,6 +36,8 @@ import torch
 
 from rltserve.core.attention import allocate_kv_cache, paged_attention
 from rltserve.core.block_tables import BlockTables
+from rltserve.core.carried import CarriedRows
+from rltserve.core.carried import events as carried_events
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
@@ -56,6 +58,7 @@ class StepHandle:
     ) -> None:
         self.step_id = plan.step_id
         self.item_ids = [it.request_id for it in plan.items]  # to fail them on an error
+        self.carried_ids: list[str] = []  # requests of the carried rows it runs (likewise)
         self.future: Future[StepResult] = future or Future()
         self.outputs: StepOutputs | None = None
         self.finish: Callable[[], StepResult] | None = None  # builds the result on the host
@@ -111,6 +114,7 @@ class ModelRunner:
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
         self.block_tables = BlockTables()  # host copies of the tables steps use
+        self.carried = CarriedRows()  # decode tokens whose loops it runs by itself
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
         self.logits_width = self.spec.vocab_size
@@ -190,6 +194,7 @@ class ModelRunner:
             self.deliver()
             self.live.clear()
             self.pending_rows = None
+            self.carried.clear()
             self.block_tables.clear()
             self.swapped.clear()
             self.kept_generators.clear()
@@ -227,7 +232,8 @@ class ModelRunner:
             assert handle.finish is not None
             result = handle.finish()
         except Exception as exc:  # e.g. a device error surfacing at the copy
-            result = self._failed(handle.step_id, handle.item_ids, exc)
+            carried = handle.carried_ids
+            result = self._failed(handle.step_id, handle.item_ids + carried, exc, carried)
         finally:
             if not self._launching:  # a launch times its deliveries itself
                 self.busy_seconds += time.perf_counter() - start
@@ -249,7 +255,8 @@ class ModelRunner:
             # A request preempted by this step whose KV had not reached swap space yet has
             # lost it: it fails too (its resume would find nothing to swap in).
             lost = [rid for rid, _ in plan.swap_out if rid not in self.swapped]
-            result = self._failed(plan.step_id, handle.item_ids, exc, lost)
+            carried = handle.carried_ids
+            result = self._failed(plan.step_id, handle.item_ids + carried, exc, lost + carried)
             handle.finish = lambda: result
         finally:
             self._launching = False
@@ -334,6 +341,8 @@ class ModelRunner:
             self.swapped.pop(rid, None)
             self.kept_generators.pop(rid, None)
             self._dropped.discard(rid)
+        if plan.preempted or plan.released or self._dropped:
+            self.carried.drop({*plan.preempted, *plan.released, *self._dropped})
         for rid, blocks in plan.swap_in:
             if rid in self._dropped:  # its swap-out failed; the scheduler fails it
                 continue
@@ -359,24 +368,37 @@ class ModelRunner:
             ]
         else:
             active = range(len(plan.items))
-        if not active:
+        carried = self.carried.advance()  # their next loops run first
+        nc = len(carried)
+        handle.carried_ids = [w.request_id for w in carried]
+        if not active and not nc:
             handle.finish = lambda: StepResult(plan.step_id, [None] * len(plan.items))
             return False
-        step = Step(
-            self, plan.items if len(active) == len(plan.items) else [plan.items[k] for k in active]
-        )
+        every = len(active) == len(plan.items)
+        planned = plan.items if every else [plan.items[k] for k in active]
+        items = carried + planned if nc else planned
+        step = Step(self, items)
         eager = step.run()
+        ending = set(step.ending)
+        self.carried.keep(items, nc, ending)
         handle.outputs = step.outputs
+        depths = step.depths
 
         def finish() -> StepResult:
-            if len(active) == len(plan.items):
-                results: list[ItemResult | None] = step.results()
+            outcomes = step.results()
+            events = carried_events(carried, depths, outcomes, ending) if nc else []
+            if every:
+                results: list[ItemResult | None] = outcomes[nc:] if nc else outcomes
             else:
                 results = [None] * len(plan.items)
-                for k, result in zip(active, step.results()):
+                for k, result in zip(active, outcomes[nc:]):
                     results[k] = result
             return StepResult(
-                plan.step_id, results, num_rows=step.num_rows, num_coda_rows=step.num_coda_rows
+                plan.step_id,
+                results,
+                events,
+                num_rows=step.num_rows,
+                num_coda_rows=step.num_coda_rows,
             )
 
         handle.finish = finish

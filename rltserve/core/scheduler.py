@@ -43,7 +43,7 @@ from rltserve.core.thinking import force_thinking_end
 from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate
 
-PLAN, WAIT, OVER = "plan", "wait", "over"
+PLAN, WAIT, OVER, CARRIED = "plan", "wait", "over", "carried"
 
 
 class Scheduler:
@@ -81,6 +81,12 @@ class Scheduler:
         self._in_step: set[str] = set()  # requests with an item in the step being built
         # step id -> the InFlight record behind each planned WorkItem, until its result is applied
         self._planned: dict[int, list[InFlight]] = {}
+        # Carried decode tokens the runner may still run (``Carry.key`` -> owner), until a
+        # result says they ended or their request stops running. Each is one row of every step
+        # planned meanwhile: known exactly once the previous step's result is applied, an
+        # upper bound while it is in flight (async scheduling).
+        self._carried: dict[int, tuple[Request, InFlight]] = {}
+        self._carry_key = 0
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -136,7 +142,15 @@ class Scheduler:
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
         starters = []
+        budget -= len(self._carried)  # rows the runner carries into this step
+        busy = bool(self._carried)
         for request in self.running:
+            if not request.items:
+                starters.append(request)  # nothing in flight: its next item may start
+                continue
+            last = request.items[-1]
+            if last.carry_key and last.exit_depth is None:
+                continue  # its token runs on the runner; nothing to plan until it exits
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
@@ -147,7 +161,7 @@ class Scheduler:
             self._admit(items, owners, budget)
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
-        if not items and not self._released and not any(changes):
+        if not items and not self._carried and not self._released and not any(changes):
             return None
         self._step_id += 1
         plan = StepPlan(self._step_id, items, self._new_setups, self._released, *changes, copies)
@@ -180,9 +194,15 @@ class Scheduler:
                 over.append(item)
                 continue
             busy = True
-            if state == WAIT or budget < item.num_tokens:
+            if state in (WAIT, CARRIED) or budget < item.num_tokens:
                 continue
-            if k > 0 and request_items[k - 1].planned <= item.planned and states[k - 1] != OVER:
+            # (A carried predecessor runs a loop every step from an earlier start: always ahead.)
+            if (
+                k > 0
+                and request_items[k - 1].planned <= item.planned
+                and states[k - 1] != OVER
+                and states[k - 1] != CARRIED
+            ):
                 continue
             budget -= self._plan_loop(request, item, items, owners)
         for item in over:
@@ -210,9 +230,13 @@ class Scheduler:
         if not self.config.wavefront_prefill:
             return False
         # A decode token needs its input: the previous item's output, sampled in an earlier step.
+        if last.carry_key:
+            return last.exit_depth is not None
         return exit_known(request, last, last.planned) is True
 
     def _next_loop(self, request: Request, item: InFlight) -> str:
+        if item.carry_key:
+            return CARRIED if item.carry_key in self._carried else OVER
         done = item.planned
         if done >= item.ends_at:
             return OVER
@@ -256,6 +280,10 @@ class Scheduler:
         request.num_scheduled = item.end
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
+        if self.item_maker.carries(request, item):
+            self._carry_key += 1
+            item.carry_key = self._carry_key
+            self._carried[item.carry_key] = (request, item)
         request.items.append(item)
         return self._plan_loop(request, item, items, owners)
 
@@ -331,6 +359,9 @@ class Scheduler:
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 self.sharing.on_prompt_done(request, item.start, item.end)
+            if item.carry_key and _ends(item, work.depth, outcome):
+                self._carried.pop(item.carry_key, None)  # it ended at its first loop
+                request.items = [it for it in request.items if it is not item]
             if outcome is None:
                 continue
             if outcome.exit_next:
@@ -339,12 +370,49 @@ class Scheduler:
                 item.exit_depth = work.depth
                 update = updates.setdefault(work.request_id, RequestUpdate(work.request_id))
                 if not outcome.finite:
-                    self._fail_nonfinite(request, work, update)
+                    self._fail_nonfinite(request, work.end, work.depth, update)
                     continue
                 self._append_token(request, work.depth, outcome, update)
                 if outcome.rollback and not request.is_finished:
                     self._rollback(request, work.end)
+        if result.carried:
+            self._apply_carried(result, updates)
         return list(updates.values())
+
+    def _apply_carried(self, result: StepResult, updates: dict[str, RequestUpdate]) -> None:
+        """Exits and ends of carried tokens (in the runner's order: a request's older first)."""
+        carried = self._carried
+        for event in result.carried:
+            owner = carried.get(event.key)
+            if owner is None:
+                continue  # its request finished, was aborted or preempted meanwhile
+            request, item = owner
+            if event.ended:
+                del carried[event.key]
+                request.items = [it for it in request.items if it is not item]
+            outcome = event.outcome
+            if outcome is None or not outcome.exited:
+                continue
+            item.exit_depth = event.depth
+            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
+            if not outcome.finite:
+                self._fail_nonfinite(request, item.end, event.depth, update)
+                continue
+            self._append_token(request, event.depth, outcome, update)
+
+    def drop_carried(self, request: Request) -> None:
+        """Forgets the request's carried tokens (it stops running: the runner drops them)."""
+        for item in request.items:
+            if item.carry_key:
+                self._carried.pop(item.carry_key, None)
+
+    def in_step(self, request: Request) -> bool:
+        """Whether the step being built uses the request's blocks: it has an item planned in
+        it, or a carried token the runner runs in it."""
+        if request.request_id in self._in_step:
+            return True
+        carried = self._carried
+        return any(item.carry_key in carried for item in request.items if item.carry_key)
 
     def _append_token(
         self, request: Request, depth: int, outcome: ItemResult, update: RequestUpdate
@@ -367,13 +435,15 @@ class Scheduler:
             self._finish(request, reason)
             update.finish_reason = reason
 
-    def _fail_nonfinite(self, request: Request, work: WorkItem, update: RequestUpdate) -> None:
+    def _fail_nonfinite(
+        self, request: Request, end: int, depth: int, update: RequestUpdate
+    ) -> None:
         """The model's logits for the request's next token held a NaN or an infinity: its token
         is meaningless and its state likely too, so the request ends; others are unaffected
         (every row is computed independently of the others)."""
         error = (
             f"non-finite logits (NaN or infinity) for output token "
-            f"{len(request.output_token_ids)} (position {work.end - 1}, loop {work.depth}); "
+            f"{len(request.output_token_ids)} (position {end - 1}, loop {depth}); "
             "the model's computation overflowed or the weights hold non-finite values"
         )
         request.error = error
@@ -404,6 +474,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.drop_carried(request)
         request.items.clear()
         if request in self.running:
             self.running.remove(request)
@@ -428,6 +499,11 @@ class Scheduler:
             self._finish(request, FinishReason.ERROR)
             updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
         return updates
+
+
+def _ends(item: InFlight, depth: int, outcome: ItemResult | None) -> bool:
+    """Whether ``item``'s loops end at ``depth`` (the runner's rule for carried tokens)."""
+    return depth >= item.ends_at or (item.stop_at_exit and outcome is not None and outcome.exited)
 
 
 def _uses_penalties(request: Request) -> bool:

@@ -39,6 +39,7 @@ class Step:
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
+        self.ending: list[int] = []  # set by run(): the items whose loops end in this step
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
@@ -90,6 +91,7 @@ class Step:
             staying = set(exits).difference(ending)
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
+        self.ending = ending
         self.sampled = self._coda_and_sample(positions, state, ending, exits)
         self.drafts = self._draft(positions, state) if any(map(step_rows.DRAFT, items)) else []
         # The items' states are rows of this step's output: the next step gathers them in one

@@ -9,9 +9,9 @@ only says *what* it is, from the request, the scheduler config and the KV manage
 from __future__ import annotations
 
 from rltserve.config import SchedulerConfig
-from rltserve.core.exit import exit_spec
+from rltserve.core.exit import exit_spec, fixed_exit_depth
 from rltserve.core.kv_cache import KVManager
-from rltserve.core.plan import WorkItem
+from rltserve.core.plan import Carry, WorkItem
 from rltserve.core.preemption import replay_item
 from rltserve.core.request import InFlight, Request
 
@@ -71,6 +71,8 @@ class ItemMaker:
 
     def work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
         """What the runner gets for loop ``depth`` of ``item``."""
+        if item.carry_key:
+            return self._carried(request, item)
         rid = request.request_id
         spec = None
         copy_blocks: list[int] = []
@@ -114,4 +116,57 @@ class ItemMaker:
             copy_blocks,  # exit_copy_blocks
             depth == item.draft_at,  # draft
             item.epoch,  # epoch
+        )
+
+    def carries(self, request: Request, item: InFlight) -> bool:
+        """Whether the runner runs the loops of ``item`` (not yet started) by itself: a decode
+        token of a request without drafts whose earlier items in flight are all carried too
+        (a carried token runs a loop every step, so it never overtakes a carried
+        predecessor; an explicitly planned one might wait for budget)."""
+        return (
+            self.config.carry_decode
+            and item.has_output
+            and item.start >= request.num_prompt_tokens
+            and not request.pipelined
+            and (not request.items or all(it.carry_key for it in request.items))
+        )
+
+    def _carried(self, request: Request, item: InFlight) -> WorkItem:
+        """The first loop of a carried decode token, with what the runner needs for the
+        others (``Carry``)."""
+        rid = request.request_id
+        start = item.start
+        kv = self.kv
+        tables = kv.depth_tables(rid, request.num_loops)
+        exit_at = 0
+        if request.exit_mode == "fixed":
+            exit_at = fixed_exit_depth(request, item.output_index)
+        spec = exit_spec(request, item, 1)
+        copy_blocks: list[int] = []
+        if item.stop_at_exit and self.copies_on_exit:
+            # The blocks holding the position on the planes of depths 1..num_loops (what
+            # ``KVManager.exit_copy_blocks`` finds, read off the tables at hand).
+            index = start // kv.block_size
+            item.exit_blocks = [table[index] for table in tables]
+            copy_blocks = item.exit_blocks[1:]
+        if item.ends_at < len(tables):
+            tables = tables[: item.ends_at]
+        # The input is on the runner, unless it was recorded before a preemption.
+        prompt_ids = [request.token_at(start)] if start <= request.replay_until else None
+        carry = Carry(item.carry_key, tables, request.exit_specs, exit_at, item.exit_blocks or [])
+        return WorkItem(
+            rid,  # request_id
+            start,  # start
+            1,  # num_tokens
+            1,  # depth
+            item.ends_at,  # ends_at
+            item.stop_at_exit,  # stop_at_exit
+            tables[0],  # block_table
+            prompt_ids,  # token_ids
+            kv.boundary_table(rid) if self.has_boundary else None,  # boundary_table
+            spec,  # exit
+            copy_blocks,  # exit_copy_blocks
+            False,  # draft (carried tokens are never pipelined)
+            item.epoch,  # epoch
+            carry,  # carry
         )

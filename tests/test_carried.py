@@ -1,0 +1,228 @@
+"""Carried decode tokens (``plan.Carry``): a decode token is planned once and the runner runs its
+later loops by itself. The reference schedule (``carry_decode=False``: every loop planned) and
+the carried one give the oracle's token ids and exit depths in every configuration; steps keep
+their row budget; the runner's carried rows follow their ``Carry`` depth by depth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_util import make_core, oracle_run, run_core
+
+from rltserve.core.carried import CarriedRows, events
+from rltserve.core.plan import Carry, ExitSpec, ItemResult, WorkItem
+from rltserve.sampling import SamplingParams
+
+
+def _workload(n: int, seed: int, thresholds=(0.3, 0.5, 0.7, 1.0), max_tokens=8):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, max_tokens),
+            ignore_eos=True,
+            exit_threshold=thresholds[i % len(thresholds)],
+            min_loops=rng.choice([1, 1, 2]),
+        )
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+# name: (engine settings, run_core settings, oracle kv policy, oracle exit mode)
+CONFIGS = {
+    "gate": ({}, {}, "last_exited", "gate"),
+    "full-policy": ({"kv_policy": "full"}, {}, "full", "gate"),
+    "shared-policy": ({"kv_policy": "shared"}, {}, "shared", "gate"),
+    "delayed-async": (
+        {"exit_mode": "delayed", "async_scheduling": True},
+        {"lag": 1},
+        "last_exited",
+        "delayed",
+    ),
+    "delayed-deferred": (
+        {"exit_mode": "delayed", "async_scheduling": True},
+        {"lag": 1, "deferred": True},
+        "last_exited",
+        "delayed",
+    ),
+    "gate-lag": ({}, {"lag": 1}, "last_exited", "gate"),
+    "wavefront-full": (
+        {"wavefront_prefill": True, "prefill_chunk_size": 4, "kv_policy": "full"},
+        {},
+        "full",
+        "gate",
+    ),
+    "no-refill": ({"scheduling": "no_refill"}, {}, "last_exited", "gate"),
+    "small-budget": (
+        {"max_num_batched_tokens": 3, "prefill_chunk_size": 2, "max_num_seqs": 4},
+        {},
+        "last_exited",
+        "gate",
+    ),
+    "preempt-recompute": (
+        {"num_blocks": 40, "block_size": 4, "kv_watermark": 0.0, "max_num_seqs": 6},
+        {},
+        "last_exited",
+        "gate",
+    ),
+    "preempt-swap": (
+        {
+            "num_blocks": 40,
+            "block_size": 4,
+            "kv_watermark": 0.0,
+            "max_num_seqs": 6,
+            "preemption_mode": "swap",
+        },
+        {},
+        "last_exited",
+        "gate",
+    ),
+}
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
+    engine, drive, policy, mode = CONFIGS[name]
+    prompts, params = _workload(8, seed=len(name))
+    core = make_core(ckpts["ouro"], carry_decode=carry, **engine)
+    plans = []
+    launch = core.runner.launch
+
+    def record(plan, *args):
+        plans.append(plan)
+        return launch(plan, *args)
+
+    core.runner.launch = record
+    run = run_core(core, prompts, params, **drive)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy=policy, exit_mode=mode)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+    budget = core.config.scheduler.max_num_batched_tokens
+    assert run.max_rows <= budget  # carried rows count against the step's budget
+    decode = [it for plan in plans for it in plan.items if it.exit and it.num_tokens == 1]
+    carried = [it for it in decode if it.carry is not None]
+    if carry:
+        assert carried, "no decode token was carried"
+        assert all(it.depth == 1 for it in carried)  # planned once, at the first loop
+    else:
+        assert not carried
+        assert any(it.depth > 1 for it in decode)  # every loop planned
+    assert not core.runner.carried.items and not core.scheduler._carried
+    if name.startswith("preempt"):
+        assert core.stats().num_preemptions > 0
+    core.shutdown()
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
+def test_huginn_schedules_match_the_oracle(ckpts, huginn_ref, kv_policy, carry):
+    """Fixed exits (no gate), coda attention (a boundary plane), random initial state."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(5)]
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 6),
+            ignore_eos=True,
+            max_loops=rng.choice([2, 3, 4]),
+            init_state="random",
+            seed=i,
+        )
+        for i in range(5)
+    ]
+    core = make_core(ckpts["huginn"], kv_policy=kv_policy, carry_decode=carry)
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(huginn_ref, prompt, p, kv_policy=kv_policy)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+    core.shutdown()
+
+
+def test_trace_depths_are_carried_exactly(ckpts, ouro_ref):
+    """Fixed exits from a trace: the runner flips the spec to exit_now at the traced loop."""
+    prompts, params = _workload(6, seed=9)
+    rng = random.Random(1)
+    params = [
+        p.replace(trace_depths=[rng.randint(p.min_loops, 4) for _ in range(8)]) for p in params
+    ]
+    core = make_core(ckpts["ouro"], exit_mode="trace")
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode="trace")
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths
+    core.shutdown()
+
+
+def test_seeded_sampling_is_the_same_carried_or_not(ckpts):
+    prompts, _ = _workload(6, seed=3)
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=i)
+        for i in range(6)
+    ]
+    runs = []
+    for carry in (True, False):
+        core = make_core(ckpts["ouro"], carry_decode=carry)
+        runs.append(run_core(core, prompts, params))
+        core.shutdown()
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].depths == runs[1].depths
+
+
+def _item(depth: int = 1, *, exit_at: int = 0, copy: bool = False) -> WorkItem:
+    specs = (
+        ExitSpec("fixed" if exit_at else "gate", False, 1, 4, 0.5),
+        ExitSpec("fixed" if exit_at else "gate", True, 1, 4, 0.5),
+    )
+    tables = [[10 + d] for d in range(4)]  # one table per depth
+    copy_blocks = [20, 21, 22, 23] if copy else []
+    carry = Carry(7, tables, specs, exit_at, copy_blocks)
+    return WorkItem(
+        "a", 5, 1, depth, 4, True, tables[depth - 1], None, None, specs[0],
+        copy_blocks[depth:], False, 0, carry,
+    )  # fmt: skip
+
+
+def test_carried_rows_move_one_loop_per_step():
+    rows = CarriedRows()
+    first = _item(exit_at=3, copy=True)
+    rows.keep([first], 0, set())
+    (own,) = rows.items
+    assert own is not first  # the plan's item is never changed
+    seen = []
+    for _ in range(3):
+        (w,) = rows.advance()
+        seen.append((w.depth, w.block_table, w.exit.exit_now, w.exit_copy_blocks))
+        rows.keep([w], 1, set())
+    assert seen == [
+        (2, [11], False, [22, 23]),
+        (3, [12], True, [23]),  # the traced exit loop
+        (4, [13], True, []),
+    ]
+    assert first.depth == 1 and first.block_table == [10]
+
+
+def test_carried_rows_keep_order_and_drop_ended_and_released():
+    rows = CarriedRows()
+    a, b = _item(), _item()
+    b.request_id = "b"
+    rows.keep([a, b], 0, set())
+    step = rows.advance()
+    c = _item()
+    c.request_id = "c"
+    rows.keep(step + [c], 2, {0})  # a ended; c is new
+    assert [w.request_id for w in rows.items] == ["b", "c"]
+    rows.drop({"c"})
+    assert [w.request_id for w in rows.items] == ["b"]
+
+
+def test_events_report_exits_and_ends_only():
+    items = [_item(2), _item(3), _item(4)]
+    exited = ItemResult(True, 0.1, 0.9, token_id=42)
+    going = ItemResult(False, 0.5, 0.5)
+    got = events(items, [2, 3, 4], [going, exited, None], {1, 2})
+    assert [(e.depth, e.ended, e.outcome) for e in got] == [(3, True, exited), (4, True, None)]
