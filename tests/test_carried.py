@@ -224,5 +224,5 @@ def test_events_report_exits_and_ends_only():
     items = [_item(2), _item(3), _item(4)]
     exited = ItemResult(True, 0.1, 0.9, token_id=42)
     going = ItemResult(False, 0.5, 0.5)
-    got = events(items, [2, 3, 4], [going, exited, None], {1, 2})
+    got = events(items, [2, 3, 4], [going, exited, None], {1, 2}, {1, 2})
     assert [(e.depth, e.ended, e.outcome) for e in got] == [(3, True, exited), (4, True, None)]

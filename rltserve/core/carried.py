@@ -67,16 +67,17 @@ def events(
     items: list[WorkItem],
     depths: list[int],
     results: list[ItemResult | None],
+    rows: Collection[int],
     ending: Collection[int],
 ) -> list[CarriedResult]:
-    """The carried rows' (``items``, first in the step) exits and ends, for the scheduler."""
+    """The carried rows' (``items``, first in the step) exits and ends, for the scheduler:
+    ``rows`` are those whose output exited or that ended (``ending``)."""
     out = []
-    for i, w in enumerate(items):
+    for i in sorted(rows):
         outcome = results[i]
-        ended = i in ending
-        if ended or (outcome is not None and outcome.exited):
-            exited = outcome if outcome is not None and outcome.exited else None
-            out.append(CarriedResult(w.carry.key, w.request_id, depths[i], ended, exited))
+        exited = outcome if outcome is not None and outcome.exited else None
+        w = items[i]
+        out.append(CarriedResult(w.carry.key, w.request_id, depths[i], i in ending, exited))
     return out
 
 

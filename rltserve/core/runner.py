@@ -385,8 +385,11 @@ class ModelRunner:
         depths = step.depths
 
         def finish() -> StepResult:
-            outcomes = step.results()
-            events = carried_events(carried, depths, outcomes, ending) if nc else []
+            outcomes = step.results(nc)
+            events = []
+            if nc:
+                rows = {i for i in step.exits if i < nc}.union(i for i in ending if i < nc)
+                events = carried_events(carried, depths, outcomes, rows, ending)
             if every:
                 results: list[ItemResult | None] = outcomes[nc:] if nc else outcomes
             else:

@@ -9,7 +9,8 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
-from itertools import repeat
+from bisect import bisect_left
+from itertools import compress, repeat
 from operator import is_
 
 import torch
@@ -40,6 +41,7 @@ class Step:
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
         self.ending: list[int] = []  # set by run(): the items whose loops end in this step
+        self.exits: list[int] = []  # set by run(): the items whose output exits in this step
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
@@ -79,7 +81,7 @@ class Step:
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = self._decide_exits(state, specs)
-        exits = [i for i, x in zip(self.out, self.exited) if x]
+        exits = self.exits = [i for i, x in zip(self.out, self.exited) if x]
         self._copy_on_exit(exits, specs)
         depths = self.depths
         ending = [
@@ -426,9 +428,10 @@ class Step:
 
     # ---------------------------------------------------------------- delivery
 
-    def results(self) -> list[ItemResult | None]:
+    def results(self, quiet: int = 0) -> list[ItemResult | None]:
         """Reads the staged outputs on the host and builds the items' results, updating the
-        host copies of device state (delayed decisions, drafts, history, rollbacks)."""
+        host copies of device state (delayed decisions, drafts, history, rollbacks). The
+        first ``quiet`` items (carried tokens) get a result only when their output exits."""
         items, held = self.items, self.held
         host = self.outputs.read()
         for draft, value in zip(self.drafts, host.get("drafts", [])):
@@ -454,7 +457,16 @@ class Step:
                 if nxt:
                     h.pending = True
         # No token this loop: positional (one is built per row per step).
-        outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
+        cut = bisect_left(out, quiet) if quiet else 0  # out rows of the quiet items
+        if not cut:
+            outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
+        else:
+            if not isinstance(survival, list):
+                survival, cdf = [1.0] * m, [0.0] * m
+            outcomes = [None] * cut
+            outcomes += map(ItemResult, exited[cut:], survival[cut:], cdf[cut:], nexts[cut:])
+            for k in compress(range(cut), exited):
+                outcomes[k] = ItemResult(True, survival[k], cdf[k], nexts[k])
         if self.sampled:
             self._sampled_results(host, outcomes)
         if every:
