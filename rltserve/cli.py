@@ -149,7 +149,11 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     for name in ("steps", "repeats", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be >= 1")
-    for name, allowed in (("modes", ("sync", "async")), ("kinds", ("decode", "mixed"))):
+    for name, allowed in (
+        ("modes", ("sync", "async")),
+        ("kinds", ("decode", "mixed")),
+        ("schedules", ("carried", "reference")),
+    ):
         values = getattr(args, name)
         if not values or any(v not in allowed for v in values):
             raise ValueError(f"--{name} {','.join(values)}: a list of {' and '.join(allowed)}")
@@ -160,6 +164,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         modes=tuple(args.modes),
         kinds=tuple(args.kinds),
+        schedules=tuple(args.schedules),
         threads=args.threads,
         stage_gc=not args.default_gc,
         progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
@@ -299,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     host.add_argument(
         "--kinds", type=_str_list, default=["decode", "mixed"], help="decode and/or mixed (list)"
+    )
+    host.add_argument(
+        "--schedules",
+        type=_str_list,
+        default=["carried"],
+        help="carried (decode tokens planned once, the default) and/or reference (every loop "
+        "planned: carry_decode off); both: cells of each, and their ratios (list)",
     )
     host.add_argument("--steps", type=int, default=40, help="measured steps per cell")
     host.add_argument("--repeats", type=int, default=1, help="runs per cell; medians reported")

@@ -58,6 +58,8 @@ def test_bench_host_usage_errors(capsys):
     assert "--modes sync,eager: a list of sync and async" in capsys.readouterr().err
     assert main(["bench", "host", "--kinds", "", "--quiet"]) == 2
     assert "--kinds : a list of decode and mixed" in capsys.readouterr().err
+    assert main(["bench", "host", "--schedules", "carried,lazy", "--quiet"]) == 2
+    assert "--schedules carried,lazy: a list of carried and reference" in capsys.readouterr().err
 
 
 def test_one_cell_by_mode_and_kind(capsys):
@@ -66,6 +68,23 @@ def test_one_cell_by_mode_and_kind(capsys):
     report = orjson.loads(capsys.readouterr().out)
     assert list(report["cells"]) == ["decode/sync/rows4/ctx32"]
     assert report["cells"]["decode/sync/rows4/ctx32"]["steps"] == 4
+
+
+def test_both_schedules_side_by_side(capsys):
+    """Carried and reference cells in one run (``carry_decode`` on and off), with their
+    ratios."""
+    argv = ["bench", "host", "--rows", "16", "--contexts", "32", "--steps", "16"]
+    argv += ["--modes", "sync", "--kinds", "decode", "--schedules", "carried,reference"]
+    assert main([*argv, "--quiet"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    carried, reference = "decode/sync/rows16/ctx32", "decode/sync/rows16/ctx32/reference"
+    assert set(report["cells"]) == {carried, reference}
+    ratios = report["ratios"][carried]
+    assert set(ratios) == {
+        "host_cpu_ms_reference_over_carried",
+        "steps_per_s_carried_over_reference",
+    }
+    assert all(v > 0 for v in ratios.values())
 
 
 def test_standin_model_decodes_deterministically_at_a_fixed_depth():

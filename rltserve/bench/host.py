@@ -52,7 +52,7 @@ BLOCK = 16
 class _Cell:
     """One engine at (rows, context): decode requests brought to their context, then stepped."""
 
-    def __init__(self, model: StandInModel, rows: int, context: int) -> None:
+    def __init__(self, model: StandInModel, rows: int, context: int, carry: bool = True) -> None:
         self.rows, self.context = rows, context
         self.max_tokens = 4096
         loops = model.spec.num_loops
@@ -66,6 +66,7 @@ class _Cell:
             max_num_batched_tokens=max(16384, rows + CHUNK),
             prefill_chunk_size=CHUNK,
             exit_mode="delayed",
+            carry_decode=carry,
             num_blocks=rows * per_request + 2 * probe,
         )
         self.core = EngineCore(config, model=model)
@@ -211,12 +212,15 @@ def run_host_bench(
     repeats: int = 1,
     modes: tuple[str, ...] = ("sync", "async"),
     kinds: tuple[str, ...] = ("decode", "mixed"),
+    schedules: tuple[str, ...] = ("carried",),
     threads: int = 1,
     stage_gc: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The benchmark's JSON report. Cells are keyed ``"{kind}/{mode}/rows{R}/ctx{C}"``; with
-    ``repeats`` > 1 each figure is the median over repeats (the runs alternate).
+    """The benchmark's JSON report. Cells are keyed ``"{kind}/{mode}/rows{R}/ctx{C}"``, with
+    ``"/reference"`` appended for the reference schedule (``carry_decode=False``; ``schedules``
+    names which run, and with both the report has their ``ratios``); with ``repeats`` > 1 each
+    figure is the median over repeats (the runs alternate, schedules too).
 
     ``threads``: torch intra-op threads while it runs. The stand-in's tensors are tiny, and on a
     GPU host the small torch ops of a step are device work; a thread pool only adds wake-ups.
@@ -226,7 +230,7 @@ def run_host_bench(
     torch.set_num_threads(threads)
     thresholds = tune_gc() if stage_gc else None  # as in the stage's worker process
     try:
-        cells = _run_cells(rows_list, contexts, steps, repeats, modes, kinds, progress)
+        cells = _run_cells(rows_list, contexts, steps, repeats, modes, kinds, schedules, progress)
     finally:
         torch.set_num_threads(previous)
         if thresholds is not None:
@@ -240,26 +244,32 @@ def run_host_bench(
         "stage_gc": stage_gc,
         "chunk_tokens": CHUNK,
         "cells": cells,
+        "ratios": _ratios(cells),
         "targets": _targets(cells),
     }
 
 
-def _run_cells(rows_list, contexts, steps, repeats, modes, kinds, progress) -> dict[str, Any]:
+def _run_cells(
+    rows_list, contexts, steps, repeats, modes, kinds, schedules, progress
+) -> dict[str, Any]:
     model = StandInModel()
     cells: dict[str, Any] = {}
     for context in contexts:
         for rows in rows_list:
-            cell = _Cell(model, rows, context)
+            made = {s: _Cell(model, rows, context, s == "carried") for s in schedules}
             runs: dict[str, list] = {}
             # Sync first: once a step thread exists, execute() goes through it.
             for mode in [m for m in ("sync", "async") if m in modes]:
                 for _ in range(repeats):
-                    for kind in kinds:
-                        key = f"{kind}/{mode}/rows{rows}/ctx{context}"
-                        _measure(cell, max(4, steps // 8), kind == "mixed", mode == "async")
-                        run = _measure(cell, steps, kind == "mixed", mode == "async")
-                        runs.setdefault(key, []).append(run)
-            cell.core.shutdown()
+                    for schedule, cell in made.items():
+                        for kind in kinds:
+                            key = f"{kind}/{mode}/rows{rows}/ctx{context}"
+                            key += "/reference" if schedule == "reference" else ""
+                            _measure(cell, max(4, steps // 8), kind == "mixed", mode == "async")
+                            run = _measure(cell, steps, kind == "mixed", mode == "async")
+                            runs.setdefault(key, []).append(run)
+            for cell in made.values():
+                cell.core.shutdown()
             for key, rs in runs.items():
                 cells[key] = _median(rs) | {"rows": rows, "context": context}
                 if progress:
@@ -269,6 +279,27 @@ def _run_cells(rows_list, contexts, steps, repeats, modes, kinds, progress) -> d
                         f"{c['steps_per_s']:.0f} steps/s"
                     )
     return cells
+
+
+def _ratios(cells: dict[str, Any]) -> dict[str, Any]:
+    """Per cell run with both schedules: reference / carried host time per step (thread CPU
+    where measured, else wall) and carried / reference steps per second."""
+    out: dict[str, Any] = {}
+    for key, ref in cells.items():
+        if not key.endswith("/reference"):
+            continue
+        base = key.removesuffix("/reference")
+        if base not in cells:
+            continue
+        cell = cells[base]
+        field = "host_cpu_ms" if "runner_cpu_ms" in cell else "host_wall_ms"
+        out[base] = {
+            f"{field}_reference_over_carried": round(ref[field] / cell[field], 3),
+            "steps_per_s_carried_over_reference": round(
+                cell["steps_per_s"] / ref["steps_per_s"], 3
+            ),
+        }
+    return out
 
 
 def _targets(cells: dict[str, Any]) -> dict[str, Any]:
