@@ -3,12 +3,15 @@ hand-built step results (milliseconds), plus the engine's KV usage and config va
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 from engine_util import make_core, run_core
+from fixed_exits import FixedExits
 
 from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
-from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import Request, RequestStatus
 from rltserve.core.scheduler import Scheduler
 from rltserve.sampling import SamplingParams
@@ -42,22 +45,19 @@ def _request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> R
     )
 
 
-def _result(plan: StepPlan) -> StepResult:
-    """Every output position exits where its fixed spec says, sampling token 7."""
-    items = []
-    for work in plan.items:
-        if work.exit is None:
-            items.append(None)
-        else:
-            exited = work.exit.exit_now
-            items.append(ItemResult(exited, 1.0, 0.0, token_id=7 if exited else -1))
-    return StepResult(plan.step_id, items)
+RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _result(s: Scheduler, plan: StepPlan) -> StepResult:
+    """Every output position exits where its fixed spec says, sampling token 7 (carried
+    tokens included: ``FixedExits`` runs them on as the runner does)."""
+    return RUNNERS.setdefault(s, FixedExits()).result(plan)
 
 
 def _step(s: Scheduler) -> StepPlan | None:
     plan = s.schedule()
     if plan is not None:
-        s.apply(plan, _result(plan))
+        s.apply(plan, _result(s, plan))
     return plan
 
 
@@ -127,7 +127,7 @@ def test_pressure_preempts_latest_arrival_and_everything_finishes():
             continue
         for rid in plan.preempted:
             assert rid != "r0"  # the earliest arrival is never the victim
-        for u in s.apply(plan, _result(plan)):
+        for u in s.apply(plan, _result(s, plan)):
             outputs[u.request_id] += len(u.new_token_ids)
     assert s.preemptor.num_preemptions > 0
     assert outputs == {f"r{i}": 20 for i in range(3)}

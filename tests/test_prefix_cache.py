@@ -5,11 +5,14 @@ waiting for their leader, with hand-built step results."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
+from fixed_exits import FixedExits
 
 from rltserve.config import SchedulerConfig
 from rltserve.core.kv_cache import BOUNDARY, KVManager, KVPolicy, NoFreeBlocks
-from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
@@ -152,19 +155,19 @@ def _request(rid: str, prompt: list[int], group: str | None = None) -> Request:
     return request
 
 
-def _result(plan: StepPlan) -> StepResult:
-    """Every output position exits where its fixed spec says, sampling token 7."""
-    items = []
-    for work in plan.items:
-        exited = work.exit is not None and work.exit.exit_now
-        items.append(ItemResult(exited, 1.0, 0.0, token_id=7) if work.exit else None)
-    return StepResult(plan.step_id, items)
+RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _result(s: Scheduler, plan: StepPlan) -> StepResult:
+    """Every output position exits where its fixed spec says, sampling token 7 (carried
+    tokens included: ``FixedExits`` runs them on as the runner does)."""
+    return RUNNERS.setdefault(s, FixedExits()).result(plan)
 
 
 def _step(s: Scheduler) -> StepPlan | None:
     plan = s.schedule()
     if plan is not None:
-        s.apply(plan, _result(plan))
+        s.apply(plan, _result(s, plan))
     return plan
 
 

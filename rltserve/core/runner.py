@@ -41,7 +41,7 @@ from rltserve.core.carried import events as carried_events
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
-from rltserve.core.plan import ItemResult, StepPlan, StepResult
+from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
@@ -58,7 +58,7 @@ class StepHandle:
     ) -> None:
         self.step_id = plan.step_id
         self.item_ids = [it.request_id for it in plan.items]  # to fail them on an error
-        self.carried_ids: list[str] = []  # requests of the carried rows it runs (likewise)
+        self.carried: list[WorkItem] = []  # carried tokens it runs (their requests fail likewise)
         self.future: Future[StepResult] = future or Future()
         self.outputs: StepOutputs | None = None
         self.finish: Callable[[], StepResult] | None = None  # builds the result on the host
@@ -232,7 +232,7 @@ class ModelRunner:
             assert handle.finish is not None
             result = handle.finish()
         except Exception as exc:  # e.g. a device error surfacing at the copy
-            carried = handle.carried_ids
+            carried = [w.request_id for w in handle.carried]
             result = self._failed(handle.step_id, handle.item_ids + carried, exc, carried)
         finally:
             if not self._launching:  # a launch times its deliveries itself
@@ -255,7 +255,7 @@ class ModelRunner:
             # A request preempted by this step whose KV had not reached swap space yet has
             # lost it: it fails too (its resume would find nothing to swap in).
             lost = [rid for rid, _ in plan.swap_out if rid not in self.swapped]
-            carried = handle.carried_ids
+            carried = [w.request_id for w in handle.carried]
             result = self._failed(plan.step_id, handle.item_ids + carried, exc, lost + carried)
             handle.finish = lambda: result
         finally:
@@ -370,7 +370,7 @@ class ModelRunner:
             active = range(len(plan.items))
         carried = self.carried.advance()  # their next loops run first
         nc = len(carried)
-        handle.carried_ids = [w.request_id for w in carried]
+        handle.carried = carried
         if not active and not nc:
             handle.finish = lambda: StepResult(plan.step_id, [None] * len(plan.items))
             return False
