@@ -220,9 +220,45 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     assert [w.request_id for w in rows.items] == ["b"]
 
 
-def test_events_report_exits_and_ends_only():
+def test_events_report_the_rows_with_results_or_ends():
     items = [_item(2), _item(3), _item(4)]
     exited = ItemResult(True, 0.1, 0.9, token_id=42)
     going = ItemResult(False, 0.5, 0.5)
-    got = events(items, [2, 3, 4], [going, exited, None], {1, 2}, {1, 2})
-    assert [(e.depth, e.ended, e.outcome) for e in got] == [(3, True, exited), (4, True, None)]
+    got = events(items, [2, 3, 4], [going, exited, None], {1, 2}, {2})
+    assert [(e.depth, e.ended, e.outcome) for e in got] == [(3, False, exited), (4, True, None)]
+
+
+@pytest.mark.parametrize(
+    "engine,drive",
+    [
+        ({}, {}),
+        ({}, {"lag": 1}),
+        ({"exit_mode": "delayed", "async_scheduling": True}, {"lag": 1}),
+        ({"kv_policy": "full", "exit_mode": "delayed"}, {"lag": 1}),
+        (
+            {"wavefront_prefill": True, "prefill_chunk_size": 4, "kv_policy": "full"},
+            {"lag": 1},
+        ),
+        ({"exit_mode": "trace"}, {"lag": 1}),
+    ],
+    ids=["gate", "gate-lag", "delayed-async", "full-delayed-lag", "wavefront-lag", "trace-lag"],
+)
+def test_carrying_never_takes_more_steps(ckpts, engine, drive):
+    """What the scheduler learns from a carried token's events (exits, delayed decisions) and
+    from counting its loops (one a step: the cap, a fixed exit, its last loop) lets the next
+    token start when the reference schedule starts it, or earlier (gate mode planned a step
+    ahead: a carried token need not wait for its result to run its next loop)."""
+    prompts, params = _workload(8, seed=5)
+    if engine.get("exit_mode") == "trace":
+        rng = random.Random(1)
+        params = [
+            p.replace(trace_depths=[rng.randint(p.min_loops, 4) for _ in range(8)]) for p in params
+        ]
+    runs = {}
+    for carry in (True, False):
+        core = make_core(ckpts["ouro"], carry_decode=carry, **engine)
+        runs[carry] = run_core(core, prompts, params, **drive)
+        core.shutdown()
+    assert runs[True].tokens == runs[False].tokens
+    assert runs[True].depths == runs[False].depths
+    assert runs[True].steps <= runs[False].steps

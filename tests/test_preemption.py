@@ -166,7 +166,7 @@ def test_resumed_request_is_admitted_only_when_all_it_wrote_fits(ckpts, mode):
             if r.num_preemptions and r.output_token_ids:
                 written = r.num_prompt_tokens + len(r.output_token_ids)
                 item = sched.item_maker.next_item(r, 1 << 20)
-                assert sched.admission_blocks(r, item) == core.kv.blocks_needed(
+                assert sched.admission.blocks(r, item) == core.kv.blocks_needed(
                     written, r.num_loops
                 )
                 checked += 1

@@ -117,11 +117,15 @@ def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
         plan = core.plan()
         if plan is None:
             break
-        core.apply(plan, core.runner.execute(plan))
+        gone = {*plan.released, *plan.preempted}
+        # The step's items: the runner's carried decode tokens first, then the plan's.
+        items = [w for w in core.runner.carried.items if w.request_id not in gone] + plan.items
+        result = core.runner.execute(plan)
+        core.apply(plan, result)
         pending = core.runner.pending_rows
         if pending is not None:  # a step where no item ended: its items' fields lag
             seen += 1
             live = core.runner.live
-            assert [live[it.request_id].items[it.start] for it in plan.items] == pending.held
-            assert pending.state.shape[0] == plan.num_tokens
+            assert [live[it.request_id].items[it.start] for it in items] == pending.held
+            assert pending.state.shape[0] == result.num_rows == sum(w.num_tokens for w in items)
     assert seen >= 4

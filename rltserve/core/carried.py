@@ -70,14 +70,12 @@ def events(
     rows: Collection[int],
     ending: Collection[int],
 ) -> list[CarriedResult]:
-    """The carried rows' (``items``, first in the step) exits and ends, for the scheduler:
-    ``rows`` are those whose output exited or that ended (``ending``)."""
+    """The carried rows' (``items``, first in the step) events, for the scheduler: ``rows``
+    are those with a result (an exit, a delayed decision) or that ended (``ending``)."""
     out = []
     for i in sorted(rows):
-        outcome = results[i]
-        exited = outcome if outcome is not None and outcome.exited else None
         w = items[i]
-        out.append(CarriedResult(w.carry.key, w.request_id, depths[i], i in ending, exited))
+        out.append(CarriedResult(w.carry.key, w.request_id, depths[i], i in ending, results[i]))
     return out
 
 

@@ -162,13 +162,14 @@ class ItemResult:
 
 @dataclass(slots=True)
 class CarriedResult:
-    """A carried token's event in a step: its output exited (``outcome``) or it ended."""
+    """A carried token's event in a step: its output exited, the delayed rule decided its exit
+    for the next loop (both in ``outcome``), or it ended."""
 
     key: int  # ``Carry.key``
     request_id: str
     depth: int  # the loop it ran in this step
     ended: bool  # the runner runs no further loop of it
-    outcome: ItemResult | None  # the exit (with its token) when the output exited now
+    outcome: ItemResult | None  # exited (with its token) or exit_next; None: it only ended
 
 
 @dataclass
@@ -176,7 +177,7 @@ class StepResult:
     step_id: int
     # Aligned with plan.items: None for items without an output position still to exit.
     items: list[ItemResult | None]
-    # Carried tokens (planned in earlier steps) whose output exited or that ended in this step.
+    # Events of carried tokens (first planned in earlier steps): exits, delayed decisions, ends.
     carried: list[CarriedResult] = field(default_factory=list)
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0

@@ -86,7 +86,7 @@ class Preemptor:
         while True:
             item = s.item_maker.next_item(best, budget)
             seats = len(s.running) >= s.config.max_num_seqs
-            if item is None or not (seats or s.admission_blocks(best, item) > s.kv.num_free_blocks):
+            if item is None or not (seats or s.admission.blocks(best, item) > s.kv.num_free_blocks):
                 return
             worse = [r for r in s.running if r.params.priority > best.params.priority]
             if not worse:

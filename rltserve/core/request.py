@@ -62,6 +62,8 @@ class InFlight:
     # A carried decode token (``plan.Carry``): its key while the runner runs its loops; 0 when
     # every loop is planned.
     carry_key: int = 0
+    carry_step: int = 0  # the step whose plan holds its first loop (it runs one loop a step)
+    exit_by: int = 0  # loops after which its exit is known without a result (cap, fixed exit)
 
     @property
     def end(self) -> int:

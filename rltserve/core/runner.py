@@ -388,7 +388,7 @@ class ModelRunner:
             outcomes = step.results(nc)
             events = []
             if nc:
-                rows = {i for i in step.exits if i < nc}.union(i for i in ending if i < nc)
+                rows = {i for i in ending if i < nc}.union(step.noted)
                 events = carried_events(carried, depths, outcomes, rows, ending)
             if every:
                 results: list[ItemResult | None] = outcomes[nc:] if nc else outcomes

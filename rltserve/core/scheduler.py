@@ -15,6 +15,13 @@ or from applied results; a decode token's input (the last sampled token) stays o
 
 Budgets per step: ``max_num_batched_tokens`` rows in all; ``max_num_seqs`` running requests.
 
+Carried decode tokens (``carry_decode``, ``plan.Carry``): a decode token whose request has no
+drafts and no explicitly planned item in flight is planned once; the runner runs one loop of it
+every step until it ends. The scheduler skips such a request until something about the token
+can be known: an event in a result (exit, delayed decision, end) or a loop count (a carried
+token's loops planned = steps since its first, so its cap, fixed exit and last loop are known
+without a result, as for a planned item). Its row counts against every budget meanwhile.
+
 KV (DESIGN §8). ``kv_reservation="full"``: admission reserves a request's whole context on every
 plane, so a running request never runs out. ``"ondemand"`` (default): a new item takes the
 blocks of its positions on every plane when it is planned; admission checks the first item plus
@@ -32,11 +39,12 @@ prefix; a prompt item's applied last loop caches full blocks; followers wait for
 from __future__ import annotations
 
 from rltserve.config import SchedulerConfig
+from rltserve.core.admission import Admission
 from rltserve.core.exit import choose_exit_mode, exit_known
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
-from rltserve.core.preemption import Preemptor, resume_tokens
-from rltserve.core.prompt_sharing import NO_HIT, Hit, PromptSharing
+from rltserve.core.preemption import Preemptor
+from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import force_thinking_end
@@ -74,8 +82,9 @@ class Scheduler:
         self.item_maker = ItemMaker(config, kv, has_boundary)
         self.preemptor = Preemptor(self, swap)
         self.sharing = PromptSharing(self)
+        self.admission = Admission(self)
         self._released: list[str] = []
-        self._new_setups: list[RequestSetup] = []
+        self.new_setups: list[RequestSetup] = []
         self._step_id = 0
         self._seq = 0
         self._in_step: set[str] = set()  # requests with an item in the step being built
@@ -142,15 +151,21 @@ class Scheduler:
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
         starters = []
-        budget -= len(self._carried)  # rows the runner carries into this step
+        budget -= len(self._carried)  # rows the runner carries into this step (at most)
         busy = bool(self._carried)
+        step = self._step_id + 1
         for request in self.running:
             if not request.items:
                 starters.append(request)  # nothing in flight: its next item may start
                 continue
             last = request.items[-1]
-            if last.carry_key and last.exit_depth is None:
-                continue  # its token runs on the runner; nothing to plan until it exits
+            if (
+                last.carry_key
+                and last.exit_depth is None
+                and last.delayed_exit_at is None
+                and step - last.carry_step < last.exit_by
+            ):
+                continue  # its token runs on the runner, its exit still unknown: nothing to do
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
@@ -158,14 +173,14 @@ class Scheduler:
         if not (self.config.scheduling == "no_refill" and busy):
             starters.sort(key=self.order_key)  # the best get blocks first
             budget = self._start_items(starters, items, owners, budget)
-            self._admit(items, owners, budget)
+            self.admission.admit(items, owners, budget)
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
-        if not items and not self._carried and not self._released and not any(changes):
+        if not (items or self._released or any(changes) or self._carries_on()):
             return None
         self._step_id += 1
-        plan = StepPlan(self._step_id, items, self._new_setups, self._released, *changes, copies)
-        self._new_setups, self._released = [], []
+        plan = StepPlan(self._step_id, items, self.new_setups, self._released, *changes, copies)
+        self.new_setups, self._released = [], []
         self._planned[plan.step_id] = owners
         return plan
 
@@ -206,7 +221,8 @@ class Scheduler:
                 continue
             budget -= self._plan_loop(request, item, items, owners)
         for item in over:
-            request_items.remove(item)
+            if not item.carry_key or item.carry_key not in self._carried:
+                request_items.remove(item)  # (a carried one once its last result is applied)
         return budget, busy, may_start
 
     def _may_start(self, request: Request, states: list[str]) -> bool:
@@ -230,14 +246,14 @@ class Scheduler:
         if not self.config.wavefront_prefill:
             return False
         # A decode token needs its input: the previous item's output, sampled in an earlier step.
-        if last.carry_key:
-            return last.exit_depth is not None
-        return exit_known(request, last, last.planned) is True
+        return exit_known(request, last, self._planned_loops(last)) is True
 
     def _next_loop(self, request: Request, item: InFlight) -> str:
+        done = self._planned_loops(item)
         if item.carry_key:
-            return CARRIED if item.carry_key in self._carried else OVER
-        done = item.planned
+            if item.carry_key not in self._carried or done >= item.ends_at:
+                return OVER
+            return OVER if item.stop_at_exit and exit_known(request, item, done) else CARRIED
         if done >= item.ends_at:
             return OVER
         if not item.stop_at_exit:
@@ -246,6 +262,18 @@ class Scheduler:
         if known is None:
             return WAIT
         return OVER if known else PLAN
+
+    def _carries_on(self) -> bool:
+        """Whether a carried token may run a loop in the step being built (the runner runs it
+        even in a plan without items)."""
+        return any(self._next_loop(r, item) == CARRIED for r, item in self._carried.values())
+
+    def _planned_loops(self, item: InFlight) -> int:
+        """Loops of ``item`` planned before the step being built: a carried token runs one in
+        every step from its first."""
+        if item.carry_key:
+            return min(self._step_id + 1 - item.carry_step, item.ends_at)
+        return item.planned
 
     def _plan_loop(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
@@ -271,78 +299,25 @@ class Scheduler:
             if not self.preemptor.make_room(request, item.end):
                 continue  # waits for blocks (or was preempted itself)
             self.kv.grow(request.request_id, item.end)
-            budget -= self._start(request, item, items, owners)
+            budget -= self.start(request, item, items, owners)
         return budget
 
-    def _start(
+    def start(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
+        """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
+        a decode token the runner will carry gets its key. Returns the item's tokens."""
         request.num_scheduled = item.end
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
         if self.item_maker.carries(request, item):
             self._carry_key += 1
             item.carry_key = self._carry_key
+            item.carry_step = self._step_id + 1
+            item.exit_by = self.item_maker.exit_known_by(request, item)
             self._carried[item.carry_key] = (request, item)
         request.items.append(item)
         return self._plan_loop(request, item, items, owners)
-
-    def admission_blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
-        """Free blocks admitting ``request`` with first item ``item`` needs (watermark
-        included: on-demand admission keeps it free for running requests to grow into), less
-        the cached blocks ``hit`` shares."""
-        loops = request.num_loops
-        shared = self.sharing.admission_blocks(request, hit)
-        if not self.ondemand:
-            return self.kv.blocks_needed(request.kv_tokens, loops) + shared
-        need = self.kv.blocks_needed(max(item.end, resume_tokens(request)), loops) + shared
-        return need + (self.watermark_blocks if self.running else 0)
-
-    def _admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
-        self.waiting.sort(key=self.order_key)
-        i = reserved = 0
-        while i < len(self.waiting) and budget > 0:
-            request = self.waiting[i]
-            if self.preemptor.preempted_now(request):
-                break  # no re-admission in the step that preempted it
-            if len(self.running) + reserved >= self.config.max_num_seqs:
-                break
-            if self.sharing.waits(request):
-                # A prefix another request computes; a follower keeps its seat (else it may
-                # come too late and recompute its leader's prompt).
-                reserved += self.sharing.waits_for_leader(request)
-                i += 1
-                continue
-            hit = self.sharing.lookup(request)
-            before = request.num_scheduled
-            request.num_scheduled = max(before, hit.start)
-            item = self.item_maker.next_item(request, budget)
-            assert item is not None
-            if self.admission_blocks(request, item, hit) > self.kv.num_free_blocks:
-                request.num_scheduled = before
-                break  # in order: do not let later requests overtake
-            self.waiting.pop(i)
-            rid = request.request_id
-            tokens = max(item.end, request.swapped_tokens) if self.ondemand else request.kv_tokens
-            self.kv.allocate(rid, tokens, request.num_loops, hit.entries)
-            self.sharing.admitted(request, hit)
-            self.preemptor.restore(request)
-            request.status = RequestStatus.RUNNING
-            request.admitted = True
-            self.running.append(request)
-            penalties = _uses_penalties(request)
-            self._new_setups.append(
-                RequestSetup(
-                    rid,
-                    request.params,
-                    request.num_loops,
-                    request.seed,
-                    list(request.prompt_token_ids) if penalties else None,
-                    num_sampled=len(request.output_token_ids) - request.num_forced,
-                    output_token_ids=list(request.output_token_ids) if penalties else None,
-                )
-            )
-            budget -= self._start(request, item, items, owners)
 
     # ---------------------------------------------------------------- results
 
@@ -391,7 +366,11 @@ class Scheduler:
                 del carried[event.key]
                 request.items = [it for it in request.items if it is not item]
             outcome = event.outcome
-            if outcome is None or not outcome.exited:
+            if outcome is None:
+                continue
+            if outcome.exit_next:
+                item.delayed_exit_at = event.depth + 1
+            if not outcome.exited:
                 continue
             item.exit_depth = event.depth
             update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
@@ -504,8 +483,3 @@ class Scheduler:
 def _ends(item: InFlight, depth: int, outcome: ItemResult | None) -> bool:
     """Whether ``item``'s loops end at ``depth`` (the runner's rule for carried tokens)."""
     return depth >= item.ends_at or (item.stop_at_exit and outcome is not None and outcome.exited)
-
-
-def _uses_penalties(request: Request) -> bool:
-    p = request.params
-    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import compress, repeat
-from operator import is_
+from operator import is_, or_
 
 import torch
 
 from rltserve.core import step_rows
-from rltserve.core.attention import copy_slots
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import ItemResult, WorkItem
 from rltserve.core.staging import StepOutputs, move_to
@@ -42,6 +41,8 @@ class Step:
         self.num_coda_rows = 0
         self.ending: list[int] = []  # set by run(): the items whose loops end in this step
         self.exits: list[int] = []  # set by run(): the items whose output exits in this step
+        # Set by results(quiet=q): the first q items that got a result (exit, delayed decision).
+        self.noted: list[int] = []
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
@@ -82,7 +83,7 @@ class Step:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = self._decide_exits(state, specs)
         exits = self.exits = [i for i, x in zip(self.out, self.exited) if x]
-        self._copy_on_exit(exits, specs)
+        step_rows.copy_on_exit(self.r, self.items, exits, specs)
         depths = self.depths
         ending = [
             i for i, (d, end) in enumerate(zip(depths, map(step_rows.ENDS_AT, items))) if d >= end
@@ -323,34 +324,6 @@ class Step:
             picks.append((k, h.gate_row, 1))
         return step_rows.gather_rows(sources, picks).t()
 
-    def _copy_on_exit(self, exits: list[int], specs: list) -> None:
-        """last_exited: the exit-depth K/V of a token stopping early serves deeper planes."""
-        items = self.items
-        # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
-        if not all(specs):
-            exits = exits + [
-                i for i, it in enumerate(items) if it.exit is None and it.exit_copy_blocks
-            ]
-        src: list[int] = []
-        dst: list[int] = []
-        bs = self.r.block_size
-        for i in exits:
-            it = items[i]
-            if not it.exit_copy_blocks:
-                continue
-            # An exiting output copies position start; a recomputed chunk copies every position
-            # (its blocks are listed position by position).
-            positions = range(it.start, it.end) if it.exit is None else (it.start,)
-            per = len(it.exit_copy_blocks) // len(positions)
-            for k, q in enumerate(positions):
-                offset = q % bs
-                slot = it.block_table[q // bs] * bs + offset
-                for block in it.exit_copy_blocks[k * per : (k + 1) * per]:
-                    src.append(slot)
-                    dst.append(block * bs + offset)
-        if src:
-            copy_slots(self.r.kv, self.r.tensor(src), self.r.tensor(dst))
-
     def _coda_and_sample(
         self,
         positions: torch.Tensor,
@@ -465,8 +438,10 @@ class Step:
                 survival, cdf = [1.0] * m, [0.0] * m
             outcomes = [None] * cut
             outcomes += map(ItemResult, exited[cut:], survival[cut:], cdf[cut:], nexts[cut:])
-            for k in compress(range(cut), exited):
-                outcomes[k] = ItemResult(True, survival[k], cdf[k], nexts[k])
+            noted = list(compress(range(cut), map(or_, exited, nexts)))
+            for k in noted:
+                outcomes[k] = ItemResult(exited[k], survival[k], cdf[k], nexts[k])
+            self.noted = noted if every else [out[k] for k in noted]
         if self.sampled:
             self._sampled_results(host, outcomes)
         if every:

@@ -1,6 +1,7 @@
 """What a ``Step`` reads per row, and how it gathers rows: column getters over work items and
 their states (``map`` with them runs at C speed where a Python loop over rows would not), the
-exit rule's thresholds, and gathering rows of earlier steps' tensors with one ``index_select``.
+exit rule's thresholds, gathering rows of earlier steps' tensors with one ``index_select``,
+and the copy-on-exit of exiting rows' K/V (``copy_on_exit``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from operator import attrgetter
 
 import torch
 
+from rltserve.core.attention import copy_slots
+from rltserve.core.plan import WorkItem
 from rltserve.core.staging import to_device
 from rltserve.core.step_host import StepHost
 
@@ -101,3 +104,30 @@ def gather_rows(
 
 def offsets(counts: list[int]) -> list[int]:
     return list(accumulate(counts, initial=0))
+
+
+def copy_on_exit(r: StepHost, items: list[WorkItem], exits: list[int], specs: list) -> None:
+    """last_exited: the exit-depth K/V of a token stopping early serves deeper planes
+    (``exits``: the items whose output exits in this step)."""
+    # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
+    if not all(specs):
+        exits = exits + [i for i, it in enumerate(items) if it.exit is None and it.exit_copy_blocks]
+    src: list[int] = []
+    dst: list[int] = []
+    bs = r.block_size
+    for i in exits:
+        it = items[i]
+        if not it.exit_copy_blocks:
+            continue
+        # An exiting output copies position start; a recomputed chunk copies every position
+        # (its blocks are listed position by position).
+        positions = range(it.start, it.end) if it.exit is None else (it.start,)
+        per = len(it.exit_copy_blocks) // len(positions)
+        for k, q in enumerate(positions):
+            offset = q % bs
+            slot = it.block_table[q // bs] * bs + offset
+            for block in it.exit_copy_blocks[k * per : (k + 1) * per]:
+                src.append(slot)
+                dst.append(block * bs + offset)
+    if src:
+        copy_slots(r.kv, r.tensor(src), r.tensor(dst))

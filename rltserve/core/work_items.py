@@ -131,6 +131,13 @@ class ItemMaker:
             and (not request.items or all(it.carry_key for it in request.items))
         )
 
+    def exit_known_by(self, request: Request, item: InFlight) -> int:
+        """Loops after which the exit of a decode token's output is known without a result:
+        the fixed exit, else the cap (``max_loops``)."""
+        if request.exit_mode == "fixed":
+            return fixed_exit_depth(request, item.output_index)
+        return request.max_loops
+
     def _carried(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
         others (``Carry``)."""

@@ -1,0 +1,93 @@
+"""Admission (DESIGN §8): which waiting requests join the step being built, and the blocks
+admitting one takes.
+
+Torch-free; works on the scheduler's queues. Requests are admitted in (priority, arrival)
+order (arrival alone under fcfs) while seats (``max_num_seqs``), KV and the step's token budget
+allow, never past one that does not fit (no overtaking). ``kv_reservation="full"`` reserves a
+request's whole context; on-demand admission checks its first item plus the watermark, and a
+resumed request the positions it had (``preemption.resume_tokens``). A request with a cached
+prefix starts after it (``prompt_sharing.py``); a group's follower waits for its leader.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rltserve.core.plan import RequestSetup, WorkItem
+from rltserve.core.preemption import resume_tokens
+from rltserve.core.prompt_sharing import NO_HIT, Hit
+from rltserve.core.request import InFlight, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from rltserve.core.scheduler import Scheduler
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
+        """Free blocks admitting ``request`` with first item ``item`` needs (watermark
+        included: on-demand admission keeps it free for running requests to grow into), less
+        the cached blocks ``hit`` shares."""
+        s = self.s
+        loops = request.num_loops
+        shared = s.sharing.admission_blocks(request, hit)
+        if not s.ondemand:
+            return s.kv.blocks_needed(request.kv_tokens, loops) + shared
+        need = s.kv.blocks_needed(max(item.end, resume_tokens(request)), loops) + shared
+        return need + (s.watermark_blocks if s.running else 0)
+
+    def admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:
+        """Admits waiting requests in (priority, arrival) order while seats, KV and the token
+        budget allow, each with its first item planned in the step being built."""
+        s = self.s
+        s.waiting.sort(key=s.order_key)
+        i = reserved = 0
+        while i < len(s.waiting) and budget > 0:
+            request = s.waiting[i]
+            if s.preemptor.preempted_now(request):
+                break  # no re-admission in the step that preempted it
+            if len(s.running) + reserved >= s.config.max_num_seqs:
+                break
+            if s.sharing.waits(request):
+                # A prefix another request computes; a follower keeps its seat (else it may
+                # come too late and recompute its leader's prompt).
+                reserved += s.sharing.waits_for_leader(request)
+                i += 1
+                continue
+            hit = s.sharing.lookup(request)
+            before = request.num_scheduled
+            request.num_scheduled = max(before, hit.start)
+            item = s.item_maker.next_item(request, budget)
+            assert item is not None
+            if self.blocks(request, item, hit) > s.kv.num_free_blocks:
+                request.num_scheduled = before
+                break  # in order: do not let later requests overtake
+            s.waiting.pop(i)
+            rid = request.request_id
+            tokens = max(item.end, request.swapped_tokens) if s.ondemand else request.kv_tokens
+            s.kv.allocate(rid, tokens, request.num_loops, hit.entries)
+            s.sharing.admitted(request, hit)
+            s.preemptor.restore(request)
+            request.status = RequestStatus.RUNNING
+            request.admitted = True
+            s.running.append(request)
+            penalties = _uses_penalties(request)
+            s.new_setups.append(
+                RequestSetup(
+                    rid,
+                    request.params,
+                    request.num_loops,
+                    request.seed,
+                    list(request.prompt_token_ids) if penalties else None,
+                    num_sampled=len(request.output_token_ids) - request.num_forced,
+                    output_token_ids=list(request.output_token_ids) if penalties else None,
+                )
+            )
+            budget -= s.start(request, item, items, owners)
+
+
+def _uses_penalties(request: Request) -> bool:
+    p = request.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
