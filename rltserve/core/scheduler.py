@@ -339,17 +339,9 @@ class Scheduler:
                 request.items = [it for it in request.items if it is not item]
             if outcome is None:
                 continue
-            if outcome.exit_next:
-                item.delayed_exit_at = work.depth + 1
-            if outcome.exited:
-                item.exit_depth = work.depth
-                update = updates.setdefault(work.request_id, RequestUpdate(work.request_id))
-                if not outcome.finite:
-                    self._fail_nonfinite(request, work.end, work.depth, update)
-                    continue
-                self._append_token(request, work.depth, outcome, update)
-                if outcome.rollback and not request.is_finished:
-                    self._rollback(request, work.end)
+            appended = self._apply_outcome(request, item, work.depth, outcome, updates)
+            if appended and outcome.rollback and not request.is_finished:
+                self._rollback(request, work.end)
         if result.carried:
             self._apply_carried(result, updates)
         return list(updates.values())
@@ -365,19 +357,30 @@ class Scheduler:
             if event.ended:
                 del carried[event.key]
                 request.items = [it for it in request.items if it is not item]
-            outcome = event.outcome
-            if outcome is None:
-                continue
-            if outcome.exit_next:
-                item.delayed_exit_at = event.depth + 1
-            if not outcome.exited:
-                continue
-            item.exit_depth = event.depth
-            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
-            if not outcome.finite:
-                self._fail_nonfinite(request, item.end, event.depth, update)
-                continue
-            self._append_token(request, event.depth, outcome, update)
+            if event.outcome is not None:
+                self._apply_outcome(request, item, event.depth, event.outcome, updates)
+
+    def _apply_outcome(
+        self,
+        request: Request,
+        item: InFlight,
+        depth: int,
+        outcome: ItemResult,
+        updates: dict[str, RequestUpdate],
+    ) -> bool:
+        """An output position's result at loop ``depth``: a delayed decision, or its exit with
+        a token. True when the token was appended."""
+        if outcome.exit_next:
+            item.delayed_exit_at = depth + 1
+        if not outcome.exited:
+            return False
+        item.exit_depth = depth
+        update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
+        if not outcome.finite:
+            self._fail_nonfinite(request, item.end, depth, update)
+            return False
+        self._append_token(request, depth, outcome, update)
+        return True
 
     def drop_carried(self, request: Request) -> None:
         """Forgets the request's carried tokens (it stops running: the runner drops them)."""
