@@ -4,6 +4,7 @@ block comes back, and the engine serves new requests unchanged afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -274,6 +275,106 @@ def test_a_failed_swap_out_fails_the_requests_it_preempted(ouro_rv1, ouro_ref):
     assert survivors
     assert_oracle(ouro_ref, core, out, params, sorted(survivors))
     assert_clean(core)
+    core.shutdown()
+
+
+@pytest.mark.parametrize("arrival", [2, 4, 6, 8])
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+def test_a_launch_failing_before_its_loop_fails_the_carried_tokens(
+    ouro_rv1, ouro_ref, monkeypatch, arrival, threshold
+):
+    """The launch raises while setting up a new request, before any loop is queued: the
+    step's carried decode tokens fail with it (the scheduler counted their loop in it), the
+    others continue exactly and nothing stalls or leaks."""
+    from rltserve.core.live import LiveRequest
+
+    core = make_core(ouro_rv1)
+    params = {
+        "a": SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold),
+        "b": SamplingParams(max_tokens=3, ignore_eos=True),
+        "c": SamplingParams(max_tokens=4, ignore_eos=True, exit_threshold=threshold),
+    }
+    create = LiveRequest.create
+    faulty: set[str] = set()
+
+    def broken(setup, *args, **kwargs):
+        if setup.request_id == "b":
+            raise RuntimeError("injected set-up failure")
+        return create(setup, *args, **kwargs)
+
+    out = Outcome()
+    for rid in ("a", "c"):
+        core.add_request(rid, PROMPTS[rid], params[rid])
+    for step in range(300):
+        if step == arrival:
+            core.add_request("b", PROMPTS["b"], params["b"])
+        plan = core.plan()
+        if plan is None:
+            assert not core.has_work(), "stalled with requests running"
+            break
+        if any(setup.request_id == "b" for setup in plan.new_requests):
+            faulty = step_requests(plan, core)
+            monkeypatch.setattr(LiveRequest, "create", broken)
+            result = core.runner.execute(plan)
+            monkeypatch.setattr(LiveRequest, "create", create)
+        else:
+            result = core.runner.execute(plan)
+        for u in core.apply(plan, result):
+            out.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            out.depths.setdefault(u.request_id, []).extend(u.new_exit_depths)
+            if u.finish_reason is not None:
+                out.finish[u.request_id] = u.finish_reason.value
+    final = core.plan()
+    if final is not None:
+        core.execute(final)
+    assert "b" in faulty
+    failed = {rid for rid, why in out.finish.items() if why == "error"}
+    assert failed == faulty
+    for rid in {"a", "c"} - failed:
+        want = oracle_run(ouro_ref, PROMPTS[rid], params[rid])
+        assert out.tokens[rid] == want.tokens and out.depths[rid] == want.exit_depths, rid
+    assert_clean(core)
+    core.shutdown()
+
+
+def test_a_failed_swap_out_still_releases_the_plans_requests(ouro_rv1, ouro_ref):
+    """A plan that releases an aborted request (whose decode token the runner carries) and
+    whose swap-out fails: the released request's row goes all the same, so it never writes
+    into its freed blocks once a new request holds them."""
+    core = make_core(ouro_rv1, block_size=4)
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    core.add_request("a", PROMPTS["a"], p)
+    core.add_request("b", PROMPTS["b"], p)
+    for _ in range(40):
+        core.step()
+        if any(w.request_id == "a" and w.depth <= 2 for w in core.runner.carried.items):
+            break
+    else:
+        raise AssertionError("a's decode token was never carried")
+    core.abort("a")
+    plan = core.plan()
+    assert plan.released == ["a"]
+    # The same plan swaps out a victim, and that copy fails (a device error).
+    victim = core.kv.all_blocks("b", core.kv.covered("b"))
+    plan = dataclasses.replace(plan, swap_out=[("b", victim)])
+
+    def broken(*args):
+        raise RuntimeError("injected swap-out failure")
+
+    core.runner._slots = broken
+    try:
+        result = core.runner.execute(plan)
+    finally:
+        del core.runner._slots
+    assert result.error is not None
+    core.apply(plan, result)
+    assert "a" not in core.runner.live
+    assert all(w.request_id != "a" for w in core.runner.carried.items)
+    core.add_request("d", [9, 10, 11, 12, 13, 14], p)  # takes the freed blocks
+    tokens: list[int] = []
+    while core.has_work():
+        tokens += [t for u in core.step() if u.request_id == "d" for t in u.new_token_ids]
+    assert tokens == oracle_run(ouro_ref, [9, 10, 11, 12, 13, 14], p).tokens
     core.shutdown()
 
 

@@ -327,8 +327,9 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, handle: StepHandle) -> bool:
         """Queues the step's work and sets ``handle.finish``; True when the result must be
         delivered at once."""
-        for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
-            self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
+        # Host bookkeeping first: whatever fails later in this launch, the carried rows (and
+        # ``handle.carried``, which a failure fails) agree with the loops the scheduler counts
+        # for this step, and no released request's row is left to write into freed blocks.
         for rid in plan.preempted:
             live = self.live.pop(rid, None)
             self.block_tables.release(rid)
@@ -338,11 +339,16 @@ class ModelRunner:
         for rid in plan.released:
             self.live.pop(rid, None)
             self.block_tables.release(rid)
-            self.swapped.pop(rid, None)
             self.kept_generators.pop(rid, None)
             self._dropped.discard(rid)
         if plan.preempted or plan.released or self._dropped:
             self.carried.drop({*plan.preempted, *plan.released, *self._dropped})
+        carried = self.carried.advance()  # their next loops run first
+        handle.carried = carried
+        for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
+            self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
+        for rid in plan.released:
+            self.swapped.pop(rid, None)
         for rid, blocks in plan.swap_in:
             if rid in self._dropped:  # its swap-out failed; the scheduler fails it
                 continue
@@ -368,9 +374,7 @@ class ModelRunner:
             ]
         else:
             active = range(len(plan.items))
-        carried = self.carried.advance()  # their next loops run first
         nc = len(carried)
-        handle.carried = carried
         if not active and not nc:
             handle.finish = lambda: StepResult(plan.step_id, [None] * len(plan.items))
             return False
