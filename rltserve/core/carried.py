@@ -22,9 +22,6 @@ class CarriedRows:
     def __init__(self) -> None:
         self.items: list[WorkItem] = []  # the runner's own items, at the depth last run
 
-    def __len__(self) -> int:
-        return len(self.items)
-
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
         if self.items and request_ids:

@@ -232,8 +232,7 @@ class ModelRunner:
             assert handle.finish is not None
             result = handle.finish()
         except Exception as exc:  # e.g. a device error surfacing at the copy
-            carried = [w.request_id for w in handle.carried]
-            result = self._failed(handle.step_id, handle.item_ids + carried, exc, carried)
+            result = self._fail_step(handle, exc)
         finally:
             if not self._launching:  # a launch times its deliveries itself
                 self.busy_seconds += time.perf_counter() - start
@@ -255,8 +254,7 @@ class ModelRunner:
             # A request preempted by this step whose KV had not reached swap space yet has
             # lost it: it fails too (its resume would find nothing to swap in).
             lost = [rid for rid, _ in plan.swap_out if rid not in self.swapped]
-            carried = [w.request_id for w in handle.carried]
-            result = self._failed(plan.step_id, handle.item_ids + carried, exc, lost + carried)
+            result = self._fail_step(handle, exc, lost)
             handle.finish = lambda: result
         finally:
             self._launching = False
@@ -266,27 +264,32 @@ class ModelRunner:
             self.deliver()
         return handle
 
-    def _failed(
-        self, step_id: int, request_ids: list[str], exc: Exception, lost: list[str] | None = None
+    def _fail_step(
+        self, handle: StepHandle, exc: Exception, lost: list[str] | None = None
     ) -> StepResult:
+        """A failed step: the requests of its items and of its carried tokens fail, and
+        ``lost``, those it lost outside them (preempted before their KV reached swap space)."""
+        carried = [w.request_id for w in handle.carried]
+        request_ids = handle.item_ids + carried
+        lost = [*(lost or ()), *carried]
         # Clients get the exception's type and message; the traceback goes to the log.
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         logger.error(
             "step %d failed; its requests fail: %s",
-            step_id,
-            sorted(set(request_ids) | set(lost or ())),
+            handle.step_id,
+            sorted(set(request_ids) | set(lost)),
             exc_info=exc,
         )
         for rid in request_ids:  # their device state is unknown now
             self.live.pop(rid, None)
             self.block_tables.release(rid)
-        for rid in lost or ():
+        for rid in lost:
             self.kept_generators.pop(rid, None)
         # Steps planned before the scheduler learns of the failure skip these requests' items
         # (instead of failing on the missing state) until the scheduler releases them.
         self._dropped.update(request_ids)
-        self._dropped.update(lost or ())
-        return StepResult(step_id, [None] * len(request_ids), error=detail, lost=list(lost or ()))
+        self._dropped.update(lost)
+        return StepResult(handle.step_id, [None] * len(request_ids), error=detail, lost=lost)
 
     def _on_stream(self):
         if self.stream is None:
@@ -347,7 +350,7 @@ class ModelRunner:
         handle.carried = carried
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
             self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
-        for rid in plan.released:
+        for rid in plan.released:  # swap space after the swap-outs, in the plan's order
             self.swapped.pop(rid, None)
         for rid, blocks in plan.swap_in:
             if rid in self._dropped:  # its swap-out failed; the scheduler fails it

@@ -215,8 +215,7 @@ class Scheduler:
             if (
                 k > 0
                 and request_items[k - 1].planned <= item.planned
-                and states[k - 1] != OVER
-                and states[k - 1] != CARRIED
+                and states[k - 1] not in (OVER, CARRIED)
             ):
                 continue
             budget -= self._plan_loop(request, item, items, owners)
@@ -335,8 +334,7 @@ class Scheduler:
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 self.sharing.on_prompt_done(request, item.start, item.end)
             if item.carry_key and _ends(item, work.depth, outcome):
-                self._carried.pop(item.carry_key, None)  # it ended at its first loop
-                request.items = [it for it in request.items if it is not item]
+                self._end_carried(request, item)  # it ended at its first loop
             if outcome is None:
                 continue
             appended = self._apply_outcome(request, item, work.depth, outcome, updates)
@@ -355,8 +353,7 @@ class Scheduler:
                 continue  # its request finished, was aborted or preempted meanwhile
             request, item = owner
             if event.ended:
-                del carried[event.key]
-                request.items = [it for it in request.items if it is not item]
+                self._end_carried(request, item)
             if event.outcome is not None:
                 self._apply_outcome(request, item, event.depth, event.outcome, updates)
 
@@ -381,6 +378,11 @@ class Scheduler:
             return False
         self._append_token(request, depth, outcome, update)
         return True
+
+    def _end_carried(self, request: Request, item: InFlight) -> None:
+        """A carried token the runner runs no more: forgotten, and out of the request's items."""
+        self._carried.pop(item.carry_key, None)
+        request.items = [it for it in request.items if it is not item]
 
     def drop_carried(self, request: Request) -> None:
         """Forgets the request's carried tokens (it stops running: the runner drops them)."""

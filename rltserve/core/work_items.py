@@ -145,9 +145,7 @@ class ItemMaker:
         start = item.start
         kv = self.kv
         tables = kv.depth_tables(rid, request.num_loops)
-        exit_at = 0
-        if request.exit_mode == "fixed":
-            exit_at = fixed_exit_depth(request, item.output_index)
+        exit_at = item.exit_by if request.exit_mode == "fixed" else 0  # (``exit_known_by``)
         spec = exit_spec(request, item, 1)
         copy_blocks: list[int] = []
         if item.stop_at_exit and self.copies_on_exit:
