@@ -99,3 +99,18 @@ def test_keys_sharing_one_list_and_released_lists_stay_right():
         assert bt.gather([(f"c{i}", 1), ("b", 1)], [table, [7]]).tolist() == [table, [7, 7]]
         bt.release(f"c{i}")
     assert bt.num_rows_used == 1
+
+
+def test_an_earlier_version_of_a_table_reads_the_grown_row():
+    """A request's tables only grow: a key given an earlier (shorter) version of its row's
+    table, as an item started before a carried token's registration is, keeps the row; the
+    blocks it needs are there and the later item's are not lost."""
+    bt = BlockTables(rows=2, cols=2)
+    old = [3, 4]
+    new = old + [5]
+    (row,) = bt.rows([("a", 2)], [new])  # registered ahead by the newer item
+    assert bt.rows([("a", 2)], [old]) == [row]
+    assert bt.array[row, :3].tolist() == [3, 4, 5]
+    assert bt.gather([("a", 2)], [old]).tolist() == [[3, 4]]
+    other = [3, 9]  # not a prefix: a changed table is still rewritten
+    assert bt.gather([("a", 2)], [other]).tolist() == [[3, 9]]

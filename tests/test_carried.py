@@ -10,6 +10,7 @@ import random
 import pytest
 from engine_util import make_core, oracle_run, run_core
 
+from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows, events
 from rltserve.core.plan import Carry, ExitSpec, ItemResult, WorkItem
 from rltserve.sampling import SamplingParams
@@ -188,26 +189,36 @@ def _item(depth: int = 1, *, exit_at: int = 0, copy: bool = False) -> WorkItem:
 
 
 def test_carried_rows_move_one_loop_per_step():
-    rows = CarriedRows()
+    tables = BlockTables()
+    rows = CarriedRows(tables)
     first = _item(exit_at=3, copy=True)
     rows.keep([first], 0, set())
-    (own,) = rows.items
-    assert own is not first  # the plan's item is never changed
+    assert rows.items == [first] and rows.depths == [1]
     seen = []
     for _ in range(3):
+        before = rows.depths
         (w,) = rows.advance()
-        seen.append((w.depth, w.block_table, w.exit.exit_now, w.exit_copy_blocks))
+        d = rows.depths[0]
+        assert w is first and before == [d - 1]  # a step's lists are replaced, not changed
+        seen.append((d, rows.table_at(0, d), rows.specs[0].exit_now, rows.copy_blocks_at(0, d)))
+        # The attention columns follow: the row of the table at the new depth.
+        spans, table_rows = rows.spans()
+        assert spans.starts.tolist() == [5] and spans.lens.tolist() == [1]
+        assert spans.table_lens.tolist() == [1]
+        assert tables.array[table_rows, :1].tolist() == [rows.table_at(0, d)]
         rows.keep([w], 1, set())
     assert seen == [
         (2, [11], False, [22, 23]),
         (3, [12], True, [23]),  # the traced exit loop
         (4, [13], True, []),
     ]
-    assert first.depth == 1 and first.block_table == [10]
+    # The plan's item is never changed.
+    assert first.depth == 1 and first.block_table == [10] and first.exit_copy_blocks == [21, 22, 23]
 
 
 def test_carried_rows_keep_order_and_drop_ended_and_released():
-    rows = CarriedRows()
+    tables = BlockTables()
+    rows = CarriedRows(tables)
     a, b = _item(), _item()
     b.request_id = "b"
     rows.keep([a, b], 0, set())
@@ -216,8 +227,12 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     c.request_id = "c"
     rows.keep(step + [c], 2, {0})  # a ended; c is new
     assert [w.request_id for w in rows.items] == ["b", "c"]
+    spans, table_rows = rows.spans()  # b at depth 2, c at depth 1
+    assert tables.array[table_rows, :1].tolist() == [[11], [10]]
     rows.drop({"c"})
     assert [w.request_id for w in rows.items] == ["b"]
+    spans, table_rows = rows.spans()
+    assert spans.starts.tolist() == [5] and tables.array[table_rows, :1].tolist() == [[11]]
 
 
 def test_events_report_the_rows_with_results_or_ends():

@@ -19,7 +19,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from operator import itemgetter
 
 import numpy as np
 import torch
@@ -57,6 +56,62 @@ def copy_slots(kv: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tenso
 
 
 @dataclass(frozen=True)
+class Spans:
+    """Items (``ItemSpec``s) as columns: what metadata needs of them, built without a Python
+    step per item when the caller keeps them as arrays (the runner's carried rows)."""
+
+    starts: np.ndarray  # [B] int64: each item's first position
+    lens: np.ndarray  # [B] int64: its rows
+    table_lens: np.ndarray  # [B] int64: blocks its table holds
+    # [B, >= the columns used] int64, past each table's length padded with valid blocks;
+    # None: built from ``lists`` (the tables as lists) once the column count is known.
+    tables: np.ndarray | None = None
+    lists: Sequence[Sequence[int]] | None = None
+
+    @classmethod
+    def of(cls, items: Sequence[ItemSpec], tables: np.ndarray | None = None) -> Spans:
+        """``items`` as columns; ``tables``: their tables already padded (``BlockTables``)."""
+        if not items:
+            raise ValueError("attention metadata needs at least one item")
+        columns = list(zip(*items))
+        starts = np.array(columns[0], dtype=np.int64)
+        lens = np.array(columns[1], dtype=np.int64)
+        table_lens = np.fromiter(map(len, columns[2]), dtype=np.int64, count=len(items))
+        return cls(starts, lens, table_lens, tables, None if tables is not None else columns[2])
+
+    @staticmethod
+    def concat(first: Spans, second: Spans) -> Spans:
+        """The items of ``first``, then those of ``second`` (their ``tables`` are dropped)."""
+        return Spans(
+            np.concatenate((first.starts, second.starts)),
+            np.concatenate((first.lens, second.lens)),
+            np.concatenate((first.table_lens, second.table_lens)),
+        )
+
+    def take(self, ks: np.ndarray) -> Spans:
+        """The items ``ks`` (an index array), in that order."""
+        return Spans(
+            self.starts[ks],
+            self.lens[ks],
+            self.table_lens[ks],
+            None if self.tables is None else self.tables[ks],
+            None if self.lists is None else [self.lists[k] for k in ks.tolist()],
+        )
+
+    def padded_tables(self, num_cols: int) -> np.ndarray:
+        """[B, num_cols] int64: the tables, each padded with its first block."""
+        if self.tables is not None:
+            return self.tables[:, :num_cols]
+        assert self.lists is not None
+        tables = np.empty((len(self.lists), num_cols), dtype=np.int64)
+        for row, table in zip(tables, self.lists):
+            m = min(len(table), num_cols)
+            row[:m] = table[:m]
+            row[m:] = table[0]  # padding: a valid block, masked
+        return tables
+
+
+@dataclass(frozen=True)
 class HostMetadata:
     """The host half of one group's metadata: int64 arrays computed with numpy from the items,
     before anything reaches the device. ``tables`` is [B, num_cols], padded with valid blocks."""
@@ -81,30 +136,31 @@ class HostMetadata:
         *,
         num_cols: int | None = None,
         tables: np.ndarray | None = None,
-        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> HostMetadata:
         """``tables``: the items' block tables already padded, [B, >= num_cols] int64 (rows
         past a table's length hold valid blocks), e.g. from ``BlockTables``; default: built
-        from the items' lists. ``starts_lens``: the items' starts and lengths as arrays, when
-        the caller has them."""
-        if not items:
+        from the items' lists."""
+        return cls.of(Spans.of(items, tables), block_size, num_cols=num_cols)
+
+    @classmethod
+    def of(cls, spans: Spans, block_size: int, *, num_cols: int | None = None) -> HostMetadata:
+        """The metadata of ``spans``; ``num_cols`` as for ``AttentionMetadata.build``."""
+        starts, lens = spans.starts, spans.lens
+        num_items = len(starts)
+        if not num_items:
             raise ValueError("attention metadata needs at least one item")
-        if starts_lens is None:
-            starts, lens = _starts_lens(items)
-        else:
-            starts, lens = starts_lens
-        sizes_l = list(map(len, map(itemgetter(2), items)))
         ends = starts + lens
         if lens.min() < 1 or starts.min() < 0:
             k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
             raise ValueError(
-                f"item (start={items[k][0]}, num_tokens={items[k][1]}): need start >= 0, n >= 1"
+                f"item (start={starts[k]}, num_tokens={lens[k]}): need start >= 0, n >= 1"
             )
-        short = np.array(sizes_l, dtype=np.int64) * block_size < ends
+        short = spans.table_lens * block_size < ends
         if short.any():
             k = int(np.flatnonzero(short)[0])
             raise ValueError(
-                f"block table of {sizes_l[k]} blocks cannot hold position {int(ends[k]) - 1}"
+                f"block table of {spans.table_lens[k]} blocks cannot hold position "
+                f"{int(ends[k]) - 1}"
             )
         max_q = int(lens.max())
         max_ctx = int(ends.max())
@@ -115,16 +171,7 @@ class HostMetadata:
             raise ValueError(
                 f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
             )
-        num_items = len(items)
-        if tables is None:
-            tables = np.empty((num_items, num_cols), dtype=np.int64)
-            for k, (_, _, table) in enumerate(items):
-                m = min(sizes_l[k], num_cols)
-                row = tables[k]
-                row[:m] = table[:m]
-                row[m:] = table[0]  # padding: a valid block, masked
-        else:
-            tables = tables[:, :num_cols]
+        tables = spans.padded_tables(num_cols)
         if max_q == 1:  # decode rows: one row per item
             row_item = pad_index = np.arange(num_items)
             positions = starts
@@ -206,15 +253,12 @@ class AttentionMetadata:
         *,
         num_cols: int | None = None,
         tables: np.ndarray | None = None,
-        starts_lens: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> AttentionMetadata:
         """Metadata of ``items``. ``num_cols`` fixes the number of context block columns (default:
         just enough for the longest context), so that the tensor shapes depend only on (number
         of items, max_q, num_cols); an item whose context needs more blocks is a ValueError.
         ``tables``: as for ``HostMetadata.build``."""
-        host = HostMetadata.build(
-            items, block_size, num_cols=num_cols, tables=tables, starts_lens=starts_lens
-        )
+        host = HostMetadata.build(items, block_size, num_cols=num_cols, tables=tables)
         dev = torch.device(device)
         return cls.on_device(host, to_device_packed(host.parts(), dev), block_size)
 
@@ -425,12 +469,6 @@ def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.nd
     return groups + [multi] if len(multi) else groups
 
 
-def _starts_lens(items: Sequence[ItemSpec]) -> tuple[np.ndarray, np.ndarray]:
-    """The items' starts and lengths as int64 arrays."""
-    columns = list(zip(*items))
-    return np.array(columns[0], dtype=np.int64), np.array(columns[1], dtype=np.int64)
-
-
 def paged_attention(
     kv: torch.Tensor,
     items: Sequence[ItemSpec],
@@ -442,25 +480,21 @@ def paged_attention(
     (``attention_groups``), else each group on its own. ``tables``: as for
     ``HostMetadata.build`` (rows aligned with ``items``). Everything the groups need reaches
     the device in one transfer; ``positions`` of the result are the rows' positions."""
+    return attention_over(kv, Spans.of(items, tables), block_size, device)
+
+
+def attention_over(
+    kv: torch.Tensor, spans: Spans, block_size: int, device: torch.device | str = "cpu"
+) -> PagedAttention | GroupedAttention:
+    """``paged_attention`` of items given as columns."""
     dev = torch.device(device)
-    if not items:
-        raise ValueError("attention metadata needs at least one item")
-    starts, lens = _starts_lens(items)
+    starts, lens = spans.starts, spans.lens
     groups = _groups(starts, lens, block_size)
     if len(groups) == 1:
-        md = AttentionMetadata.build(
-            items, block_size, dev, tables=tables, starts_lens=(starts, lens)
-        )
+        host = HostMetadata.of(spans, block_size)
+        md = AttentionMetadata.on_device(host, to_device_packed(host.parts(), dev), block_size)
         return PagedAttention(kv, md)
-    hosts = [
-        HostMetadata.build(
-            [items[k] for k in ks.tolist()],
-            block_size,
-            tables=None if tables is None else tables[ks],
-            starts_lens=(starts[ks], lens[ks]),
-        )
-        for ks in groups
-    ]
+    hosts = [HostMetadata.of(spans.take(ks), block_size) for ks in groups]
     offsets = np.cumsum(lens) - lens
     # The groups' rows, in the step's row order, group after group.
     rows = np.concatenate(

@@ -12,6 +12,13 @@ the length written, is current without reading the list (at 1k context, comparin
 table with a snapshot read ~256 KB per 256-row step). A table changed in place by appending
 is caught by its length; a new list, equal or not, by identity.
 
+A request's tables only grow while it holds KV (a table handed out is a prefix of every later
+one of its plane), so rows never go back: a key given an earlier, shorter version of its
+row's table (an item that started before the newest one and still runs) uses the row as it
+is, whose extra blocks lie past that item's context. The runner registers a carried token's
+tables for every depth when the token starts, possibly before an earlier item of its request
+has run its last loops at those depths.
+
 Invariants: a row holds exactly the blocks of the list its entry holds, at the length
 recorded, then that list's first block in every further column (padding that is always a
 valid block id). The entry keeps the list alive, so an identity match is never an id reused.
@@ -47,24 +54,34 @@ class BlockTables:
     def gather(
         self, keys: Sequence[tuple[str, Hashable]], tables: Sequence[list[int]]
     ) -> np.ndarray:
-        """[len(tables), max table length] int64: the tables, padded as the rows are. ``keys``
-        name the tables: (request id, anything telling a request's tables apart)."""
+        """[len(tables), max table length] int64: the tables, padded with valid blocks.
+        ``keys`` name the tables: (request id, anything telling a request's tables apart)."""
+        rows = self.rows(keys, tables)  # first: it may replace the array
+        return self.array[rows, : max(map(len, tables))]
+
+    def rows(self, keys: Sequence[tuple[str, Hashable]], tables: Sequence[list[int]]) -> list[int]:
+        """The rows of ``array`` holding ``tables`` (named by ``keys``), brought up to date."""
         lengths = list(map(len, tables))
         found = list(map(self._by_table.get, map(id, tables)))
         if all(found) and list(map(_LENGTH, found)) == lengths:  # every table as written
-            rows = list(map(_ROW, found))
-        else:  # a few changed (a table grows every block_size tokens): only they are looked up
-            rows = [-1 if e is None or e[2] != n else e[0] for e, n in zip(found, lengths)]
-            get = self._entries.get
-            for k in [k for k, row in enumerate(rows) if row < 0]:
-                key, table = keys[k], tables[k]
-                entry = get(key)
-                if entry is None or entry[1] is not table or entry[2] != lengths[k]:
-                    entry = self._sync(key, table, entry)
-                else:
-                    self._by_table[id(table)] = entry
-                rows[k] = entry[0]
-        return self.array[rows, : max(lengths)]
+            return list(map(_ROW, found))
+        # A few changed (a table grows every block_size tokens): only they are looked up.
+        rows = [-1 if e is None or e[2] != n else e[0] for e, n in zip(found, lengths)]
+        get = self._entries.get
+        for k in [k for k, row in enumerate(rows) if row < 0]:
+            key, table, n = keys[k], tables[k], lengths[k]
+            entry = get(key)
+            if entry is None or entry[1] is not table or entry[2] != n:
+                if entry is not None and n < entry[2] and entry[1][:n] == table:
+                    # An earlier version of the row's table (a request's tables only grow):
+                    # the row holds it, and a later item of the request may still need more.
+                    rows[k] = entry[0]
+                    continue
+                entry = self._sync(key, table, entry)
+            else:
+                self._by_table[id(table)] = entry
+            rows[k] = entry[0]
+        return rows
 
     def release(self, request_id: str) -> None:
         """Frees the rows of a request the runner no longer runs."""

@@ -1,63 +1,172 @@
 """``CarriedRows``: the decode tokens the runner runs by itself (``plan.Carry``).
 
-A carried token's first loop comes in a plan; the runner keeps a ``WorkItem`` of its own for it
-and moves it one loop deeper before each later step (its block table, exit spec and
-copy-on-exit targets for that depth come from the ``Carry``), until the step in which it ends
-or its request is dropped. Carried rows run first in a step, in the order they were carried, so
-a decode batch keeps its row order from step to step (``PendingRows`` then passes states on).
+A carried token's first loop comes in a plan; the runner keeps that ``WorkItem`` and runs one
+loop of the token in every later step, one depth deeper each time, until the step in which it
+ends or its request is dropped. Carried rows run first in a step, in the order they were
+carried, so a decode batch keeps its row order from step to step (``PendingRows`` then passes
+states on).
 
-Invariant: a step's ``WorkItem``s are not changed while it runs; a carried one is moved to its
-next depth only when the next step is built, and the earlier step reads no field that moves
-(depth, tables, exit spec, copy targets) after its ``run``.
+What moves from loop to loop is kept as columns beside the items, never written into them:
+the depths, the exit specs (a fixed exit's spec changes at its exit loop), and for attention
+metadata the positions and, per depth, the ``BlockTables`` row of the token's table there
+(registered when the token starts; a request's next token reuses its rows while its tables are
+the same lists). A step reads its carried rows' depths, specs and tables from these columns;
+an item's own ``depth``, ``block_table``, ``exit`` and ``exit_copy_blocks`` are its first
+loop's (the block table and copy targets of depth d come from the ``Carry``:
+``table_at``/``copy_blocks_at``).
+
+Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
+``specs`` lists rather than changing them, so a step that still holds the lists it ran with
+reads them unchanged. The table rows stay valid while the tokens are carried (a request's rows
+are released only with its carried tokens dropped, and rows never go back to an earlier table:
+``BlockTables``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from itertools import compress
+from operator import is_
 
-from rltserve.core.plan import CarriedResult, ItemResult, WorkItem
+import numpy as np
+
+from rltserve.core.attention import Spans
+from rltserve.core.block_tables import BlockTables
+from rltserve.core.plan import CarriedResult, ExitSpec, ItemResult, WorkItem
 
 
 class CarriedRows:
-    def __init__(self) -> None:
-        self.items: list[WorkItem] = []  # the runner's own items, at the depth last run
+    def __init__(self, tables: BlockTables) -> None:
+        self.items: list[WorkItem] = []  # the plans' items of the carried tokens, carry order
+        self.depths: list[int] = []  # each token's depth at the step last built
+        self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
+        self._tables = tables
+        self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
+        # Columns of ``items`` for metadata: positions, depths, and per depth 1..W (W: the
+        # widest token; narrower rows repeat their last) the BlockTables row of the table
+        # there and the table's length.
+        self._starts = np.zeros(0, dtype=np.int64)  # [n]
+        self._depths = np.zeros(0, dtype=np.int64)  # [n]
+        self._rows = np.zeros((0, 1), dtype=np.int64)  # [n, W]
+        self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
+        # Request id -> its last carried token's tables and their rows and lengths.
+        self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
+        for rid in request_ids:
+            self._known.pop(rid, None)  # their BlockTables rows are released
         if self.items and request_ids:
-            self.items = [w for w in self.items if w.request_id not in request_ids]
+            gone = [k for k, w in enumerate(self.items) if w.request_id in request_ids]
+            if gone:
+                self._remove(gone)
 
     def clear(self) -> None:
-        self.items = []
+        self._remove(range(len(self.items)))
+        self._known.clear()
+
+    def table_at(self, k: int, depth: int) -> list[int]:
+        """Row ``k``'s block table at loop ``depth``."""
+        return self.items[k].carry.tables[depth - 1]
+
+    def copy_blocks_at(self, k: int, depth: int) -> list[int]:
+        """Row ``k``'s copy-on-exit targets when its output exits at loop ``depth``."""
+        return self.items[k].carry.copy_blocks[depth:]
+
+    def spans(self) -> tuple[Spans, np.ndarray]:
+        """The carried rows at their current depths (after ``advance``): their attention spans
+        without tables, and [B] the ``BlockTables`` rows holding the tables."""
+        ar = np.arange(len(self.items))
+        d = self._depths - 1
+        return Spans(self._starts, np.ones_like(d), self._lens[ar, d]), self._rows[ar, d]
 
     def advance(self) -> list[WorkItem]:
         """Moves every carried token to its next loop; returns them, in carry order."""
-        for w in self.items:
-            d = w.depth + 1
-            w.depth = d
-            c = w.carry
-            w.block_table = c.tables[d - 1]
-            if c.exit_at:
-                w.exit = c.specs[d >= c.exit_at]
-            if c.copy_blocks:
-                w.exit_copy_blocks = c.copy_blocks[d:]
+        if not self.items:
+            return self.items
+        self._depths = self._depths + 1
+        self.depths = [d + 1 for d in self.depths]
+        if self._fixed:
+            specs = self.specs = self.specs[:]
+            for k in self._fixed:
+                c = self.items[k].carry
+                specs[k] = c.specs[self.depths[k] >= c.exit_at]
         return self.items
 
     def keep(self, items: list[WorkItem], num_carried: int, ending: Collection[int]) -> None:
         """After a step over ``items`` (its first ``num_carried`` the carried ones): the tokens
         that go on are the carried ones that did not end, then the plan's new carried
-        tokens, as the runner's own copies."""
-        kept = (
-            self.items
-            if not ending
-            else [w for i, w in enumerate(items[:num_carried]) if i not in ending]
-        )
+        tokens."""
+        if ending:
+            gone = [i for i in ending if i < num_carried]
+            if gone:
+                self._remove(gone)
         fresh = [
-            _own(w)
+            w
             for i, w in enumerate(items[num_carried:], num_carried)
             if w.carry is not None and i not in ending
         ]
-        self.items = kept + fresh if fresh else kept
+        if not fresh:
+            return
+        known = [self._registered(w.request_id, w.carry.tables) for w in fresh]
+        width = max(self._rows.shape[1], max(len(k[1]) for k in known))
+        rows = np.array([_pad(k[1], width) for k in known], dtype=np.int64)
+        lens = np.array([_pad(k[2], width) for k in known], dtype=np.int64)
+        if width > self._rows.shape[1]:
+            self._rows = _widen(self._rows, width)
+            self._lens = _widen(self._lens, width)
+        n = len(self.items)
+        self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
+        self.items = self.items + fresh
+        self.depths = self.depths + [w.depth for w in fresh]
+        self.specs = self.specs + [w.exit for w in fresh]
+        self._starts = np.concatenate((self._starts, [w.start for w in fresh]))
+        self._depths = np.concatenate((self._depths, self.depths[n:]))
+        self._rows = np.concatenate((self._rows, rows))
+        self._lens = np.concatenate((self._lens, lens))
+
+    def _registered(self, request_id: str, tables: list[list[int]]) -> tuple:
+        """(tables, their BlockTables rows, their lengths) of a starting token: its request's
+        previous token's when the tables are the same lists (they change every block_size
+        tokens), else registered now."""
+        known = self._known.get(request_id)
+        if known is not None and (
+            known[0] is tables  # (the KV manager hands out one list until tables change)
+            or (len(known[0]) == len(tables) and all(map(is_, known[0], tables)))
+        ):
+            return known
+        keys = [(request_id, d) for d in range(1, len(tables) + 1)]
+        known = self._known[request_id] = (
+            tables,
+            self._tables.rows(keys, tables),
+            list(map(len, tables)),
+        )
+        return known
+
+    def _remove(self, gone: Collection[int]) -> None:
+        """Drops the rows ``gone`` (indices)."""
+        keep = np.ones(len(self.items), dtype=bool)
+        keep[list(gone)] = False
+        kept = keep.tolist()
+        self.items = list(compress(self.items, kept))
+        self.depths = list(compress(self.depths, kept))
+        self.specs = list(compress(self.specs, kept))
+        if self._fixed:
+            index = np.cumsum(keep) - 1  # old row -> new row, where kept
+            self._fixed = [int(index[k]) for k in self._fixed if kept[k]]
+        self._starts = self._starts[keep]
+        self._depths = self._depths[keep]
+        self._rows = self._rows[keep]
+        self._lens = self._lens[keep]
+
+
+def _pad(values: list[int], width: int) -> list[int]:
+    return values + values[-1:] * (width - len(values)) if len(values) < width else values
+
+
+def _widen(array: np.ndarray, width: int) -> np.ndarray:
+    """``array`` [n, w] with its last column repeated up to ``width`` columns."""
+    return np.pad(array, ((0, 0), (0, width - array.shape[1])), mode="edge")
 
 
 def events(
@@ -74,23 +183,3 @@ def events(
         w = items[i]
         out.append(CarriedResult(w.carry.key, w.request_id, depths[i], i in ending, results[i]))
     return out
-
-
-def _own(w: WorkItem) -> WorkItem:
-    """A copy of a plan's carried item (plans are never changed once built)."""
-    return WorkItem(
-        w.request_id,
-        w.start,
-        w.num_tokens,
-        w.depth,
-        w.ends_at,
-        w.stop_at_exit,
-        w.block_table,
-        None,
-        w.boundary_table,
-        w.exit,
-        w.exit_copy_blocks,
-        False,
-        w.epoch,
-        w.carry,
-    )

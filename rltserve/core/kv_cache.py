@@ -115,6 +115,7 @@ class _RequestKV:
     num_loops: int
     tables: dict[int, list[int]] = field(default_factory=dict)  # plane (or BOUNDARY) -> blocks
     cached: list[bytes] = field(default_factory=list)  # keys of cache entries it holds blocks of
+    depth_tables: list[list[int]] | None = None  # ``KVManager.depth_tables``, until tables change
 
 
 def slot(table: list[int], position: int, block_size: int) -> int:
@@ -266,6 +267,7 @@ class KVManager:
             ids = self._take(extra * len(entry.tables))
             for i, plane in enumerate(entry.tables):
                 entry.tables[plane] = entry.tables[plane] + ids[i * extra : (i + 1) * extra]
+            entry.depth_tables = None
         entry.num_tokens = max(entry.num_tokens, num_tokens)
 
     def all_blocks(self, request_id: str, num_tokens: int) -> list[int]:
@@ -303,15 +305,17 @@ class KVManager:
             raise ValueError(f"depth={depth}: request {request_id!r} has {entry.num_loops} loops")
         return entry.tables[self._plane(depth)]
 
-    def depth_tables(self, request_id: str, num_loops: int) -> list[list[int]]:
-        """The tables of loops 1..``num_loops`` (index d - 1), as ``table_for_depth`` gives
-        them (planes shared by several depths give the same list)."""
+    def depth_tables(self, request_id: str) -> list[list[int]]:
+        """The tables of the request's loops 1..num_loops (index d - 1), as ``table_for_depth``
+        gives them (planes shared by several depths give the same list). The same list until
+        the tables change (``grow``), so a reader may tell new tables by identity. Do not
+        mutate it."""
         entry = self._requests[request_id]
-        if not 1 <= num_loops <= entry.num_loops:
-            raise ValueError(f"num_loops={num_loops}: request has {entry.num_loops} loops")
-        self._plane(num_loops)
-        tables = entry.tables
-        return [tables[p] for p in self._plane_of_depth[1 : num_loops + 1]]
+        if entry.depth_tables is None:
+            self._plane(entry.num_loops)
+            tables = entry.tables
+            entry.depth_tables = [tables[p] for p in self._plane_of_depth[1 : entry.num_loops + 1]]
+        return entry.depth_tables
 
     def _plane(self, depth: int) -> int:
         """``policy.plane(depth)``, remembered: planning asks it for every row of every step."""

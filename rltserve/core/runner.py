@@ -32,9 +32,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
-from rltserve.core.attention import allocate_kv_cache, paged_attention
+from rltserve.core.attention import Spans, allocate_kv_cache, attention_over, paged_attention
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.carried import events as carried_events
@@ -114,7 +115,7 @@ class ModelRunner:
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
         self.block_tables = BlockTables()  # host copies of the tables steps use
-        self.carried = CarriedRows()  # decode tokens whose loops it runs by itself
+        self.carried = CarriedRows(self.block_tables)  # decode tokens whose loops it runs by itself
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
         self.logits_width = self.spec.vocab_size
@@ -297,15 +298,32 @@ class ModelRunner:
         return torch.cuda.stream(self.stream)
 
     def attention(
-        self, spans: list[tuple[int, int, list[int]]], keys: list[tuple[str, int]] | None = None
+        self,
+        spans: list[tuple[int, int, list[int]]],
+        keys: list[tuple[str, int]] | None = None,
+        carried: tuple[Spans, np.ndarray] | None = None,
     ) -> AttentionFn:
         """Attention over ``(start, num_tokens, block_table)`` spans, one per item; with the
         tables' ``keys`` ((request id, depth), depth 0 for the boundary plane) the tables come
-        from the persistent ``BlockTables``."""
-        tables = None
-        if keys is not None:
-            tables = self.block_tables.gather(keys, [span[2] for span in spans])
-        return paged_attention(self.kv, spans, self.block_size, self.device, tables)
+        from the persistent ``BlockTables``. ``carried``: the rows before ``spans`` (carried
+        tokens), as ``CarriedRows.spans`` gives them."""
+        if keys is None:
+            return paged_attention(self.kv, spans, self.block_size, self.device)
+        rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
+        if carried is None:
+            given = Spans.of(spans)
+        else:
+            given, carried_rows = carried
+            if spans:
+                given = Spans.concat(given, Spans.of(spans))
+                rows = np.concatenate((carried_rows, rows))
+            else:
+                rows = carried_rows
+        cols = -(-int((given.starts + given.lens).max()) // self.block_size)
+        given = Spans(
+            given.starts, given.lens, given.table_lens, self.block_tables.array[rows, :cols]
+        )
+        return attention_over(self.kv, given, self.block_size, self.device)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
@@ -384,7 +402,7 @@ class ModelRunner:
         every = len(active) == len(plan.items)
         planned = plan.items if every else [plan.items[k] for k in active]
         items = carried + planned if nc else planned
-        step = Step(self, items)
+        step = Step(self, items, nc)  # (nc rows from self.carried)
         eager = step.run()
         ending = set(step.ending)
         self.carried.keep(items, nc, ending)

@@ -31,9 +31,10 @@ class Step:
     fast paths that skip the general bookkeeping.
     """
 
-    def __init__(self, runner: StepHost, items: list[WorkItem]) -> None:
+    def __init__(self, runner: StepHost, items: list[WorkItem], num_carried: int = 0) -> None:
         self.r = runner
-        self.items = items
+        self.items = items  # the runner's carried tokens (``num_carried``) first
+        self.num_carried = num_carried
         live = runner.live
         self.lives = [live[rid] for rid in map(step_rows.RID, items)]
         self.outputs = StepOutputs(runner.device)
@@ -51,13 +52,21 @@ class Step:
         n = len(items)
         starts = self.starts = list(map(step_rows.START, items))
         counts = list(map(step_rows.COUNT, items))
-        self.depths = list(map(step_rows.DEPTH, items))
+        nc = self.num_carried
+        planned = items[nc:] if nc else items
+        # The carried rows' moving fields are the runner's columns, not their items' fields.
+        self.depths = list(map(step_rows.DEPTH, planned))
+        specs = list(map(step_rows.EXIT, planned))
+        if nc:
+            self.depths = r.carried.depths + self.depths
+            specs = r.carried.specs + specs
         self.num_rows = sum(counts)
         # Decode rows: item i is row i (offsets a range), its position its start.
         self.one_row = max(counts) == 1 and self.num_rows == n
         self.offsets = range(n + 1) if self.one_row else step_rows.offsets(counts)
-        spans = list(zip(starts, counts, map(step_rows.TABLE, items)))
         if r.graphs is not None:  # replays decode-only steps, runs the others eagerly
+            tables = list(map(r.carried.table_at, range(nc), self.depths[:nc]))
+            spans = list(zip(starts, counts, tables + list(map(step_rows.TABLE, planned))))
             flat = (
                 starts
                 if self.one_row
@@ -67,8 +76,11 @@ class Step:
             state, e = self._gather_inputs(starts)
             state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
         else:
-            # The metadata's one transfer brings the rows' positions too.
-            attn = r.attention(spans, list(zip(map(step_rows.RID, items), self.depths)))
+            # The metadata's one transfer brings the rows' positions too. The carried rows'
+            # tables are rows of the runner's BlockTables already.
+            spans = list(zip(starts[nc:], counts[nc:], map(step_rows.TABLE, planned)))
+            keys = list(zip(map(step_rows.RID, planned), self.depths[nc:]))
+            attn = r.attention(spans, keys, r.carried.spans() if nc else None)
             positions = attn.positions  # [N]
             state, e = self._gather_inputs(starts)
             state = r.timed(r.model.loop, state, e, positions, attn)  # [N, S]
@@ -76,14 +88,13 @@ class Step:
         r.deliver()
 
         held = self.held  # each item's ItemState (from _gather_inputs)
-        specs = list(map(step_rows.EXIT, items))
         if all(specs) and not any(map(step_rows.EXITED, held)):
             self.out: range | list[int] = range(n)  # every item's output position is still open
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = self._decide_exits(state, specs)
         exits = self.exits = [i for i, x in zip(self.out, self.exited) if x]
-        step_rows.copy_on_exit(self.r, self.items, exits, specs)
+        step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc])
         depths = self.depths
         ending = [
             i for i, (d, end) in enumerate(zip(depths, map(step_rows.ENDS_AT, items))) if d >= end

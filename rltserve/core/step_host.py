@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from rltserve.core.carried import CarriedRows
     from rltserve.core.cuda_graphs import DecodeGraphs
     from rltserve.core.live import LiveRequest, PendingRows
     from rltserve.core.sampler import Sampler
@@ -33,6 +34,7 @@ class StepHost(Protocol):
     gate_init: torch.Tensor
     graphs: DecodeGraphs | None
     pending_rows: PendingRows | None  # the last step's states, not yet in their ItemStates
+    carried: CarriedRows  # the tokens whose loops the runner runs by itself
     drafts_checked: int
     drafts_rejected: int
 

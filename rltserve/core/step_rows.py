@@ -106,27 +106,38 @@ def offsets(counts: list[int]) -> list[int]:
     return list(accumulate(counts, initial=0))
 
 
-def copy_on_exit(r: StepHost, items: list[WorkItem], exits: list[int], specs: list) -> None:
+def copy_on_exit(
+    r: StepHost, items: list[WorkItem], exits: list[int], specs: list, carried: list[int]
+) -> None:
     """last_exited: the exit-depth K/V of a token stopping early serves deeper planes
-    (``exits``: the items whose output exits in this step)."""
+    (``exits``: the items whose output exits in this step; ``specs``: the items' exit specs;
+    ``carried``: the depths of the first items, the runner's carried tokens)."""
+    nc = len(carried)
     # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
     if not all(specs):
-        exits = exits + [i for i, it in enumerate(items) if it.exit is None and it.exit_copy_blocks]
+        exits = exits + [
+            i for i, it in enumerate(items) if specs[i] is None and it.exit_copy_blocks
+        ]
     src: list[int] = []
     dst: list[int] = []
     bs = r.block_size
     for i in exits:
         it = items[i]
-        if not it.exit_copy_blocks:
+        if i < nc:
+            copies = r.carried.copy_blocks_at(i, carried[i])
+            table = r.carried.table_at(i, carried[i])
+        else:
+            copies, table = it.exit_copy_blocks, it.block_table
+        if not copies:
             continue
         # An exiting output copies position start; a recomputed chunk copies every position
         # (its blocks are listed position by position).
-        positions = range(it.start, it.end) if it.exit is None else (it.start,)
-        per = len(it.exit_copy_blocks) // len(positions)
+        positions = range(it.start, it.end) if specs[i] is None else (it.start,)
+        per = len(copies) // len(positions)
         for k, q in enumerate(positions):
             offset = q % bs
-            slot = it.block_table[q // bs] * bs + offset
-            for block in it.exit_copy_blocks[k * per : (k + 1) * per]:
+            slot = table[q // bs] * bs + offset
+            for block in copies[k * per : (k + 1) * per]:
                 src.append(slot)
                 dst.append(block * bs + offset)
     if src:

@@ -144,7 +144,7 @@ class ItemMaker:
         rid = request.request_id
         start = item.start
         kv = self.kv
-        tables = kv.depth_tables(rid, request.num_loops)
+        tables = kv.depth_tables(rid)
         exit_at = item.exit_by if request.exit_mode == "fixed" else 0  # (``exit_known_by``)
         spec = exit_spec(request, item, 1)
         copy_blocks: list[int] = []
