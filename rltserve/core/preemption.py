@@ -62,6 +62,8 @@ class Preemptor:
         others); otherwise it waits for worse requests in the step to end or yield."""
         s = self.s
         rid = request.request_id
+        if s.kv.holds(rid, num_tokens):
+            return True  # (most decode tokens: their block is there already)
         key = s.order_key(request)
         while s.kv.blocks_to_grow(rid, num_tokens) > s.kv.num_free_blocks:
             worse = [r for r in s.running if s.order_key(r) > key]
@@ -165,6 +167,8 @@ class Preemptor:
         return self.swap.used_bytes if self.swap is not None else 0
 
     def num_recomputing(self) -> int:
+        if not self.num_preemptions:  # (stats read it every step: skip the scan of requests)
+            return 0
         return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)
 
 
