@@ -4,6 +4,8 @@ shared exit specs, last_exited copy targets, prompt ids only on entry)."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
+
 from rltserve.config import SchedulerConfig
 from rltserve.core.exit import exit_spec
 from rltserve.core.kv_cache import KVManager, KVPolicy
@@ -117,14 +119,16 @@ def test_decode_item_fields_land_where_they_belong():
     request.num_scheduled, request.epoch, request.num_preemptions = 6, 1, 2
     request.pipelined = True
     maker.config = SchedulerConfig(prefill_chunk_size=4, speculative_tokens=1, draft_loops=2)
-    assert maker.next_item(request, budget=100) == InFlight(
-        start=6,
-        num_tokens=1,
-        ends_at=3,
-        stop_at_exit=True,
-        has_output=True,
-        output_index=1,
-        draft_at=2,
-        epoch=1,
-        life=2,
+    assert astuple(maker.next_item(request, budget=100)) == astuple(
+        InFlight(
+            start=6,
+            num_tokens=1,
+            ends_at=3,
+            stop_at_exit=True,
+            has_output=True,
+            output_index=1,
+            draft_at=2,
+            epoch=1,
+            life=2,
+        )
     )

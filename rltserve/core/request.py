@@ -30,7 +30,10 @@ class Resume(enum.Enum):
     SWAP = "swap"  # positions [0, swapped_tokens) come back from host swap space
 
 
-@dataclass(slots=True)
+# Requests and their items are entities, compared by identity: value equality would make
+# ``request in scheduler.running`` (or ``items.remove(item)``) compare every field of every
+# element before the one sought.
+@dataclass(slots=True, eq=False)
 class InFlight:
     """A work item of a request: tokens [start, start + num_tokens), looping toward ``ends_at``.
 
@@ -70,7 +73,7 @@ class InFlight:
         return self.start + self.num_tokens
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
