@@ -8,10 +8,10 @@ from rltserve.core.attention import (
     GroupedAttention,
     PagedAttention,
     allocate_kv_cache,
-    attention_groups,
     copy_slots,
     paged_attention,
 )
+from rltserve.core.metadata import attention_groups
 
 BS = 4
 NUM_BLOCKS = 32

@@ -114,3 +114,12 @@ def test_an_earlier_version_of_a_table_reads_the_grown_row():
     assert bt.gather([("a", 2)], [old]).tolist() == [[3, 4]]
     other = [3, 9]  # not a prefix: a changed table is still rewritten
     assert bt.gather([("a", 2)], [other]).tolist() == [[3, 9]]
+
+
+def test_host_metadata_modules_are_torch_free():
+    import subprocess
+    import sys
+
+    modules = "rltserve.core.block_tables, rltserve.core.metadata, rltserve.core.carried"
+    code = f"import sys, {modules}; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -30,8 +30,8 @@ from operator import is_
 
 import numpy as np
 
-from rltserve.core.attention import Spans
 from rltserve.core.block_tables import BlockTables
+from rltserve.core.metadata import Spans
 from rltserve.core.plan import CarriedResult, ExitSpec, ItemResult, WorkItem
 
 

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rltserve.core.attention import AttentionMetadata, ItemSpec, PagedAttention, paged_attention
+from rltserve.core.attention import AttentionMetadata, PagedAttention, paged_attention
+from rltserve.core.metadata import ItemSpec
 from rltserve.core.staging import to_device
 from rltserve.models.base import LoopedModel
 

@@ -35,13 +35,14 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rltserve.core.attention import Spans, allocate_kv_cache, attention_over, paged_attention
+from rltserve.core.attention import allocate_kv_cache, attention_over, paged_attention
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.carried import events as carried_events
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
+from rltserve.core.metadata import Spans
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device

@@ -1,0 +1,216 @@
+"""Attention metadata on the host: the items of a step as columns (``Spans``) and the int64
+arrays one attention group needs (``HostMetadata``), computed with numpy. Torch-free: the
+runner sends them to the device in one transfer (``attention.to_device_packed``).
+
+Items are ``ItemSpec``s; rows of the step are the items' tokens concatenated in item order.
+``attention_groups`` splits a step so that neither a prompt chunk's rows nor the step's longest
+context pad a short decode row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# (start, num_tokens, block_table): rows at positions start..start+num_tokens-1 whose context is
+# positions [0, start + num_tokens) under block_table.
+ItemSpec = tuple[int, int, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Items (``ItemSpec``s) as columns: what metadata needs of them, built without a Python
+    step per item when the caller keeps them as arrays (the runner's carried rows)."""
+
+    starts: np.ndarray  # [B] int64: each item's first position
+    lens: np.ndarray  # [B] int64: its rows
+    table_lens: np.ndarray  # [B] int64: blocks its table holds
+    # [B, >= the columns used] int64, past each table's length padded with valid blocks;
+    # None: built from ``lists`` (the tables as lists) once the column count is known.
+    tables: np.ndarray | None = None
+    lists: Sequence[Sequence[int]] | None = None
+
+    @classmethod
+    def of(cls, items: Sequence[ItemSpec], tables: np.ndarray | None = None) -> Spans:
+        """``items`` as columns; ``tables``: their tables already padded (``BlockTables``)."""
+        if not items:
+            raise ValueError("attention metadata needs at least one item")
+        columns = list(zip(*items))
+        starts = np.array(columns[0], dtype=np.int64)
+        lens = np.array(columns[1], dtype=np.int64)
+        table_lens = np.fromiter(map(len, columns[2]), dtype=np.int64, count=len(items))
+        return cls(starts, lens, table_lens, tables, None if tables is not None else columns[2])
+
+    @staticmethod
+    def concat(first: Spans, second: Spans) -> Spans:
+        """The items of ``first``, then those of ``second`` (their ``tables`` are dropped)."""
+        return Spans(
+            np.concatenate((first.starts, second.starts)),
+            np.concatenate((first.lens, second.lens)),
+            np.concatenate((first.table_lens, second.table_lens)),
+        )
+
+    def take(self, ks: np.ndarray) -> Spans:
+        """The items ``ks`` (an index array), in that order."""
+        return Spans(
+            self.starts[ks],
+            self.lens[ks],
+            self.table_lens[ks],
+            None if self.tables is None else self.tables[ks],
+            None if self.lists is None else [self.lists[k] for k in ks.tolist()],
+        )
+
+    def padded_tables(self, num_cols: int) -> np.ndarray:
+        """[B, num_cols] int64: the tables, each padded with its first block."""
+        if self.tables is not None:
+            return self.tables[:, :num_cols]
+        assert self.lists is not None
+        tables = np.empty((len(self.lists), num_cols), dtype=np.int64)
+        for row, table in zip(tables, self.lists):
+            m = min(len(table), num_cols)
+            row[:m] = table[:m]
+            row[m:] = table[0]  # padding: a valid block, masked
+        return tables
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """The host half of one group's metadata: int64 arrays computed with numpy from the items,
+    before anything reaches the device. ``tables`` is [B, num_cols], padded with valid blocks."""
+
+    num_rows: int  # N
+    num_items: int  # B
+    max_q: int
+    max_ctx: int
+    num_cols: int
+    starts: np.ndarray  # [B]
+    lens: np.ndarray  # [B]
+    positions: np.ndarray  # [N]
+    slot_mapping: np.ndarray  # [N]
+    pad_index: np.ndarray  # [N]
+    tables: np.ndarray  # [B, num_cols]
+
+    @classmethod
+    def build(
+        cls,
+        items: Sequence[ItemSpec],
+        block_size: int,
+        *,
+        num_cols: int | None = None,
+        tables: np.ndarray | None = None,
+    ) -> HostMetadata:
+        """``tables``: the items' block tables already padded, [B, >= num_cols] int64 (rows
+        past a table's length hold valid blocks), e.g. from ``BlockTables``; default: built
+        from the items' lists."""
+        return cls.of(Spans.of(items, tables), block_size, num_cols=num_cols)
+
+    @classmethod
+    def of(cls, spans: Spans, block_size: int, *, num_cols: int | None = None) -> HostMetadata:
+        """The metadata of ``spans``; ``num_cols`` as for ``AttentionMetadata.build``."""
+        starts, lens = spans.starts, spans.lens
+        num_items = len(starts)
+        if not num_items:
+            raise ValueError("attention metadata needs at least one item")
+        ends = starts + lens
+        if lens.min() < 1 or starts.min() < 0:
+            k = int(np.flatnonzero((lens < 1) | (starts < 0))[0])
+            raise ValueError(
+                f"item (start={starts[k]}, num_tokens={lens[k]}): need start >= 0, n >= 1"
+            )
+        short = spans.table_lens * block_size < ends
+        if short.any():
+            k = int(np.flatnonzero(short)[0])
+            raise ValueError(
+                f"block table of {spans.table_lens[k]} blocks cannot hold position "
+                f"{int(ends[k]) - 1}"
+            )
+        max_q = int(lens.max())
+        max_ctx = int(ends.max())
+        needed = -(-max_ctx // block_size)
+        if num_cols is None:
+            num_cols = needed
+        elif num_cols < needed:
+            raise ValueError(
+                f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
+            )
+        tables = spans.padded_tables(num_cols)
+        if max_q == 1:  # decode rows: one row per item
+            row_item = pad_index = np.arange(num_items)
+            positions = starts
+            num_rows = num_items
+        else:
+            num_rows = int(lens.sum())
+            row_item = np.repeat(np.arange(num_items), lens)  # [N]
+            first_row = np.cumsum(lens) - lens  # [B]
+            row_q = np.arange(num_rows) - first_row[row_item]  # [N]
+            positions = starts[row_item] + row_q  # [N]
+            pad_index = row_item * max_q + row_q
+        slot_mapping = tables[row_item, positions // block_size] * block_size + (
+            positions % block_size
+        )
+        return cls(
+            num_rows=num_rows,
+            num_items=num_items,
+            max_q=max_q,
+            max_ctx=max_ctx,
+            num_cols=num_cols,
+            starts=starts,
+            lens=lens,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            pad_index=pad_index,
+            tables=tables,
+        )
+
+    def parts(self) -> list[np.ndarray]:
+        """What the device needs, in the order ``AttentionMetadata.on_device`` reads it."""
+        return [
+            self.starts,
+            self.lens,
+            self.positions,
+            self.slot_mapping,
+            self.pad_index,
+            self.tables.reshape(-1),
+        ]
+
+    @property
+    def size(self) -> int:
+        return 2 * self.num_items + 3 * self.num_rows + self.num_items * self.num_cols
+
+
+# One-row items whose contexts need at most this many blocks share one attention group:
+# below it, padding costs less than another SDPA call per layer.
+GROUP_MIN_COLS = 8
+
+
+def attention_groups(items: Sequence[ItemSpec], block_size: int) -> list[list[int]]:
+    """Indices of ``items`` per attention group: one-row items (decode tokens) by the power of
+    two of their context blocks (at least ``GROUP_MIN_COLS``), so that neither a prompt chunk's
+    rows nor the step's longest context pad a short decode row; longer items together."""
+    starts = np.fromiter((it[0] for it in items), dtype=np.int64, count=len(items))
+    lens = np.fromiter((it[1] for it in items), dtype=np.int64, count=len(items))
+    return [g.tolist() for g in group_indices(starts, lens, block_size)]
+
+
+def _bucket(cols: int) -> int:
+    return max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length())
+
+
+def group_indices(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.ndarray]:
+    """``attention_groups`` over the items' starts and lengths: index arrays, in order."""
+    single = lens == 1
+    if not single.any():
+        return [np.arange(len(starts))]
+    if single.all():
+        lo, hi = int(starts.min()) // block_size + 1, int(starts.max()) // block_size + 1
+        if _bucket(lo) == _bucket(hi):
+            return [np.arange(len(starts))]
+    multi = np.flatnonzero(~single)
+    cols = starts[single] // block_size + 1
+    # The power of two at or above cols: exact in float64 for any realistic context.
+    bucket = np.maximum(GROUP_MIN_COLS, 1 << np.ceil(np.log2(cols)).astype(np.int64))
+    ones = np.flatnonzero(single)
+    groups = [ones[bucket == b] for b in np.unique(bucket)]
+    return groups + [multi] if len(multi) else groups
