@@ -235,6 +235,28 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     assert spans.starts.tolist() == [5] and tables.array[table_rows, :1].tolist() == [[11]]
 
 
+def test_carried_rows_of_different_depth_counts_share_the_columns():
+    """A token capped at fewer loops (fewer tables) beside full ones, and fixed exits whose
+    rows move when earlier rows leave: the columns stay aligned with the items."""
+    tables = BlockTables()
+    rows = CarriedRows(tables)
+    short = _item(exit_at=2)
+    short.request_id = "s"
+    short.carry.tables = [[30], [31]]  # ends after 2 loops
+    full = _item(exit_at=3)
+    full.request_id = "f"
+    rows.keep([short, full], 0, set())
+    rows.advance()  # both at depth 2
+    spans, table_rows = rows.spans()
+    assert tables.array[table_rows, :1].tolist() == [[31], [11]]
+    assert [s.exit_now for s in rows.specs] == [True, False]
+    rows.keep(rows.items, 2, {0})  # the short one ended
+    rows.advance()  # full at depth 3: its fixed exit loop
+    assert rows.depths == [3] and rows.specs[0].exit_now
+    spans, table_rows = rows.spans()
+    assert tables.array[table_rows, :1].tolist() == [[12]]
+
+
 def test_events_report_the_rows_with_results_or_ends():
     items = [_item(2), _item(3), _item(4)]
     exited = ItemResult(True, 0.1, 0.9, token_id=42)

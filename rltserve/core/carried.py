@@ -25,7 +25,7 @@ are released only with its carried tokens dropped, and rows never go back to an 
 from __future__ import annotations
 
 from collections.abc import Collection
-from itertools import compress
+from itertools import chain, compress
 from operator import is_
 
 import numpy as np
@@ -109,12 +109,15 @@ class CarriedRows:
         if not fresh:
             return
         known = [self._registered(w.request_id, w.carry.tables) for w in fresh]
-        width = max(self._rows.shape[1], max(len(k[1]) for k in known))
-        rows = np.array([_pad(k[1], width) for k in known], dtype=np.int64)
-        lens = np.array([_pad(k[2], width) for k in known], dtype=np.int64)
+        widths = [len(k[1]) for k in known]
+        width = max(self._rows.shape[1], max(widths))
         if width > self._rows.shape[1]:
             self._rows = _widen(self._rows, width)
             self._lens = _widen(self._lens, width)
+        rows, lens = (
+            _columns([k[1] for k in known], widths, width),
+            _columns([k[2] for k in known], widths, width),
+        )
         n = len(self.items)
         self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
         self.items = self.items + fresh
@@ -160,8 +163,12 @@ class CarriedRows:
         self._lens = self._lens[keep]
 
 
-def _pad(values: list[int], width: int) -> list[int]:
-    return values + values[-1:] * (width - len(values)) if len(values) < width else values
+def _columns(values: list[list[int]], widths: list[int], width: int) -> np.ndarray:
+    """[len(values), width] int64: the lists, each padded with its last value."""
+    if widths.count(width) < len(widths):
+        values = [v + v[-1:] * (width - len(v)) for v in values]
+    flat = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=len(values) * width)
+    return flat.reshape(len(values), width)
 
 
 def _widen(array: np.ndarray, width: int) -> np.ndarray:

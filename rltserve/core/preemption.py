@@ -62,8 +62,6 @@ class Preemptor:
         others); otherwise it waits for worse requests in the step to end or yield."""
         s = self.s
         rid = request.request_id
-        if s.kv.holds(rid, num_tokens):
-            return True  # (most decode tokens: their block is there already)
         key = s.order_key(request)
         while s.kv.blocks_to_grow(rid, num_tokens) > s.kv.num_free_blocks:
             worse = [r for r in s.running if s.order_key(r) > key]

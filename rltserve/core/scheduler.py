@@ -38,6 +38,8 @@ prefix; a prompt item's applied last loop caches full blocks; followers wait for
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from rltserve.config import SchedulerConfig
 from rltserve.core.admission import Admission
 from rltserve.core.exit import choose_exit_mode, exit_known
@@ -50,6 +52,8 @@ from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import force_thinking_end
 from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate
+
+_SEQ = attrgetter("seq")
 
 PLAN, WAIT, OVER, CARRIED = "plan", "wait", "over", "carried"
 
@@ -159,19 +163,21 @@ class Scheduler:
                 starters.append(request)  # nothing in flight: its next item may start
                 continue
             last = request.items[-1]
-            if (
-                last.carry_key
-                and last.exit_depth is None
-                and last.delayed_exit_at is None
-                and step - last.carry_step < last.exit_by
-            ):
-                continue  # its token runs on the runner, its exit still unknown: nothing to do
+            if last.carry_key and last.exit_depth is None:
+                # Its token runs on the runner and its exit is not known before loop
+                # ``known_at`` (the cap or fixed exit; a delayed decision's loop): nothing to do.
+                known_at = last.exit_by
+                if last.delayed_exit_at is not None and last.delayed_exit_at < known_at:
+                    known_at = last.delayed_exit_at
+                if step - last.carry_step < known_at:
+                    continue
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
                 starters.append(request)
         if not (self.config.scheduling == "no_refill" and busy):
-            starters.sort(key=self.order_key)  # the best get blocks first
+            # The best get blocks first (fcfs: arrival order, which a C-speed key gives).
+            starters.sort(key=self.order_key if self.priority else _SEQ)
             budget = self._start_items(starters, items, owners, budget)
             self.admission.admit(items, owners, budget)
         changes = self.preemptor.take_changes()
@@ -295,9 +301,11 @@ class Scheduler:
             item = self.item_maker.next_item(request, budget)
             if item is None:
                 continue  # every output is planned; the request ends with its last result
-            if not self.preemptor.make_room(request, item.end):
+            rid = request.request_id
+            # (Most decode tokens' blocks are there already: no room to make.)
+            if not self.kv.holds(rid, item.end) and not self.preemptor.make_room(request, item.end):
                 continue  # waits for blocks (or was preempted itself)
-            self.kv.grow(request.request_id, item.end)
+            self.kv.grow(rid, item.end)
             budget -= self.start(request, item, items, owners)
         return budget
 
