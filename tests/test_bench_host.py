@@ -106,3 +106,27 @@ def test_standin_model_decodes_deterministically_at_a_fixed_depth():
     core.shutdown()
     assert tokens == {"a": [10, 11, 12, 13], "b": [63, 0, 1]}
     assert depths == {"a": [3, 3, 3, 3], "b": [3, 3, 3]}
+
+
+def test_ab_script_compares_two_checkouts_by_pairwise_ratios():
+    """scripts/bench_host_ab.py: one process per checkout and pair; its report has every
+    phase's medians and ratios (here the checkout against itself)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--rows", "4", "--context", "64", "--pairs", "1", "--warmup", "2", "--steps", "4"]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_host_ab.py"), "--base", str(root)]
+        + ["--new", str(root), "--kind", "mixed", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = orjson.loads(out.stdout)
+    assert report["cell"] == "mixed/sync/rows4/ctx64" and report["pairs"] == 1
+    for phase in PHASES:
+        entry = report[f"{phase}_cpu_ms"]
+        assert entry["base_median"] > 0 and entry["new_median"] > 0
+        assert len(entry["ratios"]) == 1 and entry["new_over_base_median"] > 0

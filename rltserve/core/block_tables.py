@@ -14,10 +14,11 @@ is caught by its length; a new list, equal or not, by identity.
 
 A request's tables only grow while it holds KV (a table handed out is a prefix of every later
 one of its plane), so rows never go back: a key given an earlier, shorter version of its
-row's table (an item that started before the newest one and still runs) uses the row as it
-is, whose extra blocks lie past that item's context. The runner registers a carried token's
-tables for every depth when the token starts, possibly before an earlier item of its request
-has run its last loops at those depths.
+row's table uses the row as it is, whose extra blocks lie past that item's context. The
+runner registers a carried token's tables for every depth when the token starts and reads
+those rows in later steps without looking them up again; today's schedules never then hand
+the same key an earlier table (a token is carried only when every earlier item of its
+request is), and the rule keeps a row right should one ever do so.
 
 Invariants: a row holds exactly the blocks of the list its entry holds, at the length
 recorded, then that list's first block in every further column (padding that is always a

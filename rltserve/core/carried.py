@@ -17,9 +17,11 @@ loop's (the block table and copy targets of depth d come from the ``Carry``:
 
 Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
 ``specs`` lists rather than changing them, so a step that still holds the lists it ran with
-reads them unchanged. The table rows stay valid while the tokens are carried (a request's rows
-are released only with its carried tokens dropped, and rows never go back to an earlier table:
-``BlockTables``).
+reads them unchanged. The table rows are valid whenever a step reads them: a request's rows
+are released with its carried tokens dropped before the next step is built (by the launch
+that releases or preempts it; after a failed step, which releases its requests' rows at once,
+by the next launch, which drops them first), and rows never go back to an earlier table
+(``BlockTables``).
 """
 
 from __future__ import annotations

@@ -309,6 +309,8 @@ class ModelRunner:
         from the persistent ``BlockTables``. ``carried``: the rows before ``spans`` (carried
         tokens), as ``CarriedRows.spans`` gives them."""
         if keys is None:
+            if carried is not None:
+                raise ValueError("carried rows' tables are BlockTables rows: keys are needed")
             return paged_attention(self.kv, spans, self.block_size, self.device)
         rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
         if carried is None:

@@ -116,7 +116,9 @@ def copy_on_exit(
     # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
     if not all(specs):
         exits = exits + [
-            i for i, it in enumerate(items) if specs[i] is None and it.exit_copy_blocks
+            i
+            for i, it in enumerate(items[nc:], nc)
+            if specs[i] is None and it.exit_copy_blocks  # (carried rows always have a spec)
         ]
     src: list[int] = []
     dst: list[int] = []

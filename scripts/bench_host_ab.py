@@ -1,0 +1,83 @@
+"""Two checkouts' host work per step, alternating processes: ratios robust to a drifting machine.
+
+    python scripts/bench_host_ab.py --base /path/to/old/checkout --new . --kind decode \
+        --rows 256 --pairs 10
+
+Each pair runs one process per checkout (in alternating order), each driving the engine with
+the stand-in model as ``rltserve bench host`` does (one cell: ``--kind``, ``--rows``, context
+``--context``, ``--steps`` measured steps after ``--warmup``, synchronous). A shared machine's
+speed drifts by tens of percent over minutes, so the report's figure of merit is the median of
+the pairwise new/base ratios of thread CPU per step, per phase; apply and emit, where neither
+checkout changed them, show what is left of the drift. JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PHASES = ("host_cpu_ms", "plan_cpu_ms", "runner_cpu_ms", "apply_cpu_ms", "emit_cpu_ms")
+
+# Run inside each checkout, with that checkout first on sys.path.
+_ONE = """
+import json, sys
+from rltserve.bench.host import _Cell, _measure
+from rltserve.bench.standin import StandInModel
+from rltserve.core.stage_worker import tune_gc
+rows, context, warmup, steps = (int(a) for a in sys.argv[1:3] + sys.argv[4:6])
+mixed = sys.argv[3] == "mixed"
+tune_gc()
+cell = _Cell(StandInModel(), rows, context)
+_measure(cell, warmup, mixed, False)
+print(json.dumps(_measure(cell, steps, mixed, False)))
+"""
+
+
+def _run(checkout: Path, args: argparse.Namespace) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    argv = [str(args.rows), str(args.context), args.kind, str(args.warmup), str(args.steps)]
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE, *argv],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", type=Path, required=True, help="the checkout to compare with")
+    parser.add_argument("--new", type=Path, default=Path("."), help="the checkout measured")
+    parser.add_argument("--kind", choices=("decode", "mixed"), default="decode")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    for i in range(args.pairs):
+        for name in ("base", "new") if i % 2 == 0 else ("new", "base"):
+            runs[name].append(_run(getattr(args, name).resolve(), args))
+    report = {"cell": f"{args.kind}/sync/rows{args.rows}/ctx{args.context}", "pairs": args.pairs}
+    for phase in PHASES:
+        ratios = [n[phase] / b[phase] for b, n in zip(runs["base"], runs["new"])]
+        report[phase] = {
+            "base_median": round(statistics.median(r[phase] for r in runs["base"]), 4),
+            "new_median": round(statistics.median(r[phase] for r in runs["new"]), 4),
+            "new_over_base_median": round(statistics.median(ratios), 3),
+            "ratios": [round(x, 3) for x in ratios],
+        }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
