@@ -47,6 +47,29 @@ async def test_admission_gate_fifo_and_limits():
     assert d.cancelled() and gate.in_use == 0
 
 
+async def test_admission_gate_survives_a_cancel_racing_a_release():
+    """A waiter cancelled (client gone) in the same loop turn as a release: the release must
+    neither grant the cancelled waiter (its future cannot take a result) nor fail, and the
+    cancelled waiter's own clean-up must not fail either; the slot goes to the next waiter."""
+    gate = AdmissionGate(max_concurrent=1, max_queued=2)
+    granted: list[str] = []
+
+    async def wait(name: str) -> None:
+        async with gate.slots(1):
+            granted.append(name)
+
+    async with gate.slots(1):  # the one slot, held here
+        b = asyncio.create_task(wait("b"))
+        c = asyncio.create_task(wait("c"))
+        await asyncio.sleep(0)
+        assert gate.num_queued == 2
+        b.cancel()  # b's future is cancelled now; its except clause runs on a later turn
+    # Leaving the block released the slot in the same turn, b's cancelled waiter at the head.
+    await asyncio.gather(b, c, return_exceptions=True)
+    assert b.cancelled() and granted == ["c"]
+    assert gate.in_use == 0 and gate.num_queued == 0
+
+
 def test_schema_parsing_is_strict_and_names_fields():
     req = parse_object(CompletionRequest, {"prompt": [[1, 2], [3]], "stop": None, "n": 2})
     assert req.prompt == [[1, 2], [3]] and req.stop is None and req.max_tokens is None

@@ -19,7 +19,7 @@ class Overloaded(Exception):
     """No slot free and the queue is full."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: each waiter is one request
 class _Waiter:
     weight: int
     future: asyncio.Future[None]
@@ -63,7 +63,9 @@ class AdmissionGate:
             if waiter.future.done() and not waiter.future.cancelled():
                 self._release(weight)  # granted in the same instant as the cancel
             else:
-                self._waiters.remove(waiter)
+                # Still queued, unless a release in the turn it was cancelled dropped it.
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
                 self._wake()
             raise
 
@@ -73,7 +75,13 @@ class AdmissionGate:
 
     def _wake(self) -> None:
         # FIFO: the head waiter blocks later, smaller ones so a big request cannot starve.
-        while self._waiters and self.in_use + self._waiters[0].weight <= self.max_concurrent:
-            waiter = self._waiters.popleft()
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.future.done():  # cancelled, its task not yet run: it takes no slot
+                self._waiters.popleft()
+                continue
+            if self.in_use + waiter.weight > self.max_concurrent:
+                return
+            self._waiters.popleft()
             self.in_use += waiter.weight
             waiter.future.set_result(None)
