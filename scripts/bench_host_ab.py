@@ -5,10 +5,10 @@
 
 Each pair runs one process per checkout (in alternating order), each driving the engine with
 the stand-in model as ``rltserve bench host`` does (one cell: ``--kind``, ``--rows``, context
-``--context``, ``--steps`` measured steps after ``--warmup``, synchronous). A shared machine's
-speed drifts by tens of percent over minutes, so the report's figure of merit is the median of
-the pairwise new/base ratios of thread CPU per step, per phase; apply and emit, where neither
-checkout changed them, show what is left of the drift. JSON on stdout.
+``--context``, ``--steps`` measured steps after ``--warmup``, synchronous, one torch thread).
+A shared machine's speed drifts by tens of percent over minutes, so the report's figure of
+merit is the median of the pairwise new/base ratios of thread CPU per step, per phase; apply
+and emit, where neither checkout changed them, show what is left of the drift. JSON on stdout.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from rltserve.bench.standin import StandInModel
 from rltserve.core.stage_worker import tune_gc
 rows, context, warmup, steps = (int(a) for a in sys.argv[1:3] + sys.argv[4:6])
 mixed = sys.argv[3] == "mixed"
+import torch
+torch.set_num_threads(1)  # as ``bench host`` runs by default
 tune_gc()
 cell = _Cell(StandInModel(), rows, context)
 _measure(cell, warmup, mixed, False)
