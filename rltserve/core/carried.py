@@ -44,11 +44,10 @@ class CarriedRows:
         self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
         self._tables = tables
         self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
-        # Columns of ``items`` for metadata: positions, depths, and per depth 1..W (W: the
-        # widest token; narrower rows repeat their last) the BlockTables row of the table
-        # there and the table's length.
+        # Columns of ``items`` for metadata: positions, and per depth 1..W (W: the widest
+        # token; narrower rows repeat their last) the BlockTables row of the table there and
+        # the table's length.
         self._starts = np.zeros(0, dtype=np.int64)  # [n]
-        self._depths = np.zeros(0, dtype=np.int64)  # [n]
         self._rows = np.zeros((0, 1), dtype=np.int64)  # [n, W]
         self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
         # Request id -> its last carried token's tables and their rows and lengths.
@@ -78,15 +77,15 @@ class CarriedRows:
     def spans(self) -> tuple[Spans, np.ndarray]:
         """The carried rows at their current depths (after ``advance``): their attention spans
         without tables, and [B] the ``BlockTables`` rows holding the tables."""
-        ar = np.arange(len(self.items))
-        d = self._depths - 1
+        n = len(self.items)
+        ar = np.arange(n)
+        d = np.fromiter(self.depths, dtype=np.int64, count=n) - 1
         return Spans(self._starts, np.ones_like(d), self._lens[ar, d]), self._rows[ar, d]
 
     def advance(self) -> list[WorkItem]:
         """Moves every carried token to its next loop; returns them, in carry order."""
         if not self.items:
             return self.items
-        self._depths = self._depths + 1
         self.depths = [d + 1 for d in self.depths]
         if self._fixed:
             specs = self.specs = self.specs[:]
@@ -126,7 +125,6 @@ class CarriedRows:
         self.depths = self.depths + [w.depth for w in fresh]
         self.specs = self.specs + [w.exit for w in fresh]
         self._starts = np.concatenate((self._starts, [w.start for w in fresh]))
-        self._depths = np.concatenate((self._depths, self.depths[n:]))
         self._rows = np.concatenate((self._rows, rows))
         self._lens = np.concatenate((self._lens, lens))
 
@@ -160,7 +158,6 @@ class CarriedRows:
             index = np.cumsum(keep) - 1  # old row -> new row, where kept
             self._fixed = [int(index[k]) for k in self._fixed if kept[k]]
         self._starts = self._starts[keep]
-        self._depths = self._depths[keep]
         self._rows = self._rows[keep]
         self._lens = self._lens[keep]
 

@@ -172,13 +172,6 @@ class KVManager:
         want = -(-num_tokens // self.block_size)
         return max(0, want - have) * len(entry.tables)
 
-    def holds(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request's blocks hold positions ``[0, num_tokens)`` (``grow`` would take
-        none)."""
-        return -(-self._requests[request_id].num_tokens // self.block_size) * self.block_size >= (
-            num_tokens
-        )
-
     def covered(self, request_id: str) -> int:
         """Positions ``[0, covered)`` that every plane of the request has blocks for."""
         return self._requests[request_id].num_tokens

@@ -303,7 +303,9 @@ class Scheduler:
                 continue  # every output is planned; the request ends with its last result
             rid = request.request_id
             # (Most decode tokens' blocks are there already: no room to make.)
-            if not self.kv.holds(rid, item.end) and not self.preemptor.make_room(request, item.end):
+            if self.kv.blocks_to_grow(rid, item.end) and not self.preemptor.make_room(
+                request, item.end
+            ):
                 continue  # waits for blocks (or was preempted itself)
             self.kv.grow(rid, item.end)
             budget -= self.start(request, item, items, owners)
