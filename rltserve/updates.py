@@ -40,3 +40,23 @@ class RequestUpdate:
     # On the update with the first output token: prompt tokens whose KV was reused (prefix
     # cache, or the prompt a group's leader computed) instead of computed.
     num_cached_tokens: int | None = None
+
+    def __reduce__(self) -> tuple:
+        # Every step's updates cross to the front end's process: as positional fields (in
+        # field order) they pickle in half the time and bytes of the default (a dict of
+        # field names per object), and unpickle in half the time.
+        return (
+            RequestUpdate,
+            (
+                self.request_id,
+                self.new_token_ids,
+                self.new_exit_depths,
+                self.new_logprobs,
+                self.new_top_logprobs,
+                self.finish_reason,
+                self.error,
+                self.rejected,
+                self.weight_version,
+                self.num_cached_tokens,
+            ),
+        )

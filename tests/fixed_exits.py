@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rltserve.core.plan import CarriedResult, ItemResult, StepPlan, StepResult, WorkItem
+from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult, WorkItem
 
 
 @dataclass
@@ -25,30 +25,54 @@ class FixedExits:
     def result(self, plan: StepPlan) -> StepResult:
         gone = {*plan.released, *plan.preempted}
         rows = [row for row in self.rows if row.work.request_id not in gone]
-        events, kept = [], []
+        events: list[tuple] = []  # (key, request id, depth, ended, exited)
+        kept = []
         for row in rows:
             row.depth += 1
-            carry = row.work.carry
-            now = not row.exited and carry.exit_at > 0 and row.depth >= carry.exit_at
-            ended = row.depth >= row.work.ends_at or (now and row.work.stop_at_exit)
-            outcome = ItemResult(True, 1.0, 0.0, token_id=self.token) if now else None
-            row.exited |= now
-            if now or ended:
-                events.append(
-                    CarriedResult(carry.key, row.work.request_id, row.depth, ended, outcome)
-                )
-            if not ended:
+            if not self._run(row, events):
                 kept.append(row)
         items: list[ItemResult | None] = []
         for work in plan.items:
+            if work.carry is not None:  # its first loop reports as a carried event
+                items.append(None)
+                row = _Row(work, work.depth, False)
+                if not self._run(row, events):
+                    kept.append(row)
+                continue
             exited = work.exit is not None and work.exit.exit_now
             items.append(
                 ItemResult(exited, 1.0, 0.0, token_id=self.token if exited else -1)
                 if work.exit
                 else None
             )
-            ended = work.depth >= work.ends_at or (exited and work.stop_at_exit)
-            if work.carry is not None and not ended:
-                kept.append(_Row(work, work.depth, exited))
         self.rows = kept
-        return StepResult(plan.step_id, items, events, num_rows=len(rows) + plan.num_tokens)
+        n = len(events)
+        keys, rids, depths, ended, exited = (list(c) for c in zip(*events)) if n else ([],) * 5
+        carried = CarriedEvents(
+            keys,
+            rids,
+            depths,
+            ended,
+            exited,
+            [False] * n,
+            [self.token if x else -1 for x in exited],
+            [None] * n,
+            [None] * n,
+            [True] * n,
+        )
+        return StepResult(plan.step_id, items, carried, num_rows=len(rows) + plan.num_tokens)
+
+    def _run(self, row: _Row, events: list[tuple]) -> bool:
+        """Row's loop at ``row.depth``: its event, if any, goes to ``events``. True when it
+        ends."""
+        work = row.work
+        carry = work.carry
+        if row.depth == 1:
+            now = work.exit is not None and work.exit.exit_now
+        else:
+            now = not row.exited and carry.exit_at > 0 and row.depth >= carry.exit_at
+        ended = row.depth >= work.ends_at or (now and work.stop_at_exit)
+        row.exited |= now
+        if now or ended:
+            events.append((carry.key, work.request_id, row.depth, ended, now))
+        return ended

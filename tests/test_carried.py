@@ -11,8 +11,8 @@ import pytest
 from engine_util import make_core, oracle_run, run_core
 
 from rltserve.core.block_tables import BlockTables
-from rltserve.core.carried import CarriedRows, events
-from rltserve.core.plan import Carry, ExitSpec, ItemResult, WorkItem
+from rltserve.core.carried import CarriedRows
+from rltserve.core.plan import Carry, ExitSpec, WorkItem
 from rltserve.sampling import SamplingParams
 
 
@@ -160,10 +160,15 @@ def test_trace_depths_are_carried_exactly(ckpts, ouro_ref):
 
 
 def test_seeded_sampling_is_the_same_carried_or_not(ckpts):
+    """Seeded sampling, with penalties (the runner's sampled history) on every other request."""
     prompts, _ = _workload(6, seed=3)
     params = [
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_p=0.9, seed=i)
         for i in range(6)
+    ]
+    params = [
+        p.replace(repetition_penalty=1.5, presence_penalty=0.8) if i % 2 else p
+        for i, p in enumerate(params)
     ]
     runs = []
     for carry in (True, False):
@@ -192,7 +197,7 @@ def test_carried_rows_move_one_loop_per_step():
     tables = BlockTables()
     rows = CarriedRows(tables)
     first = _item(exit_at=3, copy=True)
-    rows.keep([first], 0, set())
+    rows.keep([first], 0, set(), ["live"], ["held"])
     assert rows.items == [first] and rows.depths == [1]
     seen = []
     for _ in range(3):
@@ -206,7 +211,7 @@ def test_carried_rows_move_one_loop_per_step():
         assert spans.starts.tolist() == [5] and spans.lens.tolist() == [1]
         assert spans.table_lens.tolist() == [1]
         assert tables.array[table_rows, :1].tolist() == [rows.table_at(0, d)]
-        rows.keep([w], 1, set())
+        rows.keep([w], 1, set(), rows.lives, rows.held)
     assert seen == [
         (2, [11], False, [22, 23]),
         (3, [12], True, [23]),  # the traced exit loop
@@ -221,16 +226,18 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     rows = CarriedRows(tables)
     a, b = _item(), _item()
     b.request_id = "b"
-    rows.keep([a, b], 0, set())
+    rows.keep([a, b], 0, set(), ["live a", "live b"], ["held a", "held b"])
     step = rows.advance()
     c = _item()
     c.request_id = "c"
-    rows.keep(step + [c], 2, {0})  # a ended; c is new
+    rows.keep(step + [c], 2, {0}, rows.lives + ["live c"], rows.held + ["held c"])  # a ended
     assert [w.request_id for w in rows.items] == ["b", "c"]
+    # The runner's values of each row follow it.
+    assert rows.lives == ["live b", "live c"] and rows.held == ["held b", "held c"]
     spans, table_rows = rows.spans()  # b at depth 2, c at depth 1
     assert tables.array[table_rows, :1].tolist() == [[11], [10]]
     rows.drop({"c"})
-    assert [w.request_id for w in rows.items] == ["b"]
+    assert [w.request_id for w in rows.items] == ["b"] and rows.held == ["held b"]
     spans, table_rows = rows.spans()
     assert spans.starts.tolist() == [5] and tables.array[table_rows, :1].tolist() == [[11]]
 
@@ -245,24 +252,76 @@ def test_carried_rows_of_different_depth_counts_share_the_columns():
     short.carry.tables = [[30], [31]]  # ends after 2 loops
     full = _item(exit_at=3)
     full.request_id = "f"
-    rows.keep([short, full], 0, set())
+    rows.keep([short, full], 0, set(), [None, None], [None, None])
     rows.advance()  # both at depth 2
     spans, table_rows = rows.spans()
     assert tables.array[table_rows, :1].tolist() == [[31], [11]]
     assert [s.exit_now for s in rows.specs] == [True, False]
-    rows.keep(rows.items, 2, {0})  # the short one ended
+    rows.keep(rows.items, 2, {0}, rows.lives, rows.held)  # the short one ended
     rows.advance()  # full at depth 3: its fixed exit loop
     assert rows.depths == [3] and rows.specs[0].exit_now
     spans, table_rows = rows.spans()
     assert tables.array[table_rows, :1].tolist() == [[12]]
 
 
-def test_events_report_the_rows_with_results_or_ends():
-    items = [_item(2), _item(3), _item(4)]
-    exited = ItemResult(True, 0.1, 0.9, token_id=42)
-    going = ItemResult(False, 0.5, 0.5)
-    got = events(items, [2, 3, 4], [going, exited, None], {1, 2}, {2})
-    assert [(e.depth, e.ended, e.outcome) for e in got] == [(3, False, exited), (4, True, None)]
+@pytest.mark.parametrize("exit_mode", ["delayed", "gate"])
+def test_carried_tokens_report_events_as_columns(ckpts, exit_mode):
+    """A carried token's results are ``CarriedEvents`` columns, its first loop's included (its
+    ``StepResult.items`` entry is None): a delayed decision names the loop that then exits, an
+    exit brings the token the request gets, and each token ends exactly once."""
+    prompts, params = _workload(6, seed=9)
+    core = make_core(ckpts["ouro"], exit_mode=exit_mode, max_num_seqs=6)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        core.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    from_events: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    decided: dict[int, int] = {}  # key -> the exit loop a delayed decision named
+    ended: list[int] = []
+    seen_keys: set[int] = set()
+    while core.scheduler.has_work():
+        plan = core.plan()
+        if plan is None:
+            continue
+        result = core.runner.execute(plan)
+        for work, outcome in zip(plan.items, result.items):
+            if work.carry is not None:
+                seen_keys.add(work.carry.key)
+                assert outcome is None  # reported as an event
+        events = result.carried
+        if events:
+            columns = [
+                events.keys,
+                events.request_ids,
+                events.depths,
+                events.ended,
+                events.exited,
+                events.exit_next,
+                events.token_ids,
+                events.logprobs,
+                events.top_logprobs,
+                events.finite,
+            ]
+            assert {len(c) for c in columns} == {len(events)}
+            for key, rid, depth, end, exited, nxt, token in zip(*columns[:7]):
+                assert key in seen_keys
+                assert not (exited and nxt)
+                if nxt:
+                    assert exit_mode == "delayed"
+                    decided[key] = depth + 1
+                if exited:
+                    assert token >= 0
+                    assert decided.pop(key, depth) == depth
+                    from_events[rid].append(token)
+                else:
+                    assert token == -1
+                if end:
+                    ended.append(key)
+        for u in core.apply(plan, result):
+            tokens[u.request_id].extend(u.new_token_ids)
+    assert from_events == {rid: t[1:] for rid, t in tokens.items()}  # (the prompt's first)
+    assert sorted(ended) == sorted(seen_keys)  # every carried token ended, once
+    assert not decided
+    core.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -400,10 +400,10 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
     def faulty_apply(plan, result):
         # Mid-generation, a step that samples while other requests are running or waiting.
         planned = {it.request_id for it in plan.items}
-        planned |= {event.request_id for event in result.carried}
+        planned |= set(result.carried.request_ids if result.carried else ())
         others = set(sched.requests) - planned
         samples = any(r is not None and r.exited for r in result.items)
-        samples |= any(event.outcome is not None for event in result.carried)
+        samples |= bool(result.carried and any(result.carried.exited))
         if hit or plan.step_id < 4 or not samples or not others:
             return apply(plan, result)
         hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))

@@ -90,6 +90,19 @@ def test_blocks_follow_written_positions():
     assert s.kv.pool.num_used == 0
 
 
+def test_extend_covers_within_a_block_and_only_asks_past_it():
+    kv = KVManager(16, 4, KVPolicy("last_exited"), has_boundary=False)
+    kv.allocate("a", 5, LOOPS)  # 2 blocks a plane
+    used = kv.pool.num_used
+    assert kv.extend("a", 7) == 0 and kv.covered("a") == 7  # still in the second block
+    assert kv.extend("a", 6) == 0 and kv.covered("a") == 7  # never shrinks
+    assert kv.extend("a", 9) == LOOPS  # a third block on every plane: asked, not taken
+    assert kv.covered("a") == 7 and kv.pool.num_used == used
+    assert kv.extend("a", 9) == kv.blocks_to_grow("a", 9)
+    kv.grow("a", 9)
+    assert kv.covered("a") == 9 and kv.pool.num_used == used + LOOPS
+
+
 def test_full_reservation_reserves_the_whole_context():
     s = _scheduler(reservation="full")
     s.add_request(_request("a", 10, 20))

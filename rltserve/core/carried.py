@@ -28,13 +28,18 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from itertools import chain, compress
-from operator import is_
+from operator import attrgetter, is_
+from typing import Any
 
 import numpy as np
 
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
-from rltserve.core.plan import CarriedResult, ExitSpec, ItemResult, WorkItem
+from rltserve.core.plan import ExitSpec, WorkItem
+
+_RID = attrgetter("request_id")
+_NEXT = (1).__add__
+_SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
 
 class CarriedRows:
@@ -42,8 +47,13 @@ class CarriedRows:
         self.items: list[WorkItem] = []  # the plans' items of the carried tokens, carry order
         self.depths: list[int] = []  # each token's depth at the step last built
         self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
+        # The runner's values of each token, which stay the same objects while it is carried:
+        # its request's ``LiveRequest`` and its ``ItemState``.
+        self.lives: list[Any] = []
+        self.held: list[Any] = []
         self._tables = tables
         self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
+        self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)
         # Columns of ``items`` for metadata: positions, and per depth 1..W (W: the widest
         # token; narrower rows repeat their last) the BlockTables row of the table there and
         # the table's length.
@@ -74,6 +84,14 @@ class CarriedRows:
         """Row ``k``'s copy-on-exit targets when its output exits at loop ``depth``."""
         return self.items[k].carry.copy_blocks[depth:]
 
+    def spec_columns(self) -> tuple[tuple, ...]:
+        """The columns of ``specs``: (modes, exit_now, min_loops, max_loops, thresholds), built
+        once per ``specs`` list (a decode batch keeps one for several steps)."""
+        if self._spec_columns[0] is not self.specs:
+            columns = tuple(zip(*map(_SPEC, self.specs))) if self.specs else ((),) * 5
+            self._spec_columns = (self.specs, columns)
+        return self._spec_columns[1]
+
     def spans(self) -> tuple[Spans, np.ndarray]:
         """The carried rows at their current depths (after ``advance``): their attention spans
         without tables, and [B] the ``BlockTables`` rows holding the tables."""
@@ -86,7 +104,7 @@ class CarriedRows:
         """Moves every carried token to its next loop; returns them, in carry order."""
         if not self.items:
             return self.items
-        self.depths = [d + 1 for d in self.depths]
+        self.depths = list(map(_NEXT, self.depths))
         if self._fixed:
             specs = self.specs = self.specs[:]
             for k in self._fixed:
@@ -94,22 +112,30 @@ class CarriedRows:
                 specs[k] = c.specs[self.depths[k] >= c.exit_at]
         return self.items
 
-    def keep(self, items: list[WorkItem], num_carried: int, ending: Collection[int]) -> None:
-        """After a step over ``items`` (its first ``num_carried`` the carried ones): the tokens
-        that go on are the carried ones that did not end, then the plan's new carried
-        tokens."""
+    def keep(
+        self,
+        items: list[WorkItem],
+        num_carried: int,
+        ending: Collection[int],
+        lives: list[Any],
+        held: list[Any],
+    ) -> None:
+        """After a step over ``items`` (its first ``num_carried`` the carried ones; ``lives``
+        and ``held`` aligned with them): the tokens that go on are the carried ones that did
+        not end, then the plan's new carried tokens."""
         if ending:
             gone = [i for i in ending if i < num_carried]
             if gone:
                 self._remove(gone)
-        fresh = [
-            w
+        new = [
+            i
             for i, w in enumerate(items[num_carried:], num_carried)
             if w.carry is not None and i not in ending
         ]
-        if not fresh:
+        if not new:
             return
-        known = [self._registered(w.request_id, w.carry.tables) for w in fresh]
+        fresh = [items[i] for i in new]
+        known = self._register(fresh)
         widths = [len(k[1]) for k in known]
         width = max(self._rows.shape[1], max(widths))
         if width > self._rows.shape[1]:
@@ -122,28 +148,40 @@ class CarriedRows:
         n = len(self.items)
         self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
         self.items = self.items + fresh
+        self.lives = self.lives + [lives[i] for i in new]
+        self.held = self.held + [held[i] for i in new]
         self.depths = self.depths + [w.depth for w in fresh]
         self.specs = self.specs + [w.exit for w in fresh]
         self._starts = np.concatenate((self._starts, [w.start for w in fresh]))
         self._rows = np.concatenate((self._rows, rows))
         self._lens = np.concatenate((self._lens, lens))
 
-    def _registered(self, request_id: str, tables: list[list[int]]) -> tuple:
-        """(tables, their BlockTables rows, their lengths) of a starting token: its request's
+    def _register(self, fresh: list[WorkItem]) -> list[tuple]:
+        """Per starting token: (tables, their BlockTables rows, their lengths): its request's
         previous token's when the tables are the same lists (they change every block_size
-        tokens), else registered now."""
-        known = self._known.get(request_id)
-        if known is not None and (
-            known[0] is tables  # (the KV manager hands out one list until tables change)
-            or (len(known[0]) == len(tables) and all(map(is_, known[0], tables)))
-        ):
+        tokens), else registered now (all such tokens in one ``BlockTables.rows``)."""
+        known = list(map(self._known.get, map(_RID, fresh)))
+        stale = [
+            k
+            for k, (w, kn) in enumerate(zip(fresh, known))
+            if kn is None or (kn[0] is not w.carry.tables and not _same(kn[0], w.carry.tables))
+        ]
+        if not stale:
             return known
-        keys = [(request_id, d) for d in range(1, len(tables) + 1)]
-        known = self._known[request_id] = (
-            tables,
-            self._tables.rows(keys, tables),
-            list(map(len, tables)),
-        )
+        keys, tables = [], []
+        for k in stale:
+            w = fresh[k]
+            keys += [(w.request_id, d) for d in range(1, len(w.carry.tables) + 1)]
+            tables += w.carry.tables
+        rows = self._tables.rows(keys, tables)
+        lens = list(map(len, tables))
+        at = 0
+        for k in stale:
+            w = fresh[k]
+            n = len(w.carry.tables)
+            entry = (w.carry.tables, rows[at : at + n], lens[at : at + n])
+            known[k] = self._known[w.request_id] = entry
+            at += n
         return known
 
     def _remove(self, gone: Collection[int]) -> None:
@@ -154,12 +192,21 @@ class CarriedRows:
         self.items = list(compress(self.items, kept))
         self.depths = list(compress(self.depths, kept))
         self.specs = list(compress(self.specs, kept))
+        self.lives = list(compress(self.lives, kept))
+        self.held = list(compress(self.held, kept))
         if self._fixed:
             index = np.cumsum(keep) - 1  # old row -> new row, where kept
             self._fixed = [int(index[k]) for k in self._fixed if kept[k]]
         self._starts = self._starts[keep]
         self._rows = self._rows[keep]
         self._lens = self._lens[keep]
+
+
+def _same(known: list[list[int]], tables: list[list[int]]) -> bool:
+    """Whether a token's tables (not the list an earlier token registered: the KV manager
+    hands out one list until the tables change, but a capped token gets a slice of it) are
+    those lists."""
+    return len(known) == len(tables) and all(map(is_, known, tables))
 
 
 def _columns(values: list[list[int]], widths: list[int], width: int) -> np.ndarray:
@@ -173,19 +220,3 @@ def _columns(values: list[list[int]], widths: list[int], width: int) -> np.ndarr
 def _widen(array: np.ndarray, width: int) -> np.ndarray:
     """``array`` [n, w] with its last column repeated up to ``width`` columns."""
     return np.pad(array, ((0, 0), (0, width - array.shape[1])), mode="edge")
-
-
-def events(
-    items: list[WorkItem],
-    depths: list[int],
-    results: list[ItemResult | None],
-    rows: Collection[int],
-    ending: Collection[int],
-) -> list[CarriedResult]:
-    """The carried rows' (``items``, first in the step) events, for the scheduler: ``rows``
-    are those with a result (an exit, a delayed decision) or that ended (``ending``)."""
-    out = []
-    for i in sorted(rows):
-        w = items[i]
-        out.append(CarriedResult(w.carry.key, w.request_id, depths[i], i in ending, results[i]))
-    return out

@@ -362,15 +362,16 @@ class EngineCore:
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
             return []  # planned by a scheduler that was replaced; its requests have failed
-        # The step's requests still going: each gets its final update from this step.
-        requests = self.scheduler.requests
-        rids = dict.fromkeys(it.request_id for it in plan.items)
-        rids.update(dict.fromkeys(event.request_id for event in result.carried))
-        involved = [rid for rid in rids if rid in requests]
+        before = self.scheduler.requests.copy()  # (what a failed apply's clean-up needs)
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
             error = engine_error(f"applying step {plan.step_id}", exc)
+            # The step's requests still going before it: each gets its final update.
+            rids = dict.fromkeys(it.request_id for it in plan.items)
+            if result.carried:
+                rids.update(dict.fromkeys(result.carried.request_ids))
+            involved = [rid for rid in rids if rid in before]
             try:
                 for rid in involved:  # ended during the failed apply, or ends now
                     self.scheduler.abort(rid)  # frees its KV, releases its runner state

@@ -172,6 +172,18 @@ class KVManager:
         want = -(-num_tokens // self.block_size)
         return max(0, want - have) * len(entry.tables)
 
+    def extend(self, request_id: str, num_tokens: int) -> int:
+        """``grow(request_id, num_tokens)`` when it takes no block (returns 0); else the blocks
+        it would take, with nothing changed. (A decode token needs a block every block_size
+        tokens: one call answers and covers the others.)"""
+        entry = self._requests[request_id]
+        need = -(-num_tokens // self.block_size) - -(-entry.num_tokens // self.block_size)
+        if need > 0:
+            return need * len(entry.tables)
+        if num_tokens > entry.num_tokens:
+            entry.num_tokens = num_tokens
+        return 0
+
     def covered(self, request_id: str) -> int:
         """Positions ``[0, covered)`` that every plane of the request has blocks for."""
         return self._requests[request_id].num_tokens

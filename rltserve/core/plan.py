@@ -10,7 +10,8 @@ Carried decode tokens: a ``WorkItem`` with ``carry`` set is planned once, at its
 runner then runs its next loops by itself, one per step (before the plan's own items), until it
 ends: its loop ``ends_at``, or the exit of its output when ``stop_at_exit``, or a plan that
 releases or preempts its request. Its results come back in ``StepResult.carried`` when its output
-exits and when it ends. Planning then costs per token started, not per loop run.
+exits, when the delayed rule decides its exit and when it ends (``CarriedEvents``, its first
+loop's included). Planning then costs per token started, not per loop run.
 
 Invariant: a plan and its result are never changed once built. The per-row types (``WorkItem``,
 ``ExitSpec``, ``ItemResult``) are nevertheless plain slotted dataclasses, not frozen ones: one
@@ -70,7 +71,7 @@ class Carry:
     """What the runner needs to run a decode token's later loops without a plan: the values of
     the per-loop ``WorkItem`` fields at every depth it can reach."""
 
-    key: int  # the scheduler's name for the token in ``CarriedResult``s
+    key: int  # the scheduler's name for the token in ``CarriedEvents``
     tables: list[list[int]]  # the block table of loop d at index d - 1 (d = 1 .. ends_at)
     specs: tuple[ExitSpec, ExitSpec] | None  # the output's spec: (exit_now False, True)
     exit_at: int  # fixed exits: the loop whose spec says exit_now; 0 when the gate decides
@@ -161,24 +162,38 @@ class ItemResult:
 
 
 @dataclass(slots=True)
-class CarriedResult:
-    """A carried token's event in a step: its output exited, the delayed rule decided its exit
-    for the next loop (both in ``outcome``), or it ended."""
+class CarriedEvents:
+    """The events of carried tokens in one step, as columns: entry k is one token's event, in
+    the runner's row order (a request's older token first). A token has an event when its
+    output exited (with its token), when the delayed rule decided its exit for the next loop,
+    or when it ended (the runner runs no further loop of it). The first loop of a carried
+    token, which its plan holds, reports here too (its ``StepResult.items`` entry is None).
+    Columns, not an object per event: a decode batch has an event per token every few steps.
+    """
 
-    key: int  # ``Carry.key``
-    request_id: str
-    depth: int  # the loop it ran in this step
-    ended: bool  # the runner runs no further loop of it
-    outcome: ItemResult | None  # exited (with its token) or exit_next; None: it only ended
+    keys: list[int]  # ``Carry.key``
+    request_ids: list[str]
+    depths: list[int]  # the loop it ran in this step
+    ended: list[bool]
+    exited: list[bool]  # its output exited at this loop: the next columns hold its token
+    exit_next: list[bool]  # delayed mode: the next loop will be the exit
+    token_ids: list[int]  # -1 where it did not exit
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    finite: list[bool]  # as ``ItemResult.finite``
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 @dataclass
 class StepResult:
     step_id: int
-    # Aligned with plan.items: None for items without an output position still to exit.
+    # Aligned with plan.items: None for items without an output position still to exit, and
+    # for carried tokens' first loops (``carried`` has their events).
     items: list[ItemResult | None]
-    # Events of carried tokens (first planned in earlier steps): exits, delayed decisions, ends.
-    carried: list[CarriedResult] = field(default_factory=list)
+    # Events of carried tokens (their first loops included): exits, delayed decisions, ends.
+    carried: CarriedEvents | None = None
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
     error: str | None = None  # set when the step failed; the scheduler fails its requests

@@ -124,6 +124,9 @@ class Request:
     # The request's two ExitSpecs (exit_now False, True), built once: every output position
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None
+    # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
+    # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
+    carry_blocks: tuple | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

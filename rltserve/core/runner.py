@@ -38,7 +38,6 @@ import torch
 from rltserve.core.attention import allocate_kv_cache, attention_over, paged_attention
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
-from rltserve.core.carried import events as carried_events
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
@@ -408,16 +407,11 @@ class ModelRunner:
         step = Step(self, items, nc)  # (nc rows from self.carried)
         eager = step.run()
         ending = set(step.ending)
-        self.carried.keep(items, nc, ending)
+        self.carried.keep(items, nc, ending, step.lives, step.held)
         handle.outputs = step.outputs
-        depths = step.depths
 
         def finish() -> StepResult:
-            outcomes = step.results(nc)
-            events = []
-            if nc:
-                rows = {i for i in ending if i < nc}.union(step.noted)
-                events = carried_events(carried, depths, outcomes, rows, ending)
+            outcomes, events = step.results()
             if every:
                 results: list[ItemResult | None] = outcomes[nc:] if nc else outcomes
             else:

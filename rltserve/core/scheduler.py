@@ -44,7 +44,14 @@ from rltserve.config import SchedulerConfig
 from rltserve.core.admission import Admission
 from rltserve.core.exit import choose_exit_mode, exit_known
 from rltserve.core.kv_cache import KVManager
-from rltserve.core.plan import ItemResult, RequestSetup, StepPlan, StepResult, WorkItem
+from rltserve.core.plan import (
+    CarriedEvents,
+    ItemResult,
+    RequestSetup,
+    StepPlan,
+    StepResult,
+    WorkItem,
+)
 from rltserve.core.preemption import Preemptor
 from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
@@ -303,11 +310,10 @@ class Scheduler:
                 continue  # every output is planned; the request ends with its last result
             rid = request.request_id
             # (Most decode tokens' blocks are there already: no room to make.)
-            if self.kv.blocks_to_grow(rid, item.end) and not self.preemptor.make_room(
-                request, item.end
-            ):
-                continue  # waits for blocks (or was preempted itself)
-            self.kv.grow(rid, item.end)
+            if self.kv.extend(rid, item.end):
+                if not self.preemptor.make_room(request, item.end):
+                    continue  # waits for blocks (or was preempted itself)
+                self.kv.grow(rid, item.end)
             budget -= self.start(request, item, items, owners)
         return budget
 
@@ -316,17 +322,25 @@ class Scheduler:
     ) -> int:
         """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
         a decode token the runner will carry gets its key. Returns the item's tokens."""
+        maker = self.item_maker
+        carried = item.has_output and maker.carries_next(request)  # (before it moves on)
         request.num_scheduled = item.end
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
-        if self.item_maker.carries(request, item):
-            self._carry_key += 1
-            item.carry_key = self._carry_key
-            item.carry_step = self._step_id + 1
-            item.exit_by = self.item_maker.exit_known_by(request, item)
-            self._carried[item.carry_key] = (request, item)
         request.items.append(item)
-        return self._plan_loop(request, item, items, owners)
+        if not carried:
+            return self._plan_loop(request, item, items, owners)
+        self._carry_key += 1
+        item.carry_key = self._carry_key
+        item.carry_step = self._step_id + 1
+        item.exit_by = maker.exit_known_by(request, item)
+        self._carried[item.carry_key] = (request, item)
+        # ``_plan_loop`` of its first loop, which a Carry describes with the later ones.
+        self._in_step.add(request.request_id)
+        item.planned = 1
+        items.append(maker.carried_item(request, item))
+        owners.append(item)
+        return 1
 
     # ---------------------------------------------------------------- results
 
@@ -337,35 +351,51 @@ class Scheduler:
             return self._fail_planned(plan, result.error, result.lost)
         updates: dict[str, RequestUpdate] = {}
         for work, item, outcome in zip(plan.items, owners, result.items):
+            if outcome is None and item.carry_key:
+                # A carried token's first loop: its events are in ``result.carried``. (Were
+                # its request gone or preempted, the field of a forgotten item is set.)
+                item.applied = work.depth
+                continue
             request = self.requests.get(work.request_id)
             if request is None or item.life != request.num_preemptions:
                 continue  # finished, aborted or preempted after this step was planned
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 self.sharing.on_prompt_done(request, item.start, item.end)
-            if item.carry_key and _ends(item, work.depth, outcome):
-                self._end_carried(request, item)  # it ended at its first loop
             if outcome is None:
                 continue
             appended = self._apply_outcome(request, item, work.depth, outcome, updates)
             if appended and outcome.rollback and not request.is_finished:
                 self._rollback(request, work.end)
         if result.carried:
-            self._apply_carried(result, updates)
+            self._apply_carried(result.carried, updates)
         return list(updates.values())
 
-    def _apply_carried(self, result: StepResult, updates: dict[str, RequestUpdate]) -> None:
-        """Exits and ends of carried tokens (in the runner's order: a request's older first)."""
+    def _apply_carried(self, events: CarriedEvents, updates: dict[str, RequestUpdate]) -> None:
+        """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
+        request's older token first)."""
         carried = self._carried
-        for event in result.carried:
-            owner = carried.get(event.key)
+        for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
+            events.keys,
+            events.depths,
+            events.ended,
+            events.exited,
+            events.exit_next,
+            events.token_ids,
+            events.logprobs,
+            events.top_logprobs,
+            events.finite,
+        ):
+            owner = carried.get(key)
             if owner is None:
                 continue  # its request finished, was aborted or preempted meanwhile
             request, item = owner
-            if event.ended:
+            if ended:
                 self._end_carried(request, item)
-            if event.outcome is not None:
-                self._apply_outcome(request, item, event.depth, event.outcome, updates)
+            if exit_next:
+                item.delayed_exit_at = depth + 1
+            if exited:
+                self._exit(request, item, depth, token, logprob, top, finite, updates)
 
     def _apply_outcome(
         self,
@@ -381,18 +411,42 @@ class Scheduler:
             item.delayed_exit_at = depth + 1
         if not outcome.exited:
             return False
+        return self._exit(
+            request,
+            item,
+            depth,
+            outcome.token_id,
+            outcome.logprob,
+            outcome.top_logprobs,
+            outcome.finite,
+            updates,
+        )
+
+    def _exit(
+        self,
+        request: Request,
+        item: InFlight,
+        depth: int,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        finite: bool,
+        updates: dict[str, RequestUpdate],
+    ) -> bool:
+        """The item's output exited at loop ``depth`` with ``token``. True when the token was
+        appended (its logits were finite)."""
         item.exit_depth = depth
-        update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
-        if not outcome.finite:
+        if not finite:
+            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
             self._fail_nonfinite(request, item.end, depth, update)
             return False
-        self._append_token(request, depth, outcome, update)
+        self._append_token(request, depth, token, logprob, top, updates)
         return True
 
     def _end_carried(self, request: Request, item: InFlight) -> None:
         """A carried token the runner runs no more: forgotten, and out of the request's items."""
         self._carried.pop(item.carry_key, None)
-        request.items = [it for it in request.items if it is not item]
+        request.items.remove(item)  # (an item is carried only while it is one of them)
 
     def drop_carried(self, request: Request) -> None:
         """Forgets the request's carried tokens (it stops running: the runner drops them)."""
@@ -409,17 +463,29 @@ class Scheduler:
         return any(item.carry_key in carried for item in request.items if item.carry_key)
 
     def _append_token(
-        self, request: Request, depth: int, outcome: ItemResult, update: RequestUpdate
+        self,
+        request: Request,
+        depth: int,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        updates: dict[str, RequestUpdate],
     ) -> None:
-        token = outcome.token_id
+        """Appends an output token to the request and to its update in ``updates``, and ends
+        the request when the token stops it."""
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
-        request.logprobs.append(outcome.logprob)
-        request.top_logprobs.append(outcome.top_logprobs)
-        update.new_token_ids.append(token)
-        update.new_exit_depths.append(depth)
-        update.new_logprobs.append(outcome.logprob)
-        update.new_top_logprobs.append(outcome.top_logprobs)
+        request.logprobs.append(logprob)
+        request.top_logprobs.append(top)
+        rid = request.request_id
+        update = updates.get(rid)
+        if update is None:  # (positional: one per request per step)
+            update = updates[rid] = RequestUpdate(rid, [token], [depth], [logprob], [top])
+        else:
+            update.new_token_ids.append(token)
+            update.new_exit_depths.append(depth)
+            update.new_logprobs.append(logprob)
+            update.new_top_logprobs.append(top)
         if len(request.output_token_ids) == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0
         reason = self._stop_reason(request, token)
@@ -493,8 +559,3 @@ class Scheduler:
             self._finish(request, FinishReason.ERROR)
             updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
         return updates
-
-
-def _ends(item: InFlight, depth: int, outcome: ItemResult | None) -> bool:
-    """Whether ``item``'s loops end at ``depth`` (the runner's rule for carried tokens)."""
-    return depth >= item.ends_at or (item.stop_at_exit and outcome is not None and outcome.exited)

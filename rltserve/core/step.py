@@ -9,15 +9,15 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from itertools import compress, repeat
-from operator import is_, or_
+from itertools import repeat
+from operator import is_, is_not
 
 import torch
 
 from rltserve.core import step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
-from rltserve.core.plan import ItemResult, WorkItem
+from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
+from rltserve.core.sampler import SampleOutput
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
@@ -36,14 +36,19 @@ class Step:
         self.items = items  # the runner's carried tokens (``num_carried``) first
         self.num_carried = num_carried
         live = runner.live
-        self.lives = [live[rid] for rid in map(step_rows.RID, items)]
+        planned = items[num_carried:] if num_carried else items
+        self.lives = [live[rid] for rid in map(step_rows.RID, planned)]
+        if num_carried:  # (the carried rows' are the runner's column)
+            self.lives = runner.carried.lives + self.lives
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
         self.ending: list[int] = []  # set by run(): the items whose loops end in this step
         self.exits: list[int] = []  # set by run(): the items whose output exits in this step
-        # Set by results(quiet=q): the first q items that got a result (exit, delayed decision).
-        self.noted: list[int] = []
+        # Rows of carried tokens (a ``carry``: the runner's, then the plan's new ones): their
+        # results are ``CarriedEvents``.
+        self.carrying = list(map(is_not, map(step_rows.CARRY, items), repeat(None)))
+        self.num_carrying = self.carrying.count(True)
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
 
@@ -93,12 +98,16 @@ class Step:
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = self._decide_exits(state, specs)
-        exits = self.exits = [i for i, x in zip(self.out, self.exited) if x]
+        exited = self.exited
+        exits = self.exits = [i for i, x in zip(self.out, exited) if x] if any(exited) else []
         step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc])
         depths = self.depths
-        ending = [
-            i for i, (d, end) in enumerate(zip(depths, map(step_rows.ENDS_AT, items))) if d >= end
-        ]
+        ends_at = list(map(step_rows.ENDS_AT, items))
+        ending = (
+            [i for i, (d, end) in enumerate(zip(depths, ends_at)) if d >= end]
+            if max(depths) >= min(ends_at)
+            else []  # (most steps: no row at its last loop)
+        )
         if exits:
             stopping = [i for i in exits if items[i].stop_at_exit]
             ending = sorted(set(ending).union(stopping)) if ending else stopping
@@ -134,7 +143,9 @@ class Step:
         r, items, lives = self.r, self.items, self.lives
         if 1 in self.depths:
             self._enter([i for i, d in enumerate(self.depths) if d == 1])
-        held = self.held = [live.items.get(s) for live, s in zip(lives, starts)]
+        nc = self.num_carried
+        held = [live.items.get(s) for live, s in zip(lives[nc:], starts[nc:])]
+        held = self.held = r.carried.held + held if nc else held
         pending = r.pending_rows
         if pending is not None:
             if held == pending.held:  # the previous step's items, in order: its output
@@ -258,9 +269,12 @@ class Step:
         else:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
-        modes, exit_now, min_loops, max_loops, thresholds = zip(
-            *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
-        )
+        if every and self.num_carried == len(specs):  # the carried rows' (cached) columns
+            modes, exit_now, min_loops, max_loops, thresholds = r.carried.spec_columns()
+        else:
+            modes, exit_now, min_loops, max_loops, thresholds = zip(
+                *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
+            )
         self.modes = modes
         logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
         crossed_now: list[bool] | None = None
@@ -271,7 +285,7 @@ class Step:
             surv, cdf = gate.unbind(0)  # [M]
             lam = torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
             cdf = cdf + lam * surv
-            surv = surv * (1.0 - lam)
+            surv = surv * torch.rsub(lam, 1.0)  # (1 - lam, without Tensor.__rsub__'s wrapper)
             new_gate = torch.stack((surv, cdf))  # [2, M]
             crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
             self.outputs.add("gate", new_gate)
@@ -279,11 +293,14 @@ class Step:
             if "gate" in modes:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
             self.gate_rows = new_gate  # written with the states, or left pending (run())
-        if all(mode == "delayed" for mode in set(modes)):
-            exited = [
-                d >= hi or p
-                for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
-            ]
+        if set(modes) == {"delayed"}:
+            if max(out_depths) < min(max_loops) and not any(map(step_rows.PENDING, out_held)):
+                exited = [False] * m  # (most steps: no row is at its cap or decided)
+            else:
+                exited = [
+                    d >= hi or p
+                    for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
+                ]
         else:
             exited = []
             for k in range(m):
@@ -412,10 +429,11 @@ class Step:
 
     # ---------------------------------------------------------------- delivery
 
-    def results(self, quiet: int = 0) -> list[ItemResult | None]:
-        """Reads the staged outputs on the host and builds the items' results, updating the
-        host copies of device state (delayed decisions, drafts, history, rollbacks). The
-        first ``quiet`` items (carried tokens) get a result only when their output exits."""
+    def results(self) -> tuple[list[ItemResult | None], CarriedEvents | None]:
+        """Reads the staged outputs on the host, updating the host copies of device state
+        (delayed decisions, drafts, history, rollbacks). Returns the items' results (None for
+        an item without an open output position, and for a carried token: a row with a
+        ``carry``) and the carried tokens' events (exits, delayed decisions, ends)."""
         items, held = self.items, self.held
         host = self.outputs.read()
         for draft, value in zip(self.drafts, host.get("drafts", [])):
@@ -427,7 +445,9 @@ class Step:
             survival, cdf = host["gate"]
             crossed = host["crossed"]
             # Delayed mode: a crossing that did not exit now makes the next loop the exit.
-            if all(mode == "delayed" for mode in set(self.modes)):
+            if not any(crossed):
+                nexts = [False] * m
+            elif all(mode == "delayed" for mode in set(self.modes)):
                 nexts = [c and not x for c, x in zip(crossed, exited)]
             else:
                 nexts = [
@@ -440,55 +460,119 @@ class Step:
             for h, nxt in zip(held if every else [held[i] for i in out], nexts):
                 if nxt:
                     h.pending = True
+        sample = self._read_sample(host) if self.sampled else None
+        carrying = self.carrying
         # No token this loop: positional (one is built per row per step).
-        cut = bisect_left(out, quiet) if quiet else 0  # out rows of the quiet items
-        if not cut:
+        if not self.num_carrying:
             outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
+        elif self.num_carrying == len(items):
+            outcomes = [None] * m
         else:
-            if not isinstance(survival, list):
-                survival, cdf = [1.0] * m, [0.0] * m
-            outcomes = [None] * cut
-            outcomes += map(ItemResult, exited[cut:], survival[cut:], cdf[cut:], nexts[cut:])
-            noted = list(compress(range(cut), map(or_, exited, nexts)))
-            for k in noted:
-                outcomes[k] = ItemResult(exited[k], survival[k], cdf[k], nexts[k])
-            self.noted = noted if every else [out[k] for k in noted]
-        if self.sampled:
-            self._sampled_results(host, outcomes)
+            quiet = carrying if every else [carrying[i] for i in out]
+            outcomes = [
+                None if q else ItemResult(x, s, c, nxt)
+                for q, x, s, c, nxt in zip(quiet, exited, survival, cdf, nexts)
+            ]
+        lives = self.lives
+        # (Nothing to do when every row is a carried token's, none with drafts or a penalty
+        # history: a decode batch's exits.)
+        if sample is not None and (
+            self.num_carrying < len(items)
+            or any(map(step_rows.DRAFTS, lives))
+            or any(map(is_not, map(step_rows.HISTORY, lives), repeat(None)))
+        ):
+            self._sampled_results(sample, outcomes)
+        events = self._events(nexts, sample) if self.num_carrying else None
         if every:
-            return outcomes
+            return outcomes, events
         results: list[ItemResult | None] = [None] * len(items)
         for i, outcome in zip(out, outcomes):
             results[i] = outcome
-        return results
+        return results, events
 
-    def _sampled_results(self, host: dict[str, list], outcomes: list[ItemResult]) -> None:
-        """Fills in the tokens of the sampled items' results (``outcomes`` is aligned with
-        ``self.out``); a draft the token contradicts rolls its request back."""
-        r, items, lives = self.r, self.items, self.lives
+    def _read_sample(self, host: dict[str, list]) -> SampleOutput:
         prefix = "sample."
-        sample = self.sample.to_output(
+        return self.sample.to_output(
             {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
         )
+
+    def _events(self, nexts: list[bool], sample: SampleOutput | None) -> CarriedEvents:
+        """The carried rows' events: those whose output exited or got a delayed decision
+        (``nexts``, aligned with ``self.out``), or that end in this step."""
+        items, out, exited, carrying = self.items, self.out, self.exited, self.carrying
+        every = isinstance(out, range)
+        noted = (
+            [i for i, x, nxt in zip(out, exited, nexts) if (x or nxt) and carrying[i]]
+            if any(exited) or any(nexts)
+            else []
+        )
+        ends = [i for i in self.ending if carrying[i]]
+        if not ends or ends == noted:
+            rows, ended = noted, [bool(ends)] * len(noted)
+        else:
+            rows = sorted(set(noted).union(ends))
+            ending = set(ends)
+            ended = [i in ending for i in rows]
+        if every:
+            ks = rows
+        else:
+            k_of = {i: k for k, i in enumerate(out)}
+            ks = [k_of.get(i, -1) for i in rows]  # -1: its output exited in an earlier step
+        n = len(rows)
+        x_col = [k >= 0 and exited[k] for k in ks]
+        if sample is None or not any(x_col):
+            tokens, logprobs, tops, finite = [-1] * n, [None] * n, [None] * n, [True] * n
+        elif rows == self.sampled:  # every sampled row, and only those (a decode batch's exits)
+            tokens, logprobs = sample.token_ids, sample.logprobs
+            tops, finite = sample.top_logprobs, sample.finite or [True] * n
+        else:
+            j_of = {i: j for j, i in enumerate(self.sampled)}
+            js = [j_of.get(i, -1) for i in rows]
+            tokens = [sample.token_ids[j] if j >= 0 else -1 for j in js]
+            logprobs = [sample.logprobs[j] if j >= 0 else None for j in js]
+            tops = [sample.top_logprobs[j] if j >= 0 else None for j in js]
+            finite = [not sample.finite or j < 0 or sample.finite[j] for j in js]
+        depths = self.depths
+        return CarriedEvents(
+            [items[i].carry.key for i in rows],
+            list(map(step_rows.RID, map(items.__getitem__, rows))),
+            [depths[i] for i in rows],
+            ended,
+            x_col,
+            [k >= 0 and nexts[k] for k in ks],
+            tokens,
+            logprobs,
+            tops,
+            finite,
+        )
+
+    def _sampled_results(self, sample: SampleOutput, outcomes: list[ItemResult | None]) -> None:
+        """Fills in the tokens of the sampled items' results (``outcomes`` is aligned with
+        ``self.out``; a carried token has none); a draft the token contradicts rolls its
+        request back."""
+        r, items, lives = self.r, self.items, self.lives
         if isinstance(self.out, range):
             index = self.sampled
         else:
             k_of = {i: k for k, i in enumerate(self.out)}
             index = [k_of[i] for i in self.sampled]
         rollbacks: list[int] = []
+        finite = sample.finite
         for j, (i, k) in enumerate(zip(self.sampled, index)):
             outcome = outcomes[k]
             live = lives[i]
-            token = outcome.token_id = sample.token_ids[j]
-            outcome.logprob = sample.logprobs[j]
-            outcome.top_logprobs = sample.top_logprobs[j]
-            outcome.finite = sample.finite[j]
+            token = sample.token_ids[j]
+            if outcome is not None:
+                outcome.token_id = token
+                outcome.logprob = sample.logprobs[j]
+                outcome.top_logprobs = sample.top_logprobs[j]
+                outcome.finite = finite[j] if finite else True
             if live.drafts or live.history is not None:
                 end = items[i].end
                 checked = end in live.drafts
-                outcome.rollback = live.commit(end, token)
                 r.drafts_checked += checked
-                if outcome.rollback:
+                if live.commit(end, token):  # (never a carried token: those have no drafts)
+                    outcome.rollback = True
                     rollbacks.append(i)
                     r.drafts_rejected += 1
         for i in rollbacks:  # after the states were stored, so the discarded items stay discarded

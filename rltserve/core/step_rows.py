@@ -27,6 +27,7 @@ TABLE = attrgetter("block_table")
 EXIT = attrgetter("exit")
 ENDS_AT = attrgetter("ends_at")
 DRAFT = attrgetter("draft")
+CARRY = attrgetter("carry")
 SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 SRC = attrgetter("src")
 ROW = attrgetter("row")
@@ -35,6 +36,7 @@ GATE_ROW = attrgetter("gate_row")
 EXITED = attrgetter("exited")
 PENDING = attrgetter("pending")
 DRAFTS = attrgetter("drafts")
+HISTORY = attrgetter("history")
 LAST_TOKENS = attrgetter("last_tokens")
 LAST_ROW = attrgetter("last_row")
 
@@ -125,9 +127,10 @@ def copy_on_exit(
     bs = r.block_size
     for i in exits:
         it = items[i]
-        if i < nc:
-            copies = r.carried.copy_blocks_at(i, carried[i])
-            table = r.carried.table_at(i, carried[i])
+        if i < nc:  # (``CarriedRows.copy_blocks_at`` and ``table_at``, a call less each)
+            d = carried[i]
+            copies = it.carry.copy_blocks[d:]
+            table = it.carry.tables[d - 1]
         else:
             copies, table = it.exit_copy_blocks, it.block_table
         if not copies:

@@ -48,10 +48,18 @@ class ItemMaker:
         if start < request.replay_until:
             chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
             return replay_item(request, start, chunk, self.kv.policy)
-        produces = start - p + 1  # index of the output this decode token produces
-        if produces >= request.params.max_tokens or start + 1 >= request.max_total_tokens:
+        return self.decode_item(request)
+
+    def decode_item(self, request: Request) -> InFlight | None:
+        """The request's next decode token (its prompt is scheduled, nothing is left to
+        replay), not yet started; None when every output is planned."""
+        start = request.num_scheduled
+        produces = start - request.num_prompt_tokens + 1  # the output this token produces
+        max_tokens = request.params.max_tokens
+        if produces >= max_tokens or start + 1 >= request.max_total_tokens:
             return None
         full = self.full
+        draft_at = self.config.draft_loops if request.pipelined else 0
         # Positional, in field order (one per decode token; keywords cost 2-3x as much).
         return InFlight(
             start,  # start
@@ -64,15 +72,15 @@ class ItemMaker:
             0,  # applied
             None,  # exit_depth
             None,  # delayed_exit_at
-            draft_at if produces + 1 < request.params.max_tokens else 0,  # draft_at
+            draft_at if produces + 1 < max_tokens else 0,  # draft_at
             request.epoch,  # epoch
-            life,  # life
+            request.num_preemptions,  # life
         )
 
     def work_item(self, request: Request, item: InFlight, depth: int) -> WorkItem:
         """What the runner gets for loop ``depth`` of ``item``."""
         if item.carry_key:
-            return self._carried(request, item)
+            return self.carried_item(request, item)
         rid = request.request_id
         spec = None
         copy_blocks: list[int] = []
@@ -118,15 +126,17 @@ class ItemMaker:
             item.epoch,  # epoch
         )
 
-    def carries(self, request: Request, item: InFlight) -> bool:
-        """Whether the runner runs the loops of ``item`` (not yet started) by itself: a decode
-        token of a request without drafts whose earlier items in flight are all carried too
-        (a carried token runs a loop every step, so it never overtakes a carried
-        predecessor; an explicitly planned one might wait for budget)."""
+    def carries_next(self, request: Request) -> bool:
+        """Whether the runner runs the loops of the request's next item by itself, if it is a
+        decode token (past the prompt and any replay): when the request has no drafts and its
+        earlier items in flight are all carried too (a carried token runs a loop every step,
+        so it never overtakes a carried predecessor; an explicitly planned one might wait for
+        budget)."""
+        start = request.num_scheduled
         return (
             self.config.carry_decode
-            and item.has_output
-            and item.start >= request.num_prompt_tokens
+            and start >= request.num_prompt_tokens
+            and start >= request.replay_until
             and not request.pipelined
             and (not request.items or all(it.carry_key for it in request.items))
         )
@@ -138,7 +148,7 @@ class ItemMaker:
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
 
-    def _carried(self, request: Request, item: InFlight) -> WorkItem:
+    def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
         others (``Carry``)."""
         rid = request.request_id
@@ -150,10 +160,14 @@ class ItemMaker:
         copy_blocks: list[int] = []
         if item.stop_at_exit and self.copies_on_exit:
             # The blocks holding the position on the planes of depths 1..num_loops (what
-            # ``KVManager.exit_copy_blocks`` finds, read off the tables at hand).
+            # ``KVManager.exit_copy_blocks`` finds, read off the tables at hand): the same for
+            # the request's tokens in one block while its tables are the same lists.
             index = start // kv.block_size
-            item.exit_blocks = [table[index] for table in tables]
-            copy_blocks = item.exit_blocks[1:]
+            known = request.carry_blocks
+            if known is None or known[0] is not tables or known[1] != index:
+                blocks = [table[index] for table in tables]
+                known = request.carry_blocks = (tables, index, blocks, blocks[1:])
+            item.exit_blocks, copy_blocks = known[2], known[3]
         if item.ends_at < len(tables):
             tables = tables[: item.ends_at]
         # The input is on the runner, unless it was recorded before a preemption.

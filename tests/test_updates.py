@@ -1,0 +1,34 @@
+"""``RequestUpdate`` crosses to the front end's process every step: its pickled form keeps
+every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+from rltserve.updates import FinishReason, RequestUpdate
+
+
+def test_request_update_pickles_every_field():
+    values = {
+        "request_id": "r1",
+        "new_token_ids": [5, 6],
+        "new_exit_depths": [3, 4],
+        "new_logprobs": [-0.5, None],
+        "new_top_logprobs": [[(5, -0.5)], None],
+        "finish_reason": FinishReason.LENGTH,
+        "error": "boom",
+        "rejected": True,
+        "weight_version": 7,
+        "num_cached_tokens": 16,
+    }
+    # Every field is set to a value other than its default: a field added without being
+    # pickled fails here.
+    assert {f.name for f in dataclasses.fields(RequestUpdate)} == set(values)
+    update = RequestUpdate(**values)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        back = pickle.loads(pickle.dumps(update, protocol=protocol))
+        assert back == update and back is not update
+        assert dataclasses.asdict(back) == values
+    plain = pickle.loads(pickle.dumps(RequestUpdate("r2")))
+    assert plain == RequestUpdate("r2")
