@@ -118,6 +118,45 @@ def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
     core.shutdown()
 
 
+@pytest.mark.parametrize(
+    "name", ["gate", "full-policy", "delayed-deferred", "wavefront-full", "preempt-swap"]
+)
+def test_carried_columns_and_items_stay_in_step(ckpts, name):
+    """After every launch the runner's columns of each carried row are its request's live
+    state and held state, and after every applied result each token the scheduler carries is
+    one of its request's items (which ``Scheduler._end_carried`` removes)."""
+    engine, drive, _, _ = CONFIGS[name]
+    prompts, params = _workload(8, seed=11)
+    core = make_core(ckpts["ouro"], **engine)
+    runner, sched = core.runner, core.scheduler
+    launch, apply = runner._launch, core.apply
+    checks = [0, 0]
+
+    def checked_launch(plan, handle):
+        eager = launch(plan, handle)
+        rows = runner.carried
+        assert len(rows.lives) == len(rows.held) == len(rows.items)
+        for w, live, held in zip(rows.items, rows.lives, rows.held):
+            assert live is runner.live[w.request_id]
+            assert held is live.items[w.start]
+        checks[0] += len(rows.items)
+        return eager
+
+    def checked_apply(plan, result):
+        updates = apply(plan, result)
+        for request, item in sched._carried.values():
+            assert any(it is item for it in request.items)
+        checks[1] += len(sched._carried)
+        return updates
+
+    runner._launch = checked_launch
+    core.apply = checked_apply
+    run_core(core, prompts, params, **drive)
+    assert all(checks)  # tokens were carried (and checked) at both ends
+    assert not runner.carried.items and not sched._carried
+    core.shutdown()
+
+
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
 @pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
 def test_huginn_schedules_match_the_oracle(ckpts, huginn_ref, kv_policy, carry):
@@ -205,18 +244,14 @@ def test_carried_rows_move_one_loop_per_step():
         (w,) = rows.advance()
         d = rows.depths[0]
         assert w is first and before == [d - 1]  # a step's lists are replaced, not changed
-        seen.append((d, rows.table_at(0, d), rows.specs[0].exit_now, rows.copy_blocks_at(0, d)))
+        seen.append((d, rows.table_at(0, d), rows.specs[0].exit_now))
         # The attention columns follow: the row of the table at the new depth.
         spans, table_rows = rows.spans()
         assert spans.starts.tolist() == [5] and spans.lens.tolist() == [1]
         assert spans.table_lens.tolist() == [1]
         assert tables.array[table_rows, :1].tolist() == [rows.table_at(0, d)]
         rows.keep([w], 1, set(), rows.lives, rows.held)
-    assert seen == [
-        (2, [11], False, [22, 23]),
-        (3, [12], True, [23]),  # the traced exit loop
-        (4, [13], True, []),
-    ]
+    assert seen == [(2, [11], False), (3, [12], True), (4, [13], True)]  # fixed exit at 3
     # The plan's item is never changed.
     assert first.depth == 1 and first.block_table == [10] and first.exit_copy_blocks == [21, 22, 23]
 
@@ -270,11 +305,12 @@ def test_carried_tokens_report_events_as_columns(ckpts, exit_mode):
     ``StepResult.items`` entry is None): a delayed decision names the loop that then exits, an
     exit brings the token the request gets, and each token ends exactly once."""
     prompts, params = _workload(6, seed=9)
+    params = [p.replace(logprobs=2) if i % 2 else p for i, p in enumerate(params)]
     core = make_core(ckpts["ouro"], exit_mode=exit_mode, max_num_seqs=6)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         core.add_request(f"r{i}", prompt, p)
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    from_events: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    tokens: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+    from_events: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
     decided: dict[int, int] = {}  # key -> the exit loop a delayed decision named
     ended: list[int] = []
     seen_keys: set[int] = set()
@@ -302,23 +338,25 @@ def test_carried_tokens_report_events_as_columns(ckpts, exit_mode):
                 events.finite,
             ]
             assert {len(c) for c in columns} == {len(events)}
-            for key, rid, depth, end, exited, nxt, token in zip(*columns[:7]):
+            for key, rid, depth, end, exited, nxt, token, logprob, top, finite in zip(*columns):
                 assert key in seen_keys
                 assert not (exited and nxt)
                 if nxt:
                     assert exit_mode == "delayed"
                     decided[key] = depth + 1
+                assert finite
                 if exited:
                     assert token >= 0
                     assert decided.pop(key, depth) == depth
-                    from_events[rid].append(token)
+                    from_events[rid].append((token, logprob, top))
                 else:
-                    assert token == -1
+                    assert (token, logprob, top) == (-1, None, None)
                 if end:
                     ended.append(key)
         for u in core.apply(plan, result):
-            tokens[u.request_id].extend(u.new_token_ids)
+            tokens[u.request_id] += zip(u.new_token_ids, u.new_logprobs, u.new_top_logprobs)
     assert from_events == {rid: t[1:] for rid, t in tokens.items()}  # (the prompt's first)
+    assert any(lp is not None for t in from_events.values() for _, lp, _ in t)
     assert sorted(ended) == sorted(seen_keys)  # every carried token ended, once
     assert not decided
     core.shutdown()

@@ -13,13 +13,12 @@ table with a snapshot read ~256 KB per 256-row step). A table changed in place b
 is caught by its length; a new list, equal or not, by identity.
 
 A request's tables only grow while it holds KV (a table handed out is a prefix of every later
-one of its plane: a longer list whose old length's last block is in place extends the row, and
-only its new blocks are written), so rows never go back: a key given an earlier, shorter
-version of its row's table uses the row as it is, whose extra blocks lie past that item's
-context. The runner registers a carried token's tables for every depth when the token starts
-and reads those rows in later steps without looking them up again; today's schedules never
-then hand the same key an earlier table (a token is carried only when every earlier item of
-its request is), and the rule keeps a row right should one ever do so.
+one of its plane), so rows never go back: a key given an earlier, shorter version of its
+row's table uses the row as it is, whose extra blocks lie past that item's context. The
+runner registers a carried token's tables for every depth when the token starts and reads
+those rows in later steps without looking them up again; today's schedules never then hand
+the same key an earlier table (a token is carried only when every earlier item of its
+request is), and the rule keeps a row right should one ever do so.
 
 Invariants: a row holds exactly the blocks of the list its entry holds, at the length
 recorded, then that list's first block in every further column (padding that is always a
@@ -106,10 +105,9 @@ class BlockTables:
         # thread) mismatches it at the next step and is rewritten then.
         n = len(table)
         old, m = entry[1], entry[2]
-        if 0 < m < n <= self.array.shape[1] and table[m - 1] == old[m - 1]:
-            # Grown (the usual change; a table handed out is a prefix of every later one of
-            # its plane, so its last block stands for the prefix): only the new blocks are
-            # written; the padding after them is the first block, the same in both.
+        if 0 < m < n <= self.array.shape[1] and table[:m] == old[:m]:
+            # Grown (the usual change): only the new blocks are written; the padding after
+            # them is the first block, the same in both.
             self.array[entry[0], m:n] = table[m:n]
         else:
             self._write(entry[0], table[:n])

@@ -10,10 +10,11 @@ What moves from loop to loop is kept as columns beside the items, never written 
 the depths, the exit specs (a fixed exit's spec changes at its exit loop), and for attention
 metadata the positions and, per depth, the ``BlockTables`` row of the token's table there
 (registered when the token starts; a request's next token reuses its rows while its tables are
-the same lists). A step reads its carried rows' depths, specs and tables from these columns;
-an item's own ``depth``, ``block_table``, ``exit`` and ``exit_copy_blocks`` are its first
-loop's (the block table and copy targets of depth d come from the ``Carry``:
-``table_at``/``copy_blocks_at``).
+the same lists). Beside them, the runner's ``LiveRequest`` and ``ItemState`` of each token,
+which stay the same objects while it is carried. A step reads its carried rows' depths, specs,
+tables, request states and held states from these columns; an item's own ``depth``,
+``block_table``, ``exit`` and ``exit_copy_blocks`` are its first loop's (the block table and
+copy targets of depth d come from the ``Carry``: ``table_at``, ``carry.copy_blocks[d:]``).
 
 Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
 ``specs`` lists rather than changing them, so a step that still holds the lists it ran with
@@ -21,7 +22,9 @@ reads them unchanged. The table rows are valid whenever a step reads them: a req
 are released with its carried tokens dropped before the next step is built (by the launch
 that releases or preempts it; after a failed step, which releases its requests' rows at once,
 by the next launch, which drops them first), and rows never go back to an earlier table
-(``BlockTables``).
+(``BlockTables``). So are the request and held states: a request's ``LiveRequest`` is replaced
+only after a launch dropped its carried tokens, and a carried token's ``ItemState`` is never
+replaced (only a rollback, never a carried token's, or a new item at loop 1 makes one).
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from __future__ import annotations
 from collections.abc import Collection
 from itertools import chain, compress
 from operator import attrgetter, is_
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
 from rltserve.core.plan import ExitSpec, WorkItem
+
+if TYPE_CHECKING:  # (torch-free at run time)
+    from rltserve.core.live import ItemState, LiveRequest
 
 _RID = attrgetter("request_id")
 _NEXT = (1).__add__
@@ -49,8 +55,8 @@ class CarriedRows:
         self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
         # The runner's values of each token, which stay the same objects while it is carried:
         # its request's ``LiveRequest`` and its ``ItemState``.
-        self.lives: list[Any] = []
-        self.held: list[Any] = []
+        self.lives: list[LiveRequest] = []
+        self.held: list[ItemState] = []
         self._tables = tables
         self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
         self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)
@@ -79,10 +85,6 @@ class CarriedRows:
     def table_at(self, k: int, depth: int) -> list[int]:
         """Row ``k``'s block table at loop ``depth``."""
         return self.items[k].carry.tables[depth - 1]
-
-    def copy_blocks_at(self, k: int, depth: int) -> list[int]:
-        """Row ``k``'s copy-on-exit targets when its output exits at loop ``depth``."""
-        return self.items[k].carry.copy_blocks[depth:]
 
     def spec_columns(self) -> tuple[tuple, ...]:
         """The columns of ``specs``: (modes, exit_now, min_loops, max_loops, thresholds), built
@@ -117,8 +119,8 @@ class CarriedRows:
         items: list[WorkItem],
         num_carried: int,
         ending: Collection[int],
-        lives: list[Any],
-        held: list[Any],
+        lives: list[LiveRequest],
+        held: list[ItemState],
     ) -> None:
         """After a step over ``items`` (its first ``num_carried`` the carried ones; ``lives``
         and ``held`` aligned with them): the tokens that go on are the carried ones that did

@@ -10,6 +10,7 @@ import logging
 import math
 import uuid
 from dataclasses import replace
+from operator import attrgetter
 
 import torch
 
@@ -30,6 +31,7 @@ from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate
 
 logger = logging.getLogger(__name__)
+_REQUEST_ID = attrgetter("request_id")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -362,16 +364,15 @@ class EngineCore:
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
             return []  # planned by a scheduler that was replaced; its requests have failed
-        before = self.scheduler.requests.copy()  # (what a failed apply's clean-up needs)
+        # The step's requests still going: each gets its final update from this step.
+        rids = dict.fromkeys(map(_REQUEST_ID, plan.items))
+        if result.carried:
+            rids.update(dict.fromkeys(result.carried.request_ids))
+        involved = list(filter(self.scheduler.requests.__contains__, rids))
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
             error = engine_error(f"applying step {plan.step_id}", exc)
-            # The step's requests still going before it: each gets its final update.
-            rids = dict.fromkeys(it.request_id for it in plan.items)
-            if result.carried:
-                rids.update(dict.fromkeys(result.carried.request_ids))
-            involved = [rid for rid in rids if rid in before]
             try:
                 for rid in involved:  # ended during the failed apply, or ends now
                     self.scheduler.abort(rid)  # frees its KV, releases its runner state

@@ -127,7 +127,7 @@ def copy_on_exit(
     bs = r.block_size
     for i in exits:
         it = items[i]
-        if i < nc:  # (``CarriedRows.copy_blocks_at`` and ``table_at``, a call less each)
+        if i < nc:  # a carried row: its Carry's copy targets and table at its depth
             d = carried[i]
             copies = it.carry.copy_blocks[d:]
             table = it.carry.tables[d - 1]
