@@ -2,6 +2,7 @@
 
     python scripts/bench_host_ab.py --base /path/to/old/checkout --new . --kind decode \
         --rows 256 --pairs 10
+    python scripts/bench_host_ab.py --base /path/to/old/checkout --new . --instructions
 
 Each pair runs one process per checkout (in alternating order), each driving the engine with
 the stand-in model as ``rltserve bench host`` does (one cell: ``--kind``, ``--rows``, context
@@ -9,6 +10,13 @@ the stand-in model as ``rltserve bench host`` does (one cell: ``--kind``, ``--ro
 A shared machine's speed drifts by tens of percent over minutes, so the report's figure of
 merit is the median of the pairwise new/base ratios of thread CPU per step, per phase; apply
 and emit, where neither checkout changed them, show what is left of the drift. JSON on stdout.
+
+``--instructions``: instead, the instructions the CPU executes per measured step (all phases),
+counted by valgrind's callgrind with instrumentation on only while the measured steps run:
+deterministic to about 0.1%, so one run per checkout settles a change of a few percent that
+timings on a shared machine cannot. (Instructions are not time: cache misses and the cost of
+each torch call differ; a change that moves work into fewer, larger calls gains more time
+than instructions.) The two checkouts run at once, one per process. Needs valgrind.
 """
 
 from __future__ import annotations
@@ -16,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PHASES = ("host_cpu_ms", "plan_cpu_ms", "runner_cpu_ms", "apply_cpu_ms", "emit_cpu_ms")
@@ -38,6 +49,61 @@ cell = _Cell(StandInModel(), rows, context)
 _measure(cell, warmup, mixed, False)
 print(json.dumps(_measure(cell, steps, mixed, False)))
 """
+
+
+# As _ONE, counting instructions of the measured steps only (callgrind_control toggles the
+# instrumentation of this process).
+_COUNT = """
+import json, os, subprocess, sys
+from rltserve.bench.host import _Cell, _measure
+from rltserve.bench.standin import StandInModel
+from rltserve.core.stage_worker import tune_gc
+rows, context, warmup, steps = (int(a) for a in sys.argv[1:3] + sys.argv[4:6])
+mixed = sys.argv[3] == "mixed"
+import torch
+torch.set_num_threads(1)
+tune_gc()
+cell = _Cell(StandInModel(), rows, context)
+_measure(cell, warmup, mixed, False)
+toggle = ["callgrind_control", "-i"]
+subprocess.run(toggle + ["on", str(os.getpid())], check=True, capture_output=True)
+_measure(cell, steps, mixed, False)
+subprocess.run(toggle + ["off", str(os.getpid())], check=True, capture_output=True)
+"""
+
+
+def _count(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, float]:
+    """Instructions per measured step of each checkout, both run at once under callgrind."""
+    argv = [str(args.rows), str(args.context), args.kind, str(args.warmup), str(args.steps)]
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        for name, checkout in checkouts.items():
+            out = Path(tmp) / f"{name}.out"
+            procs[name] = subprocess.Popen(
+                [
+                    "valgrind",
+                    "--tool=callgrind",
+                    "--instr-atstart=no",
+                    f"--callgrind-out-file={out}",
+                    sys.executable,
+                    "-c",
+                    _COUNT,
+                    *argv,
+                ],
+                cwd=checkout,
+                env=dict(os.environ, PYTHONPATH=str(checkout)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        counts = {}
+        for name, proc in procs.items():
+            _, err = proc.communicate()
+            found = re.search(r"Collected : (\d+)", err)
+            if proc.returncode != 0 or found is None:
+                raise SystemExit(f"bench_host_ab: the {name} checkout's count failed:\n{err}")
+            counts[name] = int(found.group(1)) / args.steps
+    return counts
 
 
 def _run(checkout: Path, args: argparse.Namespace) -> dict:
@@ -64,7 +130,24 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per step under callgrind (valgrind) instead of timing pairs",
+    )
     args = parser.parse_args()
+    if args.instructions:
+        if shutil.which("valgrind") is None:
+            parser.error("--instructions needs valgrind (callgrind) on PATH")
+        counts = _count({"base": args.base.resolve(), "new": args.new.resolve()}, args)
+        report = {
+            "cell": f"{args.kind}/sync/rows{args.rows}/ctx{args.context}",
+            "steps": args.steps,
+            "instructions_per_step": {k: round(v) for k, v in counts.items()},
+            "new_over_base": round(counts["new"] / counts["base"], 4),
+        }
+        print(json.dumps(report, indent=1))
+        return
     runs: dict[str, list[dict]] = {"base": [], "new": []}
     for i in range(args.pairs):
         for name in ("base", "new") if i % 2 == 0 else ("new", "base"):

@@ -4,8 +4,10 @@ timings are asserted), and the stand-in model it drives."""
 from __future__ import annotations
 
 import gc
+import shutil
 
 import orjson
+import pytest
 import torch
 
 from rltserve.bench.standin import StandInModel
@@ -130,3 +132,27 @@ def test_ab_script_compares_two_checkouts_by_pairwise_ratios():
         entry = report[f"{phase}_cpu_ms"]
         assert entry["base_median"] > 0 and entry["new_median"] > 0
         assert len(entry["ratios"]) == 1 and entry["new_over_base_median"] > 0
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
+def test_ab_script_counts_instructions_per_step():
+    """``--instructions``: the checkout against itself counts the same instructions per step
+    (callgrind is deterministic to well under a percent)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--rows", "4", "--context", "32", "--warmup", "2", "--steps", "4"]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_host_ab.py"), "--base", str(root)]
+        + ["--new", str(root), "--instructions", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = orjson.loads(out.stdout)
+    assert report["cell"] == "decode/sync/rows4/ctx32" and report["steps"] == 4
+    counts = report["instructions_per_step"]
+    assert counts["base"] > 0 and counts["new"] > 0
+    assert abs(report["new_over_base"] - 1) < 0.02
