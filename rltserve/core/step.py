@@ -269,7 +269,10 @@ class Step:
         else:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
-        if every and self.num_carried == len(specs):  # the carried rows' (cached) columns
+        nc = self.num_carried
+        if nc == len(out) and (every or out[-1] == nc - 1):
+            # The output rows are the carried rows (a decode batch, prompt chunks beside it
+            # without an output): their columns, built once per specs list.
             modes, exit_now, min_loops, max_loops, thresholds = r.carried.spec_columns()
         else:
             modes, exit_now, min_loops, max_loops, thresholds = zip(
