@@ -183,6 +183,11 @@ def test_attention_groups_by_context_length():
     assert attention_groups(items, 4) == [[0, 4], [1, 5], [2], [3]]
     assert attention_groups([(3, 1, ()), (5, 1, ())], 4) == [[0, 1]]
     assert attention_groups([(0, 4, ()), (4, 2, ())], 4) == [[0, 1]]
+    # Decode rows of one bucket beside chunks: they, then the chunks.
+    assert attention_groups([(0, 4, ()), (3, 1, ()), (9, 2, ()), (20, 1, ())], 4) == [
+        [1, 3],
+        [0, 2],
+    ]
 
 
 @pytest.mark.parametrize("hkv", [2, 4])

@@ -208,9 +208,12 @@ def group_indices(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list
         if _bucket(lo) == _bucket(hi):
             return [np.arange(len(starts))]
     multi = np.flatnonzero(~single)
-    cols = starts[single] // block_size + 1
+    ones = np.flatnonzero(single)
+    cols = starts[ones] // block_size + 1
+    if len(multi) and _bucket(int(cols.min())) == _bucket(int(cols.max())):
+        # One bucket of decode rows beside prompt chunks (the usual mixed step).
+        return [ones, multi]
     # The power of two at or above cols: exact in float64 for any realistic context.
     bucket = np.maximum(GROUP_MIN_COLS, 1 << np.ceil(np.log2(cols)).astype(np.int64))
-    ones = np.flatnonzero(single)
     groups = [ones[bucket == b] for b in np.unique(bucket)]
     return groups + [multi] if len(multi) else groups
