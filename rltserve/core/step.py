@@ -262,17 +262,24 @@ class Step:
             return []
         r = self.r
         every = isinstance(out, range)  # every item is an output row
-        out_held = held if every else [held[i] for i in out]
-        out_depths = self.depths if every else [self.depths[i] for i in out]
+        nc = self.num_carried
+        # The output rows are the carried rows (a decode batch, prompt chunks beside it without
+        # an output): the first rows, one each.
+        carried_out = nc == len(out) and (every or out[-1] == nc - 1)
+        if every:
+            out_held, out_depths = held, self.depths
+        elif carried_out:
+            out_held, out_depths = held[:nc], self.depths[:nc]
+        else:
+            out_held, out_depths = [held[i] for i in out], [self.depths[i] for i in out]
         if every and self.one_row:  # decode-only steps: every row is an output row
             out_state = state
+        elif carried_out:
+            out_state = state[:nc]
         else:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
-        nc = self.num_carried
-        if nc == len(out) and (every or out[-1] == nc - 1):
-            # The output rows are the carried rows (a decode batch, prompt chunks beside it
-            # without an output): their columns, built once per specs list.
+        if carried_out:  # their columns, built once per specs list
             modes, exit_now, min_loops, max_loops, thresholds = r.carried.spec_columns()
         else:
             modes, exit_now, min_loops, max_loops, thresholds = zip(
