@@ -9,7 +9,7 @@ host copies of device state (delayed-exit decisions, draft values, penalty histo
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
 from operator import is_, is_not
 
 import torch
@@ -93,8 +93,11 @@ class Step:
         r.deliver()
 
         held = self.held  # each item's ItemState (from _gather_inputs)
-        if all(specs) and not any(map(step_rows.EXITED, held)):
+        exited_before = any(map(step_rows.EXITED, held))
+        if all(specs) and not exited_before:
             self.out: range | list[int] = range(n)  # every item's output position is still open
+        elif not exited_before:  # (prompt chunks without an output beside decode rows)
+            self.out = list(compress(range(n), specs))
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = self._decide_exits(state, specs)
@@ -478,11 +481,14 @@ class Step:
         elif self.num_carrying == len(items):
             outcomes = [None] * m
         else:
-            quiet = carrying if every else [carrying[i] for i in out]
-            outcomes = [
-                None if q else ItemResult(x, s, c, nxt)
-                for q, x, s, c, nxt in zip(quiet, exited, survival, cdf, nexts)
-            ]
+            quiet = carrying if every else list(map(carrying.__getitem__, out))
+            if all(quiet):  # carried output rows beside prompt chunks without an output
+                outcomes = [None] * m
+            else:
+                outcomes = [
+                    None if q else ItemResult(x, s, c, nxt)
+                    for q, x, s, c, nxt in zip(quiet, exited, survival, cdf, nexts)
+                ]
         lives = self.lives
         # (Nothing to do when every row is a carried token's, none with drafts or a penalty
         # history: a decode batch's exits.)
