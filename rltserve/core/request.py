@@ -124,13 +124,15 @@ class Request:
     # The request's two ExitSpecs (exit_now False, True), built once: every output position
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None
+    num_prompt_tokens: int = field(init=False, default=0)  # len(prompt_token_ids)
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
     carry_blocks: tuple | None = None
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        # A plain field, not a property: planning reads it several times per token. The
+        # prompt never changes once the request exists.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def prefill_scheduled(self) -> bool:
