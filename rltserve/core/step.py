@@ -3,8 +3,9 @@
 ``run``: the prelude for items entering loop 1 (prompt chunks from the plan, decode tokens from
 the device tensors of the last sampled token or a draft), one loop for every row, the exit rule
 for output positions, copy-on-exit, the coda and sampling for rows that finished, drafts. Device
-results are collected in ``StepOutputs``. ``results``: reads them on the host and updates the
-host copies of device state (delayed-exit decisions, draft values, penalty history, rollbacks).
+results are collected in ``StepOutputs``. ``results`` (``step_results.py``): reads them on the
+host and updates the host copies of device state (delayed-exit decisions, draft values,
+penalty history, rollbacks).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from operator import is_, is_not
 
 import torch
 
-from rltserve.core import step_rows
+from rltserve.core import step_results, step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
-from rltserve.core.sampler import SampleOutput
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
@@ -36,7 +36,7 @@ class Step:
         self.items = items  # the runner's carried tokens (``num_carried``) first
         self.num_carried = num_carried
         live = runner.live
-        planned = items[num_carried:] if num_carried else items
+        planned = self.planned = items[num_carried:] if num_carried else items
         self.lives = [live[rid] for rid in map(step_rows.RID, planned)]
         if num_carried:  # (the carried rows' are the runner's column)
             self.lives = runner.carried.lives + self.lives
@@ -57,8 +57,7 @@ class Step:
         n = len(items)
         starts = self.starts = list(map(step_rows.START, items))
         counts = list(map(step_rows.COUNT, items))
-        nc = self.num_carried
-        planned = items[nc:] if nc else items
+        nc, planned = self.num_carried, self.planned
         # The carried rows' moving fields are the runner's columns, not their items' fields.
         self.depths = list(map(step_rows.DEPTH, planned))
         specs = list(map(step_rows.EXIT, planned))
@@ -443,153 +442,5 @@ class Step:
     # ---------------------------------------------------------------- delivery
 
     def results(self) -> tuple[list[ItemResult | None], CarriedEvents | None]:
-        """Reads the staged outputs on the host, updating the host copies of device state
-        (delayed decisions, drafts, history, rollbacks). Returns the items' results (None for
-        an item without an open output position, and for a carried token: a row with a
-        ``carry``) and the carried tokens' events (exits, delayed decisions, ends)."""
-        items, held = self.items, self.held
-        host = self.outputs.read()
-        for draft, value in zip(self.drafts, host.get("drafts", [])):
-            draft.value = value
-        out, exited = self.out, self.exited
-        m = len(exited)
-        every = isinstance(out, range)
-        if "gate" in host:
-            survival, cdf = host["gate"]
-            crossed = host["crossed"]
-            # Delayed mode: a crossing that did not exit now makes the next loop the exit.
-            if not any(crossed):
-                nexts = [False] * m
-            elif all(mode == "delayed" for mode in set(self.modes)):
-                nexts = [c and not x for c, x in zip(crossed, exited)]
-            else:
-                nexts = [
-                    c and not x and mode == "delayed"
-                    for c, x, mode in zip(crossed, exited, self.modes)
-                ]
-        else:
-            survival, cdf, nexts = repeat(1.0, m), repeat(0.0, m), [False] * m
-        if any(nexts):  # only ever set: a pending row exits at its next loop, never again
-            for h, nxt in zip(held if every else [held[i] for i in out], nexts):
-                if nxt:
-                    h.pending = True
-        sample = self._read_sample(host) if self.sampled else None
-        carrying = self.carrying
-        # No token this loop: positional (one is built per row per step).
-        if not self.num_carrying:
-            outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
-        elif self.num_carrying == len(items):
-            outcomes = [None] * m
-        else:
-            quiet = carrying if every else list(map(carrying.__getitem__, out))
-            if all(quiet):  # carried output rows beside prompt chunks without an output
-                outcomes = [None] * m
-            else:
-                outcomes = [
-                    None if q else ItemResult(x, s, c, nxt)
-                    for q, x, s, c, nxt in zip(quiet, exited, survival, cdf, nexts)
-                ]
-        lives = self.lives
-        # (Nothing to do when every row is a carried token's, none with drafts or a penalty
-        # history: a decode batch's exits.)
-        if sample is not None and (
-            self.num_carrying < len(items)
-            or any(map(step_rows.DRAFTS, lives))
-            or any(map(is_not, map(step_rows.HISTORY, lives), repeat(None)))
-        ):
-            self._sampled_results(sample, outcomes)
-        events = self._events(nexts, sample) if self.num_carrying else None
-        if every:
-            return outcomes, events
-        results: list[ItemResult | None] = [None] * len(items)
-        for i, outcome in zip(out, outcomes):
-            results[i] = outcome
-        return results, events
-
-    def _read_sample(self, host: dict[str, list]) -> SampleOutput:
-        prefix = "sample."
-        return self.sample.to_output(
-            {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
-        )
-
-    def _events(self, nexts: list[bool], sample: SampleOutput | None) -> CarriedEvents:
-        """The carried rows' events: those whose output exited or got a delayed decision
-        (``nexts``, aligned with ``self.out``), or that end in this step."""
-        items, out, exited, carrying = self.items, self.out, self.exited, self.carrying
-        every = isinstance(out, range)
-        noted = (
-            [i for i, x, nxt in zip(out, exited, nexts) if (x or nxt) and carrying[i]]
-            if any(exited) or any(nexts)
-            else []
-        )
-        ends = [i for i in self.ending if carrying[i]]
-        if not ends or ends == noted:
-            rows, ended = noted, [bool(ends)] * len(noted)
-        else:
-            rows = sorted(set(noted).union(ends))
-            ending = set(ends)
-            ended = [i in ending for i in rows]
-        if every:
-            ks = rows
-        else:
-            k_of = {i: k for k, i in enumerate(out)}
-            ks = [k_of.get(i, -1) for i in rows]  # -1: its output exited in an earlier step
-        n = len(rows)
-        x_col = [k >= 0 and exited[k] for k in ks]
-        if sample is None or not any(x_col):
-            tokens, logprobs, tops, finite = [-1] * n, [None] * n, [None] * n, [True] * n
-        elif rows == self.sampled:  # every sampled row, and only those (a decode batch's exits)
-            tokens, logprobs = sample.token_ids, sample.logprobs
-            tops, finite = sample.top_logprobs, sample.finite or [True] * n
-        else:
-            j_of = {i: j for j, i in enumerate(self.sampled)}
-            js = [j_of.get(i, -1) for i in rows]
-            tokens = [sample.token_ids[j] if j >= 0 else -1 for j in js]
-            logprobs = [sample.logprobs[j] if j >= 0 else None for j in js]
-            tops = [sample.top_logprobs[j] if j >= 0 else None for j in js]
-            finite = [not sample.finite or j < 0 or sample.finite[j] for j in js]
-        depths = self.depths
-        return CarriedEvents(
-            [items[i].carry.key for i in rows],
-            list(map(step_rows.RID, map(items.__getitem__, rows))),
-            [depths[i] for i in rows],
-            ended,
-            x_col,
-            [k >= 0 and nexts[k] for k in ks],
-            tokens,
-            logprobs,
-            tops,
-            finite,
-        )
-
-    def _sampled_results(self, sample: SampleOutput, outcomes: list[ItemResult | None]) -> None:
-        """Fills in the tokens of the sampled items' results (``outcomes`` is aligned with
-        ``self.out``; a carried token has none); a draft the token contradicts rolls its
-        request back."""
-        r, items, lives = self.r, self.items, self.lives
-        if isinstance(self.out, range):
-            index = self.sampled
-        else:
-            k_of = {i: k for k, i in enumerate(self.out)}
-            index = [k_of[i] for i in self.sampled]
-        rollbacks: list[int] = []
-        finite = sample.finite
-        for j, (i, k) in enumerate(zip(self.sampled, index)):
-            outcome = outcomes[k]
-            live = lives[i]
-            token = sample.token_ids[j]
-            if outcome is not None:
-                outcome.token_id = token
-                outcome.logprob = sample.logprobs[j]
-                outcome.top_logprobs = sample.top_logprobs[j]
-                outcome.finite = finite[j] if finite else True
-            if live.drafts or live.history is not None:
-                end = items[i].end
-                checked = end in live.drafts
-                r.drafts_checked += checked
-                if live.commit(end, token):  # (never a carried token: those have no drafts)
-                    outcome.rollback = True
-                    rollbacks.append(i)
-                    r.drafts_rejected += 1
-        for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
-            lives[i].rollback(items[i].end)
+        """The items' results and the carried tokens' events (``step_results.read_results``)."""
+        return step_results.read_results(self)
