@@ -391,7 +391,7 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
         for rid in PROMPTS
     }
     sched = core.scheduler
-    apply, append = sched.apply, sched._append_token
+    apply, append = sched.apply, sched.applier._append_token
     hit: dict[str, set[str]] = {}
 
     def broken_append(*args):
@@ -407,11 +407,11 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
         if hit or plan.step_id < 4 or not samples or not others:
             return apply(plan, result)
         hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))
-        sched._append_token = broken_append
+        sched.applier._append_token = broken_append
         try:
             return apply(plan, result)
         finally:
-            sched._append_token = append
+            sched.applier._append_token = append
 
     sched.apply = faulty_apply
     out = drive(core, params, lag=lag)

@@ -42,11 +42,10 @@ from operator import attrgetter
 
 from rltserve.config import SchedulerConfig
 from rltserve.core.admission import Admission
+from rltserve.core.applier import Applier
 from rltserve.core.exit import choose_exit_mode, exit_known
 from rltserve.core.kv_cache import KVManager
 from rltserve.core.plan import (
-    CarriedEvents,
-    ItemResult,
     RequestSetup,
     StepPlan,
     StepResult,
@@ -56,7 +55,6 @@ from rltserve.core.preemption import Preemptor
 from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.swap import SwapSpace
-from rltserve.core.thinking import force_thinking_end
 from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate
 
@@ -94,6 +92,7 @@ class Scheduler:
         self.preemptor = Preemptor(self, swap)
         self.sharing = PromptSharing(self)
         self.admission = Admission(self)
+        self.applier = Applier(self)
         self._released: list[str] = []
         self.new_setups: list[RequestSetup] = []
         self._step_id = 0
@@ -131,7 +130,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, FinishReason.ABORT)
+        self.finish(request, FinishReason.ABORT)
         return RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
 
     def has_work(self) -> bool:
@@ -345,108 +344,9 @@ class Scheduler:
     # ---------------------------------------------------------------- results
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Applies a step's result to the requests it planned for (in submission order)."""
-        owners = self._planned.pop(plan.step_id)
-        if result.error is not None:
-            return self._fail_planned(plan, result.error, result.lost)
-        updates: dict[str, RequestUpdate] = {}
-        for work, item, outcome in zip(plan.items, owners, result.items):
-            if outcome is None and item.carry_key:
-                # A carried token's first loop: its events are in ``result.carried``. (Were
-                # its request gone or preempted, the field of a forgotten item is set.)
-                item.applied = work.depth
-                continue
-            request = self.requests.get(work.request_id)
-            if request is None or item.life != request.num_preemptions:
-                continue  # finished, aborted or preempted after this step was planned
-            item.applied = work.depth
-            if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
-                self.sharing.on_prompt_done(request, item.start, item.end)
-            if outcome is None:
-                continue
-            appended = self._apply_outcome(request, item, work.depth, outcome, updates)
-            if appended and outcome.rollback and not request.is_finished:
-                self._rollback(request, work.end)
-        if result.carried:
-            self._apply_carried(result.carried, updates)
-        return list(updates.values())
-
-    def _apply_carried(self, events: CarriedEvents, updates: dict[str, RequestUpdate]) -> None:
-        """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
-        request's older token first)."""
-        carried = self._carried
-        for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
-            events.keys,
-            events.depths,
-            events.ended,
-            events.exited,
-            events.exit_next,
-            events.token_ids,
-            events.logprobs,
-            events.top_logprobs,
-            events.finite,
-        ):
-            owner = carried.get(key)
-            if owner is None:
-                continue  # its request finished, was aborted or preempted meanwhile
-            request, item = owner
-            if ended:
-                self._end_carried(request, item)
-            if exit_next:
-                item.delayed_exit_at = depth + 1
-            if exited:
-                self._exit(request, item, depth, token, logprob, top, finite, updates)
-
-    def _apply_outcome(
-        self,
-        request: Request,
-        item: InFlight,
-        depth: int,
-        outcome: ItemResult,
-        updates: dict[str, RequestUpdate],
-    ) -> bool:
-        """An output position's result at loop ``depth``: a delayed decision, or its exit with
-        a token. True when the token was appended."""
-        if outcome.exit_next:
-            item.delayed_exit_at = depth + 1
-        if not outcome.exited:
-            return False
-        return self._exit(
-            request,
-            item,
-            depth,
-            outcome.token_id,
-            outcome.logprob,
-            outcome.top_logprobs,
-            outcome.finite,
-            updates,
-        )
-
-    def _exit(
-        self,
-        request: Request,
-        item: InFlight,
-        depth: int,
-        token: int,
-        logprob: float | None,
-        top: list[tuple[int, float]] | None,
-        finite: bool,
-        updates: dict[str, RequestUpdate],
-    ) -> bool:
-        """The item's output exited at loop ``depth`` with ``token``. True when the token was
-        appended (its logits were finite)."""
-        item.exit_depth = depth
-        if not finite:
-            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
-            self._fail_nonfinite(request, item.end, depth, update)
-            return False
-        self._append_token(request, depth, token, logprob, top, updates)
-        return True
-
-    def _end_carried(self, request: Request, item: InFlight) -> None:
-        """A carried token the runner runs no more: forgotten, and out of the request's items."""
-        self._carried.pop(item.carry_key, None)
-        request.items.remove(item)  # (an item is carried only while it is one of them)
+        """Applies a step's result to the requests it planned for (in submission order;
+        ``applier.py``)."""
+        return self.applier.apply(plan, self._planned.pop(plan.step_id), result)
 
     def drop_carried(self, request: Request) -> None:
         """Forgets the request's carried tokens (it stops running: the runner drops them)."""
@@ -462,76 +362,8 @@ class Scheduler:
         carried = self._carried
         return any(item.carry_key in carried for item in request.items if item.carry_key)
 
-    def _append_token(
-        self,
-        request: Request,
-        depth: int,
-        token: int,
-        logprob: float | None,
-        top: list[tuple[int, float]] | None,
-        updates: dict[str, RequestUpdate],
-    ) -> None:
-        """Appends an output token to the request and to its update in ``updates``, and ends
-        the request when the token stops it."""
-        request.output_token_ids.append(token)
-        request.exit_depths.append(depth)
-        request.logprobs.append(logprob)
-        request.top_logprobs.append(top)
-        rid = request.request_id
-        update = updates.get(rid)
-        if update is None:  # (positional: one per request per step)
-            update = updates[rid] = RequestUpdate(rid, [token], [depth], [logprob], [top])
-        else:
-            update.new_token_ids.append(token)
-            update.new_exit_depths.append(depth)
-            update.new_logprobs.append(logprob)
-            update.new_top_logprobs.append(top)
-        if len(request.output_token_ids) == 1:
-            update.num_cached_tokens = request.num_cached_tokens or 0
-        reason = self._stop_reason(request, token)
-        if reason is None and force_thinking_end(request, update):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self._finish(request, reason)
-            update.finish_reason = reason
-
-    def _fail_nonfinite(
-        self, request: Request, end: int, depth: int, update: RequestUpdate
-    ) -> None:
-        """The model's logits for the request's next token held a NaN or an infinity: its token
-        is meaningless and its state likely too, so the request ends; others are unaffected
-        (every row is computed independently of the others)."""
-        error = (
-            f"non-finite logits (NaN or infinity) for output token "
-            f"{len(request.output_token_ids)} (position {end - 1}, loop {depth}); "
-            "the model's computation overflowed or the weights hold non-finite values"
-        )
-        request.error = error
-        self._finish(request, FinishReason.ERROR)
-        update.finish_reason = FinishReason.ERROR
-        update.error = error
-
-    def _rollback(self, request: Request, position: int) -> None:
-        """A committed token contradicted the draft that position ``position`` ran on: every
-        item from there on is discarded and decoding resumes from the committed token. Their
-        KV positions are simply overwritten when recomputed (the blocks stay reserved)."""
-        request.items = [it for it in request.items if it.start < position]
-        request.num_scheduled = position
-        request.epoch += 1
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        n = len(request.output_token_ids)
-        if n >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
-        if n >= params.max_tokens or request.num_prompt_tokens + n >= request.max_total_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends the request: out of the queues, its KV freed, the runner told to drop it."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.drop_carried(request)
@@ -547,15 +379,3 @@ class Scheduler:
         elif self.preemptor.forget(request):
             self._released.append(request.request_id)  # the runner drops what it kept
         del self.requests[request.request_id]
-
-    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
-        """A failed step: its requests (and those it lost) end; nothing else is touched."""
-        updates = []
-        for rid in [work.request_id for work in plan.items] + lost:
-            request = self.requests.get(rid)
-            if request is None:
-                continue  # a second item of a request already failed, or it ended meanwhile
-            request.error = error
-            self._finish(request, FinishReason.ERROR)
-            updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
-        return updates

@@ -1,0 +1,212 @@
+"""Applying a step's result (the scheduler's second half): each item's outcome and each carried
+token's events go to its request (tokens, exit depths, delayed decisions, ends of carried
+tokens, rollbacks), and the requests they stop finish. Torch-free. Part of the scheduler: it
+reads and writes the scheduler's state (``Scheduler._carried``), as ``Scheduler.apply``
+calls it, in submission order; a result of a request's earlier incarnation
+(``InFlight.life``) or of one gone meanwhile is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult
+from rltserve.core.request import FinishReason, InFlight, Request
+from rltserve.core.thinking import force_thinking_end
+from rltserve.updates import RequestUpdate
+
+if TYPE_CHECKING:
+    from rltserve.core.scheduler import Scheduler
+
+
+class Applier:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def apply(
+        self, plan: StepPlan, owners: list[InFlight], result: StepResult
+    ) -> list[RequestUpdate]:
+        """Applies a step's result to the requests it planned for (``owners``: the record
+        behind each of its items)."""
+        s = self.s
+        if result.error is not None:
+            return self._fail_planned(plan, result.error, result.lost)
+        updates: dict[str, RequestUpdate] = {}
+        for work, item, outcome in zip(plan.items, owners, result.items):
+            if outcome is None and item.carry_key:
+                # A carried token's first loop: its events are in ``result.carried``. (Were
+                # its request gone or preempted, the field of a forgotten item is set.)
+                item.applied = work.depth
+                continue
+            request = s.requests.get(work.request_id)
+            if request is None or item.life != request.num_preemptions:
+                continue  # finished, aborted or preempted after this step was planned
+            item.applied = work.depth
+            if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
+                s.sharing.on_prompt_done(request, item.start, item.end)
+            if outcome is None:
+                continue
+            appended = self._apply_outcome(request, item, work.depth, outcome, updates)
+            if appended and outcome.rollback and not request.is_finished:
+                self._rollback(request, work.end)
+        if result.carried:
+            self._apply_carried(result.carried, updates)
+        return list(updates.values())
+
+    def _apply_carried(self, events: CarriedEvents, updates: dict[str, RequestUpdate]) -> None:
+        """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
+        request's older token first)."""
+        carried = self.s._carried
+        for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
+            events.keys,
+            events.depths,
+            events.ended,
+            events.exited,
+            events.exit_next,
+            events.token_ids,
+            events.logprobs,
+            events.top_logprobs,
+            events.finite,
+        ):
+            owner = carried.get(key)
+            if owner is None:
+                continue  # its request finished, was aborted or preempted meanwhile
+            request, item = owner
+            if ended:
+                self._end_carried(request, item)
+            if exit_next:
+                item.delayed_exit_at = depth + 1
+            if exited:
+                self._exit(request, item, depth, token, logprob, top, finite, updates)
+
+    def _apply_outcome(
+        self,
+        request: Request,
+        item: InFlight,
+        depth: int,
+        outcome: ItemResult,
+        updates: dict[str, RequestUpdate],
+    ) -> bool:
+        """An output position's result at loop ``depth``: a delayed decision, or its exit with
+        a token. True when the token was appended."""
+        if outcome.exit_next:
+            item.delayed_exit_at = depth + 1
+        if not outcome.exited:
+            return False
+        return self._exit(
+            request,
+            item,
+            depth,
+            outcome.token_id,
+            outcome.logprob,
+            outcome.top_logprobs,
+            outcome.finite,
+            updates,
+        )
+
+    def _exit(
+        self,
+        request: Request,
+        item: InFlight,
+        depth: int,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        finite: bool,
+        updates: dict[str, RequestUpdate],
+    ) -> bool:
+        """The item's output exited at loop ``depth`` with ``token``. True when the token was
+        appended (its logits were finite)."""
+        item.exit_depth = depth
+        if not finite:
+            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
+            self._fail_nonfinite(request, item.end, depth, update)
+            return False
+        self._append_token(request, depth, token, logprob, top, updates)
+        return True
+
+    def _end_carried(self, request: Request, item: InFlight) -> None:
+        """A carried token the runner runs no more: forgotten, and out of the request's items."""
+        self.s._carried.pop(item.carry_key, None)
+        request.items.remove(item)  # (an item is carried only while it is one of them)
+
+    def _append_token(
+        self,
+        request: Request,
+        depth: int,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        updates: dict[str, RequestUpdate],
+    ) -> None:
+        """Appends an output token to the request and to its update in ``updates``, and ends
+        the request when the token stops it."""
+        request.output_token_ids.append(token)
+        request.exit_depths.append(depth)
+        request.logprobs.append(logprob)
+        request.top_logprobs.append(top)
+        rid = request.request_id
+        update = updates.get(rid)
+        if update is None:  # (positional: one per request per step)
+            update = updates[rid] = RequestUpdate(rid, [token], [depth], [logprob], [top])
+        else:
+            update.new_token_ids.append(token)
+            update.new_exit_depths.append(depth)
+            update.new_logprobs.append(logprob)
+            update.new_top_logprobs.append(top)
+        if len(request.output_token_ids) == 1:
+            update.num_cached_tokens = request.num_cached_tokens or 0
+        reason = self._stop_reason(request, token)
+        if reason is None and force_thinking_end(request, update):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.s.finish(request, reason)
+            update.finish_reason = reason
+
+    def _fail_nonfinite(
+        self, request: Request, end: int, depth: int, update: RequestUpdate
+    ) -> None:
+        """The model's logits for the request's next token held a NaN or an infinity: its token
+        is meaningless and its state likely too, so the request ends; others are unaffected
+        (every row is computed independently of the others)."""
+        error = (
+            f"non-finite logits (NaN or infinity) for output token "
+            f"{len(request.output_token_ids)} (position {end - 1}, loop {depth}); "
+            "the model's computation overflowed or the weights hold non-finite values"
+        )
+        request.error = error
+        self.s.finish(request, FinishReason.ERROR)
+        update.finish_reason = FinishReason.ERROR
+        update.error = error
+
+    def _rollback(self, request: Request, position: int) -> None:
+        """A committed token contradicted the draft that position ``position`` ran on: every
+        item from there on is discarded and decoding resumes from the committed token. Their
+        KV positions are simply overwritten when recomputed (the blocks stay reserved)."""
+        request.items = [it for it in request.items if it.start < position]
+        request.num_scheduled = position
+        request.epoch += 1
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        n = len(request.output_token_ids)
+        if n >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if n >= params.max_tokens or request.num_prompt_tokens + n >= request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
+        """A failed step: its requests (and those it lost) end; nothing else is touched."""
+        updates = []
+        for rid in [work.request_id for work in plan.items] + lost:
+            request = self.s.requests.get(rid)
+            if request is None:
+                continue  # a second item of a request already failed, or it ended meanwhile
+            request.error = error
+            self.s.finish(request, FinishReason.ERROR)
+            updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
+        return updates
