@@ -26,15 +26,14 @@ class ItemMaker:
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
         """The request's next item, of at most ``budget`` tokens (not yet started: the
-        scheduler's ``_start`` commits it); None when every output is planned."""
+        scheduler's ``start`` commits it); None when every output is planned."""
         start = request.num_scheduled
         p = request.num_prompt_tokens
-        draft_at = self.config.draft_loops if request.pipelined else 0
-        life = request.num_preemptions
         if start < p:
             n = min(self.config.prefill_chunk_size, p - start, budget)
             # After a preemption the first output may be recorded already: no output then.
             out = start + n == p and not request.output_token_ids
+            draft_at = self.config.draft_loops if request.pipelined else 0
             return InFlight(
                 start=start,
                 num_tokens=n,
@@ -43,7 +42,7 @@ class ItemMaker:
                 has_output=out,
                 draft_at=draft_at if out else 0,
                 epoch=request.epoch,
-                life=life,
+                life=request.num_preemptions,
             )
         if start < request.replay_until:
             chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
