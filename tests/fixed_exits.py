@@ -5,7 +5,7 @@ they end, as the runner runs them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult, WorkItem
 
@@ -21,10 +21,18 @@ class FixedExits:
     def __init__(self, token: int = 7) -> None:
         self.token = token
         self.rows: list[_Row] = []  # carried tokens, in carry order
+        self.ended: dict[str, WorkItem] = {}  # request id -> its last carried token that ended
 
     def result(self, plan: StepPlan) -> StepResult:
         gone = {*plan.released, *plan.preempted}
         rows = [row for row in self.rows if row.work.request_id not in gone]
+        for rid in gone:
+            self.ended.pop(rid, None)
+        for rid, previous, key in plan.continued:  # the next position, under the same Carry
+            work = self.ended.pop(rid)
+            assert work.carry.key == previous
+            carry = replace(work.carry, key=key)
+            rows.append(_Row(replace(work, start=work.start + 1, carry=carry), 0, False))
         events: list[tuple] = []  # (key, request id, depth, ended, exited)
         kept = []
         for row in rows:
@@ -73,6 +81,8 @@ class FixedExits:
             now = not row.exited and carry.exit_at > 0 and row.depth >= carry.exit_at
         ended = row.depth >= work.ends_at or (now and work.stop_at_exit)
         row.exited |= now
+        if ended:
+            self.ended[work.request_id] = work
         if now or ended:
             events.append((carry.key, work.request_id, row.depth, ended, now))
         return ended

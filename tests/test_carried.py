@@ -113,6 +113,8 @@ def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
         assert not carried
         assert any(it.depth > 1 for it in decode)  # every loop planned
     assert not core.runner.carried.items and not core.scheduler._carried
+    continued = [c for plan in plans for c in plan.continued]
+    assert bool(continued) == carry, "a carried token's next one starts as a continuation"
     if name.startswith("preempt"):
         assert core.stats().num_preemptions > 0
     core.shutdown()
@@ -277,6 +279,41 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     assert spans.starts.tolist() == [5] and tables.array[table_rows, :1].tolist() == [[11]]
 
 
+def test_carried_rows_continue_an_ended_token_at_the_next_position():
+    """``StepPlan.continued``: the request's ended token's next position starts at loop 1
+    after the rows still running, under the same Carry but its key (the plan items are
+    never changed); a continuation of a token the rows do not hold changes nothing."""
+    tables = BlockTables()
+    rows = CarriedRows(tables)
+    a, b = _item(exit_at=3, copy=True), _item()
+    b.request_id = "b"
+    rows.keep([a, b], 0, set(), ["live a", "live b"], ["held a", "held b"])
+    step = rows.advance()
+    rows.keep(step, 2, {0}, rows.lives, rows.held)  # a ended (at loop 2)
+    assert [w.request_id for w in rows.items] == ["b"]
+    with pytest.raises(RuntimeError, match="no ended carried token 99"):
+        rows.advance([("a", 99, 2)])
+    assert rows.depths == [2] and [w.request_id for w in rows.items] == ["b"]
+    step = rows.advance([("a", a.carry.key, 2)])
+    assert [w.request_id for w in step] == ["b", "a"] and rows.depths == [3, 1]
+    nxt = step[1]
+    assert (nxt.start, nxt.depth, nxt.token_ids, nxt.carry.key) == (6, 1, None, 2)
+    assert nxt.carry.tables is a.carry.tables and nxt.carry.copy_blocks is a.carry.copy_blocks
+    assert (nxt.exit, nxt.exit_copy_blocks, nxt.carry.exit_at) == (a.exit, [21, 22, 23], 3)
+    assert rows.lives == ["live b", "live a"] and rows.held == ["held b", None]
+    spans, table_rows = rows.spans()  # the new position, on its depth-1 table
+    assert spans.starts.tolist() == [5, 6]
+    assert tables.array[table_rows, :1].tolist() == [[12], [10]]
+    assert (a.start, a.carry.key) == (5, 7)  # the ended token's item is unchanged
+    with pytest.raises(RuntimeError):  # continued once only
+        rows.advance([("a", a.carry.key, 3)])
+    rows.drop({"b"})
+    rows.keep(rows.items, 1, {0}, rows.lives, rows.held)  # the continued one ends too
+    rows.drop({"a"})  # a released request's ended token goes with it
+    with pytest.raises(RuntimeError):
+        rows.advance([("a", 2, 4)])
+
+
 def test_carried_rows_of_different_depth_counts_share_the_columns():
     """A token capped at fewer loops (fewer tables) beside full ones, and fixed exits whose
     rows move when earlier rows leave: the columns stay aligned with the items."""
@@ -323,6 +360,7 @@ def test_carried_tokens_report_events_as_columns(ckpts, exit_mode):
             if work.carry is not None:
                 seen_keys.add(work.carry.key)
                 assert outcome is None  # reported as an event
+        seen_keys.update(key for _, _, key in plan.continued)  # (started without an item)
         events = result.carried
         if events:
             columns = [

@@ -118,9 +118,13 @@ def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
         if plan is None:
             break
         gone = {*plan.released, *plan.preempted}
-        # The step's items: the runner's carried decode tokens first, then the plan's.
-        items = [w for w in core.runner.carried.items if w.request_id not in gone] + plan.items
+        # The step's items: the runner's carried decode tokens first (those it continues
+        # last among them), then the plan's.
+        items = [w for w in core.runner.carried.items if w.request_id not in gone]
         result = core.runner.execute(plan)
+        continued = {key for _, _, key in plan.continued}
+        items += [w for w in core.runner.carried.items if w.carry.key in continued]
+        items += plan.items
         core.apply(plan, result)
         pending = core.runner.pending_rows
         if pending is not None:  # a step where no item ended: its items' fields lag

@@ -38,7 +38,7 @@ import numpy as np
 
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
-from rltserve.core.plan import ExitSpec, WorkItem
+from rltserve.core.plan import Carry, ExitSpec, WorkItem
 
 if TYPE_CHECKING:  # (torch-free at run time)
     from rltserve.core.live import ItemState, LiveRequest
@@ -68,11 +68,15 @@ class CarriedRows:
         self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
         # Request id -> its last carried token's tables and their rows and lengths.
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
+        # Request id -> its last carried token that ended, and the request's state: the token a
+        # plan may continue (``StepPlan.continued``).
+        self._ended: dict[str, tuple[WorkItem, LiveRequest]] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
         for rid in request_ids:
             self._known.pop(rid, None)  # their BlockTables rows are released
+            self._ended.pop(rid, None)
         if self.items and request_ids:
             gone = [k for k, w in enumerate(self.items) if w.request_id in request_ids]
             if gone:
@@ -81,6 +85,7 @@ class CarriedRows:
     def clear(self) -> None:
         self._remove(range(len(self.items)))
         self._known.clear()
+        self._ended.clear()
 
     def table_at(self, k: int, depth: int) -> list[int]:
         """Row ``k``'s block table at loop ``depth``."""
@@ -102,16 +107,48 @@ class CarriedRows:
         d = np.fromiter(self.depths, dtype=np.int64, count=n) - 1
         return Spans(self._starts, np.ones_like(d), self._lens[ar, d]), self._rows[ar, d]
 
-    def advance(self) -> list[WorkItem]:
-        """Moves every carried token to its next loop; returns them, in carry order."""
-        if not self.items:
-            return self.items
-        self.depths = list(map(_NEXT, self.depths))
-        if self._fixed:
-            specs = self.specs = self.specs[:]
-            for k in self._fixed:
-                c = self.items[k].carry
-                specs[k] = c.specs[self.depths[k] >= c.exit_at]
+    def advance(self, continued: list[tuple[str, int, int]] = ()) -> list[WorkItem]:
+        """Moves every carried token to its next loop, then starts the ``continued`` tokens
+        (``StepPlan.continued``) at loop 1 after them; returns them all, in carry order. A
+        continued token's state is set by the step that runs its first loop (``held``)."""
+        ended = [self._ended.get(rid) for rid, _, _ in continued]
+        for (rid, previous, _), e in zip(continued, ended):  # (before anything changes)
+            if e is None or e[0].carry.key != previous:
+                raise RuntimeError(f"{rid}: no ended carried token {previous} to continue")
+        for rid, _, _ in continued:
+            del self._ended[rid]
+        if self.items:
+            self.depths = list(map(_NEXT, self.depths))
+            if self._fixed:
+                specs = self.specs = self.specs[:]
+                for k in self._fixed:
+                    c = self.items[k].carry
+                    specs[k] = c.specs[self.depths[k] >= c.exit_at]
+        if continued:
+            fresh = []
+            for (rid, _, key), (w, _) in zip(continued, ended):
+                c = w.carry
+                # The next position under the same Carry but its key; positional, in field
+                # order (one per token).
+                fresh.append(
+                    WorkItem(
+                        rid,
+                        w.start + 1,
+                        1,
+                        1,
+                        w.ends_at,
+                        w.stop_at_exit,
+                        w.block_table,
+                        None,
+                        w.boundary_table,
+                        w.exit,
+                        w.exit_copy_blocks,
+                        False,
+                        w.epoch,
+                        Carry(key, c.tables, c.specs, c.exit_at, c.copy_blocks),
+                    )
+                )
+            self._append(fresh, [e[1] for e in ended], [None] * len(fresh))
         return self.items
 
     def keep(
@@ -126,6 +163,11 @@ class CarriedRows:
         and ``held`` aligned with them): the tokens that go on are the carried ones that did
         not end, then the plan's new carried tokens."""
         if ending:
+            ended = self._ended
+            for i in ending:  # (the last of a request's tokens ending here is its newest)
+                w = items[i]
+                if w.carry is not None:
+                    ended[w.request_id] = (w, lives[i])
             gone = [i for i in ending if i < num_carried]
             if gone:
                 self._remove(gone)
@@ -134,9 +176,13 @@ class CarriedRows:
             for i, w in enumerate(items[num_carried:], num_carried)
             if w.carry is not None and i not in ending
         ]
-        if not new:
-            return
-        fresh = [items[i] for i in new]
+        if new:
+            self._append([items[i] for i in new], [lives[i] for i in new], [held[i] for i in new])
+
+    def _append(
+        self, fresh: list[WorkItem], lives: list[LiveRequest], held: list[ItemState | None]
+    ) -> None:
+        """Adds carried tokens after the others (their tables registered where new)."""
         known = self._register(fresh)
         widths = [len(k[1]) for k in known]
         width = max(self._rows.shape[1], max(widths))
@@ -150,8 +196,8 @@ class CarriedRows:
         n = len(self.items)
         self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
         self.items = self.items + fresh
-        self.lives = self.lives + [lives[i] for i in new]
-        self.held = self.held + [held[i] for i in new]
+        self.lives = self.lives + lives
+        self.held = self.held + held
         self.depths = self.depths + [w.depth for w in fresh]
         self.specs = self.specs + [w.exit for w in fresh]
         self._starts = np.concatenate((self._starts, [w.start for w in fresh]))

@@ -11,7 +11,9 @@ runner then runs its next loops by itself, one per step (before the plan's own i
 ends: its loop ``ends_at``, or the exit of its output when ``stop_at_exit``, or a plan that
 releases or preempts its request. Its results come back in ``StepResult.carried`` when its output
 exits, when the delayed rule decides its exit and when it ends (``CarriedEvents``, its first
-loop's included). Planning then costs per token started, not per loop run.
+loop's included). Planning then costs per token started, not per loop run. The next token of a
+request whose carried token has ended usually starts as ``StepPlan.continued``: a key, not an
+item (the runner has what it needs from the token before it).
 
 Invariant: a plan and its result are never changed once built. The per-row types (``WorkItem``,
 ``ExitSpec``, ``ItemResult``) are nevertheless plain slotted dataclasses, not frozen ones: one
@@ -138,6 +140,15 @@ class StepPlan:
     # Then each (source, target) block is copied, every slot: a follower of a group gets its
     # leader's partly filled last prompt block (``prompt_sharing.py``).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Carried decode tokens the runner starts by itself, after its carried rows and before the
+    # items: (request id, the key of the request's previous carried token, this token's key).
+    # The token is the next position of that token, which has ended, with the same ``Carry``
+    # but its key (the same tables, specs, fixed exit and copy-on-exit blocks: it lies in the
+    # same KV block) and the same first-loop fields; its input is the token that one sampled.
+    # The scheduler decides it as any start; one tuple instead of a ``WorkItem`` and a
+    # ``Carry`` saves both sides their per-token work (a decode batch starts a token per
+    # request every few steps).
+    continued: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

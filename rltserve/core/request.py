@@ -128,6 +128,9 @@ class Request:
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
     carry_blocks: tuple | None = None
+    # ``ItemMaker.carried_item``'s last carried token: (its key, position, depth tables, fixed
+    # exit, boundary table, preemption count), which the next one may continue.
+    carry_prev: tuple | None = None
 
     def __post_init__(self) -> None:
         # A plain field, not a property: planning reads it several times per token. The

@@ -366,7 +366,10 @@ class ModelRunner:
             self._dropped.discard(rid)
         if plan.preempted or plan.released or self._dropped:
             self.carried.drop({*plan.preempted, *plan.released, *self._dropped})
-        carried = self.carried.advance()  # their next loops run first
+        continued = plan.continued
+        if continued and self._dropped:  # (their requests fail with the step that dropped them)
+            continued = [c for c in continued if c[0] not in self._dropped]
+        carried = self.carried.advance(continued)  # their next loops run first
         handle.carried = carried
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
             self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")

@@ -94,6 +94,7 @@ class Scheduler:
         self.admission = Admission(self)
         self.applier = Applier(self)
         self._released: list[str] = []
+        self._continued: list[tuple[str, int, int]] = []  # ``StepPlan.continued`` being built
         self.new_setups: list[RequestSetup] = []
         self._step_id = 0
         self._seq = 0
@@ -188,11 +189,14 @@ class Scheduler:
             self.admission.admit(items, owners, budget)
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
-        if not (items or self._released or any(changes) or self._carries_on()):
+        continued = self._continued
+        if not (items or self._released or any(changes) or continued or self._carries_on()):
             return None
         self._step_id += 1
-        plan = StepPlan(self._step_id, items, self.new_setups, self._released, *changes, copies)
-        self.new_setups, self._released = [], []
+        plan = StepPlan(
+            self._step_id, items, self.new_setups, self._released, *changes, copies, continued
+        )
+        self.new_setups, self._released, self._continued = [], [], []
         self._planned[plan.step_id] = owners
         return plan
 
@@ -320,9 +324,16 @@ class Scheduler:
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
         """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
-        a decode token the runner will carry gets its key. Returns the item's tokens."""
+        a decode token the runner will carry gets its key, and starts as the continuation of
+        the request's previous carried token when it can (``StepPlan.continued``). Returns the
+        item's tokens."""
         maker = self.item_maker
         carried = item.has_output and maker.carries_next(request)  # (before it moves on)
+        # The runner continues a token only once it has ended: its last loop was planned in an
+        # earlier step (a carried token is over only then).
+        after = carried and (
+            not request.items or all(self._next_loop(request, it) == OVER for it in request.items)
+        )
         request.num_scheduled = item.end
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
@@ -337,8 +348,12 @@ class Scheduler:
         # ``_plan_loop`` of its first loop, which a Carry describes with the later ones.
         self._in_step.add(request.request_id)
         item.planned = 1
-        items.append(maker.carried_item(request, item))
-        owners.append(item)
+        previous = maker.continues(request, item) if after else 0
+        if previous:  # its first loop reports as a carried event: no owner to apply
+            self._continued.append((request.request_id, previous, item.carry_key))
+        else:
+            items.append(maker.carried_item(request, item))
+            owners.append(item)
         return 1
 
     # ---------------------------------------------------------------- results

@@ -147,7 +147,13 @@ class Step:
             self._enter([i for i, d in enumerate(self.depths) if d == 1])
         nc = self.num_carried
         held = [live.items.get(s) for live, s in zip(lives[nc:], starts[nc:])]
-        held = self.held = r.carried.held + held if nc else held
+        if nc:
+            carried = r.carried.held
+            if None in carried:  # continued tokens (``StepPlan.continued``), entered just now
+                for k in [k for k, h in enumerate(carried) if h is None]:
+                    carried[k] = lives[k].items[starts[k]]  # (a list of this launch's)
+            held = carried + held
+        self.held = held
         pending = r.pending_rows
         if pending is not None:
             if held == pending.held:  # the previous step's items, in order: its output
@@ -232,19 +238,18 @@ class Step:
     def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:
         """[len(decodes)] int64 on the device: the decode tokens' inputs, each a row of the
         tensor that sampled (or drafted) it; that tensor itself when they are all its rows in
-        order (decode rows that all sampled in one step)."""
+        order (decode rows that all sampled in one step), else one index of it when they are
+        all its rows."""
         items, lives = self.items, self.lives
         entering = lives if len(decodes) == len(lives) else [lives[i] for i in decodes]
         if not any(map(step_rows.DRAFTS, entering)):
             sources = list(map(step_rows.LAST_TOKENS, entering))
             first = sources[0]
-            if (
-                first is not None
-                and first.shape[0] == len(entering)
-                and all(map(is_, sources, repeat(first)))
-                and list(map(step_rows.LAST_ROW, entering)) == list(range(len(entering)))
-            ):
-                return first
+            if first is not None and all(map(is_, sources, repeat(first))):
+                rows = list(map(step_rows.LAST_ROW, entering))
+                if first.shape[0] == len(rows) and rows == list(range(len(rows))):
+                    return first
+                return first.index_select(0, self.r.tensor(rows))
         return step_rows.gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
 
     def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:

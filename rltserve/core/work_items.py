@@ -147,6 +147,34 @@ class ItemMaker:
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
 
+    def continues(self, request: Request, item: InFlight) -> int:
+        """The key of the request's previous carried token when the runner can start ``item``
+        (a carried decode token, whose previous items have ended) from it
+        (``StepPlan.continued``): ``item`` is its next position, in the same KV block under the
+        same tables (so the same copy-on-exit blocks), with the same fixed exit and its input
+        the token that one sampled; else 0."""
+        prev = request.carry_prev
+        if prev is None:
+            return 0
+        key, start, tables, exit_at, boundary, life = prev
+        rid = request.request_id
+        bs = self.kv.block_size
+        if (
+            start + 1 != item.start
+            or (start + 1) % bs == 0
+            or life != request.num_preemptions
+            or item.start <= request.replay_until
+            or tables is not self.kv.depth_tables(rid)
+            or exit_at != (item.exit_by if request.exit_mode == "fixed" else 0)
+            or (self.has_boundary and boundary is not self.kv.boundary_table(rid))
+        ):
+            return 0
+        request.carry_prev = (item.carry_key, item.start, tables, exit_at, boundary, life)
+        known = request.carry_blocks  # (the same block under the same tables)
+        if known is not None and item.stop_at_exit and self.copies_on_exit:
+            item.exit_blocks = known[2]
+        return key
+
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
         others (``Carry``)."""
@@ -155,6 +183,9 @@ class ItemMaker:
         kv = self.kv
         tables = kv.depth_tables(rid)
         exit_at = item.exit_by if request.exit_mode == "fixed" else 0  # (``exit_known_by``)
+        boundary = kv.boundary_table(rid) if self.has_boundary else None
+        life = request.num_preemptions
+        request.carry_prev = (item.carry_key, start, tables, exit_at, boundary, life)
         spec = exit_spec(request, item, 1)
         copy_blocks: list[int] = []
         if item.stop_at_exit and self.copies_on_exit:
@@ -181,7 +212,7 @@ class ItemMaker:
             item.stop_at_exit,  # stop_at_exit
             tables[0],  # block_table
             prompt_ids,  # token_ids
-            kv.boundary_table(rid) if self.has_boundary else None,  # boundary_table
+            boundary,  # boundary_table
             spec,  # exit
             copy_blocks,  # exit_copy_blocks
             False,  # draft (carried tokens are never pipelined)
