@@ -113,6 +113,7 @@ def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
         assert not carried
         assert any(it.depth > 1 for it in decode)  # every loop planned
     assert not core.runner.carried.items and not core.scheduler._carried
+    assert not core.runner.carried._ended  # (released with their requests)
     continued = [c for plan in plans for c in plan.continued]
     assert bool(continued) == carry, "a carried token's next one starts as a continuation"
     if name.startswith("preempt"):
