@@ -81,10 +81,11 @@ def drive(
 
 def step_requests(plan, core) -> set[str]:
     """The requests a step about to launch runs: its items' and the runner's carried decode
-    tokens' (those its plan does not release or preempt)."""
+    tokens' (those its plan does not release or preempt), and those it continues."""
     gone = {*plan.released, *plan.preempted}
     carried = {w.request_id for w in core.runner.carried.items} - gone
-    return {it.request_id for it in plan.items} | carried
+    continued = {rid for rid, _, _ in plan.continued}
+    return {it.request_id for it in plan.items} | carried | continued
 
 
 def assert_clean(core) -> None:
