@@ -138,10 +138,11 @@ def test_carried_columns_and_items_stay_in_step(ckpts, name):
     def checked_launch(plan, handle):
         eager = launch(plan, handle)
         rows = runner.carried
-        assert len(rows.lives) == len(rows.held) == len(rows.items)
-        for w, live, held in zip(rows.items, rows.lives, rows.held):
+        assert len(rows.lives) == len(rows.held) == len(rows.items) == len(rows.starts)
+        assert len(rows.keys) == len(rows.items)
+        for w, start, live, held in zip(rows.items, rows.starts, rows.lives, rows.held):
             assert live is runner.live[w.request_id]
-            assert held is live.items[w.start]
+            assert held is live.items[start]
         checks[0] += len(rows.items)
         return eager
 
@@ -296,11 +297,9 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
         rows.advance([("a", 99, 2)])
     assert rows.depths == [2] and [w.request_id for w in rows.items] == ["b"]
     step = rows.advance([("a", a.carry.key, 2)])
-    assert [w.request_id for w in step] == ["b", "a"] and rows.depths == [3, 1]
-    nxt = step[1]
-    assert (nxt.start, nxt.depth, nxt.token_ids, nxt.carry.key) == (6, 1, None, 2)
-    assert nxt.carry.tables is a.carry.tables and nxt.carry.copy_blocks is a.carry.copy_blocks
-    assert (nxt.exit, nxt.exit_copy_blocks, nxt.carry.exit_at) == (a.exit, [21, 22, 23], 3)
+    # Its item is the one it continues (a template: its position and key are columns).
+    assert step == [b, a] and rows.depths == [3, 1]
+    assert rows.starts == [5, 6] and rows.keys == [7, 2] and rows.specs == [b.exit, a.exit]
     assert rows.lives == ["live b", "live a"] and rows.held == ["held b", None]
     spans, table_rows = rows.spans()  # the new position, on its depth-1 table
     assert spans.starts.tolist() == [5, 6]
@@ -310,9 +309,10 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
         rows.advance([("a", a.carry.key, 3)])
     rows.drop({"b"})
     rows.keep(rows.items, 1, {0}, rows.lives, rows.held)  # the continued one ends too
+    assert rows.advance([("a", 2, 3)]) == [a] and (rows.starts, rows.keys) == ([7], [3])
     rows.drop({"a"})  # a released request's ended token goes with it
     with pytest.raises(RuntimeError):
-        rows.advance([("a", 2, 4)])
+        rows.advance([("a", 3, 4)])
 
 
 def test_carried_rows_of_different_depth_counts_share_the_columns():

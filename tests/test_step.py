@@ -118,18 +118,29 @@ def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
         if plan is None:
             break
         gone = {*plan.released, *plan.preempted}
-        # The step's items: the runner's carried decode tokens first (those it continues
-        # last among them), then the plan's.
-        items = [w for w in core.runner.carried.items if w.request_id not in gone]
+        # The step's items and positions: the runner's carried decode tokens first (those it
+        # continues last among them; a carried row's position is the runner's column), then
+        # the plan's.
+        rows = core.runner.carried
+        items = [
+            (w.request_id, s) for w, s in zip(rows.items, rows.starts) if w.request_id not in gone
+        ]
         result = core.runner.execute(plan)
         continued = {key for _, _, key in plan.continued}
-        items += [w for w in core.runner.carried.items if w.carry.key in continued]
-        items += plan.items
+        rows = core.runner.carried
+        items += [
+            (w.request_id, s)
+            for w, s, k in zip(rows.items, rows.starts, rows.keys)
+            if k in continued
+        ]
+        items += [(w.request_id, w.start) for w in plan.items]
         core.apply(plan, result)
         pending = core.runner.pending_rows
         if pending is not None:  # a step where no item ended: its items' fields lag
             seen += 1
             live = core.runner.live
-            assert [live[it.request_id].items[it.start] for it in items] == pending.held
-            assert pending.state.shape[0] == result.num_rows == sum(w.num_tokens for w in items)
+            assert [live[rid].items[start] for rid, start in items] == pending.held
+            carried_rows = len(items) - len(plan.items)  # (one row each)
+            rows_run = carried_rows + sum(w.num_tokens for w in plan.items)
+            assert pending.state.shape[0] == result.num_rows == rows_run
     assert seen >= 4

@@ -157,7 +157,8 @@ class Applier:
         if len(request.output_token_ids) == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0
         reason = self._stop_reason(request, token)
-        if reason is None and force_thinking_end(request, update):
+        bounded = request.params.max_thinking_tokens is not None  # (bounded thinking only)
+        if reason is None and bounded and force_thinking_end(request, update):
             reason = FinishReason.LENGTH
         if reason is not None:
             self.s.finish(request, reason)
@@ -188,14 +189,10 @@ class Applier:
         request.epoch += 1
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
         n = len(request.output_token_ids)
-        if n >= params.min_tokens:
-            if not params.ignore_eos and token in request.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                return FinishReason.STOP
-        if n >= params.max_tokens or request.num_prompt_tokens + n >= request.max_total_tokens:
+        if token in request.stop_ids and n >= request.params.min_tokens:
+            return FinishReason.STOP
+        if n >= request.max_outputs:
             return FinishReason.LENGTH
         return None
 

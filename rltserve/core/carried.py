@@ -6,6 +6,13 @@ ends or its request is dropped. Carried rows run first in a step, in the order t
 carried, so a decode batch keeps its row order from step to step (``PendingRows`` then passes
 states on).
 
+A request's next token usually continues it (``StepPlan.continued``): the same ``Carry`` at
+the next position, in the same KV block. It keeps the item of the token it continues as its
+own (a *template*: every field but the position, the key and the input is the same), so a
+row's position and key are columns (``starts``, ``keys``), never its item's ``start`` and
+``carry.key``, and a continued row's input is on the runner, whatever its item's
+``token_ids``.
+
 What moves from loop to loop is kept as columns beside the items, never written into them:
 the depths, the exit specs (a fixed exit's spec changes at its exit loop), and for attention
 metadata the positions and, per depth, the ``BlockTables`` row of the token's table there
@@ -17,8 +24,9 @@ tables, request states and held states from these columns; an item's own ``depth
 copy targets of depth d come from the ``Carry``: ``table_at``, ``carry.copy_blocks[d:]``).
 
 Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
-``specs`` lists rather than changing them, so a step that still holds the lists it ran with
-reads them unchanged. The table rows are valid whenever a step reads them: a request's rows
+``specs`` lists rather than changing them (and every column list is replaced, not changed,
+when rows come or go), so a step that still holds the lists it ran with reads them
+unchanged. The table rows are valid whenever a step reads them: a request's rows
 are released with its carried tokens dropped before the next step is built (by the launch
 that releases or preempts it; after a failed step, which releases its requests' rows at once,
 by the next launch, which drops them first), and rows never go back to an earlier table
@@ -38,7 +46,7 @@ import numpy as np
 
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
-from rltserve.core.plan import Carry, ExitSpec, WorkItem
+from rltserve.core.plan import ExitSpec, WorkItem
 
 if TYPE_CHECKING:  # (torch-free at run time)
     from rltserve.core.live import ItemState, LiveRequest
@@ -50,7 +58,9 @@ _SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
 class CarriedRows:
     def __init__(self, tables: BlockTables) -> None:
-        self.items: list[WorkItem] = []  # the plans' items of the carried tokens, carry order
+        self.items: list[WorkItem] = []  # each carried token's item (template), carry order
+        self.starts: list[int] = []  # each token's position
+        self.keys: list[int] = []  # its ``Carry.key`` (the scheduler's name for it)
         self.depths: list[int] = []  # each token's depth at the step last built
         self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
         # The runner's values of each token, which stay the same objects while it is carried:
@@ -68,9 +78,9 @@ class CarriedRows:
         self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
         # Request id -> its last carried token's tables and their rows and lengths.
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
-        # Request id -> its last carried token that ended, and the request's state: the token a
-        # plan may continue (``StepPlan.continued``).
-        self._ended: dict[str, tuple[WorkItem, LiveRequest]] = {}
+        # Request id -> its last carried token that ended (item, request state, position, key):
+        # the token a plan may continue (``StepPlan.continued``).
+        self._ended: dict[str, tuple[WorkItem, LiveRequest, int, int]] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
@@ -113,7 +123,7 @@ class CarriedRows:
         continued token's state is set by the step that runs its first loop (``held``)."""
         ended = [self._ended.get(rid) for rid, _, _ in continued]
         for (rid, previous, _), e in zip(continued, ended):  # (before anything changes)
-            if e is None or e[0].carry.key != previous:
+            if e is None or e[3] != previous:
                 raise RuntimeError(f"{rid}: no ended carried token {previous} to continue")
         for rid, _, _ in continued:
             del self._ended[rid]
@@ -124,31 +134,11 @@ class CarriedRows:
                 for k in self._fixed:
                     c = self.items[k].carry
                     specs[k] = c.specs[self.depths[k] >= c.exit_at]
-        if continued:
-            fresh = []
-            for (rid, _, key), (w, _) in zip(continued, ended):
-                c = w.carry
-                # The next position under the same Carry but its key; positional, in field
-                # order (one per token).
-                fresh.append(
-                    WorkItem(
-                        rid,
-                        w.start + 1,
-                        1,
-                        1,
-                        w.ends_at,
-                        w.stop_at_exit,
-                        w.block_table,
-                        None,
-                        w.boundary_table,
-                        w.exit,
-                        w.exit_copy_blocks,
-                        False,
-                        w.epoch,
-                        Carry(key, c.tables, c.specs, c.exit_at, c.copy_blocks),
-                    )
-                )
-            self._append(fresh, [e[1] for e in ended], [None] * len(fresh))
+        if continued:  # the next positions, each under its predecessor's item
+            templates, lives, starts, _ = zip(*ended)
+            keys = [key for _, _, key in continued]
+            n = len(keys)
+            self._append(list(templates), [s + 1 for s in starts], keys, list(lives), [None] * n)
         return self.items
 
     def keep(
@@ -164,10 +154,13 @@ class CarriedRows:
         not end, then the plan's new carried tokens."""
         if ending:
             ended = self._ended
+            starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
             for i in ending:  # (the last of a request's tokens ending here is its newest)
                 w = items[i]
-                if w.carry is not None:
-                    ended[w.request_id] = (w, lives[i])
+                if i < num_carried:
+                    ended[w.request_id] = (w, lives[i], starts[i], keys[i])
+                elif w.carry is not None:
+                    ended[w.request_id] = (w, lives[i], w.start, w.carry.key)
             gone = [i for i in ending if i < num_carried]
             if gone:
                 self._remove(gone)
@@ -177,12 +170,25 @@ class CarriedRows:
             if w.carry is not None and i not in ending
         ]
         if new:
-            self._append([items[i] for i in new], [lives[i] for i in new], [held[i] for i in new])
+            fresh = [items[i] for i in new]
+            self._append(
+                fresh,
+                [w.start for w in fresh],
+                [w.carry.key for w in fresh],
+                [lives[i] for i in new],
+                [held[i] for i in new],
+            )
 
     def _append(
-        self, fresh: list[WorkItem], lives: list[LiveRequest], held: list[ItemState | None]
+        self,
+        fresh: list[WorkItem],
+        starts: list[int],
+        keys: list[int],
+        lives: list[LiveRequest],
+        held: list[ItemState | None],
     ) -> None:
-        """Adds carried tokens after the others (their tables registered where new)."""
+        """Adds carried tokens at loop 1 after the others (their tables registered where
+        new): ``fresh`` their items (or templates), then their columns."""
         known = self._register(fresh)
         widths = [len(k[1]) for k in known]
         width = max(self._rows.shape[1], max(widths))
@@ -196,11 +202,13 @@ class CarriedRows:
         n = len(self.items)
         self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
         self.items = self.items + fresh
+        self.starts = self.starts + starts
+        self.keys = self.keys + keys
         self.lives = self.lives + lives
         self.held = self.held + held
-        self.depths = self.depths + [w.depth for w in fresh]
-        self.specs = self.specs + [w.exit for w in fresh]
-        self._starts = np.concatenate((self._starts, [w.start for w in fresh]))
+        self.depths = self.depths + [1] * len(fresh)
+        self.specs = self.specs + [w.exit for w in fresh]  # (their first loop's)
+        self._starts = np.concatenate((self._starts, starts))
         self._rows = np.concatenate((self._rows, rows))
         self._lens = np.concatenate((self._lens, lens))
 
@@ -238,6 +246,8 @@ class CarriedRows:
         keep[list(gone)] = False
         kept = keep.tolist()
         self.items = list(compress(self.items, kept))
+        self.starts = list(compress(self.starts, kept))
+        self.keys = list(compress(self.keys, kept))
         self.depths = list(compress(self.depths, kept))
         self.specs = list(compress(self.specs, kept))
         self.lives = list(compress(self.lives, kept))

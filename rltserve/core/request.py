@@ -125,6 +125,11 @@ class Request:
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt_token_ids)
+    # What ends it, read once per sampled token (``Applier._stop_reason``): the ids that stop it
+    # once ``min_tokens`` are out (EOS unless ignored, and ``stop_token_ids``), and the most
+    # output tokens ``max_tokens`` and the context limit allow.
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    max_outputs: int = field(init=False, default=0)
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
     carry_blocks: tuple | None = None
@@ -136,6 +141,10 @@ class Request:
         # A plain field, not a property: planning reads it several times per token. The
         # prompt never changes once the request exists.
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        params = self.params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self.stop_ids = frozenset(eos).union(params.stop_token_ids)
+        self.max_outputs = min(params.max_tokens, self.max_total_tokens - self.num_prompt_tokens)
 
     @property
     def prefill_scheduled(self) -> bool:

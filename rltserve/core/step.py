@@ -38,8 +38,11 @@ class Step:
         live = runner.live
         planned = self.planned = items[num_carried:] if num_carried else items
         self.lives = [live[rid] for rid in map(step_rows.RID, planned)]
+        # The carried rows' keys (their items are templates: ``carried.py``).
+        self.carried_keys: list[int] = []
         if num_carried:  # (the carried rows' are the runner's column)
             self.lives = runner.carried.lives + self.lives
+            self.carried_keys = runner.carried.keys
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
@@ -55,9 +58,11 @@ class Step:
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
         n = len(items)
-        starts = self.starts = list(map(step_rows.START, items))
-        counts = list(map(step_rows.COUNT, items))
         nc, planned = self.num_carried, self.planned
+        # Positions: a carried row's is the runner's column, not its item's (a template).
+        starts = list(map(step_rows.START, planned))
+        starts = self.starts = r.carried.starts + starts if nc else starts
+        counts = list(map(step_rows.COUNT, items))
         # The carried rows' moving fields are the runner's columns, not their items' fields.
         self.depths = list(map(step_rows.DEPTH, planned))
         specs = list(map(step_rows.EXIT, planned))
@@ -102,7 +107,7 @@ class Step:
         self.exited = self._decide_exits(state, specs)
         exited = self.exited
         exits = self.exits = [i for i, x in zip(self.out, exited) if x] if any(exited) else []
-        step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc])
+        step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc], starts)
         depths = self.depths
         ends_at = list(map(step_rows.ENDS_AT, items))
         ending = (
@@ -134,7 +139,9 @@ class Step:
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
-        return any(items[i].end in lives[i].drafts for i in self.sampled if lives[i].drafts)
+        return any(
+            starts[i] + counts[i] in lives[i].drafts for i in self.sampled if lives[i].drafts
+        )
 
     # ---------------------------------------------------------------- pieces
 
@@ -178,9 +185,9 @@ class Step:
         picks: list[tuple[int, int, int]] = []  # per item: (source, first row, rows)
         last = None
         k = -1
-        for it, h in zip(items, held):
+        for it, h, start in zip(items, held, starts):
             if h is None or h.src is None:
-                raise RuntimeError(f"{it.request_id}: no in-flight state at {it.start}")
+                raise RuntimeError(f"{it.request_id}: no in-flight state at {start}")
             if h.src is not last:
                 last = h.src
                 k = source_of.get(id(last), -1)
@@ -198,9 +205,12 @@ class Step:
         prelude's output."""
         r, items, lives = self.r, self.items, self.lives
         every = len(entering) == len(items)
-        prompts = [i for i in entering if items[i].token_ids is not None]
+        # (A carried row entering is a continued token: its input is on the runner, whatever
+        # the item it continues had.)
+        nc = self.num_carried
+        prompts = [i for i in entering if i >= nc and items[i].token_ids is not None]
         if prompts:
-            decodes = [i for i in entering if items[i].token_ids is None]
+            decodes = [i for i in entering if i < nc or items[i].token_ids is None]
             entering = prompts + decodes
             every = False
         else:
@@ -212,25 +222,27 @@ class Step:
             parts.append(self._decode_inputs(decodes))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]
         sub = items if every else [items[i] for i in entering]
-        starts = self.starts if every else list(map(step_rows.START, sub))
+        starts = self.starts if every else [self.starts[i] for i in entering]
+        counts = list(map(step_rows.COUNT, sub))
         if every and self.one_row:
             pos = r.tensor(starts)
         else:
-            pos = r.tensor([p for it in sub for p in range(it.start, it.end)])
+            pos = r.tensor([p for s, n in zip(starts, counts) for p in range(s, s + n)])
         boundary = None
         if r.spec.num_boundary_layers:
             boundary = r.attention(
-                [(it.start, it.num_tokens, it.boundary_table) for it in sub],
+                [(s, it.num_tokens, it.boundary_table) for s, it in zip(starts, sub)],
                 [(it.request_id, 0) for it in sub],
             )
         e_new = r.timed(r.model.prelude, ids, pos, boundary)  # [n_enter, E]
         noise = None
         if r.spec.needs_noise:
-            noise = torch.cat([self._noise(it, lives[i]) for i, it in zip(entering, sub)])
+            noise = torch.cat(
+                [self._noise(lives[i], s, n) for i, s, n in zip(entering, starts, counts)]
+            )
             noise = move_to(noise, r.device)
         s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
         e_kept = e_new if r.keeps_e else None
-        counts = list(map(step_rows.COUNT, sub))
         fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
         for i, start, h in zip(entering, starts, fresh):
             lives[i].items[start] = h
@@ -240,7 +252,7 @@ class Step:
         tensor that sampled (or drafted) it; that tensor itself when they are all its rows in
         order (decode rows that all sampled in one step), else one index of it when they are
         all its rows."""
-        items, lives = self.items, self.lives
+        lives, starts = self.lives, self.starts
         entering = lives if len(decodes) == len(lives) else [lives[i] for i in decodes]
         if not any(map(step_rows.DRAFTS, entering)):
             sources = list(map(step_rows.LAST_TOKENS, entering))
@@ -250,11 +262,11 @@ class Step:
                 if first.shape[0] == len(rows) and rows == list(range(len(rows))):
                     return first
                 return first.index_select(0, self.r.tensor(rows))
-        return step_rows.gather_tokens([lives[i].input_token(items[i].start) for i in decodes])
+        return step_rows.gather_tokens([lives[i].input_token(starts[i]) for i in decodes])
 
-    def _noise(self, item: WorkItem, live: LiveRequest) -> torch.Tensor:
+    def _noise(self, live: LiveRequest, start: int, count: int) -> torch.Tensor:
         seed = live.setup.seed if live.setup.params.init_state == "random" else None
-        return self.r.model.draw_noise(seed, list(range(item.start, item.end)))
+        return self.r.model.draw_noise(seed, list(range(start, start + count)))
 
     def _decide_exits(self, state: torch.Tensor, specs: list) -> list[bool]:
         """The exit rule for the output rows, in fp32 with the reference's arithmetic:
@@ -387,9 +399,8 @@ class Step:
             return []
         if boundary:
             rows = [row for i in coda_items for row in range(offsets[i], offsets[i + 1])]
-            spans = [
-                (items[i].start, items[i].num_tokens, items[i].boundary_table) for i in coda_items
-            ]
+            starts = self.starts
+            spans = [(starts[i], items[i].num_tokens, items[i].boundary_table) for i in coda_items]
             attn = r.attention(spans)
             widths = [offsets[i + 1] - offsets[i] for i in coda_items]
         else:
@@ -440,7 +451,7 @@ class Step:
         tokens = r.timed(r.model.logits, hidden).argmax(dim=-1)  # [K]
         drafts = [Draft(tokens, k) for k in range(len(drafting))]
         for i, draft in zip(drafting, drafts):
-            self.lives[i].drafts[items[i].end] = draft
+            self.lives[i].drafts[self.starts[i] + items[i].num_tokens] = draft
         self.outputs.add("drafts", tokens)
         return drafts
 

@@ -123,9 +123,9 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         logprobs = [sample.logprobs[j] if j >= 0 else None for j in js]
         tops = [sample.top_logprobs[j] if j >= 0 else None for j in js]
         finite = [not sample.finite or j < 0 or sample.finite[j] for j in js]
-    depths = step.depths
+    depths, keys, nc = step.depths, step.carried_keys, step.num_carried
     return CarriedEvents(
-        [items[i].carry.key for i in rows],
+        [keys[i] if i < nc else items[i].carry.key for i in rows],
         list(map(step_rows.RID, map(items.__getitem__, rows))),
         [depths[i] for i in rows],
         ended,
@@ -160,7 +160,7 @@ def _sampled_results(step: Step, sample: SampleOutput, outcomes: list[ItemResult
             outcome.top_logprobs = sample.top_logprobs[j]
             outcome.finite = finite[j] if finite else True
         if live.drafts or live.history is not None:
-            end = items[i].end
+            end = step.starts[i] + items[i].num_tokens
             checked = end in live.drafts
             r.drafts_checked += checked
             if live.commit(end, token):  # (never a carried token: those have no drafts)
@@ -168,4 +168,4 @@ def _sampled_results(step: Step, sample: SampleOutput, outcomes: list[ItemResult
                 rollbacks.append(i)
                 r.drafts_rejected += 1
     for i in rollbacks:  # after the states were stored, so the discarded items stay discarded
-        lives[i].rollback(items[i].end)
+        lives[i].rollback(step.starts[i] + items[i].num_tokens)

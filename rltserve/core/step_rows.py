@@ -109,11 +109,17 @@ def offsets(counts: list[int]) -> list[int]:
 
 
 def copy_on_exit(
-    r: StepHost, items: list[WorkItem], exits: list[int], specs: list, carried: list[int]
+    r: StepHost,
+    items: list[WorkItem],
+    exits: list[int],
+    specs: list,
+    carried: list[int],
+    starts: list[int],
 ) -> None:
     """last_exited: the exit-depth K/V of a token stopping early serves deeper planes
     (``exits``: the items whose output exits in this step; ``specs``: the items' exit specs;
-    ``carried``: the depths of the first items, the runner's carried tokens)."""
+    ``carried``: the depths of the first items, the runner's carried tokens; ``starts``: the
+    items' positions)."""
     nc = len(carried)
     # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
     if not all(specs):
@@ -137,7 +143,8 @@ def copy_on_exit(
             continue
         # An exiting output copies position start; a recomputed chunk copies every position
         # (its blocks are listed position by position).
-        positions = range(it.start, it.end) if specs[i] is None else (it.start,)
+        start = starts[i]
+        positions = range(start, start + it.num_tokens) if specs[i] is None else (start,)
         per = len(copies) // len(positions)
         for k, q in enumerate(positions):
             offset = q % bs
