@@ -435,3 +435,37 @@ def test_carrying_never_takes_more_steps(ckpts, engine, drive):
     assert runs[True].tokens == runs[False].tokens
     assert runs[True].depths == runs[False].depths
     assert runs[True].steps <= runs[False].steps
+
+
+def test_a_continuation_the_runner_cannot_make_fails_its_step_only(ckpts):
+    """Should the runner not hold the token a plan continues (a scheduler/runner mismatch),
+    the step fails the requests it runs (carried and continued), changing nothing else; the
+    engine goes on serving, and nothing is left behind."""
+    core = make_core(ckpts["ouro"], max_num_seqs=4)
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        core.add_request(f"r{i}", [1 + i, 2, 3], p)
+    finish: dict[str, str] = {}
+    corrupted = None
+    while core.has_work():
+        plan = core.plan()
+        if plan is None:
+            continue
+        if corrupted is None and plan.continued:
+            rid, _, key = plan.continued[0]
+            plan.continued[0] = (rid, 999, key)  # a key the runner never ended
+            corrupted = {c[0] for c in plan.continued}
+            corrupted |= {w.request_id for w in core.runner.carried.items}
+            core.add_request("later", [4, 5, 6], p)  # admitted after the failure
+        for update in core.execute(plan):
+            if update.finish_reason is not None:
+                finish[update.request_id] = update.finish_reason.value
+    assert corrupted, "no continuation was planned"
+    assert {rid for rid, why in finish.items() if why == "error"} == corrupted
+    assert finish["later"] == "length"
+    final = core.plan()  # the releases reach the runner
+    if final is not None:
+        core.execute(final)
+    assert core.kv.usage == 0 and not core.runner.live and not core.runner._dropped
+    assert not core.runner.carried.items and not core.runner.carried._ended
+    assert not core.scheduler._carried

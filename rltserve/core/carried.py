@@ -1,6 +1,7 @@
 """``CarriedRows``: the decode tokens the runner runs by itself (``plan.Carry``).
 
-A carried token's first loop comes in a plan; the runner keeps that ``WorkItem`` and runs one
+A carried token's first loop comes in a plan (a ``WorkItem``, or, continuing the request's
+previous token, a key in ``StepPlan.continued``); the runner keeps the item and runs one
 loop of the token in every later step, one depth deeper each time, until the step in which it
 ends or its request is dropped. Carried rows run first in a step, in the order they were
 carried, so a decode batch keeps its row order from step to step (``PendingRows`` then passes
@@ -66,7 +67,8 @@ class CarriedRows:
         # The runner's values of each token, which stay the same objects while it is carried:
         # its request's ``LiveRequest`` and its ``ItemState``.
         self.lives: list[LiveRequest] = []
-        self.held: list[ItemState] = []
+        # (None for a continued token until the step running its first loop enters it.)
+        self.held: list[ItemState | None] = []
         self._tables = tables
         self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
         self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)
@@ -151,7 +153,8 @@ class CarriedRows:
     ) -> None:
         """After a step over ``items`` (its first ``num_carried`` the carried ones; ``lives``
         and ``held`` aligned with them): the tokens that go on are the carried ones that did
-        not end, then the plan's new carried tokens."""
+        not end, then the plan's new carried tokens. Each request's newest token that ended
+        is kept for a plan to continue."""
         if ending:
             ended = self._ended
             starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)

@@ -178,7 +178,8 @@ class CarriedEvents:
     the runner's row order (a request's older token first). A token has an event when its
     output exited (with its token), when the delayed rule decided its exit for the next loop,
     or when it ended (the runner runs no further loop of it). The first loop of a carried
-    token, which its plan holds, reports here too (its ``StepResult.items`` entry is None).
+    token reports here too (its ``StepResult.items`` entry is None, or it has none: a
+    continuation).
     Columns, not an object per event: a decode batch has an event per token every few steps.
     """
 

@@ -65,7 +65,7 @@ class InFlight:
     # A carried decode token (``plan.Carry``): its key while the runner runs its loops; 0 when
     # every loop is planned.
     carry_key: int = 0
-    carry_step: int = 0  # the step whose plan holds its first loop (it runs one loop a step)
+    carry_step: int = 0  # the step that runs its first loop (it runs one loop a step)
     exit_by: int = 0  # loops after which its exit is known without a result (cap, fixed exit)
 
     @property
@@ -133,8 +133,8 @@ class Request:
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
     carry_blocks: tuple | None = None
-    # ``ItemMaker.carried_item``'s last carried token: (its key, position, depth tables, fixed
-    # exit, boundary table, preemption count), which the next one may continue.
+    # Its last carried token (``ItemMaker.carried_item`` or ``continues``): (its key, position,
+    # depth tables, fixed exit, boundary table, preemption count), which the next may continue.
     carry_prev: tuple | None = None
 
     def __post_init__(self) -> None:

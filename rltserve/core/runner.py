@@ -60,6 +60,7 @@ class StepHandle:
         self.step_id = plan.step_id
         self.item_ids = [it.request_id for it in plan.items]  # to fail them on an error
         self.carried: list[WorkItem] = []  # carried tokens it runs (their requests fail likewise)
+        self.continued_ids = [rid for rid, _, _ in plan.continued]  # (and these)
         self.future: Future[StepResult] = future or Future()
         self.outputs: StepOutputs | None = None
         self.finish: Callable[[], StepResult] | None = None  # builds the result on the host
@@ -270,7 +271,8 @@ class ModelRunner:
     ) -> StepResult:
         """A failed step: the requests of its items and of its carried tokens fail, and
         ``lost``, those it lost outside them (preempted before their KV reached swap space)."""
-        carried = [w.request_id for w in handle.carried]
+        # (A continued token is among the carried ones once ``advance`` took it.)
+        carried = list(dict.fromkeys([w.request_id for w in handle.carried] + handle.continued_ids))
         request_ids = handle.item_ids + carried
         lost = [*(lost or ()), *carried]
         # Clients get the exception's type and message; the traceback goes to the log.
@@ -369,6 +371,9 @@ class ModelRunner:
         continued = plan.continued
         if continued and self._dropped:  # (their requests fail with the step that dropped them)
             continued = [c for c in continued if c[0] not in self._dropped]
+        # (Should ``advance`` refuse a continuation, changing nothing, the step fails every
+        # carried token's request with the continued ones: the scheduler counts a loop for each.)
+        handle.carried = self.carried.items
         carried = self.carried.advance(continued)  # their next loops run first
         handle.carried = carried
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
