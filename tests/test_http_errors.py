@@ -62,6 +62,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": []}, "prompt", "must not be empty"),
     ("completions", {"prompt": [[]]}, "prompt", "at least one token"),
     ("completions", {"prompt": [1, 512]}, "prompt", "outside the vocabulary"),
+    ("completions", {"prompt": "x", "max_thinking_tokens": 2, "thinking_end_token_ids": [512]},
+     "thinking_end_token_ids", "outside the vocabulary"),
     ("completions", {"prompt": [1] * 64}, "prompt", "maximum context length of 64"),
     ("completions", {"prompt": True}, "prompt", "must be a string"),
     ("completions", {"max_tokens": 3}, "prompt", "is required"),

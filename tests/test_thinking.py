@@ -111,6 +111,12 @@ def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
         core.make_request(None, PROMPTS[0], p.replace(thinking_end_token_ids=None))
     with pytest.raises(ValueError, match="max_thinking_tokens=0"):
         SamplingParams(max_thinking_tokens=0)
+    # Forced ids are fed back as inputs: outside the vocabulary they are refused up front.
+    vocab = core.spec.vocab_size
+    with pytest.raises(ValueError, match=rf"thinking_end_token_ids: token id {vocab} is outside"):
+        core.make_request(None, PROMPTS[0], p.replace(thinking_end_token_ids=(vocab,)))
+    with pytest.raises(ValueError, match=rf"thinking_interruption: token id {vocab + 1} is"):
+        core.make_request(None, PROMPTS[0], p.replace(thinking_interruption=(5, vocab + 1)))
 
 
 def test_reasoning_split():

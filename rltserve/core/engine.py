@@ -189,11 +189,18 @@ class EngineCore:
         rid = request_id or uuid.uuid4().hex
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
-            )
+        # Forced thinking ids are fed back as inputs too.
+        interruption = params.thinking_interruption
+        for name, ids in (
+            ("prompt", prompt_token_ids),
+            ("thinking_end_token_ids", params.thinking_end_token_ids or ()),
+            ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
+        ):
+            bad = [t for t in ids if not 0 <= t < spec.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
+                )
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -183,12 +183,16 @@ class Frontend:
                 f"maximum context length of {info.max_model_len} tokens",
                 param,
             )
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        self._check_vocab(ids, param)
+        return ids
+
+    def _check_vocab(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(
-                f"{param}: token id {bad} is outside the vocabulary [0, {info.vocab_size})", param
+                f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param
             )
-        return ids
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         cap = self.info.max_loops
@@ -201,6 +205,13 @@ class Frontend:
                 params = resolve_thinking(params, self.tokenizer)
             except ValueError as exc:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
+            # (The engine's own check: forced ids are fed back as inputs.)
+            interruption = params.thinking_interruption
+            for name, ids in (
+                ("thinking_end_token_ids", params.thinking_end_token_ids),
+                ("thinking_interruption", None if isinstance(interruption, str) else interruption),
+            ):
+                self._check_vocab(ids or (), name)
         return params
 
     def token_text(self, token_id: int) -> str:
