@@ -194,6 +194,16 @@ class SamplingParams:
     def adaptive_exit(self) -> bool:
         return self.exit_threshold < 1.0
 
+    def forced_token_ids(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The bounded-thinking ids the engine may force into the output (and feed back as
+        inputs), by field: ``thinking_end_token_ids`` and a token-id ``thinking_interruption``
+        (a text one is not ids until the front end encodes it)."""
+        interruption = self.thinking_interruption
+        return [
+            ("thinking_end_token_ids", self.thinking_end_token_ids or ()),
+            ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
+        ]
+
     def replace(self, **changes: object) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)

@@ -190,12 +190,7 @@ class EngineCore:
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
         # Forced thinking ids are fed back as inputs too.
-        interruption = params.thinking_interruption
-        for name, ids in (
-            ("prompt", prompt_token_ids),
-            ("thinking_end_token_ids", params.thinking_end_token_ids or ()),
-            ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
-        ):
+        for name, ids in [("prompt", prompt_token_ids), *params.forced_token_ids()]:
             bad = [t for t in ids if not 0 <= t < spec.vocab_size]
             if bad:
                 raise ValueError(

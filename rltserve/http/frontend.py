@@ -206,12 +206,8 @@ class Frontend:
             except ValueError as exc:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
             # (The engine's own check: forced ids are fed back as inputs.)
-            interruption = params.thinking_interruption
-            for name, ids in (
-                ("thinking_end_token_ids", params.thinking_end_token_ids),
-                ("thinking_interruption", None if isinstance(interruption, str) else interruption),
-            ):
-                self._check_vocab(ids or (), name)
+            for name, ids in params.forced_token_ids():
+                self._check_vocab(ids, name)
         return params
 
     def token_text(self, token_id: int) -> str:
