@@ -108,7 +108,10 @@ class AttentionMetadata:
         sizes = [b, b, n, n, n, b * cols]
         if flat.shape[0] > host.size:
             sizes.append(flat.shape[0] - host.size)
-        starts, lens, positions, slot_mapping, pad_index, gather_blocks = flat.split(sizes)[:6]
+        # (``split_with_sizes``: ``Tensor.split``'s Python wrapper costs as much again.)
+        starts, lens, positions, slot_mapping, pad_index, gather_blocks = flat.split_with_sizes(
+            sizes
+        )[:6]
         return cls(
             num_rows=n,
             num_items=b,

@@ -39,8 +39,8 @@ replaced (only a rollback, never a carried token's, or a new item at loop 1 make
 from __future__ import annotations
 
 from collections.abc import Collection
-from itertools import chain, compress
-from operator import attrgetter, is_
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,6 +53,9 @@ if TYPE_CHECKING:  # (torch-free at run time)
     from rltserve.core.live import ItemState, LiveRequest
 
 _RID = attrgetter("request_id")
+_EXIT = attrgetter("exit")
+_EXIT_AT = attrgetter("carry.exit_at")
+_KEY = itemgetter(3)
 _NEXT = (1).__add__
 _SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
@@ -80,9 +83,10 @@ class CarriedRows:
         self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
         # Request id -> its last carried token's tables and their rows and lengths.
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
-        # Request id -> its last carried token that ended (item, request state, position, key):
-        # the token a plan may continue (``StepPlan.continued``).
-        self._ended: dict[str, tuple[WorkItem, LiveRequest, int, int]] = {}
+        # Request id -> its last carried token that ended (item, request state, position, key,
+        # and when it was a row: the ``_rows`` and ``_lens`` rows of the tokens that ended with
+        # it and its index there): the token a plan may continue (``StepPlan.continued``).
+        self._ended: dict[str, tuple] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
@@ -123,12 +127,16 @@ class CarriedRows:
         """Moves every carried token to its next loop, then starts the ``continued`` tokens
         (``StepPlan.continued``) at loop 1 after them; returns them all, in carry order. A
         continued token's state is set by the step that runs its first loop (``held``)."""
-        ended = [self._ended.get(rid) for rid, _, _ in continued]
-        for (rid, previous, _), e in zip(continued, ended):  # (before anything changes)
-            if e is None or e[3] != previous:
-                raise RuntimeError(f"{rid}: no ended carried token {previous} to continue")
-        for rid, _, _ in continued:
-            del self._ended[rid]
+        if continued:  # (checked before anything changes)
+            rids, previous, keys = map(list, zip(*continued))
+            ended = list(map(self._ended.get, rids))
+            if None in ended or list(map(_KEY, ended)) != previous:
+                rid, key = next(
+                    (r, p) for r, e, p in zip(rids, ended, previous) if e is None or e[3] != p
+                )
+                raise RuntimeError(f"{rid}: no ended carried token {key} to continue")
+            for rid in rids:
+                del self._ended[rid]
         if self.items:
             self.depths = list(map(_NEXT, self.depths))
             if self._fixed:
@@ -137,10 +145,17 @@ class CarriedRows:
                     c = self.items[k].carry
                     specs[k] = c.specs[self.depths[k] >= c.exit_at]
         if continued:  # the next positions, each under its predecessor's item
-            templates, lives, starts, _ = zip(*ended)
-            keys = [key for _, _, key in continued]
+            templates, lives, starts, _, blocks, at = zip(*ended)
+            # Their tables are their predecessors': so are the table rows, kept when they
+            # ended (usually all in one block: the tokens that ended in one step).
+            first = blocks[0]
+            tables = None
+            if first is not None and all(map(is_, blocks, repeat(first))):
+                tables = (first[0][list(at)], first[1][list(at)])
             n = len(keys)
-            self._append(list(templates), [s + 1 for s in starts], keys, list(lives), [None] * n)
+            self._append(
+                list(templates), list(map(_NEXT, starts)), keys, list(lives), [None] * n, tables
+            )
         return self.items
 
     def keep(
@@ -157,14 +172,18 @@ class CarriedRows:
         is kept for a plan to continue."""
         if ending:
             ended = self._ended
+            gone = [i for i in ending if i < num_carried]
+            # Their table rows, for the tokens that continue them (``advance``).
+            block = (self._rows[gone], self._lens[gone]) if gone else None
             starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
+            k = 0
             for i in ending:  # (the last of a request's tokens ending here is its newest)
                 w = items[i]
                 if i < num_carried:
-                    ended[w.request_id] = (w, lives[i], starts[i], keys[i])
+                    ended[w.request_id] = (w, lives[i], starts[i], keys[i], block, k)
+                    k += 1
                 elif w.carry is not None:
-                    ended[w.request_id] = (w, lives[i], w.start, w.carry.key)
-            gone = [i for i in ending if i < num_carried]
+                    ended[w.request_id] = (w, lives[i], w.start, w.carry.key, None, 0)
             if gone:
                 self._remove(gone)
         new = [
@@ -189,28 +208,37 @@ class CarriedRows:
         keys: list[int],
         lives: list[LiveRequest],
         held: list[ItemState | None],
+        tables: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """Adds carried tokens at loop 1 after the others (their tables registered where
-        new): ``fresh`` their items (or templates), then their columns."""
-        known = self._register(fresh)
-        widths = [len(k[1]) for k in known]
-        width = max(self._rows.shape[1], max(widths))
+        """Adds carried tokens at loop 1 after the others: ``fresh`` their items (or
+        templates), then their columns; ``tables``: their rows of ``_rows`` and ``_lens``
+        when known, else their tables are registered where new."""
+        if tables is None:
+            known = self._register(fresh)
+            widths = [len(k[1]) for k in known]
+            width = max(widths)
+            rows = _columns([k[1] for k in known], widths, width)
+            lens = _columns([k[2] for k in known], widths, width)
+        else:
+            rows, lens = tables
+        width = rows.shape[1]
         if width > self._rows.shape[1]:
             self._rows = _widen(self._rows, width)
             self._lens = _widen(self._lens, width)
-        rows, lens = (
-            _columns([k[1] for k in known], widths, width),
-            _columns([k[2] for k in known], widths, width),
-        )
+        elif width < self._rows.shape[1]:
+            rows = _widen(rows, self._rows.shape[1])
+            lens = _widen(lens, self._rows.shape[1])
         n = len(self.items)
-        self._fixed = self._fixed + [n + k for k, w in enumerate(fresh) if w.carry.exit_at]
+        fixed = list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
+        if fixed:
+            self._fixed = self._fixed + fixed
         self.items = self.items + fresh
         self.starts = self.starts + starts
         self.keys = self.keys + keys
         self.lives = self.lives + lives
         self.held = self.held + held
         self.depths = self.depths + [1] * len(fresh)
-        self.specs = self.specs + [w.exit for w in fresh]  # (their first loop's)
+        self.specs = self.specs + list(map(_EXIT, fresh))  # (their first loop's)
         self._starts = np.concatenate((self._starts, starts))
         self._rows = np.concatenate((self._rows, rows))
         self._lens = np.concatenate((self._lens, lens))

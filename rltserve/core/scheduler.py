@@ -303,12 +303,21 @@ class Scheduler:
         self, starters: list[Request], items: list[WorkItem], owners: list[InFlight], budget: int
     ) -> int:
         """New depth-1 items: next prompt chunks and next decode tokens."""
+        maker = self.item_maker
         for request in starters:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier starter of this step
-            item = self.item_maker.next_item(request, budget)
+            if request.carry_prev is not None and (not request.items or self._ended(request)):
+                # (Most decode tokens: the runner continues the previous one.)
+                continuation = maker.continuation(request)
+                if continuation is not None and not self.kv.extend(
+                    request.request_id, continuation[0].end
+                ):
+                    budget -= self.continues(request, *continuation)
+                    continue
+            item = maker.next_item(request, budget)
             if item is None:
                 continue  # every output is planned; the request ends with its last result
             rid = request.request_id
@@ -324,37 +333,50 @@ class Scheduler:
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
         """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
-        a decode token the runner will carry gets its key, and starts as the continuation of
-        the request's previous carried token when it can (``StepPlan.continued``). Returns the
-        item's tokens."""
+        a decode token the runner will carry gets its key. Returns the item's tokens."""
         maker = self.item_maker
         carried = item.has_output and maker.carries_next(request)  # (before it moves on)
-        # The runner continues a token only once it has ended: its last loop was planned in an
-        # earlier step (a carried token is over only then).
-        after = carried and (
-            not request.items or all(self._next_loop(request, it) == OVER for it in request.items)
-        )
         request.num_scheduled = item.end
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
         request.items.append(item)
         if not carried:
             return self._plan_loop(request, item, items, owners)
-        self._carry_key += 1
-        item.carry_key = self._carry_key
-        item.carry_step = self._step_id + 1
+        self._carry(request, item)
         item.exit_by = maker.exit_known_by(request, item)
-        self._carried[item.carry_key] = (request, item)
-        # ``_plan_loop`` of its first loop, which a Carry describes with the later ones.
-        self._in_step.add(request.request_id)
-        item.planned = 1
-        previous = maker.continues(request, item) if after else 0
-        if previous:  # its first loop reports as a carried event: no owner to apply
-            self._continued.append((request.request_id, previous, item.carry_key))
-        else:
-            items.append(maker.carried_item(request, item))
-            owners.append(item)
+        items.append(maker.carried_item(request, item))
+        owners.append(item)
         return 1
+
+    def continues(self, request: Request, item: InFlight, previous: int) -> int:
+        """Commits ``item``, the continuation of the request's carried token ``previous``
+        (``ItemMaker.continuation``, its blocks there): its first loop reports as a carried
+        event, so it has no owner to apply. Returns its tokens (1)."""
+        request.num_scheduled = item.end
+        if request.resume is Resume.RECOMPUTE:
+            request.resume = Resume.NONE  # (past ``replay_until``)
+        request.items.append(item)
+        key = self._carry(request, item)
+        _, _, tables, exit_at, boundary, life = request.carry_prev
+        request.carry_prev = (key, item.start, tables, exit_at, boundary, life)
+        self._continued.append((request.request_id, previous, key))
+        return 1
+
+    def _carry(self, request: Request, item: InFlight) -> int:
+        """Gives ``item`` (committed, a decode token) to the runner to carry, its first loop
+        planned in the step being built (``_plan_loop`` of a carried token). Returns its key."""
+        self._carry_key += 1
+        key = item.carry_key = self._carry_key
+        item.carry_step = self._step_id + 1
+        item.planned = 1
+        self._carried[key] = (request, item)
+        self._in_step.add(request.request_id)
+        return key
+
+    def _ended(self, request: Request) -> bool:
+        """Whether every item of the request is a carried token that has ended (its last loop
+        was planned in an earlier step): the runner can continue the newest."""
+        return all(it.carry_key and self._next_loop(request, it) == OVER for it in request.items)
 
     # ---------------------------------------------------------------- results
 

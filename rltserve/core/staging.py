@@ -59,7 +59,8 @@ def move_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``; on CUDA through pinned memory with a non-blocking copy (a
     plain ``.to(cuda)`` of pageable memory waits for the stream)."""
     if device.type != "cuda" or tensor.device.type == "cuda":
-        return tensor.to(device)
+        # (Already there, the usual case on CPU: ``to`` would return it after parsing.)
+        return tensor if device.type == "cpu" and tensor.is_cpu else tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

@@ -50,7 +50,9 @@ class Step:
         self.exits: list[int] = []  # set by run(): the items whose output exits in this step
         # Rows of carried tokens (a ``carry``: the runner's, then the plan's new ones): their
         # results are ``CarriedEvents``.
-        self.carrying = list(map(is_not, map(step_rows.CARRY, items), repeat(None)))
+        self.carrying = [True] * num_carried + list(
+            map(is_not, map(step_rows.CARRY, planned), repeat(None))
+        )
         self.num_carrying = self.carrying.count(True)
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
@@ -150,15 +152,19 @@ class Step:
         then decode tokens, whose inputs are device tensors), the held ones otherwise, which
         are rows of earlier steps' outputs: one index_select over their sources."""
         r, items, lives = self.r, self.items, self.lives
-        if 1 in self.depths:
-            self._enter([i for i, d in enumerate(self.depths) if d == 1])
         nc = self.num_carried
+        entered: tuple[list[int], list[ItemState]] = ([], [])
+        if 1 in self.depths:
+            entered = self._enter([i for i, d in enumerate(self.depths) if d == 1])
         held = [live.items.get(s) for live, s in zip(lives[nc:], starts[nc:])]
         if nc:
             carried = r.carried.held
             if None in carried:  # continued tokens (``StepPlan.continued``), entered just now
-                for k in [k for k, h in enumerate(carried) if h is None]:
-                    carried[k] = lives[k].items[starts[k]]  # (a list of this launch's)
+                # (They are the carried rows at loop 1: the last ones, entered in order.)
+                first = carried.index(None)
+                order, states = entered
+                at = order.index(first)
+                carried[first:] = states[at : at + nc - first]  # (a list of this launch's)
             held = carried + held
         self.held = held
         pending = r.pending_rows
@@ -200,9 +206,10 @@ class Step:
             return state, None
         return state, step_rows.gather_rows([e_src for _, e_src in sources], picks)
 
-    def _enter(self, entering: list[int]) -> None:
+    def _enter(self, entering: list[int]) -> tuple[list[int], list[ItemState]]:
         """The prelude of the items entering loop 1; each gets a fresh state: rows of the
-        prelude's output."""
+        prelude's output. Returns the items in the order they entered (prompt chunks first,
+        then in item order) and their states."""
         r, items, lives = self.r, self.items, self.lives
         every = len(entering) == len(items)
         # (A carried row entering is a continued token: its input is on the runner, whatever
@@ -243,9 +250,12 @@ class Step:
             noise = move_to(noise, r.device)
         s_new = r.model.initial_state(e_new, noise)  # [n_enter, S]
         e_kept = e_new if r.keeps_e else None
-        fresh = map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
+        fresh = list(
+            map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
+        )
         for i, start, h in zip(entering, starts, fresh):
             lives[i].items[start] = h
+        return entering, fresh
 
     def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:
         """[len(decodes)] int64 on the device: the decode tokens' inputs, each a row of the

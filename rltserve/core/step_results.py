@@ -104,13 +104,16 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         rows = sorted(set(noted).union(ends))
         ending = set(ends)
         ended = [i in ending for i in rows]
-    if every:
+    if every:  # (row i is output k = i)
         ks = rows
+        x_col = list(map(exited.__getitem__, rows))
+        next_col = list(map(nexts.__getitem__, rows))
     else:
         k_of = {i: k for k, i in enumerate(out)}
         ks = [k_of.get(i, -1) for i in rows]  # -1: its output exited in an earlier step
+        x_col = [k >= 0 and exited[k] for k in ks]
+        next_col = [k >= 0 and nexts[k] for k in ks]
     n = len(rows)
-    x_col = [k >= 0 and exited[k] for k in ks]
     if sample is None or not any(x_col):
         tokens, logprobs, tops, finite = [-1] * n, [None] * n, [None] * n, [True] * n
     elif rows == step.sampled:  # every sampled row, and only those (a decode batch's exits)
@@ -125,12 +128,14 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         finite = [not sample.finite or j < 0 or sample.finite[j] for j in js]
     depths, keys, nc = step.depths, step.carried_keys, step.num_carried
     return CarriedEvents(
-        [keys[i] if i < nc else items[i].carry.key for i in rows],
+        list(map(keys.__getitem__, rows))
+        if not rows or rows[-1] < nc  # (rows increase: every one a carried row)
+        else [keys[i] if i < nc else items[i].carry.key for i in rows],
         list(map(step_rows.RID, map(items.__getitem__, rows))),
-        [depths[i] for i in rows],
+        list(map(depths.__getitem__, rows)),
         ended,
         x_col,
-        [k >= 0 and nexts[k] for k in ks],
+        next_col,
         tokens,
         logprobs,
         tops,

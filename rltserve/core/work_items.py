@@ -147,33 +147,67 @@ class ItemMaker:
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
 
-    def continues(self, request: Request, item: InFlight) -> int:
-        """The key of the request's previous carried token when the runner can start ``item``
-        (a carried decode token, whose previous items have ended) from it
-        (``StepPlan.continued``): ``item`` is its next position, in the same KV block under the
-        same tables (so the same copy-on-exit blocks), with the same fixed exit and its input
-        the token that one sampled; else 0."""
+    def continuation(self, request: Request) -> tuple[InFlight, int] | None:
+        """The request's next decode token, started as the runner's continuation of its
+        previous carried token (``StepPlan.continued``), with that token's key; None when it
+        cannot be one (``next_item`` and ``Scheduler.start`` then decide). Asked only once
+        every earlier item of the request is a carried token that has ended (the
+        scheduler's ``_ended``).
+
+        It can be one when it is the next position, in the same KV block under the same
+        tables (so with the same copy-on-exit blocks), with the same fixed exit and boundary
+        table, no preemption or rollback since and no draft (what ``carries_next`` asks); its
+        input is the token that one sampled. The item is at loop 1 (``Scheduler.continues``
+        commits it); nothing is changed."""
         prev = request.carry_prev
         if prev is None:
-            return 0
-        key, start, tables, exit_at, boundary, life = prev
+            return None
+        _, start, tables, exit_at, boundary, life = prev
+        at = start + 1
+        produces = at - request.num_prompt_tokens + 1  # the output it produces
+        max_tokens = request.params.max_tokens
         rid = request.request_id
-        bs = self.kv.block_size
         if (
-            start + 1 != item.start
-            or (start + 1) % bs == 0
+            at != request.num_scheduled
+            or at % self.kv.block_size == 0
             or life != request.num_preemptions
-            or item.start <= request.replay_until
+            or at <= request.replay_until
+            or request.pipelined
+            or produces >= max_tokens
+            or at + 1 >= request.max_total_tokens
             or tables is not self.kv.depth_tables(rid)
-            or exit_at != (item.exit_by if request.exit_mode == "fixed" else 0)
             or (self.has_boundary and boundary is not self.kv.boundary_table(rid))
         ):
-            return 0
-        request.carry_prev = (item.carry_key, item.start, tables, exit_at, boundary, life)
+            return None
+        fixed = request.exit_mode == "fixed"
+        exit_by = fixed_exit_depth(request, produces) if fixed else request.max_loops
+        if exit_at != (exit_by if fixed else 0):
+            return None
+        full = self.full
         known = request.carry_blocks  # (the same block under the same tables)
-        if known is not None and item.stop_at_exit and self.copies_on_exit:
-            item.exit_blocks = known[2]
-        return key
+        blocks = known[2] if known is not None and not full and self.copies_on_exit else None
+        # Positional, in field order (``decode_item``).
+        item = InFlight(
+            at,  # start
+            1,  # num_tokens
+            request.num_loops if full else request.max_loops,  # ends_at
+            not full,  # stop_at_exit
+            True,  # has_output
+            produces,  # output_index
+            1,  # planned
+            0,  # applied
+            None,  # exit_depth
+            None,  # delayed_exit_at
+            0,  # draft_at
+            request.epoch,  # epoch
+            life,  # life
+            False,  # copy_at_end
+            blocks,  # exit_blocks
+            0,  # carry_key (``Scheduler.continues``)
+            0,  # carry_step
+            exit_by,  # exit_by
+        )
+        return item, prev[0]
 
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
@@ -185,6 +219,7 @@ class ItemMaker:
         exit_at = item.exit_by if request.exit_mode == "fixed" else 0  # (``exit_known_by``)
         boundary = kv.boundary_table(rid) if self.has_boundary else None
         life = request.num_preemptions
+        # (``continuation`` reads it; ``Scheduler.continues`` moves it on.)
         request.carry_prev = (item.carry_key, start, tables, exit_at, boundary, life)
         spec = exit_spec(request, item, 1)
         copy_blocks: list[int] = []
