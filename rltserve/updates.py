@@ -24,9 +24,10 @@ class UpdateTimeout(ValueError):
     PREFIX = "timeout:"  # how the stage's reply marks it
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
-    """What one step (or an abort) changed for a request, for the engine to emit."""
+    """What one step (or an abort) changed for a request, for the engine to emit. (Slots: one
+    is made per request per step.)"""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)

@@ -154,9 +154,15 @@ class Applier:
             update.new_exit_depths.append(depth)
             update.new_logprobs.append(logprob)
             update.new_top_logprobs.append(top)
-        if len(request.output_token_ids) == 1:
+        n = len(request.output_token_ids)
+        if n == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0
-        reason = self._stop_reason(request, token)
+        # What stops it (a stop id once ``min_tokens`` are out; the most tokens it may have).
+        reason = None
+        if token in request.stop_ids and n >= request.params.min_tokens:
+            reason = FinishReason.STOP
+        elif n >= request.max_outputs:
+            reason = FinishReason.LENGTH
         bounded = request.params.max_thinking_tokens is not None  # (bounded thinking only)
         if reason is None and bounded and force_thinking_end(request, update):
             reason = FinishReason.LENGTH
@@ -187,14 +193,6 @@ class Applier:
         request.items = [it for it in request.items if it.start < position]
         request.num_scheduled = position
         request.epoch += 1
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        n = len(request.output_token_ids)
-        if token in request.stop_ids and n >= request.params.min_tokens:
-            return FinishReason.STOP
-        if n >= request.max_outputs:
-            return FinishReason.LENGTH
-        return None
 
     def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
         """A failed step: its requests (and those it lost) end; nothing else is touched."""

@@ -151,7 +151,10 @@ class CarriedRows:
             first = blocks[0]
             tables = None
             if first is not None and all(map(is_, blocks, repeat(first))):
-                tables = (first[0][list(at)], first[1][list(at)])
+                if len(at) == first[0].shape[0] and at == tuple(range(len(at))):
+                    tables = first  # (every token that ended with them, in order)
+                else:
+                    tables = (first[0][list(at)], first[1][list(at)])
             n = len(keys)
             self._append(
                 list(templates), list(map(_NEXT, starts)), keys, list(lives), [None] * n, tables
@@ -173,8 +176,12 @@ class CarriedRows:
         if ending:
             ended = self._ended
             gone = [i for i in ending if i < num_carried]
-            # Their table rows, for the tokens that continue them (``advance``).
-            block = (self._rows[gone], self._lens[gone]) if gone else None
+            # Their table rows, for the tokens that continue them (``advance``): these arrays
+            # when every row ends (``_remove`` replaces them, never changes them).
+            if len(gone) == num_carried:
+                block = (self._rows, self._lens)
+            else:
+                block = (self._rows[gone], self._lens[gone]) if gone else None
             starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
             k = 0
             for i in ending:  # (the last of a request's tokens ending here is its newest)

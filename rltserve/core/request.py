@@ -73,7 +73,7 @@ class InFlight:
         return self.start + self.num_tokens
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -125,7 +125,7 @@ class Request:
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt_token_ids)
-    # What ends it, read once per sampled token (``Applier._stop_reason``): the ids that stop it
+    # What ends it, read once per sampled token (``Applier._append_token``): the ids that stop it
     # once ``min_tokens`` are out (EOS unless ignored, and ``stop_token_ids``), and the most
     # output tokens ``max_tokens`` and the context limit allow.
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
