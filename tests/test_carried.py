@@ -127,7 +127,7 @@ def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
 def test_carried_columns_and_items_stay_in_step(ckpts, name):
     """After every launch the runner's columns of each carried row are its request's live
     state and held state, and after every applied result each token the scheduler carries is
-    one of its request's items (which ``Applier._end_carried`` removes)."""
+    one of its request's items (which ``Applier._apply_carried`` removes at its end)."""
     engine, drive, _, _ = CONFIGS[name]
     prompts, params = _workload(8, seed=11)
     core = make_core(ckpts["ouro"], **engine)

@@ -72,8 +72,9 @@ class Applier:
             if owner is None:
                 continue  # its request finished, was aborted or preempted meanwhile
             request, item = owner
-            if ended:
-                self._end_carried(request, item)
+            if ended:  # the runner runs it no more: forgotten, and out of the request's items
+                del carried[key]
+                request.items.remove(item)  # (an item is carried only while it is one of them)
             if exit_next:
                 item.delayed_exit_at = depth + 1
             if exited:
@@ -124,11 +125,6 @@ class Applier:
             return False
         self._append_token(request, depth, token, logprob, top, updates)
         return True
-
-    def _end_carried(self, request: Request, item: InFlight) -> None:
-        """A carried token the runner runs no more: forgotten, and out of the request's items."""
-        self.s._carried.pop(item.carry_key, None)
-        request.items.remove(item)  # (an item is carried only while it is one of them)
 
     def _append_token(
         self,

@@ -56,6 +56,8 @@ _RID = attrgetter("request_id")
 _EXIT = attrgetter("exit")
 _EXIT_AT = attrgetter("carry.exit_at")
 _KEY = itemgetter(3)
+_BLOCK = itemgetter(4)
+_AT = itemgetter(5)
 _NEXT = (1).__add__
 _SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
@@ -107,21 +109,30 @@ class CarriedRows:
         """Row ``k``'s block table at loop ``depth``."""
         return self.items[k].carry.tables[depth - 1]
 
-    def spec_columns(self) -> tuple[tuple, ...]:
-        """The columns of ``specs``: (modes, exit_now, min_loops, max_loops, thresholds), built
-        once per ``specs`` list (a decode batch keeps one for several steps)."""
+    def spec_columns(self) -> tuple:
+        """The columns of ``specs`` (modes, exit_now, min_loops, max_loops, thresholds), then
+        the set of modes and the lowest cap, built once per ``specs`` list (a decode batch
+        keeps one for several steps)."""
         if self._spec_columns[0] is not self.specs:
             columns = tuple(zip(*map(_SPEC, self.specs))) if self.specs else ((),) * 5
-            self._spec_columns = (self.specs, columns)
+            kinds = frozenset(columns[0])
+            lowest = min(columns[3]) if self.specs else 0
+            self._spec_columns = (self.specs, (*columns, kinds, lowest))
         return self._spec_columns[1]
 
     def spans(self) -> tuple[Spans, np.ndarray]:
         """The carried rows at their current depths (after ``advance``): their attention spans
         without tables, and [B] the ``BlockTables`` rows holding the tables."""
         n = len(self.items)
-        ar = np.arange(n)
-        d = np.fromiter(self.depths, dtype=np.int64, count=n) - 1
-        return Spans(self._starts, np.ones_like(d), self._lens[ar, d]), self._rows[ar, d]
+        depths = self.depths
+        if depths.count(depths[0]) == n:  # (a decode batch in lockstep: one column)
+            d = depths[0] - 1
+            lens, rows = self._lens[:, d], self._rows[:, d]
+        else:
+            ar = np.arange(n)
+            d = np.fromiter(depths, dtype=np.int64, count=n) - 1
+            lens, rows = self._lens[ar, d], self._rows[ar, d]
+        return Spans(self._starts, np.ones(n, dtype=np.int64), lens), rows
 
     def advance(self, continued: list[tuple[str, int, int]] = ()) -> list[WorkItem]:
         """Moves every carried token to its next loop, then starts the ``continued`` tokens
@@ -145,16 +156,17 @@ class CarriedRows:
                     c = self.items[k].carry
                     specs[k] = c.specs[self.depths[k] >= c.exit_at]
         if continued:  # the next positions, each under its predecessor's item
-            templates, lives, starts, _, blocks, at = zip(*ended)
             # Their tables are their predecessors': so are the table rows, kept when they
             # ended (usually all in one block: the tokens that ended in one step).
-            first = blocks[0]
+            first = ended[0][4]
             tables = None
-            if first is not None and all(map(is_, blocks, repeat(first))):
-                if len(at) == first[0].shape[0] and at == tuple(range(len(at))):
-                    tables = first  # (every token that ended with them, in order)
+            if first is not None and all(map(is_, map(_BLOCK, ended), repeat(first))):
+                at = list(map(_AT, ended))
+                if len(at) == first[0].shape[0] and at == list(range(len(at))):
+                    tables = first  # (every token that ended with them)
                 else:
-                    tables = (first[0][list(at)], first[1][list(at)])
+                    tables = (first[0][at], first[1][at])
+            templates, lives, starts = list(zip(*ended))[:3]
             n = len(keys)
             self._append(
                 list(templates), list(map(_NEXT, starts)), keys, list(lives), [None] * n, tables
@@ -179,15 +191,15 @@ class CarriedRows:
             # Their table rows, for the tokens that continue them (``advance``): these arrays
             # when every row ends (``_remove`` replaces them, never changes them).
             if len(gone) == num_carried:
-                block = (self._rows, self._lens)
+                block, at = (self._rows, self._lens), gone
             else:
-                block = (self._rows[gone], self._lens[gone]) if gone else None
+                block, at = (self._rows[gone], self._lens[gone]), range(len(gone))
             starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
             k = 0
             for i in ending:  # (the last of a request's tokens ending here is its newest)
                 w = items[i]
                 if i < num_carried:
-                    ended[w.request_id] = (w, lives[i], starts[i], keys[i], block, k)
+                    ended[w.request_id] = (w, lives[i], starts[i], keys[i], block, at[k])
                     k += 1
                 elif w.carry is not None:
                     ended[w.request_id] = (w, lives[i], w.start, w.carry.key, None, 0)

@@ -95,11 +95,14 @@ class SampleOutput:
 _PLAIN = attrgetter("plain")
 
 
-def _finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[R] bool: the row's logits are all finite. A row's max is NaN when it holds a NaN (max
-    and min propagate NaN) or +inf, its min NaN or -inf: two reductions instead of
-    ``isfinite(logits).all(-1)``, which writes and rereads an [R, V] mask (8x the time on CPU)."""
-    return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R] int64: each row's argmax (the first maximal id), and [R] bool: the row's logits are
+    all finite. A row's max is NaN when it holds a NaN (max and min propagate NaN) or +inf,
+    its min NaN or -inf: ``max`` gives the argmax with the max in one reduction, so two in all
+    (not ``isfinite(logits).all(-1)``, which writes and rereads an [R, V] mask: 8x the time on
+    CPU; an argmax beside ``amax`` and ``amin``: 1.4-1.7x)."""
+    top, tokens = logits.max(dim=-1)
+    return tokens, torch.isfinite(top) & torch.isfinite(logits.amin(dim=-1))
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -158,7 +161,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
         logits = logits if logits.dtype == torch.float32 else logits.float()
         if all(map(_PLAIN, rows)):  # every row greedy, nothing more asked of it
-            return DeviceSample(logits.argmax(dim=-1), _finite_rows(logits), [], [])
+            return DeviceSample(*_greedy(logits), [], [])
         device = logits.device
         penalized = [
             i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
@@ -169,8 +172,7 @@ class Sampler:
             logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
 
         # One reduction per step over the sampled rows only; read with the tokens, no sync.
-        finite = _finite_rows(logits)  # [R]
-        tokens = logits.argmax(dim=-1)  # [R]; the result of greedy rows
+        tokens, finite = _greedy(logits)  # [R]; the result of greedy rows
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = to_device(sampled, device)

@@ -310,12 +310,12 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier starter of this step
             if request.carry_prev is not None and (not request.items or self._ended(request)):
-                # (Most decode tokens: the runner continues the previous one.)
-                continuation = maker.continuation(request)
-                if continuation is not None and not self.kv.extend(
-                    request.request_id, continuation[0].end
-                ):
-                    budget -= self.continues(request, *continuation)
+                # Most decode tokens: the runner continues the request's previous one.
+                key = self._carry_key + 1
+                item = maker.continuation(request, key, self._step_id + 1)
+                if item is not None and not self.kv.extend(request.request_id, item.start + 1):
+                    self._continues(request, item)
+                    budget -= 1
                     continue
             item = maker.next_item(request, budget)
             if item is None:
@@ -348,30 +348,31 @@ class Scheduler:
         owners.append(item)
         return 1
 
-    def continues(self, request: Request, item: InFlight, previous: int) -> int:
-        """Commits ``item``, the continuation of the request's carried token ``previous``
-        (``ItemMaker.continuation``, its blocks there): its first loop reports as a carried
-        event, so it has no owner to apply. Returns its tokens (1)."""
-        request.num_scheduled = item.end
+    def _continues(self, request: Request, item: InFlight) -> None:
+        """Commits ``item`` (``ItemMaker.continuation``, its blocks there; its key the next),
+        the continuation of the request's carried token: its first loop reports as a carried
+        event, so it has no owner to apply."""
+        key = self._carry_key = item.carry_key
+        rid = request.request_id
+        request.num_scheduled = item.start + 1
         if request.resume is Resume.RECOMPUTE:
             request.resume = Resume.NONE  # (past ``replay_until``)
         request.items.append(item)
-        key = self._carry(request, item)
-        _, _, tables, exit_at, boundary, life = request.carry_prev
+        self._carried[key] = (request, item)
+        self._in_step.add(rid)
+        previous, _, tables, exit_at, boundary, life = request.carry_prev
         request.carry_prev = (key, item.start, tables, exit_at, boundary, life)
-        self._continued.append((request.request_id, previous, key))
-        return 1
+        self._continued.append((rid, previous, key))
 
-    def _carry(self, request: Request, item: InFlight) -> int:
+    def _carry(self, request: Request, item: InFlight) -> None:
         """Gives ``item`` (committed, a decode token) to the runner to carry, its first loop
-        planned in the step being built (``_plan_loop`` of a carried token). Returns its key."""
+        planned in the step being built (``_plan_loop`` of a carried token)."""
         self._carry_key += 1
-        key = item.carry_key = self._carry_key
+        item.carry_key = self._carry_key
         item.carry_step = self._step_id + 1
         item.planned = 1
-        self._carried[key] = (request, item)
+        self._carried[item.carry_key] = (request, item)
         self._in_step.add(request.request_id)
-        return key
 
     def _ended(self, request: Request) -> bool:
         """Whether every item of the request is a carried token that has ended (its last loop

@@ -287,6 +287,7 @@ class Step:
         """
         out, held = self.out, self.held
         self.modes: tuple[str, ...] = ()
+        self.kinds: frozenset[str] = frozenset()  # the modes present
         if not out:
             return []
         r = self.r
@@ -309,12 +310,14 @@ class Step:
             rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
             out_state = state.index_select(0, rows)
         if carried_out:  # their columns, built once per specs list
-            modes, exit_now, min_loops, max_loops, thresholds = r.carried.spec_columns()
+            columns = r.carried.spec_columns()
+            modes, exit_now, min_loops, max_loops, thresholds, kinds, lowest = columns
         else:
             modes, exit_now, min_loops, max_loops, thresholds = zip(
                 *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
             )
-        self.modes = modes
+            kinds, lowest = frozenset(modes), min(max_loops)
+        self.modes, self.kinds = modes, kinds
         logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
         crossed_now: list[bool] | None = None
         new_gate = None
@@ -329,11 +332,11 @@ class Step:
             crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
             self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
-            if "gate" in modes:
+            if "gate" in kinds:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
             self.gate_rows = new_gate  # written with the states, or left pending (run())
-        if set(modes) == {"delayed"}:
-            if max(out_depths) < min(max_loops) and not any(map(step_rows.PENDING, out_held)):
+        if kinds == {"delayed"}:
+            if max(out_depths) < lowest and not any(map(step_rows.PENDING, out_held)):
                 exited = [False] * m  # (most steps: no row is at its cap or decided)
             else:
                 exited = [

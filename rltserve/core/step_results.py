@@ -34,7 +34,7 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
         # Delayed mode: a crossing that did not exit now makes the next loop the exit.
         if not any(crossed):
             nexts = [False] * m
-        elif all(mode == "delayed" for mode in set(step.modes)):
+        elif step.kinds == {"delayed"}:
             nexts = [c and not x for c, x in zip(crossed, exited)]
         else:
             nexts = [

@@ -147,17 +147,17 @@ class ItemMaker:
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
 
-    def continuation(self, request: Request) -> tuple[InFlight, int] | None:
+    def continuation(self, request: Request, key: int, step: int) -> InFlight | None:
         """The request's next decode token, started as the runner's continuation of its
-        previous carried token (``StepPlan.continued``), with that token's key; None when it
-        cannot be one (``next_item`` and ``Scheduler.start`` then decide). Asked only once
-        every earlier item of the request is a carried token that has ended (the
-        scheduler's ``_ended``).
+        previous carried token (``StepPlan.continued``) with carry key ``key`` in step
+        ``step``; None when it cannot be one (``next_item`` and ``Scheduler.start`` then
+        decide). Asked only once every earlier item of the request is a carried token that
+        has ended (the scheduler's ``_ended``).
 
         It can be one when it is the next position, in the same KV block under the same
         tables (so with the same copy-on-exit blocks), with the same fixed exit and boundary
         table, no preemption or rollback since and no draft (what ``carries_next`` asks); its
-        input is the token that one sampled. The item is at loop 1 (``Scheduler.continues``
+        input is the token that one sampled. The item is at loop 1 (``Scheduler._continues``
         commits it); nothing is changed."""
         prev = request.carry_prev
         if prev is None:
@@ -203,11 +203,11 @@ class ItemMaker:
             life,  # life
             False,  # copy_at_end
             blocks,  # exit_blocks
-            0,  # carry_key (``Scheduler.continues``)
-            0,  # carry_step
+            key,  # carry_key
+            step,  # carry_step
             exit_by,  # exit_by
         )
-        return item, prev[0]
+        return item
 
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
@@ -219,7 +219,7 @@ class ItemMaker:
         exit_at = item.exit_by if request.exit_mode == "fixed" else 0  # (``exit_known_by``)
         boundary = kv.boundary_table(rid) if self.has_boundary else None
         life = request.num_preemptions
-        # (``continuation`` reads it; ``Scheduler.continues`` moves it on.)
+        # (``continuation`` reads it; ``Scheduler._continues`` moves it on.)
         request.carry_prev = (item.carry_key, start, tables, exit_at, boundary, life)
         spec = exit_spec(request, item, 1)
         copy_blocks: list[int] = []
