@@ -105,7 +105,7 @@ class BlockTables:
         # thread) mismatches it at the next step and is rewritten then.
         n = len(table)
         old, m = entry[1], entry[2]
-        if 0 < m < n <= self.array.shape[1] and table[:m] == old[:m]:
+        if 0 < m < n <= self.array.shape[1] and table[:m] == (old if len(old) == m else old[:m]):
             # Grown (the usual change): only the new blocks are written; the padding after
             # them is the first block, the same in both.
             self.array[entry[0], m:n] = table[m:n]
