@@ -88,6 +88,8 @@ class CarriedRows:
         # Request id -> its last carried token that ended (item, request state, position, key,
         # and when it was a row: the ``_rows`` and ``_lens`` rows of the tokens that ended with
         # it and its index there): the token a plan may continue (``StepPlan.continued``).
+        # (Those arrays stay alive until every token that ended with them is continued or
+        # dropped: a few KB per batch.)
         self._ended: dict[str, tuple] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
@@ -192,7 +194,7 @@ class CarriedRows:
             # when every row ends (``_remove`` replaces them, never changes them).
             if len(gone) == num_carried:
                 block, at = (self._rows, self._lens), gone
-            else:
+            elif gone:
                 block, at = (self._rows[gone], self._lens[gone]), range(len(gone))
             starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
             k = 0

@@ -154,10 +154,11 @@ class ItemMaker:
         decide). Asked only once every earlier item of the request is a carried token that
         has ended (the scheduler's ``_ended``).
 
-        It can be one when it is the next position, in the same KV block under the same
-        tables (so with the same copy-on-exit blocks), with the same fixed exit and boundary
-        table, no preemption or rollback since and no draft (what ``carries_next`` asks); its
-        input is the token that one sampled. The item is at loop 1 (``Scheduler._continues``
+        It can be one when it is the next position (so no rollback since: one moves
+        ``num_scheduled`` back), in the same KV block under the same tables (so with the same
+        copy-on-exit blocks), with the same fixed exit and boundary table, no preemption since
+        (the same life) and no draft (what ``carries_next`` asks); its input is the token that
+        one sampled. The item is at loop 1 (``Scheduler._continues``
         commits it); nothing is changed."""
         prev = request.carry_prev
         if prev is None:
