@@ -1,12 +1,12 @@
-"""``RequestUpdate`` crosses to the front end's process every step: its pickled form keeps
-every field."""
+"""``RequestUpdate`` crosses to the front end's process every step: its pickled form and its
+wire form (``to_wire``: a tuple of its fields) keep every field."""
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
 
-from rltserve.updates import FinishReason, RequestUpdate
+from rltserve.updates import FinishReason, RequestUpdate, from_wire, to_wire
 
 
 def test_request_update_pickles_every_field():
@@ -30,5 +30,10 @@ def test_request_update_pickles_every_field():
         back = pickle.loads(pickle.dumps(update, protocol=protocol))
         assert back == update and back is not update
         assert dataclasses.asdict(back) == values
+        # As the stage sends a step's updates: tuples of plain values.
+        wire = pickle.loads(pickle.dumps(to_wire([update, RequestUpdate("r2")]), protocol))
+        assert all(type(row) is tuple for row in wire)
+        got = from_wire(wire)
+        assert got == [update, RequestUpdate("r2")] and dataclasses.asdict(got[0]) == values
     plain = pickle.loads(pickle.dumps(RequestUpdate("r2")))
     assert plain == RequestUpdate("r2")

@@ -42,6 +42,7 @@ from rltserve.core.engine import EngineCore
 from rltserve.core.plan import StepPlan
 from rltserve.core.stage_worker import tune_gc
 from rltserve.sampling import SamplingParams
+from rltserve.updates import to_wire
 
 PHASES = ("plan", "runner", "apply", "emit")
 CHUNK = 512
@@ -121,7 +122,8 @@ class _Unattended:
 
 
 def _emit(core: EngineCore, updates: list) -> None:
-    pickle.dumps(("updates", updates, core.stats()), protocol=pickle.HIGHEST_PROTOCOL)
+    message = ("updates", to_wire(updates), core.stats())  # (as the stage sends it)
+    pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str, Any]:

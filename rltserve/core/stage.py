@@ -7,8 +7,9 @@ process (unit tests, and callers that do not want a second process). Both delive
 update to the ``sink`` given with the request, on the client's reader thread.
 
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]), ("abort", rid),
-("shutdown",); from the stage ("ready", EngineInfo), ("updates", [RequestUpdate, ...]),
-("fatal", message). Updates carry an EngineStats snapshot: ("updates", [RequestUpdate], stats).
+("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields, ...], stats)
+(each update as a tuple of its fields: ``updates.to_wire``, with an EngineStats snapshot),
+("fatal", message).
 A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
 ("reply", token, error or None, weight_version).
 
@@ -35,7 +36,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout
+from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout, from_wire, to_wire
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
             run_engine_loop(
                 core,
                 inbox,
-                lambda u, st: send(("updates", u, st)),
+                lambda u, st: send(("updates", to_wire(u), st)),
                 lambda token, error, version: send(("reply", token, error, version)),
             )
         )
@@ -136,7 +137,7 @@ class _ClientBase(ABC):
             self._ready.set()
         elif kind == "updates":
             self.stats = message[2]
-            for update in message[1]:
+            for update in from_wire(message[1]):
                 with self._lock:
                     sink = self._sinks.get(update.request_id)
                     if update.finish_reason is not None:
