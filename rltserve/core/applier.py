@@ -77,7 +77,10 @@ class Applier:
                 request.items.remove(item)  # (an item is carried only while it is one of them)
             if exit_next:
                 item.delayed_exit_at = depth + 1
-            if exited:
+            if exited and finite:  # (``_exit``'s usual case, one call fewer per token)
+                item.exit_depth = depth
+                self._append_token(request, depth, token, logprob, top, updates)
+            elif exited:
                 self._exit(request, item, depth, token, logprob, top, finite, updates)
 
     def _apply_outcome(
