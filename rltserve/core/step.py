@@ -332,7 +332,8 @@ class Step:
             surv = surv * torch.rsub(lam, 1.0)  # (1 - lam, without Tensor.__rsub__'s wrapper)
             new_gate = torch.stack((surv, cdf))  # [2, M]
             crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
-            self.outputs.add("gate", new_gate)
+            if not carried_out:  # (a carried row's result is its events: no gate values)
+                self.outputs.add("gate", new_gate)
             self.outputs.add("crossed", crossed)
             if "gate" in kinds:
                 crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous

@@ -28,8 +28,9 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
     out, exited = step.out, step.exited
     m = len(exited)
     every = isinstance(out, range)
-    if "gate" in host:
-        survival, cdf = host["gate"]
+    if "crossed" in host:
+        # (No gate values when every output row is a carried token's: they go unread.)
+        survival, cdf = host["gate"] if "gate" in host else (repeat(1.0, m), repeat(0.0, m))
         crossed = host["crossed"]
         # Delayed mode: a crossing that did not exit now makes the next loop the exit.
         if not any(crossed):

@@ -135,6 +135,8 @@ def copy_on_exit(
         it = items[i]
         if i < nc:  # a carried row: its Carry's copy targets and table at its depth
             d = carried[i]
+            if d >= len(it.carry.copy_blocks):
+                continue  # (at its last plane: the usual exit of a decode batch's token)
             copies = it.carry.copy_blocks[d:]
             table = it.carry.tables[d - 1]
         else:
