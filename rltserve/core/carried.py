@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, itemgetter
+from operator import add, attrgetter, is_, itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -117,9 +117,7 @@ class CarriedRows:
         keeps one for several steps)."""
         if self._spec_columns[0] is not self.specs:
             columns = tuple(zip(*map(_SPEC, self.specs))) if self.specs else ((),) * 5
-            kinds = frozenset(columns[0])
-            lowest = min(columns[3]) if self.specs else 0
-            self._spec_columns = (self.specs, (*columns, kinds, lowest))
+            self._spec_columns = (self.specs, _with_summary(columns))
         return self._spec_columns[1]
 
     def spans(self) -> tuple[Spans, np.ndarray]:
@@ -259,7 +257,12 @@ class CarriedRows:
         self.lives = self.lives + lives
         self.held = self.held + held
         self.depths = self.depths + [1] * len(fresh)
-        self.specs = self.specs + list(map(_EXIT, fresh))  # (their first loop's)
+        old, added = self.specs, list(map(_EXIT, fresh))  # (their first loop's)
+        self.specs = old + added
+        if self._spec_columns[0] is old and old:  # (the columns grow with the rows)
+            columns = self._spec_columns[1][:5]
+            columns = tuple(map(add, columns, zip(*map(_SPEC, added))))
+            self._spec_columns = (self.specs, _with_summary(columns))
         self._starts = np.concatenate((self._starts, starts))
         self._rows = np.concatenate((self._rows, rows))
         self._lens = np.concatenate((self._lens, lens))
@@ -301,7 +304,11 @@ class CarriedRows:
         self.starts = list(compress(self.starts, kept))
         self.keys = list(compress(self.keys, kept))
         self.depths = list(compress(self.depths, kept))
-        self.specs = list(compress(self.specs, kept))
+        old = self.specs
+        self.specs = list(compress(old, kept))
+        if self._spec_columns[0] is old and self.specs:  # (the columns lose the rows too)
+            columns = tuple(tuple(compress(c, kept)) for c in self._spec_columns[1][:5])
+            self._spec_columns = (self.specs, _with_summary(columns))
         self.lives = list(compress(self.lives, kept))
         self.held = list(compress(self.held, kept))
         if self._fixed:
@@ -310,6 +317,12 @@ class CarriedRows:
         self._starts = self._starts[keep]
         self._rows = self._rows[keep]
         self._lens = self._lens[keep]
+
+
+def _with_summary(columns: tuple) -> tuple:
+    """Spec columns (modes, exit_now, min_loops, max_loops, thresholds), then the set of
+    modes and the lowest cap (0 without rows)."""
+    return (*columns, frozenset(columns[0]), min(columns[3]) if columns[3] else 0)
 
 
 def _same(known: list[list[int]], tables: list[list[int]]) -> bool:
