@@ -149,7 +149,11 @@ class CarriedRows:
             for rid in rids:
                 del self._ended[rid]
         if self.items:
-            self.depths = list(map(_NEXT, self.depths))
+            depths = self.depths
+            if depths.count(depths[0]) == len(depths):  # (a decode batch in lockstep)
+                self.depths = [depths[0] + 1] * len(depths)
+            else:
+                self.depths = list(map(_NEXT, depths))
             if self._fixed:
                 specs = self.specs = self.specs[:]
                 for k in self._fixed:

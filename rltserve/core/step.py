@@ -11,7 +11,7 @@ penalty history, rollbacks).
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import is_, is_not
+from operator import add, is_, is_not
 
 import torch
 
@@ -64,7 +64,7 @@ class Step:
         # Positions: a carried row's is the runner's column, not its item's (a template).
         starts = list(map(step_rows.START, planned))
         starts = self.starts = r.carried.starts + starts if nc else starts
-        counts = list(map(step_rows.COUNT, items))
+        counts = [1] * nc + list(map(step_rows.COUNT, planned))  # (a carried row is a token)
         # The carried rows' moving fields are the runner's columns, not their items' fields.
         self.depths = list(map(step_rows.DEPTH, planned))
         specs = list(map(step_rows.EXIT, planned))
@@ -125,7 +125,9 @@ class Step:
                 held[i].exited = True
         self.ending = ending
         self.sampled = self._coda_and_sample(positions, state, ending, exits)
-        self.drafts = self._draft(positions, state) if any(map(step_rows.DRAFT, items)) else []
+        # (Carried tokens are never pipelined: only the plan's items may draft.)
+        drafting = any(map(step_rows.DRAFT, planned))
+        self.drafts = self._draft(positions, state) if drafting else []
         # The items' states are rows of this step's output: the next step gathers them in one
         # call. Left pending when no item ends (the next step is likely the same items);
         # written now otherwise. An ending item's state goes.
@@ -314,6 +316,11 @@ class Step:
         if carried_out:  # their columns, built once per specs list
             columns = r.carried.spec_columns()
             modes, exit_now, min_loops, max_loops, thresholds, kinds, lowest = columns
+        elif every and nc:  # the carried rows' columns, then the plan's items'
+            head = r.carried.spec_columns()
+            tail = tuple(zip(*map(step_rows.SPEC, specs[nc:])))
+            modes, exit_now, min_loops, max_loops, thresholds = map(add, head[:5], tail)
+            kinds, lowest = head[5].union(tail[0]), min(head[6], min(tail[3]))
         else:
             modes, exit_now, min_loops, max_loops, thresholds = zip(
                 *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
