@@ -45,9 +45,24 @@ class RequestUpdate:
     num_cached_tokens: int | None = None
 
     def __reduce__(self) -> tuple:
-        # As positional fields (in field order) an update pickles in half the time and bytes
-        # of the default (a dict of field names per object), and unpickles in half the time.
-        return RequestUpdate, to_wire((self,))[0]
+        # As positional fields (in field order, as ``to_wire`` gives them) an update pickles
+        # in half the time and bytes of the default (a dict of field names per object), and
+        # unpickles in half the time. (Spelled out: going through ``to_wire`` costs 40% more.)
+        return (
+            RequestUpdate,
+            (
+                self.request_id,
+                self.new_token_ids,
+                self.new_exit_depths,
+                self.new_logprobs,
+                self.new_top_logprobs,
+                self.finish_reason,
+                self.error,
+                self.rejected,
+                self.weight_version,
+                self.num_cached_tokens,
+            ),
+        )
 
 
 def to_wire(updates: Iterable[RequestUpdate]) -> list[tuple]:
