@@ -16,6 +16,10 @@ from rltserve.core.plan import Carry, ExitSpec, WorkItem
 from rltserve.sampling import SamplingParams
 
 
+def _spec_row(spec: ExitSpec) -> tuple:
+    return (spec.mode, spec.exit_now, spec.min_loops, spec.max_loops, spec.threshold)
+
+
 def _workload(n: int, seed: int, thresholds=(0.3, 0.5, 0.7, 1.0), max_tokens=8):
     rng = random.Random(seed)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(n)]
@@ -140,6 +144,11 @@ def test_carried_columns_and_items_stay_in_step(ckpts, name):
         rows = runner.carried
         assert len(rows.lives) == len(rows.held) == len(rows.items) == len(rows.starts)
         assert len(rows.keys) == len(rows.items)
+        assert rows.ends == [w.ends_at for w in rows.items]
+        # The spec columns (kept up to date as rows come and go) are those of the specs.
+        columns = rows.spec_columns()
+        assert columns[:5] == (tuple(zip(*[_spec_row(x) for x in rows.specs])) or ((),) * 5)
+        assert columns[5] == frozenset(columns[0])
         for w, start, live, held in zip(rows.items, rows.starts, rows.lives, rows.held):
             assert live is runner.live[w.request_id]
             assert held is live.items[start]

@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # (torch-free at run time)
 
 _RID = attrgetter("request_id")
 _EXIT = attrgetter("exit")
+_ENDS_AT = attrgetter("ends_at")
 _EXIT_AT = attrgetter("carry.exit_at")
 _KEY = itemgetter(3)
 _BLOCK = itemgetter(4)
@@ -67,6 +68,7 @@ class CarriedRows:
         self.items: list[WorkItem] = []  # each carried token's item (template), carry order
         self.starts: list[int] = []  # each token's position
         self.keys: list[int] = []  # its ``Carry.key`` (the scheduler's name for it)
+        self.ends: list[int] = []  # its item's ``ends_at`` (its last loop at the latest)
         self.depths: list[int] = []  # each token's depth at the step last built
         self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
         # The runner's values of each token, which stay the same objects while it is carried:
@@ -258,12 +260,13 @@ class CarriedRows:
         self.items = self.items + fresh
         self.starts = self.starts + starts
         self.keys = self.keys + keys
+        self.ends = self.ends + list(map(_ENDS_AT, fresh))
         self.lives = self.lives + lives
         self.held = self.held + held
         self.depths = self.depths + [1] * len(fresh)
         old, added = self.specs, list(map(_EXIT, fresh))  # (their first loop's)
         self.specs = old + added
-        if self._spec_columns[0] is old and old:  # (the columns grow with the rows)
+        if self._spec_columns[0] is old and added:  # (the columns grow with the rows)
             columns = self._spec_columns[1][:5]
             columns = tuple(map(add, columns, zip(*map(_SPEC, added))))
             self._spec_columns = (self.specs, _with_summary(columns))
@@ -307,10 +310,11 @@ class CarriedRows:
         self.items = list(compress(self.items, kept))
         self.starts = list(compress(self.starts, kept))
         self.keys = list(compress(self.keys, kept))
+        self.ends = list(compress(self.ends, kept))
         self.depths = list(compress(self.depths, kept))
         old = self.specs
         self.specs = list(compress(old, kept))
-        if self._spec_columns[0] is old and self.specs:  # (the columns lose the rows too)
+        if self._spec_columns[0] is old:  # (the columns lose the rows too)
             columns = tuple(tuple(compress(c, kept)) for c in self._spec_columns[1][:5])
             self._spec_columns = (self.specs, _with_summary(columns))
         self.lives = list(compress(self.lives, kept))

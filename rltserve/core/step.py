@@ -111,7 +111,8 @@ class Step:
         exits = self.exits = [i for i, x in zip(self.out, exited) if x] if any(exited) else []
         step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc], starts)
         depths = self.depths
-        ends_at = list(map(step_rows.ENDS_AT, items))
+        ends_at = list(map(step_rows.ENDS_AT, planned))
+        ends_at = r.carried.ends + ends_at if nc else ends_at
         ending = (
             [i for i, (d, end) in enumerate(zip(depths, ends_at)) if d >= end]
             if max(depths) >= min(ends_at)
