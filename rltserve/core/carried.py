@@ -127,7 +127,7 @@ class CarriedRows:
         without tables, and [B] the ``BlockTables`` rows holding the tables."""
         n = len(self.items)
         depths = self.depths
-        if depths.count(depths[0]) == n:  # (a decode batch in lockstep: one column)
+        if n and depths.count(depths[0]) == n:  # (a decode batch in lockstep: one column)
             d = depths[0] - 1
             lens, rows = self._lens[:, d], self._rows[:, d]
         else:

@@ -158,8 +158,8 @@ class ItemMaker:
         ``num_scheduled`` back), in the same KV block under the same tables (so with the same
         copy-on-exit blocks), with the same fixed exit and boundary table, no preemption since
         (the same life) and no draft (what ``carries_next`` asks); its input is the token that
-        one sampled. The item is at loop 1 (``Scheduler._continues``
-        commits it); nothing is changed."""
+        one sampled. The item is at loop 1 (``Scheduler._continues`` commits it); nothing is
+        changed."""
         prev = request.carry_prev
         if prev is None:
             return None
@@ -188,7 +188,7 @@ class ItemMaker:
         known = request.carry_blocks  # (the same block under the same tables)
         blocks = known[2] if known is not None and not full and self.copies_on_exit else None
         # Positional, in field order (``decode_item``).
-        item = InFlight(
+        return InFlight(
             at,  # start
             1,  # num_tokens
             request.num_loops if full else request.max_loops,  # ends_at
@@ -208,7 +208,6 @@ class ItemMaker:
             step,  # carry_step
             exit_by,  # exit_by
         )
-        return item
 
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
