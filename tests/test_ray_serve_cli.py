@@ -64,7 +64,9 @@ async def test_serve_with_replicas_stops_its_local_cluster(tmp_path_factory):
         async with aiohttp.ClientSession() as session:
             deadline = time.monotonic() + 240
             while True:
-                assert process.poll() is None and time.monotonic() < deadline
+                # (An early exit says why: its error output.)
+                assert process.poll() is None, f"serve exited: {process.stderr.read()}"
+                assert time.monotonic() < deadline
                 try:
                     async with session.get(url + "/health") as r:
                         if r.status == 200:
