@@ -311,9 +311,8 @@ class Scheduler:
                 continue  # preempted for an earlier starter of this step
             if request.carry_prev is not None and (not request.items or self._ended(request)):
                 # Most decode tokens: the runner continues the request's previous one.
-                key = self._carry_key + 1
-                item = maker.continuation(request, key, self._step_id + 1)
-                if item is not None and not self.kv.extend(request.request_id, item.start + 1):
+                item = maker.continuation(request)
+                if item is not None and not self.kv.extend(request.request_id, item.end):
                     self._continues(request, item)
                     budget -= 1
                     continue
@@ -336,10 +335,7 @@ class Scheduler:
         a decode token the runner will carry gets its key. Returns the item's tokens."""
         maker = self.item_maker
         carried = item.has_output and maker.carries_next(request)  # (before it moves on)
-        request.num_scheduled = item.end
-        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
-            request.resume = Resume.NONE  # back where it was preempted
-        request.items.append(item)
+        self._commit(request, item)
         if not carried:
             return self._plan_loop(request, item, items, owners)
         self._carry(request, item)
@@ -349,20 +345,21 @@ class Scheduler:
         return 1
 
     def _continues(self, request: Request, item: InFlight) -> None:
-        """Commits ``item`` (``ItemMaker.continuation``, its blocks there; its key the next),
-        the continuation of the request's carried token: its first loop reports as a carried
-        event, so it has no owner to apply."""
-        key = self._carry_key = item.carry_key
-        rid = request.request_id
-        request.num_scheduled = item.start + 1
-        if request.resume is Resume.RECOMPUTE:
-            request.resume = Resume.NONE  # (past ``replay_until``)
-        request.items.append(item)
-        self._carried[key] = (request, item)
-        self._in_step.add(rid)
+        """Commits ``item`` (``ItemMaker.continuation``, its blocks there), the continuation
+        of the request's carried token: its first loop reports as a carried event, so it has
+        no owner to apply."""
+        self._commit(request, item)
+        self._carry(request, item)
         previous, _, tables, exit_at, boundary, life = request.carry_prev
-        request.carry_prev = (key, item.start, tables, exit_at, boundary, life)
-        self._continued.append((rid, previous, key))
+        request.carry_prev = (item.carry_key, item.start, tables, exit_at, boundary, life)
+        self._continued.append((request.request_id, previous, item.carry_key))
+
+    def _commit(self, request: Request, item: InFlight) -> None:
+        """Makes ``item`` (its blocks taken) the request's newest."""
+        request.num_scheduled = item.end
+        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
+            request.resume = Resume.NONE  # back where it was preempted
+        request.items.append(item)
 
     def _carry(self, request: Request, item: InFlight) -> None:
         """Gives ``item`` (committed, a decode token) to the runner to carry, its first loop

@@ -106,7 +106,6 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         ending = set(ends)
         ended = [i in ending for i in rows]
     if every:  # (row i is output k = i)
-        ks = rows
         x_col = list(map(exited.__getitem__, rows))
         next_col = list(map(nexts.__getitem__, rows))
     else:

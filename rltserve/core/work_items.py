@@ -147,26 +147,23 @@ class ItemMaker:
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
 
-    def continuation(self, request: Request, key: int, step: int) -> InFlight | None:
-        """The request's next decode token, started as the runner's continuation of its
-        previous carried token (``StepPlan.continued``) with carry key ``key`` in step
-        ``step``; None when it cannot be one (``next_item`` and ``Scheduler.start`` then
-        decide). Asked only once every earlier item of the request is a carried token that
-        has ended (the scheduler's ``_ended``).
+    def continuation(self, request: Request) -> InFlight | None:
+        """The request's next decode token (``decode_item``), when the runner can start it as
+        the continuation of its previous carried token (``StepPlan.continued``); None when it
+        cannot be one (``next_item`` and ``Scheduler.start`` then decide). Asked only once
+        every earlier item of the request is a carried token that has ended (the
+        scheduler's ``_ended``).
 
         It can be one when it is the next position (so no rollback since: one moves
         ``num_scheduled`` back), in the same KV block under the same tables (so with the same
         copy-on-exit blocks), with the same fixed exit and boundary table, no preemption since
         (the same life) and no draft (what ``carries_next`` asks); its input is the token that
-        one sampled. The item is at loop 1 (``Scheduler._continues`` commits it); nothing is
-        changed."""
+        one sampled. ``Scheduler._continues`` commits it; nothing is changed."""
         prev = request.carry_prev
         if prev is None:
             return None
         _, start, tables, exit_at, boundary, life = prev
         at = start + 1
-        produces = at - request.num_prompt_tokens + 1  # the output it produces
-        max_tokens = request.params.max_tokens
         rid = request.request_id
         if (
             at != request.num_scheduled
@@ -174,40 +171,20 @@ class ItemMaker:
             or life != request.num_preemptions
             or at <= request.replay_until
             or request.pipelined
-            or produces >= max_tokens
-            or at + 1 >= request.max_total_tokens
             or tables is not self.kv.depth_tables(rid)
             or (self.has_boundary and boundary is not self.kv.boundary_table(rid))
         ):
             return None
-        fixed = request.exit_mode == "fixed"
-        exit_by = fixed_exit_depth(request, produces) if fixed else request.max_loops
-        if exit_at != (exit_by if fixed else 0):
+        item = self.decode_item(request)
+        if item is None:
+            return None  # every output is planned
+        item.exit_by = self.exit_known_by(request, item)
+        if exit_at != (item.exit_by if request.exit_mode == "fixed" else 0):
             return None
-        full = self.full
         known = request.carry_blocks  # (the same block under the same tables)
-        blocks = known[2] if known is not None and not full and self.copies_on_exit else None
-        # Positional, in field order (``decode_item``).
-        return InFlight(
-            at,  # start
-            1,  # num_tokens
-            request.num_loops if full else request.max_loops,  # ends_at
-            not full,  # stop_at_exit
-            True,  # has_output
-            produces,  # output_index
-            1,  # planned
-            0,  # applied
-            None,  # exit_depth
-            None,  # delayed_exit_at
-            0,  # draft_at
-            request.epoch,  # epoch
-            life,  # life
-            False,  # copy_at_end
-            blocks,  # exit_blocks
-            key,  # carry_key
-            step,  # carry_step
-            exit_by,  # exit_by
-        )
+        if known is not None and item.stop_at_exit and self.copies_on_exit:
+            item.exit_blocks = known[2]
+        return item
 
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
