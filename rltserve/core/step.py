@@ -166,9 +166,10 @@ class Step:
                 # (They are the carried rows at loop 1: the last ones, entered in order.)
                 first = carried.index(None)
                 order, states = entered
-                if first not in order:
-                    raise RuntimeError(f"carried row {first}: continued but not entered")
-                at = order.index(first)
+                try:
+                    at = order.index(first)
+                except ValueError:
+                    raise RuntimeError(f"carried row {first}: continued but not entered") from None
                 carried[first:] = states[at : at + nc - first]  # (a list of this launch's)
             held = carried + held
         self.held = held
