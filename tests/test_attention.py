@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from rltserve.core.attention import (
     copy_slots,
     paged_attention,
 )
-from rltserve.core.metadata import attention_groups
+from rltserve.core.metadata import HostMetadata, Spans, attention_groups, decode_metadata
 
 BS = 4
 NUM_BLOCKS = 32
@@ -344,3 +345,27 @@ def test_the_mask_is_built_where_it_is_first_used():
     assert "mask" not in vars(md)
     assert md.mask[:, 0, 0].tolist() == [[True] * 6 + [False] * 2, [True] * 2 + [False] * 6]
     assert md.mask is md.mask
+
+
+def test_decode_metadata_equals_the_general_build():
+    # One-row items whose tables are rows of a persistent array (BlockTables): the packed
+    # fast path gives HostMetadata.of's arrays, in one buffer in parts() order.
+    gen = np.random.default_rng(0)
+    array = gen.integers(0, 1000, size=(12, 9))
+    rows = np.array([7, 2, 11, 0, 5])
+    starts = np.array([17, 3, 30, 31, 12])
+    table_lens = np.array([5, 1, 8, 9, 4])
+    host = decode_metadata(starts, table_lens, array, rows, BS)
+    want = HostMetadata.of(Spans(starts, np.ones(5, dtype=np.int64), table_lens, array[rows]), BS)
+    assert host is not None and host.num_cols == want.num_cols == 8
+    assert (host.num_rows, host.num_items, host.max_q, host.max_ctx) == (5, 5, 1, 32)
+    for got, expected in zip(
+        np.split(host.packed, np.cumsum([a.size for a in want.parts()])[:-1]), want.parts()
+    ):
+        assert got.tolist() == expected.tolist()
+    # Contexts in two attention groups, or a table too short for its position: the general
+    # path decides (and names the item in its error).
+    assert decode_metadata(np.array([3, 40]), np.array([1, 11]), array, rows[:2], BS) is None
+    assert decode_metadata(np.array([3, 8]), np.array([1, 2]), array, rows[:2], BS) is None
+    with pytest.raises(ValueError, match="start"):
+        decode_metadata(np.array([-1, 3]), np.array([1, 1]), array, rows[:2], BS)

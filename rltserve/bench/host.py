@@ -113,7 +113,9 @@ class _Cell:
 class _Unattended:
     """What a step's loop gets instead of attention while prompts are fast-forwarded."""
 
-    def __init__(self, spans: list[tuple[int, int, list[int]]], keys=None, carried=None) -> None:
+    def __init__(
+        self, spans: list[tuple[int, int, list[int]]], keys=None, carried=None, one_row=False
+    ) -> None:
         head = carried[0].starts.tolist() if carried is not None else []
         self.positions = torch.tensor(head + [p for s, n, _ in spans for p in range(s, s + n)])
 

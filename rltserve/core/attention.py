@@ -286,6 +286,14 @@ def paged_attention(
     return attention_over(kv, Spans.of(items, tables), block_size, device)
 
 
+def one_group(
+    kv: torch.Tensor, host: HostMetadata, block_size: int, device: torch.device
+) -> PagedAttention:
+    """The attention of one group's metadata, sent in one transfer."""
+    md = AttentionMetadata.on_device(host, to_device_packed(host.parts(), device), block_size)
+    return PagedAttention(kv, md)
+
+
 def attention_over(
     kv: torch.Tensor, spans: Spans, block_size: int, device: torch.device | str = "cpu"
 ) -> PagedAttention | GroupedAttention:
@@ -294,9 +302,7 @@ def attention_over(
     starts, lens = spans.starts, spans.lens
     groups = group_indices(starts, lens, block_size)
     if len(groups) == 1:
-        host = HostMetadata.of(spans, block_size)
-        md = AttentionMetadata.on_device(host, to_device_packed(host.parts(), dev), block_size)
-        return PagedAttention(kv, md)
+        return one_group(kv, HostMetadata.of(spans, block_size), block_size, dev)
     hosts = [HostMetadata.of(spans.take(ks), block_size) for ks in groups]
     offsets = np.cumsum(lens) - lens
     # The groups' rows, in the step's row order, group after group.

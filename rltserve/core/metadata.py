@@ -91,6 +91,8 @@ class HostMetadata:
     slot_mapping: np.ndarray  # [N]
     pad_index: np.ndarray  # [N]
     tables: np.ndarray  # [B, num_cols]
+    # ``parts()`` concatenated, when the arrays above are views of it (``decode_metadata``).
+    packed: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -166,6 +168,8 @@ class HostMetadata:
 
     def parts(self) -> list[np.ndarray]:
         """What the device needs, in the order ``AttentionMetadata.on_device`` reads it."""
+        if self.packed is not None:
+            return [self.packed]
         return [
             self.starts,
             self.lens,
@@ -178,6 +182,51 @@ class HostMetadata:
     @property
     def size(self) -> int:
         return 2 * self.num_items + 3 * self.num_rows + self.num_items * self.num_cols
+
+
+def decode_metadata(
+    starts: np.ndarray, table_lens: np.ndarray, tables: np.ndarray, rows, block_size: int
+) -> HostMetadata | None:
+    """``HostMetadata.of`` one-row items (decode tokens) at ``starts`` whose block tables,
+    ``table_lens`` blocks long, are rows ``rows`` of ``tables`` (``BlockTables.array``), built
+    straight into one packed buffer (``packed``); None when the items are not one attention
+    group (``group_indices``). A decode batch's metadata in a dozen numpy calls instead of
+    some thirty, and the tables copied once."""
+    n = len(starts)
+    lo, hi = int(starts.min()), int(starts.max())
+    if lo < 0:
+        raise ValueError(f"item (start={lo}, num_tokens=1): need start >= 0, n >= 1")
+    num_cols = hi // block_size + 1
+    if _bucket(lo // block_size + 1) != _bucket(num_cols):
+        return None
+    if (table_lens * block_size <= starts).any():
+        return None  # (``HostMetadata.of`` names the item in its error)
+    flat = np.empty(5 * n + n * num_cols, dtype=np.int64)
+    # [starts, lens, positions, slot_mapping, pad_index, tables], as ``parts`` orders them.
+    flat[:n] = starts
+    flat[n : 2 * n] = 1
+    flat[2 * n : 3 * n] = starts
+    index, offset = np.divmod(starts, block_size)  # [B]
+    slot_mapping = flat[3 * n : 4 * n]
+    np.multiply(tables[rows, index], block_size, out=slot_mapping)
+    slot_mapping += offset
+    flat[4 * n : 5 * n] = np.arange(n)
+    table = flat[5 * n :].reshape(n, num_cols)
+    table[...] = tables[rows, :num_cols]
+    return HostMetadata(
+        num_rows=n,
+        num_items=n,
+        max_q=1,
+        max_ctx=hi + 1,
+        num_cols=num_cols,
+        starts=flat[:n],
+        lens=flat[n : 2 * n],
+        positions=flat[2 * n : 3 * n],
+        slot_mapping=slot_mapping,
+        pad_index=flat[4 * n : 5 * n],
+        tables=table,
+        packed=flat,
+    )
 
 
 # One-row items whose contexts need at most this many blocks share one attention group:

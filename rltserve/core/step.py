@@ -91,7 +91,7 @@ class Step:
             # tables are rows of the runner's BlockTables already.
             spans = list(zip(starts[nc:], counts[nc:], map(step_rows.TABLE, planned)))
             keys = list(zip(map(step_rows.RID, planned), self.depths[nc:]))
-            attn = r.attention(spans, keys, r.carried.spans() if nc else None)
+            attn = r.attention(spans, keys, r.carried.spans() if nc else None, self.one_row)
             positions = attn.positions  # [N]
             state, e = self._gather_inputs(starts)
             state = r.timed(r.model.loop, state, e, positions, attn)  # [N, S]
