@@ -85,6 +85,30 @@ def test_an_unchanged_table_is_not_rewritten():
     assert writes == [[9, 5], [8, 5, 7]]
 
 
+def test_tables_grown_or_changed_in_one_call_end_up_right():
+    """Many rows grown by one or two blocks in one call (a crossing decode batch); one key
+    grown then changed, and a row grown beside a table that widens the array, in one call."""
+    bt = BlockTables(rows=4, cols=4)
+    tables = {("r", d): [10 * d, 10 * d + 1] for d in range(4)}
+    keys = list(tables)
+    bt.gather(keys, [tables[k] for k in keys])
+    tables = {k: t + [t[0] + 5] * (1 + k[1] % 2) for k, t in tables.items()}  # 1 or 2 blocks
+    out = bt.gather(keys, [tables[k] for k in keys])
+    for row, k in zip(out.tolist(), keys):
+        t = tables[k]
+        assert row[: len(t)] == t and set(row[len(t) :]) <= {t[0]}
+    # The same key grown, then given a changed table, in one call: the later table wins.
+    a = tables[("r", 0)]
+    grown, changed = a + [77], [99] + a[1:] + [78]
+    (row, again) = bt.rows([("r", 0), ("r", 0)], [grown, changed])
+    assert row == again and bt.array[row, : len(changed)].tolist() == changed
+    # A grown row, then a table wider than the array (which replaces it) in one call.
+    b = tables[("r", 1)]
+    wide = list(range(40, 50))
+    out = bt.gather([("r", 1), ("w", 1)], [b + [55], wide])
+    assert out.tolist() == [b + [55] + [b[0]] * (10 - len(b) - 1), wide]
+
+
 def test_keys_sharing_one_list_and_released_lists_stay_right():
     """Depths sharing a plane hand the same list under two keys; rows are found by the list
     itself, so growth of the shared table, release and reuse of freed lists' ids all keep the

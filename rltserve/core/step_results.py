@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_not
+from itertools import compress, repeat
+from operator import gt, is_not, or_
 from typing import TYPE_CHECKING
 
 from rltserve.core import step_rows
@@ -36,7 +36,7 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
         if not any(crossed):
             nexts = [False] * m
         elif step.kinds == {"delayed"}:
-            nexts = [c and not x for c, x in zip(crossed, exited)]
+            nexts = list(map(gt, crossed, exited))  # (bools: crossed and not exited)
         else:
             nexts = [
                 c and not x and mode == "delayed" for c, x, mode in zip(crossed, exited, step.modes)
@@ -44,9 +44,8 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
     else:
         survival, cdf, nexts = repeat(1.0, m), repeat(0.0, m), [False] * m
     if any(nexts):  # only ever set: a pending row exits at its next loop, never again
-        for h, nxt in zip(held if every else [held[i] for i in out], nexts):
-            if nxt:
-                h.pending = True
+        for h in compress(held if every else [held[i] for i in out], nexts):
+            h.pending = True
     sample = _read_sample(step, host) if step.sampled else None
     carrying = step.carrying
     # No token this loop: positional (one is built per row per step).
@@ -93,11 +92,11 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
     (``nexts``, aligned with ``step.out``), or that end in this step."""
     items, out, exited, carrying = step.items, step.out, step.exited, step.carrying
     every = isinstance(out, range)
-    noted = (
-        [i for i, x, nxt in zip(out, exited, nexts) if (x or nxt) and carrying[i]]
-        if any(exited) or any(nexts)
-        else []
-    )
+    noted = []
+    if any(exited) or any(nexts):
+        noted = list(compress(out, map(or_, exited, nexts)))
+        if step.num_carrying < len(items):
+            noted = [i for i in noted if carrying[i]]
     ends = [i for i in step.ending if carrying[i]]
     if not ends or ends == noted:
         rows, ended = noted, [bool(ends)] * len(noted)
