@@ -12,10 +12,12 @@ import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
 from rltserve.config import EngineConfig
+from rltserve.core.request import Resume
 from rltserve.core.stage import InProcessStageClient
 from rltserve.sampling import SamplingParams
 
 MODES = ["recompute", "swap"]
+SWAP_GB = 1e-5  # (the tiny model's KV: a few requests fit, others fall back)
 TIGHT = {"tight": True}
 ROOMY = {"block_size": 4, "num_blocks": 1024}
 
@@ -339,3 +341,32 @@ def test_engine_loop_two_steps_in_flight_under_pressure(ckpts, ouro_ref, mode):
     assert client.stats.num_preemptions >= 1
     assert client.stats.kv_usage == 0.0 and client.stats.swapped_bytes == 0
     _oracle(ouro_ref, run, prompts, params, "last_exited", "delayed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recomputing_count_follows_every_request(ckpts, mode):
+    """``num_recomputing`` (read by stats every step, without a scan of every request) equals
+    a count over every request at every step of a pressured run, aborts included."""
+    prompts, params, arrivals = _workload(6, seed=4)
+    kw = {"preemption_mode": mode, "prefill_chunk_size": 8, "max_num_batched_tokens": 32}
+    kw.update(block_size=4, kv_watermark=0.0)
+    kw["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params, **kw)
+    if mode == "swap":
+        kw["swap_space_gb"] = SWAP_GB  # swaps some; the others fall back to recompute
+    core = make_core(ckpts["ouro"], **kw)
+    counts = []
+    plan = core.plan
+
+    def checked():
+        every = sum(r.resume is Resume.RECOMPUTE for r in core.scheduler.requests.values())
+        counts.append(every)
+        assert core.stats().num_recomputing == every
+        return plan()
+
+    core.plan = checked
+    run_core(core, prompts, params, arrivals=arrivals, aborts={2: 9})
+    stats = core.stats()
+    assert max(counts) > 0 and stats.num_preemptions > 0
+    if mode == "swap":  # both: swapped (recomputing what follows, if anything) and fallen back
+        assert 0 < stats.swap_fallbacks < stats.num_preemptions
+    _assert_empty(core)

@@ -38,6 +38,9 @@ class Preemptor:
         self._swap_out: list[tuple[str, list[int]]] = []
         self._swap_in: list[tuple[str, list[int]]] = []
         self._now: set[str] = set()  # preempted while building the current step
+        # Requests that were set to recompute since ``num_recomputing`` last looked (a
+        # superset of those that still do: it drops the others).
+        self._recomputing: set[str] = set()
 
     # ---------------------------------------------------------------- per step
 
@@ -122,6 +125,7 @@ class Preemptor:
         victim.status = RequestStatus.WAITING
         s.running.remove(victim)
         s.waiting.append(victim)
+        self._recomputing.add(rid)  # (swapped ones recompute what follows their swapped KV)
         self._preempted.append(rid)
         self._now.add(rid)
         self.num_preemptions += 1
@@ -146,6 +150,7 @@ class Preemptor:
         self.swap.release(rid)
         request.swapped_tokens = 0
         request.resume = Resume.RECOMPUTE  # the positions after the swapped ones, if any
+        self._recomputing.add(rid)
 
     def forget(self, request: Request) -> bool:
         """A waiting request ends: frees its swap space. True when the runner may hold state
@@ -165,9 +170,18 @@ class Preemptor:
         return self.swap.used_bytes if self.swap is not None else 0
 
     def num_recomputing(self) -> int:
-        if not self.num_preemptions:  # (stats read it every step: skip the scan of requests)
+        """Preempted requests that will recompute (or are recomputing) positions. Stats read
+        it every step, so it looks only at the requests set to recompute that it has not yet
+        seen stop, not at every request."""
+        if not self._recomputing:
             return 0
-        return sum(1 for r in self.s.requests.values() if r.resume is Resume.RECOMPUTE)
+        requests = self.s.requests
+        self._recomputing = {
+            rid
+            for rid in self._recomputing
+            if rid in requests and requests[rid].resume is Resume.RECOMPUTE
+        }
+        return len(self._recomputing)
 
 
 def resume_tokens(request: Request) -> int:
