@@ -65,26 +65,8 @@ _SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
 class CarriedRows:
     def __init__(self, tables: BlockTables) -> None:
-        self.items: list[WorkItem] = []  # each carried token's item (template), carry order
-        self.starts: list[int] = []  # each token's position
-        self.keys: list[int] = []  # its ``Carry.key`` (the scheduler's name for it)
-        self.ends: list[int] = []  # its item's ``ends_at`` (its last loop at the latest)
-        self.depths: list[int] = []  # each token's depth at the step last built
-        self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
-        # The runner's values of each token, which stay the same objects while it is carried:
-        # its request's ``LiveRequest`` and its ``ItemState``.
-        self.lives: list[LiveRequest] = []
-        # (None for a continued token until the step running its first loop enters it.)
-        self.held: list[ItemState | None] = []
         self._tables = tables
-        self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
-        self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)
-        # Columns of ``items`` for metadata: positions, and per depth 1..W (W: the widest
-        # token; narrower rows repeat their last) the BlockTables row of the table there and
-        # the table's length.
-        self._starts = np.zeros(0, dtype=np.int64)  # [n]
-        self._rows = np.zeros((0, 1), dtype=np.int64)  # [n, W]
-        self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
+        self._empty()
         # Request id -> its last carried token's tables and their rows and lengths.
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
         # Request id -> its last carried token that ended (item, request state, position, key,
@@ -302,8 +284,33 @@ class CarriedRows:
             at += n
         return known
 
+    def _empty(self) -> None:
+        """No rows: every column empty (new lists and arrays: a step may hold the old)."""
+        self.items: list[WorkItem] = []  # each carried token's item (template), carry order
+        self.starts: list[int] = []  # each token's position
+        self.keys: list[int] = []  # its ``Carry.key`` (the scheduler's name for it)
+        self.ends: list[int] = []  # its item's ``ends_at`` (its last loop at the latest)
+        self.depths: list[int] = []  # each token's depth at the step last built
+        self.specs: list[ExitSpec | None] = []  # its exit spec at that depth
+        # The runner's values of each token, which stay the same objects while it is carried:
+        # its request's ``LiveRequest`` and its ``ItemState``.
+        self.lives: list[LiveRequest] = []
+        # (None for a continued token until the step running its first loop enters it.)
+        self.held: list[ItemState | None] = []
+        self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
+        self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)
+        # Columns of ``items`` for metadata: positions, and per depth 1..W (W: the widest
+        # token; narrower rows repeat their last) the BlockTables row of the table there and
+        # the table's length.
+        self._starts = np.zeros(0, dtype=np.int64)  # [n]
+        self._rows = np.zeros((0, 1), dtype=np.int64)  # [n, W]
+        self._lens = np.zeros((0, 1), dtype=np.int64)  # [n, W]
+
     def _remove(self, gone: Collection[int]) -> None:
         """Drops the rows ``gone`` (indices)."""
+        if len(gone) == len(self.items):  # (a decode batch's tokens ending together)
+            self._empty()
+            return
         keep = np.ones(len(self.items), dtype=bool)
         keep[list(gone)] = False
         kept = keep.tolist()
