@@ -369,3 +369,19 @@ def test_decode_metadata_equals_the_general_build():
     assert decode_metadata(np.array([3, 8]), np.array([1, 2]), array, rows[:2], BS) is None
     with pytest.raises(ValueError, match="start"):
         decode_metadata(np.array([-1, 3]), np.array([1, 1]), array, rows[:2], BS)
+
+
+def test_spans_of_block_table_rows_take_them_at_each_group_width():
+    # Tables given as rows of a persistent array (BlockTables) are taken per attention group,
+    # at that group's width: the same metadata as tables gathered up front.
+    gen = np.random.default_rng(1)
+    array = gen.integers(0, 1000, size=(10, 40))
+    rows = np.array([3, 8, 1, 6])
+    starts, lens = np.array([5, 70, 0, 9]), np.array([1, 1, 12, 1])
+    table_lens = np.array([2, 18, 3, 3])
+    by_rows = Spans(starts, lens, table_lens, rows=rows, source=array)
+    gathered = Spans(starts, lens, table_lens, array[rows])
+    for ks in (np.array([0, 3]), np.array([2]), np.array([1, 0])):
+        got, want = HostMetadata.of(by_rows.take(ks), BS), HostMetadata.of(gathered.take(ks), BS)
+        assert got.num_cols == want.num_cols
+        assert [p.tolist() for p in got.parts()] == [p.tolist() for p in want.parts()]

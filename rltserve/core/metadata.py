@@ -28,9 +28,12 @@ class Spans:
     lens: np.ndarray  # [B] int64: its rows
     table_lens: np.ndarray  # [B] int64: blocks its table holds
     # [B, >= the columns used] int64, past each table's length padded with valid blocks;
-    # None: built from ``lists`` (the tables as lists) once the column count is known.
+    # None: rows ``rows`` of ``source`` (``BlockTables.array``, padded the same way), taken
+    # once the column count is known, or else built from ``lists`` (the tables as lists).
     tables: np.ndarray | None = None
     lists: Sequence[Sequence[int]] | None = None
+    rows: np.ndarray | None = None  # [B]
+    source: np.ndarray | None = None
 
     @classmethod
     def of(cls, items: Sequence[ItemSpec], tables: np.ndarray | None = None) -> Spans:
@@ -60,12 +63,16 @@ class Spans:
             self.table_lens[ks],
             None if self.tables is None else self.tables[ks],
             None if self.lists is None else [self.lists[k] for k in ks.tolist()],
+            None if self.rows is None else self.rows[ks],
+            self.source,
         )
 
     def padded_tables(self, num_cols: int) -> np.ndarray:
         """[B, num_cols] int64: the tables, each padded with its first block."""
         if self.tables is not None:
             return self.tables[:, :num_cols]
+        if self.rows is not None:
+            return self.source[self.rows, :num_cols]
         assert self.lists is not None
         tables = np.empty((len(self.lists), num_cols), dtype=np.int64)
         for row, table in zip(tables, self.lists):

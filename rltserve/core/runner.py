@@ -337,9 +337,13 @@ class ModelRunner:
                 rows = np.concatenate((carried_rows, rows))
             else:
                 rows = carried_rows
-        cols = -(-int((given.starts + given.lens).max()) // self.block_size)
+        # (Each attention group takes its tables' rows at its own width.)
         given = Spans(
-            given.starts, given.lens, given.table_lens, self.block_tables.array[rows, :cols]
+            given.starts,
+            given.lens,
+            given.table_lens,
+            rows=np.asarray(rows, dtype=np.int64),
+            source=self.block_tables.array,
         )
         return attention_over(self.kv, given, self.block_size, self.device)
 
