@@ -48,7 +48,8 @@ class Spans:
 
     @staticmethod
     def concat(first: Spans, second: Spans) -> Spans:
-        """The items of ``first``, then those of ``second`` (their ``tables`` are dropped)."""
+        """The items of ``first``, then those of ``second``, without tables (the caller
+        gives the joined items' ``tables``, ``lists`` or ``rows`` anew)."""
         return Spans(
             np.concatenate((first.starts, second.starts)),
             np.concatenate((first.lens, second.lens)),
@@ -197,17 +198,19 @@ def decode_metadata(
     """``HostMetadata.of`` one-row items (decode tokens) at ``starts`` whose block tables,
     ``table_lens`` blocks long, are rows ``rows`` of ``tables`` (``BlockTables.array``), built
     straight into one packed buffer (``packed``); None when the items are not one attention
-    group (``group_indices``). A decode batch's metadata in a dozen numpy calls instead of
-    some thirty, and the tables copied once."""
+    group (``group_indices``) or a table is too short for its item's position (the general
+    path then names the item in its error). A decode batch's metadata in a dozen numpy calls
+    instead of some thirty, and no concatenation of its parts."""
     n = len(starts)
     lo, hi = int(starts.min()), int(starts.max())
     if lo < 0:
-        raise ValueError(f"item (start={lo}, num_tokens=1): need start >= 0, n >= 1")
+        k = int(np.flatnonzero(starts < 0)[0])
+        raise ValueError(f"item (start={starts[k]}, num_tokens=1): need start >= 0, n >= 1")
     num_cols = hi // block_size + 1
     if _bucket(lo // block_size + 1) != _bucket(num_cols):
         return None
     if (table_lens * block_size <= starts).any():
-        return None  # (``HostMetadata.of`` names the item in its error)
+        return None
     flat = np.empty(5 * n + n * num_cols, dtype=np.int64)
     # [starts, lens, positions, slot_mapping, pad_index, tables], as ``parts`` orders them.
     flat[:n] = starts

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import numpy as np
     import torch
 
     from rltserve.core.carried import CarriedRows
     from rltserve.core.cuda_graphs import DecodeGraphs
     from rltserve.core.live import LiveRequest, PendingRows
+    from rltserve.core.metadata import Spans
     from rltserve.core.sampler import Sampler
     from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec
 
@@ -43,7 +45,11 @@ class StepHost(Protocol):
         ...
 
     def attention(
-        self, spans: list[tuple[int, int, list[int]]], keys: list[tuple[str, int]] | None = None
+        self,
+        spans: list[tuple[int, int, list[int]]],
+        keys: list[tuple[str, int]] | None = None,
+        carried: tuple[Spans, np.ndarray] | None = None,
+        one_row: bool = False,
     ) -> AttentionFn: ...
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> Any:
