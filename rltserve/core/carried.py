@@ -228,13 +228,20 @@ class CarriedRows:
             lens = _columns([k[2] for k in known], widths, width)
         else:
             rows, lens = tables
-        width = rows.shape[1]
-        if width > self._rows.shape[1]:
-            self._rows = _widen(self._rows, width)
-            self._lens = _widen(self._lens, width)
-        elif width < self._rows.shape[1]:
-            rows = _widen(rows, self._rows.shape[1])
-            lens = _widen(lens, self._rows.shape[1])
+        if not self.items:  # (a batch refilled: its columns are the new rows', as they are)
+            self._starts = np.array(starts, dtype=np.int64)
+            self._rows, self._lens = rows, lens
+        else:
+            width = rows.shape[1]
+            if width > self._rows.shape[1]:
+                self._rows = _widen(self._rows, width)
+                self._lens = _widen(self._lens, width)
+            elif width < self._rows.shape[1]:
+                rows = _widen(rows, self._rows.shape[1])
+                lens = _widen(lens, self._rows.shape[1])
+            self._starts = np.concatenate((self._starts, starts))
+            self._rows = np.concatenate((self._rows, rows))
+            self._lens = np.concatenate((self._lens, lens))
         n = len(self.items)
         fixed = list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
         if fixed:
@@ -252,9 +259,6 @@ class CarriedRows:
             columns = self._spec_columns[1][:5]
             columns = tuple(map(add, columns, zip(*map(_SPEC, added))))
             self._spec_columns = (self.specs, _with_summary(columns))
-        self._starts = np.concatenate((self._starts, starts))
-        self._rows = np.concatenate((self._rows, rows))
-        self._lens = np.concatenate((self._lens, lens))
 
     def _register(self, fresh: list[WorkItem]) -> list[tuple]:
         """Per starting token: (tables, their BlockTables rows, their lengths): its request's
