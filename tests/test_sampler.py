@@ -28,6 +28,19 @@ def test_greedy_is_argmax():
     assert out.logprobs == [None] * 4 and out.top_logprobs == [None] * 4
 
 
+def test_greedy_takes_the_first_maximal_id():
+    # Ties (and a row of equal logits) go to the first maximal id, as torch's max reduction
+    # gives it; on CPU the argmax is numpy's.
+    logits = rand_logits(5, seed=3)
+    logits[0, 7] = logits[0, 2] = logits[0].max() + 1
+    logits[1] = 0.5
+    logits[2, V - 1] = logits[2, 0] = logits[2].max() + 1
+    for rows in (logits, logits[:, ::2], logits.t().contiguous().t()):  # strided views too
+        out = Sampler().sample(rows, [SampleRow(SamplingParams()) for _ in range(5)])
+        assert out.token_ids == rows.max(dim=-1).indices.tolist()
+    assert out.token_ids[:3] == [2, 0, 0]
+
+
 def test_input_not_modified():
     logits = rand_logits(2)
     before = logits.clone()
