@@ -105,7 +105,7 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     numpy's argmax plus ``amax`` (256 rows: 40 + 20 us against 177 at V=512; 3.3 + 3.0 ms
     against 9.9 at V=32000)."""
     if logits.device.type == "cpu":
-        tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))
+        tokens = torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
         top = logits.amax(dim=-1)
     else:
         top, tokens = logits.max(dim=-1)
