@@ -28,9 +28,19 @@ def test_greedy_is_argmax():
     assert out.logprobs == [None] * 4 and out.top_logprobs == [None] * 4
 
 
-def test_greedy_takes_the_first_maximal_id():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_takes_the_first_maximal_id(threads):
     # Ties (and a row of equal logits) go to the first maximal id, as torch's max reduction
-    # gives it; on CPU the argmax is numpy's.
+    # gives it; on CPU with one torch thread the argmax is numpy's.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_greedy_ties()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_greedy_ties():
     logits = rand_logits(5, seed=3)
     logits[0, 7] = logits[0, 2] = logits[0].max() + 1
     logits[1] = 0.5
@@ -39,6 +49,11 @@ def test_greedy_takes_the_first_maximal_id():
         out = Sampler().sample(rows, [SampleRow(SamplingParams()) for _ in range(5)])
         assert out.token_ids == rows.max(dim=-1).indices.tolist()
     assert out.token_ids[:3] == [2, 0, 0]
+    # A row with a NaN: flagged, its (meaningless) token as torch's max gives it.
+    logits[3, 4] = float("nan")
+    out = Sampler().sample(logits, [SampleRow(SamplingParams()) for _ in range(5)])
+    assert out.finite == [True, True, True, False, True]
+    assert out.token_ids == logits.max(dim=-1).indices.tolist()
 
 
 def test_input_not_modified():

@@ -25,10 +25,11 @@ tables, request states and held states from these columns; an item's own ``depth
 copy targets of depth d come from the ``Carry``: ``table_at``, ``carry.copy_blocks[d:]``).
 
 Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
-``specs`` lists rather than changing them (and every column list is replaced, not changed,
-when rows come or go), so a step that still holds the lists it ran with reads them
-unchanged. The table rows are valid whenever a step reads them: a request's rows
-are released with its carried tokens dropped before the next step is built (by the launch
+``specs`` lists rather than changing them (and every column list, and every numpy column, is
+replaced, not changed, when rows come or go), so a step that still holds the lists it ran with
+reads them unchanged, and an ended token's stashed table rows (``keep``) may become a refilled
+batch's columns as they are. The table rows are valid whenever a step reads them: a request's
+rows are released with its carried tokens dropped before the next step is built (by the launch
 that releases or preempts it; after a failed step, which releases its requests' rows at once,
 by the next launch, which drops them first), and rows never go back to an earlier table
 (``BlockTables``). So are the request and held states: a request's ``LiveRequest`` is replaced

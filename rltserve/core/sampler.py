@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from rltserve.core.staging import to_device
@@ -97,16 +98,17 @@ _PLAIN = attrgetter("plain")
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R] int64: each row's argmax (the first maximal id), and [R] bool: the row's logits are
-    all finite. A row's max is NaN when it holds a NaN (max and min propagate NaN) or +inf,
-    its min NaN or -inf: ``max`` gives the argmax with the max in one reduction, so two in all
-    (not ``isfinite(logits).all(-1)``, which writes and rereads an [R, V] mask: 8x the time on
-    CPU; an argmax beside ``amax`` and ``amin``: 1.4-1.7x). On CPU the argmax is numpy's
-    (also the first maximal id): torch's reductions with indices run 3-4x slower there than
-    numpy's argmax plus ``amax`` (256 rows: 40 + 20 us against 177 at V=512; 3.3 + 3.0 ms
-    against 9.9 at V=32000)."""
-    if logits.device.type == "cpu":
-        tokens = torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
-        top = logits.amax(dim=-1)
+    all finite. ``logits``: [R, V] float32. A row's max is NaN when it holds a NaN (max and min
+    propagate NaN) or +inf, its min NaN or -inf, so the flags take two reductions beside the
+    argmax. Where torch computes: ``max`` gives the argmax with the max in one reduction (not
+    ``isfinite(logits).all(-1)``, which writes and rereads an [R, V] mask: 8x the time on CPU;
+    an argmax beside ``amax`` and ``amin``: 1.4-1.7x). On CPU with one torch thread (the
+    runner's reductions then get no parallelism) numpy's argmax, also the first maximal id,
+    plus ``amax`` take a third of the time of torch's reduction with indices (256 rows: 56
+    against 165 us at V=512; 4.9 against 9.1 ms at V=32000)."""
+    if logits.device.type == "cpu" and torch.get_num_threads() == 1:
+        ids = logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False)
+        tokens, top = torch.from_numpy(ids), logits.amax(dim=-1)
     else:
         top, tokens = logits.max(dim=-1)
     return tokens, torch.isfinite(top) & torch.isfinite(logits.amin(dim=-1))
