@@ -31,7 +31,6 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from operator import itemgetter
 
 import numpy as np
 import torch
@@ -47,7 +46,7 @@ from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
-from rltserve.core.metadata import HostMetadata, Spans, decode_metadata
+from rltserve.core.metadata import Spans, decode_metadata
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
@@ -55,9 +54,6 @@ from rltserve.core.step import Step
 from rltserve.models.base import AttentionFn, LoopedModel
 
 logger = logging.getLogger(__name__)
-
-_START = itemgetter(0)  # of an attention span (start, num_tokens, block_table)
-_TABLE = itemgetter(2)
 
 
 class StepHandle:
@@ -324,10 +320,6 @@ class ModelRunner:
                 raise ValueError("carried rows' tables are BlockTables rows: keys are needed")
             return paged_attention(self.kv, spans, self.block_size, self.device)
         rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
-        if one_row:  # (a decode step: usually one attention group, built in one pass)
-            host = self._decode_metadata(spans, rows, carried)
-            if host is not None:
-                return one_group(self.kv, host, self.block_size, self.device)
         if carried is None:
             given = Spans.of(spans)
         else:
@@ -337,36 +329,20 @@ class ModelRunner:
                 rows = np.concatenate((carried_rows, rows))
             else:
                 rows = carried_rows
+        table = self.block_tables.array
+        if one_row:  # (a decode step: usually one attention group, built in one pass)
+            host = decode_metadata(given.starts, given.table_lens, table, rows, self.block_size)
+            if host is not None:
+                return one_group(self.kv, host, self.block_size, self.device)
         # (Each attention group takes its tables' rows at its own width.)
         given = Spans(
             given.starts,
             given.lens,
             given.table_lens,
             rows=np.asarray(rows, dtype=np.int64),
-            source=self.block_tables.array,
+            source=table,
         )
         return attention_over(self.kv, given, self.block_size, self.device)
-
-    def _decode_metadata(
-        self,
-        spans: list[tuple[int, int, list[int]]],
-        rows: list[int],
-        carried: tuple[Spans, np.ndarray] | None,
-    ) -> HostMetadata | None:
-        """``decode_metadata`` of one-row items: the carried rows, then ``spans`` (whose
-        tables are ``BlockTables`` rows ``rows``)."""
-        if spans:
-            starts = np.fromiter(map(_START, spans), dtype=np.int64, count=len(spans))
-            lens = np.fromiter(map(len, map(_TABLE, spans)), dtype=np.int64, count=len(spans))
-        if carried is not None:
-            given, carried_rows = carried
-            if spans:
-                starts = np.concatenate((given.starts, starts))
-                lens = np.concatenate((given.table_lens, lens))
-                rows = np.concatenate((carried_rows, rows))
-            else:
-                starts, lens, rows = given.starts, given.table_lens, carried_rows
-        return decode_metadata(starts, lens, self.block_tables.array, rows, self.block_size)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
