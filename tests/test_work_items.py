@@ -132,3 +132,19 @@ def test_decode_item_fields_land_where_they_belong():
             life=2,
         )
     )
+
+
+def test_a_delayed_decision_wakes_a_carried_token_at_its_exit_loop():
+    """``InFlight.exits_after``: the next loop is the exit; a carried token's ``wake`` (the
+    step planning next looks at it) moves to that loop's step, never later."""
+    item = InFlight(start=6, num_tokens=1, ends_at=4, stop_at_exit=True, has_output=True)
+    item.exits_after(1)
+    assert (item.delayed_exit_at, item.wake) == (2, 0)  # planned loop by loop: never asleep
+    carried = InFlight(start=6, num_tokens=1, ends_at=4, stop_at_exit=True, has_output=True)
+    carried.carry_key, carried.carry_step, carried.exit_by = 3, 10, 4
+    carried.wake = 14  # its cap: loop 4 runs in step 13, so step 14 knows the exit
+    carried.exits_after(2)  # loop 2 (step 11) decided: loop 3, in step 12, exits
+    assert (carried.delayed_exit_at, carried.wake) == (3, 13)
+    carried.wake = 12
+    carried.exits_after(2)
+    assert carried.wake == 12

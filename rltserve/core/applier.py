@@ -76,9 +76,10 @@ class Applier:
                 del carried[key]
                 request.items.remove(item)  # (an item is carried only while it is one of them)
             if exit_next:
-                item.delayed_exit_at = depth + 1
+                item.exits_after(depth)
             if exited and finite:  # (``_exit``'s usual case, one call fewer per token)
                 item.exit_depth = depth
+                item.wake = 0
                 self._append_token(request, depth, token, logprob, top, updates)
             elif exited:
                 self._exit(request, item, depth, token, logprob, top, finite, updates)
@@ -94,7 +95,7 @@ class Applier:
         """An output position's result at loop ``depth``: a delayed decision, or its exit with
         a token. True when the token was appended."""
         if outcome.exit_next:
-            item.delayed_exit_at = depth + 1
+            item.exits_after(depth)
         if not outcome.exited:
             return False
         return self._exit(
@@ -122,6 +123,7 @@ class Applier:
         """The item's output exited at loop ``depth`` with ``token``. True when the token was
         appended (its logits were finite)."""
         item.exit_depth = depth
+        item.wake = 0
         if not finite:
             update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
             self._fail_nonfinite(request, item.end, depth, update)

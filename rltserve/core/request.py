@@ -67,10 +67,20 @@ class InFlight:
     carry_key: int = 0
     carry_step: int = 0  # the step that runs its first loop (it runs one loop a step)
     exit_by: int = 0  # loops after which its exit is known without a result (cap, fixed exit)
+    # A carried token whose exit is not known: the first step whose planning may have
+    # something to do for it (the one after the step running loop ``exit_by``, or a delayed
+    # decision's exit loop); 0 once its exit is known, and for every other item.
+    wake: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    def exits_after(self, depth: int) -> None:
+        """A delayed decision at loop ``depth``: the output exits at the next loop."""
+        self.delayed_exit_at = depth + 1
+        if self.carry_key and self.carry_step + depth + 1 < self.wake:
+            self.wake = self.carry_step + depth + 1  # (the step after that loop's)
 
 
 @dataclass(slots=True, eq=False)

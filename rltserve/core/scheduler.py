@@ -169,15 +169,8 @@ class Scheduler:
             if not request.items:
                 starters.append(request)  # nothing in flight: its next item may start
                 continue
-            last = request.items[-1]
-            if last.carry_key and last.exit_depth is None:
-                # Its token runs on the runner and its exit is not known before loop
-                # ``known_at`` (the cap or fixed exit; a delayed decision's loop): nothing to do.
-                known_at = last.exit_by
-                if last.delayed_exit_at is not None and last.delayed_exit_at < known_at:
-                    known_at = last.delayed_exit_at
-                if step - last.carry_step < known_at:
-                    continue
+            if request.items[-1].wake > step:
+                continue  # its token runs on the runner, its exit not known before ``wake``
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
@@ -340,6 +333,7 @@ class Scheduler:
             return self._plan_loop(request, item, items, owners)
         self._carry(request, item)
         item.exit_by = maker.exit_known_by(request, item)
+        item.wake = item.carry_step + item.exit_by
         items.append(maker.carried_item(request, item))
         owners.append(item)
         return 1
@@ -347,12 +341,25 @@ class Scheduler:
     def _continues(self, request: Request, item: InFlight) -> None:
         """Commits ``item`` (``ItemMaker.continuation``, its blocks there), the continuation
         of the request's carried token: its first loop reports as a carried event, so it has
-        no owner to apply."""
-        self._commit(request, item)
-        self._carry(request, item)
+        no owner to apply. (``_commit`` and ``_carry`` written out: most decode tokens come
+        here, one call each.)"""
+        end = item.end
+        request.num_scheduled = end
+        if request.resume is Resume.RECOMPUTE and end > request.replay_until:
+            request.resume = Resume.NONE  # back where it was preempted
+        request.items.append(item)
+        key = self._carry_key = self._carry_key + 1
+        step = self._step_id + 1
+        item.carry_key = key
+        item.carry_step = step
+        item.planned = 1
+        item.wake = step + item.exit_by
+        rid = request.request_id
+        self._carried[key] = (request, item)
+        self._in_step.add(rid)
         previous, _, tables, exit_at, boundary, life = request.carry_prev
-        request.carry_prev = (item.carry_key, item.start, tables, exit_at, boundary, life)
-        self._continued.append((request.request_id, previous, item.carry_key))
+        request.carry_prev = (key, item.start, tables, exit_at, boundary, life)
+        self._continued.append((rid, previous, key))
 
     def _commit(self, request: Request, item: InFlight) -> None:
         """Makes ``item`` (its blocks taken) the request's newest."""
