@@ -142,6 +142,9 @@ def test_carried_columns_and_items_stay_in_step(ckpts, name):
     def checked_launch(plan, handle):
         eager = launch(plan, handle)
         rows = runner.carried
+        # A new carried token whose input is on the runner ran as a carried row.
+        fresh = [w for w in plan.items if w.carry is not None and w.token_ids is None]
+        assert all(any(w is c for c in handle.carried) for w in fresh)
         assert len(rows.lives) == len(rows.held) == len(rows.items) == len(rows.starts)
         assert len(rows.keys) == len(rows.items)
         assert rows.ends == [w.ends_at for w in rows.items]
@@ -322,6 +325,29 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
     rows.drop({"a"})  # a released request's ended token goes with it
     with pytest.raises(RuntimeError):
         rows.advance([("a", 3, 4)])
+
+
+def test_carried_rows_start_a_plans_new_tokens_after_the_others():
+    """``start``: a plan's new carried token whose input is on the runner joins the rows at
+    loop 1 before its step runs (after the continued ones), its tables registered; its state
+    comes from that step."""
+    tables = BlockTables()
+    rows = CarriedRows(tables)
+    a = _item()
+    rows.keep([a], 0, set(), ["live a"], ["held a"])
+    rows.advance()
+    b = _item(exit_at=2)
+    b.request_id = "b"
+    b.carry.tables = [[40], [41], [42], [43]]
+    assert rows.start([b], ["live b"]) == [a, b]
+    assert rows.depths == [2, 1] and rows.starts == [5, 5] and rows.keys == [7, 7]
+    assert rows.lives == ["live a", "live b"] and rows.held == ["held a", None]
+    assert rows.specs == [a.exit, b.exit] and rows.ends == [4, 4]
+    spans, table_rows = rows.spans()
+    assert tables.array[table_rows, :1].tolist() == [[11], [40]]
+    rows.advance()  # b's fixed exit (loop 2) moves its spec
+    assert rows.depths == [3, 2] and rows.specs[1].exit_now
+    assert b.depth == 1 and b.block_table == [10]  # the plan's item is never changed
 
 
 def test_carried_rows_of_different_depth_counts_share_the_columns():

@@ -3,7 +3,10 @@
 A carried token's first loop comes in a plan (a ``WorkItem``, or, continuing the request's
 previous token, a key in ``StepPlan.continued``); the runner keeps the item and runs one
 loop of the token in every later step, one depth deeper each time, until the step in which it
-ends or its request is dropped. Carried rows run first in a step, in the order they were
+ends or its request is dropped. A token whose input is on the runner (the token its request
+sampled last) joins the rows before its first loop (``advance``, ``start``), so a decode
+batch stays carried rows alone; one whose input was recorded (resumed after preemption)
+runs its first loop as a plan item and joins after it (``keep``). Carried rows run first in a step, in the order they were
 carried, so a decode batch keeps its row order from step to step (``PendingRows`` then passes
 states on).
 
@@ -57,6 +60,7 @@ _RID = attrgetter("request_id")
 _EXIT = attrgetter("exit")
 _ENDS_AT = attrgetter("ends_at")
 _EXIT_AT = attrgetter("carry.exit_at")
+_START = attrgetter("start")
 _KEY = itemgetter(3)
 _BLOCK = itemgetter(4)
 _AT = itemgetter(5)
@@ -160,6 +164,14 @@ class CarriedRows:
             self._append(
                 list(templates), list(map(_NEXT, starts)), keys, list(lives), [None] * n, tables
             )
+        return self.items
+
+    def start(self, fresh: list[WorkItem], lives: list[LiveRequest]) -> list[WorkItem]:
+        """Starts a plan's new carried tokens (``fresh``, at loop 1; ``lives``: their
+        requests' states) after the others, as ``advance`` starts continued ones: their
+        inputs are on the runner. Returns every carried item, in carry order."""
+        keys = [w.carry.key for w in fresh]
+        self._append(fresh, list(map(_START, fresh)), keys, lives, [None] * len(fresh))
         return self.items
 
     def keep(
