@@ -108,12 +108,17 @@ class BlockTables:
         if 0 < m < n <= self.array.shape[1] and table[:m] == (old if len(old) == m else old[:m]):
             # Grown (the usual change): only the new blocks are written; the padding after
             # them is the first block, the same in both.
-            self.array[entry[0], m:n] = table[m:n]
+            if n == m + 1:  # (a decode token's next block: one element, no list conversion)
+                self.array[entry[0], m] = table[m]
+            else:
+                self.array[entry[0], m:n] = table[m:n]
         else:
             self._write(entry[0], table[:n])
-        self._unmap(entry)
+        by_table = self._by_table
+        if by_table.get(id(old)) is entry:  # (``_unmap``, written out)
+            del by_table[id(old)]
         entry[1], entry[2] = table, n
-        self._by_table[id(table)] = entry
+        by_table[id(table)] = entry
         return entry
 
     def _unmap(self, entry: list) -> None:

@@ -206,11 +206,12 @@ class KVManager:
     def _take(self, n: int) -> list[int]:
         """``n`` fresh blocks, evicting cached ones when the free list is short; all or
         nothing (``NoFreeBlocks``)."""
-        if n > self.num_free_blocks:
-            raise NoFreeBlocks(n, self.num_free_blocks)
-        if n > self.pool.num_free:
-            self.cache.evict(n - self.pool.num_free)
-        return self.pool.allocate(n)
+        pool = self.pool
+        if n > pool.num_free:  # (the free list alone usually has them)
+            if n > self.num_free_blocks:
+                raise NoFreeBlocks(n, self.num_free_blocks)
+            self.cache.evict(n - pool.num_free)
+        return pool.allocate(n)
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -276,9 +277,14 @@ class KVManager:
         want = -(-num_tokens // self.block_size)
         if want > have:
             extra = want - have
-            ids = self._take(extra * len(entry.tables))
-            for i, plane in enumerate(entry.tables):
-                entry.tables[plane] = entry.tables[plane] + ids[i * extra : (i + 1) * extra]
+            tables = entry.tables
+            ids = self._take(extra * len(tables))
+            if extra == 1:  # (a decode token entering its next block)
+                for plane, block in zip(tables, ids):
+                    tables[plane] = tables[plane] + [block]
+            else:
+                for i, plane in enumerate(tables):
+                    tables[plane] = tables[plane] + ids[i * extra : (i + 1) * extra]
             entry.depth_tables = None
         entry.num_tokens = max(entry.num_tokens, num_tokens)
 
