@@ -297,15 +297,17 @@ class Scheduler:
     ) -> int:
         """New depth-1 items: next prompt chunks and next decode tokens."""
         maker = self.item_maker
+        # (Bound once: most decode tokens of a step come through the first branch.)
+        running, continuation, extend = RequestStatus.RUNNING, maker.continuation, self.kv.extend
         for request in starters:
             if budget <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted for an earlier starter of this step
             if request.carry_prev is not None and (not request.items or self._ended(request)):
                 # Most decode tokens: the runner continues the request's previous one.
-                item = maker.continuation(request)
-                if item is not None and not self.kv.extend(request.request_id, item.end):
+                item = continuation(request)
+                if item is not None and not extend(request.request_id, item.end):
                     self._continues(request, item)
                     budget -= 1
                     continue

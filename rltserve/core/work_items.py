@@ -22,6 +22,7 @@ class ItemMaker:
         self.kv = kv
         self.has_boundary = has_boundary
         self.copies_on_exit = kv.policy.copies_on_exit
+        self.block_size = kv.block_size
         self.full = kv.policy.kind == "full"  # every token loops to the request's depth
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
@@ -167,7 +168,7 @@ class ItemMaker:
         rid = request.request_id
         if (
             at != request.num_scheduled
-            or at % self.kv.block_size == 0
+            or at % self.block_size == 0
             or life != request.num_preemptions
             or at <= request.replay_until
             or request.pipelined
