@@ -252,7 +252,7 @@ def test_carried_rows_move_one_loop_per_step():
     tables = BlockTables()
     rows = CarriedRows(tables)
     first = _item(exit_at=3, copy=True)
-    rows.keep([first], 0, set(), ["live"], ["held"])
+    rows.keep([first], 0, [], ["live"], ["held"])
     assert rows.items == [first] and rows.depths == [1]
     seen = []
     for _ in range(3):
@@ -266,7 +266,7 @@ def test_carried_rows_move_one_loop_per_step():
         assert spans.starts.tolist() == [5] and spans.lens.tolist() == [1]
         assert spans.table_lens.tolist() == [1]
         assert tables.array[table_rows, :1].tolist() == [rows.table_at(0, d)]
-        rows.keep([w], 1, set(), rows.lives, rows.held)
+        rows.keep([w], 1, [], rows.lives, rows.held)
     assert seen == [(2, [11], False), (3, [12], True), (4, [13], True)]  # fixed exit at 3
     # The plan's item is never changed.
     assert first.depth == 1 and first.block_table == [10] and first.exit_copy_blocks == [21, 22, 23]
@@ -277,11 +277,11 @@ def test_carried_rows_keep_order_and_drop_ended_and_released():
     rows = CarriedRows(tables)
     a, b = _item(), _item()
     b.request_id = "b"
-    rows.keep([a, b], 0, set(), ["live a", "live b"], ["held a", "held b"])
+    rows.keep([a, b], 0, [], ["live a", "live b"], ["held a", "held b"])
     step = rows.advance()
     c = _item()
     c.request_id = "c"
-    rows.keep(step + [c], 2, {0}, rows.lives + ["live c"], rows.held + ["held c"])  # a ended
+    rows.keep(step + [c], 2, [0], rows.lives + ["live c"], rows.held + ["held c"])  # a ended
     assert [w.request_id for w in rows.items] == ["b", "c"]
     # The runner's values of each row follow it.
     assert rows.lives == ["live b", "live c"] and rows.held == ["held b", "held c"]
@@ -301,9 +301,9 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
     rows = CarriedRows(tables)
     a, b = _item(exit_at=3, copy=True), _item()
     b.request_id = "b"
-    rows.keep([a, b], 0, set(), ["live a", "live b"], ["held a", "held b"])
+    rows.keep([a, b], 0, [], ["live a", "live b"], ["held a", "held b"])
     step = rows.advance()
-    rows.keep(step, 2, {0}, rows.lives, rows.held)  # a ended (at loop 2)
+    rows.keep(step, 2, [0], rows.lives, rows.held)  # a ended (at loop 2)
     assert [w.request_id for w in rows.items] == ["b"]
     with pytest.raises(RuntimeError, match="no ended carried token 99"):
         rows.advance([("a", 99, 2)])
@@ -320,7 +320,7 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
     with pytest.raises(RuntimeError):  # continued once only
         rows.advance([("a", a.carry.key, 3)])
     rows.drop({"b"})
-    rows.keep(rows.items, 1, {0}, rows.lives, rows.held)  # the continued one ends too
+    rows.keep(rows.items, 1, [0], rows.lives, rows.held)  # the continued one ends too
     assert rows.advance([("a", 2, 3)]) == [a] and (rows.starts, rows.keys) == ([7], [3])
     rows.drop({"a"})  # a released request's ended token goes with it
     with pytest.raises(RuntimeError):
@@ -334,7 +334,7 @@ def test_carried_rows_start_a_plans_new_tokens_after_the_others():
     tables = BlockTables()
     rows = CarriedRows(tables)
     a = _item()
-    rows.keep([a], 0, set(), ["live a"], ["held a"])
+    rows.keep([a], 0, [], ["live a"], ["held a"])
     rows.advance()
     b = _item(exit_at=2)
     b.request_id = "b"
@@ -360,12 +360,12 @@ def test_carried_rows_of_different_depth_counts_share_the_columns():
     short.carry.tables = [[30], [31]]  # ends after 2 loops
     full = _item(exit_at=3)
     full.request_id = "f"
-    rows.keep([short, full], 0, set(), [None, None], [None, None])
+    rows.keep([short, full], 0, [], [None, None], [None, None])
     rows.advance()  # both at depth 2
     spans, table_rows = rows.spans()
     assert tables.array[table_rows, :1].tolist() == [[31], [11]]
     assert [s.exit_now for s in rows.specs] == [True, False]
-    rows.keep(rows.items, 2, {0}, rows.lives, rows.held)  # the short one ended
+    rows.keep(rows.items, 2, [0], rows.lives, rows.held)  # the short one ended
     rows.advance()  # full at depth 3: its fixed exit loop
     assert rows.depths == [3] and rows.specs[0].exit_now
     spans, table_rows = rows.spans()

@@ -6,9 +6,9 @@ loop of the token in every later step, one depth deeper each time, until the ste
 ends or its request is dropped. A token whose input is on the runner (the token its request
 sampled last) joins the rows before its first loop (``advance``, ``start``), so a decode
 batch stays carried rows alone; one whose input was recorded (resumed after preemption)
-runs its first loop as a plan item and joins after it (``keep``). Carried rows run first in a step, in the order they were
-carried, so a decode batch keeps its row order from step to step (``PendingRows`` then passes
-states on).
+runs its first loop as a plan item and joins after it (``keep``). Carried rows run first in a
+step, in the order they were carried, so a decode batch keeps its row order from step to step
+(``PendingRows`` then passes states on).
 
 A request's next token usually continues it (``StepPlan.continued``): the same ``Carry`` at
 the next position, in the same KV block. It keeps the item of the token it continues as its
@@ -42,6 +42,7 @@ replaced (only a rollback, never a carried token's, or a new item at loop 1 make
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection
 from itertools import chain, compress, repeat
 from operator import add, attrgetter, is_, itemgetter
@@ -135,8 +136,7 @@ class CarriedRows:
                     (r, p) for r, e, p in zip(rids, ended, previous) if e is None or e[3] != p
                 )
                 raise RuntimeError(f"{rid}: no ended carried token {key} to continue")
-            for rid in rids:
-                del self._ended[rid]
+            list(map(self._ended.pop, rids))  # (each continues once)
         if self.items:
             depths = self.depths
             if depths.count(depths[0]) == len(depths):  # (a decode batch in lockstep)
@@ -158,6 +158,7 @@ class CarriedRows:
                 if len(at) == first[0].shape[0] and at == list(range(len(at))):
                     tables = first  # (every token that ended with them)
                 else:
+                    at = np.array(at, dtype=np.intp)  # (converted once for both)
                     tables = (first[0][at], first[1][at])
             templates, lives, starts = list(zip(*ended))[:3]
             n = len(keys)
@@ -178,39 +179,41 @@ class CarriedRows:
         self,
         items: list[WorkItem],
         num_carried: int,
-        ending: Collection[int],
+        ending: list[int],
         lives: list[LiveRequest],
         held: list[ItemState],
     ) -> None:
         """After a step over ``items`` (its first ``num_carried`` the carried ones; ``lives``
-        and ``held`` aligned with them): the tokens that go on are the carried ones that did
-        not end, then the plan's new carried tokens. Each request's newest token that ended
-        is kept for a plan to continue."""
+        and ``held`` aligned with them; ``ending``: the items that end, in increasing order):
+        the tokens that go on are the carried ones that did not end, then the plan's new
+        carried tokens. Each request's newest token that ended is kept for a plan to
+        continue."""
         if ending:
             ended = self._ended
-            gone = [i for i in ending if i < num_carried]
+            gone = ending[: bisect_left(ending, num_carried)]  # (the carried rows')
             # Their table rows, for the tokens that continue them (``advance``): these arrays
             # when every row ends (``_remove`` replaces them, never changes them).
-            if len(gone) == num_carried:
-                block, at = (self._rows, self._lens), gone
-            elif gone:
-                block, at = (self._rows[gone], self._lens[gone]), range(len(gone))
-            starts, keys = self.starts, self.keys  # (the carried rows' columns of this step)
-            k = 0
-            for i in ending:  # (the last of a request's tokens ending here is its newest)
+            # In item order, so a request's last token to end here (its newest) is kept.
+            if gone:
+                starts, keys = self.starts, self.keys  # (the carried rows' columns)
+                if len(gone) == num_carried:  # (a decode batch's tokens ending together)
+                    block, at = (self._rows, self._lens), range(num_carried)
+                    ws, ls = items[:num_carried], lives[:num_carried]
+                else:
+                    block, at = (self._rows[gone], self._lens[gone]), range(len(gone))
+                    ws, ls = [items[i] for i in gone], [lives[i] for i in gone]
+                    starts, keys = [starts[i] for i in gone], [keys[i] for i in gone]
+                ended.update(zip(map(_RID, ws), zip(ws, ls, starts, keys, repeat(block), at)))
+            for i in ending[len(gone) :]:  # a plan's item that is a carried token's first loop
                 w = items[i]
-                if i < num_carried:
-                    ended[w.request_id] = (w, lives[i], starts[i], keys[i], block, at[k])
-                    k += 1
-                elif w.carry is not None:
+                if w.carry is not None:
                     ended[w.request_id] = (w, lives[i], w.start, w.carry.key, None, 0)
             if gone:
                 self._remove(gone)
-        new = [
-            i
-            for i, w in enumerate(items[num_carried:], num_carried)
-            if w.carry is not None and i not in ending
-        ]
+        new = [i for i, w in enumerate(items[num_carried:], num_carried) if w.carry is not None]
+        if new and ending:
+            ends = set(ending)
+            new = [i for i in new if i not in ends]
         if new:
             fresh = [items[i] for i in new]
             self._append(

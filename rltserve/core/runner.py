@@ -441,8 +441,7 @@ class ModelRunner:
         items = carried + planned if nc else planned
         step = Step(self, items, nc)  # (nc rows from self.carried)
         eager = step.run()
-        ending = set(step.ending)
-        self.carried.keep(items, nc, ending, step.lives, step.held)
+        self.carried.keep(items, nc, step.ending, step.lives, step.held)
         handle.outputs = step.outputs
 
         def finish() -> StepResult:

@@ -46,7 +46,7 @@ class Step:
         self.outputs = StepOutputs(runner.device)
         self.num_rows = 0  # set by run()
         self.num_coda_rows = 0
-        self.ending: list[int] = []  # set by run(): the items whose loops end in this step
+        self.ending: list[int] = []  # set by run(): the items whose loops end here, increasing
         self.exits: list[int] = []  # set by run(): the items whose output exits in this step
         # Rows of carried tokens (a ``carry``: the runner's, then the plan's new ones): their
         # results are ``CarriedEvents``.
