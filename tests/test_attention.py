@@ -12,7 +12,13 @@ from rltserve.core.attention import (
     copy_slots,
     paged_attention,
 )
-from rltserve.core.metadata import HostMetadata, Spans, attention_groups, decode_metadata
+from rltserve.core.metadata import (
+    HostMetadata,
+    Spans,
+    attention_groups,
+    decode_metadata,
+    decode_positions,
+)
 
 BS = 4
 NUM_BLOCKS = 32
@@ -355,20 +361,30 @@ def test_decode_metadata_equals_the_general_build():
     rows = np.array([7, 2, 11, 0, 5])
     starts = np.array([17, 3, 30, 31, 12])
     table_lens = np.array([5, 1, 8, 9, 4])
-    host = decode_metadata(starts, table_lens, array, rows, BS)
+    positions = decode_positions(starts, BS)
     want = HostMetadata.of(Spans(starts, np.ones(5, dtype=np.int64), table_lens, array[rows]), BS)
-    assert host is not None and host.num_cols == want.num_cols == 8
-    assert (host.num_rows, host.num_items, host.max_q, host.max_ctx) == (5, 5, 1, 32)
-    for got, expected in zip(
-        np.split(host.packed, np.cumsum([a.size for a in want.parts()])[:-1]), want.parts()
-    ):
-        assert got.tolist() == expected.tolist()
+    for _ in range(2):  # (the positions serve several steps: each gets a buffer of its own)
+        host = decode_metadata(positions, table_lens, array, rows, BS)
+        assert host is not None and host.num_cols == want.num_cols == 8
+        assert (host.num_rows, host.num_items, host.max_q, host.max_ctx) == (5, 5, 1, 32)
+        for got, expected in zip(
+            np.split(host.packed, np.cumsum([a.size for a in want.parts()])[:-1]), want.parts()
+        ):
+            assert got.tolist() == expected.tolist()
+        host.packed[:] = -1
+    # Other tables at the same positions (a decode batch's next loop, on another plane).
+    other = array[::-1].copy()
+    host = decode_metadata(positions, table_lens, other, rows, BS)
+    want = HostMetadata.of(Spans(starts, np.ones(5, dtype=np.int64), table_lens, other[rows]), BS)
+    assert host.packed.tolist() == np.concatenate(want.parts()).tolist()
     # Contexts in two attention groups, or a table too short for its position: the general
     # path decides (and names the item in its error).
-    assert decode_metadata(np.array([3, 40]), np.array([1, 11]), array, rows[:2], BS) is None
-    assert decode_metadata(np.array([3, 8]), np.array([1, 2]), array, rows[:2], BS) is None
+    assert decode_positions(np.array([3, 40]), BS) is None
+    two = decode_positions(np.array([3, 8]), BS)
+    assert decode_metadata(two, np.array([1, 2]), array, rows[:2], BS) is None
+    assert decode_metadata(two, np.array([1, 3]), array, rows[:2], BS) is not None
     with pytest.raises(ValueError, match="start"):
-        decode_metadata(np.array([-1, 3]), np.array([1, 1]), array, rows[:2], BS)
+        decode_positions(np.array([-1, 3]), BS)
 
 
 def test_spans_of_block_table_rows_take_them_at_each_group_width():

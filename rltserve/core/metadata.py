@@ -192,15 +192,23 @@ class HostMetadata:
         return 2 * self.num_items + 3 * self.num_rows + self.num_items * self.num_cols
 
 
-def decode_metadata(
-    starts: np.ndarray, table_lens: np.ndarray, tables: np.ndarray, rows, block_size: int
-) -> HostMetadata | None:
-    """``HostMetadata.of`` one-row items (decode tokens) at ``starts`` whose block tables,
-    ``table_lens`` blocks long, are rows ``rows`` of ``tables`` (``BlockTables.array``), built
-    straight into one packed buffer (``packed``); None when the items are not one attention
-    group (``group_indices``) or a table is too short for its item's position (the general
-    path then names the item in its error). A decode batch's metadata in a dozen numpy calls
-    instead of some thirty, and no concatenation of its parts."""
+@dataclass(frozen=True)
+class DecodePositions:
+    """What the metadata of one-row items (decode tokens) takes from their positions alone
+    (``decode_positions``). A decode batch keeps its positions array for several steps (one
+    per loop of its tokens), so these are computed once per array, not per step."""
+
+    starts: np.ndarray  # [B] the positions they were computed from (never changed)
+    max_ctx: int  # the furthest position + 1
+    num_cols: int  # the blocks it needs
+    index: np.ndarray  # [B] each position's block in its table ...
+    offset: np.ndarray  # [B] ... and its slot in that block
+    head: np.ndarray  # [5 B] starts, lens, positions, (slot mapping: per step), pad index
+
+
+def decode_positions(starts: np.ndarray, block_size: int) -> DecodePositions | None:
+    """The positions' part of ``decode_metadata``; None when the items are not one attention
+    group (``group_indices``: the general path then groups them)."""
     n = len(starts)
     lo, hi = int(starts.min()), int(starts.max())
     if lo < 0:
@@ -209,25 +217,43 @@ def decode_metadata(
     num_cols = hi // block_size + 1
     if _bucket(lo // block_size + 1) != _bucket(num_cols):
         return None
-    if (table_lens * block_size <= starts).any():
+    head = np.zeros(5 * n, dtype=np.int64)  # (as ``parts`` orders them)
+    head[:n] = starts
+    head[n : 2 * n] = 1
+    head[2 * n : 3 * n] = starts
+    head[4 * n :] = np.arange(n)
+    index, offset = np.divmod(starts, block_size)
+    return DecodePositions(starts, hi + 1, num_cols, index, offset, head)
+
+
+def decode_metadata(
+    positions: DecodePositions,
+    table_lens: np.ndarray,
+    tables: np.ndarray,
+    rows,
+    block_size: int,
+) -> HostMetadata | None:
+    """``HostMetadata.of`` one-row items at ``positions`` whose block tables, ``table_lens``
+    blocks long, are rows ``rows`` of ``tables`` (``BlockTables.array``), built straight into
+    one packed buffer (``packed``), a new one per call; None when a table is too short for its
+    item's position (the general path then names the item in its error). A decode step's
+    metadata in a handful of numpy calls, and no concatenation of its parts."""
+    index = positions.index
+    if (table_lens <= index).any():  # (table_lens * block_size <= starts)
         return None
+    n, num_cols = len(index), positions.num_cols
     flat = np.empty(5 * n + n * num_cols, dtype=np.int64)
-    # [starts, lens, positions, slot_mapping, pad_index, tables], as ``parts`` orders them.
-    flat[:n] = starts
-    flat[n : 2 * n] = 1
-    flat[2 * n : 3 * n] = starts
-    index, offset = np.divmod(starts, block_size)  # [B]
+    flat[: 5 * n] = positions.head
     slot_mapping = flat[3 * n : 4 * n]
     np.multiply(tables[rows, index], block_size, out=slot_mapping)
-    slot_mapping += offset
-    flat[4 * n : 5 * n] = np.arange(n)
+    slot_mapping += positions.offset
     table = flat[5 * n :].reshape(n, num_cols)
     table[...] = tables[rows, :num_cols]
     return HostMetadata(
         num_rows=n,
         num_items=n,
         max_q=1,
-        max_ctx=hi + 1,
+        max_ctx=positions.max_ctx,
         num_cols=num_cols,
         starts=flat[:n],
         lens=flat[n : 2 * n],

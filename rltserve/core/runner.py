@@ -46,7 +46,7 @@ from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
-from rltserve.core.metadata import Spans, decode_metadata
+from rltserve.core.metadata import DecodePositions, Spans, decode_metadata, decode_positions
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
@@ -120,6 +120,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
+        # The last decode step's positions array and its ``decode_positions`` (``attention``).
+        self._decode_positions: tuple[np.ndarray | None, DecodePositions | None] = (None, None)
         self.block_tables = BlockTables()  # host copies of the tables steps use
         self.carried = CarriedRows(self.block_tables)  # decode tokens whose loops it runs by itself
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
@@ -331,9 +333,17 @@ class ModelRunner:
                 rows = carried_rows
         table = self.block_tables.array
         if one_row:  # (a decode step: usually one attention group, built in one pass)
-            host = decode_metadata(given.starts, given.table_lens, table, rows, self.block_size)
-            if host is not None:
-                return one_group(self.kv, host, self.block_size, self.device)
+            # A decode batch's carried rows keep one positions array from step to step (a
+            # numpy column of ``CarriedRows`` is replaced, never changed): its part of the
+            # metadata is computed once per array.
+            known = self._decode_positions
+            if known[0] is not given.starts:
+                known = (given.starts, decode_positions(given.starts, self.block_size))
+                self._decode_positions = known
+            if known[1] is not None:
+                host = decode_metadata(known[1], given.table_lens, table, rows, self.block_size)
+                if host is not None:
+                    return one_group(self.kv, host, self.block_size, self.device)
         # (Each attention group takes its tables' rows at its own width.)
         given = Spans(
             given.starts,
