@@ -380,10 +380,12 @@ def test_a_failed_swap_out_still_releases_the_plans_requests(ouro_rv1, ouro_ref)
     core.shutdown()
 
 
+@pytest.mark.parametrize("finished_first", [False, True], ids=["raises", "finishes-raises"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
+def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, finished_first):
     """The scheduler raising while it applies a step's result: that step's requests fail with
-    the error, every other request continues exactly, nothing leaks."""
+    the error (also one it finished before raising), every other request continues exactly,
+    nothing leaks."""
     engine, lag, threshold = CONFIGS[name]
     core = make_core(ouro_rv1, max_num_seqs=3, **engine)
     core.runner.defer_results = name == "deferred"
@@ -395,7 +397,12 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name):
     apply, append = sched.apply, sched.applier._append_token
     hit: dict[str, set[str]] = {}
 
-    def broken_append(*args):
+    def broken_append(request, *args):
+        if finished_first:  # the token is applied and ends its request, then the apply fails
+            append(request, *args)
+            if not request.is_finished:
+                sched.finish(request, FinishReason.STOP)
+            assert request.request_id not in sched.requests
         raise RuntimeError("injected apply failure")
 
     def faulty_apply(plan, result):

@@ -366,15 +366,18 @@ class EngineCore:
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
             return []  # planned by a scheduler that was replaced; its requests have failed
-        # The step's requests still going: each gets its final update from this step.
-        rids = dict.fromkeys(map(_REQUEST_ID, plan.items))
-        if result.carried:
-            rids.update(dict.fromkeys(result.carried.request_ids))
-        involved = list(filter(self.scheduler.requests.__contains__, rids))
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
             error = engine_error(f"applying step {plan.step_id}", exc)
+            # The step's requests that were going: each gets its final update from this step.
+            # (Found only now: those it finished before raising are no longer the
+            # scheduler's requests, but ``finished_ids``.)
+            rids = dict.fromkeys(map(_REQUEST_ID, plan.items))
+            if result.carried:
+                rids.update(dict.fromkeys(result.carried.request_ids))
+            going = self.scheduler.requests.keys() | self.scheduler.finished_ids
+            involved = [rid for rid in rids if rid in going]
             try:
                 for rid in involved:  # ended during the failed apply, or ends now
                     self.scheduler.abort(rid)  # frees its KV, releases its runner state

@@ -107,6 +107,8 @@ class Scheduler:
         # upper bound while it is in flight (async scheduling).
         self._carried: dict[int, tuple[Request, InFlight]] = {}
         self._carry_key = 0
+        # Requests finished since the last ``apply`` began (for a failed apply's caller).
+        self.finished_ids: list[str] = []
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -389,7 +391,9 @@ class Scheduler:
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Applies a step's result to the requests it planned for (in submission order;
-        ``applier.py``)."""
+        ``applier.py``). ``finished_ids`` then lists the requests it finished, also when it
+        raises."""
+        self.finished_ids = []
         return self.applier.apply(plan, self._planned.pop(plan.step_id), result)
 
     def drop_carried(self, request: Request) -> None:
@@ -410,6 +414,7 @@ class Scheduler:
         """Ends the request: out of the queues, its KV freed, the runner told to drop it."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.finished_ids.append(request.request_id)
         self.drop_carried(request)
         request.items.clear()
         if request in self.running:
