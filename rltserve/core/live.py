@@ -91,7 +91,8 @@ class Draft:
 class LiveRequest:
     setup: RequestSetup
     generator: SeededGenerator | None
-    items: dict[int, ItemState] = field(default_factory=dict)  # in-flight items by start
+    # In-flight items by start: the plan's (a carried token's is in ``CarriedRows.held``).
+    items: dict[int, ItemState] = field(default_factory=dict)
     # The last sampled token, on the device: row ``last_row`` of ``last_tokens`` (the sampling
     # step's [R] int64 tokens), so a step gathers its decode inputs with one index_select.
     last_tokens: torch.Tensor | None = None

@@ -10,6 +10,7 @@ penalty history, rollbacks).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import compress, repeat
 from operator import add, is_, is_not
 
@@ -139,8 +140,14 @@ class Step:
             r.pending_rows = None
             if len(ending) < len(held):
                 pending.settle()
-            for i in ending:
-                del lives[i].items[starts[i]]
+        if planned:
+            # ``live.items`` holds the plan's items' states (``_enter``) until they end, or,
+            # for its carried tokens, until they join the carried rows after this step
+            # (``CarriedRows.keep``), whose ``held`` alone keeps a carried row's state.
+            ends = set(ending[bisect_left(ending, nc) :])
+            for i, w in enumerate(planned, nc):
+                if w.carry is not None or i in ends:
+                    del lives[i].items[starts[i]]
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
@@ -260,7 +267,8 @@ class Step:
             map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
         )
         for i, start, h in zip(entering, starts, fresh):
-            lives[i].items[start] = h
+            if i >= nc:  # (a carried row's state is in ``CarriedRows.held`` alone)
+                lives[i].items[start] = h
         return entering, fresh
 
     def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:
