@@ -140,12 +140,11 @@ class Applier:
         top: list[tuple[int, float]] | None,
         updates: dict[str, RequestUpdate],
     ) -> None:
-        """Appends an output token to the request and to its update in ``updates``, and ends
-        the request when the token stops it."""
+        """Appends an output token to the request and to its update in ``updates`` (its
+        logprobs go only there: nothing reads them again), and ends the request when the
+        token stops it."""
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
-        request.logprobs.append(logprob)
-        request.top_logprobs.append(top)
         rid = request.request_id
         update = updates.get(rid)
         if update is None:  # (positional: one per request per step)

@@ -97,8 +97,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     exit_mode: str = "fixed"  # how output positions exit: fixed | gate | delayed (ExitSpec)
     pipelined: bool = False  # decode tokens enter loop 1 on a draft of their input
     epoch: int = 0  # rollbacks so far: a rejected draft discards every later in-flight item

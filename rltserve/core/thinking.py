@@ -75,8 +75,6 @@ def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
     for token in forced:
         out.append(token)
         request.exit_depths.append(depth)
-        request.logprobs.append(None)
-        request.top_logprobs.append(None)
         update.new_token_ids.append(token)
         update.new_exit_depths.append(depth)
         update.new_logprobs.append(None)
