@@ -5,9 +5,10 @@ previous token, a key in ``StepPlan.continued``); the runner keeps the item and 
 loop of the token in every later step, one depth deeper each time, until the step in which it
 ends or its request is dropped. A token whose input is on the runner (the token its request
 sampled last) joins the rows before its first loop (``advance``, ``start``), so a decode
-batch stays carried rows alone; one whose input was recorded (resumed after preemption)
-runs its first loop as a plan item and joins after it (``keep``). Carried rows run first in a
-step, in the order they were carried, so a decode batch keeps its row order from step to step
+batch stays carried rows alone; one whose input was recorded (the first after a replay:
+resumed after preemption, or after forced thinking tokens) runs its first loop as a plan item
+and joins after it (``keep``). Carried rows run first in a step, in the order they joined (a
+request's older token first), so a decode batch keeps its row order from step to step
 (``PendingRows`` then passes states on).
 
 A request's next token usually continues it (``StepPlan.continued``): the same ``Carry`` at
@@ -186,7 +187,8 @@ class CarriedRows:
         """After a step over ``items`` (its first ``num_carried`` the carried ones; ``lives``
         and ``held`` aligned with them; ``ending``: the items that end, in increasing order):
         the tokens that go on are the carried ones that did not end, then the plan's new
-        carried tokens. Each request's newest token that ended is kept for a plan to
+        carried tokens that ran their first loop as plan items (a recorded input: the others
+        joined before the step). Each request's newest token that ended is kept for a plan to
         continue."""
         if ending:
             ended = self._ended
@@ -315,7 +317,8 @@ class CarriedRows:
         # The runner's values of each token, which stay the same objects while it is carried:
         # its request's ``LiveRequest`` and its ``ItemState``.
         self.lives: list[LiveRequest] = []
-        # (None for a continued token until the step running its first loop enters it.)
+        # (None for a token that joined before its first loop, ``advance`` or ``start``,
+        # until the step running that loop enters it.)
         self.held: list[ItemState | None] = []
         self._fixed: list[int] = []  # rows whose spec changes at a fixed exit loop
         self._spec_columns: tuple[list | None, tuple] = (None, ())  # (specs, their columns)

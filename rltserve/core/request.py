@@ -68,8 +68,10 @@ class InFlight:
     carry_step: int = 0  # the step that runs its first loop (it runs one loop a step)
     exit_by: int = 0  # loops after which its exit is known without a result (cap, fixed exit)
     # A carried token whose exit is not known: the first step whose planning may have
-    # something to do for it (the one after the step running loop ``exit_by``, or a delayed
-    # decision's exit loop); 0 once its exit is known, and for every other item.
+    # something to do for it, the one after the step running loop ``exit_by`` (or, moved
+    # earlier by ``exits_after``, the delayed decision's exit loop); 0 once a result gave its
+    # exit, and for every other item. (Planning skips a request while its newest item's wake
+    # is after the step being planned.)
     wake: int = 0
 
     @property

@@ -278,8 +278,11 @@ class ModelRunner:
     ) -> StepResult:
         """A failed step: the requests of its items and of its carried tokens fail, and
         ``lost``, those it lost outside them (preempted before their KV reached swap space)."""
-        # (A continued token is among the carried ones once ``advance`` took it.)
+        # (A continued token is among the carried ones once ``advance`` took it, a plan's new
+        # one once ``CarriedRows.start`` did: its request is among the items' too.)
         carried = list(dict.fromkeys([w.request_id for w in handle.carried] + handle.continued_ids))
+        items = set(handle.item_ids)
+        carried = [rid for rid in carried if rid not in items]
         request_ids = handle.item_ids + carried
         lost = [*(lost or ()), *carried]
         # Clients get the exception's type and message; the traceback goes to the log.

@@ -169,14 +169,15 @@ class Step:
         held = [live.items.get(s) for live, s in zip(lives[nc:], starts[nc:])]
         if nc:
             carried = r.carried.held
-            if None in carried:  # continued tokens (``StepPlan.continued``), entered just now
-                # (They are the carried rows at loop 1: the last ones, entered in order.)
+            if None in carried:  # tokens that joined the rows just now, entered here
+                # (Continued and started ones, ``CarriedRows.advance``/``start``: the carried
+                # rows at loop 1, the last ones, entered in order.)
                 first = carried.index(None)
                 order, states = entered
                 try:
                     at = order.index(first)
                 except ValueError:
-                    raise RuntimeError(f"carried row {first}: continued but not entered") from None
+                    raise RuntimeError(f"carried row {first}: joined but not entered") from None
                 carried[first:] = states[at : at + nc - first]  # (a list of this launch's)
             held = carried + held
         self.held = held
@@ -225,8 +226,8 @@ class Step:
         then in item order) and their states."""
         r, items, lives = self.r, self.items, self.lives
         every = len(entering) == len(items)
-        # (A carried row entering is a continued token: its input is on the runner, whatever
-        # the item it continues had.)
+        # (A carried row entering joined the rows before this step, continued or started: its
+        # input is on the runner, whatever its item's ``token_ids``.)
         nc = self.num_carried
         prompts = [i for i in entering if i >= nc and items[i].token_ids is not None]
         if prompts:

@@ -179,14 +179,9 @@ class ItemMaker:
         item = self.decode_item(request)
         if item is None:
             return None  # every output is planned
-        if request.exit_mode == "fixed":  # (``exit_known_by``, written out)
-            item.exit_by = fixed_exit_depth(request, item.output_index)
-            if exit_at != item.exit_by:
-                return None
-        else:
-            item.exit_by = request.max_loops
-            if exit_at:
-                return None
+        item.exit_by = self.exit_known_by(request, item)
+        if exit_at != (item.exit_by if request.exit_mode == "fixed" else 0):
+            return None  # (``carried_item``'s ``exit_at``)
         known = request.carry_blocks  # (the same block under the same tables)
         if known is not None and item.stop_at_exit and self.copies_on_exit:
             item.exit_blocks = known[2]
