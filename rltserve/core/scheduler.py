@@ -164,15 +164,29 @@ class Scheduler:
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
         starters = []
-        budget -= len(self._carried)  # rows the runner carries into this step (at most)
-        busy = bool(self._carried)
+        ended: set[Request] = set()  # starters whose only item is a carried token that ended
+        carried = self._carried
+        budget -= len(carried)  # rows the runner carries into this step (at most)
+        busy = bool(carried)
         step = self._step_id + 1
         for request in self.running:
-            if not request.items:
+            request_items = request.items
+            if not request_items:
                 starters.append(request)  # nothing in flight: its next item may start
                 continue
-            if request.items[-1].wake > step:
+            last = request_items[-1]
+            if last.wake > step:
                 continue  # its token runs on the runner, its exit not known before ``wake``
+            if (
+                len(request_items) == 1
+                and last.carry_key in carried
+                and self._next_loop(request, last) == OVER
+            ):
+                # (What ``_continue_items`` finds, sooner: the token's last loop is planned,
+                # its end not yet applied (async scheduling), so its next token may start.)
+                starters.append(request)
+                ended.add(request)
+                continue
             budget, request_busy, may_start = self._continue_items(request, items, owners, budget)
             busy = busy or request_busy
             if may_start:
@@ -180,7 +194,7 @@ class Scheduler:
         if not (self.config.scheduling == "no_refill" and busy):
             # The best get blocks first (fcfs: arrival order, which a C-speed key gives).
             starters.sort(key=self.order_key if self.priority else _SEQ)
-            budget = self._start_items(starters, items, owners, budget)
+            budget = self._start_items(starters, items, owners, budget, ended)
             self.admission.admit(items, owners, budget)
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
@@ -295,9 +309,15 @@ class Scheduler:
         return item.num_tokens
 
     def _start_items(
-        self, starters: list[Request], items: list[WorkItem], owners: list[InFlight], budget: int
+        self,
+        starters: list[Request],
+        items: list[WorkItem],
+        owners: list[InFlight],
+        budget: int,
+        ended: set[Request],
     ) -> int:
-        """New depth-1 items: next prompt chunks and next decode tokens."""
+        """New depth-1 items: next prompt chunks and next decode tokens (``ended``: starters
+        known to have only ended carried tokens, ``_ended``)."""
         maker = self.item_maker
         # (Bound once: most decode tokens of a step come through the first branch.)
         running, continuation, extend = RequestStatus.RUNNING, maker.continuation, self.kv.extend
@@ -306,7 +326,9 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted for an earlier starter of this step
-            if request.carry_prev is not None and (not request.items or self._ended(request)):
+            if request.carry_prev is not None and (
+                not request.items or request in ended or self._ended(request)
+            ):
                 # Most decode tokens: the runner continues the request's previous one.
                 item = continuation(request)
                 if item is not None and not extend(request.request_id, item.end):
