@@ -114,11 +114,9 @@ class BlockTables:
                 self.array[entry[0], m:n] = table[m:n]
         else:
             self._write(entry[0], table[:n])
-        by_table = self._by_table
-        if by_table.get(id(old)) is entry:  # (``_unmap``, written out)
-            del by_table[id(old)]
+        self._unmap(entry)
         entry[1], entry[2] = table, n
-        by_table[id(table)] = entry
+        self._by_table[id(table)] = entry
         return entry
 
     def _unmap(self, entry: list) -> None:

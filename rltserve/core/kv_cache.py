@@ -277,14 +277,9 @@ class KVManager:
         want = -(-num_tokens // self.block_size)
         if want > have:
             extra = want - have
-            tables = entry.tables
-            ids = self._take(extra * len(tables))
-            if extra == 1:  # (a decode token entering its next block)
-                for plane, block in zip(tables, ids):
-                    tables[plane] = tables[plane] + [block]
-            else:
-                for i, plane in enumerate(tables):
-                    tables[plane] = tables[plane] + ids[i * extra : (i + 1) * extra]
+            ids = self._take(extra * len(entry.tables))
+            for i, plane in enumerate(entry.tables):
+                entry.tables[plane] = entry.tables[plane] + ids[i * extra : (i + 1) * extra]
             entry.depth_tables = None
         entry.num_tokens = max(entry.num_tokens, num_tokens)
 

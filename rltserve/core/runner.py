@@ -437,10 +437,10 @@ class ModelRunner:
         # runs among the carried rows from its first loop, as a continued one does: a decode
         # batch whose tokens entering a new KV block start as new items stays one batch of
         # carried rows. (Its result is None either way: a carried token reports events.)
-        items = plan.items
-        fresh = [k for k in active if items[k].carry is not None and items[k].token_ids is None]
+        given = plan.items
+        fresh = [k for k in active if given[k].carry is not None and given[k].token_ids is None]
         if fresh:
-            starting = [items[k] for k in fresh]
+            starting = [given[k] for k in fresh]
             lives = [self.live[w.request_id] for w in starting]
             carried = handle.carried = self.carried.start(starting, lives)
             taken = set(fresh)

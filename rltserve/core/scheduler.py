@@ -357,9 +357,8 @@ class Scheduler:
         self._commit(request, item)
         if not carried:
             return self._plan_loop(request, item, items, owners)
-        self._carry(request, item)
         item.exit_by = maker.exit_known_by(request, item)
-        item.wake = item.carry_step + item.exit_by
+        self._carry(request, item)
         items.append(maker.carried_item(request, item))
         owners.append(item)
         return 1
@@ -396,13 +395,14 @@ class Scheduler:
         request.items.append(item)
 
     def _carry(self, request: Request, item: InFlight) -> None:
-        """Gives ``item`` (committed, a decode token) to the runner to carry, its first loop
-        planned in the step being built (``_plan_loop`` of a carried token). (Written out in
-        ``_continues`` too.)"""
+        """Gives ``item`` (committed, a decode token, its ``exit_by`` set) to the runner to
+        carry, its first loop planned in the step being built (``_plan_loop`` of a carried
+        token). (Written out in ``_continues`` too.)"""
         self._carry_key += 1
         item.carry_key = self._carry_key
         item.carry_step = self._step_id + 1
         item.planned = 1
+        item.wake = item.carry_step + item.exit_by
         self._carried[item.carry_key] = (request, item)
         self._in_step.add(request.request_id)
 
