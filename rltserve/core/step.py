@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import compress, repeat
-from operator import add, is_, is_not
+from operator import is_, is_not
 
 import torch
 
-from rltserve.core import step_results, step_rows
+from rltserve.core import step_exits, step_results, step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
 from rltserve.core.staging import StepOutputs, move_to
@@ -57,6 +57,8 @@ class Step:
         self.num_carrying = self.carrying.count(True)
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
+        self.modes: tuple[str, ...] = ()  # set by run(): the output rows' exit modes
+        self.kinds: frozenset[str] = frozenset()  # the modes present
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
@@ -107,7 +109,7 @@ class Step:
             self.out = list(compress(range(n), specs))
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
-        self.exited = self._decide_exits(state, specs)
+        self.exited = step_exits.decide_exits(self, state, specs)
         exited = self.exited
         exits = self.exits = [i for i, x in zip(self.out, exited) if x] if any(exited) else []
         step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc], starts)
@@ -292,128 +294,6 @@ class Step:
     def _noise(self, live: LiveRequest, start: int, count: int) -> torch.Tensor:
         seed = live.setup.seed if live.setup.params.init_state == "random" else None
         return self.r.model.draw_noise(seed, list(range(start, start + count)))
-
-    def _decide_exits(self, state: torch.Tensor, specs: list) -> list[bool]:
-        """The exit rule for the output rows, in fp32 with the reference's arithmetic:
-        lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p.
-
-        The decision itself is host-known for fixed exits and for delayed ones (made by the
-        previous loop, delivered by now); only ``gate`` mode reads this loop's gate in-step.
-        """
-        out, held = self.out, self.held
-        self.modes: tuple[str, ...] = ()
-        self.kinds: frozenset[str] = frozenset()  # the modes present
-        if not out:
-            return []
-        r = self.r
-        every = isinstance(out, range)  # every item is an output row
-        nc = self.num_carried
-        # The output rows are the carried rows (a decode batch, prompt chunks beside it without
-        # an output): the first rows, one each.
-        carried_out = nc == len(out) and (every or out[-1] == nc - 1)
-        if every:
-            out_held, out_depths = held, self.depths
-        elif carried_out:
-            out_held, out_depths = held[:nc], self.depths[:nc]
-        else:
-            out_held, out_depths = [held[i] for i in out], [self.depths[i] for i in out]
-        if every and self.one_row:  # decode-only steps: every row is an output row
-            out_state = state
-        elif carried_out:
-            out_state = state[:nc]
-        else:
-            rows = r.tensor([self.offsets[i + 1] - 1 for i in out])
-            out_state = state.index_select(0, rows)
-        if carried_out:  # their columns, built once per specs list
-            columns = r.carried.spec_columns()
-            modes, exit_now, min_loops, max_loops, thresholds, kinds, lowest = columns
-        elif every and nc:  # the carried rows' columns, then the plan's items'
-            head = r.carried.spec_columns()
-            tail = tuple(zip(*map(step_rows.SPEC, specs[nc:])))
-            modes, exit_now, min_loops, max_loops, thresholds = map(add, head[:5], tail)
-            kinds, lowest = head[5].union(tail[0]), min(head[6], min(tail[3]))
-        else:
-            modes, exit_now, min_loops, max_loops, thresholds = zip(
-                *map(step_rows.SPEC, specs if every else [specs[i] for i in out])
-            )
-            kinds, lowest = frozenset(modes), min(max_loops)
-        self.modes, self.kinds = modes, kinds
-        logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
-        crossed_now: list[bool] | None = None
-        new_gate = None
-        m = len(out_held)
-        if logit is not None:
-            gate = self._gate_state(out_held)  # [2, M]
-            surv, cdf = gate.unbind(0)  # [M]
-            lam = torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
-            cdf = cdf + lam * surv
-            surv = surv * torch.rsub(lam, 1.0)  # (1 - lam, without Tensor.__rsub__'s wrapper)
-            new_gate = torch.stack((surv, cdf))  # [2, M]
-            crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
-            if not carried_out:  # (a carried row's result is its events: no gate values)
-                self.outputs.add("gate", new_gate)
-            self.outputs.add("crossed", crossed)
-            if "gate" in kinds:
-                crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
-            self.gate_rows = new_gate  # written with the states, or left pending (run())
-        if kinds == {"delayed"}:
-            if max(out_depths) < lowest and not any(map(step_rows.PENDING, out_held)):
-                exited = [False] * m  # (most steps: no row is at its cap or decided)
-            else:
-                exited = [
-                    d >= hi or p
-                    for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
-                ]
-        else:
-            exited = []
-            for k in range(m):
-                mode = modes[k]
-                if mode == "fixed":
-                    now = exit_now[k]
-                elif out_depths[k] >= max_loops[k]:
-                    now = True
-                elif mode == "delayed":
-                    now = out_held[k].pending
-                else:
-                    now = bool(crossed_now and crossed_now[k])
-                exited.append(now)
-        return exited
-
-    def _gate_state(self, out_held: list[ItemState]) -> torch.Tensor:
-        """[2, M] fp32: the output rows' (survival, CDF) before this loop: columns of earlier
-        steps' gates, or the initial state for positions at their first loop."""
-        r = self.r
-        m = len(out_held)
-        pending = self.pending
-        if pending is not None and pending.gate is not None and self.out == pending.out:
-            return pending.gate  # the same output rows as in the step that left it
-        if r.pending_rows is not None:  # this step's states are it, but not its gates
-            r.pending_rows.settle()
-            r.pending_rows = None
-        srcs = list(map(step_rows.GATE_SRC, out_held))
-        first = srcs[0]
-        if all(map(is_, srcs, repeat(first))):
-            if first is None:
-                return r.gate_init[:, None].expand(2, m)
-            rows = list(map(step_rows.GATE_ROW, out_held))
-            if first.shape[1] == m and rows == list(range(m)):
-                return first
-            return first.index_select(1, r.tensor(rows))
-        sources: list[torch.Tensor] = []
-        source_of: dict[int, int] = {}
-        picks = []
-        last, k = None, -1
-        for h in out_held:
-            src = h.gate_src
-            if src is None or src is not last:
-                key = id(src)  # id(None) stands for the initial state
-                k = source_of.get(key, -1)
-                if k < 0:
-                    k = source_of[key] = len(sources)
-                    sources.append(r.gate_init[None] if src is None else src.t())
-                last = src
-            picks.append((k, h.gate_row, 1))
-        return step_rows.gather_rows(sources, picks).t()
 
     def _coda_and_sample(
         self,
