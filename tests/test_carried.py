@@ -328,6 +328,50 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
         rows.advance([("a", 3, 4)])
 
 
+def test_a_refilled_batch_takes_its_predecessors_spec_columns():
+    """A decode batch whose rows all end together and continue: the new rows' spec columns
+    are the ended rows' (all of them, or those continued), not rebuilt; never when a fixed exit
+    changed a row's spec."""
+
+    def batch(fixed: bool) -> tuple[CarriedRows, list[WorkItem]]:
+        rows = CarriedRows(BlockTables())
+        items = [_item(exit_at=2 if fixed and k == 1 else 0) for k in range(3)]
+        for k, w in enumerate(items):
+            w.request_id = f"r{k}"
+            w.carry.tables = [[10 * k + d] for d in range(4)]
+            if not w.carry.exit_at:  # (distinct specs per row, as requests have their own)
+                w.exit = ExitSpec("gate", False, 1 + k % 2, 4, 0.25 * (k + 1))
+        rows.keep(items, 0, [], [f"live {k}" for k in range(3)], ["h0", "h1", "h2"])
+        for _ in range(3):  # to the last loop
+            step = rows.advance()
+            if rows.depths[0] < 4:
+                rows.keep(step, 3, [], rows.lives, rows.held)
+        return rows, items
+
+    def recomputed(rows: CarriedRows) -> tuple:
+        return tuple(zip(*[_spec_row(x) for x in rows.specs]))
+
+    for fixed in (False, True):
+        rows, items = batch(fixed)
+        before = rows.spec_columns()
+        keys = list(rows.keys)
+        rows.keep(rows.items, 3, [0, 1, 2], rows.lives, rows.held)  # every row ends
+        assert not rows.items
+        rows.advance([(f"r{k}", keys[k], 10 + k) for k in range(3)])  # all continue, in order
+        assert rows.specs == [w.exit for w in items] and rows.starts == [6, 6, 6]
+        columns = rows.spec_columns()
+        stashed = all(a is b for a, b in zip(columns[:5], before[:5]))
+        assert stashed == (not fixed)  # (a fixed exit's row moved its spec: rebuilt)
+        assert columns[:5] == recomputed(rows)
+    rows, items = batch(False)
+    keys = list(rows.keys)
+    rows.keep(rows.items, 3, [0, 1, 2], rows.lives, rows.held)
+    rows.advance([("r2", keys[2], 20), ("r0", keys[0], 21)])  # some continue, in another order
+    assert rows.specs == [items[2].exit, items[0].exit]
+    assert rows.spec_columns()[:5] == recomputed(rows)
+    assert rows.spec_columns()[5:] == (frozenset({"gate"}), 4)
+
+
 def test_carried_rows_start_a_plans_new_tokens_after_the_others():
     """``start``: a plan's new carried token whose input is on the runner joins the rows at
     loop 1 before its step runs (after the continued ones), its tables registered; its state

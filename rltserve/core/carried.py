@@ -78,9 +78,9 @@ class CarriedRows:
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
         # Request id -> its last carried token that ended (item, request state, position, key,
         # and when it was a row: the ``_rows`` and ``_lens`` rows of the tokens that ended with
-        # it and its index there): the token a plan may continue (``StepPlan.continued``).
-        # (Those arrays stay alive until every token that ended with them is continued or
-        # dropped: a few KB per batch.)
+        # it and their spec columns or None, then its index there): the token a plan may
+        # continue (``StepPlan.continued``). (Those stay alive until every token that ended
+        # with them is continued or dropped: a few KB per batch.)
         self._ended: dict[str, tuple] = {}
 
     def drop(self, request_ids: Collection[str]) -> None:
@@ -151,20 +151,30 @@ class CarriedRows:
                     specs[k] = c.specs[self.depths[k] >= c.exit_at]
         if continued:  # the next positions, each under its predecessor's item
             # Their tables are their predecessors': so are the table rows, kept when they
-            # ended (usually all in one block: the tokens that ended in one step).
+            # ended (usually all in one block: the tokens that ended in one step), and their
+            # first loop's specs, their predecessors' columns when kept.
             first = ended[0][4]
-            tables = None
+            tables = columns = None
             if first is not None and all(map(is_, map(_BLOCK, ended), repeat(first))):
+                rows, lens, specs = first
                 at = list(map(_AT, ended))
-                if len(at) == first[0].shape[0] and at == list(range(len(at))):
-                    tables = first  # (every token that ended with them)
+                if len(at) == rows.shape[0] and at == list(range(len(at))):
+                    tables, columns = (rows, lens), specs  # (every token that ended with them)
                 else:
+                    if specs is not None and len(at) > 1:
+                        columns = tuple(map(itemgetter(*at), specs))
                     at = np.array(at, dtype=np.intp)  # (converted once for both)
-                    tables = (first[0][at], first[1][at])
+                    tables = (rows[at], lens[at])
             templates, lives, starts = list(zip(*ended))[:3]
             n = len(keys)
             self._append(
-                list(templates), list(map(_NEXT, starts)), keys, list(lives), [None] * n, tables
+                list(templates),
+                list(map(_NEXT, starts)),
+                keys,
+                list(lives),
+                [None] * n,
+                tables,
+                columns,
             )
         return self.items
 
@@ -199,10 +209,17 @@ class CarriedRows:
             if gone:
                 starts, keys = self.starts, self.keys  # (the carried rows' columns)
                 if len(gone) == num_carried:  # (a decode batch's tokens ending together)
-                    block, at = (self._rows, self._lens), range(num_carried)
+                    # With the rows' spec columns when each row's spec is its item's ``exit``
+                    # (no fixed exit changed one), the first loop's spec of its successor.
+                    columns = self._spec_columns
+                    specs = None
+                    if not self._fixed and columns[0] is self.specs:
+                        specs = columns[1][:5]
+                    block, at = (self._rows, self._lens, specs), range(num_carried)
                     ws, ls = items[:num_carried], lives[:num_carried]
                 else:
-                    block, at = (self._rows[gone], self._lens[gone]), range(len(gone))
+                    block = (self._rows[gone], self._lens[gone], None)
+                    at = range(len(gone))
                     ws, ls = [items[i] for i in gone], [lives[i] for i in gone]
                     starts, keys = [starts[i] for i in gone], [keys[i] for i in gone]
                 ended.update(zip(map(_RID, ws), zip(ws, ls, starts, keys, repeat(block), at)))
@@ -234,10 +251,13 @@ class CarriedRows:
         lives: list[LiveRequest],
         held: list[ItemState | None],
         tables: tuple[np.ndarray, np.ndarray] | None = None,
+        columns: tuple | None = None,
     ) -> None:
         """Adds carried tokens at loop 1 after the others: ``fresh`` their items (or
         templates), then their columns; ``tables``: their rows of ``_rows`` and ``_lens``
-        when known, else their tables are registered where new."""
+        when known, else their tables are registered where new; ``columns``: the spec
+        columns of their items' ``exit`` when known (``spec_columns``' first five)."""
+        refilled = not self.items
         if tables is None:
             known = self._register(fresh)
             widths = [len(k[1]) for k in known]
@@ -246,7 +266,7 @@ class CarriedRows:
             lens = _columns([k[2] for k in known], widths, width)
         else:
             rows, lens = tables
-        if not self.items:  # (a batch refilled: its columns are the new rows', as they are)
+        if refilled:  # (its columns are the new rows', as they are)
             self._starts = np.array(starts, dtype=np.int64)
             self._rows, self._lens = rows, lens
         else:
@@ -273,7 +293,9 @@ class CarriedRows:
         self.depths = self.depths + [1] * len(fresh)
         old, added = self.specs, list(map(_EXIT, fresh))  # (their first loop's)
         self.specs = old + added
-        if self._spec_columns[0] is old and added:  # (the columns grow with the rows)
+        if refilled and columns is not None:
+            self._spec_columns = (self.specs, _with_summary(columns))
+        elif self._spec_columns[0] is old and added:  # (the columns grow with the rows)
             columns = self._spec_columns[1][:5]
             columns = tuple(map(add, columns, zip(*map(_SPEC, added))))
             self._spec_columns = (self.specs, _with_summary(columns))

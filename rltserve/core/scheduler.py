@@ -98,7 +98,9 @@ class Scheduler:
         self.new_setups: list[RequestSetup] = []
         self._step_id = 0
         self._seq = 0
-        self._in_step: set[str] = set()  # requests with an item in the step being built
+        # Requests with a planned item in the step being built (``in_step`` finds those whose
+        # carried token runs in it through ``_carried``).
+        self._in_step: set[str] = set()
         # step id -> the InFlight record behind each planned WorkItem, until its result is applied
         self._planned: dict[int, list[InFlight]] = {}
         # Carried decode tokens the runner may still run (``Carry.key`` -> owner), until a
@@ -331,7 +333,7 @@ class Scheduler:
             ):
                 # Most decode tokens: the runner continues the request's previous one.
                 item = continuation(request)
-                if item is not None and not extend(request.request_id, item.end):
+                if item is not None and not extend(request.request_id, item.start + 1):
                     self._continues(request, item)
                     budget -= 1
                     continue
@@ -368,9 +370,9 @@ class Scheduler:
         of the request's carried token: its first loop reports as a carried event, so it has
         no owner to apply. (``_commit`` and ``_carry`` written out: most decode tokens come
         here, and the two calls cost 0.8% of a decode batch's host work.)"""
-        end = item.end
-        request.num_scheduled = end
-        if request.resume is Resume.RECOMPUTE and end > request.replay_until:
+        start = item.start
+        request.num_scheduled = start + 1  # (its ``end``: a decode token is one position)
+        if request.resume is Resume.RECOMPUTE and start >= request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
         request.items.append(item)
         key = self._carry_key = self._carry_key + 1
@@ -379,12 +381,10 @@ class Scheduler:
         item.carry_step = step
         item.planned = 1
         item.wake = step + item.exit_by
-        rid = request.request_id
-        self._carried[key] = (request, item)
-        self._in_step.add(rid)
+        self._carried[key] = (request, item)  # (which ``in_step`` reads)
         previous, _, tables, exit_at, boundary, life = request.carry_prev
-        request.carry_prev = (key, item.start, tables, exit_at, boundary, life)
-        self._continued.append((rid, previous, key))
+        request.carry_prev = (key, start, tables, exit_at, boundary, life)
+        self._continued.append((request.request_id, previous, key))
 
     def _commit(self, request: Request, item: InFlight) -> None:
         """Makes ``item`` (its blocks taken) the request's newest. (``_continues`` writes
@@ -403,8 +403,7 @@ class Scheduler:
         item.carry_step = self._step_id + 1
         item.planned = 1
         item.wake = item.carry_step + item.exit_by
-        self._carried[item.carry_key] = (request, item)
-        self._in_step.add(request.request_id)
+        self._carried[item.carry_key] = (request, item)  # (which ``in_step`` reads)
 
     def _ended(self, request: Request) -> bool:
         """Whether every item of the request is a carried token that has ended (its last loop

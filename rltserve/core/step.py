@@ -111,7 +111,7 @@ class Step:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
         self.exited = step_exits.decide_exits(self, state, specs)
         exited = self.exited
-        exits = self.exits = [i for i, x in zip(self.out, exited) if x] if any(exited) else []
+        exits = self.exits = list(compress(self.out, exited)) if any(exited) else []
         step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc], starts)
         depths = self.depths
         ends_at = list(map(step_rows.ENDS_AT, planned))
@@ -121,7 +121,7 @@ class Step:
             if max(depths) >= min(ends_at)
             else []  # (most steps: no row at its last loop)
         )
-        if exits:
+        if exits and len(ending) < n:  # (else every item ends: none stays with an exit)
             stopping = [i for i in exits if items[i].stop_at_exit]
             ending = sorted(set(ending).union(stopping)) if ending else stopping
             staying = set(exits).difference(ending)

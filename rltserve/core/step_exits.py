@@ -5,7 +5,7 @@ are host-known; only ``gate`` mode reads this loop's gate in-step."""
 from __future__ import annotations
 
 from itertools import repeat
-from operator import add, is_
+from operator import add, ge, is_, or_
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,10 +83,8 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         if max(out_depths) < lowest and not any(map(step_rows.PENDING, out_held)):
             exited = [False] * m  # (most steps: no row is at its cap or decided)
         else:
-            exited = [
-                d >= hi or p
-                for d, hi, p in zip(out_depths, max_loops, map(step_rows.PENDING, out_held))
-            ]
+            capped = map(ge, out_depths, max_loops)
+            exited = list(map(or_, capped, map(step_rows.PENDING, out_held)))  # (bools)
     else:
         exited = []
         for k in range(m):
