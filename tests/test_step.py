@@ -14,31 +14,55 @@ from rltserve.sampling import SamplingParams
 
 
 class _Host:
-    """What ``_thresholds`` uses of the runner."""
+    """What ``thresholds`` uses of the runner."""
 
     def tensor(self, values, dtype=None):
         return torch.tensor(values, dtype=dtype)
 
+    def scalar(self, value):
+        return torch.tensor(value, dtype=torch.float32)
 
-def test_thresholds_are_one_float_when_every_row_shares_it():
+
+def _value(t: torch.Tensor) -> float:
+    assert t.dim() == 0 and t.dtype == torch.float32  # one scalar operand, in fp32
+    return t.item()
+
+
+def test_thresholds_are_one_scalar_when_every_row_shares_it():
     host = _Host()
-    assert step_rows.thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3) == 0.8
+    assert _value(step_rows.thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3)) == pytest.approx(0.8)
     # Before min_loops, or with threshold 1, the rule does not apply: inf, which no CDF reaches.
-    assert step_rows.thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3) == math.inf
-    assert step_rows.thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2) == math.inf
+    assert _value(step_rows.thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3)) == math.inf
+    assert _value(step_rows.thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2)) == math.inf
     # Different rows, one value once the rule is applied.
-    assert step_rows.thresholds(host, (1.0, 0.5), (3, 1), (1, 2)) == math.inf
+    assert _value(step_rows.thresholds(host, (1.0, 0.5), (3, 1), (1, 2))) == math.inf
     per_row = step_rows.thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
     assert per_row.dtype == torch.float32
     assert per_row.tolist() == [pytest.approx(0.8), math.inf, pytest.approx(0.7)]
 
 
-def test_a_float_threshold_compares_in_fp32_like_a_tensor_of_it():
+def test_a_shared_threshold_compares_in_fp32_like_a_tensor_of_it():
     # fp32(0.7) < 0.7: compared in float64 this CDF would not reach its threshold.
     cdf = torch.tensor([0.7, 0.69999], dtype=torch.float32)
     one = step_rows.thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
-    assert isinstance(one, float)
-    assert (cdf >= one).tolist() == (cdf >= torch.tensor([0.7, 0.7])).tolist() == [True, False]
+    want = [True, False]
+    assert torch.ge(cdf, one).tolist() == (cdf >= 0.7).tolist() == want
+    assert (cdf >= torch.tensor([0.7, 0.7])).tolist() == want
+
+
+def test_the_runners_scalars_are_kept_per_value_and_bounded(ckpts):
+    """``ModelRunner.scalar``: one 0-dim fp32 CPU tensor per value, reused; the exit rule's
+    ``1 - lam`` with it is torch's ``1.0 - lam``."""
+    core = make_core(ckpts["ouro"])
+    runner = core.runner
+    one = runner.scalar(1.0)
+    assert one is runner.scalar(1.0) and one.device.type == "cpu" and _value(one) == 1.0
+    lam = torch.rand(64)
+    assert torch.equal(torch.sub(one, lam), 1.0 - lam)
+    for k in range(300):  # many distinct thresholds: the cache is cleared, never unbounded
+        assert _value(runner.scalar(k / 1000)) == pytest.approx(k / 1000)
+    assert len(runner._scalars) <= 256
+    core.shutdown()
 
 
 @pytest.mark.parametrize("exit_mode", ["gate", "delayed"])

@@ -323,6 +323,32 @@ def attention_over(
         slot_mapping[group_rows] = host.slot_mapping
         positions[group_rows] = host.positions
         first += host.num_rows
+    return _grouped(kv, hosts, rows, slot_mapping, positions, block_size, dev)
+
+
+def groups_in_order(
+    kv: torch.Tensor, hosts: list[HostMetadata], block_size: int, device: torch.device | str
+) -> GroupedAttention:
+    """``attention_over`` of items whose groups (``hosts``, one each) are consecutive items in
+    the step's order: a decode batch's carried rows, then the prompt chunks beside them."""
+    rows = np.arange(sum(host.num_rows for host in hosts))
+    slot_mapping = np.concatenate([host.slot_mapping for host in hosts])
+    positions = np.concatenate([host.positions for host in hosts])
+    return _grouped(kv, hosts, rows, slot_mapping, positions, block_size, torch.device(device))
+
+
+def _grouped(
+    kv: torch.Tensor,
+    hosts: list[HostMetadata],
+    rows: np.ndarray,
+    slot_mapping: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    dev: torch.device,
+) -> GroupedAttention:
+    """Groups ``hosts`` whose rows are ``rows`` of the step (group after group), and the step's
+    rows' slots and positions, sent in one transfer."""
+    num_rows = len(rows)
     parts = [rows, slot_mapping, positions]
     for host in hosts:
         parts += host.parts()

@@ -35,22 +35,18 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rltserve.core.attention import (
-    allocate_kv_cache,
-    attention_over,
-    one_group,
-    paged_attention,
-)
+from rltserve.core.attention import allocate_kv_cache
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.live import LiveRequest, PendingRows
-from rltserve.core.metadata import DecodePositions, Spans, decode_metadata, decode_positions
+from rltserve.core.metadata import Spans
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
+from rltserve.core.step_attention import StepAttention
 from rltserve.models.base import AttentionFn, LoopedModel
 
 logger = logging.getLogger(__name__)
@@ -120,9 +116,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
-        # The last decode step's positions array and its ``decode_positions`` (``attention``).
-        self._decode_positions: tuple[np.ndarray | None, DecodePositions | None] = (None, None)
         self.block_tables = BlockTables()  # host copies of the tables steps use
+        self._attention = StepAttention(self.kv, self.block_tables, block_size, self.device)
         self.carried = CarriedRows(self.block_tables)  # decode tokens whose loops it runs by itself
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
@@ -134,6 +129,7 @@ class ModelRunner:
         self.kept_generators: dict[str, SeededGenerator] = {}
         self.keeps_e = self.spec.needs_noise  # only Huginn re-injects e every loop
         self.gate_init = torch.tensor([1.0, 0.0], dtype=torch.float32, device=self.device)
+        self._scalars: dict[float, torch.Tensor] = {}  # (``scalar``)
         # Steps run on a dedicated stream on CUDA; everything allocated so far (weights, KV)
         # was made on the default stream, which the step stream waits for once.
         self.stream: torch.cuda.Stream | None = None
@@ -316,46 +312,8 @@ class ModelRunner:
         carried: tuple[Spans, np.ndarray] | None = None,
         one_row: bool = False,
     ) -> AttentionFn:
-        """Attention over ``(start, num_tokens, block_table)`` spans, one per item; with the
-        tables' ``keys`` ((request id, depth), depth 0 for the boundary plane) the tables come
-        from the persistent ``BlockTables``. ``carried``: the rows before ``spans`` (carried
-        tokens), as ``CarriedRows.spans`` gives them. ``one_row``: every item has one row."""
-        if keys is None:
-            if carried is not None:
-                raise ValueError("carried rows' tables are BlockTables rows: keys are needed")
-            return paged_attention(self.kv, spans, self.block_size, self.device)
-        rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
-        if carried is None:
-            given = Spans.of(spans)
-        else:
-            given, carried_rows = carried
-            if spans:
-                given = Spans.concat(given, Spans.of(spans))
-                rows = np.concatenate((carried_rows, rows))
-            else:
-                rows = carried_rows
-        table = self.block_tables.array
-        if one_row:  # (a decode step: usually one attention group, built in one pass)
-            # A decode batch's carried rows keep one positions array from step to step (a
-            # numpy column of ``CarriedRows`` is replaced, never changed): its part of the
-            # metadata is computed once per array.
-            known = self._decode_positions
-            if known[0] is not given.starts:
-                known = (given.starts, decode_positions(given.starts, self.block_size))
-                self._decode_positions = known
-            if known[1] is not None:
-                host = decode_metadata(known[1], given.table_lens, table, rows, self.block_size)
-                if host is not None:
-                    return one_group(self.kv, host, self.block_size, self.device)
-        # (Each attention group takes its tables' rows at its own width.)
-        given = Spans(
-            given.starts,
-            given.lens,
-            given.table_lens,
-            rows=np.asarray(rows, dtype=np.int64),
-            source=table,
-        )
-        return attention_over(self.kv, given, self.block_size, self.device)
+        """``StepAttention.build``: attention over ``(start, num_tokens, block_table)`` spans."""
+        return self._attention.build(spans, keys, carried, one_row)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
@@ -376,6 +334,18 @@ class ModelRunner:
 
     def tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(values, self.device, dtype)
+
+    def scalar(self, value: float) -> torch.Tensor:
+        """``value`` as a 0-dim fp32 CPU tensor, which an op on any device takes as a scalar
+        operand, as it would the number, in fp32: a number is wrapped in a new tensor by
+        every call (on CPU, half of a small op's time). Kept per value (a few: the exit
+        rule's constants and thresholds; cleared should clients send many)."""
+        known = self._scalars.get(value)
+        if known is None:
+            if len(self._scalars) >= 256:
+                self._scalars.clear()
+            known = self._scalars[value] = torch.tensor(value, dtype=torch.float32)
+        return known
 
     def _launch(self, plan: StepPlan, handle: StepHandle) -> bool:
         """Queues the step's work and sets ``handle.finish``; True when the result must be

@@ -269,9 +269,10 @@ class Step:
         fresh = list(
             map(ItemState, starts, repeat(s_new), repeat(e_kept), step_rows.offsets(counts))
         )
-        for i, start, h in zip(entering, starts, fresh):
-            if i >= nc:  # (a carried row's state is in ``CarriedRows.held`` alone)
-                lives[i].items[start] = h
+        if prompts or entering[-1] >= nc:  # (else all are carried rows, in increasing order)
+            for i, start, h in zip(entering, starts, fresh):
+                if i >= nc:  # (a carried row's state is in ``CarriedRows.held`` alone)
+                    lives[i].items[start] = h
         return entering, fresh
 
     def _decode_inputs(self, decodes: list[int]) -> torch.Tensor:

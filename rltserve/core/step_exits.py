@@ -70,9 +70,9 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         surv, cdf = gate.unbind(0)  # [M]
         lam = torch.sigmoid(logit if logit.dtype == torch.float32 else logit.float())
         cdf = cdf + lam * surv
-        surv = surv * torch.rsub(lam, 1.0)  # (1 - lam, without Tensor.__rsub__'s wrapper)
+        surv = surv * torch.sub(r.scalar(1.0), lam)  # (1 - lam)
         new_gate = torch.stack((surv, cdf))  # [2, M]
-        crossed = cdf >= step_rows.thresholds(r, thresholds, out_depths, min_loops)  # [M]
+        crossed = torch.ge(cdf, step_rows.thresholds(r, thresholds, out_depths, min_loops))  # [M]
         if not carried_out:  # (a carried row's result is its events: no gate values)
             step.outputs.add("gate", new_gate)
         step.outputs.add("crossed", crossed)

@@ -43,19 +43,19 @@ LAST_ROW = attrgetter("last_row")
 
 def thresholds(
     r: StepHost, values: Sequence[float], depths: Sequence[int], min_loops: Sequence[int]
-) -> float | torch.Tensor:
+) -> torch.Tensor:
     """What each output row's CDF must reach to exit: its threshold (``values``), or inf
     (which no CDF reaches) where the rule does not apply (threshold 1, or before
     ``min_loops``): only the CDF comparison needs the device, the rest of the rule is
-    host-known. One float (compared in fp32, as a tensor of it would be) when it is every
-    row's, a [M] fp32 tensor else."""
+    host-known. A 0-dim fp32 tensor (``StepHost.scalar``) when it is every row's, a [M] fp32
+    tensor else."""
     t, d, lo = values[0], depths[0], min_loops[0]
     m = len(values)
     if values.count(t) == m and depths.count(d) == m and min_loops.count(lo) == m:
-        return t if t < 1.0 and d >= lo else inf
+        return r.scalar(t if t < 1.0 and d >= lo else inf)
     thr = [t if t < 1.0 and d >= lo else inf for t, d, lo in zip(values, depths, min_loops)]
     if thr.count(thr[0]) == m:
-        return thr[0]
+        return r.scalar(thr[0])
     return r.tensor(thr, torch.float32)
 
 
