@@ -333,6 +333,48 @@ def test_metadata_errors():
         PagedAttention(kv, md)(0, x, x, x)
 
 
+def test_one_item_metadata_is_what_the_items_path_gives():
+    """``HostMetadata.of`` one item (a mixed step's chunk group) takes a path of its own: the
+    arrays the many-items path gives that item beside others, and the same errors."""
+    gen = np.random.default_rng(3)
+    array = gen.integers(0, 1000, size=(6, 12))
+    for start, n, blocks in [(0, 9, 3), (13, 7, 6), (5, 1, 2), (30, 2, 9)]:
+        item = Spans(
+            np.array([start]), np.array([n]), np.array([blocks]), rows=np.array([4]), source=array
+        )
+        got = HostMetadata.of(item, BS)
+        # Beside a one-row item in another bucket (so both are computed by the general path).
+        pair = Spans(
+            np.array([start, 44]),
+            np.array([n, 1]),
+            np.array([blocks, 12]),
+            rows=np.array([4, 1]),
+            source=array,
+        )
+        both = HostMetadata.of(pair, BS)
+        ctx = -(-(start + n) // BS)
+        assert (got.num_rows, got.num_items, got.max_q, got.max_ctx) == (n, 1, n, start + n)
+        assert got.num_cols == ctx
+        assert (
+            got.positions.tolist() == both.positions[:n].tolist() == list(range(start, start + n))
+        )
+        assert got.slot_mapping.tolist() == both.slot_mapping[:n].tolist()
+        assert got.pad_index.tolist() == list(range(n))
+        assert got.tables.tolist() == [array[4, :ctx].tolist()]
+        assert all(p.dtype == np.int64 for p in got.parts())
+        wide = HostMetadata.of(item, BS, num_cols=ctx + 2)
+        assert wide.tables.tolist() == [array[4, : ctx + 2].tolist()]
+    one = Spans(np.array([3]), np.array([2]), np.array([1]), rows=np.array([0]), source=array)
+    with pytest.raises(ValueError, match="block table of 1 blocks cannot hold position 4"):
+        HostMetadata.of(one, BS)
+    with pytest.raises(ValueError, match=r"item \(start=-1, num_tokens=2\)"):
+        HostMetadata.of(Spans(np.array([-1]), np.array([2]), np.array([3]), array[:1]), BS)
+    with pytest.raises(ValueError, match="num_cols=1: a context of 5 positions needs 2 blocks"):
+        HostMetadata.of(
+            Spans(np.array([3]), np.array([2]), np.array([2]), array[:1]), BS, num_cols=1
+        )
+
+
 def test_copy_slots_all_layers():
     kv = torch.randn(3, 2, 16, 2, HD)
     before = kv.clone()

@@ -121,6 +121,8 @@ class HostMetadata:
         """The metadata of ``spans``; ``num_cols`` as for ``AttentionMetadata.build``."""
         starts, lens = spans.starts, spans.lens
         num_items = len(starts)
+        if num_items == 1:
+            return cls._one(spans, block_size, num_cols)
         if not num_items:
             raise ValueError("attention metadata needs at least one item")
         ends = starts + lens
@@ -171,6 +173,41 @@ class HostMetadata:
             positions=positions,
             slot_mapping=slot_mapping,
             pad_index=pad_index,
+            tables=tables,
+        )
+
+    @classmethod
+    def _one(cls, spans: Spans, block_size: int, num_cols: int | None) -> HostMetadata:
+        """``of`` one item (a mixed step's prompt chunk): its checks and arrays from Python
+        ints and ranges, not reductions and index arithmetic over one-element arrays."""
+        start, n, blocks = int(spans.starts[0]), int(spans.lens[0]), int(spans.table_lens[0])
+        if n < 1 or start < 0:
+            raise ValueError(f"item (start={start}, num_tokens={n}): need start >= 0, n >= 1")
+        end = start + n
+        if blocks * block_size < end:
+            raise ValueError(f"block table of {blocks} blocks cannot hold position {end - 1}")
+        needed = -(-end // block_size)
+        if num_cols is None:
+            num_cols = needed
+        elif num_cols < needed:
+            raise ValueError(
+                f"num_cols={num_cols}: a context of {end} positions needs {needed} blocks"
+            )
+        tables = spans.padded_tables(num_cols)
+        positions = np.arange(start, end, dtype=np.int64)  # [N]
+        offsets = np.arange(n, dtype=np.int64)  # [N]: each row's index in the item (its pad index)
+        slot_mapping = tables[0, positions // block_size] * block_size + positions % block_size
+        return cls(
+            num_rows=n,
+            num_items=1,
+            max_q=n,
+            max_ctx=end,
+            num_cols=num_cols,
+            starts=spans.starts,
+            lens=spans.lens,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            pad_index=offsets,
             tables=tables,
         )
 
