@@ -65,6 +65,22 @@ def test_the_runners_scalars_are_kept_per_value_and_bounded(ckpts):
     core.shutdown()
 
 
+def test_row_positions_are_each_items_positions_in_order():
+    class Host(_Host):
+        device = torch.device("cpu")
+
+    cases = [
+        ([7], [512]),  # one chunk
+        ([3, 9, 40], [1, 1, 1]),  # decode rows
+        ([3, 0, 11], [1, 20, 1]),  # a chunk among decode rows (a list)
+        ([30, 0, 100, 5], [64, 9, 1, 33]),  # chunks (numpy)
+    ]
+    for starts, counts in cases:
+        got = step_rows.row_positions(Host(), starts, counts)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [p for s, n in zip(starts, counts) for p in range(s, s + n)]
+
+
 @pytest.mark.parametrize("exit_mode", ["gate", "delayed"])
 def test_lockstep_decode_takes_the_fast_paths_and_matches_the_oracle(
     ckpts, ouro_ref, monkeypatch, exit_mode

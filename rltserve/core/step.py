@@ -239,7 +239,9 @@ class Step:
         else:
             decodes = entering
         parts = []
-        if prompts:
+        if len(prompts) == 1:  # (a mixed step's chunk: its ids as they are)
+            parts.append(r.tensor(items[prompts[0]].token_ids))
+        elif prompts:
             parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
         if decodes:  # rows of the tensors that sampled (or drafted) them
             parts.append(self._decode_inputs(decodes))
@@ -250,7 +252,7 @@ class Step:
         if every and self.one_row:
             pos = r.tensor(starts)
         else:
-            pos = r.tensor([p for s, n in zip(starts, counts) for p in range(s, s + n)])
+            pos = step_rows.row_positions(r, starts, counts)
         boundary = None
         if r.spec.num_boundary_layers:
             boundary = r.attention(

@@ -11,11 +11,12 @@ from itertools import accumulate
 from math import inf
 from operator import attrgetter
 
+import numpy as np
 import torch
 
 from rltserve.core.attention import copy_slots
 from rltserve.core.plan import WorkItem
-from rltserve.core.staging import to_device
+from rltserve.core.staging import move_to, to_device
 from rltserve.core.step_host import StepHost
 
 # Per-item columns: work items, their ItemStates, their LiveRequests.
@@ -106,6 +107,23 @@ def gather_rows(
 
 def offsets(counts: list[int]) -> list[int]:
     return list(accumulate(counts, initial=0))
+
+
+def row_positions(r: StepHost, starts: list[int], counts: list[int]) -> torch.Tensor:
+    """[sum(counts)] int64 on the device: each row's position, item after item (item k's
+    rows are positions ``starts[k]..starts[k] + counts[k] - 1``), computed with numpy when
+    prompt chunks make the rows many (a 512-token chunk's positions as a Python list cost
+    several times as much)."""
+    n = len(starts)
+    if n == 1:
+        return move_to(torch.arange(starts[0], starts[0] + counts[0]), r.device)
+    total = sum(counts)
+    if total < 4 * n:  # (mostly one-row items: a list is as quick)
+        return r.tensor([p for s, c in zip(starts, counts) for p in range(s, s + c)])
+    sizes = np.array(counts, dtype=np.int64)
+    first = np.cumsum(sizes) - sizes  # [n]: each item's first row
+    base = np.array(starts, dtype=np.int64) - first  # [n]: row -> position offset
+    return move_to(torch.from_numpy(np.repeat(base, sizes) + np.arange(total)), r.device)
 
 
 def copy_on_exit(
