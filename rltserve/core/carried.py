@@ -32,7 +32,9 @@ Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``d
 ``specs`` lists rather than changing them (and every column list, and every numpy column, is
 replaced, not changed, when rows come or go), so a step that still holds the lists it ran with
 reads them unchanged, and an ended token's stashed table rows (``keep``) may become a refilled
-batch's columns as they are. The table rows are valid whenever a step reads them: a request's
+batch's columns as they are; so may the ended rows' spec columns (tuples), stashed only when
+every row's spec is its item's ``exit`` (no fixed exit moved one), which is then its
+successor's first spec. The table rows are valid whenever a step reads them: a request's
 rows are released with its carried tokens dropped before the next step is built (by the launch
 that releases or preempts it; after a failed step, which releases its requests' rows at once,
 by the next launch, which drops them first), and rows never go back to an earlier table
@@ -281,7 +283,8 @@ class CarriedRows:
             self._rows = np.concatenate((self._rows, rows))
             self._lens = np.concatenate((self._lens, lens))
         n = len(self.items)
-        fixed = list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
+        # (Spec columns are kept only of rows without a fixed exit: ``keep``.)
+        fixed = [] if columns else list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
         if fixed:
             self._fixed = self._fixed + fixed
         self.items = self.items + fresh

@@ -336,15 +336,18 @@ class ModelRunner:
         return to_device(values, self.device, dtype)
 
     def scalar(self, value: float) -> torch.Tensor:
-        """``value`` as a 0-dim fp32 CPU tensor, which an op on any device takes as a scalar
-        operand, as it would the number, in fp32: a number is wrapped in a new tensor by
-        every call (on CPU, half of a small op's time). Kept per value (a few: the exit
-        rule's constants and thresholds; cleared should clients send many)."""
+        """``value`` as a 0-dim fp32 tensor, which an op takes as a scalar operand, as it
+        would the number, in fp32: a number is wrapped in a new tensor by every call (on CPU,
+        half of a small op's time). On the CPU for CPU and CUDA steps (CUDA ops read a CPU
+        0-dim operand on the host: no copy), on the device elsewhere. Kept per value (a few:
+        the exit rule's constants and thresholds; cleared should clients send many)."""
         known = self._scalars.get(value)
         if known is None:
             if len(self._scalars) >= 256:
                 self._scalars.clear()
-            known = self._scalars[value] = torch.tensor(value, dtype=torch.float32)
+            device = "cpu" if self.device.type in ("cpu", "cuda") else self.device
+            known = torch.tensor(value, dtype=torch.float32, device=device)
+            self._scalars[value] = known
         return known
 
     def _launch(self, plan: StepPlan, handle: StepHandle) -> bool:

@@ -57,7 +57,7 @@ class Step:
         self.num_carrying = self.carrying.count(True)
         self.pending: PendingRows | None = None  # the runner's, when this step's states are it
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
-        self.modes: tuple[str, ...] = ()  # set by run(): the output rows' exit modes
+        self.modes: tuple[str, ...] = ()  # set by ``decide_exits``: the output rows' modes
         self.kinds: frozenset[str] = frozenset()  # the modes present
 
     def run(self) -> bool:

@@ -59,5 +59,5 @@ class StepHost(Protocol):
     def tensor(self, values: Any, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
     def scalar(self, value: float) -> torch.Tensor:
-        """``value`` as a 0-dim fp32 CPU tensor, a scalar operand of ops on any device."""
+        """``value`` as a 0-dim fp32 tensor, a scalar operand of the step's ops."""
         ...
