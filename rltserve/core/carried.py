@@ -283,8 +283,9 @@ class CarriedRows:
             self._rows = np.concatenate((self._rows, rows))
             self._lens = np.concatenate((self._lens, lens))
         n = len(self.items)
-        # (Spec columns are kept only of rows without a fixed exit: ``keep``.)
-        fixed = [] if columns else list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
+        fixed = []  # (none when their spec columns were kept: ``keep`` keeps no fixed exit's)
+        if columns is None:
+            fixed = list(compress(range(n, n + len(fresh)), map(_EXIT_AT, fresh)))
         if fixed:
             self._fixed = self._fixed + fixed
         self.items = self.items + fresh

@@ -143,7 +143,7 @@ class ItemMaker:
 
     def exit_known_by(self, request: Request, item: InFlight) -> int:
         """Loops after which the exit of a decode token's output is known without a result:
-        the fixed exit, else the cap (``max_loops``). (Written out in ``continuation``.)"""
+        the fixed exit, else the cap (``max_loops``)."""
         if request.exit_mode == "fixed":
             return fixed_exit_depth(request, item.output_index)
         return request.max_loops
@@ -179,16 +179,9 @@ class ItemMaker:
         item = self.decode_item(request)
         if item is None:
             return None  # every output is planned
-        # (``exit_known_by`` and ``carried_item``'s ``exit_at``, written out: most decode
-        # tokens come here.)
-        if request.exit_mode == "fixed":
-            item.exit_by = fixed_exit_depth(request, item.output_index)
-            if exit_at != item.exit_by:
-                return None
-        elif exit_at:
-            return None
-        else:
-            item.exit_by = request.max_loops
+        item.exit_by = self.exit_known_by(request, item)
+        if exit_at != (item.exit_by if request.exit_mode == "fixed" else 0):
+            return None  # (``carried_item``'s ``exit_at``)
         known = request.carry_blocks  # (the same block under the same tables)
         if known is not None and item.stop_at_exit and self.copies_on_exit:
             item.exit_blocks = known[2]
