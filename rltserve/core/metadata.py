@@ -56,6 +56,11 @@ class Spans:
             np.concatenate((first.table_lens, second.table_lens)),
         )
 
+    def on_rows(self, rows, source: np.ndarray) -> Spans:
+        """The items, their tables rows ``rows`` of ``source`` (``BlockTables.array``)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return Spans(self.starts, self.lens, self.table_lens, rows=rows, source=source)
+
     def take(self, ks: np.ndarray) -> Spans:
         """The items ``ks`` (an index array), in that order."""
         return Spans(
@@ -140,13 +145,7 @@ class HostMetadata:
             )
         max_q = int(lens.max())
         max_ctx = int(ends.max())
-        needed = -(-max_ctx // block_size)
-        if num_cols is None:
-            num_cols = needed
-        elif num_cols < needed:
-            raise ValueError(
-                f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
-            )
+        num_cols = _width(num_cols, max_ctx, block_size)
         tables = spans.padded_tables(num_cols)
         if max_q == 1:  # decode rows: one row per item
             row_item = pad_index = np.arange(num_items)
@@ -186,13 +185,7 @@ class HostMetadata:
         end = start + n
         if blocks * block_size < end:
             raise ValueError(f"block table of {blocks} blocks cannot hold position {end - 1}")
-        needed = -(-end // block_size)
-        if num_cols is None:
-            num_cols = needed
-        elif num_cols < needed:
-            raise ValueError(
-                f"num_cols={num_cols}: a context of {end} positions needs {needed} blocks"
-            )
+        num_cols = _width(num_cols, end, block_size)
         tables = spans.padded_tables(num_cols)
         positions = np.arange(start, end, dtype=np.int64)  # [N]
         offsets = np.arange(n, dtype=np.int64)  # [N]: each row's index in the item (its pad index)
@@ -227,6 +220,19 @@ class HostMetadata:
     @property
     def size(self) -> int:
         return 2 * self.num_items + 3 * self.num_rows + self.num_items * self.num_cols
+
+
+def _width(num_cols: int | None, max_ctx: int, block_size: int) -> int:
+    """The table columns of a group whose longest context is ``max_ctx`` positions:
+    ``num_cols`` (a ValueError when too few), or just enough."""
+    needed = -(-max_ctx // block_size)
+    if num_cols is None:
+        return needed
+    if num_cols < needed:
+        raise ValueError(
+            f"num_cols={num_cols}: a context of {max_ctx} positions needs {needed} blocks"
+        )
+    return num_cols
 
 
 @dataclass(frozen=True)

@@ -59,14 +59,7 @@ class StepAttention:
             head, head_rows = carried
             host = self._decode_host(head, head_rows, table)
             if host is not None:
-                tail = Spans.of(spans)
-                tail = Spans(
-                    tail.starts,
-                    tail.lens,
-                    tail.table_lens,
-                    rows=np.asarray(rows, dtype=np.int64),
-                    source=table,
-                )
+                tail = Spans.of(spans).on_rows(rows, table)
                 hosts = [host, HostMetadata.of(tail, self.block_size)]
                 return groups_in_order(self.kv, hosts, self.block_size, self.device)
         if carried is None:
@@ -83,14 +76,7 @@ class StepAttention:
             if host is not None:
                 return one_group(self.kv, host, self.block_size, self.device)
         # (Each attention group takes its tables' rows at its own width.)
-        given = Spans(
-            given.starts,
-            given.lens,
-            given.table_lens,
-            rows=np.asarray(rows, dtype=np.int64),
-            source=table,
-        )
-        return attention_over(self.kv, given, self.block_size, self.device)
+        return attention_over(self.kv, given.on_rows(rows, table), self.block_size, self.device)
 
     def _decode_host(self, given: Spans, rows, table: np.ndarray) -> HostMetadata | None:
         """``decode_metadata`` of one-row items ``given`` whose tables are rows ``rows`` of
