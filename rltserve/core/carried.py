@@ -33,8 +33,8 @@ Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``d
 replaced, not changed, when rows come or go), so a step that still holds the lists it ran with
 reads them unchanged, and an ended token's stashed table rows (``keep``) may become a refilled
 batch's columns as they are; so may the ended rows' spec columns (tuples), stashed only when
-every row's spec is its item's ``exit`` (no fixed exit moved one), which is then its
-successor's first spec. The table rows are valid whenever a step reads them: a request's
+no row has a fixed exit (so every row's spec is its item's ``exit``, its successor's first
+spec). The table rows are valid whenever a step reads them: a request's
 rows are released with its carried tokens dropped before the next step is built (by the launch
 that releases or preempts it; after a failed step, which releases its requests' rows at once,
 by the next launch, which drops them first), and rows never go back to an earlier table
@@ -258,7 +258,8 @@ class CarriedRows:
         """Adds carried tokens at loop 1 after the others: ``fresh`` their items (or
         templates), then their columns; ``tables``: their rows of ``_rows`` and ``_lens``
         when known, else their tables are registered where new; ``columns``: the spec
-        columns of their items' ``exit`` when known (``spec_columns``' first five)."""
+        columns of their items' ``exit`` when known (``spec_columns``' first five), given
+        only for items without a fixed exit (``keep`` keeps none of a batch with one)."""
         refilled = not self.items
         if tables is None:
             known = self._register(fresh)

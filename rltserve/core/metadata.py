@@ -177,8 +177,9 @@ class HostMetadata:
 
     @classmethod
     def _one(cls, spans: Spans, block_size: int, num_cols: int | None) -> HostMetadata:
-        """``of`` one item (a mixed step's prompt chunk): its checks and arrays from Python
-        ints and ranges, not reductions and index arithmetic over one-element arrays."""
+        """``of`` one item (a group of one, such as a mixed step's prompt chunk): its checks
+        and arrays from Python ints and ranges, not reductions and index arithmetic over
+        one-element arrays."""
         start, n, blocks = int(spans.starts[0]), int(spans.lens[0]), int(spans.table_lens[0])
         if n < 1 or start < 0:
             raise ValueError(f"item (start={start}, num_tokens={n}): need start >= 0, n >= 1")

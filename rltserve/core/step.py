@@ -239,7 +239,7 @@ class Step:
         else:
             decodes = entering
         parts = []
-        if len(prompts) == 1:  # (a mixed step's chunk: its ids as they are)
+        if len(prompts) == 1:  # (one recorded-input item, e.g. a chunk: its ids as they are)
             parts.append(r.tensor(items[prompts[0]].token_ids))
         elif prompts:
             parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
