@@ -81,12 +81,7 @@ class Step:
         if r.graphs is not None:  # replays decode-only steps, runs the others eagerly
             tables = list(map(r.carried.table_at, range(nc), self.depths[:nc]))
             spans = list(zip(starts, counts, tables + list(map(step_rows.TABLE, planned))))
-            flat = (
-                starts
-                if self.one_row
-                else [p for s, c in zip(starts, counts) for p in range(s, s + c)]
-            )
-            positions = r.tensor(flat)  # [N]
+            positions = step_rows.row_positions(r, starts, counts)  # [N]
             state, e = self._gather_inputs(starts)
             state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
         else:
@@ -249,10 +244,7 @@ class Step:
         sub = items if every else [items[i] for i in entering]
         starts = self.starts if every else [self.starts[i] for i in entering]
         counts = list(map(step_rows.COUNT, sub))
-        if every and self.one_row:
-            pos = r.tensor(starts)
-        else:
-            pos = step_rows.row_positions(r, starts, counts)
+        pos = step_rows.row_positions(r, starts, counts)
         boundary = None
         if r.spec.num_boundary_layers:
             boundary = r.attention(

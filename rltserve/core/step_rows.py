@@ -114,10 +114,11 @@ def row_positions(r: StepHost, starts: list[int], counts: list[int]) -> torch.Te
     rows are positions ``starts[k]..starts[k] + counts[k] - 1``), computed with numpy when
     prompt chunks make the rows many (a 512-token chunk's positions as a Python list cost
     several times as much)."""
-    n = len(starts)
+    n, total = len(starts), sum(counts)
+    if total == n:  # one row each (decode rows): the starts themselves
+        return r.tensor(starts)
     if n == 1:
         return move_to(torch.arange(starts[0], starts[0] + counts[0]), r.device)
-    total = sum(counts)
     if total < 4 * n:  # (mostly one-row items: a list is as quick)
         return r.tensor([p for s, c in zip(starts, counts) for p in range(s, s + c)])
     sizes = np.array(counts, dtype=np.int64)
