@@ -1,11 +1,12 @@
-"""``RequestUpdate`` crosses to the front end's process every step: its pickled form and its
-wire form (``to_wire``: a tuple of its fields) keep every field."""
+"""``RequestUpdate`` crosses to the front end's process every step, with ``EngineStats``: their
+pickled forms and the update's wire form (``to_wire``: a tuple of its fields) keep every field."""
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
 
+from rltserve.core.engine_info import EngineStats
 from rltserve.updates import FinishReason, RequestUpdate, from_wire, to_wire
 
 
@@ -37,3 +38,14 @@ def test_request_update_pickles_every_field():
         assert got == [update, RequestUpdate("r2")] and dataclasses.asdict(got[0]) == values
     plain = pickle.loads(pickle.dumps(RequestUpdate("r2")))
     assert plain == RequestUpdate("r2")
+
+
+def test_engine_stats_pickle_every_field():
+    """``EngineStats`` goes with every step's updates, pickled positionally."""
+    names = [f.name for f in dataclasses.fields(EngineStats)]
+    # Every field a distinct value (none its default): a field dropped or reordered fails.
+    stats = EngineStats(**{name: k + 1 for k, name in enumerate(names)})
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        back = pickle.loads(pickle.dumps(stats, protocol=protocol))
+        assert back == stats and back is not stats
+        assert dataclasses.asdict(back) == {name: k + 1 for k, name in enumerate(names)}

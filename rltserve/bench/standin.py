@@ -75,5 +75,8 @@ class StandInModel(LoopedModel):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         vocab = self.spec.vocab_size
-        nxt = (hidden[:, 0].long() + 1) % vocab
-        return torch.nn.functional.one_hot(nxt, vocab).float()
+        nxt = (hidden[:, 0].long() + 1) % vocab  # [M]
+        # A one-hot row written in place (``one_hot(...).float()`` builds an int64 [M, V]
+        # first: twice the time, the stand-in's own cost, not the engine's).
+        logits = torch.zeros(hidden.shape[0], vocab)  # [M, V]
+        return logits.scatter_(1, nxt.unsqueeze(1), 1.0)

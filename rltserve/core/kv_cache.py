@@ -255,10 +255,17 @@ class KVManager:
     def cache_block(self, request_id: str, index: int, key: bytes) -> None:
         """Caches block ``index`` of every plane of the request under ``key``. The caller
         guarantees its KV is final on every plane and that nothing writes it again."""
+        self.cache_blocks(request_id, index, [key])
+
+    def cache_blocks(self, request_id: str, first: int, keys: list[bytes]) -> None:
+        """``cache_block`` of blocks ``first``, ``first + 1``, ... under ``keys`` (a prompt
+        chunk's full blocks: its tables looked up once)."""
         entry = self._requests[request_id]
-        blocks = [entry.tables[plane][index] for plane in self.planes_of(entry.num_loops)]
-        if self.cache.register(key, blocks):
-            entry.cached.append(key)
+        tables = [entry.tables[plane] for plane in self.planes_of(entry.num_loops)]
+        register, cached = self.cache.register, entry.cached
+        for index, key in enumerate(keys, first):
+            if register(key, [table[index] for table in tables]):
+                cached.append(key)
 
     def copy_targets(self, source_id: str, request_id: str, index: int) -> list[tuple[int, int]]:
         """(source block, request block) of block ``index`` on every plane: the copy that

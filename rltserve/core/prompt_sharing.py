@@ -165,9 +165,12 @@ class PromptSharing:
             return
         p, bs = request.num_prompt_tokens, self.s.kv.block_size
         upto = min(request.prompt_final, p) // bs
-        for index in range(request.blocks_cached, upto):
-            key = request.block_hashes[index]
-            self.s.kv.cache_block(request.request_id, index, key)
-            if self._computing.get(key) == request.request_id:
-                del self._computing[key]
+        first = request.blocks_cached
+        if upto > first:
+            keys = request.block_hashes[first:upto]
+            self.s.kv.cache_blocks(request.request_id, first, keys)
+            computing = self._computing
+            for key in keys:
+                if computing.get(key) == request.request_id:
+                    del computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
