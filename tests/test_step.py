@@ -28,23 +28,47 @@ def _value(t: torch.Tensor) -> float:
     return t.item()
 
 
+def _thresholds(host, values, depths, min_loops, max_loops=None, modes=None):
+    n = len(values)
+    return step_rows.thresholds(
+        host, values, depths, min_loops, max_loops or (8,) * n, modes or ("gate",) * n
+    )
+
+
 def test_thresholds_are_one_scalar_when_every_row_shares_it():
     host = _Host()
-    assert _value(step_rows.thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3)) == pytest.approx(0.8)
+    assert _value(_thresholds(host, (0.8,) * 3, (2,) * 3, (1,) * 3)) == pytest.approx(0.8)
     # Before min_loops, or with threshold 1, the rule does not apply: inf, which no CDF reaches.
-    assert _value(step_rows.thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3)) == math.inf
-    assert _value(step_rows.thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2)) == math.inf
+    assert _value(_thresholds(host, (0.8,) * 3, (1,) * 3, (2,) * 3)) == math.inf
+    assert _value(_thresholds(host, (1.0,) * 2, (3,) * 2, (1,) * 2)) == math.inf
     # Different rows, one value once the rule is applied.
-    assert _value(step_rows.thresholds(host, (1.0, 0.5), (3, 1), (1, 2))) == math.inf
-    per_row = step_rows.thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
+    assert _value(_thresholds(host, (1.0, 0.5), (3, 1), (1, 2))) == math.inf
+    per_row = _thresholds(host, (0.8, 0.5, 0.7), (2, 1, 3), (1, 2, 1))
     assert per_row.dtype == torch.float32
     assert per_row.tolist() == [pytest.approx(0.8), math.inf, pytest.approx(0.7)]
+
+
+def test_no_threshold_where_a_crossing_cannot_move_the_exit():
+    """From the cap on a row exits anyway; a delayed row's crossing exits it at the next
+    loop, so one loop before the cap its crossing is no news either."""
+    host = _Host()
+    caps, delayed, gate = (4,) * 2, ("delayed",) * 2, ("gate",) * 2
+    assert _value(
+        _thresholds(host, (0.8,) * 2, (2,) * 2, (1,) * 2, caps, delayed)
+    ) == pytest.approx(0.8)
+    assert _value(_thresholds(host, (0.8,) * 2, (3,) * 2, (1,) * 2, caps, delayed)) == math.inf
+    assert _value(_thresholds(host, (0.8,) * 2, (3,) * 2, (1,) * 2, caps, gate)) == pytest.approx(
+        0.8
+    )
+    assert _value(_thresholds(host, (0.8,) * 2, (4,) * 2, (1,) * 2, caps, gate)) == math.inf
+    mixed = _thresholds(host, (0.8,) * 4, (3, 3, 2, 4), (1,) * 4, (4,) * 4, ("delayed", "gate") * 2)
+    assert mixed.tolist() == [math.inf, pytest.approx(0.8), pytest.approx(0.8), math.inf]
 
 
 def test_a_shared_threshold_compares_in_fp32_like_a_tensor_of_it():
     # fp32(0.7) < 0.7: compared in float64 this CDF would not reach its threshold.
     cdf = torch.tensor([0.7, 0.69999], dtype=torch.float32)
-    one = step_rows.thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
+    one = _thresholds(_Host(), (0.7, 0.7), (2, 2), (1, 1))
     want = [True, False]
     assert torch.ge(cdf, one).tolist() == (cdf >= 0.7).tolist() == want
     assert (cdf >= torch.tensor([0.7, 0.7])).tolist() == want

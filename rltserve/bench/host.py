@@ -19,8 +19,9 @@ planned while it runs, as ``run_engine_loop`` does). Per step, in milliseconds, 
 
 and ``steps_per_s`` over the measured steps (all phases, wall). Prompts reach their context with
 attention metadata skipped (the stand-in never attends), so the set-up stays quick; those steps
-are not measured. Exit mode ``delayed`` (the one async scheduling allows), threshold 0.8: every
-token exits after 3 of the stand-in's 4 loops.
+are not measured. Exit mode ``delayed`` (the one async scheduling allows), threshold 0.8: the
+gate reaches it at loop 3 of the stand-in's 4, so every token exits at loop 4, its cap (where a
+delayed decision would say nothing new: none is made, ``step_rows.thresholds``).
 """
 
 from __future__ import annotations

@@ -111,11 +111,12 @@ class Step:
         depths = self.depths
         ends_at = list(map(step_rows.ENDS_AT, planned))
         ends_at = r.carried.ends + ends_at if nc else ends_at
-        ending = (
-            [i for i, (d, end) in enumerate(zip(depths, ends_at)) if d >= end]
-            if max(depths) >= min(ends_at)
-            else []  # (most steps: no row at its last loop)
-        )
+        if max(depths) < min(ends_at):
+            ending = []  # (most steps: no row at its last loop)
+        elif min(depths) >= max(ends_at):
+            ending = list(range(n))  # (a decode batch's last loop)
+        else:
+            ending = [i for i, (d, end) in enumerate(zip(depths, ends_at)) if d >= end]
         if exits and len(ending) < n:  # (else every item ends: none stays with an exit)
             stopping = [i for i in exits if items[i].stop_at_exit]
             ending = sorted(set(ending).union(stopping)) if ending else stopping
@@ -313,7 +314,9 @@ class Step:
             attn = r.attention(spans)
             widths = [offsets[i + 1] - offsets[i] for i in coda_items]
         else:
-            rows = [offsets[i + 1] - 1 for i in coda_items]
+            # (Every row when each item is one and every item's output exits.)
+            every = self.one_row and len(coda_items) == len(items)
+            rows = range(len(items)) if every else [offsets[i + 1] - 1 for i in coda_items]
             attn = None
             widths = None
         if len(rows) == state.shape[0]:  # every row (rows are increasing)

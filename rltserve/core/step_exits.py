@@ -72,7 +72,8 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         cdf = cdf + lam * surv
         surv = surv * torch.sub(r.scalar(1.0), lam)  # (1 - lam)
         new_gate = torch.stack((surv, cdf))  # [2, M]
-        crossed = torch.ge(cdf, step_rows.thresholds(r, thresholds, out_depths, min_loops))  # [M]
+        limit = step_rows.thresholds(r, thresholds, out_depths, min_loops, max_loops, modes)
+        crossed = torch.ge(cdf, limit)  # [M]
         if not carried_out:  # (a carried row's result is its events: no gate values)
             step.outputs.add("gate", new_gate)
         step.outputs.add("crossed", crossed)

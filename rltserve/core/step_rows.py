@@ -43,18 +43,34 @@ LAST_ROW = attrgetter("last_row")
 
 
 def thresholds(
-    r: StepHost, values: Sequence[float], depths: Sequence[int], min_loops: Sequence[int]
+    r: StepHost,
+    values: Sequence[float],
+    depths: Sequence[int],
+    min_loops: Sequence[int],
+    max_loops: Sequence[int],
+    modes: Sequence[str],
 ) -> torch.Tensor:
     """What each output row's CDF must reach to exit: its threshold (``values``), or inf
     (which no CDF reaches) where the rule does not apply (threshold 1, or before
-    ``min_loops``): only the CDF comparison needs the device, the rest of the rule is
-    host-known. A 0-dim fp32 tensor (``StepHost.scalar``) when it is every row's, a [M] fp32
-    tensor else."""
-    t, d, lo = values[0], depths[0], min_loops[0]
+    ``min_loops``) or where a crossing cannot move the exit: from the cap on (``max_loops``
+    exits the row there anyway), which a delayed row's crossing reaches one loop early (its
+    exit is the next loop). Only the CDF comparison needs the device, the rest of the rule
+    is host-known. A 0-dim fp32 tensor (``StepHost.scalar``) when it is every row's, a [M]
+    fp32 tensor else."""
+    t, d, lo, hi, mode = values[0], depths[0], min_loops[0], max_loops[0], modes[0]
     m = len(values)
-    if values.count(t) == m and depths.count(d) == m and min_loops.count(lo) == m:
-        return r.scalar(t if t < 1.0 and d >= lo else inf)
-    thr = [t if t < 1.0 and d >= lo else inf for t, d, lo in zip(values, depths, min_loops)]
+    if (
+        values.count(t) == m
+        and depths.count(d) == m
+        and min_loops.count(lo) == m
+        and max_loops.count(hi) == m
+        and modes.count(mode) == m
+    ):
+        return r.scalar(inf if t >= 1.0 or d < lo or d + (mode == "delayed") >= hi else t)
+    thr = [
+        inf if t >= 1.0 or d < lo or d + (mode == "delayed") >= hi else t
+        for t, d, lo, hi, mode in zip(values, depths, min_loops, max_loops, modes)
+    ]
     if thr.count(thr[0]) == m:
         return r.scalar(thr[0])
     return r.tensor(thr, torch.float32)
@@ -140,6 +156,8 @@ def copy_on_exit(
     ``carried``: the depths of the first items, the runner's carried tokens; ``starts``: the
     items' positions)."""
     nc = len(carried)
+    if exits and exits[-1] < nc and min(carried) >= r.spec.num_loops and all(specs):
+        return  # only carried rows exit, each at its last plane (a decode batch's exits)
     # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
     if not all(specs):
         exits = exits + [
