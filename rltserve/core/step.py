@@ -149,6 +149,8 @@ class Step:
         self.outputs.stage()
         # A sampled token checked against a draft may roll back later items: the next step
         # must see the outcome before it runs, so this step is delivered at once.
+        if not self.sampled or not any(map(step_rows.DRAFTS, lives)):
+            return False
         return any(
             starts[i] + counts[i] in lives[i].drafts for i in self.sampled if lives[i].drafts
         )
@@ -341,10 +343,10 @@ class Step:
             hidden = hidden.index_select(0, r.tensor(pick))
         logits = r.timed(r.model.logits, hidden)  # [M, V] fp32
         r.logits_width = logits.shape[-1]
-        self.sample = r.sampler.sample_device(logits, [lives[i].sample_row for i in exits])
+        sampling = lives if len(exits) == len(lives) else [lives[i] for i in exits]
+        self.sample = r.sampler.sample_device(logits, list(map(step_rows.SAMPLE_ROW, sampling)))
         tokens = self.sample.token_ids
-        for k, i in enumerate(exits):  # the next decode token's input
-            live = lives[i]
+        for k, live in enumerate(sampling):  # the next decode token's input
             live.last_tokens, live.last_row = tokens, k
         for name, tensor in self.sample.tensors().items():
             self.outputs.add("sample." + name, tensor)

@@ -97,7 +97,9 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         noted = list(compress(out, map(or_, exited, nexts)))
         if step.num_carrying < len(items):
             noted = [i for i in noted if carrying[i]]
-    ends = [i for i in step.ending if carrying[i]]
+    ends = step.ending
+    if step.num_carrying < len(items):
+        ends = [i for i in ends if carrying[i]]
     if not ends or ends == noted:
         rows, ended = noted, [bool(ends)] * len(noted)
     else:

@@ -40,6 +40,7 @@ DRAFTS = attrgetter("drafts")
 HISTORY = attrgetter("history")
 LAST_TOKENS = attrgetter("last_tokens")
 LAST_ROW = attrgetter("last_row")
+SAMPLE_ROW = attrgetter("sample_row")
 
 
 def thresholds(
