@@ -131,6 +131,40 @@ def test_lockstep_decode_takes_the_fast_paths_and_matches_the_oracle(
     assert gathered == []
 
 
+@pytest.mark.parametrize(
+    ("exit_mode", "threshold", "unread_from"),
+    [("gate", 0.999, 3), ("delayed", 0.999, 2), ("gate", 1.0, 1)],
+)
+def test_a_decode_batch_computes_no_gate_where_it_cannot_move_an_exit(
+    ckpts, ouro_ref, monkeypatch, exit_mode, threshold, unread_from
+):
+    """A carried row's gate is not computed where no crossing can move its exit: at its cap,
+    a delayed row from a loop before (its crossing would exit it at the cap), a fixed exit's
+    (threshold 1) at every loop. The tokens and depths are the oracle's."""
+    prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3, exit_threshold=threshold)
+        for _ in prompts
+    ]
+    core = make_core(ckpts["ouro"], exit_mode=exit_mode, kv_policy="full")
+    model, carried = core.runner.model, core.runner.carried
+    real = model.exit_logit
+    depths = []  # the carried rows' depths at each gate computed
+
+    def spy(state):
+        depths.append(min(carried.depths, default=0))  # (0: no carried row, a prompt's step)
+        return real(state)
+
+    monkeypatch.setattr(model, "exit_logit", spy)
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="full", exit_mode=exit_mode)
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths
+    beside = {d for d in depths if d}
+    assert beside == set(range(1, unread_from))  # computed below, and only below
+
+
 def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
     ckpts, ouro_ref, monkeypatch
 ):

@@ -38,7 +38,8 @@ class ItemState:
     row: int = 0
     # The output position's gate state (survival S, CDF) in fp32: column ``gate_row`` of
     # ``gate_src`` [2, M], the last loop's gate of every output row of that step; None before
-    # the position's first loop.
+    # the position's first loop. A carried token's stops moving once no crossing can move its
+    # exit (``step_exits.decide_exits``): later loops only compare it with an inf threshold.
     gate_src: torch.Tensor | None = None
     gate_row: int = 0
     pending: bool = False  # delayed exit: the next loop is the exit (host copy)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from rltserve.core.step import Step
 
 
+_FIXED, _GATE, _DELAYED = frozenset({"fixed"}), frozenset({"gate"}), frozenset({"delayed"})
+
+
 def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
     """The exit rule for the output rows, in fp32 with the reference's arithmetic:
     lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p.
@@ -61,10 +64,19 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         )
         kinds, lowest = frozenset(modes), min(max_loops)
     step.modes, step.kinds = modes, kinds
-    logit = r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
     crossed_now: list[bool] | None = None
     new_gate = None
     m = len(out_held)
+    # A carried row's gate goes unread (its results are events) where no crossing can move
+    # its exit: a fixed exit's, and once every row is at its cap, a delayed one from a loop
+    # before (``thresholds``). Later loops are later still, so the gate state is never needed
+    # again: not computed.
+    settled = carried_out and (
+        kinds == _FIXED
+        or (kinds == _GATE and min(out_depths) >= max(max_loops))
+        or (kinds == _DELAYED and min(out_depths) + 1 >= max(max_loops))
+    )
+    logit = None if settled else r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
     if logit is not None:
         gate = gate_state(step, out_held)  # [2, M]
         surv, cdf = gate.unbind(0)  # [M]
