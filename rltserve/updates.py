@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import starmap
 
 
 class FinishReason(str, enum.Enum):
@@ -66,11 +65,29 @@ class RequestUpdate:
 
 
 def to_wire(updates: Iterable[RequestUpdate]) -> list[tuple]:
-    """The updates as tuples of their fields, in field order: how a step's updates cross to
-    the front end's process (``from_wire``). Plain tuples pickle in less than half the time
-    of the objects (no Python call per object: 223 vs 502 us for 256 one-token updates)."""
+    """The updates as tuples of plain values: how a step's updates cross to the front end's
+    process (``from_wire``). Plain tuples pickle in less than half the time of the objects
+    (no Python call per object: 223 vs 502 us for 256 one-token updates). An update of one
+    token and nothing else (a decode step's, nearly every update) goes as (request id,
+    token, exit depth, logprob, top logprobs, weight version), without its four one-element
+    lists: 256 of them pickle in half the time of the full rows and unpickle in a quarter
+    (138 against 264 us, 105 against 454 us here). Any other update goes as its fields in
+    field order. (The four lists are parallel: one entry per token.)"""
     return [
         (
+            u.request_id,
+            u.new_token_ids[0],
+            u.new_exit_depths[0],
+            u.new_logprobs[0],
+            u.new_top_logprobs[0],
+            u.weight_version,
+        )
+        if len(u.new_token_ids) == 1
+        and u.finish_reason is None
+        and u.error is None
+        and u.num_cached_tokens is None
+        and not u.rejected
+        else (
             u.request_id,
             u.new_token_ids,
             u.new_exit_depths,
@@ -88,4 +105,11 @@ def to_wire(updates: Iterable[RequestUpdate]) -> list[tuple]:
 
 def from_wire(rows: Iterable[tuple]) -> list[RequestUpdate]:
     """The updates ``to_wire`` gave."""
-    return list(starmap(RequestUpdate, rows))
+    return [RequestUpdate(*row) if len(row) != 6 else _one_token(*row) for row in rows]
+
+
+def _one_token(
+    request_id: str, token: int, depth: int, logprob: float | None, top: list | None, version: int
+) -> RequestUpdate:
+    # (Positional, in field order: finish_reason, error and rejected at their defaults.)
+    return RequestUpdate(request_id, [token], [depth], [logprob], [top], None, None, False, version)

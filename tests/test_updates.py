@@ -49,3 +49,16 @@ def test_engine_stats_pickle_every_field():
         back = pickle.loads(pickle.dumps(stats, protocol=protocol))
         assert back == stats and back is not stats
         assert dataclasses.asdict(back) == {name: k + 1 for k, name in enumerate(names)}
+
+
+def test_a_one_token_update_goes_as_plain_values():
+    """A decode step's update (one token, nothing else) crosses without its one-element lists;
+    one that also ends the request, or reports cached tokens, goes whole."""
+    one = RequestUpdate("r1", [7], [3], [-0.25], [[(7, -0.25), (9, -1.5)]], weight_version=4)
+    ending = RequestUpdate("r2", [8], [2], [None], [None], finish_reason=FinishReason.STOP)
+    first = RequestUpdate("r3", [9], [4], [None], [None], num_cached_tokens=16)
+    for protocol in (2, pickle.HIGHEST_PROTOCOL):
+        wire = pickle.loads(pickle.dumps(to_wire([one, ending, first]), protocol))
+        assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 4)
+        assert [len(row) for row in wire[1:]] == [10, 10]
+        assert from_wire(wire) == [one, ending, first]
