@@ -140,7 +140,7 @@ def test_a_decode_batch_computes_no_gate_where_it_cannot_move_an_exit(
 ):
     """A carried row's gate is not computed where no crossing can move its exit: at its cap,
     a delayed row from a loop before (its crossing would exit it at the cap), a fixed exit's
-    (threshold 1) at every loop. The tokens and depths are the oracle's."""
+    (threshold 1: no adaptive exit) at every loop. The tokens and depths are the oracle's."""
     prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
     params = [
         SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3, exit_threshold=threshold)
