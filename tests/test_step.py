@@ -165,6 +165,34 @@ def test_a_decode_batch_computes_no_gate_where_it_cannot_move_an_exit(
     assert beside == set(range(1, unread_from))  # computed below, and only below
 
 
+def test_carried_rows_exiting_below_their_last_plane_copy_their_kv():
+    """last_exited: a carried row exiting at depth d copies its position's K/V into the planes
+    of depths d+1.. (its ``Carry.copy_blocks``), also past the model's own loops (a request's
+    ``max_loops`` above them gives it more planes); rows at their last plane copy nothing."""
+    from types import SimpleNamespace
+
+    bs, loops = 4, 4  # the model's own loops; the requests have 6 planes
+
+    class Host(_Host):
+        block_size = bs
+        spec = SimpleNamespace(num_loops=loops)
+
+    tables = [[d] for d in range(6)]  # depth d's table: block d - 1 (one block each)
+    carry = SimpleNamespace(copy_blocks=list(range(6)), tables=tables)
+    items = [SimpleNamespace(carry=carry, num_tokens=1) for _ in range(2)]
+    for depths, copied in (([5, 5], True), ([6, 6], False)):
+        host = Host()
+        host.kv = torch.arange(2 * 2 * 32, dtype=torch.float32).view(2, 2, 32, 1, 1)
+        before = host.kv.clone()
+        spec = object()  # (an exit spec: carried rows always have one)
+        step_rows.copy_on_exit(host, items, [0, 1], [spec, spec], depths, [1, 2])
+        # Positions 1 and 2 of depth 5's block (4) copied into depth 6's (5), nothing else.
+        want = before.clone()
+        if copied:
+            want[:, :, 5 * bs + 1 : 5 * bs + 3] = before[:, :, 4 * bs + 1 : 4 * bs + 3]
+        assert torch.equal(host.kv, want)
+
+
 def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
     ckpts, ouro_ref, monkeypatch
 ):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 from math import inf
-from operator import attrgetter
+from operator import attrgetter, ge
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ DRAFTS = attrgetter("drafts")
 HISTORY = attrgetter("history")
 LAST_TOKENS = attrgetter("last_tokens")
 LAST_ROW = attrgetter("last_row")
+CARRY_COPIES = attrgetter("carry.copy_blocks")
 SAMPLE_ROW = attrgetter("sample_row")
 
 
@@ -157,8 +158,13 @@ def copy_on_exit(
     ``carried``: the depths of the first items, the runner's carried tokens; ``starts``: the
     items' positions)."""
     nc = len(carried)
-    if exits and exits[-1] < nc and min(carried) >= r.spec.num_loops and all(specs):
-        return  # only carried rows exit, each at its last plane (a decode batch's exits)
+    if exits and exits[-1] < nc and all(specs):
+        # Only carried rows exit: the loop's first test below, over columns. A decode batch's
+        # rows usually all pass it (each exits at its last plane: nothing to copy).
+        depths = carried if len(exits) == nc else list(map(carried.__getitem__, exits))
+        carries = items[:nc] if len(exits) == nc else list(map(items.__getitem__, exits))
+        if all(map(ge, depths, map(len, map(CARRY_COPIES, carries)))):
+            return
     # A token recomputed after preemption carries copy blocks (and no exit) at its last loop.
     if not all(specs):
         exits = exits + [
