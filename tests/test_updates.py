@@ -1,5 +1,6 @@
 """``RequestUpdate`` crosses to the front end's process every step, with ``EngineStats``: their
-pickled forms and the update's wire form (``to_wire``: a tuple of its fields) keep every field."""
+pickled forms and the update's wire form (``to_wire``: a tuple of plain values) keep every
+field."""
 
 from __future__ import annotations
 

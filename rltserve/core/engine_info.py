@@ -35,7 +35,8 @@ class EngineStats:
 
     def __reduce__(self) -> tuple:
         # Positional (one goes with every step's updates): a quarter of the default's bytes
-        # (a dict of field names per object), pickled in two thirds of its time.
+        # (a dict of field names per object), pickled in two thirds of its time. Both ends
+        # run the same rltserve (as for ``RequestUpdate``).
         return (EngineStats, _STATS_FIELDS(self))
 
 

@@ -26,7 +26,8 @@ from rltserve.core.sampler import SampleRow, SeededGenerator
 @dataclass(slots=True, eq=False)  # compared by identity (``PendingRows``)
 class ItemState:
     """The in-flight work item of a request, as the device sees it. Its state and gate fields
-    may lag the runner's ``PendingRows``, which then holds their current values."""
+    may lag the runner's ``PendingRows``, which then holds their current values (a gate
+    not computed leaves the gate fields as they are: see ``gate_src``)."""
 
     start: int
     # The item's state after the last loop run is rows [row, row + n) of ``src``, that step's
@@ -50,7 +51,8 @@ class ItemState:
 class PendingRows:
     """The states a step left to its items without writing each ItemState: item ``k``'s
     state is rows ``offsets[k]..`` of ``state`` (and ``e``); output item ``out[k]``'s gate is
-    column ``k`` of ``gate`` (None: no gate was computed, the gate fields are current).
+    column ``k`` of ``gate`` (None: no gate was computed; the gate fields stay as they are,
+    current, or, for carried rows past any exit a crossing could move, never read again).
 
     A decode step's next step usually runs the same items in the same order (``held``,
     compared by identity): it takes these tensors as they are and neither that step nor

@@ -8,7 +8,7 @@ update to the ``sink`` given with the request, on the client's reader thread.
 
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields, ...], stats)
-(each update as a tuple of its fields: ``updates.to_wire``, with an EngineStats snapshot),
+(each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats snapshot),
 ("fatal", message).
 A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
 ("reply", token, error or None, weight_version).
