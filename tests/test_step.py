@@ -193,6 +193,25 @@ def test_carried_rows_exiting_below_their_last_plane_copy_their_kv():
         assert torch.equal(host.kv, want)
 
 
+def test_a_decode_batch_past_the_models_loops_matches_the_oracle(ckpts, ouro_ref):
+    """Requests looping past the model's own loops (``max_loops`` above them) exit in lockstep
+    below their last plane, past the model's loops, and the next tokens loop deeper and read
+    the exits' copies (last_exited). The tokens and depths are the oracle's."""
+    core = make_core(ckpts["ouro"], exit_mode="trace")
+    n = core.runner.spec.num_loops
+    depths = [n, n + 1, n, n + 1, n + 2, n, n + 1, n]
+    prompts = [[(5 * i + k) % 300 + 1 for k in range(5)] for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, max_loops=n + 2, trace_depths=depths, seed=i)
+        for i in range(len(prompts))
+    ]
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode="trace")
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths == depths
+
+
 def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
     ckpts, ouro_ref, monkeypatch
 ):
