@@ -39,8 +39,7 @@ def _kv(num_blocks=24, retain=True, boundary=True) -> KVManager:
 def _cache_prompt(kv: KVManager, rid: str, tokens: list[int], loops: int = 2) -> list[bytes]:
     hashes = block_hashes(SALT, tokens, 4)
     kv.allocate(rid, len(tokens), loops)
-    for i, h in enumerate(hashes):
-        kv.cache_block(rid, i, h)
+    kv.cache_blocks(rid, 0, hashes)
     return hashes
 
 

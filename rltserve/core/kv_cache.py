@@ -252,14 +252,10 @@ class KVManager:
             entry.tables[plane] = head + ids[i * fresh : (i + 1) * fresh]
         self._requests[request_id] = entry
 
-    def cache_block(self, request_id: str, index: int, key: bytes) -> None:
-        """Caches block ``index`` of every plane of the request under ``key``. The caller
-        guarantees its KV is final on every plane and that nothing writes it again."""
-        self.cache_blocks(request_id, index, [key])
-
     def cache_blocks(self, request_id: str, first: int, keys: list[bytes]) -> None:
-        """``cache_block`` of blocks ``first``, ``first + 1``, ... under ``keys`` (a prompt
-        chunk's full blocks: its tables looked up once)."""
+        """Caches blocks ``first``, ``first + 1``, ... of every plane of the request under
+        ``keys`` (a prompt chunk's full blocks: its tables looked up once). The caller
+        guarantees their KV is final on every plane and that nothing writes it again."""
         entry = self._requests[request_id]
         tables = [entry.tables[plane] for plane in self.planes_of(entry.num_loops)]
         register, cached = self.cache.register, entry.cached

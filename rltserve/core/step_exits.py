@@ -73,8 +73,10 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
     # again: not computed.
     settled = carried_out and (
         kinds == _FIXED
-        or (kinds == _GATE and min(out_depths) >= max(max_loops))
-        or (kinds == _DELAYED and min(out_depths) + 1 >= max(max_loops))
+        or (
+            kinds in (_GATE, _DELAYED)  # (``thresholds``' test, for every row at once)
+            and min(out_depths) + (kinds == _DELAYED) >= max(max_loops)
+        )
     )
     logit = None if settled else r.timed(r.model.exit_logit, out_state)  # [M] fp32 or None
     if logit is not None:
