@@ -167,6 +167,42 @@ def test_huginn_matches_oracle(ckpts, huginn_ref, kv_policy, chunk):
     _check_against_oracle(huginn_ref, run, prompts, params, kv_policy)
 
 
+def _huginn_traces(n: int, seed: int, max_prompt: int = 14):
+    """Huginn requests whose outputs exit at traced depths, the first output below the
+    request's loops in most of them (its coda waits for the prompt's last loop)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, max_prompt))] for _ in range(n)]
+    params = []
+    for i in range(n):
+        loops, k = rng.choice([2, 3, 4]), rng.randint(2, 9)
+        trace = [rng.randint(1, loops) for _ in range(k)]
+        trace[0] = min(trace[0], loops - 1) if i % 4 else loops
+        init = "random" if i % 2 else "zero"
+        params.append(greedy(k, max_loops=loops, trace_depths=trace, init_state=init, seed=i))
+    return prompts, params
+
+
+@pytest.mark.parametrize(
+    "kv_policy,engine",
+    [
+        ("full", {}),
+        ("full", {"carry_decode": False, "prefill_chunk_size": 3}),
+        ("last_exited", {}),
+        ("last_exited", {"carry_decode": False, "prefill_chunk_size": 3}),
+    ],
+)
+def test_huginn_traced_exits_match_oracle(ckpts, huginn_ref, kv_policy, engine):
+    """Early exits on a model with coda attention: each position's coda runs once, on its exit
+    state (under ``full`` a token loops on without a second coda), and a first output exiting
+    before the prompt's last loop is sampled at that loop, reading every other prompt
+    position's full-depth coda K/V (DESIGN §4)."""
+    prompts, params = _huginn_traces(8, seed=5)
+    core = make_core(ckpts["huginn"], kv_policy=kv_policy, exit_mode="trace", **engine)
+    run = run_core(core, prompts, params)
+    _check_against_oracle(huginn_ref, run, prompts, params, kv_policy, "trace")
+    core.shutdown()
+
+
 def test_seeded_sampling_same_alone_and_batched(ckpts):
     core = make_core(ckpts["ouro"])
     p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)

@@ -261,6 +261,34 @@ def test_huginn_under_pressure(ckpts, huginn_ref, mode, kv_policy, init_state):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
+    """Recomputed tokens of a model with coda attention keep their codas' inputs: under
+    ``full`` a token that exited early keeps its exit state for its coda, the prompt's last
+    position the first output's; and a token's coda never runs before an earlier one's."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 10))] for _ in range(6)]
+    params = []
+    for i in range(6):
+        loops, k = rng.choice([3, 4]), rng.randint(6, 10)
+        trace = [rng.randint(1, loops) for _ in range(k)]
+        params.append(
+            SamplingParams(
+                max_tokens=k,
+                ignore_eos=True,
+                max_loops=loops,
+                trace_depths=trace,
+                init_state="random",
+                seed=i,
+            )
+        )
+    kw = {"kv_policy": kv_policy, "exit_mode": "trace", "preemption_mode": mode}
+    tight, stats = _run(ckpts["huginn"], prompts, params, swap_space_gb=SWAP_GB, **kw, **TIGHT)
+    assert stats.num_preemptions >= 3
+    _oracle(huginn_ref, tight, prompts, params, kv_policy, exit_mode="trace")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_aborts_of_preempted_requests(ckpts, ouro_ref, mode):
     prompts, params, arrivals = _workload(6, seed=8)
     aborts = {1: 9, 3: 14, 4: 20, 5: 25}

@@ -167,6 +167,28 @@ def test_huginn_zero_state_hits(ckpts, huginn_ref, kv_policy):
     _oracle(huginn_ref, on, prompts, params, kv_policy)
 
 
+@pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
+def test_huginn_early_first_output_keeps_its_last_block_unshared(ckpts, huginn_ref, kv_policy):
+    """A first output exiting before the prompt's last loop has its coda, and so the last
+    prompt position's coda K/V, from that loop's state: that block is not cached for prompts
+    that go on past it (whose position there needs its full-depth coda K/V)."""
+    rng = random.Random(11)
+    base = rng.choices(range(384), k=3 * BS)  # its last position ends a full block
+    prompts = [base, base + rng.choices(range(384), k=3), base[:8] + rng.choices(range(384), k=2)]
+    traces = [[1, 3, 2], [3, 1, 3], [2, 2, 1]]
+    params = [
+        SamplingParams(
+            max_tokens=3, ignore_eos=True, max_loops=3, init_state="zero", trace_depths=trace
+        )
+        for trace in traces
+    ]
+    arrivals = [0, LATE, LATE + 1]
+    kw = {"kv_policy": kv_policy, "exit_mode": "trace"}
+    on, stats = _run(ckpts["huginn"], prompts, params, arrivals, **kw)
+    assert stats.prefix_cache_hits == 2 * BS + 2 * BS  # two blocks each, not the first's third
+    _oracle(huginn_ref, on, prompts, params, kv_policy, "trace")
+
+
 def test_huginn_random_state_seeds_never_share(ckpts, huginn_ref):
     prompt = random.Random(8).choices(range(384), k=13)
     params = [

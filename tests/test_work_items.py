@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import astuple
 
 from rltserve.config import SchedulerConfig
-from rltserve.core.exit import exit_spec
+from rltserve.core.exit import exit_known, exit_spec
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import WorkItem
+from rltserve.core.preemption import replay_item
 from rltserve.core.request import InFlight, Request
 from rltserve.core.work_items import ItemMaker
 from rltserve.sampling import SamplingParams
@@ -148,3 +149,48 @@ def test_a_delayed_decision_wakes_a_carried_token_at_its_exit_loop():
     carried.wake = 12
     carried.exits_after(2)
     assert carried.wake == 12
+
+
+def _coda_maker(policy: str) -> ItemMaker:
+    kv = KVManager(64, 4, KVPolicy.parse(policy), has_boundary=True)
+    return ItemMaker(SchedulerConfig(prefill_chunk_size=4), kv, has_boundary=True)
+
+
+def test_an_early_first_output_with_coda_attention_samples_at_the_prompt_last_loop():
+    # Huginn, first output traced at loop 1 of 3: the final prompt chunk keeps its last row's
+    # state after loop 1 and exits (samples) at loop 3; later outputs exit at their own loops.
+    maker, request = _coda_maker("last_exited"), _request()
+    request.params = request.params.replace(exit_threshold=1.0, trace_depths=(1, 2, 3))
+    request.first_coda_at = 1
+    maker.kv.allocate("a", 8, 3)
+    request.num_scheduled = 4
+    last = maker.next_item(request, budget=100)
+    assert (last.start, last.has_output, last.coda_state_at) == (4, True, 1)
+    now = [maker.work_item(request, last, d).exit.exit_now for d in (1, 2, 3)]
+    assert now == [False, False, True]
+    assert [maker.work_item(request, last, d).coda_state_at for d in (1, 3)] == [1, 1]
+    assert [exit_known(request, last, d) for d in (1, 2, 3)] == [False, False, True]
+    request.num_scheduled = 0
+    assert maker.next_item(request, budget=100).coda_state_at == 0  # not the last chunk
+    request.num_scheduled = 6
+    token = maker.next_item(request, budget=100)
+    assert token.coda_state_at == 0
+    now = [maker.work_item(request, token, d).exit.exit_now for d in (1, 2, 3)]
+    assert now == [False, True, True]  # output 1 exits at its traced loop 2
+
+
+def test_full_replay_with_coda_attention_recomputes_an_early_exit_alone():
+    request = _request(max_tokens=6)
+    request.output_token_ids = [1, 2, 3, 4, 5]
+    request.exit_depths = [3, 3, 3, 1, 3]  # outputs 1, 2 (positions 6, 7) at full depth
+    request.replay_until = 10
+    full = KVPolicy.parse("full")
+    both = replay_item(request, 6, 4, full, coda_attention=True)
+    assert (both.num_tokens, both.ends_at, both.coda_state_at) == (2, 3, 0)
+    alone = replay_item(request, 8, 2, full, coda_attention=True)  # output 3 exited at 1
+    assert (alone.num_tokens, alone.ends_at, alone.coda_state_at) == (1, 3, 1)
+    plain = replay_item(request, 6, 4, full, coda_attention=False)
+    assert (plain.num_tokens, plain.coda_state_at) == (4, 0)
+    # last_exited: each token to its exit depth, where its coda runs anyway.
+    last = replay_item(request, 8, 2, KVPolicy.parse("last_exited"), coda_attention=True)
+    assert (last.num_tokens, last.ends_at, last.coda_state_at) == (1, 1, 0)

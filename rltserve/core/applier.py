@@ -101,7 +101,7 @@ class Applier:
         return self._exit(
             request,
             item,
-            depth,
+            outcome.exit_depth or depth,
             outcome.token_id,
             outcome.logprob,
             outcome.top_logprobs,

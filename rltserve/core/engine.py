@@ -17,6 +17,7 @@ import torch
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.executor import StepThread
+from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
@@ -245,10 +246,20 @@ class EngineCore:
             pipelined=pipelined,
             group=group,
         )
+        # Coda attention: a first output exiting before the prompt's last loop has its coda
+        # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
+        first = fixed_exit_depth(request, 0)
+        if spec.num_boundary_layers and first < num_loops:
+            request.first_coda_at = first
         request.cache_salt = self._cache_salt(request)
         if request.cache_salt is not None:
+            # The last prompt position's coda K/V then comes from its exit state, so its block
+            # is not one another prompt can share.
+            tokens = request.prompt_token_ids
             request.block_hashes = block_hashes(
-                request.cache_salt, request.prompt_token_ids, self.config.cache.block_size
+                request.cache_salt,
+                tokens[:-1] if request.first_coda_at else tokens,
+                self.config.cache.block_size,
             )
         return request
 

@@ -36,6 +36,15 @@ def fixed_exit_depth(request: Request, output_index: int) -> int:
     return cap
 
 
+def fixed_exit_loop(request: Request, output_index: int) -> int:
+    """The loop whose step samples output number ``output_index`` in fixed mode: its exit
+    depth, but the prompt's last loop for a first output whose coda waits for it
+    (``Request.first_coda_at``)."""
+    if output_index == 0 and request.first_coda_at:
+        return request.num_loops
+    return fixed_exit_depth(request, output_index)
+
+
 def exit_spec(request: Request, item: InFlight, depth: int) -> ExitSpec:
     """The spec of the item's output position at loop ``depth``: one of the request's two
     shared specs (they differ only in ``exit_now``; plans treat them as immutable)."""
@@ -54,7 +63,7 @@ def exit_spec(request: Request, item: InFlight, depth: int) -> ExitSpec:
         )
     if request.exit_mode != "fixed":
         return specs[0]
-    return specs[depth >= fixed_exit_depth(request, item.output_index)]
+    return specs[depth >= fixed_exit_loop(request, item.output_index)]
 
 
 def exit_known(request: Request, item: InFlight, depth: int) -> bool | None:
@@ -67,7 +76,7 @@ def exit_known(request: Request, item: InFlight, depth: int) -> bool | None:
     if depth >= request.max_loops:
         return True
     if request.exit_mode == "fixed":
-        return depth >= fixed_exit_depth(request, item.output_index)
+        return depth >= fixed_exit_loop(request, item.output_index)
     if request.exit_mode == "delayed":
         if item.delayed_exit_at is not None:
             return depth >= item.delayed_exit_at

@@ -45,6 +45,8 @@ class ItemState:
     gate_row: int = 0
     pending: bool = False  # delayed exit: the next loop is the exit (host copy)
     exited: bool = False  # the output position has produced its token
+    # The last row's state kept for its coda (``WorkItem.coda_state_at``): [1, S].
+    coda_state: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -116,6 +116,9 @@ class WorkItem:
     epoch: int = 0
     # Set on a decode token's first loop when the runner runs its later loops by itself.
     carry: Carry | None = None
+    # Coda attention: the runner keeps the last row's state after this loop (earlier than
+    # ``ends_at``) and runs its coda on it when the item ends (``InFlight.coda_state_at``).
+    coda_state_at: int = 0
 
     @property
     def end(self) -> int:
@@ -170,6 +173,9 @@ class ItemResult:
     # False when the sampled row's logits held a NaN or an infinity: ``token_id`` is then
     # meaningless and the scheduler fails the request.
     finite: bool = True
+    # The loop the output exited at when earlier than this one (its coda ran on its state
+    # from then: ``WorkItem.coda_state_at``); 0: this loop.
+    exit_depth: int = 0
 
 
 @dataclass(slots=True)

@@ -192,24 +192,36 @@ def resume_tokens(request: Request) -> int:
     return max(request.swapped_tokens, request.replay_until + 1 if request.replay_until else 0)
 
 
-def replay_item(request: Request, start: int, max_tokens: int, policy: KVPolicy) -> InFlight:
+def replay_item(
+    request: Request, start: int, max_tokens: int, policy: KVPolicy, coda_attention: bool
+) -> InFlight:
     """The item that recomputes generated tokens from ``start`` (at most ``max_tokens`` of them)
     exactly as they first ran: under ``full`` every token looped to the request's depth, so a
     chunk of them runs like a prompt chunk; otherwise each token loops to its recorded exit depth
     (and ``last_exited`` copies its K/V into the deeper planes there). No replayed token
-    samples."""
+    samples. With coda attention a token's coda ran on its state at its exit: under ``full``
+    one that exited early is recomputed alone, keeping that state for its coda."""
+    exits = request.exit_depths
+    first = start - request.num_prompt_tokens + 1  # the output the token at start produced
     if policy.kind == "full":
+        n, keep = max_tokens, 0
+        if coda_attention:
+            loops = request.num_loops
+            n = 0
+            while n < max_tokens and exits[first + n] >= loops:
+                n += 1
+            if not n:
+                n, keep = 1, exits[first]
         return InFlight(
             start=start,
-            num_tokens=max_tokens,
+            num_tokens=n,
             ends_at=request.num_loops,
             stop_at_exit=False,
             has_output=False,
             epoch=request.epoch,
             life=request.num_preemptions,
+            coda_state_at=keep,
         )
-    exits = request.exit_depths
-    first = start - request.num_prompt_tokens + 1  # the output the token at start produced
     exit_depth = exits[first]
     n = 1
     if policy.per_depth:

@@ -73,6 +73,10 @@ class InFlight:
     # exit, and for every other item. (Planning skips a request while its newest item's wake
     # is after the step being planned.)
     wake: int = 0
+    # Coda attention (Huginn): the last row's coda input is its state after this loop, earlier
+    # than the item's last loop, where its coda runs (``Request.first_coda_at``, a generated
+    # token recomputed under ``full``); 0: its state after the last loop.
+    coda_state_at: int = 0
 
     @property
     def end(self) -> int:
@@ -131,6 +135,11 @@ class Request:
     prompt_final: int = 0  # prompt positions [0, prompt_final) have their final KV
     final_pending: dict[int, int] = field(default_factory=dict)  # applied items past that
     blocks_cached: int = 0  # leading prompt blocks cached (by it or before it)
+    # Coda attention (Huginn, DESIGN §4): the first output exits at this loop, before the
+    # prompt's last: its coda input is the last prompt position's state after this loop, but it
+    # runs (and samples) with the prompt's last loop, when every other prompt position's
+    # full-depth coda K/V is there to read. 0: the first output exits at the last loop.
+    first_coda_at: int = 0
     # The request's two ExitSpecs (exit_now False, True), built once: every output position
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None

@@ -263,7 +263,9 @@ class Scheduler:
         if start <= request.replay_until:
             # Resume after preemption: inputs are recorded tokens and no replayed token samples,
             # so on per-depth planes the recompute runs as a wavefront over (token, depth).
-            return self.kv.policy.per_depth
+            # Not with coda attention: a token's coda reads every earlier position's coda K/V,
+            # written at that position's exit, and the tokens exit at depths of their own.
+            return self.kv.policy.per_depth and not self.has_boundary
         last = request.items[-1]
         if request.pipelined:
             # Token pipelining: the next token enters on the draft of the newest item.

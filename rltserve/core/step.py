@@ -97,6 +97,12 @@ class Step:
         r.deliver()
 
         held = self.held  # each item's ItemState (from _gather_inputs)
+        boundary = r.spec.num_boundary_layers > 0
+        if boundary and any(map(step_rows.CODA_STATE_AT, planned)):
+            for i, w in enumerate(planned, nc):
+                if w.coda_state_at == w.depth:  # its coda runs later, on this state
+                    row = self.offsets[i + 1] - 1
+                    held[i].coda_state = state[row : row + 1].clone()  # [1, S]
         exited_before = any(map(step_rows.EXITED, held))
         if all(specs) and not exited_before:
             self.out: range | list[int] = range(n)  # every item's output position is still open
@@ -124,7 +130,7 @@ class Step:
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
         self.ending = ending
-        self.sampled = self._coda_and_sample(positions, state, ending, exits)
+        self.sampled = self._coda_and_sample(positions, state, ending, exits, boundary)
         # (Carried tokens are never pipelined: only the plan's items may draft.)
         drafting = any(map(step_rows.DRAFT, planned))
         self.drafts = self._draft(positions, state) if drafting else []
@@ -299,35 +305,53 @@ class Step:
         state: torch.Tensor,
         ending: list[int],
         exits: list[int],
+        boundary: bool,
     ) -> list[int]:
         """Coda for finishing rows, logits + sampling for exited output rows (``exits``, in
-        item order). Returns the items that sampled; their tokens become the requests' next
-        inputs on the device."""
+        item order; ``boundary``: the model has coda attention). Returns the items that
+        sampled; their tokens become the requests' next inputs on the device."""
         r, items, lives, offsets = self.r, self.items, self.lives, self.offsets
-        boundary = r.spec.num_boundary_layers > 0
         # With coda attention every row of an ending item writes coda KV that later tokens read.
         coda_items = sorted(set(ending).union(exits)) if boundary else exits
         if not coda_items:
             return []
         if boundary:
-            rows = [row for i in coda_items for row in range(offsets[i], offsets[i + 1])]
+            # An output position runs its coda once, on its exit state (DESIGN §4): an item
+            # whose output exited in an earlier step (``full``: it looped on) ends without it.
+            held, exiting = self.held, set(exits)
+            done = [i for i in coda_items if held[i].exited and i not in exiting]
+            if done:
+                # Its other rows (a prompt chunk's) still run theirs; one row: none is left.
+                counts = {i: items[i].num_tokens - (i in done) for i in coda_items}
+                coda_items = [i for i in coda_items if counts[i]]
+                if not coda_items:
+                    return []
+            else:
+                counts = {i: items[i].num_tokens for i in coda_items}
+            rows = [row for i in coda_items for row in range(offsets[i], offsets[i] + counts[i])]
             starts = self.starts
-            spans = [(starts[i], items[i].num_tokens, items[i].boundary_table) for i in coda_items]
+            spans = [(starts[i], counts[i], items[i].boundary_table) for i in coda_items]
             attn = r.attention(spans)
-            widths = [offsets[i + 1] - offsets[i] for i in coda_items]
+            widths = [counts[i] for i in coda_items]
+            kept = [k for k, i in enumerate(coda_items) if held[i].coda_state is not None]
         else:
             # (Every row when each item is one and every item's output exits.)
             every = self.one_row and len(coda_items) == len(items)
             rows = range(len(items)) if every else [offsets[i + 1] - 1 for i in coda_items]
             attn = None
             widths = None
+            kept = []
         if len(rows) == state.shape[0]:  # every row (rows are increasing)
-            hidden = r.timed(r.model.coda, state, positions, attn)
+            coda_in, coda_positions = state, positions
         else:
             index = r.tensor(rows)
-            hidden = r.timed(
-                r.model.coda, state.index_select(0, index), positions.index_select(0, index), attn
-            )
+            coda_in, coda_positions = state.index_select(0, index), positions.index_select(0, index)
+        if kept:  # last rows whose coda input is an earlier loop's state (``coda_state_at``)
+            ends = step_rows.offsets(widths)
+            at = r.tensor([ends[k + 1] - 1 for k in kept])
+            kept_states = torch.cat([held[coda_items[k]].coda_state for k in kept])  # [K, S]
+            coda_in = coda_in.index_copy(0, at, kept_states)
+        hidden = r.timed(r.model.coda, coda_in, coda_positions, attn)
         if not exits:
             return []  # coda rows that only write coda KV (non-final prompt chunks)
         if widths is not None and max(widths) > 1:

@@ -165,6 +165,8 @@ def _sampled_results(step: Step, sample: SampleOutput, outcomes: list[ItemResult
             outcome.logprob = sample.logprobs[j]
             outcome.top_logprobs = sample.top_logprobs[j]
             outcome.finite = finite[j] if finite else True
+            if items[i].coda_state_at:  # its coda ran on that loop's state (Huginn's first)
+                outcome.exit_depth = items[i].coda_state_at
         if live.drafts or live.history is not None:
             end = step.starts[i] + items[i].num_tokens
             checked = end in live.drafts
