@@ -1,12 +1,15 @@
 """StepThread: jobs run in order on one thread, exceptions reach the caller, the idle hook runs
-while nothing is queued and is polled while it reports pending work."""
+while nothing is queued and is polled while it reports pending work; an engine dropped without
+``shutdown`` does not leave its thread behind."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
 import pytest
+from engine_util import make_core
 
 from rltserve.core.executor import ExecutionFuture, StepThread
 from rltserve.core.plan import StepResult
@@ -69,3 +72,20 @@ def test_completed_future():
     result = StepResult(3, [])
     future = ExecutionFuture.completed(result)
     assert future.done() and future.result() is result
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_step_thread(ckpts):
+    """Its thread (and, through the idle hook, its runner and model) goes with the engine."""
+
+    def step_threads() -> int:
+        return sum(t.name == "rltserve-step" for t in threading.enumerate())
+
+    before = step_threads()
+    core = make_core(ckpts["ouro"], async_scheduling=True, exit_mode="delayed")
+    assert step_threads() == before + 1
+    del core
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while step_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert step_threads() == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+import weakref
 from dataclasses import replace
 from operator import attrgetter
 
@@ -49,6 +50,10 @@ class EngineCore:
         # ~15% slower on CPU. Sync scheduling runs steps on this thread; async runs them on the
         # step thread, so the model is loaded and the runner built there too.
         step_thread = StepThread() if config.scheduler.async_scheduling else None
+        if step_thread is not None:
+            # An engine dropped without ``shutdown`` must not leave its thread (and, through
+            # its idle hook, the runner and the model) alive for the rest of the process.
+            weakref.finalize(self, step_thread.stop)
 
         def on_step_thread(fn, *args, **kwargs):
             if step_thread is None:

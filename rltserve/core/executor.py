@@ -90,10 +90,15 @@ class StepThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def stop(self) -> None:
+        """Lets the thread end after the jobs already queued, without waiting for it (safe
+        from any thread, a finalizer's included)."""
+        self._jobs.put(None)
+
     def shutdown(self) -> None:
         """Runs the jobs already queued, then stops the thread."""
         if self._thread.is_alive():
-            self._jobs.put(None)
+            self.stop()
             self._thread.join()
 
     def _next_job(self) -> tuple | None:
