@@ -66,8 +66,16 @@ class KVPolicy:
 
     @property
     def copies_on_exit(self) -> bool:
-        """An early-exited token's KV must be copied into the planes of the loops it skips."""
-        return self.kind == "last_exited"
+        """An early-exited token's KV must be copied into the planes of the loops it skips:
+        every deeper plane under ``last_exited``; under ``ring:k`` (k > 1) the planes it never
+        wrote, those of depths e+1..k (without the copy a later query would read whatever the
+        block held before)."""
+        return self.kind == "last_exited" or (self.kind == "ring" and self.ring_size > 1)
+
+    def copy_depths(self, num_loops: int) -> int:
+        """The deepest depth whose plane an early exit's copy reaches: under ``ring:k`` deeper
+        loops share planes the token wrote itself, which keep its own versions."""
+        return min(num_loops, self.ring_size) if self.kind == "ring" else num_loops
 
     @property
     def per_depth(self) -> bool:

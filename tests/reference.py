@@ -17,7 +17,9 @@ Semantics (what the engine must reproduce):
   at a time; loop ``d`` of a token attends over the plane of depth ``d``.
 * KV policies: ``full`` (a plane per depth, exited decode tokens keep looping to ``D_r``),
   ``last_exited`` (a plane per depth, an exited decode token's plane-``e`` K/V is copied into the
-  deeper planes), ``shared`` (one plane, overwritten every loop), ``ring:k`` (plane ``(d-1) % k``).
+  deeper planes), ``shared`` (one plane, overwritten every loop), ``ring:k`` (plane ``(d-1) % k``;
+  an exited decode token's K/V is copied into the planes it never wrote, those of depths
+  ``e+1..k``).
   Under the last three a decode token stops at its exit depth.
 * Huginn coda: the coda input of a position is its state at its own exit depth (prompt positions
   other than the last: depth ``D_r``); the coda K/V of every position lives in one boundary plane.
@@ -597,6 +599,10 @@ class Reference:
                             break
             if kind == "last_exited" and exit_d < depth:
                 kv.copy_position(exit_d - 1, range(exit_d, depth), pos)
+            elif kind == "ring" and exit_d < min(planes, depth):
+                # Planes it never wrote get its exit version (a deeper loop's plane it did
+                # write keeps its own): nothing stale is ever read.
+                kv.copy_position(exit_d - 1, range(exit_d, min(planes, depth)), pos)
             if emit(rule, exit_d, self._coda(exit_state, pos, bkv)[0]):
                 return out
 

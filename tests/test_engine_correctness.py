@@ -189,13 +189,16 @@ def _huginn_traces(n: int, seed: int, max_prompt: int = 14):
         ("full", {"carry_decode": False, "prefill_chunk_size": 3}),
         ("last_exited", {}),
         ("last_exited", {"carry_decode": False, "prefill_chunk_size": 3}),
+        ("ring:2", {}),
+        ("ring:3", {"carry_decode": False}),
     ],
 )
 def test_huginn_traced_exits_match_oracle(ckpts, huginn_ref, kv_policy, engine):
     """Early exits on a model with coda attention: each position's coda runs once, on its exit
     state (under ``full`` a token loops on without a second coda), and a first output exiting
     before the prompt's last loop is sampled at that loop, reading every other prompt
-    position's full-depth coda K/V (DESIGN §4)."""
+    position's full-depth coda K/V (DESIGN §4). Under ``ring:k`` a token exiting before loop k
+    fills the planes it never wrote with its exit version."""
     prompts, params = _huginn_traces(8, seed=5)
     core = make_core(ckpts["huginn"], kv_policy=kv_policy, exit_mode="trace", **engine)
     run = run_core(core, prompts, params)

@@ -48,7 +48,8 @@ def test_num_planes_and_plane_mapping():
     assert [last.plane(d) for d in range(1, 5)] == [0, 1, 2, 3]
     assert [shared.plane(d) for d in range(1, 5)] == [0, 0, 0, 0]
     assert [ring.plane(d) for d in range(1, 8)] == [0, 1, 2, 0, 1, 2, 0]
-    assert [p.copies_on_exit for p in (full, last, shared, ring)] == [False, True, False, False]
+    assert [p.copies_on_exit for p in (full, last, shared, ring)] == [False, True, False, True]
+    assert not KVPolicy.parse("ring:1").copies_on_exit  # every exit writes its one plane
     assert [p.per_depth for p in (full, last, shared, ring)] == [True, True, False, False]
     with pytest.raises(ValueError):
         full.plane(0)
@@ -201,10 +202,21 @@ def test_exit_copy_blocks():
     assert kv.exit_copy_blocks("a", 0, depth=4, num_loops=4) == []
     with pytest.raises(ValueError):
         kv.exit_copy_blocks("a", 10, depth=1, num_loops=4)
-    for name in ("full", "shared", "ring:2"):
+    for name in ("full", "shared", "ring:1"):
         other = KVManager(64, 4, KVPolicy.parse(name), has_boundary=False)
         other.allocate("a", 10, 4)
         assert other.exit_copy_blocks("a", 5, depth=1, num_loops=4) == []
+    # ring:3: only the planes an exit before loop 3 never wrote (depths up to 3), never the
+    # planes deeper loops share with the ones it wrote.
+    ring = KVManager(64, 4, KVPolicy.parse("ring:3"), has_boundary=False)
+    ring.allocate("a", 10, 4)
+    assert ring.exit_copy_blocks("a", 5, depth=1, num_loops=4) == [
+        ring.block_table("a", p)[1] for p in (1, 2)
+    ]
+    assert ring.exit_copy_blocks("a", 5, depth=3, num_loops=4) == []
+    assert KVPolicy.parse("ring:3").copy_depths(4) == 3
+    assert KVPolicy.parse("ring:3").copy_depths(2) == 2
+    assert KVPolicy.parse("last_exited").copy_depths(4) == 4
 
 
 def test_slot():

@@ -261,11 +261,12 @@ def test_huginn_under_pressure(ckpts, huginn_ref, mode, kv_policy, init_state):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
 def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
     """Recomputed tokens of a model with coda attention keep their codas' inputs: under
     ``full`` a token that exited early keeps its exit state for its coda, the prompt's last
-    position the first output's; and a token's coda never runs before an earlier one's."""
+    position the first output's; and a token's coda never runs before an earlier one's.
+    (``ring:2``: a recomputed token exiting at loop 1 fills plane 1 again.)"""
     rng = random.Random(5)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 10))] for _ in range(6)]
     params = []

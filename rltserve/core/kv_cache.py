@@ -349,7 +349,8 @@ class KVManager:
         self, request_id: str, position: int, depth: int, num_loops: int
     ) -> list[int]:
         """Blocks holding ``position`` in the planes of depths ``depth+1 .. num_loops``, in depth
-        order, for last_exited copy-on-exit; ``[]`` for every other policy."""
+        order, for copy-on-exit (``ring:k``: up to depth k, ``KVPolicy.copy_depths``); ``[]``
+        for a policy without it."""
         if not self.policy.copies_on_exit:
             return []
         entry = self._requests[request_id]
@@ -359,7 +360,8 @@ class KVManager:
             raise ValueError(f"num_loops={num_loops}: request has {entry.num_loops} loops")
         index = position // self.block_size
         tables, plane = entry.tables, self._plane
-        return [tables[plane(d)][index] for d in range(depth + 1, num_loops + 1)]
+        top = self.policy.copy_depths(num_loops)
+        return [tables[plane(d)][index] for d in range(depth + 1, top + 1)]
 
     # -- checks ---------------------------------------------------------------------------------
 

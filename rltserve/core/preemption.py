@@ -238,5 +238,5 @@ def replay_item(
         has_output=False,
         epoch=request.epoch,
         life=request.num_preemptions,
-        copy_at_end=policy.copies_on_exit and exit_depth < request.num_loops,
+        copy_at_end=policy.copies_on_exit and exit_depth < policy.copy_depths(request.num_loops),
     )

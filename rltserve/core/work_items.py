@@ -213,7 +213,8 @@ class ItemMaker:
             index = start // kv.block_size
             known = request.carry_blocks
             if known is None or known[0] is not tables or known[1] != index:
-                blocks = [table[index] for table in tables]
+                top = kv.policy.copy_depths(len(tables))
+                blocks = [table[index] for table in (tables[:top] if top < len(tables) else tables)]
                 known = request.carry_blocks = (tables, index, blocks, blocks[1:])
             item.exit_blocks, copy_blocks = known[2], known[3]
         if item.ends_at < len(tables):
