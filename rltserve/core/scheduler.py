@@ -263,9 +263,12 @@ class Scheduler:
         if start <= request.replay_until:
             # Resume after preemption: inputs are recorded tokens and no replayed token samples,
             # so on per-depth planes the recompute runs as a wavefront over (token, depth).
-            # Not with coda attention: a token's coda reads every earlier position's coda K/V,
-            # written at that position's exit, and the tokens exit at depths of their own.
-            return self.kv.policy.per_depth and not self.has_boundary
+            # With coda attention, a token's coda reads every earlier position's coda K/V,
+            # written at that position's exit: not where tokens may exit before the last loop
+            # (traced exits; such models have no gate), which they then do in turns.
+            if self.has_boundary and request.params.trace_depths is not None:
+                return False
+            return self.kv.policy.per_depth
         last = request.items[-1]
         if request.pipelined:
             # Token pipelining: the next token enters on the draft of the newest item.
