@@ -333,7 +333,12 @@ class Step:
             spans = [(starts[i], counts[i], items[i].boundary_table) for i in coda_items]
             attn = r.attention(spans)
             widths = [counts[i] for i in coda_items]
-            kept = [k for k, i in enumerate(coda_items) if held[i].coda_state is not None]
+            # (Kept for the output row, the last: never one whose output exited before.)
+            kept = [
+                k
+                for k, i in enumerate(coda_items)
+                if held[i].coda_state is not None and counts[i] == items[i].num_tokens
+            ]
         else:
             # (Every row when each item is one and every item's output exits.)
             every = self.one_row and len(coda_items) == len(items)
