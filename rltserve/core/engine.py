@@ -253,9 +253,9 @@ class EngineCore:
         )
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
-        first = fixed_exit_depth(request, 0)
-        if spec.num_boundary_layers and first < num_loops:
-            request.first_coda_at = first
+        if spec.num_boundary_layers:
+            first = fixed_exit_depth(request, 0)
+            request.first_coda_at = first if first < num_loops else 0
         request.cache_salt = self._cache_salt(request)
         if request.cache_salt is not None:
             # The last prompt position's coda K/V then comes from its exit state, so its block

@@ -318,16 +318,14 @@ class Step:
         if boundary:
             # An output position runs its coda once, on its exit state (DESIGN §4): an item
             # whose output exited in an earlier step (``full``: it looped on) ends without it.
+            # (Its other rows, a prompt chunk's, still run theirs; of one row none is left.)
             held, exiting = self.held, set(exits)
-            done = [i for i in coda_items if held[i].exited and i not in exiting]
-            if done:
-                # Its other rows (a prompt chunk's) still run theirs; one row: none is left.
-                counts = {i: items[i].num_tokens - (i in done) for i in coda_items}
-                coda_items = [i for i in coda_items if counts[i]]
-                if not coda_items:
-                    return []
-            else:
-                counts = {i: items[i].num_tokens for i in coda_items}
+            counts = {
+                i: items[i].num_tokens - (held[i].exited and i not in exiting) for i in coda_items
+            }
+            coda_items = [i for i in coda_items if counts[i]]
+            if not coda_items:
+                return []
             rows = [row for i in coda_items for row in range(offsets[i], offsets[i] + counts[i])]
             starts = self.starts
             spans = [(starts[i], counts[i], items[i].boundary_table) for i in coda_items]
