@@ -28,10 +28,15 @@ class FixedExits:
         rows = [row for row in self.rows if row.work.request_id not in gone]
         for rid in gone:
             self.ended.pop(rid, None)
+        moved = {entry[0]: entry for entry in plan.moved}  # (entering a new KV block)
         for rid, previous, key in plan.continued:  # the next position, under the same Carry
             work = self.ended.pop(rid)
             assert work.carry.key == previous
             carry = replace(work.carry, key=key)
+            if key in moved:
+                _, tables, boundary, blocks = moved[key]
+                carry = replace(carry, tables=tables, copy_blocks=blocks)
+                work = replace(work, block_table=tables[0], boundary_table=boundary)
             rows.append(_Row(replace(work, start=work.start + 1, carry=carry), 0, False))
         events: list[tuple] = []  # (key, request id, depth, ended, exited)
         kept = []

@@ -174,6 +174,69 @@ def test_carried_columns_and_items_stay_in_step(ckpts, name):
     core.shutdown()
 
 
+@pytest.mark.parametrize(
+    "model,kv_policy,drive",
+    [
+        ("ouro", "last_exited", {}),
+        ("ouro", "full", {}),
+        ("ouro", "last_exited", {"lag": 1, "deferred": True}),
+        ("huginn", "full", {}),
+        ("huginn", "ring:2", {}),
+    ],
+)
+def test_continuations_into_new_blocks_match_the_oracle(
+    ckpts, ouro_ref, huginn_ref, model, kv_policy, drive
+):
+    """Two-position blocks: every other decode token enters a new KV block and continues
+    its predecessor with new tables (``StepPlan.moved``: new copy-on-exit blocks under
+    last_exited, a new boundary table for Huginn's coda), never as a plan item."""
+    rng = random.Random(21)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    huginn = model == "huginn"
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(4, 9),
+            ignore_eos=True,
+            **(
+                {"max_loops": rng.choice([2, 3, 4]), "init_state": "random", "seed": i}
+                if huginn
+                else {"exit_threshold": rng.choice([0.3, 0.6, 1.0]), "min_loops": 1}
+            ),
+        )
+        for i in range(5)
+    ]
+    engine = {"kv_policy": kv_policy, "block_size": 2}
+    if drive:
+        engine.update(exit_mode="delayed", async_scheduling=True)
+    core = make_core(ckpts[model], **engine)
+    plans = []
+    launch = core.runner.launch
+
+    def record(plan, *args):
+        plans.append(plan)
+        return launch(plan, *args)
+
+    core.runner.launch = record
+    run = run_core(core, prompts, params, **drive)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if huginn:
+            want = oracle_run(huginn_ref, prompt, p, kv_policy=kv_policy)
+        else:
+            mode = "delayed" if drive else "gate"
+            want = oracle_run(ouro_ref, prompt, p, kv_policy=kv_policy, exit_mode=mode)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+    moved = [m for plan in plans for m in plan.moved]
+    continued = {key for plan in plans for _, _, key in plan.continued}
+    assert len(moved) >= 5 and {m[0] for m in moved} <= continued
+    # A decode token at a block's first position starts as a carried item only when it
+    # cannot continue (the first after the prompt): fewer than the moved ones.
+    fresh = [w for plan in plans for w in plan.items if w.carry is not None and w.start % 2 == 0]
+    assert len(fresh) < len(moved)
+    assert not core.runner.carried.items and not core.scheduler._carried
+    core.shutdown()
+
+
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
 @pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
 def test_huginn_schedules_match_the_oracle(ckpts, huginn_ref, kv_policy, carry):
@@ -326,6 +389,42 @@ def test_carried_rows_continue_an_ended_token_at_the_next_position():
     rows.drop({"a"})  # a released request's ended token goes with it
     with pytest.raises(RuntimeError):
         rows.advance([("a", 3, 4)])
+
+
+def test_a_continuation_into_a_new_block_takes_its_new_tables():
+    """``StepPlan.moved``: a continued token entering a new KV block gets an item of its own
+    (its predecessor's with the new tables, boundary table and copy-on-exit blocks), its
+    tables' rows rewritten for the attention; the ended rows' arrays, which other tokens may
+    still continue from, are left as they were; entries of tokens not continued are passed
+    over."""
+    tables = BlockTables()
+    rows = CarriedRows(tables)
+    a, b = _item(copy=True), _item(copy=True)
+    b.request_id = "b"
+    rows.keep([a, b], 0, [], ["live a", "live b"], ["held a", "held b"])
+    for _ in range(3):
+        rows.keep(rows.advance(), 2, [], rows.lives, rows.held)
+    rows.advance()  # both at loop 4, their last
+    ended_rows, ended_lens = rows._rows, rows._lens
+    rows.keep(rows.items, 2, [0, 1], rows.lives, rows.held)  # both end together
+    grown = [[10 + d, 30 + d] for d in range(4)]  # a's tables, a block appended to each
+    moved = [(3, grown, [40, 41], [30, 31, 32, 33]), (99, grown, None, [])]
+    step = rows.advance([("a", 7, 3), ("b", 7, 4)], moved)
+    new_a = step[0]
+    assert step[1] is b and new_a is not a  # b continues under its template, a gets its own
+    assert new_a.carry.tables is grown and new_a.block_table is grown[0]
+    assert new_a.boundary_table == [40, 41] and new_a.carry.copy_blocks == [30, 31, 32, 33]
+    assert new_a.exit_copy_blocks == [31, 32, 33] and new_a.exit is a.exit
+    assert (new_a.carry.key, new_a.ends_at, new_a.carry.specs) == (7, 4, a.carry.specs)
+    assert rows.starts == [6, 6] and rows.keys == [3, 4] and rows.depths == [1, 1]
+    assert rows.table_at(0, 2) == [11, 31] and rows.table_at(1, 2) == [11]
+    spans, table_rows = rows.spans()  # loop 1: a reads its grown table, b its old one
+    assert spans.table_lens.tolist() == [2, 1]
+    assert tables.array[table_rows[0], :2].tolist() == [10, 30]
+    assert rows._lens is not ended_lens and ended_lens.tolist() == [[1] * 4] * 2
+    assert rows._rows is not ended_rows  # (the same rows: a's keys keep theirs)
+    assert rows._rows.tolist() == ended_rows.tolist()
+    assert (a.carry.tables[0], a.block_table) == ([10], [10])  # plan items are never changed
 
 
 def test_a_refilled_batch_takes_its_predecessors_spec_columns():

@@ -55,7 +55,7 @@ import numpy as np
 
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
-from rltserve.core.plan import ExitSpec, WorkItem
+from rltserve.core.plan import Carry, ExitSpec, WorkItem
 
 if TYPE_CHECKING:  # (torch-free at run time)
     from rltserve.core.live import ItemState, LiveRequest
@@ -127,10 +127,13 @@ class CarriedRows:
             lens, rows = self._lens[ar, d], self._rows[ar, d]
         return Spans(self._starts, np.ones(n, dtype=np.int64), lens), rows
 
-    def advance(self, continued: list[tuple[str, int, int]] = ()) -> list[WorkItem]:
+    def advance(
+        self, continued: list[tuple[str, int, int]] = (), moved: list[tuple] = ()
+    ) -> list[WorkItem]:
         """Moves every carried token to its next loop, then starts the ``continued`` tokens
-        (``StepPlan.continued``) at loop 1 after them; returns them all, in carry order. A
-        continued token's state is set by the step that runs its first loop (``held``)."""
+        (``StepPlan.continued``; ``moved``: those entering a new KV block) at loop 1 after
+        them; returns them all, in carry order. A continued token's state is set by the step
+        that runs its first loop (``held``)."""
         if continued:  # (checked before anything changes)
             rids, previous, keys = map(list, zip(*continued))
             ended = list(map(self._ended.get, rids))
@@ -168,9 +171,12 @@ class CarriedRows:
                     at = np.array(at, dtype=np.intp)  # (converted once for both)
                     tables = (rows[at], lens[at])
             templates, lives, starts = list(zip(*ended))[:3]
+            templates = list(templates)
+            if moved:
+                tables = self._move(templates, keys, moved, tables)
             n = len(keys)
             self._append(
-                list(templates),
+                templates,
                 list(map(_NEXT, starts)),
                 keys,
                 list(lives),
@@ -179,6 +185,36 @@ class CarriedRows:
                 columns,
             )
         return self.items
+
+    def _move(
+        self,
+        templates: list[WorkItem],
+        keys: list[int],
+        moved: list[tuple],
+        tables: tuple[np.ndarray, np.ndarray] | None,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Continued tokens entering a new KV block (``StepPlan.moved``; ``keys``: the
+        continued tokens'): each gets an item of its own (``_moved``) in ``templates``, its
+        tables registered; returns the continued rows' ``_rows`` and ``_lens`` (``tables``,
+        their predecessors' when known) with those rows rewritten, in new arrays. (Entries of
+        tokens not continued, their requests dropped, are passed over.)"""
+        index = {key: k for k, key in enumerate(keys)}
+        at = []
+        for key, carry_tables, boundary, blocks in moved:
+            k = index.get(key)
+            if k is not None:
+                templates[k] = _moved(templates[k], carry_tables, boundary, blocks)
+                at.append(k)
+        if tables is None or not at:
+            return tables  # (``_append`` registers every continued token's tables)
+        known = self._register([templates[k] for k in at])
+        rows, lens = tables[0].copy(), tables[1].copy()  # (arrays are replaced, not changed)
+        width = rows.shape[1]
+        for k, (_, table_rows, table_lens) in zip(at, known):
+            pad = width - len(table_rows)  # (a row narrower than the widest repeats its last)
+            rows[k] = table_rows + table_rows[-1:] * pad
+            lens[k] = table_lens + table_lens[-1:] * pad
+        return rows, lens
 
     def start(self, fresh: list[WorkItem], lives: list[LiveRequest]) -> list[WorkItem]:
         """Starts a plan's new carried tokens (``fresh``, at loop 1; ``lives``: their
@@ -382,6 +418,33 @@ class CarriedRows:
         self._starts = self._starts[keep]
         self._rows = self._rows[keep]
         self._lens = self._lens[keep]
+
+
+def _moved(
+    template: WorkItem,
+    tables: list[list[int]],
+    boundary: list[int] | None,
+    copy_blocks: list[int],
+) -> WorkItem:
+    """``template``'s item with the fields a new KV block changes (``StepPlan.moved``), as
+    ``ItemMaker.carried_item`` builds a carried token's item. (Positional, in field order.)"""
+    carry = template.carry
+    return WorkItem(
+        template.request_id,  # request_id
+        template.start,  # start (a continued row's is a column)
+        1,  # num_tokens
+        1,  # depth
+        template.ends_at,  # ends_at
+        template.stop_at_exit,  # stop_at_exit
+        tables[0],  # block_table
+        template.token_ids,  # token_ids (a continued row's input is on the runner)
+        boundary,  # boundary_table
+        template.exit,  # exit (its first loop's spec: the request's, as the predecessor's)
+        copy_blocks[1:],  # exit_copy_blocks
+        False,  # draft (carried tokens are never pipelined)
+        template.epoch,  # epoch
+        Carry(carry.key, tables, carry.specs, carry.exit_at, copy_blocks),  # carry
+    )
 
 
 def _with_summary(columns: tuple) -> tuple:

@@ -13,7 +13,8 @@ releases or preempts its request. Its results come back in ``StepResult.carried`
 exits, when the delayed rule decides its exit and when it ends (``CarriedEvents``, its first
 loop's included). Planning then costs per token started, not per loop run. The next token of a
 request whose carried token has ended usually starts as ``StepPlan.continued``: a key, not an
-item (the runner has what it needs from the token before it).
+item (the runner has what it needs from the token before it; one entering a new KV block also
+gets its new tables, ``StepPlan.moved``).
 
 Invariant: a plan and its result are never changed once built. The per-row types (``WorkItem``,
 ``ExitSpec``, ``ItemResult``) are nevertheless plain slotted dataclasses, not frozen ones: one
@@ -146,12 +147,22 @@ class StepPlan:
     # Carried decode tokens the runner starts by itself, after its carried rows and before the
     # items: (request id, the key of the request's previous carried token, this token's key).
     # The token is the next position of that token, which has ended, with the same ``Carry``
-    # but its key (the same tables, specs, fixed exit and copy-on-exit blocks: it lies in the
-    # same KV block) and the same first-loop fields; its input is the token that one sampled.
+    # but its key (the same tables, specs, fixed exit and copy-on-exit blocks when it lies in
+    # the same KV block; ``moved`` otherwise) and the same first-loop fields; its input is the
+    # token that one sampled.
     # The scheduler decides it as any start; one tuple instead of a ``WorkItem`` and a
     # ``Carry`` saves both sides their per-token work (a decode batch starts a token per
     # request every few steps).
     continued: list[tuple[str, int, int]] = field(default_factory=list)
+    # Continued tokens that enter a new KV block (every block_size tokens): what their
+    # ``Carry`` has that their predecessor's has not, (this token's key, its tables of loops
+    # 1..ends_at, its boundary table or None, its copy-on-exit blocks: ``Carry.copy_blocks``).
+    # The rest of their item is their predecessor's (its first loop's block table is
+    # ``tables[0]``, its ``exit_copy_blocks`` are ``copy_blocks[1:]``, as ``ItemMaker``
+    # builds a carried token's item).
+    moved: list[tuple[int, list[list[int]], list[int] | None, list[int]]] = field(
+        default_factory=list
+    )
 
     @property
     def num_tokens(self) -> int:

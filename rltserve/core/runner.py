@@ -375,7 +375,7 @@ class ModelRunner:
         # (Should ``advance`` refuse a continuation, changing nothing, the step fails every
         # carried token's request with the continued ones: the scheduler counts a loop for each.)
         handle.carried = self.carried.items
-        carried = self.carried.advance(continued)  # their next loops run first
+        carried = self.carried.advance(continued, plan.moved)  # their next loops run first
         handle.carried = carried
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
             self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")

@@ -95,6 +95,7 @@ class Scheduler:
         self.applier = Applier(self)
         self._released: list[str] = []
         self._continued: list[tuple[str, int, int]] = []  # ``StepPlan.continued`` being built
+        self._moved: list[tuple] = []  # ... and ``StepPlan.moved``
         self.new_setups: list[RequestSetup] = []
         self._step_id = 0
         self._seq = 0
@@ -205,9 +206,16 @@ class Scheduler:
             return None
         self._step_id += 1
         plan = StepPlan(
-            self._step_id, items, self.new_setups, self._released, *changes, copies, continued
+            self._step_id,
+            items,
+            self.new_setups,
+            self._released,
+            *changes,
+            copies,
+            continued,
+            self._moved,
         )
-        self.new_setups, self._released, self._continued = [], [], []
+        self.new_setups, self._released, self._continued, self._moved = [], [], [], []
         self._planned[plan.step_id] = owners
         return plan
 
@@ -338,7 +346,12 @@ class Scheduler:
             ):
                 # Most decode tokens: the runner continues the request's previous one.
                 item = continuation(request)
-                if item is not None and not extend(request.request_id, item.start + 1):
+                if item is not None:
+                    end = item.start + 1
+                    if extend(request.request_id, end):  # (a new block every block_size)
+                        if not self.preemptor.make_room(request, end):
+                            continue  # waits for blocks (or was preempted itself)
+                        self.kv.grow(request.request_id, end)
                     self._continues(request, item)
                     budget -= 1
                     continue
@@ -371,10 +384,11 @@ class Scheduler:
         return 1
 
     def _continues(self, request: Request, item: InFlight) -> None:
-        """Commits ``item`` (``ItemMaker.continuation``, its blocks there), the continuation
+        """Commits ``item`` (``ItemMaker.continuation``, its blocks taken), the continuation
         of the request's carried token: its first loop reports as a carried event, so it has
-        no owner to apply. (``_commit`` and ``_carry`` written out: most decode tokens come
-        here, and the two calls cost 0.8% of a decode batch's host work.)"""
+        no owner to apply; in a new KV block its new tables go in ``StepPlan.moved``.
+        (``_commit`` and ``_carry`` written out: most decode tokens come here, and the two
+        calls cost 0.8% of a decode batch's host work.)"""
         start = item.start
         request.num_scheduled = start + 1  # (its ``end``: a decode token is one position)
         if request.resume is Resume.RECOMPUTE and start >= request.replay_until:
@@ -388,6 +402,10 @@ class Scheduler:
         item.wake = step + item.exit_by
         self._carried[key] = (request, item)  # (which ``in_step`` reads)
         previous, _, tables, exit_at, boundary, life = request.carry_prev
+        if start % self.kv.block_size == 0:  # the first position of a KV block
+            moved = self.item_maker.moved(request, item)
+            self._moved.append(moved)
+            tables, boundary = self.kv.depth_tables(request.request_id), moved[2]
         request.carry_prev = (key, start, tables, exit_at, boundary, life)
         self._continued.append((request.request_id, previous, key))
 

@@ -161,10 +161,11 @@ class ItemMaker:
         scheduler's ``_ended``).
 
         It can be one when it is the next position (so no rollback since: one moves
-        ``num_scheduled`` back), in the same KV block under the same tables (so with the same
-        copy-on-exit blocks), with the same fixed exit and boundary table, no preemption since
-        (the same life) and no draft (what ``carries_next`` asks); its input is the token that
-        one sampled. ``Scheduler._continues`` commits it; nothing is changed."""
+        ``num_scheduled`` back), under the same tables and boundary table (until a position
+        in a new KV block grows them: ``moved``), with the same fixed exit, no preemption
+        since (the same life) and no draft (what ``carries_next`` asks); its input is the
+        token that one sampled. The scheduler gives it its blocks, then
+        ``Scheduler._continues`` commits it; nothing is changed here."""
         prev = request.carry_prev
         if prev is None:
             return None
@@ -173,7 +174,6 @@ class ItemMaker:
         rid = request.request_id
         if (
             at != request.num_scheduled
-            or at % self.block_size == 0
             or life != request.num_preemptions
             or at <= request.replay_until
             or request.pipelined
@@ -189,8 +189,39 @@ class ItemMaker:
             return None  # (``carried_item``'s ``exit_at``)
         known = request.carry_blocks  # (the same block under the same tables)
         if known is not None and item.stop_at_exit and self.copies_on_exit:
-            item.exit_blocks = known[2]
+            item.exit_blocks = known[2]  # (``moved`` replaces them in a new block)
         return item
+
+    def moved(
+        self, request: Request, item: InFlight
+    ) -> tuple[int, list[list[int]], list[int] | None, list[int]]:
+        """A continuation (``continuation``, committed, its key set) whose position is the
+        first of a KV block: its ``StepPlan.moved`` entry, the fields of its ``Carry`` that
+        ``carried_item`` would give it (its blocks taken: the tables grown)."""
+        rid = request.request_id
+        tables = self.kv.depth_tables(rid)
+        boundary = self.kv.boundary_table(rid) if self.has_boundary else None
+        self._exit_blocks(request, item, tables)
+        if item.ends_at < len(tables):
+            tables = tables[: item.ends_at]
+        return (item.carry_key, tables, boundary, item.exit_blocks or [])
+
+    def _exit_blocks(self, request: Request, item: InFlight, tables: list[list[int]]) -> list[int]:
+        """last_exited: sets ``item.exit_blocks``, the blocks holding a carried decode token's
+        position on the planes of depths 1..num_loops (what ``KVManager.exit_copy_blocks``
+        finds, read off ``tables``, its depth tables), and returns those past depth 1 (its
+        first loop's copy targets); [] when no copy can be needed. The same for the
+        request's tokens in one block while its tables are the same lists."""
+        if not (item.stop_at_exit and self.copies_on_exit):
+            return []
+        index = item.start // self.block_size
+        known = request.carry_blocks
+        if known is None or known[0] is not tables or known[1] != index:
+            top = self.kv.policy.copy_depths(len(tables))
+            blocks = [table[index] for table in (tables[:top] if top < len(tables) else tables)]
+            known = request.carry_blocks = (tables, index, blocks, blocks[1:])
+        item.exit_blocks = known[2]
+        return known[3]
 
     def carried_item(self, request: Request, item: InFlight) -> WorkItem:
         """The first loop of a carried decode token, with what the runner needs for the
@@ -205,18 +236,7 @@ class ItemMaker:
         # (``continuation`` reads it; ``Scheduler._continues`` moves it on.)
         request.carry_prev = (item.carry_key, start, tables, exit_at, boundary, life)
         spec = exit_spec(request, item, 1)
-        copy_blocks: list[int] = []
-        if item.stop_at_exit and self.copies_on_exit:
-            # The blocks holding the position on the planes of depths 1..num_loops (what
-            # ``KVManager.exit_copy_blocks`` finds, read off the tables at hand): the same for
-            # the request's tokens in one block while its tables are the same lists.
-            index = start // kv.block_size
-            known = request.carry_blocks
-            if known is None or known[0] is not tables or known[1] != index:
-                top = kv.policy.copy_depths(len(tables))
-                blocks = [table[index] for table in (tables[:top] if top < len(tables) else tables)]
-                known = request.carry_blocks = (tables, index, blocks, blocks[1:])
-            item.exit_blocks, copy_blocks = known[2], known[3]
+        copy_blocks = self._exit_blocks(request, item, tables)
         if item.ends_at < len(tables):
             tables = tables[: item.ends_at]
         # The input is on the runner, unless it was recorded before a preemption.
