@@ -39,12 +39,13 @@ _ONE = """
 import json, sys
 from rltserve.bench.host import _Cell, _measure
 from rltserve.bench.standin import StandInModel
-from rltserve.core.stage_worker import tune_gc
+from rltserve.core import stage_worker
 rows, context, warmup, steps = (int(a) for a in sys.argv[1:3] + sys.argv[4:6])
 mixed = sys.argv[3] == "mixed"
 import torch
 torch.set_num_threads(1)  # as ``bench host`` runs by default
-tune_gc()
+stage_worker.tune_gc()  # the stage's worker process settings, as that checkout has them
+getattr(stage_worker, "tune_malloc", bool)()
 cell = _Cell(StandInModel(), rows, context)
 _measure(cell, warmup, mixed, False)
 print(json.dumps(_measure(cell, steps, mixed, False)))
@@ -57,12 +58,13 @@ _COUNT = """
 import json, os, subprocess, sys
 from rltserve.bench.host import _Cell, _measure
 from rltserve.bench.standin import StandInModel
-from rltserve.core.stage_worker import tune_gc
+from rltserve.core import stage_worker
 rows, context, warmup, steps = (int(a) for a in sys.argv[1:3] + sys.argv[4:6])
 mixed = sys.argv[3] == "mixed"
 import torch
 torch.set_num_threads(1)
-tune_gc()
+stage_worker.tune_gc()
+getattr(stage_worker, "tune_malloc", bool)()
 cell = _Cell(StandInModel(), rows, context)
 _measure(cell, warmup, mixed, False)
 toggle = ["callgrind_control", "-i"]

@@ -4,12 +4,14 @@ timings are asserted), and the stand-in model it drives."""
 from __future__ import annotations
 
 import gc
+import platform
 import shutil
 
 import orjson
 import pytest
 import torch
 
+from rltserve.bench.host import _Cell
 from rltserve.bench.standin import StandInModel
 from rltserve.cli import main
 from rltserve.config import EngineConfig
@@ -26,6 +28,7 @@ def test_quick_report_has_every_cell_and_sane_values(capsys):
     assert torch.get_num_threads() == threads  # restored
     assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
     assert report["stage_gc"] is True
+    assert report["stage_malloc"] is (platform.libc_ver()[0] == "glibc")
     assert report["steps"] == 8 and report["threads"] == 1 and report["chunk_tokens"] == 512
     expected = {
         f"{kind}/{mode}/rows{rows}/ctx128"
@@ -108,6 +111,27 @@ def test_standin_model_decodes_deterministically_at_a_fixed_depth():
     core.shutdown()
     assert tokens == {"a": [10, 11, 12, 13], "b": [63, 0, 1]}
     assert depths == {"a": [3, 3, 3, 3], "b": [3, 3, 3]}
+
+
+def test_model_cpu_time_is_counted_only_for_the_benchmark():
+    """An engine times its model calls by the wall clock alone (the thread's CPU clock is a
+    system call each way); the benchmark's cells also count their CPU time, which it leaves
+    out of the runner's host work."""
+    core = EngineCore(
+        EngineConfig.from_flat(model="stand-in", device="cpu", num_blocks=64),
+        model=StandInModel(vocab_size=64),
+    )
+    core.add_request("a", [5, 9], SamplingParams(max_tokens=3, exit_threshold=0.8))
+    while core.has_work():
+        core.step()
+    runner = core.runner
+    assert runner.count_model_cpu is False
+    assert runner.model_seconds > 0 and runner.model_cpu_seconds == 0
+    core.shutdown()
+    cell = _Cell(StandInModel(), 2, 16)
+    assert cell.core.runner.count_model_cpu is True
+    assert cell.core.runner.model_cpu_seconds > 0  # (reaching the context ran model calls)
+    cell.core.shutdown()
 
 
 def test_ab_script_compares_two_checkouts_by_pairwise_ratios():

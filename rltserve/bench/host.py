@@ -41,7 +41,7 @@ from rltserve.bench.standin import StandInModel
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
 from rltserve.core.plan import StepPlan
-from rltserve.core.stage_worker import tune_gc
+from rltserve.core.stage_worker import tune_gc, tune_malloc
 from rltserve.sampling import SamplingParams
 from rltserve.updates import to_wire
 
@@ -72,6 +72,7 @@ class _Cell:
             num_blocks=rows * per_request + 2 * probe,
         )
         self.core = EngineCore(config, model=model)
+        self.core.runner.count_model_cpu = True  # (its host figures leave the stand-in out)
         self.decode = SamplingParams(
             max_tokens=self.max_tokens, ignore_eos=True, exit_threshold=0.8
         )
@@ -231,10 +232,12 @@ def run_host_bench(
     ``threads``: torch intra-op threads while it runs. The stand-in's tensors are tiny, and on a
     GPU host the small torch ops of a step are device work; a thread pool only adds wake-ups.
     ``stage_gc``: the collector settings of the stage's worker process (``tune_gc``) while it
-    runs; ``gc_ms`` per cell is the collector's time per step either way."""
+    runs, and its allocator settings (``tune_malloc``, left in place: glibc has no way back);
+    ``gc_ms`` per cell is the collector's time per step either way."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     thresholds = tune_gc() if stage_gc else None  # as in the stage's worker process
+    malloc = tune_malloc() if stage_gc else False
     try:
         cells = _run_cells(rows_list, contexts, steps, repeats, modes, kinds, schedules, progress)
     finally:
@@ -248,6 +251,7 @@ def run_host_bench(
         "repeats": repeats,
         "threads": threads,
         "stage_gc": stage_gc,
+        "stage_malloc": malloc,
         "chunk_tokens": CHUNK,
         "cells": cells,
         "ratios": _ratios(cells),

@@ -159,7 +159,10 @@ class ModelRunner:
         if executor is not None:
             executor.set_idle(self.poll)
         self.model_seconds = 0.0  # wall time inside model calls, for overhead measurements
-        self.model_cpu_seconds = 0.0  # the same calls' CPU time on the thread that ran them
+        # The same calls' CPU time on the thread that ran them, counted only when
+        # ``count_model_cpu`` (benchmarks: ``time.thread_time`` is a system call, ~2 us here).
+        self.model_cpu_seconds = 0.0
+        self.count_model_cpu = False
         self.busy_seconds = 0.0  # wall time launching steps and delivering their results
         self.drafts_checked = 0  # token pipelining: drafts compared with the committed token
         self.drafts_rejected = 0
@@ -326,10 +329,14 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self.swapped.values())
 
     def timed(self, fn, *args):
-        start, cpu = time.perf_counter(), time.thread_time()
-        out = fn(*args)
+        start = time.perf_counter()
+        if self.count_model_cpu:
+            cpu = time.thread_time()
+            out = fn(*args)
+            self.model_cpu_seconds += time.thread_time() - cpu
+        else:
+            out = fn(*args)
         self.model_seconds += time.perf_counter() - start
-        self.model_cpu_seconds += time.thread_time() - cpu
         return out
 
     def tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:

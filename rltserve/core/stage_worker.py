@@ -16,9 +16,12 @@ parent process goes away (it is then re-parented, which a watchdog thread notice
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
+import platform
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -41,6 +44,34 @@ def tune_gc() -> tuple[int, int, int]:
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 100)
     return previous
+
+
+# glibc's mallopt parameters, and the values an engine process sets (``tune_malloc``).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD = 64 << 20  # bytes: smaller blocks come from the heap
+MALLOC_TRIM_THRESHOLD = 256 << 20  # bytes free at the heap's top before it is given back
+
+
+def tune_malloc() -> bool:
+    """Allocator settings for a process that runs an engine (glibc only; True when set).
+
+    By default glibc gives blocks of 128 KB and more back to the kernel when freed (each an
+    mmap of its own, or the heap's top trimmed), raising that threshold as it sees such blocks
+    come and go. A step's buffers of that size (attention metadata and block tables, sampling
+    temporaries at a few hundred rows) then fault their pages in again step after step: 10-20
+    page faults per step at 512 rows here, about a tenth of the step's host time in this VM
+    (docs/benchmarks.md). Fixed thresholds keep such blocks in the heap for reuse; the process
+    keeps up to ``MALLOC_TRIM_THRESHOLD`` of freed memory. (glibc has no way back to its
+    adaptive threshold: this is for the engine's own process and its benchmarks.)"""
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    mmap = libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
+    trim = libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+    return bool(mmap and trim)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -79,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from rltserve.core.stage import serve
 
     tune_gc()  # this process runs nothing but the engine
+    tune_malloc()
     try:
         serve(config, conn.recv, send)
     finally:
