@@ -12,8 +12,9 @@ request's older token first), so a decode batch keeps its row order from step to
 (``PendingRows`` then passes states on).
 
 A request's next token usually continues it (``StepPlan.continued``): the same ``Carry`` at
-the next position, in the same KV block. It keeps the item of the token it continues as its
-own (a *template*: every field but the position, the key and the input is the same), so a
+the next position. It keeps the item of the token it continues as its own (a *template*:
+every field but the position, the key and the input is the same; a token entering a new KV
+block gets the template with its new tables, ``StepPlan.moved``, ``_move``), so a
 row's position and key are columns (``starts``, ``keys``), never its item's ``start`` and
 ``carry.key``, and a continued row's input is on the runner, whatever its item's
 ``token_ids``.

@@ -415,8 +415,9 @@ class ModelRunner:
             active = range(len(plan.items))
         # A new carried token whose input is on the runner (its request's last sampled token)
         # runs among the carried rows from its first loop, as a continued one does: a decode
-        # batch whose tokens entering a new KV block start as new items stays one batch of
-        # carried rows. (Its result is None either way: a carried token reports events.)
+        # batch whose tokens start as new items (the first after a prompt, or one that cannot
+        # continue) stays one batch of carried rows. (Its result is None either way: a carried
+        # token reports events.)
         given = plan.items
         fresh = [k for k in active if given[k].carry is not None and given[k].token_ids is None]
         if fresh:

@@ -48,7 +48,7 @@ def tune_gc() -> tuple[int, int, int]:
 
 # glibc's mallopt parameters, and the values an engine process sets (``tune_malloc``).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MALLOC_MMAP_THRESHOLD = 64 << 20  # bytes: smaller blocks come from the heap
+MALLOC_MMAP_THRESHOLD = 32 << 20  # bytes: smaller blocks come from the heap (glibc's max)
 MALLOC_TRIM_THRESHOLD = 256 << 20  # bytes free at the heap's top before it is given back
 
 
@@ -58,9 +58,9 @@ def tune_malloc() -> bool:
     By default glibc gives blocks of 128 KB and more back to the kernel when freed (each an
     mmap of its own, or the heap's top trimmed), raising that threshold as it sees such blocks
     come and go. A step's buffers of that size (attention metadata and block tables, sampling
-    temporaries at a few hundred rows) then fault their pages in again step after step: 10-20
-    page faults per step at 512 rows here, about a tenth of the step's host time in this VM
-    (docs/benchmarks.md). Fixed thresholds keep such blocks in the heap for reuse; the process
+    temporaries at a few hundred rows) then fault their pages in again step after step: 8-23
+    page faults per step at 512 rows here, at ~5 us each in this VM (2-4% of the step's host
+    time; docs/benchmarks.md). Fixed thresholds keep such blocks in the heap for reuse; the process
     keeps up to ``MALLOC_TRIM_THRESHOLD`` of freed memory. (glibc has no way back to its
     adaptive threshold: this is for the engine's own process and its benchmarks.)"""
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
@@ -69,9 +69,11 @@ def tune_malloc() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    mmap = libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)
-    trim = libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
-    return bool(mmap and trim)
+    # A fixed trim threshold alone would also fix the mmap one at 128 KB (worse than glibc's
+    # adaptive default): set it only once the mmap threshold is taken.
+    if not libc.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD):
+        return False
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
 def _watch_parent(parent_pid: int) -> None:
