@@ -87,12 +87,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
-    engine, drive, policy, mode = CONFIGS[name]
-    prompts, params = _workload(8, seed=len(name))
-    core = make_core(ckpts["ouro"], carry_decode=carry, **engine)
+def _run_recording_plans(core, prompts, params, **drive):
+    """``run_core``, and every plan the runner launched, in order."""
     plans = []
     launch = core.runner.launch
 
@@ -101,7 +97,16 @@ def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
         return launch(plan, *args)
 
     core.runner.launch = record
-    run = run_core(core, prompts, params, **drive)
+    return run_core(core, prompts, params, **drive), plans
+
+
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_schedules_match_the_oracle(ckpts, ouro_ref, name, carry):
+    engine, drive, policy, mode = CONFIGS[name]
+    prompts, params = _workload(8, seed=len(name))
+    core = make_core(ckpts["ouro"], carry_decode=carry, **engine)
+    run, plans = _run_recording_plans(core, prompts, params, **drive)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         want = oracle_run(ouro_ref, prompt, p, kv_policy=policy, exit_mode=mode)
         assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
@@ -209,15 +214,7 @@ def test_continuations_into_new_blocks_match_the_oracle(
     if drive:
         engine.update(exit_mode="delayed", async_scheduling=True)
     core = make_core(ckpts[model], **engine)
-    plans = []
-    launch = core.runner.launch
-
-    def record(plan, *args):
-        plans.append(plan)
-        return launch(plan, *args)
-
-    core.runner.launch = record
-    run = run_core(core, prompts, params, **drive)
+    run, plans = _run_recording_plans(core, prompts, params, **drive)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         if huginn:
             want = oracle_run(huginn_ref, prompt, p, kv_policy=kv_policy)

@@ -348,10 +348,9 @@ class Scheduler:
                 item = continuation(request)
                 if item is not None:
                     end = item.start + 1
-                    if extend(request.request_id, end):  # (a new block every block_size)
-                        if not self.preemptor.make_room(request, end):
-                            continue  # waits for blocks (or was preempted itself)
-                        self.kv.grow(request.request_id, end)
+                    # (A new block every block_size tokens.)
+                    if extend(request.request_id, end) and not self._grow(request, end):
+                        continue
                     self._continues(request, item)
                     budget -= 1
                     continue
@@ -360,12 +359,19 @@ class Scheduler:
                 continue  # every output is planned; the request ends with its last result
             rid = request.request_id
             # (Most decode tokens' blocks are there already: no room to make.)
-            if self.kv.extend(rid, item.end):
-                if not self.preemptor.make_room(request, item.end):
-                    continue  # waits for blocks (or was preempted itself)
-                self.kv.grow(rid, item.end)
+            if self.kv.extend(rid, item.end) and not self._grow(request, item.end):
+                continue
             budget -= self.start(request, item, items, owners)
         return budget
+
+    def _grow(self, request: Request, end: int) -> bool:
+        """Takes the blocks that cover the request's positions ``[0, end)`` (``KVManager.extend``
+        said some are needed), preempting for them; False when it waits for blocks or was
+        preempted itself."""
+        if not self.preemptor.make_room(request, end):
+            return False
+        self.kv.grow(request.request_id, end)
+        return True
 
     def start(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
