@@ -57,6 +57,7 @@ class Applier:
         """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
         request's older token first)."""
         carried = self.s._carried
+        stand = self.s.standing.stand if self.s.standing is not None else None
         for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
             events.keys,
             events.depths,
@@ -72,9 +73,6 @@ class Applier:
             if owner is None:
                 continue  # its request finished, was aborted or preempted meanwhile
             request, item = owner
-            if ended:  # the runner runs it no more: forgotten, and out of the request's items
-                del carried[key]
-                request.items.remove(item)  # (an item is carried only while it is one of them)
             if exit_next:
                 item.exits_after(depth)
             if exited and finite:  # (``_exit``'s usual case, one call fewer per token)
@@ -83,6 +81,12 @@ class Applier:
                 self._append_token(request, depth, token, logprob, top, updates)
             elif exited:
                 self._exit(request, item, depth, token, logprob, top, finite, updates)
+            # Ended (the runner runs it no more), its request not finished by its token: it
+            # becomes the request's next token in place (``standing.py``), or it is forgotten
+            # and out of the request's items (an item is carried only while it is one of them).
+            if ended and key in carried and (stand is None or not stand(request, item)):
+                del carried[key]
+                request.items.remove(item)
 
     def _apply_outcome(
         self,

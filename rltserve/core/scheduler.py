@@ -21,6 +21,8 @@ every step until it ends. The scheduler skips such a request until something abo
 can be known: an event in a result (exit, delayed decision, end) or a loop count (a carried
 token's loops planned = steps since its first, so its cap, fixed exit and last loop are known
 without a result, as for a planned item). Its row counts against every budget meanwhile.
+With synchronous scheduling most ended tokens continue where their end is applied: the applier
+advances them in place (``standing.py``); the planner continues the rest (block starts).
 
 KV (DESIGN §8). ``kv_reservation="full"``: admission reserves a request's whole context on every
 plane, so a running request never runs out. ``"ondemand"`` (default): a new item takes the
@@ -54,6 +56,7 @@ from rltserve.core.plan import (
 from rltserve.core.preemption import Preemptor
 from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
+from rltserve.core.standing import Standing
 from rltserve.core.swap import SwapSpace
 from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate
@@ -110,6 +113,9 @@ class Scheduler:
         # upper bound while it is in flight (async scheduling).
         self._carried: dict[int, tuple[Request, InFlight]] = {}
         self._carry_key = 0
+        # Synchronous scheduling: ended tokens advanced in place by the applier (``standing``).
+        sync = not (config.async_scheduling or config.scheduling == "no_refill")
+        self.standing = Standing(self) if config.carry_decode and sync else None
         # Requests finished since the last ``apply`` began (for a failed apply's caller).
         self.finished_ids: list[str] = []
 
@@ -202,6 +208,8 @@ class Scheduler:
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
         continued = self._continued
+        if self.standing is not None and self.standing.fresh_ids:
+            continued = self.standing.take() + continued  # (in the runner's row order)
         if not (items or self._released or any(changes) or continued or self._carries_on()):
             return None
         self._step_id += 1
@@ -457,8 +465,11 @@ class Scheduler:
     def in_step(self, request: Request) -> bool:
         """Whether the step being built uses the request's blocks: it has an item planned in
         it, or a carried token the runner runs in it."""
-        if request.request_id in self._in_step:
+        rid = request.request_id
+        if rid in self._in_step:
             return True
+        if self.standing is not None and rid in self.standing.fresh_ids:
+            return False  # advanced in place, as if between tokens (``standing.py``)
         carried = self._carried
         return any(item.carry_key in carried for item in request.items if item.carry_key)
 

@@ -1,0 +1,111 @@
+"""Standing decode tokens: with synchronous scheduling, a carried decode token that ends is
+advanced in place to its request's next position when the runner can continue it there.
+
+Torch-free; part of the scheduler (it reads and writes ``Scheduler._carried``). A decode batch
+ends a token per request every few steps, and each used to come back to the planner as a
+starter: a new ``InFlight``, the continuation checks (``ItemMaker.continuation``), its blocks
+and its commit (``Scheduler._continues``), about 3.5 us per token, a quarter of a 256-row
+decode cycle's host work. The applier touches the request at the token's end anyway, so there
+the token's ``InFlight`` becomes its successor's (same object, next position, a new key) and
+the plan being built lists it in ``StepPlan.continued``: the runner's side is unchanged.
+
+Only where the scheduler's decision could not differ: the next position lies in the token's KV
+block (a block start takes blocks, maybe preempting, in the planner's order: ``_start_items``),
+the request has no other item, and everything ``ItemMaker.continuation`` asks holds. Only with
+synchronous scheduling (each result applied before the next plan: under async the planner
+continues a token whose last loop is planned before its end is applied) and under ``refill``
+(``no_refill`` starts nothing while a cohort runs).
+
+Semantics kept: a token advanced here (*fresh*) is not in the step being built until that step
+is emitted, so preemption may still take its request (``Scheduler.in_step``), exactly as a
+request between two tokens; a preempted or finished request's fresh token is left out of the
+plan (its key is gone from ``_carried``), and preempting it needs no roll-back: its position is
+the next output's, where a preemption between tokens leaves the request too (its blocks all go).
+Budget: a fresh token replaces its predecessor's row, so the carried rows never outgrow the
+budget of the step that last planned them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rltserve.core.exit import fixed_exit_depth
+from rltserve.core.request import InFlight, Request, Resume
+
+if TYPE_CHECKING:
+    from rltserve.core.scheduler import Scheduler
+
+
+class Standing:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.block_size = scheduler.kv.block_size
+        # Tokens advanced since the last plan: (request id, its predecessor's key, the item).
+        self._fresh: list[tuple[str, int, InFlight]] = []
+        self.fresh_ids: set[str] = set()  # their requests (``Scheduler.in_step``)
+
+    def stand(self, request: Request, item: InFlight) -> bool:
+        """``item``, a carried token of a running request that ended with its output applied,
+        becomes the request's next decode token when it can continue there; False when the
+        planner decides instead (nothing is changed then)."""
+        at = item.start + 1
+        prev = request.carry_prev
+        if (
+            at % self.block_size == 0  # (a new KV block: the planner takes it)
+            or len(request.items) != 1
+            or item.exit_depth is None
+            or at != request.num_scheduled  # (no rollback: never, without drafts)
+            or at <= request.replay_until  # (recorded inputs: forced thinking tokens)
+            or prev is None
+            or prev[0] != item.carry_key
+        ):
+            return False
+        produces = item.output_index + 1
+        s = self.s
+        kv = s.kv
+        rid = request.request_id
+        if (
+            produces >= request.max_outputs  # (``decode_item``'s two limits)
+            or prev[2] is not kv.depth_tables(rid)
+            or (s.has_boundary and prev[4] is not kv.boundary_table(rid))
+            or (request.exit_mode == "fixed" and fixed_exit_depth(request, produces) != prev[3])
+            or kv.extend(rid, at + 1)  # (0: covered, now recorded; else nothing changed)
+        ):
+            return False
+        request.num_scheduled = at + 1
+        if request.resume is Resume.RECOMPUTE:
+            request.resume = Resume.NONE  # (past ``replay_until``: back where it was preempted)
+        carried = s._carried
+        previous = item.carry_key
+        del carried[previous]
+        key = s._carry_key = s._carry_key + 1
+        carried[key] = (request, item)
+        step = s._step_id + 1
+        # What ``ItemMaker.decode_item`` and ``Scheduler._continues`` give a new item: the
+        # rest is the same (cap, exit rule, epoch, life, copy-on-exit blocks of the block, and
+        # ``planned``, 1 for a carried token, whose loops count from ``carry_step``).
+        item.start = at
+        item.output_index = produces
+        item.applied = 0
+        item.exit_depth = None
+        item.delayed_exit_at = None
+        item.carry_key = key
+        item.carry_step = step
+        item.wake = step + item.exit_by
+        request.carry_prev = (key, at, prev[2], prev[3], prev[4], prev[5])
+        self._fresh.append((rid, previous, item))
+        self.fresh_ids.add(rid)
+        return True
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """The fresh tokens' ``StepPlan.continued`` entries, for the plan being emitted (those
+        of requests preempted or finished meanwhile left out); none is fresh after."""
+        carried = self.s._carried
+        continued = [
+            (rid, previous, item.carry_key)
+            for rid, previous, item in self._fresh
+            if item.carry_key in carried
+        ]
+        self._fresh = []
+        self.fresh_ids = set()
+        return continued
