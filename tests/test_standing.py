@@ -103,6 +103,32 @@ def test_an_ended_token_continues_in_place_within_its_block():
     assert all(items[pos] is items[8] for pos in (9, 10, 11)) and items[8] is not items[4]
 
 
+def test_continued_tokens_keep_the_order_their_predecessors_ended_in():
+    """Tokens advanced in place and the planner's (block starts) together: the next plan lists
+    them in the order the runner reported their predecessors' ends (its row order), which a
+    decode batch keeps from token to token (the runner's fast paths rely on it)."""
+    s = _scheduler(max_num_seqs=8)
+    for i, n in enumerate([3, 1, 6, 2, 5, 4]):
+        s.add_request(_request(f"r{i}", n, 11))
+    runner = FixedExits()
+    ended_order: list[str] = []
+    checked = mixed = 0
+    while s.has_work():
+        plan = s.schedule()
+        if plan is None:
+            continue
+        if plan.continued and ended_order:
+            order = [rid for rid, _, _ in plan.continued]
+            assert order == [rid for rid in ended_order if rid in order]
+            checked += 1
+            mixed += bool(plan.moved) and len(plan.moved) < len(plan.continued)
+        result = runner.result(plan)
+        events = result.carried
+        ended_order = [r for r, e in zip(events.request_ids, events.ended) if e]
+        s.apply(plan, result)
+    assert checked >= 8 and mixed >= 5
+
+
 def _plans(s: Scheduler, standing: bool) -> tuple[list[tuple], dict[str, int]]:
     """Every plan's decisions (items, continued requests, preemptions, releases) in an
     order-free form, and the outputs, with or without standing tokens."""

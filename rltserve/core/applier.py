@@ -57,7 +57,8 @@ class Applier:
         """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
         request's older token first)."""
         carried = self.s._carried
-        stand = self.s.standing.stand if self.s.standing is not None else None
+        standing = self.s.standing
+        stand = standing.stand if standing is not None else None
         for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
             events.keys,
             events.depths,
@@ -87,6 +88,8 @@ class Applier:
             if ended and key in carried and (stand is None or not stand(request, item)):
                 del carried[key]
                 request.items.remove(item)
+                if standing is not None:
+                    standing.ended(request, item)  # (its place in the row order)
 
     def _apply_outcome(
         self,

@@ -152,9 +152,10 @@ class Request:
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
     carry_blocks: tuple | None = None
-    # Its last carried token (``ItemMaker.carried_item`` or ``Scheduler._continues``): (its key,
-    # position, depth tables, fixed exit, boundary table, preemption count), which the next may
-    # continue.
+    # Its last carried token (``ItemMaker.carried_item`` or ``Scheduler._continues``): (its
+    # ``InFlight``, depth tables, fixed exit, boundary table, preemption count), which the next
+    # may continue. The item's ``start`` and ``carry_key`` are the token's position and key (a
+    # standing token moves them on in place: ``standing.py``).
     carry_prev: tuple | None = None
 
     def __post_init__(self) -> None:

@@ -208,8 +208,8 @@ class Scheduler:
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
         continued = self._continued
-        if self.standing is not None and self.standing.fresh_ids:
-            continued = self.standing.take() + continued  # (in the runner's row order)
+        if self.standing is not None and self.standing._fresh:
+            continued = self.standing.take(continued)  # (in the runner's row order)
         if not (items or self._released or any(changes) or continued or self._carries_on()):
             return None
         self._step_id += 1
@@ -415,12 +415,13 @@ class Scheduler:
         item.planned = 1
         item.wake = step + item.exit_by
         self._carried[key] = (request, item)  # (which ``in_step`` reads)
-        previous, _, tables, exit_at, boundary, life = request.carry_prev
+        last, tables, exit_at, boundary, life = request.carry_prev
+        previous = last.carry_key
         if start % self.kv.block_size == 0:  # the first position of a KV block
             moved = self.item_maker.moved(request, item)
             self._moved.append(moved)
             tables, boundary = self.kv.depth_tables(request.request_id), moved[2]
-        request.carry_prev = (key, start, tables, exit_at, boundary, life)
+        request.carry_prev = (item, tables, exit_at, boundary, life)
         self._continued.append((request.request_id, previous, key))
 
     def _commit(self, request: Request, item: InFlight) -> None:

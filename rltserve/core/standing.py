@@ -7,7 +7,8 @@ starter: a new ``InFlight``, the continuation checks (``ItemMaker.continuation``
 and its commit (``Scheduler._continues``), about 3.5 us per token, a quarter of a 256-row
 decode cycle's host work. The applier touches the request at the token's end anyway, so there
 the token's ``InFlight`` becomes its successor's (same object, next position, a new key) and
-the plan being built lists it in ``StepPlan.continued``: the runner's side is unchanged.
+the next plan lists it in ``StepPlan.continued``, in the runner's row order with the planner's
+own continuations (``take``): the runner's side is unchanged.
 
 Only where the scheduler's decision could not differ: the next position lies in the token's KV
 block (a block start takes blocks, maybe preempting, in the planner's order: ``_start_items``),
@@ -39,9 +40,13 @@ if TYPE_CHECKING:
 class Standing:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
+        self.kv = scheduler.kv
+        self.carried = scheduler._carried  # (the scheduler's, never replaced)
+        self.has_boundary = scheduler.has_boundary
         self.block_size = scheduler.kv.block_size
-        # Tokens advanced since the last plan: (request id, its predecessor's key, the item).
-        self._fresh: list[tuple[str, int, InFlight]] = []
+        # Tokens that ended since the last plan, in the runner's row order (its events'): (request
+        # id, the ended token's key, the item advanced in place or None: ``ended``).
+        self._fresh: list[tuple[str, int, InFlight | None]] = []
         self.fresh_ids: set[str] = set()  # their requests (``Scheduler.in_step``)
 
     def stand(self, request: Request, item: InFlight) -> bool:
@@ -49,7 +54,7 @@ class Standing:
         becomes the request's next decode token when it can continue there; False when the
         planner decides instead (nothing is changed then)."""
         at = item.start + 1
-        prev = request.carry_prev
+        prev = request.carry_prev  # (``Request.carry_prev``: this item's, when it may stand)
         if (
             at % self.block_size == 0  # (a new KV block: the planner takes it)
             or len(request.items) != 1
@@ -57,25 +62,25 @@ class Standing:
             or at != request.num_scheduled  # (no rollback: never, without drafts)
             or at <= request.replay_until  # (recorded inputs: forced thinking tokens)
             or prev is None
-            or prev[0] != item.carry_key
+            or prev[0] is not item
         ):
             return False
         produces = item.output_index + 1
-        s = self.s
-        kv = s.kv
+        kv = self.kv
         rid = request.request_id
         if (
             produces >= request.max_outputs  # (``decode_item``'s two limits)
-            or prev[2] is not kv.depth_tables(rid)
-            or (s.has_boundary and prev[4] is not kv.boundary_table(rid))
-            or (request.exit_mode == "fixed" and fixed_exit_depth(request, produces) != prev[3])
+            or prev[1] is not kv.depth_tables(rid)
+            or (self.has_boundary and prev[3] is not kv.boundary_table(rid))
+            or (request.exit_mode == "fixed" and fixed_exit_depth(request, produces) != prev[2])
             or kv.extend(rid, at + 1)  # (0: covered, now recorded; else nothing changed)
         ):
             return False
         request.num_scheduled = at + 1
         if request.resume is Resume.RECOMPUTE:
             request.resume = Resume.NONE  # (past ``replay_until``: back where it was preempted)
-        carried = s._carried
+        s = self.s
+        carried = self.carried
         previous = item.carry_key
         del carried[previous]
         key = s._carry_key = s._carry_key + 1
@@ -83,7 +88,8 @@ class Standing:
         step = s._step_id + 1
         # What ``ItemMaker.decode_item`` and ``Scheduler._continues`` give a new item: the
         # rest is the same (cap, exit rule, epoch, life, copy-on-exit blocks of the block, and
-        # ``planned``, 1 for a carried token, whose loops count from ``carry_step``).
+        # ``planned``, 1 for a carried token, whose loops count from ``carry_step``). Its
+        # request's ``carry_prev`` holds it, and so moves on with it.
         item.start = at
         item.output_index = produces
         item.applied = 0
@@ -92,20 +98,37 @@ class Standing:
         item.carry_key = key
         item.carry_step = step
         item.wake = step + item.exit_by
-        request.carry_prev = (key, at, prev[2], prev[3], prev[4], prev[5])
         self._fresh.append((rid, previous, item))
         self.fresh_ids.add(rid)
         return True
 
-    def take(self) -> list[tuple[str, int, int]]:
-        """The fresh tokens' ``StepPlan.continued`` entries, for the plan being emitted (those
-        of requests preempted or finished meanwhile left out); none is fresh after."""
-        carried = self.s._carried
-        continued = [
-            (rid, previous, item.carry_key)
-            for rid, previous, item in self._fresh
-            if item.carry_key in carried
-        ]
+    def ended(self, request: Request, item: InFlight) -> None:
+        """A carried token of a running request ended without standing: the planner may
+        continue it (``Scheduler._continues``), in its place among the others (``take``)."""
+        self._fresh.append((request.request_id, item.carry_key, None))
+
+    def take(self, planned: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """``StepPlan.continued`` for the plan being emitted: the fresh tokens' entries (those
+        of requests preempted or finished meanwhile left out) and the planner's own
+        (``planned``), in the order their predecessors ended, which is the runner's row order:
+        a decode batch keeps its rows' order from cycle to cycle, which the runner's fast paths
+        rely on (a refilled batch takes the ended rows' columns as they are, and its inputs are
+        the sampling step's rows in order). None is fresh after."""
+        carried = self.carried
+        by_request = {entry[0]: entry for entry in planned} if planned else {}
+        continued = []
+        for rid, previous, item in self._fresh:
+            if item is not None:
+                if item.carry_key in carried:
+                    continued.append((rid, previous, item.carry_key))
+            elif by_request:
+                entry = by_request.pop(rid, None)
+                if entry is not None and entry[1] == previous:
+                    continued.append(entry)
+                elif entry is not None:
+                    by_request[rid] = entry
+        if by_request:  # (continuing tokens that ended earlier: after the others)
+            continued += by_request.values()
         self._fresh = []
         self.fresh_ids = set()
         return continued

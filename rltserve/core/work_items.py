@@ -169,8 +169,8 @@ class ItemMaker:
         prev = request.carry_prev
         if prev is None:
             return None
-        _, start, tables, exit_at, boundary, life = prev
-        at = start + 1
+        last, tables, exit_at, boundary, life = prev
+        at = last.start + 1
         rid = request.request_id
         if (
             at != request.num_scheduled
@@ -234,7 +234,7 @@ class ItemMaker:
         boundary = kv.boundary_table(rid) if self.has_boundary else None
         life = request.num_preemptions
         # (``continuation`` reads it; ``Scheduler._continues`` moves it on.)
-        request.carry_prev = (item.carry_key, start, tables, exit_at, boundary, life)
+        request.carry_prev = (item, tables, exit_at, boundary, life)
         spec = exit_spec(request, item, 1)
         copy_blocks = self._exit_blocks(request, item, tables)
         if item.ends_at < len(tables):
