@@ -58,7 +58,7 @@ class Applier:
         request's older token first)."""
         carried = self.s._carried
         standing = self.s.standing
-        stand = standing.stand if standing is not None else None
+        ends: list[tuple[Request, InFlight]] | None = [] if standing is not None else None
         for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
             events.keys,
             events.depths,
@@ -82,14 +82,17 @@ class Applier:
                 self._append_token(request, depth, token, logprob, top, updates)
             elif exited:
                 self._exit(request, item, depth, token, logprob, top, finite, updates)
-            # Ended (the runner runs it no more), its request not finished by its token: it
-            # becomes the request's next token in place (``standing.py``), or it is forgotten
-            # and out of the request's items (an item is carried only while it is one of them).
-            if ended and key in carried and (stand is None or not stand(request, item)):
-                del carried[key]
-                request.items.remove(item)
-                if standing is not None:
-                    standing.ended(request, item)  # (its place in the row order)
+            # Ended (the runner runs it no more), its request not finished by its token: it is
+            # forgotten and out of the request's items (an item is carried only while it is one
+            # of them), or, with standing tokens, it may become the request's next token.
+            if ended:
+                if ends is not None:
+                    ends.append(owner)  # (after every exit: one finishes its request)
+                elif key in carried:
+                    del carried[key]
+                    request.items.remove(item)
+        if ends:
+            standing.apply_ends(ends)
 
     def _apply_outcome(
         self,

@@ -6,9 +6,10 @@ ends a token per request every few steps, and each used to come back to the plan
 starter: a new ``InFlight``, the continuation checks (``ItemMaker.continuation``), its blocks
 and its commit (``Scheduler._continues``), about 3.5 us per token, a quarter of a 256-row
 decode cycle's host work. The applier touches the request at the token's end anyway, so there
-the token's ``InFlight`` becomes its successor's (same object, next position, a new key) and
-the next plan lists it in ``StepPlan.continued``, in the runner's row order with the planner's
-own continuations (``take``): the runner's side is unchanged.
+(``apply_ends``, given a result's ends) the token's ``InFlight`` becomes its successor's (same
+object, next position, a new key) and the next plan lists it in ``StepPlan.continued``, in the
+runner's row order with the planner's own continuations (``take``): the runner's side is
+unchanged.
 
 Only where the scheduler's decision could not differ: the next position lies in the token's KV
 block (a block start takes blocks, maybe preempting, in the planner's order: ``_start_items``),
@@ -49,63 +50,67 @@ class Standing:
         self._fresh: list[tuple[str, int, InFlight | None]] = []
         self.fresh_ids: set[str] = set()  # their requests (``Scheduler.in_step``)
 
-    def stand(self, request: Request, item: InFlight) -> bool:
-        """``item``, a carried token of a running request that ended with its output applied,
-        becomes the request's next decode token when it can continue there; False when the
-        planner decides instead (nothing is changed then)."""
-        at = item.start + 1
-        prev = request.carry_prev  # (``Request.carry_prev``: this item's, when it may stand)
-        if (
-            at % self.block_size == 0  # (a new KV block: the planner takes it)
-            or len(request.items) != 1
-            or item.exit_depth is None
-            or at != request.num_scheduled  # (no rollback: never, without drafts)
-            or at <= request.replay_until  # (recorded inputs: forced thinking tokens)
-            or prev is None
-            or prev[0] is not item
-        ):
-            return False
-        produces = item.output_index + 1
-        kv = self.kv
-        rid = request.request_id
-        if (
-            produces >= request.max_outputs  # (``decode_item``'s two limits)
-            or prev[1] is not kv.depth_tables(rid)
-            or (self.has_boundary and prev[3] is not kv.boundary_table(rid))
-            or (request.exit_mode == "fixed" and fixed_exit_depth(request, produces) != prev[2])
-            or kv.extend(rid, at + 1)  # (0: covered, now recorded; else nothing changed)
-        ):
-            return False
-        request.num_scheduled = at + 1
-        if request.resume is Resume.RECOMPUTE:
-            request.resume = Resume.NONE  # (past ``replay_until``: back where it was preempted)
+    def apply_ends(self, ends: list[tuple[Request, InFlight]]) -> None:
+        """The ends of carried tokens in one result, in the runner's order, their exits applied:
+        each token whose request still runs becomes its request's next decode token in place
+        when it can continue there; any other is forgotten and out of its request's items,
+        left to the planner (its place kept for ``take``). (One loop for a decode batch's
+        ends, its names bound once: a call per token would cost a tenth more.)"""
+        kv, carried, block_size = self.kv, self.carried, self.block_size
+        depth_tables, extend = kv.depth_tables, kv.extend
+        has_boundary = self.has_boundary
+        fresh, fresh_ids = self._fresh, self.fresh_ids
         s = self.s
-        carried = self.carried
-        previous = item.carry_key
-        del carried[previous]
-        key = s._carry_key = s._carry_key + 1
-        carried[key] = (request, item)
+        key = s._carry_key
         step = s._step_id + 1
-        # What ``ItemMaker.decode_item`` and ``Scheduler._continues`` give a new item: the
-        # rest is the same (cap, exit rule, epoch, life, copy-on-exit blocks of the block, and
-        # ``planned``, 1 for a carried token, whose loops count from ``carry_step``). Its
-        # request's ``carry_prev`` holds it, and so moves on with it.
-        item.start = at
-        item.output_index = produces
-        item.applied = 0
-        item.exit_depth = None
-        item.delayed_exit_at = None
-        item.carry_key = key
-        item.carry_step = step
-        item.wake = step + item.exit_by
-        self._fresh.append((rid, previous, item))
-        self.fresh_ids.add(rid)
-        return True
-
-    def ended(self, request: Request, item: InFlight) -> None:
-        """A carried token of a running request ended without standing: the planner may
-        continue it (``Scheduler._continues``), in its place among the others (``take``)."""
-        self._fresh.append((request.request_id, item.carry_key, None))
+        for request, item in ends:
+            previous = item.carry_key
+            if previous not in carried:
+                continue  # its request finished or was aborted by a later event
+            at = item.start + 1
+            prev = request.carry_prev  # (``Request.carry_prev``: this item's, when it may stand)
+            produces = item.output_index + 1
+            rid = request.request_id
+            # What ``ItemMaker.continuation`` asks, and the next position in the same KV block.
+            if (
+                at % block_size == 0  # (a new KV block: the planner takes it)
+                or len(request.items) != 1
+                or item.exit_depth is None
+                or at != request.num_scheduled  # (no rollback: never, without drafts)
+                or at <= request.replay_until  # (recorded inputs: forced thinking tokens)
+                or prev is None
+                or prev[0] is not item
+                or produces >= request.max_outputs  # (``decode_item``'s two limits)
+                or prev[1] is not depth_tables(rid)
+                or (has_boundary and prev[3] is not kv.boundary_table(rid))
+                or (request.exit_mode == "fixed" and fixed_exit_depth(request, produces) != prev[2])
+                or extend(rid, at + 1)  # (0: covered, now recorded; else nothing changed)
+            ):
+                del carried[previous]
+                request.items.remove(item)
+                fresh.append((rid, previous, None))
+                continue
+            request.num_scheduled = at + 1
+            if request.resume is Resume.RECOMPUTE:
+                request.resume = Resume.NONE  # (past ``replay_until``: back where it was)
+            del carried[previous]
+            key += 1
+            carried[key] = (request, item)
+            # What ``ItemMaker.decode_item`` and ``Scheduler._continues`` give a new item: the
+            # rest is the same (cap, exit rule, epoch, life, copy-on-exit blocks of the block,
+            # and ``planned``, 1 for a carried token, whose loops count from ``carry_step``).
+            # Its request's ``carry_prev`` holds it, and so moves on with it.
+            item.start = at
+            item.output_index = produces
+            item.applied = 0
+            item.exit_depth = None
+            item.delayed_exit_at = None
+            item.carry_key = key
+            item.carry_step = step
+            item.wake = step + item.exit_by
+            fresh.append((rid, previous, item))
+            fresh_ids.add(rid)
+        s._carry_key = key
 
     def take(self, planned: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
         """``StepPlan.continued`` for the plan being emitted: the fresh tokens' entries (those
