@@ -58,7 +58,8 @@ def _drive(s: Scheduler, on_plan=None, on_applied=None) -> dict[str, int]:
         if on_plan is not None:
             on_plan(plan)
         for update in s.apply(plan, runner.result(plan)):
-            outputs[update.request_id] += len(update.new_token_ids)
+            rid = update.request_id
+            outputs[rid] = outputs.get(rid, 0) + len(update.new_token_ids)
         if on_applied is not None:
             on_applied()
     plan = s.schedule()  # hands the last releases over
@@ -129,9 +130,12 @@ def test_continued_tokens_keep_the_order_their_predecessors_ended_in():
     assert checked >= 8 and mixed >= 5
 
 
-def _plans(s: Scheduler, standing: bool) -> tuple[list[tuple], dict[str, int]]:
+def _plans(
+    s: Scheduler, standing: bool, late: Request | None = None
+) -> tuple[list[tuple], dict[str, int]]:
     """Every plan's decisions (items, continued requests, preemptions, releases) in an
-    order-free form, and the outputs, with or without standing tokens."""
+    order-free form, and the outputs, with or without standing tokens (``late``: a request
+    added after the sixth step)."""
     if not standing:
         s.standing = None
     decisions = []
@@ -141,8 +145,56 @@ def _plans(s: Scheduler, standing: bool) -> tuple[list[tuple], dict[str, int]]:
         continued = sorted(rid for rid, _, _ in plan.continued)
         decisions.append((items, continued, plan.preempted, sorted(plan.released)))
 
-    outputs = _drive(s, on_plan)
+    def on_applied():
+        if late is not None and len(decisions) == 6:
+            s.add_request(late)
+
+    outputs = _drive(s, on_plan, on_applied)
     return decisions, outputs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("budget", [3, 4, 6])
+def test_fresh_tokens_take_their_rows_in_the_planners_order(policy, budget):
+    """A budget too short for every starter: fresh tokens take their rows among the
+    starters in the planner's order (priority, arrival), not before them, so a better
+    request's prompt chunk is not held back by worse requests' decode tokens; those left
+    without a row wait, as the planner's continuations would. The same plans as when the
+    planner continues every token."""
+
+    def build() -> tuple[Scheduler, Request]:
+        s = _scheduler(
+            max_num_seqs=8,
+            scheduling_policy=policy,
+            max_num_batched_tokens=budget,
+            prefill_chunk_size=budget,
+        )
+        s.add_request(_request("r0", 2, 25, priority=1))
+        s.add_request(_request("r1", 3, 25, priority=1))
+        return s, _request("late", 30, 3, priority=0)
+
+    s, late = build()
+    base, base_out = _plans(s, standing=False, late=late)
+    s, late = build()
+    seated, undone = [], []
+    seat, undo = s.standing.seat, s.standing.undo
+
+    def recording_seat(starters, rows):
+        out = seat(starters, rows)
+        seated.append(bool(out[1]))
+        return out
+
+    def recording_undo(requests):
+        undone.extend(r.request_id for r in requests)
+        undo(requests)
+
+    s.standing.seat, s.standing.undo = recording_seat, recording_undo
+    new, new_out = _plans(s, standing=True, late=late)
+    assert new_out == base_out == {"r0": 25, "r1": 25, "late": 3}
+    assert new == base
+    assert any(seated) and not all(seated)  # (both paths taken)
+    # Under priority the better late request's chunks come first: fresh tokens wait.
+    assert bool(undone) == (policy == "priority")
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])

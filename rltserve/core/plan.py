@@ -150,9 +150,11 @@ class StepPlan:
     # but its key (the same tables, specs, fixed exit and copy-on-exit blocks when it lies in
     # the same KV block; ``moved`` otherwise) and the same first-loop fields; its input is the
     # token that one sampled.
-    # The scheduler decides it as any start; one tuple instead of a ``WorkItem`` and a
+    # The scheduler decides it as any start (most with synchronous scheduling where its
+    # predecessor's end is applied: ``standing.py``); one tuple instead of a ``WorkItem`` and a
     # ``Carry`` saves both sides their per-token work (a decode batch starts a token per
-    # request every few steps).
+    # request every few steps). In the order their predecessors ended (the runner's row
+    # order), continuations of tokens that ended earlier last.
     continued: list[tuple[str, int, int]] = field(default_factory=list)
     # Continued tokens that enter a new KV block (every block_size tokens): what their
     # ``Carry`` has that their predecessor's has not, (this token's key, its tables of loops

@@ -40,6 +40,7 @@ prefix; a prompt item's applied last loop caches full blocks; followers wait for
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from operator import attrgetter
 
 from rltserve.config import SchedulerConfig
@@ -175,7 +176,10 @@ class Scheduler:
         starters = []
         ended: set[Request] = set()  # starters whose only item is a carried token that ended
         carried = self._carried
-        budget -= len(carried)  # rows the runner carries into this step (at most)
+        fresh = self.standing.fresh_ids if self.standing is not None else ()
+        # Rows the runner carries into this step (at most); fresh tokens take theirs among
+        # the starters, as the planner's continuations do (``Standing.seat``).
+        budget -= len(carried) - len(fresh)
         busy = bool(carried)
         step = self._step_id + 1
         for request in self.running:
@@ -201,9 +205,11 @@ class Scheduler:
             if may_start:
                 starters.append(request)
         if not (self.config.scheduling == "no_refill" and busy):
+            if fresh:
+                budget, fresh = self.standing.seat(starters, budget)
             # The best get blocks first (fcfs: arrival order, which a C-speed key gives).
             starters.sort(key=self.order_key if self.priority else _SEQ)
-            budget = self._start_items(starters, items, owners, budget, ended)
+            budget = self._start_items(starters, items, owners, budget, ended, fresh)
             self.admission.admit(items, owners, budget)
         changes = self.preemptor.take_changes()
         copies = self.sharing.take_copies()
@@ -338,21 +344,29 @@ class Scheduler:
         owners: list[InFlight],
         budget: int,
         ended: set[Request],
+        fresh: Collection[str] = (),
     ) -> int:
         """New depth-1 items: next prompt chunks and next decode tokens (``ended``: starters
-        known to have only ended carried tokens, ``_ended``)."""
+        known to have only ended carried tokens, ``_ended``; ``fresh``: starters with a fresh
+        token, which takes a row, ``Standing.seat``)."""
         maker = self.item_maker
         # (Bound once: most decode tokens of a step come through the first branch.)
         running, continuation, extend = RequestStatus.RUNNING, maker.continuation, self.kv.extend
-        for request in starters:
+        for k, request in enumerate(starters):
             if budget <= 0:
+                if fresh:  # (those left without a row wait, as planner continuations would)
+                    self.standing.undo([r for r in starters[k:] if r.request_id in fresh])
                 break
             if request.status is not running:
                 continue  # preempted for an earlier starter of this step
+            if fresh and request.request_id in fresh:
+                budget -= 1
+                continue
             if request.carry_prev is not None and (
                 not request.items or request in ended or self._ended(request)
             ):
-                # Most decode tokens: the runner continues the request's previous one.
+                # A decode token the runner continues from the request's previous one (under
+                # synchronous scheduling mostly at block starts: the others stand in place).
                 item = continuation(request)
                 if item is not None:
                     end = item.start + 1
@@ -384,25 +398,33 @@ class Scheduler:
     def start(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
-        """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
-        a decode token the runner will carry gets its key. Returns the item's tokens."""
+        """Commits ``item`` (the request's next, its blocks taken: now its newest) and plans its
+        first loop; a decode token the runner will carry gets its key. Returns its tokens.
+        (``_continues`` and ``Standing.apply_ends`` write the same out: change them too.)"""
         maker = self.item_maker
         carried = item.has_output and maker.carries_next(request)  # (before it moves on)
-        self._commit(request, item)
+        request.num_scheduled = item.end
+        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
+            request.resume = Resume.NONE  # back where it was preempted
+        request.items.append(item)
         if not carried:
             return self._plan_loop(request, item, items, owners)
         item.exit_by = maker.exit_known_by(request, item)
-        self._carry(request, item)
+        key = self._carry_key = self._carry_key + 1
+        item.carry_key = key
+        item.carry_step = self._step_id + 1
+        item.planned = 1
+        item.wake = item.carry_step + item.exit_by
+        self._carried[key] = (request, item)  # (which ``in_step`` reads)
         items.append(maker.carried_item(request, item))
         owners.append(item)
         return 1
 
     def _continues(self, request: Request, item: InFlight) -> None:
         """Commits ``item`` (``ItemMaker.continuation``, its blocks taken), the continuation
-        of the request's carried token: its first loop reports as a carried event, so it has
-        no owner to apply; in a new KV block its new tables go in ``StepPlan.moved``.
-        (``_commit`` and ``_carry`` written out: most decode tokens come here, and the two
-        calls cost 0.8% of a decode batch's host work.)"""
+        of the request's carried token, as ``start`` commits a carried token: its first loop
+        reports as a carried event, so it has no owner to apply; in a new KV block its new
+        tables go in ``StepPlan.moved``."""
         start = item.start
         request.num_scheduled = start + 1  # (its ``end``: a decode token is one position)
         if request.resume is Resume.RECOMPUTE and start >= request.replay_until:
@@ -424,25 +446,6 @@ class Scheduler:
         request.carry_prev = (item, tables, exit_at, boundary, life)
         self._continued.append((request.request_id, previous, key))
 
-    def _commit(self, request: Request, item: InFlight) -> None:
-        """Makes ``item`` (its blocks taken) the request's newest. (``_continues`` writes
-        this and ``_carry`` out: a change here goes there too.)"""
-        request.num_scheduled = item.end
-        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
-            request.resume = Resume.NONE  # back where it was preempted
-        request.items.append(item)
-
-    def _carry(self, request: Request, item: InFlight) -> None:
-        """Gives ``item`` (committed, a decode token, its ``exit_by`` set) to the runner to
-        carry, its first loop planned in the step being built (``_plan_loop`` of a carried
-        token). (Written out in ``_continues`` too.)"""
-        self._carry_key += 1
-        item.carry_key = self._carry_key
-        item.carry_step = self._step_id + 1
-        item.planned = 1
-        item.wake = item.carry_step + item.exit_by
-        self._carried[item.carry_key] = (request, item)  # (which ``in_step`` reads)
-
     def _ended(self, request: Request) -> bool:
         """Whether every item of the request is a carried token that has ended (its last loop
         was planned in an earlier step): the runner can continue the newest."""
@@ -462,6 +465,8 @@ class Scheduler:
         for item in request.items:
             if item.carry_key:
                 self._carried.pop(item.carry_key, None)
+        if self.standing is not None:
+            self.standing.fresh_ids.discard(request.request_id)  # (and left out of the plan)
 
     def in_step(self, request: Request) -> bool:
         """Whether the step being built uses the request's blocks: it has an item planned in

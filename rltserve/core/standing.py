@@ -11,20 +11,23 @@ object, next position, a new key) and the next plan lists it in ``StepPlan.conti
 runner's row order with the planner's own continuations (``take``): the runner's side is
 unchanged.
 
-Only where the scheduler's decision could not differ: the next position lies in the token's KV
-block (a block start takes blocks, maybe preempting, in the planner's order: ``_start_items``),
-the request has no other item, and everything ``ItemMaker.continuation`` asks holds. Only with
-synchronous scheduling (each result applied before the next plan: under async the planner
-continues a token whose last loop is planned before its end is applied) and under ``refill``
-(``no_refill`` starts nothing while a cohort runs).
+The planner's decisions stay what they were: a token stands only where its next position lies
+in its KV block (a block start takes blocks, maybe preempting, in the planner's order:
+``_start_items``), the request has no other item, and everything ``ItemMaker.continuation``
+asks holds; and fresh tokens take their rows of the step in the planner's order (``seat``).
+Only with synchronous scheduling (each result applied before the next plan: under async the
+planner continues a token whose last loop is planned before its end is applied) and under
+``refill`` (``no_refill`` starts nothing while a cohort runs).
 
 Semantics kept: a token advanced here (*fresh*) is not in the step being built until that step
 is emitted, so preemption may still take its request (``Scheduler.in_step``), exactly as a
 request between two tokens; a preempted or finished request's fresh token is left out of the
 plan (its key is gone from ``_carried``), and preempting it needs no roll-back: its position is
 the next output's, where a preemption between tokens leaves the request too (its blocks all go).
-Budget: a fresh token replaces its predecessor's row, so the carried rows never outgrow the
-budget of the step that last planned them.
+Budget: a fresh token takes a row of the step as a planner continuation does, among the
+starters in (priority, arrival) order, while rows are left (``seat``); one left without (a
+budget too short for every starter) goes back to its ended state for the planner (``undo``).
+When the budget holds every starter's most, the order cannot matter and nothing is walked.
 """
 
 from __future__ import annotations
@@ -111,6 +114,46 @@ class Standing:
             fresh.append((rid, previous, item))
             fresh_ids.add(rid)
         s._carry_key = key
+
+    def seat(self, starters: list[Request], budget: int) -> tuple[int, set[str]]:
+        """The fresh tokens' rows in the step being built (``budget``: what is left before the
+        starters, fresh tokens' rows not yet taken), taken as the planner's continuations take
+        theirs: in the starters' order, each while rows are left. When the budget holds every
+        starter's most (a prompt or replay chunk, else a row) and the fresh tokens', the order
+        cannot matter: returns the budget less their rows and no fresh request. Else they join
+        ``starters`` and ``Scheduler._start_items`` seats them in turn (``undo`` for those it
+        does not reach); returns the budget and their requests."""
+        fresh = self.fresh_ids
+        chunk = self.s.config.prefill_chunk_size
+        need = len(fresh)
+        for r in starters:
+            decoding = r.num_scheduled >= r.num_prompt_tokens and r.num_scheduled >= r.replay_until
+            need += 1 if decoding else chunk
+        if need <= budget:
+            return budget - len(fresh), set()
+        requests = self.s.requests
+        starters += [requests[rid] for rid in fresh]
+        return budget, set(fresh)
+
+    def undo(self, requests: list[Request]) -> None:
+        """Fresh tokens left without a row (``seat``) go back to their ended state, for the
+        planner to continue when rows are free, in its order (a request preempted meanwhile
+        has dropped its token)."""
+        where = {entry[0]: k for k, entry in enumerate(self._fresh) if entry[2] is not None}
+        for request in requests:
+            rid = request.request_id
+            if rid not in self.fresh_ids:
+                continue
+            k = where[rid]
+            _, previous, item = self._fresh[k]
+            del self.carried[item.carry_key]
+            item.carry_key = previous
+            item.start -= 1
+            item.output_index -= 1
+            request.num_scheduled -= 1  # (the block stays covered: it is the request's)
+            request.items.remove(item)
+            self._fresh[k] = (rid, previous, None)  # (its place, were the planner to continue it)
+            self.fresh_ids.discard(rid)
 
     def take(self, planned: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
         """``StepPlan.continued`` for the plan being emitted: the fresh tokens' entries (those
