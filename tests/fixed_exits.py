@@ -1,13 +1,32 @@
 """Hand-built step results for the torch-free scheduler with fixed exits (no gate): what the
 runner would report, without a model. Every output position exits where its fixed spec says,
 sampling one token id; carried decode tokens (``plan.Carry``) run on, one loop per step, until
-they end, as the runner runs them."""
+they end, as the runner runs them. (And ``make_request``: a plain request for the scheduler.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult, WorkItem
+from rltserve.core.request import Request
+from rltserve.sampling import SamplingParams
+
+
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int, priority: int = 0, loops: int = 2
+) -> Request:
+    """A request of ``prompt_len`` prompt ids and ``max_tokens`` outputs (EOS ignored), every
+    token looping ``loops`` times."""
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
+        num_loops=loops,
+        max_loops=loops,
+        eos_token_ids=frozenset(),
+        max_total_tokens=1000,
+        seed=0,
+    )
 
 
 @dataclass

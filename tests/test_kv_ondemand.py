@@ -7,12 +7,12 @@ import weakref
 
 import pytest
 from engine_util import make_core, run_core
-from fixed_exits import FixedExits
+from fixed_exits import FixedExits, make_request
 
 from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
-from rltserve.core.request import Request, RequestStatus
+from rltserve.core.request import RequestStatus
 from rltserve.core.scheduler import Scheduler
 from rltserve.sampling import SamplingParams
 
@@ -29,19 +29,6 @@ def _scheduler(num_blocks=64, *, reservation="ondemand", watermark=0.0, **config
         has_boundary=False,
         reservation=reservation,
         watermark=watermark,
-    )
-
-
-def _request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
-    return Request(
-        request_id=rid,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
-        num_loops=LOOPS,
-        max_loops=LOOPS,
-        eos_token_ids=frozenset(),
-        max_total_tokens=1000,
-        seed=0,
     )
 
 
@@ -76,7 +63,7 @@ def _drain(s: Scheduler, limit: int = 1000) -> list[StepPlan]:
 
 def test_blocks_follow_written_positions():
     s = _scheduler()
-    s.add_request(_request("a", 10, 20))
+    s.add_request(make_request("a", 10, 20))
     planes = LOOPS
     while s.has_work():
         plan = _step(s)
@@ -105,7 +92,7 @@ def test_extend_covers_within_a_block_and_only_asks_past_it():
 
 def test_full_reservation_reserves_the_whole_context():
     s = _scheduler(reservation="full")
-    s.add_request(_request("a", 10, 20))
+    s.add_request(make_request("a", 10, 20))
     _step(s)
     assert s.kv.pool.num_used == LOOPS * -(-29 // 4)  # prompt + max_tokens - 1 positions
     _drain(s)
@@ -115,7 +102,7 @@ def test_admission_checks_first_chunk_plus_watermark():
     # 16 blocks, 2 planes: a 4-token first chunk takes 2 blocks; a watermark of 0.5 keeps 8 free.
     s = _scheduler(16, watermark=0.5, max_num_seqs=8)
     for i in range(5):
-        s.add_request(_request(f"r{i}", 4, 20))
+        s.add_request(make_request(f"r{i}", 4, 20))
     _step(s)
     # The first request ignores the watermark (nothing runs); later ones need 2 + 8 free.
     assert s.num_running == 4
@@ -126,13 +113,13 @@ def test_admission_checks_first_chunk_plus_watermark():
 def test_unpreemptable_request_still_fails_at_admission():
     s = _scheduler(8)
     with pytest.raises(ValueError, match="needs 16 KV blocks"):
-        s.add_request(_request("big", 20, 12))  # 31 positions x 2 planes
+        s.add_request(make_request("big", 20, 12))  # 31 positions x 2 planes
 
 
 def test_pressure_preempts_latest_arrival_and_everything_finishes():
     s = _scheduler(12, max_num_seqs=8)  # 6 blocks per plane: one 24-position request at most
     for i in range(3):
-        s.add_request(_request(f"r{i}", 4, 20))
+        s.add_request(make_request(f"r{i}", 4, 20))
     outputs = {f"r{i}": 0 for i in range(3)}
     while s.has_work():
         plan = s.schedule()
@@ -150,9 +137,9 @@ def test_pressure_preempts_latest_arrival_and_everything_finishes():
 
 def test_victim_is_lowest_priority_then_latest():
     s = _scheduler(12, max_num_seqs=8, scheduling_policy="priority")
-    s.add_request(_request("a", 4, 20, priority=0))
-    s.add_request(_request("b", 4, 20, priority=-1))
-    s.add_request(_request("c", 4, 20, priority=0))
+    s.add_request(make_request("a", 4, 20, priority=0))
+    s.add_request(make_request("b", 4, 20, priority=-1))
+    s.add_request(make_request("c", 4, 20, priority=0))
     victims = []
     while s.has_work():
         plan = _step(s)
@@ -165,9 +152,9 @@ def test_victim_is_lowest_priority_then_latest():
 def test_fcfs_admits_by_arrival_priority_policy_by_priority():
     for policy, order in (("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"])):
         s = _scheduler(64, max_num_seqs=1, scheduling_policy=policy)
-        s.add_request(_request("a", 4, 2, priority=3))
-        s.add_request(_request("b", 4, 2, priority=5))
-        s.add_request(_request("c", 4, 2, priority=1))
+        s.add_request(make_request("a", 4, 2, priority=3))
+        s.add_request(make_request("b", 4, 2, priority=5))
+        s.add_request(make_request("c", 4, 2, priority=1))
         admitted = []
         for plan in _drain(s):
             admitted += [setup.request_id for setup in plan.new_requests]
@@ -176,13 +163,13 @@ def test_fcfs_admits_by_arrival_priority_policy_by_priority():
 
 def test_better_priority_preempts_running_when_seats_are_full():
     s = _scheduler(64, max_num_seqs=1, scheduling_policy="priority")
-    s.add_request(_request("low", 4, 10, priority=5))
+    s.add_request(make_request("low", 4, 10, priority=5))
     for _ in range(4):
         _step(s)
-    s.add_request(_request("same", 4, 2, priority=5))
+    s.add_request(make_request("same", 4, 2, priority=5))
     _step(s)
     assert [r.request_id for r in s.running] == ["low"]  # equal priority does not preempt
-    s.add_request(_request("high", 4, 2, priority=0))
+    s.add_request(make_request("high", 4, 2, priority=0))
     plan = _step(s)
     assert plan.preempted == ["low"]
     assert [r.request_id for r in s.running] == ["high"]
@@ -192,9 +179,9 @@ def test_better_priority_preempts_running_when_seats_are_full():
 
 def test_fcfs_never_preempts_for_priority():
     s = _scheduler(64, max_num_seqs=1)
-    s.add_request(_request("low", 4, 10, priority=5))
+    s.add_request(make_request("low", 4, 10, priority=5))
     _step(s)
-    s.add_request(_request("high", 4, 2, priority=0))
+    s.add_request(make_request("high", 4, 2, priority=0))
     plans = _drain(s)
     assert not any(p.preempted for p in plans)
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core
-from fixed_exits import FixedExits
+from fixed_exits import FixedExits, make_request
 
 from rltserve.config import SchedulerConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
-from rltserve.sampling import SamplingParams
 
 LOOPS = 2
 BLOCK = 4
@@ -29,19 +28,6 @@ def _scheduler(num_blocks=64, *, swap=False, **config) -> Scheduler:
         has_boundary=False,
         reservation="ondemand",
         swap=SwapSpace(8, 1) if swap else None,
-    )
-
-
-def _request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
-    return Request(
-        request_id=rid,
-        prompt_token_ids=list(range(1, prompt_len + 1)),
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
-        num_loops=LOOPS,
-        max_loops=LOOPS,
-        eos_token_ids=frozenset(),
-        max_total_tokens=1000,
-        seed=0,
     )
 
 
@@ -75,7 +61,7 @@ def test_an_ended_token_continues_in_place_within_its_block():
     item, each block start (4, 8) a planner continuation with its new tables, and every other
     position the same ``InFlight`` advanced by the applier."""
     s = _scheduler()
-    s.add_request(_request("a", 3, 10))
+    s.add_request(make_request("a", 3, 10))
     request = s.requests["a"]
     seen: list[tuple] = []  # (position, its InFlight, advanced in place)
     moved, carried_items = [], []
@@ -110,7 +96,7 @@ def test_continued_tokens_keep_the_order_their_predecessors_ended_in():
     decode batch keeps from token to token (the runner's fast paths rely on it)."""
     s = _scheduler(max_num_seqs=8)
     for i, n in enumerate([3, 1, 6, 2, 5, 4]):
-        s.add_request(_request(f"r{i}", n, 11))
+        s.add_request(make_request(f"r{i}", n, 11))
     runner = FixedExits()
     ended_order: list[str] = []
     checked = mixed = 0
@@ -169,9 +155,9 @@ def test_fresh_tokens_take_their_rows_in_the_planners_order(policy, budget):
             max_num_batched_tokens=budget,
             prefill_chunk_size=budget,
         )
-        s.add_request(_request("r0", 2, 25, priority=1))
-        s.add_request(_request("r1", 3, 25, priority=1))
-        return s, _request("late", 30, 3, priority=0)
+        s.add_request(make_request("r0", 2, 25, priority=1))
+        s.add_request(make_request("r1", 3, 25, priority=1))
+        return s, make_request("late", 30, 3, priority=0)
 
     s, late = build()
     base, base_out = _plans(s, standing=False, late=late)
@@ -207,7 +193,7 @@ def test_standing_tokens_change_no_decision(swap, policy):
     def build() -> Scheduler:
         s = _scheduler(18, swap=swap, max_num_seqs=8, scheduling_policy=policy)
         for i, (n, k, prio) in enumerate([(4, 20, 1), (3, 17, 0), (6, 14, 2), (2, 19, 1)]):
-            s.add_request(_request(f"r{i}", n, k, priority=prio))
+            s.add_request(make_request(f"r{i}", n, k, priority=prio))
         return s
 
     base, base_out = _plans(build(), standing=False)
@@ -229,7 +215,7 @@ def test_standing_tokens_change_no_decision(swap, policy):
 def test_a_fresh_tokens_request_aborted_before_the_plan_is_left_out():
     s = _scheduler()
     for i in range(3):
-        s.add_request(_request(f"r{i}", 2, 12))
+        s.add_request(make_request(f"r{i}", 2, 12))
     aborted: list[str] = []
     checked = []
 
