@@ -49,7 +49,7 @@ class Standing:
         self.has_boundary = scheduler.has_boundary
         self.block_size = scheduler.kv.block_size
         # Tokens that ended since the last plan, in the runner's row order (its events'): (request
-        # id, the ended token's key, the item advanced in place or None: ``ended``).
+        # id, the ended token's key, the item advanced in place, or None: left to the planner).
         self._fresh: list[tuple[str, int, InFlight | None]] = []
         self.fresh_ids: set[str] = set()  # their requests (``Scheduler.in_step``)
 
