@@ -14,7 +14,6 @@ from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
 
-LOOPS = 2
 BLOCK = 4
 
 
