@@ -398,53 +398,51 @@ class Scheduler:
     def start(
         self, request: Request, item: InFlight, items: list[WorkItem], owners: list[InFlight]
     ) -> int:
-        """Commits ``item`` (the request's next, its blocks taken: now its newest) and plans its
-        first loop; a decode token the runner will carry gets its key. Returns its tokens.
-        (``_continues`` and ``Standing.apply_ends`` write the same out: change them too.)"""
+        """Commits ``item`` (the request's next, its blocks taken) and plans its first loop;
+        a decode token the runner will carry gets its key. Returns the item's tokens."""
         maker = self.item_maker
         carried = item.has_output and maker.carries_next(request)  # (before it moves on)
-        request.num_scheduled = item.end
-        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
-            request.resume = Resume.NONE  # back where it was preempted
-        request.items.append(item)
+        self._commit(request, item)
         if not carried:
             return self._plan_loop(request, item, items, owners)
         item.exit_by = maker.exit_known_by(request, item)
-        key = self._carry_key = self._carry_key + 1
-        item.carry_key = key
-        item.carry_step = self._step_id + 1
-        item.planned = 1
-        item.wake = item.carry_step + item.exit_by
-        self._carried[key] = (request, item)  # (which ``in_step`` reads)
+        self._carry(request, item)
         items.append(maker.carried_item(request, item))
         owners.append(item)
         return 1
 
     def _continues(self, request: Request, item: InFlight) -> None:
         """Commits ``item`` (``ItemMaker.continuation``, its blocks taken), the continuation
-        of the request's carried token, as ``start`` commits a carried token: its first loop
-        reports as a carried event, so it has no owner to apply; in a new KV block its new
-        tables go in ``StepPlan.moved``."""
-        start = item.start
-        request.num_scheduled = start + 1  # (its ``end``: a decode token is one position)
-        if request.resume is Resume.RECOMPUTE and start >= request.replay_until:
-            request.resume = Resume.NONE  # back where it was preempted
-        request.items.append(item)
-        key = self._carry_key = self._carry_key + 1
-        step = self._step_id + 1
-        item.carry_key = key
-        item.carry_step = step
-        item.planned = 1
-        item.wake = step + item.exit_by
-        self._carried[key] = (request, item)  # (which ``in_step`` reads)
+        of the request's carried token: its first loop reports as a carried event, so it has
+        no owner to apply; in a new KV block its new tables go in ``StepPlan.moved``."""
+        self._commit(request, item)
+        key = self._carry(request, item)
         last, tables, exit_at, boundary, life = request.carry_prev
-        previous = last.carry_key
-        if start % self.kv.block_size == 0:  # the first position of a KV block
+        if item.start % self.kv.block_size == 0:  # the first position of a KV block
             moved = self.item_maker.moved(request, item)
             self._moved.append(moved)
             tables, boundary = self.kv.depth_tables(request.request_id), moved[2]
         request.carry_prev = (item, tables, exit_at, boundary, life)
-        self._continued.append((request.request_id, previous, key))
+        self._continued.append((request.request_id, last.carry_key, key))
+
+    def _commit(self, request: Request, item: InFlight) -> None:
+        """Makes ``item`` (its blocks taken) the request's newest. (``Standing.apply_ends``
+        writes this and ``_carry`` out for a decode batch: a change here goes there too.)"""
+        request.num_scheduled = item.end
+        if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
+            request.resume = Resume.NONE  # back where it was preempted
+        request.items.append(item)
+
+    def _carry(self, request: Request, item: InFlight) -> int:
+        """Gives ``item`` (committed, a decode token, its ``exit_by`` set) to the runner to
+        carry, its first loop in the step being built; returns its key."""
+        key = self._carry_key = self._carry_key + 1
+        item.carry_key = key
+        item.carry_step = self._step_id + 1
+        item.planned = 1
+        item.wake = item.carry_step + item.exit_by
+        self._carried[key] = (request, item)  # (which ``in_step`` reads)
+        return key
 
     def _ended(self, request: Request) -> bool:
         """Whether every item of the request is a carried token that has ended (its last loop

@@ -99,10 +99,11 @@ class Standing:
             del carried[previous]
             key += 1
             carried[key] = (request, item)
-            # What ``ItemMaker.decode_item`` and ``Scheduler._continues`` give a new item: the
-            # rest is the same (cap, exit rule, epoch, life, copy-on-exit blocks of the block,
-            # and ``planned``, 1 for a carried token, whose loops count from ``carry_step``).
-            # Its request's ``carry_prev`` holds it, and so moves on with it.
+            # What ``ItemMaker.decode_item``, ``Scheduler._commit`` and ``_carry`` give a new
+            # item, written out (every token of a decode batch comes here); the rest is the
+            # same (cap, exit rule, epoch, life, copy-on-exit blocks of the block, and
+            # ``planned``, 1 for a carried token, whose loops count from ``carry_step``). Its
+            # request's ``carry_prev`` holds it, and so moves on with it.
             item.start = at
             item.output_index = produces
             item.applied = 0
@@ -170,11 +171,9 @@ class Standing:
                 if item.carry_key in carried:
                     continued.append((rid, previous, item.carry_key))
             elif by_request:
-                entry = by_request.pop(rid, None)
-                if entry is not None and entry[1] == previous:
-                    continued.append(entry)
-                elif entry is not None:
-                    by_request[rid] = entry
+                entry = by_request.get(rid)
+                if entry is not None and entry[1] == previous:  # (it continues this one)
+                    continued.append(by_request.pop(rid))
         if by_request:  # (continuing tokens that ended earlier: after the others)
             continued += by_request.values()
         self._fresh = []
