@@ -160,8 +160,8 @@ def test_ab_script_compares_two_checkouts_by_pairwise_ratios():
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (callgrind)")
 def test_ab_script_counts_instructions_per_step():
-    """``--instructions``: the checkout against itself counts the same instructions per step
-    (callgrind is deterministic to well under a percent)."""
+    """``--instructions --cache-sim``: the checkout against itself counts the same instructions
+    and estimated cycles per step (callgrind is deterministic to well under a percent)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -170,13 +170,15 @@ def test_ab_script_counts_instructions_per_step():
     args = ["--rows", "4", "--context", "32", "--warmup", "2", "--steps", "4"]
     out = subprocess.run(
         [sys.executable, str(root / "scripts" / "bench_host_ab.py"), "--base", str(root)]
-        + ["--new", str(root), "--instructions", *args],
+        + ["--new", str(root), "--instructions", "--cache-sim", *args],
         capture_output=True,
         text=True,
         check=True,
     )
     report = orjson.loads(out.stdout)
     assert report["cell"] == "decode/sync/rows4/ctx32" and report["steps"] == 4
-    counts = report["instructions_per_step"]
-    assert counts["base"] > 0 and counts["new"] > 0
-    assert abs(report["new_over_base"] - 1) < 0.02
+    for figure in ("instructions", "cycles_estimate"):
+        counts = report[f"{figure}_per_step"]
+        assert counts["base"] > 0 and counts["new"] > 0
+        assert abs(report[f"{figure}_new_over_base"] - 1) < 0.02
+    assert report["cycles_estimate_per_step"]["new"] > report["instructions_per_step"]["new"]
