@@ -394,16 +394,18 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
         for rid in PROMPTS
     }
     sched = core.scheduler
-    apply, append = sched.apply, sched.applier._append_token
+    apply = sched.apply
     hit: dict[str, set[str]] = {}
 
-    def broken_append(request, *args):
-        if finished_first:  # the token is applied and ends its request, then the apply fails
-            append(request, *args)
-            if not request.is_finished:
-                sched.finish(request, FinishReason.STOP)
-            assert request.request_id not in sched.requests
-        raise RuntimeError("injected apply failure")
+    class BrokenStopIds(frozenset):
+        """A request's stop ids whose test (made for every token applied, in the columns of
+        ``StepUpdates`` or not) raises, after ending the request when ``finished_first``."""
+
+        def __contains__(self, token):
+            if finished_first and not self.request.is_finished:
+                sched.finish(self.request, FinishReason.STOP)
+                assert self.request.request_id not in sched.requests
+            raise RuntimeError("injected apply failure")
 
     def faulty_apply(plan, result):
         # Mid-generation, a step that samples while other requests are running or waiting.
@@ -415,11 +417,11 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
         if hit or plan.step_id < 4 or not samples or not others:
             return apply(plan, result)
         hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))
-        sched.applier._append_token = broken_append
-        try:
-            return apply(plan, result)
-        finally:
-            sched.applier._append_token = append
+        for rid in hit["faulty"]:
+            request = sched.requests[rid]
+            request.stop_ids = BrokenStopIds(request.stop_ids)
+            request.stop_ids.request = request
+        return apply(plan, result)
 
     sched.apply = faulty_apply
     out = drive(core, params, lag=lag)

@@ -43,7 +43,7 @@ from rltserve.core.engine import EngineCore
 from rltserve.core.plan import StepPlan
 from rltserve.core.stage_worker import tune_gc, tune_malloc
 from rltserve.sampling import SamplingParams
-from rltserve.updates import to_wire
+from rltserve.updates import StepUpdates, to_wire
 
 PHASES = ("plan", "runner", "apply", "emit")
 CHUNK = 512
@@ -145,10 +145,12 @@ def _measure(cell: _Cell, steps: int, mixed: bool, use_async: bool) -> dict[str,
         wall[phase] += time.perf_counter() - w0
         return out
 
-    def after(plan: StepPlan, updates: list) -> None:
+    def after(plan: StepPlan, updates: StepUpdates) -> None:
         nonlocal chunk_steps
         chunk_steps += any(it.num_tokens > 1 for it in plan.items)
-        if mixed and any(u.request_id == cell.probe_id and u.finish_reason for u in updates):
+        # (A finishing update is never a column row of ``StepUpdates``.)
+        ended = updates.updates.get(cell.probe_id) if mixed else None
+        if ended is not None and ended.finish_reason:
             cell.add_probe()
 
     collecting = [0.0, 0.0]  # collector seconds, start of the current collection

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult
 from rltserve.core.request import FinishReason, InFlight, Request
 from rltserve.core.thinking import force_thinking_end
-from rltserve.updates import RequestUpdate
+from rltserve.updates import RequestUpdate, StepUpdates
 
 if TYPE_CHECKING:
     from rltserve.core.scheduler import Scheduler
@@ -23,15 +23,13 @@ class Applier:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
 
-    def apply(
-        self, plan: StepPlan, owners: list[InFlight], result: StepResult
-    ) -> list[RequestUpdate]:
+    def apply(self, plan: StepPlan, owners: list[InFlight], result: StepResult) -> StepUpdates:
         """Applies a step's result to the requests it planned for (``owners``: the record
         behind each of its items)."""
         s = self.s
         if result.error is not None:
             return self._fail_planned(plan, result.error, result.lost)
-        updates: dict[str, RequestUpdate] = {}
+        updates = StepUpdates()
         for work, item, outcome in zip(plan.items, owners, result.items):
             if outcome is None and item.carry_key:
                 # A carried token's first loop: its events are in ``result.carried``. (Were
@@ -51,14 +49,20 @@ class Applier:
                 self._rollback(request, work.end)
         if result.carried:
             self._apply_carried(result.carried, updates)
-        return list(updates.values())
+        return updates
 
-    def _apply_carried(self, events: CarriedEvents, updates: dict[str, RequestUpdate]) -> None:
+    def _apply_carried(self, events: CarriedEvents, updates: StepUpdates) -> None:
         """Exits, delayed decisions and ends of carried tokens (in the runner's order: a
         request's older token first)."""
         carried = self.s._carried
         standing = self.s.standing
         ends: list[tuple[Request, InFlight]] | None = [] if standing is not None else None
+        # A token that neither starts nor ends its request's output, its request's only one in
+        # this step so far, takes a row of ``updates``' columns (``_append_token``'s usual case,
+        # written out: most of a decode batch's tokens).
+        general, rows = updates.updates, updates.rows
+        rids, token_ids, depths = updates.request_ids, updates.token_ids, updates.exit_depths
+        logprobs, tops = updates.logprobs, updates.top_logprobs
         for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
             events.keys,
             events.depths,
@@ -79,7 +83,26 @@ class Applier:
             if exited and finite:  # (``_exit``'s usual case, one call fewer per token)
                 item.exit_depth = depth
                 item.wake = 0
-                self._append_token(request, depth, token, logprob, top, updates)
+                out = request.output_token_ids
+                rid = request.request_id
+                if (
+                    out
+                    and len(out) + 1 < request.max_outputs
+                    and token not in request.stop_ids
+                    and request.params.max_thinking_tokens is None
+                    and rid not in general
+                    and rid not in rows
+                ):
+                    out.append(token)
+                    request.exit_depths.append(depth)
+                    rows[rid] = len(rids)
+                    rids.append(rid)
+                    token_ids.append(token)
+                    depths.append(depth)
+                    logprobs.append(logprob)
+                    tops.append(top)
+                else:
+                    self._append_token(request, depth, token, logprob, top, updates)
             elif exited:
                 self._exit(request, item, depth, token, logprob, top, finite, updates)
             # Ended (the runner runs it no more), its request not finished by its token: it is
@@ -100,7 +123,7 @@ class Applier:
         item: InFlight,
         depth: int,
         outcome: ItemResult,
-        updates: dict[str, RequestUpdate],
+        updates: StepUpdates,
     ) -> bool:
         """An output position's result at loop ``depth``: a delayed decision, or its exit with
         a token. True when the token was appended."""
@@ -128,14 +151,17 @@ class Applier:
         logprob: float | None,
         top: list[tuple[int, float]] | None,
         finite: bool,
-        updates: dict[str, RequestUpdate],
+        updates: StepUpdates,
     ) -> bool:
         """The item's output exited at loop ``depth`` with ``token``. True when the token was
         appended (its logits were finite)."""
         item.exit_depth = depth
         item.wake = 0
         if not finite:
-            update = updates.setdefault(request.request_id, RequestUpdate(request.request_id))
+            rid = request.request_id
+            update = updates.updates.get(rid) or updates.take_row(rid)
+            if update is None:
+                update = updates.updates[rid] = RequestUpdate(rid)
             self._fail_nonfinite(request, item.end, depth, update)
             return False
         self._append_token(request, depth, token, logprob, top, updates)
@@ -148,7 +174,7 @@ class Applier:
         token: int,
         logprob: float | None,
         top: list[tuple[int, float]] | None,
-        updates: dict[str, RequestUpdate],
+        updates: StepUpdates,
     ) -> None:
         """Appends an output token to the request and to its update in ``updates`` (its
         logprobs go only there: nothing reads them again), and ends the request when the
@@ -156,9 +182,10 @@ class Applier:
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
         rid = request.request_id
-        update = updates.get(rid)
+        update = updates.updates.get(rid) or updates.take_row(rid)
         if update is None:  # (positional: one per request per step)
-            update = updates[rid] = RequestUpdate(rid, [token], [depth], [logprob], [top])
+            update = RequestUpdate(rid, [token], [depth], [logprob], [top])
+            updates.updates[rid] = update
         else:
             update.new_token_ids.append(token)
             update.new_exit_depths.append(depth)
@@ -204,14 +231,14 @@ class Applier:
         request.num_scheduled = position
         request.epoch += 1
 
-    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> list[RequestUpdate]:
+    def _fail_planned(self, plan: StepPlan, error: str, lost: list[str]) -> StepUpdates:
         """A failed step: its requests (and those it lost) end; nothing else is touched."""
-        updates = []
+        updates = StepUpdates()
         for rid in [work.request_id for work in plan.items] + lost:
             request = self.s.requests.get(rid)
             if request is None:
                 continue  # a second item of a request already failed, or it ended meanwhile
             request.error = error
             self.s.finish(request, FinishReason.ERROR)
-            updates.append(RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error))
+            updates.updates[rid] = RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error)
         return updates

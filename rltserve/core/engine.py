@@ -30,7 +30,7 @@ from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams
-from rltserve.updates import RequestUpdate
+from rltserve.updates import RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
 _REQUEST_ID = attrgetter("request_id")
@@ -368,20 +368,21 @@ class EngineCore:
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:
-        """Runs a planned step synchronously and applies its result."""
-        return self.apply(plan, self.runner.execute(plan))
+        """Runs a planned step synchronously and applies its result; its updates as a list
+        (for callers driving the engine by hand: the engine loop keeps ``apply``'s)."""
+        return list(self.apply(plan, self.runner.execute(plan)))
 
-    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
-        """Applies a step's result. If the scheduler raises, the step's requests fail (the
-        scheduler touches no other request while applying a step) and the rest continue; if
-        failing them raises too, or leaves the KV tables inconsistent, every request fails and
-        the engine starts over (``fail_all``)."""
+    def apply(self, plan: StepPlan, result: StepResult) -> StepUpdates:
+        """Applies a step's result (its updates: iterated, ``RequestUpdate``s). If the
+        scheduler raises, the step's requests fail (the scheduler touches no other request
+        while applying a step) and the rest continue; if failing them raises too, or leaves the
+        KV tables inconsistent, every request fails and the engine starts over (``fail_all``)."""
         self._num_steps += 1
         self._num_rows += result.num_rows
         self._num_coda_rows += result.num_coda_rows
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
-            return []  # planned by a scheduler that was replaced; its requests have failed
+            return StepUpdates()  # planned by a scheduler that was replaced: its requests failed
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
@@ -402,9 +403,12 @@ class EngineCore:
                 logger.error("failing the step's requests failed too", exc_info=again)
                 return self.fail_all(error)
             reason = FinishReason.ERROR
-            updates = [RequestUpdate(rid, finish_reason=reason, error=error) for rid in involved]
-        for update in updates:
-            update.weight_version = self.weight_version
+            updates = StepUpdates(
+                {rid: RequestUpdate(rid, finish_reason=reason, error=error) for rid in involved}
+            )
+        updates.weight_version = version = self.weight_version
+        for update in updates.updates.values():
+            update.weight_version = version
         return updates
 
     def fail_all(self, error: str) -> list[RequestUpdate]:
@@ -429,6 +433,7 @@ class EngineCore:
         return plan
 
     def step(self) -> list[RequestUpdate]:
+        """Plans and runs a step (``execute``)."""
         try:
             plan = self.plan()
         except Exception as exc:

@@ -15,9 +15,10 @@ from rltserve.core.executor import ExecutionFuture
 from rltserve.core.plan import StepPlan
 from rltserve.core.request import FinishReason
 from rltserve.core.weight_gate import Reply, WeightGate
-from rltserve.updates import RequestUpdate
+from rltserve.updates import RequestUpdate, StepUpdates
 
-Emit = Callable[[list[RequestUpdate], EngineStats], None]
+# (A step's updates come as ``StepUpdates``: ``to_wire`` sends either.)
+Emit = Callable[[list[RequestUpdate] | StepUpdates, EngineStats], None]
 
 
 async def run_engine_loop(

@@ -144,7 +144,7 @@ class Request:
     # of the request shares them (``exit.exit_spec``).
     exit_specs: tuple | None = None
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt_token_ids)
-    # What ends it, read once per sampled token (``Applier._append_token``): the ids that stop it
+    # What ends it, read once per sampled token (``Applier``): the ids that stop it
     # once ``min_tokens`` are out (EOS unless ignored, and ``stop_token_ids``), and the most
     # output tokens ``max_tokens`` and the context limit allow.
     stop_ids: frozenset[int] = field(init=False, default=frozenset())

@@ -60,7 +60,7 @@ from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus
 from rltserve.core.standing import Standing
 from rltserve.core.swap import SwapSpace
 from rltserve.core.work_items import ItemMaker
-from rltserve.updates import RequestUpdate
+from rltserve.updates import RequestUpdate, StepUpdates
 
 _SEQ = attrgetter("seq")
 
@@ -451,7 +451,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
 
-    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+    def apply(self, plan: StepPlan, result: StepResult) -> StepUpdates:
         """Applies a step's result to the requests it planned for (in submission order;
         ``applier.py``). ``finished_ids`` then lists the requests it finished, also when it
         raises."""
