@@ -109,6 +109,30 @@ def test_tables_grown_or_changed_in_one_call_end_up_right():
     assert out.tolist() == [b + [55] + [b[0]] * (10 - len(b) - 1), wide]
 
 
+def test_a_batch_grown_by_one_block_each_is_written_at_once_unless_one_changed():
+    """Every table a new list with one block appended (a decode batch entering new blocks):
+    only the new blocks are written, in one go. Were any table changed before its new block,
+    or its old list appended to in place since, every row is still right."""
+    bt = BlockTables(rows=8, cols=8)
+    keys = [(f"r{i}", d) for i in range(3) for d in (1, 2)]
+    tables = [[10 * i + d, 10 * i + d + 1] for i in range(3) for d in (1, 2)]
+    bt.gather(keys, tables)
+    writes = []
+    real = bt._write
+    bt._write = lambda row, table: writes.append(list(table)) or real(row, table)
+    grown = [t + [t[0] + 50] for t in tables]
+    assert bt.gather(keys, grown).tolist() == grown
+    assert writes == [] and bt.rows(keys, grown) == bt.rows(keys, grown)
+    again = [t + [t[0] + 60] for t in grown]
+    again[3] = [90] + again[3][1:]  # changed before its new block
+    assert bt.gather(keys, again).tolist() == again
+    assert writes == [again[3]]
+    again[5].append(7)  # appended in place since it was written
+    last = [t + [t[0] + 70] for t in again]
+    for row, t in zip(bt.gather(keys, last).tolist(), last):
+        assert row[: len(t)] == t and set(row[len(t) :]) <= {t[0]}
+
+
 def test_keys_sharing_one_list_and_released_lists_stay_right():
     """Depths sharing a plane hand the same list under two keys; rows are found by the list
     itself, so growth of the shared table, release and reuse of freed lists' ids all keep the
