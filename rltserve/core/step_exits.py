@@ -100,6 +100,9 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         else:
             capped = map(ge, out_depths, max_loops)
             exited = list(map(or_, capped, map(step_rows.PENDING, out_held)))  # (bools)
+    elif kinds == _GATE:  # (the loop below, for every row at once: its cap, or its gate)
+        capped = map(ge, out_depths, max_loops)
+        exited = list(capped) if crossed_now is None else list(map(or_, capped, crossed_now))
     else:
         exited = []
         for k in range(m):
