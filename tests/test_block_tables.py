@@ -171,6 +171,7 @@ def test_host_metadata_modules_are_torch_free():
     import subprocess
     import sys
 
-    modules = "rltserve.core.block_tables, rltserve.core.metadata, rltserve.core.carried"
+    modules = "rltserve.core.block_tables, rltserve.core.metadata, rltserve.core.carried, "
+    modules += "rltserve.core.ended"
     code = f"import sys, {modules}; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -17,7 +17,8 @@ every field but the position, the key and the input is the same; a token enterin
 block gets the template with its new tables, ``StepPlan.moved``, ``_move``), so a
 row's position and key are columns (``starts``, ``keys``), never its item's ``start`` and
 ``carry.key``, and a continued row's input is on the runner, whatever its item's
-``token_ids``.
+``token_ids``. The tokens that ended wait in ``EndedTokens`` (``ended.py``) for the plan that
+continues them: a decode batch's, as the columns they ended with.
 
 What moves from loop to loop is kept as columns beside the items, never written into them:
 the depths, the exit specs (a fixed exit's spec changes at its exit loop), and for attention
@@ -32,8 +33,8 @@ copy targets of depth d come from the ``Carry``: ``table_at``, ``carry.copy_bloc
 Invariants: plans' ``WorkItem``s are never changed; ``advance`` replaces the ``depths`` and
 ``specs`` lists rather than changing them (and every column list, and every numpy column, is
 replaced, not changed, when rows come or go), so a step that still holds the lists it ran with
-reads them unchanged, and an ended token's stashed table rows (``keep``) may become a refilled
-batch's columns as they are; so may the ended rows' spec columns (tuples), stashed only when
+reads them unchanged, and ended tokens' table rows (``keep``) may become a refilled batch's
+columns as they are; so may the ended rows' spec columns (tuples), kept only when
 no row has a fixed exit (so every row's spec is its item's ``exit``, its successor's first
 spec). The table rows are valid whenever a step reads them: a request's
 rows are released with its carried tokens dropped before the next step is built (by the launch
@@ -48,13 +49,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Collection
-from itertools import chain, compress, repeat
-from operator import add, attrgetter, is_, itemgetter
+from itertools import chain, compress
+from operator import add, attrgetter, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rltserve.core.block_tables import BlockTables
+from rltserve.core.ended import EndedTokens
 from rltserve.core.metadata import Spans
 from rltserve.core.plan import Carry, ExitSpec, WorkItem
 
@@ -66,9 +68,6 @@ _EXIT = attrgetter("exit")
 _ENDS_AT = attrgetter("ends_at")
 _EXIT_AT = attrgetter("carry.exit_at")
 _START = attrgetter("start")
-_KEY = itemgetter(3)
-_BLOCK = itemgetter(4)
-_AT = itemgetter(5)
 _NEXT = (1).__add__
 _SPEC = attrgetter("mode", "exit_now", "min_loops", "max_loops", "threshold")
 
@@ -79,18 +78,13 @@ class CarriedRows:
         self._empty()
         # Request id -> its last carried token's tables and their rows and lengths.
         self._known: dict[str, tuple[list[list[int]], list[int], list[int]]] = {}
-        # Request id -> its last carried token that ended (item, request state, position, key,
-        # and when it was a row: the ``_rows`` and ``_lens`` rows of the tokens that ended with
-        # it and their spec columns or None, then its index there): the token a plan may
-        # continue (``StepPlan.continued``). (Those stay alive until every token that ended
-        # with them is continued or dropped: a few KB per batch.)
-        self._ended: dict[str, tuple] = {}
+        self._ended = EndedTokens()  # the tokens a plan may continue
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
+        self._ended.drop(request_ids)
         for rid in request_ids:
             self._known.pop(rid, None)  # their BlockTables rows are released
-            self._ended.pop(rid, None)
         if self.items and request_ids:
             gone = [k for k, w in enumerate(self.items) if w.request_id in request_ids]
             if gone:
@@ -136,14 +130,7 @@ class CarriedRows:
         them; returns them all, in carry order. A continued token's state is set by the step
         that runs its first loop (``held``)."""
         if continued:  # (checked before anything changes)
-            rids, previous, keys = map(list, zip(*continued))
-            ended = list(map(self._ended.get, rids))
-            if None in ended or list(map(_KEY, ended)) != previous:
-                rid, key = next(
-                    (r, p) for r, e, p in zip(rids, ended, previous) if e is None or e[3] != p
-                )
-                raise RuntimeError(f"{rid}: no ended carried token {key} to continue")
-            list(map(self._ended.pop, rids))  # (each continues once)
+            keys, templates, lives, starts, tables, columns = self._ended.take(continued)
         if self.items:
             depths = self.depths
             if depths.count(depths[0]) == len(depths):  # (a decode batch in lockstep)
@@ -157,33 +144,12 @@ class CarriedRows:
                     specs[k] = c.specs[self.depths[k] >= c.exit_at]
         if continued:  # the next positions, each under its predecessor's item
             # Their tables are their predecessors': so are the table rows, kept when they
-            # ended (usually all in one block: the tokens that ended in one step), and their
-            # first loop's specs, their predecessors' columns when kept.
-            first = ended[0][4]
-            tables = columns = None
-            if first is not None and all(map(is_, map(_BLOCK, ended), repeat(first))):
-                rows, lens, specs = first
-                at = list(map(_AT, ended))
-                if len(at) == rows.shape[0] and at == list(range(len(at))):
-                    tables, columns = (rows, lens), specs  # (every token that ended with them)
-                else:
-                    if specs is not None and len(at) > 1:
-                        columns = tuple(map(itemgetter(*at), specs))
-                    at = np.array(at, dtype=np.intp)  # (converted once for both)
-                    tables = (rows[at], lens[at])
-            templates, lives, starts = list(zip(*ended))[:3]
-            templates = list(templates)
+            # ended, and their first loop's specs, their predecessors' columns when kept.
             if moved:
                 tables = self._move(templates, keys, moved, tables)
             n = len(keys)
             self._append(
-                templates,
-                list(map(_NEXT, starts)),
-                keys,
-                list(lives),
-                [None] * n,
-                tables,
-                columns,
+                templates, list(map(_NEXT, starts)), keys, lives, [None] * n, tables, columns
             )
         return self.items
 
@@ -244,7 +210,6 @@ class CarriedRows:
             gone = ending[: bisect_left(ending, num_carried)]  # (the carried rows')
             # Their table rows, for the tokens that continue them (``advance``): these arrays
             # when every row ends (``_remove`` replaces them, never changes them).
-            # In item order, so a request's last token to end here (its newest) is kept.
             if gone:
                 starts, keys = self.starts, self.keys  # (the carried rows' columns)
                 if len(gone) == num_carried:  # (a decode batch's tokens ending together)
@@ -254,18 +219,17 @@ class CarriedRows:
                     specs = None
                     if not self._fixed and columns[0] is self.specs:
                         specs = columns[1][:5]
-                    block, at = (self._rows, self._lens, specs), range(num_carried)
+                    block = (self._rows, self._lens, specs)
                     ws, ls = items[:num_carried], lives[:num_carried]
                 else:
                     block = (self._rows[gone], self._lens[gone], None)
-                    at = range(len(gone))
                     ws, ls = [items[i] for i in gone], [lives[i] for i in gone]
                     starts, keys = [starts[i] for i in gone], [keys[i] for i in gone]
-                ended.update(zip(map(_RID, ws), zip(ws, ls, starts, keys, repeat(block), at)))
+                ended.add_rows(list(map(_RID, ws)), ws, ls, starts, keys, block)
             for i in ending[len(gone) :]:  # a plan's item that is a carried token's first loop
                 w = items[i]
                 if w.carry is not None:
-                    ended[w.request_id] = (w, lives[i], w.start, w.carry.key, None, 0)
+                    ended.add(w.request_id, w, lives[i], w.start, w.carry.key)
             if gone:
                 self._remove(gone)
         new = [i for i, w in enumerate(items[num_carried:], num_carried) if w.carry is not None]
