@@ -117,16 +117,19 @@ def test_a_batch_grown_by_one_block_each_is_written_at_once_unless_one_changed()
     keys = [(f"r{i}", d) for i in range(3) for d in (1, 2)]
     tables = [[10 * i + d, 10 * i + d + 1] for i in range(3) for d in (1, 2)]
     bt.gather(keys, tables)
-    writes = []
-    real = bt._write
-    bt._write = lambda row, table: writes.append(list(table)) or real(row, table)
+    synced, writes = [], []
+    sync, write = bt._sync, bt._write
+    bt._sync = lambda key, table, entry: synced.append(key) or sync(key, table, entry)
+    bt._write = lambda row, table: writes.append(list(table)) or write(row, table)
     grown = [t + [t[0] + 50] for t in tables]
-    assert bt.gather(keys, grown).tolist() == grown
-    assert writes == [] and bt.rows(keys, grown) == bt.rows(keys, grown)
+    rows = bt.rows(keys, grown)
+    assert bt.array[rows, :3].tolist() == grown
+    assert synced == [] and writes == []  # (the batch: no table on its own)
+    assert bt.rows(keys, grown) == rows
     again = [t + [t[0] + 60] for t in grown]
     again[3] = [90] + again[3][1:]  # changed before its new block
     assert bt.gather(keys, again).tolist() == again
-    assert writes == [again[3]]
+    assert synced == keys and writes == [again[3]]  # (each on its own, one rewritten)
     again[5].append(7)  # appended in place since it was written
     last = [t + [t[0] + 70] for t in again]
     for row, t in zip(bt.gather(keys, last).tolist(), last):

@@ -75,6 +75,9 @@ def test_a_request_twice_in_one_batch_keeps_its_newest():
     ended = EndedTokens()
     rids, items, lives, starts, keys, block = _rows(["a", "a", "b"])
     ended.add_rows(rids, items, lives, starts, keys, block)
+    assert len(ended) == 2
+    with pytest.raises(RuntimeError):  # (both of a's, exactly as they ended: the older too)
+        ended.take(_continued(rids, keys))
     with pytest.raises(RuntimeError):  # (the older token of a)
         ended.take(_continued(["a", "b"], [keys[0], keys[2]]))
     *_, tables, _ = ended.take(_continued(["a", "b"], [keys[1], keys[2]]))

@@ -398,10 +398,14 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
     hit: dict[str, set[str]] = {}
 
     class BrokenStopIds(frozenset):
-        """A request's stop ids whose test (made for every token applied, in the columns of
-        ``StepUpdates`` or not) raises, after ending the request when ``finished_first``."""
+        """A request's stop ids, tested for every token applied (a row of ``StepUpdates``'
+        columns or not): the step's last test raises, after the step's other tokens were
+        applied, and after ending the request when ``finished_first``."""
 
         def __contains__(self, token):
+            hit["tested"] = tested = hit.get("tested", 0) + 1
+            if tested < hit["samples"]:
+                return frozenset.__contains__(self, token)
             if finished_first and not self.request.is_finished:
                 sched.finish(self.request, FinishReason.STOP)
                 assert self.request.request_id not in sched.requests
@@ -417,6 +421,8 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
         if hit or plan.step_id < 4 or not samples or not others:
             return apply(plan, result)
         hit.update(step={plan.step_id}, faulty=planned & set(sched.requests))
+        hit["samples"] = sum(r is not None and r.exited for r in result.items)
+        hit["samples"] += sum(result.carried.exited) if result.carried else 0
         for rid in hit["faulty"]:
             request = sched.requests[rid]
             request.stop_ids = BrokenStopIds(request.stop_ids)
@@ -426,6 +432,7 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
     sched.apply = faulty_apply
     out = drive(core, params, lag=lag)
     assert hit, "the fault was never injected"
+    assert hit["tested"] == hit["samples"]  # (every token of the step came to its test)
     failed = {rid for rid, why in out.finish.items() if why == "error"}
     assert failed == hit["faulty"]
     (step,) = hit["step"]
@@ -523,4 +530,64 @@ def test_a_planning_error_in_the_engine_loop_with_two_steps_in_flight(ouro_rv1, 
     if final is not None:
         core.execute(final)
     assert_clean(core)
+    core.shutdown()
+
+
+def test_every_update_of_an_applied_step_carries_the_weight_version(ouro_rv1):
+    """Column rows and whole updates alike, in process and through the wire, on each of
+    ``EngineCore.apply``'s ways out: a step applied, a step whose apply raised (its requests
+    fail), and one where failing them raised too (every request fails, the engine starts
+    over)."""
+    from rltserve.updates import StepUpdates, from_wire, to_wire
+
+    core = make_core(ouro_rv1, max_num_seqs=3)
+    core.weight_version = 7
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for rid in PROMPTS:
+        core.add_request(rid, PROMPTS[rid], params)
+
+    def step() -> tuple:
+        """The next step that reports tokens (those before it applied)."""
+        while True:
+            plan = core.plan()
+            result = core.runner.execute(plan)
+            if result.carried and result.carried.request_ids:
+                return plan, result
+            stamped(core.apply(plan, result))
+
+    def stamped(updates) -> list:
+        assert isinstance(updates, StepUpdates)
+        got = list(updates)
+        assert from_wire(to_wire(updates)) == got
+        assert all(u.weight_version == 7 for u in got)
+        return got
+
+    rows = 0
+    for _ in range(6):
+        updates = core.apply(*step())
+        rows += len(updates.rows)
+        stamped(updates)
+    assert rows  # (some tokens went as column rows)
+    sched = core.scheduler
+
+    def broken_apply(plan, result):
+        raise RuntimeError("injected apply failure")
+
+    plan, result = step()
+    sched.apply = broken_apply
+    failed = stamped(core.apply(plan, result))
+    assert failed and {u.finish_reason for u in failed} == {FinishReason.ERROR}
+    assert core.scheduler is sched and sched.requests  # (only the step's requests failed)
+    del sched.apply
+
+    def broken_abort(rid):
+        raise RuntimeError("injected abort failure")
+
+    plan, result = step()
+    rids = set(sched.requests)
+    sched.apply, sched.abort = broken_apply, broken_abort
+    failed = stamped(core.apply(plan, result))
+    assert {u.request_id for u in failed} == rids
+    assert {u.finish_reason for u in failed} == {FinishReason.ERROR}
+    assert core.scheduler is not sched and not core.scheduler.requests  # (started over)
     core.shutdown()

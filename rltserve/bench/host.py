@@ -125,7 +125,7 @@ class _Unattended:
         raise RuntimeError("the stand-in model never attends")
 
 
-def _emit(core: EngineCore, updates: list) -> None:
+def _emit(core: EngineCore, updates: StepUpdates) -> None:
     message = ("updates", to_wire(updates), core.stats())  # (as the stage sends it)
     pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -178,7 +178,8 @@ class Applier:
     ) -> None:
         """Appends an output token to the request and to its update in ``updates`` (its
         logprobs go only there: nothing reads them again), and ends the request when the
-        token stops it."""
+        token stops it. (``_apply_carried`` appends a token none of the rules here can touch
+        as a row of ``updates``' columns: a rule added here must be excluded there.)"""
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
         rid = request.request_id

@@ -94,9 +94,10 @@ class BlockTables:
         self, keys: Sequence[tuple[str, Hashable]], tables: Sequence[list[int]], lengths: list[int]
     ) -> list[int] | None:
         """When every table is its key's list written last (at its length) with one block
-        appended, as a decode token entering a new block gets from the KV manager: those blocks
+        appended, as decode tokens entering a new block get from the KV manager: those blocks
         written, the rows returned. Else None, nothing changed. (``_sync``'s usual case, for
-        a batch at C speed: four tables per such token at 16-token blocks.)"""
+        a batch at C speed: a 256-row decode batch at 16-token blocks brings 16 such tokens a
+        step, each with a table per depth.)"""
         entries = list(map(self._entries.get, keys))
         if not all(entries) or len(set(map(id, entries))) != len(entries):
             return None  # (a new key, or one twice)
@@ -106,7 +107,8 @@ class BlockTables:
             list(map(_NEXT, written)) != lengths
             or 0 in written
             or max(lengths) > self.array.shape[1]
-            # (Each old list as written: one appended to in place since is longer, and fails.)
+            # Each table's first ``written`` blocks are its old list (one appended to in place
+            # since is longer, and fails).
             or not all(map(eq, map(getitem, tables, map(slice, written)), olds))
         ):
             return None

@@ -42,8 +42,9 @@ class EndedTokens:
 
     def __len__(self) -> int:
         """Requests with a token here."""
-        self._flush()
-        return len(self._entries)
+        if self._batch is None:
+            return len(self._entries)
+        return len(self._entries.keys() | set(self._batch[0]))
 
     def add_rows(
         self,
@@ -54,11 +55,15 @@ class EndedTokens:
         keys: list[int],
         block: tuple,
     ) -> None:
-        """The carried rows that ended in a step, in row order (the lists are kept)."""
+        """The carried rows that ended in a step, in row order. The lists are kept, and are
+        the caller's of ``take`` that hands them back: they must be the caller's own (not
+        lists a step still reads)."""
         self._flush()
         if self._entries:  # (older tokens of theirs)
             list(map(self._entries.pop, rids, repeat(None)))
         self._batch = (rids, items, lives, starts, keys, block)
+        if len(set(rids)) < len(rids):  # (a request's two tokens: only its newest continues)
+            self._flush()
 
     def add(self, rid: str, item: WorkItem, live: LiveRequest, start: int, key: int) -> None:
         """A token that ended at its first loop (a plan item), after the step's rows."""
@@ -67,9 +72,9 @@ class EndedTokens:
     def take(self, continued: list[tuple[str, int, int]]) -> tuple:
         """The ended tokens the plan continues (``StepPlan.continued``: request id, ended
         token's key, new key), each once: their new keys, items, request states, positions
-        (lists the caller may keep), their table rows (``_rows``, ``_lens``) when known and
-        their first loop's spec columns when kept. Raises ``RuntimeError``, changing nothing,
-        when one is not there."""
+        (lists the caller may keep and change), their table rows (``_rows``, ``_lens``) when
+        known and their first loop's spec columns when kept. Raises ``RuntimeError``, every
+        token left here, when one is not (or is not its request's newest)."""
         rids, previous, keys = map(list, zip(*continued))
         batch = self._batch
         if batch is not None and not self._entries and rids == batch[0] and previous == batch[4]:

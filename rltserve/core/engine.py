@@ -401,11 +401,11 @@ class EngineCore:
                 self.kv.check_no_leaks()
             except Exception as again:
                 logger.error("failing the step's requests failed too", exc_info=again)
-                return self.fail_all(error)
-            reason = FinishReason.ERROR
-            updates = StepUpdates(
-                {rid: RequestUpdate(rid, finish_reason=reason, error=error) for rid in involved}
-            )
+                failed = self.fail_all(error)
+            else:
+                reason = FinishReason.ERROR
+                failed = [RequestUpdate(rid, finish_reason=reason, error=error) for rid in involved]
+            updates = StepUpdates({update.request_id: update for update in failed})
         updates.weight_version = version = self.weight_version
         for update in updates.updates.values():
             update.weight_version = version
