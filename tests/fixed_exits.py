@@ -1,14 +1,19 @@
 """Hand-built step results for the torch-free scheduler with fixed exits (no gate): what the
 runner would report, without a model. Every output position exits where its fixed spec says,
 sampling one token id; carried decode tokens (``plan.Carry``) run on, one loop per step, until
-they end, as the runner runs them. (And ``make_request``: a plain request for the scheduler.)"""
+they end, as the runner runs them. (And ``make_request`` and ``make_scheduler``: a plain
+request, and a scheduler over a small pool, for them.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from rltserve.config import SchedulerConfig
+from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.request import Request
+from rltserve.core.scheduler import Scheduler
+from rltserve.core.swap import SwapSpace
 from rltserve.sampling import SamplingParams
 
 
@@ -26,6 +31,29 @@ def make_request(
         eos_token_ids=frozenset(),
         max_total_tokens=1000,
         seed=0,
+    )
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    *,
+    swap: bool = False,
+    reservation: str = "ondemand",
+    watermark: float = 0.0,
+    **config,
+) -> Scheduler:
+    """A scheduler over ``num_blocks`` 4-token blocks (``last_exited``; with ``swap``, a small
+    swap space), 4-token prompt chunks unless ``config`` says otherwise."""
+    config.setdefault("prefill_chunk_size", 4)
+    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False)
+    return Scheduler(
+        SchedulerConfig(**config),
+        kv,
+        has_gate=False,
+        has_boundary=False,
+        reservation=reservation,
+        watermark=watermark,
+        swap=SwapSpace(8, 1) if swap else None,
     )
 
 

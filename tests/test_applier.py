@@ -6,27 +6,13 @@ from __future__ import annotations
 
 import pickle
 
-from fixed_exits import FixedExits, make_request
+from fixed_exits import FixedExits, make_request, make_scheduler
 
-from rltserve.config import SchedulerConfig
-from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import CarriedEvents
 from rltserve.core.request import FinishReason, InFlight
 from rltserve.core.scheduler import Scheduler
 from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate, StepUpdates, from_wire, to_wire
-
-
-def _scheduler(**config) -> Scheduler:
-    config.setdefault("prefill_chunk_size", 4)
-    kv = KVManager(64, 4, KVPolicy("last_exited"), has_boundary=False)
-    return Scheduler(
-        SchedulerConfig(**config),
-        kv,
-        has_gate=False,
-        has_boundary=False,
-        reservation="ondemand",
-    )
 
 
 def _with_params(rid: str, prompt_len: int, **params):
@@ -42,7 +28,7 @@ def test_middle_tokens_are_column_rows_and_every_update_reads_as_before():
     finishes the request), a stop id (under ``min_tokens`` or not) and a bounded-thinking
     request's tokens are ``RequestUpdate``s. Read back (iterated, or through the wire), each
     request gets its tokens once, in order, with its finish reason on the last."""
-    s = _scheduler(max_num_seqs=8)
+    s = make_scheduler(max_num_seqs=8)
     s.add_request(make_request("plain", 3, 6))
     s.add_request(_with_params("stops", 2, max_tokens=9, stop_token_ids=[7], min_tokens=3))
     thinking = dict(max_thinking_tokens=3, thinking_end_token_ids=(5,))
@@ -86,7 +72,7 @@ def _two_tokens_of_one_request() -> tuple[Scheduler, list]:
     """A running request with one output token, and two carried tokens of it in flight (keys
     1 and 2), as the runner may report them in one step; another request with one token in
     flight (key 3)."""
-    s = _scheduler()
+    s = make_scheduler()
     owners = []
     for rid in ("a", "b"):
         request = make_request(rid, 2, 10)

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 from engine_util import make_core, run_core
-from fixed_exits import FixedExits, make_request
+from fixed_exits import FixedExits, make_request, make_scheduler
 
 from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
@@ -17,19 +17,6 @@ from rltserve.core.scheduler import Scheduler
 from rltserve.sampling import SamplingParams
 
 LOOPS = 2
-
-
-def _scheduler(num_blocks=64, *, reservation="ondemand", watermark=0.0, **config) -> Scheduler:
-    config.setdefault("prefill_chunk_size", 4)
-    kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False)
-    return Scheduler(
-        SchedulerConfig(**config),
-        kv,
-        has_gate=False,
-        has_boundary=False,
-        reservation=reservation,
-        watermark=watermark,
-    )
 
 
 RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -62,7 +49,7 @@ def _drain(s: Scheduler, limit: int = 1000) -> list[StepPlan]:
 
 
 def test_blocks_follow_written_positions():
-    s = _scheduler()
+    s = make_scheduler()
     s.add_request(make_request("a", 10, 20))
     planes = LOOPS
     while s.has_work():
@@ -91,7 +78,7 @@ def test_extend_covers_within_a_block_and_only_asks_past_it():
 
 
 def test_full_reservation_reserves_the_whole_context():
-    s = _scheduler(reservation="full")
+    s = make_scheduler(reservation="full")
     s.add_request(make_request("a", 10, 20))
     _step(s)
     assert s.kv.pool.num_used == LOOPS * -(-29 // 4)  # prompt + max_tokens - 1 positions
@@ -100,7 +87,7 @@ def test_full_reservation_reserves_the_whole_context():
 
 def test_admission_checks_first_chunk_plus_watermark():
     # 16 blocks, 2 planes: a 4-token first chunk takes 2 blocks; a watermark of 0.5 keeps 8 free.
-    s = _scheduler(16, watermark=0.5, max_num_seqs=8)
+    s = make_scheduler(16, watermark=0.5, max_num_seqs=8)
     for i in range(5):
         s.add_request(make_request(f"r{i}", 4, 20))
     _step(s)
@@ -111,13 +98,13 @@ def test_admission_checks_first_chunk_plus_watermark():
 
 
 def test_unpreemptable_request_still_fails_at_admission():
-    s = _scheduler(8)
+    s = make_scheduler(8)
     with pytest.raises(ValueError, match="needs 16 KV blocks"):
         s.add_request(make_request("big", 20, 12))  # 31 positions x 2 planes
 
 
 def test_pressure_preempts_latest_arrival_and_everything_finishes():
-    s = _scheduler(12, max_num_seqs=8)  # 6 blocks per plane: one 24-position request at most
+    s = make_scheduler(12, max_num_seqs=8)  # 6 blocks per plane: one 24-position request at most
     for i in range(3):
         s.add_request(make_request(f"r{i}", 4, 20))
     outputs = {f"r{i}": 0 for i in range(3)}
@@ -136,7 +123,7 @@ def test_pressure_preempts_latest_arrival_and_everything_finishes():
 
 
 def test_victim_is_lowest_priority_then_latest():
-    s = _scheduler(12, max_num_seqs=8, scheduling_policy="priority")
+    s = make_scheduler(12, max_num_seqs=8, scheduling_policy="priority")
     s.add_request(make_request("a", 4, 20, priority=0))
     s.add_request(make_request("b", 4, 20, priority=-1))
     s.add_request(make_request("c", 4, 20, priority=0))
@@ -151,7 +138,7 @@ def test_victim_is_lowest_priority_then_latest():
 
 def test_fcfs_admits_by_arrival_priority_policy_by_priority():
     for policy, order in (("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"])):
-        s = _scheduler(64, max_num_seqs=1, scheduling_policy=policy)
+        s = make_scheduler(64, max_num_seqs=1, scheduling_policy=policy)
         s.add_request(make_request("a", 4, 2, priority=3))
         s.add_request(make_request("b", 4, 2, priority=5))
         s.add_request(make_request("c", 4, 2, priority=1))
@@ -162,7 +149,7 @@ def test_fcfs_admits_by_arrival_priority_policy_by_priority():
 
 
 def test_better_priority_preempts_running_when_seats_are_full():
-    s = _scheduler(64, max_num_seqs=1, scheduling_policy="priority")
+    s = make_scheduler(64, max_num_seqs=1, scheduling_policy="priority")
     s.add_request(make_request("low", 4, 10, priority=5))
     for _ in range(4):
         _step(s)
@@ -178,7 +165,7 @@ def test_better_priority_preempts_running_when_seats_are_full():
 
 
 def test_fcfs_never_preempts_for_priority():
-    s = _scheduler(64, max_num_seqs=1)
+    s = make_scheduler(64, max_num_seqs=1)
     s.add_request(make_request("low", 4, 10, priority=5))
     _step(s)
     s.add_request(make_request("high", 4, 2, priority=0))

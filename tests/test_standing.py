@@ -6,28 +6,10 @@ from __future__ import annotations
 
 import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core
-from fixed_exits import FixedExits, make_request
+from fixed_exits import FixedExits, make_request, make_scheduler
 
-from rltserve.config import SchedulerConfig
-from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
-from rltserve.core.swap import SwapSpace
-
-BLOCK = 4
-
-
-def _scheduler(num_blocks=64, *, swap=False, **config) -> Scheduler:
-    config.setdefault("prefill_chunk_size", 4)
-    kv = KVManager(num_blocks, BLOCK, KVPolicy("last_exited"), has_boundary=False)
-    return Scheduler(
-        SchedulerConfig(**config),
-        kv,
-        has_gate=False,
-        has_boundary=False,
-        reservation="ondemand",
-        swap=SwapSpace(8, 1) if swap else None,
-    )
 
 
 def _drive(s: Scheduler, on_plan=None, on_applied=None) -> dict[str, int]:
@@ -59,7 +41,7 @@ def test_an_ended_token_continues_in_place_within_its_block():
     """Prompt positions 0-2, outputs from positions 2..11: the first decode token (3) is a plan
     item, each block start (4, 8) a planner continuation with its new tables, and every other
     position the same ``InFlight`` advanced by the applier."""
-    s = _scheduler()
+    s = make_scheduler()
     s.add_request(make_request("a", 3, 10))
     request = s.requests["a"]
     seen: list[tuple] = []  # (position, its InFlight, advanced in place)
@@ -93,7 +75,7 @@ def test_continued_tokens_keep_the_order_their_predecessors_ended_in():
     """Tokens advanced in place and the planner's (block starts) together: the next plan lists
     them in the order the runner reported their predecessors' ends (its row order), which a
     decode batch keeps from token to token (the runner's fast paths rely on it)."""
-    s = _scheduler(max_num_seqs=8)
+    s = make_scheduler(max_num_seqs=8)
     for i, n in enumerate([3, 1, 6, 2, 5, 4]):
         s.add_request(make_request(f"r{i}", n, 11))
     runner = FixedExits()
@@ -148,7 +130,7 @@ def test_fresh_tokens_take_their_rows_in_the_planners_order(policy, budget):
     planner continues every token."""
 
     def build() -> tuple[Scheduler, Request]:
-        s = _scheduler(
+        s = make_scheduler(
             max_num_seqs=8,
             scheduling_policy=policy,
             max_num_batched_tokens=budget,
@@ -190,7 +172,7 @@ def test_standing_tokens_change_no_decision(swap, policy):
     the victims (a fresh token is not in the step being built)."""
 
     def build() -> Scheduler:
-        s = _scheduler(18, swap=swap, max_num_seqs=8, scheduling_policy=policy)
+        s = make_scheduler(18, swap=swap, max_num_seqs=8, scheduling_policy=policy)
         for i, (n, k, prio) in enumerate([(4, 20, 1), (3, 17, 0), (6, 14, 2), (2, 19, 1)]):
             s.add_request(make_request(f"r{i}", n, k, priority=prio))
         return s
@@ -212,7 +194,7 @@ def test_standing_tokens_change_no_decision(swap, policy):
 
 
 def test_a_fresh_tokens_request_aborted_before_the_plan_is_left_out():
-    s = _scheduler()
+    s = make_scheduler()
     for i in range(3):
         s.add_request(make_request(f"r{i}", 2, 12))
     aborted: list[str] = []
@@ -245,8 +227,8 @@ def test_a_fresh_tokens_request_aborted_before_the_plan_is_left_out():
     ids=["async", "no_refill", "not-carried"],
 )
 def test_standing_is_off_where_plans_run_ahead_or_cohorts_wait(config):
-    assert _scheduler(**config).standing is None
-    assert _scheduler().standing is not None
+    assert make_scheduler(**config).standing is None
+    assert make_scheduler().standing is not None
 
 
 @pytest.mark.parametrize("kv_policy", ["last_exited", "full", "shared"])
