@@ -55,9 +55,9 @@ class EndedTokens:
         keys: list[int],
         block: tuple,
     ) -> None:
-        """The carried rows that ended in a step, in row order. The lists are kept, and are
-        the caller's of ``take`` that hands them back: they must be the caller's own (not
-        lists a step still reads)."""
+        """The carried rows that ended in a step, in row order. The lists are kept as they are
+        (none is changed here) and handed back by ``take``, whose caller may change ``items``
+        and ``lives``: those two must be lists no step reads."""
         self._flush()
         if self._entries:  # (older tokens of theirs)
             list(map(self._entries.pop, rids, repeat(None)))
