@@ -74,7 +74,7 @@ class StepUpdates:
     about a microsecond to make (a fifth of applying a decode batch's tokens) and more to
     send: the columns cross to the front end as one wire row (``to_wire``) and become
     ``RequestUpdate``s only there, or where read here (iterating yields every update, the
-    columns' first). No request is in both: ``take_row`` moves one out of the columns."""
+    columns' first). No request is in both: ``update_of`` moves one out of the columns."""
 
     updates: dict[str, RequestUpdate] = field(default_factory=dict)
     request_ids: list[str | None] = field(default_factory=list)  # (None: a row taken out)
@@ -85,10 +85,13 @@ class StepUpdates:
     rows: dict[str, int] = field(default_factory=dict)  # request id -> its row
     weight_version: int = 0  # the engine's weights when the step was applied (every update's)
 
-    def take_row(self, request_id: str) -> RequestUpdate | None:
-        """The request's one-token update moved out of the columns (its row left empty) into
-        ``updates``, for a second token or its end in the same step; None when it has no
-        row."""
+    def update_of(self, request_id: str) -> RequestUpdate | None:
+        """The request's update in ``updates`` (for a second token or its end in the same
+        step), its one-token update moved there out of the columns (its row left empty) if
+        it has a row; None when it has neither."""
+        update = self.updates.get(request_id)
+        if update is not None:
+            return update
         k = self.rows.pop(request_id, None)
         if k is None:
             return None

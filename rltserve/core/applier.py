@@ -159,7 +159,7 @@ class Applier:
         item.wake = 0
         if not finite:
             rid = request.request_id
-            update = updates.updates.get(rid) or updates.take_row(rid)
+            update = updates.update_of(rid)
             if update is None:
                 update = updates.updates[rid] = RequestUpdate(rid)
             self._fail_nonfinite(request, item.end, depth, update)
@@ -183,7 +183,7 @@ class Applier:
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
         rid = request.request_id
-        update = updates.updates.get(rid) or updates.take_row(rid)
+        update = updates.update_of(rid)
         if update is None:  # (positional: one per request per step)
             update = RequestUpdate(rid, [token], [depth], [logprob], [top])
             updates.updates[rid] = update

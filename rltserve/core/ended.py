@@ -107,6 +107,8 @@ class EndedTokens:
 
     def drop(self, request_ids: Collection[str]) -> None:
         """Forgets the tokens of requests the runner no longer runs."""
+        if not request_ids:
+            return  # (the batch stays one)
         self._flush()
         for rid in request_ids:
             self._entries.pop(rid, None)
