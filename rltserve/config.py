@@ -171,6 +171,16 @@ class SchedulerConfig:
             "swap: it goes to host swap space (recompute when that is full)"
         ),
     )
+    preemption_time_slice: int = field(
+        default=0,
+        metadata=_help(
+            "on-demand KV: a preempted request that has waited this many steps for blocks "
+            "preempts the request that has run longest since its admission (if that one ran as "
+            "long and produced a token meanwhile), which then queues as a new arrival: the "
+            "admitted requests take turns instead of the last ones waiting for the first to end; "
+            "0: off (a preempted request waits for blocks to free)"
+        ),
+    )
     scheduling_policy: str = field(
         default="fcfs",
         metadata=_help(
@@ -192,6 +202,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy={self.scheduling_policy!r}: must be one of "
                 f"{SCHEDULING_POLICIES}"
+            )
+        if not isinstance(self.preemption_time_slice, int) or self.preemption_time_slice < 0:
+            raise ValueError(
+                f"preemption_time_slice={self.preemption_time_slice!r}: must be an int >= 0"
             )
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")

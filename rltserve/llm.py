@@ -68,6 +68,7 @@ class LLM:
         swap_space_gb: float = 4.0,
         enable_prefix_caching: bool | None = None,
         preemption_mode: str = "recompute",
+        preemption_time_slice: int = 0,
         scheduling_policy: str = "fcfs",
         in_process: bool = False,
         startup_timeout: float = 300.0,
@@ -105,6 +106,7 @@ class LLM:
             swap_space_gb=swap_space_gb,
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
+            preemption_time_slice=preemption_time_slice,
             scheduling_policy=scheduling_policy,
         )
         client_cls = InProcessStageClient if in_process else StageClient

@@ -78,6 +78,21 @@ def kv_checks(kv: dict | None) -> list[dict]:
             check(f"kv {mode} vs full: tokens/s", tokens, ">=", 2.0, "x"),
             check(f"kv {mode} vs unpressured: tokens/s lost", loss, "<", 0.30, "fraction"),
         ]
+    # The pressure sweep: the same loss at each pool size with time slicing.
+    for row in kv.get("sweep") or []:
+        if row["preemption_time_slice"]:
+            out.append(
+                check(
+                    f"kv {row['preemption_mode']} sliced, pool {row['pool_fraction']:.0%} of "
+                    "peak: tokens/s lost",
+                    row["loss_vs_unpressured"],
+                    "<",
+                    0.30,
+                    "fraction",
+                    f"time slice {row['preemption_time_slice']}, {row['steps']} steps, "
+                    f"{row['preemptions']} preemptions",
+                )
+            )
     return out
 
 
@@ -173,6 +188,14 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
                 f"preemptions {run['preemptions']:>3}, loop rows {run['loop_rows']:>6}, "
                 f"{run['output_tokens_per_s']} tok/s"
             )
+    for row in (kv or {}).get("sweep") or []:
+        lines.append(
+            f"  kv sweep pool {row['pool_blocks']:>5} ({row['pool_fraction']:.0%} of peak) "
+            f"{row['preemption_mode']:<9} slice {row['preemption_time_slice']:>2}: steps "
+            f"{row['steps']:>5}, preemptions {row['preemptions']:>3}, loop rows "
+            f"{row['loop_rows']:>6}, {row['output_tokens_per_s']} tok/s, lost "
+            f"{row['loss_vs_unpressured']:.0%}"
+        )
     for arm in ("in_place", "restart"):
         run = (rollout or {}).get(arm)
         if run:

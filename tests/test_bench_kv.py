@@ -32,3 +32,18 @@ def test_kv_pressure_compare(ouro_rv1, select):
     assert report["full"]["loop_rows"] == rows == 16 * (6 + 3 - 1) * 4  # full depth: 4 loops
     assert report["ondemand_recompute"]["loop_rows"] >= rows
     assert report["ratios"]["recompute_vs_full_running"] >= 4
+    # The pressure sweep: the main pool first, then larger ones; both modes, without and with
+    # time slicing (8 unless the engine sets one); every run serves every token.
+    sweep = report["sweep"]
+    pools = list(dict.fromkeys(r["pool_blocks"] for r in sweep))
+    assert pools[0] == report["num_blocks"] and pools == sorted(pools)
+    assert len(sweep) == 4 * len(pools)
+    peak = report["unpressured"]["peak_blocks"]
+    for r in sweep:
+        assert r["output_tokens"] == 16 * 3
+        assert r["pool_fraction"] == round(r["pool_blocks"] / peak, 3)
+        assert r["preemption_time_slice"] in (0, 8)
+        assert r["preemption_mode"] in ("recompute", "swap")
+        assert r["time_slice_preemptions"] <= r["preemptions"]
+        assert r["time_slice_preemptions"] == 0 or r["preemption_time_slice"] == 8
+        assert r["steps_vs_unpressured"] == round(r["steps"] / report["unpressured"]["steps"], 3)

@@ -6,6 +6,12 @@ requests arrive at once, each allowed ``8 * output_len`` tokens but stopping aft
 without ``max_tokens`` do. ``full`` can only run ``pool_requests`` at a time; on-demand runs as
 many as the written tokens allow and preempts under pressure. ``unpressured`` is on-demand with
 a pool for every request's worst case (no preemption): the reference for the pressure cost.
+
+``sweep``: the on-demand modes again at pools of several fractions of the blocks the
+unpressured run held at its peak (the heaviest, ``pool_requests`` worst cases, first), each
+without and with time slicing (``preemption_time_slice``: the engine's, else
+``SWEEP_TIME_SLICE``), with the tokens/s lost against the unpressured run. On a device where a
+step costs about the same at any batch size, that loss follows the step counts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
 from rltserve.models.base import LoopedModel
 from rltserve.sampling import SamplingParams
+
+SWEEP_FRACTIONS = (0.7, 0.85)  # of the unpressured run's peak blocks, after the main pool
+SWEEP_TIME_SLICE = 8
 
 CASES = (
     ("full", {"kv_reservation": "full"}),
@@ -32,21 +41,25 @@ def _run(
     core = EngineCore(EngineConfig.from_flat(**engine_kw), model=model)
     for i, prompt in enumerate(prompts):
         core.add_request(f"k{i}", prompt, params)
-    tokens = peak = 0
+    tokens = peak = peak_blocks = 0
+    total = core.kv.pool.num_total
     start = time.perf_counter()
     while core.has_work():
         for update in core.step():
             tokens += len(update.new_token_ids)
         peak = max(peak, core.scheduler.num_running)
+        peak_blocks = max(peak_blocks, total - core.kv.num_free_blocks)
     elapsed = time.perf_counter() - start
     stats = core.stats()
-    core.shutdown()
+    core.shutdown()  # (the preemptor's counts stay readable)
     return {
         "output_tokens": tokens,
         "seconds": round(elapsed, 4),
         "output_tokens_per_s": round(tokens / elapsed, 2),
         "peak_running": peak,
         "preemptions": stats.num_preemptions,
+        "time_slice_preemptions": core.scheduler.preemptor.num_rotations,
+        "peak_blocks": peak_blocks,
         "swap_fallbacks": stats.swap_fallbacks,
         "steps": stats.num_steps,
         # Rows run through the loop, all steps together: the work done, recomputation included
@@ -88,6 +101,7 @@ def run_kv_pressure(
         )
     report["unpressured"] = _run(model, {**kw, "num_blocks": worst * num}, prompts, params)
     full, free = report["full"], report["unpressured"]
+    report["sweep"] = _sweep(model, kw, prompts, params, report["num_blocks"], free)
     report["ratios"] = {
         "recompute_vs_full_running": round(
             report["ondemand_recompute"]["peak_running"] / full["peak_running"], 3
@@ -106,3 +120,36 @@ def run_kv_pressure(
         },
     }
     return report
+
+
+def _sweep(
+    model: LoopedModel,
+    kw: dict,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    main_pool: int,
+    free: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """The on-demand modes at the main pool and at ``SWEEP_FRACTIONS`` of the unpressured
+    peak, each without and with time slicing."""
+    peak = free["peak_blocks"]
+    pools = [main_pool] + [int(f * peak) for f in SWEEP_FRACTIONS if int(f * peak) > main_pool]
+    sliced = kw.get("preemption_time_slice") or SWEEP_TIME_SLICE
+    rows = []
+    for pool in pools:
+        for mode in ("recompute", "swap"):
+            for time_slice in (0, sliced):
+                case = {"preemption_mode": mode, "preemption_time_slice": time_slice}
+                run = _run(model, {**kw, **case, "num_blocks": pool}, prompts, params)
+                rate = run["output_tokens_per_s"] / free["output_tokens_per_s"]
+                rows.append(
+                    {
+                        "pool_blocks": pool,
+                        "pool_fraction": round(pool / peak, 3),
+                        **case,
+                        **run,
+                        "loss_vs_unpressured": round(1 - rate, 3),
+                        "steps_vs_unpressured": round(run["steps"] / free["steps"], 3),
+                    }
+                )
+    return rows

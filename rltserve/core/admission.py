@@ -69,9 +69,13 @@ class Admission:
             tokens = max(item.end, request.swapped_tokens) if s.ondemand else request.kv_tokens
             s.kv.allocate(rid, tokens, request.num_loops, hit.entries)
             s.sharing.admitted(request, hit)
+            replay = max(0, resume_tokens(request) - request.swapped_tokens)
             s.preemptor.restore(request)
             request.status = RequestStatus.RUNNING
             request.admitted = True
+            request.admitted_step = s.next_step_id
+            request.admitted_outputs = len(request.output_token_ids)
+            request.admitted_replay = replay
             s.running.append(request)
             penalties = _uses_penalties(request)
             s.new_setups.append(

@@ -34,6 +34,7 @@ class Preemptor:
         self.swap = swap
         self.num_preemptions = 0
         self.swap_fallbacks = 0  # swap mode, swap space full: recomputed instead
+        self.num_rotations = 0  # preemptions by time slicing (``rotate``), of num_preemptions
         self._preempted: list[str] = []
         self._swap_out: list[tuple[str, list[int]]] = []
         self._swap_in: list[tuple[str, list[int]]] = []
@@ -96,6 +97,49 @@ class Preemptor:
                 return
             self.preempt(max(worse, key=s.order_key))
 
+    def rotate(self) -> None:
+        """Time slicing (``preemption_time_slice`` = q > 0, on-demand KV), before a step is
+        built: while the first waiting request is a preempted one that has waited q steps and
+        blocks keep it out, preempt a running request that has run q steps more than the
+        positions its admission recomputed and produced a token since (a slice spent replaying
+        would only buy the next replay). Under swap the victim is the one furthest ahead in
+        outputs (a swap costs about the same for any request, so they take turns by progress
+        and end together), under recompute the one with the fewest (it replays what it
+        wrote); ties: admitted first. Each victim queues as a new arrival, behind the request
+        it makes room for. Without this, requests preempted early wait for the first ones to
+        end and then run their whole remainder alone, while the pool stands partly empty."""
+        s = self.s
+        q = s.config.preemption_time_slice
+        if not (q and s.ondemand and s.waiting):
+            return
+        head = min(s.waiting, key=s.order_key)
+        step = s.next_step_id
+        if not head.num_preemptions or step - head.preempted_step < q:
+            return
+        if len(s.running) >= s.config.max_num_seqs or s.sharing.waits(head):
+            return  # seats or a leader's prefix, not blocks, keep it out
+        item = s.item_maker.next_item(head, s.config.max_num_batched_tokens)
+        if item is None:
+            return
+        priority = head.params.priority
+        while s.admission.blocks(head, item) > s.kv.num_free_blocks:
+            ripe = [
+                r
+                for r in s.running
+                if step - r.admitted_step >= q + r.admitted_replay
+                and len(r.output_token_ids) > r.admitted_outputs
+                and not (s.priority and r.params.priority < priority)
+            ]
+            if not ripe:
+                return
+            if self.swap is not None:
+                victim = max(ripe, key=lambda r: (len(r.output_token_ids), -r.admitted_step))
+            else:
+                victim = min(ripe, key=lambda r: (len(r.output_token_ids), r.admitted_step))
+            self.preempt(victim)
+            victim.seq = s.next_seq()
+            self.num_rotations += 1
+
     # ---------------------------------------------------------------- state changes
 
     def preempt(self, victim: Request) -> None:
@@ -123,6 +167,7 @@ class Preemptor:
         s.kv.free(rid)
         victim.admitted = False
         victim.status = RequestStatus.WAITING
+        victim.preempted_step = s.next_step_id
         s.running.remove(victim)
         s.waiting.append(victim)
         self._recomputing.add(rid)  # (swapped ones recompute what follows their swapped KV)

@@ -121,6 +121,12 @@ class Request:
     replay_until: int = 0
     resume: Resume = Resume.NONE
     swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
+    # Time slicing (``Preemptor.rotate``): the step that last admitted it, its outputs then
+    # and the positions that admission recomputes, and the step that last preempted it.
+    admitted_step: int = 0
+    admitted_outputs: int = 0
+    admitted_replay: int = 0
+    preempted_step: int = 0
     # Bounded thinking (core/thinking.py): output tokens the engine forced rather than sampled,
     # and whether the thinking span is over (ended by the model or forced).
     num_forced: int = 0

@@ -133,8 +133,7 @@ class Scheduler:
                 f"{self.kv.pool.num_total}; lower max_tokens or raise num_blocks"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
-        request.seq = self._seq
-        self._seq += 1
+        request.seq = self.next_seq()
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self.sharing.on_add(request)
@@ -145,6 +144,17 @@ class Scheduler:
             return None
         self.finish(request, FinishReason.ABORT)
         return RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
+
+    def next_seq(self) -> int:
+        """The next place in arrival order (a time-sliced request queues again as if it came
+        in now)."""
+        self._seq += 1
+        return self._seq - 1
+
+    @property
+    def next_step_id(self) -> int:
+        """The id of the step being built (or the next one)."""
+        return self._step_id + 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -173,6 +183,7 @@ class Scheduler:
         self._in_step = set()
         self.preemptor.begin_step()
         self.preemptor.admit_by_priority()
+        self.preemptor.rotate()
         starters = []
         ended: set[Request] = set()  # starters whose only item is a carried token that ended
         carried = self._carried

@@ -1,0 +1,161 @@
+"""Time slicing under KV pressure (``preemption_time_slice``, ``Preemptor.rotate``): a request
+preempted early takes a turn before the first requests end instead of waiting for them; the
+victim has had its slice (beyond what it replayed), is the one furthest ahead under swap and
+the one least far under recompute, and queues behind the request it makes room for; token ids
+and exit depths stay those of an unpressured run and the dense oracle in both preemption modes,
+with async scheduling, delayed exits, wavefront prefill, token pipelining, seeded sampling,
+aborts and swap space running out, and the pool and swap space end empty."""
+
+from __future__ import annotations
+
+import pytest
+from engine_util import make_core, run_core
+from fixed_exits import FixedExits, make_request, make_scheduler
+from test_preemption import MODES, ROOMY, SWAP_GB, _assert_empty, _oracle, _run, _same, _workload
+from test_preemption import _tight_blocks as tight_blocks
+
+from rltserve.config import SchedulerConfig
+
+
+def _drive(time_slice: int, swap: bool = False):
+    """Three requests of 4 prompt and 12 output tokens over 12 blocks (two fit at the end):
+    per step, the running ids, the preempted ids and the finished ids."""
+    s = make_scheduler(12, swap=swap, preemption_time_slice=time_slice, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12))
+    runner = FixedExits()
+    log = []
+    while s.has_work():
+        admitted = {r.request_id: (r.admitted_step, r.admitted_replay) for r in s.running}
+        rotations = s.preemptor.num_rotations
+        plan = s.schedule()
+        for rid in plan.preempted[: s.preemptor.num_rotations - rotations]:
+            # A slice is q steps past the positions its admission recomputed.
+            step, replay = admitted[rid]
+            assert plan.step_id - step >= time_slice + replay, rid
+        updates = s.apply(plan, runner.result(plan))
+        ended = [u.request_id for u in updates if u.finish_reason is not None]
+        log.append(({r.request_id for r in s.running}, list(plan.preempted), ended))
+    assert s.kv.usage == 0.0 and not s.requests
+    return s, log
+
+
+def _first(log, pred) -> int:
+    return next(i for i, entry in enumerate(log) if pred(entry))
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_preempted_request_takes_a_turn_before_the_first_ends(swap):
+    s, log = _drive(0, swap)
+    preempted = _first(log, lambda e: e[1])
+    first_end = _first(log, lambda e: e[2])
+    assert log[preempted][1] == ["r2"]  # the latest arrival (vLLM's order)
+    back = _first(log[preempted + 1 :], lambda e: "r2" in e[0]) + preempted + 1
+    assert back > first_end  # without slicing it waits for blocks to free
+    assert s.preemptor.num_rotations == 0
+
+    s, log = _drive(3, swap)
+    assert _first(log, lambda e: e[1]) == preempted  # the same first preemption ...
+    rotation = _first(log[preempted + 1 :], lambda e: e[1]) + preempted + 1
+    assert rotation - preempted == 3  # ... then a turn after 3 steps of waiting
+    assert log[rotation][1] == ["r0"]  # r0 and r1 tie (same outputs, same step): first in line
+    assert "r2" in log[rotation][0]  # admitted in the step that made room for it
+    assert rotation < _first(log, lambda e: e[2])
+    assert s.preemptor.num_rotations >= 2
+    assert sum(len(e[2]) for e in log) == 3
+
+
+def test_the_victim_queues_behind_the_request_it_makes_room_for():
+    s = make_scheduler(12, preemption_time_slice=3, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12))
+    runner = FixedExits()
+    seqs = {}
+    while not s.preemptor.num_rotations:
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+        seqs = {rid: r.seq for rid, r in s.requests.items()}
+    assert seqs["r0"] > seqs["r2"] > seqs["r1"]  # r0 re-queued as a new arrival
+
+
+def test_time_slice_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, "8"):
+        with pytest.raises(ValueError, match="preemption_time_slice"):
+            SchedulerConfig(preemption_time_slice=bad)
+
+
+SLICED = {"preemption_time_slice": 2}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},
+        {"kv_policy": "full"},
+        {"async_scheduling": True, "exit_mode": "delayed", "lag": 1, "deferred": True},
+        {"wavefront_prefill": True, "prefill_chunk_size": 5, "max_num_batched_tokens": 24},
+        {"speculative_tokens": 2, "draft_loops": 2},
+    ],
+    ids=["gate", "full", "async-delayed", "wavefront", "pipelined"],
+)
+def test_time_slicing_equals_unpressured_and_oracle(ckpts, ouro_ref, mode, case):
+    prompts, params, arrivals = _workload(6, seed=11, thresholds=(0.5, 1.0, 0.3))
+    if "speculative_tokens" in case:
+        params = [p.replace(exit_threshold=1.0, min_loops=1) for p in params]
+    kw = {"prefill_chunk_size": 8, "max_num_batched_tokens": 32, **case}
+    plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **ROOMY)  # (lag, deferred)
+    lag = {k: kw.pop(k) for k in ("lag", "deferred") if k in kw}
+    kw.update(block_size=4, kv_watermark=0.0, preemption_mode=mode, **SLICED)
+    core = make_core(
+        ckpts["ouro"], num_blocks=tight_blocks(ckpts["ouro"], prompts, params, **kw), **kw
+    )
+    sliced = run_core(core, prompts, params, arrivals=arrivals, **lag)
+    _assert_empty(core)
+    assert core.scheduler.preemptor.num_rotations >= 2
+    _same(sliced, plain)
+    policy = case.get("kv_policy", "last_exited")
+    _oracle(ouro_ref, sliced, prompts, params, policy, case.get("exit_mode", "gate"))
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_the_victim_is_the_one_furthest_ahead_under_swap_the_least_under_recompute(swap):
+    # r0 and r1 arrive first, r2 three steps later, r3 six: the first turn finds r0 and r1 with
+    # more outputs than r2 (r3 was the first preempted, for lack of blocks).
+    s = make_scheduler(16, swap=swap, preemption_time_slice=3, max_num_seqs=8)
+    arrivals = {0: ["r0", "r1"], 3: ["r2"], 6: ["r3"]}
+    runner = FixedExits()
+    step = 0
+    while not s.preemptor.num_rotations:
+        for rid in arrivals.pop(step, []):
+            s.add_request(make_request(rid, 4, 12))
+        outputs = {r.request_id: len(r.output_token_ids) for r in s.running}
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+        step += 1
+    assert s.requests["r3"].num_preemptions == 1
+    assert outputs == {"r0": 6, "r1": 6, "r2": 5}
+    # Swap: the furthest ahead, r0 before r1 (admitted in the same step, first in line);
+    # recompute: r2, whose replay is shortest.
+    assert plan.preempted == (["r0"] if swap else ["r2"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_time_slicing_with_seeded_sampling_and_aborts(ckpts, mode):
+    """Sampled requests continue their generators across turns; requests aborted while
+    running or waiting their turn leave nothing behind (``_assert_empty``)."""
+    prompts, params, arrivals = _workload(6, seed=12, thresholds=(0.5, 1.0))
+    params = [p.replace(temperature=0.9, top_p=0.95, seed=300 + i) for i, p in enumerate(params)]
+    plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **ROOMY)
+    kw = {"block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode, **SLICED}
+    if mode == "swap":
+        kw["swap_space_gb"] = SWAP_GB  # some turns fall back to recompute
+    blocks = tight_blocks(ckpts["ouro"], prompts, params, **kw)
+    aborts = {1: 12, 4: 20}
+    core = make_core(ckpts["ouro"], num_blocks=blocks, **kw)
+    sliced = run_core(core, prompts, params, arrivals=arrivals, aborts=aborts)
+    _assert_empty(core)
+    assert core.scheduler.preemptor.num_rotations >= 2
+    for i in range(len(prompts)):
+        got, want = sliced.tokens[f"r{i}"], plain.tokens[f"r{i}"]
+        assert got == (want[: len(got)] if i in aborts else want), f"request {i}"
