@@ -159,3 +159,23 @@ def test_time_slicing_with_seeded_sampling_and_aborts(ckpts, mode):
     for i in range(len(prompts)):
         got, want = sliced.tokens[f"r{i}"], plain.tokens[f"r{i}"]
         assert got == (want[: len(got)] if i in aborts else want), f"request {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_time_slicing_on_cuda_equals_oracle(ckpts, ouro_ref, mode):
+    """On the device, sync and async with deferred results: turns, swap-outs to host memory
+    and resumes give the oracle's tokens and depths."""
+    prompts, params, arrivals = _workload(6, seed=11, thresholds=(0.5, 1.0, 0.3))
+    kw = {"block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode, **SLICED}
+    blocks = tight_blocks(ckpts["ouro"], prompts, params, **kw)
+    for deferred in (False, True):
+        async_kw = {"async_scheduling": True, "exit_mode": "delayed"} if deferred else {}
+        core = make_core(ckpts["ouro"], num_blocks=blocks, device="cuda", **kw, **async_kw)
+        run = run_core(
+            core, prompts, params, arrivals=arrivals, lag=int(deferred), deferred=deferred
+        )
+        _assert_empty(core)
+        assert core.scheduler.preemptor.num_rotations >= 2
+        exit_mode = "delayed" if deferred else "gate"
+        _oracle(ouro_ref, run, prompts, params, "last_exited", exit_mode)
