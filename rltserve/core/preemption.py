@@ -161,6 +161,7 @@ class Preemptor:
         victim.swapped_tokens = keep
         s.drop_carried(victim)
         victim.items.clear()
+        victim.lockstep = False
         victim.num_preemptions += 1
         victim.replay_until = p + k - 1 if k else 0
         victim.num_scheduled = keep

@@ -77,6 +77,9 @@ class InFlight:
     # than the item's last loop, where its coda runs (``Request.first_coda_at``, a generated
     # token recomputed under ``full``); 0: its state after the last loop.
     coda_state_at: int = 0
+    # A recompute of generated tokens started in the same step as the item before it, with
+    # which it loops in lockstep (``Wavefront.start_runs``).
+    lockstep: bool = False
 
     @property
     def end(self) -> int:
@@ -120,6 +123,9 @@ class Request:
     num_preemptions: int = 0
     replay_until: int = 0
     resume: Resume = Resume.NONE
+    lockstep: bool = (
+        False  # some of its items are replay runs in lockstep (``Wavefront.start_runs``)
+    )
     swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
     # Time slicing (``Preemptor.rotate``): the step that last admitted it, its outputs then
     # and the positions that admission recomputes, and the step that last preempted it.

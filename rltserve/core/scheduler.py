@@ -59,12 +59,11 @@ from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.standing import Standing
 from rltserve.core.swap import SwapSpace
+from rltserve.core.wavefront import CARRIED, OVER, PLAN, WAIT, Wavefront
 from rltserve.core.work_items import ItemMaker
 from rltserve.updates import RequestUpdate, StepUpdates
 
 _SEQ = attrgetter("seq")
-
-PLAN, WAIT, OVER, CARRIED = "plan", "wait", "over", "carried"
 
 
 class Scheduler:
@@ -94,6 +93,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.item_maker = ItemMaker(config, kv, has_boundary)
         self.preemptor = Preemptor(self, swap)
+        self.wavefront = Wavefront(self)
         self.sharing = PromptSharing(self)
         self.admission = Admission(self)
         self.applier = Applier(self)
@@ -249,7 +249,7 @@ class Scheduler:
     ) -> tuple[int, bool, bool]:
         """Plans the next loop of each of the request's items that is ready. Returns the budget
         left, whether an item still has loops to plan, and whether a new item may enter loop 1
-        in this step (``_may_start``, judged on the state before this step's planning).
+        in this step (``Wavefront.may_start``, judged on the state before this step's planning).
 
         Wavefront rule: an item's loop d also needs the previous item's loop d planned in an
         earlier step (it writes the plane-d KV the item attends to). Items are visited last to
@@ -259,7 +259,10 @@ class Scheduler:
         request_items = request.items
         next_loop = self._next_loop
         states = [next_loop(request, it) for it in request_items]
-        may_start = self._may_start(request, states)
+        may_start = self.wavefront.may_start(request, states)
+        if request.lockstep:
+            budget, busy = self.wavefront.continue_lockstep(request, states, items, owners, budget)
+            return budget, busy, may_start
         busy = False
         over = []
         for k in range(len(states) - 1, -1, -1):
@@ -283,34 +286,6 @@ class Scheduler:
             if not item.carry_key or item.carry_key not in self._carried:
                 request_items.remove(item)  # (a carried one once its last result is applied)
         return budget, busy, may_start
-
-    def _may_start(self, request: Request, states: list[str]) -> bool:
-        """Whether a new item of the request may enter loop 1 in this step (``states``: its
-        items' ``_next_loop`` before this step's planning)."""
-        active = len(states) - states.count(OVER)
-        if not active:
-            return True
-        start = request.num_scheduled
-        if start < request.num_prompt_tokens:
-            return self.config.wavefront_prefill  # the next chunk trails the previous by a loop
-        if start <= request.replay_until:
-            # Resume after preemption: inputs are recorded tokens and no replayed token samples,
-            # so on per-depth planes the recompute runs as a wavefront over (token, depth).
-            # With coda attention, a token's coda reads every earlier position's coda K/V,
-            # written at that position's exit: not where tokens may exit before the last loop
-            # (traced exits; such models have no gate), which they then do in turns.
-            if self.has_boundary and request.params.trace_depths is not None:
-                return False
-            return self.kv.policy.per_depth
-        last = request.items[-1]
-        if request.pipelined:
-            # Token pipelining: the next token enters on the draft of the newest item.
-            drafted = last.draft_at and last.planned >= last.draft_at
-            return bool(drafted) and active <= self.config.speculative_tokens
-        if not self.config.wavefront_prefill:
-            return False
-        # A decode token needs its input: the previous item's output, sampled in an earlier step.
-        return exit_known(request, last, self._planned_loops(last)) is True
 
     def _next_loop(self, request: Request, item: InFlight) -> str:
         done = self._planned_loops(item)
@@ -395,6 +370,8 @@ class Scheduler:
             if self.kv.extend(rid, item.end) and not self._grow(request, item.end):
                 continue
             budget -= self.start(request, item, items, owners)
+            if request.num_scheduled < request.replay_until:
+                budget = self.wavefront.start_runs(request, item, items, owners, budget)
         return budget
 
     def _grow(self, request: Request, end: int) -> bool:
