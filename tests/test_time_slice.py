@@ -179,3 +179,23 @@ def test_time_slicing_on_cuda_equals_oracle(ckpts, ouro_ref, mode):
         assert core.scheduler.preemptor.num_rotations >= 2
         exit_mode = "delayed" if deferred else "gate"
         _oracle(ouro_ref, run, prompts, params, "last_exited", exit_mode)
+
+
+def test_a_turn_that_could_not_make_room_preempts_nobody(monkeypatch):
+    s = make_scheduler(12, preemption_time_slice=3, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12))
+    runner = FixedExits()
+    head = s.requests["r2"]
+    while not head.num_preemptions or s.next_step_id - head.preempted_step < 3:
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+    assert head.status.name == "WAITING" and s.preemptor.num_rotations == 0
+    # Its turn is due. Needing more than every running request holds, it takes nobody.
+    blocks = s.admission.blocks
+    monkeypatch.setattr(s.admission, "blocks", lambda r, item, hit=None: s.kv.pool.num_total + 1)
+    s.preemptor.rotate()
+    assert s.preemptor.num_rotations == 0 and s.num_running == 2
+    monkeypatch.setattr(s.admission, "blocks", blocks)
+    s.preemptor.rotate()  # the real need: one victim makes room
+    assert s.preemptor.num_rotations == 1 and s.num_running == 1

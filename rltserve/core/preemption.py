@@ -121,21 +121,28 @@ class Preemptor:
         item = s.item_maker.next_item(head, s.config.max_num_batched_tokens)
         if item is None:
             return
+        need = s.admission.blocks(head, item) - s.kv.num_free_blocks
+        if need <= 0:
+            return
         priority = head.params.priority
-        while s.admission.blocks(head, item) > s.kv.num_free_blocks:
-            ripe = [
-                r
-                for r in s.running
-                if step - r.admitted_step >= q + r.admitted_replay
-                and len(r.output_token_ids) > r.admitted_outputs
-                and not (s.priority and r.params.priority < priority)
-            ]
-            if not ripe:
-                return
-            if self.swap is not None:
-                victim = max(ripe, key=lambda r: (len(r.output_token_ids), -r.admitted_step))
-            else:
-                victim = min(ripe, key=lambda r: (len(r.output_token_ids), r.admitted_step))
+        ripe = [
+            r
+            for r in s.running
+            if step - r.admitted_step >= q + r.admitted_replay
+            and len(r.output_token_ids) > r.admitted_outputs
+            and not (s.priority and r.params.priority < priority)
+        ]
+        kv = s.kv
+        if sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in ripe) < need:
+            return  # (its turn would take more than those whose slice is over hold)
+        # Victims in order of preference, taken until the head fits.
+        if self.swap is not None:
+            ripe.sort(key=lambda r: (-len(r.output_token_ids), r.admitted_step))
+        else:
+            ripe.sort(key=lambda r: (len(r.output_token_ids), r.admitted_step))
+        for victim in ripe:
+            if s.admission.blocks(head, item) <= kv.num_free_blocks:
+                break
             self.preempt(victim)
             victim.seq = s.next_seq()
             self.num_rotations += 1
