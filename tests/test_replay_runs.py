@@ -1,6 +1,7 @@
 """Recompute after preemption with replay runs in lockstep (``Wavefront.start_runs``): the runs
-of a preempted request's generated tokens start in one step and loop together, each to its
-recorded exit depth, so a replay takes about as many steps as its deepest run has loops. Token
+of a preempted request's generated tokens start in one step, with the last chunk of its
+prompt when that is recomputed too, and loop together, each to its recorded exit depth, so a
+replay takes about as many steps as its deepest item has loops. Token
 ids and exit depths stay the oracle's under token budgets that split the runs of one replay
 across steps, with chunked and wavefront prefill, async scheduling and time slicing."""
 
@@ -18,12 +19,20 @@ def _pressured(ckpts, prompts, params, arrivals, **kw):
         ckpts["ouro"], num_blocks=tight_blocks(ckpts["ouro"], prompts, params, **kw), **kw
     )
     started = []  # per step: the replay runs started in lockstep
+    core.with_prompt = 0  # steps where runs start with the last prompt chunk they replay after
     schedule = core.scheduler.schedule
 
     def spy():
         plan = schedule()
         if plan is not None:
             started.append(sum(1 for r in core.scheduler.running for it in r.items if it.lockstep))
+            for r in core.scheduler.running:
+                p = r.num_prompt_tokens
+                firsts = [w for w in plan.items if w.request_id == r.request_id and w.depth == 1]
+                if any(w.start < p <= w.start + w.num_tokens for w in firsts) and any(
+                    w.start >= p for w in firsts
+                ):
+                    core.with_prompt += 1
         return plan
 
     core.scheduler.schedule = spy
@@ -58,4 +67,5 @@ def test_lockstep_replay_equals_oracle(ckpts, ouro_ref, case):
     _assert_empty(core)
     assert core.stats().num_preemptions >= 3
     assert max(started) >= 2  # runs did loop in lockstep
+    assert core.with_prompt >= 1  # ... and with the last prompt chunk before them
     _oracle(ouro_ref, run, prompts, params, "last_exited", case.get("exit_mode", "gate"))

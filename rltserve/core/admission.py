@@ -90,6 +90,8 @@ class Admission:
                 )
             )
             budget -= s.start(request, item, items, owners)
+            if request.num_scheduled < request.replay_until:
+                budget = s.wavefront.start_runs(request, item, items, owners, budget)
 
 
 def _uses_penalties(request: Request) -> bool:

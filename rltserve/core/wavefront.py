@@ -2,10 +2,11 @@
 items are still looping (``may_start``: prompt chunks under wavefront prefill, replays after
 preemption, token pipelining, decode tokens under wavefront prefill), and replay runs in
 lockstep: a preempted request recomputes its generated tokens run by run
-(``preemption.replay_item``: a run is tokens of one recorded exit depth); the runs after the
-first start in the same step and loop together, each to its own depth (``start_runs``,
-``continue_lockstep``), so a replay takes about as many steps as its deepest run has loops
-instead of one step per run.
+(``preemption.replay_item``: a run is tokens of one recorded exit depth); the runs start in
+one step, with the last chunk of the prompt when that is recomputed too, and loop together,
+each to its own depth (``start_runs``, ``continue_lockstep``), so a replay takes about as many
+steps as its deepest item has loops instead of one step per run and the prompt's loops
+before them.
 
 Exact on per-depth planes: a replayed token's loop d reads its predecessors' plane-d K/V, which
 a run still looping writes in the same layer call of the same step (every row's K/V is written
@@ -122,17 +123,17 @@ class Wavefront:
         budget: int,
     ) -> int:
         """Recompute after preemption (``replay_item``): the runs of generated tokens after
-        ``first`` start in the same step and loop in lockstep with it, each to its recorded
-        exit depth, so a replay takes about as many steps as the deepest run has loops instead
-        of one step per run. Exact on per-depth planes: a replayed token's loop d reads its
-        predecessors' plane-d K/V, which a run still looping writes in the same layer call
-        (every row's K/V is written before any row attends) and a run that ended wrote (or
-        copied, ``last_exited``) in an earlier step. Not with coda attention (``may_start``
-        keeps those replays in turns)."""
+        ``first`` (the first run, or the last chunk of the prompt) start in the same step and
+        loop in lockstep with it, each to its recorded exit depth, so a replay takes about as
+        many steps as its deepest item has loops. Exact on per-depth planes: a replayed
+        token's loop d reads its predecessors' plane-d K/V, which an item still looping writes
+        in the same layer call (every row's K/V is written before any row attends) and one
+        that ended wrote (or copied, ``last_exited``) in an earlier step. Not with coda
+        attention (``may_start`` keeps those replays in turns)."""
         s = self.s
         if (
             first.has_output
-            or first.start < request.num_prompt_tokens
+            or first.end < request.num_prompt_tokens
             or not s.kv.policy.per_depth
             or s.has_boundary
         ):
