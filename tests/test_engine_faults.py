@@ -90,7 +90,7 @@ def step_requests(plan, core) -> set[str]:
 
 def assert_clean(core) -> None:
     assert core.kv.usage == 0
-    assert not core.runner.swapped and core.stats().swapped_bytes == 0
+    assert not core.runner.host_swap.num_requests and core.stats().swapped_bytes == 0
     core.kv.check_no_leaks()
     assert not core.runner.live and not core.runner._dropped
     assert not core.scheduler.requests

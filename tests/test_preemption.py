@@ -56,7 +56,7 @@ def _run(path, prompts, params, arrivals=None, *, lag=0, deferred=False, aborts=
 def _assert_empty(core) -> None:
     core.kv.check_no_leaks()  # cached prompt blocks no request holds are evictable, not leaked
     assert core.kv.usage == 0.0
-    assert not core.runner.swapped
+    assert not core.runner.host_swap.num_requests
     assert not core.runner.kept_generators
     stats = core.stats()
     assert stats.swapped_bytes == 0 and stats.num_swapped == 0 and stats.num_recomputing == 0
@@ -334,7 +334,7 @@ def test_swap_mode_swaps_and_reports_it(ckpts):
         stats = core.stats()
         # The scheduler's accounting and the runner's host copies agree after every step.
         assert stats.swapped_bytes == core.runner.swapped_bytes
-        assert stats.num_swapped == len(core.runner.swapped)
+        assert stats.num_swapped == core.runner.host_swap.num_requests
         seen = max(seen, stats.swapped_bytes)
     core.step()  # hands the last releases to the runner
     assert seen > 0

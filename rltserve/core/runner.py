@@ -40,6 +40,7 @@ from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
 from rltserve.core.executor import ExecutionFuture, StepThread
+from rltserve.core.host_swap import HostSwap
 from rltserve.core.live import LiveRequest, PendingRows
 from rltserve.core.metadata import Spans
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
@@ -122,8 +123,8 @@ class ModelRunner:
         # Width of the sampled logits (the model's possibly padded vocabulary), known once a
         # step has sampled: a resumed request repeats its generator draws at this width.
         self.logits_width = self.spec.vocab_size
-        # Swap space: KV of preempted requests on the host, [L, 2, slots, H, Dh] per request.
-        self.swapped: dict[str, torch.Tensor] = {}
+        # Swap space: KV of preempted requests on the host (pinned, non-blocking on CUDA).
+        self.host_swap = HostSwap(self.kv, self.device)
         # Sampling generators of preempted requests, until they resume or are released: a
         # resume continues from one instead of replaying every draw from the seed.
         self.kept_generators: dict[str, SeededGenerator] = {}
@@ -204,7 +205,7 @@ class ModelRunner:
             self.pending_rows = None
             self.carried.clear()
             self.block_tables.clear()
-            self.swapped.clear()
+            self.host_swap.clear()
             self.kept_generators.clear()
             self._dropped.clear()
 
@@ -261,7 +262,7 @@ class ModelRunner:
             self.deliver()
             # A request preempted by this step whose KV had not reached swap space yet has
             # lost it: it fails too (its resume would find nothing to swap in).
-            lost = [rid for rid, _ in plan.swap_out if rid not in self.swapped]
+            lost = [rid for rid, _ in plan.swap_out if not self.host_swap.holds(rid)]
             result = self._fail_step(handle, exc, lost)
             handle.finish = lambda: result
         finally:
@@ -319,14 +320,14 @@ class ModelRunner:
         return self._attention.build(spans, keys, carried, one_row)
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
-        """[len(blocks) * block_size] int64: every slot of ``blocks``, block by block."""
+        """[len(blocks) * block_size] int64 on the device: every slot of ``blocks``, block by
+        block (pinned and non-blocking on CUDA: a pageable copy would wait for the stream)."""
         bs = self.block_size
-        base = torch.tensor(blocks, dtype=torch.int64).repeat_interleave(bs) * bs
-        return (base + torch.arange(bs).repeat(len(blocks))).to(self.device)
+        return to_device([b * bs + i for b in blocks for i in range(bs)], self.device)
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.swapped.values())
+        return self.host_swap.used_bytes
 
     def timed(self, fn, *args):
         start = time.perf_counter()
@@ -384,15 +385,15 @@ class ModelRunner:
         handle.carried = self.carried.items
         carried = self.carried.advance(continued, plan.moved)  # their next loops run first
         handle.carried = carried
+        swap = self.host_swap
         for rid, blocks in plan.swap_out:  # before any later item can overwrite the blocks
-            self.swapped[rid] = self.kv.index_select(2, self._slots(blocks)).to("cpu")
+            swap.put(rid, self._slots(blocks))
         for rid in plan.released:  # swap space after the swap-outs, in the plan's order
-            self.swapped.pop(rid, None)
+            swap.drop(rid)
         for rid, blocks in plan.swap_in:
             if rid in self._dropped:  # its swap-out failed; the scheduler fails it
                 continue
-            saved = self.swapped.pop(rid)
-            self.kv.index_copy_(2, self._slots(blocks), saved.to(self.device))
+            swap.take(rid, self._slots(blocks))
         if plan.block_copies:
             sources, targets = zip(*plan.block_copies)
             copied = self.kv.index_select(2, self._slots(list(sources)))
