@@ -45,7 +45,11 @@ class HostSwap:
         n = slots.numel()
         segment, start = self._allocate(n)
         self._held[request_id] = (segment, start, n)
-        self._view(segment, start, n).copy_(self.kv.index_select(2, slots), non_blocking=self.pin)
+        view = self._view(segment, start, n)  # [L, 2, n, Hkv, hd]
+        if self.pin:  # gathered on the device, then one copy over the link
+            view.copy_(self.kv.index_select(2, slots), non_blocking=True)
+        else:
+            torch.index_select(self.kv, 2, slots, out=view)
 
     def take(self, request_id: str, slots: torch.Tensor) -> None:
         """Copies ``request_id``'s K/V back into ``slots`` [n] (its blocks now) and frees its
