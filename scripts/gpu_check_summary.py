@@ -187,6 +187,7 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
                 f"  kv {name:<19} peak running {run['peak_running']:>4}, steps {run['steps']:>5}, "
                 f"preemptions {run['preemptions']:>3}, loop rows {run['loop_rows']:>6}, "
                 f"{run['output_tokens_per_s']} tok/s"
+                + (f", {run['ms_per_step']} ms/step" if "ms_per_step" in run else "")
             )
     for row in (kv or {}).get("sweep") or []:
         lines.append(
@@ -195,6 +196,7 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
             f"{row['steps']:>5}, preemptions {row['preemptions']:>3}, loop rows "
             f"{row['loop_rows']:>6}, {row['output_tokens_per_s']} tok/s, lost "
             f"{row['loss_vs_unpressured']:.0%}"
+            + (f", {row['ms_per_step']} ms/step" if "ms_per_step" in row else "")
         )
     for arm in ("in_place", "restart"):
         run = (rollout or {}).get(arm)

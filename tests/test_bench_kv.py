@@ -47,3 +47,5 @@ def test_kv_pressure_compare(ouro_rv1, select):
         assert r["time_slice_preemptions"] <= r["preemptions"]
         assert r["time_slice_preemptions"] == 0 or r["preemption_time_slice"] == 8
         assert r["steps_vs_unpressured"] == round(r["steps"] / report["unpressured"]["steps"], 3)
+        # Per-step times: the model's share of a step is at most the step.
+        assert 0 < r["model_ms_per_step"] <= r["ms_per_step"]

@@ -51,6 +51,7 @@ def _run(
         peak_blocks = max(peak_blocks, total - core.kv.num_free_blocks)
     elapsed = time.perf_counter() - start
     stats = core.stats()
+    model_seconds = core.runner.model_seconds
     core.shutdown()  # (the preemptor's counts stay readable)
     return {
         "output_tokens": tokens,
@@ -60,6 +61,10 @@ def _run(
         "preemptions": stats.num_preemptions,
         "time_slice_preemptions": core.scheduler.preemptor.num_rotations,
         "peak_blocks": peak_blocks,
+        # Wall time per step, and of it inside model calls (the rest: planning, the runner's
+        # host work, swap copies), where a step with turns costs more than one without.
+        "ms_per_step": round(elapsed * 1e3 / max(stats.num_steps, 1), 3),
+        "model_ms_per_step": round(model_seconds * 1e3 / max(stats.num_steps, 1), 3),
         "swap_fallbacks": stats.swap_fallbacks,
         "steps": stats.num_steps,
         # Rows run through the loop, all steps together: the work done, recomputation included
