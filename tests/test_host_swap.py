@@ -1,6 +1,8 @@
 """HostSwap: swapped K/V comes back bit-exact into other blocks; ranges are reused first fit,
-merged when freed, and a new segment (twice the others) is made only when none fits; drop and
-clear free ranges; used bytes count what requests hold. On CUDA the segments are pinned."""
+merged when freed, and a new segment (twice the others, within the capacity) is made only when
+none fits, one beyond the capacity dropped once empty; drop and clear free ranges; a copy that
+fails holds nothing and loses no range; used bytes count what requests hold. On CUDA the
+segments are pinned."""
 
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def test_ranges_reused_merged_and_segments_grow(small_segments):
     swap.take("c", _idx(range(30, 33)))
     swap.take("e", _idx(range(40, 48)))
     assert torch.equal(kv[:, :, 30:33], want["c"]) and torch.equal(kv[:, :, 40:48], want["e"])
-    assert swap._free == [[(0, 8)], [(0, 16)]] and swap.used_bytes == 0
+    assert swap._free == {0: [(0, 8)], 1: [(0, 16)]} and swap.used_bytes == 0
 
 
 def test_drop_unknown_and_clear(small_segments):
@@ -86,7 +88,34 @@ def test_drop_unknown_and_clear(small_segments):
     swap.put("b", _idx(range(5, 10)))
     swap.clear()
     assert swap.num_requests == 0 and swap.used_bytes == 0
-    assert swap._free == [[(0, 8)], [(0, 16)]]  # segments kept, all free
+    assert swap._free == {0: [(0, 8)], 1: [(0, 16)]}  # segments kept, all free
+
+
+def test_segments_stay_within_the_capacity(small_segments):
+    swap = HostSwap(_kv(), torch.device("cpu"), capacity_bytes=12 * SLOT_NUMEL * 4)
+    swap.put("a", _idx(range(6)))
+    swap.put("b", _idx(range(6, 9)))  # 2 slots left in the first 8: a second one, 4 (not 16)
+    assert swap._held["b"] == (1, 0, 3) and swap.segment_bytes == 12 * SLOT_NUMEL * 4
+    swap.drop("b")
+    # Fragmented at the capacity: 2 + 4 free, 5 wanted. A segment of 5 beyond it, dropped
+    # once empty; the ones within it stay.
+    swap.put("c", _idx(range(10, 15)))
+    assert swap._held["c"] == (2, 0, 5) and swap.segment_bytes == 17 * SLOT_NUMEL * 4
+    swap.take("c", _idx(range(20, 25)))
+    assert sorted(swap.segments) == [0, 1] and swap.segment_bytes == 12 * SLOT_NUMEL * 4
+
+
+def test_a_failed_copy_holds_nothing_and_keeps_its_range(small_segments):
+    kv = _kv()
+    swap = HostSwap(kv, torch.device("cpu"))
+    with pytest.raises(IndexError):
+        swap.put("a", _idx([3, SLOTS + 5]))  # a slot past the KV
+    assert not swap.holds("a") and swap.used_bytes == 0 and swap._free == {0: [(0, 8)]}
+    swap.put("b", _idx([1, 2]))
+    with pytest.raises(IndexError):
+        swap.take("b", _idx([4, SLOTS + 1]))
+    # The request fails with its step: its range is free again.
+    assert not swap.holds("b") and swap._free == {0: [(0, 8)]}
 
 
 @pytest.mark.gpu

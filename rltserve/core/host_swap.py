@@ -10,6 +10,10 @@ pinned buffer per swap costs a page-locking allocation each time). The host neve
 writes a segment itself, so a range is free for reuse as soon as the copy that empties it is
 queued: the next copy into it runs after on the same stream.
 
+Growth is bounded by ``capacity_bytes`` (the swap space ``SwapSpace`` accounts for): a new
+segment is at most what is left of it, unless a request fits no range when the segments reach
+it (first-fit fragmentation); such a segment is dropped once it is empty again.
+
 Layout: a request's range holds ``kv.index_select(2, slots)`` flattened, [L, 2, n, Hkv, hd]
 in that order; a slot is ``L * 2 * Hkv * hd`` elements.
 """
@@ -24,45 +28,55 @@ MIN_SEGMENT_BYTES = 16 << 20
 
 
 class HostSwap:
-    def __init__(self, kv: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, kv: torch.Tensor, device: torch.device, capacity_bytes: int = 0) -> None:
+        """``capacity_bytes``: the swap space's size (0: no bound on the segments)."""
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.pin = device.type == "cuda"
         self.device = device
         layers, two, _, heads, head_dim = kv.shape
         self.slot_numel = layers * two * heads * head_dim
-        self.segments: list[torch.Tensor] = []  # flat, kv.dtype, whole slots
+        self.slot_bytes = self.slot_numel * kv.element_size()
+        self.capacity_slots = capacity_bytes // self.slot_bytes if capacity_bytes else 0
+        self.segments: dict[int, torch.Tensor] = {}  # id -> flat, kv.dtype, whole slots
         # Per segment: its free ranges (start slot, slots), sorted and never adjacent.
-        self._free: list[list[tuple[int, int]]] = []
+        self._free: dict[int, list[tuple[int, int]]] = {}
         self._held: dict[str, tuple[int, int, int]] = {}  # request id -> (segment, start, n)
+        self._next_id = 0
 
     # ------------------------------------------------------------------ copies
 
     def put(self, request_id: str, slots: torch.Tensor) -> None:
         """Copies the K/V of ``slots`` [n] (on the KV's device) into host memory for
-        ``request_id``, which must not hold any."""
+        ``request_id``, which must not hold any. If the copy fails nothing is held."""
         if request_id in self._held:
             raise ValueError(f"request {request_id!r} is already swapped out")
         n = slots.numel()
         segment, start = self._allocate(n)
-        self._held[request_id] = (segment, start, n)
         view = self._view(segment, start, n)  # [L, 2, n, Hkv, hd]
-        if self.pin:  # gathered on the device, then one copy over the link
-            view.copy_(self.kv.index_select(2, slots), non_blocking=True)
-        else:
-            torch.index_select(self.kv, 2, slots, out=view)
+        try:
+            if self.kv.is_cpu:
+                torch.index_select(self.kv, 2, slots, out=view)
+            else:  # gathered on the device, then one copy over the link
+                view.copy_(self.kv.index_select(2, slots), non_blocking=self.pin)
+        except BaseException:
+            self._release(segment, start, n)
+            raise
+        self._held[request_id] = (segment, start, n)
 
     def take(self, request_id: str, slots: torch.Tensor) -> None:
         """Copies ``request_id``'s K/V back into ``slots`` [n] (its blocks now) and frees its
-        range."""
-        segment, start, n = self._held.pop(request_id)
+        range (also when the copy fails: the request fails with its step)."""
+        segment, start, n = self._held[request_id]
         if slots.numel() != n:
-            self._held[request_id] = (segment, start, n)
             raise ValueError(f"request {request_id!r}: {slots.numel()} slots for {n} swapped")
-        saved = self._view(segment, start, n)  # [L, 2, n, Hkv, hd]
-        if self.pin:
-            saved = saved.to(self.device, non_blocking=True)
-        self.kv.index_copy_(2, slots, saved)
-        self._release(segment, start, n)
+        del self._held[request_id]
+        try:
+            saved = self._view(segment, start, n)  # [L, 2, n, Hkv, hd]
+            if not self.kv.is_cpu:
+                saved = saved.to(self.device, non_blocking=self.pin)
+            self.kv.index_copy_(2, slots, saved)
+        finally:
+            self._release(segment, start, n)
 
     def drop(self, request_id: str) -> None:
         """Forgets ``request_id``'s K/V, if it holds any (it ended while swapped out)."""
@@ -71,9 +85,10 @@ class HostSwap:
             self._release(*held)
 
     def clear(self) -> None:
-        """Forgets every request's K/V (the segments stay)."""
+        """Forgets every request's K/V (the segments within the capacity stay)."""
+        for segment, start, n in list(self._held.values()):
+            self._release(segment, start, n)
         self._held.clear()
-        self._free = [[(0, self._slots_of(seg))] for seg in self.segments]
 
     # ------------------------------------------------------------------ queries
 
@@ -87,17 +102,16 @@ class HostSwap:
     @property
     def used_bytes(self) -> int:
         """Bytes the swapped requests hold (not the segments' size)."""
-        slots = sum(n for _, _, n in self._held.values())
-        return slots * self.slot_numel * self.kv.element_size()
+        return sum(n for _, _, n in self._held.values()) * self.slot_bytes
 
     @property
     def segment_bytes(self) -> int:
-        return sum(seg.numel() for seg in self.segments) * self.kv.element_size()
+        return self._segment_slots() * self.slot_bytes
 
     # ------------------------------------------------------------------ ranges
 
-    def _slots_of(self, segment: torch.Tensor) -> int:
-        return segment.numel() // self.slot_numel
+    def _segment_slots(self) -> int:
+        return sum(seg.numel() for seg in self.segments.values()) // self.slot_numel
 
     def _view(self, segment: int, start: int, n: int) -> torch.Tensor:
         k = self.slot_numel
@@ -107,8 +121,9 @@ class HostSwap:
 
     def _allocate(self, n: int) -> tuple[int, int]:
         """(segment, start) of a free range of ``n`` slots: the first that fits, else a new
-        segment (twice the others together, at least ``MIN_SEGMENT_BYTES`` and ``n``)."""
-        for segment, free in enumerate(self._free):
+        segment: twice the others together, at least ``MIN_SEGMENT_BYTES``, at most what is
+        left of the capacity, and at least ``n``."""
+        for segment, free in self._free.items():
             for k, (start, length) in enumerate(free):
                 if length >= n:
                     if length == n:
@@ -116,17 +131,23 @@ class HostSwap:
                     else:
                         free[k] = (start + n, length - n)
                     return segment, start
-        slot_bytes = self.slot_numel * self.kv.element_size()
-        have = sum(self._slots_of(seg) for seg in self.segments)
-        size = max(n, 2 * have, -(-MIN_SEGMENT_BYTES // slot_bytes))
-        self.segments.append(
-            torch.empty(size * self.slot_numel, dtype=self.kv.dtype, pin_memory=self.pin)
+        have = self._segment_slots()
+        size = max(2 * have, -(-MIN_SEGMENT_BYTES // self.slot_bytes))
+        if self.capacity_slots:
+            size = min(size, self.capacity_slots - have)
+        size = max(size, n)
+        segment = self._next_id
+        self._next_id += 1
+        self.segments[segment] = torch.empty(
+            size * self.slot_numel, dtype=self.kv.dtype, pin_memory=self.pin
         )
-        self._free.append([(n, size - n)] if size > n else [])
-        return len(self.segments) - 1, 0
+        self._free[segment] = [(n, size - n)] if size > n else []
+        return segment, 0
 
     def _release(self, segment: int, start: int, n: int) -> None:
-        """Returns a range to its segment's free list, merged with free neighbours."""
+        """Returns a range to its segment's free list, merged with free neighbours; drops a
+        segment beyond the capacity once it is empty (a copy still reading it keeps its
+        memory: the pinned allocator waits for it)."""
         free = self._free[segment]
         k = bisect.bisect_left(free, (start, 0))
         end = start + n
@@ -138,3 +159,7 @@ class HostSwap:
             del free[k - 1]
             k -= 1
         free.insert(k, (start, end - start))
+        size = self.segments[segment].numel() // self.slot_numel
+        over = self.capacity_slots and self._segment_slots() > self.capacity_slots
+        if over and free == [(0, size)]:
+            del self.segments[segment], self._free[segment]

@@ -92,11 +92,13 @@ class ModelRunner:
         graph_max_rows: int = 256,
         graph_max_context: int = 4096,
         max_model_len: int | None = None,
+        swap_space_bytes: int = 0,
     ) -> None:
         """``decode_graphs``: None (eager), "cuda" (replay the loop of decode-only steps from
         CUDA graphs, all captured here) or "emulate" (the same padded static buffers run
         eagerly: CPU tests). Graphs cover decode steps of up to ``graph_max_rows`` rows whose
-        contexts fit ``min(max_model_len, graph_max_context)`` tokens."""
+        contexts fit ``min(max_model_len, graph_max_context)`` tokens. ``swap_space_bytes``:
+        the host memory swapped KV may take (``HostSwap``; 0: unbounded)."""
         self.model = model
         self.spec = model.spec
         self.device = torch.device(device)
@@ -124,7 +126,7 @@ class ModelRunner:
         # step has sampled: a resumed request repeats its generator draws at this width.
         self.logits_width = self.spec.vocab_size
         # Swap space: KV of preempted requests on the host (pinned, non-blocking on CUDA).
-        self.host_swap = HostSwap(self.kv, self.device)
+        self.host_swap = HostSwap(self.kv, self.device, swap_space_bytes)
         # Sampling generators of preempted requests, until they resume or are released: a
         # resume continues from one instead of replaying every draw from the seed.
         self.kept_generators: dict[str, SeededGenerator] = {}
