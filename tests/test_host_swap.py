@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rltserve.core import host_swap
 from rltserve.core.host_swap import HostSwap
@@ -132,3 +134,51 @@ def test_pinned_non_blocking_round_trip_on_cuda():
     swap.take("b", _idx(range(20, 32), "cuda"))
     torch.cuda.synchronize()
     assert torch.equal(kv[:, :, 20:32], before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "take", "drop"]), st.integers(0, 5), st.integers(1, 4)),
+        max_size=40,
+    ),
+    capacity=st.sampled_from([0, 12, 20]),
+)
+def test_random_swaps_round_trip_and_keep_ranges_whole(ops, capacity):
+    """Any sequence of puts, takes and drops: every take restores exactly what its put saw, and
+    in every segment the free and held ranges tile it without overlap (merged free ranges)."""
+    # (Not the fixture: hypothesis reuses one function-scoped fixture for every example.)
+    min_bytes = host_swap.MIN_SEGMENT_BYTES
+    host_swap.MIN_SEGMENT_BYTES = 8 * SLOT_NUMEL * 4
+    try:
+        kv = _kv()
+        swap = HostSwap(kv, torch.device("cpu"), capacity_bytes=capacity * SLOT_NUMEL * 4)
+        saved: dict[str, torch.Tensor] = {}
+        for op, k, n in ops:
+            rid = f"r{k}"
+            if op == "put" and rid not in saved:
+                slots = list(range(k * 10, k * 10 + n))
+                saved[rid] = kv[:, :, slots].clone()
+                swap.put(rid, _idx(slots))
+                kv[:, :, slots] = float(k)  # the blocks go to others
+            elif op == "take" and rid in saved:
+                n = saved[rid].shape[2]
+                slots = list(range(SLOTS - n, SLOTS))
+                swap.take(rid, _idx(slots))
+                assert torch.equal(kv[:, :, slots], saved.pop(rid))
+            elif op == "drop":
+                swap.drop(rid)
+                saved.pop(rid, None)
+            assert swap.used_bytes == sum(t.shape[2] for t in saved.values()) * SLOT_NUMEL * 4
+            for seg, tensor in swap.segments.items():
+                size = tensor.numel() // SLOT_NUMEL
+                free = swap._free[seg]
+                held = [(s, n) for g, s, n in swap._held.values() if g == seg]
+                spans = sorted(free + held)
+                assert sum(n for _, n in spans) == size
+                assert all(a + m == b for (a, m), (b, _) in zip(spans, spans[1:]))
+                assert all(a + m < b for (a, m), (b, _) in zip(free, free[1:]))  # merged
+        swap.clear()
+        assert swap.num_requests == 0 and swap.used_bytes == 0
+    finally:
+        host_swap.MIN_SEGMENT_BYTES = min_bytes
