@@ -35,7 +35,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rltserve.core.attention import allocate_kv_cache
+from rltserve.core.attention import allocate_kv_cache, copy_slots
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
@@ -398,8 +398,7 @@ class ModelRunner:
             swap.take(rid, self._slots(blocks))
         if plan.block_copies:
             sources, targets = zip(*plan.block_copies)
-            copied = self.kv.index_select(2, self._slots(list(sources)))
-            self.kv.index_copy_(2, self._slots(list(targets)), copied)
+            copy_slots(self.kv, self._slots(list(sources)), self._slots(list(targets)))
         for setup in plan.new_requests:
             kept = self.kept_generators.pop(setup.request_id, None)
             self.live[setup.request_id] = LiveRequest.create(
