@@ -99,7 +99,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from rltserve.bench.offline import run_offline_bench
 
-    for name in ("num_prompts", "input_len", "output_len", "concurrency", "n"):
+    for name in ("num_prompts", "input_len", "output_len", "concurrency", "n", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.shared_prefix_len < 0:
@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the KV pressure workload: a pool for --concurrency/8 worst-case requests, "
         "--concurrency requests that stop early; full reservation vs on-demand (recompute, "
         "swap) vs an unpressured pool in one run (also: --kv-reservation full --compare)",
+    )
+    off.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--kv-pressure: runs of every case, in rounds over all of them; median times",
     )
     off.add_argument(
         "--concurrency-list",

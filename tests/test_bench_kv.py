@@ -49,3 +49,50 @@ def test_kv_pressure_compare(ouro_rv1, select):
         assert r["steps_vs_unpressured"] == round(r["steps"] / report["unpressured"]["steps"], 3)
         # Per-step times: the model's share of a step is at most the step.
         assert 0 < r["model_ms_per_step"] <= r["ms_per_step"]
+
+
+def test_repeats_run_every_case_in_rounds_and_report_median_times(ouro_rv1, monkeypatch):
+    import statistics
+
+    import rltserve.bench.kv as kv
+
+    order = []
+    real = kv._run
+
+    def spy(model, engine_kw, prompts, params):
+        order.append(
+            (
+                engine_kw["num_blocks"],
+                engine_kw.get("kv_reservation"),
+                engine_kw.get("preemption_mode"),
+                engine_kw.get("preemption_time_slice"),
+            )
+        )
+        return real(model, engine_kw, prompts, params)
+
+    monkeypatch.setattr(kv, "_run", spy)
+    argv = [
+        "bench", "offline", "--model", str(ouro_rv1), "--input-len", "6", "--output-len", "3",
+        "--concurrency", "8", "--block-size", "4", "--kv-pressure", "--repeats", "3",
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    report = run_offline_bench(args, engine_kwargs(args))["kv_pressure"]
+    assert report["repeats"] == 3
+    cases = 4 + len(report["sweep"])
+    assert len(order) == 3 * cases
+    assert order[:cases] == order[cases : 2 * cases] == order[2 * cases :]  # rounds, same order
+    for run in [report[name] for name in ("full", "unpressured")] + report["sweep"]:
+        rates = run["output_tokens_per_s_runs"]
+        assert len(rates) == 3
+        assert run["output_tokens_per_s"] == statistics.median(rates)
+    free = report["unpressured"]["output_tokens_per_s"]
+    for row in report["sweep"]:  # the loss compares medians
+        assert row["loss_vs_unpressured"] == round(1 - row["output_tokens_per_s"] / free, 3)
+
+
+def test_repeats_must_be_positive(ouro_rv1, capsys):
+    from rltserve.cli import main
+
+    argv = ["bench", "offline", "--model", str(ouro_rv1), "--kv-pressure", "--repeats", "0"]
+    assert main(argv) != 0
+    assert "--repeats 0: must be >= 1" in capsys.readouterr().err

@@ -12,11 +12,14 @@ unpressured run held at its peak (the heaviest, ``pool_requests`` worst cases, f
 without and with time slicing (``preemption_time_slice``: the engine's, else
 ``SWEEP_TIME_SLICE``), with the tokens/s lost against the unpressured run. On a device where a
 step costs about the same at any batch size, that loss follows the step counts.
+
+``--repeats R``: every case R times, in rounds over all of them; times are medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -76,7 +79,9 @@ def _run(
 def run_kv_pressure(
     model: LoopedModel, engine_kw: dict, args: argparse.Namespace, prompts_for
 ) -> dict[str, Any]:
-    """``prompts_for(n)``: n benchmark prompts of ``args.input_len`` tokens."""
+    """``prompts_for(n)``: n benchmark prompts of ``args.input_len`` tokens. With
+    ``args.repeats`` > 1 every case runs that many times, in rounds over all the cases (so a
+    slow minute of a shared machine falls on all of them), and the times are the medians."""
     pool_requests = max(1, args.concurrency // 8)
     num = 8 * pool_requests
     max_tokens = 8 * args.output_len
@@ -93,20 +98,32 @@ def run_kv_pressure(
     request = probe.make_request(None, prompts[0], params)
     worst = probe.kv.blocks_needed(request.kv_tokens, request.num_loops)
     probe.shutdown()
+    main_pool = worst * pool_requests
     report: dict[str, Any] = {
         "pool_requests": pool_requests,
         "num_requests": num,
         "max_tokens": max_tokens,
         "stops_after": args.output_len,
-        "num_blocks": worst * pool_requests,
+        "num_blocks": main_pool,
+        "repeats": max(1, getattr(args, "repeats", 1)),
     }
-    for name, case in CASES:
-        report[name] = _run(
-            model, {**kw, **case, "num_blocks": worst * pool_requests}, prompts, params
-        )
-    report["unpressured"] = _run(model, {**kw, "num_blocks": worst * num}, prompts, params)
+    cases = {name: {**kw, **case, "num_blocks": main_pool} for name, case in CASES}
+    cases["unpressured"] = {**kw, "num_blocks": worst * num}
+    runs = {name: [_run(model, case, prompts, params)] for name, case in cases.items()}
+    # The sweep's pools follow the unpressured run's peak (deterministic: the same each round).
+    for key, case in _sweep_cases(kw, main_pool, runs["unpressured"][0]["peak_blocks"]):
+        cases[key] = case
+        runs[key] = [_run(model, case, prompts, params)]
+    for _ in range(report["repeats"] - 1):
+        for name, case in cases.items():
+            runs[name].append(_run(model, case, prompts, params))
+    merged = {name: _median(done) for name, done in runs.items()}
+    for name, _ in (*CASES, ("unpressured", None)):
+        report[name] = merged[name]
     full, free = report["full"], report["unpressured"]
-    report["sweep"] = _sweep(model, kw, prompts, params, report["num_blocks"], free)
+    report["sweep"] = [
+        _sweep_row(cases[key], merged[key], free) for key in cases if isinstance(key, tuple)
+    ]
     report["ratios"] = {
         "recompute_vs_full_running": round(
             report["ondemand_recompute"]["peak_running"] / full["peak_running"], 3
@@ -127,34 +144,53 @@ def run_kv_pressure(
     return report
 
 
-def _sweep(
-    model: LoopedModel,
-    kw: dict,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    main_pool: int,
-    free: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """The on-demand modes at the main pool and at ``SWEEP_FRACTIONS`` of the unpressured
-    peak, each without and with time slicing."""
-    peak = free["peak_blocks"]
+# Figures that vary from run to run (the rest are deterministic).
+TIMED = ("seconds", "output_tokens_per_s", "ms_per_step", "model_ms_per_step")
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run with the median of each timed figure; with several runs, also every run's
+    tokens/s (``output_tokens_per_s_runs``)."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = dict(runs[0])
+    for name in TIMED:
+        merged[name] = statistics.median(run[name] for run in runs)
+    merged["output_tokens_per_s_runs"] = [run["output_tokens_per_s"] for run in runs]
+    return merged
+
+
+def _sweep_cases(kw: dict, main_pool: int, peak: int) -> list[tuple[tuple, dict]]:
+    """The sweep's engine settings, keyed ``(pool, mode, time slice)``: the on-demand modes at
+    the main pool and at ``SWEEP_FRACTIONS`` of the unpressured peak, each without and with
+    time slicing."""
     pools = [main_pool] + [int(f * peak) for f in SWEEP_FRACTIONS if int(f * peak) > main_pool]
     sliced = kw.get("preemption_time_slice") or SWEEP_TIME_SLICE
-    rows = []
-    for pool in pools:
-        for mode in ("recompute", "swap"):
-            for time_slice in (0, sliced):
-                case = {"preemption_mode": mode, "preemption_time_slice": time_slice}
-                run = _run(model, {**kw, **case, "num_blocks": pool}, prompts, params)
-                rate = run["output_tokens_per_s"] / free["output_tokens_per_s"]
-                rows.append(
-                    {
-                        "pool_blocks": pool,
-                        "pool_fraction": round(pool / peak, 3),
-                        **case,
-                        **run,
-                        "loss_vs_unpressured": round(1 - rate, 3),
-                        "steps_vs_unpressured": round(run["steps"] / free["steps"], 3),
-                    }
-                )
-    return rows
+    return [
+        (
+            (pool, mode, time_slice),
+            {
+                **kw,
+                "preemption_mode": mode,
+                "preemption_time_slice": time_slice,
+                "num_blocks": pool,
+            },
+        )
+        for pool in pools
+        for mode in ("recompute", "swap")
+        for time_slice in (0, sliced)
+    ]
+
+
+def _sweep_row(case: dict, run: dict[str, Any], free: dict[str, Any]) -> dict[str, Any]:
+    """A sweep run as a report row, with its loss against the unpressured run."""
+    rate = run["output_tokens_per_s"] / free["output_tokens_per_s"]
+    return {
+        "pool_blocks": case["num_blocks"],
+        "pool_fraction": round(case["num_blocks"] / free["peak_blocks"], 3),
+        "preemption_mode": case["preemption_mode"],
+        "preemption_time_slice": case["preemption_time_slice"],
+        **run,
+        "loss_vs_unpressured": round(1 - rate, 3),
+        "steps_vs_unpressured": round(run["steps"] / free["steps"], 3),
+    }
