@@ -45,16 +45,19 @@
 #   KV_CACHE_GB         KV pool per run (default 24)
 #   BUDGET_S            overall time budget in seconds (default 540); steps that no longer fit
 #                       are skipped and reported
-#   TARGETS_RESERVE_S   part of the budget steps 1-5 leave to the target steps (default 150)
+#   TARGETS_RESERVE_S   part of the budget steps 1-5 leave to the target steps (default 240)
 #   SMALL_PRESET, SMALL_MODEL_DIR, SMALL_DTYPE   the target steps' model: default ouro-small,
 #                       /tmp/rltserve-<preset> (MODEL_DIR for PRESET's), float32
 #   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
-#                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32)
+#                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32);
+#                       KV_PRESSURE_REPEATS  runs of each case, in rounds, median times (3);
+#                       KV_PAD_COMPARE  on CUDA, the same again with --attention-pad-budget 0
+#                       (1; 0 skips it), KV_PAD_REPEATS times (2)
 #   ROLLOUT_STEPS       training steps per rollout arm (default 3; 0 skips it); ROLLOUT_PROMPTS,
 #                       ROLLOUT_N, ROLLOUT_MAX_TOKENS default 4, 8, 8
 #   HOST_ROWS           decode rows of the host-path cells, one process each (default "256,512";
 #                       empty skips them); HOST_CONTEXTS "1024", HOST_STEPS 100, HOST_REPEATS 3
-#   KV_PRESSURE_LIMIT_S, ROLLOUT_LIMIT_S, HOST_LIMIT_S   the target steps' limits (default 90,
+#   KV_PRESSURE_LIMIT_S, ROLLOUT_LIMIT_S, HOST_LIMIT_S   the target steps' limits (default 180,
 #                       120, and 30 per row count)
 #   PRESET, DEVICE, DTYPE   default ouro-1.4b, cuda, bfloat16 (DEVICE=cpu PRESET=ouro-tiny
 #                       smoke-tests this script without a GPU; the benchmarks then run eager only)
@@ -76,6 +79,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # CPU smoke sizes; each still overridable
   : "${DEVICE=cpu}" "${PRESET=ouro-tiny}" "${SMALL_PRESET=ouro-tiny}" "${CONCURRENCY=2}"
   : "${ASYNC_CONCURRENCY=2}" "${ASYNC_NUM_PROMPTS=8}" "${INPUT_LEN=8}" "${OUTPUT_LEN=4}"
   : "${KV_CACHE_GB=0.25}" "${KV_PRESSURE_CONCURRENCY=8}" "${KV_PRESSURE_LEN=2}"
+  : "${KV_PRESSURE_REPEATS=2}"
   : "${ROLLOUT_STEPS=1}" "${ROLLOUT_PROMPTS=1}" "${ROLLOUT_N=2}" "${ROLLOUT_MAX_TOKENS=2}"
   : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}"
 fi
@@ -92,7 +96,7 @@ INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-64}"
 KV_CACHE_GB="${KV_CACHE_GB:-24}"
 BUDGET_S="${BUDGET_S:-540}"
-TARGETS_RESERVE_S="${TARGETS_RESERVE_S:-150}"
+TARGETS_RESERVE_S="${TARGETS_RESERVE_S:-240}"
 SMALL_PRESET="${SMALL_PRESET:-ouro-small}"
 SMALL_MODEL_DIR_DEFAULT="/tmp/rltserve-$SMALL_PRESET"
 [[ "$SMALL_PRESET" == "$PRESET" ]] && SMALL_MODEL_DIR_DEFAULT="$MODEL_DIR"
@@ -100,7 +104,10 @@ SMALL_MODEL_DIR="${SMALL_MODEL_DIR:-$SMALL_MODEL_DIR_DEFAULT}"
 SMALL_DTYPE="${SMALL_DTYPE:-float32}"
 KV_PRESSURE_CONCURRENCY="${KV_PRESSURE_CONCURRENCY-32}"
 KV_PRESSURE_LEN="${KV_PRESSURE_LEN:-32}"
-KV_PRESSURE_LIMIT_S="${KV_PRESSURE_LIMIT_S:-90}"
+KV_PRESSURE_REPEATS="${KV_PRESSURE_REPEATS:-3}"
+KV_PRESSURE_LIMIT_S="${KV_PRESSURE_LIMIT_S:-180}"
+KV_PAD_COMPARE="${KV_PAD_COMPARE:-1}"
+KV_PAD_REPEATS="${KV_PAD_REPEATS:-2}"
 ROLLOUT_STEPS="${ROLLOUT_STEPS:-3}"
 ROLLOUT_PROMPTS="${ROLLOUT_PROMPTS:-4}"
 ROLLOUT_N="${ROLLOUT_N:-8}"
@@ -328,7 +335,17 @@ if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; the
     "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
     "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
     --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
-    --output-len "$KV_PRESSURE_LEN" || true
+    --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PRESSURE_REPEATS" || true
+  # The attention pad budget's effect (on by default on CUDA only): the same without it.
+  if [[ "$DEVICE" == cuda && "$KV_PAD_COMPARE" == 1 ]]; then
+    step "kv_pressure without the attention pad budget" "$KV_PRESSURE_LIMIT_S" \
+      "${TO_FILE[@]}" "$WORK/kv_pressure_no_pad.json" "$PY" -c "$WARM_THEN_RUN" \
+      "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
+      "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
+      --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
+      --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PAD_REPEATS" --attention-pad-budget 0 ||
+      true
+  fi
 fi
 if [[ -f "$SMALL_MODEL_DIR/config.json" && "$ROLLOUT_STEPS" != 0 ]]; then
   step "rollout $SMALL_PRESET ($ROLLOUT_STEPS steps)" "$ROLLOUT_LIMIT_S" \

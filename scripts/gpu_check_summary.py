@@ -180,6 +180,8 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
         f"targets: kv pressure and rollout on {setup['preset']} ({setup['device']}, "
         f"{setup['dtype']}); host path on the host CPU (stand-in model)"
     ]
+    if (kv or {}).get("repeats", 1) > 1:
+        lines.append(f"  kv times: medians of {kv['repeats']} runs of each case, in rounds")
     for name in KV_RUNS:
         run = (kv or {}).get(name)
         if run:
@@ -223,6 +225,34 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
     return lines
 
 
+def pad_budget_lines(kv: dict | None, no_pad: dict | None) -> list[str]:
+    """The KV pressure runs with the device's attention pad budget (``kv``) against the same
+    runs without one (``no_pad``: ``--attention-pad-budget 0``): tokens/s and the loss against
+    each report's own unpressured run."""
+    if not kv or not no_pad:
+        return []
+    lines = ["kv pressure, attention pad budget default vs 0 (tok/s; loss vs unpressured):"]
+    free, free0 = kv["unpressured"], no_pad["unpressured"]
+    lines.append(
+        f"  unpressured            {free['output_tokens_per_s']} vs "
+        f"{free0['output_tokens_per_s']} tok/s, {free['ms_per_step']} vs "
+        f"{free0['ms_per_step']} ms/step"
+    )
+    key = ("pool_blocks", "preemption_mode", "preemption_time_slice")
+    other = {tuple(r[k] for k in key): r for r in no_pad.get("sweep") or []}
+    for row in kv.get("sweep") or []:
+        row0 = other.get(tuple(row[k] for k in key))
+        if row0:
+            lines.append(
+                f"  {row['pool_fraction']:.0%} {row['preemption_mode']:<9} slice "
+                f"{row['preemption_time_slice']:>2}: {row['output_tokens_per_s']} vs "
+                f"{row0['output_tokens_per_s']} tok/s, lost {row['loss_vs_unpressured']:.0%} "
+                f"vs {row0['loss_vs_unpressured']:.0%}, {row['ms_per_step']} vs "
+                f"{row0['ms_per_step']} ms/step"
+            )
+    return lines
+
+
 def main(argv: list[str]) -> int:
     work, out = Path(argv[1]), Path(argv[2])
     setup = {"device": argv[3], "preset": argv[4], "dtype": argv[5]}
@@ -235,6 +265,7 @@ def main(argv: list[str]) -> int:
     native = load(work, "native_build.json", "backend_info")
     env = load(work, "env.json") or {}
     kv = load(work, "kv_pressure.json", "kv_pressure")
+    kv_no_pad = load(work, "kv_pressure_no_pad.json", "kv_pressure")
     rollout = load(work, "rollout.json")
     host = merge_host(work)
     checks = [*kv_checks(kv), rollout_check(rollout), *host_checks(host)]
@@ -248,6 +279,7 @@ def main(argv: list[str]) -> int:
         "targets_setup": setup,
         "targets": checks,
         "kv_pressure": kv,
+        "kv_pressure_no_pad_budget": kv_no_pad,
         "rollout": rollout,
         "host": host,
     }
@@ -271,6 +303,7 @@ def main(argv: list[str]) -> int:
             f"{row['sync']['executor_busy']} / {row['async']['executor_busy']}"
         )
     lines += target_lines(kv, rollout, host, setup)
+    lines += pad_budget_lines(kv, kv_no_pad)
     lines += [check_line(c) for c in checks]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     return 0

@@ -4,12 +4,14 @@ import numpy as np
 import pytest
 import torch
 
+from rltserve.config import GPU_ATTENTION_PAD_BUDGET, EngineConfig
 from rltserve.core.attention import (
     AttentionMetadata,
     GroupedAttention,
     PagedAttention,
     allocate_kv_cache,
     copy_slots,
+    pad_budget_for,
     paged_attention,
 )
 from rltserve.core.metadata import (
@@ -18,6 +20,8 @@ from rltserve.core.metadata import (
     attention_groups,
     decode_metadata,
     decode_positions,
+    group_indices,
+    padded_pairs,
 )
 
 BS = 4
@@ -184,6 +188,25 @@ def _items_of(rows: torch.Tensor, items) -> list[int]:
     return seen
 
 
+def test_a_pad_budget_makes_items_within_it_one_group():
+    starts, lens = np.array([3, 40, 0, 100]), np.array([1, 1, 4, 1])
+    # 4 items padded to 4 rows over 26 blocks of 4: 1664 query-key pairs per head.
+    assert padded_pairs(starts, lens, 4) == 4 * 4 * 26 * 4
+    assert len(group_indices(starts, lens, 4)) == 4  # (no budget: the CPU's groups)
+    assert len(group_indices(starts, lens, 4, pad_budget=1663)) == 4
+    assert [g.tolist() for g in group_indices(starts, lens, 4, pad_budget=1664)] == [[0, 1, 2, 3]]
+    assert pad_budget_for(torch.device("cpu")) == 0
+    assert pad_budget_for(torch.device("cuda")) == GPU_ATTENTION_PAD_BUDGET > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "1"])
+def test_the_pad_budget_setting_is_an_int_of_at_least_zero(bad):
+    assert EngineConfig.from_flat(attention_pad_budget=0).execution.attention_pad_budget == 0
+    assert EngineConfig.from_flat().execution.attention_pad_budget is None  # the device's
+    with pytest.raises(ValueError, match=rf"attention_pad_budget={bad!r}: must be an int >= 0"):
+        EngineConfig.from_flat(attention_pad_budget=bad)
+
+
 def test_attention_groups_by_context_length():
     items = [(3, 1, ()), (40, 1, ()), (100, 1, ()), (0, 4, ()), (5, 1, ()), (44, 1, ())]
     # columns 1, 11, 26, -, 2, 12 -> buckets 8 (min), 16, 32; the chunk last
@@ -197,9 +220,11 @@ def test_attention_groups_by_context_length():
     ]
 
 
+@pytest.mark.parametrize("pad_budget", [0, 1 << 20], ids=["groups", "one-padded-batch"])
 @pytest.mark.parametrize("hkv", [2, 4])
-def test_grouped_long_and_short_contexts_match_dense_reference(hkv):
-    """Decode rows of short and long contexts and a chunk in one step, in mixed order."""
+def test_grouped_long_and_short_contexts_match_dense_reference(hkv, pad_budget):
+    """Decode rows of short and long contexts and a chunk in one step, in mixed order: in
+    groups, or within a pad budget (a GPU's) as one padded batch."""
     hq, num_blocks = 4, 96
     gen = torch.Generator().manual_seed(5)
     shapes = [(90, 1), (2, 1), (0, 6), (40, 1), (7, 1), (60, 3)]
@@ -209,17 +234,19 @@ def test_grouped_long_and_short_contexts_match_dense_reference(hkv):
         nblocks = -(-(start + n) // BS)
         items.append((start, n, perm[used : used + nblocks]))
         used += nblocks
-    attn = paged_attention(
-        allocate_kv_cache(1, num_blocks, BS, hkv, HD, torch.float32, "cpu"), items, BS
-    )
-    assert isinstance(attn, GroupedAttention) and len(attn.groups) == 4
+    kv = allocate_kv_cache(1, num_blocks, BS, hkv, HD, torch.float32, "cpu")
+    attn = paged_attention(kv, items, BS, pad_budget=pad_budget)
+    if pad_budget:
+        assert isinstance(attn, PagedAttention) and attn.md.max_q == 6
+    else:
+        assert isinstance(attn, GroupedAttention) and len(attn.groups) == 4
     ctxs = []
     for start, n, table in items:
         k_ctx = torch.randn(start + n, hkv, HD, generator=gen)
         v_ctx = torch.randn(start + n, hkv, HD, generator=gen)
         write_prior(attn.kv, 0, table, k_ctx, v_ctx, start)
         ctxs.append((k_ctx, v_ctx))
-    q = torch.randn(attn.num_rows, hq, HD, generator=gen)
+    q = torch.randn(sum(n for _, n in shapes), hq, HD, generator=gen)
     k = torch.cat([kc[s:] for (kc, _), (s, _, _) in zip(ctxs, items)])
     v = torch.cat([vc[s:] for (_, vc), (s, _, _) in zip(ctxs, items)])
     out = attn(0, q, k, v)

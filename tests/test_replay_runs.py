@@ -69,3 +69,30 @@ def test_lockstep_replay_equals_oracle(ckpts, ouro_ref, case):
     assert max(started) >= 2  # runs did loop in lockstep
     assert core.with_prompt >= 1  # ... and with the last prompt chunk before them
     _oracle(ouro_ref, run, prompts, params, "last_exited", case.get("exit_mode", "gate"))
+
+
+@pytest.mark.parametrize("pad_budget", [0, 1 << 20], ids=["groups", "one-padded-batch"])
+def test_replay_with_one_padded_attention_batch_equals_oracle(
+    ckpts, ouro_ref, monkeypatch, pad_budget
+):
+    """Within a pad budget (``attention_pad_budget``; a GPU's by default) a step's replay runs,
+    prompt chunks and decode rows attend as one padded batch instead of groups: the same tokens
+    and depths."""
+    import rltserve.core.attention as attention
+
+    grouped = []
+    real = attention._grouped
+    monkeypatch.setattr(attention, "_grouped", lambda *a: grouped.append(1) or real(*a))
+    prompts, params, arrivals = _workload(
+        6, seed=13, thresholds=(0.5, 0.3, 1.0), max_tokens=(14, 20)
+    )
+    kw = {"max_num_batched_tokens": 6, "prefill_chunk_size": 3, "preemption_time_slice": 2}
+    core, started = _pressured(
+        ckpts, prompts, params, arrivals, attention_pad_budget=pad_budget, **kw
+    )
+    assert core.runner._attention.pad_budget == pad_budget  # (the CPU's default: 0)
+    run = run_core(core, prompts, params, arrivals=arrivals)
+    _assert_empty(core)
+    assert core.stats().num_preemptions >= 3 and max(started) >= 2
+    assert (len(grouped) > 0) == (pad_budget == 0)  # groups only without the budget
+    _oracle(ouro_ref, run, prompts, params, "last_exited", "gate")

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 import rltserve.core.attention as attention
-from rltserve.core.attention import GroupedAttention, allocate_kv_cache, attention_over
+from rltserve.core.attention import (
+    GroupedAttention,
+    PagedAttention,
+    allocate_kv_cache,
+    attention_over,
+)
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.metadata import Spans
 from rltserve.core.step_attention import StepAttention
@@ -42,7 +47,7 @@ def _setup(carried_starts: list[int], chunks: list[tuple[int, int]], seed: int =
     return built, (head, rows), spans, chunk_keys, every
 
 
-def _general(built: StepAttention, every: list) -> GroupedAttention:
+def _general(built: StepAttention, every: list, pad_budget: int = 0):
     """``attention_over`` of the step's items with their tables gathered up front."""
     width = max(len(t) for _, _, t in every)
     padded = np.array([t + [t[0]] * (width - len(t)) for _, _, t in every], dtype=np.int64)
@@ -50,7 +55,7 @@ def _general(built: StepAttention, every: list) -> GroupedAttention:
     spans = Spans(
         np.array(columns[0]), np.array(columns[1]), np.array(list(map(len, columns[2]))), padded
     )
-    return attention_over(built.kv, spans, BS)
+    return attention_over(built.kv, spans, BS, pad_budget=pad_budget)
 
 
 def _assert_same(got: GroupedAttention, want: GroupedAttention) -> None:
@@ -101,3 +106,20 @@ def test_other_mixed_steps_take_the_general_path(monkeypatch):
     built, carried, spans, keys, every = _setup([17, 3], [(0, 8), (9, 1)], seed=2)
     _assert_same(built.build(spans, keys, carried), _general(built, every))
     assert len(taken) == 2
+
+
+def test_within_a_pad_budget_a_mixed_step_is_one_padded_batch():
+    """A GPU's pad budget (``pad_budget_for``): a decode batch beside prompt chunks attends as
+    one padded batch, the metadata ``attention_over`` gives the items within the budget; past
+    the budget, the two groups in order."""
+    built, carried, spans, keys, every = _setup([17, 3, 30, 31, 12, 29], [(5, 6), (11, 9)])
+    # 8 items padded to 9 rows over 8 blocks of 4 (the furthest context: 32 positions).
+    pairs = 8 * 9 * 8 * BS
+    built.pad_budget = pairs
+    got = built.build(spans, keys, carried)
+    want = _general(built, every, pad_budget=pairs)
+    assert isinstance(got, PagedAttention) and isinstance(want, PagedAttention)
+    for name in FIELDS:
+        assert torch.equal(getattr(got.md, name), getattr(want.md, name)), name
+    built.pad_budget = pairs - 1
+    assert isinstance(built.build(spans, keys, carried), GroupedAttention)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rltserve.config import GPU_ATTENTION_PAD_BUDGET
 from rltserve.core.metadata import HostMetadata, ItemSpec, Spans, group_indices
 from rltserve.core.staging import move_to
 
@@ -228,6 +229,16 @@ class PagedAttention:
         return out.index_select(0, md.pad_index)  # [N, Hq, hd]
 
 
+def pad_budget_for(device: torch.device) -> int:
+    """The ``group_indices`` pad budget of steps on ``device`` (``attention_pad_budget`` unset).
+
+    On a GPU the step of a small model is bound by kernel launches: another attention group
+    costs about a dozen launches per layer, while padding up to ``GPU_ATTENTION_PAD_BUDGET``
+    query-key pairs (per head) into one batch costs little device time. On the CPU padding is
+    computed work (docs/benchmarks.md, "Mixed steps"), so steps there keep their groups."""
+    return GPU_ATTENTION_PAD_BUDGET if device.type == "cuda" else 0
+
+
 def write_kv(
     kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
@@ -278,12 +289,14 @@ def paged_attention(
     block_size: int,
     device: torch.device | str = "cpu",
     tables: np.ndarray | None = None,
+    pad_budget: int = 0,
 ) -> PagedAttention | GroupedAttention:
     """The attention of one step's ``items``: one padded batch when they form one group
-    (``attention_groups``), else each group on its own. ``tables``: as for
-    ``HostMetadata.build`` (rows aligned with ``items``). Everything the groups need reaches
-    the device in one transfer; ``positions`` of the result are the rows' positions."""
-    return attention_over(kv, Spans.of(items, tables), block_size, device)
+    (``attention_groups``, or ``pad_budget`` as for ``group_indices``), else each group on
+    its own. ``tables``: as for ``HostMetadata.build`` (rows aligned with ``items``).
+    Everything the groups need reaches the device in one transfer; ``positions`` of the result
+    are the rows' positions."""
+    return attention_over(kv, Spans.of(items, tables), block_size, device, pad_budget)
 
 
 def one_group(
@@ -295,12 +308,17 @@ def one_group(
 
 
 def attention_over(
-    kv: torch.Tensor, spans: Spans, block_size: int, device: torch.device | str = "cpu"
+    kv: torch.Tensor,
+    spans: Spans,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    pad_budget: int = 0,
 ) -> PagedAttention | GroupedAttention:
-    """``paged_attention`` of items given as columns."""
+    """``paged_attention`` of items given as columns; ``pad_budget``: as for
+    ``group_indices`` (``pad_budget_for`` the device)."""
     dev = torch.device(device)
     starts, lens = spans.starts, spans.lens
-    groups = group_indices(starts, lens, block_size)
+    groups = group_indices(starts, lens, block_size, pad_budget)
     if len(groups) == 1:
         return one_group(kv, HostMetadata.of(spans, block_size), block_size, dev)
     hosts = [HostMetadata.of(spans.take(ks), block_size) for ks in groups]

@@ -118,6 +118,7 @@ class EngineCore:
             graph_max_context=config.execution.cuda_graph_max_context,
             max_model_len=self.max_model_len,
             swap_space_bytes=int(config.cache.swap_space_gb * 2**30),
+            pad_budget=config.execution.attention_pad_budget,
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)

@@ -327,8 +327,21 @@ def _bucket(cols: int) -> int:
     return max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length())
 
 
-def group_indices(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.ndarray]:
-    """``attention_groups`` over the items' starts and lengths: index arrays, in order."""
+def padded_pairs(starts: np.ndarray, lens: np.ndarray, block_size: int) -> int:
+    """Query-key pairs per head of the items as one padded attention batch: every item padded
+    to the longest one's rows and to the furthest context's whole blocks."""
+    cols = -(-int((starts + lens).max()) // block_size)
+    return len(starts) * int(lens.max()) * cols * block_size
+
+
+def group_indices(
+    starts: np.ndarray, lens: np.ndarray, block_size: int, pad_budget: int = 0
+) -> list[np.ndarray]:
+    """``attention_groups`` over the items' starts and lengths: index arrays, in order. With a
+    ``pad_budget``, items whose padded batch (``padded_pairs``) stays within it are one group
+    (a device where another attention call costs more than that padding: a GPU)."""
+    if pad_budget and padded_pairs(starts, lens, block_size) <= pad_budget:
+        return [np.arange(len(starts))]
     single = lens == 1
     if not single.any():
         return [np.arange(len(starts))]

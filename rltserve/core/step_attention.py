@@ -5,7 +5,8 @@ transfer.
 Three shapes take short paths: a decode batch (one-row items, one attention group:
 ``decode_metadata``, its positions' part kept while the carried rows keep their positions
 array), a decode batch beside prompt chunks (the two groups, already in the step's row order:
-``groups_in_order``), and anything else through ``attention_over``'s grouping.
+``groups_in_order``), and anything else through ``attention_over``'s grouping. With a pad
+budget (a GPU), steps whose items fit it attend as one padded batch instead.
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ from rltserve.models.base import AttentionFn
 
 class StepAttention:
     def __init__(
-        self, kv: torch.Tensor, tables: BlockTables, block_size: int, device: torch.device
+        self,
+        kv: torch.Tensor,
+        tables: BlockTables,
+        block_size: int,
+        device: torch.device,
+        pad_budget: int = 0,
     ) -> None:
+        """``pad_budget``: as for ``group_indices`` (``pad_budget_for`` the device)."""
         self.kv = kv  # the paged KV cache of every plane
         self.block_tables = tables
         self.block_size = block_size
         self.device = device
+        self.pad_budget = pad_budget
         # The last decode batch's positions array and its ``decode_positions``.
         self._decode_positions: tuple[np.ndarray | None, DecodePositions | None] = (None, None)
 
@@ -53,7 +61,13 @@ class StepAttention:
             return paged_attention(self.kv, spans, self.block_size, self.device)
         rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
         table = self.block_tables.array
-        if carried is not None and spans and not one_row and min(s[1] for s in spans) > 1:
+        if (
+            carried is not None
+            and spans
+            and not one_row
+            and min(s[1] for s in spans) > 1
+            and not self._one_padded_batch(carried[0], spans)
+        ):
             # A decode batch beside prompt chunks (a mixed step): when the carried rows are one
             # attention group, ``attention_over``'s groups are they and the chunks, in order.
             head, head_rows = carried
@@ -76,7 +90,19 @@ class StepAttention:
             if host is not None:
                 return one_group(self.kv, host, self.block_size, self.device)
         # (Each attention group takes its tables' rows at its own width.)
-        return attention_over(self.kv, given.on_rows(rows, table), self.block_size, self.device)
+        return attention_over(
+            self.kv, given.on_rows(rows, table), self.block_size, self.device, self.pad_budget
+        )
+
+    def _one_padded_batch(self, head: Spans, spans: list[tuple[int, int, list[int]]]) -> bool:
+        """Whether carried rows ``head`` and the chunks ``spans`` beside them attend as one
+        padded batch (within the pad budget: ``group_indices``)."""
+        if not self.pad_budget:
+            return False
+        end = max(int(head.starts.max()) + 1, max(s + n for s, n, _ in spans))
+        cols = -(-end // self.block_size)
+        max_q = max(n for _, n, _ in spans)
+        return (len(head.starts) + len(spans)) * max_q * cols * self.block_size <= self.pad_budget
 
     def _decode_host(self, given: Spans, rows, table: np.ndarray) -> HostMetadata | None:
         """``decode_metadata`` of one-row items ``given`` whose tables are rows ``rows`` of
