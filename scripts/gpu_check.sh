@@ -51,8 +51,9 @@
 #   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
 #                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32);
 #                       KV_PRESSURE_REPEATS  runs of each case, in rounds, median times (3);
-#                       KV_PAD_COMPARE  on CUDA, the same again with --attention-pad-budget 0
-#                       (1; 0 skips it), KV_PAD_REPEATS times (2)
+#                       KV_PAD_COMPARE  the same again with --attention-pad-budget 0 (default
+#                       1 on CUDA, 0 elsewhere, where 0 is the default budget), KV_PAD_REPEATS
+#                       times (2)
 #   ROLLOUT_STEPS       training steps per rollout arm (default 3; 0 skips it); ROLLOUT_PROMPTS,
 #                       ROLLOUT_N, ROLLOUT_MAX_TOKENS default 4, 8, 8
 #   HOST_ROWS           decode rows of the host-path cells, one process each (default "256,512";
@@ -79,7 +80,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # CPU smoke sizes; each still overridable
   : "${DEVICE=cpu}" "${PRESET=ouro-tiny}" "${SMALL_PRESET=ouro-tiny}" "${CONCURRENCY=2}"
   : "${ASYNC_CONCURRENCY=2}" "${ASYNC_NUM_PROMPTS=8}" "${INPUT_LEN=8}" "${OUTPUT_LEN=4}"
   : "${KV_CACHE_GB=0.25}" "${KV_PRESSURE_CONCURRENCY=8}" "${KV_PRESSURE_LEN=2}"
-  : "${KV_PRESSURE_REPEATS=2}"
+  : "${KV_PRESSURE_REPEATS=2}" "${KV_PAD_COMPARE=1}" "${KV_PAD_REPEATS=1}"
   : "${ROLLOUT_STEPS=1}" "${ROLLOUT_PROMPTS=1}" "${ROLLOUT_N=2}" "${ROLLOUT_MAX_TOKENS=2}"
   : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}"
 fi
@@ -106,7 +107,7 @@ KV_PRESSURE_CONCURRENCY="${KV_PRESSURE_CONCURRENCY-32}"
 KV_PRESSURE_LEN="${KV_PRESSURE_LEN:-32}"
 KV_PRESSURE_REPEATS="${KV_PRESSURE_REPEATS:-3}"
 KV_PRESSURE_LIMIT_S="${KV_PRESSURE_LIMIT_S:-180}"
-KV_PAD_COMPARE="${KV_PAD_COMPARE:-1}"
+KV_PAD_COMPARE="${KV_PAD_COMPARE:-$([[ "$DEVICE" == cuda ]] && echo 1 || echo 0)}"
 KV_PAD_REPEATS="${KV_PAD_REPEATS:-2}"
 ROLLOUT_STEPS="${ROLLOUT_STEPS:-3}"
 ROLLOUT_PROMPTS="${ROLLOUT_PROMPTS:-4}"
@@ -336,8 +337,8 @@ if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; the
     "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
     --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
     --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PRESSURE_REPEATS" || true
-  # The attention pad budget's effect (on by default on CUDA only): the same without it.
-  if [[ "$DEVICE" == cuda && "$KV_PAD_COMPARE" == 1 ]]; then
+  # The attention pad budget's effect (a budget by default on CUDA only): the same without it.
+  if [[ "$KV_PAD_COMPARE" == 1 ]]; then
     step "kv_pressure without the attention pad budget" "$KV_PRESSURE_LIMIT_S" \
       "${TO_FILE[@]}" "$WORK/kv_pressure_no_pad.json" "$PY" -c "$WARM_THEN_RUN" \
       "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
