@@ -104,6 +104,9 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.shared_prefix_len < 0:
         raise ValueError(f"--shared-prefix-len {args.shared_prefix_len}: must be >= 0")
+    kv_pressure = args.kv_pressure or (args.kv_reservation == "full" and args.compare)
+    if args.repeats > 1 and not kv_pressure:
+        raise ValueError(f"--repeats {args.repeats}: only the --kv-pressure runs repeat")
     args.progress = progress_enabled(args.quiet)
     # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.
     graphs = args.cuda_graphs and not args.compare

@@ -96,3 +96,33 @@ def test_repeats_must_be_positive(ouro_rv1, capsys):
     argv = ["bench", "offline", "--model", str(ouro_rv1), "--kv-pressure", "--repeats", "0"]
     assert main(argv) != 0
     assert "--repeats 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_median_rounds_times_and_names_figures_that_differ():
+    from rltserve.bench.kv import _median
+
+    run = {"seconds": 0.1, "output_tokens_per_s": 0.1, "ms_per_step": 0.1}
+    runs = [
+        {**run, "model_ms_per_step": 0.1, "steps": 9, "loop_rows": 70},
+        {**run, "output_tokens_per_s": 0.2, "model_ms_per_step": 0.2, "steps": 9, "loop_rows": 71},
+    ]
+    merged = _median(runs)
+    assert merged["output_tokens_per_s"] == 0.15 and merged["model_ms_per_step"] == 0.15
+    assert merged["output_tokens_per_s_runs"] == [0.1, 0.2]
+    assert merged["steps"] == 9 and merged["differs_across_runs"] == ["loop_rows"]
+    assert "differs_across_runs" not in _median(runs[:1] * 2)
+
+
+def test_sweep_pools_are_distinct():
+    from rltserve.bench.kv import _sweep_cases
+
+    # A peak of 3 blocks: 70% and 85% both round to 2.
+    pools = [case["num_blocks"] for _, case in _sweep_cases({}, 1, 3)]
+    assert pools == [1] * 4 + [2] * 4
+
+
+def test_repeats_apply_to_the_kv_pressure_runs_only(ouro_rv1, capsys):
+    from rltserve.cli import main
+
+    assert main(["bench", "offline", "--model", str(ouro_rv1), "--repeats", "2"]) != 0
+    assert "--repeats 2: only the --kv-pressure runs repeat" in capsys.readouterr().err

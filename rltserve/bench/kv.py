@@ -105,8 +105,10 @@ def run_kv_pressure(
         "max_tokens": max_tokens,
         "stops_after": args.output_len,
         "num_blocks": main_pool,
-        "repeats": max(1, getattr(args, "repeats", 1)),
+        "repeats": getattr(args, "repeats", 1),
     }
+    if not isinstance(report["repeats"], int) or report["repeats"] < 1:
+        raise ValueError(f"repeats={report['repeats']!r}: must be an int >= 1")
     cases = {name: {**kw, **case, "num_blocks": main_pool} for name, case in CASES}
     cases["unpressured"] = {**kw, "num_blocks": worst * num}
     runs = {name: [_run(model, case, prompts, params)] for name, case in cases.items()}
@@ -144,19 +146,24 @@ def run_kv_pressure(
     return report
 
 
-# Figures that vary from run to run (the rest are deterministic).
-TIMED = ("seconds", "output_tokens_per_s", "ms_per_step", "model_ms_per_step")
+# Figures that vary from run to run, with the decimals ``_run`` rounds them to (the rest are
+# deterministic).
+TIMED = {"seconds": 4, "output_tokens_per_s": 2, "ms_per_step": 3, "model_ms_per_step": 3}
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The first run with the median of each timed figure; with several runs, also every run's
-    tokens/s (``output_tokens_per_s_runs``)."""
+    tokens/s (``output_tokens_per_s_runs``), and ``differs_across_runs`` naming any other
+    figure whose runs disagree (they should not: the schedule is deterministic)."""
     if len(runs) == 1:
         return runs[0]
     merged = dict(runs[0])
-    for name in TIMED:
-        merged[name] = statistics.median(run[name] for run in runs)
+    for name, digits in TIMED.items():
+        merged[name] = round(statistics.median(run[name] for run in runs), digits)
     merged["output_tokens_per_s_runs"] = [run["output_tokens_per_s"] for run in runs]
+    differs = [k for k in runs[0] if k not in TIMED and any(r[k] != runs[0][k] for r in runs)]
+    if differs:
+        merged["differs_across_runs"] = differs
     return merged
 
 
@@ -165,6 +172,7 @@ def _sweep_cases(kw: dict, main_pool: int, peak: int) -> list[tuple[tuple, dict]
     the main pool and at ``SWEEP_FRACTIONS`` of the unpressured peak, each without and with
     time slicing."""
     pools = [main_pool] + [int(f * peak) for f in SWEEP_FRACTIONS if int(f * peak) > main_pool]
+    pools = list(dict.fromkeys(pools))  # (small peaks: fractions may round to one pool)
     sliced = kw.get("preemption_time_slice") or SWEEP_TIME_SLICE
     return [
         (

@@ -155,7 +155,7 @@ class PagedAttention:
     slots, then attends over the gathered context, so an item's rows see each other causally.
     K/V are stored in ``kv.dtype``; attention runs in q's dtype. Every item is padded to the
     longest one's rows; ``paged_attention`` avoids that for steps mixing decode rows and prompt
-    chunks.
+    chunks, unless the padded batch is within its pad budget (``group_indices``).
     """
 
     def __init__(self, kv: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -253,9 +253,10 @@ class GroupedAttention:
     rows apart from prompt chunks, and decode rows of short contexts apart from long ones.
 
     One padded batch would pad every decode row to the longest chunk's rows and to the longest
-    context (5-8x the attention time of the groups apart in typical mixed steps,
-    docs/benchmarks.md). Each group attends on its own, and the rows return to the step's order.
-    K/V of all rows are written before any group attends.
+    context (5-8x the attention time of the groups apart in typical mixed steps on the CPU,
+    docs/benchmarks.md; within a pad budget, on a GPU, one batch is used instead). Each group
+    attends on its own, and the rows return to the step's order. K/V of all rows are written
+    before any group attends.
     """
 
     def __init__(

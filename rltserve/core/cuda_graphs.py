@@ -106,6 +106,7 @@ class DecodeGraphs:
         max_cols: int,
         backend: str = "cuda",
         stream: torch.cuda.Stream | None = None,
+        pad_budget: int = 0,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
@@ -121,6 +122,7 @@ class DecodeGraphs:
         self.model = model
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
         self.block_size = block_size
+        self.pad_budget = pad_budget  # of the steps that run eagerly (``group_indices``)
         self.scratch_block = scratch_block
         self.max_rows, self.max_cols = max_rows, max_cols
         self.backend = backend
@@ -177,7 +179,9 @@ class DecodeGraphs:
                 if positions is None:
                     flat = [p for start, n, _ in spans for p in range(start, start + n)]
                     positions = to_device(flat, self.device)
-                attn = paged_attention(self.kv, spans, self.block_size, self.device)
+                attn = paged_attention(
+                    self.kv, spans, self.block_size, self.device, pad_budget=self.pad_budget
+                )
                 return self.model.loop(state, e, positions, attn)
             self._fill(b, key, state, e, spans)
             self.num_replays += 1

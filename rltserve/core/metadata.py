@@ -4,7 +4,8 @@ runner sends them to the device in one transfer (``attention.to_device_packed``)
 
 Items are ``ItemSpec``s; rows of the step are the items' tokens concatenated in item order.
 ``attention_groups`` splits a step so that neither a prompt chunk's rows nor the step's longest
-context pad a short decode row.
+context pad a short decode row (unless the padded batch is within a pad budget:
+``group_indices``).
 """
 
 from __future__ import annotations
@@ -330,8 +331,13 @@ def _bucket(cols: int) -> int:
 def padded_pairs(starts: np.ndarray, lens: np.ndarray, block_size: int) -> int:
     """Query-key pairs per head of the items as one padded attention batch: every item padded
     to the longest one's rows and to the furthest context's whole blocks."""
-    cols = -(-int((starts + lens).max()) // block_size)
-    return len(starts) * int(lens.max()) * cols * block_size
+    return pairs_of_batch(len(starts), int(lens.max()), int((starts + lens).max()), block_size)
+
+
+def pairs_of_batch(num_items: int, max_q: int, max_end: int, block_size: int) -> int:
+    """``padded_pairs`` of ``num_items`` items of at most ``max_q`` rows whose furthest
+    context ends at position ``max_end`` (exclusive)."""
+    return num_items * max_q * -(-max_end // block_size) * block_size
 
 
 def group_indices(

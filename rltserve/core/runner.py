@@ -157,6 +157,7 @@ class ModelRunner:
                 max_rows=graph_max_rows,
                 max_cols=-(-context // block_size),
                 backend=decode_graphs,
+                pad_budget=pad_budget,
             )
             if decode_graphs == "cuda":  # capture up front, not mid-serving
                 with self._on_stream():

@@ -22,6 +22,7 @@ from rltserve.core.metadata import (
     Spans,
     decode_metadata,
     decode_positions,
+    pairs_of_batch,
 )
 from rltserve.models.base import AttentionFn
 
@@ -58,7 +59,9 @@ class StepAttention:
         if keys is None:
             if carried is not None:
                 raise ValueError("carried rows' tables are BlockTables rows: keys are needed")
-            return paged_attention(self.kv, spans, self.block_size, self.device)
+            return paged_attention(
+                self.kv, spans, self.block_size, self.device, pad_budget=self.pad_budget
+            )
         rows = self.block_tables.rows(keys, [span[2] for span in spans]) if spans else []
         table = self.block_tables.array
         if (
@@ -99,10 +102,11 @@ class StepAttention:
         padded batch (within the pad budget: ``group_indices``)."""
         if not self.pad_budget:
             return False
+        # (Carried rows are one row each: the chunks set max_q.)
         end = max(int(head.starts.max()) + 1, max(s + n for s, n, _ in spans))
-        cols = -(-end // self.block_size)
         max_q = max(n for _, n, _ in spans)
-        return (len(head.starts) + len(spans)) * max_q * cols * self.block_size <= self.pad_budget
+        pairs = pairs_of_batch(len(head.starts) + len(spans), max_q, end, self.block_size)
+        return pairs <= self.pad_budget
 
     def _decode_host(self, given: Spans, rows, table: np.ndarray) -> HostMetadata | None:
         """``decode_metadata`` of one-row items ``given`` whose tables are rows ``rows`` of
