@@ -20,8 +20,6 @@ _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 KV_RESERVATIONS = ("ondemand", "full")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# ``attention_pad_budget`` on CUDA devices when not set (rltserve/core/attention.py says why).
-GPU_ATTENTION_PAD_BUDGET = 1 << 20
 
 
 def _help(text: str, **extra: object) -> dict:
@@ -239,13 +237,14 @@ class ExecutionConfig:
         default=4096,
         metadata=_help("longest context a CUDA graph covers (longer decode steps run eagerly)"),
     )
-    attention_pad_budget: int | None = field(
-        default=None,
+    attention_pad_budget: int = field(
+        default=0,
         metadata=_help(
             "a step's attention groups (decode rows, prompt chunks, contexts of different "
             "lengths) attend as one padded batch when it has at most this many query-key "
-            f"pairs per head (default: {GPU_ATTENTION_PAD_BUDGET} on CUDA, where a step is "
-            "bound by kernel launches; 0 elsewhere)"
+            "pairs per head and gathers at most twice the context blocks the groups would "
+            "(0: never; for GPUs, where a small model's step is bound by kernel launches: "
+            "docs/benchmarks.md)"
         ),
     )
 
@@ -255,8 +254,8 @@ class ExecutionConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         budget = self.attention_pad_budget
-        if budget is not None and (not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"attention_pad_budget={budget!r}: must be an int >= 0 or None")
+        if not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"attention_pad_budget={budget!r}: must be an int >= 0")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class LLM:
         cuda_graphs: bool = False,
         cuda_graph_max_rows: int = 256,
         cuda_graph_max_context: int = 4096,
-        attention_pad_budget: int | None = None,
+        attention_pad_budget: int = 0,
         kv_reservation: str = "ondemand",
         kv_watermark: float = 0.01,
         swap_space_gb: float = 4.0,

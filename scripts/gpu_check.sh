@@ -51,8 +51,8 @@
 #   KV_PRESSURE_CONCURRENCY  requests of the KV-pressure run (default 32; the pool holds 1/8 of
 #                       them; empty skips it);  KV_PRESSURE_LEN  prompt and output tokens (32);
 #                       KV_PRESSURE_REPEATS  runs of each case, in rounds, median times (3);
-#                       KV_PAD_COMPARE  the same again with --attention-pad-budget 0 (default
-#                       1 on CUDA, 0 elsewhere, where 0 is the default budget; run last, within
+#                       KV_PAD_COMPARE  the same again with --attention-pad-budget KV_PAD_BUDGET
+#                       (default 1 on CUDA, 0 elsewhere; budget 262144; run last, within
 #                       KV_PAD_LIMIT_S, default 120), KV_PAD_REPEATS times (2)
 #   ROLLOUT_STEPS       training steps per rollout arm (default 3; 0 skips it); ROLLOUT_PROMPTS,
 #                       ROLLOUT_N, ROLLOUT_MAX_TOKENS default 4, 8, 8
@@ -109,6 +109,7 @@ KV_PRESSURE_REPEATS="${KV_PRESSURE_REPEATS:-3}"
 KV_PRESSURE_LIMIT_S="${KV_PRESSURE_LIMIT_S:-180}"
 KV_PAD_COMPARE="${KV_PAD_COMPARE:-$([[ "$DEVICE" == cuda ]] && echo 1 || echo 0)}"
 KV_PAD_REPEATS="${KV_PAD_REPEATS:-2}"
+KV_PAD_BUDGET="${KV_PAD_BUDGET:-262144}"
 KV_PAD_LIMIT_S="${KV_PAD_LIMIT_S:-120}"
 ROLLOUT_STEPS="${ROLLOUT_STEPS:-3}"
 ROLLOUT_PROMPTS="${ROLLOUT_PROMPTS:-4}"
@@ -352,16 +353,17 @@ for rows in ${HOST_ROWS//,/ }; do
     --repeats "$HOST_REPEATS" --quiet || true
 done
 
-# The attention pad budget's effect (a budget by default on CUDA only): the KV runs again
-# without it, after the targets' steps so that it never crowds them out of the budget.
+# An attention pad budget's effect on a GPU (whose small-model steps are launch-bound): the KV
+# runs again with one, after the targets' steps so that it never crowds them out.
 if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" &&
   "$KV_PAD_COMPARE" == 1 ]]; then
-  step "kv_pressure without the attention pad budget" "$KV_PAD_LIMIT_S" \
-    "${TO_FILE[@]}" "$WORK/kv_pressure_no_pad.json" "$PY" -c "$WARM_THEN_RUN" \
+  step "kv_pressure with attention pad budget $KV_PAD_BUDGET" "$KV_PAD_LIMIT_S" \
+    "${TO_FILE[@]}" "$WORK/kv_pressure_pad.json" "$PY" -c "$WARM_THEN_RUN" \
     "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
     "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
     --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
-    --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PAD_REPEATS" --attention-pad-budget 0 || true
+    --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PAD_REPEATS" \
+    --attention-pad-budget "$KV_PAD_BUDGET" || true
 fi
 
 # ---------------------------------------------------------------- 7. summary

@@ -225,21 +225,22 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
     return lines
 
 
-def pad_budget_lines(kv: dict | None, no_pad: dict | None) -> list[str]:
-    """The KV pressure runs with the device's attention pad budget (``kv``) against the same
-    runs without one (``no_pad``: ``--attention-pad-budget 0``): tokens/s and the loss against
-    each report's own unpressured run."""
-    if not kv or not no_pad:
+def pad_budget_lines(kv: dict | None, padded: dict | None) -> list[str]:
+    """The KV pressure runs (``kv``) against the same runs with an attention pad budget
+    (``padded``: ``--attention-pad-budget N``): tokens/s and the loss against each report's own
+    unpressured run."""
+    if not kv or not padded:
         return []
-    lines = ["kv pressure, attention pad budget default vs 0 (tok/s; loss vs unpressured):"]
-    free, free0 = kv["unpressured"], no_pad["unpressured"]
+    budgets = f"{kv.get('attention_pad_budget', 0)} vs {padded.get('attention_pad_budget')}"
+    lines = [f"kv pressure, attention pad budget {budgets} (tok/s; loss vs unpressured):"]
+    free, free0 = kv["unpressured"], padded["unpressured"]
     lines.append(
         f"  unpressured            {free['output_tokens_per_s']} vs "
         f"{free0['output_tokens_per_s']} tok/s, {free['ms_per_step']} vs "
         f"{free0['ms_per_step']} ms/step"
     )
     key = ("pool_blocks", "preemption_mode", "preemption_time_slice")
-    other = {tuple(r[k] for k in key): r for r in no_pad.get("sweep") or []}
+    other = {tuple(r[k] for k in key): r for r in padded.get("sweep") or []}
     for row in kv.get("sweep") or []:
         row0 = other.get(tuple(row[k] for k in key))
         if row0:
@@ -265,7 +266,7 @@ def main(argv: list[str]) -> int:
     native = load(work, "native_build.json", "backend_info")
     env = load(work, "env.json") or {}
     kv = load(work, "kv_pressure.json", "kv_pressure")
-    kv_no_pad = load(work, "kv_pressure_no_pad.json", "kv_pressure")
+    kv_pad = load(work, "kv_pressure_pad.json", "kv_pressure")
     rollout = load(work, "rollout.json")
     host = merge_host(work)
     checks = [*kv_checks(kv), rollout_check(rollout), *host_checks(host)]
@@ -279,7 +280,7 @@ def main(argv: list[str]) -> int:
         "targets_setup": setup,
         "targets": checks,
         "kv_pressure": kv,
-        "kv_pressure_no_pad_budget": kv_no_pad,
+        "kv_pressure_pad_budget": kv_pad,
         "rollout": rollout,
         "host": host,
     }
@@ -303,7 +304,7 @@ def main(argv: list[str]) -> int:
             f"{row['sync']['executor_busy']} / {row['async']['executor_busy']}"
         )
     lines += target_lines(kv, rollout, host, setup)
-    lines += pad_budget_lines(kv, kv_no_pad)
+    lines += pad_budget_lines(kv, kv_pad)
     lines += [check_line(c) for c in checks]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     return 0

@@ -4,14 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from rltserve.config import GPU_ATTENTION_PAD_BUDGET, EngineConfig
+from rltserve.config import EngineConfig
 from rltserve.core.attention import (
     AttentionMetadata,
     GroupedAttention,
     PagedAttention,
     allocate_kv_cache,
     copy_slots,
-    pad_budget_for,
     paged_attention,
 )
 from rltserve.core.metadata import (
@@ -20,6 +19,7 @@ from rltserve.core.metadata import (
     attention_groups,
     decode_metadata,
     decode_positions,
+    gathered_slots,
     group_indices,
     padded_pairs,
 )
@@ -189,20 +189,24 @@ def _items_of(rows: torch.Tensor, items) -> list[int]:
 
 
 def test_a_pad_budget_makes_items_within_it_one_group():
+    # Decode rows at contexts of 8, 9 and 10 blocks of 4 (two groups) beside a chunk (a third).
+    starts, lens = np.array([30, 33, 28, 36]), np.array([1, 1, 4, 1])
+    assert len(group_indices(starts, lens, 4)) == 3  # (no budget: the CPU's groups)
+    # As one batch: 4 items padded to 4 rows over 10 blocks: 640 query-key pairs per head,
+    # gathering 160 slots where the groups gather 32 + 80 + 32.
+    assert (gathered_slots(starts, lens, 4), padded_pairs(starts, lens, 4)) == (160, 640)
+    assert len(group_indices(starts, lens, 4, pad_budget=639)) == 3
+    assert [g.tolist() for g in group_indices(starts, lens, 4, pad_budget=640)] == [[0, 1, 2, 3]]
+    # Contexts far apart: one batch would gather 416 slots where the groups gather 156 (more
+    # than twice as many), whatever the budget.
     starts, lens = np.array([3, 40, 0, 100]), np.array([1, 1, 4, 1])
-    # 4 items padded to 4 rows over 26 blocks of 4: 1664 query-key pairs per head.
-    assert padded_pairs(starts, lens, 4) == 4 * 4 * 26 * 4
-    assert len(group_indices(starts, lens, 4)) == 4  # (no budget: the CPU's groups)
-    assert len(group_indices(starts, lens, 4, pad_budget=1663)) == 4
-    assert [g.tolist() for g in group_indices(starts, lens, 4, pad_budget=1664)] == [[0, 1, 2, 3]]
-    assert pad_budget_for(torch.device("cpu")) == 0
-    assert pad_budget_for(torch.device("cuda")) == GPU_ATTENTION_PAD_BUDGET > 0
+    assert len(group_indices(starts, lens, 4, pad_budget=1 << 30)) == 4
 
 
-@pytest.mark.parametrize("bad", [-1, 2.5, "1"])
+@pytest.mark.parametrize("bad", [-1, 2.5, "1", None])
 def test_the_pad_budget_setting_is_an_int_of_at_least_zero(bad):
-    assert EngineConfig.from_flat(attention_pad_budget=0).execution.attention_pad_budget == 0
-    assert EngineConfig.from_flat().execution.attention_pad_budget is None  # the device's
+    assert EngineConfig.from_flat().execution.attention_pad_budget == 0  # never
+    assert EngineConfig.from_flat(attention_pad_budget=7).execution.attention_pad_budget == 7
     with pytest.raises(ValueError, match=rf"attention_pad_budget={bad!r}: must be an int >= 0"):
         EngineConfig.from_flat(attention_pad_budget=bad)
 
@@ -220,14 +224,21 @@ def test_attention_groups_by_context_length():
     ]
 
 
-@pytest.mark.parametrize("pad_budget", [0, 1 << 20], ids=["groups", "one-padded-batch"])
+FAR = [(90, 1), (2, 1), (0, 6), (40, 1), (7, 1), (10, 3)]  # 4 groups
+NEAR = [(40, 1), (34, 1), (30, 6), (44, 1), (37, 1), (38, 3)]  # 2 groups: decode rows, chunks
+
+
+@pytest.mark.parametrize(
+    "shapes, pad_budget, groups",
+    [(FAR, 0, 4), (FAR, 1 << 20, 4), (NEAR, 0, 2), (NEAR, 1 << 20, 1)],
+    ids=["far", "far-within-budget", "near", "near-within-budget"],
+)
 @pytest.mark.parametrize("hkv", [2, 4])
-def test_grouped_long_and_short_contexts_match_dense_reference(hkv, pad_budget):
-    """Decode rows of short and long contexts and a chunk in one step, in mixed order: in
-    groups, or within a pad budget (a GPU's) as one padded batch."""
+def test_grouped_long_and_short_contexts_match_dense_reference(hkv, shapes, pad_budget, groups):
+    """Decode rows and chunks in one step, in mixed order: in groups, or within a pad budget
+    as one padded batch (not when it would gather more than twice the context: far)."""
     hq, num_blocks = 4, 96
     gen = torch.Generator().manual_seed(5)
-    shapes = [(90, 1), (2, 1), (0, 6), (40, 1), (7, 1), (60, 3)]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     items, used = [], 0
     for start, n in shapes:
@@ -236,10 +247,10 @@ def test_grouped_long_and_short_contexts_match_dense_reference(hkv, pad_budget):
         used += nblocks
     kv = allocate_kv_cache(1, num_blocks, BS, hkv, HD, torch.float32, "cpu")
     attn = paged_attention(kv, items, BS, pad_budget=pad_budget)
-    if pad_budget:
+    if groups == 1:
         assert isinstance(attn, PagedAttention) and attn.md.max_q == 6
     else:
-        assert isinstance(attn, GroupedAttention) and len(attn.groups) == 4
+        assert isinstance(attn, GroupedAttention) and len(attn.groups) == groups
     ctxs = []
     for start, n, table in items:
         k_ctx = torch.randn(start + n, hkv, HD, generator=gen)

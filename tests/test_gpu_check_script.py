@@ -94,11 +94,11 @@ def _assert_targets(summary: dict, text: str) -> None:
     assert (kv["pool_requests"], kv["num_requests"], kv["full"]["peak_running"]) == (1, 8, 1)
     assert kv["repeats"] == 2 and len(kv["unpressured"]["output_tokens_per_s_runs"]) == 2
     assert "  kv times: medians of 2 runs of each case, in rounds\n" in text
-    # The runs without the pad budget (on the CPU the default budget is 0 already: the same).
-    no_pad = summary["kv_pressure_no_pad_budget"]
-    assert no_pad["repeats"] == 1 and len(no_pad["sweep"]) == len(kv["sweep"])
-    assert [r["steps"] for r in no_pad["sweep"]] == [r["steps"] for r in kv["sweep"]]
-    assert "kv pressure, attention pad budget default vs 0 (tok/s; loss vs unpressured):" in text
+    # The runs with a pad budget.
+    pad = summary["kv_pressure_pad_budget"]
+    assert (pad["repeats"], pad["attention_pad_budget"]) == (1, 262144)
+    assert kv["attention_pad_budget"] == 0 and len(pad["sweep"]) == len(kv["sweep"])
+    assert "kv pressure, attention pad budget 0 vs 262144 (tok/s; loss vs unpressured):" in text
     for mode in ("recompute", "swap"):
         running = checks[f"kv {mode} vs full: peak running requests"]
         assert running["measured"] == kv[f"ondemand_{mode}"]["peak_running"] > 1
@@ -156,9 +156,9 @@ def test_summary_of_a_run_whose_steps_left_no_reports(tmp_path):
     assert "rollout restart vs in place: step time" in text
 
 
-def _kv_report(rate: float, rows: list[tuple[int, str, int, float]]) -> dict:
+def _kv_report(rate: float, rows: list[tuple[int, str, int, float]], budget: int = 0) -> dict:
     """A KV pressure report with an unpressured run at ``rate`` tok/s and sweep rows
-    ``(pool, mode, slice, tok/s)``."""
+    ``(pool, mode, slice, tok/s)``, at attention pad budget ``budget``."""
     free = {"output_tokens_per_s": rate, "ms_per_step": 10.0}
     sweep = [
         {
@@ -172,32 +172,32 @@ def _kv_report(rate: float, rows: list[tuple[int, str, int, float]]) -> dict:
         }
         for pool, mode, q, r in rows
     ]
-    return {"kv_pressure": {"unpressured": free, "sweep": sweep}}
+    return {"kv_pressure": {"unpressured": free, "sweep": sweep, "attention_pad_budget": budget}}
 
 
-def test_summary_compares_kv_runs_with_and_without_the_pad_budget(tmp_path):
+def test_summary_compares_kv_runs_without_and_with_a_pad_budget(tmp_path):
     spec = importlib.util.spec_from_file_location(
         "gpu_check_summary", REPO / "scripts" / "gpu_check_summary.py"
     )
     summary_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary_module)
     pad_budget_lines = summary_module.pad_budget_lines
-    with_pad = _kv_report(1000.0, [(288, "recompute", 8, 700.0), (288, "swap", 8, 800.0)])
-    no_pad = _kv_report(900.0, [(288, "swap", 8, 600.0), (288, "recompute", 8, 450.0)])
-    lines = pad_budget_lines(with_pad["kv_pressure"], no_pad["kv_pressure"])
-    assert lines[0].startswith("kv pressure, attention pad budget default vs 0")
+    no_pad = _kv_report(1000.0, [(288, "recompute", 8, 700.0), (288, "swap", 8, 800.0)])
+    pad = _kv_report(900.0, [(288, "swap", 8, 600.0), (288, "recompute", 8, 450.0)], 262144)
+    lines = pad_budget_lines(no_pad["kv_pressure"], pad["kv_pressure"])
+    assert lines[0].startswith("kv pressure, attention pad budget 0 vs 262144 (tok/s;")
     assert "1000.0 vs 900.0 tok/s" in lines[1]
     # Rows pair by (pool, mode, slice), whatever their order.
     assert "56% recompute slice  8: 700.0 vs 450.0 tok/s, lost 30% vs 50%" in lines[2]
     assert "56% swap      slice  8: 800.0 vs 600.0 tok/s, lost 20% vs 33%" in lines[3]
-    assert pad_budget_lines(with_pad["kv_pressure"], None) == []
+    assert pad_budget_lines(no_pad["kv_pressure"], None) == []
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     out.mkdir()
-    (work / "kv_pressure_no_pad.json").write_text(json.dumps(no_pad))
+    (work / "kv_pressure_pad.json").write_text(json.dumps(pad))
     args = [str(work), str(out), "cuda", "ouro-small", "float32"]
     script = str(REPO / "scripts" / "gpu_check_summary.py")
     proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["kv_pressure_no_pad_budget"] == no_pad["kv_pressure"]
+    assert summary["kv_pressure_pad_budget"] == pad["kv_pressure"]

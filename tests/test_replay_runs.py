@@ -75,9 +75,9 @@ def test_lockstep_replay_equals_oracle(ckpts, ouro_ref, case):
 def test_replay_with_one_padded_attention_batch_equals_oracle(
     ckpts, ouro_ref, monkeypatch, pad_budget
 ):
-    """Within a pad budget (``attention_pad_budget``; a GPU's by default) a step's replay runs,
-    prompt chunks and decode rows attend as one padded batch instead of groups: the same tokens
-    and depths."""
+    """Within a pad budget (``attention_pad_budget``, for GPUs) a step's replay runs, prompt
+    chunks and decode rows attend as one padded batch instead of groups: the same tokens and
+    depths."""
     import rltserve.core.attention as attention
 
     grouped = []
@@ -90,7 +90,7 @@ def test_replay_with_one_padded_attention_batch_equals_oracle(
     core, started = _pressured(
         ckpts, prompts, params, arrivals, attention_pad_budget=pad_budget, **kw
     )
-    assert core.runner._attention.pad_budget == pad_budget  # (the CPU's default: 0)
+    assert core.runner._attention.pad_budget == pad_budget
     run = run_core(core, prompts, params, arrivals=arrivals)
     _assert_empty(core)
     assert core.stats().num_preemptions >= 3 and max(started) >= 2

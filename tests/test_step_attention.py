@@ -109,9 +109,9 @@ def test_other_mixed_steps_take_the_general_path(monkeypatch):
 
 
 def test_within_a_pad_budget_a_mixed_step_is_one_padded_batch():
-    """A GPU's pad budget (``pad_budget_for``): a decode batch beside prompt chunks attends as
-    one padded batch, the metadata ``attention_over`` gives the items within the budget; past
-    the budget, the two groups in order."""
+    """Within a pad budget a decode batch beside prompt chunks attends as one padded batch, the
+    metadata ``attention_over`` gives the items within the budget; past the budget, the two
+    groups in order."""
     built, carried, spans, keys, every = _setup([17, 3, 30, 31, 12, 29], [(5, 6), (11, 9)])
     # 8 items padded to 9 rows over 8 blocks of 4 (the furthest context: 32 positions).
     pairs = 8 * 9 * 8 * BS

@@ -106,6 +106,7 @@ def run_kv_pressure(
         "stops_after": args.output_len,
         "num_blocks": main_pool,
         "repeats": getattr(args, "repeats", 1),
+        "attention_pad_budget": engine_kw.get("attention_pad_budget", 0),
     }
     if not isinstance(report["repeats"], int) or report["repeats"] < 1:
         raise ValueError(f"repeats={report['repeats']!r}: must be an int >= 1")

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rltserve.config import GPU_ATTENTION_PAD_BUDGET
 from rltserve.core.metadata import HostMetadata, ItemSpec, Spans, group_indices
 from rltserve.core.staging import move_to
 
@@ -229,16 +228,6 @@ class PagedAttention:
         return out.index_select(0, md.pad_index)  # [N, Hq, hd]
 
 
-def pad_budget_for(device: torch.device) -> int:
-    """The ``group_indices`` pad budget of steps on ``device`` (``attention_pad_budget`` unset).
-
-    On a GPU the step of a small model is bound by kernel launches: another attention group
-    costs about a dozen launches per layer, while padding up to ``GPU_ATTENTION_PAD_BUDGET``
-    query-key pairs (per head) into one batch costs little device time. On the CPU padding is
-    computed work (docs/benchmarks.md, "Mixed steps"), so steps there keep their groups."""
-    return GPU_ATTENTION_PAD_BUDGET if device.type == "cuda" else 0
-
-
 def write_kv(
     kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
@@ -254,7 +243,7 @@ class GroupedAttention:
 
     One padded batch would pad every decode row to the longest chunk's rows and to the longest
     context (5-8x the attention time of the groups apart in typical mixed steps on the CPU,
-    docs/benchmarks.md; within a pad budget, on a GPU, one batch is used instead). Each group
+    docs/benchmarks.md; within a pad budget, for a GPU, one batch is used instead). Each group
     attends on its own, and the rows return to the step's order. K/V of all rows are written
     before any group attends.
     """
@@ -316,7 +305,7 @@ def attention_over(
     pad_budget: int = 0,
 ) -> PagedAttention | GroupedAttention:
     """``paged_attention`` of items given as columns; ``pad_budget``: as for
-    ``group_indices`` (``pad_budget_for`` the device)."""
+    ``group_indices``."""
     dev = torch.device(device)
     starts, lens = spans.starts, spans.lens
     groups = group_indices(starts, lens, block_size, pad_budget)

@@ -328,26 +328,43 @@ def _bucket(cols: int) -> int:
     return max(GROUP_MIN_COLS, 1 << (cols - 1).bit_length())
 
 
+def gathered_slots(starts: np.ndarray, lens: np.ndarray, block_size: int) -> int:
+    """Context slots the items gather as one padded attention batch: each item the whole
+    blocks of the furthest context."""
+    return len(starts) * -(-int((starts + lens).max()) // block_size) * block_size
+
+
 def padded_pairs(starts: np.ndarray, lens: np.ndarray, block_size: int) -> int:
     """Query-key pairs per head of the items as one padded attention batch: every item padded
     to the longest one's rows and to the furthest context's whole blocks."""
-    return pairs_of_batch(len(starts), int(lens.max()), int((starts + lens).max()), block_size)
+    return int(lens.max()) * gathered_slots(starts, lens, block_size)
 
 
-def pairs_of_batch(num_items: int, max_q: int, max_end: int, block_size: int) -> int:
-    """``padded_pairs`` of ``num_items`` items of at most ``max_q`` rows whose furthest
-    context ends at position ``max_end`` (exclusive)."""
-    return num_items * max_q * -(-max_end // block_size) * block_size
+# A padded batch may gather up to this many times the context slots its groups gather apart.
+PAD_GATHER_SLACK = 2
 
 
 def group_indices(
     starts: np.ndarray, lens: np.ndarray, block_size: int, pad_budget: int = 0
 ) -> list[np.ndarray]:
-    """``attention_groups`` over the items' starts and lengths: index arrays, in order. With a
-    ``pad_budget``, items whose padded batch (``padded_pairs``) stays within it are one group
-    (a device where another attention call costs more than that padding: a GPU)."""
-    if pad_budget and padded_pairs(starts, lens, block_size) <= pad_budget:
-        return [np.arange(len(starts))]
+    """``attention_groups`` over the items' starts and lengths: index arrays, in order.
+
+    With a ``pad_budget``, items that would form several groups are one when their padded
+    batch has at most that many query-key pairs per head (``padded_pairs``: the attention's
+    work) and gathers at most ``PAD_GATHER_SLACK`` times the context slots of the groups
+    (``gathered_slots``: the gather's memory traffic, which grows with the model's KV width).
+    For a device where another attention call costs more than that padding: a GPU, whose step
+    of a small model is bound by kernel launches, each group costing about a dozen per layer.
+    On the CPU padding is computed work (docs/benchmarks.md, "Mixed steps")."""
+    groups = _groups(starts, lens, block_size)
+    if pad_budget and len(groups) > 1 and padded_pairs(starts, lens, block_size) <= pad_budget:
+        apart = sum(gathered_slots(starts[ks], lens[ks], block_size) for ks in groups)
+        if gathered_slots(starts, lens, block_size) <= PAD_GATHER_SLACK * apart:
+            return [np.arange(len(starts))]
+    return groups
+
+
+def _groups(starts: np.ndarray, lens: np.ndarray, block_size: int) -> list[np.ndarray]:
     single = lens == 1
     if not single.any():
         return [np.arange(len(starts))]

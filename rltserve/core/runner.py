@@ -35,7 +35,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from rltserve.core.attention import allocate_kv_cache, copy_slots, pad_budget_for
+from rltserve.core.attention import allocate_kv_cache, copy_slots
 from rltserve.core.block_tables import BlockTables
 from rltserve.core.carried import CarriedRows
 from rltserve.core.cuda_graphs import DecodeGraphs
@@ -93,15 +93,14 @@ class ModelRunner:
         graph_max_context: int = 4096,
         max_model_len: int | None = None,
         swap_space_bytes: int = 0,
-        pad_budget: int | None = None,
+        pad_budget: int = 0,
     ) -> None:
         """``decode_graphs``: None (eager), "cuda" (replay the loop of decode-only steps from
         CUDA graphs, all captured here) or "emulate" (the same padded static buffers run
         eagerly: CPU tests). Graphs cover decode steps of up to ``graph_max_rows`` rows whose
         contexts fit ``min(max_model_len, graph_max_context)`` tokens. ``swap_space_bytes``:
         the host memory swapped KV may take (``HostSwap``; 0: unbounded). ``pad_budget``:
-        attention groups within it are one padded batch (``group_indices``; None: the device's
-        ``pad_budget_for``)."""
+        attention groups within it are one padded batch (``group_indices``)."""
         self.model = model
         self.spec = model.spec
         self.device = torch.device(device)
@@ -123,8 +122,6 @@ class ModelRunner:
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
         self.block_tables = BlockTables()  # host copies of the tables steps use
-        if pad_budget is None:
-            pad_budget = pad_budget_for(self.device)
         self._attention = StepAttention(
             self.kv, self.block_tables, block_size, self.device, pad_budget
         )

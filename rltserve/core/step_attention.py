@@ -6,7 +6,7 @@ Three shapes take short paths: a decode batch (one-row items, one attention grou
 ``decode_metadata``, its positions' part kept while the carried rows keep their positions
 array), a decode batch beside prompt chunks (the two groups, already in the step's row order:
 ``groups_in_order``), and anything else through ``attention_over``'s grouping. With a pad
-budget (a GPU), steps whose items fit it attend as one padded batch instead.
+budget, steps whose items fit it attend as one padded batch instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rltserve.core.metadata import (
     Spans,
     decode_metadata,
     decode_positions,
-    pairs_of_batch,
+    group_indices,
 )
 from rltserve.models.base import AttentionFn
 
@@ -36,7 +36,7 @@ class StepAttention:
         device: torch.device,
         pad_budget: int = 0,
     ) -> None:
-        """``pad_budget``: as for ``group_indices`` (``pad_budget_for`` the device)."""
+        """``pad_budget``: as for ``group_indices``."""
         self.kv = kv  # the paged KV cache of every plane
         self.block_tables = tables
         self.block_size = block_size
@@ -102,11 +102,9 @@ class StepAttention:
         padded batch (within the pad budget: ``group_indices``)."""
         if not self.pad_budget:
             return False
-        # (Carried rows are one row each: the chunks set max_q.)
-        end = max(int(head.starts.max()) + 1, max(s + n for s, n, _ in spans))
-        max_q = max(n for _, n, _ in spans)
-        pairs = pairs_of_batch(len(head.starts) + len(spans), max_q, end, self.block_size)
-        return pairs <= self.pad_budget
+        starts = np.concatenate((head.starts, [s for s, _, _ in spans]))
+        lens = np.concatenate((head.lens, [n for _, n, _ in spans]))
+        return len(group_indices(starts, lens, self.block_size, self.pad_budget)) == 1
 
     def _decode_host(self, given: Spans, rows, table: np.ndarray) -> HostMetadata | None:
         """``decode_metadata`` of one-row items ``given`` whose tables are rows ``rows`` of
