@@ -70,6 +70,17 @@ def with_eos(src: Path, dst: Path, eos_token_ids: list[int]) -> Path:
     return dst
 
 
+def count_grouped_attention(monkeypatch) -> list[int]:
+    """A list that gets an entry for every ``GroupedAttention`` built (several attention groups
+    in one step) while ``monkeypatch`` lasts."""
+    import rltserve.core.attention as attention
+
+    built: list[int] = []
+    real = attention._grouped
+    monkeypatch.setattr(attention, "_grouped", lambda *a: built.append(1) or real(*a))
+    return built
+
+
 def make_core(path, **engine) -> EngineCore:
     engine.setdefault("num_blocks", 512)
     return EngineCore(EngineConfig.from_flat(model=str(path), **engine))

@@ -7,7 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
+from engine_util import (
+    count_grouped_attention,
+    make_core,
+    oracle_run,
+    random_workload,
+    run_core,
+    stream_all,
+)
 
 from rltserve.config import EngineConfig
 from rltserve.core.runner import ModelRunner
@@ -57,11 +64,7 @@ def test_steps_outside_the_graphs_take_the_pad_budget(ckpts, ouro_ref, monkeypat
     """The steps the graphs do not cover (prompt chunks, mixed steps) and the boundary layers
     attend as one padded batch within the pad budget, in groups without it: the oracle's
     tokens and depths either way."""
-    import rltserve.core.attention as attention
-
-    grouped = []
-    real = attention._grouped
-    monkeypatch.setattr(attention, "_grouped", lambda *a: grouped.append(1) or real(*a))
+    grouped = count_grouped_attention(monkeypatch)
     prompts, params, arrivals = _workload(10, seed=1)
     core = _emulated(make_core(ckpts["ouro"], **ENGINE), pad_budget=pad_budget)
     run = run_core(core, prompts, params, arrivals=arrivals)

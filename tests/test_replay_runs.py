@@ -8,7 +8,7 @@ across steps, with chunked and wavefront prefill, async scheduling and time slic
 from __future__ import annotations
 
 import pytest
-from engine_util import make_core, run_core
+from engine_util import count_grouped_attention, make_core, run_core
 from test_preemption import _assert_empty, _oracle, _workload
 from test_preemption import _tight_blocks as tight_blocks
 
@@ -78,11 +78,7 @@ def test_replay_with_one_padded_attention_batch_equals_oracle(
     """Within a pad budget (``attention_pad_budget``, for GPUs) a step's replay runs, prompt
     chunks and decode rows attend as one padded batch instead of groups: the same tokens and
     depths."""
-    import rltserve.core.attention as attention
-
-    grouped = []
-    real = attention._grouped
-    monkeypatch.setattr(attention, "_grouped", lambda *a: grouped.append(1) or real(*a))
+    grouped = count_grouped_attention(monkeypatch)
     prompts, params, arrivals = _workload(
         6, seed=13, thresholds=(0.5, 0.3, 1.0), max_tokens=(14, 20)
     )
