@@ -333,12 +333,15 @@ with contextlib.redirect_stdout(io.StringIO()):
 sys.exit(main(sys.argv[cut + 1:]))'
 if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" ]]; then
   KV_ARGS=(bench offline "${SMALL_ARGS[@]}" --exit-threshold 0.5 --kv-pressure --json --quiet)
+  # The KV bench after a discarded smoke-sized copy of it; the caller adds its last flags.
+  KV_RUN=("$PY" -c "$WARM_THEN_RUN"
+    "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 --
+    "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY"
+    --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN"
+    --output-len "$KV_PRESSURE_LEN")
   step "kv_pressure $SMALL_PRESET c=$KV_PRESSURE_CONCURRENCY" "$KV_PRESSURE_LIMIT_S" \
-    "${TO_FILE[@]}" "$WORK/kv_pressure.json" "$PY" -c "$WARM_THEN_RUN" \
-    "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
-    "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
-    --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
-    --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PRESSURE_REPEATS" || true
+    "${TO_FILE[@]}" "$WORK/kv_pressure.json" "${KV_RUN[@]}" --repeats "$KV_PRESSURE_REPEATS" ||
+    true
 fi
 if [[ -f "$SMALL_MODEL_DIR/config.json" && "$ROLLOUT_STEPS" != 0 ]]; then
   step "rollout $SMALL_PRESET ($ROLLOUT_STEPS steps)" "$ROLLOUT_LIMIT_S" \
@@ -358,11 +361,7 @@ done
 if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" &&
   "$KV_PAD_COMPARE" == 1 ]]; then
   step "kv_pressure with attention pad budget $KV_PAD_BUDGET" "$KV_PAD_LIMIT_S" \
-    "${TO_FILE[@]}" "$WORK/kv_pressure_pad.json" "$PY" -c "$WARM_THEN_RUN" \
-    "${KV_ARGS[@]}" --num-prompts 8 --concurrency 8 --input-len 4 --output-len 2 -- \
-    "${KV_ARGS[@]}" --num-prompts "$KV_PRESSURE_CONCURRENCY" \
-    --concurrency "$KV_PRESSURE_CONCURRENCY" --input-len "$KV_PRESSURE_LEN" \
-    --output-len "$KV_PRESSURE_LEN" --repeats "$KV_PAD_REPEATS" \
+    "${TO_FILE[@]}" "$WORK/kv_pressure_pad.json" "${KV_RUN[@]}" --repeats "$KV_PAD_REPEATS" \
     --attention-pad-budget "$KV_PAD_BUDGET" || true
 fi
 

@@ -233,23 +233,23 @@ def pad_budget_lines(kv: dict | None, padded: dict | None) -> list[str]:
         return []
     budgets = f"{kv.get('attention_pad_budget', 0)} vs {padded.get('attention_pad_budget')}"
     lines = [f"kv pressure, attention pad budget {budgets} (tok/s; loss vs unpressured):"]
-    free, free0 = kv["unpressured"], padded["unpressured"]
+    free, free_pad = kv["unpressured"], padded["unpressured"]
     lines.append(
         f"  unpressured            {free['output_tokens_per_s']} vs "
-        f"{free0['output_tokens_per_s']} tok/s, {free['ms_per_step']} vs "
-        f"{free0['ms_per_step']} ms/step"
+        f"{free_pad['output_tokens_per_s']} tok/s, {free['ms_per_step']} vs "
+        f"{free_pad['ms_per_step']} ms/step"
     )
     key = ("pool_blocks", "preemption_mode", "preemption_time_slice")
     other = {tuple(r[k] for k in key): r for r in padded.get("sweep") or []}
     for row in kv.get("sweep") or []:
-        row0 = other.get(tuple(row[k] for k in key))
-        if row0:
+        row_pad = other.get(tuple(row[k] for k in key))
+        if row_pad:
             lines.append(
                 f"  {row['pool_fraction']:.0%} {row['preemption_mode']:<9} slice "
                 f"{row['preemption_time_slice']:>2}: {row['output_tokens_per_s']} vs "
-                f"{row0['output_tokens_per_s']} tok/s, lost {row['loss_vs_unpressured']:.0%} "
-                f"vs {row0['loss_vs_unpressured']:.0%}, {row['ms_per_step']} vs "
-                f"{row0['ms_per_step']} ms/step"
+                f"{row_pad['output_tokens_per_s']} tok/s, lost {row['loss_vs_unpressured']:.0%} "
+                f"vs {row_pad['loss_vs_unpressured']:.0%}, {row['ms_per_step']} vs "
+                f"{row_pad['ms_per_step']} ms/step"
             )
     return lines
 
