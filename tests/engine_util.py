@@ -6,6 +6,7 @@ import json
 import random
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,13 +98,15 @@ def run_core(
     deferred: bool = False,
     max_steps: int = 10_000,
     groups: list[str | None] | None = None,
+    abort_when: Callable[[EngineCore], Iterable[str]] | None = None,
 ) -> Run:
     """Runs requests to completion. ``arrivals[i]`` is the step at which request i is added;
     ``aborts`` maps a request index to the step at which it is aborted. With ``lag=1`` each
     step is planned before the previous step's result is applied, as async scheduling does
     (steps still execute in order). ``deferred`` makes the runner deliver each step's result
     inside the next launch, as it does on a GPU with async scheduling. ``groups[i]``: the
-    prompt-sharing group key of request i."""
+    prompt-sharing group key of request i. ``abort_when(core)``, called before every plan,
+    names requests to abort then (by the state they are in)."""
     core.runner.defer_results = deferred
     arrivals = arrivals or [0] * len(prompts)
     aborts = aborts or {}
@@ -140,6 +143,9 @@ def run_core(
         for i, at in aborts.items():
             if at == step and core.abort(rids[i]) is not None:
                 run.finish[rids[i]] = "abort"
+        for rid in abort_when(core) if abort_when is not None else ():
+            if core.abort(rid) is not None:
+                run.finish[rid] = "abort"
         plan = core.plan()
         if plan is not None:
             pending.append((plan, core.runner.launch(plan)))

@@ -1,8 +1,9 @@
 """Preemption under KV pressure: with a pool so small that requests are preempted again and
 again, token ids and exit depths equal an unpressured run and the dense oracle, in both modes
 (recompute and swap), for every KV policy, exit rule, prefill mode, async lag and token
-pipelining; aborts of preempted requests; after every run the pool and the swap space are
-empty."""
+pipelining, and under priority preemption; aborts of requests in every preempted state; no
+victim ever has an item in the step being built; after every run the pool and the swap space
+are empty."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
 from rltserve.config import EngineConfig
-from rltserve.core.request import Resume
+from rltserve.core.request import RequestStatus, Resume
 from rltserve.core.stage import InProcessStageClient
 from rltserve.sampling import SamplingParams
 
@@ -42,15 +43,41 @@ def _tight_blocks(path, prompts, params, **kw) -> int:
 
 
 def _run(path, prompts, params, arrivals=None, *, lag=0, deferred=False, aborts=None, **kw):
+    abort_when = kw.pop("abort_when", None)
+    on_core = kw.pop("on_core", None)
     if kw.pop("tight", False):
         kw.update(block_size=4, kv_watermark=0.0)
         kw["num_blocks"] = _tight_blocks(path, prompts, params, **kw)
     core = make_core(path, **kw)
+    _guard_victims(core)
+    if on_core is not None:
+        on_core(core)
     run = run_core(
-        core, prompts, params, arrivals=arrivals, lag=lag, deferred=deferred, aborts=aborts
+        core,
+        prompts,
+        params,
+        arrivals=arrivals,
+        lag=lag,
+        deferred=deferred,
+        aborts=aborts,
+        abort_when=abort_when,
     )
     _assert_empty(core)
     return run, core.stats()
+
+
+def _guard_victims(core) -> None:
+    """Fails a run in which a victim has an item planned in the step being built (freeing its
+    blocks would hand them to other items of that step while its own still write them)."""
+    scheduler = core.scheduler
+    preemptor = scheduler.preemptor
+    preempt = preemptor.preempt
+
+    def checked(victim) -> None:
+        assert victim.request_id not in scheduler._in_step, f"victim {victim.request_id}"
+        preempt(victim)
+
+    preemptor.preempt = checked
 
 
 def _assert_empty(core) -> None:
@@ -284,25 +311,98 @@ def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
             )
         )
     kw = {"kv_policy": kv_policy, "exit_mode": "trace", "preemption_mode": mode}
-    tight, stats = _run(ckpts["huginn"], prompts, params, swap_space_gb=SWAP_GB, **kw, **TIGHT)
-    assert stats.num_preemptions >= 3
+    # Room in swap space for every victim: swap itself runs with traced exits (a fallback
+    # would recompute).
+    tight, stats = _run(ckpts["huginn"], prompts, params, swap_space_gb=1e-4, **kw, **TIGHT)
+    assert stats.num_preemptions >= 3 and stats.swap_fallbacks == 0
     _oracle(huginn_ref, tight, prompts, params, kv_policy, exit_mode="trace")
 
 
+def _preempted_state(request) -> str | None:
+    """Where a preempted request stands: waiting to recompute, waiting with KV in swap space,
+    or resumed and replaying (recompute, or the positions after its swapped KV)."""
+    if not request.num_preemptions:
+        return None
+    if request.status is RequestStatus.WAITING:
+        return "swapped" if request.resume is Resume.SWAP else "waiting"
+    return "replaying" if request.resume is Resume.RECOMPUTE else None
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_aborts_of_preempted_requests(ckpts, ouro_ref, mode):
-    prompts, params, arrivals = _workload(6, seed=8)
-    aborts = {1: 9, 3: 14, 4: 20, 5: 25}
+@pytest.mark.parametrize("lag", [0, 1])
+def test_aborts_of_preempted_requests(ckpts, ouro_ref, mode, lag):
+    """One request aborted in each state a preempted request passes through (one abort a
+    step, with a step of results still in flight under ``lag=1``): the others' outputs equal
+    the oracle, the aborted ones' are its prefixes, and nothing is left behind."""
+    prompts, params, arrivals = _workload(8, seed=8)
+    aborted: dict[str, str] = {}  # state -> request id
+
+    def abort_one(core):
+        for request in list(core.scheduler.requests.values()):
+            state = _preempted_state(request)
+            if state is not None and state not in aborted:
+                aborted[state] = request.request_id
+                return [request.request_id]
+        return []
+
+    kw = {"exit_mode": "delayed", "async_scheduling": True} if lag else {}
+    if mode == "swap":
+        kw["swap_space_gb"] = SWAP_GB  # swaps some; the others wait to recompute
     tight, stats = _run(
-        ckpts["ouro"], prompts, params, arrivals, aborts=aborts, preemption_mode=mode, **TIGHT
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        lag=lag,
+        abort_when=abort_one,
+        preemption_mode=mode,
+        **kw,
+        **TIGHT,
     )
-    assert stats.num_preemptions >= 1
+    want_states = {"waiting", "replaying"} | ({"swapped"} if mode == "swap" else set())
+    assert want_states <= set(aborted), aborted
+    assert {rid for rid, why in tight.finish.items() if why == "abort"} == set(aborted.values())
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited").tokens
-        got = tight.tokens[f"r{i}"]
-        assert got == want[: len(got)]
-        if i not in aborts:
-            assert got == want
+        exit_mode = "delayed" if lag else "gate"
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode=exit_mode)
+        rid = f"r{i}"
+        got, depths = tight.tokens[rid], tight.depths[rid]
+        assert got == want.tokens[: len(got)] and depths == want.exit_depths[: len(depths)]
+        if rid not in aborted.values():
+            assert got == want.tokens, rid
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("full", ["kv", "seats"])
+def test_priority_preemption_equals_oracle(ckpts, ouro_ref, mode, full):
+    """``scheduling_policy="priority"``: requests of a better priority arriving while worse
+    ones hold the KV (or every seat) preempt them before a step is built; every output,
+    the preempted ones' included, equals the oracle, and the better ones finish first."""
+    prompts, params, _ = _workload(8, seed=13, thresholds=(1.0, 0.5))
+    params = [p.replace(priority=1 if i < 4 else 0) for i, p in enumerate(params)]
+    arrivals = [0] * 4 + [6] * 4
+    by_priority = []
+
+    def count(core):
+        preemptor = core.scheduler.preemptor
+        admit = preemptor.admit_by_priority
+
+        def counted():
+            before = preemptor.num_preemptions
+            admit()
+            by_priority.append(preemptor.num_preemptions - before)
+
+        preemptor.admit_by_priority = counted
+
+    kw = {"scheduling_policy": "priority", "preemption_mode": mode, "on_core": count}
+    room = {**ROOMY, "max_num_seqs": 2} if full == "seats" else TIGHT
+    run, stats = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **room)
+    assert sum(by_priority) >= 1
+    _oracle(ouro_ref, run, prompts, params, "last_exited")
+    order = list(run.finish)  # (in the order requests finished)
+    assert max(order.index(f"r{i}") for i in range(4, 8)) < max(
+        order.index(f"r{i}") for i in range(4)
+    )
 
 
 def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref):

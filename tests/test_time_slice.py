@@ -11,7 +11,17 @@ from __future__ import annotations
 import pytest
 from engine_util import make_core, run_core
 from fixed_exits import FixedExits, make_request, make_scheduler
-from test_preemption import MODES, ROOMY, SWAP_GB, _assert_empty, _oracle, _run, _same, _workload
+from test_preemption import (
+    MODES,
+    ROOMY,
+    SWAP_GB,
+    _assert_empty,
+    _guard_victims,
+    _oracle,
+    _run,
+    _same,
+    _workload,
+)
 from test_preemption import _tight_blocks as tight_blocks
 
 from rltserve.config import SchedulerConfig
@@ -110,6 +120,7 @@ def test_time_slicing_equals_unpressured_and_oracle(ckpts, ouro_ref, mode, case)
     core = make_core(
         ckpts["ouro"], num_blocks=tight_blocks(ckpts["ouro"], prompts, params, **kw), **kw
     )
+    _guard_victims(core)  # (turns take victims before a step is built, growth while it is)
     sliced = run_core(core, prompts, params, arrivals=arrivals, **lag)
     _assert_empty(core)
     assert core.scheduler.preemptor.num_rotations >= 2
@@ -153,6 +164,7 @@ def test_time_slicing_with_seeded_sampling_and_aborts(ckpts, mode):
     blocks = tight_blocks(ckpts["ouro"], prompts, params, **kw)
     aborts = {1: 12, 4: 20}
     core = make_core(ckpts["ouro"], num_blocks=blocks, **kw)
+    _guard_victims(core)
     sliced = run_core(core, prompts, params, arrivals=arrivals, aborts=aborts)
     _assert_empty(core)
     assert core.scheduler.preemptor.num_rotations >= 2
