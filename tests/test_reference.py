@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from recipe import build_huginn_rv1, build_nanbeige, build_ouro_rv1, load_vectors, tensor_sums
-from reference import (
-    ExitRule,
-    Reference,
-    exit_depth_from_gates,
-    parse_kv_policy,
-    plane_of,
-)
+from reference import Reference
+from reference_parts import ExitRule, exit_depth_from_gates, parse_kv_policy, plane_of
 
 VECTORS = load_vectors()
 PROMPTS = VECTORS["prompts"]
