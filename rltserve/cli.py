@@ -125,7 +125,12 @@ def _print_report(report: dict, as_json: bool) -> None:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     else:
         for key, value in report.items():
-            print(f"{key}: {value}")
+            if key == "kv_pressure":
+                from rltserve.bench.kv import format_report
+
+                print(format_report(value))
+            else:
+                print(f"{key}: {value}")
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rltserve.bench.kv import format_report
 from rltserve.bench.offline import run_offline_bench
 from rltserve.cli import build_parser
 from rltserve.engine_args import engine_kwargs
@@ -49,6 +50,9 @@ def test_kv_pressure_compare(ouro_rv1, select):
         assert r["steps_vs_unpressured"] == round(r["steps"] / report["unpressured"]["steps"], 3)
         # Per-step times: the model's share of a step is at most the step.
         assert 0 < r["model_ms_per_step"] <= r["ms_per_step"]
+    # For people: a header, a line per run, a line per target (3, and 2 per pool).
+    lines = format_report(report).splitlines()
+    assert len(lines) == 2 + 4 + len(sweep) + 3 + 2 * len(pools)
 
 
 def test_repeats_run_every_case_in_rounds_and_report_median_times(ouro_rv1, monkeypatch):
@@ -126,3 +130,76 @@ def test_repeats_apply_to_the_kv_pressure_runs_only(ouro_rv1, capsys):
 
     assert main(["bench", "offline", "--model", str(ouro_rv1), "--repeats", "2"]) != 0
     assert "--repeats 2: only the --kv-pressure runs repeat" in capsys.readouterr().err
+
+
+def _made_up_report() -> dict:
+    """A KV pressure report with round figures: unpressured 100 tok/s at a peak of 400 blocks,
+    the main pool 200 blocks, a sweep at 200 and 300."""
+
+    def run(tok_s: float, running: int = 8, steps: int = 10, pre: int = 0) -> dict:
+        return {
+            "output_tokens_per_s": tok_s, "peak_running": running, "steps": steps,
+            "preemptions": pre, "loop_rows": 100, "ms_per_step": 2.5, "peak_blocks": 400,
+        }  # fmt: skip
+
+    sweep = []
+    for pool, losses in ((200, {"recompute": (0.5, 0.35), "swap": (0.31, 0.2)}),
+                         (300, {"recompute": (0.1, 0.299), "swap": (0.3, 0.4)})):  # fmt: skip
+        for mode, (plain, sliced) in losses.items():
+            for time_slice, loss in ((0, plain), (8, sliced)):
+                sweep.append({**run(100 * (1 - loss), pre=3), "pool_blocks": pool,
+                              "preemption_mode": mode, "preemption_time_slice": time_slice,
+                              "loss_vs_unpressured": loss})  # fmt: skip
+    return {
+        "pool_requests": 2, "num_requests": 16, "max_tokens": 24, "stops_after": 3,
+        "num_blocks": 200, "repeats": 3,
+        "full": run(40, running=2, steps=40), "ondemand_recompute": run(70, pre=4),
+        "ondemand_swap": run(90, pre=4), "unpressured": run(100), "sweep": sweep,
+        "ratios": {"recompute_vs_full_running": 4.0, "recompute_vs_full_tokens_per_s": 1.75,
+                   "swap_vs_full_tokens_per_s": 2.25},
+    }  # fmt: skip
+
+
+def test_the_report_for_people_lists_every_run_and_judges_every_target():
+    lines = format_report(_made_up_report()).splitlines()
+    assert lines[0] == (
+        "KV pressure: 16 requests (max_tokens 24, each stopping after 3), a pool of 200 blocks "
+        "(2 worst cases); times are medians of 3 rounds"
+    )
+    assert lines[1].split()[:3] == ["run", "pool", "(of"]
+    rows = [line.split() for line in lines[2:14]]
+    assert [r[0] for r in rows] == ["full", "on-demand", "on-demand", "unpressured"] + ["sweep"] * 8
+    assert rows[0][-1] == "60.0%" and rows[1][-1] == "30.0%"  # tokens/s lost vs unpressured
+    assert rows[3][-1] == "2.50"  # (the unpressured run loses nothing: no loss column)
+    assert rows[4][:6] == ["sweep", "200", "(50%)", "recompute", "0", "8"]
+    targets = lines[14:]
+    assert targets[:3] == [
+        "target: on-demand runs >= 4x the requests of full reservation: 4x, met",
+        "target: recompute >= 2x the tokens/s of full reservation: 1.75x, not met",
+        "target: swap >= 2x the tokens/s of full reservation: 2.25x, met",
+    ]
+    # Under pressure each mode's best slice per pool counts; < 30% is met, 30% is not.
+    assert targets[3:] == [
+        "target: recompute with a pool of 200 blocks (50% of the peak) loses < 30%: "
+        "35.0% at best (slice 8), not met",
+        "target: swap with a pool of 200 blocks (50% of the peak) loses < 30%: "
+        "20.0% at best (slice 8), met",
+        "target: recompute with a pool of 300 blocks (75% of the peak) loses < 30%: "
+        "10.0% at best (slice 0), met",
+        "target: swap with a pool of 300 blocks (75% of the peak) loses < 30%: "
+        "30.0% at best (slice 0), not met",
+    ]
+
+
+def test_the_cli_prints_the_kv_report_as_a_table_unless_json(capsys):
+    import orjson
+
+    from rltserve.cli import _print_report
+
+    report = {"model": "m", "kv_pressure": _made_up_report()}
+    _print_report(report, as_json=False)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "model: m" and out[1].startswith("KV pressure: 16 requests")
+    assert len(out) == 1 + 2 + 12 + 7
+    _print_report(report, as_json=True)
+    assert orjson.loads(capsys.readouterr().out) == report
