@@ -123,14 +123,30 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
 def _print_report(report: dict, as_json: bool) -> None:
     if as_json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        for key, value in report.items():
-            if key == "kv_pressure":
-                from rltserve.bench.kv import format_report
+        return
+    for key, value in report.items():
+        if key == "kv_pressure":
+            from rltserve.bench.kv import format_report
 
-                print(format_report(value))
-            else:
-                print(f"{key}: {value}")
+            print(format_report(value))
+        else:
+            print("\n".join(_report_lines(key, value, "")))
+
+
+def _report_lines(key: str, value, pad: str) -> list[str]:
+    """``key: value``, a nested report indented under its key (lists of reports as ``-``
+    items), for people; ``--json`` is for programs."""
+    if isinstance(value, dict) and value:
+        return [f"{pad}{key}:"] + [
+            line for k, v in value.items() for line in _report_lines(k, v, pad + "  ")
+        ]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        lines = [f"{pad}{key}:"]
+        for item in value:
+            inner = [line for k, v in item.items() for line in _report_lines(k, v, pad + "    ")]
+            lines += [f"{pad}  - {inner[0].lstrip()}", *inner[1:]] if inner else [f"{pad}  - {{}}"]
+        return lines
+    return [f"{pad}{key}: {value}"]
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:

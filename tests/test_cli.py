@@ -46,3 +46,30 @@ def test_generate_command_prints_json_records(tmp_path_factory, capsys):
         assert record["token_ids"] == want.tokens and record["exit_depths"] == want.exit_depths
         assert record["text"] == tok.decode(want.tokens)
         assert record["finish_reason"] == "length"
+
+
+def test_bench_reports_print_nested_figures_indented_under_their_keys(capsys):
+    from rltserve.cli import _print_report
+
+    report = {
+        "model": "m",
+        "refill": {"steps": 16, "ratios": {"vs_full": 1.5}},
+        "rows": [{"pool": 1, "run": {"steps": 3}}, {"pool": 2}],
+        "plain": [1, 2],
+        "empty": {},
+    }
+    _print_report(report, as_json=False)
+    assert capsys.readouterr().out.splitlines() == [
+        "model: m",
+        "refill:",
+        "  steps: 16",
+        "  ratios:",
+        "    vs_full: 1.5",
+        "rows:",
+        "  - pool: 1",
+        "    run:",
+        "      steps: 3",
+        "  - pool: 2",
+        "plain: [1, 2]",
+        "empty: {}",
+    ]
