@@ -4,11 +4,12 @@ asserted."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from rltserve.bench.kv import format_report
 from rltserve.bench.offline import run_offline_bench
-from rltserve.cli import build_parser
+from rltserve.cli import _print_report, build_parser
 from rltserve.engine_args import engine_kwargs
 
 
@@ -164,38 +165,54 @@ def test_the_report_for_people_lists_every_run_and_judges_every_target():
     lines = format_report(_made_up_report()).splitlines()
     assert lines[0] == (
         "KV pressure: 16 requests (max_tokens 24, each stopping after 3), a pool of 200 blocks "
-        "(2 worst cases); times are medians of 3 rounds"
+        "(2 worst cases), attention pad budget 0; times are medians of 3 rounds"
     )
-    assert lines[1].split()[:3] == ["run", "pool", "(of"]
+    assert lines[1].split() == [
+        "run", "pool", "(of", "peak)", "mode", "slice", "running", "steps", "preemptions",
+        "loop", "rows", "tok/s", "ms/step", "lost",
+    ]  # fmt: skip
     rows = [line.split() for line in lines[2:14]]
     assert [r[0] for r in rows] == ["full", "on-demand", "on-demand", "unpressured"] + ["sweep"] * 8
     assert rows[0][-1] == "60.0%" and rows[1][-1] == "30.0%"  # tokens/s lost vs unpressured
+    assert rows[1][3:5] == ["recompute", "0"]  # (the engine's own time slice)
     assert rows[3][-1] == "2.50"  # (the unpressured run loses nothing: no loss column)
     assert rows[4][:6] == ["sweep", "200", "(50%)", "recompute", "0", "8"]
     targets = lines[14:]
     assert targets[:3] == [
-        "target: on-demand runs >= 4x the requests of full reservation: 4x, met",
+        "target: on-demand runs >= 4x the requests of full reservation: 4.00x, met",
         "target: recompute >= 2x the tokens/s of full reservation: 1.75x, not met",
         "target: swap >= 2x the tokens/s of full reservation: 2.25x, met",
     ]
     # Under pressure each mode's best slice per pool counts; < 30% is met, 30% is not.
     assert targets[3:] == [
         "target: recompute with a pool of 200 blocks (50% of the peak) loses < 30%: "
-        "35.0% at best (slice 8), not met",
+        "loses 35.0% at best (slice 8), not met",
         "target: swap with a pool of 200 blocks (50% of the peak) loses < 30%: "
-        "20.0% at best (slice 8), met",
+        "loses 20.0% at best (slice 8), met",
         "target: recompute with a pool of 300 blocks (75% of the peak) loses < 30%: "
-        "10.0% at best (slice 0), met",
+        "loses 10.0% at best (slice 0), met",
         "target: swap with a pool of 300 blocks (75% of the peak) loses < 30%: "
-        "30.0% at best (slice 0), not met",
+        "loses 30.0% at best (slice 0), not met",
     ]
 
 
+def test_the_report_for_people_says_what_makes_its_figures_suspect():
+    report = _made_up_report()
+    report["ondemand_swap"]["swap_fallbacks"] = 2
+    report["sweep"][3]["differs_across_runs"] = ["steps"]
+    report["sweep"][3]["loss_vs_unpressured"] = -0.05  # (faster than unpressured: noise)
+    lines = format_report(report).splitlines()
+    assert lines[-2:] == [
+        "note: ondemand_swap: 2 swaps fell back to recompute",
+        "warning: sweep 200 swap 8: differs across rounds: ['steps']",
+    ]
+    assert lines[-5].endswith(
+        "swap with a pool of 200 blocks (50% of the peak) loses < 30%: "
+        "gains 5.0% at best (slice 8), met"
+    )
+
+
 def test_the_cli_prints_the_kv_report_as_a_table_unless_json(capsys):
-    import orjson
-
-    from rltserve.cli import _print_report
-
     report = {"model": "m", "kv_pressure": _made_up_report()}
     _print_report(report, as_json=False)
     out = capsys.readouterr().out.splitlines()

@@ -10,7 +10,7 @@ from reference import Reference
 from test_http_harness import tiny_checkpoint
 
 from rltserve import LLM
-from rltserve.cli import build_parser, main
+from rltserve.cli import _print_report, build_parser, main
 from rltserve.engine_args import ENGINE_CONFIGS, engine_kwargs
 from rltserve.models.tokenizer import load_tokenizer
 
@@ -49,8 +49,6 @@ def test_generate_command_prints_json_records(tmp_path_factory, capsys):
 
 
 def test_bench_reports_print_nested_figures_indented_under_their_keys(capsys):
-    from rltserve.cli import _print_report
-
     report = {
         "model": "m",
         "refill": {"steps": 16, "ratios": {"vs_full": 1.5}},
