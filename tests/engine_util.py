@@ -143,9 +143,10 @@ def run_core(
         for i, at in aborts.items():
             if at == step and core.abort(rids[i]) is not None:
                 run.finish[rids[i]] = "abort"
-        for rid in abort_when(core) if abort_when is not None else ():
-            if core.abort(rid) is not None:
-                run.finish[rid] = "abort"
+        if abort_when is not None:
+            for rid in abort_when(core):
+                if core.abort(rid) is not None:
+                    run.finish[rid] = "abort"
         plan = core.plan()
         if plan is not None:
             pending.append((plan, core.runner.launch(plan)))

@@ -1,9 +1,9 @@
 """Preemption under KV pressure: with a pool so small that requests are preempted again and
 again, token ids and exit depths equal an unpressured run and the dense oracle, in both modes
 (recompute and swap), for every KV policy, exit rule, prefill mode, async lag and token
-pipelining, and under priority preemption; aborts of requests in every preempted state; no
-victim ever has an item in the step being built; after every run the pool and the swap space
-are empty."""
+pipelining; no victim ever has an item in the step being built; after every run the pool and
+the swap space are empty. Priority preemption and aborts of preempted requests:
+``test_preemption_priority_aborts.py``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
 
 from rltserve.config import EngineConfig
-from rltserve.core.request import RequestStatus, Resume
+from rltserve.core.request import Resume
 from rltserve.core.stage import InProcessStageClient
 from rltserve.sampling import SamplingParams
 
 MODES = ["recompute", "swap"]
 SWAP_GB = 1e-5  # (the tiny model's KV: a few requests fit, others fall back)
+HUGINN_SWAP_GB = 1e-4  # (room for every victim of the Huginn pressure tests)
 TIGHT = {"tight": True}
 ROOMY = {"block_size": 4, "num_blocks": 1024}
 
@@ -42,9 +43,21 @@ def _tight_blocks(path, prompts, params, **kw) -> int:
     return need + 2
 
 
-def _run(path, prompts, params, arrivals=None, *, lag=0, deferred=False, aborts=None, **kw):
-    abort_when = kw.pop("abort_when", None)
-    on_core = kw.pop("on_core", None)
+def _run(
+    path,
+    prompts,
+    params,
+    arrivals=None,
+    *,
+    lag=0,
+    deferred=False,
+    aborts=None,
+    abort_when=None,
+    on_core=None,
+    **kw,
+):
+    """Runs the workload on a new core (``on_core(core)`` sees it first); ``tight=True``: in a
+    pool so small that requests are preempted again and again."""
     if kw.pop("tight", False):
         kw.update(block_size=4, kv_watermark=0.0)
         kw["num_blocks"] = _tight_blocks(path, prompts, params, **kw)
@@ -311,98 +324,25 @@ def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
             )
         )
     kw = {"kv_policy": kv_policy, "exit_mode": "trace", "preemption_mode": mode}
-    # Room in swap space for every victim: swap itself runs with traced exits (a fallback
-    # would recompute).
-    tight, stats = _run(ckpts["huginn"], prompts, params, swap_space_gb=1e-4, **kw, **TIGHT)
-    assert stats.num_preemptions >= 3 and stats.swap_fallbacks == 0
-    _oracle(huginn_ref, tight, prompts, params, kv_policy, exit_mode="trace")
+    swapped = []
 
-
-def _preempted_state(request) -> str | None:
-    """Where a preempted request stands: waiting to recompute, waiting with KV in swap space,
-    or resumed and replaying (recompute, or the positions after its swapped KV)."""
-    if not request.num_preemptions:
-        return None
-    if request.status is RequestStatus.WAITING:
-        return "swapped" if request.resume is Resume.SWAP else "waiting"
-    return "replaying" if request.resume is Resume.RECOMPUTE else None
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lag", [0, 1])
-def test_aborts_of_preempted_requests(ckpts, ouro_ref, mode, lag):
-    """One request aborted in each state a preempted request passes through (one abort a
-    step, with a step of results still in flight under ``lag=1``): the others' outputs equal
-    the oracle, the aborted ones' are its prefixes, and nothing is left behind."""
-    prompts, params, arrivals = _workload(8, seed=8)
-    aborted: dict[str, str] = {}  # state -> request id
-
-    def abort_one(core):
-        for request in list(core.scheduler.requests.values()):
-            state = _preempted_state(request)
-            if state is not None and state not in aborted:
-                aborted[state] = request.request_id
-                return [request.request_id]
-        return []
-
-    kw = {"exit_mode": "delayed", "async_scheduling": True} if lag else {}
-    if mode == "swap":
-        kw["swap_space_gb"] = SWAP_GB  # swaps some; the others wait to recompute
-    tight, stats = _run(
-        ckpts["ouro"],
-        prompts,
-        params,
-        arrivals,
-        lag=lag,
-        abort_when=abort_one,
-        preemption_mode=mode,
-        **kw,
-        **TIGHT,
-    )
-    want_states = {"waiting", "replaying"} | ({"swapped"} if mode == "swap" else set())
-    assert want_states <= set(aborted), aborted
-    assert {rid for rid, why in tight.finish.items() if why == "abort"} == set(aborted.values())
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        exit_mode = "delayed" if lag else "gate"
-        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode=exit_mode)
-        rid = f"r{i}"
-        got, depths = tight.tokens[rid], tight.depths[rid]
-        assert got == want.tokens[: len(got)] and depths == want.exit_depths[: len(depths)]
-        if rid not in aborted.values():
-            assert got == want.tokens, rid
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("full", ["kv", "seats"])
-def test_priority_preemption_equals_oracle(ckpts, ouro_ref, mode, full):
-    """``scheduling_policy="priority"``: requests of a better priority arriving while worse
-    ones hold the KV (or every seat) preempt them before a step is built; every output,
-    the preempted ones' included, equals the oracle, and the better ones finish first."""
-    prompts, params, _ = _workload(8, seed=13, thresholds=(1.0, 0.5))
-    params = [p.replace(priority=1 if i < 4 else 0) for i, p in enumerate(params)]
-    arrivals = [0] * 4 + [6] * 4
-    by_priority = []
-
-    def count(core):
+    def count_swaps(core):
         preemptor = core.scheduler.preemptor
-        admit = preemptor.admit_by_priority
+        preempt = preemptor.preempt
 
-        def counted():
-            before = preemptor.num_preemptions
-            admit()
-            by_priority.append(preemptor.num_preemptions - before)
+        def counted(victim):
+            preempt(victim)
+            swapped.append(victim.resume is Resume.SWAP)
 
-        preemptor.admit_by_priority = counted
+        preemptor.preempt = counted
 
-    kw = {"scheduling_policy": "priority", "preemption_mode": mode, "on_core": count}
-    room = {**ROOMY, "max_num_seqs": 2} if full == "seats" else TIGHT
-    run, stats = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **room)
-    assert sum(by_priority) >= 1
-    _oracle(ouro_ref, run, prompts, params, "last_exited")
-    order = list(run.finish)  # (in the order requests finished)
-    assert max(order.index(f"r{i}") for i in range(4, 8)) < max(
-        order.index(f"r{i}") for i in range(4)
+    swap_gb = HUGINN_SWAP_GB  # (swap itself runs with traced exits: no victim falls back)
+    tight, stats = _run(
+        ckpts["huginn"], prompts, params, swap_space_gb=swap_gb, on_core=count_swaps, **kw, **TIGHT
     )
+    assert stats.num_preemptions >= 3
+    assert swapped == [mode == "swap"] * len(swapped)  # (swap: no victim fell back)
+    _oracle(huginn_ref, tight, prompts, params, kv_policy, exit_mode="trace")
 
 
 def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref):
