@@ -231,8 +231,8 @@ def format_report(kv: dict[str, Any]) -> str:
 
 def _table(kv: dict[str, Any]) -> list[str]:
     """A row per run: its pool as a share of the unpressured run's peak blocks, its tokens/s
-    lost against that run. (The on-demand rows and the sweep's first ones share a setting when
-    the engine slices no time: measured apart, they show the noise.)"""
+    lost against that run. (Each on-demand row repeats the setting of a sweep row at the main
+    pool: measured apart, the two show the noise.)"""
     free = kv["unpressured"]
     peak = free["peak_blocks"]
 
