@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine_util import oracle_run
+from engine_util import make_core, oracle_run
 
 from rltserve.sampling import SamplingParams
 
@@ -142,3 +142,17 @@ CONFIGS = {
         1.0,
     ),
 }
+
+
+def configured(path, name: str, **engine):
+    """A core for ``CONFIGS[name]`` (results delivered inside the next launch for
+    "deferred"), the params of every request of ``PROMPTS`` (6 tokens at the configuration's
+    exit threshold) and the lag to drive it with."""
+    config, lag, threshold = CONFIGS[name]
+    core = make_core(path, **engine, **config)
+    core.runner.defer_results = name == "deferred"
+    params = {
+        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
+        for rid in PROMPTS
+    }
+    return core, params, lag

@@ -17,6 +17,7 @@ from fault_util import (
     Outcome,
     assert_clean,
     assert_oracle,
+    configured,
     drive,
     omits_a_running_request,
     oracle,
@@ -30,13 +31,7 @@ from rltserve.sampling import SamplingParams
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_step_that_raises_fails_only_its_requests(ouro_rv1, ouro_ref, name):
-    engine, lag, threshold = CONFIGS[name]
-    core = make_core(ouro_rv1, max_num_seqs=3, **engine)
-    core.runner.defer_results = name == "deferred"
-    params = {
-        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
-        for rid in PROMPTS
-    }
+    core, params, lag = configured(ouro_rv1, name, max_num_seqs=3)
 
     def fault(plan, core) -> bool:
         if name == "sync":  # every running request is in every step: fault mid-generation
@@ -64,14 +59,8 @@ def test_a_step_that_raises_fails_only_its_requests(ouro_rv1, ouro_ref, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_nan_logits_fail_only_their_request(ouro_rv1, ouro_ref, monkeypatch, name):
-    engine, lag, threshold = CONFIGS[name]
-    core = make_core(ouro_rv1, **engine)
-    core.runner.defer_results = name == "deferred"
-    params = {
-        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
-        for rid in PROMPTS
-    }
-    params["c"] = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold, seed=4242)
+    core, params, lag = configured(ouro_rv1, name)
+    params["c"] = params["c"].replace(seed=4242)
     poison_rows(core, monkeypatch, marker=4242, from_call=2)
     out = drive(core, params, lag=lag)
     assert out.finish["c"] == "error"

@@ -13,6 +13,7 @@ from fault_util import (
     Outcome,
     assert_clean,
     assert_oracle,
+    configured,
     drive,
     oracle,
 )
@@ -27,13 +28,7 @@ def test_an_apply_error_fails_only_the_steps_requests(ouro_rv1, ouro_ref, name, 
     """The scheduler raising while it applies a step's result: that step's requests fail with
     the error (also one it finished before raising), every other request continues exactly,
     nothing leaks."""
-    engine, lag, threshold = CONFIGS[name]
-    core = make_core(ouro_rv1, max_num_seqs=3, **engine)
-    core.runner.defer_results = name == "deferred"
-    params = {
-        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
-        for rid in PROMPTS
-    }
+    core, params, lag = configured(ouro_rv1, name, max_num_seqs=3)
     sched = core.scheduler
     apply = sched.apply
     hit: dict[str, set[str]] = {}
