@@ -15,8 +15,8 @@ from test_preemption import (
     MODES,
     ROOMY,
     SWAP_GB,
+    TIGHT,
     _assert_empty,
-    _guard_victims,
     _oracle,
     _run,
     _same,
@@ -115,15 +115,19 @@ def test_time_slicing_equals_unpressured_and_oracle(ckpts, ouro_ref, mode, case)
         params = [p.replace(exit_threshold=1.0, min_loops=1) for p in params]
     kw = {"prefill_chunk_size": 8, "max_num_batched_tokens": 32, **case}
     plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **kw, **ROOMY)  # (lag, deferred)
-    lag = {k: kw.pop(k) for k in ("lag", "deferred") if k in kw}
-    kw.update(block_size=4, kv_watermark=0.0, preemption_mode=mode, **SLICED)
-    core = make_core(
-        ckpts["ouro"], num_blocks=tight_blocks(ckpts["ouro"], prompts, params, **kw), **kw
+    cores = []
+    sliced, _ = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        on_core=cores.append,
+        preemption_mode=mode,
+        **kw,
+        **SLICED,
+        **TIGHT,
     )
-    _guard_victims(core)  # (turns take victims before a step is built, growth while it is)
-    sliced = run_core(core, prompts, params, arrivals=arrivals, **lag)
-    _assert_empty(core)
-    assert core.scheduler.preemptor.num_rotations >= 2
+    assert cores[0].scheduler.preemptor.num_rotations >= 2
     _same(sliced, plain)
     policy = case.get("kv_policy", "last_exited")
     _oracle(ouro_ref, sliced, prompts, params, policy, case.get("exit_mode", "gate"))
@@ -158,16 +162,15 @@ def test_time_slicing_with_seeded_sampling_and_aborts(ckpts, mode):
     prompts, params, arrivals = _workload(6, seed=12, thresholds=(0.5, 1.0))
     params = [p.replace(temperature=0.9, top_p=0.95, seed=300 + i) for i, p in enumerate(params)]
     plain, _ = _run(ckpts["ouro"], prompts, params, arrivals, **ROOMY)
-    kw = {"block_size": 4, "kv_watermark": 0.0, "preemption_mode": mode, **SLICED}
+    kw = {"preemption_mode": mode, **SLICED}
     if mode == "swap":
         kw["swap_space_gb"] = SWAP_GB  # some turns fall back to recompute
-    blocks = tight_blocks(ckpts["ouro"], prompts, params, **kw)
     aborts = {1: 12, 4: 20}
-    core = make_core(ckpts["ouro"], num_blocks=blocks, **kw)
-    _guard_victims(core)
-    sliced = run_core(core, prompts, params, arrivals=arrivals, aborts=aborts)
-    _assert_empty(core)
-    assert core.scheduler.preemptor.num_rotations >= 2
+    cores = []
+    sliced, _ = _run(
+        ckpts["ouro"], prompts, params, arrivals, aborts=aborts, on_core=cores.append, **kw, **TIGHT
+    )
+    assert cores[0].scheduler.preemptor.num_rotations >= 2
     for i in range(len(prompts)):
         got, want = sliced.tokens[f"r{i}"], plain.tokens[f"r{i}"]
         assert got == (want[: len(got)] if i in aborts else want), f"request {i}"
