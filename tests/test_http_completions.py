@@ -5,14 +5,13 @@ disconnects that free KV, and the metrics they leave behind."""
 from __future__ import annotations
 
 import asyncio
-import re
 
 import orjson
 import pytest
 import pytest_asyncio
 import torch
 from reference import Reference
-from test_http_harness import ENGINE, running, sse_payloads, tiny_checkpoint, wait_for
+from test_http_harness import ENGINE, metric, running, sse_payloads, tiny_checkpoint, wait_for
 
 from rltserve import LLM, SamplingParams
 from rltserve.models.tokenizer import load_tokenizer
@@ -205,12 +204,6 @@ async def test_chat_template_and_kwargs(server, offline):
     thinking = {**body, "chat_template_kwargs": {"enable_thinking": True}}
     status, _, raw = await server.post("/v1/chat/completions", thinking)
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == counts[1]
-
-
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    assert match, name
-    return float(match.group(1))
 
 
 async def test_disconnect_mid_stream_aborts_and_frees_kv(server):

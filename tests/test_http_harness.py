@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -82,6 +83,7 @@ class ScriptedStage:
         self.script = script
         self.stats: EngineStats | None = None
         self.aborted: list[str] = []
+        self.added_params: list = []  # the SamplingParams of every request, in order
         self.added: list[str] = []
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
@@ -101,6 +103,7 @@ class ScriptedStage:
         with self._lock:
             self._open[request_id] = _Open(list(prompt_token_ids), params, sink)
             self.added.append(request_id)
+            self.added_params.append(params)
         threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
 
     def abort(self, request_id: str) -> None:
@@ -261,3 +264,10 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the one series named ``name`` in a ``/metrics`` text (any labels)."""
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))

@@ -20,13 +20,13 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    metric,
     running,
     scripted_factory,
     scripted_info,
     tiny_checkpoint,
     wait_for,
 )
-from test_http_metrics import samples
 
 from rltserve.core.stage import InProcessStageClient
 from rltserve.http.schemas import ChatCompletionRequest, sampling_params
@@ -42,18 +42,6 @@ NUM_LOOPS = 4  # ouro-tiny's; with kv_policy last_exited a request's KV has one 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-class RecordingStage(ScriptedStage):
-    """A scripted stage that keeps the SamplingParams of every request it is given."""
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.params = []
-
-    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
-        self.params.append(params)
-        super().add_request(request_id, prompt_token_ids, params, sink, group)
 
 
 class StatsHistory(InProcessStageClient):
@@ -73,16 +61,12 @@ class StatsHistory(InProcessStageClient):
             self.history.append(value)
 
 
-def metric(text: str, name: str) -> float:
-    return samples(text)[(name, (("model_name", "tiny"),))]
-
-
 # ---------------------------------------------------------------- the request field
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
 async def test_priority_field_is_validated_and_reaches_the_engine(ckpt, path):
-    stage = RecordingStage(scripted_info(ckpt), Script([44]))
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         for bad in ("1", 1.5, True, [1], {"p": 1}):
             status, _, raw = await live.post(path, {**ENDPOINTS[path], "priority": bad})
@@ -90,13 +74,13 @@ async def test_priority_field_is_validated_and_reaches_the_engine(ckpt, path):
             error = orjson.loads(raw)["error"]
             assert error["param"] == "priority" and "priority" in error["message"], error
             assert error["type"] == "invalid_request_error" and error["code"] == 400
-        assert stage.params == []  # nothing reached the engine
+        assert stage.added_params == []  # nothing reached the engine
         for value, want in ((None, 0), (-3, -3), (0, 0), (7, 7)):  # null: the default
             status, _, raw = await live.post(path, {**ENDPOINTS[path], "priority": value})
             assert status == 200, raw
-            assert stage.params[-1].priority == want
+            assert stage.added_params[-1].priority == want
         status, _, raw = await live.post(path, ENDPOINTS[path])  # absent: the default too
-        assert status == 200 and stage.params[-1].priority == 0
+        assert status == 200 and stage.added_params[-1].priority == 0
 
 
 def test_chat_request_to_sampling_params_keeps_priority():
