@@ -97,15 +97,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
-    from rltserve.bench.offline import run_offline_bench
+    from rltserve.bench.offline import kv_pressure_requested, run_offline_bench
 
     for name in ("num_prompts", "input_len", "output_len", "concurrency", "n", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.shared_prefix_len < 0:
         raise ValueError(f"--shared-prefix-len {args.shared_prefix_len}: must be >= 0")
-    kv_pressure = args.kv_pressure or (args.kv_reservation == "full" and args.compare)
-    if args.repeats > 1 and not kv_pressure:
+    if args.repeats > 1 and not kv_pressure_requested(args):
         raise ValueError(f"--repeats {args.repeats}: only the --kv-pressure runs repeat")
     args.progress = progress_enabled(args.quiet)
     # --cuda-graphs --compare picks graphs per cell (eager only off CUDA): not a config error.

@@ -195,6 +195,11 @@ def run_naive(
     }
 
 
+def kv_pressure_requested(args: argparse.Namespace) -> bool:
+    """``--kv-pressure``, or its older spelling ``--kv-reservation full --compare``."""
+    return args.kv_pressure or (args.kv_reservation == "full" and args.compare)
+
+
 def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, Any]:
     engine_kw = dict(engine_kw)
     if engine_kw.get("model") is None:
@@ -237,7 +242,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if engine_kw["async_scheduling"] and args.compare:
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
-    if args.kv_pressure or (engine_kw["kv_reservation"] == "full" and args.compare):
+    if kv_pressure_requested(args):
         from rltserve.bench.kv import run_kv_pressure
 
         def prompts_for(n: int) -> list[list[int]]:
