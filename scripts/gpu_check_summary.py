@@ -175,6 +175,15 @@ def check_line(c: dict) -> str:
     return line + (f"  ({c['detail']})" if c["detail"] else "")
 
 
+def kinds_text(run: dict) -> str:
+    """A run's time per step of each kind (``bench/kv.py`` ``step_kind``), with their counts:
+    whether pressure makes the steps with turns cost more, or every step. Empty for a report
+    without them."""
+    kinds = run.get("step_kinds") or {}
+    parts = [f"{kind} {s['ms_per_step']} ms ({s['steps']})" for kind, s in kinds.items()]
+    return f"; {', '.join(parts)}" if parts else ""
+
+
 def target_lines(kv, rollout, host, setup: dict) -> list[str]:
     lines = [
         f"targets: kv pressure and rollout on {setup['preset']} ({setup['device']}, "
@@ -190,6 +199,7 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
                 f"preemptions {run['preemptions']:>3}, loop rows {run['loop_rows']:>6}, "
                 f"{run['output_tokens_per_s']} tok/s"
                 + (f", {run['ms_per_step']} ms/step" if "ms_per_step" in run else "")
+                + kinds_text(run)
             )
     for row in (kv or {}).get("sweep") or []:
         lines.append(
@@ -199,6 +209,7 @@ def target_lines(kv, rollout, host, setup: dict) -> list[str]:
             f"{row['loop_rows']:>6}, {row['output_tokens_per_s']} tok/s, lost "
             f"{row['loss_vs_unpressured']:.0%}"
             + (f", {row['ms_per_step']} ms/step" if "ms_per_step" in row else "")
+            + kinds_text(row)
         )
     for arm in ("in_place", "restart"):
         run = (rollout or {}).get(arm)
@@ -237,7 +248,7 @@ def pad_budget_lines(kv: dict | None, padded: dict | None) -> list[str]:
     lines.append(
         f"  unpressured            {free['output_tokens_per_s']} vs "
         f"{free_pad['output_tokens_per_s']} tok/s, {free['ms_per_step']} vs "
-        f"{free_pad['ms_per_step']} ms/step"
+        f"{free_pad['ms_per_step']} ms/step" + _kinds_vs(free, free_pad)
     )
     key = ("pool_blocks", "preemption_mode", "preemption_time_slice")
     other = {tuple(r[k] for k in key): r for r in padded.get("sweep") or []}
@@ -249,9 +260,22 @@ def pad_budget_lines(kv: dict | None, padded: dict | None) -> list[str]:
                 f"{row['preemption_time_slice']:>2}: {row['output_tokens_per_s']} vs "
                 f"{row_pad['output_tokens_per_s']} tok/s, lost {row['loss_vs_unpressured']:.0%} "
                 f"vs {row_pad['loss_vs_unpressured']:.0%}, {row['ms_per_step']} vs "
-                f"{row_pad['ms_per_step']} ms/step"
+                f"{row_pad['ms_per_step']} ms/step" + _kinds_vs(row, row_pad)
             )
     return lines
+
+
+def _kinds_vs(run: dict, padded: dict) -> str:
+    """Each kind of step's time in ``run`` vs ``padded``: a pad budget pays where the steps
+    with prompt chunks or replays (``chunks``) get cheaper and decode steps do not get
+    slower."""
+    kinds, other = run.get("step_kinds") or {}, padded.get("step_kinds") or {}
+    parts = [
+        f"{kind} {kinds[kind]['ms_per_step']} vs {other[kind]['ms_per_step']}"
+        for kind in kinds
+        if kind in other
+    ]
+    return f"; ms/step {', '.join(parts)}" if parts else ""
 
 
 def main(argv: list[str]) -> int:

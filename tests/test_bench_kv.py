@@ -51,6 +51,16 @@ def test_kv_pressure_compare(ouro_rv1, select):
         assert r["steps_vs_unpressured"] == round(r["steps"] / report["unpressured"]["steps"], 3)
         # Per-step times: the model's share of a step is at most the step.
         assert 0 < r["model_ms_per_step"] <= r["ms_per_step"]
+        swapped = r["preemption_mode"] == "swap" and r["preemptions"] > r["swap_fallbacks"]
+        assert ("swap" in r["step_kinds"]) == swapped
+    # Every step is of one kind, timed apart; only swap copies make a swap step.
+    for r in [report[name] for name in ("full", "ondemand_recompute", "unpressured")] + sweep:
+        kinds = r["step_kinds"]
+        assert sum(k["steps"] for k in kinds.values()) == r["steps"]
+        assert {"decode", "chunks"} <= kinds.keys()  # (prompts, then their outputs)
+        for k in kinds.values():
+            assert 0 < k["model_ms_per_step"] <= k["ms_per_step"]
+    assert "swap" not in report["unpressured"]["step_kinds"]
     # For people: a header, a line per run, a line per target (3, and 2 per pool).
     lines = format_report(report).splitlines()
     assert len(lines) == 2 + 4 + len(sweep) + 3 + 2 * len(pools)
@@ -107,15 +117,30 @@ def test_median_rounds_times_and_names_figures_that_differ():
     from rltserve.bench.kv import _median
 
     run = {"seconds": 0.1, "output_tokens_per_s": 0.1, "ms_per_step": 0.1}
+
+    def kinds(ms: float, decode_steps: int = 6) -> dict:
+        return {
+            "decode": {"steps": decode_steps, "ms_per_step": ms, "model_ms_per_step": ms / 2},
+            "chunks": {"steps": 3, "ms_per_step": 2 * ms, "model_ms_per_step": ms},
+        }
+
     runs = [
-        {**run, "model_ms_per_step": 0.1, "steps": 9, "loop_rows": 70},
-        {**run, "output_tokens_per_s": 0.2, "model_ms_per_step": 0.2, "steps": 9, "loop_rows": 71},
-    ]
+        {**run, "model_ms_per_step": 0.1, "steps": 9, "loop_rows": 70, "step_kinds": kinds(0.1)},
+        {**run, "output_tokens_per_s": 0.2, "model_ms_per_step": 0.2, "steps": 9,
+         "loop_rows": 71, "step_kinds": kinds(0.3)},
+    ]  # fmt: skip
     merged = _median(runs)
     assert merged["output_tokens_per_s"] == 0.15 and merged["model_ms_per_step"] == 0.15
     assert merged["output_tokens_per_s_runs"] == [0.1, 0.2]
     assert merged["steps"] == 9 and merged["differs_across_runs"] == ["loop_rows"]
+    # Each kind's times are medians too; its step counts must agree like the other counts.
+    assert merged["step_kinds"] == {
+        "decode": {"steps": 6, "ms_per_step": 0.2, "model_ms_per_step": 0.1},
+        "chunks": {"steps": 3, "ms_per_step": 0.4, "model_ms_per_step": 0.2},
+    }
     assert "differs_across_runs" not in _median(runs[:1] * 2)
+    runs[1]["step_kinds"] = kinds(0.3, decode_steps=5)
+    assert _median(runs)["differs_across_runs"] == ["loop_rows", "step_kinds"]
 
 
 def test_sweep_pools_are_distinct():
@@ -155,7 +180,10 @@ def _made_up_report() -> dict:
         "pool_requests": 2, "num_requests": 16, "max_tokens": 24, "stops_after": 3,
         "num_blocks": 200, "repeats": 3,
         "full": run(40, running=2, steps=40), "ondemand_recompute": run(70, pre=4),
-        "ondemand_swap": run(90, pre=4), "unpressured": run(100), "sweep": sweep,
+        "ondemand_swap": run(90, pre=4), "sweep": sweep,
+        "unpressured": {**run(100), "step_kinds": {
+            "decode": {"steps": 7, "ms_per_step": 2.0, "model_ms_per_step": 1.5},
+            "chunks": {"steps": 3, "ms_per_step": 3.6667, "model_ms_per_step": 3.0}}},
         "ratios": {"recompute_vs_full_running": 4.0, "recompute_vs_full_tokens_per_s": 1.75,
                    "swap_vs_full_tokens_per_s": 2.25},
     }  # fmt: skip
@@ -169,14 +197,18 @@ def test_the_report_for_people_lists_every_run_and_judges_every_target():
     )
     assert lines[1].split() == [
         "run", "pool", "(of", "peak)", "mode", "slice", "running", "steps", "preemptions",
-        "loop", "rows", "tok/s", "ms/step", "lost",
+        "loop", "rows", "tok/s", "ms/step", "decode", "ms", "(steps)", "chunks", "ms", "(steps)",
+        "swap", "ms", "(steps)", "lost",
     ]  # fmt: skip
     rows = [line.split() for line in lines[2:14]]
     assert [r[0] for r in rows] == ["full", "on-demand", "on-demand", "unpressured"] + ["sweep"] * 8
     assert rows[0][-1] == "60.0%" and rows[1][-1] == "30.0%"  # tokens/s lost vs unpressured
     assert rows[1][3:5] == ["recompute", "0"]  # (the engine's own time slice)
-    assert rows[3][-1] == "2.50"  # (the unpressured run loses nothing: no loss column)
+    # Time per step by kind, with the steps of that kind; "-" where the run had none. (The
+    # unpressured run loses nothing: no loss column.)
+    assert rows[3][-6:] == ["2.50", "2.00", "(7)", "3.67", "(3)", "-"]
     assert rows[4][:6] == ["sweep", "200", "(50%)", "recompute", "0", "8"]
+    assert rows[4][-5:] == ["2.50", "-", "-", "-", "50.0%"]  # (without kinds: an older report)
     targets = lines[14:]
     assert targets[:3] == [
         "target: on-demand runs >= 4x the requests of full reservation: 4.00x, met",

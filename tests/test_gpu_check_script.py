@@ -158,8 +158,17 @@ def test_summary_of_a_run_whose_steps_left_no_reports(tmp_path):
 
 def _kv_report(rate: float, rows: list[tuple[int, str, int, float]], budget: int = 0) -> dict:
     """A KV pressure report with an unpressured run at ``rate`` tok/s and sweep rows
-    ``(pool, mode, slice, tok/s)``, at attention pad budget ``budget``."""
-    free = {"output_tokens_per_s": rate, "ms_per_step": 10.0}
+    ``(pool, mode, slice, tok/s)``, at attention pad budget ``budget``; the unpressured run's
+    steps are 80 decode and 11 chunk steps of 9.0 and 17.0 ms (plus the budget / 2^20)."""
+    extra = budget / (1 << 20)
+    free = {
+        "output_tokens_per_s": rate,
+        "ms_per_step": 10.0,
+        "step_kinds": {
+            "decode": {"steps": 80, "ms_per_step": 9.0 + extra, "model_ms_per_step": 7.0},
+            "chunks": {"steps": 11, "ms_per_step": 17.0 + extra, "model_ms_per_step": 14.0},
+        },
+    }
     sweep = [
         {
             "pool_blocks": pool,
@@ -187,6 +196,12 @@ def test_summary_compares_kv_runs_without_and_with_a_pad_budget(tmp_path):
     lines = pad_budget_lines(no_pad["kv_pressure"], pad["kv_pressure"])
     assert lines[0].startswith("kv pressure, attention pad budget 0 vs 262144 (tok/s;")
     assert "1000.0 vs 900.0 tok/s" in lines[1]
+    # Each kind of step against itself: where a budget pays (chunk steps) or costs (decode).
+    assert lines[1].endswith("; ms/step decode 9.0 vs 9.25, chunks 17.0 vs 17.25")
+    assert summary_module.kinds_text(no_pad["kv_pressure"]["unpressured"]) == (
+        "; decode 9.0 ms (80), chunks 17.0 ms (11)"
+    )
+    assert summary_module.kinds_text({}) == ""
     # Rows pair by (pool, mode, slice), whatever their order.
     assert "56% recompute slice  8: 700.0 vs 450.0 tok/s, lost 30% vs 50%" in lines[2]
     assert "56% swap      slice  8: 800.0 vs 600.0 tok/s, lost 20% vs 33%" in lines[3]

@@ -25,6 +25,7 @@ from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
+from rltserve.core.plan import StepPlan
 from rltserve.models.base import LoopedModel
 from rltserve.sampling import SamplingParams
 
@@ -38,6 +39,21 @@ CASES = (
 )
 
 
+STEP_KINDS = ("decode", "chunks", "swap")
+
+
+def step_kind(plan: StepPlan) -> str:
+    """What a step runs besides decode tokens: ``"swap"`` when it copies KV to or from swap
+    space, ``"chunks"`` when it runs a loop of prompt chunks or replays (items of several rows,
+    or given their input tokens), else ``"decode"``. Timed apart, they say whether pressure
+    makes the steps with turns cost more or every step (more attention groups, noise)."""
+    if plan.swap_out or plan.swap_in:
+        return "swap"
+    if any(item.num_tokens > 1 or item.token_ids is not None for item in plan.items):
+        return "chunks"
+    return "decode"
+
+
 def _run(
     model: LoopedModel, engine_kw: dict, prompts: list[list[int]], params: SamplingParams
 ) -> dict[str, Any]:
@@ -46,15 +62,27 @@ def _run(
         core.add_request(f"k{i}", prompt, params)
     tokens = peak = peak_blocks = 0
     total = core.kv.pool.num_total
+    runner = core.runner
+    # Per kind: steps, wall seconds, model seconds. (Synchronous steps: each one's time is its
+    # own.)
+    kinds = {kind: [0, 0.0, 0.0] for kind in STEP_KINDS}
     start = time.perf_counter()
     while core.has_work():
-        for update in core.step():
+        began, model_began = time.perf_counter(), runner.model_seconds
+        plan = core.plan()
+        if plan is None:
+            continue
+        for update in core.execute(plan):
             tokens += len(update.new_token_ids)
+        kind = kinds[step_kind(plan)]
+        kind[0] += 1
+        kind[1] += time.perf_counter() - began
+        kind[2] += runner.model_seconds - model_began
         peak = max(peak, core.scheduler.num_running)
         peak_blocks = max(peak_blocks, total - core.kv.num_free_blocks)
     elapsed = time.perf_counter() - start
     stats = core.stats()
-    model_seconds = core.runner.model_seconds
+    model_seconds = runner.model_seconds
     core.shutdown()  # (the preemptor's counts stay readable)
     return {
         "output_tokens": tokens,
@@ -73,6 +101,15 @@ def _run(
         # Rows run through the loop, all steps together: the work done, recomputation included
         # (deterministic, unlike the times).
         "loop_rows": stats.num_rows,
+        "step_kinds": {
+            name: {
+                "steps": n,
+                "ms_per_step": round(wall * 1e3 / n, 3),
+                "model_ms_per_step": round(in_model * 1e3 / n, 3),
+            }
+            for name, (n, wall, in_model) in kinds.items()
+            if n
+        },
     }
 
 
@@ -154,19 +191,41 @@ TIMED = {"seconds": 4, "output_tokens_per_s": 2, "ms_per_step": 3, "model_ms_per
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first run with the median of each timed figure; with several runs, also every run's
-    tokens/s (``output_tokens_per_s_runs``), and ``differs_across_runs`` naming any other
-    figure whose runs disagree (they should not: the schedule is deterministic)."""
+    """The first run with the median of each timed figure (those of each kind of step too);
+    with several runs, also every run's tokens/s (``output_tokens_per_s_runs``), and
+    ``differs_across_runs`` naming any other figure whose runs disagree (they should not: the
+    schedule is deterministic)."""
     if len(runs) == 1:
         return runs[0]
     merged = dict(runs[0])
     for name, digits in TIMED.items():
         merged[name] = round(statistics.median(run[name] for run in runs), digits)
     merged["output_tokens_per_s_runs"] = [run["output_tokens_per_s"] for run in runs]
-    differs = [k for k in runs[0] if k not in TIMED and any(r[k] != runs[0][k] for r in runs)]
+    fixed = [_untimed(run) for run in runs]
+    differs = [k for k in fixed[0] if any(f[k] != fixed[0][k] for f in fixed)]
+    if "step_kinds" in merged and "step_kinds" not in differs:
+        merged["step_kinds"] = {
+            kind: {
+                **first,
+                **{
+                    name: round(statistics.median(r["step_kinds"][kind][name] for r in runs), 3)
+                    for name in ("ms_per_step", "model_ms_per_step")
+                },
+            }
+            for kind, first in runs[0]["step_kinds"].items()
+        }
     if differs:
         merged["differs_across_runs"] = differs
     return merged
+
+
+def _untimed(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures that should be the same every round: all but the times (a kind of
+    step: its count)."""
+    fixed = {k: v for k, v in run.items() if k not in TIMED}
+    if "step_kinds" in run:
+        fixed["step_kinds"] = {kind: s["steps"] for kind, s in run["step_kinds"].items()}
+    return fixed
 
 
 def _sweep_cases(kw: dict, main_pool: int, peak: int) -> list[tuple[tuple, dict]]:
@@ -212,7 +271,8 @@ def _sweep_row(case: dict, run: dict[str, Any], free: dict[str, Any]) -> dict[st
 TARGET_RUNNING, TARGET_TOKENS, TARGET_LOSS = 4.0, 2.0, 0.30
 
 COLUMNS = ("run", "pool (of peak)", "mode", "slice", "running", "steps", "preemptions",
-           "loop rows", "tok/s", "ms/step", "lost")  # fmt: skip
+           "loop rows", "tok/s", "ms/step", *(f"{k} ms (steps)" for k in STEP_KINDS),
+           "lost")  # fmt: skip
 
 
 def format_report(kv: dict[str, Any]) -> str:
@@ -230,18 +290,24 @@ def format_report(kv: dict[str, Any]) -> str:
 
 
 def _table(kv: dict[str, Any]) -> list[str]:
-    """A row per run: its pool as a share of the unpressured run's peak blocks, its tokens/s
-    lost against that run. (Each on-demand row repeats the setting of a sweep row at the main
-    pool: measured apart, the two show the noise.)"""
+    """A row per run: its pool as a share of the unpressured run's peak blocks, its time per
+    step of each kind (``step_kind``), its tokens/s lost against that run. (Each on-demand row
+    repeats the setting of a sweep row at the main pool: measured apart, the two show the
+    noise.)"""
     free = kv["unpressured"]
     peak = free["peak_blocks"]
 
     def row(name: str, pool: str, mode: str, time_slice, run: dict[str, Any]) -> list[str]:
         lost = 1 - run["output_tokens_per_s"] / free["output_tokens_per_s"]
+        kinds = run.get("step_kinds", {})
+        by_kind = [
+            f"{kinds[k]['ms_per_step']:.2f} ({kinds[k]['steps']})" if k in kinds else "-"
+            for k in STEP_KINDS
+        ]
         return [str(c) for c in (
             name, pool, mode, time_slice, run["peak_running"], run["steps"], run["preemptions"],
             run["loop_rows"], f"{run['output_tokens_per_s']:.1f}", f"{run['ms_per_step']:.2f}",
-            "" if run is free else f"{lost:.1%}",
+            *by_kind, "" if run is free else f"{lost:.1%}",
         )]  # fmt: skip
 
     main = f"{kv['num_blocks']} ({kv['num_blocks'] / peak:.0%})"
