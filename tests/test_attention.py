@@ -55,9 +55,12 @@ def write_prior(kv, layer, table, k_ctx, v_ctx, upto):
         kv[layer, 1, s] = v_ctx[p]
 
 
-def make_items(gen):
-    # (start, num_tokens): decode rows (q_len 1) and prefill chunks with and without context.
+def make_items(gen, in_order: bool = False):
+    # (start, num_tokens): decode rows (q_len 1) and prefill chunks with and without context;
+    # ``in_order``: the decode rows first (two attention groups of consecutive rows).
     shapes = [(0, 5), (6, 1), (9, 3), (0, 1), (3, 1), (13, 6)]
+    if in_order:
+        shapes.sort(key=lambda shape: shape[1] > 1)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     items, used = [], 0
     for start, n in shapes:
@@ -67,18 +70,21 @@ def make_items(gen):
     return items
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("batch", ["one", "groups", "groups-in-order"])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)])
-def test_matches_dense_reference_fp32(heads, grouped):
-    """One padded batch, and (``paged_attention``) decode rows apart from prompt chunks."""
+def test_matches_dense_reference_fp32(heads, batch):
+    """One padded batch, and (``paged_attention``) decode rows apart from prompt chunks: rows
+    of both kinds interleaved, or each group's rows consecutive (views, outputs concatenated)."""
     hq, hkv = heads
     gen = torch.Generator().manual_seed(0)
-    items = make_items(gen)
+    items = make_items(gen, in_order=batch == "groups-in-order")
     num_layers = 3
     kv = allocate_kv_cache(num_layers, NUM_BLOCKS, BS, hkv, HD, torch.float32, "cpu")
     md = AttentionMetadata.build(items, BS, "cpu")
-    attn = paged_attention(kv, items, BS) if grouped else PagedAttention(kv, md)
-    assert isinstance(attn, GroupedAttention) == grouped
+    attn = PagedAttention(kv, md) if batch == "one" else paged_attention(kv, items, BS)
+    assert isinstance(attn, GroupedAttention) == (batch != "one")
+    if batch != "one":
+        assert attn.in_order == (batch == "groups-in-order")
     assert md.num_rows == sum(n for _, n, _ in items)
     assert md.positions.tolist() == [p for s, n, _ in items for p in range(s, s + n)]
 
@@ -140,8 +146,8 @@ def test_paged_attention_groups_only_mixed_steps():
     mixed = paged_attention(kv, [chunks[0], decode[0], chunks[1], decode[1]], BS)
     assert isinstance(mixed, GroupedAttention) and mixed.num_rows == 9
     # Rows keep the step's order: chunk 0 (rows 0-3), decode 0 (4), chunk 1 (5-7), decode 1 (8).
-    (single_rows, single), (multi_rows, multi) = mixed.groups
-    assert single_rows.tolist() == [4, 8] and multi_rows.tolist() == [0, 1, 2, 3, 5, 6, 7]
+    (_, single), (_, multi) = mixed.groups
+    assert not mixed.in_order and mixed.group_rows() == [[4, 8], [0, 1, 2, 3, 5, 6, 7]]
     assert (single.md.max_q, multi.md.max_q) == (1, 4)
     assert mixed.slot_mapping.tolist() == [12, 13, 14, 15, 3, 20, 21, 22, 9]
     with pytest.raises(ValueError, match="rows"):
@@ -168,20 +174,20 @@ def test_a_step_metadata_reaches_the_device_in_one_transfer(monkeypatch):
         step = paged_attention(kv, items, BS, tables=given)
         assert len(calls) == 1
         assert step.positions.tolist() == [0, 1, 2, 3, 3, 40, 4, 5, 6]
-        for rows, attn in step.groups:
+        for rows, (_, attn) in zip(step.group_rows(), step.groups):
             alone = AttentionMetadata.build([items[k] for k in _items_of(rows, items)], BS)
             for name in ("positions", "slot_mapping", "pad_index", "gather_blocks", "mask"):
                 assert torch.equal(getattr(attn.md, name), getattr(alone, name)), name
 
 
-def _items_of(rows: torch.Tensor, items) -> list[int]:
+def _items_of(rows: list[int], items) -> list[int]:
     """The items whose rows are ``rows`` (step row order, items in order of first row)."""
     starts, first = [], 0
     for _, n, _ in items:
         starts.append(first)
         first += n
     seen = []
-    for row in rows.tolist():
+    for row in rows:
         k = max(i for i, s in enumerate(starts) if s <= row)
         if k not in seen:
             seen.append(k)

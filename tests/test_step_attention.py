@@ -62,9 +62,8 @@ def _assert_same(got: GroupedAttention, want: GroupedAttention) -> None:
     assert isinstance(got, GroupedAttention) and isinstance(want, GroupedAttention)
     assert torch.equal(got.slot_mapping, want.slot_mapping)
     assert torch.equal(got.positions, want.positions)
-    assert len(got.groups) == len(want.groups)
-    for (rows, attn), (want_rows, want_attn) in zip(got.groups, want.groups):
-        assert torch.equal(rows, want_rows)
+    assert got.group_rows() == want.group_rows() and got.in_order == want.in_order
+    for (_, attn), (_, want_attn) in zip(got.groups, want.groups):
         for name in FIELDS:
             assert torch.equal(getattr(attn.md, name), getattr(want_attn.md, name)), name
 
@@ -83,7 +82,7 @@ def test_a_decode_batch_beside_prompt_chunks_is_two_groups_in_order(monkeypatch,
     assert len(calls) == 1  # one transfer for both groups and the rows' slots and positions
     monkeypatch.undo()
     want = _general(built, every)
-    assert [rows.tolist() for rows, _ in want.groups] == [
+    assert want.in_order and want.group_rows() == [
         list(range(6)),
         list(range(6, 6 + sum(n for _, n in chunks))),
     ]

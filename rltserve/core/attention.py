@@ -246,17 +246,25 @@ class GroupedAttention:
     docs/benchmarks.md; within a pad budget, for a GPU, one batch is used instead). Each group
     attends on its own, and the rows return to the step's order. K/V of all rows are written
     before any group attends.
+
+    When each group's rows are consecutive, group after group (``rows`` None: a decode batch,
+    then the prompt chunks beside it, the usual mixed step), a group attends over a view of the
+    step's queries and the outputs are concatenated: per layer one copy instead of a gather and
+    a scatter per group (on a GPU whose step is bound by kernel launches, each is one).
     """
 
     def __init__(
         self,
         kv: torch.Tensor,
-        groups: Sequence[tuple[torch.Tensor, PagedAttention]],
+        groups: Sequence[tuple[torch.Tensor | None, PagedAttention]],
         slot_mapping: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
         self.kv = kv  # [L, 2, num_slots, Hkv, hd]
-        self.groups = groups  # (rows [N_g] int64 in the step's row order, the group's attention)
+        # (rows [N_g] int64 in the step's row order, the group's attention); rows None: every
+        # group's are None, each group taking the rows after the one before.
+        self.groups = groups
+        self.in_order = groups[0][0] is None
         self.slot_mapping = slot_mapping  # [N]
         self.positions = positions  # [N]: each row's position
         self.num_rows = slot_mapping.shape[0]
@@ -267,9 +275,27 @@ class GroupedAttention:
         if q.shape[0] != self.num_rows:
             raise ValueError(f"{q.shape[0]} rows, the step has {self.num_rows}")
         write_kv(self.kv, layer, self.slot_mapping, k, v)
+        if self.in_order:
+            outs = []
+            first = 0
+            for _, attn in self.groups:
+                end = first + attn.md.num_rows
+                outs.append(attn.attend(layer, q[first:end]))
+                first = end
+            return torch.cat(outs)  # [N, Hq, hd]
         out = torch.empty_like(q)  # [N, Hq, hd]
         for rows, attn in self.groups:
             out.index_copy_(0, rows, attn.attend(layer, q.index_select(0, rows)))
+        return out
+
+    def group_rows(self) -> list[list[int]]:
+        """Each group's rows in the step's row order (host lists: a device read)."""
+        if not self.in_order:
+            return [rows.tolist() for rows, _ in self.groups]
+        out, first = [], 0
+        for _, attn in self.groups:
+            out.append(list(range(first, first + attn.md.num_rows)))
+            first += attn.md.num_rows
         return out
 
 
@@ -355,21 +381,25 @@ def _grouped(
     dev: torch.device,
 ) -> GroupedAttention:
     """Groups ``hosts`` whose rows are ``rows`` of the step (group after group), and the step's
-    rows' slots and positions, sent in one transfer."""
+    rows' slots and positions, sent in one transfer (``rows`` only when they are not simply
+    the step's rows in order)."""
     num_rows = len(rows)
-    parts = [rows, slot_mapping, positions]
+    in_order = bool((rows[1:] > rows[:-1]).all())  # (a permutation: increasing is 0..N-1)
+    parts = [slot_mapping, positions] if in_order else [rows, slot_mapping, positions]
     for host in hosts:
         parts += host.parts()
     flat = to_device_packed(parts, dev)
-    rows_t = flat[:num_rows]
-    offset = 3 * num_rows
+    rows_t = None if in_order else flat[:num_rows]
+    at = 0 if in_order else num_rows  # where slot_mapping starts
+    offset = at + 2 * num_rows
     attns = []
     first = 0
     for host in hosts:
         md = AttentionMetadata.on_device(host, flat[offset : offset + host.size], block_size)
         offset += host.size
-        attns.append((rows_t[first : first + host.num_rows], PagedAttention(kv, md)))
+        group_rows = None if rows_t is None else rows_t[first : first + host.num_rows]
+        attns.append((group_rows, PagedAttention(kv, md)))
         first += host.num_rows
     return GroupedAttention(
-        kv, attns, flat[num_rows : 2 * num_rows], flat[2 * num_rows : 3 * num_rows]
+        kv, attns, flat[at : at + num_rows], flat[at + num_rows : at + 2 * num_rows]
     )
