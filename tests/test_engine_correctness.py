@@ -226,12 +226,6 @@ def test_stop_tokens(ckpts, ouro_ref):
     assert run.finish["r0"] == "stop"
 
 
-def test_request_too_big_for_pool_is_rejected(ckpts):
-    core = make_core(ckpts["ouro"], num_blocks=8)
-    with pytest.raises(ValueError, match="KV blocks"):
-        core.add_request("big", list(range(100)), greedy(50))
-
-
 @pytest.mark.parametrize("kv_policy,chunk", [("last_exited", 6), ("full", 512)])
 def test_nanbeige_matches_oracle(tmp_path, kv_policy, chunk):
     # Built from MODELS.md's tensor table by the oracle's side (recipe.py), not from the

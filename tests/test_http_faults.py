@@ -147,19 +147,35 @@ async def test_the_tokenizer_failing_on_one_request(ckpt):
 
 
 async def test_one_request_larger_than_the_kv_pool(ckpt):
-    # 4 blocks of 16 tokens: 64 tokens of KV in all, a context of 64.
-    engine = {"num_blocks": 4, "block_size": 16, "max_model_len": 64}
+    # 8 blocks of 4 tokens over 4 planes: one request holds a context of 9 tokens at most, and
+    # the context limit says so.
+    engine = {"num_blocks": 8, "block_size": 4}
     async with running(ckpt, engine=engine) as live:
         client = live.state.client
         giant = {"prompt": list(range(5, 60)), "max_tokens": 9, "ignore_eos": True, "n": 2}
         small = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0}
+        # Without max_tokens a request asks for the whole context: it fits, and ends there.
+        whole = {"prompt": [5, 6, 7], "ignore_eos": True}
         statuses = await asyncio.wait_for(
-            asyncio.gather(live.post(COMPLETIONS, giant), live.post(COMPLETIONS, small)), 120
+            asyncio.gather(*(live.post(COMPLETIONS, b) for b in (giant, small, whole))), 120
         )
-        assert statuses[1][0] == 200, statuses[1]
-        assert statuses[0][0] in (200, 400), statuses[0]  # served in turn, or refused clearly
+        assert [status for status, _, _ in statuses] == [400, 200, 200]
+        message = orjson.loads(statuses[0][2])["error"]["message"]
+        assert "maximum context length of 9 tokens" in message
+        body = orjson.loads(statuses[2][2])
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 6
         await wait_for(lambda: released(live))
         await wait_for(lambda: client.stats.num_running == 0 and client.stats.kv_usage == 0)
+
+
+async def test_an_explicit_context_past_the_kv_pool_fails_at_start(ckpt):
+    engine = {"num_blocks": 8, "block_size": 4, "max_model_len": 64}
+    async with running(ckpt, engine=engine, wait=False) as live:
+        await asyncio.wait_for(live.state.ready.wait(), 60)
+        assert "max_model_len=64: the KV pool (8 blocks of 4 tokens" in live.state.load_error
+        status, _, _ = await live.get("/health")
+        assert status == 503
 
 
 def _free_port() -> int:

@@ -68,8 +68,12 @@ def test_invalid_requests_raise_value_error(spawned):
         spawned.generate([[999]])
     with pytest.raises(ValueError, match="context limit"):
         spawned.generate([[1] * 600])
-    with pytest.raises(ValueError, match="KV blocks"):
+    # 64 blocks of 16 over 4 planes: a context of 257 tokens at the default depth ...
+    with pytest.raises(ValueError, match=r"context limit of 257 tokens \(what the KV pool"):
         spawned.generate([[1] * 300], SamplingParams(max_tokens=200))
+    # ... and at 8 loops (8 planes) half as many.
+    with pytest.raises(ValueError, match="KV blocks"):
+        spawned.generate([[1] * 200], SamplingParams(max_tokens=50, max_loops=8))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="no tokenizer"):

@@ -32,13 +32,15 @@ def _workload(n: int, seed: int, thresholds=(1.0, 0.5, 0.3), max_tokens=(10, 16)
 
 def _tight_blocks(path, prompts, params, **kw) -> int:
     """The smallest pool every request fits alone, plus two blocks: requests are preempted
-    again and again."""
+    again and again. (Alone at the model's default depth too: the pool bounds the context.)"""
     kw = {**kw, "block_size": 4, "num_blocks": 4096}
     core = make_core(path, **kw)
     need = 0
+    default = core.spec.num_loops
     for prompt, p in zip(prompts, params):
         r = core.make_request(None, prompt, p)
-        need = max(need, core.kv.blocks_needed(r.kv_tokens, r.num_loops))
+        loops = max(r.num_loops, default)
+        need = max(need, core.kv.blocks_needed(r.kv_tokens, loops))
     core.shutdown()
     return need + 2
 

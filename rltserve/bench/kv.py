@@ -131,7 +131,11 @@ def run_kv_pressure(
         exit_threshold=args.exit_threshold,
     )
     kw = {**engine_kw, "max_num_seqs": num, "kv_watermark": 0.0}
-    probe = EngineCore(EngineConfig.from_flat(**{**kw, "num_blocks": 1}), model=model)
+    # A pool that holds one request whatever its planes (at most one per loop, and the
+    # boundary's), so that its context is not limited by the pool.
+    per_plane = -(-(args.input_len + max_tokens) // kw["block_size"])
+    probe_blocks = per_plane * (model.spec.max_loops + 1)
+    probe = EngineCore(EngineConfig.from_flat(**{**kw, "num_blocks": probe_blocks}), model=model)
     request = probe.make_request(None, prompts[0], params)
     worst = probe.kv.blocks_needed(request.kv_tokens, request.num_loops)
     probe.shutdown()

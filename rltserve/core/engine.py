@@ -7,7 +7,6 @@ drives the same core asynchronously for a stage.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 import weakref
 from dataclasses import replace
@@ -20,6 +19,8 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.executor import StepThread
 from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
+from rltserve.core.kv_sizing import block_bytes as kv_block_bytes
+from rltserve.core.kv_sizing import pool_size
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
@@ -34,7 +35,6 @@ from rltserve.updates import RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
 _REQUEST_ID = attrgetter("request_id")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _draft_loops(spec: LoopedSpec) -> int:
@@ -94,9 +94,10 @@ class EngineCore:
                 f"kv_policy={config.cache.kv_policy!r}: wavefront_prefill needs a per-depth "
                 "policy (last_exited or full); chunks at different depths would share a plane"
             )
-        self.max_model_len = min(mc.max_model_len or spec.max_position, spec.max_position)
-        num_blocks = config.cache.num_blocks or self._auto_num_blocks()
-        self._num_blocks = num_blocks
+        size = pool_size(spec, config, self.policy)
+        self.max_model_len = size.max_model_len
+        num_blocks = self._num_blocks = size.num_blocks
+        self._pool_limited = size.pool_limited
         self.prefix_caching = config.cache.prefix_caching
         self.kv, self.scheduler = self._fresh_scheduler()
         # Plans handed out and not yet applied; those of a scheduler that was replaced
@@ -148,7 +149,7 @@ class EngineCore:
         )
         swap = None
         if config.scheduler.preemption_mode == "swap":
-            block_bytes = self._block_bytes()
+            block_bytes = kv_block_bytes(spec, config)
             swap = SwapSpace(int(config.cache.swap_space_gb * 2**30 // block_bytes), block_bytes)
         scheduler = Scheduler(
             config.scheduler,
@@ -166,21 +167,6 @@ class EngineCore:
         sched = self.config.scheduler
         rows = sched.max_num_seqs * (1 + sched.speculative_tokens)
         return min(self.config.execution.cuda_graph_max_rows, rows, sched.max_num_batched_tokens)
-
-    def _block_bytes(self) -> int:
-        """Bytes of one KV block (K and V of every layer of one plane)."""
-        spec, cache = self.spec, self.config.cache
-        layers = max(spec.num_core_layers, spec.num_boundary_layers)
-        itemsize = torch.empty((), dtype=_DTYPES[self.config.model.dtype]).element_size()
-        return layers * 2 * cache.block_size * spec.num_kv_heads * spec.head_dim * itemsize
-
-    def _auto_num_blocks(self) -> int:
-        spec, cache, sched = self.spec, self.config.cache, self.config.scheduler
-        budget = int(cache.kv_cache_gb * 2**30 // self._block_bytes())
-        # Never more than every running request at full context could use.
-        planes = self.policy.num_planes(spec.max_loops) + (spec.num_boundary_layers > 0)
-        ceiling = sched.max_num_seqs * math.ceil(self.max_model_len / cache.block_size) * planes
-        return max(1, min(budget, ceiling))
 
     # ---------------------------------------------------------------- requests
 
@@ -205,9 +191,10 @@ class EngineCore:
                     f"{name}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
                 )
         if len(prompt_token_ids) >= self.max_model_len:
+            pool = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
-                f"context limit of {self.max_model_len} tokens"
+                f"context limit of {self.max_model_len} tokens" + pool * self._pool_limited
             )
         if params.max_loops is not None and params.max_loops > spec.max_loops:
             raise ValueError(

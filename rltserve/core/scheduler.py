@@ -130,7 +130,7 @@ class Scheduler:
             raise ValueError(
                 f"request {request.request_id!r} needs {need} KV blocks "
                 f"({request.kv_tokens} tokens x {request.num_loops} loops) but the pool has "
-                f"{self.kv.pool.num_total}; lower max_tokens or raise num_blocks"
+                f"{self.kv.pool.num_total}; lower max_tokens or max_loops, or raise num_blocks"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
         request.seq = self.next_seq()

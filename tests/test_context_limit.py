@@ -1,0 +1,62 @@
+"""The context limit follows the KV pool: one request of ``max_model_len`` tokens at the
+model's default depth fits in the whole pool (vLLM's rule), so a request that asks for the
+whole context (a chat request without max_tokens) is admitted and ends at the limit. The model's
+own limit is lowered to the pool's (logged); an explicit max_model_len past it fails at start.
+A request that takes more planes than the default depth can still be too big for the pool."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from engine_util import make_core, oracle_run, run_core
+
+from rltserve.sampling import SamplingParams
+
+# ouro rv1: 4 loops by default (8 at most), per-depth planes under last_exited, a context of 512.
+
+
+def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, caplog):
+    with caplog.at_level(logging.WARNING, logger="rltserve.core.kv_sizing"):
+        core = make_core(ckpts["ouro"], num_blocks=8, block_size=4)
+    # 8 blocks over 4 planes: 2 blocks of 4 positions each; the last token writes no KV.
+    assert core.max_model_len == core.info.max_model_len == 9
+    assert "max_model_len lowered to 9 (the model's: 512)" in caplog.text
+    # Asking for the whole context: admitted, ends at the limit with the oracle's tokens.
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    run = run_core(core, [prompt], [params])
+    want = oracle_run(ouro_ref, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert run.tokens["r0"] == want.tokens and run.finish["r0"] == "length"
+    with pytest.raises(ValueError, match=r"context limit of 9 tokens \(what the KV pool holds"):
+        core.make_request(None, list(range(9)), params)
+
+
+def test_a_pool_that_holds_the_model_limit_leaves_it(ckpts):
+    assert make_core(ckpts["ouro"], num_blocks=4 * 32, block_size=16).max_model_len == 512
+    assert make_core(ckpts["ouro"], num_blocks=4 * 31, block_size=16).max_model_len == 497
+
+
+def test_an_explicit_limit_past_the_pool_fails_at_start(ckpts):
+    with pytest.raises(ValueError, match=r"max_model_len=64: the KV pool \(8 blocks of 4 "):
+        make_core(ckpts["ouro"], num_blocks=8, block_size=4, max_model_len=64)
+    assert make_core(ckpts["ouro"], num_blocks=8, block_size=4, max_model_len=9).max_model_len == 9
+    with pytest.raises(ValueError, match="num_blocks=3: the KV pool"):
+        make_core(ckpts["ouro"], num_blocks=3, block_size=4)  # (not one block per plane)
+
+
+def test_more_loops_than_the_default_can_still_be_too_big(ckpts):
+    core = make_core(ckpts["ouro"], num_blocks=8, block_size=4)
+    deep = SamplingParams(max_tokens=5, ignore_eos=True, max_loops=8)  # 8 planes
+    with pytest.raises(ValueError, match="KV blocks .* lower max_tokens or max_loops"):
+        core.add_request("deep", [5, 6, 7], deep)
+
+
+def test_a_pool_sized_from_kv_cache_gb_bounds_the_context_too(ckpts):
+    from rltserve.core.kv_sizing import block_bytes
+
+    probe = make_core(ckpts["ouro"])
+    gb = 10.5 * block_bytes(probe.spec, probe.config) / 2**30  # room for 10 blocks
+    core = make_core(ckpts["ouro"], num_blocks=None, kv_cache_gb=gb)
+    assert core.info.num_blocks == 10
+    assert core.max_model_len == 10 // 4 * 16 + 1  # 2 blocks of 16 per plane, on 4 planes
