@@ -110,7 +110,13 @@ class ServingState:
                 self.metrics.registry.register(collector)
             self._watch = asyncio.create_task(client.watch(), name="rltserve-stage-supervisor")
             log.info(
-                "engine ready: %s (%s, %d loops)", self.model_name, info.family, info.num_loops
+                "engine ready: %s (%s, %d loops; context %d tokens, %d KV blocks of %d)",
+                self.model_name,
+                info.family,
+                info.num_loops,
+                info.max_model_len,
+                info.num_blocks,
+                info.block_size,
             )
         except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
