@@ -191,10 +191,11 @@ class EngineCore:
                     f"{name}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
                 )
         if len(prompt_token_ids) >= self.max_model_len:
-            pool = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
+            why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
             raise ValueError(
                 f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
-                f"context limit of {self.max_model_len} tokens" + pool * self._pool_limited
+                f"context limit of {self.max_model_len} tokens"
+                + (why if self._pool_limited else "")
             )
         if params.max_loops is not None and params.max_loops > spec.max_loops:
             raise ValueError(
