@@ -140,13 +140,15 @@ def test_generate_on_a_checkpoint_that_does_not_load(ckpts, name):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--kv-policy", "ring:2"], "stage failed"),
-        (["--speculative-tokens", "1", "--draft-loops", "9"], "stage failed"),
+        (["--kv-policy", "ring:2"], "kv_policy='ring:2': ring:K is for Huginn only"),
+        (["--speculative-tokens", "1", "--draft-loops", "9"], "draft_loops=9: must be below"),
     ],
 )
 def test_generate_with_flags_the_model_cannot_take(ckpts, args, message):
+    """Refused by the engine as it starts: bad input like the config's own checks."""
     proc = rltserve("generate", "Hi", "--model", ckpts["ouro"], "--num-blocks", "64", *args)
-    assert_fails(proc, 1, message)
+    line = assert_fails(proc, 2, message)
+    assert "stage failed" not in line
 
 
 def test_serve_on_a_port_in_use():
@@ -176,12 +178,13 @@ def test_bench_serve_against_nothing_says_it_waits_then_fails():
 
 def test_exit_codes_by_kind_of_failure():
     from rltserve.cli import exit_code
-    from rltserve.core.stage import StageError
+    from rltserve.core.stage import StageConfigError, StageError
     from rltserve.models import CheckpointError
 
     assert exit_code(ValueError("bad flag")) == 2
     assert exit_code(CheckpointError("weights do not load")) == 1  # a ValueError, but not input
     assert exit_code(StageError("stage failed")) == 1
+    assert exit_code(StageConfigError("max_model_len=9999: ...")) == 2  # the engine refused it
     assert exit_code(ConnectionRefusedError()) == 1
     assert exit_code(KeyError("a bug")) is None  # re-raised: its traceback is the report
 
@@ -197,3 +200,13 @@ def test_bench_offline_compare_of_cuda_graphs_runs_eager_cells_on_a_cpu(ckpts):
     assert orjson.loads(proc.stdout)["graphs_compare"]["modes"] == ["eager"]
     proc = rltserve("bench", "offline", "--model", ckpts["ouro"], "--cuda-graphs")
     assert_fails(proc, 2, "cuda_graphs=True: needs a CUDA device")
+
+
+def test_a_config_the_engine_refuses_at_start_is_a_usage_error():
+    """Checks only the engine can make (a context the KV pool cannot hold, one past the
+    model's) fail like the config's own: one line, exit code 2. (The demo model: 4096 tokens.)"""
+    base = ("generate", "Hello", "--max-tokens", "2")
+    proc = rltserve(*base, "--max-model-len", "100", "--num-blocks", "8")
+    assert_fails(proc, 2, "max_model_len=100: the KV pool (8 blocks of 16 tokens")
+    proc = rltserve(*base, "--max-model-len", "100000")
+    assert_fails(proc, 2, "max_model_len=100000: the model's context is 4096 tokens")

@@ -43,6 +43,20 @@ def test_an_explicit_limit_past_the_pool_fails_at_start(ckpts):
     assert make_core(ckpts["ouro"], num_blocks=8, block_size=4, max_model_len=9).max_model_len == 9
     with pytest.raises(ValueError, match="num_blocks=3: the KV pool"):
         make_core(ckpts["ouro"], num_blocks=3, block_size=4)  # (not one block per plane)
+    with pytest.raises(ValueError, match="max_model_len=513: the model's context is 512 tokens"):
+        make_core(ckpts["ouro"], max_model_len=513)
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "worker"])
+def test_llm_raises_the_refusal_as_a_value_error(ckpts, in_process):
+    """The stage builds the engine; a config it refuses reaches the caller as a ValueError
+    (``StageConfigError``), not as a stage failure."""
+    from rltserve import LLM
+    from rltserve.core.stage import StageConfigError, StageError
+
+    with pytest.raises(ValueError, match=r"^max_model_len=64: the KV pool \(8 blocks") as info:
+        LLM(str(ckpts["ouro"]), num_blocks=8, block_size=4, max_model_len=64, in_process=in_process)
+    assert isinstance(info.value, StageConfigError) and isinstance(info.value, StageError)
 
 
 def test_more_loops_than_the_default_can_still_be_too_big(ckpts):

@@ -40,10 +40,14 @@ def pool_size(spec: LoopedSpec, config: EngineConfig, policy: KVPolicy) -> PoolS
     one request of that context at the model's default depth fits in the whole pool (without
     it, a chat request that sends no max_tokens, so asks for the whole context, could never be
     admitted). The model's own limit is lowered to it (logged); an explicit max_model_len past
-    it is a ValueError."""
+    it is a ValueError, as is one past the model's."""
     cache, sched = config.cache, config.scheduler
     asked = config.model.max_model_len
-    context = min(asked or spec.max_position, spec.max_position)
+    if asked is not None and asked > spec.max_position:
+        raise ValueError(
+            f"max_model_len={asked}: the model's context is {spec.max_position} tokens"
+        )
+    context = asked or spec.max_position
     num_blocks = cache.num_blocks
     if num_blocks is None:
         budget = int(cache.kv_cache_gb * 2**30 // block_bytes(spec, config))

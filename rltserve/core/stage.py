@@ -9,7 +9,8 @@ update to the ``sink`` given with the request, on the client's reader thread.
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]), ("abort", rid),
 ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields, ...], stats)
 (each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats snapshot),
-("fatal", message).
+("fatal", message[, refused]): ``refused`` is the message of a ValueError the engine raised at
+construction (a config it refuses: bad input, not a failure).
 A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
 ("reply", token, error or None, weight_version).
 
@@ -48,6 +49,11 @@ class StageError(RuntimeError):
     """The stage failed to start or died."""
 
 
+class StageConfigError(StageError, ValueError):
+    """The engine refused its config at start (a ValueError building it, e.g. a context the KV
+    pool cannot hold): bad input, caught as a ValueError like the config's own checks."""
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -62,11 +68,14 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
     # Imported here: torch comes with the engine, and only the process that runs it needs it.
     from rltserve.core.engine import EngineCore
     from rltserve.core.engine_loop import run_engine_loop
+    from rltserve.models.loader import CheckpointError
 
     try:
         core = EngineCore(config)
     except Exception as exc:
-        send(("fatal", f"{type(exc).__name__}: {exc}"))
+        # (A checkpoint that does not load is a failure: its path was checked before.)
+        refused = isinstance(exc, ValueError) and not isinstance(exc, CheckpointError)
+        send(("fatal", f"{type(exc).__name__}: {exc}", str(exc) if refused else None))
         return
     send(("ready", core.info))
     loop = _new_event_loop()
@@ -112,6 +121,7 @@ class _ClientBase(ABC):
         self._lock = threading.Lock()  # guards _sinks, _fatal and _closed together
         self._ready = threading.Event()
         self._fatal: str | None = None
+        self._refused: str | None = None  # the engine refused its config: why
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
@@ -153,6 +163,8 @@ class _ClientBase(ABC):
                 slot[1:] = [error, version]
                 slot[0].set()
         elif kind == "fatal":
+            if len(message) > 2 and message[2] is not None:
+                self._refused = message[2]
             self._die(message[1])
 
     def _deliver(self, update: RequestUpdate, sink: Sink) -> None:
@@ -228,6 +240,8 @@ class _ClientBase(ABC):
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         if not self._ready.wait(timeout):
             raise StageError("stage did not become ready in time")
+        if self.info is None and self._refused is not None:
+            raise StageConfigError(self._refused)
         if self.info is None or self._fatal is not None or self._closed:
             raise StageError(f"stage failed: {self.error}")
         return self.info
