@@ -72,6 +72,8 @@ BAD_REQUESTS = [
      "must be one of"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text parts"),
+    ("chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
+     "messages[1].content", "required for a user message"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 400}]}, "messages",
      "maximum context length"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

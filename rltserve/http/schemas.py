@@ -134,6 +134,9 @@ class ChatMessage:
         if self.role not in CHAT_ROLES:
             raise SchemaError(f"{path}.role", f"{path}.role: must be one of {CHAT_ROLES}")
         content = self.content
+        if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
+            where = f"{path}.content"
+            raise SchemaError(where, f"{where}: required for a {self.role} message")
         if isinstance(content, list):
             texts = []
             for i, part in enumerate(content):
