@@ -229,7 +229,8 @@ def _str_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     from rltserve.models.presets import add_make_model_args
 
-    parser = argparse.ArgumentParser(prog="rltserve", description=__doc__.splitlines()[0])
+    description = __doc__.splitlines()[0].replace("``", "")
+    parser = argparse.ArgumentParser(prog="rltserve", description=description)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline")
@@ -376,13 +377,27 @@ def one_line(message: str) -> str:
     return "; ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` were parsed by."""
+    for name in (args.command, getattr(args, "bench_command", None)):
+        commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if name is None or not commands:
+            break
+        parser = commands[0].choices[name]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (parse_args would show the top-level usage, not the command's)
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:

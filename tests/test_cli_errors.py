@@ -126,6 +126,16 @@ def test_python_m_rltserve_is_the_command():
     assert orjson.loads(proc.stdout)["version"]
     proc = rltserve("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: rltserve")
+    assert "The rltserve command: generate" in proc.stdout  # (plain text, no RST markup)
+
+
+def test_an_unknown_flag_shows_its_command_usage():
+    for command in (["generate"], ["bench", "offline"], ["serve"]):
+        proc = rltserve(*command, "--bogus")
+        assert proc.returncode == 2 and proc.stdout == ""
+        name = " ".join(["rltserve", *command])
+        assert proc.stderr.startswith(f"usage: {name} ")
+        assert f"{name}: error: unrecognized arguments: --bogus" in proc.stderr
 
 
 # ------------------------------------------------------------------ runtime failures (exit 1)
