@@ -18,7 +18,7 @@ from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.sampling import SamplingParams, expand_samples
-from rltserve.thinking import resolve_thinking
+from rltserve.thinking import resolve_thinking, with_thinking_prefix
 from rltserve.weights import WeightsArg, update_paths
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -170,6 +170,41 @@ class LLM:
             with self._running:
                 self._active -= 1
                 self._running.notify_all()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: each conversation (a list of ``{"role": ..., "content": ...}``
+        messages; one conversation or a list of them) rendered with the checkpoint's chat
+        template, as the server's chat endpoint renders it (``enable_thinking`` among
+        ``chat_template_kwargs`` opens the thinking span), then ``generate``d: one
+        ``RequestOutput`` per conversation, its ``prompt`` the rendered text."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs the checkpoint's tokenizer and chat template")
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise ValueError("messages: must be a non-empty list of messages or of conversations")
+        one = isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), add_generation_prompt, tokenize=False, **kwargs
+            )
+            if add_generation_prompt and kwargs.get("enable_thinking"):
+                text = with_thinking_prefix(text)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The checkpoint's tokenizer (None without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def _run(self, batch, encoded, plist) -> list[RequestOutput]:
         pending = _Pending()

@@ -78,6 +78,8 @@ def test_invalid_requests_raise_value_error(spawned):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="no tokenizer"):
         spawned.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="chat needs the checkpoint's tokenizer"):
+        spawned.chat([{"role": "user", "content": "hi"}])
     # The stage keeps serving after rejections.
     assert len(spawned.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids) == 2
 

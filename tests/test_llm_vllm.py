@@ -149,3 +149,24 @@ def test_n_samples_compute_their_prompt_once(llm):
     assert len(out.outputs) == 4
     # Each of the 3 followers reuses all but the last prompt token of the leader's prefill.
     assert llm._client.stats.prefix_cache_hits - before == 3 * 39
+
+
+def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
+    from rltserve.thinking import with_thinking_prefix
+
+    tok = llm.get_tokenizer()
+    assert tok is llm.tokenizer
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    (out,) = llm.chat(conv, p)  # one conversation
+    text, ids = tok.apply_chat_template(conv, tokenize=False), tok.apply_chat_template(conv)
+    assert out.prompt == text and out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == llm.generate([ids], p)[0].outputs[0].token_ids
+    both = llm.chat([conv, conv[1:]], p)  # a list of conversations, in order
+    assert [o.prompt_token_ids for o in both] == [ids, tok.apply_chat_template(conv[1:])]
+    (think,) = llm.chat(conv, p, chat_template_kwargs={"enable_thinking": True})
+    want = with_thinking_prefix(tok.apply_chat_template(conv, tokenize=False, enable_thinking=True))
+    assert think.prompt == want  # as the server's chat endpoint renders it
+    for bad in ([], "Hi", None):
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat(bad, p)
