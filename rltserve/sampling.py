@@ -20,7 +20,8 @@ class SamplingParams:
     and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
     output token, each within ``[min_loops, max_loops]``.
 
-    vLLM's names mean what they mean there: ``n`` samples per prompt (sample j seeded with
+    vLLM's names mean what they mean there: ``max_tokens`` (None: all the context the prompt
+    leaves), ``n`` samples per prompt (sample j seeded with
     ``seed + j`` when ``seed`` is set), ``logprobs=k`` returns the sampled token's logprob plus
     the top ``k``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``detokenize``
     (False: token ids only, no text work) shape the text.
@@ -35,7 +36,7 @@ class SamplingParams:
     text (the ``LLM`` front end tokenizes it) or token ids.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
@@ -95,9 +96,10 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
-        _check_int(self, "max_tokens")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "must be >= 1")
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens")
+            if self.max_tokens < 1:
+                raise bad("max_tokens", "must be >= 1 (or None: up to the context)")
         _check_number(self, "temperature")
         if not 0.0 <= self.temperature <= 2.0:
             raise bad("temperature", "must be in [0, 2]")
@@ -131,7 +133,7 @@ class SamplingParams:
         _check_int(self, "min_tokens")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         _check_int(self, "min_loops")
         if self.min_loops < 1:

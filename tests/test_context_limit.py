@@ -22,12 +22,15 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
     # 8 blocks over 4 planes: 2 blocks of 4 positions each; the last token writes no KV.
     assert core.max_model_len == core.info.max_model_len == 9
     assert "max_model_len lowered to 9 (the model's: 512)" in caplog.text
-    # Asking for the whole context: admitted, ends at the limit with the oracle's tokens.
+    # Asking for the whole context (max_tokens past it, or None: vLLM's "up to the context"):
+    # admitted, ends at the limit with the oracle's tokens.
     prompt = [5, 6, 7]
     params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    run = run_core(core, [prompt], [params])
+    whole = SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=2)
+    run = run_core(core, [prompt, prompt], [params, whole])
     want = oracle_run(ouro_ref, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
-    assert run.tokens["r0"] == want.tokens and run.finish["r0"] == "length"
+    for rid in ("r0", "r1"):
+        assert run.tokens[rid] == want.tokens and run.finish[rid] == "length"
     with pytest.raises(ValueError, match=r"context limit of 9 tokens \(what the KV pool holds"):
         core.make_request(None, list(range(9)), params)
 

@@ -76,6 +76,9 @@ def test_invalid_requests_raise_value_error(spawned):
         spawned.generate([[1] * 200], SamplingParams(max_tokens=50, max_loops=8))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=2.0)
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None  # up to the context
     with pytest.raises(ValueError, match="no tokenizer"):
         spawned.generate("text needs a tokenizer")
     with pytest.raises(ValueError, match="chat needs the checkpoint's tokenizer"):

@@ -177,7 +177,8 @@ class Request:
         params = self.params
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset(eos).union(params.stop_token_ids)
-        self.max_outputs = min(params.max_tokens, self.max_total_tokens - self.num_prompt_tokens)
+        room = self.max_total_tokens - self.num_prompt_tokens  # what the context leaves
+        self.max_outputs = room if params.max_tokens is None else min(params.max_tokens, room)
 
     @property
     def prefill_scheduled(self) -> bool:
@@ -190,8 +191,7 @@ class Request:
     @property
     def kv_tokens(self) -> int:
         """Positions whose KV the request may ever write: the last output token needs none."""
-        want = self.num_prompt_tokens + self.params.max_tokens - 1
-        return min(want, self.max_total_tokens - 1)
+        return self.num_prompt_tokens + self.max_outputs - 1  # (below max_total_tokens)
 
     @property
     def sort_key(self) -> tuple[int, int]:

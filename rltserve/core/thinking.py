@@ -69,7 +69,7 @@ def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
         return False
     request.thinking_closed = True
     forced = [*(p.thinking_interruption or ()), *end]
-    room = min(p.max_tokens, request.max_total_tokens - request.num_prompt_tokens) - len(out)
+    room = request.max_outputs - len(out)
     forced = forced[: max(0, room)]
     depth = request.num_loops
     for token in forced:

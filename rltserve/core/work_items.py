@@ -57,8 +57,7 @@ class ItemMaker:
         replay), not yet started; None when every output is planned."""
         start = request.num_scheduled
         produces = start - request.num_prompt_tokens + 1  # the output this token produces
-        max_tokens = request.params.max_tokens
-        if produces >= max_tokens or start + 1 >= request.max_total_tokens:
+        if produces >= request.max_outputs or start + 1 >= request.max_total_tokens:
             return None
         full = self.full
         draft_at = self.config.draft_loops if request.pipelined else 0
@@ -74,7 +73,7 @@ class ItemMaker:
             0,  # applied
             None,  # exit_depth
             None,  # delayed_exit_at
-            draft_at if produces + 1 < max_tokens else 0,  # draft_at
+            draft_at if produces + 1 < request.max_outputs else 0,  # draft_at
             request.epoch,  # epoch
             request.num_preemptions,  # life
         )
