@@ -18,7 +18,7 @@ from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.sampling import SamplingParams, expand_samples
-from rltserve.thinking import resolve_thinking, with_thinking_prefix
+from rltserve.thinking import chat_prompt_text, resolve_thinking
 from rltserve.weights import WeightsArg, update_paths
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -193,11 +193,10 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
+            rendered = self.tokenizer.apply_chat_template(
                 list(conversation), add_generation_prompt, tokenize=False, **kwargs
             )
-            if add_generation_prompt and kwargs.get("enable_thinking"):
-                text = with_thinking_prefix(text)
+            text = chat_prompt_text(rendered, add_generation_prompt, kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

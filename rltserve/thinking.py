@@ -4,6 +4,9 @@ answer into its thinking span and the rest (``reasoning_content`` and ``content`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from rltserve.sampling import SamplingParams
 
 THINK_START = "<think>"
@@ -108,3 +111,14 @@ def with_thinking_prefix(prompt_text: str) -> str:
     """A rendered chat prompt asked to think (``enable_thinking``): ``<think>\\n`` appended, as
     the Ouro-Thinking recipes do, unless the template already opened the span."""
     return prompt_text if prompt_opens_thinking(prompt_text) else prompt_text + THINK_START + "\n"
+
+
+def chat_prompt_text(
+    rendered: str, add_generation_prompt: bool, template_kwargs: Mapping[str, Any]
+) -> str:
+    """A conversation rendered by its chat template, as the engine takes it (the server's chat
+    endpoint and ``LLM.chat`` alike): a generation prompt asked to think (``enable_thinking``)
+    gets the thinking prefix (``with_thinking_prefix``)."""
+    if add_generation_prompt and template_kwargs.get("enable_thinking"):
+        return with_thinking_prefix(rendered)
+    return rendered

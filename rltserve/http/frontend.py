@@ -29,7 +29,7 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import resolve_thinking, with_thinking_prefix
+from rltserve.thinking import chat_prompt_text, resolve_thinking
 from rltserve.updates import FinishReason, RequestUpdate
 
 
@@ -166,8 +166,7 @@ class Frontend:
             raise bad_request(
                 f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from exc
-        if add_generation_prompt and (template_kwargs or {}).get("enable_thinking"):
-            text = with_thinking_prefix(text)
+        text = chat_prompt_text(text, add_generation_prompt, template_kwargs or {})
         if check_length:
             return await codec.encode(text, "messages", add_special_tokens=False)
         return await codec.encode_any(text, add_special_tokens=False)
