@@ -106,6 +106,23 @@ def assert_oracle(ref, core, out: Outcome, params, rids) -> None:
         assert out.finish[rid] == "length", rid
 
 
+def assert_survivors(ref, core, out: Outcome, params, failed: set[str]) -> None:
+    """Some request outlived the fault, every one that did gave the oracle's tokens, and
+    nothing is left behind."""
+    survivors = set(PROMPTS) - failed
+    assert survivors
+    assert_oracle(ref, core, out, params, sorted(survivors))
+    assert_clean(core)
+
+
+def assert_serves_on(ref, core, p: SamplingParams, lag: int) -> None:
+    """The engine is not corrupted: a new request gives the oracle's tokens and exit depths,
+    and nothing is left behind."""
+    again = drive(core, {"a": p}, lag=lag)
+    assert_oracle(ref, core, again, {"a": p}, ["a"])
+    assert_clean(core)
+
+
 def omits_a_running_request(plan, core) -> bool:
     """A step that leaves out a running request (its exit is not known yet) and has run
     before (so the fault hits requests mid-generation)."""
