@@ -32,7 +32,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.session import current_session
-from rltserve.ray.cluster import connect, require_ray
+from rltserve.ray.cluster import cluster_gone, connect, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
@@ -273,6 +273,11 @@ class ReplicaSetClient:
         for task in tasks:
             with contextlib.suppress(RuntimeError):  # its loop is closed already
                 task.get_loop().call_soon_threadsafe(task.cancel)
+        # A cluster this process owns stops with it; when the stop signal reached Ray's
+        # daemons as well (sent to the whole group or cgroup) they go within a moment.
+        if cluster_gone(watch_s=1.0 if self._owns_cluster else 0.0):
+            log.warning("the Ray cluster has stopped (with this process?): nothing to stop")
+            return
         self._poller.join(5.0)
         self._stop_ray()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 from rltserve.ray.config import ReplicaConfig
 
@@ -48,11 +49,42 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--ray-address {address}: expected host:port, ray://host:port or auto")
+    why = _refused(host, int(port), timeout_s)
+    if why is not None:
+        raise ValueError(f"--ray-address {address}: cannot reach {host}:{port} ({why})")
+
+
+def _refused(host: str, port: int, timeout_s: float) -> str | None:
+    """Why ``host:port`` does not accept a TCP connection, or None when it does."""
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]"), port), timeout=timeout_s).close()
     except OSError as exc:
-        why = exc.strerror or type(exc).__name__
-        raise ValueError(f"--ray-address {address}: cannot reach {host}:{port} ({why})") from exc
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def cluster_gone(watch_s: float = 0.0) -> bool:
+    """Whether the Ray cluster this process is connected to has stopped answering: its GCS
+    refuses connections now or, with ``watch_s``, at some point within that many seconds.
+
+    A stop signal sent to the whole process group or cgroup (``kill -- -PGID``, systemd's
+    stop) reaches a local cluster's daemons along with the server, and they stop within a
+    moment of the server seeing it; any Serve call then waits for them until Ray aborts the
+    process (60 s), so callers that find the cluster gone leave Serve alone."""
+    import ray
+
+    try:
+        host, _, port = str(ray.get_runtime_context().gcs_address).rpartition(":")
+    except Exception:  # noqa: BLE001 - e.g. Ray Client mode: no address to check
+        host, port = "", ""
+    if not host or not port.isdigit():
+        return False  # nothing this can check: assume it answers, as before
+    deadline = time.monotonic() + watch_s
+    while _refused(host, int(port), timeout_s=1.0) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
@@ -76,18 +108,3 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
     return False
-
-
-def disconnect(owned: bool) -> None:
-    """Stops Serve's controller and, for a local cluster this process started, Ray itself."""
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        return
-    try:
-        serve.shutdown()
-    except Exception:  # noqa: BLE001 - best effort: the cluster may be gone already
-        log.exception("stopping Ray Serve failed")
-    if owned:
-        ray.shutdown()
