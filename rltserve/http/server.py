@@ -111,7 +111,7 @@ async def serve_until_signalled(
         log.info("serving %s on %s", state.model_name, server.url)
         failed = asyncio.create_task(state.gave_up())
         await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
-        if failed.done():
+        if failed.done() and not stop.is_set():  # (a failure as the stop comes is its effect)
             log.error("giving up: the stage failed and could not be restarted")
             code = 1
         failed.cancel()
