@@ -226,6 +226,7 @@ class LLM:
                         p.stop_token_ids,
                         skip_special_tokens=p.skip_special_tokens,
                         include_stop_str_in_output=p.include_stop_str_in_output,
+                        min_tokens=p.min_tokens,
                     )
                     group.append(asm)
                     pending.assemblers.append(asm)

@@ -124,9 +124,11 @@ class TextDelta:
 class OutputAssembler:
     """Accumulates one request's updates. Detokenizes incrementally (when a tokenizer is given)
     and ends the text at the first stop string, which it leaves out of the text (kept with
-    ``include_stop_str_in_output``). A stop string
+    ``include_stop_str_in_output``), as it leaves out the text of a stop token (EOS or one of
+    ``stop_token_ids``) that ended the request (vLLM's rule). A stop string
     may span token boundaries: text that could be the start of a stop string is held back until
-    it is known not to be one."""
+    it is known not to be one. As in vLLM, stop strings count only once more than
+    ``min_tokens`` tokens exist: a match must end in the text of a later token."""
 
     def __init__(
         self,
@@ -139,6 +141,7 @@ class OutputAssembler:
         *,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.output = Completion(request_id, list(prompt_token_ids))
         if want_logprobs:
@@ -154,6 +157,8 @@ class OutputAssembler:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""  # all text decoded so far (may run past what was emitted)
         self._emitted = 0  # characters of _text already handed out
+        self._min_tokens = min_tokens
+        self._stop_from = 0  # the text of the first min_tokens tokens ends here
         self.rejected = False  # the engine refused the request (invalid arguments)
         self.weight_version = 0  # of the weights that produced the tokens (latest update)
 
@@ -175,10 +180,13 @@ class OutputAssembler:
             stop_reason = last if last in self._stop_token_ids else None
         # A rejected request has no text; its prompt may hold ids the tokenizer cannot decode.
         if self._detok is not None and not update.rejected:
-            self._text += self._detok.add_many(update.new_token_ids)
+            ids = update.new_token_ids
+            if finish == "stop" and ids and not self._include_stop:
+                ids = ids[:-1]  # (the engine stops only on a stop token)
+            self._add_text(ids, len(out.token_ids) - len(update.new_token_ids))
             if finish is not None:
                 self._text += self._detok.flush()
-        hit = self._find_stop()
+        hit = self._find_stop() if len(out.token_ids) > self._min_tokens else None
         if hit is not None:
             cut, stop_reason = hit
             self._text = self._text[: cut + (len(stop_reason) if self._include_stop else 0)]
@@ -205,12 +213,23 @@ class OutputAssembler:
             update.error,
         )
 
+    def _add_text(self, ids: list[int], before: int) -> None:
+        """Decodes ``ids``, which follow ``before`` tokens, noting where the text of the
+        first ``min_tokens`` tokens ends."""
+        inside = min(len(ids), self._min_tokens - before)
+        if inside > 0:
+            self._text += self._detok.add_many(ids[:inside])
+            self._stop_from = len(self._text)
+            ids = ids[inside:]
+        self._text += self._detok.add_many(ids)
+
     def _find_stop(self) -> tuple[int, str] | None:
         if not self._stop:
             return None
-        # Only text not yet emitted (plus what a stop string could reach back into) can hold a
-        # new match; emitted text was checked when it arrived.
-        begin = max(0, self._emitted - self._hold)
+        # Only text not yet emitted or after the first min_tokens tokens' (plus what a stop
+        # string could reach back into) can hold a new match; emitted text was checked when it
+        # arrived.
+        begin = max(0, max(self._emitted, self._stop_from) - self._hold)
         best: tuple[int, str] | None = None
         for s in self._stop:
             i = self._text.find(s, begin)

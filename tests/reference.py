@@ -316,7 +316,9 @@ class Reference:
         """Greedy generation of one request; see the module docstring for the semantics.
 
         Generation stops after a token in ``stop_token_ids`` or ``eos_token_ids`` once at least
-        ``min_tokens`` tokens exist (the stopping token included), or after ``max_tokens``."""
+        ``min_tokens`` tokens exist (the stopping token included), or after ``max_tokens``.
+        Until ``min_tokens`` tokens exist those ids are not chosen (vLLM's rule): the earliest
+        stop is token ``min_tokens + 1``. ``logits`` are kept as the model gave them."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -348,7 +350,13 @@ class Reference:
             )
 
         def emit(rule: ExitRule, exit_d: int, logits: torch.Tensor) -> bool:
-            tok = int(torch.argmax(logits))
+            choice = logits
+            if len(out.tokens) < min_tokens:
+                choice = logits.clone()
+                for t in (*stop_token_ids, *eos_token_ids):
+                    if 0 <= t < choice.shape[-1]:
+                        choice[t] = float("-inf")
+            tok = int(torch.argmax(choice))
             out.tokens.append(tok)
             out.exit_depths.append(exit_d)
             out.logits.append(logits)

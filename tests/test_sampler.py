@@ -279,3 +279,40 @@ def test_a_row_is_plain_only_when_greedy_with_nothing_else_asked():
     penalized = SamplingParams(repetition_penalty=1.3)
     assert not SampleRow(penalized, penalty_tokens=([1], [2])).plain
     assert SampleRow(penalized).plain  # no history kept: nothing to penalize
+
+
+def test_banned_rows_never_sample_their_ids_and_keep_their_logprobs():
+    # min_tokens: a banned row draws from its logits without the banned ids (greedy rows take
+    # the argmax of the rest); logprobs and the finite flag read the logits as given; rows not
+    # listed in ``banned`` ignore their ids.
+    logits = rand_logits(4, seed=5)
+    top = logits.argmax(-1)
+    params = [
+        SamplingParams(logprobs=2),
+        SamplingParams(temperature=1.0, seed=1, logprobs=0),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    rows = [SampleRow(p, generator=seeded(i)) for i, p in enumerate(params)]
+    for i, row in enumerate(rows):
+        row.banned = torch.tensor([int(top[i]), 0, 1])
+    unbanned = [SampleRow(p, generator=seeded(i)) for i, p in enumerate(params)]
+    plain = Sampler().sample(logits, unbanned)
+    out = Sampler().sample(logits, rows, banned=[0, 1, 2])
+    masked = logits.clone()
+    for i in range(3):
+        masked[i, [int(top[i]), 0, 1]] = float("-inf")
+    assert out.token_ids[0] == int(masked[0].argmax())
+    assert out.token_ids[2] == int(masked[2].argmax())
+    for i in range(3):
+        assert out.token_ids[i] not in (int(top[i]), 0, 1)
+    assert out.token_ids[3] == plain.token_ids[3]  # not listed: as without a ban
+    assert out.finite == [True] * 4
+    logp = torch.log_softmax(logits, -1)
+    assert out.logprobs[0] == pytest.approx(float(logp[0, out.token_ids[0]]), abs=1e-5)
+    assert [t for t, _ in out.top_logprobs[0]] == logp[0].topk(2).indices.tolist()
+    # A seeded banned row draws the same way every time.
+    again = [SampleRow(p, generator=seeded(i)) for i, p in enumerate(params)]
+    for i, row in enumerate(again):
+        row.banned = torch.tensor([int(top[i]), 0, 1])
+    assert Sampler().sample(logits, again, banned=[0, 1, 2]).token_ids == out.token_ids

@@ -2,9 +2,11 @@
 
 The pool holds ``pool_requests`` worst-case requests (prompt + ``max_tokens``); 8x as many
 requests arrive at once, each allowed ``8 * output_len`` tokens but stopping after
-``output_len`` (every token id is a stop token once ``min_tokens`` are out), as chat requests
-without ``max_tokens`` do. ``full`` can only run ``pool_requests`` at a time; on-demand runs as
-many as the written tokens allow and preempts under pressure. ``unpressured`` is on-demand with
+``output_len`` (every token id stops it once ``output_len`` tokens are out: set on the engine's
+requests directly, since as ``stop_token_ids`` with ``min_tokens`` they would be banned, leaving
+nothing to sample), as chat requests without ``max_tokens`` do. ``full`` can only run
+``pool_requests`` at a time; on-demand runs as many as the written tokens allow and preempts
+under pressure. ``unpressured`` is on-demand with
 a pool for every request's worst case (no preemption): the reference for the pressure cost.
 
 ``sweep``: the on-demand modes again at pools of several fractions of the blocks the
@@ -58,8 +60,11 @@ def _run(
     model: LoopedModel, engine_kw: dict, prompts: list[list[int]], params: SamplingParams
 ) -> dict[str, Any]:
     core = EngineCore(EngineConfig.from_flat(**engine_kw), model=model)
+    stop_all = frozenset(range(model.spec.vocab_size))
     for i, prompt in enumerate(prompts):
-        core.add_request(f"k{i}", prompt, params)
+        request = core.make_request(f"k{i}", prompt, params)
+        request.stop_ids = stop_all  # (``params.min_tokens`` holds the stop back)
+        core.scheduler.add_request(request)
     tokens = peak = peak_blocks = 0
     total = core.kv.pool.num_total
     runner = core.runner
@@ -123,11 +128,10 @@ def run_kv_pressure(
     num = 8 * pool_requests
     max_tokens = 8 * args.output_len
     prompts = prompts_for(num)
-    vocab = model.spec.vocab_size
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=args.output_len,
-        stop_token_ids=tuple(range(vocab)),
+        ignore_eos=True,  # (``_run`` makes every id stop the request after min_tokens)
         exit_threshold=args.exit_threshold,
     )
     kw = {**engine_kw, "max_num_seqs": num, "kv_watermark": 0.0}

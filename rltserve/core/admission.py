@@ -87,6 +87,8 @@ class Admission:
                     list(request.prompt_token_ids) if penalties else None,
                     num_sampled=len(request.output_token_ids) - request.num_forced,
                     output_token_ids=list(request.output_token_ids) if penalties else None,
+                    banned_ids=request.banned_ids,
+                    banned_below=request.num_prompt_tokens - 1 + request.params.min_tokens,
                 )
             )
             budget -= s.start(request, item, items, owners)

@@ -241,6 +241,12 @@ class EngineCore:
             pipelined=pipelined,
             group=group,
         )
+        banned = request.banned_ids
+        if len(banned) >= spec.vocab_size and banned[spec.vocab_size - 1] < spec.vocab_size:
+            raise ValueError(
+                f"min_tokens={params.min_tokens}: EOS and stop_token_ids are every token id, "
+                "so no token could be sampled before min_tokens"
+            )
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
         if spec.num_boundary_layers:

@@ -131,6 +131,10 @@ class LiveRequest:
         live.sample_row = SampleRow(
             params=setup.params, generator=generator, penalty_tokens=live.penalty_tokens()
         )
+        if setup.banned_ids:
+            ids = [i for i in setup.banned_ids if i < vocab_size]  # (others cannot come)
+            live.sample_row.banned = torch.tensor(ids, dtype=torch.int64, device=device)
+            live.sample_row.banned_below = setup.banned_below
         return live
 
     def input_token(self, position: int) -> tuple[torch.Tensor, int]:

@@ -46,6 +46,12 @@ class RequestSetup:
     # themselves seed the penalty history when ``prompt_token_ids`` is set.
     num_sampled: int = 0
     output_token_ids: list[int] | None = None
+    # min_tokens (vLLM's rule): the ids it may not sample (EOS unless ignored, and
+    # stop_token_ids) while fewer than min_tokens outputs exist, i.e. for a token sampled at
+    # a position below ``banned_below`` (the token sampled at position p is output number
+    # p + 1 - len(prompt), counted from 0).
+    banned_ids: tuple[int, ...] = ()
+    banned_below: int = 0
 
 
 @dataclass(slots=True)

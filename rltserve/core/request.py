@@ -160,6 +160,10 @@ class Request:
     # once ``min_tokens`` are out (EOS unless ignored, and ``stop_token_ids``), and the most
     # output tokens ``max_tokens`` and the context limit allow.
     stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    # What it may not sample before ``min_tokens`` outputs exist (sorted; empty without
+    # min_tokens): the same ids, from the params (the KV benchmark stops its requests on ids
+    # it does not ban, by setting ``stop_ids`` itself).
+    banned_ids: tuple[int, ...] = field(init=False, default=())
     max_outputs: int = field(init=False, default=0)
     # ``ItemMaker.carried_item``'s last copy-on-exit blocks, shared (never changed) by its
     # tokens in one block: (depth tables, block index, the blocks, the blocks past depth 1).
@@ -177,6 +181,7 @@ class Request:
         params = self.params
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset(eos).union(params.stop_token_ids)
+        self.banned_ids = tuple(sorted(self.stop_ids)) if params.min_tokens else ()
         room = self.max_total_tokens - self.num_prompt_tokens  # what the context leaves
         self.max_outputs = room if params.max_tokens is None else min(params.max_tokens, room)
 

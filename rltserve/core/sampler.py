@@ -16,6 +16,7 @@ are comparable across requests and meaningful for greedy rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -73,6 +74,10 @@ class SampleRow:
     params: SamplingParams
     generator: SeededGenerator | None = None
     penalty_tokens: tuple[list[int], list[int]] | None = None
+    # min_tokens: [B] int64 ids on the logits' device the row may not sample when its token
+    # is sampled at a position below ``banned_below`` (the caller says which rows are).
+    banned: torch.Tensor | None = None
+    banned_below: int = 0
     # The row is the argmax and nothing else is asked of it (greedy, no penalties, no
     # logprobs): a step whose rows all are skips the per-row sorting out.
     plain: bool = field(init=False)
@@ -159,17 +164,22 @@ class DeviceSample:
 class Sampler:
     """Stateless; all per-request state (generators, token history) comes in the rows."""
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
-        """logits: [R, V] fp32, one row per ``rows`` entry. The input tensor is not modified."""
-        out = self.sample_device(logits, rows)
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow], banned: Sequence[int] = ()
+    ) -> SampleOutput:
+        """logits: [R, V] fp32, one row per ``rows`` entry; ``banned``: the rows that may not
+        sample their ``SampleRow.banned`` ids (min_tokens). The input tensor is not modified."""
+        out = self.sample_device(logits, rows, banned)
         return out.to_output({k: v.tolist() for k, v in out.tensors().items()})
 
-    def sample_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+    def sample_device(
+        self, logits: torch.Tensor, rows: list[SampleRow], banned: Sequence[int] = ()
+    ) -> DeviceSample:
         """As ``sample``, leaving the results on the device (no host synchronisation)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
         logits = logits if logits.dtype == torch.float32 else logits.float()
-        if all(map(_PLAIN, rows)):  # every row greedy, nothing more asked of it
+        if not banned and all(map(_PLAIN, rows)):  # every row greedy, nothing more asked
             return DeviceSample(*_greedy(logits), [], [])
         device = logits.device
         penalized = [
@@ -182,10 +192,17 @@ class Sampler:
 
         # One reduction per step over the sampled rows only; read with the tokens, no sync.
         tokens, finite = _greedy(logits)  # [R]; the result of greedy rows
+        # What tokens are drawn from: with min_tokens bans (a filter: logprobs and the finite
+        # check read the logits before it).
+        choice = _ban(logits, [rows[i].banned for i in banned], banned) if banned else logits
+        greedy_banned = [i for i in banned if rows[i].params.greedy]
+        if greedy_banned:
+            idx = to_device(greedy_banned, device)
+            tokens[idx] = choice[idx].argmax(dim=-1)  # (the first maximal id, as _greedy's)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = to_device(sampled, device)
-            tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
+            tokens[idx] = _sample_rows(choice[idx], [rows[i] for i in sampled])
 
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_top = [rows[i].params.logprobs or 0 for i in wanted]
@@ -197,6 +214,13 @@ class Sampler:
             if max(num_top):
                 out.top_values, out.top_ids = logp.topk(max(num_top), dim=-1)  # [W, n_top]
         return out
+
+
+def _ban(logits: torch.Tensor, ids: list[torch.Tensor | None], rows: Sequence[int]) -> torch.Tensor:
+    """A copy of ``logits`` [R, V] with ``ids[k]`` set to -inf in row ``rows[k]``."""
+    vocab = logits.shape[1]
+    flat = torch.cat([b + row * vocab for b, row in zip(ids, rows) if b is not None])
+    return logits.clone().view(-1).index_fill_(0, flat, float("-inf")).view_as(logits)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from rltserve.core import step_exits, step_results, step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
+from rltserve.core.sampler import SampleRow
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
@@ -371,7 +372,9 @@ class Step:
         logits = r.timed(r.model.logits, hidden)  # [M, V] fp32
         r.logits_width = logits.shape[-1]
         sampling = lives if len(exits) == len(lives) else [lives[i] for i in exits]
-        self.sample = r.sampler.sample_device(logits, list(map(step_rows.SAMPLE_ROW, sampling)))
+        rows = list(map(step_rows.SAMPLE_ROW, sampling))
+        banned = self._banned(exits, rows) if any(map(step_rows.BANNED_BELOW, rows)) else ()
+        self.sample = r.sampler.sample_device(logits, rows, banned)
         tokens = self.sample.token_ids
         for k, live in enumerate(sampling):  # the next decode token's input
             live.last_tokens, live.last_row = tokens, k
@@ -379,6 +382,16 @@ class Step:
             self.outputs.add("sample." + name, tensor)
         self.num_coda_rows = len(exits)
         return exits
+
+    def _banned(self, exits: list[int], rows: list[SampleRow]) -> list[int]:
+        """The sampling rows still short of their request's ``min_tokens``: their token,
+        sampled at the item's last position, comes before ``banned_below``."""
+        starts, offsets = self.starts, self.offsets  # (a carried row is one token)
+        return [
+            k
+            for k, (i, row) in enumerate(zip(exits, rows))
+            if starts[i] + offsets[i + 1] - offsets[i] - 1 < row.banned_below
+        ]
 
     def _draft(self, positions: torch.Tensor, state: torch.Tensor) -> list[Draft]:
         """Token pipelining: the greedy prediction from a token's state at ``draft_loops``

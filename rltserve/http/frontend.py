@@ -257,6 +257,7 @@ class Generation:
                     c.params.stop,
                     c.params.logprobs is not None,
                     c.params.stop_token_ids,
+                    min_tokens=c.params.min_tokens,
                 ),
                 RequestTimeline(arrival, arrival),
             )

@@ -1,0 +1,70 @@
+"""``OutputAssembler``'s text rules, as vLLM's: the text of the stop token (EOS or one of
+``stop_token_ids``) that ended a request is left out unless ``include_stop_str_in_output``;
+stop strings count only once more than ``min_tokens`` tokens exist (a match must end in a
+later token's text, and may reach back into the earlier text by less than its length).
+Tokens are single characters here (id = the character's code)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rltserve.outputs import OutputAssembler
+from rltserve.updates import FinishReason, RequestUpdate
+
+
+class _Chars:
+    def add_many(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+    def flush(self) -> str:
+        return ""
+
+
+class CharTokenizer:
+    def detokenizer(self, prompt_token_ids, skip_special_tokens):
+        return _Chars()
+
+
+def assemble(text: str, finish: str | None, *, per_update: int = 1, **kw) -> OutputAssembler:
+    asm = OutputAssembler("r", [1, 2], CharTokenizer(), **kw)
+    ids = [ord(c) for c in text]
+    chunks = [ids[i : i + per_update] for i in range(0, len(ids), per_update)]
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        reason = FinishReason(finish) if last and finish else None
+        asm.add(RequestUpdate("r", chunk, [1] * len(chunk), finish_reason=reason))
+        if asm.output.finish_reason is not None:
+            break
+    return asm
+
+
+@pytest.mark.parametrize("per_update", [1, 3])
+def test_the_stop_token_that_ended_it_is_not_in_the_text(per_update):
+    out = assemble("abc!", "stop", per_update=per_update, stop_token_ids=(ord("!"),)).output
+    assert out.text == "abc" and out.token_ids == [97, 98, 99, 33]
+    assert out.finish_reason == "stop" and out.stop_reason == ord("!")
+    kept = assemble("abc!", "stop", stop_token_ids=(33,), include_stop_str_in_output=True)
+    assert kept.output.text == "abc!"
+    eos = assemble("abc~", "stop").output  # EOS: not a stop_token_id, no stop_reason
+    assert eos.text == "abc" and eos.stop_reason is None
+    assert assemble("abc!", "length", stop_token_ids=(33,)).output.text == "abc!"
+
+
+@pytest.mark.parametrize("per_update", [1, 2, 8])
+def test_stop_strings_count_after_min_tokens(per_update):
+    def run(min_tokens, text="heeeello"):
+        asm = assemble(text, None, per_update=per_update, stop=("e",), min_tokens=min_tokens)
+        return asm.output.text, asm.output.finish_reason, asm.output.stop_reason
+
+    assert run(0) == ("h", "stop", "e")
+    assert run(3) == ("hee", "stop", "e")  # the e's of the first 3 tokens do not count
+    assert run(6) == ("heeeello", None, None)  # no e after the first 6
+    asm = assemble("hello", "length", per_update=per_update, stop=("e",), min_tokens=4)
+    assert asm.output.text == "hello" and asm.output.finish_reason == "length"
+
+
+def test_a_stop_string_may_reach_back_into_the_first_min_tokens():
+    asm = assemble("xab", None, stop=("ab",), min_tokens=2)
+    assert asm.output.text == "x" and asm.output.stop_reason == "ab"
+    asm = assemble("abx", "length", stop=("ab",), min_tokens=2)  # ended inside: no match
+    assert asm.output.text == "abx" and asm.output.finish_reason == "length"
