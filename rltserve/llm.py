@@ -18,7 +18,7 @@ from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.sampling import SamplingParams, expand_samples
-from rltserve.thinking import chat_prompt_text, resolve_thinking
+from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.weights import WeightsArg, update_paths
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -160,7 +160,10 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
         encoded = [self._encode(prompt) for prompt in batch]
-        plist = [self._resolve_thinking(p) for p in plist]
+        plist = [
+            bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
+            for p, ids in zip(plist, encoded)
+        ]
         with self._running:
             self._running.wait_for(lambda: not self._paused)
             self._active += 1

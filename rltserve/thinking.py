@@ -61,16 +61,31 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
 def ids_open_thinking(ids: list[int], tokenizer) -> bool:
     """Whether prompt ids end inside a thinking span: a ``<think>`` token after the last
     ``</think>`` token (False for a tokenizer without them)."""
+    return bool(_open_span(ids, tokenizer))
+
+
+def _open_span(ids: list[int], tokenizer) -> bool | None:
+    """As ``ids_open_thinking``; None where the tokenizer has no such tokens to tell by."""
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     start, end = vocab.get(THINK_START), vocab.get(THINK_END)
     if start is None or end is None:
-        return False
+        return None
     for token in reversed(ids):
         if token == end:
             return False
         if token == start:
             return True
     return False
+
+
+def bound_thinking(params: SamplingParams, prompt_ids: list[int], tokenizer) -> SamplingParams:
+    """``params`` as they apply to ``prompt_ids``: a thinking budget bounds the span the prompt
+    leaves open; a prompt that opens none (or closes its own) runs without it, since forcing
+    ``</think>`` into a plain answer would corrupt it. Kept where the tokenizer has no
+    ``<think>`` and ``</think>`` tokens to tell by (the caller named the end ids)."""
+    if params.max_thinking_tokens is None or _open_span(prompt_ids, tokenizer) is not False:
+        return params
+    return params.replace(max_thinking_tokens=None)
 
 
 class ReasoningStream:

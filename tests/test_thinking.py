@@ -11,7 +11,12 @@ from engine_util import make_core, run_core
 from test_preemption import _tight_blocks
 
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import ReasoningStream, prompt_opens_thinking, split_reasoning
+from rltserve.thinking import (
+    ReasoningStream,
+    bound_thinking,
+    prompt_opens_thinking,
+    split_reasoning,
+)
 
 PROMPTS = [[3, 17, 42, 7, 8], [99, 5, 61], [12, 250, 31, 4, 77, 2, 6]]
 K = 3
@@ -143,10 +148,19 @@ def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
             max_tokens=12, ignore_eos=True, max_thinking_tokens=2,
             thinking_interruption="so the answer",
         )  # fmt: skip
-        (out,) = llm.generate([[5, 6, 7]], p)
+        start = llm.tokenizer.get_vocab()["<think>"]
+        (out,) = llm.generate([[5, 6, 7, start]], p)
         ids = out.outputs[0].token_ids
         assert end not in ids[:2]  # the model did not end its thinking itself
         assert ids[2 : 3 + len(words)] == [*words, end]
+        # A prompt that leaves no span open (none, or one it closes) runs without the bound:
+        # the same params serve thinking and plain prompts.
+        free = SamplingParams(max_tokens=12, ignore_eos=True)
+        for prompt in ([5, 6, 7], [5, start, 6, end, 7]):
+            (bounded,) = llm.generate([prompt], p)
+            (plain,) = llm.generate([prompt], free)
+            assert bounded.outputs[0].token_ids == plain.outputs[0].token_ids
+            assert end not in plain.outputs[0].token_ids[:4]  # (so the bound would have shown)
     with (
         LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm,
         pytest.raises(ValueError, match="thinking_end_token_ids: required"),
@@ -162,3 +176,17 @@ def test_reasoning_stream_splits_across_deltas():
     assert "".join(c for _, c in parts) == "answer"
     s = ReasoningStream()
     assert s.feed("x</") == ("x", "") and s.flush() == ("</", "")
+
+
+def test_bound_thinking_applies_to_an_open_span_only():
+    class Vocab:
+        def get_vocab(self):
+            return {"<think>": 3, "</think>": 4}
+
+    p = SamplingParams(max_tokens=8, max_thinking_tokens=2, thinking_end_token_ids=(4,))
+    assert bound_thinking(p, [1, 3], Vocab()) is p
+    assert bound_thinking(p, [1, 3, 2, 2], Vocab()) is p  # still open
+    assert bound_thinking(p, [1, 2], Vocab()).max_thinking_tokens is None
+    assert bound_thinking(p, [3, 2, 4, 1], Vocab()).max_thinking_tokens is None  # closed
+    # No tokenizer (or one without the tags) cannot tell: the caller's end ids stand.
+    assert bound_thinking(p, [1, 2], None) is p

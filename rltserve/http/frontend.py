@@ -29,7 +29,7 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import chat_prompt_text, resolve_thinking
+from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import FinishReason, RequestUpdate
 
 
@@ -193,7 +193,9 @@ class Frontend:
                 f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param
             )
 
-    def check_params(self, params: SamplingParams) -> SamplingParams:
+    def check_params(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+        """``params`` checked against the model, as ``prompt_ids`` run with them (bounded
+        thinking in token ids, and only where the prompt leaves a thinking span open)."""
         cap = self.info.max_loops
         if params.max_loops is not None and params.max_loops > cap:
             raise bad_request(
@@ -207,6 +209,7 @@ class Frontend:
             # (The engine's own check: forced ids are fed back as inputs.)
             for name, ids in params.forced_token_ids():
                 self._check_vocab(ids, name)
+            params = bound_thinking(params, prompt_ids, self.tokenizer)
         return params
 
     def token_text(self, token_id: int) -> str:

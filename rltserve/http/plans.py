@@ -76,7 +76,7 @@ def _choices(
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
-            checked = frontend.check_params(params)
+            checked = frontend.check_params(params, prompt.token_ids)
             choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group))
     return choices
 
