@@ -17,6 +17,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
+from rltserve.preflight import check_checkpoint_dir, check_device
 from rltserve.sampling import SamplingParams, expand_samples
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.weights import WeightsArg, update_paths
@@ -111,6 +112,9 @@ class LLM:
             preemption_time_slice=preemption_time_slice,
             scheduling_policy=scheduling_policy,
         )
+        # Usage errors as ValueErrors here, not as a stage that failed to start.
+        check_checkpoint_dir(self.config.model.model, "model=")
+        check_device(self.config.model.device, "device=")
         client_cls = InProcessStageClient if in_process else StageClient
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = client_cls(self.config)

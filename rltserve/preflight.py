@@ -15,20 +15,21 @@ from pathlib import Path
 from rltserve.config import EngineConfig
 
 
-def check_checkpoint_dir(model: str | None) -> None:
-    """``model`` names a directory with a config.json (None: the built-in demo model)."""
+def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:
+    """``model`` names a directory with a config.json (None: the built-in demo model).
+    ``flag``: the name the error gives it (the CLI's flag, or ``"model="`` for a keyword)."""
     if model is None:
         return
     path = Path(model)
     if not path.exists():
-        raise ValueError(f"--model {model}: no such checkpoint directory")
+        raise ValueError(f"{_named(flag, model)}: no such checkpoint directory")
     if not path.is_dir():
-        raise ValueError(f"--model {model}: is a file; pass the checkpoint's directory")
+        raise ValueError(f"{_named(flag, model)}: is a file; pass the checkpoint's directory")
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model}: has no config.json, so it is not a checkpoint")
+        raise ValueError(f"{_named(flag, model)}: has no config.json, so it is not a checkpoint")
 
 
-def check_device(device: str) -> None:
+def check_device(device: str, flag: str = "--device") -> None:
     """The backend of ``device`` is present (its syntax is ModelConfig's check). Imports torch
     only for a device other than the CPU."""
     kind, _, index = device.partition(":")
@@ -39,14 +40,19 @@ def check_device(device: str) -> None:
     if kind == "cuda":
         if not torch.cuda.is_available():
             why = "no CUDA device found" if torch.version.cuda else "torch built without CUDA"
-            raise ValueError(f"--device {device}: CUDA is not available ({why})")
+            raise ValueError(f"{_named(flag, device)}: CUDA is not available ({why})")
         count = torch.cuda.device_count()
         if index and int(index) >= count:
-            raise ValueError(f"--device {device}: there are {count} CUDA device(s)")
+            raise ValueError(f"{_named(flag, device)}: there are {count} CUDA device(s)")
     elif kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {device}: MPS is not available")
+        raise ValueError(f"{_named(flag, device)}: MPS is not available")
     elif kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise ValueError(f"--device {device}: XPU is not available")
+        raise ValueError(f"{_named(flag, device)}: XPU is not available")
+
+
+def _named(flag: str, value: str) -> str:
+    """``--model DIR`` for a flag, ``model='DIR'`` for a keyword argument (``"model="``)."""
+    return f"{flag}{value!r}" if flag.endswith("=") else f"{flag} {value}"
 
 
 def check_engine(engine_kw: dict) -> EngineConfig:

@@ -172,6 +172,11 @@ class SamplingParams:
         _check_int(self, "n")
         if self.n < 1:
             raise bad("n", "must be >= 1")
+        # Sample j draws with seed + j, and torch's generators take 64-bit seeds.
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
+            raise bad(
+                "seed", f"must be in [-2**63, 2**64 - n] (n={self.n}: sample j uses seed + j)"
+            )
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

@@ -76,6 +76,9 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"weights[{i}] ({name}): must be a torch.Tensor")
         if name in tensors:
             raise ValueError(f"weights: tensor {name!r} is given twice")
+        if value.is_meta or value.layout is not torch.strided:
+            kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
+            raise ValueError(f"weights[{i}] ({name}): {kind}; pass dense tensors with values")
         t = value.detach().to("cpu").contiguous()
         if t.untyped_storage().data_ptr() in seen:  # safetensors refuses shared storage
             t = t.clone()

@@ -245,3 +245,14 @@ def test_shutdown_with_steps_in_flight_aborts_every_request(ouro_rv1):
     assert set(finished.values()) == {FinishReason.ABORT}
     assert all(n < 400 for n in counts.values())  # ended by the shutdown, not by length
     assert client.stats.kv_usage == 0.0 and client.stats.num_running == 0
+
+
+def test_a_missing_checkpoint_or_device_is_a_value_error_before_any_stage(tmp_path, ouro_rv1):
+    with pytest.raises(ValueError, match=r"model='/no/such/dir': no such checkpoint directory"):
+        LLM("/no/such/dir")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(str(tmp_path / "empty"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available"):
+            LLM(str(ouro_rv1), device="cuda")

@@ -69,3 +69,13 @@ def test_draft_loops_default_fits_a_two_loop_model(tmp_path):
 
 def test_draft_loops_default_stays_two_on_a_four_loop_model(ouro_rv1):
     assert make_core(ouro_rv1, speculative_tokens=1).config.scheduler.draft_loops == 2
+
+
+def test_seed_range_leaves_room_for_every_sample():
+    # Sample j draws with seed + j; torch's generators take seeds in [-2**63, 2**64).
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63), n=3).n == 3
+    with pytest.raises(ValueError, match=r"seed=18446744073709551615: must be in .*n=2"):
+        SamplingParams(seed=2**64 - 1, n=2)
+    with pytest.raises(ValueError, match="seed="):
+        SamplingParams(seed=-(2**63) - 1)

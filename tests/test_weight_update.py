@@ -101,6 +101,9 @@ def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
         ([("x", 1)], "must be a torch.Tensor"),
         ([], "no tensors"),
         (42, "iterable of (name, tensor)"),
+        ([("model.norm.weight", torch.empty(64, device="meta"))], "a meta tensor (no data)"),
+        ([("model.norm.weight", torch.zeros(64).to_sparse())], "torch.sparse_coo (not dense)"),
+        ([("model.norm.weight", torch.zeros(64, dtype=torch.int32))], "not in F64, F32"),
     ]:
         with pytest.raises(ValueError, match=re.escape(fragment)):
             llm.update_weights(arg)

@@ -103,7 +103,7 @@ def read_update(
             for title, items in (
                 ("unknown tensor names", sorted(unknown)),
                 ("wrong shapes", sorted(misshaped)),
-                ("non-float tensors", sorted(bad_dtype)),
+                ("tensors not in F64, F32, F16 or BF16", sorted(bad_dtype)),
                 ("tied copies without their source", lone_ties),
             )
             if items
