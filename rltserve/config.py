@@ -31,7 +31,13 @@ class ModelConfig:
     model: str | None = field(
         default=None, metadata=_help("checkpoint directory (default: the built-in demo model)")
     )
-    dtype: str = field(default="float32", metadata=_help("weight and activation dtype"))
+    dtype: str = field(
+        default="float32",
+        metadata=_help(
+            "weight and activation dtype: float32, bfloat16, float16 (half), or auto: the "
+            "checkpoint's"
+        ),
+    )
     device: str = field(default="cpu", metadata=_help("torch device, e.g. cpu or cuda"))
     seed: int = field(default=0, metadata=_help("engine seed for requests without a seed"))
     max_model_len: int | None = field(

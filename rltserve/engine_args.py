@@ -14,7 +14,7 @@ import types
 import typing
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
-from rltserve.preflight import check_engine
+from rltserve.preflight import check_engine, resolve_dtype
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
@@ -66,5 +66,6 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
     kw = engine_kwargs(args)
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
+    kw["dtype"] = resolve_dtype(kw["dtype"], kw["model"])
     check_engine({**kw, **as_run})
     return kw

@@ -11,15 +11,17 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
-from rltserve.models.tokenizer import load_tokenizer
+from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
-from rltserve.preflight import check_checkpoint_dir, check_device
+from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
 from rltserve.sampling import SamplingParams, expand_samples
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
+from rltserve.vllm_args import check_parallel, check_utilization, kv_cache_gb_for
 from rltserve.weights import WeightsArg, update_paths
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -60,7 +62,7 @@ class LLM:
         block_size: int = 16,
         seed: int = 0,
         max_model_len: int | None = None,
-        kv_cache_gb: float = 1.0,
+        kv_cache_gb: float | None = None,
         cuda_graphs: bool = False,
         cuda_graph_max_rows: int = 256,
         cuda_graph_max_context: int = 4096,
@@ -75,11 +77,31 @@ class LLM:
         in_process: bool = False,
         startup_timeout: float = 300.0,
         skip_tokenizer_init: bool = False,
+        tokenizer: str | None = None,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
+        """``kv_cache_gb``: the KV pool's size when ``num_blocks`` is not given (default 1,
+        or on CUDA what ``gpu_memory_utilization`` leaves). ``tokenizer``,
+        ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager`` and
+        ``gpu_memory_utilization`` are vLLM's (``vllm_args``)."""
+        del trust_remote_code  # (rltserve never runs a checkpoint's code)
+        check_parallel(tensor_parallel_size)
+        if gpu_memory_utilization is not None:
+            check_utilization(gpu_memory_utilization)
+        if tokenizer is not None and not has_tokenizer_files(Path(tokenizer)):
+            raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer files there")
         if model is None:
             from rltserve.models.demo import demo_model_path
 
             model = str(demo_model_path())
+        dtype = resolve_dtype(dtype, str(model))
+        if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
+            check_checkpoint_dir(str(model), "model=")
+            check_device(device, "device=")
+            kv_cache_gb = kv_cache_gb_for(gpu_memory_utilization, device, str(model), dtype)
         self.config = EngineConfig.from_flat(
             model=str(model),
             dtype=dtype,
@@ -99,8 +121,8 @@ class LLM:
             block_size=block_size,
             seed=seed,
             max_model_len=max_model_len,
-            kv_cache_gb=kv_cache_gb,
-            cuda_graphs=cuda_graphs,
+            kv_cache_gb=1.0 if kv_cache_gb is None else kv_cache_gb,
+            cuda_graphs=cuda_graphs and not enforce_eager,
             cuda_graph_max_rows=cuda_graph_max_rows,
             cuda_graph_max_context=cuda_graph_max_context,
             attention_pad_budget=attention_pad_budget,
@@ -119,7 +141,7 @@ class LLM:
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = client_cls(self.config)
         try:
-            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
+            self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
             self.info = self._client.wait_ready(startup_timeout)
         except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
             self._client.close(timeout=2.0)

@@ -7,12 +7,13 @@ resolution); whether a checkpoint's contents load is the loader's business.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import ssl
 from pathlib import Path
 
-from rltserve.config import EngineConfig
+from rltserve.config import DTYPES, EngineConfig
 
 
 def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:
@@ -48,6 +49,27 @@ def check_device(device: str, flag: str = "--device") -> None:
         raise ValueError(f"{_named(flag, device)}: MPS is not available")
     elif kind == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         raise ValueError(f"{_named(flag, device)}: XPU is not available")
+
+
+# vLLM's names for dtypes beside ours; "auto" is the checkpoint's own (``resolve_dtype``).
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+def resolve_dtype(dtype: str, model: str | None) -> str:
+    """``dtype`` as the engine takes it: ``"auto"`` is the checkpoint's ``torch_dtype`` (or
+    ``dtype``) from its config.json when that is one the engine runs, else float32 (also for
+    the demo model, ``model=None``); vLLM's ``half`` and ``float`` are float16 and float32.
+    Anything else is returned as given, for the config to check."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype != "auto":
+        return dtype
+    try:
+        raw = json.loads((Path(model) / "config.json").read_text()) if model else {}
+    except (OSError, ValueError):
+        raw = {}  # (the checkpoint's own checks say what is wrong with it)
+    found = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    found = DTYPE_ALIASES.get(found, found)
+    return found if found in DTYPES else "float32"
 
 
 def _named(flag: str, value: str) -> str:

@@ -11,7 +11,7 @@ from test_http_harness import tiny_checkpoint
 
 from rltserve import LLM
 from rltserve.cli import _print_report, build_parser, main
-from rltserve.engine_args import ENGINE_CONFIGS, engine_kwargs
+from rltserve.engine_args import ENGINE_CONFIGS, checked_engine_kwargs, engine_kwargs
 from rltserve.models.tokenizer import load_tokenizer
 
 
@@ -24,9 +24,18 @@ def test_llm_takes_every_engine_option_with_the_config_default():
                 continue  # LLM's positional argument (None: the demo model)
             assert f.name in params, f"LLM has no argument {f.name!r} ({cls.__name__})"
             default = f.default_factory() if callable(f.default_factory) else f.default
+            if f.name == "kv_cache_gb":  # None: the config's default (or, on CUDA, what
+                default = None  # vLLM's gpu_memory_utilization leaves)
             assert params[f.name].default == default, f.name
     args = build_parser().parse_args(["generate", "Hi"])
     assert set(engine_kwargs(args)) <= set(params)
+
+
+def test_dtype_flag_takes_vllms_names(tmp_path_factory):
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    for flag, dtype in [("auto", "float32"), ("half", "float16"), ("float", "float32")]:
+        args = build_parser().parse_args(["generate", "Hi", "--model", str(ckpt), "--dtype", flag])
+        assert checked_engine_kwargs(args)["dtype"] == dtype, flag
 
 
 def test_generate_command_prints_json_records(tmp_path_factory, capsys):

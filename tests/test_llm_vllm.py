@@ -170,3 +170,52 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     for bad in ([], "Hi", None):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad, p)
+
+
+def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm):
+    # trust_remote_code (no effect: no checkpoint code runs), tensor_parallel_size=1,
+    # enforce_eager, gpu_memory_utilization (no effect on the CPU), dtype="auto" (the
+    # checkpoint's) and a tokenizer directory: the same outputs as a plain LLM.
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outputs[0].token_ids
+    with LLM(
+        model=str(tiny),
+        tokenizer=str(tiny),
+        trust_remote_code=True,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.9,
+        dtype="auto",
+        in_process=True,
+        num_blocks=128,
+        max_model_len=256,
+    ) as vl:
+        assert vl.config.model.dtype == "float32" and not vl.config.execution.cuda_graphs
+        assert vl.config.cache.kv_cache_gb == 1.0  # (the CPU's default)
+        got = vl.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outputs[0].token_ids
+        assert got == want and vl.get_tokenizer() is not None
+    for kwargs, message in [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: rltserve runs an engine on one"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization=1.5: must be in \(0, 1\]"),
+        ({"tokenizer": str(tmp_path)}, "tokenizer=.*: no tokenizer files there"),
+        ({"dtype": "int8"}, "dtype='int8': must be one of"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tiny), in_process=True, num_blocks=64, **kwargs)
+
+
+def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
+    from rltserve.preflight import resolve_dtype
+    from rltserve.vllm_args import ACTIVATION_RESERVE_BYTES, kv_budget_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert resolve_dtype("auto", str(tmp_path)) == "bfloat16"
+    assert resolve_dtype("half", str(tmp_path)) == "float16"
+    assert resolve_dtype("float", None) == "float32"
+    assert resolve_dtype("auto", None) == "float32"  # the demo model
+    assert resolve_dtype("bfloat16", str(tmp_path)) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float64"}))
+    assert resolve_dtype("auto", str(tmp_path)) == "float32"  # one the engine does not run
+    gib = 2**30
+    assert kv_budget_bytes(0.5, 80 * gib, 3 * gib) == 40 * gib - 3 * gib - ACTIVATION_RESERVE_BYTES
+    with pytest.raises(ValueError, match="leave no room for the KV cache"):
+        kv_budget_bytes(0.1, 16 * gib, 3 * gib)
