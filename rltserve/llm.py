@@ -36,6 +36,21 @@ def _prompt_text(prompt: PromptInput) -> str | None:
     return None
 
 
+def _text_content(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined
+    into one text, as the server's chat endpoint joins them; other content as it is."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for i, part in enumerate(content):
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if not isinstance(text, str) or part.get("type") != "text":
+            raise ValueError(f"{path}.content[{i}]: only text parts are supported")
+        texts.append(text)
+    return {**message, "content": "\n".join(texts)}
+
+
 class LLM:
     """Offline generation. The model runs in a stage worker process (``in_process=True`` runs it
     on a thread of this process instead). Close it with ``close()`` or use it as a context
@@ -221,9 +236,10 @@ class LLM:
         conversations = [messages] if one else list(messages)
         kwargs = dict(chat_template_kwargs or {})
         prompts = []
-        for conversation in conversations:
+        for c, conversation in enumerate(conversations):
+            turns = [_text_content(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)]
             rendered = self.tokenizer.apply_chat_template(
-                list(conversation), add_generation_prompt, tokenize=False, **kwargs
+                turns, add_generation_prompt, tokenize=False, **kwargs
             )
             text = chat_prompt_text(rendered, add_generation_prompt, kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
@@ -231,8 +247,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self):
-        """The checkpoint's tokenizer (None without one), as vLLM's ``LLM.get_tokenizer``."""
-        return self.tokenizer
+        """The checkpoint's tokenizer as vLLM's ``LLM.get_tokenizer`` gives it: a Hugging Face
+        tokenizer (``__call__``, ``batch_decode``, ``apply_chat_template`` with its defaults),
+        loaded on the first call; None without one. The engine encodes with ``self.tokenizer``
+        (rltserve's reading of the same files: the same ids, without importing
+        transformers)."""
+        return None if self.tokenizer is None else self.tokenizer.hf()
 
     def _run(self, batch, encoded, plist) -> list[RequestOutput]:
         pending = _Pending()

@@ -154,8 +154,7 @@ def test_n_samples_compute_their_prompt_once(llm):
 def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     from rltserve.thinking import with_thinking_prefix
 
-    tok = llm.get_tokenizer()
-    assert tok is llm.tokenizer
+    tok = llm.tokenizer
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     p = SamplingParams(max_tokens=4, ignore_eos=True)
     (out,) = llm.chat(conv, p)  # one conversation
@@ -170,6 +169,18 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     for bad in ([], "Hi", None):
         with pytest.raises(ValueError, match="messages"):
             llm.chat(bad, p)
+    # get_tokenizer: a Hugging Face tokenizer, as vLLM's, on the same files (the same ids).
+    hf = llm.get_tokenizer()
+    assert type(hf).__module__.startswith("transformers") and llm.get_tokenizer() is hf
+    assert hf("Hi there").input_ids == tok.encode("Hi there") and len(hf) >= tok.vocab_size
+    assert hf.batch_decode([ids]) == [tok.decode(ids, skip_special_tokens=False)]
+    assert hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) == out.prompt
+    # OpenAI-style content parts: text parts joined, as the server's chat endpoint joins them.
+    parts = [conv[0], {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert llm.chat(parts, p)[0].prompt_token_ids == ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[0\].content\[0\]: only text parts"):
+        llm.chat(image, p)
 
 
 def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm):

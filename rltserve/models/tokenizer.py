@@ -25,6 +25,7 @@ from rltserve.models.tokenizer_backend import (
     FastBackend,
     TokenizerBackend,
     TransformersBackend,
+    quiet_transformers,
 )
 from rltserve.models.tokenizer_files import NAMED_TOKENS, TokenizerFiles
 
@@ -97,6 +98,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    def hf(self) -> Any:
+        """The same files as a Hugging Face tokenizer (``AutoTokenizer``, never remote code;
+        transformers is imported on the first call, about 2 s), for code written against
+        that API; cached. It encodes as this one does."""
+        hf = getattr(self.backend, "hf", None)
+        if hf is None:
+            hf = self.__dict__.get("_hf")
+        if hf is None:
+            from transformers import AutoTokenizer
+
+            with quiet_transformers():
+                hf = AutoTokenizer.from_pretrained(
+                    str(self.path), trust_remote_code=False, local_files_only=True
+                )
+            self._hf = hf
+        return hf
 
     @property
     def has_chat_template(self) -> bool:

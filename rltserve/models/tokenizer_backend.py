@@ -65,7 +65,7 @@ class FastBackend:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silences transformers' warnings about unknown ``model_type`` (our families have no
     transformers config class) while the tokenizer loads."""
     from transformers.utils import logging as hf_logging
@@ -92,7 +92,7 @@ class TransformersBackend:
         """The backend and the special tokens / template as transformers resolved them."""
         from transformers import AutoTokenizer
 
-        with _quiet_transformers():
+        with quiet_transformers():
             hf = AutoTokenizer.from_pretrained(
                 str(path), trust_remote_code=False, local_files_only=True
             )
