@@ -182,3 +182,29 @@ def _tokens(output) -> list[int]:
     """Generated ids, whether the output is flat or vLLM-shaped (``outputs[0]``)."""
     inner = output.outputs[0] if hasattr(output, "outputs") else output
     return list(inner.token_ids)
+
+
+async def test_replicas_that_cannot_start_fail_within_the_startup_timeout_saying_why(cluster, ckpt):
+    # Replicas no node can schedule (a GPU on a CPU cluster) used to keep the server loading
+    # forever (and deaf to SIGTERM): now /health reports the load error at the startup
+    # timeout, naming what a replica asks for and what the cluster has.
+    async with running(
+        ckpt, client_factory=replicas(1, replica_gpus=1), wait=False, startup_timeout_s=3
+    ) as live:
+        await asyncio.wait_for(live.state.ready.wait(), 60)
+        error = live.state.load_error
+        assert error is not None and "replicas not ready (deploying)" in error, error
+        assert "1 GPU each" in error and "CPU" in error, error
+    assert APP not in serve.status().applications  # the app is gone with the server
+    # An engine that refuses its config: Serve's deployment fails and the reason comes through.
+    async with running(
+        ckpt,
+        client_factory=replicas(1),
+        wait=False,
+        startup_timeout_s=120,
+        engine={"max_model_len": 10**6},
+    ) as live:
+        await asyncio.wait_for(live.state.ready.wait(), 150)
+        error = live.state.load_error
+        assert error is not None and "the replicas failed to start" in error, error
+        assert "max_model_len=1000000" in error, error

@@ -94,6 +94,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rltserve.ray.client import ReplicaSetClient
     from rltserve.ray.cluster import connect
 
+    address = replica_config.ray_address or ""
+    if address.startswith("ray://"):
+        raise ValueError(
+            f"--ray-address {address}: a Ray Client address cannot stream from Serve "
+            "deployments; pass the cluster's GCS address (host:port, the head's --port)"
+        )
     owned = connect(replica_config)  # before the model loads: a bad address is a usage error
     factory = ReplicaSetClient.factory(replica_config, server_config.max_concurrent, owned)
     return run_server(server_config, engine_config, factory)

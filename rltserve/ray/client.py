@@ -117,11 +117,13 @@ class ReplicaSetClient:
         try:
             serve.start(proxy_location="Disabled", logging_config=_SERVE_LOGGING)
             app = serve.deployment(EngineReplica, **deployment_options(config, max_ongoing))
-            self._handle = serve.run(
-                app.bind(engine_config, config.threads),
-                name=APP,
-                route_prefix=None,
-                logging_config=_SERVE_LOGGING,
+            target = app.bind(engine_config, config.threads)
+            # Not waiting for the replicas here: ``wait_ready`` does, so that the server's
+            # startup timeout and shutdown apply (replicas that can never be scheduled leave
+            # the app deploying forever) and a failure says why.
+            (self._handle,) = serve.run_many(
+                [serve.RunTarget(target, APP, None, _SERVE_LOGGING)],
+                wait_for_applications_running=False,
             )
         except BaseException:
             self._stop_ray()
@@ -169,12 +171,54 @@ class ReplicaSetClient:
             return {k: dataclasses.replace(v) for k, v in self._replicas.items()}
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
-        if self.info is None:
-            try:
-                self.info = self._handle.info.remote().result(timeout_s=timeout)
-            except Exception as exc:
-                raise StageError(f"no replica answered: {type(exc).__name__}: {exc}") from exc
+        """The engine's info once the app runs; StageError while it is deploying after
+        ``timeout`` (the caller polls: its startup deadline and shutdown apply), and a fatal
+        one with Serve's reason when the deployment failed."""
+        if self.info is not None:
+            return self.info
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed or self._fatal is not None:
+                raise StageError(f"stage is not running: {self.error}")
+            status, why = self._app_state()
+            if status == "RUNNING":
+                break
+            if status == "DEPLOY_FAILED":
+                self._fatal = f"the replicas failed to start: {why}"
+                raise StageError(self._fatal)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StageError(f"replicas not ready ({status.lower()}): {why or self._needs()}")
+            time.sleep(_POLL_S if deadline is None else min(_POLL_S, timeout or _POLL_S))
+        try:
+            self.info = self._handle.info.remote().result(timeout_s=timeout)
+        except Exception as exc:
+            raise StageError(f"no replica answered: {type(exc).__name__}: {exc}") from exc
         return self.info
+
+    def _needs(self) -> str:
+        """What a replica asks of the cluster and what the cluster has, for a deployment that
+        has not said why it is still starting."""
+        import ray
+
+        c = self.config
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        return (
+            f"starting; {c.replicas} replica(s) of {c.replica_cpus:g} CPU and "
+            f"{c.replica_gpus:g} GPU each, on a cluster of {have or 'no CPUs or GPUs'}"
+        )
+
+    def _app_state(self) -> tuple[str, str]:
+        """The app's status (Serve's ``ApplicationStatus`` value) and what Serve says of it
+        and of its deployment: for a replica whose engine raised, the error's last line."""
+        from ray import serve
+
+        app = serve.status().applications.get(APP)
+        if app is None:
+            return "NOT_STARTED", ""
+        deployment = app.deployments.get(deployment_name(self.config))
+        words = [app.message, deployment.message if deployment is not None else ""]
+        lines = [w.strip().splitlines()[-1] for w in words if w and w.strip()]
+        return str(getattr(app.status, "value", app.status)), "; ".join(dict.fromkeys(lines))
 
     def add_request(
         self,

@@ -7,8 +7,10 @@ Every failure here is the user's to fix (Ray missing, an address nobody answers)
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
+from pathlib import Path
 
 from rltserve.ray.config import ReplicaConfig
 
@@ -97,14 +99,22 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
     if config.ray_address is None:
         cpus = num_cpus if num_cpus is not None else config.replicas * config.replica_cpus
-        ray.init(num_cpus=max(1, int(round(cpus))), **quiet)
+        # "local": a new cluster even where one runs on this host already (``ray start``),
+        # which ray.init would otherwise join (and then refuse num_cpus).
+        ray.init(address="local", num_cpus=max(1, int(round(cpus))), **quiet)
         return True
     check_reachable(config.ray_address)
     try:
         ray.init(address=config.ray_address, **quiet)
     except Exception as exc:  # ConnectionError, or Ray's own errors for a bad address
+        hint = ""
+        if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray/auth_token").is_file():
+            hint = (
+                "; a cluster started here with token authentication (~/.ray/auth_token) "
+                "needs RAY_AUTH_MODE=token in this process's environment"
+            )
         raise ValueError(
             f"--ray-address {config.ray_address}: cannot join the Ray cluster "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}){hint}"
         ) from exc
     return False
