@@ -137,14 +137,14 @@ def poison_rows(core, monkeypatch, marker: int, from_call: int) -> None:
     sample_device = core.runner.sampler.sample_device
     calls = {"n": 0}
 
-    def poisoned(logits, rows):
+    def poisoned(logits, rows, banned=()):
         hit = [j for j, row in enumerate(rows) if row.params.seed == marker]
         if hit:
             if calls["n"] >= from_call:
                 logits = logits.clone()
                 logits[hit[0], 3] = float("nan")
             calls["n"] += 1
-        return sample_device(logits, rows)
+        return sample_device(logits, rows, banned)
 
     monkeypatch.setattr(core.runner.sampler, "sample_device", poisoned)
 

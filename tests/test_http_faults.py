@@ -267,12 +267,12 @@ async def test_nan_logits_fail_one_request_over_http(ckpt, monkeypatch, engine):
 
     sample_device = Sampler.sample_device
 
-    def poisoned(self, logits, rows):
+    def poisoned(self, logits, rows, banned=()):
         hit = [j for j, row in enumerate(rows) if row.params.seed == POISON_SEED]
         if hit:
             logits = logits.clone()
             logits[hit, 0] = float("nan")
-        return sample_device(self, logits, rows)
+        return sample_device(self, logits, rows, banned)
 
     monkeypatch.setattr(Sampler, "sample_device", poisoned)
     async with running(ckpt, engine=engine) as live:

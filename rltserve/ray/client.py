@@ -193,6 +193,7 @@ class ReplicaSetClient:
             self.info = self._handle.info.remote().result(timeout_s=timeout)
         except Exception as exc:
             raise StageError(f"no replica answered: {type(exc).__name__}: {exc}") from exc
+        self._count_live()  # (ready: the first request must not find "none alive")
         return self.info
 
     def _needs(self) -> str:
