@@ -227,12 +227,12 @@ class OutputAssembler:
         if not self._stop:
             return None
         # Only text not yet emitted or after the first min_tokens tokens' (plus what a stop
-        # string could reach back into) can hold a new match; emitted text was checked when it
-        # arrived.
-        begin = max(0, max(self._emitted, self._stop_from) - self._hold)
+        # string could reach back into: less than its length) can hold a new match; emitted
+        # text was checked when it arrived.
+        base = max(self._emitted, self._stop_from)
         best: tuple[int, str] | None = None
         for s in self._stop:
-            i = self._text.find(s, begin)
+            i = self._text.find(s, max(0, base - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best

@@ -216,7 +216,7 @@ def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm)
 
 def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
     from rltserve.preflight import resolve_dtype
-    from rltserve.vllm_args import ACTIVATION_RESERVE_BYTES, kv_budget_bytes
+    from rltserve.vllm_args import ACTIVATION_RESERVE_BYTES, kv_budget_bytes, kv_cache_gb_for
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
     assert resolve_dtype("auto", str(tmp_path)) == "bfloat16"
@@ -230,3 +230,6 @@ def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
     assert kv_budget_bytes(0.5, 80 * gib, 3 * gib) == 40 * gib - 3 * gib - ACTIVATION_RESERVE_BYTES
     with pytest.raises(ValueError, match="leave no room for the KV cache"):
         kv_budget_bytes(0.1, 16 * gib, 3 * gib)
+    assert kv_cache_gb_for(0.9, "cpu", str(tmp_path), "float32") is None  # kv_cache_gb's job
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0: must be in"):
+        kv_cache_gb_for(0, "cpu", str(tmp_path), "float32")

@@ -68,3 +68,6 @@ def test_a_stop_string_may_reach_back_into_the_first_min_tokens():
     assert asm.output.text == "x" and asm.output.stop_reason == "ab"
     asm = assemble("abx", "length", stop=("ab",), min_tokens=2)  # ended inside: no match
     assert asm.output.text == "abx" and asm.output.finish_reason == "length"
+    # Each stop string reaches back by less than its own length, not the longest one's.
+    asm = assemble("heab", "length", stop=("e", "long"), min_tokens=2)
+    assert asm.output.text == "heab" and asm.output.finish_reason == "length"

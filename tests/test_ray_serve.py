@@ -39,7 +39,8 @@ LONG = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": Tr
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # (No GPUs, also on a machine with some: a test asks for one no node has.)
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)
     try:
         yield
     finally:
