@@ -5,6 +5,7 @@ disconnects that free KV, and the metrics they leave behind."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -206,7 +207,8 @@ async def test_chat_template_and_kwargs(server, offline):
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == counts[1]
 
 
-async def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+async def test_disconnect_mid_stream_aborts_and_frees_kv(server, caplog):
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
     client = server.state.client
     body = {"prompt": PROMPTS[0], "max_tokens": 1500, "ignore_eos": True, "stream": True}
     async with server.stream("/v1/completions", body) as r:
@@ -219,6 +221,9 @@ async def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     text = (await server.get("/metrics"))[2].decode()
     assert metric(text, "rltserve:kv_cache_usage_perc") == 0
     assert metric(text, "rltserve:num_requests_running") == 0
+    closed = 'rltserve:http_requests_total{handler="/v1/completions",method="POST",status="499"}'
+    assert closed in text  # counted, as nginx counts a client that closed the connection
+    assert any('"POST /v1/completions HTTP/1.1" 499' in r.getMessage() for r in caplog.records)
     result = await complete(server, prompt=PROMPTS[2], max_tokens=2)  # still serving
     assert result["usage"]["completion_tokens"] == 2
 

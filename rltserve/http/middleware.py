@@ -10,6 +10,7 @@ that do not parse never reach a middleware: ``protocol.py`` renders those.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 
@@ -20,6 +21,7 @@ from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 
 log = logging.getLogger("rltserve.http")
+access = logging.getLogger("aiohttp.access")  # (where aiohttp logs every other request)
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 
 
@@ -48,6 +50,22 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except ConnectionResetError:
         # The client went away (mid-body, mid-stream): nobody reads this; not a server error.
         response = web.Response(status=CLIENT_CLOSED)
+    except asyncio.CancelledError:
+        # A client that closes the connection cancels its handler (which aborts its requests):
+        # no response is made, so aiohttp logs and counts nothing; say it here, as a 499.
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            state.metrics.on_http(_route_name(request), request.method, CLIENT_CLOSED)
+            access.info(
+                '%s "%s %s HTTP/%d.%d" %d - "%s" (client closed the connection)',
+                request.remote,
+                request.method,
+                request.path_qs,
+                *request.version,
+                CLIENT_CLOSED,
+                request.headers.get("User-Agent", "-"),
+            )
+        raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(HTTPError(500, "internal server error"))
