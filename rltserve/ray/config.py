@@ -6,7 +6,7 @@ Imports neither Ray nor torch: ``rltserve serve`` derives its ``--replicas``, ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 AFFINITIES = ("none", "session")
 
@@ -57,6 +57,14 @@ class ReplicaConfig:
             )
         if self.ray_address is not None and not self.ray_address.strip():
             raise ValueError(f"--ray-address {self.ray_address!r}: must not be empty")
+        if n is None:  # (they would be ignored: say so instead)
+            given = [
+                "--" + f.name.replace("_", "-")
+                for f in fields(self)
+                if f.name != "replicas" and getattr(self, f.name) != f.default
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only with --replicas N")
 
     @property
     def enabled(self) -> bool:
