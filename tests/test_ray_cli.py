@@ -80,3 +80,15 @@ def test_replica_config_names_the_bad_flag(kwargs, message):
 def test_replica_threads_follow_cpus():
     assert ReplicaConfig(replicas=2, replica_cpus=2.0).threads == 2
     assert ReplicaConfig(replicas=2, replica_cpus=0.5).threads == 1
+
+
+def test_offline_generate_refuses_what_llm_would_before_any_cluster_starts():
+    from rltserve.ray import generate
+    from rltserve.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match="model='/no/such/dir': no such checkpoint directory"):
+        generate([[1]], replicas=1, model="/no/such/dir")
+    with pytest.raises(ValueError, match="replicas='2': must be an int >= 1"):
+        generate([[1]], replicas="2")
+    with pytest.raises(ValueError, match="params: 2 given for 1 prompts"):
+        generate([[1]], [SamplingParams()] * 2, replicas=1)

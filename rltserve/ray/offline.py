@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rltserve.preflight import check_checkpoint_dir
 from rltserve.ray.cluster import connect, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
@@ -113,12 +114,19 @@ def generate(
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
     connected to), else starts a local one for the call."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
     config = ReplicaConfig(
         replicas=replicas,
         ray_address=ray_address,
         replica_cpus=replica_cpus,
         replica_gpus=replica_gpus,
     )
+    # What LLM would refuse at once, refused before a cluster starts (not as a dead actor).
+    check_checkpoint_dir(engine_kw.get("model"), "model=")
+    count = 1 if isinstance(prompts, str) else len(prompts)
+    if isinstance(params, Sequence) and len(params) != count:
+        raise ValueError(f"params: {len(params)} given for {count} prompts")
     with ReplicaPool(config, engine_kw) as pool:
         return pool.generate(prompts, params)
 
