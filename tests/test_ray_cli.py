@@ -69,6 +69,7 @@ def test_an_unreachable_ray_address_is_a_usage_error():
         ({"replicas": 1, "replica_affinity": "x"}, "--replica-affinity x: must be one of"),
         ({"replicas": 1, "ray_address": " "}, "--ray-address ' ': must not be empty"),
         ({"ray_address": "auto", "replica_gpus": 1}, "--ray-address, --replica-gpus: only with"),
+        ({"replicas": 1, "ray_app": " "}, "--ray-app ' ': must not be empty"),
     ],
 )
 def test_replica_config_names_the_bad_flag(kwargs, message):

@@ -189,14 +189,13 @@ async def test_replicas_that_cannot_start_fail_within_the_startup_timeout_saying
     # Replicas no node can schedule (a GPU on a CPU cluster) used to keep the server loading
     # forever (and deaf to SIGTERM): now /health reports the load error at the startup
     # timeout, naming what a replica asks for and what the cluster has.
-    async with running(
-        ckpt, client_factory=replicas(1, replica_gpus=1), wait=False, startup_timeout_s=3
-    ) as live:
+    gpu = replicas(1, replica_gpus=1, ray_app="rltserve-gpu")  # (its own app name)
+    async with running(ckpt, client_factory=gpu, wait=False, startup_timeout_s=3) as live:
         await asyncio.wait_for(live.state.ready.wait(), 60)
         error = live.state.load_error
         assert error is not None and "replicas not ready (deploying)" in error, error
         assert "1 GPU each" in error and "CPU" in error, error
-    assert APP not in serve.status().applications  # the app is gone with the server
+    assert "rltserve-gpu" not in serve.status().applications  # gone with the server
     # An engine that refuses its config: Serve's deployment fails and the reason comes through.
     async with running(
         ckpt,

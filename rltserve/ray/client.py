@@ -38,7 +38,7 @@ from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
 log = logging.getLogger("rltserve.ray")
-APP = "rltserve"
+APP = "rltserve"  # (the default --ray-app)
 DEPLOYMENT = "rltserve-engine"
 _POLL_S = 0.5
 _HEALTH_PERIOD_S = 2.0
@@ -121,8 +121,14 @@ class ReplicaSetClient:
             # Not waiting for the replicas here: ``wait_ready`` does, so that the server's
             # startup timeout and shutdown apply (replicas that can never be scheduled leave
             # the app deploying forever) and a failure says why.
+            if not self._owns_cluster and config.ray_app in serve.status().applications:
+                log.warning(
+                    "replacing the Serve app %r already on the cluster (another server's? "
+                    "give each server its own --ray-app)",
+                    config.ray_app,
+                )
             (self._handle,) = serve.run_many(
-                [serve.RunTarget(target, APP, None, _SERVE_LOGGING)],
+                [serve.RunTarget(target, config.ray_app, None, _SERVE_LOGGING)],
                 wait_for_applications_running=False,
             )
         except BaseException:
@@ -213,7 +219,7 @@ class ReplicaSetClient:
         and of its deployment: for a replica whose engine raised, the error's last line."""
         from ray import serve
 
-        app = serve.status().applications.get(APP)
+        app = serve.status().applications.get(self.config.ray_app)
         if app is None:
             return "NOT_STARTED", ""
         deployment = app.deployments.get(deployment_name(self.config))
@@ -293,7 +299,7 @@ class ReplicaSetClient:
     def _count_live(self) -> None:
         from ray import serve
 
-        app = serve.status().applications.get(APP)
+        app = serve.status().applications.get(self.config.ray_app)
         name = deployment_name(self.config)
         deployment = app.deployments.get(name) if app is not None else None
         states = deployment.replica_states if deployment is not None else {}
@@ -330,7 +336,7 @@ class ReplicaSetClient:
         from ray import serve
 
         try:
-            serve.delete(APP)
+            serve.delete(self.config.ray_app)
             if self._owns_cluster:
                 serve.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone already

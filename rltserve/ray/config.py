@@ -35,6 +35,13 @@ class ReplicaConfig:
         default=1.0, metadata=_help("CPUs per replica (also its torch threads)")
     )
     replica_gpus: float = field(default=0.0, metadata=_help("GPUs per replica"))
+    ray_app: str = field(
+        default="rltserve",
+        metadata=_help(
+            "the Ray Serve application's name: give each server that joins one cluster its own "
+            "(a server replaces an app of its name)"
+        ),
+    )
     replica_affinity: str = field(
         default="none",
         metadata=_help(
@@ -55,6 +62,8 @@ class ReplicaConfig:
             raise ValueError(
                 f"--replica-affinity {self.replica_affinity}: must be one of {AFFINITIES}"
             )
+        if not isinstance(self.ray_app, str) or not self.ray_app.strip():
+            raise ValueError(f"--ray-app {self.ray_app!r}: must not be empty")
         if self.ray_address is not None and not self.ray_address.strip():
             raise ValueError(f"--ray-address {self.ray_address!r}: must not be empty")
         if n is None:  # (they would be ignored: say so instead)
