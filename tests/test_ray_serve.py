@@ -14,7 +14,7 @@ import time
 
 import orjson
 import pytest
-from test_http_harness import running, sse_payloads, tiny_checkpoint, wait_for
+from test_http_harness import metric, running, sse_payloads, tiny_checkpoint, wait_for
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -92,6 +92,13 @@ async def test_two_replicas_answer_as_one_stage_and_share_the_load(cluster, ckpt
         assert len(per_replica) == 2 and all(n > 0 for n in per_replica.values()), per_replica
         assert sum(per_replica.values()) == 8 + len(CASES)
         assert b"rltserve:replicas_live" in metrics
+        # Idle now: no replica runs anything (their last batches were sent mid-request).
+        text = metrics.decode()
+        assert metric(text, "rltserve:num_requests_running") == 0
+        assert metric(text, "rltserve:kv_cache_usage_perc") == 0
+        running_lines = [x for x in text.splitlines() if x.startswith("rltserve:replica_num_req")]
+        assert len(running_lines) == 2 and all(x.endswith(" 0.0") for x in running_lines)
+        assert metric(text, "rltserve:engine_steps_total") > 0
 
 
 async def _open_streams(live, sessions: list[str]):
@@ -127,6 +134,7 @@ async def test_a_killed_replica_ends_only_its_streams_and_comes_back(cluster, ck
         busy = {r: s for r, s in client.replicas().items() if s.stats and s.stats.num_running}
         assert len(busy) == 2, busy  # eight sessions hash onto both replicas
         victim, state = sorted(busy.items())[0]
+        steps_before = client.stats.num_steps
         os.kill(state.pid, signal.SIGKILL)
         endings = []
         for context, response, first in zip(contexts, responses, firsts):
@@ -140,6 +148,7 @@ async def test_a_killed_replica_ends_only_its_streams_and_comes_back(cluster, ck
         assert failed and finished, endings
         assert all(e["code"] == 503 and e["message"].startswith("stage died") for e in failed)
         assert set(finished) == {"length"}
+        assert client.stats.num_steps >= steps_before  # its counters stay in the sums
 
         deadline = time.monotonic() + 120  # Serve replaces the dead replica
         while True:

@@ -54,6 +54,20 @@ class ReplicaState:
     pid: int
     stats: EngineStats | None = None
     requests: int = 0  # requests routed to it
+    in_flight: int = 0  # of which still streaming
+
+
+# What an idle engine's gauges read (the replicas serve this front end only: with none of its
+# requests in flight a replica runs nothing). The other fields are counters.
+_IDLE = {
+    "num_running": 0,
+    "num_waiting": 0,
+    "kv_usage": 0.0,
+    "num_swapped": 0,
+    "num_recomputing": 0,
+    "swapped_bytes": 0,
+}
+_GAUGES = (*_IDLE, "prefix_cache_blocks")
 
 
 def deployment_name(config: ReplicaConfig) -> str:
@@ -77,14 +91,18 @@ def deployment_options(config: ReplicaConfig, max_ongoing: int) -> dict:
     return options
 
 
-def _sum_stats(stats: list[EngineStats]) -> EngineStats | None:
-    """Counters and gauges summed over replicas; ``kv_usage`` is their mean."""
-    if not stats:
+def _sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> EngineStats | None:
+    """Counters and gauges summed over replicas; ``kv_usage`` is their mean. ``retired``: the
+    counters of replicas that died, so that the sums never go down."""
+    if not stats and retired is None:
         return None
-    total = {
-        f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(EngineStats)
-    }
-    total["kv_usage"] = total["kv_usage"] / len(stats)
+    names = [f.name for f in dataclasses.fields(EngineStats)]
+    total = {name: sum(getattr(s, name) for s in stats) for name in names}
+    total["kv_usage"] = total["kv_usage"] / len(stats) if stats else 0.0
+    if retired is not None:
+        for name in names:
+            if name not in _GAUGES:
+                total[name] += getattr(retired, name)
     return EngineStats(**total)
 
 
@@ -110,6 +128,7 @@ class ReplicaSetClient:
         self._lock = threading.Lock()  # guards _tasks, _replicas and _closed
         self._tasks: dict[str, asyncio.Task] = {}
         self._replicas: dict[str, ReplicaState] = {}
+        self._retired: EngineStats | None = None  # counters of replicas that died
         self._closed = False
         self._fatal: str | None = None
         self.info: EngineInfo | None = None
@@ -170,7 +189,8 @@ class ReplicaSetClient:
     @property
     def stats(self) -> EngineStats | None:
         with self._lock:
-            return _sum_stats([r.stats for r in self._replicas.values() if r.stats is not None])
+            live = [r.stats for r in self._replicas.values() if r.stats is not None]
+            return _sum_stats(live, self._retired)
 
     def replicas(self) -> dict[str, ReplicaState]:
         with self._lock:
@@ -279,12 +299,20 @@ class ReplicaSetClient:
             error = f"stage died: {where} failed: {type(exc).__name__}: {first}"
             log.warning("request %s: %s", request_id, error)
             if replica is not None:
-                with self._lock:  # its numbers are gone with it; a replacement reports anew
-                    self._replicas.pop(replica, None)
+                with self._lock:  # a replacement reports anew; its counters stay in the sums
+                    dead = self._replicas.pop(replica, None)
+                    if dead is not None and dead.stats is not None:
+                        self._retired = _sum_stats([dead.stats], self._retired)
+                replica = None
             sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
         finally:
             with self._lock:
                 self._tasks.pop(request_id, None)
+                state = self._replicas.get(replica) if replica is not None else None
+                if state is not None:
+                    state.in_flight -= 1
+                    if state.in_flight == 0 and state.stats is not None:
+                        state.stats = dataclasses.replace(state.stats, **_IDLE)
 
     def _record(self, batch, first: bool) -> None:
         with self._lock:
@@ -292,6 +320,7 @@ class ReplicaSetClient:
             if state is None:
                 state = self._replicas[batch.replica] = ReplicaState(batch.pid)
             state.requests += first
+            state.in_flight += first
             state.stats = batch.stats
 
     # ------------------------------------------------------------------ replicas
