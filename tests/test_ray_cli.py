@@ -61,6 +61,18 @@ def test_an_unreachable_ray_address_is_a_usage_error():
     assert "--ray-address 127.0.0.1:1: cannot reach 127.0.0.1:1" in error_line(result)
 
 
+def test_ray_address_also_comes_from_ray_address_in_the_environment(monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    result = rltserve("serve", "--replicas", "1", "--port", "0")
+    assert result.returncode == 2
+    assert "RAY_ADDRESS 127.0.0.1:1: cannot reach 127.0.0.1:1" in error_line(result)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:1")
+    result = rltserve("serve", "--replicas", "1", "--port", "0")
+    assert result.returncode == 2
+    assert "RAY_ADDRESS ray://127.0.0.1:1: a Ray Client address cannot stream" in error_line(result)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

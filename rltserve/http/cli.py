@@ -92,12 +92,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not replica_config.enabled:
         return run_server(server_config, engine_config)
     from rltserve.ray.client import ReplicaSetClient
-    from rltserve.ray.cluster import connect
+    from rltserve.ray.cluster import connect, ray_address
 
-    address = replica_config.ray_address or ""
-    if address.startswith("ray://"):
+    address, flag = ray_address(replica_config)
+    if address is not None and address.startswith("ray://"):
         raise ValueError(
-            f"--ray-address {address}: a Ray Client address cannot stream from Serve "
+            f"{flag} {address}: a Ray Client address cannot stream from Serve "
             "deployments; pass the cluster's GCS address (host:port, the head's --port)"
         )
     owned = connect(replica_config)  # before the model loads: a bad address is a usage error

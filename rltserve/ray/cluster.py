@@ -43,17 +43,17 @@ def check_affinity(config: ReplicaConfig) -> None:
         ) from exc
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, timeout_s: float = 5.0, flag: str = "--ray-address") -> None:
     """A ``host:port`` (or ``ray://host:port``) address accepts TCP connections: Ray itself
     retries an unreachable address for minutes. ``auto`` is Ray's to resolve."""
     if address == "auto":
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"--ray-address {address}: expected host:port, ray://host:port or auto")
+        raise ValueError(f"{flag} {address}: expected host:port, ray://host:port or auto")
     why = _refused(host, int(port), timeout_s)
     if why is not None:
-        raise ValueError(f"--ray-address {address}: cannot reach {host}:{port} ({why})")
+        raise ValueError(f"{flag} {address}: cannot reach {host}:{port} ({why})")
 
 
 def _refused(host: str, port: int, timeout_s: float) -> str | None:
@@ -89,6 +89,15 @@ def cluster_gone(watch_s: float = 0.0) -> bool:
     return True
 
 
+def ray_address(config: ReplicaConfig) -> tuple[str | None, str]:
+    """The cluster to join and what named it: ``--ray-address``, else Ray's own ``RAY_ADDRESS``
+    environment variable; (None, "") to start a local cluster."""
+    if config.ray_address is not None:
+        return config.ray_address, "--ray-address"
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    return (env, "RAY_ADDRESS") if env else (None, "")
+
+
 def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
     """Connects this process to Ray (no-op when connected already). Returns True when it
     started a local cluster, which the caller then owns and shuts down."""
@@ -97,15 +106,17 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
     if ray.is_initialized():
         return False
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
-    if config.ray_address is None:
+    address, flag = ray_address(config)
+    if address is None:
         cpus = num_cpus if num_cpus is not None else config.replicas * config.replica_cpus
         # "local": a new cluster even where one runs on this host already (``ray start``),
-        # which ray.init would otherwise join (and then refuse num_cpus).
+        # which ray.init would otherwise join (and then refuse num_cpus); joining one takes
+        # --ray-address (or RAY_ADDRESS).
         ray.init(address="local", num_cpus=max(1, int(round(cpus))), **quiet)
         return True
-    check_reachable(config.ray_address)
+    check_reachable(address, flag=flag)
     try:
-        ray.init(address=config.ray_address, **quiet)
+        ray.init(address=address, **quiet)
     except Exception as exc:  # ConnectionError, or Ray's own errors for a bad address
         hint = ""
         if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray/auth_token").is_file():
@@ -114,7 +125,7 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
                 "needs RAY_AUTH_MODE=token in this process's environment"
             )
         raise ValueError(
-            f"--ray-address {config.ray_address}: cannot join the Ray cluster "
+            f"{flag} {address}: cannot join the Ray cluster "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}){hint}"
         ) from exc
     return False

@@ -28,7 +28,7 @@ class ReplicaConfig:
         default=None,
         metadata=_help(
             "Ray cluster to join ('auto': the one started with 'ray start' on this node); "
-            "default: start a local cluster and stop it on shutdown"
+            "default: RAY_ADDRESS when set, else start a local cluster and stop it on shutdown"
         ),
     )
     replica_cpus: float = field(

@@ -113,7 +113,7 @@ def generate(
 ) -> list:
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
-    connected to), else starts a local one for the call."""
+    connected to, or ``RAY_ADDRESS``), else starts a local one for the call."""
     if isinstance(replicas, bool) or not isinstance(replicas, int):
         raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
     config = ReplicaConfig(
