@@ -8,6 +8,7 @@ with LLM("path/to/checkpoint") as llm:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
+from rltserve.http.schemas import joined_text_parts
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
@@ -42,13 +44,10 @@ def _text_content(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     content = message.get("content") if isinstance(message, Mapping) else None
     if not isinstance(content, list):
         return message
-    texts = []
-    for i, part in enumerate(content):
-        text = part.get("text") if isinstance(part, Mapping) else None
-        if not isinstance(text, str) or part.get("type") != "text":
-            raise ValueError(f"{path}.content[{i}]: only text parts are supported")
-        texts.append(text)
-    return {**message, "content": "\n".join(texts)}
+    parts = [
+        (p.get("type"), p.get("text")) if isinstance(p, Mapping) else (None, None) for p in content
+    ]
+    return {**message, "content": joined_text_parts(parts, path)}
 
 
 class LLM:
@@ -112,13 +111,10 @@ class LLM:
             from rltserve.models.demo import demo_model_path
 
             model = str(demo_model_path())
-        dtype = resolve_dtype(dtype, str(model))
-        if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
-            check_checkpoint_dir(str(model), "model=")
-            check_device(device, "device=")
-            kv_cache_gb = kv_cache_gb_for(gpu_memory_utilization, device, str(model), dtype)
+        model = str(model)
+        dtype = resolve_dtype(dtype, model)
         self.config = EngineConfig.from_flat(
-            model=str(model),
+            model=model,
             dtype=dtype,
             device=device,
             kv_policy=kv_policy,
@@ -150,8 +146,13 @@ class LLM:
             scheduling_policy=scheduling_policy,
         )
         # Usage errors as ValueErrors here, not as a stage that failed to start.
-        check_checkpoint_dir(self.config.model.model, "model=")
+        check_checkpoint_dir(model, "model=")
         check_device(self.config.model.device, "device=")
+        if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
+            gb = kv_cache_gb_for(gpu_memory_utilization, self.config.model.device, model, dtype)
+            if gb is not None:  # (CUDA only)
+                cache = dataclasses.replace(self.config.cache, kv_cache_gb=gb)
+                self.config = dataclasses.replace(self.config, cache=cache)
         client_cls = InProcessStageClient if in_process else StageClient
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = client_cls(self.config)

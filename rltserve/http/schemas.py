@@ -117,6 +117,19 @@ class CompletionRequest(GenerationFields):
         return self.logprobs
 
 
+def joined_text_parts(parts: list[tuple[object, object]], path: str) -> str:
+    """OpenAI-style content parts, as ``(type, text)``, as the one text chat templates take:
+    the text parts joined by newlines (the server's chat endpoint and ``LLM.chat`` alike); a
+    SchemaError naming the first part that is not text."""
+    texts = []
+    for i, (kind, text) in enumerate(parts):
+        if kind != "text" or not isinstance(text, str):
+            where = f"{path}.content[{i}]"
+            raise SchemaError(where, f"{where}: only text parts are supported")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContentPart:
     type: str
@@ -138,13 +151,7 @@ class ChatMessage:
             where = f"{path}.content"
             raise SchemaError(where, f"{where}: required for a {self.role} message")
         if isinstance(content, list):
-            texts = []
-            for i, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    where = f"{path}.content[{i}]"
-                    raise SchemaError(where, f"{where}: only text parts are supported")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = joined_text_parts([(part.type, part.text) for part in content], path)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -234,15 +234,20 @@ class ReplicaSetClient:
             f"{c.replica_gpus:g} GPU each, on a cluster of {have or 'no CPUs or GPUs'}"
         )
 
-    def _app_state(self) -> tuple[str, str]:
-        """The app's status (Serve's ``ApplicationStatus`` value) and what Serve says of it
-        and of its deployment: for a replica whose engine raised, the error's last line."""
+    def _serve_app(self) -> tuple:
+        """Serve's status of this server's app and of its deployment (None where absent)."""
         from ray import serve
 
         app = serve.status().applications.get(self.config.ray_app)
+        deployment = app.deployments.get(deployment_name(self.config)) if app is not None else None
+        return app, deployment
+
+    def _app_state(self) -> tuple[str, str]:
+        """The app's status (Serve's ``ApplicationStatus`` value) and what Serve says of it
+        and of its deployment: for a replica whose engine raised, the error's last line."""
+        app, deployment = self._serve_app()
         if app is None:
             return "NOT_STARTED", ""
-        deployment = app.deployments.get(deployment_name(self.config))
         words = [app.message, deployment.message if deployment is not None else ""]
         lines = [w.strip().splitlines()[-1] for w in words if w and w.strip()]
         return str(getattr(app.status, "value", app.status)), "; ".join(dict.fromkeys(lines))
@@ -326,11 +331,7 @@ class ReplicaSetClient:
     # ------------------------------------------------------------------ replicas
 
     def _count_live(self) -> None:
-        from ray import serve
-
-        app = serve.status().applications.get(self.config.ray_app)
-        name = deployment_name(self.config)
-        deployment = app.deployments.get(name) if app is not None else None
+        _, deployment = self._serve_app()
         states = deployment.replica_states if deployment is not None else {}
         self.live_replicas = int(states.get("RUNNING", 0))
 

@@ -73,12 +73,7 @@ class ReplicaPool:
     ) -> list:
         import ray
 
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
+        prompts, plist = _batch(prompts, params)
         n = len(self._actors)
         calls = [
             actor.generate.remote(prompts[k::n], plist[k::n])
@@ -124,11 +119,23 @@ def generate(
     )
     # What LLM would refuse at once, refused before a cluster starts (not as a dead actor).
     check_checkpoint_dir(engine_kw.get("model"), "model=")
-    count = 1 if isinstance(prompts, str) else len(prompts)
-    if isinstance(params, Sequence) and len(params) != count:
-        raise ValueError(f"params: {len(params)} given for {count} prompts")
+    prompts, plist = _batch(prompts, params)
     with ReplicaPool(config, engine_kw) as pool:
-        return pool.generate(prompts, params)
+        return pool.generate(prompts, plist)
+
+
+def _batch(
+    prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
+) -> tuple[list, list[SamplingParams]]:
+    """The prompts as a list and one SamplingParams per prompt (ValueError when a list of
+    params does not match them)."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if params is None:
+        params = SamplingParams()
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
+    return prompts, plist
 
 
 def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
