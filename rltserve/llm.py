@@ -21,7 +21,7 @@ from rltserve.http.schemas import joined_text_parts
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
-from rltserve.sampling import SamplingParams, expand_samples
+from rltserve.sampling import SamplingParams, expand_samples, outside_vocab
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.vllm_args import check_parallel, check_utilization, kv_cache_gb_for
 from rltserve.weights import WeightsArg, update_paths
@@ -395,23 +395,26 @@ class LLM:
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt: token ids must be ints")
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:  # the engine's own check, made here before anything is submitted
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        # (The engine's own check, made here before anything is submitted.)
+        if message := outside_vocab("prompt", ids, self.info.vocab_size):
+            raise ValueError(message)
         return ids
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
-        """Checks what needs text and puts bounded thinking in token ids, as the engine takes
-        it (see ``SamplingParams``)."""
+        """Checks what needs text and the token ids the params name (the engine's own checks,
+        made before anything is submitted), and puts bounded thinking in token ids, as the
+        engine takes it (see ``SamplingParams``)."""
         if p.stop and (self.tokenizer is None or not p.detokenize):
             raise ValueError(
                 f"stop={list(p.stop)!r}: stop strings need text (a tokenizer and "
                 "detokenize=True); use stop_token_ids"
             )
-        if p.max_thinking_tokens is None:
-            return p
-        return resolve_thinking(p, self.tokenizer)
+        if p.max_thinking_tokens is not None:
+            p = resolve_thinking(p, self.tokenizer)
+        for name, ids in p.vocab_token_ids():
+            if message := outside_vocab(name, ids, self.info.vocab_size):
+                raise ValueError(message)
+        return p
 
 
 class _Pending:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 INIT_STATES = ("random", "zero")
@@ -66,6 +67,8 @@ class SamplingParams:
     max_thinking_tokens: int | None = None
     thinking_end_token_ids: tuple[int, ...] | None = None
     thinking_interruption: str | tuple[int, ...] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string where tuples are stored, so the params stay hashable.
@@ -78,6 +81,15 @@ class SamplingParams:
             self._to_tuple("trace_depths")
         if self.thinking_end_token_ids is not None:
             self._to_tuple("thinking_end_token_ids")
+        if self.allowed_token_ids is not None:
+            self._to_tuple("allowed_token_ids")
+        if self.logit_bias is not None:
+            try:
+                object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"logit_bias={self.logit_bias!r}: must map token ids to biases"
+                ) from None
         if self.thinking_interruption is not None and not isinstance(
             self.thinking_interruption, str
         ):
@@ -192,6 +204,29 @@ class SamplingParams:
                 raise bad(name, "must be non-negative token ids")
         if self.thinking_end_token_ids is not None and not self.thinking_end_token_ids:
             raise bad("thinking_end_token_ids", "must hold at least one token id")
+        for token, bias in (self.logit_bias or {}).items():
+            if not _is_token_id(token):
+                raise bad("logit_bias", f"key {token!r} is not a token id (an int >= 0)")
+            if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+                raise bad("logit_bias", f"the bias of {token} must be a number")
+            if not -100.0 <= bias <= 100.0:  # (NaN fails too)
+                raise bad("logit_bias", f"the bias of {token} must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must hold at least one token id")
+            if not all(map(_is_token_id, self.allowed_token_ids)):
+                raise bad("allowed_token_ids", "must be non-negative token ids")
+
+    def vocab_token_ids(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The token ids, by field, that must be in the model's vocabulary (the front ends and
+        the engine check them, knowing its size): the bounded-thinking ids the engine may
+        force, and the ids ``logit_bias`` and ``allowed_token_ids`` name. (A stop id outside
+        it is harmless: it never comes.)"""
+        return [
+            ("logit_bias", tuple(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            *self.forced_token_ids(),
+        ]
 
     @property
     def greedy(self) -> bool:
@@ -215,6 +250,18 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
+    """The message for the first of ``ids`` (the field ``name``'s) outside the vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return None
+    return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_int(obj: object, name: str) -> None:

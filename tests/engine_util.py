@@ -180,6 +180,8 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
         stop_token_ids=tuple(p.stop_token_ids),
         eos_token_ids=() if p.ignore_eos else ref.eos_token_ids,
         min_tokens=p.min_tokens,
+        logit_bias=p.logit_bias,
+        allowed_token_ids=p.allowed_token_ids,
         **kw,
     )
 

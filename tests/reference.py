@@ -312,13 +312,16 @@ class Reference:
         stop_token_ids: tuple[int, ...] = (),
         eos_token_ids: tuple[int, ...] = (),
         min_tokens: int = 0,
+        logit_bias: dict[int, float] | None = None,
+        allowed_token_ids: tuple[int, ...] | None = None,
     ) -> RefOutput:
         """Greedy generation of one request; see the module docstring for the semantics.
 
         Generation stops after a token in ``stop_token_ids`` or ``eos_token_ids`` once at least
         ``min_tokens`` tokens exist (the stopping token included), or after ``max_tokens``.
         Until ``min_tokens`` tokens exist those ids are not chosen (vLLM's rule): the earliest
-        stop is token ``min_tokens + 1``. ``logits`` are kept as the model gave them."""
+        stop is token ``min_tokens + 1``. The choice adds ``logit_bias`` and is made among
+        ``allowed_token_ids`` (when given). ``logits`` are kept as the model gave them."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -350,9 +353,14 @@ class Reference:
             )
 
         def emit(rule: ExitRule, exit_d: int, logits: torch.Tensor) -> bool:
-            choice = logits
+            choice = logits.clone()
+            if allowed_token_ids is not None:
+                outside = torch.ones_like(choice, dtype=torch.bool)
+                outside[list(allowed_token_ids)] = False
+                choice[outside] = float("-inf")
+            for t, bias in (logit_bias or {}).items():
+                choice[t] += bias
             if len(out.tokens) < min_tokens:
-                choice = logits.clone()
                 for t in (*stop_token_ids, *eos_token_ids):
                     if 0 <= t < choice.shape[-1]:
                         choice[t] = float("-inf")

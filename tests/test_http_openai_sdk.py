@@ -109,6 +109,27 @@ async def test_completion_n_and_stop(client):
 
 
 @module_loop
+async def test_logit_bias_and_allowed_token_ids(client):
+    """OpenAI's ``logit_bias`` (string keys) and vLLM's ``allowed_token_ids`` reach the
+    sampler: the greedy run's first token, biased by -100, is not sampled; an allowed list
+    bounds every token, streamed too."""
+    params = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    ids = {"return_token_ids": True, "ignore_eos": True}
+    free = await client.completions.create(**params, extra_body=ids)
+    first = free.choices[0].model_extra["token_ids"][0]
+    biased = await client.completions.create(
+        **params, logit_bias={str(first): -100}, extra_body=ids
+    )
+    assert biased.choices[0].model_extra["token_ids"][0] != first
+    allowed = [first, 11, 12]
+    body = {**ids, "allowed_token_ids": allowed}
+    stream = await client.completions.create(**params, stream=True, extra_body=body)
+    chunks = [chunk async for chunk in stream]
+    tokens = [t for c in chunks for t in c.choices[0].model_extra["token_ids"]]
+    assert len(tokens) == 6 and set(tokens) <= set(allowed)
+
+
+@module_loop
 async def test_chat_and_its_stream_agree(client, tokenizer):
     prompt_tokens = len(tokenizer.apply_chat_template(CHAT))
     params = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}

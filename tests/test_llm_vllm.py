@@ -100,6 +100,11 @@ def test_bad_prompts_and_params_name_the_field(llm):
         llm.generate([[1]], SamplingParams(stop=["x"], detokenize=False))
     with pytest.raises(ValueError, match="sampling_params: 1 given for 2"):
         llm.generate([[1], [2]], [SamplingParams()])
+    vocab = llm.get_tokenizer().vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias: token id {vocab + 5} is outside"):
+        llm.generate([[1], [2]], [SamplingParams(), SamplingParams(logit_bias={vocab + 5: 1})])
+    (out,) = llm.generate([[1]], SamplingParams(max_tokens=4, allowed_token_ids=[3, 4]))
+    assert set(out.outputs[0].token_ids) <= {3, 4}
 
 
 def test_skip_tokenizer_init_runs_on_token_ids_only(tiny):

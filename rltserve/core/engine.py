@@ -30,7 +30,7 @@ from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import SamplingParams, outside_vocab
 from rltserve.updates import RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
@@ -183,13 +183,9 @@ class EngineCore:
         rid = request_id or uuid.uuid4().hex
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
-        # Forced thinking ids are fed back as inputs too.
-        for name, ids in [("prompt", prompt_token_ids), *params.forced_token_ids()]:
-            bad = [t for t in ids if not 0 <= t < spec.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})"
-                )
+        for name, ids in [("prompt", prompt_token_ids), *params.vocab_token_ids()]:
+            if message := outside_vocab(name, ids, spec.vocab_size):
+                raise ValueError(message)
         if len(prompt_token_ids) >= self.max_model_len:
             why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
             raise ValueError(
@@ -246,6 +242,11 @@ class EngineCore:
             raise ValueError(
                 f"min_tokens={params.min_tokens}: EOS and stop_token_ids are every token id, "
                 "so no token could be sampled before min_tokens"
+            )
+        if banned and params.allowed_token_ids and set(params.allowed_token_ids) <= set(banned):
+            raise ValueError(
+                f"allowed_token_ids: every one is EOS or a stop_token_id, so no token could be "
+                f"sampled before min_tokens={params.min_tokens}"
             )
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)

@@ -21,6 +21,7 @@ import torch
 
 from rltserve.core.plan import RequestSetup
 from rltserve.core.sampler import SampleRow, SeededGenerator
+from rltserve.sampling import SamplingParams
 
 
 @dataclass(slots=True, eq=False)  # compared by identity (``PendingRows``)
@@ -129,7 +130,10 @@ class LiveRequest:
         live = cls(setup, generator, history=history)
         # One per request: its fields never change (the history list grows in place).
         live.sample_row = SampleRow(
-            params=setup.params, generator=generator, penalty_tokens=live.penalty_tokens()
+            params=setup.params,
+            generator=generator,
+            penalty_tokens=live.penalty_tokens(),
+            bias=_bias(setup.params, vocab_size, device),
         )
         if setup.banned_ids:
             ids = [i for i in setup.banned_ids if i < vocab_size]  # (others cannot come)
@@ -171,3 +175,18 @@ class LiveRequest:
         if self.history is None:
             return None
         return self.setup.prompt_token_ids, self.history
+
+
+def _bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[V] fp32 added to the request's logits before it samples (``SampleRow.bias``): its
+    ``logit_bias``, and -inf on every id ``allowed_token_ids`` leaves out; None without them."""
+    if not params.logit_bias and params.allowed_token_ids is None:
+        return None
+    bias = torch.zeros(vocab_size)
+    if params.allowed_token_ids is not None:
+        bias.fill_(float("-inf"))
+        bias[list(params.allowed_token_ids)] = 0.0
+    if params.logit_bias:
+        ids = list(params.logit_bias)
+        bias[ids] += torch.tensor([float(params.logit_bias[i]) for i in ids])
+    return bias.to(device)

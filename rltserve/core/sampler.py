@@ -1,17 +1,18 @@
 """Batched token sampling with per-request seeded generators.
 
 Order of operations per row: penalties (repetition over prompt + output tokens, vLLM style;
-presence/frequency over output tokens, OpenAI style) -> greedy argmax, or temperature -> top-k ->
-top-p -> min-p -> exponential-race sampling. Filters run vectorized over the rows that sample,
-with per-row parameters as tensors, and are skipped when no row uses them.
+presence/frequency over output tokens, OpenAI style) -> logit bias and allowed ids -> min_tokens
+bans -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
+Filters run vectorized over the rows that sample, with per-row parameters as tensors, and are
+skipped when no row uses them.
 
 Reproducibility: a seeded request's row draws its ``Exp(1)`` noise ``[V]`` from its own generator
 and nothing else does, and every other operation is row-wise, so its tokens do not depend on the
 rest of the batch. Rows without a generator share one batched draw from the global RNG.
 
-Logprobs are ``log_softmax`` of the logits after penalties but before temperature and filters:
-they describe the model's (penalized) distribution, independent of the sampling knobs, so they
-are comparable across requests and meaningful for greedy rows.
+Logprobs are ``log_softmax`` of the logits after penalties but before bias, bans, temperature
+and filters: they describe the model's (penalized) distribution, independent of the sampling
+knobs, so they are comparable across requests and meaningful for greedy rows.
 """
 
 from __future__ import annotations
@@ -78,14 +79,17 @@ class SampleRow:
     # is sampled at a position below ``banned_below`` (the caller says which rows are).
     banned: torch.Tensor | None = None
     banned_below: int = 0
-    # The row is the argmax and nothing else is asked of it (greedy, no penalties, no
-    # logprobs): a step whose rows all are skips the per-row sorting out.
+    # [V] fp32 on the logits' device, added to the row's logits before it samples (logit_bias;
+    # -inf outside allowed_token_ids).
+    bias: torch.Tensor | None = None
+    # The row is the argmax and nothing else is asked of it (greedy, no penalties, no bias, no
+    # logprobs): a step whose rows all are skips the per-row work.
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         penalized = self.penalty_tokens is not None and _uses_penalties(p)
-        self.plain = p.greedy and p.logprobs is None and not penalized
+        self.plain = p.greedy and p.logprobs is None and not penalized and self.bias is None
 
 
 @dataclass
@@ -192,12 +196,18 @@ class Sampler:
 
         # One reduction per step over the sampled rows only; read with the tokens, no sync.
         tokens, finite = _greedy(logits)  # [R]; the result of greedy rows
-        # What tokens are drawn from: with min_tokens bans (a filter: logprobs and the finite
-        # check read the logits before it).
-        choice = _ban(logits, [rows[i].banned for i in banned], banned) if banned else logits
-        greedy_banned = [i for i in banned if rows[i].params.greedy]
-        if greedy_banned:
-            idx = to_device(greedy_banned, device)
+        # What tokens are drawn from: with bias and min_tokens bans (filters: logprobs and the
+        # finite check read the logits before them).
+        biased = [i for i, r in enumerate(rows) if r.bias is not None]
+        choice = logits
+        if biased:
+            idx = to_device(biased, device)
+            choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
+        if banned:
+            choice = _ban(choice, [rows[i].banned for i in banned], banned)
+        greedy_filtered = [i for i in sorted({*banned, *biased}) if rows[i].params.greedy]
+        if greedy_filtered:
+            idx = to_device(greedy_filtered, device)
             tokens[idx] = choice[idx].argmax(dim=-1)  # (the first maximal id, as _greedy's)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:

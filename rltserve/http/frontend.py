@@ -28,7 +28,7 @@ from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import SamplingParams, outside_vocab
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -186,12 +186,8 @@ class Frontend:
         return ids
 
     def _check_vocab(self, ids: Sequence[int], param: str) -> None:
-        vocab = self.info.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(
-                f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param
-            )
+        if message := outside_vocab(param, ids, self.info.vocab_size):
+            raise bad_request(message, param)
 
     def check_params(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
         """``params`` checked against the model, as ``prompt_ids`` run with them (bounded
@@ -206,11 +202,9 @@ class Frontend:
                 params = resolve_thinking(params, self.tokenizer)
             except ValueError as exc:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
-            # (The engine's own check: forced ids are fed back as inputs.)
-            for name, ids in params.forced_token_ids():
-                self._check_vocab(ids, name)
-            params = bound_thinking(params, prompt_ids, self.tokenizer)
-        return params
+        for name, ids in params.vocab_token_ids():  # (the engine's own check)
+            self._check_vocab(ids, name)
+        return bound_thinking(params, prompt_ids, self.tokenizer)
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer."""

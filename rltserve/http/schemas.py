@@ -57,6 +57,7 @@ class GenerationFields:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     # looped-model extensions
     min_loops: int = 1
     max_loops: int | None = None
@@ -76,8 +77,10 @@ class GenerationFields:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
         if self.stream_options is not None and not self.stream:
             raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
-        if self.logit_bias:
-            raise SchemaError("logit_bias", "logit_bias: not supported")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                why = f"logit_bias: key {key!r} is not a token id (digits, as '50256')"
+                raise SchemaError("logit_bias", why)
         if (
             self.num_steps is not None
             and self.max_loops is not None
@@ -251,6 +254,10 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
+            logit_bias=(
+                None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
+            ),
+            allowed_token_ids=req.allowed_token_ids,
             min_loops=req.min_loops,
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
             exit_threshold=req.exit_threshold,

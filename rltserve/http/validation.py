@@ -153,7 +153,10 @@ def describe(hint: Any) -> str:
         (item,) = typing.get_args(hint) or (Any,)
         inner = describe(item)
         return "an array of " + _plural(inner)
-    if origin is dict or dataclasses.is_dataclass(hint):
+    if origin is dict:
+        _, item = typing.get_args(hint) or (str, Any)
+        return "an object" if item is Any else "an object of " + _plural(describe(item))
+    if dataclasses.is_dataclass(hint):
         return "an object"
     return _TYPE_NAMES.get(hint, "a value")
 
