@@ -61,7 +61,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     weight_version: int = 0
-    prompt_logprobs: None = None  # not computed; present for vLLM compatibility
+    # With ``SamplingParams.prompt_logprobs=k`` (vLLM's shape): per prompt token a dict
+    # ``{token_id: Logprob}`` of the token and the top ``k`` at its position, None for the
+    # first; None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str | None:
@@ -98,6 +101,9 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string or token id that ended generation
     logprobs: list[dict] | None = None
     error: str | None = None
+    # With prompt_logprobs: entries as ``logprobs``' for prompt tokens 1.. (the first has no
+    # prediction), from the update with the first output token.
+    prompt_logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:
@@ -173,6 +179,11 @@ class OutputAssembler:
             ):
                 lps.append({"token_id": tok, "logprob": lp, "top_logprobs": top or []})
             out.logprobs.extend(lps)
+        if update.prompt_logprobs is not None:
+            out.prompt_logprobs = [
+                {"token_id": tok, "logprob": lp, "top_logprobs": top}
+                for tok, (lp, top) in zip(out.prompt_token_ids[1:], update.prompt_logprobs)
+            ]
         finish = update.finish_reason.value if update.finish_reason is not None else None
         stop_reason: str | int | None = None
         if finish == "stop" and update.new_token_ids:
@@ -264,6 +275,11 @@ def request_output(
         outputs=outputs,
         finished=all(o.finish_reason is not None for o in outputs),
         weight_version=max(a.weight_version for a in assemblers),
+        prompt_logprobs=(
+            None
+            if first.prompt_logprobs is None
+            else [None, *_vllm_logprobs(first.prompt_logprobs, tokenizer)]
+        ),
     )
 
 

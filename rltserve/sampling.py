@@ -35,6 +35,16 @@ class SamplingParams:
     ``max_tokens``) and decodes the answer in the same request (``core/thinking.py``).
     ``thinking_end_token_ids`` defaults to the tokenizer's ``</think>``; the interruption may be
     text (the ``LLM`` front end tokenizes it) or token ids.
+
+    ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's) is added to the logits and
+    ``allowed_token_ids`` (vLLM's) restricts sampling to the ids listed. Both shape what is
+    sampled, greedy or not, after penalties; ``logprobs`` describe the model's (penalized)
+    distribution without them, as vLLM's default raw logprobs do.
+
+    ``prompt_logprobs=k`` (vLLM's) returns, for each prompt token after the first, its logprob
+    and the top ``k`` as the model predicts it from the position before, at the request's full
+    depth (every prompt token runs every loop); such a request computes its whole prompt (no
+    prefix-cache hits, as in vLLM).
     """
 
     max_tokens: int | None = 16
@@ -69,6 +79,7 @@ class SamplingParams:
     thinking_interruption: str | tuple[int, ...] | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string where tuples are stored, so the params stay hashable.
@@ -158,10 +169,11 @@ class SamplingParams:
         if self.exit_threshold <= 0.0:
             raise bad("exit_threshold", "must be > 0 (>= 1.0 means fixed depth)")
         _check_int(self, "priority")
-        if self.logprobs is not None:
-            _check_int(self, "logprobs")
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name)
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    raise bad(name, f"must be in [0, {MAX_LOGPROBS}]")
         if self.speculative is not None and not isinstance(self.speculative, bool):
             raise bad("speculative", "must be true, false or null")
         if self.init_state not in INIT_STATES:
@@ -278,10 +290,16 @@ def _check_number(obj: object, name: str) -> None:
 
 def expand_samples(params: SamplingParams) -> list[SamplingParams]:
     """The ``n`` single-sample requests that make up ``params``: sample j is seeded with
-    ``seed + j`` when ``seed`` is set (the HTTP server's convention) and unseeded otherwise."""
+    ``seed + j`` when ``seed`` is set (the HTTP server's convention) and unseeded otherwise.
+    Only the first scores the prompt (``prompt_logprobs``: the same for every sample), so the
+    others may share its prefill."""
     if params.n == 1:
         return [params]
     return [
-        params.replace(n=1, seed=None if params.seed is None else params.seed + j)
+        params.replace(
+            n=1,
+            seed=None if params.seed is None else params.seed + j,
+            prompt_logprobs=params.prompt_logprobs if j == 0 else None,
+        )
         for j in range(params.n)
     ]

@@ -41,8 +41,11 @@ class RequestUpdate:
     rejected: bool = False  # the request never started: its arguments were invalid
     weight_version: int = 0  # the engine's weights when the update was made
     # On the update with the first output token: prompt tokens whose KV was reused (prefix
-    # cache, or the prompt a group's leader computed) instead of computed.
+    # cache, or the prompt a group's leader computed) instead of computed ...
     num_cached_tokens: int | None = None
+    # ... and, with ``prompt_logprobs``, (logprob, top logprobs) of each prompt token after
+    # the first.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def __reduce__(self) -> tuple:
         # As positional fields (in field order, as ``to_wire`` gives an update of several
@@ -62,6 +65,7 @@ class RequestUpdate:
                 self.rejected,
                 self.weight_version,
                 self.num_cached_tokens,
+                self.prompt_logprobs,
             ),
         )
 
@@ -149,6 +153,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
         and u.finish_reason is None
         and u.error is None
         and u.num_cached_tokens is None
+        and u.prompt_logprobs is None
         and not u.rejected
         else (
             u.request_id,
@@ -161,6 +166,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
             u.rejected,
             u.weight_version,
             u.num_cached_tokens,
+            u.prompt_logprobs,
         )
         for u in updates
     ]

@@ -24,6 +24,7 @@ class Run:
     finish: dict[str, str] = field(default_factory=dict)
     logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     top_logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)  # (as the update has them)
     steps: int = 0
     max_rows: int = 0
 
@@ -123,6 +124,9 @@ def run_core(
             run.depths[u.request_id].extend(u.new_exit_depths)
             run.logprobs[u.request_id].extend(u.new_logprobs)
             run.top_logprobs[u.request_id].extend(u.new_top_logprobs)
+            if u.prompt_logprobs is not None:
+                assert u.request_id not in run.prompt_logprobs, "prompt logprobs sent twice"
+                run.prompt_logprobs[u.request_id] = u.prompt_logprobs
             if u.error:
                 raise AssertionError(f"{u.request_id} failed: {u.error}")
             if u.finish_reason is not None:

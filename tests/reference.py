@@ -69,6 +69,9 @@ class RefOutput:
     logits: list[torch.Tensor] = field(default_factory=list)
     gate_logits: list[list[float]] = field(default_factory=list)
     cdfs: list[list[float]] = field(default_factory=list)
+    # fp32 [T - 1, V]: the logits at prompt positions 0 .. T - 2 after every loop (what each
+    # predicts of the next prompt token).
+    prompt_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -388,8 +391,12 @@ class Reference:
             g = self._gate(s[-1:])
             if exit_d is None and rule.update(d, None if g is None else g[0]):
                 exit_d, exit_state = d, s[-1:].clone()
-        coda_in = torch.cat((s[:-1], exit_state)) if self.family == "huginn_raven" else exit_state
-        logits = self._coda(coda_in, 0, bkv)[-1]
+        if self.family == "huginn_raven":  # (the coda writes every position's coda K/V)
+            every = self._coda(torch.cat((s[:-1], exit_state)), 0, bkv)
+            out.prompt_logits, logits = every[:-1], every[-1]
+        else:
+            out.prompt_logits = self._coda(s[:-1], 0, bkv)
+            logits = self._coda(exit_state, 0, bkv)[-1]
         if emit(rule, exit_d, logits):
             return out
 

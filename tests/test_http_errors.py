@@ -43,7 +43,7 @@ BAD_REQUESTS = [
     # (endpoint, body, param, message fragment)
     ("completions", {"prompt": "x", "temperature": 5}, "temperature", "[0, 2]"),
     ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", "must be a number"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("completions", {"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens", ">= 1"),
     ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens", "an integer"),
     ("completions", {"prompt": "x", "n": 0}, "n", "[1, 128]"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
@@ -52,7 +52,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
      "stream=true"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "not supported"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "only with echo=true"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "not a token id"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),

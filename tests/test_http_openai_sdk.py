@@ -130,6 +130,41 @@ async def test_logit_bias_and_allowed_token_ids(client):
 
 
 @module_loop
+async def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """Echo with logprobs lists the prompt's tokens first (the first without a logprob) and
+    their logprobs, as scoring clients (lm-eval's loglikelihood) read them; ``max_tokens=0``
+    returns the prompt alone. Streamed, the first chunk carries them."""
+    ids = tokenizer.encode(PROMPT)
+    params = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "echo": True, "logprobs": 2}
+    alone = await client.completions.create(**params, max_tokens=0)
+    (choice,) = alone.choices
+    lp = choice.logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (len(ids), 0)
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and len(lp.token_logprobs) == len(ids)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+    more = await client.completions.create(**params, max_tokens=3)
+    (choice,) = more.choices
+    assert choice.text.startswith(PROMPT) and more.usage.completion_tokens == 3
+    assert choice.logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert len(choice.logprobs.tokens) == len(ids) + 3
+
+    stream = await client.completions.create(**params, max_tokens=3, stream=True)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == choice.logprobs.token_logprobs
+    assert chunks[0].choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
+
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0: only with echo"):
+        await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
+
+
+@module_loop
 async def test_chat_and_its_stream_agree(client, tokenizer):
     prompt_tokens = len(tokenizer.apply_chat_template(CHAT))
     params = {"model": "tiny", "messages": CHAT, "max_tokens": 6, "temperature": 0}

@@ -54,6 +54,25 @@ def test_output_shape_is_vllms(llm):
     assert c.cumulative_logprob is None and c.logprobs is None and c.stop_reason is None
     # The n=1 conveniences read the first sample.
     assert (out.text, out.token_ids, out.exit_depths) == (c.text, c.token_ids, c.exit_depths)
+    assert out.prompt_logprobs is None
+
+
+def test_prompt_logprobs_are_vllms(llm):
+    """Per prompt token a {token_id: Logprob} with the token first and the top k ranked, None
+    for the first token; the same for every sample of the prompt."""
+    prompt = [5, 9, 14, 3, 27]
+    one = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    (out,) = llm.generate([prompt], one)
+    first, *rest = out.prompt_logprobs
+    assert first is None and len(rest) == len(prompt) - 1
+    for token, entry in zip(prompt[1:], rest):
+        assert next(iter(entry)) == token and entry[token].logprob <= 0
+        ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None)
+        assert [r for r, _ in ranked] == [1, 2]
+        assert entry[ranked[0][1]].logprob >= entry[ranked[1][1]].logprob
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    (many,) = llm.generate([prompt], one.replace(n=3, temperature=1.0, seed=2))
+    assert many.prompt_logprobs == out.prompt_logprobs
 
 
 def test_n_samples_equal_separate_requests_with_derived_seeds(llm):

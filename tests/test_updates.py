@@ -23,6 +23,7 @@ def test_request_update_pickles_every_field():
         "rejected": True,
         "weight_version": 7,
         "num_cached_tokens": 16,
+        "prompt_logprobs": [(-1.5, [(3, -0.25)])],
     }
     # Every field is set to a value other than its default: a field added without being
     # pickled fails here.
@@ -61,5 +62,5 @@ def test_a_one_token_update_goes_as_plain_values():
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
         wire = pickle.loads(pickle.dumps(to_wire([one, ending, first]), protocol))
         assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 4)
-        assert [len(row) for row in wire[1:]] == [10, 10]
+        assert [len(row) for row in wire[1:]] == [11, 11]
         assert from_wire(wire) == [one, ending, first]

@@ -30,7 +30,8 @@ class Applier:
         if result.error is not None:
             return self._fail_planned(plan, result.error, result.lost)
         updates = StepUpdates()
-        for work, item, outcome in zip(plan.items, owners, result.items):
+        scored = result.prompt_logprobs
+        for k, (work, item, outcome) in enumerate(zip(plan.items, owners, result.items)):
             if outcome is None and item.carry_key:
                 # A carried token's first loop: its events are in ``result.carried``. (Were
                 # its request gone or preempted, the field of a forgotten item is set.)
@@ -42,6 +43,10 @@ class Applier:
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 s.sharing.on_prompt_done(request, item.start, item.end)
+                if scored and k in scored:
+                    self._record_prompt_logprobs(request, item.start, scored[k], updates)
+                    if request.is_finished:
+                        continue  # (ended by what it withheld)
             if outcome is None:
                 continue
             appended = self._apply_outcome(request, item, work.depth, outcome, updates)
@@ -90,6 +95,7 @@ class Applier:
                     and len(out) + 1 < request.max_outputs
                     and token not in request.stop_ids
                     and request.params.max_thinking_tokens is None
+                    and not request.scoring
                     and rid not in general
                     and rid not in rows
                 ):
@@ -180,13 +186,18 @@ class Applier:
         logprobs go only there: nothing reads them again), and ends the request when the
         token stops it. (``_apply_carried`` appends a token none of the rules here can touch
         as a row of ``updates``' columns: a rule added here must be excluded there.)"""
+        if request.finish_pending is not None:
+            return  # (a token started before its end was known: never output)
         request.output_token_ids.append(token)
         request.exit_depths.append(depth)
         rid = request.request_id
-        update = updates.update_of(rid)
+        update = request.withheld if request.scoring else updates.update_of(rid)
         if update is None:  # (positional: one per request per step)
             update = RequestUpdate(rid, [token], [depth], [logprob], [top])
-            updates.updates[rid] = update
+            if request.scoring:
+                request.withheld = update
+            else:
+                updates.updates[rid] = update
         else:
             update.new_token_ids.append(token)
             update.new_exit_depths.append(depth)
@@ -195,6 +206,8 @@ class Applier:
         n = len(request.output_token_ids)
         if n == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0
+            if request.prompt_logprobs == []:  # (a one-token prompt: none to score)
+                update.prompt_logprobs = []
         # What stops it (a stop id once ``min_tokens`` are out; the most tokens it may have).
         reason = None
         if token in request.stop_ids and n >= request.params.min_tokens:
@@ -204,6 +217,41 @@ class Applier:
         bounded = request.params.max_thinking_tokens is not None  # (bounded thinking only)
         if reason is None and bounded and force_thinking_end(request, update):
             reason = FinishReason.LENGTH
+        if reason is None:
+            return
+        if request.scoring:  # it ends once its prompt logprobs are out; no more tokens start
+            request.finish_pending = reason
+            request.max_outputs = n
+            return
+        self.s.finish(request, reason)
+        update.finish_reason = reason
+
+    def _record_prompt_logprobs(
+        self,
+        request: Request,
+        start: int,
+        scores: list[tuple[float, list[tuple[int, float]]]],
+        updates: StepUpdates,
+    ) -> None:
+        """An ending prompt item's logprobs of the prompt tokens its rows predict, into the
+        request's slots from ``start`` on (slots filled before, by a prompt recomputed after a
+        preemption, keep their values). The last sends them with what the request withheld
+        meanwhile, and ends it if that ended it."""
+        slots = request.prompt_logprobs
+        if slots is None or not request.scoring:
+            return
+        for q, score in enumerate(scores, start):
+            if slots[q] is None:
+                slots[q] = score
+        if None in slots:
+            return
+        request.scoring = False
+        rid = request.request_id
+        update = request.withheld or RequestUpdate(rid)
+        request.withheld = None
+        update.prompt_logprobs = slots
+        updates.updates[rid] = update  # (none of its own this step: it was withholding)
+        reason = request.finish_pending
         if reason is not None:
             self.s.finish(request, reason)
             update.finish_reason = reason

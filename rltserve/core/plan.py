@@ -126,6 +126,9 @@ class WorkItem:
     # Coda attention: the runner keeps the last row's state after this loop (earlier than
     # ``ends_at``) and runs its coda on it when the item ends (``InFlight.coda_state_at``).
     coda_state_at: int = 0
+    # prompt_logprobs, on a prompt item's last loop: the prompt tokens its rows predict (row
+    # k predicts ``prompt_targets[k]``; one fewer than its rows when it holds the last).
+    prompt_targets: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -233,6 +236,9 @@ class StepResult:
     carried: CarriedEvents | None = None
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
+    # prompt_logprobs: by index in ``items``, an item with ``prompt_targets``' (logprob, top
+    # logprobs) per target, in order.
+    prompt_logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]]] | None = None
     error: str | None = None  # set when the step failed; the scheduler fails its requests
     # With ``error``: requests outside ``items`` the failure lost too (preempted by the step,
     # their KV never reached swap space).

@@ -71,7 +71,7 @@ class PromptSharing:
             del self._leaders[request.group]
 
     def _leader(self, request: Request) -> Request | None:
-        if request.group is None:
+        if request.group is None or not request.reuses_prompt:
             return None
         rid = self._leaders.get(request.group)
         return None if rid is None or rid == request.request_id else self.s.requests.get(rid)
@@ -90,7 +90,7 @@ class PromptSharing:
         nor any request while a running one computes its first uncached prompt block."""
         if self.waits_for_leader(request):
             return True
-        if request.block_hashes is None or request.resume is Resume.SWAP:
+        if not _hits(request):
             return False
         limit = (request.num_prompt_tokens - 1) // self.s.kv.block_size
         cached = len(self.s.kv.cache.lookup(request.block_hashes, limit))
@@ -107,7 +107,7 @@ class PromptSharing:
 
     def lookup(self, request: Request) -> Hit:
         """The reusable prefix of a request being admitted (not acquired yet)."""
-        if request.block_hashes is None or request.resume is Resume.SWAP:
+        if not _hits(request):
             return NO_HIT
         p, bs = request.num_prompt_tokens, self.s.kv.block_size
         limit = (p - 1) // bs  # full blocks before the last prompt token
@@ -174,3 +174,13 @@ class PromptSharing:
                 if computing.get(key) == request.request_id:
                     del computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
+
+
+def _hits(request: Request) -> bool:
+    """Whether admission looks up cached prompt blocks for it (a swap-resumed request gets
+    its KV back from swap space)."""
+    return (
+        request.block_hashes is not None
+        and request.resume is not Resume.SWAP
+        and request.reuses_prompt
+    )

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason
+from rltserve.updates import FinishReason, RequestUpdate
 
 
 class RequestStatus(enum.Enum):
@@ -144,6 +144,16 @@ class Request:
     block_hashes: list[bytes] | None = None
     group: str | None = None
     num_cached_tokens: int | None = None  # prompt tokens its first admission reused
+    # ``prompt_logprobs``: entry q is (logprob, top) of prompt token q + 1 as predicted at
+    # position q, None until the item holding q ends (``Applier``); None without them.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # While some are None (``scoring``), what it outputs is withheld (its first output may
+    # exit before the prompt's last loop): its tokens gather in ``withheld`` and what would end
+    # it waits in ``finish_pending``, its outputs capped where they are; all go out with the
+    # prompt logprobs, so they come first.
+    scoring: bool = False
+    withheld: RequestUpdate | None = None
+    finish_pending: FinishReason | None = None
     prompt_final: int = 0  # prompt positions [0, prompt_final) have their final KV
     final_pending: dict[int, int] = field(default_factory=dict)  # applied items past that
     blocks_cached: int = 0  # leading prompt blocks cached (by it or before it)
@@ -184,6 +194,25 @@ class Request:
         self.banned_ids = tuple(sorted(self.stop_ids)) if params.min_tokens else ()
         room = self.max_total_tokens - self.num_prompt_tokens  # what the context leaves
         self.max_outputs = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
+            self.scoring = self.num_prompt_tokens > 1
+
+    @property
+    def reuses_prompt(self) -> bool:
+        """Whether it may take prompt KV others computed (prefix cache, a group's leader):
+        not when it scores its prompt (``prompt_logprobs``), which needs every position run.
+        (What it computes may still be cached for others.)"""
+        return self.prompt_logprobs is None
+
+    def prompt_targets(self, start: int, end: int) -> list[int] | None:
+        """The prompt tokens that positions [start, end) predict, when the request still
+        lacks one of their logprobs (positions past the prompt's last predict none)."""
+        slots = self.prompt_logprobs
+        stop = min(end, self.num_prompt_tokens - 1)
+        if slots is None or start >= stop or None not in slots[start:stop]:
+            return None
+        return self.prompt_token_ids[start + 1 : stop + 1]
 
     @property
     def prefill_scheduled(self) -> bool:

@@ -453,12 +453,14 @@ class ModelRunner:
                 results = [None] * len(plan.items)
                 for k, result in zip(active, outcomes[nc:]):
                     results[k] = result
+            scored = step.prompt_results()
             return StepResult(
                 plan.step_id,
                 results,
                 events,
                 num_rows=step.num_rows,
                 num_coda_rows=step.num_coda_rows,
+                prompt_logprobs={active[i - nc]: v for i, v in scored.items()} if scored else None,
             )
 
         handle.finish = finish

@@ -131,7 +131,11 @@ class Step:
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
         self.ending = ending
+        self._coda_rows: tuple[torch.Tensor, dict[int, int]] | None = None
         self.sampled = self._coda_and_sample(positions, state, ending, exits, boundary)
+        self.scored = [i for i in ending if items[i].prompt_targets]
+        if self.scored:
+            self._score_prompt(positions, state)
         # (Carried tokens are never pipelined: only the plan's items may draft.)
         drafting = any(map(step_rows.DRAFT, planned))
         self.drafts = self._draft(positions, state) if drafting else []
@@ -356,6 +360,8 @@ class Step:
             kept_states = torch.cat([held[coda_items[k]].coda_state for k in kept])  # [K, S]
             coda_in = coda_in.index_copy(0, at, kept_states)
         hidden = r.timed(r.model.coda, coda_in, coda_positions, attn)
+        if widths is not None:  # (prompt_logprobs read a prompt chunk's rows from here)
+            self._coda_rows = (hidden, dict(zip(coda_items, step_rows.offsets(widths))))
         if not exits:
             return []  # coda rows that only write coda KV (non-final prompt chunks)
         if widths is not None and max(widths) > 1:
@@ -382,6 +388,50 @@ class Step:
             self.outputs.add("sample." + name, tensor)
         self.num_coda_rows = len(exits)
         return exits
+
+    def _score_prompt(self, positions: torch.Tensor, state: torch.Tensor) -> None:
+        """prompt_logprobs: the logprobs of the prompt tokens the rows of the ending items in
+        ``scored`` predict (their ``prompt_targets``), and the top ones, from each row's final
+        state (its coda's output, which models with coda attention have computed already)."""
+        r, items, scored = self.r, self.items, self.scored
+        widths = [len(items[i].prompt_targets) for i in scored]
+        if self._coda_rows is not None:
+            hidden, first = self._coda_rows
+            rows = [first[i] + k for i, n in zip(scored, widths) for k in range(n)]
+            hidden = hidden.index_select(0, r.tensor(rows))  # [M, E]
+        else:
+            offsets = self.offsets
+            rows = [offsets[i] + k for i, n in zip(scored, widths) for k in range(n)]
+            index = r.tensor(rows)
+            hidden = r.timed(
+                r.model.coda, state.index_select(0, index), positions.index_select(0, index), None
+            )
+        logp = torch.log_softmax(r.timed(r.model.logits, hidden), dim=-1)  # [M, V]
+        targets = r.tensor([t for i in scored for t in items[i].prompt_targets])  # [M]
+        self.outputs.add("prompt.chosen", logp.gather(1, targets.unsqueeze(1)).squeeze(1))
+        top = max(self.lives[i].setup.params.prompt_logprobs or 0 for i in scored)
+        if top:
+            values, ids = logp.topk(top, dim=-1)  # [M, top]
+            self.outputs.add("prompt.top_values", values)
+            self.outputs.add("prompt.top_ids", ids)
+
+    def prompt_results(self) -> dict[int, list[tuple[float, list[tuple[int, float]]]]]:
+        """By item index, the ``scored`` items' (logprob, top logprobs) per prompt target."""
+        if not self.scored:
+            return {}
+        host = self.outputs.read()
+        chosen = host["prompt.chosen"]
+        values, ids = host.get("prompt.top_values"), host.get("prompt.top_ids")
+        out, row = {}, 0
+        for i in self.scored:
+            n = len(self.items[i].prompt_targets)
+            k = self.lives[i].setup.params.prompt_logprobs or 0
+            out[i] = [
+                (chosen[j], list(zip(ids[j][:k], values[j][:k])) if k else [])
+                for j in range(row, row + n)
+            ]
+            row += n
+        return out
 
     def _banned(self, exits: list[int], rows: list[SampleRow]) -> list[int]:
         """The sampling rows still short of their request's ``min_tokens``: their token,

@@ -128,6 +128,8 @@ class ItemMaker:
         )
         if item.coda_state_at:
             work.coda_state_at = item.coda_state_at
+        if depth == item.ends_at and request.prompt_logprobs is not None:
+            work.prompt_targets = request.prompt_targets(item.start, item.end)
         return work
 
     def carries_next(self, request: Request) -> bool:

@@ -51,9 +51,11 @@ async def _stream(
         async for events in generation.batches():
             chunks = []
             # Running totals per chunk: a batch's events all arrived before it is written.
-            sent = generation.num_completion_tokens() - sum(len(e.delta.token_ids) for e in events)
+            counted = not plan.prompt_only
+            sent = plan.completion_tokens(generation)
+            sent -= counted * sum(len(e.delta.token_ids) for e in events)
             for event in events:
-                sent += len(event.delta.token_ids)
+                sent += counted * len(event.delta.token_ids)
                 error = failure(event, state.closing)
                 if error is not None:
                     if not writer.started:
@@ -75,7 +77,7 @@ async def _stream(
             final = fmt.chunk([])
             final["usage"] = usage(
                 plan.prompt_tokens,
-                generation.num_completion_tokens(),
+                plan.completion_tokens(generation),
                 generation.num_cached_tokens(),
             )
             await writer.send(final)
@@ -100,7 +102,7 @@ async def _collect(
     body = fmt.response(
         choices,
         usage(
-            plan.prompt_tokens, generation.num_completion_tokens(), generation.num_cached_tokens()
+            plan.prompt_tokens, plan.completion_tokens(generation), generation.num_cached_tokens()
         ),
     )
     return json_response(body)

@@ -38,6 +38,11 @@ class GenerationPlan:
     continuous_usage: bool
     prompt_tokens: int  # each prompt once, however many choices sample it
     arrival: float  # time.monotonic() when the request arrived
+    prompt_only: bool = False  # ``CompletionRequest.prompt_only``: no completion tokens
+
+    def completion_tokens(self, generation) -> int:
+        """What ``usage`` counts of ``generation``'s tokens (a ``Generation``)."""
+        return 0 if self.prompt_only else generation.num_completion_tokens()
 
 
 def _token_limit(
@@ -86,8 +91,9 @@ async def completion_plan(
 ) -> GenerationPlan:
     frontend = state.require_frontend()
     prompts = await frontend.completion_prompts(req.prompt)
+    max_tokens = 1 if req.prompt_only else req.max_tokens
     choices = _choices(
-        frontend, req, prompts, req.max_tokens, req.logprobs, "max_tokens", COMPLETION_MAX_TOKENS
+        frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", COMPLETION_MAX_TOKENS
     )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
@@ -98,6 +104,7 @@ async def completion_plan(
         continuous_usage=req.continuous_usage,
         prompt_tokens=sum(len(p.token_ids) for p in prompts),
         arrival=arrival,
+        prompt_only=req.prompt_only,
     )
 
 

@@ -104,36 +104,56 @@ class CompletionFormat(_Format):
     def __init__(self, header, req: CompletionRequest, frontend, echo_texts: dict[int, str]):
         super().__init__(header, req, frontend)
         self.echo_texts = echo_texts  # choice index -> prompt text, when echo is on
+        self.prompt_only = req.prompt_only  # (echo with max_tokens=0: the sampled token goes)
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
-        delta = event.delta
-        text = delta.text
+        delta, output = event.delta, event.output
+        text, ids, depths, entries = delta.text, delta.token_ids, delta.exit_depths, delta.logprobs
+        if self.prompt_only:
+            text, ids, depths, entries = "", [], [], []
         if first:
-            text = self.echo_texts.get(event.index, "") + text
-            self._offsets[event.index] = len(self.echo_texts.get(event.index, ""))
+            text = self._echo(event.index, output) + text
         logprobs = None
-        if event.output.logprobs is not None:  # the request asked for logprobs
-            logprobs = self._logprobs(event.index, delta.logprobs)
+        if output.logprobs is not None:  # the request asked for logprobs
+            logprobs = self._logprobs(event.index, self._prompt_entries(output, first) + entries)
+        finish = delta.finish_reason
         entry = {
             "index": event.index,
             "text": text,
             "logprobs": logprobs,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": "length" if self.prompt_only and finish else finish,
         }
-        return [self._extensions(entry, delta.token_ids, delta.exit_depths)]
+        return [self._extensions(entry, ids, depths)]
 
     def final_choice(self, index: int, output: Completion) -> dict:
+        echo = self._echo(index, output)
+        text, ids, depths = output.text, output.token_ids, output.exit_depths
+        entries, finish = output.logprobs, output.finish_reason
+        if self.prompt_only:
+            text, ids, depths = "", [], []
+            entries = None if entries is None else []
+            finish = finish and "length"
+        logprobs = None
+        if entries is not None:
+            logprobs = self._logprobs(index, self._prompt_entries(output, True) + entries)
+        entry = {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": finish}
+        return self._extensions(entry, ids, depths)
+
+    def _echo(self, index: int, output: Completion) -> str:
+        """The echoed prompt's text; sets where the next token's ``text_offset`` is: after it,
+        or at 0 when the prompt's tokens are listed (with their logprobs) from there."""
         echo = self.echo_texts.get(index, "")
-        self._offsets[index] = len(echo)
-        logprobs = None if output.logprobs is None else self._logprobs(index, output.logprobs)
-        entry = {
-            "index": index,
-            "text": echo + output.text,
-            "logprobs": logprobs,
-            "finish_reason": output.finish_reason,
-        }
-        return self._extensions(entry, output.token_ids, output.exit_depths)
+        self._offsets[index] = 0 if output.prompt_logprobs is not None else len(echo)
+        return echo
+
+    def _prompt_entries(self, output: Completion, first: bool) -> list[dict]:
+        """Echo with logprobs: the prompt's tokens as logprob entries (the first has none),
+        before the output's, in a choice's first chunk."""
+        if not first or output.prompt_logprobs is None:
+            return []
+        head = {"token_id": output.prompt_token_ids[0], "logprob": None, "top_logprobs": None}
+        return [head, *output.prompt_logprobs]
 
     def _logprobs(self, index: int, entries: list[dict]) -> dict:
         tokens, values, tops, offsets = [], [], [], []
@@ -143,7 +163,8 @@ class CompletionFormat(_Format):
             token = text_of(entry["token_id"])
             tokens.append(token)
             values.append(_logprob(entry["logprob"]))
-            tops.append({text_of(t): _logprob(lp) for t, lp in entry["top_logprobs"]})
+            top = entry["top_logprobs"]
+            tops.append(None if top is None else {text_of(t): _logprob(lp) for t, lp in top})
             offsets.append(offset)
             offset += len(token)
         self._offsets[index] = offset

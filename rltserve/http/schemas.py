@@ -112,8 +112,14 @@ class CompletionRequest(GenerationFields):
             raise SchemaError("best_of", "best_of: only best_of == n is supported")
         if self.suffix:
             raise SchemaError("suffix", "suffix: not supported")
-        if self.echo and self.logprobs is not None:
-            raise SchemaError("echo", "echo: not supported with logprobs (no prompt logprobs)")
+        if self.max_tokens == 0 and not self.echo:
+            raise SchemaError("max_tokens", "max_tokens=0: only with echo=true (the prompt alone)")
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens=0``: the response is the prompt (with its logprobs), as
+        scoring clients ask (the engine still samples one token, which is left out)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def top_logprobs(self) -> int | None:
@@ -235,7 +241,7 @@ def sampling_params(
     that n > 1 gives distinct but reproducible samples."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     seed = None if req.seed is None else req.seed + sample_index
-    if req.min_tokens > max_tokens:
+    if req.min_tokens > max_tokens >= 1:  # (a max_tokens below 1 is SamplingParams' error)
         asked = req.max_tokens is not None or getattr(req, "max_completion_tokens", None)
         limit = f"max_tokens ({max_tokens})" if asked else f"the default max_tokens ({max_tokens})"
         raise SchemaError("min_tokens", f"min_tokens={req.min_tokens}: must be <= {limit}")
@@ -257,6 +263,8 @@ def sampling_params(
             logit_bias=(
                 None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
             ),
+            # Completions with echo and logprobs: the prompt's, for every choice.
+            prompt_logprobs=logprobs if getattr(req, "echo", False) else None,
             allowed_token_ids=req.allowed_token_ids,
             min_loops=req.min_loops,
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,

@@ -1,0 +1,126 @@
+"""``prompt_logprobs=k`` (vLLM's): for each prompt token after the first, its logprob and the
+top ``k`` as the position before predicts it after every loop. They come with the first output
+token, once, and equal the oracle's in every engine mode: chunked and wavefront prefill, async
+steps, preemption in both modes (a prompt recomputed keeps what it had), a prompt others have
+cached (computed again: no hits), the samples of one prompt (only the first scores it), and
+Huginn's coda."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_util import make_core, oracle_run, run_core
+from test_preemption import _tight_blocks
+
+from rltserve.sampling import SamplingParams, expand_samples
+
+TOP = 3
+
+
+def _check(ref, prompt, params, got, **kw) -> None:
+    """``got`` (an update's prompt logprobs) against the oracle's prompt logits."""
+    want = torch.log_softmax(oracle_run(ref, prompt, params, **kw).prompt_logits, dim=-1)
+    assert len(got) == len(prompt) - 1
+    for q, (lp, top) in enumerate(got):
+        assert lp == pytest.approx(want[q, prompt[q + 1]].item(), abs=1e-4), q
+        values, ids = want[q].topk(params.prompt_logprobs or 0)
+        assert [t for t, _ in top] == ids.tolist(), q
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4), q
+
+
+def _workload(n: int = 6, seed: int = 11):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 14))] for _ in range(n)]
+    params = [
+        SamplingParams(
+            max_tokens=5,
+            ignore_eos=True,
+            exit_threshold=0.5,
+            prompt_logprobs=TOP if i % 2 else 0,
+        )
+        for i in range(n)
+    ]
+    params[-1] = params[-1].replace(prompt_logprobs=None)  # one without, beside them
+    return prompts, params
+
+
+MODES = {
+    "sync": {},
+    "chunked": {"prefill_chunk_size": 4, "max_num_batched_tokens": 12},
+    "wavefront": {"prefill_chunk_size": 4, "wavefront_prefill": True},
+    "async": {"async_scheduling": True, "exit_mode": "delayed"},
+    "recompute": {"preemption_mode": "recompute", "prefill_chunk_size": 4},
+    "swap": {"preemption_mode": "swap", "prefill_chunk_size": 4},
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_logprobs_match_the_oracle_in_every_mode(ckpts, ouro_ref, mode):
+    prompts, params = _workload()
+    kw = {"kv_policy": "last_exited", **MODES[mode]}
+    if "preemption_mode" in kw:
+        kw["block_size"] = 4
+        kw["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params)
+    core = make_core(ckpts["ouro"], **kw)
+    run = run_core(core, prompts, params, lag=1 if kw.get("async_scheduling") else 0)
+    exit_mode = kw.get("exit_mode", "gate")
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        rid = f"r{i}"
+        want = oracle_run(ouro_ref, prompt, p, exit_mode=exit_mode, kv_policy="last_exited")
+        assert (run.tokens[rid], run.depths[rid]) == (want.tokens, want.exit_depths), rid
+        if p.prompt_logprobs is None:
+            assert rid not in run.prompt_logprobs
+            continue
+        _check(ouro_ref, prompt, p, run.prompt_logprobs[rid], exit_mode=exit_mode)
+    if "preemption_mode" in kw:
+        assert core.stats().num_preemptions > 0
+    core.kv.check_no_leaks()
+
+
+def test_a_cached_prompt_is_scored_in_full(ckpts, ouro_ref):
+    """A prompt others cached is computed again for a request that scores it (nothing to
+    score in a cached block); what it computes still serves later requests."""
+    prompt = list(range(40, 57))  # 17 tokens: 4 full blocks of 4 before the last
+    core = make_core(ckpts["ouro"], block_size=4, enable_prefix_caching=True)
+    plain = SamplingParams(max_tokens=3, ignore_eos=True)
+    scored = plain.replace(prompt_logprobs=2)
+    first = run_core(core, [prompt], [plain])
+    again = run_core(core, [prompt, prompt], [scored, plain], arrivals=[0, 6])
+    assert again.tokens["r0"] == again.tokens["r1"] == first.tokens["r0"]
+    _check(ouro_ref, prompt, scored, again.prompt_logprobs["r0"])
+    assert core.stats().prefix_cache_hits >= 16  # (the plain one hit)
+
+
+def test_only_the_first_sample_scores_the_prompt(ckpts, ouro_ref):
+    prompt = [7, 8, 9, 10, 11, 12]
+    params = SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=4, prompt_logprobs=1)
+    samples = expand_samples(params)
+    assert [s.prompt_logprobs for s in samples] == [1, None, None]
+    core = make_core(ckpts["ouro"])
+    run = run_core(core, [prompt] * 3, samples, groups=["g"] * 3)
+    assert list(run.prompt_logprobs) == ["r0"]
+    _check(ouro_ref, prompt, samples[0].replace(temperature=0.0), run.prompt_logprobs["r0"])
+
+
+def test_huginn_prompt_logprobs_come_from_its_coda(ckpts, huginn_ref):
+    prompts = [[3, 9, 27, 81, 5, 6, 7], [5, 6]]
+    params = [
+        SamplingParams(max_tokens=3, ignore_eos=True, init_state="zero", prompt_logprobs=TOP)
+    ] * 2
+    for chunk in (64, 3):
+        run = run_core(make_core(ckpts["huginn"], prefill_chunk_size=chunk), prompts, params)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            _check(huginn_ref, prompt, p, run.prompt_logprobs[f"r{i}"])
+
+
+def test_a_one_token_prompt_has_none_to_score(ckpts):
+    run = run_core(make_core(ckpts["ouro"]), [[5]], [SamplingParams(prompt_logprobs=2)])
+    assert run.prompt_logprobs["r0"] == []
+
+
+@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+def test_sampling_params_validate_prompt_logprobs(value):
+    with pytest.raises(ValueError, match="^prompt_logprobs="):
+        SamplingParams(prompt_logprobs=value)
