@@ -22,6 +22,7 @@ from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
 from rltserve.progress import progress_enabled, watch_dir_growth
+from rltserve.sampling import INIT_STATES
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -37,6 +38,7 @@ def _sampling_from_args(args: argparse.Namespace):
         min_loops=args.min_loops,
         max_loops=args.max_loops,
         ignore_eos=args.ignore_eos,
+        init_state=args.init_state,
     )
 
 
@@ -51,6 +53,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loops", type=int, default=1)
     g.add_argument("--max-loops", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--init-state",
+        choices=INIT_STATES,
+        default="random",
+        help="Huginn: the recurrent state's start (random per seed, or zeros)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -242,7 +242,7 @@ class LLM:
             rendered = self.tokenizer.apply_chat_template(
                 turns, add_generation_prompt, tokenize=False, **kwargs
             )
-            text = chat_prompt_text(rendered, add_generation_prompt, kwargs)
+            text = chat_prompt_text(rendered, add_generation_prompt, kwargs, self.tokenizer)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -386,7 +386,7 @@ class LLM:
                     "prompt: text needs a tokenizer and there is no tokenizer "
                     "(skip_tokenizer_init=True, or none in the checkpoint); pass token ids"
                 )
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode_prompt(prompt)
         return self._check_ids(prompt)
 
     def _check_ids(self, prompt: object) -> list[int]:

@@ -129,11 +129,17 @@ def with_thinking_prefix(prompt_text: str) -> str:
 
 
 def chat_prompt_text(
-    rendered: str, add_generation_prompt: bool, template_kwargs: Mapping[str, Any]
+    rendered: str, add_generation_prompt: bool, template_kwargs: Mapping[str, Any], tokenizer
 ) -> str:
     """A conversation rendered by its chat template, as the engine takes it (the server's chat
     endpoint and ``LLM.chat`` alike): a generation prompt asked to think (``enable_thinking``)
-    gets the thinking prefix (``with_thinking_prefix``)."""
-    if add_generation_prompt and template_kwargs.get("enable_thinking"):
+    gets the thinking prefix (``with_thinking_prefix``) where the vocabulary has a ``<think>``
+    token (elsewhere, as Huginn's, it would be six tokens of text the model never learned;
+    the template still gets ``enable_thinking``)."""
+    if (
+        add_generation_prompt
+        and template_kwargs.get("enable_thinking")
+        and tokenizer.has_think_token
+    ):
         return with_thinking_prefix(rendered)
     return rendered

@@ -152,6 +152,27 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
         assert (await live.post("/v1/chat/completions", {**ok, "max_tokens": 2}))[0] == 200
 
 
+async def test_sampling_fields_reach_the_engine(ckpt):
+    """Fields that only the engine reads arrive in the request's SamplingParams: Huginn's
+    ``init_state``, ``logit_bias`` (string keys), ``allowed_token_ids``; ``num_steps`` errors
+    name ``num_steps``."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "init_state": "zero", "logit_bias": {"7": -2}}
+        assert (await live.post("/v1/completions", {**body, "allowed_token_ids": [7, 9]}))[0] == 200
+        (params,) = stage.added_params
+        assert params.init_state == "zero" and params.logit_bias == {7: -2}
+        assert params.allowed_token_ids == (7, 9)
+        assert (await live.post("/v1/completions", {"prompt": [5], "max_tokens": 2}))[0] == 200
+        assert stage.added_params[-1].init_state == "random"
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "init_state": "one"})
+        assert status == 400 and error_of(raw)["param"] == "init_state"
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 0})
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "num_steps"), error
+        assert error["message"].startswith("num_steps=0: must be >= min_loops"), error
+
+
 async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
     async with running(ckpt, client_factory=factory(ckpt)) as live:
         status, _, raw = await live.post(

@@ -92,6 +92,14 @@ def test_values_of_a_known_sequence():
     assert "process_cpu_seconds_total" in names and "process_resident_memory_bytes" in names
 
 
+def test_exit_depth_buckets_stay_few_for_deep_models():
+    from rltserve.http.metrics import depth_buckets
+
+    assert depth_buckets(4) == [1, 2, 3, 4]
+    assert depth_buckets(256) == [*range(1, 33), 64, 128, 256]  # Huginn's cap: 35, not 256
+    assert depth_buckets(40)[-2:] == [32, 40]
+
+
 def test_each_app_has_its_own_registry():
     a, b = ServingMetrics("a"), ServingMetrics("b")
     for metrics in (a, b):

@@ -97,6 +97,15 @@ def test_huginn_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str
     ids = tok.encode("Hi", add_special_tokens=True)
     assert ids[0] == cfg["bos_token_id"] and ids[-1] == cfg["eos_token_id"]
     assert ids[1:-1] == tok.encode("Hi", add_special_tokens=False)
+    # ... and so does a text prompt to continue (LLM and /v1/completions): it is not ended.
+    assert tok.appended_end == cfg["eos_token_id"] and tok.encode_prompt("Hi") == ids[:-1]
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "nanbeige-tiny"])
+def test_a_prompt_is_encoded_as_text_where_nothing_is_appended(toks, name) -> None:
+    tok = toks[name]
+    assert tok.appended_end is None
+    assert tok.encode_prompt("Hi there") == tok.encode("Hi there", add_special_tokens=True)
 
 
 def test_nanbeige_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
@@ -186,3 +195,19 @@ def test_missing_chat_template_raises(tmp_path: Path, ckpt_dirs: dict[str, Path]
     with pytest.raises(TokenizerError, match="no chat_template"):
         tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert tok.decode(tok.encode("plain text still works")) == "plain text still works"
+
+
+def test_the_thinking_prefix_needs_a_think_token(toks: dict[str, Tokenizer]) -> None:
+    """``enable_thinking`` appends ``<think>\\n`` where the vocabulary has the token (Ouro,
+    Nanbeige); Huginn's has none, so its prompt is left as its template rendered it."""
+    from rltserve.thinking import chat_prompt_text, with_thinking_prefix
+
+    chat = [{"role": "user", "content": "Hi"}]
+    think = {"enable_thinking": True}
+    for name, prefixed in (("ouro-tiny", True), ("nanbeige-tiny", True), ("huginn-tiny", False)):
+        tok = toks[name]
+        rendered = tok.apply_chat_template(chat, tokenize=False, **think)
+        text = chat_prompt_text(rendered, True, think, tok)
+        assert text == (with_thinking_prefix(rendered) if prefixed else rendered), name
+        assert text.endswith("<think>\n") == prefixed, name
+        assert chat_prompt_text(rendered, False, think, tok) == rendered

@@ -236,6 +236,15 @@ def test_without_tokenizer_json_falls_back_to_transformers(dirs: dict, tmp_path:
     assert tok.eos_token_ids == fast.eos_token_ids
 
 
+def test_a_tokenizer_config_without_a_tokenizer_is_refused(dirs: dict, tmp_path: Path) -> None:
+    """A partial download (tokenizer_config.json, no tokenizer.json) is an error naming the
+    missing file, not a checkpoint served without text; no tokenizer files at all is none."""
+    assert load_tokenizer(tmp_path) is None
+    shutil.copy(dirs["ouro-tiny"] / "tokenizer_config.json", tmp_path)
+    with pytest.raises(ValueError, match="tokenizer_config.json but no tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
 def test_tokenizer_files_read_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):

@@ -169,6 +169,10 @@ def test_huginn_tied_copy_follows_its_source(huginn_rv1, huginn_ref, tmp_path):
     with LLM(str(huginn_rv1), in_process=True, num_blocks=128) as llm:
         with pytest.raises(ValueError, match="tied copies without their source"):
             llm.update_weights([("lm_head.weight", new["lm_head.weight"])])
+        untied = {**new, "lm_head.weight": new["lm_head.weight"] + 0.5}  # as loading refuses
+        with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte"):
+            llm.update_weights(untied.items())
+        assert llm.weight_version == 0
         llm.update_weights(new.items())
         got = llm.generate(PROMPTS, p)
     ref = Reference.load(write_checkpoint(tmp_path / "h", cfg, new))

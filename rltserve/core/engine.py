@@ -213,6 +213,16 @@ class EngineCore:
                 "gate rule would make every step wait for the previous one"
             )
         cap = params.max_loops or spec.num_loops
+        if params.adaptive_exit and not spec.has_gate and sched.exit_mode != "trace":
+            raise ValueError(
+                f"exit_threshold={params.exit_threshold}: this model has no exit gate (its "
+                "tokens loop to a fixed depth: set max_loops, leave exit_threshold at 1.0)"
+            )
+        if params.min_loops > cap:
+            raise ValueError(
+                f"min_loops={params.min_loops}: above the {cap} loops this request runs at most "
+                "(max_loops, or the model's loop count)"
+            )
         if params.trace_depths and max(params.trace_depths) > cap:
             raise ValueError(
                 f"trace_depths: depth {max(params.trace_depths)} is above the request's "

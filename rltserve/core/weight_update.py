@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from rltserve.models.base import LoopedModel
-from rltserve.models.loader import DROPPED_SUFFIXES, FLOAT_DTYPES, read_config
+from rltserve.models.loader import DROPPED_SUFFIXES, FLOAT_DTYPES, check_tied, read_config
 from rltserve.models.registry import get_family
 
 _MAX_LISTED = 10
@@ -108,6 +108,14 @@ def read_update(
             )
             if items
         ]
+        if not problems:  # a tied copy given with its source must equal it, as loading requires
+            handles = {name: f for name, (f, _, _) in found.items()}
+            for copy, source in extra["tied"].items():
+                if copy in found:
+                    try:
+                        check_tied(handles, copy, source)
+                    except ValueError as exc:
+                        problems.append(str(exc))
         if problems:
             raise ValueError("weights: update rejected, nothing applied; " + "; ".join(problems))
         copies = []

@@ -148,9 +148,12 @@ class TextCodec:
             )
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's ids; a text that cannot fit is a 400 before any encoding."""
+        """A prompt's ids (a text prompt's as ``Tokenizer.encode_prompt`` has them, with
+        ``add_special_tokens``); a text that cannot fit is a 400 before any encoding."""
         self.check_chars(text, param)
-        return await self.encode_any(text, add_special_tokens)
+        if add_special_tokens:
+            return await self.run(len(text), self.tokenizer.encode_prompt, text)
+        return await self.encode_any(text, False)
 
     async def encode_any(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of any text, however long (``/tokenize`` counts what it is given)."""

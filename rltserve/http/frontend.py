@@ -166,7 +166,7 @@ class Frontend:
             raise bad_request(
                 f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from exc
-        text = chat_prompt_text(text, add_generation_prompt, template_kwargs or {})
+        text = chat_prompt_text(text, add_generation_prompt, template_kwargs or {}, codec.tokenizer)
         if check_length:
             return await codec.encode(text, "messages", add_special_tokens=False)
         return await codec.encode_any(text, add_special_tokens=False)

@@ -41,6 +41,17 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
+DEPTH_BUCKETS = 32  # every loop up to here has its bucket; past it, powers of two
+
+
+def depth_buckets(max_loops: int) -> list[int]:
+    """The exit-depth histogram's bucket bounds: every loop up to 32 (Ouro's 4, Nanbeige's),
+    then doubling up to ``max_loops`` (Huginn's 256: 35 buckets, not 256 series)."""
+    out = list(range(1, min(max_loops, DEPTH_BUCKETS) + 1))
+    while out[-1] < max_loops:
+        out.append(min(out[-1] * 2, max_loops))
+    return out
+
 
 @dataclass
 class RequestTimeline:
@@ -119,15 +130,15 @@ class ServingMetrics:
         reg.register(self._engine)
 
     def configure(self, max_loops: int, stats: StatsSource) -> None:
-        """Once the engine is up: the exit-depth buckets (1..max_loops) and where engine-side
-        numbers come from."""
+        """Once the engine is up: the exit-depth buckets (``depth_buckets``) and where
+        engine-side numbers come from."""
         if self.exit_depth is None:
             self.exit_depth = Histogram(
                 P + "token_exit_depth",
                 "Loop at which each generated token exited.",
                 ("model_name",),
                 registry=self.registry,
-                buckets=range(1, max_loops + 1),
+                buckets=depth_buckets(max_loops),
             ).labels(self.model_name)
         self._engine.stats = stats
 

@@ -64,6 +64,7 @@ class GenerationFields:
     num_steps: int | None = None  # Huginn's name for max_loops
     exit_threshold: float = 1.0
     priority: int = 0
+    init_state: str = "random"  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
     # thinking span, the engine appends the interruption and the end ids itself.
     max_thinking_tokens: int | None = None
@@ -270,6 +271,7 @@ def sampling_params(
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
             exit_threshold=req.exit_threshold,
             priority=req.priority,
+            init_state=req.init_state,
             logprobs=logprobs,
             max_thinking_tokens=req.max_thinking_tokens,
             thinking_interruption=req.thinking_interruption,
@@ -278,4 +280,7 @@ def sampling_params(
             ),
         )
     except ValueError as exc:
-        raise SchemaError(param_of(str(exc)), str(exc)) from exc
+        message = str(exc)
+        if req.max_loops is None and req.num_steps is not None and message.startswith("max_loops="):
+            message = "num_steps" + message[len("max_loops") :]  # (the name the client used)
+        raise SchemaError(param_of(message), message) from exc

@@ -142,7 +142,7 @@ def _check_layout(
         raise CheckpointError(msg)
 
 
-def _check_tied(handles: dict[str, Any], copy: str, source: str) -> None:
+def check_tied(handles: dict[str, Any], copy: str, source: str) -> None:
     """Compare a tied copy with its source a slab of rows at a time (bounded extra memory)."""
     a, b = handles[copy].get_slice(copy), handles[source].get_slice(source)
     rows = a.get_shape()[0]
@@ -228,7 +228,7 @@ def load_model(
         if bad_dtypes:
             raise CheckpointError(f"{root}: non-float tensors" + _listing("tensors", bad_dtypes))
         for copy, source in family.tied.items():
-            _check_tied(handles, copy, source)
+            check_tied(handles, copy, source)
         with torch.device("meta"):
             model = family.model_cls(cfg)
         state: dict[str, torch.Tensor] = {}

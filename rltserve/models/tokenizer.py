@@ -90,6 +90,12 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(
             backend.special_added_ids() | {i for i in named if i is not None}
         )
+        self.has_think_token = "<think>" in vocab  # (thinking-model chat prefixes)
+        # A tokenizer whose post-processor closes every text with an end token (Huginn's
+        # appends <|end_text|>): a prompt to continue must not end with it.
+        plain, full = backend.encode("a", False), backend.encode("a", True)
+        last = full[-1] if len(full) > len(plain) else None
+        self.appended_end: int | None = last if last in self.eos_token_ids else None
         source = files.chat_template
         try:
             self._template = ChatTemplate(source) if source else None
@@ -126,6 +132,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids, special tokens added, without an end token the tokenizer
+        appends to every text (``appended_end``; Huginn's README strips it the same way): the
+        model is to continue the text, not to see it ended."""
+        ids = self.backend.encode(text, True)
+        if self.appended_end is not None and ids and ids[-1] == self.appended_end:
+            ids.pop()
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens)
@@ -221,6 +236,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """
     path = Path(path)
     if not has_tokenizer_files(path):
+        if (path / "tokenizer_config.json").is_file():  # (a download that stopped short?)
+            raise TokenizerError(
+                f"{path} has tokenizer_config.json but no {FAST_FILE} (nor vocabulary files): "
+                f"the tokenizer is incomplete; add {FAST_FILE}, or run on token ids alone "
+                "(skip_tokenizer_init=True, or without tokenizer_config.json)"
+            )
         return None
     try:
         files = TokenizerFiles.read(path)
