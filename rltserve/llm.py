@@ -17,7 +17,7 @@ from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
-from rltserve.http.schemas import joined_text_parts
+from rltserve.http.schemas import joined_text_parts, template_role
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
@@ -38,16 +38,22 @@ def _prompt_text(prompt: PromptInput) -> str | None:
     return None
 
 
-def _text_content(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    """``message`` with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined
-    into one text, as the server's chat endpoint joins them; other content as it is."""
-    content = message.get("content") if isinstance(message, Mapping) else None
-    if not isinstance(content, list):
+def _template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """``message`` as the server's chat endpoint gives it to the template: OpenAI-style content
+    parts (``[{"type": "text", "text": ...}]``) joined into one text (other content as it is),
+    a ``developer`` message as ``system``."""
+    if not isinstance(message, Mapping):
         return message
-    parts = [
-        (p.get("type"), p.get("text")) if isinstance(p, Mapping) else (None, None) for p in content
-    ]
-    return {**message, "content": joined_text_parts(parts, path)}
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [
+            (p.get("type"), p.get("text")) if isinstance(p, Mapping) else (None, None)
+            for p in content
+        ]
+        message = {**message, "content": joined_text_parts(parts, path)}
+    if message.get("role") == "developer":
+        message = {**message, "role": template_role("developer")}
+    return message
 
 
 class LLM:
@@ -238,7 +244,9 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         prompts = []
         for c, conversation in enumerate(conversations):
-            turns = [_text_content(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)]
+            turns = [
+                _template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)
+            ]
             rendered = self.tokenizer.apply_chat_template(
                 turns, add_generation_prompt, tokenize=False, **kwargs
             )

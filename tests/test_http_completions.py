@@ -191,6 +191,13 @@ async def test_chat_template_and_kwargs(server, offline):
         assert status == 200
         counts.append(orjson.loads(raw)["count"])
     assert counts[1] == counts[0] + 2  # "<think>\n" after the generation prompt
+    # OpenAI's developer role renders as the system role (templates predate it).
+    tokens = []
+    for role in ("system", "developer"):
+        body = {"messages": [{"role": role, "content": "Be brief."}, *messages]}
+        status, _, raw = await server.post("/tokenize", body)
+        tokens.append(orjson.loads(raw)["tokens"])
+    assert tokens[0] == tokens[1]
     ref = offline["chat"]
     body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     status, _, raw = await server.post("/v1/chat/completions", body)

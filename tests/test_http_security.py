@@ -101,6 +101,20 @@ async def test_request_bounds_come_from_the_config(ckpt, path, body, param, frag
         assert status == 200, raw
 
 
+async def test_max_tokens_limit_bounds_requests_that_ask_none(ckpt):
+    """Chat clients rarely send max_tokens: the limit is then what a request gets (not the
+    rest of the context); a completion's default 16 stays when the limit is above it."""
+    for limit, want_chat, want_completion in ((3, 3, 3), (20, 20, 16)):
+        async with running(ckpt, client_factory=scripted(ckpt), max_tokens_limit=limit) as live:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+            status, _, raw = await live.post("/v1/chat/completions", chat)
+            assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == want_chat
+            body = {"prompt": [5], "ignore_eos": True}
+            status, _, raw = await live.post("/v1/completions", body)
+            usage = orjson.loads(raw)["usage"]
+            assert status == 200 and usage["completion_tokens"] == want_completion
+
+
 def test_config_rejects_bad_bounds():
     for kwargs, fragment in [
         ({"max_n": 0}, "max_n=0: must be an int in [1, 128]"),

@@ -185,6 +185,8 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     text, ids = tok.apply_chat_template(conv, tokenize=False), tok.apply_chat_template(conv)
     assert out.prompt == text and out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == llm.generate([ids], p)[0].outputs[0].token_ids
+    developer = [{"role": "developer", "content": "Be brief."}, conv[1]]
+    assert llm.chat(developer, p)[0].prompt_token_ids == ids  # (rendered as system)
     both = llm.chat([conv, conv[1:]], p)  # a list of conversations, in order
     assert [o.prompt_token_ids for o in both] == [ids, tok.apply_chat_template(conv[1:])]
     (think,) = llm.chat(conv, p, chat_template_kwargs={"enable_thinking": True})

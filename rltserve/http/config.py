@@ -68,7 +68,10 @@ class ServerConfig:
     max_n: int = field(default=MAX_N, metadata=_help(f"largest n (at most {MAX_N})"))
     max_tokens_limit: int | None = field(
         default=None,
-        metadata=_help("largest max_tokens a request may ask for (default: the context length)"),
+        metadata=_help(
+            "largest max_tokens a request may ask for, and what one that asks none gets "
+            "(default: the context length)"
+        ),
     )
     max_stop: int = field(default=16, metadata=_help("most stop strings in one request"))
     max_stop_chars: int = field(default=256, metadata=_help("longest stop string (characters)"))

@@ -62,6 +62,15 @@ def _token_limit(
     return asked
 
 
+def _default_max_tokens(state: ServingState, default: int | None = None) -> int | None:
+    """What a request that names no max_tokens gets (None: the rest of the context), within
+    the operator's ``max_tokens_limit``: chat clients rarely send one."""
+    limit = state.config.max_tokens_limit
+    if limit is None or default is None:
+        return default if limit is None else limit
+    return min(default, limit)
+
+
 def _header(state: ServingState, prefix: str) -> ResponseHeader:
     return ResponseHeader(state.ids(prefix), int(state.clock()), state.model_name)
 
@@ -92,9 +101,8 @@ async def completion_plan(
     frontend = state.require_frontend()
     prompts = await frontend.completion_prompts(req.prompt)
     max_tokens = 1 if req.prompt_only else req.max_tokens
-    choices = _choices(
-        frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", COMPLETION_MAX_TOKENS
-    )
+    default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
+    choices = _choices(frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", default)
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,
@@ -118,7 +126,9 @@ async def chat_plan(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     return GenerationPlan(
-        choices=_choices(frontend, req, [prompt], req.token_limit, logprobs, param),
+        choices=_choices(
+            frontend, req, [prompt], req.token_limit, logprobs, param, _default_max_tokens(state)
+        ),
         format=ChatFormat(
             _header(state, "chatcmpl"),
             req,

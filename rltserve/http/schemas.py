@@ -127,6 +127,12 @@ class CompletionRequest(GenerationFields):
         return self.logprobs
 
 
+def template_role(role: object) -> object:
+    """The role a chat template renders a message under: OpenAI's ``developer`` (what its newer
+    SDKs send for system instructions) is a ``system`` message to templates that predate it."""
+    return "system" if role == "developer" else role
+
+
 def joined_text_parts(parts: list[tuple[object, object]], path: str) -> str:
     """OpenAI-style content parts, as ``(type, text)``, as the one text chat templates take:
     the text parts joined by newlines (the server's chat endpoint and ``LLM.chat`` alike); a
@@ -162,7 +168,7 @@ class ChatMessage:
             raise SchemaError(where, f"{where}: required for a {self.role} message")
         if isinstance(content, list):
             content = joined_text_parts([(part.type, part.text) for part in content], path)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         return message
