@@ -82,7 +82,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists and a bare string where tuples are stored, so the params stay hashable.
+        # Accept lists and a bare string where tuples are stored, so the params stay hashable
+        # (but for a ``logit_bias`` dict, vLLM's type).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:

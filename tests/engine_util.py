@@ -88,6 +88,47 @@ def make_core(path, **engine) -> EngineCore:
     return EngineCore(EngineConfig.from_flat(model=str(path), **engine))
 
 
+def tight_blocks(path, prompts, params, **kw) -> int:
+    """The smallest pool every request fits alone, plus two blocks: requests are preempted
+    again and again. (Alone at the model's default depth too: the pool bounds the context.)"""
+    kw = {**kw, "block_size": 4, "num_blocks": 4096}
+    core = make_core(path, **kw)
+    need = 0
+    default = core.spec.num_loops
+    for prompt, p in zip(prompts, params):
+        r = core.make_request(None, prompt, p)
+        loops = max(r.num_loops, default)
+        need = max(need, core.kv.blocks_needed(r.kv_tokens, loops))
+    core.shutdown()
+    return need + 2
+
+
+# Engine modes every per-request feature is checked in against the oracle (with ``run_mode``).
+ENGINE_MODES = {
+    "sync": {},
+    "chunked": {"prefill_chunk_size": 4, "max_num_batched_tokens": 12},
+    "wavefront": {"prefill_chunk_size": 4, "wavefront_prefill": True},
+    "async": {"async_scheduling": True, "exit_mode": "delayed"},
+    "pipelined": {"speculative_tokens": 2, "draft_loops": 2},
+    "recompute": {"preemption_mode": "recompute"},
+    "swap": {"preemption_mode": "swap"},
+}
+
+
+def run_mode(
+    path, prompts: list[list[int]], params: list[SamplingParams], **engine
+) -> tuple[EngineCore, Run]:
+    """Runs the requests on an engine with ``engine`` settings (``kv_policy`` last_exited
+    unless given; one of ``ENGINE_MODES``, say): a preemption mode gets a pool so small that
+    requests are preempted again and again (``tight_blocks``), async scheduling its lag."""
+    engine.setdefault("kv_policy", "last_exited")
+    if "preemption_mode" in engine:
+        engine["block_size"] = 4  # (``tight_blocks``')
+        engine["num_blocks"] = tight_blocks(path, prompts, params)
+    core = make_core(path, **engine)
+    return core, run_core(core, prompts, params, lag=1 if engine.get("async_scheduling") else 0)
+
+
 def run_core(
     core: EngineCore,
     prompts: list[list[int]],

@@ -9,8 +9,7 @@ import random
 
 import pytest
 import torch
-from engine_util import make_core, oracle_run, run_core
-from test_preemption import _tight_blocks
+from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode
 
 from rltserve.core.sampler import Sampler, SampleRow
 from rltserve.sampling import SamplingParams
@@ -36,28 +35,13 @@ def _workload(ref, n: int = 8, seed: int = 5):
     return prompts, params
 
 
-MODES = {
-    "sync": {},
-    "chunked": {"prefill_chunk_size": 4, "max_num_batched_tokens": 12},
-    "wavefront": {"prefill_chunk_size": 4, "wavefront_prefill": True},
-    "async": {"async_scheduling": True, "exit_mode": "delayed"},
-    "pipelined": {"speculative_tokens": 2, "draft_loops": 2},
-    "recompute": {"preemption_mode": "recompute"},
-    "swap": {"preemption_mode": "swap"},
-}
-
-
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_bias_and_allowed_ids_match_the_oracle_in_every_mode(ckpts, ouro_ref, mode):
     prompts, params = _workload(ouro_ref)
     if mode == "pipelined":  # (pipelining is for full-depth requests)
         params = [p.replace(exit_threshold=1.0) for p in params]
-    kw = {"kv_policy": "last_exited", **MODES[mode]}
-    if "preemption_mode" in kw:
-        kw["block_size"] = 4
-        kw["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params)
-    core = make_core(ckpts["ouro"], **kw)
-    run = run_core(core, prompts, params, lag=1 if kw.get("async_scheduling") else 0)
+    kw = ENGINE_MODES[mode]
+    core, run = run_mode(ckpts["ouro"], prompts, params, **kw)
     exit_mode = kw.get("exit_mode", "gate")
     changed = 0
     for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -11,6 +11,7 @@ import random
 
 import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core, stream_all
+from engine_util import tight_blocks as _tight_blocks
 
 from rltserve.config import EngineConfig
 from rltserve.core.request import Resume
@@ -28,21 +29,6 @@ def _workload(n: int, seed: int, thresholds=(1.0, 0.5, 0.3), max_tokens=(10, 16)
     # Short prompts and long outputs: requests are admitted on their first chunk and collide
     # as they grow.
     return random_workload(n, seed, thresholds, max_prompt=12, max_tokens=max_tokens, max_arrival=0)
-
-
-def _tight_blocks(path, prompts, params, **kw) -> int:
-    """The smallest pool every request fits alone, plus two blocks: requests are preempted
-    again and again. (Alone at the model's default depth too: the pool bounds the context.)"""
-    kw = {**kw, "block_size": 4, "num_blocks": 4096}
-    core = make_core(path, **kw)
-    need = 0
-    default = core.spec.num_loops
-    for prompt, p in zip(prompts, params):
-        r = core.make_request(None, prompt, p)
-        loops = max(r.num_loops, default)
-        need = max(need, core.kv.blocks_needed(r.kv_tokens, loops))
-    core.shutdown()
-    return need + 2
 
 
 def _run(

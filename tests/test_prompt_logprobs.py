@@ -11,8 +11,7 @@ import random
 
 import pytest
 import torch
-from engine_util import make_core, oracle_run, run_core
-from test_preemption import _tight_blocks
+from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode
 
 from rltserve.sampling import SamplingParams, expand_samples
 
@@ -46,28 +45,37 @@ def _workload(n: int = 6, seed: int = 11):
     return prompts, params
 
 
+# Pipelining is for greedy full-depth requests (their prompts score as any other's); preempted
+# prompts are chunked, so a recomputed one may end in another chunk.
 MODES = {
-    "sync": {},
-    "chunked": {"prefill_chunk_size": 4, "max_num_batched_tokens": 12},
-    "wavefront": {"prefill_chunk_size": 4, "wavefront_prefill": True},
-    "async": {"async_scheduling": True, "exit_mode": "delayed"},
+    **{k: v for k, v in ENGINE_MODES.items() if k != "pipelined"},
     "reserved": {"kv_reservation": "full", "num_blocks": 64},
     "recompute": {"preemption_mode": "recompute", "prefill_chunk_size": 4},
     "swap": {"preemption_mode": "swap", "prefill_chunk_size": 4},
+    # Two steps in flight: a victim's last planned prompt loop may not be applied yet (its
+    # result is dropped): it is scored again after the swap.
+    "async_swap": {
+        "preemption_mode": "swap",
+        "prefill_chunk_size": 4,
+        "async_scheduling": True,
+        "exit_mode": "delayed",
+    },
+    "async_recompute": {
+        "preemption_mode": "recompute",
+        "prefill_chunk_size": 4,
+        "async_scheduling": True,
+        "exit_mode": "delayed",
+    },
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prompt_logprobs_match_the_oracle_in_every_mode(ckpts, ouro_ref, mode):
     prompts, params = _workload()
-    kw = {"kv_policy": "last_exited", **MODES[mode]}
     # (One ends at its first output, likely before its prompt's last loop: a withheld end.)
     params = [p.replace(max_tokens=1 if i == 1 else 5 + i) for i, p in enumerate(params)]
-    if "preemption_mode" in kw:
-        kw["block_size"] = 4
-        kw["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params)
-    core = make_core(ckpts["ouro"], **kw)
-    run = run_core(core, prompts, params, lag=1 if kw.get("async_scheduling") else 0)
+    kw = MODES[mode]
+    core, run = run_mode(ckpts["ouro"], prompts, params, **kw)
     exit_mode = kw.get("exit_mode", "gate")
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         rid = f"r{i}"
@@ -80,6 +88,15 @@ def test_prompt_logprobs_match_the_oracle_in_every_mode(ckpts, ouro_ref, mode):
     if "preemption_mode" in kw:
         assert core.stats().num_preemptions > 0
     core.kv.check_no_leaks()
+
+
+def test_prompt_logprobs_in_slabs_of_rows(ckpts, ouro_ref, monkeypatch):
+    monkeypatch.setattr("rltserve.core.step.PROMPT_SLAB", 3)  # (256 rows at a time)
+    prompts, params = _workload()
+    core, run = run_mode(ckpts["ouro"], prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if p.prompt_logprobs is not None:
+            _check(ouro_ref, prompt, p, run.prompt_logprobs[f"r{i}"])
 
 
 def test_a_cached_prompt_is_scored_in_full(ckpts, ouro_ref):

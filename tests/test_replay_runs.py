@@ -8,9 +8,8 @@ across steps, with chunked and wavefront prefill, async scheduling and time slic
 from __future__ import annotations
 
 import pytest
-from engine_util import count_grouped_attention, make_core, run_core
+from engine_util import count_grouped_attention, make_core, run_core, tight_blocks
 from test_preemption import _assert_empty, _oracle, _workload
-from test_preemption import _tight_blocks as tight_blocks
 
 
 def _pressured(ckpts, prompts, params, arrivals, **kw):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_util import make_core, run_core
-from test_preemption import _tight_blocks
+from engine_util import tight_blocks as _tight_blocks
 
 from rltserve.sampling import SamplingParams
 from rltserve.thinking import (

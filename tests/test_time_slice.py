@@ -9,7 +9,7 @@ aborts and swap space running out, and the pool and swap space end empty."""
 from __future__ import annotations
 
 import pytest
-from engine_util import make_core, run_core
+from engine_util import make_core, run_core, tight_blocks
 from fixed_exits import FixedExits, make_request, make_scheduler
 from test_preemption import (
     MODES,
@@ -22,7 +22,6 @@ from test_preemption import (
     _same,
     _workload,
 )
-from test_preemption import _tight_blocks as tight_blocks
 
 from rltserve.config import SchedulerConfig
 

@@ -163,6 +163,8 @@ class Applier:
         appended (its logits were finite)."""
         item.exit_depth = depth
         item.wake = 0
+        if request.finish_pending is not None:
+            return False  # (a token started before its end was known: never output)
         if not finite:
             rid = request.request_id
             update = updates.update_of(rid)

@@ -192,6 +192,8 @@ class Preemptor:
         k = len(victim.output_token_ids)
         limit = victim.num_prompt_tokens + k - 1
         starts = [it.start for it in victim.items] + [victim.num_scheduled, limit]
+        if victim.scoring:  # a prompt item whose result is not applied is scored again
+            starts.append(victim.prompt_logprobs.index(None))
         return max(0, min(min(starts), self.s.kv.covered(victim.request_id)))
 
     def restore(self, request: Request) -> None:

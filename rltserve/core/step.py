@@ -23,6 +23,8 @@ from rltserve.core.sampler import SampleRow
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
+PROMPT_SLAB = 256  # prompt_logprobs: rows whose logits are computed at a time
+
 
 class Step:
     """One step's work on the runner's state: launched by ``run()``, read by ``results()``.
@@ -406,14 +408,23 @@ class Step:
             hidden = r.timed(
                 r.model.coda, state.index_select(0, index), positions.index_select(0, index), None
             )
-        logp = torch.log_softmax(r.timed(r.model.logits, hidden), dim=-1)  # [M, V]
         targets = r.tensor([t for i in scored for t in items[i].prompt_targets])  # [M]
-        self.outputs.add("prompt.chosen", logp.gather(1, targets.unsqueeze(1)).squeeze(1))
         top = max(self.lives[i].setup.params.prompt_logprobs or 0 for i in scored)
+        chosen, values, ids = [], [], []
+        # In slabs of rows: a long prompt chunk's [M, V] logits would take gigabytes.
+        for at in range(0, len(rows), PROMPT_SLAB):
+            logp = torch.log_softmax(  # [S, V]
+                r.timed(r.model.logits, hidden[at : at + PROMPT_SLAB]), dim=-1
+            )
+            chosen.append(logp.gather(1, targets[at : at + PROMPT_SLAB, None]).squeeze(1))
+            if top:
+                slab_values, slab_ids = logp.topk(top, dim=-1)  # [S, top]
+                values.append(slab_values)
+                ids.append(slab_ids)
+        self.outputs.add("prompt.chosen", torch.cat(chosen))  # [M]
         if top:
-            values, ids = logp.topk(top, dim=-1)  # [M, top]
-            self.outputs.add("prompt.top_values", values)
-            self.outputs.add("prompt.top_ids", ids)
+            self.outputs.add("prompt.top_values", torch.cat(values))  # [M, top]
+            self.outputs.add("prompt.top_ids", torch.cat(ids))
 
     def prompt_results(self) -> dict[int, list[tuple[float, list[tuple[int, float]]]]]:
         """By item index, the ``scored`` items' (logprob, top logprobs) per prompt target."""

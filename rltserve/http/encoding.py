@@ -148,16 +148,17 @@ class TextCodec:
             )
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's ids (a text prompt's as ``Tokenizer.encode_prompt`` has them, with
-        ``add_special_tokens``); a text that cannot fit is a 400 before any encoding."""
+        """A prompt's ids (``encode_any``); a text that cannot fit is a 400 before any
+        encoding."""
         self.check_chars(text, param)
-        if add_special_tokens:
-            return await self.run(len(text), self.tokenizer.encode_prompt, text)
-        return await self.encode_any(text, False)
+        return await self.encode_any(text, add_special_tokens)
 
     async def encode_any(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids of any text, however long (``/tokenize`` counts what it is given)."""
-        return await self.run(len(text), self.tokenizer.encode, text, add_special_tokens)
+        """Ids of any text, however long (``/tokenize`` counts what it is given): with
+        ``add_special_tokens``, a text prompt's as ``Tokenizer.encode_prompt`` has them."""
+        if add_special_tokens:
+            return await self.run(len(text), self.tokenizer.encode_prompt, text)
+        return await self.run(len(text), self.tokenizer.encode, text, False)
 
     async def chat(
         self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict

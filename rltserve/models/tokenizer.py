@@ -137,7 +137,7 @@ class Tokenizer:
         """A text prompt's ids, special tokens added, without an end token the tokenizer
         appends to every text (``appended_end``; Huginn's README strips it the same way): the
         model is to continue the text, not to see it ended."""
-        ids = self.backend.encode(text, True)
+        ids = self.encode(text, True)
         if self.appended_end is not None and ids and ids[-1] == self.appended_end:
             ids.pop()
         return ids
