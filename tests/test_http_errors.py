@@ -53,6 +53,8 @@ BAD_REQUESTS = [
      "stream=true"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "only with echo=true"),
+    ("completions", {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens",
+     "must be 0 with max_tokens=0"),
     ("completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "not a token id"),

@@ -115,6 +115,9 @@ class CompletionRequest(GenerationFields):
             raise SchemaError("suffix", "suffix: not supported")
         if self.max_tokens == 0 and not self.echo:
             raise SchemaError("max_tokens", "max_tokens=0: only with echo=true (the prompt alone)")
+        if self.prompt_only and self.min_tokens:
+            message = f"min_tokens={self.min_tokens}: must be 0 with max_tokens=0"
+            raise SchemaError("min_tokens", message)
 
     @property
     def prompt_only(self) -> bool:
