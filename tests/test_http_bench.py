@@ -96,6 +96,25 @@ async def test_multi_turn_chat_reports_the_cache_hit_rate(tmp_path_factory):
     assert report["prefix_cache_hit_rate"] == pytest.approx(32 / 78)
 
 
+async def test_chat_endpoint_streams_messages(tmp_path_factory):
+    """``endpoint="chat"``: the prompts as text in user messages, a conversation's answers as
+    assistant messages; prompt lengths are the server's (the template's tokens included), and
+    later turns hit the cache."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    engine = {"block_size": 4, "num_blocks": 256}
+    async with running(ckpt, engine=engine) as live:
+        config = BenchConfig(
+            url=live.url, num_prompts=2, input_len=5, output_len=3, num_turns=2, endpoint="chat"
+        )
+        report = await run_bench(config)
+    assert report["completed"] == 4 and report["failed"] == 0
+    assert report["total_output_tokens"] == 4 * 3
+    assert report["total_input_tokens"] > 2 * (5 + 13)  # (the chat template's tokens)
+    assert report["total_cached_tokens"] > 0 and report["mean_ttft_ms"] > 0
+    with pytest.raises(ValueError, match="endpoint='rest'"):
+        BenchConfig(url="http://x", endpoint="rest")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rltserve")
     sub = parser.add_subparsers(dest="command")
@@ -127,3 +146,10 @@ def test_bench_serve_flags():
         ["bench", "serve", "--num-prompts", "5", "--request-rate", "inf", "--json"]
     )
     assert args.num_prompts == 5 and math.isinf(args.request_rate) and args.json
+    assert args.endpoint == "completions"
+    from rltserve.bench.serve import ENDPOINTS
+
+    for endpoint in ENDPOINTS:  # (the flag spells out the config's choices)
+        assert _parser().parse_args(["bench", "serve", "--endpoint", endpoint]).endpoint == endpoint
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "serve", "--endpoint", "rest"])

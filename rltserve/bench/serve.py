@@ -15,6 +15,12 @@ consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per requ
 -> last byte. Output tokens are the server's ``usage.completion_tokens``. Throughputs divide by
 the benchmark's wall time. Latencies are reported in ms as mean, median and p99 (numpy's linear
 percentile).
+
+``endpoint="chat"`` streams ``/v1/chat/completions`` instead (vLLM's ``openai-chat`` backend):
+each random prompt is sent as the text the server decodes it to (``/detokenize``), as one user
+message, and a multi-turn chat sends the conversation as messages (the answers as text). The
+prompt lengths are the server's ``usage.prompt_tokens`` (the template adds its tokens, and
+decoded text may re-encode to other ids), output chunks those that carry tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 from rltserve.client import APIError, AsyncClient
 from rltserve.progress import progress_bar
 
+ENDPOINTS = ("completions", "chat")
 _FALLBACK_VOCAB = 1000  # servers whose model card has no vocab_size
 _FIRST_PROBE_S = 5.0  # the first readiness probe; a longer wait is announced on stderr
 _SECTIONS = (
@@ -58,6 +65,7 @@ class BenchConfig:
     temperature: float = 0.0
     exit_threshold: float | None = None
     num_turns: int = 1  # > 1: multi-turn chat conversations (see the module doc)
+    endpoint: str = "completions"  # or "chat" (see the module doc)
     progress: bool = False
     ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
 
@@ -74,6 +82,8 @@ class BenchConfig:
             raise ValueError(f"max_concurrency={self.max_concurrency}: must be >= 1")
         if not self.ready_timeout_s > 0:
             raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint={self.endpoint!r}: must be one of {ENDPOINTS}")
 
 
 def _check_url(url: str) -> None:
@@ -104,6 +114,7 @@ class RequestResult:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens the server reused (usage.prompt_tokens_details)
     output_ids: list[int] = field(default_factory=list)  # multi-turn: the answer's token ids
+    output_text: str = ""  # chat: the answer's text
 
 
 def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
@@ -125,8 +136,12 @@ def arrival_gaps(config: BenchConfig) -> list[float]:
     ]
 
 
-async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> RequestResult:
-    result = RequestResult(len(prompt))
+async def _one(
+    client: AsyncClient, config: BenchConfig, prompt: list[int] | list[dict]
+) -> RequestResult:
+    """One streamed request: ``prompt`` is token ids (completions) or messages (chat)."""
+    chat = config.endpoint == "chat"
+    result = RequestResult(0 if chat else len(prompt))
     body: dict = {
         "max_tokens": config.output_len,
         "temperature": config.temperature,
@@ -137,16 +152,22 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
         body["model"] = config.model
     if config.exit_threshold is not None:
         body["exit_threshold"] = config.exit_threshold
-    if config.num_turns > 1:
+    if config.num_turns > 1 or chat:
         body["return_token_ids"] = True
     start = time.perf_counter()
     last = start
+    stream = client.chat_stream(prompt, **body) if chat else client.stream(prompt, **body)
     try:
-        async with client.stream(prompt, **body) as chunks:
+        async with stream as chunks:
             async for chunk in chunks:
                 now = time.perf_counter()
-                if chunk.get("choices"):
-                    result.output_ids.extend(chunk["choices"][0].get("token_ids") or ())
+                choice = chunk["choices"][0] if chunk.get("choices") else None
+                if chat and choice is not None:
+                    if not choice.get("token_ids"):
+                        continue  # (the first chunk: the role alone)
+                    result.output_text += choice["delta"].get("content") or ""
+                if choice is not None:
+                    result.output_ids.extend(choice.get("token_ids") or ())
                     if result.ttft == 0.0:
                         result.ttft = now - start
                     else:
@@ -154,6 +175,7 @@ async def _one(client: AsyncClient, config: BenchConfig, prompt: list[int]) -> R
                     last = now
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_len = chunk["usage"]["prompt_tokens"]
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     result.cached_tokens = int(details.get("cached_tokens") or 0)
         result.e2el = time.perf_counter() - start
@@ -199,16 +221,25 @@ async def run_bench(config: BenchConfig) -> dict:
         async def conversation(index: int, prompt: list[int]) -> list[RequestResult]:
             """One request, or the turns of one chat, each turn extending the last."""
             rng = random.Random(config.seed * 7919 + index + 2)
+            chat = config.endpoint == "chat"
+            messages = []
+            if chat:
+                messages = [{"role": "user", "content": await client.detokenize(prompt)}]
             results = []
             for turn in range(config.num_turns):
                 async with limit:
-                    result = await _one(client, config, prompt)
+                    result = await _one(client, config, messages if chat else prompt)
                 progress.update()
                 results.append(result)
                 if not result.success or turn + 1 == config.num_turns:
                     break
                 user = [rng.randrange(vocab) for _ in range(config.input_len)]
                 prompt = prompt + result.output_ids + user
+                if chat:
+                    messages += [
+                        {"role": "assistant", "content": result.output_text},
+                        {"role": "user", "content": await client.detokenize(user)},
+                    ]
             return results
 
         start = time.perf_counter()

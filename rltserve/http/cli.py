@@ -133,6 +133,13 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         help="multi-turn chat: turns per conversation, each prompt the previous prompt + "
         "answer + --input-len new tokens; reports the prefix cache hit rate (default: 1)",
     )
+    parser.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),  # (bench.serve.ENDPOINTS, not imported here)
+        default="completions",
+        help="stream /v1/completions (token-id prompts) or /v1/chat/completions (the prompts "
+        "as text, a conversation as messages)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--exit-threshold", type=float, default=None)
@@ -174,6 +181,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         exit_threshold=args.exit_threshold,
         num_turns=args.num_turns,
+        endpoint=args.endpoint,
         progress=progress_enabled(args.quiet),
         ready_timeout_s=args.wait_timeout,
     )
