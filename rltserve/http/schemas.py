@@ -160,11 +160,18 @@ class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # A conversation replayed from a server with tools: refused (as ``tools`` is) rather than
+    # rendered without its calls; ``tool_call_id`` alone is harmless.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self, path: str) -> dict[str, Any]:
         """The message as chat templates expect it: text content only."""
         if self.role not in CHAT_ROLES:
             raise SchemaError(f"{path}.role", f"{path}.role: must be one of {CHAT_ROLES}")
+        if self.tool_calls:
+            where = f"{path}.tool_calls"
+            raise SchemaError(where, f"{where}: tool calls are not supported (nor is tools)")
         content = self.content
         if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
             where = f"{path}.content"
