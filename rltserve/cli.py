@@ -266,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--concurrency", type=int, default=32)
     off.add_argument("--exit-threshold", type=float, default=1.0)
     off.add_argument(
+        "--max-loops",
+        type=int,
+        default=None,
+        help="loops per token at most (Huginn: its depth; default: the model's)",
+    )
+    off.add_argument(
         "--compare",
         action="store_true",
         help="refill, no-refill, full depth and a naive loop in one run; with "

@@ -45,3 +45,11 @@ def test_graphs_compare_on_cpu_runs_the_eager_cells(ouro_rv1, ouro_ref):
         assert adaptive["mean_exit_depth"] < 4.0
         assert row["eager_vs_full_depth"] > 0
         assert "graph_steps" not in adaptive  # no graphs were built
+
+
+def test_max_loops_sets_the_depth_huginn_runs_at(huginn_rv1):
+    report = bench(
+        "--model", str(huginn_rv1), "--input-len", "4", "--output-len", "3",
+        "--num-prompts", "2", "--max-loops", "3",
+    )  # fmt: skip
+    assert report["max_loops"] == 3 and report["refill"]["mean_exit_depth"] == 3.0

@@ -101,6 +101,16 @@ def run_engine(
     }
 
 
+def _params(args: argparse.Namespace) -> SamplingParams:
+    """Each request's: ``output_len`` tokens at ``--exit-threshold`` and ``--max-loops``."""
+    return SamplingParams(
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        exit_threshold=args.exit_threshold,
+        max_loops=args.max_loops,
+    )
+
+
 def run_pipelining_compare(model: LoopedModel, engine_kw: dict, args: argparse.Namespace) -> dict:
     """Token pipelining vs block mode (greedy, full depth) at concurrency 1 and 8."""
     out: dict[str, Any] = {"speculative_tokens": engine_kw["speculative_tokens"]}
@@ -211,9 +221,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         engine_kw["exit_mode"] = "delayed"  # async needs exits decided a loop ahead
     model = load_model(engine_kw["model"], dtype=engine_kw["dtype"], device=engine_kw["device"])
     prompts = _workload(args.num_prompts, args.input_len, model.spec.vocab_size)
-    params = SamplingParams(
-        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
-    )
+    params = _params(args)
     f0, fr = flops_per_token(model)
     report: dict[str, Any] = {
         "model": engine_kw["model"],
@@ -222,6 +230,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "output_len": args.output_len,
         "concurrency": args.concurrency,
         "exit_threshold": args.exit_threshold,
+        "max_loops": args.max_loops,
         "kv_policy": engine_kw["kv_policy"],
         "exit_mode": engine_kw["exit_mode"],
     }
@@ -349,9 +358,7 @@ def run_stage(
 def run_async_compare(engine_kw: dict, args: argparse.Namespace, vocab: int) -> dict:
     """Async vs sync scheduling through the real engine loop, at several concurrencies."""
     out: dict[str, Any] = {}
-    params = SamplingParams(
-        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
-    )
+    params = _params(args)
     for concurrency in args.concurrency_list:
         prompts = _workload(max(args.num_prompts, concurrency), args.input_len, vocab)
         row = {}
