@@ -39,12 +39,12 @@ class SamplingParams:
     ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's) is added to the logits and
     ``allowed_token_ids`` (vLLM's) restricts sampling to the ids listed. Both shape what is
     sampled, greedy or not, after penalties; ``logprobs`` describe the model's (penalized)
-    distribution without them, as vLLM's default raw logprobs do.
+    distribution without them (vLLM's default raw logprobs leave penalties out too).
 
     ``prompt_logprobs=k`` (vLLM's) returns, for each prompt token after the first, its logprob
-    and the top ``k`` as the model predicts it from the position before, at the request's full
-    depth (every prompt token runs every loop); such a request computes its whole prompt (no
-    prefix-cache hits, as in vLLM).
+    and the top ``k`` as the model predicts it from the position before after ``max_loops``
+    loops (the model's count when unset; never an adaptive exit); such a request computes its
+    whole prompt (no prefix-cache hits, as in vLLM).
     """
 
     max_tokens: int | None = 16

@@ -69,8 +69,8 @@ class RefOutput:
     logits: list[torch.Tensor] = field(default_factory=list)
     gate_logits: list[list[float]] = field(default_factory=list)
     cdfs: list[list[float]] = field(default_factory=list)
-    # fp32 [T - 1, V]: the logits at prompt positions 0 .. T - 2 after every loop (what each
-    # predicts of the next prompt token).
+    # fp32 [T - 1, V]: the logits at prompt positions 0 .. T - 2 after the request's most loops
+    # (``max_loops``; what each predicts of the next prompt token).
     prompt_logits: torch.Tensor | None = None
 
 
@@ -391,11 +391,13 @@ class Reference:
             g = self._gate(s[-1:])
             if exit_d is None and rule.update(d, None if g is None else g[0]):
                 exit_d, exit_state = d, s[-1:].clone()
+            if d == cap:
+                at_cap = s[:-1].clone()
         if self.family == "huginn_raven":  # (the coda writes every position's coda K/V)
-            every = self._coda(torch.cat((s[:-1], exit_state)), 0, bkv)
+            every = self._coda(torch.cat((s[:-1], exit_state)), 0, bkv)  # (cap == depth)
             out.prompt_logits, logits = every[:-1], every[-1]
         else:
-            out.prompt_logits = self._coda(s[:-1], 0, bkv)
+            out.prompt_logits = self._coda(at_cap, 0, bkv)
             logits = self._coda(exit_state, 0, bkv)[-1]
         if emit(rule, exit_d, logits):
             return out

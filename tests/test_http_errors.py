@@ -194,6 +194,10 @@ async def test_overload_gives_503_with_retry_after(ckpt):
         assert error_of(raw)["type"] == "unavailable_error"
         status, _, raw = await live.post(path, {"prompt": "x", "n": 3})  # can never fit
         assert status == 400 and error_of(raw)["param"] == "n"
+        status, _, raw = await live.post(path, {"prompt": ["x", "y", "z"]})  # a batch: prompt
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "prompt"), error
+        assert error["message"].startswith("prompt: 3 prompts x n = 3 sequences exceed"), error
         hold.set()
         assert (await running_)[0] == 200
         status, _, raw = await queued

@@ -135,6 +135,20 @@ def test_huginn_prompt_logprobs_come_from_its_coda(ckpts, huginn_ref):
             _check(huginn_ref, prompt, p, run.prompt_logprobs[f"r{i}"])
 
 
+@pytest.mark.parametrize("max_loops", [2, 3, 6])
+def test_prompt_logprobs_come_after_max_loops(ckpts, ouro_ref, max_loops):
+    """Ouro's prompts loop at least the model's 4 times (the planes later tokens read); scores
+    are those after the request's max_loops, as a token forced there would get."""
+    prompts, params = _workload(n=3)
+    params = [p.replace(max_loops=max_loops, prompt_logprobs=2) for p in params]
+    for mode in ("sync", "chunked"):
+        core, run = run_mode(ckpts["ouro"], prompts, params, **ENGINE_MODES[mode])
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            _check(ouro_ref, prompt, p, run.prompt_logprobs[f"r{i}"])
+    full = oracle_run(ouro_ref, prompts[0], params[0].replace(max_loops=None)).prompt_logits
+    assert not torch.allclose(oracle_run(ouro_ref, prompts[0], params[0]).prompt_logits, full)
+
+
 def test_a_one_token_prompt_has_none_to_score(ckpts):
     run = run_core(make_core(ckpts["ouro"]), [[5]], [SamplingParams(prompt_logprobs=2)])
     assert run.prompt_logprobs["r0"] == []

@@ -43,10 +43,10 @@ class Applier:
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 s.sharing.on_prompt_done(request, item.start, item.end)
-                if scored and k in scored:
-                    self._record_prompt_logprobs(request, item.start, scored[k], updates)
-                    if request.is_finished:
-                        continue  # (ended by what it withheld)
+            if scored and k in scored:  # (a prompt item after its request's max_loops)
+                self._record_prompt_logprobs(request, item.start, scored[k], updates)
+                if request.is_finished:
+                    continue  # (ended by what it withheld)
             if outcome is None:
                 continue
             appended = self._apply_outcome(request, item, work.depth, outcome, updates)

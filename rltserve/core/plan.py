@@ -126,8 +126,9 @@ class WorkItem:
     # Coda attention: the runner keeps the last row's state after this loop (earlier than
     # ``ends_at``) and runs its coda on it when the item ends (``InFlight.coda_state_at``).
     coda_state_at: int = 0
-    # prompt_logprobs, on a prompt item's last loop: the prompt tokens its rows predict (row
-    # k predicts ``prompt_targets[k]``; one fewer than its rows when it holds the last).
+    # prompt_logprobs, on a prompt item's loop ``max_loops`` (its last but under Ouro's gate,
+    # whose prompts loop on to the model's count): the prompt tokens its rows predict (row k
+    # predicts ``prompt_targets[k]``; one fewer than its rows when it holds the last).
     prompt_targets: list[int] | None = None
 
     @property

@@ -135,7 +135,7 @@ class Step:
         self.ending = ending
         self._coda_rows: tuple[torch.Tensor, dict[int, int]] | None = None
         self.sampled = self._coda_and_sample(positions, state, ending, exits, boundary)
-        self.scored = [i for i in ending if items[i].prompt_targets]
+        self.scored = list(compress(range(n), map(step_rows.PROMPT_TARGETS, items)))
         if self.scored:
             self._score_prompt(positions, state)
         # (Carried tokens are never pipelined: only the plan's items may draft.)
@@ -392,9 +392,10 @@ class Step:
         return exits
 
     def _score_prompt(self, positions: torch.Tensor, state: torch.Tensor) -> None:
-        """prompt_logprobs: the logprobs of the prompt tokens the rows of the ending items in
-        ``scored`` predict (their ``prompt_targets``), and the top ones, from each row's final
-        state (its coda's output, which models with coda attention have computed already)."""
+        """prompt_logprobs: the logprobs of the prompt tokens the rows of the items in
+        ``scored`` predict (their ``prompt_targets``: at their request's ``max_loops``), and the
+        top ones, from each row's state now (its coda's output, which models with coda
+        attention have computed already: their prompts end at ``max_loops``)."""
         r, items, scored = self.r, self.items, self.scored
         widths = [len(items[i].prompt_targets) for i in scored]
         if self._coda_rows is not None:

@@ -43,6 +43,7 @@ LAST_TOKENS = attrgetter("last_tokens")
 LAST_ROW = attrgetter("last_row")
 CARRY_COPIES = attrgetter("carry.copy_blocks")
 SAMPLE_ROW = attrgetter("sample_row")
+PROMPT_TARGETS = attrgetter("prompt_targets")
 BANNED_BELOW = attrgetter("banned_below")
 
 

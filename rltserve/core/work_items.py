@@ -128,7 +128,9 @@ class ItemMaker:
         )
         if item.coda_state_at:
             work.coda_state_at = item.coda_state_at
-        if depth == item.ends_at and request.prompt_logprobs is not None:
+        # A prompt runs every loop up to ``num_loops`` (Ouro: at least the model's count, for
+        # the planes later tokens read); its logprobs are those after the request's most loops.
+        if depth == request.max_loops and request.prompt_logprobs is not None:
             work.prompt_targets = request.prompt_targets(item.start, item.end)
         return work
 

@@ -24,10 +24,13 @@ async def deliver(
 ) -> web.StreamResponse:
     gate = state.gate
     if len(plan.choices) > gate.max_concurrent:
+        prompts = len({c.prompt_index for c in plan.choices})
+        param = "prompt" if prompts > 1 else "n"  # (what the client can make smaller)
+        what = f"{prompts} prompts x n = " if prompts > 1 else ""
         raise bad_request(
-            f"n: {len(plan.choices)} sequences exceed the server's limit of "
-            f"{gate.max_concurrent} at once",
-            "n",
+            f"{param}: {what}{len(plan.choices)} sequences exceed the server's limit of "
+            f"{gate.max_concurrent} at once (--max-concurrent); send fewer per request",
+            param,
         )
     try:
         async with gate.slots(len(plan.choices)):
