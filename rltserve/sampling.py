@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -97,7 +98,8 @@ class SamplingParams:
             self._to_tuple("allowed_token_ids")
         if self.logit_bias is not None:
             try:
-                object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+                bias = {plain_int(k): plain_int(v) for k, v in dict(self.logit_bias).items()}
+                object.__setattr__(self, "logit_bias", bias)
             except (TypeError, ValueError):
                 raise ValueError(
                     f"logit_bias={self.logit_bias!r}: must map token ids to biases"
@@ -112,7 +114,7 @@ class SamplingParams:
     def _to_tuple(self, name: str) -> None:
         value = getattr(self, name)
         try:
-            object.__setattr__(self, name, tuple(value))
+            object.__setattr__(self, name, tuple(map(plain_int, value)))
         except TypeError:  # not iterable: a ValueError naming the field, like every bad value
             raise ValueError(f"{name}={value!r}: must be a list") from None
 
@@ -263,6 +265,18 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def plain_int(value: object) -> object:
+    """A NumPy integer (token ids from an array, as RL code has them) as the int it holds, a
+    NumPy float as a float; anything else as it is, for the field's check to judge."""
+    if isinstance(value, (int, float)):  # (bool too: the checks refuse it)
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:

@@ -126,6 +126,25 @@ def test_bad_prompts_and_params_name_the_field(llm):
     assert set(out.outputs[0].token_ids) <= {3, 4}
 
 
+def test_numpy_and_torch_ids_are_taken_as_ints(llm):
+    """RL code holds ids in arrays: prompts, allowed ids and logit_bias from NumPy (or a torch
+    tensor for the prompt) act as the same lists of ints."""
+    import numpy as np
+    import torch
+
+    plain = SamplingParams(max_tokens=3, allowed_token_ids=[3, 4, 9], logit_bias={4: 1.5})
+    arrays = SamplingParams(
+        max_tokens=3,
+        allowed_token_ids=np.array([3, 4, 9]),
+        logit_bias={np.int64(4): np.float32(1.5)},
+    )
+    assert arrays == plain
+    want = llm.generate([[1, 5, 7]], plain)[0].outputs[0].token_ids
+    for ids in (np.array([1, 5, 7]), torch.tensor([1, 5, 7]), [np.int64(1), 5, np.int32(7)]):
+        (out,) = llm.generate([{"prompt_token_ids": ids}], arrays)
+        assert out.prompt_token_ids == [1, 5, 7] and out.outputs[0].token_ids == want
+
+
 def test_skip_tokenizer_init_runs_on_token_ids_only(tiny):
     with LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm:
         assert llm.tokenizer is None
