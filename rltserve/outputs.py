@@ -261,7 +261,7 @@ def request_output(
             text=asm.output.text,
             token_ids=asm.output.token_ids,
             cumulative_logprob=_cumulative(asm.output.logprobs),
-            logprobs=_vllm_logprobs(asm.output.logprobs, tokenizer),
+            logprobs=vllm_logprobs(asm.output.logprobs, tokenizer),
             finish_reason=asm.output.finish_reason,
             stop_reason=asm.output.stop_reason,
             exit_depths=asm.output.exit_depths,
@@ -278,7 +278,7 @@ def request_output(
         prompt_logprobs=(
             None
             if first.prompt_logprobs is None
-            else [None, *_vllm_logprobs(first.prompt_logprobs, tokenizer)]
+            else [None, *vllm_logprobs(first.prompt_logprobs, tokenizer)]
         ),
     )
 
@@ -289,7 +289,7 @@ def _cumulative(entries: list[dict] | None) -> float | None:
     return float(sum(e["logprob"] for e in entries if e["logprob"] is not None))
 
 
-def _vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logprob]] | None:
+def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logprob]] | None:
     """Engine entries -> vLLM's ``{token_id: Logprob}`` per token, the sampled token first: the
     top-k are ranked 1..k; a sampled token outside them has rank None (not computed)."""
     if entries is None:

@@ -56,6 +56,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens",
      "must be 0 with max_tokens=0"),
     ("completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "[0, 20]"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+    ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "not a token id"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),

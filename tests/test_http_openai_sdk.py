@@ -160,6 +160,22 @@ async def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     assert streamed == choice.logprobs.token_logprobs
     assert chunks[0].choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
 
+    # vLLM's prompt_logprobs extension: the same numbers, keyed by token id, ranked.
+    vllm = await client.completions.create(
+        model="tiny", prompt=PROMPT, temperature=0, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    first, *rest = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert first is None and len(rest) == len(ids) - 1
+    for token, entry, value in zip(ids[1:], rest, lp.token_logprobs[1:]):
+        assert next(iter(entry)) == str(token) and entry[str(token)]["logprob"] == value
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None)[:2] == [1, 2]
+    streamed = await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 2}
+    )
+    chunks = [c async for c in streamed]
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == [first, *rest]
+    assert all("prompt_logprobs" not in c.choices[0].model_extra for c in chunks[1:])
+
     with pytest.raises(openai.BadRequestError, match="max_tokens=0: only with echo"):
         await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
 

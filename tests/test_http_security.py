@@ -80,6 +80,7 @@ async def test_every_route_but_health_needs_the_key(ckpt, metrics_auth):
         ("/v1/completions", {"prompt": [5], "stop": ["a", "b", "c"]}, "stop", "at most 2"),
         ("/v1/completions", {"prompt": [5], "stop": "x" * 11}, "stop", "at most 10"),
         ("/v1/completions", {"prompt": [5], "logprobs": 4}, "logprobs", "[0, 3]"),
+        ("/v1/completions", {"prompt": [5], "prompt_logprobs": 4}, "prompt_logprobs", "[0, 3]"),
         ("/v1/chat/completions", {"top_logprobs": 4}, "top_logprobs", "[0, 3]"),
     ],
 )

@@ -30,11 +30,10 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest, config: ServerC
     if limit is not None and tokens is not None and tokens > limit:
         message = f"{tokens_param}={tokens}: must be <= {limit} (this server's max_tokens_limit)"
         raise SchemaError(tokens_param, message)
-    if logprobs is not None and logprobs > config.max_logprobs:
-        raise SchemaError(
-            logprobs_param,
-            f"{logprobs_param}={logprobs}: must be in [0, {config.max_logprobs}]",
-        )
+    prompt_logprobs = getattr(req, "prompt_logprobs", None)  # (completions: vLLM's field)
+    for value, name in ((logprobs, logprobs_param), (prompt_logprobs, "prompt_logprobs")):
+        if value is not None and value > config.max_logprobs:
+            raise SchemaError(name, f"{name}={value}: must be in [0, {config.max_logprobs}]")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > config.max_stop:
         raise SchemaError(

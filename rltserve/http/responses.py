@@ -16,7 +16,7 @@ from typing import Any
 
 from rltserve.http.frontend import ChoiceEvent, Frontend
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
-from rltserve.outputs import Completion
+from rltserve.outputs import Completion, vllm_logprobs
 from rltserve.thinking import ReasoningStream, split_reasoning
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -105,6 +105,7 @@ class CompletionFormat(_Format):
         super().__init__(header, req, frontend)
         self.echo_texts = echo_texts  # choice index -> prompt text, when echo is on
         self.prompt_only = req.prompt_only  # (echo with max_tokens=0: the sampled token goes)
+        self.want_prompt_logprobs = req.prompt_logprobs is not None
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
@@ -124,6 +125,8 @@ class CompletionFormat(_Format):
             "logprobs": logprobs,
             "finish_reason": "length" if self.prompt_only and finish else finish,
         }
+        if first:
+            self._add_prompt_logprobs(entry, output)
         return [self._extensions(entry, ids, depths)]
 
     def final_choice(self, index: int, output: Completion) -> dict:
@@ -138,7 +141,25 @@ class CompletionFormat(_Format):
         if entries is not None:
             logprobs = self._logprobs(index, self._prompt_entries(output, True) + entries)
         entry = {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": finish}
+        self._add_prompt_logprobs(entry, output)
         return self._extensions(entry, ids, depths)
+
+    def _add_prompt_logprobs(self, entry: dict, output: Completion) -> None:
+        """vLLM's ``prompt_logprobs`` of a choice (in its first chunk when streamed)."""
+        if not self.want_prompt_logprobs or output.prompt_logprobs is None:
+            return
+        positions = vllm_logprobs(output.prompt_logprobs, self.frontend.tokenizer) or []
+        entry["prompt_logprobs"] = [None] + [
+            {
+                str(token): {
+                    "logprob": _logprob(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for token, lp in position.items()
+            }
+            for position in positions
+        ]
 
     def _echo(self, index: int, output: Completion) -> str:
         """The echoed prompt's text; sets where the next token's ``text_offset`` is: after it,

@@ -106,6 +106,9 @@ class CompletionRequest(GenerationFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's extension: each choice gets ``prompt_logprobs`` in vLLM's shape (per prompt
+    # token {id: {logprob, rank, decoded_token}}, null for the first).
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -247,6 +250,15 @@ class DetokenizeRequest:
         pass
 
 
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: int | None):
+    """How many top logprobs each prompt token needs: vLLM's ``prompt_logprobs``, or echo's
+    ``logprobs`` (the larger when both are asked)."""
+    if not isinstance(req, CompletionRequest):
+        return None
+    asked = [k for k in (req.prompt_logprobs, logprobs if req.echo else None) if k is not None]
+    return max(asked) if asked else None
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
@@ -280,8 +292,9 @@ def sampling_params(
             logit_bias=(
                 None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
             ),
-            # Completions with echo and logprobs: the prompt's, for every choice.
-            prompt_logprobs=logprobs if getattr(req, "echo", False) else None,
+            # Completions with echo and logprobs (or vLLM's prompt_logprobs): the prompt's, for
+            # every choice.
+            prompt_logprobs=_prompt_logprobs(req, logprobs),
             allowed_token_ids=req.allowed_token_ids,
             min_loops=req.min_loops,
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
