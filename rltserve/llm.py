@@ -21,7 +21,7 @@ from rltserve.http.schemas import joined_text_parts, template_role
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
-from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_int
+from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_number
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.vllm_args import check_parallel, check_utilization, kv_cache_gb_for
 from rltserve.weights import WeightsArg, update_paths
@@ -51,9 +51,8 @@ def _template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any
             for p in content
         ]
         message = {**message, "content": joined_text_parts(parts, path)}
-    if message.get("role") == "developer":
-        message = {**message, "role": template_role("developer")}
-    return message
+    role = template_role(message.get("role"))
+    return message if role == message.get("role") else {**message, "role": role}
 
 
 class LLM:
@@ -402,7 +401,7 @@ class LLM:
             prompt = prompt.tolist()  # a NumPy array or a torch tensor of ids
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             raise ValueError(f"prompt={prompt!r:.80}: must be a string or a list of token ids")
-        ids = list(map(plain_int, prompt))
+        ids = list(map(plain_number, prompt))
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt: token ids must be ints")
         # (The engine's own check, made here before anything is submitted.)

@@ -98,7 +98,7 @@ class SamplingParams:
             self._to_tuple("allowed_token_ids")
         if self.logit_bias is not None:
             try:
-                bias = {plain_int(k): plain_int(v) for k, v in dict(self.logit_bias).items()}
+                bias = {plain_number(k): plain_number(v) for k, v in dict(self.logit_bias).items()}
                 object.__setattr__(self, "logit_bias", bias)
             except (TypeError, ValueError):
                 raise ValueError(
@@ -114,7 +114,7 @@ class SamplingParams:
     def _to_tuple(self, name: str) -> None:
         value = getattr(self, name)
         try:
-            object.__setattr__(self, name, tuple(map(plain_int, value)))
+            object.__setattr__(self, name, tuple(map(plain_number, value)))
         except TypeError:  # not iterable: a ValueError naming the field, like every bad value
             raise ValueError(f"{name}={value!r}: must be a list") from None
 
@@ -151,9 +151,8 @@ class SamplingParams:
             for s in self.stop:
                 if not isinstance(s, str) or not s:
                     raise bad("stop", "must be non-empty strings")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise bad("stop_token_ids", "must be non-negative ints")
+        if not all(map(_is_token_id, self.stop_token_ids)):
+            raise bad("stop_token_ids", "must be non-negative ints")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a bool")
         _check_int(self, "min_tokens")
@@ -215,7 +214,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None or isinstance(value, str):
                 continue
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            if not all(map(_is_token_id, value)):
                 raise bad(name, "must be non-negative token ids")
         if self.thinking_end_token_ids is not None and not self.thinking_end_token_ids:
             raise bad("thinking_end_token_ids", "must hold at least one token id")
@@ -267,7 +266,7 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def plain_int(value: object) -> object:
+def plain_number(value: object) -> object:
     """A NumPy integer (token ids from an array, as RL code has them) as the int it holds, a
     NumPy float as a float; anything else as it is, for the field's check to judge."""
     if isinstance(value, (int, float)):  # (bool too: the checks refuse it)

@@ -235,10 +235,10 @@ class Applier:
         scores: list[tuple[float, list[tuple[int, float]]]],
         updates: StepUpdates,
     ) -> None:
-        """An ending prompt item's logprobs of the prompt tokens its rows predict, into the
-        request's slots from ``start`` on (slots filled before, by a prompt recomputed after a
-        preemption, keep their values). The last sends them with what the request withheld
-        meanwhile, and ends it if that ended it."""
+        """A prompt item's logprobs (after its request's ``max_loops``) of the prompt tokens its
+        rows predict, into the request's slots from ``start`` on (slots filled before, by a
+        prompt recomputed after a preemption, keep their values). The last sends them with what
+        the request withheld meanwhile, and ends it if that ended it."""
         slots = request.prompt_logprobs
         if slots is None or not request.scoring:
             return

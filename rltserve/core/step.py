@@ -133,9 +133,11 @@ class Step:
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
         self.ending = ending
-        self._coda_rows: tuple[torch.Tensor, dict[int, int]] | None = None
+        # (Coda attention: the coda's output, its items and their rows, for prompt_logprobs.)
+        self._coda_rows: tuple[torch.Tensor, list[int], list[int]] | None = None
         self.sampled = self._coda_and_sample(positions, state, ending, exits, boundary)
-        self.scored = list(compress(range(n), map(step_rows.PROMPT_TARGETS, items)))
+        # (A carried row's item is a template, never with prompt targets: the plan's only.)
+        self.scored = list(compress(range(nc, n), map(step_rows.PROMPT_TARGETS, planned)))
         if self.scored:
             self._score_prompt(positions, state)
         # (Carried tokens are never pipelined: only the plan's items may draft.)
@@ -363,7 +365,7 @@ class Step:
             coda_in = coda_in.index_copy(0, at, kept_states)
         hidden = r.timed(r.model.coda, coda_in, coda_positions, attn)
         if widths is not None:  # (prompt_logprobs read a prompt chunk's rows from here)
-            self._coda_rows = (hidden, dict(zip(coda_items, step_rows.offsets(widths))))
+            self._coda_rows = (hidden, coda_items, widths)
         if not exits:
             return []  # coda rows that only write coda KV (non-final prompt chunks)
         if widths is not None and max(widths) > 1:
@@ -399,7 +401,8 @@ class Step:
         r, items, scored = self.r, self.items, self.scored
         widths = [len(items[i].prompt_targets) for i in scored]
         if self._coda_rows is not None:
-            hidden, first = self._coda_rows
+            hidden, coda_items, coda_widths = self._coda_rows
+            first = dict(zip(coda_items, step_rows.offsets(coda_widths)))
             rows = [first[i] + k for i, n in zip(scored, widths) for k in range(n)]
             hidden = hidden.index_select(0, r.tensor(rows))  # [M, E]
         else:
