@@ -85,6 +85,8 @@ class ScriptedStage:
         self.aborted: list[str] = []
         self.added_params: list = []  # the SamplingParams of every request, in order
         self.added: list[str] = []
+        self.weight_updates: list[list[str]] = []  # the paths of each update_weights call
+        self.weight_version = 0
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -105,6 +107,12 @@ class ScriptedStage:
             self.added.append(request_id)
             self.added_params.append(params)
         threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
+
+    def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
+        """Records the update (there are no weights to load) and counts the version up."""
+        self.weight_updates.append(list(paths))
+        self.weight_version += 1
+        return self.weight_version
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -33,6 +33,7 @@ BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5]},
+    "/v1/update_weights": {"model_path": "/ckpt"},
 }
 
 
@@ -180,18 +181,61 @@ async def test_slow_loris_headers_are_cut_off(ckpt):
         assert time.monotonic() - started < 8
 
 
-async def test_slow_body_gets_408(ckpt):
-    async with running(ckpt, client_factory=scripted(ckpt), body_timeout_s=0.5) as live:
+@pytest.mark.parametrize(
+    ("path", "start"),
+    [("/v1/completions", b'{"prompt": '), ("/v1/update_weights", b'{"model_path": ')],
+)
+async def test_slow_body_gets_408(ckpt, path, start):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage), body_timeout_s=0.5) as live:
         host, port = live.url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"prompt": '
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + b"Content-Length: 100\r\n\r\n"
+            + start
         )
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         writer.close()
         assert head.startswith(b"HTTP/1.1 408"), head
+        assert stage.added == [] and stage.weight_updates == []
+
+
+async def test_update_weights_body_is_checked_like_every_route(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage), max_body_bytes=2048) as live:
+        url = live.url + "/v1/update_weights"
+        async with live.session.post(url, data=b"model_path=/ckpt") as r:  # form-encoded
+            assert r.status == 415
+            assert "application/json" in error_of(await r.read())["message"]
+        status, _, raw = await live.post("/v1/update_weights", {"model_path": "x" * 4096})
+        assert status == 413 and error_of(raw)["code"] == 413
+        for body, param, fragment in [
+            ({"model_path": "/ckpt", "force": True}, "force", "unknown field"),
+            ({"model_path": "/ckpt", "abort": 1}, "abort", "a boolean"),
+            ({"model_path": "/ckpt", "timeout": 3601}, "timeout", "[0, 3600]"),
+            ({"model_path": ""}, "model_path", "required"),
+        ]:
+            status, _, raw = await live.post("/v1/update_weights", body)
+            assert (status, error_of(raw)["param"]) == (400, param), raw
+            assert fragment in error_of(raw)["message"], raw
+        assert stage.weight_updates == []
+        body = {"model_path": "/ckpt", "abort": True, "timeout": 5}
+        status, _, raw = await live.post("/v1/update_weights", body)
+        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+        assert stage.weight_updates == [["/ckpt"]]
+
+
+async def test_update_weights_is_in_openapi(ckpt):
+    async with running(ckpt, client_factory=scripted(ckpt)) as live:
+        _, _, raw = await live.get("/openapi.json")
+    document = orjson.loads(raw)
+    operation = document["paths"]["/v1/update_weights"]["post"]
+    ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = document["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert schema["required"] == ["model_path"]
+    assert set(schema["properties"]) == {"model_path", "abort", "timeout"}
 
 
 class _Exploding(ScriptedStage):

@@ -34,7 +34,8 @@ from rltserve.updates import FinishReason, RequestUpdate
 
 
 class StageClientLike(Protocol):
-    """What the server needs of ``StageClient`` / ``InProcessStageClient``."""
+    """What the server needs of a stage client (``StageClient``, ``InProcessStageClient``,
+    ``ReplicaSetClient``)."""
 
     info: EngineInfo | None
     stats: EngineStats | None
@@ -55,6 +56,26 @@ class StageClientLike(Protocol):
     def close(self) -> None: ...
 
 
+class SessionRoutedClient(StageClientLike, Protocol):
+    """A stage client whose ``add_request`` also takes the request's session key, for replica
+    affinity: ``ReplicaSetClient``, and ``SupervisedStage`` (what the frontend talks to), which
+    hands the key on only to a client whose ``routes_by_session`` is true. Clients without that
+    attribute keep the plain ``StageClientLike.add_request``."""
+
+    @property
+    def routes_by_session(self) -> bool: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        group: str | None = None,
+        session: str | None = None,
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """One prompt of a request: its token ids and, when it came as text, that text (echo)."""
@@ -73,6 +94,7 @@ class ChoiceRequest:
     prompt: PromptInput
     params: SamplingParams
     group: str | None = None  # shared by the samples of one prompt: the stage prefills it once
+    session: str | None = None  # the HTTP request's session key: its replica, under affinity
 
 
 @dataclass(frozen=True)
@@ -98,7 +120,7 @@ class _Choice:
 class Frontend:
     def __init__(
         self,
-        client: StageClientLike,
+        client: SessionRoutedClient,
         info: EngineInfo,
         tokenizer: Tokenizer | None,
         metrics: ServingMetrics,
@@ -276,6 +298,7 @@ class Generation:
                     req.params,
                     self._sink(loop, index),
                     req.group,
+                    session=req.session,
                 )
                 choice.open = True
                 metrics.on_start(choice.timeline, len(req.prompt.token_ids))

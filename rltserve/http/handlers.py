@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any
 
-import orjson
 from aiohttp import web
 
 from rltserve import __version__
-from rltserve.http import session
-from rltserve.http.admin import add_admin_routes
+from rltserve.http.admin import UpdateWeightsRequest, update_weights
+from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
-from rltserve.http.errors import HTTPError, bad_request, json_response
+from rltserve.http.errors import bad_request, json_response
 from rltserve.http.limits import check_limits
 from rltserve.http.openapi import Route, openapi_document
 from rltserve.http.plans import chat_plan, completion_plan
@@ -23,52 +20,8 @@ from rltserve.http.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from rltserve.http.session import session_key
 from rltserve.http.state import STATE
-from rltserve.http.validation import parse_object
-
-_JSON_TYPES = ("application/json",)
-_INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed on the tokenizer pool
-
-
-async def read_body(request: web.Request, cls: type) -> Any:
-    """The request body parsed into ``cls`` (415 / 413 / 400 on bad bodies)."""
-    if "Content-Type" in request.headers:
-        ctype = request.content_type
-        if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
-            raise HTTPError(415, f"Content-Type must be application/json, not {ctype!r}")
-    state = request.app[STATE]
-    limit = state.config.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise HTTPError(413, f"request body of {request.content_length} bytes exceeds {limit}")
-    timeout = state.config.body_timeout_s
-    try:
-        raw = await asyncio.wait_for(request.read(), timeout)
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise HTTPError(413, f"request body exceeds {limit} bytes") from exc
-    except asyncio.TimeoutError as exc:
-        raise HTTPError(408, f"request body not received within {timeout:g} s") from exc
-    strict = state.config.strict_fields
-    if len(raw) > _INLINE_BODY_BYTES:  # checking a million token ids takes a while
-        loop = asyncio.get_running_loop()
-        parsed, unknown = await loop.run_in_executor(state.executor, _parse, raw, cls, strict)
-    else:
-        parsed, unknown = _parse(raw, cls, strict)
-    for name in unknown:
-        state.ignore_field(name)
-    session.remember(request.headers, getattr(parsed, "user", None))
-    return parsed
-
-
-def _parse(raw: bytes, cls: type, strict: bool) -> tuple[Any, list[str]]:
-    """The validated request and the unknown fields it had (none when ``strict``: they raise)."""
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"body: invalid JSON: {exc}") from exc
-    unknown: list[str] = []
-    parsed = parse_object(cls, data, on_unknown=None if strict else unknown.append)
-    parsed.validate()
-    return parsed, unknown
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -77,7 +30,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = await read_body(request, CompletionRequest)
     state.check_model(req.model)
     check_limits(req, state.config)
-    return await deliver(request, state, await completion_plan(state, req, arrival))
+    session = session_key(request.headers, req.user)
+    return await deliver(request, state, await completion_plan(state, req, arrival, session))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -86,7 +40,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
     state.check_model(req.model)
     check_limits(req, state.config)
-    return await deliver(request, state, await chat_plan(state, req, arrival))
+    session = session_key(request.headers, req.user)
+    return await deliver(request, state, await chat_plan(state, req, arrival, session))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -168,10 +123,10 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/detokenize", detokenize, DetokenizeRequest),
     Route("GET", "/version", version),
     Route("GET", "/openapi.json", openapi),
+    Route("POST", "/v1/update_weights", update_weights, UpdateWeightsRequest),
 )
 
 
 def add_routes(app: web.Application) -> None:
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
-    add_admin_routes(app)

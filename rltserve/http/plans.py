@@ -83,6 +83,7 @@ def _choices(
     logprobs: int | None,
     max_tokens_param: str = "max_tokens",
     default_max_tokens: int | None = None,
+    session: str | None = None,
 ) -> list[ChoiceRequest]:
     choices = []
     for p, prompt in enumerate(prompts):
@@ -91,18 +92,21 @@ def _choices(
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
             checked = frontend.check_params(params, prompt.token_ids)
-            choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group))
+            choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group, session))
     return choices
 
 
 async def completion_plan(
-    state: ServingState, req: CompletionRequest, arrival: float
+    state: ServingState, req: CompletionRequest, arrival: float, session: str | None = None
 ) -> GenerationPlan:
+    """``session``: the request's session key (``http.session.session_key``), for affinity."""
     frontend = state.require_frontend()
     prompts = await frontend.completion_prompts(req.prompt)
     max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
-    choices = _choices(frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", default)
+    choices = _choices(
+        frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", default, session
+    )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,
@@ -117,8 +121,9 @@ async def completion_plan(
 
 
 async def chat_plan(
-    state: ServingState, req: ChatCompletionRequest, arrival: float
+    state: ServingState, req: ChatCompletionRequest, arrival: float, session: str | None = None
 ) -> GenerationPlan:
+    """``session``: the request's session key (``http.session.session_key``), for affinity."""
     frontend = state.require_frontend()
     prompt = await frontend.chat_prompt(
         req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
@@ -127,7 +132,14 @@ async def chat_plan(
     param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
     return GenerationPlan(
         choices=_choices(
-            frontend, req, [prompt], req.token_limit, logprobs, param, _default_max_tokens(state)
+            frontend,
+            req,
+            [prompt],
+            req.token_limit,
+            logprobs,
+            param,
+            _default_max_tokens(state),
+            session,
         ),
         format=ChatFormat(
             _header(state, "chatcmpl"),

@@ -79,7 +79,8 @@ class _Open:
 
 
 class SupervisedStage:
-    """A stage client that survives its stage (see the module doc); the StageClientLike API."""
+    """A stage client that survives its stage (see the module doc); the SessionRoutedClient
+    API."""
 
     def __init__(
         self,
@@ -138,6 +139,12 @@ class SupervisedStage:
         return getattr(self._client, "unavailable_reason", None)
 
     @property
+    def routes_by_session(self) -> bool:
+        """Whether the current client places requests by session key (``add_request``'s
+        ``session`` reaches it)."""
+        return bool(getattr(self._client, "routes_by_session", False))
+
+    @property
     def inner(self) -> StageClientLike:
         """The current stage client."""
         return self._client
@@ -175,7 +182,11 @@ class SupervisedStage:
         params: SamplingParams,
         sink: Sink,
         group: str | None = None,
+        session: str | None = None,
     ) -> None:
+        """Adds the request to the current client. ``session`` (the request's session key)
+        reaches only a client that routes by it (``routes_by_session``); any other client is
+        called without it, as its ``add_request`` has no such parameter."""
         with self._lock:
             self._check_running()
             client = self._client
@@ -186,7 +197,12 @@ class SupervisedStage:
             self._open[request_id] = _Open(client, sink)
         try:
             relay = self._relay(client, sink)
-            client.add_request(request_id, prompt_token_ids, params, relay, group)
+            if session is not None and getattr(client, "routes_by_session", False):
+                client.add_request(
+                    request_id, prompt_token_ids, params, relay, group, session=session
+                )
+            else:
+                client.add_request(request_id, prompt_token_ids, params, relay, group)
         except BaseException:
             with self._lock:
                 entry = self._open.get(request_id)

@@ -79,12 +79,6 @@ def check_positive(obj: object, family: str, name: str) -> None:
         raise bad(family, name, value, "must be a finite number > 0")
 
 
-def check_equal(obj: object, family: str, name: str, expected: object) -> None:
-    value = getattr(obj, name)
-    if value != expected or type(value) is not type(expected):
-        raise bad(family, name, value, f"only {expected!r} is supported")
-
-
 def check_token(obj: object, family: str, name: str, vocab_size: int) -> None:
     value = getattr(obj, name)
     if value is None:
@@ -122,7 +116,3 @@ def check_full_attention(family: str, layer_types: object, num_layers: int) -> N
     ok = isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types)
     if not ok or len(layer_types) != num_layers:
         raise bad(family, "layer_types", layer_types, f"must be {num_layers} x 'full_attention'")
-
-
-def first_id(ids: tuple[int, ...]) -> int | None:
-    return ids[0] if ids else None

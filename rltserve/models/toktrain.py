@@ -71,9 +71,6 @@ class TokenizerLayout:
             if role is not None and role not in names:
                 raise ValueError(f"{role!r} is not one of the special tokens")
 
-    def id_of(self, content: str | None) -> int | None:
-        return next((i for i, n, _ in self.specials if n == content), None)
-
     def regular_ids(self) -> list[int]:
         """Ids of trained tokens, in training order: the 256 byte tokens, then the merges."""
         special = {i for i, _, _ in self.specials}

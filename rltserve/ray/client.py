@@ -4,8 +4,8 @@ It speaks the stage client interface the HTTP frontend uses (``add_request`` wit
 ``abort``, ``info``, ``stats``), so the API and SSE are those of the single-process server.
 Each request becomes one streaming call through a Serve ``DeploymentHandle``
 (``handle.options(stream=True)``); Serve picks the replica (load-aware by default; with
-``--replica-affinity session`` by consistent hashing of the session key, see
-``rltserve.http.session``). A task on the server's loop relays the replica's batches to the
+``--replica-affinity session`` by consistent hashing of the session key that ``add_request``
+gets as ``session``). A task on the server's loop relays the replica's batches to the
 request's sink; aborting the request cancels that call, which Serve turns into a cancellation
 of the replica's generator (it aborts the request in its engine).
 
@@ -31,7 +31,6 @@ from collections.abc import Callable
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageError
-from rltserve.http.session import current_session
 from rltserve.ray.cluster import cluster_gone, connect, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
@@ -181,6 +180,12 @@ class ReplicaSetClient:
         return True
 
     @property
+    def routes_by_session(self) -> bool:
+        """Whether ``add_request``'s ``session`` picks the replica (``--replica-affinity
+        session``); the supervisor hands the key on only then."""
+        return self.config.replica_affinity == "session"
+
+    @property
     def unavailable_reason(self) -> str | None:
         if self.live_replicas == 0:
             return f"no engine replica is alive (0 of {self.config.replicas}); retry later"
@@ -261,14 +266,15 @@ class ReplicaSetClient:
         group: str | None = None,
         session: str | None = None,
     ) -> None:
-        session = session if session is not None else current_session()
+        """Starts the request's streaming call. ``session``: its session key; with session
+        affinity, requests with the same key go to the same replica (None: any replica)."""
         with self._lock:
             if not self.alive:
                 raise StageError(f"stage is not running: {self.error}")
             if request_id in self._tasks:
                 raise ValueError(f"request_id={request_id!r}: already in use")
             stream = self._stream
-            if session is not None and self.config.replica_affinity == "session":
+            if session is not None and self.routes_by_session:
                 stream = stream.options(session_id=session)
             call = stream.remote(request_id, list(prompt_token_ids), params, group)
             task = asyncio.get_running_loop().create_task(self._relay(request_id, call, sink))
