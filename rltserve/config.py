@@ -20,6 +20,7 @@ _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:\d+)?")
 KV_RESERVATIONS = ("ondemand", "full")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def _help(text: str, **extra: object) -> dict:
@@ -43,8 +44,20 @@ class ModelConfig:
     max_model_len: int | None = field(
         default=None, metadata=_help("context limit in tokens (default: the model's)")
     )
+    logprobs_mode: str = field(
+        default="raw_logprobs",
+        metadata=_help(
+            "what returned logprobs describe (vLLM's): raw_logprobs, the model's distribution; "
+            "processed_logprobs, the one the token was drawn from (after penalties, logit_bias, "
+            "temperature, top_k, top_p, min_p)"
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
         if type(self.device).__name__ == "device":  # a torch.device: kept as its string

@@ -20,10 +20,11 @@ from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.http.schemas import joined_text_parts, template_role
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
-from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype
+from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
 from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_number
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
-from rltserve.vllm_args import check_parallel, check_utilization, kv_cache_gb_for
+from rltserve.updates import SLEEP_TAGS
+from rltserve.vllm_args import check_inert, check_parallel, check_utilization, kv_cache_gb_for
 from rltserve.weights import WeightsArg, update_paths
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -93,6 +94,7 @@ class LLM:
         preemption_mode: str = "recompute",
         preemption_time_slice: int = 0,
         scheduling_policy: str = "fcfs",
+        logprobs_mode: str = "raw_logprobs",
         in_process: bool = False,
         startup_timeout: float = 300.0,
         skip_tokenizer_init: bool = False,
@@ -101,12 +103,16 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         gpu_memory_utilization: float | None = None,
+        revision: str | None = None,
+        **vllm_options: Any,
     ) -> None:
         """``kv_cache_gb``: the KV pool's size when ``num_blocks`` is not given (default 1,
         or on CUDA what ``gpu_memory_utilization`` leaves). ``tokenizer``,
-        ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager`` and
-        ``gpu_memory_utilization`` are vLLM's (``vllm_args``)."""
+        ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager``,
+        ``gpu_memory_utilization``, ``revision`` and the ``vllm_options`` RL frameworks pass
+        (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's (``vllm_args``)."""
         del trust_remote_code  # (rltserve never runs a checkpoint's code)
+        check_inert(vllm_options)
         check_parallel(tensor_parallel_size)
         if gpu_memory_utilization is not None:
             check_utilization(gpu_memory_utilization)
@@ -116,7 +122,7 @@ class LLM:
             from rltserve.models.demo import demo_model_path
 
             model = str(demo_model_path())
-        model = str(model)
+        model = resolve_model(str(model), revision)
         dtype = resolve_dtype(dtype, model)
         self.config = EngineConfig.from_flat(
             model=model,
@@ -149,6 +155,7 @@ class LLM:
             preemption_mode=preemption_mode,
             preemption_time_slice=preemption_time_slice,
             scheduling_policy=scheduling_policy,
+            logprobs_mode=logprobs_mode,
         )
         # Usage errors as ValueErrors here, not as a stage that failed to start.
         check_checkpoint_dir(model, "model=")
@@ -189,6 +196,8 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one ``RequestOutput`` per prompt, in input order,
         each with ``params.n`` samples. A prompt is a string (needs a tokenizer), a list of token
@@ -196,7 +205,10 @@ class LLM:
         any is submitted; if a request fails or is rejected, or the call is interrupted, the
         requests still running are aborted before the error propagates. While generation is
         paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm`` is
-        accepted for vLLM compatibility; no bar is shown."""
+        accepted for vLLM compatibility; no bar is shown. ``priority``: one per prompt (vLLM's;
+        it replaces the params' ``priority``); ``lora_request`` must be None."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         batch = self._normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, Sequence)):
@@ -206,6 +218,14 @@ class LLM:
             raise ValueError(f"sampling_params: {len(plist)} given for {len(batch)} prompts")
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
+        # Validated copies, one per object given: the caller may change its params later.
+        copies = {id(p): p for p in plist}
+        copies = {key: p.clone() for key, p in copies.items()}
+        plist = [copies[id(p)] for p in plist]
+        if priority is not None:
+            if isinstance(priority, (str, bytes)) or len(priority) != len(batch):
+                raise ValueError(f"priority: must be a list of one int per prompt ({len(batch)})")
+            plist = [p.replace(priority=plain_number(pr)) for p, pr in zip(plist, priority)]
         encoded = [self._encode(prompt) for prompt in batch]
         plist = [
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
@@ -226,14 +246,31 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: each conversation (a list of ``{"role": ..., "content": ...}``
         messages; one conversation or a list of them) rendered with the checkpoint's chat
-        template, as the server's chat endpoint renders it (``enable_thinking`` among
-        ``chat_template_kwargs`` opens the thinking span), then ``generate``d: one
-        ``RequestOutput`` per conversation, its ``prompt`` the rendered text."""
+        template (or ``chat_template``), as the server's chat endpoint renders it
+        (``enable_thinking`` among ``chat_template_kwargs`` opens the thinking span), then
+        ``generate``d: one ``RequestOutput`` per conversation, its ``prompt`` the rendered text.
+        ``continue_final_message`` leaves the last message open for the model to continue.
+        ``tools``, ``lora_request`` and ``mm_processor_kwargs`` must be None (no tool calling,
+        adapters or images); content parts are joined text whatever the content format."""
+        for name, value in (
+            ("tools", tools),
+            ("lora_request", lora_request),
+            ("mm_processor_kwargs", mm_processor_kwargs),
+        ):
+            if value is not None:
+                raise ValueError(f"{name}: not supported (must be None)")
+        del chat_template_content_format  # (text parts are joined in either format)
         if self.tokenizer is None:
             raise ValueError("messages: chat needs the checkpoint's tokenizer and chat template")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
@@ -247,7 +284,12 @@ class LLM:
                 _template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)
             ]
             rendered = self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt, tokenize=False, **kwargs
+                turns,
+                add_generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
             text = chat_prompt_text(rendered, add_generation_prompt, kwargs, self.tokenizer)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
@@ -329,6 +371,34 @@ class LLM:
     def weight_version(self) -> int:
         """Weight updates applied so far (0: the checkpoint as loaded)."""
         return self._client.weight_version
+
+    def sleep(self, level: int = 1, timeout: float = 300.0) -> None:
+        """vLLM's sleep mode, for a trainer that shares the device between rollouts: frees the
+        KV cache (forgetting cached prefixes) and, on CUDA, the weights: ``level=1`` keeps a
+        host copy to restore, ``level=2`` drops them (wake the weights, ``update_weights``,
+        then wake the KV cache). Waits up to ``timeout`` seconds for running requests (else
+        ``UpdateTimeout``, nothing freed). ``generate`` raises ValueError until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: must be 1 or 2")
+        self._client.sleep(level, float(timeout))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what ``sleep`` freed: ``tags`` ("weights", "kv_cache"; None: both)."""
+        if tags is None:
+            tags = SLEEP_TAGS
+        if isinstance(tags, str) or not set(tags) <= set(SLEEP_TAGS):
+            raise ValueError(f"tags={tags!r}: must be a list of {SLEEP_TAGS}")
+        self._client.wake_up(list(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._client.sleeping)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached prefix (vLLM's; a weight update already does). Blocks running
+        requests hold stay theirs, so it always succeeds: True."""
+        del reset_running_requests
+        self._client.reset_prefix_cache()
+        return True
 
     def pause_generation(self) -> None:
         """New ``generate`` calls wait (they start on ``resume_generation``); calls already

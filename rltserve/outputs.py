@@ -10,6 +10,7 @@ and the server).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from rltserve.updates import RequestUpdate
 
@@ -65,6 +66,9 @@ class RequestOutput:
     # ``{token_id: Logprob}`` of the token and the top ``k`` at its position, None for the
     # first; None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's: prompt tokens of the first sample whose KV came from the prefix cache (or from
+    # the sample that computed the shared prompt).
+    num_cached_tokens: int | None = None
 
     @property
     def text(self) -> str | None:
@@ -104,6 +108,7 @@ class Completion:
     # With prompt_logprobs: entries as ``logprobs``' for prompt tokens 1.. (the first has no
     # prediction), from the update with the first output token.
     prompt_logprobs: list[dict] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens whose KV was reused, not computed
 
     @property
     def finished(self) -> bool:
@@ -174,11 +179,16 @@ class OutputAssembler:
         out.exit_depths.extend(update.new_exit_depths)
         lps = []
         if out.logprobs is not None:
-            for tok, lp, top in zip(
-                update.new_token_ids, update.new_logprobs, update.new_top_logprobs
+            ranks = update.new_ranks or repeat(None)
+            for tok, lp, top, rank in zip(
+                update.new_token_ids, update.new_logprobs, update.new_top_logprobs, ranks
             ):
-                lps.append({"token_id": tok, "logprob": lp, "top_logprobs": top or []})
+                lps.append(
+                    {"token_id": tok, "logprob": lp, "top_logprobs": top or [], "rank": rank}
+                )
             out.logprobs.extend(lps)
+        if update.num_cached_tokens is not None:
+            out.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             out.prompt_logprobs = [
                 {"token_id": tok, "logprob": lp, "top_logprobs": top}
@@ -275,6 +285,7 @@ def request_output(
         outputs=outputs,
         finished=all(o.finish_reason is not None for o in outputs),
         weight_version=max(a.weight_version for a in assemblers),
+        num_cached_tokens=first.num_cached_tokens,
         prompt_logprobs=(
             None
             if first.prompt_logprobs is None
@@ -291,7 +302,8 @@ def _cumulative(entries: list[dict] | None) -> float | None:
 
 def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logprob]] | None:
     """Engine entries -> vLLM's ``{token_id: Logprob}`` per token, the sampled token first: the
-    top-k are ranked 1..k; a sampled token outside them has rank None (not computed)."""
+    top-k are ranked 1..k and the sampled token has its rank (None where the engine sent
+    none: prompt tokens)."""
     if entries is None:
         return None
 
@@ -305,9 +317,11 @@ def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logpr
             continue
         top = e["top_logprobs"] or []
         d = {tok: Logprob(lp, rank, decoded(tok)) for rank, (tok, lp) in enumerate(top, 1)}
-        if e["token_id"] not in d:
-            d = {e["token_id"]: Logprob(e["logprob"], None, decoded(e["token_id"])), **d}
-        else:  # vLLM lists the sampled token first
+        rank = e.get("rank")
+        if e["token_id"] not in d or rank is not None:  # (vLLM lists the sampled token first)
+            d.pop(e["token_id"], None)
+            d = {e["token_id"]: Logprob(e["logprob"], rank, decoded(e["token_id"])), **d}
+        else:
             d = {e["token_id"]: d[e["token_id"]], **d}
         out.append(d)
     return out

@@ -9,11 +9,34 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import ssl
 from pathlib import Path
 
 from rltserve.config import DTYPES, EngineConfig
+
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """A local checkpoint directory for ``model``: the path itself, or a Hugging Face repo id
+    (``org/name``, no such path here) found in the local Hugging Face cache at ``revision``.
+    Never downloads: a repo id not in the cache is a ValueError saying how to fetch it."""
+    if Path(model).exists() or not _REPO_ID.fullmatch(model):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r}: only for a Hugging Face repo id")
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, local_files_only=True)
+    except Exception:  # (not cached, or no huggingface_hub): the same advice
+        at = "" if revision is None else f" at revision {revision!r}"
+        raise ValueError(
+            f"model={model!r}: no such directory, nor a Hugging Face repo id in the local "
+            f"cache{at}; rltserve never downloads weights (`huggingface-cli download {model}`)"
+        ) from None
 
 
 def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:

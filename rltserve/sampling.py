@@ -11,10 +11,12 @@ INIT_STATES = ("random", "zero")
 MAX_LOGPROBS = 20
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """How one request is decoded. Validated on construction: a bad value raises ``ValueError``
-    naming the field.
+    naming the field. Mutable, as vLLM's (RL code sets ``max_tokens`` on a clone): the front
+    ends submit a validated copy (``clone``), so a change after submission touches no request
+    in flight and a bad value set later is refused then.
 
     Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
@@ -49,7 +51,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16
-    temperature: float = 0.0
+    temperature: float = 1.0  # vLLM's default (0: greedy)
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
@@ -81,14 +83,21 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's, accepted at their defaults: constrained decoding is not built; ``extra_args``
+    # (for custom sampling code, which has no hook here) is carried along unused.
+    guided_decoding: None = None
+    structured_outputs: None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists and a bare string where tuples are stored, so the params stay hashable
-        # (but for a ``logit_bias`` dict, vLLM's type).
+        # Lists and a bare string are stored as tuples (copies: the caller's list may change),
+        # a ``logit_bias`` as a dict of plain numbers (vLLM's type).
         if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+            self.stop = (self.stop,)
         elif self.stop is not None:
             self._to_tuple("stop")
+        if self.stop_token_ids is None:  # (vLLM's default)
+            self.stop_token_ids = ()
         self._to_tuple("stop_token_ids")
         if self.trace_depths is not None:
             self._to_tuple("trace_depths")
@@ -99,7 +108,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             try:
                 bias = {plain_number(k): plain_number(v) for k, v in dict(self.logit_bias).items()}
-                object.__setattr__(self, "logit_bias", bias)
+                self.logit_bias = bias
             except (TypeError, ValueError):
                 raise ValueError(
                     f"logit_bias={self.logit_bias!r}: must map token ids to biases"
@@ -114,7 +123,7 @@ class SamplingParams:
     def _to_tuple(self, name: str) -> None:
         value = getattr(self, name)
         try:
-            object.__setattr__(self, name, tuple(map(plain_number, value)))
+            setattr(self, name, tuple(map(plain_number, value)))
         except TypeError:  # not iterable: a ValueError naming the field, like every bad value
             raise ValueError(f"{name}={value!r}: must be a list") from None
 
@@ -127,14 +136,15 @@ class SamplingParams:
             if self.max_tokens < 1:
                 raise bad("max_tokens", "must be >= 1 (or None: up to the context)")
         _check_number(self, "temperature")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise bad("temperature", "must be in [0, 2]")
+        # vLLM's range; the HTTP API keeps OpenAI's [0, 2] (``http/schemas.py``).
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0")
         _check_number(self, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         _check_int(self, "top_k")
-        if self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "must be -1 (disabled) or >= 1")
+        if self.top_k < -1:
+            raise bad("top_k", "must be 0 or -1 (disabled) or >= 1")
         _check_number(self, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
@@ -176,6 +186,11 @@ class SamplingParams:
                 _check_int(self, name)
                 if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
                     raise bad(name, f"must be in [0, {MAX_LOGPROBS}]")
+        for name in ("guided_decoding", "structured_outputs"):
+            if getattr(self, name) is not None:
+                raise bad(name, "constrained decoding is not supported (must be None)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict or None")
         if self.speculative is not None and not isinstance(self.speculative, bool):
             raise bad("speculative", "must be true, false or null")
         if self.init_state not in INIT_STATES:
@@ -259,6 +274,10 @@ class SamplingParams:
             ("thinking_end_token_ids", self.thinking_end_token_ids or ()),
             ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
         ]
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``clone``: RL code clones a template and changes ``n`` or ``seed``)."""
+        return self.replace()
 
     def replace(self, **changes: object) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

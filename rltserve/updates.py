@@ -21,9 +21,14 @@ class FinishReason(str, enum.Enum):
 
 
 class UpdateTimeout(ValueError):
-    """A weight update gave up waiting for running requests (nothing was applied)."""
+    """A weight update (or ``sleep``) gave up waiting for running requests (nothing was
+    applied)."""
 
     PREFIX = "timeout:"  # how the stage's reply marks it
+
+
+# What sleep mode frees and ``wake_up`` restores (``core/sleep.py``).
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(slots=True)
@@ -46,6 +51,15 @@ class RequestUpdate:
     # ... and, with ``prompt_logprobs``, (logprob, top logprobs) of each prompt token after
     # the first.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # The new tokens' ranks (``SampleOutput.ranks``), parallel to ``new_token_ids`` once any
+    # token has one (a request that asked for logprobs); empty before, None per forced token.
+    new_ranks: list[int | None] = field(default_factory=list)
+
+    def add_rank(self, rank: int | None) -> None:
+        """Records the rank of the token just appended to ``new_token_ids``."""
+        if rank is not None or self.new_ranks:
+            self.new_ranks += [None] * (len(self.new_token_ids) - 1 - len(self.new_ranks))
+            self.new_ranks.append(rank)
 
     def __reduce__(self) -> tuple:
         # As positional fields (in field order, as ``to_wire`` gives an update of several
@@ -66,6 +80,7 @@ class RequestUpdate:
                 self.weight_version,
                 self.num_cached_tokens,
                 self.prompt_logprobs,
+                self.new_ranks,
             ),
         )
 
@@ -86,6 +101,7 @@ class StepUpdates:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)  # request id -> its row
     weight_version: int = 0  # the engine's weights when the step was applied (every update's)
 
@@ -101,14 +117,16 @@ class StepUpdates:
             return None
         self.request_ids[k] = None
         token, depth, logprob = self.token_ids[k], self.exit_depths[k], self.logprobs[k]
-        update = RequestUpdate(request_id, [token], [depth], [logprob], [self.top_logprobs[k]])
+        update = _one_token(
+            request_id, token, depth, logprob, self.top_logprobs[k], self.ranks[k], 0
+        )
         self.updates[request_id] = update
         return update
 
-    def columns(self) -> tuple[list, list, list, list, list]:
+    def columns(self) -> tuple[list, list, list, list, list, list]:
         """The columns without empty rows."""
         columns = (self.request_ids, self.token_ids, self.exit_depths, self.logprobs)
-        columns += (self.top_logprobs,)
+        columns += (self.top_logprobs, self.ranks)
         if len(self.rows) == len(self.request_ids):
             return columns
         kept = [rid is not None for rid in self.request_ids]
@@ -129,12 +147,12 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
     process (``from_wire``). Plain tuples pickle in less than half the time of the objects
     (no Python call per object: 223 vs 502 us for 256 one-token updates). An update of one
     token and nothing else (a decode step's, nearly every update) goes as (request id,
-    token, exit depth, logprob, top logprobs, weight version), without its four one-element
+    token, exit depth, logprob, top logprobs, rank, weight version), without its one-element
     lists: 256 of them pickle in half the time of the full rows and unpickle in a quarter
     (138 against 264 us, 105 against 454 us here). Any other update goes as its fields in
-    field order. (The four lists are parallel: one entry per token.) A ``StepUpdates``'
-    columns go first, as one row of that six-value form holding five lists (request ids,
-    tokens, exit depths, logprobs, top logprobs) and the version."""
+    field order. (The token lists are parallel: one entry per token.) A ``StepUpdates``'
+    columns go first, as one row of that seven-value form holding six lists (request ids,
+    tokens, exit depths, logprobs, top logprobs, ranks) and the version."""
     rows = []
     if isinstance(updates, StepUpdates):
         if updates.rows:
@@ -147,6 +165,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
             u.new_exit_depths[0],
             u.new_logprobs[0],
             u.new_top_logprobs[0],
+            u.new_ranks[0] if u.new_ranks else None,
             u.weight_version,
         )
         if len(u.new_token_ids) == 1
@@ -167,6 +186,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
             u.weight_version,
             u.num_cached_tokens,
             u.prompt_logprobs,
+            u.new_ranks,
         )
         for u in updates
     ]
@@ -176,17 +196,37 @@ def from_wire(rows: Iterable[tuple]) -> list[RequestUpdate]:
     """The updates ``to_wire`` gave."""
     updates = []
     for row in rows:
-        if len(row) != 6:
+        if len(row) != 7:
             updates.append(RequestUpdate(*row))
         elif type(row[0]) is list:  # (a ``StepUpdates``' columns)
-            updates += map(_one_token, *row[:5], repeat(row[5]))
+            updates += map(_one_token, *row[:6], repeat(row[6]))
         else:
             updates.append(_one_token(*row))
     return updates
 
 
 def _one_token(
-    request_id: str, token: int, depth: int, logprob: float | None, top: list | None, version: int
+    request_id: str,
+    token: int,
+    depth: int,
+    logprob: float | None,
+    top: list | None,
+    rank: int | None,
+    version: int,
 ) -> RequestUpdate:
     # (Positional, in field order: finish_reason, error and rejected at their defaults.)
-    return RequestUpdate(request_id, [token], [depth], [logprob], [top], None, None, False, version)
+    ranks = [] if rank is None else [rank]
+    return RequestUpdate(
+        request_id,
+        [token],
+        [depth],
+        [logprob],
+        [top],
+        None,
+        None,
+        False,
+        version,
+        None,
+        None,
+        ranks,
+    )

@@ -12,10 +12,16 @@
 - ``tokenizer``: a directory to load the tokenizer from instead of the checkpoint's.
 - ``dtype``: also vLLM's ``auto`` (the checkpoint's), ``half`` and ``float``
   (``preflight.resolve_dtype``).
+- ``model`` may be a Hugging Face repo id found in the local Hugging Face cache (``revision``
+  picks the snapshot); nothing is downloaded (``preflight.resolve_model``).
+- The arguments RL frameworks pass on every construction (``INERT``: TRL's ``enable_sleep_mode``,
+  ``model_impl``, ``distributed_executor_backend``, ...) are accepted where their value asks
+  for what rltserve does anyway; another value is a ValueError saying why it cannot be had.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rltserve.preflight import resolve_dtype
@@ -23,6 +29,59 @@ from rltserve.preflight import resolve_dtype
 # What the weights and the KV pool leave of the device for activations and the allocator.
 ACTIVATION_RESERVE_BYTES = 2**30
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _any_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _one_of(*accepted: object) -> Callable[[object], bool]:
+    return lambda value: any(
+        value is a or (value == a and type(value) is type(a)) for a in accepted
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# name -> (the values that ask for nothing rltserve lacks, why another value cannot be had).
+INERT: dict[str, tuple[Callable[[object], bool], str]] = {
+    "enable_sleep_mode": (_any_bool, ""),  # sleep() and wake_up() need no preparation
+    "model_impl": (_one_of("auto", "vllm"), "rltserve runs its own model code"),
+    "distributed_executor_backend": (
+        _one_of(None, "uni", "mp", "external_launcher"),
+        "an engine runs in one worker on one device",
+    ),
+    "quantization": (_one_of(None), "quantized checkpoints are not supported"),
+    "kv_cache_dtype": (_one_of("auto"), "the KV cache has the model's dtype"),
+    "load_format": (_one_of("auto", "safetensors"), "checkpoints load from safetensors"),
+    "enable_chunked_prefill": (_one_of(None, True, False), ""),  # prompts always run in chunks
+    "disable_log_stats": (_any_bool, ""),
+    "disable_custom_all_reduce": (_any_bool, ""),
+    "disable_mm_preprocessor_cache": (_any_bool, ""),
+    "limit_mm_per_prompt": (lambda v: v is None or isinstance(v, Mapping), ""),  # text only
+    "enable_lora": (_one_of(False), "LoRA adapters are not supported"),
+    "max_lora_rank": (_is_int, ""),  # (without enable_lora: unused)
+    "max_loras": (_is_int, ""),
+    "speculative_config": (
+        _one_of(None),
+        "draft models are not supported (token pipelining: speculative_tokens=K)",
+    ),
+    "worker_extension_cls": (_one_of(None, ""), "no worker extensions (update_weights instead)"),
+    "max_logprobs": (_is_int, ""),  # (SamplingParams caps logprobs at 20 in any case)
+}
+
+
+def check_inert(options: Mapping[str, object]) -> None:
+    """TypeError for a name that is not a vLLM argument rltserve knows (as Python's own for an
+    unexpected keyword), ValueError for a value it cannot honour."""
+    for name, value in options.items():
+        if name not in INERT:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        accepts, why = INERT[name]
+        if not accepts(value):
+            raise ValueError(f"{name}={value!r}: not supported ({why or 'wrong type'})")
 
 
 def check_parallel(tensor_parallel_size: int) -> None:

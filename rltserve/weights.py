@@ -67,7 +67,7 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # storages already used: tied tensors and views share one
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise ValueError(f"weights[{i}]: must be a (name, tensor) pair")
         name, value = pair
         if not isinstance(name, str):

@@ -36,7 +36,10 @@ def run_once(model, args: argparse.Namespace, prompts: list[list[int]]) -> dict[
     )
     core = EngineCore(config, model=model)
     params = SamplingParams(
-        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        exit_threshold=args.exit_threshold,
     )
     for i, prompt in enumerate(prompts):
         core.add_request(f"p{i}", prompt, params)

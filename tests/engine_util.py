@@ -49,6 +49,7 @@ def random_workload(
         extra = {"min_loops": rng.choice([1, 2])} if vary_min_loops else {}
         params.append(
             SamplingParams(
+                temperature=0.0,
                 max_tokens=tokens,
                 ignore_eos=True,
                 exit_threshold=thresholds[i % len(thresholds)],

@@ -169,7 +169,9 @@ def configured(path, name: str, **engine):
     core = make_core(path, **engine, **config)
     core.runner.defer_results = name == "deferred"
     params = {
-        rid: SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold)
+        rid: SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=threshold
+        )
         for rid in PROMPTS
     }
     return core, params, lag

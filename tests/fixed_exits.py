@@ -25,7 +25,9 @@ def make_request(
     return Request(
         request_id=rid,
         prompt_token_ids=list(range(1, prompt_len + 1)),
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, priority=priority),
+        params=SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, priority=priority
+        ),
         num_loops=loops,
         max_loops=loops,
         eos_token_ids=frozenset(),

@@ -17,7 +17,9 @@ from rltserve.updates import RequestUpdate, StepUpdates, from_wire, to_wire
 
 def _with_params(rid: str, prompt_len: int, **params):
     request = make_request(rid, prompt_len, params.pop("max_tokens"))
-    request.params = SamplingParams(**{"max_tokens": request.params.max_tokens, **params})
+    request.params = SamplingParams(
+        **{"temperature": 0.0, "max_tokens": request.params.max_tokens, **params}
+    )
     request.__post_init__()  # (its stop ids and limits from the new parameters)
     return request
 
@@ -115,10 +117,10 @@ def test_a_second_token_of_a_request_in_one_step_takes_its_row_out():
     assert step.rows == {"b": 1} and step.request_ids == [None, "b"]
     assert list(step.updates) == ["a"]
     assert step.updates["a"] == RequestUpdate("a", [8, 9], [2, 2], [-0.5, -1.5], [None, None])
-    assert step.columns() == (["b"], [6], [2], [-2.0], [None])
+    assert step.columns() == (["b"], [6], [2], [-2.0], [None], [None])
     assert list(step) == [RequestUpdate("b", [6], [2], [-2.0], [None]), step.updates["a"]]
     wire = to_wire(step)
-    assert wire[0] == (["b"], [6], [2], [-2.0], [None], 0) and len(wire) == 2
+    assert wire[0] == (["b"], [6], [2], [-2.0], [None], [None], 0) and len(wire) == 2
     assert from_wire(wire) == list(step)
     assert a.output_token_ids == [4, 8, 9] and b.output_token_ids == [4, 6]
 
@@ -138,13 +140,13 @@ def test_step_updates_read_back_with_the_weight_version():
     step.rows["r"] = 0
     step.request_ids.append("r")
     for column, value in zip(
-        (step.token_ids, step.exit_depths, step.logprobs, step.top_logprobs),
-        (3, 4, -0.25, [(3, -0.25)]),
+        (step.token_ids, step.exit_depths, step.logprobs, step.top_logprobs, step.ranks),
+        (3, 4, -0.25, [(3, -0.25)], 1),
     ):
         column.append(value)
     step.updates["q"] = RequestUpdate("q", finish_reason=FinishReason.ABORT, weight_version=2)
     step.weight_version = 2
-    want = [RequestUpdate("r", [3], [4], [-0.25], [[(3, -0.25)]], weight_version=2)]
+    want = [RequestUpdate("r", [3], [4], [-0.25], [[(3, -0.25)]], weight_version=2, new_ranks=[1])]
     want.append(step.updates["q"])
     assert len(step) == 2 and list(step) == want
     assert from_wire(pickle.loads(pickle.dumps(to_wire(step)))) == want

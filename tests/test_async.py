@@ -98,7 +98,9 @@ def test_lagged_huginn_fixed_depth(ckpts, huginn_ref, deferred):
     rng = random.Random(9)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(5)]
     params = [
-        SamplingParams(max_tokens=5, ignore_eos=True, max_loops=3, init_state="random", seed=i)
+        SamplingParams(
+            temperature=0.0, max_tokens=5, ignore_eos=True, max_loops=3, init_state="random", seed=i
+        )
         for i in range(5)
     ]
     sync = run_core(make_core(ckpts["huginn"], **ENGINE), prompts, params)
@@ -119,8 +121,10 @@ def test_lagged_huginn_fixed_depth(ckpts, huginn_ref, deferred):
 def test_async_rejects_in_step_gate_rule(ckpts):
     core = make_core(ckpts["ouro"], async_scheduling=True, exit_mode="gate")
     with pytest.raises(ValueError, match="exit_mode='delayed'"):
-        core.add_request("x", [1, 2], SamplingParams(exit_threshold=0.5))
-    core.add_request("y", [1, 2], SamplingParams(exit_threshold=1.0))  # fixed depth is fine
+        core.add_request("x", [1, 2], SamplingParams(temperature=0.0, exit_threshold=0.5))
+    core.add_request(
+        "y", [1, 2], SamplingParams(temperature=0.0, exit_threshold=1.0)
+    )  # fixed depth is fine
 
 
 def test_engine_loop_two_steps_in_flight_matches_sync_and_oracle(ckpts, ouro_ref):

@@ -35,7 +35,7 @@ def test_graphs_compare_on_cpu_runs_the_eager_cells(ouro_rv1, ouro_ref):
         # cell's mean exit depth is a value the bench could get wrong.
         rng = random.Random(int(concurrency))
         prompts = [[rng.randrange(384) for _ in range(6)] for _ in range(num_prompts)]
-        p = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=0.5)
+        p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, exit_threshold=0.5)
         depths = [
             d
             for q in prompts

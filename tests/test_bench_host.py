@@ -99,8 +99,8 @@ def test_standin_model_decodes_deterministically_at_a_fixed_depth():
     core = EngineCore(
         EngineConfig.from_flat(model="stand-in", device="cpu", num_blocks=64), model=model
     )
-    core.add_request("a", [5, 9], SamplingParams(max_tokens=4, exit_threshold=0.8))
-    core.add_request("b", [62], SamplingParams(max_tokens=3, exit_threshold=0.8))
+    core.add_request("a", [5, 9], SamplingParams(temperature=0.0, max_tokens=4, exit_threshold=0.8))
+    core.add_request("b", [62], SamplingParams(temperature=0.0, max_tokens=3, exit_threshold=0.8))
     tokens: dict[str, list[int]] = {"a": [], "b": []}
     depths: dict[str, list[int]] = {"a": [], "b": []}
     while core.has_work():
@@ -121,7 +121,7 @@ def test_model_cpu_time_is_counted_only_for_the_benchmark():
         EngineConfig.from_flat(model="stand-in", device="cpu", num_blocks=64),
         model=StandInModel(vocab_size=64),
     )
-    core.add_request("a", [5, 9], SamplingParams(max_tokens=3, exit_threshold=0.8))
+    core.add_request("a", [5, 9], SamplingParams(temperature=0.0, max_tokens=3, exit_threshold=0.8))
     while core.has_work():
         core.step()
     runner = core.runner

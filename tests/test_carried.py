@@ -20,6 +20,7 @@ def _workload(n: int, seed: int, thresholds=(0.3, 0.5, 0.7, 1.0), max_tokens=8):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(n)]
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(1, max_tokens),
             ignore_eos=True,
             exit_threshold=thresholds[i % len(thresholds)],
@@ -195,6 +196,7 @@ def test_continuations_into_new_blocks_match_the_oracle(
     huginn = model == "huginn"
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(4, 9),
             ignore_eos=True,
             **(
@@ -237,6 +239,7 @@ def test_huginn_schedules_match_the_oracle(ckpts, huginn_ref, kv_policy, carry):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(5)]
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(1, 6),
             ignore_eos=True,
             max_loops=rng.choice([2, 3, 4]),
@@ -395,7 +398,7 @@ def test_a_continuation_the_runner_cannot_make_fails_its_step_only(ckpts):
     the step fails the requests it runs (carried and continued), changing nothing else; the
     engine goes on serving, and nothing is left behind."""
     core = make_core(ckpts["ouro"], max_num_seqs=4)
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i in range(3):
         core.add_request(f"r{i}", [1 + i, 2, 3], p)
     finish: dict[str, str] = {}

@@ -25,10 +25,12 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
     # Asking for the whole context (max_tokens past it, or None: vLLM's "up to the context"):
     # admitted, ends at the limit with the oracle's tokens.
     prompt = [5, 6, 7]
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
-    whole = SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=2)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    whole = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, min_tokens=2)
     run = run_core(core, [prompt, prompt], [params, whole])
-    want = oracle_run(ouro_ref, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    want = oracle_run(
+        ouro_ref, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    )
     for rid in ("r0", "r1"):
         assert run.tokens[rid] == want.tokens and run.finish[rid] == "length"
     with pytest.raises(ValueError, match=r"context limit of 9 tokens \(what the KV pool holds"):
@@ -64,7 +66,7 @@ def test_llm_raises_the_refusal_as_a_value_error(ckpts, in_process):
 
 def test_more_loops_than_the_default_can_still_be_too_big(ckpts):
     core = make_core(ckpts["ouro"], num_blocks=8, block_size=4)
-    deep = SamplingParams(max_tokens=5, ignore_eos=True, max_loops=8)  # 8 planes
+    deep = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, max_loops=8)  # 8 planes
     with pytest.raises(ValueError, match="KV blocks .* lower max_tokens or max_loops"):
         core.add_request("deep", [5, 6, 7], deep)
 

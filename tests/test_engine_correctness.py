@@ -26,7 +26,7 @@ OURO_CASES = {
 
 
 def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.mark.parametrize("case", sorted(OURO_CASES))
@@ -220,7 +220,7 @@ def test_stop_tokens(ckpts, ouro_ref):
     want = ouro_ref.generate(PROMPTS[1], 16).tokens
     stop = want[3]
     core = make_core(ckpts["ouro"])
-    p = SamplingParams(max_tokens=16, stop_token_ids=(stop,), ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop,), ignore_eos=True)
     run = run_core(core, [PROMPTS[1]], [p])
     assert run.tokens["r0"] == want[: want.index(stop) + 1]
     assert run.finish["r0"] == "stop"
@@ -257,7 +257,9 @@ def test_real_eos_and_min_tokens_match_oracle(tmp_path, ckpts, ouro_ref, kv_poli
     assert set(eos) <= set(ref.eos_token_ids)
     # Thirds: plain EOS, EOS held back by min_tokens, EOS ignored.
     params = [
-        SamplingParams(max_tokens=12, min_tokens=(0, 8, 0)[i % 3], ignore_eos=i % 3 == 2)
+        SamplingParams(
+            temperature=0.0, max_tokens=12, min_tokens=(0, 8, 0)[i % 3], ignore_eos=i % 3 == 2
+        )
         for i in range(len(prompts))
     ]
     core = make_core(path, kv_policy=kv_policy, prefill_chunk_size=8, max_num_batched_tokens=24)
@@ -289,7 +291,13 @@ def test_logprobs_match_oracle_logits(ckpts, ouro_ref):
     rng = random.Random(23)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(5)]
     params = [
-        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=(0, 3, 5)[i % 3], exit_threshold=t)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=(0, 3, 5)[i % 3],
+            exit_threshold=t,
+        )
         for i, t in enumerate((1.0, 0.5, 1.0, 0.3, 1.0))
     ]
     core = make_core(ckpts["ouro"], kv_policy="full", prefill_chunk_size=6)

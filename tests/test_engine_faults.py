@@ -70,8 +70,10 @@ def test_nan_logits_fail_only_their_request(ouro_rv1, ouro_ref, monkeypatch, nam
 
 def test_nan_logits_under_token_pipelining(ouro_rv1, ouro_ref, monkeypatch):
     core = make_core(ouro_rv1, speculative_tokens=1, async_scheduling=True)
-    params = {rid: SamplingParams(max_tokens=6, ignore_eos=True) for rid in ("a", "b")}
-    params["b"] = SamplingParams(max_tokens=6, ignore_eos=True, seed=4242)
+    params = {
+        rid: SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True) for rid in ("a", "b")
+    }
+    params["b"] = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, seed=4242)
     poison_rows(core, monkeypatch, marker=4242, from_call=3)
     out = drive(core, params, lag=1)
     assert out.finish["b"] == "error" and "non-finite logits" in out.errors["b"]
@@ -97,7 +99,7 @@ def test_sampler_flags_non_finite_rows():
 
 def test_failed_step_logs_its_traceback(ouro_rv1, monkeypatch, caplog):
     core = make_core(ouro_rv1)
-    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 
     def broken(*args):
         raise RuntimeError("injected step failure")
@@ -112,7 +114,9 @@ def test_failed_step_logs_its_traceback(ouro_rv1, monkeypatch, caplog):
 
 
 def test_a_failed_swap_out_fails_the_requests_it_preempted(ouro_rv1, ouro_ref):
-    params = {rid: SamplingParams(max_tokens=12, ignore_eos=True) for rid in PROMPTS}
+    params = {
+        rid: SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True) for rid in PROMPTS
+    }
     probe = make_core(ouro_rv1, block_size=4)
     need = max(
         probe.kv.blocks_needed(r.kv_tokens, r.num_loops)
@@ -154,9 +158,13 @@ def test_a_launch_failing_before_its_loop_fails_the_carried_tokens(
 
     core = make_core(ouro_rv1)
     params = {
-        "a": SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=threshold),
-        "b": SamplingParams(max_tokens=3, ignore_eos=True),
-        "c": SamplingParams(max_tokens=4, ignore_eos=True, exit_threshold=threshold),
+        "a": SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=threshold
+        ),
+        "b": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        "c": SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, exit_threshold=threshold
+        ),
     }
     create = LiveRequest.create
     faulty: set[str] = set()
@@ -206,7 +214,7 @@ def test_a_failed_swap_out_still_releases_the_plans_requests(ouro_rv1, ouro_ref)
     whose swap-out fails: the released request's row goes all the same, so it never writes
     into its freed blocks once a new request holds them."""
     core = make_core(ouro_rv1, block_size=4)
-    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     core.add_request("a", PROMPTS["a"], p)
     core.add_request("b", PROMPTS["b"], p)
     for _ in range(40):

@@ -85,7 +85,9 @@ def test_emulated_graphs_huginn_reinjects_e(ckpts, huginn_ref):
     rng = random.Random(4)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(4)]
     params = [
-        SamplingParams(max_tokens=4, ignore_eos=True, max_loops=3, init_state="random", seed=i)
+        SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, max_loops=3, init_state="random", seed=i
+        )
         for i in range(4)
     ]
     core = _emulated(make_core(ckpts["huginn"], **ENGINE))
@@ -136,7 +138,9 @@ def test_cuda_engine_matches_oracle(ckpts, ouro_ref, async_scheduling, cuda_grap
 
 def test_emulated_graphs_with_token_pipelining(ckpts, ouro_ref):
     prompts, _, arrivals = _workload(6, seed=5)
-    params = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]  # greedy, full
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in prompts
+    ]  # greedy, full
     core = make_core(ckpts["ouro"], speculative_tokens=2, draft_loops=1, **ENGINE)
     run = run_core(_emulated(core, max_rows=8), prompts, params, arrivals=arrivals)
     _check(ouro_ref, run, prompts, params, kv_policy="last_exited")

@@ -33,17 +33,22 @@ def offline(ckpt):
     tok = load_tokenizer(ckpt)
     chat_ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     with LLM(str(ckpt), in_process=True, **ENGINE) as llm:
-        greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
         sampled = llm.generate(
             [PROMPTS[0]] * 3,
             [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + j) for j in range(3)],
         )
         loops = llm.generate(
-            [PROMPTS[1]], SamplingParams(max_tokens=MAX_TOKENS, max_loops=2, exit_threshold=0.3)
+            [PROMPTS[1]],
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, max_loops=2, exit_threshold=0.3),
         )
-        logprobs = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=MAX_TOKENS, logprobs=3))
-        long = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=40, ignore_eos=True))
-        chat = llm.generate([chat_ids], SamplingParams(max_tokens=MAX_TOKENS))
+        logprobs = llm.generate(
+            [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+        )
+        long = llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        )
+        chat = llm.generate([chat_ids], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return {
         "greedy": greedy,
         "sampled": sampled,

@@ -40,14 +40,18 @@ def new_ckpt(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(ckpt, new_ckpt):
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tok = load_tokenizer(ckpt)
     messages = [{"role": "user", "content": "hi"}]
     chat_ids = tok.apply_chat_template(messages, enable_thinking=True)
     chat = []  # by weight version: the server's tests may run before or after the update
     for path in (ckpt, new_ckpt):
         with LLM(str(path), in_process=True, **ENGINE) as llm:
-            chat.append(llm.generate([chat_ids], SamplingParams(max_tokens=8))[0].outputs[0])
+            chat.append(
+                llm.generate([chat_ids], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[
+                    0
+                ]
+            )
             new = llm.generate([PROMPT], p)[0].outputs[0].token_ids
     return {"new": new, "chat": chat, "chat_prompt_tokens": len(chat_ids)}
 
@@ -132,7 +136,7 @@ async def test_bounded_thinking_over_http_equals_the_offline_api(ckpt):
     """``max_thinking_tokens`` and ``thinking_interruption`` (text) on completions and chat: the
     same tokens as ``LLM.generate`` with those SamplingParams; bad values are a 400 naming them."""
     think = {"max_thinking_tokens": 3, "thinking_interruption": "ok so"}
-    params = SamplingParams(max_tokens=10, ignore_eos=True, **think)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, **think)
     with LLM(str(ckpt), in_process=True, **ENGINE) as llm:
         want = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     async with running(ckpt) as live:

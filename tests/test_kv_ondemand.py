@@ -191,13 +191,13 @@ def test_bad_config_names_the_field(cls, field, value):
 @pytest.mark.parametrize("value", ["1", 1.5, None])
 def test_bad_priority_names_the_field(value):
     with pytest.raises(ValueError, match="priority"):
-        SamplingParams(priority=value)
+        SamplingParams(temperature=0.0, priority=value)
 
 
 def test_engine_kv_usage_counts_blocks_in_use(ckpts):
     core = make_core(ckpts["ouro"], num_blocks=4096, block_size=16)
     full = make_core(ckpts["ouro"], num_blocks=4096, block_size=16, kv_reservation="full")
-    p = SamplingParams(max_tokens=1000, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     for c in (core, full):
         c.add_request("r", [1, 2, 3], p)
         c.step()
@@ -220,7 +220,10 @@ def test_engine_config_defaults():
 
 def test_ondemand_matches_full_reservation(ckpts):
     prompts = [[5, 6, 7], list(range(1, 40)), [9] * 17]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, exit_threshold=0.5) for n in (9, 5, 12)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, exit_threshold=0.5)
+        for n in (9, 5, 12)
+    ]
     a = run_core(make_core(ckpts["ouro"], block_size=4), prompts, params)
     b = run_core(make_core(ckpts["ouro"], block_size=4, kv_reservation="full"), prompts, params)
     assert a.tokens == b.tokens and a.depths == b.depths

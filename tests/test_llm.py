@@ -28,7 +28,7 @@ def spawned(ouro_rv1):
 
 def test_spawned_stage_reproduces_vectors_in_input_order(spawned):
     case = VECTORS["cases"]["ouro_threshold_0.5"]
-    params = SamplingParams(max_tokens=16, ignore_eos=True, exit_threshold=0.5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, exit_threshold=0.5)
     outputs = spawned.generate(PROMPTS, params)
     assert [o.token_ids for o in outputs] == case["tokens"]
     assert [o.exit_depths for o in outputs] == case["exit_depths"]
@@ -39,8 +39,8 @@ def test_spawned_stage_reproduces_vectors_in_input_order(spawned):
 
 def test_per_prompt_params_and_logprobs(spawned, ouro_ref):
     params = [
-        SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2),
-        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
     ]
     a, b = spawned.generate([PROMPTS[0], PROMPTS[1]], params)
     want_a = oracle_run(ouro_ref, PROMPTS[0], params[0], kv_policy="full")
@@ -70,21 +70,26 @@ def test_invalid_requests_raise_value_error(spawned):
         spawned.generate([[1] * 600])
     # 64 blocks of 16 over 4 planes: a context of 257 tokens at the default depth ...
     with pytest.raises(ValueError, match=r"context limit of 257 tokens \(what the KV pool"):
-        spawned.generate([[1] * 300], SamplingParams(max_tokens=200))
+        spawned.generate([[1] * 300], SamplingParams(temperature=0.0, max_tokens=200))
     # ... and at 8 loops (8 planes) half as many.
     with pytest.raises(ValueError, match="KV blocks"):
-        spawned.generate([[1] * 200], SamplingParams(max_tokens=50, max_loops=8))
+        spawned.generate([[1] * 200], SamplingParams(temperature=0.0, max_tokens=50, max_loops=8))
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(temperature=0.0, max_tokens=0)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=2.0)
-    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None  # up to the context
+        SamplingParams(temperature=0.0, max_tokens=2.0)
+    assert (
+        SamplingParams(temperature=0.0, max_tokens=None, min_tokens=5).max_tokens is None
+    )  # up to the context
     with pytest.raises(ValueError, match="no tokenizer"):
         spawned.generate("text needs a tokenizer")
     with pytest.raises(ValueError, match="chat needs the checkpoint's tokenizer"):
         spawned.chat([{"role": "user", "content": "hi"}])
     # The stage keeps serving after rejections.
-    assert len(spawned.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+    assert (
+        len(spawned.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids)
+        == 2
+    )
 
 
 def test_stage_crash_fails_requests_instead_of_hanging(ouro_rv1):
@@ -99,7 +104,12 @@ def test_stage_crash_fails_requests_instead_of_hanging(ouro_rv1):
             if update.finish_reason is not None:
                 done.set()
 
-        client.add_request("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), sink)
+        client.add_request(
+            "long",
+            [1, 2, 3],
+            SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+            sink,
+        )
         client.kill()
         assert done.wait(30), "request hung after the worker died"
         assert got[-1].finish_reason is FinishReason.ERROR
@@ -121,14 +131,14 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(ouro_rv1, ouro_
         return loop(*args)
 
     monkeypatch.setattr(core.model, "loop", flaky)
-    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    core.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     updates = []
     while core.has_work():
         updates.extend(core.step())
     assert updates[-1].finish_reason is FinishReason.ERROR
     assert "injected failure" in updates[-1].error
     core.kv.check_no_leaks()
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     run = run_core(core, [[1, 2, 3]], [p])
     assert run.tokens["r0"] == oracle_run(ouro_ref, [1, 2, 3], p, kv_policy="last_exited").tokens
 
@@ -145,13 +155,15 @@ def test_in_process_client_and_abort(ouro_rv1):
             if update.finish_reason is not None:
                 done.set()
 
-        client.add_request("x", [4, 5], SamplingParams(max_tokens=200, ignore_eos=True), sink)
+        client.add_request(
+            "x", [4, 5], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), sink
+        )
         client.abort("x")
         assert done.wait(30)
         assert got[-1].finish_reason is FinishReason.ABORT
         with pytest.raises(ValueError, match="already in use"):
-            client.add_request("y", [1], SamplingParams(), sink)
-            client.add_request("y", [1], SamplingParams(), sink)
+            client.add_request("y", [1], SamplingParams(temperature=0.0), sink)
+            client.add_request("y", [1], SamplingParams(temperature=0.0), sink)
     finally:
         client.close()
     assert client.stats is not None and client.stats.kv_usage == 0.0
@@ -177,7 +189,7 @@ def test_stage_build_error_reaches_the_caller(ouro_rv1, tmp_path, client_cls):
             client.wait_ready(120)
         assert not client.alive
         with pytest.raises(StageError, match="not running"):
-            client.add_request("x", [1], SamplingParams(), lambda u: None)
+            client.add_request("x", [1], SamplingParams(temperature=0.0), lambda u: None)
     finally:
         client.close()
 
@@ -205,13 +217,15 @@ def test_engine_loop_crash_fails_requests_and_the_stage(ouro_rv1, monkeypatch):
             if update.finish_reason is not None:
                 done.set()
 
-        client.add_request("x", [4, 5], SamplingParams(max_tokens=50, ignore_eos=True), sink)
+        client.add_request(
+            "x", [4, 5], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), sink
+        )
         assert done.wait(30), "request hung after the engine loop crashed"
         assert got[-1].finish_reason is FinishReason.ERROR
         assert "stage died" in got[-1].error and "apply exploded" in got[-1].error
         assert not client.alive
         with pytest.raises(StageError):
-            client.add_request("y", [1], SamplingParams(), sink)
+            client.add_request("y", [1], SamplingParams(temperature=0.0), sink)
     finally:
         client.close()
 
@@ -237,7 +251,9 @@ def test_shutdown_with_steps_in_flight_aborts_every_request(ouro_rv1):
                 all_done.set()
 
     for rid in counts:
-        client.add_request(rid, [3, 4, 5], SamplingParams(max_tokens=400, ignore_eos=True), sink)
+        client.add_request(
+            rid, [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), sink
+        )
     assert started.wait(60), "no tokens arrived"
     client.close(timeout=30)
     assert not client._thread.is_alive(), "the stage thread did not end"

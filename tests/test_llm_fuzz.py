@@ -78,7 +78,7 @@ def test_generate_returns_or_names_the_bad_input(llm, prompts, kwargs):
     try:
         params = SamplingParams(**kwargs)
     except ValueError:
-        params = SamplingParams(max_tokens=4)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
     outputs, error = _generate(llm, prompts, params)
     if error is not None:
         assert isinstance(error, ValueError), repr(error)

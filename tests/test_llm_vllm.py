@@ -34,7 +34,7 @@ def llm(tiny):
 def test_prompt_forms_give_the_same_tokens_in_input_order(llm):
     text = "Hello there"
     ids = llm.tokenizer.encode(text)
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = llm.generate([text, ids, {"prompt": text}, {"prompt_token_ids": ids}], p)
     assert [o.prompt_token_ids for o in outs] == [ids] * 4
     assert [o.prompt for o in outs] == [text, None, text, None]
@@ -44,7 +44,7 @@ def test_prompt_forms_give_the_same_tokens_in_input_order(llm):
 
 
 def test_output_shape_is_vllms(llm):
-    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+    (out,) = llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert isinstance(out, RequestOutput) and out.finished and out.weight_version == 0
     (c,) = out.outputs
     assert isinstance(c, CompletionOutput)
@@ -61,7 +61,7 @@ def test_prompt_logprobs_are_vllms(llm):
     """Per prompt token a {token_id: Logprob} with the token first and the top k ranked, None
     for the first token; the same for every sample of the prompt."""
     prompt = [5, 9, 14, 3, 27]
-    one = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    one = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
     (out,) = llm.generate([prompt], one)
     first, *rest = out.prompt_logprobs
     assert first is None and len(rest) == len(prompt) - 1
@@ -89,7 +89,7 @@ def test_n_samples_equal_separate_requests_with_derived_seeds(llm):
 
 
 def test_text_options(llm):
-    base = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     (plain,) = llm.generate(["Once"], base)
     text = plain.outputs[0].text
     assert text
@@ -112,17 +112,25 @@ def test_bad_prompts_and_params_name_the_field(llm):
     with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
         llm.generate([{}])
     with pytest.raises(ValueError, match="n=0"):
-        SamplingParams(n=0)
+        SamplingParams(temperature=0.0, n=0)
     with pytest.raises(ValueError, match="detokenize"):
-        SamplingParams(detokenize="no")
+        SamplingParams(temperature=0.0, detokenize="no")
     with pytest.raises(ValueError, match="stop strings need text"):
-        llm.generate([[1]], SamplingParams(stop=["x"], detokenize=False))
+        llm.generate([[1]], SamplingParams(temperature=0.0, stop=["x"], detokenize=False))
     with pytest.raises(ValueError, match="sampling_params: 1 given for 2"):
-        llm.generate([[1], [2]], [SamplingParams()])
+        llm.generate([[1], [2]], [SamplingParams(temperature=0.0)])
     vocab = llm.get_tokenizer().vocab_size
     with pytest.raises(ValueError, match=f"logit_bias: token id {vocab + 5} is outside"):
-        llm.generate([[1], [2]], [SamplingParams(), SamplingParams(logit_bias={vocab + 5: 1})])
-    (out,) = llm.generate([[1]], SamplingParams(max_tokens=4, allowed_token_ids=[3, 4]))
+        llm.generate(
+            [[1], [2]],
+            [
+                SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.0, logit_bias={vocab + 5: 1}),
+            ],
+        )
+    (out,) = llm.generate(
+        [[1]], SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4])
+    )
     assert set(out.outputs[0].token_ids) <= {3, 4}
 
 
@@ -132,8 +140,11 @@ def test_numpy_and_torch_ids_are_taken_as_ints(llm):
     import numpy as np
     import torch
 
-    plain = SamplingParams(max_tokens=3, allowed_token_ids=[3, 4, 9], logit_bias={4: 1.5})
+    plain = SamplingParams(
+        temperature=0.0, max_tokens=3, allowed_token_ids=[3, 4, 9], logit_bias={4: 1.5}
+    )
     arrays = SamplingParams(
+        temperature=0.0,
         max_tokens=3,
         allowed_token_ids=np.array([3, 4, 9]),
         logit_bias={np.int64(4): np.float32(1.5)},
@@ -150,7 +161,9 @@ def test_skip_tokenizer_init_runs_on_token_ids_only(tiny):
         assert llm.tokenizer is None
         with pytest.raises(ValueError, match="no tokenizer"):
             llm.generate(["text"])
-        (out,) = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(max_tokens=3))
+        (out,) = llm.generate(
+            [{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=3)
+        )
         assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 3
 
 
@@ -188,7 +201,9 @@ def test_a_vllm_script_runs_unchanged(tiny, tmp_path, llm):
 def test_n_samples_compute_their_prompt_once(llm):
     prompt = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
     before = llm._client.stats.prefix_cache_hits
-    (out,) = llm.generate([prompt], SamplingParams(n=4, max_tokens=2, ignore_eos=True))
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, n=4, max_tokens=2, ignore_eos=True)
+    )
     assert len(out.outputs) == 4
     # Each of the 3 followers reuses all but the last prompt token of the leader's prefill.
     assert llm._client.stats.prefix_cache_hits - before == 3 * 39
@@ -199,7 +214,7 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
 
     tok = llm.tokenizer
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (out,) = llm.chat(conv, p)  # one conversation
     text, ids = tok.apply_chat_template(conv, tokenize=False), tok.apply_chat_template(conv)
     assert out.prompt == text and out.prompt_token_ids == ids
@@ -232,7 +247,11 @@ def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm)
     # trust_remote_code (no effect: no checkpoint code runs), tensor_parallel_size=1,
     # enforce_eager, gpu_memory_utilization (no effect on the CPU), dtype="auto" (the
     # checkpoint's) and a tokenizer directory: the same outputs as a plain LLM.
-    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outputs[0].token_ids
+    want = (
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        .outputs[0]
+        .token_ids
+    )
     with LLM(
         model=str(tiny),
         tokenizer=str(tiny),
@@ -247,7 +266,11 @@ def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm)
     ) as vl:
         assert vl.config.model.dtype == "float32" and not vl.config.execution.cuda_graphs
         assert vl.config.cache.kv_cache_gb == 1.0  # (the CPU's default)
-        got = vl.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].outputs[0].token_ids
+        got = (
+            vl.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6))[0]
+            .outputs[0]
+            .token_ids
+        )
         assert got == want and vl.get_tokenizer() is not None
     for kwargs, message in [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: rltserve runs an engine on one"),

@@ -22,7 +22,7 @@ def _workload(ref, n: int = 8, seed: int = 5):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 12))] for _ in range(n)]
     params = []
     for i, prompt in enumerate(prompts):
-        base = SamplingParams(max_tokens=10, ignore_eos=True, exit_threshold=0.5)
+        base = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, exit_threshold=0.5)
         free = oracle_run(ref, prompt, base).tokens
         if i % 3 == 0:
             params.append(base.replace(logit_bias={free[0]: -100.0, 7: 4.0}))
@@ -68,8 +68,16 @@ def test_bias_and_allowed_ids_match_the_oracle_in_every_mode(ckpts, ouro_ref, mo
 def test_huginn_with_bias_matches_the_oracle(ckpts, huginn_ref):
     prompts = [[3, 9, 27, 81], [5, 6]]
     params = [
-        SamplingParams(max_tokens=6, ignore_eos=True, init_state="zero", logit_bias={11: 6.0}),
-        SamplingParams(max_tokens=6, ignore_eos=True, init_state="zero", allowed_token_ids=[4, 8]),
+        SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, init_state="zero", logit_bias={11: 6.0}
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=6,
+            ignore_eos=True,
+            init_state="zero",
+            allowed_token_ids=[4, 8],
+        ),
     ]
     run = run_core(make_core(ckpts["huginn"]), prompts, params)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -95,8 +103,10 @@ def test_seeded_sampling_draws_only_allowed_ids_and_stays_reproducible(ckpts):
 
 def test_logprobs_describe_the_model_without_the_bias():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 2)
-    plain = SamplingParams(logprobs=2)
-    biased = SamplingParams(logprobs=2, logit_bias={0: 100.0}, allowed_token_ids=[0, 1])
+    plain = SamplingParams(temperature=0.0, logprobs=2)
+    biased = SamplingParams(
+        temperature=0.0, logprobs=2, logit_bias={0: 100.0}, allowed_token_ids=[0, 1]
+    )
     bias = torch.tensor([100.0, 0.0, float("-inf"), float("-inf")])
     out = Sampler().sample(logits, [SampleRow(plain), SampleRow(biased, bias=bias)])
     assert out.token_ids == [3, 0]
@@ -109,11 +119,11 @@ def test_the_engine_refuses_ids_outside_the_vocabulary_and_lists_min_tokens_empt
     core = make_core(ckpts["ouro"])
     vocab = core.spec.vocab_size
     with pytest.raises(ValueError, match=f"logit_bias: token id {vocab} is outside"):
-        core.make_request(None, [5], SamplingParams(logit_bias={vocab: 1.0}))
+        core.make_request(None, [5], SamplingParams(temperature=0.0, logit_bias={vocab: 1.0}))
     with pytest.raises(ValueError, match=f"allowed_token_ids: token id {vocab} is outside"):
-        core.make_request(None, [5], SamplingParams(allowed_token_ids=[1, vocab]))
+        core.make_request(None, [5], SamplingParams(temperature=0.0, allowed_token_ids=[1, vocab]))
     only_stops = SamplingParams(
-        max_tokens=4, min_tokens=2, stop_token_ids=[1, 2], allowed_token_ids=[2, 1]
+        temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=[1, 2], allowed_token_ids=[2, 1]
     )
     with pytest.raises(ValueError, match="allowed_token_ids: every one is EOS or a stop"):
         core.make_request(None, [5], only_stops)
@@ -144,6 +154,6 @@ def test_sampling_params_validate_them(changes, fragment):
 
 
 def test_sampling_params_keep_them():
-    p = SamplingParams(logit_bias={3: -2, 9: 0.5}, allowed_token_ids=[9, 3])
+    p = SamplingParams(temperature=0.0, logit_bias={3: -2, 9: 0.5}, allowed_token_ids=[9, 3])
     assert p.logit_bias == {3: -2, 9: 0.5} and p.allowed_token_ids == (9, 3)
     assert p.replace(n=2).logit_bias == p.logit_bias

@@ -19,17 +19,25 @@ def test_adaptive_exit_needs_an_exit_gate(ckpts, family, tmp_path):
         path = make_model("nanbeige-tiny", tmp_path / "n")
     core = make_core(path)
     with pytest.raises(ValueError, match=r"^exit_threshold=0.5: this model has no exit gate"):
-        core.make_request(None, [5, 6], SamplingParams(exit_threshold=0.5))
+        core.make_request(None, [5, 6], SamplingParams(temperature=0.0, exit_threshold=0.5))
     # Fixed depth, set by max_loops, is what it runs.
-    run = run_core(core, [[5, 6]], [SamplingParams(max_tokens=2, max_loops=2, ignore_eos=True)])
+    run = run_core(
+        core,
+        [[5, 6]],
+        [SamplingParams(temperature=0.0, max_tokens=2, max_loops=2, ignore_eos=True)],
+    )
     assert run.depths["r0"] == [2, 2]
 
 
 def test_min_loops_above_the_depth_is_refused(ckpts):
     core = make_core(ckpts["ouro"])  # 4 loops
     with pytest.raises(ValueError, match=r"^min_loops=5: above the 4 loops this request runs"):
-        core.make_request(None, [5], SamplingParams(min_loops=5, exit_threshold=0.5))
-    core.make_request(None, [5], SamplingParams(min_loops=5, max_loops=6, exit_threshold=0.5))
+        core.make_request(
+            None, [5], SamplingParams(temperature=0.0, min_loops=5, exit_threshold=0.5)
+        )
+    core.make_request(
+        None, [5], SamplingParams(temperature=0.0, min_loops=5, max_loops=6, exit_threshold=0.5)
+    )
     huginn = make_core(ckpts["huginn"])
     with pytest.raises(ValueError, match=r"^min_loops=200: above the \d+ loops"):
-        huginn.make_request(None, [5], SamplingParams(min_loops=200))
+        huginn.make_request(None, [5], SamplingParams(temperature=0.0, min_loops=200))

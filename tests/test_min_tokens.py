@@ -24,9 +24,12 @@ def _workload(ref, n: int = 8, seed: int = 3):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 12))] for _ in range(n)]
     params = []
     for i, prompt in enumerate(prompts):
-        free = oracle_run(ref, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).tokens
+        free = oracle_run(
+            ref, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ).tokens
         params.append(
             SamplingParams(
+                temperature=0.0,
                 max_tokens=12,
                 min_tokens=MIN if i % 4 else 0,
                 stop_token_ids=(free[1], free[3]),
@@ -83,7 +86,9 @@ def test_seeded_sampling_never_draws_a_banned_id_early(ckpts):
 def test_banning_every_token_is_refused(ckpts):
     core = make_core(ckpts["ouro"])
     vocab = core.spec.vocab_size
-    every = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(vocab)))
+    every = SamplingParams(
+        temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=tuple(range(vocab))
+    )
     with pytest.raises(ValueError, match="min_tokens=2: EOS and stop_token_ids are every token"):
         core.make_request(None, [5, 6], every)
     # Without min_tokens it is a request that stops at its first token.

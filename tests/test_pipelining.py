@@ -17,7 +17,8 @@ def _workload(n: int, seed: int, max_tokens: int = 12):
     rng = random.Random(seed)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 20))] for _ in range(n)]
     params = [
-        SamplingParams(max_tokens=rng.randint(1, max_tokens), ignore_eos=True) for _ in prompts
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(1, max_tokens), ignore_eos=True)
+        for _ in prompts
     ]
     return prompts, params
 
@@ -42,7 +43,7 @@ def test_pipelined_equals_block_mode_and_oracle(ouro_rv1, ouro_ref, k, d, kv_pol
 
 
 def test_pipelining_takes_fewer_steps_alone(ouro_rv1):
-    prompt, p = [5, 6, 7, 8], SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt, p = [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     block = run_core(make_core(ouro_rv1), [prompt], [p])
     piped = run_core(make_core(ouro_rv1, speculative_tokens=1, draft_loops=2), [prompt], [p])
     assert piped.tokens == block.tokens
@@ -114,9 +115,11 @@ def test_requirements_are_enforced(ouro_rv1):
     with pytest.raises(ValueError, match="greedy"):
         core.add_request("a", [1], SamplingParams(temperature=0.7, speculative=True))
     with pytest.raises(ValueError, match="fixed full depth"):
-        core.add_request("b", [1], SamplingParams(exit_threshold=0.5, speculative=True))
+        core.add_request(
+            "b", [1], SamplingParams(temperature=0.0, exit_threshold=0.5, speculative=True)
+        )
     with pytest.raises(ValueError, match="speculative_tokens=0"):
-        make_core(ouro_rv1).add_request("c", [1], SamplingParams(speculative=True))
+        make_core(ouro_rv1).add_request("c", [1], SamplingParams(temperature=0.0, speculative=True))
     with pytest.raises(ValueError, match="draft_loops"):
         make_core(ouro_rv1, speculative_tokens=1, draft_loops=4)
     with pytest.raises(ValueError, match="per-depth"):

@@ -267,6 +267,7 @@ def test_huginn_under_pressure(ckpts, huginn_ref, mode, kv_policy, init_state):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 8))] for _ in range(5)]
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(8, 14),
             ignore_eos=True,
             max_loops=rng.choice([2, 3, 4]),
@@ -303,6 +304,7 @@ def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
         trace = [rng.randint(1, loops) for _ in range(k)]
         params.append(
             SamplingParams(
+                temperature=0.0,
                 max_tokens=k,
                 ignore_eos=True,
                 max_loops=loops,

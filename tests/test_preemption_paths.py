@@ -50,7 +50,10 @@ def test_nanbeige_under_pressure(nanbeige, mode, kv_policy):
     path, ref = nanbeige
     rng = random.Random(22)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 12))] for _ in range(6)]
-    params = [SamplingParams(max_tokens=rng.randint(8, 14), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=rng.randint(8, 14), ignore_eos=True)
+        for _ in prompts
+    ]
     run, stats = _run(
         path,
         prompts,

@@ -141,7 +141,7 @@ def _request(rid: str, prompt: list[int], group: str | None = None) -> Request:
     request = Request(
         request_id=rid,
         prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=3, ignore_eos=True),
+        params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
         num_loops=2,
         max_loops=2,
         eos_token_ids=frozenset(),

@@ -34,6 +34,7 @@ def _workload(n: int = 6, seed: int = 11):
     prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 14))] for _ in range(n)]
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=5,
             ignore_eos=True,
             exit_threshold=0.5,
@@ -104,7 +105,7 @@ def test_a_cached_prompt_is_scored_in_full(ckpts, ouro_ref):
     score in a cached block); what it computes still serves later requests."""
     prompt = list(range(40, 57))  # 17 tokens: 4 full blocks of 4 before the last
     core = make_core(ckpts["ouro"], block_size=4, enable_prefix_caching=True)
-    plain = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     scored = plain.replace(prompt_logprobs=2)
     first = run_core(core, [prompt], [plain])
     again = run_core(core, [prompt, prompt], [scored, plain], arrivals=[0, 6])
@@ -127,7 +128,9 @@ def test_only_the_first_sample_scores_the_prompt(ckpts, ouro_ref):
 def test_huginn_prompt_logprobs_come_from_its_coda(ckpts, huginn_ref):
     prompts = [[3, 9, 27, 81, 5, 6, 7], [5, 6]]
     params = [
-        SamplingParams(max_tokens=3, ignore_eos=True, init_state="zero", prompt_logprobs=TOP)
+        SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, init_state="zero", prompt_logprobs=TOP
+        )
     ] * 2
     for chunk in (64, 3):
         run = run_core(make_core(ckpts["huginn"], prefill_chunk_size=chunk), prompts, params)
@@ -150,11 +153,13 @@ def test_prompt_logprobs_come_after_max_loops(ckpts, ouro_ref, max_loops):
 
 
 def test_a_one_token_prompt_has_none_to_score(ckpts):
-    run = run_core(make_core(ckpts["ouro"]), [[5]], [SamplingParams(prompt_logprobs=2)])
+    run = run_core(
+        make_core(ckpts["ouro"]), [[5]], [SamplingParams(temperature=0.0, prompt_logprobs=2)]
+    )
     assert run.prompt_logprobs["r0"] == []
 
 
 @pytest.mark.parametrize("value", [-1, 21, 1.5, True])
 def test_sampling_params_validate_prompt_logprobs(value):
     with pytest.raises(ValueError, match="^prompt_logprobs="):
-        SamplingParams(prompt_logprobs=value)
+        SamplingParams(temperature=0.0, prompt_logprobs=value)

@@ -38,6 +38,7 @@ def _workload(seed: int, thresholds=(1.0, 0.5, 0.3)):
     ]
     params = [
         SamplingParams(
+            temperature=0.0,
             max_tokens=rng.randint(3, 6),
             ignore_eos=True,
             exit_threshold=thresholds[i % len(thresholds)],
@@ -146,7 +147,7 @@ def test_hits_after_evictions(ckpts, ouro_ref):
     first = [rng.randrange(384) for _ in range(13)]
     fillers = [[rng.randrange(384) for _ in range(13)] for _ in range(4)]
     prompts = [first, *fillers, first[:8] + [5, 6, 7]]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True) for _ in prompts]
     arrivals = [0, 30, 60, 90, 120, 150]
     # Room for two requests' blocks: the fillers evict the first prompt's cached blocks ...
     on, stats = _run(ckpts["ouro"], prompts, params, arrivals, num_blocks=40, kv_watermark=0.0)
@@ -178,7 +179,12 @@ def test_huginn_early_first_output_keeps_its_last_block_unshared(ckpts, huginn_r
     traces = [[1, 3, 2], [3, 1, 3], [2, 2, 1]]
     params = [
         SamplingParams(
-            max_tokens=3, ignore_eos=True, max_loops=3, init_state="zero", trace_depths=trace
+            temperature=0.0,
+            max_tokens=3,
+            ignore_eos=True,
+            max_loops=3,
+            init_state="zero",
+            trace_depths=trace,
         )
         for trace in traces
     ]
@@ -192,7 +198,7 @@ def test_huginn_early_first_output_keeps_its_last_block_unshared(ckpts, huginn_r
 def test_huginn_random_state_seeds_never_share(ckpts, huginn_ref):
     prompt = random.Random(8).choices(range(384), k=13)
     params = [
-        SamplingParams(max_tokens=5, ignore_eos=True, init_state="random", seed=s)
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, init_state="random", seed=s)
         for s in (1, 2, 1)
     ]
     on, stats = _run(ckpts["huginn"], [prompt] * 3, params, [0, LATE, 2 * LATE])
@@ -228,7 +234,7 @@ def test_shared_policy_runs_without_caching(ckpts, ouro_ref):
 def test_weight_update_invalidates(ckpts):
     core = make_core(ckpts["ouro"], block_size=BS)
     prompt = list(range(1, 14))
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     run_core(core, [prompt], [params])
     assert core.stats().prefix_cache_blocks > 0
     core.reset_prefix_cache()
@@ -241,9 +247,9 @@ def test_weight_update_invalidates(ckpts):
 # ---------------------------------------------------------------- n samples of one prompt
 
 
-def _samples(prompt_len: int, n: int, seed: int, **extra):
+def _samples(prompt_len: int, n: int, seed: int, temperature: float = 0.0, **extra):
     prompt = random.Random(seed).choices(range(384), k=prompt_len)
-    base = SamplingParams(max_tokens=8, ignore_eos=True, seed=100, **extra)
+    base = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=100, **extra)
     return [prompt] * n, [base.replace(seed=100 + j) for j in range(n)]
 
 

@@ -104,4 +104,4 @@ def test_offline_generate_refuses_what_llm_would_before_any_cluster_starts():
     with pytest.raises(ValueError, match="replicas='2': must be an int >= 1"):
         generate([[1]], replicas="2")
     with pytest.raises(ValueError, match="params: 2 given for 1 prompts"):
-        generate([[1]], [SamplingParams()] * 2, replicas=1)
+        generate([[1]], [SamplingParams(temperature=0.0)] * 2, replicas=1)

@@ -11,7 +11,7 @@ from rltserve.sampling import SamplingParams
 
 
 def _two_requests(core, **params):
-    p = SamplingParams(max_tokens=4, ignore_eos=True, **params)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, **params)
     core.add_request("a", [1, 2, 3], p)
     core.add_request("b", [4, 5], p)
 
@@ -45,7 +45,7 @@ def test_poll_delivers_when_idle_and_execute_delivers_at_once(ouro_rv1):
 def test_step_checking_a_draft_is_delivered_at_once(ouro_rv1):
     core = make_core(ouro_rv1, speculative_tokens=1, draft_loops=2, async_scheduling=True)
     core.runner.defer_results = True
-    core.add_request("a", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    core.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     eager = 0
     handles = []
     while core.has_work():
@@ -98,7 +98,7 @@ def test_submit_on_the_step_thread_completes_every_future(ouro_rv1, deferred):
 
 def test_failed_step_does_not_fail_the_next_planned_step(ouro_rv1, ouro_ref, monkeypatch):
     core = make_core(ouro_rv1, max_num_seqs=1)
-    p = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     core.add_request("a", [1, 2, 3], p)
     core.add_request("b", [4, 5], p)
     plan1 = core.plan()

@@ -23,7 +23,7 @@ def rand_logits(rows, seed=0):
 
 def test_greedy_is_argmax():
     logits = rand_logits(4)
-    out = Sampler().sample(logits, [SampleRow(SamplingParams()) for _ in range(4)])
+    out = Sampler().sample(logits, [SampleRow(SamplingParams(temperature=0.0)) for _ in range(4)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 4 and out.top_logprobs == [None] * 4
 
@@ -46,12 +46,12 @@ def _check_greedy_ties():
     logits[1] = 0.5
     logits[2, V - 1] = logits[2, 0] = logits[2].max() + 1
     for rows in (logits, logits[:, ::2], logits.t().contiguous().t()):  # strided views too
-        out = Sampler().sample(rows, [SampleRow(SamplingParams()) for _ in range(5)])
+        out = Sampler().sample(rows, [SampleRow(SamplingParams(temperature=0.0)) for _ in range(5)])
         assert out.token_ids == rows.max(dim=-1).indices.tolist()
     assert out.token_ids[:3] == [2, 0, 0]
     # A row with a NaN: flagged, its (meaningless) token as torch's max gives it.
     logits[3, 4] = float("nan")
-    out = Sampler().sample(logits, [SampleRow(SamplingParams()) for _ in range(5)])
+    out = Sampler().sample(logits, [SampleRow(SamplingParams(temperature=0.0)) for _ in range(5)])
     assert out.finite == [True, True, True, False, True]
     assert out.token_ids == logits.max(dim=-1).indices.tolist()
 
@@ -80,7 +80,7 @@ def test_seeded_rows_independent_of_batch():
         rows = [
             SampleRow(SamplingParams(temperature=0.7)),  # unseeded: shared draw
             SampleRow(p, g),
-            SampleRow(SamplingParams()),  # greedy
+            SampleRow(SamplingParams(temperature=0.0)),  # greedy
             SampleRow(SamplingParams(temperature=1.0, top_p=0.5), other),
         ]
         batched.append(Sampler().sample(logits, rows).token_ids[1])
@@ -136,20 +136,24 @@ def test_repetition_penalty_changes_argmax():
     logits[:, 7] = 2.0  # seen before: 2.0 / 4 = 0.5
     logits[:, 9] = 1.0  # unseen
     logits[:, 11] = -0.5  # seen, negative: -0.5 * 4 = -2.0
-    p = SamplingParams(repetition_penalty=4.0, logprobs=0)
+    p = SamplingParams(temperature=0.0, repetition_penalty=4.0, logprobs=0)
     rows = [SampleRow(p, None, ([7], [11])), SampleRow(p)]  # row 1 has no token history
-    out = Sampler().sample(logits, rows)
+    out = Sampler("processed_logprobs").sample(logits, rows)
     assert out.token_ids == [9, 7]
     expected = logits[0].clone()
     expected[7], expected[11] = 0.5, -2.0
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(expected, -1)[9].item(), abs=1e-6)
+    # Raw logprobs (the default, vLLM's) are the model's, before the penalty.
+    raw = Sampler().sample(logits, rows)
+    assert raw.token_ids == [9, 7]
+    assert raw.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[9].item(), abs=1e-6)
 
 
 def test_presence_and_frequency_penalties():
     logits = torch.zeros(1, 4)
     logits[0, 0] = 1.0
-    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logprobs=4)
-    out = Sampler().sample(logits, [SampleRow(p, None, ([1, 3], [0, 0, 2]))])
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, logprobs=4)
+    out = Sampler("processed_logprobs").sample(logits, [SampleRow(p, None, ([1, 3], [0, 0, 2]))])
     # token 0: 1 - 0.5 - 2*0.25 = 0; token 2: -0.75; prompt-only tokens untouched
     expected = torch.log_softmax(torch.tensor([0.0, 0.0, -0.75, 0.0]), -1)
     got = dict(out.top_logprobs[0])
@@ -161,9 +165,9 @@ def test_presence_and_frequency_penalties():
 def test_logprobs_values_and_order():
     logits = rand_logits(3, seed=8)
     rows = [
-        SampleRow(SamplingParams(logprobs=5)),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=5)),
         SampleRow(SamplingParams(temperature=0.5, top_k=2, logprobs=2), seeded(1)),
-        SampleRow(SamplingParams(logprobs=0)),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=0)),
     ]
     out = Sampler().sample(logits, rows)
     ref = torch.log_softmax(logits.double(), -1)  # before temperature and filters
@@ -195,15 +199,15 @@ def test_distribution_matches_probs():
 
 def test_shape_mismatch():
     with pytest.raises(ValueError):
-        Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams())])
+        Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams(temperature=0.0))])
 
 
 def test_sample_device_matches_sample():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
     rows = lambda: [  # noqa: E731
-        SampleRow(SamplingParams(logprobs=3)),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=3)),
         SampleRow(SamplingParams(temperature=0.8, top_p=0.9, seed=1), seeded(1)),
-        SampleRow(SamplingParams()),
+        SampleRow(SamplingParams(temperature=0.0)),
         SampleRow(SamplingParams(temperature=1.2, top_k=5, logprobs=0), seeded(2)),
         SampleRow(SamplingParams(min_p=0.1, temperature=0.7, logprobs=1), seeded(3)),
     ]
@@ -223,7 +227,9 @@ def test_seeded_generator_counts_its_draws():
     g = seeded(9)
     Sampler().sample(torch.zeros(2, V), [SampleRow(SamplingParams(temperature=1.0), g)] * 2)
     assert g.draws == 2
-    Sampler().sample(torch.zeros(1, V), [SampleRow(SamplingParams(), g)])  # greedy: no draw
+    Sampler().sample(
+        torch.zeros(1, V), [SampleRow(SamplingParams(temperature=0.0), g)]
+    )  # greedy: no draw
     assert g.draws == 2
 
 
@@ -261,7 +267,11 @@ def test_finite_flags_rows_with_nan_or_infinity(greedy_only):
     logits[2, 0] = float("inf")
     logits[3, V - 1] = float("-inf")
     logits[4] = float("nan")
-    params = SamplingParams() if greedy_only else SamplingParams(logprobs=1)
+    params = (
+        SamplingParams(temperature=0.0)
+        if greedy_only
+        else SamplingParams(temperature=0.0, logprobs=1)
+    )
     rows = [SampleRow(params) for _ in range(6)]
     assert rows[0].plain is greedy_only
     out = Sampler().sample(logits, rows)
@@ -273,10 +283,10 @@ def test_finite_flags_rows_with_nan_or_infinity(greedy_only):
 
 
 def test_a_row_is_plain_only_when_greedy_with_nothing_else_asked():
-    assert SampleRow(SamplingParams()).plain
+    assert SampleRow(SamplingParams(temperature=0.0)).plain
     assert not SampleRow(SamplingParams(temperature=0.7)).plain
-    assert not SampleRow(SamplingParams(logprobs=0)).plain
-    penalized = SamplingParams(repetition_penalty=1.3)
+    assert not SampleRow(SamplingParams(temperature=0.0, logprobs=0)).plain
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3)
     assert not SampleRow(penalized, penalty_tokens=([1], [2])).plain
     assert SampleRow(penalized).plain  # no history kept: nothing to penalize
 
@@ -288,9 +298,9 @@ def test_banned_rows_never_sample_their_ids_and_keep_their_logprobs():
     logits = rand_logits(4, seed=5)
     top = logits.argmax(-1)
     params = [
-        SamplingParams(logprobs=2),
+        SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=1.0, seed=1, logprobs=0),
-        SamplingParams(),
+        SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.0, seed=2),
     ]
     rows = [SampleRow(p, generator=seeded(i)) for i, p in enumerate(params)]
@@ -316,3 +326,47 @@ def test_banned_rows_never_sample_their_ids_and_keep_their_logprobs():
     for i, row in enumerate(again):
         row.banned = torch.tensor([int(top[i]), 0, 1])
     assert Sampler().sample(logits, again, banned=[0, 1, 2]).token_ids == out.token_ids
+
+
+def test_the_sampled_token_always_has_its_rank():
+    """vLLM's rank: the count of logprobs >= the sampled token's (1 for the most likely), also
+    for a token outside the top k (TRL sorts a position's entries by rank)."""
+    logits = rand_logits(4, seed=21)
+    rows = [
+        SampleRow(SamplingParams(temperature=0.0, logprobs=0)),
+        SampleRow(SamplingParams(temperature=1.0, logprobs=2), seeded(3)),
+        SampleRow(SamplingParams(temperature=1.5, logprobs=1), seeded(4)),
+        SampleRow(SamplingParams(temperature=0.0)),
+    ]
+    out = Sampler().sample(logits, rows)
+    for i in range(3):
+        logp = torch.log_softmax(logits[i], -1)
+        assert out.ranks[i] == int((logp >= logp[out.token_ids[i]]).sum())
+    assert out.ranks[0] == 1 and out.ranks[3] is None
+    plain = Sampler().sample(logits, [SampleRow(SamplingParams(temperature=0.0))] * 4)
+    assert plain.ranks is None  # no row asked: no column
+
+
+def test_processed_logprobs_are_what_the_token_was_drawn_from():
+    logits = rand_logits(2, seed=5)
+    p = SamplingParams(temperature=0.5, top_k=3, logprobs=4)
+    rows = [SampleRow(p, seeded(1)), SampleRow(p.replace(temperature=0.0), None)]
+    out = Sampler("processed_logprobs").sample(logits, rows)
+    scaled = logits[0] / 0.5
+    kept = scaled.topk(3).indices
+    masked = torch.full_like(scaled, float("-inf"))
+    masked[kept] = scaled[kept]
+    expected = torch.log_softmax(masked, -1)
+    assert out.logprobs[0] == pytest.approx(expected[out.token_ids[0]].item(), abs=1e-5)
+    ranked = out.top_logprobs[0]  # descending
+    assert [t for t, _ in ranked[:3]] == kept.tolist()
+    assert ranked[3][1] == float("-inf")  # top_k filtered the 4th out
+    # A greedy row: no temperature (vLLM's), the model's distribution here.
+    greedy = torch.log_softmax(logits[1], -1)
+    assert out.logprobs[1] == pytest.approx(greedy[out.token_ids[1]].item(), abs=1e-6)
+    # Raw logprobs ignore temperature and top_k.
+    raw = Sampler().sample(logits, rows)
+    assert raw.token_ids == out.token_ids
+    assert raw.logprobs[0] == pytest.approx(
+        torch.log_softmax(logits[0], -1)[out.token_ids[0]].item(), abs=1e-6
+    )

@@ -13,8 +13,8 @@ from rltserve.sampling import SamplingParams
 
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match=r"min_tokens=5: must be <= max_tokens \(3\)"):
-        SamplingParams(max_tokens=3, min_tokens=5)
-    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
+        SamplingParams(temperature=0.0, max_tokens=3, min_tokens=5)
+    assert SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3).min_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_trace_depths_outside_the_loop_bounds_are_rejected(kw, message):
 
 
 def test_trace_depths_are_rejected_outside_trace_mode(ouro_rv1):
-    traced = SamplingParams(max_tokens=2, exit_threshold=0.5, trace_depths=[4, 4])
+    traced = SamplingParams(temperature=0.0, max_tokens=2, exit_threshold=0.5, trace_depths=[4, 4])
     for mode in ("gate", "delayed"):
         core = make_core(ouro_rv1, exit_mode=mode)
         with pytest.raises(ValueError, match=f"only for an engine with exit_mode='trace'.*{mode}"):
@@ -43,22 +43,26 @@ def test_trace_depths_are_rejected_outside_trace_mode(ouro_rv1):
 def test_trace_depths_above_the_models_loops_are_rejected(ouro_rv1):
     core = make_core(ouro_rv1, exit_mode="trace")
     with pytest.raises(ValueError, match="depth 5 is above the request's 4 loops"):
-        core.add_request("r", [1, 2], SamplingParams(max_tokens=2, trace_depths=[2, 5]))
-    capped = SamplingParams(max_tokens=2, max_loops=2, trace_depths=[1, 2])
+        core.add_request(
+            "r", [1, 2], SamplingParams(temperature=0.0, max_tokens=2, trace_depths=[2, 5])
+        )
+    capped = SamplingParams(temperature=0.0, max_tokens=2, max_loops=2, trace_depths=[1, 2])
     run = run_core(core, [[1, 2]], [capped])
     assert run.depths["r0"] == [1, 2]
 
 
 def test_trace_depths_honour_min_loops(ouro_rv1):
     core = make_core(ouro_rv1, exit_mode="trace")
-    params = SamplingParams(max_tokens=3, min_loops=2, ignore_eos=True, trace_depths=[2, 3, 4])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=3, min_loops=2, ignore_eos=True, trace_depths=[2, 3, 4]
+    )
     assert run_core(core, [[5, 6, 7]], [params]).depths["r0"] == [2, 3, 4]
 
 
 def test_draft_loops_default_fits_a_two_loop_model(tmp_path):
     path = build_nanbeige_tiny(tmp_path / "nanbeige")
     prompts = [[3, 4, 5], [9, 8]]
-    params = [SamplingParams(max_tokens=5, ignore_eos=True)] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 2
     piped_core = make_core(path, speculative_tokens=1)
     assert piped_core.config.scheduler.draft_loops == 1
     piped = run_core(piped_core, prompts, params)
@@ -73,9 +77,24 @@ def test_draft_loops_default_stays_two_on_a_four_loop_model(ouro_rv1):
 
 def test_seed_range_leaves_room_for_every_sample():
     # Sample j draws with seed + j; torch's generators take seeds in [-2**63, 2**64).
-    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
-    assert SamplingParams(seed=-(2**63), n=3).n == 3
+    assert SamplingParams(temperature=0.0, seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(temperature=0.0, seed=-(2**63), n=3).n == 3
     with pytest.raises(ValueError, match=r"seed=18446744073709551615: must be in .*n=2"):
-        SamplingParams(seed=2**64 - 1, n=2)
+        SamplingParams(temperature=0.0, seed=2**64 - 1, n=2)
     with pytest.raises(ValueError, match="seed="):
-        SamplingParams(seed=-(2**63) - 1)
+        SamplingParams(temperature=0.0, seed=-(2**63) - 1)
+
+
+def test_temperature_takes_vllms_range():
+    # vLLM accepts any temperature >= 0 (the HTTP API keeps OpenAI's [0, 2]).
+    assert SamplingParams(temperature=5.0).temperature == 5.0
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature="):
+            SamplingParams(temperature=bad)
+
+
+def test_clone_is_an_equal_copy_that_can_be_changed():
+    p = SamplingParams(n=4, temperature=1.0, seed=3, stop=["x"], logit_bias={5: 1.0})
+    q = p.clone()
+    assert q == p and q is not p
+    assert q.replace(n=2).n == 2 and p.n == 4

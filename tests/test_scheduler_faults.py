@@ -99,7 +99,7 @@ PLANNING_ERROR = "engine error while planning a step: RuntimeError: injected pla
 
 def test_a_planning_error_fails_every_request_and_the_engine_serves_on(ouro_rv1, ouro_ref):
     core = make_core(ouro_rv1, max_num_seqs=3)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for rid in PROMPTS:
         core.add_request(rid, PROMPTS[rid], params)
     _break_planning(core, at_call=4)
@@ -126,7 +126,7 @@ def test_a_planning_error_in_the_engine_loop_with_two_steps_in_flight(ouro_rv1, 
     from rltserve.core.engine_loop import run_engine_loop
 
     core = make_core(ouro_rv1, max_num_seqs=3, async_scheduling=True, exit_mode="delayed")
-    params = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=0.5)
     _break_planning(core, at_call=5)
     finish: dict[str, tuple] = {}
     tokens: dict[str, list[int]] = {}
@@ -172,7 +172,7 @@ def test_every_update_of_an_applied_step_carries_the_weight_version(ouro_rv1):
 
     core = make_core(ouro_rv1, max_num_seqs=3)
     core.weight_version = 7
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for rid in PROMPTS:
         core.add_request(rid, PROMPTS[rid], params)
 

@@ -24,7 +24,9 @@ from rltserve.models.presets import make_model
 from rltserve.outputs import OutputAssembler
 
 WAIT_S = 60
-LONG = SamplingParams(max_tokens=1500, ignore_eos=True)  # runs for many steps on ouro-tiny
+LONG = SamplingParams(
+    temperature=0.0, max_tokens=1500, ignore_eos=True
+)  # runs for many steps on ouro-tiny
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def bounded(fn, *args, timeout: float = WAIT_S):
 def assert_idle(llm: LLM) -> None:
     """Nothing left running in the engine: a fresh request's final stats show no other request
     and no KV in use (commands reach the stage in order, so earlier aborts came first)."""
-    out = bounded(llm.generate, [[7, 8]], SamplingParams(max_tokens=1))[0]
+    out = bounded(llm.generate, [[7, 8]], SamplingParams(temperature=0.0, max_tokens=1))[0]
     assert out.finish_reason == "length"
     stats = llm._client.stats
     assert stats.num_running == 0 and stats.num_waiting == 0
@@ -74,8 +76,10 @@ def assert_idle(llm: LLM) -> None:
 @pytest.mark.parametrize("bad", [-3, 512, 2**32, 2**70])
 def test_token_id_outside_vocabulary_raises_and_llm_keeps_working(llm, bad):
     with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 512\)"):
-        bounded(llm.generate, [[bad]], SamplingParams(max_tokens=2))
-    out = bounded(llm.generate, [[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))
+        bounded(llm.generate, [[bad]], SamplingParams(temperature=0.0, max_tokens=2))
+    out = bounded(
+        llm.generate, [[5, 6]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    )
     assert len(out[0].token_ids) == 2
 
 
@@ -102,7 +106,7 @@ def test_output_assembly_failure_fails_the_request_not_the_llm(llm, monkeypatch)
 
     monkeypatch.setattr(OutputAssembler, "add", boom)
     with pytest.raises(RuntimeError, match="OverflowError while assembling output"):
-        bounded(llm.generate, [[1, 2, 3]], SamplingParams(max_tokens=4))
+        bounded(llm.generate, [[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
     assert_idle(llm)
 
 
@@ -130,9 +134,14 @@ def test_sink_failure_fails_only_its_request(tiny, client_cls):
                 raise RuntimeError("sink exploded")
             record("culprit")(update)
 
-        client.add_request("culprit", [4, 5], SamplingParams(max_tokens=8), explode)
         client.add_request(
-            "victim", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), record("victim")
+            "culprit", [4, 5], SamplingParams(temperature=0.0, max_tokens=8), explode
+        )
+        client.add_request(
+            "victim",
+            [1, 2, 3],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            record("victim"),
         )
         assert done.wait(WAIT_S), "an open request was left waiting"
         assert finals["culprit"].finish_reason is FinishReason.ERROR
@@ -140,7 +149,9 @@ def test_sink_failure_fails_only_its_request(tiny, client_cls):
         assert finals["victim"].finish_reason is FinishReason.LENGTH
         assert len(calls) == 2  # the failing update, then one final error; nothing after
         assert client.alive
-        client.add_request("later", [1], SamplingParams(max_tokens=2), record("later"))
+        client.add_request(
+            "later", [1], SamplingParams(temperature=0.0, max_tokens=2), record("later")
+        )
     finally:
         client.close()
 
@@ -174,7 +185,7 @@ def test_startup_error_is_the_checkpoint_error_every_time(tiny, tmp_path, kind):
             client.wait_ready(WAIT_S)
         client._reader.join(WAIT_S)
         with pytest.raises(StageError, match=expected):
-            client.add_request("r", [1], SamplingParams(), lambda update: None)
+            client.add_request("r", [1], SamplingParams(temperature=0.0), lambda update: None)
     finally:
         client.close()
 
@@ -262,13 +273,15 @@ def test_worker_ignores_sigint_and_sigterm(llm):
         pytest.skip("no worker process in process")
     os.kill(pid, signal.SIGINT)
     os.kill(pid, signal.SIGTERM)
-    out = bounded(llm.generate, [[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))
+    out = bounded(
+        llm.generate, [[5, 6]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    )
     assert len(out[0].token_ids) == 3
 
 
 def test_unreferenced_llm_stops_its_worker(tiny):
     llm = LLM(str(tiny), num_blocks=64)
-    bounded(llm.generate, [[1, 2]], SamplingParams(max_tokens=2))
+    bounded(llm.generate, [[1, 2]], SamplingParams(temperature=0.0, max_tokens=2))
     pid = llm._client.pid
     del llm
     gc.collect()
@@ -277,7 +290,7 @@ def test_unreferenced_llm_stops_its_worker(tiny):
 
 def test_unreferenced_in_process_llm_stops_its_loop(tiny):
     llm = LLM(str(tiny), num_blocks=64, in_process=True)
-    bounded(llm.generate, [[1, 2]], SamplingParams(max_tokens=2))
+    bounded(llm.generate, [[1, 2]], SamplingParams(temperature=0.0, max_tokens=2))
     thread = llm._client._thread
     del llm
     gc.collect()

@@ -121,7 +121,9 @@ def test_lockstep_decode_takes_the_fast_paths_and_matches_the_oracle(
     for name in ("gather_rows", "gather_tokens"):
         monkeypatch.setattr(step_rows, name, counted(name))
     prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, max_loops=3) for _ in prompts
+    ]
     core = make_core(ckpts["ouro"], exit_mode=exit_mode, kv_policy="full")
     run = run_core(core, prompts, params)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -143,7 +145,9 @@ def test_a_decode_batch_computes_no_gate_where_it_cannot_move_an_exit(
     (threshold 1: no adaptive exit) at every loop. The tokens and depths are the oracle's."""
     prompts = [[(7 * i + k) % 300 + 1 for k in range(6)] for i in range(5)]
     params = [
-        SamplingParams(max_tokens=6, ignore_eos=True, max_loops=3, exit_threshold=threshold)
+        SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, max_loops=3, exit_threshold=threshold
+        )
         for _ in prompts
     ]
     core = make_core(ckpts["ouro"], exit_mode=exit_mode, kv_policy="full")
@@ -202,7 +206,14 @@ def test_a_decode_batch_past_the_models_loops_matches_the_oracle(ckpts, ouro_ref
     depths = [n, n + 1, n, n + 1, n + 2, n, n + 1, n]
     prompts = [[(5 * i + k) % 300 + 1 for k in range(5)] for i in range(3)]
     params = [
-        SamplingParams(max_tokens=8, ignore_eos=True, max_loops=n + 2, trace_depths=depths, seed=i)
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            ignore_eos=True,
+            max_loops=n + 2,
+            trace_depths=depths,
+            seed=i,
+        )
         for i in range(len(prompts))
     ]
     run = run_core(core, prompts, params)
@@ -224,7 +235,7 @@ def test_staggered_requests_take_the_general_paths_and_match_the_oracle(
     )
     prompts = [[(5 * i + k) % 300 + 1 for k in range(2 + 3 * i)] for i in range(6)]
     params = [
-        SamplingParams(max_tokens=5, ignore_eos=True, exit_threshold=t)
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, exit_threshold=t)
         for t in (0.3, 0.9, 0.5, 1.0, 0.6, 0.4)
     ]
     core = make_core(ckpts["ouro"], prefill_chunk_size=4, max_num_batched_tokens=12)
@@ -254,7 +265,7 @@ def test_pending_rows_settle_into_their_item_states():
 
 def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
     core = make_core(ckpts["ouro"], kv_policy="full")
-    p = SamplingParams(max_tokens=4, ignore_eos=True, max_loops=3)
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, max_loops=3)
     for i in range(3):
         core.add_request(f"r{i}", [1 + i, 2, 3], p)
     seen = 0

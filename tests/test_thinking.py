@@ -30,7 +30,7 @@ def _end_id(tokens: list[int]) -> int:
 
 def _params(ref, prompt, **kw) -> SamplingParams:
     thinking = ref.generate(prompt, K, kv_policy="last_exited").tokens
-    base = dict(max_tokens=10, ignore_eos=True, max_thinking_tokens=K)
+    base = dict(temperature=0.0, max_tokens=10, ignore_eos=True, max_thinking_tokens=K)
     base.update(thinking_end_token_ids=(_end_id(thinking),), thinking_interruption=INTERRUPTION)
     return SamplingParams(**{**base, **kw})
 
@@ -71,7 +71,7 @@ def test_adaptive_exit_continues_from_the_recorded_depths(ouro_rv1, ouro_ref):
 
 
 def test_no_forcing_when_thinking_ends_in_time_and_truncation_at_max_tokens(ouro_rv1, ouro_ref):
-    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     base = run_core(make_core(ouro_rv1), PROMPTS[:1], [plain])
     tokens = base.tokens["r0"]
     ended = plain.replace(
@@ -115,7 +115,7 @@ def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
     with pytest.raises(ValueError, match="thinking_end_token_ids: required"):
         core.make_request(None, PROMPTS[0], p.replace(thinking_end_token_ids=None))
     with pytest.raises(ValueError, match="max_thinking_tokens=0"):
-        SamplingParams(max_thinking_tokens=0)
+        SamplingParams(temperature=0.0, max_thinking_tokens=0)
     # Forced ids are fed back as inputs: outside the vocabulary they are refused up front.
     vocab = core.spec.vocab_size
     with pytest.raises(ValueError, match=rf"thinking_end_token_ids: token id {vocab} is outside"):
@@ -144,7 +144,7 @@ def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
     with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
         end = llm.tokenizer.get_vocab()["</think>"]
         words = llm.tokenizer.encode("so the answer", add_special_tokens=False)
-        p = SamplingParams(
+        p = SamplingParams(temperature=0.0,
             max_tokens=12, ignore_eos=True, max_thinking_tokens=2,
             thinking_interruption="so the answer",
         )  # fmt: skip
@@ -155,7 +155,7 @@ def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
         assert ids[2 : 3 + len(words)] == [*words, end]
         # A prompt that leaves no span open (none, or one it closes) runs without the bound:
         # the same params serve thinking and plain prompts.
-        free = SamplingParams(max_tokens=12, ignore_eos=True)
+        free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         for prompt in ([5, 6, 7], [5, start, 6, end, 7]):
             (bounded,) = llm.generate([prompt], p)
             (plain,) = llm.generate([prompt], free)
@@ -165,7 +165,7 @@ def test_llm_resolves_text_interruption_and_the_end_token(tmp_path):
         LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm,
         pytest.raises(ValueError, match="thinking_end_token_ids: required"),
     ):
-        llm.generate([[5]], SamplingParams(max_thinking_tokens=2))
+        llm.generate([[5]], SamplingParams(temperature=0.0, max_thinking_tokens=2))
 
 
 def test_reasoning_stream_splits_across_deltas():
@@ -183,7 +183,9 @@ def test_bound_thinking_applies_to_an_open_span_only():
         def get_vocab(self):
             return {"<think>": 3, "</think>": 4}
 
-    p = SamplingParams(max_tokens=8, max_thinking_tokens=2, thinking_end_token_ids=(4,))
+    p = SamplingParams(
+        temperature=0.0, max_tokens=8, max_thinking_tokens=2, thinking_end_token_ids=(4,)
+    )
     assert bound_thinking(p, [1, 3], Vocab()) is p
     assert bound_thinking(p, [1, 3, 2, 2], Vocab()) is p  # still open
     assert bound_thinking(p, [1, 2], Vocab()).max_thinking_tokens is None

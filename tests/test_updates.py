@@ -24,6 +24,7 @@ def test_request_update_pickles_every_field():
         "weight_version": 7,
         "num_cached_tokens": 16,
         "prompt_logprobs": [(-1.5, [(3, -0.25)])],
+        "new_ranks": [1, None],
     }
     # Every field is set to a value other than its default: a field added without being
     # pickled fails here.
@@ -56,11 +57,13 @@ def test_engine_stats_pickle_every_field():
 def test_a_one_token_update_goes_as_plain_values():
     """A decode step's update (one token, nothing else) crosses without its one-element lists;
     one that also ends the request, or reports cached tokens, goes whole."""
-    one = RequestUpdate("r1", [7], [3], [-0.25], [[(7, -0.25), (9, -1.5)]], weight_version=4)
+    one = RequestUpdate(
+        "r1", [7], [3], [-0.25], [[(7, -0.25), (9, -1.5)]], weight_version=4, new_ranks=[1]
+    )
     ending = RequestUpdate("r2", [8], [2], [None], [None], finish_reason=FinishReason.STOP)
     first = RequestUpdate("r3", [9], [4], [None], [None], num_cached_tokens=16)
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
         wire = pickle.loads(pickle.dumps(to_wire([one, ending, first]), protocol))
-        assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 4)
-        assert [len(row) for row in wire[1:]] == [11, 11]
+        assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 1, 4)
+        assert [len(row) for row in wire[1:]] == [12, 12]
         assert from_wire(wire) == [one, ending, first]

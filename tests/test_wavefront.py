@@ -29,7 +29,7 @@ def _first_token_step(core, prompt, params) -> int:
 @pytest.mark.parametrize("chunk", [1, 4, 8])
 def test_prefill_steps_are_chunks_plus_depth_minus_one(ckpts, chunk):
     prompt = list(range(1, 4 * chunk + 1))  # C = 4 chunks
-    params = SamplingParams(max_tokens=1, ignore_eos=True)  # fixed depth D = 4
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # fixed depth D = 4
     kw = {"prefill_chunk_size": chunk, "max_num_batched_tokens": 64}
     plain = _first_token_step(make_core(ckpts["ouro"], **kw), prompt, params)
     wave = _first_token_step(make_core(ckpts["ouro"], wavefront_prefill=True, **kw), prompt, params)
@@ -87,7 +87,9 @@ def test_wavefront_huginn_boundary_plane(ckpts, huginn_ref, deferred):
     rng = random.Random(5)
     prompts = [[rng.randrange(384) for _ in range(rng.randint(5, 30))] for _ in range(4)]
     params = [
-        SamplingParams(max_tokens=4, ignore_eos=True, max_loops=3, init_state="random", seed=i)
+        SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True, max_loops=3, init_state="random", seed=i
+        )
         for i in range(4)
     ]
     kw = {"prefill_chunk_size": 4, "max_num_batched_tokens": 32}

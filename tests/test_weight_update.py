@@ -23,7 +23,7 @@ from rltserve.core.request import FinishReason
 from rltserve.updates import UpdateTimeout
 
 PROMPTS = [[3, 17, 42, 7], [99, 5]]
-PARAMS = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=0.5)
 
 
 def _config(path: Path) -> dict:
@@ -121,7 +121,7 @@ def _start_long_request(llm: LLM) -> tuple[list, threading.Event]:
         if update.finish_reason is not None:
             done.set()
 
-    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     llm._client.add_request("long", [1, 2, 3], params, sink)
     return got, done
 
@@ -137,7 +137,7 @@ def test_update_while_running_times_out_or_aborts(llm, ouro_rv1, new_ckpt):
 
 
 def test_update_waits_for_running_requests(llm, new_ckpt):
-    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     results = {}
     first = threading.Thread(target=lambda: results.setdefault("a", llm.generate([[4, 5]], p)))
     first.start()
@@ -165,7 +165,7 @@ def test_huginn_tied_copy_follows_its_source(huginn_rv1, huginn_ref, tmp_path):
     cfg = _config(huginn_rv1)
     new = random_tensors(cfg, seed=9)  # lm_head.weight equals transformer.wte.weight
     new["freqs_cis"] = load_file(huginn_rv1 / "model.safetensors")["freqs_cis"]
-    p = SamplingParams(max_tokens=5, ignore_eos=True, init_state="zero")
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, init_state="zero")
     with LLM(str(huginn_rv1), in_process=True, num_blocks=128) as llm:
         with pytest.raises(ValueError, match="tied copies without their source"):
             llm.update_weights([("lm_head.weight", new["lm_head.weight"])])
@@ -185,7 +185,7 @@ def test_requests_arriving_during_an_update_wait_for_it(ouro_rv1, new_ckpt):
     """Engine loop order: r1 runs, the update waits for it, r2 (and r3, aborted while held)
     arrive meanwhile; r2 runs after the update, on the new weights."""
     core = make_core(ouro_rv1)
-    p = SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=0.5)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=0.5)
     final: dict[str, object] = {}
     tokens: dict[str, list[int]] = {"r1": [], "r2": []}
     replies: list = []

@@ -25,7 +25,9 @@ def _request(exit_mode: str = "fixed", max_tokens: int = 3) -> Request:
     request = Request(
         request_id="a",
         prompt_token_ids=[5, 6, 7, 8, 9, 10],
-        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, exit_threshold=0.5),
+        params=SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, exit_threshold=0.5
+        ),
         num_loops=3,
         max_loops=3,
         eos_token_ids=frozenset(),

@@ -74,9 +74,11 @@ class _Cell:
         self.core = EngineCore(config, model=model)
         self.core.runner.count_model_cpu = True  # (its host figures leave the stand-in out)
         self.decode = SamplingParams(
-            max_tokens=self.max_tokens, ignore_eos=True, exit_threshold=0.8
+            temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, exit_threshold=0.8
         )
-        self.probe = SamplingParams(max_tokens=1, ignore_eos=True, exit_threshold=0.8)
+        self.probe = SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True, exit_threshold=0.8
+        )
         self.probes = 0
         self.probe_id: str | None = None
         vocab = model.spec.vocab_size

@@ -129,6 +129,7 @@ def run_kv_pressure(
     max_tokens = 8 * args.output_len
     prompts = prompts_for(num)
     params = SamplingParams(
+        temperature=0.0,
         max_tokens=max_tokens,
         min_tokens=args.output_len,
         ignore_eos=True,  # (``_run`` makes every id stop the request after min_tokens)

@@ -104,6 +104,7 @@ def run_engine(
 def _params(args: argparse.Namespace) -> SamplingParams:
     """Each request's: ``output_len`` tokens at ``--exit-threshold`` and ``--max-loops``."""
     return SamplingParams(
+        temperature=0.0,
         max_tokens=args.output_len,
         ignore_eos=True,
         exit_threshold=args.exit_threshold,
@@ -114,7 +115,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 def run_pipelining_compare(model: LoopedModel, engine_kw: dict, args: argparse.Namespace) -> dict:
     """Token pipelining vs block mode (greedy, full depth) at concurrency 1 and 8."""
     out: dict[str, Any] = {"speculative_tokens": engine_kw["speculative_tokens"]}
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for concurrency in (1, 8):
         prompts = _workload(concurrency, args.input_len, model.spec.vocab_size, seed=concurrency)
         kw = {**engine_kw, "max_num_seqs": concurrency}
@@ -141,7 +142,9 @@ def run_graphs_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
     out: dict[str, Any] = {"modes": list(modes), "exit_thresholds": thresholds}
     if not cuda:
         out["note"] = f"device={engine_kw['device']}: CUDA graphs need a CUDA device; eager only"
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)  # first-use costs stay out of the cells
+    warm = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True
+    )  # first-use costs stay out of the cells
     run_engine(model, {**engine_kw, "cuda_graphs": False}, _workload(2, 8, 2), warm)
     for concurrency in args.concurrency_list:
         num = max(4, 2 * concurrency)
@@ -151,7 +154,7 @@ def run_graphs_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
             kw = {**engine_kw, "max_num_seqs": concurrency, "cuda_graphs": graphs}
             for q in thresholds:
                 params = SamplingParams(
-                    max_tokens=args.output_len, ignore_eos=True, exit_threshold=q
+                    temperature=0.0, max_tokens=args.output_len, ignore_eos=True, exit_threshold=q
                 )
                 row[f"{mode}_q{q}"] = run_engine(
                     model, kw, prompts, params, f"c{concurrency} {mode} q{q}", _show(args)

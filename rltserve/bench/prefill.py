@@ -29,12 +29,16 @@ def measure_ttft(
     """Seconds and steps from adding ``prompt`` to its first token. Background requests start
     ``warm_steps`` steps earlier so that they are decoding when the prompt arrives."""
     core = EngineCore(EngineConfig.from_flat(**engine_kw), model=model)
-    load = SamplingParams(max_tokens=256, ignore_eos=True)  # outlasts the probe's prefill
+    load = SamplingParams(
+        temperature=0.0, max_tokens=256, ignore_eos=True
+    )  # outlasts the probe's prefill
     for i, p in enumerate(background):
         core.add_request(f"bg{i}", p, load)
     for _ in range(warm_steps if background else 0):
         core.step()
-    core.add_request("probe", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    core.add_request(
+        "probe", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    )
     start = time.perf_counter()
     steps = 0
     while True:

@@ -89,7 +89,10 @@ def run_prefix_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
     vocab = model.spec.vocab_size
     out: dict[str, Any] = {}
     params = SamplingParams(
-        max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        exit_threshold=args.exit_threshold,
     )
     prefix_len = getattr(args, "shared_prefix_len", 0)
     if prefix_len:

@@ -8,6 +8,7 @@ calls it, in submission order; a result of a request's earlier incarnation
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult
@@ -67,8 +68,8 @@ class Applier:
         # written out: most of a decode batch's tokens).
         general, rows = updates.updates, updates.rows
         rids, token_ids, depths = updates.request_ids, updates.token_ids, updates.exit_depths
-        logprobs, tops = updates.logprobs, updates.top_logprobs
-        for key, depth, ended, exited, exit_next, token, logprob, top, finite in zip(
+        logprobs, tops, ranks = updates.logprobs, updates.top_logprobs, updates.ranks
+        for key, depth, ended, exited, exit_next, token, logprob, top, finite, rank in zip(
             events.keys,
             events.depths,
             events.ended,
@@ -78,6 +79,7 @@ class Applier:
             events.logprobs,
             events.top_logprobs,
             events.finite,
+            repeat(None) if events.ranks is None else events.ranks,
         ):
             owner = carried.get(key)
             if owner is None:
@@ -107,10 +109,11 @@ class Applier:
                     depths.append(depth)
                     logprobs.append(logprob)
                     tops.append(top)
+                    ranks.append(rank)
                 else:
-                    self._append_token(request, depth, token, logprob, top, updates)
+                    self._append_token(request, depth, token, logprob, top, rank, updates)
             elif exited:
-                self._exit(request, item, depth, token, logprob, top, finite, updates)
+                self._exit(request, item, depth, token, logprob, top, rank, finite, updates)
             # Ended (the runner runs it no more), its request not finished by its token: it is
             # forgotten and out of the request's items (an item is carried only while it is one
             # of them), or, with standing tokens, it may become the request's next token.
@@ -144,6 +147,7 @@ class Applier:
             outcome.token_id,
             outcome.logprob,
             outcome.top_logprobs,
+            outcome.rank,
             outcome.finite,
             updates,
         )
@@ -156,6 +160,7 @@ class Applier:
         token: int,
         logprob: float | None,
         top: list[tuple[int, float]] | None,
+        rank: int | None,
         finite: bool,
         updates: StepUpdates,
     ) -> bool:
@@ -172,7 +177,7 @@ class Applier:
                 update = updates.updates[rid] = RequestUpdate(rid)
             self._fail_nonfinite(request, item.end, depth, update)
             return False
-        self._append_token(request, depth, token, logprob, top, updates)
+        self._append_token(request, depth, token, logprob, top, rank, updates)
         return True
 
     def _append_token(
@@ -182,6 +187,7 @@ class Applier:
         token: int,
         logprob: float | None,
         top: list[tuple[int, float]] | None,
+        rank: int | None,
         updates: StepUpdates,
     ) -> None:
         """Appends an output token to the request and to its update in ``updates`` (its
@@ -196,6 +202,7 @@ class Applier:
         update = request.withheld if request.scoring else updates.update_of(rid)
         if update is None:  # (positional: one per request per step)
             update = RequestUpdate(rid, [token], [depth], [logprob], [top])
+            update.add_rank(rank)
             if request.scoring:
                 request.withheld = update
             else:
@@ -205,6 +212,7 @@ class Applier:
             update.new_exit_depths.append(depth)
             update.new_logprobs.append(logprob)
             update.new_top_logprobs.append(top)
+            update.add_rank(rank)
         n = len(request.output_token_ids)
         if n == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0

@@ -120,9 +120,11 @@ class EngineCore:
             max_model_len=self.max_model_len,
             swap_space_bytes=int(config.cache.swap_space_gb * 2**30),
             pad_budget=config.execution.attention_pad_budget,
+            logprobs_mode=mc.logprobs_mode,
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
+        self.sleeping: set[str] = set()  # parts whose memory ``sleep`` freed (``core/sleep.py``)
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self.info = EngineInfo(
             model_path=str(mc.model),
@@ -339,6 +341,9 @@ class EngineCore:
         request with ``n > 1``, each with its own id and seed). The first added computes the
         prompt once; the others reuse its KV and compute only the last prompt token. Outputs
         equal those of independent requests."""
+        if self.sleeping:
+            parts = " and ".join(sorted(self.sleeping))
+            raise ValueError(f"the engine is asleep ({parts} freed by sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
         self.scheduler.add_request(request)
         return request.request_id
@@ -446,6 +451,21 @@ class EngineCore:
         except Exception as exc:
             return self.fail_all(engine_error("planning a step", exc))
         return [] if plan is None else self.execute(plan)
+
+    def sleep(self, level: int) -> None:
+        """Frees the device memory of an idle engine (no request in it): the KV pool, whose
+        contents (the prefix cache) are forgotten, and on CUDA the weights (level 1 keeps a
+        host copy, level 2 drops them). Requests are refused until ``wake_up`` restores both."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: must be 1 or 2")
+        self.kv.cache.clear()
+        self.runner.sleep(level)
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restores the parts named in ``tags`` ("weights", "kv_cache")."""
+        self.runner.wake_up(tags)
+        self.sleeping -= set(tags)
 
     def on_weights_updated(self) -> None:
         """New weights are in place (no request is running): the version moves on. State

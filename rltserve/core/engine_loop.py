@@ -26,8 +26,9 @@ async def run_engine_loop(
 ) -> None:
     """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params)
     or ("add", rid, prompt_ids, params, group), ("abort", rid), ("update_weights", token,
-    paths, abort, timeout_s) (``weight_gate``; its outcome goes to ``reply``). A rejected add
-    is emitted as an ERROR update for that request id.
+    paths, abort, timeout_s), ("sleep", token, level, timeout_s), ("wake_up", token, tags)
+    (``weight_gate``; its outcome goes to ``reply``) and ("reset_prefix_cache", token). A
+    rejected add is emitted as an ERROR update for that request id.
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
@@ -87,10 +88,13 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
                 aborted.append(RequestUpdate(cmd[1], finish_reason=FinishReason.ABORT))
         emit(aborted, core.stats())
         return True
-    if kind == "update_weights":
+    if kind in ("update_weights", "sleep", "wake_up"):
         aborted = gate.request(command)
         if aborted:
             emit(aborted, core.stats())
+    elif kind == "reset_prefix_cache":  # (blocks requests hold stay theirs)
+        core.kv.cache.clear()
+        gate.reply(command[1], None, core.weight_version)
     elif gate.waiting and kind == "add":  # runs once the update is done
         gate.held.append(command)
     elif gate.waiting and kind == "abort" and gate.drop_held(command[1]):

@@ -193,6 +193,7 @@ class ItemResult:
     token_id: int = -1  # sampled token when exited
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # of the sampled token, when logprobs were asked for
     # False when the sampled row's logits held a NaN or an infinity: ``token_id`` is then
     # meaningless and the scheduler fails the request.
     finite: bool = True
@@ -222,6 +223,7 @@ class CarriedEvents:
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     finite: list[bool]  # as ``ItemResult.finite``
+    ranks: list[int | None] | None = None  # as ``ItemResult.rank``; None: no row asked
 
     def __len__(self) -> int:
         return len(self.keys)

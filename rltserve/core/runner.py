@@ -45,6 +45,7 @@ from rltserve.core.live import LiveRequest, PendingRows
 from rltserve.core.metadata import Spans
 from rltserve.core.plan import ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.sampler import Sampler, SeededGenerator
+from rltserve.core.sleep import DeviceMemory
 from rltserve.core.staging import StepOutputs, to_device
 from rltserve.core.step import Step
 from rltserve.core.step_attention import StepAttention
@@ -94,6 +95,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         swap_space_bytes: int = 0,
         pad_budget: int = 0,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """``decode_graphs``: None (eager), "cuda" (replay the loop of decode-only steps from
         CUDA graphs, all captured here) or "emulate" (the same padded static buffers run
@@ -118,7 +120,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.live: dict[str, LiveRequest] = {}
         self.pending_rows: PendingRows | None = None  # see live.py
         self.block_tables = BlockTables()  # host copies of the tables steps use
@@ -144,9 +146,10 @@ class ModelRunner:
             self.stream = torch.cuda.Stream(self.device)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.graphs: DecodeGraphs | None = None
+        self._new_graphs: Callable[[], DecodeGraphs] | None = None
         if decode_graphs is not None:
             context = min(max_model_len or self.spec.max_position, graph_max_context)
-            self.graphs = DecodeGraphs(
+            self._new_graphs = lambda: DecodeGraphs(
                 model,
                 self.kv,
                 block_size=block_size,
@@ -156,9 +159,8 @@ class ModelRunner:
                 backend=decode_graphs,
                 pad_budget=pad_budget,
             )
-            if decode_graphs == "cuda":  # capture up front, not mid-serving
-                with self._on_stream():
-                    self.graphs.capture_all()
+            self._build_graphs()
+        self.memory = DeviceMemory(self.kv, model.parameters())  # sleep mode
         self.defer_results = defer_results
         self._undelivered: deque[StepHandle] = deque()
         self._launching = False
@@ -201,6 +203,37 @@ class ModelRunner:
             self._executor.shutdown()
             self._executor = None
         self.deliver()
+
+    def _build_graphs(self) -> None:
+        self.graphs = self._new_graphs()
+        if self.graphs.backend == "cuda":  # capture up front, not mid-serving
+            with self._on_stream():
+                self.graphs.capture_all()
+
+    def sleep(self, level: int) -> None:
+        """Frees the KV pool (and on CUDA the weights: ``DeviceMemory``); no request may be
+        live. Runs on the step thread when there is one, as every use of the tensors does."""
+
+        def sleep() -> None:
+            if self.graphs is not None and self.graphs.backend == "cuda":
+                self.graphs = None  # captured on addresses that go; its memory pool goes too
+            self.memory.sleep(level)
+
+        self._on_step_thread(sleep)
+
+    def wake_up(self, tags: list[str]) -> None:
+        def wake() -> None:
+            self.memory.wake_up(tags)
+            if self.graphs is None and self._new_graphs is not None and not self.memory.asleep:
+                self._build_graphs()
+
+        self._on_step_thread(wake)
+
+    def _on_step_thread(self, fn: Callable[[], None]) -> None:
+        if self._executor is not None:
+            self._executor.call(fn)
+        else:
+            fn()
 
     def forget_all(self) -> None:
         """Drops every request's state (the scheduler started over), after every step already

@@ -100,6 +100,9 @@ class SampleOutput:
     # Per row: every logit was finite. A row with a NaN or infinity samples a meaningless token
     # (argmax treats NaN as the largest value); the scheduler fails its request.
     finite: list[bool] | None = None
+    # Per row: the sampled token's rank (1: the most likely; vLLM's count of logprobs >= its
+    # own); None where logprobs were not asked for. None when no row asked.
+    ranks: list[int | None] | None = None
 
 
 _PLAIN = attrgetter("plain")
@@ -138,13 +141,14 @@ class DeviceSample:
     logprob_rows: list[int]  # rows that asked for logprobs, in order
     num_top: list[int]  # per such row: how many top logprobs it asked for
     chosen: torch.Tensor | None = None  # [W] fp32: logprob of each such row's token
+    ranks: torch.Tensor | None = None  # [W] int64: its rank
     top_values: torch.Tensor | None = None  # [W, n_top] fp32, descending
     top_ids: torch.Tensor | None = None  # [W, n_top] int64
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors ``to_output`` needs, by name (for staging to the host)."""
         out = {"token_ids": self.token_ids, "finite": self.finite}
-        for name in ("chosen", "top_values", "top_ids"):
+        for name in ("chosen", "ranks", "top_values", "top_ids"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -156,17 +160,28 @@ class DeviceSample:
         rows = len(token_ids)
         logprobs: list[float | None] = [None] * rows
         top: list[list[tuple[int, float]] | None] = [None] * rows
-        chosen = host.get("chosen", [])
+        chosen, host_ranks = host.get("chosen", []), host.get("ranks", [])
+        ranks: list[int | None] | None = [None] * rows if self.logprob_rows else None
         values, ids = host.get("top_values"), host.get("top_ids")
         for j, (i, n) in enumerate(zip(self.logprob_rows, self.num_top)):
             logprobs[i] = chosen[j]
+            ranks[i] = host_ranks[j]
             top[i] = list(zip(ids[j][:n], values[j][:n])) if n else []
         finite = host["finite"] if "finite" in host else [True] * rows  # bools already
-        return SampleOutput(token_ids, logprobs, top, finite)
+        return SampleOutput(token_ids, logprobs, top, finite, ranks)
 
 
 class Sampler:
-    """Stateless; all per-request state (generators, token history) comes in the rows."""
+    """Stateless; all per-request state (generators, token history) comes in the rows.
+
+    ``logprobs_mode`` (vLLM's): what a row's logprobs describe: ``"raw_logprobs"``, the
+    model's distribution (before penalties and everything after them); ``"processed_logprobs"``,
+    the distribution the token was drawn from: after penalties, logit_bias, allowed ids and
+    min_tokens bans, and for a sampled (non-greedy) row temperature, top_k, top_p and min_p
+    (ids they remove have logprob -inf)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        self.processed = logprobs_mode == "processed_logprobs"
 
     def sample(
         self, logits: torch.Tensor, rows: list[SampleRow], banned: Sequence[int] = ()
@@ -186,6 +201,7 @@ class Sampler:
         if not banned and all(map(_PLAIN, rows)):  # every row greedy, nothing more asked
             return DeviceSample(*_greedy(logits), [], [])
         device = logits.device
+        raw = logits
         penalized = [
             i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
         ]
@@ -209,18 +225,22 @@ class Sampler:
         if greedy_filtered:
             idx = to_device(greedy_filtered, device)
             tokens[idx] = choice[idx].argmax(dim=-1)  # (the first maximal id, as _greedy's)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        described = choice if self.processed else raw  # [R, V]: what logprobs describe
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = to_device(sampled, device)
-            tokens[idx] = _sample_rows(choice[idx], [rows[i] for i in sampled])
+            tokens[idx], drawn_from = _sample_rows(choice[idx], [rows[i] for i in sampled])
+            if self.processed and wanted:
+                described = described.index_copy(0, idx, drawn_from)
 
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_top = [rows[i].params.logprobs or 0 for i in wanted]
         out = DeviceSample(tokens, finite, wanted, num_top)
         if wanted:
             idx = to_device(wanted, device)
-            logp = torch.log_softmax(logits[idx], dim=-1)  # [W, V]
+            logp = torch.log_softmax(described[idx], dim=-1)  # [W, V]
             out.chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)  # [W]
+            out.ranks = (logp >= out.chosen[:, None]).sum(dim=-1)  # [W]
             if max(num_top):
                 out.top_values, out.top_ids = logp.topk(max(num_top), dim=-1)  # [W, n_top]
         return out
@@ -261,8 +281,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """[S, V] penalized logits of non-greedy rows -> [S] sampled token ids."""
+def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, V] penalized logits of non-greedy rows -> [S] sampled token ids, and the [S, V]
+    logits they were drawn from (after temperature, top_k, top_p and min_p)."""
     s, vocab = logits.shape
     device = logits.device
     params = [r.params for r in rows]
@@ -304,4 +325,4 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         if row.generator is not None:
             noise[j] = row.generator.noise(vocab)
     # argmax(probs / q) with q ~ Exp(1) draws from probs; q is kept > 0 so 0/0 cannot occur.
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1), logits

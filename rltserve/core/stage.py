@@ -11,7 +11,8 @@ Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]
 (each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats snapshot),
 ("fatal", message[, refused]): ``refused`` is the message of a ValueError the engine raised at
 construction (a config it refuses: bad input, not a failure).
-A weight update is ("update_weights", token, paths, abort, timeout_s) answered by
+A weight update ("update_weights", token, paths, abort, timeout_s), ("sleep", token, level,
+timeout_s), ("wake_up", token, tags) and ("reset_prefix_cache", token) are each answered by
 ("reply", token, error or None, weight_version).
 
 Invariants of a client: every request whose ``add_request`` returned gets exactly one final
@@ -37,7 +38,14 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout, from_wire, to_wire
+from rltserve.updates import (
+    SLEEP_TAGS,
+    FinishReason,
+    RequestUpdate,
+    UpdateTimeout,
+    from_wire,
+    to_wire,
+)
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)
@@ -126,6 +134,7 @@ class _ClientBase(ABC):
         self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
         self.weight_version = 0  # the stage's, as of its latest reply
+        self.sleeping: set[str] = set()  # what ``sleep`` freed and ``wake_up`` did not restore
         self._replies: dict[int, list] = {}  # token -> [event, error, version]; under _lock
         self._tokens = itertools.count()
 
@@ -205,6 +214,23 @@ class _ClientBase(ABC):
         """Asks the stage to load the safetensors under ``paths`` into its model once no request
         runs (waiting up to ``timeout_s`` for them, or aborting them with ``abort``). Returns the
         new weight version; raises ValueError with the stage's reason when it refused."""
+        return self._call("update_weights", list(paths), abort, timeout_s)
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        """Frees the engine's device memory once no request runs (``EngineCore.sleep``)."""
+        self._call("sleep", level, timeout_s)
+        self.sleeping = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._call("wake_up", list(tags))
+        self.sleeping -= set(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def _call(self, kind: str, *args: object) -> int:
+        """Sends ``(kind, token, *args)`` and waits for the stage's reply; returns the weight
+        version. UpdateTimeout or ValueError with the stage's reason when it refused."""
         event = threading.Event()
         slot: list = [event, None, None]
         with self._lock:
@@ -213,13 +239,13 @@ class _ClientBase(ABC):
             token = next(self._tokens)
             self._replies[token] = slot
         try:
-            self._send(("update_weights", token, list(paths), abort, timeout_s))
+            self._send((kind, token, *args))
         except StageError:
             with self._lock:
                 self._replies.pop(token, None)
             raise
-        # The stage answers by timeout_s plus the time to read the weights; a dead or closed
-        # stage answers through _fail_replies.
+        # The stage answers within a command's timeout_s plus the time to apply it (reading
+        # weights, say); a dead or closed stage answers through _fail_replies.
         event.wait()
         _, error, version = slot
         if error is not None:

@@ -115,11 +115,12 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         x_col = [k >= 0 and exited[k] for k in ks]
         next_col = [k >= 0 and nexts[k] for k in ks]
     n = len(rows)
+    ranks = None
     if sample is None or not any(x_col):
         tokens, logprobs, tops, finite = [-1] * n, [None] * n, [None] * n, [True] * n
     elif rows == step.sampled:  # every sampled row, and only those (a decode batch's exits)
         tokens, logprobs = sample.token_ids, sample.logprobs
-        tops, finite = sample.top_logprobs, sample.finite or [True] * n
+        tops, finite, ranks = sample.top_logprobs, sample.finite or [True] * n, sample.ranks
     else:
         j_of = {i: j for j, i in enumerate(step.sampled)}
         js = [j_of.get(i, -1) for i in rows]
@@ -127,6 +128,8 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         logprobs = [sample.logprobs[j] if j >= 0 else None for j in js]
         tops = [sample.top_logprobs[j] if j >= 0 else None for j in js]
         finite = [not sample.finite or j < 0 or sample.finite[j] for j in js]
+        if sample.ranks is not None:
+            ranks = [sample.ranks[j] if j >= 0 else None for j in js]
     depths, keys, nc = step.depths, step.carried_keys, step.num_carried
     return CarriedEvents(
         list(map(keys.__getitem__, rows))
@@ -141,6 +144,7 @@ def _events(step: Step, nexts: list[bool], sample: SampleOutput | None) -> Carri
         logprobs,
         tops,
         finite,
+        ranks,
     )
 
 
@@ -164,6 +168,8 @@ def _sampled_results(step: Step, sample: SampleOutput, outcomes: list[ItemResult
             outcome.token_id = token
             outcome.logprob = sample.logprobs[j]
             outcome.top_logprobs = sample.top_logprobs[j]
+            if sample.ranks is not None:
+                outcome.rank = sample.ranks[j]
             outcome.finite = finite[j] if finite else True
             if items[i].coda_state_at:  # its coda ran on that loop's state (Huginn's first)
                 outcome.exit_depth = items[i].coda_state_at

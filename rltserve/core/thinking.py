@@ -79,6 +79,7 @@ def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
         update.new_exit_depths.append(depth)
         update.new_logprobs.append(None)
         update.new_top_logprobs.append(None)
+        update.add_rank(None)
     request.num_forced += len(forced)
     # Positions up to the last forced id's are recomputed from recorded inputs (replay items).
     request.replay_until = request.num_prompt_tokens + len(out) - 1

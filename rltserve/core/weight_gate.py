@@ -1,11 +1,13 @@
-"""When a weight update runs inside the engine loop: between steps, with no request running.
+"""When a weight update (or a change of sleep mode) runs inside the engine loop: between steps,
+with no request running.
 
-The loop hands an ``("update_weights", token, files, abort, timeout_s)`` command to ``request``.
-From then on new requests are held (not scheduled) so the running ones drain; with ``abort``
-they are aborted at once. ``poll`` applies the update once no request runs and no step is in
-flight, then releases the held commands; if requests still run ``timeout_s`` after the command
-arrived, the update fails (nothing applied) and the held commands are released too. Each
-command gets exactly one reply: ``reply(token, error, weight_version)``.
+The loop hands an ``("update_weights", token, files, abort, timeout_s)``, ``("sleep", token,
+level, timeout_s)`` or ``("wake_up", token, tags)`` command to ``request``. From then on new
+requests are held (not scheduled) so the running ones drain; with ``abort`` they are aborted
+at once. ``poll`` applies the command once no request runs and no step is in flight, then
+releases the held commands; if requests still run ``timeout_s`` after the command arrived, it
+fails (nothing applied) and the held commands are released too. Each command gets exactly one
+reply: ``reply(token, error, weight_version)``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ if TYPE_CHECKING:
 Reply = Callable[[int, str | None, int], None]
 
 
+_WAKE_TIMEOUT_S = 300.0  # (an asleep engine runs nothing: waking waits for no request)
+
+
 @dataclass
 class _Pending:
+    kind: str
     token: int
-    files: list[str]
+    args: tuple  # update_weights: (files,); sleep: (level,); wake_up: (tags,)
     deadline: float
     timeout_s: float
 
@@ -44,9 +50,18 @@ class WeightGate:
         return bool(self._pending)
 
     def request(self, command: tuple) -> list:
-        """Takes an update command; returns the abort updates to emit (``abort=True``)."""
-        _, token, files, abort, timeout_s = command
-        self._pending.append(_Pending(token, list(files), time.monotonic() + timeout_s, timeout_s))
+        """Takes a command; returns the abort updates to emit (``abort=True``)."""
+        kind, token, *rest = command
+        if kind == "update_weights":
+            files, abort, timeout_s = rest
+            args: tuple = (list(files),)
+        elif kind == "sleep":
+            (level, timeout_s), abort = rest, False
+            args = (level,)
+        else:
+            args, abort, timeout_s = (list(rest[0]),), False, _WAKE_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
+        self._pending.append(_Pending(kind, token, args, deadline, timeout_s))
         if not abort:
             return []
         core = self.core
@@ -74,10 +89,11 @@ class WeightGate:
             now = time.monotonic()
             for p in [p for p in self._pending if now >= p.deadline]:
                 n = core.scheduler.num_running + core.scheduler.num_waiting
+                how = " (abort=True aborts them instead of waiting)" * (p.kind == "update_weights")
                 self.reply(
                     p.token,
                     f"{UpdateTimeout.PREFIX} {n} request(s) still running after {p.timeout_s:g} s; "
-                    "nothing applied (abort=True aborts them instead of waiting)",
+                    f"nothing applied{how}",
                     core.weight_version,
                 )
                 self._pending.remove(p)
@@ -89,11 +105,18 @@ class WeightGate:
     def _apply(self, pending: _Pending) -> None:
         core = self.core
         try:
-            files = [f for path in pending.files for f in update_files(path)]
-            update_weights(core.model, core.config.model.model, files)
-        except Exception as exc:  # a bad update fails its caller, never the engine loop
+            if pending.kind == "sleep":
+                core.sleep(*pending.args)
+            elif pending.kind == "wake_up":
+                core.wake_up(*pending.args)
+            else:
+                if "weights" in core.sleeping:
+                    raise ValueError("weights: asleep; wake_up(tags=['weights']) first")
+                files = [f for path in pending.args[0] for f in update_files(path)]
+                update_weights(core.model, core.config.model.model, files)
+                core.on_weights_updated()
+        except Exception as exc:  # a bad command fails its caller, never the engine loop
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
             self.reply(pending.token, error, core.weight_version)
             return
-        core.on_weights_updated()
         self.reply(pending.token, None, core.weight_version)

@@ -76,6 +76,8 @@ class GenerationFields:
     def validate(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
+        if not 0 <= self.temperature <= 2:  # OpenAI's range (SamplingParams takes vLLM's)
+            raise SchemaError("temperature", f"temperature={self.temperature}: must be in [0, 2]")
         if self.stream_options is not None and not self.stream:
             raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
         for key in self.logit_bias or {}:

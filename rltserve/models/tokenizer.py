@@ -150,16 +150,27 @@ class Tokenizer:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **chat_template_kwargs: Any,
     ) -> list[int] | str:
         """Renders ``messages`` with the checkpoint's template: token ids (``tokenize=True``,
         encoded without extra special tokens, as the templates already hold them) or the text.
-        Extra keyword arguments (e.g. ``enable_thinking=True``) are template variables."""
-        if self._template is None:
+        Extra keyword arguments (e.g. ``enable_thinking=True``) are template variables. As in
+        Hugging Face's: ``chat_template`` (a Jinja source) replaces the checkpoint's, and
+        ``continue_final_message`` ends the text with the last message's content, left open
+        for the model to continue (cut where that content last appears)."""
+        template = self._template if chat_template is None else ChatTemplate(chat_template)
+        if template is None:
             raise TokenizerError(f"the tokenizer in {self.path} has no chat_template")
-        text = self._template.render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: not with add_generation_prompt")
+        text = template.render(
             list(messages), add_generation_prompt, self.special_tokens, **chat_template_kwargs
         )
+        if continue_final_message:
+            text = _open_final(text, messages[-1].get("content") if messages else None)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def detokenizer(
@@ -254,3 +265,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
             f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
         ) from exc
     return Tokenizer(backend, files, path)
+
+
+def _open_final(text: str, final: object) -> str:
+    """``text`` cut after the last appearance of the final message's content ``final``."""
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise ValueError(
+            "continue_final_message: the final message's text does not appear in the rendered chat"
+        )
+    content = final if final in text else final.strip()
+    return text[: text.rindex(content) + len(content)]

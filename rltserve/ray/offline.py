@@ -149,7 +149,10 @@ def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
         ready = time.perf_counter() - started
         prompts = _workload(args.num_prompts, args.input_len, pool.vocab_size)
         params = SamplingParams(
-            max_tokens=args.output_len, ignore_eos=True, exit_threshold=args.exit_threshold
+            temperature=0.0,
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            exit_threshold=args.exit_threshold,
         )
         pool.generate(prompts[: config.replicas], params)  # warm-up: one prompt per replica
         t0 = time.perf_counter()

@@ -1,0 +1,229 @@
+"""What RL frameworks (TRL, OpenRLHF, verl, open-instruct) do with vLLM's offline API, done to
+rltserve: SamplingParams as they build and change them, the LLM arguments they pass on every
+construction, hub ids, per-prompt priorities, chat options, and the prefix-cache reset after a
+weight sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rltserve import LLM, SamplingParams
+from rltserve.models.presets import make_model
+from rltserve.preflight import resolve_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a snapshot's name: its commit hash
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(str(tiny), in_process=True, num_blocks=128, max_model_len=256) as llm:
+        yield llm
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+def test_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.max_tokens, p.n) == (1.0, -1, 16, 1)
+    assert not p.greedy
+    # TRL's GRPOConfig passes top_k=0; OpenRLHF stop_token_ids=None; older TRL the
+    # constrained-decoding keys as None.
+    q = SamplingParams(top_k=0, stop_token_ids=None, guided_decoding=None, structured_outputs=None)
+    assert q.top_k == 0 and q.stop_token_ids == ()
+    with pytest.raises(ValueError, match="guided_decoding=.*not supported"):
+        SamplingParams(guided_decoding={"regex": "a+"})
+    assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
+    with pytest.raises(ValueError, match="top_k=-2"):
+        SamplingParams(top_k=-2)
+
+
+def test_top_k_zero_samples_as_disabled(llm):
+    prompt = [[3, 5, 7]]
+    seeded = dict(temperature=1.0, max_tokens=6, ignore_eos=True, seed=4)
+    (a,) = llm.generate(prompt, SamplingParams(top_k=0, **seeded))
+    (b,) = llm.generate(prompt, SamplingParams(top_k=-1, **seeded))
+    assert a.token_ids == b.token_ids
+
+
+def test_params_can_be_changed_and_each_call_takes_a_copy(llm):
+    """OpenRLHF sets ``max_tokens`` on the object; verl ``setattr``s fields; open-instruct
+    clones then sets. A call uses the values at the time of the call."""
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    p.max_tokens = 3
+    (out,) = llm.generate([[1, 2, 3]], p)
+    assert len(out.token_ids) == 3
+    q = p.clone()
+    q.max_tokens = 2
+    assert (p.max_tokens, len(llm.generate([[1, 2, 3]], q)[0].token_ids)) == (3, 2)
+    p.stop = ["x"]  # a list set later is stored as the constructor stores it
+    assert p.clone().stop == ("x",)
+    p.max_tokens = 0  # checked when submitted
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        llm.generate([[1, 2, 3]], p)
+
+
+# ---------------------------------------------------------------- LLM arguments
+
+
+def test_the_arguments_trl_and_verl_pass_are_accepted(tiny):
+    with LLM(
+        str(tiny),
+        in_process=True,
+        num_blocks=64,
+        enable_sleep_mode=True,
+        model_impl="vllm",
+        distributed_executor_backend="external_launcher",
+        quantization=None,
+        kv_cache_dtype="auto",
+        load_format="auto",
+        enable_chunked_prefill=True,
+        disable_log_stats=True,
+        disable_custom_all_reduce=True,
+        max_logprobs=20,
+        limit_mm_per_prompt={"image": 0},
+        enable_lora=False,
+        max_lora_rank=16,
+        worker_extension_cls=None,
+        speculative_config=None,
+        revision=None,
+    ) as llm:
+        assert llm.generate([[1, 2]], GREEDY)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"quantization": "fp8"}, "quantization='fp8': not supported"),
+        ({"kv_cache_dtype": "fp8"}, "the KV cache has the model's dtype"),
+        ({"enable_lora": True}, "LoRA"),
+        ({"load_format": "dummy"}, "load_format='dummy'"),
+        ({"distributed_executor_backend": "ray"}, "one device"),
+        ({"revision": "main"}, "revision='main': only for a Hugging Face repo id"),
+    ],
+)
+def test_arguments_asking_for_what_is_not_built_are_refused(tiny, kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LLM(str(tiny), in_process=True, **kw)
+
+
+def test_an_unknown_argument_is_a_type_error(tiny):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'swap_spaec'"):
+        LLM(str(tiny), in_process=True, swap_spaec=4)
+
+
+def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch):
+    """TRL passes ``model.name_or_path``, usually a hub id: found in the Hugging Face cache
+    (a snapshot and the ref naming it), never downloaded."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someorg--ouro-tiny" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for f in tiny.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    (cache / "models--someorg--ouro-tiny" / "refs").mkdir()
+    (cache / "models--someorg--ouro-tiny" / "refs" / "main").write_text(COMMIT)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert Path(resolve_model("someorg/ouro-tiny")) == snapshot
+    assert Path(resolve_model("someorg/ouro-tiny", revision=COMMIT)) == snapshot
+    with LLM("someorg/ouro-tiny", in_process=True, num_blocks=64) as llm:
+        assert len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 5
+    with pytest.raises(ValueError, match="never downloads weights.*huggingface-cli download"):
+        resolve_model("someorg/missing")
+    with pytest.raises(ValueError, match="at revision 'v2'"):
+        resolve_model("someorg/ouro-tiny", revision="v2")
+
+
+# ---------------------------------------------------------------- generate and chat options
+
+
+def test_per_prompt_priorities_and_lora_request_none(llm):
+    outs = llm.generate([[1, 2], [3, 4]], GREEDY, priority=[1, np.int64(0)], lora_request=None)
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    with pytest.raises(ValueError, match="priority: must be a list of one int per prompt"):
+        llm.generate([[1, 2], [3, 4]], GREEDY, priority=[1])
+    with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
+        llm.generate([[1, 2]], GREEDY, lora_request=object())
+
+
+def test_chat_takes_a_template_and_continues_the_final_message(llm):
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, I am"},
+    ]
+    (out,) = llm.chat(
+        conversation, GREEDY, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out.prompt.endswith("Hello, I am")  # left open: no end-of-turn after it
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (out,) = llm.chat(conversation[:1], GREEDY, chat_template=template, tools=None)
+    assert out.prompt == "[user] Hi\n"
+    with pytest.raises(ValueError, match="continue_final_message: not with add_generation_prompt"):
+        llm.chat(conversation, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="tools: not supported"):
+        llm.chat(conversation[:1], GREEDY, tools=[{"type": "function"}])
+
+
+def test_cached_tokens_are_reported_and_reset_prefix_cache_forgets_them(llm):
+    prompt = [list(range(1, 40))]
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+    cached = llm.generate(prompt, GREEDY)[0].num_cached_tokens
+    assert cached and cached % 16 == 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
+def test_weight_pairs_may_be_lists(llm, tiny):
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tiny / "model.safetensors"))
+    before = llm.weight_version
+    assert llm.update_weights([[name, t] for name, t in weights.items()]) == before + 1
+
+
+# ---------------------------------------------------------------- logprobs as TRL reads them
+
+
+def test_every_sampled_token_has_a_rank_so_trl_can_sort_by_it(llm):
+    """TRL's ``extract_logprobs`` sorts each position's entries by ``rank``: the sampled token
+    outside the top k has its rank too (vLLM's count of logprobs >= its own)."""
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)
+    (out,) = llm.generate([[1, 2, 3]], p)
+    entries = out.outputs[0].logprobs
+    for token, entry in zip(out.token_ids, entries):
+        ranked = sorted(entry.items(), key=lambda x: x[1].rank)  # TRL's line
+        assert isinstance(entry[token].rank, int) and entry[token].rank >= 1
+        assert ranked[0][1].rank == 1
+    assert any(entry[t].rank > 1 for t, entry in zip(out.token_ids, entries))
+
+
+def test_processed_logprobs_follow_the_temperature(tiny):
+    """TRL and OpenRLHF ask for ``logprobs_mode="processed_logprobs"``: the logprobs of the
+    distribution sampled from (here: temperature), which raw logprobs are not."""
+    p = SamplingParams(seed=9, max_tokens=6, ignore_eos=True, logprobs=0)
+    got = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        with LLM(str(tiny), in_process=True, num_blocks=64, logprobs_mode=mode) as llm:
+            for t in (0.5, 1.0):
+                (out,) = llm.generate([[4, 5, 6]], p.replace(temperature=t))
+                got[mode, t] = (
+                    out.token_ids,
+                    [e[x].logprob for x, e in zip(out.token_ids, out.outputs[0].logprobs)],
+                )
+    raw_half, raw_one = got["raw_logprobs", 0.5], got["raw_logprobs", 1.0]
+    proc_half, proc_one = got["processed_logprobs", 0.5], got["processed_logprobs", 1.0]
+    assert proc_one == raw_one  # temperature 1, no filters: the same distribution
+    assert proc_half[0] == raw_half[0] and proc_half[1] != raw_half[1]
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logits'"):
+        LLM(str(tiny), in_process=True, logprobs_mode="raw_logits")

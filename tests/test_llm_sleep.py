@@ -1,0 +1,105 @@
+"""Sleep mode (vLLM's ``sleep`` / ``wake_up``, as TRL and OpenRLHF call them around training):
+the KV pool's memory is freed and restored, outputs after waking equal those before, requests
+are refused while asleep, and the level-2 cycle with a weight load in between works."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from engine_util import make_core, run_core
+
+from rltserve import LLM, SamplingParams
+from rltserve.models.presets import make_model
+from rltserve.updates import UpdateTimeout
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4], list(range(5, 40))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
+
+
+def test_the_engine_frees_its_kv_pool_asleep_and_computes_the_same_awake(tiny):
+    core = make_core(tiny, num_blocks=64)
+    before = run_core(core, PROMPTS, [GREEDY] * 2).tokens
+    kv = core.runner.kv.untyped_storage()
+    full = kv.nbytes()
+    core.sleep(1)
+    assert kv.nbytes() == 0 and core.sleeping == {"weights", "kv_cache"}
+    with pytest.raises(ValueError, match="asleep"):
+        core.add_request("r", [1, 2], GREEDY)
+    core.wake_up(["kv_cache", "weights"])
+    assert kv.nbytes() == full and not core.sleeping
+    assert run_core(core, PROMPTS, [GREEDY] * 2).tokens == before
+    core.shutdown()
+
+
+def test_sleep_and_wake_up_through_the_llm(tiny):
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        before = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.sleep(level=1)
+        assert llm.is_sleeping()
+        with pytest.raises(ValueError, match="asleep.*wake_up"):
+            llm.generate(PROMPTS, GREEDY)
+        llm.wake_up(tags=["weights"])  # OpenRLHF wakes one tag at a time
+        with pytest.raises(ValueError, match=r"asleep \(kv_cache freed by sleep\)"):
+            llm.generate(PROMPTS, GREEDY)
+        llm.wake_up(tags=["kv_cache"])
+        assert not llm.is_sleeping()
+        after = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in after] == before
+        assert after[1].num_cached_tokens == 0  # the prefix cache went with the KV
+
+
+def test_trl_cycle_level_two_then_new_weights(tiny, tmp_path):
+    """TRL colocate: sleep(level=2) after construction; per step wake the weights, load them,
+    wake the KV cache, generate, sleep again."""
+    other = make_model("ouro-tiny", tmp_path / "other", seed=5)
+    with LLM(str(other), in_process=True, num_blocks=64) as ref:
+        expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    with LLM(str(tiny), num_blocks=64, enable_sleep_mode=True) as llm:  # a worker process
+        llm.sleep(level=2)
+        with pytest.raises(ValueError, match="weights: asleep"):
+            llm.update_weights(other)
+        llm.wake_up(tags=["weights"])
+        llm.update_weights(other)
+        llm.wake_up(tags=["kv_cache"])
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        llm.sleep(level=2)
+        llm.wake_up()  # both
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_sleep_waits_for_running_requests_or_times_out(tiny):
+    slow = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        done = []
+        thread = threading.Thread(target=lambda: done.append(llm.generate([[1, 2]], slow)))
+        thread.start()
+        while not (llm._client.stats and llm._client.stats.num_running):
+            time.sleep(0.005)
+        with pytest.raises(UpdateTimeout, match="still running after 0 s; nothing applied$"):
+            llm.sleep(timeout=0)
+        assert not llm.is_sleeping()
+        llm.sleep()  # waits for the request
+        thread.join()
+        assert len(done[0][0].token_ids) == 200 and llm.is_sleeping()
+        llm.wake_up()
+        assert len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
+
+
+def test_bad_levels_and_tags_are_refused(tiny):
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        with pytest.raises(ValueError, match="level=3: must be 1 or 2"):
+            llm.sleep(level=3)
+        with pytest.raises(ValueError, match="tags='weights'"):
+            llm.wake_up(tags="weights")
+        with pytest.raises(ValueError, match="tags=\\['gpu'\\]"):
+            llm.wake_up(tags=["gpu"])
+        llm.wake_up()  # awake already: nothing to do
+        assert not llm.is_sleeping()
