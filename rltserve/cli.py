@@ -260,9 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     off = bench_sub.add_parser("offline", help="offline throughput of the engine")
-    off.add_argument("--num-prompts", type=int, default=32)
-    off.add_argument("--input-len", type=int, default=64)
-    off.add_argument("--output-len", type=int, default=32)
+    off.add_argument("--num-prompts", type=int, default=32, help="requests (default: 32)")
+    off.add_argument(
+        "--input-len", type=int, default=64, help="prompt tokens per request (default: 64)"
+    )
+    off.add_argument(
+        "--output-len",
+        "--max-tokens",
+        dest="output_len",
+        type=int,
+        default=32,
+        help="output tokens per request (default: 32)",
+    )
     off.add_argument("--concurrency", type=int, default=32)
     off.add_argument("--exit-threshold", type=float, default=1.0)
     off.add_argument(

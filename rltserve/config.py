@@ -53,7 +53,14 @@ class ModelConfig:
         ),
     )
 
+    max_logprobs: int = field(
+        default=20,
+        metadata=_help("most logprobs / prompt_logprobs a request may ask for (-1: no bound)"),
+    )
+
     def __post_init__(self) -> None:
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= -1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode={self.logprobs_mode!r}: must be one of {LOGPROBS_MODES}"

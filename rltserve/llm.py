@@ -17,43 +17,21 @@ from typing import Any
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
-from rltserve.http.schemas import joined_text_parts, template_role
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
+from rltserve.prompt_inputs import (
+    PromptInput,
+    encode_prompt,
+    normalize_prompts,
+    prompt_text,
+    template_message,
+)
 from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_number
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import SLEEP_TAGS
 from rltserve.vllm_args import check_inert, check_parallel, check_utilization, kv_cache_gb_for
 from rltserve.weights import WeightsArg, update_paths
-
-PromptInput = str | Sequence[int] | Mapping[str, Any]
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
-
-
-def _prompt_text(prompt: PromptInput) -> str | None:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Mapping):
-        return prompt.get("prompt")
-    return None
-
-
-def _template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
-    """``message`` as the server's chat endpoint gives it to the template: OpenAI-style content
-    parts (``[{"type": "text", "text": ...}]``) joined into one text (other content as it is),
-    a ``developer`` message as ``system``."""
-    if not isinstance(message, Mapping):
-        return message
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = [
-            (p.get("type"), p.get("text")) if isinstance(p, Mapping) else (None, None)
-            for p in content
-        ]
-        message = {**message, "content": joined_text_parts(parts, path)}
-    role = template_role(message.get("role"))
-    return message if role == message.get("role") else {**message, "role": role}
 
 
 class LLM:
@@ -95,6 +73,7 @@ class LLM:
         preemption_time_slice: int = 0,
         scheduling_policy: str = "fcfs",
         logprobs_mode: str = "raw_logprobs",
+        max_logprobs: int = 20,
         in_process: bool = False,
         startup_timeout: float = 300.0,
         skip_tokenizer_init: bool = False,
@@ -156,6 +135,7 @@ class LLM:
             preemption_time_slice=preemption_time_slice,
             scheduling_policy=scheduling_policy,
             logprobs_mode=logprobs_mode,
+            max_logprobs=max_logprobs,
         )
         # Usage errors as ValueErrors here, not as a stage that failed to start.
         check_checkpoint_dir(model, "model=")
@@ -209,7 +189,7 @@ class LLM:
         it replaces the params' ``priority``); ``lora_request`` must be None."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
-        batch = self._normalize_prompts(prompts)
+        batch = normalize_prompts(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, (SamplingParams, Sequence)):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
@@ -219,14 +199,14 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
         # Validated copies, one per object given: the caller may change its params later.
-        copies = {id(p): p for p in plist}
-        copies = {key: p.clone() for key, p in copies.items()}
-        plist = [copies[id(p)] for p in plist]
+        clones = {id(p): p.clone() for p in {id(p): p for p in plist}.values()}
+        plist = [clones[id(p)] for p in plist]
         if priority is not None:
             if isinstance(priority, (str, bytes)) or len(priority) != len(batch):
                 raise ValueError(f"priority: must be a list of one int per prompt ({len(batch)})")
             plist = [p.replace(priority=plain_number(pr)) for p, pr in zip(plist, priority)]
-        encoded = [self._encode(prompt) for prompt in batch]
+        vocab = self.info.vocab_size
+        encoded = [encode_prompt(prompt, self.tokenizer, vocab) for prompt in batch]
         plist = [
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
             for p, ids in zip(plist, encoded)
@@ -280,9 +260,7 @@ class LLM:
         kwargs = dict(chat_template_kwargs or {})
         prompts = []
         for c, conversation in enumerate(conversations):
-            turns = [
-                _template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)
-            ]
+            turns = [template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)]
             rendered = self.tokenizer.apply_chat_template(
                 turns,
                 add_generation_prompt,
@@ -341,7 +319,7 @@ class LLM:
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
         return [
-            request_output(group, _prompt_text(prompt), self.tokenizer)
+            request_output(group, prompt_text(prompt), self.tokenizer)
             for prompt, group in zip(batch, groups)
         ]
 
@@ -432,52 +410,6 @@ class LLM:
                 self._client.abort(asm.output.request_id)
 
         return sink
-
-    def _normalize_prompts(self, prompts) -> list[PromptInput]:
-        if isinstance(prompts, (str, Mapping)):
-            return [prompts]
-        if not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts={prompts!r:.80}: must be a string, token ids or a list")
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            raise ValueError("prompts: pass a list of token-id lists, not one flat list of ids")
-        return prompts
-
-    def _encode(self, prompt: PromptInput) -> list[int]:
-        if isinstance(prompt, Mapping):
-            unknown = [k for k in prompt if k not in _PROMPT_KEYS]
-            if unknown:
-                raise ValueError(
-                    f"prompt: unknown key {unknown[0]!r} (accepted: {', '.join(_PROMPT_KEYS)})"
-                )
-            if "prompt_token_ids" in prompt:
-                return self._check_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise ValueError("prompt: a dict needs 'prompt' or 'prompt_token_ids'")
-            if not isinstance(prompt["prompt"], str):
-                raise ValueError("prompt: the 'prompt' key must hold a string")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "prompt: text needs a tokenizer and there is no tokenizer "
-                    "(skip_tokenizer_init=True, or none in the checkpoint); pass token ids"
-                )
-            return self.tokenizer.encode_prompt(prompt)
-        return self._check_ids(prompt)
-
-    def _check_ids(self, prompt: object) -> list[int]:
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
-            prompt = prompt.tolist()  # a NumPy array or a torch tensor of ids
-        if not isinstance(prompt, Sequence) or isinstance(prompt, str):
-            raise ValueError(f"prompt={prompt!r:.80}: must be a string or a list of token ids")
-        ids = list(map(plain_number, prompt))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt: token ids must be ints")
-        # (The engine's own check, made here before anything is submitted.)
-        if message := outside_vocab("prompt", ids, self.info.vocab_size):
-            raise ValueError(message)
-        return ids
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
         """Checks what needs text and the token ids the params name (the engine's own checks,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 INIT_STATES = ("random", "zero")
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 
 
 @dataclass
@@ -184,8 +184,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name)
-                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
-                    raise bad(name, f"must be in [0, {MAX_LOGPROBS}]")
+                if getattr(self, name) < -1:  # (the engine bounds it: ``max_logprobs``)
+                    raise bad(name, "must be >= 0 (or -1: every token)")
         for name in ("guided_decoding", "structured_outputs"):
             if getattr(self, name) is not None:
                 raise bad(name, "constrained decoding is not supported (must be None)")

@@ -69,7 +69,6 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
         "draft models are not supported (token pipelining: speculative_tokens=K)",
     ),
     "worker_extension_cls": (_one_of(None, ""), "no worker extensions (update_weights instead)"),
-    "max_logprobs": (_is_int, ""),  # (SamplingParams caps logprobs at 20 in any case)
 }
 
 

@@ -227,3 +227,23 @@ def test_processed_logprobs_follow_the_temperature(tiny):
     assert proc_half[0] == raw_half[0] and proc_half[1] != raw_half[1]
     with pytest.raises(ValueError, match="logprobs_mode='raw_logits'"):
         LLM(str(tiny), in_process=True, logprobs_mode="raw_logits")
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny, llm):
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=25)
+    with pytest.raises(ValueError, match=r"logprobs=25: more than this engine's max_logprobs \(20"):
+        llm.generate([[1, 2]], p)
+    vocab = llm.info.vocab_size
+    with LLM(str(tiny), in_process=True, num_blocks=64, max_logprobs=-1) as wide:
+        (out,) = wide.generate([[1, 2]], p)
+        assert all(len(e) == 25 for e in out.outputs[0].logprobs)
+        (out,) = wide.generate([[1, 2]], p.replace(logprobs=-1, prompt_logprobs=-1))
+        assert all(len(e) == vocab for e in out.outputs[0].logprobs)  # every token
+        assert len(out.prompt_logprobs[1]) == vocab
+
+
+def test_multimodal_keys_set_to_none_are_text_prompts(llm):
+    (out,) = llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": None}], GREEDY)
+    assert len(out.token_ids) == 5
+    with pytest.raises(ValueError, match="prompt: unknown key 'multi_modal_data'"):
+        llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}], GREEDY)

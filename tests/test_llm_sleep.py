@@ -103,3 +103,30 @@ def test_bad_levels_and_tags_are_refused(tiny):
             llm.wake_up(tags=["gpu"])
         llm.wake_up()  # awake already: nothing to do
         assert not llm.is_sleeping()
+
+
+@pytest.mark.gpu
+def test_sleep_hands_device_memory_back_on_cuda(tiny):
+    """On CUDA the weights go too (level 1: to the host and back; level 2: dropped, then
+    loaded); CUDA graphs are captured again on the new addresses; outputs are unchanged."""
+    import torch
+
+    from rltserve.core.weight_update import update_files, update_weights
+
+    core = make_core(tiny, num_blocks=64, device="cuda", cuda_graphs=True)
+    before = run_core(core, PROMPTS, [GREEDY] * 2).tokens
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_allocated()
+    weights = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    core.sleep(1)
+    assert torch.cuda.memory_allocated() <= awake - weights
+    core.wake_up(["weights", "kv_cache"])
+    assert run_core(core, PROMPTS, [GREEDY] * 2).tokens == before
+    assert core.runner.graphs is not None and core.runner.graphs.num_captured > 0
+    core.sleep(2)
+    core.wake_up(["weights"])
+    update_weights(core.model, str(tiny), update_files(str(tiny)))
+    core.on_weights_updated()
+    core.wake_up(["kv_cache"])
+    assert run_core(core, PROMPTS, [GREEDY] * 2).tokens == before
+    core.shutdown()

@@ -70,6 +70,7 @@ class _Cell:
             exit_mode="delayed",
             carry_decode=carry,
             num_blocks=rows * per_request + 2 * probe,
+            max_model_len=context + self.max_tokens + 1,  # (not the stand-in's 64k: no notice)
         )
         self.core = EngineCore(config, model=model)
         self.core.runner.count_model_cpu = True  # (its host figures leave the stand-in out)

@@ -188,6 +188,7 @@ class EngineCore:
         for name, ids in [("prompt", prompt_token_ids), *params.vocab_token_ids()]:
             if message := outside_vocab(name, ids, spec.vocab_size):
                 raise ValueError(message)
+        params = self._bounded_logprobs(params)
         if len(prompt_token_ids) >= self.max_model_len:
             why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
             raise ValueError(
@@ -298,6 +299,24 @@ class EngineCore:
             noise,
             None if self.prefix_caching else request.group,
         )
+
+    def _bounded_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with vLLM's -1 (every token) as the vocabulary's size; a count above the
+        engine's ``max_logprobs`` is refused."""
+        cap = self.config.model.max_logprobs
+        changes = {}
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is None:
+                continue
+            if k == -1:
+                k = changes[name] = self.spec.vocab_size
+            if cap != -1 and k > cap:
+                raise ValueError(
+                    f"{name}={getattr(params, name)}: more than this engine's max_logprobs "
+                    f"({cap}; LLM(max_logprobs=N) raises it)"
+                )
+        return params.replace(**changes) if changes else params
 
     def reset_prefix_cache(self) -> None:
         """Invalidates every cached prefix (call after the weights change): the weight

@@ -113,7 +113,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--api-key", default=None, help="or env RLTSERVE_API_KEY")
     parser.add_argument("--model", default=None, help="model name to send (default: none)")
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -125,7 +125,14 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument(
+        "--output-len",
+        "--max-tokens",
+        dest="output_len",
+        type=int,
+        default=128,
+        help="output tokens per request",
+    )
     parser.add_argument(
         "--num-turns",
         type=int,

@@ -118,6 +118,10 @@ class CompletionRequest(GenerationFields):
             raise SchemaError("best_of", "best_of: only best_of == n is supported")
         if self.suffix:
             raise SchemaError("suffix", "suffix: not supported")
+        for name in ("logprobs", "prompt_logprobs"):  # (the offline API's -1 is not HTTP's)
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SchemaError(name, f"{name}={value}: must be in [0, {MAX_LOGPROBS}]")
         if self.max_tokens == 0 and not self.echo:
             raise SchemaError("max_tokens", "max_tokens=0: only with echo=true (the prompt alone)")
         if self.prompt_only and self.min_tokens:
