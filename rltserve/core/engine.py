@@ -24,13 +24,14 @@ from rltserve.core.kv_sizing import pool_size
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
+from rltserve.core.request_checks import check_bans, check_params
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
-from rltserve.sampling import SamplingParams, outside_vocab
+from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
@@ -183,54 +184,11 @@ class EngineCore:
         see ``add_request``."""
         spec = self.spec
         rid = request_id or uuid.uuid4().hex
-        if not prompt_token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        for name, ids in [("prompt", prompt_token_ids), *params.vocab_token_ids()]:
-            if message := outside_vocab(name, ids, spec.vocab_size):
-                raise ValueError(message)
-        params = self._bounded_logprobs(params)
-        if len(prompt_token_ids) >= self.max_model_len:
-            why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
-                f"context limit of {self.max_model_len} tokens"
-                + (why if self._pool_limited else "")
-            )
-        if params.max_loops is not None and params.max_loops > spec.max_loops:
-            raise ValueError(
-                f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
-            )
+        params = check_params(
+            prompt_token_ids, params, spec, self.config, self.max_model_len, self._pool_limited
+        )
         sched = self.config.scheduler
-        if sched.exit_mode == "trace" and params.trace_depths is None:
-            raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
-        if sched.exit_mode != "trace" and params.trace_depths is not None:
-            raise ValueError(
-                f"trace_depths: only for an engine with exit_mode='trace' (this one runs "
-                f"exit_mode={sched.exit_mode!r})"
-            )
-        gated = sched.exit_mode == "gate" and spec.has_gate and params.adaptive_exit
-        if sched.async_scheduling and gated:
-            raise ValueError(
-                f"exit_threshold={params.exit_threshold}: adaptive exit with "
-                "async_scheduling needs exit_mode='delayed' (or 'trace'); the in-step "
-                "gate rule would make every step wait for the previous one"
-            )
         cap = params.max_loops or spec.num_loops
-        if params.adaptive_exit and not spec.has_gate and sched.exit_mode != "trace":
-            raise ValueError(
-                f"exit_threshold={params.exit_threshold}: this model has no exit gate (its "
-                "tokens loop to a fixed depth: set max_loops, leave exit_threshold at 1.0)"
-            )
-        if params.min_loops > cap:
-            raise ValueError(
-                f"min_loops={params.min_loops}: above the {cap} loops this request runs at most "
-                "(max_loops, or the model's loop count)"
-            )
-        if params.trace_depths and max(params.trace_depths) > cap:
-            raise ValueError(
-                f"trace_depths: depth {max(params.trace_depths)} is above the request's "
-                f"{cap} loops at most"
-            )
         num_loops = max(spec.num_loops, cap) if spec.has_gate else cap
         seed = params.seed
         if seed is None:
@@ -250,17 +208,7 @@ class EngineCore:
             pipelined=pipelined,
             group=group,
         )
-        banned = request.banned_ids
-        if len(banned) >= spec.vocab_size and banned[spec.vocab_size - 1] < spec.vocab_size:
-            raise ValueError(
-                f"min_tokens={params.min_tokens}: EOS and stop_token_ids are every token id, "
-                "so no token could be sampled before min_tokens"
-            )
-        if banned and params.allowed_token_ids and set(params.allowed_token_ids) <= set(banned):
-            raise ValueError(
-                f"allowed_token_ids: every one is EOS or a stop_token_id, so no token could be "
-                f"sampled before min_tokens={params.min_tokens}"
-            )
+        check_bans(request, spec.vocab_size)
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
         if spec.num_boundary_layers:
@@ -299,24 +247,6 @@ class EngineCore:
             noise,
             None if self.prefix_caching else request.group,
         )
-
-    def _bounded_logprobs(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with vLLM's -1 (every token) as the vocabulary's size; a count above the
-        engine's ``max_logprobs`` is refused."""
-        cap = self.config.model.max_logprobs
-        changes = {}
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is None:
-                continue
-            if k == -1:
-                k = changes[name] = self.spec.vocab_size
-            if cap != -1 and k > cap:
-                raise ValueError(
-                    f"{name}={getattr(params, name)}: more than this engine's max_logprobs "
-                    f"({cap}; LLM(max_logprobs=N) raises it)"
-                )
-        return params.replace(**changes) if changes else params
 
     def reset_prefix_cache(self) -> None:
         """Invalidates every cached prefix (call after the weights change): the weight

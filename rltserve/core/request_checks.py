@@ -1,0 +1,108 @@
+"""The checks a request's settings must pass against the engine's model and configuration
+before it is admitted (each a ValueError naming the field); torch-free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rltserve.config import EngineConfig
+from rltserve.sampling import SamplingParams, outside_vocab
+
+if TYPE_CHECKING:
+    from rltserve.core.request import Request
+    from rltserve.models.base import LoopedSpec
+
+
+def check_params(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    spec: LoopedSpec,
+    config: EngineConfig,
+    max_model_len: int,
+    pool_limited: bool,
+) -> SamplingParams:
+    """The params as the engine runs them (vLLM's ``logprobs=-1`` as the vocabulary's size);
+    raises ValueError for settings the model or the engine cannot run. ``pool_limited``: the
+    context limit is the KV pool's, not the model's."""
+    if not prompt_token_ids:
+        raise ValueError("prompt: must contain at least one token")
+    for name, ids in [("prompt", prompt_token_ids), *params.vocab_token_ids()]:
+        if message := outside_vocab(name, ids, spec.vocab_size):
+            raise ValueError(message)
+    params = _bounded_logprobs(params, spec.vocab_size, config.model.max_logprobs)
+    if len(prompt_token_ids) >= max_model_len:
+        why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
+        raise ValueError(
+            f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
+            f"context limit of {max_model_len} tokens" + (why if pool_limited else "")
+        )
+    if params.max_loops is not None and params.max_loops > spec.max_loops:
+        raise ValueError(
+            f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
+        )
+    sched = config.scheduler
+    if sched.exit_mode == "trace" and params.trace_depths is None:
+        raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
+    if sched.exit_mode != "trace" and params.trace_depths is not None:
+        raise ValueError(
+            f"trace_depths: only for an engine with exit_mode='trace' (this one runs "
+            f"exit_mode={sched.exit_mode!r})"
+        )
+    gated = sched.exit_mode == "gate" and spec.has_gate and params.adaptive_exit
+    if sched.async_scheduling and gated:
+        raise ValueError(
+            f"exit_threshold={params.exit_threshold}: adaptive exit with "
+            "async_scheduling needs exit_mode='delayed' (or 'trace'); the in-step "
+            "gate rule would make every step wait for the previous one"
+        )
+    cap = params.max_loops or spec.num_loops
+    if params.adaptive_exit and not spec.has_gate and sched.exit_mode != "trace":
+        raise ValueError(
+            f"exit_threshold={params.exit_threshold}: this model has no exit gate (its "
+            "tokens loop to a fixed depth: set max_loops, leave exit_threshold at 1.0)"
+        )
+    if params.min_loops > cap:
+        raise ValueError(
+            f"min_loops={params.min_loops}: above the {cap} loops this request runs at most "
+            "(max_loops, or the model's loop count)"
+        )
+    if params.trace_depths and max(params.trace_depths) > cap:
+        raise ValueError(
+            f"trace_depths: depth {max(params.trace_depths)} is above the request's "
+            f"{cap} loops at most"
+        )
+    return params
+
+
+def check_bans(request: Request, vocab_size: int) -> None:
+    """min_tokens bans that leave no token to sample are refused."""
+    banned, params = request.banned_ids, request.params
+    if len(banned) >= vocab_size and banned[vocab_size - 1] < vocab_size:
+        raise ValueError(
+            f"min_tokens={params.min_tokens}: EOS and stop_token_ids are every token id, "
+            "so no token could be sampled before min_tokens"
+        )
+    if banned and params.allowed_token_ids and set(params.allowed_token_ids) <= set(banned):
+        raise ValueError(
+            f"allowed_token_ids: every one is EOS or a stop_token_id, so no token could be "
+            f"sampled before min_tokens={params.min_tokens}"
+        )
+
+
+def _bounded_logprobs(params: SamplingParams, vocab_size: int, cap: int) -> SamplingParams:
+    """``params`` with vLLM's -1 (every token) as the vocabulary's size; a count above the
+    engine's ``max_logprobs`` is refused."""
+    changes = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is None:
+            continue
+        if k == -1:
+            k = changes[name] = vocab_size
+        if cap != -1 and k > cap:
+            raise ValueError(
+                f"{name}={getattr(params, name)}: more than this engine's max_logprobs "
+                f"({cap}; LLM(max_logprobs=N) raises it)"
+            )
+    return params.replace(**changes) if changes else params
