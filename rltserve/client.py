@@ -37,6 +37,7 @@ Embedding it in an aiohttp app (one client per app, closed with the app)::
 from __future__ import annotations
 
 import asyncio
+import numbers
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -322,7 +323,12 @@ class AsyncClient:
     # ------------------------------------------------------------------ transport
 
     async def _request(self, method: str, path: str, body: dict | None = None):
-        data = orjson.dumps(body) if body is not None else None
+        data = None
+        if body is not None:
+            try:  # (NumPy arrays and numbers as JSON)
+                data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError as exc:
+                raise ValueError(f"request body: cannot be sent as JSON: {exc}") from None
         headers = dict(self._headers)
         if data is not None:
             headers["Content-Type"] = "application/json"
@@ -347,8 +353,15 @@ class AsyncClient:
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
         response = await self._request(method, path, body)
-        async with response:
-            return orjson.loads(await response.read())
+        try:
+            async with response:
+                raw = await response.read()
+        except aiohttp.ClientError as exc:
+            raise APIConnectionError(None, f"the response broke off: {exc}") from exc
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise APIConnectionError(None, f"the server sent invalid JSON: {exc}") from exc
 
     # ------------------------------------------------------------------ API
 
@@ -406,4 +419,10 @@ class AsyncClient:
 
 
 def _body(**fields: Any) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}
+    body = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):  # token ids as keys, as Python holds them: OpenAI's strings
+        body["logit_bias"] = {
+            str(int(k)) if isinstance(k, numbers.Integral) else k: v for k, v in bias.items()
+        }
+    return body

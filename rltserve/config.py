@@ -55,7 +55,10 @@ class ModelConfig:
 
     max_logprobs: int = field(
         default=20,
-        metadata=_help("most logprobs / prompt_logprobs a request may ask for (-1: no bound)"),
+        # (No CLI flag: ``serve`` has the HTTP API's own, --max-logprobs, at most 20.)
+        metadata=_help(
+            "most logprobs / prompt_logprobs a request may ask for (-1: no bound)", cli=False
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for cls in ENGINE_CONFIGS:
         group = parser.add_argument_group(cls.__name__)
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in _flagged(cls):
             flag = "--" + f.name.replace("_", "-")
             if hints[f.name] in (bool, bool | None):
                 group.add_argument(
@@ -54,9 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in dataclasses.fields(cls)
-    }
+    return {f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in _flagged(cls)}
+
+
+def _flagged(cls: type) -> list[dataclasses.Field]:
+    """The fields with a flag (``metadata["cli"]`` False: an offline API setting only)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
 def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:

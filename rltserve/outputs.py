@@ -191,8 +191,8 @@ class OutputAssembler:
             out.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
             out.prompt_logprobs = [
-                {"token_id": tok, "logprob": lp, "top_logprobs": top}
-                for tok, (lp, top) in zip(out.prompt_token_ids[1:], update.prompt_logprobs)
+                {"token_id": tok, "logprob": lp, "top_logprobs": top, "rank": rank}
+                for tok, (lp, top, rank) in zip(out.prompt_token_ids[1:], update.prompt_logprobs)
             ]
         finish = update.finish_reason.value if update.finish_reason is not None else None
         stop_reason: str | int | None = None

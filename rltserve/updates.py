@@ -48,9 +48,9 @@ class RequestUpdate:
     # On the update with the first output token: prompt tokens whose KV was reused (prefix
     # cache, or the prompt a group's leader computed) instead of computed ...
     num_cached_tokens: int | None = None
-    # ... and, with ``prompt_logprobs``, (logprob, top logprobs) of each prompt token after
+    # ... and, with ``prompt_logprobs``, (logprob, top logprobs, rank) of each prompt token after
     # the first.
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] | None = None
     # The new tokens' ranks (``SampleOutput.ranks``), parallel to ``new_token_ids`` once any
     # token has one (a request that asked for logprobs); empty before, None per forced token.
     new_ranks: list[int | None] = field(default_factory=list)

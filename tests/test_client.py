@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 
+import numpy as np
 import orjson
 import pytest
 from aiohttp import web
@@ -147,9 +148,20 @@ async def misbehaving_server():
         return web.json_response({"error": {"message": "Loading model", "code": 503}}, status=503)
 
     async def completions(request):
-        mode = (await request.json())["prompt"]
+        body = await request.json()
+        mode = body["prompt"]
         if mode == "text-error":
             return web.Response(status=500, text="upstream exploded", content_type="text/plain")
+        if mode == "not-json":
+            return web.Response(status=200, text="<html>proxy page</html>")
+        if isinstance(mode, list):  # the body as the server got it
+            return web.json_response(body)
+        if mode == "cut":  # a body that breaks off
+            response = web.StreamResponse(headers={"Content-Length": "1000"})
+            await response.prepare(request)
+            await response.write(b'{"id": "c"')
+            request.transport.close()
+            return response
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         chunk = {"id": "c", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
@@ -175,6 +187,14 @@ async def test_client_error_paths_end_clearly():
         with pytest.raises(InternalServerError) as err:
             await asyncio.wait_for(client.complete("text-error"), 10)
         assert err.value.status == 500 and err.value.message == "upstream exploded"
+        with pytest.raises(APIConnectionError, match="invalid JSON"):
+            await asyncio.wait_for(client.complete("not-json"), 10)
+        with pytest.raises(APIConnectionError, match="broke off"):
+            await asyncio.wait_for(client.complete("cut"), 10)
+        # Python values as callers hold them: int keys (OpenAI's SDK sends them as strings),
+        # NumPy arrays and integers.
+        sent = await client.complete(np.array([5, 6]), logit_bias={np.int64(5): 100, 7: -1})
+        assert sent == {"prompt": [5, 6], "logit_bias": {"5": 100, "7": -1}}
         for mode, message in (("no-done", "without \\[DONE\\]"), ("broken", None)):
             got = []
 

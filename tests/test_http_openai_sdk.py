@@ -169,6 +169,17 @@ async def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     for token, entry, value in zip(ids[1:], rest, lp.token_logprobs[1:]):
         assert next(iter(entry)) == str(token) and entry[str(token)]["logprob"] == value
         assert sorted(e["rank"] for e in entry.values() if e["rank"] is not None)[:2] == [1, 2]
+    both = await client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=2,
+        logprobs=1,
+        extra_body={"prompt_logprobs": 1},
+    )
+    # Without echo, logprobs list the output's tokens only (vLLM's).
+    assert len(both.choices[0].logprobs.tokens) == 2
+    assert both.choices[0].logprobs.text_offset[0] == 0
     streamed = await client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 2}
     )

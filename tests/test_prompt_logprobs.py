@@ -22,8 +22,10 @@ def _check(ref, prompt, params, got, **kw) -> None:
     """``got`` (an update's prompt logprobs) against the oracle's prompt logits."""
     want = torch.log_softmax(oracle_run(ref, prompt, params, **kw).prompt_logits, dim=-1)
     assert len(got) == len(prompt) - 1
-    for q, (lp, top) in enumerate(got):
+    for q, (lp, top, rank) in enumerate(got):
         assert lp == pytest.approx(want[q, prompt[q + 1]].item(), abs=1e-4), q
+        # vLLM's rank (the count of logprobs >= the token's), up to float noise at ties.
+        assert abs(rank - int((want[q] >= want[q, prompt[q + 1]]).sum())) <= 1, q
         values, ids = want[q].topk(params.prompt_logprobs or 0)
         assert [t for t, _ in top] == ids.tolist(), q
         assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4), q
@@ -159,7 +161,8 @@ def test_a_one_token_prompt_has_none_to_score(ckpts):
     assert run.prompt_logprobs["r0"] == []
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+@pytest.mark.parametrize("value", [-2, 1.5, True])
 def test_sampling_params_validate_prompt_logprobs(value):
+    # (-1 is vLLM's every token; a count above the engine's max_logprobs is the engine's call)
     with pytest.raises(ValueError, match="^prompt_logprobs="):
         SamplingParams(temperature=0.0, prompt_logprobs=value)

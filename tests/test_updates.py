@@ -23,7 +23,7 @@ def test_request_update_pickles_every_field():
         "rejected": True,
         "weight_version": 7,
         "num_cached_tokens": 16,
-        "prompt_logprobs": [(-1.5, [(3, -0.25)])],
+        "prompt_logprobs": [(-1.5, [(3, -0.25)], 4)],
         "new_ranks": [1, None],
     }
     # Every field is set to a value other than its default: a field added without being

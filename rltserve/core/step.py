@@ -414,35 +414,38 @@ class Step:
             )
         targets = r.tensor([t for i in scored for t in items[i].prompt_targets])  # [M]
         top = max(self.lives[i].setup.params.prompt_logprobs or 0 for i in scored)
-        chosen, values, ids = [], [], []
+        chosen, ranks, values, ids = [], [], [], []
         # In slabs of rows: a long prompt chunk's [M, V] logits would take gigabytes.
         for at in range(0, len(rows), PROMPT_SLAB):
             logp = torch.log_softmax(  # [S, V]
                 r.timed(r.model.logits, hidden[at : at + PROMPT_SLAB]), dim=-1
             )
             chosen.append(logp.gather(1, targets[at : at + PROMPT_SLAB, None]).squeeze(1))
+            ranks.append((logp >= chosen[-1][:, None]).sum(dim=-1))  # [S]: vLLM's rank
             if top:
                 slab_values, slab_ids = logp.topk(top, dim=-1)  # [S, top]
                 values.append(slab_values)
                 ids.append(slab_ids)
         self.outputs.add("prompt.chosen", torch.cat(chosen))  # [M]
+        self.outputs.add("prompt.ranks", torch.cat(ranks))  # [M]
         if top:
             self.outputs.add("prompt.top_values", torch.cat(values))  # [M, top]
             self.outputs.add("prompt.top_ids", torch.cat(ids))
 
-    def prompt_results(self) -> dict[int, list[tuple[float, list[tuple[int, float]]]]]:
-        """By item index, the ``scored`` items' (logprob, top logprobs) per prompt target."""
+    def prompt_results(self) -> dict[int, list[tuple[float, list[tuple[int, float]], int]]]:
+        """By item index, the ``scored`` items' (logprob, top logprobs, rank) per prompt
+        target."""
         if not self.scored:
             return {}
         host = self.outputs.read()
-        chosen = host["prompt.chosen"]
+        chosen, ranks = host["prompt.chosen"], host["prompt.ranks"]
         values, ids = host.get("prompt.top_values"), host.get("prompt.top_ids")
         out, row = {}, 0
         for i in self.scored:
             n = len(self.items[i].prompt_targets)
             k = self.lives[i].setup.params.prompt_logprobs or 0
             out[i] = [
-                (chosen[j], list(zip(ids[j][:k], values[j][:k])) if k else [])
+                (chosen[j], list(zip(ids[j][:k], values[j][:k])) if k else [], ranks[j])
                 for j in range(row, row + n)
             ]
             row += n

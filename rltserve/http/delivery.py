@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from rltserve.http.admission import Overloaded
-from rltserve.http.errors import bad_request, json_response, unavailable
+from rltserve.http.errors import json_response, unavailable
 from rltserve.http.frontend import Generation, failure
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
@@ -22,16 +22,7 @@ from rltserve.http.state import ServingState
 async def deliver(
     request: web.Request, state: ServingState, plan: GenerationPlan
 ) -> web.StreamResponse:
-    gate = state.gate
-    if len(plan.choices) > gate.max_concurrent:
-        prompts = len({c.prompt_index for c in plan.choices})
-        param = "prompt" if prompts > 1 else "n"  # (what the client can make smaller)
-        what = f"{prompts} prompts x n = " if prompts > 1 else ""
-        raise bad_request(
-            f"{param}: {what}{len(plan.choices)} sequences exceed the server's limit of "
-            f"{gate.max_concurrent} at once (--max-concurrent); send fewer per request",
-            param,
-        )
+    gate = state.gate  # (plans refused requests of more sequences than it holds)
     try:
         async with gate.slots(len(plan.choices)):
             frontend = state.require_frontend()

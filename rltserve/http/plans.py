@@ -96,11 +96,28 @@ def _choices(
     return choices
 
 
+def check_sequences(state: ServingState, prompts: int, n: int) -> None:
+    """A request of more sequences (prompts x n) than the server runs at once is a 400."""
+    limit = state.gate.max_concurrent
+    if prompts * n > limit:
+        param = "prompt" if prompts > 1 else "n"  # (what the client can make smaller)
+        what = f"{prompts} prompts x n = " if prompts > 1 else ""
+        raise bad_request(
+            f"{param}: {what}{prompts * n} sequences exceed the server's limit of "
+            f"{limit} at once (--max-concurrent); send fewer per request",
+            param,
+        )
+
+
 async def completion_plan(
     state: ServingState, req: CompletionRequest, arrival: float, session: str | None = None
 ) -> GenerationPlan:
     """``session``: the request's session key (``http.session.session_key``), for affinity."""
     frontend = state.require_frontend()
+    # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
+    prompt = req.prompt
+    one = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+    check_sequences(state, 1 if one else len(prompt), req.n)
     prompts = await frontend.completion_prompts(req.prompt)
     max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
@@ -125,11 +142,12 @@ async def chat_plan(
 ) -> GenerationPlan:
     """``session``: the request's session key (``http.session.session_key``), for affinity."""
     frontend = state.require_frontend()
+    check_sequences(state, 1, req.n)
     prompt = await frontend.chat_prompt(
         req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    param = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    param = req.token_limit_param
     return GenerationPlan(
         choices=_choices(
             frontend,

@@ -106,6 +106,7 @@ class CompletionFormat(_Format):
         self.echo_texts = echo_texts  # choice index -> prompt text, when echo is on
         self.prompt_only = req.prompt_only  # (echo with max_tokens=0: the sampled token goes)
         self.want_prompt_logprobs = req.prompt_logprobs is not None
+        self.echo = req.echo  # (prompt logprobs asked for alone stay out of ``logprobs``)
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
@@ -165,13 +166,14 @@ class CompletionFormat(_Format):
         """The echoed prompt's text; sets where the next token's ``text_offset`` is: after it,
         or at 0 when the prompt's tokens are listed (with their logprobs) from there."""
         echo = self.echo_texts.get(index, "")
-        self._offsets[index] = 0 if output.prompt_logprobs is not None else len(echo)
+        listed = self.echo and output.prompt_logprobs is not None
+        self._offsets[index] = 0 if listed else len(echo)
         return echo
 
     def _prompt_entries(self, output: Completion, first: bool) -> list[dict]:
         """Echo with logprobs: the prompt's tokens as logprob entries (the first has none),
         before the output's, in a choice's first chunk."""
-        if not first or output.prompt_logprobs is None:
+        if not first or not self.echo or output.prompt_logprobs is None:
             return []
         head = {"token_id": output.prompt_token_ids[0], "logprob": None, "top_logprobs": None}
         return [head, *output.prompt_logprobs]

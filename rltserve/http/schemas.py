@@ -139,6 +139,25 @@ class CompletionRequest(GenerationFields):
         return self.logprobs
 
 
+# The rendering call's own arguments (``Tokenizer.apply_chat_template``): set by the request's
+# fields, never by template variables; a client's ``chat_template`` would run its own Jinja
+# on the server.
+_CALL_ARGUMENTS = (
+    "messages",
+    "add_generation_prompt",
+    "tokenize",
+    "chat_template",
+    "continue_final_message",
+)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for key in kwargs or ():
+        if key in _CALL_ARGUMENTS:
+            name = f"chat_template_kwargs.{key}"
+            raise SchemaError(name, f"{name}: not a template variable a request may set")
+
+
 def template_role(role: object) -> object:
     """The role a chat template renders a message under: OpenAI's ``developer`` (what its newer
     SDKs send for system instructions) is a ``system`` message to templates that predate it."""
@@ -211,6 +230,10 @@ class ChatCompletionRequest(GenerationFields):
         super().validate()
         if not self.messages:
             raise SchemaError("messages", "messages: must not be empty")
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SchemaError(name, f"{name}={value}: must be >= 1")
         if self.tools:
             raise SchemaError("tools", "tools: not supported (this server has no tool calling)")
         if self.tool_choice not in (None, "none", "auto"):
@@ -219,6 +242,7 @@ class ChatCompletionRequest(GenerationFields):
             raise SchemaError(
                 "response_format", 'response_format: only {"type": "text"} is supported'
             )
+        check_template_kwargs(self.chat_template_kwargs)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise SchemaError("top_logprobs", "top_logprobs: requires logprobs=true")
@@ -230,7 +254,13 @@ class ChatCompletionRequest(GenerationFields):
 
     @property
     def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+        """OpenAI's ``max_completion_tokens``, else its deprecated ``max_tokens`` (vLLM's
+        order)."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +275,7 @@ class TokenizeRequest:
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise SchemaError("prompt", "prompt, messages: give exactly one")
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
