@@ -69,7 +69,7 @@ async def test_completion_stream_exact_bytes(ckpt, hi_tokens):
         + head + b'"model":"tiny","choices":[{"index":0,"text":"i","logprobs":null,'
         b'"finish_reason":null}],"usage":null}\n\n'
         + head + b'"model":"tiny","choices":[{"index":0,"text":"!","logprobs":null,'
-        b'"finish_reason":"length"}],"usage":null}\n\n'
+        b'"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
         + head + b'"model":"tiny","choices":[],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}\n\n'
         b"data: [DONE]\n\n"
@@ -92,7 +92,7 @@ async def test_chat_stream_exact_bytes(ckpt, hi_tokens):
         + head + b'"model":"tiny","choices":[{"index":0,"delta":{"content":"i"},'
         b'"logprobs":null,"finish_reason":null}]}\n\n'
         + head + b'"model":"tiny","choices":[{"index":0,"delta":{},'
-        b'"logprobs":null,"finish_reason":"stop"}]}\n\n'
+        b'"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n'
         b"data: [DONE]\n\n"
     )  # fmt: skip
 
@@ -106,7 +106,7 @@ async def test_non_streaming_bodies_exact_bytes(ckpt, hi_tokens):
         assert raw == (
             b'{"id":"cmpl-test","object":"text_completion","created":1730000000,'
             b'"model":"tiny","choices":[{"index":0,"text":"HiHi","logprobs":null,'
-            b'"finish_reason":"length"}],'
+            b'"finish_reason":"length","stop_reason":null}],'
             b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4}}'
         )
         chat = {"messages": [{"role": "user", "content": "x"}]}
@@ -117,7 +117,7 @@ async def test_non_streaming_bodies_exact_bytes(ckpt, hi_tokens):
     assert raw == (
         b'{"id":"chatcmpl-test","object":"chat.completion","created":1730000000,"model":"tiny",'
         b'"choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"logprobs":null,'
-        b'"finish_reason":"stop"}],'
+        b'"finish_reason":"stop","stop_reason":null}],'
         b'"usage":{"prompt_tokens":%d,"completion_tokens":3,"total_tokens":%d}}' % (n, n + 3)
     )
 
@@ -166,10 +166,11 @@ async def test_stop_string_across_tokens_aborts_the_stage(ckpt, hi_tokens, strea
         text = "".join(c["text"] for c in chunks)
         finish = [c["finish_reason"] for c in chunks]
         assert finish[-1] == "stop" and finish[:-1] == [None] * (len(finish) - 1)
+        assert chunks[-1]["stop_reason"] == "i!"  # (vLLM's: what stopped it)
     else:
         (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]
         text, finish = choice["text"], choice["finish_reason"]
-        assert finish == "stop"
+        assert finish == "stop" and choice["stop_reason"] == "i!"
     assert text == " H"  # "i!" spans the "i" and "!" tokens and is left out
 
 
@@ -179,7 +180,7 @@ async def test_loop_extensions_are_opt_in(ckpt, hi_tokens):
         plain = {"prompt": [5], "max_tokens": 4}
         _, _, raw = await live.post("/v1/completions", plain)
         (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]
-        assert list(choice) == ["index", "text", "logprobs", "finish_reason"]
+        assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason"]
         extended = {**plain, "return_exit_depths": True, "return_token_ids": True}
         _, _, raw = await live.post("/v1/completions", extended)
         (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]

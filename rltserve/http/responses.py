@@ -126,6 +126,8 @@ class CompletionFormat(_Format):
             "logprobs": logprobs,
             "finish_reason": "length" if self.prompt_only and finish else finish,
         }
+        if finish is not None:
+            entry["stop_reason"] = None if self.prompt_only else delta.stop_reason
         if first:
             self._add_prompt_logprobs(entry, output)
         return [self._extensions(entry, ids, depths)]
@@ -141,7 +143,13 @@ class CompletionFormat(_Format):
         logprobs = None
         if entries is not None:
             logprobs = self._logprobs(index, self._prompt_entries(output, True) + entries)
-        entry = {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": finish}
+        entry = {
+            "index": index,
+            "text": echo + text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": None if self.prompt_only else output.stop_reason,
+        }
         self._add_prompt_logprobs(entry, output)
         return self._extensions(entry, ids, depths)
 
@@ -244,6 +252,8 @@ class ChatFormat(_Format):
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
         }
+        if delta.finish_reason is not None:
+            entry["stop_reason"] = delta.stop_reason
         out.append(self._extensions(entry, delta.token_ids, delta.exit_depths))
         return out
 
@@ -258,6 +268,7 @@ class ChatFormat(_Format):
             "message": message,
             "logprobs": logprobs,
             "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
         return self._extensions(entry, output.token_ids, output.exit_depths)
 
