@@ -62,6 +62,8 @@ def test_values_of_a_known_sequence():
         ("rltserve:inter_token_latency_seconds_sum", m): 0.25,
         ("rltserve:e2e_request_latency_seconds_sum", m): 2.0,
         ("rltserve:request_queue_time_seconds_sum", m): 0.5,
+        ("rltserve:request_prefill_time_seconds_sum", m): 0.5,  # admitted 10.5, first 11.0
+        ("rltserve:request_decode_time_seconds_sum", m): 1.0,  # first 11.0, finish 12.0
         ("rltserve:request_prompt_tokens_sum", m): 7.0,
         ("rltserve:request_generation_tokens_sum", m): 3.0,
         ("rltserve:token_exit_depth_count", m): 3.0,

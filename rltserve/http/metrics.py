@@ -3,7 +3,9 @@
 Latencies use ``time.monotonic()`` in the front-end process. TTFT runs from the HTTP request's
 arrival (before tokenization), as vLLM measures it. ``request_queue_time_seconds`` is the time a
 request waited in the server's admission queue (``--max-queued``) before reaching the stage;
-the stage's own waiting queue shows in ``num_requests_waiting``. Every request and engine
+the stage's own waiting queue shows in ``num_requests_waiting``. ``request_prefill_time_seconds``
+runs from reaching the stage to the first token, ``request_decode_time_seconds`` from there to
+the finish (vLLM's split of a request's time in the engine). Every request and engine
 sample carries a ``model_name`` label; ``http_requests_total`` carries ``handler, method,
 status``. Engine-side numbers (running/waiting, KV usage, steps and rows) come from the latest
 ``EngineStats`` the stage sent.
@@ -114,6 +116,14 @@ class ServingMetrics:
             "Time waiting in the server's admission queue.",
             REQUEST_BUCKETS,
         ).labels(model_name)
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Time from reaching the stage to the first token.",
+            REQUEST_BUCKETS,
+        ).labels(model_name)
+        self.decode = histogram(
+            "request_decode_time_seconds", "Time from the first token to finish.", REQUEST_BUCKETS
+        ).labels(model_name)
         self.request_prompt = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
         ).labels(model_name)
@@ -169,6 +179,9 @@ class ServingMetrics:
     def on_finish(self, timeline: RequestTimeline, now: float, finish_reason: str) -> None:
         self.success.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(now - timeline.arrival)
+        if timeline.first_token is not None:
+            self.prefill.observe(timeline.first_token - timeline.admitted)
+            self.decode.observe(now - timeline.first_token)
         self.request_generation.observe(timeline.num_tokens)
 
     def on_http(self, handler: str, method: str, status: int) -> None:
