@@ -265,6 +265,8 @@ async def test_engine_rejection_is_a_400(ckpt):
             status, _, raw = await live.post("/v1/completions", body)
             assert status == 400, raw  # nothing was streamed yet: a real status
             assert error_of(raw)["param"] == "max_tokens"
+        _, _, metrics = await live.get("/metrics")
+        assert b'finished_reason="error"' not in metrics  # refused, never finished
 
 
 async def test_stage_death_mid_stream(ckpt):

@@ -389,7 +389,8 @@ class Generation:
             if update.finish_reason is None:  # a stop string: stop the engine's work too
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
-            metrics.on_finish(choice.timeline, now, delta.finish_reason)
+            if not update.rejected:  # (a request the engine refused is a 400, not a finish)
+                metrics.on_finish(choice.timeline, now, delta.finish_reason)
         return ChoiceEvent(index, delta, choice.assembler.output, update.rejected)
 
 
