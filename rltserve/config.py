@@ -62,7 +62,7 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+        if type(self.max_logprobs) is not int or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= -1")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(

@@ -301,9 +301,9 @@ def _cumulative(entries: list[dict] | None) -> float | None:
 
 
 def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logprob]] | None:
-    """Engine entries -> vLLM's ``{token_id: Logprob}`` per token, the sampled token first: the
-    top-k are ranked 1..k and the sampled token has its rank (None where the engine sent
-    none: prompt tokens)."""
+    """Engine entries -> vLLM's ``{token_id: Logprob}`` per token, the sampled (or prompt)
+    token first: the top-k are ranked 1..k, and the token, when not among them, has the rank
+    the engine computed (vLLM's dict: a token among the top k keeps its place's rank)."""
     if entries is None:
         return None
 
@@ -317,11 +317,10 @@ def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logpr
             continue
         top = e["top_logprobs"] or []
         d = {tok: Logprob(lp, rank, decoded(tok)) for rank, (tok, lp) in enumerate(top, 1)}
-        rank = e.get("rank")
-        if e["token_id"] not in d or rank is not None:  # (vLLM lists the sampled token first)
-            d.pop(e["token_id"], None)
-            d = {e["token_id"]: Logprob(e["logprob"], rank, decoded(e["token_id"])), **d}
+        token = e["token_id"]  # (listed first, as vLLM lists it)
+        if token in d:
+            d = {token: d[token], **d}
         else:
-            d = {e["token_id"]: d[e["token_id"]], **d}
+            d = {token: Logprob(e["logprob"], e.get("rank"), decoded(token)), **d}
         out.append(d)
     return out

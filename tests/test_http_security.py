@@ -78,6 +78,13 @@ async def test_every_route_but_health_needs_the_key(ckpt, metrics_auth):
         ("/v1/completions", {"prompt": [5], "n": 3}, "n", "[1, 2]"),
         ("/v1/completions", {"prompt": [5], "max_tokens": 9}, "max_tokens", "<= 8"),
         ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 9}, None, None),
+        # max_completion_tokens wins over max_tokens, and its bound names it.
+        (
+            "/v1/chat/completions",
+            {"max_tokens": 4, "max_completion_tokens": 9},
+            "max_completion_tokens",
+            "<= 8",
+        ),
         ("/v1/completions", {"prompt": [5], "stop": ["a", "b", "c"]}, "stop", "at most 2"),
         ("/v1/completions", {"prompt": [5], "stop": "x" * 11}, "stop", "at most 10"),
         ("/v1/completions", {"prompt": [5], "logprobs": 4}, "logprobs", "[0, 3]"),

@@ -240,6 +240,8 @@ def test_max_logprobs_bounds_what_a_request_may_ask(tiny, llm):
         (out,) = wide.generate([[1, 2]], p.replace(logprobs=-1, prompt_logprobs=-1))
         assert all(len(e) == vocab for e in out.outputs[0].logprobs)  # every token
         assert len(out.prompt_logprobs[1]) == vocab
+        with pytest.raises(ValueError, match=f"more than the vocabulary's {vocab} tokens"):
+            wide.generate([[1, 2]], p.replace(logprobs=vocab + 1))
 
 
 def test_multimodal_keys_set_to_none_are_text_prompts(llm):

@@ -93,6 +93,20 @@ def test_sleep_waits_for_running_requests_or_times_out(tiny):
         assert len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 6
 
 
+def test_waking_an_awake_engine_waits_for_nothing(tiny):
+    """(A wake_up that went through the update gate waited for running requests and held new
+    ones: vLLM's returns at once.)"""
+    slow = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    with LLM(str(tiny), in_process=True, num_blocks=128) as llm:
+        thread = threading.Thread(target=lambda: llm.generate([[1, 2]], slow))
+        thread.start()
+        while not (llm._client.stats and llm._client.stats.num_running):
+            time.sleep(0.005)
+        llm.wake_up()
+        assert thread.is_alive()  # returned while the request still runs
+        thread.join()
+
+
 def test_bad_levels_and_tags_are_refused(tiny):
     with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
         with pytest.raises(ValueError, match="level=3: must be 1 or 2"):

@@ -240,7 +240,7 @@ class Applier:
         self,
         request: Request,
         start: int,
-        scores: list[tuple[float, list[tuple[int, float]]]],
+        scores: list[tuple[float, list[tuple[int, float]], int]],
         updates: StepUpdates,
     ) -> None:
         """A prompt item's logprobs (after its request's ``max_loops``) of the prompt tokens its

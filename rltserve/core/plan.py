@@ -240,8 +240,8 @@ class StepResult:
     num_rows: int = 0  # rows run through the core loop
     num_coda_rows: int = 0
     # prompt_logprobs: by index in ``items``, an item with ``prompt_targets``' (logprob, top
-    # logprobs) per target, in order.
-    prompt_logprobs: dict[int, list[tuple[float, list[tuple[int, float]]]]] | None = None
+    # logprobs, rank) per target, in order.
+    prompt_logprobs: dict[int, list[tuple[float, list[tuple[int, float]], int]]] | None = None
     error: str | None = None  # set when the step failed; the scheduler fails its requests
     # With ``error``: requests outside ``items`` the failure lost too (preempted by the step,
     # their KV never reached swap space).

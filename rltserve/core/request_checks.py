@@ -105,4 +105,6 @@ def _bounded_logprobs(params: SamplingParams, vocab_size: int, cap: int) -> Samp
                 f"{name}={getattr(params, name)}: more than this engine's max_logprobs "
                 f"({cap}; LLM(max_logprobs=N) raises it)"
             )
+        if k > vocab_size:
+            raise ValueError(f"{name}={k}: more than the vocabulary's {vocab_size} tokens")
     return params.replace(**changes) if changes else params

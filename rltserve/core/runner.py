@@ -217,13 +217,15 @@ class ModelRunner:
         def sleep() -> None:
             if self.graphs is not None and self.graphs.backend == "cuda":
                 self.graphs = None  # captured on addresses that go; its memory pool goes too
-            self.memory.sleep(level)
+            with self._on_stream():  # (ordered with the steps)
+                self.memory.sleep(level)
 
         self._on_step_thread(sleep)
 
     def wake_up(self, tags: list[str]) -> None:
         def wake() -> None:
-            self.memory.wake_up(tags)
+            with self._on_stream():  # the KV is zeroed before any later step writes it
+                self.memory.wake_up(tags)
             if self.graphs is None and self._new_graphs is not None and not self.memory.asleep:
                 self._build_graphs()
 

@@ -18,10 +18,7 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest, config: ServerC
     if req.n > config.max_n:
         raise SchemaError("n", f"n={req.n}: must be in [1, {config.max_n}]")
     if isinstance(req, ChatCompletionRequest):
-        tokens, tokens_param = (
-            req.token_limit,
-            ("max_tokens" if req.max_tokens is not None else "max_completion_tokens"),
-        )
+        tokens, tokens_param = req.token_limit, req.token_limit_param
         logprobs, logprobs_param = req.top_logprobs, "top_logprobs"
     else:
         tokens, tokens_param = req.max_tokens, "max_tokens"

@@ -143,6 +143,8 @@ class CompletionRequest(GenerationFields):
 # fields, never by template variables; a client's ``chat_template`` would run its own Jinja
 # on the server.
 _CALL_ARGUMENTS = (
+    "self",
+    "special_tokens",
     "messages",
     "add_generation_prompt",
     "tokenize",

@@ -268,8 +268,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
 
 
 def _open_final(text: str, final: object) -> str:
-    """``text`` cut after the last appearance of the final message's content ``final``."""
-    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+    """``text`` cut after the last appearance of the final message's content ``final`` (an
+    empty one leaves it as it is, as Hugging Face's does)."""
+    if isinstance(final, str) and not final.strip():
+        return text
+    if not isinstance(final, str) or final.strip() not in text:
         raise ValueError(
             "continue_final_message: the final message's text does not appear in the rendered chat"
         )
