@@ -19,7 +19,7 @@ import torch
 from rltserve.core import step_exits, step_results, step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
-from rltserve.core.sampler import SampleRow
+from rltserve.core.sampler import DeviceSample, SampleRow
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
@@ -62,6 +62,20 @@ class Step:
         self.gate_rows: torch.Tensor | None = None  # [2, M]: the output rows' new gates
         self.modes: tuple[str, ...] = ()  # set by ``decide_exits``: the output rows' modes
         self.kinds: frozenset[str] = frozenset()  # the modes present
+        # Set by run(), read by the helpers it calls and by ``step_results`` after it:
+        self.starts: list[int] = []  # each item's first position
+        self.depths: list[int] = []  # the loop each item runs
+        self.one_row = False  # every item is one row
+        self.offsets: range | list[int] = range(1)  # item i's rows: offsets[i] .. offsets[i+1]
+        self.held: list[ItemState] = []  # each item's state across steps (``_gather_inputs``)
+        self.out: range | list[int] = range(0)  # the items whose output position is open
+        self.exited: list[bool] = []  # aligned with ``out``: that output exits in this step
+        self.sampled: list[int] = []  # the items whose output exited: sampled, in order
+        self.scored: list[int] = []  # the items with prompt_targets (prompt_logprobs)
+        self.drafts: list[Draft] = []  # token pipelining: this step's drafts
+        self.sample: DeviceSample | None = None  # the sampler's result, on the device
+        # prompt_logprobs of models with coda attention: (coda output, coda items, widths).
+        self._coda_rows: tuple[torch.Tensor, list[int], list[int]] | None = None
 
     def run(self) -> bool:
         r, items, lives = self.r, self.items, self.lives
@@ -108,7 +122,7 @@ class Step:
                     held[i].coda_state = state[row : row + 1].clone()  # [1, S]
         exited_before = any(map(step_rows.EXITED, held))
         if all(specs) and not exited_before:
-            self.out: range | list[int] = range(n)  # every item's output position is still open
+            self.out = range(n)  # every item's output position is still open
         elif not exited_before:  # (prompt chunks without an output beside decode rows)
             self.out = list(compress(range(n), specs))
         else:
@@ -133,8 +147,6 @@ class Step:
             for i in staying:  # an ending item's state goes with it
                 held[i].exited = True
         self.ending = ending
-        # (Coda attention: the coda's output, its items and their rows, for prompt_logprobs.)
-        self._coda_rows: tuple[torch.Tensor, list[int], list[int]] | None = None
         self.sampled = self._coda_and_sample(positions, state, ending, exits, boundary)
         # (A carried row's item is a template, never with prompt targets: the plan's only.)
         self.scored = list(compress(range(nc, n), map(step_rows.PROMPT_TARGETS, planned)))
