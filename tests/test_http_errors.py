@@ -80,6 +80,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": True}, "prompt", "must be a string"),
     ("completions", {"max_tokens": 3}, "prompt", "is required"),
     ("chat/completions", {"messages": []}, "messages", "must not be empty"),
+    ("completions", {"prompt": "x", "priority": 2**63}, "priority", "an integer in"),
     # A client's own Jinja template would run on the server.
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},

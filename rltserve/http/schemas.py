@@ -24,6 +24,7 @@ COMPLETION_MAX_TOKENS = 16
 # vLLM's seed range (int64). Sample j uses seed + j, which stays within what torch's generators
 # take (up to 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63 - 1)
+PRIORITY_RANGE = SEED_RANGE  # (a 64-bit int, as vLLM's)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -63,7 +64,7 @@ class GenerationFields:
     max_loops: int | None = None
     num_steps: int | None = None  # Huginn's name for max_loops
     exit_threshold: float = 1.0
-    priority: int = 0
+    priority: int = field(default=0, metadata={"range": PRIORITY_RANGE})
     init_state: str = "random"  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
     # thinking span, the engine appends the interruption and the end ids itself.
