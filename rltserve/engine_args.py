@@ -19,38 +19,48 @@ from rltserve.preflight import check_engine, resolve_dtype
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
 
-def _flag_type(field: dataclasses.Field, hints: dict) -> type:
-    hint = hints[field.name]
+def _flag_type(hint: object) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
         hint = args[0]
     return hint if hint in (int, float, str) else str
 
 
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, title: str, keep_defaults: bool = False
+) -> None:
+    """One flag per field of dataclass ``cls`` (``--snake-name``), help from its metadata; a
+    field whose metadata says ``cli=False`` has none. A flag's default is the field's with
+    ``keep_defaults``, else None, so that ``dataclass_kwargs`` passes only what was set."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in _flagged(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:
+            help_text += f" (default: {f.default})"
+        default = f.default if keep_defaults else None
+        if hints[f.name] in (bool, bool | None):
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
+        else:
+            kind = _flag_type(hints[f.name])
+            group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+
+
+def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
+    """The fields of ``cls`` whose flags were given (``add_dataclass_args``)."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(args, f.name, None) is not None
+    }
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per engine config field."""
+    """Adds one flag per engine config field, with the field's default."""
     for cls in ENGINE_CONFIGS:
-        group = parser.add_argument_group(cls.__name__)
-        hints = typing.get_type_hints(cls)
-        for f in _flagged(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if hints[f.name] in (bool, bool | None):
-                group.add_argument(
-                    flag,
-                    dest=f.name,
-                    action=argparse.BooleanOptionalAction,
-                    default=f.default,
-                    help=f.metadata.get("help", ""),
-                )
-                continue
-            default = "" if f.default is None else f" (default: {f.default})"
-            group.add_argument(
-                flag,
-                dest=f.name,
-                type=_flag_type(f, hints),
-                default=f.default,
-                help=f.metadata.get("help", "") + default,
-            )
+        add_dataclass_args(parser, cls, cls.__name__, keep_defaults=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -8,45 +8,11 @@ the main CLI can import it unconditionally; it never imports ``rltserve.cli``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-import types
-import typing
+
+from rltserve.engine_args import add_dataclass_args, dataclass_kwargs
 
 BENCH_SERVE_HELP = "serving benchmark against a running server (random token-id prompts)"
-
-
-def _flag_type(hint: object) -> type:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
-        hint = args[0]
-    return hint if hint in (int, float, str) else str
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per field of dataclass ``cls`` (``--snake-name``), help from its metadata.
-    Defaults are left as None so ``dataclass_kwargs`` passes only what the user set."""
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.default is not None:
-            help_text += f" (default: {f.default})"
-        if hints[f.name] is bool:
-            group.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text
-            )
-        else:
-            group.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), help=help_text)
-
-
-def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
-    return {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(cls)
-        if getattr(args, f.name, None) is not None
-    }
 
 
 # ---------------------------------------------------------------------- serve
