@@ -1,5 +1,5 @@
 """Shared fixtures: the rv1 checkpoints of the Hugging Face vectors, built once per session, and
-the dense oracle loaded on them."""
+the dense oracle loaded on them; the ouro-tiny preset (``tiny``) the offline API tests use."""
 
 from __future__ import annotations
 
@@ -48,3 +48,12 @@ def huginn_ref(huginn_rv1) -> Reference:
 @pytest.fixture(scope="session")
 def ckpts(ouro_rv1, huginn_rv1):
     return {"ouro": ouro_rv1, "huginn": huginn_rv1}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The ouro-tiny preset (real tensor names, random values, vocab 512, a local tokenizer),
+    built once; tests copy it before changing anything in it."""
+    from rltserve.models.presets import make_model
+
+    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))

@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 
 from rltserve import LLM, SamplingParams
-from rltserve.models.presets import make_model
 from rltserve.preflight import resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a snapshot's name: its commit hash
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rltserve.models.presets import make_model
-
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
 
 
 def readme_example() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from engine_util import make_core, run_core
@@ -17,11 +16,6 @@ from rltserve.updates import UpdateTimeout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], list(range(5, 40))]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
 
 
 def test_the_engine_frees_its_kv_pool_asleep_and_computes_the_same_awake(tiny):

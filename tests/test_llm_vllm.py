@@ -13,16 +13,10 @@ from pathlib import Path
 import pytest
 
 from rltserve import LLM, SamplingParams
-from rltserve.models.presets import make_model
 from rltserve.outputs import CompletionOutput, RequestOutput
 from rltserve.sampling import expand_samples
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

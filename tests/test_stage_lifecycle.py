@@ -20,18 +20,12 @@ from rltserve import LLM, SamplingParams
 from rltserve.config import EngineConfig
 from rltserve.core.request import FinishReason
 from rltserve.core.stage import InProcessStageClient, StageClient, StageError
-from rltserve.models.presets import make_model
 from rltserve.outputs import OutputAssembler
 
 WAIT_S = 60
 LONG = SamplingParams(
     temperature=0.0, max_tokens=1500, ignore_eos=True
 )  # runs for many steps on ouro-tiny
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_model("ouro-tiny", tmp_path_factory.mktemp("tiny"))  # vocab 512, a tokenizer
 
 
 @pytest.fixture(scope="module", params=["spawned", "in_process"])
