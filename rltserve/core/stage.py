@@ -13,7 +13,7 @@ Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]
 construction (a config it refuses: bad input, not a failure).
 A weight update ("update_weights", token, paths, abort, timeout_s), ("sleep", token, level,
 timeout_s), ("wake_up", token, tags) and ("reset_prefix_cache", token) are each answered by
-("reply", token, error or None, weight_version).
+("reply", token, error or None, weight_version, the parts asleep).
 
 Invariants of a client: every request whose ``add_request`` returned gets exactly one final
 update (finished, aborted or failed), whatever the stage does; the first known cause of a stage
@@ -39,7 +39,6 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
 from rltserve.updates import (
-    SLEEP_TAGS,
     FinishReason,
     RequestUpdate,
     UpdateTimeout,
@@ -107,7 +106,11 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
                 core,
                 inbox,
                 lambda u, st: send(("updates", to_wire(u), st)),
-                lambda token, error, version: send(("reply", token, error, version)),
+                # (Every reply carries what is asleep: the client's view follows the engine's,
+                # whatever became of the command.)
+                lambda token, error, version: send(
+                    ("reply", token, error, version, sorted(core.sleeping))
+                ),
             )
         )
     except Exception as exc:
@@ -134,7 +137,9 @@ class _ClientBase(ABC):
         self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
         self.weight_version = 0  # the stage's, as of its latest reply
-        self.sleeping: set[str] = set()  # what ``sleep`` freed and ``wake_up`` did not restore
+        # What is asleep in the engine (``sleep`` freed, ``wake_up`` not yet restored), as of its
+        # latest reply.
+        self.sleeping: set[str] = set()
         self._replies: dict[int, list] = {}  # token -> [event, error, version]; under _lock
         self._tokens = itertools.count()
 
@@ -164,10 +169,11 @@ class _ClientBase(ABC):
                 if sink is not None:
                     self._deliver(update, sink)
         elif kind == "reply":
-            _, token, error, version = message
+            _, token, error, version, sleeping = message
             with self._lock:
                 slot = self._replies.pop(token, None)
                 self.weight_version = max(self.weight_version, version)
+                self.sleeping = set(sleeping)
             if slot is not None:
                 slot[1:] = [error, version]
                 slot[0].set()
@@ -219,11 +225,9 @@ class _ClientBase(ABC):
     def sleep(self, level: int, timeout_s: float) -> None:
         """Frees the engine's device memory once no request runs (``EngineCore.sleep``)."""
         self._call("sleep", level, timeout_s)
-        self.sleeping = set(SLEEP_TAGS)
 
     def wake_up(self, tags: list[str]) -> None:
         self._call("wake_up", list(tags))
-        self.sleeping -= set(tags)
 
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
