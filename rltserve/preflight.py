@@ -27,16 +27,20 @@ def resolve_model(model: str, revision: str | None = None) -> str:
         if revision is not None:
             raise ValueError(f"revision={revision!r}: only for a Hugging Face repo id")
         return model
+    fetch = f"rltserve never downloads weights (`huggingface-cli download {model}`)"
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision, local_files_only=True)
+        path = snapshot_download(model, revision=revision, local_files_only=True)
     except Exception:  # (not cached, or no huggingface_hub): the same advice
         at = "" if revision is None else f" at revision {revision!r}"
         raise ValueError(
             f"model={model!r}: no such directory, nor a Hugging Face repo id in the local "
-            f"cache{at}; rltserve never downloads weights (`huggingface-cli download {model}`)"
+            f"cache{at}; {fetch}"
         ) from None
+    if not any(Path(path).glob("*.safetensors*")):  # (a tokenizer's download leaves config)
+        raise ValueError(f"model={model!r}: the local cache holds no weights of it; {fetch}")
+    return path
 
 
 def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:

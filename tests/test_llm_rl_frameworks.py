@@ -136,6 +136,14 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
         resolve_model("someorg/missing")
     with pytest.raises(ValueError, match="at revision 'v2'"):
         resolve_model("someorg/ouro-tiny", revision="v2")
+    # What a tokenizer's download leaves (config and tokenizer files): no weights to load.
+    partial = cache / "models--someorg--tok-only" / "snapshots" / COMMIT
+    partial.mkdir(parents=True)
+    (partial / "config.json").symlink_to(tiny / "config.json")
+    (cache / "models--someorg--tok-only" / "refs").mkdir()
+    (cache / "models--someorg--tok-only" / "refs" / "main").write_text(COMMIT)
+    with pytest.raises(ValueError, match="the local cache holds no weights of it"):
+        resolve_model("someorg/tok-only")
 
 
 # ---------------------------------------------------------------- generate and chat options
