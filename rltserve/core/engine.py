@@ -125,7 +125,6 @@ class EngineCore:
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
-        self.sleeping: set[str] = set()  # parts whose memory ``sleep`` freed (``core/sleep.py``)
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self.info = EngineInfo(
             model_path=str(mc.model),
@@ -254,7 +253,17 @@ class EngineCore:
         with the old weights; cached blocks no request holds go back to the pool. (Bumping
         ``weight_version`` alone is already exact: old entries are then only evicted later.)"""
         self.weight_version += 1
+        self.clear_prefix_cache()
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached prefix: cached blocks no request holds go back to the pool,
+        those requests hold stay theirs (safe between any two steps)."""
         self.kv.cache.clear()
+
+    @property
+    def sleeping(self) -> set[str]:
+        """The parts whose memory ``sleep`` freed (``core/sleep.py``: the runner's record)."""
+        return self.runner.memory.asleep
 
     def _pipelined(self, params: SamplingParams, cap: int) -> bool:
         """Whether the request decodes with token pipelining; raises when it asks for it and
@@ -407,14 +416,12 @@ class EngineCore:
         host copy, level 2 drops them). Requests are refused until ``wake_up`` restores both."""
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: must be 1 or 2")
-        self.kv.cache.clear()
+        self.clear_prefix_cache()
         self.runner.sleep(level)
-        self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str]) -> None:
         """Restores the parts named in ``tags`` ("weights", "kv_cache")."""
         self.runner.wake_up(tags)
-        self.sleeping -= set(tags)
 
     def on_weights_updated(self) -> None:
         """New weights are in place (no request is running): the version moves on. State

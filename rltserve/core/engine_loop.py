@@ -94,8 +94,8 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
         aborted = gate.request(command)
         if aborted:
             emit(aborted, core.stats())
-    elif kind == "reset_prefix_cache":  # (blocks requests hold stay theirs)
-        core.kv.cache.clear()
+    elif kind == "reset_prefix_cache":
+        core.clear_prefix_cache()
         gate.reply(command[1], None, core.weight_version)
     elif gate.waiting and kind == "add":  # runs once the update is done
         gate.held.append(command)

@@ -31,6 +31,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ from rltserve.core.step_attention import StepAttention
 from rltserve.models.base import AttentionFn, LoopedModel
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StepHandle:
@@ -192,9 +194,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Launches the step and returns its result (synchronous execution), on the step
         thread when there is one: the runner's state and torch stay on one thread."""
-        if self._executor is not None:
-            return self._executor.call(lambda: self.launch(plan).result())
-        return self.launch(plan).result()
+        return self._on_step_thread(lambda: self.launch(plan).result())
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -231,11 +231,10 @@ class ModelRunner:
 
         self._on_step_thread(wake)
 
-    def _on_step_thread(self, fn: Callable[[], None]) -> None:
-        if self._executor is not None:
-            self._executor.call(fn)
-        else:
-            fn()
+    def _on_step_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run on the step thread when there is one: the runner's state and torch stay
+        on one thread."""
+        return self._executor.call(fn) if self._executor is not None else fn()
 
     def forget_all(self) -> None:
         """Drops every request's state (the scheduler started over), after every step already
@@ -251,10 +250,7 @@ class ModelRunner:
             self.kept_generators.clear()
             self._dropped.clear()
 
-        if self._executor is not None:
-            self._executor.call(forget)
-        else:
-            forget()
+        self._on_step_thread(forget)
 
     def poll(self) -> bool:
         """Delivers launched steps whose device work is done; True while one is still running.

@@ -240,10 +240,16 @@ class Sampler:
             idx = to_device(wanted, device)
             logp = torch.log_softmax(described[idx], dim=-1)  # [W, V]
             out.chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)  # [W]
-            out.ranks = (logp >= out.chosen[:, None]).sum(dim=-1)  # [W]
+            out.ranks = token_ranks(logp, out.chosen)  # [W]
             if max(num_top):
                 out.top_values, out.top_ids = logp.topk(max(num_top), dim=-1)  # [W, n_top]
         return out
+
+
+def token_ranks(logp: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """[W] int64: the rank of each row's ``chosen`` logprob among its row of ``logp`` [W, V]
+    (vLLM's: the count of logprobs >= it, 1 for the most likely token)."""
+    return (logp >= chosen[:, None]).sum(dim=-1)
 
 
 def _ban(logits: torch.Tensor, ids: list[torch.Tensor | None], rows: Sequence[int]) -> torch.Tensor:

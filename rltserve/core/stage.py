@@ -38,13 +38,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
-from rltserve.updates import (
-    FinishReason,
-    RequestUpdate,
-    UpdateTimeout,
-    from_wire,
-    to_wire,
-)
+from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout, from_wire, to_wire
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 from rltserve.core import step_exits, step_results, step_rows
 from rltserve.core.live import Draft, ItemState, LiveRequest, PendingRows
 from rltserve.core.plan import CarriedEvents, ItemResult, WorkItem
-from rltserve.core.sampler import DeviceSample, SampleRow
+from rltserve.core.sampler import DeviceSample, SampleRow, token_ranks
 from rltserve.core.staging import StepOutputs, move_to
 from rltserve.core.step_host import StepHost
 
@@ -433,7 +433,7 @@ class Step:
                 r.timed(r.model.logits, hidden[at : at + PROMPT_SLAB]), dim=-1
             )
             chosen.append(logp.gather(1, targets[at : at + PROMPT_SLAB, None]).squeeze(1))
-            ranks.append((logp >= chosen[-1][:, None]).sum(dim=-1))  # [S]: vLLM's rank
+            ranks.append(token_ranks(logp, chosen[-1]))  # [S]
             if top:
                 slab_values, slab_ids = logp.topk(top, dim=-1)  # [S, top]
                 values.append(slab_values)

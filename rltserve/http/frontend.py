@@ -146,13 +146,8 @@ class Frontend:
             raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
         return self.codec
 
-    async def completion_prompts(self, prompt: str | list) -> list[PromptInput]:
-        if isinstance(prompt, str):
-            items: list = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            items = [prompt]
-        else:
-            items = list(prompt)
+    async def completion_prompts(self, items: list) -> list[PromptInput]:
+        """``items``: a request's prompts (``CompletionRequest.prompts``), texts or token ids."""
         if not items:
             raise bad_request("prompt: must not be empty", "prompt")
         out = []

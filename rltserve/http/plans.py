@@ -114,11 +114,10 @@ async def completion_plan(
 ) -> GenerationPlan:
     """``session``: the request's session key (``http.session.session_key``), for affinity."""
     frontend = state.require_frontend()
+    items = req.prompts
     # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
-    prompt = req.prompt
-    one = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
-    check_sequences(state, 1 if one else len(prompt), req.n)
-    prompts = await frontend.completion_prompts(req.prompt)
+    check_sequences(state, len(items), req.n)
+    prompts = await frontend.completion_prompts(items)
     max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
     choices = _choices(

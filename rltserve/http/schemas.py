@@ -130,6 +130,12 @@ class CompletionRequest(GenerationFields):
             raise SchemaError("min_tokens", message)
 
     @property
+    def prompts(self) -> list:
+        """The prompts: ``prompt`` is one text, one list of token ids, or a list of either."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+
+    @property
     def prompt_only(self) -> bool:
         """``echo`` with ``max_tokens=0``: the response is the prompt (with its logprobs), as
         scoring clients ask (the engine still samples one token, which is left out)."""
