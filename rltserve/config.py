@@ -276,8 +276,34 @@ class ExecutionConfig:
             "docs/benchmarks.md)"
         ),
     )
+    disaggregate: bool = field(
+        default=False,
+        metadata=_help(
+            "prefill/decode disaggregation: prompts run on a prefill stage, decoding on a "
+            "decode stage (two worker processes on this host; a prompt's KV moves between them "
+            "through shared memory)"
+        ),
+    )
+    prefill_device: str | None = field(
+        default=None,
+        metadata=_help("disaggregate: the prefill stage's torch device (default: device)"),
+    )
 
     def __post_init__(self) -> None:
+        if self.disaggregate not in (True, False):
+            raise ValueError(f"disaggregate={self.disaggregate!r}: must be True or False")
+        if self.prefill_device is not None:
+            if not self.disaggregate:
+                raise ValueError(
+                    f"prefill_device={self.prefill_device!r}: only with disaggregate=True"
+                )
+            if not isinstance(self.prefill_device, str) or not _DEVICE.fullmatch(
+                self.prefill_device
+            ):
+                raise ValueError(
+                    f"prefill_device={self.prefill_device!r}: not a torch device "
+                    "(cpu, cuda, cuda:N, mps, xpu)"
+                )
         for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -298,6 +324,19 @@ class EngineConfig:
         device = self.model.device
         if self.execution.cuda_graphs and not device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True: needs a CUDA device (device={device!r})")
+        if self.execution.disaggregate:
+            if not KVPolicy.parse(self.cache.kv_policy).per_depth:
+                raise ValueError(
+                    f"disaggregate=True: kv_policy={self.cache.kv_policy!r} makes prompt KV "
+                    "depend on chunk boundaries, so it cannot move between stages; use full or "
+                    "last_exited"
+                )
+            if self.cache.enable_prefix_caching is False:
+                raise ValueError(
+                    "disaggregate=True: needs prefix caching (the decode stage finds the "
+                    "transferred prompt blocks in its prefix cache); leave "
+                    "enable_prefix_caching unset or True"
+                )
 
     @classmethod
     def from_flat(cls, **values: object) -> EngineConfig:

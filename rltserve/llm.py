@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rltserve.config import EngineConfig
+from rltserve.core.pd import stage_client
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
@@ -74,6 +75,8 @@ class LLM:
         scheduling_policy: str = "fcfs",
         logprobs_mode: str = "raw_logprobs",
         max_logprobs: int = 20,
+        disaggregate: bool = False,
+        prefill_device: str | None = None,
         in_process: bool = False,
         startup_timeout: float = 300.0,
         skip_tokenizer_init: bool = False,
@@ -136,10 +139,14 @@ class LLM:
             scheduling_policy=scheduling_policy,
             logprobs_mode=logprobs_mode,
             max_logprobs=max_logprobs,
+            disaggregate=disaggregate,
+            prefill_device=prefill_device,
         )
         # Usage errors as ValueErrors here, not as a stage that failed to start.
         check_checkpoint_dir(model, "model=")
         check_device(self.config.model.device, "device=")
+        if prefill_device is not None:
+            check_device(prefill_device, "prefill_device=")
         if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
             gb = kv_cache_gb_for(gpu_memory_utilization, self.config.model.device, model, dtype)
             if gb is not None:  # (CUDA only)
@@ -147,7 +154,7 @@ class LLM:
                 self.config = dataclasses.replace(self.config, cache=cache)
         client_cls = InProcessStageClient if in_process else StageClient
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
-        self._client = client_cls(self.config)
+        self._client = stage_client(self.config, client_cls)
         try:
             self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
             self.info = self._client.wait_ready(startup_timeout)

@@ -229,3 +229,46 @@ def test_group_followers_wait_for_the_leader_then_copy_its_last_block():
     assert s.kv.block_table("g1", 1)[:2] == s.kv.block_table("g0", 1)[:2]
     _drain(s)
     assert s.kv.cache.hits == 2 * 9
+
+
+def test_adopted_entries_are_written_first_then_cached_and_evictable():
+    kv = _kv(num_blocks=24)  # 3 planes at 2 loops
+    keys = block_hashes(SALT, list(range(12)), 4)  # 3 entries
+    written = []
+    assert kv.adopt_cached(keys, 2, [], written.append) == 3
+    assert len(written) == 1 and len(written[0]) == 9  # one write, entry by entry
+    assert len(kv.cache.lookup(keys, 3)) == 3
+    assert kv.cache.num_evictable_blocks == 9 and kv.num_free_blocks == 24
+    kv.check_no_leaks()
+    kv.allocate("r", 13, 2, kv.cache.lookup(keys, 3))  # a hit, as admission takes it
+    assert kv.block_table("r", 0)[:3] == [e.blocks[0] for e in kv.cache.lookup(keys, 3)]
+    kv.free("r")
+    kv.check_no_leaks()
+
+
+def test_adoption_takes_what_fits_keeps_the_held_prefix_and_stops_at_a_cached_key():
+    kv = _kv(num_blocks=12)  # 3 planes: room for 4 entries
+    keys = block_hashes(SALT, list(range(24)), 4)  # 6 entries
+    assert kv.adopt_cached(keys[:2], 2, [], lambda ids: None) == 2
+    held = kv.cache.lookup(keys, 2)
+    assert kv.adopt_cached(keys[2:], 2, held, lambda ids: None) == 2  # 2 fit, held not evicted
+    assert len(kv.cache.lookup(keys, 6)) == 4 and kv.cache.evictions == 0
+    kv.check_no_leaks()
+    kv.cache.clear()
+    assert kv.adopt_cached(keys[:1], 2, [], lambda ids: None) == 1
+    assert kv.adopt_cached([keys[1], keys[0], keys[2]], 2, [], lambda ids: None) == 1
+    assert len(kv.cache.lookup(keys, 6)) == 2  # keys[2] after the cached keys[0]: not taken
+    kv.check_no_leaks()
+
+
+def test_a_failed_write_caches_nothing_and_returns_the_blocks():
+    kv = _kv(num_blocks=12)
+    keys = block_hashes(SALT, list(range(8)), 4)
+
+    def fail(ids):
+        raise RuntimeError("device error")
+
+    with pytest.raises(RuntimeError):
+        kv.adopt_cached(keys, 2, [], fail)
+    assert kv.cache.num_blocks == 0 and kv.pool.num_free == 12
+    kv.check_no_leaks()

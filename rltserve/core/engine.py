@@ -21,6 +21,7 @@ from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.kv_sizing import block_bytes as kv_block_bytes
 from rltserve.core.kv_sizing import pool_size
+from rltserve.core.kv_transfer import export_prompt, import_prompt
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
@@ -125,6 +126,8 @@ class EngineCore:
         )
         self._seed_rng = torch.Generator().manual_seed(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
+        # Requests whose prompt KV goes to a decode stage when they finish: request, file.
+        self._exports: dict[str, tuple[Request, str]] = {}
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self.info = EngineInfo(
             model_path=str(mc.model),
@@ -294,19 +297,32 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         group: str | None = None,
+        transfer: tuple[str, str] | None = None,
     ) -> str:
         """``group``: a key shared by requests that sample the same prompt (the samples of one
         request with ``n > 1``, each with its own id and seed). The first added computes the
         prompt once; the others reuse its KV and compute only the last prompt token. Outputs
-        equal those of independent requests."""
+        equal those of independent requests. ``transfer`` (prefill/decode stages,
+        ``kv_transfer``): ("export", file) writes the prompt's KV there when the request
+        finishes; ("import", file) caches the KV such a file holds before admitting it."""
         if self.sleeping:
             parts = " and ".join(sorted(self.sleeping))
             raise ValueError(f"the engine is asleep ({parts} freed by sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
+        if transfer is not None:
+            kind, path = transfer
+            if kind == "import":
+                try:
+                    import_prompt(self.kv, self.runner, request, path)
+                except Exception:  # (nothing was cached) the prompt is computed here instead
+                    logger.exception("importing the prompt KV of %s failed", request.request_id)
+            else:
+                self._exports[request.request_id] = (request, path)
         self.scheduler.add_request(request)
         return request.request_id
 
     def abort(self, request_id: str) -> RequestUpdate | None:
+        self._exports.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
@@ -379,7 +395,20 @@ class EngineCore:
         updates.weight_version = version = self.weight_version
         for update in updates.updates.values():
             update.weight_version = version
+            if update.finish_reason is not None and self._exports:
+                self._export(update)
         return updates
+
+    def _export(self, update: RequestUpdate) -> None:
+        """A finished request's prompt KV to its file, before its update leaves: the client
+        hands the file on once it sees the update. A failure only costs the decode stage the
+        prompt's computation."""
+        export = self._exports.pop(update.request_id, None)
+        if export is not None and update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            try:
+                export_prompt(self.kv, self.runner, *export)
+            except Exception:
+                logger.exception("exporting the prompt KV of %s failed", update.request_id)
 
     def fail_all(self, error: str) -> list[RequestUpdate]:
         """After the scheduler raised where the requests involved cannot be told apart: every
@@ -387,6 +416,7 @@ class EngineCore:
         pool, so new requests are served as before. Steps still in flight are dropped when
         their results come back; the runner forgets every request after running them."""
         rids = list(self.scheduler.requests)
+        self._exports.clear()
         self.kv, self.scheduler = self._fresh_scheduler()
         self._stale += self._outstanding
         self._outstanding = []

@@ -24,11 +24,11 @@ Emit = Callable[[list[RequestUpdate] | StepUpdates, EngineStats], None]
 async def run_engine_loop(
     core: EngineCore, inbox: asyncio.Queue, emit: Emit, reply: Reply | None = None
 ) -> None:
-    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params)
-    or ("add", rid, prompt_ids, params, group), ("abort", rid), ("update_weights", token,
-    paths, abort, timeout_s), ("sleep", token, level, timeout_s), ("wake_up", token, tags)
-    (``weight_gate``; its outcome goes to ``reply``) and ("reset_prefix_cache", token). A
-    rejected add is emitted as an ERROR update for that request id.
+    """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params) or
+    ("add", rid, prompt_ids, params, group[, transfer]), ("abort", rid), ("update_weights",
+    token, paths, abort, timeout_s), ("sleep", token, level, timeout_s), ("wake_up", token,
+    tags) (``weight_gate``; its outcome goes to ``reply``) and ("reset_prefix_cache",
+    token). A rejected add is emitted as an ERROR update for that request id.
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling

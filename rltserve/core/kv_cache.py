@@ -25,6 +25,7 @@ list is short, so eviction always comes before preemption.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rltserve.core.prefix_cache import CachedBlock, PrefixCache
@@ -262,6 +263,42 @@ class KVManager:
         for index, key in enumerate(keys, first):
             if register(key, [table[index] for table in tables]):
                 cached.append(key)
+
+    def adopt_cached(
+        self,
+        keys: list[bytes],
+        num_loops: int,
+        held: list[CachedBlock],
+        write: Callable[[list[int]], None],
+    ) -> int:
+        """Caches prompt blocks whose KV comes from elsewhere (another stage's prompt:
+        ``kv_transfer``): fresh blocks for as many leading ``keys`` as the pool has room for
+        without evicting ``held`` (the cached entries in front of them). ``write(blocks)``
+        fills them (entry by entry, each in ``planes_of`` order) before they are cached; if it
+        raises they go back to the pool. Each entry is evictable at once; the run stops at a
+        key cached already. Returns the entries cached."""
+        planes = len(self.planes_of(num_loops))
+        self.cache.acquire(held)  # the eviction below must not take them
+        try:
+            fit = min(len(keys), self.num_free_blocks // planes)
+            ids = self._take(fit * planes)
+        finally:
+            self.pool.free([b for e in held for b in e.blocks])
+            self.cache.release([e.key for e in held])
+        try:
+            if ids:
+                write(ids)
+        except BaseException:
+            self.pool.free(ids)
+            raise
+        for i in range(fit):
+            blocks = ids[i * planes : (i + 1) * planes]
+            if not self.cache.register(keys[i], blocks):
+                self.pool.free(ids[i * planes :])
+                return i
+            self.pool.free(blocks)  # the cache's reference stays: evictable
+            self.cache.release([keys[i]])
+        return fit
 
     def copy_targets(self, source_id: str, request_id: str, index: int) -> list[tuple[int, int]]:
         """(source block, request block) of block ``index`` on every plane: the copy that

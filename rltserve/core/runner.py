@@ -1,11 +1,10 @@
 """ModelRunner: StepPlan -> tensors -> one model pass -> sampling -> StepResult.
 
-With ``step.py`` (one step's work), the only torch user in ``rltserve.core`` besides
-attention, sampling, staging and CUDA graphs. It never
-mutates a request. Between steps it keeps per-request execution state (``LiveRequest``): the
-hidden states of in-flight work items, the exit-gate state of their output positions, the last
-sampled token (the next decode token's input) and the sampling generator. Because the runner
-owns these, the scheduler can plan a step before it has read the previous step's result.
+With ``step.py`` (one step's work) it runs the model; it never mutates a request. Between steps
+it keeps per-request execution state (``LiveRequest``): the hidden states of in-flight work
+items, the exit-gate state of their output positions, the last sampled token (the next decode
+token's input) and the sampling generator. Because the runner owns these, the scheduler can plan
+a step before it has read the previous step's result.
 
 One step: the prelude runs for items entering loop 1; every item runs one loop at its own depth
 (each reads and writes the KV plane of that depth); the exit rule runs for output positions; the
@@ -211,16 +210,14 @@ class ModelRunner:
                 self.graphs.capture_all()
 
     def sleep(self, level: int) -> None:
-        """Frees the KV pool (and on CUDA the weights: ``DeviceMemory``); no request may be
-        live. Runs on the step thread when there is one, as every use of the tensors does."""
+        """Frees the KV pool (and on CUDA the weights: ``DeviceMemory``); no request is live."""
 
-        def sleep() -> None:
+        def sleep(*_) -> None:
             if self.graphs is not None and self.graphs.backend == "cuda":
                 self.graphs = None  # captured on addresses that go; its memory pool goes too
-            with self._on_stream():  # (ordered with the steps)
-                self.memory.sleep(level)
+            self.memory.sleep(level)
 
-        self._on_step_thread(sleep)
+        self.with_kv(sleep)  # (ordered with the steps)
 
     def wake_up(self, tags: list[str]) -> None:
         def wake() -> None:
@@ -235,6 +232,15 @@ class ModelRunner:
         """``fn()``, run on the step thread when there is one: the runner's state and torch stay
         on one thread."""
         return self._executor.call(fn) if self._executor is not None else fn()
+
+    def with_kv(self, fn: Callable[..., T]) -> T:
+        """``fn(kv pool, self._slots)`` on the step thread and stream, after earlier steps."""
+
+        def call() -> T:
+            with self._on_stream():
+                return fn(self.kv, self._slots)
+
+        return self._on_step_thread(call)
 
     def forget_all(self) -> None:
         """Drops every request's state (the scheduler started over), after every step already
@@ -362,10 +368,6 @@ class ModelRunner:
         block (pinned and non-blocking on CUDA: a pageable copy would wait for the stream)."""
         bs = self.block_size
         return to_device([b * bs + i for b in blocks for i in range(bs)], self.device)
-
-    @property
-    def swapped_bytes(self) -> int:
-        return self.host_swap.used_bytes
 
     def timed(self, fn, *args):
         start = time.perf_counter()

@@ -6,11 +6,11 @@ it over a socket pair; the ``InProcessStageClient`` runs the same loop on a thre
 process (unit tests, and callers that do not want a second process). Both deliver every request
 update to the ``sink`` given with the request, on the client's reader thread.
 
-Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group]), ("abort", rid),
-("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields, ...], stats)
-(each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats snapshot),
-("fatal", message[, refused]): ``refused`` is the message of a ValueError the engine raised at
-construction (a config it refuses: bad input, not a failure).
+Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group[, transfer]]),
+("abort", rid), ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields,
+...], stats) (each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats
+snapshot), ("fatal", message[, refused]): ``refused`` is the message of a ValueError the engine
+raised at construction (a config it refuses: bad input, not a failure).
 A weight update ("update_weights", token, paths, abort, timeout_s), ("sleep", token, level,
 timeout_s), ("wake_up", token, tags) and ("reset_prefix_cache", token) are each answered by
 ("reply", token, error or None, weight_version, the parts asleep).
@@ -286,12 +286,14 @@ class _ClientBase(ABC):
         params: SamplingParams,
         sink: Sink,
         group: str | None = None,
+        transfer: tuple[str, str] | None = None,
     ) -> None:
         """Adds one request; its updates go to ``sink``. ``group``: a key the samples of one
         prompt share (n > 1): add sample j (j = 0..n-1) as its own request, with its own id and
         seed ``seed + j`` when a seed is set, all with the same prompt and group key; the
         stage computes the prompt once for all of them. Outputs equal n independent requests.
-        The key only needs to be unique among the client's open requests."""
+        The key only needs to be unique among the client's open requests. ``transfer``: a
+        prompt KV file to write or read (``EngineCore.add_request``; ``pd.py``)."""
         with self._lock:  # so that close() either sees this sink or this call sees it closed
             if not self.alive:
                 raise StageError(f"stage is not running: {self.error}")
@@ -300,7 +302,11 @@ class _ClientBase(ABC):
             self._sinks[request_id] = sink
         try:
             message = ("add", request_id, list(prompt_token_ids), params)
-            self._send(message if group is None else (*message, group))
+            if transfer is not None:
+                message = (*message, group, transfer)
+            elif group is not None:
+                message = (*message, group)
+            self._send(message)
         except StageError:
             with self._lock:
                 ours = self._sinks.pop(request_id, None) is not None

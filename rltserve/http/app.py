@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from rltserve.config import EngineConfig
-from rltserve.core.stage import StageClient
+from rltserve.core.pd import stage_client
 from rltserve.http.config import ServerConfig
 from rltserve.http.handlers import add_routes
 from rltserve.http.middleware import auth, errors
@@ -43,12 +43,13 @@ def create_app(
     server_config: ServerConfig,
     engine_config: EngineConfig,
     *,
-    client_factory: ClientFactory = StageClient,
+    client_factory: ClientFactory = stage_client,
     ids: IdFactory = random_id,
     clock: Clock = time.time,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine. ``client_factory(engine_config)`` builds the
-    stage client (default: a spawned ``StageClient`` process)."""
+    stage client (default: a spawned ``StageClient`` process, or two for ``disaggregate``:
+    ``pd.stage_client``)."""
     engine_config = resolve_model(engine_config)
     app = web.Application(middlewares=[errors, auth], client_max_size=server_config.max_body_bytes)
     state = ServingState(server_config, engine_config, client_factory, ids=ids, clock=clock)

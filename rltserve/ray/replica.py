@@ -44,10 +44,11 @@ class EngineReplica:
     def __init__(self, engine_config: EngineConfig, threads: int) -> None:
         import torch
 
+        from rltserve.core.pd import stage_client
         from rltserve.core.stage import InProcessStageClient
 
         torch.set_num_threads(threads)
-        self._client = InProcessStageClient(engine_config)
+        self._client = stage_client(engine_config, InProcessStageClient)
         self._info = self._client.wait_ready(600.0)
         self._id = _replica_id()
 

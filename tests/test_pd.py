@@ -1,0 +1,423 @@
+"""Prefill/decode disaggregation (``core/pd.py``, ``core/kv_transfer.py``): a prompt computed on
+a prefill stage and decoded on a decode stage gives the oracle's (and one stage's) token ids and
+exit depths in every engine mode, greedy and seeded, with adaptive exits, Huginn's initial
+states, groups and preemption; the decode stage really reuses the moved blocks; files that do
+not match, are torn or do not fit move nothing; aborts, rejections, a dead stage, weight
+updates and sleep behave as with one stage, and nothing leaks (blocks, files)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from engine_util import ENGINE_MODES, make_core, oracle_run, stream_all, tight_blocks
+
+from rltserve.config import EngineConfig
+from rltserve.core.kv_transfer import import_prompt
+from rltserve.core.pd import PDClient, stage_configs
+from rltserve.core.stage import InProcessStageClient, StageClient, StageError
+from rltserve.llm import LLM
+from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason
+
+BS = 4
+
+
+def _workload(seed: int, n: int = 6, thresholds=(1.0, 0.5, 0.3)):
+    rng = random.Random(seed)
+    base = [rng.randrange(384) for _ in range(13)]
+    prompts = [base + [rng.randrange(384) for _ in range(rng.randint(0, 9))] for _ in range(n)]
+    prompts[1] = [rng.randrange(384) for _ in range(3)]  # no full block: straight to decode
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=rng.randint(3, 7),
+            ignore_eos=True,
+            exit_threshold=thresholds[i % len(thresholds)],
+        )
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+def _client(path, cls=InProcessStageClient, **engine) -> PDClient:
+    engine.setdefault("num_blocks", 512)
+    engine.setdefault("block_size", BS)
+    config = EngineConfig.from_flat(model=str(path), disaggregate=True, **engine)
+    client = PDClient(config, cls)
+    client.wait_ready(120)
+    return client
+
+
+def _oracle(ref, run, prompts, params, **kw) -> None:
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ref, prompt, p, **kw)
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+
+
+def _idle(client: PDClient) -> None:
+    """Both stages idle with no block in use, and no transfer file left."""
+    for stage in (client.prefill, client.decode):
+        stats = stage.stats
+        if stats is None:  # (it never ran a step)
+            continue
+        assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+    assert os.listdir(client._dir) == []
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_every_mode_matches_the_oracle_and_reuses_moved_blocks(ckpts, ouro_ref, mode):
+    prompts, params = _workload(3)
+    engine = {"kv_policy": "last_exited", **ENGINE_MODES[mode]}
+    exit_mode = "gate"
+    if engine.get("async_scheduling"):
+        exit_mode = engine["exit_mode"]
+    if "preemption_mode" in engine:  # the decode pool preempts again and again
+        engine["num_blocks"] = tight_blocks(ckpts["ouro"], prompts, params)
+    client = _client(ckpts["ouro"], **engine)
+    try:
+        run = stream_all(client, prompts, params)
+        _oracle(ouro_ref, run, prompts, params, kv_policy="last_exited", exit_mode=exit_mode)
+        moved = sum((len(p) - 1) // BS * BS for p in prompts)
+        assert client.decode.stats.prefix_cache_hits >= moved // 2
+        if "preemption_mode" not in engine:  # (a preempted request may hit again)
+            assert client.decode.stats.prefix_cache_hits == moved
+        _idle(client)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy):
+    prompts, _ = _workload(5, n=4)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=40 + i, exit_threshold=0.5)
+        for i in range(len(prompts))
+    ]
+    results = []
+    for disaggregate in (False, True):
+        config = EngineConfig.from_flat(
+            model=str(ckpts["ouro"]),
+            num_blocks=256,
+            block_size=BS,
+            kv_policy=kv_policy,
+            disaggregate=disaggregate,
+        )
+        client = PDClient(config, InProcessStageClient) if disaggregate else None
+        client = client or InProcessStageClient(config)
+        client.wait_ready(120)
+        try:
+            results.append(_groups(client, prompts, params))
+            if disaggregate:
+                _idle(client)
+        finally:
+            client.close()
+    assert results[0] == results[1]
+
+
+def _groups(client, prompts, params) -> dict:
+    """Every prompt as a group of two samples (seeds s, s + 1), all at once."""
+    out: dict[str, list] = {}
+    done = threading.Semaphore(0)
+
+    def sink(update):
+        out.setdefault(update.request_id, []).append(
+            (update.new_token_ids, update.new_exit_depths, update.error)
+        )
+        if update.finish_reason is not None:
+            done.release()
+
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for j in range(2):
+            sample = p.replace(seed=p.seed + j)
+            client.add_request(f"r{i}-{j}", prompt, sample, sink, group=f"g{i}")
+    for _ in range(2 * len(prompts)):
+        assert done.acquire(timeout=120)
+    return {rid: [t for u in ups for t in u[0]] for rid, ups in out.items()} | {
+        rid + "/depths": [d for u in ups for d in u[1]] for rid, ups in out.items()
+    }
+
+
+@pytest.mark.parametrize("init_state", ["zero", "random"])
+def test_huginn_matches_the_oracle(ckpts, huginn_ref, init_state):
+    prompts, params = _workload(9, n=4, thresholds=(1.0,))
+    params = [
+        p.replace(init_state=init_state, seed=11 + i, max_loops=3) for i, p in enumerate(params)
+    ]
+    client = _client(ckpts["huginn"], kv_policy="full")
+    try:
+        run = stream_all(client, prompts, params)
+        _oracle(huginn_ref, run, prompts, params, kv_policy="full")
+        moved = sum((len(p) - 1) // BS * BS for p in prompts)
+        assert client.decode.stats.prefix_cache_hits == moved
+        _idle(client)
+    finally:
+        client.close()
+
+
+def test_what_goes_straight_to_the_decode_stage(ckpts, huginn_ref):
+    """Prompts without a full block before their last token, prompt scoring, and unseeded
+    random-state Huginn requests (their KV depends on the decode stage's seed) skip the
+    prefill stage."""
+    client = _client(ckpts["huginn"], kv_policy="full")
+    try:
+        prompt = list(range(20, 40))
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=3, init_state="random"),
+            SamplingParams(temperature=0.0, max_tokens=3, init_state="zero", prompt_logprobs=1),
+        ]
+        stream_all(client, [prompt, prompt], params)
+        stream_all(client, [[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=3)])
+        assert client.prefill.stats is None or client.prefill.stats.num_steps == 0
+        assert client.decode.stats.prefix_cache_hits == 0
+        _idle(client)
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------- the file, engine to engine
+
+
+def _cores(path, decode_blocks: int = 64):
+    kw = {"block_size": BS, "kv_policy": "last_exited", "enable_prefix_caching": True}
+    return make_core(path, **kw), make_core(path, **kw, num_blocks=decode_blocks)
+
+
+def _prefill(core, prompt, path) -> int:
+    """Runs a one-token request exporting its prompt; the blocks written per plane."""
+    core.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), None,
+                     ("export", str(path)))  # fmt: skip
+    while core.has_work():
+        core.step()
+    return len(core.kv.cache.lookup(core.make_request(None, prompt, GREEDY).block_hashes, 99))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_import_copies_every_plane_bit_exact(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))  # 5 full blocks before the last token
+    file = tmp_path / "kv.safetensors"
+    assert _prefill(prefill, prompt, file) == 5 and file.exists()
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 5
+    assert not file.exists()  # read once, then gone
+    src = prefill.kv.cache.lookup(request.block_hashes, 5)
+    dst = decode.kv.cache.lookup(request.block_hashes, 5)
+    assert len(dst) == 5 and decode.kv.cache.num_evictable_blocks == decode.kv.cache.num_blocks
+    for a, b in zip(src, dst):
+        for x, y in zip(a.blocks, b.blocks):
+            rows = slice(x * BS, (x + 1) * BS), slice(y * BS, (y + 1) * BS)
+            assert torch.equal(prefill.runner.kv[:, :, rows[0]], decode.runner.kv[:, :, rows[1]])
+    decode.kv.check_no_leaks()
+
+
+def test_a_file_that_does_not_match_moves_nothing(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    decode.reset_prefix_cache()  # a new weight version: different hashes
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 0
+    assert decode.kv.cache.num_blocks == 0 and not file.exists()
+    other = decode.make_request("o", list(range(51, 74)), GREEDY)  # another prompt
+    _prefill(prefill, prompt, file)
+    assert import_prompt(decode.kv, decode.runner, other, str(file)) == 0
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(b"\x10\x00\x00\x00not a safetensors file")
+    assert import_prompt(decode.kv, decode.runner, request, str(torn)) == 0
+    assert not torn.exists()
+    assert import_prompt(decode.kv, decode.runner, request, str(tmp_path / "missing")) == 0
+    decode.kv.check_no_leaks()
+
+
+def test_a_short_pool_takes_what_fits_and_the_rest_is_computed(ckpts, ouro_ref, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"], decode_blocks=32)
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    planes = len(decode.kv.planes_of(decode.spec.num_loops))
+    decode.kv.allocate("hog", 32 // planes * BS - 3 * BS, decode.spec.num_loops)
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 3  # what was left
+    decode.kv.check_no_leaks()
+    decode.kv.free("hog")
+    decode.add_request("d", prompt, GREEDY)
+    tokens = [
+        t for _ in range(100) if decode.has_work() for u in decode.step() for t in u.new_token_ids
+    ]
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
+    assert tokens == want.tokens and decode.stats().prefix_cache_hits == 3 * BS
+    decode.kv.check_no_leaks()
+
+
+def test_engine_add_with_import_matches_the_oracle(ckpts, ouro_ref, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    decode.add_request("d", prompt, GREEDY, None, ("import", str(file)))
+    tokens, depths = [], []
+    while decode.has_work():
+        for u in decode.step():
+            tokens += u.new_token_ids
+            depths += u.new_exit_depths
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
+    assert (tokens, depths) == (want.tokens, want.exit_depths)
+    assert decode.stats().prefix_cache_hits == 20
+    decode.kv.check_no_leaks()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def _collect():
+    updates: dict[str, list] = {}
+    ended = threading.Event()
+
+    def sink(update):
+        updates.setdefault(update.request_id, []).append(update)
+        if update.finish_reason is not None:
+            ended.set()
+
+    return updates, ended, sink
+
+
+def test_abort_during_prefill_and_during_decode(ckpts):
+    client = _client(ckpts["ouro"], async_scheduling=True, exit_mode="delayed")
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        updates, ended, sink = _collect()
+        client.add_request("a", list(range(10, 60)), long, sink)
+        client.abort("a")  # still on the prefill stage (or just handed over)
+        assert ended.wait(60)
+        assert updates["a"][-1].finish_reason is FinishReason.ABORT
+        updates, ended, sink = _collect()
+        client.add_request("b", list(range(10, 60)), long, sink)
+        while not any(u.new_token_ids for u in updates.get("b", [])):
+            assert not ended.wait(0.01)
+        client.abort("b")  # decoding
+        assert ended.wait(60)
+        assert updates["b"][-1].finish_reason is FinishReason.ABORT
+        _wait_idle(client)
+    finally:
+        client.close()
+    assert not Path(client._dir).exists()
+
+
+def _wait_idle(client, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _idle(client)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_bad_requests_are_refused_as_by_one_stage(ckpts):
+    client = _client(ckpts["ouro"], max_model_len=64)
+    try:
+        updates, ended, sink = _collect()
+        refused = SamplingParams(temperature=0.0, logprobs=50)  # the decode stage refuses
+        client.add_request("x", list(range(10, 40)), refused, sink)
+        assert ended.wait(60)
+        last = updates["x"][-1]
+        assert last.finish_reason is FinishReason.ERROR and "logprobs" in last.error
+        assert last.rejected
+        updates, ended, sink = _collect()
+        client.add_request("y", [1] * 70, SamplingParams(max_tokens=1), sink)
+        assert ended.wait(60)
+        assert updates["y"][-1].finish_reason is FinishReason.ERROR and updates["y"][-1].rejected
+        with pytest.raises(ValueError, match="already in use"):
+            client.add_request("z", list(range(10, 40)), refused, sink)
+            client.add_request("z", list(range(10, 40)), refused, sink)
+        _wait_idle(client)
+    finally:
+        client.close()
+
+
+def test_a_dead_stage_fails_its_requests_and_the_client(ckpts):
+    client = _client(ckpts["ouro"], cls=StageClient)
+    try:
+        run = stream_all(client, [list(range(10, 40))], [GREEDY])  # through both processes
+        assert len(run.tokens["r0"]) == 4
+        client.prefill.kill()
+        deadline = time.monotonic() + 30
+        while client.alive:
+            assert time.monotonic() < deadline, "the client did not notice the dead stage"
+            time.sleep(0.05)
+        assert client.error.startswith("prefill stage: ")
+        with pytest.raises(StageError):
+            client.add_request("k", list(range(10, 40)), GREEDY, lambda update: None)
+    finally:
+        client.kill()
+        client.close(timeout=5)
+
+
+def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
+    from rltserve.models.presets import make_model
+
+    other = make_model("ouro-tiny", tmp_path / "other", seed=5)
+    prompts = ["a prompt long enough to fill a few KV blocks of four tokens"] * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(str(other), in_process=True, num_blocks=128, block_size=BS) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts[:1], greedy)]
+    with LLM(str(tiny), in_process=True, num_blocks=128, block_size=BS, disaggregate=True) as llm:
+        before = llm.generate(prompts[:1], greedy)[0]
+        assert before.num_cached_tokens > 0  # moved from the prefill stage
+        assert llm.update_weights(other) == 1
+        assert llm._client.prefill.weight_version == 1
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy)] == expected
+        llm.sleep(level=1)
+        assert llm.is_sleeping() and llm._client.prefill.sleeping
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        llm.reset_prefix_cache()
+        after = llm.generate(prompts[:1], greedy)[0]
+        assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
+
+
+def test_config_refuses_what_cannot_move_kv():
+    with pytest.raises(ValueError, match="disaggregate=True: kv_policy='shared'"):
+        EngineConfig.from_flat(disaggregate=True, kv_policy="shared")
+    with pytest.raises(ValueError, match="disaggregate=True: needs prefix caching"):
+        EngineConfig.from_flat(disaggregate=True, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefill_device='cpu': only with disaggregate"):
+        EngineConfig.from_flat(prefill_device="cpu")
+    with pytest.raises(ValueError, match="prefill_device='gpu'"):
+        EngineConfig.from_flat(disaggregate=True, prefill_device="gpu")
+    prefill, decode = stage_configs(
+        EngineConfig.from_flat(disaggregate=True, prefill_device="cpu", cuda_graphs=False)
+    )
+    assert not prefill.execution.disaggregate and not decode.execution.disaggregate
+    assert prefill.cache.prefix_caching and decode.cache.prefix_caching
+
+
+async def test_the_server_serves_through_two_stages(tmp_path_factory):
+    from test_http_harness import running, tiny_checkpoint
+
+    body = {"prompt": list(range(5, 19)), "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    outputs = []
+    for disaggregate in (False, True):
+        engine = {"block_size": BS, "disaggregate": disaggregate}
+        factory = (lambda config: PDClient(config, InProcessStageClient)) if disaggregate else None
+        kw = {"client_factory": factory} if factory else {}
+        async with running(tiny_checkpoint(tmp_path_factory), engine=engine, **kw) as server:
+            status, _, raw = await server.post("/v1/completions", body)
+            assert status == 200, raw
+            outputs.append(orjson.loads(raw))
+    assert outputs[1]["choices"][0]["token_ids"] == outputs[0]["choices"][0]["token_ids"]
+    # The decode stage found the prompt's blocks (12 of 14 tokens) moved from the prefill stage.
+    assert outputs[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}
