@@ -148,7 +148,9 @@ class LLM:
         if prefill_device is not None:
             check_device(prefill_device, "prefill_device=")
         if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
-            gb = kv_cache_gb_for(gpu_memory_utilization, self.config.model.device, model, dtype)
+            device = self.config.model.device
+            stages = 2 if disaggregate and prefill_device in (None, device) else 1
+            gb = kv_cache_gb_for(gpu_memory_utilization, device, model, dtype, stages)
             if gb is not None:  # (CUDA only)
                 cache = dataclasses.replace(self.config.cache, kv_cache_gb=gb)
                 self.config = dataclasses.replace(self.config, cache=cache)

@@ -97,12 +97,16 @@ def check_utilization(utilization: float) -> None:
         raise ValueError(f"gpu_memory_utilization={utilization!r}: must be in (0, 1]")
 
 
-def kv_budget_bytes(utilization: float, total_bytes: int, weight_bytes: int) -> int:
+def kv_budget_bytes(
+    utilization: float, total_bytes: int, weight_bytes: int, stages: int = 1
+) -> int:
     """The KV pool's share of a device of ``total_bytes`` used up to ``utilization`` by the
-    engine: what the weights and ``ACTIVATION_RESERVE_BYTES`` leave. ValueError when that is
-    nothing."""
+    engine: what the weights and ``ACTIVATION_RESERVE_BYTES`` leave; with ``stages`` engines
+    on the device (prefill and decode), each one's share of what all their weights and
+    reserves leave. ValueError when that is nothing."""
     check_utilization(utilization)
-    budget = int(utilization * total_bytes) - weight_bytes - ACTIVATION_RESERVE_BYTES
+    reserve = stages * (weight_bytes + ACTIVATION_RESERVE_BYTES)
+    budget = (int(utilization * total_bytes) - reserve) // stages
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={utilization}: {utilization * total_bytes / 2**30:.1f} GiB "
@@ -112,8 +116,11 @@ def kv_budget_bytes(utilization: float, total_bytes: int, weight_bytes: int) -> 
     return budget
 
 
-def kv_cache_gb_for(utilization: float, device: str, model: str, dtype: str) -> float | None:
-    """``kv_cache_gb`` for ``gpu_memory_utilization`` on ``device`` (None off CUDA)."""
+def kv_cache_gb_for(
+    utilization: float, device: str, model: str, dtype: str, stages: int = 1
+) -> float | None:
+    """``kv_cache_gb`` for ``gpu_memory_utilization`` on ``device`` (None off CUDA), for each
+    of ``stages`` engines sharing it."""
     check_utilization(utilization)
     if not device.startswith("cuda"):
         return None
@@ -123,4 +130,4 @@ def kv_cache_gb_for(utilization: float, device: str, model: str, dtype: str) -> 
     stored = resolve_dtype("auto", model)
     files = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
     weights = files * _ITEMSIZE.get(dtype, 4) // _ITEMSIZE[stored]
-    return kv_budget_bytes(utilization, total, weights) / 2**30
+    return kv_budget_bytes(utilization, total, weights, stages) / 2**30

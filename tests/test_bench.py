@@ -53,3 +53,15 @@ def test_max_loops_sets_the_depth_huginn_runs_at(huginn_rv1):
         "--num-prompts", "2", "--max-loops", "3",
     )  # fmt: skip
     assert report["max_loops"] == 3 and report["refill"]["mean_exit_depth"] == 3.0
+
+
+def test_disaggregate_compares_one_stage_with_two(tiny):
+    report = bench(
+        "--model", str(tiny), "--disaggregate", "--block-size", "4", "--input-len", "12",
+        "--output-len", "3", "--num-prompts", "3",
+    )  # fmt: skip
+    cmp = report["pd_compare"]
+    for arm in ("one_stage", "disaggregated"):
+        assert cmp[arm]["steps"] > 0 and cmp[arm]["ttft_mean_ms"] > 0
+        assert cmp[arm]["itl_mean_ms"] > 0
+    assert cmp["disaggregated_vs_one_stage"] > 0

@@ -290,6 +290,8 @@ def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
     assert resolve_dtype("auto", str(tmp_path)) == "float32"  # one the engine does not run
     gib = 2**30
     assert kv_budget_bytes(0.5, 80 * gib, 3 * gib) == 40 * gib - 3 * gib - ACTIVATION_RESERVE_BYTES
+    two = kv_budget_bytes(0.5, 80 * gib, 3 * gib, stages=2)  # prefill and decode stages
+    assert two == (40 * gib - 2 * (3 * gib + ACTIVATION_RESERVE_BYTES)) // 2
     with pytest.raises(ValueError, match="leave no room for the KV cache"):
         kv_budget_bytes(0.1, 16 * gib, 3 * gib)
     assert kv_cache_gb_for(0.9, "cpu", str(tmp_path), "float32") is None  # kv_cache_gb's job

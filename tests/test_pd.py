@@ -19,6 +19,8 @@ import torch
 from engine_util import ENGINE_MODES, make_core, oracle_run, stream_all, tight_blocks
 
 from rltserve.config import EngineConfig
+from rltserve.core.engine import EngineCore
+from rltserve.core.engine_info import EngineStats
 from rltserve.core.kv_transfer import import_prompt
 from rltserve.core.pd import PDClient, stage_configs
 from rltserve.core.stage import InProcessStageClient, StageClient, StageError
@@ -62,6 +64,11 @@ def _oracle(ref, run, prompts, params, **kw) -> None:
         assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
 
+def _moved(prompts: list[list[int]]) -> int:
+    """Prompt tokens whose blocks move: the full blocks before each prompt's last token."""
+    return sum((len(p) - 1) // BS * BS for p in prompts)
+
+
 def _idle(client: PDClient) -> None:
     """Both stages idle with no block in use, and no transfer file left."""
     for stage in (client.prefill, client.decode):
@@ -85,7 +92,7 @@ def test_every_mode_matches_the_oracle_and_reuses_moved_blocks(ckpts, ouro_ref, 
     try:
         run = stream_all(client, prompts, params)
         _oracle(ouro_ref, run, prompts, params, kv_policy="last_exited", exit_mode=exit_mode)
-        moved = sum((len(p) - 1) // BS * BS for p in prompts)
+        moved = _moved(prompts)
         assert client.decode.stats.prefix_cache_hits >= moved // 2
         if "preemption_mode" not in engine:  # (a preempted request may hit again)
             assert client.decode.stats.prefix_cache_hits == moved
@@ -117,6 +124,9 @@ def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy):
             results.append(_groups(client, prompts, params))
             if disaggregate:
                 _idle(client)
+                # Every sample's prompt blocks came from the prefill stage (as group hits).
+                moved = _moved(prompts)
+                assert client.decode.stats.prefix_cache_hits >= 2 * moved
         finally:
             client.close()
     assert results[0] == results[1]
@@ -155,8 +165,41 @@ def test_huginn_matches_the_oracle(ckpts, huginn_ref, init_state):
     try:
         run = stream_all(client, prompts, params)
         _oracle(huginn_ref, run, prompts, params, kv_policy="full")
-        moved = sum((len(p) - 1) // BS * BS for p in prompts)
+        moved = _moved(prompts)
         assert client.decode.stats.prefix_cache_hits == moved
+        _idle(client)
+    finally:
+        client.close()
+
+
+def test_ouro_below_its_depth_and_traced_exits_move_their_blocks(ckpts, ouro_ref, huginn_ref):
+    """A gated request capped below the model's loops still runs every loop on its prompt (the
+    prefill request goes to the full depth), and traced exits (Huginn, whose first output may
+    exit before the prompt's last loop) move theirs too."""
+    prompts, params = _workload(4, n=4, thresholds=(1.0, 0.5))
+    params = [p.replace(max_loops=2 + i % 2) for i, p in enumerate(params)]
+    client = _client(ckpts["ouro"])
+    try:
+        run = stream_all(client, prompts, params)
+        _oracle(ouro_ref, run, prompts, params, kv_policy="last_exited")
+        assert client.decode.stats.prefix_cache_hits == sum(
+            (len(p) - 1) // BS * BS for p in prompts
+        )
+    finally:
+        client.close()
+    traces = [[1, 3, 2], [3, 1, 3], [2, 2, 1], [3, 3, 3]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, max_loops=3,
+                       init_state="zero", trace_depths=trace)
+        for trace in traces
+    ]  # fmt: skip
+    client = _client(ckpts["huginn"], kv_policy="full", exit_mode="trace")
+    try:
+        run = stream_all(client, prompts, params)
+        _oracle(huginn_ref, run, prompts, params, kv_policy="full", exit_mode="trace")
+        assert client.decode.stats.prefix_cache_hits == sum(
+            (len(p) - 1) // BS * BS for p in prompts
+        )
         _idle(client)
     finally:
         client.close()
@@ -339,20 +382,27 @@ def test_bad_requests_are_refused_as_by_one_stage(ckpts):
         client.add_request("y", [1] * 70, SamplingParams(max_tokens=1), sink)
         assert ended.wait(60)
         assert updates["y"][-1].finish_reason is FinishReason.ERROR and updates["y"][-1].rejected
-        with pytest.raises(ValueError, match="already in use"):
-            client.add_request("z", list(range(10, 40)), refused, sink)
-            client.add_request("z", list(range(10, 40)), refused, sink)
         _wait_idle(client)
     finally:
         client.close()
 
 
-def test_a_dead_stage_fails_its_requests_and_the_client(ckpts):
+def test_a_dead_prefill_stage_costs_only_the_transfer(ckpts, ouro_ref):
+    """Killed under a request (in its prefill or already decoding): the request is still served
+    (without a file, the decode stage computes the prompt); then the client is not alive and
+    refuses new requests, naming the stage."""
     client = _client(ckpts["ouro"], cls=StageClient)
     try:
         run = stream_all(client, [list(range(10, 40))], [GREEDY])  # through both processes
         assert len(run.tokens["r0"]) == 4
+        updates, ended, sink = _collect()
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        client.add_request("k", list(range(10, 90)), long, sink)
         client.prefill.kill()
+        assert ended.wait(60)
+        want = oracle_run(ouro_ref, list(range(10, 90)), long, kv_policy="last_exited")
+        assert [t for u in updates["k"] for t in u.new_token_ids] == want.tokens
+        assert updates["k"][-1].finish_reason is FinishReason.LENGTH
         deadline = time.monotonic() + 30
         while client.alive:
             assert time.monotonic() < deadline, "the client did not notice the dead stage"
@@ -363,6 +413,123 @@ def test_a_dead_stage_fails_its_requests_and_the_client(ckpts):
     finally:
         client.kill()
         client.close(timeout=5)
+
+
+def test_a_failed_hand_over_ends_the_request_and_leaves_nothing(ckpts, monkeypatch):
+    client = _client(ckpts["ouro"])
+    try:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("cannot send")
+
+        monkeypatch.setattr(client.decode, "add_request", broken)
+        updates, ended, sink = _collect()
+        client.add_request("h", list(range(10, 40)), GREEDY, sink)
+        assert ended.wait(60)
+        last = updates["h"][-1]
+        assert last.finish_reason is FinishReason.ERROR
+        assert last.error == "decode stage: RuntimeError: cannot send"
+        assert not client._ids and not client._open
+        _wait_idle(client)
+    finally:
+        client.close()
+
+
+def test_request_ids_are_unique_across_both_stages(ckpts):
+    client = _client(ckpts["ouro"])
+    try:
+        updates, ended, sink = _collect()
+        slow = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        client.add_request("x", list(range(10, 40)), slow, sink)  # through the prefill stage
+        with pytest.raises(ValueError, match="already in use"):
+            client.add_request("x", [1, 2], GREEDY, sink)  # would go to the decode stage
+        client.abort("x")
+        assert ended.wait(60)
+        client.add_request("x", [1, 2], GREEDY, sink)  # free again once it ended
+        _wait_idle(client)
+    finally:
+        client.close()
+
+
+def test_a_half_failed_update_stops_transfers_until_one_succeeds_on_both(ckpts, monkeypatch):
+    from rltserve.updates import UpdateTimeout
+
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    try:
+        real = client.decode.update_weights
+
+        def times_out(*args):
+            raise UpdateTimeout("timeout: requests still running")
+
+        monkeypatch.setattr(client.decode, "update_weights", times_out)
+        with pytest.raises(UpdateTimeout):
+            client.update_weights([str(ckpts["ouro"])], False, 1.0)
+        assert client.prefill.weight_version == 0  # the decode stage goes first: nothing applied
+        stream_all(client, [prompt], [GREEDY])
+        assert client.decode.stats.prefix_cache_hits == 0  # no transfer meanwhile
+        monkeypatch.setattr(client.decode, "update_weights", real)
+        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 1
+        assert client.prefill.weight_version == 1
+        stream_all(client, [prompt], [GREEDY])
+        assert client.decode.stats.prefix_cache_hits == 28  # moved again
+    finally:
+        client.close()
+
+
+def test_a_failed_sleep_wakes_the_stage_that_slept(ckpts, monkeypatch):
+    client = _client(ckpts["ouro"])
+    try:
+
+        def times_out(*args):
+            raise ValueError("timeout: requests still running")
+
+        monkeypatch.setattr(client.decode, "sleep", times_out)
+        with pytest.raises(ValueError, match="timeout"):
+            client.sleep(1, 1.0)
+        assert not client.sleeping and not client.prefill.sleeping
+        stream_all(client, [list(range(10, 40))], [GREEDY])
+    finally:
+        client.close()
+
+
+class _FakeStage:
+    """What ``PDClient.stats`` reads of a stage client."""
+
+    def __init__(self, config) -> None:
+        self.stats = None
+        self.alive = True
+
+    def close(self, timeout=None) -> None:
+        pass
+
+
+def _stats(running: int, steps: int) -> EngineStats:
+    return EngineStats(running, 0, 0.0, steps, 0, 0, 0.0)
+
+
+def test_stats_show_progress_only_once_every_busy_stage_moved():
+    """The server's watchdog reads a new stats object as progress: a decode stage stuck with
+    requests while the prefill stage keeps stepping must not look alive."""
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        client.decode.stats = _stats(running=2, steps=1)
+        first = client.stats
+        assert first.num_running == 2
+        client.prefill.stats = _stats(running=1, steps=1)  # the prefill stage moves
+        client._open["p"] = None  # (one request in its prefill)
+        assert client.stats is first  # the busy decode stage did not
+        client.decode.stats = _stats(running=2, steps=2)
+        second = client.stats
+        assert second is not first and second.num_waiting == 1  # in their prefill: waiting
+        client.prefill.stats = _stats(running=1, steps=2)
+        client.decode.stats = _stats(running=0, steps=3)  # idle now
+        third = client.stats
+        client._open.clear()
+        client.prefill.stats = _stats(running=0, steps=3)
+        assert client.stats is not third  # an idle decode stage does not hold progress back
+    finally:
+        client.close()
 
 
 def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
@@ -402,6 +569,14 @@ def test_config_refuses_what_cannot_move_kv():
     )
     assert not prefill.execution.disaggregate and not decode.execution.disaggregate
     assert prefill.cache.prefix_caching and decode.cache.prefix_caching
+    with pytest.raises(ValueError, match="an EngineCore runs one stage"):
+        EngineCore(EngineConfig.from_flat(disaggregate=True))
+
+
+def test_the_device_type_is_part_of_every_cache_salt(ckpts):
+    """KV computed on another kind of device has other bits: it never matches."""
+    core = make_core(ckpts["ouro"], block_size=BS)
+    assert b"'cpu'" in core.make_request(None, list(range(9)), GREEDY).cache_salt
 
 
 async def test_the_server_serves_through_two_stages(tmp_path_factory):

@@ -363,7 +363,7 @@ def test_swap_mode_swaps_and_reports_it(ckpts):
         core.step()
         stats = core.stats()
         # The scheduler's accounting and the runner's host copies agree after every step.
-        assert stats.swapped_bytes == core.runner.swapped_bytes
+        assert stats.swapped_bytes == core.runner.host_swap.used_bytes
         assert stats.num_swapped == core.runner.host_swap.num_requests
         seen = max(seen, stats.swapped_bytes)
     core.step()  # hands the last releases to the runner

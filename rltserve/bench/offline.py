@@ -254,6 +254,9 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     if engine_kw["async_scheduling"] and args.compare:
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
+    if engine_kw["disaggregate"]:  # (the in-process arms below run one engine)
+        report["pd_compare"] = run_pd_compare(engine_kw, prompts, params, _show(args))
+        return report
     if kv_pressure_requested(args):
         from rltserve.bench.kv import run_kv_pressure
 
@@ -302,14 +305,17 @@ def run_stage(
     desc: str = "stage",
     show: bool = False,
 ) -> dict:
-    """The workload through a spawned stage (engine loop, executor thread, IPC) with the front
-    end's per-token work (incremental detokenization) in this process."""
-    from rltserve.core.stage import StageClient
+    """The workload through a spawned stage (engine loop, executor thread, IPC; two with
+    ``disaggregate``) with the front end's per-token work (incremental detokenization) in this
+    process."""
+    from rltserve.core.pd import stage_client
     from rltserve.models.tokenizer import load_tokenizer
     from rltserve.outputs import OutputAssembler
 
     tokenizer = load_tokenizer(engine_kw["model"])
-    client = StageClient(EngineConfig.from_flat(**engine_kw))
+    client = stage_client(EngineConfig.from_flat(**engine_kw))
+    first: dict[str, float] = {}  # request -> its first token's time, then the gaps' mean
+    gaps: list[float] = []
     bar = progress_bar(len(prompts), desc, show, unit="req")
     try:
         client.wait_ready(300)
@@ -320,7 +326,12 @@ def run_stage(
         def sink_for(asm: OutputAssembler):
             def sink(update) -> None:
                 asm.add(update)
+                if update.new_token_ids and update.request_id not in first:
+                    first[update.request_id] = time.perf_counter()
                 if update.finish_reason is not None:
+                    n = len(asm.output.token_ids)
+                    if n > 1:  # the request's mean inter-token gap
+                        gaps.append((time.perf_counter() - first[update.request_id]) / (n - 1))
                     bar.update()
                     with lock:
                         left[0] -= 1
@@ -346,9 +357,12 @@ def run_stage(
 
     tokens = len(prompts) * params.max_tokens
     steps = int(since("num_steps"))
+    ttft = sorted(t - start for t in first.values())
     return {
         "output_tokens_per_s": round(tokens / elapsed, 2),
         "seconds": round(elapsed, 4),
+        "ttft_mean_ms": round(1e3 * sum(ttft) / max(len(ttft), 1), 1),
+        "itl_mean_ms": round(1e3 * sum(gaps) / max(len(gaps), 1), 2),
         # Where the wall time goes: executing steps (of which inside model calls); the rest is
         # the engine loop's planning, result handling and IPC not hidden behind a step.
         "executor_busy": round(since("busy_seconds") / elapsed, 3),
@@ -372,6 +386,17 @@ def run_async_compare(engine_kw: dict, args: argparse.Namespace, vocab: int) -> 
             row[name] = run_stage(kw, prompts, params, desc, _show(args))
         row["async_vs_sync"] = _ratio(row["async"], row["sync"])
         out[str(concurrency)] = row
+    return out
+
+
+def run_pd_compare(engine_kw: dict, prompts, params: SamplingParams, show: bool) -> dict:
+    """One stage against prefill/decode stages, all requests at once (each arm spawned)."""
+    out: dict[str, Any] = {}
+    for name, pd in (("one_stage", False), ("disaggregated", True)):
+        device = engine_kw.get("prefill_device") if pd else None
+        kw = {**engine_kw, "disaggregate": pd, "prefill_device": device}
+        out[name] = run_stage(kw, prompts, params, name, show)
+    out["disaggregated_vs_one_stage"] = _ratio(out["disaggregated"], out["one_stage"])
     return out
 
 

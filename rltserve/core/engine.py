@@ -46,6 +46,11 @@ def _draft_loops(spec: LoopedSpec) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoopedModel | None = None) -> None:
+        if config.execution.disaggregate:
+            raise ValueError(
+                "disaggregate=True: an EngineCore runs one stage; a stage client runs the "
+                "prefill and decode stages (rltserve.core.pd.stage_client)"
+            )
         self.config = config
         mc = config.model
         # All heavy torch work stays on one thread: torch split across two threads measured
@@ -140,6 +145,7 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=config.cache.block_size,
             kv_policy=config.cache.kv_policy,
+            has_gate=spec.has_gate,
         )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
@@ -243,6 +249,7 @@ class EngineCore:
             self.spec.family,
             self.weight_version,
             self.config.model.dtype,
+            self.runner.device.type,  # (kernels differ across device types)
             str(self.policy),
             self.config.cache.block_size,
             request.num_loops,
@@ -309,16 +316,15 @@ class EngineCore:
             parts = " and ".join(sorted(self.sleeping))
             raise ValueError(f"the engine is asleep ({parts} freed by sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
-        if transfer is not None:
-            kind, path = transfer
-            if kind == "import":
-                try:
-                    import_prompt(self.kv, self.runner, request, path)
-                except Exception:  # (nothing was cached) the prompt is computed here instead
-                    logger.exception("importing the prompt KV of %s failed", request.request_id)
-            else:
-                self._exports[request.request_id] = (request, path)
+        kind, path = transfer or (None, "")
+        if kind == "import":
+            try:
+                import_prompt(self.kv, self.runner, request, path)
+            except Exception:  # (nothing was cached) the prompt is computed here instead
+                logger.exception("importing the prompt KV of %s failed", request.request_id)
         self.scheduler.add_request(request)
+        if kind == "export":
+            self._exports[request.request_id] = (request, path)
         return request.request_id
 
     def abort(self, request_id: str) -> RequestUpdate | None:

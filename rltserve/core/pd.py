@@ -37,9 +37,10 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageClient, StageError
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason, RequestUpdate
+from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
 
 _SHM = "/dev/shm"  # where the host has it: the files never touch a disk
+_MIN_SHM_BYTES = 1 << 30
 _CLOSED = "stage closed before the request finished"
 
 
@@ -74,7 +75,7 @@ class _Handoff:
 
     prompt: list[int]
     params: SamplingParams
-    sink: Sink
+    sink: Sink  # the user's, wrapped by ``_ending``
     group: str | None
     path: str
     aborted: bool = False
@@ -91,15 +92,17 @@ class PDClient:
         except BaseException:
             self.prefill.close(timeout=2.0)
             raise
-        self._dir = tempfile.mkdtemp(
-            prefix="rltserve-pd-", dir=_SHM if os.path.isdir(_SHM) else None
-        )
+        self._dir = tempfile.mkdtemp(prefix="rltserve-pd-", dir=_file_dir())
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
-        self._lock = threading.Lock()  # guards _open, _closed and the hand-over to decode
-        self._open: dict[str, _Handoff] = {}
+        self._lock = threading.Lock()  # guards _ids, _open, _closed and the hand-over
+        self._ids: set[str] = set()  # every open request, wherever it is
+        self._open: dict[str, _Handoff] = {}  # those on the prefill stage
         self._closed = False
         self._files = itertools.count()
-        self._in_sync = True  # both stages hold the same weights
+        # Weight updates, sleep and wake-up run one at a time, on both stages; transfers
+        # need the last update to have succeeded on both (``update_weights``).
+        self._commands = threading.Lock()
+        self._in_sync = True
         self.block_size = config.cache.block_size
         self.info: EngineInfo | None = None
         self._stats_of: tuple = (None, None)
@@ -134,8 +137,11 @@ class PDClient:
         self._finalizer()
 
     def kill(self) -> None:
-        self.prefill.kill()
-        self.decode.kill()
+        """Kills both stages' workers (clients without workers have nothing to kill)."""
+        for stage in (self.prefill, self.decode):
+            kill = getattr(stage, "kill", None)
+            if kill is not None:
+                kill()
 
     # ---------------------------------------------------------------- requests
 
@@ -149,56 +155,91 @@ class PDClient:
     ) -> None:
         """``StageClient.add_request``: through the prefill stage when the prompt has KV to
         move, else to the decode stage directly."""
-        if not self._transfers(prompt_token_ids, params):
-            self.decode.add_request(request_id, prompt_token_ids, params, sink, group)
-            return
-        path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
-        handoff = _Handoff(list(prompt_token_ids), params, sink, group, path)
         with self._lock:
-            if self._closed:
-                raise StageError("stage is not running: closed")
-            if request_id in self._open:
+            if not self.alive:
+                raise StageError(f"stage is not running: {self.error}")
+            if request_id in self._ids:
                 raise ValueError(f"request_id={request_id!r}: already in use")
-            self._open[request_id] = handoff
-        # What the prompt's KV and its hashes depend on, at a fixed full depth: a token that
-        # exited early would end the request before the prompt's last loops ran.
-        one_token = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            seed=params.seed,
-            max_loops=params.max_loops,
-            init_state=params.init_state,
-            priority=params.priority,
-        )
-        ref = weakref.ref(self)
-
-        def on_prefill(update: RequestUpdate) -> None:  # (holds the client weakly)
-            client = ref()
-            if client is not None and update.finish_reason is not None:
-                client._prefilled(request_id, update)
-
+            self._ids.add(request_id)
         try:
+            if not self._transfers(prompt_token_ids, params):
+                ending = self._ending(request_id, sink)
+                self.decode.add_request(request_id, prompt_token_ids, params, ending, group)
+                return
+            path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
+            ending = self._ending(request_id, sink, path)
+            handoff = _Handoff(list(prompt_token_ids), params, ending, group, path)
+            with self._lock:
+                self._open[request_id] = handoff
+            ref = weakref.ref(self)
+
+            def on_prefill(update: RequestUpdate) -> None:  # (holds the client weakly)
+                client = ref()
+                if client is not None and update.finish_reason is not None:
+                    client._prefilled(request_id, update)
+
+            transfer = ("export", path)
+            one_token = self._one_token(params)
             self.prefill.add_request(
-                request_id, handoff.prompt, one_token, on_prefill, transfer=("export", path)
+                request_id, handoff.prompt, one_token, on_prefill, group, transfer
             )
         except BaseException:
             with self._lock:
+                self._ids.discard(request_id)
                 self._open.pop(request_id, None)
             raise
 
     def _transfers(self, prompt: list[int], params: SamplingParams) -> bool:
-        if not self._in_sync or len(prompt) - 1 < self.block_size:
+        """Whether the request goes through the prefill stage (see the module doc)."""
+        info = self.info
+        if info is None or not self._in_sync or len(prompt) - 1 < self.block_size:
+            return False
+        if self.prefill.weight_version != self.decode.weight_version or self.prefill.sleeping:
             return False
         if params.prompt_logprobs is not None:
             return False
-        family = self.info.family if self.info is not None else None
         return not (
-            family == "huginn_raven" and params.init_state == "random" and params.seed is None
+            info.family == "huginn_raven" and params.init_state == "random" and params.seed is None
         )
+
+    def _one_token(self, params: SamplingParams) -> SamplingParams:
+        """The prefill stage's request: greedy, one token, with what the prompt's KV and its
+        hashes depend on, its token at the request's full depth (one that exited earlier
+        would end the request before the prompt's last loops ran)."""
+        info = self.info
+        cap = params.max_loops
+        if cap is not None and info.has_gate:  # a gated request runs max(loops, cap) loops
+            cap = max(cap, info.num_loops)
+        traced = params.trace_depths is not None  # (the engine runs exit_mode='trace')
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            seed=params.seed,
+            max_loops=cap,
+            trace_depths=(cap or info.num_loops,) if traced else None,
+            init_state=params.init_state,
+            priority=params.priority,
+        )
+
+    def _ending(self, request_id: str, sink: Sink, path: str | None = None) -> Sink:
+        """``sink``, which on the request's final update first forgets the request and its
+        transfer file (the decode stage deletes it when it reads it: this covers the rest)."""
+
+        def ending(update: RequestUpdate) -> None:
+            if update.finish_reason is not None:
+                if path is not None:
+                    _remove(path)
+                with self._lock:
+                    self._ids.discard(request_id)
+            sink(update)
+
+        return ending
 
     def _prefilled(self, request_id: str, update: RequestUpdate) -> None:
         """The prefill stage's final update: the request moves to the decode stage with its
-        file, or ends here (failed or aborted)."""
+        file (without one when the prefill failed: the decode stage then computes the prompt,
+        and refuses the request itself if it is bad), or ends here when it was aborted (by the
+        user, by closing, by a weight update that aborts running requests)."""
         with self._lock:
             handoff = self._open.pop(request_id, None)
             if handoff is None:
@@ -208,31 +249,23 @@ class PDClient:
                 final = RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
                 if self._closed and not handoff.aborted:
                     final.error = _CLOSED
+            elif update.finish_reason is FinishReason.ABORT:  # (an update that aborts)
+                final = update
             else:
-                # A failed prefill costs only the transfer: the decode stage computes the
-                # prompt (and refuses the request itself if it is bad).
                 done = update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                path, sink = handoff.path, handoff.sink
-
-                def on_decode(update: RequestUpdate) -> None:
-                    if update.finish_reason is not None:  # (the stage removes it when read)
-                        _remove(path)
-                    sink(update)
-
                 try:
                     self.decode.add_request(
                         request_id,
                         handoff.prompt,
                         handoff.params,
-                        on_decode,
+                        handoff.sink,
                         handoff.group,
-                        transfer=("import", path) if done else None,
+                        ("import", handoff.path) if done else None,
                     )
-                except (StageError, ValueError) as exc:
-                    error = f"decode stage: {exc}"
+                except Exception as exc:  # (a dead decode stage, params it cannot send)
+                    error = f"decode stage: {type(exc).__name__}: {exc}"
                     final = RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error)
         if final is not None:
-            _remove(handoff.path)
             handoff.sink(final)
 
     def abort(self, request_id: str) -> None:
@@ -244,31 +277,44 @@ class PDClient:
 
     # ---------------------------------------------------------------- both stages
 
-    def _both(self, call: Callable[[object], int | None]) -> int | None:
-        """``call(stage)`` on the prefill stage, then on the decode stage even if the first
-        raised (that error is raised); the decode stage's result."""
-        try:
-            call(self.prefill)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                call(self.decode)
-            raise
-        return call(self.decode)
-
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
-        self._in_sync = False  # until both stages hold the new weights
-        version = self._both(lambda stage: stage.update_weights(paths, abort, timeout_s))
-        self._in_sync = True
-        return version
+        """Waiting for running requests: the decode stage first (where long requests make a
+        timeout likely: it leaves both stages as they were); aborting them: the prefill stage
+        first (so that none moves on to the decode stage after its requests were aborted).
+        Until an update succeeded on both, no KV moves: their versions might coincide over
+        different weights."""
+        with self._commands:
+            self._in_sync = False
+            first, second = (self.prefill, self.decode) if abort else (self.decode, self.prefill)
+            first.update_weights(paths, abort, timeout_s)
+            second.update_weights(paths, abort, timeout_s)
+            self._in_sync = True
+            return self.decode.weight_version
 
     def sleep(self, level: int, timeout_s: float) -> None:
-        self._both(lambda stage: stage.sleep(level, timeout_s))
+        """The prefill stage first (its requests move on to the decode stage, whose sleep
+        then waits for them), then the decode stage; if that fails the prefill stage is woken
+        again (after level 2 with weights to load: no KV moves until an update)."""
+        with self._commands:
+            self.prefill.sleep(level, timeout_s)
+            try:
+                self.decode.sleep(level, timeout_s)
+            except BaseException:
+                if level == 2:
+                    self._in_sync = False
+                with contextlib.suppress(Exception):
+                    self.prefill.wake_up(list(SLEEP_TAGS))
+                raise
 
     def wake_up(self, tags: list[str]) -> None:
-        self._both(lambda stage: stage.wake_up(tags))
+        with self._commands:
+            self.decode.wake_up(tags)
+            self.prefill.wake_up(tags)
 
     def reset_prefix_cache(self) -> None:
-        self._both(lambda stage: stage.reset_prefix_cache())
+        with self._commands:
+            self.decode.reset_prefix_cache()
+            self.prefill.reset_prefix_cache()
 
     @property
     def weight_version(self) -> int:
@@ -280,18 +326,32 @@ class PDClient:
 
     @property
     def stats(self) -> EngineStats | None:
-        """The decode stage's stats, its requests waiting counting those in their prefill.
-        A new object only when either stage sent new stats (the server's watchdog reads a
-        new object as progress)."""
-        key = (self.prefill.stats, self.decode.stats)
-        if key[0] is not self._stats_of[0] or key[1] is not self._stats_of[1]:
-            prefill, decode = key
-            self._stats_of = key
+        """The decode stage's stats, its waiting requests counting those in their prefill.
+        A new object (what the server's watchdog reads as progress) only once every stage
+        with work has sent new stats: a stage that hangs while the other progresses is
+        noticed."""
+        prefill, decode = self.prefill.stats, self.decode.stats
+        moved_p, moved_d = prefill is not self._stats_of[0], decode is not self._stats_of[1]
+        busy_p = bool(self._open)
+        busy_d = decode is not None and bool(decode.num_running or decode.num_waiting)
+        if (moved_p or moved_d) and (moved_p or not busy_p) and (moved_d or not busy_d):
+            self._stats_of = (prefill, decode)
             self._stats = decode
             if decode is not None and prefill is not None:
                 waiting = decode.num_waiting + prefill.num_running + prefill.num_waiting
                 self._stats = replace(decode, num_waiting=waiting)
         return self._stats
+
+
+def _file_dir() -> str | None:
+    """Where transfer files go: shared memory where the host has enough of it (Docker's
+    default is 64 MiB), else the default temporary directory."""
+    try:
+        if shutil.disk_usage(_SHM).free >= _MIN_SHM_BYTES:
+            return _SHM
+    except OSError:
+        pass
+    return None
 
 
 def _remove(path: str) -> None:
