@@ -12,6 +12,7 @@ from engine_util import make_core, oracle_run, run_core, with_eos
 from recipe import build_nanbeige, load_vectors
 from reference import Reference
 
+from rltserve.core.engine_info import STEP_ROW_BUCKETS
 from rltserve.sampling import SamplingParams
 
 VECTORS = load_vectors()
@@ -119,6 +120,11 @@ def test_32_concurrent_staggered_arrivals(ckpts, ouro_ref):
     _check_against_oracle(ouro_ref, run, prompts, params, "last_exited")
     assert sum(joined_running) >= 8, joined_running
     assert run.max_rows > 8  # many requests shared steps
+    # Every step counted once in the rows-per-step histogram, the largest in its bucket.
+    stats = core.stats()
+    assert sum(stats.step_rows_counts) == stats.num_steps
+    top = max(i for i, n in enumerate(stats.step_rows_counts) if n)
+    assert STEP_ROW_BUCKETS[top - 1] < run.max_rows <= STEP_ROW_BUCKETS[top]
 
 
 @pytest.mark.parametrize("exit_mode", ["delayed", "trace"])

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import uuid
 import weakref
+from bisect import bisect_left
 from dataclasses import replace
 from operator import attrgetter
 
 import torch
 
 from rltserve.config import EngineConfig
-from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineInfo, EngineStats
 from rltserve.core.executor import StepThread
 from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
@@ -134,6 +135,7 @@ class EngineCore:
         # Requests whose prompt KV goes to a decode stage when they finish: request, file.
         self._exports: dict[str, tuple[Request, str]] = {}
         self._num_steps = self._num_rows = self._num_coda_rows = 0
+        self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``EngineStats.step_rows_counts``)
         self.info = EngineInfo(
             model_path=str(mc.model),
             family=spec.family,
@@ -357,6 +359,7 @@ class EngineCore:
             prefix_cache_hits=self.kv.cache.hits,
             prefix_cache_blocks=self.kv.cache.num_blocks,
             prefix_cache_evictions=self.kv.cache.evictions,
+            step_rows_counts=tuple(self._step_rows),
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:
@@ -371,6 +374,7 @@ class EngineCore:
         KV tables inconsistent, every request fails and the engine starts over (``fail_all``)."""
         self._num_steps += 1
         self._num_rows += result.num_rows
+        self._step_rows[bisect_left(STEP_ROW_BUCKETS, result.num_rows)] += 1
         self._num_coda_rows += result.num_coda_rows
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):

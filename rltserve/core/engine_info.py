@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
+# Upper bounds of the rows-per-step histogram's buckets (vLLM's ``iteration_tokens_total``).
+STEP_ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -32,6 +35,10 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which reused (cached, or shared within a group)
     prefix_cache_blocks: int = 0  # blocks the prefix cache holds (all planes)
     prefix_cache_evictions: int = 0  # cached prompt blocks (every plane's copy) evicted
+    # Steps by their rows (vLLM's ``iteration_tokens``): the count of steps with at most
+    # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the
+    # last bound at the end.
+    step_rows_counts: tuple[int, ...] = ()
 
     def __reduce__(self) -> tuple:
         # Positional (one goes with every step's updates): a quarter of the default's bytes

@@ -10,6 +10,9 @@ sample carries a ``model_name`` label; ``http_requests_total`` carries ``handler
 status``. Engine-side numbers (running/waiting, KV usage, steps and rows) come from the latest
 ``EngineStats`` the stage sent.
 
+``iteration_tokens_total`` (vLLM's name) is a histogram of the rows of each engine step (a
+row is a token at one loop, the unit of a step's work; its sum is ``engine_rows_total``).
+
 Looped-model metrics: ``token_exit_depth`` (the loop at which each generated token exited),
 ``loops_per_token`` (its mean), ``rows_per_step`` (mean core-batch rows per engine step) and the
 step/row counters behind it.
@@ -26,13 +29,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from rltserve.core.engine_info import EngineStats
+from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
 
 P = "rltserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -266,3 +275,18 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
             family.add_metric(labels, stat(field_name))
             yield family
+        yield _step_rows(labels, stats)
+
+
+def _step_rows(labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
+    """vLLM's ``iteration_tokens_total``: engine steps by their rows (a row is a token at one
+    loop: a step's work), from ``EngineStats.step_rows_counts``."""
+    help_text = "Rows (tokens at one loop) per engine step."
+    family = HistogramMetricFamily(P + "iteration_tokens_total", help_text, labels=["model_name"])
+    counts = getattr(stats, "step_rows_counts", None) or (0,) * (len(STEP_ROW_BUCKETS) + 1)
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(floatToGoString, STEP_ROW_BUCKETS), "+Inf"], counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric(labels, buckets, sum_value=float(getattr(stats, "num_rows", 0) or 0))
+    return family

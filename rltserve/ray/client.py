@@ -95,8 +95,10 @@ def _sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> 
     counters of replicas that died, so that the sums never go down."""
     if not stats and retired is None:
         return None
-    names = [f.name for f in dataclasses.fields(EngineStats)]
+    names = [f.name for f in dataclasses.fields(EngineStats) if f.name != "step_rows_counts"]
     total = {name: sum(getattr(s, name) for s in stats) for name in names}
+    counts = [s.step_rows_counts for s in [*stats, retired] if s is not None and s.step_rows_counts]
+    total["step_rows_counts"] = tuple(map(sum, zip(*counts))) if counts else ()
     total["kv_usage"] = total["kv_usage"] / len(stats) if stats else 0.0
     if retired is not None:
         for name in names:
