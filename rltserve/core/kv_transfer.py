@@ -8,9 +8,10 @@ its own pool and caches them under those hashes; admission then finds them as an
 hit and computes only the rest of the prompt (at least its last token, as every hit does).
 
 Exactness does not depend on the transfer: the hashes cover everything the KV depends on (the
-cache salt: model, weights version, dtype, policy, loops, Huginn's initial state), so a file
-written under other conditions matches none of the request's hashes and is ignored, and blocks
-the decode pool cannot take are computed there instead. Output equals a single stage's.
+cache salt: model, weights version, dtype, device type, policy, loops, Huginn's initial state),
+so a file written under other conditions matches none of the request's hashes and is ignored,
+and blocks the decode pool cannot take are computed there instead. Output equals a single
+stage's.
 
 File layout: tensor ``kv`` = ``pool.index_select(2, slots)`` of the entries' blocks, entry by
 entry, each entry's blocks in ``KVManager.planes_of`` order, each block's slots in order:
@@ -47,7 +48,8 @@ def cacheable_prefix(kv: KVManager, request: Request) -> list[bytes]:
 def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:
     """Writes the KV of the request's cached prompt blocks (the longest cached prefix) to
     ``path``; returns the blocks written per plane (0: no file is written)."""
-    entries = kv.cache.lookup(cacheable_prefix(kv, request), len(request.block_hashes or ()))
+    prefix = cacheable_prefix(kv, request)
+    entries = kv.cache.lookup(prefix, len(prefix))
     if not entries:
         return 0
     blocks = [b for entry in entries for b in entry.blocks]
@@ -63,8 +65,9 @@ def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
 
 def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:
     """Reads a file ``export_prompt`` wrote for the request's prompt into the decode pool's
-    prefix cache and deletes it; returns the blocks per plane now cached from it. A missing,
-    unreadable or non-matching file imports nothing (the prompt is computed here instead)."""
+    prefix cache and deletes it; returns the request's leading prompt blocks (per plane)
+    cached now, moved or found here (0 when the file matched nothing). A missing, unreadable
+    or non-matching file imports nothing (the prompt is computed here instead)."""
     try:
         with safe_open(path, "pt") as f:
             hashes = [bytes.fromhex(h) for h in (f.metadata() or {}).get("hashes", "").split(",")]
