@@ -11,14 +11,15 @@ stage draws) go to the decode stage directly.
 
 Output equals one stage's: the transfer only replaces computation the decode stage would do
 otherwise, and ``kv_transfer`` matches blocks by hashes that name everything their KV depends
-on. After a weight update that failed on one stage only, the stages may hold different weights
-under one version number, so transfers stop until an update succeeds on both.
+on. Weight updates, sleep and wake-up run on both stages, one at a time; after an update that
+failed on one stage only the stages may hold different weights under one version number, so
+transfers stop until an update succeeds on both.
 
 A request's updates reach its sink from the decode stage (also when its prefill failed: the
-decode stage then computes the prompt itself), or one final update from here when it was
-aborted before it got there. Invariant:
-a request id is in ``_open`` exactly while its prefill runs; ``_lock`` covers the hand-over, so
-an ``abort`` reaches whichever stage holds the request.
+decode stage then computes the prompt itself), or one final update from here when it ended
+before it got there. Invariants: request ids are unique across both stages (``_ids`` holds
+every open one); a request is in ``_open`` exactly while its prefill runs, and ``_lock`` covers
+the hand-over, so an ``abort`` reaches whichever stage holds the request.
 """
 
 from __future__ import annotations
