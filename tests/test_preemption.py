@@ -259,6 +259,31 @@ def test_token_pipelining_under_pressure(ckpts, ouro_ref, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_token_pipelining_with_two_steps_in_flight_under_pressure(ckpts, ouro_ref, mode, deferred):
+    """A request preempted after drafts were rejected resumes at its rollback count (the
+    runner's state started over at 0 and took items planned before a later rollback for
+    current ones: 'no in-flight state')."""
+    prompts, params, arrivals = _workload(6, seed=6, thresholds=(1.0,))
+    prompts[:2] = [[163], [163]]
+    params = [p.replace(min_loops=1) for p in params]
+    tight, stats = _run(
+        ckpts["ouro"],
+        prompts,
+        params,
+        arrivals,
+        lag=1,
+        deferred=deferred,
+        speculative_tokens=1,
+        async_scheduling=True,
+        preemption_mode=mode,
+        **TIGHT,
+    )
+    assert stats.num_preemptions >= 3 and stats.drafts_rejected > 0
+    _oracle(ouro_ref, tight, prompts, params, "last_exited")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "kv_policy,init_state", [("full", "random"), ("last_exited", "zero"), ("ring:2", "random")]
 )

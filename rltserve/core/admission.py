@@ -89,6 +89,7 @@ class Admission:
                     output_token_ids=list(request.output_token_ids) if penalties else None,
                     banned_ids=request.banned_ids,
                     banned_below=request.num_prompt_tokens - 1 + request.params.min_tokens,
+                    epoch=request.epoch,
                 )
             )
             budget -= s.start(request, item, items, owners)

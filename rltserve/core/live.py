@@ -127,7 +127,7 @@ class LiveRequest:
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])
-        live = cls(setup, generator, history=history)
+        live = cls(setup, generator, history=history, epoch=setup.epoch)
         # One per request: its fields never change (the history list grows in place).
         live.sample_row = SampleRow(
             params=setup.params,

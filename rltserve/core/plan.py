@@ -52,6 +52,9 @@ class RequestSetup:
     # p + 1 - len(prompt), counted from 0).
     banned_ids: tuple[int, ...] = ()
     banned_below: int = 0
+    # The request's rollbacks so far (``Request.epoch``): a resumed request's runner state
+    # starts there, so the items planned for it are not taken for stale ones.
+    epoch: int = 0
 
 
 @dataclass(slots=True)
