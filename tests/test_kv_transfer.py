@@ -1,0 +1,111 @@
+"""Prompt KV moved engine to engine through a file (``core/kv_transfer.py``): every plane's
+blocks arrive bit-exact and are cached under the request's hashes; a file of other weights,
+another prompt, a torn or missing file moves nothing and is deleted; a short pool takes the
+leading blocks that fit and the rest is computed; a request admitted after an import gives the
+oracle's tokens and exit depths; the device type is part of every cache salt."""
+
+from __future__ import annotations
+
+import torch
+from engine_util import make_core, oracle_run
+
+from rltserve.core.kv_transfer import import_prompt
+from rltserve.sampling import SamplingParams
+
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def _cores(path, decode_blocks: int = 64):
+    kw = {"block_size": BS, "kv_policy": "last_exited", "enable_prefix_caching": True}
+    return make_core(path, **kw), make_core(path, **kw, num_blocks=decode_blocks)
+
+
+def _prefill(core, prompt, path) -> int:
+    """Runs a one-token request exporting its prompt; the blocks written per plane."""
+    core.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), None,
+                     ("export", str(path)))  # fmt: skip
+    while core.has_work():
+        core.step()
+    return len(core.kv.cache.lookup(core.make_request(None, prompt, GREEDY).block_hashes, 99))
+
+
+def test_import_copies_every_plane_bit_exact(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))  # 5 full blocks before the last token
+    file = tmp_path / "kv.safetensors"
+    assert _prefill(prefill, prompt, file) == 5 and file.exists()
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 5
+    assert not file.exists()  # read once, then gone
+    src = prefill.kv.cache.lookup(request.block_hashes, 5)
+    dst = decode.kv.cache.lookup(request.block_hashes, 5)
+    assert len(dst) == 5 and decode.kv.cache.num_evictable_blocks == decode.kv.cache.num_blocks
+    for a, b in zip(src, dst):
+        for x, y in zip(a.blocks, b.blocks):
+            rows = slice(x * BS, (x + 1) * BS), slice(y * BS, (y + 1) * BS)
+            assert torch.equal(prefill.runner.kv[:, :, rows[0]], decode.runner.kv[:, :, rows[1]])
+    decode.kv.check_no_leaks()
+
+
+def test_a_file_that_does_not_match_moves_nothing(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    decode.reset_prefix_cache()  # a new weight version: different hashes
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 0
+    assert decode.kv.cache.num_blocks == 0 and not file.exists()
+    other = decode.make_request("o", list(range(51, 74)), GREEDY)  # another prompt
+    _prefill(prefill, prompt, file)
+    assert import_prompt(decode.kv, decode.runner, other, str(file)) == 0
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(b"\x10\x00\x00\x00not a safetensors file")
+    assert import_prompt(decode.kv, decode.runner, request, str(torn)) == 0
+    assert not torn.exists()
+    assert import_prompt(decode.kv, decode.runner, request, str(tmp_path / "missing")) == 0
+    decode.kv.check_no_leaks()
+
+
+def test_a_short_pool_takes_what_fits_and_the_rest_is_computed(ckpts, ouro_ref, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"], decode_blocks=32)
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    planes = len(decode.kv.planes_of(decode.spec.num_loops))
+    decode.kv.allocate("hog", 32 // planes * BS - 3 * BS, decode.spec.num_loops)
+    request = decode.make_request("d", prompt, GREEDY)
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 3  # what was left
+    decode.kv.check_no_leaks()
+    decode.kv.free("hog")
+    decode.add_request("d", prompt, GREEDY)
+    tokens = [
+        t for _ in range(100) if decode.has_work() for u in decode.step() for t in u.new_token_ids
+    ]
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
+    assert tokens == want.tokens and decode.stats().prefix_cache_hits == 3 * BS
+    decode.kv.check_no_leaks()
+
+
+def test_engine_add_with_import_matches_the_oracle(ckpts, ouro_ref, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    decode.add_request("d", prompt, GREEDY, None, ("import", str(file)))
+    tokens, depths = [], []
+    while decode.has_work():
+        for u in decode.step():
+            tokens += u.new_token_ids
+            depths += u.new_exit_depths
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
+    assert (tokens, depths) == (want.tokens, want.exit_depths)
+    assert decode.stats().prefix_cache_hits == 20
+    decode.kv.check_no_leaks()
+
+
+def test_the_device_type_is_part_of_every_cache_salt(ckpts):
+    """KV computed on another kind of device has other bits: it never matches."""
+    core = make_core(ckpts["ouro"], block_size=BS)
+    assert b"'cpu'" in core.make_request(None, list(range(9)), GREEDY).cache_salt
