@@ -399,14 +399,37 @@ def test_a_failed_sleep_wakes_the_stage_that_slept(ckpts, monkeypatch):
 
 
 class _FakeStage:
-    """What ``PDClient.stats`` reads of a stage client."""
+    """What ``PDClient.stats`` and its commands use of a stage client, calls recorded."""
+
+    calls: list = []
 
     def __init__(self, config) -> None:
         self.stats = None
         self.alive = True
+        self.weight_version = 0
+
+    def update_weights(self, paths, abort, timeout_s) -> int:
+        _FakeStage.calls.append(("update", id(self), abort))
+        self.weight_version += 1
+        return self.weight_version
 
     def close(self, timeout=None) -> None:
         pass
+
+
+def test_an_update_goes_to_the_decode_stage_first():
+    """There a timeout is likely (it then leaves both stages as they were), and requests added
+    meanwhile wait for the update instead of being aborted by it."""
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        for abort in (False, True):
+            _FakeStage.calls = []
+            assert client.update_weights(["dir"], abort, 1.0) == (2 if abort else 1)
+            order = [who for _, who, _ in _FakeStage.calls]
+            assert order == [id(client.decode), id(client.prefill)]
+        assert client._in_sync
+    finally:
+        client.close()
 
 
 def _stats(running: int, steps: int) -> EngineStats:

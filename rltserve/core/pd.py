@@ -279,16 +279,17 @@ class PDClient:
     # ---------------------------------------------------------------- both stages
 
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
-        """Waiting for running requests: the decode stage first (where long requests make a
-        timeout likely: it leaves both stages as they were); aborting them: the prefill stage
-        first (so that none moves on to the decode stage after its requests were aborted).
+        """The decode stage first: where long requests make a timeout likely (it then leaves
+        both stages as they were), and where requests added meanwhile go and wait for the
+        update (the prefill stage takes none until it is done), as one stage's do. A request
+        in its prefill meanwhile runs entirely under the new weights (its prompt is computed
+        again on the decode stage: the versions differ), and survives an aborting update.
         Until an update succeeded on both, no KV moves: their versions might coincide over
         different weights."""
         with self._commands:
             self._in_sync = False
-            first, second = (self.prefill, self.decode) if abort else (self.decode, self.prefill)
-            first.update_weights(paths, abort, timeout_s)
-            second.update_weights(paths, abort, timeout_s)
+            self.decode.update_weights(paths, abort, timeout_s)
+            self.prefill.update_weights(paths, abort, timeout_s)
             self._in_sync = True
             return self.decode.weight_version
 
