@@ -27,6 +27,12 @@ def _help(text: str, **extra: object) -> dict:
     return {"help": text, **extra}
 
 
+def _check_device(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _DEVICE.fullmatch(value):
+        why = "must be cpu, cuda, cuda:N, mps or xpu (a torch device)"
+        raise ValueError(f"{name}={value!r}: {why}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = field(
@@ -72,10 +78,7 @@ class ModelConfig:
             raise ValueError(f"dtype={self.dtype!r}: must be one of {DTYPES}")
         if type(self.device).__name__ == "device":  # a torch.device: kept as its string
             object.__setattr__(self, "device", str(self.device))
-        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ValueError(
-                f"device={self.device!r}: must be cpu, cuda, cuda:N, mps or xpu (a torch device)"
-            )
+        _check_device("device", self.device)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an int")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -297,13 +300,7 @@ class ExecutionConfig:
                 raise ValueError(
                     f"prefill_device={self.prefill_device!r}: only with disaggregate=True"
                 )
-            if not isinstance(self.prefill_device, str) or not _DEVICE.fullmatch(
-                self.prefill_device
-            ):
-                raise ValueError(
-                    f"prefill_device={self.prefill_device!r}: not a torch device "
-                    "(cpu, cuda, cuda:N, mps, xpu)"
-                )
+            _check_device("prefill_device", self.prefill_device)
         for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

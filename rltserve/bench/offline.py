@@ -314,8 +314,8 @@ def run_stage(
 
     tokenizer = load_tokenizer(engine_kw["model"])
     client = stage_client(EngineConfig.from_flat(**engine_kw))
-    first: dict[str, float] = {}  # request -> its first token's time, then the gaps' mean
-    gaps: list[float] = []
+    first: dict[str, float] = {}  # request -> its first token's time
+    gaps: list[float] = []  # per finished request: its mean inter-token gap
     bar = progress_bar(len(prompts), desc, show, unit="req")
     try:
         client.wait_ready(300)
@@ -357,7 +357,7 @@ def run_stage(
 
     tokens = len(prompts) * params.max_tokens
     steps = int(since("num_steps"))
-    ttft = sorted(t - start for t in first.values())
+    ttft = [t - start for t in first.values()]
     return {
         "output_tokens_per_s": round(tokens / elapsed, 2),
         "seconds": round(elapsed, 4),

@@ -244,8 +244,7 @@ class KVManager:
         try:
             ids = self._take(fresh * len(planes))
         except NoFreeBlocks:
-            self.pool.free([b for e in prefix for b in e.blocks])
-            self.cache.release([e.key for e in prefix])
+            self.cache.give_back(prefix)
             raise
         entry = _RequestKV(num_tokens, num_loops, cached=[e.key for e in prefix])
         for i, plane in enumerate(planes):
@@ -283,8 +282,7 @@ class KVManager:
             fit = min(len(keys), self.num_free_blocks // planes)
             ids = self._take(fit * planes)
         finally:
-            self.pool.free([b for e in held for b in e.blocks])
-            self.cache.release([e.key for e in held])
+            self.cache.give_back(held)
         try:
             if ids:
                 write(ids)

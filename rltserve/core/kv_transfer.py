@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rltserve.core.kv_cache import KVManager
+from rltserve.core.prompt_sharing import reusable_blocks
 from rltserve.core.request import Request
 from rltserve.core.runner import ModelRunner
 
@@ -42,7 +43,7 @@ def cacheable_prefix(kv: KVManager, request: Request) -> list[bytes]:
     before its last prompt token (none when it does not reuse prompt KV)."""
     if request.block_hashes is None or not request.reuses_prompt:
         return []
-    return request.block_hashes[: (request.num_prompt_tokens - 1) // kv.block_size]
+    return request.block_hashes[: reusable_blocks(request, kv.block_size)]
 
 
 def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:

@@ -104,7 +104,6 @@ class PDClient:
         # need the last update to have succeeded on both (``update_weights``).
         self._commands = threading.Lock()
         self._in_sync = True
-        self.block_size = config.cache.block_size
         self.info: EngineInfo | None = None
         self._stats_of: tuple = (None, None)
         self._stats: EngineStats | None = None
@@ -193,7 +192,7 @@ class PDClient:
     def _transfers(self, prompt: list[int], params: SamplingParams) -> bool:
         """Whether the request goes through the prefill stage (see the module doc)."""
         info = self.info
-        if info is None or not self._in_sync or len(prompt) - 1 < self.block_size:
+        if info is None or not self._in_sync or len(prompt) - 1 < info.block_size:
             return False
         if self.prefill.weight_version != self.decode.weight_version or self.prefill.sleeping:
             return False

@@ -111,6 +111,12 @@ class PrefixCache:
                 self._num_evictable_blocks -= len(entry.blocks)
             self.pool.incref(list(entry.blocks))
 
+    def give_back(self, entries: list[CachedBlock]) -> None:
+        """Undoes ``acquire(entries)``: the references go, entries no one holds become
+        evictable again."""
+        self.pool.free([b for e in entries for b in e.blocks])
+        self.release([e.key for e in entries])
+
     # -- changes --------------------------------------------------------------------------------
 
     def register(self, key: bytes, blocks: list[int]) -> bool:

@@ -92,7 +92,7 @@ class PromptSharing:
             return True
         if not _hits(request):
             return False
-        limit = (request.num_prompt_tokens - 1) // self.s.kv.block_size
+        limit = reusable_blocks(request, self.s.kv.block_size)
         cached = len(self.s.kv.cache.lookup(request.block_hashes, limit))
         if cached == limit:
             return False
@@ -110,7 +110,7 @@ class PromptSharing:
         if not _hits(request):
             return NO_HIT
         p, bs = request.num_prompt_tokens, self.s.kv.block_size
-        limit = (p - 1) // bs  # full blocks before the last prompt token
+        limit = reusable_blocks(request, bs)
         entries = self.s.kv.cache.lookup(request.block_hashes, limit)
         leader = self._leader(request)
         if (
@@ -174,6 +174,12 @@ class PromptSharing:
                 if computing.get(key) == request.request_id:
                     del computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
+
+
+def reusable_blocks(request: Request, block_size: int) -> int:
+    """The prompt blocks a hit may cover: the full blocks before the last prompt token (which
+    is always computed)."""
+    return (request.num_prompt_tokens - 1) // block_size
 
 
 def _hits(request: Request) -> bool:
