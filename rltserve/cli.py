@@ -22,7 +22,7 @@ from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
 from rltserve.progress import progress_enabled, watch_dir_growth
-from rltserve.sampling import INIT_STATES
+from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -35,6 +35,7 @@ def _sampling_from_args(args: argparse.Namespace):
         top_k=args.top_k,
         seed=args.request_seed,
         exit_threshold=args.exit_threshold,
+        exit_criterion=args.exit_criterion,
         min_loops=args.min_loops,
         max_loops=args.max_loops,
         ignore_eos=args.ignore_eos,
@@ -49,7 +50,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--request-seed", type=int, default=None, help="sampling seed of the request")
-    g.add_argument("--exit-threshold", type=float, default=1.0, help="Ouro exit-gate CDF level")
+    g.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=1.0,
+        help="adaptive exit below 1: Ouro's gate CDF level, or Huginn's criterion threshold",
+    )
+    g.add_argument(
+        "--exit-criterion",
+        choices=sorted(EXIT_CRITERIA),
+        default=None,
+        help="Huginn: the zero-shot exit criterion (kl when --exit-threshold < 1 alone)",
+    )
     g.add_argument("--min-loops", type=int, default=1)
     g.add_argument("--max-loops", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")

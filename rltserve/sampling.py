@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 INIT_STATES = ("random", "zero")
+# Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
+# threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
+EXIT_CRITERIA = {"kl": 5e-4, "minp-kl": 1e-6, "entropy-diff": 1e-3, "latent-diff": 0.03}
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 
 
@@ -20,7 +23,12 @@ class SamplingParams:
 
     Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
-    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. ``trace_depths`` (benchmarks
+    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. Models without a gate
+    (Huginn) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl"
+    when unset): a token exits at the first depth ``t >= min_loops`` where the criterion's value
+    after loop t is below ``exit_threshold`` (left at 1.0 with a criterion named: that
+    criterion's default, ``EXIT_CRITERIA``); the first output token, the prompt's, always runs
+    ``max_loops``. ``trace_depths`` (benchmarks
     and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
     output token, each within ``[min_loops, max_loops]``.
 
@@ -66,6 +74,7 @@ class SamplingParams:
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float = 1.0
+    exit_criterion: str | None = None
     priority: int = 0
     logprobs: int | None = None
     init_state: str = "random"
@@ -117,6 +126,8 @@ class SamplingParams:
             self.thinking_interruption, str
         ):
             self._to_tuple("thinking_interruption")
+        if isinstance(self.exit_criterion, str) and self.exit_threshold == 1.0:
+            self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0)
         self._validate()
         self._validate_vllm()
 
@@ -180,6 +191,10 @@ class SamplingParams:
         _check_number(self, "exit_threshold")
         if self.exit_threshold <= 0.0:
             raise bad("exit_threshold", "must be > 0 (>= 1.0 means fixed depth)")
+        if self.exit_criterion is not None and not (
+            isinstance(self.exit_criterion, str) and self.exit_criterion in EXIT_CRITERIA
+        ):
+            raise bad("exit_criterion", f"must be one of {sorted(EXIT_CRITERIA)} (or None)")
         _check_int(self, "priority")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:

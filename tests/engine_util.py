@@ -220,6 +220,7 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
         min_loops=p.min_loops,
         max_loops=p.max_loops,
         exit_threshold=p.exit_threshold,
+        exit_criterion=p.exit_criterion,
         trace_depths=list(p.trace_depths) if p.trace_depths else None,
         init_state=p.init_state,
         seed=p.seed,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from reference_parts import (
     EXIT_MODES,
     AttnFn,
+    Criterion,
     DenseKV,
     ExitRule,
     causal_attention,
@@ -309,6 +310,7 @@ class Reference:
         min_loops: int = 1,
         max_loops: int | None = None,
         exit_threshold: float = 1.0,
+        exit_criterion: str | None = None,
         trace_depths: list[int] | None = None,
         init_state: str = "zero",
         seed: int | None = None,
@@ -324,7 +326,9 @@ class Reference:
         ``min_tokens`` tokens exist (the stopping token included), or after ``max_tokens``.
         Until ``min_tokens`` tokens exist those ids are not chosen (vLLM's rule): the earliest
         stop is token ``min_tokens + 1``. The choice adds ``logit_bias`` and is made among
-        ``allowed_token_ids`` (when given). ``logits`` are kept as the model gave them."""
+        ``allowed_token_ids`` (when given). ``logits`` are kept as the model gave them.
+        Without a gate, ``exit_threshold < 1`` exits decode tokens by ``exit_criterion``
+        (``Criterion``; "kl" when None); the prompt runs all its loops."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -380,6 +384,7 @@ class Reference:
 
         n = len(prompt)
         kv, bkv = self._new_caches(planes, n + max_tokens)
+        zero_shot = not self.has_gate and exit_threshold < 1.0 and exit_mode != "trace"
 
         # Prompt: one forward per depth over all positions, always all D_r loops.
         e = self._prelude(list(prompt), 0, bkv)
@@ -410,11 +415,19 @@ class Reference:
             s = self._initial_state(e, pos, init_state, seed)
             rule = rule_for(k)
             exit_d, exit_state = None, None
+            crit = None
+            if zero_shot:
+                vocab = self.w["lm_head.weight"].shape[0]
+                crit = Criterion(exit_criterion or "kl", exit_threshold, vocab, s)
             for d in range(1, depth + 1):
                 s = self._loop(s, e, pos, kv.attn_fn(plane_of(kind, planes, d), pos, self.scale))
                 if exit_d is None:
                     g = self._gate(s)
-                    if rule.update(d, None if g is None else g[0]):
+                    below = None
+                    if crit is not None:  # (its coda writes the position's coda K/V, as HF's)
+                        logits = self._coda(s, pos, bkv) if crit.name in crit.NEEDS_LOGITS else None
+                        below = crit.below(s, logits)
+                    if rule.update(d, None if g is None else g[0], below):
                         exit_d, exit_state = d, s
                         if kind != "full":
                             break

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 EXIT_MODES = ("gate", "delayed", "trace")
@@ -55,8 +56,12 @@ class ExitRule:
         self.gate_logits: list[float] = []
         self.cdfs: list[float] = []
 
-    def update(self, t: int, gate_logit: torch.Tensor | float | None) -> bool:
-        hit = False
+    def update(
+        self, t: int, gate_logit: torch.Tensor | float | None, below: bool | None = None
+    ) -> bool:
+        """``below``: models without a gate, whether the zero-shot criterion's value after
+        loop ``t`` is below ``exit_threshold`` (``Criterion``)."""
+        hit = below is not None and self.exit_threshold < 1.0 and t >= self.min_loops and below
         if gate_logit is not None:
             g = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
             lam = torch.sigmoid(g)
@@ -126,6 +131,43 @@ def plane_of(kind: str, planes: int, d: int) -> int:
     if kind == "shared":
         return 0
     return (d - 1) % planes
+
+
+class Criterion:
+    """Hugging Face's zero-shot exit criteria (``generate_with_adaptive_compute``, MODELS.md
+    §2.5) for one decode position, fed loop by loop: the state after each loop (and before the
+    first) and, for the criteria over next-token distributions, that loop's logits. It keeps the
+    previous loop's distribution, entropy and state as Hugging Face does."""
+
+    NEEDS_LOGITS = ("kl", "minp-kl", "entropy-diff")
+
+    def __init__(self, name: str, threshold: float, vocab: int, state: torch.Tensor) -> None:
+        self.name, self.threshold = name, threshold
+        self.log_probs = torch.full((vocab,), 1.0 / vocab).log()
+        self.entropy = torch.tensor(100.0)
+        self.state = state.float()
+        self.values: list[float] = []
+
+    def below(self, state: torch.Tensor, logits: torch.Tensor | None) -> bool:
+        before, self.state = self.state, state.float()
+        if self.name == "latent-diff":
+            value = ((before - self.state).norm(dim=-1) / self.state.norm(dim=-1)).mean()
+        elif self.name == "entropy-diff":
+            probs = F.softmax(logits.float(), dim=-1)
+            entropy = -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+            value, self.entropy = (entropy - self.entropy).abs(), entropy
+        else:
+            probs = F.softmax(logits.float(), dim=-1)
+            if self.name == "minp-kl":
+                probs = probs.clone()
+                probs[probs < 0.1 * probs.max()] = 1.0 / probs.shape[-1]
+                log_probs = (probs / probs.sum()).log()
+            else:
+                log_probs = F.log_softmax(logits.float(), dim=-1)
+            value = F.kl_div(log_probs, self.log_probs, reduction="none", log_target=True).sum()
+            self.log_probs = log_probs
+        self.values.append(float(value))
+        return bool(value < torch.tensor(self.threshold, dtype=torch.float32))
 
 
 # --------------------------------------------------------------------------- math helpers

@@ -154,8 +154,8 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
 
 async def test_sampling_fields_reach_the_engine(ckpt):
     """Fields that only the engine reads arrive in the request's SamplingParams: Huginn's
-    ``init_state``, ``logit_bias`` (string keys), ``allowed_token_ids``; ``num_steps`` errors
-    name ``num_steps``."""
+    ``init_state`` and ``exit_criterion``, ``logit_bias`` (string keys), ``allowed_token_ids``;
+    ``num_steps`` errors name ``num_steps``."""
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         body = {"prompt": [5], "max_tokens": 2, "init_state": "zero", "logit_bias": {"7": -2}}
@@ -167,6 +167,17 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         assert stage.added_params[-1].init_state == "random"
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "init_state": "one"})
         assert status == 400 and error_of(raw)["param"] == "init_state"
+        chat = {**CHAT, "max_tokens": 2, "exit_criterion": "entropy-diff"}
+        assert (await live.post("/v1/chat/completions", chat))[0] == 200
+        params = stage.added_params[-1]
+        assert (params.exit_criterion, params.exit_threshold) == ("entropy-diff", 1e-3)
+        body = {"prompt": [5], "exit_criterion": "kl", "exit_threshold": 0.01}
+        assert (await live.post("/v1/completions", body))[0] == 200
+        assert stage.added_params[-1].exit_threshold == 0.01
+        for bad in ("argmax", 5):
+            body = {"prompt": [5], "exit_criterion": bad}
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 400 and error_of(raw)["param"] == "exit_criterion", raw
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 0})
         error = error_of(raw)
         assert (status, error["param"]) == (400, "num_steps"), error

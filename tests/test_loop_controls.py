@@ -1,6 +1,6 @@
-"""Loop controls checked against the model as a request is made: a gate control on a model
-without an exit gate (Huginn, Nanbeige: fixed depth) and a ``min_loops`` above the most loops
-the request runs are errors naming the field, not settings silently ignored."""
+"""Loop controls checked against the model as a request is made: a zero-shot criterion on a
+model with an exit gate (Ouro) and a ``min_loops`` above the most loops the request runs are
+errors naming the field, not settings silently ignored."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ from engine_util import make_core, run_core
 from rltserve.sampling import SamplingParams
 
 
+def test_exit_criterion_on_a_gated_model_is_refused(ckpts):
+    core = make_core(ckpts["ouro"])
+    with pytest.raises(ValueError, match=r"^exit_criterion='kl': this model's tokens exit by"):
+        core.make_request(None, [5, 6], SamplingParams(temperature=0.0, exit_criterion="kl"))
+
+
 @pytest.mark.parametrize("family", ["huginn", "nanbeige"])
-def test_adaptive_exit_needs_an_exit_gate(ckpts, family, tmp_path):
+def test_a_model_without_a_gate_runs_max_loops_by_default(ckpts, family, tmp_path):
     path = ckpts.get(family)
     if path is None:  # (nanbeige: built here)
         from rltserve.models.presets import make_model
 
         path = make_model("nanbeige-tiny", tmp_path / "n")
     core = make_core(path)
-    with pytest.raises(ValueError, match=r"^exit_threshold=0.5: this model has no exit gate"):
-        core.make_request(None, [5, 6], SamplingParams(temperature=0.0, exit_threshold=0.5))
     # Fixed depth, set by max_loops, is what it runs.
     run = run_core(
         core,

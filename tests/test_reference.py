@@ -9,7 +9,13 @@ import pytest
 import torch
 from recipe import build_huginn_rv1, build_nanbeige, build_ouro_rv1, load_vectors, tensor_sums
 from reference import Reference
-from reference_parts import ExitRule, exit_depth_from_gates, parse_kv_policy, plane_of
+from reference_parts import (
+    Criterion,
+    ExitRule,
+    exit_depth_from_gates,
+    parse_kv_policy,
+    plane_of,
+)
 
 VECTORS = load_vectors()
 PROMPTS = VECTORS["prompts"]
@@ -189,7 +195,7 @@ def test_nanbeige_cached_equals_full_recompute(nanbeige):
     assert nanbeige.head_dim == 32 and nanbeige.num_kv_heads == 2
     for prompt in (PROMPTS[0], PROMPTS[4]):
         check_cached_equals_recompute(nanbeige, prompt, 10, kv_policy="full")
-        out = nanbeige.generate(prompt, 10, exit_threshold=0.1)  # no gate: threshold ignored
+        out = nanbeige.generate(prompt, 10)  # no gate, no criterion: its loop count
         assert out.exit_depths == [2] * 10
         assert out.gate_logits == [[]] * 10
     check_cached_equals_recompute(nanbeige, PROMPTS[1], 8, max_loops=3)
@@ -359,6 +365,65 @@ def test_delayed_is_gate_plus_one(ouro):
         out = ouro.generate(prompt, 8, exit_mode="delayed", exit_threshold=0.5, kv_policy="full")
         for e, gates in zip(out.exit_depths, out.gate_logits):
             assert e == min(exit_depth_from_gates(gates, cap=4, exit_threshold=0.5) + 1, 4)
+
+
+# --------------------------------------------------------------------------- zero-shot criteria
+
+
+def test_criterion_values_by_hand():
+    v = 8
+    logits = torch.tensor([2.0, 1.0, 0.0, 0.0, -1.0, 0.5, 0.25, 3.0])
+    p = torch.softmax(logits, -1)
+    state = torch.ones(1, 4)
+    kl = Criterion("kl", 5e-4, v, state)
+    # From the uniform: KL(U || p) = -log V - mean(log p); the same distribution again: 0.
+    assert not kl.below(state, logits)
+    assert kl.values[0] == pytest.approx(-math.log(v) - float(p.log().mean()), rel=1e-5)
+    assert kl.below(state, logits) and abs(kl.values[1]) < 1e-6
+    ent = Criterion("entropy-diff", 1e-3, v, state)
+    h = float(-(p * p.log()).sum())
+    assert not ent.below(state, logits) and ent.values[0] == pytest.approx(100 - h, rel=1e-5)
+    assert ent.below(state, logits)
+    lat = Criterion("latent-diff", 0.6, v, state)
+    assert lat.below(2 * state, None) and lat.values[0] == pytest.approx(0.5)  # |s - 2s| / |2s|
+    assert not lat.below(8 * state, None)  # |2s - 8s| / |8s| = 0.75
+    minp = Criterion("minp-kl", 1e-6, v, state)
+    minp.below(state, logits)
+    floored = torch.where(p < 0.1 * p.max(), torch.tensor(1 / v), p)
+    floored = floored / floored.sum()
+    want = float((torch.full((v,), 1 / v) * (math.log(1 / v) - floored.log())).sum())
+    assert minp.values[0] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("criterion", ["kl", "minp-kl", "entropy-diff", "latent-diff"])
+@pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
+def test_criterion_exits_replay_as_a_trace(huginn, criterion, kv_policy):
+    """The exits a criterion picks, replayed as a trace, give the same tokens and logits: the
+    codas a criterion runs at every loop leave each position's coda K/V its exit's."""
+    threshold = {"kl": 0.999, "minp-kl": 0.63, "entropy-diff": 0.6, "latent-diff": 0.97}[criterion]
+    depths = []
+    for prompt in PROMPTS:
+        kw = {"kv_policy": kv_policy, "init_state": "zero"}
+        out = huginn.generate(prompt, 8, exit_threshold=threshold, exit_criterion=criterion, **kw)
+        assert out.exit_depths[0] == huginn.num_loops  # the prompt never exits early
+        traced = huginn.generate(prompt, 8, exit_mode="trace", trace_depths=out.exit_depths, **kw)
+        assert traced.tokens == out.tokens
+        assert all(torch.equal(a, b) for a, b in zip(traced.logits, out.logits))
+        depths += out.exit_depths
+    assert min(depths) < huginn.num_loops  # (the thresholds make tokens exit early)
+
+
+def test_criterion_delayed_exits_one_loop_later(huginn):
+    for prompt in PROMPTS[:3]:
+        kw = {"exit_threshold": 0.6, "exit_criterion": "entropy-diff", "init_state": "zero"}
+        now = huginn.generate(prompt, 8, kv_policy="full", **kw)
+        late = huginn.generate(prompt, 8, kv_policy="full", exit_mode="delayed", **kw)
+        # Under ``full`` every token runs every loop, so the values (and a token's decision)
+        # are the same until the first token whose exit moved changes what follows.
+        for a, b in zip(now.exit_depths[1:], late.exit_depths[1:]):
+            assert b == min(a + 1, huginn.num_loops)
+            if b != a:
+                break
 
 
 # --------------------------------------------------------------------------- misc semantics

@@ -10,6 +10,11 @@ A request's exit mode is fixed when it is created:
   step's result;
 - ``delayed``: the gate's decision after loop t takes effect after loop t+1, so when loop t+1 is
   planned the scheduler need not have read loop t's result yet (async scheduling).
+
+On a model without a gate (Huginn), ``gate`` and ``delayed`` apply the request's zero-shot
+criterion (``Request.criterion``, ``step_criteria``) where the gate rule would run, except to the
+first output: the prompt's last position runs the cap, as Hugging Face's adaptive generation
+never exits in the prefill.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ def choose_exit_mode(request: Request, has_gate: bool, engine_mode: str) -> str:
     params = request.params
     if engine_mode == "trace" and params.trace_depths is not None:
         return "fixed"
-    if not (has_gate and params.adaptive_exit):
+    if not params.adaptive_exit:
         return "fixed"
     return "delayed" if engine_mode == "delayed" else "gate"
 
@@ -62,6 +67,10 @@ def exit_spec(request: Request, item: InFlight, depth: int) -> ExitSpec:
             for now in (False, True)
         )
     if request.exit_mode != "fixed":
+        if item.output_index == 0 and request.criterion is not None:
+            params = request.params
+            cap = request.max_loops
+            return ExitSpec("fixed", depth >= cap, params.min_loops, cap, params.exit_threshold)
         return specs[0]
     return specs[depth >= fixed_exit_loop(request, item.output_index)]
 
@@ -75,7 +84,7 @@ def exit_known(request: Request, item: InFlight, depth: int) -> bool | None:
         return depth >= item.exit_depth
     if depth >= request.max_loops:
         return True
-    if request.exit_mode == "fixed":
+    if request.exit_mode == "fixed" or (item.output_index == 0 and request.criterion):
         return depth >= fixed_exit_loop(request, item.output_index)
     if request.exit_mode == "delayed":
         if item.delayed_exit_at is not None:

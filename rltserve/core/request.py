@@ -107,6 +107,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     exit_mode: str = "fixed"  # how output positions exit: fixed | gate | delayed (ExitSpec)
+    # gate/delayed on a model without a gate: the zero-shot criterion (``step_criteria``) that
+    # decides instead; its first output, the prompt's, runs the cap (``exit.exit_spec``).
+    criterion: str | None = None
     pipelined: bool = False  # decode tokens enter loop 1 on a draft of their input
     epoch: int = 0  # rollbacks so far: a rejected draft discards every later in-flight item
     num_scheduled: int = 0  # positions already covered by work items

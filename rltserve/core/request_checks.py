@@ -49,18 +49,17 @@ def check_params(
             f"trace_depths: only for an engine with exit_mode='trace' (this one runs "
             f"exit_mode={sched.exit_mode!r})"
         )
-    gated = sched.exit_mode == "gate" and spec.has_gate and params.adaptive_exit
-    if sched.async_scheduling and gated:
+    if sched.async_scheduling and sched.exit_mode == "gate" and params.adaptive_exit:
         raise ValueError(
             f"exit_threshold={params.exit_threshold}: adaptive exit with "
             "async_scheduling needs exit_mode='delayed' (or 'trace'); the in-step "
-            "gate rule would make every step wait for the previous one"
+            "exit rule would make every step wait for the previous one"
         )
     cap = params.max_loops or spec.num_loops
-    if params.adaptive_exit and not spec.has_gate and sched.exit_mode != "trace":
+    if params.exit_criterion is not None and spec.has_gate:
         raise ValueError(
-            f"exit_threshold={params.exit_threshold}: this model has no exit gate (its "
-            "tokens loop to a fixed depth: set max_loops, leave exit_threshold at 1.0)"
+            f"exit_criterion={params.exit_criterion!r}: this model's tokens exit by its learned "
+            "gate (exit_threshold); the zero-shot criteria are for models without one (Huginn)"
         )
     if params.min_loops > cap:
         raise ValueError(

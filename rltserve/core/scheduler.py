@@ -133,6 +133,8 @@ class Scheduler:
                 f"{self.kv.pool.num_total}; lower max_tokens or max_loops, or raise num_blocks"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
+        if request.exit_mode != "fixed" and not self.has_gate:
+            request.criterion = request.params.exit_criterion or "kl"
         request.seq = self.next_seq()
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -99,8 +99,8 @@ class Step:
             tables = list(map(r.carried.table_at, range(nc), self.depths[:nc]))
             spans = list(zip(starts, counts, tables + list(map(step_rows.TABLE, planned))))
             positions = step_rows.row_positions(r, starts, counts)  # [N]
-            state, e = self._gather_inputs(starts)
-            state = r.timed(r.graphs.run, state, e, spans, positions)  # [N, S]
+            loop_in, e = self._gather_inputs(starts)
+            state = r.timed(r.graphs.run, loop_in, e, spans, positions)  # [N, S]
         else:
             # The metadata's one transfer brings the rows' positions too. The carried rows'
             # tables are rows of the runner's BlockTables already.
@@ -108,8 +108,8 @@ class Step:
             keys = list(zip(map(step_rows.RID, planned), self.depths[nc:]))
             attn = r.attention(spans, keys, r.carried.spans() if nc else None, self.one_row)
             positions = attn.positions  # [N]
-            state, e = self._gather_inputs(starts)
-            state = r.timed(r.model.loop, state, e, positions, attn)  # [N, S]
+            loop_in, e = self._gather_inputs(starts)
+            state = r.timed(r.model.loop, loop_in, e, positions, attn)  # [N, S]
         # The loop is queued: the device is busy, so waiting for the previous step is free.
         r.deliver()
 
@@ -127,7 +127,7 @@ class Step:
             self.out = list(compress(range(n), specs))
         else:
             self.out = [i for i, (x, h) in enumerate(zip(specs, held)) if x and not h.exited]
-        self.exited = step_exits.decide_exits(self, state, specs)
+        self.exited = step_exits.decide_exits(self, loop_in, state, positions, specs)
         exited = self.exited
         exits = self.exits = list(compress(self.out, exited)) if any(exited) else []
         step_rows.copy_on_exit(self.r, self.items, exits, specs, self.depths[:nc], starts)

@@ -1,6 +1,7 @@
 """The exit rule of a ``Step``'s output rows on the runner (DESIGN §5): the gate's survival
-and CDF carried from loop to loop, and which rows exit in this step. Fixed and delayed decisions
-are host-known; only ``gate`` mode reads this loop's gate in-step."""
+and CDF carried from loop to loop (on models without a gate, a zero-shot criterion instead:
+``step_criteria``), and which rows exit in this step. Fixed and delayed decisions are
+host-known; only ``gate`` mode reads this loop's crossings in-step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rltserve.core import step_rows
+from rltserve.core import step_criteria, step_rows
 
 if TYPE_CHECKING:
     from rltserve.core.live import ItemState
@@ -20,9 +21,12 @@ if TYPE_CHECKING:
 _FIXED, _GATE, _DELAYED = frozenset({"fixed"}), frozenset({"gate"}), frozenset({"delayed"})
 
 
-def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
+def decide_exits(
+    step: Step, loop_in: torch.Tensor, state: torch.Tensor, positions: torch.Tensor, specs: list
+) -> list[bool]:
     """The exit rule for the output rows, in fp32 with the reference's arithmetic:
-    lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p.
+    lam = sigmoid(g); p = lam * S; S' = S * (1 - lam); CDF' = CDF + p. (``loop_in``, ``state``:
+    [N, S] the rows before and after this loop; ``positions`` [N].)
 
     The decision itself is host-known for fixed exits and for delayed ones (made by the
     previous loop, delivered by now); only ``gate`` mode reads this loop's gate in-step.
@@ -94,6 +98,13 @@ def decide_exits(step: Step, state: torch.Tensor, specs: list) -> list[bool]:
         if "gate" in kinds:
             crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous
         step.gate_rows = new_gate  # written with the states, or left pending (run())
+    elif not settled and kinds != _FIXED and not r.spec.has_gate:
+        columns = (modes, thresholds, out_depths, min_loops, max_loops)
+        crossed = step_criteria.crossed(step, loop_in, state, positions, columns)
+        if crossed is not None:
+            step.outputs.add("crossed", crossed)
+            if "gate" in kinds:
+                crossed_now = crossed.tolist()  # in-step read, as the gate's
     if kinds == {"delayed"}:
         if max(out_depths) < lowest and not any(map(step_rows.PENDING, out_held)):
             exited = [False] * m  # (most steps: no row is at its cap or decided)

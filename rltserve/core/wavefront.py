@@ -50,8 +50,9 @@ class Wavefront:
             # so on per-depth planes the recompute runs as a wavefront over (token, depth).
             # With coda attention, a token's coda reads every earlier position's coda K/V,
             # written at that position's exit: not where tokens may exit before the last loop
-            # (traced exits; such models have no gate), which they then do in turns.
-            if s.has_boundary and request.params.trace_depths is not None:
+            # (traced exits, zero-shot criteria: such models have no gate) or where the output
+            # position runs its coda at every loop (criteria), which they then do in turns.
+            if s.has_boundary and (request.params.trace_depths is not None or request.criterion):
                 return False
             return s.kv.policy.per_depth
         last = request.items[-1]

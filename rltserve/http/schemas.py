@@ -2,7 +2,8 @@
 
 Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temperature`` 1.0),
 plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
-(alias ``num_steps``, Huginn's name), ``exit_threshold`` and ``priority``, and bounded thinking
+(alias ``num_steps``, Huginn's name), ``exit_threshold``, ``exit_criterion`` (Huginn's zero-shot
+exit criteria) and ``priority``, and bounded thinking
 (``max_thinking_tokens``, ``thinking_interruption``, ``thinking_end_token_ids``). Two opt-in
 response extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays.
 Parsing is in ``validation``; ``validate()`` adds the cross-field rules; ``sampling_params``
@@ -64,6 +65,7 @@ class GenerationFields:
     max_loops: int | None = None
     num_steps: int | None = None  # Huginn's name for max_loops
     exit_threshold: float = 1.0
+    exit_criterion: str | None = None
     priority: int = field(default=0, metadata={"range": PRIORITY_RANGE})
     init_state: str = "random"  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
@@ -345,6 +347,7 @@ def sampling_params(
             min_loops=req.min_loops,
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
             exit_threshold=req.exit_threshold,
+            exit_criterion=req.exit_criterion,
             priority=req.priority,
             init_state=req.init_state,
             logprobs=logprobs,

@@ -1,0 +1,161 @@
+"""Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5, DESIGN §5),
+for a ``Step``'s output rows at their current loop.
+
+A row's value compares its state after this loop, ``s_t``, with its state before it, ``s_{t-1}``
+(the loop's input, which the step holds, so no criterion state is carried between steps):
+
+- ``latent-diff``: ``||s_{t-1} - s_t|| / ||s_t||``;
+- ``kl``: ``KL(p_{t-1} || p_t)`` of the next-token distributions ``p = softmax(logits(coda(s)))``,
+  with ``p_0`` uniform;
+- ``minp-kl``: the same after each distribution's entries below a tenth of its largest are set
+  to ``1/V`` and it is renormalised (``p_0`` uniform);
+- ``entropy-diff``: ``|H(p_t) - H(p_{t-1})|`` with ``H(p_0) = 100``.
+
+The row exits when its value is below its threshold (from ``min_loops`` on; ``step_exits``
+applies the cap and, in delayed mode, moves the exit one loop later). The arithmetic is Hugging
+Face's (``generate_with_adaptive_compute``), in fp32. Computing ``p_{t-1}`` again from
+``s_{t-1}`` instead of keeping it costs one more coda per row and loop; both codas write the
+row's coda K/V, which its exit's coda (``Step._coda_and_sample``) writes last, as Hugging
+Face's coda K/V of a token is that of its last prediction.
+"""
+
+from __future__ import annotations
+
+from math import inf, log
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from rltserve.core.step import Step
+
+# What the criteria compare against before the first loop (Hugging Face's initial values).
+_FIRST_ENTROPY = 100.0
+
+
+def crossed(
+    step: Step,
+    loop_in: torch.Tensor,
+    state: torch.Tensor,
+    positions: torch.Tensor,
+    columns: tuple,
+) -> torch.Tensor | None:
+    """[M] bool on the device: the output rows (``step.out``) whose criterion value after this
+    loop is below their threshold, where the rule applies (``columns``: the rows' modes,
+    thresholds, depths, min_loops and max_loops); None when it applies to none of them.
+    ``loop_in`` / ``state``: [N, S] the step's rows before and after the loop; ``positions``
+    [N] their positions."""
+    modes, thresholds, depths, min_loops, max_loops = columns
+    # (A delayed row's crossing at the loop before its cap would exit it at the cap anyway.)
+    active = [
+        k
+        for k, (mode, t, d, lo, hi) in enumerate(zip(*columns))
+        if mode != "fixed" and t < 1.0 and lo <= d and d + (mode == "delayed") < hi
+    ]
+    if not active:
+        return None
+    r, out, offsets, items = step.r, step.out, step.offsets, step.items
+    rows, criteria, firsts, spans = [], [], [], []
+    for k in active:
+        i = out[k]
+        if offsets[i + 1] - offsets[i] != 1:  # (a generated token's output: one row)
+            raise RuntimeError(f"{items[i].request_id}: an exit criterion on a multi-row item")
+        rows.append(offsets[i])
+        criteria.append(step.lives[i].setup.params.exit_criterion or "kl")
+        firsts.append(depths[k] == 1)
+        spans.append((step.starts[i], 1, items[i].boundary_table))
+    index = r.tensor(rows)
+    now, before = state.index_select(0, index), loop_in.index_select(0, index)  # [A, S]
+    values = torch.empty(len(active), dtype=torch.float32, device=now.device)  # [A]
+    latent = [a for a, c in enumerate(criteria) if c == "latent-diff"]
+    if latent:
+        s_now, s_before = _rows(r, now, latent).float(), _rows(r, before, latent).float()
+        change = (s_before - s_now).norm(dim=-1) / s_now.norm(dim=-1)
+        values.index_copy_(0, r.tensor(latent), change)
+    scored = [a for a, c in enumerate(criteria) if c != "latent-diff"]
+    if scored:
+        scored_values = _distribution_values(
+            r,
+            _rows(r, now, scored),
+            _rows(r, before, scored),
+            _rows(r, positions.index_select(0, index), scored),
+            [spans[a] for a in scored],
+            [criteria[a] for a in scored],
+            [firsts[a] for a in scored],
+        )
+        values.index_copy_(0, r.tensor(scored), scored_values)
+    limits = [-inf] * len(modes)  # (no value is below -inf: where the rule does not apply)
+    for k in active:
+        limits[k] = thresholds[k]
+    every = torch.full((len(modes),), inf, dtype=torch.float32, device=now.device)  # [M]
+    every.index_copy_(0, r.tensor(active), values)
+    return torch.lt(every, r.tensor(limits, torch.float32))
+
+
+def _distribution_values(
+    r,
+    now: torch.Tensor,
+    before: torch.Tensor,
+    positions: torch.Tensor,
+    spans: list,
+    criteria: list[str],
+    firsts: list[bool],
+) -> torch.Tensor:
+    """[K] fp32: the values of the criteria that compare next-token distributions, for K rows
+    (their states after and before the loop [K, S], positions, coda spans, criteria, and
+    whether the loop is their first: then the distribution before is the initial one)."""
+    later = [k for k, first in enumerate(firsts) if not first]
+    logits_before = None
+    if later:  # first, so that the coda K/V this step leaves is the one after the loop
+        logits_before = _logits(
+            r, _rows(r, before, later), _rows(r, positions, later), [spans[k] for k in later]
+        )  # [L, V]
+    logits_now = _logits(r, now, positions, spans)  # [K, V]
+    vocab = logits_now.shape[-1]
+    row_before = {k: j for j, k in enumerate(later)}  # row k's row of logits_before
+    values = torch.empty(len(criteria), dtype=torch.float32, device=now.device)  # [K]
+    for criterion in dict.fromkeys(criteria):
+        mine = [k for k, c in enumerate(criteria) if c == criterion]
+        at = [j for j, k in enumerate(mine) if not firsts[k]]  # mine with a loop before
+        prior = _rows(r, logits_before, [row_before[mine[j]] for j in at]) if at else None
+        current = _rows(r, logits_now, mine)
+        if criterion == "entropy-diff":
+            h_now = _entropy(current)
+            h_before = torch.full_like(h_now, _FIRST_ENTROPY)
+            if at:
+                h_before = h_before.index_copy(0, r.tensor(at), _entropy(prior))
+            value = (h_now - h_before).abs()
+        else:  # kl, minp-kl
+            lp_now = _log_probs(current, criterion)
+            lp_before = torch.full_like(lp_now, log(1.0 / vocab))
+            if at:
+                lp_before = lp_before.index_copy(0, r.tensor(at), _log_probs(prior, criterion))
+            value = F.kl_div(lp_now, lp_before, reduction="none", log_target=True).sum(dim=-1)
+        values.index_copy_(0, r.tensor(mine), value)
+    return values
+
+
+def _rows(r, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return tensor.index_select(0, r.tensor(rows))
+
+
+def _logits(r, states: torch.Tensor, positions: torch.Tensor, spans: list) -> torch.Tensor:
+    """[K, V] fp32: the next-token logits of states [K, S] through the coda (its attention, on
+    models with coda attention, writing their coda K/V)."""
+    attn = r.attention(spans) if spans[0][2] is not None else None
+    return r.timed(r.model.logits, r.timed(r.model.coda, states, positions, attn))
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    probs = F.softmax(logits.float(), dim=-1)
+    return -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)  # [K]
+
+
+def _log_probs(logits: torch.Tensor, criterion: str) -> torch.Tensor:
+    if criterion != "minp-kl":
+        return F.log_softmax(logits.float(), dim=-1)
+    probs = F.softmax(logits.float(), dim=-1)
+    floor = 0.1 * probs.max(dim=-1, keepdim=True)[0]
+    probs = torch.where(probs < floor, 1.0 / probs.shape[-1], probs)
+    return (probs / probs.sum(dim=-1, keepdim=True)).log()
