@@ -287,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--concurrency", type=int, default=32)
     off.add_argument("--exit-threshold", type=float, default=1.0)
     off.add_argument(
+        "--exit-criterion",
+        choices=sorted(EXIT_CRITERIA),
+        default=None,
+        help="models without a gate (Huginn): the zero-shot exit criterion",
+    )
+    off.add_argument(
         "--max-loops",
         type=int,
         default=None,

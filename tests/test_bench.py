@@ -55,6 +55,17 @@ def test_max_loops_sets_the_depth_huginn_runs_at(huginn_rv1):
     assert report["max_loops"] == 3 and report["refill"]["mean_exit_depth"] == 3.0
 
 
+def test_exit_criterion_is_compared_with_full_depth(huginn_rv1):
+    report = bench(
+        "--model", str(huginn_rv1), "--input-len", "4", "--output-len", "4", "--num-prompts",
+        "3", "--exit-criterion", "entropy-diff", "--exit-threshold", "0.6", "--compare",
+    )  # fmt: skip
+    assert (report["exit_criterion"], report["exit_threshold"]) == ("entropy-diff", 0.6)
+    assert report["full_depth"]["mean_exit_depth"] == 4.0
+    assert report["refill"]["mean_exit_depth"] < 4.0
+    assert report["refill"]["output_tokens"] == report["full_depth"]["output_tokens"] == 12
+
+
 def test_disaggregate_compares_one_stage_with_two(tiny):
     report = bench(
         "--model", str(tiny), "--disaggregate", "--block-size", "4", "--input-len", "12",

@@ -102,12 +102,14 @@ def run_engine(
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
-    """Each request's: ``output_len`` tokens at ``--exit-threshold`` and ``--max-loops``."""
+    """Each request's: ``output_len`` tokens at ``--exit-threshold`` (``--exit-criterion`` on
+    models without a gate) and ``--max-loops``."""
     return SamplingParams(
         temperature=0.0,
         max_tokens=args.output_len,
         ignore_eos=True,
         exit_threshold=args.exit_threshold,
+        exit_criterion=getattr(args, "exit_criterion", None),
         max_loops=args.max_loops,
     )
 
@@ -232,7 +234,8 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         "input_len": args.input_len,
         "output_len": args.output_len,
         "concurrency": args.concurrency,
-        "exit_threshold": args.exit_threshold,
+        "exit_threshold": params.exit_threshold,
+        "exit_criterion": params.exit_criterion,
         "max_loops": args.max_loops,
         "kv_policy": engine_kw["kv_policy"],
         "exit_mode": engine_kw["exit_mode"],
@@ -281,7 +284,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     other = "no_refill" if engine_kw["scheduling"] == "refill" else "refill"
     other_kw = {**engine_kw, "scheduling": other}
     report[other] = run_engine(model, other_kw, prompts, params, other, show)
-    full_params = params.replace(exit_threshold=1.0)
+    full_params = params.replace(exit_threshold=1.0, exit_criterion=None)
     refill_kw = {**engine_kw, "scheduling": "refill"}
     report["full_depth"] = run_engine(model, refill_kw, prompts, full_params, "full depth", show)
     naive_prompts = prompts[: min(len(prompts), 8)]
