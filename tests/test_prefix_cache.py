@@ -272,3 +272,25 @@ def test_a_failed_write_caches_nothing_and_returns_the_blocks():
         kv.adopt_cached(keys, 2, [], fail)
     assert kv.cache.num_blocks == 0 and kv.pool.num_free == 12
     kv.check_no_leaks()
+
+
+def test_finished_answers_are_cached_where_they_ran_the_whole_depth():
+    """Stop or length: the answer's full blocks after the prompt's (14 + 3 outputs: 16 written
+    positions, four blocks); an abort, an answer below the request's depth (``max_loops`` 1 of
+    2 loops) or caching off: the prompt's only."""
+    for kind, expected in (("done", 4), ("abort", 3), ("shallow", 3), ("off", 0)):
+        s = _scheduler(retain=kind != "off")
+        request = _request("a", list(range(14)))
+        if kind == "shallow":
+            request.max_loops = 1
+        s.add_request(request)
+        if kind == "abort":
+            while len(request.output_token_ids) < 2:
+                _step(s)
+            s.abort("a")
+        _drain(s)
+        assert len(s.kv.cache._entries) == expected, kind
+        if kind == "done":  # the next turn's prompt: this one, its answer and more
+            s.add_request(_request("b", list(range(14)) + [7, 7, 7, 5, 6]))
+            first = {w.request_id: w.start for w in s.schedule().items}
+            assert first == {"b": 16} and s.requests["b"].num_cached_tokens == 16

@@ -2,7 +2,8 @@
 every engine mode gives the token ids and exit depths of caching off and of the dense oracle,
 for hits of one block, many blocks and the whole prompt but its last token, prompts diverging
 mid-block, after evictions and under preemption; Huginn zero-state prompts hit, two random-state
-seeds never share; the samples of one group equal independent requests; no block leaks."""
+seeds never share; the samples of one group equal independent requests; the next turn of a
+conversation hits the answer's blocks where it ran the whole depth; no block leaks."""
 
 from __future__ import annotations
 
@@ -193,6 +194,57 @@ def test_huginn_early_first_output_keeps_its_last_block_unshared(ckpts, huginn_r
     on, stats = _run(ckpts["huginn"], prompts, params, arrivals, **kw)
     assert stats.prefix_cache_hits == 2 * BS + 2 * BS  # two blocks each, not the first's third
     _oracle(huginn_ref, on, prompts, params, kv_policy, "trace")
+
+
+def _next_turn(path, ref, first: SamplingParams, kv_policy="last_exited", second=None, **kw):
+    """A request, then one whose prompt is its prompt and output and 3 more tokens (a chat's
+    next turn; ``second``: its params' changes): the oracle's tokens and depths for both;
+    returns the first's exit depths and the second's cached tokens."""
+    rng = random.Random(5)
+    prompt = rng.choices(range(384), k=10)
+    core = make_core(path, block_size=BS, kv_policy=kv_policy, **kw)
+    one = run_core(core, [prompt], [first])
+    turn = prompt + one.tokens["r0"] + rng.choices(range(384), k=3)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, **first_state(first), **(second or {})
+    )
+    two = run_core(core, [turn], [params])
+    cached = core.stats().prefix_cache_hits
+    core.kv.check_no_leaks()
+    core.shutdown()
+    for run, (q, p) in ((one, (prompt, first)), (two, (turn, params))):
+        want = oracle_run(ref, q, p, kv_policy=kv_policy, exit_mode=kw.get("exit_mode", "gate"))
+        assert (run.tokens["r0"], run.depths["r0"]) == (want.tokens, want.exit_depths)
+    return one.depths["r0"], cached
+
+
+def first_state(p: SamplingParams) -> dict:
+    return {"init_state": p.init_state, "max_loops": p.max_loops}
+
+
+@pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
+def test_the_next_turn_hits_the_answers_full_depth_blocks(ckpts, ouro_ref, huginn_ref, kv_policy):
+    # 10 prompt + 9 output tokens: 18 positions written, blocks 0..3 full; the next turn's
+    # prompt (22 tokens) may hit blocks 0..4 but block 4 was never written in full.
+    fixed = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    depths, cached = _next_turn(ckpts["ouro"], ouro_ref, fixed, kv_policy)
+    assert depths == [4] * 9 and cached == 4 * BS
+    zero = fixed.replace(init_state="zero", max_loops=3)
+    _, cached = _next_turn(ckpts["huginn"], huginn_ref, zero, kv_policy)
+    assert cached == 4 * BS
+
+
+def test_the_next_turn_stops_at_the_first_early_exit(ckpts, ouro_ref):
+    # Position 9 + k produced output k: position 12 exited at loop 2 (its deeper planes hold
+    # copies under last_exited), so blocks 0..2 are cached and block 3 on is not.
+    trace = (4, 4, 4, 2, 4, 4, 4, 4, 4)
+    traced = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, trace_depths=trace)
+    kw = {"exit_mode": "trace", "second": {"trace_depths": (4,) * 4}}
+    depths, cached = _next_turn(ckpts["ouro"], ouro_ref, traced, **kw)
+    assert depths == list(trace) and cached == 3 * BS
+    adaptive = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, exit_threshold=0.3)
+    depths, cached = _next_turn(ckpts["ouro"], ouro_ref, adaptive)
+    assert depths[0] < 4 and cached == 2 * BS  # the prompt's last position exited early
 
 
 def test_huginn_random_state_seeds_never_share(ckpts, huginn_ref):

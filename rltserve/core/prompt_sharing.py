@@ -1,5 +1,6 @@
 """Prompt sharing for the scheduler (DESIGN §8): prefix-cache hits at admission, caching of
-finished prompt blocks, and the samples of one prompt (a *group*) reusing its prefill.
+finished prompt blocks (and of generated ones that were computed as prompt blocks are), and the
+samples of one prompt (a *group*) reusing its prefill.
 
 Torch-free, like the scheduler it serves. Why it is exact: under a per-depth KV policy
 (``full``, ``last_exited``) prompt tokens run every loop, so a prompt block's KV on every plane
@@ -10,8 +11,14 @@ depends only on the tokens up to it and on what the request's salt names (``Requ
   starts computing after it. A swap-resumed request gets its KV from swap space instead.
 - Caching: a prompt block is cached once every prompt position up to its end has run its last
   loop *and that result was applied* (so a failed step never caches garbage, and any later
-  step that reads the block runs after the steps that wrote it). Only prompt blocks are cached:
-  a generated token's KV depends on exit depths.
+  step that reads the block runs after the steps that wrote it).
+- Generated tokens: when a request finishes (stop or length), the full blocks after its prompt
+  whose every position looped the request's whole depth (its output there exited at
+  ``num_loops``: a fixed full depth, the chat default) are cached too, chained after the
+  prompt's: their KV on every plane is what a prompt holding those tokens computes, so the next
+  turn of a conversation, whose prompt repeats this one and its answer, hits them. A position
+  that exited earlier has KV a prompt never has (copies, or loops still to run under ``full``);
+  the blocks from its own on are not cached.
 - In flight: a request whose first uncached prompt block is being computed by a running
   request waits until that block is cached instead of computing it again, so a burst of
   requests sharing a prompt prefix computes the prefix once.
@@ -27,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rltserve.core.prefix_cache import CachedBlock
+from rltserve.core.prefix_cache import CachedBlock, block_hashes
 from rltserve.core.request import Request, RequestStatus, Resume
 
 if TYPE_CHECKING:
@@ -174,6 +181,28 @@ class PromptSharing:
                 if computing.get(key) == request.request_id:
                     del computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
+
+    def on_finished(self, request: Request) -> None:
+        """A request ended with its outputs (stop or length), its KV still held: caches the
+        full blocks of its generated tokens that a prompt would have computed the same way
+        (see the module doc), after its prompt's."""
+        if request.block_hashes is None or request.first_coda_at or not self.s.kv.cache.retain:
+            return
+        p, loops = request.num_prompt_tokens, request.num_loops
+        depths = request.exit_depths
+        # Positions p-1 .. p+k-2 produced outputs 0 .. k-1; the last output was never an input.
+        written = p + len(request.output_token_ids) - 1
+        end = p - 1
+        while end < written and depths[end - p + 1] >= loops:
+            end += 1
+        bs = self.s.kv.block_size
+        first, upto = request.blocks_cached, end // bs
+        if upto <= first or first < p // bs:  # (nothing new, or the prompt's chain is broken)
+            return
+        tokens = request.prompt_token_ids + request.output_token_ids[: upto * bs - p]
+        keys = block_hashes(request.cache_salt, tokens, bs)[first:upto]
+        self.s.kv.cache_blocks(request.request_id, first, keys)
+        request.blocks_cached = upto
 
 
 def reusable_blocks(request: Request, block_size: int) -> int:

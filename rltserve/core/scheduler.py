@@ -480,6 +480,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.sharing.forget(request)
         if request.admitted:
+            if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
+                self.sharing.on_finished(request)
             self.kv.free(request.request_id)
             self._released.append(request.request_id)
         elif self.preemptor.forget(request):
