@@ -48,6 +48,9 @@ class ItemState:
     exited: bool = False  # the output position has produced its token
     # The last row's state kept for its coda (``WorkItem.coda_state_at``): [1, S].
     coda_state: torch.Tensor | None = None
+    # A zero-shot exit criterion's statistic of the output position's distribution after the
+    # last loop that computed one (``step_criteria``): (tensor, row, loop, criterion).
+    criterion_prev: tuple | None = None
 
 
 @dataclass(slots=True)

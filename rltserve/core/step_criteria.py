@@ -2,7 +2,7 @@
 for a ``Step``'s output rows at their current loop.
 
 A row's value compares its state after this loop, ``s_t``, with its state before it, ``s_{t-1}``
-(the loop's input, which the step holds, so no criterion state is carried between steps):
+(the loop's input, which the step holds):
 
 - ``latent-diff``: ``||s_{t-1} - s_t|| / ||s_t||``;
 - ``kl``: ``KL(p_{t-1} || p_t)`` of the next-token distributions ``p = softmax(logits(coda(s)))``,
@@ -13,10 +13,12 @@ A row's value compares its state after this loop, ``s_t``, with its state before
 
 The row exits when its value is below its threshold (from ``min_loops`` on; ``step_exits``
 applies the cap and, in delayed mode, moves the exit one loop later). The arithmetic is Hugging
-Face's (``generate_with_adaptive_compute``), in fp32. Computing ``p_{t-1}`` again from
-``s_{t-1}`` instead of keeping it costs one more coda per row and loop; both codas write the
-row's coda K/V, which its exit's coda (``Step._coda_and_sample``) writes last, as Hugging
-Face's coda K/V of a token is that of its last prediction.
+Face's (``generate_with_adaptive_compute``), in fp32. The statistic of ``p_t`` (log
+distribution, or entropy) stays on the item (``ItemState.criterion_prev``) for the next loop;
+where the loop before computed none (it was before ``min_loops``, or the item restarted after a
+preemption) it is computed again from ``s_{t-1}``, one more coda. Every coda writes the row's
+coda K/V, which its exit's coda (``Step._coda_and_sample``) writes last, as Hugging Face's coda
+K/V of a token is that of its last prediction.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from rltserve.core import step_rows
+
 if TYPE_CHECKING:
+    from rltserve.core.live import ItemState
     from rltserve.core.step import Step
 
 # What the criteria compare against before the first loop (Hugging Face's initial values).
@@ -56,14 +61,14 @@ def crossed(
     if not active:
         return None
     r, out, offsets, items = step.r, step.out, step.offsets, step.items
-    rows, criteria, firsts, spans = [], [], [], []
+    rows, criteria, helds, spans = [], [], [], []
     for k in active:
         i = out[k]
         if offsets[i + 1] - offsets[i] != 1:  # (a generated token's output: one row)
             raise RuntimeError(f"{items[i].request_id}: an exit criterion on a multi-row item")
         rows.append(offsets[i])
         criteria.append(step.lives[i].setup.params.exit_criterion or "kl")
-        firsts.append(depths[k] == 1)
+        helds.append(step.held[i])
         spans.append((step.starts[i], 1, items[i].boundary_table))
     index = r.tensor(rows)
     now, before = state.index_select(0, index), loop_in.index_select(0, index)  # [A, S]
@@ -82,7 +87,8 @@ def crossed(
             _rows(r, positions.index_select(0, index), scored),
             [spans[a] for a in scored],
             [criteria[a] for a in scored],
-            [firsts[a] for a in scored],
+            [depths[active[a]] for a in scored],
+            [helds[a] for a in scored],
         )
         values.index_copy_(0, r.tensor(scored), scored_values)
     limits = [-inf] * len(modes)  # (no value is below -inf: where the rule does not apply)
@@ -100,39 +106,57 @@ def _distribution_values(
     positions: torch.Tensor,
     spans: list,
     criteria: list[str],
-    firsts: list[bool],
+    depths: list[int],
+    helds: list[ItemState],
 ) -> torch.Tensor:
     """[K] fp32: the values of the criteria that compare next-token distributions, for K rows
-    (their states after and before the loop [K, S], positions, coda spans, criteria, and
-    whether the loop is their first: then the distribution before is the initial one)."""
-    later = [k for k, first in enumerate(firsts) if not first]
+    (their states after and before the loop [K, S], positions, coda spans, criteria, loops and
+    item states). The statistic before the loop is the initial one at loop 1, the one the
+    previous loop left on the item (``ItemState.criterion_prev``), or, where that loop computed
+    none (before ``min_loops``, a restart), computed again from the loop's input."""
+    kept, redo = {}, []  # rows whose statistic before is on their item; rows to compute
+    for k, (h, d, c) in enumerate(zip(helds, depths, criteria)):
+        prev = h.criterion_prev
+        if d == 1:
+            continue
+        if prev is not None and prev[2] == d - 1 and prev[3] == c:
+            kept[k] = prev
+        else:
+            redo.append(k)
     logits_before = None
-    if later:  # first, so that the coda K/V this step leaves is the one after the loop
+    if redo:  # first, so that the coda K/V this step leaves is the one after the loop
         logits_before = _logits(
-            r, _rows(r, before, later), _rows(r, positions, later), [spans[k] for k in later]
-        )  # [L, V]
+            r, _rows(r, before, redo), _rows(r, positions, redo), [spans[k] for k in redo]
+        )  # [R, V]
     logits_now = _logits(r, now, positions, spans)  # [K, V]
     vocab = logits_now.shape[-1]
-    row_before = {k: j for j, k in enumerate(later)}  # row k's row of logits_before
+    row_before = {k: j for j, k in enumerate(redo)}  # row k's row of logits_before
     values = torch.empty(len(criteria), dtype=torch.float32, device=now.device)  # [K]
     for criterion in dict.fromkeys(criteria):
         mine = [k for k, c in enumerate(criteria) if c == criterion]
-        at = [j for j, k in enumerate(mine) if not firsts[k]]  # mine with a loop before
-        prior = _rows(r, logits_before, [row_before[mine[j]] for j in at]) if at else None
-        current = _rows(r, logits_now, mine)
+        current = _statistic(_rows(r, logits_now, mine), criterion)  # [Km, V] or [Km]
+        first = _FIRST_ENTROPY if criterion == "entropy-diff" else log(1.0 / vocab)
+        prior = torch.full_like(current, first)
+        at = [j for j, k in enumerate(mine) if k in row_before]
+        if at:
+            rows_before = _rows(r, logits_before, [row_before[mine[j]] for j in at])
+            prior = prior.index_copy(0, r.tensor(at), _statistic(rows_before, criterion))
+        at = [j for j, k in enumerate(mine) if k in kept]
+        if at:
+            picks = [kept[mine[j]] for j in at]
+            sources = list({id(t): t for t, *_ in picks}.values())
+            source_of = {id(t): n for n, t in enumerate(sources)}
+            gathered = step_rows.gather_rows(
+                sources, [(source_of[id(t)], row, 1) for t, row, *_ in picks], in_order=True
+            )
+            prior = prior.index_copy(0, r.tensor(at), gathered)
         if criterion == "entropy-diff":
-            h_now = _entropy(current)
-            h_before = torch.full_like(h_now, _FIRST_ENTROPY)
-            if at:
-                h_before = h_before.index_copy(0, r.tensor(at), _entropy(prior))
-            value = (h_now - h_before).abs()
+            value = (current - prior).abs()
         else:  # kl, minp-kl
-            lp_now = _log_probs(current, criterion)
-            lp_before = torch.full_like(lp_now, log(1.0 / vocab))
-            if at:
-                lp_before = lp_before.index_copy(0, r.tensor(at), _log_probs(prior, criterion))
-            value = F.kl_div(lp_now, lp_before, reduction="none", log_target=True).sum(dim=-1)
+            value = F.kl_div(current, prior, reduction="none", log_target=True).sum(dim=-1)
         values.index_copy_(0, r.tensor(mine), value)
+        for j, k in enumerate(mine):
+            helds[k].criterion_prev = (current, j, depths[k], criterion)
     return values
 
 
@@ -147,12 +171,12 @@ def _logits(r, states: torch.Tensor, positions: torch.Tensor, spans: list) -> to
     return r.timed(r.model.logits, r.timed(r.model.coda, states, positions, attn))
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    probs = F.softmax(logits.float(), dim=-1)
-    return -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)  # [K]
-
-
-def _log_probs(logits: torch.Tensor, criterion: str) -> torch.Tensor:
+def _statistic(logits: torch.Tensor, criterion: str) -> torch.Tensor:
+    """What the criterion compares between loops: the entropy [K], or the (min-p floored) log
+    distribution [K, V]."""
+    if criterion == "entropy-diff":
+        probs = F.softmax(logits.float(), dim=-1)
+        return -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
     if criterion != "minp-kl":
         return F.log_softmax(logits.float(), dim=-1)
     probs = F.softmax(logits.float(), dim=-1)
