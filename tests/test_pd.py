@@ -20,12 +20,10 @@ from engine_util import ENGINE_MODES, oracle_run, stream_all, tight_blocks
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
-from rltserve.core.engine_info import EngineStats
-from rltserve.core.pd import PDClient, stage_configs
+from rltserve.core.pd import PDClient, _Handoff, stage_configs
 from rltserve.core.stage import InProcessStageClient, StageClient, StageError
-from rltserve.llm import LLM
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason
+from rltserve.updates import FinishReason, RequestUpdate
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -102,7 +100,17 @@ def test_every_mode_matches_the_oracle_and_reuses_moved_blocks(ckpts, ouro_ref, 
 
 
 @pytest.mark.parametrize("kv_policy", ["full", "last_exited"])
-def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy):
+def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy, monkeypatch):
+    import rltserve.core.engine as engine_module
+
+    exports = []
+    real_export = engine_module.export_prompt
+
+    def counting(*args):
+        exports.append(args)
+        return real_export(*args)
+
+    monkeypatch.setattr(engine_module, "export_prompt", counting)
     prompts, _ = _workload(5, n=4)
     params = [
         SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=40 + i, exit_threshold=0.5)
@@ -127,6 +135,8 @@ def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy):
                 # Every sample's prompt blocks came from the prefill stage (as group hits).
                 moved = _moved(prompts)
                 assert client.decode.stats.prefix_cache_hits >= 2 * moved
+                # One transfer per group: the second samples waited for the first's.
+                assert len(exports) == len(prompts) - 1  # (prompts[1] has no full block)
         finally:
             client.close()
     assert results[0] == results[1]
@@ -262,6 +272,41 @@ def test_abort_during_prefill_and_during_decode(ckpts):
     assert not Path(client._dir).exists()
 
 
+def test_a_waiting_sample_aborts_alone_and_a_rerouted_prefill_is_served(
+    ckpts, ouro_ref, monkeypatch
+):
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    try:
+        updates, ended, sink = _collect()
+        held = []  # the first sample's prefill, held back: the others wait for it
+        real_add = client.prefill.add_request
+        monkeypatch.setattr(client.prefill, "add_request", lambda *a: held.append(a))
+        for rid in ("a", "b", "c"):
+            client.add_request(rid, prompt, GREEDY, sink, group="g")
+        assert len(held) == 1 and set(client._following) == {"b", "c"}
+        client.abort("b")
+        real_add(*held[0])
+        assert updates["b"][-1].finish_reason is FinishReason.ABORT and "b" not in client._ids
+        while len([r for r in ("a", "c") if updates.get(r) and updates[r][-1].finish_reason]) < 2:
+            time.sleep(0.01)
+        want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+        for rid in ("a", "c"):
+            assert [t for u in updates[rid] for t in u.new_token_ids] == want
+        # A prefill a weight update aborted (one that does not abort running requests): the
+        # decode stage computes its prompt and serves it.
+        updates, ended, sink = _collect()
+        client._open["d"] = _Handoff(prompt, GREEDY, client._ending("d", sink), None, "f")
+        client._open["d"].reroute = True
+        client._ids.add("d")
+        client._prefilled("d", RequestUpdate("d", finish_reason=FinishReason.ABORT))
+        assert ended.wait(60)
+        assert [t for u in updates["d"] for t in u.new_token_ids] == want
+        _wait_idle(client)
+    finally:
+        client.close()
+
+
 def _wait_idle(client, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -354,133 +399,6 @@ def test_request_ids_are_unique_across_both_stages(ckpts):
         _wait_idle(client)
     finally:
         client.close()
-
-
-def test_a_half_failed_update_stops_transfers_until_one_succeeds_on_both(ckpts, monkeypatch):
-    from rltserve.updates import UpdateTimeout
-
-    client = _client(ckpts["ouro"])
-    prompt = list(range(10, 40))
-    try:
-        real = client.decode.update_weights
-
-        def times_out(*args):
-            raise UpdateTimeout("timeout: requests still running")
-
-        monkeypatch.setattr(client.decode, "update_weights", times_out)
-        with pytest.raises(UpdateTimeout):
-            client.update_weights([str(ckpts["ouro"])], False, 1.0)
-        assert client.prefill.weight_version == 0  # the decode stage goes first: nothing applied
-        stream_all(client, [prompt], [GREEDY])
-        assert client.decode.stats.prefix_cache_hits == 0  # no transfer meanwhile
-        monkeypatch.setattr(client.decode, "update_weights", real)
-        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 1
-        assert client.prefill.weight_version == 1
-        stream_all(client, [prompt], [GREEDY])
-        assert client.decode.stats.prefix_cache_hits == 28  # moved again
-    finally:
-        client.close()
-
-
-def test_a_failed_sleep_wakes_the_stage_that_slept(ckpts, monkeypatch):
-    client = _client(ckpts["ouro"])
-    try:
-
-        def times_out(*args):
-            raise ValueError("timeout: requests still running")
-
-        monkeypatch.setattr(client.decode, "sleep", times_out)
-        with pytest.raises(ValueError, match="timeout"):
-            client.sleep(1, 1.0)
-        assert not client.sleeping and not client.prefill.sleeping
-        stream_all(client, [list(range(10, 40))], [GREEDY])
-    finally:
-        client.close()
-
-
-class _FakeStage:
-    """What ``PDClient.stats`` and its commands use of a stage client, calls recorded."""
-
-    calls: list = []
-
-    def __init__(self, config) -> None:
-        self.stats = None
-        self.alive = True
-        self.weight_version = 0
-
-    def update_weights(self, paths, abort, timeout_s) -> int:
-        _FakeStage.calls.append(("update", id(self), abort))
-        self.weight_version += 1
-        return self.weight_version
-
-    def close(self, timeout=None) -> None:
-        pass
-
-
-def test_an_update_goes_to_the_decode_stage_first():
-    """There a timeout is likely (it then leaves both stages as they were), and requests added
-    meanwhile wait for the update instead of being aborted by it."""
-    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
-    try:
-        for abort in (False, True):
-            _FakeStage.calls = []
-            assert client.update_weights(["dir"], abort, 1.0) == (2 if abort else 1)
-            order = [who for _, who, _ in _FakeStage.calls]
-            assert order == [id(client.decode), id(client.prefill)]
-        assert client._in_sync
-    finally:
-        client.close()
-
-
-def _stats(running: int, steps: int) -> EngineStats:
-    return EngineStats(running, 0, 0.0, steps, 0, 0, 0.0)
-
-
-def test_stats_show_progress_only_once_every_busy_stage_moved():
-    """The server's watchdog reads a new stats object as progress: a decode stage stuck with
-    requests while the prefill stage keeps stepping must not look alive."""
-    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
-    try:
-        client.decode.stats = _stats(running=2, steps=1)
-        first = client.stats
-        assert first.num_running == 2
-        client.prefill.stats = _stats(running=1, steps=1)  # the prefill stage moves
-        client._open["p"] = None  # (one request in its prefill)
-        assert client.stats is first  # the busy decode stage did not
-        client.decode.stats = _stats(running=2, steps=2)
-        second = client.stats
-        assert second is not first and second.num_waiting == 1  # in their prefill: waiting
-        client.prefill.stats = _stats(running=1, steps=2)
-        client.decode.stats = _stats(running=0, steps=3)  # idle now
-        third = client.stats
-        client._open.clear()
-        client.prefill.stats = _stats(running=0, steps=3)
-        assert client.stats is not third  # an idle decode stage does not hold progress back
-    finally:
-        client.close()
-
-
-def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
-    from rltserve.models.presets import make_model
-
-    other = make_model("ouro-tiny", tmp_path / "other", seed=5)
-    prompts = ["a prompt long enough to fill a few KV blocks of four tokens"] * 2
-    greedy = SamplingParams(temperature=0.0, max_tokens=6)
-    with LLM(str(other), in_process=True, num_blocks=128, block_size=BS) as one:
-        expected = [o.outputs[0].token_ids for o in one.generate(prompts[:1], greedy)]
-    with LLM(str(tiny), in_process=True, num_blocks=128, block_size=BS, disaggregate=True) as llm:
-        before = llm.generate(prompts[:1], greedy)[0]
-        assert before.num_cached_tokens > 0  # moved from the prefill stage
-        assert llm.update_weights(other) == 1
-        assert llm._client.prefill.weight_version == 1
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy)] == expected
-        llm.sleep(level=1)
-        assert llm.is_sleeping() and llm._client.prefill.sleeping
-        llm.wake_up()
-        assert not llm.is_sleeping()
-        llm.reset_prefix_cache()
-        after = llm.generate(prompts[:1], greedy)[0]
-        assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
 
 
 def test_config_refuses_what_cannot_move_kv():

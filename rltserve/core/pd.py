@@ -12,8 +12,10 @@ stage draws) go to the decode stage directly.
 Output equals one stage's: the transfer only replaces computation the decode stage would do
 otherwise, and ``kv_transfer`` matches blocks by hashes that name everything their KV depends
 on. Weight updates, sleep and wake-up run on both stages, one at a time; after an update that
-failed on one stage only the stages may hold different weights under one version number, so
-transfers stop until an update succeeds on both.
+applied on the decode stage only (the prefill stage failed to load it) the stages hold
+different weights, so transfers stop. The samples of one prompt (a group) make one transfer:
+the first goes through the prefill stage, the others wait here and follow it to the decode
+stage, where they share its prompt.
 
 A request's updates reach its sink from the decode stage (also when its prefill failed: the
 decode stage then computes the prompt itself), or one final update from here when it ended
@@ -26,19 +28,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageClient, StageError
 from rltserve.sampling import SamplingParams
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
+
+logger = logging.getLogger(__name__)
 
 _SHM = "/dev/shm"  # where the host has it: the files never touch a disk
 _MIN_SHM_BYTES = 1 << 30
@@ -80,6 +85,12 @@ class _Handoff:
     group: str | None
     path: str
     aborted: bool = False
+    # A weight update that does not abort running requests aborted its prefill: the decode
+    # stage computes the prompt instead.
+    reroute: bool = False
+    # The group's other samples, waiting to follow it to the decode stage: (request id,
+    # prompt, params, sink).
+    followers: list[tuple] = field(default_factory=list)
 
 
 class PDClient:
@@ -98,6 +109,8 @@ class PDClient:
         self._lock = threading.Lock()  # guards _ids, _open, _closed and the hand-over
         self._ids: set[str] = set()  # every open request, wherever it is
         self._open: dict[str, _Handoff] = {}  # those on the prefill stage
+        self._leaders: dict[str, _Handoff] = {}  # group key -> its sample on the prefill stage
+        self._following: dict[str, _Handoff] = {}  # a waiting follower -> its leader
         self._closed = False
         self._files = itertools.count()
         # Weight updates, sleep and wake-up run one at a time, on both stages; transfers
@@ -162,6 +175,14 @@ class PDClient:
                 raise ValueError(f"request_id={request_id!r}: already in use")
             self._ids.add(request_id)
         try:
+            if group is not None:
+                with self._lock:
+                    leader = self._leaders.get(group)
+                    if leader is not None and leader.prompt == list(prompt_token_ids):
+                        ending = self._ending(request_id, sink)
+                        leader.followers.append((request_id, leader.prompt, params, ending))
+                        self._following[request_id] = leader
+                        return
             if not self._transfers(prompt_token_ids, params):
                 ending = self._ending(request_id, sink)
                 self.decode.add_request(request_id, prompt_token_ids, params, ending, group)
@@ -171,6 +192,8 @@ class PDClient:
             handoff = _Handoff(list(prompt_token_ids), params, ending, group, path)
             with self._lock:
                 self._open[request_id] = handoff
+                if group is not None:
+                    self._leaders[group] = handoff
             ref = weakref.ref(self)
 
             def on_prefill(update: RequestUpdate) -> None:  # (holds the client weakly)
@@ -186,7 +209,9 @@ class PDClient:
         except BaseException:
             with self._lock:
                 self._ids.discard(request_id)
-                self._open.pop(request_id, None)
+                handoff = self._open.pop(request_id, None)
+                if handoff is not None and self._leaders.get(group) is handoff:
+                    del self._leaders[group]
             raise
 
     def _transfers(self, prompt: list[int], params: SamplingParams) -> bool:
@@ -237,59 +262,104 @@ class PDClient:
 
     def _prefilled(self, request_id: str, update: RequestUpdate) -> None:
         """The prefill stage's final update: the request moves to the decode stage with its
-        file (without one when the prefill failed: the decode stage then computes the prompt,
-        and refuses the request itself if it is bad), or ends here when it was aborted (by the
-        user, by closing, by a weight update that aborts running requests)."""
+        file (without one when the prefill failed, or a weight update that does not abort
+        running requests aborted it: the decode stage then computes the prompt, and refuses
+        the request itself if it is bad), or ends here when it was aborted (by the user, by
+        closing, by a weight update that aborts running requests). Its group's waiting
+        samples follow it (after it: there it leads the group)."""
+        finals: list[tuple[Sink, RequestUpdate]] = []
         with self._lock:
             handoff = self._open.pop(request_id, None)
             if handoff is None:
                 return
-            final: RequestUpdate | None = None
+            if handoff.group is not None and self._leaders.get(handoff.group) is handoff:
+                del self._leaders[handoff.group]
+            for follower in handoff.followers:
+                del self._following[follower[0]]
             if handoff.aborted or self._closed:
                 final = RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
                 if self._closed and not handoff.aborted:
                     final.error = _CLOSED
-            elif update.finish_reason is FinishReason.ABORT:  # (an update that aborts)
-                final = update
+                finals.append((handoff.sink, final))
+            elif update.finish_reason is FinishReason.ABORT and not handoff.reroute:
+                finals.append((handoff.sink, update))  # (an update that aborts)
             else:
                 done = update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                try:
-                    self.decode.add_request(
-                        request_id,
-                        handoff.prompt,
-                        handoff.params,
-                        handoff.sink,
-                        handoff.group,
-                        ("import", handoff.path) if done else None,
-                    )
-                except Exception as exc:  # (a dead decode stage, params it cannot send)
-                    error = f"decode stage: {type(exc).__name__}: {exc}"
-                    final = RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error)
-        if final is not None:
-            handoff.sink(final)
+                transfer = ("import", handoff.path) if done else None
+                entry = (request_id, handoff.prompt, handoff.params, handoff.sink)
+                finals += self._to_decode(entry, handoff.group, transfer)
+            for follower in handoff.followers:
+                if self._closed:
+                    final = RequestUpdate(follower[0], finish_reason=FinishReason.ABORT)
+                    final.error = _CLOSED
+                    finals.append((follower[3], final))
+                else:
+                    finals += self._to_decode(follower, handoff.group, None)
+        for sink, final in finals:
+            sink(final)
+
+    def _to_decode(
+        self, entry: tuple, group: str | None, transfer: tuple | None
+    ) -> list[tuple[Sink, RequestUpdate]]:
+        """Adds ``entry`` (request id, prompt, params, sink) to the decode stage; the final
+        update to send when that fails."""
+        request_id, prompt, params, sink = entry
+        try:
+            self.decode.add_request(request_id, prompt, params, sink, group, transfer)
+        except Exception as exc:  # (a dead decode stage, params it cannot send)
+            error = f"decode stage: {type(exc).__name__}: {exc}"
+            return [
+                (sink, RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
+            ]
+        return []
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            handoff = self._open.get(request_id)
-            if handoff is not None:
-                handoff.aborted = True
+            leader = self._following.pop(request_id, None)
+            if leader is not None:  # a sample waiting for its group's prefill
+                follower = next(f for f in leader.followers if f[0] == request_id)
+                leader.followers.remove(follower)
+            else:
+                handoff = self._open.get(request_id)
+                if handoff is not None:
+                    handoff.aborted = True
+        if leader is not None:
+            follower[3](RequestUpdate(request_id, finish_reason=FinishReason.ABORT))
+            return
         (self.prefill if handoff is not None else self.decode).abort(request_id)
 
     # ---------------------------------------------------------------- both stages
 
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
-        """The decode stage first: where long requests make a timeout likely (it then leaves
-        both stages as they were), and where requests added meanwhile go and wait for the
-        update (the prefill stage takes none until it is done), as one stage's do. A request
-        in its prefill meanwhile runs entirely under the new weights (its prompt is computed
-        again on the decode stage: the versions differ), and survives an aborting update.
-        Until an update succeeded on both, no KV moves: their versions might coincide over
-        different weights."""
+        """The decode stage first, as one stage would run it: where long requests make a
+        timeout likely (nothing is then applied anywhere), and where requests added
+        meanwhile go and wait for the update (no KV moves until it is done). Then the
+        prefill stage, which never waits: it aborts its prefills, and those the update does
+        not abort move on to the decode stage, whose prompts it computes under the new
+        weights. Applied once the decode stage has it: should the prefill stage fail to
+        load what the decode stage loaded, it keeps its weights and no KV moves from it
+        again (logged)."""
         with self._commands:
-            self._in_sync = False
-            self.decode.update_weights(paths, abort, timeout_s)
-            self.prefill.update_weights(paths, abort, timeout_s)
-            self._in_sync = True
+            in_sync, self._in_sync = self._in_sync, False
+            try:
+                self.decode.update_weights(paths, abort, timeout_s)
+            except BaseException:
+                self._in_sync = in_sync  # (nothing changed on either stage)
+                raise
+            with self._lock:
+                for handoff in self._open.values():
+                    handoff.reroute = not abort
+            try:
+                self.prefill.update_weights(paths, True, timeout_s)
+            except Exception as exc:
+                logger.warning(
+                    "weight update applied on the decode stage only; the prefill stage failed "
+                    "(%s: %s): prompts are computed on the decode stage from now on",
+                    type(exc).__name__,
+                    exc,
+                )
+                return self.decode.weight_version
+            self._in_sync = True  # (the versions tell whether the stages are in step)
             return self.decode.weight_version
 
     def sleep(self, level: int, timeout_s: float) -> None:
@@ -340,6 +410,7 @@ class PDClient:
             self._stats = decode
             if decode is not None and prefill is not None:
                 waiting = decode.num_waiting + prefill.num_running + prefill.num_waiting
+                waiting += len(self._following)
                 self._stats = replace(decode, num_waiting=waiting)
         return self._stats
 

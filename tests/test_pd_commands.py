@@ -1,0 +1,163 @@
+"""Prefill/decode disaggregation's commands on both stages (``core/pd.py``): weight updates
+(the decode stage first; a failed one changes nothing, one the prefill stage fails to load
+stops transfers; the prefill stage aborts its prefills, which move on unless the update aborts),
+sleep (a failed one wakes the stage that slept), the watchdog's view of stats, and the ``LLM``
+front end's commands reaching both stages."""
+
+from __future__ import annotations
+
+import pytest
+from engine_util import stream_all
+from test_pd import BS, GREEDY, _client
+
+from rltserve.config import EngineConfig
+from rltserve.core.engine_info import EngineStats
+from rltserve.core.pd import PDClient, _Handoff
+from rltserve.llm import LLM
+from rltserve.sampling import SamplingParams
+
+
+def test_a_failed_update_changes_nothing_and_a_half_applied_one_stops_transfers(
+    ckpts, monkeypatch, caplog
+):
+    from rltserve.updates import UpdateTimeout
+
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    try:
+        real = client.decode.update_weights
+
+        def times_out(*args):
+            raise UpdateTimeout("timeout: requests still running")
+
+        # The decode stage goes first: when it fails nothing is applied, and KV still moves.
+        monkeypatch.setattr(client.decode, "update_weights", times_out)
+        with pytest.raises(UpdateTimeout):
+            client.update_weights([str(ckpts["ouro"])], False, 1.0)
+        assert (client.prefill.weight_version, client.decode.weight_version) == (0, 0)
+        stream_all(client, [prompt], [GREEDY])
+        assert client.decode.stats.prefix_cache_hits == 28
+        monkeypatch.setattr(client.decode, "update_weights", real)
+        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 1
+        assert client.prefill.weight_version == 1
+        stream_all(client, [prompt], [GREEDY])
+        assert client.decode.stats.prefix_cache_hits == 28 + 28  # (a new version: moved again)
+
+        def fails(*args):
+            raise ValueError("cannot load")
+
+        # Applied where the outputs come from; the prefill stage, left behind, moves no KV.
+        monkeypatch.setattr(client.prefill, "update_weights", fails)
+        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 2
+        assert "applied on the decode stage only" in caplog.text
+        stream_all(client, [list(range(50, 80))], [GREEDY])
+        assert client.decode.stats.prefix_cache_hits == 56
+        assert client.decode.stats.num_steps > 0
+    finally:
+        client.close()
+
+
+def test_a_failed_sleep_wakes_the_stage_that_slept(ckpts, monkeypatch):
+    client = _client(ckpts["ouro"])
+    try:
+
+        def times_out(*args):
+            raise ValueError("timeout: requests still running")
+
+        monkeypatch.setattr(client.decode, "sleep", times_out)
+        with pytest.raises(ValueError, match="timeout"):
+            client.sleep(1, 1.0)
+        assert not client.sleeping and not client.prefill.sleeping
+        stream_all(client, [list(range(10, 40))], [GREEDY])
+    finally:
+        client.close()
+
+
+class _FakeStage:
+    """What ``PDClient.stats`` and its commands use of a stage client, calls recorded."""
+
+    calls: list = []
+
+    def __init__(self, config) -> None:
+        self.stats = None
+        self.alive = True
+        self.weight_version = 0
+
+    def update_weights(self, paths, abort, timeout_s) -> int:
+        _FakeStage.calls.append(("update", id(self), abort))
+        self.weight_version += 1
+        return self.weight_version
+
+    def close(self, timeout=None) -> None:
+        pass
+
+
+def test_an_update_goes_to_the_decode_stage_first():
+    """There a timeout is likely (it then leaves both stages as they were), and requests added
+    meanwhile wait for the update instead of being aborted by it. The prefill stage never
+    waits: it aborts its prefills, which move on to the decode stage unless the update aborts
+    running requests."""
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        for abort in (False, True):
+            _FakeStage.calls = []
+            handoff = client._open["x"] = _Handoff([1], GREEDY, print, None, "f")
+            assert client.update_weights(["dir"], abort, 1.0) == (2 if abort else 1)
+            calls = [(who, aborts) for _, who, aborts in _FakeStage.calls]
+            assert calls == [(id(client.decode), abort), (id(client.prefill), True)]
+            assert handoff.reroute is not abort
+            del client._open["x"]
+        assert client._in_sync
+    finally:
+        client.close()
+
+
+def _stats(running: int, steps: int) -> EngineStats:
+    return EngineStats(running, 0, 0.0, steps, 0, 0, 0.0)
+
+
+def test_stats_show_progress_only_once_every_busy_stage_moved():
+    """The server's watchdog reads a new stats object as progress: a decode stage stuck with
+    requests while the prefill stage keeps stepping must not look alive."""
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        client.decode.stats = _stats(running=2, steps=1)
+        first = client.stats
+        assert first.num_running == 2
+        client.prefill.stats = _stats(running=1, steps=1)  # the prefill stage moves
+        client._open["p"] = None  # (one request in its prefill)
+        assert client.stats is first  # the busy decode stage did not
+        client.decode.stats = _stats(running=2, steps=2)
+        second = client.stats
+        assert second is not first and second.num_waiting == 1  # in their prefill: waiting
+        client.prefill.stats = _stats(running=1, steps=2)
+        client.decode.stats = _stats(running=0, steps=3)  # idle now
+        third = client.stats
+        client._open.clear()
+        client.prefill.stats = _stats(running=0, steps=3)
+        assert client.stats is not third  # an idle decode stage does not hold progress back
+    finally:
+        client.close()
+
+
+def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
+    from rltserve.models.presets import make_model
+
+    other = make_model("ouro-tiny", tmp_path / "other", seed=5)
+    prompts = ["a prompt long enough to fill a few KV blocks of four tokens"] * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    with LLM(str(other), in_process=True, num_blocks=128, block_size=BS) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts[:1], greedy)]
+    with LLM(str(tiny), in_process=True, num_blocks=128, block_size=BS, disaggregate=True) as llm:
+        before = llm.generate(prompts[:1], greedy)[0]
+        assert before.num_cached_tokens > 0  # moved from the prefill stage
+        assert llm.update_weights(other) == 1
+        assert llm._client.prefill.weight_version == 1
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy)] == expected
+        llm.sleep(level=1)
+        assert llm.is_sleeping() and llm._client.prefill.sleeping
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        llm.reset_prefix_cache()
+        after = llm.generate(prompts[:1], greedy)[0]
+        assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
