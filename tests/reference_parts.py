@@ -1,11 +1,13 @@
-"""Pieces of the dense reference oracle (``reference.py``; DESIGN §9): the exit rule, KV policy
-planes, the math of norms, RoPE and causal attention, dense per-plane K/V, checkpoint loading.
+"""Pieces of the dense reference oracle (``reference.py``; DESIGN §9): its outputs, the exit rule
+and Huginn's zero-shot criteria, KV policy planes, the math of norms, RoPE and causal
+attention, dense per-plane K/V, checkpoint loading.
 Like the oracle it is written from MODELS.md alone and never imports ``rltserve``."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +17,43 @@ from safetensors.torch import load_file
 EXIT_MODES = ("gate", "delayed", "trace")
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class RefOutput:
+    """Result of :meth:`Reference.generate`, one entry per output token.
+
+    ``exit_depths[k]`` is the 1-based loop whose state produced ``tokens[k]`` (entry 0 belongs to
+    the last prompt position). ``logits[k]`` is the fp32 ``[V]`` logit vector at that depth.
+    ``gate_logits[k]`` / ``cdfs[k]`` hold the fp32 gate logit and exit CDF after each loop of the
+    producing position up to its exit (empty lists for models without a gate).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    gate_logits: list[list[float]] = field(default_factory=list)
+    cdfs: list[list[float]] = field(default_factory=list)
+    # fp32 [T - 1, V]: the logits at prompt positions 0 .. T - 2 after the request's most loops
+    # (``max_loops``; what each predicts of the next prompt token).
+    prompt_logits: torch.Tensor | None = None
+
+
+@dataclass
+class RecomputeOutput:
+    """Result of :meth:`Reference.full_recompute` over ``T`` positions.
+
+    ``logits``: ``[T, V]`` fp32 at each position's exit depth. ``depth_logits``: ``[D_r, T, V]``
+    fp32 at every depth (None for Huginn, whose coda output depends on the exit depths).
+    ``gate_logits``: ``[D_r, T]`` fp32 (None without a gate).
+    """
+
+    logits: torch.Tensor
+    depth_logits: torch.Tensor | None
+    gate_logits: torch.Tensor | None
 
 
 # --------------------------------------------------------------------------- exit rule
