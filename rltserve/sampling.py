@@ -11,6 +11,8 @@ INIT_STATES = ("random", "zero")
 # Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
 # threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
 EXIT_CRITERIA = {"kl": 5e-4, "minp-kl": 1e-6, "entropy-diff": 1e-3, "latent-diff": 0.03}
+# KV policies a request may pick for itself (the per-depth ones: the same planes).
+REQUEST_KV_POLICIES = ("full", "last_exited")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 
 
@@ -75,6 +77,9 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float = 1.0
     exit_criterion: str | None = None
+    # The request's KV policy where it differs from the engine's: "full" or "last_exited", on
+    # an engine running either (they lay out planes alike); None: the engine's.
+    kv_policy: str | None = None
     priority: int = 0
     logprobs: int | None = None
     init_state: str = "random"
@@ -195,6 +200,8 @@ class SamplingParams:
             isinstance(self.exit_criterion, str) and self.exit_criterion in EXIT_CRITERIA
         ):
             raise bad("exit_criterion", f"must be one of {sorted(EXIT_CRITERIA)} (or None)")
+        if self.kv_policy is not None and self.kv_policy not in REQUEST_KV_POLICIES:
+            raise bad("kv_policy", f"must be one of {REQUEST_KV_POLICIES} (or None: the engine's)")
         _check_int(self, "priority")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:

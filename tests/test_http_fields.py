@@ -178,6 +178,10 @@ async def test_sampling_fields_reach_the_engine(ckpt):
             body = {"prompt": [5], "exit_criterion": bad}
             status, _, raw = await live.post("/v1/completions", body)
             assert status == 400 and error_of(raw)["param"] == "exit_criterion", raw
+        assert (await live.post("/v1/completions", {"prompt": [5], "kv_policy": "full"}))[0] == 200
+        assert stage.added_params[-1].kv_policy == "full"
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "kv_policy": "ring:2"})
+        assert status == 400 and error_of(raw)["param"] == "kv_policy", raw
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 0})
         error = error_of(raw)
         assert (status, error["param"]) == (400, "num_steps"), error

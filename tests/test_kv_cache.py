@@ -202,10 +202,16 @@ def test_exit_copy_blocks():
     assert kv.exit_copy_blocks("a", 0, depth=4, num_loops=4) == []
     with pytest.raises(ValueError):
         kv.exit_copy_blocks("a", 10, depth=1, num_loops=4)
-    for name in ("full", "shared", "ring:1"):
+    for name in ("shared", "ring:1"):
         other = KVManager(64, 4, KVPolicy.parse(name), has_boundary=False)
         other.allocate("a", 10, 4)
         assert other.exit_copy_blocks("a", 5, depth=1, num_loops=4) == []
+    # A full engine's planes are last_exited's: a last_exited request's copies find them.
+    full = KVManager(64, 4, KVPolicy.parse("full"), has_boundary=False)
+    full.allocate("a", 10, 4)
+    assert full.exit_copy_blocks("a", 5, depth=2, num_loops=4) == [
+        full.block_table("a", p)[1] for p in (2, 3)
+    ]
     # ring:3: only the planes an exit before loop 3 never wrote (depths up to 3), never the
     # planes deeper loops share with the ones it wrote.
     ring = KVManager(64, 4, KVPolicy.parse("ring:3"), has_boundary=False)

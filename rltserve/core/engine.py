@@ -219,6 +219,8 @@ class EngineCore:
             group=group,
         )
         check_bans(request, spec.vocab_size)
+        if params.kv_policy is not None and params.kv_policy != str(self.policy):
+            request.kv_policy = KVPolicy.parse(params.kv_policy)
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
         if spec.num_boundary_layers:
@@ -252,7 +254,7 @@ class EngineCore:
             self.weight_version,
             self.config.model.dtype,
             self.runner.device.type,  # (kernels differ across device types)
-            str(self.policy),
+            str(request.kv_policy or self.policy),
             self.config.cache.block_size,
             request.num_loops,
             noise,

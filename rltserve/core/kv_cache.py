@@ -384,9 +384,11 @@ class KVManager:
         self, request_id: str, position: int, depth: int, num_loops: int
     ) -> list[int]:
         """Blocks holding ``position`` in the planes of depths ``depth+1 .. num_loops``, in depth
-        order, for copy-on-exit (``ring:k``: up to depth k, ``KVPolicy.copy_depths``); ``[]``
-        for a policy without it."""
-        if not self.policy.copies_on_exit:
+        order, for copy-on-exit (``ring:k``: up to depth k, ``KVPolicy.copy_depths``). Asked
+        only for requests whose policy copies (the engine's, or a request's ``last_exited`` on
+        a ``full`` engine: the same planes); ``[]`` where the engine's planes take no copies
+        (``shared``, ``ring:1``)."""
+        if not (self.policy.copies_on_exit or self.policy.per_depth):
             return []
         entry = self._requests[request_id]
         if not 0 <= position < entry.num_tokens:

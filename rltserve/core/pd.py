@@ -243,6 +243,7 @@ class PDClient:
             max_loops=cap,
             trace_depths=(cap or info.num_loops,) if traced else None,
             init_state=params.init_state,
+            kv_policy=params.kv_policy,
             priority=params.priority,
         )
 

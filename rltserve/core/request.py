@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from rltserve.kv_policy import KVPolicy
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -110,6 +111,8 @@ class Request:
     # gate/delayed on a model without a gate: the zero-shot criterion (``step_criteria``) that
     # decides instead; its first output, the prompt's, runs the cap (``exit.exit_spec``).
     criterion: str | None = None
+    # Its KV policy where it is not the engine's (``SamplingParams.kv_policy``).
+    kv_policy: KVPolicy | None = None
     pipelined: bool = False  # decode tokens enter loop 1 on a draft of their input
     epoch: int = 0  # rollbacks so far: a rejected draft discards every later in-flight item
     num_scheduled: int = 0  # positions already covered by work items

@@ -56,6 +56,12 @@ def check_params(
             "exit rule would make every step wait for the previous one"
         )
     cap = params.max_loops or spec.num_loops
+    policy = config.cache.kv_policy
+    if params.kv_policy not in (None, policy) and policy not in ("full", "last_exited"):
+        raise ValueError(
+            f"kv_policy={params.kv_policy!r}: this engine runs kv_policy={policy!r}, whose "
+            "planes a request cannot change (full and last_exited engines take either)"
+        )
     if params.exit_criterion is not None and spec.has_gate:
         raise ValueError(
             f"exit_criterion={params.exit_criterion!r}: this model's tokens exit by its learned "

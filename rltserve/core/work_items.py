@@ -21,9 +21,7 @@ class ItemMaker:
         self.config = config
         self.kv = kv
         self.has_boundary = has_boundary
-        self.copies_on_exit = kv.policy.copies_on_exit
         self.block_size = kv.block_size
-        self.full = kv.policy.kind == "full"  # every token loops to the request's depth
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
         """The request's next item, of at most ``budget`` tokens (not yet started: the
@@ -49,7 +47,8 @@ class ItemMaker:
             )
         if start < request.replay_until:
             chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
-            return replay_item(request, start, chunk, self.kv.policy, self.has_boundary)
+            policy = request.kv_policy or self.kv.policy
+            return replay_item(request, start, chunk, policy, self.has_boundary)
         return self.decode_item(request)
 
     def decode_item(self, request: Request) -> InFlight | None:
@@ -59,7 +58,7 @@ class ItemMaker:
         produces = start - request.num_prompt_tokens + 1  # the output this token produces
         if produces >= request.max_outputs or start + 1 >= request.max_total_tokens:
             return None
-        full = self.full
+        full = (request.kv_policy or self.kv.policy).kind == "full"  # loops on past its exit
         draft_at = self.config.draft_loops if request.pipelined else 0
         # Positional, in field order (one per decode token; keywords cost 2-3x as much).
         return InFlight(
@@ -87,7 +86,7 @@ class ItemMaker:
         copy_blocks: list[int] = []
         if item.has_output and item.exit_depth is None:
             spec = exit_spec(request, item, depth)
-            if item.stop_at_exit and self.copies_on_exit:
+            if item.stop_at_exit and self._copies(request):
                 # The position's blocks on every plane, found once: they never change while
                 # the item lives (a rollback or preemption makes new items).
                 blocks = item.exit_blocks
@@ -191,7 +190,7 @@ class ItemMaker:
         if exit_at != (item.exit_by if request.exit_mode == "fixed" else 0):
             return None  # (``carried_item``'s ``exit_at``)
         known = request.carry_blocks  # (the same block under the same tables)
-        if known is not None and item.stop_at_exit and self.copies_on_exit:
+        if known is not None and item.stop_at_exit and self._copies(request):
             item.exit_blocks = known[2]  # (``moved`` replaces them in a new block)
         return item
 
@@ -209,13 +208,17 @@ class ItemMaker:
             tables = tables[: item.ends_at]
         return (item.carry_key, tables, boundary, item.exit_blocks or [])
 
+    def _copies(self, request: Request) -> bool:
+        """Whether the request's early exits copy K/V into deeper planes (its policy's)."""
+        return (request.kv_policy or self.kv.policy).copies_on_exit
+
     def _exit_blocks(self, request: Request, item: InFlight, tables: list[list[int]]) -> list[int]:
         """last_exited: sets ``item.exit_blocks``, the blocks holding a carried decode token's
         position on the planes of depths 1..num_loops (what ``KVManager.exit_copy_blocks``
         finds, read off ``tables``, its depth tables), and returns those past depth 1 (its
         first loop's copy targets); [] when no copy can be needed. The same for the
         request's tokens in one block while its tables are the same lists."""
-        if not (item.stop_at_exit and self.copies_on_exit):
+        if not (item.stop_at_exit and self._copies(request)):
             return []
         index = item.start // self.block_size
         known = request.carry_blocks

@@ -3,7 +3,7 @@
 Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temperature`` 1.0),
 plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
 (alias ``num_steps``, Huginn's name), ``exit_threshold``, ``exit_criterion`` (Huginn's zero-shot
-exit criteria) and ``priority``, and bounded thinking
+exit criteria), ``kv_policy`` (per request) and ``priority``, and bounded thinking
 (``max_thinking_tokens``, ``thinking_interruption``, ``thinking_end_token_ids``). Two opt-in
 response extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays.
 Parsing is in ``validation``; ``validate()`` adds the cross-field rules; ``sampling_params``
@@ -66,6 +66,7 @@ class GenerationFields:
     num_steps: int | None = None  # Huginn's name for max_loops
     exit_threshold: float = 1.0
     exit_criterion: str | None = None
+    kv_policy: str | None = None  # "full" or "last_exited" (None: the server's)
     priority: int = field(default=0, metadata={"range": PRIORITY_RANGE})
     init_state: str = "random"  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
@@ -348,6 +349,7 @@ def sampling_params(
             max_loops=req.max_loops if req.max_loops is not None else req.num_steps,
             exit_threshold=req.exit_threshold,
             exit_criterion=req.exit_criterion,
+            kv_policy=req.kv_policy,
             priority=req.priority,
             init_state=req.init_state,
             logprobs=logprobs,

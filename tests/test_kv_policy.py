@@ -1,0 +1,87 @@
+"""A request's own KV policy (``SamplingParams.kv_policy``: ``full`` or ``last_exited`` on an
+engine running either, whose planes they share): in one batch beside requests on the engine's
+policy, every engine mode reproduces the oracle run with each request's policy; an engine whose
+planes differ (``shared``, ``ring:k``) refuses another policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode
+
+from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams
+
+
+def _workload(seed: int, policies: tuple, n: int = 8):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 11))] for _ in range(n)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=rng.randint(6, 12),
+            ignore_eos=True,
+            exit_threshold=(0.3, 0.5, 1.0)[i % 3],
+            kv_policy=policies[i % len(policies)],
+        )
+        for i in range(n)
+    ]
+    return prompts, params
+
+
+def _check(ref, prompts, params, run, engine_policy, exit_mode="gate") -> None:
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        policy = p.kv_policy or engine_policy
+        want = oracle_run(ref, prompt, p, kv_policy=policy, exit_mode=exit_mode)
+        assert run.tokens[f"r{i}"] == want.tokens, (i, policy)
+        assert run.depths[f"r{i}"] == want.exit_depths, (i, policy)
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_full_requests_on_a_last_exited_engine(ckpts, ouro_ref, mode):
+    prompts, params = _workload(4, ("full", None, "last_exited"))  # (3 full ones differ)
+    engine = dict(ENGINE_MODES[mode])
+    if mode == "pipelined":  # (pipelining takes greedy full-depth requests: it drafts those)
+        params = [p.replace(exit_threshold=1.0) if i % 2 else p for i, p in enumerate(params)]
+    core, run = run_mode(ckpts["ouro"], prompts, params, **engine)
+    core.shutdown()
+    _check(ouro_ref, prompts, params, run, "last_exited", engine.get("exit_mode", "gate"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "recompute", "swap"])
+def test_last_exited_requests_on_a_full_engine(ckpts, ouro_ref, mode):
+    prompts, params = _workload(2, ("last_exited", None))
+    engine = {**ENGINE_MODES[mode], "kv_policy": "full"}
+    core, run = run_mode(ckpts["ouro"], prompts, params, **engine)
+    core.shutdown()
+    _check(ouro_ref, prompts, params, run, "full")
+
+
+def test_huginn_criteria_under_both_policies(ckpts, huginn_ref):
+    """Coda attention and zero-shot exits: an early exit's deeper planes are copies under
+    ``last_exited``, its own later loops under ``full``."""
+    prompts, params = _workload(3, ("full", "last_exited"))
+    params = [
+        p.replace(exit_criterion="entropy-diff", exit_threshold=0.6, init_state="zero")
+        for p in params
+    ]
+    core = make_core(ckpts["huginn"], kv_policy="last_exited")
+    run = run_core(core, prompts, params)
+    core.shutdown()
+    _check(huginn_ref, prompts, params, run, "last_exited")
+
+
+def test_settings_are_checked():
+    assert REQUEST_KV_POLICIES == ("full", "last_exited")
+    for bad in ("shared", "ring:2", "", 3):
+        with pytest.raises(ValueError, match=r"^kv_policy=.*: must be one of"):
+            SamplingParams(kv_policy=bad)
+
+
+@pytest.mark.parametrize("engine_policy", ["shared", "ring:2"])
+def test_an_engine_with_other_planes_refuses_another_policy(ckpts, engine_policy):
+    core = make_core(ckpts["huginn"], kv_policy=engine_policy)
+    with pytest.raises(ValueError, match=r"^kv_policy='full': this engine runs kv_policy="):
+        core.make_request(None, [5, 6], SamplingParams(kv_policy="full"))
+    core.make_request(None, [5, 6], SamplingParams())  # (its own: fine)
+    core.shutdown()
