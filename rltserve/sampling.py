@@ -27,10 +27,10 @@ class SamplingParams:
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
     ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. Models without a gate
     (Huginn) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl"
-    when unset): a token exits at the first depth ``t >= min_loops`` where the criterion's value
-    after loop t is below ``exit_threshold`` (left at 1.0 with a criterion named: that
-    criterion's default, ``EXIT_CRITERIA``); the first output token, the prompt's, always runs
-    ``max_loops``. ``trace_depths`` (benchmarks
+    when unset and ``exit_threshold < 1``): a token exits at the first depth ``t >= min_loops``
+    where the criterion's value after loop t is below ``exit_threshold`` (with a criterion
+    named, any positive threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``);
+    the first output token, the prompt's, always runs ``max_loops``. ``trace_depths`` (benchmarks
     and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
     output token, each within ``[min_loops, max_loops]``.
 
@@ -285,7 +285,9 @@ class SamplingParams:
 
     @property
     def adaptive_exit(self) -> bool:
-        return self.exit_threshold < 1.0
+        """Tokens exit by the gate (``exit_threshold < 1``) or by a named criterion (at any
+        threshold: a criterion's values are not bounded by 1)."""
+        return self.exit_threshold < 1.0 or self.exit_criterion is not None
 
     def forced_token_ids(self) -> list[tuple[str, tuple[int, ...]]]:
         """The bounded-thinking ids the engine may force into the output (and feed back as

@@ -348,7 +348,8 @@ class Reference:
 
         n = len(prompt)
         kv, bkv = self._new_caches(planes, n + max_tokens)
-        zero_shot = not self.has_gate and exit_threshold < 1.0 and exit_mode != "trace"
+        adaptive = exit_threshold < 1.0 or exit_criterion is not None
+        zero_shot = not self.has_gate and adaptive and exit_mode != "trace"
 
         # Prompt: one forward per depth over all positions, always all D_r loops.
         e = self._prelude(list(prompt), 0, bkv)

@@ -100,7 +100,7 @@ class ExitRule:
     ) -> bool:
         """``below``: models without a gate, whether the zero-shot criterion's value after
         loop ``t`` is below ``exit_threshold`` (``Criterion``)."""
-        hit = below is not None and self.exit_threshold < 1.0 and t >= self.min_loops and below
+        hit = below is not None and t >= self.min_loops and below
         if gate_logit is not None:
             g = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
             lam = torch.sigmoid(g)
@@ -182,7 +182,7 @@ class Criterion:
 
     def __init__(self, name: str, threshold: float, vocab: int, state: torch.Tensor) -> None:
         self.name, self.threshold = name, threshold
-        self.log_probs = torch.full((vocab,), 1.0 / vocab).log()
+        self.log_probs = torch.full((vocab,), 1.0 / vocab).log()  # (fp32, as HF's)
         self.entropy = torch.tensor(100.0)
         self.state = state.float()
         self.values: list[float] = []

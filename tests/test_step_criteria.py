@@ -143,6 +143,21 @@ def test_nanbeige_criteria_equal_the_oracle(tmp_path):
 # --------------------------------------------------------------------------- settings
 
 
+def test_thresholds_above_one_apply_to_a_named_criterion(huginn_rv1, huginn_ref):
+    """A criterion's values are not bounded by 1 (kl, entropy differences): with one named,
+    a threshold of 2 or 50 is adaptive exit, not a fixed depth."""
+    prompts, params = workload(n=4, seed=6)
+    params = [
+        p.replace(exit_criterion=c, exit_threshold=q)
+        for p, (c, q) in zip(params, [("kl", 2.0), ("entropy-diff", 50.0)] * 2)
+    ]
+    assert all(p.adaptive_exit for p in params)
+    core, run = run_mode(huginn_rv1, prompts, params)
+    core.shutdown()
+    depths = check(huginn_ref, prompts, params, run, kv_policy="last_exited")
+    assert min(d for out in depths for d in out[1:]) < 4
+
+
 def test_sampling_params_criterion_fields():
     assert SamplingParams(exit_criterion="kl").exit_threshold == 5e-4
     assert SamplingParams(exit_criterion="latent-diff").exit_threshold == 0.03

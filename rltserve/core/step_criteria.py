@@ -23,7 +23,7 @@ K/V of a token is that of its last prediction.
 
 from __future__ import annotations
 
-from math import inf, log
+from math import inf
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,8 +55,8 @@ def crossed(
     # (A delayed row's crossing at the loop before its cap would exit it at the cap anyway.)
     active = [
         k
-        for k, (mode, t, d, lo, hi) in enumerate(zip(*columns))
-        if mode != "fixed" and t < 1.0 and lo <= d and d + (mode == "delayed") < hi
+        for k, (mode, _, d, lo, hi) in enumerate(zip(*columns))
+        if mode != "fixed" and lo <= d and d + (mode == "delayed") < hi
     ]
     if not active:
         return None
@@ -135,8 +135,10 @@ def _distribution_values(
     for criterion in dict.fromkeys(criteria):
         mine = [k for k, c in enumerate(criteria) if c == criterion]
         current = _statistic(_rows(r, logits_now, mine), criterion)  # [Km, V] or [Km]
-        first = _FIRST_ENTROPY if criterion == "entropy-diff" else log(1.0 / vocab)
-        prior = torch.full_like(current, first)
+        if criterion == "entropy-diff":
+            prior = torch.full_like(current, _FIRST_ENTROPY)
+        else:  # the uniform distribution's log, in fp32 as Hugging Face computes it
+            prior = torch.full_like(current, 1.0 / vocab).log()
         at = [j for j, k in enumerate(mine) if k in row_before]
         if at:
             rows_before = _rows(r, logits_before, [row_before[mine[j]] for j in at])
