@@ -318,8 +318,13 @@ def _wait_idle(client, timeout: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def test_bad_requests_are_refused_as_by_one_stage(ckpts):
+def test_bad_requests_are_refused_as_by_one_stage(ckpts, monkeypatch):
     client = _client(ckpts["ouro"], max_model_len=64)
+    prefills = []
+    real_add = client.prefill.add_request
+    monkeypatch.setattr(
+        client.prefill, "add_request", lambda *a: prefills.append(a[0]) or real_add(*a)
+    )
     try:
         updates, ended, sink = _collect()
         refused = SamplingParams(temperature=0.0, logprobs=50)  # the decode stage refuses
@@ -332,6 +337,11 @@ def test_bad_requests_are_refused_as_by_one_stage(ckpts):
         client.add_request("y", [1] * 70, SamplingParams(max_tokens=1), sink)
         assert ended.wait(60)
         assert updates["y"][-1].finish_reason is FinishReason.ERROR and updates["y"][-1].rejected
+        updates, ended, sink = _collect()
+        client.add_request("z", list(range(10, 40)), SamplingParams(min_loops=7), sink)
+        assert ended.wait(60)
+        assert updates["z"][-1].error.startswith("min_loops=7: above the 4 loops")
+        assert prefills == []  # none of them ran a prefill first
         _wait_idle(client)
     finally:
         client.close()

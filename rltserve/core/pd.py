@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
 from rltserve.sampling import SamplingParams
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
@@ -98,6 +99,7 @@ class PDClient:
 
     def __init__(self, config: EngineConfig, client_cls: Callable = StageClient) -> None:
         prefill_config, decode_config = stage_configs(config)
+        self._decode_config = decode_config
         self.prefill = client_cls(prefill_config)
         try:
             self.decode = client_cls(decode_config)
@@ -215,7 +217,8 @@ class PDClient:
             raise
 
     def _transfers(self, prompt: list[int], params: SamplingParams) -> bool:
-        """Whether the request goes through the prefill stage (see the module doc)."""
+        """Whether the request goes through the prefill stage (see the module doc): not one
+        the decode stage will refuse (its prefill would be wasted)."""
         info = self.info
         if info is None or not self._in_sync or len(prompt) - 1 < info.block_size:
             return False
@@ -223,6 +226,10 @@ class PDClient:
             return False
         if params.prompt_logprobs is not None:
             return False
+        try:  # (EngineInfo has the model facts the checks read)
+            check_params(prompt, params, info, self._decode_config, info.max_model_len, False)
+        except ValueError:
+            return False  # the decode stage refuses it at once, in its own words
         return not (
             info.family == "huginn_raven" and params.init_state == "random" and params.seed is None
         )
