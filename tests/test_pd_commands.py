@@ -161,3 +161,29 @@ def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
         llm.reset_prefix_cache()
         after = llm.generate(prompts[:1], greedy)[0]
         assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
+
+
+def test_a_dead_process_transfer_directory_is_swept(tmp_path, monkeypatch):
+    """A process killed before its cleanup leaves its transfer directory (in shared memory):
+    the next client removes those whose process is gone, and no other."""
+    import os
+    import subprocess
+    import sys
+
+    import rltserve.core.pd as pd
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead = tmp_path / f"rltserve-pd-{int(done.stdout)}-abc"
+    alive = tmp_path / f"rltserve-pd-{os.getpid()}-def"
+    other = tmp_path / "rltserve-pd-notapid"
+    for d in (dead, alive, other):
+        d.mkdir()
+        (d / "0.safetensors").write_bytes(b"x")
+    monkeypatch.setattr(pd, "_file_dir", lambda: str(tmp_path))
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        assert not dead.exists() and alive.exists() and other.exists()
+        assert os.path.basename(client._dir).startswith(f"rltserve-pd-{os.getpid()}-")
+    finally:
+        client.close()

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 _SHM = "/dev/shm"  # where the host has it: the files never touch a disk
 _MIN_SHM_BYTES = 1 << 30
 _CLOSED = "stage closed before the request finished"
+_PREFIX = "rltserve-pd-"  # then the owning process's id: ``_sweep`` removes a dead one's
 
 
 def stage_client(config: EngineConfig, client_cls: Callable = StageClient):
@@ -106,7 +107,9 @@ class PDClient:
         except BaseException:
             self.prefill.close(timeout=2.0)
             raise
-        self._dir = tempfile.mkdtemp(prefix="rltserve-pd-", dir=_file_dir())
+        where = _file_dir()
+        _sweep(where or tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=where)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._lock = threading.Lock()  # guards _ids, _open, _closed and the hand-over
         self._ids: set[str] = set()  # every open request, wherever it is
@@ -432,6 +435,25 @@ def _file_dir() -> str | None:
     except OSError:
         pass
     return None
+
+
+def _sweep(parent: str) -> None:
+    """Removes the transfer directories of processes that are gone (killed before their
+    cleanup ran: the files would hold shared memory until a reboot)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except OSError:  # (alive, another user's)
+            pass
 
 
 def _remove(path: str) -> None:
