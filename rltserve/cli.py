@@ -60,7 +60,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--exit-criterion",
         choices=sorted(EXIT_CRITERIA),
         default=None,
-        help="Huginn: the zero-shot exit criterion (kl when --exit-threshold < 1 alone)",
+        help="Huginn: the zero-shot exit criterion, adaptive at any --exit-threshold (kl when "
+        "--exit-threshold < 1 alone)",
     )
     g.add_argument("--min-loops", type=int, default=1)
     g.add_argument("--max-loops", type=int, default=None)

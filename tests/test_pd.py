@@ -74,7 +74,7 @@ def _idle(client: PDClient) -> None:
         if stats is None:  # (it never ran a step)
             continue
         assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
-    assert os.listdir(client._dir) == []
+    assert os.listdir(client._dir) == ["owner.lock"]  # (no transfer file left)
 
 
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
@@ -302,6 +302,42 @@ def test_a_waiting_sample_aborts_alone_and_a_rerouted_prefill_is_served(
         client._prefilled("d", RequestUpdate("d", finish_reason=FinishReason.ABORT))
         assert ended.wait(60)
         assert [t for u in updates["d"] for t in u.new_token_ids] == want
+        _wait_idle(client)
+    finally:
+        client.close()
+
+
+def test_followers_of_a_failed_leader_and_an_abort_during_a_move(ckpts, ouro_ref, monkeypatch):
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+    try:
+        updates, ended, sink = _collect()
+
+        def joins_then_fails(*args):  # a sample joins the leader, whose prefill then fails
+            client.add_request("b", prompt, GREEDY, sink, group="g")
+            raise RuntimeError("prefill stage gone")
+
+        monkeypatch.setattr(client.prefill, "add_request", joins_then_fails)
+        with pytest.raises(RuntimeError):
+            client.add_request("a", prompt, GREEDY, sink, group="g")
+        while not (updates.get("b") and updates["b"][-1].finish_reason):
+            time.sleep(0.01)
+        assert [t for u in updates["b"] for t in u.new_token_ids] == want  # (served, alone)
+        assert not client._following and "a" not in client._ids
+        # An abort that arrives while a request is being added to the decode stage.
+        updates, ended, sink = _collect()
+        real_add = client.decode.add_request
+
+        def aborted_meanwhile(request_id, *args):
+            client.abort(request_id)
+            real_add(request_id, *args)
+
+        monkeypatch.setattr(client.decode, "add_request", aborted_meanwhile)
+        client._open["c"] = _Handoff(prompt, GREEDY, client._ending("c", sink), None, "f")
+        client._ids.add("c")
+        client._prefilled("c", RequestUpdate("c", finish_reason=FinishReason.LENGTH))
+        assert ended.wait(60) and updates["c"][-1].finish_reason is FinishReason.ABORT
         _wait_idle(client)
     finally:
         client.close()

@@ -165,25 +165,32 @@ def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
 
 def test_a_dead_process_transfer_directory_is_swept(tmp_path, monkeypatch):
     """A process killed before its cleanup leaves its transfer directory (in shared memory):
-    the next client removes those whose process is gone, and no other."""
+    the next client removes those whose owner lock is free, and no other."""
+    import fcntl
     import os
-    import subprocess
-    import sys
 
-    import rltserve.core.pd as pd
+    from rltserve.core import transfer_dir
 
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
-                          capture_output=True, text=True)  # fmt: skip
-    dead = tmp_path / f"rltserve-pd-{int(done.stdout)}-abc"
-    alive = tmp_path / f"rltserve-pd-{os.getpid()}-def"
-    other = tmp_path / "rltserve-pd-notapid"
-    for d in (dead, alive, other):
+    dead, alive, unlocked = (tmp_path / f"rltserve-pd-{n}" for n in ("dead", "alive", "new"))
+    for d in (dead, alive, unlocked):
         d.mkdir()
         (d / "0.safetensors").write_bytes(b"x")
-    monkeypatch.setattr(pd, "_file_dir", lambda: str(tmp_path))
-    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    (dead / "owner.lock").write_bytes(b"")
+    (alive / "owner.lock").write_bytes(b"")
+    holder = os.open(alive / "owner.lock", os.O_RDWR)  # (its owner, alive)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    monkeypatch.setattr(transfer_dir, "file_dir", lambda: str(tmp_path))
     try:
-        assert not dead.exists() and alive.exists() and other.exists()
-        assert os.path.basename(client._dir).startswith(f"rltserve-pd-{os.getpid()}-")
+        client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+        try:
+            assert not dead.exists() and alive.exists() and unlocked.exists()
+            mine = client._dir
+            assert os.path.exists(os.path.join(mine, "owner.lock"))
+            other = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+            other.close()
+            assert os.path.exists(mine)  # (a live client's directory survives a sweep)
+        finally:
+            client.close()
+        assert not os.path.exists(mine)
     finally:
-        client.close()
+        os.close(holder)

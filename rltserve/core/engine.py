@@ -222,7 +222,8 @@ class EngineCore:
         if params.kv_policy is not None and params.kv_policy != str(self.policy):
             request.kv_policy = KVPolicy.parse(params.kv_policy)
         # Coda attention: a first output exiting before the prompt's last loop has its coda
-        # wait for that loop (DESIGN §4). (Such models have no gate: their exits are fixed.)
+        # wait for that loop (DESIGN §4). (Such models have no gate: a first output's exit is
+        # fixed, under a zero-shot criterion too: ``exit.exit_spec``.)
         if spec.num_boundary_layers:
             first = fixed_exit_depth(request, 0)
             request.first_coda_at = first if first < num_loops else 0

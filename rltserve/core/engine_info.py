@@ -64,4 +64,4 @@ class EngineInfo:
     num_blocks: int
     block_size: int
     kv_policy: str
-    has_gate: bool = False  # tokens exit by a learned gate (Ouro), else at a fixed depth
+    has_gate: bool = False  # tokens exit by a learned gate (Ouro), else fixed or a criterion

@@ -3,8 +3,8 @@ and what the scheduler already knows about where it exits.
 
 A request's exit mode is fixed when it is created:
 
-- ``fixed``: models without a gate, ``exit_threshold >= 1``, or trace replay (benchmarks): the
-  exit depth is known before any loop runs;
+- ``fixed``: no adaptive exit (``SamplingParams.adaptive_exit`` false), or trace replay
+  (benchmarks): the exit depth is known before any loop runs;
 - ``gate``: the Ouro gate rule (DESIGN §5) runs on the device in the step that computes the gate,
   so an exiting token reaches its coda in that same step; the scheduler learns the exit from the
   step's result;

@@ -30,14 +30,13 @@ import contextlib
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rltserve.config import EngineConfig
+from rltserve.core import transfer_dir
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
@@ -46,10 +45,7 @@ from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
 
 logger = logging.getLogger(__name__)
 
-_SHM = "/dev/shm"  # where the host has it: the files never touch a disk
-_MIN_SHM_BYTES = 1 << 30
 _CLOSED = "stage closed before the request finished"
-_PREFIX = "rltserve-pd-"  # then the owning process's id: ``_sweep`` removes a dead one's
 
 
 def stage_client(config: EngineConfig, client_cls: Callable = StageClient):
@@ -107,15 +103,16 @@ class PDClient:
         except BaseException:
             self.prefill.close(timeout=2.0)
             raise
-        where = _file_dir()
-        _sweep(where or tempfile.gettempdir())
-        self._dir = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=where)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
-        self._lock = threading.Lock()  # guards _ids, _open, _closed and the hand-over
+        self._dir, owner = transfer_dir.create()
+        self._finalizer = weakref.finalize(self, transfer_dir.drop, self._dir, owner)
+        # Guards _ids, _open, _leaders, _following, _moving, _closed and the hand-over.
+        self._lock = threading.Lock()
         self._ids: set[str] = set()  # every open request, wherever it is
         self._open: dict[str, _Handoff] = {}  # those on the prefill stage
         self._leaders: dict[str, _Handoff] = {}  # group key -> its sample on the prefill stage
         self._following: dict[str, _Handoff] = {}  # a waiting follower -> its leader
+        # Requests on their way to the decode stage (added outside the lock) -> aborted since.
+        self._moving: dict[str, bool] = {}
         self._closed = False
         self._files = itertools.count()
         # Weight updates, sleep and wake-up run one at a time, on both stages; transfers
@@ -179,26 +176,29 @@ class PDClient:
             if request_id in self._ids:
                 raise ValueError(f"request_id={request_id!r}: already in use")
             self._ids.add(request_id)
+        prompt = list(prompt_token_ids)
+        handoff = None
         try:
-            if group is not None:
-                with self._lock:
-                    leader = self._leaders.get(group)
-                    if leader is not None and leader.prompt == list(prompt_token_ids):
-                        ending = self._ending(request_id, sink)
-                        leader.followers.append((request_id, leader.prompt, params, ending))
-                        self._following[request_id] = leader
-                        return
-            if not self._transfers(prompt_token_ids, params):
-                ending = self._ending(request_id, sink)
-                self.decode.add_request(request_id, prompt_token_ids, params, ending, group)
-                return
-            path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
-            ending = self._ending(request_id, sink, path)
-            handoff = _Handoff(list(prompt_token_ids), params, ending, group, path)
+            transfers = self._transfers(prompt, params)
             with self._lock:
-                self._open[request_id] = handoff
-                if group is not None:
-                    self._leaders[group] = handoff
+                leader = self._leaders.get(group) if transfers and group is not None else None
+                if leader is not None and leader.prompt == prompt:
+                    ending = self._ending(request_id, sink)
+                    leader.followers.append((request_id, prompt, params, ending))
+                    self._following[request_id] = leader
+                    return
+                # (``_in_sync`` again under the lock: an update marks the open prefills.)
+                if transfers and self._in_sync:
+                    path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
+                    ending = self._ending(request_id, sink, path)
+                    handoff = _Handoff(prompt, params, ending, group, path)
+                    self._open[request_id] = handoff
+                    if group is not None:
+                        self._leaders[group] = handoff
+            if handoff is None:
+                ending = self._ending(request_id, sink)
+                self.decode.add_request(request_id, prompt, params, ending, group)
+                return
             ref = weakref.ref(self)
 
             def on_prefill(update: RequestUpdate) -> None:  # (holds the client weakly)
@@ -206,17 +206,21 @@ class PDClient:
                 if client is not None and update.finish_reason is not None:
                     client._prefilled(request_id, update)
 
-            transfer = ("export", path)
+            transfer = ("export", handoff.path)
             one_token = self._one_token(params)
-            self.prefill.add_request(
-                request_id, handoff.prompt, one_token, on_prefill, group, transfer
-            )
+            self.prefill.add_request(request_id, prompt, one_token, on_prefill, group, transfer)
         except BaseException:
             with self._lock:
                 self._ids.discard(request_id)
-                handoff = self._open.pop(request_id, None)
-                if handoff is not None and self._leaders.get(group) is handoff:
-                    del self._leaders[group]
+                moves = []
+                if handoff is not None and self._open.pop(request_id, None) is handoff:
+                    if self._leaders.get(group) is handoff:
+                        del self._leaders[group]
+                    for follower in handoff.followers:  # (they follow a leader that is not)
+                        del self._following[follower[0]]
+                        self._moving[follower[0]] = False
+                        moves.append((follower, None))
+            self._move(moves, group)
             raise
 
     def _transfers(self, prompt: list[int], params: SamplingParams) -> bool:
@@ -264,7 +268,7 @@ class PDClient:
         def ending(update: RequestUpdate) -> None:
             if update.finish_reason is not None:
                 if path is not None:
-                    _remove(path)
+                    transfer_dir.remove(path)
                 with self._lock:
                     self._ids.discard(request_id)
             sink(update)
@@ -277,16 +281,16 @@ class PDClient:
         running requests aborted it: the decode stage then computes the prompt, and refuses
         the request itself if it is bad), or ends here when it was aborted (by the user, by
         closing, by a weight update that aborts running requests). Its group's waiting
-        samples follow it (after it: there it leads the group)."""
+        samples follow it (after it: there it leads the group; also after an aborting
+        update ended it, as requests waiting on one stage survive one)."""
         finals: list[tuple[Sink, RequestUpdate]] = []
+        moves: list[tuple[tuple, tuple | None]] = []
         with self._lock:
             handoff = self._open.pop(request_id, None)
             if handoff is None:
                 return
             if handoff.group is not None and self._leaders.get(handoff.group) is handoff:
                 del self._leaders[handoff.group]
-            for follower in handoff.followers:
-                del self._following[follower[0]]
             if handoff.aborted or self._closed:
                 final = RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
                 if self._closed and not handoff.aborted:
@@ -296,36 +300,46 @@ class PDClient:
                 finals.append((handoff.sink, update))  # (an update that aborts)
             else:
                 done = update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                transfer = ("import", handoff.path) if done else None
                 entry = (request_id, handoff.prompt, handoff.params, handoff.sink)
-                finals += self._to_decode(entry, handoff.group, transfer)
+                moves.append((entry, ("import", handoff.path) if done else None))
             for follower in handoff.followers:
+                del self._following[follower[0]]
                 if self._closed:
                     final = RequestUpdate(follower[0], finish_reason=FinishReason.ABORT)
                     final.error = _CLOSED
                     finals.append((follower[3], final))
                 else:
-                    finals += self._to_decode(follower, handoff.group, None)
+                    moves.append((follower, None))
+            for entry, _ in moves:
+                self._moving[entry[0]] = False
         for sink, final in finals:
             sink(final)
+        self._move(moves, handoff.group)
 
-    def _to_decode(
-        self, entry: tuple, group: str | None, transfer: tuple | None
-    ) -> list[tuple[Sink, RequestUpdate]]:
-        """Adds ``entry`` (request id, prompt, params, sink) to the decode stage; the final
-        update to send when that fails."""
-        request_id, prompt, params, sink = entry
-        try:
-            self.decode.add_request(request_id, prompt, params, sink, group, transfer)
-        except Exception as exc:  # (a dead decode stage, params it cannot send)
-            error = f"decode stage: {type(exc).__name__}: {exc}"
-            return [
-                (sink, RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
-            ]
-        return []
+    def _move(self, moves: list[tuple[tuple, tuple | None]], group: str | None) -> None:
+        """Adds each (request id, prompt, params, sink) to the decode stage with its transfer,
+        in order, outside the lock (a send may block while the decode stage's updates wait
+        for it); an abort that came meanwhile (``_moving``) follows the add, and a failed add
+        ends the request with the error."""
+        for (request_id, prompt, params, sink), transfer in moves:
+            final = None
+            try:
+                self.decode.add_request(request_id, prompt, params, sink, group, transfer)
+            except Exception as exc:  # (a dead decode stage, params it cannot send)
+                error = f"decode stage: {type(exc).__name__}: {exc}"
+                final = RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error)
+            with self._lock:
+                aborted = self._moving.pop(request_id, False)
+            if final is not None:
+                sink(final)
+            elif aborted:
+                self.decode.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
+            if request_id in self._moving:  # (its mover aborts it once it is added)
+                self._moving[request_id] = True
+                return
             leader = self._following.pop(request_id, None)
             if leader is not None:  # a sample waiting for its group's prefill
                 follower = next(f for f in leader.followers if f[0] == request_id)
@@ -424,38 +438,3 @@ class PDClient:
                 waiting += len(self._following)
                 self._stats = replace(decode, num_waiting=waiting)
         return self._stats
-
-
-def _file_dir() -> str | None:
-    """Where transfer files go: shared memory where the host has enough of it (Docker's
-    default is 64 MiB), else the default temporary directory."""
-    try:
-        if shutil.disk_usage(_SHM).free >= _MIN_SHM_BYTES:
-            return _SHM
-    except OSError:
-        pass
-    return None
-
-
-def _sweep(parent: str) -> None:
-    """Removes the transfer directories of processes that are gone (killed before their
-    cleanup ran: the files would hold shared memory until a reboot)."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(_PREFIX) :].split("-", 1)[0]
-        if not name.startswith(_PREFIX) or not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        except OSError:  # (alive, another user's)
-            pass
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
