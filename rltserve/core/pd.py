@@ -179,16 +179,17 @@ class PDClient:
         prompt = list(prompt_token_ids)
         handoff = None
         try:
+            # (``_in_sync`` is read under the lock: an update marks the open prefills.)
             transfers = self._transfers(prompt, params)
             with self._lock:
+                transfers = transfers and self._in_sync
                 leader = self._leaders.get(group) if transfers and group is not None else None
                 if leader is not None and leader.prompt == prompt:
                     ending = self._ending(request_id, sink)
                     leader.followers.append((request_id, prompt, params, ending))
                     self._following[request_id] = leader
                     return
-                # (``_in_sync`` again under the lock: an update marks the open prefills.)
-                if transfers and self._in_sync:
+                if transfers:
                     path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
                     ending = self._ending(request_id, sink, path)
                     handoff = _Handoff(prompt, params, ending, group, path)
@@ -214,10 +215,7 @@ class PDClient:
                 self._ids.discard(request_id)
                 moves = []
                 if handoff is not None and self._open.pop(request_id, None) is handoff:
-                    if self._leaders.get(group) is handoff:
-                        del self._leaders[group]
-                    for follower in handoff.followers:  # (they follow a leader that is not)
-                        del self._following[follower[0]]
+                    for follower in self._detach(handoff):  # (a leader that never was)
                         self._moving[follower[0]] = False
                         moves.append((follower, None))
             self._move(moves, group)
@@ -227,7 +225,7 @@ class PDClient:
         """Whether the request goes through the prefill stage (see the module doc): not one
         the decode stage will refuse (its prefill would be wasted)."""
         info = self.info
-        if info is None or not self._in_sync or len(prompt) - 1 < info.block_size:
+        if info is None or len(prompt) - 1 < info.block_size:
             return False
         if self.prefill.weight_version != self.decode.weight_version or self.prefill.sleeping:
             return False
@@ -289,8 +287,7 @@ class PDClient:
             handoff = self._open.pop(request_id, None)
             if handoff is None:
                 return
-            if handoff.group is not None and self._leaders.get(handoff.group) is handoff:
-                del self._leaders[handoff.group]
+            followers = self._detach(handoff)
             if handoff.aborted or self._closed:
                 final = RequestUpdate(request_id, finish_reason=FinishReason.ABORT)
                 if self._closed and not handoff.aborted:
@@ -302,8 +299,7 @@ class PDClient:
                 done = update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
                 entry = (request_id, handoff.prompt, handoff.params, handoff.sink)
                 moves.append((entry, ("import", handoff.path) if done else None))
-            for follower in handoff.followers:
-                del self._following[follower[0]]
+            for follower in followers:
                 if self._closed:
                     final = RequestUpdate(follower[0], finish_reason=FinishReason.ABORT)
                     final.error = _CLOSED
@@ -315,6 +311,15 @@ class PDClient:
         for sink, final in finals:
             sink(final)
         self._move(moves, handoff.group)
+
+    def _detach(self, handoff: _Handoff) -> list[tuple]:
+        """Under the lock, for a handoff leaving ``_open``: it stops leading its group, and its
+        followers stop waiting (returned, for the caller to move or end)."""
+        if handoff.group is not None and self._leaders.get(handoff.group) is handoff:
+            del self._leaders[handoff.group]
+        for follower in handoff.followers:
+            del self._following[follower[0]]
+        return handoff.followers
 
     def _move(self, moves: list[tuple[tuple, tuple | None]], group: str | None) -> None:
         """Adds each (request id, prompt, params, sink) to the decode stage with its transfer,

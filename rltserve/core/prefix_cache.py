@@ -31,10 +31,14 @@ class RefCounts(Protocol):
     def free(self, ids: list[int]) -> None: ...
 
 
-def block_hashes(salt: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none)."""
+def block_hashes(
+    salt: bytes, token_ids: list[int], block_size: int, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block has none);
+    ``parent``: the hash of the block before them, when they continue a chain."""
     out: list[bytes] = []
-    parent = blake2b(salt, digest_size=16).digest()
+    if parent is None:
+        parent = blake2b(salt, digest_size=16).digest()
     for i in range(len(token_ids) // block_size):
         chunk = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
         parent = blake2b(parent + chunk, digest_size=16).digest()

@@ -200,7 +200,8 @@ class PromptSharing:
         if upto <= first or first < p // bs:  # (nothing new, or the prompt's chain is broken)
             return
         tokens = request.prompt_token_ids + request.output_token_ids[: upto * bs - p]
-        keys = block_hashes(request.cache_salt, tokens, bs)[first:upto]
+        parent = request.block_hashes[first - 1] if first else None  # (the prompt's chain)
+        keys = block_hashes(request.cache_salt, tokens[first * bs :], bs, parent)
         self.s.kv.cache_blocks(request.request_id, first, keys)
         request.blocks_cached = upto
 

@@ -145,13 +145,8 @@ def _distribution_values(
             prior = prior.index_copy(0, r.tensor(at), _statistic(rows_before, criterion))
         at = [j for j, k in enumerate(mine) if k in kept]
         if at:
-            picks = [kept[mine[j]] for j in at]
-            sources = list({id(t): t for t, *_ in picks}.values())
-            source_of = {id(t): n for n, t in enumerate(sources)}
-            gathered = step_rows.gather_rows(
-                sources, [(source_of[id(t)], row, 1) for t, row, *_ in picks], in_order=True
-            )
-            prior = prior.index_copy(0, r.tensor(at), gathered)
+            refs = [kept[mine[j]][:2] for j in at]  # (the previous step's tensor, row)
+            prior = prior.index_copy(0, r.tensor(at), step_rows.gather_tokens(refs))
         if criterion == "entropy-diff":
             value = (current - prior).abs()
         else:  # kl, minp-kl

@@ -82,8 +82,8 @@ def thresholds(
 
 
 def gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """[len(refs)] int64: row ``row`` of each ``(tensor, row)``; the tensor itself when the
-    rows are all of one tensor, in order."""
+    """Row ``row`` of each ``(tensor, row)`` (sampled tokens' [R] int64, criteria's statistics):
+    [len(refs), ...]; the tensor itself when the rows are all of one tensor, in order."""
     sources: list[torch.Tensor] = []
     source_of: dict[int, int] = {}
     picks = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rltserve.config import SchedulerConfig
 from rltserve.core.exit import exit_spec, fixed_exit_depth
-from rltserve.core.kv_cache import KVManager
+from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import Carry, WorkItem
 from rltserve.core.preemption import replay_item
 from rltserve.core.request import InFlight, Request
@@ -47,8 +47,7 @@ class ItemMaker:
             )
         if start < request.replay_until:
             chunk = min(self.config.prefill_chunk_size, request.replay_until - start, budget)
-            policy = request.kv_policy or self.kv.policy
-            return replay_item(request, start, chunk, policy, self.has_boundary)
+            return replay_item(request, start, chunk, self._policy(request), self.has_boundary)
         return self.decode_item(request)
 
     def decode_item(self, request: Request) -> InFlight | None:
@@ -58,7 +57,7 @@ class ItemMaker:
         produces = start - request.num_prompt_tokens + 1  # the output this token produces
         if produces >= request.max_outputs or start + 1 >= request.max_total_tokens:
             return None
-        full = (request.kv_policy or self.kv.policy).kind == "full"  # loops on past its exit
+        full = self._policy(request).kind == "full"  # loops on past its exit
         draft_at = self.config.draft_loops if request.pipelined else 0
         # Positional, in field order (one per decode token; keywords cost 2-3x as much).
         return InFlight(
@@ -208,9 +207,13 @@ class ItemMaker:
             tables = tables[: item.ends_at]
         return (item.carry_key, tables, boundary, item.exit_blocks or [])
 
+    def _policy(self, request: Request) -> KVPolicy:
+        """The KV policy the request runs: its own, else the engine's."""
+        return request.kv_policy or self.kv.policy
+
     def _copies(self, request: Request) -> bool:
-        """Whether the request's early exits copy K/V into deeper planes (its policy's)."""
-        return (request.kv_policy or self.kv.policy).copies_on_exit
+        """Whether the request's early exits copy K/V into deeper planes."""
+        return self._policy(request).copies_on_exit
 
     def _exit_blocks(self, request: Request, item: InFlight, tables: list[list[int]]) -> list[int]:
         """last_exited: sets ``item.exit_blocks``, the blocks holding a carried decode token's
