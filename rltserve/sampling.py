@@ -10,7 +10,15 @@ from dataclasses import dataclass, field, fields
 INIT_STATES = ("random", "zero")
 # Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
 # threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
-EXIT_CRITERIA = {"kl": 5e-4, "minp-kl": 1e-6, "entropy-diff": 1e-3, "latent-diff": 0.03}
+# ``argmax-stability``'s threshold counts loops; ``none`` never exits early (a fixed depth).
+EXIT_CRITERIA = {
+    "kl": 5e-4,
+    "minp-kl": 1e-6,
+    "entropy-diff": 1e-3,
+    "latent-diff": 0.03,
+    "argmax-stability": 5,
+    "none": 1.0,
+}
 # KV policies a request may pick for itself (the per-depth ones: the same planes).
 REQUEST_KV_POLICIES = ("full", "last_exited")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
@@ -29,7 +37,9 @@ class SamplingParams:
     (Huginn) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl"
     when unset and ``exit_threshold < 1``): a token exits at the first depth ``t >= min_loops``
     where the criterion's value after loop t is below ``exit_threshold`` (with a criterion
-    named, any positive threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``);
+    named, any positive threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``),
+    or, for ``argmax-stability``, where the argmax of the next-token logits has stayed the same
+    for ``exit_threshold`` loops in a row (a whole number); ``none`` runs ``max_loops``;
     the first output token, the prompt's, always runs ``max_loops``. ``trace_depths`` (benchmarks
     and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
     output token, each within ``[min_loops, max_loops]``.
@@ -200,6 +210,11 @@ class SamplingParams:
             isinstance(self.exit_criterion, str) and self.exit_criterion in EXIT_CRITERIA
         ):
             raise bad("exit_criterion", f"must be one of {sorted(EXIT_CRITERIA)} (or None)")
+        if (
+            self.exit_criterion == "argmax-stability"
+            and not float(self.exit_threshold).is_integer()
+        ):
+            raise bad("exit_threshold", "argmax-stability counts loops: must be a whole number")
         if self.kv_policy is not None and self.kv_policy not in REQUEST_KV_POLICIES:
             raise bad("kv_policy", f"must be one of {REQUEST_KV_POLICIES} (or None: the engine's)")
         _check_int(self, "priority")
@@ -286,7 +301,9 @@ class SamplingParams:
     @property
     def adaptive_exit(self) -> bool:
         """Tokens exit by the gate (``exit_threshold < 1``) or by a named criterion (at any
-        threshold: a criterion's values are not bounded by 1)."""
+        threshold: a criterion's values are not bounded by 1) other than ``none``."""
+        if self.exit_criterion == "none":
+            return False
         return self.exit_threshold < 1.0 or self.exit_criterion is not None
 
     def forced_token_ids(self) -> list[tuple[str, tuple[int, ...]]]:

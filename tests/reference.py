@@ -348,7 +348,7 @@ class Reference:
 
         n = len(prompt)
         kv, bkv = self._new_caches(planes, n + max_tokens)
-        adaptive = exit_threshold < 1.0 or exit_criterion is not None
+        adaptive = exit_criterion != "none" and (exit_threshold < 1.0 or exit_criterion is not None)
         zero_shot = not self.has_gate and adaptive and exit_mode != "trace"
 
         # Prompt: one forward per depth over all positions, always all D_r loops.

@@ -98,8 +98,8 @@ class ExitRule:
     def update(
         self, t: int, gate_logit: torch.Tensor | float | None, below: bool | None = None
     ) -> bool:
-        """``below``: models without a gate, whether the zero-shot criterion's value after
-        loop ``t`` is below ``exit_threshold`` (``Criterion``)."""
+        """``below``: models without a gate, whether the zero-shot criterion after loop ``t``
+        asks for the exit (``Criterion.below``)."""
         hit = below is not None and t >= self.min_loops and below
         if gate_logit is not None:
             g = torch.as_tensor(gate_logit, dtype=torch.float32).reshape(())
@@ -176,19 +176,26 @@ class Criterion:
     """Hugging Face's zero-shot exit criteria (``generate_with_adaptive_compute``, MODELS.md
     §2.5) for one decode position, fed loop by loop: the state after each loop (and before the
     first) and, for the criteria over next-token distributions, that loop's logits. It keeps the
-    previous loop's distribution, entropy and state as Hugging Face does."""
+    previous loop's distribution, entropy, argmax and state as Hugging Face does."""
 
-    NEEDS_LOGITS = ("kl", "minp-kl", "entropy-diff")
+    NEEDS_LOGITS = ("kl", "minp-kl", "entropy-diff", "argmax-stability")
 
     def __init__(self, name: str, threshold: float, vocab: int, state: torch.Tensor) -> None:
         self.name, self.threshold = name, threshold
         self.log_probs = torch.full((vocab,), 1.0 / vocab).log()  # (fp32, as HF's)
         self.entropy = torch.tensor(100.0)
+        self.argmax, self.stable = -1, 0  # argmax-stability: loops the argmax has not changed
         self.state = state.float()
         self.values: list[float] = []
 
     def below(self, state: torch.Tensor, logits: torch.Tensor | None) -> bool:
         before, self.state = self.state, state.float()
+        if self.name == "argmax-stability":
+            top = int(logits.float().argmax())
+            self.stable = self.stable + 1 if top == self.argmax else 0
+            self.argmax = top
+            self.values.append(float(self.stable))
+            return self.stable >= self.threshold
         if self.name == "latent-diff":
             value = ((before - self.state).norm(dim=-1) / self.state.norm(dim=-1)).mean()
         elif self.name == "entropy-diff":

@@ -178,6 +178,11 @@ async def test_sampling_fields_reach_the_engine(ckpt):
             body = {"prompt": [5], "exit_criterion": bad}
             status, _, raw = await live.post("/v1/completions", body)
             assert status == 400 and error_of(raw)["param"] == "exit_criterion", raw
+        body = {"prompt": [5], "exit_criterion": "argmax-stability", "exit_threshold": 3}
+        assert (await live.post("/v1/completions", body))[0] == 200
+        assert stage.added_params[-1].exit_threshold == 3
+        status, _, raw = await live.post("/v1/completions", {**body, "exit_threshold": 2.5})
+        assert status == 400 and error_of(raw)["param"] == "exit_threshold", raw
         assert (await live.post("/v1/completions", {"prompt": [5], "kv_policy": "full"}))[0] == 200
         assert stage.added_params[-1].kv_policy == "full"
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "kv_policy": "ring:2"})

@@ -393,6 +393,12 @@ def test_criterion_values_by_hand():
     floored = floored / floored.sum()
     want = float((torch.full((v,), 1 / v) * (math.log(1 / v) - floored.log())).sum())
     assert minp.values[0] == pytest.approx(want, rel=1e-5)
+    # argmax-stability counts the loops in a row whose argmax is the loop before's (Hugging
+    # Face starts from -1: 0 at loop 1) and exits when the count reaches the threshold.
+    stable = Criterion("argmax-stability", 2, v, state)
+    other = logits.flip(0)
+    flags = [stable.below(state, x) for x in (logits, logits, other, other, other, other)]
+    assert stable.values == [0, 1, 0, 1, 2, 3] and flags == [False] * 4 + [True] * 2
 
 
 @pytest.mark.parametrize("criterion", ["kl", "minp-kl", "entropy-diff", "latent-diff"])

@@ -158,15 +158,51 @@ def test_thresholds_above_one_apply_to_a_named_criterion(huginn_rv1, huginn_ref)
     assert min(d for out in depths for d in out[1:]) < 4
 
 
+@pytest.mark.parametrize("mode", [m for m in ENGINE_MODES if m != "pipelined"])
+def test_argmax_stability_equals_the_oracle(huginn_rv1, huginn_ref, mode):
+    """A token exits once its argmax has stayed the same for the threshold's loops in a row:
+    the count needs every loop's argmax, below ``min_loops`` too (min_loops 3 on half of the
+    requests), through restarts; beside kl requests and one with ``none`` (full depth)."""
+    prompts, params = workload(n=8, seed=7)
+    params = [
+        p.replace(
+            exit_criterion="argmax-stability" if i % 4 else "kl",
+            exit_threshold=2 if i % 4 else THRESHOLDS["kl"],
+            min_loops=1 + 2 * (i % 2),
+            max_loops=8,
+        )
+        for i, p in enumerate(params)
+    ]
+    params[4] = params[4].replace(exit_criterion="none", exit_threshold=0.5)
+    engine = dict(ENGINE_MODES[mode])
+    core, run = run_mode(huginn_rv1, prompts, params, **engine)
+    core.shutdown()
+    exit_mode = engine.get("exit_mode", "gate")
+    depths = check(huginn_ref, prompts, params, run, exit_mode, kv_policy="last_exited")
+    assert depths[4] == [8] * 7
+    counted = {d for i, out in enumerate(depths) if i % 4 for d in out[1:]}
+    assert min(counted) < 8 == max(counted), counted
+
+
 def test_sampling_params_criterion_fields():
     assert SamplingParams(exit_criterion="kl").exit_threshold == 5e-4
     assert SamplingParams(exit_criterion="latent-diff").exit_threshold == 0.03
     assert SamplingParams(exit_criterion="kl", exit_threshold=0.2).exit_threshold == 0.2
     assert SamplingParams(exit_criterion="minp-kl").clone().exit_threshold == 1e-6
-    assert sorted(EXIT_CRITERIA) == ["entropy-diff", "kl", "latent-diff", "minp-kl"]
-    for bad in ("argmax-stability", "", 3, ["kl"]):
+    assert SamplingParams(exit_criterion="argmax-stability").exit_threshold == 5
+    assert SamplingParams(exit_criterion="argmax-stability", exit_threshold=3).adaptive_exit
+    assert sorted(EXIT_CRITERIA) == [
+        "argmax-stability", "entropy-diff", "kl", "latent-diff", "minp-kl", "none",
+    ]  # fmt: skip
+    for bad in ("cosine", "", 3, ["kl"]):
         with pytest.raises(ValueError, match=r"^exit_criterion=.*: must be one of"):
             SamplingParams(exit_criterion=bad)
+    for bad in (2.5, float("inf")):
+        with pytest.raises(ValueError, match=r"^exit_threshold=.*: argmax-stability counts"):
+            SamplingParams(exit_criterion="argmax-stability", exit_threshold=bad)
+    # "none" never exits early, at any threshold (Hugging Face's): a fixed depth.
+    assert not SamplingParams(exit_criterion="none", exit_threshold=0.5).adaptive_exit
+    assert not SamplingParams(exit_criterion="none").adaptive_exit
 
 
 def test_async_in_step_criterion_is_refused(huginn_rv1):

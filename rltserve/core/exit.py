@@ -14,7 +14,8 @@ A request's exit mode is fixed when it is created:
 On a model without a gate (Huginn), ``gate`` and ``delayed`` apply the request's zero-shot
 criterion (``Request.criterion``, ``step_criteria``) where the gate rule would run, except to the
 first output: the prompt's last position runs the cap, as Hugging Face's adaptive generation
-never exits in the prefill.
+means to ("do not exit in prefill"; its guard never holds, docs/architecture.md), so every
+prompt position writes every plane.
 """
 
 from __future__ import annotations

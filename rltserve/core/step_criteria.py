@@ -9,14 +9,18 @@ A row's value compares its state after this loop, ``s_t``, with its state before
   with ``p_0`` uniform;
 - ``minp-kl``: the same after each distribution's entries below a tenth of its largest are set
   to ``1/V`` and it is renormalised (``p_0`` uniform);
-- ``entropy-diff``: ``|H(p_t) - H(p_{t-1})|`` with ``H(p_0) = 100``.
+- ``entropy-diff``: ``|H(p_t) - H(p_{t-1})|`` with ``H(p_0) = 100``;
+- ``argmax-stability``: how many loops in a row the argmax of ``p`` has not changed (0 at loop
+  1), which exits the row when it reaches the threshold.
 
 The row exits when its value is below its threshold (from ``min_loops`` on; ``step_exits``
 applies the cap and, in delayed mode, moves the exit one loop later). The arithmetic is Hugging
 Face's (``generate_with_adaptive_compute``), in fp32. The statistic of ``p_t`` (log
-distribution, or entropy) stays on the item (``ItemState.criterion_prev``) for the next loop;
-where the loop before computed none (it was before ``min_loops``, or the item restarted after a
-preemption) it is computed again from ``s_{t-1}``, one more coda. Every coda writes the row's
+distribution, entropy, or argmax and count) stays on the item (``ItemState.criterion_prev``) for
+the next loop; where the loop before computed none (it was before ``min_loops``, or the item
+restarted after a preemption) it is computed again from ``s_{t-1}``, one more coda. The count of
+``argmax-stability`` needs every loop's argmax, so its rows compute it from loop 1 on (a
+restart begins at loop 1 again). Every coda writes the row's
 coda K/V, which its exit's coda (``Step._coda_and_sample``) writes last, as Hugging Face's coda
 K/V of a token is that of its last prediction.
 """
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
 
 # What the criteria compare against before the first loop (Hugging Face's initial values).
 _FIRST_ENTROPY = 100.0
+_FIRST_ARGMAX = (-1, 0)  # (argmax, loops unchanged): no token id is -1
+_COUNTS = "argmax-stability"  # the criterion whose value must reach its threshold
 
 
 def crossed(
@@ -46,28 +52,31 @@ def crossed(
     positions: torch.Tensor,
     columns: tuple,
 ) -> torch.Tensor | None:
-    """[M] bool on the device: the output rows (``step.out``) whose criterion value after this
-    loop is below their threshold, where the rule applies (``columns``: the rows' modes,
-    thresholds, depths, min_loops and max_loops); None when it applies to none of them.
-    ``loop_in`` / ``state``: [N, S] the step's rows before and after the loop; ``positions``
-    [N] their positions."""
+    """[M] bool on the device: the output rows (``step.out``) whose criterion after this loop
+    asks for the exit, where the rule applies (``columns``: the rows' modes, thresholds, depths,
+    min_loops and max_loops); None when it applies to none of them. ``loop_in`` / ``state``:
+    [N, S] the step's rows before and after the loop; ``positions`` [N] their positions."""
     modes, thresholds, depths, min_loops, max_loops = columns
-    # (A delayed row's crossing at the loop before its cap would exit it at the cap anyway.)
-    active = [
-        k
-        for k, (mode, _, d, lo, hi) in enumerate(zip(*columns))
-        if mode != "fixed" and lo <= d and d + (mode == "delayed") < hi
-    ]
+    r, out, offsets, items = step.r, step.out, step.offsets, step.items
+    # Rows whose value this loop computes: from min_loops on (from loop 1 for a count), and
+    # before the cap (a delayed row's crossing at the loop before its cap would exit it at the
+    # cap anyway).
+    active, criteria = [], []
+    for k, (mode, _, d, lo, hi) in enumerate(zip(*columns)):
+        if mode == "fixed" or d + (mode == "delayed") >= hi:
+            continue
+        criterion = step.lives[out[k]].setup.params.exit_criterion or "kl"
+        if lo <= d or criterion == _COUNTS:
+            active.append(k)
+            criteria.append(criterion)
     if not active:
         return None
-    r, out, offsets, items = step.r, step.out, step.offsets, step.items
-    rows, criteria, helds, spans = [], [], [], []
+    rows, helds, spans = [], [], []
     for k in active:
         i = out[k]
         if offsets[i + 1] - offsets[i] != 1:  # (a generated token's output: one row)
             raise RuntimeError(f"{items[i].request_id}: an exit criterion on a multi-row item")
         rows.append(offsets[i])
-        criteria.append(step.lives[i].setup.params.exit_criterion or "kl")
         helds.append(step.held[i])
         spans.append((step.starts[i], 1, items[i].boundary_table))
     index = r.tensor(rows)
@@ -91,9 +100,15 @@ def crossed(
             [helds[a] for a in scored],
         )
         values.index_copy_(0, r.tensor(scored), scored_values)
+    # A value is compared where the row may exit: below its threshold, or a count reaching it
+    # (negated: -count < 0.5 - threshold, thresholds being whole numbers).
+    counted = [a for a, c in enumerate(criteria) if c == _COUNTS]
+    if counted:
+        values.index_copy_(0, r.tensor(counted), -_rows(r, values, counted))
     limits = [-inf] * len(modes)  # (no value is below -inf: where the rule does not apply)
-    for k in active:
-        limits[k] = thresholds[k]
+    for a, k in enumerate(active):
+        if depths[k] >= min_loops[k]:
+            limits[k] = 0.5 - thresholds[k] if criteria[a] == _COUNTS else thresholds[k]
     every = torch.full((len(modes),), inf, dtype=torch.float32, device=now.device)  # [M]
     every.index_copy_(0, r.tensor(active), values)
     return torch.lt(every, r.tensor(limits, torch.float32))
@@ -121,6 +136,8 @@ def _distribution_values(
             continue
         if prev is not None and prev[2] == d - 1 and prev[3] == c:
             kept[k] = prev
+        elif c == _COUNTS:  # (its rows compute every loop from loop 1)
+            raise RuntimeError(f"argmax-stability: no count from loop {d - 1}")
         else:
             redo.append(k)
     logits_before = None
@@ -134,6 +151,9 @@ def _distribution_values(
     values = torch.empty(len(criteria), dtype=torch.float32, device=now.device)  # [K]
     for criterion in dict.fromkeys(criteria):
         mine = [k for k, c in enumerate(criteria) if c == criterion]
+        if criterion == _COUNTS:
+            values.index_copy_(0, r.tensor(mine), _count(r, logits_now, mine, kept, helds, depths))
+            continue
         current = _statistic(_rows(r, logits_now, mine), criterion)  # [Km, V] or [Km]
         if criterion == "entropy-diff":
             prior = torch.full_like(current, _FIRST_ENTROPY)
@@ -155,6 +175,22 @@ def _distribution_values(
         for j, k in enumerate(mine):
             helds[k].criterion_prev = (current, j, depths[k], criterion)
     return values
+
+
+def _count(r, logits: torch.Tensor, mine: list[int], kept: dict, helds: list, depths: list):
+    """[Km] fp32: for rows ``mine`` (of ``logits`` [K, V]), how many loops in a row their argmax
+    has not changed, left with the argmax on their items."""
+    top = _rows(r, logits, mine).argmax(dim=-1)  # [Km] int64
+    prior = r.tensor([_FIRST_ARGMAX] * len(mine))  # [Km, 2] (argmax, count)
+    at = [j for j, k in enumerate(mine) if k in kept]
+    if at:
+        refs = [kept[mine[j]][:2] for j in at]
+        prior = prior.index_copy(0, r.tensor(at), step_rows.gather_tokens(refs))
+    count = torch.where(top == prior[:, 0], prior[:, 1] + 1, torch.zeros_like(top))  # [Km]
+    current = torch.stack((top, count), dim=-1)  # [Km, 2]
+    for j, k in enumerate(mine):
+        helds[k].criterion_prev = (current, j, depths[k], _COUNTS)
+    return count.float()
 
 
 def _rows(r, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
