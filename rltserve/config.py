@@ -207,10 +207,11 @@ class SchedulerConfig:
         default=0,
         metadata=_help(
             "on-demand KV: a preempted request that has waited this many steps for blocks "
-            "preempts the request that has run longest since its admission (if that one ran as "
-            "long and produced a token meanwhile), which then queues as a new arrival: the "
-            "admitted requests take turns instead of the last ones waiting for the first to end; "
-            "0: off (a preempted request waits for blocks to free)"
+            "preempts, among the requests that ran as long since their admission and produced "
+            "a token meanwhile, the one furthest ahead in outputs (swap) or with the fewest "
+            "(recompute), which then queues as a new arrival: the admitted requests take turns "
+            "instead of the last ones waiting for the first to end; 0: off (a preempted request "
+            "waits for blocks to free)"
         ),
     )
     scheduling_policy: str = field(
