@@ -191,6 +191,11 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         error = error_of(raw)
         assert (status, error["param"]) == (400, "num_steps"), error
         assert error["message"].startswith("num_steps=0: must be >= min_loops"), error
+        # (above the model's cap, checked against the model: named as sent too)
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 10**4})
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "num_steps"), error
+        assert error["message"].startswith("num_steps=10000: this model allows at most"), error
 
 
 async def test_max_tokens_beyond_the_context_is_a_400(ckpt):

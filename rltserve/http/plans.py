@@ -14,16 +14,18 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from rltserve.http.errors import bad_request
+from rltserve.http.errors import HTTPError, bad_request
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
 from rltserve.http.schemas import (
     COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    as_sent,
     sampling_params,
 )
 from rltserve.http.state import ServingState
+from rltserve.http.validation import param_of
 from rltserve.thinking import ids_open_thinking
 
 
@@ -91,7 +93,12 @@ def _choices(
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
-            checked = frontend.check_params(params, prompt.token_ids)
+            try:
+                checked = frontend.check_params(params, prompt.token_ids)
+            except HTTPError as exc:
+                if (message := as_sent(req, exc.message)) == exc.message:
+                    raise
+                raise bad_request(message, param_of(message)) from exc
             choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group, session))
     return choices
 

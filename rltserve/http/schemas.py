@@ -360,7 +360,13 @@ def sampling_params(
             ),
         )
     except ValueError as exc:
-        message = str(exc)
-        if req.max_loops is None and req.num_steps is not None and message.startswith("max_loops="):
-            message = "num_steps" + message[len("max_loops") :]  # (the name the client used)
+        message = as_sent(req, str(exc))
         raise SchemaError(param_of(message), message) from exc
+
+
+def as_sent(req: CompletionRequest | ChatCompletionRequest, message: str) -> str:
+    """``message`` with the field named as the client sent it: ``num_steps`` (Huginn's name)
+    where it names ``max_loops``."""
+    if req.max_loops is None and req.num_steps is not None and message.startswith("max_loops="):
+        return "num_steps" + message[len("max_loops") :]
+    return message
