@@ -134,6 +134,31 @@ def test_shared_policy_under_pressure(ckpts, ouro_ref, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_shared_prompt_preempted_with_its_last_loop_in_flight(ckpts, ouro_ref, mode):
+    """Async: a prompt is preempted while its last loop's result is not applied. Under
+    shared/ring its positions read each other's version of every loop, which later loops
+    overwrite, so a swap keeps whole prompt chunks: recomputing only the last position would
+    read its chunk's last versions (found by scripts/fuzz_oracle.py)."""
+    head = [234, 254, 376, 31, 205]
+    prompts = [head + [71, 223, 228], head + [150, 14, 308]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, exit_threshold=0.9),
+        SamplingParams(
+            temperature=0.0, max_tokens=3, ignore_eos=True, exit_threshold=0.7, min_loops=2,
+            max_loops=3,
+        ),
+    ]  # fmt: skip
+    engine = dict(kv_policy="shared", block_size=4, preemption_mode=mode)
+    engine["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params, kv_policy="shared")
+    core = make_core(ckpts["ouro"], async_scheduling=True, exit_mode="delayed", **engine)
+    run = run_core(core, prompts, params, arrivals=[3, 2], lag=1)
+    assert core.stats().num_preemptions >= 1
+    _assert_empty(core)
+    core.shutdown()
+    _oracle(ouro_ref, run, prompts, params, "shared", "delayed")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_seeded_sampling_under_pressure(ckpts, mode):
     prompts, params, arrivals = _workload(6, seed=3)
     params = [

@@ -186,7 +186,8 @@ class Preemptor:
     def _final_positions(self, victim: Request) -> int:
         """Swap mode: positions ``[0, n)`` whose KV is final on every plane: below every item
         that still plans loops, with recorded inputs (so a rolled-back draft never counts), and
-        short of the position that produces the next unrecorded output."""
+        short of the position that produces the next unrecorded output; under shared/ring, at
+        the start of a prompt chunk."""
         if self.swap is None:
             return 0
         k = len(victim.output_token_ids)
@@ -194,7 +195,13 @@ class Preemptor:
         starts = [it.start for it in victim.items] + [victim.num_scheduled, limit]
         if victim.scoring:  # a prompt item whose result is not applied is scored again
             starts.append(victim.prompt_logprobs.index(None))
-        return max(0, min(min(starts), self.s.kv.covered(victim.request_id)))
+        keep = max(0, min(min(starts), self.s.kv.covered(victim.request_id)))
+        if keep < victim.num_prompt_tokens and not self.s.kv.policy.per_depth:
+            # Under shared/ring a chunk's positions read each other's version of every loop,
+            # which the plane keeps only until the next loop: a position recomputed from loop 1
+            # would read its chunk's last versions instead. The chunk is recomputed whole.
+            keep = max((c for c in victim.chunk_starts if c <= keep), default=0)
+        return keep
 
     def restore(self, request: Request) -> None:
         """On admission (blocks already allocated): schedules the swap-in of a swapped request."""

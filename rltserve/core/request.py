@@ -133,6 +133,9 @@ class Request:
         False  # some of its items are replay runs in lockstep (``Wavefront.start_runs``)
     )
     swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
+    # The first positions of the prompt chunks committed, in order: under shared/ring a swap
+    # keeps whole chunks (``Preemptor._final_positions``).
+    chunk_starts: list[int] = field(default_factory=list)
     # Time slicing (``Preemptor.rotate``): the step that last admitted it, its outputs then
     # and the positions that admission recomputes, and the step that last preempted it.
     admitted_step: int = 0
