@@ -1,0 +1,273 @@
+"""Differential fuzzing of the engine against the dense oracle (``tests/reference.py``).
+
+Each case draws an engine (model family, KV policy, chunked or wavefront prefill, async
+scheduling with delayed exits, a preemption mode on a pool so small that requests are preempted
+again and again, prompt-sharing groups) and a greedy workload (random prompts and arrivals, the
+exit rule of the family: Ouro's gate, Huginn's zero-shot criteria or a fixed depth, random
+``min_loops``/``max_loops``, a request's own KV policy, zero or seeded random initial states),
+runs it with ``tests/engine_util.run_core`` (which also checks that no KV block leaks), and
+compares every request's token ids and exit depths with the oracle's. Combinations the engine
+refuses (a ``ValueError`` naming them) are counted, not failed.
+
+    python scripts/fuzz_oracle.py --cases 200 --seed 0 --json
+
+prints one JSON object: the counts, and for every mismatch or crash the case (seed, engine
+settings, prompts and params) that reproduces it: ``--case-seed N`` runs that case alone.
+The checkpoints are the tiny random ones the tests use, built under ``--work`` (a temporary
+directory by default). Slow on purpose (the oracle is dense): about a second a case on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import orjson  # noqa: E402
+from engine_util import make_core, oracle_run, run_core, tight_blocks  # noqa: E402
+from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
+from reference import Reference  # noqa: E402
+
+from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams  # noqa: E402
+
+FAMILIES = ("ouro", "huginn")
+# Thresholds at which the tiny random checkpoints' tokens exit at varied depths.
+GATE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9, 1.0)
+CRITERIA = {
+    "kl": (0.999,),
+    "minp-kl": (0.63,),
+    "entropy-diff": (0.6,),
+    "latent-diff": (0.97,),
+    "argmax-stability": (2, 3),
+    "none": (1.0,),
+}
+
+
+@dataclasses.dataclass
+class Case:
+    seed: int
+    family: str
+    engine: dict
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    arrivals: list[int]
+    groups: list[str | None] | None
+    lag: int
+    aborts: dict[int, int]  # request -> the step it is aborted at (its output: a prefix)
+
+    def describe(self) -> dict:
+        params = [{k: v for k, v in dataclasses.asdict(p).items() if v} for p in self.params]
+        return {**dataclasses.asdict(self), "params": params}
+
+
+def draw_case(seed: int) -> Case:
+    rng = random.Random(seed)
+    family = rng.choice(FAMILIES)
+    engine: dict = {"kv_policy": rng.choice(["full", "last_exited", "last_exited", "shared"])}
+    if family == "huginn" and rng.random() < 0.2:
+        engine["kv_policy"] = "ring:2"
+    prefill = rng.choice(["whole", "chunked", "wavefront"])
+    # (Under shared/ring a later chunk reads an earlier one's last version: their prompt KV
+    # depends on chunk boundaries, by design, and the oracle runs a prompt whole.)
+    if prefill != "whole" and engine["kv_policy"] in REQUEST_KV_POLICIES:
+        engine["prefill_chunk_size"] = rng.choice([2, 4])
+        engine["wavefront_prefill"] = prefill == "wavefront"
+    lag = 0
+    if rng.random() < 0.35:
+        engine.update(async_scheduling=True, exit_mode="delayed")
+        lag = 1
+    if rng.random() < 0.4:
+        engine["preemption_mode"] = rng.choice(["recompute", "swap"])
+        if rng.random() < 0.5:  # (admission on the first chunk alone: more preemptions)
+            engine["kv_watermark"] = 0.0
+    if rng.random() < 0.3 and engine["kv_policy"] in REQUEST_KV_POLICIES:
+        engine["enable_prefix_caching"] = True
+    if rng.random() < 0.3:
+        engine["max_num_seqs"] = rng.randint(1, 3)
+    if rng.random() < 0.3 and engine["kv_policy"] in REQUEST_KV_POLICIES:  # (chunks prompts)
+        budget = engine["max_num_batched_tokens"] = rng.randint(4, 12)
+        engine["prefill_chunk_size"] = min(engine.get("prefill_chunk_size", budget), budget)
+    n = rng.randint(1, 6)
+    shared = [rng.randrange(384) for _ in range(rng.randint(0, 6))]
+    prompts = [shared + [rng.randrange(384) for _ in range(rng.randint(1, 8))] for _ in range(n)]
+    params = [draw_params(rng, family, engine["kv_policy"]) for _ in range(n)]
+    groups = None
+    if n > 1 and rng.random() < 0.3:  # (a group shares one prompt)
+        prompts = [prompts[0]] * n
+        groups = ["g"] * n
+    arrivals = [rng.randint(0, 4) for _ in range(n)]
+    aborts = {i: arrivals[i] + rng.randint(0, 12) for i in range(n) if rng.random() < 0.15}
+    return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts)
+
+
+def draw_params(rng: random.Random, family: str, engine_policy: str) -> SamplingParams:
+    loops = rng.choice([None, None, 2, 3, 6]) if family == "huginn" else rng.choice([None, 2, 3])
+    kw: dict = {"max_loops": loops, "min_loops": rng.choice([1, 1, 2])}
+    if loops is not None:
+        kw["min_loops"] = min(kw["min_loops"], loops)
+    if family == "ouro":
+        kw["exit_threshold"] = rng.choice(GATE_THRESHOLDS)
+    else:
+        criterion = rng.choice([*CRITERIA, None])
+        if criterion is not None:
+            kw["exit_criterion"] = criterion
+            kw["exit_threshold"] = rng.choice(CRITERIA[criterion])
+        kw["init_state"] = rng.choice(["zero", "random"])
+        kw["seed"] = rng.randrange(1000) if kw["init_state"] == "random" else None
+    if engine_policy in REQUEST_KV_POLICIES and rng.random() < 0.3:
+        kw["kv_policy"] = rng.choice(REQUEST_KV_POLICIES)
+    if rng.random() < 0.2:  # (stops where the greedy output has these ids, or not at all)
+        kw.update(ignore_eos=False, stop_token_ids=[rng.randrange(384) for _ in range(40)])
+        kw["min_tokens"] = rng.choice([0, 2])
+    if rng.random() < 0.15:
+        kw["logit_bias"] = {rng.randrange(384): rng.choice([-5.0, 5.0]) for _ in range(3)}
+    kw.setdefault("ignore_eos", True)
+    max_tokens = rng.randint(max(1, kw.get("min_tokens", 0)), 6)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
+    """None when the engine equals the oracle; else what differs. Raises ValueError for a
+    combination the engine refuses."""
+    path = checkpoints[case.family]
+    engine = dict(case.engine)
+    if "preemption_mode" in engine:
+        engine["block_size"] = 4
+        engine["num_blocks"] = tight_blocks(path, case.prompts, case.params, **_policy(engine))
+    core = make_core(path, **engine)
+    try:
+        run = run_core(
+            core, case.prompts, case.params, arrivals=case.arrivals, lag=case.lag,
+            groups=case.groups, aborts=case.aborts,
+        )  # fmt: skip
+    finally:
+        core.shutdown()
+    exit_mode = engine.get("exit_mode", "gate")
+    for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
+        policy = p.kv_policy or engine["kv_policy"]
+        want = oracle_run(refs[case.family], prompt, p, exit_mode=exit_mode, kv_policy=policy)
+        got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])
+        aborted = run.finish.get(f"r{i}") == "abort"  # (what it produced before the abort)
+        if not _same(got, want, aborted):
+            diff = f"r{i}: engine {got}, oracle {(want.tokens, want.exit_depths)}"
+            ref, kw = refs[case.family], {"exit_mode": exit_mode, "kv_policy": policy}
+            if _tie(ref, prompt, p, got, want, aborted, kw):
+                raise Tie(diff)
+            return diff
+    return None
+
+
+class Tie(Exception):
+    """The engine and the oracle differ where the oracle itself is within rounding of a
+    decision: two logits within ``TIE`` of each other, or an exit value within a relative
+    ``TIE`` of its threshold. Batching changes a float32 result's last bits (reduction order),
+    so such a case decides nothing."""
+
+
+TIE = 1e-5
+
+
+def _same(got: tuple, want, aborted: bool) -> bool:
+    tokens, depths = want.tokens, want.exit_depths
+    if aborted:
+        tokens, depths = tokens[: len(got[0])], depths[: len(got[1])]
+    return got == (tokens, depths)
+
+
+def _tie(ref, prompt, p: SamplingParams, got: tuple, want, aborted: bool, kw: dict) -> bool:
+    k = next(
+        (j for j, pair in enumerate(zip(*got)) if pair != (want.tokens[j], want.exit_depths[j])),
+        min(len(got[0]), len(want.tokens)) - 1,
+    )
+    if 0 <= k < len(want.logits):
+        top = want.logits[k].float().topk(2).values
+        if float(top[0] - top[1]) < TIE * max(1.0, float(top[0].abs())):
+            return True
+    if not p.adaptive_exit or p.exit_criterion == "argmax-stability":
+        return False
+    for scale in (1 - TIE, 1 + TIE):
+        near = p.replace(exit_threshold=p.exit_threshold * scale)
+        if _same(got, oracle_run(ref, prompt, near, **kw), aborted):
+            return True
+    return False
+
+
+def _policy(engine: dict) -> dict:
+    return {k: engine[k] for k in ("kv_policy", "kv_watermark") if k in engine}
+
+
+def build_checkpoints(work: Path) -> tuple[dict, dict]:
+    checkpoints = {
+        "ouro": build_ouro_rv1(work / "ouro"),
+        "huginn": build_huginn_rv1(work / "huginn"),
+    }
+    return checkpoints, {name: Reference.load(p) for name, p in checkpoints.items()}
+
+
+def fuzz(seeds: list[int], work: Path, progress: bool = False) -> dict:
+    checkpoints, refs = build_checkpoints(work)
+    counts = {"cases": 0, "equal": 0, "refused": 0, "tie": 0, "mismatch": 0, "crash": 0}
+    failures = []
+    for seed in seeds:
+        case = draw_case(seed)
+        counts["cases"] += 1
+        try:
+            diff = run_case(case, checkpoints, refs)
+        except Tie as tie:
+            counts["tie"] += 1
+            if progress:
+                print(f"case {seed}: tie: {tie}", file=sys.stderr)
+            continue
+        except ValueError as exc:  # (a combination the engine refuses, naming it)
+            counts["refused"] += 1
+            if progress:
+                print(f"case {seed}: refused: {exc}", file=sys.stderr)
+            continue
+        except Exception:  # noqa: BLE001 - every crash is a finding
+            counts["crash"] += 1
+            failures.append({"kind": "crash", "error": traceback.format_exc(limit=8),
+                             "case": case.describe()})  # fmt: skip
+            continue
+        if diff is None:
+            counts["equal"] += 1
+        else:
+            counts["mismatch"] += 1
+            failures.append({"kind": "mismatch", "diff": diff, "case": case.describe()})
+        if progress:
+            print(f"case {seed}: {'ok' if diff is None else diff}", file=sys.stderr)
+    return {"counts": counts, "failures": failures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0, help="the first case's seed")
+    ap.add_argument("--case-seed", type=int, default=None, help="run this one case")
+    ap.add_argument("--work", type=Path, default=None, help="where the checkpoints are built")
+    ap.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
+    args = ap.parse_args(argv)
+    seeds = (
+        [args.case_seed]
+        if args.case_seed is not None
+        else list(range(args.seed, args.seed + args.cases))
+    )
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = fuzz(seeds, args.work or Path(tmp), progress=not args.json)
+    report["seconds"] = round(time.monotonic() - start, 1)
+    sys.stdout.write(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n"
+    )
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

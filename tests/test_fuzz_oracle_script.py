@@ -1,0 +1,79 @@
+"""``scripts/fuzz_oracle.py``: its cases are reproducible from their seeds, span the engine
+settings it claims to, and a short run finds the engine equal to the oracle."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import orjson
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_oracle.py"
+_spec = importlib.util.spec_from_file_location("fuzz_oracle", _SCRIPT)
+fuzz = sys.modules.get("fuzz_oracle") or importlib.util.module_from_spec(_spec)
+if "fuzz_oracle" not in sys.modules:
+    sys.modules["fuzz_oracle"] = fuzz
+    _spec.loader.exec_module(fuzz)
+
+
+def test_cases_are_reproducible_and_varied():
+    assert fuzz.draw_case(7).describe() == fuzz.draw_case(7).describe()
+    cases = [fuzz.draw_case(seed) for seed in range(300)]
+    engines = [c.engine for c in cases]
+    assert {c.family for c in cases} == {"ouro", "huginn"}
+    assert {e["kv_policy"] for e in engines} == {"full", "last_exited", "shared", "ring:2"}
+    for key in ("preemption_mode", "async_scheduling", "wavefront_prefill", "max_num_seqs"):
+        assert any(key in e for e in engines), key
+    params = [p for c in cases for p in c.params]
+    criteria = {p.exit_criterion for p in params}
+    assert criteria == {None, *fuzz.CRITERIA}
+    assert any(p.kv_policy for p in params) and any(c.aborts for c in cases)
+    assert any(c.groups for c in cases)
+    # Chunking makes shared/ring prompt KV depend on chunk boundaries; the oracle runs whole
+    # prompts, so those engines never chunk.
+    for e in engines:
+        if e["kv_policy"] in ("shared", "ring:2"):
+            assert "prefill_chunk_size" not in e and "enable_prefix_caching" not in e
+
+
+def test_a_short_run_equals_the_oracle(tmp_path, capsys):
+    assert fuzz.main(["--cases", "8", "--seed", "0", "--json", "--work", str(tmp_path)]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    counts = report["counts"]
+    assert counts["cases"] == 8 and not report["failures"]
+    assert counts["equal"] + counts["tie"] == 8 and counts["equal"] >= 6
+
+
+def test_an_aborted_request_is_compared_on_what_it_produced():
+    class Out:
+        tokens, exit_depths = [5, 6, 7], [2, 3, 4]
+
+    assert fuzz._same(([5, 6], [2, 3]), Out, aborted=True)
+    assert not fuzz._same(([5, 6], [2, 3]), Out, aborted=False)
+    assert not fuzz._same(([5, 9], [2, 3]), Out, aborted=True)
+
+
+def test_a_failure_reports_the_case_that_reproduces_it(tmp_path, capsys, monkeypatch):
+    """Mismatches and crashes print the drawn case (JSON, int keys included: aborts, biases),
+    and the exit status says so."""
+    seeds = iter(range(100))
+    seed = next(s for s in seeds if fuzz.draw_case(s).aborts)
+    outcomes = iter(["r0: engine ([1], [2]), oracle ([3], [4])", RuntimeError("boom")])
+
+    def run_case(case, checkpoints, refs):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(fuzz, "run_case", run_case)
+    monkeypatch.setattr(fuzz, "build_checkpoints", lambda work: ({}, {}))
+    argv = ["--cases", "2", "--seed", str(seed), "--json", "--work", str(tmp_path)]
+    assert fuzz.main(argv) == 1
+    report = orjson.loads(capsys.readouterr().out)
+    assert report["counts"]["mismatch"] == 1 and report["counts"]["crash"] == 1
+    mismatch, crash = report["failures"]
+    assert mismatch["diff"].startswith("r0: engine") and mismatch["case"]["seed"] == seed
+    assert mismatch["case"]["aborts"] == {str(k): v for k, v in fuzz.draw_case(seed).aborts.items()}
+    assert "RuntimeError: boom" in crash["error"] and crash["case"]["seed"] == seed + 1
