@@ -36,9 +36,10 @@ from engine_util import make_core, oracle_run, run_core, tight_blocks  # noqa: E
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
 
+from rltserve.models.presets import make_model  # noqa: E402
 from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams  # noqa: E402
 
-FAMILIES = ("ouro", "huginn")
+FAMILIES = ("ouro", "huginn", "nanbeige")
 # Thresholds at which the tiny random checkpoints' tokens exit at varied depths.
 GATE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9, 1.0)
 CRITERIA = {
@@ -105,11 +106,35 @@ def draw_case(seed: int) -> Case:
         groups = ["g"] * n
     arrivals = [rng.randint(0, 4) for _ in range(n)]
     aborts = {i: arrivals[i] + rng.randint(0, 12) for i in range(n) if rng.random() < 0.15}
+    params = draw_scheduling(random.Random(seed + 10**6), family, engine, params)
     return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts)
 
 
+def draw_scheduling(
+    rng: random.Random, family: str, engine: dict, params: list[SamplingParams]
+) -> list[SamplingParams]:
+    """The scheduler's other choices (drawn apart, so the draws above stay as they were):
+    lockstep cohorts, decode without carried rows, token pipelining (Ouro, per-depth KV),
+    time slices under preemption, priority order (with the requests' priorities)."""
+    if rng.random() < 0.1 and not engine.get("wavefront_prefill"):
+        engine["scheduling"] = "no_refill"
+    if rng.random() < 0.15:
+        engine["carry_decode"] = False
+    per_depth = engine["kv_policy"] in REQUEST_KV_POLICIES
+    if family == "ouro" and per_depth and rng.random() < 0.2:
+        engine.update(speculative_tokens=rng.randint(1, 3), draft_loops=rng.randint(1, 3))
+    if "preemption_mode" in engine and rng.random() < 0.3:
+        engine["preemption_time_slice"] = rng.randint(2, 6)
+    if rng.random() < 0.2:
+        engine["scheduling_policy"] = "priority"
+        params = [p.replace(priority=rng.randint(-2, 2)) for p in params]
+    return params
+
+
 def draw_params(rng: random.Random, family: str, engine_policy: str) -> SamplingParams:
-    loops = rng.choice([None, None, 2, 3, 6]) if family == "huginn" else rng.choice([None, 2, 3])
+    loops = rng.choice(
+        {"ouro": [None, 2, 3], "huginn": [None, None, 2, 3, 6], "nanbeige": [None, 1, 3, 4]}[family]
+    )
     kw: dict = {"max_loops": loops, "min_loops": rng.choice([1, 1, 2])}
     if loops is not None:
         kw["min_loops"] = min(kw["min_loops"], loops)
@@ -120,8 +145,9 @@ def draw_params(rng: random.Random, family: str, engine_policy: str) -> Sampling
         if criterion is not None:
             kw["exit_criterion"] = criterion
             kw["exit_threshold"] = rng.choice(CRITERIA[criterion])
-        kw["init_state"] = rng.choice(["zero", "random"])
-        kw["seed"] = rng.randrange(1000) if kw["init_state"] == "random" else None
+        if family == "huginn":  # (its recurrent state starts at zero or random)
+            kw["init_state"] = rng.choice(["zero", "random"])
+            kw["seed"] = rng.randrange(1000) if kw["init_state"] == "random" else None
     if engine_policy in REQUEST_KV_POLICIES and rng.random() < 0.3:
         kw["kv_policy"] = rng.choice(REQUEST_KV_POLICIES)
     if rng.random() < 0.2:  # (stops where the greedy output has these ids, or not at all)
@@ -208,6 +234,7 @@ def build_checkpoints(work: Path) -> tuple[dict, dict]:
     checkpoints = {
         "ouro": build_ouro_rv1(work / "ouro"),
         "huginn": build_huginn_rv1(work / "huginn"),
+        "nanbeige": make_model("nanbeige-tiny", work / "nanbeige"),
     }
     return checkpoints, {name: Reference.load(p) for name, p in checkpoints.items()}
 

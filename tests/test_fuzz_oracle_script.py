@@ -21,7 +21,7 @@ def test_cases_are_reproducible_and_varied():
     assert fuzz.draw_case(7).describe() == fuzz.draw_case(7).describe()
     cases = [fuzz.draw_case(seed) for seed in range(300)]
     engines = [c.engine for c in cases]
-    assert {c.family for c in cases} == {"ouro", "huginn"}
+    assert {c.family for c in cases} == {"ouro", "huginn", "nanbeige"}
     assert {e["kv_policy"] for e in engines} == {"full", "last_exited", "shared", "ring:2"}
     for key in ("preemption_mode", "async_scheduling", "wavefront_prefill", "max_num_seqs"):
         assert any(key in e for e in engines), key
