@@ -6,7 +6,9 @@ again and again, prompt-sharing groups) and a greedy workload (random prompts an
 exit rule of the family: Ouro's gate, Huginn's zero-shot criteria or a fixed depth, random
 ``min_loops``/``max_loops``, a request's own KV policy, zero or seeded random initial states),
 runs it with ``tests/engine_util.run_core`` (which also checks that no KV block leaks), and
-compares every request's token ids and exit depths with the oracle's. Combinations the engine
+compares every request's token ids and exit depths with the oracle's; in some cases the
+requests sample (seeded, with top-k/top-p/min-p and penalties), and each is compared with
+itself run alone on a plain engine instead (the oracle is greedy). Combinations the engine
 refuses (a ``ValueError`` naming them) are counted, not failed.
 
     python scripts/fuzz_oracle.py --cases 200 --seed 0 --json
@@ -63,6 +65,9 @@ class Case:
     groups: list[str | None] | None
     lag: int
     aborts: dict[int, int]  # request -> the step it is aborted at (its output: a prefix)
+    # Seeded sampling: the oracle is greedy, so each request is compared with itself run alone
+    # on a plain engine (same KV policy and exit mode) instead.
+    sampled: bool = False
 
     def describe(self) -> dict:
         params = [{k: v for k, v in dataclasses.asdict(p).items() if v} for p in self.params]
@@ -107,7 +112,29 @@ def draw_case(seed: int) -> Case:
     arrivals = [rng.randint(0, 4) for _ in range(n)]
     aborts = {i: arrivals[i] + rng.randint(0, 12) for i in range(n) if rng.random() < 0.15}
     params = draw_scheduling(random.Random(seed + 10**6), family, engine, params)
-    return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts)
+    params, sampled = draw_sampling(random.Random(seed + 2 * 10**6), params)
+    return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts, sampled)
+
+
+def draw_sampling(rng: random.Random, params: list[SamplingParams]):
+    """Seeded sampling in some cases: temperature, top-k/top-p/min-p and the penalties (whose
+    history a preempted request gets back)."""
+    if rng.random() >= 0.3:
+        return params, False
+    sampled = [
+        p.replace(
+            temperature=rng.choice([0.6, 1.0, 1.3]),
+            seed=rng.randrange(10**6),
+            top_k=rng.choice([-1, 5, 50]),
+            top_p=rng.choice([1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.05]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, 0.3]),
+        )
+        for p in params
+    ]
+    return sampled, True
 
 
 def draw_scheduling(
@@ -177,17 +204,35 @@ def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
     finally:
         core.shutdown()
     exit_mode = engine.get("exit_mode", "gate")
+    if case.sampled:
+        return _against_alone(case, path, run, exit_mode)
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or engine["kv_policy"]
         want = oracle_run(refs[case.family], prompt, p, exit_mode=exit_mode, kv_policy=policy)
         got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])
         aborted = run.finish.get(f"r{i}") == "abort"  # (what it produced before the abort)
-        if not _same(got, want, aborted):
+        if not _same(got, (want.tokens, want.exit_depths), aborted):
             diff = f"r{i}: engine {got}, oracle {(want.tokens, want.exit_depths)}"
             ref, kw = refs[case.family], {"exit_mode": exit_mode, "kv_policy": policy}
             if _tie(ref, prompt, p, got, want, aborted, kw):
                 raise Tie(diff)
             return diff
+    return None
+
+
+def _against_alone(case: Case, path, run, exit_mode: str) -> str | None:
+    for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
+        core = make_core(
+            path, kv_policy=p.kv_policy or case.engine["kv_policy"], exit_mode=exit_mode
+        )
+        try:
+            alone = run_core(core, [prompt], [p])
+        finally:
+            core.shutdown()
+        got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])
+        want = (alone.tokens["r0"], alone.depths["r0"])
+        if not _same(got, want, run.finish.get(f"r{i}") == "abort"):
+            return f"r{i}: engine {got}, alone {want}"
     return None
 
 
@@ -201,8 +246,9 @@ class Tie(Exception):
 TIE = 1e-5
 
 
-def _same(got: tuple, want, aborted: bool) -> bool:
-    tokens, depths = want.tokens, want.exit_depths
+def _same(got: tuple, want: tuple, aborted: bool) -> bool:
+    """``got`` and ``want``: (token ids, exit depths); an aborted request's is a prefix."""
+    tokens, depths = want
     if aborted:
         tokens, depths = tokens[: len(got[0])], depths[: len(got[1])]
     return got == (tokens, depths)
@@ -221,7 +267,8 @@ def _tie(ref, prompt, p: SamplingParams, got: tuple, want, aborted: bool, kw: di
         return False
     for scale in (1 - TIE, 1 + TIE):
         near = p.replace(exit_threshold=p.exit_threshold * scale)
-        if _same(got, oracle_run(ref, prompt, near, **kw), aborted):
+        other = oracle_run(ref, prompt, near, **kw)
+        if _same(got, (other.tokens, other.exit_depths), aborted):
             return True
     return False
 

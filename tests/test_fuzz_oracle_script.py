@@ -29,7 +29,8 @@ def test_cases_are_reproducible_and_varied():
     criteria = {p.exit_criterion for p in params}
     assert criteria == {None, *fuzz.CRITERIA}
     assert any(p.kv_policy for p in params) and any(c.aborts for c in cases)
-    assert any(c.groups for c in cases)
+    assert any(c.groups for c in cases) and any(c.sampled for c in cases)
+    assert all(p.temperature > 0 for c in cases if c.sampled for p in c.params)
     # Chunking makes shared/ring prompt KV depend on chunk boundaries; the oracle runs whole
     # prompts, so those engines never chunk.
     for e in engines:
@@ -46,12 +47,10 @@ def test_a_short_run_equals_the_oracle(tmp_path, capsys):
 
 
 def test_an_aborted_request_is_compared_on_what_it_produced():
-    class Out:
-        tokens, exit_depths = [5, 6, 7], [2, 3, 4]
-
-    assert fuzz._same(([5, 6], [2, 3]), Out, aborted=True)
-    assert not fuzz._same(([5, 6], [2, 3]), Out, aborted=False)
-    assert not fuzz._same(([5, 9], [2, 3]), Out, aborted=True)
+    want = ([5, 6, 7], [2, 3, 4])
+    assert fuzz._same(([5, 6], [2, 3]), want, aborted=True)
+    assert not fuzz._same(([5, 6], [2, 3]), want, aborted=False)
+    assert not fuzz._same(([5, 9], [2, 3]), want, aborted=True)
 
 
 def test_a_failure_reports_the_case_that_reproduces_it(tmp_path, capsys, monkeypatch):
