@@ -2,7 +2,8 @@
 
 Each case draws an engine (model family, KV policy, chunked or wavefront prefill, async
 scheduling with delayed exits, a preemption mode on a pool so small that requests are preempted
-again and again, prompt-sharing groups) and a greedy workload (random prompts and arrivals, the
+again and again, prompt-sharing groups, the scheduler's other choices, sometimes prefill and
+decode on two stages) and a greedy workload (random prompts and arrivals, the
 exit rule of the family: Ouro's gate, Huginn's zero-shot criteria or a fixed depth, random
 ``min_loops``/``max_loops``, a request's own KV policy, zero or seeded random initial states),
 runs it with ``tests/engine_util.run_core`` (which also checks that no KV block leaks), and
@@ -26,6 +27,7 @@ import dataclasses
 import random
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -34,10 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import orjson  # noqa: E402
-from engine_util import make_core, oracle_run, run_core, tight_blocks  # noqa: E402
+from engine_util import Run, make_core, oracle_run, run_core, tight_blocks  # noqa: E402
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
 
+from rltserve.config import EngineConfig  # noqa: E402
+from rltserve.core.pd import PDClient  # noqa: E402
+from rltserve.core.stage import InProcessStageClient  # noqa: E402
 from rltserve.models.presets import make_model  # noqa: E402
 from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams  # noqa: E402
 
@@ -113,6 +118,16 @@ def draw_case(seed: int) -> Case:
     aborts = {i: arrivals[i] + rng.randint(0, 12) for i in range(n) if rng.random() < 0.15}
     params = draw_scheduling(random.Random(seed + 10**6), family, engine, params)
     params, sampled = draw_sampling(random.Random(seed + 2 * 10**6), params)
+    if (
+        engine["kv_policy"] in REQUEST_KV_POLICIES
+        and random.Random(seed + 3 * 10**6).random() < 0.1
+    ):
+        # Prefill/decode disaggregation: two in-process stages; every request is sent at once
+        # (no arrivals, no aborts) and prompts are long enough to move KV.
+        engine["disaggregate"] = True
+        engine.pop("enable_prefix_caching", None)
+        prompts = [prompt * 3 for prompt in prompts]
+        arrivals, aborts, lag = [0] * n, {}, 0
     return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts, sampled)
 
 
@@ -195,6 +210,9 @@ def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
     if "preemption_mode" in engine:
         engine["block_size"] = 4
         engine["num_blocks"] = tight_blocks(path, case.prompts, case.params, **_policy(engine))
+    if engine.get("disaggregate"):
+        run = _run_disaggregated(case, path, engine)
+        return _compare(case, path, run, engine, refs)
     core = make_core(path, **engine)
     try:
         run = run_core(
@@ -203,6 +221,10 @@ def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
         )  # fmt: skip
     finally:
         core.shutdown()
+    return _compare(case, path, run, engine, refs)
+
+
+def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
     exit_mode = engine.get("exit_mode", "gate")
     if case.sampled:
         return _against_alone(case, path, run, exit_mode)
@@ -218,6 +240,52 @@ def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
                 raise Tie(diff)
             return diff
     return None
+
+
+def _run_disaggregated(case: Case, path, engine: dict) -> Run:
+    """The case on a prefill and a decode stage (``PDClient``, in-process stages); both end
+    idle with no KV held."""
+    engine.setdefault("num_blocks", 512)
+    engine.setdefault("block_size", 4)
+    config = EngineConfig.from_flat(model=str(path), **engine)
+    client = PDClient(config, InProcessStageClient)
+    run, done, lock = Run(), threading.Event(), threading.Lock()
+    left = [len(case.prompts)]
+
+    def sink(update) -> None:
+        run.tokens[update.request_id].extend(update.new_token_ids)
+        run.depths[update.request_id].extend(update.new_exit_depths)
+        if update.finish_reason is not None:
+            run.finish[update.request_id] = update.error or update.finish_reason.value
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+
+    try:
+        client.wait_ready(120)
+        for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
+            run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
+            group = case.groups[i] if case.groups else None
+            client.add_request(f"r{i}", prompt, p, sink, group=group)
+        if not done.wait(120):
+            raise RuntimeError("disaggregated requests did not finish")
+        errors = {r: f for r, f in run.finish.items() if f not in ("stop", "length")}
+        if errors:
+            raise RuntimeError(f"disaggregated requests failed: {errors}")
+        for stage in (client.prefill, client.decode):  # (None: it never ran a step)
+            deadline = time.monotonic() + 30
+            while _busy(stage.stats) and time.monotonic() < deadline:
+                time.sleep(0.05)  # (stats arrive a step after the last finish)
+            if _busy(stage.stats):
+                raise RuntimeError(f"a stage is not idle after the requests: {stage.stats}")
+    finally:
+        client.close()
+    return run
+
+
+def _busy(stats) -> bool:
+    return stats is not None and bool(stats.kv_usage or stats.num_running or stats.num_waiting)
 
 
 def _against_alone(case: Case, path, run, exit_mode: str) -> str | None:

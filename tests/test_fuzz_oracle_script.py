@@ -23,7 +23,14 @@ def test_cases_are_reproducible_and_varied():
     engines = [c.engine for c in cases]
     assert {c.family for c in cases} == {"ouro", "huginn", "nanbeige"}
     assert {e["kv_policy"] for e in engines} == {"full", "last_exited", "shared", "ring:2"}
-    for key in ("preemption_mode", "async_scheduling", "wavefront_prefill", "max_num_seqs"):
+    keys = (
+        "preemption_mode",
+        "async_scheduling",
+        "wavefront_prefill",
+        "max_num_seqs",
+        "disaggregate",
+    )
+    for key in keys:
         assert any(key in e for e in engines), key
     params = [p for c in cases for p in c.params]
     criteria = {p.exit_criterion for p in params}
@@ -36,6 +43,21 @@ def test_cases_are_reproducible_and_varied():
     for e in engines:
         if e["kv_policy"] in ("shared", "ring:2"):
             assert "prefill_chunk_size" not in e and "enable_prefix_caching" not in e
+
+
+def test_a_disaggregated_case_runs_on_two_stages(tmp_path, monkeypatch):
+    seed = next(s for s in range(100) if fuzz.draw_case(s).engine.get("disaggregate"))
+    stages = []
+    real = fuzz.PDClient
+
+    def pd_client(*args):
+        client = real(*args)
+        stages.append(client)
+        return client
+
+    monkeypatch.setattr(fuzz, "PDClient", pd_client)
+    report = fuzz.fuzz([seed], tmp_path)
+    assert report["counts"]["equal"] == 1 and len(stages) == 1
 
 
 def test_a_short_run_equals_the_oracle(tmp_path, capsys):
