@@ -27,7 +27,6 @@ import dataclasses
 import random
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -36,7 +35,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import orjson  # noqa: E402
-from engine_util import Run, make_core, oracle_run, run_core, tight_blocks  # noqa: E402
+from engine_util import (  # noqa: E402
+    Run,
+    make_core,
+    oracle_run,
+    run_core,
+    stream_all,
+    tight_blocks,
+)
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
 
@@ -249,30 +255,9 @@ def _run_disaggregated(case: Case, path, engine: dict) -> Run:
     engine.setdefault("block_size", 4)
     config = EngineConfig.from_flat(model=str(path), **engine)
     client = PDClient(config, InProcessStageClient)
-    run, done, lock = Run(), threading.Event(), threading.Lock()
-    left = [len(case.prompts)]
-
-    def sink(update) -> None:
-        run.tokens[update.request_id].extend(update.new_token_ids)
-        run.depths[update.request_id].extend(update.new_exit_depths)
-        if update.finish_reason is not None:
-            run.finish[update.request_id] = update.error or update.finish_reason.value
-            with lock:
-                left[0] -= 1
-                if not left[0]:
-                    done.set()
-
     try:
         client.wait_ready(120)
-        for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
-            run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
-            group = case.groups[i] if case.groups else None
-            client.add_request(f"r{i}", prompt, p, sink, group=group)
-        if not done.wait(120):
-            raise RuntimeError("disaggregated requests did not finish")
-        errors = {r: f for r, f in run.finish.items() if f not in ("stop", "length")}
-        if errors:
-            raise RuntimeError(f"disaggregated requests failed: {errors}")
+        run = stream_all(client, case.prompts, case.params, timeout=120, groups=case.groups)
         for stage in (client.prefill, client.decode):  # (None: it never ran a step)
             deadline = time.monotonic() + 30
             while _busy(stage.stats) and time.monotonic() < deadline:

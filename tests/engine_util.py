@@ -233,9 +233,9 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
     )
 
 
-def stream_all(client, prompts, params, timeout: float = 300) -> Run:
-    """Sends every request through a stage client at once and waits for all of them; fails on
-    any error update."""
+def stream_all(client, prompts, params, timeout: float = 300, groups=None) -> Run:
+    """Sends every request through a stage client at once (``groups[i]``: request i's
+    prompt-sharing group) and waits for all of them; fails on any error update."""
     run = Run()
     for i in range(len(prompts)):
         run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
@@ -254,7 +254,7 @@ def stream_all(client, prompts, params, timeout: float = 300) -> Run:
                     done.set()
 
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        client.add_request(f"r{i}", prompt, p, sink)
+        client.add_request(f"r{i}", prompt, p, sink, group=groups[i] if groups else None)
     assert done.wait(timeout), "requests did not finish"
     errors = {rid: f for rid, f in run.finish.items() if f not in ("stop", "length")}
     assert not errors, errors

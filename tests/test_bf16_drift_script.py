@@ -3,17 +3,11 @@ shape, and that float32 against itself agrees everywhere."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bf16_drift.py"
+from script_util import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bf16_drift", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bf16_drift")
 
 
 def test_float32_against_itself_agrees_everywhere(ouro_rv1, huginn_rv1, tmp_path):

@@ -3,18 +3,10 @@ settings it claims to, and a short run finds the engine equal to the oracle."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import orjson
+from script_util import load_script
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_oracle.py"
-_spec = importlib.util.spec_from_file_location("fuzz_oracle", _SCRIPT)
-fuzz = sys.modules.get("fuzz_oracle") or importlib.util.module_from_spec(_spec)
-if "fuzz_oracle" not in sys.modules:
-    sys.modules["fuzz_oracle"] = fuzz
-    _spec.loader.exec_module(fuzz)
+fuzz = load_script("fuzz_oracle")
 
 
 def test_cases_are_reproducible_and_varied():

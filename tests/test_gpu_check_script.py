@@ -3,7 +3,6 @@ only gets to run when a GPU is at hand, so its plumbing is kept working here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_util import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,11 +185,7 @@ def _kv_report(rate: float, rows: list[tuple[int, str, int, float]], budget: int
 
 
 def test_summary_compares_kv_runs_without_and_with_a_pad_budget(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "gpu_check_summary", REPO / "scripts" / "gpu_check_summary.py"
-    )
-    summary_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary_module)
+    summary_module = load_script("gpu_check_summary")
     pad_budget_lines = summary_module.pad_budget_lines
     no_pad = _kv_report(1000.0, [(288, "recompute", 8, 700.0), (288, "swap", 8, 800.0)])
     pad = _kv_report(900.0, [(288, "swap", 8, 600.0), (288, "recompute", 8, 450.0)], 262144)

@@ -4,20 +4,14 @@ scripts/fuzz_http.py, which runs the same properties for as many examples as ask
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from script_util import load_script
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_http.py"
-_spec = importlib.util.spec_from_file_location("fuzz_http", _SCRIPT)
-fuzz = importlib.util.module_from_spec(_spec)
-sys.modules["fuzz_http"] = fuzz
-_spec.loader.exec_module(fuzz)
+fuzz = load_script("fuzz_http")
 
 BOUNDED = settings(
     max_examples=40,

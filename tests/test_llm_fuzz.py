@@ -5,25 +5,18 @@ and leaves the engine idle."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from script_util import load_script
 
 from rltserve import LLM
 from rltserve.sampling import SamplingParams
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_http.py"
-_spec = importlib.util.spec_from_file_location("fuzz_http", _SCRIPT)
-fuzz = sys.modules.get("fuzz_http") or importlib.util.module_from_spec(_spec)
-if "fuzz_http" not in sys.modules:
-    sys.modules["fuzz_http"] = fuzz
-    _spec.loader.exec_module(fuzz)
+fuzz = load_script("fuzz_http")
 
 CALL_TIMEOUT_S = 60.0
 PROMPT = st.one_of(
