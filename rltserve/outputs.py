@@ -175,6 +175,7 @@ class OutputAssembler:
 
     def add(self, update: RequestUpdate) -> TextDelta:
         out = self.output
+        before = (len(out.token_ids), len(out.exit_depths), len(out.logprobs or ()))
         out.token_ids.extend(update.new_token_ids)
         out.exit_depths.extend(update.new_exit_depths)
         lps = []
@@ -199,19 +200,30 @@ class OutputAssembler:
         if finish == "stop" and update.new_token_ids:
             last = update.new_token_ids[-1]
             stop_reason = last if last in self._stop_token_ids else None
+        ends: list[int] = []  # where the text of each of the update's tokens ends
         # A rejected request has no text; its prompt may hold ids the tokenizer cannot decode.
         if self._detok is not None and not update.rejected:
             ids = update.new_token_ids
             if finish == "stop" and ids and not self._include_stop:
                 ids = ids[:-1]  # (the engine stops only on a stop token)
-            self._add_text(ids, len(out.token_ids) - len(update.new_token_ids))
+            ends = self._add_text(ids, len(out.token_ids) - len(update.new_token_ids))
             if finish is not None:
                 self._text += self._detok.flush()
+        new_ids, new_depths = update.new_token_ids, update.new_exit_depths
         hit = self._find_stop() if len(out.token_ids) > self._min_tokens else None
         if hit is not None:
             cut, stop_reason = hit
             self._text = self._text[: cut + (len(stop_reason) if self._include_stop else 0)]
             finish = "stop"
+            # An update of several tokens (the forced end of a bounded thinking span, drafts)
+            # ends with the token whose text completes the stop string, as vLLM's outputs do.
+            done = cut + len(stop_reason)
+            keep = next((k + 1 for k, end in enumerate(ends) if end >= done), len(new_ids))
+            if keep < len(new_ids):
+                new_ids, new_depths, lps = new_ids[:keep], new_depths[:keep], lps[:keep]
+                del out.token_ids[before[0] + keep :], out.exit_depths[before[1] + keep :]
+                if out.logprobs is not None:
+                    del out.logprobs[before[2] + keep :]
         end = len(self._text)
         if finish is None and self._stop:
             end = max(self._emitted, end - self._hold)
@@ -226,23 +238,27 @@ class OutputAssembler:
             out.error = update.error
         return TextDelta(
             delta,
-            list(update.new_token_ids),
-            list(update.new_exit_depths),
+            list(new_ids),
+            list(new_depths),
             lps,
             finish,
             stop_reason,
             update.error,
         )
 
-    def _add_text(self, ids: list[int], before: int) -> None:
+    def _add_text(self, ids: list[int], before: int) -> list[int]:
         """Decodes ``ids``, which follow ``before`` tokens, noting where the text of the
-        first ``min_tokens`` tokens ends."""
-        inside = min(len(ids), self._min_tokens - before)
-        if inside > 0:
-            self._text += self._detok.add_many(ids[:inside])
-            self._stop_from = len(self._text)
-            ids = ids[inside:]
-        self._text += self._detok.add_many(ids)
+        first ``min_tokens`` tokens ends; returns where each id's text ends."""
+        pieces, ends, end = [], [], len(self._text)
+        for k, token_id in enumerate(ids):
+            piece = self._detok.add(token_id)
+            pieces.append(piece)
+            end += len(piece)
+            ends.append(end)
+            if before + k < self._min_tokens:
+                self._stop_from = end
+        self._text += "".join(pieces)
+        return ends
 
     def _find_stop(self) -> tuple[int, str] | None:
         if not self._stop:

@@ -67,7 +67,8 @@ def check_ids(prompt: object, vocab_size: int) -> list[int]:
     vocabulary."""
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
         prompt = prompt.tolist()  # a NumPy array or a torch tensor of ids
-    if not isinstance(prompt, Sequence) or isinstance(prompt, str):
+    if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes, bytearray)):
+        # (bytes are a sequence of ints, but text, not token ids: decode them to a string)
         raise ValueError(f"prompt={prompt!r:.80}: must be a string or a list of token ids")
     ids = list(map(plain_number, prompt))
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -105,6 +105,8 @@ def test_bad_prompts_and_params_name_the_field(llm):
         llm.generate([{"prompt_token_ids": [1], "multi_modal_data": {}}])
     with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
         llm.generate([{}])
+    with pytest.raises(ValueError, match="must be a string or a list of token ids"):
+        llm.generate([b"hello"])  # (bytes: text, not token ids)
     with pytest.raises(ValueError, match="n=0"):
         SamplingParams(temperature=0.0, n=0)
     with pytest.raises(ValueError, match="detokenize"):

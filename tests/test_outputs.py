@@ -13,8 +13,8 @@ from rltserve.updates import FinishReason, RequestUpdate
 
 
 class _Chars:
-    def add_many(self, ids: list[int]) -> str:
-        return "".join(map(chr, ids))
+    def add(self, token_id: int) -> str:
+        return chr(token_id)
 
     def flush(self) -> str:
         return ""
@@ -61,6 +61,31 @@ def test_stop_strings_count_after_min_tokens(per_update):
     assert run(6) == ("heeeello", None, None)  # no e after the first 6
     asm = assemble("hello", "length", per_update=per_update, stop=("e",), min_tokens=4)
     assert asm.output.text == "hello" and asm.output.finish_reason == "length"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_an_update_of_several_tokens_ends_at_the_stop_strings_token(include):
+    """Tokens after the one that completes a stop string (a bounded thinking span's forced end
+    arrives in one update with the token before it) are not part of the output: not in
+    ``token_ids``, ``exit_depths`` or ``logprobs``, nor in the update's delta."""
+    asm = OutputAssembler(
+        "r", [1], CharTokenizer(), stop=("bc",), want_logprobs=True,
+        include_stop_str_in_output=include, min_tokens=1,
+    )  # fmt: skip
+    first = RequestUpdate("r", [ord("x")], [4], new_logprobs=[-0.5], new_top_logprobs=[None])
+    asm.add(first)
+    ids = [ord(c) for c in "abcde"]
+    update = RequestUpdate(
+        "r", ids, [1, 2, 3, 4, 4], new_logprobs=[-1.0, -2.0, -3.0, None, None],
+        new_top_logprobs=[None] * 5,
+    )  # fmt: skip
+    delta = asm.add(update)
+    out = asm.output
+    assert out.text == ("xabc" if include else "xa") and out.finish_reason == "stop"
+    assert out.token_ids == [ord(c) for c in "xabc"] and out.exit_depths == [4, 1, 2, 3]
+    assert [lp["logprob"] for lp in out.logprobs] == [-0.5, -1.0, -2.0, -3.0]
+    assert delta.token_ids == ids[:3] and delta.exit_depths == [1, 2, 3]
+    assert len(delta.logprobs) == 3 and delta.stop_reason == "bc"
 
 
 def test_a_stop_string_may_reach_back_into_the_first_min_tokens():
