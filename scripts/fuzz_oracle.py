@@ -208,11 +208,13 @@ def draw_params(rng: random.Random, family: str, engine_policy: str) -> Sampling
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
-    """None when the engine equals the oracle; else what differs. Raises ValueError for a
-    combination the engine refuses."""
+def run_case(case: Case, checkpoints: dict, refs: dict, device: str = "cpu") -> str | None:
+    """None when the engine (on ``device``; the oracle runs on the CPU) equals the oracle;
+    else what differs. Raises ValueError for a combination the engine refuses."""
     path = checkpoints[case.family]
-    engine = dict(case.engine)
+    engine = {**case.engine, "device": device}
+    if device.startswith("cuda") and random.Random(case.seed).random() < 0.5:
+        engine["cuda_graphs"] = True  # (decode-only steps replay graphs)
     if "preemption_mode" in engine:
         engine["block_size"] = 4
         engine["num_blocks"] = tight_blocks(path, case.prompts, case.params, **_policy(engine))
@@ -233,7 +235,7 @@ def run_case(case: Case, checkpoints: dict, refs: dict) -> str | None:
 def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
     exit_mode = engine.get("exit_mode", "gate")
     if case.sampled:
-        return _against_alone(case, path, run, exit_mode)
+        return _against_alone(case, path, run, exit_mode, engine["device"])
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or engine["kv_policy"]
         want = oracle_run(refs[case.family], prompt, p, exit_mode=exit_mode, kv_policy=policy)
@@ -273,11 +275,10 @@ def _busy(stats) -> bool:
     return stats is not None and bool(stats.kv_usage or stats.num_running or stats.num_waiting)
 
 
-def _against_alone(case: Case, path, run, exit_mode: str) -> str | None:
+def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | None:
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
-        core = make_core(
-            path, kv_policy=p.kv_policy or case.engine["kv_policy"], exit_mode=exit_mode
-        )
+        policy = p.kv_policy or case.engine["kv_policy"]
+        core = make_core(path, kv_policy=policy, exit_mode=exit_mode, device=device)
         try:
             alone = run_core(core, [prompt], [p])
         finally:
@@ -339,7 +340,7 @@ def build_checkpoints(work: Path) -> tuple[dict, dict]:
     return checkpoints, {name: Reference.load(p) for name, p in checkpoints.items()}
 
 
-def fuzz(seeds: list[int], work: Path, progress: bool = False) -> dict:
+def fuzz(seeds: list[int], work: Path, progress: bool = False, device: str = "cpu") -> dict:
     checkpoints, refs = build_checkpoints(work)
     counts = {"cases": 0, "equal": 0, "refused": 0, "tie": 0, "mismatch": 0, "crash": 0}
     failures = []
@@ -347,7 +348,7 @@ def fuzz(seeds: list[int], work: Path, progress: bool = False) -> dict:
         case = draw_case(seed)
         counts["cases"] += 1
         try:
-            diff = run_case(case, checkpoints, refs)
+            diff = run_case(case, checkpoints, refs, device)
         except Tie as tie:
             counts["tie"] += 1
             if progress:
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case-seed", type=int, default=None, help="run this one case")
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoints are built")
     ap.add_argument("--json", action="store_true", help="JSON only (no progress lines)")
+    ap.add_argument("--device", default="cpu", help="the engine's (the oracle runs on the CPU)")
     args = ap.parse_args(argv)
     seeds = (
         [args.case_seed]
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        report = fuzz(seeds, args.work or Path(tmp), progress=not args.json)
+        report = fuzz(seeds, args.work or Path(tmp), progress=not args.json, device=args.device)
+    report["device"] = args.device
     report["seconds"] = round(time.monotonic() - start, 1)
     sys.stdout.write(
         orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n"

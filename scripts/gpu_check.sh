@@ -21,6 +21,7 @@
 #        at 256 and 512 decode rows, 1k context, sync and async, decode and mixed, one process
 #        per row count;
 #      the summary has one line per target: measured value, target, met yes/no,
+#      then, last, scripts/fuzz_oracle.py on the device against the CPU oracle (FUZZ_CASES),
 #   7. prints a summary and writes four files to the output dir: summary.json (environment,
 #      native build, the full reports, the target checks), summary.txt, gpu_check.log,
 #      gpu_tests.xml.
@@ -58,6 +59,8 @@
 #                       ROLLOUT_N, ROLLOUT_MAX_TOKENS default 4, 8, 8
 #   HOST_ROWS           decode rows of the host-path cells, one process each (default "256,512";
 #                       empty skips them); HOST_CONTEXTS "1024", HOST_STEPS 100, HOST_REPEATS 3
+#   FUZZ_CASES          cases of scripts/fuzz_oracle.py on the device, last (default 100; 0
+#                       skips it), within FUZZ_LIMIT_S (90)
 #   KV_PRESSURE_LIMIT_S, ROLLOUT_LIMIT_S, HOST_LIMIT_S   the target steps' limits (default 180,
 #                       120, and 30 per row count)
 #   PRESET, DEVICE, DTYPE   default ouro-1.4b, cuda, bfloat16 (DEVICE=cpu PRESET=ouro-tiny
@@ -82,7 +85,7 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # CPU smoke sizes; each still overridable
   : "${KV_CACHE_GB=0.25}" "${KV_PRESSURE_CONCURRENCY=8}" "${KV_PRESSURE_LEN=2}"
   : "${KV_PRESSURE_REPEATS=2}" "${KV_PAD_COMPARE=1}" "${KV_PAD_REPEATS=1}"
   : "${ROLLOUT_STEPS=1}" "${ROLLOUT_PROMPTS=1}" "${ROLLOUT_N=2}" "${ROLLOUT_MAX_TOKENS=2}"
-  : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}"
+  : "${HOST_ROWS=256}" "${HOST_STEPS=4}" "${HOST_REPEATS=1}" "${FUZZ_CASES=3}"
 fi
 OUT="${OUT:-$REPO/bench_out/gpu_check}"
 PRESET="${PRESET:-ouro-1.4b}"
@@ -121,6 +124,8 @@ HOST_CONTEXTS="${HOST_CONTEXTS:-1024}"
 HOST_STEPS="${HOST_STEPS:-100}"
 HOST_REPEATS="${HOST_REPEATS:-3}"
 HOST_LIMIT_S="${HOST_LIMIT_S:-30}"
+FUZZ_CASES="${FUZZ_CASES:-100}"
+FUZZ_LIMIT_S="${FUZZ_LIMIT_S:-90}"
 if [[ -z "${WHEELS:-}" && -d "$REPO/.whl" ]]; then WHEELS="$REPO/.whl"; fi
 START=$(date +%s)
 mkdir -p "$OUT"
@@ -363,6 +368,14 @@ if [[ -f "$SMALL_MODEL_DIR/config.json" && -n "$KV_PRESSURE_CONCURRENCY" &&
   step "kv_pressure with attention pad budget $KV_PAD_BUDGET" "$KV_PAD_LIMIT_S" \
     "${TO_FILE[@]}" "$WORK/kv_pressure_pad.json" "${KV_RUN[@]}" --repeats "$KV_PAD_REPEATS" \
     --attention-pad-budget "$KV_PAD_BUDGET" || true
+fi
+
+# The engine on the device against the CPU oracle (random engine settings and workloads, CUDA
+# graphs in half the cases): last, within what the budget leaves.
+if ((FUZZ_CASES > 0)); then
+  step "fuzz_oracle on $DEVICE ($FUZZ_CASES cases)" "$FUZZ_LIMIT_S" \
+    "${TO_FILE[@]}" "$WORK/fuzz_oracle.json" "$PY" "$REPO/scripts/fuzz_oracle.py" \
+    --device "$DEVICE" --cases "$FUZZ_CASES" --json || true
 fi
 
 # ---------------------------------------------------------------- 7. summary

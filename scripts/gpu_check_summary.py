@@ -164,7 +164,18 @@ def graphs_rows(graphs_cmp: dict | None) -> list[dict]:
 def _shown(x: float, unit: str) -> str:
     if unit == "fraction":
         return f"{x:.0%}"
-    return f"{x:g}" + {"x": "x", "ms": " ms", "steps/s": " steps/s"}[unit]
+    return f"{x:g}" + {"x": "x", "ms": " ms", "steps/s": " steps/s", "cases": " cases"}[unit]
+
+
+def fuzz_check(fuzz: dict | None) -> dict:
+    """The engine on the device equals the CPU oracle (``scripts/fuzz_oracle.py``): no case
+    differs beyond float32 rounding of a decision, none crashes."""
+    target = "fuzz_oracle on the device: failing cases"
+    if not fuzz or "counts" not in fuzz:
+        return check(target, None, "<=", 0, "cases")
+    n = fuzz["counts"]
+    detail = f"{n['cases']} cases: {n['equal']} equal, {n['tie']} ties, {n['refused']} refused"
+    return check(target, n["mismatch"] + n["crash"], "<=", 0, "cases", detail)
 
 
 def check_line(c: dict) -> str:
@@ -293,7 +304,8 @@ def main(argv: list[str]) -> int:
     kv_pad = load(work, "kv_pressure_pad.json", "kv_pressure")
     rollout = load(work, "rollout.json")
     host = merge_host(work)
-    checks = [*kv_checks(kv), rollout_check(rollout), *host_checks(host)]
+    fuzz = load(work, "fuzz_oracle.json")
+    checks = [*kv_checks(kv), rollout_check(rollout), *host_checks(host), fuzz_check(fuzz)]
     rows = graphs_rows(graphs_cmp)
     summary = {
         "env": env,
@@ -307,6 +319,7 @@ def main(argv: list[str]) -> int:
         "kv_pressure_pad_budget": kv_pad,
         "rollout": rollout,
         "host": host,
+        "fuzz_oracle": fuzz,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [

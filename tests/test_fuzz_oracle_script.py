@@ -74,7 +74,7 @@ def test_a_failure_reports_the_case_that_reproduces_it(tmp_path, capsys, monkeyp
     seed = next(s for s in seeds if fuzz.draw_case(s).aborts)
     outcomes = iter(["r0: engine ([1], [2]), oracle ([3], [4])", RuntimeError("boom")])
 
-    def run_case(case, checkpoints, refs):
+    def run_case(case, checkpoints, refs, device):
         outcome = next(outcomes)
         if isinstance(outcome, Exception):
             raise outcome

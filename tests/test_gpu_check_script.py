@@ -119,6 +119,11 @@ def _assert_targets(summary: dict, text: str) -> None:
     assert (wall["limit"], wall["op"]) == (1.0, "<=")
     assert checks["host decode/sync/rows256/ctx1024: steps/s"]["measured"] > 0
     assert checks["host mixed/sync/rows256/ctx1024: wall per step"]["measured"] > 0
+    fuzz = checks["fuzz_oracle on the device: failing cases"]
+    assert (
+        summary["fuzz_oracle"]["counts"]["cases"] == 3 and summary["fuzz_oracle"]["device"] == "cpu"
+    )
+    assert fuzz["measured"] == 0 and fuzz["met"] is True
     # 512 rows did not run: its target is listed as such, not dropped.
     missing = checks.pop("host decode/sync/rows512/ctx1024: wall per step")
     assert missing["measured"] is None and missing["met"] is None
@@ -148,7 +153,7 @@ def test_summary_of_a_run_whose_steps_left_no_reports(tmp_path):
     assert summary["kv_pressure"] is None and summary["rollout"] is None
     assert summary["host"] is None
     targets = summary["targets"]
-    assert len(targets) == 6 + 1 + 4  # kv: 3 per preemption mode; rollout; host path
+    assert len(targets) == 6 + 1 + 4 + 1  # kv: 3 per preemption mode; rollout; host; fuzz
     assert all(t["measured"] is None and t["met"] is None for t in targets)
     text = (out / "summary.txt").read_text()
     assert text.startswith("native backend: not built\n")
