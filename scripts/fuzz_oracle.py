@@ -7,7 +7,8 @@ decode on two stages) and a greedy workload (random prompts and arrivals, the
 exit rule of the family: Ouro's gate, Huginn's zero-shot criteria or a fixed depth, random
 ``min_loops``/``max_loops``, a request's own KV policy, zero or seeded random initial states),
 runs it with ``tests/engine_util.run_core`` (which also checks that no KV block leaks), and
-compares every request's token ids and exit depths with the oracle's; in some cases the
+compares every request's token ids and exit depths with the oracle's (and prompt logprobs,
+where asked, with its prompt logits); in some cases the
 requests sample (seeded, with top-k/top-p/min-p and penalties), and each is compared with
 itself run alone on a plain engine instead (the oracle is greedy). Combinations the engine
 refuses (a ``ValueError`` naming them) are counted, not failed.
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import orjson  # noqa: E402
+import torch  # noqa: E402
 from engine_util import (  # noqa: E402
     Run,
     make_core,
@@ -203,6 +205,8 @@ def draw_params(rng: random.Random, family: str, engine_policy: str) -> Sampling
         kw["min_tokens"] = rng.choice([0, 2])
     if rng.random() < 0.15:
         kw["logit_bias"] = {rng.randrange(384): rng.choice([-5.0, 5.0]) for _ in range(3)}
+    if rng.random() < 0.15:
+        kw["prompt_logprobs"] = rng.choice([0, 3])
     kw.setdefault("ignore_eos", True)
     max_tokens = rng.randint(max(1, kw.get("min_tokens", 0)), 6)
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
@@ -247,6 +251,35 @@ def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
             if _tie(ref, prompt, p, got, want, aborted, kw):
                 raise Tie(diff)
             return diff
+        # (Prompt logprobs come with the first token; the two-stage run does not collect them.)
+        scored = p.prompt_logprobs is not None and not engine.get("disaggregate") and got[0]
+        got_scores = run.prompt_logprobs.get(f"r{i}")
+        if scored and (diff := _prompt_logprobs_diff(got_scores, want.prompt_logits, prompt, p)):
+            return f"r{i}: {diff}"
+    return None
+
+
+def _prompt_logprobs_diff(got, logits, prompt: list[int], p: SamplingParams) -> str | None:
+    """What differs between an update's prompt logprobs and the oracle's prompt logits (each
+    prompt token's logprob and the top ``prompt_logprobs``, within float32 noise); ids of
+    equal values may come in either order, so the values are compared. Float32 noise grows with
+    a logprob's size (a tiny random checkpoint's reach -30): the tolerance is relative."""
+
+    def near(a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-4 * (1 + abs(b))
+
+    if got is None:
+        return "no prompt logprobs"
+    if len(got) != len(prompt) - 1:
+        return f"{len(got)} prompt logprobs for {len(prompt)} prompt tokens"
+    want = torch.log_softmax(logits.float(), dim=-1)  # [T - 1, V]
+    for q, (lp, top, _) in enumerate(got):
+        expected = float(want[q, prompt[q + 1]])
+        if not near(lp, expected):
+            return f"prompt logprob {q}: {lp} vs the oracle's {expected}"
+        values = want[q].topk(p.prompt_logprobs).values.tolist()
+        if len(top) != len(values) or not all(near(v, w) for (_, v), w in zip(top, values)):
+            return f"prompt top logprobs {q}: {top} vs the oracle's {values}"
     return None
 
 

@@ -28,6 +28,7 @@ def test_cases_are_reproducible_and_varied():
     criteria = {p.exit_criterion for p in params}
     assert criteria == {None, *fuzz.CRITERIA}
     assert any(p.kv_policy for p in params) and any(c.aborts for c in cases)
+    assert any(p.prompt_logprobs is not None for p in params)
     assert any(c.groups for c in cases) and any(c.sampled for c in cases)
     assert all(p.temperature > 0 for c in cases if c.sampled for p in c.params)
     # Chunking makes shared/ring prompt KV depend on chunk boundaries; the oracle runs whole
