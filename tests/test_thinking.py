@@ -109,6 +109,12 @@ def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
         make_core(ouro_rv1, async_scheduling=True, exit_mode="delayed").make_request(
             None, PROMPTS[0], p
         )
+    # On a pipelining engine it decodes without pipelining; asking for both is refused.
+    piped = make_core(ouro_rv1, speculative_tokens=2, draft_loops=2)
+    assert not piped.make_request(None, PROMPTS[0], p).pipelined
+    with pytest.raises(ValueError, match=r"speculative=True: .*bounded thinking"):
+        piped.make_request(None, PROMPTS[0], p.replace(speculative=True))
+    piped.shutdown()
     core = make_core(ouro_rv1)
     with pytest.raises(ValueError, match="penalties"):
         core.make_request(None, PROMPTS[0], p.replace(repetition_penalty=1.2))

@@ -205,7 +205,7 @@ class EngineCore:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         eos = frozenset(spec.eos_token_ids)
         pipelined = self._pipelined(params, cap)
-        check_thinking(params, sched, pipelined)
+        check_thinking(params, sched)
         request = Request(
             request_id=rid,
             prompt_token_ids=list(prompt_token_ids),
@@ -299,6 +299,8 @@ class EngineCore:
             reasons.append("it does not combine with penalties")
         if sched.exit_mode == "trace":
             reasons.append("it does not combine with exit_mode='trace'")
+        if params.max_thinking_tokens is not None:  # (forced ids would unwind drafts)
+            reasons.append("it does not combine with bounded thinking (max_thinking_tokens)")
         if reasons and params.speculative:
             raise ValueError("speculative=True: " + "; ".join(reasons))
         return not reasons

@@ -15,8 +15,10 @@ So the output equals the oracle run on prompt + the K thinking tokens (at their 
 depths) + the forced ids, and a recompute after preemption replays the forced ids like any
 recorded token. Forced tokens are in the output's token ids, with no logprob, and never count as
 stop tokens. Refused with a clear error where a step can be planned before the previous one's
-result is applied (async scheduling, token pipelining: the already planned next position would
-have to be unwound) and with penalties (the runner's penalty history holds sampled tokens only).
+result is applied (async scheduling: the already planned next position would have to be
+unwound) and with penalties (the runner's penalty history holds sampled tokens only). On an
+engine with token pipelining such a request decodes without it (``EngineCore._pipelined``; an
+explicit ``speculative=True`` is refused there).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from rltserve.updates import RequestUpdate
 
 
-def check_thinking(params: SamplingParams, sched: SchedulerConfig, pipelined: bool) -> None:
+def check_thinking(params: SamplingParams, sched: SchedulerConfig) -> None:
     """Raises ValueError when a request's bounded thinking cannot run on this engine."""
     if params.max_thinking_tokens is None:
         return
@@ -41,8 +43,6 @@ def check_thinking(params: SamplingParams, sched: SchedulerConfig, pipelined: bo
     reasons = []
     if sched.async_scheduling:
         reasons.append("async_scheduling")
-    if pipelined:
-        reasons.append("token pipelining (set speculative=False)")
     p = params
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
         reasons.append("repetition/presence/frequency penalties")
