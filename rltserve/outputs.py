@@ -210,7 +210,7 @@ class OutputAssembler:
             if finish is not None:
                 self._text += self._detok.flush()
         new_ids, new_depths = update.new_token_ids, update.new_exit_depths
-        hit = self._find_stop() if len(out.token_ids) > self._min_tokens else None
+        hit = self._find_stop(ends) if len(out.token_ids) > self._min_tokens else None
         if hit is not None:
             cut, stop_reason = hit
             self._text = self._text[: cut + (len(stop_reason) if self._include_stop else 0)]
@@ -260,18 +260,24 @@ class OutputAssembler:
         self._text += "".join(pieces)
         return ends
 
-    def _find_stop(self) -> tuple[int, str] | None:
+    def _find_stop(self, ends: list[int]) -> tuple[int, str] | None:
+        """The stop string that ends the output, and where it starts: the one completed by the
+        earliest of the update's tokens (``ends``: where each token's text ends), the earliest
+        starting of those; so the choice does not depend on how many tokens an update brings."""
         if not self._stop:
             return None
         # Only text not yet emitted or after the first min_tokens tokens' (plus what a stop
         # string could reach back into: less than its length) can hold a new match; emitted
         # text was checked when it arrived.
         base = max(self._emitted, self._stop_from)
-        best: tuple[int, str] | None = None
+        best, best_key = None, None
         for s in self._stop:
             i = self._text.find(s, max(0, base - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+            if i < 0:
+                continue
+            token = next((k for k, end in enumerate(ends) if end >= i + len(s)), len(ends))
+            if best_key is None or (token, i) < best_key:
+                best, best_key = (i, s), (token, i)
         return best
 
 

@@ -19,6 +19,7 @@ from test_http_harness import (
 )
 
 from rltserve.http.config import ServerConfig
+from rltserve.models.tokenizer import load_tokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 EXTRAS = {"store": False, "metadata": {"k": "v"}, "parallel_tool_calls": False}
@@ -228,3 +229,26 @@ async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
         status, _, raw = await live.post("/v1/chat/completions", CHAT)
         usage = orjson.loads(raw)["usage"]
         assert status == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
+async def test_stop_string_and_special_token_fields_shape_the_text(ckpt):
+    """vLLM's ``include_stop_str_in_output`` and ``skip_special_tokens`` reach the text, in
+    both endpoints' bodies and streams alike."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        tokenizer = load_tokenizer(str(ckpt))
+        first, second = tokenizer.decode([44]), tokenizer.decode([77])
+        assert second and second not in first
+        body = {"prompt": [5], "max_tokens": 4, "stop": [second], "temperature": 0.0}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == first
+        kept = {**body, "include_stop_str_in_output": True}
+        status, _, raw = await live.post("/v1/completions", kept)
+        assert orjson.loads(raw)["choices"][0]["text"] == first + second
+        params = stage.added_params[-1]
+        assert params.include_stop_str_in_output and params.skip_special_tokens
+        plain = {"prompt": [5], "max_tokens": 1, "skip_special_tokens": False}
+        assert (await live.post("/v1/completions", plain))[0] == 200
+        assert stage.added_params[-1].skip_special_tokens is False
+        status, _, raw = await live.post("/v1/completions", {**plain, "skip_special_tokens": 1})
+        assert status == 400 and error_of(raw)["param"] == "skip_special_tokens", raw

@@ -271,6 +271,8 @@ class Generation:
                     c.params.stop,
                     c.params.logprobs is not None,
                     c.params.stop_token_ids,
+                    skip_special_tokens=c.params.skip_special_tokens,
+                    include_stop_str_in_output=c.params.include_stop_str_in_output,
                     min_tokens=c.params.min_tokens,
                 ),
                 RequestTimeline(arrival, arrival),

@@ -60,6 +60,8 @@ class GenerationFields:
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # looped-model extensions
     min_loops: int = 1
     max_loops: int | None = None
@@ -338,6 +340,8 @@ def sampling_params(
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
             logit_bias=(
                 None if req.logit_bias is None else {int(k): v for k, v in req.logit_bias.items()}
             ),
