@@ -1,24 +1,26 @@
 """Differential fuzzing of the engine against the dense oracle (``tests/reference.py``).
 
-Each case draws an engine (model family, KV policy, chunked or wavefront prefill, async
-scheduling with delayed exits, a preemption mode on a pool so small that requests are preempted
-again and again, prompt-sharing groups, the scheduler's other choices, sometimes prefill and
-decode on two stages) and a greedy workload (random prompts and arrivals, the
-exit rule of the family: Ouro's gate, Huginn's zero-shot criteria or a fixed depth, random
-``min_loops``/``max_loops``, a request's own KV policy, zero or seeded random initial states),
-runs it with ``tests/engine_util.run_core`` (which also checks that no KV block leaks), and
-compares every request's token ids and exit depths with the oracle's (and prompt logprobs,
-where asked, with its prompt logits); in some cases the
-requests sample (seeded, with top-k/top-p/min-p and penalties), and each is compared with
-itself run alone on a plain engine instead (the oracle is greedy). Combinations the engine
-refuses (a ``ValueError`` naming them) are counted, not failed.
+Each case (one seed) draws an engine: model family, KV policy, chunked or wavefront prefill,
+async scheduling with delayed exits, a preemption mode on a pool so small that requests are
+preempted again and again, prompt-sharing groups, prefix caching, the scheduler's other choices
+(budgets, lockstep cohorts, carried rows, token pipelining, time slices, priority), sometimes
+prefill and decode on two stages; and a workload: random prompts, arrivals and aborts, the
+family's exit rule (Ouro's gate, Huginn's zero-shot criteria, a fixed depth), loop bounds, a
+request's own KV policy, stops, biases, prompt logprobs, zero or seeded random initial states.
+It runs the case with ``tests/engine_util.run_core`` (which fails on a leaked KV block) and
+compares every greedy request's token ids, exit depths and prompt logprobs with the oracle's;
+in some cases the requests sample (seeded, with top-k/top-p/min-p and penalties) and each is
+compared with itself run alone on a plain engine. Combinations the engine refuses (a
+``ValueError`` naming them) are counted, not failed; so are differences within float32 rounding
+of a decision (``Tie``).
 
     python scripts/fuzz_oracle.py --cases 200 --seed 0 --json
 
 prints one JSON object: the counts, and for every mismatch or crash the case (seed, engine
-settings, prompts and params) that reproduces it: ``--case-seed N`` runs that case alone.
-The checkpoints are the tiny random ones the tests use, built under ``--work`` (a temporary
-directory by default). Slow on purpose (the oracle is dense): about a second a case on a CPU.
+settings, prompts and params) that reproduces it: ``--case-seed N`` runs that case alone;
+``--device cuda`` runs the engine there (the oracle stays on the CPU). The checkpoints are the
+tiny random ones the tests use, built under ``--work`` (a temporary directory by default).
+About 0.2 s a case on one CPU core.
 """
 
 from __future__ import annotations
