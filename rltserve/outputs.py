@@ -212,13 +212,12 @@ class OutputAssembler:
         new_ids, new_depths = update.new_token_ids, update.new_exit_depths
         hit = self._find_stop(ends) if len(out.token_ids) > self._min_tokens else None
         if hit is not None:
-            cut, stop_reason = hit
+            cut, stop_reason, token = hit
             self._text = self._text[: cut + (len(stop_reason) if self._include_stop else 0)]
             finish = "stop"
             # An update of several tokens (the forced end of a bounded thinking span, drafts)
             # ends with the token whose text completes the stop string, as vLLM's outputs do.
-            done = cut + len(stop_reason)
-            keep = next((k + 1 for k, end in enumerate(ends) if end >= done), len(new_ids))
+            keep = token + 1
             if keep < len(new_ids):
                 new_ids, new_depths, lps = new_ids[:keep], new_depths[:keep], lps[:keep]
                 del out.token_ids[before[0] + keep :], out.exit_depths[before[1] + keep :]
@@ -260,24 +259,25 @@ class OutputAssembler:
         self._text += "".join(pieces)
         return ends
 
-    def _find_stop(self, ends: list[int]) -> tuple[int, str] | None:
-        """The stop string that ends the output, and where it starts: the one completed by the
-        earliest of the update's tokens (``ends``: where each token's text ends), the earliest
-        starting of those; so the choice does not depend on how many tokens an update brings."""
+    def _find_stop(self, ends: list[int]) -> tuple[int, str, int] | None:
+        """The stop string that ends the output, where it starts and the update's token that
+        completes it (``len(ends)``: text after them): the one completed by the earliest of the
+        update's tokens (``ends``: where each token's text ends), the earliest starting of
+        those; so the choice does not depend on how many tokens an update brings."""
         if not self._stop:
             return None
         # Only text not yet emitted or after the first min_tokens tokens' (plus what a stop
         # string could reach back into: less than its length) can hold a new match; emitted
         # text was checked when it arrived.
         base = max(self._emitted, self._stop_from)
-        best, best_key = None, None
+        best = None
         for s in self._stop:
             i = self._text.find(s, max(0, base - len(s) + 1))
             if i < 0:
                 continue
             token = next((k for k, end in enumerate(ends) if end >= i + len(s)), len(ends))
-            if best_key is None or (token, i) < best_key:
-                best, best_key = (i, s), (token, i)
+            if best is None or (token, i) < (best[2], best[0]):
+                best = (i, s, token)
         return best
 
 

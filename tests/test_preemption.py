@@ -148,13 +148,13 @@ def test_shared_prompt_preempted_with_its_last_loop_in_flight(ckpts, ouro_ref, m
             max_loops=3,
         ),
     ]  # fmt: skip
-    engine = dict(kv_policy="shared", block_size=4, preemption_mode=mode)
-    engine["num_blocks"] = _tight_blocks(ckpts["ouro"], prompts, params, kv_policy="shared")
-    core = make_core(ckpts["ouro"], async_scheduling=True, exit_mode="delayed", **engine)
-    run = run_core(core, prompts, params, arrivals=[3, 2], lag=1)
-    assert core.stats().num_preemptions >= 1
-    _assert_empty(core)
-    core.shutdown()
+    blocks = _tight_blocks(ckpts["ouro"], prompts, params, kv_policy="shared")
+    run, stats = _run(
+        ckpts["ouro"], prompts, params, [3, 2], lag=1, async_scheduling=True,
+        exit_mode="delayed", kv_policy="shared", preemption_mode=mode, block_size=4,
+        num_blocks=blocks,
+    )  # fmt: skip
+    assert stats.num_preemptions >= 1
     _oracle(ouro_ref, run, prompts, params, "shared", "delayed")
 
 

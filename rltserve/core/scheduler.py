@@ -419,7 +419,7 @@ class Scheduler:
         """Makes ``item`` (its blocks taken) the request's newest. (``Standing.apply_ends``
         writes this and ``_carry`` out for a decode batch: a change here goes there too.)"""
         request.num_scheduled = item.end
-        if item.start < request.num_prompt_tokens and item.num_tokens > 1:
+        if item.start < request.num_prompt_tokens:
             request.chunk_starts.append(item.start)
         if request.resume is Resume.RECOMPUTE and item.end > request.replay_until:
             request.resume = Resume.NONE  # back where it was preempted
