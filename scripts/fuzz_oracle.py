@@ -46,6 +46,7 @@ from engine_util import (  # noqa: E402
     run_core,
     stream_all,
     tight_blocks,
+    wait_pd_idle,
 )
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
@@ -132,12 +133,17 @@ def draw_case(seed: int) -> Case:
         engine["kv_policy"] in REQUEST_KV_POLICIES
         and random.Random(seed + 3 * 10**6).random() < 0.1
     ):
-        # Prefill/decode disaggregation: two in-process stages; every request is sent at once
-        # (no arrivals, no aborts) and prompts are long enough to move KV.
+        # Prefill/decode disaggregation: two in-process stages, prompts long enough to move KV.
+        # Arrivals and aborts count tokens, not steps (the stages step on their own threads):
+        # a request is sent once the run has produced ``arrivals[i]`` tokens and aborted once
+        # it has ``aborts[i]`` (0: while its prompt is on the prefill stage or moving).
         engine["disaggregate"] = True
         engine.pop("enable_prefix_caching", None)
         prompts = [prompt * 3 for prompt in prompts]
-        arrivals, aborts, lag = [0] * n, {}, 0
+        pd = random.Random(seed + 4 * 10**6)
+        arrivals = [pd.choice([0, 0, pd.randint(1, 12)]) for _ in range(n)]
+        aborts = {i: pd.choice([0, pd.randint(1, 6)]) for i in range(n) if pd.random() < 0.2}
+        lag = 0
     return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts, sampled)
 
 
@@ -287,27 +293,21 @@ def _prompt_logprobs_diff(got, logits, prompt: list[int], p: SamplingParams) -> 
 
 def _run_disaggregated(case: Case, path, engine: dict) -> Run:
     """The case on a prefill and a decode stage (``PDClient``, in-process stages); both end
-    idle with no KV held."""
+    idle with no KV held and no transfer file left."""
     engine.setdefault("num_blocks", 512)
     engine.setdefault("block_size", 4)
     config = EngineConfig.from_flat(model=str(path), **engine)
     client = PDClient(config, InProcessStageClient)
     try:
         client.wait_ready(120)
-        run = stream_all(client, case.prompts, case.params, timeout=120, groups=case.groups)
-        for stage in (client.prefill, client.decode):  # (None: it never ran a step)
-            deadline = time.monotonic() + 30
-            while _busy(stage.stats) and time.monotonic() < deadline:
-                time.sleep(0.05)  # (stats arrive a step after the last finish)
-            if _busy(stage.stats):
-                raise RuntimeError(f"a stage is not idle after the requests: {stage.stats}")
+        run = stream_all(
+            client, case.prompts, case.params, timeout=120, groups=case.groups,
+            arrivals=case.arrivals, aborts=case.aborts,
+        )  # fmt: skip
+        wait_pd_idle(client)
     finally:
         client.close()
     return run
-
-
-def _busy(stats) -> bool:
-    return stats is not None and bool(stats.kv_usage or stats.num_running or stats.num_waiting)
 
 
 def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -233,29 +235,79 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
     )
 
 
-def stream_all(client, prompts, params, timeout: float = 300, groups=None) -> Run:
-    """Sends every request through a stage client at once (``groups[i]``: request i's
-    prompt-sharing group) and waits for all of them; fails on any error update."""
+def stream_all(
+    client,
+    prompts,
+    params,
+    timeout: float = 300,
+    groups=None,
+    arrivals: list[int] | None = None,
+    aborts: dict[int, int] | None = None,
+) -> Run:
+    """Sends every request through a stage client and waits for all of them; fails on any
+    error update. ``groups[i]``: request i's prompt-sharing group; ``arrivals[i]``: request i
+    is sent once the run has produced that many tokens in all (or when nothing sent is still
+    running); ``aborts[i]``: request i is aborted once it has that many tokens (0: as soon as
+    it is sent). The client's methods are called on this thread, never under the sink's lock
+    (a stage may deliver updates while it holds its own)."""
+    n = len(prompts)
     run = Run()
-    for i in range(len(prompts)):
+    for i in range(n):
         run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
-    done = threading.Event()
-    left = [len(prompts)]
-    lock = threading.Lock()
+    changed = threading.Condition()
+    produced = [0]
 
     def sink(update):
-        run.tokens[update.request_id].extend(update.new_token_ids)
-        run.depths[update.request_id].extend(update.new_exit_depths)
-        if update.finish_reason is not None:
-            run.finish[update.request_id] = update.error or update.finish_reason.value
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    done.set()
+        with changed:
+            run.tokens[update.request_id].extend(update.new_token_ids)
+            run.depths[update.request_id].extend(update.new_exit_depths)
+            produced[0] += len(update.new_token_ids)
+            if update.finish_reason is not None:
+                run.finish[update.request_id] = update.error or update.finish_reason.value
+            changed.notify_all()
 
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        client.add_request(f"r{i}", prompt, p, sink, group=groups[i] if groups else None)
-    assert done.wait(timeout), "requests did not finish"
-    errors = {rid: f for rid, f in run.finish.items() if f not in ("stop", "length")}
+    unsent = sorted(range(n), key=lambda i: arrivals[i] if arrivals else 0)
+    unaborted = dict(aborts or {})
+    sent: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        with changed:
+            running = [i for i in sent if f"r{i}" not in run.finish]
+            send = []
+            while unsent and (
+                not running and not send or (arrivals[unsent[0]] if arrivals else 0) <= produced[0]
+            ):
+                send.append(unsent.pop(0))
+            abort = [
+                i for i in running if i in unaborted and len(run.tokens[f"r{i}"]) >= unaborted[i]
+            ]
+            if not send and not abort:
+                if not unsent and not running:
+                    break
+                assert time.monotonic() < deadline, "requests did not finish"
+                changed.wait(0.05)
+                continue
+        for i in send:
+            sent.add(i)
+            group = groups[i] if groups else None
+            client.add_request(f"r{i}", prompts[i], params[i], sink, group=group)
+        for i in abort + [i for i in send if unaborted.get(i) == 0]:
+            unaborted.pop(i, None)
+            client.abort(f"r{i}")
+    errors = {rid: f for rid, f in run.finish.items() if f not in ("stop", "length", "abort")}
     assert not errors, errors
     return run
+
+
+def wait_pd_idle(client, timeout: float = 30.0) -> None:
+    """Waits for both stages of a ``PDClient`` to be idle with no block in use and no transfer
+    file left (stats arrive a step after the last finish); fails with what is left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [s.stats for s in (client.prefill, client.decode)]  # (None: never ran a step)
+        busy = [s for s in stats if s and (s.num_running or s.num_waiting or s.kv_usage)]
+        files = sorted(set(os.listdir(client._dir)) - {"owner.lock"})
+        if not busy and not files:
+            return
+        assert time.monotonic() < deadline, f"stages not idle: {busy}, transfer files {files}"
+        time.sleep(0.05)

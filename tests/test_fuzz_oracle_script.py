@@ -38,19 +38,35 @@ def test_cases_are_reproducible_and_varied():
             assert "prefill_chunk_size" not in e and "enable_prefix_caching" not in e
 
 
-def test_a_disaggregated_case_runs_on_two_stages(tmp_path, monkeypatch):
-    seed = next(s for s in range(100) if fuzz.draw_case(s).engine.get("disaggregate"))
-    stages = []
-    real = fuzz.PDClient
+def test_a_disaggregated_case_runs_on_two_stages_with_arrivals_and_aborts(tmp_path, monkeypatch):
+    def wanted(case):
+        return (
+            case.engine.get("disaggregate")
+            and 0 in case.aborts.values()
+            and any(case.arrivals[i] for i in range(len(case.prompts)) if i not in case.aborts)
+        )
+
+    seed = next(s for s in range(1000) if wanted(fuzz.draw_case(s)))
+    stages, runs = [], []
+    real_client, real_stream = fuzz.PDClient, fuzz.stream_all
 
     def pd_client(*args):
-        client = real(*args)
-        stages.append(client)
-        return client
+        stages.append(real_client(*args))
+        return stages[-1]
+
+    def stream_all(*args, **kwargs):
+        runs.append(real_stream(*args, **kwargs))
+        return runs[-1]
 
     monkeypatch.setattr(fuzz, "PDClient", pd_client)
+    monkeypatch.setattr(fuzz, "stream_all", stream_all)
     report = fuzz.fuzz([seed], tmp_path)
     assert report["counts"]["equal"] == 1 and len(stages) == 1
+    case = fuzz.draw_case(seed)
+    for i, after in case.aborts.items():  # (aborted as soon as sent: on the prefill stage)
+        assert after > 0 or runs[0].finish[f"r{i}"] == "abort"
+    ended = [runs[0].finish[f"r{i}"] for i in range(len(case.prompts)) if i not in case.aborts]
+    assert all(reason in ("stop", "length") for reason in ended)
 
 
 def test_a_short_run_equals_the_oracle(tmp_path, capsys):

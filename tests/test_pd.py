@@ -8,7 +8,6 @@ files). The file itself, engine to engine: ``test_kv_transfer.py``."""
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from engine_util import ENGINE_MODES, oracle_run, stream_all, tight_blocks
+from engine_util import ENGINE_MODES, oracle_run, stream_all, tight_blocks, wait_pd_idle
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine import EngineCore
@@ -67,16 +66,6 @@ def _moved(prompts: list[list[int]]) -> int:
     return sum((len(p) - 1) // BS * BS for p in prompts)
 
 
-def _idle(client: PDClient) -> None:
-    """Both stages idle with no block in use, and no transfer file left."""
-    for stage in (client.prefill, client.decode):
-        stats = stage.stats
-        if stats is None:  # (it never ran a step)
-            continue
-        assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
-    assert os.listdir(client._dir) == ["owner.lock"]  # (no transfer file left)
-
-
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_every_mode_matches_the_oracle_and_reuses_moved_blocks(ckpts, ouro_ref, mode):
     prompts, params = _workload(3)
@@ -94,7 +83,7 @@ def test_every_mode_matches_the_oracle_and_reuses_moved_blocks(ckpts, ouro_ref, 
         assert client.decode.stats.prefix_cache_hits >= moved // 2
         if "preemption_mode" not in engine:  # (a preempted request may hit again)
             assert client.decode.stats.prefix_cache_hits == moved
-        _idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -131,7 +120,7 @@ def test_seeded_sampling_and_groups_equal_one_stage(ckpts, kv_policy, monkeypatc
         try:
             results.append(_groups(client, prompts, params))
             if disaggregate:
-                _idle(client)
+                wait_pd_idle(client)
                 # Every sample's prompt blocks came from the prefill stage (as group hits).
                 moved = _moved(prompts)
                 assert client.decode.stats.prefix_cache_hits >= 2 * moved
@@ -177,7 +166,7 @@ def test_huginn_matches_the_oracle(ckpts, huginn_ref, init_state):
         _oracle(huginn_ref, run, prompts, params, kv_policy="full")
         moved = _moved(prompts)
         assert client.decode.stats.prefix_cache_hits == moved
-        _idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -210,7 +199,7 @@ def test_ouro_below_its_depth_and_traced_exits_move_their_blocks(ckpts, ouro_ref
         assert client.decode.stats.prefix_cache_hits == sum(
             (len(p) - 1) // BS * BS for p in prompts
         )
-        _idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -230,7 +219,7 @@ def test_what_goes_straight_to_the_decode_stage(ckpts, huginn_ref):
         stream_all(client, [[1, 2, 3]], [SamplingParams(temperature=0.0, max_tokens=3)])
         assert client.prefill.stats is None or client.prefill.stats.num_steps == 0
         assert client.decode.stats.prefix_cache_hits == 0
-        _idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -266,7 +255,7 @@ def test_abort_during_prefill_and_during_decode(ckpts):
         client.abort("b")  # decoding
         assert ended.wait(60)
         assert updates["b"][-1].finish_reason is FinishReason.ABORT
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
     assert not Path(client._dir).exists()
@@ -302,7 +291,7 @@ def test_a_waiting_sample_aborts_alone_and_a_rerouted_prefill_is_served(
         client._prefilled("d", RequestUpdate("d", finish_reason=FinishReason.ABORT))
         assert ended.wait(60)
         assert [t for u in updates["d"] for t in u.new_token_ids] == want
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -338,20 +327,9 @@ def test_followers_of_a_failed_leader_and_an_abort_during_a_move(ckpts, ouro_ref
         client._ids.add("c")
         client._prefilled("c", RequestUpdate("c", finish_reason=FinishReason.LENGTH))
         assert ended.wait(60) and updates["c"][-1].finish_reason is FinishReason.ABORT
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
-
-
-def _wait_idle(client, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return _idle(client)
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def test_bad_requests_are_refused_as_by_one_stage(ckpts, monkeypatch):
@@ -378,7 +356,7 @@ def test_bad_requests_are_refused_as_by_one_stage(ckpts, monkeypatch):
         assert ended.wait(60)
         assert updates["z"][-1].error.startswith("min_loops=7: above the 4 loops")
         assert prefills == []  # none of them ran a prefill first
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -426,7 +404,7 @@ def test_a_failed_hand_over_ends_the_request_and_leaves_nothing(ckpts, monkeypat
         assert last.finish_reason is FinishReason.ERROR
         assert last.error == "decode stage: RuntimeError: cannot send"
         assert not client._ids and not client._open
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
@@ -442,7 +420,7 @@ def test_request_ids_are_unique_across_both_stages(ckpts):
         client.abort("x")
         assert ended.wait(60)
         client.add_request("x", [1, 2], GREEDY, sink)  # free again once it ended
-        _wait_idle(client)
+        wait_pd_idle(client)
     finally:
         client.close()
 
