@@ -97,11 +97,12 @@ def draw_case(seed: int) -> Case:
     if family == "huginn" and rng.random() < 0.2:
         engine["kv_policy"] = "ring:2"
     prefill = rng.choice(["whole", "chunked", "wavefront"])
-    # (Under shared/ring a later chunk reads an earlier one's last version: their prompt KV
-    # depends on chunk boundaries, by design, and the oracle runs a prompt whole.)
-    if prefill != "whole" and engine["kv_policy"] in REQUEST_KV_POLICIES:
+    per_depth = engine["kv_policy"] in REQUEST_KV_POLICIES
+    if prefill != "whole":
+        # (Under shared/ring a later chunk reads an earlier one's last versions: the oracle
+        # runs the same chunks, and the engine refuses wavefront prefill.)
         engine["prefill_chunk_size"] = rng.choice([2, 4])
-        engine["wavefront_prefill"] = prefill == "wavefront"
+        engine["wavefront_prefill"] = prefill == "wavefront" and per_depth
     lag = 0
     if rng.random() < 0.35:
         engine.update(async_scheduling=True, exit_mode="delayed")
@@ -114,7 +115,7 @@ def draw_case(seed: int) -> Case:
         engine["enable_prefix_caching"] = True
     if rng.random() < 0.3:
         engine["max_num_seqs"] = rng.randint(1, 3)
-    if rng.random() < 0.3 and engine["kv_policy"] in REQUEST_KV_POLICIES:  # (chunks prompts)
+    if rng.random() < 0.3:  # (chunks prompts)
         budget = engine["max_num_batched_tokens"] = rng.randint(4, 12)
         engine["prefill_chunk_size"] = min(engine.get("prefill_chunk_size", budget), budget)
     n = rng.randint(1, 6)
@@ -250,12 +251,13 @@ def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
         return _against_alone(case, path, run, exit_mode, engine["device"])
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or engine["kv_policy"]
-        want = oracle_run(refs[case.family], prompt, p, exit_mode=exit_mode, kv_policy=policy)
+        kw = {"exit_mode": exit_mode, "kv_policy": policy, "prompt_chunks": _chunks(prompt, case)}
+        want = oracle_run(refs[case.family], prompt, p, **kw)
         got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])
         aborted = run.finish.get(f"r{i}") == "abort"  # (what it produced before the abort)
         if not _same(got, (want.tokens, want.exit_depths), aborted):
             diff = f"r{i}: engine {got}, oracle {(want.tokens, want.exit_depths)}"
-            ref, kw = refs[case.family], {"exit_mode": exit_mode, "kv_policy": policy}
+            ref = refs[case.family]
             if _tie(ref, prompt, p, got, want, aborted, kw):
                 raise Tie(diff)
             return diff
@@ -265,6 +267,14 @@ def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
         if scored and (diff := _prompt_logprobs_diff(got_scores, want.prompt_logits, prompt, p)):
             return f"r{i}: {diff}"
     return None
+
+
+def _chunks(prompt: list[int], case: Case) -> list[int] | None:
+    """The prompt's chunk starts where they matter (shared/ring: a chunk reads an earlier one's
+    last versions); the engine cuts chunks at multiples of ``prefill_chunk_size``."""
+    if case.engine["kv_policy"] in REQUEST_KV_POLICIES:
+        return None
+    return list(range(0, len(prompt), case.engine.get("prefill_chunk_size", 512)))
 
 
 def _prompt_logprobs_diff(got, logits, prompt: list[int], p: SamplingParams) -> str | None:
@@ -313,7 +323,10 @@ def _run_disaggregated(case: Case, path, engine: dict) -> Run:
 def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | None:
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or case.engine["kv_policy"]
-        core = make_core(path, kv_policy=policy, exit_mode=exit_mode, device=device)
+        kw = {"kv_policy": policy, "exit_mode": exit_mode, "device": device}
+        if policy not in REQUEST_KV_POLICIES and "prefill_chunk_size" in case.engine:
+            kw["prefill_chunk_size"] = case.engine["prefill_chunk_size"]  # (same chunks)
+        core = make_core(path, **kw)
         try:
             alone = run_core(core, [prompt], [p])
         finally:

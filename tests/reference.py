@@ -283,6 +283,7 @@ class Reference:
         min_tokens: int = 0,
         logit_bias: dict[int, float] | None = None,
         allowed_token_ids: tuple[int, ...] | None = None,
+        prompt_chunks: list[int] | None = None,
     ) -> RefOutput:
         """Greedy generation of one request; see the module docstring for the semantics.
 
@@ -292,7 +293,10 @@ class Reference:
         stop is token ``min_tokens + 1``. The choice adds ``logit_bias`` and is made among
         ``allowed_token_ids`` (when given). ``logits`` are kept as the model gave them.
         Without a gate, ``exit_threshold < 1`` exits decode tokens by ``exit_criterion``
-        (``Criterion``; "kl" when None); the prompt runs all its loops."""
+        (``Criterion``; "kl" when None); the prompt runs all its loops. ``prompt_chunks``
+        (the prompt's chunk starts, 0 first) runs the prompt chunk by chunk, each through
+        every loop before the next: under ``shared`` and ``ring`` a later chunk then reads an
+        earlier one's last versions (under the other policies chunking changes nothing)."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -351,24 +355,36 @@ class Reference:
         adaptive = exit_criterion != "none" and (exit_threshold < 1.0 or exit_criterion is not None)
         zero_shot = not self.has_gate and adaptive and exit_mode != "trace"
 
-        # Prompt: one forward per depth over all positions, always all D_r loops.
-        e = self._prelude(list(prompt), 0, bkv)
-        s = self._initial_state(e, 0, init_state, seed)
+        # Prompt: one forward per depth over all positions of a chunk (the whole prompt
+        # unless ``prompt_chunks``), always all D_r loops.
+        starts = list(prompt_chunks or [0])
+        if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
+            raise ValueError(f"prompt_chunks={prompt_chunks!r}: not chunk starts of the prompt")
         rule = rule_for(0)
-        exit_d, exit_state = None, None
-        for d in range(1, depth + 1):
-            s = self._loop(s, e, 0, kv.attn_fn(plane_of(kind, planes, d), 0, self.scale))
-            g = self._gate(s[-1:])
-            if exit_d is None and rule.update(d, None if g is None else g[0]):
-                exit_d, exit_state = d, s[-1:].clone()
-            if d == cap:
-                at_cap = s[:-1].clone()
-        if self.family == "huginn_raven":  # (the coda writes every position's coda K/V)
-            every = self._coda(torch.cat((s[:-1], exit_state)), 0, bkv)  # (cap == depth)
-            out.prompt_logits, logits = every[:-1], every[-1]
-        else:
-            out.prompt_logits = self._coda(at_cap, 0, bkv)
-            logits = self._coda(exit_state, 0, bkv)[-1]
+        prompt_logits = []
+        for start, end in zip(starts, starts[1:] + [n]):
+            e = self._prelude(list(prompt[start:end]), start, bkv)
+            s = self._initial_state(e, start, init_state, seed)
+            exit_d, exit_state = None, None
+            last = end == n
+            for d in range(1, depth + 1):
+                attn = kv.attn_fn(plane_of(kind, planes, d), start, self.scale)
+                s = self._loop(s, e, start, attn)
+                g = self._gate(s[-1:])
+                if last and exit_d is None and rule.update(d, None if g is None else g[0]):
+                    exit_d, exit_state = d, s[-1:].clone()
+                if d == cap:
+                    at_cap = s.clone() if not last else s[:-1].clone()
+            if self.family == "huginn_raven":  # (the coda writes every position's coda K/V)
+                every = self._coda(s if not last else torch.cat((s[:-1], exit_state)), start, bkv)
+                prompt_logits.append(every if not last else every[:-1])  # (cap == depth)
+                if last:
+                    logits = every[-1]
+            else:
+                prompt_logits.append(self._coda(at_cap, start, bkv))
+                if last:
+                    logits = self._coda(exit_state, start, bkv)[-1]
+        out.prompt_logits = torch.cat(prompt_logits)
         if emit(rule, exit_d, logits):
             return out
 

@@ -67,9 +67,12 @@ def _mixed_workload(n: int, seed: int, thresholds=(1.0, 0.3, 0.5, 0.7)):
     return prompts, params
 
 
-def _check_against_oracle(ref, run, prompts, params, kv_policy, exit_mode="gate"):
+def _check_against_oracle(ref, run, prompts, params, kv_policy, exit_mode="gate", chunk=None):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        want = oracle_run(ref, prompt, p, kv_policy=kv_policy, exit_mode=exit_mode)
+        starts = list(range(0, len(prompt), chunk)) if chunk else None
+        want = oracle_run(
+            ref, prompt, p, kv_policy=kv_policy, exit_mode=exit_mode, prompt_chunks=starts
+        )
         assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
         assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
 
@@ -100,6 +103,39 @@ def test_shared_policy_matches_oracle(ckpts, ouro_ref):
     core = make_core(ckpts["ouro"], kv_policy="shared")
     run = run_core(core, prompts, params)
     _check_against_oracle(ouro_ref, run, prompts, params, "shared")
+
+
+@pytest.mark.parametrize(
+    "family,kv_policy", [("ouro", "shared"), ("huginn", "shared"), ("huginn", "ring:2")]
+)
+def test_chunked_shared_and_ring_match_the_chunked_oracle_whatever_else_runs(
+    ckpts, ouro_ref, huginn_ref, family, kv_policy
+):
+    # Under shared/ring a chunk reads an earlier chunk's last versions, so the oracle runs the
+    # same chunks: the engine cuts them at multiples of prefill_chunk_size even where the step
+    # has less budget left (the chunk waits), so the batch never changes a request's output.
+    rng = random.Random(7)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(5, 14))] for _ in range(6)]
+    if family == "ouro":
+        params = [greedy(rng.randint(2, 6), exit_threshold=0.5) for _ in prompts]
+    else:
+        params = [
+            greedy(rng.randint(2, 6), max_loops=rng.choice([2, 3, 4]), init_state="random", seed=i)
+            for i in range(len(prompts))
+        ]
+    ref = ouro_ref if family == "ouro" else huginn_ref
+    budget = {"prefill_chunk_size": 4, "max_num_batched_tokens": 6}
+    core = make_core(ckpts[family], kv_policy=kv_policy, **budget)
+    run = run_core(core, prompts, params, arrivals=[0, 0, 1, 1, 2, 3])
+    assert any(len(p) % 4 and len(p) > 4 for p in prompts)  # (a short last chunk)
+    _check_against_oracle(ref, run, prompts, params, kv_policy, chunk=4)
+    for i in (0, 3):  # (each alone: the same)
+        core = make_core(ckpts[family], kv_policy=kv_policy, **budget)
+        alone = run_core(core, [prompts[i]], [params[i]])
+        assert (alone.tokens["r0"], alone.depths["r0"]) == (
+            run.tokens[f"r{i}"],
+            run.depths[f"r{i}"],
+        )
 
 
 def test_32_concurrent_staggered_arrivals(ckpts, ouro_ref):

@@ -31,11 +31,11 @@ def test_cases_are_reproducible_and_varied():
     assert any(p.prompt_logprobs is not None for p in params)
     assert any(c.groups for c in cases) and any(c.sampled for c in cases)
     assert all(p.temperature > 0 for c in cases if c.sampled for p in c.params)
-    # Chunking makes shared/ring prompt KV depend on chunk boundaries; the oracle runs whole
-    # prompts, so those engines never chunk.
-    for e in engines:
-        if e["kv_policy"] in ("shared", "ring:2"):
-            assert "prefill_chunk_size" not in e and "enable_prefix_caching" not in e
+    # Shared/ring engines chunk prompts (the oracle runs the same chunks) but refuse wavefront
+    # prefill and never share prompt blocks.
+    unshared = [e for e in engines if e["kv_policy"] in ("shared", "ring:2")]
+    assert any(e.get("prefill_chunk_size") for e in unshared)
+    assert not any(e.get("wavefront_prefill") or e.get("enable_prefix_caching") for e in unshared)
 
 
 def test_a_disaggregated_case_runs_on_two_stages_with_arrivals_and_aborts(tmp_path, monkeypatch):

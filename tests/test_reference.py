@@ -237,6 +237,32 @@ def test_shared_and_ring_policies(ouro, huginn):
         assert any(not torch.allclose(a, b, atol=1e-4) for a, b in zip(shared.logits, full.logits))
 
 
+def test_prompt_chunks_matter_where_a_chunk_reads_last_versions(ouro, huginn):
+    prompt, starts = PROMPTS[1], [0, 3, 5]
+    assert len(prompt) > 6
+    for ref in (ouro, huginn):
+        for policy in ("full", "last_exited"):  # a plane per depth: chunks change nothing
+            whole = ref.generate(prompt, 4, kv_policy=policy, exit_threshold=0.5)
+            chunked = ref.generate(
+                prompt, 4, kv_policy=policy, exit_threshold=0.5, prompt_chunks=starts
+            )
+            assert (chunked.tokens, chunked.exit_depths) == (whole.tokens, whole.exit_depths)
+            # (Float32 rounding only: other matrix shapes.)
+            torch.testing.assert_close(
+                chunked.prompt_logits, whole.prompt_logits, atol=5e-4, rtol=1e-4
+            )
+        whole = ref.generate(prompt, 4, kv_policy="shared", prompt_chunks=[0])
+        chunked = ref.generate(prompt, 4, kv_policy="shared", prompt_chunks=starts)
+        # The first chunk reads only itself; later ones read its last versions at every loop.
+        torch.testing.assert_close(
+            chunked.prompt_logits[:3], whole.prompt_logits[:3], atol=5e-4, rtol=1e-4
+        )
+        assert not torch.allclose(chunked.prompt_logits[3:], whole.prompt_logits[3:], atol=1e-3)
+    for bad in ([1], [0, 0], [0, len(prompt)], [0, 4, 2]):
+        with pytest.raises(ValueError, match="prompt_chunks"):
+            ouro.generate(prompt, 2, prompt_chunks=bad)
+
+
 def test_last_exited_vs_full_with_early_exit(ouro):
     differs = False
     for prompt in PROMPTS:

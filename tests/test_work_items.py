@@ -58,6 +58,17 @@ def test_prompt_chunks_then_decode_tokens_then_none():
     assert maker.next_item(request, budget=100) is None
 
 
+def test_shared_and_ring_prompt_chunks_are_never_cut_by_the_budget():
+    # (A later chunk reads an earlier one's last versions: where chunks start decides the KV.)
+    for policy in ("shared", "ring:2"):
+        maker, request = _maker(policy), _request()
+        assert maker.next_item(request, budget=3) is None  # waits for a step with room
+        assert maker.next_item(request, budget=4).num_tokens == 4
+        request.num_scheduled = 4
+        assert maker.next_item(request, budget=1) is None
+        assert maker.next_item(request, budget=2).num_tokens == 2  # (the prompt's last two)
+
+
 def test_work_item_tables_prompt_ids_and_copy_targets():
     maker, request = _maker(), _request()
     maker.kv.allocate("a", 8, 3)

@@ -60,7 +60,9 @@ class Admission:
             before = request.num_scheduled
             request.num_scheduled = max(before, hit.start)
             item = s.item_maker.next_item(request, budget)
-            assert item is not None
+            if item is None:  # (a shared/ring prompt chunk the budget left does not hold)
+                request.num_scheduled = before
+                break
             if self.blocks(request, item, hit) > s.kv.num_free_blocks:
                 request.num_scheduled = before
                 break  # in order: do not let later requests overtake

@@ -25,11 +25,20 @@ class ItemMaker:
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
         """The request's next item, of at most ``budget`` tokens (not yet started: the
-        scheduler's ``start`` commits it); None when every output is planned."""
+        scheduler's ``start`` commits it); None when every output is planned, or when its next
+        prompt chunk must not be cut and does not fit ``budget``."""
         start = request.num_scheduled
         p = request.num_prompt_tokens
         if start < p:
-            n = min(self.config.prefill_chunk_size, p - start, budget)
+            n = min(self.config.prefill_chunk_size, p - start)
+            if n > budget:
+                if not self._policy(request).per_depth:
+                    # Under shared/ring a chunk reads an earlier chunk's last versions, so the
+                    # KV depends on where chunks start: they start at multiples of
+                    # prefill_chunk_size whatever else runs (a request's output does not depend
+                    # on the batch, a recompute repeats its chunks); one that does not fit waits.
+                    return None
+                n = budget
             # After a preemption the first output may be recorded already: no output then.
             out = start + n == p and not request.output_token_ids
             draft_at = self.config.draft_loops if request.pipelined else 0
