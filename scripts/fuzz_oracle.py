@@ -261,8 +261,7 @@ def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
             if _tie(ref, prompt, p, got, want, aborted, kw):
                 raise Tie(diff)
             return diff
-        # (Prompt logprobs come with the first token; the two-stage run does not collect them.)
-        scored = p.prompt_logprobs is not None and not engine.get("disaggregate") and got[0]
+        scored = p.prompt_logprobs is not None and got[0]  # (they come with the first token)
         got_scores = run.prompt_logprobs.get(f"r{i}")
         if scored and (diff := _prompt_logprobs_diff(got_scores, want.prompt_logits, prompt, p)):
             return f"r{i}: {diff}"

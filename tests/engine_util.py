@@ -262,6 +262,9 @@ def stream_all(
             run.tokens[update.request_id].extend(update.new_token_ids)
             run.depths[update.request_id].extend(update.new_exit_depths)
             produced[0] += len(update.new_token_ids)
+            if update.prompt_logprobs is not None:
+                assert update.request_id not in run.prompt_logprobs, "prompt logprobs sent twice"
+                run.prompt_logprobs[update.request_id] = update.prompt_logprobs
             if update.finish_reason is not None:
                 run.finish[update.request_id] = update.error or update.finish_reason.value
             changed.notify_all()
