@@ -13,6 +13,7 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    metric,
     running,
     scripted_factory,
     scripted_info,
@@ -266,8 +267,26 @@ async def test_engine_rejection_is_a_400(ckpt):
             status, _, raw = await live.post("/v1/completions", body)
             assert status == 400, raw  # nothing was streamed yet: a real status
             assert error_of(raw)["param"] == "max_tokens"
-        _, _, metrics = await live.get("/metrics")
-        assert b'finished_reason="error"' not in metrics  # refused, never finished
+        _, _, raw = await live.get("/metrics")
+        text = raw.decode()
+        assert 'finished_reason="error"' not in text  # refused, never finished ...
+        for name in ("prompt_tokens_total", "request_prompt_tokens_count"):  # ... nor started
+            assert metric(text, f"rltserve:{name}") == 0, name
+        assert metric(text, "rltserve:request_queue_time_seconds_count") == 0
+
+
+async def test_a_request_aborted_before_any_update_counts_a_start_and_an_abort(ckpt):
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        request = asyncio.create_task(live.post("/v1/completions", {"prompt": [5, 6, 7]}))
+        await wait_for(lambda: len(stage.added) == 1)
+        request.cancel()  # the client goes away before the engine sent anything
+        await wait_for(lambda: len(stage.aborted) == 1)
+        text = (await live.get("/metrics"))[2].decode()
+        assert metric(text, "rltserve:prompt_tokens_total") == 3
+        assert 'request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
+        hold.set()
 
 
 async def test_stage_death_mid_stream(ckpt):

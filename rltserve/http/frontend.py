@@ -114,6 +114,10 @@ class _Choice:
     assembler: OutputAssembler
     timeline: RequestTimeline
     open: bool = False  # in the stage and not finished yet
+    # The engine took it (an update other than a rejection came, or it was aborted first): its
+    # start is counted then, so a request the engine refuses (a 400) counts neither a start
+    # nor a finish.
+    started: bool = False
     cached_tokens: int = 0  # prompt tokens the stage reused instead of computing
 
 
@@ -283,7 +287,7 @@ class Generation:
     async def __aenter__(self) -> Generation:
         loop = asyncio.get_running_loop()
         admitted = time.monotonic()
-        client, metrics = self._frontend.client, self._frontend.metrics
+        client = self._frontend.client
         self._frontend._generations.add(self)
         try:
             for index, choice in self._choices.items():
@@ -298,7 +302,6 @@ class Generation:
                     session=req.session,
                 )
                 choice.open = True
-                metrics.on_start(choice.timeline, len(req.prompt.token_ids))
         except StageError as exc:
             await self.__aexit__(None, None, None)
             raise unavailable(f"the engine is not running: {exc}") from exc
@@ -330,7 +333,13 @@ class Generation:
                 choice.open = False
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
+                self._started(choice)
                 self._frontend.metrics.on_finish(choice.timeline, now, "abort")
+
+    def _started(self, choice: _Choice) -> None:
+        if not choice.started:
+            choice.started = True
+            self._frontend.metrics.on_start(choice.timeline, len(choice.request.prompt.token_ids))
 
     def interrupt(self) -> None:
         """Aborts unfinished choices and ends each with an abort event, so that its handler
@@ -380,6 +389,8 @@ class Generation:
             choice.cached_tokens = update.num_cached_tokens
         delta = choice.assembler.add(update)
         metrics = self._frontend.metrics
+        if not update.rejected:
+            self._started(choice)
         metrics.on_tokens(choice.timeline, now, delta.exit_depths)
         if delta.finish_reason is not None:
             choice.open = False
