@@ -262,8 +262,9 @@ class OutputAssembler:
     def _find_stop(self, ends: list[int]) -> tuple[int, str, int] | None:
         """The stop string that ends the output, where it starts and the update's token that
         completes it (``len(ends)``: text after them): the one completed by the earliest of the
-        update's tokens (``ends``: where each token's text ends), the earliest starting of
-        those; so the choice does not depend on how many tokens an update brings."""
+        update's tokens (``ends``: where each token's text ends), so the choice does not depend
+        on how many tokens an update brings; among those, the first in the ``stop`` list, as
+        vLLM checks them token by token in list order."""
         if not self._stop:
             return None
         # Only text not yet emitted or after the first min_tokens tokens' (plus what a stop
@@ -276,7 +277,7 @@ class OutputAssembler:
             if i < 0:
                 continue
             token = next((k for k, end in enumerate(ends) if end >= i + len(s)), len(ends))
-            if best is None or (token, i) < (best[2], best[0]):
+            if best is None or token < best[2]:
                 best = (i, s, token)
         return best
 

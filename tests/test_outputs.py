@@ -90,13 +90,16 @@ def test_an_update_of_several_tokens_ends_at_the_stop_strings_token(include):
 
 @pytest.mark.parametrize("per_update", [1, 2, 5])
 def test_which_stop_string_ends_it_does_not_depend_on_update_size(per_update):
-    """The stop string completed by the earliest token wins (the earliest starting of those),
-    however many tokens an update brings: "b" (token 3) before "abb" (token 4)."""
+    """The stop string completed by the earliest token wins (the first in the list of those,
+    vLLM's order), however many tokens an update brings: "b" (token 3) before "abb" (token
+    4)."""
     asm = assemble("cabbz", None, per_update=per_update, stop=("abb", "b"))
     assert (asm.output.text, asm.output.stop_reason) == ("ca", "b")
     assert asm.output.token_ids == [ord(c) for c in "cab"]
-    # Both completed by one token: the one that starts first.
+    # Both completed by one token: the first in the list, wherever it starts.
     asm = assemble("xaby", None, per_update=per_update, stop=("b", "ab"))
+    assert (asm.output.text, asm.output.stop_reason) == ("xa", "b")
+    asm = assemble("xaby", None, per_update=per_update, stop=("ab", "b"))
     assert (asm.output.text, asm.output.stop_reason) == ("x", "ab")
 
 
