@@ -37,17 +37,37 @@ Embedding it in an aiohttp app (one client per app, closed with the app)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import numbers
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
 
+from rltserve.client_errors import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequestError,
+    InternalServerError,
+    NotFoundError,
+    RateLimitError,
+    RequestTooLargeError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+    error_from,
+    status_of,
+)
+
 __all__ = [
     "APIConnectionError",
     "APIError",
+    "APITimeoutError",
     "AsyncClient",
     "AuthenticationError",
     "BadRequestError",
@@ -62,89 +82,8 @@ __all__ = [
 ]
 
 
-class APIError(Exception):
-    """An error response (or an error event inside a stream)."""
-
-    status: int | None = None
-
-    def __init__(
-        self,
-        status: int | None,
-        message: str,
-        type: str | None = None,  # noqa: A002 - the OpenAI field name
-        param: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(f"{status}: {message}" if status is not None else message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.retry_after = retry_after
-
-
-class BadRequestError(APIError):
-    """400: the request was invalid; ``param`` names the field."""
-
-
-class AuthenticationError(APIError):
-    """401: missing or wrong API key."""
-
-
-class NotFoundError(APIError):
-    """404: unknown model or route."""
-
-
-class RequestTooLargeError(APIError):
-    """413: the request body exceeds the server's limit."""
-
-
-class UnsupportedMediaTypeError(APIError):
-    """415: the body was not sent as JSON."""
-
-
-class RateLimitError(APIError):
-    """429: too many requests."""
-
-
-class InternalServerError(APIError):
-    """500: the server failed."""
-
-
-class ServiceUnavailableError(APIError):
-    """503: loading, overloaded or shutting down; ``retry_after`` is the server's hint."""
-
-
-class APIConnectionError(APIError):
-    """The server could not be reached, or the connection broke mid-response."""
-
-
-_ERRORS: dict[int, type[APIError]] = {
-    400: BadRequestError,
-    401: AuthenticationError,
-    404: NotFoundError,
-    413: RequestTooLargeError,
-    415: UnsupportedMediaTypeError,
-    429: RateLimitError,
-    500: InternalServerError,
-    503: ServiceUnavailableError,
-}
-
-
-def error_from(status: int, body: object, retry_after: str | None = None) -> APIError:
-    """The typed error for an error response body (OpenAI or llama.cpp shape)."""
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        error = {"message": str(body) if body else f"HTTP {status}"}
-    cls = _ERRORS.get(status, APIError)
-    try:
-        retry = float(retry_after) if retry_after is not None else None
-    except ValueError:
-        retry = None
-    return cls(status, str(error.get("message")), error.get("type"), error.get("param"), retry)
-
-
 MAX_EVENT_BYTES = 16 * 2**20  # an SSE event (or line) larger than this is a broken stream
+_BOM = b"\xef\xbb\xbf"
 
 
 class SSEDecoder:
@@ -163,10 +102,18 @@ class SSEDecoder:
         self._data: list[bytes] = []  # data lines of the unfinished event
         self._size = 0  # bytes in _data
         self._pending_cr = False  # the last byte seen was a \r ending a line
+        self._head = b""  # the stream's first bytes while they may be a byte order mark
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The payloads of the events that ``chunk`` completes (possibly none)."""
         events: list[bytes] = []
+        if self._head is not None:  # (a UTF-8 byte order mark opening the stream is dropped)
+            chunk = self._head + chunk
+            if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+                self._head = chunk
+                return events
+            self._head = None
+            chunk = chunk.removeprefix(_BOM)
         if not chunk:
             return events
         start = 0
@@ -228,9 +175,14 @@ async def iter_sse(
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError as exc:
                 raise APIConnectionError(None, f"the stream sent invalid JSON: {exc}") from exc
-            if isinstance(obj, dict) and "error" in obj and "choices" not in obj:
-                code = obj["error"].get("code") if isinstance(obj["error"], dict) else None
-                raise error_from(code if isinstance(code, int) else 500, obj)
+            if isinstance(obj, dict) and "choices" not in obj:
+                if "error" in obj:
+                    error = obj["error"]
+                    raise error_from(
+                        status_of(error.get("code") if isinstance(error, dict) else 0), obj
+                    )
+                if obj.get("object") == "error":  # (vLLM's top-level ErrorResponse)
+                    raise error_from(status_of(obj.get("code")), {"error": obj})
             yield obj
     raise APIConnectionError(None, "the stream ended without [DONE]")
 
@@ -249,12 +201,14 @@ class ChunkStream:
     async def __aenter__(self) -> ChunkStream:
         self._response = await self._client._post(self._path, self._body)
         self._events = iter_sse(self._response, self._client.max_event_bytes)
+        self._client._streams.add(self)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
+        self._client._streams.discard(self)
         if self._response is not None:
             self._response.close()  # drops the connection: the server aborts the request
 
@@ -269,6 +223,10 @@ class ChunkStream:
         try:
             async for chunk in self._events:
                 yield chunk
+        except asyncio.TimeoutError as exc:  # (aiohttp's read timeout is one)
+            raise APITimeoutError(
+                None, f"stream stalled: nothing for {self._client.timeout} s"
+            ) from exc
         except aiohttp.ClientError as exc:
             raise APIConnectionError(None, f"stream broke: {exc}") from exc
         finally:
@@ -279,9 +237,12 @@ class ChunkStream:
 class AsyncClient:
     """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
     Extra keyword arguments of the request methods go into the JSON body as they are (None
-    values are left out). ``timeout`` is the longest wait for the server to connect or to send
-    anything (None: no limit); ``max_connections=0`` means unlimited; a streamed event larger
-    than ``max_event_bytes`` ends the stream with ``APIConnectionError``."""
+    values are left out; a NaN or infinite number is a ValueError). ``timeout`` is the longest
+    wait for the server to connect or to send anything (None: no limit; it applies to a
+    ``session`` passed in too); ``max_connections=0`` means unlimited (it sizes the client's
+    own session only); a streamed event larger than ``max_event_bytes`` ends the stream with
+    ``APIConnectionError``. Closing the client closes its open streams (their readers get
+    ``APIConnectionError``)."""
 
     def __init__(
         self,
@@ -293,8 +254,16 @@ class AsyncClient:
         session: aiohttp.ClientSession | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
+        if timeout is not None and (
+            not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or not timeout > 0
+        ):
+            raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds or None")
+        if not isinstance(max_connections, int) or max_connections < 0:
+            raise ValueError(f"max_connections={max_connections!r}: must be an int >= 0")
         self.base_url = base_url.rstrip("/")
         self.max_event_bytes = max_event_bytes
+        self.timeout = timeout
+        self._streams: weakref.WeakSet[ChunkStream] = weakref.WeakSet()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_session = session is None
         self._session = session
@@ -309,6 +278,8 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        for stream in list(self._streams):  # (a reader would otherwise wait forever)
+            await stream.close()
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
@@ -325,6 +296,8 @@ class AsyncClient:
     async def _request(self, method: str, path: str, body: dict | None = None):
         data = None
         if body is not None:
+            if (where := _non_finite(body)) is not None:  # (orjson would send null)
+                raise ValueError(f"{where}: must be a finite number")
             try:  # (NumPy arrays and numbers as JSON)
                 data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
             except TypeError as exc:
@@ -334,13 +307,14 @@ class AsyncClient:
             headers["Content-Type"] = "application/json"
         try:
             response = await self.session.request(
-                method, self.base_url + path, data=data, headers=headers
+                method, self.base_url + path, data=data, headers=headers, timeout=self._timeout
             )
+        except asyncio.TimeoutError as exc:
+            raise APITimeoutError(None, f"{self.base_url}: no answer in {self.timeout} s") from exc
         except aiohttp.ClientError as exc:
             raise APIConnectionError(None, f"cannot reach {self.base_url}: {exc}") from exc
         if response.status >= 400:
-            async with response:
-                raw = await response.read()
+            raw = await self._read(response)
             try:
                 parsed: object = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -351,13 +325,17 @@ class AsyncClient:
     async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
         return await self._request("POST", path, body)
 
-    async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        response = await self._request(method, path, body)
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         try:
             async with response:
-                raw = await response.read()
+                return await response.read()
+        except asyncio.TimeoutError as exc:
+            raise APITimeoutError(None, f"the response stalled for {self.timeout} s") from exc
         except aiohttp.ClientError as exc:
             raise APIConnectionError(None, f"the response broke off: {exc}") from exc
+
+    async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
+        raw = await self._read(await self._request(method, path, body))
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -367,18 +345,22 @@ class AsyncClient:
 
     async def complete(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> dict:
         """POST /v1/completions; returns the completion object."""
+        _check_stream(params, False, "complete", "stream")
         return await self._json("POST", "/v1/completions", _body(prompt=prompt, **params))
 
     def stream(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> ChunkStream:
         """Streaming /v1/completions: ``async for chunk in client.stream("Hi")``."""
+        _check_stream(params, True, "stream", "complete")
         return ChunkStream(self, "/v1/completions", _body(prompt=prompt, stream=True, **params))
 
     async def chat(self, messages: Sequence[dict], **params: Any) -> dict:
         """POST /v1/chat/completions; returns the chat.completion object."""
+        _check_stream(params, False, "chat", "chat_stream")
         return await self._json("POST", "/v1/chat/completions", _body(messages=messages, **params))
 
     def chat_stream(self, messages: Sequence[dict], **params: Any) -> ChunkStream:
         """Streaming chat: chunks whose choices carry ``delta``s (the role first)."""
+        _check_stream(params, True, "chat_stream", "chat")
         body = _body(messages=messages, stream=True, **params)
         return ChunkStream(self, "/v1/chat/completions", body)
 
@@ -386,19 +368,27 @@ class AsyncClient:
         return (await self._json("GET", "/v1/models"))["data"]
 
     async def health(self) -> bool:
-        """True when the server is up and its engine ready (False while loading or down)."""
+        """True when the server is up and its engine ready (False while loading or down); the
+        status decides (vLLM and SGLang answer 200 with an empty body)."""
         try:
-            await self._json("GET", "/health")
+            await self._read(await self._request("GET", "/health"))
         except (ServiceUnavailableError, APIConnectionError):
             return False
         return True
 
     async def wait_ready(self, timeout: float = 300.0, interval: float = 0.1) -> None:
+        """Polls ``/health`` until it says ready; ``APIConnectionError`` after ``timeout``
+        seconds (a probe the server leaves unanswered counts against it)."""
         deadline = time.monotonic() + timeout
-        while not await self.health():
-            if time.monotonic() > deadline:
+        while True:
+            left = deadline - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    if await asyncio.wait_for(self.health(), left):
+                        return
+            if time.monotonic() >= deadline:
                 raise APIConnectionError(None, f"{self.base_url} not ready after {timeout} s")
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
     async def tokenize(
         self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, **params: Any
@@ -413,9 +403,27 @@ class AsyncClient:
         return (await self._json("GET", "/version"))["version"]
 
     async def metrics(self) -> str:
-        response = await self._request("GET", "/metrics")
-        async with response:
-            return await response.text()
+        return (await self._read(await self._request("GET", "/metrics"))).decode()
+
+
+def _check_stream(params: dict, streams: bool, method: str, other: str) -> None:
+    if "stream" in params and bool(params["stream"]) is not streams:
+        raise ValueError(f"stream={params['stream']!r}: {method}() does not; use {other}()")
+    params.pop("stream", None)
+
+
+def _non_finite(value: object, where: str = "") -> str | None:
+    """Where in a request body a NaN or infinite number is (JSON has none), or None."""
+    if isinstance(value, dict):
+        paths = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+        return next((w for path, v in paths if (w := _non_finite(v, path))), None)
+    if isinstance(value, (list, tuple)):
+        return next(
+            (w for i, v in enumerate(value) if (w := _non_finite(v, f"{where}[{i}]"))), None
+        )
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        return None if math.isfinite(value) else f"{where}={value!r}"
+    return None
 
 
 def _body(**fields: Any) -> dict:

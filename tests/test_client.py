@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 
+import aiohttp
 import numpy as np
 import orjson
 import pytest
@@ -26,6 +27,7 @@ import rltserve
 from rltserve.client import (
     APIConnectionError,
     APIError,
+    APITimeoutError,
     AsyncClient,
     AuthenticationError,
     BadRequestError,
@@ -205,3 +207,134 @@ async def test_client_error_paths_end_clearly():
             with pytest.raises(APIConnectionError, match=message):
                 await asyncio.wait_for(consume(), 10)
             assert got == ["a"], mode  # what arrived before the end was delivered
+
+
+async def test_closing_the_client_ends_its_open_streams(ckpt):
+    stage = stage_for(ckpt, interval_s=0.01)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        client = AsyncClient(live.url)
+        started = asyncio.Event()
+
+        async def read():
+            async for _ in client.stream([5], max_tokens=63):
+                started.set()
+
+        reader = asyncio.create_task(read())
+        await asyncio.wait_for(started.wait(), 10)
+        await client.close()  # (another task still reads: it must not wait forever)
+        with pytest.raises(APIConnectionError):
+            await asyncio.wait_for(reader, 10)
+        await wait_for(lambda: stage.aborted == stage.added)
+
+
+@contextlib.asynccontextmanager
+async def odd_server():
+    """A server as other OpenAI-compatible servers and proxies answer: /health 200 with no
+    body, a route that never answers, 5xx statuses and error bodies that break off, streams
+    that open with a byte order mark or carry vLLM's top-level error object."""
+
+    async def health(request):
+        return web.Response(status=200)
+
+    async def slow(request):
+        await asyncio.sleep(30)
+        return web.json_response({})
+
+    async def completions(request):
+        mode = (await request.json())["prompt"]
+        if mode == "502":
+            return web.Response(status=502, text="bad gateway", content_type="text/plain")
+        if mode == "cut-error":
+            response = web.StreamResponse(status=500, headers={"Content-Length": "1000"})
+            await response.prepare(request)
+            await response.write(b'{"error": {"mes')
+            request.transport.close()
+            return response
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+        if mode == "bom":
+            await response.write(b"\xef\xbb")  # (the mark split across writes)
+            await asyncio.sleep(0.05)
+            await response.write(b"\xbfdata: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+        elif mode == "vllm-error":
+            error = {"object": "error", "message": "boom", "type": "BadRequestError", "code": 400}
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        elif mode == "string-code":
+            error = {"error": {"message": "stage died", "code": "503"}}
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", slow)
+    app.router.add_post("/v1/completions", completions)
+    async with serve(app) as url:
+        yield url
+
+
+async def _chunks(client, prompt):
+    return [chunk async for chunk in client.stream(prompt)]
+
+
+async def test_client_edges_as_other_servers_and_callers_make_them():
+    async with odd_server() as url, AsyncClient(url, timeout=5) as client:
+        assert await client.health()  # 200 without a body
+        await asyncio.wait_for(client.wait_ready(timeout=1), 5)
+        with pytest.raises(InternalServerError) as err:
+            await client.complete("502")
+        assert err.value.status == 502 and err.value.message == "bad gateway"
+        with pytest.raises(APIConnectionError, match="broke off"):
+            await asyncio.wait_for(client.complete("cut-error"), 10)
+        assert [c["choices"][0]["text"] for c in await _chunks(client, "bom")] == ["a"]
+        with pytest.raises(BadRequestError, match="boom"):
+            await _chunks(client, "vllm-error")
+        with pytest.raises(ServiceUnavailableError, match="stage died"):
+            await _chunks(client, "string-code")
+        # JSON has no NaN or infinity: orjson would send null (the server's default instead).
+        with pytest.raises(ValueError, match="temperature=nan"):
+            await client.complete("x", temperature=float("nan"))
+        with pytest.raises(ValueError, match=r"logit_bias\.5=inf"):
+            await client.complete("x", logit_bias={5: float("inf")})
+        with pytest.raises(ValueError, match="use stream"):
+            await client.complete("x", stream=True)
+        with pytest.raises(ValueError, match="use complete"):
+            client.stream("x", stream=False)
+    async with odd_server() as url:  # (/v1/models never answers)
+        with pytest.raises(APITimeoutError):
+            async with AsyncClient(url, timeout=0.3) as quick:
+                await quick.models()
+        async with aiohttp.ClientSession() as session:  # (the timeout applies to it too)
+            with pytest.raises(APITimeoutError):
+                await AsyncClient(url, timeout=0.3, session=session).models()
+    for bad in ({"timeout": 0}, {"timeout": "5"}, {"max_connections": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AsyncClient("http://127.0.0.1:1", **bad)
+
+
+async def test_wait_ready_bounds_a_probe_the_server_never_answers():
+    async def hung(request):
+        await asyncio.sleep(30)
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", hung)
+    async with serve(app) as url, AsyncClient(url, timeout=20) as client:
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
+            await asyncio.wait_for(client.wait_ready(timeout=0.3), 10)
+        assert asyncio.get_running_loop().time() - start < 5  # (not the client's 20 s)
+
+
+def test_errors_survive_pickling_and_copying():
+    import copy
+    import pickle
+
+    error = ServiceUnavailableError(503, "loading", "unavailable_error", None, 1.0)
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(clone) is ServiceUnavailableError and str(clone) == str(error)
+        assert (clone.status, clone.message, clone.type, clone.retry_after) == (
+            503, "loading", "unavailable_error", 1.0,
+        )  # fmt: skip
+    assert isinstance(error, InternalServerError)  # (every 5xx, as the OpenAI SDK has it)

@@ -1,0 +1,102 @@
+"""The errors ``AsyncClient`` raises: one class per HTTP status family, as the OpenAI SDK
+names them, each carrying the server's ``message``, ``type``, ``param`` and ``Retry-After``."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """An error response (or an error event inside a stream)."""
+
+    status: int | None = None
+
+    def __init__(
+        self,
+        status: int | None,
+        message: str,
+        type: str | None = None,  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"{status}: {message}" if status is not None else message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # (pickled and copied whole: Ray and multiprocessing carry errors)
+        return type(self), (self.status, self.message, self.type, self.param, self.retry_after)
+
+
+class BadRequestError(APIError):
+    """400: the request was invalid; ``param`` names the field."""
+
+
+class AuthenticationError(APIError):
+    """401: missing or wrong API key."""
+
+
+class NotFoundError(APIError):
+    """404: unknown model or route."""
+
+
+class RequestTooLargeError(APIError):
+    """413: the request body exceeds the server's limit."""
+
+
+class UnsupportedMediaTypeError(APIError):
+    """415: the body was not sent as JSON."""
+
+
+class RateLimitError(APIError):
+    """429: too many requests."""
+
+
+class InternalServerError(APIError):
+    """500 or another 5xx: the server (or a proxy before it) failed."""
+
+
+class ServiceUnavailableError(InternalServerError):
+    """503: loading, overloaded or shutting down; ``retry_after`` is the server's hint."""
+
+
+class APIConnectionError(APIError):
+    """The server could not be reached, or the connection broke mid-response."""
+
+
+class APITimeoutError(APIConnectionError):
+    """The server sent nothing for ``timeout`` seconds (connecting or reading)."""
+
+
+_ERRORS: dict[int, type[APIError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    404: NotFoundError,
+    413: RequestTooLargeError,
+    415: UnsupportedMediaTypeError,
+    429: RateLimitError,
+    500: InternalServerError,
+    503: ServiceUnavailableError,
+}
+
+
+def error_from(status: int, body: object, retry_after: str | None = None) -> APIError:
+    """The typed error for an error response body (OpenAI or llama.cpp shape)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        error = {"message": str(body) if body else f"HTTP {status}"}
+    cls = _ERRORS.get(status) or (InternalServerError if status >= 500 else APIError)
+    try:
+        retry = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        retry = None
+    return cls(status, str(error.get("message")), error.get("type"), error.get("param"), retry)
+
+
+def status_of(code: object) -> int:
+    """An error event's ``code`` as an HTTP status (500 unless it is one)."""
+    try:
+        status = int(code)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 500
+    return status if 400 <= status <= 599 else 500
