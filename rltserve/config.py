@@ -222,6 +222,15 @@ class SchedulerConfig:
         ),
     )
 
+    @property
+    def whole_chunk_size(self) -> int:
+        """Where prompts are cut under ``shared``/``ring``, whose prompt KV depends on chunk
+        boundaries: every this many tokens, whatever else runs. A chunk then waits for a step
+        whose budget holds it whole, which the decode rows of the other running requests
+        (``max_num_seqs`` - 1 at most) never prevent alone."""
+        room = self.max_num_batched_tokens - self.max_num_seqs + 1
+        return max(1, min(self.prefill_chunk_size, room))
+
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling={self.scheduling!r}: must be one of {SCHEDULING}")

@@ -51,7 +51,7 @@ from engine_util import (  # noqa: E402
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
 
-from rltserve.config import EngineConfig  # noqa: E402
+from rltserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from rltserve.core.pd import PDClient  # noqa: E402
 from rltserve.core.stage import InProcessStageClient  # noqa: E402
 from rltserve.models.presets import make_model  # noqa: E402
@@ -268,12 +268,16 @@ def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
     return None
 
 
+_CHUNKING = ("prefill_chunk_size", "max_num_batched_tokens", "max_num_seqs")  # (whole chunks)
+
+
 def _chunks(prompt: list[int], case: Case) -> list[int] | None:
     """The prompt's chunk starts where they matter (shared/ring: a chunk reads an earlier one's
-    last versions); the engine cuts chunks at multiples of ``prefill_chunk_size``."""
+    last versions); the engine cuts chunks at multiples of ``whole_chunk_size``."""
     if case.engine["kv_policy"] in REQUEST_KV_POLICIES:
         return None
-    return list(range(0, len(prompt), case.engine.get("prefill_chunk_size", 512)))
+    sched = SchedulerConfig(**{k: case.engine[k] for k in _CHUNKING if k in case.engine})
+    return list(range(0, len(prompt), sched.whole_chunk_size))
 
 
 def _prompt_logprobs_diff(got, logits, prompt: list[int], p: SamplingParams) -> str | None:
@@ -323,8 +327,8 @@ def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | 
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or case.engine["kv_policy"]
         kw = {"kv_policy": policy, "exit_mode": exit_mode, "device": device}
-        if policy not in REQUEST_KV_POLICIES and "prefill_chunk_size" in case.engine:
-            kw["prefill_chunk_size"] = case.engine["prefill_chunk_size"]  # (same chunks)
+        if policy not in REQUEST_KV_POLICIES:  # (the same chunks)
+            kw.update({k: case.engine[k] for k in _CHUNKING if k in case.engine})
         core = make_core(path, **kw)
         try:
             alone = run_core(core, [prompt], [p])

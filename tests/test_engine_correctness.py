@@ -124,7 +124,8 @@ def test_chunked_shared_and_ring_match_the_chunked_oracle_whatever_else_runs(
             for i in range(len(prompts))
         ]
     ref = ouro_ref if family == "ouro" else huginn_ref
-    budget = {"prefill_chunk_size": 4, "max_num_batched_tokens": 6}
+    # (Cut every 4 tokens: the budget holds a chunk beside max_num_seqs - 1 decode rows.)
+    budget = {"prefill_chunk_size": 4, "max_num_batched_tokens": 6, "max_num_seqs": 3}
     core = make_core(ckpts[family], kv_policy=kv_policy, **budget)
     run = run_core(core, prompts, params, arrivals=[0, 0, 1, 1, 2, 3])
     assert any(len(p) % 4 and len(p) > 4 for p in prompts)  # (a short last chunk)
@@ -136,6 +137,28 @@ def test_chunked_shared_and_ring_match_the_chunked_oracle_whatever_else_runs(
             run.tokens[f"r{i}"],
             run.depths[f"r{i}"],
         )
+
+
+def test_a_shared_prompt_does_not_wait_for_running_decodes_to_end(ckpts):
+    # Whole chunks (above) fit beside the other requests' decode rows: with the budget equal to
+    # prefill_chunk_size a late prompt would otherwise wait for every decode to finish.
+    core = make_core(
+        ckpts["ouro"], kv_policy="shared", prefill_chunk_size=8, max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )  # fmt: skip
+    assert core.config.scheduler.whole_chunk_size == 5
+    for i in range(3):
+        core.add_request(f"d{i}", [1 + i, 2, 3], greedy(60))
+    first, step = {}, 0
+    while core.scheduler.running or core.scheduler.waiting:
+        if step == 10:
+            core.add_request("late", list(range(10, 30)), greedy(2))
+        step += 1
+        for update in core.step():
+            if update.new_token_ids:
+                first.setdefault(update.request_id, step)
+    core.shutdown()
+    assert first["late"] < 60 < step  # (20 tokens: 4 chunks of at most 4 loops each)
 
 
 def test_32_concurrent_staggered_arrivals(ckpts, ouro_ref):

@@ -58,6 +58,14 @@ def test_prompt_chunks_then_decode_tokens_then_none():
     assert maker.next_item(request, budget=100) is None
 
 
+def test_whole_chunks_fit_beside_the_other_requests_decode_rows():
+    assert SchedulerConfig().whole_chunk_size == 512  # (the defaults: prefill_chunk_size)
+    sched = SchedulerConfig(prefill_chunk_size=8, max_num_batched_tokens=10, max_num_seqs=4)
+    assert sched.whole_chunk_size == 7  # 10 - 3 decode rows
+    sched = SchedulerConfig(prefill_chunk_size=4, max_num_batched_tokens=4, max_num_seqs=64)
+    assert sched.whole_chunk_size == 1
+
+
 def test_shared_and_ring_prompt_chunks_are_never_cut_by_the_budget():
     # (A later chunk reads an earlier one's last versions: where chunks start decides the KV.)
     for policy in ("shared", "ring:2"):

@@ -30,15 +30,16 @@ class ItemMaker:
         start = request.num_scheduled
         p = request.num_prompt_tokens
         if start < p:
-            n = min(self.config.prefill_chunk_size, p - start)
-            if n > budget:
-                if not self._policy(request).per_depth:
-                    # Under shared/ring a chunk reads an earlier chunk's last versions, so the
-                    # KV depends on where chunks start: they start at multiples of
-                    # prefill_chunk_size whatever else runs (a request's output does not depend
-                    # on the batch, a recompute repeats its chunks); one that does not fit waits.
+            if not self._policy(request).per_depth:
+                # Under shared/ring a chunk reads an earlier chunk's last versions, so the KV
+                # depends on where chunks start: at multiples of ``whole_chunk_size`` whatever
+                # else runs (a request's output does not depend on the batch, a recompute
+                # repeats its chunks); a chunk the budget does not hold waits.
+                n = min(self.config.whole_chunk_size, p - start)
+                if n > budget:
                     return None
-                n = budget
+            else:
+                n = min(self.config.prefill_chunk_size, p - start, budget)
             # After a preemption the first output may be recorded already: no output then.
             out = start + n == p and not request.output_token_ids
             draft_at = self.config.draft_loops if request.pipelined else 0
