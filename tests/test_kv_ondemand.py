@@ -227,3 +227,13 @@ def test_ondemand_matches_full_reservation(ckpts):
     a = run_core(make_core(ckpts["ouro"], block_size=4), prompts, params)
     b = run_core(make_core(ckpts["ouro"], block_size=4, kv_reservation="full"), prompts, params)
     assert a.tokens == b.tokens and a.depths == b.depths
+
+
+def test_the_watermark_does_not_keep_out_a_request_when_nothing_runs():
+    # 16 blocks, 2 planes: a 16-token first chunk takes 8 blocks; the watermark keeps 12 free.
+    # With nothing running there is no one to grow into them: the request is admitted.
+    s = make_scheduler(16, watermark=0.75, prefill_chunk_size=16)
+    s.add_request(make_request("a", 16, 2))
+    plan = _step(s)
+    assert plan is not None and [w.request_id for w in plan.items] == ["a"]
+    _drain(s)

@@ -111,3 +111,35 @@ def test_a_stop_string_may_reach_back_into_the_first_min_tokens():
     # Each stop string reaches back by less than its own length, not the longest one's.
     asm = assemble("heab", "length", stop=("e", "long"), min_tokens=2)
     assert asm.output.text == "heab" and asm.output.finish_reason == "length"
+
+
+class _LaggingChars:
+    """Holds each character back until the next token (as a real incremental detokenizer
+    holds back an incomplete UTF-8 sequence); ``flush`` gives what is held."""
+
+    def __init__(self) -> None:
+        self.held = ""
+
+    def add(self, token_id: int) -> str:
+        out, self.held = self.held, chr(token_id)
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class LaggingTokenizer:
+    def detokenizer(self, prompt_token_ids, skip_special_tokens):
+        return _LaggingChars()
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])
+def test_the_text_the_detokenizer_holds_back_comes_out_at_the_end(finish):
+    asm = OutputAssembler("r", [1, 2], LaggingTokenizer(), stop_token_ids=(ord("!"),))
+    text = "abc!" if finish == "stop" else "abc"
+    for k, c in enumerate(text):
+        last = k == len(text) - 1
+        reason = FinishReason(finish) if last else None
+        asm.add(RequestUpdate("r", [ord(c)], [1], finish_reason=reason))
+    assert asm.output.text == "abc" and asm.output.finish_reason == finish

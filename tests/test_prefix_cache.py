@@ -294,3 +294,44 @@ def test_finished_answers_are_cached_where_they_ran_the_whole_depth():
             s.add_request(_request("b", list(range(14)) + [7, 7, 7, 5, 6]))
             first = {w.request_id: w.start for w in s.schedule().items}
             assert first == {"b": 16} and s.requests["b"].num_cached_tokens == 16
+
+
+def test_a_follower_that_ends_does_not_take_the_groups_leader_with_it():
+    """A follower aborted while the leader computes: the other follower still waits for the
+    leader and copies its partly filled last block (computing only the last prompt token)."""
+    s = _scheduler()
+    prompt = list(range(10))  # blocks 0, 1 full; positions 8, 9 in block 2
+    for j in range(3):
+        s.add_request(_request(f"g{j}", prompt, group="g"))
+    assert [w.request_id for w in _step(s).items] == ["g0"]
+    s.abort("g2")  # a waiting follower ends
+    assert [w.request_id for w in _step(s).items] == ["g0"]  # the leader's last prompt loop
+    starts = {w.request_id: (w.start, w.num_tokens) for w in _step(s).items}
+    assert starts["g1"] == (9, 1)  # still the leader's follower
+    _drain(s)
+    assert s.kv.cache.hits == 9
+
+
+def test_a_request_that_ends_before_its_prompt_is_final_caches_nothing():
+    """One output that exits at loop 1 of 2 ends the request before the prompt's last loop is
+    applied: none of its prompt blocks is final, so none may be cached (by ``on_finished``
+    either), and the same prompt afterwards hits nothing."""
+    s = _scheduler()
+    prompt = list(range(14))
+    request = Request(
+        request_id="a",
+        prompt_token_ids=prompt,
+        params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        num_loops=2,
+        max_loops=1,  # the output exits at loop 1
+        eos_token_ids=frozenset(),
+        max_total_tokens=1000,
+        seed=0,
+    )
+    request.cache_salt = SALT
+    request.block_hashes = block_hashes(SALT, prompt, 4)
+    s.add_request(request)
+    _drain(s)
+    assert s.kv.cache.num_entries == 0
+    s.add_request(_request("b", prompt))
+    assert {w.request_id: w.start for w in s.schedule().items} == {"b": 0}

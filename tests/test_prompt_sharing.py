@@ -362,3 +362,13 @@ def test_huginn_random_state_group_computes_each_sample(ckpts, huginn_ref):
     run, stats = _run(ckpts["huginn"], prompts, params, [0, 0, 0], groups=["g"] * 3)
     assert stats.prefix_cache_hits == 0  # each seed has its own initial state, hence its own KV
     _oracle(huginn_ref, run, prompts, params)
+
+
+def test_huginn_random_state_group_with_a_prompt_inside_one_block_copies_nothing(ckpts, huginn_ref):
+    """A prompt of 3 tokens (BS 4) has no full block to look up, so only the salt check keeps
+    a follower from copying the leader's partly filled block 0, computed from another seed's
+    initial state."""
+    prompts, params = _samples(3, 3, seed=12, init_state="random", max_loops=3)
+    run, stats = _run(ckpts["huginn"], prompts, params, [0, 0, 0], groups=["g"] * 3)
+    assert stats.prefix_cache_hits == 0  # each seed has its own initial state, hence its own KV
+    _oracle(huginn_ref, run, prompts, params)

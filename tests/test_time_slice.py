@@ -213,3 +213,24 @@ def test_a_turn_that_could_not_make_room_preempts_nobody(monkeypatch):
     monkeypatch.setattr(s.admission, "blocks", blocks)
     s.preemptor.rotate()  # the real need: one victim makes room
     assert s.preemptor.num_rotations == 1 and s.num_running == 1
+
+
+def test_a_swapped_request_counts_only_what_it_recomputes_as_its_replay():
+    """A slice is q steps past the positions its admission *recomputed*: a swap-resumed
+    request gets its swapped positions back without running them, so they are no replay
+    (else a swapped request would hold its turn for as many more steps as it had written)."""
+    s = make_scheduler(12, swap=True, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12))
+    runner = FixedExits()
+    resumed = []
+    while s.has_work():
+        waiting = {r.request_id: (r.swapped_tokens, r.replay_until) for r in s.waiting}
+        plan = s.schedule()
+        for setup in plan.new_requests:
+            swapped, replay_until = waiting.get(setup.request_id, (0, 0))
+            if swapped:
+                want = max(0, replay_until + 1 - swapped)
+                resumed.append((s.requests[setup.request_id].admitted_replay, want))
+        s.apply(plan, runner.result(plan))
+    assert resumed and all(got == want for got, want in resumed), resumed
