@@ -263,3 +263,46 @@ def test_aborting_fresh_tokens_keeps_the_others_exact(ckpts, ouro_ref, kv_policy
         assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
     assert not sched._carried and not core.runner.carried.items
     core.shutdown()
+
+
+def test_no_refill_starts_nothing_while_any_request_of_the_cohort_loops():
+    """``no_refill`` (the static baseline): a new item starts only once every item of the
+    cohort has planned its last loop, whichever running request is still looping (here the
+    first, which loops 4 times beside a 2-loop request listed after it). Every loop planned
+    (``carry_decode=False``), so the plans show each item's depth."""
+    s = make_scheduler(scheduling="no_refill", carry_decode=False, max_num_seqs=4)
+    s.add_request(make_request("deep", 2, 3, loops=4))
+    s.add_request(make_request("shallow", 2, 3, loops=2))
+    looping: dict[str, tuple[int, int]] = {}  # request id -> (last loop planned, its loops)
+
+    def on_plan(plan):
+        if any(w.depth == 1 for w in plan.items):
+            assert all(d >= n for d, n in looping.values()), (plan.step_id, looping)
+            looping.clear()
+        for w in plan.items:
+            looping[w.request_id] = (w.depth, w.ends_at)
+
+    assert _drive(s, on_plan) == {"deep": 3, "shallow": 3}
+
+
+@pytest.mark.parametrize("standing", [True, False], ids=["standing", "planner"])
+def test_steps_never_take_more_rows_than_the_budget_with_mixed_loop_counts(standing):
+    """Requests of different loop counts start items in different steps, so a prompt chunk
+    cut to the rows left can leave none for a later starter's decode token: that one waits.
+    Every step's rows (planned items and carried tokens, ``FixedExits``' ``num_rows``) stay
+    within ``max_num_batched_tokens``."""
+    s = make_scheduler(max_num_batched_tokens=7, prefill_chunk_size=6, max_num_seqs=8)
+    if not standing:
+        s.standing = None
+    for i, (n, k, loops) in enumerate([(4, 3, 1), (5, 1, 3), (2, 2, 3), (8, 4, 3), (2, 3, 1)]):
+        s.add_request(make_request(f"r{i}", n, k, loops=loops))
+    runner = FixedExits()
+    rows = []
+    while s.has_work():
+        plan = s.schedule()
+        if plan is None:
+            continue
+        result = runner.result(plan)
+        rows.append(result.num_rows)
+        s.apply(plan, result)
+    assert max(rows) == 7  # (the budget is used up, never more)

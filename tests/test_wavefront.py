@@ -113,3 +113,25 @@ def test_wavefront_rejects_shared_planes(ckpts):
         make_core(ckpts["ouro"], wavefront_prefill=True, kv_policy="shared")
     with pytest.raises(ValueError, match="refill"):
         make_core(ckpts["ouro"], wavefront_prefill=True, scheduling="no_refill")
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_wavefront_with_lag_and_gate_exit(ckpts, ouro_ref, deferred):
+    """As the delayed-exit test, under the gate rule with each step planned before the
+    previous one's result is applied (``lag=1``, the gate-lag schedules of ``test_carried``):
+    the newest item's exit is then not known yet (``exit_known`` is None), and a decode
+    token, whose input is that item's output, must not enter the wavefront before it is."""
+    prompts, params, arrivals = _workload(8, seed=3, thresholds=(1.0, 0.5))
+    kw = {"prefill_chunk_size": 5, "max_num_batched_tokens": 40}
+    wave = run_core(
+        make_core(ckpts["ouro"], wavefront_prefill=True, **kw),
+        prompts,
+        params,
+        arrivals=arrivals,
+        lag=1,
+        deferred=deferred,
+    )
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited")
+        assert wave.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert wave.depths[f"r{i}"] == want.exit_depths, f"request {i}"

@@ -215,3 +215,19 @@ def test_full_replay_with_coda_attention_recomputes_an_early_exit_alone():
     # last_exited: each token to its exit depth, where its coda runs anyway.
     last = replay_item(request, 8, 2, KVPolicy.parse("last_exited"), coda_attention=True)
     assert (last.num_tokens, last.ends_at, last.coda_state_at) == (1, 1, 0)
+
+
+def test_trace_depths_past_the_cap_exit_at_the_cap():
+    """A traced depth deeper than the request's ``max_loops`` (validation bounds it by
+    ``min_loops`` only) exits at the cap: the spec says so at loop ``max_loops``, and a carried
+    token's known exit (``exit_known_by``) is the cap, not past its last loop."""
+    maker, request = _maker(), _request()
+    request.params = SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, trace_depths=(2, 9, 9)
+    )
+    maker.kv.allocate("a", 8, 3)
+    request.num_scheduled = 6
+    token = maker.next_item(request, budget=100)  # output 1, traced at depth 9 > cap 3
+    assert token.output_index == 1
+    assert [exit_spec(request, token, d).exit_now for d in (1, 2, 3)] == [False, False, True]
+    assert maker.exit_known_by(request, token) == 3
