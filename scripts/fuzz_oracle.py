@@ -80,7 +80,9 @@ class Case:
     arrivals: list[int]
     groups: list[str | None] | None
     lag: int
-    aborts: dict[int, int]  # request -> the step it is aborted at (its output: a prefix)
+    # request -> the step it is aborted at (disaggregated: the tokens it has); its output is
+    # then a prefix
+    aborts: dict[int, int]
     # Seeded sampling: the oracle is greedy, so each request is compared with itself run alone
     # on a plain engine (same KV policy and exit mode) instead.
     sampled: bool = False
@@ -111,7 +113,7 @@ def draw_case(seed: int) -> Case:
         engine["preemption_mode"] = rng.choice(["recompute", "swap"])
         if rng.random() < 0.5:  # (admission on the first chunk alone: more preemptions)
             engine["kv_watermark"] = 0.0
-    if rng.random() < 0.3 and engine["kv_policy"] in REQUEST_KV_POLICIES:
+    if rng.random() < 0.3 and per_depth:
         engine["enable_prefix_caching"] = True
     if rng.random() < 0.3:
         engine["max_num_seqs"] = rng.randint(1, 3)
@@ -130,10 +132,7 @@ def draw_case(seed: int) -> Case:
     aborts = {i: arrivals[i] + rng.randint(0, 12) for i in range(n) if rng.random() < 0.15}
     params = draw_scheduling(random.Random(seed + 10**6), family, engine, params)
     params, sampled = draw_sampling(random.Random(seed + 2 * 10**6), params)
-    if (
-        engine["kv_policy"] in REQUEST_KV_POLICIES
-        and random.Random(seed + 3 * 10**6).random() < 0.1
-    ):
+    if per_depth and random.Random(seed + 3 * 10**6).random() < 0.1:
         # Prefill/decode disaggregation: two in-process stages, prompts long enough to move KV.
         # Arrivals and aborts count tokens, not steps (the stages step on their own threads):
         # a request is sent once the run has produced ``arrivals[i]`` tokens and aborted once

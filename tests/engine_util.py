@@ -251,6 +251,7 @@ def stream_all(
     it is sent). The client's methods are called on this thread, never under the sink's lock
     (a stage may deliver updates while it holds its own)."""
     n = len(prompts)
+    arrivals = arrivals or [0] * n
     run = Run()
     for i in range(n):
         run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
@@ -269,7 +270,7 @@ def stream_all(
                 run.finish[update.request_id] = update.error or update.finish_reason.value
             changed.notify_all()
 
-    unsent = sorted(range(n), key=lambda i: arrivals[i] if arrivals else 0)
+    unsent = sorted(range(n), key=lambda i: arrivals[i])
     unaborted = dict(aborts or {})
     sent: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -277,9 +278,7 @@ def stream_all(
         with changed:
             running = [i for i in sent if f"r{i}" not in run.finish]
             send = []
-            while unsent and (
-                not running and not send or (arrivals[unsent[0]] if arrivals else 0) <= produced[0]
-            ):
+            while unsent and (not running and not send or arrivals[unsent[0]] <= produced[0]):
                 send.append(unsent.pop(0))
             abort = [
                 i for i in running if i in unaborted and len(run.tokens[f"r{i}"]) >= unaborted[i]

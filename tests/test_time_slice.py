@@ -26,12 +26,19 @@ from test_preemption import (
 from rltserve.config import SchedulerConfig
 
 
-def _drive(time_slice: int, swap: bool = False):
-    """Three requests of 4 prompt and 12 output tokens over 12 blocks (two fit at the end):
-    per step, the running ids, the preempted ids and the finished ids."""
+def _three_requests(time_slice: int = 0, swap: bool = False):
+    """A scheduler with three requests of 4 prompt and 12 output tokens over 12 blocks (two
+    fit at the end)."""
     s = make_scheduler(12, swap=swap, preemption_time_slice=time_slice, max_num_seqs=8)
     for i in range(3):
         s.add_request(make_request(f"r{i}", 4, 12))
+    return s
+
+
+def _drive(time_slice: int, swap: bool = False):
+    """``_three_requests``: per step, the running ids, the preempted ids and the finished
+    ids."""
+    s = _three_requests(time_slice, swap)
     runner = FixedExits()
     log = []
     while s.has_work():
@@ -219,9 +226,7 @@ def test_a_swapped_request_counts_only_what_it_recomputes_as_its_replay():
     """A slice is q steps past the positions its admission *recomputed*: a swap-resumed
     request gets its swapped positions back without running them, so they are no replay
     (else a swapped request would hold its turn for as many more steps as it had written)."""
-    s = make_scheduler(12, swap=True, max_num_seqs=8)
-    for i in range(3):
-        s.add_request(make_request(f"r{i}", 4, 12))
+    s = _three_requests(swap=True)
     runner = FixedExits()
     resumed = []
     while s.has_work():

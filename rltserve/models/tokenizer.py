@@ -223,9 +223,6 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
-    def add_many(self, token_ids: Sequence[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
-
     def flush(self) -> str:
         """Text held back at the end of generation (an incomplete character decodes as U+FFFD)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
