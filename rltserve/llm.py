@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -94,6 +95,7 @@ class LLM:
         ``gpu_memory_utilization``, ``revision`` and the ``vllm_options`` RL frameworks pass
         (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's (``vllm_args``)."""
         del trust_remote_code  # (rltserve never runs a checkpoint's code)
+        startup_timeout = _seconds("startup_timeout", startup_timeout)
         check_inert(vllm_options)
         check_parallel(tensor_parallel_size)
         if gpu_memory_utilization is not None:
@@ -178,7 +180,7 @@ class LLM:
         """Stops the stage; requests still open in other threads end as aborted. A worker that
         does not stop within ``timeout`` seconds is killed. An LLM that is never closed stops its
         stage when it is garbage-collected or when the interpreter exits."""
-        self._client.close(timeout)
+        self._client.close(_seconds("timeout", timeout))
 
     def generate(
         self,
@@ -349,10 +351,9 @@ class LLM:
         aborted at once with ``abort=True``. Later outputs report the new ``weight_version``."""
         if not isinstance(abort, bool):
             raise ValueError(f"abort={abort!r}: must be a bool")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
-            raise ValueError(f"timeout={timeout!r}: must be a number of seconds >= 0")
+        timeout = _seconds("timeout", timeout)
         with update_paths(weights) as paths:
-            return self._client.update_weights(paths, abort, float(timeout))
+            return self._client.update_weights(paths, abort, timeout)
 
     @property
     def weight_version(self) -> int:
@@ -367,7 +368,7 @@ class LLM:
         ``UpdateTimeout``, nothing freed). ``generate`` raises ValueError until ``wake_up``."""
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: must be 1 or 2")
-        self._client.sleep(level, float(timeout))
+        self._client.sleep(level, _seconds("timeout", timeout))
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restores what ``sleep`` freed: ``tags`` ("weights", "kv_cache"; None: both)."""
@@ -464,3 +465,12 @@ class _Pending:
                 for a in self.assemblers
                 if a.output.request_id not in self.finished
             ]
+
+
+def _seconds(name: str, value: object) -> float:
+    """A timeout argument as float seconds; ValueError naming it unless finite and >= 0 (NaN
+    compares false with everything: a plain ``< 0`` check let it through as "never")."""
+    value = plain_number(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value!r}: must be a finite number of seconds >= 0")
+    return float(value)

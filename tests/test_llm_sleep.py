@@ -4,6 +4,7 @@ are refused while asleep, and the level-2 cycle with a weight load in between wo
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -105,6 +106,12 @@ def test_bad_levels_and_tags_are_refused(tiny):
     with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
         with pytest.raises(ValueError, match="level=3: must be 1 or 2"):
             llm.sleep(level=3)
+        for timeout in (-3, math.nan):  # NaN would wait forever; nothing may sleep
+            with pytest.raises(ValueError, match=f"timeout={timeout!r}: must be a finite"):
+                llm.sleep(timeout=timeout)
+        assert not llm.is_sleeping()
+        with pytest.raises(ValueError, match="timeout=nan: must be a finite"):
+            llm.close(timeout=math.nan)
         with pytest.raises(ValueError, match="tags='weights'"):
             llm.wake_up(tags="weights")
         with pytest.raises(ValueError, match="tags=\\['gpu'\\]"):

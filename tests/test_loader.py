@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,25 @@ def test_fused_parameters_hold_checkpoint_values(tmp_path):
     gate_up = torch.cat([stored[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
     assert torch.equal(params[p + "mlp.gate_up_proj.weight"], gate_up)
     assert torch.equal(params["model.early_exit_gate.bias"], stored["model.early_exit_gate.bias"])
+
+
+@pytest.mark.parametrize("preadv", [True, False])
+def test_weights_are_not_views_of_the_file(tmp_path, monkeypatch, preadv):
+    # A trainer rewriting the served checkpoint in place must not change a loaded model (nor,
+    # truncating it, kill the process with SIGBUS): only update_weights changes weights.
+    if not preadv:
+        monkeypatch.delattr(os, "preadv", raising=False)
+    path = build(tmp_path, "ouro")
+    model = load_model(path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    file = path / "model.safetensors"
+    size = file.stat().st_size
+    with open(file, "r+b") as f:  # same header, every tensor byte overwritten
+        start = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(start)
+        f.write(b"\x7f" * (size - start))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import threading
 from pathlib import Path
@@ -107,8 +108,9 @@ def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
     ]:
         with pytest.raises(ValueError, match=re.escape(fragment)):
             llm.update_weights(arg)
-    with pytest.raises(ValueError, match="timeout=-1"):
-        llm.update_weights(str(new_ckpt), timeout=-1)
+    for timeout in (-1, math.nan, math.inf, "5", True):
+        with pytest.raises(ValueError, match=re.escape(f"timeout={timeout!r}: must be a finite")):
+            llm.update_weights(str(new_ckpt), timeout=timeout)
     assert _generate(llm) == before
 
 

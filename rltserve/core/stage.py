@@ -420,7 +420,7 @@ class InProcessStageClient(_ClientBase):
             daemon=True,
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, self._commands.put, ("shutdown",))
+        self._finalizer = weakref.finalize(self, _stop_loop, self._commands, self._thread)
 
     def _send(self, message: tuple) -> None:
         self._commands.put(message)
@@ -437,3 +437,12 @@ class InProcessStageClient(_ClientBase):
             self._thread.join(timeout)
         self._fail_open(FinishReason.ABORT, _CLOSED)
         self._fail_replies(_CLOSED)
+
+
+def _stop_loop(commands: queue.Queue, thread: threading.Thread, timeout: float = 10.0) -> None:
+    """An unreferenced in-process client's finalizer (also run at interpreter exit): the loop
+    must have ended before the interpreter goes on, else its daemon thread, still freeing
+    tensors, is stopped at shutdown and the C++ runtime aborts the process."""
+    commands.put(("shutdown",))
+    if threading.current_thread() is not thread:
+        thread.join(timeout)

@@ -8,10 +8,12 @@ Invariants:
   tensor is listed in ONE ``CheckpointError`` so a bad conversion is diagnosed in one run.
 - Weights are read one tensor at a time through ``safe_open`` (memory-mapped), cast to the
   requested dtype on the target device, and assigned into a module built on the ``meta`` device
-  without initialisation (``layers.Embedding``), so no weight is ever allocated twice. A tensor
-  whose dtype and device already match stays a view of the mapped file (pages are read when first
-  touched). Fused parameters (q/k/v, gate/up) are one copy: read with ``preadv`` into their
-  buffer when the stored dtype is the target one (``weight_file``), else cast from the mapping.
+  without initialisation (``layers.Embedding``), so no weight is ever allocated twice. On the CPU
+  a parameter whose stored dtype is the target one is read with ``preadv`` straight into its own
+  buffer (``weight_file``; fused q/k/v and gate/up are concatenated there), else cast from the
+  mapping. No parameter stays a view of the mapped file: a checkpoint rewritten in place (a
+  trainer syncing weights into the served directory) would otherwise change the served model
+  half-way or kill it with SIGBUS, where only ``update_weights`` may change it.
 - Loading a large checkpoint (``PROGRESS_MIN_BYTES`` or ``PROGRESS_MIN_FILES`` shards) shows a
   progress bar on stderr when stderr is a terminal; ``progress=False`` turns it off.
 - Tied copies (Huginn's ``lm_head.weight``) must equal their source and are then dropped: the
@@ -239,14 +241,17 @@ def load_model(
             direct_ok = target_device.type == "cpu" and hasattr(os, "preadv")
             want = ST_NAMES[target_dtype]
             for param, sources in sources_of.items():
-                if direct_ok and len(sources) > 1 and all(stored[s] == want for s in sources):
+                if direct_ok and all(stored[s] == want for s in sources):
                     try:
                         state[param] = read_concat([places[s] for s in sources], target_dtype)
                     except OSError as exc:
                         raise CheckpointError(f"{root}: reading {param}: {exc}") from exc
                 else:
                     parts = [
-                        handles[s].get_tensor(s).to(device=target_device, dtype=target_dtype)
+                        # copy=True: never a view of the mapping (see the module docstring)
+                        handles[s]
+                        .get_tensor(s)
+                        .to(device=target_device, dtype=target_dtype, copy=True)
                         for s in sources
                     ]
                     state[param] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,8 +1,9 @@
 """Where each tensor's bytes sit in a safetensors file, and reads of them straight into memory.
 
-``loader`` builds fused parameters (q/k/v, gate/up) by concatenating checkpoint tensors. Copying
-them out of a memory mapping faults the pages in one at a time (about 0.6 GB/s on the reference
-VM, against 2.7 GB/s for ``read()``), so a fused parameter whose stored dtype is already the
+``loader`` copies every parameter out of the checkpoint (none may stay a view of a file that
+can be rewritten) and builds fused ones (q/k/v, gate/up) by concatenating checkpoint tensors.
+Copying out of a memory mapping faults the pages in one at a time (about 0.6 GB/s on the
+reference VM, against 2.7 GB/s for ``read()``), so a parameter whose stored dtype is already the
 target one is instead read with ``preadv`` directly into its final buffer: one copy, at read
 bandwidth. Call ``extents`` only on files ``safe_open`` has already validated.
 """
