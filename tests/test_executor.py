@@ -85,7 +85,4 @@ def test_an_engine_dropped_without_shutdown_stops_its_step_thread(ckpts):
     assert step_threads() == before + 1
     del core
     gc.collect()
-    deadline = time.monotonic() + 30
-    while step_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert step_threads() == before
+    assert step_threads() == before  # the finalizer waited for it

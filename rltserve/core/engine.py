@@ -60,8 +60,9 @@ class EngineCore:
         step_thread = StepThread() if config.scheduler.async_scheduling else None
         if step_thread is not None:
             # An engine dropped without ``shutdown`` must not leave its thread (and, through
-            # its idle hook, the runner and the model) alive for the rest of the process.
-            weakref.finalize(self, step_thread.stop)
+            # its idle hook, the runner and the model) alive for the rest of the process, nor
+            # running at interpreter exit (stopped while freeing tensors, it aborts the process).
+            weakref.finalize(self, step_thread.stop, 10.0)
 
         def on_step_thread(fn, *args, **kwargs):
             if step_thread is None:

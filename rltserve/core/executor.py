@@ -90,10 +90,12 @@ class StepThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
-        """Lets the thread end after the jobs already queued, without waiting for it (safe
-        from any thread, a finalizer's included)."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Lets the thread end after the jobs already queued, waiting up to ``wait_s`` for it
+        unless called on it (safe from any thread, a finalizer's included)."""
         self._jobs.put(None)
+        if wait_s > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     def shutdown(self) -> None:
         """Runs the jobs already queued, then stops the thread."""
