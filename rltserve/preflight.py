@@ -118,7 +118,7 @@ def check_output_dir(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a directory")
     if out.is_dir() and not force and any(out.iterdir()):
-        raise ValueError(f"--out {out}: is not empty (use --force to replace it)")
+        raise ValueError(f"--out {out}: is not empty (use --force to write into it)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

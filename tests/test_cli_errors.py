@@ -98,7 +98,7 @@ def test_make_model_out_on_a_file_or_an_uncreatable_path(ckpts):
     proc = rltserve("make-model", "--preset", "ouro-tiny", "--out", "/proc/rltserve-test")
     assert_fails(proc, 2, "cannot create it")
     proc = rltserve("make-model", "--preset", "ouro-tiny", "--out", ckpts["ouro"])
-    assert_fails(proc, 2, "is not empty (use --force to replace it)")
+    assert_fails(proc, 2, "is not empty (use --force to write into it)")
 
 
 def test_serve_usage_errors(tmp_path):

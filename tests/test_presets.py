@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import NANBEIGE_TINY, random_tensors, write_checkpoint
 from safetensors import safe_open
 
 from rltserve.models import load_model
@@ -262,6 +263,37 @@ def test_cli_helpers(tmp_path: Path, capsys) -> None:
     assert run_make_model(args) == 2  # refuses a non-empty directory without --force
     args = parser.parse_args(["--preset", "ouro-tiny", "--out", str(out), "--force"])
     assert run_make_model(args) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == "ouro"
+
+
+def test_force_replaces_only_a_checkpoint(tmp_path: Path) -> None:
+    # --out . --force (or ~) must never wipe a directory: only checkpoint files are replaced,
+    # and only once the arguments are known good.
+    out = write_checkpoint(tmp_path / "m", NANBEIGE_TINY, random_tensors(NANBEIGE_TINY), shards=2)
+    (out / "tokenizer.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "model.safetensors").write_text("also mine")
+    parser = argparse.ArgumentParser()
+    add_make_model_args(parser)
+    bad = parser.parse_args(["--preset", "ouro-tiny", "--out", str(out), "--force", "--seed", "-1"])
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        run_make_model(bad)
+    assert sorted(p.name for p in out.iterdir()) == before
+    args = parser.parse_args(
+        ["--preset", "ouro-tiny", "--out", str(out), "--force", "--no-tokenizer"]
+    )
+    assert run_make_model(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "notes.txt",
+        "sub",
+    ]  # the stale index, shards and tokenizer went with the old checkpoint
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "sub" / "model.safetensors").read_text() == "also mine"
+    assert isinstance(load_model(out), LoopedModel)
     assert json.loads((out / "config.json").read_text())["model_type"] == "ouro"
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +38,17 @@ if TYPE_CHECKING:
 # The presets' weight dtypes. Listing them by name keeps this module (imported by the command
 # line to list the presets) free of torch; ``make_model`` imports it.
 DTYPES = ("float32", "bfloat16")
+# What make_model replaces in its directory: a checkpoint's files (a stale shard index or
+# tokenizer left beside new weights would change what loads). Nothing else there is touched.
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+SHARD_PATTERN = "model-*-of-*.safetensors"
 
 
 @dataclass(frozen=True)
@@ -163,8 +173,9 @@ def make_model(
     """Writes the checkpoint directory for ``preset`` into ``out_dir`` and returns its path.
 
     Deterministic: the same preset and seed give byte-identical files. ``tokenizer=False`` writes
-    weights and config only (a checkpoint that must run on token-id prompts). Existing files of
-    the same names are overwritten; other files in ``out_dir`` are left alone.
+    weights and config only (a checkpoint that must run on token-id prompts). A checkpoint
+    already in ``out_dir`` is replaced (``CHECKPOINT_FILES`` and shards), once the arguments are
+    checked; other files there are left alone.
     """
     import torch
 
@@ -175,6 +186,9 @@ def make_model(
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*(out / name for name in CHECKPOINT_FILES), *out.glob(SHARD_PATTERN)]:
+        if old.is_file():
+            old.unlink()
     cfg = spec.config()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shapes = spec.tensor_shapes()
@@ -193,17 +207,19 @@ def add_make_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty --out (a checkpoint there is replaced, other files kept)",
+    )
 
 
 def run_make_model(args: argparse.Namespace) -> int:
     """Runs ``make-model``; returns the process exit code."""
     out: Path = args.out
-    if out.exists() and any(out.iterdir()):
-        if not args.force:
-            print(f"error: {out} is not empty (use --force to replace it)")
-            return 2
-        shutil.rmtree(out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        print(f"error: {out} is not empty (use --force to write into it)")
+        return 2
     path = make_model(args.preset, out, seed=args.seed, tokenizer=not args.no_tokenizer)
     spec = get_preset(args.preset)
     print(f"wrote {spec.name} ({spec.num_parameters():,} parameters) to {path}")
