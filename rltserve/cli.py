@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from rltserve.bench.rollout import add_rollout_parser
+from rltserve.config import SchedulerConfig
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
@@ -125,6 +126,12 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if args.shared_prefix_len < 0:
         raise ValueError(f"--shared-prefix-len {args.shared_prefix_len}: must be >= 0")
+    default_seqs = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
+    if args.max_num_seqs != default_seqs:  # (was silently replaced by --concurrency)
+        raise ValueError(
+            f"--max-num-seqs {args.max_num_seqs}: bench offline runs --concurrency requests at "
+            "a time; set that instead"
+        )
     if args.repeats > 1 and not kv_pressure_requested(args):
         raise ValueError(f"--repeats {args.repeats}: only the --kv-pressure runs repeat")
     args.progress = progress_enabled(args.quiet)

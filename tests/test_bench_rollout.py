@@ -29,6 +29,16 @@ def test_rollout_rejects_bad_counts(capsys):
     assert "--n 0: must be >= 1" in capsys.readouterr().err
 
 
+def test_rollout_without_a_model_runs_the_demo_model(ouro_rv1, monkeypatch):
+    monkeypatch.setattr("rltserve.models.demo.demo_model_path", lambda: ouro_rv1)
+    flags = "--num-prompts 1 --n 1 --max-tokens 2 --input-len 4 --steps 1 --num-blocks 64"
+    args = build_parser().parse_args(["bench", "rollout", *flags.split()])
+    assert args.model is None
+    report = run_rollout_bench(args, engine_kwargs(args))
+    assert report["workload"]["model"] == str(ouro_rv1)
+    assert report["in_place"]["tokens_per_step"] == 2
+
+
 def test_both_arms_build_their_engines_on_the_requested_device_and_dtype(ouro_rv1, monkeypatch):
     # The restart arm starts a new LLM every step: each one must get --device/--dtype too, or a
     # GPU run would time a CPU float32 baseline against a GPU in-place arm.

@@ -88,6 +88,9 @@ def test_bench_offline_usage_errors():
     assert_fails(rltserve("bench", "offline", "--device", "bogus"), 2, "device='bogus'")
     for n in ("0", "-3"):
         assert_fails(rltserve("bench", "offline", "--num-prompts", n), 2, f"--num-prompts {n}")
+    # --concurrency sets the running requests: --max-num-seqs would be silently replaced
+    proc = rltserve("bench", "offline", "--max-num-seqs", "4")
+    assert_fails(proc, 2, "--max-num-seqs 4: bench offline runs --concurrency requests")
 
 
 def test_make_model_out_on_a_file_or_an_uncreatable_path(ckpts):

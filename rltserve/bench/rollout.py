@@ -141,6 +141,11 @@ def run_rollout_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     """Both arms on ``engine_kw``'s model; see the module doc."""
     from safetensors.torch import load_file
 
+    from rltserve.models.demo import demo_model_path
+
+    engine_kw = dict(engine_kw)
+    if engine_kw.get("model") is None:  # as LLM and bench offline: the built-in demo model
+        engine_kw["model"] = str(demo_model_path())
     model = Path(engine_kw["model"])
     files = sorted(model.glob("*.safetensors"))
     tensors: dict = {}
