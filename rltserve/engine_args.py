@@ -14,7 +14,7 @@ import types
 import typing
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
-from rltserve.preflight import check_engine, resolve_dtype
+from rltserve.preflight import check_engine, resolve_dtype, resolve_model
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
@@ -76,8 +76,16 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     """``engine_kwargs`` after the cheap checks (config, checkpoint path, device): bad flags
     fail here as usage errors, before a model loads. ``as_run`` overrides what the command
     changes before it builds engines. The chunk size is capped at the step's token budget, as
-    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid."""
+    ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid. A Hugging Face repo
+    id becomes its snapshot in the local cache, as ``LLM`` resolves it."""
     kw = engine_kwargs(args)
+    if kw["exit_mode"] == "trace":
+        raise ValueError(
+            "--exit-mode trace: replays the exit depths each request gives "
+            "(SamplingParams.trace_depths, offline API only); no command can give them"
+        )
+    if kw["model"] is not None:
+        kw["model"] = resolve_model(kw["model"])
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
     kw["dtype"] = resolve_dtype(kw["dtype"], kw["model"])
     check_engine({**kw, **as_run})

@@ -132,6 +132,13 @@ def test_python_m_rltserve_is_the_command():
     assert "The rltserve command: generate" in proc.stdout  # (plain text, no RST markup)
 
 
+def test_exit_mode_trace_is_refused_by_the_commands():
+    # trace replays the depths each request gives, which no command or HTTP request can
+    # (serve started and then answered every request with a 400)
+    for command in (["generate", "Hi"], ["serve"]):
+        assert_fails(rltserve(*command, "--exit-mode", "trace"), 2, "--exit-mode trace: replays")
+
+
 def test_an_unknown_flag_shows_its_command_usage():
     for command in (["generate"], ["bench", "offline"], ["serve"]):
         proc = rltserve(*command, "--bogus")

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from rltserve import LLM, SamplingParams
+from rltserve.cli import build_parser
+from rltserve.http.cli import serve_configs
 from rltserve.preflight import resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -132,6 +134,13 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
     assert Path(resolve_model("someorg/ouro-tiny", revision=COMMIT)) == snapshot
     with LLM("someorg/ouro-tiny", in_process=True, num_blocks=64) as llm:
         assert len(llm.generate([[1, 2]], GREEDY)[0].token_ids) == 5
+    # The commands take repo ids as LLM does; serve names the model by its id.
+    args = build_parser().parse_args(["serve", "--model", "someorg/ouro-tiny"])
+    server_config, engine_config = serve_configs(args)
+    assert Path(engine_config.model.model) == snapshot
+    assert server_config.served_model_name == "someorg/ouro-tiny"
+    args = build_parser().parse_args(["serve", "--model", str(tiny)])
+    assert serve_configs(args)[0].served_model_name is None  # a directory: its name
     with pytest.raises(ValueError, match="never downloads weights.*huggingface-cli download"):
         resolve_model("someorg/missing")
     with pytest.raises(ValueError, match="at revision 'v2'"):

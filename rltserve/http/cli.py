@@ -8,9 +8,15 @@ the main CLI can import it unconditionally; it never imports ``rltserve.cli``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 from rltserve.engine_args import add_dataclass_args, dataclass_kwargs
+
+if TYPE_CHECKING:
+    from rltserve.config import EngineConfig
+    from rltserve.http.config import ServerConfig
 
 BENCH_SERVE_HELP = "serving benchmark against a running server (random token-id prompts)"
 
@@ -39,16 +45,27 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return parser
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
     from rltserve.engine_args import checked_engine_kwargs
     from rltserve.http.config import ServerConfig
+
+    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
+    engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
+    if server_config.served_model_name is None and engine_config.model.model != args.model:
+        # A Hugging Face repo id served from its cached snapshot goes by the id (as vLLM),
+        # not by the snapshot directory's commit hash.
+        server_config = dataclasses.replace(server_config, served_model_name=args.model)
+    return server_config, engine_config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from rltserve.http.server import run_server
     from rltserve.preflight import check_listen_address, check_tls_files
     from rltserve.ray.config import ReplicaConfig
 
-    server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
-    engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
+    server_config, engine_config = serve_configs(args)
     check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
     check_listen_address(server_config.host, server_config.port)  # before the model loads
     replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
