@@ -171,6 +171,12 @@ def test_generate_with_flags_the_model_cannot_take(ckpts, args, message):
     assert "stage failed" not in line
 
 
+def test_serve_with_a_setting_the_model_cannot_take_exits_2():
+    # found as the engine starts (the model's context), reported as generate reports it
+    proc = rltserve("serve", "--port", "0", "--max-model-len", "100000")
+    assert_fails(proc, 2, "max_model_len=100000")
+
+
 def test_serve_on_a_port_in_use():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

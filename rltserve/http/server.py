@@ -104,6 +104,10 @@ async def serve_until_signalled(
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if state.load_error is not None:
         await server.close()
+        if isinstance(state.load_exception, ValueError):
+            # A setting the model or its KV pool cannot take (or a checkpoint that does not
+            # load): the command reports it as `generate` does, exit code 2 (1).
+            raise state.load_exception
         log.error("giving up: the engine failed to start")
         return 1
     code = 0

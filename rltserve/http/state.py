@@ -72,6 +72,7 @@ class ServingState:
         self.created = int(clock())
         self.closing = False
         self.load_error: str | None = None
+        self.load_exception: Exception | None = None  # what load_error says
         self.ready = asyncio.Event()  # set once loading ended, successfully or not
         self._client_factory = client_factory
         self._client: SupervisedStage | None = None
@@ -120,6 +121,7 @@ class ServingState:
             )
         except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_exception = exc
             log.error("engine failed to start: %s", self.load_error)
         finally:
             if tokenizer_job.done() and not tokenizer_job.cancelled():
