@@ -46,10 +46,15 @@ def _sampling_from_args(args: argparse.Namespace):
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--max-tokens", type=int, default=32, help="output tokens at most (default: 32)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default: 0.0, greedy; SamplingParams' default is 1.0)",
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=-1, help="top-k sampling (default: -1, off)")
     g.add_argument("--request-seed", type=int, default=None, help="sampling seed of the request")
     g.add_argument(
         "--exit-threshold",
@@ -64,9 +69,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         help="Huginn: the zero-shot exit criterion, adaptive at any --exit-threshold (kl when "
         "--exit-threshold < 1 alone)",
     )
-    g.add_argument("--min-loops", type=int, default=1)
-    g.add_argument("--max-loops", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-loops", type=int, default=1, help="loops per token at least (default 1)")
+    g.add_argument(
+        "--max-loops",
+        type=int,
+        default=None,
+        help="loops per token at most (Huginn: its depth; default: the model's)",
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end tokens")
     g.add_argument(
         "--init-state",
         choices=INIT_STATES,
@@ -292,8 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="output tokens per request (default: 32)",
     )
-    off.add_argument("--concurrency", type=int, default=32)
-    off.add_argument("--exit-threshold", type=float, default=1.0)
+    off.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="requests running at once: the engine's max_num_seqs (default: 32)",
+    )
+    off.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=1.0,
+        help="adaptive exit below 1 (default: 1.0, full depth)",
+    )
     off.add_argument(
         "--exit-criterion",
         choices=sorted(EXIT_CRITERIA),

@@ -86,8 +86,13 @@ def resolve_dtype(dtype: str, model: str | None) -> str:
     """``dtype`` as the engine takes it: ``"auto"`` is the checkpoint's ``torch_dtype`` (or
     ``dtype``) from its config.json when that is one the engine runs, else float32 (also for
     the demo model, ``model=None``); vLLM's ``half`` and ``float`` are float16 and float32.
-    Anything else is returned as given, for the config to check."""
+    Any other string is a ValueError listing them all; a non-string is returned as given, for
+    the config to check."""
+    given = dtype
     dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
+        names = ", ".join([*DTYPES, "auto", *DTYPE_ALIASES])
+        raise ValueError(f"dtype={given!r}: must be one of {names}")
     if dtype != "auto":
         return dtype
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 
@@ -80,3 +81,17 @@ def test_bench_reports_print_nested_figures_indented_under_their_keys(capsys):
         "plain: [1, 2]",
         "empty: {}",
     ]
+
+
+def test_every_flag_of_every_command_has_help():
+    def unexplained(parser: argparse.ArgumentParser, name: str) -> list[str]:
+        out = []
+        for action in parser._actions:  # (argparse keeps no public list of them)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    out += unexplained(child, f"{name} {sub}")
+            elif action.option_strings and not action.help:
+                out.append(f"{name} {action.option_strings[0]}")
+        return out
+
+    assert unexplained(build_parser(), "rltserve") == []

@@ -177,12 +177,19 @@ def add_rollout_parser(bench_sub) -> argparse.ArgumentParser:
     p = bench_sub.add_parser(
         "rollout", help="RL rollout steps: in-place weight updates vs an engine restart per step"
     )
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per step (default: 8)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--input-len", type=int, default=32, help="prompt length in tokens")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--exit-threshold", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens (default: 32)")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)"
+    )
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=1.0,
+        help="adaptive exit below 1 (default: 1.0, full depth)",
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps per arm")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p

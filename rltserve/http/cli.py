@@ -39,7 +39,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
     add_engine_args(parser)
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="server log level (default: info)",
     )
     parser.set_defaults(func=cmd_serve)
     return parser
@@ -106,7 +109,12 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)"
     )
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at most (default: no bound)",
+    )
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument(
         "--output-len",
@@ -130,9 +138,22 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         help="stream /v1/completions (token-id prompts) or /v1/chat/completions (the prompts "
         "as text, a conversation as messages)",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--exit-threshold", type=float, default=None)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the random prompts (default: 0; the same seed sends the same prompts, "
+        "which a server's prefix cache then holds: vary it between runs on one server)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default: 0.0)"
+    )
+    parser.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="each request's exit_threshold (default: none sent, the server's)",
+    )
     parser.add_argument(
         "--wait-timeout",
         type=float,

@@ -32,7 +32,10 @@ class ServerConfig:
     )
     api_key: str | None = field(
         default=None,
-        metadata=_help(f"require 'Authorization: Bearer KEY' on /v1/* (or env {API_KEY_ENV})"),
+        metadata=_help(
+            f"require 'Authorization: Bearer KEY' on every route but /health (and /metrics "
+            f"unless --metrics-auth; or env {API_KEY_ENV})"
+        ),
     )
     ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
     ssl_keyfile: str | None = field(default=None, metadata=_help("TLS private key (PEM)"))
@@ -69,8 +72,8 @@ class ServerConfig:
     max_tokens_limit: int | None = field(
         default=None,
         metadata=_help(
-            "largest max_tokens a request may ask for, and what one that asks none gets "
-            "(default: the context length)"
+            "largest max_tokens a request may ask for, and the most one that asks none gets "
+            "(chat: the rest of the context, completions: 16; default: the context length)"
         ),
     )
     max_stop: int = field(default=16, metadata=_help("most stop strings in one request"))

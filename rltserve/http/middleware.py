@@ -1,5 +1,6 @@
-"""Middlewares: OpenAI-style error bodies for every failure, API-key auth on ``/v1/*``, header
-passthrough and the HTTP request counter.
+"""Middlewares: OpenAI-style error bodies for every failure, API-key auth on every route but
+``/health`` (and ``/metrics`` unless ``metrics_auth``), header passthrough and the HTTP request
+counter.
 
 Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
