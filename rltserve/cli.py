@@ -11,12 +11,14 @@ Either way the failure is one line on stderr, ``rltserve: error: ...``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 
+from rltserve import __version__
 from rltserve.bench.rollout import add_rollout_parser
 from rltserve.config import SchedulerConfig
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     description = __doc__.splitlines()[0].replace("``", "")
     parser = argparse.ArgumentParser(prog="rltserve", description=description)
+    parser.add_argument("--version", action="version", version=f"rltserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline")
@@ -472,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rltserve: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`rltserve info | head -c 1`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush)
+        return 1
     except Exception as exc:
         code = exit_code(exc)
         if code is None:

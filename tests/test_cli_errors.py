@@ -13,6 +13,7 @@ import orjson
 import pytest
 from test_http_harness import tiny_checkpoint
 
+from rltserve import __version__
 from rltserve.models.presets import make_model
 
 TIMEOUT_S = 180
@@ -130,6 +131,21 @@ def test_python_m_rltserve_is_the_command():
     proc = rltserve("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: rltserve")
     assert "The rltserve command: generate" in proc.stdout  # (plain text, no RST markup)
+    proc = rltserve("--version")
+    assert proc.returncode == 0 and proc.stdout == f"rltserve {__version__}\n"
+
+
+def test_a_reader_that_goes_away_is_not_an_error():
+    # `rltserve info | head -c 1`: stdout closed before the command writes
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rltserve", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert err == b"" and proc.returncode == 1
 
 
 def test_exit_mode_trace_is_refused_by_the_commands():
