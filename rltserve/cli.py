@@ -144,6 +144,8 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
             f"--max-num-seqs {args.max_num_seqs}: bench offline runs --concurrency requests at "
             "a time; set that instead"
         )
+    if not args.chunk_sizes or min(args.chunk_sizes) < 1:
+        raise ValueError(f"--chunk-sizes {args.chunk_sizes}: every value must be >= 1")
     if args.repeats > 1 and not kv_pressure_requested(args):
         raise ValueError(f"--repeats {args.repeats}: only the --kv-pressure runs repeat")
     args.progress = progress_enabled(args.quiet)
@@ -220,6 +222,8 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         values = getattr(args, name)
         if not values or any(v not in allowed for v in values):
             raise ValueError(f"--{name} {','.join(values)}: a list of {' and '.join(allowed)}")
+    if args.out and not Path(args.out).parent.is_dir():  # before the run, not after it
+        raise ValueError(f"--out {args.out}: its directory does not exist")
     report = run_host_bench(
         rows,
         contexts,

@@ -257,6 +257,11 @@ class SchedulerConfig:
                 continue  # resolved against the model's loop count when the engine starts
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.draft_loops is not None and not self.speculative_tokens:
+            raise ValueError(
+                f"draft_loops={self.draft_loops}: only with token pipelining "
+                "(speculative_tokens >= 1)"
+            )
         if self.wavefront_prefill and self.scheduling == "no_refill":
             raise ValueError("wavefront_prefill=True: needs scheduling='refill'")
         if self.prefill_chunk_size > self.max_num_batched_tokens:

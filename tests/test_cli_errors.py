@@ -90,6 +90,10 @@ def test_bench_offline_usage_errors():
     for n in ("0", "-3"):
         assert_fails(rltserve("bench", "offline", "--num-prompts", n), 2, f"--num-prompts {n}")
     # --concurrency sets the running requests: --max-num-seqs would be silently replaced
+    for sizes in ("", "8,0"):
+        assert_fails(rltserve("bench", "offline", "--chunk-sizes", sizes), 2, "--chunk-sizes")
+    proc = rltserve("bench", "host", "--quick", "--out", "/nonexistent/x.json")
+    assert_fails(proc, 2, "--out /nonexistent/x.json: its directory does not exist")
     proc = rltserve("bench", "offline", "--max-num-seqs", "4")
     assert_fails(proc, 2, "--max-num-seqs 4: bench offline runs --concurrency requests")
 

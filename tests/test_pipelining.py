@@ -122,5 +122,7 @@ def test_requirements_are_enforced(ouro_rv1):
         make_core(ouro_rv1).add_request("c", [1], SamplingParams(temperature=0.0, speculative=True))
     with pytest.raises(ValueError, match="draft_loops"):
         make_core(ouro_rv1, speculative_tokens=1, draft_loops=4)
+    with pytest.raises(ValueError, match="draft_loops=2: only with token pipelining"):
+        make_core(ouro_rv1, draft_loops=2)  # (was silently unused)
     with pytest.raises(ValueError, match="per-depth"):
         make_core(ouro_rv1, speculative_tokens=1, kv_policy="shared")

@@ -121,7 +121,7 @@ def run_pipelining_compare(model: LoopedModel, engine_kw: dict, args: argparse.N
     for concurrency in (1, 8):
         prompts = _workload(concurrency, args.input_len, model.spec.vocab_size, seed=concurrency)
         kw = {**engine_kw, "max_num_seqs": concurrency}
-        no_spec = {**kw, "speculative_tokens": 0}
+        no_spec = {**kw, "speculative_tokens": 0, "draft_loops": None}
         block = run_engine(model, no_spec, prompts, params, f"c{concurrency} block", _show(args))
         piped = run_engine(model, kw, prompts, params, f"c{concurrency} pipelined", _show(args))
         out["draft_loops"] = piped["draft_loops"]

@@ -77,7 +77,7 @@ class EngineCore:
         self.model = model
         spec = model.spec
         self.spec = spec
-        if config.scheduler.draft_loops is None:
+        if config.scheduler.speculative_tokens and config.scheduler.draft_loops is None:
             config = replace(
                 config, scheduler=replace(config.scheduler, draft_loops=_draft_loops(spec))
             )
