@@ -224,6 +224,22 @@ async def test_logprobs_shapes(ckpt, hi_tokens):
     }
 
 
+async def test_a_second_signal_cuts_the_drain_short(ckpt, hi_tokens):
+    stage = stage_for(ckpt, hi_tokens, interval_s=0.01)
+    body = {"prompt": [5], "max_tokens": 63, "stream": True}
+    async with running(ckpt, client_factory=scripted_factory(stage), drain_timeout_s=600) as live:
+        async with live.stream("/v1/completions", body) as r:
+            await r.content.readuntil(b"\n\n")
+            closing = asyncio.create_task(live.server.close())
+            while not live.state.closing:
+                await asyncio.sleep(0.01)
+            live.state.cut_drain()  # what a second SIGINT/SIGTERM calls
+            rest = await asyncio.wait_for(r.content.read(), 30)  # (not the 600 s drain)
+        await asyncio.wait_for(closing, 30)
+    assert sse_payloads(rest)[-2]["error"]["message"] == "the server is shutting down"
+    assert set(stage.aborted) == set(stage.added)
+
+
 async def test_graceful_shutdown_ends_streams_and_closes_the_stage(ckpt, hi_tokens):
     stage = stage_for(ckpt, hi_tokens, interval_s=0.01)
     body = {"prompt": [5], "max_tokens": 63, "stream": True}

@@ -65,7 +65,10 @@ class ServerConfig:
     )
     drain_timeout_s: float = field(
         default=10.0,
-        metadata=_help("on shutdown, seconds in-flight requests may finish before being aborted"),
+        metadata=_help(
+            "on shutdown (SIGINT/SIGTERM), seconds in-flight requests may finish before being "
+            "aborted; a second signal aborts them at once"
+        ),
     )
     # Bounds on what one request may ask for (each beyond its bound is a 400 naming the field).
     max_n: int = field(default=MAX_N, metadata=_help(f"largest n (at most {MAX_N})"))

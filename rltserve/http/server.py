@@ -119,7 +119,9 @@ async def serve_until_signalled(
             log.error("giving up: the stage failed and could not be restarted")
             code = 1
         failed.cancel()
-    log.info("shutting down")
+    log.info("shutting down (again to abort the requests in flight now)")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, state.cut_drain)
     ready.cancel()
     stopped.cancel()
     await server.close()

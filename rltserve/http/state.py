@@ -71,6 +71,7 @@ class ServingState:
         self.metrics = ServingMetrics(self.model_name)
         self.created = int(clock())
         self.closing = False
+        self._drain_cut = False  # a second shutdown signal: abort in-flight requests now
         self.load_error: str | None = None
         self.load_exception: Exception | None = None  # what load_error says
         self.ready = asyncio.Event()  # set once loading ended, successfully or not
@@ -122,7 +123,10 @@ class ServingState:
         except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
             self.load_exception = exc
-            log.error("engine failed to start: %s", self.load_error)
+            if self.closing:  # (stopped while loading: the shutdown's effect, not a failure)
+                log.info("loading stopped: the server is shutting down")
+            else:
+                log.error("engine failed to start: %s", self.load_error)
         finally:
             if tokenizer_job.done() and not tokenizer_job.cancelled():
                 tokenizer_job.exception()  # retrieved: a failure was reported above, if any
@@ -163,11 +167,15 @@ class ServingState:
         if frontend is None:
             return
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while frontend.num_open and time.monotonic() < deadline:
+        while frontend.num_open and time.monotonic() < deadline and not self._drain_cut:
             await asyncio.sleep(0.05)
         if frontend.num_open:
             log.info("aborting %d in-flight request(s)", frontend.num_open)
             frontend.interrupt_all()
+
+    def cut_drain(self) -> None:
+        """Ends a drain now (a second Ctrl-C): its in-flight requests are aborted."""
+        self._drain_cut = True
 
     async def stop(self) -> None:
         self.closing = True
