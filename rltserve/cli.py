@@ -430,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--out", help="also write the JSON report to this file")
     host.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
     host.set_defaults(func=cmd_bench_host)
+    for commands in (sub, bench_sub):  # a missing one is named by its choices, not its dest
+        commands.metavar = "{" + ",".join(commands.choices) + "}"
+
     return parser
 
 

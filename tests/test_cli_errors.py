@@ -126,6 +126,9 @@ def test_no_arguments_print_help_and_exit_2():
     assert proc.returncode == 2
     assert "usage: rltserve" in proc.stderr and "generate" in proc.stderr
     assert proc.stdout == ""
+    proc = rltserve("bench")  # named by the choices, not by argparse's dest "bench_command"
+    assert proc.returncode == 2
+    assert "required: {offline,serve,rollout,host}" in proc.stderr
 
 
 def test_python_m_rltserve_is_the_command():
