@@ -94,3 +94,12 @@ def test_dropped_requests_and_clear_leave_nothing():
     ended.add_rows(*_rows(["c"], key0=20))
     ended.clear()
     assert len(ended) == 0
+
+
+def test_a_request_with_a_token_in_the_batch_and_a_newer_one_counts_once():
+    ended = EndedTokens()
+    ended.add_rows(*_rows(["a", "b"]))
+    ended.add("b", "item-b-newest", "live-b", 9, 50)  # (newer than the batch's token of b)
+    assert len(ended) == 2
+    ended.add("c", "item-c", "live-c", 4, 60)
+    assert len(ended) == 3

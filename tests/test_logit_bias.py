@@ -101,6 +101,20 @@ def test_seeded_sampling_draws_only_allowed_ids_and_stays_reproducible(ckpts):
         assert tokens and set(tokens) <= set(allowed), rid
 
 
+def test_a_bias_on_an_id_outside_the_allowed_list_leaves_it_out(ckpts, ouro_ref):
+    """An id ``allowed_token_ids`` leaves out stays out whatever ``logit_bias`` adds to it (the
+    bias adds to its -inf, never replaces it): here the model's own first choice, biased up."""
+    prompt = [5, 6, 7]
+    base = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = oracle_run(ouro_ref, prompt, base).tokens[0]
+    allowed = tuple(range(100, 110))
+    assert first not in allowed
+    p = base.replace(allowed_token_ids=allowed, logit_bias={first: 50.0, 101: 2.0})
+    run = run_core(make_core(ckpts["ouro"]), [prompt], [p])
+    assert run.tokens["r0"] == oracle_run(ouro_ref, prompt, p).tokens
+    assert set(run.tokens["r0"]) <= set(allowed)
+
+
 def test_logprobs_describe_the_model_without_the_bias():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 2)
     plain = SamplingParams(temperature=0.0, logprobs=2)

@@ -154,6 +154,34 @@ def test_prompt_logprobs_come_after_max_loops(ckpts, ouro_ref, max_loops):
     assert not torch.allclose(oracle_run(ouro_ref, prompts[0], params[0]).prompt_logits, full)
 
 
+def test_prompts_scored_in_one_step_get_their_own_top_counts(ckpts, ouro_ref):
+    """Prompts scored in one step with different counts: the step takes the largest count's
+    top, and each request gets as many as it asked for."""
+    prompts = [[3, 9, 27, 81, 5], [6, 7, 8, 9]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=k)
+        for k in (1, 4)
+    ]
+    run = run_core(make_core(ckpts["ouro"]), prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        got = run.prompt_logprobs[f"r{i}"]
+        assert [len(top) for _, top, _ in got] == [p.prompt_logprobs] * (len(prompt) - 1)
+        _check(ouro_ref, prompt, p, got)
+
+
+def test_a_prompt_the_model_would_write_ranks_first_throughout(ckpts, ouro_ref):
+    """A prompt that goes on with the model's own greedy tokens: each of them is the most
+    likely at its position, so its rank is 1 (vLLM's) and it heads its top list."""
+    start = [17, 4]
+    base = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    written = oracle_run(ouro_ref, start, base).tokens
+    p = base.replace(max_tokens=1, prompt_logprobs=1)
+    run = run_core(make_core(ckpts["ouro"]), [start + written], [p])
+    got = run.prompt_logprobs["r0"][len(start) - 1 :]  # (the positions that predict them)
+    assert [rank for _, _, rank in got] == [1] * len(written)
+    assert [top[0][0] for _, top, _ in got] == written
+
+
 def test_a_one_token_prompt_has_none_to_score(ckpts):
     run = run_core(
         make_core(ckpts["ouro"]), [[5]], [SamplingParams(temperature=0.0, prompt_logprobs=2)]

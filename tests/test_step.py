@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from engine_util import make_core, oracle_run, run_core
+from engine_util import make_core, oracle_run, random_workload, run_core
 
 import rltserve.core.step_rows as step_rows
 from rltserve.sampling import SamplingParams
@@ -309,3 +309,78 @@ def test_a_decode_step_leaves_its_states_pending_for_the_same_items(ckpts):
             rows_run = carried_rows + sum(w.num_tokens for w in plan.items)
             assert pending.state.shape[0] == result.num_rows == rows_run
     assert seen >= 4
+
+
+def test_a_prompt_at_a_lower_cap_exits_there_beside_delayed_decode_rows(ckpts, ouro_ref):
+    """Delayed exits: a request capped at 2 loops arrives while two capped at 5 decode, and its
+    prompt reaches its cap in a step beside their carried rows (every row an output row, none
+    of theirs at a cap): the step's lowest cap is the prompt's, whose output exits there. The
+    tokens and depths are the oracle's."""
+    prompts = [[11, 12, 13], [21, 22, 23, 24], [31, 32]]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, max_loops=cap, exit_threshold=0.9
+        )
+        for cap in (5, 5, 2)
+    ]
+    core = make_core(ckpts["ouro"], exit_mode="delayed", kv_policy="full")
+    run = run_core(core, prompts, params, arrivals=[0, 0, 4])
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="full", exit_mode="delayed")
+        assert run.tokens[f"r{i}"] == want.tokens
+        assert run.depths[f"r{i}"] == want.exit_depths
+
+
+def test_delayed_decisions_beside_prompt_chunks_match_the_oracle(ckpts, ouro_ref):
+    """Delayed exits with chunked prefill and staggered arrivals: prompt chunks without an
+    output sit among a step's output rows, and each delayed decision (aligned with the output
+    rows) goes to its own item. The tokens and depths are the oracle's."""
+    prompts, params, arrivals = random_workload(
+        8, 1, (0.3, 0.5, 0.9), max_prompt=14, max_tokens=(3, 8), max_arrival=10
+    )
+    core = make_core(
+        ckpts["ouro"], exit_mode="delayed", prefill_chunk_size=4, max_num_batched_tokens=12
+    )
+    run = run_core(core, prompts, params, arrivals=arrivals)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited", exit_mode="delayed")
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+
+
+def test_every_sampled_token_comes_with_its_rank(ckpts, ouro_ref):
+    """vLLM's rank (the count of logprobs >= the token's, under the model before the allowed
+    ids) comes with every token: the prompt's first output (a plan item's result) and the
+    carried decode tokens' (their events, also in a step where a plan item samples beside
+    them) alike. The allowed ids keep the model's top tokens out, so the ranks are not all 1."""
+    prompts = [[3, 14, 15], [9, 2, 6, 5, 35]]
+    p = SamplingParams(
+        temperature=0.0,
+        max_tokens=5,
+        ignore_eos=True,
+        logprobs=0,
+        exit_threshold=0.5,
+        allowed_token_ids=tuple(range(100, 140)),
+    )
+    core = make_core(ckpts["ouro"], kv_policy="full")
+    core.add_request("r0", prompts[0], p)
+    got: dict[str, tuple[list, list]] = {}
+    for step in range(1000):
+        if step == 6:  # (its prompt's token exits beside r0's carried tokens)
+            core.add_request("r1", prompts[1], p)
+        elif not core.has_work():
+            break
+        plan = core.plan()
+        if plan is None:
+            break
+        for u in core.apply(plan, core.runner.execute(plan)):
+            tokens, ranks = got.setdefault(u.request_id, ([], []))
+            tokens += u.new_token_ids
+            ranks += u.new_ranks + [None] * (len(u.new_token_ids) - len(u.new_ranks))
+    for i, prompt in enumerate(prompts):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="full")
+        tokens, ranks = got[f"r{i}"]
+        assert tokens == want.tokens
+        logps = [torch.log_softmax(logits.double(), dim=-1) for logits in want.logits]
+        assert ranks == [int((lp >= lp[t]).sum()) for lp, t in zip(logps, tokens)]
+        assert max(ranks) > 1
