@@ -144,6 +144,8 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
             f"--max-num-seqs {args.max_num_seqs}: bench offline runs --concurrency requests at "
             "a time; set that instead"
         )
+    if args.n > args.num_prompts:  # (--num-prompts/N prompts sampled N times each)
+        raise ValueError(f"--n {args.n}: above --num-prompts ({args.num_prompts})")
     if not args.chunk_sizes or min(args.chunk_sizes) < 1:
         raise ValueError(f"--chunk-sizes {args.chunk_sizes}: every value must be >= 1")
     if args.repeats > 1 and not kv_pressure_requested(args):

@@ -90,6 +90,8 @@ def test_bench_offline_usage_errors():
     for n in ("0", "-3"):
         assert_fails(rltserve("bench", "offline", "--num-prompts", n), 2, f"--num-prompts {n}")
     # --concurrency sets the running requests: --max-num-seqs would be silently replaced
+    proc = rltserve("bench", "offline", "--n", "64", "--num-prompts", "8")
+    assert_fails(proc, 2, "--n 64: above --num-prompts (8)")
     for sizes in ("", "8,0"):
         assert_fails(rltserve("bench", "offline", "--chunk-sizes", sizes), 2, "--chunk-sizes")
     proc = rltserve("bench", "host", "--quick", "--out", "/nonexistent/x.json")
