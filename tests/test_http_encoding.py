@@ -89,6 +89,37 @@ def test_no_bound_for_tokenizers_that_merge_or_drop_characters():
     assert max_token_chars(types.SimpleNamespace(backend=object())) is None
 
 
+def test_bound_needs_every_part_safe():
+    """Sequences are safe only when every member is; Replace only one character by others;
+    a ByteLevel anywhere in a pre-tokenizer sequence makes BPE need no unk token; byte
+    fallback covers Unigram too."""
+
+    def wrapped(tok: HFTokenizer):
+        return types.SimpleNamespace(backend=types.SimpleNamespace(tok=tok))
+
+    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "<u>": 2}, merges=[], unk_token="<u>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Lowercase(), normalizers.NFKC()])
+    assert max_token_chars(wrapped(bpe)) is None
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    assert max_token_chars(wrapped(bpe)) == 3
+    bpe.normalizer = normalizers.Replace("  ", " ")  # merges two spaces into one
+    assert max_token_chars(wrapped(bpe)) is None
+    bpe.normalizer = None
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(), pre_tokenizers.Whitespace()]
+    )
+    assert max_token_chars(wrapped(bpe)) is None
+    no_unk = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    no_unk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(), pre_tokenizers.ByteLevel()]
+    )
+    assert max_token_chars(wrapped(no_unk)) == 2
+    unigram = HFTokenizer(
+        models.Unigram([("<unk>", 0.0), ("a", -1.0), ("abcd", -2.0)], unk_id=0, byte_fallback=True)
+    )
+    assert max_token_chars(wrapped(unigram)) == 5
+
+
 def stage_for(ckpt, max_model_len: int) -> ScriptedStage:
     info = scripted_info(ckpt, max_model_len=max_model_len)
     return ScriptedStage(info, Script([44, 77], interval_s=0.01))

@@ -7,6 +7,7 @@ real engine, no KV blocks)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -46,6 +47,10 @@ def released(live) -> bool:
 
 
 async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
+    """A client that stops reading mid-stream: past stream_stall_timeout_s its request is
+    aborted, its slot freed and its connection dropped at once; the server does not wait for
+    the client to read what is buffered and then end the response properly (a handler held
+    for as long as the client likes), so a client that reads again finds the body cut off."""
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=10**7), Script([44, 45]))
     async with running(
         ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
@@ -67,8 +72,14 @@ async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
             # process holds many engines' objects, several times that: a liveness bound only.)
             await wait_for(lambda: len(stage.aborted) == 1, timeout=120)
             await wait_for(lambda: released(live), timeout=5)
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while data := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
+                    received += data
         finally:
             sock.close()
+        assert not received.endswith(b"\r\n0\r\n\r\n")  # no final chunk: cut off
+        assert b"data: [DONE]" not in received
         status, _, raw = await live.post(COMPLETIONS, {"prompt": [5], "max_tokens": 2})
         assert status == 200, raw  # the server goes on serving
 

@@ -97,6 +97,16 @@ def test_parse_error_message_drops_quoted_bytes():
         assert parse_error_message(400, Parse(detail)) == f"malformed HTTP request: {head}"
 
 
+def test_parse_error_message_is_bounded():
+    class Parse(Exception):
+        def __init__(self, message):
+            self.message = message
+
+    # A description that never starts quoting is cut at 100 characters.
+    message = parse_error_message(400, Parse("x" * 300))
+    assert message == "malformed HTTP request: " + "x" * 100
+
+
 def test_parse_error_message_without_details():
     class Bare(Exception):
         message = ""

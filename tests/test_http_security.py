@@ -110,6 +110,25 @@ async def test_request_bounds_come_from_the_config(ckpt, path, body, param, frag
         assert status == 200, raw
 
 
+async def test_values_at_the_config_bounds_are_served(ckpt):
+    """Every bound is inclusive: n = max_n, max_tokens (or max_completion_tokens) =
+    max_tokens_limit, logprobs, prompt_logprobs and top_logprobs = max_logprobs, max_stop stop
+    strings, one of them max_stop_chars long."""
+    limits = {"max_n": 2, "max_tokens_limit": 8, "max_stop": 2, "max_stop_chars": 10}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    bodies = {
+        "/v1/completions": {"prompt": [5], "n": 2, "max_tokens": 8, "logprobs": 3,
+                            "prompt_logprobs": 3, "stop": ["a" * 10, "b"]},
+        "/v1/chat/completions": {**chat, "n": 2, "max_completion_tokens": 8,
+                                 "top_logprobs": 3, "stop": "c" * 10},
+    }  # fmt: skip
+    async with running(ckpt, client_factory=scripted(ckpt), max_logprobs=3, **limits) as live:
+        for path, body in bodies.items():
+            status, _, raw = await live.post(path, body)
+            assert status == 200, (path, raw)
+            assert len(orjson.loads(raw)["choices"]) == 2
+
+
 async def test_max_tokens_limit_bounds_requests_that_ask_none(ckpt):
     """Chat clients rarely send max_tokens: the limit is then what a request gets (not the
     rest of the context); a completion's default 16 stays when the limit is above it."""

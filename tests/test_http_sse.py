@@ -17,8 +17,10 @@ from test_http_harness import (
     tiny_checkpoint,
 )
 
+from rltserve.core.request import FinishReason
 from rltserve.http.sse import DONE, encode_error, encode_event
 from rltserve.models.tokenizer import load_tokenizer
+from rltserve.updates import RequestUpdate
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,36 @@ def hi_tokens(ckpt) -> list[int]:
 
 def stage_for(ckpt, tokens, **script) -> ScriptedStage:
     return ScriptedStage(scripted_info(ckpt), Script(tokens, **script))
+
+
+class RewritingStage(ScriptedStage):
+    """A scripted stage whose updates pass through ``rewrite`` on their way to the server:
+    values the script never makes (-inf logprobs, cached prompt tokens, prompt logprobs)."""
+
+    def __init__(self, info, script, rewrite) -> None:
+        super().__init__(info, script)
+        self.rewrite = rewrite
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        rewrite = self.rewrite
+        super().add_request(request_id, prompt_token_ids, params, lambda u: sink(rewrite(u)), group)
+
+
+def first_updates(change):
+    """A ``rewrite`` that applies ``change`` to the first update of each request."""
+    seen: set[str] = set()
+
+    def rewrite(update: RequestUpdate) -> RequestUpdate:
+        if update.request_id not in seen:
+            seen.add(update.request_id)
+            change(update)
+        return update
+
+    return rewrite
+
+
+def body_of(raw: bytes) -> dict:
+    return sse_payloads(b"data: " + raw + b"\n\n")[0]
 
 
 def test_sse_framing_bytes():
@@ -262,3 +294,214 @@ async def test_graceful_shutdown_ends_streams_and_closes_the_stage(ckpt, hi_toke
     assert events[-1] == "[DONE]"
     assert set(stage.aborted) == set(stage.added) and not stage.alive
     assert live.state.closing
+
+
+async def test_stream_usage_reports_cached_prompt_tokens(ckpt, hi_tokens):
+    """Prompt tokens the engine reused (``num_cached_tokens``, on a request's first update) are
+    in every usage object of a stream, the running totals and the final chunk alike; the stream
+    is marked uncacheable and unbuffered for proxies."""
+
+    def cached(update: RequestUpdate) -> None:
+        update.num_cached_tokens = 2
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), first_updates(cached))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "stream": True, "stream_options": options}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, headers, raw = await live.post("/v1/completions", body)
+    assert status == 200
+    assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
+    head = b'data: {"id":"cmpl-test","object":"text_completion","created":1730000000,'
+    details = b'"prompt_tokens_details":{"cached_tokens":2}}}\n\n'
+    assert raw == (
+        head + b'"model":"tiny","choices":[{"index":0,"text":" ","logprobs":null,'
+        b'"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,' + details
+        + head + b'"model":"tiny","choices":[{"index":0,"text":"H","logprobs":null,'
+        b'"finish_reason":"length","stop_reason":null}],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,' + details
+        + head + b'"model":"tiny","choices":[],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,' + details
+        + b"data: [DONE]\n\n"
+    )  # fmt: skip
+
+
+async def test_minus_infinity_logprobs_are_clamped(ckpt, hi_tokens):
+    """JSON has no -inf: a logprob the engine reports as -inf (a masked token) is -9999.0, as
+    vLLM clamps it, in completions and chat; chat's ``logprobs: true`` without
+    ``top_logprobs`` lists each token with no alternatives."""
+
+    def masked(update: RequestUpdate) -> RequestUpdate:
+        update.new_logprobs = [float("-inf") for _ in update.new_logprobs]
+        update.new_top_logprobs = [
+            [(t, float("-inf")) for t, _ in top or []] for top in update.new_top_logprobs
+        ]
+        return update
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), masked)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
+        _, _, raw = await live.post("/v1/completions", body)
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
+        _, _, chat_raw = await live.post("/v1/chat/completions", chat)
+    assert body_of(raw)["choices"][0]["logprobs"] == {
+        "tokens": [" ", "H"],
+        "token_logprobs": [-9999.0, -9999.0],
+        "top_logprobs": [{" ": -9999.0}, {"H": -9999.0}],
+        "text_offset": [0, 1],
+    }
+    assert body_of(chat_raw)["choices"][0]["logprobs"] == {
+        "content": [{"token": " ", "logprob": -9999.0, "bytes": [32], "top_logprobs": []}]
+    }
+
+
+async def test_prompt_logprobs_zero_lists_the_prompt_tokens(ckpt, hi_tokens):
+    """vLLM's ``prompt_logprobs: 0`` asks for each prompt token's own logprob (no
+    alternatives): the list is there, null for the first token."""
+
+    def scored(update: RequestUpdate) -> None:
+        update.prompt_logprobs = [(-1.25, [], 7), (-2.5, [], 1)]
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), first_updates(scored))
+    tok = load_tokenizer(ckpt)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": 0}
+        status, _, raw = await live.post("/v1/completions", body)
+    assert status == 200
+    assert body_of(raw)["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"6": {"logprob": -1.25, "rank": 7, "decoded_token": tok.decode([6])}},
+        {"7": {"logprob": -2.5, "rank": 1, "decoded_token": tok.decode([7])}},
+    ]
+
+
+async def test_echo_alone_ends_by_length_whatever_the_engine_sampled(ckpt, hi_tokens):
+    """echo with max_tokens=0: the engine samples one token, which is dropped. When that token
+    is a stop token, the choice still ends by "length" with no stop_reason and no completion
+    tokens, whole or streamed (running usage included)."""
+    stop = hi_tokens[1]  # "H"
+    stage = stage_for(ckpt, [stop])
+    body = {"prompt": hi_tokens[1:3], "max_tokens": 0, "echo": True, "stop_token_ids": [stop]}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200
+        stream = {**body, "stream": True, "stream_options": options}
+        status, _, streamed = await live.post("/v1/completions", stream)
+    assert status == 200
+    choice = b'{"index":0,"text":"Hi","logprobs":null,"finish_reason":"length","stop_reason":null}'
+    usage = b'"usage":{"prompt_tokens":2,"completion_tokens":0,"total_tokens":2}}'
+    head = b'{"id":"cmpl-test","object":"text_completion","created":1730000000,"model":"tiny",'
+    assert raw == head + b'"choices":[' + choice + b"]," + usage
+    assert streamed == (
+        b"data: " + head + b'"choices":[' + choice + b"]," + usage + b"\n\n"
+        + b"data: " + head + b'"choices":[],' + usage + b"\n\n"
+        + b"data: [DONE]\n\n"
+    )  # fmt: skip
+
+
+async def test_text_offsets_and_extensions_across_chunks(ckpt):
+    """``text_offset`` counts characters of the text so far, across a stream's chunks too
+    (tokens of four characters here); ``exit_depths`` then ``token_ids`` follow a choice's
+    ``stop_reason``."""
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode(" the and", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids] == [" the", " and"]
+    stage = stage_for(ckpt, ids)
+    body = {"prompt": [5], "max_tokens": 2, "logprobs": 1, "return_exit_depths": True,
+            "return_token_ids": True}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.post("/v1/completions", body)
+        _, _, streamed = await live.post("/v1/completions", {**body, "stream": True})
+    (choice,) = body_of(raw)["choices"]
+    assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason",
+                            "exit_depths", "token_ids"]  # fmt: skip
+    assert choice["logprobs"] == {
+        "tokens": [" the", " and"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{" the": -0.5}, {" and": -0.5}],
+        "text_offset": [0, 4],
+    }
+    chunks = [c["choices"][0] for c in sse_payloads(streamed)[:-1]]
+    assert [c["logprobs"]["text_offset"] for c in chunks] == [[0], [4]]
+    assert list(chunks[-1]) == list(choice)
+
+
+async def test_choice_index_is_prompt_times_n_plus_sample(ckpt, hi_tokens):
+    """Choice ``index`` is ``prompt_index * n + sample_index`` (OpenAI's numbering): with echo
+    each choice's text starts with the prompt it sampled."""
+    stage = stage_for(ckpt, hi_tokens)
+    body = {"prompt": [[hi_tokens[1]], [hi_tokens[3]]], "n": 2, "max_tokens": 1, "echo": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+    assert status == 200
+    texts = [(c["index"], c["text"]) for c in body_of(raw)["choices"]]
+    assert texts == [(0, "H "), (1, "H "), (2, "! "), (3, "! ")]
+
+
+class TurnStage(ScriptedStage):
+    """Plays ``turns`` of updates once ``count`` requests are in: turn 0 at once, the others
+    when the test calls ``play``. A turn is ``(k, RequestUpdate fields)`` pairs for the k-th
+    request added; its updates reach the server in one event-loop turn, hence one batch."""
+
+    def __init__(self, info, count: int, turns: list[list[tuple[int, dict]]]) -> None:
+        super().__init__(info, Script([0]))
+        self.count, self.turns = count, turns
+        self.sinks: dict = {}
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        self.added.append(request_id)  # (on the event loop: the frontend adds from there)
+        self.sinks[request_id] = sink
+        if len(self.sinks) == self.count:
+            self.play(0)
+
+    def play(self, turn: int) -> None:
+        ids = list(self.sinks)
+        for k, fields in self.turns[turn]:
+            self.sinks[ids[k]](RequestUpdate(ids[k], **fields))
+
+
+def token(token_id: int, depth: int, **fields) -> dict:
+    return {"new_token_ids": [token_id], "new_exit_depths": [depth], "new_logprobs": [-0.5],
+            "new_top_logprobs": [[]], **fields}  # fmt: skip
+
+
+async def test_a_failure_mid_stream_keeps_the_tokens_of_its_batch(ckpt, hi_tokens):
+    """A choice failing after the stream started: the other choice's text that arrived with
+    the failure is still sent, then the error event and [DONE]; the unfinished choice is
+    aborted."""
+    h, i = hi_tokens[1:3]
+    failed = {"finish_reason": FinishReason.ERROR, "error": "RuntimeError: step failed"}
+    stage = TurnStage(scripted_info(ckpt), 2, [[(0, token(h, 1))], [(0, token(i, 2)), (1, failed)]])
+    body = {"prompt": [5], "n": 2, "max_tokens": 4, "stream": True}
+    async with (
+        running(ckpt, client_factory=scripted_factory(stage)) as live,
+        live.stream("/v1/completions", body) as r,
+    ):
+        assert r.status == 200
+        first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+        stage.play(1)
+        events = sse_payloads(first + await asyncio.wait_for(r.content.read(), 10))
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-2]] == [
+        (0, "H"),
+        (0, "i"),
+    ]
+    assert events[-2]["error"]["message"] == "RuntimeError: step failed"
+    assert events[-1] == "[DONE]"
+    assert stage.aborted == stage.added[:1]
+
+
+async def test_echo_alone_running_usage_counts_no_tokens(ckpt, hi_tokens):
+    """echo with max_tokens=0 and n=2, both choices' (dropped) tokens in one batch: every
+    running usage counts 0 completion tokens."""
+    done = token(hi_tokens[1], 1, finish_reason=FinishReason.LENGTH)
+    stage = TurnStage(scripted_info(ckpt), 2, [[(0, done), (1, done)]])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": [5], "n": 2, "max_tokens": 0, "echo": True, "stream": True,
+            "stream_options": options}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+    assert status == 200
+    events = sse_payloads(raw)[:-1]
+    assert [len(e["choices"]) for e in events] == [1, 1, 0]
+    assert all(e["usage"]["completion_tokens"] == 0 for e in events), events

@@ -4,6 +4,7 @@ request -> SamplingParams mapping."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import typing
 
 import pytest
@@ -92,6 +93,27 @@ def test_schema_parsing_is_strict_and_names_fields():
     assert describe(typing.get_type_hints(CompletionRequest)["prompt"]) == (
         "a string, an array of integers, an array of strings or an array of arrays of integers"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tags:
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_schema_numbers_and_optional_factories():
+    # JSON true is no number, though Python's bool is an int.
+    with pytest.raises(SchemaError) as err:
+        parse_object(CompletionRequest, {"prompt": "x", "temperature": True})
+    assert err.value.param == "temperature"
+    # An integer beyond 64 bits arrives as a float: the message quotes it and states the range.
+    with pytest.raises(SchemaError) as err:
+        parse_object(CompletionRequest, {"prompt": "x", "seed": 1.5e21})
+    assert err.value.message == (
+        "seed=1.5e+21: must be an integer in [-9223372036854775808, 9223372036854775807]"
+    )
+    # A field with a default_factory is optional, like one with a default.
+    assert parse_object(_Tags, {}) == _Tags([])
+    assert parse_object(_Tags, {"names": ["a"]}) == _Tags(["a"])
 
 
 def test_request_to_sampling_params():
