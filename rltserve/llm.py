@@ -102,11 +102,9 @@ class LLM:
             check_utilization(gpu_memory_utilization)
         if tokenizer is not None and not has_tokenizer_files(Path(tokenizer)):
             raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer files there")
-        if model is None:
-            from rltserve.models.demo import demo_model_path
+        from rltserve.models.demo import model_or_demo
 
-            model = str(demo_model_path())
-        model = resolve_model(str(model), revision)
+        model = resolve_model(str(model_or_demo(model)), revision)
         dtype = resolve_dtype(dtype, model)
         self.config = EngineConfig.from_flat(
             model=model,

@@ -216,11 +216,9 @@ def kv_pressure_requested(args: argparse.Namespace) -> bool:
 
 
 def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, Any]:
-    engine_kw = dict(engine_kw)
-    if engine_kw.get("model") is None:
-        from rltserve.models.demo import demo_model_path
+    from rltserve.models.demo import model_or_demo
 
-        engine_kw["model"] = str(demo_model_path())
+    engine_kw = {**engine_kw, "model": model_or_demo(engine_kw.get("model"))}
     engine_kw["max_num_seqs"] = args.concurrency
     if engine_kw["async_scheduling"] and engine_kw["exit_mode"] == "gate":
         engine_kw["exit_mode"] = "delayed"  # async needs exits decided a loop ahead

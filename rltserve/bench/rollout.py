@@ -141,11 +141,9 @@ def run_rollout_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     """Both arms on ``engine_kw``'s model; see the module doc."""
     from safetensors.torch import load_file
 
-    from rltserve.models.demo import demo_model_path
+    from rltserve.models.demo import model_or_demo
 
-    engine_kw = dict(engine_kw)
-    if engine_kw.get("model") is None:  # as LLM and bench offline: the built-in demo model
-        engine_kw["model"] = str(demo_model_path())
+    engine_kw = {**engine_kw, "model": model_or_demo(engine_kw.get("model"))}
     model = Path(engine_kw["model"])
     files = sorted(model.glob("*.safetensors"))
     tensors: dict = {}

@@ -432,17 +432,16 @@ class InProcessStageClient(_ClientBase):
         if not self._mark_closed():
             return
         self._finalizer.detach()
-        self._commands.put(("shutdown",))
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        _stop_loop(self._commands, self._thread, timeout)
         self._fail_open(FinishReason.ABORT, _CLOSED)
         self._fail_replies(_CLOSED)
 
 
 def _stop_loop(commands: queue.Queue, thread: threading.Thread, timeout: float = 10.0) -> None:
-    """An unreferenced in-process client's finalizer (also run at interpreter exit): the loop
-    must have ended before the interpreter goes on, else its daemon thread, still freeing
-    tensors, is stopped at shutdown and the C++ runtime aborts the process."""
+    """Stops an in-process client's loop and waits for it (``close``, and the finalizer of an
+    unreferenced client, also run at interpreter exit: the loop must have ended before the
+    interpreter goes on, else its daemon thread, still freeing tensors, is stopped at shutdown
+    and the C++ runtime aborts the process)."""
     commands.put(("shutdown",))
     if threading.current_thread() is not thread:
         thread.join(timeout)

@@ -36,6 +36,12 @@ def _complete(path: Path) -> bool:
     return (path / COMPLETE).is_file()
 
 
+def model_or_demo(model: str | None) -> str:
+    """``model``, or the demo checkpoint's path (built on first use) when it is None: what
+    ``LLM`` and the benchmarks run without a model."""
+    return str(demo_model_path()) if model is None else model
+
+
 def demo_model_path(root: str | Path | None = None) -> Path:
     """Path of the demo checkpoint, building it on first use (see module docstring)."""
     base = Path(root) if root is not None else cache_root()
