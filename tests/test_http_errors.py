@@ -60,6 +60,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", "best_of == n"),
+    # vLLM's constrained decoding and beams: refused, not ignored (the output would look valid)
+    ("completions", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice",
+     "not supported"),
+    ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "not a token id"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ("completions", {"prompt": "x", "logit_bias": {"512": 1}}, "logit_bias",
@@ -87,6 +93,8 @@ BAD_REQUESTS = [
      "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
      "chat_template_kwargs.chat_template", "not a template variable"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+     "chat_template": "{{ 1 }}"}, "chat_template", "not accepted from requests"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "chat_template_kwargs": {"tokenize": True}},
      "chat_template_kwargs.tokenize", "not a template variable"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -95,8 +103,23 @@ BAD_REQUESTS = [
      "must be one of"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text parts"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text", "a text part's text is required"),
     ("chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
      "messages[1].content", "required for a user message"),
+    # OpenAI's 400 (an empty turn), for every role
+    ("chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0].content",
+     "must not be an empty array"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "content": []}]},
+     "messages[1].content", "must not be an empty array"),
+    # vLLM's 400: a new assistant header or the final message left open, not both
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message", "not with add_generation_prompt=true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": True},
+     "continue_final_message", "send add_generation_prompt=false"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 400}]}, "messages",
      "maximum context length"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -149,10 +172,16 @@ async def test_body_and_routing_errors(ckpt):
         }
         status, _, raw = await live.get("/v1/nothing")
         assert status == 404 and error_of(raw)["type"] == "not_found_error"
-        status, _, raw = await live.get("/v1/completions")
+        status, headers, raw = await live.get("/v1/completions")
         assert status == 405 and error_of(raw)["code"] == 405
+        assert headers["Allow"] == "POST"  # (RFC 9110, as Starlette sends it)
+        status, headers, raw = await live.post("/v1/models", {})
+        assert status == 405 and headers["Allow"] == "GET"
         status, _, _ = await live.post("/v1/completions", {"prompt": "x", "model": "tiny"})
         assert status == 200
+        # an empty model names the served one, as a missing one does (vLLM's)
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x", "model": ""})
+        assert status == 200 and orjson.loads(raw)["model"] == "tiny"
 
 
 async def _chunked(size: int):

@@ -252,3 +252,28 @@ async def test_stop_string_and_special_token_fields_shape_the_text(ckpt):
         assert stage.added_params[-1].skip_special_tokens is False
         status, _, raw = await live.post("/v1/completions", {**plain, "skip_special_tokens": 1})
         assert status == 400 and error_of(raw)["param"] == "skip_special_tokens", raw
+
+
+async def test_continue_final_message_leaves_the_last_message_open(ckpt):
+    """vLLM's ``continue_final_message``: the assistant prefill is rendered without its end of
+    turn, in chat and ``/tokenize`` alike (as ``Tokenizer.apply_chat_template`` renders it);
+    ``/tokenize`` refuses a request's ``chat_template`` as chat does."""
+    prefill = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "It is"}]
+    closed = {"messages": prefill, "add_generation_prompt": False}
+    opened = {**closed, "continue_final_message": True}
+    tokenizer = load_tokenizer(str(ckpt))
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        ids = []
+        for body in (closed, opened):
+            status, _, raw = await live.post("/tokenize", body)
+            assert status == 200, raw
+            ids.append(orjson.loads(raw)["tokens"])
+        assert ids[1] == tokenizer.apply_chat_template(prefill, False, continue_final_message=True)
+        assert tokenizer.decode(ids[1], skip_special_tokens=False).endswith("It is")
+        assert len(ids[1]) < len(ids[0]) and ids[0][: len(ids[1])] == ids[1]
+        status, _, raw = await live.post("/v1/chat/completions", {**opened, "max_tokens": 2})
+        assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens"] == len(ids[1])
+        status, _, raw = await live.post("/tokenize", {**opened, "add_generation_prompt": True})
+        assert status == 400 and error_of(raw)["param"] == "continue_final_message"
+        status, _, raw = await live.post("/tokenize", {**closed, "chat_template": "{{ 1 }}"})
+        assert status == 400 and error_of(raw)["param"] == "chat_template"

@@ -240,6 +240,9 @@ async def test_sdk_error_classes(client):
     assert err.value.status_code == 401
     models = await client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert (await client.models.retrieve("tiny")).id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-4")
 
 
 @module_loop

@@ -41,7 +41,12 @@ def error_of(raw: bytes) -> dict:
     return orjson.loads(raw)["error"]
 
 
+# a route with a path parameter, called with a value it serves
+CONCRETE = {"/v1/models/{model:.+}": "/v1/models/tiny"}
+
+
 async def _call(live, method: str, path: str, headers: dict) -> tuple[int, bytes]:
+    path = CONCRETE.get(path, path)
     if method == "GET":
         status, _, raw = await live.get(path, headers=headers)
     else:

@@ -67,6 +67,18 @@ async def test_models_version_and_request_id(ckpt):
                 }
             ],
         }
+        card = orjson.loads(raw)["data"][0]
+        # the SDK's models.retrieve; an id with a slash reaches the handler (repo ids have one)
+        status, _, raw = await live.get("/v1/models/tiny")
+        assert status == 200 and orjson.loads(raw) == card
+        for missing in ("other", "org/tiny"):
+            status, _, raw = await live.get(f"/v1/models/{missing}")
+            assert status == 404 and orjson.loads(raw)["error"] == {
+                "message": f"The model `{missing}` does not exist.",
+                "type": "not_found_error",
+                "param": "model",
+                "code": 404,
+            }
         assert orjson.loads((await live.get("/version"))[2]) == {"version": __version__}
         for stream in (False, True):
             body = {"prompt": [5], "max_tokens": 1, "stream": stream}

@@ -161,14 +161,22 @@ class TextCodec:
         return await self.run(len(text), self.tokenizer.encode, text, False)
 
     async def chat(
-        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat template rendered to text (on the pool for long conversations)."""
         size = sum(len(str(m.get("content") or "")) for m in messages)
         text = await self.run(
             size,
             lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt, tokenize=False, **template_kwargs
+                messages,
+                add_generation_prompt,
+                tokenize=False,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             ),
         )
         assert isinstance(text, str)

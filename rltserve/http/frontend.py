@@ -164,9 +164,15 @@ class Frontend:
         return out
 
     async def chat_prompt(
-        self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None,
+        continue_final_message: bool = False,
     ) -> PromptInput:
-        ids = await self.render_chat(messages, add_generation_prompt, template_kwargs)
+        ids = await self.render_chat(
+            messages, add_generation_prompt, template_kwargs, True, continue_final_message
+        )
         return PromptInput(self.check_prompt(ids, "messages"))
 
     async def render_chat(
@@ -175,12 +181,16 @@ class Frontend:
         add_generation_prompt: bool,
         template_kwargs: dict | None,
         check_length: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The conversation's prompt ids; with ``check_length`` a rendering too long to fit the
-        context is a 400 before it is encoded."""
+        context is a 400 before it is encoded. ``continue_final_message``: the last message
+        left open (``Tokenizer.apply_chat_template``)."""
         codec = self.require_codec("messages")
         try:
-            text = await codec.chat(messages, add_generation_prompt, template_kwargs or {})
+            text = await codec.chat(
+                messages, add_generation_prompt, template_kwargs or {}, continue_final_message
+            )
         except TokenizerError as exc:
             raise bad_request(f"messages: {exc}", "messages") from exc
         except Exception as exc:  # noqa: BLE001 - template code raising on its input (jinja)

@@ -10,7 +10,7 @@ from rltserve import __version__
 from rltserve.http.admin import UpdateWeightsRequest, update_weights
 from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
-from rltserve.http.errors import bad_request, json_response
+from rltserve.http.errors import HTTPError, bad_request, json_response
 from rltserve.http.limits import check_limits
 from rltserve.http.openapi import Route, openapi_document
 from rltserve.http.plans import chat_plan, completion_plan
@@ -21,7 +21,7 @@ from rltserve.http.schemas import (
     TokenizeRequest,
 )
 from rltserve.http.session import session_key
-from rltserve.http.state import STATE
+from rltserve.http.state import STATE, ServingState
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -45,9 +45,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card, or OpenAI's 404."""
     state = request.app[STATE]
+    name = request.match_info["model"]
+    if name != state.model_name:
+        raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
+    return json_response(model_card(state))
+
+
+def model_card(state: ServingState) -> dict:
     info = state.require_frontend().info
-    card = {
+    return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
@@ -58,7 +70,6 @@ async def models(request: web.Request) -> web.Response:
         "vocab_size": info.vocab_size,
         "weight_version": getattr(state.require_frontend().client, "weight_version", 0),
     }
-    return json_response({"object": "list", "data": [card]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -80,7 +91,11 @@ async def tokenize(request: web.Request) -> web.Response:
     if req.messages is not None:
         messages = [m.as_template_input(f"messages[{i}]") for i, m in enumerate(req.messages)]
         ids = await frontend.render_chat(
-            messages, req.add_generation_prompt, req.chat_template_kwargs, check_length=False
+            messages,
+            req.add_generation_prompt,
+            req.chat_template_kwargs,
+            check_length=False,
+            continue_final_message=req.continue_final_message,
         )
     else:
         codec = frontend.require_codec("prompt")
@@ -117,6 +132,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/completions", completions, CompletionRequest),
     Route("POST", "/v1/chat/completions", chat_completions, ChatCompletionRequest),
     Route("GET", "/v1/models", models),
+    # (a served name may be a repo id with a slash)
+    Route("GET", "/v1/models/{model:.+}", model),
     Route("GET", "/health", health),
     Route("GET", "/metrics", metrics),
     Route("POST", "/tokenize", tokenize, TokenizeRequest),

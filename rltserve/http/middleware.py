@@ -45,9 +45,11 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         message = exc.text if exc.status != 404 else f"no route {request.method} {request.path}"
-        if exc.status == 405:
+        headers = None
+        if exc.status == 405:  # (RFC 9110: a 405 names the methods the route takes)
             message = f"method {request.method} not allowed on {request.path}"
-        response = error_response(HTTPError(exc.status, message or exc.reason))
+            headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        response = error_response(HTTPError(exc.status, message or exc.reason, headers=headers))
     except ConnectionResetError:
         # The client went away (mid-body, mid-stream): nobody reads this; not a server error.
         response = web.Response(status=CLIENT_CLOSED)

@@ -13,6 +13,7 @@ here; they are the 400s the server documents in its error messages.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Awaitable, Callable
@@ -100,6 +101,14 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
+# aiohttp's ``{name}`` or ``{name:regex}``; OpenAPI's is ``{name}``.
+PATH_PARAMETER = re.compile(r"\{(\w+)(?::[^}]*)?\}")
+
+
+def openapi_path(path: str) -> str:
+    return PATH_PARAMETER.sub(r"{\1}", path)
+
+
 def openapi_document(routes: typing.Iterable[Route], version: str) -> dict[str, Any]:
     """An OpenAPI 3.1 document of ``routes`` (request bodies from their dataclasses)."""
     paths: dict[str, Any] = {}
@@ -124,7 +133,14 @@ def openapi_document(routes: typing.Iterable[Route], version: str) -> dict[str, 
             responses = operation["responses"]
             responses["400"] = _error_response("invalid request; param names the field")
             responses["413"] = _error_response("request body too large")
-        paths.setdefault(route.path, {})[route.method.lower()] = operation
+        path = openapi_path(route.path)
+        if path != route.path:
+            operation["parameters"] = [
+                {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                for name in PATH_PARAMETER.findall(route.path)
+            ]
+            operation["responses"]["404"] = _error_response("no such item")
+        paths.setdefault(path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "rltserve", "version": version},

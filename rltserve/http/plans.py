@@ -150,7 +150,10 @@ async def chat_plan(
     frontend = state.require_frontend()
     check_sequences(state, 1, req.n)
     prompt = await frontend.chat_prompt(
-        req.template_messages(), req.add_generation_prompt, req.chat_template_kwargs
+        req.template_messages(),
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        req.continue_final_message,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     param = req.token_limit_param

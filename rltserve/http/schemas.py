@@ -30,6 +30,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
+UNSUPPORTED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "use_beam_search",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StreamOptions:
     include_usage: bool = False
@@ -78,8 +88,19 @@ class GenerationFields:
     thinking_end_token_ids: list[int] | None = None
     return_exit_depths: bool = False
     return_token_ids: bool = False
+    # vLLM's constrained decoding and beam search: known so that asking for them is a clear 400
+    # (ignored, they would give unconstrained output that looks like an answer).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
 
     def validate(self) -> None:
+        for name in UNSUPPORTED_FIELDS:
+            if getattr(self, name) not in (None, False):
+                raise SchemaError(name, f"{name}: not supported (no constrained decoding or beams)")
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
         if not 0 <= self.temperature <= 2:  # OpenAI's range (SamplingParams takes vLLM's)
@@ -165,11 +186,26 @@ _CALL_ARGUMENTS = (
 )
 
 
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+def check_template_kwargs(kwargs: dict[str, Any] | None, chat_template: str | None) -> None:
+    """A request's ``chat_template`` is refused (vLLM's default too): it is not ignored, as the
+    prompt would not be the one the client rendered."""
+    if chat_template is not None:
+        raise SchemaError("chat_template", "chat_template: not accepted from requests")
     for key in kwargs or ():
         if key in _CALL_ARGUMENTS:
             name = f"chat_template_kwargs.{key}"
             raise SchemaError(name, f"{name}: not a template variable a request may set")
+
+
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: the conversation either gets a new assistant header or leaves its final
+    message open, not both (``add_generation_prompt`` is true unless the request says false)."""
+    if continue_final_message and add_generation_prompt:
+        raise SchemaError(
+            "continue_final_message",
+            "continue_final_message: not with add_generation_prompt=true (the default); "
+            "send add_generation_prompt=false",
+        )
 
 
 def template_role(role: object) -> object:
@@ -184,7 +220,10 @@ def joined_text_parts(parts: list[tuple[object, object]], path: str) -> str:
     SchemaError naming the first part that is not text."""
     texts = []
     for i, (kind, text) in enumerate(parts):
-        if kind != "text" or not isinstance(text, str):
+        if kind == "text" and not isinstance(text, str):
+            where = f"{path}.content[{i}].text"
+            raise SchemaError(where, f"{where}: a text part's text is required (a string)")
+        if kind != "text":
             where = f"{path}.content[{i}]"
             raise SchemaError(where, f"{where}: only text parts are supported")
         texts.append(text)
@@ -218,6 +257,9 @@ class ChatMessage:
         if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
             where = f"{path}.content"
             raise SchemaError(where, f"{where}: required for a {self.role} message")
+        if content == []:  # (OpenAI's 400: an empty turn is not a message)
+            where = f"{path}.content"
+            raise SchemaError(where, f"{where}: must not be an empty array")
         if isinstance(content, list):
             content = joined_text_parts([(part.type, part.text) for part in content], path)
         message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
@@ -234,7 +276,10 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (vLLM's; refused)
     add_generation_prompt: bool = True
+    # vLLM's: the final message (an assistant prefill) left open for the model to continue.
+    continue_final_message: bool = False
     # Known so that asking for them is a clear 400 rather than an ignored unknown field.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -256,7 +301,8 @@ class ChatCompletionRequest(GenerationFields):
             raise SchemaError(
                 "response_format", 'response_format: only {"type": "text"} is supported'
             )
-        check_template_kwargs(self.chat_template_kwargs)
+        check_template_kwargs(self.chat_template_kwargs, self.chat_template)
+        check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise SchemaError("top_logprobs", "top_logprobs: requires logprobs=true")
@@ -284,12 +330,16 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # (vLLM's; refused)
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise SchemaError("prompt", "prompt, messages: give exactly one")
-        check_template_kwargs(self.chat_template_kwargs)
+        check_template_kwargs(self.chat_template_kwargs, self.chat_template)
+        if self.messages is not None:
+            check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
 
 
 @dataclass(frozen=True, kw_only=True)

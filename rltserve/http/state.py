@@ -232,7 +232,8 @@ class ServingState:
             log.warning("ignoring unknown request field %r (--strict-fields rejects it)", shown)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        """An absent or empty ``model`` means the served one (as vLLM takes it)."""
+        if name and name != self.model_name:
             raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
 
     def passthrough_headers(self, request: web.Request) -> dict[str, str]:
