@@ -136,6 +136,18 @@ def test_a_batch_grown_by_one_block_each_is_written_at_once_unless_one_changed()
         assert row[: len(t)] == t and set(row[len(t) :]) <= {t[0]}
 
 
+def test_a_batch_grown_by_one_block_past_the_arrays_width_widens_it():
+    """Every table a new list one block longer than the array is wide (a decode batch entering
+    a block past every earlier table's length): the array widens and every row is right."""
+    bt = BlockTables(rows=2, cols=2)
+    tables = [[1, 2], [3, 4]]
+    keys = [("a", 1), ("b", 1)]
+    bt.gather(keys, tables)
+    grown = [t + [t[0] + 10] for t in tables]
+    assert bt.gather(keys, grown).tolist() == grown
+    assert bt.array.shape[1] >= 3
+
+
 def test_keys_sharing_one_list_and_released_lists_stay_right():
     """Depths sharing a plane hand the same list under two keys; rows are found by the list
     itself, so growth of the shared table, release and reuse of freed lists' ids all keep the
@@ -153,6 +165,22 @@ def test_keys_sharing_one_list_and_released_lists_stay_right():
         assert bt.gather([(f"c{i}", 1), ("b", 1)], [table, [7]]).tolist() == [table, [7, 7]]
         bt.release(f"c{i}")
     assert bt.num_rows_used == 1
+
+
+def test_lists_a_grown_batch_replaced_never_name_rows_again():
+    """The lists a batch grown by one block replaces are forgotten: new lists of other
+    requests, possibly at their freed addresses, get their own rows."""
+    bt = BlockTables(rows=4, cols=4)
+    keys = [("a", 1), ("b", 1)]
+    tables = [[1, 2], [3, 4]]
+    bt.gather(keys, tables)
+    for i in range(20):
+        tables = [t + [t[0] + i] for t in tables]  # the old lists go once the rows take these
+        bt.gather(keys, tables)
+        fresh = [[100 + i] * len(tables[0]), [200 + i] * len(tables[0])]
+        assert bt.gather([("c", 1), ("d", 1)], fresh).tolist() == fresh
+        bt.release("c")
+        bt.release("d")
 
 
 def test_an_earlier_version_of_a_table_reads_the_grown_row():

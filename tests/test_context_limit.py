@@ -79,3 +79,28 @@ def test_a_pool_sized_from_kv_cache_gb_bounds_the_context_too(ckpts):
     core = make_core(ckpts["ouro"], num_blocks=None, kv_cache_gb=gb)
     assert core.info.num_blocks == 10
     assert core.max_model_len == 10 // 4 * 16 + 1  # 2 blocks of 16 per plane, on 4 planes
+
+
+def test_a_pool_from_kv_cache_gb_holds_no_more_than_every_seat_at_full_context(ckpts):
+    """A kv_cache_gb far past need: blocks for ``max_num_seqs`` requests of the whole context
+    at the model's most loops (ouro rv1: 8 planes), the context rounded up to whole blocks."""
+    core = make_core(
+        ckpts["ouro"],
+        num_blocks=None,
+        kv_cache_gb=1.0,
+        block_size=4,
+        max_num_seqs=2,
+        max_model_len=10,
+    )
+    assert core.info.num_blocks == 2 * 3 * 8 and core.max_model_len == 10
+
+
+def test_the_boundary_plane_counts_in_what_the_pool_holds(ckpts):
+    """Coda attention (huginn): a request takes a plane per loop and the boundary plane."""
+    core = make_core(ckpts["huginn"], num_blocks=40, block_size=4)
+    planes = core.spec.num_loops + 1
+    assert core.max_model_len == 40 // planes * 4 + 1
+
+
+def test_an_explicit_limit_of_the_models_context_is_kept(ckpts):
+    assert make_core(ckpts["ouro"], max_model_len=512).max_model_len == 512

@@ -34,6 +34,8 @@ def test_policy_validation():
         KVPolicy("paged")
     with pytest.raises(ValueError, match="ring_size"):
         KVPolicy("ring", 0)
+    with pytest.raises(ValueError, match="ring_size=2.0: must be an int"):
+        KVPolicy("ring", 2.0)
     with pytest.raises(ValueError, match="ring_size"):
         KVPolicy("full", 2)
 

@@ -16,6 +16,7 @@ from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
+from rltserve.core.swap import SwapSpace
 from rltserve.sampling import SamplingParams
 
 SALT = make_salt("model", 0, "float32")
@@ -128,20 +129,41 @@ def test_a_key_cached_twice_keeps_the_first_blocks():
     assert kv.num_free_blocks == 24
 
 
+def test_an_entry_cached_again_after_invalidation_is_released_once():
+    """A request holding an entry across ``clear`` keeps its blocks private; when the same key
+    is cached again by another request and released, the first request's release of its old
+    key leaves the new entry counted once."""
+    kv = _kv()
+    _cache_prompt(kv, "a", list(range(8)))
+    kv.cache.clear()
+    _cache_prompt(kv, "b", list(range(8)))  # the same keys, b's blocks
+    kv.free("b")
+    kv.free("a")
+    kv.check_no_leaks()
+    assert kv.cache.num_evictable_blocks == 6 and kv.num_free_blocks == 24
+
+
 # ---------------------------------------------------------------- the scheduler side
 
 
-def _scheduler(num_blocks=64, max_num_seqs=64, retain=True) -> Scheduler:
+def _scheduler(num_blocks=64, max_num_seqs=64, retain=True, swap=None, **config) -> Scheduler:
     kv = KVManager(num_blocks, 4, KVPolicy("last_exited"), has_boundary=False, retain_cached=retain)
-    config = SchedulerConfig(prefill_chunk_size=16, max_num_seqs=max_num_seqs)
-    return Scheduler(config, kv, has_gate=False, has_boundary=False, reservation="ondemand")
+    config = SchedulerConfig(prefill_chunk_size=16, max_num_seqs=max_num_seqs, **config)
+    return Scheduler(
+        config, kv, has_gate=False, has_boundary=False, reservation="ondemand", swap=swap
+    )
 
 
-def _request(rid: str, prompt: list[int], group: str | None = None) -> Request:
+def _request(
+    rid: str, prompt: list[int], group: str | None = None, max_tokens: int = 3, priority: int = 0
+) -> Request:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, priority=priority
+    )
     request = Request(
         request_id=rid,
         prompt_token_ids=prompt,
-        params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        params=params,
         num_loops=2,
         max_loops=2,
         eos_token_ids=frozenset(),
@@ -335,3 +357,114 @@ def test_a_request_that_ends_before_its_prompt_is_final_caches_nothing():
     assert s.kv.cache.num_entries == 0
     s.add_request(_request("b", prompt))
     assert {w.request_id: w.start for w in s.schedule().items} == {"b": 0}
+
+
+def _first_items(plans: list[StepPlan]) -> dict[str, tuple[int, int]]:
+    """(start, num_tokens) of each request's first planned item."""
+    first: dict[str, tuple[int, int]] = {}
+    for plan in plans:
+        for w in plan.items:
+            first.setdefault(w.request_id, (w.start, w.num_tokens))
+    return first
+
+
+def test_a_hit_on_evictable_blocks_waits_until_its_fresh_blocks_fit():
+    """The evictable blocks a hit takes stop being free: with the free list held by a running
+    request, a request hitting them waits (its allocation would fail) and is admitted with
+    its hit once that request ends."""
+    s = _scheduler(num_blocks=12)  # 2 planes: 6 blocks per plane
+    prompt = list(range(13))
+    s.add_request(_request("a", prompt))
+    _drain(s)  # 3 prompt blocks cached: 6 evictable blocks, 6 free
+    s.add_request(_request("c", list(range(50, 59))))
+    plans = [_step(s)]
+    assert [w.request_id for w in plans[0].items] == ["c"]  # c holds the 6 free blocks
+    s.add_request(_request("b", prompt))  # 3 blocks hit, 1 fresh per plane: none is left
+    plans.append(_step(s))
+    assert "b" not in {w.request_id for w in plans[-1].items}
+    plans += _drain(s)
+    assert _first_items(plans)["b"] == (12, 1)
+
+
+def test_a_follower_whose_leader_is_preempted_mid_prompt_computes_it_at_once():
+    """The leader, preempted (by a better priority) before its prompt is final, is waited for
+    no more: its follower is admitted in the same step and computes the prompt itself; the
+    leader then hits the follower's blocks, though its cached tokens stay those of its first
+    admission (none)."""
+    s = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    prompt = list(range(10))
+    leader = _request("g0", prompt, group="g", priority=1)
+    follower = _request("g1", prompt, group="g")
+    s.add_request(leader)
+    assert [w.request_id for w in _step(s).items] == ["g0"]  # its prompt's first loop
+    s.add_request(follower)
+    plan = _step(s)
+    assert plan.preempted == ["g0"]
+    assert [(w.request_id, w.start) for w in plan.items] == [("g1", 0)]
+    plans = _drain(s)
+    assert _first_items(plans)["g0"] == (8, 2)  # the follower's two full blocks
+    assert (leader.num_cached_tokens, follower.num_cached_tokens) == (0, 0)
+    assert s.kv.cache.hits == 8
+
+
+def test_a_leader_preempted_after_its_prompt_lends_its_follower_no_block():
+    """A follower admitted while its leader, its prompt final, is preempted: it takes the
+    cached full blocks and computes the rest of its prompt, copying nothing from the leader
+    (whose blocks are gone)."""
+    s = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    prompt = list(range(10))  # blocks 0, 1 full; positions 8, 9 in block 2
+    s.add_request(_request("g0", prompt, group="g", priority=1))
+    _step(s)
+    _step(s)  # the leader's prompt is final
+    s.add_request(_request("g1", prompt, group="g"))
+    plan = _step(s)
+    assert plan.preempted == ["g0"] and plan.block_copies == []
+    assert [(w.request_id, w.start, w.num_tokens) for w in plan.items] == [("g1", 8, 2)]
+    _drain(s)
+
+
+def test_group_members_with_different_prompts_copy_no_block():
+    """Requests of one group whose prompts share their full blocks but differ in the last,
+    partly filled one: the later one hits the full blocks and computes its own last block
+    (the leader's copy would hold the leader's tokens)."""
+    s = _scheduler()
+    s.add_request(_request("g0", list(range(10)), group="g"))
+    s.add_request(_request("g1", [*range(8), 50, 9], group="g"))  # differs at position 8
+    plans = _drain(s)
+    assert _first_items(plans)["g1"] == (8, 2)
+    assert all(plan.block_copies == [] for plan in plans)
+    assert s.kv.cache.hits == 8
+
+
+def test_a_request_resumed_from_swap_caches_its_answer_for_the_next_turn():
+    """Swapped out (preempted by a better priority) with KV past its prompt, then swapped
+    back in: when it ends, its answer's full-depth blocks are cached after its prompt's, and
+    the next turn hits them."""
+    s = _scheduler(max_num_seqs=1, swap=SwapSpace(64, 1), scheduling_policy="priority")
+    prompt = list(range(6))
+    answer = _request("a", prompt, max_tokens=8, priority=1)
+    s.add_request(answer)
+    while len(answer.output_token_ids) < 4:
+        _step(s)
+    s.add_request(_request("h", list(range(50, 55))))
+    plans = [_step(s)]
+    assert plans[0].preempted == ["a"] and plans[0].swap_out
+    plans += _drain(s)
+    assert any(plan.swap_in for plan in plans)
+    assert answer.output_token_ids == [7] * 8  # 13 positions written: 3 full blocks
+    s.add_request(_request("b", prompt + [7] * 8 + [5]))
+    assert {w.request_id: w.start for w in s.schedule().items} == {"b": 12}
+
+
+def test_a_group_member_added_after_its_leader_ended_leads_the_group():
+    """Once a group's leader ends, the next request added with its key leads the group: the
+    one after it waits for it and copies its partly filled last prompt block."""
+    s = _scheduler()
+    prompt = list(range(10))
+    s.add_request(_request("g0", prompt, group="g"))
+    _drain(s)
+    s.add_request(_request("g1", prompt, group="g"))
+    s.add_request(_request("g2", prompt, group="g"))
+    plans = _drain(s)
+    assert _first_items(plans) == {"g1": (8, 2), "g2": (9, 1)}
+    assert any(plan.block_copies for plan in plans)

@@ -37,11 +37,14 @@ def _drive(s: Scheduler, on_plan=None, on_applied=None) -> dict[str, int]:
     return outputs
 
 
-def test_an_ended_token_continues_in_place_within_its_block():
+@pytest.mark.parametrize("reservation", ["ondemand", "full"])
+def test_an_ended_token_continues_in_place_within_its_block(reservation):
     """Prompt positions 0-2, outputs from positions 2..11: the first decode token (3) is a plan
     item, each block start (4, 8) a planner continuation with its new tables, and every other
-    position the same ``InFlight`` advanced by the applier."""
-    s = make_scheduler()
+    position the same ``InFlight`` advanced by the applier. (With the whole context reserved,
+    a block start has its blocks already, and is still the planner's: its copy-on-exit blocks
+    are new.)"""
+    s = make_scheduler(reservation=reservation)
     s.add_request(make_request("a", 3, 10))
     request = s.requests["a"]
     seen: list[tuple] = []  # (position, its InFlight, advanced in place)
