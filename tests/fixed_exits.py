@@ -2,7 +2,7 @@
 runner would report, without a model. Every output position exits where its fixed spec says,
 sampling one token id; carried decode tokens (``plan.Carry``) run on, one loop per step, until
 they end, as the runner runs them. (And ``make_request`` and ``make_scheduler``: a plain
-request, and a scheduler over a small pool, for them.)"""
+request, and a scheduler over a small pool, for them; ``working``: a bounded step loop.)"""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ def make_request(
         max_total_tokens=1000,
         seed=0,
     )
+
+
+def working(s: Scheduler, limit: int = 1000):
+    """Yields while ``s`` has work, at most ``limit`` times: a scheduler that never finishes
+    (requests preempting each other back and forth) fails the test instead of hanging it."""
+    for _ in range(limit):
+        if not s.has_work():
+            return
+        yield
+    raise AssertionError(f"the scheduler still has work after {limit} steps")
 
 
 def make_scheduler(

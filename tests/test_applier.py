@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pickle
 
-from fixed_exits import FixedExits, make_request, make_scheduler
+from fixed_exits import FixedExits, make_request, make_scheduler, working
 
 from rltserve.core.plan import CarriedEvents
 from rltserve.core.request import FinishReason, InFlight
@@ -39,7 +39,7 @@ def test_middle_tokens_are_column_rows_and_every_update_reads_as_before():
     runner = FixedExits(token=7)
     got: dict[str, list[RequestUpdate]] = {rid: [] for rid in requests}
     rows_per_request = {rid: 0 for rid in requests}
-    while s.has_work():
+    for _ in working(s):
         plan = s.schedule()
         if plan is None:
             continue

@@ -7,13 +7,14 @@ import weakref
 
 import pytest
 from engine_util import make_core, run_core
-from fixed_exits import FixedExits, make_request, make_scheduler
+from fixed_exits import FixedExits, make_request, make_scheduler, working
 
 from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.request import RequestStatus
 from rltserve.core.scheduler import Scheduler
+from rltserve.core.swap import SwapSpace
 from rltserve.sampling import SamplingParams
 
 LOOPS = 2
@@ -37,11 +38,10 @@ def _step(s: Scheduler) -> StepPlan | None:
 
 def _drain(s: Scheduler, limit: int = 1000) -> list[StepPlan]:
     plans = []
-    while s.has_work():
+    for _ in working(s, limit):
         plan = _step(s)
         if plan is not None:
             plans.append(plan)
-        assert len(plans) < limit
     _step(s)  # hands the last releases over
     s.kv.check_no_leaks()
     assert s.kv.pool.num_used == 0
@@ -52,7 +52,7 @@ def test_blocks_follow_written_positions():
     s = make_scheduler()
     s.add_request(make_request("a", 10, 20))
     planes = LOOPS
-    while s.has_work():
+    for _ in working(s):
         plan = _step(s)
         if s.has_work():
             scheduled = s.requests["a"].num_scheduled
@@ -97,6 +97,16 @@ def test_admission_checks_first_chunk_plus_watermark():
     _drain(s)
 
 
+def test_a_later_request_that_fits_does_not_overtake_one_that_does_not():
+    s = make_scheduler(16, max_num_seqs=8, prefill_chunk_size=32)
+    s.add_request(make_request("r0", 8, 8))
+    _step(s)  # r0 holds 4 blocks: "big" (14 for its prompt) must wait, "small" (2) would fit
+    s.add_request(make_request("big", 26, 4))
+    s.add_request(make_request("small", 3, 2))
+    admitted = [setup.request_id for plan in _drain(s) for setup in plan.new_requests]
+    assert admitted == ["big", "small"]
+
+
 def test_unpreemptable_request_still_fails_at_admission():
     s = make_scheduler(8)
     with pytest.raises(ValueError, match="needs 16 KV blocks"):
@@ -108,7 +118,7 @@ def test_pressure_preempts_latest_arrival_and_everything_finishes():
     for i in range(3):
         s.add_request(make_request(f"r{i}", 4, 20))
     outputs = {f"r{i}": 0 for i in range(3)}
-    while s.has_work():
+    for _ in working(s):
         plan = s.schedule()
         if plan is None:
             continue
@@ -122,18 +132,80 @@ def test_pressure_preempts_latest_arrival_and_everything_finishes():
     s.kv.check_no_leaks()
 
 
+def test_the_oldest_running_request_waits_instead_of_preempting_itself():
+    # Short of a block while every later arrival holds blocks in the step being built, a
+    # request waits for them (they end or yield): it preempts itself only when it is the worst
+    # running. Here r1, running alone beside later r2 and r3 (r0 ended), is never the victim.
+    s = make_scheduler(26, max_num_seqs=8)
+    for rid, prompt_len, max_tokens in (("r0", 3, 12), ("r1", 8, 14), ("r2", 8, 10), ("r3", 6, 13)):
+        s.add_request(make_request(rid, prompt_len, max_tokens))
+    victims = []
+    for _ in working(s):
+        oldest = min(s.running, key=s.order_key).request_id if s.running else None
+        plan = _step(s)
+        if plan is not None:
+            assert oldest not in plan.preempted, (plan.step_id, oldest)
+            victims += plan.preempted
+    assert victims == ["r3", "r2"]
+    _step(s)
+    s.kv.check_no_leaks()
+
+
 def test_victim_is_lowest_priority_then_latest():
     s = make_scheduler(12, max_num_seqs=8, scheduling_policy="priority")
     s.add_request(make_request("a", 4, 20, priority=0))
     s.add_request(make_request("b", 4, 20, priority=-1))
     s.add_request(make_request("c", 4, 20, priority=0))
     victims = []
-    while s.has_work():
+    for _ in working(s):
         plan = _step(s)
         if plan is not None:
             victims += plan.preempted
     assert victims and "b" not in victims
     assert victims[0] == "c"  # same priority as a, later arrival
+
+
+def _swap_run(capacity_blocks: int, abort_a_swapped: bool = False) -> tuple[int, int, int]:
+    """Three requests under pressure in swap mode, with ``capacity_blocks`` of swap space of
+    3 bytes a block: (swap-outs, fallbacks to recompute, preemptions). After every step the
+    swap stats count what the plans swapped out and not yet in (or aborted)."""
+    s = make_scheduler(12, swap=True, max_num_seqs=8)
+    s.preemptor.swap = SwapSpace(capacity_blocks, 3)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12))
+    held: dict[str, int] = {}  # swapped-out request -> its blocks
+    swaps = 0
+    for _ in working(s):
+        plan = s.schedule()
+        for rid, blocks in plan.swap_out:
+            held[rid] = len(blocks)
+            swaps += 1
+        for rid, _ in plan.swap_in:
+            del held[rid]
+        s.apply(plan, _result(s, plan))
+        if abort_a_swapped and held:  # it ends while swapped out: its swap space is freed
+            s.abort(held.popitem()[0])
+            abort_a_swapped = False
+        assert s.preemptor.num_swapped == len(held)
+        assert s.preemptor.swapped_bytes == 3 * sum(held.values())
+    assert not abort_a_swapped and s.preemptor.swap.used_blocks == 0
+    _drain(s)
+    return swaps, s.preemptor.swap_fallbacks, s.preemptor.num_preemptions
+
+
+def test_swap_space_holds_what_fits_and_counts_the_fallbacks():
+    # Victims of 4 then 6 blocks (and 6 again): 4 blocks fit exactly, the rest recompute.
+    assert _swap_run(100)[:2] == (2, 0)
+    assert _swap_run(4) == (1, 2, 3)
+    assert _swap_run(3) == (0, 3, 3)
+    _swap_run(100, abort_a_swapped=True)
+
+
+def test_swap_space_refuses_a_negative_capacity_or_an_empty_block():
+    for capacity_blocks, block_bytes in ((-1, 4), (4, 0)):
+        with pytest.raises(ValueError, match="must be >= 0, >= 1"):
+            SwapSpace(capacity_blocks, block_bytes)
+    assert not SwapSpace(0, 1).can_hold(1) and SwapSpace(0, 1).can_hold(0)
 
 
 def test_fcfs_admits_by_arrival_priority_policy_by_priority():
@@ -161,6 +233,19 @@ def test_better_priority_preempts_running_when_seats_are_full():
     assert plan.preempted == ["low"]
     assert [r.request_id for r in s.running] == ["high"]
     assert s.requests["low"].status is RequestStatus.WAITING
+    _drain(s)
+
+
+def test_a_better_priority_arrival_preempts_the_worst_running_request():
+    s = make_scheduler(64, max_num_seqs=2, scheduling_policy="priority")
+    s.add_request(make_request("mid", 4, 10, priority=3))
+    s.add_request(make_request("low", 4, 10, priority=5))
+    for _ in range(3):
+        _step(s)
+    s.add_request(make_request("high", 4, 2, priority=0))
+    plan = _step(s)
+    assert plan.preempted == ["low"]  # not "mid", which is better than "low"
+    assert sorted(r.request_id for r in s.running) == ["high", "mid"]
     _drain(s)
 
 

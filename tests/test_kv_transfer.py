@@ -48,6 +48,25 @@ def test_import_copies_every_plane_bit_exact(ckpts, tmp_path):
     decode.kv.check_no_leaks()
 
 
+def test_blocks_cached_here_already_are_kept_and_the_rest_lands_after_them(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    assert _prefill(prefill, prompt, file) == 5
+    assert _prefill(decode, prompt[:9], tmp_path / "unused.safetensors") == 2  # computed here
+    request = decode.make_request("d", prompt, GREEDY)
+    mine = [entry.blocks for entry in decode.kv.cache.lookup(request.block_hashes, 2)]
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 5
+    src = prefill.kv.cache.lookup(request.block_hashes, 5)
+    dst = decode.kv.cache.lookup(request.block_hashes, 5)
+    assert [entry.blocks for entry in dst[:2]] == mine
+    for a, b in zip(src[2:], dst[2:], strict=True):  # the file's third to fifth blocks
+        for x, y in zip(a.blocks, b.blocks, strict=True):
+            rows = slice(x * BS, (x + 1) * BS), slice(y * BS, (y + 1) * BS)
+            assert torch.equal(prefill.runner.kv[:, :, rows[0]], decode.runner.kv[:, :, rows[1]])
+    decode.kv.check_no_leaks()
+
+
 def test_a_file_that_does_not_match_moves_nothing(ckpts, tmp_path):
     prefill, decode = _cores(ckpts["ouro"])
     prompt = list(range(50, 73))

@@ -163,6 +163,17 @@ def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
         assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
 
 
+def test_a_sweep_removes_only_transfer_directories(tmp_path):
+    """Another program's directory with a free ``owner.lock`` is not a transfer directory."""
+    from rltserve.core import transfer_dir
+
+    for name in ("rltserve-pd-dead", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "owner.lock").write_bytes(b"")
+    transfer_dir.sweep(str(tmp_path))
+    assert not (tmp_path / "rltserve-pd-dead").exists() and (tmp_path / "other").exists()
+
+
 def test_a_dead_process_transfer_directory_is_swept(tmp_path, monkeypatch):
     """A process killed before its cleanup leaves its transfer directory (in shared memory):
     the next client removes those whose owner lock is free, and no other."""

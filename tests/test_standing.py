@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from engine_util import make_core, oracle_run, random_workload, run_core
-from fixed_exits import FixedExits, make_request, make_scheduler
+from fixed_exits import FixedExits, make_request, make_scheduler, working
 
 from rltserve.core.request import Request
 from rltserve.core.scheduler import Scheduler
@@ -84,7 +84,7 @@ def test_continued_tokens_keep_the_order_their_predecessors_ended_in():
     runner = FixedExits()
     ended_order: list[str] = []
     checked = mixed = 0
-    while s.has_work():
+    for _ in working(s):
         plan = s.schedule()
         if plan is None:
             continue
@@ -301,7 +301,7 @@ def test_steps_never_take_more_rows_than_the_budget_with_mixed_loop_counts(stand
         s.add_request(make_request(f"r{i}", n, k, loops=loops))
     runner = FixedExits()
     rows = []
-    while s.has_work():
+    for _ in working(s):
         plan = s.schedule()
         if plan is None:
             continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from engine_util import make_core, run_core, tight_blocks
-from fixed_exits import FixedExits, make_request, make_scheduler
+from fixed_exits import FixedExits, make_request, make_scheduler, working
 from test_preemption import (
     MODES,
     ROOMY,
@@ -41,7 +41,7 @@ def _drive(time_slice: int, swap: bool = False):
     s = _three_requests(time_slice, swap)
     runner = FixedExits()
     log = []
-    while s.has_work():
+    for _ in working(s):
         admitted = {r.request_id: (r.admitted_step, r.admitted_replay) for r in s.running}
         rotations = s.preemptor.num_rotations
         plan = s.schedule()
@@ -92,6 +92,34 @@ def test_the_victim_queues_behind_the_request_it_makes_room_for():
         s.apply(plan, runner.result(plan))
         seqs = {rid: r.seq for rid, r in s.requests.items()}
     assert seqs["r0"] > seqs["r2"] > seqs["r1"]  # r0 re-queued as a new arrival
+
+
+def test_requests_of_equal_priority_take_turns_under_the_priority_policy():
+    # Only a running request of better priority than the waiting one is spared its turn.
+    s = make_scheduler(12, preemption_time_slice=3, max_num_seqs=8, scheduling_policy="priority")
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, 12, priority=1))
+    runner = FixedExits()
+    for _ in working(s):
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+    assert s.preemptor.num_rotations >= 2 and not s.requests
+
+
+def test_a_request_is_never_readmitted_in_the_step_that_preempted_it():
+    # (It would only be preempted again: a swap or replay bought nothing.)
+    s = make_scheduler(14, preemption_time_slice=2, max_num_seqs=8)
+    for rid, prompt_len, max_tokens in (("r0", 7, 10), ("r1", 9, 9), ("r2", 9, 12), ("r3", 7, 12)):
+        s.add_request(make_request(rid, prompt_len, max_tokens))
+    runner = FixedExits()
+    for _ in working(s):
+        plan = s.schedule()
+        if plan is None:
+            continue
+        admitted = {setup.request_id for setup in plan.new_requests}
+        assert not admitted & set(plan.preempted), plan.step_id
+        s.apply(plan, runner.result(plan))
+    assert s.preemptor.num_preemptions >= 10 and not s.requests
 
 
 def test_time_slice_must_be_a_non_negative_int():
@@ -229,7 +257,7 @@ def test_a_swapped_request_counts_only_what_it_recomputes_as_its_replay():
     s = _three_requests(swap=True)
     runner = FixedExits()
     resumed = []
-    while s.has_work():
+    for _ in working(s):
         waiting = {r.request_id: (r.swapped_tokens, r.replay_until) for r in s.waiting}
         plan = s.schedule()
         for setup in plan.new_requests:

@@ -16,7 +16,7 @@ import torch
 from builders import random_tensors, write_checkpoint
 from engine_util import make_core, oracle_run
 from reference import Reference
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rltserve import LLM, SamplingParams
 from rltserve.core.engine_loop import run_engine_loop
@@ -112,6 +112,21 @@ def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
         with pytest.raises(ValueError, match=re.escape(f"timeout={timeout!r}: must be a finite")):
             llm.update_weights(str(new_ckpt), timeout=timeout)
     assert _generate(llm) == before
+
+
+def test_a_name_in_two_shards_is_rejected_and_rope_inv_freq_is_ignored(llm, new_ckpt, tmp_path):
+    before = _generate(llm)
+    new = load_file(new_ckpt / "model.safetensors")
+    norm = {"model.norm.weight": new["model.norm.weight"]}
+    for shard in ("a", "b"):  # a sharded checkpoint directory holding one tensor twice
+        save_file(norm, tmp_path / f"{shard}.safetensors")
+    with pytest.raises(ValueError, match="'model.norm.weight' is given twice"):
+        llm.update_weights(str(tmp_path))
+    assert llm.weight_version == 0 and _generate(llm) == before
+    # An older checkpoint's RoPE inverse frequencies are dropped, as loading drops them.
+    inv_freq = ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8))
+    assert llm.update_weights([*new.items(), inv_freq]) == 1
+    assert _generate(llm) == _oracle(new_ckpt)
 
 
 def _start_long_request(llm: LLM) -> tuple[list, threading.Event]:
