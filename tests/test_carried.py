@@ -231,6 +231,34 @@ def test_continuations_into_new_blocks_match_the_oracle(
     core.shutdown()
 
 
+def test_continuations_into_new_blocks_below_the_models_depth(ckpts, ouro_ref):
+    """Ouro requests capped below the model's loops (``max_loops`` < 4): the prompt runs the
+    model's 4 loops, so the request has 4 depth tables, but its decode tokens stop at the cap.
+    A continuation entering a new block gets its tables cut to its cap (``StepPlan.moved``),
+    as a carried item does: the runner's carried columns hold a row per loop it runs."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=rng.randint(5, 9),
+            ignore_eos=True,
+            exit_threshold=rng.choice([0.3, 0.6, 1.0]),
+            max_loops=rng.choice([1, 2, 3]),
+        )
+        for _ in range(5)
+    ]
+    core = make_core(ckpts["ouro"], block_size=2)
+    run, plans = _run_recording_plans(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited")
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+    moved = [m for plan in plans for m in plan.moved]
+    assert moved and all(len(tables) < core.spec.num_loops for _, tables, _, _ in moved)
+    core.shutdown()
+
+
 @pytest.mark.parametrize("carry", [True, False], ids=["carried", "reference"])
 @pytest.mark.parametrize("kv_policy", ["full", "last_exited", "ring:2"])
 def test_huginn_schedules_match_the_oracle(ckpts, huginn_ref, kv_policy, carry):

@@ -81,6 +81,22 @@ def test_a_pool_sized_from_kv_cache_gb_bounds_the_context_too(ckpts):
     assert core.max_model_len == 10 // 4 * 16 + 1  # 2 blocks of 16 per plane, on 4 planes
 
 
+def test_a_pool_from_kv_cache_gb_fits_it_where_the_boundary_layers_outnumber_the_core(tmp_path):
+    """huginn-tiny: 2 prelude + 2 coda layers on the boundary plane, 2 core layers. Both kinds
+    of plane draw from one pool, so a block holds the larger count's K/V: the KV storage the
+    runner allocates stays within kv_cache_gb."""
+    from rltserve.models.presets import make_model
+
+    path = make_model("huginn-tiny", tmp_path / "huginn")
+    probe = make_core(path)
+    assert probe.spec.num_boundary_layers > probe.spec.num_core_layers
+    kv = probe.runner.kv  # [layers, 2, slots, heads, head_dim]: one pool for every plane
+    per_block = kv[:, :, : probe.config.cache.block_size].numel() * kv.element_size()
+    gb = 10.5 * per_block / 2**30  # room for 10 blocks of the runner's KV storage
+    core = make_core(path, num_blocks=None, kv_cache_gb=gb)
+    assert core.info.num_blocks == 10
+
+
 def test_a_pool_from_kv_cache_gb_holds_no_more_than_every_seat_at_full_context(ckpts):
     """A kv_cache_gb far past need: blocks for ``max_num_seqs`` requests of the whole context
     at the model's most loops (ouro rv1: 8 planes), the context rounded up to whole blocks."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 
 import pytest
-from engine_util import make_core, run_core
+from engine_util import make_core, oracle_run, run_core
 from fixed_exits import FixedExits, make_request, make_scheduler, working
 
 from rltserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -312,6 +312,26 @@ def test_ondemand_matches_full_reservation(ckpts):
     a = run_core(make_core(ckpts["ouro"], block_size=4), prompts, params)
     b = run_core(make_core(ckpts["ouro"], block_size=4, kv_reservation="full"), prompts, params)
     assert a.tokens == b.tokens and a.depths == b.depths
+
+
+@pytest.mark.parametrize("kv_reservation", ["full", "ondemand"])
+def test_carried_tokens_copy_their_exits_into_each_new_block(ckpts, ouro_ref, kv_reservation):
+    # last_exited: an early exit copies its K/V into the deeper planes' block holding its
+    # position. Under full reservation the tables never change, so a carried token entering a
+    # new KV block under the same tables must still copy into that block, not the previous
+    # one (whose deeper planes later tokens read). Outputs cross several 4-token blocks.
+    prompts = [[5, 6, 7], [11, 12, 13, 14, 15], [9] * 6, [21, 22]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, exit_threshold=t)
+        for t in (0.3, 0.5, 0.7, 0.9)
+    ]
+    core = make_core(ckpts["ouro"], block_size=4, kv_reservation=kv_reservation)
+    run = run_core(core, prompts, params)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ouro_ref, prompt, p, kv_policy="last_exited")
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"
+    assert min(d for depths in run.depths.values() for d in depths) < core.spec.num_loops
 
 
 def test_the_watermark_does_not_keep_out_a_request_when_nothing_runs():

@@ -50,6 +50,20 @@ def test_pipelining_takes_fewer_steps_alone(ouro_rv1):
     assert piped.steps < block.steps
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 6])
+def test_the_last_output_drafts_nothing(ouro_rv1, max_tokens):
+    """Every output but the last has a successor entering on its draft, so a request checks
+    max_tokens - 1 drafts: the token producing its last output makes none (none would be used,
+    and the draft stats would count it), the prompt's last chunk too when it makes the only
+    output."""
+    core = make_core(ouro_rv1, speculative_tokens=2, draft_loops=2)
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    run = run_core(core, [[5, 6, 7]], [p])
+    assert len(run.tokens["r0"]) == max_tokens
+    stats = core.stats()
+    assert stats.drafts_checked == max_tokens - 1 and stats.drafts_rejected <= max_tokens - 1
+
+
 def test_eos_and_max_tokens_inside_the_window(tmp_path, ouro_rv1, ouro_ref):
     prompts, params = _workload(8, seed=5)
     # Real EOS ids, taken from the outputs so they land inside the speculative window; half the

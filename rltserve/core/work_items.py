@@ -49,7 +49,8 @@ class ItemMaker:
                 ends_at=request.num_loops,
                 stop_at_exit=False,
                 has_output=out,
-                draft_at=draft_at if out else 0,
+                # (No draft for a next token when this output is the last: ``decode_item``.)
+                draft_at=draft_at if out and request.max_outputs > 1 else 0,
                 epoch=request.epoch,
                 life=request.num_preemptions,
                 # (Recomputed after the first output too: its coda K/V is the same.)
