@@ -191,7 +191,7 @@ def test_weights_are_not_views_of_the_file(tmp_path, monkeypatch, preadv):
 
 
 @pytest.mark.parametrize(
-    "dtype", ["float32", "bfloat16", "float16", torch.bfloat16, torch.float16, "bf16"]
+    "dtype", ["float32", "bfloat16", "float16", torch.bfloat16, torch.float16, "bf16", "fp16"]
 )
 def test_dtype_casting(tmp_path, dtype):
     path = build(tmp_path, "nanbeige")
@@ -305,3 +305,40 @@ def test_bad_index(tmp_path):
     index.write_text("{}")
     with pytest.raises(CheckpointError, match="invalid index"):
         load_model(path)
+
+
+def test_a_tensor_in_two_shards_is_an_error(tmp_path):
+    from safetensors.torch import save_file
+
+    path = build(tmp_path, "nanbeige", shards=2)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    first, second = sorted(set(index.values()))
+    a, b = load_file(path / first), load_file(path / second)
+    name = next(iter(a))
+    save_file({**b, name: a[name] + 1.0}, str(path / second))  # a conflicting second copy
+    with pytest.raises(CheckpointError, match=f"{name}' is also in another file"):
+        load_model(path)
+
+
+def test_fused_parameter_from_mixed_stored_dtypes(tmp_path):
+    # q stored in float32, k and v in bfloat16: the fused parameter is cast part by part (never
+    # read as raw bytes of the target dtype).
+    cfg = CONFIGS["ouro"]
+    tensors = random_tensors(cfg)
+    p = "model.layers.0.self_attn."
+    for x in "kv":
+        tensors[p + f"{x}_proj.weight"] = tensors[p + f"{x}_proj.weight"].to(torch.bfloat16)
+    params = dict(load_model(write_checkpoint(tmp_path / "m", cfg, tensors)).named_parameters())
+    qkv = torch.cat([tensors[p + f"{x}_proj.weight"].float() for x in "qkv"])
+    assert torch.equal(params[p + "qkv_proj.weight"], qkv)
+
+
+def test_model_safetensors_wins_over_other_weight_files(tmp_path):
+    # With model.safetensors present, other .safetensors files (an adapter, a stray export)
+    # are not part of the checkpoint.
+    from safetensors.torch import save_file
+
+    path = build(tmp_path, "nanbeige")
+    save_file({"adapter.lora_A": torch.zeros(2, 2)}, str(path / "adapter_model.safetensors"))
+    want = load_file(str(path / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(load_model(path).lm_head.weight, want)

@@ -353,3 +353,29 @@ def test_dense_attention_matches_sdpa(q_start):
         attn_mask=mask,
     ).transpose(0, 1)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("eos_token_id", -1),
+        ("eos_token_id", [0, -2]),
+        ("bos_token_id", 384),  # == vocab_size
+        ("tie_word_embeddings", 0),  # == False, but not a bool
+        ("hidden_size", True),
+        ("rope_theta", float("inf")),
+        ("head_dim", 15),
+        ("layer_types", ["full_attention"]),  # one entry for two layers
+    ],
+)
+def test_config_rejects_boundary_values(key, value):
+    raw = {**VECTORS["configs"]["ouro"], key: value}
+    name = "eos_token_id" if key == "eos_token_id" else key
+    with pytest.raises(ValueError, match=name):
+        OuroConfig.from_dict(raw)
+
+
+def test_config_accepts_values_at_their_bounds():
+    raw = VECTORS["configs"]["ouro"]
+    cfg = OuroConfig.from_dict({**raw, "num_key_value_heads": 1, "bos_token_id": 383})
+    assert cfg.num_key_value_heads == 1 and cfg.bos_token_id == 383

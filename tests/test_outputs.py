@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rltserve.outputs import OutputAssembler
+from rltserve.outputs import Logprob, OutputAssembler, request_output, vllm_logprobs
 from rltserve.updates import FinishReason, RequestUpdate
 
 
@@ -143,3 +143,34 @@ def test_the_text_the_detokenizer_holds_back_comes_out_at_the_end(finish):
         reason = FinishReason(finish) if last else None
         asm.add(RequestUpdate("r", [ord(c)], [1], finish_reason=reason))
     assert asm.output.text == "abc" and asm.output.finish_reason == finish
+
+
+def test_vllm_logprobs_list_the_sampled_token_first():
+    # vLLM's dict: the sampled token first, keeping its top-k rank when it is among the top k.
+    entries = [
+        {"token_id": 7, "logprob": -1.5, "top_logprobs": [(3, -0.5), (7, -1.5)], "rank": 2},
+        {"token_id": 9, "logprob": -4.0, "top_logprobs": [(3, -0.2)], "rank": 6},
+        {"token_id": 5, "logprob": None, "top_logprobs": None, "rank": None},  # forced
+    ]
+    first, second, forced = vllm_logprobs(entries, None)
+    assert list(first) == [7, 3] and first[7] == Logprob(-1.5, 2) and first[3] == Logprob(-0.5, 1)
+    assert list(second) == [9, 3] and second[9] == Logprob(-4.0, 6)
+    assert forced == {}
+
+
+def test_request_output_takes_the_latest_weight_version_of_its_samples():
+    samples = [assemble("ab", "length"), assemble("cd", "length")]
+    samples[0].weight_version, samples[1].weight_version = 1, 3
+    out = request_output(samples, "p")
+    assert out.weight_version == 3 and out.finished
+    assert [o.text for o in out.outputs] == ["ab", "cd"] and out.prompt_token_ids == [1, 2]
+
+
+def test_cumulative_logprob_sums_every_sampled_token():
+    asm = OutputAssembler("r", [1, 2], CharTokenizer(), want_logprobs=True)
+    asm.add(RequestUpdate("r", [97], [1], [-0.5], [[(97, -0.5)]], new_ranks=[1]))
+    asm.add(RequestUpdate("r", [98, 99], [1, 1], [None, -1.25], [None, []], new_ranks=[None, 4]))
+    asm.add(RequestUpdate("r", [100], [1], [-2.0], [[]], FinishReason("length"), new_ranks=[7]))
+    (out,) = request_output([asm], None).outputs
+    assert out.cumulative_logprob == pytest.approx(-3.75)  # the forced token adds nothing
+    assert out.text == "abcd" and [len(d) for d in out.logprobs] == [1, 0, 1, 1]

@@ -370,3 +370,90 @@ def test_processed_logprobs_are_what_the_token_was_drawn_from():
     assert raw.logprobs[0] == pytest.approx(
         torch.log_softmax(logits[0], -1)[out.token_ids[0]].item(), abs=1e-6
     )
+
+
+def test_rank_counts_tokens_tied_with_the_sampled_one():
+    """vLLM's rank counts every logprob >= the token's own, so a tie with a likelier-or-equal
+    token raises it: of two tied maxima the greedy (first) one has rank 2, not 1."""
+    logits = torch.zeros(2, V)
+    logits[0, [4, 9]] = 3.0  # tied maxima: greedy takes 4
+    logits[1, [2, 6, 8]] = 1.0  # a row of three tied maxima
+    p = SamplingParams(temperature=0.0, logprobs=0)
+    out = Sampler().sample(logits, [SampleRow(p), SampleRow(p)])
+    assert out.token_ids == [4, 2]
+    assert out.ranks == [2, 3]
+
+
+def test_top_k_ties_keep_the_lowest_ids():
+    # Among equal logits the lower id ranks first (a stable sort, as argmax): top_k=2 of three
+    # tied maxima keeps ids 3 and 9, never 20.
+    logits = torch.full((1, V), -30.0)
+    logits[0, [3, 9, 20]] = 10.0
+    row = SampleRow(SamplingParams(temperature=1.0, top_k=2), seeded(0))
+    seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(40)}
+    assert seen == {3, 9}
+
+
+def test_top_p_drops_a_token_whose_mass_above_equals_top_p():
+    # probs exactly (0.5, 0.25, 0.25): the first token alone covers top_p=0.5, so the others
+    # (mass ranked above them: 0.5 >= top_p) go, as in vLLM's top-p mask.
+    logits = torch.tensor([[2.0, 1.0, 1.0]]).log()
+    row = SampleRow(SamplingParams(temperature=1.0, top_p=0.5), seeded(0))
+    seen = {Sampler().sample(logits, [row]).token_ids[0] for _ in range(40)}
+    assert seen == {0}
+
+
+def test_min_p_one_keeps_the_most_likely_tokens():
+    # min_p removes tokens strictly below min_p * max (vLLM's): with min_p=1 the maxima stay.
+    logits = rand_logits(3, seed=12)
+    rows = [SampleRow(SamplingParams(temperature=1.0, min_p=1.0), seeded(i)) for i in range(3)]
+    out = Sampler().sample(logits, rows)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_draws_follow_a_skewed_distribution_over_many_tokens():
+    # One likely token among many unlikely ones, where a wrong race (e.g. argmax of p * q)
+    # would pick it about 75% of the time instead of 50%.
+    probs = torch.tensor([0.5] + [0.05] * 10)
+    n = 1000
+    logits = probs.log().expand(n, 11).contiguous()
+    rows = [SampleRow(SamplingParams(temperature=1.0), seeded(i)) for i in range(n)]
+    out = torch.tensor(Sampler().sample(logits, rows).token_ids)
+    assert abs((out == 0).double().mean().item() - 0.5) < 5 * math.sqrt(0.25 / n)
+
+
+def test_logprobs_go_to_their_own_rows_among_rows_without():
+    logits = rand_logits(4, seed=23)
+    rows = [
+        SampleRow(SamplingParams(temperature=0.0)),
+        SampleRow(SamplingParams(temperature=0.0, logprobs=1)),
+        SampleRow(SamplingParams(temperature=1.0), seeded(2)),
+        SampleRow(SamplingParams(temperature=1.0, logprobs=0), seeded(3)),
+    ]
+    out = Sampler().sample(logits, rows)
+    assert out.logprobs[0] is None and out.logprobs[2] is None
+    assert out.ranks[0] is None and out.ranks[2] is None
+    for i in (1, 3):
+        logp = torch.log_softmax(logits[i], -1)
+        tok = out.token_ids[i]
+        assert out.logprobs[i] == pytest.approx(logp[tok].item(), abs=1e-5)
+        assert out.ranks[i] == int((logp >= logp[tok]).sum())
+
+
+def test_top_k_one_below_the_vocabulary_drops_the_least_likely_token():
+    logits = torch.zeros(400, 4)
+    logits[:, 3] = -0.01  # the least likely of four near-equal tokens
+    rows = [SampleRow(SamplingParams(temperature=1.0, top_k=3), seeded(i)) for i in range(400)]
+    assert set(Sampler().sample(logits, rows).token_ids) == {0, 1, 2}
+
+
+def test_half_precision_logits_give_float32_logprobs():
+    logits = rand_logits(2, seed=9).bfloat16()
+    p = SamplingParams(temperature=0.0, logprobs=3)
+    out = Sampler().sample(logits, [SampleRow(p), SampleRow(p)])
+    ref = torch.log_softmax(logits.float(), -1)
+    for i in range(2):
+        tok = out.token_ids[i]
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-6)
+        for t, lp in out.top_logprobs[i]:
+            assert lp == pytest.approx(ref[i, t].item(), abs=1e-6)

@@ -15,7 +15,9 @@ from rltserve.thinking import (
     ReasoningStream,
     bound_thinking,
     prompt_opens_thinking,
+    resolve_thinking,
     split_reasoning,
+    with_thinking_prefix,
 )
 
 PROMPTS = [[3, 17, 42, 7, 8], [99, 5, 61], [12, 250, 31, 4, 77, 2, 6]]
@@ -198,3 +200,40 @@ def test_bound_thinking_applies_to_an_open_span_only():
     assert bound_thinking(p, [3, 2, 4, 1], Vocab()).max_thinking_tokens is None  # closed
     # No tokenizer (or one without the tags) cannot tell: the caller's end ids stand.
     assert bound_thinking(p, [1, 2], None) is p
+
+
+def test_forced_tokens_have_no_logprob(ouro_rv1, ouro_ref):
+    # The forced ids were not sampled: no logprob (vLLM-shaped outputs give them an empty
+    # dict), while the sampled tokens around them have theirs.
+    params = [_params(ouro_ref, PROMPTS[0], logprobs=1)]
+    run = run_core(make_core(ouro_rv1), PROMPTS[:1], params)
+    lps = run.logprobs["r0"]
+    assert len(lps) == params[0].max_tokens
+    assert lps[K : K + 3] == [None] * 3
+    assert all(lp is not None for lp in lps[:K] + lps[K + 3 :])
+
+
+def test_reasoning_edges():
+    # Whitespace before the answer's <think>; a prompt that opens with <think>; the prefix
+    # ends with a newline, as the Ouro-Thinking recipes' does.
+    assert split_reasoning("\n <think>x</think>y", prompt_open=False) == ("x", "y")
+    assert prompt_opens_thinking("<think>\n")
+    assert with_thinking_prefix("<|im_start|>assistant\n") == "<|im_start|>assistant\n<think>\n"
+    assert with_thinking_prefix("a<think>\n") == "a<think>\n"
+    # A delta that ends one character short of </think> is held back whole.
+    s = ReasoningStream()
+    assert s.feed("plan</think") == ("plan", "")
+    assert s.feed(">answer") == ("", "answer")
+
+
+def test_text_interruption_is_encoded_without_special_tokens():
+    class Tok:
+        def get_vocab(self):
+            return {"</think>": 9}
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2] + ([0] if add_special_tokens else [])  # e.g. an appended end token
+
+    p = SamplingParams(temperature=0.0, max_thinking_tokens=2, thinking_interruption="so")
+    got = resolve_thinking(p, Tok())
+    assert got.thinking_interruption == (1, 2) and got.thinking_end_token_ids == (9,)

@@ -211,3 +211,28 @@ def test_the_thinking_prefix_needs_a_think_token(toks: dict[str, Tokenizer]) -> 
         assert text == (with_thinking_prefix(rendered) if prefixed else rendered), name
         assert text.endswith("<think>\n") == prefixed, name
         assert chat_prompt_text(rendered, False, think, tok) == rendered
+
+
+def test_continue_final_message_leaves_the_last_message_open(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["ouro-tiny"]
+    # The cut is after the LAST appearance of the content, keeping its trailing space.
+    messages = [{"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Hi "}]
+    text = tok.apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=False, continue_final_message=True
+    )
+    assert text == "<|im_start|>user\nHi <|im_end|>\n<|im_start|>assistant\nHi "
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tok.apply_chat_template(messages, continue_final_message=True)
+
+
+def test_stop_ids_include_generation_config_and_skip_ids_the_special_added_tokens(
+    toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # <|im_start|> is a special added token but no named one: decode(skip) still drops it.
+    assert toks["ouro-tiny"].get_vocab()["<|im_start|>"] in toks["ouro-tiny"].special_ids
+    src = ckpt_dirs["ouro-tiny"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    tok = load_tokenizer(tmp_path)
+    assert tok is not None and 7 in tok.eos_token_ids

@@ -10,9 +10,10 @@ Reproducibility: a seeded request's row draws its ``Exp(1)`` noise ``[V]`` from 
 and nothing else does, and every other operation is row-wise, so its tokens do not depend on the
 rest of the batch. Rows without a generator share one batched draw from the global RNG.
 
-Logprobs are ``log_softmax`` of the logits after penalties but before bias, bans, temperature
-and filters: they describe the model's (penalized) distribution, independent of the sampling
-knobs, so they are comparable across requests and meaningful for greedy rows.
+Logprobs are by default (vLLM's ``raw_logprobs``) ``log_softmax`` of the model's logits, before
+penalties, bias, bans, temperature and filters: independent of the sampling knobs, so they are
+comparable across requests and meaningful for greedy rows; ``Sampler``'s ``processed_logprobs``
+describes the distribution the token was drawn from instead.
 """
 
 from __future__ import annotations
