@@ -476,6 +476,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:
         parser.print_help(sys.stderr)
         return 2
+    first, flags = argv[0], parser._option_string_actions
+    if first.startswith("-") and not any(flag.startswith(first) for flag in flags):
+        # (argparse would report the missing command, not the flag it does not know)
+        parser.error(f"unrecognized arguments: {first}")
     args, extra = parser.parse_known_args(argv)
     if extra:  # (parse_args would show the top-level usage, not the command's)
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")

@@ -164,6 +164,15 @@ def test_exit_mode_trace_is_refused_by_the_commands():
         assert_fails(rltserve(*command, "--exit-mode", "trace"), 2, "--exit-mode trace: replays")
 
 
+def test_an_unknown_flag_before_any_command_is_named():
+    # (argparse reported "the following arguments are required: {generate,...}")
+    proc = rltserve("--bogus")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("usage: rltserve ")
+    assert "rltserve: error: unrecognized arguments: --bogus" in proc.stderr
+    assert rltserve("--vers").stdout.startswith("rltserve ")  # (a prefix of --version)
+
+
 def test_an_unknown_flag_shows_its_command_usage():
     for command in (["generate"], ["bench", "offline"], ["serve"]):
         proc = rltserve(*command, "--bogus")
