@@ -11,7 +11,8 @@ from reference import Reference
 from test_http_harness import tiny_checkpoint
 
 from rltserve import LLM
-from rltserve.cli import _print_report, build_parser, main
+from rltserve.bench.commands import print_report
+from rltserve.cli import build_parser, main
 from rltserve.engine_args import ENGINE_CONFIGS, checked_engine_kwargs, engine_kwargs
 from rltserve.models.tokenizer import load_tokenizer
 
@@ -66,7 +67,7 @@ def test_bench_reports_print_nested_figures_indented_under_their_keys(capsys):
         "plain": [1, 2],
         "empty": {},
     }
-    _print_report(report, as_json=False)
+    print_report(report, as_json=False)
     assert capsys.readouterr().out.splitlines() == [
         "model: m",
         "refill:",

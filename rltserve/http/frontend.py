@@ -171,7 +171,10 @@ class Frontend:
         continue_final_message: bool = False,
     ) -> PromptInput:
         ids = await self.render_chat(
-            messages, add_generation_prompt, template_kwargs, True, continue_final_message
+            messages,
+            add_generation_prompt,
+            template_kwargs,
+            continue_final_message=continue_final_message,
         )
         return PromptInput(self.check_prompt(ids, "messages"))
 

@@ -10,7 +10,7 @@ from rltserve import __version__
 from rltserve.http.admin import UpdateWeightsRequest, update_weights
 from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
-from rltserve.http.errors import HTTPError, bad_request, json_response
+from rltserve.http.errors import bad_request, json_response
 from rltserve.http.limits import check_limits
 from rltserve.http.openapi import Route, openapi_document
 from rltserve.http.plans import chat_plan, completion_plan
@@ -51,14 +51,13 @@ async def models(request: web.Request) -> web.Response:
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card, or OpenAI's 404."""
     state = request.app[STATE]
-    name = request.match_info["model"]
-    if name != state.model_name:
-        raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
+    state.check_model(request.match_info["model"])  # (never empty: the route matches .+)
     return json_response(model_card(state))
 
 
 def model_card(state: ServingState) -> dict:
-    info = state.require_frontend().info
+    frontend = state.require_frontend()
+    info = frontend.info
     return {
         "id": state.model_name,
         "object": "model",
@@ -68,7 +67,7 @@ def model_card(state: ServingState) -> dict:
         "root": info.model_path if state.config.expose_model_path else state.model_name,
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
-        "weight_version": getattr(state.require_frontend().client, "weight_version", 0),
+        "weight_version": getattr(frontend.client, "weight_version", 0),
     }
 
 
