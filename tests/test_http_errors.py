@@ -64,6 +64,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice",
      "not supported"),
     ("completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+    ("completions", {"prompt": "x", "guided_json": 0}, "guided_json", "not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "structured_outputs": {"json": {}}}, "structured_outputs", "not supported"),
     ("completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias", "not a token id"),

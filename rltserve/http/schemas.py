@@ -99,7 +99,8 @@ class GenerationFields:
 
     def validate(self) -> None:
         for name in UNSUPPORTED_FIELDS:
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and value is not False:  # (0 == False: a guided_json of 0)
                 raise SchemaError(name, f"{name}: not supported (no constrained decoding or beams)")
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
