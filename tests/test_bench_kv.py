@@ -7,9 +7,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from rltserve.bench.commands import print_report
 from rltserve.bench.kv import format_report
 from rltserve.bench.offline import run_offline_bench
-from rltserve.cli import _print_report, build_parser
+from rltserve.cli import build_parser
 from rltserve.engine_args import engine_kwargs
 
 
@@ -246,9 +247,9 @@ def test_the_report_for_people_says_what_makes_its_figures_suspect():
 
 def test_the_cli_prints_the_kv_report_as_a_table_unless_json(capsys):
     report = {"model": "m", "kv_pressure": _made_up_report()}
-    _print_report(report, as_json=False)
+    print_report(report, as_json=False)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "model: m" and out[1].startswith("KV pressure: 16 requests")
     assert len(out) == 1 + 2 + 12 + 7
-    _print_report(report, as_json=True)
+    print_report(report, as_json=True)
     assert orjson.loads(capsys.readouterr().out) == report
