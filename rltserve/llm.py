@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import secrets
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
 from rltserve.core.stage import InProcessStageClient, StageClient
+from rltserve.llm_batch import PendingBatch
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
@@ -29,10 +31,22 @@ from rltserve.prompt_inputs import (
     prompt_text,
     template_message,
 )
-from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_number
+from rltserve.sampling import (
+    SamplingParams,
+    expand_samples,
+    generation_config_defaults,
+    outside_vocab,
+    plain_number,
+)
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import SLEEP_TAGS
-from rltserve.vllm_args import check_inert, check_parallel, check_utilization, kv_cache_gb_for
+from rltserve.vllm_args import (
+    check_inert,
+    check_parallel,
+    check_utilization,
+    generation_config_folder,
+    kv_cache_gb_for,
+)
 from rltserve.weights import WeightsArg, update_paths
 
 
@@ -60,7 +74,7 @@ class LLM:
         draft_loops: int | None = None,
         num_blocks: int | None = None,
         block_size: int = 16,
-        seed: int = 0,
+        seed: int | None = 0,
         max_model_len: int | None = None,
         kv_cache_gb: float | None = None,
         cuda_graphs: bool = False,
@@ -87,16 +101,25 @@ class LLM:
         enforce_eager: bool = False,
         gpu_memory_utilization: float | None = None,
         revision: str | None = None,
+        generation_config: str = "auto",
+        swap_space: float | None = None,
         **vllm_options: Any,
     ) -> None:
         """``kv_cache_gb``: the KV pool's size when ``num_blocks`` is not given (default 1,
-        or on CUDA what ``gpu_memory_utilization`` leaves). ``tokenizer``,
+        or on CUDA what ``gpu_memory_utilization`` leaves). ``seed``: the engine's seed for
+        requests without one (None: a fresh random one). ``tokenizer``,
         ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager``,
-        ``gpu_memory_utilization``, ``revision`` and the ``vllm_options`` RL frameworks pass
-        (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's (``vllm_args``)."""
+        ``gpu_memory_utilization``, ``revision``, ``swap_space`` (GiB: ``swap_space_gb``),
+        ``generation_config`` (``get_default_sampling_params``) and the ``vllm_options`` RL
+        frameworks pass (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's
+        (``vllm_args``)."""
         del trust_remote_code  # (rltserve never runs a checkpoint's code)
         startup_timeout = _seconds("startup_timeout", startup_timeout)
         check_inert(vllm_options)
+        if swap_space is not None:
+            swap_space_gb = swap_space
+        if seed is None:
+            seed = secrets.randbits(63)
         check_parallel(tensor_parallel_size)
         if gpu_memory_utilization is not None:
             check_utilization(gpu_memory_utilization)
@@ -106,6 +129,7 @@ class LLM:
 
         model = resolve_model(str(model_or_demo(model)), revision)
         dtype = resolve_dtype(dtype, model)
+        self._generation_config = generation_config_folder(generation_config, model)
         self.config = EngineConfig.from_flat(
             model=model,
             dtype=dtype,
@@ -199,7 +223,9 @@ class LLM:
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
         batch = normalize_prompts(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params
+        if params is None:
+            params = self.get_default_sampling_params()
         if not isinstance(params, (SamplingParams, Sequence)):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
         plist = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
@@ -283,6 +309,19 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the
+        sampling defaults of the checkpoint's ``generation_config.json`` (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over vLLM's; plain
+        ``SamplingParams()`` with ``generation_config="vllm"`` or without the file. A new
+        object on every call (the caller may change it)."""
+        defaults = generation_config_defaults(self._generation_config)
+        try:
+            return SamplingParams(**defaults)
+        except ValueError as exc:
+            where = Path(self._generation_config or "") / "generation_config.json"
+            raise ValueError(f"{where}: {exc}") from None
+
     def get_tokenizer(self):
         """The checkpoint's tokenizer as vLLM's ``LLM.get_tokenizer`` gives it: a Hugging Face
         tokenizer (``__call__``, ``batch_decode``, ``apply_chat_template`` with its defaults),
@@ -292,16 +331,20 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.hf()
 
     def _run(self, batch, encoded, plist) -> list[RequestOutput]:
-        pending = _Pending()
+        pending = PendingBatch()
         groups: list[list[OutputAssembler]] = []
+        prompt_ids: list[str] = []
         try:
             for ids, p in zip(encoded, plist):
                 group = []
                 samples = expand_samples(p)
-                # The samples of one prompt share its prefill: the stage computes it once.
-                key = f"grp-{next(self._ids)}" if len(samples) > 1 else None
-                for sample in samples:
-                    rid = f"gen-{next(self._ids)}"
+                # vLLM's ids: the prompt's a number, its samples' "j_<id>" when n > 1. The
+                # samples of one prompt share its prefill: the stage computes it once.
+                prompt_id = str(next(self._ids))
+                key = prompt_id if len(samples) > 1 else None
+                prompt_ids.append(prompt_id)
+                for j, sample in enumerate(samples):
+                    rid = prompt_id if key is None else f"{j}_{prompt_id}"
                     tokenizer = self.tokenizer if p.detokenize else None
                     asm = OutputAssembler(
                         rid,
@@ -316,7 +359,8 @@ class LLM:
                     )
                     group.append(asm)
                     pending.assemblers.append(asm)
-                    self._client.add_request(rid, ids, sample, self._sink(asm, pending), key)
+                    sink = pending.sink(asm, self._client.abort)
+                    self._client.add_request(rid, ids, sample, sink, key)
                 groups.append(group)
             pending.wait()
         finally:
@@ -328,8 +372,8 @@ class LLM:
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
         return [
-            request_output(group, prompt_text(prompt), self.tokenizer)
-            for prompt, group in zip(batch, groups)
+            request_output(group, prompt_text(prompt), self.tokenizer, rid)
+            for prompt, group, rid in zip(batch, groups, prompt_ids)
         ]
 
     # ---------------------------------------------------------------- weights
@@ -399,26 +443,6 @@ class LLM:
 
     # ---------------------------------------------------------------- internals
 
-    def _sink(self, asm: OutputAssembler, pending: _Pending):
-        def sink(update) -> None:
-            with pending.cond:
-                if asm.output.request_id in pending.finished:
-                    return
-                try:
-                    delta = asm.add(update)
-                    finish = delta.finish_reason
-                    asm.weight_version = update.weight_version
-                except Exception as exc:  # fail this request rather than the client's thread
-                    asm.output.finish_reason = finish = "error"
-                    asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
-                if finish is None:
-                    return
-                pending.finish(asm.output.request_id, failed=finish == "error")
-            if update.finish_reason is None:  # a stop string: stop the stage's work too
-                self._client.abort(asm.output.request_id)
-
-        return sink
-
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
         """Checks what needs text and the token ids the params name (the engine's own checks,
         made before anything is submitted), and puts bounded thinking in token ids, as the
@@ -434,35 +458,6 @@ class LLM:
             if message := outside_vocab(name, ids, self.info.vocab_size):
                 raise ValueError(message)
         return p
-
-
-class _Pending:
-    """The requests of one ``generate`` call. ``cond`` guards ``finished``; the waiter wakes
-    when every request has finished or one has failed (the rest are then aborted)."""
-
-    def __init__(self) -> None:
-        self.assemblers: list[OutputAssembler] = []
-        self.finished: set[str] = set()
-        self.failed = False
-        self.cond = threading.Condition()
-
-    def finish(self, request_id: str, failed: bool) -> None:
-        """Called with ``cond`` held."""
-        self.finished.add(request_id)
-        self.failed = self.failed or failed
-        self.cond.notify_all()
-
-    def wait(self) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.failed or len(self.finished) == len(self.assemblers))
-
-    def unfinished(self) -> list[str]:
-        with self.cond:
-            return [
-                a.output.request_id
-                for a in self.assemblers
-                if a.output.request_id not in self.finished
-            ]
 
 
 def _seconds(name: str, value: object) -> float:

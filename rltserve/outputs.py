@@ -40,6 +40,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     exit_depths: list[int] = field(default_factory=list)  # loop each token exited at
+    lora_request: None = None  # (vLLM's: no adapters here)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -69,6 +70,15 @@ class RequestOutput:
     # vLLM's: prompt tokens of the first sample whose KV came from the prefix cache (or from
     # the sample that computed the shared prompt).
     num_cached_tokens: int | None = None
+    # vLLM's, for code that reads them: no per-request metrics object (``EngineStats`` and
+    # the server's /metrics have the figures), adapters, encoder prompts, images or KV
+    # transfer parameters here.
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    multi_modal_placeholders: dict = field(default_factory=dict)
+    kv_transfer_params: None = None
 
     @property
     def text(self) -> str | None:
@@ -283,10 +293,14 @@ class OutputAssembler:
 
 
 def request_output(
-    assemblers: list[OutputAssembler], prompt: str | None, tokenizer=None
+    assemblers: list[OutputAssembler],
+    prompt: str | None,
+    tokenizer=None,
+    request_id: str | None = None,
 ) -> RequestOutput:
     """The vLLM-shaped result of one prompt's finished samples (``assemblers``, in sample
-    order). Text is "" where none was made (no tokenizer, ``detokenize=False``)."""
+    order), with ``request_id`` (default: the first sample's). Text is "" where none was made
+    (no tokenizer, ``detokenize=False``)."""
     first = assemblers[0].output
     outputs = [
         CompletionOutput(
@@ -302,7 +316,7 @@ def request_output(
         for j, asm in enumerate(assemblers)
     ]
     return RequestOutput(
-        request_id=first.request_id,
+        request_id=first.request_id if request_id is None else request_id,
         prompt=prompt,
         prompt_token_ids=first.prompt_token_ids,
         outputs=outputs,

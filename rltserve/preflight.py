@@ -85,10 +85,12 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp32": "float32", "bf16
 def resolve_dtype(dtype: str, model: str | None) -> str:
     """``dtype`` as the engine takes it: ``"auto"`` is the checkpoint's ``torch_dtype`` (or
     ``dtype``) from its config.json when that is one the engine runs, else float32 (also for
-    the demo model, ``model=None``); vLLM's ``half`` and ``float`` are float16 and float32.
-    Any other string is a ValueError listing them all; a non-string is returned as given, for
-    the config to check."""
+    the demo model, ``model=None``); vLLM's ``half`` and ``float`` are float16 and float32; a
+    ``torch.dtype`` counts as its name. Any other string is a ValueError listing them all; a
+    non-string is returned as given, for the config to check."""
     given = dtype
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        dtype = str(dtype).removeprefix("torch.")  # (torch.bfloat16: vLLM takes one)
     dtype = DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         names = ", ".join([*DTYPES, "auto", *DTYPE_ALIASES])

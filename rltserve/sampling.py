@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 INIT_STATES = ("random", "zero")
 # Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
@@ -46,7 +48,8 @@ class SamplingParams:
 
     vLLM's names mean what they mean there: ``max_tokens`` (None: all the context the prompt
     leaves), ``n`` samples per prompt (sample j seeded with
-    ``seed + j`` when ``seed`` is set), ``logprobs=k`` returns the sampled token's logprob plus
+    ``seed + j`` when ``seed`` is set; -1 means unset), ``stop`` and ``stop_token_ids`` (lists,
+    empty when not given), ``logprobs=k`` returns the sampled token's logprob plus
     the top ``k``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``detokenize``
     (False: token ids only, no text work) shape the text.
 
@@ -78,9 +81,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # -1: None (vLLM's)
+    stop: list[str] | None = None  # a string or None given: stored as a list (vLLM's)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     min_loops: int = 1
@@ -105,7 +108,7 @@ class SamplingParams:
     thinking_end_token_ids: tuple[int, ...] | None = None
     thinking_interruption: str | tuple[int, ...] | None = None
     logit_bias: dict[int, float] | None = None
-    allowed_token_ids: tuple[int, ...] | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     # vLLM's, accepted at their defaults: constrained decoding is not built; ``extra_args``
     # (for custom sampling code, which has no hook here) is carried along unused.
@@ -114,21 +117,20 @@ class SamplingParams:
     extra_args: dict | None = None
 
     def __post_init__(self) -> None:
-        # Lists and a bare string are stored as tuples (copies: the caller's list may change),
-        # a ``logit_bias`` as a dict of plain numbers (vLLM's type).
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        elif self.stop is not None:
-            self._to_tuple("stop")
-        if self.stop_token_ids is None:  # (vLLM's default)
-            self.stop_token_ids = ()
-        self._to_tuple("stop_token_ids")
+        # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
+        # rltserve's as tuples; copies either way (the caller's list may change). A bare string
+        # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
+        if isinstance(self.seed, int) and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        for name in ("stop", "stop_token_ids"):
+            self._to_list(name, [] if getattr(self, name) is None else getattr(self, name))
+        if self.allowed_token_ids is not None:
+            self._to_list("allowed_token_ids", self.allowed_token_ids)
         if self.trace_depths is not None:
             self._to_tuple("trace_depths")
         if self.thinking_end_token_ids is not None:
             self._to_tuple("thinking_end_token_ids")
-        if self.allowed_token_ids is not None:
-            self._to_tuple("allowed_token_ids")
         if self.logit_bias is not None:
             try:
                 bias = {plain_number(k): plain_number(v) for k, v in dict(self.logit_bias).items()}
@@ -147,9 +149,12 @@ class SamplingParams:
         self._validate_vllm()
 
     def _to_tuple(self, name: str) -> None:
-        value = getattr(self, name)
+        self._to_list(name, getattr(self, name))
+        setattr(self, name, tuple(getattr(self, name)))
+
+    def _to_list(self, name: str, value: object) -> None:
         try:
-            setattr(self, name, tuple(map(plain_number, value)))
+            setattr(self, name, list(map(plain_number, value)))
         except TypeError:  # not iterable: a ValueError naming the field, like every bad value
             raise ValueError(f"{name}={value!r}: must be a list") from None
 
@@ -183,10 +188,9 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if self.seed is not None:
             _check_int(self, "seed")
-        if self.stop is not None:
-            for s in self.stop:
-                if not isinstance(s, str) or not s:
-                    raise bad("stop", "must be non-empty strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "must be non-empty strings")
         if not all(map(_is_token_id, self.stop_token_ids)):
             raise bad("stop_token_ids", "must be non-negative ints")
         if not isinstance(self.ignore_eos, bool):
@@ -290,7 +294,7 @@ class SamplingParams:
         it is harmless: it never comes.)"""
         return [
             ("logit_bias", tuple(self.logit_bias or ())),
-            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("allowed_token_ids", tuple(self.allowed_token_ids or ())),
             *self.forced_token_ids(),
         ]
 
@@ -324,6 +328,31 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return SamplingParams(**values)
+
+
+# generation_config.json keys vLLM reads as sampling defaults (``max_new_tokens``: max_tokens).
+GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+
+
+def generation_config_defaults(folder: str | Path | None) -> dict[str, object]:
+    """The sampling defaults a checkpoint's ``generation_config.json`` in ``folder`` sets, as
+    ``SamplingParams`` keywords (vLLM's ``get_diff_sampling_param``): the keys it names of
+    ``GENERATION_CONFIG_KEYS`` and ``max_new_tokens`` as ``max_tokens``; {} without the file
+    (or ``folder`` None: the demo model). A file that is not a JSON object is a ValueError."""
+    path = None if folder is None else Path(folder) / "generation_config.json"
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    found = {k: raw[k] for k in (*GENERATION_CONFIG_KEYS, "max_new_tokens") if k in raw}
+    found = {k: v for k, v in found.items() if v is not None}
+    if "max_new_tokens" in found:
+        found["max_tokens"] = found.pop("max_new_tokens")
+    return found
 
 
 def plain_number(value: object) -> object:

@@ -10,8 +10,12 @@
   activations (``kv_budget_bytes``); on the CPU it has no effect (``kv_cache_gb`` sizes the
   pool there, as vLLM's CPU backend has its own setting).
 - ``tokenizer``: a directory to load the tokenizer from instead of the checkpoint's.
-- ``dtype``: also vLLM's ``auto`` (the checkpoint's), ``half`` and ``float``
-  (``preflight.resolve_dtype``).
+- ``dtype``: also vLLM's ``auto`` (the checkpoint's), ``half`` and ``float``, or a
+  ``torch.dtype`` (``preflight.resolve_dtype``).
+- ``generation_config``: where ``get_default_sampling_params`` reads sampling defaults:
+  ``auto`` the checkpoint's ``generation_config.json``, ``vllm`` none (vLLM's defaults), or a
+  folder holding one (``generation_config_folder``).
+- ``swap_space`` (GiB): the host swap space, ``swap_space_gb``.
 - ``model`` may be a Hugging Face repo id found in the local Hugging Face cache (``revision``
   picks the snapshot); nothing is downloaded (``preflight.resolve_model``).
 - The arguments RL frameworks pass on every construction (``INERT``: TRL's ``enable_sleep_mode``,
@@ -69,7 +73,28 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
         "draft models are not supported (token pipelining: speculative_tokens=K)",
     ),
     "worker_extension_cls": (_one_of(None, ""), "no worker extensions (update_weights instead)"),
+    "tokenizer_mode": (_one_of("auto", "hf"), "the checkpoint's fast tokenizer is used"),
+    "task": (_one_of("auto", "generate"), "rltserve generates (no embeddings or scores)"),
+    "cpu_offload_gb": (_one_of(0, 0.0), "the weights stay on the device"),
+    "pipeline_parallel_size": (_one_of(1), "an engine runs on one device"),
+    "data_parallel_size": (_one_of(1), "one engine per LLM (replicas: rltserve.ray.generate)"),
+    "max_seq_len_to_capture": (_is_int, ""),  # (CUDA graphs: cuda_graph_max_context)
 }
+
+
+def generation_config_folder(value: object, model: str) -> str | None:
+    """Where sampling defaults come from for vLLM's ``generation_config`` argument: the
+    checkpoint for ``auto``, none for ``vllm``, else the folder named (which must exist)."""
+    if value == "auto":
+        return model
+    if value == "vllm":
+        return None
+    if isinstance(value, (str, Path)) and Path(value).is_dir():
+        return str(value)
+    raise ValueError(
+        f"generation_config={value!r}: must be 'auto', 'vllm' or a folder holding a "
+        "generation_config.json"
+    )
 
 
 def check_inert(options: Mapping[str, object]) -> None:

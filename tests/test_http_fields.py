@@ -163,7 +163,7 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         assert (await live.post("/v1/completions", {**body, "allowed_token_ids": [7, 9]}))[0] == 200
         (params,) = stage.added_params
         assert params.init_state == "zero" and params.logit_bias == {7: -2}
-        assert params.allowed_token_ids == (7, 9)
+        assert params.allowed_token_ids == [7, 9]
         assert (await live.post("/v1/completions", {"prompt": [5], "max_tokens": 2}))[0] == 200
         assert stage.added_params[-1].init_state == "random"
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "init_state": "one"})

@@ -123,9 +123,14 @@ def test_request_to_sampling_params():
          "exit_threshold": 0.8, "priority": -1, "stop_token_ids": [9]},
     )  # fmt: skip
     params = sampling_params(req, max_tokens=10, logprobs=2, sample_index=2)
-    assert params.stop == ("END",) and params.seed == 9 and params.max_loops == 3
+    assert params.stop == ["END"] and params.seed == 9 and params.max_loops == 3
     assert (params.top_k, params.exit_threshold, params.priority) == (5, 0.8, -1)
-    assert params.stop_token_ids == (9,) and params.logprobs == 2 and params.temperature == 1.0
+    assert params.stop_token_ids == [9] and params.logprobs == 2 and params.temperature == 1.0
+    # vLLM's seed -1 is no seed, for every sample (sample 1 is not seeded 0).
+    unseeded = parse_object(CompletionRequest, {"prompt": "x", "seed": -1, "n": 2})
+    seeds = [sampling_params(unseeded, max_tokens=1, logprobs=None, sample_index=j).seed
+             for j in (0, 1)]  # fmt: skip
+    assert seeds == [None, None]
     bad = parse_object(CompletionRequest, {"prompt": "x", "repetition_penalty": 0})
     with pytest.raises(SchemaError) as err:
         sampling_params(bad, max_tokens=1, logprobs=None, sample_index=0)

@@ -35,7 +35,7 @@ def test_defaults_are_vllms():
     # TRL's GRPOConfig passes top_k=0; OpenRLHF stop_token_ids=None; older TRL the
     # constrained-decoding keys as None.
     q = SamplingParams(top_k=0, stop_token_ids=None, guided_decoding=None, structured_outputs=None)
-    assert q.top_k == 0 and q.stop_token_ids == ()
+    assert q.top_k == 0 and q.stop_token_ids == [] and q.stop == []
     with pytest.raises(ValueError, match="guided_decoding=.*not supported"):
         SamplingParams(guided_decoding={"regex": "a+"})
     assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
@@ -62,7 +62,7 @@ def test_params_can_be_changed_and_each_call_takes_a_copy(llm):
     q.max_tokens = 2
     assert (p.max_tokens, len(llm.generate([[1, 2, 3]], q)[0].token_ids)) == (3, 2)
     p.stop = ["x"]  # a list set later is stored as the constructor stores it
-    assert p.clone().stop == ("x",)
+    assert p.clone().stop == ["x"]
     p.max_tokens = 0  # checked when submitted
     with pytest.raises(ValueError, match="max_tokens=0"):
         llm.generate([[1, 2, 3]], p)

@@ -300,3 +300,100 @@ def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
     assert kv_cache_gb_for(0.9, "cpu", str(tmp_path), "float32") is None  # kv_cache_gb's job
     with pytest.raises(ValueError, match="gpu_memory_utilization=0: must be in"):
         kv_cache_gb_for(0, "cpu", str(tmp_path), "float32")
+
+
+def test_vllm_field_conventions_of_sampling_params():
+    """vLLM's: seed -1 means unset; stop and stop_token_ids are lists (empty when not given)
+    that the caller may extend; a clone copies them."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    with pytest.raises(ValueError, match="seed=-1.0: must be an int"):
+        SamplingParams(seed=-1.0)
+    p = SamplingParams(stop="x", stop_token_ids=(1,), allowed_token_ids=(4, 2))
+    assert (p.stop, p.stop_token_ids, p.allowed_token_ids) == (["x"], [1], [4, 2])
+    assert (SamplingParams().stop, SamplingParams().stop_token_ids) == ([], [])
+    q = p.clone()
+    q.stop.append("y")
+    assert p.stop == ["x"] and q.clone().stop == ["x", "y"]
+    given = ["a"]
+    r = SamplingParams(stop=given)
+    given.append("b")
+    assert r.stop == ["a"]  # a copy: the caller's list may change
+    with pytest.raises(ValueError, match="stop=.*must be non-empty strings"):
+        SamplingParams(stop=[""])
+
+
+def test_seed_minus_one_samples_afresh_on_every_call(llm):
+    p = SamplingParams(n=2, seed=-1, temperature=2.0, max_tokens=8, ignore_eos=True)
+    runs = [[c.token_ids for c in llm.generate([[5, 6, 7]], p)[0].outputs] for _ in range(2)]
+    assert runs[0] != runs[1]  # (a fixed seed gives the same samples on every call)
+    fixed = p.replace(seed=3)
+    assert llm.generate([[5, 6, 7]], fixed)[0].outputs[1].token_ids == (
+        llm.generate([[5, 6, 7]], fixed.replace(n=1, seed=4))[0].token_ids
+    )
+
+
+def test_request_ids_and_attributes_are_vllms(llm):
+    """Request ids are numbers in submission order (vLLM's; RL code sorts by ``int(id)``);
+    the attributes vLLM's outputs always have are there, None."""
+    p = SamplingParams(temperature=0.0, max_tokens=1)
+    outs = llm.generate([[1, 2], [3, 4], [5, 6]], p)
+    ids = [int(o.request_id) for o in outs]
+    assert ids == list(range(ids[0], ids[0] + 3))
+    (two,) = llm.generate([[1, 2]], p.replace(n=2))
+    assert int(two.request_id) == ids[-1] + 1 and len(two.outputs) == 2
+    out = outs[0]
+    assert (out.metrics, out.lora_request, out.encoder_prompt) == (None, None, None)
+    assert (out.encoder_prompt_token_ids, out.kv_transfer_params) == (None, None)
+    assert out.multi_modal_placeholders == {} and out.outputs[0].lora_request is None
+
+
+def test_default_sampling_params_come_from_the_generation_config(tiny, tmp_path):
+    """vLLM's ``generation_config="auto"``: the checkpoint's sampling defaults are what
+    ``generate`` uses without params; ``"vllm"`` ignores them; a folder supplies them."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    config = {"temperature": 0.0, "top_k": 7, "max_new_tokens": 5, "do_sample": True}
+    (model / "generation_config.json").write_text(json.dumps(config))
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128}
+    with LLM(str(model), **kw) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_k, d.max_tokens, d.top_p) == (0.0, 7, 5, 1.0)
+        assert d is not llm.get_default_sampling_params()
+        (out,) = llm.generate([[5, 6, 7]])
+        want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5))
+        assert out.token_ids == want[0].token_ids and len(out.token_ids) <= 5
+    with LLM(str(model), generation_config="vllm", **kw) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+    with LLM(str(tiny), generation_config=str(model), **kw) as llm:
+        assert llm.get_default_sampling_params().max_tokens == 5
+        (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+        with pytest.raises(ValueError, match="generation_config.json: temperature=-1"):
+            llm.get_default_sampling_params()
+    with pytest.raises(ValueError, match="generation_config='nowhere': must be 'auto', 'vllm'"):
+        LLM(str(tiny), generation_config="nowhere", **kw)
+
+
+def test_more_vllm_engine_arguments(tiny):
+    import torch
+
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128}
+    with LLM(
+        str(tiny),
+        seed=None,
+        dtype=torch.float32,
+        swap_space=2,
+        tokenizer_mode="auto",
+        task="generate",
+        cpu_offload_gb=0,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+        max_seq_len_to_capture=8192,
+        **kw,
+    ) as llm:
+        assert llm.config.model.dtype == "float32" and llm.config.cache.swap_space_gb == 2
+        assert isinstance(llm.config.model.seed, int)
+    for name, value in [("pipeline_parallel_size", 2), ("cpu_offload_gb", 4), ("task", "embed")]:
+        with pytest.raises(ValueError, match=f"{name}={value!r}: not supported"):
+            LLM(str(tiny), **{name: value}, **kw)

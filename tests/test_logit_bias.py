@@ -169,5 +169,5 @@ def test_sampling_params_validate_them(changes, fragment):
 
 def test_sampling_params_keep_them():
     p = SamplingParams(temperature=0.0, logit_bias={3: -2, 9: 0.5}, allowed_token_ids=[9, 3])
-    assert p.logit_bias == {3: -2, 9: 0.5} and p.allowed_token_ids == (9, 3)
+    assert p.logit_bias == {3: -2, 9: 0.5} and p.allowed_token_ids == [9, 3]
     assert p.replace(n=2).logit_bias == p.logit_bias

@@ -369,9 +369,10 @@ def sampling_params(
     sample_index: int,
 ) -> SamplingParams:
     """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j`` so
-    that n > 1 gives distinct but reproducible samples."""
+    that n > 1 gives distinct but reproducible samples; a seed of -1 is none (vLLM's), for
+    every sample."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    seed = None if req.seed is None else req.seed + sample_index
+    seed = None if req.seed in (None, -1) else req.seed + sample_index
     if req.min_tokens > max_tokens >= 1:  # (a max_tokens below 1 is SamplingParams' error)
         asked = req.max_tokens is not None or getattr(req, "max_completion_tokens", None)
         limit = f"max_tokens ({max_tokens})" if asked else f"the default max_tokens ({max_tokens})"
