@@ -315,12 +315,7 @@ class LLM:
         top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over vLLM's; plain
         ``SamplingParams()`` with ``generation_config="vllm"`` or without the file. A new
         object on every call (the caller may change it)."""
-        defaults = generation_config_defaults(self._generation_config)
-        try:
-            return SamplingParams(**defaults)
-        except ValueError as exc:
-            where = Path(self._generation_config or "") / "generation_config.json"
-            raise ValueError(f"{where}: {exc}") from None
+        return SamplingParams(**generation_config_defaults(self._generation_config))
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer as vLLM's ``LLM.get_tokenizer`` gives it: a Hugging Face

@@ -338,7 +338,8 @@ def generation_config_defaults(folder: str | Path | None) -> dict[str, object]:
     """The sampling defaults a checkpoint's ``generation_config.json`` in ``folder`` sets, as
     ``SamplingParams`` keywords (vLLM's ``get_diff_sampling_param``): the keys it names of
     ``GENERATION_CONFIG_KEYS`` and ``max_new_tokens`` as ``max_tokens``; {} without the file
-    (or ``folder`` None: the demo model). A file that is not a JSON object is a ValueError."""
+    (or ``folder`` None). A file that is not a JSON object, or a value ``SamplingParams``
+    refuses, is a ValueError naming the file."""
     path = None if folder is None else Path(folder) / "generation_config.json"
     if path is None or not path.is_file():
         return {}
@@ -352,6 +353,10 @@ def generation_config_defaults(folder: str | Path | None) -> dict[str, object]:
     found = {k: v for k, v in found.items() if v is not None}
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
+    try:
+        SamplingParams(**found)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     return found
 
 

@@ -277,3 +277,40 @@ async def test_continue_final_message_leaves_the_last_message_open(ckpt):
         assert status == 400 and error_of(raw)["param"] == "continue_final_message"
         status, _, raw = await live.post("/tokenize", {**closed, "chat_template": "{{ 1 }}"})
         assert status == 400 and error_of(raw)["param"] == "chat_template"
+
+
+async def test_left_out_sampling_fields_take_the_generation_config(ckpt, tmp_path):
+    """vLLM's ``--generation-config auto``: temperature, top_p, top_k, min_p,
+    repetition_penalty and chat's max_tokens come from the checkpoint's
+    generation_config.json when the request leaves them out; given ones win; ``vllm`` ignores
+    the file; a file with a bad value stops the server from starting (health says why)."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    config = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3}
+    (model / "generation_config.json").write_text(json.dumps(config))
+    stage = ScriptedStage(scripted_info(model, max_model_len=64), Script([44, 77]))
+    async with running(model, client_factory=scripted_factory(stage)) as live:
+        assert (await live.post("/v1/chat/completions", CHAT))[0] == 200
+        given = {"prompt": [5], "temperature": 0.0, "top_k": 5, "repetition_penalty": 1.2}
+        assert (await live.post("/v1/completions", given))[0] == 200
+        chat, completion = stage.added_params
+        assert (chat.temperature, chat.top_p, chat.top_k, chat.max_tokens) == (0.6, 0.9, 20, 3)
+        assert (chat.min_p, chat.repetition_penalty) == (0.0, 1.0)
+        assert (completion.temperature, completion.top_k, completion.top_p) == (0.0, 5, 0.9)
+        assert completion.repetition_penalty == 1.2 and completion.max_tokens == 16
+    stage = ScriptedStage(scripted_info(model, max_model_len=64), Script([44, 77]))
+    async with running(
+        model, client_factory=scripted_factory(stage), generation_config="vllm"
+    ) as live:
+        assert (await live.post("/v1/chat/completions", CHAT))[0] == 200
+        (chat,) = stage.added_params
+        assert (chat.temperature, chat.top_p, chat.top_k) == (1.0, 1.0, -1)
+        assert chat.max_tokens > 3  # the rest of the context
+    (model / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    async with running(model, client_factory=factory(model), wait=False) as live:
+        await live.state.ready.wait()
+        assert "generation_config.json: top_p=0: must be in (0, 1]" in live.state.load_error
+    with pytest.raises(ValueError, match="generation_config='nowhere': must be 'auto', 'vllm'"):
+        ServerConfig(generation_config="nowhere")

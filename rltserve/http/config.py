@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from rltserve.sampling import MAX_LOGPROBS
+from rltserve.vllm_args import generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
 MAX_N = 128
@@ -61,6 +62,14 @@ class ServerConfig:
         metadata=_help(
             "reject request fields the server does not know (400); by default they are ignored "
             "with one logged warning per field name"
+        ),
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "
+            "min_p, repetition_penalty, chat's max_tokens): 'auto' the checkpoint's "
+            "generation_config.json, 'vllm' vLLM's own, or a folder holding one"
         ),
     )
     drain_timeout_s: float = field(
@@ -147,6 +156,7 @@ class ServerConfig:
             raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
         if not isinstance(self.strict_fields, bool):
             raise ValueError(f"strict_fields={self.strict_fields!r}: must be a bool")
+        generation_config_folder(self.generation_config, "")  # (ValueError naming it)
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
         bounds = (

@@ -65,8 +65,11 @@ def _token_limit(
 
 
 def _default_max_tokens(state: ServingState, default: int | None = None) -> int | None:
-    """What a request that names no max_tokens gets (None: the rest of the context), within
-    the operator's ``max_tokens_limit``: chat clients rarely send one."""
+    """What a request that names no max_tokens gets (None: the rest of the context, or the
+    generation config's ``max_new_tokens``, as vLLM's), within the operator's
+    ``max_tokens_limit``: chat clients rarely send one."""
+    if default is None:
+        default = state.sampling_defaults.get("max_tokens")
     limit = state.config.max_tokens_limit
     if limit is None or default is None:
         return default if limit is None else limit
@@ -86,13 +89,16 @@ def _choices(
     max_tokens_param: str = "max_tokens",
     default_max_tokens: int | None = None,
     session: str | None = None,
+    defaults: dict[str, object] | None = None,
 ) -> list[ChoiceRequest]:
     choices = []
     for p, prompt in enumerate(prompts):
         limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
-            params = sampling_params(req, max_tokens=limit, logprobs=logprobs, sample_index=j)
+            params = sampling_params(
+                req, max_tokens=limit, logprobs=logprobs, sample_index=j, defaults=defaults
+            )
             try:
                 checked = frontend.check_params(params, prompt.token_ids)
             except HTTPError as exc:
@@ -128,7 +134,15 @@ async def completion_plan(
     max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
     choices = _choices(
-        frontend, req, prompts, max_tokens, req.logprobs, "max_tokens", default, session
+        frontend,
+        req,
+        prompts,
+        max_tokens,
+        req.logprobs,
+        "max_tokens",
+        default,
+        session,
+        state.sampling_defaults,
     )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
@@ -167,6 +181,7 @@ async def chat_plan(
             param,
             _default_max_tokens(state),
             session,
+            state.sampling_defaults,
         ),
         format=ChatFormat(
             _header(state, "chatcmpl"),

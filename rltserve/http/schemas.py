@@ -26,6 +26,14 @@ COMPLETION_MAX_TOKENS = 16
 # take (up to 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63 - 1)
 PRIORITY_RANGE = SEED_RANGE  # (a 64-bit int, as vLLM's)
+# What a request that leaves a sampling field out gets when the generation config has none.
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -51,8 +59,9 @@ class GenerationFields:
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the server's default (the generation config's, else vLLM's: ``SAMPLING_DEFAULTS``).
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,9 +72,9 @@ class GenerationFields:
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM / SGLang extensions
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -104,7 +113,7 @@ class GenerationFields:
                 raise SchemaError(name, f"{name}: not supported (no constrained decoding or beams)")
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
-        if not 0 <= self.temperature <= 2:  # OpenAI's range (SamplingParams takes vLLM's)
+        if self.temperature is not None and not 0 <= self.temperature <= 2:  # OpenAI's range
             raise SchemaError("temperature", f"temperature={self.temperature}: must be in [0, 2]")
         if self.stream_options is not None and not self.stream:
             raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
@@ -367,10 +376,17 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     sample_index: int,
+    defaults: dict[str, object] | None = None,
 ) -> SamplingParams:
     """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j`` so
     that n > 1 gives distinct but reproducible samples; a seed of -1 is none (vLLM's), for
-    every sample."""
+    every sample. A sampling field the request leaves out takes ``defaults``' value (the
+    server's generation config), else ``SAMPLING_DEFAULTS``'."""
+    given = {name: getattr(req, name) for name in SAMPLING_DEFAULTS}
+    sampling = {
+        name: value if value is not None else (defaults or {}).get(name, SAMPLING_DEFAULTS[name])
+        for name, value in given.items()
+    }
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     seed = None if req.seed in (None, -1) else req.seed + sample_index
     if req.min_tokens > max_tokens >= 1:  # (a max_tokens below 1 is SamplingParams' error)
@@ -380,11 +396,7 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty,
+            **sampling,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             seed=seed,

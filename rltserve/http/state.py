@@ -30,6 +30,8 @@ from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
+from rltserve.sampling import generation_config_defaults
+from rltserve.vllm_args import generation_config_folder
 
 _MAX_WARNED_FIELDS = 64  # distinct unknown field names warned about, per app
 log = logging.getLogger("rltserve.http")
@@ -80,6 +82,9 @@ class ServingState:
         self._watch: asyncio.Task | None = None
         self._frontend: Frontend | None = None
         self._ignored_fields: set[str] = set()  # names already warned about
+        # What a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
+        # and (chat) max_tokens: the generation config's, read at start (vLLM's).
+        self.sampling_defaults: dict[str, object] = {}
         # Owned here, shut down in stop(): long bodies and texts are parsed and encoded on it.
         self.executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="rltserve-tok")
 
@@ -91,6 +96,8 @@ class ServingState:
         path = str(self.engine_config.model.model)
         tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, path))
         try:
+            folder = generation_config_folder(self.config.generation_config, path)
+            self.sampling_defaults = generation_config_defaults(folder)
             self._client = await asyncio.to_thread(
                 SupervisedStage,
                 self._client_factory,
