@@ -266,7 +266,7 @@ class LLM:
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        tools: None = None,
+        tools: Sequence[Any] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
@@ -276,10 +276,11 @@ class LLM:
         (``enable_thinking`` among ``chat_template_kwargs`` opens the thinking span), then
         ``generate``d: one ``RequestOutput`` per conversation, its ``prompt`` the rendered text.
         ``continue_final_message`` leaves the last message open for the model to continue.
-        ``tools``, ``lora_request`` and ``mm_processor_kwargs`` must be None (no tool calling,
-        adapters or images); content parts are joined text whatever the content format."""
+        ``tools`` must be None or empty, ``lora_request`` and ``mm_processor_kwargs`` None (no
+        tool calling, adapters or images); content parts are joined text whatever the content
+        format."""
         for name, value in (
-            ("tools", tools),
+            ("tools", tools or None),  # (an empty list asks for nothing)
             ("lora_request", lora_request),
             ("mm_processor_kwargs", mm_processor_kwargs),
         ):

@@ -104,6 +104,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # vLLM's; it shapes only slow tokenizers' text, and checkpoints load fast ones here.
+    spaces_between_special_tokens: bool = True
     max_thinking_tokens: int | None = None
     thinking_end_token_ids: tuple[int, ...] | None = None
     thinking_interruption: str | tuple[int, ...] | None = None
@@ -259,7 +261,12 @@ class SamplingParams:
             raise bad(
                 "seed", f"must be in [-2**63, 2**64 - n] (n={self.n}: sample j uses seed + j)"
             )
-        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in (
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if self.max_thinking_tokens is not None:

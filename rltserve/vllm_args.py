@@ -59,7 +59,9 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "quantization": (_one_of(None), "quantized checkpoints are not supported"),
     "kv_cache_dtype": (_one_of("auto"), "the KV cache has the model's dtype"),
-    "load_format": (_one_of("auto", "safetensors"), "checkpoints load from safetensors"),
+    # "dummy" (verl's: the trainer sends the weights before the first rollout) loads the
+    # checkpoint's, which update_weights then replaces.
+    "load_format": (_one_of("auto", "safetensors", "dummy"), "checkpoints load from safetensors"),
     "enable_chunked_prefill": (_one_of(None, True, False), ""),  # prompts always run in chunks
     "disable_log_stats": (_any_bool, ""),
     "disable_custom_all_reduce": (_any_bool, ""),

@@ -102,7 +102,7 @@ def test_the_arguments_trl_and_verl_pass_are_accepted(tiny):
         ({"quantization": "fp8"}, "quantization='fp8': not supported"),
         ({"kv_cache_dtype": "fp8"}, "the KV cache has the model's dtype"),
         ({"enable_lora": True}, "LoRA"),
-        ({"load_format": "dummy"}, "load_format='dummy'"),
+        ({"load_format": "pt"}, "load_format='pt'"),
         ({"distributed_executor_backend": "ray"}, "one device"),
         ({"revision": "main"}, "revision='main': only for a Hugging Face repo id"),
     ],
@@ -178,6 +178,9 @@ def test_chat_takes_a_template_and_continues_the_final_message(llm):
     assert out.prompt.endswith("Hello, I am")  # left open: no end-of-turn after it
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     (out,) = llm.chat(conversation[:1], GREEDY, chat_template=template, tools=None)
+    assert llm.chat(conversation[:1], GREEDY, chat_template=template, tools=[])[0].token_ids == (
+        out.token_ids
+    )
     assert out.prompt == "[user] Hi\n"
     with pytest.raises(ValueError, match="continue_final_message: not with add_generation_prompt"):
         llm.chat(conversation, GREEDY, continue_final_message=True)

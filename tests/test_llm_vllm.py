@@ -320,6 +320,10 @@ def test_vllm_field_conventions_of_sampling_params():
     assert r.stop == ["a"]  # a copy: the caller's list may change
     with pytest.raises(ValueError, match="stop=.*must be non-empty strings"):
         SamplingParams(stop=[""])
+    # (no effect with the fast tokenizers checkpoints load here, as in vLLM)
+    assert not SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens
+    with pytest.raises(ValueError, match="spaces_between_special_tokens=1: must be a bool"):
+        SamplingParams(spaces_between_special_tokens=1)
 
 
 def test_seed_minus_one_samples_afresh_on_every_call(llm):
@@ -390,6 +394,7 @@ def test_more_vllm_engine_arguments(tiny):
         pipeline_parallel_size=1,
         data_parallel_size=1,
         max_seq_len_to_capture=8192,
+        load_format="dummy",  # (verl's: the checkpoint's weights, until update_weights)
         **kw,
     ) as llm:
         assert llm.config.model.dtype == "float32" and llm.config.cache.swap_space_gb == 2
