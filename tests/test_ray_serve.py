@@ -193,6 +193,23 @@ def test_offline_generate_over_two_replicas_keeps_input_order(cluster, ckpt):
         generate([[5], [10**6]], params, replicas=2, model=str(ckpt), num_blocks=512)
 
 
+def test_offline_generate_without_params_takes_the_generation_config(cluster, ckpt, tmp_path):
+    """As ``LLM.generate``: the checkpoint's sampling defaults on every replica."""
+    import shutil
+
+    from rltserve.ray import generate
+    from rltserve.sampling import SamplingParams
+
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    (model / "generation_config.json").write_text('{"temperature": 0, "max_new_tokens": 3}')
+    prompts = [[5, 6, 7], [8, 9]]
+    outputs = generate(prompts, replicas=2, model=str(model), num_blocks=128)
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    expected = generate(prompts, greedy, replicas=2, model=str(ckpt), num_blocks=128)
+    assert [_tokens(o) for o in outputs] == [_tokens(o) for o in expected]
+
+
 def _tokens(output) -> list[int]:
     """Generated ids, whether the output is flat or vLLM-shaped (``outputs[0]``)."""
     inner = output.outputs[0] if hasattr(output, "outputs") else output

@@ -35,7 +35,8 @@ class _Shard:
     def vocab_size(self) -> int:
         return self.llm.info.vocab_size
 
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list:
+    def generate(self, prompts: list, params: list[SamplingParams] | None) -> list:
+        """``params`` None: the LLM's defaults (``get_default_sampling_params``)."""
         return self.llm.generate(prompts, params) if prompts else []
 
 
@@ -76,7 +77,7 @@ class ReplicaPool:
         prompts, plist = _batch(prompts, params)
         n = len(self._actors)
         calls = [
-            actor.generate.remote(prompts[k::n], plist[k::n])
+            actor.generate.remote(prompts[k::n], None if plist is None else plist[k::n])
             for k, actor in enumerate(self._actors)
         ]
         shards = ray.get(calls)  # a failed shard raises its own error (ValueError, ...)
@@ -126,12 +127,12 @@ def generate(
 
 def _batch(
     prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None
-) -> tuple[list, list[SamplingParams]]:
+) -> tuple[list, list[SamplingParams] | None]:
     """The prompts as a list and one SamplingParams per prompt (ValueError when a list of
-    params does not match them)."""
+    params does not match them); None for None (each replica's defaults, as ``LLM``'s)."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if params is None:
-        params = SamplingParams()
+        return prompts, None
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(plist) != len(prompts):
         raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
