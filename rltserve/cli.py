@@ -93,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_from_args(args)
     prompts = args.prompt or ["Hello"]
     with LLM(**checked_engine_kwargs(args)) as llm:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=False)  # (a few prompts, at once)
     for out in outputs:
         sample = out.outputs[0]
         if args.json:

@@ -13,9 +13,11 @@ import itertools
 import math
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
@@ -24,6 +26,7 @@ from rltserve.llm_batch import PendingBatch
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
+from rltserve.progress import progress_enabled
 from rltserve.prompt_inputs import (
     PromptInput,
     encode_prompt,
@@ -208,7 +211,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -217,9 +220,11 @@ class LLM:
         ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. Every prompt is checked before
         any is submitted; if a request fails or is rejected, or the call is interrupted, the
         requests still running are aborted before the error propagates. While generation is
-        paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm`` is
-        accepted for vLLM compatibility; no bar is shown. ``priority``: one per prompt (vLLM's;
-        it replaces the params' ``priority``); ``lora_request`` must be None."""
+        paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm``
+        (vLLM's): a bar of the prompts done, on stderr when it is a terminal (True), never
+        (False), or always, made by the tqdm class given (a callable: ``tqdm.auto.tqdm`` in a
+        notebook). ``priority``: one per prompt (vLLM's; it replaces the params'
+        ``priority``); ``lora_request`` must be None."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
         batch = normalize_prompts(prompts)
@@ -246,11 +251,13 @@ class LLM:
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
             for p, ids in zip(plist, encoded)
         ]
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm={use_tqdm!r}: must be a bool or a tqdm class")
         with self._running:
             self._running.wait_for(lambda: not self._paused)
             self._active += 1
         try:
-            return self._run(batch, encoded, plist)
+            return self._run(batch, encoded, plist, use_tqdm)
         finally:
             with self._running:
                 self._active -= 1
@@ -260,7 +267,7 @@ class LLM:
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -326,12 +333,16 @@ class LLM:
         transformers)."""
         return None if self.tokenizer is None else self.tokenizer.hf()
 
-    def _run(self, batch, encoded, plist) -> list[RequestOutput]:
-        pending = PendingBatch()
+    def _run(self, batch, encoded, plist, use_tqdm) -> list[RequestOutput]:
+        bar = None
+        if use_tqdm is not False and (use_tqdm is not True or progress_enabled()):
+            make = tqdm if use_tqdm is True else use_tqdm
+            bar = make(total=len(batch), desc="Processed prompts", dynamic_ncols=True)
+        pending = PendingBatch(bar)
         groups: list[list[OutputAssembler]] = []
         prompt_ids: list[str] = []
         try:
-            for ids, p in zip(encoded, plist):
+            for index, (ids, p) in enumerate(zip(encoded, plist)):
                 group = []
                 samples = expand_samples(p)
                 # vLLM's ids: the prompt's a number, its samples' "j_<id>" when n > 1. The
@@ -354,7 +365,7 @@ class LLM:
                         min_tokens=p.min_tokens,
                     )
                     group.append(asm)
-                    pending.assemblers.append(asm)
+                    pending.add(asm, index)
                     sink = pending.sink(asm, self._client.abort)
                     self._client.add_request(rid, ids, sample, sink, key)
                 groups.append(group)
@@ -362,6 +373,8 @@ class LLM:
         finally:
             for rid in pending.unfinished():
                 self._client.abort(rid)
+            if bar is not None:
+                bar.close()
         for asm in pending.assemblers:
             if asm.rejected:
                 raise ValueError(asm.output.error)

@@ -6,19 +6,32 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from tqdm import tqdm
+
 from rltserve.outputs import OutputAssembler
 from rltserve.updates import RequestUpdate
 
 
 class PendingBatch:
     """The assemblers of one call's requests. ``cond`` guards ``finished``; the waiter wakes
-    when every request has finished or one has failed (the caller then aborts the rest)."""
+    when every request has finished or one has failed (the caller then aborts the rest).
+    ``progress`` (a tqdm bar, or None) counts the prompts all of whose samples finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: tqdm | None = None) -> None:
         self.assemblers: list[OutputAssembler] = []
         self.finished: set[str] = set()
         self.failed = False
         self.cond = threading.Condition()
+        self._progress = progress
+        self._prompt_of: dict[str, int] = {}  # request id -> its prompt's index
+        self._samples_left: dict[int, int] = {}  # prompt index -> its samples not finished
+
+    def add(self, asm: OutputAssembler, prompt: int) -> None:
+        """Registers ``asm``'s request, one sample of prompt ``prompt``, before it is added."""
+        with self.cond:
+            self.assemblers.append(asm)
+            self._prompt_of[asm.output.request_id] = prompt
+            self._samples_left[prompt] = self._samples_left.get(prompt, 0) + 1
 
     def sink(
         self, asm: OutputAssembler, abort: Callable[[str], None]
@@ -49,6 +62,10 @@ class PendingBatch:
         """Called with ``cond`` held."""
         self.finished.add(request_id)
         self.failed = self.failed or failed
+        prompt = self._prompt_of[request_id]
+        self._samples_left[prompt] -= 1
+        if self._progress is not None and not self._samples_left[prompt]:
+            self._progress.update(1)
         self.cond.notify_all()
 
     def wait(self) -> None:

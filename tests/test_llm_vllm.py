@@ -402,3 +402,41 @@ def test_more_vllm_engine_arguments(tiny):
     for name, value in [("pipeline_parallel_size", 2), ("cpu_offload_gb", 4), ("task", "embed")]:
         with pytest.raises(ValueError, match=f"{name}={value!r}: not supported"):
             LLM(str(tiny), **{name: value}, **kw)
+
+
+class _Bar:
+    """A tqdm stand-in that records what the bar was told."""
+
+    made: list[_Bar] = []
+
+    def __init__(self, total: int, desc: str, **kw) -> None:
+        self.total, self.desc, self.n, self.closed = total, desc, 0, False
+        _Bar.made.append(self)
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_use_tqdm_counts_prompts_whose_samples_all_finished(llm, monkeypatch):
+    """vLLM's ``use_tqdm``: a class is used as given; True draws tqdm's bar only where a
+    person watches (stderr a terminal); False none."""
+    _Bar.made.clear()
+    p = SamplingParams(n=2, temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([[1, 2], [3, 4], [5]], p, use_tqdm=_Bar)
+    (bar,) = _Bar.made
+    assert (bar.total, bar.n, bar.closed, bar.desc) == (3, 3, True, "Processed prompts")
+    import rltserve.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "tqdm", _Bar)
+    llm.generate([[1, 2]], p, use_tqdm=False)
+    monkeypatch.setattr(llm_module, "progress_enabled", lambda: False)
+    llm.generate([[1, 2]], p)
+    assert len(_Bar.made) == 1
+    monkeypatch.setattr(llm_module, "progress_enabled", lambda: True)
+    llm.chat([{"role": "user", "content": "hi"}], p)
+    assert len(_Bar.made) == 2 and _Bar.made[1].n == 1 and _Bar.made[1].closed
+    with pytest.raises(ValueError, match="use_tqdm='yes': must be a bool or a tqdm class"):
+        llm.generate([[1, 2]], p, use_tqdm="yes")

@@ -86,7 +86,7 @@ def _in_place(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[st
             t0 = time.perf_counter()
             llm.update_weights(tensors.items())
             t1 = time.perf_counter()
-            outputs = llm.generate(prompts, _params(args, step))
+            outputs = llm.generate(prompts, _params(args, step), use_tqdm=False)
             t2 = time.perf_counter()
             steps.append(
                 {
@@ -122,7 +122,7 @@ def _restart(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[str
             save_file(tensors, str(folder / "model.safetensors"))
             with LLM(**{**llm_kw, "model": str(folder)}) as llm:
                 t1 = time.perf_counter()
-                outputs = llm.generate(prompts, _params(args, step))
+                outputs = llm.generate(prompts, _params(args, step), use_tqdm=False)
                 t2 = time.perf_counter()
         finally:
             shutil.rmtree(folder, ignore_errors=True)

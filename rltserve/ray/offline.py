@@ -37,7 +37,7 @@ class _Shard:
 
     def generate(self, prompts: list, params: list[SamplingParams] | None) -> list:
         """``params`` None: the LLM's defaults (``get_default_sampling_params``)."""
-        return self.llm.generate(prompts, params) if prompts else []
+        return self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
 
 
 class ReplicaPool:
