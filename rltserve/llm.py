@@ -380,9 +380,12 @@ class LLM:
                 raise ValueError(asm.output.error)
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
+        # detokenize=False: no text work at all, decoded logprob tokens included (vLLM's).
         return [
-            request_output(group, prompt_text(prompt), self.tokenizer, rid)
-            for prompt, group, rid in zip(batch, groups, prompt_ids)
+            request_output(
+                group, prompt_text(prompt), self.tokenizer if p.detokenize else None, rid
+            )
+            for prompt, group, rid, p in zip(batch, groups, prompt_ids, plist)
         ]
 
     # ---------------------------------------------------------------- weights

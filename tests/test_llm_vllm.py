@@ -95,6 +95,12 @@ def test_text_options(llm):
     assert cut.outputs[0].stop_reason == stop and cut.outputs[0].finish_reason == "stop"
     (raw,) = llm.generate(["Once"], base.replace(detokenize=False))
     assert raw.outputs[0].text == "" and raw.outputs[0].token_ids == plain.outputs[0].token_ids
+    # No text work at all (vLLM's): logprob entries carry no decoded tokens either.
+    (raw,) = llm.generate(["Once"], base.replace(detokenize=False, logprobs=1, prompt_logprobs=1))
+    entries = [*raw.outputs[0].logprobs, *raw.prompt_logprobs[1:]]
+    assert {lp.decoded_token for e in entries for lp in e.values()} == {None}
+    (shown,) = llm.generate(["Once"], base.replace(logprobs=1))
+    assert all(lp.decoded_token is not None for e in shown.outputs[0].logprobs for lp in e.values())
     (special,) = llm.generate(["Once"], base.replace(skip_special_tokens=False))
     ids = special.outputs[0].token_ids
     assert special.outputs[0].text == llm.tokenizer.decode(ids, skip_special_tokens=False)
