@@ -453,3 +453,45 @@ def test_a_continuation_the_runner_cannot_make_fails_its_step_only(ckpts):
     assert core.kv.usage == 0 and not core.runner.live and not core.runner._dropped
     assert not core.runner.carried.items and not core.runner.carried._ended
     assert not core.scheduler._carried
+
+
+# Requests at max_loops=1 beside deeper ones, preempted again and again (a tight pool): the
+# first token after each resume has a recorded input, so it runs its first loop as a plan
+# item (with a ``carry``), and ends there, in steps that also carry other tokens.
+RECORDED_INPUT_CASES = {  # mode: (max_loops, max_tokens and arrival step of each request)
+    "swap": ([1, 4], [6, 4], [2, 1]),
+    "recompute": ([1, None, None], [6, 6, 6], [2, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("mode", list(RECORDED_INPUT_CASES))
+def test_recorded_input_tokens_ending_at_their_first_loop_match_the_oracle(tmp_path, mode):
+    """Such a token is kept for a continuation only: it never joins the carried rows (a row
+    past its last loop would run a loop it has no table for), and its events, in the same
+    step as carried rows' events, name it by its own key. Every request gives the oracle's
+    tokens."""
+    from engine_util import tight_blocks
+    from reference import Reference
+
+    from rltserve.models.presets import make_model
+
+    path = make_model("nanbeige-tiny", tmp_path / "nanbeige")
+    ref = Reference.load(path)
+    loops, lengths, arrivals = RECORDED_INPUT_CASES[mode]
+    prompts = [
+        [97, 173, 321, 23, 61, 78, 42, 86, 64, 366, 47, 272],
+        [97, 173, 321, 23, 61, 165, 342, 154],
+        [5, 6, 7],
+    ][: len(loops)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, max_loops=m)
+        for m, n in zip(loops, lengths)
+    ]
+    engine = {"kv_policy": "full", "preemption_mode": mode, "kv_watermark": 0.0}
+    engine.update(preemption_time_slice=5, block_size=4)
+    engine["num_blocks"] = tight_blocks(path, prompts, params, kv_policy="full")
+    run = run_core(make_core(path, **engine), prompts, params, arrivals=arrivals)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        want = oracle_run(ref, prompt, p, kv_policy="full")
+        assert run.tokens[f"r{i}"] == want.tokens, f"request {i}"
+        assert run.depths[f"r{i}"] == want.exit_depths, f"request {i}"

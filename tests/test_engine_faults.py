@@ -249,3 +249,102 @@ def test_a_failed_swap_out_still_releases_the_plans_requests(ouro_rv1, ouro_ref)
         tokens += [t for u in core.step() if u.request_id == "d" for t in u.new_token_ids]
     assert tokens == oracle_run(ouro_ref, [9, 10, 11, 12, 13, 14], p).tokens
     core.shutdown()
+
+
+def test_a_swap_in_of_a_request_whose_swap_out_failed_is_skipped(ouro_rv1, ouro_ref):
+    """A step swaps a request out and fails (its K/V never reached swap space); the next step,
+    planned before that failure was applied, swaps it back in. The runner skips that swap-in
+    (the scheduler fails the request with the failed step) instead of failing the whole step:
+    a request that only the second step runs goes on with the oracle's tokens."""
+    core = make_core(ouro_rv1, block_size=4)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    core.add_request("a", PROMPTS["a"], p)
+    core.add_request("b", PROMPTS["b"], p)
+    for _ in range(3):
+        core.step()
+    victim = core.kv.all_blocks("b", core.kv.covered("b"))
+    failing = dataclasses.replace(core.plan(), swap_out=[("b", victim)])
+
+    def broken(*args):
+        raise RuntimeError("injected swap-out failure")
+
+    core.runner._slots = broken
+    try:
+        handle = core.runner.launch(failing)
+    finally:
+        del core.runner._slots
+    # Planned before the failure is applied: "c" arrives, and "b" comes back from swap space.
+    core.add_request("c", PROMPTS["c"], p)
+    after = core.plan()
+    assert any(it.request_id == "c" for it in after.items)
+    after = dataclasses.replace(after, swap_in=[("b", victim)])
+    second = core.runner.launch(after)
+    assert handle.result().error is not None
+    assert "b" in handle.result().lost
+    assert second.result().error is None
+    out = Outcome()
+    for plan, h in ((failing, handle), (after, second)):
+        for u in core.apply(plan, h.result()):
+            out.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                out.finish[u.request_id] = u.finish_reason.value
+    assert out.finish.get("a") == out.finish.get("b") == "error"
+    while core.has_work():
+        for u in core.step():
+            out.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                out.finish[u.request_id] = u.finish_reason.value
+    assert out.finish["c"] == "length"
+    assert out.tokens["c"] == oracle_run(ouro_ref, PROMPTS["c"], p).tokens
+    final = core.plan()  # (the releases of the finished requests reach the runner)
+    if final is not None:
+        core.execute(final)
+    assert_clean(core)
+    core.shutdown()
+
+
+def test_a_step_planned_before_a_failure_is_applied_runs_no_row_of_its_requests(ouro_rv1):
+    """Async scheduling plans the next step before the failed one's result is applied: that
+    step runs no row of the failed requests (the runner drops their carried decode tokens at
+    its launch: their block tables are released, their KV is about to be freed), and the
+    engine goes on once the failure is applied."""
+    core = make_core(ouro_rv1)
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)  # (full depth: carried)
+    for rid in ("a", "b"):
+        core.add_request(rid, PROMPTS[rid], p)
+    for _ in range(40):
+        core.step()
+        if {w.request_id for w in core.runner.carried.items} == {"a", "b"}:
+            break
+    else:
+        raise AssertionError("the decode tokens were never carried")
+    failing = core.plan()
+
+    def broken(*args):
+        raise RuntimeError("injected step failure")
+
+    core.model.loop = broken
+    try:
+        handle = core.runner.launch(failing)
+    finally:
+        del core.model.loop
+    after = core.plan()  # (the failure is not applied yet)
+    assert after is not None
+    second = core.runner.launch(after)
+    assert handle.result().error is not None
+    assert second.result().error is None
+    assert second.result().num_rows == 0  # no failed request's row ran
+    assert not core.runner.carried.items
+    finish = {}
+    for plan, h in ((failing, handle), (after, second)):
+        for u in core.apply(plan, h.result()):
+            if u.finish_reason is not None:
+                finish[u.request_id] = u.finish_reason.value
+    assert finish == {"a": "error", "b": "error"}
+    while core.has_work():
+        core.step()
+    final = core.plan()
+    if final is not None:
+        core.execute(final)
+    assert_clean(core)
+    core.shutdown()
