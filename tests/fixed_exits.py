@@ -113,9 +113,7 @@ class FixedExits:
                 continue
             exited = work.exit is not None and work.exit.exit_now
             items.append(
-                ItemResult(exited, 1.0, 0.0, token_id=self.token if exited else -1)
-                if work.exit
-                else None
+                ItemResult(exited, token_id=self.token if exited else -1) if work.exit else None
             )
         self.rows = kept
         n = len(events)

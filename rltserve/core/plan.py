@@ -189,8 +189,7 @@ class ItemResult:
     """What the device decided for one work item whose output position had not exited."""
 
     exited: bool
-    survival: float  # S after this loop (gate models; 1.0 otherwise)
-    cdf: float  # CDF after this loop (gate models; 0.0 otherwise)
+    # (The gate's survival and CDF stay on the device with the runner: DESIGN §5.)
     exit_next: bool = False  # delayed mode: the next loop will be the exit
     rollback: bool = False  # the token contradicts the draft the next position ran on
     token_id: int = -1  # sampled token when exited

@@ -92,8 +92,6 @@ def decide_exits(
         new_gate = torch.stack((surv, cdf))  # [2, M]
         limit = step_rows.thresholds(r, thresholds, out_depths, min_loops, max_loops, modes)
         crossed = torch.ge(cdf, limit)  # [M]
-        if not carried_out:  # (a carried row's result is its events: no gate values)
-            step.outputs.add("gate", new_gate)
         step.outputs.add("crossed", crossed)
         if "gate" in kinds:
             crossed_now = crossed.tolist()  # in-step read: gate mode is synchronous

@@ -29,8 +29,6 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
     m = len(exited)
     every = isinstance(out, range)
     if "crossed" in host:
-        # (No gate values when every output row is a carried token's: they go unread.)
-        survival, cdf = host["gate"] if "gate" in host else (repeat(1.0, m), repeat(0.0, m))
         crossed = host["crossed"]
         # Delayed mode: a crossing that did not exit now makes the next loop the exit.
         if not any(crossed):
@@ -42,7 +40,7 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
                 c and not x and mode == "delayed" for c, x, mode in zip(crossed, exited, step.modes)
             ]
     else:
-        survival, cdf, nexts = repeat(1.0, m), repeat(0.0, m), [False] * m
+        nexts = [False] * m
     if any(nexts):  # only ever set: a pending row exits at its next loop, never again
         for h in compress(held if every else [held[i] for i in out], nexts):
             h.pending = True
@@ -50,7 +48,7 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
     carrying = step.carrying
     # No token this loop: positional (one is built per row per step).
     if not step.num_carrying:
-        outcomes = list(map(ItemResult, exited, survival, cdf, nexts))
+        outcomes = list(map(ItemResult, exited, nexts))
     elif step.num_carrying == len(items):
         outcomes = [None] * m
     else:
@@ -59,8 +57,7 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
             outcomes = [None] * m
         else:
             outcomes = [
-                None if q else ItemResult(x, s, c, nxt)
-                for q, x, s, c, nxt in zip(quiet, exited, survival, cdf, nexts)
+                None if q else ItemResult(x, nxt) for q, x, nxt in zip(quiet, exited, nexts)
             ]
     lives = step.lives
     # (Nothing to do when every row is a carried token's, none with drafts or a penalty
