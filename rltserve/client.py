@@ -417,6 +417,8 @@ def _non_finite(value: object, where: str = "") -> str | None:
     if isinstance(value, dict):
         paths = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
         return next((w for path, v in paths if (w := _non_finite(v, path))), None)
+    if type(value).__name__ == "ndarray":  # (NumPy's, sent as lists: OPT_SERIALIZE_NUMPY)
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
         return next(
             (w for i, v in enumerate(value) if (w := _non_finite(v, f"{where}[{i}]"))), None

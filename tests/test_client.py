@@ -33,8 +33,10 @@ from rltserve.client import (
     BadRequestError,
     InternalServerError,
     NotFoundError,
+    RateLimitError,
     RequestTooLargeError,
     ServiceUnavailableError,
+    UnsupportedMediaTypeError,
 )
 
 
@@ -338,3 +340,124 @@ def test_errors_survive_pickling_and_copying():
             503, "loading", "unavailable_error", 1.0,
         )  # fmt: skip
     assert isinstance(error, InternalServerError)  # (every 5xx, as the OpenAI SDK has it)
+
+
+@contextlib.asynccontextmanager
+async def echo_server():
+    """A server that shows what the client sent (body, Content-Type, Authorization) and answers
+    with the status, headers and streams a test asks for in the prompt."""
+    release = asyncio.Event()  # (a stalled stream is let go when the test ends)
+    second = asyncio.Event()
+    load = {"now": 0, "peak": 0}  # requests in the handler at once
+
+    async def completions(request):
+        raw = await request.read()
+        body = orjson.loads(raw)
+        mode = body.get("prompt")
+        if isinstance(mode, str) and mode.startswith("status-"):
+            status = int(mode.split("-")[1])
+            headers = {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"} if status == 503 else {}
+            error = {"error": {"message": f"got {status}", "type": "x", "param": None}}
+            return web.json_response(error, status=status, headers=headers)
+        if mode == "hold":  # waits for a second request (at most 0.5 s) before it answers
+            load["now"] += 1
+            load["peak"] = max(load["peak"], load["now"])
+            if load["now"] == 2:
+                second.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(second.wait(), 0.5)
+            load["now"] -= 1
+            return web.json_response({})
+        if mode in ("empty-data", "stall"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = {"id": "c", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+            if mode == "empty-data":  # an event with an empty data line, as keep-alives are
+                await response.write(b"data:\n\n" + b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await response.write(b"data: [DONE]\n\n")
+            else:
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(release.wait(), 10)
+            await response.write_eof()
+            return response
+        return web.json_response(
+            {
+                "body": body,
+                "content_type": request.headers.get("Content-Type"),
+                "authorization": request.headers.get("Authorization"),
+                "path": request.path,
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve(app) as url:
+        try:
+            yield url, load
+        finally:
+            release.set()
+
+
+async def test_client_sends_json_as_other_servers_need_it_and_maps_statuses():
+    async with echo_server() as (url, load):
+        async with AsyncClient(url + "/") as client:  # (a trailing slash is dropped)
+            sent = await client.complete([5, 6], temperature=None, max_tokens=2, stream=False)
+            assert (await client.complete([5], stream=0))["body"] == {"prompt": [5]}
+        assert sent == {
+            # None values are left out, and so is stream (the method decides it)
+            "body": {"prompt": [5, 6], "max_tokens": 2},
+            "content_type": "application/json",  # (FastAPI servers need it)
+            "authorization": None,  # no key: no header
+            "path": "/v1/completions",
+        }
+        async with AsyncClient(url, api_key="k") as client:
+            assert (await client.complete([5]))["authorization"] == "Bearer k"
+            for status, cls in (
+                (401, AuthenticationError),
+                (404, NotFoundError),
+                (413, RequestTooLargeError),
+                (415, UnsupportedMediaTypeError),
+                (429, RateLimitError),
+                (503, ServiceUnavailableError),
+            ):
+                with pytest.raises(cls) as err:
+                    await client.complete(f"status-{status}")
+                assert type(err.value) is cls
+                assert (err.value.status, err.value.message) == (status, f"got {status}")
+                assert str(err.value) == f"{status}: got {status}"
+            # a Retry-After given as an HTTP date is no number of seconds: None, not a crash
+            with pytest.raises(ServiceUnavailableError) as err:
+                await client.complete("status-503")
+            assert err.value.retry_after is None
+            # JSON has no NaN: one inside a list is refused too, not sent as null
+            with pytest.raises(ValueError, match=r"stop_token_ids\[1\]=nan"):
+                await client.complete("x", stop_token_ids=[1, float("nan")])
+            # nor inside a NumPy array (sent as a list)
+            with pytest.raises(ValueError, match=r"extra\[0\]\[1\]=nan"):
+                await client.complete("x", extra=np.array([[1.0, np.nan]]))
+            sent = await client.complete([5], extra=np.array([[1.0, 2.0]]))
+            assert sent["body"]["extra"] == [[1.0, 2.0]]
+        async with AsyncClient(url, max_connections=1) as client:  # one request at a time
+            await asyncio.gather(client.complete("hold"), client.complete("hold"))
+        assert load["peak"] == 1
+
+
+async def test_client_stream_skips_empty_events_and_times_out_a_stalled_stream():
+    async with echo_server() as (url, _), AsyncClient(url, timeout=0.3) as client:
+        chunks = await asyncio.wait_for(_chunks(client, "empty-data"), 10)
+        assert [c["choices"][0]["text"] for c in chunks] == ["a"]
+        got = []
+        with pytest.raises(APITimeoutError, match="stream stalled") as err:
+            async for chunk in client.stream("stall"):
+                got.append(chunk)
+        assert len(got) == 1
+        assert isinstance(err.value, APIConnectionError)  # (what callers catch)
+
+
+def test_error_event_codes_map_to_statuses():
+    from rltserve.client_errors import status_of
+
+    assert [status_of(c) for c in (400, "503", 599, 600, 399, "x", None)] == [
+        400, 503, 599, 500, 500, 500, 500,
+    ]  # fmt: skip

@@ -101,3 +101,11 @@ async def test_client_stops_at_the_bound_and_reads_error_events():
         with pytest.raises(BadRequestError) as err:
             await asyncio.wait_for(_collect(client), 10)
     assert (err.value.message, err.value.param) == ("bad", "n")
+
+
+def test_decoder_holds_exactly_its_bound():
+    # The line "data: 1234" is 10 bytes: it fits a bound of 10; one byte more does not.
+    decoder = SSEDecoder(max_event_bytes=10)
+    assert decoder.feed(b"data: 1234") == []
+    with pytest.raises(APIConnectionError, match="exceeds 10 bytes"):
+        decoder.feed(b"5")

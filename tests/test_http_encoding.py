@@ -206,3 +206,51 @@ async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
         # /tokenize counts whatever it is given (off the loop), without the bound
         status, _, raw = await live.post("/tokenize", {"prompt": "x" * 5000})
         assert status == 200 and orjson.loads(raw)["count"] == len(real_encode("x" * 5000))
+
+
+def test_no_bound_for_normalizers_that_compose_or_delete():
+    def wrapped(tok: HFTokenizer):
+        return types.SimpleNamespace(backend=types.SimpleNamespace(tok=tok))
+
+    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1, "<u>": 2}, merges=[], unk_token="<u>"))
+    # NFC composes "e" + U+0301 into one "é"; a Replace with nothing deletes its match
+    for unsafe in (normalizers.NFC(), normalizers.Replace("a", "")):
+        bpe.normalizer = unsafe
+        assert max_token_chars(wrapped(bpe)) is None, unsafe
+
+
+async def test_special_tokens_are_added_only_to_text_prompts(ckpt, monkeypatch):
+    """A tokenizer that adds a BOS: a text prompt gets it (unless add_special_tokens=false), a
+    rendered chat (whose template spells its own special tokens) does not get a second one."""
+    stage = stage_for(ckpt, max_model_len=64)
+    messages = [{"role": "user", "content": "Hi"}]
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+
+        async def tokens(body: dict) -> list[int]:
+            status, _, raw = await live.post("/tokenize", body)
+            assert status == 200, raw
+            return orjson.loads(raw)["tokens"]
+
+        chat = await tokens({"messages": messages})
+        codec = live.state.require_frontend().codec
+        real_encode = codec.tokenizer.encode
+        plain = real_encode("Hi", False)
+
+        def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = real_encode(text, add_special_tokens)
+            return [0, *ids] if add_special_tokens else ids  # (0: the "BOS" here)
+
+        monkeypatch.setattr(codec.tokenizer, "encode", encode)
+        assert await tokens({"prompt": "Hi"}) == [0, *plain]
+        assert await tokens({"prompt": "Hi", "add_special_tokens": False}) == plain
+        assert await tokens({"messages": messages}) == chat
+
+
+async def test_detokenize_and_echo_leave_special_tokens_out(ckpt):
+    stage = stage_for(ckpt, max_model_len=64)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/detokenize", {"tokens": [44, 77, 2]})  # 2: <|im_end|>
+        assert status == 200 and orjson.loads(raw) == {"prompt": "Hi"}
+        body = {"prompt": [44, 77, 2], "max_tokens": 1, "echo": True}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == "HiH"

@@ -443,3 +443,54 @@ async def test_detokenize_checks_the_vocabulary(ckpt):
         assert error["message"] == "tokens: token id 512 is outside the vocabulary [0, 512)"
         status, _, raw = await live.post("/detokenize", {"tokens": [44, 77]})
         assert status == 200 and orjson.loads(raw)["prompt"] == "Hi"
+
+
+async def test_api_key_scheme_is_case_insensitive_and_a_missing_key_is_named(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, api_key="sesame") as live:
+        status, headers, raw = await live.post("/v1/completions", {"prompt": "x"})
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+        assert error_of(raw)["message"] == "Missing API key: send 'Authorization: Bearer <key>'"
+        for auth in ("Basic sesame", "Bearer sesame2"):
+            status, _, raw = await live.post(
+                "/v1/completions", {"prompt": "x"}, headers={"Authorization": auth}
+            )
+            assert status == 401 and error_of(raw)["message"] == "Invalid API Key", auth
+        # RFC 9110: the scheme is case-insensitive; blanks around the key do not count
+        for auth in ("bearer sesame", "BEARER sesame", "Bearer  sesame"):
+            status, _, raw = await live.post(
+                "/v1/completions", {"prompt": "x"}, headers={"Authorization": auth}
+            )
+            assert status == 200, (auth, raw)
+
+
+async def test_json_content_types_absent_types_and_the_exact_body_bound(ckpt):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, max_body_bytes=2048) as live:
+        s, url = live.session, live.url + "/v1/completions"
+        body = orjson.dumps({"prompt": [5], "max_tokens": 1})
+        for ctype in ("application/json; charset=utf-8", "application/merge-patch+json"):
+            async with s.post(url, data=body, headers={"Content-Type": ctype}) as r:
+                assert r.status == 200, (ctype, await r.read())
+        # no Content-Type at all (curl --data-binary with -H "Content-Type:"): JSON is assumed
+        async with s.post(url, data=body, skip_auto_headers=["Content-Type"]) as r:
+            assert r.status == 200, await r.read()
+        async with s.post(url, data=body, headers={"Content-Type": "text/plain"}) as r:
+            assert r.status == 415
+        # a body of exactly max_body_bytes is read; one byte more is a 413 (trailing blanks
+        # are valid JSON)
+        json_type = {"Content-Type": "application/json"}
+        exact = body + b" " * (2048 - len(body))
+        async with s.post(url, data=exact, headers=json_type) as r:
+            assert r.status == 200, await r.read()
+        async with s.post(url, data=exact + b" ", headers=json_type) as r:
+            assert r.status == 413
+            assert error_of(await r.read())["message"] == "request body of 2049 bytes exceeds 2048"
+
+
+async def test_an_unknown_route_is_named_and_counted_as_unmatched(ckpt):
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        status, _, raw = await live.get("/v1/nothing")
+        assert status == 404 and error_of(raw)["message"] == "no route GET /v1/nothing"
+        text = (await live.get("/metrics"))[2].decode()
+    assert 'rltserve:http_requests_total{handler="unmatched",method="GET",status="404"} 1' in text

@@ -324,3 +324,80 @@ async def test_a_step_that_raises_fails_its_requests_over_http(ckpt, monkeypatch
             assert _text((status, None, raw)) == texts[0]
         else:
             assert status == 500 and b"injected step failure" in raw
+
+
+async def test_a_client_that_stalls_or_resets_is_no_server_error(ckpt, monkeypatch, caplog):
+    """A stalled reader (``StreamStalled``) and a connection reset (before a stream's first
+    event, or while the body is read) are the client's doing: the request is aborted, nothing
+    is logged as an unhandled error and /metrics counts no 500; a reset before any response
+    went out is nginx's 499."""
+    from aiohttp import web
+
+    from rltserve.http.sse import SSEWriter, StreamStalled
+
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 45], interval_s=0.005))
+    real_send, real_read = SSEWriter.send, web.Request.read
+    mode: list[str] = []
+
+    async def send(self, *objs):
+        if mode == ["reset"] and not self.started:
+            raise ConnectionResetError("Cannot write to closing transport")
+        if mode == ["stall"] and self.started:
+            raise StreamStalled("client read nothing for 0.5 s; stream dropped")
+        await real_send(self, *objs)
+
+    async def read(self):
+        if mode == ["body-reset"]:
+            raise ConnectionResetError("Connection lost")
+        return await real_read(self)
+
+    monkeypatch.setattr(SSEWriter, "send", send)
+    monkeypatch.setattr(web.Request, "read", read)
+    body = {"prompt": [5], "max_tokens": 50, "stream": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        statuses = []
+        for what in ("stall", "reset", "body-reset"):
+            mode[:] = [what]
+            status, _, raw = await asyncio.wait_for(live.post(COMPLETIONS, body), 10)
+            statuses.append(status)
+            assert b"[DONE]" not in raw, what
+            await wait_for(lambda: released(live))
+        mode.clear()
+        assert statuses == [200, 499, 499]  # (the stall: the stream had started)
+        assert len(stage.aborted) == 2 and len(stage.added) == 2  # the body-reset never got in
+        text = (await live.get("/metrics"))[2].decode()
+    closed = 'rltserve:http_requests_total{handler="/v1/completions",method="POST",status="499"}'
+    assert f"{closed} 2" in text and 'status="500"' not in text
+    assert not any("unhandled error" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_unexpected_error_mid_stream_ends_the_stream(ckpt, monkeypatch, caplog):
+    """A bug that raises after the 200 went out cannot become a 500 response (the client would
+    wait for the stream's end until its own timeout): the stream gets an error event and
+    ``[DONE]``, the error is logged, the request's KV is freed and the server goes on."""
+    from rltserve.http.sse import SSEWriter
+
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 45], interval_s=0.005))
+    real_send = SSEWriter.send
+    broken = [True]
+
+    async def send(self, *objs):
+        if broken[0] and self.started:
+            raise RuntimeError("injected bug")
+        await real_send(self, *objs)
+
+    monkeypatch.setattr(SSEWriter, "send", send)
+    body = {"prompt": [5], "max_tokens": 50, "stream": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await asyncio.wait_for(live.post(COMPLETIONS, body), 10)
+        assert status == 200
+        events = sse_payloads(raw)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"] == "internal server error"
+        assert events[-2]["error"]["code"] == 500
+        await wait_for(lambda: released(live))
+        assert stage.aborted == stage.added[:1]
+        broken[0] = False
+        status, _, raw = await asyncio.wait_for(live.post(COMPLETIONS, body), 10)
+        assert status == 200 and sse_payloads(raw)[-1] == "[DONE]"
+    assert any("unhandled error while streaming" in r.getMessage() for r in caplog.records)

@@ -295,3 +295,12 @@ async def test_model_path_shown_when_configured(ckpt):
     async with running(ckpt, client_factory=scripted(ckpt), expose_model_path=True) as live:
         _, _, raw = await live.get("/v1/models")
         assert orjson.loads(raw)["data"][0]["root"] == str(ckpt)
+
+
+async def test_every_stop_string_is_bounded_not_only_the_first(ckpt):
+    async with running(ckpt, client_factory=scripted(ckpt), max_stop_chars=10) as live:
+        body = {"prompt": [5], "stop": ["a", "x" * 11]}
+        status, _, raw = await live.post("/v1/completions", body)
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "stop"), error
+        assert "a string of 11 characters" in error["message"], error

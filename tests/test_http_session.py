@@ -69,3 +69,7 @@ async def test_clients_that_do_not_route_by_session_never_get_it(ckpt):
             assert status == 200, raw
         assert len(stage.added) == 1
     assert quiet.sessions == [None]
+
+
+def test_an_empty_session_key_is_no_key():
+    assert session_key({SESSION_HEADER: ""}, "") is None

@@ -505,3 +505,25 @@ async def test_echo_alone_running_usage_counts_no_tokens(ckpt, hi_tokens):
     events = sse_payloads(raw)[:-1]
     assert [len(e["choices"]) for e in events] == [1, 1, 0]
     assert all(e["usage"]["completion_tokens"] == 0 for e in events), events
+
+
+async def test_chat_reasoning_stream_flushes_the_tail_it_held_back(ckpt):
+    # "H", then "<" (it could open "</think>", so it is held back): the last delta carries it.
+    stage = stage_for(ckpt, [44, 32])
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/chat/completions", body)
+        assert status == 200, raw
+        assert body_of(raw)["choices"][0]["message"] == {
+            "role": "assistant", "content": "", "reasoning_content": "H<",
+        }  # fmt: skip
+        status, _, raw = await live.post("/v1/chat/completions", {**body, "stream": True})
+    assert status == 200
+    events = sse_payloads(raw)
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["delta"] for e in events[:-1]] == [
+        {"role": "assistant", "content": ""},
+        {"reasoning_content": "H"},
+        {"reasoning_content": "<"},
+    ]

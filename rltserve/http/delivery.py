@@ -8,6 +8,8 @@ disconnect included) aborts the unfinished choices in the engine.
 
 from __future__ import annotations
 
+import logging
+
 from aiohttp import web
 
 from rltserve.http.admission import Overloaded
@@ -17,6 +19,8 @@ from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
 from rltserve.http.sse import SSEWriter
 from rltserve.http.state import ServingState
+
+log = logging.getLogger("rltserve.http")
 
 
 async def deliver(
@@ -80,6 +84,17 @@ async def _stream(
         # The client went away mid-write, or stalled (StreamStalled); leaving the generation
         # aborts its choices.
         return writer.response or web.Response(status=499)
+    except Exception:
+        if not writer.started:
+            raise  # (the errors middleware's 500)
+        # The 200 status line is out: a new 500 response could not reach the client, which
+        # would wait for the stream's end. It gets an error event and [DONE] instead.
+        log.exception("unhandled error while streaming %s", request.path)
+        generation.abort()
+        try:
+            return await writer.finish((500, "internal server error"))
+        except ConnectionResetError:
+            return writer.response
 
 
 async def _collect(
