@@ -286,7 +286,11 @@ class ReplicaSetClient:
         with self._lock:
             task = self._tasks.get(request_id)
         if task is not None:
-            task.cancel()
+            # After the relay's first step, which call_soon queued at its creation (FIFO): a
+            # task cancelled before it ran never runs its body, so the sink would get no final
+            # update, the id would stay in use and the replica would keep generating.
+            with contextlib.suppress(RuntimeError):  # its loop is closed already
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     async def _relay(self, request_id: str, call, sink: Sink) -> None:
         replica = None

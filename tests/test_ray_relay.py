@@ -1,0 +1,228 @@
+"""``ReplicaSetClient``'s relay of a replica's stream and ``EngineReplica.generate``, without Ray:
+a fake streaming call stands for Serve's, a fake stage client for the replica's engine. Every
+request gets exactly one final update; an abort cancels the call; a failed replica's counters
+stay in the sums; a cancelled stream aborts its request in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+
+from rltserve.core.engine_info import EngineStats
+from rltserve.ray.client import ReplicaSetClient
+from rltserve.ray.config import ReplicaConfig
+from rltserve.ray.replica import EngineReplica, ReplicaBatch
+from rltserve.sampling import SamplingParams
+from rltserve.updates import FinishReason, RequestUpdate
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+def _stats(**values) -> EngineStats:
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{**zeros, "step_rows_counts": (), **values})
+
+
+class FakeCall:
+    """A streaming call: yields ``batches``, then raises ``error`` or waits forever (``hang``)."""
+
+    def __init__(self, batches, error: Exception | None = None, hang: bool = False) -> None:
+        self.batches, self.error, self.hang = batches, error, hang
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def __aiter__(self):
+        for batch in self.batches:
+            yield batch
+        if self.error is not None:
+            raise self.error
+        if self.hang:
+            await asyncio.Event().wait()
+
+
+class FakeStream:
+    def __init__(self, call: FakeCall) -> None:
+        self.call = call
+
+    def remote(self, *args):
+        return self.call
+
+
+def _client(call: FakeCall) -> ReplicaSetClient:
+    client = object.__new__(ReplicaSetClient)  # no cluster: only the relay's state
+    client.config = ReplicaConfig(replicas=1)
+    client._lock = threading.Lock()
+    client._tasks, client._replicas = {}, {}
+    client._retired, client._closed, client._fatal = None, False, None
+    client._stream = FakeStream(call)
+    return client
+
+
+def _batch(*updates, steps: int = 3, running: int = 1) -> ReplicaBatch:
+    return ReplicaBatch("rep-1", 4321, list(updates), _stats(num_steps=steps, num_running=running))
+
+
+async def _run(client, rid="r"):
+    got: list[RequestUpdate] = []
+    client.add_request(rid, [1, 2], PARAMS, got.append)
+    await asyncio.wait_for(client._tasks[rid], 10)
+    return got
+
+
+async def test_a_finished_request_leaves_its_replica_idle_and_its_id_free():
+    final = RequestUpdate("r", [6], finish_reason=FinishReason.LENGTH)
+    call = FakeCall([_batch(RequestUpdate("r", [5])), _batch(final)])
+    client = _client(call)
+    got = await _run(client)
+    assert [u.new_token_ids for u in got] == [[5], [6]]
+    assert got[-1].finish_reason is FinishReason.LENGTH
+    assert client._tasks == {}  # the id can be used again
+    state = client.replicas()["rep-1"]
+    assert state.requests == 1 and state.in_flight == 0
+    assert state.stats.num_running == 0  # a gauge: idle now
+    assert state.stats.num_steps == 3  # a counter: kept
+    got = await _run(client)  # same id again
+    assert got[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_a_stream_that_ends_without_a_final_update_fails_its_request():
+    client = _client(FakeCall([_batch(RequestUpdate("r", [5]))]))
+    got = await _run(client)
+    assert [u.finish_reason for u in got] == [None, FinishReason.ERROR]
+    assert "ended the request without finishing it" in got[-1].error
+
+
+async def test_a_failed_replica_fails_its_request_and_its_counters_stay_in_the_sums():
+    error = RuntimeError("actor died\nmore")
+    call = FakeCall([_batch(RequestUpdate("r", [5]), steps=7)], error=error)
+    client = _client(call)
+    got = await _run(client)
+    assert got[-1].finish_reason is FinishReason.ERROR
+    assert got[-1].error == "stage died: replica rep-1 failed: RuntimeError: actor died"
+    assert client.replicas() == {}  # a replacement reports anew
+    assert client.stats.num_steps == 7 and client.stats.num_running == 0
+
+
+async def test_abort_cancels_the_call_and_ends_the_request_once():
+    call = FakeCall([_batch(RequestUpdate("r", [5]))], hang=True)
+    client = _client(call)
+    got: list[RequestUpdate] = []
+    client.add_request("r", [1, 2], PARAMS, got.append)
+    for _ in range(1000):
+        if got:
+            break
+        await asyncio.sleep(0.001)
+    client.abort("r")
+    task = client._tasks.get("r")
+    if task is not None:
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    assert call.cancelled  # the replica's generator is cancelled: it aborts in its engine
+    assert [u.finish_reason for u in got] == [None, FinishReason.ABORT]
+    assert client._tasks == {}
+
+
+async def test_an_abort_before_the_relay_ran_still_ends_the_request_once():
+    """An abort in the same loop tick as the add (a client that went away at once): the
+    request still gets its one final update, the call is cancelled and the id is free."""
+    call = FakeCall([], hang=True)
+    client = _client(call)
+    got: list[RequestUpdate] = []
+    client.add_request("r", [1, 2], PARAMS, got.append)
+    client.abort("r")
+    task = client._tasks["r"]
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    assert call.cancelled
+    assert [u.finish_reason for u in got] == [FinishReason.ABORT]
+    assert client._tasks == {}
+    client.add_request("r", [1, 2], PARAMS, got.append)  # (the id is free again)
+    client.abort("r")
+    await asyncio.wait_for(asyncio.gather(client._tasks["r"], return_exceptions=True), 10)
+
+
+async def test_close_ends_the_open_requests(monkeypatch):
+    from rltserve.ray import client as ray_client
+
+    monkeypatch.setattr(ray_client, "cluster_gone", lambda watch_s: True)  # nothing to stop
+    call = FakeCall([_batch(RequestUpdate("r", [5]))], hang=True)
+    client = _client(call)
+    client._owns_cluster = False
+    got: list[RequestUpdate] = []
+    client.add_request("r", [1, 2], PARAMS, got.append)
+    task = client._tasks["r"]
+    await asyncio.sleep(0.01)
+    client.close()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+    assert [u.finish_reason for u in got][-1] is FinishReason.ABORT and call.cancelled
+    assert not client.alive
+
+
+# ---------------------------------------------------------------- the replica's side
+
+
+class FakeStage:
+    """A stage client whose request emits ``updates`` at once."""
+
+    def __init__(self, updates) -> None:
+        self.updates, self.aborted, self.stats = updates, [], _stats()
+
+    def add_request(self, rid, prompt, params, sink, group=None):
+        for update in self.updates:
+            sink(update)
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def _replica(stage: FakeStage) -> EngineReplica:
+    replica = object.__new__(EngineReplica)
+    replica._client, replica._id = stage, "rep-1"
+    return replica
+
+
+async def test_a_cancelled_stream_aborts_its_request_in_the_engine():
+    stage = FakeStage([RequestUpdate("r", [5])])
+    gen = _replica(stage).generate("r", [1, 2], PARAMS)
+    batch = await gen.__anext__()
+    assert batch.updates[0].new_token_ids == [5] and batch.replica == "rep-1"
+    await gen.aclose()  # the front end went away
+    assert stage.aborted == ["r"]
+
+
+async def test_a_finished_stream_ends_without_an_abort():
+    stop = RequestUpdate("r", finish_reason=FinishReason.STOP)
+    stage = FakeStage([RequestUpdate("r", [5]), stop])
+    batches = [b async for b in _replica(stage).generate("r", [1, 2], PARAMS)]
+    assert sum(len(b.updates) for b in batches) == 2
+    assert batches[-1].updates[-1].finish_reason is FinishReason.STOP
+    assert stage.aborted == []
+
+
+def test_a_replica_whose_stage_died_fails_its_health_check():
+    stage = FakeStage([])
+    stage.alive, stage.error = False, "stage died: boom"
+    replica = _replica(stage)
+    with pytest.raises(RuntimeError, match="the replica's stage is not running: stage died: boom"):
+        replica.check_health()
+    stage.alive = True
+    replica.check_health()  # a healthy one passes
+
+
+async def test_a_request_id_in_use_is_refused():
+    client = _client(FakeCall([_batch(RequestUpdate("r", [5]))], hang=True))
+    got: list[RequestUpdate] = []
+    client.add_request("r", [1, 2], PARAMS, got.append)
+    with pytest.raises(ValueError, match="request_id='r': already in use"):
+        client.add_request("r", [3], PARAMS, got.append)
+    for _ in range(1000):  # (the relay runs: see the report on aborting a task not yet started)
+        if got:
+            break
+        await asyncio.sleep(0.001)
+    client.abort("r")
+    await asyncio.wait_for(asyncio.gather(client._tasks["r"], return_exceptions=True), 10)
+    assert got[-1].finish_reason is FinishReason.ABORT  # the first request's sink, once
+    assert sum(u.finish_reason is not None for u in got) == 1
