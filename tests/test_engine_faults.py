@@ -6,6 +6,7 @@ the engine serves new requests unchanged afterwards. Faults of the scheduler its
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -29,6 +30,20 @@ from fault_util import (
 
 from rltserve.core.request import FinishReason
 from rltserve.sampling import SamplingParams
+
+
+@contextlib.contextmanager
+def failing_swap_out(core):
+    """The runner's swap-out copies fail (a device error) while the body runs."""
+
+    def broken(*args):
+        raise RuntimeError("injected swap-out failure")
+
+    core.runner._slots = broken
+    try:
+        yield
+    finally:
+        del core.runner._slots
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -230,15 +245,8 @@ def test_a_failed_swap_out_still_releases_the_plans_requests(ouro_rv1, ouro_ref)
     # The same plan swaps out a victim, and that copy fails (a device error).
     victim = core.kv.all_blocks("b", core.kv.covered("b"))
     plan = dataclasses.replace(plan, swap_out=[("b", victim)])
-
-    def broken(*args):
-        raise RuntimeError("injected swap-out failure")
-
-    core.runner._slots = broken
-    try:
+    with failing_swap_out(core):
         result = core.runner.execute(plan)
-    finally:
-        del core.runner._slots
     assert result.error is not None
     core.apply(plan, result)
     assert "a" not in core.runner.live
@@ -264,15 +272,8 @@ def test_a_swap_in_of_a_request_whose_swap_out_failed_is_skipped(ouro_rv1, ouro_
         core.step()
     victim = core.kv.all_blocks("b", core.kv.covered("b"))
     failing = dataclasses.replace(core.plan(), swap_out=[("b", victim)])
-
-    def broken(*args):
-        raise RuntimeError("injected swap-out failure")
-
-    core.runner._slots = broken
-    try:
+    with failing_swap_out(core):
         handle = core.runner.launch(failing)
-    finally:
-        del core.runner._slots
     # Planned before the failure is applied: "c" arrives, and "b" comes back from swap space.
     core.add_request("c", PROMPTS["c"], p)
     after = core.plan()
