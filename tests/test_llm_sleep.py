@@ -102,6 +102,39 @@ def test_waking_an_awake_engine_waits_for_nothing(tiny):
         thread.join()
 
 
+def test_a_wake_up_after_a_waiting_sleep_applies_after_it(tiny):
+    """sleep() waits for a running request, then wake_up() arrives: it is answered after the
+    sleep, and the engine ends awake (the last command wins)."""
+    import asyncio
+
+    from rltserve.core.engine_loop import run_engine_loop
+
+    core = make_core(tiny, num_blocks=64)
+    replies = []
+
+    async def main():
+        inbox = asyncio.Queue()
+
+        def emit(updates, _stats):
+            if any(u.request_id == "r" and u.finish_reason is not None for u in updates):
+                inbox.put_nowait(("shutdown",))
+
+        slow = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        for command in [
+            ("add", "r", [1, 2], slow),
+            ("sleep", 1, 1, 60.0),
+            ("wake_up", 2, ["weights", "kv_cache"]),
+        ]:
+            inbox.put_nowait(command)
+        loop = run_engine_loop(core, inbox, emit, lambda *r: replies.append(r))
+        await asyncio.wait_for(loop, 120)
+
+    asyncio.run(main())
+    assert [token for token, error, _ in replies] == [1, 2]
+    assert all(error is None for _, error, _ in replies) and not core.sleeping
+    core.shutdown()
+
+
 def test_bad_levels_and_tags_are_refused(tiny):
     with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
         with pytest.raises(ValueError, match="level=3: must be 1 or 2"):

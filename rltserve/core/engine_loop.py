@@ -88,7 +88,9 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
                 aborted.append(RequestUpdate(cmd[1], finish_reason=FinishReason.ABORT))
         emit(aborted, core.stats())
         return True
-    if kind == "wake_up" and not core.sleeping:  # (awake: nothing to wait for)
+    # Awake, and no sleep waiting before it (that one would apply after the wake_up: the engine
+    # would end asleep): nothing to wait for.
+    if kind == "wake_up" and not core.sleeping and not gate.waiting:
         gate.reply(command[1], None, core.weight_version)
     elif kind in ("update_weights", "sleep", "wake_up"):
         aborted = gate.request(command)
