@@ -235,11 +235,14 @@ async def odd_server():
     body, a route that never answers, 5xx statuses and error bodies that break off, streams
     that open with a byte order mark or carry vLLM's top-level error object."""
 
+    release = asyncio.Event()  # (the route that never answers lets go when the test ends)
+
     async def health(request):
         return web.Response(status=200)
 
     async def slow(request):
-        await asyncio.sleep(30)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(release.wait(), 30)
         return web.json_response({})
 
     async def completions(request):
@@ -273,7 +276,10 @@ async def odd_server():
     app.router.add_get("/v1/models", slow)
     app.router.add_post("/v1/completions", completions)
     async with serve(app) as url:
-        yield url
+        try:
+            yield url
+        finally:
+            release.set()
 
 
 async def _chunks(client, prompt):
@@ -316,17 +322,23 @@ async def test_client_edges_as_other_servers_and_callers_make_them():
 
 
 async def test_wait_ready_bounds_a_probe_the_server_never_answers():
+    release = asyncio.Event()  # (let go when the test ends: the server's shutdown waits)
+
     async def hung(request):
-        await asyncio.sleep(30)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(release.wait(), 30)
         return web.Response(status=200)
 
     app = web.Application()
     app.router.add_get("/health", hung)
     async with serve(app) as url, AsyncClient(url, timeout=20) as client:
         start = asyncio.get_running_loop().time()
-        with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
-            await asyncio.wait_for(client.wait_ready(timeout=0.3), 10)
-        assert asyncio.get_running_loop().time() - start < 5  # (not the client's 20 s)
+        try:
+            with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
+                await asyncio.wait_for(client.wait_ready(timeout=0.3), 10)
+            assert asyncio.get_running_loop().time() - start < 5  # (not the client's 20 s)
+        finally:
+            release.set()
 
 
 def test_errors_survive_pickling_and_copying():
