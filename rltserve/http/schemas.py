@@ -17,7 +17,7 @@ from typing import Any
 
 from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
-from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.sampling import GENERATION_CONFIG_KEYS, MAX_LOGPROBS, SamplingParams
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
@@ -26,14 +26,6 @@ COMPLETION_MAX_TOKENS = 16
 # take (up to 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63 - 1)
 PRIORITY_RANGE = SEED_RANGE  # (a 64-bit int, as vLLM's)
-# What a request that leaves a sampling field out gets when the generation config has none.
-SAMPLING_DEFAULTS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
@@ -59,7 +51,7 @@ class GenerationFields:
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    # None: the server's default (the generation config's, else vLLM's: ``SAMPLING_DEFAULTS``).
+    # None: the server's default (the generation config's, else SamplingParams', vLLM's).
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -381,12 +373,10 @@ def sampling_params(
     """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j`` so
     that n > 1 gives distinct but reproducible samples; a seed of -1 is none (vLLM's), for
     every sample. A sampling field the request leaves out takes ``defaults``' value (the
-    server's generation config), else ``SAMPLING_DEFAULTS``'."""
-    given = {name: getattr(req, name) for name in SAMPLING_DEFAULTS}
-    sampling = {
-        name: value if value is not None else (defaults or {}).get(name, SAMPLING_DEFAULTS[name])
-        for name, value in given.items()
-    }
+    server's generation config), else ``SamplingParams``' default."""
+    given = {name: getattr(req, name) for name in GENERATION_CONFIG_KEYS}
+    chosen = {name: (defaults or {}).get(name) if v is None else v for name, v in given.items()}
+    sampling = {name: value for name, value in chosen.items() if value is not None}
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     seed = None if req.seed in (None, -1) else req.seed + sample_index
     if req.min_tokens > max_tokens >= 1:  # (a max_tokens below 1 is SamplingParams' error)
