@@ -40,6 +40,7 @@ from rltserve.sampling import (
     generation_config_defaults,
     outside_vocab,
     plain_number,
+    truncated_prompt,
 )
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import SLEEP_TAGS
@@ -246,7 +247,13 @@ class LLM:
                 raise ValueError(f"priority: must be a list of one int per prompt ({len(batch)})")
             plist = [p.replace(priority=plain_number(pr)) for p, pr in zip(plist, priority)]
         vocab = self.info.vocab_size
-        encoded = [encode_prompt(prompt, self.tokenizer, vocab) for prompt in batch]
+        context = self.info.max_model_len
+        encoded = [
+            truncated_prompt(
+                encode_prompt(prompt, self.tokenizer, vocab), p.truncate_prompt_tokens, context
+            )
+            for prompt, p in zip(batch, plist)
+        ]
         plist = [
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
             for p, ids in zip(plist, encoded)

@@ -112,6 +112,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    # vLLM's left truncation: only the prompt's last k tokens are run (-1: as many as the
+    # engine takes, ``max_model_len - 1``); ``truncated_prompt``.
+    truncate_prompt_tokens: int | None = None
     # vLLM's, accepted at their defaults: constrained decoding is not built; ``extra_args``
     # (for custom sampling code, which has no hook here) is carried along unused.
     guided_decoding: None = None
@@ -288,6 +291,13 @@ class SamplingParams:
                 raise bad("logit_bias", f"the bias of {token} must be a number")
             if not -100.0 <= bias <= 100.0:  # (NaN fails too)
                 raise bad("logit_bias", f"the bias of {token} must be in [-100, 100]")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self, "truncate_prompt_tokens")
+            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
+                raise bad(
+                    "truncate_prompt_tokens",
+                    "must be >= 1 (keep the prompt's last k tokens) or -1 (as many as fit)",
+                )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "must hold at least one token id")
@@ -377,6 +387,23 @@ def plain_number(value: object) -> object:
     if isinstance(value, numbers.Real):
         return float(value)
     return value
+
+
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``ids`` as ``truncate_prompt_tokens=keep`` runs them (vLLM's left truncation): the last
+    ``keep`` tokens; -1 keeps ``max_model_len - 1``, the longest prompt that leaves room for a
+    token (vLLM's -1 keeps ``max_model_len``, a prompt this engine refuses). A ``keep`` above
+    ``max_model_len`` is a ValueError, as in vLLM."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len - 1
+    elif keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={keep}: greater than the maximum context length "
+            f"({max_model_len} tokens); choose a smaller truncation size"
+        )
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:

@@ -203,6 +203,7 @@ GENERATION_FIELDS: dict[str, st.SearchStrategy] = {
     "priority": _wrong_or(INTS),
     "return_exit_depths": _wrong_or(st.booleans()),
     "return_token_ids": _wrong_or(st.booleans()),
+    "truncate_prompt_tokens": _wrong_or(st.integers(-3, 70)),
 }
 PROMPTS = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3) | st.lists(TOKEN_IDS, max_size=3)
 MESSAGE = st.fixed_dictionaries(

@@ -314,3 +314,55 @@ async def test_left_out_sampling_fields_take_the_generation_config(ckpt, tmp_pat
         assert "generation_config.json: top_p=0: must be in (0, 1]" in live.state.load_error
     with pytest.raises(ValueError, match="generation_config='nowhere': must be 'auto', 'vllm'"):
         ServerConfig(generation_config="nowhere")
+
+
+async def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(ckpt):
+    """vLLM's ``truncate_prompt_tokens``: k keeps the prompt's last k tokens (text, ids and
+    chat alike, before the context check: a prompt too long for the context runs), -1 as many
+    as leave room for a token; usage counts what ran, echo shows it; 0, -2 and a k above the
+    context are 400s naming the field."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    long_ids = list(range(3, 103))  # 100 tokens: beyond the context of 64
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": long_ids, "max_tokens": 2})
+        assert status == 400 and error_of(raw)["param"] == "prompt"
+        body = {"prompt": long_ids, "max_tokens": 2, "truncate_prompt_tokens": 10}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens"] == 10
+        assert stage.added_prompts[-1] == long_ids[-10:]
+        assert stage.added_params[-1].truncate_prompt_tokens == 10
+        body = {"prompt": long_ids, "truncate_prompt_tokens": -1}
+        status, _, raw = await live.post("/v1/completions", body)
+        usage = orjson.loads(raw)["usage"]
+        assert status == 200 and (usage["prompt_tokens"], usage["completion_tokens"]) == (63, 1)
+        assert stage.added_prompts[-1] == long_ids[-63:]
+        # a short prompt is left whole
+        body = {"prompt": [5, 6], "max_tokens": 1, "truncate_prompt_tokens": 10}
+        assert (await live.post("/v1/completions", body))[0] == 200
+        assert stage.added_prompts[-1] == [5, 6]
+        # text far beyond what the context could hold, echoed as what ran
+        tokenizer = load_tokenizer(ckpt)
+        text = "hello world " * 2000
+        body = {"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 5, "echo": True}
+        status, _, raw = await live.post("/v1/completions", body)
+        kept = tokenizer.encode(text)[-5:]
+        assert status == 200 and stage.added_prompts[-1] == kept
+        assert orjson.loads(raw)["choices"][0]["text"].startswith(tokenizer.decode(kept))
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        assert status == 400 and error_of(raw)["param"] == "messages"
+        status, _, raw = await live.post(
+            "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 20}
+        )
+        assert status == 200 and orjson.loads(raw)["usage"]["prompt_tokens"] == 20
+        assert len(stage.added_prompts[-1]) == 20
+        n = len(stage.added_prompts)
+        for bad, words in ((0, "must be >= 1"), (-2, "must be >= 1"), (65, "greater than")):
+            body = {"prompt": long_ids, "truncate_prompt_tokens": bad}
+            status, _, raw = await live.post("/v1/completions", body)
+            error = error_of(raw)
+            assert (status, error["param"]) == (400, "truncate_prompt_tokens"), error
+            assert words in error["message"], error
+        status, _, raw = await live.post("/v1/completions", {**body, "truncate_prompt_tokens": "5"})
+        assert (status, error_of(raw)["param"]) == (400, "truncate_prompt_tokens")
+        assert len(stage.added_prompts) == n  # (nothing reached the engine)

@@ -84,6 +84,7 @@ class ScriptedStage:
         self.stats: EngineStats | None = None
         self.aborted: list[str] = []
         self.added_params: list = []  # the SamplingParams of every request, in order
+        self.added_prompts: list[list[int]] = []  # and their prompts
         self.added: list[str] = []
         self.weight_updates: list[list[str]] = []  # the paths of each update_weights call
         self.weight_version = 0
@@ -106,6 +107,7 @@ class ScriptedStage:
             self._open[request_id] = _Open(list(prompt_token_ids), params, sink)
             self.added.append(request_id)
             self.added_params.append(params)
+            self.added_prompts.append(list(prompt_token_ids))
         threading.Thread(target=self._play, args=(request_id,), daemon=True).start()
 
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:

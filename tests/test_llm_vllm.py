@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from engine_util import make_core, run_core
 
 from rltserve import LLM, SamplingParams
 from rltserve.outputs import CompletionOutput, RequestOutput
@@ -446,3 +447,35 @@ def test_use_tqdm_counts_prompts_whose_samples_all_finished(llm, monkeypatch):
     assert len(_Bar.made) == 2 and _Bar.made[1].n == 1 and _Bar.made[1].closed
     with pytest.raises(ValueError, match="use_tqdm='yes': must be a bool or a tqdm class"):
         llm.generate([[1, 2]], p, use_tqdm="yes")
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny):
+    """vLLM's left truncation: k keeps the last k prompt tokens (the output is the truncated
+    prompt's, ``prompt_token_ids`` what ran, ``prompt`` the text given), -1 as many as leave
+    room for a token (a prompt longer than the context runs); the engine truncates a direct
+    caller's prompt too; bad values name the field."""
+    ids = [(7 * i) % 500 + 3 for i in range(300)]  # beyond the context of 256
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    cut = plain.replace(truncate_prompt_tokens=10)
+    (want,) = llm.generate([ids[-10:]], plain)
+    (out,) = llm.generate([ids], cut)
+    assert out.prompt_token_ids == ids[-10:]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    (out,) = llm.generate([ids], plain.replace(truncate_prompt_tokens=-1))
+    assert out.prompt_token_ids == ids[-255:] and len(out.outputs[0].token_ids) == 1
+    text = "one two three four five six seven"
+    (out,) = llm.generate([text], cut.replace(truncate_prompt_tokens=3))
+    assert out.prompt == text and out.prompt_token_ids == llm.tokenizer.encode(text)[-3:]
+    (short,) = llm.generate([[5, 6]], cut)
+    assert short.prompt_token_ids == [5, 6]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=257: greater than"):
+        llm.generate([ids], plain.replace(truncate_prompt_tokens=257))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"truncate_prompt_tokens={bad}"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    core = make_core(tiny, max_model_len=256)
+    try:
+        run = run_core(core, [ids], [cut])
+        assert run.tokens["r0"] == want.outputs[0].token_ids
+    finally:
+        core.shutdown()

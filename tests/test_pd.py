@@ -460,3 +460,18 @@ async def test_the_server_serves_through_two_stages(tmp_path_factory):
     assert outputs[1]["choices"][0]["token_ids"] == outputs[0]["choices"][0]["token_ids"]
     # The decode stage found the prompt's blocks (12 of 14 tokens) moved from the prefill stage.
     assert outputs[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}
+
+
+def test_a_truncated_prompt_moves_the_blocks_it_runs(ckpts, ouro_ref):
+    """``truncate_prompt_tokens``: the prefill stage computes the prompt the decode stage runs
+    (its last k tokens), whose blocks the decode stage then reuses."""
+    client = _client(ckpts["ouro"], kv_policy="last_exited")
+    try:
+        prompt = [(5 * i) % 384 for i in range(40)]
+        params = GREEDY.replace(truncate_prompt_tokens=21)
+        run = stream_all(client, [prompt], [params])
+        _oracle(ouro_ref, run, [prompt[-21:]], [GREEDY], kv_policy="last_exited")
+        assert client.decode.stats.prefix_cache_hits == _moved([prompt[-21:]]) == 20
+        wait_pd_idle(client)
+    finally:
+        client.close()

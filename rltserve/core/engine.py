@@ -33,7 +33,7 @@ from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import SamplingParams, truncated_prompt
 from rltserve.updates import RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,10 @@ class EngineCore:
         see ``add_request``."""
         spec = self.spec
         rid = request_id or uuid.uuid4().hex
+        # (The front ends truncate before their own checks; again here for direct callers.)
+        prompt_token_ids = truncated_prompt(
+            prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len
+        )
         params = check_params(
             prompt_token_ids, params, spec, self.config, self.max_model_len, self._pool_limited
         )

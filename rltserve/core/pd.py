@@ -40,7 +40,7 @@ from rltserve.core import transfer_dir
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import SamplingParams, truncated_prompt
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,11 @@ class PDClient:
                 raise ValueError(f"request_id={request_id!r}: already in use")
             self._ids.add(request_id)
         prompt = list(prompt_token_ids)
+        if self.info is not None:  # (the prompt the decode stage's engine runs)
+            with contextlib.suppress(ValueError):  # (which refuses it then, in its own words)
+                prompt = truncated_prompt(
+                    prompt, params.truncate_prompt_tokens, self.info.max_model_len
+                )
         handoff = None
         try:
             # (``_in_sync`` is read under the lock: an update marks the open prefills.)

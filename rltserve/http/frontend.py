@@ -28,7 +28,7 @@ from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
-from rltserve.sampling import SamplingParams, outside_vocab
+from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -150,18 +150,35 @@ class Frontend:
             raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
         return self.codec
 
-    async def completion_prompts(self, items: list) -> list[PromptInput]:
-        """``items``: a request's prompts (``CompletionRequest.prompts``), texts or token ids."""
+    async def completion_prompts(self, items: list, keep: int | None = None) -> list[PromptInput]:
+        """``items``: a request's prompts (``CompletionRequest.prompts``), texts or token ids;
+        ``keep``: ``truncate_prompt_tokens`` (a truncated text echoes what was run)."""
         if not items:
             raise bad_request("prompt: must not be empty", "prompt")
         out = []
         for item in items:
-            if isinstance(item, str):
-                ids = await self.require_codec("prompt").encode(item, "prompt")
-                out.append(PromptInput(self.check_prompt(ids, "prompt"), item))
-            else:
-                out.append(PromptInput(self.check_prompt(list(item), "prompt")))
+            if not isinstance(item, str):
+                ids = self.truncated(list(item), keep)
+                out.append(PromptInput(self.check_prompt(ids, "prompt")))
+                continue
+            codec = self.require_codec("prompt")
+            if keep is None:
+                ids = await codec.encode(item, "prompt")
+            else:  # (a text too long for the context is what truncation is for)
+                ids = await codec.encode_any(item)
+            kept = self.truncated(ids, keep)
+            out.append(
+                PromptInput(self.check_prompt(kept, "prompt"), item if kept is ids else None)
+            )
         return out
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """``ids`` as ``truncate_prompt_tokens=keep`` runs them (``sampling.truncated_prompt``);
+        ``ids`` itself when nothing is cut."""
+        try:
+            return truncated_prompt(ids, keep, self.info.max_model_len)
+        except ValueError as exc:
+            raise bad_request(str(exc), "truncate_prompt_tokens") from exc
 
     async def chat_prompt(
         self,
@@ -169,14 +186,17 @@ class Frontend:
         add_generation_prompt: bool,
         template_kwargs: dict | None,
         continue_final_message: bool = False,
+        keep: int | None = None,
     ) -> PromptInput:
+        """``keep``: ``truncate_prompt_tokens``."""
         ids = await self.render_chat(
             messages,
             add_generation_prompt,
             template_kwargs,
+            check_length=keep is None,
             continue_final_message=continue_final_message,
         )
-        return PromptInput(self.check_prompt(ids, "messages"))
+        return PromptInput(self.check_prompt(self.truncated(ids, keep), "messages"))
 
     async def render_chat(
         self,

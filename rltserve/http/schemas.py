@@ -89,6 +89,7 @@ class GenerationFields:
     thinking_end_token_ids: list[int] | None = None
     return_exit_depths: bool = False
     return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # vLLM's: run only the prompt's last k tokens
     # vLLM's constrained decoding and beam search: known so that asking for them is a clear 400
     # (ignored, they would give unconstrained output that looks like an answer).
     guided_json: Any = None
@@ -107,6 +108,10 @@ class GenerationFields:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:  # OpenAI's range
             raise SchemaError("temperature", f"temperature={self.temperature}: must be in [0, 2]")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (keep == 0 or keep < -1):
+            why = f"truncate_prompt_tokens={keep}: must be >= 1 (the prompt's last k tokens) or -1"
+            raise SchemaError("truncate_prompt_tokens", why)
         if self.stream_options is not None and not self.stream:
             raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
         for key in self.logit_bias or {}:
@@ -411,6 +416,7 @@ def sampling_params(
             priority=req.priority,
             init_state=req.init_state,
             logprobs=logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             max_thinking_tokens=req.max_thinking_tokens,
             thinking_interruption=req.thinking_interruption,
             thinking_end_token_ids=(
