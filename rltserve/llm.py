@@ -31,6 +31,7 @@ from rltserve.prompt_inputs import (
     PromptInput,
     encode_prompt,
     normalize_prompts,
+    prompt_cache_salt,
     prompt_text,
     template_message,
 )
@@ -246,6 +247,8 @@ class LLM:
             if isinstance(priority, (str, bytes)) or len(priority) != len(batch):
                 raise ValueError(f"priority: must be a list of one int per prompt ({len(batch)})")
             plist = [p.replace(priority=plain_number(pr)) for p, pr in zip(plist, priority)]
+        salts = [prompt_cache_salt(prompt) for prompt in batch]  # (vLLM's key of a prompt dict)
+        plist = [p if s is None else p.replace(cache_salt=s) for p, s in zip(plist, salts)]
         vocab = self.info.vocab_size
         context = self.info.max_model_len
         encoded = [

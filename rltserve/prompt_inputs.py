@@ -12,7 +12,7 @@ from rltserve.http.schemas import joined_text_parts, template_role
 from rltserve.sampling import outside_vocab, plain_number
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def prompt_text(prompt: PromptInput) -> str | None:
@@ -22,6 +22,16 @@ def prompt_text(prompt: PromptInput) -> str | None:
     if isinstance(prompt, Mapping):
         return prompt.get("prompt")
     return None
+
+
+def prompt_cache_salt(prompt: PromptInput) -> str | None:
+    """The prompt dict's ``cache_salt`` (vLLM's), None without one."""
+    if not isinstance(prompt, Mapping) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt={salt!r:.80}: must be a non-empty string (or None)")
+    return salt
 
 
 def normalize_prompts(prompts: object) -> list[PromptInput]:

@@ -115,6 +115,9 @@ class SamplingParams:
     # vLLM's left truncation: only the prompt's last k tokens are run (-1: as many as the
     # engine takes, ``max_model_len - 1``); ``truncated_prompt``.
     truncate_prompt_tokens: int | None = None
+    # vLLM's ``cache_salt`` (a prompt dict's key there, and an HTTP field): prompts with
+    # different salts never share prefix-cache blocks (tenants cannot probe each other's).
+    cache_salt: str | None = None
     # vLLM's, accepted at their defaults: constrained decoding is not built; ``extra_args``
     # (for custom sampling code, which has no hook here) is carried along unused.
     guided_decoding: None = None
@@ -291,6 +294,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"the bias of {token} must be a number")
             if not -100.0 <= bias <= 100.0:  # (NaN fails too)
                 raise bad("logit_bias", f"the bias of {token} must be in [-100, 100]")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and self.cache_salt
+        ):
+            raise bad("cache_salt", "must be a non-empty string (or None)")
         if self.truncate_prompt_tokens is not None:
             _check_int(self, "truncate_prompt_tokens")
             if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:

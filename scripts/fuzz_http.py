@@ -204,6 +204,7 @@ GENERATION_FIELDS: dict[str, st.SearchStrategy] = {
     "return_exit_depths": _wrong_or(st.booleans()),
     "return_token_ids": _wrong_or(st.booleans()),
     "truncate_prompt_tokens": _wrong_or(st.integers(-3, 70)),
+    "cache_salt": _wrong_or(st.none() | st.text(max_size=3)),
 }
 PROMPTS = TEXT | TOKEN_IDS | st.lists(TEXT, max_size=3) | st.lists(TOKEN_IDS, max_size=3)
 MESSAGE = st.fixed_dictionaries(

@@ -61,3 +61,24 @@ async def test_n_out_of_range_is_a_400_naming_the_field(server):
         status, _, raw = await server.post("/v1/completions", {"prompt": PROMPT, "n": n})
         assert status == 400
         assert orjson.loads(raw)["error"]["param"] == "n"
+
+
+async def test_cache_salt_shares_blocks_only_within_one_salt(server):
+    """vLLM's ``cache_salt``: a prompt cached under one salt is a miss under another or none,
+    a hit under the same; the output is the same either way; an empty salt is a 400."""
+    prompt = [60 + i for i in range(14)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    first = await complete(server, **body, cache_salt="tenant-a")
+    assert "prompt_tokens_details" not in first["usage"]
+    for salt in ("tenant-b", None):
+        other = await complete(server, **body, cache_salt=salt)
+        assert "prompt_tokens_details" not in other["usage"], salt
+    for salt in ("tenant-a", "tenant-b"):
+        again = await complete(server, **body, cache_salt=salt)
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 12}, salt
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for bad in ("", 5):
+        status, _, raw = await server.post("/v1/chat/completions", {**chat, "cache_salt": bad})
+        error = orjson.loads(raw)["error"]
+        assert (status, error["param"]) == (400, "cache_salt"), error

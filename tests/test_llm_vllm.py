@@ -479,3 +479,26 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny):
         assert run.tokens["r0"] == want.outputs[0].token_ids
     finally:
         core.shutdown()
+
+
+def test_cache_salt_of_a_prompt_dict_separates_prefix_cache_tenants(llm):
+    """vLLM's ``{"prompt_token_ids": ids, "cache_salt": s}``: blocks cached under one salt are
+    reused under the same salt only; the outputs do not depend on it."""
+    ids = [(11 * i) % 500 + 3 for i in range(40)]
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(**salt):
+        (out,) = llm.generate([{"prompt_token_ids": ids, **salt}], p)
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    cached, want = run(cache_salt="a")
+    assert cached == 0
+    assert run(cache_salt="b") == (0, want) and run() == (0, want)
+    assert run(cache_salt="a")[0] > 0 and run(cache_salt=None)[0] > 0  # (None: no salt)
+    (text,) = llm.generate([{"prompt": "salted text", "cache_salt": "c"}], p)
+    assert text.prompt == "salted text"
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="cache_salt=.*must be a non-empty string"):
+            llm.generate([{"prompt_token_ids": ids, "cache_salt": bad}], p)
+    with pytest.raises(ValueError, match="cache_salt=''"):
+        SamplingParams(cache_salt="")

@@ -475,3 +475,16 @@ def test_a_truncated_prompt_moves_the_blocks_it_runs(ckpts, ouro_ref):
         wait_pd_idle(client)
     finally:
         client.close()
+
+
+def test_a_salted_prompt_moves_its_blocks(ckpts):
+    """``cache_salt``: the prefill stage hashes the prompt's blocks with the request's salt, so
+    the decode stage finds them."""
+    client = _client(ckpts["ouro"], kv_policy="last_exited")
+    try:
+        prompt = [(3 * i) % 384 for i in range(21)]
+        stream_all(client, [prompt], [GREEDY.replace(cache_salt="tenant")])
+        assert client.decode.stats.prefix_cache_hits == _moved([prompt]) == 20
+        wait_pd_idle(client)
+    finally:
+        client.close()

@@ -265,6 +265,7 @@ class EngineCore:
             request.num_loops,
             noise,
             None if self.prefix_caching else request.group,
+            request.params.cache_salt,  # (the client's: tenants share no blocks)
         )
 
     def reset_prefix_cache(self) -> None:

@@ -262,6 +262,7 @@ class PDClient:
             init_state=params.init_state,
             kv_policy=params.kv_policy,
             priority=params.priority,
+            cache_salt=params.cache_salt,
         )
 
     def _ending(self, request_id: str, sink: Sink, path: str | None = None) -> Sink:

@@ -90,6 +90,7 @@ class GenerationFields:
     return_exit_depths: bool = False
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: run only the prompt's last k tokens
+    cache_salt: str | None = None  # vLLM's: prompts share prefix-cache blocks only within one
     # vLLM's constrained decoding and beam search: known so that asking for them is a clear 400
     # (ignored, they would give unconstrained output that looks like an answer).
     guided_json: Any = None
@@ -417,6 +418,7 @@ def sampling_params(
             init_state=req.init_state,
             logprobs=logprobs,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            cache_salt=req.cache_salt,
             max_thinking_tokens=req.max_thinking_tokens,
             thinking_interruption=req.thinking_interruption,
             thinking_end_token_ids=(
