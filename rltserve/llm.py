@@ -34,6 +34,7 @@ from rltserve.prompt_inputs import (
     prompt_cache_salt,
     prompt_text,
     template_message,
+    token_id_prompts,
 )
 from rltserve.sampling import (
     SamplingParams,
@@ -211,11 +212,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         priority: Sequence[int] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one ``RequestOutput`` per prompt, in input order,
         each with ``params.n`` samples. A prompt is a string (needs a tokenizer), a list of token
@@ -226,9 +229,15 @@ class LLM:
         (vLLM's): a bar of the prompts done, on stderr when it is a terminal (True), never
         (False), or always, made by the tqdm class given (a callable: ``tqdm.auto.tqdm`` in a
         notebook). ``priority``: one per prompt (vLLM's; it replaces the params'
-        ``priority``); ``lora_request`` must be None."""
+        ``priority``); ``lora_request`` must be None. ``prompt_token_ids`` (older vLLM's
+        keyword, which RL code still passes): the prompts as token ids (one list, or a list of
+        them), with ``prompts`` their texts or None."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
+        if prompt_token_ids is not None:
+            prompts = token_id_prompts(prompt_token_ids, prompts)
+        if prompts is None:
+            raise ValueError("prompts: required (or prompt_token_ids)")
         batch = normalize_prompts(prompts)
         params = sampling_params
         if params is None:

@@ -46,6 +46,26 @@ def normalize_prompts(prompts: object) -> list[PromptInput]:
     return prompts
 
 
+def token_id_prompts(ids: object, texts: object = None) -> list[dict[str, Any]]:
+    """Older vLLM's ``generate(prompt_token_ids=...)``: one prompt's ids or a list of them, as
+    prompt dicts; ``texts`` (None, one text or one per prompt) become their ``prompt``."""
+    if hasattr(ids, "tolist") and not isinstance(ids, list):
+        ids = ids.tolist()  # (a NumPy array or a tensor)
+    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+        raise ValueError(f"prompt_token_ids={ids!r:.80}: must be token ids or a list of them")
+    # (an id may be a NumPy or torch scalar, ndim 0; a prompt a list, array or tensor)
+    one = bool(ids) and not (isinstance(ids[0], Sequence) or getattr(ids[0], "ndim", 0) > 0)
+    batch = [ids] if one else list(ids)
+    if texts is None:
+        return [{"prompt_token_ids": p} for p in batch]
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, Sequence) or len(texts) != len(batch):
+        raise ValueError("prompts and prompt_token_ids: must be as many (the texts of the ids)")
+    if not all(isinstance(t, str) for t in texts):
+        raise ValueError("prompts: with prompt_token_ids, must be the prompts' texts")
+    return [{"prompt": t, "prompt_token_ids": p} for t, p in zip(texts, batch)]
+
+
 def encode_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> list[int]:
     """The prompt's token ids (text encoded with ``tokenizer``, which may be None)."""
     if isinstance(prompt, Mapping):

@@ -263,3 +263,32 @@ def test_multimodal_keys_set_to_none_are_text_prompts(llm):
     assert len(out.token_ids) == 5
     with pytest.raises(ValueError, match="prompt: unknown key 'multi_modal_data'"):
         llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}], GREEDY)
+
+
+def test_older_vllms_prompt_token_ids_keyword(llm):
+    """OpenRLHF's and older vLLM-era code: ``generate(sampling_params=..., prompt_token_ids=...)``
+    with a list of id lists (NumPy rows too) or one prompt's ids, optionally beside their
+    texts; the same outputs as the prompt forms of today."""
+    ids = [[3, 5, 7], [11, 13]]
+    want = [o.token_ids for o in llm.generate(ids, GREEDY)]
+    outs = llm.generate(sampling_params=GREEDY, prompt_token_ids=ids, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert [o.prompt_token_ids for o in outs] == ids and outs[0].prompt is None
+    rows = np.array([[3, 5, 7], [3, 5, 7]], dtype=np.int64)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=rows, sampling_params=GREEDY)] == [
+        want[0]
+    ] * 2
+    (one,) = llm.generate(prompt_token_ids=list(np.array([11, 13])), sampling_params=GREEDY)
+    assert one.prompt_token_ids == [11, 13] and one.token_ids == want[1]
+    (texted,) = llm.generate("the text", GREEDY, prompt_token_ids=[3, 5, 7])
+    assert (texted.prompt, texted.prompt_token_ids, texted.token_ids) == (
+        "the text",
+        [3, 5, 7],
+        want[0],
+    )
+    with pytest.raises(ValueError, match="prompts and prompt_token_ids: must be as many"):
+        llm.generate(["a", "b"], GREEDY, prompt_token_ids=[3, 5, 7])
+    with pytest.raises(ValueError, match="prompts: required"):
+        llm.generate(sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids='abc'"):
+        llm.generate(prompt_token_ids="abc")
