@@ -226,3 +226,31 @@ async def test_a_request_id_in_use_is_refused():
     await asyncio.wait_for(asyncio.gather(client._tasks["r"], return_exceptions=True), 10)
     assert got[-1].finish_reason is FinishReason.ABORT  # the first request's sink, once
     assert sum(u.finish_reason is not None for u in got) == 1
+
+
+@pytest.mark.parametrize("closing", [False, True])
+def test_a_cluster_that_stops_answering_ends_the_client_unless_closing(monkeypatch, closing):
+    """The replica poller counts running replicas; when Serve stops answering, the client is
+    dead with the reason (the server's supervisor sees it), unless it is closing anyway."""
+    import rltserve.ray.client as client_module
+
+    monkeypatch.setattr(client_module, "_POLL_S", 0.0)
+    client = _client(FakeCall([]))
+    answers = iter([{"RUNNING": 2, "STARTING": 1}])
+
+    def serve_app():
+        try:
+            states = next(answers)
+        except StopIteration:
+            client._closed = closing  # (close() sets it while a poll is in flight)
+            raise ConnectionError("the GCS is gone") from None
+        return object(), type("Deployment", (), {"replica_states": states})()
+
+    client._serve_app = serve_app
+    client._poll()  # (returns when the cluster stops answering)
+    assert client.live_replicas == 2
+    if closing:
+        assert client._fatal is None and client.error == "closed"
+    else:
+        assert not client.alive
+        assert client.error == "Ray Serve is not answering: ConnectionError: the GCS is gone"
