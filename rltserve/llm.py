@@ -26,7 +26,7 @@ from rltserve.llm_batch import PendingBatch
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
-from rltserve.progress import progress_enabled
+from rltserve.progress import in_notebook, progress_enabled
 from rltserve.prompt_inputs import (
     PromptInput,
     encode_prompt,
@@ -226,9 +226,9 @@ class LLM:
         any is submitted; if a request fails or is rejected, or the call is interrupted, the
         requests still running are aborted before the error propagates. While generation is
         paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm``
-        (vLLM's): a bar of the prompts done, on stderr when it is a terminal (True), never
-        (False), or always, made by the tqdm class given (a callable: ``tqdm.auto.tqdm`` in a
-        notebook). ``priority``: one per prompt (vLLM's; it replaces the params'
+        (vLLM's): a bar of the prompts done, on stderr when it is a terminal or in a Jupyter
+        notebook (True), never (False), or always, made by the tqdm class given (a callable,
+        such as ``tqdm.auto.tqdm``). ``priority``: one per prompt (vLLM's; it replaces the params'
         ``priority``); ``lora_request`` must be None. ``prompt_token_ids`` (older vLLM's
         keyword, which RL code still passes): the prompts as token ids (one list, or a list of
         them), with ``prompts`` their texts or None."""
@@ -354,7 +354,7 @@ class LLM:
 
     def _run(self, batch, encoded, plist, use_tqdm) -> list[RequestOutput]:
         bar = None
-        if use_tqdm is not False and (use_tqdm is not True or progress_enabled()):
+        if use_tqdm is not False and (use_tqdm is not True or progress_enabled() or in_notebook()):
             make = tqdm if use_tqdm is True else use_tqdm
             bar = make(total=len(batch), desc="Processed prompts", dynamic_ncols=True)
         pending = PendingBatch(bar)

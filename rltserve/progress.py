@@ -2,7 +2,7 @@
 
 Bars go to stderr, so a ``--json`` report on stdout stays parseable, and only when a person is
 watching: never with ``--quiet`` and never when stderr is not a terminal (a pipe, a log file, a
-test). The server's request path has none.
+test); ``LLM.generate``'s also in a Jupyter notebook. The server's request path has none.
 """
 
 from __future__ import annotations
@@ -20,6 +20,13 @@ _POLL_S = 0.25  # how often a watched directory's size is read
 
 def progress_enabled(quiet: bool = False) -> bool:
     return not quiet and sys.stderr.isatty()
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel: its stderr is no terminal, yet a person watches
+    the cell's output (where tqdm's bar redraws in place)."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it") -> tqdm:

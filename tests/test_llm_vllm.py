@@ -429,7 +429,7 @@ class _Bar:
 
 def test_use_tqdm_counts_prompts_whose_samples_all_finished(llm, monkeypatch):
     """vLLM's ``use_tqdm``: a class is used as given; True draws tqdm's bar only where a
-    person watches (stderr a terminal); False none."""
+    person watches (stderr a terminal, or a notebook); False none."""
     _Bar.made.clear()
     p = SamplingParams(n=2, temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([[1, 2], [3, 4], [5]], p, use_tqdm=_Bar)
@@ -445,6 +445,17 @@ def test_use_tqdm_counts_prompts_whose_samples_all_finished(llm, monkeypatch):
     monkeypatch.setattr(llm_module, "progress_enabled", lambda: True)
     llm.chat([{"role": "user", "content": "hi"}], p)
     assert len(_Bar.made) == 2 and _Bar.made[1].n == 1 and _Bar.made[1].closed
+    # A Jupyter kernel: stderr is no terminal, yet the cell shows the bar.
+    monkeypatch.setattr(llm_module, "progress_enabled", lambda: False)
+    kernel = type("ZMQInteractiveShell", (), {})()
+    fake_ipython = type(sys)("IPython")
+    fake_ipython.get_ipython = lambda: kernel
+    monkeypatch.setitem(sys.modules, "IPython", fake_ipython)
+    llm.generate([[1, 2]], p)
+    assert len(_Bar.made) == 3
+    fake_ipython.get_ipython = lambda: None  # (IPython imported, no kernel: a script)
+    llm.generate([[1, 2]], p)
+    assert len(_Bar.made) == 3
     with pytest.raises(ValueError, match="use_tqdm='yes': must be a bool or a tqdm class"):
         llm.generate([[1, 2]], p, use_tqdm="yes")
 
