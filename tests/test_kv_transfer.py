@@ -128,3 +128,42 @@ def test_the_device_type_is_part_of_every_cache_salt(ckpts):
     """KV computed on another kind of device has other bits: it never matches."""
     core = make_core(ckpts["ouro"], block_size=BS)
     assert b"'cpu'" in core.make_request(None, list(range(9)), GREEDY).cache_salt
+
+
+def test_a_shorter_prompt_takes_the_leading_blocks_of_a_longer_ones_file(ckpts, tmp_path):
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    assert _prefill(prefill, prompt, file) == 5
+    request = decode.make_request("d", prompt[:13], GREEDY)  # 3 full blocks before its last
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 3
+    src = prefill.kv.cache.lookup(request.block_hashes, 3)
+    dst = decode.kv.cache.lookup(request.block_hashes, 3)
+    assert len(dst) == 3 and decode.kv.cache.num_entries == 3
+    for a, b in zip(src, dst, strict=True):
+        for x, y in zip(a.blocks, b.blocks, strict=True):
+            rows = slice(x * BS, (x + 1) * BS), slice(y * BS, (y + 1) * BS)
+            assert torch.equal(prefill.runner.kv[:, :, rows[0]], decode.runner.kv[:, :, rows[1]])
+    decode.kv.check_no_leaks()
+
+
+def test_a_file_of_another_dtype_or_for_a_prompt_scoring_request_moves_nothing(ckpts, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))
+    file = tmp_path / "kv.safetensors"
+    _prefill(prefill, prompt, file)
+    with safe_open(str(file), "pt") as f:
+        metadata, data = f.metadata(), f.get_tensor("kv")
+    request = decode.make_request("d", prompt, GREEDY)
+    save_file({"kv": data.double()}, str(file), metadata=metadata)  # right hashes and shape
+    assert import_prompt(decode.kv, decode.runner, request, str(file)) == 0
+    assert decode.kv.cache.num_blocks == 0 and not file.exists()
+    # A request that scores its prompt computes every position: it takes no prompt KV.
+    save_file({"kv": data}, str(file), metadata=metadata)
+    scoring = decode.make_request("s", prompt, GREEDY.replace(prompt_logprobs=1))
+    assert import_prompt(decode.kv, decode.runner, scoring, str(file)) == 0
+    assert decode.kv.cache.num_blocks == 0 and not file.exists()
+    decode.kv.check_no_leaks()

@@ -488,3 +488,125 @@ def test_a_salted_prompt_moves_its_blocks(ckpts):
         wait_pd_idle(client)
     finally:
         client.close()
+
+
+def test_stage_configs_put_the_prefill_stage_on_its_device_without_graphs():
+    config = EngineConfig.from_flat(
+        disaggregate=True, device="cuda", prefill_device="cpu", cuda_graphs=True
+    )
+    prefill, decode = stage_configs(config)
+    assert (prefill.model.device, decode.model.device) == ("cpu", "cuda")
+    assert (prefill.execution.cuda_graphs, decode.execution.cuda_graphs) == (False, True)
+    assert prefill.execution.prefill_device is None and decode.execution.prefill_device is None
+
+
+def test_a_prompt_of_one_block_goes_straight_and_one_token_more_moves_it(ckpts, ouro_ref):
+    """A prompt whose last token starts its second block has one full block to move; one of
+    exactly a block has none before its last token (the decode stage computes it alone)."""
+    client = _client(ckpts["ouro"])
+    prefills = []
+    real_add = client.prefill.add_request
+    client.prefill.add_request = lambda *a: prefills.append(a[0]) or real_add(*a)
+    try:
+        prompts = [list(range(20, 20 + BS)), list(range(30, 31 + BS))]
+        run = stream_all(client, prompts, [GREEDY, GREEDY])
+        _oracle(ouro_ref, run, prompts, [GREEDY, GREEDY], kv_policy="last_exited")
+        assert prefills == ["r1"]
+        assert client.decode.stats.prefix_cache_hits == BS
+        wait_pd_idle(client)
+    finally:
+        client.close()
+
+
+def test_a_request_kv_policy_is_the_prefill_requests(ckpts, ouro_ref):
+    """A request asking for another KV policy than the engine's gets its prompt computed under
+    it on the prefill stage: the decode stage finds every moved block."""
+    client = _client(ckpts["ouro"], kv_policy="last_exited")
+    try:
+        prompts, params = [list(range(10, 33))], [GREEDY.replace(kv_policy="full")]
+        run = stream_all(client, prompts, params)
+        _oracle(ouro_ref, run, prompts, params, kv_policy="full")
+        assert client.decode.stats.prefix_cache_hits == _moved(prompts)
+        wait_pd_idle(client)
+    finally:
+        client.close()
+
+
+def test_group_members_with_another_prompt_run_their_own_prefill(ckpts, ouro_ref, monkeypatch):
+    client = _client(ckpts["ouro"])
+    prompts = [list(range(10, 40)), list(range(11, 41))]
+    try:
+        updates, ended, sink = _collect()
+        held = []
+        real_add = client.prefill.add_request
+        monkeypatch.setattr(client.prefill, "add_request", lambda *a: held.append(a))
+        for rid, prompt in zip(("a", "b"), prompts):
+            client.add_request(rid, prompt, GREEDY, sink, group="g")
+        assert [a[0] for a in held] == ["a", "b"] and not client._following
+        for args in held:
+            real_add(*args)
+        while len([r for r in ("a", "b") if updates.get(r) and updates[r][-1].finish_reason]) < 2:
+            time.sleep(0.01)
+        for rid, prompt in zip(("a", "b"), prompts):
+            want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+            assert [t for u in updates[rid] for t in u.new_token_ids] == want
+        assert client.decode.stats.prefix_cache_hits == _moved(prompts)
+        wait_pd_idle(client)
+    finally:
+        client.close()
+
+
+def test_a_group_key_used_again_after_its_leader_moved_leads_anew(ckpts, ouro_ref):
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+    try:
+        for rid in ("a", "b"):
+            updates, ended, sink = _collect()
+            client.add_request(rid, prompt, GREEDY, sink, group="g")
+            assert ended.wait(20), f"{rid} was never served"
+            assert [t for u in updates[rid] for t in u.new_token_ids] == want
+        assert not client._leaders and not client._following
+        wait_pd_idle(client)
+    finally:
+        client.close()
+
+
+def test_an_aborted_waiting_sample_gets_one_final_update(ckpts, monkeypatch):
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    try:
+        updates, ended, sink = _collect()
+        held = []
+        real_add = client.prefill.add_request
+        monkeypatch.setattr(client.prefill, "add_request", lambda *a: held.append(a))
+        client.add_request("a", prompt, GREEDY, sink, group="g")
+        client.add_request("b", prompt, GREEDY, sink, group="g")
+        client.abort("b")
+        assert client._open["a"].followers == []
+        real_add(*held[0])
+        while not (updates.get("a") and updates["a"][-1].finish_reason):
+            time.sleep(0.01)
+        wait_pd_idle(client)
+        assert [(u.new_token_ids, u.finish_reason) for u in updates["b"]] == [
+            ([], FinishReason.ABORT)
+        ]
+    finally:
+        client.close()
+
+
+def test_closing_during_a_prefill_ends_it_and_its_waiting_samples_as_closed(ckpts, monkeypatch):
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    updates, ended, sink = _collect()
+    held = []
+    monkeypatch.setattr(client.prefill, "add_request", lambda *a: held.append(a))
+    client.add_request("a", prompt, GREEDY, sink, group="g")
+    client.add_request("b", prompt, GREEDY, sink, group="g")
+    client.close()
+    held[0][3](RequestUpdate("a", finish_reason=FinishReason.ABORT))  # (the prefill stage's)
+    for rid in ("a", "b"):
+        assert [(u.finish_reason, u.error) for u in updates[rid]] == [
+            (FinishReason.ABORT, "stage closed before the request finished")
+        ]
+    assert not client._ids

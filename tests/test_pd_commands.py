@@ -81,6 +81,7 @@ class _FakeStage:
     def __init__(self, config) -> None:
         self.stats = None
         self.alive = True
+        self.error = None
         self.weight_version = 0
 
     def update_weights(self, paths, abort, timeout_s) -> int:
@@ -205,3 +206,123 @@ def test_a_dead_process_transfer_directory_is_swept(tmp_path, monkeypatch):
         assert not os.path.exists(mine)
     finally:
         os.close(holder)
+
+
+def test_no_kv_moves_while_an_update_waits_nor_after_a_failed_deep_sleep(ckpts, monkeypatch):
+    """A request added while the decode stage waits to apply an update goes to it directly (its
+    prompt is computed under the weights it will decode with), as does one after a level-2
+    sleep that failed on the decode stage (the prefill stage's weights are to be loaded again),
+    until an update succeeds on both stages."""
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    prefills = []
+    real_add = client.prefill.add_request
+    monkeypatch.setattr(
+        client.prefill, "add_request", lambda *a: prefills.append(a[0]) or real_add(*a)
+    )
+    try:
+        real_update = client.decode.update_weights
+
+        def adding_meanwhile(*args):
+            stream_all(client, [prompt], [GREEDY])
+            return real_update(*args)
+
+        monkeypatch.setattr(client.decode, "update_weights", adding_meanwhile)
+        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 1
+        assert prefills == []
+        monkeypatch.setattr(client.decode, "update_weights", real_update)
+        stream_all(client, [prompt], [GREEDY])
+        assert prefills == ["r0"]
+
+        def times_out(*args):
+            raise ValueError("timeout: requests still running")
+
+        real_sleep = client.decode.sleep
+        monkeypatch.setattr(client.decode, "sleep", times_out)
+        with pytest.raises(ValueError, match="timeout"):
+            client.sleep(2, 1.0)
+        monkeypatch.setattr(client.decode, "sleep", real_sleep)
+        stream_all(client, [prompt], [GREEDY])
+        assert prefills == ["r0"]
+        assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 2
+        stream_all(client, [prompt], [GREEDY])
+        assert prefills == ["r0", "r0"]
+    finally:
+        client.close()
+
+
+def test_stats_count_samples_waiting_for_their_groups_prefill_as_waiting():
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        client.prefill.stats = _stats(running=1, steps=1)
+        client.decode.stats = _stats(running=2, steps=1)
+        client._open["p"] = None
+        client._following["f1"] = client._following["f2"] = None
+        stats = client.stats
+        assert (stats.num_running, stats.num_waiting) == (2, 3)
+    finally:
+        client.close()
+
+
+def test_transfer_files_go_to_shared_memory_only_where_it_holds_a_gigabyte(monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from rltserve.core import transfer_dir
+
+    usage = namedtuple("usage", "total used free")
+    for free, where in ((1 << 30, "/dev/shm"), ((1 << 30) - 1, None)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage(0, 0, free))
+        assert transfer_dir.file_dir() == where
+
+    def missing(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", missing)
+    assert transfer_dir.file_dir() is None
+
+
+def test_reset_prefix_cache_empties_the_prefill_stages_cache_too(ckpts):
+    from engine_util import wait_pd_idle
+
+    client = _client(ckpts["ouro"])
+    prompt = list(range(10, 40))
+    try:
+        for _ in range(2):  # the second prefill finds the first's blocks on its own stage
+            stream_all(client, [prompt], [GREEDY])
+            wait_pd_idle(client)
+        assert client.prefill.stats.prefix_cache_hits == 28
+        client.reset_prefix_cache()
+        stream_all(client, [prompt], [GREEDY])
+        wait_pd_idle(client)
+        assert client.prefill.stats.prefix_cache_hits == 28  # computed again
+        assert client.decode.stats.prefix_cache_hits == 3 * 28  # (moved each time)
+    finally:
+        client.close()
+
+
+def test_stats_show_no_progress_while_a_busy_prefill_stage_is_stuck():
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        client.prefill.stats = _stats(running=1, steps=1)
+        client.decode.stats = _stats(running=1, steps=1)
+        first = client.stats
+        client._open["p"] = None  # (a request in its prefill, whose stage no longer steps)
+        client.decode.stats = _stats(running=1, steps=2)
+        assert client.stats is first
+        client.prefill.stats = _stats(running=1, steps=2)
+        assert client.stats is not first
+    finally:
+        client.close()
+
+
+def test_a_closed_client_is_not_alive_and_refuses_requests():
+    """(The stages here stay alive: the client's own flag decides.)"""
+    from rltserve.core.stage import StageError
+
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    assert client.alive and client.error is None
+    client.close()
+    assert not client.alive and client.error == "closed"
+    with pytest.raises(StageError, match="stage is not running: closed"):
+        client.add_request("x", [1, 2], GREEDY, print)

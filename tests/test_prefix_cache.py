@@ -468,3 +468,68 @@ def test_a_group_member_added_after_its_leader_ended_leads_the_group():
     plans = _drain(s)
     assert _first_items(plans) == {"g1": (8, 2), "g2": (9, 1)}
     assert any(plan.block_copies for plan in plans)
+
+
+def test_a_prompt_scoring_group_member_neither_waits_for_nor_copies_from_its_leader():
+    """A member that scores its prompt computes every position: it is admitted with its leader
+    instead of waiting for the leader's prompt, and takes no block from it."""
+    s = _scheduler()
+    prompt = list(range(10))
+    s.add_request(_request("g0", prompt, group="g"))
+    scoring = _request("g1", prompt, group="g")
+    scoring.prompt_logprobs = [None] * (len(prompt) - 1)
+    s.add_request(scoring)
+    first = _step(s)
+    assert {w.request_id for w in first.items} == {"g0", "g1"}
+    plans = [first, *_drain(s)]
+    assert _first_items(plans)["g1"] == (0, 10)
+    assert all(plan.block_copies == [] for plan in plans)
+
+
+def test_a_follower_whose_last_prompt_token_starts_a_block_copies_nothing():
+    """Prompt of 9 tokens, blocks of 4: the last token is the first of block 2, so the leader
+    has no partly filled prompt block to lend; the follower hits blocks 0 and 1 only."""
+    s = _scheduler()
+    prompt = list(range(9))
+    for j in range(2):
+        s.add_request(_request(f"g{j}", prompt, group="g"))
+    plans = _drain(s)
+    assert _first_items(plans)["g1"] == (8, 1)
+    assert all(plan.block_copies == [] for plan in plans)
+    assert s.kv.cache.hits == 8
+
+
+def test_a_request_resumed_by_recompute_caches_its_answer_for_the_next_turn():
+    """As from swap, but recomputed: its prompt and the answer so far run again as one chunk
+    that ends past the prompt; its answer's full-depth blocks still follow its prompt's."""
+    s = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    prompt = list(range(6))
+    answer = _request("a", prompt, max_tokens=8, priority=1)
+    s.add_request(answer)
+    while len(answer.output_token_ids) < 4:
+        _step(s)
+    s.add_request(_request("h", list(range(50, 55))))
+    plans = [_step(s)]
+    assert plans[0].preempted == ["a"] and not plans[0].swap_out
+    plans += _drain(s)
+    assert answer.output_token_ids == [7] * 8
+    assert s.kv.cache.num_entries == 3 + 1  # a's three blocks, h's one
+    s.add_request(_request("b", prompt + [7] * 8 + [5]))
+    assert {w.request_id: w.start for w in s.schedule().items} == {"b": 12}
+
+
+def test_prompt_blocks_are_cached_once_every_position_before_them_is_final():
+    """Prompt items may complete out of order within a step: positions 4..8 final first cache
+    nothing; once 0..4 are, both blocks are (and 8..12, the last, a third)."""
+    s = _scheduler()
+    request = _request("a", list(range(14)))
+    s.add_request(request)
+    assert s.schedule() is not None  # admitted: its blocks are allocated
+    s.sharing.on_prompt_done(request, 4, 8)
+    assert (request.prompt_final, request.blocks_cached, s.kv.cache.num_entries) == (0, 0, 0)
+    s.sharing.on_prompt_done(request, 0, 4)
+    assert (request.prompt_final, request.blocks_cached, s.kv.cache.num_entries) == (8, 2, 2)
+    assert list(s.sharing._computing.values()) == ["a"]  # (block 2: a computes it)
+    s.sharing.on_prompt_done(request, 8, 14)
+    assert (request.prompt_final, request.blocks_cached, s.kv.cache.num_entries) == (14, 3, 3)
+    assert s.sharing._computing == {}  # (nothing left to wait for)

@@ -98,3 +98,53 @@ def test_clone_is_an_equal_copy_that_can_be_changed():
     q = p.clone()
     assert q == p and q is not p
     assert q.replace(n=2).n == 2 and p.n == 4
+
+
+def test_the_engine_refuses_what_its_model_and_mode_cannot_run(ouro_rv1):
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    core = make_core(ouro_rv1)
+    with pytest.raises(ValueError, match="^prompt: must contain at least one token$"):
+        core.add_request("r", [], greedy)
+    traced = make_core(ouro_rv1, exit_mode="trace")
+    with pytest.raises(
+        ValueError, match="^trace_depths: required when the engine runs exit_mode='trace'$"
+    ):
+        traced.add_request("r", [1, 2], greedy)
+    assert not core.has_work() and not traced.has_work()
+    # min_loops may be the loops the request runs at most (the model's 4 here).
+    assert run_core(core, [[5, 6]], [greedy.replace(min_loops=4)]).depths["r0"] == [4, 4]
+
+
+def test_logprob_counts_are_bounded_by_the_engine_and_the_vocabulary(ouro_rv1):
+    from rltserve.core.request_checks import check_params
+
+    core = make_core(ouro_rv1, max_logprobs=20)
+    vocab = core.spec.vocab_size
+
+    def checked(config, **kw):
+        params = SamplingParams(temperature=0.0, max_tokens=1, **kw)
+        return check_params([1, 2], params, core.spec, config, 64, False)
+
+    assert checked(core.config, logprobs=20, prompt_logprobs=20).logprobs == 20
+    with pytest.raises(ValueError, match=r"^logprobs=21: more than this engine's max_logprobs"):
+        checked(core.config, logprobs=21)
+    unbounded = make_core(ouro_rv1, max_logprobs=-1).config
+    every = checked(unbounded, logprobs=-1, prompt_logprobs=-1)
+    assert (every.logprobs, every.prompt_logprobs) == (vocab, vocab)
+    with pytest.raises(ValueError, match=f"^prompt_logprobs={vocab + 1}: more than the vocab"):
+        checked(unbounded, prompt_logprobs=vocab + 1)
+
+
+def test_min_tokens_bans_are_refused_only_when_nothing_is_left_to_sample(ouro_rv1):
+    core = make_core(ouro_rv1)
+    vocab = core.spec.vocab_size
+    base = SamplingParams(temperature=0.0, max_tokens=2, min_tokens=1, ignore_eos=True)
+    with pytest.raises(ValueError, match="^min_tokens=1: EOS and stop_token_ids are every"):
+        core.make_request(None, [1, 2], base.replace(stop_token_ids=list(range(vocab))))
+    # As many stop ids as the vocabulary, one outside it (it never comes): id 0 is left.
+    core.make_request(None, [1, 2], base.replace(stop_token_ids=[*range(1, vocab), vocab + 7]))
+    with pytest.raises(ValueError, match="^allowed_token_ids: every one is EOS or a stop"):
+        core.make_request(
+            None, [1, 2], base.replace(stop_token_ids=[5, 6], allowed_token_ids=[5, 6])
+        )
+    core.make_request(None, [1, 2], base.replace(stop_token_ids=[5, 6], allowed_token_ids=[5, 7]))

@@ -237,3 +237,26 @@ def test_text_interruption_is_encoded_without_special_tokens():
     p = SamplingParams(temperature=0.0, max_thinking_tokens=2, thinking_interruption="so")
     got = resolve_thinking(p, Tok())
     assert got.thinking_interruption == (1, 2) and got.thinking_end_token_ids == (9,)
+
+
+def test_a_multi_token_end_closes_the_span_only_when_whole(ouro_rv1, ouro_ref):
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = run_core(make_core(ouro_rv1), PROMPTS[:1], [plain]).tokens["r0"]
+    other = _end_id(tokens)
+    whole = (tokens[0], tokens[1])  # the output's first two tokens: closed at token 2
+    half = (other, tokens[1])  # only its last id comes: still open after K tokens
+    params = [
+        plain.replace(
+            max_thinking_tokens=K, thinking_end_token_ids=end, thinking_interruption=(40,)
+        )
+        for end in (whole, half)
+    ]
+    run = run_core(make_core(ouro_rv1), PROMPTS[:1] * 2, params)
+    assert run.tokens["r0"] == tokens
+    assert run.tokens["r1"][: K + 3] == [*tokens[:K], 40, *half]
+
+
+def test_a_text_interruption_is_refused_by_the_engine(ouro_rv1, ouro_ref):
+    p = _params(ouro_ref, PROMPTS[0], thinking_interruption="Time is up.")
+    with pytest.raises(ValueError, match="^thinking_interruption: the engine takes token ids"):
+        make_core(ouro_rv1).make_request(None, PROMPTS[0], p)

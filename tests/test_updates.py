@@ -67,3 +67,24 @@ def test_a_one_token_update_goes_as_plain_values():
         assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 1, 4)
         assert [len(row) for row in wire[1:]] == [12, 12]
         assert from_wire(wire) == [one, ending, first]
+
+
+def test_ranks_stay_parallel_to_the_tokens_around_forced_ones():
+    """A forced token has no rank: none is kept until a token has one, then every token has an
+    entry (None for the forced ones), in token order."""
+    update = RequestUpdate("r")
+    for token, rank in ((1, None), (2, 5), (3, None), (4, None), (5, 0), (6, None)):
+        update.new_token_ids.append(token)
+        update.add_rank(rank)
+    assert update.new_ranks == [None, 5, None, None, 0, None]
+    forced = RequestUpdate("f")
+    for token in (6, 7):
+        forced.new_token_ids.append(token)
+        forced.add_rank(None)
+    assert forced.new_ranks == []
+
+
+def test_a_one_token_update_with_prompt_logprobs_goes_whole():
+    scored = RequestUpdate("r", [9], [4], [None], [None], prompt_logprobs=[(-1.0, [], 2)])
+    wire = to_wire([scored])
+    assert len(wire[0]) == 12 and from_wire(wire) == [scored]

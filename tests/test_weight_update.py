@@ -237,3 +237,68 @@ def test_requests_arriving_during_an_update_wait_for_it(ouro_rv1, new_ckpt):
     assert final["r2"].weight_version == 1
     assert tokens["r2"] == _oracle(new_ckpt)[0][0]
     core.shutdown()
+
+
+def test_a_long_list_of_problems_names_ten_and_counts_the_rest(ouro_rv1, tmp_path):
+    from rltserve.core.weight_update import read_update
+
+    model = torch.nn.Linear(1, 1)  # (nothing is read into it: the update is rejected)
+    file = tmp_path / "update.safetensors"
+    save_file({f"model.no_such_{i:02d}.weight": torch.zeros(1) for i in range(12)}, str(file))
+    with pytest.raises(ValueError) as err:
+        read_update(model, ouro_rv1, [file])
+    names = ", ".join(f"model.no_such_{i:02d}.weight" for i in range(10))
+    assert str(err.value) == (
+        "weights: update rejected, nothing applied; "
+        f"unknown tensor names (12): {names}, ... and 2 more"
+    )
+    with pytest.raises(ValueError, match="^weights: the update holds no files$"):
+        read_update(model, ouro_rv1, [])
+
+
+def test_update_weights_returns_the_tensors_applied(ouro_rv1, new_ckpt, tmp_path):
+    from rltserve.core.weight_update import update_weights
+
+    core = make_core(ouro_rv1)
+    new = load_file(new_ckpt / "model.safetensors")
+    names = ("model.norm.weight", "model.layers.0.mlp.gate_proj.weight")
+    file = tmp_path / "update.safetensors"
+    save_file({name: new[name] for name in names}, str(file))
+    assert update_weights(core.model, ouro_rv1, [file]) == 2  # (one file)
+
+
+class _GateCore:
+    """What ``WeightGate`` reads of an engine: one request running, two waiting."""
+
+    weight_version = 3
+    sleeping: set = set()
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.scheduler = SimpleNamespace(num_running=1, num_waiting=2, requests={})
+        self.busy = True
+
+    def has_work(self) -> bool:
+        return self.busy
+
+    def sleep(self, level: int) -> None:
+        raise RuntimeError("device lost")
+
+
+def test_the_gate_names_every_request_it_timed_out_on_and_the_type_of_a_failure():
+    from rltserve.core.weight_gate import WeightGate
+
+    replies = []
+    core = _GateCore()
+    gate = WeightGate(core, lambda *reply: replies.append(reply))
+    gate.request(("update_weights", 7, ["x"], False, 0.0))
+    assert gate.poll(busy=False) == []
+    assert replies == [
+        (7, "timeout: 3 request(s) still running after 0 s; nothing applied (abort=True aborts "
+            "them instead of waiting)", 3)
+    ]  # fmt: skip
+    core.busy = False
+    gate.request(("sleep", 8, 1, 5.0))
+    assert gate.poll(busy=False) == []
+    assert replies[1] == (8, "RuntimeError: device lost", 3)
