@@ -94,3 +94,22 @@ def test_banning_every_token_is_refused(ckpts):
     # Without min_tokens it is a request that stops at its first token.
     run = run_core(core, [[5, 6]], [every.replace(min_tokens=0)])
     assert len(run.tokens["r0"]) == 1 and run.finish["r0"] == "stop"
+
+
+def test_the_last_id_of_the_vocabulary_is_banned_too(ckpts):
+    """The ban covers every id up to the vocabulary's last: a stop id of ``vocab_size - 1``,
+    biased to be sampled at once, comes only after ``min_tokens``."""
+    core = make_core(ckpts["ouro"])
+    last = core.spec.vocab_size - 1
+    p = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        min_tokens=3,
+        stop_token_ids=(last,),
+        ignore_eos=True,
+        logit_bias={last: 100.0},
+    )
+    run = run_core(core, [[5, 6, 7]], [p])
+    tokens = run.tokens["r0"]
+    assert len(tokens) == 4 and last not in tokens[:3] and tokens[3] == last
+    assert run.finish["r0"] == "stop"

@@ -302,3 +302,20 @@ def test_the_gate_names_every_request_it_timed_out_on_and_the_type_of_a_failure(
     gate.request(("sleep", 8, 1, 5.0))
     assert gate.poll(busy=False) == []
     assert replies[1] == (8, "RuntimeError: device lost", 3)
+
+
+def test_held_requests_wait_until_no_command_is_pending():
+    """One of two waiting commands timing out does not release the requests held behind the
+    other; they go once it, too, is done."""
+    from rltserve.core.weight_gate import WeightGate
+
+    replies = []
+    gate = WeightGate(_GateCore(), lambda *reply: replies.append(reply))
+    gate.request(("update_weights", 1, ["x"], False, 0.0))  # expires at the first poll
+    gate.request(("update_weights", 2, ["y"], False, 60.0))
+    gate.held.append(("add", "r", [1], None))
+    assert gate.poll(busy=True) == [] and [r[0] for r in replies] == [1]
+    assert gate.waiting and gate.held == [("add", "r", [1], None)]
+    gate._pending[0].deadline = 0.0  # (the second times out as well)
+    assert gate.poll(busy=True) == [("add", "r", [1], None)]
+    assert [r[0] for r in replies] == [1, 2] and not gate.waiting and gate.held == []
