@@ -342,3 +342,67 @@ def test_model_safetensors_wins_over_other_weight_files(tmp_path):
     save_file({"adapter.lora_A": torch.zeros(2, 2)}, str(path / "adapter_model.safetensors"))
     want = load_file(str(path / "model.safetensors"))["lm_head.weight"]
     assert torch.equal(load_model(path).lm_head.weight, want)
+
+
+def test_bad_torch_dtype_is_refused_before_loading():
+    from rltserve.models.loader import resolve_dtype
+
+    assert resolve_dtype(torch.float16) is torch.float16
+    for dtype in (torch.float64, torch.int8):
+        with pytest.raises(ValueError, match=r"dtype=torch\.\w+: must be float32, bfloat16"):
+            load_model("/nonexistent", dtype=dtype)
+
+
+def test_long_listings_are_capped_at_twenty_names(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = random_tensors(cfg)
+    names = sorted(tensors)
+    assert len(names) > 22
+    for count, more in ((20, None), (22, "    ... and 2 more")):
+        kept = {k: v for k, v in tensors.items() if k not in names[:count]}
+        with pytest.raises(CheckpointError) as info:
+            load_model(write_checkpoint(tmp_path / str(count), cfg, kept))
+        lines = str(info.value).splitlines()
+        assert f"  missing tensors ({count}):" in lines
+        listed = [line.strip() for line in lines if line.startswith("    ") and "..." not in line]
+        assert listed == names[:20]
+        assert (lines[-1] == more) if more else "more" not in str(info.value)
+
+
+def test_a_tied_copy_differing_in_its_last_row_is_refused(tmp_path):
+    cfg = CONFIGS["huginn_raven"]
+    tensors = random_tensors(cfg)
+    head = tensors["lm_head.weight"].clone()
+    head[-1] += 0.01
+    tensors["lm_head.weight"] = head
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from transformer.wte"):
+        load_model(write_checkpoint(tmp_path / "untied", cfg, tensors))
+
+
+def test_float64_tensors_load_cast_down(tmp_path):
+    cfg = CONFIGS["ouro"]
+    tensors = {k: v.double() for k, v in random_tensors(cfg).items()}
+    model = load_model(write_checkpoint(tmp_path / "f64", cfg, tensors), dtype="float32")
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"].float())
+
+
+def test_cpu_parameters_stored_in_the_target_dtype_are_read_with_preadv(tmp_path, monkeypatch):
+    # (the direct read path of the module docstring: one copy, at read bandwidth)
+    if not hasattr(os, "preadv"):
+        pytest.skip("no os.preadv")
+    calls = []
+    real = os.preadv
+
+    def counting(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    path = build(tmp_path, "nanbeige")
+    load_model(path, dtype="float32")
+    family = get_family("nanbeige")
+    assert len(calls) >= len(family.param_sources(family.parse_config(CONFIGS["nanbeige"])))
+    calls.clear()
+    load_model(path, dtype="bfloat16")  # stored float32: cast from the mapping instead
+    assert calls == []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -379,3 +381,71 @@ def test_config_accepts_values_at_their_bounds():
     raw = VECTORS["configs"]["ouro"]
     cfg = OuroConfig.from_dict({**raw, "num_key_value_heads": 1, "bos_token_id": 383})
     assert cfg.num_key_value_heads == 1 and cfg.bos_token_id == 383
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("rope_theta", 0),
+        ("rms_norm_eps", 0.0),
+        ("rope_theta", float("nan")),
+        ("rms_norm_eps", -0.0),
+    ],
+)
+def test_config_rejects_zero_and_nan_where_a_positive_number_is_required(key, value):
+    raw = {**VECTORS["configs"]["ouro"], key: value}
+    with pytest.raises(ValueError, match=rf"ouro config: {key}=.*: must be a finite number > 0"):
+        OuroConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("value", [True, -1, [0, -2], [2, False], "2"])
+def test_bad_eos_ids_are_named_by_their_config_json_key(value):
+    raw = {**VECTORS["configs"]["ouro"], "eos_token_id": value}
+    want = f"ouro config: eos_token_id={value!r}: must be null, a non-negative int or a list"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        OuroConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("model_type", [["ouro"], None, 3, {"ouro": 1}])
+def test_a_model_type_of_the_wrong_type_is_an_unsupported_one(tmp_path, model_type):
+    with pytest.raises(ValueError, match=r"unsupported model_type .*supported: huginn_raven"):
+        get_family(model_type)
+    from rltserve.models import CheckpointError, read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(CheckpointError, match="unsupported model_type"):
+        read_config(tmp_path)
+
+
+def test_configs_built_in_code_are_checked_as_from_json():
+    import dataclasses
+
+    cfg = OuroConfig.from_dict(VECTORS["configs"]["ouro"])
+    for field, value, why in (
+        ("eos_token_ids", (-1,), r"eos_token_ids=\(-1,\): ids must be in \[0, 384\)"),
+        ("pad_token_id", 384, r"pad_token_id=384: must be null or an id in \[0, 384\)"),
+        ("pad_token_id", -1, r"pad_token_id=-1: must be null or an id"),
+    ):
+        with pytest.raises(ValueError, match=rf"ouro config: {why}"):
+            dataclasses.replace(cfg, **{field: value})
+
+
+def test_layer_types_must_all_be_full_attention():
+    raw = VECTORS["configs"]["ouro"]
+    layers = raw["num_hidden_layers"]
+    assert OuroConfig.from_dict({**raw, "layer_types": ["full_attention"] * layers})
+    for other in ("linear_attention", "Full_attention"):
+        bad = ["full_attention"] * (layers - 1) + [other]
+        with pytest.raises(ValueError, match="layer_types=.*must be .* x 'full_attention'"):
+            OuroConfig.from_dict({**raw, "layer_types": bad})
+
+
+def test_a_null_value_is_given_not_missing():
+    from rltserve.models import hfconfig
+
+    # (defaults stand for absent keys only: an explicit null reaches the field's check)
+    assert hfconfig.read({"k": None}, "ouro", "k", 5) is None
+    assert hfconfig.read({}, "ouro", "k", 5) == 5
+    raw = {**VECTORS["configs"]["ouro"], "num_key_value_heads": None}
+    with pytest.raises(ValueError, match="num_key_value_heads=None: must be an int"):
+        OuroConfig.from_dict(raw)

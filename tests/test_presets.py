@@ -302,3 +302,31 @@ def test_make_model_rejects_bad_arguments(tmp_path: Path) -> None:
         make_model("ouro-huge", tmp_path)
     with pytest.raises(ValueError, match="seed"):
         make_model("ouro-tiny", tmp_path, seed=-1)
+
+
+def test_synthetic_value_scheme_invariants(tmp_path: Path) -> None:
+    """``checkpoint``'s scheme: weaker head rows for non-word ids, a head blind to the
+    confidence direction, shapes checked, and 8-byte aligned tensor data."""
+    from rltserve.models import checkpoint as ck
+
+    cfg = PRESETS["ouro-tiny"].config()
+    vocab, hidden, inter = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
+    words = torch.arange(vocab) % 3 != 0
+    d = ck.Draws(0, words)
+    rows = d.head_rows(vocab)[:, 0]
+    assert rows.shape == (vocab,)
+    assert torch.equal(rows, torch.where(words, 1.0, ck.OTHER_ROWS))
+    with pytest.raises(ValueError, match=r"words mask has shape \(3,\), want \(4,\)"):
+        ck.Draws(0, torch.ones(3, dtype=torch.bool)).word_mask(4)
+    head = ck.llama_value(d, cfg, "lm_head.weight", (vocab, hidden))
+    _, m = ck._patterns(d, inter, hidden)
+    assert float((head @ m).abs().max()) < 1e-4 * float(head.abs().max())
+    with pytest.raises(AssertionError, match=r"model.norm.weight: built \(\d+,\), want \(3,\)"):
+        list(ck.synth_tensors(cfg, {"model.norm.weight": (3,)}, seed=0))
+    shapes = {"a": (3,), "b": (2, 2)}
+    tensors = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.eye(2)}
+    ck.write_safetensors(tmp_path / "x.safetensors", shapes, torch.float32, iter(tensors.items()))
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert int.from_bytes(data[:8], "little") % 8 == 0  # header padded: data 8-byte aligned
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())

@@ -181,3 +181,48 @@ def test_fused_parameters_read_directly_equal_the_mapped_path(tmp_path: Path) ->
     prefix = "model.layers.0.self_attn."
     want = torch.cat([tensors[prefix + f"{x}_proj.weight"] for x in "qkv"])
     assert torch.equal(layer.self_attn.qkv_proj.weight, want)
+
+
+def test_progress_bar_counts_the_bytes_of_every_loaded_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tqdm
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total: int, **kw: object) -> None:
+            self.total, self.done, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    tensors = random_tensors(NANBEIGE_TINY)
+    path = write_checkpoint(tmp_path / "n", NANBEIGE_TINY, tensors, shards=2)
+    load_model(path, dtype="bfloat16", progress=True)
+    (bar,) = bars
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())  # float32 bytes
+    assert bar.total == stored and bar.done == stored and bar.closed
+
+
+def test_read_concat_refuses_parts_of_another_size() -> None:
+    from rltserve.models.weight_file import Extent, read_concat
+
+    # 3 x 5 bfloat16 values are 30 bytes; read as float32 the result would need 60.
+    part = Extent(Path("/nonexistent"), "BF16", (3, 5), 100, 130)
+    with pytest.raises(ValueError, match="parts hold 30 bytes, the result 60"):
+        read_concat([part], torch.float32)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_direct_reads_leave_no_file_open(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "n", NANBEIGE_TINY, random_tensors(NANBEIGE_TINY), shards=2)
+    load_model(path, dtype="float32", progress=False)  # (imports, caches)
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    load_model(path, dtype="float32", progress=False)
+    assert len(list(Path("/proc/self/fd").iterdir())) == before

@@ -260,3 +260,33 @@ def test_a_text_interruption_is_refused_by_the_engine(ouro_rv1, ouro_ref):
     p = _params(ouro_ref, PROMPTS[0], thinking_interruption="Time is up.")
     with pytest.raises(ValueError, match="^thinking_interruption: the engine takes token ids"):
         make_core(ouro_rv1).make_request(None, PROMPTS[0], p)
+
+
+def test_the_last_think_tag_of_a_prompt_decides_whether_it_opens_a_span():
+    assert prompt_opens_thinking("<think>a</think>b<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<think>a</think>b<think>c</think>")
+    assert not prompt_opens_thinking("no tags")
+
+
+def test_a_text_interruption_without_a_tokenizer_is_refused_by_name():
+    p = SamplingParams(
+        temperature=0.0, max_thinking_tokens=2, thinking_end_token_ids=(9,),
+        thinking_interruption="so",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="thinking_interruption: text needs a tokenizer"):
+        resolve_thinking(p, None)
+    ids = p.replace(thinking_interruption=(1, 2))
+    assert resolve_thinking(ids, None).thinking_interruption == (1, 2)
+
+
+def test_the_thinking_prefix_is_for_a_generation_prompt_only():
+    from rltserve.thinking import chat_prompt_text
+
+    class Tok:
+        has_think_token = True
+
+    think = {"enable_thinking": True}
+    turn = "<|im_start|>user\nHi<|im_end|>\n"
+    assert chat_prompt_text(turn, False, think, Tok()) == turn
+    assert chat_prompt_text(turn, True, think, Tok()) == turn + "<think>\n"
+    assert chat_prompt_text(turn, True, {"enable_thinking": False}, Tok()) == turn

@@ -236,3 +236,91 @@ def test_stop_ids_include_generation_config_and_skip_ids_the_special_added_token
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
     tok = load_tokenizer(tmp_path)
     assert tok is not None and 7 in tok.eos_token_ids
+
+
+def _tokenizer_copy(src: Path, dst: Path, config: dict | None, **tokenizer_config) -> Path:
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_config)
+    (dst / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in cfg.items() if v is not None})
+    )
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_stop_ids_in_order_tokenizer_eos_config_generation_config_then_family(
+    ckpt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # Huginn's "!" is id 0: an eos id 0 from config.json counts like any other (MODELS.md §1.7:
+    # Ouro's config says eos=0).
+    config = {"model_type": "huginn_raven", "eos_token_id": [0, 481]}
+    path = _tokenizer_copy(ckpt_dirs["huginn-tiny"], tmp_path / "h", config)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    tok = load_tokenizer(path)
+    assert tok is not None and tok.get_vocab()["!"] == 0
+    assert tok.eos_token_ids == (481, 0, 7, 484)  # <|end_text|>, !, gen config, <|end_turn|>
+
+
+def test_chat_terminators_follow_the_config_model_type(
+    ckpt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    src = ckpt_dirs["ouro-tiny"]  # <|endoftext|> = 0 (its eos), <|im_end|> = 2
+    for model_type, want in (("ouro", (0, 2)), ("huginn_raven", (0,)), (None, (0, 2))):
+        config = {} if model_type is None else {"model_type": model_type}
+        tok = load_tokenizer(_tokenizer_copy(src, tmp_path / str(model_type), config))
+        assert tok is not None and tok.eos_token_ids == want, model_type
+
+
+def test_special_ids_are_the_ids_skipped_decode_drops(
+    toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # <|im_start|> and <|im_end|> stay special added tokens without additional_special_tokens.
+    bare = _tokenizer_copy(
+        ckpt_dirs["ouro-tiny"], tmp_path / "bare", None, additional_special_tokens=None
+    )
+    tok = load_tokenizer(bare)
+    assert tok is not None and tok.files.extra == ()
+    for t in (*toks.values(), tok):
+        dropped = {i for i in range(t.vocab_size) if t.decode([i], skip_special_tokens=True) == ""}
+        assert t.special_ids == dropped
+    assert tok.special_ids == {0, 1, 2}
+
+
+def test_streamed_text_keeps_the_prefix_space_the_prompt_gives(tmp_path: Path) -> None:
+    # A SentencePiece-style (Metaspace) tokenizer drops the "▁" of a text's first token; the
+    # first generated token follows the prompt, so its space is kept.
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok is not None and tok.encode("Hello world again", False) == [1, 2, 3]
+    assert tok.decode([2, 3]) == "world again"
+    det = tok.detokenizer([1])
+    assert [det.add(2), det.add(3), det.flush()] == [" world", " again", ""]
+    det = tok.detokenizer()  # no prompt: as decode() renders the text alone
+    assert [det.add(2), det.add(3)] == ["world", " again"]
+
+
+def test_an_appended_token_that_is_no_stop_id_stays_in_a_prompt(
+    ckpt_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # Huginn's post-processor appends <|end_text|>; here it is no stop id (the eos is
+    # <|end_turn|> and the family's terminators are not in the vocabulary), so it is text.
+    config = {"model_type": "ouro", "eos_token_id": 484}
+    path = _tokenizer_copy(
+        ckpt_dirs["huginn-tiny"], tmp_path / "h", config, eos_token="<|end_turn|>"
+    )
+    tok = load_tokenizer(path)
+    assert tok is not None and tok.eos_token_ids == (484,)
+    ids = tok.encode("Hi", add_special_tokens=True)
+    assert ids[-1] == 481 and tok.appended_end is None
+    assert tok.encode_prompt("Hi") == ids

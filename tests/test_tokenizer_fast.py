@@ -253,3 +253,195 @@ def test_tokenizer_files_read_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="invalid JSON"):
         TokenizerFiles.read(tmp_path)
     assert TokenizerFiles.read(tmp_path / "absent") == TokenizerFiles()
+
+
+def test_config_tokens_win_over_special_tokens_map_with_added_tokens_decoder(
+    dirs: dict, tmp_path: Path
+) -> None:
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t")
+    smap = json.loads((path / "special_tokens_map.json").read_text())
+    (path / "special_tokens_map.json").write_text(json.dumps({**smap, "eos_token": "<|im_end|>"}))
+    tok, hf = load_tokenizer(path), _hf(path)
+    assert tok is not None
+    assert tok.special_tokens["eos_token"] == str(hf.eos_token) == "<|endoftext|>"
+    assert tok.eos_token_id == hf.eos_token_id == 0
+
+
+def test_block_whitespace_and_null_fields_match_transformers(dirs: dict, tmp_path: Path) -> None:
+    # trim_blocks/lstrip_blocks: block tags on lines of their own leave no blank lines or
+    # indentation; a None field is absent (``is defined`` is false), as in transformers.
+    template = (
+        "{% for m in messages %}\n"
+        "  {% if m.name is defined %}\n"
+        "{{ m.name }}:\n"
+        "  {% endif %}\n"
+        "{{ m.content }}\n"
+        "{% endfor %}\n"
+        "end"
+    )
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template=template)
+    tok, hf = load_tokenizer(path), _hf(path)
+    assert tok is not None
+    chat = [
+        {"role": "user", "content": "a", "name": None},
+        {"role": "user", "content": "b", "name": "bob"},
+    ]
+    got = tok.apply_chat_template(chat, tokenize=False)
+    assert got == hf.apply_chat_template(chat, tokenize=False) == "a\nbob:\nb\nend"
+
+
+def test_template_variables_of_other_types_are_opaque(dirs: dict, tmp_path: Path) -> None:
+    class Secret:
+        token = "s3cret"
+
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template="{{ x.token }}|{{ x }}")
+    tok = load_tokenizer(path)
+    assert tok is not None
+    assert tok.apply_chat_template([], tokenize=False, x=Secret()) == "|<Secret>"
+
+
+def test_tokenizer_files_named_and_extra_tokens_and_template_files(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": {"content": "<e>", "special": True},
+                "pad_token": None,
+                "extra_special_tokens": {"image_token": "<img>", "audio": {"content": "<aud>"}},
+            }
+        )
+    )
+    files = TokenizerFiles.read(a)
+    assert files.named == {"eos_token": "<e>"} and files.extra == ("<img>", "<aud>")
+    # Legacy layout: special_tokens_map.json adds its extra tokens, each once.
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "tokenizer_config.json").write_text(json.dumps({"additional_special_tokens": ["<a>"]}))
+    smap = {"additional_special_tokens": ["<a>", "<b>"], "bos_token": "<s>"}
+    (b / "special_tokens_map.json").write_text(json.dumps(smap))
+    files = TokenizerFiles.read(b)
+    assert files.extra == ("<a>", "<b>") and files.named == {"bos_token": "<s>"}
+    # chat_template.jinja alone is the template; with additional_chat_templates/ a named set.
+    (b / "chat_template.jinja").write_text("J")
+    assert TokenizerFiles.read(b).chat_template == "J"
+    (b / "additional_chat_templates").mkdir()
+    (b / "additional_chat_templates" / "tool_use.jinja").write_text("T")
+    assert TokenizerFiles.read(b).chat_template == {"default": "J", "tool_use": "T"}
+
+
+def test_transformers_fallback_decodes_without_clean_up_and_restores_logging(
+    dirs: dict, tmp_path: Path
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    src = dirs["ouro-tiny"]
+    dst = tmp_path / "slow"
+    dst.mkdir()
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        shutil.copy(src / name, dst / name)
+    load_tokenizer(src).backend.tok.model.save(str(dst))  # type: ignore[union-attr]
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_info()
+    try:
+        tok = load_tokenizer(dst)
+        assert hf_logging.get_verbosity() == hf_logging.INFO
+    finally:
+        hf_logging.set_verbosity(before)
+    assert tok is not None and isinstance(tok.backend, TransformersBackend)
+    text = "a , b . c 's d n't e ?"
+    assert tok.decode(tok.encode(text, False)) == text
+
+
+def test_every_reasoning_field_reaches_the_template_under_both_names(
+    dirs: dict, tmp_path: Path
+) -> None:
+    template = "{% for m in messages %}{{ m.thinking }}|{{ m.reasoning_content }};{% endfor %}"
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template=template)
+    tok = load_tokenizer(path)
+    assert tok is not None
+    chat = [
+        {"role": "assistant", "content": "x", field: field[:3]}
+        for field in ("reasoning_content", "thinking", "reasoning")
+    ]
+    assert tok.apply_chat_template(chat, tokenize=False) == "rea|rea;thi|thi;rea|rea;"
+
+
+def test_template_globals_and_objects_with_model_dump(dirs: dict, tmp_path: Path) -> None:
+    import datetime
+
+    class Tool:  # (as a pydantic model)
+        def model_dump(self) -> dict:
+            return {"name": "f", "args": ("a", 1)}
+
+    template = "{{ strftime_now('%Y') }} {{ tools[0].name }}{{ tools[0].args | list }}"
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template=template)
+    tok = load_tokenizer(path)
+    assert tok is not None
+    year = datetime.datetime.now().strftime("%Y")
+    assert tok.apply_chat_template([], tokenize=False, tools=[Tool()]) == f"{year} f['a', 1]"
+
+
+def test_namespace_refuses_underscore_names_at_construction(dirs: dict, tmp_path: Path) -> None:
+    bad = "{% set ns = namespace(_x=1) %}{{ ns._x }}"
+    path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template=bad)
+    tok = load_tokenizer(path)
+    assert tok is not None
+    with pytest.raises(Exception, match="underscore-prefixed attributes \\('_x'\\)"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+
+
+def test_named_templates_without_a_default_are_refused(dirs: dict, tmp_path: Path) -> None:
+    listed = _with_config(
+        dirs["ouro-tiny"],
+        tmp_path / "listed",
+        chat_template=[{"name": "tool_use", "template": "T"}, {"name": "rag", "template": "R"}],
+    )
+    tok = load_tokenizer(listed)
+    assert tok is not None
+    msgs = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, tools=[{"a": 1}]) == "T"
+    with pytest.raises(ValueError, match="none is named 'default': rag, tool_use"):
+        tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_a_wordpiece_vocabulary_decodes_without_clean_up(tmp_path: Path) -> None:
+    # (transformers skips its clean-up for BPE tokenizers anyway; a WordPiece one shows it)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", ",", ".", "'", "s"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert tok is not None and isinstance(tok.backend, TransformersBackend)
+    ids = tok.encode("a , b . a 's", False)
+    assert ids == [5, 7, 6, 8, 5, 9, 10]
+    want = tok.backend.hf.decode(ids, clean_up_tokenization_spaces=False)
+    assert tok.decode(ids) == want == "a, b. a ' s"
+
+
+def test_named_tokens_of_the_base_vocabulary_are_special_as_in_transformers(
+    tmp_path: Path,
+) -> None:
+    # A named token that tokenizer.json lists in its model's vocabulary but not among its added
+    # tokens: transformers makes it a special added token (same id), so a skipping decode drops
+    # it, and so does the incremental detokenizer.
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    config = {"unk_token": "<unk>", "eos_token": "▁again"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, hf = load_tokenizer(tmp_path), _hf(tmp_path)
+    assert tok is not None
+    assert tok.vocab_size == len(hf) and tok.special_ids == {0, 3}
+    ids = [1, 0, 2, 3]
+    want = hf.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids) == want == "Hello world"
+    det = tok.detokenizer()
+    assert "".join(det.add(i) for i in ids) + det.flush() == want
+    text = "Hello <unk> world again"
+    assert tok.encode(text, False) == hf.encode(text, add_special_tokens=False) == [1, 0, 0, 2, 3]

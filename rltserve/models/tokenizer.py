@@ -181,7 +181,9 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas whose concatenation (plus ``flush()``) equals
-    ``tokenizer.decode(all generated ids)``.
+    ``tokenizer.decode(all generated ids)``, except that the first token is rendered after the
+    prompt's last ones: it keeps the space a SentencePiece tokenizer would strip at the start of
+    a text (``' world'`` after a prompt, where ``decode`` alone gives ``'world'``; as vLLM's).
 
     The prefix/read-offset method (as in vLLM): the text of the new tokens is the decode of a
     short window ``ids[prefix:]`` minus the decode of ``ids[prefix:read]``, so context-dependent

@@ -42,11 +42,12 @@ class FastBackend:
         from tokenizers import AddedToken, Tokenizer
 
         tok = Tokenizer.from_file(str(path))
-        # As transformers does: named or extra special tokens missing from the vocabulary are
-        # added as special tokens (new ids at the end).
-        vocab = tok.get_vocab(with_added_tokens=True)
+        # As transformers does: named or extra special tokens that are not special added tokens
+        # yet become ones (new ids at the end for those missing from the vocabulary; a token of
+        # the base vocabulary keeps its id), so decode(skip_special_tokens=True) drops them all.
+        special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
         wanted = dict.fromkeys([*files.named.values(), *files.extra])
-        missing = [t for t in wanted if t not in vocab]
+        missing = [t for t in wanted if t not in special]
         if missing:
             tok.add_special_tokens([AddedToken(t, special=True) for t in missing])
         return cls(tok)

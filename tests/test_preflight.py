@@ -1,0 +1,202 @@
+"""Checks made before a model loads: paths, dtype names, vLLM's engine arguments and the offline
+API's prompt forms (``preflight``, ``vllm_args``, ``prompt_inputs``), without an engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rltserve.preflight import check_checkpoint_dir, resolve_dtype
+
+
+def test_checkpoint_dir_errors_name_the_flag_and_what_is_wrong(tmp_path):
+    check_checkpoint_dir(None)  # the demo model
+    with pytest.raises(ValueError, match=r"^--model \S+/nope: no such checkpoint directory$"):
+        check_checkpoint_dir(str(tmp_path / "nope"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"^model='\S+/file': is a file; pass the checkpoint"):
+        check_checkpoint_dir(str(tmp_path / "file"), flag="model=")
+    with pytest.raises(ValueError, match="has no config.json, so it is not a checkpoint"):
+        check_checkpoint_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    check_checkpoint_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        ({"dtype": "bfloat16"}, "bfloat16"),  # (newer transformers write "dtype")
+        ({"torch_dtype": "float16", "dtype": "bfloat16"}, "float16"),
+        ({"torch_dtype": "half"}, "float16"),
+        ({"torch_dtype": "bf16"}, "bfloat16"),
+        ({"torch_dtype": None, "dtype": "float16"}, "float16"),
+        ({}, "float32"),
+        ([1], "float32"),
+    ],
+)
+def test_auto_dtype_reads_either_config_key_and_vllm_names(tmp_path, config, want):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_dtype("auto", str(tmp_path)) == want
+
+
+def test_output_dir_may_exist_empty(tmp_path):
+    from rltserve.preflight import check_output_dir
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_output_dir(empty, force=False)
+    (empty / "x").write_text("x")
+    with pytest.raises(ValueError, match="is not empty"):
+        check_output_dir(empty, force=False)
+    check_output_dir(empty, force=True)
+    check_output_dir(tmp_path / "new" / "dir", force=False)
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_tls_files_are_checked_only_as_a_pair(tmp_path):
+    from rltserve.preflight import check_tls_files
+
+    # (one without the other is ServerConfig's error)
+    check_tls_files(str(tmp_path / "cert.pem"), None)
+    check_tls_files(None, str(tmp_path / "key.pem"))
+    with pytest.raises(ValueError, match=r"--ssl-certfile \S+cert.pem: no such file"):
+        check_tls_files(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+
+
+# --------------------------------------------------------------------------- vLLM arguments
+
+
+def test_inert_arguments_take_values_of_the_right_type_only():
+    from rltserve.vllm_args import check_inert
+
+    check_inert({"cpu_offload_gb": 0.0, "limit_mm_per_prompt": {"image": 0}, "enable_lora": False})
+    for name, value in (("enable_lora", 0), ("pipeline_parallel_size", True), ("task", b"auto")):
+        with pytest.raises(ValueError, match=rf"^{name}={value!r}: not supported \("):
+            check_inert({name: value})
+    with pytest.raises(
+        ValueError, match=r"^enable_sleep_mode='yes': not supported \(wrong type\)$"
+    ):
+        check_inert({"enable_sleep_mode": "yes"})
+
+
+def test_parallel_size_and_utilization_bounds():
+    from rltserve.vllm_args import check_parallel, check_utilization, kv_budget_bytes
+
+    check_parallel(1)
+    for size in (0, 2):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size={size}: rltserve runs"):
+            check_parallel(size)
+    check_utilization(1)
+    check_utilization(1.0)
+    for bad in (0, 1.01, True, float("nan")):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization=.*: must be in \(0, 1\]"):
+            check_utilization(bad)
+    gib = 2**30
+    assert kv_budget_bytes(1.0, 10 * gib, 8 * gib) == gib  # the whole device
+    with pytest.raises(ValueError, match="leave no room for the KV cache"):
+        kv_budget_bytes(1.0, 9 * gib, 8 * gib)  # exactly nothing left
+
+
+def test_kv_cache_gb_on_cuda_counts_the_weights_in_the_served_dtype(tmp_path, monkeypatch):
+    import torch
+
+    from rltserve.vllm_args import ACTIVATION_RESERVE_BYTES, kv_cache_gb_for
+
+    gib = 2**30
+
+    class Props:
+        total_memory = 80 * gib
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.truncate(4 * gib)  # (sparse) 4 GiB of bfloat16 weights: 8 GiB served as float32
+    want = (40 * gib - 8 * gib - ACTIVATION_RESERVE_BYTES) / gib
+    assert kv_cache_gb_for(0.5, "cuda:0", str(tmp_path), "float32") == want
+    half = (40 * gib - 4 * gib - ACTIVATION_RESERVE_BYTES) / gib
+    assert kv_cache_gb_for(0.5, "cuda", str(tmp_path), "bfloat16") == half
+
+
+def test_generation_config_folder(tmp_path):
+    from rltserve.vllm_args import generation_config_folder
+
+    assert generation_config_folder("auto", "/ckpt") == "/ckpt"
+    assert generation_config_folder("vllm", "/ckpt") is None
+    assert generation_config_folder(tmp_path, "/ckpt") == str(tmp_path)
+    for bad in (str(tmp_path / "missing"), None, 3):
+        with pytest.raises(ValueError, match=r"generation_config=.*: must be 'auto', 'vllm' or"):
+            generation_config_folder(bad, "/ckpt")
+
+
+# --------------------------------------------------------------------------- prompt forms
+
+
+def test_prompt_lists_dicts_and_salts():
+    from rltserve.prompt_inputs import normalize_prompts, prompt_cache_salt
+
+    assert normalize_prompts("a") == ["a"]
+    assert normalize_prompts({"prompt": "a"}) == [{"prompt": "a"}]
+    assert normalize_prompts([[1, 2], "b"]) == [[1, 2], "b"]
+    assert normalize_prompts([]) == []
+    with pytest.raises(ValueError, match="pass a list of token-id lists, not one flat list"):
+        normalize_prompts([1, 2, 3])
+    assert prompt_cache_salt({"prompt": "a", "cache_salt": "t1"}) == "t1"
+    assert prompt_cache_salt({"prompt": "a", "cache_salt": None}) is None
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match=r"cache_salt=.*: must be a non-empty string"):
+            prompt_cache_salt({"prompt": "a", "cache_salt": bad})
+
+
+def test_token_id_prompts_pair_texts_with_ids():
+    from rltserve.prompt_inputs import token_id_prompts
+
+    assert token_id_prompts([]) == []
+    assert token_id_prompts([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert token_id_prompts([[1], [2]], ["a", "b"]) == [
+        {"prompt": "a", "prompt_token_ids": [1]},
+        {"prompt": "b", "prompt_token_ids": [2]},
+    ]
+    with pytest.raises(ValueError, match="must be as many"):
+        token_id_prompts([[1], [2]], ["a"])
+    with pytest.raises(ValueError, match="must be the prompts' texts"):
+        token_id_prompts([[1]], [5])
+
+
+def test_encode_prompt_forms_and_id_checks():
+    from rltserve.prompt_inputs import check_ids, encode_prompt
+
+    class Tok:  # appends an end token to every text, as Huginn's does
+        def encode(self, text, add_special_tokens=True):
+            return [1, 2, 9]
+
+        def encode_prompt(self, text):
+            return [1, 2]
+
+    assert encode_prompt("hi", Tok(), 10) == [1, 2]
+    assert encode_prompt({"prompt": "hi", "multi_modal_data": None}, Tok(), 10) == [1, 2]
+    assert encode_prompt({"prompt_token_ids": [3]}, None, 10) == [3]
+    with pytest.raises(ValueError, match="a dict needs 'prompt' or 'prompt_token_ids'"):
+        encode_prompt({"cache_salt": "s"}, None, 10)
+    with pytest.raises(ValueError, match="unknown key 'multi_modal_data'"):
+        encode_prompt({"prompt": "hi", "multi_modal_data": {}}, Tok(), 10)
+    with pytest.raises(ValueError, match="token ids must be ints"):
+        check_ids([1, True], 10)
+    with pytest.raises(ValueError, match=r"prompt=b'ab': must be a string or a list of token"):
+        check_ids(b"ab", 300)
+    with pytest.raises(
+        ValueError, match=r"prompt: token id 10 is outside the vocabulary \[0, 10\)"
+    ):
+        check_ids([1, 10], 10)
+
+
+def test_template_message_joins_text_parts_and_renames_developer():
+    from rltserve.prompt_inputs import template_message
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert template_message({"role": "developer", "content": parts}, "messages[0]") == {
+        "role": "system",
+        "content": "a\nb",
+    }
+    plain = {"role": "user", "content": "x"}
+    assert template_message(plain, "messages[0]") is plain
