@@ -1,0 +1,469 @@
+"""Edges of the HTTP front end that the other HTTP tests leave open (found by mutation testing):
+echo of a text prompt, special tokens in the text, a failed add, interrupted generations, chat
+with n > 1, request rules (suffix, n, logit_bias keys, /tokenize, stream_options, min_tokens,
+prompt logprobs), the admission gate's cancel paths, the OpenAPI document, metrics, error types
+and /v1/update_weights' options. Uses the scripted stage (context of 64 tokens) and the real
+ouro-tiny tokenizer, or no socket at all."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import orjson
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    metric,
+    running,
+    scripted_factory,
+    scripted_info,
+    sse_payloads,
+    tiny_checkpoint,
+    wait_for,
+)
+
+from rltserve.core.stage import StageError
+from rltserve.http.admission import AdmissionGate
+from rltserve.http.errors import error_body
+from rltserve.http.metrics import RequestTimeline, ServingMetrics
+from rltserve.http.openapi import object_schema, openapi_document
+from rltserve.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    sampling_params,
+)
+from rltserve.http.validation import SchemaError, parse_object
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def stage_for(ckpt, tokens=(44, 77), **script) -> ScriptedStage:
+    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script(list(tokens), **script))
+
+
+def error_of(raw: bytes) -> dict:
+    return orjson.loads(raw)["error"]
+
+
+def choices_of(raw: bytes) -> list[dict]:
+    return orjson.loads(raw)["choices"]
+
+
+async def test_echo_returns_a_text_prompt_as_sent(ckpt):
+    """A text prompt is echoed as the client sent it, not as its token ids decode: special
+    tokens spelled in the text (here ``<|im_end|>``, id 2) stay in the echo."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        body = {"prompt": "Hi<|im_end|>", "max_tokens": 1, "echo": True}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        assert choices_of(raw)[0]["text"] == "Hi<|im_end|>H"
+        # token ids have no text to keep: they echo as they decode (special tokens left out)
+        status, _, raw = await live.post("/v1/completions", {**body, "prompt": [44, 77, 2]})
+        assert status == 200 and choices_of(raw)[0]["text"] == "HiH"
+
+
+async def test_skip_special_tokens_false_keeps_them_in_the_text(ckpt):
+    """``skip_special_tokens`` shapes the generated text (token 1 is ``<|im_start|>``)."""
+    stage = stage_for(ckpt, tokens=(44, 1))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and choices_of(raw)[0]["text"] == "H"
+        kept = {**body, "skip_special_tokens": False}
+        status, _, raw = await live.post("/v1/completions", kept)
+        assert status == 200 and choices_of(raw)[0]["text"] == "H<|im_start|>"
+
+
+class FailingAdd(ScriptedStage):
+    """A stage that refuses the ``fail_at``-th request it is given (0-based), as a stage that
+    died between two ``add_request`` calls does."""
+
+    def __init__(self, info, script, fail_at: int) -> None:
+        super().__init__(info, script)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise StageError("stage is not running")
+        super().add_request(request_id, prompt_token_ids, params, sink, group)
+
+
+async def test_a_failed_add_aborts_the_choices_already_added(ckpt):
+    """n=2 and the stage fails on the second add: a 503, the first choice aborted in the
+    stage, and nothing left open (shutdown would wait for it)."""
+    hold = threading.Event()
+    stage = FailingAdd(scripted_info(ckpt, max_model_len=64), Script([44], hold=hold), 1)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "n": 2})
+        assert status == 503, raw
+        assert error_of(raw)["message"] == "the engine is not running: stage is not running"
+        assert stage.added and stage.aborted == stage.added
+        assert live.state.require_frontend().num_open == 0
+        hold.set()
+
+
+async def test_thinking_errors_without_a_tokenizer_name_the_field(ckpt, tmp_path):
+    """Bounded thinking needs the tokenizer's ``</think>`` (or explicit ids) and a text
+    interruption needs the tokenizer: without one each is a 400 naming its field."""
+    stage = ScriptedStage(scripted_info(tmp_path), Script([44]))
+    async with running(tmp_path, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "max_thinking_tokens": 1}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 400 and error_of(raw) == {
+            "message": "thinking_end_token_ids: required (no tokenizer is loaded)",
+            "type": "invalid_request_error",
+            "param": "thinking_end_token_ids",
+            "code": 400,
+        }
+        body = {**body, "thinking_end_token_ids": [4], "thinking_interruption": "Enough."}
+        status, _, raw = await live.post("/v1/completions", body)
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "thinking_interruption"), error
+        assert error["message"].startswith("thinking_interruption: text needs a tokenizer")
+        body["thinking_interruption"] = None
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+
+
+async def test_interrupting_open_generations_aborts_them_in_the_stage(ckpt):
+    """``interrupt_all`` (what a drain that runs out calls) ends each open stream with an abort
+    event and tells the stage at once, not only when the stage is closed later."""
+    stage = stage_for(ckpt, interval_s=0.01)
+    body = {"prompt": [5], "max_tokens": 63, "stream": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        async with live.stream("/v1/completions", body) as r:
+            first = await r.content.readuntil(b"\n\n")
+            live.state.require_frontend().interrupt_all()
+            rest = await asyncio.wait_for(r.content.read(), 10)
+        assert stage.aborted == stage.added and len(stage.added) == 1
+        assert stage.alive  # (told by the abort, not by a close)
+        assert live.state.require_frontend().num_open == 0
+    events = sse_payloads(first + rest)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"] == {
+        "message": "the request was aborted",
+        "type": "unavailable_error",
+        "param": None,
+        "code": 503,
+    }
+
+
+async def test_chat_n_counts_the_prompt_once_and_is_bounded_by_max_concurrent(ckpt):
+    """Chat with n > 1: ``prompt_tokens`` counts the conversation once (as completions count
+    each prompt once), and more choices than the server runs at once is a 400 naming n."""
+    async with running(
+        ckpt, client_factory=scripted_factory(stage_for(ckpt)), max_concurrent=2
+    ) as live:
+        status, _, raw = await live.post("/tokenize", CHAT)
+        assert status == 200
+        prompt_tokens = orjson.loads(raw)["count"]
+        status, _, raw = await live.post("/v1/chat/completions", {**CHAT, "n": 2, "max_tokens": 3})
+        assert status == 200, raw
+        assert orjson.loads(raw)["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 6,
+            "total_tokens": prompt_tokens + 6,
+        }
+        status, _, raw = await live.post("/v1/chat/completions", {**CHAT, "n": 3})
+        assert status == 400 and error_of(raw) == {
+            "message": "n: 3 sequences exceed the server's limit of 2 at once "
+            "(--max-concurrent); send fewer per request",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": 400,
+        }
+
+
+def parsed(cls, body: dict):
+    """``body`` parsed and validated as the server reads a request."""
+    req = parse_object(cls, body)
+    req.validate()
+    return req
+
+
+def schema_error(cls, body: dict) -> tuple[str | None, str]:
+    with pytest.raises(SchemaError) as err:
+        parsed(cls, body)
+    return err.value.param, err.value.message
+
+
+def test_a_nested_object_of_the_wrong_type_is_named_with_its_type():
+    assert schema_error(CompletionRequest, {"prompt": "x", "stream_options": 5}) == (
+        "stream_options",
+        "stream_options=5: must be an object",
+    )
+    assert schema_error(ChatCompletionRequest, {"messages": ["hi"]}) == (
+        "messages",
+        "messages: must be an array of objects",
+    )
+
+
+def test_n_and_logit_bias_bounds():
+    assert parsed(CompletionRequest, {"prompt": "x", "n": 128, "best_of": 128}).n == 128
+    assert schema_error(CompletionRequest, {"prompt": "x", "n": 129}) == (
+        "n",
+        "n=129: must be in [1, 128]",
+    )
+    # Only ASCII digits are token ids ("٣" is a Unicode digit that int() would read as 3).
+    assert parsed(CompletionRequest, {"prompt": "x", "logit_bias": {"50256": 1}}).logit_bias
+    param, message = schema_error(CompletionRequest, {"prompt": "x", "logit_bias": {"٣": 1}})
+    assert (param, message) == (
+        "logit_bias",
+        "logit_bias: key '٣' is not a token id (digits, as '50256')",
+    )
+
+
+def test_request_rules_of_suffix_tokenize_and_assistant_messages():
+    assert schema_error(CompletionRequest, {"prompt": "x", "suffix": "y"}) == (
+        "suffix",
+        "suffix: not supported",
+    )
+    assert parsed(CompletionRequest, {"prompt": "x", "suffix": ""}).suffix == ""
+    # /tokenize takes a prompt or messages, not both; the rule of continue_final_message is
+    # about messages only
+    assert schema_error(TokenizeRequest, {"prompt": "x", "messages": [{"role": "user"}]}) == (
+        "prompt",
+        "prompt, messages: give exactly one",
+    )
+    tokenize = parsed(TokenizeRequest, {"prompt": "x", "continue_final_message": True})
+    assert tokenize.prompt == "x"
+    # An assistant turn without content (OpenAI allows it) renders as an empty text, not None
+    chat = parsed(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+    )
+    assert chat.template_messages() == [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+async def test_stream_options_without_include_usage_send_no_usage(ckpt):
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        for options in ({}, {"include_usage": False}):
+            body = {"prompt": [5], "max_tokens": 2, "stream": True, "stream_options": options}
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 200
+            events = sse_payloads(raw)[:-1]
+            assert len(events) == 2 and all(e["choices"] for e in events), events
+            assert all(e.get("usage") is None for e in events), events
+
+
+async def test_echo_without_max_tokens_generates_the_default(ckpt):
+    """echo alone (no max_tokens) is not the prompt-only request that ``max_tokens=0`` asks
+    for: the prompt is echoed and 16 tokens are generated after it."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": [44, 77], "echo": True})
+        assert status == 200, raw
+        body = orjson.loads(raw)
+        (choice,) = body["choices"]
+        assert choice["text"] == "Hi" + "Hi" * 8 and choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 16, "total_tokens": 18}
+
+
+def test_prompt_logprobs_take_the_larger_of_echo_logprobs_and_prompt_logprobs():
+    def prompt_logprobs(body: dict) -> int | None:
+        req = parsed(CompletionRequest, {"prompt": "x", **body})
+        return sampling_params(
+            req, max_tokens=1, logprobs=req.logprobs, sample_index=0
+        ).prompt_logprobs
+
+    assert prompt_logprobs({"echo": True, "logprobs": 3, "prompt_logprobs": 1}) == 3
+    assert prompt_logprobs({"echo": True, "logprobs": 1, "prompt_logprobs": 2}) == 2
+    assert prompt_logprobs({"logprobs": 3, "prompt_logprobs": 1}) == 1  # (no echo: no prompt)
+    assert prompt_logprobs({"echo": True, "logprobs": 0}) == 0
+    assert prompt_logprobs({"logprobs": 3}) is None
+
+
+def test_min_tokens_beyond_a_chat_limit_names_the_limit_as_asked():
+    """``max_completion_tokens`` is a limit the client asked for, as ``max_tokens`` is."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        req = parsed(ChatCompletionRequest, {**CHAT, field: 2, "min_tokens": 5})
+        with pytest.raises(SchemaError) as err:
+            sampling_params(req, max_tokens=req.token_limit, logprobs=None, sample_index=0)
+        assert (err.value.param, err.value.message) == (
+            "min_tokens",
+            "min_tokens=5: must be <= max_tokens (2)",
+        )
+    req = parsed(ChatCompletionRequest, {**CHAT, "min_tokens": 5})
+    with pytest.raises(SchemaError, match=r"must be <= the default max_tokens \(3\)"):
+        sampling_params(req, max_tokens=3, logprobs=None, sample_index=0)
+
+
+async def test_tokenize_counts_a_conversation_longer_than_the_context(ckpt):
+    """/tokenize reports what a rendering costs even past the context, beyond the character
+    bound that chat completions refuse without encoding (64 tokens x 13 characters): the count
+    is what a client needs to trim its conversation."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        long_chat = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        status, _, raw = await live.post("/tokenize", long_chat)
+        assert status == 200, raw
+        body = orjson.loads(raw)
+        assert body["max_model_len"] == 64 and body["count"] == len(body["tokens"]) > 64
+        status, _, raw = await live.post("/v1/chat/completions", long_chat)
+        assert status == 400 and error_of(raw)["param"] == "messages"
+
+
+async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):
+    """While the server drains, new requests get a 503 a load balancer can retry elsewhere."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        live.state.closing = True  # (what drain sets first)
+        status, headers, raw = await live.post("/v1/completions", {"prompt": [5]})
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert error_of(raw)["message"] == "the server is shutting down"
+
+
+async def test_requests_in_the_admission_queue_count_as_waiting(ckpt):
+    """``num_requests_waiting`` adds the server's admission queue to the engine's own."""
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
+        first = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+        await wait_for(lambda: len(stage.added) == 1)
+        queued = [
+            asyncio.create_task(live.post("/v1/completions", {"prompt": [5]})) for _ in range(2)
+        ]
+        await wait_for(lambda: live.state.gate.num_queued == 2)
+        text = (await live.get("/metrics"))[2].decode()
+        assert metric(text, "rltserve:num_requests_waiting") == 2
+        hold.set()
+        for task in (first, *queued):
+            assert (await task)[0] == 200
+        text = (await live.get("/metrics"))[2].decode()
+        assert metric(text, "rltserve:num_requests_waiting") == 0
+
+
+async def test_admission_gate_a_cancelled_head_lets_the_next_waiter_in():
+    """The head waiter (too big to fit) goes away: a smaller one behind it that fits now is
+    let in at once, not only at the next release."""
+    gate = AdmissionGate(max_concurrent=2, max_queued=2)
+    granted: list[str] = []
+    done = asyncio.Event()
+
+    async def hold(name: str, weight: int) -> None:
+        async with gate.slots(weight):
+            granted.append(name)
+            await done.wait()
+
+    async with gate.slots(1):
+        big = asyncio.create_task(hold("big", 2))
+        small = asyncio.create_task(hold("small", 1))
+        await asyncio.sleep(0)
+        assert gate.num_queued == 2 and granted == []
+        big.cancel()
+        await asyncio.sleep(0.01)
+        assert granted == ["small"] and gate.in_use == 2 and gate.num_queued == 0
+        done.set()
+        await small
+    await asyncio.gather(big, return_exceptions=True)
+    assert big.cancelled() and gate.in_use == 0
+
+
+async def test_admission_gate_a_waiter_cancelled_as_it_is_granted_gives_its_slot_back():
+    gate = AdmissionGate(max_concurrent=1, max_queued=1)
+    granted: list[str] = []
+
+    async def wait() -> None:
+        async with gate.slots(1):
+            granted.append("b")
+
+    async with gate.slots(1):
+        b = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        assert gate.num_queued == 1
+    # Leaving the block granted b its slot; b is cancelled in the same turn, before it runs.
+    assert gate.in_use == 1 and gate.num_queued == 0
+    b.cancel()
+    await asyncio.gather(b, return_exceptions=True)
+    assert b.cancelled() and granted == [] and gate.in_use == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Listed:
+    name: str
+    tags: list[str] = dataclasses.field(default_factory=list)
+    limit: int = 3
+
+
+def test_openapi_paths_parameters_and_defaults():
+    from rltserve.http.handlers import ROUTES
+
+    document = openapi_document(ROUTES, "test")
+    model = document["paths"]["/v1/models/{model}"]["get"]  # (aiohttp's {model:.+})
+    assert model["parameters"] == [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    assert "404" in model["responses"] and "404" not in document["paths"]["/v1/models"]["get"]
+    completion = document["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert completion["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 1}
+    assert completion["echo"]["default"] is False and completion["model"]["default"] is None
+    # a field with a default_factory is optional (null for its default), with no default shown
+    assert object_schema(_Listed) == {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+            "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 3},
+        },
+        "required": ["name"],
+        "additionalProperties": True,
+    }
+
+
+def test_inter_token_latency_runs_from_the_previous_update():
+    metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (None, 0))
+    timeline = RequestTimeline(arrival=10.0, admitted=10.0)
+    for now in (11.0, 11.25, 11.75):  # gaps of 0.25 and 0.5
+        metrics.on_tokens(timeline, now, [1])
+    text = metrics.render()[0].decode()
+    assert metric(text, "rltserve:inter_token_latency_seconds_sum") == 0.75
+    assert metric(text, "rltserve:inter_token_latency_seconds_count") == 2
+
+
+def test_error_types_by_status():
+    types = {s: error_body(s, "x")["error"]["type"] for s in (400, 401, 404, 409, 500, 503, 502)}
+    assert types == {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        409: "conflict_error",
+        500: "internal_server_error",
+        503: "unavailable_error",
+        502: "api_error",  # (a status without its own type)
+    }
+
+
+class RecordingUpdates(ScriptedStage):
+    """A scripted stage that records each weight update's arguments."""
+
+    def __init__(self, info, script) -> None:
+        super().__init__(info, script)
+        self.update_calls: list[tuple] = []
+
+    def update_weights(self, paths, abort, timeout_s) -> int:
+        self.update_calls.append((paths, abort, timeout_s))
+        return super().update_weights(paths, abort, timeout_s)
+
+
+async def test_update_weights_hands_its_options_to_the_stage(ckpt):
+    stage = RecordingUpdates(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"model_path": "/ckpt/a", "abort": True, "timeout": 5}
+        status, _, raw = await live.post("/v1/update_weights", body)
+        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+        status, _, raw = await live.post("/v1/update_weights", {"model_path": "/ckpt/b"})
+        assert status == 200 and orjson.loads(raw) == {"weight_version": 2}
+    assert stage.update_calls == [(["/ckpt/a"], True, 5.0), (["/ckpt/b"], False, 300.0)]
