@@ -1,9 +1,10 @@
 """Edges of the HTTP front end that the other HTTP tests leave open (found by mutation testing):
 echo of a text prompt, special tokens in the text, a failed add, interrupted generations, chat
 with n > 1, request rules (suffix, n, logit_bias keys, /tokenize, stream_options, min_tokens,
-prompt logprobs), the admission gate's cancel paths, the OpenAPI document, metrics, error types
-and /v1/update_weights' options. Uses the scripted stage (context of 64 tokens) and the real
-ouro-tiny tokenizer, or no socket at all."""
+prompt logprobs), the admission gate's cancel paths, the OpenAPI document, metrics, error types,
+/v1/update_weights' options, the bounds of request fields, the group shared by n samples, token
+texts in logprobs and the model check of every route. Uses the scripted stage (context of 64
+tokens) and the real ouro-tiny tokenizer, or no socket at all."""
 
 from __future__ import annotations
 
@@ -467,3 +468,238 @@ async def test_update_weights_hands_its_options_to_the_stage(ckpt):
         status, _, raw = await live.post("/v1/update_weights", {"model_path": "/ckpt/b"})
         assert status == 200 and orjson.loads(raw) == {"weight_version": 2}
     assert stage.update_calls == [(["/ckpt/a"], True, 5.0), (["/ckpt/b"], False, 300.0)]
+
+
+def no_template_checkpoint(ckpt, path):
+    """The tiny checkpoint's tokenizer, without its chat template, in ``path``."""
+    path.joinpath("tokenizer.json").write_bytes(ckpt.joinpath("tokenizer.json").read_bytes())
+    config = orjson.loads(ckpt.joinpath("tokenizer_config.json").read_bytes())
+    del config["chat_template"]
+    path.joinpath("tokenizer_config.json").write_bytes(orjson.dumps(config))
+    return path
+
+
+async def test_max_loops_may_be_the_models_cap(ckpt):
+    """``max_loops`` up to the model's cap (8 here) is accepted and reaches the stage."""
+    stage = stage_for(ckpt)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 1, "max_loops": 8}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        assert stage.added_params[-1].max_loops == 8
+
+
+async def test_logprobs_name_tokens_by_their_text_special_tokens_included(ckpt, tmp_path):
+    """Logprob entries show a token's text with special tokens spelled out (token 1 is
+    ``<|im_start|>``, which the generated text leaves out), or ``token_id:N`` without a
+    tokenizer."""
+    stage = stage_for(ckpt, tokens=(1,))
+    body = {"prompt": [5], "max_tokens": 1, "logprobs": 1}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        (choice,) = choices_of(raw)
+        assert choice["text"] == ""
+        assert choice["logprobs"]["tokens"] == ["<|im_start|>"]
+        assert choice["logprobs"]["top_logprobs"] == [{"<|im_start|>": -0.5}]
+    stage = ScriptedStage(scripted_info(tmp_path), Script([44]))
+    async with running(tmp_path, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        logprobs = choices_of(raw)[0]["logprobs"]
+        assert logprobs["tokens"] == ["token_id:44"]
+        assert logprobs["top_logprobs"] == [{"token_id:44": -0.5}]
+
+
+async def test_a_tokenizer_without_a_chat_template_is_a_400_naming_messages(ckpt, tmp_path):
+    path = no_template_checkpoint(ckpt, tmp_path)
+    stage = ScriptedStage(scripted_info(path), Script([44]))
+    async with running(path, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/chat/completions", CHAT)
+        assert status == 400, raw
+        assert error_of(raw) == {
+            "message": f"messages: the tokenizer in {path} has no chat_template",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": 400,
+        }
+        assert stage.added == []
+
+
+async def test_update_weights_timeout_may_be_the_maximum(ckpt):
+    """``timeout`` is in [0, 3600] seconds, both ends included."""
+    stage = RecordingUpdates(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for timeout in (3600, 0):
+            body = {"model_path": "/ckpt/a", "timeout": timeout}
+            status, _, raw = await live.post("/v1/update_weights", body)
+            assert status == 200, raw
+        status, _, raw = await live.post("/v1/update_weights", {**body, "timeout": 3600.5})
+        assert status == 400 and error_of(raw) == {
+            "message": "timeout=3600.5: must be in [0, 3600] seconds",
+            "type": "invalid_request_error",
+            "param": "timeout",
+            "code": 400,
+        }
+    assert stage.update_calls == [(["/ckpt/a"], False, 3600.0), (["/ckpt/a"], False, 0.0)]
+
+
+def test_a_body_that_is_not_an_object_names_no_field():
+    """A body that is no JSON object has no field to name: ``param`` is null."""
+    for body in ([1], "x", None):
+        assert schema_error(CompletionRequest, body) == (None, "body: must be a JSON object")
+
+
+class RecordingGroups(ScriptedStage):
+    """A scripted stage that records the group of each request (the n samples of a prompt
+    share one, so that the engine shares the prompt's cache among them)."""
+
+    def __init__(self, info, script) -> None:
+        super().__init__(info, script)
+        self.groups: list[str | None] = []
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        self.groups.append(group)
+        super().add_request(request_id, prompt_token_ids, params, sink, group)
+
+
+async def test_the_samples_of_a_prompt_share_a_group(ckpt):
+    stage = RecordingGroups(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [[5], [6]], "max_tokens": 1, "n": 2}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        first, second = stage.groups[:2], stage.groups[2:]
+        assert len(set(first)) == len(set(second)) == 1 and first != second
+        assert first[0] is not None and first[0].endswith("-0") and second[0].endswith("-1")
+        status, _, raw = await live.post("/v1/chat/completions", {**CHAT, "n": 2})
+        assert status == 200, raw
+        assert len(set(stage.groups[4:])) == 1 and stage.groups[4] is not None
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "max_tokens": 1})
+        assert status == 200 and stage.groups[6:] == [None]
+
+
+def test_an_update_without_tokens_is_no_token_to_the_latencies():
+    """Updates with no tokens (an abort, a finish of its own) are left out of TTFT and of the
+    gaps between tokens."""
+    metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (None, 0))
+    timeline = RequestTimeline(arrival=10.0, admitted=10.0)
+    for now, depths in ((10.5, []), (11.0, [2]), (11.5, []), (12.0, [3]), (12.5, [])):
+        metrics.on_tokens(timeline, now, depths)
+    text = metrics.render()[0].decode()
+    assert metric(text, "rltserve:time_to_first_token_seconds_sum") == 1.0
+    assert metric(text, "rltserve:time_to_first_token_seconds_count") == 1
+    assert metric(text, "rltserve:inter_token_latency_seconds_sum") == 1.0
+    assert metric(text, "rltserve:inter_token_latency_seconds_count") == 1
+    assert (timeline.first_token, timeline.last_token, timeline.num_tokens) == (11.0, 12.0, 2)
+
+
+def test_temperature_range_and_best_of():
+    """``temperature`` is in [0, 2], both ends included; ``best_of`` must equal n, a smaller
+    one as much as a larger one."""
+    for value in (0, 2):
+        assert parsed(CompletionRequest, {"prompt": "x", "temperature": value}).temperature == value
+    assert schema_error(CompletionRequest, {"prompt": "x", "temperature": 2.5}) == (
+        "temperature",
+        "temperature=2.5: must be in [0, 2]",
+    )
+    assert parsed(CompletionRequest, {"prompt": "x", "n": 2, "best_of": 2}).best_of == 2
+    for best_of in (1, 3):
+        assert schema_error(CompletionRequest, {"prompt": "x", "n": 2, "best_of": best_of}) == (
+            "best_of",
+            "best_of: only best_of == n is supported",
+        )
+
+
+def test_logprobs_counts_may_be_the_maximum():
+    """``logprobs``, ``prompt_logprobs`` and chat's ``top_logprobs`` are in [0, 20]."""
+    for name in ("logprobs", "prompt_logprobs"):
+        assert getattr(parsed(CompletionRequest, {"prompt": "x", name: 20}), name) == 20
+        assert schema_error(CompletionRequest, {"prompt": "x", name: 21}) == (
+            name,
+            f"{name}=21: must be in [0, 20]",
+        )
+    chat = parsed(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert chat.top_logprobs == 20
+    assert schema_error(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}) == (
+        "top_logprobs",
+        "top_logprobs: must be in [0, 20]",
+    )
+
+
+def test_a_message_name_reaches_the_template():
+    chat = parsed(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": "ann"}]}
+    )
+    assert chat.template_messages() == [{"role": "user", "content": "x", "name": "ann"}]
+
+
+def test_tool_choice_auto_is_no_tool_call():
+    """Without tools, ``tool_choice`` "auto" asks for nothing (the model answers in text)."""
+    for choice in ("auto", "none"):
+        assert parsed(ChatCompletionRequest, {**CHAT, "tool_choice": choice}).tool_choice == choice
+    assert schema_error(ChatCompletionRequest, {**CHAT, "tool_choice": "required"}) == (
+        "tool_choice",
+        "tool_choice: not supported (no tool calling)",
+    )
+
+
+def test_sampling_fields_reach_the_sampling_params_as_sent():
+    body = {
+        "prompt": "x",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "ignore_eos": True,
+        "min_loops": 2,
+        "max_loops": 3,
+        "max_thinking_tokens": 4,
+        "thinking_interruption": "Enough.",
+    }
+    params = sampling_params(
+        parsed(CompletionRequest, body), max_tokens=8, logprobs=None, sample_index=0
+    )
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert params.ignore_eos is True and (params.min_loops, params.max_loops) == (2, 3)
+    assert params.thinking_interruption == "Enough."
+    default = sampling_params(
+        parsed(CompletionRequest, {"prompt": "x"}), max_tokens=8, logprobs=None, sample_index=0
+    )
+    assert default.ignore_eos is False and default.skip_special_tokens is True
+
+
+async def test_every_model_taking_route_refuses_another_model(ckpt):
+    """``model`` names the served model (or is left out) on every route that takes one."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        for path, body in (
+            ("/detokenize", {"tokens": [44]}),
+            ("/tokenize", {"prompt": "Hi"}),
+            ("/v1/completions", {"prompt": [5], "max_tokens": 1}),
+            ("/v1/chat/completions", {**CHAT, "max_tokens": 1}),
+        ):
+            status, _, raw = await live.post(path, {**body, "model": "tiny"})
+            assert status == 200, (path, raw)
+            status, _, raw = await live.post(path, {**body, "model": "gpt-4"})
+            assert status == 404 and error_of(raw) == {
+                "message": "The model `gpt-4` does not exist.",
+                "type": "not_found_error",
+                "param": "model",
+                "code": 404,
+            }, path
+
+
+def test_openapi_operations_of_routes_with_a_body():
+    from rltserve.http.handlers import ROUTES
+
+    document = openapi_document(ROUTES, "test")
+    post = document["paths"]["/v1/completions"]["post"]
+    assert post["operationId"] == "completions"
+    assert post["requestBody"] == {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}
+        },
+    }
+    assert sorted(post["responses"]) == ["200", "400", "401", "413", "503"]
+    assert post["responses"]["413"]["description"] == "request body too large"
+    assert sorted(document["paths"]["/v1/models"]["get"]["responses"]) == ["200", "401", "503"]
