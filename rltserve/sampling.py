@@ -300,11 +300,8 @@ class SamplingParams:
             raise bad("cache_salt", "must be a non-empty string (or None)")
         if self.truncate_prompt_tokens is not None:
             _check_int(self, "truncate_prompt_tokens")
-            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
-                raise bad(
-                    "truncate_prompt_tokens",
-                    "must be >= 1 (keep the prompt's last k tokens) or -1 (as many as fit)",
-                )
+            if why := truncation_error(self.truncate_prompt_tokens):
+                raise ValueError(why)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "must hold at least one token id")
@@ -394,6 +391,17 @@ def plain_number(value: object) -> object:
     if isinstance(value, numbers.Real):
         return float(value)
     return value
+
+
+def truncation_error(keep: int) -> str | None:
+    """Why ``truncate_prompt_tokens=keep`` (an int) is refused, or None (the HTTP schema
+    checks it before the prompt is encoded, ``SamplingParams`` on construction)."""
+    if keep == 0 or keep < -1:
+        return (
+            f"truncate_prompt_tokens={keep}: must be >= 1 (keep the prompt's last k tokens) "
+            "or -1 (as many as fit)"
+        )
+    return None
 
 
 def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -17,7 +17,12 @@ from typing import Any
 
 from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
-from rltserve.sampling import GENERATION_CONFIG_KEYS, MAX_LOGPROBS, SamplingParams
+from rltserve.sampling import (
+    GENERATION_CONFIG_KEYS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    truncation_error,
+)
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
@@ -110,8 +115,7 @@ class GenerationFields:
         if self.temperature is not None and not 0 <= self.temperature <= 2:  # OpenAI's range
             raise SchemaError("temperature", f"temperature={self.temperature}: must be in [0, 2]")
         keep = self.truncate_prompt_tokens
-        if keep is not None and (keep == 0 or keep < -1):
-            why = f"truncate_prompt_tokens={keep}: must be >= 1 (the prompt's last k tokens) or -1"
+        if keep is not None and (why := truncation_error(keep)):
             raise SchemaError("truncate_prompt_tokens", why)
         if self.stream_options is not None and not self.stream:
             raise SchemaError("stream_options", "stream_options: only allowed when stream=true")
