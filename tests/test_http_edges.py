@@ -17,6 +17,7 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    error_of,
     metric,
     running,
     scripted_factory,
@@ -49,10 +50,6 @@ def ckpt(tmp_path_factory):
 
 def stage_for(ckpt, tokens=(44, 77), **script) -> ScriptedStage:
     return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script(list(tokens), **script))
-
-
-def error_of(raw: bytes) -> dict:
-    return orjson.loads(raw)["error"]
 
 
 def choices_of(raw: bytes) -> list[dict]:

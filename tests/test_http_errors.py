@@ -13,6 +13,7 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    error_of,
     metric,
     running,
     scripted_factory,
@@ -32,12 +33,6 @@ def ckpt(tmp_path_factory):
 
 def stage_for(ckpt, **script) -> ScriptedStage:
     return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77], **script))
-
-
-def error_of(raw: bytes) -> dict:
-    body = orjson.loads(raw)
-    assert list(body) == ["error"] and list(body["error"]) == ["message", "type", "param", "code"]
-    return body["error"]
 
 
 BAD_REQUESTS = [

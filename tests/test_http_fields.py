@@ -12,6 +12,7 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    error_of,
     running,
     scripted_factory,
     scripted_info,
@@ -33,10 +34,6 @@ def ckpt(tmp_path_factory):
 def factory(ckpt):
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
     return scripted_factory(stage)
-
-
-def error_of(raw: bytes) -> dict:
-    return orjson.loads(raw)["error"]
 
 
 def warnings_of(caplog) -> list[str]:

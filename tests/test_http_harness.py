@@ -251,6 +251,13 @@ async def running(
         yield Live(srv, state, session)
 
 
+def error_of(raw: bytes) -> dict:
+    """The ``error`` object of an OpenAI-style error body (which holds nothing else)."""
+    body = orjson.loads(raw)
+    assert list(body) == ["error"] and list(body["error"]) == ["message", "type", "param", "code"]
+    return body["error"]
+
+
 def sse_payloads(raw: bytes) -> list:
     """The decoded ``data:`` payloads of an SSE body (``[DONE]`` kept as the string)."""
     assert raw.endswith(b"\n\n"), raw[-50:]

@@ -9,7 +9,14 @@ import time
 
 import orjson
 import pytest
-from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    error_of,
+    running,
+    scripted_factory,
+    scripted_info,
+)
 
 from rltserve.http.config import ServerConfig
 from rltserve.http.handlers import ROUTES
@@ -35,10 +42,6 @@ BODIES = {
     "/detokenize": {"tokens": [5]},
     "/v1/update_weights": {"model_path": "/ckpt"},
 }
-
-
-def error_of(raw: bytes) -> dict:
-    return orjson.loads(raw)["error"]
 
 
 # a route with a path parameter, called with a value it serves

@@ -436,11 +436,9 @@ def test_group_members_with_different_prompts_copy_no_block():
     assert s.kv.cache.hits == 8
 
 
-def test_a_request_resumed_from_swap_caches_its_answer_for_the_next_turn():
-    """Swapped out (preempted by a better priority) with KV past its prompt, then swapped
-    back in: when it ends, its answer's full-depth blocks are cached after its prompt's, and
-    the next turn hits them."""
-    s = _scheduler(max_num_seqs=1, swap=SwapSpace(64, 1), scheduling_policy="priority")
+def _preempted_mid_answer(s):
+    """Runs request "a" (prompt 0..5, 8 tokens) to 4 tokens, then adds a better-priority
+    request that preempts it; returns a, its prompt and the plans to its end."""
     prompt = list(range(6))
     answer = _request("a", prompt, max_tokens=8, priority=1)
     s.add_request(answer)
@@ -448,9 +446,17 @@ def test_a_request_resumed_from_swap_caches_its_answer_for_the_next_turn():
         _step(s)
     s.add_request(_request("h", list(range(50, 55))))
     plans = [_step(s)]
-    assert plans[0].preempted == ["a"] and plans[0].swap_out
-    plans += _drain(s)
-    assert any(plan.swap_in for plan in plans)
+    assert plans[0].preempted == ["a"]
+    return answer, prompt, plans + _drain(s)
+
+
+def test_a_request_resumed_from_swap_caches_its_answer_for_the_next_turn():
+    """Swapped out (preempted by a better priority) with KV past its prompt, then swapped
+    back in: when it ends, its answer's full-depth blocks are cached after its prompt's, and
+    the next turn hits them."""
+    s = _scheduler(max_num_seqs=1, swap=SwapSpace(64, 1), scheduling_policy="priority")
+    answer, prompt, plans = _preempted_mid_answer(s)
+    assert plans[0].swap_out and any(plan.swap_in for plan in plans)
     assert answer.output_token_ids == [7] * 8  # 13 positions written: 3 full blocks
     s.add_request(_request("b", prompt + [7] * 8 + [5]))
     assert {w.request_id: w.start for w in s.schedule().items} == {"b": 12}
@@ -503,15 +509,8 @@ def test_a_request_resumed_by_recompute_caches_its_answer_for_the_next_turn():
     """As from swap, but recomputed: its prompt and the answer so far run again as one chunk
     that ends past the prompt; its answer's full-depth blocks still follow its prompt's."""
     s = _scheduler(max_num_seqs=1, scheduling_policy="priority")
-    prompt = list(range(6))
-    answer = _request("a", prompt, max_tokens=8, priority=1)
-    s.add_request(answer)
-    while len(answer.output_token_ids) < 4:
-        _step(s)
-    s.add_request(_request("h", list(range(50, 55))))
-    plans = [_step(s)]
-    assert plans[0].preempted == ["a"] and not plans[0].swap_out
-    plans += _drain(s)
+    answer, prompt, plans = _preempted_mid_answer(s)
+    assert not plans[0].swap_out
     assert answer.output_token_ids == [7] * 8
     assert s.kv.cache.num_entries == 3 + 1  # a's three blocks, h's one
     s.add_request(_request("b", prompt + [7] * 8 + [5]))
