@@ -22,6 +22,7 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
     # 8 blocks over 4 planes: 2 blocks of 4 positions each; the last token writes no KV.
     assert core.max_model_len == core.info.max_model_len == 9
     assert "max_model_len lowered to 9 (the model's: 512)" in caplog.text
+    assert "a request at 4 loops takes 4 planes) holds a context of at most 9" in caplog.text
     # Asking for the whole context (max_tokens past it, or None: vLLM's "up to the context"):
     # admitted, ends at the limit with the oracle's tokens.
     prompt = [5, 6, 7]
@@ -40,6 +41,13 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
 def test_a_pool_that_holds_the_model_limit_leaves_it(ckpts):
     assert make_core(ckpts["ouro"], num_blocks=4 * 32, block_size=16).max_model_len == 512
     assert make_core(ckpts["ouro"], num_blocks=4 * 31, block_size=16).max_model_len == 497
+
+
+def test_a_shared_plane_is_named_in_the_singular(ckpts, caplog):
+    with caplog.at_level(logging.WARNING, logger="rltserve.core.kv_sizing"):
+        core = make_core(ckpts["ouro"], num_blocks=8, block_size=4, kv_policy="shared")
+    assert core.max_model_len == 33  # one plane: all 8 blocks hold the context
+    assert "a request at 4 loops takes 1 plane) holds a context of at most 33" in caplog.text
 
 
 def test_an_explicit_limit_past_the_pool_fails_at_start(ckpts):

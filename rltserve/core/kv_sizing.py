@@ -58,9 +58,10 @@ def pool_size(spec: LoopedSpec, config: EngineConfig, policy: KVPolicy) -> PoolS
     fits = num_blocks // planes * cache.block_size + 1  # (a context's last token writes no KV)
     if fits >= context:
         return PoolSize(num_blocks, context, pool_limited=False)
+    planes_text = f"{planes} plane" + "s" * (planes != 1)
     pool = (
         f"the KV pool ({num_blocks} blocks of {cache.block_size} tokens; a request at "
-        f"{spec.num_loops} loops takes {planes} planes) holds a context of at most {fits} tokens"
+        f"{spec.num_loops} loops takes {planes_text}) holds a context of at most {fits} tokens"
     )
     if asked is not None:
         raise ValueError(
