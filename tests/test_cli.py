@@ -5,16 +5,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
+import re
 
 import orjson
+import pytest
 from reference import Reference
 from test_http_harness import tiny_checkpoint
 
+import rltserve.cli as cli
+import rltserve.llm
 from rltserve import LLM
 from rltserve.bench.commands import print_report
 from rltserve.cli import build_parser, main
+from rltserve.config import EngineConfig
 from rltserve.engine_args import ENGINE_CONFIGS, checked_engine_kwargs, engine_kwargs
+from rltserve.http.config import ServerConfig
 from rltserve.models.tokenizer import load_tokenizer
+from rltserve.outputs import CompletionOutput, RequestOutput
 
 
 def test_llm_takes_every_engine_option_with_the_config_default():
@@ -96,3 +104,130 @@ def test_every_flag_of_every_command_has_help():
         return out
 
     assert unexplained(build_parser(), "rltserve") == []
+
+
+def _flags(parser: argparse.ArgumentParser, name: str = "rltserve"):
+    """(command, action) for every optional flag of every (sub)command."""
+    for action in parser._actions:  # (argparse keeps no public list of them)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _flags(child, f"{name} {sub}")
+        elif action.option_strings:
+            yield name, action
+
+
+def test_every_default_a_help_text_states_is_the_flags_default():
+    stated = re.compile(r"\(default:? ([^\s,;)]+(?:,[^\s,;)]+)*)")
+    checked = 0
+    for command, action in _flags(build_parser()):
+        said = stated.search(action.help or "")
+        if said is None or action.default is None:
+            continue  # (a dataclass flag of serve passes only what is given: its default is None)
+        default, text = action.default, said.group(1)
+        if isinstance(default, list):
+            assert ",".join(map(str, default)) == text, (command, action.dest)
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            assert float(text) == default, (command, action.dest)
+        else:
+            assert str(default) == text, (command, action.dest)
+        checked += 1
+    assert checked > 50
+
+
+def test_dataclass_flags_state_their_fields_default():
+    actions = {a.dest: a for command, a in _flags(build_parser()) if command == "rltserve serve"}
+    for cls in (*ENGINE_CONFIGS, ServerConfig):
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli", True) and f.default is not None:
+                assert actions[f.name].help.endswith(f"(default: {f.default})"), f.name
+
+
+def test_generate_sampling_flags_and_their_defaults_reach_the_request():
+    params = cli._sampling_from_args(build_parser().parse_args(["generate", "--seed", "5"]))
+    assert (params.max_tokens, params.temperature, params.top_p) == (32, 0.0, 1.0)
+    assert (params.seed, params.min_loops, params.max_loops) == (None, 1, None)
+    assert (params.exit_threshold, params.exit_criterion, params.ignore_eos) == (1.0, None, False)
+    assert params.init_state == "random" and params.top_k in (-1, 0)  # (both: off)
+    flags = ["--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "3",
+             "--request-seed", "11", "--exit-threshold", "0.4", "--exit-criterion", "kl",
+             "--min-loops", "2", "--max-loops", "3", "--ignore-eos",
+             "--init-state", "zero"]  # fmt: skip
+    params = cli._sampling_from_args(build_parser().parse_args(["generate", *flags]))
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.5, 0.9, 3)
+    assert (params.seed, params.exit_threshold, params.exit_criterion) == (11, 0.4, "kl")
+    assert (params.min_loops, params.max_loops, params.ignore_eos) == (2, 3, True)
+    assert params.init_state == "zero"
+
+
+class _FakeLLM:
+    """Stands in for ``LLM`` in ``cmd_generate``: records what it was given."""
+
+    calls: list = []
+
+    def __init__(self, **engine):
+        self.engine = engine
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append((self.engine, prompts, params))
+        sample = CompletionOutput(0, "ab", [5, 6, 7], None, None, "length", exit_depths=[1, 2, 4])
+        return [RequestOutput(str(i), p, [1], [sample]) for i, p in enumerate(prompts)]
+
+
+def test_generate_without_prompts_says_hello_and_prints_each_samples_summary(monkeypatch, capsys):
+    monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
+    monkeypatch.setattr(_FakeLLM, "calls", [])
+    assert main(["generate", "--max-num-seqs", "3"]) == 0
+    [(engine, prompts, params)] = _FakeLLM.calls
+    assert prompts == ["Hello"] and params.max_tokens == 32
+    assert engine["max_num_seqs"] == 3 and engine["model"] is None
+    assert capsys.readouterr().out == "ab\n[3 tokens, mean exit depth 2.33, length]\n"
+
+
+def test_float_flags_parse_as_numbers_the_configs_take():
+    flags = ["--kv-cache-gb", "0.5", "--kv-watermark", "0.25", "--swap-space-gb", "2"]
+    args = build_parser().parse_args(["serve", *flags, "--drain-timeout-s", "2.5"])
+    kw = engine_kwargs(args)
+    assert (kw["kv_cache_gb"], kw["kv_watermark"], kw["swap_space_gb"]) == (0.5, 0.25, 2.0)
+    assert EngineConfig.from_flat(**kw).cache.kv_watermark == 0.25
+    assert args.drain_timeout_s == 2.5 and args.port is None
+
+
+def test_a_token_budget_below_the_default_chunk_caps_the_chunk():
+    args = build_parser().parse_args(["generate", "--max-num-batched-tokens", "256"])
+    assert checked_engine_kwargs(args)["prefill_chunk_size"] == 256
+    args = build_parser().parse_args(["generate", "--prefill-chunk-size", "64"])
+    assert checked_engine_kwargs(args)["prefill_chunk_size"] == 64
+
+
+def test_list_flags_and_aliases():
+    parse = build_parser().parse_args
+    assert parse(["bench", "host", "--modes", "sync, async"]).modes == ["sync", "async"]
+    assert parse(["bench", "offline", "--chunk-sizes", "8,32,"]).chunk_sizes == [8, 32]
+    assert parse(["bench", "offline", "--max-tokens", "7"]).output_len == 7
+    assert math.isinf(parse(["bench", "serve"]).request_rate)
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "line"),
+    [
+        (ValueError("bad\n  value\n"), 2, "rltserve: error: bad; value"),
+        (ValueError(""), 2, "rltserve: error: ValueError"),
+        (RuntimeError("stage failed"), 1, "rltserve: error: stage failed"),
+        (KeyboardInterrupt(), 130, "rltserve: interrupted"),
+    ],
+)
+def test_a_failing_command_ends_with_one_line_and_its_exit_code(
+    monkeypatch, capsys, raised, code, line
+):
+    def fail(args):
+        raise raised
+
+    monkeypatch.setattr(cli, "cmd_info", fail)
+    assert main(["info"]) == code
+    assert capsys.readouterr().err == line + "\n"

@@ -25,7 +25,14 @@ from rltserve.bench.serve import (
     run_bench,
     summarize,
 )
-from rltserve.http.cli import add_bench_serve_parser, add_serve_parser, dataclass_kwargs
+from rltserve.client import APIError
+from rltserve.http.cli import (
+    add_bench_serve_parser,
+    add_serve_parser,
+    cmd_bench_serve,
+    dataclass_kwargs,
+    serve_configs,
+)
 from rltserve.http.config import ServerConfig
 
 
@@ -153,3 +160,60 @@ def test_bench_serve_flags():
         assert _parser().parse_args(["bench", "serve", "--endpoint", endpoint]).endpoint == endpoint
     with pytest.raises(SystemExit):
         _parser().parse_args(["bench", "serve", "--endpoint", "rest"])
+
+
+def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(monkeypatch):
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    server, engine = serve_configs(_parser().parse_args(["serve", "--max-num-seqs", "4"]))
+    assert server.api_key == "from-env" and engine.scheduler.max_num_seqs == 4
+    server, _ = serve_configs(_parser().parse_args(["serve", "--api-key", "flag"]))
+    assert server.api_key == "flag"
+
+
+def test_bench_serve_targets_where_serve_listens_by_default():
+    args = _parser().parse_args(["bench", "serve"])
+    server = ServerConfig()
+    assert args.url == f"http://{server.host}:{server.port}"
+    assert math.isinf(args.request_rate) and args.num_turns == 1
+    assert _parser().parse_args(["serve"]).log_level == "info"
+
+
+def _bench_args(*flags: str) -> argparse.Namespace:
+    return _parser().parse_args(["bench", "serve", "--json", "--quiet", *flags])
+
+
+def test_bench_serve_flags_reach_the_benchmark(monkeypatch, capsys):
+    seen = []
+
+    async def fake_run_bench(config):
+        seen.append(config)
+        return {"completed": 3}
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", fake_run_bench)
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    flags = ["--input-len", "3", "--output-len", "5", "--num-turns", "2", "--wait-timeout", "7",
+             "--seed", "9", "--max-concurrency", "2"]  # fmt: skip
+    assert cmd_bench_serve(_bench_args(*flags)) == 0
+    [config] = seen
+    assert (config.input_len, config.output_len, config.num_turns) == (3, 5, 2)
+    assert (config.ready_timeout_s, config.seed, config.max_concurrency) == (7.0, 9, 2)
+    assert config.api_key == "from-env" and math.isinf(config.request_rate)
+    assert config.progress is False
+    assert capsys.readouterr().out.strip() == '{\n  "completed": 3\n}'
+    assert cmd_bench_serve(_bench_args("--api-key", "flag")) == 0
+    assert seen[-1].api_key == "flag"
+
+
+def test_bench_serve_fails_when_nothing_completed_or_the_server_refuses(monkeypatch):
+    async def nothing_completed(config):
+        return {"completed": 0}
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", nothing_completed)
+    assert cmd_bench_serve(_bench_args()) == 1
+
+    async def refused(config):
+        raise APIError(401, "invalid API key")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", refused)
+    with pytest.raises(RuntimeError, match=r"^http://127.0.0.1:8000: .*invalid API key"):
+        cmd_bench_serve(_bench_args())

@@ -139,6 +139,10 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
     server_config, engine_config = serve_configs(args)
     assert Path(engine_config.model.model) == snapshot
     assert server_config.served_model_name == "someorg/ouro-tiny"
+    args = build_parser().parse_args(
+        ["serve", "--model", "someorg/ouro-tiny", "--served-model-name", "mine"]
+    )
+    assert serve_configs(args)[0].served_model_name == "mine"  # (a given name is kept)
     args = build_parser().parse_args(["serve", "--model", str(tiny)])
     assert serve_configs(args)[0].served_model_name is None  # a directory: its name
     with pytest.raises(ValueError, match="never downloads weights.*huggingface-cli download"):

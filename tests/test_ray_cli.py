@@ -105,3 +105,25 @@ def test_offline_generate_refuses_what_llm_would_before_any_cluster_starts():
         generate([[1]], replicas="2")
     with pytest.raises(ValueError, match="params: 2 given for 1 prompts"):
         generate([[1]], [SamplingParams(temperature=0.0)] * 2, replicas=1)
+
+
+def test_serve_with_replicas_hands_its_limits_to_the_replica_set(monkeypatch):
+    """``serve --replicas``: the replica set takes --max-concurrent and the cluster it owns
+    (neither a cluster nor a model is started here: only what serve passes on)."""
+    import rltserve.http.server
+    import rltserve.ray.cluster
+    from rltserve.cli import build_parser
+    from rltserve.http.cli import cmd_serve
+    from rltserve.ray.client import ReplicaSetClient
+
+    factories, served = [], []
+    monkeypatch.setattr(rltserve.ray.cluster, "connect", lambda config: True)
+    monkeypatch.setattr(ReplicaSetClient, "factory", lambda *a: factories.append(a) or "made")
+    monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: served.append(a) or 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    flags = ["--replicas", "2", "--max-concurrent", "8", "--port", "0", "--log-level", "error"]
+    assert cmd_serve(build_parser().parse_args(["serve", *flags])) == 0
+    [(replica_config, max_ongoing, owned)] = factories
+    assert (replica_config.replicas, max_ongoing, owned) == (2, 8, True)
+    [(server_config, _, factory)] = served
+    assert server_config.max_concurrent == 8 and factory == "made"
