@@ -446,3 +446,14 @@ def test_priority_orders_admission_then_fifo(ckpts, ouro_ref, policy, expected):
             tokens[rid] == oracle_run(ouro_ref, prompt, greedy(3), kv_policy="last_exited").tokens
         )
     core.kv.check_no_leaks()
+
+
+def test_requests_added_without_an_id_get_fresh_ones(ckpts):
+    core = make_core(ckpts["ouro"])
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    ids = [core.add_request(None, [5, 6], p) for _ in range(2)]
+    assert all(isinstance(rid, str) and rid for rid in ids) and ids[0] != ids[1]
+    finished = set()
+    while core.has_work():
+        finished |= {u.request_id for u in core.step() if u.finish_reason is not None}
+    assert finished == set(ids)

@@ -5,6 +5,7 @@ while nothing is queued and is polled while it reports pending work; an engine d
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 
@@ -38,8 +39,20 @@ def test_exceptions_reach_the_caller_and_the_thread_survives():
         with pytest.raises(ZeroDivisionError):
             thread.call(lambda: 1 / 0)
         assert thread.call(lambda: "alive") == "alive"
+        # (BaseExceptions too: an uncaught one would end the thread and leave its caller waiting)
+        exiting = thread.submit(sys.exit, 3)
+        assert isinstance(exiting.exception(timeout=30), SystemExit)
+        assert thread.call(lambda: "alive") == "alive"
     finally:
         thread.shutdown()
+
+
+def test_stop_called_on_the_thread_itself_does_not_wait_for_itself():
+    """(An engine's finalizer may run on its own step thread.)"""
+    thread = StepThread()
+    assert thread.call(thread.stop, 5.0) is None
+    thread._thread.join(30)
+    assert not thread.alive
 
 
 def test_idle_hook_is_polled_while_it_reports_pending_work():

@@ -30,6 +30,14 @@ def _prefill(core, prompt, path) -> int:
     return len(core.kv.cache.lookup(core.make_request(None, prompt, GREEDY).block_hashes, 99))
 
 
+def test_an_aborted_request_exports_nothing(ckpts, tmp_path):
+    core = _cores(ckpts["ouro"])[0]
+    file = tmp_path / "kv.safetensors"
+    core.add_request("p", list(range(50, 73)), GREEDY, None, ("export", str(file)))
+    core.abort("p")
+    assert not core._exports and not core.has_work()
+
+
 def test_import_copies_every_plane_bit_exact(ckpts, tmp_path):
     prefill, decode = _cores(ckpts["ouro"])
     prompt = list(range(50, 73))  # 5 full blocks before the last token

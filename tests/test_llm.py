@@ -272,3 +272,35 @@ def test_a_missing_checkpoint_or_device_is_a_value_error_before_any_stage(tmp_pa
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device='cuda': CUDA is not available"):
             LLM(str(ouro_rv1), device="cuda")
+
+
+def test_a_failed_start_stops_the_stage_it_started(tiny, monkeypatch):
+    """The stage starts before the tokenizer loads: a load that fails (or a Ctrl-C then) must
+    not leave it running."""
+    import rltserve.llm as llm_module
+
+    started = []
+    make_client = llm_module.stage_client
+    monkeypatch.setattr(
+        llm_module, "stage_client", lambda *a: started.append(make_client(*a)) or started[-1]
+    )
+
+    def broken(path):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(llm_module, "load_tokenizer", broken)
+    with pytest.raises(RuntimeError, match="the tokenizer broke"):
+        LLM(str(tiny), in_process=True, num_blocks=64)
+    (client,) = started
+    client._thread.join(60)
+    assert not client._thread.is_alive()
+
+
+def test_a_rejected_prompt_aborts_the_requests_of_its_batch(tiny):
+    slow = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="context limit"):
+            llm.generate([[1, 2], [1] * 300], slow)
+        # The first prompt's request was aborted before the error came: none is left running.
+        llm.sleep(timeout=0)
+        assert llm.is_sleeping()

@@ -165,10 +165,27 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
 def test_per_prompt_priorities_and_lora_request_none(llm):
     outs = llm.generate([[1, 2], [3, 4]], GREEDY, priority=[1, np.int64(0)], lora_request=None)
     assert [len(o.token_ids) for o in outs] == [5, 5]
-    with pytest.raises(ValueError, match="priority: must be a list of one int per prompt"):
-        llm.generate([[1, 2], [3, 4]], GREEDY, priority=[1])
+    for bad in ([1], [1, 2, 3], "ab"):
+        with pytest.raises(ValueError, match=r"priority: must be a list of one int per prompt \(2"):
+            llm.generate([[1, 2], [3, 4]], GREEDY, priority=bad)
     with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
         llm.generate([[1, 2]], GREEDY, lora_request=object())
+
+
+def test_per_prompt_priorities_reach_the_engine(llm, monkeypatch):
+    submitted = []
+    add = llm._client.add_request
+
+    def recording(request_id, ids, params, *args):
+        submitted.append((ids, params.priority))
+        return add(request_id, ids, params, *args)
+
+    monkeypatch.setattr(llm._client, "add_request", recording)
+    params = GREEDY.replace(priority=5)
+    llm.generate([[1, 2], [3, 4]], params, priority=[2, -1])
+    assert submitted == [([1, 2], 2), ([3, 4], -1)] and params.priority == 5
+    llm.generate([[1, 2]], params)
+    assert submitted[-1] == ([1, 2], 5)  # without the argument: the params' own
 
 
 def test_chat_takes_a_template_and_continues_the_final_message(llm):
@@ -190,6 +207,8 @@ def test_chat_takes_a_template_and_continues_the_final_message(llm):
         llm.chat(conversation, GREEDY, continue_final_message=True)
     with pytest.raises(ValueError, match="tools: not supported"):
         llm.chat(conversation[:1], GREEDY, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="mm_processor_kwargs: not supported"):
+        llm.chat(conversation[:1], GREEDY, mm_processor_kwargs={"num_crops": 4})
 
 
 def test_cached_tokens_are_reported_and_reset_prefix_cache_forgets_them(llm):

@@ -145,8 +145,9 @@ def test_bad_levels_and_tags_are_refused(tiny):
         assert not llm.is_sleeping()
         with pytest.raises(ValueError, match="timeout=nan: must be a finite"):
             llm.close(timeout=math.nan)
-        with pytest.raises(ValueError, match="tags='weights'"):
-            llm.wake_up(tags="weights")
+        for tags in ("weights", ""):  # (a string is not a list of tags, an empty one neither)
+            with pytest.raises(ValueError, match=f"tags={tags!r}"):
+                llm.wake_up(tags=tags)
         with pytest.raises(ValueError, match="tags=\\['gpu'\\]"):
             llm.wake_up(tags=["gpu"])
         llm.wake_up()  # awake already: nothing to do

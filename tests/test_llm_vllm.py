@@ -18,6 +18,7 @@ from rltserve.outputs import CompletionOutput, RequestOutput
 from rltserve.sampling import expand_samples
 
 ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,8 @@ def test_bad_prompts_and_params_name_the_field(llm):
         llm.generate([[1]], SamplingParams(temperature=0.0, stop=["x"], detokenize=False))
     with pytest.raises(ValueError, match="sampling_params: 1 given for 2"):
         llm.generate([[1], [2]], [SamplingParams(temperature=0.0)])
+    with pytest.raises(ValueError, match="sampling_params: must be SamplingParams or a list"):
+        llm.generate([[1]], [{"max_tokens": 2}])
     vocab = llm.get_tokenizer().vocab_size
     with pytest.raises(ValueError, match=f"logit_bias: token id {vocab + 5} is outside"):
         llm.generate(
@@ -210,6 +213,9 @@ def test_n_samples_compute_their_prompt_once(llm):
     assert len(out.outputs) == 4
     # Each of the 3 followers reuses all but the last prompt token of the leader's prefill.
     assert llm._client.stats.prefix_cache_hits - before == 3 * 39
+    # Blocks shared within the group are cached for later requests of the prompt too.
+    (again,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
+    assert again.num_cached_tokens == 32
 
 
 def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
@@ -244,6 +250,19 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\]\[0\].content\[0\]: only text parts"):
         llm.chat(image, p)
+
+
+def test_chat_adds_no_special_tokens_besides_the_templates(tmp_path):
+    """Huginn's tokenizer wraps a text in begin and end tokens; its chat template already
+    begins with one, and a prompt ended by an end token would tell the model the text ended."""
+    from rltserve.models.presets import make_model
+
+    huginn = make_model("huginn-tiny", tmp_path / "huginn")
+    with LLM(str(huginn), in_process=True, num_blocks=64, max_model_len=128) as llm:
+        (out,) = llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
+        tok = llm.tokenizer
+        assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+        assert tok.encode(out.prompt) != out.prompt_token_ids  # (the wrapping it leaves out)
 
 
 def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm):
@@ -284,6 +303,55 @@ def test_vllm_engine_arguments_are_taken_as_vllm_means_them(tiny, tmp_path, llm)
     ]:
         with pytest.raises(ValueError, match=message):
             LLM(str(tiny), in_process=True, num_blocks=64, **kwargs)
+
+
+def test_engine_arguments_that_override_others(tiny):
+    """enforce_eager turns cuda_graphs off (vLLM's: nothing is captured, so a CPU engine
+    starts); a max_num_batched_tokens below prefill_chunk_size bounds the chunks; seed=None
+    draws a fresh engine seed for each LLM."""
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128, "seed": None}
+    with (
+        LLM(
+            str(tiny), cuda_graphs=True, enforce_eager=True, max_num_batched_tokens=256, **kw
+        ) as eager,
+        LLM(str(tiny), **kw) as other,
+    ):
+        assert not eager.config.execution.cuda_graphs
+        assert eager.config.scheduler.prefill_chunk_size == 256
+        assert eager.config.model.seed != other.config.model.seed
+        assert len(eager.generate([list(range(3, 40))], GREEDY)[0].token_ids) == 4
+
+
+def test_a_tokenizer_directory_serves_a_checkpoint_without_one(tiny, tmp_path):
+    from rltserve.models.presets import make_model
+
+    bare = make_model("ouro-tiny", tmp_path / "bare", tokenizer=False)
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128}
+    with LLM(str(bare), tokenizer=str(tiny), **kw) as llm:
+        (out,) = llm.generate(["Hello there"], GREEDY)
+        assert out.prompt_token_ids == llm.tokenizer.encode("Hello there")
+        assert out.outputs[0].text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_a_device_share_is_split_between_the_stages_on_one_device(tiny, monkeypatch):
+    """gpu_memory_utilization with disaggregate=True and both stages on the model's device:
+    each stage's KV budget is half of what the share leaves."""
+    import rltserve.llm as llm_module
+
+    asked = []
+
+    class Sized(Exception):
+        pass
+
+    def kv_cache_gb_for(utilization, device, model, dtype, stages=1):
+        asked.append((utilization, stages))
+        raise Sized  # (no stage needs to start)
+
+    monkeypatch.setattr(llm_module, "kv_cache_gb_for", kv_cache_gb_for)
+    for kw in ({}, {"disaggregate": True}, {"disaggregate": True, "prefill_device": "cpu"}):
+        with pytest.raises(Sized):
+            LLM(str(tiny), gpu_memory_utilization=0.5, **kw)
+    assert asked == [(0.5, 1), (0.5, 2), (0.5, 2)]
 
 
 def test_dtype_names_and_the_kv_budget_of_a_device_share(tmp_path):
@@ -445,6 +513,8 @@ def test_use_tqdm_counts_prompts_whose_samples_all_finished(llm, monkeypatch):
     monkeypatch.setattr(llm_module, "progress_enabled", lambda: True)
     llm.chat([{"role": "user", "content": "hi"}], p)
     assert len(_Bar.made) == 2 and _Bar.made[1].n == 1 and _Bar.made[1].closed
+    llm.chat([{"role": "user", "content": "hi"}], p, use_tqdm=False)
+    assert len(_Bar.made) == 2
     # A Jupyter kernel: stderr is no terminal, yet the cell shows the bar.
     monkeypatch.setattr(llm_module, "progress_enabled", lambda: False)
     kernel = type("ZMQInteractiveShell", (), {})()

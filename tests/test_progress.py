@@ -11,12 +11,14 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 
 import orjson
 import pytest
 from test_http_harness import tiny_checkpoint
 
-from rltserve.progress import progress_enabled
+import rltserve.progress as progress
+from rltserve.progress import progress_enabled, watch_dir_growth
 
 TIMEOUT_S = 240
 BAR = "%|"  # tqdm's percentage and bar edge
@@ -112,3 +114,36 @@ def test_make_model_shows_the_weights_written_on_a_terminal(tmp_path):
         "--quiet", terminal=True,
     )  # fmt: skip
     assert code == 0 and BAR not in err
+
+
+def _soon(condition) -> bool:
+    """Whether ``condition()`` holds within a generous bound (a poll thread makes it true)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_watching_a_directory_shows_the_bytes_written_up_to_the_total(tmp_path, monkeypatch):
+    class Bar:
+        def __init__(self) -> None:
+            self.n, self.seen, self.closed = 0, set(), False
+
+        def refresh(self) -> None:
+            self.seen.add(self.n)
+
+        def close(self) -> None:
+            self.closed = True
+
+    bar = Bar()
+    monkeypatch.setattr(progress, "progress_bar", lambda *a, **kw: bar)
+    monkeypatch.setattr(progress, "_POLL_S", 0.001)
+    with watch_dir_growth(tmp_path, 100, "weights", enabled=True):
+        (tmp_path / "part").write_bytes(b"x" * 60)
+        (tmp_path / "sub").mkdir()  # (not a file: not counted)
+        assert _soon(lambda: 60 in bar.seen)
+        (tmp_path / "more").write_bytes(b"x" * 60)  # past the total: the bar stops at it
+        assert _soon(lambda: 100 in bar.seen)
+    assert bar.closed and max(bar.seen) == 100

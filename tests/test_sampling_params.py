@@ -4,11 +4,18 @@ replay traces; token pipelining's draft depth defaults to one that fits the mode
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from builders import build_nanbeige_tiny
 from engine_util import make_core, run_core
 
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import (
+    SamplingParams,
+    generation_config_defaults,
+    outside_vocab,
+    truncated_prompt,
+)
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -148,3 +155,121 @@ def test_min_tokens_bans_are_refused_only_when_nothing_is_left_to_sample(ouro_rv
             None, [1, 2], base.replace(stop_token_ids=[5, 6], allowed_token_ids=[5, 6])
         )
     core.make_request(None, [1, 2], base.replace(stop_token_ids=[5, 6], allowed_token_ids=[5, 7]))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"top_p": 1e-6},
+        {"min_p": 0.0},
+        {"min_p": 1.0},
+        {"repetition_penalty": 1e-6},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"presence_penalty": 2.0, "frequency_penalty": -2.0},
+        {"min_tokens": 0, "max_tokens": 1},
+        {"min_loops": 2, "max_loops": 2},
+        {"exit_threshold": 1e-9},
+        {"exit_criterion": "argmax-stability", "exit_threshold": 3.0},
+        {"max_thinking_tokens": 1},
+        {"logit_bias": {0: -100.0, 1: 100}},
+        {"stop_token_ids": [0], "allowed_token_ids": [0]},
+        {"truncate_prompt_tokens": 1},
+        {"truncate_prompt_tokens": -1},
+        {"priority": -3},
+        {"logprobs": 0, "prompt_logprobs": -1},
+    ],
+)
+def test_the_edges_of_each_range_are_accepted(kw):
+    assert {k: getattr(SamplingParams(**kw), k) for k in kw} == kw
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"top_p": 0.0},
+        {"top_p": 1.01},
+        {"min_p": -0.01},
+        {"min_p": 1.01},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("nan")},
+        {"presence_penalty": -2.01},
+        {"frequency_penalty": 2.01},
+        {"stop": [3]},
+        {"stop_token_ids": [-1]},
+        {"ignore_eos": 1},
+        {"min_tokens": -1},
+        {"min_tokens": 4, "max_tokens": 3},
+        {"min_loops": 0},
+        {"max_loops": 1, "min_loops": 2},
+        {"exit_threshold": 0.0},
+        {"exit_threshold": float("nan")},
+        {"exit_threshold": 2.5, "exit_criterion": "argmax-stability"},
+        {"exit_criterion": "entropy"},
+        {"kv_policy": "ring:2"},
+        {"priority": 1.5},
+        {"seed": 1.5},
+        {"logprobs": -2},
+        {"extra_args": ["k"]},
+        {"speculative": 1},
+        {"init_state": "ones"},
+        {"include_stop_str_in_output": 1},
+        {"skip_special_tokens": None},
+        {"max_thinking_tokens": 0},
+        {"thinking_end_token_ids": []},
+        {"thinking_interruption": [-1]},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {1: -100.5}},
+        {"logit_bias": {1: 100.5}},
+        {"logit_bias": {1: "up"}},
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-1]},
+    ],
+)
+def test_a_value_out_of_range_is_refused_naming_its_field(kw):
+    field = next(iter(kw))  # (the one refused comes first)
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**kw)
+
+
+def test_generation_config_sampling_defaults(tmp_path):
+    """vLLM's reading of ``generation_config.json``: its sampling keys (``max_new_tokens`` as
+    ``max_tokens``), without the keys set to null; a file that is no JSON object, or a value
+    SamplingParams refuses, is an error naming the file."""
+    config = tmp_path / "generation_config.json"
+    assert generation_config_defaults(None) == generation_config_defaults(tmp_path) == {}
+    config.write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "max_new_tokens": 64,'
+        ' "repetition_penalty": 1.1, "do_sample": true, "eos_token_id": 2, "typical_p": null}'
+    )
+    assert generation_config_defaults(tmp_path) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "min_p": 0.05,
+        "max_tokens": 64,
+        "repetition_penalty": 1.1,
+    }
+    config.write_text('{"temperature": null, "top_k": 50, "max_new_tokens": null}')
+    assert generation_config_defaults(tmp_path) == {"top_k": 50}
+    for text, message in [
+        ("[1, 2]", "must hold a JSON object"),
+        ("{", "not readable JSON"),
+        ('{"top_p": 0}', "top_p=0: must be in"),
+    ]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=f"^{re.escape(str(config))}: {message}"):
+            generation_config_defaults(tmp_path)
+
+
+def test_truncation_keeps_up_to_the_context_and_vocab_bounds_are_exclusive():
+    ids = list(range(10))
+    assert truncated_prompt(ids, None, 8) == ids
+    assert truncated_prompt(ids, 8, 8) == ids[-8:]  # (the whole context: the engine judges it)
+    assert truncated_prompt(ids[:5], 8, 8) == ids[:5]
+    assert truncated_prompt(ids, -1, 8) == ids[-7:]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=9: greater than"):
+        truncated_prompt(ids, 9, 8)
+    assert outside_vocab("allowed_token_ids", [0, 511], 512) is None
+    assert outside_vocab("allowed_token_ids", [3, 512], 512) == (
+        "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"
+    )

@@ -111,7 +111,9 @@ def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
     for timeout in (-1, math.nan, math.inf, "5", True):
         with pytest.raises(ValueError, match=re.escape(f"timeout={timeout!r}: must be a finite")):
             llm.update_weights(str(new_ckpt), timeout=timeout)
-    assert _generate(llm) == before
+    with pytest.raises(ValueError, match="abort='yes': must be a bool"):
+        llm.update_weights(str(new_ckpt), abort="yes")  # (truthy: it would abort requests)
+    assert _generate(llm) == before and llm.weight_version == 0
 
 
 def test_a_name_in_two_shards_is_rejected_and_rope_inv_freq_is_ignored(llm, new_ckpt, tmp_path):
@@ -319,3 +321,13 @@ def test_held_requests_wait_until_no_command_is_pending():
     gate._pending[0].deadline = 0.0  # (the second times out as well)
     assert gate.poll(busy=True) == [("add", "r", [1], None)]
     assert [r[0] for r in replies] == [1, 2] and not gate.waiting and gate.held == []
+
+
+def test_every_token_update_after_an_update_carries_the_new_version(ouro_rv1):
+    core = make_core(ouro_rv1)
+    core.on_weights_updated()
+    core.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    versions = []
+    while core.has_work():
+        versions += [u.weight_version for u in core.step()]
+    assert len(versions) >= 4 and set(versions) == {1}
