@@ -85,15 +85,16 @@ class FailingAdd(ScriptedStage):
     """A stage that refuses the ``fail_at``-th request it is given (0-based), as a stage that
     died between two ``add_request`` calls does."""
 
-    def __init__(self, info, script, fail_at: int) -> None:
+    def __init__(self, info, script, fail_at: int, error: Exception | None = None) -> None:
         super().__init__(info, script)
         self.fail_at = fail_at
+        self.error = error or StageError("stage is not running")
         self.calls = 0
 
     def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
         self.calls += 1
         if self.calls - 1 == self.fail_at:
-            raise StageError("stage is not running")
+            raise self.error
         super().add_request(request_id, prompt_token_ids, params, sink, group)
 
 
@@ -700,3 +701,40 @@ def test_openapi_operations_of_routes_with_a_body():
     assert sorted(post["responses"]) == ["200", "400", "401", "413", "503"]
     assert post["responses"]["413"]["description"] == "request body too large"
     assert sorted(document["paths"]["/v1/models"]["get"]["responses"]) == ["200", "401", "503"]
+
+
+class DeafStage(ScriptedStage):
+    """A stage that takes aborts without ever answering them (a wedged or dying stage)."""
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+async def test_an_interrupted_generation_ends_even_when_the_stage_never_answers(ckpt):
+    """``interrupt_all`` ends each open request itself: the drain that calls it must not wait
+    for an abort update a wedged stage never sends."""
+    hold = threading.Event()  # (no token ever comes either)
+    stage = DeafStage(scripted_info(ckpt, max_model_len=64), Script([44], hold=hold))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        reply = asyncio.create_task(live.post("/v1/completions", {"prompt": [5], "n": 2}))
+        await wait_for(lambda: len(stage.added) == 2)
+        live.state.require_frontend().interrupt_all()
+        status, _, raw = await asyncio.wait_for(reply, 10)
+        assert status == 503 and error_of(raw)["message"] == "the request was aborted"
+        assert stage.aborted == stage.added
+        assert live.state.require_frontend().num_open == 0
+        hold.set()
+
+
+async def test_an_unexpected_add_failure_aborts_the_choices_already_added(ckpt):
+    """Any other error from the second ``add_request`` (a bug, an id clash) is a 500 and, as
+    for a stage that died, the first choice is aborted and nothing is left open."""
+    hold = threading.Event()
+    error = RuntimeError("boom")
+    stage = FailingAdd(scripted_info(ckpt, max_model_len=64), Script([44], hold=hold), 1, error)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "n": 2})
+        assert status == 500, raw
+        assert stage.added and stage.aborted == stage.added
+        assert live.state.require_frontend().num_open == 0
+        hold.set()

@@ -489,3 +489,10 @@ async def test_an_unknown_route_is_named_and_counted_as_unmatched(ckpt):
         assert status == 404 and error_of(raw)["message"] == "no route GET /v1/nothing"
         text = (await live.get("/metrics"))[2].decode()
     assert 'rltserve:http_requests_total{handler="unmatched",method="GET",status="404"} 1' in text
+
+
+async def test_an_engine_failure_without_a_message_still_says_what_failed(ckpt):
+    failing = stage_for(ckpt, fail="", fail_after=0)
+    async with running(ckpt, client_factory=scripted_factory(failing)) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": "x", "max_tokens": 5})
+        assert (status, error_of(raw)["message"]) == (500, "the engine failed"), raw

@@ -251,6 +251,20 @@ async def test_stop_string_and_special_token_fields_shape_the_text(ckpt):
         assert status == 400 and error_of(raw)["param"] == "skip_special_tokens", raw
 
 
+async def test_min_tokens_holds_off_stop_strings(ckpt):
+    """``min_tokens``: a stop string in the text of the first min_tokens tokens does not end
+    the choice, as in the engine; the first match after them does."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        tokenizer = load_tokenizer(str(ckpt))
+        first, second = tokenizer.decode([44]), tokenizer.decode([77])
+        body = {"prompt": [5], "max_tokens": 4, "min_tokens": 3, "stop": [second]}
+        status, _, raw = await live.post("/v1/completions", body)
+        choice = orjson.loads(raw)["choices"][0]
+        assert status == 200, raw
+        assert (choice["text"], choice["finish_reason"]) == (first + second + first, "stop")
+
+
 async def test_continue_final_message_leaves_the_last_message_open(ckpt):
     """vLLM's ``continue_final_message``: the assistant prefill is rendered without its end of
     turn, in chat and ``/tokenize`` alike (as ``Tokenizer.apply_chat_template`` renders it);

@@ -77,10 +77,13 @@ def test_ray_address_also_comes_from_ray_address_in_the_environment(monkeypatch)
     ("kwargs", "message"),
     [
         ({"replicas": -1}, "--replicas -1: must be an int >= 1"),
+        ({"replicas": True}, "--replicas True: must be an int >= 1"),
+        ({"replicas": 1, "replica_gpus": True}, "--replica-gpus True: must be a number >= 0"),
         ({"replicas": 1, "replica_cpus": -1}, "--replica-cpus -1: must be a number >= 0"),
         ({"replicas": 1, "replica_affinity": "x"}, "--replica-affinity x: must be one of"),
         ({"replicas": 1, "ray_address": " "}, "--ray-address ' ': must not be empty"),
         ({"ray_address": "auto", "replica_gpus": 1}, "--ray-address, --replica-gpus: only with"),
+        ({"replica_cpus": 2.0}, "--replica-cpus: only with --replicas N"),
         ({"replicas": 1, "ray_app": " "}, "--ray-app ' ': must not be empty"),
     ],
 )
@@ -93,6 +96,7 @@ def test_replica_config_names_the_bad_flag(kwargs, message):
 def test_replica_threads_follow_cpus():
     assert ReplicaConfig(replicas=2, replica_cpus=2.0).threads == 2
     assert ReplicaConfig(replicas=2, replica_cpus=0.5).threads == 1
+    assert ReplicaConfig(replicas=2, replica_cpus=1.5).threads == 1  # never more than its CPUs
 
 
 def test_offline_generate_refuses_what_llm_would_before_any_cluster_starts():

@@ -7,12 +7,21 @@ from __future__ import annotations
 import socket
 import threading
 import types
+from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from rltserve.ray.cluster import cluster_gone  # noqa: E402
+from rltserve.ray.cluster import (  # noqa: E402
+    check_affinity,
+    check_reachable,
+    cluster_gone,
+    connect,
+    ray_address,
+    require_ray,
+)
+from rltserve.ray.config import ReplicaConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -62,7 +71,6 @@ def test_a_local_cluster_starts_even_beside_one_started_with_ray_start(tmp_path)
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     ray_cli = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
     with socket.socket() as s:
@@ -103,3 +111,132 @@ def test_a_local_cluster_starts_even_beside_one_started_with_ray_start(tmp_path)
         head.wait(60)
         if current.is_file() and f":{port}" in current.read_text():
             current.unlink()  # (as `ray stop` does: later ray.init calls must not look for it)
+
+
+def test_an_address_with_no_port_number_counts_as_answering(monkeypatch):
+    context = types.SimpleNamespace(gcs_address="127.0.0.1:gcs")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
+    assert not cluster_gone()
+
+
+# ---------------------------------------------------------------- the address to join
+
+
+def test_a_listening_address_is_reachable_in_each_spelling(gcs):
+    port = gcs.getsockname()[1]
+    check_reachable(f"127.0.0.1:{port}")
+    check_reachable(f"ray://127.0.0.1:{port}")
+    check_reachable("auto")  # (Ray resolves it: nothing to check here)
+
+
+def test_an_ipv6_address_is_checked_without_its_brackets():
+    try:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    with listener:
+        check_reachable(f"[::1]:{listener.getsockname()[1]}")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:port", ":6379"])
+def test_an_address_without_host_and_port_is_refused(address):
+    with pytest.raises(ValueError, match="expected host:port, ray://host:port or auto"):
+        check_reachable(address, flag="RAY_ADDRESS")
+
+
+def test_an_unreachable_address_says_why(gcs):
+    address = f"127.0.0.1:{gcs.getsockname()[1]}"
+    gcs.close()
+    with pytest.raises(ValueError) as info:
+        check_reachable(address)
+    assert str(info.value) == (
+        f"--ray-address {address}: cannot reach {address} (Connection refused)"
+    )
+
+
+def test_the_flag_overrides_ray_address_and_a_blank_one_is_unset(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert ray_address(ReplicaConfig(replicas=1)) == ("10.0.0.1:6379", "RAY_ADDRESS")
+    given = ReplicaConfig(replicas=1, ray_address="auto")
+    assert ray_address(given) == ("auto", "--ray-address")
+    monkeypatch.setenv("RAY_ADDRESS", "  ")
+    assert ray_address(ReplicaConfig(replicas=1)) == (None, "")
+
+
+def test_session_affinity_needs_the_consistent_hash_router(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray.serve.experimental.consistent_hash_router", None)
+    check_affinity(ReplicaConfig(replicas=1))  # 'none' does not need it
+    with pytest.raises(ValueError, match="--replica-affinity session: this Ray Serve has no"):
+        check_affinity(ReplicaConfig(replicas=1, replica_affinity="session"))
+
+
+class FakeInit:
+    """``ray.init`` and ``ray.is_initialized``: records the calls, raises ``error`` if given."""
+
+    def __init__(self, monkeypatch, initialized=False, error: Exception | None = None) -> None:
+        self.calls: list[dict] = []
+        self.error = error
+        monkeypatch.setattr(ray, "is_initialized", lambda: initialized)
+        monkeypatch.setattr(ray, "init", self)
+
+    def __call__(self, **kwargs) -> None:
+        self.calls.append(kwargs)
+        if self.error is not None:
+            raise self.error
+
+
+def test_connecting_when_connected_already_owns_nothing(monkeypatch):
+    init = FakeInit(monkeypatch, initialized=True)
+    assert connect(ReplicaConfig(replicas=2)) is False
+    assert init.calls == []
+
+
+def test_a_local_cluster_has_the_cpus_of_every_replica(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    init = FakeInit(monkeypatch)
+    assert connect(ReplicaConfig(replicas=3, replica_cpus=1.5)) is True  # started: owned
+    assert [(c["address"], c["num_cpus"]) for c in init.calls] == [("local", 4)]
+    assert connect(ReplicaConfig(replicas=3), num_cpus=0.2) is True
+    assert init.calls[-1]["num_cpus"] == 1  # (at least one)
+
+
+def test_a_joined_cluster_is_not_owned(monkeypatch, gcs):
+    address = f"127.0.0.1:{gcs.getsockname()[1]}"
+    init = FakeInit(monkeypatch)
+    assert connect(ReplicaConfig(replicas=2, ray_address=address)) is False
+    assert [c["address"] for c in init.calls] == [address]
+
+
+def test_a_cluster_that_refuses_to_be_joined_is_a_usage_error(monkeypatch, gcs, tmp_path):
+    address = f"127.0.0.1:{gcs.getsockname()[1]}"
+    FakeInit(monkeypatch, error=ConnectionError("auth failed\ndetails"))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path)
+    config = ReplicaConfig(replicas=1, ray_address=address)
+    with pytest.raises(ValueError) as info:
+        connect(config)
+    assert str(info.value) == (
+        f"--ray-address {address}: cannot join the Ray cluster (ConnectionError: auth failed)"
+    )
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray/auth_token").write_text("secret")
+    with pytest.raises(ValueError, match="needs RAY_AUTH_MODE=token in this process's env"):
+        connect(config)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set already: the hint would mislead
+    with pytest.raises(ValueError) as info:
+        connect(config)
+    assert "RAY_AUTH_MODE" not in str(info.value)
+
+
+def test_ray_without_its_serve_extra_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.delattr(ray, "serve", raising=False)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    with pytest.raises(ValueError) as info:
+        require_ray("--replicas")
+    assert str(info.value) == (
+        "--replicas: Ray Serve is not installed (ray.serve); pip install 'rltserve[ray]'"
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -48,6 +49,11 @@ class FakeCall:
 class FakeStream:
     def __init__(self, call: FakeCall) -> None:
         self.call = call
+        self.options_given: list[dict] = []  # (Serve's handle.options: the session's replica)
+
+    def options(self, **kwargs) -> FakeStream:
+        self.options_given.append(kwargs)
+        return self
 
     def remote(self, *args):
         return self.call
@@ -169,8 +175,10 @@ class FakeStage:
 
     def __init__(self, updates) -> None:
         self.updates, self.aborted, self.stats = updates, [], _stats()
+        self.groups: list[str | None] = []
 
     def add_request(self, rid, prompt, params, sink, group=None):
+        self.groups.append(group)
         for update in self.updates:
             sink(update)
 
@@ -254,3 +262,63 @@ def test_a_cluster_that_stops_answering_ends_the_client_unless_closing(monkeypat
     else:
         assert not client.alive
         assert client.error == "Ray Serve is not answering: ConnectionError: the GCS is gone"
+
+
+def test_a_closed_client_refuses_new_requests():
+    from rltserve.core.stage import StageError
+
+    client = _client(FakeCall([]))
+    client._closed = True
+    with pytest.raises(StageError, match="stage is not running: closed"):
+        client.add_request("r", [1, 2], PARAMS, [].append)
+    assert client._tasks == {}
+
+
+@pytest.mark.parametrize("affinity", ["none", "session"])
+async def test_the_session_key_picks_the_replica_only_under_session_affinity(affinity):
+    final = RequestUpdate("r", [6], finish_reason=FinishReason.LENGTH)
+    client = _client(FakeCall([_batch(final)]))
+    client.config = ReplicaConfig(replicas=2, replica_affinity=affinity)
+    got: list[RequestUpdate] = []
+    client.add_request("r", [1, 2], PARAMS, got.append, session="chat-1")
+    await asyncio.wait_for(client._tasks["r"], 10)
+    expected = [{"session_id": "chat-1"}] if affinity == "session" else []
+    assert client._stream.options_given == expected
+    assert got[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_counters_of_every_failed_replica_stay_in_the_sums():
+    client = _client(None)
+    for replica, steps in (("rep-1", 7), ("rep-2", 5)):
+        batch = dataclasses.replace(_batch(RequestUpdate("r", [5]), steps=steps), replica=replica)
+        client._stream = FakeStream(FakeCall([batch], error=RuntimeError("actor died")))
+        got = await _run(client)
+        assert got[-1].finish_reason is FinishReason.ERROR
+    assert client.stats.num_steps == 12
+
+
+async def test_a_failed_replicas_gauges_leave_the_sums():
+    stats = _stats(num_steps=7, prefix_cache_blocks=9, prefix_cache_evictions=2)
+    batch = ReplicaBatch("rep-1", 4321, [RequestUpdate("r", [5])], stats)
+    client = _client(FakeCall([batch], error=RuntimeError("actor died")))
+    await _run(client)
+    assert client.stats.prefix_cache_blocks == 0  # blocks its cache held: gone with it
+    assert client.stats.prefix_cache_evictions == 2  # a counter: kept
+
+
+def test_with_no_live_replica_the_client_says_it_is_unavailable():
+    client = _client(FakeCall([]))
+    client.config = ReplicaConfig(replicas=2)
+    client.live_replicas = 0
+    assert client.unavailable_reason == "no engine replica is alive (0 of 2); retry later"
+    client.live_replicas = 1
+    assert client.unavailable_reason is None
+
+
+async def test_a_replicas_batches_carry_its_identity_its_stats_and_the_group():
+    stop = RequestUpdate("r", [5], finish_reason=FinishReason.STOP)
+    stage = FakeStage([stop])
+    stage.stats = _stats(num_steps=4)
+    batches = [b async for b in _replica(stage).generate("r", [1, 2], PARAMS, group="g-1")]
+    assert stage.groups == ["g-1"]  # samples of one prompt share its prefill
+    assert [(b.replica, b.pid, b.stats) for b in batches] == [("rep-1", os.getpid(), stage.stats)]

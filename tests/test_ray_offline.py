@@ -1,0 +1,134 @@
+"""``rltserve.ray.offline`` without a cluster: how a batch is split into prompts and params, the
+pool's refusal of a disabled config, and ``bench offline --replicas``'s report (a fake pool
+stands for the Ray actors)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import pytest
+
+from rltserve.ray import offline
+from rltserve.ray.config import ReplicaConfig
+from rltserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=2)
+
+
+def test_a_single_text_is_one_prompt():
+    assert offline._batch("hello there", None) == (["hello there"], None)
+    assert offline._batch(("a", [5, 6]), GREEDY) == (["a", [5, 6]], [GREEDY, GREEDY])
+
+
+def test_one_params_list_per_prompt():
+    other = SamplingParams(temperature=0.5, max_tokens=3)
+    assert offline._batch([[1], [2]], [GREEDY, other]) == ([[1], [2]], [GREEDY, other])
+    with pytest.raises(ValueError, match="params: 1 given for 2 prompts"):
+        offline._batch([[1], [2]], [GREEDY])
+
+
+def test_a_pool_needs_replicas():
+    with pytest.raises(ValueError, match="replicas: must be an int >= 1"):
+        offline.ReplicaPool(ReplicaConfig(), {})
+
+
+class FakePool:
+    """A ReplicaPool whose replicas answer at once with their prompts."""
+
+    made: list[FakePool] = []
+
+    def __init__(self, config: ReplicaConfig, engine_kw: dict) -> None:
+        self.config, self.engine_kw, self.vocab_size = config, engine_kw, 50
+        self.calls: list[tuple[list, SamplingParams]] = []
+        FakePool.made.append(self)
+
+    def __enter__(self) -> FakePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, params))
+        return list(prompts)
+
+
+def test_the_replicas_bench_reports_its_workload(monkeypatch):
+    monkeypatch.setattr(offline, "ReplicaPool", FakePool)
+    args = argparse.Namespace(
+        replicas=2,
+        ray_address=None,
+        concurrency=8,
+        num_prompts=6,
+        input_len=4,
+        output_len=3,
+        exit_threshold=0.5,
+    )
+    clock = iter([10.0, 11.5, 12.0, 15.0])  # start, pool ready, timed run's start and end
+    monkeypatch.setattr(offline, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(FakePool, "made", [])
+    report = offline.run_replicas_bench(args, {"model": "/m"})
+    (pool,) = FakePool.made
+    assert pool.config.replicas == 2
+    assert pool.engine_kw == {"model": "/m", "max_num_seqs": 8}
+    warmup, timed = pool.calls
+    assert len(warmup[0]) == 2 and len(timed[0]) == 6  # one warm-up prompt per replica
+    assert all(len(p) == 4 and max(p) < 50 for p in timed[0])
+    params = timed[1]
+    assert (params.temperature, params.max_tokens, params.ignore_eos) == (0.0, 3, True)
+    assert params.exit_threshold == 0.5
+    assert report == {
+        "model": "/m",
+        "replicas": 2,
+        "num_prompts": 6,
+        "input_len": 4,
+        "output_len": 3,
+        "outputs": 6,
+        "startup_s": 1.5,
+        "elapsed_s": 3.0,
+        "output_tok_per_s": 6.0,  # ignore_eos: 6 prompts x 3 tokens in 3 s
+    }
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_closing_a_pool_stops_only_a_cluster_it_started(monkeypatch, owned):
+    ray = pytest.importorskip("ray")
+    stops: list[bool] = []
+    monkeypatch.setattr(ray, "shutdown", lambda: stops.append(True))
+    pool = object.__new__(offline.ReplicaPool)  # no actors: only what close does
+    pool._actors, pool._owned = [], owned
+    pool.close()
+    pool.close()  # (idempotent: `with` and an explicit close)
+    assert stops == ([True] if owned else [])
+
+
+def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fails(monkeypatch):
+    pytest.importorskip("ray.serve")  # (imported before ray.remote is replaced: it uses it)
+    import ray
+
+    monkeypatch.setattr(offline, "connect", lambda config: True)  # it started the cluster
+    placed, killed, stops = [], [], []
+
+    class Actors:
+        def options(self, **resources) -> Actors:
+            placed.append(resources)
+            return self
+
+        def remote(self, engine_kw: dict, threads: int) -> object:
+            ref = types.SimpleNamespace(remote=lambda: "vocab-ref")
+            return types.SimpleNamespace(vocab_size=ref, threads=threads)
+
+    def get(refs):
+        raise RuntimeError("the actor died")
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Actors())
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    monkeypatch.setattr(ray, "shutdown", lambda: stops.append(True))
+    config = ReplicaConfig(replicas=2, replica_cpus=2.0, replica_gpus=0.5)
+    with pytest.raises(RuntimeError, match="the actor died"):
+        offline.ReplicaPool(config, {"model": "/m"})
+    assert placed == [{"num_cpus": 2.0, "num_gpus": 0.5}]
+    assert [actor.threads for actor in killed] == [2, 2]  # both started, both stopped
+    assert stops == [True]
