@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.llm_batch import PendingBatch
+from rltserve.llm_controls import TrainerControls, seconds
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
@@ -45,7 +45,6 @@ from rltserve.sampling import (
     truncated_prompt,
 )
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
-from rltserve.updates import SLEEP_TAGS
 from rltserve.vllm_args import (
     check_inert,
     check_parallel,
@@ -53,10 +52,9 @@ from rltserve.vllm_args import (
     generation_config_folder,
     kv_cache_gb_for,
 )
-from rltserve.weights import WeightsArg, update_paths
 
 
-class LLM:
+class LLM(TrainerControls):
     """Offline generation. The model runs in a stage worker process (``in_process=True`` runs it
     on a thread of this process instead). Close it with ``close()`` or use it as a context
     manager; works the same in a script, on stdin or in a notebook (no ``__main__`` guard)."""
@@ -120,7 +118,7 @@ class LLM:
         frameworks pass (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's
         (``vllm_args``)."""
         del trust_remote_code  # (rltserve never runs a checkpoint's code)
-        startup_timeout = _seconds("startup_timeout", startup_timeout)
+        startup_timeout = seconds("startup_timeout", startup_timeout)
         check_inert(vllm_options)
         if swap_space is not None:
             swap_space_gb = swap_space
@@ -208,7 +206,7 @@ class LLM:
         """Stops the stage; requests still open in other threads end as aborted. A worker that
         does not stop within ``timeout`` seconds is killed. An LLM that is never closed stops its
         stage when it is garbage-collected or when the interpreter exits."""
-        self._client.close(_seconds("timeout", timeout))
+        self._client.close(seconds("timeout", timeout))
 
     def generate(
         self,
@@ -407,71 +405,6 @@ class LLM:
             for prompt, group, rid, p in zip(batch, groups, prompt_ids, plist)
         ]
 
-    # ---------------------------------------------------------------- weights
-
-    def update_weights(
-        self, weights: WeightsArg, *, abort: bool = False, timeout: float = 300.0
-    ) -> int:
-        """Replaces the model's weights in place and returns the new ``weight_version``.
-
-        ``weights``: a checkpoint directory (or ``.safetensors`` file) or an iterable of
-        ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
-        ``state_dict().items()``; a subset updates only those tensors. Strict: an unknown name,
-        a wrong shape or a non-float tensor rejects the whole update (``ValueError`` listing
-        them) and the old weights keep serving. The update runs once no request is running:
-        requests submitted meanwhile wait for it, running ones finish first (``UpdateTimeout``,
-        a ValueError, if they still run after ``timeout`` seconds; nothing is applied) or are
-        aborted at once with ``abort=True``. Later outputs report the new ``weight_version``."""
-        if not isinstance(abort, bool):
-            raise ValueError(f"abort={abort!r}: must be a bool")
-        timeout = _seconds("timeout", timeout)
-        with update_paths(weights) as paths:
-            return self._client.update_weights(paths, abort, timeout)
-
-    @property
-    def weight_version(self) -> int:
-        """Weight updates applied so far (0: the checkpoint as loaded)."""
-        return self._client.weight_version
-
-    def sleep(self, level: int = 1, timeout: float = 300.0) -> None:
-        """vLLM's sleep mode, for a trainer that shares the device between rollouts: frees the
-        KV cache (forgetting cached prefixes) and, on CUDA, the weights: ``level=1`` keeps a
-        host copy to restore, ``level=2`` drops them (wake the weights, ``update_weights``,
-        then wake the KV cache). Waits up to ``timeout`` seconds for running requests (else
-        ``UpdateTimeout``, nothing freed). ``generate`` raises ValueError until ``wake_up``."""
-        if level not in (1, 2):
-            raise ValueError(f"level={level!r}: must be 1 or 2")
-        self._client.sleep(level, _seconds("timeout", timeout))
-
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Restores what ``sleep`` freed: ``tags`` ("weights", "kv_cache"; None: both)."""
-        if tags is None:
-            tags = SLEEP_TAGS
-        if isinstance(tags, str) or not set(tags) <= set(SLEEP_TAGS):
-            raise ValueError(f"tags={tags!r}: must be a list of {SLEEP_TAGS}")
-        self._client.wake_up(list(tags))
-
-    def is_sleeping(self) -> bool:
-        return bool(self._client.sleeping)
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forgets every cached prefix (vLLM's; a weight update already does). Blocks running
-        requests hold stay theirs, so it always succeeds: True."""
-        del reset_running_requests
-        self._client.reset_prefix_cache()
-        return True
-
-    def pause_generation(self) -> None:
-        """New ``generate`` calls wait (they start on ``resume_generation``); calls already
-        running continue. For a trainer that updates weights between rollout steps."""
-        with self._running:
-            self._paused = True
-
-    def resume_generation(self) -> None:
-        with self._running:
-            self._paused = False
-            self._running.notify_all()
-
     # ---------------------------------------------------------------- internals
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
@@ -489,12 +422,3 @@ class LLM:
             if message := outside_vocab(name, ids, self.info.vocab_size):
                 raise ValueError(message)
         return p
-
-
-def _seconds(name: str, value: object) -> float:
-    """A timeout argument as float seconds; ValueError naming it unless finite and >= 0 (NaN
-    compares false with everything: a plain ``< 0`` check let it through as "never")."""
-    value = plain_number(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"{name}={value!r}: must be a finite number of seconds >= 0")
-    return float(value)

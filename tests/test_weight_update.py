@@ -331,3 +331,33 @@ def test_every_token_update_after_an_update_carries_the_new_version(ouro_rv1):
     while core.has_work():
         versions += [u.weight_version for u in core.step()]
     assert len(versions) >= 4 and set(versions) == {1}
+
+
+def test_vllm_scripts_load_weights_through_the_engine_path(llm, new_ckpt):
+    """TRL's colocate mode loads one parameter at a time through vLLM's objects: the path is
+    here, equals update_weights, and returns the names loaded."""
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    new = load_file(new_ckpt / "model.safetensors")
+    for name, tensor in new.items():
+        assert model.load_weights([(name, tensor)]) == {name}
+    assert llm.weight_version == len(new)
+    assert _generate(llm) == _oracle(new_ckpt)
+    wrapped = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model  # (vLLM V1)
+    assert wrapped.load_weights(iter(())) == set() and llm.weight_version == len(new)
+    with pytest.raises(ValueError, match="unknown tensor names"):
+        model.load_weights({"model.nope.weight": torch.zeros(2)}.items())
+    assert llm.weight_version == len(new)
+
+
+def test_the_engine_path_names_what_it_does_not_have(llm):
+    engine = llm.llm_engine
+    with pytest.raises(AttributeError, match=r"llm_engine\.tokenizer: rltserve runs the model"):
+        engine.tokenizer  # noqa: B018
+    runner = engine.model_executor.driver_worker.model_runner
+    with pytest.raises(AttributeError, match=r"model_runner\.model\.named_parameters: .*"):
+        runner.model.named_parameters  # noqa: B018
+    with pytest.raises(AttributeError, match=r"model_runner\.load_weights: the model's"):
+        runner.load_weights([])
+    with pytest.raises(AttributeError, match=r"model_executor\.worker: "):
+        engine.model_executor.worker  # noqa: B018
+    assert not hasattr(engine, "__array__")  # (probes of special names find nothing)

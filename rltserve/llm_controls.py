@@ -1,0 +1,142 @@
+"""What an RL trainer drives on the offline ``LLM`` between rollouts (``TrainerControls``, a base
+of ``LLM``): weight updates, sleep mode, pausing generation and the prefix cache, and the path
+vLLM-era scripts take to load weights, ``llm.llm_engine.model_executor.driver_worker.
+model_runner.model.load_weights(pairs)`` (TRL's colocate mode and the scripts copied from it).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from rltserve.sampling import plain_number
+from rltserve.updates import SLEEP_TAGS
+from rltserve.weights import WeightsArg, update_paths
+
+# vLLM's objects from the engine down to the model; the model runs in rltserve's stage, so the
+# path leads only to ``load_weights``. (vLLM V1 wraps the worker: ``driver_worker.worker``.)
+_MODEL_PATH = ("model_executor", "driver_worker", "model_runner", "model")
+
+
+class TrainerControls:
+    """The trainer-facing methods of ``LLM``; they use its stage client and generate's gate."""
+
+    _client: Any
+    _running: threading.Condition  # guards _paused
+    _paused: bool
+
+    def update_weights(
+        self, weights: WeightsArg, *, abort: bool = False, timeout: float = 300.0
+    ) -> int:
+        """Replaces the model's weights in place and returns the new ``weight_version``.
+
+        ``weights``: a checkpoint directory (or ``.safetensors`` file) or an iterable of
+        ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
+        ``state_dict().items()``; a subset updates only those tensors. Strict: an unknown name,
+        a wrong shape or a non-float tensor rejects the whole update (``ValueError`` listing
+        them) and the old weights keep serving. The update runs once no request is running:
+        requests submitted meanwhile wait for it, running ones finish first (``UpdateTimeout``,
+        a ValueError, if they still run after ``timeout`` seconds; nothing is applied) or are
+        aborted at once with ``abort=True``. Later outputs report the new ``weight_version``."""
+        if not isinstance(abort, bool):
+            raise ValueError(f"abort={abort!r}: must be a bool")
+        timeout = seconds("timeout", timeout)
+        with update_paths(weights) as paths:
+            return self._client.update_weights(paths, abort, timeout)
+
+    @property
+    def weight_version(self) -> int:
+        """Weight updates applied so far (0: the checkpoint as loaded)."""
+        return self._client.weight_version
+
+    def sleep(self, level: int = 1, timeout: float = 300.0) -> None:
+        """vLLM's sleep mode, for a trainer that shares the device between rollouts: frees the
+        KV cache (forgetting cached prefixes) and, on CUDA, the weights: ``level=1`` keeps a
+        host copy to restore, ``level=2`` drops them (wake the weights, ``update_weights``,
+        then wake the KV cache). Waits up to ``timeout`` seconds for running requests (else
+        ``UpdateTimeout``, nothing freed). ``generate`` raises ValueError until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r}: must be 1 or 2")
+        self._client.sleep(level, seconds("timeout", timeout))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what ``sleep`` freed: ``tags`` ("weights", "kv_cache"; None: both)."""
+        if tags is None:
+            tags = SLEEP_TAGS
+        if isinstance(tags, str) or not set(tags) <= set(SLEEP_TAGS):
+            raise ValueError(f"tags={tags!r}: must be a list of {SLEEP_TAGS}")
+        self._client.wake_up(list(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._client.sleeping)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached prefix (vLLM's; a weight update already does). Blocks running
+        requests hold stay theirs, so it always succeeds: True."""
+        del reset_running_requests
+        self._client.reset_prefix_cache()
+        return True
+
+    def pause_generation(self) -> None:
+        """New ``generate`` calls wait (they start on ``resume_generation``); calls already
+        running continue. For a trainer that updates weights between rollout steps."""
+        with self._running:
+            self._paused = True
+
+    def resume_generation(self) -> None:
+        with self._running:
+            self._paused = False
+            self._running.notify_all()
+
+    @property
+    def llm_engine(self) -> EnginePath:
+        """vLLM's engine, as far as RL scripts reach into it: ``.model_executor.driver_worker.
+        model_runner.model.load_weights(pairs)`` runs ``update_weights(pairs)``."""
+        return EnginePath(self, ())
+
+
+class EnginePath:
+    """One hop of ``llm.llm_engine.model_executor.driver_worker.model_runner.model``. Any other
+    attribute is an AttributeError saying what there is instead."""
+
+    def __init__(self, llm: TrainerControls, hops: tuple[str, ...]) -> None:
+        self._llm = llm
+        self._hops = hops
+
+    def __getattr__(self, name: str) -> EnginePath:
+        hops = self._hops
+        step = len([h for h in hops if h != "worker"])
+        wrapped = name == "worker" and hops[-1:] == ("driver_worker",)
+        if not name.startswith("__") and (wrapped or _MODEL_PATH[step : step + 1] == (name,)):
+            return EnginePath(self._llm, (*hops, name))
+        raise AttributeError(
+            f"llm.llm_engine.{'.'.join((*hops, name))}: rltserve runs the model in its own "
+            "stage; of vLLM's engine objects only llm.llm_engine.model_executor.driver_worker."
+            "model_runner.model.load_weights is here (LLM.update_weights)"
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """vLLM's: loads ``(name, tensor)`` pairs in checkpoint names (all of a trainer's
+        ``state_dict().items()`` or a few) and returns the names loaded; here one strict
+        ``update_weights`` (a bad name or shape is a ValueError and nothing changes). An empty
+        iterable loads nothing."""
+        if self._hops[-1:] != ("model",):
+            raise AttributeError(
+                f"llm.llm_engine.{'.'.join(self._hops)}.load_weights: the model's, "
+                "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
+            )
+        pairs = list(weights)
+        if pairs:
+            self._llm.update_weights(pairs)
+        return {pair[0] for pair in pairs}
+
+
+def seconds(name: str, value: object) -> float:
+    """A timeout argument as float seconds; ValueError naming it unless finite and >= 0 (NaN
+    compares false with everything: a plain ``< 0`` check let it through as "never")."""
+    value = plain_number(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value!r}: must be a finite number of seconds >= 0")
+    return float(value)
