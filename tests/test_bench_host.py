@@ -49,6 +49,8 @@ def test_quick_report_has_every_cell_and_sane_values(capsys):
         assert ("runner_cpu_ms" in cell) == (mode == "sync")
         parts = sum(cell[f"{phase}_wall_ms"] for phase in PHASES)
         assert abs(cell["host_wall_ms"] - parts) < 1e-3 + 1e-6 * parts
+        cpu = sum(cell.get(f"{phase}_cpu_ms", 0.0) for phase in PHASES)
+        assert abs(cell["host_cpu_ms"] - cpu) < 1e-3 + 1e-6 * cpu
         # Every mixed step carries the 512-token chunk; no decode-only step does.
         assert cell["chunk_steps"] == (8 if kind == "mixed" else 0)
     assert report["targets"] == {}  # no cell at 256 or 512 rows, 1k context
@@ -182,3 +184,27 @@ def test_ab_script_counts_instructions_per_step():
         assert counts["base"] > 0 and counts["new"] > 0
         assert abs(report[f"{figure}_new_over_base"] - 1) < 0.02
     assert report["cycles_estimate_per_step"]["new"] > report["instructions_per_step"]["new"]
+
+
+def test_targets_are_met_at_their_limits():
+    from rltserve.bench.host import _targets
+
+    cells = {
+        "decode/sync/rows256/ctx1024": {"host_wall_ms": 1.0, "steps_per_s": 1000.0},
+        "decode/sync/rows512/ctx1024": {"host_wall_ms": 2.5},
+        "mixed/sync/rows256/ctx1024": {"host_wall_ms": 1.5},
+    }
+    assert _targets(cells) == {
+        "decode/sync/rows256/ctx1024": {"host_wall_ms": 1.0, "limit": 1.0, "met": True},
+        "decode/sync/rows512/ctx1024": {"host_wall_ms": 2.5, "limit": 2.0, "met": False},
+        "mixed/sync/rows256/ctx1024": {"host_wall_ms": 1.5, "limit": 1.5, "met": True},
+        "decode/sync/rows256/ctx1024/steps_per_s": {"value": 1000.0, "limit": 1000, "met": True},
+    }
+
+
+def test_repeats_merge_into_medians():
+    from rltserve.bench.host import _median
+
+    runs = [{"steps_per_s": 10.0, "gc_ms": 0.5}, {"steps_per_s": 40.0, "gc_ms": 0.1},
+            {"steps_per_s": 20.0, "gc_ms": 0.2}]  # fmt: skip
+    assert _median(runs) == {"steps_per_s": 20.0, "gc_ms": 0.2}

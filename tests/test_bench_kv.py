@@ -35,6 +35,15 @@ def test_kv_pressure_compare(ouro_rv1, select):
     assert report["full"]["loop_rows"] == rows == 16 * (6 + 3 - 1) * 4  # full depth: 4 loops
     assert report["ondemand_recompute"]["loop_rows"] >= rows
     assert report["ratios"]["recompute_vs_full_running"] >= 4
+    free = report["unpressured"]
+    for mode in ("recompute", "swap"):
+        rate = report[f"ondemand_{mode}"]["output_tokens_per_s"]
+        assert report["ratios"][f"{mode}_vs_unpressured_tokens_per_s"] == round(
+            rate / free["output_tokens_per_s"], 3
+        )
+    # Blocks held at the peak: within each run's pool (the unpressured one holds 8 worst cases).
+    assert 0 < report["full"]["peak_blocks"] <= report["num_blocks"]
+    assert 0 < free["peak_blocks"] < 8 * report["num_blocks"]
     # The pressure sweep: the main pool first, then larger ones; both modes, without and with
     # time slicing (8 unless the engine sets one); every run serves every token.
     sweep = report["sweep"]
@@ -253,3 +262,30 @@ def test_the_cli_prints_the_kv_report_as_a_table_unless_json(capsys):
     assert len(out) == 1 + 2 + 12 + 7
     print_report(report, as_json=True)
     assert orjson.loads(capsys.readouterr().out) == report
+
+
+def test_step_kind_by_what_a_step_runs_besides_decode_tokens():
+    from types import SimpleNamespace
+
+    from rltserve.bench.kv import step_kind
+
+    def plan(*items, swap_out=(), swap_in=()):
+        return SimpleNamespace(items=list(items), swap_out=list(swap_out), swap_in=list(swap_in))
+
+    decode = SimpleNamespace(num_tokens=1, token_ids=None)
+    replay = SimpleNamespace(num_tokens=1, token_ids=[5])  # (given its input token)
+    chunk = SimpleNamespace(num_tokens=8, token_ids=None)
+    assert step_kind(plan(decode, decode)) == "decode"
+    assert step_kind(plan(decode, chunk)) == step_kind(plan(replay)) == "chunks"
+    assert step_kind(plan(decode, swap_out=[1])) == step_kind(plan(chunk, swap_in=[1])) == "swap"
+
+
+def test_sweep_pools_above_the_main_pool_only_with_the_engines_time_slice():
+    from rltserve.bench.kv import _sweep_cases
+
+    # A peak of 12 blocks: 70% and 85% (8, 10) are not above a main pool of 10.
+    assert {case["num_blocks"] for _, case in _sweep_cases({}, 10, 12)} == {10}
+    cases = _sweep_cases({"preemption_time_slice": 3}, 2, 12)
+    assert [key for key, _ in cases][:4] == [
+        (2, "recompute", 0), (2, "recompute", 3), (2, "swap", 0), (2, "swap", 3),
+    ]  # fmt: skip

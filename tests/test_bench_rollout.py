@@ -20,7 +20,7 @@ def test_rollout_report(ouro_rv1):
     assert inplace["weight_version"] == 2
     assert len(inplace["steps_s"]) == len(restart["steps_s"]) == 2
     assert inplace["rollout_tokens_per_s"] > 0 and inplace["startup_s"] > 0
-    assert report["step_speedup"] > 0
+    assert report["step_speedup"] == round(restart["mean_step_s"] / inplace["mean_step_s"], 2)
     assert report["workload"]["n"] == 3
 
 
@@ -61,3 +61,27 @@ def test_both_arms_build_their_engines_on_the_requested_device_and_dtype(ouro_rv
     assert [(kw.get("device"), kw.get("dtype")) for kw in built] == [("cpu", "bfloat16")] * 3
     assert [kw["model"] == str(ouro_rv1) for kw in built] == [True, False, False]
     assert report["in_place"]["tokens_per_step"] == report["restart"]["tokens_per_step"] == 4
+
+
+def test_summary_means_per_step_and_rate_over_generation_time():
+    from rltserve.bench.rollout import _summary
+
+    steps = [
+        {"wall_s": 1.0, "weights_s": 0.2, "generate_s": 0.8, "tokens": 8},
+        {"wall_s": 3.0, "weights_s": 0.4, "generate_s": 2.4, "tokens": 24},
+    ]
+    assert _summary(steps, {"startup_s": 0.5}) == {
+        "mean_step_s": 2.0, "steps_s": [1.0, 3.0], "mean_weights_s": 0.3,
+        "rollout_tokens_per_s": 10.0, "tokens_per_step": 16, "startup_s": 0.5,
+    }  # fmt: skip
+
+
+def test_each_step_samples_with_its_own_seed_and_ignores_eos():
+    import argparse
+
+    from rltserve.bench.rollout import _params
+
+    args = argparse.Namespace(n=3, temperature=0.7, max_tokens=5, exit_threshold=0.5)
+    p = _params(args, 2)
+    assert (p.n, p.temperature, p.max_tokens, p.exit_threshold) == (3, 0.7, 5, 0.5)
+    assert (p.seed, p.ignore_eos) == (2, True)

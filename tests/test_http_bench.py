@@ -4,7 +4,10 @@ short run against a live (scripted) server, and the CLI parsers of serve and ben
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import math
+import statistics
 
 import pytest
 from test_http_harness import (
@@ -16,16 +19,18 @@ from test_http_harness import (
     tiny_checkpoint,
 )
 
+from rltserve.bench import serve as serve_bench
 from rltserve.bench.serve import (
     BenchConfig,
     RequestResult,
+    _one,
     arrival_gaps,
     format_report,
     random_prompts,
     run_bench,
     summarize,
 )
-from rltserve.client import APIError
+from rltserve.client import APIConnectionError, APIError
 from rltserve.http.cli import (
     add_bench_serve_parser,
     add_serve_parser,
@@ -70,6 +75,289 @@ def test_arrivals_and_prompts_are_seeded():
     assert all(len(p) == 8 and all(0 <= t < 512 for t in p) for p in prompts)
     with pytest.raises(ValueError, match="request_rate"):
         BenchConfig(url="http://x", request_rate=0)
+
+
+def test_summary_percentiles_pool_the_successful_requests():
+    config = BenchConfig(url="http://x", num_prompts=10, request_rate=4.0, max_concurrency=2)
+    results = [
+        RequestResult(4, True, 3, ttft=0.1, e2el=0.5, itl=[0.1, 0.3]),
+        RequestResult(4, True, 3, ttft=0.2, e2el=0.4, itl=[0.1, 0.1]),
+        RequestResult(4, True, 1, ttft=0.6, e2el=0.6),  # one token: no TPOT
+    ] + [RequestResult(4, False, itl=[0.5], error=f"OSError: {i}") for i in range(7)]
+    report = summarize(config, results, duration=1.0)
+    assert (report["completed"], report["failed"]) == (3, 7)
+    assert (report["request_rate"], report["max_concurrency"]) == (4.0, 2)
+    assert report["mean_ttft_ms"] == pytest.approx(300.0)
+    assert report["median_ttft_ms"] == pytest.approx(200.0)
+    assert report["mean_tpot_ms"] == pytest.approx(150.0)  # 200 and 100 ms
+    # Every gap of every successful request (a failed one's are left out).
+    assert report["mean_itl_ms"] == pytest.approx(150.0)
+    assert report["median_itl_ms"] == pytest.approx(100.0)
+    assert report["errors"] == [f"OSError: {i}" for i in range(5)]  # the first five, sorted
+    empty = summarize(BenchConfig(url="http://x"), [], duration=1.0)
+    assert empty["request_rate"] == "inf" and empty["completed"] == 0
+    assert empty["mean_ttft_ms"] == empty["p99_e2el_ms"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("num_prompts", 0), ("input_len", 0), ("output_len", 0), ("num_turns", 0),
+     ("burstiness", 0.0), ("max_concurrency", 0), ("ready_timeout_s", 0.0),
+     ("url", "http://:8000")],
+)  # fmt: skip
+def test_config_rejects_values_out_of_range(name, value):
+    with pytest.raises(ValueError, match=f"^{name}="):
+        BenchConfig(**{"url": "http://x", name: value})
+
+
+def test_config_accepts_the_smallest_values():
+    config = BenchConfig(
+        url="https://x", num_prompts=1, input_len=1, output_len=1, num_turns=1,
+        max_concurrency=1, burstiness=0.1, ready_timeout_s=0.1,
+    )  # fmt: skip
+    assert config.max_concurrency == 1
+
+
+def test_burstiness_shapes_the_gaps_at_the_same_rate():
+    config = BenchConfig(url="http://x", num_prompts=4000, request_rate=50.0, burstiness=4.0)
+    gaps = arrival_gaps(config)[1:]
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(1 / 50, rel=0.05)
+    # Gamma gaps of shape 4: a coefficient of variation of 1/2 (Poisson's is 1).
+    assert statistics.pstdev(gaps) / mean == pytest.approx(0.5, rel=0.1)
+
+
+class _Clock:
+    """The bench module's ``time``: a fake stream sets ``now`` to each chunk's arrival."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Stream:
+    """A streamed response: ``(arrival, chunk)`` pairs, then ``error`` raised or the end."""
+
+    def __init__(self, clock: _Clock, chunks: list, end: float, error=None) -> None:
+        self.clock, self.chunks, self.end, self.error = clock, chunks, end, error
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def __aiter__(self):
+        for at, chunk in self.chunks:
+            self.clock.now = at
+            yield chunk
+        if self.error is not None:
+            raise self.error
+        self.clock.now = self.end
+
+
+class _OneStreamClient:
+    def __init__(self, stream: _Stream) -> None:
+        self.response, self.calls = stream, []
+
+    def stream(self, prompt, **body):
+        self.calls.append(("completions", prompt, body))
+        return self.response
+
+    def chat_stream(self, messages, **body):
+        self.calls.append(("chat", messages, body))
+        return self.response
+
+
+def _usage(completion: int, prompt: int, cached: int = 0) -> dict:
+    details = {"cached_tokens": cached}
+    return {"choices": [], "usage": {"completion_tokens": completion, "prompt_tokens": prompt,
+                                     "prompt_tokens_details": details}}  # fmt: skip
+
+
+async def test_one_request_times_ttft_and_each_gap_between_chunks(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    chunks = [
+        (t, {"choices": [{"text": "x", "token_ids": [i]}]}) for i, t in enumerate((0.1, 0.3, 0.6))
+    ]
+    client = _OneStreamClient(_Stream(clock, [*chunks, (0.65, _usage(3, 4, cached=2))], 0.7))
+    config = BenchConfig(
+        url="http://x", output_len=3, model="m", temperature=0.5, exit_threshold=0.7
+    )
+    result = await _one(client, config, [1, 2, 3, 4])
+    assert result.success and result.error is None
+    assert result.ttft == pytest.approx(0.1) and result.e2el == pytest.approx(0.7)
+    assert result.itl == pytest.approx([0.2, 0.3])
+    assert (result.output_tokens, result.prompt_len, result.cached_tokens) == (3, 4, 2)
+    [(endpoint, prompt, body)] = client.calls
+    assert (endpoint, prompt) == ("completions", [1, 2, 3, 4])
+    assert body == {
+        "max_tokens": 3, "temperature": 0.5, "ignore_eos": True, "model": "m",
+        "exit_threshold": 0.7, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+async def test_chat_ttft_starts_at_the_first_chunk_with_tokens(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    chunks = [
+        (0.05, {"choices": [{"delta": {"role": "assistant"}}]}),
+        (0.1, {"choices": [{"delta": {"content": "he"}, "token_ids": [5]}]}),
+        (0.25, {"choices": [{"delta": {"content": "llo"}, "token_ids": [6]}]}),
+        (0.3, _usage(2, 11)),
+    ]
+    client = _OneStreamClient(_Stream(clock, chunks, 0.3))
+    config = BenchConfig(url="http://x", output_len=2, endpoint="chat")
+    messages = [{"role": "user", "content": "hi"}]
+    result = await _one(client, config, messages)
+    assert result.ttft == pytest.approx(0.1) and result.itl == pytest.approx([0.15])
+    assert (result.output_text, result.output_ids, result.prompt_len) == ("hello", [5, 6], 11)
+    [(endpoint, sent, body)] = client.calls
+    assert (endpoint, sent, body["return_token_ids"]) == ("chat", messages, True)
+
+
+async def test_a_stream_that_breaks_after_a_token_fails_with_its_error(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    for error in (OSError("reset"), asyncio.TimeoutError()):
+        token = (0.1, {"choices": [{"text": "x", "token_ids": [1]}]})
+        client = _OneStreamClient(_Stream(clock, [token], 0.3, error))
+        result = await _one(client, BenchConfig(url="http://x"), [1, 2, 3, 4])
+        assert not result.success
+        assert result.error == f"{type(error).__name__}: {error}"
+
+
+async def test_a_request_that_streams_no_token_fails(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    client = _OneStreamClient(_Stream(clock, [(0.2, _usage(0, 4))], 0.3))
+    result = await _one(client, BenchConfig(url="http://x"), [1, 2, 3, 4])
+    assert not result.success and result.error is None
+
+
+async def test_a_wait_timeout_below_the_first_probe_bounds_that_probe(monkeypatch, capsys):
+    bounds, real_wait_for = [], asyncio.wait_for
+
+    async def wait_for(awaitable, timeout):
+        bounds.append(timeout)
+        return await real_wait_for(awaitable, timeout)
+
+    class Silent:  # a host that never answers
+        async def health(self) -> bool:
+            await asyncio.Event().wait()
+            return True
+
+        async def wait_ready(self, timeout: float, interval: float) -> None:
+            raise APIConnectionError(None, "not ready")
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for)
+    config = BenchConfig(url="http://x", ready_timeout_s=0.05)
+    with pytest.raises(serve_bench.ServerNotReadyError, match="after 0.05 s"):
+        await serve_bench._wait_for_server(Silent(), config)
+    assert bounds == [0.05, 0.05]
+    assert "waiting up to 0.05 s for the server at http://x" in capsys.readouterr().err
+
+
+class _FakeServer:
+    """``AsyncClient`` for ``run_bench``: every stream answers ``tokens`` token chunks (handing
+    the loop over between them) and its usage; records the prompts and the most streams open
+    at once. A prompt longer than ``fail_above`` tokens breaks its stream."""
+
+    def __init__(self, tokens: int, fail_above: int | None = None) -> None:
+        self.tokens, self.fail_above = tokens, fail_above
+        self.prompts: list[list[int]] = []
+        self.open = self.peak = 0
+
+    def __call__(self, url, api_key=None, **kwargs):  # (stands in for the class)
+        return self
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    async def health(self) -> bool:
+        return True
+
+    async def models(self) -> list[dict]:
+        return [{"id": "m", "vocab_size": 50}]
+
+    @contextlib.asynccontextmanager
+    async def _opened(self):
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            yield
+        finally:
+            self.open -= 1
+
+    def stream(self, prompt, **body):
+        self.prompts.append(list(prompt))
+        server = self
+
+        class Response:
+            async def __aenter__(self):
+                self._cm = server._opened()
+                await self._cm.__aenter__()
+                return self
+
+            async def __aexit__(self, *exc):
+                await self._cm.__aexit__(*exc)
+
+            async def __aiter__(self):
+                if server.fail_above is not None and len(prompt) > server.fail_above:
+                    raise OSError("broken")
+                for i in range(server.tokens):
+                    await asyncio.sleep(0)
+                    yield {"choices": [{"text": "x", "token_ids": [i]}]}
+                yield _usage(server.tokens, len(prompt))
+
+        return Response()
+
+
+async def test_run_bench_keeps_at_most_max_concurrency_requests_in_flight(monkeypatch):
+    server = _FakeServer(tokens=4)
+    monkeypatch.setattr(serve_bench, "AsyncClient", server)
+    config = BenchConfig(
+        url="http://x", num_prompts=6, input_len=3, output_len=4, max_concurrency=2
+    )
+    report = await run_bench(config)
+    assert report["completed"] == 6 and report["total_output_tokens"] == 24
+    assert server.peak == 2
+    # The seeded prompts, drawn from the vocabulary the model card gives.
+    assert sorted(server.prompts) == sorted(random_prompts(config, 50))
+
+
+async def test_run_bench_sends_at_the_seeded_arrival_gaps(monkeypatch):
+    server = _FakeServer(tokens=2)
+    monkeypatch.setattr(serve_bench, "AsyncClient", server)
+    real_sleep, slept = asyncio.sleep, []
+
+    async def sleep(seconds, *args):
+        slept.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    config = BenchConfig(
+        url="http://x", num_prompts=5, input_len=3, output_len=2, request_rate=20.0
+    )
+    report = await run_bench(config)
+    assert report["completed"] == 5
+    assert [s for s in slept if s > 0] == [g for g in arrival_gaps(config) if g > 0]
+
+
+async def test_a_conversation_ends_at_its_first_failed_turn(monkeypatch):
+    server = _FakeServer(tokens=2, fail_above=3)  # turn 2's prompt is longer: it fails
+    monkeypatch.setattr(serve_bench, "AsyncClient", server)
+    config = BenchConfig(url="http://x", num_prompts=2, input_len=3, output_len=2, num_turns=3)
+    report = await run_bench(config)
+    assert (report["completed"], report["failed"]) == (2, 2)
+    assert report["errors"] == ["OSError: broken"]
+    assert sorted(len(p) for p in server.prompts) == [3, 3, 3 + 2 + 3, 3 + 2 + 3]
 
 
 async def test_short_run_against_a_server(tmp_path_factory):

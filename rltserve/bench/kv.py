@@ -135,7 +135,9 @@ def run_kv_pressure(
         ignore_eos=True,  # (``_run`` makes every id stop the request after min_tokens)
         exit_threshold=args.exit_threshold,
     )
-    kw = {**engine_kw, "max_num_seqs": num, "kv_watermark": 0.0}
+    # On demand unless a case says otherwise: the old spelling of the flag (``--kv-reservation
+    # full --compare``) must not make the unpressured run and the sweep reserve whole contexts.
+    kw = {**engine_kw, "max_num_seqs": num, "kv_watermark": 0.0, "kv_reservation": "ondemand"}
     # A pool that holds one request whatever its planes (at most one per loop, and the
     # boundary's), so that its context is not limited by the pool.
     per_plane = -(-(args.input_len + max_tokens) // kw["block_size"])
