@@ -286,16 +286,17 @@ def test_not_built_and_stale_reasons(env, tmp_path) -> None:
     lib = tmp_path / "rltserve_native.so"
     env.setenv(native.ENV_LIB, str(lib))
     info = native.reload()
-    assert info["backend"] == "torch" and "not built" in info["reason"]
+    assert info["backend"] == "torch" and info["reason"].startswith("not built")
     if native.source_digest() is not None:  # a source checkout: stamps are checked
         lib.write_bytes(b"")
         native.stamp_path(lib).write_text('{"source_digest": "0000"}')
         info = native.reload()
-        assert info["backend"] == "torch" and "stale" in info["reason"]
+        # (startswith: tmp_path, in every reason, holds the test's name and so "stale")
+        assert info["backend"] == "torch" and info["reason"].startswith("stale build")
     lib.write_bytes(b"not a library")
     native.stamp_path(lib).unlink(missing_ok=True)
     info = native.reload()
-    assert info["backend"] == "torch" and "load failed" in info["reason"]
+    assert info["backend"] == "torch" and info["reason"].startswith("load failed")
     x = _x((3, 8), torch.float32)
     assert torch.equal(native.silu_and_mul(x), native.torch_silu_and_mul(x))
 
@@ -344,3 +345,113 @@ def test_no_compiler_skip_reason(monkeypatch) -> None:
     monkeypatch.setenv("CXX", "definitely-not-a-compiler")
     assert "no C++ compiler" in build.compiler_problem()
     assert shutil.which("definitely-not-a-compiler") is None
+
+
+# --------------------------------------------------------------------------- loader pieces
+# (no build needed: pure functions, and dispatch with the loaded ops replaced by recorders)
+
+
+def test_enabled_pairs_follow_the_mirror_and_the_fp32_switch(monkeypatch) -> None:
+    f32 = ("cpu", torch.float32)
+    monkeypatch.delenv(native.ENV_FP32, raising=False)
+    assert f32 in native._enabled({"mirrors_torch": "1"}, False)[0]
+    pairs, notes = native._enabled({"mirrors_torch": "0", "note": "no avx"}, False)
+    assert f32 not in pairs and "no avx" in notes[0]
+    assert {("cpu", torch.bfloat16), ("cpu", torch.float16)} <= pairs
+    for off in ("0", "off", "False", " no "):
+        monkeypatch.setenv(native.ENV_FP32, off)
+        pairs, notes = native._enabled({"mirrors_torch": "1"}, True)
+        assert f32 not in pairs and ("cuda", torch.float32) not in pairs, off
+        assert ("cuda", torch.bfloat16) in pairs and native.ENV_FP32 in notes[0]
+    monkeypatch.setenv(native.ENV_FP32, "yes")
+    pairs, notes = native._enabled({"mirrors_torch": "0"}, True)
+    assert f32 in pairs and ("cuda", torch.float32) in pairs and notes == ()
+
+
+def test_parse_info_keeps_equals_signs_in_values() -> None:
+    info = native._parse_info("mode=avx2;note=expf=sleef;junk;mirrors_torch=1")
+    assert info == {"mode": "avx2", "note": "expf=sleef", "mirrors_torch": "1"}
+
+
+def test_source_digest_covers_cpp_cu_and_headers_only(tmp_path) -> None:
+    assert native.source_digest(tmp_path) is None
+    (tmp_path / "a.cpp").write_text("a")
+    digests = {native.source_digest(tmp_path)}
+    for name in ("b.cu", "c.h"):
+        (tmp_path / name).write_text(name)
+        digests.add(native.source_digest(tmp_path))
+    (tmp_path / "README.md").write_text("not a source")
+    assert native.source_digest(tmp_path) in digests and len(digests) == 3
+
+
+def test_stale_reason_compares_the_stamped_digest(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(native, "source_digest", lambda: "abcd")
+    lib = tmp_path / "rltserve_native.so"
+    assert native._stale_reason(lib) is None  # no stamp: nothing to compare
+    stamp = native.stamp_path(lib)
+    stamp.write_text('{"source_digest": "abcd"}')
+    assert native._stale_reason(lib) is None
+    stamp.write_text('{"source_digest": "0000"}')
+    assert "stale build" in native._stale_reason(lib)
+    stamp.write_text("{not json")
+    assert native._stale_reason(lib) is None
+
+
+def test_library_path_and_build_tag(monkeypatch, tmp_path) -> None:
+    assert f"torch-{torch.__version__}-py{sys.version_info[0]}" in native.build_tag()
+    monkeypatch.setenv(native.ENV_LIB, str(tmp_path / "lib.so"))
+    assert native.library_path() == tmp_path / "lib.so"
+    monkeypatch.delenv(native.ENV_LIB)
+    monkeypatch.setenv(native.ENV_DIR, str(tmp_path))
+    assert native.library_path() == tmp_path / f"{native.LIB_NAME}.so"
+
+
+def test_a_library_that_registers_no_ops_selects_torch(env, tmp_path) -> None:
+    env.setattr(native, "_registered_ops", lambda: None)
+    env.setattr(native, "source_digest", lambda: None)
+    env.setattr(torch.ops, "load_library", lambda path: None)
+    env.delenv(native.ENV_ENABLE, raising=False)
+    lib = tmp_path / "rltserve_native.so"
+    lib.write_bytes(b"")
+    env.setenv(native.ENV_LIB, str(lib))
+    info = native.reload()
+    assert info["backend"] == "torch" and "registered no rltserve_native ops" in info["reason"]
+    assert info["cpu_mirrors_torch"] is None and info["enabled"] == []
+
+
+def test_backend_is_native_cuda_only_with_a_visible_gpu(env) -> None:
+    state = native._State(True, "lib.so", None, {"mirrors_torch": "1"}, True, frozenset(), ())
+    env.setattr(native, "_STATE", state)
+    env.setattr(torch.cuda, "is_available", lambda: False)
+    info = native.backend_info()
+    assert info["backend"] == "native-cpu" and info["cpu_mirrors_torch"] is True
+    env.setattr(torch.cuda, "is_available", lambda: True)
+    assert native.backend_info()["backend"] == "native-cuda"
+
+
+@pytest.fixture
+def recorded(env) -> list[str]:
+    """float32 on CPU "enabled", its native ops replaced by recorders of which one ran."""
+    calls: list[str] = []
+    state = native._State(True, "lib.so", None, {}, False, frozenset({("cpu", torch.float32)}), ())
+    env.setattr(native, "_STATE", state)
+    env.setattr(native, "_ENABLED", state.enabled)
+    env.setattr(native, "_FUSED", lambda x: calls.append("fused") or native.torch_silu_and_mul(x))
+    env.setattr(native, "_PAIR", lambda a, b: calls.append("pair") or native.torch_silu_mul(a, b))
+    return calls
+
+
+def test_dispatch_sends_only_what_the_kernels_take_natively(recorded) -> None:
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    native.silu_and_mul(a)
+    native.silu_mul(a, b)
+    assert recorded == ["fused", "pair"]
+    recorded.clear()
+    native.silu_and_mul(a.bfloat16())  # not enabled
+    native.silu_mul(a, torch.randn(1, 6))  # broadcasting
+    native.silu_mul(a, b.double())  # mixed dtypes
+    native.silu_mul(a, b.clone().requires_grad_())  # autograd through b
+    native.silu_and_mul(a.clone().requires_grad_())  # autograd through x
+    with torch.no_grad():
+        native.silu_mul(a, b.clone().requires_grad_())  # no graph: native again
+    assert recorded == ["pair"]
