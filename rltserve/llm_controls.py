@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rltserve.sampling import plain_number
@@ -121,13 +121,13 @@ class EnginePath:
         """vLLM's: loads ``(name, tensor)`` pairs in checkpoint names (all of a trainer's
         ``state_dict().items()`` or a few) and returns the names loaded; here one strict
         ``update_weights`` (a bad name or shape is a ValueError and nothing changes). An empty
-        iterable loads nothing."""
+        iterable loads nothing; a dict is taken as its items."""
         if self._hops[-1:] != ("model",):
             raise AttributeError(
                 f"llm.llm_engine.{'.'.join(self._hops)}.load_weights: the model's, "
                 "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
             )
-        pairs = list(weights)
+        pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
         if pairs:
             self._llm.update_weights(pairs)
         return {pair[0] for pair in pairs}

@@ -10,6 +10,7 @@ import torch
 from engine_util import make_core, oracle_run
 
 from rltserve.core.kv_transfer import import_prompt
+from rltserve.core.request import FinishReason
 from rltserve.sampling import SamplingParams
 
 BS = 4
@@ -36,6 +37,19 @@ def test_an_aborted_request_exports_nothing(ckpts, tmp_path):
     core.add_request("p", list(range(50, 73)), GREEDY, None, ("export", str(file)))
     core.abort("p")
     assert not core._exports and not core.has_work()
+
+
+def test_failing_every_request_drops_their_exports(ckpts, tmp_path):
+    core = _cores(ckpts["ouro"])[0]
+    file = tmp_path / "kv.safetensors"
+    core.add_request("p", list(range(50, 73)), GREEDY, None, ("export", str(file)))
+    [update] = core.fail_all("boom")
+    assert (update.request_id, update.finish_reason, update.error) == (
+        "p",
+        FinishReason.ERROR,
+        "boom",
+    )
+    assert not core._exports and not core.has_work() and not file.exists()
 
 
 def test_import_copies_every_plane_bit_exact(ckpts, tmp_path):

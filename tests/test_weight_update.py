@@ -347,6 +347,7 @@ def test_vllm_scripts_load_weights_through_the_engine_path(llm, new_ckpt):
     with pytest.raises(ValueError, match="unknown tensor names"):
         model.load_weights({"model.nope.weight": torch.zeros(2)}.items())
     assert llm.weight_version == len(new)
+    assert model.load_weights(new) == set(new) and llm.weight_version == len(new) + 1  # (a dict)
 
 
 def test_the_engine_path_names_what_it_does_not_have(llm):
