@@ -14,9 +14,9 @@ import torch
 from builders import NANBEIGE_TINY, random_tensors, write_checkpoint
 from safetensors import safe_open
 
-from rltserve.models import load_model
+from rltserve.models import demo, load_model
 from rltserve.models.base import LoopedModel
-from rltserve.models.demo import COMPLETE, demo_model_path
+from rltserve.models.demo import COMPLETE, cache_root, demo_model_path, model_or_demo
 from rltserve.models.naive import DenseKVCache, naive_generate
 from rltserve.models.presets import (
     PRESETS,
@@ -243,8 +243,10 @@ def test_demo_cache_builds_once_and_is_race_safe(tmp_path: Path, monkeypatch) ->
     assert model.spec.family == "ouro" and load_tokenizer(path) is not None
 
 
-def test_demo_replaces_incomplete_leftover(tmp_path: Path) -> None:
+def test_demo_replaces_incomplete_leftover(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RLTSERVE_CACHE", str(tmp_path / "env"))
     path = demo_model_path(tmp_path)
+    assert path.parent == tmp_path  # an explicit root wins over the cache variable
     (path / COMPLETE).unlink()
     (path / "model.safetensors").write_bytes(b"junk")
     assert demo_model_path(tmp_path) == path
@@ -302,6 +304,9 @@ def test_make_model_rejects_bad_arguments(tmp_path: Path) -> None:
         make_model("ouro-huge", tmp_path)
     with pytest.raises(ValueError, match="seed"):
         make_model("ouro-tiny", tmp_path, seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        make_model("ouro-tiny", tmp_path, seed=True)
+    assert not any(tmp_path.iterdir())
 
 
 def test_synthetic_value_scheme_invariants(tmp_path: Path) -> None:
@@ -330,3 +335,92 @@ def test_synthetic_value_scheme_invariants(tmp_path: Path) -> None:
     assert int.from_bytes(data[:8], "little") % 8 == 0  # header padded: data 8-byte aligned
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
+def _spec_with(name: str, **changes: object) -> PresetSpec:
+    base = PRESETS[name]
+    return PresetSpec("edited", "test", json.dumps(base.config() | changes), base.layout)
+
+
+def test_preset_spec_rejects_a_config_its_tokenizer_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="torch_dtype must be one of"):
+        _spec_with("ouro-tiny", torch_dtype="float16")
+    with pytest.raises(ValueError, match="tokenizer size != vocab 1024"):
+        _spec_with("ouro-tiny", vocab_size=1024)
+    # Huginn's model vocabulary is the padded one.
+    with pytest.raises(ValueError, match="tokenizer size != vocab 1024"):
+        _spec_with("huginn-tiny", padded_vocab_size=1024)
+    with pytest.raises(ValueError, match="model_max_length != 4096"):
+        _spec_with("ouro-tiny", max_position_embeddings=4096)
+    with pytest.raises(ValueError, match="model_max_length != 2048"):
+        _spec_with("huginn-tiny", block_size=2048)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_num_parameters_is_the_loaded_models_count(built: dict[str, Path], name: str) -> None:
+    model = load_model(built[name])
+    assert PRESETS[name].num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_only_multi_byte_tokens_get_full_strength_head_rows(built: dict[str, Path]) -> None:
+    from rltserve.models import checkpoint as ck
+
+    path = built["ouro-tiny"]
+    tok_json = json.loads((path / "tokenizer.json").read_text())
+    added = {t["id"] for t in tok_json["added_tokens"]}
+    vocab = tok_json["model"]["vocab"]
+    cfg = PRESETS["ouro-tiny"].config()
+    words = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    for token, i in vocab.items():
+        words[i] = i not in added and len(token) >= 2
+    shape = (cfg["vocab_size"], cfg["hidden_size"])
+    want = ck.llama_value(ck.Draws(0, words), cfg, "lm_head.weight", shape)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), want)
+
+
+def test_a_checkpoint_rewritten_without_a_tokenizer_keeps_none(tmp_path: Path) -> None:
+    make_model("ouro-tiny", tmp_path)
+    make_model("ouro-tiny", tmp_path, tokenizer=False)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
+
+
+def test_cli_writes_into_an_existing_empty_directory(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_make_model_args(parser)
+    out = tmp_path / "m"
+    out.mkdir()
+    assert run_make_model(parser.parse_args(["--preset", "ouro-tiny", "--out", str(out)])) == 0
+    assert (out / "model.safetensors").is_file()
+
+
+def test_cli_default_seed_is_make_models(tmp_path: Path, built: dict[str, Path]) -> None:
+    parser = argparse.ArgumentParser()
+    add_make_model_args(parser)
+    args = parser.parse_args(["--preset", "ouro-tiny", "--out", str(tmp_path / "m")])
+    assert run_make_model(args) == 0
+    assert _sha(tmp_path / "m" / "model.safetensors") == _sha(
+        built["ouro-tiny"] / "model.safetensors"
+    )
+
+
+def test_cache_root_expands_a_home_relative_variable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RLTSERVE_CACHE", "~/models")
+    assert cache_root() == tmp_path / "models"
+
+
+def test_model_or_demo_keeps_a_given_model(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RLTSERVE_CACHE", str(tmp_path))
+    assert model_or_demo("org/some-model") == "org/some-model"
+    assert not any(tmp_path.iterdir())  # no demo was built
+
+
+def test_demo_build_failure_is_raised_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    def refuse(src: object, dst: object) -> None:
+        raise OSError("read-only cache")
+
+    monkeypatch.setattr(demo.os, "rename", refuse)
+    with pytest.raises(OSError, match="read-only cache"):
+        demo_model_path(tmp_path)
+    assert not any(tmp_path.iterdir())

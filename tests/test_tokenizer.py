@@ -80,6 +80,14 @@ def test_ouro_chat_template(toks: dict[str, Tokenizer]) -> None:
     )
 
 
+def test_chatml_template_without_thinking(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["ouro-tiny"]
+    messages = [{"role": "user", "content": "Hi"}]
+    off = tok.apply_chat_template(messages, tokenize=False, enable_thinking=False)
+    assert off == tok.apply_chat_template(messages, tokenize=False)
+    assert not str(off).endswith("<think>\n")
+
+
 def test_huginn_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]) -> None:
     tok = toks["huginn-tiny"]
     cfg = json.loads((ckpt_dirs["huginn-tiny"] / "config.json").read_text())
@@ -117,6 +125,34 @@ def test_nanbeige_template_and_ids(toks: dict[str, Tokenizer], ckpt_dirs: dict[s
     assert cfg["eos_token_id"] in tok.eos_token_ids
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_nanbeige_think_survives_skip_and_pad_is_the_configs(
+    toks: dict[str, Tokenizer], ckpt_dirs: dict[str, Path]
+) -> None:
+    tok = toks["nanbeige-tiny"]
+    cfg = json.loads((ckpt_dirs["nanbeige-tiny"] / "config.json").read_text())
+    assert tok.pad_token_id == cfg["pad_token_id"] == tok.get_vocab()["<unk>"]
+    ids = tok.encode("<think>x</think><|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids) == "<think>x</think>"
+
+
+def test_huginn_specials_are_all_special(toks: dict[str, Tokenizer]) -> None:
+    tok = toks["huginn-tiny"]
+    assert tok.special_ids == set(range(512 - 32, 512))
+    assert tok.decode([tok.get_vocab()["<|pad|>"], tok.get_vocab()["<|c_0|>"]]) == ""
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny", "nanbeige-tiny"])
+def test_tokenizer_files_fit_the_checkpoint(ckpt_dirs: dict[str, Path], name: str) -> None:
+    path = ckpt_dirs[name]
+    cfg = json.loads((path / "config.json").read_text())
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    smap = json.loads((path / "special_tokens_map.json").read_text())
+    assert tok_cfg["model_max_length"] == cfg.get("max_position_embeddings", cfg.get("block_size"))
+    # A role the family lacks (Huginn's unk) is left out, not written as null.
+    assert None not in smap.values() and None not in tok_cfg.values()
+    assert ("unk_token" in smap) == (name != "huginn-tiny")
 
 
 def _stream(tok: Tokenizer, ids: list[int], skip: bool, prompt: list[int] | None = None) -> str:

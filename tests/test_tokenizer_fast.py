@@ -15,7 +15,7 @@ import pytest
 from rltserve.models.presets import make_model
 from rltserve.models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from rltserve.models.tokenizer_backend import FastBackend, TransformersBackend
-from rltserve.models.tokenizer_files import TokenizerFiles
+from rltserve.models.tokenizer_files import TokenizerFiles, TokenizerFilesError
 
 NAMES = ("ouro-tiny", "huginn-tiny", "nanbeige-tiny")
 TEXTS = [
@@ -445,3 +445,30 @@ def test_named_tokens_of_the_base_vocabulary_are_special_as_in_transformers(
     assert "".join(det.add(i) for i in ids) + det.flush() == want
     text = "Hello <unk> world again"
     assert tok.encode(text, False) == hf.encode(text, add_special_tokens=False) == [1, 0, 0, 2, 3]
+
+
+def test_tokenizer_files_ignore_malformed_tokens_and_templates(tmp_path: Path) -> None:
+    config = {
+        "eos_token": {"content": 5},
+        "bos_token": "<s>",
+        "chat_template": [{"name": "default", "template": "D"}, {"name": "broken"}, "x"],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    files = TokenizerFiles.read(tmp_path)
+    assert files.named == {"bos_token": "<s>"}
+    assert files.chat_template == {"default": "D"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
+    assert TokenizerFiles.read(tmp_path).chat_template is None
+
+
+def test_tokenizer_files_of_invalid_utf8_are_a_tokenizer_files_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_bytes(b'{"bos_token": "\xff"}')
+    with pytest.raises(TokenizerFilesError, match="invalid JSON"):
+        TokenizerFiles.read(tmp_path)
+
+
+def test_only_jinja_files_are_named_templates(tmp_path: Path) -> None:
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("T")
+    (tmp_path / "additional_chat_templates" / "README.md").write_text("notes")
+    assert TokenizerFiles.read(tmp_path).chat_template == {"tool_use": "T"}
