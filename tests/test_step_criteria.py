@@ -5,9 +5,12 @@ the settings are checked where a request is made."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
+import torch
 from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode, stream_all
 
 from rltserve.core.exit import exit_known, exit_spec
@@ -140,6 +143,96 @@ def test_nanbeige_criteria_equal_the_oracle(tmp_path):
     check(ref, prompts, params, run, kv_policy="last_exited")
 
 
+def test_an_unnamed_criterion_is_kl(huginn_rv1, huginn_ref):
+    """A threshold below 1 without a criterion named exits by kl (Hugging Face's default)."""
+    prompts, params = workload(n=4, seed=8)
+    params = [p.replace(exit_criterion=None, exit_threshold=THRESHOLDS["kl"]) for p in params]
+    assert all(p.adaptive_exit for p in params)
+    core, run = run_mode(huginn_rv1, prompts, params)
+    core.shutdown()
+    depths = check(huginn_ref, prompts, params, run, kv_policy="last_exited")
+    assert len({d for out in depths for d in out[1:]}) > 1  # (adaptive: not one fixed depth)
+
+
+def test_argmax_stability_exits_no_earlier_than_min_loops(huginn_rv1, huginn_ref):
+    """A count that reaches its threshold before ``min_loops`` (2 at loop 3) waits for it."""
+    prompts, params = workload(n=4, seed=9)
+    params = [
+        p.replace(exit_criterion="argmax-stability", exit_threshold=2, min_loops=5, max_loops=8)
+        for p in params
+    ]
+    core, run = run_mode(huginn_rv1, prompts, params)
+    core.shutdown()
+    depths = check(huginn_ref, prompts, params, run, kv_policy="last_exited")
+    assert min(d for out in depths for d in out[1:]) == 5
+
+
+def peaked_head(tmp_path: Path) -> Path:
+    """nanbeige-tiny at 4 loops with a head whose logits are 0 but token 0's, a large multiple
+    of one direction of the state: every loop's distribution is one-hot on token 0 or, where
+    that logit is negative, uniform over the rest (argmax 1), its other probabilities exactly 0.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from rltserve.models.presets import make_model
+
+    path = make_model("nanbeige-tiny", tmp_path / "peaked")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_loops": 4}))
+    tensors = load_file(str(path / "model.safetensors"))
+    head = torch.zeros_like(tensors["lm_head.weight"])
+    head[0] = 1e4 * tensors["lm_head.weight"][0] / tensors["lm_head.weight"][0].norm()
+    save_file({**tensors, "lm_head.weight": head}, str(path / "model.safetensors"))
+    return path
+
+
+def test_criteria_of_peaked_distributions_equal_the_oracle(tmp_path):
+    """Probabilities that underflow to 0 leave the entropy finite (its log's 1e-10), and token
+    0 as the argmax of loop 1 starts no count (nothing precedes loop 1): a count of 2 needs 3
+    loops."""
+    from reference import Reference
+
+    path = peaked_head(tmp_path)
+    prompts, params = workload(n=8, seed=10)
+    params = [
+        p.replace(exit_criterion=c, exit_threshold=q, min_loops=1)
+        for p, (c, q) in zip(params, [("argmax-stability", 2), ("entropy-diff", 0.6)] * 4)
+    ]
+    core, run = run_mode(path, prompts, params)
+    core.shutdown()
+    depths = check(Reference.load(path), prompts, params, run, kv_policy="last_exited")
+    counted = [d for out in depths[::2] for d in out[1:]]
+    entropy = [d for out in depths[1::2] for d in out[1:]]
+    assert min(counted) == 3 and min(entropy) == 2
+    assert {t for i in range(8) for t in run.tokens[f"r{i}"]} == {0, 1}
+
+
+def test_one_coda_per_loop_before_the_cap(huginn_rv1):
+    """A loop's statistic stays on the item for the next loop: a token runs one coda for its
+    criterion at each loop before the cap (at ``min_loops`` 2, the loop-1 statistic is computed
+    at loop 2 instead) and one on its exit state; a prompt's rows run theirs once."""
+    prompts, params = workload(n=8, seed=11)
+    params = [
+        p.replace(exit_criterion="kl", exit_threshold=THRESHOLDS["kl"], min_loops=1 + i % 2)
+        for i, p in enumerate(params)
+    ]
+    cap = params[0].max_loops or 4  # (the model's 4 loops)
+    core = make_core(huginn_rv1, kv_policy="last_exited")
+    model, rows = core.runner.model, []
+    coda = model.coda
+
+    def counted(state, *args):
+        rows.append(state.shape[0])
+        return coda(state, *args)
+
+    model.coda = counted
+    run = run_core(core, prompts, params)
+    core.shutdown()
+    decodes = [d for i in range(len(prompts)) for d in run.depths[f"r{i}"][1:]]
+    assert min(decodes) < cap  # (tokens exit early: some loops compute no statistic)
+    assert sum(rows) == sum(map(len, prompts)) + sum(min(d, cap - 1) + 1 for d in decodes)
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -156,6 +249,21 @@ def test_thresholds_above_one_apply_to_a_named_criterion(huginn_rv1, huginn_ref)
     core.shutdown()
     depths = check(huginn_ref, prompts, params, run, kv_policy="last_exited")
     assert min(d for out in depths for d in out[1:]) < 4
+
+
+def test_entropy_before_the_first_loop_is_100(huginn_rv1, huginn_ref):
+    """``H(p_0) = 100``: a threshold of 100 exits every token at loop 1 (``100 - H(p_1)``, the
+    entropy being positive and below ``log V``), one of 50 none."""
+    prompts, params = workload(n=4, seed=12)
+    params = [
+        p.replace(exit_criterion="entropy-diff", exit_threshold=q, min_loops=1)
+        for p, q in zip(params, [100.0, 50.0] * 2)
+    ]
+    core, run = run_mode(huginn_rv1, prompts, params)
+    core.shutdown()
+    depths = check(huginn_ref, prompts, params, run, kv_policy="last_exited")
+    assert {d for out in depths[::2] for d in out[1:]} == {1}
+    assert min(d for out in depths[1::2] for d in out[1:]) > 1
 
 
 @pytest.mark.parametrize("mode", [m for m in ENGINE_MODES if m != "pipelined"])
