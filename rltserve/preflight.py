@@ -102,6 +102,8 @@ def resolve_dtype(dtype: str, model: str | None) -> str:
     except (OSError, ValueError):
         raw = {}  # (the checkpoint's own checks say what is wrong with it)
     found = raw.get("torch_dtype") or raw.get("dtype") if isinstance(raw, dict) else None
+    if not isinstance(found, str):
+        found = None  # (a malformed config's list or dict is no key of DTYPE_ALIASES)
     found = DTYPE_ALIASES.get(found, found)
     return found if found in DTYPES else "float32"
 

@@ -80,6 +80,8 @@ def test_sleep_waits_for_running_requests_or_times_out(tiny):
             time.sleep(0.005)
         with pytest.raises(UpdateTimeout, match="still running after 0 s; nothing applied$"):
             llm.sleep(timeout=0)
+        with pytest.raises(ValueError, match="^level=3: must be 1 or 2$"):
+            llm.sleep(level=3, timeout=0)  # refused at once, not after waiting for the request
         assert not llm.is_sleeping()
         llm.sleep()  # waits for the request
         thread.join()

@@ -4,10 +4,18 @@ API's prompt forms (``preflight``, ``vllm_args``, ``prompt_inputs``), without an
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
-from rltserve.preflight import check_checkpoint_dir, resolve_dtype
+from rltserve.preflight import (
+    check_checkpoint_dir,
+    check_device,
+    check_engine,
+    check_listen_address,
+    resolve_dtype,
+    resolve_model,
+)
 
 
 def test_checkpoint_dir_errors_name_the_flag_and_what_is_wrong(tmp_path):
@@ -23,6 +31,58 @@ def test_checkpoint_dir_errors_name_the_flag_and_what_is_wrong(tmp_path):
     check_checkpoint_dir(str(tmp_path))
 
 
+def test_a_config_json_directory_is_no_checkpoint(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ValueError, match="has no config.json, so it is not a checkpoint"):
+        check_checkpoint_dir(str(tmp_path))
+
+
+def test_a_relative_directory_named_like_a_repo_id_is_that_directory(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    assert resolve_model("org/name") == "org/name"
+    with pytest.raises(ValueError, match="revision='main': only for a Hugging Face repo id"):
+        resolve_model("org/name", revision="main")
+
+
+@pytest.fixture
+def no_accelerators(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.delattr(torch, "xpu", raising=False)
+
+
+def test_absent_backends_are_usage_errors(no_accelerators):
+    check_device("cpu")
+    with pytest.raises(ValueError, match=r"^device='cuda:0': CUDA is not available \("):
+        check_device("cuda:0", "device=")
+    with pytest.raises(ValueError, match=r"^--device mps: MPS is not available$"):
+        check_device("mps")
+    with pytest.raises(ValueError, match=r"^--device xpu: XPU is not available$"):
+        check_device("xpu")
+
+
+def test_engine_flags_on_an_absent_device_fail_before_the_model_loads(no_accelerators):
+    with pytest.raises(ValueError, match=r"^--device cuda: CUDA is not available"):
+        check_engine({"device": "cuda"})
+
+
+def test_a_cuda_index_must_name_a_present_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda")
+    check_device("cuda:1")
+    with pytest.raises(ValueError, match=r"^--device cuda:2: there are 2 CUDA device\(s\)$"):
+        check_device("cuda:2")
+
+
 @pytest.mark.parametrize(
     ("config", "want"),
     [
@@ -33,6 +93,7 @@ def test_checkpoint_dir_errors_name_the_flag_and_what_is_wrong(tmp_path):
         ({"torch_dtype": None, "dtype": "float16"}, "float16"),
         ({}, "float32"),
         ([1], "float32"),
+        ({"torch_dtype": ["bfloat16"]}, "float32"),
     ],
 )
 def test_auto_dtype_reads_either_config_key_and_vllm_names(tmp_path, config, want):
@@ -54,6 +115,17 @@ def test_output_dir_may_exist_empty(tmp_path):
     assert (tmp_path / "new" / "dir").is_dir()
 
 
+def test_output_dir_must_be_writable(tmp_path, monkeypatch):
+    import os
+
+    from rltserve.preflight import check_output_dir
+
+    # (a permission bit cannot show it: root may write anywhere)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match=r"^--out \S+out: is not writable$"):
+        check_output_dir(tmp_path / "out", force=False)
+
+
 def test_tls_files_are_checked_only_as_a_pair(tmp_path):
     from rltserve.preflight import check_tls_files
 
@@ -62,6 +134,32 @@ def test_tls_files_are_checked_only_as_a_pair(tmp_path):
     check_tls_files(None, str(tmp_path / "key.pem"))
     with pytest.raises(ValueError, match=r"--ssl-certfile \S+cert.pem: no such file"):
         check_tls_files(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+
+
+def test_tls_files_that_cannot_be_read_are_usage_errors(tmp_path, monkeypatch):
+    import ssl
+
+    from rltserve.preflight import check_tls_files
+
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("x")
+
+    def unreadable(self, certfile, keyfile=None, password=None):
+        raise PermissionError(13, "Permission denied")  # (root reads any file)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", unreadable)
+    with pytest.raises(ValueError, match=r"cannot load them \(\[Errno 13\] Permission denied\)"):
+        check_tls_files(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))
+
+
+def test_a_port_left_in_time_wait_by_a_server_can_be_listened_on():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server's side closes first: its end of the port waits in TIME_WAIT
+        client.close()
+    check_listen_address("127.0.0.1", port)
 
 
 # --------------------------------------------------------------------------- vLLM arguments
@@ -78,6 +176,21 @@ def test_inert_arguments_take_values_of_the_right_type_only():
         ValueError, match=r"^enable_sleep_mode='yes': not supported \(wrong type\)$"
     ):
         check_inert({"enable_sleep_mode": "yes"})
+
+
+def test_inert_arguments_take_the_unset_values_frameworks_pass():
+    from rltserve.vllm_args import check_inert
+
+    unset = {
+        "limit_mm_per_prompt": None,
+        "enable_chunked_prefill": None,
+        "worker_extension_cls": "",
+        "distributed_executor_backend": None,
+    }
+    for name, value in unset.items():
+        check_inert({name: value})
+    with pytest.raises(ValueError, match=r"^worker_extension_cls='x.Ext': not supported \(no"):
+        check_inert({"worker_extension_cls": "x.Ext"})
 
 
 def test_parallel_size_and_utilization_bounds():
@@ -124,7 +237,9 @@ def test_generation_config_folder(tmp_path):
     assert generation_config_folder("auto", "/ckpt") == "/ckpt"
     assert generation_config_folder("vllm", "/ckpt") is None
     assert generation_config_folder(tmp_path, "/ckpt") == str(tmp_path)
-    for bad in (str(tmp_path / "missing"), None, 3):
+    (tmp_path / "generation_config.json").write_text("{}")
+    file = str(tmp_path / "generation_config.json")  # (the folder holding it is the value)
+    for bad in (str(tmp_path / "missing"), file, None, 3):
         with pytest.raises(ValueError, match=r"generation_config=.*: must be 'auto', 'vllm' or"):
             generation_config_folder(bad, "/ckpt")
 
@@ -190,6 +305,15 @@ def test_encode_prompt_forms_and_id_checks():
         check_ids([1, 10], 10)
 
 
+def test_text_in_a_prompt_key_and_byte_arrays_are_not_token_ids():
+    from rltserve.prompt_inputs import check_ids, encode_prompt
+
+    with pytest.raises(ValueError, match="the 'prompt' key must hold a string"):
+        encode_prompt({"prompt": [1, 2]}, None, 10)
+    with pytest.raises(ValueError, match=r"prompt=bytearray\(b'ab'\): must be a string or"):
+        check_ids(bytearray(b"ab"), 300)
+
+
 def test_template_message_joins_text_parts_and_renames_developer():
     from rltserve.prompt_inputs import template_message
 
@@ -200,3 +324,4 @@ def test_template_message_joins_text_parts_and_renames_developer():
     }
     plain = {"role": "user", "content": "x"}
     assert template_message(plain, "messages[0]") is plain
+    assert template_message("x", "messages[0][0]") == "x"  # (the template's check names it)
