@@ -4,6 +4,7 @@ Uses the scripted stage, so each case is cheap and deterministic."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import shutil
 import threading
 import time
@@ -481,6 +482,27 @@ async def test_json_content_types_absent_types_and_the_exact_body_bound(ckpt):
         async with s.post(url, data=exact + b" ", headers=json_type) as r:
             assert r.status == 413
             assert error_of(await r.read())["message"] == "request body of 2049 bytes exceeds 2048"
+
+
+async def test_a_body_its_content_encoding_does_not_decode_is_a_400(ckpt, caplog):
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory) as live:
+        s, url = live.session, live.url + "/v1/completions"
+        body = orjson.dumps({"prompt": [5], "max_tokens": 1})
+        gzip_json = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with s.post(url, data=gzip.compress(body), headers=gzip_json) as r:
+            assert r.status == 200, await r.read()
+        # (the server closes a connection whose body it could not read)
+        for encoding in ("gzip", "deflate"):
+            headers = {**gzip_json, "Content-Encoding": encoding, "Connection": "close"}
+            async with s.post(url, data=body, headers=headers) as r:
+                assert r.status == 400
+                assert error_of(await r.read())["message"] == (
+                    f"body: cannot be read: Can not decode content-encoding: {encoding}"
+                )
+        status, _, _ = await live.post("/v1/completions", {"prompt": [5], "max_tokens": 1})
+        assert status == 200
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 async def test_an_unknown_route_is_named_and_counted_as_unmatched(ckpt):

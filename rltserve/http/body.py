@@ -1,7 +1,8 @@
 """Reading a request body into its request dataclass, the same way on every route.
 
 ``read_body`` checks the Content-Type (JSON or absent: 415), the size (``max_body_bytes``: 413)
-and how long the body takes to arrive (``body_timeout_s``: 408), then parses it with
+and how long the body takes to arrive (``body_timeout_s``: 408), that it decodes (a
+``Content-Encoding`` its bytes do not match: 400), then parses it with
 ``validation.parse_object`` and runs the dataclass's ``validate`` (400 naming the field).
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from rltserve.http.errors import HTTPError, bad_request
 from rltserve.http.state import STATE
@@ -40,6 +42,14 @@ async def read_body(request: web.Request, cls: type, strict: bool | None = None)
         raise HTTPError(413, f"request body exceeds {limit} bytes") from exc
     except asyncio.TimeoutError as exc:
         raise HTTPError(408, f"request body not received within {timeout:g} s") from exc
+    except RequestPayloadError as exc:  # (a Content-Encoding its bytes do not decode, ...)
+        # The rest of such a body cannot be read either: the connection closes after the 400
+        # (its payload marked ended) rather than aiohttp draining the body for keep-alive,
+        # which fails again and logs it as an unhandled exception.
+        request.content.feed_eof()
+        request.protocol.close()
+        reason = getattr(exc.__cause__, "message", None) or str(exc)
+        raise bad_request(f"body: cannot be read: {reason}") from exc
     if strict is None:
         strict = state.config.strict_fields
     if len(raw) > _INLINE_BODY_BYTES:  # checking a million token ids takes a while
