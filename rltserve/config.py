@@ -217,8 +217,9 @@ class SchedulerConfig:
     scheduling_policy: str = field(
         default="fcfs",
         metadata=_help(
-            "fcfs: admit and preempt by arrival; priority: by SamplingParams.priority (lower "
-            "first), and a better-priority arrival preempts running requests"
+            "fcfs: admit and preempt by arrival (a request's priority other than 0 is refused, "
+            "as vLLM refuses it); priority: by SamplingParams.priority (lower first), and a "
+            "better-priority arrival preempts running requests"
         ),
     )
 

@@ -422,14 +422,10 @@ def test_automatic_kv_pool_size(ckpts, ouro_ref, engine, blocks):
             core.add_request("big", list(range(60)), greedy(450, max_loops=8))
 
 
-@pytest.mark.parametrize(
-    "policy, expected",
-    [("priority", ["d", "b", "a", "c"]), ("fcfs", ["a", "b", "c", "d"])],
-)
-def test_priority_orders_admission_then_fifo(ckpts, ouro_ref, policy, expected):
-    # Under "priority" lower values go first, FIFO among equals; "fcfs" (the default, as in
-    # vLLM) admits by arrival alone.
-    core = make_core(ckpts["ouro"], max_num_seqs=1, scheduling_policy=policy)
+def test_priority_orders_admission_then_fifo(ckpts, ouro_ref):
+    # Under "priority" lower values go first, FIFO among equals.
+    expected = ["d", "b", "a", "c"]
+    core = make_core(ckpts["ouro"], max_num_seqs=1, scheduling_policy="priority")
     priorities = {"a": 1, "b": 0, "c": 1, "d": -1}
     prompts = {rid: [10 + i, 20 + i] for i, rid in enumerate(priorities)}
     for rid, priority in priorities.items():
@@ -445,6 +441,23 @@ def test_priority_orders_admission_then_fifo(ckpts, ouro_ref, policy, expected):
         assert (
             tokens[rid] == oracle_run(ouro_ref, prompt, greedy(3), kv_policy="last_exited").tokens
         )
+    core.kv.check_no_leaks()
+
+
+def test_fcfs_refuses_a_priority_it_would_ignore(ckpts):
+    # "fcfs" (the default, as in vLLM) admits by arrival alone, so a priority other than 0 is
+    # refused, as vLLM refuses it, rather than dropped silently.
+    core = make_core(ckpts["ouro"])
+    for priority in (1, -1):
+        with pytest.raises(ValueError) as err:
+            core.add_request("p", [5, 6], greedy(2, priority=priority))
+        assert str(err.value) == (
+            f"priority={priority}: priority scheduling is not enabled (this engine runs "
+            "scheduling_policy='fcfs'; start it with scheduling_policy='priority')"
+        )
+    core.add_request("zero", [5, 6], greedy(2, priority=0))
+    while core.has_work():
+        core.step()
     core.kv.check_no_leaks()
 
 

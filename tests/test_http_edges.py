@@ -686,6 +686,22 @@ async def test_every_model_taking_route_refuses_another_model(ckpt):
             }, path
 
 
+async def test_without_a_served_name_the_checkpoint_path_names_the_model_too(ckpt):
+    # (vLLM serves a checkpoint under --model as given; the listed name is the directory's)
+    body = {"prompt": [5], "max_tokens": 1}
+    factory = scripted_factory(stage_for(ckpt))
+    async with running(ckpt, client_factory=factory, served_model_name=None) as live:
+        for name in (ckpt.name, str(ckpt)):
+            status, _, raw = await live.post("/v1/completions", {**body, "model": name})
+            assert status == 200 and orjson.loads(raw)["model"] == ckpt.name, raw
+        status, _, raw = await live.get("/v1/models")
+        assert [m["id"] for m in orjson.loads(raw)["data"]] == [ckpt.name]
+    async with running(ckpt, client_factory=factory, served_model_name="svc") as live:
+        for name in (str(ckpt), ckpt.name):  # a served name is the only one
+            status, _, raw = await live.post("/v1/completions", {**body, "model": name})
+            assert status == 404, raw
+
+
 def test_openapi_operations_of_routes_with_a_body():
     from rltserve.http.handlers import ROUTES
 

@@ -235,7 +235,7 @@ async def running(
     **server,
 ) -> AsyncIterator[Live]:
     """An app on a loopback port with fixed ids and clock; yields once the engine is ready."""
-    config = ServerConfig(port=0, served_model_name=MODEL, **server)
+    config = ServerConfig(**{"port": 0, "served_model_name": MODEL, **server})
     app = create_app(
         config,
         engine_config(path, **(engine or {})),

@@ -92,16 +92,32 @@ def test_chat_request_to_sampling_params_keeps_priority():
     assert sampling_params(default, max_tokens=4, logprobs=None, sample_index=0).priority == 0
 
 
+async def test_fcfs_refuses_a_priority_it_would_ignore(ckpt):
+    async with running(ckpt, engine={"scheduling_policy": "fcfs"}) as live:
+        for path in ENDPOINTS:
+            status, _, raw = await live.post(path, {**ENDPOINTS[path], "priority": 5})
+            assert status == 400, raw
+            assert orjson.loads(raw)["error"] == {
+                "message": "priority=5: priority scheduling is not enabled (this engine runs "
+                "scheduling_policy='fcfs'; start it with scheduling_policy='priority')",
+                "type": "invalid_request_error",
+                "param": "priority",
+                "code": 400,
+            }
+            status, _, raw = await live.post(path, {**ENDPOINTS[path], "priority": 0})
+            assert status == 200, raw
+        assert live.state.client.stats.num_running == live.state.client.stats.num_waiting == 0
+
+
 # ---------------------------------------------------------------- priority orders work
 
 
-@pytest.mark.parametrize(("policy", "order"), [("priority", "CB"), ("fcfs", "BC")])
-async def test_better_priority_overtakes_an_earlier_waiting_request(ckpt, policy, order):
+async def test_better_priority_overtakes_an_earlier_waiting_request(ckpt):
     """One seat. A (priority 0, long) runs; B (priority 5, completions) and then C (priority 1,
     chat) queue behind it, neither better than A, so nothing is preempted. Once both wait in
-    the engine A's client goes away: the freed seat goes to C first under the priority policy,
-    to B first under fcfs. Every step is gated on engine state, none on timing."""
-    engine = {"scheduling_policy": policy, "max_num_seqs": 1}
+    the engine A's client goes away: the freed seat goes to C first. Every step is gated on
+    engine state, none on timing."""
+    engine = {"scheduling_policy": "priority", "max_num_seqs": 1}
     async with running(ckpt, engine=engine) as live:
         stats = lambda: live.state.client.stats  # noqa: E731
         done: list[str] = []
@@ -123,7 +139,7 @@ async def test_better_priority_overtakes_an_earlier_waiting_request(ckpt, policy
             assert stats().num_running == 1 and not done
             a.close()  # the client goes away: A is aborted and frees its seat
         results = await asyncio.gather(b, c)
-        assert "".join(done) == order
+        assert "".join(done) == "CB"
         assert [r["usage"]["completion_tokens"] for r in results] == [2, 2]
         text = (await live.get("/metrics"))[2].decode()
         assert metric(text, "rltserve:num_preemptions_total") == 0

@@ -21,7 +21,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"  # a snapshot's name: its co
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    with LLM(str(tiny), in_process=True, num_blocks=128, max_model_len=256) as llm:
+    # (priority scheduling: the per-prompt priorities below are refused under fcfs)
+    kw = {"num_blocks": 128, "max_model_len": 256, "scheduling_policy": "priority"}
+    with LLM(str(tiny), in_process=True, **kw) as llm:
         yield llm
 
 

@@ -42,6 +42,13 @@ def check_params(
             f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
         )
     sched = config.scheduler
+    if params.priority != 0 and sched.scheduling_policy != "priority":
+        # (vLLM's rule: a priority the engine would ignore is refused, not dropped silently)
+        raise ValueError(
+            f"priority={params.priority}: priority scheduling is not enabled (this engine runs "
+            f"scheduling_policy={sched.scheduling_policy!r}; start it with "
+            "scheduling_policy='priority')"
+        )
     if sched.exit_mode == "trace" and params.trace_depths is None:
         raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
     if sched.exit_mode != "trace" and params.trace_depths is not None:

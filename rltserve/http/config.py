@@ -29,7 +29,10 @@ class ServerConfig:
     port: int = field(default=8000, metadata=_help("TCP port (0 picks a free one)"))
     served_model_name: str | None = field(
         default=None,
-        metadata=_help("model name clients use (default: the checkpoint directory's name)"),
+        metadata=_help(
+            "model name clients use (default: the checkpoint directory's name; requests may "
+            "also name the --model path as given)"
+        ),
     )
     api_key: str | None = field(
         default=None,

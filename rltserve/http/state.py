@@ -70,6 +70,11 @@ class ServingState:
         self.clock = clock
         self.gate = AdmissionGate(config.max_concurrent, config.max_queued)
         self.model_name = config.served_model_name or Path(str(engine_config.model.model)).name
+        # Requests may also name the checkpoint as --model gave it, vLLM's default served name
+        # (scripts send `model=args.model_path`); /v1/models lists model_name alone.
+        self.model_names = {self.model_name}
+        if config.served_model_name is None:
+            self.model_names.add(str(engine_config.model.model))
         self.metrics = ServingMetrics(self.model_name)
         self.created = int(clock())
         self.closing = False
@@ -240,7 +245,7 @@ class ServingState:
 
     def check_model(self, name: str | None) -> None:
         """An absent or empty ``model`` means the served one (as vLLM takes it)."""
-        if name and name != self.model_name:
+        if name and name not in self.model_names:
             raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
 
     def passthrough_headers(self, request: web.Request) -> dict[str, str]:
