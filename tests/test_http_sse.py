@@ -355,6 +355,57 @@ async def test_minus_infinity_logprobs_are_clamped(ckpt, hi_tokens):
     }
 
 
+async def test_completions_top_logprobs_list_the_sampled_token_first(ckpt, hi_tokens):
+    """A completions choice's ``top_logprobs`` holds the sampled token besides the top k (up
+    to logprobs+1 entries, OpenAI's and vLLM's), so ``logprobs: 0`` lists the token alone."""
+    i = hi_tokens[2]
+
+    def unlikely(update: RequestUpdate) -> RequestUpdate:
+        update.new_logprobs = [-2.0 for _ in update.new_logprobs]
+        update.new_top_logprobs = [[(i, -0.1)][: len(top or [])] for top in update.new_top_logprobs]
+        return update
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), unlikely)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        tops = []
+        for k in (1, 0):
+            body = {"prompt": [5], "max_tokens": 2, "logprobs": k}
+            _, _, raw = await live.post("/v1/completions", body)
+            tops.append(body_of(raw)["choices"][0]["logprobs"]["top_logprobs"])
+    assert tops[0] == [{" ": -2.0, "i": -0.1}, {"H": -2.0, "i": -0.1}]
+    assert [list(top) for top in tops[0]] == [[" ", "i"], ["H", "i"]]
+    assert tops[1] == [{" ": -2.0}, {"H": -2.0}]
+
+
+async def test_chat_logprobs_leave_out_forced_tokens(ckpt, hi_tokens):
+    """A token the engine appends without sampling it (bounded thinking's interruption and
+    ``</think>``) has no logprob: chat's ``logprobs.content`` leaves it out (OpenAI's schema
+    has a number for every entry), streamed or not; completions list it with null."""
+
+    def forced_second(update: RequestUpdate) -> RequestUpdate:
+        update.new_logprobs = [
+            None if t == hi_tokens[1] else lp
+            for t, lp in zip(update.new_token_ids, update.new_logprobs)
+        ]
+        return update
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), forced_second)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.post("/v1/chat/completions", chat)
+        _, _, streamed = await live.post("/v1/chat/completions", {**chat, "stream": True})
+        body = {"prompt": [5], "max_tokens": 2, "logprobs": 0}
+        _, _, completion = await live.post("/v1/completions", body)
+    content = body_of(raw)["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(" ", -0.5), ("i", -0.5)]
+    chunks = [c["choices"] for c in sse_payloads(streamed)[:-1]]
+    listed = [c[0]["logprobs"]["content"] for c in chunks if c and c[0]["logprobs"]]
+    assert [e["token"] for entries in listed for e in entries] == [" ", "i"]
+    logprobs = body_of(completion)["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == [-0.5, None]
+    assert logprobs["top_logprobs"] == [{" ": -0.5}, {}]
+
+
 async def test_prompt_logprobs_zero_lists_the_prompt_tokens(ckpt, hi_tokens):
     """vLLM's ``prompt_logprobs: 0`` asks for each prompt token's own logprob (no
     alternatives): the list is there, null for the first token."""

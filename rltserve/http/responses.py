@@ -195,6 +195,9 @@ class CompletionFormat(_Format):
             tokens.append(token)
             values.append(_logprob(entry["logprob"]))
             top = entry["top_logprobs"]
+            if top is not None and entry["logprob"] is not None:
+                # The token itself is listed too, first (OpenAI's "up to logprobs+1"; vLLM's).
+                top = [(entry["token_id"], entry["logprob"]), *top]
             tops.append(None if top is None else {text_of(t): _logprob(lp) for t, lp in top})
             offsets.append(offset)
             offset += len(token)
@@ -281,6 +284,8 @@ class ChatFormat(_Format):
 
         content = []
         for entry in entries:
+            if entry["logprob"] is None:  # a forced token (bounded thinking): nothing sampled
+                continue
             record = item(entry["token_id"], entry["logprob"])
             record["top_logprobs"] = [item(t, lp) for t, lp in entry["top_logprobs"]]
             content.append(record)
