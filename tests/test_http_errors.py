@@ -85,6 +85,13 @@ BAD_REQUESTS = [
     ("completions", {"max_tokens": 3}, "prompt", "is required"),
     ("chat/completions", {"messages": []}, "messages", "must not be empty"),
     ("completions", {"prompt": "x", "priority": 2**63}, "priority", "an integer in"),
+    # JSON integers beyond 64 bits arrive as floats: the message says so
+    ("completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens",
+     "max_tokens=1e+30 (beyond 64-bit integers): must be an integer"),
+    ("completions", {"prompt": "x", "seed": 2**64}, "seed",
+     "seed=1.8446744073709552e+19 (beyond 64-bit integers): must be an integer in"),
+    ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens",
+     "max_tokens=1.5: must be an integer"),
     # A client's own Jinja template would run on the server.
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
      "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},

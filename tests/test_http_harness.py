@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import threading
 import time
@@ -272,7 +273,11 @@ def sse_payloads(raw: bytes) -> list:
 async def post(session: aiohttp.ClientSession, url: str, body: object, **kw):
     """POSTs JSON; returns (status, headers, raw body)."""
     headers = {"Content-Type": "application/json", **kw.pop("headers", {})}
-    async with session.post(url, data=orjson.dumps(body), headers=headers, **kw) as r:
+    try:
+        data = orjson.dumps(body)
+    except TypeError:  # (integers beyond 64 bits, which clients may send)
+        data = json.dumps(body).encode()
+    async with session.post(url, data=data, headers=headers, **kw) as r:
         return r.status, r.headers, await r.read()
 
 

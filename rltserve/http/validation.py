@@ -87,6 +87,8 @@ def convert(
             what += f" in [{int_range[0]}, {int_range[1]}]"
         # JSON integers beyond 64 bits arrive as floats: say the range, not just the type.
         head = f"{path}={value!r}" if ok or isinstance(value, (int, float)) else path
+        if isinstance(value, float) and value.is_integer() and not -(2**63) <= value < 2**64:
+            head += " (beyond 64-bit integers)"
         raise SchemaError(path, f"{head}: must be {what}")
     return out
 
