@@ -218,10 +218,31 @@ async def test_loop_extensions_are_opt_in(ckpt, hi_tokens):
         (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]
         assert choice["exit_depths"] == [1, 2, 3, 4]
         assert choice["token_ids"] == hi_tokens
+        assert choice["prompt_token_ids"] == [5]  # vLLM's, with return_token_ids
         _, _, raw = await live.post("/v1/completions", {**extended, "stream": True})
     chunks = [c["choices"][0] for c in sse_payloads(raw)[:-1]]
     assert [c["exit_depths"] for c in chunks] == [[1], [2], [3], [4]]
     assert [c["token_ids"][0] for c in chunks] == hi_tokens
+    assert [c.get("prompt_token_ids") for c in chunks] == [[5], None, None, None]
+
+
+async def test_chat_return_token_ids_lists_the_prompt_once_at_the_top(ckpt, hi_tokens):
+    stage = stage_for(ckpt, hi_tokens)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, plain = await live.post("/v1/chat/completions", chat)
+        assert "prompt_token_ids" not in body_of(plain)
+        ids = {**chat, "return_token_ids": True}
+        _, _, raw = await live.post("/v1/chat/completions", ids)
+        _, _, streamed = await live.post("/v1/chat/completions", {**ids, "stream": True})
+    body = body_of(raw)
+    prompt_ids = stage.added_prompts[-1]
+    assert body["prompt_token_ids"] == prompt_ids
+    assert len(prompt_ids) == body["usage"]["prompt_tokens"]
+    assert [c["token_ids"] for c in body["choices"]] == [hi_tokens[:2]] * 2
+    assert "prompt_token_ids" not in body["choices"][0]
+    chunks = sse_payloads(streamed)[:-1]
+    assert [c.get("prompt_token_ids") for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
 
 
 async def test_logprobs_shapes(ckpt, hi_tokens):
@@ -466,7 +487,7 @@ async def test_text_offsets_and_extensions_across_chunks(ckpt):
         _, _, streamed = await live.post("/v1/completions", {**body, "stream": True})
     (choice,) = body_of(raw)["choices"]
     assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason",
-                            "exit_depths", "token_ids"]  # fmt: skip
+                            "exit_depths", "prompt_token_ids", "token_ids"]  # fmt: skip
     assert choice["logprobs"] == {
         "tokens": [" the", " and"],
         "token_logprobs": [-0.5, -0.5],
@@ -475,7 +496,7 @@ async def test_text_offsets_and_extensions_across_chunks(ckpt):
     }
     chunks = [c["choices"][0] for c in sse_payloads(streamed)[:-1]]
     assert [c["logprobs"]["text_offset"] for c in chunks] == [[0], [4]]
-    assert list(chunks[-1]) == list(choice)
+    assert list(chunks[-1]) == [k for k in choice if k != "prompt_token_ids"]  # (first chunk's)
 
 
 async def test_choice_index_is_prompt_times_n_plus_sample(ckpt, hi_tokens):

@@ -76,10 +76,20 @@ class _Format(ABC):
     def response(self, choices: list[dict], usage_: dict) -> dict[str, Any]:
         return {**self._envelope(self.object_name), "choices": choices, "usage": usage_}
 
-    def _extensions(self, entry: dict, token_ids: list[int], exit_depths: list[int]) -> dict:
+    def _extensions(
+        self,
+        entry: dict,
+        token_ids: list[int],
+        exit_depths: list[int],
+        prompt_token_ids: list[int] | None = None,
+    ) -> dict:
+        """``prompt_token_ids``: given where a choice lists its prompt's ids (completions: in
+        its first chunk), vLLM's ``return_token_ids``."""
         if self.want_depths:
             entry["exit_depths"] = exit_depths
         if self.want_ids:
+            if prompt_token_ids is not None:
+                entry["prompt_token_ids"] = prompt_token_ids
             entry["token_ids"] = token_ids
         return entry
 
@@ -130,7 +140,8 @@ class CompletionFormat(_Format):
             entry["stop_reason"] = None if self.prompt_only else delta.stop_reason
         if first:
             self._add_prompt_logprobs(entry, output)
-        return [self._extensions(entry, ids, depths)]
+        prompt_ids = output.prompt_token_ids if first else None
+        return [self._extensions(entry, ids, depths, prompt_ids)]
 
     def final_choice(self, index: int, output: Completion) -> dict:
         echo = self._echo(index, output)
@@ -151,7 +162,7 @@ class CompletionFormat(_Format):
             "stop_reason": None if self.prompt_only else output.stop_reason,
         }
         self._add_prompt_logprobs(entry, output)
-        return self._extensions(entry, ids, depths)
+        return self._extensions(entry, ids, depths, output.prompt_token_ids)
 
     def _add_prompt_logprobs(self, entry: dict, output: Completion) -> None:
         """vLLM's ``prompt_logprobs`` of a choice (in its first chunk when streamed)."""
@@ -223,6 +234,27 @@ class ChatFormat(_Format):
         super().__init__(header, req, frontend)
         self.reasoning = reasoning
         self._splitters: dict[int, ReasoningStream] = {}
+        # With return_token_ids, the (one) prompt's ids go top-level, as vLLM puts them: in the
+        # response, or in the stream's first chunk; None once sent or when not asked for.
+        self._prompt_ids: list[int] | None = None
+        self._prompt_ids_sent = False
+
+    def _note_prompt(self, output: Completion) -> None:
+        if self.want_ids and not self._prompt_ids_sent:
+            self._prompt_ids = output.prompt_token_ids
+
+    def chunk(self, choices: list[dict]) -> dict[str, Any]:
+        out = super().chunk(choices)
+        if self._prompt_ids is not None and not self._prompt_ids_sent:
+            out["prompt_token_ids"] = self._prompt_ids
+            self._prompt_ids_sent = True
+        return out
+
+    def response(self, choices: list[dict], usage_: dict) -> dict[str, Any]:
+        out = super().response(choices, usage_)
+        if self._prompt_ids is not None:
+            out["prompt_token_ids"] = self._prompt_ids
+        return out
 
     def _delta(self, index: int, text: str, final: bool) -> dict:
         if not self.reasoning:
@@ -243,6 +275,7 @@ class ChatFormat(_Format):
         delta = event.delta
         out = []
         if first:
+            self._note_prompt(event.output)
             role = {"role": "assistant", "content": ""}
             out.append(
                 {"index": event.index, "delta": role, "logprobs": None, "finish_reason": None}
@@ -261,6 +294,7 @@ class ChatFormat(_Format):
         return out
 
     def final_choice(self, index: int, output: Completion) -> dict:
+        self._note_prompt(output)
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
         message = {"role": "assistant", "content": output.text}
         if self.reasoning:
