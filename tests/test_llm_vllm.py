@@ -454,6 +454,27 @@ def test_default_sampling_params_come_from_the_generation_config(tiny, tmp_path)
         LLM(str(tiny), generation_config="nowhere", **kw)
 
 
+def test_generation_config_eos_ids_end_generation(tiny, tmp_path):
+    """As in vLLM, ``generation_config.json``'s ``eos_token_id`` ends generation like the
+    model's own (whatever ``generation_config`` says of sampling defaults); ``ignore_eos``
+    goes past it."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7]}))
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128}
+    forced = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={7: 100.0})
+    for config in ("auto", "vllm"):
+        with LLM(str(model), generation_config=config, **kw) as llm:
+            (out,) = llm.generate([[5, 6]], forced)
+            assert (out.token_ids, out.outputs[0].finish_reason) == ([7], "stop")
+            (past,) = llm.generate([[5, 6]], forced.replace(ignore_eos=True))
+            assert past.token_ids == [7] * 4
+    with LLM(str(tiny), **kw) as llm:
+        assert llm.generate([[5, 6]], forced)[0].token_ids == [7] * 4
+
+
 def test_more_vllm_engine_arguments(tiny):
     import torch
 

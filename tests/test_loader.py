@@ -406,3 +406,21 @@ def test_cpu_parameters_stored_in_the_target_dtype_are_read_with_preadv(tmp_path
     calls.clear()
     load_model(path, dtype="bfloat16")  # stored float32: cast from the mapping instead
     assert calls == []
+
+
+def test_generation_config_eos_ids_are_stop_ids(tmp_path):
+    # (vLLM stops on generation_config.json's eos_token_id besides the model's)
+    path = build(tmp_path, "ouro")
+    base = load_model(path).spec.eos_token_ids
+    vocab = load_model(path).spec.vocab_size
+    for value, added in (
+        ([base[0], 7, 9], (7, 9)),
+        (11, (11,)),
+        ([7, vocab, -1, True, "7", None], (7,)),  # ids outside the vocabulary, non-ints: none
+        ("x", ()),
+    ):
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        assert load_model(path).spec.eos_token_ids == base + added, value
+    for text in ("{not json", "[7]", json.dumps({"temperature": 0.5})):
+        (path / "generation_config.json").write_text(text)
+        assert load_model(path).spec.eos_token_ids == base, text

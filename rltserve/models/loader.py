@@ -18,10 +18,14 @@ Invariants:
   progress bar on stderr when stderr is a terminal; ``progress=False`` turns it off.
 - Tied copies (Huginn's ``lm_head.weight``) must equal their source and are then dropped: the
   model holds one parameter.
+- The model's stop ids (``spec.eos_token_ids``) add ``generation_config.json``'s
+  ``eos_token_id`` (an id or a list) to the family's, as vLLM stops on them; a malformed or
+  absent file adds none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +36,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from rltserve.models.base import LoopedModel
+from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.registry import Family, get_family
 from rltserve.models.weight_file import Extent, extents, read_concat
 
@@ -263,4 +267,21 @@ def load_model(
                 bar.close()
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    model.spec = _with_generation_eos(model.spec, root)
     return model.eval()
+
+
+def _with_generation_eos(spec: LoopedSpec, root: Path) -> LoopedSpec:
+    try:
+        raw = json.loads((root / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return spec
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    values = value if isinstance(value, list) else [value]
+    ids = [
+        v
+        for v in values
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < spec.vocab_size
+    ]
+    eos = tuple(dict.fromkeys([*spec.eos_token_ids, *ids]))
+    return spec if eos == spec.eos_token_ids else dataclasses.replace(spec, eos_token_ids=eos)
