@@ -244,6 +244,18 @@ async def test_special_tokens_are_added_only_to_text_prompts(ckpt, monkeypatch):
         assert await tokens({"prompt": "Hi"}) == [0, *plain]
         assert await tokens({"prompt": "Hi", "add_special_tokens": False}) == plain
         assert await tokens({"messages": messages}) == chat
+        # the generation routes take vLLM's add_special_tokens too: on by default for a text
+        # completion, off for a chat (whose template renders its own)
+        for path, body, want in (
+            ("/v1/completions", {"prompt": "Hi"}, [0, *plain]),
+            ("/v1/completions", {"prompt": "Hi", "add_special_tokens": False}, plain),
+            ("/v1/chat/completions", {"messages": messages}, chat),
+            ("/v1/chat/completions", {"messages": messages, "add_special_tokens": True},
+             [0, *chat]),
+        ):  # fmt: skip
+            status, _, raw = await live.post(path, {**body, "max_tokens": 1})
+            assert status == 200, raw
+            assert stage.added_prompts[-1] == want, (path, body)
 
 
 async def test_detokenize_and_echo_leave_special_tokens_out(ckpt):

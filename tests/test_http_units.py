@@ -109,7 +109,8 @@ def test_schema_numbers_and_optional_factories():
     with pytest.raises(SchemaError) as err:
         parse_object(CompletionRequest, {"prompt": "x", "seed": 1.5e21})
     assert err.value.message == (
-        "seed=1.5e+21: must be an integer in [-9223372036854775808, 9223372036854775807]"
+        "seed=1.5e+21 (beyond 64-bit integers): must be an integer in "
+        "[-9223372036854775808, 9223372036854775807]"
     )
     # A field with a default_factory is optional, like one with a default.
     assert parse_object(_Tags, {}) == _Tags([])

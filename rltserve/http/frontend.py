@@ -150,7 +150,9 @@ class Frontend:
             raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
         return self.codec
 
-    async def completion_prompts(self, items: list, keep: int | None = None) -> list[PromptInput]:
+    async def completion_prompts(
+        self, items: list, keep: int | None = None, add_special_tokens: bool = True
+    ) -> list[PromptInput]:
         """``items``: a request's prompts (``CompletionRequest.prompts``), texts or token ids;
         ``keep``: ``truncate_prompt_tokens`` (a truncated text echoes what was run)."""
         if not items:
@@ -163,9 +165,9 @@ class Frontend:
                 continue
             codec = self.require_codec("prompt")
             if keep is None:
-                ids = await codec.encode(item, "prompt")
+                ids = await codec.encode(item, "prompt", add_special_tokens)
             else:  # (a text too long for the context is what truncation is for)
-                ids = await codec.encode_any(item)
+                ids = await codec.encode_any(item, add_special_tokens)
             kept = self.truncated(ids, keep)
             out.append(
                 PromptInput(self.check_prompt(kept, "prompt"), item if kept is ids else None)
@@ -187,6 +189,7 @@ class Frontend:
         template_kwargs: dict | None,
         continue_final_message: bool = False,
         keep: int | None = None,
+        add_special_tokens: bool = False,
     ) -> PromptInput:
         """``keep``: ``truncate_prompt_tokens``."""
         ids = await self.render_chat(
@@ -195,6 +198,7 @@ class Frontend:
             template_kwargs,
             check_length=keep is None,
             continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens,
         )
         return PromptInput(self.check_prompt(self.truncated(ids, keep), "messages"))
 
@@ -205,10 +209,12 @@ class Frontend:
         template_kwargs: dict | None,
         check_length: bool = True,
         continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The conversation's prompt ids; with ``check_length`` a rendering too long to fit the
         context is a 400 before it is encoded. ``continue_final_message``: the last message
-        left open (``Tokenizer.apply_chat_template``)."""
+        left open (``Tokenizer.apply_chat_template``); ``add_special_tokens``: the tokenizer's
+        special tokens on top of the template's."""
         codec = self.require_codec("messages")
         try:
             text = await codec.chat(
@@ -222,8 +228,8 @@ class Frontend:
             ) from exc
         text = chat_prompt_text(text, add_generation_prompt, template_kwargs or {}, codec.tokenizer)
         if check_length:
-            return await codec.encode(text, "messages", add_special_tokens=False)
-        return await codec.encode_any(text, add_special_tokens=False)
+            return await codec.encode(text, "messages", add_special_tokens)
+        return await codec.encode_any(text, add_special_tokens)
 
     def check_prompt(self, ids: list[int], param: str) -> list[int]:
         """The engine's own admission checks, run here so they are a 400 before streaming."""

@@ -130,7 +130,9 @@ async def completion_plan(
     items = req.prompts
     # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
     check_sequences(state, len(items), req.n)
-    prompts = await frontend.completion_prompts(items, req.truncate_prompt_tokens)
+    prompts = await frontend.completion_prompts(
+        items, req.truncate_prompt_tokens, req.add_special_tokens
+    )
     max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
     choices = _choices(
@@ -169,6 +171,7 @@ async def chat_plan(
         req.chat_template_kwargs,
         req.continue_final_message,
         req.truncate_prompt_tokens,
+        req.add_special_tokens,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     param = req.token_limit_param

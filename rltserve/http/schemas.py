@@ -150,6 +150,9 @@ class CompletionRequest(GenerationFields):
     # vLLM's extension: each choice gets ``prompt_logprobs`` in vLLM's shape (per prompt
     # token {id: {logprob, rank, decoded_token}}, null for the first).
     prompt_logprobs: int | None = None
+    # vLLM's: a text prompt is encoded with the tokenizer's special tokens (BOS); false for a
+    # text that already holds them.
+    add_special_tokens: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -292,6 +295,9 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     # vLLM's: the final message (an assistant prefill) left open for the model to continue.
     continue_final_message: bool = False
+    # vLLM's: special tokens added on top of what the chat template renders (off: templates
+    # render their own).
+    add_special_tokens: bool = False
     # Known so that asking for them is a clear 400 rather than an ignored unknown field.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
