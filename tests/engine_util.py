@@ -313,3 +313,10 @@ def wait_pd_idle(client, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"stages not idle: {busy}, transfer files {files}"
         time.sleep(0.05)
+
+
+def decode_took(client) -> int:
+    """Prompt tokens the decode stage of a ``PDClient`` found in its prefix cache: blocks moved
+    from the prefill stage (``kv_transfer_hits``) and real reuse (``prefix_cache_hits``)."""
+    stats = client.decode.stats
+    return stats.prefix_cache_hits + stats.kv_transfer_hits

@@ -130,19 +130,28 @@ def test_a_short_pool_takes_what_fits_and_the_rest_is_computed(ckpts, ouro_ref, 
 
 
 def test_engine_add_with_import_matches_the_oracle(ckpts, ouro_ref, tmp_path):
+    """The decode stage hits the moved blocks, but they were computed (on the prefill stage):
+    they count as transferred, not as reused. A repeat of the prompt, which the prefill stage
+    finds in its own cache, reports that reuse."""
     prefill, decode = _cores(ckpts["ouro"])
     prompt = list(range(50, 73))
     file = tmp_path / "kv.safetensors"
-    _prefill(prefill, prompt, file)
-    decode.add_request("d", prompt, GREEDY, None, ("import", str(file)))
-    tokens, depths = [], []
-    while decode.has_work():
-        for u in decode.step():
-            tokens += u.new_token_ids
-            depths += u.new_exit_depths
     want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
-    assert (tokens, depths) == (want.tokens, want.exit_depths)
-    assert decode.stats().prefix_cache_hits == 20
+    for rid, cached in (("d", 0), ("again", 20)):
+        _prefill(prefill, prompt, file)
+        assert prefill.stats().prefix_cache_hits == cached  # (its one-token request's)
+        decode.add_request(rid, prompt, GREEDY, None, ("import", str(file)))
+        tokens, depths, reported = [], [], []
+        while decode.has_work():
+            for u in decode.step():
+                tokens += u.new_token_ids
+                depths += u.new_exit_depths
+                reported += [u.num_cached_tokens] if u.num_cached_tokens is not None else []
+        assert (tokens, depths) == (want.tokens, want.exit_depths)
+        assert reported == [cached]
+    stats = decode.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (2 * 23, 20)
+    assert stats.kv_transfer_hits == 20  # the first request's; the second's were reused
     decode.kv.check_no_leaks()
 
 

@@ -7,7 +7,7 @@ front end's commands reaching both stages."""
 from __future__ import annotations
 
 import pytest
-from engine_util import stream_all
+from engine_util import decode_took, stream_all
 from test_pd import BS, GREEDY, _client
 
 from rltserve.config import EngineConfig
@@ -36,12 +36,12 @@ def test_a_failed_update_changes_nothing_and_a_half_applied_one_stops_transfers(
             client.update_weights([str(ckpts["ouro"])], False, 1.0)
         assert (client.prefill.weight_version, client.decode.weight_version) == (0, 0)
         stream_all(client, [prompt], [GREEDY])
-        assert client.decode.stats.prefix_cache_hits == 28
+        assert decode_took(client) == 28
         monkeypatch.setattr(client.decode, "update_weights", real)
         assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 1
         assert client.prefill.weight_version == 1
         stream_all(client, [prompt], [GREEDY])
-        assert client.decode.stats.prefix_cache_hits == 28 + 28  # (a new version: moved again)
+        assert decode_took(client) == 28 + 28  # (a new version: moved again)
 
         def fails(*args):
             raise ValueError("cannot load")
@@ -51,7 +51,7 @@ def test_a_failed_update_changes_nothing_and_a_half_applied_one_stops_transfers(
         assert client.update_weights([str(ckpts["ouro"])], False, 10.0) == 2
         assert "applied on the decode stage only" in caplog.text
         stream_all(client, [list(range(50, 80))], [GREEDY])
-        assert client.decode.stats.prefix_cache_hits == 56
+        assert decode_took(client) == 56
         assert client.decode.stats.num_steps > 0
     finally:
         client.close()
@@ -151,7 +151,8 @@ def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
         expected = [o.outputs[0].token_ids for o in one.generate(prompts[:1], greedy)]
     with LLM(str(tiny), in_process=True, num_blocks=128, block_size=BS, disaggregate=True) as llm:
         before = llm.generate(prompts[:1], greedy)[0]
-        assert before.num_cached_tokens > 0  # moved from the prefill stage
+        # Moved from the prefill stage, which computed it: no cached tokens.
+        assert before.num_cached_tokens == 0 and llm._client.decode.stats.kv_transfer_hits > 0
         assert llm.update_weights(other) == 1
         assert llm._client.prefill.weight_version == 1
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], greedy)] == expected
@@ -161,7 +162,39 @@ def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
         assert not llm.is_sleeping()
         llm.reset_prefix_cache()
         after = llm.generate(prompts[:1], greedy)[0]
-        assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens > 0
+        assert after.outputs[0].token_ids == expected[0] and after.num_cached_tokens == 0
+
+
+def test_cached_tokens_count_reuse_not_moved_blocks(tiny):
+    """The decode stage finds a moved prompt's blocks in its prefix cache, but the prefill
+    stage computed them: on a cold server two distinct prompts report no cached tokens and a
+    repeat reports what the prefill stage reused, as one stage reports for the same requests,
+    and so do the prefix-cache counters (the moved tokens count in ``kv_transfer_hits``)."""
+    from engine_util import wait_pd_idle
+
+    a = [(7 * i) % 500 + 3 for i in range(41)]  # 10 full blocks before the last token
+    b = [(13 * i + 5) % 500 + 3 for i in range(41)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    seen = []
+    for disaggregate in (False, True):
+        kw = {"num_blocks": 256, "block_size": BS, "disaggregate": disaggregate}
+        with LLM(str(tiny), in_process=True, **kw) as llm:
+            outs = [llm.generate([{"prompt_token_ids": p}], greedy)[0] for p in (a, b, a)]
+            if disaggregate:
+                wait_pd_idle(llm._client)  # (the stats of the last steps)
+            stats = llm._client.stats
+            seen.append(
+                (
+                    [o.num_cached_tokens for o in outs],
+                    [o.outputs[0].token_ids for o in outs],
+                    (stats.prefix_cache_queries, stats.prefix_cache_hits),
+                )
+            )
+            moved = stats.kv_transfer_hits
+    assert seen[0][0] == [0, 0, 40]
+    assert seen[1] == seen[0]
+    assert seen[0][2] == (3 * 41, 40)
+    assert moved == 2 * 40  # the cold prompts' blocks; the repeat's were reused
 
 
 def test_a_sweep_removes_only_transfer_directories(tmp_path):
@@ -296,7 +329,9 @@ def test_reset_prefix_cache_empties_the_prefill_stages_cache_too(ckpts):
         stream_all(client, [prompt], [GREEDY])
         wait_pd_idle(client)
         assert client.prefill.stats.prefix_cache_hits == 28  # computed again
-        assert client.decode.stats.prefix_cache_hits == 3 * 28  # (moved each time)
+        assert decode_took(client) == 3 * 28  # (moved each time)
+        # Only the second request's prompt was reused (found on the prefill stage).
+        assert client.decode.stats.prefix_cache_hits == 28
     finally:
         client.close()
 

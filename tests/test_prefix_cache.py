@@ -404,7 +404,8 @@ def test_a_follower_whose_leader_is_preempted_mid_prompt_computes_it_at_once():
     plans = _drain(s)
     assert _first_items(plans)["g0"] == (8, 2)  # the follower's two full blocks
     assert (leader.num_cached_tokens, follower.num_cached_tokens) == (0, 0)
-    assert s.kv.cache.hits == 8
+    # Counted at first admissions only: a re-admission's hit would inflate the hit rate.
+    assert (s.kv.cache.queries, s.kv.cache.hits) == (2 * 10, 0)
 
 
 def test_a_leader_preempted_after_its_prompt_lends_its_follower_no_block():
@@ -513,6 +514,7 @@ def test_a_request_resumed_by_recompute_caches_its_answer_for_the_next_turn():
     assert not plans[0].swap_out
     assert answer.output_token_ids == [7] * 8
     assert s.kv.cache.num_entries == 3 + 1  # a's three blocks, h's one
+    assert s.kv.cache.queries == 6 + 5  # each prompt once: a's recomputing re-admission is not
     s.add_request(_request("b", prompt + [7] * 8 + [5]))
     assert {w.request_id: w.start for w in s.schedule().items} == {"b": 12}
 
@@ -532,3 +534,46 @@ def test_prompt_blocks_are_cached_once_every_position_before_them_is_final():
     s.sharing.on_prompt_done(request, 8, 14)
     assert (request.prompt_final, request.blocks_cached, s.kv.cache.num_entries) == (14, 3, 3)
     assert s.sharing._computing == {}  # (nothing left to wait for)
+
+
+def _burst(s: Scheduler, prompt: list[int]) -> None:
+    """Requests a, b, c with one prompt, added at once: a computes it, b and c wait; runs the
+    step whose result makes a's first chunk final (blocks 0..3 cached, the rest a's to
+    compute)."""
+    for rid in "abc":
+        s.add_request(_request(rid, prompt))
+    assert [w.request_id for w in _step(s).items] == ["a"]
+    assert [w.request_id for w in _step(s).items] == ["a"]  # its chunk's last loop
+    assert s.requests["a"].blocks_cached == 4 and set(s.sharing._computing.values()) == {"a"}
+
+
+@pytest.mark.parametrize("leaves", ["abort", "preempt"])
+def test_when_a_prefix_computer_leaves_one_waiting_request_takes_the_prefix_over(leaves):
+    """The computer of a burst's shared prefix leaves before computing all of it: its claims
+    on the blocks it had not cached go with it (none is left behind), the first waiting
+    request (a preempted computer is first again) computes the rest after the cached blocks
+    and the others wait for it, so the prefix is still computed once."""
+    s = _scheduler()
+    prompt = list(range(49))  # 12 blocks before the last token: 3 chunks of 16, then 1 token
+    _burst(s, prompt)
+    if leaves == "abort":
+        s.abort("a")
+    else:
+        s.preemptor.preempt(s.requests["a"])
+    assert s.sharing._computing == {}
+    first = _first_items(_drain(s))
+    if leaves == "abort":
+        assert first == {"b": (16, 16), "c": (48, 1)}
+    else:
+        assert first == {"a": (16, 16), "b": (48, 1), "c": (48, 1)}
+    assert s.sharing._computing == {}
+
+
+def test_aborted_prefix_computers_leave_no_claims():
+    s = _scheduler()
+    for r in range(5):
+        s.add_request(_request(f"r{r}", list(range(100 * r, 100 * r + 30))))
+        _step(s)
+        s.abort(f"r{r}")
+        _drain(s)
+    assert s.sharing._computing == {}

@@ -338,6 +338,31 @@ def test_a_burst_sharing_a_prefix_computes_it_once(ckpts, ouro_ref):
     _oracle(ouro_ref, on, prompts, params)
 
 
+def test_a_burst_whose_first_request_is_aborted_still_computes_its_prefix_once(ckpts, ouro_ref):
+    """The request computing a burst's shared prefix (10 blocks) is aborted before any of it is
+    cached: the next request computes it instead, and the other two wait for it and hit it
+    whole, instead of each computing the part the aborted one had claimed."""
+    rng = random.Random(14)
+    base = rng.choices(range(384), k=10 * BS)
+    prompts = [base + rng.choices(range(384), k=5) for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True) for _ in prompts]
+    kw = {"prefill_chunk_size": 8, "max_num_batched_tokens": 16}
+    core = make_core(ckpts["ouro"], block_size=BS, **kw)
+    run = run_core(core, prompts, params, aborts={0: 2})
+    stats = core.stats()
+    assert core.scheduler.sharing._computing == {}
+    core.shutdown()
+    whole, whole_stats = _run(ckpts["ouro"], prompts, params, **kw)
+    assert run.finish["r0"] == "abort"
+    assert whole_stats.prefix_cache_hits == 3 * len(base)
+    assert stats.prefix_cache_hits == 2 * len(base)  # r1 computed it, r2 and r3 hit it
+    assert stats.num_rows < whole_stats.num_rows  # (the aborted one computed part of a prompt)
+    for i in (1, 2, 3):
+        want = oracle_run(ouro_ref, prompts[i], params[i])
+        assert (run.tokens[f"r{i}"], run.depths[f"r{i}"]) == (want.tokens, want.exit_depths)
+        assert run.tokens[f"r{i}"] == whole.tokens[f"r{i}"]
+
+
 def test_group_samples_match_the_oracle_in_every_mode(ckpts, ouro_ref):
     prompts, params = _samples(14, 3, seed=10, exit_threshold=0.5)
     for kw in ({"wavefront_prefill": True, "prefill_chunk_size": 4}, {"scheduling": "no_refill"}):

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode, stream_all
+from engine_util import (
+    ENGINE_MODES,
+    decode_took,
+    make_core,
+    oracle_run,
+    run_core,
+    run_mode,
+    stream_all,
+)
 
 from rltserve.core.exit import exit_known, exit_spec
 from rltserve.core.request import InFlight
@@ -123,7 +131,7 @@ def test_disaggregated_prefill_equals_the_oracle(huginn_rv1, huginn_ref):
         client.wait_ready(120)
         run = stream_all(client, prompts, params)
         check(huginn_ref, prompts, params, run, kv_policy="last_exited")
-        assert client.decode.stats.prefix_cache_hits > 0
+        assert decode_took(client) > 0  # (moved from the prefill stage)
     finally:
         client.close()
 

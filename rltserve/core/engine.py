@@ -371,6 +371,7 @@ class EngineCore:
             prefix_cache_blocks=self.kv.cache.num_blocks,
             prefix_cache_evictions=self.kv.cache.evictions,
             step_rows_counts=tuple(self._step_rows),
+            kv_transfer_hits=self.kv.cache.transfer_hits,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

@@ -31,10 +31,16 @@ class EngineStats:
     num_recomputing: int = 0  # preempted requests that will recompute (or are recomputing) KV
     swapped_bytes: int = 0  # host swap space in use
     swap_fallbacks: int = 0  # swap-mode preemptions recomputed because swap space was full
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, per admission
-    prefix_cache_hits: int = 0  # of which reused (cached, or shared within a group)
+    # Prompt tokens looked up in the prefix cache at first admission (a preempted request's
+    # re-admissions are not counted), and of those the ones reused (cached, or shared within
+    # a group; on a PD decode stage only those the prefill stage reused).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     prefix_cache_blocks: int = 0  # blocks the prefix cache holds (all planes)
     prefix_cache_evictions: int = 0  # cached prompt blocks (every plane's copy) evicted
+    # PD decode stage: prompt tokens found in its prefix cache whose KV the prefill stage
+    # computed (moved by ``kv_transfer``); not in ``prefix_cache_hits``.
+    kv_transfer_hits: int = 0
     # Steps by their rows (vLLM's ``iteration_tokens``): the count of steps with at most
     # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the
     # last bound at the end.

@@ -54,7 +54,11 @@ def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
     if not entries:
         return 0
     blocks = [b for entry in entries for b in entry.blocks]
-    metadata = {"hashes": ",".join(entry.key.hex() for entry in entries)}
+    metadata = {
+        "hashes": ",".join(entry.key.hex() for entry in entries),
+        # (What the decode stage reports as reused: ``Request.prefill_cached_tokens``.)
+        "cached_tokens": str(request.num_cached_tokens or 0),
+    }
 
     def write(pool: torch.Tensor, slots: Slots) -> None:  # pool: [L, 2, num_slots, Hkv, hd]
         data = pool.index_select(2, slots(blocks))
@@ -67,11 +71,15 @@ def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
 def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:
     """Reads a file ``export_prompt`` wrote for the request's prompt into the decode pool's
     prefix cache and deletes it; returns the request's leading prompt blocks (per plane)
-    cached now, moved or found here (0 when the file matched nothing). A missing, unreadable
-    or non-matching file imports nothing (the prompt is computed here instead)."""
+    cached now, moved or found here (0 when the file matched nothing), and sets the request's
+    ``prefill_cached_tokens``: admission counts blocks hit here as reused only where the prefill
+    stage reused them. A missing, unreadable or non-matching file imports nothing (the prompt
+    is computed here instead)."""
     try:
         with safe_open(path, "pt") as f:
-            hashes = [bytes.fromhex(h) for h in (f.metadata() or {}).get("hashes", "").split(",")]
+            metadata = f.metadata() or {}
+            hashes = [bytes.fromhex(h) for h in metadata.get("hashes", "").split(",")]
+            cached = int(metadata.get("cached_tokens", 0))
             data = f.get_tensor("kv")
     except FileNotFoundError:
         return 0
@@ -101,4 +109,6 @@ def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
 
         runner.with_kv(read)
 
+    # The prompt's KV was computed on the prefill stage: its reuse is what that stage reused.
+    request.prefill_cached_tokens = cached
     return len(held) + kv.adopt_cached(wanted[len(held) : n], request.num_loops, held, write)

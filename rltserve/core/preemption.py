@@ -167,6 +167,7 @@ class Preemptor:
                 keep = 0
         victim.swapped_tokens = keep
         s.drop_carried(victim)
+        s.sharing.release(victim)
         victim.items.clear()
         victim.lockstep = False
         victim.num_preemptions += 1

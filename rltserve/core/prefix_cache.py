@@ -65,8 +65,11 @@ class PrefixCache:
         self._evictable: OrderedDict[bytes, CachedBlock] = OrderedDict()  # oldest release first
         self._num_evictable_blocks = 0
         self._num_blocks = 0  # sum of len(e.blocks) over _entries, kept as they change
+        # At each request's first admission (re-admissions of a preempted one are not
+        # counted: they would inflate the hit rate with the request's own blocks):
         self.queries = 0  # prompt tokens looked up
-        self.hits = 0  # of which found cached
+        self.hits = 0  # of which reused: found cached (or shared within a group)
+        self.transfer_hits = 0  # PD decode stage: found cached but computed by the prefill stage
         self.evictions = 0  # entries evicted to make room
 
     # -- state ----------------------------------------------------------------------------------
@@ -104,9 +107,10 @@ class PrefixCache:
             hits.append(entry)
         return hits
 
-    def record_query(self, num_tokens: int, num_hit: int) -> None:
+    def record_query(self, num_tokens: int, num_hit: int, num_transferred: int = 0) -> None:
         self.queries += num_tokens
         self.hits += num_hit
+        self.transfer_hits += num_transferred
 
     def acquire(self, entries: list[CachedBlock]) -> None:
         """A request takes a reference on every block of ``entries`` (a hit)."""

@@ -21,7 +21,9 @@ depends only on the tokens up to it and on what the request's salt names (``Requ
   the blocks from its own on are not cached.
 - In flight: a request whose first uncached prompt block is being computed by a running
   request waits until that block is cached instead of computing it again, so a burst of
-  requests sharing a prompt prefix computes the prefix once.
+  requests sharing a prompt prefix computes the prefix once. When the computing request stops
+  running (it ends, fails, is aborted or preempted) its claims go: the first waiting request
+  computes the rest after the blocks cached so far, and the others wait for it.
 - Groups: the first request added with a group key leads; the others (followers, e.g. the
   samples of HTTP ``n``) wait while the leader computes its prompt, then share its full prompt
   blocks through the cache and get a copy of its partly filled last prompt block (the runner's
@@ -59,8 +61,9 @@ class PromptSharing:
         self.s = scheduler
         self._leaders: dict[str, str] = {}  # group key -> request id of its leader
         self._copies: list[tuple[int, int]] = []  # for the plan being built
-        # Prompt blocks not cached yet -> the request computing them (stale once it stops
-        # running: checked on use).
+        # Prompt blocks not cached yet -> the request computing them. Invariant: that request
+        # is running (``release`` drops its entries when it ends or is preempted), so a
+        # request waiting for a block always waits for one that is being computed.
         self._computing: dict[bytes, str] = {}
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -76,6 +79,19 @@ class PromptSharing:
     def forget(self, request: Request) -> None:
         if request.group is not None and self._leaders.get(request.group) == request.request_id:
             del self._leaders[request.group]
+
+    def release(self, request: Request) -> None:
+        """The request stops running (it ended, failed, was aborted or preempted): the prompt
+        blocks it was computing are nobody's, so the first request waiting for one is admitted
+        to compute it (after the blocks already cached) and the others wait for that one. Its
+        entries are among its prompt blocks not cached yet (``on_prompt_done`` drops the
+        others)."""
+        if request.block_hashes is None:
+            return
+        rid, computing = request.request_id, self._computing
+        for key in request.block_hashes[request.blocks_cached :]:
+            if computing.get(key) == rid:
+                del computing[key]
 
     def _leader(self, request: Request) -> Request | None:
         if request.group is None or not request.reuses_prompt:
@@ -103,12 +119,8 @@ class PromptSharing:
         cached = len(self.s.kv.cache.lookup(request.block_hashes, limit))
         if cached == limit:
             return False
-        key = request.block_hashes[cached]
-        owner = self.s.requests.get(self._computing.get(key, ""))
-        if owner is None or owner.status is not RequestStatus.RUNNING:
-            self._computing.pop(key, None)  # its computer ended or was preempted
-            return False
-        return owner is not request
+        # (Its computer is running, so it is not this waiting request.)
+        return request.block_hashes[cached] in self._computing
 
     # ---------------------------------------------------------------- admission
 
@@ -144,14 +156,26 @@ class PromptSharing:
         request.prompt_final = hit.start
         request.blocks_cached = len(hit.entries)
         if request.block_hashes is not None:
-            self.s.kv.cache.record_query(p, hit.start)
             for key in request.block_hashes[len(hit.entries) :]:
                 self._computing.setdefault(key, request.request_id)
-        if request.num_cached_tokens is None:
-            request.num_cached_tokens = hit.start
+        if request.num_cached_tokens is None:  # its first admission
+            self._first_hit(request, hit.start)
         if hit.source is not None:
             rid = request.request_id
             self._copies += self.s.kv.copy_targets(hit.source, rid, len(hit.entries))
+
+    def _first_hit(self, request: Request, start: int) -> None:
+        """At a request's first admission, which starts computing at ``start``: the prompt
+        tokens it reuses, and the prefix cache's counters (a preempted request's re-admissions
+        count nowhere). With KV imported from a prefill stage (PD), the hit's blocks were
+        computed there but for those the prefill stage itself reused: only tokens computed on
+        neither stage count as reused, the rest as transferred."""
+        reused = start
+        if request.prefill_cached_tokens is not None:
+            reused = min(start, request.prefill_cached_tokens)
+        request.num_cached_tokens = reused
+        if request.block_hashes is not None:
+            self.s.kv.cache.record_query(request.num_prompt_tokens, reused, start - reused)
 
     def admission_blocks(self, request: Request, hit: Hit) -> int:
         """Blocks of the pool's free count that ``hit`` itself uses up: shared blocks are not

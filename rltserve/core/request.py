@@ -152,7 +152,12 @@ class Request:
     cache_salt: bytes | None = None
     block_hashes: list[bytes] | None = None
     group: str | None = None
-    num_cached_tokens: int | None = None  # prompt tokens its first admission reused
+    # Prompt tokens whose KV was reused rather than computed (set at its first admission).
+    num_cached_tokens: int | None = None
+    # PD decode stage (``kv_transfer``), set when the prompt's KV was imported: the prompt
+    # tokens the prefill stage reused. Admission's hit then covers blocks the prefill stage
+    # computed, which count as computed (``PromptSharing._first_hit``).
+    prefill_cached_tokens: int | None = None
     # ``prompt_logprobs``: entry q is (logprob, top) of prompt token q + 1 as predicted at
     # position q, None until the item holding q ends (``Applier``); None without them.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None

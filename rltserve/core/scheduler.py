@@ -482,6 +482,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.sharing.forget(request)
         if request.admitted:
+            self.sharing.release(request)
             if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
                 self.sharing.on_finished(request)
             self.kv.free(request.request_id)
