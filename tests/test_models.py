@@ -22,8 +22,10 @@ from reference import Reference
 from rltserve.models import LoopedModel, get_family, load_model, supported_model_types
 from rltserve.models.huginn import HuginnConfig
 from rltserve.models.layers import (
+    RotaryAttention,
     apply_rope_interleaved,
     apply_rope_rotate_half,
+    linear,
     rms_norm,
     rope_cos_sin,
     silu_and_mul,
@@ -131,6 +133,38 @@ def test_naive_generate_equals_oracle_and_token_by_token_recompute(dirs, models,
             seq.append(tok)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "kw", "match"),
+    [
+        ([], 1, {}, "prompt_ids: must not be empty"),
+        ([5], 0, {}, "max_tokens=0: must be >= 1"),
+        ([5], 1, {"min_loops": 0}, "min_loops=0: must be >= 1"),
+        ([5], 1, {"max_loops": -1}, r"max_loops=-1: must be in \[1, 8\]"),
+        ([5], 1, {"max_loops": 9}, r"max_loops=9: must be in \[1, 8\]"),
+        ([5] * 511, 3, {}, "prompt \\+ max_tokens - 1 = 513 exceeds 512"),
+    ],
+)
+def test_naive_generate_rejects_bad_arguments(models, prompt, max_tokens, kw, match):
+    with pytest.raises(ValueError, match=match):
+        naive_generate(models["ouro"], prompt, max_tokens, **kw)
+
+
+def test_naive_generate_accepts_arguments_at_their_bounds(models):
+    model = models["ouro"]
+    assert naive_generate(model, [5], 1, max_loops=8)[1] == [8]
+    tokens, depths = naive_generate(model, [5] * 511, 2, max_loops=1)  # fills all 512 positions
+    assert len(tokens) == 2 and depths == [1, 1]
+
+
+def test_threshold_one_never_exits_early_even_when_the_gate_saturates(models, monkeypatch):
+    # sigmoid(40) is exactly 1.0 in fp32, so the CDF reaches 1.0 at loop 1; threshold 1.0 still
+    # means "adaptive exit off" (MODELS.md), unlike any threshold below it.
+    model = models["ouro"]
+    monkeypatch.setattr(model, "exit_logit", lambda s: torch.full(s.shape[:1], 40.0))
+    assert naive_generate(model, PROMPTS[0], 3, exit_threshold=1.0)[1] == [4, 4, 4]
+    assert naive_generate(model, PROMPTS[0], 3, exit_threshold=0.99)[1] == [1, 1, 1]
+
+
 def test_nanbeige_runs(models):
     model = models["nanbeige"]
     assert model.spec.head_dim == 32 and model.spec.num_kv_heads == 2
@@ -186,6 +220,11 @@ def test_real_checkpoint_specs():
     n = _real_spec(NANBEIGE_4_2_3B)
     assert (n.num_loops, n.head_dim, n.num_heads, n.num_kv_heads) == (2, 128, 48, 8)
     assert n.eos_token_ids == (166101,) and n.vocab_size == 166144
+
+
+def test_ouro_chat_stop_ids_outside_a_tiny_vocabulary_are_dropped():
+    spec = _real_spec({**VECTORS["configs"]["ouro"], "vocab_size": 2})
+    assert spec.eos_token_ids == (0,)
 
 
 def test_huginn_noise_is_seeded_per_position(models):
@@ -279,12 +318,104 @@ def test_bfloat16_models_run(dirs, models):
         (NanbeigeConfig, NANBEIGE_TINY, "loop_share_kv", True),
         (NanbeigeConfig, NANBEIGE_TINY, "num_loops", 0),
         (NanbeigeConfig, NANBEIGE_TINY, "rms_norm_eps", "x"),
+        (OuroConfig, VECTORS["configs"]["ouro"], "use_sliding_window", True),
+        (OuroConfig, VECTORS["configs"]["ouro"], "early_exit_step", 2),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "test_time_noise", 0.1),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "num_key_value_heads", 2),
+        (HuginnConfig, VECTORS["configs"]["huginn"], "pad_token_id", 384),
+        (NanbeigeConfig, NANBEIGE_TINY, "attention_bias", True),
+        (NanbeigeConfig, NANBEIGE_TINY, "num_key_value_heads", 3),
+        (NanbeigeConfig, NANBEIGE_TINY, "bos_token_id", 384),
     ],
 )
 def test_config_rejects_bad_values(cls, raw, key, value):
     name = "eos_token_ids" if key == "eos_token_id" else key
     with pytest.raises(ValueError, match=name):
         cls.from_dict({**raw, key: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("loop_share_kv", True),
+        ("enable_double_loop_split", True),
+        ("enable_hyper_connection", True),
+        ("enable_mhc", True),
+        ("enable_h_res_identity", True),
+        ("enable_depth_attention", True),
+        ("qk_layernorm", True),
+        ("ngram_insert_all_layers", True),
+        ("emb_neighbor_num", 1),
+        ("insert_ngram_layer_idx", 0),
+        ("insert_ngram_layer_idx", [3]),
+        ("loop_middle_layers", [1]),
+    ],
+)
+def test_nanbeige_rejects_every_enabled_upstream_feature(key, value):
+    with pytest.raises(ValueError, match=rf"nanbeige config: {key}=.*not supported"):
+        NanbeigeConfig.from_dict({**NANBEIGE_TINY, key: value})
+
+
+def test_nanbeige_accepts_upstream_features_in_their_off_state():
+    off = {
+        "loop_share_kv": False,
+        "enable_hyper_connection": False,
+        "emb_neighbor_num": 0,
+        "insert_ngram_layer_idx": -1,
+        "loop_middle_layers": [],
+    }
+    assert NanbeigeConfig.from_dict({**NANBEIGE_TINY, **off}).num_loops == 2
+
+
+def test_missing_num_key_value_heads_means_one_kv_head_per_head():
+    ouro = {k: v for k, v in VECTORS["configs"]["ouro"].items() if k != "num_key_value_heads"}
+    assert OuroConfig.from_dict(ouro).num_key_value_heads == ouro["num_attention_heads"]
+    nanbeige = {k: v for k, v in NANBEIGE_TINY.items() if k != "num_key_value_heads"}
+    assert NanbeigeConfig.from_dict(nanbeige).num_key_value_heads == 4
+
+
+@pytest.mark.parametrize(
+    ("init_values", "match"),
+    [
+        ({"embed_scale": 8.0}, r"init_values=.*needs 'embed_scale' and 'std'"),
+        ({"std": 0.08}, r"init_values=.*needs 'embed_scale' and 'std'"),
+        ({"embed_scale": 8.0, "std": -0.08}, r"init_std=-0.08: must be a finite number > 0"),
+    ],
+)
+def test_huginn_init_values_are_checked(init_values, match):
+    raw = {**VECTORS["configs"]["huginn"], "init_values": init_values}
+    with pytest.raises(ValueError, match=match):
+        HuginnConfig.from_dict(raw)
+
+
+def test_huginn_head_dim_must_be_even():
+    raw = {**VECTORS["configs"]["huginn"], "n_embd": 60, "head_dim": 15}
+    with pytest.raises(ValueError, match=r"head_dim=15: must be even"):
+        HuginnConfig.from_dict(raw)
+
+
+def test_huginn_zero_init_std_draws_the_zero_state_for_any_seed():
+    raw = dict(VECTORS["configs"]["huginn"])
+    raw["init_values"] = {**raw["init_values"], "std": 0}
+    family = get_family("huginn_raven")
+    with torch.device("meta"):
+        model = family.model_cls(family.parse_config(raw))
+    noise = model.draw_noise(7, [0, 1, 2])
+    assert noise.shape == (3, 64) and torch.count_nonzero(noise) == 0
+
+
+def test_huginn_max_loops_covers_a_mean_recurrence_above_the_default_bound():
+    spec = _real_spec({**HUGINN_0125, "mean_recurrence": 300})
+    assert (spec.num_loops, spec.max_loops) == (300, 300)
+
+
+def test_noise_seed_wraps_into_63_bits():
+    from rltserve.models import noise_seed
+
+    # Literal values: the engine and the oracle share noise_seed, so only literals pin it.
+    assert noise_seed(2**62, 1) == 2**62 + 1
+    assert noise_seed(2**63 - 1, 0) == 2**63 - 1_000_003
+    assert noise_seed(5, 2**63) == 5_000_015
 
 
 def test_config_requires_keys_and_reads_head_dim():
@@ -334,6 +465,34 @@ def test_rope_forms():
     # position 0 is the identity in both forms
     assert torch.equal(apply_rope_rotate_half(x[:1], cos[:1], sin[:1]), x[:1])
     assert torch.equal(apply_rope_interleaved(x[:1], cos[:1], sin[:1]), x[:1])
+
+
+def test_rope_rotate_half_rotates_in_the_model_dtype():
+    # MODELS.md: cos/sin are cast to the model dtype and the rotation runs in it (HF's order),
+    # which rounds differently from rotating in fp32 and casting back.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 16, generator=g).bfloat16()
+    cos, sin = rope_cos_sin(torch.arange(64) * 37, 16, 10000.0)
+    c = torch.cat((cos, cos), -1).bfloat16()[:, None, :]
+    s = torch.cat((sin, sin), -1).bfloat16()[:, None, :]
+    rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    got = apply_rope_rotate_half(x, cos, sin)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, x * c + rotated * s)
+
+
+@pytest.mark.parametrize(("rows", "out"), [(1, 64), (1, 5000), (2, 5000), (512, 64), (513, 64)])
+def test_linear_equals_f_linear_on_every_cpu_path(rows, out):
+    g = torch.Generator().manual_seed(rows + out)
+    x, w = torch.randn(rows, 32, generator=g), torch.randn(out, 32, generator=g)
+    got = linear(x, w)
+    assert got.shape == (rows, out) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_attention_rejects_heads_that_kv_heads_do_not_divide():
+    with pytest.raises(ValueError, match="num_heads=4 is not a multiple of num_kv_heads=3"):
+        RotaryAttention(64, 4, 3, 16)
 
 
 def test_silu_and_mul():
@@ -390,6 +549,7 @@ def test_config_accepts_values_at_their_bounds():
         ("rms_norm_eps", 0.0),
         ("rope_theta", float("nan")),
         ("rms_norm_eps", -0.0),
+        ("early_exit_threshold", 0.0),
     ],
 )
 def test_config_rejects_zero_and_nan_where_a_positive_number_is_required(key, value):
