@@ -140,7 +140,7 @@ def test_request_to_sampling_params():
 
 def test_error_helpers():
     assert param_of("max_tokens=0: must be >= 1") == "max_tokens"
-    assert param_of("request 'x' needs 9 KV blocks") is None
+    assert param_of("the request needs 9 KV blocks (...)") is None
     assert error_body(429, "slow down") == {
         "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": 429}
     }

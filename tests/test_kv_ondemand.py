@@ -109,8 +109,12 @@ def test_a_later_request_that_fits_does_not_overtake_one_that_does_not():
 
 def test_unpreemptable_request_still_fails_at_admission():
     s = make_scheduler(8)
-    with pytest.raises(ValueError, match="needs 16 KV blocks"):
+    with pytest.raises(ValueError) as err:
         s.add_request(make_request("big", 20, 12))  # 31 positions x 2 planes
+    assert str(err.value) == (
+        "the request needs 16 KV blocks (31 tokens of prompt and output on 2 KV planes, for 2 "
+        "loops) but the pool has 8; lower max_tokens or max_loops, or raise num_blocks"
+    )
 
 
 def test_pressure_preempts_latest_arrival_and_everything_finishes():

@@ -127,9 +127,11 @@ class Scheduler:
             raise ValueError(f"request_id={request.request_id!r}: already in use")
         need = self.kv.blocks_needed(request.kv_tokens, request.num_loops)
         if need > self.kv.pool.num_total:
+            # (No request id: the caller knows its request, an HTTP client not our id for it.)
+            planes = len(self.kv.planes_of(request.num_loops))
             raise ValueError(
-                f"request {request.request_id!r} needs {need} KV blocks "
-                f"({request.kv_tokens} tokens x {request.num_loops} loops) but the pool has "
+                f"the request needs {need} KV blocks ({request.kv_tokens} tokens of prompt and "
+                f"output on {planes} KV planes, for {request.num_loops} loops) but the pool has "
                 f"{self.kv.pool.num_total}; lower max_tokens or max_loops, or raise num_blocks"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
