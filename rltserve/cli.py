@@ -87,12 +87,36 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _prompts(args: argparse.Namespace) -> list:
+    """``generate``'s prompts as ``LLM.generate`` takes them: texts, or token-id prompts with
+    ``--token-ids`` (ValueError naming a prompt that is not ids)."""
+    if not args.token_ids:
+        return args.prompt or ["Hello"]
+    if not args.prompt:
+        raise ValueError("--token-ids: give each prompt's ids, e.g. --token-ids 1,5,7")
+    out = []
+    for text in args.prompt:
+        try:
+            ids = [int(t) for t in text.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--token-ids: prompt {text!r} is not comma-separated token ids (e.g. 1,5,7)"
+            ) from None
+        out.append({"prompt_token_ids": ids})
+    return out
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from rltserve.llm import LLM
 
     params = _sampling_from_args(args)
-    prompts = args.prompt or ["Hello"]
+    prompts = _prompts(args)
     with LLM(**checked_engine_kwargs(args)) as llm:
+        if llm.tokenizer is None and not args.token_ids:
+            raise ValueError(
+                "prompt: this checkpoint has no tokenizer, so text cannot be encoded; give "
+                "token ids with --token-ids (e.g. --token-ids 1,5,7)"
+            )
         outputs = llm.generate(prompts, params, use_tqdm=False)  # (a few prompts, at once)
     for out in outputs:
         sample = out.outputs[0]
@@ -167,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument("prompt", nargs="*", help="prompt text(s) (default: 'Hello')")
+    gen.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="each prompt is comma-separated token ids ('1,5,7'), as a checkpoint without a "
+        "tokenizer needs",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON record per prompt")
     add_engine_args(gen)
     _add_sampling_args(gen)

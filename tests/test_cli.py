@@ -163,6 +163,7 @@ class _FakeLLM:
     """Stands in for ``LLM`` in ``cmd_generate``: records what it was given."""
 
     calls: list = []
+    tokenizer = object()
 
     def __init__(self, **engine):
         self.engine = engine
@@ -187,6 +188,39 @@ def test_generate_without_prompts_says_hello_and_prints_each_samples_summary(mon
     assert prompts == ["Hello"] and params.max_tokens == 32
     assert engine["max_num_seqs"] == 3 and engine["model"] is None
     assert capsys.readouterr().out == "ab\n[3 tokens, mean exit depth 2.33, length]\n"
+
+
+def test_generate_token_ids_prompts(monkeypatch, capsys):
+    monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
+    monkeypatch.setattr(_FakeLLM, "calls", [])
+    assert main(["generate", "--token-ids", "1,5,7", "9", "--json"]) == 0
+    [(_, prompts, _)] = _FakeLLM.calls
+    assert prompts == [{"prompt_token_ids": [1, 5, 7]}, {"prompt_token_ids": [9]}]
+    capsys.readouterr()
+    for argv, message in (
+        ([], "--token-ids: give each prompt's ids, e.g. --token-ids 1,5,7"),
+        (["1,x"], "--token-ids: prompt '1,x' is not comma-separated token ids (e.g. 1,5,7)"),
+        (["1,,2"], "--token-ids: prompt '1,,2' is not comma-separated token ids (e.g. 1,5,7)"),
+    ):
+        assert main(["generate", "--token-ids", *argv]) == 2
+        assert capsys.readouterr().err == f"rltserve: error: {message}\n"
+    assert len(_FakeLLM.calls) == 1  # (checked before any model loads)
+
+
+def test_generate_on_a_checkpoint_without_a_tokenizer_takes_token_ids(tmp_path, capsys):
+    from rltserve.models.presets import make_model
+
+    model = make_model("ouro-tiny", tmp_path / "m", tokenizer=False)
+    common = ["--model", str(model), "--max-tokens", "2", "--num-blocks", "32"]
+    assert main(["generate", "Hi", *common]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] + "\n" == (
+        "rltserve: error: prompt: this checkpoint has no tokenizer, so text cannot be encoded; "
+        "give token ids with --token-ids (e.g. --token-ids 1,5,7)\n"
+    )
+    assert main(["generate", "--token-ids", "5,6", *common, "--json", "--ignore-eos"]) == 0
+    (record,) = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = Reference.load(model).generate([5, 6], 2, kv_policy="last_exited")
+    assert record["prompt_token_ids"] == [5, 6] and record["token_ids"] == want.tokens
 
 
 def test_float_flags_parse_as_numbers_the_configs_take():
