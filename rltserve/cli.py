@@ -118,6 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "token ids with --token-ids (e.g. --token-ids 1,5,7)"
             )
         outputs = llm.generate(prompts, params, use_tqdm=False)  # (a few prompts, at once)
+        has_text = llm.tokenizer is not None
     for out in outputs:
         sample = out.outputs[0]
         if args.json:
@@ -131,9 +132,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(orjson.dumps(record).decode() + "\n")
         else:
             depth = f"mean exit depth {sample.mean_exit_depth:.2f}"
+            shown = sample.text if has_text else ",".join(map(str, sample.token_ids))
             sys.stdout.write(
-                f"{sample.text}\n[{len(sample.token_ids)} tokens, {depth}, "
-                f"{sample.finish_reason}]\n"
+                f"{shown}\n[{len(sample.token_ids)} tokens, {depth}, {sample.finish_reason}]\n"
             )
     return 0
 

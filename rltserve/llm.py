@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
+from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_controls import TrainerControls, seconds
@@ -254,6 +255,8 @@ class LLM(TrainerControls):
             if isinstance(priority, (str, bytes)) or len(priority) != len(batch):
                 raise ValueError(f"priority: must be a list of one int per prompt ({len(batch)})")
             plist = [p.replace(priority=plain_number(pr)) for p, pr in zip(plist, priority)]
+        for p in plist:  # (before any prompt runs, as vLLM refuses it)
+            check_priority(p.priority, self.config.scheduler.scheduling_policy)
         salts = [prompt_cache_salt(prompt) for prompt in batch]  # (vLLM's key of a prompt dict)
         plist = [p if s is None else p.replace(cache_salt=s) for p, s in zip(plist, salts)]
         vocab = self.info.vocab_size

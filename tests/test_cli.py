@@ -221,6 +221,10 @@ def test_generate_on_a_checkpoint_without_a_tokenizer_takes_token_ids(tmp_path, 
     (record,) = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
     want = Reference.load(model).generate([5, 6], 2, kv_policy="last_exited")
     assert record["prompt_token_ids"] == [5, 6] and record["token_ids"] == want.tokens
+    # without --json (no text to show): the output's ids
+    assert main(["generate", "--token-ids", "5,6", *common, "--ignore-eos"]) == 0
+    shown = capsys.readouterr().out.splitlines()[0]
+    assert shown == ",".join(map(str, want.tokens))
 
 
 def test_float_flags_parse_as_numbers_the_configs_take():

@@ -244,6 +244,8 @@ async def test_special_tokens_are_added_only_to_text_prompts(ckpt, monkeypatch):
         assert await tokens({"prompt": "Hi"}) == [0, *plain]
         assert await tokens({"prompt": "Hi", "add_special_tokens": False}) == plain
         assert await tokens({"messages": messages}) == chat
+        assert await tokens({"messages": messages, "add_special_tokens": True}) == [0, *chat]
+        assert await tokens({"prompt": "Hi", "add_special_tokens": None}) == [0, *plain]
         # the generation routes take vLLM's add_special_tokens too: on by default for a text
         # completion, off for a chat (whose template renders its own)
         for path, body, want in (

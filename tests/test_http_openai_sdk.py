@@ -162,6 +162,15 @@ async def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     assert streamed == choice.logprobs.token_logprobs
     assert chunks[0].choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
 
+    # prompt_logprobs beyond logprobs: each echoed position still lists up to logprobs + 1
+    wide = await client.completions.create(
+        **{**params, "logprobs": 1}, max_tokens=1, extra_body={"prompt_logprobs": 3}
+    )
+    tops = wide.choices[0].logprobs.top_logprobs
+    assert all(1 <= len(top) <= 2 for top in tops[1:])
+    assert all(list(top)[0] == token for token, top in zip(lp.tokens[1:], tops[1:]))
+    assert len(wide.choices[0].model_extra["prompt_logprobs"][1]) >= 3
+
     # vLLM's prompt_logprobs extension: the same numbers, keyed by token id, ranked.
     vllm = await client.completions.create(
         model="tiny", prompt=PROMPT, temperature=0, max_tokens=1, extra_body={"prompt_logprobs": 2}

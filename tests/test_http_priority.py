@@ -4,8 +4,8 @@
   is a 400 naming the field (and the server keeps serving); ``null`` is the default, 0; an
   integer reaches the engine's SamplingParams.
 - End to end on the real engine (ouro-tiny, one seat): a later, better-priority request is
-  served before an earlier waiting one under ``scheduling_policy="priority"``, and after it
-  under ``"fcfs"``.
+  served before an earlier waiting one under ``scheduling_policy="priority"``; ``"fcfs"``
+  refuses a priority other than 0 (a 400 naming the field).
 - ``/metrics`` after real KV-pressure preemption (recompute and swap): the preemption counter
   moved, the running/waiting/KV/swap gauges are back to 0, and the outputs equal unpressured
   ones.

@@ -174,6 +174,23 @@ def test_per_prompt_priorities_and_lora_request_none(llm):
         llm.generate([[1, 2]], GREEDY, lora_request=object())
 
 
+def test_fcfs_refuses_priorities_before_any_prompt_runs(tiny, monkeypatch):
+    with LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=128) as fcfs:
+        added = []
+        add = fcfs._client.add_request
+        monkeypatch.setattr(fcfs._client, "add_request", lambda *a: added.append(a) or add(*a))
+        for kw in ({"priority": [0, 1]}, {}):
+            params = GREEDY if kw else GREEDY.replace(priority=-1)
+            with pytest.raises(ValueError) as err:
+                fcfs.generate([[1, 2], [3, 4]], params, **kw)
+            assert str(err.value).startswith("priority=")
+            assert "scheduling_policy='fcfs'; start it with scheduling_policy='priority'" in str(
+                err.value
+            )
+        assert added == []
+        assert len(fcfs.generate([[1, 2]], GREEDY, priority=[0])[0].token_ids) == 5
+
+
 def test_per_prompt_priorities_reach_the_engine(llm, monkeypatch):
     submitted = []
     add = llm._client.add_request

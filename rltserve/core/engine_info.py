@@ -38,8 +38,9 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_blocks: int = 0  # blocks the prefix cache holds (all planes)
     prefix_cache_evictions: int = 0  # cached prompt blocks (every plane's copy) evicted
-    # PD decode stage: prompt tokens found in its prefix cache whose KV the prefill stage
-    # computed (moved by ``kv_transfer``); not in ``prefix_cache_hits``.
+    # PD decode stage: prompt tokens found in its prefix cache that the prefill stage computed
+    # for the request (moved by ``kv_transfer``, or held from an earlier answer); not in
+    # ``prefix_cache_hits``.
     kv_transfer_hits: int = 0
     # Steps by their rows (vLLM's ``iteration_tokens``): the count of steps with at most
     # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the

@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     from rltserve.models.base import LoopedSpec
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """vLLM's rule: a priority the engine would ignore (under ``fcfs``) is refused, not
+    dropped silently."""
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"priority={priority}: priority scheduling is not enabled (this engine runs "
+            f"scheduling_policy={scheduling_policy!r}; start it with "
+            "scheduling_policy='priority')"
+        )
+
+
 def check_params(
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
@@ -42,13 +53,7 @@ def check_params(
             f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
         )
     sched = config.scheduler
-    if params.priority != 0 and sched.scheduling_policy != "priority":
-        # (vLLM's rule: a priority the engine would ignore is refused, not dropped silently)
-        raise ValueError(
-            f"priority={params.priority}: priority scheduling is not enabled (this engine runs "
-            f"scheduling_policy={sched.scheduling_policy!r}; start it with "
-            "scheduling_policy='priority')"
-        )
+    check_priority(params.priority, sched.scheduling_policy)
     if sched.exit_mode == "trace" and params.trace_depths is None:
         raise ValueError("trace_depths: required when the engine runs exit_mode='trace'")
     if sched.exit_mode != "trace" and params.trace_depths is not None:

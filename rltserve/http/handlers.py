@@ -95,10 +95,12 @@ async def tokenize(request: web.Request) -> web.Response:
             req.chat_template_kwargs,
             check_length=False,
             continue_final_message=req.continue_final_message,
+            add_special_tokens=bool(req.add_special_tokens),
         )
     else:
         codec = frontend.require_codec("prompt")
-        ids = await codec.encode_any(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        special = req.add_special_tokens is not False
+        ids = await codec.encode_any(req.prompt or "", add_special_tokens=special)
     body = {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}
     return json_response(body)
 

@@ -117,6 +117,7 @@ class CompletionFormat(_Format):
         self.prompt_only = req.prompt_only  # (echo with max_tokens=0: the sampled token goes)
         self.want_prompt_logprobs = req.prompt_logprobs is not None
         self.echo = req.echo  # (prompt logprobs asked for alone stay out of ``logprobs``)
+        self.top_k = req.logprobs or 0  # (echoed prompt entries carry prompt_logprobs' count)
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
@@ -208,7 +209,7 @@ class CompletionFormat(_Format):
             top = entry["top_logprobs"]
             if top is not None and entry["logprob"] is not None:
                 # The token itself is listed too, first (OpenAI's "up to logprobs+1"; vLLM's).
-                top = [(entry["token_id"], entry["logprob"]), *top]
+                top = [(entry["token_id"], entry["logprob"]), *top[: self.top_k]]
             tops.append(None if top is None else {text_of(t): _logprob(lp) for t, lp in top})
             offsets.append(offset)
             offset += len(token)
