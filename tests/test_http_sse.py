@@ -579,6 +579,36 @@ async def test_echo_alone_running_usage_counts_no_tokens(ckpt, hi_tokens):
     assert all(e["usage"]["completion_tokens"] == 0 for e in events), events
 
 
+async def test_running_usage_is_each_chunks_choice_so_far(ckpt, hi_tokens):
+    """``continuous_usage_stats`` counts, as vLLM does, the chunk's own choice: its prompt and
+    its tokens so far (not the request's running total); a chat's role chunk has none yet."""
+    stage = stage_for(ckpt, hi_tokens)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": [[5], [6, 7]], "max_tokens": 2, "stream": True, "stream_options": options}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2,
+            "stream": True, "stream_options": options}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.post("/v1/completions", body)
+        _, _, chat_raw = await live.post("/v1/chat/completions", chat)
+    events = sse_payloads(raw)[:-1]
+    seen = sorted(
+        (e["choices"][0]["index"], e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"])
+        for e in events[:-1]
+    )
+    assert seen == [(0, 1, 1), (0, 1, 2), (1, 2, 1), (1, 2, 2)]
+    assert events[-1]["usage"]["prompt_tokens"] == 3  # the final chunk: the whole request
+    assert events[-1]["usage"]["completion_tokens"] == 4
+    chunks = sse_payloads(chat_raw)[:-1]
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    per_choice: dict[int, list] = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        assert c["usage"]["prompt_tokens"] == prompt
+        per_choice.setdefault(choice["index"], []).append(c["usage"]["completion_tokens"])
+    assert per_choice == {0: [0, 1, 2], 1: [0, 1, 2]}  # role chunk, then each token
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
 async def test_chat_reasoning_stream_flushes_the_tail_it_held_back(ckpt):
     # "H", then "<" (it could open "</think>", so it is held back): the last delta carries it.
     stage = stage_for(ckpt, [44, 32])

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from rltserve.http.admission import Overloaded
 from rltserve.http.errors import json_response, unavailable
-from rltserve.http.frontend import Generation, failure
+from rltserve.http.frontend import ChoiceEvent, Generation, failure
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
 from rltserve.http.sse import SSEWriter
@@ -46,14 +46,12 @@ async def _stream(
     )
     fmt = plan.format
     try:
+        counted: dict[int, int] = {}  # choice index -> its tokens in the chunks made so far
         async for events in generation.batches():
             chunks = []
-            # Running totals per chunk: a batch's events all arrived before it is written.
-            counted = not plan.prompt_only
-            sent = plan.completion_tokens(generation)
-            sent -= counted * sum(len(e.delta.token_ids) for e in events)
             for event in events:
-                sent += counted * len(event.delta.token_ids)
+                before = counted.get(event.index, 0)
+                counted[event.index] = before + len(event.delta.token_ids)
                 error = failure(event, state.closing)
                 if error is not None:
                     if not writer.started:
@@ -64,10 +62,9 @@ async def _stream(
                 for choice in fmt.stream_choices(event):
                     chunk = fmt.chunk([choice])
                     if plan.include_usage:
+                        done = before if "role" in choice.get("delta", ()) else counted[event.index]
                         chunk["usage"] = (
-                            usage(plan.prompt_tokens, sent, generation.num_cached_tokens())
-                            if plan.continuous_usage
-                            else None
+                            _choice_usage(plan, event, done) if plan.continuous_usage else None
                         )
                     chunks.append(chunk)
             await writer.send(*chunks)
@@ -95,6 +92,16 @@ async def _stream(
             return await writer.finish((500, "internal server error"))
         except ConnectionResetError:
             return writer.response
+
+
+def _choice_usage(plan: GenerationPlan, event: ChoiceEvent, done: int) -> dict:
+    """``continuous_usage_stats``: the chunk's choice so far, as vLLM counts it: its prompt and
+    the ``done`` tokens its chunks carried up to this one (a chat's role chunk: before the
+    event's tokens; a batch's events arrive before it is written, so ``event.output`` may hold
+    later ones)."""
+    output = event.output
+    done = 0 if plan.prompt_only else done
+    return usage(len(output.prompt_token_ids), done, output.num_cached_tokens or 0)
 
 
 async def _collect(

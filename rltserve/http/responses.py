@@ -4,7 +4,8 @@ Key order is OpenAI's (``id, object, created, model, choices, usage``; a choice 
 text|message|delta, logprobs, finish_reason``) since streams are compared byte for byte. The
 opt-in extensions ``exit_depths`` and ``token_ids`` follow ``finish_reason`` in a choice.
 Stream chunks carry a ``usage`` key only when the client asked for usage (null until the last,
-``choices: []`` chunk; or running totals with ``continuous_usage_stats``).
+``choices: []`` chunk; or, with ``continuous_usage_stats``, each chunk's choice so far: its
+prompt and its tokens, as vLLM counts them).
 """
 
 from __future__ import annotations
