@@ -51,14 +51,18 @@ import orjson
 from rltserve.client_errors import (
     APIConnectionError,
     APIError,
+    APIStatusError,
     APITimeoutError,
     AuthenticationError,
     BadRequestError,
+    ConflictError,
     InternalServerError,
     NotFoundError,
+    PermissionDeniedError,
     RateLimitError,
     RequestTooLargeError,
     ServiceUnavailableError,
+    UnprocessableEntityError,
     UnsupportedMediaTypeError,
     error_from,
     status_of,
@@ -67,17 +71,21 @@ from rltserve.client_errors import (
 __all__ = [
     "APIConnectionError",
     "APIError",
+    "APIStatusError",
     "APITimeoutError",
     "AsyncClient",
     "AuthenticationError",
     "BadRequestError",
     "ChunkStream",
+    "ConflictError",
     "InternalServerError",
     "NotFoundError",
+    "PermissionDeniedError",
     "RateLimitError",
     "RequestTooLargeError",
     "SSEDecoder",
     "ServiceUnavailableError",
+    "UnprocessableEntityError",
     "UnsupportedMediaTypeError",
 ]
 
@@ -242,7 +250,8 @@ class AsyncClient:
     ``session`` passed in too); ``max_connections=0`` means unlimited (it sizes the client's
     own session only); a streamed event larger than ``max_event_bytes`` ends the stream with
     ``APIConnectionError``. Closing the client closes its open streams (their readers get
-    ``APIConnectionError``)."""
+    ``APIConnectionError``); a closed client takes no more requests (RuntimeError, as the
+    OpenAI SDK's client refuses them)."""
 
     def __init__(
         self,
@@ -270,6 +279,7 @@ class AsyncClient:
         # An idle-read limit, not a total: a long stream is fine while tokens keep coming.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._max_connections = max_connections
+        self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -278,6 +288,7 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         for stream in list(self._streams):  # (a reader would otherwise wait forever)
             await stream.close()
         if self._owns_session and self._session is not None:
@@ -286,6 +297,8 @@ class AsyncClient:
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        if self._closed:  # (a fresh session here would never be closed)
+            raise RuntimeError("AsyncClient: closed; make a new client to send more requests")
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._max_connections)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)

@@ -28,31 +28,52 @@ class APIError(Exception):
         return type(self), (self.status, self.message, self.type, self.param, self.retry_after)
 
 
-class BadRequestError(APIError):
+class APIStatusError(APIError):
+    """An error response with an HTTP status (the base of the classes by status, as in the
+    OpenAI SDK; a status without its own class is this one)."""
+
+    @property
+    def status_code(self) -> int | None:  # (the OpenAI SDK's name)
+        return self.status
+
+
+class BadRequestError(APIStatusError):
     """400: the request was invalid; ``param`` names the field."""
 
 
-class AuthenticationError(APIError):
+class AuthenticationError(APIStatusError):
     """401: missing or wrong API key."""
 
 
-class NotFoundError(APIError):
+class PermissionDeniedError(APIStatusError):
+    """403: refused (a proxy in front of the server, for instance)."""
+
+
+class NotFoundError(APIStatusError):
     """404: unknown model or route."""
 
 
-class RequestTooLargeError(APIError):
+class ConflictError(APIStatusError):
+    """409: the request conflicts with the server's state (a weight update still waiting)."""
+
+
+class RequestTooLargeError(APIStatusError):
     """413: the request body exceeds the server's limit."""
 
 
-class UnsupportedMediaTypeError(APIError):
+class UnsupportedMediaTypeError(APIStatusError):
     """415: the body was not sent as JSON."""
 
 
-class RateLimitError(APIError):
+class UnprocessableEntityError(APIStatusError):
+    """422: the body was understood but refused (a proxy or another server's validation)."""
+
+
+class RateLimitError(APIStatusError):
     """429: too many requests."""
 
 
-class InternalServerError(APIError):
+class InternalServerError(APIStatusError):
     """500 or another 5xx: the server (or a proxy before it) failed."""
 
 
@@ -71,9 +92,12 @@ class APITimeoutError(APIConnectionError):
 _ERRORS: dict[int, type[APIError]] = {
     400: BadRequestError,
     401: AuthenticationError,
+    403: PermissionDeniedError,
     404: NotFoundError,
+    409: ConflictError,
     413: RequestTooLargeError,
     415: UnsupportedMediaTypeError,
+    422: UnprocessableEntityError,
     429: RateLimitError,
     500: InternalServerError,
     503: ServiceUnavailableError,
@@ -85,7 +109,7 @@ def error_from(status: int, body: object, retry_after: str | None = None) -> API
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         error = {"message": str(body) if body else f"HTTP {status}"}
-    cls = _ERRORS.get(status) or (InternalServerError if status >= 500 else APIError)
+    cls = _ERRORS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
     try:
         retry = float(retry_after) if retry_after is not None else None
     except ValueError:

@@ -473,3 +473,34 @@ def test_error_event_codes_map_to_statuses():
     assert [status_of(c) for c in (400, "503", 599, 600, 399, "x", None)] == [
         400, 503, 599, 500, 500, 500, 500,
     ]  # fmt: skip
+
+
+def test_errors_by_status_have_the_openai_sdks_classes():
+    from rltserve import client_errors as ce
+
+    cases = {
+        400: ce.BadRequestError, 401: ce.AuthenticationError, 403: ce.PermissionDeniedError,
+        404: ce.NotFoundError, 409: ce.ConflictError, 413: ce.RequestTooLargeError,
+        415: ce.UnsupportedMediaTypeError, 422: ce.UnprocessableEntityError,
+        429: ce.RateLimitError, 418: ce.APIStatusError, 500: ce.InternalServerError,
+        502: ce.InternalServerError, 503: ce.ServiceUnavailableError,
+    }  # fmt: skip
+    for status, cls in cases.items():
+        error = ce.error_from(status, {"error": {"message": "m", "param": "p"}})
+        assert type(error) is cls, status
+        assert isinstance(error, ce.APIStatusError) and isinstance(error, ce.APIError)
+        assert (error.status_code, error.message, error.param) == (status, "m", "p")
+    assert not issubclass(ce.APIConnectionError, ce.APIStatusError)  # (no response at all)
+
+
+async def test_a_closed_client_takes_no_more_requests():
+    async with echo_server() as (url, _):
+        client = AsyncClient(url)
+        assert (await client.complete("hi"))["body"]["prompt"] == "hi"
+        await client.close()
+        with pytest.raises(RuntimeError, match="AsyncClient: closed; make a new client"):
+            await client.complete("hi")
+        async with AsyncClient(url) as used:
+            assert (await used.complete("hi"))["body"]["prompt"] == "hi"
+        with pytest.raises(RuntimeError, match="closed"):
+            await used.health()
