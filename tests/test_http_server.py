@@ -15,6 +15,7 @@ from test_http_harness import (
     running,
     scripted_factory,
     scripted_info,
+    sse_payloads,
     tiny_checkpoint,
     wait_for,
 )
@@ -80,12 +81,18 @@ async def test_models_version_and_request_id(ckpt):
                 "code": 404,
             }
         assert orjson.loads((await live.get("/version"))[2]) == {"version": __version__}
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
         for stream in (False, True):
-            body = {"prompt": [5], "max_tokens": 1, "stream": stream}
-            _, headers, _ = await live.post(
-                "/v1/completions", body, headers={"X-Request-Id": "abc-1"}
-            )
-            assert headers["X-Request-Id"] == "abc-1"
+            completion = {"prompt": [5], "max_tokens": 1, "stream": stream}
+            for path, body, prefix in (
+                ("/v1/completions", completion, "cmpl"),
+                ("/v1/chat/completions", {**chat, "stream": stream}, "chatcmpl"),
+            ):
+                _, headers, raw = await live.post(path, body, headers={"X-Request-Id": "abc-1"})
+                assert headers["X-Request-Id"] == "abc-1"
+                # the response's id is named after it, as vLLM names it
+                first = sse_payloads(raw)[0] if stream else orjson.loads(raw)
+                assert first["id"] == f"{prefix}-abc-1", path
         _, headers, _ = await live.post(
             "/v1/completions", {"prompt": []}, headers={"X-Request-Id": "e"}
         )

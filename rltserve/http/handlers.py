@@ -31,7 +31,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    return await deliver(request, state, await completion_plan(state, req, arrival, session))
+    rid = request.headers.get("X-Request-Id")
+    plan = await completion_plan(state, req, arrival, session, rid)
+    return await deliver(request, state, plan)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -41,7 +43,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    return await deliver(request, state, await chat_plan(state, req, arrival, session))
+    plan = await chat_plan(state, req, arrival, session, request.headers.get("X-Request-Id"))
+    return await deliver(request, state, plan)
 
 
 async def models(request: web.Request) -> web.Response:

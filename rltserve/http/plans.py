@@ -76,8 +76,11 @@ def _default_max_tokens(state: ServingState, default: int | None = None) -> int 
     return min(default, limit)
 
 
-def _header(state: ServingState, prefix: str) -> ResponseHeader:
-    return ResponseHeader(state.ids(prefix), int(state.clock()), state.model_name)
+def _header(state: ServingState, prefix: str, request_id: str | None) -> ResponseHeader:
+    """``request_id``: the client's ``X-Request-Id``, which names the response as vLLM names
+    it (``cmpl-<X-Request-Id>``); else a fresh id."""
+    rid = f"{prefix}-{request_id}" if request_id else state.ids(prefix)
+    return ResponseHeader(rid, int(state.clock()), state.model_name)
 
 
 def _choices(
@@ -123,9 +126,14 @@ def check_sequences(state: ServingState, prompts: int, n: int) -> None:
 
 
 async def completion_plan(
-    state: ServingState, req: CompletionRequest, arrival: float, session: str | None = None
+    state: ServingState,
+    req: CompletionRequest,
+    arrival: float,
+    session: str | None = None,
+    request_id: str | None = None,
 ) -> GenerationPlan:
-    """``session``: the request's session key (``http.session.session_key``), for affinity."""
+    """``session``: the request's session key (``http.session.session_key``), for affinity;
+    ``request_id``: its ``X-Request-Id`` (``_header``)."""
     frontend = state.require_frontend()
     items = req.prompts
     # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
@@ -149,7 +157,7 @@ async def completion_plan(
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,
-        format=CompletionFormat(_header(state, "cmpl"), req, frontend, echo),
+        format=CompletionFormat(_header(state, "cmpl", request_id), req, frontend, echo),
         stream=req.stream,
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
@@ -160,9 +168,13 @@ async def completion_plan(
 
 
 async def chat_plan(
-    state: ServingState, req: ChatCompletionRequest, arrival: float, session: str | None = None
+    state: ServingState,
+    req: ChatCompletionRequest,
+    arrival: float,
+    session: str | None = None,
+    request_id: str | None = None,
 ) -> GenerationPlan:
-    """``session``: the request's session key (``http.session.session_key``), for affinity."""
+    """As ``completion_plan``."""
     frontend = state.require_frontend()
     check_sequences(state, 1, req.n)
     prompt = await frontend.chat_prompt(
@@ -188,7 +200,7 @@ async def chat_plan(
             state.sampling_defaults,
         ),
         format=ChatFormat(
-            _header(state, "chatcmpl"),
+            _header(state, "chatcmpl", request_id),
             req,
             frontend,
             reasoning=ids_open_thinking(prompt.token_ids, frontend.tokenizer),
