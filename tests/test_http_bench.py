@@ -61,7 +61,18 @@ def test_summary_follows_the_serving_definitions():
     assert report["mean_itl_ms"] == pytest.approx(150.0)
     assert report["mean_e2el_ms"] == pytest.approx(800.0)
     assert report["errors"] == ["APIError: 503"]
+    assert report["skipped_turns"] == 0
     assert "Output token throughput (tok/s):" in format_report(report)
+
+
+def test_summary_counts_the_turns_a_failed_conversation_did_not_send():
+    config = BenchConfig(url="http://x", num_prompts=2, num_turns=3)
+    ok = RequestResult(4, True, 2, ttft=0.1, e2el=0.2, itl=[0.1])
+    # conversation 1: all three turns; conversation 2: its first turn failed
+    results = [ok, ok, ok, RequestResult(4, False, error="APIError: 503")]
+    report = summarize(config, results, duration=1.0)
+    assert (report["completed"], report["failed"], report["skipped_turns"]) == (3, 1, 2)
+    assert "Turns not sent (after a failed turn):" in format_report(report)
 
 
 def test_arrivals_and_prompts_are_seeded():

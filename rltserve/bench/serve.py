@@ -7,7 +7,8 @@ Poisson), optionally capped at ``max_concurrency`` in flight.
 
 Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
 after another; turn t's prompt is turn t-1's prompt + its answer (token ids) + a new
-``input_len``-token user message. The report adds the prefix cache hit rate: prompt tokens the
+``input_len``-token user message; a conversation stops at a failed turn (``skipped_turns``
+counts the turns it did not send). The report adds the prefix cache hit rate: prompt tokens the
 server reports as cached (``usage.prompt_tokens_details.cached_tokens``) over all prompt tokens.
 
 Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = gaps between
@@ -277,6 +278,8 @@ def summarize(config: BenchConfig, results: list[RequestResult], duration: float
         "output_len": config.output_len,
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        # Multi-turn: the turns a conversation never sent after one of its turns failed.
+        "skipped_turns": config.num_prompts * config.num_turns - len(results),
         "duration": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -308,6 +311,7 @@ def format_report(report: dict) -> str:
         ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
         ("Turns per conversation", report["num_turns"]),
+        ("Turns not sent (after a failed turn)", report["skipped_turns"]),
         ("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"),
     ]
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
