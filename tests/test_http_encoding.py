@@ -260,6 +260,23 @@ async def test_special_tokens_are_added_only_to_text_prompts(ckpt, monkeypatch):
             assert stage.added_prompts[-1] == want, (path, body)
 
 
+async def test_tokenize_returns_token_strings_when_asked(ckpt):
+    stage = stage_for(ckpt, max_model_len=64)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/tokenize", {"prompt": " Hi"})
+        assert status == 200 and "token_strs" not in orjson.loads(raw)
+        status, _, raw = await live.post("/tokenize", {"prompt": " Hi", "return_token_strs": True})
+        body = orjson.loads(raw)
+        tok = live.state.require_frontend().codec.tokenizer
+        assert body["token_strs"] == [tok.backend.tok.id_to_token(i) for i in body["tokens"]]
+        assert body["token_strs"][0].startswith("\u0120")  # (byte-level BPE's space, as spelled)
+        messages = [{"role": "user", "content": "Hi"}]
+        body = {"messages": messages, "return_token_strs": True}
+        status, _, raw = await live.post("/tokenize", body)
+        out = orjson.loads(raw)
+        assert len(out["token_strs"]) == out["count"] and "<|im_start|>" in out["token_strs"]
+
+
 async def test_detokenize_and_echo_leave_special_tokens_out(ckpt):
     stage = stage_for(ckpt, max_model_len=64)
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:

@@ -105,6 +105,8 @@ async def tokenize(request: web.Request) -> web.Response:
         special = req.add_special_tokens is not False
         ids = await codec.encode_any(req.prompt or "", add_special_tokens=special)
     body = {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        body["token_strs"] = frontend.require_codec("prompt").tokenizer.token_strings(ids)
     return json_response(body)
 
 

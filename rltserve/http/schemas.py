@@ -348,6 +348,7 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     # vLLM's defaults: on for a prompt, off for messages (as chat has them); None: the default.
     add_special_tokens: bool | None = None
+    return_token_strs: bool = False  # vLLM's: each token as the vocabulary spells it
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -91,6 +91,7 @@ class Tokenizer:
             backend.special_added_ids() | {i for i in named if i is not None}
         )
         self.has_think_token = "<think>" in vocab  # (thinking-model chat prefixes)
+        self._pieces: dict[int, str] | None = None  # id -> token, built on first use
         # A tokenizer whose post-processor closes every text with an end token (Huginn's
         # appends <|end_text|>): a prompt to continue must not end with it.
         plain, full = backend.encode("a", False), backend.encode("a", True)
@@ -141,6 +142,13 @@ class Tokenizer:
         if self.appended_end is not None and ids and ids[-1] == self.appended_end:
             ids.pop()
         return ids
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (transformers' ``convert_ids_to_tokens``:
+        ``"Ġthe"``, not ``" the"``)."""
+        if self._pieces is None:
+            self._pieces = {i: t for t, i in self.backend.get_vocab().items()}
+        return [self._pieces.get(i, "") for i in ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens)
