@@ -329,8 +329,8 @@ def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | 
         if policy not in REQUEST_KV_POLICIES:  # (the same chunks)
             kw.update({k: case.engine[k] for k in _CHUNKING if k in case.engine})
         core = make_core(path, **kw)
-        try:
-            alone = run_core(core, [prompt], [p])
+        try:  # (alone, priority orders nothing: the fcfs engine refuses one other than 0)
+            alone = run_core(core, [prompt], [p.replace(priority=0)])
         finally:
             core.shutdown()
         got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])

@@ -99,7 +99,7 @@ def tight_blocks(path, prompts, params, **kw) -> int:
     need = 0
     default = core.spec.num_loops
     for prompt, p in zip(prompts, params):
-        r = core.make_request(None, prompt, p)
+        r = core.make_request(None, prompt, p.replace(priority=0))  # (fcfs refuses others)
         loops = max(r.num_loops, default)
         need = max(need, core.kv.blocks_needed(r.kv_tokens, loops))
     core.shutdown()
