@@ -237,7 +237,8 @@ class ChatFormat(_Format):
         self.reasoning = reasoning
         self._splitters: dict[int, ReasoningStream] = {}
         # With return_token_ids, the (one) prompt's ids go top-level, as vLLM puts them: in the
-        # response, or in the stream's first chunk; None once sent or when not asked for.
+        # response, or in the stream's first chunk only (``_prompt_ids_sent`` after it); None
+        # when not asked for.
         self._prompt_ids: list[int] | None = None
         self._prompt_ids_sent = False
 
