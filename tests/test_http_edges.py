@@ -693,7 +693,9 @@ async def test_without_a_served_name_the_checkpoint_path_names_the_model_too(ckp
     async with running(ckpt, client_factory=factory, served_model_name=None) as live:
         for name in (ckpt.name, str(ckpt)):
             status, _, raw = await live.post("/v1/completions", {**body, "model": name})
-            assert status == 200 and orjson.loads(raw)["model"] == ckpt.name, raw
+            assert status == 200 and orjson.loads(raw)["model"] == name, raw  # (as asked)
+        status, _, raw = await live.post("/v1/completions", body)
+        assert orjson.loads(raw)["model"] == ckpt.name
         status, _, raw = await live.get("/v1/models")
         assert [m["id"] for m in orjson.loads(raw)["data"]] == [ckpt.name]
     async with running(ckpt, client_factory=factory, served_model_name="svc") as live:

@@ -76,11 +76,14 @@ def _default_max_tokens(state: ServingState, default: int | None = None) -> int 
     return min(default, limit)
 
 
-def _header(state: ServingState, prefix: str, request_id: str | None) -> ResponseHeader:
+def _header(
+    state: ServingState, prefix: str, request_id: str | None, model: str | None
+) -> ResponseHeader:
     """``request_id``: the client's ``X-Request-Id``, which names the response as vLLM names
-    it (``cmpl-<X-Request-Id>``); else a fresh id."""
+    it (``cmpl-<X-Request-Id>``); else a fresh id. ``model``: the (checked) name the request
+    gave, which the response repeats as vLLM's does; else the served name."""
     rid = f"{prefix}-{request_id}" if request_id else state.ids(prefix)
-    return ResponseHeader(rid, int(state.clock()), state.model_name)
+    return ResponseHeader(rid, int(state.clock()), model or state.model_name)
 
 
 def _choices(
@@ -157,7 +160,7 @@ async def completion_plan(
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     return GenerationPlan(
         choices=choices,
-        format=CompletionFormat(_header(state, "cmpl", request_id), req, frontend, echo),
+        format=CompletionFormat(_header(state, "cmpl", request_id, req.model), req, frontend, echo),
         stream=req.stream,
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
@@ -200,7 +203,7 @@ async def chat_plan(
             state.sampling_defaults,
         ),
         format=ChatFormat(
-            _header(state, "chatcmpl", request_id),
+            _header(state, "chatcmpl", request_id, req.model),
             req,
             frontend,
             reasoning=ids_open_thinking(prompt.token_ids, frontend.tokenizer),
