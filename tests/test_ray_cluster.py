@@ -197,7 +197,11 @@ def test_a_local_cluster_has_the_cpus_of_every_replica(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     init = FakeInit(monkeypatch)
     assert connect(ReplicaConfig(replicas=3, replica_cpus=1.5)) is True  # started: owned
-    assert [(c["address"], c["num_cpus"]) for c in init.calls] == [("local", 4)]
+    assert [(c["address"], c["num_cpus"]) for c in init.calls] == [("local", 5)]  # 4.5 up
+    assert connect(ReplicaConfig(replicas=2, replica_cpus=0.7)) is True
+    assert init.calls[-1]["num_cpus"] == 2  # (1.4 rounded down would place one replica)
+    assert connect(ReplicaConfig(replicas=3, replica_cpus=0.1)) is True
+    assert init.calls[-1]["num_cpus"] == 1  # (0.30000000000000004: not 2)
     assert connect(ReplicaConfig(replicas=3), num_cpus=0.2) is True
     assert init.calls[-1]["num_cpus"] == 1  # (at least one)
 

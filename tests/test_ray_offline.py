@@ -21,6 +21,13 @@ def test_a_single_text_is_one_prompt():
     assert offline._batch(("a", [5, 6]), GREEDY) == (["a", [5, 6]], [GREEDY, GREEDY])
 
 
+def test_prompts_are_taken_as_llm_generate_takes_them():
+    one = {"prompt_token_ids": [9, 10, 11]}
+    assert offline._batch(one, GREEDY) == ([one], [GREEDY])  # (not its keys)
+    with pytest.raises(ValueError, match="not one flat list of ids"):
+        offline._batch([5, 6, 7], None)
+
+
 def test_one_params_list_per_prompt():
     other = SamplingParams(temperature=0.5, max_tokens=3)
     assert offline._batch([[1], [2]], [GREEDY, other]) == ([[1], [2]], [GREEDY, other])
@@ -119,7 +126,7 @@ def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fai
             ref = types.SimpleNamespace(remote=lambda: "vocab-ref")
             return types.SimpleNamespace(vocab_size=ref, threads=threads)
 
-    def get(refs):
+    def get(refs, timeout=None):
         raise RuntimeError("the actor died")
 
     monkeypatch.setattr(ray, "remote", lambda cls: Actors())
@@ -132,3 +139,53 @@ def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fai
     assert placed == [{"num_cpus": 2.0, "num_gpus": 0.5}]
     assert [actor.threads for actor in killed] == [2, 2]  # both started, both stopped
     assert stops == [True]
+
+
+def test_replicas_the_cluster_cannot_place_time_out_saying_what_they_ask(monkeypatch):
+    pytest.importorskip("ray.serve")  # (imported before ray.remote is replaced: it uses it)
+    import ray
+
+    monkeypatch.setattr(offline, "connect", lambda config: False)
+    killed = []
+
+    class Actors:
+        def options(self, **resources) -> Actors:
+            return self
+
+        def remote(self, engine_kw: dict, threads: int) -> object:
+            return types.SimpleNamespace(vocab_size=types.SimpleNamespace(remote=lambda: "ref"))
+
+    def get(refs, timeout=None):
+        assert timeout == 5.0
+        raise ray.exceptions.GetTimeoutError("pending")
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Actors())
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 1.0, "memory": 5.0})
+    config = ReplicaConfig(replicas=2, replica_cpus=0.7, replica_gpus=1.0)
+    with pytest.raises(TimeoutError) as err:
+        offline.ReplicaPool(config, {"model": "/m"}, startup_timeout_s=5.0)
+    assert str(err.value) == (
+        "the replicas did not start within 5 s: 2 of 0.7 CPU and 1 GPU each, on a cluster of "
+        "{'CPU': 1.0}"
+    )
+    assert len(killed) == 2  # (stopped, not left pending)
+
+
+def test_pool_outputs_are_numbered_in_input_order(monkeypatch):
+    pytest.importorskip("ray.serve")
+    import ray
+
+    from rltserve.outputs import RequestOutput
+
+    def shard(prompts, params):
+        return [RequestOutput("0" if i == 0 else str(i), p, [1], []) for i, p in enumerate(prompts)]
+
+    pool = object.__new__(offline.ReplicaPool)
+    pool._actors = [
+        types.SimpleNamespace(generate=types.SimpleNamespace(remote=shard)) for _ in range(2)
+    ]
+    monkeypatch.setattr(ray, "get", lambda calls: calls)
+    outs = pool.generate(["a", "b", "c"], GREEDY)
+    assert [(o.request_id, o.prompt) for o in outs] == [("0", "a"), ("1", "b"), ("2", "c")]

@@ -7,6 +7,7 @@ Every failure here is the user's to fix (Ray missing, an address nobody answers)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -112,7 +113,8 @@ def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
         # "local": a new cluster even where one runs on this host already (``ray start``),
         # which ray.init would otherwise join (and then refuse num_cpus); joining one takes
         # --ray-address (or RAY_ADDRESS).
-        ray.init(address="local", num_cpus=max(1, int(round(cpus))), **quiet)
+        # (rounded up: 2 replicas of 0.7 CPU need 2, which 1.4 rounded down would starve)
+        ray.init(address="local", num_cpus=max(1, math.ceil(cpus - 1e-9)), **quiet)
         return True
     check_reachable(address, flag=flag)
     try:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rltserve.preflight import check_checkpoint_dir
+from rltserve.prompt_inputs import normalize_prompts
 from rltserve.ray.cluster import connect, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
@@ -44,7 +45,12 @@ class ReplicaPool:
     """N ``LLM`` replicas on Ray actors; ``close`` (or ``with``) stops them, and a local cluster
     this pool started."""
 
-    def __init__(self, config: ReplicaConfig, engine_kw: dict) -> None:
+    def __init__(
+        self, config: ReplicaConfig, engine_kw: dict, startup_timeout_s: float = 600.0
+    ) -> None:
+        """``startup_timeout_s``: how long the replicas may take to start (placed and loaded):
+        a replica the cluster cannot place (resources no node has) is a TimeoutError saying
+        what it asks for, not a wait forever."""
         if not config.enabled:
             raise ValueError("replicas: must be an int >= 1")
         ray = require_ray("replicas")
@@ -56,7 +62,17 @@ class ReplicaPool:
                 num_cpus=config.replica_cpus, num_gpus=config.replica_gpus
             )
             self._actors = [cls.remote(engine_kw, config.threads) for _ in range(config.replicas)]
-            self.vocab_size = ray.get([a.vocab_size.remote() for a in self._actors])[0]
+            refs = [a.vocab_size.remote() for a in self._actors]
+            try:
+                self.vocab_size = ray.get(refs, timeout=startup_timeout_s)[0]
+            except ray.exceptions.GetTimeoutError:
+                have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+                raise TimeoutError(
+                    f"the replicas did not start within {startup_timeout_s:g} s: "
+                    f"{config.replicas} of {config.replica_cpus:g} CPU and "
+                    f"{config.replica_gpus:g} GPU each, on a cluster of "
+                    f"{have or 'no CPUs or GPUs'}"
+                ) from None
         except BaseException:
             self.close()
             raise
@@ -84,6 +100,8 @@ class ReplicaPool:
         out: list = [None] * len(prompts)
         for k, shard in enumerate(shards):
             out[k::n] = shard
+        for i, output in enumerate(out):  # (each shard numbered its own from 0)
+            output.request_id = str(i)
         return out
 
     def close(self) -> None:
@@ -105,11 +123,13 @@ def generate(
     ray_address: str | None = None,
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
+    startup_timeout_s: float = 600.0,
     **engine_kw: Any,
 ) -> list:
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
-    connected to, or ``RAY_ADDRESS``), else starts a local one for the call."""
+    connected to, or ``RAY_ADDRESS``), else starts a local one for the call;
+    ``startup_timeout_s``: ``ReplicaPool``'s."""
     if isinstance(replicas, bool) or not isinstance(replicas, int):
         raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
     config = ReplicaConfig(
@@ -121,7 +141,7 @@ def generate(
     # What LLM would refuse at once, refused before a cluster starts (not as a dead actor).
     check_checkpoint_dir(engine_kw.get("model"), "model=")
     prompts, plist = _batch(prompts, params)
-    with ReplicaPool(config, engine_kw) as pool:
+    with ReplicaPool(config, engine_kw, startup_timeout_s) as pool:
         return pool.generate(prompts, plist)
 
 
@@ -130,7 +150,7 @@ def _batch(
 ) -> tuple[list, list[SamplingParams] | None]:
     """The prompts as a list and one SamplingParams per prompt (ValueError when a list of
     params does not match them); None for None (each replica's defaults, as ``LLM``'s)."""
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = normalize_prompts(prompts)  # (as LLM.generate takes them: one dict is one prompt)
     if params is None:
         return prompts, None
     plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
