@@ -4,11 +4,16 @@ Each family's config class reads raw keys with ``read`` / ``read_ids`` in ``from
 every field in ``__post_init__`` with the ``check_*`` helpers, so a bad value raises ``ValueError``
 naming the family, the field and the value whether the object came from JSON or from code.
 Never fall back to the upstream config classes' defaults (MODELS.md §1.2: Ouro's are Qwen values).
+
+The checkpoint's other JSON files are read leniently (``read_json_object``, ``lenient_ids``,
+``generation_eos_ids``): a missing or malformed one contributes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 _MISSING: Any = object()
@@ -116,3 +121,23 @@ def check_full_attention(family: str, layer_types: object, num_layers: int) -> N
     ok = isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types)
     if not ok or len(layer_types) != num_layers:
         raise bad(family, "layer_types", layer_types, f"must be {num_layers} x 'full_attention'")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def lenient_ids(value: object) -> list[int]:
+    """The token ids of an id field (an id or a list); entries that are not ids are dropped."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def generation_eos_ids(folder: Path) -> list[int]:
+    """``generation_config.json``'s ``eos_token_id`` in ``folder`` (vLLM stops on them too)."""
+    return lenient_ids(read_json_object(folder / "generation_config.json").get("eos_token_id"))

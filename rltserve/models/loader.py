@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from rltserve.models.base import LoopedModel, LoopedSpec
+from rltserve.models.hfconfig import generation_eos_ids
 from rltserve.models.registry import Family, get_family
 from rltserve.models.weight_file import Extent, extents, read_concat
 
@@ -272,16 +273,6 @@ def load_model(
 
 
 def _with_generation_eos(spec: LoopedSpec, root: Path) -> LoopedSpec:
-    try:
-        raw = json.loads((root / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return spec
-    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-    values = value if isinstance(value, list) else [value]
-    ids = [
-        v
-        for v in values
-        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < spec.vocab_size
-    ]
+    ids = [v for v in generation_eos_ids(root) if v < spec.vocab_size]
     eos = tuple(dict.fromkeys([*spec.eos_token_ids, *ids]))
     return spec if eos == spec.eos_token_ids else dataclasses.replace(spec, eos_token_ids=eos)

@@ -15,12 +15,12 @@ configs get these wrong (MODELS.md §1.7: Ouro says eos=0 while chat turns end w
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rltserve.models.chat_template import ChatTemplate
+from rltserve.models.hfconfig import generation_eos_ids, lenient_ids, read_json_object
 from rltserve.models.tokenizer_backend import (
     FastBackend,
     TokenizerBackend,
@@ -45,19 +45,6 @@ class TokenizerError(ValueError):
     """A tokenizer that exists but cannot be loaded or used (corrupt files, no chat template)."""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _ids(value: object) -> list[int]:
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-
-
 class Tokenizer:
     """Encode/decode, chat templates and stop ids of one checkpoint. Build with
     ``load_tokenizer``. ``backend`` does the encoding; ``files`` holds the special tokens and
@@ -77,10 +64,10 @@ class Tokenizer:
         self.bos_token_id: int | None = ids.get("bos_token")
         self.eos_token_id: int | None = ids.get("eos_token")
         self.pad_token_id: int | None = ids.get("pad_token")
-        config = _read_json(path / "config.json")
-        stops: list[int] = _ids(self.eos_token_id)
-        stops += _ids(config.get("eos_token_id"))
-        stops += _ids(_read_json(path / "generation_config.json").get("eos_token_id"))
+        config = read_json_object(path / "config.json")
+        stops: list[int] = lenient_ids(self.eos_token_id)
+        stops += lenient_ids(config.get("eos_token_id"))
+        stops += generation_eos_ids(path)
         names = FAMILY_STOP_TOKENS.get(config.get("model_type"), DEFAULT_STOP_TOKENS)
         stops += [vocab[n] for n in names if n in vocab]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
