@@ -167,8 +167,8 @@ def test_replicas_the_cluster_cannot_place_time_out_saying_what_they_ask(monkeyp
     with pytest.raises(TimeoutError) as err:
         offline.ReplicaPool(config, {"model": "/m"}, startup_timeout_s=5.0)
     assert str(err.value) == (
-        "the replicas did not start within 5 s: 2 of 0.7 CPU and 1 GPU each, on a cluster of "
-        "{'CPU': 1.0}"
+        "the replicas did not start within 5 s: 2 replica(s) of 0.7 CPU and 1 GPU each, on a "
+        "cluster of {'CPU': 1.0}"
     )
     assert len(killed) == 2  # (stopped, not left pending)
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageError
-from rltserve.ray.cluster import cluster_gone, connect, require_ray
+from rltserve.ray.cluster import cluster_gone, connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
@@ -220,7 +220,8 @@ class ReplicaSetClient:
                 self._fatal = f"the replicas failed to start: {why}"
                 raise StageError(self._fatal)
             if deadline is not None and time.monotonic() >= deadline:
-                raise StageError(f"replicas not ready ({status.lower()}): {why or self._needs()}")
+                needs = f"starting; {replica_needs(self.config)}"
+                raise StageError(f"replicas not ready ({status.lower()}): {why or needs}")
             time.sleep(_POLL_S if deadline is None else min(_POLL_S, timeout or _POLL_S))
         try:
             self.info = self._handle.info.remote().result(timeout_s=timeout)
@@ -228,18 +229,6 @@ class ReplicaSetClient:
             raise StageError(f"no replica answered: {type(exc).__name__}: {exc}") from exc
         self._count_live()  # (ready: the first request must not find "none alive")
         return self.info
-
-    def _needs(self) -> str:
-        """What a replica asks of the cluster and what the cluster has, for a deployment that
-        has not said why it is still starting."""
-        import ray
-
-        c = self.config
-        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-        return (
-            f"starting; {c.replicas} replica(s) of {c.replica_cpus:g} CPU and "
-            f"{c.replica_gpus:g} GPU each, on a cluster of {have or 'no CPUs or GPUs'}"
-        )
 
     def _serve_app(self) -> tuple:
         """Serve's status of this server's app and of its deployment (None where absent)."""

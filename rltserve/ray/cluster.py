@@ -99,6 +99,16 @@ def ray_address(config: ReplicaConfig) -> tuple[str | None, str]:
     return (env, "RAY_ADDRESS") if env else (None, "")
 
 
+def replica_needs(config: ReplicaConfig) -> str:
+    """What the replicas ask of the cluster and what it has (for replicas not started yet)."""
+    ray = require_ray()
+    have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    return (
+        f"{config.replicas} replica(s) of {config.replica_cpus:g} CPU and "
+        f"{config.replica_gpus:g} GPU each, on a cluster of {have or 'no CPUs or GPUs'}"
+    )
+
+
 def connect(config: ReplicaConfig, num_cpus: float | None = None) -> bool:
     """Connects this process to Ray (no-op when connected already). Returns True when it
     started a local cluster, which the caller then owns and shuts down."""

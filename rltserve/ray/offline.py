@@ -17,7 +17,7 @@ from typing import Any
 
 from rltserve.preflight import check_checkpoint_dir
 from rltserve.prompt_inputs import normalize_prompts
-from rltserve.ray.cluster import connect, require_ray
+from rltserve.ray.cluster import connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
 
@@ -66,12 +66,9 @@ class ReplicaPool:
             try:
                 self.vocab_size = ray.get(refs, timeout=startup_timeout_s)[0]
             except ray.exceptions.GetTimeoutError:
-                have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
                 raise TimeoutError(
                     f"the replicas did not start within {startup_timeout_s:g} s: "
-                    f"{config.replicas} of {config.replica_cpus:g} CPU and "
-                    f"{config.replica_gpus:g} GPU each, on a cluster of "
-                    f"{have or 'no CPUs or GPUs'}"
+                    f"{replica_needs(config)}"
                 ) from None
         except BaseException:
             self.close()
