@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from rltserve.core.engine_info import EngineStats
-from rltserve.ray.client import _sum_stats
+from rltserve.ray.client import _refusal, _sum_stats
 
 
 def _stats(**values) -> EngineStats:
@@ -23,3 +23,11 @@ def test_counters_and_histograms_sum_gauges_of_dead_replicas_do_not():
     assert abs(total.kv_usage - 0.3) < 1e-9
     assert _sum_stats([_stats()]).step_rows_counts == ()  # none reported yet
     assert _sum_stats([]) is None
+
+
+def test_a_failed_deployment_says_whether_the_engine_refused_its_config():
+    refused = "rltserve.core.stage.StageConfigError: max_model_len=9: too long"
+    why = f"Failed to update the deployments ['d'].; {refused}"
+    assert _refusal(why) == "max_model_len=9: too long"
+    assert _refusal("Failed to update the deployments ['d'].; RuntimeError: boom") is None
+    assert _refusal("") is None

@@ -189,3 +189,36 @@ def test_pool_outputs_are_numbered_in_input_order(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda calls: calls)
     outs = pool.generate(["a", "b", "c"], GREEDY)
     assert [(o.request_id, o.prompt) for o in outs] == [("0", "a"), ("1", "b"), ("2", "c")]
+
+
+def test_a_config_the_engine_refuses_is_its_value_error_and_the_replicas_stop(monkeypatch):
+    pytest.importorskip("ray.serve")  # (imported before ray.remote is replaced: it uses it)
+    import ray
+
+    monkeypatch.setattr(offline, "connect", lambda config: False)
+    killed = []
+    refused = ValueError("max_model_len=9: too long")
+
+    class Actors:
+        def options(self, **resources) -> Actors:
+            return self
+
+        def remote(self, engine_kw: dict, threads: int) -> object:
+            return types.SimpleNamespace(vocab_size=types.SimpleNamespace(remote=lambda: "ref"))
+
+    monkeypatch.setattr(ray, "remote", lambda cls: Actors())
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [refused, refused])
+    monkeypatch.setattr(ray, "kill", killed.append)
+    with pytest.raises(ValueError) as err:
+        offline.ReplicaPool(ReplicaConfig(replicas=2), {"model": "/m"})
+    assert err.value is refused
+    assert len(killed) == 2
+
+
+def test_a_shard_keeps_the_refusal_of_its_engine_for_the_pool(monkeypatch, ouro_rv1):
+    import torch
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (this process's, kept)
+    shard = offline._Shard({"model": str(ouro_rv1), "max_model_len": 10**6}, threads=1)
+    refused = shard.vocab_size()
+    assert isinstance(refused, ValueError) and "max_model_len=1000000" in str(refused)

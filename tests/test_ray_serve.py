@@ -191,6 +191,10 @@ def test_offline_generate_over_two_replicas_keeps_input_order(cluster, ckpt):
     assert [_tokens(o) for o in outputs] == [_tokens(o) for o in expected]
     with pytest.raises(ValueError, match="token id"):
         generate([[5], [10**6]], params, replicas=2, model=str(ckpt), num_blocks=512)
+    # A config the engine refuses is its ValueError, as from LLM (not a dead actor's error).
+    with pytest.raises(ValueError) as refused:
+        generate(prompts, params, replicas=1, model=str(ckpt), max_model_len=10**6)
+    assert str(refused.value) == "max_model_len=1000000: the model's context is 2048 tokens"
 
 
 def test_offline_generate_without_params_takes_the_generation_config(cluster, ckpt, tmp_path):
@@ -237,5 +241,8 @@ async def test_replicas_that_cannot_start_fail_within_the_startup_timeout_saying
     ) as live:
         await asyncio.wait_for(live.state.ready.wait(), 150)
         error = live.state.load_error
-        assert error is not None and "the replicas failed to start" in error, error
-        assert "max_model_len=1000000" in error, error
+        # ... as the engine's own ValueError: `serve` exits 2 as it does with one stage.
+        assert isinstance(live.state.load_exception, ValueError), error
+        assert str(live.state.load_exception) == (
+            "max_model_len=1000000: the model's context is 2048 tokens"
+        )

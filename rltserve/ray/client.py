@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.stage import Sink, StageError
+from rltserve.core.stage import Sink, StageConfigError, StageError
 from rltserve.ray.cluster import cluster_gone, connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
@@ -105,6 +105,16 @@ def _sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> 
             if name not in _GAUGES:
                 total[name] += getattr(retired, name)
     return EngineStats(**total)
+
+
+def _refusal(why: str) -> str | None:
+    """What the replicas' engine said when it refused its config, from Serve's words on the
+    failed deployment (the error's last line names its class); None for another failure."""
+    name = f"{StageConfigError.__module__}.{StageConfigError.__qualname__}: "
+    for part in why.split("; "):
+        if part.startswith(name):
+            return part[len(name) :]
+    return None
 
 
 class ReplicaSetClient:
@@ -218,7 +228,9 @@ class ReplicaSetClient:
                 break
             if status == "DEPLOY_FAILED":
                 self._fatal = f"the replicas failed to start: {why}"
-                raise StageError(self._fatal)
+                refused = _refusal(why)
+                # A config the engine refuses is bad input, as with one stage (exit code 2).
+                raise StageError(self._fatal) if refused is None else StageConfigError(refused)
             if deadline is not None and time.monotonic() >= deadline:
                 needs = f"starting; {replica_needs(self.config)}"
                 raise StageError(f"replicas not ready ({status.lower()}): {why or needs}")

@@ -31,10 +31,17 @@ class _Shard:
         from rltserve.llm import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM(in_process=True, **engine_kw)
+        # A config the engine refuses is kept and handed back by ``vocab_size``: raised here, it
+        # would reach the caller as Ray's ActorDiedError with the ValueError buried in its text.
+        self.refused: ValueError | None = None
+        try:
+            self.llm = LLM(in_process=True, **engine_kw)
+        except ValueError as exc:
+            self.refused = exc
 
-    def vocab_size(self) -> int:
-        return self.llm.info.vocab_size
+    def vocab_size(self) -> int | ValueError:
+        """The model's vocabulary size, or the ValueError the engine refused its config with."""
+        return self.refused if self.refused is not None else self.llm.info.vocab_size
 
     def generate(self, prompts: list, params: list[SamplingParams] | None) -> list:
         """``params`` None: the LLM's defaults (``get_default_sampling_params``)."""
@@ -64,12 +71,16 @@ class ReplicaPool:
             self._actors = [cls.remote(engine_kw, config.threads) for _ in range(config.replicas)]
             refs = [a.vocab_size.remote() for a in self._actors]
             try:
-                self.vocab_size = ray.get(refs, timeout=startup_timeout_s)[0]
+                sizes = ray.get(refs, timeout=startup_timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(
                     f"the replicas did not start within {startup_timeout_s:g} s: "
                     f"{replica_needs(config)}"
                 ) from None
+            for size in sizes:
+                if isinstance(size, ValueError):
+                    raise size  # (every replica has the same config: the first says why)
+            self.vocab_size = sizes[0]
         except BaseException:
             self.close()
             raise
