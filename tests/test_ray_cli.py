@@ -109,6 +109,32 @@ def test_offline_generate_refuses_what_llm_would_before_any_cluster_starts():
         generate([[1]], replicas="2")
     with pytest.raises(ValueError, match="params: 2 given for 1 prompts"):
         generate([[1]], [SamplingParams(temperature=0.0)] * 2, replicas=1)
+    with pytest.raises(ValueError, match="prompts: required"):
+        generate(replicas=1)
+
+
+def test_offline_generate_takes_older_vllms_prompt_token_ids(monkeypatch):
+    from rltserve.ray import offline
+
+    pools = []
+
+    class Pool:
+        def __init__(self, config, engine_kw, startup_timeout_s) -> None:
+            pools.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def generate(self, prompts, params):
+            return prompts
+
+    monkeypatch.setattr(offline, "ReplicaPool", Pool)
+    monkeypatch.setattr(offline, "check_checkpoint_dir", lambda *a: None)
+    got = offline.generate(prompt_token_ids=[[1, 2], [3]], replicas=1, model="/m")
+    assert got == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
 
 
 def test_serve_with_replicas_hands_its_limits_to_the_replica_set(monkeypatch):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def generate(prompts, params=None, *, replicas: int, **kwargs: Any) -> list:
+def generate(prompts=None, params=None, *, replicas: int, **kwargs: Any) -> list:
     """Offline generation over ``replicas`` Ray actors; see ``rltserve.ray.offline.generate``."""
     from rltserve.ray.offline import generate as _generate
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rltserve.preflight import check_checkpoint_dir
-from rltserve.prompt_inputs import normalize_prompts
+from rltserve.prompt_inputs import normalize_prompts, token_id_prompts
 from rltserve.ray.cluster import connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
@@ -124,10 +124,11 @@ class ReplicaPool:
 
 
 def generate(
-    prompts: Sequence[Any],
+    prompts: Sequence[Any] | None = None,
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
     replicas: int,
+    prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ray_address: str | None = None,
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
@@ -137,7 +138,12 @@ def generate(
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
     connected to, or ``RAY_ADDRESS``), else starts a local one for the call;
-    ``startup_timeout_s``: ``ReplicaPool``'s."""
+    ``startup_timeout_s``: ``ReplicaPool``'s; ``prompt_token_ids``: as ``LLM.generate``'s (older
+    vLLM's keyword)."""
+    if prompt_token_ids is not None:
+        prompts = token_id_prompts(prompt_token_ids, prompts)
+    if prompts is None:
+        raise ValueError("prompts: required (or prompt_token_ids)")
     if isinstance(replicas, bool) or not isinstance(replicas, int):
         raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
     config = ReplicaConfig(
