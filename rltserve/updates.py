@@ -29,6 +29,8 @@ class UpdateTimeout(ValueError):
 
 # What sleep mode frees and ``wake_up`` restores (``core/sleep.py``).
 SLEEP_TAGS = ("weights", "kv_cache")
+# How the error of a request refused while the engine sleeps begins (the server: a 503).
+ASLEEP = "the engine is asleep"
 
 
 @dataclass(slots=True)

@@ -89,6 +89,8 @@ class ScriptedStage:
         self.added: list[str] = []
         self.weight_updates: list[list[str]] = []  # the paths of each update_weights call
         self.weight_version = 0
+        self.sleeping: set[str] = set()  # (sleep mode: only recorded)
+        self.cache_resets = 0
         self._open: dict[str, _Open] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
@@ -116,6 +118,15 @@ class ScriptedStage:
         self.weight_updates.append(list(paths))
         self.weight_version += 1
         return self.weight_version
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.sleeping -= set(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.cache_resets += 1
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -41,6 +41,9 @@ BODIES = {
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5]},
     "/v1/update_weights": {"model_path": "/ckpt"},
+    "/sleep": None,  # (query parameters only)
+    "/wake_up": None,
+    "/reset_prefix_cache": None,
 }
 
 

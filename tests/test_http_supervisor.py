@@ -483,6 +483,30 @@ async def test_supervised_stage_reapplies_weight_updates_in_order():
     assert sup.error.startswith("restart failed: weight update ['/w1'] again")
 
 
+async def test_supervised_stage_sleep_controls_are_the_current_stages():
+    class Sleepy(_FakeStage):
+        sleeping: set[str] = set()
+
+        def sleep(self, level, timeout_s) -> None:
+            self.sleeping = {"weights", "kv_cache"}
+
+        def wake_up(self, tags) -> None:
+            self.sleeping = self.sleeping - set(tags)
+
+    a, b = Sleepy("a"), _FakeStage("replicas")  # (b: a stage without sleep mode)
+    sup, _, _ = _supervised(a, b)
+    sup.sleep(1, 5.0)
+    assert sup.sleeping == {"weights", "kv_cache"}
+    sup.wake_up(["weights"])
+    assert sup.sleeping == {"kv_cache"}
+    await sup._replace("boom")
+    assert sup.sleeping == set()  # (a restarted stage starts awake)
+    with pytest.raises(ValueError, match="sleep: not with engine replicas"):
+        sup.sleep(1, 5.0)
+    with pytest.raises(ValueError, match="reset_prefix_cache: not with engine replicas"):
+        sup.reset_prefix_cache()
+
+
 async def test_supervised_stage_is_not_alive_while_it_restarts():
     a = _FakeStage("a")
     started, release = threading.Event(), threading.Event()

@@ -144,3 +144,21 @@ def test_error_helpers():
     assert error_body(429, "slow down") == {
         "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": 429}
     }
+
+
+@pytest.mark.parametrize(
+    ("error", "rejected", "status"),
+    [
+        ("the engine is asleep (kv_cache freed by sleep): wake_up() first", True, 503),
+        ("max_tokens=9: too many", True, 400),
+        ("stage died: exit 9", False, 503),
+        ("engine error while planning a step: boom", False, 500),
+    ],
+)
+def test_an_ended_choice_is_the_error_its_engine_update_stands_for(error, rejected, status):
+    from rltserve.http.frontend import ChoiceEvent, failure
+    from rltserve.outputs import TextDelta
+
+    delta = TextDelta("", [], [], [], "error", error=error)
+    got = failure(ChoiceEvent(0, delta, None, rejected), closing=False)
+    assert got is not None and got.status == status

@@ -34,7 +34,7 @@ from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.sampling import SamplingParams, truncated_prompt
-from rltserve.updates import RequestUpdate, StepUpdates
+from rltserve.updates import ASLEEP, RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
 _REQUEST_ID = attrgetter("request_id")
@@ -327,7 +327,7 @@ class EngineCore:
         finishes; ("import", file) caches the KV such a file holds before admitting it."""
         if self.sleeping:
             parts = " and ".join(sorted(self.sleeping))
-            raise ValueError(f"the engine is asleep ({parts} freed by sleep): wake_up() first")
+            raise ValueError(f"{ASLEEP} ({parts} freed by sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
         kind, path = transfer or (None, "")
         if kind == "import":

@@ -1,4 +1,5 @@
-"""Administrative routes: ``POST /v1/update_weights`` loads new weights into the serving model.
+"""Administrative routes: ``POST /v1/update_weights`` loads new weights into the serving model;
+vLLM's sleep-mode routes and ``POST /reset_prefix_cache`` (see ``sleep``).
 
 Body (``UpdateWeightsRequest``): ``{"model_path": DIR, "abort": false, "timeout": 300}``.
 ``model_path`` is a checkpoint directory (or a ``.safetensors`` file) on the server's host with
@@ -23,7 +24,7 @@ from rltserve.http.body import read_body
 from rltserve.http.errors import HTTPError, bad_request, json_response
 from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
-from rltserve.updates import UpdateTimeout
+from rltserve.updates import SLEEP_TAGS, UpdateTimeout
 
 MAX_TIMEOUT_S = 3600
 
@@ -39,10 +40,8 @@ class UpdateWeightsRequest:
     def validate(self) -> None:
         if not self.model_path:
             raise SchemaError("model_path", "model_path: required (a checkpoint directory)")
-        if not 0 <= self.timeout <= MAX_TIMEOUT_S:
-            raise SchemaError(
-                "timeout", f"timeout={self.timeout:g}: must be in [0, {MAX_TIMEOUT_S}] seconds"
-            )
+        if (problem := _timeout_problem(self.timeout)) is not None:
+            raise SchemaError("timeout", problem)
 
 
 async def update_weights(request: web.Request) -> web.Response:
@@ -58,3 +57,72 @@ async def update_weights(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise bad_request(str(exc), "model_path") from exc
     return json_response({"weight_version": version})
+
+
+# vLLM's sleep mode over HTTP, for a trainer that shares the device with the server between
+# rollouts: ``POST /sleep?level=1|2`` frees the KV cache (forgetting cached prefixes) and, on
+# CUDA, the weights (level 1 keeps a host copy); it waits for running requests up to ``timeout``
+# seconds (our query parameter, default 300: a 409 after it, nothing freed). ``POST /wake_up``
+# (``?tags=weights&tags=kv_cache``, none: both) restores them; ``GET /is_sleeping`` answers
+# ``{"is_sleeping": bool}``. While asleep, completions and chat are a 503 (the rest answers).
+# Each answers an empty 200, as vLLM's; a replica set has none of them (400).
+
+
+async def sleep(request: web.Request) -> web.Response:
+    level = _query_number(request, "level", 1, int)
+    if level not in (1, 2):
+        raise bad_request(f"level={level}: must be 1 or 2", "level")
+    timeout = _query_number(request, "timeout", 300.0, float)
+    if (problem := _timeout_problem(timeout)) is not None:
+        raise bad_request(problem, "timeout")
+    await _run(request, "sleep", level, timeout)
+    return web.Response()
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    tags = request.query.getall("tags", []) or list(SLEEP_TAGS)
+    if not set(tags) <= set(SLEEP_TAGS):
+        raise bad_request(f"tags={tags}: each must be one of {list(SLEEP_TAGS)}", "tags")
+    await _run(request, "wake_up", tags)
+    return web.Response()
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    client = request.app[STATE].require_frontend().client
+    return json_response({"is_sleeping": bool(client.sleeping)})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's: forgets every cached prefix (blocks running requests hold stay theirs)."""
+    await _run(request, "reset_prefix_cache")
+    return web.Response()
+
+
+async def _run(request: web.Request, name: str, *args: object) -> None:
+    client = request.app[STATE].require_frontend().client
+    try:
+        await asyncio.to_thread(getattr(client, name), *args)
+    except UpdateTimeout as exc:
+        raise HTTPError(409, str(exc), param="timeout") from exc
+    except ValueError as exc:
+        raise bad_request(str(exc), None) from exc
+
+
+def _query_number(request: web.Request, name: str, default: float, kind: type) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise bad_request(f"{name}={raw!r}: must be a number", name) from None
+    if value != value:  # NaN
+        raise bad_request(f"{name}={raw!r}: must be a number", name)
+    return value
+
+
+def _timeout_problem(timeout: float) -> str | None:
+    """Why a wait of ``timeout`` seconds is refused, or None."""
+    if 0 <= timeout <= MAX_TIMEOUT_S:
+        return None
+    return f"timeout={timeout:g}: must be in [0, {MAX_TIMEOUT_S}] seconds"

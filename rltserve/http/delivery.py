@@ -30,6 +30,8 @@ async def deliver(
     try:
         async with gate.slots(len(plan.choices)):
             frontend = state.require_frontend()
+            if frontend.client.sleeping:  # (vLLM's answer while asleep)
+                raise unavailable("the model is sleeping: POST /wake_up first")
             async with frontend.open(plan.choices, plan.arrival) as generation:
                 if plan.stream:
                     return await _stream(request, state, plan, generation)

@@ -30,7 +30,7 @@ from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta
 from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
-from rltserve.updates import FinishReason, RequestUpdate
+from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
 
 
 class StageClientLike(Protocol):
@@ -446,6 +446,8 @@ def failure(event: ChoiceEvent, closing: bool) -> HTTPError | None:
     delta = event.delta
     if delta.finish_reason == "error":
         message = delta.error or "the engine failed"
+        if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
+            return unavailable("the model is sleeping: POST /wake_up first")
         if event.rejected:
             return bad_request(message, param_of(message))
         if message.startswith("stage died"):

@@ -7,7 +7,14 @@ import time
 from aiohttp import web
 
 from rltserve import __version__
-from rltserve.http.admin import UpdateWeightsRequest, update_weights
+from rltserve.http.admin import (
+    UpdateWeightsRequest,
+    is_sleeping,
+    reset_prefix_cache,
+    sleep,
+    update_weights,
+    wake_up,
+)
 from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import bad_request, json_response
@@ -147,6 +154,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/version", version),
     Route("GET", "/openapi.json", openapi),
     Route("POST", "/v1/update_weights", update_weights, UpdateWeightsRequest),
+    # vLLM's sleep mode and cache reset (query parameters, no body)
+    Route("POST", "/sleep", sleep),
+    Route("POST", "/wake_up", wake_up),
+    Route("GET", "/is_sleeping", is_sleeping),
+    Route("POST", "/reset_prefix_cache", reset_prefix_cache),
 )
 
 

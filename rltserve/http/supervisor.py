@@ -175,6 +175,30 @@ class SupervisedStage:
         self._updates.append(list(paths))
         return version
 
+    # Sleep mode and the prefix cache (``POST /sleep``, ...): the current stage's. A stage that
+    # is restarted starts awake, with an empty cache.
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self._control("sleep")(level, timeout_s)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._control("wake_up")(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self._control("reset_prefix_cache")()
+
+    @property
+    def sleeping(self) -> set[str]:
+        """What ``sleep`` freed and ``wake_up`` has not restored (nothing for a replica set)."""
+        return set(getattr(self._client, "sleeping", ()))
+
+    def _control(self, name: str) -> Callable:
+        self._check_running()
+        control = getattr(self._client, name, None)
+        if control is None:  # (a replica set: each replica is its own deployment)
+            raise ValueError(f"{name}: not with engine replicas")
+        return control
+
     def add_request(
         self,
         request_id: str,

@@ -1,0 +1,138 @@
+"""vLLM's sleep-mode routes and cache reset on the real engine (ouro-tiny, in-process stage, and
+two stages): POST /sleep, POST /wake_up, GET /is_sleeping, POST /reset_prefix_cache; the 503
+while asleep; bad query parameters; the 409 of a sleep that waited for a running request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+import pytest_asyncio
+from test_http_harness import error_of, running, tiny_checkpoint
+
+from rltserve.core.pd import PDClient
+from rltserve.core.stage import InProcessStageClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+KEY = "admin-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = list(range(11, 31))  # (20 tokens: two full blocks of 8 to cache)
+GREEDY = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+          "return_token_ids": True}  # fmt: skip
+ENGINE = {"block_size": 8}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(ckpt):
+    async with running(ckpt, api_key=KEY, engine=ENGINE) as live:
+        yield live
+
+
+async def _complete(server) -> tuple[list[int], int]:
+    """The greedy completion's token ids and its cached prompt tokens."""
+    status, _, raw = await server.post("/v1/completions", GREEDY, headers=AUTH)
+    assert status == 200, raw
+    body = orjson.loads(raw)
+    cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return body["choices"][0]["token_ids"], cached
+
+
+async def _sleeping(server) -> bool:
+    status, _, raw = await server.get("/is_sleeping", headers=AUTH)
+    assert status == 200, raw
+    return orjson.loads(raw)["is_sleeping"]
+
+
+async def test_sleep_refuses_generation_until_both_parts_wake(server):
+    tokens, _ = await _complete(server)
+    assert not await _sleeping(server)
+    status, _, raw = await server.post("/sleep?level=1", None, headers=AUTH)
+    assert (status, raw) == (200, b"")
+    assert await _sleeping(server)
+    for path, body in [
+        ("/v1/completions", GREEDY),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
+        status, headers, raw = await server.post(path, body, headers=AUTH)
+        assert status == 503, raw
+        assert error_of(raw)["message"] == "the model is sleeping: POST /wake_up first"
+    # What needs no weights still answers.
+    status, _, raw = await server.post("/tokenize", {"prompt": "hello"}, headers=AUTH)
+    assert status == 200, raw
+    status, _, _ = await server.get("/v1/models", headers=AUTH)
+    assert status == 200
+    status, _, raw = await server.post("/wake_up?tags=weights", None, headers=AUTH)
+    assert (status, raw) == (200, b"")
+    assert await _sleeping(server)  # (the KV cache still sleeps)
+    status, _, _ = await server.post("/v1/completions", GREEDY, headers=AUTH)
+    assert status == 503
+    status, _, _ = await server.post("/wake_up", None, headers=AUTH)
+    assert status == 200 and not await _sleeping(server)
+    again, cached = await _complete(server)
+    assert again == tokens and cached == 0  # (sleep forgot the cached prefix)
+
+
+async def test_reset_prefix_cache_forgets_cached_prompts(server):
+    tokens, _ = await _complete(server)
+    assert await _complete(server) == (tokens, 16)
+    status, _, raw = await server.post("/reset_prefix_cache", None, headers=AUTH)
+    assert (status, raw) == (200, b"")
+    assert await _complete(server) == (tokens, 0)
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "message"),
+    [
+        ("/sleep?level=3", "level", "level=3: must be 1 or 2"),
+        ("/sleep?level=one", "level", "level='one': must be a number"),
+        ("/sleep?timeout=-1", "timeout", "timeout=-1: must be in [0, 3600] seconds"),
+        ("/sleep?timeout=nan", "timeout", "timeout='nan': must be a number"),
+        ("/wake_up?tags=weights&tags=kv", "tags", "tags=['weights', 'kv']: each must be one of"),
+    ],
+)
+async def test_bad_query_parameters_are_a_400_naming_them(server, path, param, message):
+    status, _, raw = await server.post(path, None, headers=AUTH)
+    error = error_of(raw)
+    assert (status, error["param"]) == (400, param), error
+    assert error["message"].startswith(message), error
+    assert not await _sleeping(server)
+
+
+async def test_the_routes_need_the_api_key(server):
+    for method, path in [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/reset_prefix_cache")]:  # fmt: skip
+        async with server.session.request(method, server.url + path) as r:
+            assert r.status == 401, path
+    assert not await _sleeping(server)
+
+
+async def test_a_sleep_that_waited_for_a_running_request_is_a_409(server):
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    async with server.session.post(server.url + "/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status == 200
+        await r.content.readline()  # the stream has started: the request runs
+        status, _, raw = await server.post("/sleep?timeout=0", None, headers=AUTH)
+    assert status == 409, raw
+    assert error_of(raw)["param"] == "timeout"
+    await asyncio.sleep(0)
+    assert not await _sleeping(server)
+
+
+async def test_two_stages_sleep_and_wake_together(ckpt):
+    factory = lambda config: PDClient(config, InProcessStageClient)  # noqa: E731
+    engine = {**ENGINE, "disaggregate": True}
+    async with running(ckpt, engine=engine, client_factory=factory) as live:
+        tokens, _ = await _complete(live)
+        status, _, _ = await live.post("/sleep?level=2", None)
+        assert status == 200 and await _sleeping(live)
+        status, _, _ = await live.post("/v1/completions", GREEDY)
+        assert status == 503
+        status, _, _ = await live.post("/wake_up", None)
+        assert status == 200 and not await _sleeping(live)
+        assert (await _complete(live))[0] == tokens
