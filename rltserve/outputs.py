@@ -149,7 +149,8 @@ class OutputAssembler:
     ``stop_token_ids``) that ended the request (vLLM's rule). A stop string
     may span token boundaries: text that could be the start of a stop string is held back until
     it is known not to be one. As in vLLM, stop strings count only once more than
-    ``min_tokens`` tokens exist: a match must end in the text of a later token."""
+    ``min_tokens`` tokens exist: a match must end in the text of a later token.
+    ``kept_special_ids``: special tokens whose text stays with ``skip_special_tokens``."""
 
     def __init__(
         self,
@@ -163,12 +164,13 @@ class OutputAssembler:
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
+        kept_special_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.output = Completion(request_id, list(prompt_token_ids))
         if want_logprobs:
             self.output.logprobs = []
         self._detok = (
-            tokenizer.detokenizer(prompt_token_ids, skip_special_tokens)
+            tokenizer.detokenizer(prompt_token_ids, skip_special_tokens, kept_special_ids)
             if tokenizer is not None
             else None
         )

@@ -36,6 +36,13 @@ def resolve_thinking(params: SamplingParams, tokenizer) -> SamplingParams:
     return params.replace(thinking_end_token_ids=end, thinking_interruption=interruption)
 
 
+def reasoning_kept_ids(tokenizer) -> frozenset[int]:
+    """The ``</think>`` id where the tokenizer makes it a special token: a reasoning split needs
+    its text, which ``skip_special_tokens`` would drop (and with it the split)."""
+    token = tokenizer.get_vocab().get(THINK_END) if tokenizer is not None else None
+    return frozenset({token}) if token in getattr(tokenizer, "special_ids", ()) else frozenset()
+
+
 def split_reasoning(text: str, prompt_open: bool) -> tuple[str | None, str]:
     """(reasoning, content) of a chat answer. The thinking span runs from the start of the
     answer when the prompt left ``<think>`` open (else from a ``<think>`` the answer opens) to

@@ -152,3 +152,38 @@ async def test_bounded_thinking_over_http_equals_the_offline_api(ckpt):
             status, _, raw = await live.post("/v1/completions", {**body, **bad})
             assert status == 400, raw
             assert orjson.loads(raw)["error"]["param"] == param, raw
+
+
+async def test_reasoning_splits_where_the_tokenizer_makes_think_end_special(ckpt, tmp_path):
+    """A tokenizer whose ``</think>`` is a special token: skip_special_tokens (the default)
+    must not drop the tag the split looks for (everything came back as reasoning)."""
+    special = tmp_path / "special"
+    shutil.copytree(ckpt, special)
+    for name, entries in [("tokenizer.json", "added_tokens"),
+                          ("tokenizer_config.json", "added_tokens_decoder")]:  # fmt: skip
+        data = json.loads((special / name).read_text())
+        items = data[entries] if isinstance(data[entries], list) else data[entries].values()
+        for token in items:
+            token["special"] = token["special"] or token["content"] == "</think>"
+        (special / name).write_text(json.dumps(data))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "max_thinking_tokens": 2, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    got = {}
+    for path in (ckpt, special):
+        async with running(path) as live:
+            status, _, raw = await live.post("/v1/chat/completions", body)
+            assert status == 200, raw
+            choice = orjson.loads(raw)["choices"][0]
+            status, _, raw = await live.post("/v1/chat/completions", {**body, "stream": True})
+            deltas = [c["choices"][0]["delta"] for c in sse_payloads(raw)[:-1] if c["choices"]]
+            streamed = [
+                "".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")
+            ]
+            got[path] = (choice["token_ids"], choice["message"]["reasoning_content"],
+                         choice["message"]["content"], streamed)  # fmt: skip
+    ids, reasoning, content, streamed = got[ckpt]
+    tok = load_tokenizer(ckpt)
+    end = tok.get_vocab()["</think>"]
+    assert content == tok.decode(ids[ids.index(end) + 1 :]) != ""
+    assert got[special] == got[ckpt] and streamed == [reasoning, content]

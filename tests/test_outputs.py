@@ -21,7 +21,7 @@ class _Chars:
 
 
 class CharTokenizer:
-    def detokenizer(self, prompt_token_ids, skip_special_tokens):
+    def detokenizer(self, prompt_token_ids, skip_special_tokens, kept_ids):
         return _Chars()
 
 
@@ -130,7 +130,7 @@ class _LaggingChars:
 
 
 class LaggingTokenizer:
-    def detokenizer(self, prompt_token_ids, skip_special_tokens):
+    def detokenizer(self, prompt_token_ids, skip_special_tokens, kept_ids):
         return _LaggingChars()
 
 

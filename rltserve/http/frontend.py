@@ -95,6 +95,9 @@ class ChoiceRequest:
     params: SamplingParams
     group: str | None = None  # shared by the samples of one prompt: the stage prefills it once
     session: str | None = None  # the HTTP request's session key: its replica, under affinity
+    # Special tokens whose text the choice's text keeps with skip_special_tokens (the
+    # </think> that splits reasoning from content, where the tokenizer makes it special).
+    kept_special_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,7 @@ class Generation:
                     skip_special_tokens=c.params.skip_special_tokens,
                     include_stop_str_in_output=c.params.include_stop_str_in_output,
                     min_tokens=c.params.min_tokens,
+                    kept_special_ids=c.kept_special_ids,
                 ),
                 RequestTimeline(arrival, arrival),
             )

@@ -11,6 +11,7 @@ it asked for exceeds the context is a 400 (as in vLLM), never silently shortened
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from rltserve.http.schemas import (
 )
 from rltserve.http.state import ServingState
 from rltserve.http.validation import param_of
-from rltserve.thinking import ids_open_thinking
+from rltserve.thinking import ids_open_thinking, reasoning_kept_ids
 
 
 @dataclass(frozen=True)
@@ -190,23 +191,24 @@ async def chat_plan(
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     param = req.token_limit_param
+    choices = _choices(
+        frontend,
+        req,
+        [prompt],
+        req.token_limit,
+        logprobs,
+        param,
+        _default_max_tokens(state),
+        session,
+        state.sampling_defaults,
+    )
+    reasoning = ids_open_thinking(prompt.token_ids, frontend.tokenizer)
+    if reasoning and (kept := reasoning_kept_ids(frontend.tokenizer)):
+        choices = [dataclasses.replace(c, kept_special_ids=kept) for c in choices]
     return GenerationPlan(
-        choices=_choices(
-            frontend,
-            req,
-            [prompt],
-            req.token_limit,
-            logprobs,
-            param,
-            _default_max_tokens(state),
-            session,
-            state.sampling_defaults,
-        ),
+        choices=choices,
         format=ChatFormat(
-            _header(state, "chatcmpl", request_id, req.model),
-            req,
-            frontend,
-            reasoning=ids_open_thinking(prompt.token_ids, frontend.tokenizer),
+            _header(state, "chatcmpl", request_id, req.model), req, frontend, reasoning=reasoning
         ),
         stream=req.stream,
         include_usage=req.include_usage,

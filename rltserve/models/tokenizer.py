@@ -169,9 +169,12 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def detokenizer(
-        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        kept_ids: frozenset[int] = frozenset(),
     ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, kept_ids)
 
 
 class IncrementalDetokenizer:
@@ -191,20 +194,31 @@ class IncrementalDetokenizer:
     _CONTEXT = 5  # prompt tokens kept as left context of the first window
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        kept_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """``kept_ids``: special tokens whose text stays even when ``skip_special_tokens``
+        drops the others (a reasoning split's ``</think>``)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._kept = kept_ids
         self._ids: list[int] = [t for t in prompt_ids if not self._skipped(t)]
         self._read = len(self._ids)
         self._prefix = max(0, self._read - self._CONTEXT)
         self.text = ""  # everything returned so far
 
     def _skipped(self, token_id: int) -> bool:
-        return self.skip_special_tokens and token_id in self.tokenizer.special_ids
+        special = self.skip_special_tokens and token_id in self.tokenizer.special_ids
+        return special and token_id not in self._kept
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # With kept ids the other special ids are already out of ``ids`` (``_skipped``), so a
+        # decode that skips nothing renders the kept ones and drops no other.
+        skip = self.skip_special_tokens and not self._kept
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def add(self, token_id: int) -> str:
         """Feeds one generated token; returns the newly completed text ("" if none yet)."""
