@@ -314,6 +314,45 @@ async def test_tokenize_counts_a_conversation_longer_than_the_context(ckpt):
         assert status == 400 and error_of(raw)["param"] == "messages"
 
 
+async def test_the_operators_chat_template_renders_any_role_and_earlier_reasoning(ckpt, tmp_path):
+    """``--chat-template`` (a file, or the template itself) replaces the checkpoint's, for chats
+    and /tokenize alike; a role other than OpenAI's reaches the template as given (vLLM's custom
+    roles) and so does an earlier answer's ``reasoning_content``."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}({{ m.reasoning_content"
+        " }}){% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[Huginn]"
+        "{% endif %}"
+    )
+    (tmp_path / "t.jinja").write_text(template)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "Huginn", "content": "yo", "reasoning_content": "hmm"},
+        {"role": "user", "content": "more"},
+    ]
+    want = load_tokenizer(ckpt).encode("[user]hi\n[Huginn](hmm)yo\n[user]more\n[Huginn]", False)
+    for given in (str(tmp_path / "t.jinja"), template):
+        stage = stage_for(ckpt)
+        async with running(
+            ckpt, client_factory=scripted_factory(stage), chat_template=given
+        ) as live:
+            status, _, raw = await live.post("/tokenize", {"messages": messages})
+            assert status == 200 and orjson.loads(raw)["tokens"] == want, raw
+            status, _, raw = await live.post("/v1/chat/completions", {"messages": messages})
+            assert status == 200, raw
+            assert stage.added_prompts == [want]
+
+
+def test_a_chat_template_that_is_no_file_nor_compiles_is_refused():
+    from rltserve.http.config import ServerConfig
+
+    with pytest.raises(ValueError, match="chat_template='/no/t.jinja': no such file"):
+        ServerConfig(chat_template="/no/t.jinja")
+    with pytest.raises(ValueError, match="chat_template: the template does not compile"):
+        ServerConfig(chat_template="{% for m in messages %}")
+
+
 async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):
     """While the server drains, new requests get a 503 a load balancer can retry elsewhere."""
     async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:

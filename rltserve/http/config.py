@@ -75,6 +75,13 @@ class ServerConfig:
             "generation_config.json, 'vllm' vLLM's own, or a folder holding one"
         ),
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_help(
+            "a chat template that replaces the checkpoint's: a Jinja file, or the template "
+            "itself (vLLM's --chat-template)"
+        ),
+    )
     drain_timeout_s: float = field(
         default=10.0,
         metadata=_help(
@@ -160,6 +167,10 @@ class ServerConfig:
         if not isinstance(self.strict_fields, bool):
             raise ValueError(f"strict_fields={self.strict_fields!r}: must be a bool")
         generation_config_folder(self.generation_config, "")  # (ValueError naming it)
+        if self.chat_template is not None:
+            from rltserve.models.chat_template import read_chat_template
+
+            read_chat_template(self.chat_template)  # (before the model loads: a usage error)
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
         bounds = (

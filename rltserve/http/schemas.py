@@ -31,7 +31,6 @@ COMPLETION_MAX_TOKENS = 16
 # take (up to 2**64 - 1).
 SEED_RANGE = (-(2**63), 2**63 - 1)
 PRIORITY_RANGE = SEED_RANGE  # (a 64-bit int, as vLLM's)
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
@@ -260,11 +259,15 @@ class ChatMessage:
     # rendered without its calls; ``tool_call_id`` alone is harmless.
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    # vLLM's: an earlier answer's thinking, for templates that render it.
+    reasoning_content: str | None = None
 
     def as_template_input(self, path: str) -> dict[str, Any]:
-        """The message as chat templates expect it: text content only."""
-        if self.role not in CHAT_ROLES:
-            raise SchemaError(f"{path}.role", f"{path}.role: must be one of {CHAT_ROLES}")
+        """The message as chat templates expect it: text content only. A role other than
+        OpenAI's (system, developer, user, assistant, tool) goes to the template as given, as
+        vLLM's custom roles do (Huginn's history may name its answers' role ``Huginn``)."""
+        if not self.role.strip():
+            raise SchemaError(f"{path}.role", f"{path}.role: must not be empty")
         if self.tool_calls:
             where = f"{path}.tool_calls"
             raise SchemaError(where, f"{where}: tool calls are not supported (nor is tools)")
@@ -280,6 +283,8 @@ class ChatMessage:
         message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

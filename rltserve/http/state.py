@@ -29,6 +29,7 @@ from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
+from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 from rltserve.sampling import generation_config_defaults
 from rltserve.vllm_args import generation_config_folder
@@ -112,6 +113,8 @@ class ServingState:
             )
             info = await self._wait_ready(self._client)
             tokenizer, token_chars = await tokenizer_job
+            if tokenizer is not None and self.config.chat_template is not None:
+                tokenizer.use_chat_template(read_chat_template(self.config.chat_template))
             client = self._client
             self.metrics.configure(info.max_loops, lambda: (client.stats, self.gate.num_queued))
             self._frontend = Frontend(

@@ -180,3 +180,21 @@ class ChatTemplate:
         variables["messages"] = normalize_messages(messages)
         variables["add_generation_prompt"] = add_generation_prompt
         return template.render(**variables)
+
+
+def read_chat_template(value: str, name: str = "chat_template") -> str:
+    """A template given as vLLM's ``--chat-template`` takes it: a file's path (its text) or the
+    Jinja source itself (text with braces or a newline); ValueError naming ``name`` for a path
+    that is no file or a template that does not compile."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"{name}={value!r}: no such file (nor a Jinja template)") from None
+        source = value
+    try:
+        ChatTemplate(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"{name}: the template does not compile: {exc}") from exc
+    return source

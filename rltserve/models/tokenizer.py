@@ -114,6 +114,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def use_chat_template(self, source: str) -> None:
+        """Renders chats with ``source`` (a Jinja template) instead of the checkpoint's."""
+        self._template = ChatTemplate(source)
+
     def get_vocab(self) -> dict[str, int]:
         """Token text -> id, added tokens included."""
         return self.backend.get_vocab()
