@@ -277,10 +277,13 @@ async def test_tokenize_returns_token_strings_when_asked(ckpt):
         assert len(out["token_strs"]) == out["count"] and "<|im_start|>" in out["token_strs"]
 
 
-async def test_detokenize_and_echo_leave_special_tokens_out(ckpt):
+async def test_detokenize_keeps_special_tokens_and_echo_leaves_them_out(ckpt):
     stage = stage_for(ckpt, max_model_len=64)
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         status, _, raw = await live.post("/detokenize", {"tokens": [44, 77, 2]})  # 2: <|im_end|>
+        assert status == 200 and orjson.loads(raw) == {"prompt": "Hi<|im_end|>"}  # (vLLM's)
+        body = {"tokens": [44, 77, 2], "skip_special_tokens": True}
+        status, _, raw = await live.post("/detokenize", body)
         assert status == 200 and orjson.loads(raw) == {"prompt": "Hi"}
         body = {"prompt": [44, 77, 2], "max_tokens": 1, "echo": True}
         status, _, raw = await live.post("/v1/completions", body)

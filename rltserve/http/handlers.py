@@ -129,7 +129,8 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request(
             f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens"
         )
-    return json_response({"prompt": await codec.decode(req.tokens)})
+    text = await codec.decode(req.tokens, skip_special_tokens=req.skip_special_tokens)
+    return json_response({"prompt": text})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -371,6 +371,9 @@ class TokenizeRequest:
 class DetokenizeRequest:
     tokens: list[int]
     model: str | None = None
+    # Special tokens are kept (vLLM's: its tokenizer's decode), so /tokenize of a chat comes
+    # back whole; true drops them, as a completion's text does.
+    skip_special_tokens: bool = False
 
     def validate(self) -> None:
         pass
