@@ -216,7 +216,7 @@ def test_real_checkpoint_specs():
         4096,
     )
     assert (h.num_core_layers, h.num_boundary_layers) == (4, 4)
-    assert h.eos_token_ids == (65505, 65508) and h.bos_token_id == 65504
+    assert h.eos_token_ids == (65505, 65508, 65504) and h.bos_token_id == 65504
     n = _real_spec(NANBEIGE_4_2_3B)
     assert (n.num_loops, n.head_dim, n.num_heads, n.num_kv_heads) == (2, 128, 48, 8)
     assert n.eos_token_ids == (166101,) and n.vocab_size == 166144

@@ -38,9 +38,10 @@ from rltserve.models.layers import (
 FAMILY = "huginn_raven"
 # Loops are unbounded in principle (quality saturates near 64); 256 bounds the KV planes.
 MAX_LOOPS = 256
-# The real tokenizer (65536 entries) ends text with <|end_text|> and chat turns with <|end_turn|>.
+# The real tokenizer (65536 entries) ends text with <|end_text|> and chat turns with <|end_turn|>;
+# the reference's generate (``_get_stops``) also stops at a new <|begin_text|>.
 REAL_VOCAB = 65536
-REAL_STOP_IDS = (65505, 65508)
+REAL_STOP_IDS = (65505, 65508, 65504)
 # checkpoint-only tensors: the tied copy of the embedding and the precomputed RoPE table.
 TIED = {"lm_head.weight": "transformer.wte.weight"}
 BUFFERS = ("freqs_cis",)
