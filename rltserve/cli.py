@@ -21,6 +21,7 @@ import orjson
 from rltserve import __version__
 from rltserve.bench.commands import cmd_bench_host, cmd_bench_offline, cmd_bench_rollout
 from rltserve.bench.rollout import add_rollout_parser
+from rltserve.chat_cli import add_client_parsers
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions and available backends")
     info.set_defaults(func=cmd_info)
     add_serve_parser(sub)
+    add_client_parsers(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

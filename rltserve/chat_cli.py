@@ -1,0 +1,143 @@
+"""``rltserve chat`` and ``rltserve complete``: clients of a running server, as vLLM's ``vllm
+chat`` and ``vllm complete``, for trying a served model's chat template and stops by hand.
+
+``chat`` keeps the conversation (and an optional system prompt) and streams each answer; the
+thinking span of an answer (``reasoning_content``) is shown dimmed on a terminal and is not sent
+back in later turns. ``complete`` streams a completion of each prompt. Without ``-q`` both read
+one message or prompt per line from stdin until end of input, so they work in a pipe too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from rltserve.http.config import API_KEY_ENV
+
+DEFAULT_URL = "http://localhost:8000/v1"  # (vLLM's; the server's root works too)
+_DIM, _RESET = "\x1b[2m", "\x1b[0m"
+
+
+def add_client_parsers(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="chat with a running server (one turn per input line)")
+    _add_common(chat)
+    chat.add_argument("--system-prompt", default=None, help="a system message opening the chat")
+    chat.add_argument("-q", "--quick", metavar="MESSAGE", help="send one message, print, exit")
+    chat.set_defaults(func=cmd_chat)
+    complete = sub.add_parser(
+        "complete", help="complete prompts on a running server (one per input line)"
+    )
+    _add_common(complete)
+    complete.add_argument("-q", "--quick", metavar="PROMPT", help="complete one prompt, exit")
+    complete.set_defaults(func=cmd_complete)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default: {DEFAULT_URL})")
+    parser.add_argument(
+        "--model-name", default=None, help="model to ask for (default: the server's first)"
+    )
+    parser.add_argument("--api-key", default=None, help=f"or env {API_KEY_ENV}")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer")
+    parser.add_argument("--temperature", type=float, default=None, help="(default: the server's)")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    return _run(args, _chat)
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    return _run(args, _complete)
+
+
+def _run(args: argparse.Namespace, session: Callable) -> int:
+    from rltserve.client import APIConnectionError, APIError
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    try:
+        asyncio.run(session(args, _lines(args.quick), sys.stdout))
+    except APIConnectionError as exc:  # (it names the URL)
+        raise RuntimeError(str(exc)) from exc
+    except APIError as exc:  # (a wrong key, an unknown model, ...: one line, exit 1)
+        raise RuntimeError(f"{args.url}: {exc}") from exc
+    return 0
+
+
+def _lines(quick: str | None):
+    """The messages to send: ``-q``'s, else stdin's lines (a prompt shown on a terminal)."""
+    if quick is not None:
+        yield quick
+        return
+    tty = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> ") if tty else sys.stdin.readline()
+        except EOFError:
+            return
+        if not tty and not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+async def _open(args: argparse.Namespace):
+    """The client and the model name to send."""
+    from rltserve.client import AsyncClient
+
+    base = args.url.rstrip("/")
+    base = base[: -len("/v1")] if base.endswith("/v1") else base
+    client = AsyncClient(base, args.api_key or os.environ.get(API_KEY_ENV))
+    try:
+        model = args.model_name or (await client.models())[0]["id"]
+    except BaseException:
+        await client.close()
+        raise
+    return client, model
+
+
+def _params(args: argparse.Namespace, model: str) -> dict:
+    params: dict = {"model": model}
+    if args.max_tokens is not None:
+        params["max_tokens"] = args.max_tokens
+    if args.temperature is not None:
+        params["temperature"] = args.temperature
+    return params
+
+
+async def _chat(args: argparse.Namespace, lines, out: TextIO) -> None:
+    client, model = await _open(args)
+    messages = (
+        [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    )
+    dim = out.isatty()
+    async with client:
+        for line in lines:
+            messages.append({"role": "user", "content": line})
+            answer: list[str] = []
+            async for chunk in client.chat_stream(messages, **_params(args, model)):
+                for choice in chunk["choices"]:
+                    delta = choice["delta"]
+                    if reasoning := delta.get("reasoning_content"):
+                        out.write(f"{_DIM}{reasoning}{_RESET}" if dim else reasoning)
+                    if content := delta.get("content"):
+                        answer.append(content)
+                        out.write(content)
+                out.flush()
+            out.write("\n")
+            messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+async def _complete(args: argparse.Namespace, lines, out: TextIO) -> None:
+    client, model = await _open(args)
+    async with client:
+        for line in lines:
+            async for chunk in client.stream(line, **_params(args, model)):
+                for choice in chunk["choices"]:
+                    out.write(choice["text"])
+                out.flush()
+            out.write("\n")

@@ -1,0 +1,73 @@
+"""``rltserve chat`` / ``rltserve complete`` against a scripted server: the conversation grows
+turn by turn, answers stream to the output, and a server that cannot be reached or refuses is
+one line and exit code 1."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
+
+from rltserve import chat_cli
+from rltserve.cli import main
+from rltserve.models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_http_harness import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def _args(url: str, **kw) -> argparse.Namespace:
+    base = {"url": url, "model_name": None, "api_key": None, "max_tokens": 2,
+            "temperature": 0.0, "system_prompt": None, "quick": None}  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.asyncio
+async def test_chat_keeps_the_conversation_and_streams_each_answer(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))  # "Hi"
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        out = io.StringIO()
+        args = _args(live.url + "/v1", system_prompt="be brief")
+        await chat_cli._chat(args, iter(["hello", "again"]), out)
+    assert out.getvalue() == "Hi\nHi\n"
+    tok = load_tokenizer(ckpt)
+    second = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "Hi"},
+            {"role": "user", "content": "again"},
+        ]
+    )
+    assert stage.added_prompts[1] == second
+    assert [p.max_tokens for p in stage.added_params] == [2, 2]
+
+
+@pytest.mark.asyncio
+async def test_complete_streams_each_prompts_completion(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        out = io.StringIO()
+        await chat_cli._complete(_args(live.url, max_tokens=3), iter(["a", "b"]), out)
+    assert out.getvalue() == "HiH\nHiH\n"
+    assert len(stage.added_prompts) == 2
+
+
+def test_a_server_that_cannot_be_reached_is_one_line_and_exit_1(capsys, unused_tcp_port):
+    url = f"http://127.0.0.1:{unused_tcp_port}/v1"
+    assert main(["chat", "-q", "hi", "--url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("rltserve: error: cannot reach") and err.count("\n") == 1
+    assert main(["complete", "-q", "hi", "--max-tokens", "0"]) == 2
+
+
+def test_input_is_quicks_message_or_stdins_nonblank_lines(monkeypatch):
+    assert list(chat_cli._lines("just this")) == ["just this"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\n\n  \nsecond line\n"))
+    assert list(chat_cli._lines(None)) == ["first", "second line"]
