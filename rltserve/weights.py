@@ -87,3 +87,17 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     if not tensors:
         raise ValueError("weights: no tensors given")
     return tensors
+
+
+def update_files(path: str | Path) -> list[Path]:
+    """The safetensors files of an update given as a path: a checkpoint directory (its weight
+    files, sharded or not) or one ``.safetensors`` file."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise ValueError(f"weights: {str(p)!r} is neither a checkpoint directory nor a file")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"weights: {str(p)!r} holds no .safetensors files")
+    return files

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import orjson
 import pytest
 from test_http_harness import (
@@ -467,20 +468,56 @@ async def test_supervised_stage_a_stable_stage_starts_a_fresh_count():
     assert sup.gave_up and sup.restarts == 2
 
 
-async def test_supervised_stage_reapplies_weight_updates_in_order():
+def _update_file(path, **tensors) -> str:
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.full(2, v, dtype=np.float32) for k, v in tensors.items()}, str(path))
+    return str(path)
+
+
+async def test_supervised_stage_reapplies_the_updates_still_needed_in_order(tmp_path):
     a, b = _FakeStage("a"), _FakeStage("b")
     sup, _, _ = _supervised(a, b)
-    assert sup.update_weights(["/w1"], False, 5.0) == 1
-    assert sup.update_weights(["/w2", "/w2b"], False, 5.0) == 2
+    w1 = _update_file(tmp_path / "w1.safetensors", x=1.0)  # (superseded by w3: then deleted)
+    _update_file(tmp_path / "w2" / "model.safetensors", y=2.0)
+    w3 = _update_file(tmp_path / "w3.safetensors", x=3.0)
+    assert sup.update_weights([w1], False, 5.0) == 1
+    assert sup.update_weights([str(tmp_path / "w2")], False, 5.0) == 2
+    assert sup.update_weights([w3], False, 5.0) == 3
+    os.remove(w1)
     await sup._replace("boom")
-    assert sup.inner is b and b.weights == [["/w1"], ["/w2", "/w2b"]]
-    # a new stage that cannot take the updates never serves (older weights)
+    assert sup.inner is b and b.weights == [[str(tmp_path / "w2")], [w3]]
+    # The version goes on from where it was, though one update was not applied again.
+    assert sup.weight_version == 3 and sup.update_weights([w3], False, 5.0) == 4
+    assert b.weights[-1] == [w3]
+
+
+async def test_supervised_stage_gives_up_on_weights_it_cannot_restore(tmp_path):
+    """A trainer that overwrites one path: the first update's tensors are gone from the file,
+    so a restarted stage would serve other weights under the same version."""
+    a, b = _FakeStage("a"), _FakeStage("b")
+    sup, factory, _ = _supervised(a, b)
+    path = tmp_path / "update.safetensors"
+    sup.update_weights([_update_file(path, x=1.0)], False, 5.0)
+    sup.update_weights([_update_file(path, y=2.0)], False, 5.0)
+    os.utime(path, ns=(1, 1))  # (two writes within one mtime tick would look the same)
+    await sup._replace("boom")
+    assert sup.gave_up and factory.calls == 1  # (no stage was started for nothing)
+    assert sup.failure == (
+        f"restart failed: cannot restore the weights of update 1 (['{path}']): {path} changed "
+        "since it was applied"
+    )
+
+
+async def test_supervised_stage_a_stage_that_cannot_take_the_updates_never_serves(tmp_path):
     a, bad = _FakeStage("a"), _FakeStage("bad", fail_weights=True)
     sup, _, _ = _supervised(a, bad, max_restarts=1)
-    sup.update_weights(["/w1"], False, 5.0)
+    w1 = _update_file(tmp_path / "w1.safetensors", x=1.0)
+    sup.update_weights([w1], False, 5.0)
     await sup._replace("boom")
     assert sup.gave_up and sup.inner is a and bad.killed
-    assert sup.error.startswith("restart failed: weight update ['/w1'] again")
+    assert sup.error.startswith(f"restart failed: weight update ['{w1}'] again")
 
 
 async def test_supervised_stage_sleep_controls_are_the_current_stages():

@@ -162,7 +162,8 @@ def test_sleep_hands_device_memory_back_on_cuda(tiny):
     loaded); CUDA graphs are captured again on the new addresses; outputs are unchanged."""
     import torch
 
-    from rltserve.core.weight_update import update_files, update_weights
+    from rltserve.core.weight_update import update_weights
+    from rltserve.weights import update_files
 
     core = make_core(tiny, num_blocks=64, device="cuda", cuda_graphs=True)
     before = run_core(core, PROMPTS, [GREEDY] * 2).tokens

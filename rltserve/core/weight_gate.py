@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rltserve.core.weight_update import update_files, update_weights
+from rltserve.core.weight_update import update_weights
 from rltserve.updates import UpdateTimeout
+from rltserve.weights import update_files
 
 if TYPE_CHECKING:
     from rltserve.core.engine import EngineCore

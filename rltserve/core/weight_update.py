@@ -144,17 +144,3 @@ def update_weights(model: LoopedModel, model_dir: str | Path, files: list[str | 
     copies = read_update(model, model_dir, files)
     apply_update(copies)
     return len(copies)
-
-
-def update_files(path: str | Path) -> list[Path]:
-    """The safetensors files of an update given as a path: a checkpoint directory (its weight
-    files, sharded or not) or one ``.safetensors`` file."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise ValueError(f"weights: {str(p)!r} is neither a checkpoint directory nor a file")
-    files = sorted(p.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"weights: {str(p)!r} holds no .safetensors files")
-    return files

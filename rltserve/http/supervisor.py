@@ -37,6 +37,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
+from rltserve.http.update_log import AppliedUpdate, UpdateLog, UpdateLost
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -107,9 +108,11 @@ class SupervisedStage:
         self.failure: str | None = None  # why the last stage stopped, while restarting or given up
         self.given_up = asyncio.Event()  # set on the server's loop, by watch()
         self._closing = False
-        # Weight updates applied so far, in order: a restarted stage loads --model's weights,
-        # so they are applied to it again before it serves (same weights, same version).
-        self._updates: list[list[str]] = []
+        # Weight updates applied so far: a restarted stage loads --model's weights, so those
+        # still needed are applied to it again before it serves (same weights, same version:
+        # the updates it skips are counted in _version_offset).
+        self._updates = UpdateLog()
+        self._version_offset = 0
 
     # ------------------------------------------------------------------ StageClientLike
 
@@ -156,7 +159,7 @@ class SupervisedStage:
 
     @property
     def weight_version(self) -> int:
-        return getattr(self._client, "weight_version", 0)
+        return getattr(self._client, "weight_version", 0) + self._version_offset
 
     def wait_ready(self, timeout: float | None = None) -> EngineInfo:
         return self._client.wait_ready(timeout)
@@ -172,8 +175,8 @@ class SupervisedStage:
         if update is None:
             raise ValueError("model_path: this server's stage cannot update weights in place")
         version = update(paths, abort, timeout_s)
-        self._updates.append(list(paths))
-        return version
+        self._updates.add(list(paths))
+        return version + self._version_offset
 
     # Sleep mode and the prefix cache (``POST /sleep``, ...): the current stage's. A stage that
     # is restarted starts awake, with an empty cache.
@@ -335,11 +338,19 @@ class SupervisedStage:
             log.info("restarting the stage in %.1f s (attempt %d)", delay, self._attempts)
             await asyncio.sleep(delay)
             try:
+                needed = self._updates.replay()
+            except UpdateLost as exc:  # (no attempt can get them back: a stage must not serve
+                # other weights under the same version)
+                self.failure = f"restart failed: cannot restore {exc}"
+                log.error("giving up on the stage: %s", self.failure)
+                self.given_up.set()
+                return
+            try:
                 new = await asyncio.to_thread(self._factory, self._engine_config)
             except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
                 self.failure = f"restart failed: {type(exc).__name__}: {exc}"
                 continue
-            if await self._ready(new) and await self._reapply_updates(new):
+            if await self._ready(new) and await self._reapply_updates(new, needed):
                 with self._lock:
                     self._client = new
                     self._last_stats = None
@@ -354,15 +365,16 @@ class SupervisedStage:
             await asyncio.to_thread(_stop, new)
         await asyncio.to_thread(_stop, self._client)
 
-    async def _reapply_updates(self, client: StageClientLike) -> bool:
-        for paths in self._updates:
+    async def _reapply_updates(self, client: StageClientLike, needed: list[AppliedUpdate]) -> bool:
+        for update in needed:
             try:
                 await asyncio.to_thread(
-                    client.update_weights, paths, False, self.policy.startup_timeout_s
+                    client.update_weights, list(update.paths), False, self.policy.startup_timeout_s
                 )
             except Exception as exc:  # noqa: BLE001 - the stage must not serve older weights
-                self.failure = f"restart failed: weight update {paths} again: {exc}"
+                self.failure = f"restart failed: weight update {list(update.paths)} again: {exc}"
                 return False
+        self._version_offset = len(self._updates) - len(needed)
         return True
 
     async def _ready(self, client: StageClientLike) -> bool:
