@@ -41,7 +41,7 @@ def test_values_of_a_known_sequence():
         prefix_cache_queries=40, prefix_cache_hits=24, prefix_cache_blocks=12, kv_transfer_hits=16,
         prefix_cache_evictions=3, step_rows_counts=(1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
     )  # fmt: skip
-    metrics.configure(4, lambda: (engine, 2))
+    metrics.configure(4, lambda: (engine, 2, 3))
     timeline = RequestTimeline(arrival=10.0, admitted=10.5)
     metrics.on_start(timeline, 7)
     metrics.on_tokens(timeline, 11.0, [4])  # first token: TTFT 1.0
@@ -87,6 +87,7 @@ def test_values_of_a_known_sequence():
         ("rltserve:prefix_cache_evictions_total", m): 3.0,
         ("rltserve:kv_transfer_hits_total", m): 16.0,
         ("rltserve:prefix_cache_blocks", m): 12.0,
+        ("rltserve:weight_version", m): 3.0,
         # Steps by rows (vLLM's iteration_tokens_total): one of 1 row, three of 2..8.
         ("rltserve:iteration_tokens_total_bucket", (("le", "1.0"),) + m): 1.0,
         ("rltserve:iteration_tokens_total_bucket", (("le", "8.0"),) + m): 4.0,
@@ -112,7 +113,7 @@ def test_exit_depth_buckets_stay_few_for_deep_models():
 def test_each_app_has_its_own_registry():
     a, b = ServingMetrics("a"), ServingMetrics("b")
     for metrics in (a, b):
-        metrics.configure(2, lambda: (None, 0))
+        metrics.configure(2, lambda: (None, 0, 0))
     a.on_start(RequestTimeline(0.0, 0.0), 5)
     got_a, got_b = samples(a.render()[0].decode()), samples(b.render()[0].decode())
     assert got_a[("rltserve:prompt_tokens_total", (("model_name", "a"),))] == 5.0

@@ -488,9 +488,16 @@ async def test_supervised_stage_reapplies_the_updates_still_needed_in_order(tmp_
     os.remove(w1)
     await sup._replace("boom")
     assert sup.inner is b and b.weights == [[str(tmp_path / "w2")], [w3]]
-    # The version goes on from where it was, though one update was not applied again.
+    # The version goes on from where it was, though one update was not applied again: in
+    # what the stage reports and in what its outputs carry.
     assert sup.weight_version == 3 and sup.update_weights([w3], False, 5.0) == 4
     assert b.weights[-1] == [w3]
+    got, sink = _collecting()
+    sup.add_request("r", [1], None, sink)
+    update = _token("r", FinishReason.LENGTH)
+    update.weight_version = b.weight_version
+    b.sinks["r"](update)
+    assert [u.weight_version for u in got] == [4]
 
 
 async def test_supervised_stage_gives_up_on_weights_it_cannot_restore(tmp_path):

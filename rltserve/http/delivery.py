@@ -123,4 +123,6 @@ async def _collect(
             plan.prompt_tokens, plan.completion_tokens(generation), generation.num_cached_tokens()
         ),
     )
+    # SGLang's: the weights that produced the answer, for an RL trainer's staleness bookkeeping.
+    body["metadata"] = {"weight_version": generation.weight_version()}
     return json_response(body)

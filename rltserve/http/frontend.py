@@ -401,6 +401,10 @@ class Generation:
     def outputs(self) -> dict[int, Completion]:
         return {i: c.assembler.output for i, c in self._choices.items()}
 
+    def weight_version(self) -> int:
+        """The version of the weights that produced the choices' tokens (the latest)."""
+        return max((c.assembler.weight_version for c in self._choices.values()), default=0)
+
     def num_completion_tokens(self) -> int:
         return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
 
@@ -431,6 +435,8 @@ class Generation:
         if update.num_cached_tokens is not None:
             choice.cached_tokens = update.num_cached_tokens
         delta = choice.assembler.add(update)
+        if update.new_token_ids:
+            choice.assembler.weight_version = update.weight_version
         metrics = self._frontend.metrics
         if not update.rejected:
             self._started(choice)

@@ -76,7 +76,8 @@ class RequestTimeline:
 
 
 # What the engine collector reads at scrape time: the latest stats and the admission queue length.
-StatsSource = Callable[[], tuple[EngineStats | None, int]]
+# (the engine's latest stats, requests in the server's admission queue, the weight version)
+StatsSource = Callable[[], tuple[EngineStats | None, int, int]]
 
 
 class ServingMetrics:
@@ -240,10 +241,10 @@ class _EngineCollector(Collector):
     def __init__(self, model_name: str, metrics: ServingMetrics) -> None:
         self.model_name = model_name
         self.metrics = metrics
-        self.stats: StatsSource = lambda: (None, 0)
+        self.stats: StatsSource = lambda: (None, 0, 0)
 
     def collect(self) -> Iterator[Metric]:
-        stats, queued = self.stats()
+        stats, queued, version = self.stats()
         labels = [self.model_name]
 
         def stat(name: str) -> float:  # before the first update there are no stats
@@ -263,6 +264,7 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
         for name, help_text, field_name in _ENGINE_GAUGES:
             yield gauge(name, help_text, stat(field_name))
+        yield gauge("weight_version", "Weight updates applied since start (serving now).", version)
         m = self.metrics
         yield gauge(
             "loops_per_token",

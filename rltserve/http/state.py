@@ -116,7 +116,10 @@ class ServingState:
             if tokenizer is not None and self.config.chat_template is not None:
                 tokenizer.use_chat_template(read_chat_template(self.config.chat_template))
             client = self._client
-            self.metrics.configure(info.max_loops, lambda: (client.stats, self.gate.num_queued))
+            self.metrics.configure(
+                info.max_loops,
+                lambda: (client.stats, self.gate.num_queued, client.weight_version),
+            )
             self._frontend = Frontend(
                 self._client, info, tokenizer, self.metrics, self.executor, token_chars
             )

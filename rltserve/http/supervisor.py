@@ -267,6 +267,7 @@ class SupervisedStage:
                 self._last_progress = self._clock()
                 if update.finish_reason is not None:
                     del self._open[rid]
+            update.weight_version += self._version_offset  # (a restart's skipped updates)
             sink(update)
 
         return relay
