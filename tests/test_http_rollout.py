@@ -192,3 +192,25 @@ async def test_reasoning_splits_where_the_tokenizer_makes_think_end_special(ckpt
     end = tok.get_vocab()["</think>"]
     assert content == tok.decode(ids[ids.index(end) + 1 :]) != ""
     assert got[special] == got[ckpt] and streamed == [reasoning, content]
+
+
+async def test_a_generation_config_penalty_that_refuses_thinking_says_where_it_came_from(
+    ckpt, tmp_path
+):
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    (model / "generation_config.json").write_text('{"repetition_penalty": 1.05}')
+    think = {"enable_thinking": True}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "max_thinking_tokens": 2, "chat_template_kwargs": think}  # fmt: skip
+    async with running(model) as live:
+        status, _, raw = await live.post("/v1/chat/completions", body)
+        assert status == 400, raw
+        error = orjson.loads(raw)["error"]
+        assert error["param"] == "max_thinking_tokens"
+        assert error["message"].endswith(
+            "(repetition_penalty=1.05 is the checkpoint's generation_config default: send "
+            "repetition_penalty 1.0 to bound thinking)"
+        )
+        status, _, raw = await live.post("/v1/chat/completions", {**body, "repetition_penalty": 1})
+        assert status == 200, raw

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from rltserve.updates import RequestUpdate
 
 
-def check_thinking(params: SamplingParams, sched: SchedulerConfig) -> None:
-    """Raises ValueError when a request's bounded thinking cannot run on this engine."""
+def check_thinking(params: SamplingParams, sched: SchedulerConfig | None = None) -> None:
+    """Raises ValueError when a request's bounded thinking cannot run on this engine (None: on
+    any engine, as the server checks it before a request reaches one)."""
     if params.max_thinking_tokens is None:
         return
     if params.thinking_end_token_ids is None:
@@ -41,7 +42,7 @@ def check_thinking(params: SamplingParams, sched: SchedulerConfig) -> None:
     if isinstance(params.thinking_interruption, str):
         raise ValueError("thinking_interruption: the engine takes token ids, not text")
     reasons = []
-    if sched.async_scheduling:
+    if sched is not None and sched.async_scheduling:
         reasons.append("async_scheduling")
     p = params
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import Sink, StageError
+from rltserve.core.thinking import check_thinking
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
@@ -267,7 +268,12 @@ class Frontend:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
         for name, ids in params.vocab_token_ids():  # (the engine's own check)
             self._check_vocab(ids, name)
-        return bound_thinking(params, prompt_ids, self.tokenizer)
+        params = bound_thinking(params, prompt_ids, self.tokenizer)
+        try:
+            check_thinking(params)  # (a 400 before a stream starts; the engine checks again)
+        except ValueError as exc:
+            raise bad_request(str(exc), param_of(str(exc))) from exc
+        return params
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer."""

@@ -109,7 +109,7 @@ def _choices(
             try:
                 checked = frontend.check_params(params, prompt.token_ids)
             except HTTPError as exc:
-                if (message := as_sent(req, exc.message)) == exc.message:
+                if (message := as_sent(req, exc.message, defaults)) == exc.message:
                     raise
                 raise bad_request(message, param_of(message)) from exc
             choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group, session))
