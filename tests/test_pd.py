@@ -460,6 +460,18 @@ async def test_the_server_serves_through_two_stages(tmp_path_factory):
             status, _, raw = await server.post("/v1/completions", body)
             assert status == 200, raw
             outputs.append(orjson.loads(raw))
+            _, _, exposition = await server.get("/metrics")
+            prefill = {
+                line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in exposition.decode().splitlines()
+                if line.startswith("rltserve:prefill_stage_")
+            }
+            # Two stages: the prefill stage's own series (it ran the prompt; idle now).
+            assert bool(prefill) == disaggregate
+            assert prefill.get("rltserve:prefill_stage_engine_steps_total", 1) > 0
+            if disaggregate:
+                assert prefill["rltserve:prefill_stage_kv_cache_usage_perc"] == 0.0
+                assert prefill["rltserve:prefill_stage_prefix_cache_queries_total"] == 14
     assert outputs[1]["choices"][0]["token_ids"] == outputs[0]["choices"][0]["token_ids"]
     # The decode stage found the prompt's blocks (12 of 14 tokens) moved from the prefill stage:
     # computed there, so not cached tokens (a cold server reports none, as one stage does).

@@ -432,6 +432,11 @@ class PDClient:
         return self.prefill.sleeping | self.decode.sleeping
 
     @property
+    def prefill_stats(self) -> EngineStats | None:
+        """The prefill stage's own stats (its KV pool and cache; ``stats`` is the decode's)."""
+        return self.prefill.stats
+
+    @property
     def stats(self) -> EngineStats | None:
         """The decode stage's stats, its waiting requests counting those in their prefill.
         A new object (what the server's watchdog reads as progress) only once every stage

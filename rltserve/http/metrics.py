@@ -149,9 +149,15 @@ class ServingMetrics:
         self._engine = _EngineCollector(model_name, self)
         reg.register(self._engine)
 
-    def configure(self, max_loops: int, stats: StatsSource) -> None:
+    def configure(
+        self,
+        max_loops: int,
+        stats: StatsSource,
+        prefill_stats: Callable[[], EngineStats | None] = lambda: None,
+    ) -> None:
         """Once the engine is up: the exit-depth buckets (``depth_buckets``) and where
-        engine-side numbers come from."""
+        engine-side numbers come from (``prefill_stats``: a disaggregated engine's prefill
+        stage, whose series are ``rltserve:prefill_stage_*``)."""
         if self.exit_depth is None:
             self.exit_depth = Histogram(
                 P + "token_exit_depth",
@@ -161,6 +167,7 @@ class ServingMetrics:
                 buckets=depth_buckets(max_loops),
             ).labels(self.model_name)
         self._engine.stats = stats
+        self._engine.prefill_stats = prefill_stats
 
     # ------------------------------------------------------------------ events
 
@@ -242,6 +249,7 @@ class _EngineCollector(Collector):
         self.model_name = model_name
         self.metrics = metrics
         self.stats: StatsSource = lambda: (None, 0, 0)
+        self.prefill_stats: Callable[[], EngineStats | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         stats, queued, version = self.stats()
@@ -282,6 +290,34 @@ class _EngineCollector(Collector):
             family.add_metric(labels, stat(field_name))
             yield family
         yield _step_rows(labels, stats)
+        yield from _prefill_stage(labels, self.prefill_stats())
+
+
+_PREFILL_STAGE = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the prefill stage's engine.",
+     "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting in the prefill stage.",
+     "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the prefill stage's KV blocks in use.",
+     "kv_usage"),
+    (GaugeMetricFamily, "prefix_cache_blocks", "KV blocks the prefill stage's prefix cache holds.",
+     "prefix_cache_blocks"),
+    (CounterMetricFamily, "engine_steps", "Prefill stage steps run.", "num_steps"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens the prefill stage looked up.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens the prefill stage reused.",
+     "prefix_cache_hits"),
+)  # fmt: skip
+
+
+def _prefill_stage(labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
+    """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's)."""
+    if stats is None:
+        return
+    for kind, name, help_text, field_name in _PREFILL_STAGE:
+        family = kind(P + "prefill_stage_" + name, help_text, labels=["model_name"])
+        family.add_metric(labels, float(getattr(stats, field_name)))
+        yield family
 
 
 def _step_rows(labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:

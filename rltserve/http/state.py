@@ -119,6 +119,7 @@ class ServingState:
             self.metrics.configure(
                 info.max_loops,
                 lambda: (client.stats, self.gate.num_queued, client.weight_version),
+                lambda: client.prefill_stats,
             )
             self._frontend = Frontend(
                 self._client, info, tokenizer, self.metrics, self.executor, token_chars

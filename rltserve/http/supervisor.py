@@ -125,6 +125,11 @@ class SupervisedStage:
         return self._client.stats
 
     @property
+    def prefill_stats(self) -> EngineStats | None:
+        """A disaggregated engine's prefill stage's stats (None for one stage)."""
+        return getattr(self._client, "prefill_stats", None)
+
+    @property
     def alive(self) -> bool:
         return not self.restarting and not self.gave_up and self._client.alive
 
