@@ -297,7 +297,7 @@ def test_the_gate_names_every_request_it_timed_out_on_and_the_type_of_a_failure(
     gate.request(("update_weights", 7, ["x"], False, 0.0))
     assert gate.poll(busy=False) == []
     assert replies == [
-        (7, "timeout: 3 request(s) still running after 0 s; nothing applied (abort=True aborts "
+        (7, "timeout: 3 sequence(s) still running after 0 s; nothing applied (abort=True aborts "
             "them instead of waiting)", 3)
     ]  # fmt: skip
     core.busy = False

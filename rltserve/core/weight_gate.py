@@ -89,12 +89,13 @@ class WeightGate:
         else:
             now = time.monotonic()
             for p in [p for p in self._pending if now >= p.deadline]:
+                # (engine requests: a request of n samples counts n)
                 n = core.scheduler.num_running + core.scheduler.num_waiting
                 how = " (abort=True aborts them instead of waiting)" * (p.kind == "update_weights")
                 self.reply(
                     p.token,
-                    f"{UpdateTimeout.PREFIX} {n} request(s) still running after {p.timeout_s:g} s; "
-                    f"nothing applied{how}",
+                    f"{UpdateTimeout.PREFIX} {n} sequence(s) still running after "
+                    f"{p.timeout_s:g} s; nothing applied{how}",
                     core.weight_version,
                 )
                 self._pending.remove(p)
