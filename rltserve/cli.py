@@ -307,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--n",
         type=int,
         default=1,
-        help="also compare --num-prompts/N prompts sampled N times each as groups (one prefill "
-        "per prompt) with the same requests sent independently",
+        help="also compare --num-prompts/N prompts (a multiple of N) sampled N times each as "
+        "groups (one prefill per prompt) with the same requests sent independently",
     )
     off.add_argument("--json", action="store_true", help="print the report as JSON")
     off.add_argument("--quiet", action="store_true", help="no progress bars on stderr")

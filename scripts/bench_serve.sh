@@ -20,10 +20,12 @@ for _ in $(seq 1 120); do
   sleep 1
 done
 url="http://127.0.0.1:$port"
+# Every run sends prompts of its own seed: with one seed, the runs after the first would find
+# their prompts in the server's prefix cache and time warm-cache TTFTs.
 rltserve bench serve --url "$url" "${shape[@]}" --request-rate inf --max-concurrency 32 \
-  --no-progress --json >"$out/serve_c32.json"
+  --seed 0 --no-progress --json >"$out/serve_c32.json"
 for rate in 2 4 8; do
   rltserve bench serve --url "$url" "${shape[@]}" --request-rate "$rate" --max-concurrency 32 \
-    --no-progress --json >"$out/serve_rate$rate.json"
+    --seed "$rate" --no-progress --json >"$out/serve_rate$rate.json"
 done
 echo "wrote $out/serve_*.json"

@@ -56,6 +56,9 @@ def test_max_loops_sets_the_depth_huginn_runs_at(huginn_rv1):
         "--num-prompts", "2", "--max-loops", "3",
     )  # fmt: skip
     assert report["max_loops"] == 3 and report["refill"]["mean_exit_depth"] == 3.0
+    # Full depth is --max-loops (not the model's 4): a full-depth run has no FLOPs to save.
+    assert report["flop_bound_decode"] == pytest.approx(1.0)
+    assert report["flop_bound_workload"] == pytest.approx(1.0)
 
 
 def test_exit_criterion_is_compared_with_full_depth(huginn_rv1):

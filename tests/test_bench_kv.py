@@ -4,11 +4,13 @@ asserted."""
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 import pytest
 
 from rltserve.bench.commands import print_report
-from rltserve.bench.kv import format_report
+from rltserve.bench.kv import format_report, pool_warnings
 from rltserve.bench.offline import run_offline_bench
 from rltserve.cli import build_parser
 from rltserve.engine_args import engine_kwargs
@@ -289,3 +291,16 @@ def test_sweep_pools_above_the_main_pool_only_with_the_engines_time_slice():
     assert [key for key, _ in cases][:4] == [
         (2, "recompute", 0), (2, "recompute", 3), (2, "swap", 0), (2, "swap", 3),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("quiet, shown", [(False, ["a", "b", "other"]), (True, ["other"])])
+def test_pool_warnings_show_each_pool_once_and_none_when_quiet(caplog, quiet, shown):
+    logger = logging.getLogger("rltserve.core.kv_sizing")
+    with caplog.at_level(logging.WARNING, logger=logger.name), pool_warnings(quiet):
+        for pool in ("a", "a", "b", "a"):
+            logger.warning("max_model_len lowered to %d: pool %s", 9, pool)
+        logger.warning("other")
+    assert [r.getMessage().split()[-1] for r in caplog.records] == shown
+    caplog.clear()
+    logger.warning("max_model_len lowered to %d: pool %s", 9, "a")  # (the filter is gone)
+    assert len(caplog.records) == 1

@@ -6,10 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
+import re
 import statistics
 
 import pytest
+from aiohttp import web
+from test_client_sse import serve
 from test_http_harness import (
     Script,
     ScriptedStage,
@@ -63,6 +67,30 @@ def test_summary_follows_the_serving_definitions():
     assert report["errors"] == ["APIError: 503"]
     assert report["skipped_turns"] == 0
     assert "Output token throughput (tok/s):" in format_report(report)
+    # numpy's (population) std, as vLLM's: TTFT 100 and 300 ms, E2EL 500 and 1100 ms, ...
+    assert report["std_ttft_ms"] == pytest.approx(100.0)
+    assert report["std_e2el_ms"] == pytest.approx(300.0)
+    assert report["std_tpot_ms"] == pytest.approx(50.0)
+    assert report["std_itl_ms"] == pytest.approx(50.0)
+
+
+def test_summary_records_the_settings_of_the_run():
+    config = BenchConfig(
+        url="http://x:1", endpoint="chat", seed=4, temperature=0.5, exit_threshold=0.7,
+        input_len=6, output_len=7, num_turns=2,
+    )  # fmt: skip
+    report = summarize(config, [], duration=1.0, served="served-name")
+    settings = {key: report[key] for key in (
+        "url", "endpoint", "model", "seed", "temperature", "exit_threshold", "input_len",
+        "output_len", "num_turns",
+    )}  # fmt: skip
+    assert settings == {
+        "url": "http://x:1", "endpoint": "chat", "model": "served-name", "seed": 4,
+        "temperature": 0.5, "exit_threshold": 0.7, "input_len": 6, "output_len": 7,
+        "num_turns": 2,
+    }  # fmt: skip
+    assert re.fullmatch(r"\d{8}-\d{6}", report["date"])
+    assert summarize(BenchConfig(url="http://x", model="m"), [], 1.0, "other")["model"] == "m"
 
 
 def test_summary_counts_the_turns_a_failed_conversation_did_not_send():
@@ -113,12 +141,17 @@ def test_summary_percentiles_pool_the_successful_requests():
 @pytest.mark.parametrize(
     ("name", "value"),
     [("num_prompts", 0), ("input_len", 0), ("output_len", 0), ("num_turns", 0),
-     ("burstiness", 0.0), ("max_concurrency", 0), ("ready_timeout_s", 0.0),
-     ("url", "http://:8000")],
+     ("burstiness", 0.0), ("burstiness", math.inf), ("max_concurrency", 0),
+     ("ready_timeout_s", 0.0), ("url", "http://:8000")],
 )  # fmt: skip
 def test_config_rejects_values_out_of_range(name, value):
     with pytest.raises(ValueError, match=f"^{name}="):
         BenchConfig(**{"url": "http://x", name: value})
+
+
+def test_config_takes_a_base_url_ending_in_v1():
+    for url in ("http://x:8000/v1", "http://x:8000/v1/", "http://x:8000/"):
+        assert BenchConfig(url=url).url == "http://x:8000"
 
 
 def test_config_accepts_the_smallest_values():
@@ -241,12 +274,35 @@ async def test_a_stream_that_breaks_after_a_token_fails_with_its_error(monkeypat
         assert result.error == f"{type(error).__name__}: {error}"
 
 
-async def test_a_request_that_streams_no_token_fails(monkeypatch):
+async def test_a_request_that_streams_no_output_fails_saying_so(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(serve_bench, "time", clock)
-    client = _OneStreamClient(_Stream(clock, [(0.2, _usage(0, 4))], 0.3))
-    result = await _one(client, BenchConfig(url="http://x"), [1, 2, 3, 4])
-    assert not result.success and result.error is None
+    for endpoint, chunks in (
+        ("completions", [(0.2, _usage(0, 4))]),
+        ("chat", [(0.1, {"choices": [{"delta": {"role": "assistant", "content": ""}}]})]),
+    ):
+        client = _OneStreamClient(_Stream(clock, chunks, 0.3))
+        result = await _one(client, BenchConfig(url="http://x", endpoint=endpoint), [1, 2])
+        assert not result.success
+        assert result.error == "no output: the stream carried no chunk with text or token_ids"
+
+
+async def test_chat_without_token_ids_is_timed_by_its_text(monkeypatch):
+    """Servers that send no per-chunk token_ids (older vLLM, SGLang, proxies): output chunks
+    are those with content; without usage, each counts one token."""
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    chunks = [
+        (0.05, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}),
+        (0.1, {"choices": [{"delta": {"content": "he"}}]}),
+        (0.25, {"choices": [{"delta": {"content": "llo"}}]}),
+        (0.3, {"choices": [{"delta": {}, "finish_reason": "length"}]}),
+    ]
+    client = _OneStreamClient(_Stream(clock, chunks, 0.4))
+    result = await _one(client, BenchConfig(url="http://x", endpoint="chat"), [])
+    assert result.success and result.error is None
+    assert result.ttft == pytest.approx(0.1) and result.itl == pytest.approx([0.15])
+    assert (result.output_text, result.output_ids, result.output_tokens) == ("hello", [], 2)
 
 
 async def test_a_wait_timeout_below_the_first_probe_bounds_that_probe(monkeypatch, capsys):
@@ -421,6 +477,92 @@ async def test_chat_endpoint_streams_messages(tmp_path_factory):
         BenchConfig(url="http://x", endpoint="rest")
 
 
+def _vllm_like(usage: bool, bodies: list[dict]) -> web.Application:
+    """A stand-in shaped like vLLM's OpenAI server without per-chunk token ids: completion
+    chunks carry ``text``, chat chunks ``delta.content`` (after a role chunk, before a finish
+    chunk), usage last when asked for (``usage``); the model card has no vocab_size. Token id
+    i is the text ``w{i} ``; every answer is ids 1, 2, ... ``max_tokens``."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "stand-in", "max_model_len": 4096}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        tokens = [int(word[1:]) for word in (await request.json())["prompt"].split()]
+        return web.json_response({"tokens": tokens, "count": len(tokens)})
+
+    async def detokenize(request: web.Request) -> web.Response:
+        text = "".join(f"w{i} " for i in (await request.json())["tokens"])
+        return web.json_response({"prompt": text})
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        chat = "messages" in body
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def send(chunk: dict) -> None:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0)
+
+        if chat:
+            await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for i in range(1, body["max_tokens"] + 1):
+            part = {"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "}
+            await send({"choices": [{"index": 0, **part, "finish_reason": None}]})
+        await send({"choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "length"}]})
+        if usage and body["stream_options"]["include_usage"]:
+            prompt = body["messages"] if chat else body["prompt"]
+            counts = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"]}
+            await send({"choices": [], "usage": counts})
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    return app
+
+
+@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
+async def test_multi_turn_completions_against_a_server_that_sends_no_token_ids(usage):
+    bodies: list[dict] = []
+    async with serve(_vllm_like(usage, bodies)) as url:
+        config = BenchConfig(url=f"{url}/v1", num_prompts=2, input_len=3, output_len=2, num_turns=2)
+        report = await run_bench(config)
+    assert (report["completed"], report["failed"], report["errors"]) == (4, 0, [])
+    assert report["total_output_tokens"] == 4 * 2
+    assert (report["url"], report["model"]) == (url, "stand-in")
+    second = [b["prompt"] for b in bodies if len(b["prompt"]) > 3]
+    # Turn 2: turn 1's prompt + the answer's ids (the server's /tokenize of its text) + 3 new.
+    assert len(second) == 2 and all(len(p) == 3 + 2 + 3 and p[3:5] == [1, 2] for p in second)
+    firsts = [b["prompt"] for b in bodies if len(b["prompt"]) == 3]
+    assert sorted(p[:3] for p in second) == sorted(firsts)
+
+
+async def test_multi_turn_chat_against_a_server_that_sends_no_token_ids():
+    bodies: list[dict] = []
+    async with serve(_vllm_like(True, bodies)) as url:
+        config = BenchConfig(
+            url=url, num_prompts=2, input_len=3, output_len=2, num_turns=2, endpoint="chat"
+        )
+        report = await run_bench(config)
+    assert (report["completed"], report["failed"], report["errors"]) == (4, 0, [])
+    assert report["total_output_tokens"] == 4 * 2
+    second = [b["messages"] for b in bodies if len(b["messages"]) > 1]
+    assert len(second) == 2
+    for messages in second:  # the answer's text goes back as the assistant's message
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[1]["content"] == "w1 w2 "
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rltserve")
     sub = parser.add_subparsers(dest="command")
@@ -501,6 +643,26 @@ def test_bench_serve_flags_reach_the_benchmark(monkeypatch, capsys):
     assert capsys.readouterr().out.strip() == '{\n  "completed": 3\n}'
     assert cmd_bench_serve(_bench_args("--api-key", "flag")) == 0
     assert seen[-1].api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+        (["--output-len", "0"], "--output-len 0: must be >= 1"),
+        (["--max-concurrency", "0"], "--max-concurrency 0: must be >= 1"),
+        (["--request-rate", "0"], "--request-rate 0: must be > 0 (or inf)"),
+        (["--burstiness", "inf"], "--burstiness inf: must be a finite number > 0"),
+        (["--wait-timeout", "0"], "--wait-timeout 0: must be > 0"),
+    ],
+)
+def test_bench_serve_names_the_flag_of_a_bad_value_before_connecting(monkeypatch, flags, message):
+    async def connects(config):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", connects)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        cmd_bench_serve(_bench_args(*flags))
 
 
 def test_bench_serve_fails_when_nothing_completed_or_the_server_refuses(monkeypatch):

@@ -31,6 +31,9 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         )
     if args.n > args.num_prompts:  # (--num-prompts/N prompts sampled N times each)
         raise ValueError(f"--n {args.n}: above --num-prompts ({args.num_prompts})")
+    if args.num_prompts % args.n:  # (else fewer requests would run than the report says)
+        raise ValueError(f"--num-prompts {args.num_prompts}: not a multiple of --n {args.n}")
+    _check_one_benchmark(args)
     if not args.chunk_sizes or min(args.chunk_sizes) < 1:
         raise ValueError(f"--chunk-sizes {args.chunk_sizes}: every value must be >= 1")
     if args.repeats > 1 and not kv_pressure_requested(args):
@@ -46,6 +49,30 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
         report = run_offline_bench(args, checked_engine_kwargs(args, cuda_graphs=graphs))
     print_report(report, args.json)
     return 0
+
+
+def _check_one_benchmark(args: argparse.Namespace) -> None:
+    """Refuses flags whose benchmark would not run: the prompt-sharing comparisons and the KV
+    pressure workload each run alone (one benchmark per call; see ``run_offline_bench``)."""
+    from rltserve.bench.offline import kv_pressure_requested
+
+    sharing = [f"--shared-prefix-len {args.shared_prefix_len}"] * bool(args.shared_prefix_len)
+    sharing += [f"--n {args.n}"] * (args.n > 1)
+    if args.kv_pressure:
+        kv, kv_others = "--kv-pressure", ("disaggregate", "compare")
+    else:  # (the older spelling: its --compare is part of it)
+        kv, kv_others = "--kv-reservation full --compare", ("disaggregate",)
+    rules = [
+        (" ".join(sharing), ("kv_pressure", "disaggregate", "compare")),
+        (kv if kv_pressure_requested(args) else "", kv_others),
+    ]
+    for flags, others in rules:
+        extra = [f"--{name.replace('_', '-')}" for name in others if getattr(args, name)]
+        if flags and extra:
+            raise ValueError(
+                f"{flags}: a benchmark of its own, not run with {' or '.join(extra)}; "
+                "run them one at a time"
+            )
 
 
 def print_report(report: dict, as_json: bool) -> None:
@@ -78,12 +105,15 @@ def _report_lines(key: str, value, pad: str) -> list[str]:
 
 
 def cmd_bench_rollout(args: argparse.Namespace) -> int:
-    from rltserve.bench.rollout import run_rollout_bench
+    from rltserve.bench.rollout import check_workload, run_rollout_bench
 
     for name in ("num_prompts", "n", "input_len", "max_tokens", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    report = run_rollout_bench(args, checked_engine_kwargs(args))
+    engine_kw = checked_engine_kwargs(args)
+    check_workload(args, engine_kw["model"])
+    args.progress = progress_enabled(args.quiet)
+    report = run_rollout_bench(args, engine_kw)
     print_report(report, args.json)
     return 0
 
@@ -109,7 +139,9 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         values = getattr(args, name)
         if not values or any(v not in allowed for v in values):
             raise ValueError(f"--{name} {','.join(values)}: a list of {' and '.join(allowed)}")
-    if args.out and not Path(args.out).parent.is_dir():  # before the run, not after it
+    if args.out and Path(args.out).is_dir():  # (checked before the run, not after it)
+        raise ValueError(f"--out {args.out}: is a directory; give the report's file path")
+    if args.out and not Path(args.out).parent.is_dir():
         raise ValueError(f"--out {args.out}: its directory does not exist")
     report = run_host_bench(
         rows,
@@ -124,7 +156,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
     )
     text = orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
+    print(text, flush=True)  # first: a file that cannot be written must not lose the report
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(text)
     return 0

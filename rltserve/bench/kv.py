@@ -21,8 +21,11 @@ step costs about the same at any batch size, that loss follows the step counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rltserve.config import EngineConfig
@@ -42,6 +45,28 @@ CASES = (
 
 
 STEP_KINDS = ("decode", "chunks", "swap")
+
+
+@contextlib.contextmanager
+def pool_warnings(quiet: bool) -> Iterator[None]:
+    """The small pools here are on purpose, so the engine's "max_model_len lowered" warning of
+    each is expected: shown once per pool (never with ``quiet``) while the block runs."""
+    seen: set[str] = set()
+
+    def once(record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("max_model_len lowered"):
+            return True
+        text = record.getMessage()
+        shown = not quiet and text not in seen
+        seen.add(text)
+        return shown
+
+    logger = logging.getLogger("rltserve.core.kv_sizing")
+    logger.addFilter(once)
+    try:
+        yield
+    finally:
+        logger.removeFilter(once)
 
 
 def step_kind(plan: StepPlan) -> str:

@@ -40,7 +40,8 @@ def flops_per_token(model: LoopedModel) -> tuple[float, float]:
 
 def flop_bound(f0: float, fr: float, loops: int, mean_exit: float, prompt: int, out: int) -> dict:
     """Speed-up bounds of early exit: decode-only (DESIGN §10) and for the whole workload, where
-    prompt tokens always run every loop."""
+    prompt tokens always run every loop. ``loops``: the run's full depth (its ``max_loops``, not
+    the model's default when they differ)."""
     decode = (f0 + loops * fr) / (f0 + mean_exit * fr)
     full = prompt * loops * fr + out * (f0 + loops * fr)
     adaptive = prompt * loops * fr + out * (f0 + mean_exit * fr)
@@ -259,12 +260,13 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         report["pd_compare"] = run_pd_compare(engine_kw, prompts, params, _show(args))
         return report
     if kv_pressure_requested(args):
-        from rltserve.bench.kv import run_kv_pressure
+        from rltserve.bench.kv import pool_warnings, run_kv_pressure
 
         def prompts_for(n: int) -> list[list[int]]:
             return _workload(n, args.input_len, model.spec.vocab_size)
 
-        report["kv_pressure"] = run_kv_pressure(model, engine_kw, args, prompts_for)
+        with pool_warnings(getattr(args, "quiet", False)):
+            report["kv_pressure"] = run_kv_pressure(model, engine_kw, args, prompts_for)
         return report
     if engine_kw["cuda_graphs"] and args.compare:
         report["graphs_compare"] = run_graphs_compare(model, engine_kw, args)
@@ -272,10 +274,10 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
     show = _show(args)
     main = run_engine(model, engine_kw, prompts, params, engine_kw["scheduling"], show)
     report[engine_kw["scheduling"]] = main
+    # Full depth is the depth the run runs at without an exit: --max-loops when given.
+    depth = args.max_loops or model.spec.num_loops
     report.update(
-        flop_bound(
-            f0, fr, model.spec.num_loops, main["mean_exit_depth"], args.input_len, args.output_len
-        )
+        flop_bound(f0, fr, depth, main["mean_exit_depth"], args.input_len, args.output_len)
     )
     if not args.compare:
         return report

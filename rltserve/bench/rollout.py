@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import random
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rltserve.progress import progress_bar
 from rltserve.sampling import SamplingParams
 
 # The CLI imports this module for its parser; ``rltserve.llm`` is imported where it is used.
@@ -81,6 +83,7 @@ def _in_place(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[st
     llm = LLM(**llm_kw)
     startup = time.perf_counter() - start
     steps = []
+    bar = progress_bar(args.steps, "in place", getattr(args, "progress", False), unit="step")
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -96,8 +99,10 @@ def _in_place(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[st
                     "tokens": _tokens(outputs),
                 }  # fmt: skip
             )
+            bar.update()
         version = llm.weight_version
     finally:
+        bar.close()
         llm.close()
     return _summary(steps, {"startup_s": round(startup, 4), "weight_version": version})
 
@@ -109,6 +114,7 @@ def _restart(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[str
 
     source = Path(llm_kw["model"])
     steps = []
+    bar = progress_bar(args.steps, "restart", getattr(args, "progress", False), unit="step")
     for step in range(args.steps):
         folder = Path(tempfile.mkdtemp(prefix="rltserve-rollout-"))
         try:
@@ -134,7 +140,32 @@ def _restart(args, llm_kw: dict, tensors: dict, prompts: list[dict]) -> dict[str
                 "tokens": _tokens(outputs),
             }  # fmt: skip
         )
+        bar.update()
+    bar.close()
     return _summary(steps, {})
+
+
+def check_workload(args: argparse.Namespace, model: str | None) -> None:
+    """Refuses, before any engine starts, what the engine would only refuse once started: the
+    sampling flags, and prompts that leave no room to generate in ``model``'s context (the
+    demo model's, ``model`` None, is left to the engine)."""
+    if not 0.0 <= args.temperature < math.inf:
+        raise ValueError(f"--temperature {args.temperature:g}: must be a finite number >= 0")
+    if not args.exit_threshold > 0.0:
+        raise ValueError(
+            f"--exit-threshold {args.exit_threshold:g}: must be > 0 (1 or more: full depth)"
+        )
+    _params(args, 0)  # (SamplingParams' own checks)
+    config = Path(model) / "config.json" if model is not None else None
+    if config is None or not config.is_file():
+        return
+    cfg = json.loads(config.read_text())
+    context = args.max_model_len or cfg.get("max_position_embeddings", cfg.get("block_size"))
+    if context is not None and args.input_len >= context:
+        raise ValueError(
+            f"--input-len {args.input_len}: leaves no room to generate within the context "
+            f"limit of {context} tokens"
+        )
 
 
 def run_rollout_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, Any]:
@@ -190,4 +221,5 @@ def add_rollout_parser(bench_sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=3, help="training steps per arm")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     return p

@@ -6,22 +6,26 @@ Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burst
 Poisson), optionally capped at ``max_concurrency`` in flight.
 
 Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
-after another; turn t's prompt is turn t-1's prompt + its answer (token ids) + a new
-``input_len``-token user message; a conversation stops at a failed turn (``skipped_turns``
-counts the turns it did not send). The report adds the prefix cache hit rate: prompt tokens the
-server reports as cached (``usage.prompt_tokens_details.cached_tokens``) over all prompt tokens.
+after another; turn t's prompt is turn t-1's prompt + its answer (token ids; from a server that
+streams text alone, its ``/tokenize`` of the text) + a new ``input_len``-token user message; a
+conversation stops at a failed turn (``skipped_turns`` counts the turns it did not send). The
+report adds the prefix cache hit rate: prompt tokens the server reports as cached
+(``usage.prompt_tokens_details.cached_tokens``) over all prompt tokens.
 
 Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = gaps between
 consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request; E2EL = send
--> last byte. Output tokens are the server's ``usage.completion_tokens``. Throughputs divide by
-the benchmark's wall time. Latencies are reported in ms as mean, median and p99 (numpy's linear
-percentile).
+-> last byte. Output tokens are the server's ``usage.completion_tokens`` (without usage: the
+token ids streamed, else the output chunks). Throughputs divide by the benchmark's wall time.
+Latencies are reported in ms as mean, median, std and p99 (numpy's std and linear percentile).
+A request that streams no output fails with an error saying so. The report starts with the
+run's settings (URL, endpoint, model, seed, ...) and its ``date``.
 
 ``endpoint="chat"`` streams ``/v1/chat/completions`` instead (vLLM's ``openai-chat`` backend):
 each random prompt is sent as the text the server decodes it to (``/detokenize``), as one user
 message, and a multi-turn chat sends the conversation as messages (the answers as text). The
 prompt lengths are the server's ``usage.prompt_tokens`` (the template adds its tokens, and
-decoded text may re-encode to other ids), output chunks those that carry tokens.
+decoded text may re-encode to other ids), output chunks those that carry token ids or text (the
+role's and a closing one's carry neither).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -71,14 +76,16 @@ class BenchConfig:
     ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
 
     def __post_init__(self) -> None:
+        # A base URL ending in /v1, as OpenAI clients take it, names the same server.
+        object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
         _check_url(self.url)
         for name in ("num_prompts", "input_len", "output_len", "num_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate={self.request_rate}: must be > 0 (or inf)")
-        if not self.burstiness > 0:
-            raise ValueError(f"burstiness={self.burstiness}: must be > 0")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError(f"burstiness={self.burstiness}: must be a finite number > 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency}: must be >= 1")
         if not self.ready_timeout_s > 0:
@@ -157,30 +164,44 @@ async def _one(
         body["return_token_ids"] = True
     start = time.perf_counter()
     last = start
+    outputs = 0  # chunks that carried output
+    usage = None
     stream = client.chat_stream(prompt, **body) if chat else client.stream(prompt, **body)
     try:
         async with stream as chunks:
             async for chunk in chunks:
                 now = time.perf_counter()
                 choice = chunk["choices"][0] if chunk.get("choices") else None
-                if chat and choice is not None:
-                    if not choice.get("token_ids"):
-                        continue  # (the first chunk: the role alone)
-                    result.output_text += choice["delta"].get("content") or ""
                 if choice is not None:
-                    result.output_ids.extend(choice.get("token_ids") or ())
-                    if result.ttft == 0.0:
+                    ids = choice.get("token_ids") or ()
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content") if chat else choice.get("text")
+                    # Output is token ids or, from servers that send none per chunk (vLLM
+                    # without return_token_ids, SGLang, proxies), text. A chat's role chunk and
+                    # a closing chunk (the finish reason alone) carry neither; a completion
+                    # chunk without text otherwise holds a token whose text is held back.
+                    if not (ids or text) and (chat or choice.get("finish_reason")):
+                        continue
+                    result.output_ids.extend(ids)
+                    result.output_text += text or ""
+                    if outputs == 0:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)
+                    outputs += 1
                     last = now
                 if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_len = chunk["usage"]["prompt_tokens"]
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    usage = chunk["usage"]
+                    result.prompt_len = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = int(details.get("cached_tokens") or 0)
         result.e2el = time.perf_counter() - start
-        result.success = result.ttft > 0.0
+        # The server's count; without usage, the ids it sent, else one token per chunk.
+        counted = len(result.output_ids) or outputs
+        result.output_tokens = usage["completion_tokens"] if usage else counted
+        result.success = outputs > 0
+        if not result.success:
+            result.error = "no output: the stream carried no chunk with text or token_ids"
     except (APIError, OSError, asyncio.TimeoutError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
@@ -235,7 +256,10 @@ async def run_bench(config: BenchConfig) -> dict:
                 if not result.success or turn + 1 == config.num_turns:
                     break
                 user = [rng.randrange(vocab) for _ in range(config.input_len)]
-                prompt = prompt + result.output_ids + user
+                answer = result.output_ids
+                if not (chat or answer) and result.output_text:  # (a server that sends no ids)
+                    answer = await client.tokenize(result.output_text, add_special_tokens=False)
+                prompt = prompt + answer + user
                 if chat:
                     messages += [
                         {"role": "assistant", "content": result.output_text},
@@ -252,7 +276,7 @@ async def run_bench(config: BenchConfig) -> dict:
                 tasks.append(asyncio.create_task(conversation(index, prompt)))
             results = [r for turns in await asyncio.gather(*tasks) for r in turns]
         duration = time.perf_counter() - start
-    return summarize(config, results, duration)
+    return summarize(config, results, duration, cards[0].get("id") if cards else None)
 
 
 def _stats(prefix: str, values_s: list[float]) -> dict[str, float]:
@@ -260,16 +284,28 @@ def _stats(prefix: str, values_s: list[float]) -> dict[str, float]:
     return {
         f"mean_{prefix}_ms": float(ms.mean()),
         f"median_{prefix}_ms": float(np.median(ms)),
+        f"std_{prefix}_ms": float(np.std(ms)),
         f"p99_{prefix}_ms": float(np.percentile(ms, 99)),
     }
 
 
-def summarize(config: BenchConfig, results: list[RequestResult], duration: float) -> dict:
+def summarize(
+    config: BenchConfig, results: list[RequestResult], duration: float, served: str | None = None
+) -> dict:
+    """The report: the run's settings (``model``: the one sent, else ``served``, the server's
+    first), then what it measured."""
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     report: dict = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),  # (vLLM's format)
+        "url": config.url,
+        "endpoint": config.endpoint,
+        "model": config.model or served,
+        "seed": config.seed,
+        "temperature": config.temperature,
+        "exit_threshold": config.exit_threshold,
         "num_prompts": config.num_prompts,
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
         "burstiness": config.burstiness,

@@ -96,7 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = bench_subparsers.add_parser("serve", help=BENCH_SERVE_HELP)
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server base URL (a trailing /v1, as OpenAI clients take it, is dropped)",
+    )
     parser.add_argument("--api-key", default=None, help="or env RLTSERVE_API_KEY")
     parser.add_argument("--model", default=None, help="model name to send (default: none)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
@@ -168,6 +172,20 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     return parser
 
 
+def _check_bench_serve_flags(args: argparse.Namespace) -> None:
+    """What ``BenchConfig`` refuses, named by the flags (its errors name its fields)."""
+    for name in ("num_prompts", "input_len", "output_len", "num_turns", "max_concurrency"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate {args.request_rate:g}: must be > 0 (or inf)")
+    if not 0 < args.burstiness < float("inf"):
+        raise ValueError(f"--burstiness {args.burstiness:g}: must be a finite number > 0")
+    if not args.wait_timeout > 0:
+        raise ValueError(f"--wait-timeout {args.wait_timeout:g}: must be > 0")
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -178,6 +196,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from rltserve.client import APIError
     from rltserve.progress import progress_enabled
 
+    _check_bench_serve_flags(args)
     config = BenchConfig(
         url=args.url,
         api_key=args.api_key or os.environ.get("RLTSERVE_API_KEY"),
