@@ -139,7 +139,8 @@ async def test_non_streaming_bodies_exact_bytes(ckpt, hi_tokens):
             b'{"id":"cmpl-test","object":"text_completion","created":1730000000,'
             b'"model":"tiny","choices":[{"index":0,"text":"HiHi","logprobs":null,'
             b'"finish_reason":"length","stop_reason":null}],'
-            b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4}}'
+            b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4},'
+            b'"metadata":{"weight_version":0}}'
         )
         chat = {"messages": [{"role": "user", "content": "x"}]}
         status, _, raw = await live.post("/v1/chat/completions", chat)
@@ -150,7 +151,8 @@ async def test_non_streaming_bodies_exact_bytes(ckpt, hi_tokens):
         b'{"id":"chatcmpl-test","object":"chat.completion","created":1730000000,"model":"tiny",'
         b'"choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"logprobs":null,'
         b'"finish_reason":"stop","stop_reason":null}],'
-        b'"usage":{"prompt_tokens":%d,"completion_tokens":3,"total_tokens":%d}}' % (n, n + 3)
+        b'"usage":{"prompt_tokens":%d,"completion_tokens":3,"total_tokens":%d},'
+        b'"metadata":{"weight_version":0}}' % (n, n + 3)
     )
 
 
@@ -464,7 +466,8 @@ async def test_echo_alone_ends_by_length_whatever_the_engine_sampled(ckpt, hi_to
     choice = b'{"index":0,"text":"Hi","logprobs":null,"finish_reason":"length","stop_reason":null}'
     usage = b'"usage":{"prompt_tokens":2,"completion_tokens":0,"total_tokens":2}}'
     head = b'{"id":"cmpl-test","object":"text_completion","created":1730000000,"model":"tiny",'
-    assert raw == head + b'"choices":[' + choice + b"]," + usage
+    metadata = b',"metadata":{"weight_version":0}}'
+    assert raw == head + b'"choices":[' + choice + b"]," + usage[:-1] + metadata
     assert streamed == (
         b"data: " + head + b'"choices":[' + choice + b"]," + usage + b"\n\n"
         + b"data: " + head + b'"choices":[],' + usage + b"\n\n"
