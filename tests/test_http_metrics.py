@@ -130,7 +130,18 @@ async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
         assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
         got = samples(raw.decode())
         assert got[("rltserve:generation_tokens_total", (("model_name", "tiny"),))] == 2.0
-        accept = {"Accept": "application/openmetrics-text; version=1.0.0"}
+        # OpenMetrics where names go unescaped (Prometheus 3's Accept) ...
+        accept = {"Accept": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"}
         status, headers, raw = await live.get("/metrics", headers=accept)
         assert headers["Content-Type"].startswith("application/openmetrics-text")
-        assert raw.endswith(b"# EOF\n")
+        assert raw.endswith(b"# EOF\n") and b"\nrltserve:generation_tokens_total{" in raw
+        # ... else text 0.0.4 (Prometheus 2.x's default Accept would get rltserve_* names).
+        prometheus2 = (
+            "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;"
+            "version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+        )
+        for accept in (prometheus2, "application/openmetrics-text; version=1.0.0"):
+            status, headers, raw = await live.get("/metrics", headers={"Accept": accept})
+            assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            key = ("rltserve:generation_tokens_total", (("model_name", "tiny"),))
+            assert samples(raw.decode())[key] == 2.0

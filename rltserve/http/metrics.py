@@ -208,8 +208,13 @@ class ServingMetrics:
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The exposition and its content type, in the format the scraper's Accept header asks
-        for (Prometheus text 0.0.4 by default, OpenMetrics on request)."""
+        for (Prometheus text 0.0.4 by default, OpenMetrics on request). Never with names
+        escaped: prometheus_client's underscore escaping (what Prometheus 2.x's default Accept
+        gets) renames ``rltserve:x`` to ``rltserve_x``, so dashboards written for the documented
+        names would find nothing; such a scraper gets text 0.0.4, which it reads as well."""
         encoder, content_type = choose_encoder(accept or "")
+        if "escaping=" in content_type and "escaping=allow-utf-8" not in content_type:
+            encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type
 
 
