@@ -362,6 +362,28 @@ async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):
         assert error_of(raw)["message"] == "the server is shutting down"
 
 
+async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones(ckpt):
+    """Queued requests would wait for slots only to be refused: they get the 503 at once (a
+    load balancer retries them elsewhere) while the running one finishes."""
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
+        first = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+        await wait_for(lambda: len(stage.added) == 1)
+        queued = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+        await wait_for(lambda: live.state.gate.num_queued == 1)
+        drain = asyncio.create_task(live.state.drain())
+        status, headers, raw = await queued
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert error_of(raw)["message"] == "the server is shutting down; retry later"
+        assert not first.done()
+        hold.set()
+        assert (await first)[0] == 200
+        await drain
+        assert len(stage.added) == 1
+
+
 async def test_requests_in_the_admission_queue_count_as_waiting(ckpt):
     """``num_requests_waiting`` adds the server's admission queue to the engine's own."""
     hold = threading.Event()

@@ -48,6 +48,32 @@ async def test_admission_gate_fifo_and_limits():
     assert d.cancelled() and gate.in_use == 0
 
 
+async def test_a_closed_admission_gate_refuses_its_waiters_at_once():
+    gate = AdmissionGate(max_concurrent=1, max_queued=4)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with gate.slots(1):
+            await release.wait()
+
+    held = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    waiters = [asyncio.create_task(hold()) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert gate.num_queued == 2
+    gate.close("the server is shutting down")
+    for waiter in waiters:
+        with pytest.raises(Overloaded, match="the server is shutting down"):
+            await waiter
+    with pytest.raises(Overloaded, match="the server is shutting down"):
+        async with gate.slots(1):
+            pass
+    assert gate.num_queued == 0 and gate.in_use == 1  # (the running request keeps its slot)
+    release.set()
+    await held
+    assert gate.in_use == 0
+
+
 async def test_admission_gate_survives_a_cancel_racing_a_release():
     """A waiter cancelled (client gone) in the same loop turn as a release: the release must
     neither grant the cancelled waiter (its future cannot take a result) nor fail, and the
@@ -160,5 +186,8 @@ def test_an_ended_choice_is_the_error_its_engine_update_stands_for(error, reject
     from rltserve.outputs import TextDelta
 
     delta = TextDelta("", [], [], [], "error", error=error)
-    got = failure(ChoiceEvent(0, delta, None, rejected), closing=False)
+    got = failure(ChoiceEvent(0, delta, None, rejected), closing=False, retry_after_s=2)
     assert got is not None and got.status == status
+    # A stage that died is restarted: another try may succeed (so may one after /wake_up).
+    retry = {"Retry-After": "2"} if error.startswith("stage died") else {}
+    assert dict(got.headers or {}) == retry

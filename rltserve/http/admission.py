@@ -3,7 +3,9 @@
 At most ``max_concurrent`` sequences are in the engine at once (a request with n choices holds n
 slots); up to ``max_queued`` requests wait for slots in FIFO order; any request beyond that is
 refused at once with ``Overloaded`` (the server answers 503 + Retry-After, so a load balancer can
-try elsewhere). A waiter that is cancelled (client gone) leaves the queue without a trace.
+try elsewhere). A waiter that is cancelled (client gone) leaves the queue without a trace. A
+closed gate (the server drains) refuses its waiters and later requests at once, rather than
+hold them for slots they would get only to be refused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ class AdmissionGate:
         self.max_queued = max_queued
         self.in_use = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._closed: str | None = None  # why the gate refuses every request now
+
+    def close(self, reason: str) -> None:
+        """Refuses the waiters and every later request (``Overloaded(reason)``); slots already
+        held stay until released."""
+        self._closed = reason
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_exception(Overloaded(reason))
 
     @property
     def num_queued(self) -> int:
@@ -50,6 +62,8 @@ class AdmissionGate:
             raise ValueError(
                 f"n={weight}: exceeds the server's max_concurrent={self.max_concurrent}"
             )
+        if self._closed is not None:
+            raise Overloaded(self._closed)
         if not self._waiters and self.in_use + weight <= self.max_concurrent:
             self.in_use += weight
             return
@@ -60,7 +74,8 @@ class AdmissionGate:
         try:
             await waiter.future
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            granted = waiter.future.done() and not waiter.future.cancelled()
+            if granted and waiter.future.exception() is None:
                 self._release(weight)  # granted in the same instant as the cancel
             else:
                 # Still queued, unless a release in the turn it was cancelled dropped it.

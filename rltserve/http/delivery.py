@@ -54,7 +54,7 @@ async def _stream(
             for event in events:
                 before = counted.get(event.index, 0)
                 counted[event.index] = before + len(event.delta.token_ids)
-                error = failure(event, state.closing)
+                error = failure(event, state.closing, state.config.retry_after_s)
                 if error is not None:
                     if not writer.started:
                         raise error
@@ -111,7 +111,7 @@ async def _collect(
 ) -> web.Response:
     async for events in generation.batches():
         for event in events:
-            error = failure(event, state.closing)
+            error = failure(event, state.closing, state.config.retry_after_s)
             if error is not None:
                 raise error
     outputs = generation.outputs()

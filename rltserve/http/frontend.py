@@ -457,8 +457,11 @@ class Generation:
         return ChoiceEvent(index, delta, choice.assembler.output, update.rejected)
 
 
-def failure(event: ChoiceEvent, closing: bool) -> HTTPError | None:
-    """The error response an event stands for, if it ended its choice abnormally."""
+def failure(
+    event: ChoiceEvent, closing: bool, retry_after_s: int | None = None
+) -> HTTPError | None:
+    """The error response an event stands for, if it ended its choice abnormally (a 503 with
+    ``Retry-After: retry_after_s`` where another try may succeed)."""
     delta = event.delta
     if delta.finish_reason == "error":
         message = delta.error or "the engine failed"
@@ -467,9 +470,9 @@ def failure(event: ChoiceEvent, closing: bool) -> HTTPError | None:
         if event.rejected:
             return bad_request(message, param_of(message))
         if message.startswith("stage died"):
-            return unavailable(message)
+            return unavailable(message, retry_after_s)
         return HTTPError(500, message)
     if delta.finish_reason == "abort":
         why = "the server is shutting down" if closing else "the request was aborted"
-        return unavailable(why)
+        return unavailable(why, retry_after_s)
     return None

@@ -182,6 +182,7 @@ class ServingState:
 
     async def drain(self) -> None:
         self.closing = True
+        self.gate.close("the server is shutting down")  # (queued requests: refused at once)
         frontend = self._frontend
         if frontend is None:
             return
