@@ -551,6 +551,27 @@ async def test_supervised_stage_sleep_controls_are_the_current_stages():
         sup.reset_prefix_cache()
 
 
+async def test_supervised_stage_counters_carry_over_a_restart_and_gauges_idle_meanwhile():
+    from rltserve.core.engine_info import EngineStats
+
+    def stats(running: int, kv: float, steps: int, rows: int) -> EngineStats:
+        return EngineStats(running, 0, kv, steps, rows, 0, 0.0)
+
+    a, b = _FakeStage("a"), _FakeStage("b")
+    a.stats = stats(3, 0.5, 10, 40)
+    sup, _, _ = _supervised(a, b)
+    assert sup.stats is a.stats
+    await sup._replace("boom")
+    got = sup.stats  # (the new stage has sent none yet)
+    assert (got.num_running, got.kv_usage, got.num_steps, got.num_rows) == (0, 0.0, 10, 40)
+    b.stats = stats(1, 0.25, 2, 4)
+    got = sup.stats
+    assert (got.num_running, got.kv_usage, got.num_steps, got.num_rows) == (1, 0.25, 12, 44)
+    await sup._replace("boom again")  # (no stage left to start: it gives up)
+    got = sup.stats  # (a dead stage's gauges are not shown; its counters stay)
+    assert sup.gave_up and (got.num_running, got.kv_usage, got.num_steps) == (0, 0.0, 12)
+
+
 async def test_supervised_stage_is_not_alive_while_it_restarts():
     a = _FakeStage("a")
     started, release = threading.Event(), threading.Event()

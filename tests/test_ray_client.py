@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rltserve.core.engine_info import EngineStats
-from rltserve.ray.client import _refusal, _sum_stats
+from rltserve.core.engine_info import EngineStats, sum_stats
+from rltserve.ray.client import _refusal
 
 
 def _stats(**values) -> EngineStats:
@@ -17,12 +17,12 @@ def test_counters_and_histograms_sum_gauges_of_dead_replicas_do_not():
     a = _stats(num_running=2, kv_usage=0.5, num_steps=3, step_rows_counts=(1, 2, 0))
     b = _stats(num_running=1, kv_usage=0.1, num_steps=1, step_rows_counts=(0, 0, 1))
     retired = _stats(num_running=7, num_steps=5, step_rows_counts=(5, 0, 0))
-    total = _sum_stats([a, b], retired)
+    total = sum_stats([a, b], retired)
     assert total.num_running == 3  # a gauge: the dead replica's is gone
     assert total.num_steps == 9 and total.step_rows_counts == (6, 2, 1)
     assert abs(total.kv_usage - 0.3) < 1e-9
-    assert _sum_stats([_stats()]).step_rows_counts == ()  # none reported yet
-    assert _sum_stats([]) is None
+    assert sum_stats([_stats()]).step_rows_counts == ()  # none reported yet
+    assert sum_stats([]) is None
 
 
 def test_a_failed_deployment_says_whether_the_engine_refused_its_config():

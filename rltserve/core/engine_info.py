@@ -56,6 +56,36 @@ class EngineStats:
 
 _STATS_FIELDS = attrgetter(*(f.name for f in fields(EngineStats)))  # every field, in order
 
+# What an idle engine's gauges read; with ``prefix_cache_blocks`` the fields that are gauges
+# (the others are counters, which only go up).
+IDLE_GAUGES = {
+    "num_running": 0,
+    "num_waiting": 0,
+    "kv_usage": 0.0,
+    "num_swapped": 0,
+    "num_recomputing": 0,
+    "swapped_bytes": 0,
+}
+GAUGE_FIELDS = (*IDLE_GAUGES, "prefix_cache_blocks")
+
+
+def sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> EngineStats | None:
+    """Counters and gauges summed over engines (replicas); ``kv_usage`` is their mean.
+    ``retired``: the counters of engines that died, so that the sums never go down (with no
+    live engine the gauges read 0)."""
+    if not stats and retired is None:
+        return None
+    names = [f.name for f in fields(EngineStats) if f.name != "step_rows_counts"]
+    total = {name: sum(getattr(s, name) for s in stats) for name in names}
+    counts = [s.step_rows_counts for s in [*stats, retired] if s is not None and s.step_rows_counts]
+    total["step_rows_counts"] = tuple(map(sum, zip(*counts))) if counts else ()
+    total["kv_usage"] = total["kv_usage"] / len(stats) if stats else 0.0
+    if retired is not None:
+        for name in names:
+            if name not in GAUGE_FIELDS:
+                total[name] += getattr(retired, name)
+    return EngineStats(**total)
+
 
 @dataclass(frozen=True)
 class EngineInfo:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rltserve.config import EngineConfig
-from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
 from rltserve.http.update_log import AppliedUpdate, UpdateLog, UpdateLost
@@ -112,6 +112,7 @@ class SupervisedStage:
         # still needed are applied to it again before it serves (same weights, same version:
         # the updates it skips are counted in _version_offset).
         self._updates = UpdateLog()
+        self._retired: EngineStats | None = None  # the counters of the stages replaced
         self._version_offset = 0
 
     # ------------------------------------------------------------------ StageClientLike
@@ -122,7 +123,13 @@ class SupervisedStage:
 
     @property
     def stats(self) -> EngineStats | None:
-        return self._client.stats
+        """The current stage's stats, its counters on top of those of the stages it replaced
+        (they never go down); while it restarts (or after giving up) the gauges read idle."""
+        running = not self.restarting and not self.gave_up
+        current = self._client.stats if running else None
+        if self._retired is None:
+            return current
+        return sum_stats([current] if current is not None else [], self._retired)
 
     @property
     def prefill_stats(self) -> EngineStats | None:
@@ -324,6 +331,8 @@ class SupervisedStage:
 
     async def _replace(self, reason: str) -> None:
         old = self._client
+        if old.stats is not None:  # (before restarting is set: counters must not dip)
+            self._retired = sum_stats([old.stats], self._retired)
         self.failure = reason
         self.restarting = True
         log.error("stage failed: %s", reason)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from rltserve.config import EngineConfig
-from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.engine_info import IDLE_GAUGES, EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageConfigError, StageError
 from rltserve.ray.cluster import cluster_gone, connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
@@ -56,19 +56,6 @@ class ReplicaState:
     in_flight: int = 0  # of which still streaming
 
 
-# What an idle engine's gauges read (the replicas serve this front end only: with none of its
-# requests in flight a replica runs nothing). The other fields are counters.
-_IDLE = {
-    "num_running": 0,
-    "num_waiting": 0,
-    "kv_usage": 0.0,
-    "num_swapped": 0,
-    "num_recomputing": 0,
-    "swapped_bytes": 0,
-}
-_GAUGES = (*_IDLE, "prefix_cache_blocks")
-
-
 def deployment_name(config: ReplicaConfig) -> str:
     """The deployment's name; it differs per router because a process's handles keep the router
     they were first built with for a deployment name, even after it is redeployed."""
@@ -88,23 +75,6 @@ def deployment_options(config: ReplicaConfig, max_ongoing: int) -> dict:
     if config.replica_affinity == "session":
         options["request_router_config"] = {"request_router_class": _CONSISTENT_HASH}
     return options
-
-
-def _sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> EngineStats | None:
-    """Counters and gauges summed over replicas; ``kv_usage`` is their mean. ``retired``: the
-    counters of replicas that died, so that the sums never go down."""
-    if not stats and retired is None:
-        return None
-    names = [f.name for f in dataclasses.fields(EngineStats) if f.name != "step_rows_counts"]
-    total = {name: sum(getattr(s, name) for s in stats) for name in names}
-    counts = [s.step_rows_counts for s in [*stats, retired] if s is not None and s.step_rows_counts]
-    total["step_rows_counts"] = tuple(map(sum, zip(*counts))) if counts else ()
-    total["kv_usage"] = total["kv_usage"] / len(stats) if stats else 0.0
-    if retired is not None:
-        for name in names:
-            if name not in _GAUGES:
-                total[name] += getattr(retired, name)
-    return EngineStats(**total)
 
 
 def _refusal(why: str) -> str | None:
@@ -207,7 +177,7 @@ class ReplicaSetClient:
     def stats(self) -> EngineStats | None:
         with self._lock:
             live = [r.stats for r in self._replicas.values() if r.stats is not None]
-            return _sum_stats(live, self._retired)
+            return sum_stats(live, self._retired)
 
     def replicas(self) -> dict[str, ReplicaState]:
         with self._lock:
@@ -320,7 +290,7 @@ class ReplicaSetClient:
                 with self._lock:  # a replacement reports anew; its counters stay in the sums
                     dead = self._replicas.pop(replica, None)
                     if dead is not None and dead.stats is not None:
-                        self._retired = _sum_stats([dead.stats], self._retired)
+                        self._retired = sum_stats([dead.stats], self._retired)
                 replica = None
             sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
         finally:
@@ -330,7 +300,7 @@ class ReplicaSetClient:
                 if state is not None:
                     state.in_flight -= 1
                     if state.in_flight == 0 and state.stats is not None:
-                        state.stats = dataclasses.replace(state.stats, **_IDLE)
+                        state.stats = dataclasses.replace(state.stats, **IDLE_GAUGES)
 
     def _record(self, batch, first: bool) -> None:
         with self._lock:
