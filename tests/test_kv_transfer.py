@@ -31,6 +31,23 @@ def _prefill(core, prompt, path) -> int:
     return len(core.kv.cache.lookup(core.make_request(None, prompt, GREEDY).block_hashes, 99))
 
 
+def test_a_transfer_directory_that_refuses_the_file_costs_one_warning(ckpts, tmp_path, caplog):
+    """A full (or missing) transfer directory: no file, one log line (not a traceback per
+    request); the decode stage computes the prompt."""
+    from rltserve.core.kv_transfer import export_prompt
+
+    core = _cores(ckpts["ouro"])[0]
+    prompt = list(range(50, 73))
+    _prefill(core, prompt, tmp_path / "first.safetensors")  # (its blocks are cached now)
+    request = core.make_request("x", prompt, GREEDY)
+    missing = tmp_path / "gone" / "kv.safetensors"
+    assert export_prompt(core.kv, core.runner, request, str(missing)) == 0
+    assert not missing.exists()
+    [record] = [r for r in caplog.records if "not exported" in r.getMessage()]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert export_prompt(core.kv, core.runner, request, str(tmp_path / "kv.safetensors")) > 0
+
+
 def test_an_aborted_request_exports_nothing(ckpts, tmp_path):
     core = _cores(ckpts["ouro"])[0]
     file = tmp_path / "kv.safetensors"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import shutil
 import signal
@@ -335,3 +336,33 @@ def wait_running(llm: LLM) -> None:
 def with_suppressed_lookup(fn, *args) -> None:
     with contextlib.suppress(ProcessLookupError):
         fn(*args)
+
+
+@pytest.mark.parametrize("level", [logging.WARNING, logging.ERROR])
+def test_the_worker_logs_as_the_parent_set_up_logging(tiny, capfd, level):
+    """The server's --log-level and format reach its stage worker (its warnings printed bare
+    and ignored the level); a process that set up no logging leaves the worker as it was."""
+    from rltserve.core import worker_process
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(level)
+    try:
+        assert worker_process._log_args() == ["--log-level", logging.getLevelName(level)]
+        client = StageClient(EngineConfig.from_flat(model=str(tiny), num_blocks=16))
+        try:
+            client.wait_ready(WAIT_S)
+        finally:
+            client.close()
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    err = capfd.readouterr().err
+    lowered = [line for line in err.splitlines() if "max_model_len lowered" in line]
+    if level == logging.ERROR:
+        assert lowered == []
+    else:
+        [line] = lowered
+        assert " WARNING rltserve." in line  # (the server's format: time, level, logger)

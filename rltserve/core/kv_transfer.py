@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rltserve.core.kv_cache import KVManager
@@ -48,7 +48,9 @@ def cacheable_prefix(kv: KVManager, request: Request) -> list[bytes]:
 
 def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:
     """Writes the KV of the request's cached prompt blocks (the longest cached prefix) to
-    ``path``; returns the blocks written per plane (0: no file is written)."""
+    ``path``; returns the blocks written per plane (0: no file is written, as when the file
+    system refuses it: a full or missing transfer directory costs the decode stage the prompt's
+    computation and one log line, not a traceback per request)."""
     prefix = cacheable_prefix(kv, request)
     entries = kv.cache.lookup(prefix, len(prefix))
     if not entries:
@@ -60,12 +62,21 @@ def export_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
         "cached_tokens": str(request.num_cached_tokens or 0),
     }
 
+    written = [0]
+
     def write(pool: torch.Tensor, slots: Slots) -> None:  # pool: [L, 2, num_slots, Hkv, hd]
         data = pool.index_select(2, slots(blocks))
-        save_file({"kv": data.cpu().contiguous()}, path, metadata=metadata)
+        try:
+            save_file({"kv": data.cpu().contiguous()}, path, metadata=metadata)
+        except (OSError, SafetensorError) as exc:  # (safetensors reports I/O errors as its own)
+            log.warning("prompt KV of request %s not exported: %s", request.request_id, exc)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return
+        written[0] = len(entries)
 
     runner.with_kv(write)
-    return len(entries)
+    return written[0]
 
 
 def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> int:

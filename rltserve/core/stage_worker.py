@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import logging
 import os
 import platform
 import signal
@@ -29,6 +30,9 @@ from multiprocessing.connection import Connection
 _PARENT_POLL_S = 1.0
 # Gen-0 collection every this many net container allocations (Python's default: 700).
 GC_GEN0_THRESHOLD = 20_000
+
+# How the server logs (``rltserve serve``); a worker whose parent set up logging logs so too.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def tune_gc() -> tuple[int, int, int]:
@@ -90,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rltserve.core.stage_worker")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket of the channel")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default=None, help="the parent's, when it set one up")
     args = parser.parse_args(argv)
+    if args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)
+        logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     # Children of the worker must not hold the channel open: its EOF is how the parent learns
     # that the worker died.
     os.set_inheritable(args.fd, False)

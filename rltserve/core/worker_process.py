@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import site
 import socket
@@ -52,6 +53,15 @@ def _worker_env() -> dict[str, str]:
     if root not in sites:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
+
+
+def _log_args() -> list[str]:
+    """The worker logs at this process's level, formatted as the server's, when this process
+    set up logging (the server does; a script usually does not: then neither does the worker)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return []
+    return ["--log-level", logging.getLevelName(root.getEffectiveLevel())]
 
 
 def _relay(stream: IO[bytes], tail: collections.deque) -> None:
@@ -101,6 +111,7 @@ class WorkerProcess:
                     str(theirs.fileno()),
                     "--parent-pid",
                     str(os.getpid()),
+                    *_log_args(),
                 ],  # fmt: skip
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,

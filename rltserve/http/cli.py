@@ -72,9 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
     check_listen_address(server_config.host, server_config.port)  # before the model loads
     replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from rltserve.core.stage_worker import LOG_FORMAT
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     if not replica_config.enabled:
         return run_server(server_config, engine_config)
     from rltserve.ray.client import ReplicaSetClient
