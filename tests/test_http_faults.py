@@ -344,6 +344,8 @@ async def test_a_client_that_stalls_or_resets_is_no_server_error(ckpt, monkeypat
             raise ConnectionResetError("Cannot write to closing transport")
         if mode == ["stall"] and self.started:
             raise StreamStalled("client read nothing for 0.5 s; stream dropped")
+        if mode == ["lost"] and self.started:  # (aiohttp's drain: a plain ConnectionError)
+            raise ConnectionError("Connection lost")
         await real_send(self, *objs)
 
     async def read(self):
@@ -356,15 +358,15 @@ async def test_a_client_that_stalls_or_resets_is_no_server_error(ckpt, monkeypat
     body = {"prompt": [5], "max_tokens": 50, "stream": True}
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         statuses = []
-        for what in ("stall", "reset", "body-reset"):
+        for what in ("stall", "reset", "body-reset", "lost"):
             mode[:] = [what]
             status, _, raw = await asyncio.wait_for(live.post(COMPLETIONS, body), 10)
             statuses.append(status)
             assert b"[DONE]" not in raw, what
             await wait_for(lambda: released(live))
         mode.clear()
-        assert statuses == [200, 499, 499]  # (the stall: the stream had started)
-        assert len(stage.aborted) == 2 and len(stage.added) == 2  # the body-reset never got in
+        assert statuses == [200, 499, 499, 200]  # (the stall, lost: the stream had started)
+        assert len(stage.aborted) == 3 and len(stage.added) == 3  # the body-reset never got in
         text = (await live.get("/metrics"))[2].decode()
     closed = 'rltserve:http_requests_total{handler="/v1/completions",method="POST",status="499"}'
     assert f"{closed} 2" in text and 'status="500"' not in text

@@ -79,8 +79,9 @@ async def _stream(
             )
             await writer.send(final)
         return await writer.finish()
-    except ConnectionResetError:
-        # The client went away mid-write, or stalled (StreamStalled); leaving the generation
+    except ConnectionError:
+        # The client went away mid-write (aiohttp raises ConnectionResetError, or a plain
+        # ConnectionError from a drain), or stalled (StreamStalled); leaving the generation
         # aborts its choices.
         return writer.response or web.Response(status=499)
     except Exception:
@@ -92,7 +93,7 @@ async def _stream(
         generation.abort()
         try:
             return await writer.finish((500, "internal server error"))
-        except ConnectionResetError:
+        except ConnectionError:
             return writer.response
 
 

@@ -50,7 +50,7 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
             message = f"method {request.method} not allowed on {request.path}"
             headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         response = error_response(HTTPError(exc.status, message or exc.reason, headers=headers))
-    except ConnectionResetError:
+    except ConnectionError:
         # The client went away (mid-body, mid-stream): nobody reads this; not a server error.
         response = web.Response(status=CLIENT_CLOSED)
     except asyncio.CancelledError:
