@@ -111,7 +111,10 @@ def test_make_model_out_on_a_file_or_an_uncreatable_path(ckpts):
     assert_fails(proc, 2, "is not empty (use --force to write into it)")
 
 
-def test_serve_usage_errors(tmp_path):
+def test_serve_usage_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    proc = rltserve("serve", "--metrics-auth", "--port", "0")
+    assert_fails(proc, 2, "--metrics-auth: needs an API key (--api-key or RLTSERVE_API_KEY)")
     proc = rltserve("serve", "--host", "no-such-host.invalid", "--port", "0")
     assert_fails(proc, 2, "--host no-such-host.invalid: cannot be resolved")
     missing = tmp_path / "cert.pem"

@@ -397,7 +397,10 @@ async def test_startup_timeout_is_reported_by_health(ckpt):
     factory = scripted_factory(stage)
     async with running(ckpt, client_factory=factory, wait=False, startup_timeout_s=0.5) as live:
         await asyncio.wait_for(live.state.ready.wait(), 30)
-        assert live.state.load_error == "StageError: stage did not become ready in time"
+        assert live.state.load_error == (
+            "StageError: stage did not become ready in time (the engine did not load within "
+            "--startup-timeout-s 0.5)"
+        )
         status, _, raw = await live.get("/health")
         assert status == 503 and "did not become ready" in error_of(raw)["message"]
 

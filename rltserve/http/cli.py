@@ -52,9 +52,12 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
     from rltserve.engine_args import checked_engine_kwargs
-    from rltserve.http.config import ServerConfig
+    from rltserve.http.config import API_KEY_ENV, ServerConfig
 
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
+    if server_config.metrics_auth and server_config.api_key is None:
+        # (a missing key Secret must not leave an operator believing /metrics is guarded)
+        raise ValueError(f"--metrics-auth: needs an API key (--api-key or {API_KEY_ENV})")
     engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
     if server_config.served_model_name is None and engine_config.model.model != args.model:
         # A Hugging Face repo id served from its cached snapshot goes by the id (as vLLM),

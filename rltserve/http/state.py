@@ -174,9 +174,14 @@ class ServingState:
         while True:
             try:
                 return await asyncio.to_thread(client.wait_ready, _POLL_S)
-            except StageError:
-                if not client.alive or time.monotonic() > deadline:
+            except StageError as exc:
+                if not client.alive:
                     raise
+                if time.monotonic() > deadline:
+                    limit = self.config.startup_timeout_s
+                    raise StageError(
+                        f"{exc} (the engine did not load within --startup-timeout-s {limit:g})"
+                    ) from exc
                 if self.closing:
                     raise StageError("shutdown while the engine was loading") from None
 

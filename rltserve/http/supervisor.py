@@ -344,7 +344,9 @@ class SupervisedStage:
         while not self._closing:
             if self._attempts >= self.policy.max_restarts:
                 log.error(
-                    "giving up on the stage after %d restart(s): %s", self._attempts, self.failure
+                    "giving up on the stage after %d failed restart attempt(s): %s",
+                    self._attempts,
+                    self.failure,
                 )
                 self.given_up.set()
                 return
@@ -364,6 +366,7 @@ class SupervisedStage:
                 new = await asyncio.to_thread(self._factory, self._engine_config)
             except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
                 self.failure = f"restart failed: {type(exc).__name__}: {exc}"
+                log.warning("restart attempt %d: %s", self._attempts, self.failure)
                 continue
             if await self._ready(new) and await self._reapply_updates(new, needed):
                 with self._lock:
@@ -378,6 +381,8 @@ class SupervisedStage:
                 log.info("stage restarted (%d restart(s) so far)", self.restarts)
                 return
             await asyncio.to_thread(_stop, new)
+            if not self._closing:
+                log.warning("restart attempt %d: %s", self._attempts, self.failure)
         await asyncio.to_thread(_stop, self._client)
 
     async def _reapply_updates(self, client: StageClientLike, needed: list[AppliedUpdate]) -> bool:
