@@ -9,6 +9,7 @@ tokens) and the real ouro-tiny tokenizer, or no socket at all."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 
@@ -362,17 +363,28 @@ async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):
         assert error_of(raw)["message"] == "the server is shutting down"
 
 
-async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones(ckpt):
-    """Queued requests would wait for slots only to be refused: they get the 503 at once (a
-    load balancer retries them elsewhere) while the running one finishes."""
+@contextlib.asynccontextmanager
+async def _one_slot_taken(ckpt, queued: int):
+    """A server of one slot, taken by a request whose tokens wait for ``hold``, with ``queued``
+    requests in its admission queue: (live, hold, stage, the running one, the queued ones)."""
     hold = threading.Event()
     stage = stage_for(ckpt, hold=hold)
     factory = scripted_factory(stage)
     async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
         first = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
         await wait_for(lambda: len(stage.added) == 1)
-        queued = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
-        await wait_for(lambda: live.state.gate.num_queued == 1)
+        waiting = [
+            asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+            for _ in range(queued)
+        ]
+        await wait_for(lambda: live.state.gate.num_queued == queued)
+        yield live, hold, stage, first, waiting
+
+
+async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones(ckpt):
+    """Queued requests would wait for slots only to be refused: they get the 503 at once (a
+    load balancer retries them elsewhere) while the running one finishes."""
+    async with _one_slot_taken(ckpt, 1) as (live, hold, stage, first, [queued]):
         drain = asyncio.create_task(live.state.drain())
         status, headers, raw = await queued
         assert status == 503 and headers["Retry-After"] == "1"
@@ -386,16 +398,7 @@ async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones
 
 async def test_requests_in_the_admission_queue_count_as_waiting(ckpt):
     """``num_requests_waiting`` adds the server's admission queue to the engine's own."""
-    hold = threading.Event()
-    stage = stage_for(ckpt, hold=hold)
-    factory = scripted_factory(stage)
-    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
-        first = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
-        await wait_for(lambda: len(stage.added) == 1)
-        queued = [
-            asyncio.create_task(live.post("/v1/completions", {"prompt": [5]})) for _ in range(2)
-        ]
-        await wait_for(lambda: live.state.gate.num_queued == 2)
+    async with _one_slot_taken(ckpt, 2) as (live, hold, _, first, queued):
         text = (await live.get("/metrics"))[2].decode()
         assert metric(text, "rltserve:num_requests_waiting") == 2
         hold.set()
