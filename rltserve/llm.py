@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from tqdm import tqdm
 
 from rltserve.config import EngineConfig
@@ -51,6 +52,7 @@ from rltserve.vllm_args import (
     check_parallel,
     check_utilization,
     generation_config_folder,
+    generation_overrides,
     kv_cache_gb_for,
 )
 
@@ -107,6 +109,7 @@ class LLM(TrainerControls):
         gpu_memory_utilization: float | None = None,
         revision: str | None = None,
         generation_config: str = "auto",
+        override_generation_config: Mapping[str, Any] | None = None,
         swap_space: float | None = None,
         **vllm_options: Any,
     ) -> None:
@@ -115,9 +118,9 @@ class LLM(TrainerControls):
         requests without one (None: a fresh random one). ``tokenizer``,
         ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager``,
         ``gpu_memory_utilization``, ``revision``, ``swap_space`` (GiB: ``swap_space_gb``),
-        ``generation_config`` (``get_default_sampling_params``) and the ``vllm_options`` RL
-        frameworks pass (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's
-        (``vllm_args``)."""
+        ``generation_config`` and ``override_generation_config``
+        (``get_default_sampling_params``) and the ``vllm_options`` RL frameworks pass
+        (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's (``vllm_args``)."""
         del trust_remote_code  # (rltserve never runs a checkpoint's code)
         startup_timeout = seconds("startup_timeout", startup_timeout)
         check_inert(vllm_options)
@@ -135,6 +138,7 @@ class LLM(TrainerControls):
         model = resolve_model(str(model_or_demo(model)), revision)
         dtype = resolve_dtype(dtype, model)
         self._generation_config = generation_config_folder(generation_config, model)
+        self._generation_overrides = generation_overrides(override_generation_config)
         self.config = EngineConfig.from_flat(
             model=model,
             dtype=dtype,
@@ -207,7 +211,9 @@ class LLM(TrainerControls):
         """Stops the stage; requests still open in other threads end as aborted. A worker that
         does not stop within ``timeout`` seconds is killed. An LLM that is never closed stops its
         stage when it is garbage-collected or when the interpreter exits."""
-        self._client.close(seconds("timeout", timeout))
+        timeout = seconds("timeout", timeout)
+        self._closed = True
+        self._client.close(timeout)
 
     def generate(
         self,
@@ -221,16 +227,17 @@ class LLM(TrainerControls):
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one ``RequestOutput`` per prompt, in input order,
         each with ``params.n`` samples. A prompt is a string (needs a tokenizer), a list of token
-        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. Every prompt is checked before
-        any is submitted; if a request fails or is rejected, or the call is interrupted, the
-        requests still running are aborted before the error propagates. While generation is
-        paused (``pause_generation``) the call waits for ``resume_generation``. ``use_tqdm``
-        (vLLM's): a bar of the prompts done, on stderr when it is a terminal or in a Jupyter
-        notebook (True), never (False), or always, made by the tqdm class given (a callable,
-        such as ``tqdm.auto.tqdm``). ``priority``: one per prompt (vLLM's; it replaces the params'
-        ``priority``); ``lora_request`` must be None. ``prompt_token_ids`` (older vLLM's
-        keyword, which RL code still passes): the prompts as token ids (one list, or a list of
-        them), with ``prompts`` their texts or None."""
+        ids, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}`` (ids may be one prompt's
+        tokenizer encoding, a mapping with ``input_ids``: ``check_ids``). Every prompt is
+        checked before any is submitted; if a request fails or is rejected, or the call is
+        interrupted, the requests still running are aborted before the error propagates. While
+        generation is paused (``pause_generation``) the call waits for ``resume_generation``.
+        ``use_tqdm`` (vLLM's): a bar of the prompts done, on stderr when it is a terminal or in
+        a Jupyter notebook (True), never (False), or always, made by the tqdm class given (a
+        callable, such as ``tqdm.auto.tqdm``). ``priority``: one per prompt (vLLM's; it
+        replaces the params' ``priority``); ``lora_request`` must be None. ``prompt_token_ids``
+        (older vLLM's keyword, which RL code still passes): the prompts as token ids (one list,
+        or a list of them), with ``prompts`` their texts or None."""
         if lora_request is not None:
             raise ValueError("lora_request: LoRA adapters are not supported")
         if prompt_token_ids is not None:
@@ -277,7 +284,8 @@ class LLM(TrainerControls):
             self._running.wait_for(lambda: not self._paused)
             self._active += 1
         try:
-            return self._run(batch, encoded, plist, use_tqdm)
+            with self._stage():
+                return self._run(batch, encoded, plist, use_tqdm)
         finally:
             with self._running:
                 self._active -= 1
@@ -305,7 +313,8 @@ class LLM(TrainerControls):
         ``continue_final_message`` leaves the last message open for the model to continue.
         ``tools`` must be None or empty, ``lora_request`` and ``mm_processor_kwargs`` None (no
         tool calling, adapters or images); content parts are joined text whatever the content
-        format."""
+        format, and no content (an assistant turn carrying ``tool_calls``) is "" (vLLM's). A
+        template that raises on a conversation is a ValueError naming the conversation."""
         for name, value in (
             ("tools", tools or None),  # (an empty list asks for nothing)
             ("lora_request", lora_request),
@@ -323,15 +332,27 @@ class LLM(TrainerControls):
         kwargs = dict(chat_template_kwargs or {})
         prompts = []
         for c, conversation in enumerate(conversations):
+            if not isinstance(conversation, Sequence) or isinstance(conversation, str):
+                raise ValueError(f"messages[{c}]: must be a list of messages")
             turns = [template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)]
-            rendered = self.tokenizer.apply_chat_template(
-                turns,
-                add_generation_prompt,
-                tokenize=False,
-                chat_template=chat_template,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
+            try:
+                rendered = self.tokenizer.apply_chat_template(
+                    turns,
+                    add_generation_prompt,
+                    tokenize=False,
+                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
+                    **kwargs,
+                )
+            except ValueError:  # (rltserve's own: they name what is wrong)
+                raise
+            except jinja2.TemplateSyntaxError as exc:  # (only a given template is compiled here)
+                raise ValueError(f"chat_template: the template does not compile: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - template code raising on its input
+                raise ValueError(
+                    f"messages[{c}]: the chat template failed on this conversation: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             text = chat_prompt_text(rendered, add_generation_prompt, kwargs, self.tokenizer)
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
@@ -341,9 +362,12 @@ class LLM(TrainerControls):
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the
         sampling defaults of the checkpoint's ``generation_config.json`` (temperature, top_p,
         top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over vLLM's; plain
-        ``SamplingParams()`` with ``generation_config="vllm"`` or without the file. A new
-        object on every call (the caller may change it)."""
-        return SamplingParams(**generation_config_defaults(self._generation_config))
+        ``SamplingParams()`` with ``generation_config="vllm"`` or without the file; either
+        with ``override_generation_config`` laid over it (as vLLM's). A new object on every
+        call (the caller may change it)."""
+        found = generation_config_defaults(self._generation_config)
+        found.update(self._generation_overrides)
+        return SamplingParams(**{k: v for k, v in found.items() if v is not None})
 
     def get_tokenizer(self):
         """The checkpoint's tokenizer as vLLM's ``LLM.get_tokenizer`` gives it: a Hugging Face

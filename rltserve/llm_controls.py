@@ -1,16 +1,20 @@
 """What an RL trainer drives on the offline ``LLM`` between rollouts (``TrainerControls``, a base
 of ``LLM``): weight updates, sleep mode, pausing generation and the prefix cache, and the path
 vLLM-era scripts take to load weights, ``llm.llm_engine.model_executor.driver_worker.
-model_runner.model.load_weights(pairs)`` (TRL's colocate mode and the scripts copied from it).
+model_runner.model.load_weights(pairs)`` (TRL's colocate mode and the scripts copied from it),
+and the few other reads of ``llm.llm_engine`` they make (``LLMEngine``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from rltserve.core.stage import StageError
 from rltserve.sampling import plain_number
 from rltserve.updates import SLEEP_TAGS
 from rltserve.weights import WeightsArg, update_paths
@@ -18,6 +22,11 @@ from rltserve.weights import WeightsArg, update_paths
 # vLLM's objects from the engine down to the model; the model runs in rltserve's stage, so the
 # path leads only to ``load_weights``. (vLLM V1 wraps the worker: ``driver_worker.worker``.)
 _MODEL_PATH = ("model_executor", "driver_worker", "model_runner", "model")
+_LOAD_PATH = "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
+_NO_WORKERS = (
+    "rltserve runs the model in its own stage, with no workers to call; load weights with "
+    f"llm.update_weights(pairs) or {_LOAD_PATH}(pairs)"
+)
 
 
 class TrainerControls:
@@ -26,6 +35,7 @@ class TrainerControls:
     _client: Any
     _running: threading.Condition  # guards _paused
     _paused: bool
+    _closed = False  # set by close()
 
     def update_weights(
         self, weights: WeightsArg, *, abort: bool = False, timeout: float = 300.0
@@ -43,7 +53,7 @@ class TrainerControls:
         if not isinstance(abort, bool):
             raise ValueError(f"abort={abort!r}: must be a bool")
         timeout = seconds("timeout", timeout)
-        with update_paths(weights) as paths:
+        with update_paths(weights) as paths, self._stage():
             return self._client.update_weights(paths, abort, timeout)
 
     @property
@@ -59,7 +69,9 @@ class TrainerControls:
         ``UpdateTimeout``, nothing freed). ``generate`` raises ValueError until ``wake_up``."""
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: must be 1 or 2")
-        self._client.sleep(level, seconds("timeout", timeout))
+        timeout = seconds("timeout", timeout)
+        with self._stage():
+            self._client.sleep(level, timeout)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restores what ``sleep`` freed: ``tags`` ("weights", "kv_cache"; None: both)."""
@@ -67,7 +79,8 @@ class TrainerControls:
             tags = SLEEP_TAGS
         if isinstance(tags, str) or not set(tags) <= set(SLEEP_TAGS):
             raise ValueError(f"tags={tags!r}: must be a list of {SLEEP_TAGS}")
-        self._client.wake_up(list(tags))
+        with self._stage():
+            self._client.wake_up(list(tags))
 
     def is_sleeping(self) -> bool:
         return bool(self._client.sleeping)
@@ -76,7 +89,8 @@ class TrainerControls:
         """Forgets every cached prefix (vLLM's; a weight update already does). Blocks running
         requests hold stay theirs, so it always succeeds: True."""
         del reset_running_requests
-        self._client.reset_prefix_cache()
+        with self._stage():
+            self._client.reset_prefix_cache()
         return True
 
     def pause_generation(self) -> None:
@@ -90,18 +104,61 @@ class TrainerControls:
             self._paused = False
             self._running.notify_all()
 
+    def collective_rpc(self, *args: Any, **kwargs: Any) -> list:
+        """vLLM's call of a method on every worker: a ValueError (there are none to call)."""
+        raise ValueError(f"collective_rpc: not supported: {_NO_WORKERS}")
+
+    def apply_model(self, *args: Any, **kwargs: Any) -> list:
+        """vLLM's call of a function on the model in each worker: a ValueError (as above)."""
+        raise ValueError(f"apply_model: not supported: {_NO_WORKERS}")
+
     @property
-    def llm_engine(self) -> EnginePath:
-        """vLLM's engine, as far as RL scripts reach into it: ``.model_executor.driver_worker.
-        model_runner.model.load_weights(pairs)`` runs ``update_weights(pairs)``."""
-        return EnginePath(self, ())
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's engine, as far as RL scripts and evaluation harnesses reach into it
+        (``LLMEngine``)."""
+        return LLMEngine(self)
+
+    @contextlib.contextmanager
+    def _stage(self) -> Iterator[None]:
+        """Around calls on the stage client: once ``close()`` has run, the StageError they
+        raise says so in the user's terms (the client's says its stage is "closed")."""
+        try:
+            yield
+        except StageError as exc:
+            if self._closed:
+                raise StageError("this LLM is closed (close() was called)") from exc
+            raise
+
+
+@dataclass(frozen=True)
+class VllmModelConfig:
+    """``llm.llm_engine.model_config``: the fields of vLLM's ``ModelConfig`` rltserve knows
+    (lm-eval reads ``max_model_len``). ``model`` is the checkpoint's directory,
+    ``max_model_len`` the engine's context limit, ``dtype`` a ``torch.dtype`` (as vLLM's);
+    ``llm.info`` and ``llm.config`` hold the rest."""
+
+    model: str
+    max_model_len: int
+    dtype: Any
+    seed: int
+    max_logprobs: int
+    vocab_size: int
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def __getattr__(self, name: str) -> Any:  # (only names that are not fields)
+        raise AttributeError(
+            f"llm.llm_engine.model_config.{name}: not here; it has model, max_model_len, dtype, "
+            "seed, max_logprobs, vocab_size (llm.info and llm.config hold the rest)"
+        )
 
 
 class EnginePath:
-    """One hop of ``llm.llm_engine.model_executor.driver_worker.model_runner.model``. Any other
-    attribute is an AttributeError saying what there is instead."""
+    """One hop of ``llm.llm_engine.model_executor.driver_worker.model_runner.model``; the last
+    has ``load_weights``. Any other attribute is an AttributeError saying what there is."""
 
-    def __init__(self, llm: TrainerControls, hops: tuple[str, ...]) -> None:
+    def __init__(self, llm: Any, hops: tuple[str, ...]) -> None:
         self._llm = llm
         self._hops = hops
 
@@ -110,23 +167,67 @@ class EnginePath:
         step = len([h for h in hops if h != "worker"])
         wrapped = name == "worker" and hops[-1:] == ("driver_worker",)
         if not name.startswith("__") and (wrapped or _MODEL_PATH[step : step + 1] == (name,)):
-            return EnginePath(self._llm, (*hops, name))
+            return (_ModelHop if name == "model" else EnginePath)(self._llm, (*hops, name))
+        path = ".".join(("llm.llm_engine", *hops, name))
+        if name == "load_weights":
+            raise AttributeError(f"{path}: the model's, {_LOAD_PATH}")
         raise AttributeError(
-            f"llm.llm_engine.{'.'.join((*hops, name))}: rltserve runs the model in its own "
-            "stage; of vLLM's engine objects only llm.llm_engine.model_executor.driver_worker."
-            "model_runner.model.load_weights is here (LLM.update_weights)"
+            f"{path}: rltserve runs the model in its own stage; llm.llm_engine has only "
+            "model_config, get_model_config(), get_tokenizer(), tokenizer, reset_prefix_cache(), "
+            f"is_sleeping() and {_LOAD_PATH} (on the LLM: llm.get_tokenizer(), "
+            "llm.reset_prefix_cache(), llm.is_sleeping(), llm.info, llm.update_weights)"
         )
+
+
+class LLMEngine(EnginePath):
+    """``llm.llm_engine``: vLLM's engine as far as scripts read it (OpenRLHF resets the prefix
+    cache through it, lm-eval reads ``model_config.max_model_len``), each name the LLM's own;
+    and the first hop of the path to ``load_weights``."""
+
+    def __init__(self, llm: Any) -> None:
+        super().__init__(llm, ())
+
+    @property
+    def model_config(self) -> VllmModelConfig:
+        llm = self._llm
+        import torch  # (the stage has imported it already)
+
+        return VllmModelConfig(
+            model=llm.config.model.model,
+            max_model_len=llm.info.max_model_len,
+            dtype=getattr(torch, llm.config.model.dtype),
+            seed=llm.config.model.seed,
+            max_logprobs=llm.config.model.max_logprobs,
+            vocab_size=llm.info.vocab_size,
+        )
+
+    def get_model_config(self) -> VllmModelConfig:
+        return self.model_config
+
+    @property
+    def tokenizer(self) -> Any:
+        """``llm.get_tokenizer()`` (vLLM V1's engine holds the tokenizer itself)."""
+        return self._llm.get_tokenizer()
+
+    def get_tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def reset_prefix_cache(self, device: object = None) -> bool:
+        del device  # (vLLM's: one KV pool here)
+        return self._llm.reset_prefix_cache()
+
+    def is_sleeping(self) -> bool:
+        return self._llm.is_sleeping()
+
+
+class _ModelHop(EnginePath):
+    """``...model_runner.model``: the model, as far as ``load_weights``."""
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """vLLM's: loads ``(name, tensor)`` pairs in checkpoint names (all of a trainer's
         ``state_dict().items()`` or a few) and returns the names loaded; here one strict
         ``update_weights`` (a bad name or shape is a ValueError and nothing changes). An empty
         iterable loads nothing; a dict is taken as its items."""
-        if self._hops[-1:] != ("model",):
-            raise AttributeError(
-                f"llm.llm_engine.{'.'.join(self._hops)}.load_weights: the model's, "
-                "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights"
-            )
         pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
         if pairs:
             self._llm.update_weights(pairs)

@@ -13,6 +13,8 @@ from rltserve.sampling import outside_vocab, plain_number
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# vLLM's keys that ask for nothing when empty, not only when None (text only here).
+_EMPTY_OK = ("mm_processor_kwargs",)
 
 
 def prompt_text(prompt: PromptInput) -> str | None:
@@ -35,9 +37,13 @@ def prompt_cache_salt(prompt: PromptInput) -> str | None:
 
 
 def normalize_prompts(prompts: object) -> list[PromptInput]:
-    """One prompt or a list of them, as a list."""
+    """One prompt or a list of them (a 1-D NumPy array of texts too), as a list."""
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
+    if getattr(prompts, "ndim", None) == 1 and hasattr(prompts, "tolist"):
+        texts = prompts.tolist()
+        if all(isinstance(t, str) for t in texts):
+            prompts = texts
     if not isinstance(prompts, Sequence):
         raise ValueError(f"prompts={prompts!r:.80}: must be a string, token ids or a list")
     prompts = list(prompts)
@@ -51,11 +57,14 @@ def token_id_prompts(ids: object, texts: object = None) -> list[dict[str, Any]]:
     prompt dicts; ``texts`` (None, one text or one per prompt) become their ``prompt``."""
     if hasattr(ids, "tolist") and not isinstance(ids, list):
         ids = ids.tolist()  # (a NumPy array or a tensor)
-    if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
+    if isinstance(ids, Mapping):  # (one prompt's encoding: ``check_ids``)
+        batch = [ids]
+    elif not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
         raise ValueError(f"prompt_token_ids={ids!r:.80}: must be token ids or a list of them")
-    # (an id may be a NumPy or torch scalar, ndim 0; a prompt a list, array or tensor)
-    one = bool(ids) and not (isinstance(ids[0], Sequence) or getattr(ids[0], "ndim", 0) > 0)
-    batch = [ids] if one else list(ids)
+    else:
+        # (an id may be a NumPy or torch scalar, ndim 0; a prompt a list, array or tensor)
+        one = bool(ids) and not (isinstance(ids[0], Sequence) or getattr(ids[0], "ndim", 0) > 0)
+        batch = [ids] if one else list(ids)
     if texts is None:
         return [{"prompt_token_ids": p} for p in batch]
     texts = [texts] if isinstance(texts, str) else texts
@@ -70,7 +79,7 @@ def encode_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> list[int]:
     """The prompt's token ids (text encoded with ``tokenizer``, which may be None)."""
     if isinstance(prompt, Mapping):
         # (vLLM's multimodal keys, which RL code sends as None for text: text only here)
-        unknown = [k for k in prompt if k not in _PROMPT_KEYS and prompt[k] is not None]
+        unknown = [k for k in prompt if k not in _PROMPT_KEYS and _asks(k, prompt[k])]
         if unknown:
             raise ValueError(
                 f"prompt: unknown key {unknown[0]!r} (accepted: {', '.join(_PROMPT_KEYS)})"
@@ -92,9 +101,25 @@ def encode_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> list[int]:
     return check_ids(prompt, vocab_size)
 
 
+def _asks(key: str, value: object) -> bool:
+    """Whether a prompt dict's ``key`` asks for something rltserve would have to do."""
+    if key in _EMPTY_OK and isinstance(value, Mapping):
+        return bool(value)
+    return value is not None
+
+
 def check_ids(prompt: object, vocab_size: int) -> list[int]:
     """Token ids given as a list, a NumPy array or a tensor, as a list of ints in the
-    vocabulary."""
+    vocabulary; or a tokenizer's encoding of one sequence (a mapping with ``input_ids``:
+    transformers 5's ``apply_chat_template(..., tokenize=True)`` returns a BatchEncoding)."""
+    if isinstance(prompt, Mapping) and "input_ids" in prompt:
+        prompt = prompt["input_ids"]
+        rows = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        if isinstance(rows, Sequence) and any(isinstance(r, Sequence) for r in rows):
+            raise ValueError(
+                f"prompt: input_ids holds a batch of {len(rows)} sequences; pass one "
+                "sequence's ids per prompt (input_ids[i])"
+            )
     if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list)):
         prompt = prompt.tolist()  # a NumPy array or a torch tensor of ids
     if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes, bytearray)):
@@ -111,11 +136,17 @@ def check_ids(prompt: object, vocab_size: int) -> list[int]:
 def template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     """``message`` as the server's chat endpoint gives it to the template: OpenAI-style content
     parts (``[{"type": "text", "text": ...}]``) joined into one text (other content as it is),
-    a ``developer`` message as ``system``."""
+    no content (None: an assistant turn that carries ``tool_calls``) as "" (vLLM's), a
+    ``developer`` message as ``system``. (The template's own normalisation would drop a None
+    content, and templates read ``message.content``.)"""
+    if callable(getattr(message, "model_dump", None)):
+        message = message.model_dump()  # (a pydantic message, such as openai's)
     if not isinstance(message, Mapping):
-        return message
+        raise ValueError(f"{path}: must be a message, a dict with 'role' and 'content'")
     content = message.get("content")
-    if isinstance(content, list):
+    if content is None:
+        message = {**message, "content": ""}
+    elif isinstance(content, list):
         parts = [
             (p.get("type"), p.get("text")) if isinstance(p, Mapping) else (None, None)
             for p in content

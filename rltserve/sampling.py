@@ -6,7 +6,7 @@ import json
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from pathlib import Path
 
 INIT_STATES = ("random", "zero")
@@ -123,8 +123,16 @@ class SamplingParams:
     guided_decoding: None = None
     structured_outputs: None = None
     extra_args: dict | None = None
+    # vLLM's, accepted where they ask for nothing more: ``best_of`` None or ``n`` (no best-of
+    # selection or beam search), ``bad_words`` and ``logits_processors`` empty (no hook for
+    # custom sampling code: ``logit_bias`` and ``allowed_token_ids`` shape what is sampled).
+    best_of: int | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    # vLLM's streaming mode: accepted and not kept (the offline API returns final outputs).
+    output_kind: InitVar[object] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, output_kind: object = None) -> None:
         # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
         # rltserve's as tuples; copies either way (the caller's list may change). A bare string
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
@@ -262,6 +270,17 @@ class SamplingParams:
         _check_int(self, "n")
         if self.n < 1:
             raise bad("n", "must be >= 1")
+        if self.best_of is not None:
+            _check_int(self, "best_of")
+            if self.best_of != self.n:
+                raise bad("best_of", f"no best-of or beam search (must be None or n={self.n})")
+        if _nonempty(self.bad_words):
+            raise bad("bad_words", "not supported (None or empty; logit_bias={id: -100} bans)")
+        if _nonempty(self.logits_processors):
+            raise bad(
+                "logits_processors",
+                "not supported (None or empty; logit_bias and allowed_token_ids shape sampling)",
+            )
         # Sample j draws with seed + j, and torch's generators take 64-bit seeds.
         if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
             raise bad(
@@ -433,6 +452,11 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _nonempty(value: object) -> bool:
+    """Whether an optional list field asks for something (a value that is no list does)."""
+    return value is not None and not (isinstance(value, (list, tuple)) and not value)
+
+
 def _check_int(obj: object, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, int) or isinstance(value, bool):
@@ -455,6 +479,7 @@ def expand_samples(params: SamplingParams) -> list[SamplingParams]:
     return [
         params.replace(
             n=1,
+            best_of=None,
             seed=None if params.seed is None else params.seed + j,
             prompt_logprobs=params.prompt_logprobs if j == 0 else None,
         )

@@ -15,20 +15,30 @@
 - ``generation_config``: where ``get_default_sampling_params`` reads sampling defaults:
   ``auto`` the checkpoint's ``generation_config.json``, ``vllm`` none (vLLM's defaults), or a
   folder holding one (``generation_config_folder``).
+- ``override_generation_config``: a dict of ``generation_config.json`` sampling keys
+  (``GENERATION_CONFIG_KEYS``, ``max_new_tokens``) laid over what ``generation_config`` gives
+  ``get_default_sampling_params`` (``generation_overrides``; None drops a default).
 - ``swap_space`` (GiB): the host swap space, ``swap_space_gb``.
 - ``model`` may be a Hugging Face repo id found in the local Hugging Face cache (``revision``
   picks the snapshot); nothing is downloaded (``preflight.resolve_model``).
 - The arguments RL frameworks pass on every construction (``INERT``: TRL's ``enable_sleep_mode``,
   ``model_impl``, ``distributed_executor_backend``, ...) are accepted where their value asks
   for what rltserve does anyway; another value is a ValueError saying why it cannot be had.
+  Among them verl's ``compilation_config`` (any value: it tunes vLLM's compilation and CUDA
+  graph capture, and rltserve captures its own graphs, ``cuda_graphs``), ``download_dir``
+  (nothing is ever downloaded), vLLM's performance switches (``disable_cascade_attn``,
+  ``num_scheduler_steps``, ``disable_async_output_proc``) and ``hf_overrides`` (empty only:
+  the checkpoint's config is loaded as it is).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rltserve.preflight import resolve_dtype
+from rltserve.sampling import GENERATION_CONFIG_KEYS, SamplingParams
 
 # What the weights and the KV pool leave of the device for activations and the allocator.
 ACTIVATION_RESERVE_BYTES = 2**30
@@ -47,6 +57,10 @@ def _one_of(*accepted: object) -> Callable[[object], bool]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _anything(value: object) -> bool:
+    return True
 
 
 # name -> (the values that ask for nothing rltserve lacks, why another value cannot be had).
@@ -81,6 +95,18 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     "pipeline_parallel_size": (_one_of(1), "an engine runs on one device"),
     "data_parallel_size": (_one_of(1), "one engine per LLM (replicas: rltserve.ray.generate)"),
     "max_seq_len_to_capture": (_is_int, ""),  # (CUDA graphs: cuda_graph_max_context)
+    "compilation_config": (_anything, ""),  # (vLLM's graph capture; rltserve's: cuda_graphs)
+    "download_dir": (
+        lambda v: v is None or isinstance(v, (str, os.PathLike)),
+        "None or a path: nothing is ever downloaded",
+    ),
+    "disable_cascade_attn": (_any_bool, ""),
+    "num_scheduler_steps": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "disable_async_output_proc": (_any_bool, ""),
+    "hf_overrides": (
+        lambda v: v is None or (isinstance(v, Mapping) and not v),
+        "rltserve loads the checkpoint's config as it is",
+    ),
 }
 
 
@@ -97,6 +123,29 @@ def generation_config_folder(value: object, model: str) -> str | None:
         f"generation_config={value!r}: must be 'auto', 'vllm' or a folder holding a "
         "generation_config.json"
     )
+
+
+def generation_overrides(value: object) -> dict[str, object]:
+    """vLLM's ``override_generation_config`` as ``SamplingParams`` keywords (``max_new_tokens``
+    as ``max_tokens``; a None value kept: it drops the default of that name). ValueError for
+    a key vLLM does not read as a sampling default, or a value ``SamplingParams`` refuses."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"override_generation_config={value!r:.80}: must be a dict")
+    keys = (*GENERATION_CONFIG_KEYS, "max_new_tokens")
+    for key in value:
+        if key not in keys:
+            raise ValueError(
+                f"override_generation_config: {key!r} is not a sampling default "
+                f"(accepted: {', '.join(keys)})"
+            )
+    found = {"max_tokens" if k == "max_new_tokens" else k: v for k, v in value.items()}
+    try:
+        SamplingParams(**{k: v for k, v in found.items() if v is not None})
+    except ValueError as exc:
+        raise ValueError(f"override_generation_config: {exc}") from None
+    return found
 
 
 def check_inert(options: Mapping[str, object]) -> None:

@@ -304,3 +304,17 @@ def test_a_rejected_prompt_aborts_the_requests_of_its_batch(tiny):
         # The first prompt's request was aborted before the error came: none is left running.
         llm.sleep(timeout=0)
         assert llm.is_sleeping()
+
+
+def test_a_closed_llm_says_so(tiny):
+    llm = LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=128)
+    llm.close()
+    for call in (
+        lambda: llm.generate([[1, 2]], SamplingParams(max_tokens=2)),
+        llm.sleep,
+        llm.wake_up,
+        llm.reset_prefix_cache,
+        lambda: llm.llm_engine.reset_prefix_cache(),
+    ):
+        with pytest.raises(StageError, match=r"^this LLM is closed \(close\(\) was called\)$"):
+            call()

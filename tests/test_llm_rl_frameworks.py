@@ -94,6 +94,12 @@ def test_the_arguments_trl_and_verl_pass_are_accepted(tiny):
         worker_extension_cls=None,
         speculative_config=None,
         revision=None,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "level": 3},  # (verl's)
+        download_dir=None,
+        disable_cascade_attn=True,
+        num_scheduler_steps=1,
+        disable_async_output_proc=True,
+        hf_overrides={},
     ) as llm:
         assert llm.generate([[1, 2]], GREEDY)[0].finish_reason == "length"
 
@@ -107,6 +113,7 @@ def test_the_arguments_trl_and_verl_pass_are_accepted(tiny):
         ({"load_format": "pt"}, "load_format='pt'"),
         ({"distributed_executor_backend": "ray"}, "one device"),
         ({"revision": "main"}, "revision='main': only for a Hugging Face repo id"),
+        ({"hf_overrides": {"rope_theta": 1e6}}, "loads the checkpoint's config as it is"),
     ],
 )
 def test_arguments_asking_for_what_is_not_built_are_refused(tiny, kw, message):
@@ -305,6 +312,48 @@ def test_multimodal_keys_set_to_none_are_text_prompts(llm):
     assert len(out.token_ids) == 5
     with pytest.raises(ValueError, match="prompt: unknown key 'multi_modal_data'"):
         llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}], GREEDY)
+
+
+def test_empty_mm_processor_kwargs_and_a_numpy_array_of_texts(llm):
+    ids = [1, 2, 3]
+    (out,) = llm.generate([{"prompt_token_ids": ids, "mm_processor_kwargs": {}}], GREEDY)
+    assert out.token_ids == llm.generate([ids], GREEDY)[0].token_ids
+    with pytest.raises(ValueError, match="prompt: unknown key 'mm_processor_kwargs'"):
+        llm.generate([{"prompt_token_ids": ids, "mm_processor_kwargs": {"num_crops": 4}}])
+    texts = ["Hello there", "Once"]
+    got = llm.generate(np.array(texts), GREEDY)
+    assert [o.prompt for o in got] == texts
+    assert [o.token_ids for o in got] == [o.token_ids for o in llm.generate(texts, GREEDY)]
+
+
+def test_llm_engine_has_what_openrlhf_and_lm_eval_read(llm):
+    engine = llm.llm_engine
+    config = engine.model_config
+    assert config.max_model_len == llm.info.max_model_len == 256  # (lm-eval's read)
+    assert (config.model, str(config.dtype)) == (llm.config.model.model, "torch.float32")
+    assert engine.get_model_config() == config and config.get_vocab_size() == llm.info.vocab_size
+    with pytest.raises(AttributeError, match=r"model_config\.hf_config: not here.*llm\.info"):
+        config.hf_config  # noqa: B018
+    assert engine.get_tokenizer() is engine.tokenizer is llm.get_tokenizer()
+    prompt = [list(range(1, 40))]
+    llm.generate(prompt, GREEDY)  # (its blocks cached)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens > 0
+    assert engine.reset_prefix_cache() is True  # (OpenRLHF's, after a weight sync)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+    assert engine.is_sleeping() is False
+    with pytest.raises(AttributeError, match=r"llm_engine\.scheduler: .*llm\.get_tokenizer\(\)"):
+        engine.scheduler  # noqa: B018
+
+
+def test_worker_calls_name_what_to_use_instead(llm):
+    for call in (
+        lambda: llm.collective_rpc("update_weight", args=("w",)),
+        lambda: llm.apply_model(len),
+    ):
+        with pytest.raises(
+            ValueError, match=r"not supported: rltserve runs the model .*update_weights"
+        ):
+            call()
 
 
 def test_older_vllms_prompt_token_ids_keyword(llm):

@@ -162,6 +162,26 @@ def test_numpy_and_torch_ids_are_taken_as_ints(llm):
         assert out.prompt_token_ids == [1, 5, 7] and out.outputs[0].token_ids == want
 
 
+def test_a_tokenizers_encoding_is_taken_as_its_input_ids(llm):
+    """transformers 5's ``apply_chat_template(..., tokenize=True)`` returns a BatchEncoding, which
+    vLLM scripts pass as a prompt's ids: its ``input_ids`` are taken; a batch is an error."""
+    import numpy as np
+
+    hf = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Hi"}]
+    enc = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    ids = llm.tokenizer.apply_chat_template(conv)
+    want = llm.generate([ids], GREEDY)[0].token_ids
+    for outs in (
+        llm.generate({"prompt_token_ids": enc}, GREEDY),
+        llm.generate({"prompt_token_ids": {"input_ids": np.array(ids)}}, GREEDY),
+        llm.generate(prompt_token_ids=enc, sampling_params=GREEDY),
+    ):
+        assert (outs[0].prompt_token_ids, outs[0].token_ids) == (ids, want)
+    with pytest.raises(ValueError, match=r"input_ids holds a batch of 2 sequences"):
+        llm.generate({"prompt_token_ids": hf(["a b", "c"])}, GREEDY)
+
+
 def test_skip_tokenizer_init_runs_on_token_ids_only(tiny):
     with LLM(str(tiny), in_process=True, num_blocks=64, skip_tokenizer_init=True) as llm:
         assert llm.tokenizer is None
@@ -250,6 +270,37 @@ def test_chat_renders_each_conversation_with_the_template_then_generates(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\]\[0\].content\[0\]: only text parts"):
         llm.chat(image, p)
+
+
+def test_chat_renders_a_turn_without_content_as_empty_text(llm):
+    """An agent history's assistant turn that only calls tools has ``"content": None`` (OpenAI's
+    shape): rendered with "" as vLLM and the server's chat endpoint render it."""
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conv = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42"},
+    ]
+    (out,) = llm.chat(conv, GREEDY)
+    empty = [conv[0], {"role": "assistant", "content": ""}, conv[2]]
+    assert out.prompt == llm.tokenizer.apply_chat_template(empty, tokenize=False)
+
+
+def test_a_template_that_fails_on_a_conversation_is_a_value_error(llm):
+    conv = [{"role": "user", "content": "Hi"}]
+    for template, message in [
+        (
+            "{{ raise_exception('roles must alternate') }}",
+            r"^messages\[0\]: the chat template failed on this conversation: TemplateError: "
+            "roles must alternate$",
+        ),
+        ("{{ messages[0].nope.x }}", r"^messages\[0\]: .*UndefinedError: .* 'nope'"),
+        ("{% for %}", "^chat_template: the template does not compile"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.chat(conv, GREEDY, chat_template=template)
+    with pytest.raises(ValueError, match=r"^messages\[1\]\[0\]: must be a message"):
+        llm.chat([conv, ["Hi"]], GREEDY)
 
 
 def test_chat_adds_no_special_tokens_besides_the_templates(tmp_path):
@@ -452,6 +503,28 @@ def test_default_sampling_params_come_from_the_generation_config(tiny, tmp_path)
             llm.get_default_sampling_params()
     with pytest.raises(ValueError, match="generation_config='nowhere': must be 'auto', 'vllm'"):
         LLM(str(tiny), generation_config="nowhere", **kw)
+
+
+def test_override_generation_config_is_laid_over_the_defaults(tiny, tmp_path):
+    """vLLM's ``override_generation_config``: its keys replace the generation config's (None
+    drops one) under ``generation_config="auto"`` and ``"vllm"`` alike; a key that is no
+    sampling default is refused (``vllm_args.generation_overrides``)."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 7}))
+    kw = {"in_process": True, "num_blocks": 64, "max_model_len": 128}
+    over = {"temperature": 0.0, "max_new_tokens": 5, "top_k": None}
+    with LLM(str(model), override_generation_config=over, **kw) as llm:
+        d = llm.get_default_sampling_params()
+        assert (d.temperature, d.top_k, d.max_tokens) == (0.0, -1, 5)
+    with LLM(
+        str(model), generation_config="vllm", override_generation_config={"top_p": 0.5}, **kw
+    ) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    with pytest.raises(ValueError, match="'max_tokens' is not a sampling default"):
+        LLM(str(model), override_generation_config={"max_tokens": 5}, **kw)
 
 
 def test_generation_config_eos_ids_end_generation(tiny, tmp_path):

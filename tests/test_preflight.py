@@ -193,6 +193,44 @@ def test_inert_arguments_take_the_unset_values_frameworks_pass():
         check_inert({"worker_extension_cls": "x.Ext"})
 
 
+def test_inert_arguments_of_verl_and_vllms_performance_switches():
+    from rltserve.vllm_args import check_inert
+
+    check_inert(
+        {
+            "compilation_config": {"cudagraph_capture_sizes": [1, 2]},
+            "download_dir": "/tmp/models",
+            "disable_cascade_attn": False,
+            "num_scheduler_steps": 8,
+            "disable_async_output_proc": True,
+            "hf_overrides": None,
+        }
+    )
+    check_inert({"compilation_config": 3, "download_dir": None, "hf_overrides": {}})
+    for name, value, why in (
+        ("download_dir", 3, "None or a path: nothing is ever downloaded"),
+        ("num_scheduler_steps", 0, "an int >= 1"),
+        ("hf_overrides", {"rope_theta": 1.0}, "rltserve loads the checkpoint's config as it is"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{name}=.*: not supported \({why}\)$"):
+            check_inert({name: value})
+
+
+def test_generation_overrides_are_sampling_keywords():
+    from rltserve.vllm_args import generation_overrides
+
+    assert generation_overrides(None) == generation_overrides({}) == {}
+    got = generation_overrides({"temperature": 0.2, "max_new_tokens": 9, "top_k": None})
+    assert got == {"temperature": 0.2, "max_tokens": 9, "top_k": None}  # (None drops a default)
+    for bad, message in (
+        ({"do_sample": True}, r"'do_sample' is not a sampling default \(accepted: repetition"),
+        ({"top_p": 0}, "top_p=0: must be in"),
+        ("temperature=0", "must be a dict"),
+    ):
+        with pytest.raises(ValueError, match=f"^override_generation_config.*{message}"):
+            generation_overrides(bad)
+
+
 def test_parallel_size_and_utilization_bounds():
     from rltserve.vllm_args import check_parallel, check_utilization, kv_budget_bytes
 
@@ -276,6 +314,34 @@ def test_token_id_prompts_pair_texts_with_ids():
         token_id_prompts([[1], [2]], ["a"])
     with pytest.raises(ValueError, match="must be the prompts' texts"):
         token_id_prompts([[1]], [5])
+    encoding = {"input_ids": [1, 2], "attention_mask": [1, 1]}  # (one prompt's, as a mapping)
+    assert token_id_prompts(encoding) == [{"prompt_token_ids": encoding}]
+
+
+def test_a_tokenizers_encoding_of_one_sequence_is_token_ids():
+    import numpy as np
+
+    from rltserve.prompt_inputs import check_ids, encode_prompt
+
+    assert check_ids({"input_ids": [3, 4], "attention_mask": [1, 1]}, 10) == [3, 4]
+    assert check_ids({"input_ids": np.array([3, 4])}, 10) == [3, 4]
+    assert encode_prompt({"prompt_token_ids": {"input_ids": [5]}}, None, 10) == [5]
+    for batch in ([[3, 4], [5]], np.array([[3, 4]])):
+        with pytest.raises(ValueError, match=r"input_ids holds a batch of \d sequences; pass one"):
+            check_ids({"input_ids": batch}, 10)
+
+
+def test_empty_mm_processor_kwargs_and_numpy_texts_are_prompts():
+    import numpy as np
+
+    from rltserve.prompt_inputs import encode_prompt, normalize_prompts
+
+    assert normalize_prompts(np.array(["a", "b"])) == ["a", "b"]
+    with pytest.raises(ValueError, match="must be a string, token ids or a list"):
+        normalize_prompts(np.array([1, 2]))  # (one prompt's ids: a list of them is wanted)
+    assert encode_prompt({"prompt_token_ids": [3], "mm_processor_kwargs": {}}, None, 10) == [3]
+    with pytest.raises(ValueError, match="unknown key 'mm_processor_kwargs'"):
+        encode_prompt({"prompt_token_ids": [3], "mm_processor_kwargs": {"n": 1}}, None, 10)
 
 
 def test_encode_prompt_forms_and_id_checks():
@@ -324,4 +390,16 @@ def test_template_message_joins_text_parts_and_renames_developer():
     }
     plain = {"role": "user", "content": "x"}
     assert template_message(plain, "messages[0]") is plain
-    assert template_message("x", "messages[0][0]") == "x"  # (the template's check names it)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\[0\]: must be a message, a dict"):
+        template_message("x", "messages[0][0]")
+
+
+def test_template_message_gives_a_turn_without_content_empty_text():
+    """OpenAI's assistant turn that only calls tools has ``"content": None``; templates read
+    ``message.content``, and the template's normalisation drops None values: "" (vLLM's)."""
+    from rltserve.prompt_inputs import template_message
+
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert template_message(turn, "m") == {**turn, "content": ""}
+    assert template_message({"role": "assistant"}, "m") == {"role": "assistant", "content": ""}

@@ -273,3 +273,24 @@ def test_truncation_keeps_up_to_the_context_and_vocab_bounds_are_exclusive():
     assert outside_vocab("allowed_token_ids", [3, 512], 512) == (
         "allowed_token_ids: token id 512 is outside the vocabulary [0, 512)"
     )
+
+
+def test_vllms_best_of_bad_words_logits_processors_and_output_kind():
+    """vLLM's fields that scripts pass: accepted where they ask for nothing rltserve lacks
+    (``best_of`` equal to ``n``, empty lists, any ``output_kind``, which is not kept), else a
+    ValueError naming the field and what to use instead."""
+    from rltserve.sampling import expand_samples
+
+    p = SamplingParams(best_of=1, bad_words=[], logits_processors=[], output_kind=2)
+    assert (p.best_of, p.bad_words, p.logits_processors, p.output_kind) == (1, [], [], None)
+    assert SamplingParams(bad_words=None, logits_processors=None) == SamplingParams()
+    four = SamplingParams(n=4, best_of=4, seed=1)
+    assert [s.best_of for s in expand_samples(four)] == [None] * 4
+    for kw, message in [
+        ({"n": 2, "best_of": 3}, r"best_of=3: no best-of or beam search \(must be None or n=2"),
+        ({"best_of": True}, "best_of=True: must be an int"),
+        ({"bad_words": ["x"]}, r"bad_words=\['x'\]: not supported .*logit_bias"),
+        ({"logits_processors": [print]}, "logits_processors=.*: not supported .*logit_bias"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kw)

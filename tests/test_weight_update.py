@@ -352,13 +352,16 @@ def test_vllm_scripts_load_weights_through_the_engine_path(llm, new_ckpt):
 
 def test_the_engine_path_names_what_it_does_not_have(llm):
     engine = llm.llm_engine
-    with pytest.raises(AttributeError, match=r"llm_engine\.tokenizer: rltserve runs the model"):
-        engine.tokenizer  # noqa: B018
+    with pytest.raises(AttributeError, match=r"llm_engine\.scheduler: rltserve runs the model"):
+        engine.scheduler  # noqa: B018
     runner = engine.model_executor.driver_worker.model_runner
     with pytest.raises(AttributeError, match=r"model_runner\.model\.named_parameters: .*"):
         runner.model.named_parameters  # noqa: B018
     with pytest.raises(AttributeError, match=r"model_runner\.load_weights: the model's"):
         runner.load_weights([])
+    # Only the model has load_weights (scripts probe for it with hasattr).
+    assert hasattr(runner.model, "load_weights")
+    assert not any(hasattr(hop, "load_weights") for hop in (engine, engine.model_executor, runner))
     with pytest.raises(AttributeError, match=r"model_executor\.worker: "):
         engine.model_executor.worker  # noqa: B018
     assert not hasattr(engine, "__array__")  # (probes of special names find nothing)
