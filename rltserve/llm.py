@@ -26,7 +26,7 @@ from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_controls import TrainerControls, seconds
 from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
-from rltserve.outputs import OutputAssembler, RequestOutput, request_output
+from rltserve.outputs import OutputAssembler, RequestOutput, reported_stop_ids, request_output
 from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
 from rltserve.progress import in_notebook, progress_enabled
 from rltserve.prompt_inputs import (
@@ -403,7 +403,7 @@ class LLM(TrainerControls):
                         tokenizer,
                         p.stop if tokenizer is not None else None,
                         p.logprobs is not None,
-                        p.stop_token_ids,
+                        reported_stop_ids(p, self.info.stop_reason_ids),
                         skip_special_tokens=p.skip_special_tokens,
                         include_stop_str_in_output=p.include_stop_str_in_output,
                         min_tokens=p.min_tokens,

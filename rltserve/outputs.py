@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from rltserve.updates import RequestUpdate
+
+if TYPE_CHECKING:
+    from rltserve.sampling import SamplingParams
 
 
 @dataclass
@@ -140,6 +144,13 @@ class TextDelta:
     finish_reason: str | None
     stop_reason: str | int | None = None
     error: str | None = None
+
+
+def reported_stop_ids(params: SamplingParams, stop_reason_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids a stop on which an output reports as its ``stop_reason``: the request's
+    ``stop_token_ids`` and, unless it ignores end ids, the generation config's beyond the
+    model's own (``EngineInfo.stop_reason_ids``), as vLLM adds those to ``stop_token_ids``."""
+    return (*params.stop_token_ids, *(() if params.ignore_eos else stop_reason_ids))
 
 
 class OutputAssembler:

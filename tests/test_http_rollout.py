@@ -214,3 +214,19 @@ async def test_a_generation_config_penalty_that_refuses_thinking_says_where_it_c
         )
         status, _, raw = await live.post("/v1/chat/completions", {**body, "repetition_penalty": 1})
         assert status == 200, raw
+
+
+async def test_a_stop_on_a_generation_config_end_id_reports_it(ckpt, tmp_path):
+    """vLLM adds the generation config's end ids beyond the model's own to stop_token_ids, so a
+    choice that ends on one says so in stop_reason (the model's own end ids report null)."""
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    (model / "generation_config.json").write_text('{"eos_token_id": [7]}')
+    async with running(model) as live:
+        for token, reason in ((7, 7), (2, None)):  # (2: <|im_end|>, the model's own)
+            body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                    "logit_bias": {str(token): 100}}  # fmt: skip
+            status, _, raw = await live.post("/v1/completions", body)
+            choice = orjson.loads(raw)["choices"][0]
+            assert status == 200 and choice["finish_reason"] == "stop", raw
+            assert choice["stop_reason"] == reason

@@ -529,8 +529,9 @@ def test_override_generation_config_is_laid_over_the_defaults(tiny, tmp_path):
 
 def test_generation_config_eos_ids_end_generation(tiny, tmp_path):
     """As in vLLM, ``generation_config.json``'s ``eos_token_id`` ends generation like the
-    model's own (whatever ``generation_config`` says of sampling defaults); ``ignore_eos``
-    goes past it."""
+    model's own (whatever ``generation_config`` says of sampling defaults), and a stop on one
+    that is not the model's own reports it as ``stop_reason`` (vLLM adds such ids to
+    ``stop_token_ids``); ``ignore_eos`` goes past it."""
     import shutil
 
     model = tmp_path / "m"
@@ -542,6 +543,7 @@ def test_generation_config_eos_ids_end_generation(tiny, tmp_path):
         with LLM(str(model), generation_config=config, **kw) as llm:
             (out,) = llm.generate([[5, 6]], forced)
             assert (out.token_ids, out.outputs[0].finish_reason) == ([7], "stop")
+            assert out.outputs[0].stop_reason == 7 and llm.info.stop_reason_ids == (7,)
             (past,) = llm.generate([[5, 6]], forced.replace(ignore_eos=True))
             assert past.token_ids == [7] * 4
     with LLM(str(tiny), **kw) as llm:

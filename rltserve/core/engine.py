@@ -149,6 +149,7 @@ class EngineCore:
             block_size=config.cache.block_size,
             kv_policy=config.cache.kv_policy,
             has_gate=spec.has_gate,
+            stop_reason_ids=tuple(spec.stop_reason_ids),
         )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:

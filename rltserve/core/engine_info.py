@@ -102,3 +102,4 @@ class EngineInfo:
     block_size: int
     kv_policy: str
     has_gate: bool = False  # tokens exit by a learned gate (Ouro), else fixed or a criterion
+    stop_reason_ids: tuple[int, ...] = ()  # (``LoopedSpec.stop_reason_ids``)

@@ -28,7 +28,7 @@ from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
-from rltserve.outputs import Completion, OutputAssembler, TextDelta
+from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
 from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
 from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
 from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
@@ -322,7 +322,7 @@ class Generation:
                     frontend.tokenizer,
                     c.params.stop,
                     c.params.logprobs is not None,
-                    c.params.stop_token_ids,
+                    reported_stop_ids(c.params, frontend.info.stop_reason_ids),
                     skip_special_tokens=c.params.skip_special_tokens,
                     include_stop_str_in_output=c.params.include_stop_str_in_output,
                     min_tokens=c.params.min_tokens,

@@ -62,6 +62,9 @@ class LoopedSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # every id that ends generation by default
     pad_token_id: int | None
+    # Of those, the generation config's beyond the model's own: as in vLLM (which adds them to
+    # a request's stop_token_ids) a stop on one reports it as the output's stop_reason.
+    stop_reason_ids: tuple[int, ...] = ()
 
 
 class LoopedModel(nn.Module, metaclass=ABCMeta):

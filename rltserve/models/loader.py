@@ -274,5 +274,8 @@ def load_model(
 
 def _with_generation_eos(spec: LoopedSpec, root: Path) -> LoopedSpec:
     ids = [v for v in generation_eos_ids(root) if v < spec.vocab_size]
-    eos = tuple(dict.fromkeys([*spec.eos_token_ids, *ids]))
-    return spec if eos == spec.eos_token_ids else dataclasses.replace(spec, eos_token_ids=eos)
+    extra = tuple(dict.fromkeys(v for v in ids if v not in spec.eos_token_ids))
+    if not extra:
+        return spec
+    eos = (*spec.eos_token_ids, *extra)
+    return dataclasses.replace(spec, eos_token_ids=eos, stop_reason_ids=extra)
