@@ -100,4 +100,7 @@ def update_files(path: str | Path) -> list[Path]:
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise ValueError(f"weights: {str(p)!r} holds no .safetensors files")
+    odd = [f.name for f in files if not f.is_file()]  # (a FIFO would block the engine's read)
+    if odd:
+        raise ValueError(f"weights: {str(p)!r}: not regular files: {', '.join(odd[:5])}")
     return files

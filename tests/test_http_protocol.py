@@ -92,6 +92,9 @@ def test_parse_error_message_drops_quoted_bytes():
         "Got more than 8190 bytes (20000) when reading b'aaaa'.": "Got more than 8190 bytes",
         "Invalid HTTP header: b'X-A\\x01'": "Invalid HTTP header",
         "Too many headers received": "Too many headers received",
+        # (quotes and colons of aiohttp's own words are kept)
+        "Missing 'Host' header in request.": "Missing 'Host' header in request.",
+        "Data after `Connection: close`": "Data after `Connection: close`",
     }
     for detail, head in cases.items():
         assert parse_error_message(400, Parse(detail)) == f"malformed HTTP request: {head}"
@@ -115,3 +118,29 @@ def test_parse_error_message_without_details():
     assert parse_error_message(400, None) == "malformed HTTP request"
     assert parse_error_message(500, ValueError("x")) == "internal server error"
     assert parse_error_message(504, None) == "gateway timeout"
+
+
+async def test_header_bytes_that_are_not_utf8_are_a_4xx_not_a_500(ckpt):
+    """aiohttp keeps such bytes as surrogates: a key compared with them was a 500, and an
+    X-Request-Id naming the response could not be written as JSON (a 500 after the whole
+    generation ran)."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    body = b'{"prompt": [5], "max_tokens": 1}'
+
+    def request(headers: bytes) -> bytes:
+        return (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + headers
+            + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+            + body
+        )
+
+    async with running(ckpt, client_factory=scripted_factory(stage), api_key="k") as live:
+        status, _, raw = await _exchange(live.url, request(b"Authorization: Bearer k\xff\r\n"))
+        assert status == 401, raw
+        headers = b"Authorization: Bearer k\r\nX-Request-Id: caf\xe9\r\n"
+        status, _, raw = await _exchange(live.url, request(headers))
+        assert status == 400, raw
+        assert orjson.loads(raw)["error"]["message"] == "X-Request-Id header: must be UTF-8 text"
+        status, _, raw = await _exchange(live.url, request(b"Authorization: Bearer k\r\n"))
+        assert status == 200 and len(stage.added) == 1, raw  # (the 400 reached no engine)

@@ -230,3 +230,23 @@ async def test_a_stop_on_a_generation_config_end_id_reports_it(ckpt, tmp_path):
             choice = orjson.loads(raw)["choices"][0]
             assert status == 200 and choice["finish_reason"] == "stop", raw
             assert choice["stop_reason"] == reason
+
+
+async def test_requests_held_behind_an_update_count_as_waiting(ckpt):
+    """An update waits for the running request; requests that arrive meanwhile are held in
+    the stage and show in num_requests_waiting (they were in no gauge)."""
+    from test_http_harness import metric, wait_for
+
+    async with running(ckpt) as live:
+        body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with live.session.post(live.url + "/v1/completions", json=body) as stream:
+            await stream.content.readline()  # (it runs)
+            update = {"model_path": str(ckpt), "timeout": 120}
+            updating = asyncio.create_task(live.post("/v1/update_weights", update))
+            await wait_for(lambda: live.state.client.inner._replies, 10)  # (the update waits)
+            held = asyncio.create_task(live.post("/v1/completions", {"prompt": PROMPT}))
+            await wait_for(lambda: live.state.client.stats.num_waiting == 1, 30)
+            text = (await live.get("/metrics"))[2].decode()
+            assert metric(text, "rltserve:num_requests_waiting") == 1
+        # (leaving the stream aborted it: the update applies, then the held request runs)
+        assert (await updating)[0] == 200 and (await held)[0] == 200

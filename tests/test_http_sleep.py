@@ -93,6 +93,7 @@ async def test_reset_prefix_cache_forgets_cached_prompts(server):
         ("/sleep?level=one", "level", "level='one': must be a number"),
         ("/sleep?timeout=-1", "timeout", "timeout=-1: must be in [0, 3600] seconds"),
         ("/sleep?timeout=nan", "timeout", "timeout='nan': must be a number"),
+        ("/sleep?level=1_0", "level", "level='1_0': must be a number"),
         ("/wake_up?tags=weights&tags=kv", "tags", "tags=['weights', 'kv']: each must be one of"),
     ],
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import threading
 from pathlib import Path
@@ -114,6 +115,22 @@ def test_malformed_update_is_rejected_whole(llm, ouro_rv1, new_ckpt):
     with pytest.raises(ValueError, match="abort='yes': must be a bool"):
         llm.update_weights(str(new_ckpt), abort="yes")  # (truthy: it would abort requests)
     assert _generate(llm) == before and llm.weight_version == 0
+
+
+def test_an_update_of_no_tensors_or_of_a_fifo_is_refused(llm, tmp_path):
+    """A file of no tensors would move weight_version on with nothing changed; a FIFO named
+    like a weight file would block the engine's read until the watchdog killed it."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, str(empty / "model.safetensors"))
+    with pytest.raises(ValueError, match="the update holds no weight tensors"):
+        llm.update_weights(str(empty))
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "model.safetensors")
+    with pytest.raises(ValueError, match="not regular files: model.safetensors"):
+        llm.update_weights(str(fifo))
+    assert llm.weight_version == 0
 
 
 def test_a_name_in_two_shards_is_rejected_and_rope_inv_freq_is_ignored(llm, new_ckpt, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from rltserve.core.engine import EngineCore, engine_error
 from rltserve.core.engine_info import EngineStats
@@ -50,7 +51,7 @@ async def run_engine_loop(
             try:
                 plan = core.plan()
             except Exception as exc:  # steps in flight stay: their results are dropped
-                emit(core.fail_all(engine_error("planning a step", exc)), core.stats())
+                emit(core.fail_all(engine_error("planning a step", exc)), _stats(core, gate))
                 break
             if plan is None:
                 break
@@ -67,7 +68,14 @@ async def run_engine_loop(
             continue
         plan, future = in_flight.popleft()
         result = await future.wait()
-        emit(core.apply(plan, result), core.stats())
+        emit(core.apply(plan, result), _stats(core, gate))
+
+
+def _stats(core: EngineCore, gate: WeightGate) -> EngineStats:
+    """The engine's stats, its waiting requests counting those held behind an update."""
+    stats = core.stats()
+    held = sum(1 for command in gate.held if command[0] == "add")
+    return replace(stats, num_waiting=stats.num_waiting + held) if held else stats
 
 
 def _start(core: EngineCore, plan: StepPlan, limit: int) -> ExecutionFuture:
@@ -86,7 +94,7 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
         for cmd in gate.held:  # held requests end as aborted too
             if cmd[0] == "add":
                 aborted.append(RequestUpdate(cmd[1], finish_reason=FinishReason.ABORT))
-        emit(aborted, core.stats())
+        emit(aborted, _stats(core, gate))
         return True
     # Awake, and no sleep waiting before it (that one would apply after the wake_up: the engine
     # would end asleep): nothing to wait for.
@@ -95,14 +103,15 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
     elif kind in ("update_weights", "sleep", "wake_up"):
         aborted = gate.request(command)
         if aborted:
-            emit(aborted, core.stats())
+            emit(aborted, _stats(core, gate))
     elif kind == "reset_prefix_cache":
         core.clear_prefix_cache()
         gate.reply(command[1], None, core.weight_version)
     elif gate.waiting and kind == "add":  # runs once the update is done
         gate.held.append(command)
+        emit([], _stats(core, gate))  # (it waits: the front end's gauges say so)
     elif gate.waiting and kind == "abort" and gate.drop_held(command[1]):
-        emit([RequestUpdate(command[1], finish_reason=FinishReason.ABORT)], core.stats())
+        emit([RequestUpdate(command[1], finish_reason=FinishReason.ABORT)], _stats(core, gate))
     elif kind == "add":
         _, rid, prompt, params, *group = command
         try:
@@ -111,10 +120,10 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
             reason = FinishReason.ERROR
             emit(
                 [RequestUpdate(rid, finish_reason=reason, error=str(exc), rejected=True)],
-                core.stats(),
+                _stats(core, gate),
             )
     elif kind == "abort":
         update = core.abort(command[1])
         if update is not None:
-            emit([update], core.stats())
+            emit([update], _stats(core, gate))
     return False

@@ -86,6 +86,8 @@ def read_update(
                     raise ValueError(f"weights: tensor {name!r} is given twice")
                 sl = f.get_slice(name)
                 found[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+        if not found:  # (it would move weight_version on with nothing changed)
+            raise ValueError("weights: the update holds no weight tensors")
         for name, (_, shape, dtype) in found.items():
             if name not in shapes:
                 unknown.append(name)

@@ -16,6 +16,7 @@ applied, the old weights keep serving), one that timed out waiting for running r
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -115,8 +116,9 @@ def _query_number(request: web.Request, name: str, default: float, kind: type) -
     try:
         value = kind(raw)
     except ValueError:
-        raise bad_request(f"{name}={raw!r}: must be a number", name) from None
-    if value != value:  # NaN
+        value = math.nan
+    # (Python's int() and float() take "1_0" as 10; NaN compares with nothing)
+    if "_" in raw or value != value:
         raise bad_request(f"{name}={raw!r}: must be a number", name)
     return value
 

@@ -38,7 +38,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    rid = request.headers.get("X-Request-Id")
+    rid = _request_id(request)
     plan = await completion_plan(state, req, arrival, session, rid)
     return await deliver(request, state, plan)
 
@@ -50,8 +50,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    plan = await chat_plan(state, req, arrival, session, request.headers.get("X-Request-Id"))
+    plan = await chat_plan(state, req, arrival, session, _request_id(request))
     return await deliver(request, state, plan)
+
+
+def _request_id(request: web.Request) -> str | None:
+    """The client's ``X-Request-Id``, which names the response: a 400 unless it is UTF-8
+    text (aiohttp keeps other bytes as surrogates, which no JSON body can carry)."""
+    rid = request.headers.get("X-Request-Id")
+    if rid is not None and not _utf8(rid):
+        raise bad_request("X-Request-Id header: must be UTF-8 text", None)
+    return rid
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def models(request: web.Request) -> web.Response:

@@ -94,8 +94,9 @@ async def auth(request: web.Request, handler) -> web.StreamResponse:
         scheme, _, token = header.partition(" ")
         if not header:
             raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+        # (aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as sent)
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
+            token.strip().encode("utf-8", "surrogateescape"), key.encode()
         ):
             raise _unauthorized("Invalid API Key")
     return await handler(request)

@@ -22,7 +22,9 @@ from rltserve.http.errors import HTTPError, error_response
 
 # aiohttp's descriptions quote the offending bytes after one of these ("...: b'x'", "... (20000)
 # when reading b'...'", "Bad status line 'x'"); the text before the first one names the error.
-_QUOTE_START = re.compile(r"""[:\n(]| b?['"]""")
+# ("Missing 'Host' header" quotes aiohttp's own word, not request bytes: kept whole.)
+# A colon inside `backquotes` is aiohttp's own text too.
+_QUOTE_START = re.compile(r"""(?::(?![^`]*`)|[\n(]| b['"]|(?<=line) ['"])""")
 
 
 def parse_error_message(status: int, exc: BaseException | None) -> str:

@@ -15,6 +15,7 @@ Type hints understood: int, float, bool, str, Any, ``list[X]``, ``dict[str, X]``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -42,6 +43,15 @@ def param_of(message: str) -> str | None:
     return head if head.replace("_", "").isalnum() and head.isascii() else None
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A request dataclass's type hints and init fields, resolved once per class: under
+    ``from __future__ import annotations`` resolving them evaluates strings, which for bodies
+    of many small objects (100k chat messages) cost seconds."""
+    hints = typing.get_type_hints(cls)
+    return hints, {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
 def parse_object(
     cls: type, data: object, path: str = "", on_unknown: UnknownField | None = None
 ) -> Any:
@@ -49,8 +59,7 @@ def parse_object(
     are passed to ``on_unknown`` and dropped, or are errors when it is None."""
     if not isinstance(data, dict):
         raise SchemaError(path or None, f"{path or 'body'}: must be a JSON object")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints, fields = _schema(cls)
     for key in data:
         if key not in fields:
             name = _join(path, str(key))
