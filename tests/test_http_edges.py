@@ -381,6 +381,21 @@ async def _one_slot_taken(ckpt, queued: int):
         yield live, hold, stage, first, waiting
 
 
+async def test_a_stage_that_dies_under_an_admin_call_is_a_503(ckpt, monkeypatch):
+    stage = stage_for(ckpt)
+
+    def died(*args) -> None:
+        raise StageError("stage is not running: worker process killed by signal 9")
+
+    for name in ("sleep", "update_weights"):
+        monkeypatch.setattr(stage, name, died)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for path, body in (("/sleep", None), ("/v1/update_weights", {"model_path": "/m"})):
+            status, headers, raw = await live.post(path, body)
+            assert status == 503 and headers["Retry-After"] == "1", raw
+            assert error_of(raw)["message"].startswith("stage is not running")
+
+
 async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones(ckpt):
     """Queued requests would wait for slots only to be refused: they get the 503 at once (a
     load balancer retries them elsewhere) while the running one finishes."""

@@ -559,9 +559,12 @@ async def test_supervised_stage_counters_carry_over_a_restart_and_gauges_idle_me
 
     a, b = _FakeStage("a"), _FakeStage("b")
     a.stats = stats(3, 0.5, 10, 40)
+    a.prefill_stats = stats(2, 0.25, 7, 9)  # (a disaggregated engine's prefill stage: the same)
     sup, _, _ = _supervised(a, b)
-    assert sup.stats is a.stats
+    assert sup.stats is a.stats and sup.prefill_stats is a.prefill_stats
     await sup._replace("boom")
+    got = sup.prefill_stats
+    assert (got.num_running, got.kv_usage, got.num_steps) == (0, 0.0, 7)
     got = sup.stats  # (the new stage has sent none yet)
     assert (got.num_running, got.kv_usage, got.num_steps, got.num_rows) == (0, 0.0, 10, 40)
     b.stats = stats(1, 0.25, 2, 4)

@@ -26,8 +26,9 @@ def test_counters_and_histograms_sum_gauges_of_dead_replicas_do_not():
 
 
 def test_a_failed_deployment_says_whether_the_engine_refused_its_config():
-    refused = "rltserve.core.stage.StageConfigError: max_model_len=9: too long"
-    why = f"Failed to update the deployments ['d'].; {refused}"
-    assert _refusal(why) == "max_model_len=9: too long"
-    assert _refusal("Failed to update the deployments ['d'].; RuntimeError: boom") is None
-    assert _refusal("") is None
+    # (the engine's message may hold "; " itself: it is taken whole)
+    refused = "rltserve.core.stage.StageConfigError: max_model_len=9: too long; lower it"
+    lines = ["Failed to update the deployments ['d'].", refused]
+    assert _refusal(lines) == "max_model_len=9: too long; lower it"
+    assert _refusal(["Failed to update the deployments ['d'].", "RuntimeError: boom"]) is None
+    assert _refusal([]) is None

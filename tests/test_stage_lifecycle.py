@@ -338,7 +338,7 @@ def with_suppressed_lookup(fn, *args) -> None:
         fn(*args)
 
 
-@pytest.mark.parametrize("level", [logging.WARNING, logging.ERROR])
+@pytest.mark.parametrize("level", [logging.WARNING, logging.ERROR, 15])  # (15: no name)
 def test_the_worker_logs_as_the_parent_set_up_logging(tiny, capfd, level):
     """The server's --log-level and format reach its stage worker (its warnings printed bare
     and ignored the level); a process that set up no logging leaves the worker as it was."""
@@ -350,7 +350,7 @@ def test_the_worker_logs_as_the_parent_set_up_logging(tiny, capfd, level):
     root.addHandler(handler)
     root.setLevel(level)
     try:
-        assert worker_process._log_args() == ["--log-level", logging.getLevelName(level)]
+        assert worker_process._log_args() == ["--log-level", str(level)]
         client = StageClient(EngineConfig.from_flat(model=str(tiny), num_blocks=16))
         try:
             client.wait_ready(WAIT_S)

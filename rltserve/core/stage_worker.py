@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rltserve.core.stage_worker")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket of the channel")
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--log-level", default=None, help="the parent's, when it set one up")
+    parser.add_argument(
+        "--log-level", type=int, default=None, help="the parent's, when it set one up"
+    )
     args = parser.parse_args(argv)
     if args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)
         logging.basicConfig(level=args.log_level, format=LOG_FORMAT)

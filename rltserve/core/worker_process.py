@@ -61,7 +61,7 @@ def _log_args() -> list[str]:
     root = logging.getLogger()
     if not root.handlers:
         return []
-    return ["--log-level", logging.getLevelName(root.getEffectiveLevel())]
+    return ["--log-level", str(root.getEffectiveLevel())]  # (a number: custom names too)
 
 
 def _relay(stream: IO[bytes], tail: collections.deque) -> None:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from rltserve.core.stage import StageConfigError, StageError
 from rltserve.http.body import read_body
-from rltserve.http.errors import HTTPError, bad_request, json_response
+from rltserve.http.errors import HTTPError, bad_request, json_response, unavailable
 from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 from rltserve.updates import SLEEP_TAGS, UpdateTimeout
@@ -49,14 +50,8 @@ async def update_weights(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest, strict=True)
     client = state.require_frontend().client
-    try:
-        version = await asyncio.to_thread(
-            client.update_weights, [req.model_path], req.abort, float(req.timeout)
-        )
-    except UpdateTimeout as exc:
-        raise HTTPError(409, str(exc), param="timeout") from exc
-    except ValueError as exc:
-        raise bad_request(str(exc), "model_path") from exc
+    call = (client.update_weights, [req.model_path], req.abort, float(req.timeout))
+    version = await _call(state, *call, param="model_path")
     return json_response({"weight_version": version})
 
 
@@ -100,13 +95,23 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
 
 
 async def _run(request: web.Request, name: str, *args: object) -> None:
-    client = request.app[STATE].require_frontend().client
+    state = request.app[STATE]
+    await _call(state, getattr(state.require_frontend().client, name), *args)
+
+
+async def _call(state, method, *args: object, param: str | None = None):
+    """``method(*args)`` on a worker thread; its refusals as HTTP errors: a wait that timed out
+    is a 409, a stage that died meanwhile a 503 (it restarts: retry), bad input a 400."""
     try:
-        await asyncio.to_thread(getattr(client, name), *args)
+        return await asyncio.to_thread(method, *args)
     except UpdateTimeout as exc:
         raise HTTPError(409, str(exc), param="timeout") from exc
+    except StageConfigError as exc:  # (a StageError that is bad input)
+        raise bad_request(str(exc), param) from exc
+    except StageError as exc:
+        raise unavailable(str(exc), state.config.retry_after_s) from exc
     except ValueError as exc:
-        raise bad_request(str(exc), None) from exc
+        raise bad_request(str(exc), param) from exc
 
 
 def _query_number(request: web.Request, name: str, default: float, kind: type) -> float:

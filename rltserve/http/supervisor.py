@@ -37,7 +37,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
-from rltserve.http.update_log import AppliedUpdate, UpdateLog, UpdateLost
+from rltserve.http.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -113,6 +113,7 @@ class SupervisedStage:
         # the updates it skips are counted in _version_offset).
         self._updates = UpdateLog()
         self._retired: EngineStats | None = None  # the counters of the stages replaced
+        self._retired_prefill: EngineStats | None = None  # (their prefill stages', under PD)
         self._version_offset = 0
 
     # ------------------------------------------------------------------ StageClientLike
@@ -125,16 +126,20 @@ class SupervisedStage:
     def stats(self) -> EngineStats | None:
         """The current stage's stats, its counters on top of those of the stages it replaced
         (they never go down); while it restarts (or after giving up) the gauges read idle."""
-        running = not self.restarting and not self.gave_up
-        current = self._client.stats if running else None
-        if self._retired is None:
-            return current
-        return sum_stats([current] if current is not None else [], self._retired)
+        return self._carried(self._client.stats, self._retired)
 
     @property
     def prefill_stats(self) -> EngineStats | None:
-        """A disaggregated engine's prefill stage's stats (None for one stage)."""
-        return getattr(self._client, "prefill_stats", None)
+        """A disaggregated engine's prefill stage's stats, carried over restarts as ``stats``
+        (None for one stage)."""
+        return self._carried(getattr(self._client, "prefill_stats", None), self._retired_prefill)
+
+    def _carried(self, current: EngineStats | None, retired: EngineStats | None):
+        if self.restarting or self.gave_up:
+            current = None
+        if retired is None:
+            return current
+        return sum_stats([current] if current is not None else [], retired)
 
     @property
     def alive(self) -> bool:
@@ -186,9 +191,13 @@ class SupervisedStage:
         update = getattr(self._client, "update_weights", None)
         if update is None:
             raise ValueError("model_path: this server's stage cannot update weights in place")
-        version = update(paths, abort, timeout_s)
-        self._updates.add(list(paths))
-        return version + self._version_offset
+        try:
+            before: Stamps | str = stamps(paths)
+        except (OSError, ValueError) as exc:  # (the stage will say so, if it fails too)
+            before = str(exc)
+        version = update(paths, abort, timeout_s) + self._version_offset
+        self._updates.add(list(paths), version, before)
+        return version
 
     # Sleep mode and the prefix cache (``POST /sleep``, ...): the current stage's. A stage that
     # is restarted starts awake, with an empty cache.
@@ -331,8 +340,11 @@ class SupervisedStage:
 
     async def _replace(self, reason: str) -> None:
         old = self._client
-        if old.stats is not None:  # (before restarting is set: counters must not dip)
+        # (Before restarting is set: counters must not dip.)
+        if old.stats is not None:
             self._retired = sum_stats([old.stats], self._retired)
+        if (prefill := getattr(old, "prefill_stats", None)) is not None:
+            self._retired_prefill = sum_stats([prefill], self._retired_prefill)
         self.failure = reason
         self.restarting = True
         log.error("stage failed: %s", reason)
@@ -355,7 +367,7 @@ class SupervisedStage:
             log.info("restarting the stage in %.1f s (attempt %d)", delay, self._attempts)
             await asyncio.sleep(delay)
             try:
-                needed = self._updates.replay()
+                needed, version = self._updates.replay()
             except UpdateLost as exc:  # (no attempt can get them back: a stage must not serve
                 # other weights under the same version)
                 self.failure = f"restart failed: cannot restore {exc}"
@@ -368,7 +380,7 @@ class SupervisedStage:
                 self.failure = f"restart failed: {type(exc).__name__}: {exc}"
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
                 continue
-            if await self._ready(new) and await self._reapply_updates(new, needed):
+            if await self._ready(new) and await self._reapply_updates(new, needed, version):
                 with self._lock:
                     self._client = new
                     self._last_stats = None
@@ -385,7 +397,10 @@ class SupervisedStage:
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
         await asyncio.to_thread(_stop, self._client)
 
-    async def _reapply_updates(self, client: StageClientLike, needed: list[AppliedUpdate]) -> bool:
+    async def _reapply_updates(
+        self, client: StageClientLike, needed: list[AppliedUpdate], version: int
+    ) -> bool:
+        """Applies ``needed`` to the new stage, which then serves ``version``."""
         for update in needed:
             try:
                 await asyncio.to_thread(
@@ -394,7 +409,7 @@ class SupervisedStage:
             except Exception as exc:  # noqa: BLE001 - the stage must not serve older weights
                 self.failure = f"restart failed: weight update {list(update.paths)} again: {exc}"
                 return False
-        self._version_offset = len(self._updates) - len(needed)
+        self._version_offset = version - len(needed)
         return True
 
     async def _ready(self, client: StageClientLike) -> bool:

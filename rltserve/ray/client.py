@@ -77,13 +77,14 @@ def deployment_options(config: ReplicaConfig, max_ongoing: int) -> dict:
     return options
 
 
-def _refusal(why: str) -> str | None:
+def _refusal(lines: list[str]) -> str | None:
     """What the replicas' engine said when it refused its config, from Serve's words on the
-    failed deployment (the error's last line names its class); None for another failure."""
+    failed deployment (a line naming the error's class: the rest of it is the engine's whole
+    message); None for another failure."""
     name = f"{StageConfigError.__module__}.{StageConfigError.__qualname__}: "
-    for part in why.split("; "):
-        if part.startswith(name):
-            return part[len(name) :]
+    for line in lines:
+        if line.startswith(name):
+            return line[len(name) :]
     return None
 
 
@@ -193,12 +194,13 @@ class ReplicaSetClient:
         while True:
             if self._closed or self._fatal is not None:
                 raise StageError(f"stage is not running: {self.error}")
-            status, why = self._app_state()
+            status, lines = self._app_state()
+            why = "; ".join(lines)
             if status == "RUNNING":
                 break
             if status == "DEPLOY_FAILED":
                 self._fatal = f"the replicas failed to start: {why}"
-                refused = _refusal(why)
+                refused = _refusal(lines)
                 # A config the engine refuses is bad input, as with one stage (exit code 2).
                 raise StageError(self._fatal) if refused is None else StageConfigError(refused)
             if deadline is not None and time.monotonic() >= deadline:
@@ -220,15 +222,16 @@ class ReplicaSetClient:
         deployment = app.deployments.get(deployment_name(self.config)) if app is not None else None
         return app, deployment
 
-    def _app_state(self) -> tuple[str, str]:
+    def _app_state(self) -> tuple[str, list[str]]:
         """The app's status (Serve's ``ApplicationStatus`` value) and what Serve says of it
-        and of its deployment: for a replica whose engine raised, the error's last line."""
+        and of its deployment, a line each: for a replica whose engine raised, the error's
+        last line."""
         app, deployment = self._serve_app()
         if app is None:
-            return "NOT_STARTED", ""
+            return "NOT_STARTED", []
         words = [app.message, deployment.message if deployment is not None else ""]
         lines = [w.strip().splitlines()[-1] for w in words if w and w.strip()]
-        return str(getattr(app.status, "value", app.status)), "; ".join(dict.fromkeys(lines))
+        return str(getattr(app.status, "value", app.status)), list(dict.fromkeys(lines))
 
     def add_request(
         self,
