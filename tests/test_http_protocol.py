@@ -5,6 +5,7 @@ the request's bytes; the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -59,7 +60,8 @@ async def _exchange(url: str, request: bytes) -> tuple[int, dict[str, str], byte
     return int(lines[0].split(" ", 2)[1]), {k.lower(): v for k, v in headers.items()}, body
 
 
-async def test_parse_errors_are_json_400s(ckpt):
+async def test_parse_errors_are_json_400s(ckpt, caplog):
+    caplog.set_level(logging.INFO)
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
     async with running(ckpt, client_factory=scripted_factory(stage), max_header_bytes=4096) as live:
         for request, reason in MALFORMED:
@@ -74,6 +76,11 @@ async def test_parse_errors_are_json_400s(ckpt):
                 assert message == f"malformed HTTP request: {reason}", request[:60]
             assert message.startswith("malformed HTTP request")
             assert SECRET not in body and b"aaaa" not in body
+        # One log line each, no traceback quoting the client's bytes (any client could fill
+        # the log with them).
+        logged = [r for r in caplog.records if "malformed request" in r.getMessage()]
+        assert len(logged) == len(MALFORMED) and not any(r.exc_info for r in logged)
+        assert not [r for r in caplog.records if r.name == "aiohttp.server"]
         # The server still serves well-formed requests.
         ok = b'{"prompt": [5, 6], "max_tokens": 2}'
         request = HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(ok)

@@ -11,6 +11,7 @@ message names the kind of error only: the bytes it quotes may be a client's head
 
 from __future__ import annotations
 
+import logging
 import re
 from http import HTTPStatus
 
@@ -19,6 +20,8 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from rltserve.http.errors import HTTPError, error_response
+
+log = logging.getLogger("rltserve.http")
 
 # aiohttp's descriptions quote the offending bytes after one of these ("...: b'x'", "... (20000)
 # when reading b'...'", "Bad status line 'x'"); the text before the first one names the error.
@@ -47,10 +50,18 @@ class JSONErrorProtocol(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        # aiohttp's version logs the error and refuses when a response has started; its
-        # plain-text body is replaced.
-        super().handle_error(request, status, exc, message)
-        response = error_response(HTTPError(status, parse_error_message(status, exc)))
+        text = parse_error_message(status, exc)
+        if status >= 500:
+            # aiohttp's version logs the traceback and refuses when a response has started;
+            # its plain-text body is replaced.
+            super().handle_error(request, status, exc, message)
+        else:
+            # A client's malformed request: one line, not a traceback quoting its bytes (any
+            # client could fill the log); refused as aiohttp's when a response has started.
+            log.info("malformed request from %s: %d %s", request.remote, status, text)
+            if request.writer.output_size > 0:
+                raise ConnectionError("a response was sent already")
+        response = error_response(HTTPError(status, text))
         response.force_close()
         return response
 
