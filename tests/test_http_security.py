@@ -310,3 +310,40 @@ async def test_every_stop_string_is_bounded_not_only_the_first(ckpt):
         error = error_of(raw)
         assert (status, error["param"]) == (400, "stop"), error
         assert "a string of 11 characters" in error["message"], error
+
+
+async def test_browsers_on_allowed_origins_may_call_the_api(ckpt):
+    """CORS as vLLM's server allows it by default: a preflight is answered before the key is
+    checked (browsers send none with it) and every answer to an allowed origin says so."""
+    chat = "/v1/chat/completions"
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+    async with running(ckpt, client_factory=scripted(ckpt), api_key=KEY) as live:
+        async with live.session.options(live.url + chat, headers=preflight) as r:
+            assert r.status == 204
+            assert r.headers["Access-Control-Allow-Origin"] == "*"
+            assert r.headers["Access-Control-Allow-Methods"] == "POST"
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+        body = {**BODIES[chat], "stream": True}
+        headers = {"Origin": "https://app.example", "Authorization": f"Bearer {KEY}"}
+        status, got, _ = await live.post(chat, body, headers=headers)
+        assert status == 200 and got["Access-Control-Allow-Origin"] == "*"
+        origin = {"Origin": "https://app.example"}  # (no key: refused, readable by the page)
+        status, got, _ = await live.post(chat, body, headers=origin)
+        assert status == 401 and got["Access-Control-Allow-Origin"] == "*"
+    only = {"allowed_origins": "https://app.example, https://b.example"}
+    async with running(ckpt, client_factory=scripted(ckpt), **only) as live:
+        status, got, _ = await live.post(
+            chat, BODIES[chat], headers={"Origin": "https://b.example"}
+        )
+        assert got["Access-Control-Allow-Origin"] == "https://b.example" and got["Vary"] == "Origin"
+        status, got, _ = await live.post(
+            chat, BODIES[chat], headers={"Origin": "https://c.example"}
+        )
+        assert status == 200 and "Access-Control-Allow-Origin" not in got
+        async with live.session.options(
+            live.url + chat, headers={**preflight, "Origin": "https://c.example"}
+        ) as r:
+            assert r.status == 405  # (no preflight answer: the browser refuses the call)
+    with pytest.raises(ValueError, match="allowed_origins=3: must be a string"):
+        ServerConfig(allowed_origins=3)

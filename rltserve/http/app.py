@@ -22,6 +22,7 @@ from aiohttp import web
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
 from rltserve.http.config import ServerConfig
+from rltserve.http.cors import allow_origin, preflight
 from rltserve.http.handlers import add_routes
 from rltserve.http.middleware import auth, errors
 from rltserve.http.state import STATE, ClientFactory, Clock, IdFactory, ServingState, random_id
@@ -51,10 +52,13 @@ def create_app(
     stage client (default: a spawned ``StageClient`` process, or two for ``disaggregate``:
     ``pd.stage_client``)."""
     engine_config = resolve_model(engine_config)
-    app = web.Application(middlewares=[errors, auth], client_max_size=server_config.max_body_bytes)
+    app = web.Application(
+        middlewares=[errors, preflight, auth], client_max_size=server_config.max_body_bytes
+    )
     state = ServingState(server_config, engine_config, client_factory, ids=ids, clock=clock)
     app[STATE] = state
     add_routes(app)
+    app.on_response_prepare.append(allow_origin)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_drain)
     return app

@@ -75,6 +75,13 @@ class ServerConfig:
             "generation_config.json, 'vllm' vLLM's own, or a folder holding one"
         ),
     )
+    allowed_origins: str = field(
+        default="*",
+        metadata=_help(
+            "origins whose web pages may call the API (CORS), comma-separated: '*' any "
+            "(vLLM's default), '' none"
+        ),
+    )
     chat_template: str | None = field(
         default=None,
         metadata=_help(
@@ -201,9 +208,16 @@ class ServerConfig:
         restarts = self.stage_restarts
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
             raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")
+        if not isinstance(self.allowed_origins, str):
+            raise ValueError(f"allowed_origins={self.allowed_origins!r}: must be a string")
         for name in ("metrics_auth", "expose_model_path"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+
+    @property
+    def origins(self) -> frozenset[str]:
+        """``allowed_origins`` as a set (empty: no cross-origin page may call the API)."""
+        return frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
 
     def with_env(self) -> ServerConfig:
         """The config with ``api_key`` taken from the environment when not given; resolved
