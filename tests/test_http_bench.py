@@ -611,6 +611,25 @@ def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(mo
     assert server.api_key == "flag"
 
 
+def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
+    """Anyone who reaches such a server may load weights or put it to sleep: say so once."""
+    import rltserve.http.server
+    from rltserve.http.cli import cmd_serve
+
+    monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: 0)
+    monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
+    for flags, warned in (
+        (["--host", "0.0.0.0"], True),
+        (["--host", "0.0.0.0", "--api-key", "k"], False),
+        ([], False),  # (127.0.0.1: this machine only)
+    ):
+        caplog.clear()
+        assert cmd_serve(_parser().parse_args(["serve", "--port", "0", *flags])) == 0
+        said = [r for r in caplog.records if "without an API key" in r.getMessage()]
+        assert len(said) == int(warned), flags
+
+
 def test_bench_serve_targets_where_serve_listens_by_default():
     args = _parser().parse_args(["bench", "serve"])
     server = ServerConfig()

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from rltserve.config import EngineConfig
     from rltserve.http.config import ServerConfig
 
+# Hosts only this machine reaches: serving there without an API key is not worth a warning.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 BENCH_SERVE_HELP = "serving benchmark against a running server (random token-id prompts)"
 
 
@@ -78,6 +80,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rltserve.core.stage_worker import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    if server_config.api_key is None and server_config.host not in LOOPBACK_HOSTS:
+        logging.getLogger("rltserve.http").warning(
+            "serving on %s without an API key: anyone who reaches the port may generate, and "
+            "load weights or put the model to sleep (POST /v1/update_weights, /sleep); set "
+            "--api-key or RLTSERVE_API_KEY",
+            server_config.host,
+        )
     if not replica_config.enabled:
         return run_server(server_config, engine_config)
     from rltserve.ray.client import ReplicaSetClient

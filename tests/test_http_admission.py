@@ -1,0 +1,148 @@
+"""The server's admission and shutdown paths on a scripted stage: the admission gate's cancel
+paths, queued requests counted as waiting, a drain that refuses queued requests at once and
+finishes running ones, 503s during shutdown and from a stage that died under an admin call."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    error_of,
+    metric,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+    wait_for,
+)
+
+from rltserve.core.stage import StageError
+from rltserve.http.admission import AdmissionGate
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+def stage_for(ckpt, tokens=(44, 77), **script) -> ScriptedStage:
+    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script(list(tokens), **script))
+
+
+async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):
+    """While the server drains, new requests get a 503 a load balancer can retry elsewhere."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        live.state.closing = True  # (what drain sets first)
+        status, headers, raw = await live.post("/v1/completions", {"prompt": [5]})
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert error_of(raw)["message"] == "the server is shutting down"
+
+
+@contextlib.asynccontextmanager
+async def _one_slot_taken(ckpt, queued: int):
+    """A server of one slot, taken by a request whose tokens wait for ``hold``, with ``queued``
+    requests in its admission queue: (live, hold, stage, the running one, the queued ones)."""
+    hold = threading.Event()
+    stage = stage_for(ckpt, hold=hold)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=4) as live:
+        first = asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+        await wait_for(lambda: len(stage.added) == 1)
+        waiting = [
+            asyncio.create_task(live.post("/v1/completions", {"prompt": [5]}))
+            for _ in range(queued)
+        ]
+        await wait_for(lambda: live.state.gate.num_queued == queued)
+        yield live, hold, stage, first, waiting
+
+
+async def test_a_stage_that_dies_under_an_admin_call_is_a_503(ckpt, monkeypatch):
+    stage = stage_for(ckpt)
+
+    def died(*args) -> None:
+        raise StageError("stage is not running: worker process killed by signal 9")
+
+    for name in ("sleep", "update_weights"):
+        monkeypatch.setattr(stage, name, died)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for path, body in (("/sleep", None), ("/v1/update_weights", {"model_path": "/m"})):
+            status, headers, raw = await live.post(path, body)
+            assert status == 503 and headers["Retry-After"] == "1", raw
+            assert error_of(raw)["message"].startswith("stage is not running")
+
+
+async def test_a_drain_refuses_queued_requests_at_once_and_finishes_running_ones(ckpt):
+    """Queued requests would wait for slots only to be refused: they get the 503 at once (a
+    load balancer retries them elsewhere) while the running one finishes."""
+    async with _one_slot_taken(ckpt, 1) as (live, hold, stage, first, [queued]):
+        drain = asyncio.create_task(live.state.drain())
+        status, headers, raw = await queued
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert error_of(raw)["message"] == "the server is shutting down; retry later"
+        assert not first.done()
+        hold.set()
+        assert (await first)[0] == 200
+        await drain
+        assert len(stage.added) == 1
+
+
+async def test_requests_in_the_admission_queue_count_as_waiting(ckpt):
+    """``num_requests_waiting`` adds the server's admission queue to the engine's own."""
+    async with _one_slot_taken(ckpt, 2) as (live, hold, _, first, queued):
+        text = (await live.get("/metrics"))[2].decode()
+        assert metric(text, "rltserve:num_requests_waiting") == 2
+        hold.set()
+        for task in (first, *queued):
+            assert (await task)[0] == 200
+        text = (await live.get("/metrics"))[2].decode()
+        assert metric(text, "rltserve:num_requests_waiting") == 0
+
+
+async def test_admission_gate_a_cancelled_head_lets_the_next_waiter_in():
+    """The head waiter (too big to fit) goes away: a smaller one behind it that fits now is
+    let in at once, not only at the next release."""
+    gate = AdmissionGate(max_concurrent=2, max_queued=2)
+    granted: list[str] = []
+    done = asyncio.Event()
+
+    async def hold(name: str, weight: int) -> None:
+        async with gate.slots(weight):
+            granted.append(name)
+            await done.wait()
+
+    async with gate.slots(1):
+        big = asyncio.create_task(hold("big", 2))
+        small = asyncio.create_task(hold("small", 1))
+        await asyncio.sleep(0)
+        assert gate.num_queued == 2 and granted == []
+        big.cancel()
+        await asyncio.sleep(0.01)
+        assert granted == ["small"] and gate.in_use == 2 and gate.num_queued == 0
+        done.set()
+        await small
+    await asyncio.gather(big, return_exceptions=True)
+    assert big.cancelled() and gate.in_use == 0
+
+
+async def test_admission_gate_a_waiter_cancelled_as_it_is_granted_gives_its_slot_back():
+    gate = AdmissionGate(max_concurrent=1, max_queued=1)
+    granted: list[str] = []
+
+    async def wait() -> None:
+        async with gate.slots(1):
+            granted.append("b")
+
+    async with gate.slots(1):
+        b = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        assert gate.num_queued == 1
+    # Leaving the block granted b its slot; b is cancelled in the same turn, before it runs.
+    assert gate.in_use == 1 and gate.num_queued == 0
+    b.cancel()
+    await asyncio.gather(b, return_exceptions=True)
+    assert b.cancelled() and granted == [] and gate.in_use == 0
