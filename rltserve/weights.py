@@ -8,8 +8,10 @@ form both sides already read strictly (``core/weight_update.py`` validates it th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -104,3 +106,12 @@ def update_files(path: str | Path) -> list[Path]:
     if odd:
         raise ValueError(f"weights: {str(p)!r}: not regular files: {', '.join(odd[:5])}")
     return files
+
+
+def safetensors_header(file: str | Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> {dtype, shape, data_offsets}, and
+    ``__metadata__``) and the byte where its data starts, which the offsets count from
+    (torch-free: the server reads names without loading any tensor)."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length

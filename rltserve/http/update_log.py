@@ -15,13 +15,11 @@ version (RL trainers often overwrite one path).
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 from dataclasses import dataclass
 
-from rltserve.weights import update_files
+from rltserve.weights import safetensors_header, update_files
 
 Stamps = tuple[tuple[str, tuple[int, int, int]], ...]  # (file, (inode, size, mtime_ns))
 
@@ -120,9 +118,7 @@ def stamps(paths: list[str]) -> Stamps:
 
 def tensor_names(file: str) -> frozenset[str]:
     """The tensor names of a safetensors file, from its header."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    header, _ = safetensors_header(file)
     return frozenset(name for name in header if name != "__metadata__")
 
 

@@ -10,13 +10,13 @@ bandwidth. Call ``extents`` only on files ``safe_open`` has already validated.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from rltserve.weights import safetensors_header
 
 _CHUNK = 1 << 30  # bytes per preadv call (Linux caps one read near 2 GiB)
 
@@ -34,10 +34,7 @@ class Extent:
 
 def extents(file: Path) -> dict[str, Extent]:
     """Name -> extent for every tensor of a (validated) safetensors file."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    base = 8 + length
+    header, base = safetensors_header(file)
     return {
         name: Extent(
             file,
