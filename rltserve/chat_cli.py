@@ -87,11 +87,9 @@ def _lines(quick: str | None):
 
 async def _open(args: argparse.Namespace):
     """The client and the model name to send."""
-    from rltserve.client import AsyncClient
+    from rltserve.client import AsyncClient, server_root
 
-    base = args.url.rstrip("/")
-    base = base[: -len("/v1")] if base.endswith("/v1") else base
-    client = AsyncClient(base, args.api_key or os.environ.get(API_KEY_ENV))
+    client = AsyncClient(server_root(args.url), args.api_key or os.environ.get(API_KEY_ENV))
     try:
         model = args.model_name or (await client.models())[0]["id"]
     except BaseException:

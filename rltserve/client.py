@@ -242,6 +242,12 @@ class ChunkStream:
                 await self.close()
 
 
+def server_root(url: str) -> str:
+    """The server's base URL for ``AsyncClient``: a URL ending in ``/v1``, as OpenAI clients
+    take it, names the same server."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 class AsyncClient:
     """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
     Extra keyword arguments of the request methods go into the JSON body as they are (None

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from rltserve.client import APIError, AsyncClient
+from rltserve.client import APIError, AsyncClient, server_root
 from rltserve.progress import progress_bar
 
 ENDPOINTS = ("completions", "chat")
@@ -76,8 +76,7 @@ class BenchConfig:
     ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
 
     def __post_init__(self) -> None:
-        # A base URL ending in /v1, as OpenAI clients take it, names the same server.
-        object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
+        object.__setattr__(self, "url", server_root(self.url))
         _check_url(self.url)
         for name in ("num_prompts", "input_len", "output_len", "num_turns"):
             if getattr(self, name) < 1:
