@@ -10,13 +10,11 @@ import threading
 
 import pytest
 from test_http_harness import (
-    Script,
-    ScriptedStage,
     error_of,
     metric,
     running,
     scripted_factory,
-    scripted_info,
+    stage_for,
     tiny_checkpoint,
     wait_for,
 )
@@ -28,10 +26,6 @@ from rltserve.http.admission import AdmissionGate
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-def stage_for(ckpt, tokens=(44, 77), **script) -> ScriptedStage:
-    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script(list(tokens), **script))
 
 
 async def test_a_request_during_shutdown_is_a_503_with_retry_after(ckpt):

@@ -23,6 +23,7 @@ from test_http_harness import (
     scripted_factory,
     scripted_info,
     sse_payloads,
+    stage_for,
     tiny_checkpoint,
     wait_for,
 )
@@ -45,10 +46,6 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-def stage_for(ckpt, tokens=(44, 77), **script) -> ScriptedStage:
-    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script(list(tokens), **script))
 
 
 def choices_of(raw: bytes) -> list[dict]:

@@ -20,6 +20,7 @@ from test_http_harness import (
     scripted_factory,
     scripted_info,
     sse_payloads,
+    stage_for,
     tiny_checkpoint,
     wait_for,
 )
@@ -30,10 +31,6 @@ from rltserve.core.stage import StageError
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
-
-
-def stage_for(ckpt, **script) -> ScriptedStage:
-    return ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77], **script))
 
 
 BAD_REQUESTS = [

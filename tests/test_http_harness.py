@@ -208,6 +208,11 @@ def scripted_info(path: Path, max_model_len: int = 64) -> EngineInfo:
     return EngineInfo(str(path), "ouro", 4, 8, max_model_len, 512, (0, 2), 64, 16, "last_exited")
 
 
+def stage_for(path: Path, tokens=(44, 77), **script) -> ScriptedStage:
+    """A scripted stage of a 64-token context that plays ``tokens`` ("Hi" on ouro-tiny)."""
+    return ScriptedStage(scripted_info(path), Script(list(tokens), **script))
+
+
 def scripted_factory(stage: ScriptedStage):
     return lambda config: stage
 
