@@ -1,15 +1,13 @@
 """Edges of the HTTP front end that the other HTTP tests leave open (found by mutation testing):
 echo of a text prompt, special tokens in the text, a failed add, interrupted generations, chat
-with n > 1, request rules (suffix, n, logit_bias keys, /tokenize, stream_options, min_tokens,
-prompt logprobs), the OpenAPI document, metrics, error types,
-/v1/update_weights' options, the bounds of request fields, the group shared by n samples, token
-texts in logprobs and the model check of every route. Uses the scripted stage (context of 64
-tokens) and the real ouro-tiny tokenizer, or no socket at all."""
+with n > 1, stream_options, /tokenize of a long conversation, the operator's chat template,
+/v1/update_weights' options, the group shared by n samples, token texts in logprobs and the
+model check of every route. Uses the scripted stage (context of 64 tokens) and the real
+ouro-tiny tokenizer. The rules that need no socket are in test_http_request_rules."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 
 import orjson
@@ -18,7 +16,6 @@ from test_http_harness import (
     Script,
     ScriptedStage,
     error_of,
-    metric,
     running,
     scripted_factory,
     scripted_info,
@@ -29,16 +26,6 @@ from test_http_harness import (
 )
 
 from rltserve.core.stage import StageError
-from rltserve.http.errors import error_body
-from rltserve.http.metrics import RequestTimeline, ServingMetrics
-from rltserve.http.openapi import object_schema, openapi_document
-from rltserve.http.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeRequest,
-    sampling_params,
-)
-from rltserve.http.validation import SchemaError, parse_object
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
@@ -180,70 +167,6 @@ async def test_chat_n_counts_the_prompt_once_and_is_bounded_by_max_concurrent(ck
         }
 
 
-def parsed(cls, body: dict):
-    """``body`` parsed and validated as the server reads a request."""
-    req = parse_object(cls, body)
-    req.validate()
-    return req
-
-
-def schema_error(cls, body: dict) -> tuple[str | None, str]:
-    with pytest.raises(SchemaError) as err:
-        parsed(cls, body)
-    return err.value.param, err.value.message
-
-
-def test_a_nested_object_of_the_wrong_type_is_named_with_its_type():
-    assert schema_error(CompletionRequest, {"prompt": "x", "stream_options": 5}) == (
-        "stream_options",
-        "stream_options=5: must be an object",
-    )
-    assert schema_error(ChatCompletionRequest, {"messages": ["hi"]}) == (
-        "messages",
-        "messages: must be an array of objects",
-    )
-
-
-def test_n_and_logit_bias_bounds():
-    assert parsed(CompletionRequest, {"prompt": "x", "n": 128, "best_of": 128}).n == 128
-    assert schema_error(CompletionRequest, {"prompt": "x", "n": 129}) == (
-        "n",
-        "n=129: must be in [1, 128]",
-    )
-    # Only ASCII digits are token ids ("٣" is a Unicode digit that int() would read as 3).
-    assert parsed(CompletionRequest, {"prompt": "x", "logit_bias": {"50256": 1}}).logit_bias
-    param, message = schema_error(CompletionRequest, {"prompt": "x", "logit_bias": {"٣": 1}})
-    assert (param, message) == (
-        "logit_bias",
-        "logit_bias: key '٣' is not a token id (digits, as '50256')",
-    )
-
-
-def test_request_rules_of_suffix_tokenize_and_assistant_messages():
-    assert schema_error(CompletionRequest, {"prompt": "x", "suffix": "y"}) == (
-        "suffix",
-        "suffix: not supported",
-    )
-    assert parsed(CompletionRequest, {"prompt": "x", "suffix": ""}).suffix == ""
-    # /tokenize takes a prompt or messages, not both; the rule of continue_final_message is
-    # about messages only
-    assert schema_error(TokenizeRequest, {"prompt": "x", "messages": [{"role": "user"}]}) == (
-        "prompt",
-        "prompt, messages: give exactly one",
-    )
-    tokenize = parsed(TokenizeRequest, {"prompt": "x", "continue_final_message": True})
-    assert tokenize.prompt == "x"
-    # An assistant turn without content (OpenAI allows it) renders as an empty text, not None
-    chat = parsed(
-        ChatCompletionRequest,
-        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
-    )
-    assert chat.template_messages() == [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "content": ""},
-    ]
-
-
 async def test_stream_options_without_include_usage_send_no_usage(ckpt):
     async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
         for options in ({}, {"include_usage": False}):
@@ -265,35 +188,6 @@ async def test_echo_without_max_tokens_generates_the_default(ckpt):
         (choice,) = body["choices"]
         assert choice["text"] == "Hi" + "Hi" * 8 and choice["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 16, "total_tokens": 18}
-
-
-def test_prompt_logprobs_take_the_larger_of_echo_logprobs_and_prompt_logprobs():
-    def prompt_logprobs(body: dict) -> int | None:
-        req = parsed(CompletionRequest, {"prompt": "x", **body})
-        return sampling_params(
-            req, max_tokens=1, logprobs=req.logprobs, sample_index=0
-        ).prompt_logprobs
-
-    assert prompt_logprobs({"echo": True, "logprobs": 3, "prompt_logprobs": 1}) == 3
-    assert prompt_logprobs({"echo": True, "logprobs": 1, "prompt_logprobs": 2}) == 2
-    assert prompt_logprobs({"logprobs": 3, "prompt_logprobs": 1}) == 1  # (no echo: no prompt)
-    assert prompt_logprobs({"echo": True, "logprobs": 0}) == 0
-    assert prompt_logprobs({"logprobs": 3}) is None
-
-
-def test_min_tokens_beyond_a_chat_limit_names_the_limit_as_asked():
-    """``max_completion_tokens`` is a limit the client asked for, as ``max_tokens`` is."""
-    for field in ("max_completion_tokens", "max_tokens"):
-        req = parsed(ChatCompletionRequest, {**CHAT, field: 2, "min_tokens": 5})
-        with pytest.raises(SchemaError) as err:
-            sampling_params(req, max_tokens=req.token_limit, logprobs=None, sample_index=0)
-        assert (err.value.param, err.value.message) == (
-            "min_tokens",
-            "min_tokens=5: must be <= max_tokens (2)",
-        )
-    req = parsed(ChatCompletionRequest, {**CHAT, "min_tokens": 5})
-    with pytest.raises(SchemaError, match=r"must be <= the default max_tokens \(3\)"):
-        sampling_params(req, max_tokens=3, logprobs=None, sample_index=0)
 
 
 async def test_tokenize_counts_a_conversation_longer_than_the_context(ckpt):
@@ -338,71 +232,6 @@ async def test_the_operators_chat_template_renders_any_role_and_earlier_reasonin
             status, _, raw = await live.post("/v1/chat/completions", {"messages": messages})
             assert status == 200, raw
             assert stage.added_prompts == [want]
-
-
-def test_a_chat_template_that_is_no_file_nor_compiles_is_refused():
-    from rltserve.http.config import ServerConfig
-
-    with pytest.raises(ValueError, match="chat_template='/no/t.jinja': no such file"):
-        ServerConfig(chat_template="/no/t.jinja")
-    with pytest.raises(ValueError, match="chat_template: the template does not compile"):
-        ServerConfig(chat_template="{% for m in messages %}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Listed:
-    name: str
-    tags: list[str] = dataclasses.field(default_factory=list)
-    limit: int = 3
-
-
-def test_openapi_paths_parameters_and_defaults():
-    from rltserve.http.handlers import ROUTES
-
-    document = openapi_document(ROUTES, "test")
-    model = document["paths"]["/v1/models/{model}"]["get"]  # (aiohttp's {model:.+})
-    assert model["parameters"] == [
-        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
-    ]
-    assert "404" in model["responses"] and "404" not in document["paths"]["/v1/models"]["get"]
-    completion = document["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert completion["n"] == {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 1}
-    assert completion["echo"]["default"] is False and completion["model"]["default"] is None
-    # a field with a default_factory is optional (null for its default), with no default shown
-    assert object_schema(_Listed) == {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
-            "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 3},
-        },
-        "required": ["name"],
-        "additionalProperties": True,
-    }
-
-
-def test_inter_token_latency_runs_from_the_previous_update():
-    metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (None, 0, 0))
-    timeline = RequestTimeline(arrival=10.0, admitted=10.0)
-    for now in (11.0, 11.25, 11.75):  # gaps of 0.25 and 0.5
-        metrics.on_tokens(timeline, now, [1])
-    text = metrics.render()[0].decode()
-    assert metric(text, "rltserve:inter_token_latency_seconds_sum") == 0.75
-    assert metric(text, "rltserve:inter_token_latency_seconds_count") == 2
-
-
-def test_error_types_by_status():
-    types = {s: error_body(s, "x")["error"]["type"] for s in (400, 401, 404, 409, 500, 503, 502)}
-    assert types == {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "not_found_error",
-        409: "conflict_error",
-        500: "internal_server_error",
-        503: "unavailable_error",
-        502: "api_error",  # (a status without its own type)
-    }
 
 
 class RecordingUpdates(ScriptedStage):
@@ -502,12 +331,6 @@ async def test_update_weights_timeout_may_be_the_maximum(ckpt):
     assert stage.update_calls == [(["/ckpt/a"], False, 3600.0), (["/ckpt/a"], False, 0.0)]
 
 
-def test_a_body_that_is_not_an_object_names_no_field():
-    """A body that is no JSON object has no field to name: ``param`` is null."""
-    for body in ([1], "x", None):
-        assert schema_error(CompletionRequest, body) == (None, "body: must be a JSON object")
-
-
 class RecordingGroups(ScriptedStage):
     """A scripted stage that records the group of each request (the n samples of a prompt
     share one, so that the engine shares the prompt's cache among them)."""
@@ -535,95 +358,6 @@ async def test_the_samples_of_a_prompt_share_a_group(ckpt):
         assert len(set(stage.groups[4:])) == 1 and stage.groups[4] is not None
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "max_tokens": 1})
         assert status == 200 and stage.groups[6:] == [None]
-
-
-def test_an_update_without_tokens_is_no_token_to_the_latencies():
-    """Updates with no tokens (an abort, a finish of its own) are left out of TTFT and of the
-    gaps between tokens."""
-    metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (None, 0, 0))
-    timeline = RequestTimeline(arrival=10.0, admitted=10.0)
-    for now, depths in ((10.5, []), (11.0, [2]), (11.5, []), (12.0, [3]), (12.5, [])):
-        metrics.on_tokens(timeline, now, depths)
-    text = metrics.render()[0].decode()
-    assert metric(text, "rltserve:time_to_first_token_seconds_sum") == 1.0
-    assert metric(text, "rltserve:time_to_first_token_seconds_count") == 1
-    assert metric(text, "rltserve:inter_token_latency_seconds_sum") == 1.0
-    assert metric(text, "rltserve:inter_token_latency_seconds_count") == 1
-    assert (timeline.first_token, timeline.last_token, timeline.num_tokens) == (11.0, 12.0, 2)
-
-
-def test_temperature_range_and_best_of():
-    """``temperature`` is in [0, 2], both ends included; ``best_of`` must equal n, a smaller
-    one as much as a larger one."""
-    for value in (0, 2):
-        assert parsed(CompletionRequest, {"prompt": "x", "temperature": value}).temperature == value
-    assert schema_error(CompletionRequest, {"prompt": "x", "temperature": 2.5}) == (
-        "temperature",
-        "temperature=2.5: must be in [0, 2]",
-    )
-    assert parsed(CompletionRequest, {"prompt": "x", "n": 2, "best_of": 2}).best_of == 2
-    for best_of in (1, 3):
-        assert schema_error(CompletionRequest, {"prompt": "x", "n": 2, "best_of": best_of}) == (
-            "best_of",
-            "best_of: only best_of == n is supported",
-        )
-
-
-def test_logprobs_counts_may_be_the_maximum():
-    """``logprobs``, ``prompt_logprobs`` and chat's ``top_logprobs`` are in [0, 20]."""
-    for name in ("logprobs", "prompt_logprobs"):
-        assert getattr(parsed(CompletionRequest, {"prompt": "x", name: 20}), name) == 20
-        assert schema_error(CompletionRequest, {"prompt": "x", name: 21}) == (
-            name,
-            f"{name}=21: must be in [0, 20]",
-        )
-    chat = parsed(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 20})
-    assert chat.top_logprobs == 20
-    assert schema_error(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}) == (
-        "top_logprobs",
-        "top_logprobs: must be in [0, 20]",
-    )
-
-
-def test_a_message_name_reaches_the_template():
-    chat = parsed(
-        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": "ann"}]}
-    )
-    assert chat.template_messages() == [{"role": "user", "content": "x", "name": "ann"}]
-
-
-def test_tool_choice_auto_is_no_tool_call():
-    """Without tools, ``tool_choice`` "auto" asks for nothing (the model answers in text)."""
-    for choice in ("auto", "none"):
-        assert parsed(ChatCompletionRequest, {**CHAT, "tool_choice": choice}).tool_choice == choice
-    assert schema_error(ChatCompletionRequest, {**CHAT, "tool_choice": "required"}) == (
-        "tool_choice",
-        "tool_choice: not supported (no tool calling)",
-    )
-
-
-def test_sampling_fields_reach_the_sampling_params_as_sent():
-    body = {
-        "prompt": "x",
-        "presence_penalty": 0.5,
-        "frequency_penalty": -0.25,
-        "ignore_eos": True,
-        "min_loops": 2,
-        "max_loops": 3,
-        "max_thinking_tokens": 4,
-        "thinking_interruption": "Enough.",
-    }
-    params = sampling_params(
-        parsed(CompletionRequest, body), max_tokens=8, logprobs=None, sample_index=0
-    )
-    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
-    assert params.ignore_eos is True and (params.min_loops, params.max_loops) == (2, 3)
-    assert params.thinking_interruption == "Enough."
-    default = sampling_params(
-        parsed(CompletionRequest, {"prompt": "x"}), max_tokens=8, logprobs=None, sample_index=0
-    )
-    assert default.ignore_eos is False and default.skip_special_tokens is True
 
 
 async def test_every_model_taking_route_refuses_another_model(ckpt):
@@ -662,23 +396,6 @@ async def test_without_a_served_name_the_checkpoint_path_names_the_model_too(ckp
         for name in (str(ckpt), ckpt.name):  # a served name is the only one
             status, _, raw = await live.post("/v1/completions", {**body, "model": name})
             assert status == 404, raw
-
-
-def test_openapi_operations_of_routes_with_a_body():
-    from rltserve.http.handlers import ROUTES
-
-    document = openapi_document(ROUTES, "test")
-    post = document["paths"]["/v1/completions"]["post"]
-    assert post["operationId"] == "completions"
-    assert post["requestBody"] == {
-        "required": True,
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/CompletionRequest"}}
-        },
-    }
-    assert sorted(post["responses"]) == ["200", "400", "401", "413", "503"]
-    assert post["responses"]["413"]["description"] == "request body too large"
-    assert sorted(document["paths"]["/v1/models"]["get"]["responses"]) == ["200", "401", "503"]
 
 
 class DeafStage(ScriptedStage):
