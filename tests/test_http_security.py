@@ -347,3 +347,47 @@ async def test_browsers_on_allowed_origins_may_call_the_api(ckpt):
             assert r.status == 405  # (no preflight answer: the browser refuses the call)
     with pytest.raises(ValueError, match="allowed_origins=3: must be a string"):
         ServerConfig(allowed_origins=3)
+
+
+async def test_expect_continue_asks_for_the_key_before_the_body(ckpt):
+    """A client without the key gets its 401 instead of ``100 Continue`` (it never uploads the
+    body); one with the key is told to go on; an unknown expectation is a 417. A refusal closes the
+    connection (the body is never read)."""
+    async with running(ckpt, client_factory=scripted(ckpt), api_key=KEY) as live:
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        body = orjson.dumps({"prompt": [5], "max_tokens": 1})
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: r1\r\nContent-Length: %d\r\n" % len(body)
+        )
+        for extra, status, message in [
+            (b"Expect: 100-continue\r\n", 401, "Missing API key"),
+            (b"Expect: 100-continue\r\nAuthorization: Bearer nope\r\n", 401, "Invalid API Key"),
+            (b"Expect: teapot\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n", 417, None),
+        ]:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head + extra + b"\r\n")
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(answer.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            payload = await asyncio.wait_for(reader.readexactly(length), 10)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+            assert b"\r\nX-Request-Id: r1\r\n" in answer and b"Connection: close" in answer
+            error = orjson.loads(payload)["error"]
+            assert error["code"] == status
+            if message is not None:
+                assert error["message"].startswith(message)
+            else:
+                assert error["message"] == "Expect: 'teapot': only '100-continue' is supported"
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + b"Expect: 100-continue\r\nAuthorization: Bearer " + KEY.encode())
+        writer.write(b"\r\nConnection: close\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        raw = await _read_all(reader, 10)
+        writer.close()
+        assert raw.startswith(b"HTTP/1.1 200 ")
+        assert orjson.loads(raw.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 1
+        status, _, _ = await live.get("/health")
+        assert status == 200

@@ -19,6 +19,7 @@ from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
 from rltserve.http.errors import bad_request, json_response
 from rltserve.http.limits import check_limits
+from rltserve.http.middleware import expect_continue
 from rltserve.http.openapi import Route, openapi_document
 from rltserve.http.plans import chat_plan, completion_plan
 from rltserve.http.schemas import (
@@ -182,4 +183,6 @@ ROUTES: tuple[Route, ...] = (
 
 def add_routes(app: web.Application) -> None:
     for route in ROUTES:
-        app.router.add_route(route.method, route.path, route.handler)
+        app.router.add_route(
+            route.method, route.path, route.handler, expect_handler=expect_continue
+        )

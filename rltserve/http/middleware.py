@@ -15,7 +15,7 @@ import asyncio
 import hmac
 import logging
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from rltserve.http.errors import HTTPError, error_response
 from rltserve.http.state import STATE
@@ -85,21 +85,52 @@ def needs_key(path: str, metrics_auth: bool) -> bool:
     return path != "/health" and (metrics_auth or path != "/metrics")
 
 
-@web.middleware
-async def auth(request: web.Request, handler) -> web.StreamResponse:
+def auth_failure(request: web.Request) -> HTTPError | None:
+    """The 401 of a request without the key its route needs, else None."""
     config = request.app[STATE].config
     key = config.api_key
-    if key is not None and needs_key(request.path, config.metrics_auth):
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
-            raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
-        # (aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as sent)
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode("utf-8", "surrogateescape"), key.encode()
-        ):
-            raise _unauthorized("Invalid API Key")
+    if key is None or not needs_key(request.path, config.metrics_auth):
+        return None
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        return _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+    # (aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as sent)
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode("utf-8", "surrogateescape"), key.encode()
+    ):
+        return _unauthorized("Invalid API Key")
+    return None
+
+
+@web.middleware
+async def auth(request: web.Request, handler) -> web.StreamResponse:
+    failure = auth_failure(request)
+    if failure is not None:
+        raise failure
     return await handler(request)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """Every route's ``Expect`` handler. aiohttp runs it before any middleware, and its own
+    sends ``100 Continue`` to anyone: a client without the key would upload its whole body only
+    to be refused. Here such a client (and an unknown expectation) gets its error at once, on a
+    connection then closed since its body is never read."""
+    failure = auth_failure(request)
+    expect = request.headers.get("Expect", "")
+    if failure is None and expect.lower() != "100-continue":
+        failure = HTTPError(417, f"Expect: {expect!r}: only '100-continue' is supported")
+    if failure is not None:
+        state = request.app[STATE]
+        response = error_response(failure)
+        response.force_close()
+        response.headers.update(state.passthrough_headers(request))
+        state.metrics.on_http(_route_name(request), request.method, response.status)
+        return response
+    if request.version >= HttpVersion11:  # (an HTTP/1.0 client expects no interim answer)
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (the response proper has not started)
+    return None
 
 
 def _unauthorized(message: str) -> HTTPError:
