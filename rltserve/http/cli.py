@@ -106,13 +106,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- bench serve
 
 
+# vLLM's --endpoint paths of the endpoints bench serve streams
+_ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def _endpoint_kind(value: str) -> str:
+    """``--endpoint``'s kind: vLLM's path form names one too."""
+    return _ENDPOINT_PATHS.get(value.rstrip("/") if value.startswith("/") else value, value)
+
+
+class _EndpointAction(argparse.Action):
+    """Stores ``--endpoint`` and that it was given (``--backend`` must then agree with it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.endpoint, namespace.endpoint_given = values, True
+
+
 def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = bench_subparsers.add_parser("serve", help=BENCH_SERVE_HELP)
+    parser = bench_subparsers.add_parser(
+        "serve",
+        help=BENCH_SERVE_HELP,
+        description="Takes the flags of `vllm bench serve` that apply to random prompts "
+        "(--backend, --base-url, --host, --port, --dataset-name random, --random-*-len, "
+        "--goodput, --percentile-metrics, --save-result, ...) as vLLM does.",
+    )
     parser.add_argument(
         "--url",
-        default="http://127.0.0.1:8000",
+        "--base-url",
+        dest="url",
+        default="http://127.0.0.1:8000",  # (bench.serve_flags.DEFAULT_URL, not imported here)
         help="server base URL (a trailing /v1, as OpenAI clients take it, is dropped)",
     )
+    parser.add_argument("--host", default=None, help="vLLM's: the URL http://HOST:PORT")
+    parser.add_argument("--port", type=int, default=None, help="vLLM's: see --host")
     parser.add_argument("--api-key", default=None, help="or env RLTSERVE_API_KEY")
     parser.add_argument("--model", default=None, help="model name to send (default: none)")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests (default: 100)")
@@ -131,14 +157,40 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         default=None,
         help="requests in flight at most (default: no bound)",
     )
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument(
+        "--dataset-name",
+        default="random",
+        help="only vLLM's 'random' (random token-id prompts) is supported",
+    )
+    parser.add_argument("--dataset-path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--input-len",
+        "--random-input-len",
+        dest="input_len",
+        type=int,
+        default=128,
+        help="prompt tokens per request",
+    )
     parser.add_argument(
         "--output-len",
         "--max-tokens",
+        "--random-output-len",
         dest="output_len",
         type=int,
         default=128,
         help="output tokens per request",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's: each conversation's prompt and output lengths drawn uniformly from "
+        "[len*(1-R), len*(1+R)], 0 <= R < 1 (default: 0, the lengths given)",
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="accepted for vLLM's command lines: requests always send ignore_eos",
     )
     parser.add_argument(
         "--num-turns",
@@ -149,10 +201,18 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     )
     parser.add_argument(
         "--endpoint",
+        type=_endpoint_kind,
+        action=_EndpointAction,
         choices=("completions", "chat"),  # (bench.serve.ENDPOINTS, not imported here)
         default="completions",
         help="stream /v1/completions (token-id prompts) or /v1/chat/completions (the prompts "
-        "as text, a conversation as messages)",
+        "as text, a conversation as messages); vLLM's paths name them too",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("openai", "openai-chat", "vllm"),  # (bench.serve_config.BACKENDS' keys)
+        default=None,
+        help="vLLM's: openai and vllm stream completions, openai-chat chat",
     )
     parser.add_argument(
         "--seed",
@@ -176,11 +236,57 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         default=600.0,
         help="seconds to wait for the server to be ready, e.g. while it loads (default: 600)",
     )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:VALUE",
+        default=None,
+        help="vLLM's SLOs, e.g. ttft:500 tpot:50 e2el:2000 (ms): request_goodput counts the "
+        "requests within every bound given",
+    )
+    parser.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="metrics reported (comma-separated; default: all four, where vLLM's leaves out e2el)",
+    )
+    parser.add_argument(
+        "--metric-percentiles",
+        default="99",
+        help="percentiles reported, e.g. 50,90,99.9 (p50_ttft_ms, ...; default: 99)",
+    )
+    parser.add_argument(
+        "--save-result", action="store_true", help="write the JSON report to a file"
+    )
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="the report adds vLLM's per-request arrays (input_lens, ttfts, itls, errors, ...)",
+    )
+    parser.add_argument("--result-dir", default=None, help="the file's directory (default: .)")
+    parser.add_argument(
+        "--result-filename",
+        default=None,
+        help="the file's name (default vLLM's: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)",
+    )
+    parser.add_argument(
+        "--label", default=None, help="the file name's prefix (default: the backend's name)"
+    )
+    parser.add_argument(
+        "--metadata",
+        nargs="*",
+        metavar="KEY=VALUE",
+        default=None,
+        help="keys added to the report, e.g. version=0.3.3 tp=1",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
-        "--quiet", "--no-progress", action="store_true", help="no progress bar on stderr"
+        "--quiet",
+        "--no-progress",
+        "--disable-tqdm",
+        action="store_true",
+        help="no progress bar on stderr",
     )
-    parser.set_defaults(func=cmd_bench_serve)
+    parser.set_defaults(func=cmd_bench_serve, endpoint_given=False)
     return parser
 
 
@@ -201,16 +307,19 @@ def _check_bench_serve_flags(args: argparse.Namespace) -> None:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
+    import sys
 
     import orjson
 
-    from rltserve.bench.serve import BenchConfig, format_report, run_bench
+    from rltserve.bench import serve_flags
+    from rltserve.bench.serve import BenchConfig, run_bench
+    from rltserve.bench.serve_report import format_report, summarize
     from rltserve.client import APIError
     from rltserve.progress import progress_enabled
 
     _check_bench_serve_flags(args)
     config = BenchConfig(
-        url=args.url,
+        **serve_flags.config_kwargs(args),
         api_key=args.api_key or os.environ.get("RLTSERVE_API_KEY"),
         model=args.model,
         num_prompts=args.num_prompts,
@@ -223,16 +332,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         exit_threshold=args.exit_threshold,
         num_turns=args.num_turns,
-        endpoint=args.endpoint,
         progress=progress_enabled(args.quiet),
         ready_timeout_s=args.wait_timeout,
     )
+    # (checked before the run, not after it)
+    metadata = serve_flags.parse_metadata(args.metadata or [], set(summarize(config, [], 1.0)))
+    if serve_flags.saving(args):
+        serve_flags.prepare_result_dir(args)
     try:
         report = asyncio.run(run_bench(config))
     except APIError as exc:  # e.g. 401 without the right key: one line, exit 1
         raise RuntimeError(f"{config.url}: {exc}") from exc
-    if args.json:
-        print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        print(format_report(report))
+    report.update(metadata)
+    text = orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
+    print(text if args.json else format_report(report), flush=True)
+    if serve_flags.saving(args):  # (after the print: a file not written must not lose it)
+        path = serve_flags.result_path(args, report)
+        path.write_text(text + "\n")
+        print(f"saved the report to {path}", file=sys.stderr)
     return 0 if report["completed"] > 0 else 1

@@ -1,0 +1,113 @@
+"""``BenchConfig``: the settings of one ``rltserve bench serve`` run, checked as it is built
+(a ValueError naming the field; the command line names its flags instead)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from rltserve.client import server_root
+
+ENDPOINTS = ("completions", "chat")
+# vLLM's ``--backend`` names of the endpoints streamed here (its ``vllm`` backend streams
+# /v1/completions too).
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # (vLLM's: ITL is per gap, not per request)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    api_key: str | None = None
+    model: str | None = None
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    input_len: int = 128
+    output_len: int = 128
+    # vLLM's --random-range-ratio r: each conversation's prompt and output lengths drawn
+    # uniformly from [floor(len * (1 - r)), ceil(len * (1 + r))] (outputs at least 1 token).
+    range_ratio: float = 0.0
+    seed: int = 0
+    temperature: float = 0.0
+    exit_threshold: float | None = None
+    num_turns: int = 1  # > 1: multi-turn chat conversations (see rltserve.bench.serve)
+    endpoint: str = "completions"  # or "chat" (see rltserve.bench.serve)
+    progress: bool = False
+    ready_timeout_s: float = 600.0  # how long to wait for a server that is still loading
+    # vLLM's --goodput: (metric, bound in ms) pairs; a request counts towards request_goodput
+    # when each named metric is at most its bound.
+    goodput: tuple[tuple[str, float], ...] = ()
+    # vLLM's --percentile-metrics (default here: all four, the report's sections before the
+    # flag existed; vLLM's leaves out e2el) and --metric-percentiles.
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
+    metric_percentiles: tuple[float, ...] = (99.0,)
+    detailed: bool = False  # vLLM's --save-detailed: the report adds per-request arrays
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", server_root(self.url))
+        _check_url(self.url)
+        for name in ("num_prompts", "input_len", "output_len", "num_turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate={self.request_rate}: must be > 0 (or inf)")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError(f"burstiness={self.burstiness}: must be a finite number > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency={self.max_concurrency}: must be >= 1")
+        if not self.ready_timeout_s > 0:
+            raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint={self.endpoint!r}: must be one of {ENDPOINTS}")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range_ratio={self.range_ratio}: must be in [0, 1)")
+        if math.floor(self.input_len * (1 - self.range_ratio)) < 1:
+            raise ValueError(
+                f"range_ratio={self.range_ratio}: the shortest prompt of input_len="
+                f"{self.input_len} would have no tokens"
+            )
+        _check_goodput(self.goodput)
+        _check_percentiles(self.percentile_metrics, self.metric_percentiles)
+
+
+def _check_url(url: str) -> None:
+    why = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"url={url!r}: {why} ({exc})") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url={url!r}: {why}")
+
+
+def _check_goodput(goodput: tuple[tuple[str, float], ...]) -> None:
+    names = [name for name, _ in goodput]
+    for name, bound in goodput:
+        if name not in GOODPUT_METRICS:
+            raise ValueError(f"goodput={goodput}: {name!r} is not one of {GOODPUT_METRICS}")
+        if not bound >= 0:  # (NaN too)
+            raise ValueError(f"goodput={goodput}: the bound of {name} must be >= 0 ms")
+        if names.count(name) > 1:
+            raise ValueError(f"goodput={goodput}: {name} is bounded twice")
+
+
+def _check_percentiles(metrics: tuple[str, ...], percentiles: tuple[float, ...]) -> None:
+    if not metrics or any(m not in PERCENTILE_METRICS for m in metrics):
+        raise ValueError(f"percentile_metrics={metrics}: must be some of {PERCENTILE_METRICS}")
+    if len(set(metrics)) < len(metrics):
+        raise ValueError(f"percentile_metrics={metrics}: a metric is named twice")
+    if not percentiles or not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"metric_percentiles={percentiles}: each must be in [0, 100]")
+    words = [percentile_word(p) for p in percentiles]
+    if len(set(words)) < len(words):
+        raise ValueError(f"metric_percentiles={percentiles}: a percentile is named twice")
+
+
+def percentile_word(p: float) -> str:
+    """The percentile as vLLM names it in report keys: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)

@@ -1,0 +1,42 @@
+"""The prompts ``rltserve bench serve`` sends: vLLM's ``random`` dataset, as token ids.
+
+Each conversation draws its prompt length and output length uniformly from
+``[floor(len * (1 - r)), ceil(len * (1 + r))]`` for ``r = range_ratio`` (as vLLM's
+``--random-range-ratio``; an output at least 1 token), then its prompt's tokens uniformly from
+the vocabulary (a multi-turn conversation's new user messages have its prompt length, each of
+its turns its output length). The draws are seeded by ``seed``; at ``r = 0`` no length is
+drawn, so the prompts are those of a run without the flag.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from rltserve.bench.serve_config import BenchConfig
+
+
+def _length_range(length: int, ratio: float) -> tuple[int, int]:
+    return math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))
+
+
+def request_lengths(config: BenchConfig) -> list[tuple[int, int]]:
+    """Each conversation's (prompt tokens, output tokens)."""
+    if config.range_ratio == 0:
+        return [(config.input_len, config.output_len)] * config.num_prompts
+    # (a stream of its own: the prompts' and the arrivals' draws stay those of other runs)
+    rng = random.Random(f"{config.seed}:lengths")
+    low_in, high_in = _length_range(config.input_len, config.range_ratio)
+    low_out, high_out = _length_range(config.output_len, config.range_ratio)
+    return [
+        (rng.randint(low_in, high_in), rng.randint(max(low_out, 1), high_out))
+        for _ in range(config.num_prompts)
+    ]
+
+
+def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(config.seed)
+    return [
+        [rng.randrange(vocab_size) for _ in range(input_len)]
+        for input_len, _ in request_lengths(config)
+    ]

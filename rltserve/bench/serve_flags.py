@@ -1,0 +1,172 @@
+"""What the ``vllm bench serve`` flags that ``rltserve bench serve`` takes mean here: their
+strings parsed into ``BenchConfig`` fields (a ValueError naming the flag, exit 2), the URL of
+``--host``/``--port``, the endpoint of ``--backend``, and where ``--save-result`` writes.
+
+The result file holds the ``--json`` report (with ``--metadata``'s keys). Its name is vLLM's,
+``{label}-{request_rate}qps[-concurrency{N}]-{model's last part}-{date}.json`` (``label``:
+``--label``, else the backend: ``openai`` for completions, ``openai-chat`` for chat), or
+``--result-filename``, under ``--result-dir`` (made if missing) or the working directory.
+Naming either of those saves the report without ``--save-result`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from rltserve.bench.serve_config import BACKENDS, GOODPUT_METRICS, PERCENTILE_METRICS
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # (where `rltserve serve` listens by default)
+_LABELS = {"completions": "openai", "chat": "openai-chat"}
+
+
+def config_kwargs(args: argparse.Namespace) -> dict:
+    """The ``BenchConfig`` fields of the vLLM-style flags."""
+    if args.dataset_name != "random":
+        raise ValueError(
+            f"--dataset-name {args.dataset_name}: not supported; bench serve sends vLLM's "
+            "'random' dataset (random token-id prompts: --random-input-len, "
+            "--random-output-len, --random-range-ratio)"
+        )
+    if args.dataset_path is not None:
+        raise ValueError(
+            f"--dataset-path {args.dataset_path}: the 'random' dataset reads no file "
+            "(bench serve supports no other)"
+        )
+    ratio = args.random_range_ratio
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--random-range-ratio {ratio:g}: must be in [0, 1)")
+    if math.floor(args.input_len * (1 - ratio)) < 1:
+        raise ValueError(
+            f"--random-range-ratio {ratio:g}: the shortest prompt of --input-len "
+            f"{args.input_len} would have no tokens"
+        )
+    return {
+        "url": target_url(args),
+        "endpoint": endpoint(args),
+        "range_ratio": ratio,
+        "goodput": parse_goodput(args.goodput or []),
+        "percentile_metrics": parse_percentile_metrics(args.percentile_metrics),
+        "metric_percentiles": parse_metric_percentiles(args.metric_percentiles),
+        "detailed": args.save_detailed,
+    }
+
+
+def target_url(args: argparse.Namespace) -> str:
+    """``--url``/``--base-url``, or vLLM's ``--host`` and ``--port`` in its stead."""
+    if args.host is None and args.port is None:
+        return args.url
+    given = (("--host", args.host), ("--port", args.port))
+    flags = " ".join(f"{flag} {value}" for flag, value in given if value is not None)
+    if args.url != DEFAULT_URL:
+        raise ValueError(f"{flags}: not with --url/--base-url {args.url}; give one or the other")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise ValueError(f"--port {args.port}: must be in 1..65535")
+    host = args.host or "127.0.0.1"
+    if ":" in host and not host.startswith("["):  # an IPv6 address
+        host = f"[{host}]"
+    return f"http://{host}:{args.port or 8000}"
+
+
+def endpoint(args: argparse.Namespace) -> str:
+    """``--endpoint``, or the one vLLM's ``--backend`` streams (they must agree if both are
+    given)."""
+    if args.backend is None:
+        return args.endpoint
+    wanted = BACKENDS[args.backend]
+    if args.endpoint_given and args.endpoint != wanted:
+        raise ValueError(
+            f"--backend {args.backend}: streams the {wanted} endpoint, not --endpoint "
+            f"{args.endpoint}"
+        )
+    return wanted
+
+
+def parse_goodput(items: list[str]) -> tuple[tuple[str, float], ...]:
+    """``ttft:500 tpot:50`` -> (("ttft", 500.0), ("tpot", 50.0))."""
+    pairs = []
+    for item in items:
+        name, _, value = item.partition(":")
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = None
+        if bound is None or name not in GOODPUT_METRICS:
+            raise ValueError(
+                f"--goodput {item}: give KEY:VALUE pairs, a metric of "
+                f"{', '.join(GOODPUT_METRICS)} and its bound in ms, e.g. --goodput ttft:500 "
+                "tpot:50"
+            )
+        if not bound >= 0:
+            raise ValueError(f"--goodput {item}: the bound must be >= 0 ms")
+        if name in dict(pairs):
+            raise ValueError(f"--goodput {' '.join(items)}: {name} is bounded twice")
+        pairs.append((name, bound))
+    return tuple(pairs)
+
+
+def parse_percentile_metrics(text: str) -> tuple[str, ...]:
+    metrics = tuple(m.strip() for m in text.split(","))
+    if any(m not in PERCENTILE_METRICS for m in metrics) or len(set(metrics)) < len(metrics):
+        raise ValueError(
+            f"--percentile-metrics {text}: a comma-separated list of distinct metrics of "
+            f"{', '.join(PERCENTILE_METRICS)}"
+        )
+    return metrics
+
+
+def parse_metric_percentiles(text: str) -> tuple[float, ...]:
+    why = "a comma-separated list of distinct percentiles in [0, 100], e.g. 50,90,99"
+    try:
+        percentiles = tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {text}: {why}") from None
+    if not all(0 <= p <= 100 for p in percentiles) or len(set(percentiles)) < len(percentiles):
+        raise ValueError(f"--metric-percentiles {text}: {why}")
+    return percentiles
+
+
+def parse_metadata(items: list[str], report_keys: set[str]) -> dict[str, str]:
+    """``--metadata version=0.3.3 tp=1``: keys of the report's top level, as vLLM's (those the
+    report has already are refused: they would be lost)."""
+    metadata = {}
+    for item in items:
+        key, equals, value = item.partition("=")
+        key = key.strip()
+        if not equals or not key:
+            raise ValueError(f"--metadata {item}: give KEY=VALUE pairs, e.g. --metadata tp=1")
+        if key in report_keys:
+            raise ValueError(f"--metadata {item}: {key!r} is a key of the report itself")
+        metadata[key] = value.strip()
+    return metadata
+
+
+def saving(args: argparse.Namespace) -> bool:
+    return bool(args.save_result or args.result_dir or args.result_filename)
+
+
+def prepare_result_dir(args: argparse.Namespace) -> None:
+    """Makes ``--result-dir`` and refuses a result file that could not be written, before the
+    run (not after it)."""
+    if args.result_dir:
+        if Path(args.result_dir).exists() and not Path(args.result_dir).is_dir():
+            raise ValueError(f"--result-dir {args.result_dir}: is not a directory")
+        os.makedirs(args.result_dir, exist_ok=True)
+    if args.result_filename:
+        path = Path(args.result_dir or ".") / args.result_filename
+        if path.is_dir():
+            raise ValueError(f"--result-filename {args.result_filename}: {path} is a directory")
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"--result-filename {args.result_filename}: {path.parent} does not exist"
+            )
+
+
+def result_path(args: argparse.Namespace, report: dict) -> Path:
+    from rltserve.bench.serve_report import result_filename
+
+    label = args.label or args.backend or _LABELS[report["endpoint"]]
+    name = args.result_filename or result_filename(report, label)
+    return Path(args.result_dir or ".") / name

@@ -1,0 +1,183 @@
+"""The report of ``rltserve bench serve``: what each request measured, the statistics over them
+(vLLM's keys: ``mean_ttft_ms``, ``p99_ttft_ms``, ``request_goodput``, ...), the text printed for
+people and the name of the result file.
+
+Latencies are reported in ms as mean, median, std and each of ``metric_percentiles`` (numpy's
+std and linear percentile, as vLLM's), for the metrics in ``percentile_metrics`` alone (vLLM
+leaves the others out too). ``request_goodput`` (req/s, None without ``goodput``) counts the
+successful requests within every bound given, as vLLM's: a request of one output token has a
+TPOT of 0. With ``detailed`` (vLLM's ``--save-detailed``) the report adds vLLM's per-request
+arrays, in the order the requests were sent: ``input_lens``, ``output_lens`` (0 for a failed
+request), ``ttfts``, ``itls``, ``latencies`` (s), ``generated_texts`` and ``errors`` (``""`` for
+a success; this replaces the list of the first five distinct errors).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import numpy as np
+
+from rltserve.bench.serve_config import BenchConfig, percentile_word
+
+_SECTIONS = (
+    ("ttft", "Time to First Token"),
+    ("tpot", "Time per Output Token (excl. 1st token)"),
+    ("itl", "Inter-token Latency"),
+    ("e2el", "End-to-end Latency"),
+)
+
+
+@dataclass
+class RequestResult:
+    """What one benchmark request measured (seconds)."""
+
+    prompt_len: int
+    success: bool = False
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the server reused (usage.prompt_tokens_details)
+    output_ids: list[int] = field(default_factory=list)  # multi-turn: the answer's token ids
+    output_text: str = ""  # chat: the answer's text
+
+    @property
+    def tpot(self) -> float:
+        """(E2EL - TTFT) / (output tokens - 1); 0 for one token (as vLLM's goodput takes it)."""
+        if self.output_tokens < 2:
+            return 0.0
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+def _stats(metric: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict:
+    ms = np.asarray(values_s, dtype=float) * 1000.0 if values_s else np.zeros(1)
+    stats = {
+        f"mean_{metric}_ms": float(ms.mean()),
+        f"median_{metric}_ms": float(np.median(ms)),
+        f"std_{metric}_ms": float(np.std(ms)),
+    }
+    for p in percentiles:
+        stats[f"p{percentile_word(p)}_{metric}_ms"] = float(np.percentile(ms, p))
+    return stats
+
+
+def good_requests(config: BenchConfig, ok: list[RequestResult]) -> int:
+    """The successful requests within every ``goodput`` bound."""
+    bounds_s = [(name, bound / 1000) for name, bound in config.goodput]
+    return sum(all(bound >= getattr(r, name) for name, bound in bounds_s) for r in ok)
+
+
+def summarize(
+    config: BenchConfig, results: list[RequestResult], duration: float, served: str | None = None
+) -> dict:
+    """The report: the run's settings (``model``: the one sent, else ``served``, the server's
+    first), then what it measured."""
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    report: dict = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),  # (vLLM's format)
+        "url": config.url,
+        "endpoint": config.endpoint,
+        "model": config.model or served,
+        "seed": config.seed,
+        "temperature": config.temperature,
+        "exit_threshold": config.exit_threshold,
+        "num_prompts": config.num_prompts,
+        "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "input_len": config.input_len,
+        "output_len": config.output_len,
+        "range_ratio": config.range_ratio,
+        "goodput": dict(config.goodput) or None,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        # Multi-turn: the turns a conversation never sent after one of its turns failed.
+        "skipped_turns": config.num_prompts * config.num_turns - len(results),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": good_requests(config, ok) / duration if config.goodput else None,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "num_turns": config.num_turns,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / max(input_tokens, 1),
+    }
+    values = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.output_tokens > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.e2el for r in ok],
+    }
+    for metric, _ in _SECTIONS:
+        if metric in config.percentile_metrics:
+            report.update(_stats(metric, values[metric], config.metric_percentiles))
+    report["errors"] = sorted({r.error for r in results if r.error})[:5]
+    if config.detailed:
+        report.update(
+            input_lens=[r.prompt_len for r in results],
+            output_lens=[r.output_tokens if r.success else 0 for r in results],
+            ttfts=[r.ttft for r in results],
+            itls=[r.itl for r in results],
+            latencies=[r.e2el for r in results],
+            generated_texts=[r.output_text for r in results],
+            errors=[r.error or "" for r in results],
+        )
+    return report
+
+
+def format_report(report: dict) -> str:
+    rows = [
+        ("Successful requests", report["completed"]),
+        ("Failed requests", report["failed"]),
+        ("Maximum request concurrency", report["max_concurrency"]),
+        ("Request rate (req/s)", report["request_rate"]),
+        ("Benchmark duration (s)", f"{report['duration']:.2f}"),
+        ("Total input tokens", report["total_input_tokens"]),
+        ("Total generated tokens", report["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{report['request_throughput']:.2f}"),
+    ]
+    if report.get("request_goodput") is not None:
+        rows.append(("Request goodput (req/s)", f"{report['request_goodput']:.2f}"))
+    rows += [
+        ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
+        ("Turns per conversation", report["num_turns"]),
+        ("Turns not sent (after a failed turn)", report["skipped_turns"]),
+        ("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"),
+    ]
+    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
+    lines += [f"{name + ':':<45}{value!s:>15}" for name, value in rows]
+    for metric, title in _SECTIONS:
+        if f"mean_{metric}_ms" not in report:  # (not in --percentile-metrics)
+            continue
+        lines.append(f"{' ' + title + ' ':-^60}")
+        keys = [f"mean_{metric}_ms", f"median_{metric}_ms"]
+        keys += [k for k in report if re.fullmatch(rf"p[\d.]+_{metric}_ms", k)]
+        for key in keys:
+            stat = key.split("_")[0]
+            name = f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {metric.upper()}"
+            lines.append(f"{name + ' (ms):':<45}{report[key]:>15.2f}")
+    # (a detailed report's errors are per request, "" for a success)
+    for error in sorted({e for e in report["errors"] if e})[:5]:
+        lines.append(f"error: {error}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def result_filename(report: dict, label: str) -> str:
+    """vLLM's name of the result file:
+    ``{label}-{request_rate}qps[-concurrency{max_concurrency}]-{model's last part}-{date}.json``."""
+    rate = report["request_rate"]
+    concurrency = report["max_concurrency"]
+    model = (report["model"] or "unknown").rstrip("/").split("/")[-1]
+    bound = f"-concurrency{concurrency}" if concurrency is not None else ""
+    return f"{label}-{rate}qps{bound}-{model}-{report['date']}.json"
