@@ -140,3 +140,25 @@ async def test_admission_gate_a_waiter_cancelled_as_it_is_granted_gives_its_slot
     b.cancel()
     await asyncio.gather(b, return_exceptions=True)
     assert b.cancelled() and granted == [] and gate.in_use == 0
+
+
+async def test_a_shutdown_closes_idle_keep_alive_connections_at_once(ckpt):
+    """A pooled client's idle connection is closed as the drain starts, not left open and deaf
+    to new requests until the drain ends: a request sent on it fails at once (EOF) while the
+    request in flight still runs to its end."""
+    async with _one_slot_taken(ckpt, 0) as (live, hold, stage, first, _):
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200") and b"\r\nContent-Length: 15\r\n" in head
+        assert await reader.readexactly(15) == b'{"status":"ok"}'
+        closing = asyncio.create_task(live.server.close())
+        await wait_for(lambda: live.state.closing)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no answer
+        writer.close()
+        assert not first.done()
+        hold.set()
+        assert (await first)[0] == 200
+        await closing
