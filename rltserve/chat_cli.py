@@ -2,9 +2,12 @@
 chat`` and ``vllm complete``, for trying a served model's chat template and stops by hand.
 
 ``chat`` keeps the conversation (and an optional system prompt) and streams each answer; the
-thinking span of an answer (``reasoning_content``) is shown dimmed on a terminal and is not sent
-back in later turns. ``complete`` streams a completion of each prompt. Without ``-q`` both read
-one message or prompt per line from stdin until end of input, so they work in a pipe too.
+thinking span of an answer (``reasoning_content``) is shown dimmed on a terminal, between
+``<think>`` and ``</think>`` elsewhere (a pipe keeps the two apart), and is not sent back in
+later turns. ``--enable-thinking`` asks a thinking model's template to think
+(``chat_template_kwargs``, as the request field; ``--chat-template-kwargs`` gives any).
+``complete`` streams a completion of each prompt. Without ``-q`` both read one message or
+prompt per line from stdin until end of input, so they work in a pipe too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ def add_client_parsers(sub: argparse._SubParsersAction) -> None:
     _add_common(chat)
     chat.add_argument("--system-prompt", default=None, help="a system message opening the chat")
     chat.add_argument("-q", "--quick", metavar="MESSAGE", help="send one message, print, exit")
+    chat.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="ask a thinking model to think (chat_template_kwargs enable_thinking=true)",
+    )
+    chat.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="the request's chat_template_kwargs, e.g. '{\"enable_thinking\": true}'",
+    )
     chat.set_defaults(func=cmd_chat)
     complete = sub.add_parser(
         "complete", help="complete prompts on a running server (one per input line)"
@@ -44,6 +59,18 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help=f"or env {API_KEY_ENV}")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer")
     parser.add_argument("--temperature", type=float, default=None, help="(default: the server's)")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a JSON object")
+    return value
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -112,21 +139,31 @@ async def _chat(args: argparse.Namespace, lines, out: TextIO) -> None:
     messages = (
         [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     )
-    dim = out.isatty()
+    params = _params(args, model)
+    template_kwargs = dict(args.chat_template_kwargs or {})
+    if args.enable_thinking:
+        template_kwargs["enable_thinking"] = True
+    if template_kwargs:
+        params["chat_template_kwargs"] = template_kwargs
+    # A terminal tells reasoning from the answer by dimming it; other outputs by its tags.
+    opening, closing = (_DIM, _RESET) if out.isatty() else ("<think>", "</think>")
     async with client:
         for line in lines:
             messages.append({"role": "user", "content": line})
             answer: list[str] = []
-            async for chunk in client.chat_stream(messages, **_params(args, model)):
+            thinking = False
+            async for chunk in client.chat_stream(messages, **params):
                 for choice in chunk["choices"]:
                     delta = choice["delta"]
                     if reasoning := delta.get("reasoning_content"):
-                        out.write(f"{_DIM}{reasoning}{_RESET}" if dim else reasoning)
+                        out.write(reasoning if thinking else opening + reasoning)
+                        thinking = True
                     if content := delta.get("content"):
                         answer.append(content)
-                        out.write(content)
+                        out.write(closing + content if thinking else content)
+                        thinking = False
                 out.flush()
-            out.write("\n")
+            out.write(closing + "\n" if thinking else "\n")
             messages.append({"role": "assistant", "content": "".join(answer)})
 
 

@@ -24,7 +24,8 @@ def ckpt(tmp_path_factory):
 
 def _args(url: str, **kw) -> argparse.Namespace:
     base = {"url": url, "model_name": None, "api_key": None, "max_tokens": 2,
-            "temperature": 0.0, "system_prompt": None, "quick": None}  # fmt: skip
+            "temperature": 0.0, "system_prompt": None, "quick": None, "enable_thinking": False,
+            "chat_template_kwargs": None}  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -47,6 +48,37 @@ async def test_chat_keeps_the_conversation_and_streams_each_answer(ckpt):
     )
     assert stage.added_prompts[1] == second
     assert [p.max_tokens for p in stage.added_params] == [2, 2]
+
+
+@pytest.mark.asyncio
+async def test_thinking_is_asked_for_and_set_apart_from_the_answer(ckpt):
+    """--enable-thinking sends enable_thinking; on a pipe the reasoning is shown between its
+    tags (an answer cut off while thinking gets the closing tag too), and only the answer goes
+    back in the conversation."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 81, 4, 44, 77]))  # Hm</think>Hi
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        out = io.StringIO()
+        args = _args(live.url, max_tokens=5, enable_thinking=True)
+        await chat_cli._chat(args, iter(["hello", "again"]), out)
+        cut = io.StringIO()
+        await chat_cli._chat(_args(live.url, enable_thinking=True), iter(["hello"]), cut)
+    assert out.getvalue() == "<think>Hm</think>Hi\n<think>Hm</think>Hi\n"
+    assert cut.getvalue() == "<think>Hm</think>\n"
+    tok = load_tokenizer(ckpt)
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hi"},
+        {"role": "user", "content": "again"},
+    ]
+    want = tok.apply_chat_template(history, add_generation_prompt=True, enable_thinking=True)
+    assert stage.added_prompts[1] == want  # (the template opens the thinking span)
+    assert want[-2:] == tok.encode("<think>\n", add_special_tokens=False)
+
+
+def test_chat_template_kwargs_must_be_a_json_object(capsys):
+    with pytest.raises(SystemExit):
+        main(["chat", "-q", "hi", "--chat-template-kwargs", "[1]"])
+    assert "'[1]': must be a JSON object" in capsys.readouterr().err
 
 
 @pytest.mark.asyncio
