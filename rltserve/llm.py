@@ -46,7 +46,7 @@ from rltserve.sampling import (
     plain_number,
     truncated_prompt,
 )
-from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
+from rltserve.thinking import bound_thinking, chat_prompt, resolve_thinking
 from rltserve.vllm_args import (
     check_inert,
     check_parallel,
@@ -244,7 +244,19 @@ class LLM(TrainerControls):
             prompts = token_id_prompts(prompt_token_ids, prompts)
         if prompts is None:
             raise ValueError("prompts: required (or prompt_token_ids)")
-        batch = normalize_prompts(prompts)
+        return self._generate(normalize_prompts(prompts), sampling_params, use_tqdm, priority)
+
+    def _generate(
+        self,
+        batch: list,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool | Callable[..., tqdm],
+        priority: Sequence[int] | None = None,
+        thinking: Sequence[bool | None] | None = None,
+    ) -> list[RequestOutput]:
+        """``generate`` on normalized prompts. ``thinking``: per prompt, whether it leaves a
+        thinking span open where its chat rendering decided it (``ChatPrompt.thinking``);
+        None: judged from its ids (``bound_thinking``)."""
         params = sampling_params
         if params is None:
             params = self.get_default_sampling_params()
@@ -274,9 +286,10 @@ class LLM(TrainerControls):
             )
             for prompt, p in zip(batch, plist)
         ]
+        spans = [None] * len(batch) if thinking is None else thinking
         plist = [
-            bound_thinking(self._resolve_thinking(p), ids, self.tokenizer)
-            for p, ids in zip(plist, encoded)
+            bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span)
+            for p, ids, span in zip(plist, encoded, spans)
         ]
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise ValueError(f"use_tqdm={use_tqdm!r}: must be a bool or a tqdm class")
@@ -330,19 +343,26 @@ class LLM(TrainerControls):
         one = isinstance(messages[0], Mapping)
         conversations = [messages] if one else list(messages)
         kwargs = dict(chat_template_kwargs or {})
-        prompts = []
+        tokenizer = self.tokenizer
+
+        def render(turns, generation_prompt: bool, continue_final: bool) -> str:
+            return tokenizer.apply_chat_template(
+                turns,
+                generation_prompt,
+                tokenize=False,
+                chat_template=chat_template,
+                continue_final_message=continue_final,
+                **kwargs,
+            )
+
+        prompts, thinking = [], []
         for c, conversation in enumerate(conversations):
             if not isinstance(conversation, Sequence) or isinstance(conversation, str):
                 raise ValueError(f"messages[{c}]: must be a list of messages")
             turns = [template_message(m, f"messages[{c}][{i}]") for i, m in enumerate(conversation)]
             try:
-                rendered = self.tokenizer.apply_chat_template(
-                    turns,
-                    add_generation_prompt,
-                    tokenize=False,
-                    chat_template=chat_template,
-                    continue_final_message=continue_final_message,
-                    **kwargs,
+                chat = chat_prompt(
+                    render, turns, add_generation_prompt, continue_final_message, kwargs, tokenizer
                 )
             except ValueError:  # (rltserve's own: they name what is wrong)
                 raise
@@ -353,10 +373,10 @@ class LLM(TrainerControls):
                     f"messages[{c}]: the chat template failed on this conversation: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            text = chat_prompt_text(rendered, add_generation_prompt, kwargs, self.tokenizer)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template has them)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            ids = tokenizer.encode(chat.text, add_special_tokens=False)  # (the template has them)
+            prompts.append({"prompt": chat.text, "prompt_token_ids": ids})
+            thinking.append(chat.thinking)
+        return self._generate(normalize_prompts(prompts), sampling_params, use_tqdm, None, thinking)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the

@@ -1,10 +1,13 @@
 """Bounded thinking on the front end: ``SamplingParams`` thinking fields resolved to token ids,
-as the engine takes them (``core/thinking.py`` does the forcing), and the split of a chat
-answer into its thinking span and the rest (``reasoning_content`` and ``content``)."""
+as the engine takes them (``core/thinking.py`` does the forcing), the span a chat prompt opens
+(``ChatPrompt``), and the split of a chat answer into its thinking span and the rest
+(``reasoning_content`` and ``content``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rltserve.sampling import SamplingParams
@@ -24,9 +27,14 @@ def think_end_ids(tokenizer) -> tuple[int, ...]:
 
 def resolve_thinking(params: SamplingParams, tokenizer) -> SamplingParams:
     """``params`` with ``thinking_end_token_ids`` filled in (default: ``</think>``) and a text
-    ``thinking_interruption`` tokenized (without special tokens)."""
+    ``thinking_interruption`` tokenized (without special tokens). Where the tokenizer has
+    neither ``<think>`` nor ``</think>`` and no end ids are named, ``params`` without the
+    budget: no prompt can open a span there, so the bound is a no-op (one ``SamplingParams``
+    serves every model), not an error."""
     end = params.thinking_end_token_ids
     if end is None:
+        if tokenizer is not None and _think_tags(tokenizer) == (None, None):
+            return params.replace(max_thinking_tokens=None)
         end = think_end_ids(tokenizer)
     interruption = params.thinking_interruption
     if isinstance(interruption, str):
@@ -71,10 +79,15 @@ def ids_open_thinking(ids: list[int], tokenizer) -> bool:
     return bool(_open_span(ids, tokenizer))
 
 
+def _think_tags(tokenizer) -> tuple[int | None, int | None]:
+    """The ids of ``<think>`` and ``</think>`` (None: not in the vocabulary)."""
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    return vocab.get(THINK_START), vocab.get(THINK_END)
+
+
 def _open_span(ids: list[int], tokenizer) -> bool | None:
     """As ``ids_open_thinking``; None where the tokenizer has no such tokens to tell by."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    start, end = vocab.get(THINK_START), vocab.get(THINK_END)
+    start, end = _think_tags(tokenizer)
     if start is None or end is None:
         return None
     for token in reversed(ids):
@@ -85,12 +98,20 @@ def _open_span(ids: list[int], tokenizer) -> bool | None:
     return False
 
 
-def bound_thinking(params: SamplingParams, prompt_ids: list[int], tokenizer) -> SamplingParams:
+def bound_thinking(
+    params: SamplingParams, prompt_ids: list[int], tokenizer, thinking: bool | None = None
+) -> SamplingParams:
     """``params`` as they apply to ``prompt_ids``: a thinking budget bounds the span the prompt
     leaves open; a prompt that opens none (or closes its own) runs without it, since forcing
     ``</think>`` into a plain answer would corrupt it. Kept where the tokenizer has no
-    ``<think>`` and ``</think>`` tokens to tell by (the caller named the end ids)."""
-    if params.max_thinking_tokens is None or _open_span(prompt_ids, tokenizer) is not False:
+    ``<think>`` and ``</think>`` tokens to tell by (the caller named the end ids).
+    ``thinking``: whether the prompt leaves a span open where its chat rendering decided it
+    (``ChatPrompt.thinking``); None: judged from ``prompt_ids``, as a raw prompt is."""
+    if params.max_thinking_tokens is None:
+        return params
+    if thinking is None:
+        thinking = _open_span(prompt_ids, tokenizer)
+    if thinking is not False:
         return params
     return params.replace(max_thinking_tokens=None)
 
@@ -129,24 +150,86 @@ class ReasoningStream:
         return (held, "") if self.thinking else ("", held)
 
 
-def with_thinking_prefix(prompt_text: str) -> str:
+def with_thinking_prefix(prompt_text: str, start: int = 0) -> str:
     """A rendered chat prompt asked to think (``enable_thinking``): ``<think>\\n`` appended, as
-    the Ouro-Thinking recipes do, unless the template already opened the span."""
-    return prompt_text if prompt_opens_thinking(prompt_text) else prompt_text + THINK_START + "\n"
+    the Ouro-Thinking recipes do, unless the template already opened the span (after
+    ``start``, where its generation region begins: ``ChatPrompt``)."""
+    if prompt_opens_thinking(prompt_text[start:]):
+        return prompt_text
+    return prompt_text + THINK_START + "\n"
 
 
 def chat_prompt_text(
-    rendered: str, add_generation_prompt: bool, template_kwargs: Mapping[str, Any], tokenizer
+    rendered: str,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any],
+    tokenizer,
+    start: int = 0,
 ) -> str:
     """A conversation rendered by its chat template, as the engine takes it (the server's chat
     endpoint and ``LLM.chat`` alike): a generation prompt asked to think (``enable_thinking``)
-    gets the thinking prefix (``with_thinking_prefix``) where the vocabulary has a ``<think>``
-    token (elsewhere, as Huginn's, it would be six tokens of text the model never learned;
-    the template still gets ``enable_thinking``)."""
+    gets the thinking prefix (``with_thinking_prefix``, ``start`` its generation region) where
+    the vocabulary has a ``<think>`` token (elsewhere, as Huginn's, it would be six tokens of
+    text the model never learned; the template still gets ``enable_thinking``)."""
     if (
         add_generation_prompt
         and template_kwargs.get("enable_thinking")
         and tokenizer.has_think_token
     ):
-        return with_thinking_prefix(rendered)
+        return with_thinking_prefix(rendered, start)
     return rendered
+
+
+# A chat template applied with the request's template variables: (messages,
+# add_generation_prompt, continue_final_message) -> text.
+ChatRenderer = Callable[[Sequence[Mapping[str, Any]], bool, bool], str]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered as the engine takes it (``chat_prompt``).
+
+    Its generation region is what follows the messages: the template's generation prompt and
+    the thinking prefix rltserve appends, or with ``continue_final_message`` the final message
+    being continued. Only a thinking span opened there is the answer's: a ``<think>`` in a
+    user's or system's words (which encode to the very same token) opens none."""
+
+    text: str
+    # Whether the generation region leaves a thinking span open (None: the tokenizer has no
+    # <think> and </think> tokens to tell by). The reasoning split and the thinking budget
+    # both follow it.
+    thinking: bool | None
+
+
+def chat_prompt(
+    render: ChatRenderer,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: Mapping[str, Any],
+    tokenizer,
+) -> ChatPrompt:
+    """``messages`` rendered (``chat_prompt_text``) and their generation region judged. The
+    region starts where the rendering parts from the messages before it rendered without a
+    generation prompt; that second rendering is made only where the prompt holds ``<think>``
+    text at all (else nothing but the thinking prefix can open a span), and where the template
+    refuses it the whole prompt counts, as a raw prompt's does."""
+    rendered = render(messages, add_generation_prompt, continue_final_message)
+    start = len(rendered)
+    if THINK_START in rendered and tokenizer.has_think_token:
+        before = messages[:-1] if continue_final_message else messages
+        start = len(os.path.commonprefix([rendered, _rendered_or_empty(render, before)]))
+    text = chat_prompt_text(rendered, add_generation_prompt, template_kwargs, tokenizer, start)
+    region = text[start:]
+    # (A <think> token decodes to that text: a region without it cannot hold the token.)
+    ids = tokenizer.encode(region, add_special_tokens=False) if THINK_START in region else []
+    return ChatPrompt(text, _open_span(ids, tokenizer))
+
+
+def _rendered_or_empty(render: ChatRenderer, messages: Sequence[Mapping[str, Any]]) -> str:
+    if not messages:
+        return ""
+    try:
+        return render(messages, False, False)
+    except Exception:  # noqa: BLE001 - template code refusing a conversation without its end
+        return ""

@@ -194,6 +194,67 @@ async def test_reasoning_splits_where_the_tokenizer_makes_think_end_special(ckpt
     assert got[special] == got[ckpt] and streamed == [reasoning, content]
 
 
+async def test_a_think_tag_in_a_message_does_not_make_a_thinking_chat(ckpt):
+    """A ``<think>`` in a user's or system's words encodes to the token a thinking template
+    writes, but opens no span: the answer is plain ``content`` and a budget forces nothing.
+    A span the generation prompt opens (enable_thinking) or a continued final message opens
+    still splits and is bounded."""
+    tok = load_tokenizer(ckpt)
+    end = tok.get_vocab()["</think>"]
+    mention = {"role": "user", "content": "What does the <think> tag do in your output?"}
+    system = {"role": "system", "content": "Never output <think> tags."}
+    base = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    budget = {"max_thinking_tokens": 2}
+
+    async def chat(live, body):
+        status, _, raw = await live.post("/v1/chat/completions", {**base, **body})
+        assert status == 200, raw
+        choice = orjson.loads(raw)["choices"][0]
+        return choice["token_ids"], choice["message"]
+
+    async with running(ckpt) as live:
+        for messages in ([mention], [system, {"role": "user", "content": "hi"}]):
+            ids, message = await chat(live, {"messages": messages})
+            assert message == {"role": "assistant", "content": tok.decode(ids)} and end not in ids
+            assert await chat(live, {"messages": messages, **budget}) == (ids, message)
+            status, _, raw = await live.post(
+                "/v1/chat/completions", {**base, "messages": messages, "stream": True, **budget}
+            )
+            deltas = [c["choices"][0]["delta"] for c in sse_payloads(raw)[:-1] if c["choices"]]
+            assert not any("reasoning_content" in d for d in deltas)
+            assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+        think = {"chat_template_kwargs": {"enable_thinking": True}}
+        prefill = {"role": "assistant", "content": "<think>\nLet me"}
+        cont = {"add_generation_prompt": False, "continue_final_message": True}
+        for body in ({"messages": [mention], **think}, {"messages": [mention, prefill], **cont}):
+            free, _ = await chat(live, body)
+            ids, message = await chat(live, {**body, **budget})
+            assert free[2] != end and ids[2] == end  # (forced by the budget)
+            assert message["reasoning_content"] == tok.decode(ids[:2])
+            assert message["content"] == tok.decode(ids[3:])
+
+
+async def test_a_thinking_budget_on_a_model_without_thinking_tags_changes_nothing(tmp_path):
+    """Huginn's tokenizer has neither ``<think>`` nor ``</think>``: ``max_thinking_tokens``
+    generates as without it (no prompt can open a span), on chat and completions alike."""
+    from rltserve.models.presets import make_model
+
+    huginn = make_model("huginn-tiny", tmp_path / "huginn")
+    base = {"max_tokens": 6, "temperature": 0, "seed": 3, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    async with running(huginn) as live:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ("/v1/completions", {"prompt": "hi"}),
+        ):
+            got = []
+            for extra in ({}, {"max_thinking_tokens": 2, "thinking_interruption": "so"}):
+                status, _, raw = await live.post(path, {**base, **body, **extra})
+                assert status == 200, raw
+                got.append(orjson.loads(raw)["choices"][0]["token_ids"])
+            assert got[0] == got[1]
+
+
 async def test_a_generation_config_penalty_that_refuses_thinking_says_where_it_came_from(
     ckpt, tmp_path
 ):

@@ -290,3 +290,124 @@ def test_the_thinking_prefix_is_for_a_generation_prompt_only():
     assert chat_prompt_text(turn, False, think, Tok()) == turn
     assert chat_prompt_text(turn, True, think, Tok()) == turn + "<think>\n"
     assert chat_prompt_text(turn, True, {"enable_thinking": False}, Tok()) == turn
+
+
+def test_only_the_generation_region_of_a_chat_opens_a_thinking_span(tiny):
+    # A <think> in a message's words encodes to the very token a thinking template writes;
+    # only the region after the messages (generation prompt, thinking prefix, a continued
+    # final message) opens the answer's span.
+    from rltserve.models.tokenizer import load_tokenizer
+    from rltserve.thinking import ChatPrompt, chat_prompt
+
+    tok = load_tokenizer(tiny)
+
+    def chat(messages, generation=True, kwargs=None, continue_final=False, render=None):
+        def default(turns, agp, cfm):
+            return tok.apply_chat_template(
+                turns, agp, tokenize=False, continue_final_message=cfm, **(kwargs or {})
+            )
+
+        render = render or default
+        return chat_prompt(render, messages, generation, continue_final, kwargs or {}, tok)
+
+    head = "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"
+    mention = [{"role": "user", "content": "What does <think> do?"}]
+    assert chat(mention) == ChatPrompt(head, False)
+    assert chat(mention, kwargs={"enable_thinking": True}) == ChatPrompt(head + "<think>\n", True)
+    system = [{"role": "system", "content": "Never write <think>"}, *mention]
+    assert chat(system).thinking is False
+    prefill = [*mention, {"role": "assistant", "content": "<think>\nLet me"}]
+    assert chat(prefill, False, continue_final=True) == ChatPrompt(head + "<think>\nLet me", True)
+    closed = [*mention, {"role": "assistant", "content": "<think>a</think>b"}]
+    assert chat(closed, False, continue_final=True).thinking is False
+    # A template that writes no <think> itself still gets the prefix after a user's <think>.
+    plain = (
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+
+    def bare(turns, agp, cfm):
+        return tok.apply_chat_template(turns, agp, tokenize=False, chat_template=plain)
+
+    assert chat(mention, kwargs={"enable_thinking": True}, render=bare) == ChatPrompt(
+        "[What does <think> do?]><think>\n", True
+    )
+
+    # A template that refuses the conversation without its generation prompt: the whole
+    # prompt counts, as a raw prompt's does.
+    def refusing(turns, agp, cfm):
+        if not agp:
+            raise ValueError("needs a generation prompt")
+        return bare(turns, agp, cfm)
+
+    assert chat(mention, render=refusing) == ChatPrompt("[What does <think> do?]>", True)
+
+
+def test_llm_chat_bounds_only_a_span_its_generation_prompt_opens(tiny):
+    from rltserve import LLM
+
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        end = llm.tokenizer.get_vocab()["</think>"]
+        free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        bounded = free.replace(max_thinking_tokens=2)
+
+        def answer(messages, params, **kwargs):
+            (out,) = llm.chat(messages, params, use_tqdm=False, **kwargs)
+            return out.outputs[0].token_ids
+
+        mention = [{"role": "user", "content": "What does the <think> tag do?"}]
+        system = [{"role": "system", "content": "Never output <think> tags."}, mention[0]]
+        for conversation in (mention, system):
+            plain = answer(conversation, free)
+            assert answer(conversation, bounded) == plain and end not in plain
+        # Asked to think, or continuing an answer that opened <think>: the budget forces it.
+        think = {"chat_template_kwargs": {"enable_thinking": True}}
+        prefill = [mention[0], {"role": "assistant", "content": "<think>\nLet me"}]
+        cont = {"add_generation_prompt": False, "continue_final_message": True}
+        for conversation, kwargs in ((mention, think), (prefill, cont)):
+            assert answer(conversation, free, **kwargs)[2] != end
+            assert answer(conversation, bounded, **kwargs)[2] == end
+
+
+def test_a_budget_on_a_model_without_thinking_tags_is_a_no_op(tmp_path):
+    # Huginn's tokenizer has neither <think> nor </think>: no prompt can open a span, so one
+    # SamplingParams serves it too. Named end ids stand (the caller's own tags).
+    from rltserve import LLM
+    from rltserve.models.presets import make_model
+
+    huginn = make_model("huginn-tiny", tmp_path / "huginn")
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, seed=1)
+    bounded = free.replace(max_thinking_tokens=2, thinking_interruption="so")
+    with LLM(str(huginn), in_process=True, num_blocks=64) as llm:
+        vocab = llm.tokenizer.get_vocab()
+        assert "<think>" not in vocab and "</think>" not in vocab
+        prompt = [[5, 6, 7]]
+        plain = llm.generate(prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate(prompt, bounded, use_tqdm=False)[0].outputs[0].token_ids == plain
+        conv = [{"role": "user", "content": "hi"}]
+        (chat,) = llm.chat(conv, free, use_tqdm=False)
+        assert llm.chat(conv, bounded, use_tqdm=False)[0].outputs[0].token_ids == (
+            chat.outputs[0].token_ids
+        )
+        named = llm.generate(prompt, bounded.replace(thinking_end_token_ids=(9,)), use_tqdm=False)
+        forced = [*llm.tokenizer.encode("so", add_special_tokens=False), 9]
+        assert named[0].outputs[0].token_ids[2 : 2 + len(forced)] == forced
+
+
+def test_resolve_thinking_needs_end_ids_only_where_a_span_can_open():
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+        def encode(self, text, add_special_tokens=True):
+            return [7]
+
+    p = SamplingParams(temperature=0.0, max_thinking_tokens=2, thinking_interruption="so")
+    assert resolve_thinking(p, Tok({})).max_thinking_tokens is None  # no tags: no span
+    with pytest.raises(ValueError, match=r"^thinking_end_token_ids: required \(the tokenizer"):
+        resolve_thinking(p, Tok({"<think>": 3}))  # a span can open; its end is unknown
+    named = resolve_thinking(p.replace(thinking_end_token_ids=(9,)), Tok({}))
+    assert (named.max_thinking_tokens, named.thinking_end_token_ids) == (2, (9,))

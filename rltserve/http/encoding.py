@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from rltserve.http.errors import bad_request
 from rltserve.models.tokenizer import Tokenizer
+from rltserve.thinking import ChatPrompt, chat_prompt
 
 INLINE_SIZE = 4096  # characters (or token ids) handled on the event loop itself
 _T = TypeVar("_T")
@@ -166,21 +167,32 @@ class TextCodec:
         add_generation_prompt: bool,
         template_kwargs: dict,
         continue_final_message: bool = False,
-    ) -> str:
-        """The chat template rendered to text (on the pool for long conversations)."""
+    ) -> ChatPrompt:
+        """The chat template rendered as the engine takes it, its thinking span judged
+        (``thinking.chat_prompt``; on the pool for long conversations)."""
         size = sum(len(str(m.get("content") or "")) for m in messages)
-        text = await self.run(
-            size,
-            lambda: self.tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt,
+
+        def render(turns, generation_prompt: bool, continue_final: bool) -> str:
+            text = self.tokenizer.apply_chat_template(
+                turns,
+                generation_prompt,
                 tokenize=False,
-                continue_final_message=continue_final_message,
+                continue_final_message=continue_final,
                 **template_kwargs,
-            ),
+            )
+            assert isinstance(text, str)
+            return text
+
+        return await self.run(
+            size,
+            chat_prompt,
+            render,
+            messages,
+            add_generation_prompt,
+            continue_final_message,
+            template_kwargs,
+            self.tokenizer,
         )
-        assert isinstance(text, str)
-        return text
 
     async def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return await self.run(len(ids), self.tokenizer.decode, ids, skip_special_tokens)

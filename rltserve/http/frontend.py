@@ -30,7 +30,7 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
 from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
-from rltserve.thinking import bound_thinking, chat_prompt_text, resolve_thinking
+from rltserve.thinking import ChatPrompt, bound_thinking, ids_open_thinking, resolve_thinking
 from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
 
 
@@ -83,6 +83,10 @@ class PromptInput:
 
     token_ids: list[int]
     text: str | None = None
+    # Whether the prompt leaves a thinking span open, where a chat rendering decided it
+    # (``thinking.ChatPrompt``: a <think> in a message's words opens none). None: judged from
+    # ``token_ids``, as a raw prompt is (its caller wrote every tag in it).
+    thinking: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -196,15 +200,15 @@ class Frontend:
         add_special_tokens: bool = False,
     ) -> PromptInput:
         """``keep``: ``truncate_prompt_tokens``."""
-        ids = await self.render_chat(
-            messages,
-            add_generation_prompt,
-            template_kwargs,
-            check_length=keep is None,
-            continue_final_message=continue_final_message,
-            add_special_tokens=add_special_tokens,
+        chat = await self._render_chat(
+            messages, add_generation_prompt, template_kwargs, continue_final_message
         )
-        return PromptInput(self.check_prompt(self.truncated(ids, keep), "messages"))
+        ids = await self._encode_chat(chat.text, keep is None, add_special_tokens)
+        kept = self.truncated(ids, keep)
+        thinking = chat.thinking
+        if thinking and kept is not ids:  # (the cut may have taken the span's <think> too)
+            thinking = ids_open_thinking(kept, self.tokenizer)
+        return PromptInput(self.check_prompt(kept, "messages"), thinking=thinking)
 
     async def render_chat(
         self,
@@ -219,9 +223,21 @@ class Frontend:
         context is a 400 before it is encoded. ``continue_final_message``: the last message
         left open (``Tokenizer.apply_chat_template``); ``add_special_tokens``: the tokenizer's
         special tokens on top of the template's."""
+        chat = await self._render_chat(
+            messages, add_generation_prompt, template_kwargs, continue_final_message
+        )
+        return await self._encode_chat(chat.text, check_length, add_special_tokens)
+
+    async def _render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict | None,
+        continue_final_message: bool,
+    ) -> ChatPrompt:
         codec = self.require_codec("messages")
         try:
-            text = await codec.chat(
+            return await codec.chat(
                 messages, add_generation_prompt, template_kwargs or {}, continue_final_message
             )
         except TokenizerError as exc:
@@ -230,7 +246,11 @@ class Frontend:
             raise bad_request(
                 f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages"
             ) from exc
-        text = chat_prompt_text(text, add_generation_prompt, template_kwargs or {}, codec.tokenizer)
+
+    async def _encode_chat(
+        self, text: str, check_length: bool, add_special_tokens: bool
+    ) -> list[int]:
+        codec = self.require_codec("messages")
         if check_length:
             return await codec.encode(text, "messages", add_special_tokens)
         return await codec.encode_any(text, add_special_tokens)
@@ -253,9 +273,12 @@ class Frontend:
         if message := outside_vocab(param, ids, self.info.vocab_size):
             raise bad_request(message, param)
 
-    def check_params(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
+    def check_params(
+        self, params: SamplingParams, prompt_ids: list[int], thinking: bool | None = None
+    ) -> SamplingParams:
         """``params`` checked against the model, as ``prompt_ids`` run with them (bounded
-        thinking in token ids, and only where the prompt leaves a thinking span open)."""
+        thinking in token ids, and only where the prompt leaves a thinking span open;
+        ``thinking``: ``PromptInput.thinking``)."""
         cap = self.info.max_loops
         if params.max_loops is not None and params.max_loops > cap:
             raise bad_request(
@@ -268,7 +291,7 @@ class Frontend:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
         for name, ids in params.vocab_token_ids():  # (the engine's own check)
             self._check_vocab(ids, name)
-        params = bound_thinking(params, prompt_ids, self.tokenizer)
+        params = bound_thinking(params, prompt_ids, self.tokenizer, thinking)
         try:
             check_thinking(params)  # (a 400 before a stream starts; the engine checks again)
         except ValueError as exc:

@@ -27,7 +27,7 @@ from rltserve.http.schemas import (
 )
 from rltserve.http.state import ServingState
 from rltserve.http.validation import param_of
-from rltserve.thinking import ids_open_thinking, reasoning_kept_ids
+from rltserve.thinking import reasoning_kept_ids
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _choices(
                 req, max_tokens=limit, logprobs=logprobs, sample_index=j, defaults=defaults
             )
             try:
-                checked = frontend.check_params(params, prompt.token_ids)
+                checked = frontend.check_params(params, prompt.token_ids, prompt.thinking)
             except HTTPError as exc:
                 if (message := as_sent(req, exc.message, defaults)) == exc.message:
                     raise
@@ -202,7 +202,7 @@ async def chat_plan(
         session,
         state.sampling_defaults,
     )
-    reasoning = ids_open_thinking(prompt.token_ids, frontend.tokenizer)
+    reasoning = bool(prompt.thinking)  # (the split follows what bounds the budget)
     if reasoning and (kept := reasoning_kept_ids(frontend.tokenizer)):
         choices = [dataclasses.replace(c, kept_special_ids=kept) for c in choices]
     return GenerationPlan(
