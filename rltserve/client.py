@@ -3,6 +3,9 @@
 Responses are the server's JSON objects as dicts; error responses raise typed ``APIError``s.
 Streams are async iterators of chunk dicts; leaving a stream early (``break``, an exception, or
 closing its ``async with``) closes the connection, which makes the server abort the request.
+Failed calls are retried as the OpenAI SDK retries them (``max_retries``). A client may serve
+one ``asyncio.run()`` after another (a module-level client in a script or notebook): each new
+event loop gets a fresh connection pool.
 
 Embedding it in an aiohttp app (one client per app, closed with the app)::
 
@@ -38,16 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import numbers
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
+from rltserve import client_retry
 from rltserve.client_errors import (
     APIConnectionError,
     APIError,
@@ -65,8 +71,10 @@ from rltserve.client_errors import (
     UnprocessableEntityError,
     UnsupportedMediaTypeError,
     error_from,
-    status_of,
+    retry_after_of,
 )
+from rltserve.client_retry import DEFAULT_MAX_RETRIES
+from rltserve.client_sse import MAX_EVENT_BYTES, SSEDecoder, iter_sse
 
 __all__ = [
     "APIConnectionError",
@@ -90,109 +98,8 @@ __all__ = [
 ]
 
 
-MAX_EVENT_BYTES = 16 * 2**20  # an SSE event (or line) larger than this is a broken stream
-_BOM = b"\xef\xbb\xbf"
-
-
-class SSEDecoder:
-    """Incremental server-sent-events parser: bytes in, the ``data`` of each complete event out.
-
-    Lines end in ``\r\n``, ``\n`` or ``\r`` (all three are valid SSE; sse-starlette frames
-    with ``\r\n``). A ``\r`` at the end of a chunk may be the first half of a ``\r\n`` split
-    across reads, so it is held until the next byte arrives. Comments, ``event:``, ``id:`` and
-    ``retry:`` lines are skipped; several ``data:`` lines join with ``\n``. The bytes held for
-    one event (its data plus its unfinished line) never exceed ``max_event_bytes``.
-    """
-
-    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
-        self.max_event_bytes = max_event_bytes
-        self._line = bytearray()  # the unfinished line
-        self._data: list[bytes] = []  # data lines of the unfinished event
-        self._size = 0  # bytes in _data
-        self._pending_cr = False  # the last byte seen was a \r ending a line
-        self._head = b""  # the stream's first bytes while they may be a byte order mark
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads of the events that ``chunk`` completes (possibly none)."""
-        events: list[bytes] = []
-        if self._head is not None:  # (a UTF-8 byte order mark opening the stream is dropped)
-            chunk = self._head + chunk
-            if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
-                self._head = chunk
-                return events
-            self._head = None
-            chunk = chunk.removeprefix(_BOM)
-        if not chunk:
-            return events
-        start = 0
-        if self._pending_cr and chunk[:1] == b"\n":
-            start = 1  # the \n of a \r\n split across chunks
-        self._pending_cr = False
-        end = len(chunk)
-        while start < end:
-            cr, lf = chunk.find(b"\r", start), chunk.find(b"\n", start)
-            stops = [i for i in (cr, lf) if i >= 0]
-            if not stops:
-                self._extend(chunk[start:])
-                break
-            stop = min(stops)
-            self._extend(chunk[start:stop])
-            self._end_line(events)
-            if chunk[stop : stop + 1] == b"\r":
-                if stop + 1 == end:
-                    self._pending_cr = True
-                elif chunk[stop + 1 : stop + 2] == b"\n":
-                    stop += 1
-            start = stop + 1
-        return events
-
-    def _extend(self, part: bytes) -> None:
-        self._line += part
-        if self._size + len(self._line) > self.max_event_bytes:
-            raise APIConnectionError(
-                None, f"an SSE event exceeds {self.max_event_bytes} bytes; is this an SSE stream?"
-            )
-
-    def _end_line(self, events: list[bytes]) -> None:
-        line = bytes(self._line)
-        self._line.clear()
-        if not line:  # a blank line dispatches the event
-            if self._data:
-                events.append(b"\n".join(self._data))
-            self._data, self._size = [], 0
-            return
-        name, colon, value = line.partition(b":")
-        if name == b"data":
-            value = value[1:] if value.startswith(b" ") else value
-            self._data.append(value if colon else b"")
-            self._size += len(value) + 1
-
-
-async def iter_sse(
-    response: aiohttp.ClientResponse, max_event_bytes: int = MAX_EVENT_BYTES
-) -> AsyncIterator[dict]:
-    """The JSON events of an SSE body, up to ``[DONE]``; an error event raises APIError."""
-    decoder = SSEDecoder(max_event_bytes)
-    async for data in response.content.iter_any():
-        for payload in decoder.feed(data):
-            if not payload:
-                continue  # an empty data line: nothing to parse
-            if payload == b"[DONE]":
-                return
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError as exc:
-                raise APIConnectionError(None, f"the stream sent invalid JSON: {exc}") from exc
-            if isinstance(obj, dict) and "choices" not in obj:
-                if "error" in obj:
-                    error = obj["error"]
-                    raise error_from(
-                        status_of(error.get("code") if isinstance(error, dict) else 0), obj
-                    )
-                if obj.get("object") == "error":  # (vLLM's top-level ErrorResponse)
-                    raise error_from(status_of(obj.get("code")), {"error": obj})
-            yield obj
-    raise APIConnectionError(None, "the stream ended without [DONE]")
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class ChunkStream:
@@ -205,9 +112,12 @@ class ChunkStream:
         self._body = body
         self._response: aiohttp.ClientResponse | None = None
         self._events: AsyncIterator[dict] | None = None
+        self._closed = False
 
     async def __aenter__(self) -> ChunkStream:
-        self._response = await self._client._post(self._path, self._body)
+        # Retried only while opening: once a chunk is out, the caller has seen tokens.
+        client = self._client
+        self._response = await client._with_retries(lambda: client._post(self._path, self._body))
         self._events = iter_sse(self._response, self._client.max_event_bytes)
         self._client._streams.add(self)
         return self
@@ -216,6 +126,7 @@ class ChunkStream:
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         self._client._streams.discard(self)
         if self._response is not None:
             self._response.close()  # drops the connection: the server aborts the request
@@ -235,11 +146,29 @@ class ChunkStream:
             raise APITimeoutError(
                 None, f"stream stalled: nothing for {self._client.timeout} s"
             ) from exc
-        except aiohttp.ClientError as exc:
-            raise APIConnectionError(None, f"stream broke: {exc}") from exc
+        except (aiohttp.ClientError, APIConnectionError) as exc:
+            if self._client._closed or self._closed:  # (the break is this side's doing)
+                closer = "client" if self._client._closed else "stream"
+                raise APIConnectionError(None, f"the {closer} was closed while reading") from exc
+            if isinstance(exc, APIConnectionError):
+                raise
+            raise APIConnectionError(None, f"stream broke: {_broken(exc, 'mid-stream')}") from exc
         finally:
             if owned:
                 await self.close()
+
+
+def _broken(exc: aiohttp.ClientError, where: str) -> str:
+    """A broken connection in words. aiohttp tells a body cut short as its parser's error, whose
+    text opens with "400" (the status aiohttp's server would answer): no status the server
+    sent, so the parser's message is kept without it."""
+    cause = exc.__cause__
+    if not (isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError)):
+        return str(exc)
+    detail = f"{type(cause).__name__}: {cause.message}"
+    if str(exc).startswith("Response payload is not completed"):  # (the connection ended)
+        return f"the server closed the connection {where} ({detail})"
+    return f"the response body is malformed ({detail})"
 
 
 def server_root(url: str) -> str:
@@ -249,15 +178,29 @@ def server_root(url: str) -> str:
 
 
 class AsyncClient:
-    """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (no ``/v1``).
-    Extra keyword arguments of the request methods go into the JSON body as they are (None
-    values are left out; a NaN or infinite number is a ValueError). ``timeout`` is the longest
-    wait for the server to connect or to send anything (None: no limit; it applies to a
-    ``session`` passed in too); ``max_connections=0`` means unlimited (it sizes the client's
-    own session only); a streamed event larger than ``max_event_bytes`` ends the stream with
-    ``APIConnectionError``. Closing the client closes its open streams (their readers get
-    ``APIConnectionError``); a closed client takes no more requests (RuntimeError, as the
-    OpenAI SDK's client refuses them)."""
+    """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000``; one ending in
+    ``/v1``, as the OpenAI SDK takes it, names the same server. Extra keyword arguments of the
+    request methods go into the JSON body as they are (None values are left out; a NaN or
+    infinite number is a ValueError). ``timeout`` is the longest wait for the server to
+    connect or to send anything (None: no limit; it applies to a ``session`` passed in too);
+    ``max_connections=0`` means unlimited (it sizes the client's own session only); a streamed
+    event larger than ``max_event_bytes`` ends the stream with ``APIConnectionError``. Closing
+    the client closes its open streams (their readers get ``APIConnectionError``); a closed
+    client takes no more requests (RuntimeError, as the OpenAI SDK's client refuses them).
+
+    A call that fails is retried up to ``max_retries`` times (0: never), by the OpenAI SDK's
+    rules: connection failures and timeouts, 408, 409, 429 and 5xx (the server's 503s while
+    loading, at capacity, restarting or shutting down), after the server's ``Retry-After`` (or
+    ``retry-after-ms``) when it asks for more than 0 and at most 120 s, else after 0.5 s
+    doubling up to 8 s, less up to 25 % jitter; a longer Retry-After is not retried. Any other
+    error is raised at once. A stream is retried only while it opens, never once a chunk has
+    been yielded. ``timeout`` bounds each attempt, as the SDK's does, not the whole call (bound
+    that with ``asyncio.timeout``). ``health`` and ``wait_ready`` (probes) are not retried.
+
+    Each event loop gets the client's own session afresh: a client used under one
+    ``asyncio.run()`` after another works (one loop at a time; a loop still running in another
+    thread is refused with RuntimeError). A client never closed lets go of its connections
+    quietly when garbage-collected; ``close()`` or ``async with`` closes it cleanly."""
 
     def __init__(
         self,
@@ -268,6 +211,7 @@ class AsyncClient:
         max_connections: int = 100,
         session: aiohttp.ClientSession | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        max_retries: int = DEFAULT_MAX_RETRIES,
     ) -> None:
         if timeout is not None and (
             not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or not timeout > 0
@@ -275,7 +219,10 @@ class AsyncClient:
             raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds or None")
         if not isinstance(max_connections, int) or max_connections < 0:
             raise ValueError(f"max_connections={max_connections!r}: must be an int >= 0")
-        self.base_url = base_url.rstrip("/")
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r}: must be an int >= 0 (0: no retries)")
+        self.base_url = server_root(base_url)
+        self.max_retries = max_retries
         self.max_event_bytes = max_event_bytes
         self.timeout = timeout
         self._streams: weakref.WeakSet[ChunkStream] = weakref.WeakSet()
@@ -285,6 +232,7 @@ class AsyncClient:
         # An idle-read limit, not a total: a long stream is fine while tokens keep coming.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._max_connections = max_connections
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one the own session runs on
         self._closed = False
 
     async def __aenter__(self) -> AsyncClient:
@@ -295,19 +243,54 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._owns_session and self._loop is not asyncio.get_running_loop():
+            self._release_session()  # (made on a loop that has ended: nothing to await here)
+            return
         for stream in list(self._streams):  # (a reader would otherwise wait forever)
             await stream.close()
         if self._owns_session and self._session is not None:
             await self._session.close()
             self._session = None
 
+    def __del__(self) -> None:
+        # Never closed: let go of the session quietly, as the OpenAI SDK's client does, rather
+        # than leave aiohttp to warn "Unclosed client session" at collection or exit.
+        if getattr(self, "_owns_session", False) and self._session is not None:
+            try:  # noqa: SIM105 - (at exit, the modules it uses may be gone)
+                self._release_session()
+            except Exception:
+                pass
+
+    def _release_session(self) -> None:
+        """Closes the own session without awaiting (its loop may have ended or not be running).
+        aiohttp has no public synchronous close; the connector's ``_close`` is what its own
+        ``__del__`` calls: it closes the pooled connections (on a loop that is closed, it
+        marks them closed) and leaves the session closed, so nothing warns later."""
+        session, self._session, self._loop = self._session, None, None
+        self._streams.clear()  # (their connections close with the connector)
+        connector = session.connector if session is not None else None
+        if connector is not None and not connector.closed:
+            with contextlib.suppress(RuntimeError):  # (a callback on a closed loop: moot)
+                connector._close()
+
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._closed:  # (a fresh session here would never be closed)
             raise RuntimeError("AsyncClient: closed; make a new client to send more requests")
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        if self._owns_session:
+            loop = asyncio.get_running_loop()
+            if self._session is not None and self._loop is not loop:
+                if self._loop is not None and self._loop.is_running():
+                    raise RuntimeError(
+                        "AsyncClient: in use on an event loop running in another thread; "
+                        "make one client per thread"
+                    )
+                self._release_session()  # (an earlier asyncio.run(): its loop has ended)
+            if self._session is None:
+                connector = aiohttp.TCPConnector(limit=self._max_connections)
+                self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+                self._loop = loop
+        assert self._session is not None
         return self._session
 
     # ------------------------------------------------------------------ transport
@@ -331,6 +314,8 @@ class AsyncClient:
         except asyncio.TimeoutError as exc:
             raise APITimeoutError(None, f"{self.base_url}: no answer in {self.timeout} s") from exc
         except aiohttp.ClientError as exc:
+            if self._closed:  # (close() dropped the connection: not the server's doing)
+                raise APIConnectionError(None, "the client was closed during the call") from exc
             raise APIConnectionError(None, f"cannot reach {self.base_url}: {exc}") from exc
         if response.status >= 400:
             raw = await self._read(response)
@@ -338,7 +323,7 @@ class AsyncClient:
                 parsed: object = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 parsed = raw.decode(errors="replace")
-            raise error_from(response.status, parsed, response.headers.get("Retry-After"))
+            raise error_from(response.status, parsed, retry_after_of(response.headers))
         return response
 
     async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
@@ -351,10 +336,48 @@ class AsyncClient:
         except asyncio.TimeoutError as exc:
             raise APITimeoutError(None, f"the response stalled for {self.timeout} s") from exc
         except aiohttp.ClientError as exc:
-            raise APIConnectionError(None, f"the response broke off: {exc}") from exc
+            if self._closed:
+                raise APIConnectionError(None, "the client was closed during the call") from exc
+            raise APIConnectionError(
+                None, f"the response broke off: {_broken(exc, 'mid-response')}"
+            ) from exc
+
+    async def _with_retries(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """``attempt()``, again after each failure ``client_retry.retryable`` allows, ``max_retries`` at
+        most."""
+        retries_taken = 0
+        while True:
+            try:
+                return await attempt()
+            except APIError as error:
+                if (
+                    retries_taken >= self.max_retries
+                    or self._closed
+                    or not client_retry.retryable(error)
+                ):
+                    raise
+                delay = client_retry.retry_delay(error, retries_taken)
+                _log.info(
+                    "retrying in %.2f s (retry %d of %d): %s",
+                    delay, retries_taken + 1, self.max_retries, error,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                if self._closed:
+                    raise APIConnectionError(
+                        None, "the client was closed during the call"
+                    ) from error
+            retries_taken += 1
+
+    async def _fetch(self, method: str, path: str, body: dict | None = None) -> bytes:
+        """One whole response body, retried as a unit (a body that breaks off is too)."""
+
+        async def attempt() -> bytes:
+            return await self._read(await self._request(method, path, body))
+
+        return await self._with_retries(attempt)
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        raw = await self._read(await self._request(method, path, body))
+        raw = await self._fetch(method, path, body)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -422,7 +445,7 @@ class AsyncClient:
         return (await self._json("GET", "/version"))["version"]
 
     async def metrics(self) -> str:
-        return (await self._read(await self._request("GET", "/metrics"))).decode()
+        return (await self._fetch("GET", "/metrics")).decode()
 
 
 def _check_stream(params: dict, streams: bool, method: str, other: str) -> None:

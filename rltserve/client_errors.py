@@ -3,6 +3,9 @@ names them, each carrying the server's ``message``, ``type``, ``param`` and ``Re
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 
 class APIError(Exception):
     """An error response (or an error event inside a stream)."""
@@ -104,7 +107,21 @@ _ERRORS: dict[int, type[APIError]] = {
 }
 
 
-def error_from(status: int, body: object, retry_after: str | None = None) -> APIError:
+def retry_after_of(headers: Mapping[str, str]) -> float | None:
+    """The wait in seconds a response asks for before another try: ``retry-after-ms`` first,
+    then ``Retry-After`` (seconds, fractions allowed), as the OpenAI SDK reads them; None
+    without either (an HTTP-date Retry-After counts as none)."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            seconds = float(headers[name]) / scale
+        except (KeyError, ValueError):
+            continue
+        if not math.isnan(seconds):
+            return seconds
+    return None
+
+
+def error_from(status: int, body: object, retry_after: str | float | None = None) -> APIError:
     """The typed error for an error response body (OpenAI or llama.cpp shape)."""
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):

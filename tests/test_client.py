@@ -98,7 +98,7 @@ async def test_typed_errors(ckpt):
                 await client.models()
             assert err.value.message == "Invalid API Key"
             assert await client.health()  # open without a key
-    async with AsyncClient("http://127.0.0.1:9", timeout=2) as client:
+    async with AsyncClient("http://127.0.0.1:9", timeout=2, max_retries=0) as client:
         assert not await client.health()
         with pytest.raises(APIConnectionError):
             await client.models()
@@ -109,7 +109,7 @@ async def test_overload_and_stream_errors(ckpt):
     stage = stage_for(ckpt, hold=hold, interval_s=0.01)  # a stream outlives the kill
     factory = scripted_factory(stage)
     async with running(ckpt, client_factory=factory, max_concurrent=1, max_queued=0) as live:
-        client = AsyncClient(live.url)
+        client = AsyncClient(live.url, max_retries=0)  # (the 503 itself is under test)
         async with client:
             # Stream headers go out with the first event, so the held request waits in a task.
             blocker = asyncio.create_task(client.complete([5], max_tokens=2))
@@ -185,7 +185,7 @@ async def misbehaving_server():
 
 
 async def test_client_error_paths_end_clearly():
-    async with misbehaving_server() as url, AsyncClient(url, timeout=10) as client:
+    async with misbehaving_server() as url, AsyncClient(url, timeout=10, max_retries=0) as client:
         with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
             await asyncio.wait_for(client.wait_ready(timeout=0.3, interval=0.05), 10)
         with pytest.raises(InternalServerError) as err:
@@ -224,7 +224,7 @@ async def test_closing_the_client_ends_its_open_streams(ckpt):
         reader = asyncio.create_task(read())
         await asyncio.wait_for(started.wait(), 10)
         await client.close()  # (another task still reads: it must not wait forever)
-        with pytest.raises(APIConnectionError):
+        with pytest.raises(APIConnectionError, match="^the client was closed while reading$"):
             await asyncio.wait_for(reader, 10)
         await wait_for(lambda: stage.aborted == stage.added)
 
@@ -287,7 +287,7 @@ async def _chunks(client, prompt):
 
 
 async def test_client_edges_as_other_servers_and_callers_make_them():
-    async with odd_server() as url, AsyncClient(url, timeout=5) as client:
+    async with odd_server() as url, AsyncClient(url, timeout=5, max_retries=0) as client:
         assert await client.health()  # 200 without a body
         await asyncio.wait_for(client.wait_ready(timeout=1), 5)
         with pytest.raises(InternalServerError) as err:
@@ -311,11 +311,11 @@ async def test_client_edges_as_other_servers_and_callers_make_them():
             client.stream("x", stream=False)
     async with odd_server() as url:  # (/v1/models never answers)
         with pytest.raises(APITimeoutError):
-            async with AsyncClient(url, timeout=0.3) as quick:
+            async with AsyncClient(url, timeout=0.3, max_retries=0) as quick:
                 await quick.models()
         async with aiohttp.ClientSession() as session:  # (the timeout applies to it too)
             with pytest.raises(APITimeoutError):
-                await AsyncClient(url, timeout=0.3, session=session).models()
+                await AsyncClient(url, timeout=0.3, session=session, max_retries=0).models()
     for bad in ({"timeout": 0}, {"timeout": "5"}, {"max_connections": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AsyncClient("http://127.0.0.1:1", **bad)
@@ -423,7 +423,7 @@ async def test_client_sends_json_as_other_servers_need_it_and_maps_statuses():
             "authorization": None,  # no key: no header
             "path": "/v1/completions",
         }
-        async with AsyncClient(url, api_key="k") as client:
+        async with AsyncClient(url, api_key="k", max_retries=0) as client:
             assert (await client.complete([5]))["authorization"] == "Bearer k"
             for status, cls in (
                 (401, AuthenticationError),

@@ -10,7 +10,8 @@ import contextlib
 import pytest
 from aiohttp import web
 
-from rltserve.client import APIConnectionError, AsyncClient, BadRequestError, SSEDecoder
+from rltserve.client import APIConnectionError, AsyncClient, BadRequestError
+from rltserve.client_sse import SSEDecoder
 
 CHUNKS = [{"id": "c", "choices": [{"index": 0, "text": t}]} for t in ("Hel", "lo", " \u00e9")]
 

@@ -156,7 +156,9 @@ async def _wait_for_server(client: AsyncClient, config: BenchConfig) -> None:
 
 
 async def run_bench(config: BenchConfig) -> dict:
-    async with AsyncClient(config.url, config.api_key, timeout=None, max_connections=0) as client:
+    # No retries: a benchmark counts failures, and a retried stream would skew its TTFT.
+    client = AsyncClient(config.url, config.api_key, timeout=None, max_connections=0, max_retries=0)
+    async with client:
         await _wait_for_server(client, config)
         cards = await client.models()
         vocab = int(cards[0].get("vocab_size") or _FALLBACK_VOCAB) if cards else _FALLBACK_VOCAB

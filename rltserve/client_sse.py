@@ -1,0 +1,116 @@
+"""Server-sent events as ``AsyncClient`` reads them: an incremental decoder (bytes in, the
+``data`` of each complete event out) and the JSON chunks of a streamed response up to
+``[DONE]``, an error event raising its ``APIError``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+
+from rltserve.client_errors import APIConnectionError, error_from, status_of
+
+MAX_EVENT_BYTES = 16 * 2**20  # an SSE event (or line) larger than this is a broken stream
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEDecoder:
+    """Incremental server-sent-events parser: bytes in, the ``data`` of each complete event out.
+
+    Lines end in ``\r\n``, ``\n`` or ``\r`` (all three are valid SSE; sse-starlette frames
+    with ``\r\n``). A ``\r`` at the end of a chunk may be the first half of a ``\r\n`` split
+    across reads, so it is held until the next byte arrives. Comments, ``event:``, ``id:`` and
+    ``retry:`` lines are skipped; several ``data:`` lines join with ``\n``. The bytes held for
+    one event (its data plus its unfinished line) never exceed ``max_event_bytes``.
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._line = bytearray()  # the unfinished line
+        self._data: list[bytes] = []  # data lines of the unfinished event
+        self._size = 0  # bytes in _data
+        self._pending_cr = False  # the last byte seen was a \r ending a line
+        self._head = b""  # the stream's first bytes while they may be a byte order mark
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events that ``chunk`` completes (possibly none)."""
+        events: list[bytes] = []
+        if self._head is not None:  # (a UTF-8 byte order mark opening the stream is dropped)
+            chunk = self._head + chunk
+            if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+                self._head = chunk
+                return events
+            self._head = None
+            chunk = chunk.removeprefix(_BOM)
+        if not chunk:
+            return events
+        start = 0
+        if self._pending_cr and chunk[:1] == b"\n":
+            start = 1  # the \n of a \r\n split across chunks
+        self._pending_cr = False
+        end = len(chunk)
+        while start < end:
+            cr, lf = chunk.find(b"\r", start), chunk.find(b"\n", start)
+            stops = [i for i in (cr, lf) if i >= 0]
+            if not stops:
+                self._extend(chunk[start:])
+                break
+            stop = min(stops)
+            self._extend(chunk[start:stop])
+            self._end_line(events)
+            if chunk[stop : stop + 1] == b"\r":
+                if stop + 1 == end:
+                    self._pending_cr = True
+                elif chunk[stop + 1 : stop + 2] == b"\n":
+                    stop += 1
+            start = stop + 1
+        return events
+
+    def _extend(self, part: bytes) -> None:
+        self._line += part
+        if self._size + len(self._line) > self.max_event_bytes:
+            raise APIConnectionError(
+                None, f"an SSE event exceeds {self.max_event_bytes} bytes; is this an SSE stream?"
+            )
+
+    def _end_line(self, events: list[bytes]) -> None:
+        line = bytes(self._line)
+        self._line.clear()
+        if not line:  # a blank line dispatches the event
+            if self._data:
+                events.append(b"\n".join(self._data))
+            self._data, self._size = [], 0
+            return
+        name, colon, value = line.partition(b":")
+        if name == b"data":
+            value = value[1:] if value.startswith(b" ") else value
+            self._data.append(value if colon else b"")
+            self._size += len(value) + 1
+
+
+async def iter_sse(
+    response: aiohttp.ClientResponse, max_event_bytes: int = MAX_EVENT_BYTES
+) -> AsyncIterator[dict]:
+    """The JSON events of an SSE body, up to ``[DONE]``; an error event raises APIError."""
+    decoder = SSEDecoder(max_event_bytes)
+    async for data in response.content.iter_any():
+        for payload in decoder.feed(data):
+            if not payload:
+                continue  # an empty data line: nothing to parse
+            if payload == b"[DONE]":
+                return
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise APIConnectionError(None, f"the stream sent invalid JSON: {exc}") from exc
+            if isinstance(obj, dict) and "choices" not in obj:
+                if "error" in obj:
+                    error = obj["error"]
+                    raise error_from(
+                        status_of(error.get("code") if isinstance(error, dict) else 0), obj
+                    )
+                if obj.get("object") == "error":  # (vLLM's top-level ErrorResponse)
+                    raise error_from(status_of(obj.get("code")), {"error": obj})
+            yield obj
+    raise APIConnectionError(None, "the stream ended without [DONE]")
