@@ -2,7 +2,8 @@
 chat`` and ``vllm complete``, for trying a served model's chat template and stops by hand.
 
 ``chat`` keeps the conversation (and an optional system prompt) and streams each answer; the
-thinking span of an answer (``reasoning_content``) is shown dimmed on a terminal, between
+thinking span of an answer (``reasoning``, or ``reasoning_content`` from
+older servers) is shown dimmed on a terminal, between
 ``<think>`` and ``</think>`` elsewhere (a pipe keeps the two apart), and is not sent back in
 later turns. ``--enable-thinking`` asks a thinking model's template to think
 (``chat_template_kwargs``, as the request field; ``--chat-template-kwargs`` gives any).
@@ -155,7 +156,7 @@ async def _chat(args: argparse.Namespace, lines, out: TextIO) -> None:
             async for chunk in client.chat_stream(messages, **params):
                 for choice in chunk["choices"]:
                     delta = choice["delta"]
-                    if reasoning := delta.get("reasoning_content"):
+                    if reasoning := delta.get("reasoning") or delta.get("reasoning_content"):
                         out.write(reasoning if thinking else opening + reasoning)
                         thinking = True
                     if content := delta.get("content"):

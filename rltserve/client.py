@@ -343,8 +343,8 @@ class AsyncClient:
             ) from exc
 
     async def _with_retries(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
-        """``attempt()``, again after each failure ``client_retry.retryable`` allows, ``max_retries`` at
-        most."""
+        """``attempt()``, again after each failure ``client_retry.retryable`` allows,
+        ``max_retries`` at most."""
         retries_taken = 0
         while True:
             try:

@@ -611,6 +611,14 @@ def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(mo
     assert server.api_key == "flag"
 
 
+def test_serve_takes_default_template_variables_as_vllm_spells_the_flag():
+    flags = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": true}']
+    server, _ = serve_configs(_parser().parse_args(flags))
+    assert server.template_defaults == {"enable_thinking": True}
+    with pytest.raises(ValueError, match="^default_chat_template_kwargs: not JSON"):
+        serve_configs(_parser().parse_args(["serve", "--default-chat-template-kwargs", "x"]))
+
+
 def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
     """Anyone who reaches such a server may load weights or put it to sleep: say so once."""
     import rltserve.http.server

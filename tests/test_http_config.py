@@ -34,6 +34,16 @@ from rltserve.http.config import API_KEY_ENV, ServerConfig
         ({"body_timeout_s": 0.0}, r"body_timeout_s=0.0: must be a number > 0"),
         ({"stage_restart_backoff_s": -1}, r"stage_restart_backoff_s=-1: must be a number >= 0"),
         ({"expose_model_path": 1}, r"expose_model_path=1: must be a bool"),
+        ({"default_chat_template_kwargs": "{"}, r"default_chat_template_kwargs: not JSON \("),
+        (
+            {"default_chat_template_kwargs": "[1]"},
+            r"default_chat_template_kwargs='\[1\]': must be a JSON object$",
+        ),
+        (
+            {"default_chat_template_kwargs": '{"messages": []}'},
+            r"default_chat_template_kwargs: 'messages' is not a template variable "
+            r"\(requests set it\)$",
+        ),
     ],
 )
 def test_a_bad_setting_is_named_with_its_value(kwargs, prefix):
@@ -80,3 +90,10 @@ def test_the_api_key_comes_from_the_environment_only_when_none_is_given(monkeypa
     assert ServerConfig(api_key="flag").with_env().api_key == "flag"
     monkeypatch.setenv(API_KEY_ENV, "")  # (set but empty: no auth, not an empty key)
     assert ServerConfig().with_env().api_key is None
+
+
+def test_default_template_variables_are_a_json_object():
+    """``--default-chat-template-kwargs`` (vLLM's flag) is a JSON object; unset, none."""
+    config = ServerConfig(default_chat_template_kwargs='{"enable_thinking": true, "x": [1]}')
+    assert config.template_defaults == {"enable_thinking": True, "x": [1]}
+    assert ServerConfig().template_defaults == {}

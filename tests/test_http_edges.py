@@ -234,6 +234,77 @@ async def test_the_operators_chat_template_renders_any_role_and_earlier_reasonin
             assert stage.added_prompts == [want]
 
 
+async def test_template_variables_of_requests_and_the_operators_defaults(ckpt):
+    """``reasoning_effort`` and ``tools`` (with tool_choice "none") reach the template as
+    variables, over ``chat_template_kwargs``' keys of the same name; the operator's
+    ``--default-chat-template-kwargs`` lie under each request's (its keys win); an earlier
+    answer's ``reasoning`` (vLLM's name) reaches the template as ``reasoning_content`` does.
+    Chat and /tokenize render alike."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}]{% if m.reasoning %}({{ m.reasoning }}){% endif %}"
+        "{{ m.content }}|{% endfor %}{% for t in tools or [] %}tool:{{ t.function.name }}|"
+        "{% endfor %}effort={{ reasoning_effort }}|a={{ a }}|b={{ b }}"
+    )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "reasoning": "hmm"},
+        {"role": "user", "content": "more"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    tok = load_tokenizer(ckpt)
+    stage = stage_for(ckpt)
+    defaults = '{"a": "server", "b": "server", "reasoning_effort": "low"}'
+    async with running(
+        ckpt,
+        client_factory=scripted_factory(stage),
+        chat_template=template,
+        default_chat_template_kwargs=defaults,
+    ) as live:
+        for extra, want in [
+            ({}, "effort=low|a=server|b=server"),
+            ({"chat_template_kwargs": {"b": "req", "reasoning_effort": "medium"}},
+             "effort=medium|a=server|b=req"),
+            ({"chat_template_kwargs": {"reasoning_effort": "medium"}, "reasoning_effort": "high"},
+             "effort=high|a=server|b=server"),
+            ({"tools": tools, "tool_choice": "none"}, "tool:f|effort=low|a=server|b=server"),
+        ]:  # fmt: skip
+            ids = tok.encode("[user]hi|[assistant](hmm)yo|[user]more|" + want, False)
+            body = {"messages": messages, **extra}
+            status, _, raw = await live.post("/v1/chat/completions", body)
+            assert status == 200, raw
+            assert stage.added_prompts[-1] == ids, tok.decode(stage.added_prompts[-1])
+            if "reasoning_effort" not in extra:  # (/tokenize: vLLM's fields, no effort)
+                status, _, raw = await live.post("/tokenize", body)
+                assert status == 200 and orjson.loads(raw)["tokens"] == ids, raw
+
+
+async def test_tool_fields_are_refused_alike_on_chat_and_tokenize(ckpt):
+    """No tool calling: ``tools`` with tool_choice auto, required or absent, and the legacy
+    ``functions`` / ``function_call``, are a 400 naming the field on chat and /tokenize alike
+    (``functions`` was ignored, /tokenize took ``tools`` silently)."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    functions = [{"name": "f", "parameters": {}}]
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        for extra, param in [
+            ({"tools": tools}, "tools"),
+            ({"tools": tools, "tool_choice": "auto"}, "tools"),
+            ({"tools": tools, "tool_choice": "required"}, "tools"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"functions": functions}, "functions"),
+            ({"functions": functions, "function_call": "auto"}, "functions"),
+            ({"function_call": {"name": "f"}}, "function_call"),
+        ]:
+            for path in ("/v1/chat/completions", "/tokenize"):
+                status, _, raw = await live.post(path, {**CHAT, **extra})
+                assert (status, error_of(raw)["param"]) == (400, param), (path, extra, raw)
+        for extra in ({"tools": tools, "tool_choice": "none"}, {"function_call": "none"}):
+            for path in ("/v1/chat/completions", "/tokenize"):
+                status, _, raw = await live.post(path, {**CHAT, **extra, "max_tokens": 1})
+                assert status == 200, (path, raw)
+
+
 class RecordingUpdates(ScriptedStage):
     """A scripted stage that records each weight update's arguments."""
 

@@ -196,6 +196,36 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         assert error["message"].startswith("num_steps=10000: this model allows at most"), error
 
 
+async def test_thinking_fields_by_vllms_names_and_as_token_ids(ckpt):
+    """``thinking_token_budget`` (vLLM's) bounds thinking as ``max_thinking_tokens`` does, and
+    errors name it as sent; ``thinking_interruption`` may be token ids, checked against the
+    vocabulary. (The prompt ends with ``<think>``, id 3: a thinking span the budget bounds.)"""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5, 3], "max_tokens": 2, "thinking_token_budget": 1,
+                "thinking_interruption": [10, 11]}  # fmt: skip
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        params = stage.added_params[-1]
+        assert (params.max_thinking_tokens, params.thinking_interruption) == (1, (10, 11))
+        assert params.thinking_end_token_ids == (4,)  # (</think>)
+        vocab = scripted_info(ckpt).vocab_size
+        status, _, raw = await live.post(
+            "/v1/completions", {**body, "thinking_interruption": [10, vocab]}
+        )
+        assert status == 400 and error_of(raw) == {
+            "message": f"thinking_interruption: token id {vocab} is outside the vocabulary "
+            f"[0, {vocab})",
+            "type": "invalid_request_error",
+            "param": "thinking_interruption",
+            "code": 400,
+        }
+        status, _, raw = await live.post("/v1/completions", {**body, "repetition_penalty": 1.1})
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "thinking_token_budget"), error
+        assert error["message"].startswith("thinking_token_budget=1: does not combine with")
+
+
 async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
     async with running(ckpt, client_factory=factory(ckpt)) as live:
         status, _, raw = await live.post(

@@ -20,6 +20,7 @@ from test_http_harness import (
     Script,
     ScriptedStage,
     running,
+    scripted_factory,
     scripted_info,
     tiny_checkpoint,
 )
@@ -230,6 +231,37 @@ async def test_chat_and_its_stream_agree(client, tokenizer):
     )
     assert [c.index for c in two.choices] == [0, 1]
     assert two.usage.completion_tokens <= 6 and two.usage.prompt_tokens == prompt_tokens
+
+
+@module_loop
+async def test_a_thinking_answer_as_the_sdk_types_it(ckpt):
+    """An answer that opens its own thinking span (<think>, "H", </think>, "i"): the SDK reads
+    ``reasoning`` and ``usage.completion_tokens_details.reasoning_tokens``, and dumps the
+    response without a serialization warning (``metadata`` maps strings to strings)."""
+    import warnings
+
+    stage = ScriptedStage(scripted_info(ckpt), Script([3, 44, 4, 77, 2]))
+    async with (
+        running(ckpt, client_factory=scripted_factory(stage)) as live,
+        sdk(live.url) as client,
+    ):
+        done = await client.chat.completions.create(model="tiny", messages=CHAT)
+        stream = await client.chat.completions.create(
+            model="tiny", messages=CHAT, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+    message = done.choices[0].message
+    assert (message.content, message.reasoning, message.reasoning_content) == ("i", "H", "H")
+    assert done.usage.completion_tokens_details.reasoning_tokens == 3
+    assert done.metadata == {"weight_version": "0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        done.model_dump()
+        done.model_dump_json()
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "H"
+    assert "".join(d.content or "" for d in deltas) == "i"
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 3
 
 
 @module_loop

@@ -255,6 +255,119 @@ def test_tool_choice_auto_is_no_tool_call():
     )
 
 
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize("cls", [ChatCompletionRequest, TokenizeRequest])
+def test_tools_only_with_tool_choice_none_and_no_legacy_functions(cls):
+    """vLLM's: tools with tool_choice "none" go to the template (the model answers in text);
+    with any other tool_choice they ask for tool calls, which are refused, as OpenAI's legacy
+    ``functions`` and ``function_call`` are (they were ignored). /tokenize has chat's rules."""
+    req = parsed(cls, {**CHAT, "tools": TOOLS, "tool_choice": "none"})
+    assert req.template_kwargs == {"tools": TOOLS}
+    assert parsed(cls, {**CHAT, "tools": [], "chat_template_kwargs": {"k": 1}}).template_kwargs == {
+        "k": 1
+    }
+    refused = 'tools: not supported (this server has no tool calling); with tool_choice "none" '
+    refused += "they go to the chat template only"
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        assert schema_error(cls, {**CHAT, "tools": TOOLS, "tool_choice": choice}) == (
+            "tools",
+            refused,
+        )
+    functions = [{"name": "f", "parameters": {}}]
+    for body in ({"functions": functions}, {"functions": functions, "function_call": "none"}):
+        assert schema_error(cls, {**CHAT, **body}) == (
+            "functions",
+            "functions: not supported (no function calling)",
+        )
+    assert schema_error(cls, {**CHAT, "function_call": {"name": "f"}}) == (
+        "function_call",
+        "function_call: not supported (no function calling)",
+    )
+    for call in ("none", "auto"):
+        parsed(cls, {**CHAT, "function_call": call})
+
+
+def test_reasoning_effort_is_a_template_variable_of_openais_values():
+    """OpenAI's efforts (its SDK's and vLLM's list) reach the template as ``reasoning_effort``,
+    over the same key in ``chat_template_kwargs``; others are a 400 naming the field."""
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        req = parsed(ChatCompletionRequest, {**CHAT, "reasoning_effort": effort})
+        assert req.template_kwargs == {"reasoning_effort": effort}
+    kwargs = {"reasoning_effort": "low", "enable_thinking": True}
+    req = parsed(ChatCompletionRequest, {**CHAT, "chat_template_kwargs": kwargs})
+    assert req.template_kwargs == kwargs
+    req = parsed(ChatCompletionRequest, {**CHAT, "chat_template_kwargs": kwargs,
+                                         "reasoning_effort": "high"})  # fmt: skip
+    assert req.template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
+    assert req.chat_template_kwargs == kwargs  # (the request's own, untouched)
+    assert schema_error(ChatCompletionRequest, {**CHAT, "reasoning_effort": "Low"}) == (
+        "reasoning_effort",
+        "reasoning_effort='Low': must be one of none, minimal, low, medium, high, xhigh, max",
+    )
+    assert parsed(ChatCompletionRequest, CHAT).include_reasoning is True
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template_by_either_name():
+    for key in ("reasoning", "reasoning_content"):
+        message = {"role": "assistant", "content": "yo", key: "hmm"}
+        req = parsed(ChatCompletionRequest, {"messages": [message]})
+        assert req.template_messages() == [
+            {"role": "assistant", "content": "yo", "reasoning": "hmm", "reasoning_content": "hmm"}
+        ]
+    both = {"role": "assistant", "content": "yo", "reasoning": "a", "reasoning_content": "b"}
+    with pytest.raises(SchemaError) as err:
+        parsed(ChatCompletionRequest, {"messages": [both]}).template_messages()
+    assert (err.value.param, err.value.message) == (
+        "messages[0].reasoning_content",
+        "messages[0].reasoning_content: an alias of reasoning; they disagree",
+    )
+
+
+def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
+    def params(**fields):
+        req = parsed(ChatCompletionRequest, {**CHAT, **fields})
+        return sampling_params(req, max_tokens=8, logprobs=None, sample_index=0)
+
+    assert params(thinking_token_budget=5).max_thinking_tokens == 5
+    assert params(thinking_token_budget=5, max_thinking_tokens=5).max_thinking_tokens == 5
+    assert schema_error(
+        ChatCompletionRequest, {**CHAT, "thinking_token_budget": 5, "max_thinking_tokens": 4}
+    ) == (
+        "thinking_token_budget",
+        "thinking_token_budget: an alias of max_thinking_tokens; they disagree",
+    )
+    with pytest.raises(SchemaError) as err:
+        params(thinking_token_budget=0)
+    assert (err.value.param, err.value.message) == (
+        "thinking_token_budget",
+        "thinking_token_budget=0: must be >= 1",
+    )
+    with pytest.raises(SchemaError) as err:
+        params(max_thinking_tokens=0)
+    assert err.value.param == "max_thinking_tokens"
+
+
+def test_thinking_interruption_is_text_or_token_ids():
+    def params(value):
+        req = parsed(CompletionRequest, {"prompt": "x", "thinking_interruption": value})
+        return sampling_params(req, max_tokens=8, logprobs=None, sample_index=0)
+
+    assert params([10, 11]).thinking_interruption == (10, 11)
+    assert params("Enough.").thinking_interruption == "Enough."
+    with pytest.raises(SchemaError) as err:
+        params([-1])
+    assert (err.value.param, err.value.message) == (
+        "thinking_interruption",
+        "thinking_interruption=(-1,): must be non-negative token ids",
+    )
+    assert schema_error(CompletionRequest, {"prompt": "x", "thinking_interruption": [1.5]}) == (
+        "thinking_interruption",
+        "thinking_interruption: must be a string or an array of integers",
+    )
+
+
 def test_sampling_fields_reach_the_sampling_params_as_sent():
     body = {
         "prompt": "x",

@@ -101,7 +101,7 @@ async def test_update_weights_endpoint(server, new_ckpt, ckpt, tmp_path, offline
     assert await _tokens(server) == offline["new"] != old
     # Each answer says which weights produced it (SGLang's metadata), and so does /metrics.
     status, _, raw = await server.post("/v1/completions", {"prompt": PROMPT}, headers=AUTH)
-    assert orjson.loads(raw)["metadata"] == {"weight_version": 1}
+    assert orjson.loads(raw)["metadata"] == {"weight_version": "1"}
     _, _, raw = await server.get("/metrics", headers=AUTH)
     assert b'rltserve:weight_version{model_name="tiny"} 1.0' in raw
 

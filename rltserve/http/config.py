@@ -7,6 +7,7 @@ help texts from this dataclass.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -87,6 +88,14 @@ class ServerConfig:
         metadata=_help(
             "a chat template that replaces the checkpoint's: a Jinja file, or the template "
             "itself (vLLM's --chat-template)"
+        ),
+    )
+    default_chat_template_kwargs: str | None = field(
+        default=None,
+        metadata=_help(
+            "template variables of every chat request, a JSON object (as "
+            "'{\"enable_thinking\": true}'); a request's chat_template_kwargs win over them "
+            "(vLLM's --default-chat-template-kwargs)"
         ),
     )
     drain_timeout_s: float = field(
@@ -178,6 +187,7 @@ class ServerConfig:
             from rltserve.models.chat_template import read_chat_template
 
             read_chat_template(self.chat_template)  # (before the model loads: a usage error)
+        self.template_defaults  # noqa: B018 - ValueError naming the field
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
         bounds = (
@@ -213,6 +223,27 @@ class ServerConfig:
         for name in ("metrics_auth", "expose_model_path"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+
+    @property
+    def template_defaults(self) -> dict:
+        """``default_chat_template_kwargs`` parsed (empty when not set); ValueError when it is
+        not a JSON object of template variables."""
+        text = self.default_chat_template_kwargs
+        if text is None:
+            return {}
+        name = "default_chat_template_kwargs"
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except ValueError as exc:
+            raise ValueError(f"{name}: not JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={text!r}: must be a JSON object")
+        from rltserve.http.schemas import TEMPLATE_CALL_ARGUMENTS
+
+        for key in value:
+            if key in TEMPLATE_CALL_ARGUMENTS:
+                raise ValueError(f"{name}: {key!r} is not a template variable (requests set it)")
+        return value
 
     @property
     def origins(self) -> frozenset[str]:

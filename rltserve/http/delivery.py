@@ -76,6 +76,7 @@ async def _stream(
                 plan.prompt_tokens,
                 plan.completion_tokens(generation),
                 generation.num_cached_tokens(),
+                fmt.reasoning_tokens(generation.outputs()),
             )
             await writer.send(final)
         return await writer.finish()
@@ -121,9 +122,14 @@ async def _collect(
     body = fmt.response(
         choices,
         usage(
-            plan.prompt_tokens, plan.completion_tokens(generation), generation.num_cached_tokens()
+            plan.prompt_tokens,
+            plan.completion_tokens(generation),
+            generation.num_cached_tokens(),
+            fmt.reasoning_tokens(outputs),
         ),
     )
     # SGLang's: the weights that produced the answer, for an RL trainer's staleness bookkeeping.
-    body["metadata"] = {"weight_version": generation.weight_version()}
+    # A string, as SGLang sends it: OpenAI's ``metadata`` maps strings to strings (its SDK's
+    # type), so a number would warn on every ``model_dump``.
+    body["metadata"] = {"weight_version": str(generation.weight_version())}
     return json_response(body)

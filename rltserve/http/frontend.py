@@ -30,7 +30,14 @@ from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
 from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
-from rltserve.thinking import ChatPrompt, bound_thinking, ids_open_thinking, resolve_thinking
+from rltserve.thinking import (
+    THINK_END,
+    THINK_START,
+    ChatPrompt,
+    bound_thinking,
+    ids_open_thinking,
+    resolve_thinking,
+)
 from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
 
 
@@ -138,11 +145,21 @@ class Frontend:
         metrics: ServingMetrics,
         executor: Executor | None = None,
         token_chars: int | None = None,
+        template_defaults: dict | None = None,
     ) -> None:
+        """``template_defaults``: the operator's template variables
+        (``ServerConfig.default_chat_template_kwargs``), under each request's."""
         self.client = client
         self.info = info
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.template_defaults = dict(template_defaults or {})
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        # The thinking span's tags as token ids (None: not in the vocabulary), read once.
+        self.think_ids: tuple[int | None, int | None] = (
+            vocab.get(THINK_START),
+            vocab.get(THINK_END),
+        )
         self.codec = (
             TextCodec(tokenizer, info.max_model_len, executor, token_chars)
             if tokenizer is not None
@@ -236,9 +253,10 @@ class Frontend:
         continue_final_message: bool,
     ) -> ChatPrompt:
         codec = self.require_codec("messages")
+        template_kwargs = {**self.template_defaults, **(template_kwargs or {})}
         try:
             return await codec.chat(
-                messages, add_generation_prompt, template_kwargs or {}, continue_final_message
+                messages, add_generation_prompt, template_kwargs, continue_final_message
             )
         except TokenizerError as exc:
             raise bad_request(f"messages: {exc}", "messages") from exc

@@ -120,7 +120,7 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await frontend.render_chat(
             messages,
             req.add_generation_prompt,
-            req.chat_template_kwargs,
+            req.template_kwargs,
             check_length=False,
             continue_final_message=req.continue_final_message,
             add_special_tokens=bool(req.add_special_tokens),

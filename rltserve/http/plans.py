@@ -184,7 +184,7 @@ async def chat_plan(
     prompt = await frontend.chat_prompt(
         req.template_messages(),
         req.add_generation_prompt,
-        req.chat_template_kwargs,
+        req.template_kwargs,
         req.continue_final_message,
         req.truncate_prompt_tokens,
         req.add_special_tokens,

@@ -18,7 +18,7 @@ from typing import Any
 from rltserve.http.frontend import ChoiceEvent, Frontend
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
 from rltserve.outputs import Completion, vllm_logprobs
-from rltserve.thinking import ReasoningStream, split_reasoning
+from rltserve.thinking import THINK_START, ReasoningStream, split_reasoning
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -32,9 +32,16 @@ class ResponseHeader:
     model: str
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
     """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` (prompt tokens whose KV
-    was reused, not computed) only when some were."""
+    was reused, not computed) only when some were; ``completion_tokens_details.
+    reasoning_tokens`` only where a chat answer was split into reasoning and content
+    (``ChatFormat.reasoning_tokens``)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -42,6 +49,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
     if cached_tokens:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
 
 
@@ -107,6 +116,10 @@ class _Format(ABC):
     @abstractmethod
     def final_choice(self, index: int, output: Completion) -> dict:
         """The choice entry of a non-streaming response."""
+
+    def reasoning_tokens(self, outputs: dict[int, Completion]) -> int | None:
+        """``usage``'s reasoning tokens of the choices; None: no answer was split."""
+        return None
 
 
 class CompletionFormat(_Format):
@@ -223,11 +236,43 @@ class CompletionFormat(_Format):
         }
 
 
+class OwnSpanStream:
+    """``ReasoningStream`` for an answer that opens its own thinking span (its first token is
+    ``<think>``): the tag's text, at the start, is dropped (held until it is whole), the rest
+    split as the prompt had opened the span."""
+
+    def __init__(self) -> None:
+        self._inner = ReasoningStream()
+        self._head: str | None = ""  # the text so far while it may still be the tag; then None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of one delta."""
+        if self._head is not None:
+            head = self._head + text
+            if len(head) < len(THINK_START) and THINK_START.startswith(head):
+                self._head = head
+                return "", ""
+            self._head = None
+            text = head.removeprefix(THINK_START)  # (a special <think> skipped: no tag text)
+        return self._inner.feed(text)
+
+    def flush(self) -> tuple[str, str]:
+        held, self._head = self._head or "", None
+        reasoning, content = self._inner.feed(held) if held else ("", "")
+        more = self._inner.flush()
+        return reasoning + more[0], content + more[1]
+
+
 class ChatFormat(_Format):
-    """``reasoning``: the prompt left a thinking span open (``<think>`` with no ``</think>``
-    after it, as ``enable_thinking`` renders): the answer's text up to ``</think>`` goes to
-    ``reasoning_content`` (vLLM's field, in messages and stream deltas), the rest to
-    ``content``."""
+    """An answer with a thinking span is split: its text up to ``</think>`` is ``reasoning``
+    (vLLM's field) and ``reasoning_content`` (its earlier name, the same text), in messages and
+    stream deltas; the rest is ``content``; the tags are neither. The span is the prompt's where
+    it left one open (``reasoning``: ``<think>`` with no ``</think>`` after it, as
+    ``enable_thinking`` renders), else the answer's own where its first token is ``<think>``
+    (as vLLM's deepseek_r1 and qwen3 parsers split it; only where the tokenizer has both tags
+    as tokens and the text keeps ``</think>``). An answer still thinking is all reasoning.
+    ``include_reasoning`` false (vLLM's) leaves the reasoning out; ``usage`` counts its tokens
+    either way."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -235,12 +280,41 @@ class ChatFormat(_Format):
     def __init__(self, header, req, frontend, reasoning: bool = False) -> None:
         super().__init__(header, req, frontend)
         self.reasoning = reasoning
-        self._splitters: dict[int, ReasoningStream] = {}
+        self.include_reasoning = req.include_reasoning
+        self._start_id, self._end_id = frontend.think_ids
+        # (where skip_special_tokens drops a special </think>, the split would find no end)
+        kept = self._end_id not in getattr(frontend.tokenizer, "special_ids", ())
+        kept = kept or not req.skip_special_tokens
+        self._own_spans = not reasoning and None not in frontend.think_ids and kept
+        # choice index -> its splitter, or None where its answer has no thinking span
+        self._splitters: dict[int, ReasoningStream | OwnSpanStream | None] = {}
         # With return_token_ids, the (one) prompt's ids go top-level, as vLLM puts them: in the
         # response, or in the stream's first chunk only (``_prompt_ids_sent`` after it); None
         # when not asked for.
         self._prompt_ids: list[int] | None = None
         self._prompt_ids_sent = False
+
+    def _has_span(self, token_ids: list[int]) -> bool:
+        """Whether an answer (its first tokens will do) has a thinking span to split off."""
+        if self.reasoning:
+            return True
+        return self._own_spans and bool(token_ids) and token_ids[0] == self._start_id
+
+    def reasoning_tokens(self, outputs: dict[int, Completion]) -> int | None:
+        """The completion tokens of the choices' thinking spans: of each split answer, its
+        tokens up to and including the first ``</think>`` token (the opening ``<think>`` of an
+        answer that opened its own span too; all of them while it is still thinking)."""
+        counts = [
+            self._span_tokens(output.token_ids)
+            for output in outputs.values()
+            if self._has_span(output.token_ids)
+        ]
+        return sum(counts) if counts else None
+
+    def _span_tokens(self, token_ids: list[int]) -> int:
+        if self._end_id in token_ids:
+            return token_ids.index(self._end_id) + 1
+        return len(token_ids)
 
     def _note_prompt(self, output: Completion) -> None:
         if self.want_ids and not self._prompt_ids_sent:
@@ -259,17 +333,28 @@ class ChatFormat(_Format):
             out["prompt_token_ids"] = self._prompt_ids
         return out
 
-    def _delta(self, index: int, text: str, final: bool) -> dict:
-        if not self.reasoning:
+    def _splitter(self, index: int, token_ids: list[int]) -> ReasoningStream | OwnSpanStream | None:
+        """The choice's splitter, chosen when its first token is known (None: no span)."""
+        if index not in self._splitters:
+            if not (self.reasoning or token_ids):
+                return None  # (not known yet: no token so far)
+            if not self._has_span(token_ids):
+                self._splitters[index] = None
+            else:
+                self._splitters[index] = ReasoningStream() if self.reasoning else OwnSpanStream()
+        return self._splitters[index]
+
+    def _delta(self, index: int, text: str, final: bool, token_ids: list[int]) -> dict:
+        splitter = self._splitter(index, token_ids)
+        if splitter is None:
             return {} if final and not text else {"content": text}
-        splitter = self._splitters.setdefault(index, ReasoningStream())
         reasoning, content = splitter.feed(text)
         if final:
             more = splitter.flush()
             reasoning, content = reasoning + more[0], content + more[1]
         out = {}
-        if reasoning:
-            out["reasoning_content"] = reasoning
+        if reasoning and self.include_reasoning:
+            out["reasoning"] = out["reasoning_content"] = reasoning
         if content:
             out["content"] = content
         return out
@@ -283,7 +368,8 @@ class ChatFormat(_Format):
             out.append(
                 {"index": event.index, "delta": role, "logprobs": None, "finish_reason": None}
             )
-        content = self._delta(event.index, delta.text, delta.finish_reason is not None)
+        final = delta.finish_reason is not None
+        content = self._delta(event.index, delta.text, final, event.output.token_ids)
         logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
         entry = {
             "index": event.index,
@@ -300,9 +386,12 @@ class ChatFormat(_Format):
         self._note_prompt(output)
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
         message = {"role": "assistant", "content": output.text}
-        if self.reasoning:
-            reasoning, content = split_reasoning(output.text, prompt_open=True)
-            message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if self._has_span(output.token_ids):
+            text = output.text if self.reasoning else output.text.removeprefix(THINK_START)
+            reasoning, content = split_reasoning(text, prompt_open=True)
+            message["content"] = content
+            if self.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
         entry = {
             "index": index,
             "message": message,

@@ -4,7 +4,8 @@ Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temp
 plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
 (alias ``num_steps``, Huginn's name), ``exit_threshold``, ``exit_criterion`` (Huginn's zero-shot
 exit criteria), ``kv_policy`` (per request) and ``priority``, and bounded thinking
-(``max_thinking_tokens``, ``thinking_interruption``, ``thinking_end_token_ids``). Two opt-in
+(``max_thinking_tokens``, alias ``thinking_token_budget``, vLLM's name; ``thinking_interruption``,
+text or token ids; ``thinking_end_token_ids``). Two opt-in
 response extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays.
 Parsing is in ``validation``; ``validate()`` adds the cross-field rules; ``sampling_params``
 maps a request onto ``SamplingParams``, whose ValueErrors name the field.
@@ -43,6 +44,9 @@ UNSUPPORTED_FIELDS = (
     "structured_outputs",
     "use_beam_search",
 )
+
+# OpenAI's reasoning efforts (its SDK's ``ReasoningEffort``; vLLM's ``ReasoningEffortValue``).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +94,8 @@ class GenerationFields:
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
     # thinking span, the engine appends the interruption and the end ids itself.
     max_thinking_tokens: int | None = None
-    thinking_interruption: str | None = None
+    thinking_token_budget: int | None = None  # vLLM's name for max_thinking_tokens
+    thinking_interruption: str | list[int] | None = None  # text, or token ids
     thinking_end_token_ids: list[int] | None = None
     return_exit_depths: bool = False
     return_token_ids: bool = False
@@ -129,6 +134,19 @@ class GenerationFields:
             and self.num_steps != self.max_loops
         ):
             raise SchemaError("num_steps", "num_steps: an alias of max_loops; they disagree")
+        budget = self.thinking_token_budget
+        if budget is not None and self.max_thinking_tokens not in (None, budget):
+            raise SchemaError(
+                "thinking_token_budget",
+                "thinking_token_budget: an alias of max_thinking_tokens; they disagree",
+            )
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``max_thinking_tokens``, or its alias ``thinking_token_budget``."""
+        if self.max_thinking_tokens is not None:
+            return self.max_thinking_tokens
+        return self.thinking_token_budget
 
     @property
     def include_usage(self) -> bool:
@@ -190,7 +208,7 @@ class CompletionRequest(GenerationFields):
 # The rendering call's own arguments (``Tokenizer.apply_chat_template``): set by the request's
 # fields, never by template variables; a client's ``chat_template`` would run its own Jinja
 # on the server.
-_CALL_ARGUMENTS = (
+TEMPLATE_CALL_ARGUMENTS = (
     "self",
     "special_tokens",
     "messages",
@@ -207,9 +225,33 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, chat_template: str | No
     if chat_template is not None:
         raise SchemaError("chat_template", "chat_template: not accepted from requests")
     for key in kwargs or ():
-        if key in _CALL_ARGUMENTS:
+        if key in TEMPLATE_CALL_ARGUMENTS:
             name = f"chat_template_kwargs.{key}"
             raise SchemaError(name, f"{name}: not a template variable a request may set")
+
+
+def check_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    functions: list[dict[str, Any]] | None,
+    function_call: str | dict[str, Any] | None,
+) -> None:
+    """No tool calling here (no tool-call parser): ``tools`` only with ``tool_choice`` "none",
+    where the model answers in text and the chat template still sees the tools (vLLM's
+    default); OpenAI's legacy ``functions`` and ``function_call`` are refused as ``tools`` is
+    (ignored, the answer would look like one that had them)."""
+    if tools and tool_choice != "none":
+        raise SchemaError(
+            "tools",
+            'tools: not supported (this server has no tool calling); with tool_choice "none" '
+            "they go to the chat template only",
+        )
+    if tool_choice not in (None, "none", "auto"):
+        raise SchemaError("tool_choice", "tool_choice: not supported (no tool calling)")
+    if functions:
+        raise SchemaError("functions", "functions: not supported (no function calling)")
+    if function_call not in (None, "none", "auto"):
+        raise SchemaError("function_call", "function_call: not supported (no function calling)")
 
 
 def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
@@ -245,6 +287,21 @@ def joined_text_parts(parts: list[tuple[object, object]], path: str) -> str:
     return "\n".join(texts)
 
 
+def template_variables(
+    kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    reasoning_effort: str | None = None,
+) -> dict[str, Any]:
+    """A request's template variables: its ``chat_template_kwargs`` and, where given, its
+    ``tools`` and ``reasoning_effort`` fields (over the same keys there)."""
+    out = dict(kwargs or {})
+    if tools:
+        out["tools"] = tools
+    if reasoning_effort is not None:
+        out["reasoning_effort"] = reasoning_effort
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContentPart:
     type: str
@@ -260,7 +317,9 @@ class ChatMessage:
     # rendered without its calls; ``tool_call_id`` alone is harmless.
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
-    # vLLM's: an earlier answer's thinking, for templates that render it.
+    # An earlier answer's thinking, for templates that render it: vLLM's ``reasoning`` and its
+    # older name ``reasoning_content`` (templates get both keys, as they read either).
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
     def as_template_input(self, path: str) -> dict[str, Any]:
@@ -284,8 +343,12 @@ class ChatMessage:
         message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.reasoning_content not in (None, reasoning):
+            where = f"{path}.reasoning_content"
+            raise SchemaError(where, f"{where}: an alias of reasoning; they disagree")
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 
@@ -304,9 +367,16 @@ class ChatCompletionRequest(GenerationFields):
     # vLLM's: special tokens added on top of what the chat template renders (off: templates
     # render their own).
     add_special_tokens: bool = False
-    # Known so that asking for them is a clear 400 rather than an ignored unknown field.
+    # vLLM's: false leaves the reasoning (``reasoning``, ``reasoning_content``) out.
+    include_reasoning: bool = True
+    # OpenAI's; a template variable (``reasoning_effort``), as vLLM and SGLang pass it.
+    reasoning_effort: str | None = None
+    # ``tools`` with ``tool_choice`` "none" go to the template; otherwise tools and the legacy
+    # ``functions`` are known so that asking for them is a clear 400 (``check_tools``).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def validate(self) -> None:
@@ -317,10 +387,13 @@ class ChatCompletionRequest(GenerationFields):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SchemaError(name, f"{name}={value}: must be >= 1")
-        if self.tools:
-            raise SchemaError("tools", "tools: not supported (this server has no tool calling)")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise SchemaError("tool_choice", "tool_choice: not supported (no tool calling)")
+        check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise SchemaError(
+                "reasoning_effort",
+                f"reasoning_effort={self.reasoning_effort!r}: must be one of "
+                + ", ".join(REASONING_EFFORTS),
+            )
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise SchemaError(
                 "response_format", 'response_format: only {"type": "text"} is supported'
@@ -335,6 +408,12 @@ class ChatCompletionRequest(GenerationFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input(f"messages[{i}]") for i, m in enumerate(self.messages)]
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template variables: ``chat_template_kwargs`` with ``reasoning_effort`` and
+        ``tools`` (the fields win over the same keys there) where given."""
+        return template_variables(self.chat_template_kwargs, self.tools, self.reasoning_effort)
 
     @property
     def token_limit(self) -> int | None:
@@ -359,13 +438,24 @@ class TokenizeRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # (vLLM's; refused)
+    # As chat's (``check_tools``): tools with tool_choice "none" go to the template.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise SchemaError("prompt", "prompt, messages: give exactly one")
         check_template_kwargs(self.chat_template_kwargs, self.chat_template)
+        check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         if self.messages is not None:
             check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """As ``ChatCompletionRequest.template_kwargs``."""
+        return template_variables(self.chat_template_kwargs, self.tools)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,8 +530,12 @@ def sampling_params(
             logprobs=logprobs,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             cache_salt=req.cache_salt,
-            max_thinking_tokens=req.max_thinking_tokens,
-            thinking_interruption=req.thinking_interruption,
+            max_thinking_tokens=req.thinking_budget,
+            thinking_interruption=(
+                req.thinking_interruption
+                if isinstance(req.thinking_interruption, str | None)
+                else tuple(req.thinking_interruption)
+            ),
             thinking_end_token_ids=(
                 None if req.thinking_end_token_ids is None else tuple(req.thinking_end_token_ids)
             ),
@@ -457,10 +551,14 @@ def as_sent(
     defaults: Mapping[str, object] | None = None,
 ) -> str:
     """``message`` with the field named as the client sent it: ``num_steps`` (Huginn's name)
-    where it names ``max_loops``; a refusal caused by a default the client never sent (the
+    where it names ``max_loops``, ``thinking_token_budget`` (vLLM's) where it names
+    ``max_thinking_tokens``; a refusal caused by a default the client never sent (the
     generation config's ``repetition_penalty``) says where it came from."""
     if req.max_loops is None and req.num_steps is not None and message.startswith("max_loops="):
         return "num_steps" + message[len("max_loops") :]
+    alias = req.max_thinking_tokens is None and req.thinking_token_budget is not None
+    if alias and message.startswith("max_thinking_tokens"):
+        message = "thinking_token_budget" + message[len("max_thinking_tokens") :]
     penalty = (defaults or {}).get("repetition_penalty")
     if "penalties" in message and req.repetition_penalty is None and penalty not in (None, 1.0):
         return (

@@ -122,7 +122,13 @@ class ServingState:
                 lambda: client.prefill_stats,
             )
             self._frontend = Frontend(
-                self._client, info, tokenizer, self.metrics, self.executor, token_chars
+                self._client,
+                info,
+                tokenizer,
+                self.metrics,
+                self.executor,
+                token_chars,
+                self.config.template_defaults,
             )
             if hasattr(client.inner, "replicas"):
                 from rltserve.ray.metrics import ReplicaCollector
