@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rltserve.http.schemas import joined_text_parts, template_role
+from rltserve.http.chat_messages import joined_text_parts, template_role
 from rltserve.sampling import outside_vocab, plain_number
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]

@@ -182,7 +182,7 @@ def test_error_helpers():
     ],
 )
 def test_an_ended_choice_is_the_error_its_engine_update_stands_for(error, rejected, status):
-    from rltserve.http.frontend import ChoiceEvent, failure
+    from rltserve.http.generation import ChoiceEvent, failure
     from rltserve.outputs import TextDelta
 
     delta = TextDelta("", [], [], [], "error", error=error)

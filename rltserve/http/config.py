@@ -238,7 +238,7 @@ class ServerConfig:
             raise ValueError(f"{name}: not JSON ({exc})") from exc
         if not isinstance(value, dict):
             raise ValueError(f"{name}={text!r}: must be a JSON object")
-        from rltserve.http.schemas import TEMPLATE_CALL_ARGUMENTS
+        from rltserve.http.chat_messages import TEMPLATE_CALL_ARGUMENTS
 
         for key in value:
             if key in TEMPLATE_CALL_ARGUMENTS:

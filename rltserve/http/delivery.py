@@ -14,7 +14,7 @@ from aiohttp import web
 
 from rltserve.http.admission import Overloaded
 from rltserve.http.errors import json_response, unavailable
-from rltserve.http.frontend import ChoiceEvent, Generation, failure
+from rltserve.http.generation import ChoiceEvent, Generation, failure
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
 from rltserve.http.sse import SSEWriter

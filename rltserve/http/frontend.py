@@ -2,33 +2,26 @@
 
 ``Frontend`` tokenizes and checks prompts (so that bad input is a 400 before anything streams;
 long texts are encoded off the event loop, see ``encoding``) and opens ``Generation``s. A
-``Generation`` is the set of engine requests behind one HTTP request (prompts x n choices),
-bridged from the stage client's reader thread into the event loop with
-``call_soon_threadsafe``; it detokenizes and applies stop strings through ``OutputAssembler``.
-Leaving its ``async with`` block aborts every choice that has not finished, which is how a client
-disconnect (the handler is cancelled) frees the engine's KV within a step.
+``Generation`` (``generation``) is the set of engine requests behind one HTTP request.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.stage import Sink, StageError
+from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.http.encoding import TextCodec
-from rltserve.http.errors import HTTPError, bad_request, unavailable
-from rltserve.http.metrics import RequestTimeline, ServingMetrics
+from rltserve.http.errors import bad_request
+from rltserve.http.generation import Generation
+from rltserve.http.metrics import ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
-from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
 from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
 from rltserve.thinking import (
     THINK_END,
@@ -38,7 +31,6 @@ from rltserve.thinking import (
     ids_open_thinking,
     resolve_thinking,
 )
-from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
 
 
 class StageClientLike(Protocol):
@@ -110,30 +102,6 @@ class ChoiceRequest:
     # Special tokens whose text the choice's text keeps with skip_special_tokens (the
     # </think> that splits reasoning from content, where the tokenizer makes it special).
     kept_special_ids: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class ChoiceEvent:
-    """One engine update of one choice, turned into text. ``output`` is the choice so far."""
-
-    index: int
-    delta: TextDelta
-    output: Completion
-    rejected: bool
-
-
-@dataclass
-class _Choice:
-    request: ChoiceRequest
-    stage_id: str
-    assembler: OutputAssembler
-    timeline: RequestTimeline
-    open: bool = False  # in the stage and not finished yet
-    # The engine took it (an update other than a rejection came, or it was aborted first): its
-    # start is counted then, so a request the engine refuses (a 400) counts neither a start
-    # nor a finish.
-    started: bool = False
-    cached_tokens: int = 0  # prompt tokens the stage reused instead of computing
 
 
 class Frontend:
@@ -343,177 +311,3 @@ class Frontend:
     @property
     def num_open(self) -> int:
         return len(self._generations)
-
-
-class Generation:
-    """The choices of one HTTP request as one stream of ``ChoiceEvent`` batches. Enter it with
-    ``async with`` (adds the requests to the stage); leaving aborts unfinished choices."""
-
-    def __init__(self, frontend: Frontend, choices: list[ChoiceRequest], arrival: float) -> None:
-        self._frontend = frontend
-        self._queue: asyncio.Queue[tuple[int, RequestUpdate]] = asyncio.Queue()
-        self._arrival = arrival
-        self._choices = {
-            c.index: _Choice(
-                c,
-                frontend.next_stage_id(),
-                OutputAssembler(
-                    "",
-                    c.prompt.token_ids,
-                    frontend.tokenizer,
-                    c.params.stop,
-                    c.params.logprobs is not None,
-                    reported_stop_ids(c.params, frontend.info.stop_reason_ids),
-                    skip_special_tokens=c.params.skip_special_tokens,
-                    include_stop_str_in_output=c.params.include_stop_str_in_output,
-                    min_tokens=c.params.min_tokens,
-                    kept_special_ids=c.kept_special_ids,
-                ),
-                RequestTimeline(arrival, arrival),
-            )
-            for c in choices
-        }
-
-    async def __aenter__(self) -> Generation:
-        loop = asyncio.get_running_loop()
-        admitted = time.monotonic()
-        client = self._frontend.client
-        self._frontend._generations.add(self)
-        try:
-            for index, choice in self._choices.items():
-                choice.timeline.admitted = admitted
-                req = choice.request
-                client.add_request(
-                    choice.stage_id,
-                    req.prompt.token_ids,
-                    req.params,
-                    self._sink(loop, index),
-                    req.group,
-                    session=req.session,
-                )
-                choice.open = True
-        except StageError as exc:
-            await self.__aexit__(None, None, None)
-            raise unavailable(f"the engine is not running: {exc}") from exc
-        except BaseException:
-            # Any other failure (a 500) must not leave this generation registered: shutdown
-            # would wait the whole drain timeout for it, and added choices would keep running.
-            await self.__aexit__(None, None, None)
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
-        self._frontend._generations.discard(self)
-
-    def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Sink:
-        put = self._queue.put_nowait
-
-        def sink(update: RequestUpdate) -> None:  # the stage client's reader thread
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-                loop.call_soon_threadsafe(put, (index, update))
-
-        return sink
-
-    def abort(self) -> None:
-        """Aborts every unfinished choice in the stage (idempotent)."""
-        now = time.monotonic()
-        for choice in self._choices.values():
-            if choice.open:
-                choice.open = False
-                with contextlib.suppress(StageError):
-                    self._frontend.client.abort(choice.stage_id)
-                self._started(choice)
-                self._frontend.metrics.on_finish(choice.timeline, now, "abort")
-
-    def _started(self, choice: _Choice) -> None:
-        if not choice.started:
-            choice.started = True
-            self._frontend.metrics.on_start(choice.timeline, len(choice.request.prompt.token_ids))
-
-    def interrupt(self) -> None:
-        """Aborts unfinished choices and ends each with an abort event, so that its handler
-        still writes a proper ending (the stage's own abort update may never come)."""
-        for index, choice in self._choices.items():
-            if choice.open:
-                with contextlib.suppress(StageError):
-                    self._frontend.client.abort(choice.stage_id)
-                ended = RequestUpdate(choice.stage_id, finish_reason=FinishReason.ABORT)
-                self._queue.put_nowait((index, ended))
-
-    @property
-    def finished(self) -> bool:
-        return not any(c.open for c in self._choices.values())
-
-    def outputs(self) -> dict[int, Completion]:
-        return {i: c.assembler.output for i, c in self._choices.items()}
-
-    def weight_version(self) -> int:
-        """The version of the weights that produced the choices' tokens (the latest)."""
-        return max((c.assembler.weight_version for c in self._choices.values()), default=0)
-
-    def num_completion_tokens(self) -> int:
-        return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
-
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens reused, each prompt counted once (as in ``prompt_tokens``): those
-        that none of its choices computed."""
-        per_prompt: dict[int, int] = {}
-        for c in self._choices.values():
-            p = c.request.prompt_index
-            per_prompt[p] = min(per_prompt.get(p, c.cached_tokens), c.cached_tokens)
-        return sum(per_prompt.values())
-
-    async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
-        """Yields the events available at each wake-up until every choice has finished."""
-        while not self.finished:
-            items = [await self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            events = [e for index, update in items if (e := self._apply(index, update))]
-            if events:
-                yield events
-
-    def _apply(self, index: int, update: RequestUpdate) -> ChoiceEvent | None:
-        choice = self._choices[index]
-        if not choice.open:
-            return None  # late updates after a stop string ended the choice, or after abort
-        now = time.monotonic()
-        if update.num_cached_tokens is not None:
-            choice.cached_tokens = update.num_cached_tokens
-        delta = choice.assembler.add(update)
-        if update.new_token_ids:
-            choice.assembler.weight_version = update.weight_version
-        metrics = self._frontend.metrics
-        if not update.rejected:
-            self._started(choice)
-        metrics.on_tokens(choice.timeline, now, delta.exit_depths)
-        if delta.finish_reason is not None:
-            choice.open = False
-            if update.finish_reason is None:  # a stop string: stop the engine's work too
-                with contextlib.suppress(StageError):
-                    self._frontend.client.abort(choice.stage_id)
-            if not update.rejected:  # (a request the engine refused is a 400, not a finish)
-                metrics.on_finish(choice.timeline, now, delta.finish_reason)
-        return ChoiceEvent(index, delta, choice.assembler.output, update.rejected)
-
-
-def failure(
-    event: ChoiceEvent, closing: bool, retry_after_s: int | None = None
-) -> HTTPError | None:
-    """The error response an event stands for, if it ended its choice abnormally (a 503 with
-    ``Retry-After: retry_after_s`` where another try may succeed)."""
-    delta = event.delta
-    if delta.finish_reason == "error":
-        message = delta.error or "the engine failed"
-        if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
-            return unavailable("the model is sleeping: POST /wake_up first")
-        if event.rejected:
-            return bad_request(message, param_of(message))
-        if message.startswith("stage died"):
-            return unavailable(message, retry_after_s)
-        return HTTPError(500, message)
-    if delta.finish_reason == "abort":
-        why = "the server is shutting down" if closing else "the request was aborted"
-        return unavailable(why, retry_after_s)
-    return None

@@ -15,7 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from rltserve.http.frontend import ChoiceEvent, Frontend
+from rltserve.http.frontend import Frontend
+from rltserve.http.generation import ChoiceEvent
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
 from rltserve.outputs import Completion, vllm_logprobs
 from rltserve.thinking import THINK_START, ReasoningStream, split_reasoning

@@ -1,0 +1,157 @@
+"""Chat messages as a request carries them and as chat templates take them: the message and
+content-part schemas, the rules of the template-related request fields (template variables,
+tools, the generation prompt) and the roles and text a template renders. Shared by the chat
+endpoint, /tokenize and ``LLM.chat`` (``prompt_inputs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rltserve.http.validation import SchemaError
+
+# The rendering call's own arguments (``Tokenizer.apply_chat_template``): set by the request's
+# fields, never by template variables; a client's ``chat_template`` would run its own Jinja
+# on the server.
+TEMPLATE_CALL_ARGUMENTS = (
+    "self",
+    "special_tokens",
+    "messages",
+    "add_generation_prompt",
+    "tokenize",
+    "chat_template",
+    "continue_final_message",
+)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, chat_template: str | None) -> None:
+    """A request's ``chat_template`` is refused (vLLM's default too): it is not ignored, as the
+    prompt would not be the one the client rendered."""
+    if chat_template is not None:
+        raise SchemaError("chat_template", "chat_template: not accepted from requests")
+    for key in kwargs or ():
+        if key in TEMPLATE_CALL_ARGUMENTS:
+            name = f"chat_template_kwargs.{key}"
+            raise SchemaError(name, f"{name}: not a template variable a request may set")
+
+
+def check_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    functions: list[dict[str, Any]] | None,
+    function_call: str | dict[str, Any] | None,
+) -> None:
+    """No tool calling here (no tool-call parser): ``tools`` only with ``tool_choice`` "none",
+    where the model answers in text and the chat template still sees the tools (vLLM's
+    default); OpenAI's legacy ``functions`` and ``function_call`` are refused as ``tools`` is
+    (ignored, the answer would look like one that had them)."""
+    if tools and tool_choice != "none":
+        raise SchemaError(
+            "tools",
+            'tools: not supported (this server has no tool calling); with tool_choice "none" '
+            "they go to the chat template only",
+        )
+    if tool_choice not in (None, "none", "auto"):
+        raise SchemaError("tool_choice", "tool_choice: not supported (no tool calling)")
+    if functions:
+        raise SchemaError("functions", "functions: not supported (no function calling)")
+    if function_call not in (None, "none", "auto"):
+        raise SchemaError("function_call", "function_call: not supported (no function calling)")
+
+
+def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: the conversation either gets a new assistant header or leaves its final
+    message open, not both (``add_generation_prompt`` is true unless the request says false)."""
+    if continue_final_message and add_generation_prompt:
+        raise SchemaError(
+            "continue_final_message",
+            "continue_final_message: not with add_generation_prompt=true (the default); "
+            "send add_generation_prompt=false",
+        )
+
+
+def template_role(role: object) -> object:
+    """The role a chat template renders a message under: OpenAI's ``developer`` (what its newer
+    SDKs send for system instructions) is a ``system`` message to templates that predate it."""
+    return "system" if role == "developer" else role
+
+
+def joined_text_parts(parts: list[tuple[object, object]], path: str) -> str:
+    """OpenAI-style content parts, as ``(type, text)``, as the one text chat templates take:
+    the text parts joined by newlines (the server's chat endpoint and ``LLM.chat`` alike); a
+    SchemaError naming the first part that is not text."""
+    texts = []
+    for i, (kind, text) in enumerate(parts):
+        if kind == "text" and not isinstance(text, str):
+            where = f"{path}.content[{i}].text"
+            raise SchemaError(where, f"{where}: a text part's text is required (a string)")
+        if kind != "text":
+            where = f"{path}.content[{i}]"
+            raise SchemaError(where, f"{where}: only text parts are supported")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def template_variables(
+    kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    reasoning_effort: str | None = None,
+) -> dict[str, Any]:
+    """A request's template variables: its ``chat_template_kwargs`` and, where given, its
+    ``tools`` and ``reasoning_effort`` fields (over the same keys there)."""
+    out = dict(kwargs or {})
+    if tools:
+        out["tools"] = tools
+    if reasoning_effort is not None:
+        out["reasoning_effort"] = reasoning_effort
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContentPart:
+    type: str
+    text: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatMessage:
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    # A conversation replayed from a server with tools: refused (as ``tools`` is) rather than
+    # rendered without its calls; ``tool_call_id`` alone is harmless.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    # An earlier answer's thinking, for templates that render it: vLLM's ``reasoning`` and its
+    # older name ``reasoning_content`` (templates get both keys, as they read either).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    def as_template_input(self, path: str) -> dict[str, Any]:
+        """The message as chat templates expect it: text content only. A role other than
+        OpenAI's (system, developer, user, assistant, tool) goes to the template as given, as
+        vLLM's custom roles do (Huginn's history may name its answers' role ``Huginn``)."""
+        if not self.role.strip():
+            raise SchemaError(f"{path}.role", f"{path}.role: must not be empty")
+        if self.tool_calls:
+            where = f"{path}.tool_calls"
+            raise SchemaError(where, f"{where}: tool calls are not supported (nor is tools)")
+        content = self.content
+        if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
+            where = f"{path}.content"
+            raise SchemaError(where, f"{where}: required for a {self.role} message")
+        if content == []:  # (OpenAI's 400: an empty turn is not a message)
+            where = f"{path}.content"
+            raise SchemaError(where, f"{where}: must not be an empty array")
+        if isinstance(content, list):
+            content = joined_text_parts([(part.type, part.text) for part in content], path)
+        message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.reasoning_content not in (None, reasoning):
+            where = f"{path}.reasoning_content"
+            raise SchemaError(where, f"{where}: an alias of reasoning; they disagree")
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        return message
