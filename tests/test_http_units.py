@@ -175,7 +175,7 @@ def test_error_helpers():
 @pytest.mark.parametrize(
     ("error", "rejected", "status"),
     [
-        ("the engine is asleep (kv_cache freed by sleep): wake_up() first", True, 503),
+        ("the engine is asleep (kv_cache put to sleep): wake_up() first", True, 503),
         ("max_tokens=9: too many", True, 400),
         ("stage died: exit 9", False, 503),
         ("engine error while planning a step: boom", False, 500),

@@ -42,7 +42,7 @@ def test_sleep_and_wake_up_through_the_llm(tiny):
         with pytest.raises(ValueError, match="asleep.*wake_up"):
             llm.generate(PROMPTS, GREEDY)
         llm.wake_up(tags=["weights"])  # OpenRLHF wakes one tag at a time
-        with pytest.raises(ValueError, match=r"asleep \(kv_cache freed by sleep\)"):
+        with pytest.raises(ValueError, match=r"asleep \(kv_cache put to sleep\)"):
             llm.generate(PROMPTS, GREEDY)
         llm.wake_up(tags=["kv_cache"])
         assert not llm.is_sleeping()

@@ -328,7 +328,7 @@ class EngineCore:
         finishes; ("import", file) caches the KV such a file holds before admitting it."""
         if self.sleeping:
             parts = " and ".join(sorted(self.sleeping))
-            raise ValueError(f"{ASLEEP} ({parts} freed by sleep): wake_up() first")
+            raise ValueError(f"{ASLEEP} ({parts} put to sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
         kind, path = transfer or (None, "")
         if kind == "import":
