@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 
 from rltserve.models import CheckpointError, get_family, load_model, read_config
 from rltserve.models.huginn import HuginnModel
+from rltserve.models.naive import naive_generate
 
 CONFIGS = {
     "ouro": load_vectors()["configs"]["ouro"],
@@ -94,11 +96,17 @@ def test_real_layouts(cfg, params, examples):
     assert sorted(sources) == sorted(set(shapes) - skip)  # every tensor feeds exactly one param
 
 
+def required_names(cfg: dict) -> list[str]:
+    """The tensors a checkpoint must hold: all but tied copies and buffers (Huginn's)."""
+    family = get_family(cfg["model_type"])
+    return sorted(set(shapes_of(cfg)) - set(family.tied) - set(family.buffers))
+
+
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_every_missing_tensor_is_reported(tmp_path, family):
     cfg = CONFIGS[family]
     tensors = random_tensors(cfg)
-    for i, name in enumerate(sorted(shapes_of(cfg))):
+    for i, name in enumerate(required_names(cfg)):
         path = write_checkpoint(
             tmp_path / str(i), cfg, {k: v for k, v in tensors.items() if k != name}
         )
@@ -111,8 +119,8 @@ def test_every_missing_tensor_is_reported(tmp_path, family):
 def test_extra_and_misshaped_tensors_in_one_error(tmp_path, family):
     cfg = CONFIGS[family]
     tensors = random_tensors(cfg)
-    victim = sorted(tensors)[1]
-    dropped = sorted(tensors)[0]
+    victim = required_names(cfg)[1]
+    dropped = required_names(cfg)[0]
     tensors["model.extra.weight"] = torch.zeros(3)
     tensors[victim] = torch.zeros(*tensors[victim].shape[:-1], tensors[victim].shape[-1] + 1)
     del tensors[dropped]
@@ -232,6 +240,60 @@ def test_huginn_tied_head(tmp_path):
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.01
     with pytest.raises(CheckpointError, match="lm_head.weight differs"):
         load_model(write_checkpoint(tmp_path / "untied", cfg, tensors))
+
+
+@pytest.mark.parametrize(
+    "left_out", [("lm_head.weight",), ("freqs_cis",), ("lm_head.weight", "freqs_cis")]
+)
+def test_huginn_loads_without_its_tied_head_or_rope_buffer(tmp_path, left_out):
+    # (Hugging Face and vLLM loaders tie a missing head to the embedding; the model never reads
+    # freqs_cis: RoPE comes from the config, huginn.freqs_cis, checked in test_presets)
+    cfg = CONFIGS["huginn_raven"]
+    tensors = random_tensors(cfg)
+    full = load_model(write_checkpoint(tmp_path / "full", cfg, tensors))
+    kept = {k: v for k, v in tensors.items() if k not in left_out}
+    lean = load_model(write_checkpoint(tmp_path / "lean", cfg, kept))
+    a, b = full.state_dict(), lean.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for prompt in ([5, 17, 33, 41, 9], [100, 7, 8]):
+        assert naive_generate(lean, prompt, 12) == naive_generate(full, prompt, 12)
+
+
+def test_tied_and_buffer_tensors_stay_optional_only_for_huginn(tmp_path):
+    # Ouro and Nanbeige store an untied head: its absence is still a missing tensor.
+    for family in ("ouro", "nanbeige"):
+        cfg = CONFIGS[family]
+        kept = {k: v for k, v in random_tensors(cfg).items() if k != "lm_head.weight"}
+        with pytest.raises(CheckpointError, match=r"missing tensors \(1\):\n    lm_head.weight"):
+            load_model(write_checkpoint(tmp_path / family, cfg, kept))
+
+
+@pytest.mark.parametrize("family", ["ouro", "nanbeige"])
+def test_a_transformers_5_config_generates_the_same_tokens(tmp_path, family):
+    # transformers 5 writes rope_parameters and neither rope_theta nor rope_scaling.
+    cfg = CONFIGS[family]
+    tensors = random_tensors(cfg)
+    tf5 = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    tf5["rope_parameters"] = {"rope_theta": cfg["rope_theta"], "rope_type": "default"}
+    old = load_model(write_checkpoint(tmp_path / "tf4", cfg, tensors), dtype="float32")
+    new = load_model(write_checkpoint(tmp_path / "tf5", tf5, tensors), dtype="float32")
+    assert new.config == old.config
+    for prompt in ([5, 17, 33, 41, 9], [100, 7, 8]):
+        assert naive_generate(new, prompt, 12) == naive_generate(old, prompt, 12)
+
+
+def test_rope_config_errors_name_the_file_and_both_values(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    cfg = {**CONFIGS["ouro"], "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    want = "config.json: ouro config: rope_theta=10000.0 and rope_parameters.rope_theta=1000000.0"
+    with pytest.raises(CheckpointError, match=re.escape(want) + " disagree"):
+        load_model(d)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    (d / "config.json").write_text(json.dumps({**CONFIGS["nanbeige"], "rope_scaling": yarn}))
+    with pytest.raises(CheckpointError, match="rope_scaling=.*: rope_type 'yarn' is not supported"):
+        load_model(d)
 
 
 def test_non_float_tensor(tmp_path):

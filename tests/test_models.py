@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -435,6 +436,121 @@ def test_registry():
     assert get_family("ouro").config_cls is OuroConfig
     with pytest.raises(ValueError, match="huginn_raven, nanbeige, ouro"):
         get_family("llama")
+
+
+# transformers 5 writes plain RoPE as ``rope_parameters`` and no rope_theta / rope_scaling keys.
+ROPE_CONFIGS = {
+    "ouro": (OuroConfig, VECTORS["configs"]["ouro"], "rope_theta"),
+    "nanbeige": (NanbeigeConfig, NANBEIGE_TINY, "rope_theta"),
+    "huginn_raven": (HuginnConfig, VECTORS["configs"]["huginn"], "rope_base"),
+}
+
+
+def _without(raw: dict, *keys: str) -> dict:
+    return {k: v for k, v in raw.items() if k not in keys}
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_CONFIGS))
+def test_plain_rope_is_accepted_in_every_spelling_transformers_writes(family):
+    cls, raw, key = ROPE_CONFIGS[family]
+    base, want = raw[key], cls.from_dict(raw)
+    plain = [
+        {"rope_scaling": {"rope_type": "default"}},
+        {"rope_scaling": {"type": "default"}},  # transformers < 4.45's name
+        {"rope_scaling": {}},
+        {"rope_scaling": {"rope_type": "default", "rope_theta": base}},
+        {"rope_parameters": {"rope_theta": base, "rope_type": "default"}},
+        {"rope_parameters": {"rope_theta": float(base), "rope_type": "default"}},  # 1e6 == 1000000
+    ]
+    for extra in plain:
+        assert cls.from_dict({**raw, **extra}) == want, extra
+    if key == "rope_theta":  # transformers 5: the base only inside rope_parameters
+        tf5 = _without(raw, key, "rope_scaling")
+        tf5["rope_parameters"] = {"rope_theta": base, "rope_type": "default"}
+        assert cls.from_dict(tf5) == want
+
+
+@pytest.mark.parametrize("family", sorted(ROPE_CONFIGS))
+@pytest.mark.parametrize("where", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ({"rope_type": "linear", "factor": 2.0}, "rope_type 'linear' is not supported"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "rope_type 'yarn' is not supported",
+        ),
+        ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+        ({"rope_type": "default", "factor": 1.0}, r"keys \['factor'\] are not supported"),
+        ("default", "must be null or a dict"),
+    ],
+)
+def test_scaled_rope_is_refused_naming_its_type(family, where, value, why):
+    cls, raw, _ = ROPE_CONFIGS[family]
+    with pytest.raises(ValueError, match=rf"^{family} config: {where}=.*: {why}"):
+        cls.from_dict({**raw, where: value})
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        (
+            "ouro",
+            {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}},
+            "rope_theta=10000.0 and rope_parameters.rope_theta=1000000.0 disagree",
+        ),
+        (
+            "nanbeige",
+            {"rope_scaling": {"rope_theta": 7e7}, "rope_parameters": {"rope_theta": 1e6}},
+            "rope_theta=70000000.0 and rope_parameters.rope_theta=1000000.0 disagree",
+        ),
+        (
+            "huginn_raven",
+            {"rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
+            "rope_base=50000 and rope_scaling.rope_theta=10000.0 disagree",
+        ),
+    ],
+)
+def test_a_rope_base_given_twice_must_agree(family, changes, message):
+    cls, raw, _ = ROPE_CONFIGS[family]
+    with pytest.raises(ValueError, match=re.escape(f"{family} config: {message}")):
+        cls.from_dict({**raw, **changes})
+
+
+def test_a_rope_base_given_nowhere_is_refused_not_defaulted():
+    raw = _without(VECTORS["configs"]["ouro"], "rope_theta")
+    for rope in ({}, {"rope_parameters": {"rope_type": "default"}}):
+        with pytest.raises(ValueError, match="ouro config: required key 'rope_theta' is missing"):
+            OuroConfig.from_dict({**raw, **rope})
+
+
+def test_ouro_early_exit_threshold_is_logged_once_and_not_applied(
+    dirs, tmp_path, monkeypatch, caplog
+):
+    # Hugging Face's forward defaults its threshold to config.json's; rltserve's requests keep
+    # 1.0 (full depth) and the load says so once (README, loop controls).
+    from rltserve.models import ouro
+
+    monkeypatch.setattr(ouro, "_warned_thresholds", set())
+    raw = VECTORS["configs"]["ouro"]
+    path = tmp_path / "eet"
+    shutil.copytree(dirs["ouro"], path)
+    (path / "config.json").write_text(json.dumps({**raw, "early_exit_threshold": 0.5}))
+    with caplog.at_level("WARNING", logger="rltserve.models.ouro"):
+        model = load_model(path)
+        load_model(path)
+        for value in (1.0, 2.0):  # full depth in Hugging Face too: nothing to say
+            with torch.device("meta"):
+                ouro.OuroModel(OuroConfig.from_dict({**raw, "early_exit_threshold": value}))
+    assert model.config.early_exit_threshold == 0.5
+    assert [r.getMessage() for r in caplog.records] == [
+        "config.json early_exit_threshold=0.5 is not applied: requests run full depth unless "
+        "they set exit_threshold (e.g. SamplingParams(exit_threshold=0.5) or the HTTP field)"
+    ]
+    want = VECTORS["cases"]["ouro_full_depth"]
+    for i, prompt in enumerate(PROMPTS):
+        tokens, depths = naive_generate(model, prompt, len(want["tokens"][i]))
+        assert (tokens, depths) == (want["tokens"][i], want["exit_depths"][i])
 
 
 # --------------------------------------------------------------------------- layers

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import NANBEIGE_TINY, random_tensors, write_checkpoint
+from builders import HUGINN_0125, NANBEIGE_TINY, random_tensors, write_checkpoint
 from safetensors import safe_open
 
 from rltserve.models import demo, load_model
@@ -209,6 +209,28 @@ def test_huginn_tiny_recurrence_settles_on_an_input_dependent_state(
     top = lg[-1].argmax(-1).tolist()
     assert len(set(top)) > 40
     assert sum(t == i for t, i in zip(top, ids)) < 4
+
+
+def test_huginn_freqs_cis_from_the_config_is_the_stored_buffer_bit_for_bit(
+    built: dict[str, Path],
+) -> None:
+    # What a checkpoint without freqs_cis leaves to the config: the table the forward's RoPE is.
+    from rltserve.models.huginn import freqs_cis
+
+    path = built["huginn-tiny"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        stored = f.get_tensor("freqs_cis")
+    got = freqs_cis(json.loads((path / "config.json").read_text()))
+    assert got.dtype == stored.dtype == torch.float32 and got.shape == stored.shape
+    assert torch.equal(got.view(torch.int32), stored.view(torch.int32))
+    # and at the real checkpoint's shape, [1, 4096, 1, 48, 2], as make-model writes it
+    from rltserve.models.checkpoint import Draws, huginn_value
+
+    cfg = {**HUGINN_0125, "init_values": {**HUGINN_0125["init_values"], "out_proj": 5.4e-4}}
+    real = freqs_cis(cfg)
+    table = huginn_value(Draws(0), cfg, "freqs_cis", tuple(real.shape))
+    assert real.shape == (1, 4096, 1, 48, 2)
+    assert torch.equal(real.view(torch.int32), table.view(torch.int32))
 
 
 def test_stream_writer_refuses_tensors_out_of_name_order(tmp_path: Path) -> None:

@@ -114,6 +114,46 @@ def check_decoder(cfg: object, family: str) -> None:
     check_tokens(cfg, family, "eos_token_ids", cfg.vocab_size)
 
 
+def read_rope_base(raw: dict[str, Any], family: str, key: str = "rope_theta") -> Any:
+    """The RoPE base of plain (unscaled) RoPE, in either config.json form transformers writes.
+
+    transformers < 5 writes a top-level ``rope_theta`` and ``rope_scaling`` (null for plain RoPE);
+    transformers 5 writes ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}``)
+    and reads ``rope_scaling`` as an alias of it. Either dict means plain RoPE when its
+    ``rope_type`` (or legacy ``type``; absent: ``"default"``) is ``"default"`` and it holds no key
+    beyond ``rope_theta``; any other type changes the frequencies or the attention scale and is
+    refused naming it. The base is ``raw[key]`` (Huginn names it ``rope_base``), else the dicts'
+    ``rope_theta``; copies that disagree are refused rather than one silently winning. Never
+    transformers' class default (10000): a config without a base is refused."""
+    found: dict[str, Any] = {}  # where the base was given -> its value
+    if key in raw:
+        found[key] = raw[key]
+    for name in ("rope_scaling", "rope_parameters"):
+        params = raw.get(name)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise bad(family, name, params, "must be null or a dict")
+        kinds = {params[k] for k in ("rope_type", "type") if k in params} or {"default"}
+        if kinds != {"default"}:
+            kind = ", ".join(repr(k) for k in sorted(kinds, key=str) if k != "default")
+            raise bad(family, name, params, f"rope_type {kind} is not supported (only plain RoPE)")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        if extra:
+            raise bad(family, name, params, f"keys {extra} are not supported (only plain RoPE)")
+        if "rope_theta" in params:
+            found[f"{name}.rope_theta"] = params["rope_theta"]
+    if not found:
+        raise ValueError(
+            f"{family} config: required key {key!r} is missing (and no rope_parameters.rope_theta)"
+        )
+    (first, value), *others = found.items()
+    for where, other in others:
+        if other != value:
+            raise ValueError(f"{family} config: {first}={value!r} and {where}={other!r} disagree")
+    return value
+
+
 def check_full_attention(family: str, layer_types: object, num_layers: int) -> None:
     """``layer_types`` may be absent; when present every layer must be ``full_attention``."""
     if layer_types is None:

@@ -10,8 +10,9 @@ Every block is a SandwichBlock whose norms act on the residual *sum*:
 ``x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x)``. Attention is MHA with
 ``qk_bias`` added to q and k before the interleaved (complex-pair) RoPE, which is computed in fp32.
 The checkpoint also stores ``lm_head.weight`` (a copy of ``wte``) and the ``freqs_cis`` buffer;
-the loader checks the copy and ties it, and RoPE is recomputed from positions, so neither is a
-parameter.
+the loader checks the copy and ties it, and RoPE is recomputed from positions (``freqs_cis`` is
+that table), so neither is a parameter and a checkpoint may leave either out (``tie_embeddings``
+is always true here).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ _FIXED = {  # config values other variants would use; only these are implemented
     "nonlin_name": "SiLU",
     "norm_class_name": "RMSNorm_llama",
     "state_init": "like-init",
-    "rope_scaling": None,
 }
 
 
@@ -135,7 +135,7 @@ class HuginnConfig:
             n_layers_in_recurrent_block=counts[1],
             n_layers_in_coda=counts[2],
             mean_recurrence=get("mean_recurrence"),
-            rope_base=get("rope_base"),
+            rope_base=hc.read_rope_base(raw, FAMILY, "rope_base"),
             norm_eps=get("norm_eps"),
             embed_scale=init["embed_scale"],
             init_std=init["std"],
@@ -177,6 +177,14 @@ def tensor_shapes(cfg: HuginnConfig | dict[str, Any]) -> dict[str, tuple[int, ..
             shapes[p + "mlp.fc.weight"] = (2 * inter, e)
             shapes[p + "mlp.proj.weight"] = (e, inter)
     return shapes
+
+
+def freqs_cis(cfg: HuginnConfig | dict[str, Any]) -> torch.Tensor:
+    """The checkpoint's ``freqs_cis`` buffer, [1, block_size, 1, head_dim // 2, 2] fp32 (cos, sin),
+    from the config: the RoPE the forward computes (``rope_cos_sin``) at every position."""
+    c = _as_config(cfg)
+    cos, sin = rope_cos_sin(torch.arange(c.block_size), c.head_dim, c.rope_base)
+    return torch.stack((cos, sin), dim=-1)[None, :, None]
 
 
 def param_sources(cfg: HuginnConfig | dict[str, Any]) -> dict[str, tuple[str, ...]]:

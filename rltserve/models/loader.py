@@ -17,7 +17,8 @@ Invariants:
 - Loading a large checkpoint (``PROGRESS_MIN_BYTES`` or ``PROGRESS_MIN_FILES`` shards) shows a
   progress bar on stderr when stderr is a terminal; ``progress=False`` turns it off.
 - Tied copies (Huginn's ``lm_head.weight``) must equal their source and are then dropped: the
-  model holds one parameter.
+  model holds one parameter. Tied copies and buffers (Huginn's ``freqs_cis``) may be absent, as
+  Hugging Face and vLLM loaders allow: the model reads neither.
 - The model's stop ids (``spec.eos_token_ids``) add ``generation_config.json``'s
   ``eos_token_id`` (an id or a list) to the family's, as vLLM stops on them; a malformed or
   absent file adds none.
@@ -129,9 +130,12 @@ def _listing(title: str, items: list[str]) -> str:
 
 
 def _check_layout(
-    root: Path, found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]
+    root: Path,
+    found: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    optional: set[str],
 ) -> None:
-    missing = sorted(set(expected) - set(found))
+    missing = sorted(set(expected) - set(found) - optional)
     unexpected = sorted(set(found) - set(expected))
     misshaped = sorted(
         f"{n}: checkpoint {list(found[n])}, expected {list(expected[n])}"
@@ -231,11 +235,12 @@ def load_model(
                 nbytes[name] = size * int(torch.Size(shapes[name]).numel())
                 if dtypes[name] not in FLOAT_DTYPES:
                     bad_dtypes.append(f"{name}: {dtypes[name]}")
-        _check_layout(root, found, expected)
+        _check_layout(root, found, expected, set(family.tied) | set(family.buffers))
         if bad_dtypes:
             raise CheckpointError(f"{root}: non-float tensors" + _listing("tensors", bad_dtypes))
         for copy, source in family.tied.items():
-            check_tied(handles, copy, source)
+            if copy in handles:
+                check_tied(handles, copy, source)
         with torch.device("meta"):
             model = family.model_cls(cfg)
         state: dict[str, torch.Tensor] = {}

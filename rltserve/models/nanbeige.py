@@ -34,7 +34,6 @@ _POSITIVE_INTS = (
 )
 _FIXED = {
     "hidden_act": "silu",
-    "rope_scaling": None,
     "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
@@ -110,7 +109,7 @@ class NanbeigeConfig:
             head_dim=head_dim,
             max_position_embeddings=get("max_position_embeddings"),
             rms_norm_eps=get("rms_norm_eps"),
-            rope_theta=get("rope_theta"),
+            rope_theta=hc.read_rope_base(raw, FAMILY),
             num_loops=get("num_loops"),
             bos_token_id=get("bos_token_id", None),
             eos_token_ids=hc.read_ids(raw, FAMILY, "eos_token_id"),

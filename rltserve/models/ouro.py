@@ -12,6 +12,7 @@ gate/up into ``gate_up_proj`` (``param_sources`` says which checkpoint tensors f
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,6 @@ _POSITIVE_INTS = (
 )
 _FIXED = {
     "hidden_act": "silu",
-    "rope_scaling": None,
     "tie_word_embeddings": False,
     "use_sliding_window": False,
     "early_exit_step": None,
@@ -51,6 +51,8 @@ NORMS = (
     "post_attention_layernorm",
     "post_attention_layernorm_2",
 )
+log = logging.getLogger(__name__)
+_warned_thresholds: set[float] = set()  # early_exit_threshold values already warned about
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class OuroConfig:
     rms_norm_eps: float
     rope_theta: float
     total_ut_steps: int
+    # Hugging Face's forward defaults its exit threshold to this; rltserve's requests do not
+    # (``warn_unapplied_threshold``). Every real checkpoint has 1.0 (full depth).
     early_exit_threshold: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -101,13 +105,32 @@ class OuroConfig:
             head_dim=head_dim,
             max_position_embeddings=get("max_position_embeddings"),
             rms_norm_eps=get("rms_norm_eps"),
-            rope_theta=get("rope_theta"),
+            rope_theta=hc.read_rope_base(raw, FAMILY),
             total_ut_steps=get("total_ut_steps"),
             early_exit_threshold=get("early_exit_threshold", 1.0),
             bos_token_id=get("bos_token_id", None),
             eos_token_ids=hc.read_ids(raw, FAMILY, "eos_token_id"),
             pad_token_id=get("pad_token_id", None),
         )
+
+
+def warn_unapplied_threshold(c: OuroConfig) -> None:
+    """Warn (once per value and process) that config.json's ``early_exit_threshold`` < 1 is not
+    the requests' default. Hugging Face's forward uses it when a call passes no threshold
+    (MODELS.md §1.5); rltserve's ``exit_threshold`` default stays 1.0 (full depth) wherever a
+    request leaves it out, as its adaptive exit is not Hugging Face's (a token stops looping
+    and its deeper KV follows ``kv_policy``; HF runs every loop and only picks the output),
+    so depth stays each request's explicit choice. A value >= 1 means full depth in both."""
+    value = c.early_exit_threshold
+    if value >= 1.0 or value in _warned_thresholds:
+        return
+    _warned_thresholds.add(value)
+    log.warning(
+        "config.json early_exit_threshold=%s is not applied: requests run full depth unless they "
+        "set exit_threshold (e.g. SamplingParams(exit_threshold=%s) or the HTTP field)",
+        value,
+        value,
+    )
 
 
 def _as_config(cfg: OuroConfig | dict[str, Any]) -> OuroConfig:
@@ -189,6 +212,7 @@ class OuroModel(LoopedModel):
     def __init__(self, config: OuroConfig) -> None:
         super().__init__()
         c = self.config = config
+        warn_unapplied_threshold(c)
         self.model = OuroBody(c)
         self.lm_head = Linear(c.hidden_size, c.vocab_size)
         eos = CHAT_STOP_IDS + tuple(t for t in c.eos_token_ids if t not in CHAT_STOP_IDS)

@@ -6,7 +6,8 @@ A family's checkpoint layout has three parts, all functions of the parsed config
 - ``param_sources``: module parameter -> checkpoint tensors concatenated (dim 0) to build it;
 - ``tied``: checkpoint-only copies that must equal another tensor (copy -> source) and are then
   dropped in favour of the source. Remaining checkpoint-only names (``buffers``) are ignored after
-  their shape is checked.
+  their shape is checked. Both may be absent from a checkpoint (the model computes what a buffer
+  holds from the config; see ``huginn.freqs_cis``).
 """
 
 from __future__ import annotations
