@@ -129,3 +129,10 @@ def write_checkpoint(
 
 def build_nanbeige_tiny(out_dir: Path, shards: int = 1) -> Path:
     return write_checkpoint(out_dir, NANBEIGE_TINY, random_tensors(NANBEIGE_TINY), shards)
+
+
+def real_spec(raw: dict):
+    """The ``LoopedSpec`` of a real config (``OURO_1_4B``, ...), built on the meta device."""
+    family = get_family(raw["model_type"])
+    with torch.device("meta"):
+        return family.model_cls(family.parse_config(raw)).spec
