@@ -373,7 +373,21 @@ def exit_code(exc: BaseException) -> int | None:
 
 
 def one_line(message: str) -> str:
-    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+    """``message``'s lines joined by "; ", except a listing: the lines indented under one that
+    ends in ":" (``missing tensors (2):`` and its names) follow it joined by ", "."""
+    parts: list[str] = []
+    listing_at: int | None = None  # the indent of the line that opened the current listing
+    for line in message.splitlines():
+        text = line.strip()
+        if not text:
+            continue
+        indent = len(line) - len(line.lstrip())
+        if listing_at is not None and indent > listing_at:
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + text
+            continue
+        listing_at = indent if text.endswith(":") else None
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _command_parser(

@@ -36,7 +36,31 @@ def _check_device(name: str, value: object) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = field(
-        default=None, metadata=_help("checkpoint directory (default: the built-in demo model)")
+        default=None,
+        metadata=_help(
+            "checkpoint directory, or a Hugging Face repo id in the local cache (default: the "
+            "built-in demo model)"
+        ),
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata=_help(
+            "tokenizer directory, or a Hugging Face repo id in the local cache (default: the "
+            "checkpoint's)"
+        ),
+    )
+    # The two below only find repo ids in the cache: a built config holds the directories
+    # found (model, tokenizer) and no longer needs them.
+    revision: str | None = field(
+        default=None,
+        metadata=_help("branch, tag or commit of a repo id given as the model (default: main)"),
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "Hugging Face cache folder to find repo ids in (default: HF_HUB_CACHE, or the hub "
+            "folder of HF_HOME)"
+        ),
     )
     dtype: str = field(
         default="float32",

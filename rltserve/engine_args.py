@@ -14,7 +14,7 @@ import types
 import typing
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
-from rltserve.preflight import check_engine, resolve_dtype, resolve_model
+from rltserve.preflight import check_engine, resolve_dtype, resolve_model, resolve_tokenizer
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
@@ -77,15 +77,24 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     fail here as usage errors, before a model loads. ``as_run`` overrides what the command
     changes before it builds engines. The chunk size is capped at the step's token budget, as
     ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid. A Hugging Face repo
-    id becomes its snapshot in the local cache, as ``LLM`` resolves it."""
+    id (``--model``, ``--tokenizer``) becomes its snapshot in the local cache (at
+    ``--revision``, in ``--download-dir``), as ``LLM`` resolves it; those two are then spent
+    (None), so that ``LLM(**kw)`` takes the directories as they are."""
     kw = engine_kwargs(args)
     if kw["exit_mode"] == "trace":
         raise ValueError(
             "--exit-mode trace: replays the exit depths each request gives "
             "(SamplingParams.trace_depths, offline API only); no command can give them"
         )
-    if kw["model"] is not None:
-        kw["model"] = resolve_model(kw["model"])
+    given, revision, cache_dir = kw["model"], kw["revision"], kw["download_dir"]
+    if given is not None:
+        kw["model"] = resolve_model(given, revision, cache_dir)
+    elif revision is not None:
+        raise ValueError(f"--revision {revision}: only for a Hugging Face repo id as --model")
+    if kw["tokenizer"] is not None:
+        at = revision if kw["tokenizer"] == given else None  # (LLM's rule)
+        kw["tokenizer"] = resolve_tokenizer(kw["tokenizer"], at, cache_dir)
+    kw["revision"] = kw["download_dir"] = None
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
     kw["dtype"] = resolve_dtype(kw["dtype"], kw["model"])
     check_engine({**kw, **as_run})

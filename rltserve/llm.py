@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -25,9 +25,15 @@ from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_controls import TrainerControls, seconds
-from rltserve.models.tokenizer import has_tokenizer_files, load_tokenizer
+from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, reported_stop_ids, request_output
-from rltserve.preflight import check_checkpoint_dir, check_device, resolve_dtype, resolve_model
+from rltserve.preflight import (
+    check_checkpoint_dir,
+    check_device,
+    resolve_dtype,
+    resolve_model,
+    resolve_tokenizer,
+)
 from rltserve.progress import in_notebook, progress_enabled
 from rltserve.prompt_inputs import (
     PromptInput,
@@ -108,6 +114,7 @@ class LLM(TrainerControls):
         enforce_eager: bool = False,
         gpu_memory_utilization: float | None = None,
         revision: str | None = None,
+        download_dir: str | os.PathLike | None = None,
         generation_config: str = "auto",
         override_generation_config: Mapping[str, Any] | None = None,
         swap_space: float | None = None,
@@ -117,7 +124,8 @@ class LLM(TrainerControls):
         or on CUDA what ``gpu_memory_utilization`` leaves). ``seed``: the engine's seed for
         requests without one (None: a fresh random one). ``tokenizer``,
         ``trust_remote_code``, ``tensor_parallel_size``, ``enforce_eager``,
-        ``gpu_memory_utilization``, ``revision``, ``swap_space`` (GiB: ``swap_space_gb``),
+        ``gpu_memory_utilization``, ``revision``, ``download_dir``, ``swap_space`` (GiB:
+        ``swap_space_gb``),
         ``generation_config`` and ``override_generation_config``
         (``get_default_sampling_params``) and the ``vllm_options`` RL frameworks pass
         (``enable_sleep_mode``, ``model_impl``, ...) are vLLM's (``vllm_args``)."""
@@ -131,16 +139,25 @@ class LLM(TrainerControls):
         check_parallel(tensor_parallel_size)
         if gpu_memory_utilization is not None:
             check_utilization(gpu_memory_utilization)
-        if tokenizer is not None and not has_tokenizer_files(Path(tokenizer)):
-            raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer files there")
         from rltserve.models.demo import model_or_demo
 
-        model = resolve_model(str(model_or_demo(model)), revision)
+        if download_dir is not None and not isinstance(download_dir, (str, os.PathLike)):
+            raise ValueError(f"download_dir={download_dir!r}: must be None or a path")
+        given = str(model_or_demo(model))
+        # vLLM's model_config.model is the argument as given: a repo id stays one.
+        self._model_name = given
+        self._download_dir = download_dir
+        model = resolve_model(given, revision, download_dir)
+        if tokenizer is not None:
+            # (vLLM's tokenizer_revision defaults to the model's revision: same repo only here)
+            at = revision if str(tokenizer) == given else None
+            tokenizer = resolve_tokenizer(str(tokenizer), at, download_dir)
         dtype = resolve_dtype(dtype, model)
         self._generation_config = generation_config_folder(generation_config, model)
         self._generation_overrides = generation_overrides(override_generation_config)
         self.config = EngineConfig.from_flat(
             model=model,
+            tokenizer=tokenizer,
             dtype=dtype,
             device=device,
             kv_policy=kv_policy,

@@ -36,13 +36,16 @@ class TrainerControls:
     _running: threading.Condition  # guards _paused
     _paused: bool
     _closed = False  # set by close()
+    _model_name: str  # the model as given (a repo id stays one), vLLM's model_config.model
+    _download_dir: Any  # where repo ids given to update_weights are found too
 
     def update_weights(
         self, weights: WeightsArg, *, abort: bool = False, timeout: float = 300.0
     ) -> int:
         """Replaces the model's weights in place and returns the new ``weight_version``.
 
-        ``weights``: a checkpoint directory (or ``.safetensors`` file) or an iterable of
+        ``weights``: a checkpoint directory (or ``.safetensors`` file), a Hugging Face repo id
+        in the local cache (as the model's, ``download_dir`` included), or an iterable of
         ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
         ``state_dict().items()``; a subset updates only those tensors. Strict: an unknown name,
         a wrong shape or a non-float tensor rejects the whole update (``ValueError`` listing
@@ -53,7 +56,7 @@ class TrainerControls:
         if not isinstance(abort, bool):
             raise ValueError(f"abort={abort!r}: must be a bool")
         timeout = seconds("timeout", timeout)
-        with update_paths(weights) as paths, self._stage():
+        with update_paths(weights, self._download_dir) as paths, self._stage():
             return self._client.update_weights(paths, abort, timeout)
 
     @property
@@ -133,7 +136,8 @@ class TrainerControls:
 @dataclass(frozen=True)
 class VllmModelConfig:
     """``llm.llm_engine.model_config``: the fields of vLLM's ``ModelConfig`` rltserve knows
-    (lm-eval reads ``max_model_len``). ``model`` is the checkpoint's directory,
+    (lm-eval reads ``max_model_len``). ``model`` is the checkpoint as given (a directory, or
+    a Hugging Face repo id),
     ``max_model_len`` the engine's context limit, ``dtype`` a ``torch.dtype`` (as vLLM's);
     ``llm.info`` and ``llm.config`` hold the rest."""
 
@@ -193,7 +197,7 @@ class LLMEngine(EnginePath):
         import torch  # (the stage has imported it already)
 
         return VllmModelConfig(
-            model=llm.config.model.model,
+            model=llm._model_name,
             max_model_len=llm.info.max_model_len,
             dtype=getattr(torch, llm.config.model.dtype),
             seed=llm.config.model.seed,

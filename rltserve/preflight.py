@@ -19,28 +19,87 @@ from rltserve.config import DTYPES, EngineConfig
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
-def resolve_model(model: str, revision: str | None = None) -> str:
+def resolve_model(
+    model: str,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    name: str = "model",
+) -> str:
     """A local checkpoint directory for ``model``: the path itself, or a Hugging Face repo id
-    (``org/name``, no such path here) found in the local Hugging Face cache at ``revision``.
-    Never downloads: a repo id not in the cache is a ValueError saying how to fetch it."""
+    (``org/name``, no such path here) found in the local Hugging Face cache at ``revision``
+    (in ``cache_dir``, vLLM's ``download_dir``, when given). Never downloads: a repo id not in
+    the cache is a ValueError saying how to fetch it. ``name``: the argument errors name."""
+    path = _snapshot(model, revision, cache_dir, name)
+    if path != model and not any(Path(path).glob("*.safetensors*")):
+        # (what a tokenizer's or a config's download leaves)
+        fetch = _fetch(model, revision, cache_dir)
+        raise ValueError(f"{name}={model!r}: the local cache holds no weights of it; {fetch}")
+    return path
+
+
+def resolve_tokenizer(
+    tokenizer: str,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> str:
+    """A directory with tokenizer files for vLLM's ``tokenizer``: a path, or a repo id found
+    in the local Hugging Face cache as ``resolve_model`` finds one (never downloaded)."""
+    from rltserve.models.tokenizer import has_tokenizer_files
+
+    path = _snapshot(tokenizer, revision, cache_dir, "tokenizer")
+    if not has_tokenizer_files(Path(path)):
+        there = "there" if path == tokenizer else f"in its cached snapshot {path}"
+        raise ValueError(f"tokenizer={tokenizer!r}: no tokenizer files {there}")
+    return path
+
+
+def snapshot_repo_id(path: str | os.PathLike) -> str | None:
+    """``org/name`` for a Hugging Face cache snapshot directory
+    (``.../models--org--name/snapshots/<commit>``), else None."""
+    p = Path(path)
+    repo = p.parent.parent.name
+    if p.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/", 1)
+
+
+def _snapshot(
+    model: str, revision: str | None, cache_dir: str | os.PathLike | None, name: str
+) -> str:
+    """``model`` itself when it is a path (or cannot be a repo id), else its snapshot in the
+    local Hugging Face cache."""
     if Path(model).exists() or not _REPO_ID.fullmatch(model):
         if revision is not None:
             raise ValueError(f"revision={revision!r}: only for a Hugging Face repo id")
         return model
-    fetch = f"rltserve never downloads weights (`huggingface-cli download {model}`)"
     try:
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(model, revision=revision, local_files_only=True)
+        return snapshot_download(
+            model,
+            revision=revision,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            local_files_only=True,
+        )
     except Exception:  # (not cached, or no huggingface_hub): the same advice
         at = "" if revision is None else f" at revision {revision!r}"
+        where = "" if cache_dir is None else f" ({cache_dir})"
         raise ValueError(
-            f"model={model!r}: no such directory, nor a Hugging Face repo id in the local "
-            f"cache{at}; {fetch}"
+            f"{name}={model!r}: no such directory, nor a Hugging Face repo id in the local "
+            f"cache{where}{at}; {_fetch(model, revision, cache_dir)}"
         ) from None
-    if not any(Path(path).glob("*.safetensors*")):  # (a tokenizer's download leaves config)
-        raise ValueError(f"model={model!r}: the local cache holds no weights of it; {fetch}")
-    return path
+
+
+def _fetch(model: str, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
+    """How to download ``model`` to where it is looked for (huggingface_hub >= 0.34 ships
+    the ``hf`` command; only older ones have ``huggingface-cli``, which takes the same
+    arguments)."""
+    flags = "" if revision is None else f" --revision {revision}"
+    flags += "" if cache_dir is None else f" --cache-dir {cache_dir}"
+    return (
+        f"rltserve never downloads (`hf download {model}{flags}`; "
+        "huggingface-cli download on huggingface_hub < 0.34)"
+    )
 
 
 def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:

@@ -9,7 +9,8 @@
   the KV pool gets that share of the device's memory less the weights and a reserve for
   activations (``kv_budget_bytes``); on the CPU it has no effect (``kv_cache_gb`` sizes the
   pool there, as vLLM's CPU backend has its own setting).
-- ``tokenizer``: a directory to load the tokenizer from instead of the checkpoint's.
+- ``tokenizer``: a directory (or a Hugging Face repo id in the local cache) to load the
+  tokenizer from instead of the checkpoint's.
 - ``dtype``: also vLLM's ``auto`` (the checkpoint's), ``half`` and ``float``, or a
   ``torch.dtype`` (``preflight.resolve_dtype``).
 - ``generation_config``: where ``get_default_sampling_params`` reads sampling defaults:
@@ -20,20 +21,19 @@
   ``get_default_sampling_params`` (``generation_overrides``; None drops a default).
 - ``swap_space`` (GiB): the host swap space, ``swap_space_gb``.
 - ``model`` may be a Hugging Face repo id found in the local Hugging Face cache (``revision``
-  picks the snapshot); nothing is downloaded (``preflight.resolve_model``).
+  picks the snapshot, ``download_dir`` is the cache folder, huggingface_hub's ``cache_dir``);
+  nothing is downloaded (``preflight.resolve_model``).
 - The arguments RL frameworks pass on every construction (``INERT``: TRL's ``enable_sleep_mode``,
   ``model_impl``, ``distributed_executor_backend``, ...) are accepted where their value asks
   for what rltserve does anyway; another value is a ValueError saying why it cannot be had.
   Among them verl's ``compilation_config`` (any value: it tunes vLLM's compilation and CUDA
-  graph capture, and rltserve captures its own graphs, ``cuda_graphs``), ``download_dir``
-  (nothing is ever downloaded), vLLM's performance switches (``disable_cascade_attn``,
-  ``num_scheduler_steps``, ``disable_async_output_proc``) and ``hf_overrides`` (empty only:
-  the checkpoint's config is loaded as it is).
+  graph capture, and rltserve captures its own graphs, ``cuda_graphs``), vLLM's performance
+  switches (``disable_cascade_attn``, ``num_scheduler_steps``, ``disable_async_output_proc``)
+  and ``hf_overrides`` (empty only: the checkpoint's config is loaded as it is).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -96,10 +96,6 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     "data_parallel_size": (_one_of(1), "one engine per LLM (replicas: rltserve.ray.generate)"),
     "max_seq_len_to_capture": (_is_int, ""),  # (CUDA graphs: cuda_graph_max_context)
     "compilation_config": (_anything, ""),  # (vLLM's graph capture; rltserve's: cuda_graphs)
-    "download_dir": (
-        lambda v: v is None or isinstance(v, (str, os.PathLike)),
-        "None or a path: nothing is ever downloaded",
-    ),
     "disable_cascade_attn": (_any_bool, ""),
     "num_scheduler_steps": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
     "disable_async_output_proc": (_any_bool, ""),

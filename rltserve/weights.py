@@ -1,9 +1,11 @@
 """What ``LLM.update_weights`` accepts, turned into files the stage can read.
 
-A checkpoint directory (or one ``.safetensors`` file) is sent as its path. An iterable of
-``(name, tensor)`` pairs in checkpoint names (a trainer's ``state_dict().items()``) is written
-to a temporary safetensors file first: the stage runs in another process, and a file is the one
-form both sides already read strictly (``core/weight_update.py`` validates it there).
+A checkpoint directory (or one ``.safetensors`` file) is sent as its path; a Hugging Face repo
+id, as ``LLM`` takes one, as its snapshot in the local cache (``preflight.resolve_model``). An
+iterable of ``(name, tensor)`` pairs in checkpoint names (a trainer's ``state_dict().items()``)
+is written to a temporary safetensors file first: the stage runs in another process, and a
+file is the one form both sides already read strictly (``core/weight_update.py`` validates it
+there).
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ WeightsArg = str | os.PathLike | Iterable[tuple[str, Any]]
 
 
 @contextmanager
-def update_paths(weights: WeightsArg) -> Iterator[list[str]]:
-    """The paths to send for ``weights``; a temporary file lives until the block ends."""
+def update_paths(
+    weights: WeightsArg, cache_dir: str | os.PathLike | None = None
+) -> Iterator[list[str]]:
+    """The paths to send for ``weights``; a temporary file lives until the block ends.
+    ``cache_dir``: the Hugging Face cache a repo id is found in (None: the default one)."""
     if isinstance(weights, (str, os.PathLike)):
+        from rltserve.preflight import resolve_model
+
         path = Path(weights)
+        if not path.exists():
+            path = Path(resolve_model(str(weights), cache_dir=cache_dir, name="weights"))
         if not path.exists():
             raise ValueError(f"weights: {str(path)!r} does not exist")
         yield [str(path.resolve())]
@@ -94,14 +103,20 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
 def update_files(path: str | Path) -> list[Path]:
     """The safetensors files of an update given as a path: a checkpoint directory (its weight
     files, sharded or not) or one ``.safetensors`` file."""
+    from rltserve.checkpoint_files import weight_file_problem  # (it imports this module)
+
     p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+    elif p.is_file() or p.is_symlink():
+        files = [p]
+    else:
         raise ValueError(f"weights: {str(p)!r} is neither a checkpoint directory nor a file")
-    files = sorted(p.glob("*.safetensors"))
     if not files:
         raise ValueError(f"weights: {str(p)!r} holds no .safetensors files")
+    for file in files:
+        if (problem := weight_file_problem(file)) is not None:
+            raise ValueError(f"weights: {problem}")
     odd = [f.name for f in files if not f.is_file()]  # (a FIFO would block the engine's read)
     if odd:
         raise ValueError(f"weights: {str(p)!r}: not regular files: {', '.join(odd[:5])}")

@@ -255,6 +255,17 @@ def test_list_flags_and_aliases():
     ("raised", "code", "line"),
     [
         (ValueError("bad\n  value\n"), 2, "rltserve: error: bad; value"),
+        (  # the loader's listings: each title and its names on one line
+            ValueError(
+                "c: checkpoint does not match the config\n  missing tensors (2):\n    a.w\n"
+                "    b.w\n  unexpected tensors (1):\n    extra.weight\n  wrong shapes (1):\n"
+                "    lm_head.weight: checkpoint [100, 64], expected [512, 64]"
+            ),
+            2,
+            "rltserve: error: c: checkpoint does not match the config; missing tensors (2): "
+            "a.w, b.w; unexpected tensors (1): extra.weight; wrong shapes (1): lm_head.weight: "
+            "checkpoint [100, 64], expected [512, 64]",
+        ),
         (ValueError(""), 2, "rltserve: error: ValueError"),
         (RuntimeError("stage failed"), 1, "rltserve: error: stage failed"),
         (KeyboardInterrupt(), 130, "rltserve: interrupted"),

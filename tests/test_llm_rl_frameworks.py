@@ -13,6 +13,7 @@ import pytest
 from rltserve import LLM, SamplingParams
 from rltserve.cli import build_parser
 from rltserve.http.cli import serve_configs
+from rltserve.models.tokenizer import load_tokenizer
 from rltserve.preflight import resolve_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -154,8 +155,13 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
     assert serve_configs(args)[0].served_model_name == "mine"  # (a given name is kept)
     args = build_parser().parse_args(["serve", "--model", str(tiny)])
     assert serve_configs(args)[0].served_model_name is None  # a directory: its name
-    with pytest.raises(ValueError, match="never downloads weights.*huggingface-cli download"):
+    with pytest.raises(ValueError) as err:
         resolve_model("someorg/missing")
+    assert str(err.value) == (
+        "model='someorg/missing': no such directory, nor a Hugging Face repo id in the local "
+        "cache; rltserve never downloads (`hf download someorg/missing`; huggingface-cli "
+        "download on huggingface_hub < 0.34)"
+    )
     with pytest.raises(ValueError, match="at revision 'v2'"):
         resolve_model("someorg/ouro-tiny", revision="v2")
     # What a tokenizer's download leaves (config and tokenizer files): no weights to load.
@@ -166,6 +172,76 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
     (cache / "models--someorg--tok-only" / "refs" / "main").write_text(COMMIT)
     with pytest.raises(ValueError, match="the local cache holds no weights of it"):
         resolve_model("someorg/tok-only")
+
+
+def cached(cache: Path, repo: str, files) -> Path:
+    """A Hugging Face cache entry of ``repo`` in ``cache`` (a hub folder): ``files`` linked
+    from its snapshot, and the ref naming it."""
+    entry = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for f in files:
+        (snapshot / f.name).symlink_to(f)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_tokenizer_download_dir_and_updates_take_repo_ids_as_the_model_does(tiny, tmp_path):
+    """vLLM's ``tokenizer`` may be a repo id, ``download_dir`` is the cache to look in; the
+    model config keeps the id as given, and weight updates resolve ids too."""
+    cache = tmp_path / "hub"  # (not the default cache: found through download_dir alone)
+    snapshot = cached(cache, "someorg/ouro-tiny", tiny.iterdir())
+    no_weights = [f for f in tiny.iterdir() if not f.name.endswith(".safetensors")]
+    tok = cached(cache, "someorg/tok", no_weights)
+    kw = {"download_dir": cache, "in_process": True, "num_blocks": 64}
+    with LLM("someorg/ouro-tiny", tokenizer="someorg/tok", **kw) as llm:
+        assert llm.llm_engine.model_config.model == "someorg/ouro-tiny"
+        assert (llm.config.model.model, llm.config.model.tokenizer) == (str(snapshot), str(tok))
+        (out,) = llm.generate(["hello"], GREEDY)
+        assert out.prompt_token_ids == load_tokenizer(tiny).encode_prompt("hello")
+        assert llm.update_weights("someorg/ouro-tiny") == 1
+        with pytest.raises(ValueError, match=r"^weights='someorg/tok': the local cache holds no"):
+            llm.update_weights("someorg/tok")
+    with pytest.raises(ValueError) as err:
+        LLM(str(tiny), tokenizer="someorg/missing", **kw)
+    assert str(err.value) == (
+        f"tokenizer='someorg/missing': no such directory, nor a Hugging Face repo id in the "
+        f"local cache ({cache}); rltserve never downloads (`hf download someorg/missing "
+        f"--cache-dir {cache}`; huggingface-cli download on huggingface_hub < 0.34)"
+    )
+    empty = cached(cache, "someorg/config-only", [tiny / "config.json"])
+    with pytest.raises(ValueError) as err:
+        LLM(str(tiny), tokenizer="someorg/config-only", **kw)
+    assert str(err.value) == (
+        f"tokenizer='someorg/config-only': no tokenizer files in its cached snapshot {empty}"
+    )
+    with pytest.raises(ValueError, match=r"^download_dir=3: must be None or a path$"):
+        LLM(str(tiny), download_dir=3, in_process=True)
+
+
+def test_the_commands_take_revision_tokenizer_and_download_dir(tiny, tmp_path):
+    cache = tmp_path / "hub"
+    snapshot = cached(cache, "someorg/ouro-tiny", tiny.iterdir())
+    for command in (["generate"], ["bench", "offline"], ["serve"]):
+        args = build_parser().parse_args(
+            [*command, "--model", "someorg/ouro-tiny", "--revision", COMMIT]
+            + ["--tokenizer", "someorg/ouro-tiny", "--download-dir", str(cache)]
+        )
+        assert (args.model, args.revision, args.tokenizer, args.download_dir) == (
+            "someorg/ouro-tiny",
+            COMMIT,
+            "someorg/ouro-tiny",
+            str(cache),
+        ), command
+    server_config, engine_config = serve_configs(args)
+    assert (engine_config.model.model, engine_config.model.tokenizer) == (str(snapshot),) * 2
+    # (spent on finding the ids: LLM(**kwargs) takes the directories as they are)
+    assert (engine_config.model.revision, engine_config.model.download_dir) == (None, None)
+    assert server_config.served_model_name == "someorg/ouro-tiny"
+    args = build_parser().parse_args(["serve", "--model", str(tiny), "--revision", "v2"])
+    with pytest.raises(ValueError, match=r"^revision='v2': only for a Hugging Face repo id$"):
+        serve_configs(args)
 
 
 # ---------------------------------------------------------------- generate and chat options

@@ -199,16 +199,14 @@ def test_inert_arguments_of_verl_and_vllms_performance_switches():
     check_inert(
         {
             "compilation_config": {"cudagraph_capture_sizes": [1, 2]},
-            "download_dir": "/tmp/models",
             "disable_cascade_attn": False,
             "num_scheduler_steps": 8,
             "disable_async_output_proc": True,
             "hf_overrides": None,
         }
     )
-    check_inert({"compilation_config": 3, "download_dir": None, "hf_overrides": {}})
+    check_inert({"compilation_config": 3, "hf_overrides": {}})
     for name, value, why in (
-        ("download_dir", 3, "None or a path: nothing is ever downloaded"),
         ("num_scheduler_steps", 0, "an int >= 1"),
         ("hf_overrides", {"rope_theta": 1.0}, "rltserve loads the checkpoint's config as it is"),
     ):

@@ -315,7 +315,7 @@ def run_stage(
     from rltserve.models.tokenizer import load_tokenizer
     from rltserve.outputs import OutputAssembler
 
-    tokenizer = load_tokenizer(engine_kw["model"])
+    tokenizer = load_tokenizer(engine_kw.get("tokenizer") or engine_kw["model"])
     client = stage_client(EngineConfig.from_flat(**engine_kw))
     first: dict[str, float] = {}  # request -> its first token's time
     gaps: list[float] = []  # per finished request: its mean inter-token gap

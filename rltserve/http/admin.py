@@ -3,11 +3,13 @@ vLLM's sleep-mode routes and ``POST /reset_prefix_cache`` (see ``sleep``).
 
 Body (``UpdateWeightsRequest``): ``{"model_path": DIR, "abort": false, "timeout": 300}``.
 ``model_path`` is a checkpoint directory (or a ``.safetensors`` file) on the server's host with
-the served model's tensor names and shapes, any subset of them. The update runs between steps
-once no request runs (requests that arrive meanwhile wait for it); ``abort`` aborts the running
-requests instead of waiting for them. With an API key configured the route needs it, like every
-``/v1`` route. The body is read like every other route's (``body.read_body``), except that
-unknown fields are always an error: a misspelled option must not be dropped silently here.
+the served model's tensor names and shapes, any subset of them, or a Hugging Face repo id found
+in the server's local cache (as ``--model`` takes one; never downloaded). The update runs
+between steps once no request runs (requests that arrive meanwhile wait for it); ``abort``
+aborts the running requests instead of waiting for them. With an API key configured the route
+needs it, like every ``/v1`` route. The body is read like every other route's
+(``body.read_body``), except that unknown fields are always an error: a misspelled option must
+not be dropped silently here.
 
 Answers ``{"weight_version": N}``; a rejected update is a 400 naming ``model_path`` (nothing
 applied, the old weights keep serving), one that timed out waiting for running requests a 409.
@@ -26,6 +28,7 @@ from rltserve.http.body import read_body
 from rltserve.http.errors import HTTPError, bad_request, json_response, unavailable
 from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
+from rltserve.preflight import resolve_model
 from rltserve.updates import SLEEP_TAGS, UpdateTimeout
 
 MAX_TIMEOUT_S = 3600
@@ -50,7 +53,11 @@ async def update_weights(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest, strict=True)
     client = state.require_frontend().client
-    call = (client.update_weights, [req.model_path], req.abort, float(req.timeout))
+    try:
+        path = resolve_model(req.model_path, name="model_path")
+    except ValueError as exc:
+        raise bad_request(str(exc), "model_path") from None
+    call = (client.update_weights, [path], req.abort, float(req.timeout))
     version = await _call(state, *call, param="model_path")
     return json_response({"weight_version": version})
 

@@ -31,8 +31,9 @@ class ServerConfig:
     served_model_name: str | None = field(
         default=None,
         metadata=_help(
-            "model name clients use (default: the checkpoint directory's name; requests may "
-            "also name the --model path as given)"
+            "model name clients use (default: the checkpoint directory's name, a Hugging Face "
+            "repo id for a repo id or a cache snapshot; requests may also name the --model "
+            "path as given)"
         ),
     )
     api_key: str | None = field(

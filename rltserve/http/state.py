@@ -31,6 +31,7 @@ from rltserve.http.metrics import ServingMetrics
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
+from rltserve.preflight import snapshot_repo_id
 from rltserve.sampling import generation_config_defaults
 from rltserve.vllm_args import generation_config_folder
 
@@ -55,6 +56,13 @@ def _load_tokenizer(path: str) -> tuple[Tokenizer | None, int | None]:
     return tokenizer, max_token_chars(tokenizer) if tokenizer is not None else None
 
 
+def default_model_name(engine_config: EngineConfig) -> str:
+    """The served name of a model given no --served-model-name: its directory's name, or for
+    a Hugging Face cache snapshot its repo id (the directory's name is a commit hash)."""
+    path = str(engine_config.model.model)
+    return snapshot_repo_id(path) or Path(path).name
+
+
 class ServingState:
     def __init__(
         self,
@@ -70,7 +78,7 @@ class ServingState:
         self.ids = ids
         self.clock = clock
         self.gate = AdmissionGate(config.max_concurrent, config.max_queued)
-        self.model_name = config.served_model_name or Path(str(engine_config.model.model)).name
+        self.model_name = config.served_model_name or default_model_name(engine_config)
         # Requests may also name the checkpoint as --model gave it, vLLM's default served name
         # (scripts send `model=args.model_path`); /v1/models lists model_name alone.
         self.model_names = {self.model_name}
@@ -100,7 +108,8 @@ class ServingState:
         """Starts the stage and loads the tokenizer (meanwhile); records a failure instead of
         raising."""
         path = str(self.engine_config.model.model)
-        tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, path))
+        tokenizer_path = self.engine_config.model.tokenizer or path
+        tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
         try:
             folder = generation_config_folder(self.config.generation_config, path)
             self.sampling_defaults = generation_config_defaults(folder)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from rltserve.checkpoint_files import check_weight_files
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.hfconfig import generation_eos_ids
 from rltserve.models.registry import Family, get_family
@@ -199,6 +200,7 @@ def load_model(
     target_dtype = resolve_dtype(dtype)
     target_device = torch.device(device)
     root = _check_dir(path)
+    check_weight_files(root)  # (unreadable, partly downloaded, LFS-pointer, .bin, quantized)
     raw = read_config(root)
     family: Family = get_family(raw["model_type"])
     try:
