@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from recipe import NANBEIGE_TINY
+from recipe import NANBEIGE_TINY, load_vectors
 from safetensors.torch import save_file
 
 from rltserve.models import get_family
@@ -136,3 +136,18 @@ def real_spec(raw: dict):
     family = get_family(raw["model_type"])
     with torch.device("meta"):
         return family.model_cls(family.parse_config(raw)).spec
+
+
+# The tiny configs of every family (the rv1 recipes' and Nanbeige's), by name.
+TINY_CONFIGS = {
+    "ouro": load_vectors()["configs"]["ouro"],
+    "huginn_raven": load_vectors()["configs"]["huginn"],
+    "nanbeige": NANBEIGE_TINY,
+}
+
+
+def build_tiny(tmp_path: Path, family: str, name: str = "ckpt", **kw) -> Path:
+    """A checkpoint of ``TINY_CONFIGS[family]`` with random values (``write_checkpoint``'s
+    keywords: shards, dtype, ...)."""
+    cfg = TINY_CONFIGS[family]
+    return write_checkpoint(tmp_path / name, cfg, random_tensors(cfg), **kw)
