@@ -56,6 +56,11 @@ class RequestUpdate:
     # The new tokens' ranks (``SampleOutput.ranks``), parallel to ``new_token_ids`` once any
     # token has one (a request that asked for logprobs); empty before, None per forced token.
     new_ranks: list[int | None] = field(default_factory=list)
+    # On the update with the first output token: seconds the request waited in the engine,
+    # from reaching it to its first scheduling (vLLM's queued interval). A duration, not a
+    # timestamp: the engine may run in another process or on another host, whose clock the
+    # front end cannot compare with its own.
+    queued_s: float | None = None
 
     def add_rank(self, rank: int | None) -> None:
         """Records the rank of the token just appended to ``new_token_ids``."""
@@ -83,6 +88,7 @@ class RequestUpdate:
                 self.num_cached_tokens,
                 self.prompt_logprobs,
                 self.new_ranks,
+                self.queued_s,
             ),
         )
 
@@ -175,6 +181,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
         and u.error is None
         and u.num_cached_tokens is None
         and u.prompt_logprobs is None
+        and u.queued_s is None
         and not u.rejected
         else (
             u.request_id,
@@ -189,6 +196,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
             u.num_cached_tokens,
             u.prompt_logprobs,
             u.new_ranks,
+            u.queued_s,
         )
         for u in updates
     ]

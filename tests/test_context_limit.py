@@ -39,7 +39,12 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
 
 
 def test_a_pool_that_holds_the_model_limit_leaves_it(ckpts):
-    assert make_core(ckpts["ouro"], num_blocks=4 * 32, block_size=16).max_model_len == 512
+    core = make_core(ckpts["ouro"], num_blocks=4 * 32, block_size=16)
+    assert core.max_model_len == 512
+    # (What the server logs: 4 planes a token, so 128 blocks of 16 hold 512 tokens, one
+    # request of the whole context.)
+    assert (core.info.kv_planes, core.info.kv_capacity_tokens) == (4, 512)
+    assert core.info.max_concurrency == 1.0
     assert make_core(ckpts["ouro"], num_blocks=4 * 31, block_size=16).max_model_len == 497
 
 
@@ -124,6 +129,7 @@ def test_the_boundary_plane_counts_in_what_the_pool_holds(ckpts):
     core = make_core(ckpts["huginn"], num_blocks=40, block_size=4)
     planes = core.spec.num_loops + 1
     assert core.max_model_len == 40 // planes * 4 + 1
+    assert core.info.kv_planes == planes
 
 
 def test_an_explicit_limit_of_the_models_context_is_kept(ckpts):

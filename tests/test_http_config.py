@@ -34,6 +34,11 @@ from rltserve.http.config import API_KEY_ENV, ServerConfig
         ({"body_timeout_s": 0.0}, r"body_timeout_s=0.0: must be a number > 0"),
         ({"stage_restart_backoff_s": -1}, r"stage_restart_backoff_s=-1: must be a number >= 0"),
         ({"expose_model_path": 1}, r"expose_model_path=1: must be a bool"),
+        ({"disable_log_stats": 1}, r"disable_log_stats=1: must be a bool"),
+        (
+            {"metrics_prefix": "sglang"},
+            r"metrics_prefix='sglang': must be one of 'rltserve', 'vllm'$",
+        ),
         ({"default_chat_template_kwargs": "{"}, r"default_chat_template_kwargs: not JSON \("),
         (
             {"default_chat_template_kwargs": "[1]"},

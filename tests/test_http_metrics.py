@@ -41,9 +41,11 @@ def test_values_of_a_known_sequence():
         prefix_cache_queries=40, prefix_cache_hits=24, prefix_cache_blocks=12, kv_transfer_hits=16,
         prefix_cache_evictions=3, step_rows_counts=(1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
     )  # fmt: skip
-    metrics.configure(4, lambda: (engine, 2, 3))
+    cache = {"block_size": "16", "num_gpu_blocks": "160", "kv_planes": "4"}
+    metrics.configure(4, lambda: (engine, 2, 3), cache_info=cache)
     timeline = RequestTimeline(arrival=10.0, admitted=10.5)
     metrics.on_start(timeline, 7)
+    timeline.engine_queued = 0.25  # (the first token's update: it waited 0.25 s in the engine)
     metrics.on_tokens(timeline, 11.0, [4])  # first token: TTFT 1.0
     metrics.on_tokens(timeline, 11.25, [2, 3])  # ITL 0.25
     metrics.on_finish(timeline, 12.0, "length")
@@ -61,9 +63,11 @@ def test_values_of_a_known_sequence():
         ("rltserve:time_to_first_token_seconds_sum", m): 1.0,
         ("rltserve:inter_token_latency_seconds_sum", m): 0.25,
         ("rltserve:e2e_request_latency_seconds_sum", m): 2.0,
-        ("rltserve:request_queue_time_seconds_sum", m): 0.5,
-        ("rltserve:request_prefill_time_seconds_sum", m): 0.5,  # admitted 10.5, first 11.0
-        ("rltserve:request_decode_time_seconds_sum", m): 1.0,  # first 11.0, finish 12.0
+        # Arrival 10.0, admitted 10.5, first scheduled 10.75 (the engine's 0.25 s), first
+        # token 11.0, finish 12.0: queue + prefill + decode = e2e.
+        ("rltserve:request_queue_time_seconds_sum", m): 0.75,
+        ("rltserve:request_prefill_time_seconds_sum", m): 0.25,
+        ("rltserve:request_decode_time_seconds_sum", m): 1.0,
         ("rltserve:request_prompt_tokens_sum", m): 7.0,
         ("rltserve:request_generation_tokens_sum", m): 3.0,
         ("rltserve:token_exit_depth_count", m): 3.0,
@@ -94,6 +98,8 @@ def test_values_of_a_known_sequence():
         ("rltserve:iteration_tokens_total_bucket", (("le", "+Inf"),) + m): 4.0,
         ("rltserve:iteration_tokens_total_count", m): 4.0,
         ("rltserve:iteration_tokens_total_sum", m): 10.0,
+        ("rltserve:cache_config_info",
+         (("block_size", "16"), ("kv_planes", "4"), m[0], ("num_gpu_blocks", "160"))): 1.0,
     }  # fmt: skip
     assert {k: got.get(k) for k in expected} == expected
     # the standard collectors come with every app's registry
@@ -145,3 +151,111 @@ async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
             assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
             key = ("rltserve:generation_tokens_total", (("model_name", "tiny"),))
             assert samples(raw.decode())[key] == 2.0
+
+
+def test_queue_and_prefill_split_at_the_first_scheduling():
+    """A request that waited in the engine (for a seat or KV blocks) counts that wait as queue
+    time, not prefill; an engine wait its own clock overstates is capped at what this clock
+    saw; a request that never got a token observes none of the three (as vLLM, which splits
+    finished requests' time)."""
+    metrics = ServingMetrics("m")
+    waited = RequestTimeline(arrival=0.0, admitted=0.04, engine_queued=12.5)
+    metrics.on_start(waited, 250)
+    metrics.on_tokens(waited, 12.75, [4])
+    metrics.on_finish(waited, 20.0, "stop")
+    overstated = RequestTimeline(arrival=100.0, admitted=100.5, engine_queued=9.0)
+    metrics.on_start(overstated, 3)
+    metrics.on_tokens(overstated, 101.0, [4])
+    metrics.on_finish(overstated, 102.0, "stop")
+    never = RequestTimeline(arrival=200.0, admitted=200.0)
+    metrics.on_start(never, 3)
+    metrics.on_finish(never, 230.0, "abort")
+    got = samples(metrics.render()[0].decode())
+    m = (("model_name", "m"),)
+    series = ("request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds")  # fmt: skip
+    assert {name: got[(f"rltserve:{name}_count", m)] for name in series} == dict.fromkeys(
+        series, 2.0
+    )
+    # 0.04 + 12.5 and 0.5 + 0.5 (all it spent before its first token); 0.21 and 0.0
+    assert got[("rltserve:request_queue_time_seconds_sum", m)] == 12.54 + 1.0
+    assert round(got[("rltserve:request_prefill_time_seconds_sum", m)], 9) == 0.21
+    assert got[("rltserve:request_decode_time_seconds_sum", m)] == 7.25 + 1.0
+    assert got[("rltserve:e2e_request_latency_seconds_count", m)] == 3.0
+
+
+def test_the_vllm_prefix_names_every_series():
+    """``--metrics-prefix vllm``: vLLM's dashboards query ``vllm:num_requests_waiting`` and the
+    like; every series of the app (looped-model ones too) then has that prefix."""
+    metrics = ServingMetrics("m", prefix="vllm")
+    metrics.configure(4, lambda: (stats(num_waiting=2), 1, 0), lambda: stats(), {"x": "1"})
+    timeline = RequestTimeline(0.0, 0.0)
+    metrics.on_start(timeline, 5)
+    metrics.on_tokens(timeline, 1.0, [3])
+    metrics.on_finish(timeline, 2.0, "stop")
+    metrics.on_http("/v1/completions", "POST", 200)
+    metrics.stage_restarts.inc()
+    got = samples(metrics.render()[0].decode())
+    m = (("model_name", "m"),)
+    assert got[("vllm:num_requests_waiting", m)] == 3.0
+    assert got[("vllm:request_queue_time_seconds_count", m)] == 1.0
+    assert got[("vllm:cache_config_info", (m[0], ("x", "1")))] == 1.0
+    ours = {name for name, _ in got if not name.startswith(("python_", "process_"))}
+    assert ours and all(name.startswith("vllm:") for name in ours)
+    looped = ("token_exit_depth_count", "loops_per_token", "prefill_stage_num_requests_running")
+    others = ("stage_restarts_total", "http_requests_total", "iteration_tokens_total_count")
+    for name in looped + others:
+        assert "vllm:" + name in ours, name
+
+
+class _WaitedStage(ScriptedStage):
+    """A scripted stage whose first update of each request says it waited ``queued_s`` in
+    the engine before its first scheduling."""
+
+    def __init__(self, info, script, queued_s: float) -> None:
+        super().__init__(info, script)
+        self.queued_s = queued_s
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        first = [True]
+
+        def waited(update) -> None:
+            if first[0] and update.new_token_ids:
+                first[0] = False
+                update.queued_s = self.queued_s
+            sink(update)
+
+        super().add_request(request_id, prompt_token_ids, params, waited, group)
+
+
+async def test_the_server_takes_the_engine_wait_and_names_series_as_configured(
+    tmp_path_factory, caplog
+):
+    """The engine's wait reaches the queue time through the stage: one the front end's clock
+    cannot have seen (a million seconds) leaves no prefill time at all. ``metrics_prefix``
+    names the series; ``cache_config_info`` has the pool's facts; the start log gives the
+    pool in tokens (at the scripted engine's one plane, 64 blocks of 16)."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = _WaitedStage(scripted_info(ckpt), Script([44]), queued_s=1e6)
+    caplog.set_level("INFO", logger="rltserve.http")
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, metrics_prefix="vllm") as live:
+        assert (await live.post("/v1/completions", {"prompt": [5], "max_tokens": 2}))[0] == 200
+        got = samples((await live.get("/metrics"))[2].decode())
+        assert live.state._stats_log is not None  # (vLLM's periodic line, by default)
+    m = (("model_name", "tiny"),)
+    assert got[("vllm:request_queue_time_seconds_count", m)] == 1.0
+    assert got[("vllm:request_prefill_time_seconds_count", m)] == 1.0
+    assert got[("vllm:request_prefill_time_seconds_sum", m)] == 0.0
+    info = {key: value for key, value in got.items() if key[0] == "vllm:cache_config_info"}
+    assert info == {
+        ("vllm:cache_config_info", (
+            ("block_size", "16"), ("cache_dtype", "float32"), ("enable_prefix_caching", "True"),
+            ("kv_capacity_tokens", "1024"), ("kv_planes", "1"), ("kv_policy", "last_exited"),
+            ("model_name", "tiny"), ("num_gpu_blocks", "64"), ("swap_space", "4.0"),
+        )): 1.0,
+    }  # fmt: skip
+    logged = [r.getMessage() for r in caplog.records]
+    assert "Maximum concurrency for 64 tokens per request: 16.00x" in logged
+    async with running(ckpt, client_factory=factory, disable_log_stats=True) as live:
+        assert live.state._stats_log is None

@@ -201,7 +201,7 @@ def test_the_samples_of_a_group_share_their_prompt_through_the_client(tiny):
     client = InProcessStageClient(config)
     try:
         client.wait_ready(WAIT_S)
-        done, cached = threading.Event(), {}
+        done, cached, waited = threading.Event(), {}, {}
         tokens: dict[str, list[int]] = {"a": [], "b": []}
         prompt = list(range(1, 41))
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -211,6 +211,7 @@ def test_the_samples_of_a_group_share_their_prompt_through_the_client(tiny):
                 tokens[rid] += update.new_token_ids
                 if update.num_cached_tokens is not None:
                     cached.setdefault(rid, update.num_cached_tokens)
+                    waited[rid] = update.queued_s  # (beside it: the wait before scheduling)
                 if (
                     update.finish_reason is not None
                     and len(cached) == 2
@@ -225,6 +226,7 @@ def test_the_samples_of_a_group_share_their_prompt_through_the_client(tiny):
         assert done.wait(WAIT_S)
         assert tokens["a"] == tokens["b"]
         assert cached["a"] == 0 and cached["b"] > 0, cached
+        assert all(type(w) is float and w >= 0.0 for w in waited.values()) and len(waited) == 2
     finally:
         client.close()
 

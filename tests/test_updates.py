@@ -25,6 +25,7 @@ def test_request_update_pickles_every_field():
         "num_cached_tokens": 16,
         "prompt_logprobs": [(-1.5, [(3, -0.25)], 4)],
         "new_ranks": [1, None],
+        "queued_s": 2.5,
     }
     # Every field is set to a value other than its default: a field added without being
     # pickled fails here.
@@ -62,11 +63,12 @@ def test_a_one_token_update_goes_as_plain_values():
     )
     ending = RequestUpdate("r2", [8], [2], [None], [None], finish_reason=FinishReason.STOP)
     first = RequestUpdate("r3", [9], [4], [None], [None], num_cached_tokens=16)
+    waited = RequestUpdate("r4", [9], [4], [None], [None], queued_s=0.75)  # (engine wait)
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
-        wire = pickle.loads(pickle.dumps(to_wire([one, ending, first]), protocol))
+        wire = pickle.loads(pickle.dumps(to_wire([one, ending, first, waited]), protocol))
         assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 1, 4)
-        assert [len(row) for row in wire[1:]] == [12, 12]
-        assert from_wire(wire) == [one, ending, first]
+        assert [len(row) for row in wire[1:]] == [13, 13, 13]
+        assert from_wire(wire) == [one, ending, first, waited]
 
 
 def test_ranks_stay_parallel_to_the_tokens_around_forced_ones():
@@ -87,4 +89,4 @@ def test_ranks_stay_parallel_to_the_tokens_around_forced_ones():
 def test_a_one_token_update_with_prompt_logprobs_goes_whole():
     scored = RequestUpdate("r", [9], [4], [None], [None], prompt_logprobs=[(-1.0, [], 2)])
     wire = to_wire([scored])
-    assert len(wire[0]) == 12 and from_wire(wire) == [scored]
+    assert len(wire[0]) == 13 and from_wire(wire) == [scored]

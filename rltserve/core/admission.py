@@ -75,6 +75,8 @@ class Admission:
             s.preemptor.restore(request)
             request.status = RequestStatus.RUNNING
             request.admitted = True
+            if request.first_scheduled_time is None:  # (not a preempted one's re-admission)
+                request.first_scheduled_time = s.clock()
             request.admitted_step = s.next_step_id
             request.admitted_outputs = len(request.output_token_ids)
             request.admitted_replay = replay

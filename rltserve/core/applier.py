@@ -216,6 +216,7 @@ class Applier:
         n = len(request.output_token_ids)
         if n == 1:
             update.num_cached_tokens = request.num_cached_tokens or 0
+            update.queued_s = request.queued_s
             if request.prompt_logprobs == []:  # (a one-token prompt: none to score)
                 update.prompt_logprobs = []
         # What stops it (a stop id once ``min_tokens`` are out; the most tokens it may have).

@@ -150,6 +150,7 @@ class EngineCore:
             kv_policy=config.cache.kv_policy,
             has_gate=spec.has_gate,
             stop_reason_ids=tuple(spec.stop_reason_ids),
+            kv_planes=len(self.kv.planes_of(spec.num_loops)),
         )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:

@@ -103,3 +103,19 @@ class EngineInfo:
     kv_policy: str
     has_gate: bool = False  # tokens exit by a learned gate (Ouro), else fixed or a criterion
     stop_reason_ids: tuple[int, ...] = ()  # (``LoopedSpec.stop_reason_ids``)
+    # KV planes a token takes at the model's depth (``num_loops``): it holds a block slot on
+    # each (the policy's core planes, plus the coda's with coda attention), so the pool holds
+    # ``num_blocks * block_size / kv_planes`` tokens, not ``num_blocks * block_size``.
+    kv_planes: int = 1
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds at the model's depth (vLLM's "KV cache size")."""
+        return self.num_blocks // self.kv_planes * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of ``max_model_len`` tokens the pool holds at once (vLLM's "maximum
+        concurrency"): a request writes KV for all its tokens but the last, on every plane."""
+        per_plane = max(1, -(-(self.max_model_len - 1) // self.block_size))
+        return self.num_blocks / (per_plane * self.kv_planes)

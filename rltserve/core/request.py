@@ -121,6 +121,9 @@ class Request:
     error: str | None = None
     admitted: bool = False  # it holds KV and the runner knows it
     first_token_time: float | None = None
+    # When admission first scheduled it (the scheduler's clock, ``arrival_time``'s): what it
+    # waited for a seat or KV before, vLLM's queued interval, goes out as ``queued_s``.
+    first_scheduled_time: float | None = None
     seq: int = 0  # arrival order (set by the scheduler): ties in priority go to the earlier
     # Preemption (DESIGN §8). Positions below ``replay_until`` are recomputed on resume without
     # sampling: prompt chunks at full depth, generated tokens each to its recorded exit depth.
@@ -227,6 +230,14 @@ class Request:
         if slots is None or start >= stop or None not in slots[start:stop]:
             return None
         return self.prompt_token_ids[start + 1 : stop + 1]
+
+    @property
+    def queued_s(self) -> float | None:
+        """Seconds from its arrival to its first scheduling (None before it): a duration, so
+        front ends in other processes can use it (``RequestUpdate.queued_s``)."""
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
 
     @property
     def prefill_scheduled(self) -> bool:

@@ -40,7 +40,8 @@ prefix; a prompt item's applied last loop caches full blocks; followers wait for
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from operator import attrgetter
 
 from rltserve.config import SchedulerConfig
@@ -77,11 +78,14 @@ class Scheduler:
         reservation: str = "full",
         watermark: float = 0.0,
         swap: SwapSpace | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``reservation``: "full" or "ondemand" (``CacheConfig.kv_reservation``);
         ``watermark``: fraction of the pool on-demand admission leaves free; ``swap``: host
-        swap space (None: preemption recomputes)."""
+        swap space (None: preemption recomputes); ``clock``: what stamps a request's first
+        scheduling (``Request.arrival_time``'s clock)."""
         self.config = config
+        self.clock = clock
         self.kv = kv
         self.has_gate = has_gate
         self.has_boundary = has_boundary

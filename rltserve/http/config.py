@@ -19,6 +19,9 @@ MAX_N = 128
 
 API_KEY_ENV = "RLTSERVE_API_KEY"
 
+# What /metrics names its series with (``metrics_prefix``): rltserve's own, or vLLM's.
+METRICS_PREFIXES = ("rltserve", "vllm")
+
 
 def _help(text: str) -> dict:
     return {"help": text}
@@ -159,6 +162,22 @@ class ServerConfig:
         metadata=_help("seconds before the first restart of a failed stage (doubles per retry)"),
     )
     metrics_auth: bool = field(default=False, metadata=_help("require the API key on /metrics too"))
+    metrics_prefix: str = field(
+        default="rltserve",
+        metadata=_help(
+            "the prefix of every /metrics series: 'rltserve' (rltserve:num_requests_waiting) "
+            "or 'vllm' (vllm:num_requests_waiting, for dashboards and autoscalers built for "
+            "vLLM; series vLLM lacks get it too)"
+        ),
+    )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata=_help(
+            "no periodic stats line in the log (throughput, running and waiting requests, KV "
+            "cache usage, prefix cache hit rate, preemptions; every 10 s while serving; vLLM's "
+            "--disable-log-stats)"
+        ),
+    )
     expose_model_path: bool = field(
         default=False,
         metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
@@ -221,7 +240,10 @@ class ServerConfig:
             raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")
         if not isinstance(self.allowed_origins, str):
             raise ValueError(f"allowed_origins={self.allowed_origins!r}: must be a string")
-        for name in ("metrics_auth", "expose_model_path"):
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
+            raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
+        for name in ("metrics_auth", "expose_model_path", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
 

@@ -187,6 +187,8 @@ class Generation:
         now = time.monotonic()
         if update.num_cached_tokens is not None:
             choice.cached_tokens = update.num_cached_tokens
+        if update.queued_s is not None:
+            choice.timeline.engine_queued = update.queued_s
         delta = choice.assembler.add(update)
         if update.new_token_ids:
             choice.assembler.weight_version = update.weight_version

@@ -1,17 +1,27 @@
-"""The server's Prometheus metrics: vLLM V1 names under ``rltserve:`` plus looped-model ones.
+"""The server's Prometheus metrics: vLLM V1 names plus looped-model ones, under ``rltserve:``
+or, with ``--metrics-prefix vllm``, under ``vllm:`` (every series: dashboards and autoscalers
+built for vLLM then find theirs; the looped-model ones keep the chosen prefix too).
 
 Latencies use ``time.monotonic()`` in the front-end process. TTFT runs from the HTTP request's
-arrival (before tokenization), as vLLM measures it. ``request_queue_time_seconds`` is the time a
-request waited in the server's admission queue (``--max-queued``) before reaching the stage;
-the stage's own waiting queue shows in ``num_requests_waiting``. ``request_prefill_time_seconds``
-runs from reaching the stage to the first token, ``request_decode_time_seconds`` from there to
-the finish (vLLM's split of a request's time in the engine). Every request and engine
-sample carries a ``model_name`` label; ``http_requests_total`` carries ``handler, method,
-status``. Engine-side numbers (running/waiting, KV usage, steps and rows) come from the latest
-``EngineStats`` the stage sent.
+arrival (before tokenization), as vLLM measures it. A request's time splits as vLLM's does:
+``request_queue_time_seconds`` from its arrival until the engine first scheduled it (the
+server's admission queue, ``--max-concurrent``/``--max-queued``, plus the engine's waiting
+queue, where it waits for a seat or KV blocks), ``request_prefill_time_seconds`` from there to
+the first token, ``request_decode_time_seconds`` from there to the finish. The engine's part of
+the queue time comes as a duration (``RequestUpdate.queued_s``: the engine may be another
+process or a Ray actor, whose clock is not this one's). The three are observed as a request
+finishes that got a first token (as vLLM observes them for finished requests), and add up to
+its ``e2e_request_latency_seconds``. (Under disaggregation the first token comes from the
+decode stage, whose wait is the engine's part; the prefill stage's time, its wait there
+included, counts as prefill.) Every request and engine sample carries a ``model_name``
+label; ``http_requests_total`` carries ``handler, method, status``. Engine-side numbers
+(running/waiting, KV usage, steps and rows) come from the latest ``EngineStats`` the stage sent.
 
 ``iteration_tokens_total`` (vLLM's name) is a histogram of the rows of each engine step (a
 row is a token at one loop, the unit of a step's work; its sum is ``engine_rows_total``).
+``cache_config_info`` (vLLM's, value 1) has the KV pool's facts as labels: with
+``kv_cache_usage_perc`` it gives the blocks in use; ``kv_planes`` (a token takes a block slot
+on each of its planes) and ``kv_capacity_tokens`` turn them into tokens.
 
 Looped-model metrics: ``token_exit_depth`` (the loop at which each generated token exited),
 ``loops_per_token`` (its mean), ``rows_per_step`` (mean core-batch rows per engine step) and the
@@ -43,7 +53,6 @@ from prometheus_client.utils import floatToGoString
 
 from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
 
-P = "rltserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -69,10 +78,14 @@ class RequestTimeline:
     """``time.monotonic()`` stamps of one engine request (one choice of an HTTP request)."""
 
     arrival: float  # the HTTP request arrived
-    admitted: float  # the admission gate let it through
+    admitted: float  # the admission gate let it through (it went to the stage)
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    # Seconds it then waited in the engine before its first scheduling (from the update with
+    # its first token: ``RequestUpdate.queued_s``).
+    engine_queued: float = 0.0
 
 
 # What the engine collector reads at scrape time: the latest stats and the admission queue length.
@@ -83,8 +96,10 @@ StatsSource = Callable[[], tuple[EngineStats | None, int, int]]
 class ServingMetrics:
     """The serving metrics of one app, in their own registry (``render`` exposes it)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "rltserve") -> None:
+        """``prefix``: every series' name before the colon (``ServerConfig.metrics_prefix``)."""
         self.model_name = model_name
+        self.prefix = P = prefix + ":"
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -123,12 +138,13 @@ class ServingMetrics:
         ).labels(model_name)
         self.queue = histogram(
             "request_queue_time_seconds",
-            "Time waiting in the server's admission queue.",
+            "Time from arrival until the engine first scheduled the request (the server's "
+            "admission queue plus the engine's waiting queue).",
             REQUEST_BUCKETS,
         ).labels(model_name)
         self.prefill = histogram(
             "request_prefill_time_seconds",
-            "Time from reaching the stage to the first token.",
+            "Time from the engine first scheduling the request to its first token.",
             REQUEST_BUCKETS,
         ).labels(model_name)
         self.decode = histogram(
@@ -146,6 +162,7 @@ class ServingMetrics:
         self.exit_depth: Histogram | None = None  # buckets 1..max_loops: known once loaded
         self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
         self.sum_depths = 0  # loops_per_token
+        self.num_prefilled = 0  # prompt tokens of requests that got their first token
         self._engine = _EngineCollector(model_name, self)
         reg.register(self._engine)
 
@@ -154,13 +171,15 @@ class ServingMetrics:
         max_loops: int,
         stats: StatsSource,
         prefill_stats: Callable[[], EngineStats | None] = lambda: None,
+        cache_info: dict[str, str] | None = None,
     ) -> None:
-        """Once the engine is up: the exit-depth buckets (``depth_buckets``) and where
+        """Once the engine is up: the exit-depth buckets (``depth_buckets``), where
         engine-side numbers come from (``prefill_stats``: a disaggregated engine's prefill
-        stage, whose series are ``rltserve:prefill_stage_*``)."""
+        stage, whose series are ``<prefix>:prefill_stage_*``) and ``cache_config_info``'s
+        labels (``cache_info``)."""
         if self.exit_depth is None:
             self.exit_depth = Histogram(
-                P + "token_exit_depth",
+                self.prefix + "token_exit_depth",
                 "Loop at which each generated token exited.",
                 ("model_name",),
                 registry=self.registry,
@@ -168,13 +187,14 @@ class ServingMetrics:
             ).labels(self.model_name)
         self._engine.stats = stats
         self._engine.prefill_stats = prefill_stats
+        self._engine.cache_info = cache_info
 
     # ------------------------------------------------------------------ events
 
     def on_start(self, timeline: RequestTimeline, num_prompt_tokens: int) -> None:
+        timeline.num_prompt_tokens = num_prompt_tokens
         self.prompt_tokens.inc(num_prompt_tokens)
         self.request_prompt.observe(num_prompt_tokens)
-        self.queue.observe(timeline.admitted - timeline.arrival)
 
     def on_tokens(self, timeline: RequestTimeline, now: float, exit_depths: list[int]) -> None:
         if not exit_depths:
@@ -182,6 +202,7 @@ class ServingMetrics:
         if timeline.first_token is None:
             timeline.first_token = now
             self.ttft.observe(now - timeline.arrival)
+            self.num_prefilled += timeline.num_prompt_tokens
         elif timeline.last_token is not None:
             self.itl.observe(now - timeline.last_token)
         timeline.last_token = now
@@ -197,7 +218,12 @@ class ServingMetrics:
         self.success.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(now - timeline.arrival)
         if timeline.first_token is not None:
-            self.prefill.observe(timeline.first_token - timeline.admitted)
+            # (The engine's wait is measured on its own clock: clamped into the interval
+            # this clock saw, from going to the stage to the first token.)
+            engine = max(0.0, timeline.engine_queued)
+            scheduled = min(timeline.admitted + engine, timeline.first_token)
+            self.queue.observe(scheduled - timeline.arrival)
+            self.prefill.observe(timeline.first_token - scheduled)
             self.decode.observe(now - timeline.first_token)
         self.request_generation.observe(timeline.num_tokens)
 
@@ -255,10 +281,12 @@ class _EngineCollector(Collector):
         self.metrics = metrics
         self.stats: StatsSource = lambda: (None, 0, 0)
         self.prefill_stats: Callable[[], EngineStats | None] = lambda: None
+        self.cache_info: dict[str, str] | None = None  # (known once the engine is up)
 
     def collect(self) -> Iterator[Metric]:
         stats, queued, version = self.stats()
         labels = [self.model_name]
+        P = self.metrics.prefix
 
         def stat(name: str) -> float:  # before the first update there are no stats
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
@@ -294,8 +322,16 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
             family.add_metric(labels, stat(field_name))
             yield family
-        yield _step_rows(labels, stats)
-        yield from _prefill_stage(labels, self.prefill_stats())
+        yield _step_rows(P, labels, stats)
+        yield from _prefill_stage(P, labels, self.prefill_stats())
+        if self.cache_info is not None:
+            info = GaugeMetricFamily(
+                P + "cache_config_info",
+                "Information of the KV cache config (the value is 1).",
+                labels=["model_name", *self.cache_info],
+            )
+            info.add_metric([*labels, *self.cache_info.values()], 1.0)
+            yield info
 
 
 _PREFILL_STAGE = (
@@ -315,21 +351,22 @@ _PREFILL_STAGE = (
 )  # fmt: skip
 
 
-def _prefill_stage(labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
+def _prefill_stage(prefix: str, labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
     """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's)."""
     if stats is None:
         return
     for kind, name, help_text, field_name in _PREFILL_STAGE:
-        family = kind(P + "prefill_stage_" + name, help_text, labels=["model_name"])
+        family = kind(prefix + "prefill_stage_" + name, help_text, labels=["model_name"])
         family.add_metric(labels, float(getattr(stats, field_name)))
         yield family
 
 
-def _step_rows(labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
+def _step_rows(prefix: str, labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
     """vLLM's ``iteration_tokens_total``: engine steps by their rows (a row is a token at one
     loop: a step's work), from ``EngineStats.step_rows_counts``."""
     help_text = "Rows (tokens at one loop) per engine step."
-    family = HistogramMetricFamily(P + "iteration_tokens_total", help_text, labels=["model_name"])
+    name = prefix + "iteration_tokens_total"
+    family = HistogramMetricFamily(name, help_text, labels=["model_name"])
     counts = getattr(stats, "step_rows_counts", None) or (0,) * (len(STEP_ROW_BUCKETS) + 1)
     cumulative, buckets = 0, []
     for bound, count in zip([*map(floatToGoString, STEP_ROW_BUCKETS), "+Inf"], counts):

@@ -21,6 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from rltserve.config import EngineConfig
+from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import StageError
 from rltserve.http.admission import AdmissionGate
 from rltserve.http.config import ServerConfig
@@ -28,6 +29,7 @@ from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
+from rltserve.http.stats_log import INTERVAL_S, StatsLog, kv_capacity_lines
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
@@ -84,7 +86,7 @@ class ServingState:
         self.model_names = {self.model_name}
         if config.served_model_name is None:
             self.model_names.add(str(engine_config.model.model))
-        self.metrics = ServingMetrics(self.model_name)
+        self.metrics = ServingMetrics(self.model_name, config.metrics_prefix)
         self.created = int(clock())
         self.closing = False
         self._drain_cut = False  # a second shutdown signal: abort in-flight requests now
@@ -94,6 +96,7 @@ class ServingState:
         self._client_factory = client_factory
         self._client: SupervisedStage | None = None
         self._watch: asyncio.Task | None = None
+        self._stats_log: asyncio.Task | None = None  # (``disable_log_stats``: none)
         self._frontend: Frontend | None = None
         self._ignored_fields: set[str] = set()  # names already warned about
         # What a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
@@ -125,10 +128,12 @@ class ServingState:
             if tokenizer is not None and self.config.chat_template is not None:
                 tokenizer.use_chat_template(read_chat_template(self.config.chat_template))
             client = self._client
+
+            def stats() -> tuple[EngineStats | None, int, int]:  # (a StatsSource)
+                return client.stats, self.gate.num_queued, client.weight_version
+
             self.metrics.configure(
-                info.max_loops,
-                lambda: (client.stats, self.gate.num_queued, client.weight_version),
-                lambda: client.prefill_stats,
+                info.max_loops, stats, lambda: client.prefill_stats, self.cache_info(info)
             )
             self._frontend = Frontend(
                 self._client,
@@ -142,7 +147,8 @@ class ServingState:
             if hasattr(client.inner, "replicas"):
                 from rltserve.ray.metrics import ReplicaCollector
 
-                collector = ReplicaCollector(self.model_name, lambda: client.inner)
+                prefix = self.config.metrics_prefix
+                collector = ReplicaCollector(self.model_name, lambda: client.inner, prefix)
                 self.metrics.registry.register(collector)
             self._watch = asyncio.create_task(client.watch(), name="rltserve-stage-supervisor")
             log.info(
@@ -154,6 +160,13 @@ class ServingState:
                 info.num_blocks,
                 info.block_size,
             )
+            for line in kv_capacity_lines(info):
+                log.info("%s", line)
+            if not self.config.disable_log_stats:
+                stats_log = StatsLog(self.metrics, stats, time.monotonic())
+                self._stats_log = asyncio.create_task(
+                    self._log_stats(stats_log), name="rltserve-stats-log"
+                )
         except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
             self.load_exception = exc
@@ -167,6 +180,29 @@ class ServingState:
             else:
                 tokenizer_job.cancel()
             self.ready.set()
+
+    def cache_info(self, info: EngineInfo) -> dict[str, str]:
+        """``cache_config_info``'s labels: vLLM's names (``num_gpu_blocks``: the pool's
+        blocks, on whatever device) and rltserve's facts that turn blocks into tokens."""
+        engine = self.engine_config
+        return {
+            "block_size": str(info.block_size),
+            "num_gpu_blocks": str(info.num_blocks),
+            "cache_dtype": str(engine.model.dtype),
+            "enable_prefix_caching": str(engine.cache.prefix_caching),
+            "swap_space": str(engine.cache.swap_space_gb),
+            "kv_policy": info.kv_policy,
+            "kv_planes": str(info.kv_planes),
+            "kv_capacity_tokens": str(info.kv_capacity_tokens),
+        }
+
+    async def _log_stats(self, stats_log: StatsLog) -> None:
+        """vLLM's periodic stats line (``stats_log``), every ``INTERVAL_S`` until stopped."""
+        while True:
+            await asyncio.sleep(INTERVAL_S)
+            line = stats_log.line(time.monotonic())
+            if line is not None:
+                log.info("%s", line)
 
     def restart_policy(self) -> RestartPolicy:
         config = self.config
@@ -219,10 +255,11 @@ class ServingState:
 
     async def stop(self) -> None:
         self.closing = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        for task in (self._watch, self._stats_log):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._frontend is not None:
             self._frontend.interrupt_all()
         if self._client is not None:

@@ -12,15 +12,17 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-P = "rltserve:"
-
 
 class ReplicaCollector(Collector):
-    def __init__(self, model_name: str, client: Callable[[], object]) -> None:
+    def __init__(
+        self, model_name: str, client: Callable[[], object], prefix: str = "rltserve"
+    ) -> None:
         self.model_name = model_name
         self.client = client  # the current replica-set client (a restart may replace it)
+        self.prefix = prefix + ":"  # (``ServerConfig.metrics_prefix``)
 
     def collect(self) -> Iterator[Metric]:
+        P = self.prefix
         client = self.client()
         replicas = client.replicas() if hasattr(client, "replicas") else {}
         live = GaugeMetricFamily(

@@ -1,0 +1,102 @@
+"""What the server logs about its engine, as vLLM logs it: the KV pool's capacity at start, and
+a stats line every ``INTERVAL_S`` while serving.
+
+vLLM's start lines ("GPU KV cache size: N tokens", "Maximum concurrency for M tokens per
+request: X x") count tokens, and a looped model's token takes a block slot on each of its KV
+planes (4 at Ouro's 4 loops under ``last_exited``): the pool's blocks times their size would
+overstate it by that factor. The periodic line reads what ``/metrics`` reads (the latest
+``EngineStats`` and the server's counters), over the interval since the last line:
+
+``Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
+Waiting: M reqs, KV cache usage: Z%, Prefix cache hit rate: W%, Preemptions: K``
+
+Prompt tokens count once their request's first token comes (vLLM's accounting), the hit rate
+is over the interval's prefix cache lookups, and preemptions are the interval's. An idle
+server logs nothing: a line is due while anything runs, waits or was processed in the
+interval, plus one more after that (which shows it went idle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rltserve.core.engine_info import EngineInfo
+from rltserve.http.metrics import ServingMetrics, StatsSource
+
+INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
+
+
+def kv_capacity_lines(info: EngineInfo) -> list[str]:
+    """vLLM's start lines about the KV pool, in tokens at the model's depth."""
+    planes = f"{info.kv_planes} KV plane" + "s" * (info.kv_planes != 1)
+    return [
+        f"KV cache size: {info.kv_capacity_tokens} tokens at {info.num_loops} loops "
+        f"({info.num_blocks} blocks of {info.block_size} tokens; a token takes a block slot "
+        f"on each of its {planes}, kv_policy {info.kv_policy})",
+        f"Maximum concurrency for {info.max_model_len} tokens per request: "
+        f"{info.max_concurrency:.2f}x",
+    ]
+
+
+@dataclass(frozen=True)
+class _Totals:
+    """The running totals one line's interval is measured against."""
+
+    at: float  # (time.monotonic())
+    prompt_tokens: int
+    generation_tokens: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+
+
+class StatsLog:
+    """Makes the periodic stats line: ``line(now)`` each interval (None: nothing to log)."""
+
+    def __init__(self, metrics: ServingMetrics, stats: StatsSource, now: float) -> None:
+        self.metrics = metrics
+        self.stats = stats
+        self._last = self._totals(now)
+        self._active = False  # the last line reported activity
+
+    def _totals(self, now: float) -> _Totals:
+        stats = self.stats()[0]
+        return _Totals(
+            now,
+            self.metrics.num_prefilled,
+            self.metrics.num_tokens,
+            stats.prefix_cache_queries if stats is not None else 0,
+            stats.prefix_cache_hits if stats is not None else 0,
+            stats.num_preemptions if stats is not None else 0,
+        )
+
+    def line(self, now: float) -> str | None:
+        """The line for the interval since the last call, or None when the server was and
+        is idle."""
+        stats, queued, _ = self.stats()
+        totals, last = self._totals(now), self._last
+        self._last = totals
+
+        # (A restarted stage starts its counters again: never a negative interval.)
+        def delta(name: str) -> int:
+            return max(0, getattr(totals, name) - getattr(last, name))
+
+        prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
+        queries, hits = delta("prefix_queries"), delta("prefix_hits")
+        preempted = delta("preemptions")
+        running = stats.num_running if stats is not None else 0
+        waiting = (stats.num_waiting if stats is not None else 0) + queued
+        active = bool(prompt or generated or running or waiting or preempted)
+        was_active, self._active = self._active, active
+        if not (active or was_active):
+            return None
+        seconds = max(totals.at - last.at, 1e-9)
+        usage = stats.kv_usage if stats is not None else 0.0
+        return (
+            f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
+            f"Preemptions: {preempted}"
+        )

@@ -1,0 +1,78 @@
+"""What the server logs about its engine as vLLM logs it (``rltserve.http.stats_log``): the KV
+pool's capacity in tokens at start (a looped model's token takes a block slot on each of its
+KV planes), and the periodic stats line over each interval, only while there is something to
+report. Exact lines from made-up stats and a hand-advanced clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.http.metrics import RequestTimeline, ServingMetrics
+from rltserve.http.stats_log import StatsLog, kv_capacity_lines
+
+
+def _info(**facts) -> EngineInfo:
+    base = dict(
+        model_path="/m", family="ouro", num_loops=4, max_loops=4, max_model_len=512,
+        vocab_size=512, eos_token_ids=(0,), num_blocks=160, block_size=16,
+        kv_policy="last_exited", kv_planes=4,
+    )  # fmt: skip
+    return EngineInfo(**{**base, **facts})
+
+
+def test_the_kv_capacity_counts_every_plane_of_a_token():
+    """The tester's pool: 160 blocks of 16 at 4 planes per token hold 640 tokens (not 2560),
+    1.25 requests of the whole 512-token context."""
+    assert kv_capacity_lines(_info()) == [
+        "KV cache size: 640 tokens at 4 loops (160 blocks of 16 tokens; a token takes a block "
+        "slot on each of its 4 KV planes, kv_policy last_exited)",
+        "Maximum concurrency for 512 tokens per request: 1.25x",
+    ]
+    shared = _info(kv_policy="shared", kv_planes=1, max_model_len=2048)
+    assert shared.kv_capacity_tokens == 2560
+    assert kv_capacity_lines(shared)[1] == "Maximum concurrency for 2048 tokens per request: 1.25x"
+    # A context's last token writes no KV: 513 tokens still fit 32 blocks a plane.
+    assert _info(max_model_len=513).max_concurrency == 1.25
+
+
+def _stats(**values) -> EngineStats:
+    zeros = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+    return EngineStats(**{**zeros, **values})
+
+
+def test_the_stats_line_covers_the_interval_and_stays_quiet_when_idle():
+    metrics = ServingMetrics("m")
+    source = {"stats": _stats(prefix_cache_queries=100, prefix_cache_hits=50), "queued": 0}
+    log = StatsLog(metrics, lambda: (source["stats"], source["queued"], 0), now=0.0)
+    assert log.line(10.0) is None  # idle from the start: nothing to say
+    # A request of 300 prompt tokens got its first token and 49 more; another is queued.
+    timeline = RequestTimeline(10.5, 10.5)
+    metrics.on_start(timeline, 300)
+    metrics.on_tokens(timeline, 11.0, [4])
+    metrics.on_tokens(timeline, 12.0, [2] * 49)
+    source["stats"] = _stats(
+        num_running=1, num_waiting=2, kv_usage=0.4375, prefix_cache_queries=300,
+        prefix_cache_hits=125, num_preemptions=3,
+    )  # fmt: skip
+    source["queued"] = 1
+    assert log.line(20.0) == (
+        "Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+        "Running: 1 reqs, Waiting: 3 reqs, KV cache usage: 43.8%, "
+        "Prefix cache hit rate: 37.5%, Preemptions: 3"
+    )
+    # All done: one line shows it went idle, then nothing until work comes again.
+    source["stats"] = dataclasses.replace(
+        source["stats"], num_running=0, num_waiting=0, kv_usage=0.0
+    )
+    source["queued"] = 0
+    assert log.line(25.0) == (
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+        "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+        "Prefix cache hit rate: 0.0%, Preemptions: 0"
+    )
+    assert log.line(35.0) is None
+    # A restarted stage counts from zero again: no negative interval.
+    source["stats"] = _stats(num_running=1, prefix_cache_queries=10, prefix_cache_hits=10)
+    assert log.line(45.0).endswith("Running: 1 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+                                   "Prefix cache hit rate: 0.0%, Preemptions: 0")  # fmt: skip
