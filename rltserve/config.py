@@ -117,10 +117,23 @@ class CacheConfig:
     )
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     num_blocks: int | None = field(
-        default=None, metadata=_help("KV blocks in the pool (default: sized from kv_cache_gb)")
+        default=None,
+        metadata=_help(
+            "KV blocks in the pool (default: sized from kv_cache_gb)",
+            aliases=("--num-gpu-blocks-override",),  # (vLLM's name of the flag)
+        ),
     )
     kv_cache_gb: float = field(
         default=1.0, metadata=_help("KV pool size in GiB when num_blocks is not given")
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=_help(
+            "vLLM's: the share of the device's memory in (0, 1] the engine may use; on CUDA the "
+            "KV pool gets what the weights and a reserve for activations leave of it, unless "
+            "num_blocks or kv_cache_gb is given (they win); no effect on the CPU, where "
+            "kv_cache_gb sizes the pool"
+        ),
     )
     kv_reservation: str = field(
         default="ondemand",
@@ -153,6 +166,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks={self.num_blocks!r}: must be >= 1")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb={self.kv_cache_gb!r}: must be > 0")
+        share = self.gpu_memory_utilization
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization={share!r}: must be in (0, 1]")
         if self.kv_reservation not in KV_RESERVATIONS:
             raise ValueError(
                 f"kv_reservation={self.kv_reservation!r}: must be one of {KV_RESERVATIONS}"
@@ -361,6 +379,17 @@ class EngineConfig:
         device = self.model.device
         if self.execution.cuda_graphs and not device.startswith("cuda"):
             raise ValueError(f"cuda_graphs=True: needs a CUDA device (device={device!r})")
+        if self.scheduler.preemption_mode == "swap":
+            if self.cache.kv_reservation == "full":
+                raise ValueError(
+                    "preemption_mode='swap': only with kv_reservation='ondemand' (a request "
+                    "that reserves its whole context is never preempted, so nothing is swapped)"
+                )
+            if self.cache.swap_space_gb == 0:
+                raise ValueError(
+                    "preemption_mode='swap': needs swap_space_gb > 0 (without swap space every "
+                    "preemption recomputes; use preemption_mode='recompute')"
+                )
         if self.execution.disaggregate:
             if not KVPolicy.parse(self.cache.kv_policy).per_depth:
                 raise ValueError(

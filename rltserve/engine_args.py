@@ -15,6 +15,7 @@ import typing
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.preflight import check_engine, resolve_dtype, resolve_model, resolve_tokenizer
+from rltserve.vllm_args import pool_kv_cache_gb
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 
@@ -29,23 +30,24 @@ def _flag_type(hint: object) -> type:
 def add_dataclass_args(
     parser: argparse.ArgumentParser, cls: type, title: str, keep_defaults: bool = False
 ) -> None:
-    """One flag per field of dataclass ``cls`` (``--snake-name``), help from its metadata; a
-    field whose metadata says ``cli=False`` has none. A flag's default is the field's with
-    ``keep_defaults``, else None, so that ``dataclass_kwargs`` passes only what was set."""
+    """One flag per field of dataclass ``cls`` (``--snake-name``, and the names in its
+    metadata's ``aliases``), help from its metadata; a field whose metadata says ``cli=False``
+    has none. A flag's default is the field's with ``keep_defaults``, else None, so that
+    ``dataclass_kwargs`` passes only what was set."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in _flagged(cls):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         help_text = f.metadata.get("help", "")
         if f.default is not None:
             help_text += f" (default: {f.default})"
         default = f.default if keep_defaults else None
         if hints[f.name] in (bool, bool | None):
             action = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=f.name, action=action, default=default, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=action, default=default, help=help_text)
         else:
             kind = _flag_type(hints[f.name])
-            group.add_argument(flag, dest=f.name, type=kind, default=default, help=help_text)
+            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text)
 
 
 def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
@@ -58,13 +60,22 @@ def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per engine config field, with the field's default."""
+    """Adds one flag per engine config field, with the field's default; except
+    ``--kv-cache-gb``, None unless given: an explicit size wins over
+    ``--gpu-memory-utilization``, as ``LLM``'s ``kv_cache_gb`` does (``checked_engine_kwargs``
+    resolves it; ``engine_kwargs`` gives the field's default)."""
     for cls in ENGINE_CONFIGS:
         add_dataclass_args(parser, cls, cls.__name__, keep_defaults=True)
+    parser.set_defaults(kv_cache_gb=None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for cls in ENGINE_CONFIGS for f in _flagged(cls)}
+    """Every engine field's flag (one not given: the field's default)."""
+    return {
+        f.name: f.default if getattr(args, f.name) is None else getattr(args, f.name)
+        for cls in ENGINE_CONFIGS
+        for f in _flagged(cls)
+    }
 
 
 def _flagged(cls: type) -> list[dataclasses.Field]:
@@ -79,7 +90,10 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     ``LLM`` does, so a smaller ``--max-num-batched-tokens`` alone is valid. A Hugging Face repo
     id (``--model``, ``--tokenizer``) becomes its snapshot in the local cache (at
     ``--revision``, in ``--download-dir``), as ``LLM`` resolves it; those two are then spent
-    (None), so that ``LLM(**kw)`` takes the directories as they are."""
+    (None), so that ``LLM(**kw)`` takes the directories as they are. ``kv_cache_gb`` is the
+    pool's size as ``LLM`` finds it (``vllm_args.pool_kv_cache_gb``: on CUDA, what
+    ``--gpu-memory-utilization`` leaves, unless ``--kv-cache-gb`` or ``--num-blocks`` is
+    given)."""
     kw = engine_kwargs(args)
     if kw["exit_mode"] == "trace":
         raise ValueError(
@@ -97,5 +111,6 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     kw["revision"] = kw["download_dir"] = None
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
     kw["dtype"] = resolve_dtype(kw["dtype"], kw["model"])
-    check_engine({**kw, **as_run})
+    config = check_engine({**kw, **as_run})  # (the device is there before it is measured)
+    kw["kv_cache_gb"] = pool_kv_cache_gb(config, args.kv_cache_gb)
     return kw

@@ -59,7 +59,7 @@ from rltserve.vllm_args import (
     check_utilization,
     generation_config_folder,
     generation_overrides,
-    kv_cache_gb_for,
+    pool_kv_cache_gb,
 )
 
 
@@ -176,6 +176,7 @@ class LLM(TrainerControls):
             seed=seed,
             max_model_len=max_model_len,
             kv_cache_gb=1.0 if kv_cache_gb is None else kv_cache_gb,
+            gpu_memory_utilization=gpu_memory_utilization,
             cuda_graphs=cuda_graphs and not enforce_eager,
             cuda_graph_max_rows=cuda_graph_max_rows,
             cuda_graph_max_context=cuda_graph_max_context,
@@ -197,13 +198,10 @@ class LLM(TrainerControls):
         check_device(self.config.model.device, "device=")
         if prefill_device is not None:
             check_device(prefill_device, "prefill_device=")
-        if kv_cache_gb is None and num_blocks is None and gpu_memory_utilization is not None:
-            device = self.config.model.device
-            stages = 2 if disaggregate and prefill_device in (None, device) else 1
-            gb = kv_cache_gb_for(gpu_memory_utilization, device, model, dtype, stages)
-            if gb is not None:  # (CUDA only)
-                cache = dataclasses.replace(self.config.cache, kv_cache_gb=gb)
-                self.config = dataclasses.replace(self.config, cache=cache)
+        gb = pool_kv_cache_gb(self.config, kv_cache_gb)
+        if gb != self.config.cache.kv_cache_gb:  # (CUDA's gpu_memory_utilization)
+            cache = dataclasses.replace(self.config.cache, kv_cache_gb=gb)
+            self.config = dataclasses.replace(self.config, cache=cache)
         client_cls = InProcessStageClient if in_process else StageClient
         # The stage starts first: its imports and model load overlap the tokenizer's load here.
         self._client = stage_client(self.config, client_cls)

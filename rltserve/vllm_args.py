@@ -5,10 +5,11 @@
 - ``tensor_parallel_size``: 1 only. One engine runs on one device; for more, run replicas
   (``rltserve.ray``).
 - ``enforce_eager=True``: no CUDA graphs (``cuda_graphs=False``, the default anyway).
-- ``gpu_memory_utilization``: on CUDA, when neither ``num_blocks`` nor ``kv_cache_gb`` is given,
-  the KV pool gets that share of the device's memory less the weights and a reserve for
-  activations (``kv_budget_bytes``); on the CPU it has no effect (``kv_cache_gb`` sizes the
-  pool there, as vLLM's CPU backend has its own setting).
+- ``gpu_memory_utilization`` (``CacheConfig``'s, so also the engine commands'
+  ``--gpu-memory-utilization``): on CUDA, when neither ``num_blocks`` nor ``kv_cache_gb`` is
+  given, the KV pool gets that share of the device's memory less the weights and a reserve for
+  activations (``kv_budget_bytes``, ``pool_kv_cache_gb``); on the CPU it has no effect
+  (``kv_cache_gb`` sizes the pool there, as vLLM's CPU backend has its own setting).
 - ``tokenizer``: a directory (or a Hugging Face repo id in the local cache) to load the
   tokenizer from instead of the checkpoint's.
 - ``dtype``: also vLLM's ``auto`` (the checkpoint's), ``half`` and ``float``, or a
@@ -36,9 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rltserve.preflight import resolve_dtype
 from rltserve.sampling import GENERATION_CONFIG_KEYS, SamplingParams
+
+if TYPE_CHECKING:
+    from rltserve.config import EngineConfig
 
 # What the weights and the KV pool leave of the device for activations and the allocator.
 ACTIVATION_RESERVE_BYTES = 2**30
@@ -188,16 +193,36 @@ def kv_budget_bytes(
     return budget
 
 
+def pool_kv_cache_gb(config: EngineConfig, given: float | None) -> float:
+    """``kv_cache_gb`` as ``LLM`` and the engine commands size the KV pool of ``config`` (built
+    with the default size): ``given`` where the caller gave one; else, with the config's
+    ``gpu_memory_utilization`` and no ``num_blocks``, on CUDA what that share of the device
+    leaves (``kv_cache_gb_for``; each stage's half where a disaggregated pair shares the
+    device); else the config's."""
+    cache, model, execution = config.cache, config.model, config.execution
+    if given is not None:
+        return given
+    if cache.gpu_memory_utilization is None or cache.num_blocks is not None:
+        return cache.kv_cache_gb
+    device = model.device
+    stages = 2 if execution.disaggregate and execution.prefill_device in (None, device) else 1
+    gb = kv_cache_gb_for(cache.gpu_memory_utilization, device, model.model, model.dtype, stages)
+    return cache.kv_cache_gb if gb is None else gb
+
+
 def kv_cache_gb_for(
-    utilization: float, device: str, model: str, dtype: str, stages: int = 1
+    utilization: float, device: str, model: str | None, dtype: str, stages: int = 1
 ) -> float | None:
     """``kv_cache_gb`` for ``gpu_memory_utilization`` on ``device`` (None off CUDA), for each
-    of ``stages`` engines sharing it."""
+    of ``stages`` engines sharing it, of checkpoint ``model`` (None: the demo model)."""
     check_utilization(utilization)
     if not device.startswith("cuda"):
         return None
     import torch
 
+    from rltserve.models.demo import model_or_demo
+
+    model = model_or_demo(model)
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     stored = resolve_dtype("auto", model)
     files = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))

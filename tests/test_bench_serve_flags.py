@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import re
@@ -121,6 +122,20 @@ def test_without_a_range_ratio_the_prompts_are_those_of_before():
     assert request_lengths(config) == [(4, 7)] * 3
 
 
+def test_a_random_prefix_starts_every_prompt_before_its_input_len_tokens():
+    """vLLM's --random-prefix-len: the same prefix_len random tokens, then each prompt's own
+    input_len (drawn around it with a range ratio; the prefix never varies)."""
+    plain = BenchConfig(url="http://x", num_prompts=5, input_len=4, seed=2, range_ratio=0.5)
+    config = dataclasses.replace(plain, prefix_len=6)
+    prompts = random_prompts(config, 99)
+    prefix = random.Random("2:prefix")
+    assert {tuple(p[:6]) for p in prompts} == {tuple(prefix.randrange(99) for _ in range(6))}
+    assert [p[6:] for p in prompts] == random_prompts(plain, 99)  # (the tokens after: the same)
+    assert request_lengths(config) == request_lengths(plain)
+    with pytest.raises(ValueError, match=r"^prefix_len=-1: must be >= 0$"):
+        BenchConfig(url="http://x", prefix_len=-1)
+
+
 def test_result_file_name_is_vllms():
     report = {"request_rate": 4.0, "max_concurrency": 8, "model": "org/m-1b/",
               "date": "20250101-120000"}  # fmt: skip
@@ -171,6 +186,8 @@ def test_vllm_spellings_reach_the_config(monkeypatch):
     default = _config(monkeypatch)
     assert default.percentile_metrics == _METRICS and default.metric_percentiles == (99.0,)
     assert (default.goodput, default.range_ratio, default.detailed) == ((), 0.0, False)
+    assert default.prefix_len == 0
+    assert _config(monkeypatch, "--random-prefix-len", "300").prefix_len == 300
 
 
 def test_the_backend_choices_are_the_configs():
@@ -198,6 +215,7 @@ def test_the_backend_choices_are_the_configs():
         (["--metric-percentiles", "101"], "--metric-percentiles 101: a comma-separated"),
         (["--metric-percentiles", "99,99.0"], "--metric-percentiles 99,99.0: a comma-"),
         (["--random-range-ratio", "1"], "--random-range-ratio 1: must be in [0, 1)"),
+        (["--random-prefix-len", "-1"], "--random-prefix-len -1: must be >= 0"),
         (["--random-range-ratio", "0.5", "--input-len", "1"],
          "--random-range-ratio 0.5: the shortest prompt of --input-len 1 would have no tokens"),
         (["--dataset-name", "sharegpt"], "--dataset-name sharegpt: not supported; "),

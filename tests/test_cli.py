@@ -236,6 +236,46 @@ def test_float_flags_parse_as_numbers_the_configs_take():
     assert args.drain_timeout_s == 2.5 and args.port is None
 
 
+def test_gpu_memory_utilization_sizes_the_pool_as_llm_does(monkeypatch):
+    """vLLM's --gpu-memory-utilization on every engine command: on CUDA, what the share leaves
+    is the pool's kv_cache_gb, unless --kv-cache-gb or --num-blocks (also vLLM's
+    --num-gpu-blocks-override) is given; on the CPU it has no effect, as LLM's."""
+    import rltserve.preflight
+    import rltserve.vllm_args
+
+    measured = []
+
+    def kv_cache_gb_for(utilization, device, model, dtype, stages=1):
+        measured.append((utilization, device, stages))
+        return 3.5 if device.startswith("cuda") else None
+
+    monkeypatch.setattr(rltserve.vllm_args, "kv_cache_gb_for", kv_cache_gb_for)
+    monkeypatch.setattr(rltserve.preflight, "check_device", lambda device, flag="": None)
+    share = ["--gpu-memory-utilization", "0.5"]
+
+    def kv(*flags: str) -> tuple[float, int | None]:
+        kw = checked_engine_kwargs(build_parser().parse_args(["serve", *flags]))
+        return kw["kv_cache_gb"], kw["num_blocks"]
+
+    assert kv(*share, "--device", "cuda") == (3.5, None)
+    assert kv(*share, "--device", "cuda", "--disaggregate") == (3.5, None)
+    assert kv(*share) == (1.0, None)  # the CPU's pool: --kv-cache-gb's default
+    assert measured == [(0.5, "cuda", 1), (0.5, "cuda", 2), (0.5, "cpu", 1)]
+    measured.clear()
+    assert kv(*share, "--device", "cuda", "--kv-cache-gb", "2") == (2.0, None)
+    assert kv(*share, "--device", "cuda", "--num-gpu-blocks-override", "100") == (1.0, 100)
+    assert kv("--device", "cuda") == (1.0, None)
+    assert measured == []
+    for command in (["generate"], ["bench", "offline"]):
+        args = build_parser().parse_args([*command, *share, "--num-blocks", "7"])
+        assert (args.gpu_memory_utilization, args.num_blocks) == (0.5, 7)
+    for bad in ("0.0", "1.5", "nan"):
+        with pytest.raises(
+            ValueError, match=rf"^gpu_memory_utilization={bad}: must be in \(0, 1\]$"
+        ):
+            kv("--gpu-memory-utilization", bad)
+
+
 def test_a_token_budget_below_the_default_chunk_caps_the_chunk():
     args = build_parser().parse_args(["generate", "--max-num-batched-tokens", "256"])
     assert checked_engine_kwargs(args)["prefill_chunk_size"] == 256

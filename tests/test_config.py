@@ -56,6 +56,9 @@ def test_cache_settings_name_the_bad_value():
         _refused(CacheConfig, rf"kv_watermark={bad!r}: must be in \[0, 1\)", kv_watermark=bad)
     _refused(CacheConfig, r"swap_space_gb=-1: must be >= 0", swap_space_gb=-1)
     _refused(CacheConfig, r"enable_prefix_caching='yes'", enable_prefix_caching="yes")
+    for bad in (0, 1.01, -0.5, True, "0.5", float("nan")):
+        why = r": must be in \(0, 1\]$"
+        _refused(CacheConfig, rf"gpu_memory_utilization={bad!r}{why}", gpu_memory_utilization=bad)
 
 
 def test_cache_settings_at_the_edges_of_their_ranges_are_taken():
@@ -64,6 +67,8 @@ def test_cache_settings_at_the_edges_of_their_ranges_are_taken():
     config = CacheConfig(num_blocks=1, kv_cache_gb=0.001, kv_watermark=0.0, swap_space_gb=0)
     assert (config.num_blocks, config.kv_watermark, config.swap_space_gb) == (1, 0.0, 0)
     assert CacheConfig(kv_watermark=0.99, kv_reservation="full").kv_watermark == 0.99
+    for share in (1, 1.0, 0.01):
+        assert CacheConfig(gpu_memory_utilization=share).gpu_memory_utilization == share
 
 
 @pytest.mark.parametrize(
@@ -125,6 +130,20 @@ def test_cuda_graphs_need_a_cuda_device_of_any_index():
         EngineConfig.from_flat(cuda_graphs=True)
     for device in ("cuda", "cuda:1"):
         assert EngineConfig.from_flat(cuda_graphs=True, device=device).execution.cuda_graphs
+
+
+def test_swap_preemption_is_refused_where_nothing_could_be_swapped():
+    """A fully reserved request is never preempted, and without swap space every preemption
+    recomputes: swap would only seem to be on."""
+    with pytest.raises(ValueError, match=r"^preemption_mode='swap': only with kv_reservation="):
+        EngineConfig.from_flat(preemption_mode="swap", kv_reservation="full")
+    with pytest.raises(ValueError, match=r"^preemption_mode='swap': needs swap_space_gb > 0 "):
+        EngineConfig.from_flat(preemption_mode="swap", swap_space_gb=0)
+    for kw in (
+        {"preemption_mode": "swap", "swap_space_gb": 1e-6},  # (a full space falls back too)
+        {"preemption_mode": "recompute", "kv_reservation": "full", "swap_space_gb": 0},
+    ):
+        EngineConfig.from_flat(**kw)
 
 
 def test_flat_options_reach_their_part_and_unknown_ones_are_named():

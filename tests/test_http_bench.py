@@ -331,10 +331,11 @@ async def test_a_wait_timeout_below_the_first_probe_bounds_that_probe(monkeypatc
 class _FakeServer:
     """``AsyncClient`` for ``run_bench``: every stream answers ``tokens`` token chunks (handing
     the loop over between them) and its usage; records the prompts and the most streams open
-    at once. A prompt longer than ``fail_above`` tokens breaks its stream."""
+    at once. A prompt longer than ``fail_above`` tokens breaks its stream; ``context``: the
+    model card's max_model_len."""
 
-    def __init__(self, tokens: int, fail_above: int | None = None) -> None:
-        self.tokens, self.fail_above = tokens, fail_above
+    def __init__(self, tokens: int, fail_above: int | None = None, context: int | None = None):
+        self.tokens, self.fail_above, self.context = tokens, fail_above, context
         self.prompts: list[list[int]] = []
         self.open = self.peak = 0
 
@@ -351,7 +352,8 @@ class _FakeServer:
         return True
 
     async def models(self) -> list[dict]:
-        return [{"id": "m", "vocab_size": 50}]
+        card = {"id": "m", "vocab_size": 50}
+        return [card if self.context is None else {**card, "max_model_len": self.context}]
 
     @contextlib.asynccontextmanager
     async def _opened(self):
@@ -427,6 +429,27 @@ async def test_a_conversation_ends_at_its_first_failed_turn(monkeypatch):
     assert sorted(len(p) for p in server.prompts) == [3, 3, 3 + 2 + 3, 3 + 2 + 3]
 
 
+async def test_a_conversation_stops_before_a_turn_past_the_servers_context(monkeypatch):
+    server = _FakeServer(tokens=2, context=10)
+    monkeypatch.setattr(serve_bench, "AsyncClient", server)
+    config = BenchConfig(url="http://x", num_prompts=2, input_len=3, output_len=2, num_turns=3)
+    report = await run_bench(config)
+    # Turn prompts of 3 and 3 + 2 + 3 = 8 tokens (and 2 output tokens: 10, the context); turn
+    # 3's 13 would not fit: not sent, nor counted as failed.
+    assert sorted(len(p) for p in server.prompts) == [3, 3, 8, 8]
+    counts = ("completed", "failed", "skipped_turns", "context_skipped_turns", "max_model_len")
+    assert [report[key] for key in counts] == [4, 0, 2, 2, 10]
+    lines = format_report(report).splitlines()
+    assert f"{'Turns not sent (after a failed turn):':<45}{0:>15}" in lines
+    assert f"{'Turns not sent (past max_model_len 10):':<45}{2:>15}" in lines
+    # A server whose card gives no context: every turn is sent, and the line is left out.
+    unbounded = _FakeServer(tokens=2)
+    monkeypatch.setattr(serve_bench, "AsyncClient", unbounded)
+    report = await run_bench(config)
+    assert (report["completed"], report["max_model_len"]) == (6, None)
+    assert "past max_model_len" not in format_report(report)
+
+
 async def test_short_run_against_a_server(tmp_path_factory):
     ckpt = tiny_checkpoint(tmp_path_factory)
     stage = ScriptedStage(scripted_info(ckpt), Script([44, 77], interval_s=0.001))
@@ -456,6 +479,22 @@ async def test_multi_turn_chat_reports_the_cache_hit_rate(tmp_path_factory):
     assert report["total_input_tokens"] == 2 * (5 + 13 + 21)
     assert report["total_cached_tokens"] == 2 * (4 + 12)
     assert report["prefix_cache_hit_rate"] == pytest.approx(32 / 78)
+
+
+async def test_a_chat_stops_before_a_turn_the_context_would_not_hold(tmp_path_factory):
+    """Chat turns grow by the template's tokens too: the server's /tokenize of the messages
+    says whether the next turn fits, so no turn is refused (a 400, counted as failed)."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    engine = {"block_size": 4, "num_blocks": 256, "max_model_len": 64}
+    async with running(ckpt, engine=engine) as live:
+        config = BenchConfig(
+            url=live.url, num_prompts=2, input_len=5, output_len=3, num_turns=8, endpoint="chat"
+        )
+        report = await run_bench(config)
+    assert (report["failed"], report["errors"], report["max_model_len"]) == (0, [], 64)
+    assert report["completed"] > 2 and report["context_skipped_turns"] > 0
+    assert report["completed"] + report["context_skipped_turns"] == 2 * 8
+    assert report["skipped_turns"] == report["context_skipped_turns"]
 
 
 async def test_chat_endpoint_streams_messages(tmp_path_factory):

@@ -82,11 +82,17 @@ BAD_REQUESTS = [
     ("completions", {"max_tokens": 3}, "prompt", "is required"),
     ("chat/completions", {"messages": []}, "messages", "must not be empty"),
     ("completions", {"prompt": "x", "priority": 2**63}, "priority", "an integer in"),
-    # JSON integers beyond 64 bits arrive as floats: the message says so
+    # JSON integers beyond 64 bits: quoted as sent, and the message says why
     ("completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens",
-     "max_tokens=1e+30 (beyond 64-bit integers): must be an integer"),
+     "max_tokens=1000000000000000000000000000000 (beyond 64-bit integers): must be an integer"),
     ("completions", {"prompt": "x", "seed": 2**64}, "seed",
-     "seed=1.8446744073709552e+19 (beyond 64-bit integers): must be an integer in"),
+     "seed=18446744073709551616 (beyond 64-bit integers): must be an integer in"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "priority": 99999999999999999999}, "priority",
+     "priority=99999999999999999999 (beyond 64-bit integers): must be an integer in "
+     "[-9223372036854775808, 9223372036854775807]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "priority": "1"},
+     "priority", "must be an integer in"),
     ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens",
      "max_tokens=1.5: must be an integer"),
     # A client's own Jinja template would run on the server.
@@ -303,6 +309,37 @@ async def test_engine_rejection_is_a_400(ckpt):
         for name in ("prompt_tokens_total", "request_prompt_tokens_count"):  # ... nor started
             assert metric(text, f"rltserve:{name}") == 0, name
         assert metric(text, "rltserve:request_queue_time_seconds_count") == 0
+
+
+async def test_a_default_max_tokens_past_the_kv_pool_is_named_as_the_servers(ckpt):
+    """A request without max_tokens that the whole KV pool cannot hold at the depth it asks
+    for: the 400 says the server chose max_tokens (chat: the rest of the context; completions:
+    the default 16) and names max_loops; one that sent max_tokens keeps the engine's words."""
+    engine = {"num_blocks": 64, "block_size": 4, "max_model_len": 64}  # 64 tokens at 4 loops
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_loops": 8}
+    advice = "set max_tokens or lower max_loops, or raise num_blocks"
+    async with running(ckpt, engine=engine) as live:
+        for stream in (False, True):
+            status, _, raw = await live.post("/v1/chat/completions", {**chat, "stream": stream})
+            assert (status, error_of(raw)["param"]) == (400, "max_loops")
+            assert error_of(raw)["message"] == (
+                "the request needs 128 KV blocks (63 tokens of prompt and output on 8 KV planes, "
+                "for 8 loops) but the pool has 64 (max_tokens not set: the rest of the context, "
+                f"51 tokens); {advice}"
+            )
+        body = {"prompt": list(range(1, 21)), "max_loops": 8}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert (status, error_of(raw)["param"]) == (400, "max_loops")
+        assert error_of(raw)["message"] == (
+            "the request needs 72 KV blocks (35 tokens of prompt and output on 8 KV planes, for "
+            "8 loops) but the pool has 64 (max_tokens not set: the server default, 16 tokens); "
+            f"{advice}"
+        )
+        status, _, raw = await live.post("/v1/chat/completions", {**chat, "max_tokens": 50})
+        assert (status, error_of(raw)["param"]) == (400, None)
+        assert error_of(raw)["message"].endswith(
+            "but the pool has 64; lower max_tokens or max_loops, or raise num_blocks"
+        )
 
 
 async def test_a_request_aborted_before_any_update_counts_a_start_and_an_abort(ckpt):

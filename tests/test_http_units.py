@@ -12,7 +12,7 @@ import pytest
 from rltserve.http.admission import AdmissionGate, Overloaded
 from rltserve.http.errors import error_body
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, sampling_params
-from rltserve.http.validation import SchemaError, describe, param_of, parse_object
+from rltserve.http.validation import SchemaError, describe, loads, param_of, parse_object
 
 
 async def test_admission_gate_fifo_and_limits():
@@ -131,13 +131,36 @@ def test_schema_numbers_and_optional_factories():
     with pytest.raises(SchemaError) as err:
         parse_object(CompletionRequest, {"prompt": "x", "temperature": True})
     assert err.value.param == "temperature"
-    # An integer beyond 64 bits arrives as a float: the message quotes it and states the range.
-    with pytest.raises(SchemaError) as err:
-        parse_object(CompletionRequest, {"prompt": "x", "seed": 1.5e21})
-    assert err.value.message == (
-        "seed=1.5e+21 (beyond 64-bit integers): must be an integer in "
-        "[-9223372036854775808, 9223372036854775807]"
+    # An integer beyond 64 bits is quoted as sent (``loads`` keeps it exact, where orjson
+    # reads it as a float), with the range; a float is no integer, however large.
+    int64 = "[-9223372036854775808, 9223372036854775807]"
+    refused = {
+        b'"priority": 99999999999999999999': "priority=99999999999999999999 (beyond 64-bit "
+        f"integers): must be an integer in {int64}",
+        b'"seed": -9223372036854775809': "seed=-9223372036854775809 (beyond 64-bit integers): "
+        f"must be an integer in {int64}",
+        # (orjson's largest: an integer, out of the range)
+        b'"seed": 18446744073709551615': "seed=18446744073709551615: must be an integer in "
+        f"{int64}",
+        b'"n": 123456789012345678901234567890': "n=123456789012345678901234567890 (beyond 64-bit "
+        "integers): must be an integer",
+        b'"max_tokens": 1e20': "max_tokens=1e+20: must be an integer",
+        b'"priority": 1.0': f"priority=1.0: must be an integer in {int64}",
+        b'"priority": "1"': f"priority: must be an integer in {int64}",
+        b'"stop_token_ids": [99999999999999999999]': "stop_token_ids: must be an array of integers",
+    }
+    for field, message in refused.items():
+        with pytest.raises(SchemaError) as err:
+            parse_object(CompletionRequest, loads(b'{"prompt": "x", ' + field + b"}"))
+        assert err.value.message == message, field
+    assert loads(b'{"a": [99999999999999999999, 1e20, "12345678901234567890"]}') == {
+        "a": [99999999999999999999, 1e20, "12345678901234567890"]
+    }
+    # A number field takes such an integer as the float it is near (as orjson reads it).
+    big = parse_object(
+        CompletionRequest, loads(b'{"prompt": "x", "temperature": 1' + b"0" * 30 + b"}")
     )
+    assert big.temperature == 1e30 and type(big.temperature) is float
     # A field with a default_factory is optional, like one with a default.
     assert parse_object(_Tags, {}) == _Tags([])
     assert parse_object(_Tags, {"names": ["a"]}) == _Tags(["a"])

@@ -69,7 +69,7 @@ def test_a_tokenizer_directory_serves_a_checkpoint_without_one(tiny, tmp_path):
 def test_a_device_share_is_split_between_the_stages_on_one_device(tiny, monkeypatch):
     """gpu_memory_utilization with disaggregate=True and both stages on the model's device:
     each stage's KV budget is half of what the share leaves."""
-    import rltserve.llm as llm_module
+    import rltserve.vllm_args as vllm_args
 
     asked = []
 
@@ -80,7 +80,7 @@ def test_a_device_share_is_split_between_the_stages_on_one_device(tiny, monkeypa
         asked.append((utilization, stages))
         raise Sized  # (no stage needs to start)
 
-    monkeypatch.setattr(llm_module, "kv_cache_gb_for", kv_cache_gb_for)
+    monkeypatch.setattr(vllm_args, "kv_cache_gb_for", kv_cache_gb_for)
     for kw in ({}, {"disaggregate": True}, {"disaggregate": True, "prefill_device": "cpu"}):
         with pytest.raises(Sized):
             LLM(str(tiny), gpu_memory_utilization=0.5, **kw)

@@ -38,7 +38,9 @@ SWEEP_FRACTIONS = (0.7, 0.85)  # of the unpressured run's peak blocks, after the
 SWEEP_TIME_SLICE = 8
 
 CASES = (
-    ("full", {"kv_reservation": "full"}),
+    # (recompute whatever --preemption-mode says: a full reservation never preempts, and
+    # EngineConfig refuses swap with it)
+    ("full", {"kv_reservation": "full", "preemption_mode": "recompute"}),
     ("ondemand_recompute", {"kv_reservation": "ondemand", "preemption_mode": "recompute"}),
     ("ondemand_swap", {"kv_reservation": "ondemand", "preemption_mode": "swap"}),
 )

@@ -1,17 +1,23 @@
 """``rltserve bench serve``: a serving benchmark client in the manner of ``vllm bench serve``.
 
-Every request streams ``/v1/completions`` with a random token-id prompt of ``input_len`` tokens,
-``max_tokens=output_len`` and ``ignore_eos``, so each produces exactly ``output_len`` tokens
-(with ``range_ratio``, lengths drawn around those per conversation: ``serve_datasets``).
+Every request streams ``/v1/completions`` with a random token-id prompt of ``input_len`` tokens
+(after ``prefix_len`` tokens every prompt shares), ``max_tokens=output_len`` and ``ignore_eos``,
+so each produces exactly ``output_len`` tokens (with ``range_ratio``, lengths drawn around those
+per conversation: ``serve_datasets``).
 Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burstiness`` 1 =
 Poisson), optionally capped at ``max_concurrency`` in flight.
 
 Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
 after another; turn t's prompt is turn t-1's prompt + its answer (token ids; from a server that
 streams text alone, its ``/tokenize`` of the text) + a new ``input_len``-token user message; a
-conversation stops at a failed turn (``skipped_turns`` counts the turns it did not send). The
-report adds the prefix cache hit rate: prompt tokens the server reports as cached
-(``usage.prompt_tokens_details.cached_tokens``) over all prompt tokens.
+conversation stops at a failed turn (``skipped_turns`` counts the turns it did not send). It
+also stops before a turn whose prompt and ``max_tokens`` would exceed the server's context (its
+model card's ``max_model_len``), which the server would refuse: ``context_skipped_turns``
+counts those turns among the skipped ones. A completion prompt's length is its token ids; a
+chat's is the server's ``/tokenize`` of the messages (a server whose ``/tokenize`` takes no
+messages gets the turn unchecked). The report adds the prefix cache hit rate: prompt tokens the
+server reports as cached (``usage.prompt_tokens_details.cached_tokens``) over all prompt
+tokens.
 
 Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = gaps between
 consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request; E2EL = send
@@ -162,15 +168,30 @@ async def run_bench(config: BenchConfig) -> dict:
         await _wait_for_server(client, config)
         cards = await client.models()
         vocab = int(cards[0].get("vocab_size") or _FALLBACK_VOCAB) if cards else _FALLBACK_VOCAB
+        context = cards[0].get("max_model_len") if cards else None
         prompts = random_prompts(config, vocab)
         lengths = request_lengths(config)
         gaps = arrival_gaps(config)
         limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
         total = config.num_prompts * config.num_turns
         progress = progress_bar(total, "requests", config.progress, unit="req")
+        past_context = 0  # turns not sent: the context would not hold them
+
+        async def fits(prompt: list[int], messages: list[dict], output_len: int) -> bool:
+            """Whether the server's context holds the next turn's prompt and output."""
+            if context is None:
+                return True
+            if config.endpoint != "chat":
+                return len(prompt) + output_len <= context
+            try:
+                ids = await client.tokenize(messages=messages, add_generation_prompt=True)
+            except APIError:  # (a /tokenize of prompts alone: the server decides)
+                return True
+            return len(ids) + output_len <= context
 
         async def conversation(index: int, prompt: list[int]) -> list[RequestResult]:
             """One request, or the turns of one chat, each turn extending the last."""
+            nonlocal past_context
             rng = random.Random(config.seed * 7919 + index + 2)
             input_len, output_len = lengths[index]
             chat = config.endpoint == "chat"
@@ -195,6 +216,9 @@ async def run_bench(config: BenchConfig) -> dict:
                         {"role": "assistant", "content": result.output_text},
                         {"role": "user", "content": await client.detokenize(user)},
                     ]
+                if not await fits(prompt, messages, output_len):
+                    past_context += config.num_turns - turn - 1
+                    break
             return results
 
         start = time.perf_counter()
@@ -206,4 +230,5 @@ async def run_bench(config: BenchConfig) -> dict:
                 tasks.append(asyncio.create_task(conversation(index, prompt)))
             results = [r for turns in await asyncio.gather(*tasks) for r in turns]
         duration = time.perf_counter() - start
-    return summarize(config, results, duration, cards[0].get("id") if cards else None)
+    served = cards[0].get("id") if cards else None
+    return summarize(config, results, duration, served, context, past_context)

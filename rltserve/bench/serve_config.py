@@ -31,6 +31,9 @@ class BenchConfig:
     # vLLM's --random-range-ratio r: each conversation's prompt and output lengths drawn
     # uniformly from [floor(len * (1 - r)), ceil(len * (1 + r))] (outputs at least 1 token).
     range_ratio: float = 0.0
+    # vLLM's --random-prefix-len: every prompt starts with the same prefix_len random tokens
+    # (a long shared system prompt), before its input_len own ones.
+    prefix_len: int = 0
     seed: int = 0
     temperature: float = 0.0
     exit_threshold: float | None = None
@@ -63,6 +66,8 @@ class BenchConfig:
             raise ValueError(f"ready_timeout_s={self.ready_timeout_s}: must be > 0")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint={self.endpoint!r}: must be one of {ENDPOINTS}")
+        if self.prefix_len < 0:
+            raise ValueError(f"prefix_len={self.prefix_len}: must be >= 0")
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"range_ratio={self.range_ratio}: must be in [0, 1)")
         if math.floor(self.input_len * (1 - self.range_ratio)) < 1:

@@ -6,6 +6,12 @@ Each conversation draws its prompt length and output length uniformly from
 the vocabulary (a multi-turn conversation's new user messages have its prompt length, each of
 its turns its output length). The draws are seeded by ``seed``; at ``r = 0`` no length is
 drawn, so the prompts are those of a run without the flag.
+
+With ``prefix_len`` (vLLM's ``--random-prefix-len``) every prompt starts with the same
+``prefix_len`` random tokens, drawn once, then has its own: a prompt has ``prefix_len`` + its
+drawn length tokens (as vLLM's, ``input_len`` leaves the prefix out, and the range ratio does
+not vary it). The prefix is a stream of its own, so the tokens after it are those of a run
+without it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ def _length_range(length: int, ratio: float) -> tuple[int, int]:
 
 
 def request_lengths(config: BenchConfig) -> list[tuple[int, int]]:
-    """Each conversation's (prompt tokens, output tokens)."""
+    """Each conversation's (prompt tokens after the shared prefix, output tokens)."""
     if config.range_ratio == 0:
         return [(config.input_len, config.output_len)] * config.num_prompts
     # (a stream of its own: the prompts' and the arrivals' draws stay those of other runs)
@@ -35,8 +41,10 @@ def request_lengths(config: BenchConfig) -> list[tuple[int, int]]:
 
 
 def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
+    shared = random.Random(f"{config.seed}:prefix")
+    prefix = [shared.randrange(vocab_size) for _ in range(config.prefix_len)]
     rng = random.Random(config.seed)
     return [
-        [rng.randrange(vocab_size) for _ in range(input_len)]
+        prefix + [rng.randrange(vocab_size) for _ in range(input_len)]
         for input_len, _ in request_lengths(config)
     ]

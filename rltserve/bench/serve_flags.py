@@ -35,6 +35,8 @@ def config_kwargs(args: argparse.Namespace) -> dict:
             f"--dataset-path {args.dataset_path}: the 'random' dataset reads no file "
             "(bench serve supports no other)"
         )
+    if args.random_prefix_len < 0:
+        raise ValueError(f"--random-prefix-len {args.random_prefix_len}: must be >= 0")
     ratio = args.random_range_ratio
     if not 0 <= ratio < 1:
         raise ValueError(f"--random-range-ratio {ratio:g}: must be in [0, 1)")
@@ -47,6 +49,7 @@ def config_kwargs(args: argparse.Namespace) -> dict:
         "url": target_url(args),
         "endpoint": endpoint(args),
         "range_ratio": ratio,
+        "prefix_len": args.random_prefix_len,
         "goodput": parse_goodput(args.goodput or []),
         "percentile_metrics": parse_percentile_metrics(args.percentile_metrics),
         "metric_percentiles": parse_metric_percentiles(args.metric_percentiles),

@@ -73,10 +73,17 @@ def good_requests(config: BenchConfig, ok: list[RequestResult]) -> int:
 
 
 def summarize(
-    config: BenchConfig, results: list[RequestResult], duration: float, served: str | None = None
+    config: BenchConfig,
+    results: list[RequestResult],
+    duration: float,
+    served: str | None = None,
+    max_model_len: int | None = None,
+    context_skipped: int = 0,
 ) -> dict:
     """The report: the run's settings (``model``: the one sent, else ``served``, the server's
-    first), then what it measured."""
+    first; ``max_model_len``: its context, where its model card gives it), then what it
+    measured. ``context_skipped``: the turns not sent because the context would not hold
+    them."""
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -93,13 +100,17 @@ def summarize(
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
         "input_len": config.input_len,
+        "prefix_len": config.prefix_len,
         "output_len": config.output_len,
         "range_ratio": config.range_ratio,
         "goodput": dict(config.goodput) or None,
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        # Multi-turn: the turns a conversation never sent after one of its turns failed.
+        "max_model_len": max_model_len,
+        # Multi-turn: the turns a conversation never sent, after one of its turns failed or
+        # where the context would not hold the next one (``context_skipped_turns`` of them).
         "skipped_turns": config.num_prompts * config.num_turns - len(results),
+        "context_skipped_turns": context_skipped,
         "duration": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -135,6 +146,7 @@ def summarize(
 
 
 def format_report(report: dict) -> str:
+    context_skipped = report.get("context_skipped_turns", 0)  # (a report saved before it)
     rows = [
         ("Successful requests", report["completed"]),
         ("Failed requests", report["failed"]),
@@ -151,9 +163,11 @@ def format_report(report: dict) -> str:
         ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
         ("Turns per conversation", report["num_turns"]),
-        ("Turns not sent (after a failed turn)", report["skipped_turns"]),
-        ("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"),
+        ("Turns not sent (after a failed turn)", report["skipped_turns"] - context_skipped),
     ]
+    if (context := report.get("max_model_len")) is not None:
+        rows.append((f"Turns not sent (past max_model_len {context})", context_skipped))
+    rows.append(("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"))
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
     lines += [f"{name + ':':<45}{value!s:>15}" for name, value in rows]
     for metric, title in _SECTIONS:

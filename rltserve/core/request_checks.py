@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from rltserve.models.base import LoopedSpec
 
 
+# How the refusal of a request larger than the whole KV pool ends (``Scheduler.add_request``):
+# the HTTP API words it otherwise where the client sent no max_tokens (``http.generation``).
+POOL_ADVICE = "; lower max_tokens or max_loops, or raise num_blocks"
+
+
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """vLLM's rule: a priority the engine would ignore (under ``fcfs``) is refused, not
     dropped silently."""

@@ -58,6 +58,7 @@ from rltserve.core.plan import (
 from rltserve.core.preemption import Preemptor
 from rltserve.core.prompt_sharing import PromptSharing
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
+from rltserve.core.request_checks import POOL_ADVICE
 from rltserve.core.standing import Standing
 from rltserve.core.swap import SwapSpace
 from rltserve.core.wavefront import CARRIED, OVER, PLAN, WAIT, Wavefront
@@ -136,7 +137,7 @@ class Scheduler:
             raise ValueError(
                 f"the request needs {need} KV blocks ({request.kv_tokens} tokens of prompt and "
                 f"output on {planes} KV planes, for {request.num_loops} loops) but the pool has "
-                f"{self.kv.pool.num_total}; lower max_tokens or max_loops, or raise num_blocks"
+                f"{self.kv.pool.num_total}{POOL_ADVICE}"
             )
         request.exit_mode = choose_exit_mode(request, self.has_gate, self.config.exit_mode)
         if request.exit_mode != "fixed" and not self.has_gate:

@@ -17,7 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from rltserve.http.errors import HTTPError, bad_request
 from rltserve.http.state import STATE
-from rltserve.http.validation import parse_object
+from rltserve.http.validation import loads, parse_object
 
 _JSON_TYPES = ("application/json",)
 _INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed on the tokenizer pool
@@ -65,7 +65,7 @@ async def read_body(request: web.Request, cls: type, strict: bool | None = None)
 def _parse(raw: bytes, cls: type, strict: bool) -> tuple[Any, list[str]]:
     """The validated request and the unknown fields it had (none when ``strict``: they raise)."""
     try:
-        data = orjson.loads(raw)
+        data = loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"body: invalid JSON: {exc}") from exc
     unknown: list[str] = []

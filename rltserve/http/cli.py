@@ -169,7 +169,14 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         dest="input_len",
         type=int,
         default=128,
-        help="prompt tokens per request",
+        help="prompt tokens per request (after --random-prefix-len's)",
+    )
+    parser.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="vLLM's: every prompt starts with the same this many random tokens (a shared "
+        "system prompt) before its --input-len own ones (default: 0)",
     )
     parser.add_argument(
         "--output-len",
@@ -197,7 +204,9 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         type=int,
         default=1,
         help="multi-turn chat: turns per conversation, each prompt the previous prompt + "
-        "answer + --input-len new tokens; reports the prefix cache hit rate (default: 1)",
+        "answer + --input-len new tokens; a conversation stops before a turn the server's "
+        "max_model_len would not hold (counted as skipped); reports the prefix cache hit rate "
+        "(default: 1)",
     )
     parser.add_argument(
         "--endpoint",

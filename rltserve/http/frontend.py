@@ -102,6 +102,9 @@ class ChoiceRequest:
     # Special tokens whose text the choice's text keeps with skip_special_tokens (the
     # </think> that splits reasoning from content, where the tokenizer makes it special).
     kept_special_ids: frozenset[int] = frozenset()
+    # What max_tokens is when the request sent none ("the rest of the context, 509 tokens"):
+    # a refusal it causes says so, as the client never chose it. None: the client's own.
+    default_max_tokens: str | None = None
 
 
 class Frontend:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rltserve.core.request_checks import POOL_ADVICE
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline
@@ -35,6 +36,7 @@ class ChoiceEvent:
     delta: TextDelta
     output: Completion
     rejected: bool
+    default_max_tokens: str | None = None  # (``ChoiceRequest``'s)
 
 
 @dataclass
@@ -203,7 +205,13 @@ class Generation:
                     self._frontend.client.abort(choice.stage_id)
             if not update.rejected:  # (a request the engine refused is a 400, not a finish)
                 metrics.on_finish(choice.timeline, now, delta.finish_reason)
-        return ChoiceEvent(index, delta, choice.assembler.output, update.rejected)
+        return ChoiceEvent(
+            index,
+            delta,
+            choice.assembler.output,
+            update.rejected,
+            choice.request.default_max_tokens,
+        )
 
 
 def failure(
@@ -217,7 +225,7 @@ def failure(
         if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
             return unavailable("the model is sleeping: POST /wake_up first")
         if event.rejected:
-            return bad_request(message, param_of(message))
+            return bad_request(*_refusal(message, event.default_max_tokens))
         if message.startswith("stage died"):
             return unavailable(message, retry_after_s)
         return HTTPError(500, message)
@@ -225,3 +233,16 @@ def failure(
         why = "the server is shutting down" if closing else "the request was aborted"
         return unavailable(why, retry_after_s)
     return None
+
+
+def _refusal(message: str, default_max_tokens: str | None) -> tuple[str, str | None]:
+    """The message and param of the 400 for a request the engine refused. One larger than the
+    whole KV pool whose max_tokens the server chose (``default_max_tokens``) says so, as the
+    client never set it, and names max_loops: the pool holds a whole context at the model's
+    own depth (``kv_sizing``): a deeper max_loops (or a kv_policy of more planes) made it
+    too large."""
+    if default_max_tokens is None or not message.endswith(POOL_ADVICE):
+        return message, param_of(message)
+    head = message[: -len(POOL_ADVICE)]
+    advice = "set max_tokens or lower max_loops, or raise num_blocks"
+    return f"{head} (max_tokens not set: {default_max_tokens}); {advice}", "max_loops"

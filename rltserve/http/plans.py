@@ -101,6 +101,11 @@ def _choices(
     choices = []
     for p, prompt in enumerate(prompts):
         limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
+        unsent = None  # (``ChoiceRequest.default_max_tokens``)
+        if max_tokens is None:
+            whole = limit == frontend.info.max_model_len - len(prompt.token_ids)
+            unsent = f"{'the rest of the context' if whole else 'the server default'}, {limit}"
+            unsent += " tokens"
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(
@@ -112,7 +117,11 @@ def _choices(
                 if (message := as_sent(req, exc.message, defaults)) == exc.message:
                     raise
                 raise bad_request(message, param_of(message)) from exc
-            choices.append(ChoiceRequest(p * req.n + j, p, prompt, checked, group, session))
+            choices.append(
+                ChoiceRequest(
+                    p * req.n + j, p, prompt, checked, group, session, default_max_tokens=unsent
+                )
+            )
     return choices
 
 

@@ -9,20 +9,29 @@ may declare ``metadata={"range": (low, high)}``, which the type message states; 
 ranges are the dataclasses' own business (``validate`` methods and ``SamplingParams``).
 
 Type hints understood: int, float, bool, str, Any, ``list[X]``, ``dict[str, X]``, unions
-(including ``X | None``) and dataclasses. JSON numbers: bool is never an int; an int is a float.
+(including ``X | None``) and dataclasses. JSON numbers: bool is never an int; an int is a float;
+an int is at most 64 bits (signed or unsigned, as orjson reads them), a larger one is refused
+quoting it as sent (``loads`` keeps it exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import re
 import types
 import typing
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 _MISSING = dataclasses.MISSING
+# The integers a JSON number may be here (orjson's: signed or unsigned 64 bits).
+_INT_RANGE = (-(2**63), 2**64 - 1)
+_LONG_DIGITS = re.compile(rb"\d{19}")  # (every integer outside _INT_RANGE has 19 digits or more)
 UnknownField = Callable[[str], None]  # called with the field's path, e.g. "messages[0].foo"
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
 
@@ -34,6 +43,17 @@ class SchemaError(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+def loads(raw: bytes) -> Any:
+    """A JSON body decoded (``orjson.JSONDecodeError`` if it is not JSON). orjson reads an
+    integer beyond 64 bits as a float (99999999999999999999 as 1e+20); a body that may hold
+    one is read again by the standard library, whose integers are exact, so that its refusal
+    quotes the integer sent."""
+    data = orjson.loads(raw)
+    if _LONG_DIGITS.search(raw):  # (rare, and cheap to look for)
+        data = json.loads(raw)  # (orjson took it: no NaN, nothing json would refuse)
+    return data
 
 
 def param_of(message: str) -> str | None:
@@ -94,9 +114,8 @@ def convert(
         what = describe(hint)
         if int_range is not None:
             what += f" in [{int_range[0]}, {int_range[1]}]"
-        # JSON integers beyond 64 bits arrive as floats: say the range, not just the type.
         head = f"{path}={value!r}" if ok or isinstance(value, (int, float)) else path
-        if isinstance(value, float) and value.is_integer() and not -(2**63) <= value < 2**64:
+        if _beyond_64_bits(value):  # (the range says why, not just the type)
             head += " (beyond 64-bit integers)"
         raise SchemaError(path, f"{head}: must be {what}")
     return out
@@ -145,13 +164,20 @@ def _try(
     if hint is bool:
         return isinstance(value, bool), value
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        return is_int and not _beyond_64_bits(value), value
     if hint is float:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and _beyond_64_bits(value):
+            return True, float(value)  # (finite: orjson refuses the numbers a float cannot be)
         return number and math.isfinite(value), value
     if hint is str:
         return isinstance(value, str), value
     raise TypeError(f"{path}: unsupported schema type {hint!r}")  # a bug in a schema
+
+
+def _beyond_64_bits(value: object) -> bool:
+    return type(value) is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]
 
 
 def describe(hint: Any) -> str:
