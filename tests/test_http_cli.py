@@ -1,0 +1,166 @@
+"""The parsers and commands of ``rltserve serve`` and ``rltserve bench serve``
+(``rltserve/http/cli.py``): flags derived from ServerConfig, the API key from the environment,
+vLLM's flag spellings, the warning of a reachable server without a key, and bench serve's flags
+reaching the benchmark, bad values named before connecting, and its exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import pytest
+
+from rltserve.client import APIError
+from rltserve.http.cli import (
+    add_bench_serve_parser,
+    add_serve_parser,
+    cmd_bench_serve,
+    dataclass_kwargs,
+    serve_configs,
+)
+from rltserve.http.config import ServerConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rltserve")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
+    add_bench_serve_parser(bench)
+    return parser
+
+
+def test_serve_flags_come_from_server_config(monkeypatch):
+    args = _parser().parse_args(
+        ["serve", "--port", "0", "--max-concurrent", "8", "--served-model-name", "m",
+         "--max-num-seqs", "4"]
+    )  # fmt: skip
+    config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
+    assert (config.port, config.max_concurrent, config.served_model_name) == (0, 8, "m")
+    assert config.max_queued == ServerConfig().max_queued  # unset flags keep the defaults
+    assert args.max_num_seqs == 4  # engine flags ride along
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    assert config.with_env().api_key == "from-env"
+    with pytest.raises(ValueError, match="ssl_certfile"):
+        ServerConfig(ssl_certfile="cert.pem")
+    with pytest.raises(ValueError, match="max_concurrent"):
+        ServerConfig(max_concurrent=0)
+
+
+def test_bench_serve_flags():
+    args = _parser().parse_args(
+        ["bench", "serve", "--num-prompts", "5", "--request-rate", "inf", "--json"]
+    )
+    assert args.num_prompts == 5 and math.isinf(args.request_rate) and args.json
+    assert args.endpoint == "completions"
+    from rltserve.bench.serve import ENDPOINTS
+
+    for endpoint in ENDPOINTS:  # (the flag spells out the config's choices)
+        assert _parser().parse_args(["bench", "serve", "--endpoint", endpoint]).endpoint == endpoint
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "serve", "--endpoint", "rest"])
+
+
+def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(monkeypatch):
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    server, engine = serve_configs(_parser().parse_args(["serve", "--max-num-seqs", "4"]))
+    assert server.api_key == "from-env" and engine.scheduler.max_num_seqs == 4
+    server, _ = serve_configs(_parser().parse_args(["serve", "--api-key", "flag"]))
+    assert server.api_key == "flag"
+
+
+def test_serve_takes_default_template_variables_as_vllm_spells_the_flag():
+    flags = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": true}']
+    server, _ = serve_configs(_parser().parse_args(flags))
+    assert server.template_defaults == {"enable_thinking": True}
+    with pytest.raises(ValueError, match="^default_chat_template_kwargs: not JSON"):
+        serve_configs(_parser().parse_args(["serve", "--default-chat-template-kwargs", "x"]))
+
+
+def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
+    """Anyone who reaches such a server may load weights or put it to sleep: say so once."""
+    import rltserve.http.server
+    from rltserve.http.cli import cmd_serve
+
+    monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: 0)
+    monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
+    for flags, warned in (
+        (["--host", "0.0.0.0"], True),
+        (["--host", "0.0.0.0", "--api-key", "k"], False),
+        ([], False),  # (127.0.0.1: this machine only)
+    ):
+        caplog.clear()
+        assert cmd_serve(_parser().parse_args(["serve", "--port", "0", *flags])) == 0
+        said = [r for r in caplog.records if "without an API key" in r.getMessage()]
+        assert len(said) == int(warned), flags
+
+
+def test_bench_serve_targets_where_serve_listens_by_default():
+    args = _parser().parse_args(["bench", "serve"])
+    server = ServerConfig()
+    assert args.url == f"http://{server.host}:{server.port}"
+    assert math.isinf(args.request_rate) and args.num_turns == 1
+    assert _parser().parse_args(["serve"]).log_level == "info"
+
+
+def _bench_args(*flags: str) -> argparse.Namespace:
+    return _parser().parse_args(["bench", "serve", "--json", "--quiet", *flags])
+
+
+def test_bench_serve_flags_reach_the_benchmark(monkeypatch, capsys):
+    seen = []
+
+    async def fake_run_bench(config):
+        seen.append(config)
+        return {"completed": 3}
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", fake_run_bench)
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    flags = ["--input-len", "3", "--output-len", "5", "--num-turns", "2", "--wait-timeout", "7",
+             "--seed", "9", "--max-concurrency", "2"]  # fmt: skip
+    assert cmd_bench_serve(_bench_args(*flags)) == 0
+    [config] = seen
+    assert (config.input_len, config.output_len, config.num_turns) == (3, 5, 2)
+    assert (config.ready_timeout_s, config.seed, config.max_concurrency) == (7.0, 9, 2)
+    assert config.api_key == "from-env" and math.isinf(config.request_rate)
+    assert config.progress is False
+    assert capsys.readouterr().out.strip() == '{\n  "completed": 3\n}'
+    assert cmd_bench_serve(_bench_args("--api-key", "flag")) == 0
+    assert seen[-1].api_key == "flag"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+        (["--output-len", "0"], "--output-len 0: must be >= 1"),
+        (["--max-concurrency", "0"], "--max-concurrency 0: must be >= 1"),
+        (["--request-rate", "0"], "--request-rate 0: must be > 0 (or inf)"),
+        (["--burstiness", "inf"], "--burstiness inf: must be a finite number > 0"),
+        (["--wait-timeout", "0"], "--wait-timeout 0: must be > 0"),
+    ],
+)
+def test_bench_serve_names_the_flag_of_a_bad_value_before_connecting(monkeypatch, flags, message):
+    async def connects(config):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", connects)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        cmd_bench_serve(_bench_args(*flags))
+
+
+def test_bench_serve_fails_when_nothing_completed_or_the_server_refuses(monkeypatch):
+    async def nothing_completed(config):
+        return {"completed": 0}
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", nothing_completed)
+    assert cmd_bench_serve(_bench_args()) == 1
+
+    async def refused(config):
+        raise APIError(401, "invalid API key")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", refused)
+    with pytest.raises(RuntimeError, match=r"^http://127.0.0.1:8000: .*invalid API key"):
+        cmd_bench_serve(_bench_args())
