@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import shutil
 import threading
-import time
 
 import orjson
 import pytest
@@ -24,8 +22,6 @@ from test_http_harness import (
     tiny_checkpoint,
     wait_for,
 )
-
-from rltserve.core.stage import StageError
 
 
 @pytest.fixture(scope="module")
@@ -271,30 +267,6 @@ async def test_queued_request_that_disconnects_leaves_the_queue(ckpt):
         assert len(stage.added) == 1 and gate.in_use == 0
 
 
-async def test_health_while_loading_then_ready(ckpt):
-    release = threading.Event()
-    stage = stage_for(ckpt)
-
-    def slow_factory(config):
-        release.wait(10)
-        return stage
-
-    async with running(ckpt, client_factory=slow_factory, wait=False) as live:
-        status, _, raw = await live.get("/health")
-        assert status == 503
-        assert error_of(raw) == {
-            "message": "Loading model",
-            "type": "unavailable_error",
-            "param": None,
-            "code": 503,
-        }
-        status, headers, _ = await live.post("/v1/completions", {"prompt": "x"})
-        assert status == 503 and "Retry-After" in headers
-        release.set()
-        await live.state.ready.wait()
-        assert (await live.get("/health"))[0] == 200
-
-
 async def test_engine_rejection_is_a_400(ckpt):
     stage = stage_for(ckpt, reject="max_tokens=40: the KV pool is too small")
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
@@ -395,64 +367,6 @@ async def test_engine_failure_is_a_500_or_an_error_event(ckpt):
         assert [e["choices"][0]["text"] for e in events[:2]] == ["H", "i"]
         assert events[-2]["error"]["code"] == 500
         assert events[-2]["error"]["message"] == "RuntimeError: step failed"
-
-
-def _write_bad_checkpoint(ckpt, path):
-    """ouro-tiny with a config.json the engine cannot build (an unknown model_type)."""
-    shutil.copytree(ckpt, path)
-    cfg = orjson.loads((path / "config.json").read_bytes())
-    (path / "config.json").write_bytes(orjson.dumps({**cfg, "model_type": "nope"}))
-    return path
-
-
-async def test_stage_build_error_is_reported_by_health(ckpt, tmp_path):
-    bad = _write_bad_checkpoint(ckpt, tmp_path / "bad")
-    async with running(bad, wait=False) as live:
-        await asyncio.wait_for(live.state.ready.wait(), 60)
-        assert "nope" in live.state.load_error
-        status, _, raw = await live.get("/health")
-        assert status == 503
-        message = error_of(raw)["message"]
-        assert message.startswith("the engine failed to start: ") and "nope" in message
-        status, _, raw = await live.post("/v1/completions", {"prompt": [1]})
-        assert status == 503 and "failed to start" in error_of(raw)["message"]
-
-
-class NeverReady(ScriptedStage):
-    """A stage that stays alive but never finishes loading."""
-
-    def wait_ready(self, timeout=None):
-        time.sleep(min(timeout or 0.05, 0.05))
-        raise StageError("stage did not become ready in time")
-
-
-async def test_startup_timeout_is_reported_by_health(ckpt):
-    stage = NeverReady(scripted_info(ckpt), Script([44]))
-    factory = scripted_factory(stage)
-    async with running(ckpt, client_factory=factory, wait=False, startup_timeout_s=0.5) as live:
-        await asyncio.wait_for(live.state.ready.wait(), 30)
-        assert live.state.load_error == (
-            "StageError: stage did not become ready in time (the engine did not load within "
-            "--startup-timeout-s 0.5)"
-        )
-        status, _, raw = await live.get("/health")
-        assert status == 503 and "did not become ready" in error_of(raw)["message"]
-
-
-async def test_shutdown_while_loading_ends_promptly(ckpt):
-    stage = NeverReady(scripted_info(ckpt), Script([44]))
-    factory = scripted_factory(stage)
-
-    async def serve_then_stop():
-        async with running(ckpt, client_factory=factory, wait=False) as live:
-            status, _, raw = await live.get("/health")
-            assert status == 503 and error_of(raw)["message"] == "Loading model"
-            return live.state
-
-    state = await asyncio.wait_for(serve_then_stop(), 30)  # not startup_timeout_s (600 s)
-    assert state.ready.is_set()
-    assert state.load_error == "StageError: shutdown while the engine was loading"
-    assert not stage.alive  # the stage was closed
 
 
 async def test_continuous_usage_stats_count_up(ckpt):
