@@ -51,6 +51,22 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def special_think_end_checkpoint(ckpt: Path, path: Path) -> Path:
+    """A copy of ``ckpt`` whose tokenizer makes ``</think>`` a special token (as some thinking
+    models' do): skip_special_tokens drops it from texts."""
+    import shutil
+
+    shutil.copytree(ckpt, path)
+    for name, entries in [("tokenizer.json", "added_tokens"),
+                          ("tokenizer_config.json", "added_tokens_decoder")]:  # fmt: skip
+        data = json.loads((path / name).read_text())
+        items = data[entries] if isinstance(data[entries], list) else data[entries].values()
+        for token in items:
+            token["special"] = token["special"] or token["content"] == "</think>"
+        (path / name).write_text(json.dumps(data))
+    return path
+
+
 def engine_config(path: Path, **overrides) -> EngineConfig:
     return EngineConfig.from_flat(model=str(path), **{**ENGINE, **overrides})
 

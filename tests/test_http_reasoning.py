@@ -13,6 +13,7 @@ from test_http_harness import (
     running,
     scripted_factory,
     scripted_info,
+    special_think_end_checkpoint,
     sse_payloads,
     tiny_checkpoint,
 )
@@ -173,18 +174,7 @@ async def test_an_own_span_is_split_only_where_the_text_keeps_its_end(ckpt, tmp_
     """A tokenizer whose ``</think>`` is a special token: skip_special_tokens (the default)
     drops it from the text, so an answer that opens its own span stays whole content (a split
     would call all of it reasoning); with skip_special_tokens false it is split."""
-    import json
-    import shutil
-
-    special = tmp_path / "special"
-    shutil.copytree(ckpt, special)
-    for name, entries in [("tokenizer.json", "added_tokens"),
-                          ("tokenizer_config.json", "added_tokens_decoder")]:  # fmt: skip
-        data = json.loads((special / name).read_text())
-        items = data[entries] if isinstance(data[entries], list) else data[entries].values()
-        for token in items:
-            token["special"] = token["special"] or token["content"] == "</think>"
-        (special / name).write_text(json.dumps(data))
+    special = special_think_end_checkpoint(ckpt, tmp_path / "special")
     stage = stage_for(special, [THINK, H_ID, END, I_ID, EOS_ID])
     body = {"messages": [{"role": "user", "content": "hi"}]}
     async with running(special, client_factory=scripted_factory(stage)) as live:

@@ -12,7 +12,13 @@ import orjson
 import pytest
 import pytest_asyncio
 from builders import random_tensors, write_checkpoint
-from test_http_harness import ENGINE, running, sse_payloads, tiny_checkpoint
+from test_http_harness import (
+    ENGINE,
+    running,
+    special_think_end_checkpoint,
+    sse_payloads,
+    tiny_checkpoint,
+)
 
 from rltserve import LLM, SamplingParams
 from rltserve.models.tokenizer import load_tokenizer
@@ -162,15 +168,7 @@ async def test_bounded_thinking_over_http_equals_the_offline_api(ckpt):
 async def test_reasoning_splits_where_the_tokenizer_makes_think_end_special(ckpt, tmp_path):
     """A tokenizer whose ``</think>`` is a special token: skip_special_tokens (the default)
     must not drop the tag the split looks for (everything came back as reasoning)."""
-    special = tmp_path / "special"
-    shutil.copytree(ckpt, special)
-    for name, entries in [("tokenizer.json", "added_tokens"),
-                          ("tokenizer_config.json", "added_tokens_decoder")]:  # fmt: skip
-        data = json.loads((special / name).read_text())
-        items = data[entries] if isinstance(data[entries], list) else data[entries].values()
-        for token in items:
-            token["special"] = token["special"] or token["content"] == "</think>"
-        (special / name).write_text(json.dumps(data))
+    special = special_think_end_checkpoint(ckpt, tmp_path / "special")
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "max_thinking_tokens": 2, "return_token_ids": True,
             "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
