@@ -96,7 +96,7 @@ def check_weight_files(root: str | Path) -> None:
     if not files:
         pickles = sorted(f.name for f in root.glob("*.bin"))
         if pickles:
-            shown = ", ".join(pickles[:_SHOWN]) + (", ..." if len(pickles) > _SHOWN else "")
+            shown = _listed(pickles)
             raise CheckpointError(
                 f"{str(root)!r} has no .safetensors weight files, only PyTorch .bin files "
                 f"({shown}); rltserve loads safetensors only: convert them (transformers' "
@@ -109,7 +109,7 @@ def check_weight_files(root: str | Path) -> None:
     method = quantization.get("quant_method")
     quantized = _quantized_tensors(files)
     if quantized:
-        shown = ", ".join(quantized[:_SHOWN]) + (", ..." if len(quantized) > _SHOWN else "")
+        shown = _listed(quantized)
         raise CheckpointError(
             f"{root}: a quantized checkpoint (config.json quantization_config: quant_method="
             f"{method!r}; {len(quantized)} quantized tensors: {shown}); quantized checkpoints "
@@ -123,6 +123,11 @@ def check_weight_files(root: str | Path) -> None:
         root,
         method,
     )
+
+
+def _listed(names: list[str]) -> str:
+    """The first ``_SHOWN`` names, then "..." for the rest."""
+    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
 
 
 def _weight_files(root: Path) -> list[Path]:
