@@ -49,8 +49,8 @@ class ModelConfig:
             "checkpoint's)"
         ),
     )
-    # The two below only find repo ids in the cache: a built config holds the directories
-    # found (model, tokenizer) and no longer needs them.
+    # The two below find repo ids in the cache: a built config holds the directories found
+    # (model, tokenizer), no revision, and download_dir for repo ids of weight updates.
     revision: str | None = field(
         default=None,
         metadata=_help("branch, tag or commit of a repo id given as the model (default: main)"),

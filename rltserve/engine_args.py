@@ -108,7 +108,7 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     if kw["tokenizer"] is not None:
         at = revision if kw["tokenizer"] == given else None  # (LLM's rule)
         kw["tokenizer"] = resolve_tokenizer(kw["tokenizer"], at, cache_dir)
-    kw["revision"] = kw["download_dir"] = None
+    kw["revision"] = None  # (the model's: resolved above; download_dir stays for updates)
     kw["prefill_chunk_size"] = min(kw["prefill_chunk_size"], kw["max_num_batched_tokens"])
     kw["dtype"] = resolve_dtype(kw["dtype"], kw["model"])
     config = check_engine({**kw, **as_run})  # (the device is there before it is measured)

@@ -332,7 +332,8 @@ async def test_a_hub_snapshot_is_served_by_its_repo_id_and_updates_take_repo_ids
     ckpt, tmp_path, monkeypatch
 ):
     """A snapshot directory's name is a commit hash: the repo id names the model instead.
-    ``model_path`` takes a repo id in the server's local cache, as --model does."""
+    ``model_path`` takes a repo id in the server's local cache (--download-dir's, else the
+    default), as --model does."""
     import huggingface_hub.constants
 
     entry = tmp_path / "hub" / "models--someorg--ouro-tiny"
@@ -342,10 +343,13 @@ async def test_a_hub_snapshot_is_served_by_its_repo_id_and_updates_take_repo_ids
         (snapshot / f.name).symlink_to(f)
     (entry / "refs").mkdir()
     (entry / "refs" / "main").write_text("ab" * 20)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     stage = RecordingUpdates(scripted_info(snapshot), Script([44]))
     factory = scripted_factory(stage)
-    async with running(snapshot, client_factory=factory, served_model_name=None) as live:
+    engine = {"download_dir": str(tmp_path / "hub")}  # (the default cache holds nothing)
+    async with running(
+        snapshot, client_factory=factory, served_model_name=None, engine=engine
+    ) as live:
         status, _, raw = await live.get("/v1/models")
         assert [m["id"] for m in orjson.loads(raw)["data"]] == ["someorg/ouro-tiny"]
         body = {"model_path": "someorg/ouro-tiny"}
@@ -353,9 +357,11 @@ async def test_a_hub_snapshot_is_served_by_its_repo_id_and_updates_take_repo_ids
         assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
         status, _, raw = await live.post("/v1/update_weights", {"model_path": "someorg/none"})
         assert status == 400 and error_of(raw)["param"] == "model_path"
+        hub = tmp_path / "hub"
         assert error_of(raw)["message"].startswith(
             "model_path='someorg/none': no such directory, nor a Hugging Face repo id in the "
-            "local cache; rltserve never downloads (`hf download someorg/none`"
+            f"local cache ({hub}); rltserve never downloads (`hf download someorg/none "
+            f"--cache-dir {hub}`"
         )
     assert stage.update_calls == [([str(snapshot)], False, 300.0)]
 

@@ -236,8 +236,8 @@ def test_the_commands_take_revision_tokenizer_and_download_dir(tiny, tmp_path):
         ), command
     server_config, engine_config = serve_configs(args)
     assert (engine_config.model.model, engine_config.model.tokenizer) == (str(snapshot),) * 2
-    # (spent on finding the ids: LLM(**kwargs) takes the directories as they are)
-    assert (engine_config.model.revision, engine_config.model.download_dir) == (None, None)
+    # (the revision is spent on finding the ids; download_dir stays, for weight updates)
+    assert (engine_config.model.revision, engine_config.model.download_dir) == (None, str(cache))
     assert server_config.served_model_name == "someorg/ouro-tiny"
     args = build_parser().parse_args(["serve", "--model", str(tiny), "--revision", "v2"])
     with pytest.raises(ValueError, match=r"^revision='v2': only for a Hugging Face repo id$"):

@@ -54,7 +54,8 @@ async def update_weights(request: web.Request) -> web.Response:
     req: UpdateWeightsRequest = await read_body(request, UpdateWeightsRequest, strict=True)
     client = state.require_frontend().client
     try:
-        path = resolve_model(req.model_path, name="model_path")
+        cache_dir = state.engine_config.model.download_dir  # (where --model was found too)
+        path = resolve_model(req.model_path, cache_dir=cache_dir, name="model_path")
     except ValueError as exc:
         raise bad_request(str(exc), "model_path") from None
     call = (client.update_weights, [path], req.abort, float(req.timeout))
