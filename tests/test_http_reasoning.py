@@ -111,15 +111,16 @@ async def test_chat_reasoning_bytes_and_reasoning_tokens(ckpt):
     message = b'{"role":"assistant","content":"i","reasoning":"H","reasoning_content":"H"}'
     assert raw == chat_bytes(message, usage)
     assert streamed == chat_stream_bytes(
-        [b'{"reasoning":"H","reasoning_content":"H"}', b"{}", b'{"content":"i"}', b"{}"], usage
+        [b'{"reasoning":"H","reasoning_content":"H"}', b'{"content":"i"}', b"{}"], usage
     )
 
 
 async def test_an_answer_that_opens_its_own_thinking_span_is_split(ckpt):
     """No thinking span in the prompt, but the answer's first token is ``<think>``: split as
     vLLM's deepseek_r1 / qwen3 parsers do (the tags in neither part; the span's 3 tokens
-    counted). ``include_reasoning`` false leaves the reasoning out, the count stays. An answer
-    with ``<think>`` later (not its first token) is plain content, with no reasoning count."""
+    counted; the tags make no chunk). ``include_reasoning`` false leaves the reasoning out (and
+    its chunks), the count stays. An answer with ``<think>`` later (not its first token) is
+    plain content, with no reasoning count."""
     stage = stage_for(ckpt, [THINK, H_ID, END, I_ID, EOS_ID])
     body = {"messages": [{"role": "user", "content": "hi"}]}
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
@@ -138,12 +139,10 @@ async def test_an_answer_that_opens_its_own_thinking_span_is_split(ckpt):
     message = b'{"role":"assistant","content":"i","reasoning":"H","reasoning_content":"H"}'
     assert raw == chat_bytes(message, usage)
     reasoning = b'{"reasoning":"H","reasoning_content":"H"}'
-    deltas = [b"{}", reasoning, b"{}", b'{"content":"i"}', b"{}"]
+    deltas = [reasoning, b'{"content":"i"}', b"{}"]  # (no chunk of the tags: they show nothing)
     assert streamed == chat_stream_bytes(deltas, usage)
     assert raw_hidden == chat_bytes(b'{"role":"assistant","content":"i"}', usage)
-    assert streamed_hidden == chat_stream_bytes(
-        [b"{}", b"{}", b"{}", b'{"content":"i"}', b"{}"], usage
-    )
+    assert streamed_hidden == chat_stream_bytes([b'{"content":"i"}', b"{}"], usage)
     later = stage_for(ckpt, [H_ID, THINK, I_ID, EOS_ID])
     async with running(ckpt, client_factory=scripted_factory(later)) as live:
         _, _, raw = await live.post("/v1/chat/completions", body)

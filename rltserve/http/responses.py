@@ -372,6 +372,10 @@ class ChatFormat(_Format):
         final = delta.finish_reason is not None
         content = self._delta(event.index, delta.text, final, event.output.token_ids)
         logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
+        if not (content or final or logprobs or self.want_ids or self.want_depths):
+            # Tokens that show nothing (a </think>, reasoning left out by include_reasoning):
+            # no chunk, as vLLM's reasoning parsers send none, so no client reads one as output.
+            return out
         entry = {
             "index": event.index,
             "delta": content,
