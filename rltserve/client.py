@@ -242,10 +242,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        self._closed = True
         if self._owns_session and self._loop is not asyncio.get_running_loop():
+            self._refuse_other_thread("close it there")
+            self._closed = True
             self._release_session()  # (made on a loop that has ended: nothing to await here)
             return
+        self._closed = True
         for stream in list(self._streams):  # (a reader would otherwise wait forever)
             await stream.close()
         if self._owns_session and self._session is not None:
@@ -273,6 +275,13 @@ class AsyncClient:
             with contextlib.suppress(RuntimeError):  # (a callback on a closed loop: moot)
                 connector._close()
 
+    def _refuse_other_thread(self, advice: str) -> None:
+        """Its session's loop runs in another thread: its connections are that thread's."""
+        if self._loop is not None and self._loop.is_running():
+            raise RuntimeError(
+                f"AsyncClient: in use on an event loop running in another thread; {advice}"
+            )
+
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._closed:  # (a fresh session here would never be closed)
@@ -280,11 +289,7 @@ class AsyncClient:
         if self._owns_session:
             loop = asyncio.get_running_loop()
             if self._session is not None and self._loop is not loop:
-                if self._loop is not None and self._loop.is_running():
-                    raise RuntimeError(
-                        "AsyncClient: in use on an event loop running in another thread; "
-                        "make one client per thread"
-                    )
+                self._refuse_other_thread("make one client per thread")
                 self._release_session()  # (an earlier asyncio.run(): its loop has ended)
             if self._session is None:
                 connector = aiohttp.TCPConnector(limit=self._max_connections)

@@ -434,4 +434,8 @@ async def test_a_client_in_use_on_a_loop_of_another_thread_refuses_this_one():
         assert await client.complete("x") == {"attempt": 1}
         with pytest.raises(RuntimeError, match="another thread"):
             await asyncio.to_thread(asyncio.run, client.complete("x"))
+        # (nor may another thread close its connections under it)
+        with pytest.raises(RuntimeError, match="another thread; close it there"):
+            await asyncio.to_thread(asyncio.run, client.close())
+        assert await client.complete("x") == {"attempt": 2}
         await client.close()
