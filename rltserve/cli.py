@@ -291,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas",
         type=int,
         default=None,
-        help="split the prompts over N engine replicas on Ray actors (needs the 'ray' extra)",
+        help="split the prompts over N engine replicas on Ray actors and measure their "
+        "throughput, one sample per prompt (needs the 'ray' extra; not with --n, "
+        "--shared-prefix-len, --compare or --kv-pressure)",
     )
     off.add_argument(
         "--ray-address", default=None, help="Ray cluster for --replicas (default: a local one)"

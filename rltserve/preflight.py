@@ -173,10 +173,13 @@ def _named(flag: str, value: str) -> str:
 
 
 def check_engine(engine_kw: dict) -> EngineConfig:
-    """The engine flags build a valid config, name a checkpoint and a present device."""
+    """The engine flags build a valid config, name a checkpoint and present devices (the
+    prefill stage's too, under ``--disaggregate``)."""
     config = EngineConfig.from_flat(**engine_kw)  # ValueError naming the field
     check_checkpoint_dir(config.model.model)
     check_device(config.model.device)
+    if config.execution.prefill_device is not None:
+        check_device(config.execution.prefill_device, "--prefill-device")
     return config
 
 

@@ -29,6 +29,7 @@ def no_runs(monkeypatch):
     monkeypatch.setattr(rltserve.bench.offline, "run_offline_bench", refuse)
     monkeypatch.setattr(rltserve.bench.host, "run_host_bench", refuse)
     monkeypatch.setattr("rltserve.bench.rollout.run_rollout_bench", refuse)
+    monkeypatch.setattr("rltserve.ray.offline.run_replicas_bench", refuse)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +66,25 @@ def test_bench_offline_refuses_bad_counts_before_running(no_runs, flags, message
 def test_bench_offline_refuses_flags_whose_benchmark_would_not_run(no_runs, flags, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _run("offline", *flags)
+
+
+@pytest.mark.parametrize(
+    "flags, given",
+    [
+        (["--num-prompts", "8", "--n", "4"], "--n 4"),
+        (["--compare"], "--compare"),
+        (["--shared-prefix-len", "16"], "--shared-prefix-len 16"),
+        (["--kv-pressure"], "--kv-pressure"),
+    ],
+)
+def test_bench_offline_refuses_what_replicas_would_ignore(no_runs, flags, given):
+    """``--replicas N`` runs one sample per prompt, no comparison: its report had no n."""
+    with pytest.raises(ValueError) as info:
+        _run("offline", "--replicas", "2", *flags)
+    assert str(info.value) == (
+        f"{given}: not with --replicas N (it measures one sample per prompt spread over the "
+        "replicas, with no comparison); run it without --replicas"
+    )
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,18 @@ def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(mo
     assert server.api_key == "flag"
 
 
+def test_serve_stage_stable_s_is_the_restart_policys():
+    from types import SimpleNamespace
+
+    from rltserve.http.state import ServingState
+
+    server, _ = serve_configs(_parser().parse_args(["serve", "--stage-stable-s", "5"]))
+    policy = ServingState.restart_policy(SimpleNamespace(config=server))
+    assert (server.stage_stable_s, policy.stable_s, policy.max_restarts) == (5.0, 5.0, 3)
+    with pytest.raises(ValueError, match=r"^stage_stable_s=-1\.0: must be a number >= 0$"):
+        serve_configs(_parser().parse_args(["serve", "--stage-stable-s", "-1"]))
+
+
 def test_serve_takes_default_template_variables_as_vllm_spells_the_flag():
     flags = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": true}']
     server, _ = serve_configs(_parser().parse_args(flags))

@@ -73,6 +73,7 @@ def test_settings_at_the_edges_of_their_ranges_are_taken():
         "stage_watchdog_s": 0,  # (no watchdog)
         "stage_restarts": 0,
         "stage_restart_backoff_s": 0,
+        "stage_stable_s": 0,  # (every stage that started counts as stable)
     }
     config = ServerConfig(**edges)
     assert {name: getattr(config, name) for name in edges} == edges

@@ -24,6 +24,7 @@ import pytest
 from test_http_harness import (
     Script,
     ScriptedStage,
+    error_of,
     running,
     scripted_factory,
     scripted_info,
@@ -213,6 +214,8 @@ async def test_a_stage_dead_for_good_makes_serve_exit_1(ckpt):
         ("stage_restarts", -1),
         ("stage_restarts", 1.5),
         ("stage_restart_backoff_s", "x"),
+        ("stage_stable_s", -1),
+        ("stage_stable_s", True),
     ],  # fmt: skip
 )
 def test_bad_supervision_settings_name_the_field(field, value):
@@ -255,6 +258,33 @@ async def test_no_live_replica_is_a_503_with_retry_after_not_a_hang(ckpt):
             assert status == 503 and headers["Retry-After"] == "1", raw
             assert orjson.loads(raw)["error"]["message"] == stage.unavailable_reason
         assert stage.added == []
+
+
+class _ReplicaSetStage(ScriptedStage):
+    """A replica set: no weight update, sleep mode or cache reset (a Serve call reaches one
+    replica)."""
+
+    update_weights = sleep = wake_up = reset_prefix_cache = None
+
+
+async def test_replicas_refuse_the_engine_controls_naming_the_route(ckpt):
+    stage = _ReplicaSetStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        calls = (
+            ("/v1/update_weights", {"model_path": str(ckpt)}),
+            ("/reset_prefix_cache", None),
+            ("/sleep", None),
+        )
+        errors = []
+        for path, body in calls:
+            status, _, raw = await live.post(path, body)
+            assert status == 400, raw
+            errors.append(error_of(raw))
+    assert [(e["message"], e["param"]) for e in errors] == [
+        ("update_weights: not with engine replicas: restart them with the new checkpoint", None),
+        ("reset_prefix_cache: not with engine replicas", None),
+        ("sleep: not with engine replicas", None),
+    ]
 
 
 async def test_a_restarted_stage_serves_the_updated_weights_again(ckpt, tmp_path):
@@ -432,13 +462,27 @@ async def test_supervised_stage_a_failed_add_leaves_no_open_request():
     assert "r1" in b.sinks
 
 
-async def test_supervised_stage_restart_counting():
+def _gave_up_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("giving up")]
+
+
+async def test_supervised_stage_restart_counting(caplog):
     # max_restarts consecutive failed attempts give up; a failed start is one attempt.
     a = _FakeStage("a")
     sup, factory, _ = _supervised(a, RuntimeError("x"), RuntimeError("y"), max_restarts=2)
     await sup._replace("boom")
     assert sup.gave_up and factory.calls == 3 and not sup.alive
     assert sup.error == "restart failed: RuntimeError: y"
+    assert _gave_up_lines(caplog) == [
+        "giving up on the stage: its last 2 restart attempt(s) failed to start it "
+        "(--stage-restarts 2, --stage-stable-s 60): restart failed: RuntimeError: y"
+    ]
+    caplog.clear()
+    sup, _, _ = _supervised(_FakeStage("a"), max_restarts=0)
+    await sup._replace("boom")
+    assert _gave_up_lines(caplog) == [
+        "giving up on the stage: no restart allowed (--stage-restarts 0): boom"
+    ]
     # a start that fails once is retried
     a = _FakeStage("a")
     b = _FakeStage("b")
@@ -453,7 +497,7 @@ async def test_supervised_stage_restart_counting():
     assert sup.gave_up and dead.killed and factory.calls == 2
 
 
-async def test_supervised_stage_a_stable_stage_starts_a_fresh_count():
+async def test_supervised_stage_a_stable_stage_starts_a_fresh_count(caplog):
     clock = _Clock()
     stages = [_FakeStage(str(i)) for i in range(4)]
     sup, _, _ = _supervised(*stages, clock=clock, max_restarts=1, stable_s=60.0)
@@ -466,6 +510,26 @@ async def test_supervised_stage_a_stable_stage_starts_a_fresh_count():
     clock.now += 10  # the third failed 10 s after its start: its attempt counts
     await sup._replace("boom")
     assert sup.gave_up and sup.restarts == 2
+    # every restart succeeded: the log says what ran out, not "failed restart attempts"
+    assert _gave_up_lines(caplog) == [
+        "giving up on the stage: it failed within 60 s of each of its last 1 restart(s) "
+        "(--stage-restarts 1, --stage-stable-s 60): boom"
+    ]
+
+
+async def test_supervised_stage_counts_failed_starts_and_quick_failures_together(caplog):
+    clock = _Clock()
+    a, b = _FakeStage("a"), _FakeStage("b")
+    sup, _, _ = _supervised(a, RuntimeError("x"), b, clock=clock, max_restarts=2, stable_s=5.0)
+    await sup._replace("boom")
+    assert sup.inner is b and sup.restarts == 1
+    clock.now += 4.5  # b failed before it ran --stage-stable-s
+    await sup._replace("hung")
+    assert sup.gave_up
+    assert _gave_up_lines(caplog) == [
+        "giving up on the stage: of its last 2 restart attempts, 1 failed to start it and 1 "
+        "started a stage that failed within 5 s (--stage-restarts 2, --stage-stable-s 5): hung"
+    ]
 
 
 def _update_file(path, **tensors) -> str:

@@ -72,6 +72,11 @@ def test_engine_flags_on_an_absent_device_fail_before_the_model_loads(no_acceler
         check_engine({"device": "cuda"})
 
 
+def test_an_absent_prefill_device_fails_before_the_model_loads(no_accelerators):
+    with pytest.raises(ValueError, match=r"^--prefill-device cuda:1: CUDA is not available \("):
+        check_engine({"disaggregate": True, "prefill_device": "cuda:1"})
+
+
 def test_a_cuda_index_must_name_a_present_device(monkeypatch):
     import torch
 

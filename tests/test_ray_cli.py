@@ -157,3 +157,20 @@ def test_serve_with_replicas_hands_its_limits_to_the_replica_set(monkeypatch):
     assert (replica_config.replicas, max_ongoing, owned) == (2, 8, True)
     [(server_config, _, factory)] = served
     assert server_config.max_concurrent == 8 and factory == "made"
+
+
+def test_serve_refuses_the_stage_watchdog_with_replicas(monkeypatch):
+    """It would do nothing: Ray Serve's health checks replace a hung replica (refused before a
+    cluster starts)."""
+    import rltserve.ray.cluster
+    from rltserve.cli import build_parser
+    from rltserve.http.cli import cmd_serve
+
+    monkeypatch.setattr(rltserve.ray.cluster, "connect", lambda config: pytest.fail("started"))
+    flags = ["serve", "--replicas", "2", "--stage-watchdog-s", "30", "--port", "0"]
+    with pytest.raises(ValueError) as info:
+        cmd_serve(build_parser().parse_args(flags))
+    assert str(info.value) == (
+        "--stage-watchdog-s 30: not with --replicas N (Ray Serve's health checks replace a "
+        "replica that stops answering)"
+    )

@@ -65,6 +65,7 @@ def _client(call: FakeCall) -> ReplicaSetClient:
     client._lock = threading.Lock()
     client._tasks, client._replicas = {}, {}
     client._retired, client._closed, client._fatal = None, False, None
+    client._retired_prefill = None
     client._stream = FakeStream(call)
     return client
 
@@ -322,3 +323,26 @@ async def test_a_replicas_batches_carry_its_identity_its_stats_and_the_group():
     batches = [b async for b in _replica(stage).generate("r", [1, 2], PARAMS, group="g-1")]
     assert stage.groups == ["g-1"]  # samples of one prompt share its prefill
     assert [(b.replica, b.pid, b.stats) for b in batches] == [("rep-1", os.getpid(), stage.stats)]
+    assert [b.prefill_stats for b in batches] == [None]  # (one stage per replica)
+    stage.prefill_stats = _stats(num_steps=2)  # a disaggregated replica's prefill stage
+    batches = [b async for b in _replica(stage).generate("r", [1, 2], PARAMS)]
+    assert [b.prefill_stats for b in batches] == [stage.prefill_stats]
+
+
+async def test_disaggregated_replicas_prefill_stages_are_summed_as_their_stats():
+    """``--replicas N --disaggregate``: the ``prefill_stage_*`` series are the sums; a failed
+    replica's counters stay in them, its gauges leave; an idle replica's gauges read 0."""
+    client = _client(None)
+    assert client.prefill_stats is None  # (no replica reported: no such series)
+    for replica, steps, error in (("rep-1", 7, RuntimeError("actor died")), ("rep-2", 5, None)):
+        final = RequestUpdate("r", [5], finish_reason=None if error else FinishReason.LENGTH)
+        batch = dataclasses.replace(
+            _batch(final),
+            replica=replica,
+            prefill_stats=_stats(num_steps=steps, num_running=1, prefix_cache_blocks=3),
+        )
+        client._stream = FakeStream(FakeCall([batch], error=error))
+        await _run(client)
+    prefill = client.prefill_stats
+    assert (prefill.num_steps, prefill.num_running, prefill.prefix_cache_blocks) == (12, 0, 3)
+    assert client.stats.num_steps == 6  # (the decode stages': 3 each)

@@ -12,7 +12,10 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
+from multiprocessing import Pipe
 
 import pytest
 from test_llm_script import assert_gone
@@ -21,6 +24,7 @@ from rltserve import LLM, SamplingParams
 from rltserve.config import EngineConfig
 from rltserve.core.request import FinishReason
 from rltserve.core.stage import InProcessStageClient, StageClient, StageError
+from rltserve.core.worker_process import WorkerProcess
 from rltserve.outputs import OutputAssembler
 
 WAIT_S = 60
@@ -195,9 +199,46 @@ def test_worker_that_dies_before_reporting_is_described_by_its_error_output(tiny
             client.wait_ready(WAIT_S)
     finally:
         client.close()
-    message = str(info.value)
-    assert "stage failed: worker process exited (code 1)" in message
-    assert "its last error output:" in message and "rltserve.core.no_such_worker" in message
+    assert str(info.value) == (
+        "stage failed: worker process exited (code 1): ModuleNotFoundError: No module named "
+        "'rltserve.core.no_such_worker'"
+    )
+
+
+_STALE_WARNING = (
+    "import sys; sys.stderr.write('WARNING stale startup line\\n'); sys.stderr.flush()\n"
+)
+_HANDLED = (
+    "import logging; logging.basicConfig()\n"
+    "try:\n    1 / 0\nexcept ZeroDivisionError:\n    logging.exception('handled')\n"
+)
+_KILLED = "import os; os.kill(os.getpid(), 9)"
+
+
+@pytest.mark.parametrize(
+    ("script", "reason"),
+    [
+        (_STALE_WARNING + _KILLED, "worker process killed by signal 9"),
+        (_HANDLED + _KILLED, "worker process killed by signal 9"),
+        (_HANDLED + "raise KeyError('k')", "worker process exited (code 1): KeyError: 'k'"),
+        (_STALE_WARNING + "raise RuntimeError('boom\\nmore')",
+         "worker process exited (code 1): RuntimeError: boom"),
+        (_STALE_WARNING, "worker process exited (code 0)"),
+    ],
+)  # fmt: skip
+def test_a_dead_workers_reason_names_only_the_exception_that_ended_it(script, reason, capfd):
+    """Not a stale warning (clients see the reason), nor the traceback of an exception that was
+    handled; the whole error output is relayed to this process's stderr (the server's log)."""
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    ours, theirs = Pipe()
+    worker = WorkerProcess(proc, ours)
+    try:
+        assert worker.exit_reason() == reason
+    finally:
+        worker.close()
+        theirs.close()
+    relayed = capfd.readouterr().err
+    assert ("WARNING stale startup line" in relayed) == ("stale" in script)
 
 
 # ---------------------------------------------------------------- close

@@ -34,6 +34,8 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     if args.num_prompts % args.n:  # (else fewer requests would run than the report says)
         raise ValueError(f"--num-prompts {args.num_prompts}: not a multiple of --n {args.n}")
     _check_one_benchmark(args)
+    if args.replicas is not None:
+        _check_replica_benchmark(args)
     if not args.chunk_sizes or min(args.chunk_sizes) < 1:
         raise ValueError(f"--chunk-sizes {args.chunk_sizes}: every value must be >= 1")
     if args.repeats > 1 and not kv_pressure_requested(args):
@@ -73,6 +75,19 @@ def _check_one_benchmark(args: argparse.Namespace) -> None:
                 f"{flags}: a benchmark of its own, not run with {' or '.join(extra)}; "
                 "run them one at a time"
             )
+
+
+def _check_replica_benchmark(args: argparse.Namespace) -> None:
+    """Refuses the flags ``--replicas N`` would ignore: its run (``run_replicas_bench``) is the
+    throughput of one sample per prompt spread over the replicas, with no comparison."""
+    given = [f"--n {args.n}"] * (args.n > 1)
+    given += [f"--shared-prefix-len {args.shared_prefix_len}"] * bool(args.shared_prefix_len)
+    given += ["--compare"] * args.compare + ["--kv-pressure"] * args.kv_pressure
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: not with --replicas N (it measures one sample per prompt "
+            "spread over the replicas, with no comparison); run it without --replicas"
+        )
 
 
 def print_report(report: dict, as_json: bool) -> None:

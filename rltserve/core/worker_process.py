@@ -2,9 +2,11 @@
 
 The worker runs ``rltserve.core.stage_worker.main`` in a fresh interpreter (never the caller's
 main module, nor modules from the caller's current directory) with one end of a socket pair
-inherited as its channel. Its error output is relayed to this process's
-``sys.stderr`` line by line, and the last lines are kept so that a worker that dies before it
-can report (an import error, a crash) is described by its own last words.
+inherited as its channel. Its error output is relayed to this process's ``sys.stderr`` line by
+line (the server's log, where an operator reads all of it). Of that output only the line of
+the exception that ended the worker ("ModuleNotFoundError: ..." after its traceback) goes into
+``exit_reason``, which clients see: any other line (a startup warning long before a kill) would
+be unrelated log text there.
 
 Invariant: this handle holds no reference to any client, so a client that owns it can be
 collected while the reader and relay threads run.
@@ -12,7 +14,6 @@ collected while the reader and relay threads run.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -29,7 +30,7 @@ import rltserve
 from rltserve.config import EngineConfig
 
 WORKER_MODULE = "rltserve.core.stage_worker"
-_TAIL_LINES = 20
+_TRACEBACK = "Traceback (most recent call last):"
 # ``python -m`` would put the current directory first on sys.path, where a stray ``rltserve/``
 # (another checkout) or a file named like a dependency would shadow the code this process runs;
 # the worker puts this process's package root there instead.
@@ -64,11 +65,27 @@ def _log_args() -> list[str]:
     return ["--log-level", str(root.getEffectiveLevel())]  # (a number: custom names too)
 
 
-def _relay(stream: IO[bytes], tail: collections.deque) -> None:
+class LastException:
+    """The line naming the exception of the latest traceback in an error output (``Type:
+    message``, the first unindented line after ``Traceback (most recent call last):``; its
+    frames are indented). An uncaught exception prints it last before its process exits."""
+
+    def __init__(self) -> None:
+        self.line: str | None = None
+        self._in_traceback = False
+
+    def feed(self, line: str) -> None:
+        if line.startswith(_TRACEBACK):
+            self._in_traceback = True
+        elif self._in_traceback and line.strip() and not line[0].isspace():
+            self.line = line.rstrip()
+            self._in_traceback = False
+
+
+def _relay(stream: IO[bytes], last: LastException) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace")
-        if line.strip():
-            tail.append(line.rstrip())
+        last.feed(line)
         with contextlib.suppress(Exception):  # a closed or odd sys.stderr must not stop the relay
             sys.stderr.write(line)
             sys.stderr.flush()
@@ -80,9 +97,9 @@ class WorkerProcess:
         self._proc = proc
         self._conn = conn
         self._send_lock = threading.Lock()
-        self._tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._last_exception = LastException()
         self._relay = threading.Thread(
-            target=_relay, args=(proc.stderr, self._tail), name="rltserve-stage-stderr"
+            target=_relay, args=(proc.stderr, self._last_exception), name="rltserve-stage-stderr"
         )
         self._relay.daemon = True
         self._relay.start()
@@ -166,15 +183,18 @@ class WorkerProcess:
         self._conn.close()
 
     def exit_reason(self) -> str:
-        """Why the channel closed: the worker's exit code and last line of error output."""
+        """Why the channel closed: the worker's exit code or signal and, when it exited with an
+        error code (an uncaught exception: an import error, say), that exception's line. A
+        signal (a kill, a crash) comes with no line: whatever traceback preceded it was handled
+        and logged, so it is not the cause."""
         try:
             code = self._proc.wait(5.0)
         except subprocess.TimeoutExpired:
             code = None
         self._relay.join(2.0)
-        reason = f"worker process exited (code {code})"
         if code is not None and code < 0:
-            reason = f"worker process killed by signal {-code}"
-        if self._tail:
-            reason += f"; its last error output: {self._tail[-1]}"
+            return f"worker process killed by signal {-code}"
+        reason = f"worker process exited (code {code})"
+        if code and self._last_exception.line is not None:
+            reason += f": {self._last_exception.line}"
         return reason

@@ -13,6 +13,8 @@ not be dropped silently here.
 
 Answers ``{"weight_version": N}``; a rejected update is a 400 naming ``model_path`` (nothing
 applied, the old weights keep serving), one that timed out waiting for running requests a 409.
+Engine replicas (``--replicas``) refuse it, as they refuse sleep mode and
+``/reset_prefix_cache``: a 400 naming no parameter (a Serve call reaches one replica).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rltserve.core.stage import StageConfigError, StageError
 from rltserve.http.body import read_body
 from rltserve.http.errors import HTTPError, bad_request, json_response, unavailable
 from rltserve.http.state import STATE
+from rltserve.http.supervisor import NotWithReplicas
 from rltserve.http.validation import SchemaError
 from rltserve.preflight import resolve_model
 from rltserve.updates import SLEEP_TAGS, UpdateTimeout
@@ -118,6 +121,8 @@ async def _call(state, method, *args: object, param: str | None = None):
         raise bad_request(str(exc), param) from exc
     except StageError as exc:
         raise unavailable(str(exc), state.config.retry_after_s) from exc
+    except NotWithReplicas as exc:  # (the route, not a value of it)
+        raise bad_request(str(exc)) from exc
     except ValueError as exc:
         raise bad_request(str(exc), param) from exc
 

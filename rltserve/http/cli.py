@@ -17,6 +17,7 @@ from rltserve.engine_args import add_dataclass_args, dataclass_kwargs
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig
     from rltserve.http.config import ServerConfig
+    from rltserve.ray.config import ReplicaConfig
 
 # Hosts only this machine reaches: serving there without an API key is not worth a warning.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -68,6 +69,20 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     return server_config, engine_config
 
 
+def check_replica_server_flags(server_config: ServerConfig, replica_config: ReplicaConfig) -> None:
+    """Refuses server flags that would do nothing with ``--replicas`` (as ``ReplicaConfig``
+    refuses its flags without it): the stage watchdog leaves a replica set alone, whose hung
+    replicas Ray Serve's health checks replace (``ray.client.deployment_options``)."""
+    from rltserve.http.config import ServerConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ServerConfig)}["stage_watchdog_s"]
+    if replica_config.enabled and server_config.stage_watchdog_s != default:
+        raise ValueError(
+            f"--stage-watchdog-s {server_config.stage_watchdog_s:g}: not with --replicas N "
+            "(Ray Serve's health checks replace a replica that stops answering)"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from rltserve.http.server import run_server
     from rltserve.preflight import check_listen_address, check_tls_files
@@ -77,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
     check_listen_address(server_config.host, server_config.port)  # before the model loads
     replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
+    check_replica_server_flags(server_config, replica_config)
     from rltserve.core.stage_worker import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)

@@ -148,13 +148,22 @@ class ServerConfig:
         default=300.0,
         metadata=_help(
             "seconds a busy stage may go without finishing a step before it is killed and "
-            "restarted (0: no watchdog)"
+            "restarted (0: no watchdog; not with --replicas, whose replicas Ray Serve's health "
+            "checks replace)"
         ),
     )
     stage_restarts: int = field(
         default=3,
         metadata=_help(
-            "consecutive stage restarts before the server gives up and exits with code 1"
+            "restarts of a failed stage in a row, each of which failed to start or gave a stage "
+            "that failed (died or hung) within --stage-stable-s, before the server gives up and "
+            "exits with code 1"
+        ),
+    )
+    stage_stable_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds a stage must run for its failure to start a fresh count of --stage-restarts"
         ),
     )
     stage_restart_backoff_s: float = field(
@@ -231,7 +240,7 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}={value!r}: must be a number > 0")
-        for name in ("stage_watchdog_s", "stage_restart_backoff_s"):
+        for name in ("stage_watchdog_s", "stage_restart_backoff_s", "stage_stable_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}={value!r}: must be a number >= 0")

@@ -299,7 +299,9 @@ class _EngineCollector(Collector):
         yield gauge("num_requests_running", "Requests running in the engine.", stat("num_running"))
         yield gauge(
             "num_requests_waiting",
-            "Requests waiting: the engine's queue plus the server's admission queue.",
+            "Requests waiting: the engine's queue plus the server's admission queue (under "
+            "--disaggregate also the requests on the prefill stage, which "
+            "prefill_stage_num_requests_running and _waiting count too).",
             stat("num_waiting") + queued,
         )
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))

@@ -210,6 +210,7 @@ class ServingState:
             watchdog_s=config.stage_watchdog_s,
             max_restarts=config.stage_restarts,
             backoff_s=config.stage_restart_backoff_s,
+            stable_s=config.stage_stable_s,
             startup_timeout_s=config.startup_timeout_s,
         )
 

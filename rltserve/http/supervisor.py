@@ -13,10 +13,11 @@ the stage every tick:
 Either way every request still open on that stage ends with an ERROR update whose message starts
 with "stage died" (the frontend turns it into a 503 body, or an error event then ``[DONE]`` in a
 stream), and the stage is restarted after a backoff that doubles per consecutive attempt. While
-it restarts ``alive`` is False (the server answers 503 with Retry-After). After
-``max_restarts`` consecutive failed attempts, or a stage that fails again before it ran
-``stable_s`` seconds that many times, the supervisor gives up: ``given_up`` is set and the
-server process exits non-zero so that an outer supervisor (systemd, Kubernetes) acts.
+it restarts ``alive`` is False (the server answers 503 with Retry-After). The supervisor gives
+up when the stage fails after ``max_restarts`` restart attempts in a row, each of which failed
+to start a stage or started one that failed within ``stable_s`` seconds (a stage that ran that
+long starts a fresh count): ``given_up`` is set and the server process exits non-zero so that
+an outer supervisor (systemd, Kubernetes) acts.
 
 Invariant: every request whose ``add_request`` returned gets exactly one final update, from the
 client it was added to or from here, never both (``_open`` is the one record of which client
@@ -44,6 +45,11 @@ from rltserve.updates import FinishReason, RequestUpdate
 log = logging.getLogger("rltserve.http")
 
 _POLL_S = 0.25  # wait_ready polls, so shutdown can interrupt a restart
+
+
+class NotWithReplicas(ValueError):
+    """A control a replica set lacks (each replica is its own deployment, and a Serve call
+    reaches one of them): bad input that names no parameter."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class SupervisedStage:
         self._last_progress = clock()
         self._last_stats: EngineStats | None = None
         self._attempts = 0  # consecutive restarts without a stable stage between them
+        self._failed_starts = 0  # of which failed to start a stage
         self.restarts = 0  # successful restarts
         self.restarting = False
         self.failure: str | None = None  # why the last stage stopped, while restarting or given up
@@ -187,10 +194,7 @@ class SupervisedStage:
 
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
         """The current stage's ``update_weights``, remembered so a restart applies it again."""
-        self._check_running()
-        update = getattr(self._client, "update_weights", None)
-        if update is None:
-            raise ValueError("model_path: this server's stage cannot update weights in place")
+        update = self._control("update_weights", ": restart them with the new checkpoint")
         try:
             before: Stamps | str = stamps(paths)
         except (OSError, ValueError) as exc:  # (the stage will say so, if it fails too)
@@ -216,11 +220,11 @@ class SupervisedStage:
         """What ``sleep`` freed and ``wake_up`` has not restored (nothing for a replica set)."""
         return set(getattr(self._client, "sleeping", ()))
 
-    def _control(self, name: str) -> Callable:
+    def _control(self, name: str, advice: str = "") -> Callable:
         self._check_running()
         control = getattr(self._client, name, None)
         if control is None:  # (a replica set: each replica is its own deployment)
-            raise ValueError(f"{name}: not with engine replicas")
+            raise NotWithReplicas(f"{name}: not with engine replicas{advice}")
         return control
 
     def add_request(
@@ -352,14 +356,10 @@ class SupervisedStage:
         self._fail_open(old, FinishReason.ERROR, f"stage died: {reason}")
         await asyncio.to_thread(_stop, old)
         if self._clock() - self._started >= self.policy.stable_s:
-            self._attempts = 0
+            self._attempts = self._failed_starts = 0
         while not self._closing:
             if self._attempts >= self.policy.max_restarts:
-                log.error(
-                    "giving up on the stage after %d failed restart attempt(s): %s",
-                    self._attempts,
-                    self.failure,
-                )
+                log.error("giving up on the stage: %s: %s", self._spent(), self.failure)
                 self.given_up.set()
                 return
             self._attempts += 1
@@ -378,6 +378,7 @@ class SupervisedStage:
                 new = await asyncio.to_thread(self._factory, self._engine_config)
             except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
                 self.failure = f"restart failed: {type(exc).__name__}: {exc}"
+                self._failed_starts += 1
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
                 continue
             if await self._ready(new) and await self._reapply_updates(new, needed, version):
@@ -393,9 +394,26 @@ class SupervisedStage:
                 log.info("stage restarted (%d restart(s) so far)", self.restarts)
                 return
             await asyncio.to_thread(_stop, new)
+            self._failed_starts += 1
             if not self._closing:
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
         await asyncio.to_thread(_stop, self._client)
+
+    def _spent(self) -> str:
+        """How the restarts were used up, in the words of the rule (``RestartPolicy``)."""
+        limit, stable = self.policy.max_restarts, self.policy.stable_s
+        if not limit:
+            return "no restart allowed (--stage-restarts 0)"
+        died = self._attempts - self._failed_starts
+        flags = f"--stage-restarts {limit}, --stage-stable-s {stable:g}"
+        if not self._failed_starts:
+            return f"it failed within {stable:g} s of each of its last {died} restart(s) ({flags})"
+        if not died:
+            return f"its last {self._attempts} restart attempt(s) failed to start it ({flags})"
+        return (
+            f"of its last {self._attempts} restart attempts, {self._failed_starts} failed to "
+            f"start it and {died} started a stage that failed within {stable:g} s ({flags})"
+        )
 
     async def _reapply_updates(
         self, client: StageClientLike, needed: list[AppliedUpdate], version: int

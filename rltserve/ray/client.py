@@ -52,6 +52,7 @@ class ReplicaState:
 
     pid: int
     stats: EngineStats | None = None
+    prefill_stats: EngineStats | None = None  # its prefill stage's, under --disaggregate
     requests: int = 0  # requests routed to it
     in_flight: int = 0  # of which still streaming
 
@@ -111,6 +112,7 @@ class ReplicaSetClient:
         self._tasks: dict[str, asyncio.Task] = {}
         self._replicas: dict[str, ReplicaState] = {}
         self._retired: EngineStats | None = None  # counters of replicas that died
+        self._retired_prefill: EngineStats | None = None  # (of their prefill stages)
         self._closed = False
         self._fatal: str | None = None
         self.info: EngineInfo | None = None
@@ -179,6 +181,14 @@ class ReplicaSetClient:
         with self._lock:
             live = [r.stats for r in self._replicas.values() if r.stats is not None]
             return sum_stats(live, self._retired)
+
+    @property
+    def prefill_stats(self) -> EngineStats | None:
+        """Disaggregated replicas' prefill stages' stats, summed as ``stats`` (None when no
+        replica has one)."""
+        with self._lock:
+            live = [r.prefill_stats for r in self._replicas.values() if r.prefill_stats is not None]
+            return sum_stats(live, self._retired_prefill)
 
     def replicas(self) -> dict[str, ReplicaState]:
         with self._lock:
@@ -294,6 +304,10 @@ class ReplicaSetClient:
                     dead = self._replicas.pop(replica, None)
                     if dead is not None and dead.stats is not None:
                         self._retired = sum_stats([dead.stats], self._retired)
+                    if dead is not None and dead.prefill_stats is not None:
+                        self._retired_prefill = sum_stats(
+                            [dead.prefill_stats], self._retired_prefill
+                        )
                 replica = None
             sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
         finally:
@@ -304,6 +318,10 @@ class ReplicaSetClient:
                     state.in_flight -= 1
                     if state.in_flight == 0 and state.stats is not None:
                         state.stats = dataclasses.replace(state.stats, **IDLE_GAUGES)
+                    if state.in_flight == 0 and state.prefill_stats is not None:
+                        state.prefill_stats = dataclasses.replace(
+                            state.prefill_stats, **IDLE_GAUGES
+                        )
 
     def _record(self, batch, first: bool) -> None:
         with self._lock:
@@ -313,6 +331,7 @@ class ReplicaSetClient:
             state.requests += first
             state.in_flight += first
             state.stats = batch.stats
+            state.prefill_stats = batch.prefill_stats
 
     # ------------------------------------------------------------------ replicas
 

@@ -29,6 +29,7 @@ class ReplicaBatch:
     pid: int  # the replica's process (tests kill it)
     updates: list[RequestUpdate]
     stats: EngineStats | None
+    prefill_stats: EngineStats | None = None  # (a disaggregated replica's prefill stage's)
 
 
 def _replica_id() -> str:
@@ -86,7 +87,8 @@ class EngineReplica:
                 while not queue.empty():
                     updates.append(queue.get_nowait())
                 finished = any(u.finish_reason is not None for u in updates)
-                yield ReplicaBatch(self._id, os.getpid(), updates, self._client.stats)
+                prefill = getattr(self._client, "prefill_stats", None)
+                yield ReplicaBatch(self._id, os.getpid(), updates, self._client.stats, prefill)
         finally:
             if not finished:  # cancelled by the caller: free the engine's work at once
                 self._client.abort(request_id)
