@@ -137,20 +137,9 @@ class EngineCore:
         self._exports: dict[str, tuple[Request, str]] = {}
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``EngineStats.step_rows_counts``)
-        self.info = EngineInfo(
-            model_path=str(mc.model),
-            family=spec.family,
-            num_loops=spec.num_loops,
-            max_loops=spec.max_loops,
-            max_model_len=self.max_model_len,
-            vocab_size=spec.vocab_size,
-            eos_token_ids=tuple(spec.eos_token_ids),
-            num_blocks=num_blocks,
-            block_size=config.cache.block_size,
-            kv_policy=config.cache.kv_policy,
-            has_gate=spec.has_gate,
-            stop_reason_ids=tuple(spec.stop_reason_ids),
-            kv_planes=len(self.kv.planes_of(spec.num_loops)),
+        planes = len(self.kv.planes_of(spec.num_loops))
+        self.info = EngineInfo.of_model(
+            spec, config.cache, str(mc.model), self.max_model_len, num_blocks, planes
         )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:

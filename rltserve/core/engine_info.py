@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from operator import attrgetter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rltserve.config import CacheConfig
+    from rltserve.models.base import LoopedSpec
 
 # Upper bounds of the rows-per-step histogram's buckets (vLLM's ``iteration_tokens_total``).
 STEP_ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -107,6 +112,28 @@ class EngineInfo:
     # each (the policy's core planes, plus the coda's with coda attention), so the pool holds
     # ``num_blocks * block_size / kv_planes`` tokens, not ``num_blocks * block_size``.
     kv_planes: int = 1
+
+    @classmethod
+    def of_model(
+        cls, spec: LoopedSpec, cache: CacheConfig, model_path: str, max_model_len: int,
+        num_blocks: int, kv_planes: int,
+    ) -> EngineInfo:  # fmt: skip
+        """What an engine of ``spec`` on a pool of ``num_blocks`` tells its clients."""
+        return cls(
+            model_path=model_path,
+            family=spec.family,
+            num_loops=spec.num_loops,
+            max_loops=spec.max_loops,
+            max_model_len=max_model_len,
+            vocab_size=spec.vocab_size,
+            eos_token_ids=tuple(spec.eos_token_ids),
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            kv_policy=cache.kv_policy,
+            has_gate=spec.has_gate,
+            stop_reason_ids=tuple(spec.stop_reason_ids),
+            kv_planes=kv_planes,
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
