@@ -68,6 +68,16 @@ def test_bench_offline_refuses_flags_whose_benchmark_would_not_run(no_runs, flag
         _run("offline", *flags)
 
 
+def test_bench_offline_kv_pressure_needs_swap_space(no_runs):
+    """Its swap cases would fail after the runs before them, naming a mode never asked for."""
+    with pytest.raises(ValueError) as info:
+        _run("offline", "--kv-pressure", "--swap-space-gb", "0")
+    assert str(info.value) == (
+        "--swap-space-gb 0: --kv-pressure runs swap preemption cases, which need swap space; "
+        "give some (default 4)"
+    )
+
+
 @pytest.mark.parametrize(
     "flags, given",
     [

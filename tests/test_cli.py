@@ -261,6 +261,10 @@ def test_gpu_memory_utilization_sizes_the_pool_as_llm_does(monkeypatch):
     assert kv(*share, "--device", "cuda", "--disaggregate") == (3.5, None)
     assert kv(*share) == (1.0, None)  # the CPU's pool: --kv-cache-gb's default
     assert measured == [(0.5, "cuda", 1), (0.5, "cuda", 2), (0.5, "cpu", 1)]
+    measured.clear()  # ("cuda" and "cuda:0" are one GPU: its share is split; cuda:1 has its own)
+    pd = ["--device", "cuda", "--disaggregate", "--prefill-device"]
+    assert kv(*share, *pd, "cuda:0") == kv(*share, *pd, "cuda:1") == (3.5, None)
+    assert measured == [(0.5, "cuda", 2), (0.5, "cuda", 1)]
     measured.clear()
     assert kv(*share, "--device", "cuda", "--kv-cache-gb", "2") == (2.0, None)
     assert kv(*share, "--device", "cuda", "--num-gpu-blocks-override", "100") == (1.0, 100)

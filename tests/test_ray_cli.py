@@ -174,3 +174,36 @@ def test_serve_refuses_the_stage_watchdog_with_replicas(monkeypatch):
         "--stage-watchdog-s 30: not with --replicas N (Ray Serve's health checks replace a "
         "replica that stops answering)"
     )
+
+
+def test_bench_offline_replicas_runs_the_single_engines_requests(monkeypatch):
+    """``bench offline --replicas`` sends the requests the single-engine run sends: its depth,
+    exit threshold and criterion (they were left out, the flags silently ignored)."""
+    from rltserve.bench.offline import _params
+    from rltserve.cli import build_parser
+    from rltserve.ray import offline
+
+    sent = []
+
+    class Pool:
+        vocab_size = 100
+
+        def __init__(self, config, engine_kw) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def generate(self, prompts, params):
+            sent.append(params)
+            return [None] * len(prompts)
+
+    monkeypatch.setattr(offline, "ReplicaPool", Pool)
+    flags = ["--replicas", "2", "--max-loops", "3", "--exit-criterion", "kl", "--num-prompts", "4"]
+    args = build_parser().parse_args(["bench", "offline", *flags])
+    offline.run_replicas_bench(args, {"model": "/m"})
+    assert sent == [_params(args)] * 2  # (the warm-up's and the run's)
+    assert (sent[0].max_loops, sent[0].exit_criterion) == (3, "kl")

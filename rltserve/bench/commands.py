@@ -34,6 +34,7 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     if args.num_prompts % args.n:  # (else fewer requests would run than the report says)
         raise ValueError(f"--num-prompts {args.num_prompts}: not a multiple of --n {args.n}")
     _check_one_benchmark(args)
+    _check_kv_pressure_swap(args)
     if args.replicas is not None:
         _check_replica_benchmark(args)
     if not args.chunk_sizes or min(args.chunk_sizes) < 1:
@@ -75,6 +76,16 @@ def _check_one_benchmark(args: argparse.Namespace) -> None:
                 f"{flags}: a benchmark of its own, not run with {' or '.join(extra)}; "
                 "run them one at a time"
             )
+
+
+def _check_kv_pressure_swap(args: argparse.Namespace) -> None:
+    """The KV pressure workload runs swap preemption cases whatever --preemption-mode says:
+    without swap space they would fail after the runs before them."""
+    if args.kv_pressure and args.swap_space_gb == 0:
+        raise ValueError(
+            "--swap-space-gb 0: --kv-pressure runs swap preemption cases, which need swap "
+            "space; give some (default 4)"
+        )
 
 
 def _check_replica_benchmark(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ quoting it as sent (``loads`` keeps it exact).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -52,7 +53,10 @@ def loads(raw: bytes) -> Any:
     quotes the integer sent."""
     data = orjson.loads(raw)
     if _LONG_DIGITS.search(raw):  # (rare, and cheap to look for)
-        data = json.loads(raw)  # (orjson took it: no NaN, nothing json would refuse)
+        # (orjson took it: valid JSON without NaN; json's recursive decoder may still run out
+        # of stack on nesting orjson allows (1024 levels): then orjson's reading stands)
+        with contextlib.suppress(RecursionError):
+            data = json.loads(raw)
     return data
 
 

@@ -175,7 +175,7 @@ def _batch(
 
 def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
     """``bench offline --replicas N``: the offline workload split over N replicas."""
-    from rltserve.bench.offline import _workload
+    from rltserve.bench.offline import _params, _workload
 
     config = ReplicaConfig(replicas=args.replicas, ray_address=args.ray_address)
     engine_kw = {**engine_kw, "max_num_seqs": args.concurrency}
@@ -183,12 +183,7 @@ def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
     with ReplicaPool(config, engine_kw) as pool:
         ready = time.perf_counter() - started
         prompts = _workload(args.num_prompts, args.input_len, pool.vocab_size)
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=args.output_len,
-            ignore_eos=True,
-            exit_threshold=args.exit_threshold,
-        )
+        params = _params(args)  # (the single engine's: depth, exit rule and criterion)
         pool.generate(prompts[: config.replicas], params)  # warm-up: one prompt per replica
         t0 = time.perf_counter()
         outputs = pool.generate(prompts, params)
