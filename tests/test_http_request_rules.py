@@ -302,10 +302,14 @@ def test_reasoning_effort_is_a_template_variable_of_openais_values():
                                          "reasoning_effort": "high"})  # fmt: skip
     assert req.template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
     assert req.chat_template_kwargs == kwargs  # (the request's own, untouched)
-    assert schema_error(ChatCompletionRequest, {**CHAT, "reasoning_effort": "Low"}) == (
-        "reasoning_effort",
-        "reasoning_effort='Low': must be one of none, minimal, low, medium, high, xhigh, max",
-    )
+    for cls in (ChatCompletionRequest, TokenizeRequest):  # (/tokenize renders the same prompt)
+        assert schema_error(cls, {**CHAT, "reasoning_effort": "Low"}) == (
+            "reasoning_effort",
+            "reasoning_effort='Low': must be one of none, minimal, low, medium, high, xhigh, max",
+        )
+    assert parsed(TokenizeRequest, {**CHAT, "reasoning_effort": "low"}).template_kwargs == {
+        "reasoning_effort": "low"
+    }
     assert parsed(ChatCompletionRequest, CHAT).include_reasoning is True
 
 

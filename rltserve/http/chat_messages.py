@@ -59,6 +59,18 @@ def check_tools(
         raise SchemaError("function_call", "function_call: not supported (no function calling)")
 
 
+# OpenAI's reasoning efforts (its SDK's ``ReasoningEffort``; vLLM's ``ReasoningEffortValue``).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def check_reasoning_effort(effort: str | None) -> None:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise SchemaError(
+            "reasoning_effort",
+            f"reasoning_effort={effort!r}: must be one of " + ", ".join(REASONING_EFFORTS),
+        )
+
+
 def check_generation_prompt(add_generation_prompt: bool, continue_final_message: bool) -> None:
     """vLLM's rule: the conversation either gets a new assistant header or leaves its final
     message open, not both (``add_generation_prompt`` is true unless the request says false)."""

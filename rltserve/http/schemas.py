@@ -20,6 +20,7 @@ from typing import Any
 from rltserve.http.chat_messages import (
     ChatMessage,
     check_generation_prompt,
+    check_reasoning_effort,
     check_template_kwargs,
     check_tools,
     template_variables,
@@ -51,9 +52,6 @@ UNSUPPORTED_FIELDS = (
     "structured_outputs",
     "use_beam_search",
 )
-
-# OpenAI's reasoning efforts (its SDK's ``ReasoningEffort``; vLLM's ``ReasoningEffortValue``).
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,12 +246,7 @@ class ChatCompletionRequest(GenerationFields):
             if value is not None and value < 1:
                 raise SchemaError(name, f"{name}={value}: must be >= 1")
         check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
-        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
-            raise SchemaError(
-                "reasoning_effort",
-                f"reasoning_effort={self.reasoning_effort!r}: must be one of "
-                + ", ".join(REASONING_EFFORTS),
-            )
+        check_reasoning_effort(self.reasoning_effort)
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise SchemaError(
                 "response_format", 'response_format: only {"type": "text"} is supported'
@@ -303,19 +296,21 @@ class TokenizeRequest:
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # (as chat's: the same prompt)
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise SchemaError("prompt", "prompt, messages: give exactly one")
         check_template_kwargs(self.chat_template_kwargs, self.chat_template)
         check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
+        check_reasoning_effort(self.reasoning_effort)
         if self.messages is not None:
             check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
         """As ``ChatCompletionRequest.template_kwargs``."""
-        return template_variables(self.chat_template_kwargs, self.tools)
+        return template_variables(self.chat_template_kwargs, self.tools, self.reasoning_effort)
 
 
 @dataclass(frozen=True, kw_only=True)
