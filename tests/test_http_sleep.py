@@ -49,7 +49,7 @@ async def _sleeping(server) -> bool:
     return orjson.loads(raw)["is_sleeping"]
 
 
-async def test_sleep_refuses_generation_until_both_parts_wake(server):
+async def test_sleep_refuses_generation_until_both_parts_wake(server, ckpt):
     tokens, _ = await _complete(server)
     assert not await _sleeping(server)
     status, _, raw = await server.post("/sleep?level=1", None, headers=AUTH)
@@ -60,8 +60,14 @@ async def test_sleep_refuses_generation_until_both_parts_wake(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ]:
         status, headers, raw = await server.post(path, body, headers=AUTH)
-        assert status == 503, raw
+        assert status == 503 and headers["Retry-After"] == "1", raw
         assert error_of(raw)["message"] == "the model is sleeping: POST /wake_up first"
+    update = {"model_path": str(ckpt)}  # (weights asleep: to be woken before an update)
+    status, _, raw = await server.post("/v1/update_weights", update, headers=AUTH)
+    assert status == 400 and error_of(raw)["message"] == (
+        "weights: asleep; wake them first (wake_up(tags=['weights']); over HTTP POST "
+        "/wake_up?tags=weights)"
+    )
     # What needs no weights still answers.
     status, _, raw = await server.post("/tokenize", {"prompt": "hello"}, headers=AUTH)
     assert status == 200, raw

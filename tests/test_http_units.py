@@ -225,5 +225,5 @@ def test_an_ended_choice_is_the_error_its_engine_update_stands_for(error, reject
     got = failure(ChoiceEvent(0, delta, None, rejected), closing=False, retry_after_s=2)
     assert got is not None and got.status == status
     # A stage that died is restarted: another try may succeed (so may one after /wake_up).
-    retry = {"Retry-After": "2"} if error.startswith("stage died") else {}
+    retry = {"Retry-After": "2"} if status == 503 else {}
     assert dict(got.headers or {}) == retry

@@ -113,7 +113,10 @@ class WeightGate:
                 core.wake_up(*pending.args)
             else:
                 if "weights" in core.sleeping:
-                    raise ValueError("weights: asleep; wake_up(tags=['weights']) first")
+                    raise ValueError(
+                        "weights: asleep; wake them first (wake_up(tags=['weights']); over "
+                        "HTTP POST /wake_up?tags=weights)"
+                    )
                 files = [f for path in pending.args[0] for f in update_files(path)]
                 update_weights(core.model, core.config.model.model, files)
                 core.on_weights_updated()

@@ -31,7 +31,8 @@ async def deliver(
         async with gate.slots(len(plan.choices)):
             frontend = state.require_frontend()
             if frontend.client.sleeping:  # (vLLM's answer while asleep)
-                raise unavailable("the model is sleeping: POST /wake_up first")
+                retry = state.config.retry_after_s  # (as every 503's: a hint, not a promise)
+                raise unavailable("the model is sleeping: POST /wake_up first", retry)
             async with frontend.open(plan.choices, plan.arrival) as generation:
                 if plan.stream:
                     return await _stream(request, state, plan, generation)

@@ -223,7 +223,7 @@ def failure(
     if delta.finish_reason == "error":
         message = delta.error or "the engine failed"
         if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
-            return unavailable("the model is sleeping: POST /wake_up first")
+            return unavailable("the model is sleeping: POST /wake_up first", retry_after_s)
         if event.rejected:
             return bad_request(*_refusal(message, event.default_max_tokens))
         if message.startswith("stage died"):
