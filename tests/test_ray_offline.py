@@ -71,6 +71,8 @@ def test_the_replicas_bench_reports_its_workload(monkeypatch):
         input_len=4,
         output_len=3,
         exit_threshold=0.5,
+        max_loops=None,  # (as the parser leaves them unset)
+        exit_criterion=None,
     )
     clock = iter([10.0, 11.5, 12.0, 15.0])  # start, pool ready, timed run's start and end
     monkeypatch.setattr(offline, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
