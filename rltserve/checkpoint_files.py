@@ -136,9 +136,10 @@ def _weight_files(root: Path) -> list[Path]:
     index = root / INDEX_FILE
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [root / n for n in names if isinstance(n, str)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # (no index, or one the loader reports)
+        names = None  # (no index, or one the loader reports)
+    if names is not None:
+        return [root / n for n in names if isinstance(n, str)]
     if os.path.lexists(root / SINGLE_FILE):
         return [root / SINGLE_FILE]
     return sorted(root.glob("*.safetensors"))

@@ -37,14 +37,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from rltserve.checkpoint_files import check_weight_files
+from rltserve.checkpoint_files import INDEX_FILE, SINGLE_FILE, check_weight_files
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.hfconfig import generation_eos_ids
 from rltserve.models.registry import Family, get_family
 from rltserve.models.weight_file import Extent, extents, read_concat
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 DTYPES = {
