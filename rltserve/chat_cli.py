@@ -115,9 +115,10 @@ def _lines(quick: str | None):
 
 async def _open(args: argparse.Namespace):
     """The client and the model name to send."""
-    from rltserve.client import AsyncClient, server_root
+    from rltserve.client import AsyncClient
 
-    client = AsyncClient(server_root(args.url), args.api_key or os.environ.get(API_KEY_ENV))
+    # (AsyncClient takes a URL ending in /v1, as OpenAI clients give it)
+    client = AsyncClient(args.url, args.api_key or os.environ.get(API_KEY_ENV))
     try:
         model = args.model_name or (await client.models())[0]["id"]
     except BaseException:
