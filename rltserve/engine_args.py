@@ -31,9 +31,10 @@ def add_dataclass_args(
     parser: argparse.ArgumentParser, cls: type, title: str, keep_defaults: bool = False
 ) -> None:
     """One flag per field of dataclass ``cls`` (``--snake-name``, and the names in its
-    metadata's ``aliases``), help from its metadata; a field whose metadata says ``cli=False``
-    has none. A flag's default is the field's with ``keep_defaults``, else None, so that
-    ``dataclass_kwargs`` passes only what was set."""
+    metadata's ``aliases``), help from its metadata (and its ``nargs``: ``"+"`` takes several
+    values); a field whose metadata says ``cli=False`` has none. A flag's default is the
+    field's with ``keep_defaults``, else None, so that ``dataclass_kwargs`` passes only what
+    was set."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in _flagged(cls):
@@ -47,7 +48,10 @@ def add_dataclass_args(
             group.add_argument(*flags, dest=f.name, action=action, default=default, help=help_text)
         else:
             kind = _flag_type(hints[f.name])
-            group.add_argument(*flags, dest=f.name, type=kind, default=default, help=help_text)
+            nargs = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
+            group.add_argument(
+                *flags, dest=f.name, type=kind, default=default, help=help_text, **nargs
+            )
 
 
 def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:

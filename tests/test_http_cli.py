@@ -37,7 +37,7 @@ def test_serve_flags_come_from_server_config(monkeypatch):
          "--max-num-seqs", "4"]
     )  # fmt: skip
     config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
-    assert (config.port, config.max_concurrent, config.served_model_name) == (0, 8, "m")
+    assert (config.port, config.max_concurrent, config.served_model_names) == (0, 8, ("m",))
     assert config.max_queued == ServerConfig().max_queued  # unset flags keep the defaults
     assert args.max_num_seqs == 4  # engine flags ride along
     monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
@@ -176,3 +176,72 @@ def test_bench_serve_fails_when_nothing_completed_or_the_server_refuses(monkeypa
     monkeypatch.setattr("rltserve.bench.serve.run_bench", refused)
     with pytest.raises(RuntimeError, match=r"^http://127.0.0.1:8000: .*invalid API key"):
         cmd_bench_serve(_bench_args())
+
+
+def test_serve_takes_vllms_logging_flags():
+    args = _parser().parse_args(
+        ["serve", "--log-level", "INFO", "--uvicorn-log-level", "WARNING", "--disable-log-requests",
+         "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "100",
+         "--enable-request-id-headers", "--disable-uvicorn-access-log",
+         "--disable-access-log-for-endpoints", "/health,/metrics,/ping",
+         "--served-model-name", "a", "org/b"]
+    )  # fmt: skip
+    assert (args.log_level, args.uvicorn_log_level, args.disable_log_requests) == (
+        "info", "warning", True,
+    )  # fmt: skip
+    server, _ = serve_configs(args)
+    assert server.enable_log_requests and server.enable_log_outputs and server.max_log_len == 100
+    assert server.enable_request_id_headers and server.disable_uvicorn_access_log
+    assert server.quiet_paths == {"/health", "/metrics", "/ping"}
+    assert server.served_model_names == ("a", "org/b")
+    for level in ("critical", "CRITICAL", "Debug"):
+        assert _parser().parse_args(["serve", "--log-level", level]).log_level == level.lower()
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--log-level", "verbose"])
+    with pytest.raises(ValueError, match="^disable_access_log_for_endpoints: 'health' is not"):
+        serve_configs(
+            _parser().parse_args(["serve", "--disable-access-log-for-endpoints", "health"])
+        )
+
+
+def test_uvicorn_log_level_sets_aiohttps_loggers_apart(monkeypatch):
+    import logging
+
+    from rltserve.http.cli import configure_logging
+
+    aiohttp_logger = logging.getLogger("aiohttp")
+    monkeypatch.setattr(aiohttp_logger, "level", aiohttp_logger.level)  # (restored after)
+    configure_logging(_parser().parse_args(["serve", "--uvicorn-log-level", "warning"]))
+    assert logging.getLogger("aiohttp.access").getEffectiveLevel() == logging.WARNING
+    configure_logging(_parser().parse_args(["serve", "--uvicorn-log-level", "trace"]))
+    assert logging.getLogger("aiohttp.access").getEffectiveLevel() == logging.DEBUG
+    with pytest.raises(ValueError, match="^--log-config-file /nowhere.json: "):
+        configure_logging(_parser().parse_args(["serve", "--log-config-file", "/nowhere.json"]))
+
+
+def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch, caplog):
+    import rltserve.http.server
+    from rltserve import __version__
+    from rltserve.http.cli import cmd_serve, non_default_args
+
+    flags = ["serve", "--port", "0", "--api-key", "sk-secret", "--served-model-name", "a", "b",
+             "--disable-log-requests"]  # fmt: skip
+    args = _parser().parse_args(flags)
+    assert non_default_args(args) == {
+        "port": 0,
+        "served_model_name": ["a", "b"],
+        "api_key": "***",
+        "disable_log_requests": True,
+    }
+    monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: 0)
+    monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
+    caplog.set_level("INFO", logger="rltserve.http")
+    assert cmd_serve(args) == 0
+    said = [r.getMessage() for r in caplog.records if r.name == "rltserve.http"]
+    assert said[:3] == [
+        f"rltserve API server version {__version__}",
+        f"non-default args: {non_default_args(args)}",
+        "--disable-log-requests is deprecated: request logs are off by default "
+        "(--enable-log-requests turns them on)",
+    ]
+    assert "sk-secret" not in caplog.text

@@ -277,7 +277,8 @@ async def test_engine_rejection_is_a_400(ckpt):
             assert error_of(raw)["param"] == "max_tokens"
         _, _, raw = await live.get("/metrics")
         text = raw.decode()
-        assert 'finished_reason="error"' not in text  # refused, never finished ...
+        # refused, never finished (the series is there from the start: 0) ...
+        assert 'request_success_total{finished_reason="error",model_name="tiny"} 0.0' in text
         for name in ("prompt_tokens_total", "request_prompt_tokens_count"):  # ... nor started
             assert metric(text, f"rltserve:{name}") == 0, name
         assert metric(text, "rltserve:request_queue_time_seconds_count") == 0

@@ -64,10 +64,13 @@ async def test_unknown_fields_are_ignored_with_one_warning_per_name(ckpt, caplog
         status, _, raw = await live.post("/v1/completions", {**body, "temperature": 9})
         assert status == 400 and error_of(raw)["param"] == "temperature"
     ignored = sorted(m for m in warnings_of(caplog) if m.startswith("ignoring unknown"))
-    names = ["messages[].extra_a", "metadata", "parallel_tool_calls", "service_tier", "store",
-             "stream_options.extra_b"]  # fmt: skip
+    # each named with the request that sent it first (its response id)
+    names = [("messages[].extra_a", "chatcmpl-test"), ("metadata", "cmpl-test"),
+             ("parallel_tool_calls", "cmpl-test"), ("service_tier", "cmpl-test"),
+             ("store", "cmpl-test"), ("stream_options.extra_b", "chatcmpl-test")]  # fmt: skip
     assert ignored == [
-        f"ignoring unknown request field {n!r} (--strict-fields rejects it)" for n in names
+        f"ignoring unknown request field {n!r} (request {rid}) (--strict-fields rejects it)"
+        for n, rid in names
     ]
 
 
@@ -82,7 +85,7 @@ async def test_unknown_field_warnings_are_bounded(ckpt, caplog):
     ignored = [m for m in warnings_of(caplog) if m.startswith("ignoring")]
     assert len(ignored) == 65
     assert ignored[-1] == "ignoring further unknown request fields without naming them"
-    assert all(len(m) < 160 for m in ignored)
+    assert all(len(m) < 180 for m in ignored)  # (names cut at 80 characters)
 
 
 async def test_strict_fields_rejects_unknown_fields(ckpt):

@@ -4,7 +4,9 @@ registry per app, the standard process/GC collectors and content negotiation."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from test_http_harness import (
     Script,
@@ -12,11 +14,17 @@ from test_http_harness import (
     running,
     scripted_factory,
     scripted_info,
+    sse_payloads,
     tiny_checkpoint,
 )
 
 from rltserve.core.engine import EngineStats
-from rltserve.http.metrics import RequestTimeline, ServingMetrics
+from rltserve.http.metrics import (
+    RequestTimeline,
+    SampleGroup,
+    ServingMetrics,
+    per_request_metrics,
+)
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -43,13 +51,14 @@ def test_values_of_a_known_sequence():
     )  # fmt: skip
     cache = {"block_size": "16", "num_gpu_blocks": "160", "kv_planes": "4"}
     metrics.configure(4, lambda: (engine, 2, 3), cache_info=cache)
-    timeline = RequestTimeline(arrival=10.0, admitted=10.5)
+    timeline = RequestTimeline(arrival=10.0, admitted=10.5, max_tokens=3)
     metrics.on_start(timeline, 7)
     timeline.engine_queued = 0.25  # (the first token's update: it waited 0.25 s in the engine)
+    timeline.num_cached_tokens = 4
     metrics.on_tokens(timeline, 11.0, [4])  # first token: TTFT 1.0
     metrics.on_tokens(timeline, 11.25, [2, 3])  # ITL 0.25
     metrics.on_finish(timeline, 12.0, "length")
-    metrics.on_http("/v1/completions", "POST", 200)
+    metrics.on_http("/v1/completions", "POST", 200, 0.75)
     body, content_type = metrics.render()
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
     got = samples(body.decode())
@@ -68,6 +77,21 @@ def test_values_of_a_known_sequence():
         ("rltserve:request_queue_time_seconds_sum", m): 0.75,
         ("rltserve:request_prefill_time_seconds_sum", m): 0.25,
         ("rltserve:request_decode_time_seconds_sum", m): 1.0,
+        ("rltserve:request_inference_time_seconds_sum", m): 1.25,  # prefill + decode
+        ("rltserve:request_time_per_output_token_seconds_sum", m): 0.5,  # 1.0 s / (3 - 1)
+        ("rltserve:request_max_num_generation_tokens_sum", m): 3.0,
+        ("rltserve:request_params_n_sum", m): 1.0,
+        ("rltserve:request_params_max_tokens_sum", m): 3.0,
+        ("rltserve:prompt_tokens_cached_total", m): 4.0,
+        ("rltserve:http_request_duration_seconds_sum",
+         (("handler", "/v1/completions"), ("method", "POST"))): 0.75,
+        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "awake"))): 1.0,
+        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "weights_offloaded"))): 0.0,
+        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "discard_all"))): 0.0,
+        # Every finished_reason has its series from the start (vLLM's).
+        ("rltserve:request_success_total", (("finished_reason", "stop"),) + m): 0.0,
+        ("rltserve:request_success_total", (("finished_reason", "abort"),) + m): 0.0,
+        ("rltserve:request_success_total", (("finished_reason", "error"),) + m): 0.0,
         ("rltserve:request_prompt_tokens_sum", m): 7.0,
         ("rltserve:request_generation_tokens_sum", m): 3.0,
         ("rltserve:token_exit_depth_count", m): 3.0,
@@ -102,8 +126,15 @@ def test_values_of_a_known_sequence():
          (("block_size", "16"), ("kv_planes", "4"), m[0], ("num_gpu_blocks", "160"))): 1.0,
     }  # fmt: skip
     assert {k: got.get(k) for k in expected} == expected
-    # the standard collectors come with every app's registry
+    # the standard collectors come with every app's registry; no ``_created`` series (vLLM's)
     names = {name for name, _ in got}
+    assert not [name for name in names if name.endswith("_created")]
+    assert (
+        b"_created"
+        not in metrics.render("application/openmetrics-text; version=1.0.0; escaping=allow-utf-8")[
+            0
+        ]
+    )
     assert "python_gc_objects_collected_total" in names and "python_info" in names
     assert "process_cpu_seconds_total" in names and "process_resident_memory_bytes" in names
 
@@ -193,17 +224,32 @@ def test_the_vllm_prefix_names_every_series():
     metrics.on_start(timeline, 5)
     metrics.on_tokens(timeline, 1.0, [3])
     metrics.on_finish(timeline, 2.0, "stop")
-    metrics.on_http("/v1/completions", "POST", 200)
+    metrics.on_http("/v1/completions", "POST", 200, 0.25)
+    metrics.on_http("unmatched", "GET", 404, 2.0)
+    metrics.on_http("/v1/completions", "POST", 499, 0.5)
     metrics.stage_restarts.inc()
     got = samples(metrics.render()[0].decode())
     m = (("model_name", "m"),)
     assert got[("vllm:num_requests_waiting", m)] == 3.0
     assert got[("vllm:request_queue_time_seconds_count", m)] == 1.0
     assert got[("vllm:cache_config_info", (m[0], ("x", "1")))] == 1.0
-    ours = {name for name, _ in got if not name.startswith(("python_", "process_"))}
+    # The HTTP series as prometheus-fastapi-instrumentator names them (vLLM's): unprefixed,
+    # status classes, unmatched routes as "none".
+    http = {key: value for key, value in got.items() if key[0].startswith("http_")}
+    post = (("handler", "/v1/completions"), ("method", "POST"))
+    assert {key: http[key] for key in http if key[0] == "http_requests_total"} == {
+        ("http_requests_total", (post[0], post[1], ("status", "2xx"))): 1.0,
+        ("http_requests_total", (post[0], post[1], ("status", "4xx"))): 1.0,
+        ("http_requests_total", (("handler", "none"), ("method", "GET"), ("status", "4xx"))): 1.0,
+    }
+    assert http[("http_request_duration_seconds_bucket", (post[0], ("le", "0.5"), post[1]))] == 2
+    assert http[("http_request_duration_seconds_sum", post)] == 0.75
+    assert http[("http_request_duration_highr_seconds_count", ())] == 3.0
+    assert http[("http_request_duration_highr_seconds_bucket", (("le", "1.5"),))] == 2.0
+    ours = {name for name, _ in got if not name.startswith(("python_", "process_", "http_"))}
     assert ours and all(name.startswith("vllm:") for name in ours)
     looped = ("token_exit_depth_count", "loops_per_token", "prefill_stage_num_requests_running")
-    others = ("stage_restarts_total", "http_requests_total", "iteration_tokens_total_count")
+    others = ("stage_restarts_total", "iteration_tokens_total_count")
     for name in looped + others:
         assert "vllm:" + name in ours, name
 
@@ -259,3 +305,90 @@ async def test_the_server_takes_the_engine_wait_and_names_series_as_configured(
     assert "Maximum concurrency for 64 tokens per request: 16.00x" in logged
     async with running(ckpt, client_factory=factory, disable_log_stats=True) as live:
         assert live.state._stats_log is None
+
+
+def test_the_samples_of_a_prompt_count_once_as_it_finishes():
+    """vLLM's parent request: ``request_params_n`` and ``request_max_num_generation_tokens``
+    observe a prompt once its last sample finished; ``request_params_max_tokens`` observes each
+    sample that has one."""
+    metrics = ServingMetrics("m")
+    group = SampleGroup(n=2, unfinished=2)
+    short, long = (RequestTimeline(0.0, 0.0, max_tokens=8, group=group) for _ in range(2))
+    metrics.on_tokens(short, 1.0, [1])
+    metrics.on_tokens(long, 1.0, [1, 2, 3])
+    metrics.on_finish(short, 2.0, "stop")
+    m = (("model_name", "m"),)
+    got = samples(metrics.render()[0].decode())
+    assert got[("rltserve:request_params_n_count", m)] == 0.0
+    metrics.on_finish(long, 3.0, "length")
+    unbounded = RequestTimeline(0.0, 0.0)  # (no max_tokens: not observed, as vLLM)
+    metrics.on_finish(unbounded, 4.0, "abort")
+    got = samples(metrics.render()[0].decode())
+    assert {name: got[(f"rltserve:{name}", m)] for name in (
+        "request_params_n_count", "request_params_n_sum", "request_max_num_generation_tokens_sum",
+        "request_params_max_tokens_count", "request_params_max_tokens_sum",
+    )} == {
+        "request_params_n_count": 2.0, "request_params_n_sum": 3.0,  # n=2, then n=1
+        "request_max_num_generation_tokens_sum": 3.0 + 0.0,
+        "request_params_max_tokens_count": 2.0, "request_params_max_tokens_sum": 16.0,
+    }  # fmt: skip
+
+
+def test_per_request_metrics_are_vllms():
+    """vLLM's ``build_per_request_timing_metrics``: TTFT from the first scheduling, generation
+    from the first token to the last, tokens per second from the scheduling on."""
+    timeline = RequestTimeline(arrival=1.0, admitted=1.25, engine_queued=0.25)
+    metrics = ServingMetrics("m")
+    assert per_request_metrics(timeline) == dict.fromkeys(
+        ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+         "tokens_per_second")
+    )  # fmt: skip
+    metrics.on_tokens(timeline, 2.0, [1])
+    assert per_request_metrics(timeline) == {
+        "time_to_first_token_ms": 500.0, "generation_time_ms": 0.0, "queue_time_ms": 500.0,
+        "mean_itl_ms": None, "tokens_per_second": 2.0,
+    }  # fmt: skip
+    metrics.on_tokens(timeline, 3.0, [1] * 9)
+    assert per_request_metrics(timeline) == {
+        "time_to_first_token_ms": 500.0, "generation_time_ms": 1000.0, "queue_time_ms": 500.0,
+        "mean_itl_ms": 1.0 / 9 * 1000, "tokens_per_second": 10 / 1.5,
+    }  # fmt: skip
+
+
+async def test_metrics_gzip_when_asked(tmp_path_factory):
+    """As prometheus_client's own handlers: gzip where the scraper accepts it."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        plain = await live.get("/metrics", headers={"Accept-Encoding": "identity"})
+        zipped = await live.get(
+            "/metrics", headers={"Accept-Encoding": "gzip, deflate"}, auto_decompress=False
+        )
+    assert "Content-Encoding" not in plain[1] and zipped[1]["Content-Encoding"] == "gzip"
+    key = ("rltserve:request_success_total", (("finished_reason", "stop"), ("model_name", "tiny")))
+    assert samples(gzip.decompress(zipped[2]).decode())[key] == 0.0
+    assert len(zipped[2]) < len(plain[2]) / 4
+
+
+async def test_per_request_metrics_in_the_body(tmp_path_factory):
+    """``--enable-per-request-metrics``: vLLM's ``metrics`` object after ``usage`` (a stream's
+    in its final usage chunk), only where one prompt is sampled once."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    keys = ["time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+            "tokens_per_second"]  # fmt: skip
+    factory = scripted_factory(stage)
+    body = {"prompt": [5], "max_tokens": 3}
+    async with running(ckpt, client_factory=factory, enable_per_request_metrics=True) as live:
+        got = orjson.loads((await live.post("/v1/completions", body))[2])
+        assert list(got)[-3:] == ["usage", "metrics", "metadata"] and list(got["metrics"]) == keys
+        assert all(isinstance(v, float) and v >= 0 for v in got["metrics"].values())
+        got = orjson.loads((await live.post("/v1/completions", {**body, "n": 2}))[2])
+        assert "metrics" not in got
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with live.stream("/v1/completions", stream) as r:
+            chunks = sse_payloads(await r.read())
+        assert [list(c) for c in chunks[:-2] if "metrics" in c] == []
+        assert list(chunks[-2])[-2:] == ["usage", "metrics"] and list(chunks[-2]["metrics"]) == keys
+    async with running(ckpt, client_factory=factory) as live:
+        assert "metrics" not in orjson.loads((await live.post("/v1/completions", body))[2])

@@ -1,6 +1,6 @@
-"""Security bounds of the server: auth on every route but /health (and /metrics unless
-configured), per-request limits from ServerConfig, slow clients timed out, no secrets, paths or
-tracebacks in responses."""
+"""Security bounds of the server: auth on every route but the probes vLLM leaves open (/health,
+/ping, /version, /openapi.json, and /metrics unless configured), per-request limits from
+ServerConfig, slow clients timed out, no secrets, paths or tracebacks in responses."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ BODIES = {
     "/sleep": None,  # (query parameters only)
     "/wake_up": None,
     "/reset_prefix_cache": None,
+    "/ping": None,
 }
 
 
@@ -61,8 +62,14 @@ async def _call(live, method: str, path: str, headers: dict) -> tuple[int, bytes
 
 
 @pytest.mark.parametrize("metrics_auth", [False, True])
-async def test_every_route_but_health_needs_the_key(ckpt, metrics_auth):
-    open_routes = {"/health"} | (set() if metrics_auth else {"/metrics"})
+async def test_every_route_but_the_probes_needs_the_key(ckpt, metrics_auth):
+    """As vLLM's: read-only probes answer without the key (a liveness probe on /version, a
+    SageMaker /ping); everything else needs it, the admin routes (/sleep, /wake_up,
+    /reset_prefix_cache, /v1/update_weights) included."""
+    probes = {"/health", "/ping", "/version", "/openapi.json"}
+    open_routes = probes | (set() if metrics_auth else {"/metrics"})
+    admin = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/v1/update_weights"}
+    assert admin <= {route.path for route in ROUTES} - open_routes
     async with running(
         ckpt, client_factory=scripted(ckpt), api_key=KEY, metrics_auth=metrics_auth
     ) as live:

@@ -1,5 +1,6 @@
 """The server with its default, spawned stage process (the production path), TLS, and the small
-endpoints (/v1/models, /version, request-id passthrough)."""
+endpoints (/v1/models with one or several served names, /version, /ping, request-id
+passthrough)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,35 @@ async def test_tls(ckpt, tmp_path):
         context = ssl.create_default_context(cafile=str(cert))
         context.check_hostname = False
         assert (await live.get("/health", ssl=context))[0] == 200
+
+
+async def test_several_served_model_names(ckpt):
+    """vLLM's --served-model-name a b: requests may name either, /v1/models lists both, and
+    the first names the model in /metrics and in responses to requests that name none."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    names = {"served_model_name": ("first", "org/second")}
+    async with running(ckpt, client_factory=scripted_factory(stage), **names) as live:
+        _, _, raw = await live.get("/v1/models")
+        cards = orjson.loads(raw)["data"]
+        assert [(c["id"], c["root"]) for c in cards] == [
+            ("first", "first"),
+            ("org/second", "first"),
+        ]
+        status, _, raw = await live.get("/v1/models/org/second")
+        assert status == 200 and orjson.loads(raw) == cards[1]
+        for model, answered in ((None, "first"), ("first", "first"), ("org/second", "org/second")):
+            body = {"prompt": [5], "max_tokens": 1, **({"model": model} if model else {})}
+            status, _, raw = await live.post("/v1/completions", body)
+            assert (status, orjson.loads(raw)["model"]) == (200, answered)
+        status, _, _ = await live.post("/v1/completions", {"prompt": [5], "model": "tiny"})
+        assert status == 404  # (the checkpoint directory's name is not served any more)
+        metrics = (await live.get("/metrics"))[2].decode()
+        assert 'model_name="first"' in metrics and "org/second" not in metrics
+
+
+async def test_ping_is_health_for_sagemaker(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for call in (live.get("/ping"), live.post("/ping", None)):
+            status, _, raw = await call
+            assert (status, orjson.loads(raw)) == (200, {"status": "ok"})  # /health's answer

@@ -10,6 +10,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from test_http_harness import error_of, running, tiny_checkpoint
+from test_http_metrics import samples
 
 from rltserve.core.pd import PDClient
 from rltserve.core.stage import InProcessStageClient
@@ -21,6 +22,7 @@ PROMPT = list(range(11, 31))  # (20 tokens: two full blocks of 8 to cache)
 GREEDY = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
           "return_token_ids": True}  # fmt: skip
 ENGINE = {"block_size": 8}
+MODEL = ("model_name", "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +145,27 @@ async def test_two_stages_sleep_and_wake_together(ckpt):
         status, _, _ = await live.post("/wake_up", None)
         assert status == 200 and not await _sleeping(live)
         assert (await _complete(live))[0] == tokens
+
+
+async def test_sleep_drops_the_prefix_cache_gauge_and_runs_no_step(server):
+    """The stats come with the reply: a scrape after /sleep shows the cache it dropped, and
+    /sleep adds no step (the plan that releases a finished request's state is none);
+    ``engine_sleep_state`` follows the level (vLLM's)."""
+    await _complete(server)
+
+    async def scrape() -> dict:
+        got = samples((await server.get("/metrics", headers=AUTH))[2].decode())
+        state = {s: got[("rltserve:engine_sleep_state", (MODEL, ("sleep_state", s)))]
+                 for s in ("awake", "weights_offloaded", "discard_all")}  # fmt: skip
+        names = ("prefix_cache_blocks", "engine_steps_total", "iteration_tokens_total_count")
+        return {**{n: got[(f"rltserve:{n}", (MODEL,))] for n in names}, **state}
+
+    before = await scrape()
+    assert before["prefix_cache_blocks"] > 0 and before["awake"] == 1.0
+    steps = {n: before[n] for n in ("engine_steps_total", "iteration_tokens_total_count")}
+    dropped = {**steps, "prefix_cache_blocks": 0.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    for level, label in ((2, "discard_all"), (1, "weights_offloaded")):
+        assert (await server.post(f"/sleep?level={level}", None, headers=AUTH))[0] == 200
+        assert await scrape() == {**dropped, "awake": 0.0, label: 1.0}
+        assert (await server.post("/wake_up", None, headers=AUTH))[0] == 200
+        assert await scrape() == {**dropped, "awake": 1.0}

@@ -375,10 +375,11 @@ class EngineCore:
         scheduler raises, the step's requests fail (the scheduler touches no other request
         while applying a step) and the rest continue; if failing them raises too, or leaves the
         KV tables inconsistent, every request fails and the engine starts over (``fail_all``)."""
-        self._num_steps += 1
-        self._num_rows += result.num_rows
-        self._step_rows[bisect_left(STEP_ROW_BUCKETS, result.num_rows)] += 1
-        self._num_coda_rows += result.num_coda_rows
+        if result.num_rows:  # (a plan that only releases finished requests' state is no step)
+            self._num_steps += 1
+            self._num_rows += result.num_rows
+            self._step_rows[bisect_left(STEP_ROW_BUCKETS, result.num_rows)] += 1
+            self._num_coda_rows += result.num_coda_rows
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
             return StepUpdates()  # planned by a scheduler that was replaced: its requests failed

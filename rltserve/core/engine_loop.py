@@ -38,7 +38,15 @@ async def run_engine_loop(
     """
     in_flight: deque[tuple[StepPlan, ExecutionFuture]] = deque()
     limit = 2 if core.config.scheduler.async_scheduling else 1
-    gate = WeightGate(core, reply or (lambda *_: None))
+    answer = reply or (lambda *_: None)
+
+    def replied(token: int, error: str | None, version: int) -> None:
+        # The stats first: sleep and a cache reset drop the prefix cache without a step, and
+        # a scrape after the reply must not show the blocks it held.
+        emit([], _stats(core, gate))
+        answer(token, error, version)
+
+    gate = WeightGate(core, replied)
     while True:
         for command in gate.poll(busy=bool(in_flight)):
             _handle(core, command, emit, gate)

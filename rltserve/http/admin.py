@@ -20,6 +20,7 @@ Engine replicas (``--replicas``) refuse it, as they refuse sleep mode and
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from rltserve.preflight import resolve_model
 from rltserve.updates import SLEEP_TAGS, UpdateTimeout
 
 MAX_TIMEOUT_S = 3600
+log = logging.getLogger("rltserve.http")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,9 @@ async def sleep(request: web.Request) -> web.Response:
     timeout = _query_number(request, "timeout", 300.0, float)
     if (problem := _timeout_problem(timeout)) is not None:
         raise bad_request(problem, "timeout")
+    log.info("sleep the engine with level %d", level)  # (vLLM's words, as each line here)
     await _run(request, "sleep", level, timeout)
+    request.app[STATE].metrics.sleep_level = level  # (engine_sleep_state's label)
     return web.Response()
 
 
@@ -90,6 +94,7 @@ async def wake_up(request: web.Request) -> web.Response:
     tags = request.query.getall("tags", []) or list(SLEEP_TAGS)
     if not set(tags) <= set(SLEEP_TAGS):
         raise bad_request(f"tags={tags}: each must be one of {list(SLEEP_TAGS)}", "tags")
+    log.info("wake up the engine with tags: %s", tags)
     await _run(request, "wake_up", tags)
     return web.Response()
 
@@ -101,6 +106,7 @@ async def is_sleeping(request: web.Request) -> web.Response:
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's: forgets every cached prefix (blocks running requests hold stay theirs)."""
+    log.info("Resetting prefix cache...")
     await _run(request, "reset_prefix_cache")
     return web.Response()
 

@@ -23,10 +23,13 @@ _JSON_TYPES = ("application/json",)
 _INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed on the tokenizer pool
 
 
-async def read_body(request: web.Request, cls: type, strict: bool | None = None) -> Any:
+async def read_body(
+    request: web.Request, cls: type, strict: bool | None = None, request_id: str | None = None
+) -> Any:
     """The request body parsed into ``cls`` (415 / 413 / 408 / 400 on bad bodies). Unknown
     fields are errors with ``strict``, else logged and ignored; None: the server's
-    ``strict_fields``."""
+    ``strict_fields``. ``request_id``: what the log names the request (default: its
+    ``X-Request-Id``, if any)."""
     if "Content-Type" in request.headers:
         ctype = request.content_type
         if ctype not in _JSON_TYPES and not ctype.endswith("+json"):
@@ -57,8 +60,10 @@ async def read_body(request: web.Request, cls: type, strict: bool | None = None)
         parsed, unknown = await loop.run_in_executor(state.executor, _parse, raw, cls, strict)
     else:
         parsed, unknown = _parse(raw, cls, strict)
+    if unknown and request_id is None:
+        request_id = state.request_id(request)
     for name in unknown:
-        state.ignore_field(name)
+        state.ignore_field(name, request_id)
     return parsed
 
 

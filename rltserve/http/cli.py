@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 # Hosts only this machine reaches: serving there without an API key is not worth a warning.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# uvicorn's levels, as vLLM's --uvicorn-log-level takes them (trace: debug here, aiohttp has none
+# below it)
+HTTP_LOG_LEVELS = ("trace", *LOG_LEVELS)
+# Flags whose values the startup line hides (vLLM's redact_sensitive_args)
+SECRET_FLAGS = frozenset({"api_key"})
 BENCH_SERVE_HELP = "serving benchmark against a running server (random token-id prompts)"
 
 
@@ -44,11 +50,65 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument(
         "--log-level",
         default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="server log level (default: info)",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="server log level, in any case (default: info)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        type=str.lower,
+        choices=HTTP_LOG_LEVELS,
+        help="vLLM's: the level of the HTTP server's own logs (aiohttp's), the access lines "
+        "(INFO) among them: 'warning' drops those; 'trace' is 'debug' (default: --log-level's)",
+    )
+    parser.add_argument(
+        "--log-config-file",
+        default=None,
+        help="a JSON logging configuration (Python's logging.config.dictConfig schema, as "
+        "vLLM's) that replaces the one --log-level sets up",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="deprecated, as vLLM's: request logs are off unless --enable-log-requests",
     )
     parser.set_defaults(func=cmd_serve)
     return parser
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """The process's logging: ``--log-config-file``'s configuration, else ``--log-level``'s
+    lines on stderr; ``--uvicorn-log-level`` sets aiohttp's loggers apart (ValueError naming a
+    configuration file that does not load)."""
+    import json
+    import logging.config
+
+    from rltserve.core.stage_worker import LOG_FORMAT
+
+    if args.log_config_file is None:
+        logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    else:
+        try:
+            with open(args.log_config_file) as file:
+                logging.config.dictConfig(json.load(file))
+        except (OSError, ValueError, TypeError, AttributeError, ImportError) as exc:
+            raise ValueError(f"--log-config-file {args.log_config_file}: {exc}") from exc
+    if args.uvicorn_log_level is not None:
+        level = "debug" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level
+        logging.getLogger("aiohttp").setLevel(level.upper())
+
+
+def non_default_args(args: argparse.Namespace) -> dict[str, object]:
+    """``serve``'s flags given values other than their defaults, secrets hidden: what vLLM
+    logs at start as ``non-default args``."""
+    defaults = vars(add_serve_parser(argparse.ArgumentParser().add_subparsers()).parse_args([]))
+    changed = {
+        name: value
+        for name, value in vars(args).items()
+        if name in defaults and name != "func" and value != defaults[name]
+    }
+    return {name: "***" if name in SECRET_FLAGS else v for name, v in changed.items()}
 
 
 def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
@@ -93,11 +153,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_listen_address(server_config.host, server_config.port)  # before the model loads
     replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
     check_replica_server_flags(server_config, replica_config)
-    from rltserve.core.stage_worker import LOG_FORMAT
+    configure_logging(args)
+    from rltserve import __version__
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    log = logging.getLogger("rltserve.http")
+    log.info("rltserve API server version %s", __version__)
+    log.info("non-default args: %s", non_default_args(args))
+    if args.disable_log_requests:
+        log.warning(
+            "--disable-log-requests is deprecated: request logs are off by default "
+            "(--enable-log-requests turns them on)"
+        )
+    if server_config.enable_log_outputs and not server_config.enable_log_requests:
+        log.warning("--enable-log-outputs: logs nothing without --enable-log-requests")
     if server_config.api_key is None and server_config.host not in LOOPBACK_HOSTS:
-        logging.getLogger("rltserve.http").warning(
+        log.warning(
             "serving on %s without an API key: anyone who reaches the port may generate, and "
             "load weights or put the model to sleep (POST /v1/update_weights, /sleep); set "
             "--api-key or RLTSERVE_API_KEY",

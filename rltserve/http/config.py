@@ -31,19 +31,24 @@ def _help(text: str) -> dict:
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("interface to listen on"))
     port: int = field(default=8000, metadata=_help("TCP port (0 picks a free one)"))
-    served_model_name: str | None = field(
+    served_model_name: str | tuple[str, ...] | None = field(
         default=None,
-        metadata=_help(
-            "model name clients use (default: the checkpoint directory's name, a Hugging Face "
-            "repo id for a repo id or a cache snapshot; requests may also name the --model "
-            "path as given)"
-        ),
+        metadata={
+            **_help(
+                "model name(s) clients use, as vLLM's: requests may name any of them, /v1/models "
+                "lists them all, and the first names the model in /metrics and in responses to "
+                "requests that name none (default: the checkpoint directory's name, a Hugging "
+                "Face repo id for a repo id or a cache snapshot; requests may also name the "
+                "--model path as given)"
+            ),
+            "nargs": "+",
+        },
     )
     api_key: str | None = field(
         default=None,
         metadata=_help(
-            f"require 'Authorization: Bearer KEY' on every route but /health (and /metrics "
-            f"unless --metrics-auth; or env {API_KEY_ENV})"
+            f"require 'Authorization: Bearer KEY' on every route but the probes /health, /ping, "
+            f"/version, /openapi.json (and /metrics unless --metrics-auth; or env {API_KEY_ENV})"
         ),
     )
     ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
@@ -187,16 +192,70 @@ class ServerConfig:
             "--disable-log-stats)"
         ),
     )
+    enable_per_request_metrics: bool = field(
+        default=False,
+        metadata=_help(
+            "a 'metrics' object in each completion's body (time_to_first_token_ms, "
+            "generation_time_ms, queue_time_ms, mean_itl_ms, tokens_per_second; in a stream's "
+            "final usage chunk; only for one prompt with n=1; vLLM's)"
+        ),
+    )
     expose_model_path: bool = field(
         default=False,
         metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
+    )
+    # Request logs, as vLLM's flags name them (off by default: a prompt may be private).
+    enable_log_requests: bool = field(
+        default=False,
+        metadata=_help(
+            "log each generating request: 'Received request ID: params: ..., prompt_tokens: N' "
+            "(its prompt and token ids at --log-level debug), then 'Finished request ID.' or "
+            "'Aborted request ID.'"
+        ),
+    )
+    enable_log_outputs: bool = field(
+        default=False,
+        metadata=_help(
+            "with --enable-log-requests, log each choice's output text, token ids and finish "
+            "reason when the request finishes ('Generated response ID: ...')"
+        ),
+    )
+    max_log_len: int | None = field(
+        default=None,
+        metadata=_help(
+            "most prompt or output characters and token ids a request log line shows (default: all)"
+        ),
+    )
+    enable_request_id_headers: bool = field(
+        default=False,
+        metadata=_help(
+            "answer every request with an X-Request-Id header: the client's, else a fresh id "
+            "that also names the response (cmpl-ID) and its log lines"
+        ),
+    )
+    disable_uvicorn_access_log: bool = field(
+        default=False, metadata=_help("no access log lines (vLLM's name for it)")
+    )
+    disable_access_log_for_endpoints: str | None = field(
+        default=None,
+        metadata=_help(
+            "paths whose requests get no access log line, comma-separated (as "
+            "'/health,/metrics,/ping'; the query string is not part of the path)"
+        ),
     )
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port!r}: must be an int in [0, 65535]")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name='': must not be empty")
+        names = self.served_model_name
+        if names is not None and not isinstance(names, str):
+            # (a list from argparse's nargs: kept as a tuple, which a frozen config can hash)
+            object.__setattr__(self, "served_model_name", names := tuple(names))
+            if not names:
+                raise ValueError("served_model_name=(): must name at least one model")
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError("served_model_name='': must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key='': must not be empty (omit it to disable auth)")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -252,9 +311,28 @@ class ServerConfig:
         if self.metrics_prefix not in METRICS_PREFIXES:
             choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
-        for name in ("metrics_auth", "expose_model_path", "disable_log_stats"):
+        flags = (
+            "metrics_auth",
+            "expose_model_path",
+            "disable_log_stats",
+            "enable_log_requests",
+            "enable_log_outputs",
+            "enable_request_id_headers",
+            "disable_uvicorn_access_log",
+            "enable_per_request_metrics",
+        )
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        length = self.max_log_len
+        bad_length = not isinstance(length, int) or isinstance(length, bool) or length < 0
+        if length is not None and bad_length:
+            raise ValueError(f"max_log_len={length!r}: must be an int >= 0")
+        for path in self.quiet_paths:
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"disable_access_log_for_endpoints: {path!r} is not a path (starts with /)"
+                )
 
     @property
     def template_defaults(self) -> dict:
@@ -276,6 +354,20 @@ class ServerConfig:
             if key in TEMPLATE_CALL_ARGUMENTS:
                 raise ValueError(f"{name}: {key!r} is not a template variable (requests set it)")
         return value
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """``served_model_name`` as a tuple (empty: none given)."""
+        names = self.served_model_name
+        if names is None:
+            return ()
+        return (names,) if isinstance(names, str) else names
+
+    @property
+    def quiet_paths(self) -> frozenset[str]:
+        """``disable_access_log_for_endpoints`` as a set of paths."""
+        text = self.disable_access_log_for_endpoints or ""
+        return frozenset(p.strip() for p in text.split(",") if p.strip())
 
     @property
     def origins(self) -> frozenset[str]:

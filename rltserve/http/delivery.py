@@ -8,13 +8,15 @@ disconnect included) aborts the unfinished choices in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from aiohttp import web
 
 from rltserve.http.admission import Overloaded
 from rltserve.http.errors import json_response, unavailable
-from rltserve.http.generation import ChoiceEvent, Generation, failure
+from rltserve.http.generation import ChoiceEvent, Generation, failure, request_timelines
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
 from rltserve.http.sse import SSEWriter
@@ -27,18 +29,43 @@ async def deliver(
     request: web.Request, state: ServingState, plan: GenerationPlan
 ) -> web.StreamResponse:
     gate = state.gate  # (plans refused requests of more sequences than it holds)
+    admitted = False
     try:
         async with gate.slots(len(plan.choices)):
+            admitted = True
             frontend = state.require_frontend()
             if frontend.client.sleeping:  # (vLLM's answer while asleep)
                 retry = state.config.retry_after_s  # (as every 503's: a hint, not a promise)
                 raise unavailable("the model is sleeping: POST /wake_up first", retry)
-            async with frontend.open(plan.choices, plan.arrival) as generation:
-                if plan.stream:
-                    return await _stream(request, state, plan, generation)
-                return await _collect(state, plan, generation)
+            state.request_log.received(plan.request_id, plan.choices[0].params, plan.prompts())
+            generation = frontend.open(plan.choices, plan.arrival, plan.request_id)
+            try:
+                async with generation:
+                    if plan.stream:
+                        return await _stream(request, state, plan, generation)
+                    return await _collect(state, plan, generation)
+            finally:  # (after the generation's exit, which aborts what a cancellation left)
+                _log_end(state, plan, generation)
     except Overloaded as exc:
         raise unavailable(f"{exc}; retry later", state.config.retry_after_s) from exc
+    except asyncio.CancelledError:
+        if not admitted:
+            # The client left while it waited for a seat: an abort, as one that left the
+            # engine's queue is (each choice; its e2e latency is the wait).
+            now = time.monotonic()
+            for timeline in request_timelines(plan.choices, plan.arrival):
+                state.metrics.on_finish(timeline, now, "abort")
+        raise
+
+
+def _log_end(state: ServingState, plan: GenerationPlan, generation: Generation) -> None:
+    if generation.aborted:
+        state.request_log.aborted(plan.request_id)
+    else:
+        outputs = generation.outputs()
+        state.request_log.finished(
+            plan.request_id, [outputs[i] for i in sorted(outputs)], plan.stream
+        )
 
 
 async def _stream(
@@ -79,6 +106,8 @@ async def _stream(
                 generation.num_cached_tokens(),
                 fmt.reasoning_tokens(generation.outputs()),
             )
+            if state.config.enable_per_request_metrics:
+                _add_request_metrics(final, generation)
             await writer.send(final)
         return await writer.finish()
     except ConnectionError:
@@ -129,8 +158,18 @@ async def _collect(
             fmt.reasoning_tokens(outputs),
         ),
     )
+    if state.config.enable_per_request_metrics:
+        _add_request_metrics(body, generation)
     # SGLang's: the weights that produced the answer, for an RL trainer's staleness bookkeeping.
     # A string, as SGLang sends it: OpenAI's ``metadata`` maps strings to strings (its SDK's
     # type), so a number would warn on every ``model_dump``.
     body["metadata"] = {"weight_version": str(generation.weight_version())}
     return json_response(body)
+
+
+def _add_request_metrics(body: dict, generation: Generation) -> None:
+    """vLLM's ``--enable-per-request-metrics``: ``metrics`` after ``usage`` (a stream's: in its
+    final usage chunk), where one generation stream stands for the request."""
+    timings = generation.request_metrics()
+    if timings is not None:
+        body["metrics"] = timings

@@ -8,7 +8,7 @@ long texts are encoded off the event loop, see ``encoding``) and opens ``Generat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
@@ -300,8 +300,10 @@ class Frontend:
 
     # ------------------------------------------------------------------ generation
 
-    def open(self, choices: list[ChoiceRequest], arrival: float) -> Generation:
-        return Generation(self, choices, arrival)
+    def open(
+        self, choices: list[ChoiceRequest], arrival: float, request_id: str = ""
+    ) -> Generation:
+        return Generation(self, choices, arrival, request_id)
 
     def next_stage_id(self) -> str:
         return f"http-{next(self._ids)}"
@@ -314,3 +316,15 @@ class Frontend:
     @property
     def num_open(self) -> int:
         return len(self._generations)
+
+    def open_request_ids(self) -> list[str]:
+        """The HTTP request ids of the open generations, sorted."""
+        return sorted(g.request_id for g in self._generations)
+
+    def request_ids(self, stage_ids: Iterable[str]) -> list[str]:
+        """The HTTP request ids whose choices had ``stage_ids``, sorted (a stage id no open
+        generation has, as itself)."""
+        wanted = set(stage_ids)
+        names = {g.request_id for g in self._generations if g.stage_ids & wanted}
+        owned = set().union(*(g.stage_ids for g in self._generations))
+        return sorted(names | (wanted - owned))

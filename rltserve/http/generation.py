@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from rltserve.core.request_checks import POOL_ADVICE
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.errors import HTTPError, bad_request, unavailable
-from rltserve.http.metrics import RequestTimeline
+from rltserve.http.metrics import RequestTimeline, SampleGroup, per_request_metrics
 from rltserve.http.validation import param_of
 from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
 from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
@@ -57,8 +57,17 @@ class Generation:
     """The choices of one HTTP request as one stream of ``ChoiceEvent`` batches. Enter it with
     ``async with`` (adds the requests to the stage); leaving aborts unfinished choices."""
 
-    def __init__(self, frontend: Frontend, choices: list[ChoiceRequest], arrival: float) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        choices: list[ChoiceRequest],
+        arrival: float,
+        request_id: str = "",
+    ) -> None:
+        """``request_id``: the HTTP request's (its response id), which log lines name."""
         self._frontend = frontend
+        self.request_id = request_id
+        self.aborted = False  # a choice was cut short: abort() or interrupt() found it open
         self._queue: asyncio.Queue[tuple[int, RequestUpdate]] = asyncio.Queue()
         self._arrival = arrival
         self._choices = {
@@ -77,9 +86,9 @@ class Generation:
                     min_tokens=c.params.min_tokens,
                     kept_special_ids=c.kept_special_ids,
                 ),
-                RequestTimeline(arrival, arrival),
+                timeline,
             )
-            for c in choices
+            for c, timeline in zip(choices, request_timelines(choices, arrival))
         }
 
     async def __aenter__(self) -> Generation:
@@ -129,6 +138,7 @@ class Generation:
         for choice in self._choices.values():
             if choice.open:
                 choice.open = False
+                self.aborted = True
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
                 self._started(choice)
@@ -144,10 +154,16 @@ class Generation:
         still writes a proper ending (the stage's own abort update may never come)."""
         for index, choice in self._choices.items():
             if choice.open:
+                self.aborted = True
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
                 ended = RequestUpdate(choice.stage_id, finish_reason=FinishReason.ABORT)
                 self._queue.put_nowait((index, ended))
+
+    @property
+    def stage_ids(self) -> set[str]:
+        """The ids its choices have in the stage."""
+        return {c.stage_id for c in self._choices.values()}
 
     @property
     def finished(self) -> bool:
@@ -159,6 +175,14 @@ class Generation:
     def weight_version(self) -> int:
         """The version of the weights that produced the choices' tokens (the latest)."""
         return max((c.assembler.weight_version for c in self._choices.values()), default=0)
+
+    def request_metrics(self) -> dict[str, float | None] | None:
+        """vLLM's per-request ``metrics`` body field (``per_request_metrics``); None where no
+        one generation stream stands for the request (n > 1, several prompts), as vLLM."""
+        if len(self._choices) != 1:
+            return None
+        (choice,) = self._choices.values()
+        return per_request_metrics(choice.timeline)
 
     def num_completion_tokens(self) -> int:
         return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
@@ -188,7 +212,7 @@ class Generation:
             return None  # late updates after a stop string ended the choice, or after abort
         now = time.monotonic()
         if update.num_cached_tokens is not None:
-            choice.cached_tokens = update.num_cached_tokens
+            choice.cached_tokens = choice.timeline.num_cached_tokens = update.num_cached_tokens
         if update.queued_s is not None:
             choice.timeline.engine_queued = update.queued_s
         delta = choice.assembler.add(update)
@@ -212,6 +236,21 @@ class Generation:
             update.rejected,
             choice.request.default_max_tokens,
         )
+
+
+def request_timelines(choices: list[ChoiceRequest], arrival: float) -> list[RequestTimeline]:
+    """The metrics' timelines of a request's choices (in order), the samples of one prompt
+    sharing a ``SampleGroup``."""
+    per_prompt: dict[int, int] = {}
+    for c in choices:
+        per_prompt[c.prompt_index] = per_prompt.get(c.prompt_index, 0) + 1
+    groups = {p: SampleGroup(n, n) for p, n in per_prompt.items()}
+    return [
+        RequestTimeline(
+            arrival, arrival, max_tokens=c.params.max_tokens, group=groups[c.prompt_index]
+        )
+        for c in choices
+    ]
 
 
 def failure(

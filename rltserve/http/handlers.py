@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import time
 
 from aiohttp import web
+from prometheus_client.exposition import gzip_accepted
 
 from rltserve import __version__
 from rltserve.http.admin import (
@@ -35,11 +37,11 @@ from rltserve.http.state import STATE, ServingState
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    req: CompletionRequest = await read_body(request, CompletionRequest)
+    rid = _response_id(request, state, "cmpl")
+    req: CompletionRequest = await read_body(request, CompletionRequest, request_id=rid)
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    rid = _request_id(request)
     plan = await completion_plan(state, req, arrival, session, rid)
     return await deliver(request, state, plan)
 
@@ -47,21 +49,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+    rid = _response_id(request, state, "chatcmpl")
+    req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, request_id=rid)
     state.check_model(req.model)
     check_limits(req, state.config)
     session = session_key(request.headers, req.user)
-    plan = await chat_plan(state, req, arrival, session, _request_id(request))
+    plan = await chat_plan(state, req, arrival, session, rid)
     return await deliver(request, state, plan)
 
 
-def _request_id(request: web.Request) -> str | None:
-    """The client's ``X-Request-Id``, which names the response: a 400 unless it is UTF-8
-    text (aiohttp keeps other bytes as surrogates, which no JSON body can carry)."""
-    rid = request.headers.get("X-Request-Id")
+def _response_id(request: web.Request, state: ServingState, prefix: str) -> str:
+    """The response's id, which also names the request in log lines: ``PREFIX-<X-Request-Id>``
+    as vLLM names it (the client's, or with ``enable_request_id_headers`` a fresh one), else
+    a fresh id. The header is a 400 unless it is UTF-8 text (aiohttp keeps other bytes as
+    surrogates, which no JSON body can carry)."""
+    rid = state.request_id(request)
     if rid is not None and not _utf8(rid):
         raise bad_request("X-Request-Id header: must be UTF-8 text", None)
-    return rid
+    return f"{prefix}-{rid}" if rid else state.ids(prefix)
 
 
 def _utf8(text: str) -> bool:
@@ -73,21 +78,26 @@ def _utf8(text: str) -> bool:
 
 
 async def models(request: web.Request) -> web.Response:
-    return json_response({"object": "list", "data": [model_card(request.app[STATE])]})
+    state = request.app[STATE]
+    cards = [model_card(state, name) for name in state.served_names]
+    return json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card, or OpenAI's 404."""
     state = request.app[STATE]
-    state.check_model(request.match_info["model"])  # (never empty: the route matches .+)
-    return json_response(model_card(state))
+    name = request.match_info["model"]
+    state.check_model(name)  # (never empty: the route matches .+)
+    # (the --model path as given, which requests may name too, is the first name's card)
+    return json_response(model_card(state, name if name in state.served_names else None))
 
 
-def model_card(state: ServingState) -> dict:
+def model_card(state: ServingState, name: str | None = None) -> dict:
+    """The card of served name ``name`` (None: the first)."""
     frontend = state.require_frontend()
     info = frontend.info
     return {
-        "id": state.model_name,
+        "id": name or state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "rltserve",
@@ -107,7 +117,11 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[STATE].metrics.render(request.headers.get("Accept"))
-    return web.Response(body=body, headers={"Content-Type": content_type})
+    headers = {"Content-Type": content_type, "Vary": "Accept-Encoding"}
+    # (as prometheus_client's own handlers: a scrape is tens of KB of text, gzip a tenth)
+    if gzip_accepted(request.headers.get("Accept-Encoding", "")):
+        body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+    return web.Response(body=body, headers=headers)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -167,6 +181,9 @@ ROUTES: tuple[Route, ...] = (
     # (a served name may be a repo id with a slash)
     Route("GET", "/v1/models/{model:.+}", model),
     Route("GET", "/health", health),
+    # SageMaker's probe, which vLLM serves as /health (GET and POST)
+    Route("GET", "/ping", health),
+    Route("POST", "/ping", health),
     Route("GET", "/metrics", metrics),
     Route("POST", "/tokenize", tokenize, TokenizeRequest),
     Route("POST", "/detokenize", detokenize, DetokenizeRequest),

@@ -14,7 +14,10 @@ finishes that got a first token (as vLLM observes them for finished requests), a
 its ``e2e_request_latency_seconds``. (Under disaggregation the first token comes from the
 decode stage, whose wait is the engine's part; the prefill stage's time, its wait there
 included, counts as prefill.) Every request and engine sample carries a ``model_name``
-label; ``http_requests_total`` carries ``handler, method, status``. Engine-side numbers
+label; ``http_requests_total`` carries ``handler, method, status`` (under ``vllm``, as
+prometheus-fastapi-instrumentator's that vLLM uses: unprefixed, status classes ``2xx``).
+``request_params_n`` and ``request_max_num_generation_tokens`` are observed once per prompt,
+as its last sample finishes (vLLM's parent request). Engine-side numbers
 (running/waiting, KV usage, steps and rows) come from the latest ``EngineStats`` the stage sent.
 
 ``iteration_tokens_total`` (vLLM's name) is a histogram of the rows of each engine step (a
@@ -30,7 +33,7 @@ step/row counters behind it.
 Exposition is ``prometheus_client``'s, from a registry per app (two apps in one process do not
 mix their numbers) that also holds the standard process, platform and GC collectors. Events
 update the client's counters and histograms; the engine-side gauges and counters are read from
-the latest ``EngineStats`` at scrape time by a collector.
+the latest ``EngineStats`` at scrape time by a collector (``engine_metrics.py``).
 """
 
 from __future__ import annotations
@@ -40,18 +43,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
+from rltserve.core.engine_info import EngineStats
+from rltserve.http.engine_metrics import EngineCollector
+from rltserve.updates import FinishReason
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -60,6 +60,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
+# prometheus-fastapi-instrumentator's (vLLM's HTTP metrics): few buckets for the labelled
+# histogram, many for the unlabelled one.
+HTTP_BUCKETS = (0.1, 0.5, 1.0)
+HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
+                      3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
 
 DEPTH_BUCKETS = 32  # every loop up to here has its bucket; past it, powers of two
 
@@ -71,6 +77,16 @@ def depth_buckets(max_loops: int) -> list[int]:
     while out[-1] < max_loops:
         out.append(min(out[-1] * 2, max_loops))
     return out
+
+
+@dataclass
+class SampleGroup:
+    """The ``n`` samples of one prompt (vLLM's parent request): ``request_params_n`` and
+    ``request_max_num_generation_tokens`` are observed once, as the last of them finishes."""
+
+    n: int
+    unfinished: int
+    max_generated: int = 0  # the most tokens a finished sample generated
 
 
 @dataclass
@@ -86,6 +102,41 @@ class RequestTimeline:
     # Seconds it then waited in the engine before its first scheduling (from the update with
     # its first token: ``RequestUpdate.queued_s``).
     engine_queued: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens the engine reused (counted at the first token)
+    max_tokens: int | None = None  # the request's max_tokens (None: the rest of the context)
+    group: SampleGroup | None = None  # None: a prompt sampled once
+
+    @property
+    def scheduled(self) -> float | None:
+        """When the engine first scheduled it (None before its first token). The engine's wait
+        is measured on its own clock: clamped into the interval this clock saw, from going to
+        the stage to the first token."""
+        if self.first_token is None:
+            return None
+        return min(self.admitted + max(0.0, self.engine_queued), self.first_token)
+
+
+def per_request_metrics(timeline: RequestTimeline) -> dict[str, float | None]:
+    """vLLM's ``--enable-per-request-metrics`` body field, as vLLM computes it: TTFT from the
+    first scheduling (the queue is ``queue_time_ms``), generation time from the first token to
+    the last, tokens per second over scheduling to the last token; None where undefined (no
+    token yet; ``mean_itl_ms`` needs two tokens)."""
+    scheduled, first, last = timeline.scheduled, timeline.first_token, timeline.last_token
+    n = timeline.num_tokens
+    out: dict[str, float | None] = dict.fromkeys(
+        ("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+         "tokens_per_second")
+    )  # fmt: skip
+    if scheduled is None or first is None or last is None:
+        return out
+    out["time_to_first_token_ms"] = (first - scheduled) * 1000
+    out["generation_time_ms"] = (last - first) * 1000
+    out["queue_time_ms"] = (scheduled - timeline.arrival) * 1000
+    if n > 1:
+        out["mean_itl_ms"] = (last - first) / (n - 1) * 1000
+    if last > scheduled:
+        out["tokens_per_second"] = n / (last - scheduled)
+    return out
 
 
 # What the engine collector reads at scrape time: the latest stats and the admission queue length.
@@ -97,7 +148,9 @@ class ServingMetrics:
     """The serving metrics of one app, in their own registry (``render`` exposes it)."""
 
     def __init__(self, model_name: str, prefix: str = "rltserve") -> None:
-        """``prefix``: every series' name before the colon (``ServerConfig.metrics_prefix``)."""
+        """``prefix``: every series' name before the colon (``ServerConfig.metrics_prefix``).
+        Under ``vllm`` the HTTP series are prometheus-fastapi-instrumentator's, as vLLM's:
+        unprefixed, status classes (``2xx``) and unmatched routes as ``none``."""
         self.model_name = model_name
         self.prefix = P = prefix + ":"
         self.registry = CollectorRegistry(auto_describe=True)
@@ -109,29 +162,62 @@ class ServingMetrics:
         def histogram(name: str, help_text: str, buckets) -> Histogram:
             return Histogram(P + name, help_text, model, registry=reg, buckets=buckets)
 
-        self.prompt_tokens = Counter(
-            P + "prompt_tokens", "Prompt tokens processed.", model, registry=reg
+        def counter(name: str, help_text: str) -> Counter:
+            return Counter(P + name, help_text, model, registry=reg)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached",
+            "Prompt tokens reused from the prefix cache (or shared by n "
+            "samples) instead of computed.",
         ).labels(model_name)
-        self.generation_tokens = Counter(
-            P + "generation_tokens", "Tokens generated.", model, registry=reg
-        ).labels(model_name)
-        self.success = Counter(
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(
+            model_name
+        )
+        success = Counter(
             P + "request_success",
             "Finished requests by finished_reason.",
             ("model_name", "finished_reason"),
             registry=reg,
         )
+        # Every reason's series from the start, as vLLM's: increase() on a fresh server is 0,
+        # not no data.
+        self.success = {r.value: success.labels(model_name, r.value) for r in FinishReason}
+        self.vllm_http = prefix == "vllm"
+        http = "" if self.vllm_http else P
         self.http_requests = Counter(
-            P + "http_requests",
-            "HTTP responses by handler, method and status.",
+            http + "http_requests",
+            "HTTP responses by handler, method and status" + (" class." if self.vllm_http else "."),
             ("handler", "method", "status"),
             registry=reg,
+        )
+        self.http_duration = Histogram(
+            http + "http_request_duration_seconds",
+            "HTTP request duration (to the end of its body) by handler and method.",
+            ("handler", "method"),
+            registry=reg,
+            buckets=HTTP_BUCKETS,
+        )
+        self.http_duration_highr = (
+            Histogram(
+                "http_request_duration_highr_seconds",
+                "HTTP request duration, many buckets and no labels.",
+                registry=reg,
+                buckets=HTTP_HIGHR_BUCKETS,
+            )
+            if self.vllm_http
+            else None
         )
         self.ttft = histogram(
             "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
         ).labels(model_name)
         self.itl = histogram(
             "inter_token_latency_seconds", "Gap between streamed token updates.", ITL_BUCKETS
+        ).labels(model_name)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time over its generated tokens but the first.",
+            ITL_BUCKETS,
         ).labels(model_name)
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Request arrival to finish.", REQUEST_BUCKETS
@@ -140,6 +226,11 @@ class ServingMetrics:
             "request_queue_time_seconds",
             "Time from arrival until the engine first scheduled the request (the server's "
             "admission queue plus the engine's waiting queue).",
+            REQUEST_BUCKETS,
+        ).labels(model_name)
+        self.inference = histogram(
+            "request_inference_time_seconds",
+            "Time from the engine first scheduling the request to its finish (prefill + decode).",
             REQUEST_BUCKETS,
         ).labels(model_name)
         self.prefill = histogram(
@@ -156,6 +247,17 @@ class ServingMetrics:
         self.request_generation = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         ).labels(model_name)
+        self.request_max_generation = histogram(
+            "request_max_num_generation_tokens",
+            "Per prompt: the most tokens any of its n samples generated.",
+            TOKEN_BUCKETS,
+        ).labels(model_name)
+        self.params_n = histogram(
+            "request_params_n", "The n request parameter, per prompt.", N_BUCKETS
+        ).labels(model_name)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens request parameter.", TOKEN_BUCKETS
+        ).labels(model_name)
         self.stage_restarts = Counter(
             P + "stage_restarts", "Stage restarts after a dead or hung stage.", model, registry=reg
         ).labels(model_name)
@@ -163,8 +265,11 @@ class ServingMetrics:
         self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
         self.sum_depths = 0  # loops_per_token
         self.num_prefilled = 0  # prompt tokens of requests that got their first token
-        self._engine = _EngineCollector(model_name, self)
+        self.sleep_level = 0  # the level of the latest /sleep (engine_sleep_state's label)
+        self._engine = EngineCollector(model_name, self)
         reg.register(self._engine)
+        # (prometheus_client can turn ``_created`` off only for the whole process)
+        self._exposed = _WithoutCreated(self.registry)
 
     def configure(
         self,
@@ -172,11 +277,12 @@ class ServingMetrics:
         stats: StatsSource,
         prefill_stats: Callable[[], EngineStats | None] = lambda: None,
         cache_info: dict[str, str] | None = None,
+        asleep: Callable[[], bool] = lambda: False,
     ) -> None:
         """Once the engine is up: the exit-depth buckets (``depth_buckets``), where
         engine-side numbers come from (``prefill_stats``: a disaggregated engine's prefill
-        stage, whose series are ``<prefix>:prefill_stage_*``) and ``cache_config_info``'s
-        labels (``cache_info``)."""
+        stage, whose series are ``<prefix>:prefill_stage_*``), ``cache_config_info``'s
+        labels (``cache_info``) and whether the engine sleeps (``asleep``)."""
         if self.exit_depth is None:
             self.exit_depth = Histogram(
                 self.prefix + "token_exit_depth",
@@ -188,6 +294,7 @@ class ServingMetrics:
         self._engine.stats = stats
         self._engine.prefill_stats = prefill_stats
         self._engine.cache_info = cache_info
+        self._engine.asleep = asleep
 
     # ------------------------------------------------------------------ events
 
@@ -203,6 +310,7 @@ class ServingMetrics:
             timeline.first_token = now
             self.ttft.observe(now - timeline.arrival)
             self.num_prefilled += timeline.num_prompt_tokens
+            self.prompt_tokens_cached.inc(timeline.num_cached_tokens)
         elif timeline.last_token is not None:
             self.itl.observe(now - timeline.last_token)
         timeline.last_token = now
@@ -215,20 +323,41 @@ class ServingMetrics:
                 self.exit_depth.observe(depth)
 
     def on_finish(self, timeline: RequestTimeline, now: float, finish_reason: str) -> None:
-        self.success.labels(self.model_name, finish_reason).inc()
+        """Once per engine request, however it ended (an abort in the server's admission
+        queue too: then it has no first token, and only the request's own series count it)."""
+        self.success[finish_reason].inc()
         self.e2e.observe(now - timeline.arrival)
-        if timeline.first_token is not None:
-            # (The engine's wait is measured on its own clock: clamped into the interval
-            # this clock saw, from going to the stage to the first token.)
-            engine = max(0.0, timeline.engine_queued)
-            scheduled = min(timeline.admitted + engine, timeline.first_token)
+        scheduled = timeline.scheduled
+        if scheduled is not None:
+            first = timeline.first_token
             self.queue.observe(scheduled - timeline.arrival)
-            self.prefill.observe(timeline.first_token - scheduled)
-            self.decode.observe(now - timeline.first_token)
+            self.prefill.observe(first - scheduled)
+            self.decode.observe(now - first)
+            self.inference.observe(now - scheduled)
+            if timeline.num_tokens > 1:
+                self.tpot.observe((now - first) / (timeline.num_tokens - 1))
         self.request_generation.observe(timeline.num_tokens)
+        if timeline.max_tokens:  # (vLLM's: a request without one is not observed)
+            self.params_max_tokens.observe(timeline.max_tokens)
+        group = timeline.group or SampleGroup(1, 1)
+        group.unfinished -= 1
+        group.max_generated = max(group.max_generated, timeline.num_tokens)
+        if group.unfinished == 0:
+            self.params_n.observe(group.n)
+            self.request_max_generation.observe(group.max_generated)
 
-    def on_http(self, handler: str, method: str, status: int) -> None:
-        self.http_requests.labels(handler, method, str(status)).inc()
+    def on_http(self, handler: str, method: str, status: int, seconds: float | None = None) -> None:
+        """One HTTP response; ``seconds``: from its arrival to the end of its body (None: no
+        duration observed, as for the interim answer to ``Expect``)."""
+        if self.vllm_http:
+            handler = "none" if handler == "unmatched" else handler
+            self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        else:
+            self.http_requests.labels(handler, method, str(status)).inc()
+        if seconds is not None:
+            self.http_duration.labels(handler, method).observe(seconds)
+            if self.http_duration_highr is not None:
+                self.http_duration_highr.observe(seconds)
 
     # ------------------------------------------------------------------ exposition
 
@@ -241,138 +370,23 @@ class ServingMetrics:
         encoder, content_type = choose_encoder(accept or "")
         if "escaping=" in content_type and "escaping=allow-utf-8" not in content_type:
             encoder, content_type = choose_encoder("")
-        return encoder(self.registry), content_type
+        return encoder(self._exposed), content_type
 
 
-_ENGINE_COUNTERS = (
-    ("engine_steps", "Engine steps run.", "num_steps"),
-    ("engine_rows", "Rows run through the core loop.", "num_rows"),
-    ("engine_coda_rows", "Rows that reached the coda.", "num_coda_rows"),
-    ("engine_busy_seconds", "Seconds the engine spent executing steps.", "busy_seconds"),
-    ("num_preemptions", "Requests preempted (KV pressure or priority).", "num_preemptions"),
-    ("swap_fallbacks", "Swap preemptions recomputed because swap space was full.",
-     "swap_fallbacks"),
-    ("prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache (first admissions, not re-admissions).",
-     "prefix_cache_queries"),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (or shared by n samples).",
-     "prefix_cache_hits"),
-    ("kv_transfer_hits",
-     "Disaggregation: prompt tokens the decode stage took from KV the prefill stage computed.",
-     "kv_transfer_hits"),
-    ("prefix_cache_evictions", "Cached prompt blocks evicted to make room.",
-     "prefix_cache_evictions"),
-)  # fmt: skip
-_ENGINE_GAUGES = (
-    ("num_requests_swapped", "Preempted requests whose KV is in host swap space.", "num_swapped"),
-    ("num_requests_recomputing", "Preempted requests that recompute their KV.",
-     "num_recomputing"),
-    ("swapped_bytes", "Host swap space in use, in bytes.", "swapped_bytes"),
-    ("prefix_cache_blocks", "KV blocks the prefix cache holds, all planes.",
-     "prefix_cache_blocks"),
-)  # fmt: skip
+class _WithoutCreated:
+    """The registry as exposed: without the ``_created`` samples of counters and histograms
+    (a gauge family each in the text format, which vLLM turns off too)."""
 
-
-class _EngineCollector(Collector):
-    """Engine-side numbers, read from the latest ``EngineStats`` at each scrape."""
-
-    def __init__(self, model_name: str, metrics: ServingMetrics) -> None:
-        self.model_name = model_name
-        self.metrics = metrics
-        self.stats: StatsSource = lambda: (None, 0, 0)
-        self.prefill_stats: Callable[[], EngineStats | None] = lambda: None
-        self.cache_info: dict[str, str] | None = None  # (known once the engine is up)
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
 
     def collect(self) -> Iterator[Metric]:
-        stats, queued, version = self.stats()
-        labels = [self.model_name]
-        P = self.metrics.prefix
-
-        def stat(name: str) -> float:  # before the first update there are no stats
-            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
-
-        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(P + name, help_text, labels=["model_name"])
-            family.add_metric(labels, value)
-            return family
-
-        yield gauge("num_requests_running", "Requests running in the engine.", stat("num_running"))
-        yield gauge(
-            "num_requests_waiting",
-            "Requests waiting: the engine's queue plus the server's admission queue (under "
-            "--disaggregate also the requests on the prefill stage, which "
-            "prefill_stage_num_requests_running and _waiting count too).",
-            stat("num_waiting") + queued,
-        )
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
-        for name, help_text, field_name in _ENGINE_GAUGES:
-            yield gauge(name, help_text, stat(field_name))
-        yield gauge("weight_version", "Weight updates applied since start (serving now).", version)
-        m = self.metrics
-        yield gauge(
-            "loops_per_token",
-            "Mean loops run per generated token.",
-            m.sum_depths / m.num_tokens if m.num_tokens else 0.0,
-        )
-        steps, rows = stat("num_steps"), stat("num_rows")
-        yield gauge(
-            "rows_per_step",
-            "Mean rows in the core batch per engine step.",
-            rows / steps if steps else 0.0,
-        )
-        for name, help_text, field_name in _ENGINE_COUNTERS:
-            family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
-            family.add_metric(labels, stat(field_name))
-            yield family
-        yield _step_rows(P, labels, stats)
-        yield from _prefill_stage(P, labels, self.prefill_stats())
-        if self.cache_info is not None:
-            info = GaugeMetricFamily(
-                P + "cache_config_info",
-                "Information of the KV cache config (the value is 1).",
-                labels=["model_name", *self.cache_info],
-            )
-            info.add_metric([*labels, *self.cache_info.values()], 1.0)
-            yield info
+        for metric in self.registry.collect():
+            kept = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric if len(kept) == len(metric.samples) else _with_samples(metric, kept)
 
 
-_PREFILL_STAGE = (
-    (GaugeMetricFamily, "num_requests_running", "Requests in the prefill stage's engine.",
-     "num_running"),
-    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting in the prefill stage.",
-     "num_waiting"),
-    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the prefill stage's KV blocks in use.",
-     "kv_usage"),
-    (GaugeMetricFamily, "prefix_cache_blocks", "KV blocks the prefill stage's prefix cache holds.",
-     "prefix_cache_blocks"),
-    (CounterMetricFamily, "engine_steps", "Prefill stage steps run.", "num_steps"),
-    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens the prefill stage looked up.",
-     "prefix_cache_queries"),
-    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens the prefill stage reused.",
-     "prefix_cache_hits"),
-)  # fmt: skip
-
-
-def _prefill_stage(prefix: str, labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
-    """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's)."""
-    if stats is None:
-        return
-    for kind, name, help_text, field_name in _PREFILL_STAGE:
-        family = kind(prefix + "prefill_stage_" + name, help_text, labels=["model_name"])
-        family.add_metric(labels, float(getattr(stats, field_name)))
-        yield family
-
-
-def _step_rows(prefix: str, labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
-    """vLLM's ``iteration_tokens_total``: engine steps by their rows (a row is a token at one
-    loop: a step's work), from ``EngineStats.step_rows_counts``."""
-    help_text = "Rows (tokens at one loop) per engine step."
-    name = prefix + "iteration_tokens_total"
-    family = HistogramMetricFamily(name, help_text, labels=["model_name"])
-    counts = getattr(stats, "step_rows_counts", None) or (0,) * (len(STEP_ROW_BUCKETS) + 1)
-    cumulative, buckets = 0, []
-    for bound, count in zip([*map(floatToGoString, STEP_ROW_BUCKETS), "+Inf"], counts):
-        cumulative += count
-        buckets.append((bound, cumulative))
-    family.add_metric(labels, buckets, sum_value=float(getattr(stats, "num_rows", 0) or 0))
-    return family
+def _with_samples(metric: Metric, samples: list) -> Metric:
+    copy = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+    copy.samples = samples
+    return copy

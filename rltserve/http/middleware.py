@@ -1,12 +1,12 @@
 """Middlewares: OpenAI-style error bodies for every failure, API-key auth on every route but
-``/health`` (and ``/metrics`` unless ``metrics_auth``), header passthrough and the HTTP request
-counter.
+the probes (``PUBLIC_PATHS``, and ``/metrics`` unless ``metrics_auth``), header passthrough and
+the HTTP request counter.
 
 Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
-as JSON; then ``auth``, which guards every route but ``/health`` (and ``/metrics`` unless
-configured). Error bodies never carry a traceback or a request's own header values. Requests
-that do not parse never reach a middleware: ``protocol.py`` renders those.
+as JSON; then ``auth``, which guards every route but the probes. Error bodies never carry a
+traceback or a request's own header values. Requests that do not parse never reach a
+middleware: ``protocol.py`` renders those.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 
 log = logging.getLogger("rltserve.http")
-access = logging.getLogger("aiohttp.access")  # (where aiohttp logs every other request)
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
+# Read-only routes that answer without the API key, as vLLM leaves them open: probes (load
+# balancers, Kubernetes, SageMaker's /ping) and the API description carry no key. Every other
+# route needs it, the admin ones (/sleep, /wake_up, /reset_prefix_cache, /v1/update_weights)
+# included.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json"})
 
 
 def _route_name(request: web.Request) -> str:
@@ -35,6 +39,7 @@ def _route_name(request: web.Request) -> str:
 @web.middleware
 async def errors(request: web.Request, handler) -> web.StreamResponse:
     state = request.app[STATE]
+    started = asyncio.get_running_loop().time()
     try:
         response = await handler(request)
     except HTTPError as exc:
@@ -58,16 +63,9 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         # no response is made, so aiohttp logs and counts nothing; say it here, as a 499.
         transport = request.transport
         if transport is None or transport.is_closing():
-            state.metrics.on_http(_route_name(request), request.method, CLIENT_CLOSED)
-            access.info(
-                '%s "%s %s HTTP/%d.%d" %d - "%s" (client closed the connection)',
-                request.remote,
-                request.method,
-                request.path_qs,
-                *request.version,
-                CLIENT_CLOSED,
-                request.headers.get("User-Agent", "-"),
-            )
+            seconds = asyncio.get_running_loop().time() - started
+            state.metrics.on_http(_route_name(request), request.method, CLIENT_CLOSED, seconds)
+            _log_access(request, web.Response(status=CLIENT_CLOSED), started)
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
@@ -75,14 +73,24 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     if not response.prepared:
         for name, value in state.passthrough_headers(request).items():
             response.headers.setdefault(name, value)
-    state.metrics.on_http(_route_name(request), request.method, response.status)
+    # (a stream's handler returns once it has ended)
+    seconds = asyncio.get_running_loop().time() - started
+    state.metrics.on_http(_route_name(request), request.method, response.status, seconds)
     return response
 
 
+def _log_access(request: web.Request, response: web.Response, started: float) -> None:
+    """The access line of a response aiohttp never sees, through the server's own access
+    logger: the same format as every other line (and none where access lines are off)."""
+    logger = getattr(request.protocol, "access_logger", None)
+    if logger is not None and logger.enabled:
+        logger.log(request, response, asyncio.get_running_loop().time() - started)
+
+
 def needs_key(path: str, metrics_auth: bool) -> bool:
-    """Every route needs the key except ``/health`` (load balancers probe it) and, unless
+    """Every route needs the key except the probes (``PUBLIC_PATHS``) and, unless
     ``metrics_auth``, ``/metrics`` (scrapers rarely carry keys)."""
-    return path != "/health" and (metrics_auth or path != "/metrics")
+    return path not in PUBLIC_PATHS and (metrics_auth or path != "/metrics")
 
 
 def auth_failure(request: web.Request) -> HTTPError | None:

@@ -43,6 +43,15 @@ class GenerationPlan:
     arrival: float  # time.monotonic() when the request arrived
     prompt_only: bool = False  # ``CompletionRequest.prompt_only``: no completion tokens
 
+    @property
+    def request_id(self) -> str:
+        """The response's id, which names the request in log lines."""
+        return self.format.header.id
+
+    def prompts(self) -> list[PromptInput]:
+        """Each prompt once, in order."""
+        return list({c.prompt_index: c.prompt for c in self.choices}.values())
+
     def completion_tokens(self, generation) -> int:
         """What ``usage`` counts of ``generation``'s tokens (a ``Generation``)."""
         return 0 if self.prompt_only else generation.num_completion_tokens()
@@ -78,12 +87,12 @@ def _default_max_tokens(state: ServingState, default: int | None = None) -> int 
 
 
 def _header(
-    state: ServingState, prefix: str, request_id: str | None, model: str | None
+    state: ServingState, prefix: str, response_id: str | None, model: str | None
 ) -> ResponseHeader:
-    """``request_id``: the client's ``X-Request-Id``, which names the response as vLLM names
-    it (``cmpl-<X-Request-Id>``); else a fresh id. ``model``: the (checked) name the request
-    gave, which the response repeats as vLLM's does; else the served name."""
-    rid = f"{prefix}-{request_id}" if request_id else state.ids(prefix)
+    """``response_id``: the response's id (``cmpl-<X-Request-Id>``, as vLLM names it, from
+    the handler); None: a fresh one. ``model``: the (checked) name the request gave, which
+    the response repeats as vLLM's does; else the first served name."""
+    rid = response_id or state.ids(prefix)
     return ResponseHeader(rid, int(state.clock()), model or state.model_name)
 
 
@@ -143,10 +152,10 @@ async def completion_plan(
     req: CompletionRequest,
     arrival: float,
     session: str | None = None,
-    request_id: str | None = None,
+    response_id: str | None = None,
 ) -> GenerationPlan:
     """``session``: the request's session key (``http.session.session_key``), for affinity;
-    ``request_id``: its ``X-Request-Id`` (``_header``)."""
+    ``response_id``: its response's id (``_header``)."""
     frontend = state.require_frontend()
     items = req.prompts
     # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
@@ -168,9 +177,10 @@ async def completion_plan(
         state.sampling_defaults,
     )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
+    header = _header(state, "cmpl", response_id, req.model)
     return GenerationPlan(
         choices=choices,
-        format=CompletionFormat(_header(state, "cmpl", request_id, req.model), req, frontend, echo),
+        format=CompletionFormat(header, req, frontend, echo),
         stream=req.stream,
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
@@ -185,7 +195,7 @@ async def chat_plan(
     req: ChatCompletionRequest,
     arrival: float,
     session: str | None = None,
-    request_id: str | None = None,
+    response_id: str | None = None,
 ) -> GenerationPlan:
     """As ``completion_plan``."""
     frontend = state.require_frontend()
@@ -217,7 +227,7 @@ async def chat_plan(
     return GenerationPlan(
         choices=choices,
         format=ChatFormat(
-            _header(state, "chatcmpl", request_id, req.model), req, frontend, reasoning=reasoning
+            _header(state, "chatcmpl", response_id, req.model), req, frontend, reasoning=reasoning
         ),
         stream=req.stream,
         include_usage=req.include_usage,

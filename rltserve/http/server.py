@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from rltserve.config import EngineConfig
+from rltserve.http.access_log import access_logger_class
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
 from rltserve.http.protocol import JSONErrorRunner
@@ -53,6 +54,10 @@ def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
 
 
 async def start_server(app: web.Application, config: ServerConfig) -> RunningServer:
+    if config.disable_uvicorn_access_log:
+        access: dict = {"access_log": None}
+    else:
+        access = {"access_log_class": access_logger_class(config.quiet_paths)}
     runner = JSONErrorRunner(
         app,
         handler_cancellation=True,
@@ -62,6 +67,7 @@ async def start_server(app: web.Application, config: ServerConfig) -> RunningSer
         keepalive_timeout=config.idle_timeout_s,
         max_line_size=config.max_header_bytes,
         max_field_size=config.max_header_bytes,
+        **access,
     )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context(config))

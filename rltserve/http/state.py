@@ -29,6 +29,7 @@ from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
 from rltserve.http.metrics import ServingMetrics
+from rltserve.http.request_log import RequestLog, id_list
 from rltserve.http.stats_log import INTERVAL_S, StatsLog, kv_capacity_lines
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.chat_template import read_chat_template
@@ -45,7 +46,9 @@ IdFactory = Callable[[str], str]  # prefix ("cmpl", "chatcmpl") -> response id
 Clock = Callable[[], float]  # unix seconds, for "created"
 _POLL_S = 0.25  # how often a loading engine is checked (lets shutdown interrupt loading)
 _TOKENIZER_THREADS = 2  # long prompts encode here, never on the event loop
-PASSTHROUGH_HEADERS = ("X-Request-Id",)
+REQUEST_ID_HEADER = "X-Request-Id"
+# (a fresh request id, once made, in the request's own storage)
+_FRESH_ID = web.RequestKey("rltserve.request_id", str)
 
 
 def random_id(prefix: str) -> str:
@@ -80,12 +83,18 @@ class ServingState:
         self.ids = ids
         self.clock = clock
         self.gate = AdmissionGate(config.max_concurrent, config.max_queued)
-        self.model_name = config.served_model_name or default_model_name(engine_config)
+        # The first served name is the model's in /metrics and in responses to requests that
+        # name none; requests may name any (vLLM's), and /v1/models lists them all.
+        self.served_names = config.served_model_names or (default_model_name(engine_config),)
+        self.model_name = self.served_names[0]
         # Requests may also name the checkpoint as --model gave it, vLLM's default served name
-        # (scripts send `model=args.model_path`); /v1/models lists model_name alone.
-        self.model_names = {self.model_name}
+        # (scripts send `model=args.model_path`); /v1/models lists the served names alone.
+        self.model_names = set(self.served_names)
         if config.served_model_name is None:
             self.model_names.add(str(engine_config.model.model))
+        self.request_log = RequestLog(
+            config.enable_log_requests, config.enable_log_outputs, config.max_log_len
+        )
         self.metrics = ServingMetrics(self.model_name, config.metrics_prefix)
         self.created = int(clock())
         self.closing = False
@@ -122,6 +131,7 @@ class ServingState:
                 self.engine_config,
                 self.restart_policy(),
                 self.metrics.stage_restarts.inc,
+                request_names=self._request_names,
             )
             info = await self._wait_ready(self._client)
             tokenizer, token_chars = await tokenizer_job
@@ -133,7 +143,11 @@ class ServingState:
                 return client.stats, self.gate.num_queued, client.weight_version
 
             self.metrics.configure(
-                info.max_loops, stats, lambda: client.prefill_stats, self.cache_info(info)
+                info.max_loops,
+                stats,
+                lambda: client.prefill_stats,
+                self.cache_info(info),
+                lambda: bool(client.sleeping),
             )
             self._frontend = Frontend(
                 self._client,
@@ -247,8 +261,14 @@ class ServingState:
         while frontend.num_open and time.monotonic() < deadline and not self._drain_cut:
             await asyncio.sleep(0.05)
         if frontend.num_open:
-            log.info("aborting %d in-flight request(s)", frontend.num_open)
+            ids = frontend.open_request_ids()
+            log.info("aborting %d in-flight request(s): %s", len(ids), id_list(ids))
             frontend.interrupt_all()
+
+    def _request_names(self, stage_ids: list[str]) -> list[str]:
+        """The HTTP request ids of requests in the stage (``SupervisedStage``'s log lines)."""
+        frontend = self._frontend
+        return frontend.request_ids(stage_ids) if frontend is not None else sorted(stage_ids)
 
     def cut_drain(self) -> None:
         """Ends a drain now (a second Ctrl-C): its in-flight requests are aborted."""
@@ -296,9 +316,10 @@ class ServingState:
             return {"status": "ok"}
         return {"status": "ok", "replicas": {"live": live, "configured": inner.config.replicas}}
 
-    def ignore_field(self, path: str) -> None:
+    def ignore_field(self, path: str, request_id: str | None = None) -> None:
         """An unknown request field (``strict_fields`` off): dropped, with one warning per field
-        name for the app's lifetime (``messages[3].x`` counts as ``messages[].x``)."""
+        name for the app's lifetime (``messages[3].x`` counts as ``messages[].x``) naming the
+        request that sent it first (``request_id``, where it has one)."""
         name = re.sub(r"\[\d+\]", "[]", path)
         if name in self._ignored_fields or len(self._ignored_fields) > _MAX_WARNED_FIELDS:
             return
@@ -307,15 +328,29 @@ class ServingState:
             log.warning("ignoring further unknown request fields without naming them")
         else:
             shown = name if len(name) <= 80 else name[:80] + "..."
-            log.warning("ignoring unknown request field %r (--strict-fields rejects it)", shown)
+            sent = f" (request {request_id})" if request_id else ""
+            log.warning(
+                "ignoring unknown request field %r%s (--strict-fields rejects it)", shown, sent
+            )
 
     def check_model(self, name: str | None) -> None:
         """An absent or empty ``model`` means the served one (as vLLM takes it)."""
         if name and name not in self.model_names:
             raise HTTPError(404, f"The model `{name}` does not exist.", param="model")
 
+    def request_id(self, request: web.Request) -> str | None:
+        """The client's ``X-Request-Id``; without one, with ``enable_request_id_headers``, a
+        fresh id kept on the request (its response header, response id and log lines agree);
+        else None."""
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        if rid is None and self.config.enable_request_id_headers:
+            rid = request.get(_FRESH_ID) or request.setdefault(_FRESH_ID, uuid.uuid4().hex)
+        return rid
+
     def passthrough_headers(self, request: web.Request) -> dict[str, str]:
-        return {h: request.headers[h] for h in PASSTHROUGH_HEADERS if h in request.headers}
+        """The headers every response to ``request`` carries: its ``X-Request-Id``."""
+        rid = self.request_id(request)
+        return {} if rid is None else {REQUEST_ID_HEADER: rid}
 
     @property
     def client(self) -> SupervisedStage | None:

@@ -38,6 +38,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
+from rltserve.http.request_log import id_list
 from rltserve.http.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
@@ -96,8 +97,12 @@ class SupervisedStage:
         policy: RestartPolicy,
         on_restart: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        request_names: Callable[[list[str]], list[str]] = sorted,
     ) -> None:
+        """``request_names``: the names log lines give the requests of some stage ids (the
+        server's: their HTTP request ids)."""
         self.policy = policy
+        self._request_names = request_names
         self._factory = factory
         self._engine_config = engine_config
         self._on_restart = on_restart
@@ -351,7 +356,15 @@ class SupervisedStage:
             self._retired_prefill = sum_stats([prefill], self._retired_prefill)
         self.failure = reason
         self.restarting = True
-        log.error("stage failed: %s", reason)
+        with self._lock:
+            failing = [rid for rid, e in self._open.items() if e.client is old]
+        if failing:
+            names = self._request_names(failing)
+            log.error(
+                "stage failed: %s (failing %d request(s): %s)", reason, len(names), id_list(names)
+            )
+        else:
+            log.error("stage failed: %s", reason)
         # Requests on the failed stage end now (a hung stage would never end them).
         self._fail_open(old, FinishReason.ERROR, f"stage died: {reason}")
         await asyncio.to_thread(_stop, old)

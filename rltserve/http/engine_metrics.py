@@ -1,0 +1,175 @@
+"""The engine's side of the server's Prometheus metrics, read at each scrape from the latest
+``EngineStats`` the stage sent: running/waiting, KV usage and the prefix cache, preemption and
+swap, steps and rows (vLLM's ``iteration_tokens_total``), the sleep state, a disaggregated
+prefill stage's numbers and ``cache_config_info``. The front end's own series (requests,
+latencies, HTTP) are ``metrics.ServingMetrics``'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
+
+if TYPE_CHECKING:
+    from rltserve.http.metrics import ServingMetrics, StatsSource
+
+# vLLM's engine_sleep_state labels: awake, or asleep at level 1 or 2.
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+_ENGINE_COUNTERS = (
+    ("engine_steps", "Engine steps run.", "num_steps"),
+    ("engine_rows", "Rows run through the core loop.", "num_rows"),
+    ("engine_coda_rows", "Rows that reached the coda.", "num_coda_rows"),
+    ("engine_busy_seconds", "Seconds the engine spent executing steps.", "busy_seconds"),
+    ("num_preemptions", "Requests preempted (KV pressure or priority).", "num_preemptions"),
+    ("swap_fallbacks", "Swap preemptions recomputed because swap space was full.",
+     "swap_fallbacks"),
+    ("prefix_cache_queries",
+     "Prompt tokens looked up in the prefix cache (first admissions, not re-admissions).",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache (or shared by n samples).",
+     "prefix_cache_hits"),
+    ("kv_transfer_hits",
+     "Disaggregation: prompt tokens the decode stage took from KV the prefill stage computed.",
+     "kv_transfer_hits"),
+    ("prefix_cache_evictions", "Cached prompt blocks evicted to make room.",
+     "prefix_cache_evictions"),
+)  # fmt: skip
+_ENGINE_GAUGES = (
+    ("num_requests_swapped", "Preempted requests whose KV is in host swap space.", "num_swapped"),
+    ("num_requests_recomputing", "Preempted requests that recompute their KV.",
+     "num_recomputing"),
+    ("swapped_bytes", "Host swap space in use, in bytes.", "swapped_bytes"),
+    ("prefix_cache_blocks", "KV blocks the prefix cache holds, all planes.",
+     "prefix_cache_blocks"),
+)  # fmt: skip
+
+
+class EngineCollector(Collector):
+    """Engine-side numbers, read from the latest ``EngineStats`` at each scrape."""
+
+    def __init__(self, model_name: str, metrics: ServingMetrics) -> None:
+        self.model_name = model_name
+        self.metrics = metrics
+        self.stats: StatsSource = lambda: (None, 0, 0)
+        self.prefill_stats: Callable[[], EngineStats | None] = lambda: None
+        self.cache_info: dict[str, str] | None = None  # (known once the engine is up)
+        self.asleep: Callable[[], bool] = lambda: False
+
+    def collect(self) -> Iterator[Metric]:
+        stats, queued, version = self.stats()
+        labels = [self.model_name]
+        P = self.metrics.prefix
+
+        def stat(name: str) -> float:  # before the first update there are no stats
+            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
+
+        def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(P + name, help_text, labels=["model_name"])
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests running in the engine.", stat("num_running"))
+        yield gauge(
+            "num_requests_waiting",
+            "Requests waiting: the engine's queue plus the server's admission queue (under "
+            "--disaggregate also the requests on the prefill stage, which "
+            "prefill_stage_num_requests_running and _waiting count too).",
+            stat("num_waiting") + queued,
+        )
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
+        for name, help_text, field_name in _ENGINE_GAUGES:
+            yield gauge(name, help_text, stat(field_name))
+        yield gauge("weight_version", "Weight updates applied since start (serving now).", version)
+        m = self.metrics
+        yield _sleep_state(P, self.model_name, m.sleep_level if self.asleep() else 0)
+        yield gauge(
+            "loops_per_token",
+            "Mean loops run per generated token.",
+            m.sum_depths / m.num_tokens if m.num_tokens else 0.0,
+        )
+        steps, rows = stat("num_steps"), stat("num_rows")
+        yield gauge(
+            "rows_per_step",
+            "Mean rows in the core batch per engine step.",
+            rows / steps if steps else 0.0,
+        )
+        for name, help_text, field_name in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
+            family.add_metric(labels, stat(field_name))
+            yield family
+        yield _step_rows(P, labels, stats)
+        yield from _prefill_stage(P, labels, self.prefill_stats())
+        if self.cache_info is not None:
+            info = GaugeMetricFamily(
+                P + "cache_config_info",
+                "Information of the KV cache config (the value is 1).",
+                labels=["model_name", *self.cache_info],
+            )
+            info.add_metric([*labels, *self.cache_info.values()], 1.0)
+            yield info
+
+
+_PREFILL_STAGE = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the prefill stage's engine.",
+     "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting in the prefill stage.",
+     "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the prefill stage's KV blocks in use.",
+     "kv_usage"),
+    (GaugeMetricFamily, "prefix_cache_blocks", "KV blocks the prefill stage's prefix cache holds.",
+     "prefix_cache_blocks"),
+    (CounterMetricFamily, "engine_steps", "Prefill stage steps run.", "num_steps"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens the prefill stage looked up.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens the prefill stage reused.",
+     "prefix_cache_hits"),
+)  # fmt: skip
+
+
+def _sleep_state(prefix: str, model_name: str, level: int) -> GaugeMetricFamily:
+    """vLLM's ``engine_sleep_state``: 1 on ``awake``, or on the label of the sleep level."""
+    family = GaugeMetricFamily(
+        prefix + "engine_sleep_state",
+        "Engine sleep state: awake = 1 while awake; weights_offloaded = 1 asleep at level 1; "
+        "discard_all = 1 asleep at level 2.",
+        labels=["model_name", "sleep_state"],
+    )
+    for k, state in enumerate(SLEEP_STATES):
+        family.add_metric([model_name, state], float(k == level))
+    return family
+
+
+def _prefill_stage(prefix: str, labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
+    """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's)."""
+    if stats is None:
+        return
+    for kind, name, help_text, field_name in _PREFILL_STAGE:
+        family = kind(prefix + "prefill_stage_" + name, help_text, labels=["model_name"])
+        family.add_metric(labels, float(getattr(stats, field_name)))
+        yield family
+
+
+def _step_rows(prefix: str, labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
+    """vLLM's ``iteration_tokens_total``: engine steps by their rows (a row is a token at one
+    loop: a step's work), from ``EngineStats.step_rows_counts``."""
+    help_text = "Rows (tokens at one loop) per engine step."
+    name = prefix + "iteration_tokens_total"
+    family = HistogramMetricFamily(name, help_text, labels=["model_name"])
+    counts = getattr(stats, "step_rows_counts", None) or (0,) * (len(STEP_ROW_BUCKETS) + 1)
+    cumulative, buckets = 0, []
+    for bound, count in zip([*map(floatToGoString, STEP_ROW_BUCKETS), "+Inf"], counts):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    family.add_metric(labels, buckets, sum_value=float(getattr(stats, "num_rows", 0) or 0))
+    return family
