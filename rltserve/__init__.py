@@ -9,17 +9,31 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from rltserve.llm import LLM
-    from rltserve.outputs import RequestOutput
-    from rltserve.sampling import SamplingParams
+    from rltserve.outputs import CompletionOutput, RequestOutput
+    from rltserve.prompt_inputs import TextPrompt, TokensPrompt
+    from rltserve.sampling import RequestOutputKind, SamplingParams
 
 _EXPORTS = {
     "LLM": "rltserve.llm",
+    "CompletionOutput": "rltserve.outputs",
     "RequestOutput": "rltserve.outputs",
+    "RequestOutputKind": "rltserve.sampling",
     "SamplingParams": "rltserve.sampling",
+    "TextPrompt": "rltserve.prompt_inputs",
+    "TokensPrompt": "rltserve.prompt_inputs",
 }
 
 

@@ -25,6 +25,7 @@ from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_controls import TrainerControls, seconds
+from rltserve.llm_refusals import Refusals
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, reported_stop_ids, request_output
 from rltserve.preflight import (
@@ -54,6 +55,7 @@ from rltserve.sampling import (
 )
 from rltserve.thinking import bound_thinking, chat_prompt, resolve_thinking
 from rltserve.vllm_args import (
+    CONTENT_FORMATS,
     check_inert,
     check_parallel,
     check_utilization,
@@ -63,7 +65,7 @@ from rltserve.vllm_args import (
 )
 
 
-class LLM(TrainerControls):
+class LLM(TrainerControls, Refusals):
     """Offline generation. The model runs in a stage worker process (``in_process=True`` runs it
     on a thread of this process instead). Close it with ``close()`` or use it as a context
     manager; works the same in a script, on stdin or in a notebook (no ``__main__`` guard)."""
@@ -343,6 +345,60 @@ class LLM(TrainerControls):
         tool calling, adapters or images); content parts are joined text whatever the content
         format, and no content (an assistant turn carrying ``tool_calls``) is "" (vLLM's). A
         template that raises on a conversation is a ValueError naming the conversation."""
+        prompts, thinking = self._render_chats(
+            messages,
+            lora_request,
+            chat_template,
+            chat_template_content_format,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+            mm_processor_kwargs,
+        )
+        return self._generate(normalize_prompts(prompts), sampling_params, use_tqdm, None, thinking)
+
+    def preprocess_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        lora_request: None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Any] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
+    ) -> list[dict[str, Any]]:
+        """vLLM's: each conversation rendered as ``chat`` renders it, as a prompt dict for
+        ``generate``: ``{"prompt": text, "prompt_token_ids": ids}`` (vLLM's ``TokensPrompt``
+        holds the ids; the text is the rendering they encode)."""
+        return self._render_chats(
+            messages,
+            lora_request,
+            chat_template,
+            chat_template_content_format,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
+            mm_processor_kwargs,
+        )[0]
+
+    def _render_chats(
+        self,
+        messages,
+        lora_request,
+        chat_template,
+        chat_template_content_format,
+        add_generation_prompt,
+        continue_final_message,
+        tools,
+        chat_template_kwargs,
+        mm_processor_kwargs,
+    ) -> tuple[list[dict[str, Any]], list[bool | None]]:
+        """``chat``'s prompts (``preprocess_chat``'s) and whether each leaves a thinking span
+        open (``ChatPrompt.thinking``)."""
         for name, value in (
             ("tools", tools or None),  # (an empty list asks for nothing)
             ("lora_request", lora_request),
@@ -350,7 +406,11 @@ class LLM(TrainerControls):
         ):
             if value is not None:
                 raise ValueError(f"{name}: not supported (must be None)")
-        del chat_template_content_format  # (text parts are joined in either format)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r}: must be one "
+                f"of {', '.join(CONTENT_FORMATS)} (text parts are joined in any of them)"
+            )
         if self.tokenizer is None:
             raise ValueError("messages: chat needs the checkpoint's tokenizer and chat template")
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
@@ -391,7 +451,7 @@ class LLM(TrainerControls):
             ids = tokenizer.encode(chat.text, add_special_tokens=False)  # (the template has them)
             prompts.append({"prompt": chat.text, "prompt_token_ids": ids})
             thinking.append(chat.thinking)
-        return self._generate(normalize_prompts(prompts), sampling_params, use_tqdm, None, thinking)
+        return prompts, thinking
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the
@@ -438,7 +498,7 @@ class LLM(TrainerControls):
                         tokenizer,
                         p.stop if tokenizer is not None else None,
                         p.logprobs is not None,
-                        reported_stop_ids(p, self.info.stop_reason_ids),
+                        reported_stop_ids(p, self.info.stop_reason_ids, self.info.eos_token_ids),
                         skip_special_tokens=p.skip_special_tokens,
                         include_stop_str_in_output=p.include_stop_str_in_output,
                         min_tokens=p.min_tokens,

@@ -146,11 +146,19 @@ class TextDelta:
     error: str | None = None
 
 
-def reported_stop_ids(params: SamplingParams, stop_reason_ids: tuple[int, ...]) -> tuple[int, ...]:
+def reported_stop_ids(
+    params: SamplingParams, stop_reason_ids: tuple[int, ...], eos_token_ids: tuple[int, ...] = ()
+) -> tuple[int, ...]:
     """The ids a stop on which an output reports as its ``stop_reason``: the request's
     ``stop_token_ids`` and, unless it ignores end ids, the generation config's beyond the
-    model's own (``EngineInfo.stop_reason_ids``), as vLLM adds those to ``stop_token_ids``."""
-    return (*params.stop_token_ids, *(() if params.ignore_eos else stop_reason_ids))
+    model's own (``EngineInfo.stop_reason_ids``), as vLLM adds those to ``stop_token_ids``.
+    Unless the request ignores end ids, the model's own (``eos_token_ids`` less those) are
+    not among them even when listed in ``stop_token_ids``: vLLM checks its EOS first, and a
+    stop there reports None."""
+    if params.ignore_eos:
+        return tuple(params.stop_token_ids)
+    own = set(eos_token_ids) - set(stop_reason_ids)
+    return (*(t for t in params.stop_token_ids if t not in own), *stop_reason_ids)
 
 
 class OutputAssembler:

@@ -6,10 +6,27 @@ made before anything is submitted."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from rltserve.http.chat_messages import joined_text_parts, template_role
 from rltserve.sampling import outside_vocab, plain_number
+
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt dict (``vllm.inputs.TextPrompt``)."""
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-id prompt dict (``vllm.inputs.TokensPrompt``); ``prompt``: its text, for
+    the output's ``prompt``."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

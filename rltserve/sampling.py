@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 INIT_STATES = ("random", "zero")
 # Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
@@ -24,6 +28,19 @@ EXIT_CRITERIA = {
 # KV policies a request may pick for itself (the per-depth ones: the same planes).
 REQUEST_KV_POLICIES = ("full", "last_exited")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
+# vLLM's temperature floor: logits divided by a smaller one overflow to inf (then NaN
+# probabilities), so a positive temperature below it is raised to it, with a warning.
+MIN_TEMPERATURE = 1e-2
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's streaming mode of a request's outputs (its values). The offline ``LLM`` returns
+    each request's final output whatever the kind (vLLM's sets ``FINAL_ONLY``); the HTTP API
+    streams by its own ``stream`` field."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -64,8 +81,11 @@ class SamplingParams:
 
     ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's) is added to the logits and
     ``allowed_token_ids`` (vLLM's) restricts sampling to the ids listed. Both shape what is
-    sampled, greedy or not, after penalties; ``logprobs`` describe the model's (penalized)
-    distribution without them (vLLM's default raw logprobs leave penalties out too).
+    sampled, greedy or not, before penalties (vLLM's order: a repetition penalty scales the
+    biased logit); default (raw) ``logprobs`` describe the model's distribution without any.
+
+    ``temperature``: 0 is greedy; a positive one below ``MIN_TEMPERATURE`` is raised to it
+    (vLLM's), as dividing by it would overflow the logits.
 
     ``prompt_logprobs=k`` (vLLM's) returns, for each prompt token after the first, its logprob
     and the top ``k`` as the model predicts it from the position before after ``max_loops``
@@ -129,10 +149,38 @@ class SamplingParams:
     best_of: int | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
-    # vLLM's streaming mode: accepted and not kept (the offline API returns final outputs).
-    output_kind: InitVar[object] = None
+    # vLLM's streaming mode (``RequestOutputKind``; its int value is taken too). Kept, and
+    # without effect: the offline API returns final outputs, HTTP streams by ``stream``.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's logprobs layout: False only (outputs hold vLLM's list of dicts).
+    flat_logprobs: bool = False
 
-    def __post_init__(self, output_kind: object = None) -> None:
+    @classmethod
+    def from_optional(cls, **kwargs: object) -> SamplingParams:
+        """vLLM's: the params with None for ``n``, the penalties, ``temperature`` and ``top_p``
+        meaning their defaults, and each ``logit_bias`` entry clamped to [-100, 100] (its
+        keys may be strings of digits), as vLLM's OpenAI server builds them."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        for name in (
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+        ):
+            if name in kwargs and kwargs[name] is None:
+                kwargs[name] = defaults[name]
+        bias = kwargs.get("logit_bias")
+        if bias is not None:
+            try:
+                bias = {int(k): min(100.0, max(-100.0, v)) for k, v in dict(bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias={bias!r}: must map token ids to biases") from None
+            kwargs["logit_bias"] = bias
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
         # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
         # rltserve's as tuples; copies either way (the caller's list may change). A bare string
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
@@ -159,6 +207,18 @@ class SamplingParams:
             self.thinking_interruption, str
         ):
             self._to_tuple("thinking_interruption")
+        kinds = {k.value: k for k in RequestOutputKind}
+        if type(self.output_kind) is int and self.output_kind in kinds:  # (another: refused)
+            self.output_kind = kinds[self.output_kind]
+        if _is_number(self.temperature) and 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s, which would overflow the logits: raised to %s "
+                "(as vLLM does; 0 is greedy)",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
         if isinstance(self.exit_criterion, str) and self.exit_threshold == 1.0:
             self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0)
         self._validate()
@@ -281,6 +341,10 @@ class SamplingParams:
                 "logits_processors",
                 "not supported (None or empty; logit_bias and allowed_token_ids shape sampling)",
             )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind (0, 1 or 2)")
+        if self.flat_logprobs is not False:
+            raise bad("flat_logprobs", "not supported (False: logprobs are lists of dicts)")
         # Sample j draws with seed + j, and torch's generators take 64-bit seeds.
         if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
             raise bad(
@@ -463,9 +527,13 @@ def _check_int(obj: object, name: str) -> None:
         raise ValueError(f"{name}={value!r}: must be an int")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
 def _check_number(obj: object, name: str) -> None:
     value = getattr(obj, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+    if not _is_number(value):
         raise ValueError(f"{name}={value!r}: must be a number")
 
 

@@ -30,7 +30,10 @@
   Among them verl's ``compilation_config`` (any value: it tunes vLLM's compilation and CUDA
   graph capture, and rltserve captures its own graphs, ``cuda_graphs``), vLLM's performance
   switches (``disable_cascade_attn``, ``num_scheduler_steps``, ``disable_async_output_proc``)
-  and ``hf_overrides`` (empty only: the checkpoint's config is loaded as it is).
+  and ``hf_overrides`` (empty only: the checkpoint's config is loaded as it is); vLLM's
+  engine arguments at their defaults or other harmless values (``runner="generate"``,
+  ``served_model_name``, ``hf_token``, ``disable_log_requests``, ``logits_processors=None``,
+  ``kv_transfer_config=None``, ...).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from rltserve.sampling import GENERATION_CONFIG_KEYS, SamplingParams
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig
 
+# vLLM's chat_template_content_format values (LLM.chat, preprocess_chat).
+CONTENT_FORMATS = ("auto", "string", "openai")
 # What the weights and the KV pool leave of the device for activations and the allocator.
 ACTIVATION_RESERVE_BYTES = 2**30
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,6 +71,14 @@ def _is_int(value: object) -> bool:
 
 def _anything(value: object) -> bool:
     return True
+
+
+def _is_str_or_none(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
 
 
 # name -> (the values that ask for nothing rltserve lacks, why another value cannot be had).
@@ -107,6 +120,32 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     "hf_overrides": (
         lambda v: v is None or (isinstance(v, Mapping) and not v),
         "rltserve loads the checkpoint's config as it is",
+    ),
+    "runner": (_one_of("auto", "generate"), "rltserve generates (no pooling models)"),
+    "tokenizer_revision": (
+        _one_of(None),
+        "the tokenizer loads at the model's revision, or from the folder tokenizer= names",
+    ),
+    "code_revision": (_is_str_or_none, ""),  # (the checkpoint's code never runs here)
+    "served_model_name": (
+        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
+        "a name or a list of names",
+    ),  # (a server's; offline nothing reads it)
+    "disable_sliding_window": (_any_bool, ""),  # (the model families attend to all)
+    "disable_log_requests": (_any_bool, ""),
+    "enable_prompt_embeds": (_one_of(False), "prompts are token ids or text, not embeddings"),
+    "kv_transfer_config": (
+        _one_of(None),
+        "no KV connectors (prefill/decode disaggregation: disaggregate=True)",
+    ),
+    "structured_outputs_config": (_one_of(None), "constrained decoding is not supported"),
+    # (any backend: every request asking for constrained decoding is refused anyway)
+    "guided_decoding_backend": (_is_str_or_none, "a backend name"),
+    "hf_token": (lambda v: v is None or isinstance(v, (bool, str)), ""),  # (nothing downloads)
+    "max_num_partial_prefills": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "logits_processors": (
+        lambda v: v is None or (isinstance(v, (list, tuple)) and not v),
+        "no custom logits processors (logit_bias and allowed_token_ids shape sampling)",
     ),
 }
 

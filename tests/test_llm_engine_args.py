@@ -230,3 +230,38 @@ def test_more_vllm_engine_arguments(tiny):
     for name, value in [("pipeline_parallel_size", 2), ("cpu_offload_gb", 4), ("task", "embed")]:
         with pytest.raises(ValueError, match=f"{name}={value!r}: not supported"):
             LLM(str(tiny), **{name: value}, **kw)
+
+
+def test_vllms_engine_arguments_at_harmless_values_are_accepted():
+    """vLLM's LLM(...) arguments at their defaults (or values asking for nothing rltserve
+    lacks) pass; a value asking for more is a ValueError saying why."""
+    from rltserve.vllm_args import check_inert
+
+    check_inert(
+        {
+            "runner": "generate",
+            "tokenizer_revision": None,
+            "code_revision": None,
+            "served_model_name": ["ouro"],
+            "disable_sliding_window": False,
+            "disable_log_requests": True,
+            "enable_prompt_embeds": False,
+            "kv_transfer_config": None,
+            "structured_outputs_config": None,
+            "guided_decoding_backend": "auto",
+            "hf_token": None,
+            "max_num_partial_prefills": 1,
+            "logits_processors": None,
+        }
+    )
+    for name, value, why in [
+        ("runner", "pooling", "rltserve generates"),
+        ("tokenizer_revision", "v2", "the tokenizer loads at the model's revision"),
+        ("enable_prompt_embeds", True, "not embeddings"),
+        ("kv_transfer_config", {"kv_connector": "x"}, "disaggregate=True"),
+        ("structured_outputs_config", {"backend": "xgrammar"}, "constrained decoding"),
+        ("max_num_partial_prefills", 0, "an int >= 1"),
+        ("logits_processors", [print], "no custom logits processors"),
+    ]:
+        with pytest.raises(ValueError, match=f"{name}=.*: not supported \\(.*{why}"):
+            check_inert({name: value})

@@ -462,3 +462,79 @@ def test_cache_salt_of_a_prompt_dict_separates_prefix_cache_tenants(llm):
             llm.generate([{"prompt_token_ids": ids, "cache_salt": bad}], p)
     with pytest.raises(ValueError, match="cache_salt=''"):
         SamplingParams(cache_salt="")
+
+
+def test_a_stop_on_the_models_end_id_reports_no_stop_reason(llm):
+    """vLLM checks EOS before stop_token_ids: an end id listed in stop_token_ids reports
+    stop_reason None, unless ignore_eos (then it stops as a stop token and reports its id)."""
+    eos = llm.info.eos_token_ids[0]
+    base = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={eos: 100.0})
+    for params, reason in [
+        (base.replace(stop_token_ids=[eos]), None),
+        (base.replace(stop_token_ids=[eos], ignore_eos=True), eos),
+    ]:
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", reason)
+
+
+def test_preprocess_chat_gives_the_prompts_chat_generates(llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    prompts = llm.preprocess_chat(messages)
+    text = llm.tokenizer.apply_chat_template(messages, True, tokenize=False)
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert prompts == [{"prompt": text, "prompt_token_ids": ids}]
+    assert [p["prompt_token_ids"] for p in llm.preprocess_chat([messages, messages])] == [ids] * 2
+    chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert llm.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == (
+        chat.outputs[0].token_ids
+    )
+    for fmt in ("auto", "string", "openai"):
+        assert llm.preprocess_chat(messages, chat_template_content_format=fmt) == prompts
+    with pytest.raises(ValueError, match="chat_template_content_format='bogus': must be one"):
+        llm.chat(messages, GREEDY, chat_template_content_format="bogus")
+
+
+def test_vllms_other_llm_methods_say_what_to_use_instead(llm):
+    for name, message in [
+        ("encode", "encode: not supported: rltserve runs generative models"),
+        ("embed", "embed: not supported: .*prompt_logprobs"),
+        ("score", "score: not supported"),
+        ("classify", "classify: not supported"),
+        ("reward", "reward: not supported"),
+        ("beam_search", "beam_search: not supported: .*cumulative_logprob"),
+        ("start_profile", "start_profile: not supported: .*in_process=True"),
+        ("stop_profile", "stop_profile: not supported"),
+        ("set_tokenizer", r"set_tokenizer: not supported: .*LLM\(model, tokenizer=folder\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            getattr(llm, name)(["x"])
+
+
+def test_get_metrics_are_vllms_gauges_and_counters(llm):
+    from rltserve.core.engine_info import EngineStats
+    from rltserve.llm_refusals import Counter, Gauge, engine_metrics
+
+    stats = EngineStats(2, 1, 0.25, 9, 0, 0, 0.0, num_preemptions=3, prefix_cache_queries=40)
+    labels = {"model_name": "m", "engine": "0"}
+    assert engine_metrics(stats, "m") == [
+        Gauge("vllm:num_requests_running", labels, 2.0),
+        Gauge("vllm:num_requests_waiting", labels, 1.0),
+        Gauge("vllm:kv_cache_usage_perc", labels, 0.25),
+        Counter("vllm:num_preemptions", labels, 3),
+        Counter("vllm:prefix_cache_queries", labels, 40),
+        Counter("vllm:prefix_cache_hits", labels, 0),
+    ]
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    names = [m.name for m in llm.get_metrics()]
+    assert names[:3] == ["vllm:num_requests_running", "vllm:num_requests_waiting",
+                         "vllm:kv_cache_usage_perc"]  # fmt: skip
+
+
+def test_vllms_public_names_are_exported():
+    import rltserve
+    from rltserve.sampling import RequestOutputKind
+
+    assert rltserve.CompletionOutput is CompletionOutput
+    assert rltserve.RequestOutputKind is RequestOutputKind
+    assert rltserve.TokensPrompt(prompt_token_ids=[1, 2]) == {"prompt_token_ids": [1, 2]}
+    assert rltserve.TextPrompt(prompt="x") == {"prompt": "x"}

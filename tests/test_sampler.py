@@ -457,3 +457,39 @@ def test_half_precision_logits_give_float32_logprobs():
         assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-6)
         for t, lp in out.top_logprobs[i]:
             assert lp == pytest.approx(ref[i, t].item(), abs=1e-6)
+
+
+def test_logit_bias_is_added_before_the_repetition_penalty():
+    """vLLM V1's order: a biased logit is penalized as a whole, (l + b) / r, not l / r + b."""
+    logits = torch.tensor([[1.9, 1.0, 0.0, -5.0]])
+    bias = torch.tensor([0.0, 1.5, 0.0, 0.0])  # token 1: (1 + 1.5) / 2 = 1.25 < 1.9
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=4)
+    row = SampleRow(p, None, ([1], []), bias=bias)  # token 1 is in the prompt
+    out = Sampler("processed_logprobs").sample(logits, [row])
+    assert out.token_ids == [0]  # (l / r + b = 2.0 would have picked 1)
+    expected = torch.log_softmax(torch.tensor([1.9, 1.25, 0.0, -5.0]), -1)
+    assert dict(out.top_logprobs[0]) == {t: expected[t].item() for t in range(4)}
+    assert out.finite == [True]
+
+
+def test_min_p_filters_before_top_p():
+    """vLLM's order: temperature, min_p, then top-k/top-p, so top_p's mass is counted after
+    min_p's renormalisation: [0.5, 0.3, 0.15, 0.05] with min_p=0.2 (drops 0.05) leaves
+    [0.526, 0.316, 0.158], and top_p=0.82 then drops the third (0.842 ranked above it)."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    p = SamplingParams(temperature=1.0, min_p=0.2, top_p=0.82, logprobs=4)
+    out = Sampler("processed_logprobs").sample(logits, [SampleRow(p, seeded(0))])
+    got = dict(out.top_logprobs[0])
+    assert {t for t, lp in got.items() if lp > -math.inf} == {0, 1}
+    assert got[0] == pytest.approx(math.log(0.625), abs=1e-6)
+    assert got[1] == pytest.approx(math.log(0.375), abs=1e-6)
+
+
+def test_a_tiny_temperature_samples_without_overflow():
+    """temperature=1e-38 (raised to vLLM's 1e-2 floor) draws from finite probabilities: the
+    argmax here, where before the logits overflowed to inf and NaN picked token 0."""
+    logits = rand_logits(3, seed=8)
+    rows = [SampleRow(SamplingParams(temperature=1e-38, logprobs=0), seeded(i)) for i in range(3)]
+    out = Sampler("processed_logprobs").sample(logits, rows)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert all(math.isfinite(lp) for lp in out.logprobs) and out.finite == [True] * 3

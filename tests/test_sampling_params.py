@@ -277,12 +277,17 @@ def test_truncation_keeps_up_to_the_context_and_vocab_bounds_are_exclusive():
 
 def test_vllms_best_of_bad_words_logits_processors_and_output_kind():
     """vLLM's fields that scripts pass: accepted where they ask for nothing rltserve lacks
-    (``best_of`` equal to ``n``, empty lists, any ``output_kind``, which is not kept), else a
+    (``best_of`` equal to ``n``, empty lists, any ``output_kind``, kept as vLLM's enum), else a
     ValueError naming the field and what to use instead."""
-    from rltserve.sampling import expand_samples
+    from rltserve.sampling import RequestOutputKind, expand_samples
 
     p = SamplingParams(best_of=1, bad_words=[], logits_processors=[], output_kind=2)
-    assert (p.best_of, p.bad_words, p.logits_processors, p.output_kind) == (1, [], [], None)
+    want = (1, [], [], RequestOutputKind.FINAL_ONLY)
+    assert (p.best_of, p.bad_words, p.logits_processors, p.output_kind) == want
+    assert p.clone().output_kind is RequestOutputKind.FINAL_ONLY
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE  # (vLLM's default)
+    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind.value == 1
+    assert SamplingParams(flat_logprobs=False) == SamplingParams()
     assert SamplingParams(bad_words=None, logits_processors=None) == SamplingParams()
     four = SamplingParams(n=4, best_of=4, seed=1)
     assert [s.best_of for s in expand_samples(four)] == [None] * 4
@@ -291,6 +296,33 @@ def test_vllms_best_of_bad_words_logits_processors_and_output_kind():
         ({"best_of": True}, "best_of=True: must be an int"),
         ({"bad_words": ["x"]}, r"bad_words=\['x'\]: not supported .*logit_bias"),
         ({"logits_processors": [print]}, "logits_processors=.*: not supported .*logit_bias"),
+        ({"output_kind": 3}, r"output_kind=3: must be a RequestOutputKind \(0, 1 or 2\)"),
+        ({"output_kind": "delta"}, "output_kind='delta': must be a RequestOutputKind"),
+        ({"flat_logprobs": True}, r"flat_logprobs=True: not supported \(False"),
     ]:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kw)
+
+
+def test_a_temperature_below_vllms_floor_is_raised_to_it(caplog):
+    """vLLM raises a positive temperature below 1e-2 to 1e-2 (dividing by less overflows the
+    logits to inf: NaN probabilities, token 0); 0 stays greedy."""
+    with caplog.at_level("WARNING", logger="rltserve.sampling"):
+        tiny = SamplingParams(temperature=1e-38)
+    assert (tiny.temperature, tiny.greedy) == (0.01, False)
+    assert "temperature 1e-38 is below 0.01" in caplog.text
+    assert SamplingParams(temperature=0.004).temperature == 0.01
+    assert SamplingParams(temperature=0.01).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy
+
+
+def test_from_optional_is_vllms():
+    """vLLM's classmethod: None means the default for n, penalties, temperature and top_p, and
+    logit_bias keys become ints and biases are clamped to [-100, 100]."""
+    p = SamplingParams.from_optional(
+        n=None, temperature=None, top_p=None, repetition_penalty=None, max_tokens=3,
+        logit_bias={"5": 250, 7: -101.5, 9: 2.5},
+    )  # fmt: skip
+    assert p == SamplingParams(max_tokens=3, logit_bias={5: 100.0, 7: -100.0, 9: 2.5})
+    with pytest.raises(ValueError, match="logit_bias=.*: must map token ids to biases"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})

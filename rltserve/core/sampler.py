@@ -1,8 +1,10 @@
 """Batched token sampling with per-request seeded generators.
 
-Order of operations per row: penalties (repetition over prompt + output tokens, vLLM style;
-presence/frequency over output tokens, OpenAI style) -> logit bias and allowed ids -> min_tokens
-bans -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> exponential-race sampling.
+Order of operations per row (vLLM V1's): allowed ids -> min_tokens bans -> logit bias ->
+penalties (repetition over prompt + output tokens, vLLM style; presence/frequency over output
+tokens, OpenAI style) -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
+exponential-race sampling. So a bias is scaled by the repetition penalty as the logit is
+(``(l + b) / r``), and top-p's mass is that of what min-p and top-k leave.
 Filters run vectorized over the rows that sample, with per-row parameters as tensors, and are
 skipped when no row uses them.
 
@@ -138,7 +140,7 @@ class DeviceSample:
     delivered (``StepOutputs``)."""
 
     token_ids: torch.Tensor  # [R] int64
-    finite: torch.Tensor  # [R] bool: the row's (penalized) logits were all finite
+    finite: torch.Tensor  # [R] bool: the row's logits (the model's) were all finite
     logprob_rows: list[int]  # rows that asked for logprobs, in order
     num_top: list[int]  # per such row: how many top logprobs it asked for
     chosen: torch.Tensor | None = None  # [W] fp32: logprob of each such row's token
@@ -203,18 +205,11 @@ class Sampler:
             return DeviceSample(*_greedy(logits), [], [])
         device = logits.device
         raw = logits
-        penalized = [
-            i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
-        ]
-        if penalized:
-            logits = logits.clone()
-            idx = to_device(penalized, device)
-            logits[idx] = _apply_penalties(logits[idx], [rows[i] for i in penalized])
-
-        # One reduction per step over the sampled rows only; read with the tokens, no sync.
-        tokens, finite = _greedy(logits)  # [R]; the result of greedy rows
-        # What tokens are drawn from: with bias and min_tokens bans (filters: logprobs and the
-        # finite check read the logits before them).
+        # One reduction per step over the model's logits; read with the tokens, no sync. The
+        # tokens are the result of greedy rows nothing below changes.
+        tokens, finite = _greedy(raw)  # [R]
+        # What tokens are drawn from, in vLLM's order: allowed ids and bias (one [V] row each),
+        # min_tokens bans, then penalties (which scale a biased logit as they scale any other).
         biased = [i for i, r in enumerate(rows) if r.bias is not None]
         choice = logits
         if biased:
@@ -222,7 +217,15 @@ class Sampler:
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
         if banned:
             choice = _ban(choice, [rows[i].banned for i in banned], banned)
-        greedy_filtered = [i for i in sorted({*banned, *biased}) if rows[i].params.greedy]
+        penalized = [
+            i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
+        ]
+        if penalized:
+            choice = choice.clone() if choice is raw else choice
+            idx = to_device(penalized, device)
+            choice[idx] = _apply_penalties(choice[idx], [rows[i] for i in penalized])
+        changed = sorted({*banned, *biased, *penalized})
+        greedy_filtered = [i for i in changed if rows[i].params.greedy]
         if greedy_filtered:
             idx = to_device(greedy_filtered, device)
             tokens[idx] = choice[idx].argmax(dim=-1)  # (the first maximal id, as _greedy's)
@@ -290,12 +293,18 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """[S, V] penalized logits of non-greedy rows -> [S] sampled token ids, and the [S, V]
-    logits they were drawn from (after temperature, top_k, top_p and min_p)."""
+    logits they were drawn from (after temperature, min_p, top_k and top_p)."""
     s, vocab = logits.shape
     device = logits.device
     params = [r.params for r in rows]
     temp = to_device([p.temperature for p in params], device)[:, None]
     logits = logits / temp
+
+    # min-p before top-k and top-p (vLLM's: it is argmax-invariant, they renormalise after it).
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = to_device([p.min_p for p in params], device)[:, None]
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     use_k = any(k < vocab for k in top_k)
@@ -316,10 +325,6 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Ten
             drop[:, 0] = False  # the most likely token always survives
         drop = torch.empty_like(drop).scatter_(1, order, drop)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
-    if any(p.min_p > 0.0 for p in params):
-        probs = logits.softmax(dim=-1)
-        min_p = to_device([p.min_p for p in params], device)[:, None]
-        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
 
     probs = logits.softmax(dim=-1)  # [S, V]
     noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)

@@ -80,7 +80,9 @@ class Generation:
                     frontend.tokenizer,
                     c.params.stop,
                     c.params.logprobs is not None,
-                    reported_stop_ids(c.params, frontend.info.stop_reason_ids),
+                    reported_stop_ids(
+                        c.params, frontend.info.stop_reason_ids, frontend.info.eos_token_ids
+                    ),
                     skip_special_tokens=c.params.skip_special_tokens,
                     include_stop_str_in_output=c.params.include_stop_str_in_output,
                     min_tokens=c.params.min_tokens,
