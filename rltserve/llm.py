@@ -23,6 +23,7 @@ from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
+from rltserve.generation_config import generation_config_defaults
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_controls import TrainerControls, seconds
 from rltserve.llm_refusals import Refusals
@@ -45,14 +46,8 @@ from rltserve.prompt_inputs import (
     template_message,
     token_id_prompts,
 )
-from rltserve.sampling import (
-    SamplingParams,
-    expand_samples,
-    generation_config_defaults,
-    outside_vocab,
-    plain_number,
-    truncated_prompt,
-)
+from rltserve.prompt_truncation import truncated_prompt
+from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, plain_number
 from rltserve.thinking import bound_thinking, chat_prompt, resolve_thinking
 from rltserve.vllm_args import (
     CONTENT_FORMATS,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+
+from rltserve.prompt_truncation import truncation_error
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     # vLLM's left truncation: only the prompt's last k tokens are run (-1: as many as the
-    # engine takes, ``max_model_len - 1``); ``truncated_prompt``.
+    # engine takes, ``max_model_len - 1``); ``prompt_truncation.truncated_prompt``.
     truncate_prompt_tokens: int | None = None
     # vLLM's ``cache_salt`` (a prompt dict's key there, and an HTTP field): prompts with
     # different salts never share prefix-cache blocks (tenants cannot probe each other's).
@@ -434,36 +434,6 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-# generation_config.json keys vLLM reads as sampling defaults (``max_new_tokens``: max_tokens).
-GENERATION_CONFIG_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-
-
-def generation_config_defaults(folder: str | Path | None) -> dict[str, object]:
-    """The sampling defaults a checkpoint's ``generation_config.json`` in ``folder`` sets, as
-    ``SamplingParams`` keywords (vLLM's ``get_diff_sampling_param``): the keys it names of
-    ``GENERATION_CONFIG_KEYS`` and ``max_new_tokens`` as ``max_tokens``; {} without the file
-    (or ``folder`` None). A file that is not a JSON object, or a value ``SamplingParams``
-    refuses, is a ValueError naming the file."""
-    path = None if folder is None else Path(folder) / "generation_config.json"
-    if path is None or not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
-    found = {k: raw[k] for k in (*GENERATION_CONFIG_KEYS, "max_new_tokens") if k in raw}
-    found = {k: v for k, v in found.items() if v is not None}
-    if "max_new_tokens" in found:
-        found["max_tokens"] = found.pop("max_new_tokens")
-    try:
-        SamplingParams(**found)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    return found
-
-
 def plain_number(value: object) -> object:
     """A NumPy integer (token ids from an array, as RL code has them) as the int it holds, a
     NumPy float as a float; anything else as it is, for the field's check to judge."""
@@ -474,34 +444,6 @@ def plain_number(value: object) -> object:
     if isinstance(value, numbers.Real):
         return float(value)
     return value
-
-
-def truncation_error(keep: int) -> str | None:
-    """Why ``truncate_prompt_tokens=keep`` (an int) is refused, or None (the HTTP schema
-    checks it before the prompt is encoded, ``SamplingParams`` on construction)."""
-    if keep == 0 or keep < -1:
-        return (
-            f"truncate_prompt_tokens={keep}: must be >= 1 (keep the prompt's last k tokens) "
-            "or -1 (as many as fit)"
-        )
-    return None
-
-
-def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """``ids`` as ``truncate_prompt_tokens=keep`` runs them (vLLM's left truncation): the last
-    ``keep`` tokens; -1 keeps ``max_model_len - 1``, the longest prompt that leaves room for a
-    token (vLLM's -1 keeps ``max_model_len``, a prompt this engine refuses). A ``keep`` above
-    ``max_model_len`` is a ValueError, as in vLLM."""
-    if keep is None:
-        return ids
-    if keep == -1:
-        keep = max_model_len - 1
-    elif keep > max_model_len:
-        raise ValueError(
-            f"truncate_prompt_tokens={keep}: greater than the maximum context length "
-            f"({max_model_len} tokens); choose a smaller truncation size"
-        )
-    return ids[-keep:] if len(ids) > keep else ids
 
 
 def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:

@@ -42,8 +42,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rltserve.generation_config import GENERATION_CONFIG_KEYS
 from rltserve.preflight import resolve_dtype
-from rltserve.sampling import GENERATION_CONFIG_KEYS, SamplingParams
+from rltserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig

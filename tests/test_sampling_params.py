@@ -10,12 +10,9 @@ import pytest
 from builders import build_nanbeige_tiny
 from engine_util import make_core, run_core
 
-from rltserve.sampling import (
-    SamplingParams,
-    generation_config_defaults,
-    outside_vocab,
-    truncated_prompt,
-)
+from rltserve.generation_config import generation_config_defaults
+from rltserve.prompt_truncation import truncated_prompt
+from rltserve.sampling import SamplingParams, outside_vocab
 
 
 def test_min_tokens_above_max_tokens_is_rejected():

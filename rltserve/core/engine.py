@@ -33,7 +33,8 @@ from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
-from rltserve.sampling import SamplingParams, truncated_prompt
+from rltserve.prompt_truncation import truncated_prompt
+from rltserve.sampling import SamplingParams
 from rltserve.updates import ASLEEP, RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)

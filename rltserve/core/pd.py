@@ -40,7 +40,8 @@ from rltserve.core import transfer_dir
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
-from rltserve.sampling import SamplingParams, truncated_prompt
+from rltserve.prompt_truncation import truncated_prompt
+from rltserve.sampling import SamplingParams
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from rltserve.http.generation import Generation
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
-from rltserve.sampling import SamplingParams, outside_vocab, truncated_prompt
+from rltserve.prompt_truncation import truncated_prompt
+from rltserve.sampling import SamplingParams, outside_vocab
 from rltserve.thinking import (
     THINK_END,
     THINK_START,

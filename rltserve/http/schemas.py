@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltserve.generation_config import GENERATION_CONFIG_KEYS
 from rltserve.http.chat_messages import (
     ChatMessage,
     check_generation_prompt,
@@ -27,12 +28,8 @@ from rltserve.http.chat_messages import (
 )
 from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
-from rltserve.sampling import (
-    GENERATION_CONFIG_KEYS,
-    MAX_LOGPROBS,
-    SamplingParams,
-    truncation_error,
-)
+from rltserve.prompt_truncation import truncation_error
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).

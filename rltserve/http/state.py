@@ -23,6 +23,7 @@ from aiohttp import web
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.stage import StageError
+from rltserve.generation_config import generation_config_defaults
 from rltserve.http.admission import AdmissionGate
 from rltserve.http.config import ServerConfig
 from rltserve.http.encoding import max_token_chars
@@ -35,7 +36,6 @@ from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 from rltserve.preflight import snapshot_repo_id
-from rltserve.sampling import generation_config_defaults
 from rltserve.vllm_args import generation_config_folder
 
 _MAX_WARNED_FIELDS = 64  # distinct unknown field names warned about, per app
