@@ -63,13 +63,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--exit-threshold",
         type=float,
         default=1.0,
-        help="adaptive exit below 1: Ouro's gate CDF level, or Huginn's criterion threshold",
+        help="adaptive exit below 1: Ouro's gate CDF level, or the zero-shot criterion's "
+        "threshold (Huginn, Nanbeige)",
     )
     g.add_argument(
         "--exit-criterion",
         choices=sorted(EXIT_CRITERIA),
         default=None,
-        help="Huginn: the zero-shot exit criterion, adaptive at any --exit-threshold (kl when "
+        help="models without a gate (Huginn, Nanbeige): the zero-shot exit criterion, adaptive at "
+        "any --exit-threshold (kl when "
         "--exit-threshold < 1 alone)",
     )
     g.add_argument("--min-loops", type=int, default=1, help="loops per token at least (default 1)")
@@ -77,14 +79,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         "--max-loops",
         type=int,
         default=None,
-        help="loops per token at most (Huginn: its depth; default: the model's)",
+        help="loops per token at most (Huginn, Nanbeige: their depth; default: the model's)",
     )
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end tokens")
     g.add_argument(
         "--init-state",
         choices=INIT_STATES,
-        default="random",
-        help="Huginn: the recurrent state's start (random per seed, or zeros)",
+        default=None,
+        help="Huginn: the recurrent state's start (random per seed, the default, or zeros)",
     )
 
 
@@ -245,13 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-criterion",
         choices=sorted(EXIT_CRITERIA),
         default=None,
-        help="models without a gate (Huginn): the zero-shot exit criterion",
+        help="models without a gate (Huginn, Nanbeige): the zero-shot exit criterion",
     )
     off.add_argument(
         "--max-loops",
         type=int,
         default=None,
-        help="loops per token at most (Huginn: its depth; default: the model's)",
+        help="loops per token at most (Huginn, Nanbeige: their depth; default: the model's)",
     )
     off.add_argument(
         "--compare",
@@ -366,6 +368,9 @@ def exit_code(exc: BaseException) -> int | None:
     # can only exist once its module is loaded.
     loader = sys.modules.get("rltserve.models.loader")
     if loader is not None and isinstance(exc, loader.CheckpointError):
+        return 1
+    stage = sys.modules.get("rltserve.core.stage")  # (its StageCheckpointError: the same case)
+    if stage is not None and isinstance(exc, stage.StageCheckpointError):
         return 1
     if isinstance(exc, ValueError):
         return 2

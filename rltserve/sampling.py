@@ -14,8 +14,8 @@ from rltserve.prompt_truncation import truncation_error
 logger = logging.getLogger(__name__)
 
 INIT_STATES = ("random", "zero")
-# Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5), with the
-# threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
+# Zero-shot exit criteria of models without an exit gate (Huginn, Nanbeige; MODELS.md §2.5), with
+# the threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
 # ``argmax-stability``'s threshold counts loops; ``none`` never exits early (a fixed depth).
 EXIT_CRITERIA = {
     "kl": 5e-4,
@@ -52,16 +52,16 @@ class SamplingParams:
 
     Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
-    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. Models without a gate
-    (Huginn) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl"
-    when unset and ``exit_threshold < 1``): a token exits at the first depth ``t >= min_loops``
-    where the criterion's value after loop t is below ``exit_threshold`` (with a criterion
-    named, any positive threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``),
-    or, for ``argmax-stability``, where the argmax of the next-token logits has stayed the same
-    for ``exit_threshold`` loops in a row (a whole number); ``none`` runs ``max_loops``;
-    the first output token, the prompt's, always runs ``max_loops``. ``trace_depths`` (benchmarks
-    and tests; only with an engine in ``exit_mode='trace'``) replays given exit depths, one per
-    output token, each within ``[min_loops, max_loops]``.
+    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. Models without a gate (Huginn,
+    Nanbeige) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl" when
+    unset and ``exit_threshold < 1``): a token exits at the first depth ``t >= min_loops`` where the
+    criterion's value after loop t is below ``exit_threshold`` (with a criterion named, any positive
+    threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``), or, for
+    ``argmax-stability``, where the argmax of the next-token logits has stayed the same for
+    ``exit_threshold`` loops in a row (a whole number); ``none`` runs ``max_loops``; the first
+    output token, the prompt's, always runs ``max_loops``. ``trace_depths`` (benchmarks and tests;
+    only with an engine in ``exit_mode='trace'``) replays given exit depths, one per output token,
+    each within ``[min_loops, max_loops]``.
 
     vLLM's names mean what they mean there: ``max_tokens`` (None: all the context the prompt
     leaves), ``n`` samples per prompt (sample j seeded with
@@ -115,7 +115,9 @@ class SamplingParams:
     kv_policy: str | None = None
     priority: int = 0
     logprobs: int | None = None
-    init_state: str = "random"
+    # Huginn's recurrent state's start: "random" (noise from the seed) or "zero"; None: the
+    # model's ("random" on Huginn). Models without one (Ouro, Nanbeige) refuse a value.
+    init_state: str | None = None
     # Token pipelining (self-speculative decode) when the engine has it on: None uses it where
     # the request allows (greedy, fixed full depth), True requires it, False opts out.
     speculative: bool | None = None
@@ -310,8 +312,8 @@ class SamplingParams:
             raise bad("extra_args", "must be a dict or None")
         if self.speculative is not None and not isinstance(self.speculative, bool):
             raise bad("speculative", "must be true, false or null")
-        if self.init_state not in INIT_STATES:
-            raise bad("init_state", f"must be one of {INIT_STATES}")
+        if self.init_state is not None and self.init_state not in INIT_STATES:
+            raise bad("init_state", f"must be one of {INIT_STATES} (or None)")
         if self.trace_depths is not None:
             # A replayed depth obeys the same loop bounds as a gate's exit would.
             top = self.max_loops

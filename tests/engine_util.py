@@ -27,6 +27,7 @@ class Run:
     logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     top_logprobs: dict[str, list] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # (as the update has them)
+    cached: dict[str, int] = field(default_factory=dict)  # num_cached_tokens, once reported
     steps: int = 0
     max_rows: int = 0
 
@@ -168,6 +169,8 @@ def run_core(
             run.depths[u.request_id].extend(u.new_exit_depths)
             run.logprobs[u.request_id].extend(u.new_logprobs)
             run.top_logprobs[u.request_id].extend(u.new_top_logprobs)
+            if u.num_cached_tokens is not None:
+                run.cached[u.request_id] = u.num_cached_tokens
             if u.prompt_logprobs is not None:
                 assert u.request_id not in run.prompt_logprobs, "prompt logprobs sent twice"
                 run.prompt_logprobs[u.request_id] = u.prompt_logprobs
@@ -224,7 +227,7 @@ def oracle_run(ref: Reference, prompt: list[int], p: SamplingParams, **kw):
         exit_threshold=p.exit_threshold,
         exit_criterion=p.exit_criterion,
         trace_depths=list(p.trace_depths) if p.trace_depths else None,
-        init_state=p.init_state,
+        init_state=p.init_state or "random",  # (None: the model's, Huginn's random)
         seed=p.seed,
         stop_token_ids=tuple(p.stop_token_ids),
         eos_token_ids=() if p.ignore_eos else ref.eos_token_ids,

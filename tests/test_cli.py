@@ -116,6 +116,22 @@ def _flags(parser: argparse.ArgumentParser, name: str = "rltserve"):
             yield name, action
 
 
+def test_help_names_both_models_without_a_gate_where_the_zero_shot_criteria_apply():
+    helps = {(command, a.dest): a.help for command, a in _flags(build_parser())}
+    criterion = "models without a gate (Huginn, Nanbeige): the zero-shot exit criterion"
+    depth = "loops per token at most (Huginn, Nanbeige: their depth; default: the model's)"
+    assert helps["rltserve bench offline", "exit_criterion"] == criterion
+    assert helps["rltserve generate", "exit_criterion"].startswith(criterion + ", adaptive at")
+    for command in ("rltserve bench offline", "rltserve generate"):
+        assert helps[command, "max_loops"] == depth
+    assert helps["rltserve generate", "exit_threshold"] == (
+        "adaptive exit below 1: Ouro's gate CDF level, or the zero-shot criterion's threshold "
+        "(Huginn, Nanbeige)"
+    )
+    said = [key for key, text in helps.items() if "zero-shot" in (text or "")]
+    assert said and all("Nanbeige" in helps[key] for key in said), said
+
+
 def test_every_default_a_help_text_states_is_the_flags_default():
     stated = re.compile(r"\(default:? ([^\s,;)]+(?:,[^\s,;)]+)*)")
     checked = 0
@@ -147,7 +163,7 @@ def test_generate_sampling_flags_and_their_defaults_reach_the_request():
     assert (params.max_tokens, params.temperature, params.top_p) == (32, 0.0, 1.0)
     assert (params.seed, params.min_loops, params.max_loops) == (None, 1, None)
     assert (params.exit_threshold, params.exit_criterion, params.ignore_eos) == (1.0, None, False)
-    assert params.init_state == "random" and params.top_k in (-1, 0)  # (both: off)
+    assert params.init_state is None and params.top_k in (-1, 0)  # (the model's; both: off)
     flags = ["--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "3",
              "--request-seed", "11", "--exit-threshold", "0.4", "--exit-criterion", "kl",
              "--min-loops", "2", "--max-loops", "3", "--ignore-eos",

@@ -190,10 +190,13 @@ def test_an_unknown_flag_shows_its_command_usage():
 # ------------------------------------------------------------------ runtime failures (exit 1)
 
 
-@pytest.mark.parametrize("name", ["corrupt", "unknown"])
-def test_generate_on_a_checkpoint_that_does_not_load(ckpts, name):
+@pytest.mark.parametrize(
+    ("name", "message"), [("corrupt", "model.safetensors"), ("unknown", "model_type 'bogus'")]
+)
+def test_generate_on_a_checkpoint_that_does_not_load(ckpts, name, message):
     proc = rltserve("generate", "Hi", "--model", ckpts[name])
-    assert_fails(proc, 1, "stage failed")
+    line = assert_fails(proc, 1, message)  # (a ValueError now, but still a failure: exit 1)
+    assert "stage failed" not in line
 
 
 @pytest.mark.parametrize(
@@ -243,13 +246,14 @@ def test_bench_serve_against_nothing_says_it_waits_then_fails():
 
 def test_exit_codes_by_kind_of_failure():
     from rltserve.cli import exit_code
-    from rltserve.core.stage import StageConfigError, StageError
+    from rltserve.core.stage import StageCheckpointError, StageConfigError, StageError
     from rltserve.models import CheckpointError
 
     assert exit_code(ValueError("bad flag")) == 2
     assert exit_code(CheckpointError("weights do not load")) == 1  # a ValueError, but not input
     assert exit_code(StageError("stage failed")) == 1
     assert exit_code(StageConfigError("max_model_len=9999: ...")) == 2  # the engine refused it
+    assert exit_code(StageCheckpointError("config.json: ...")) == 1  # the loader's refusal
     assert exit_code(ConnectionRefusedError()) == 1
     assert exit_code(KeyError("a bug")) is None  # re-raised: its traceback is the report
 

@@ -150,6 +150,39 @@ async def test_bad_requests_name_the_field(ckpt):
         assert status == 200
 
 
+async def test_the_engines_refusals_are_400s_in_its_own_words(ckpt):
+    """Checks only the engine can make (its model, its pool) are 400s naming the field. Here
+    the pool (8 blocks of 4 on ouro-tiny's 4 planes) holds 9 tokens, far below the model's
+    context: the prompt is told that, as offline, not that the model is too short."""
+    async with running(ckpt, engine={"num_blocks": 8, "block_size": 4}) as live:
+        for body, param, message in (
+            (
+                {"prompt": [5] * 9},
+                "prompt",
+                "prompt: 9 tokens leave no room to generate within the context limit of 9 "
+                "tokens (what the KV pool holds: raise kv_cache_gb or num_blocks)",
+            ),
+            (
+                {"prompt": [5], "init_state": "random"},
+                "init_state",
+                "init_state='random': this model has no recurrent initial state to set (it "
+                "starts from the embedding); init_state is for Huginn",
+            ),
+            (
+                {"prompt": [5], "exit_criterion": "kl"},
+                "exit_criterion",
+                "exit_criterion='kl': this model's tokens exit by its learned gate "
+                "(exit_threshold); the zero-shot criteria are for models without one "
+                "(Huginn, Nanbeige)",
+            ),
+        ):
+            status, _, raw = await live.post("/v1/completions", {**body, "max_tokens": 1})
+            assert (status, error_of(raw)) == (
+                400,
+                {"message": message, "type": "invalid_request_error", "param": param, "code": 400},
+            ), body
+
+
 async def test_body_and_routing_errors(ckpt):
     factory = scripted_factory(stage_for(ckpt))
     async with running(ckpt, client_factory=factory, max_body_bytes=2048) as live:

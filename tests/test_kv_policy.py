@@ -57,6 +57,28 @@ def test_last_exited_requests_on_a_full_engine(ckpts, ouro_ref, mode):
     _check(ouro_ref, prompts, params, run, "full")
 
 
+def test_a_prompt_cached_under_one_policy_is_hit_under_the_other(ckpts, ouro_ref):
+    """A prompt runs all its loops under either policy, so its blocks hold the same KV: the
+    prefix cache shares them whatever each request's policy (it split them by policy, the
+    second full request hitting the first's and the last_exited one nothing)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(384) for _ in range(37)]] * 5
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=0.5, kv_policy=policy
+        )
+        for policy in ("full", "full", "last_exited", "full", None)
+    ]
+    core = make_core(ckpts["ouro"], kv_policy="last_exited", block_size=16)
+    # One at a time: each arrives after the one before has ended and cached its prompt.
+    run = run_core(core, prompts, params, arrivals=[0, 100, 200, 300, 400])
+    assert [run.finish[f"r{i}"] for i in range(5)] == ["length"] * 5
+    assert [run.cached[f"r{i}"] for i in range(5)] == [0, 32, 32, 32, 32]
+    _check(ouro_ref, prompts, params, run, "last_exited")
+    # (the exits differ between the policies, so the outputs after the prompt are not shared)
+    assert run.depths["r0"] != run.depths["r2"]
+
+
 def test_huginn_criteria_under_both_policies(ckpts, huginn_ref):
     """Coda attention and zero-shot exits: an early exit's deeper planes are copies under
     ``last_exited``, its own later loops under ``full``."""

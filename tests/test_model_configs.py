@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from builders import HUGINN_0125, NANBEIGE_TINY, real_spec
+from builders import HUGINN_0125, NANBEIGE_4_2_3B, NANBEIGE_TINY, OURO_1_4B, real_spec
 from recipe import load_vectors
 
 from rltserve.models import get_family
@@ -210,6 +210,62 @@ def test_a_rope_base_given_twice_must_agree(family, changes, message):
     cls, raw, _ = ROPE_CONFIGS[family]
     with pytest.raises(ValueError, match=re.escape(f"{family} config: {message}")):
         cls.from_dict({**raw, **changes})
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "message"),
+    [
+        (
+            "nanbeige",
+            {"head_dim": 32, "kv_channels": 16},
+            "head_dim=32 and kv_channels=16 disagree",
+        ),
+        *(
+            (family, {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5: only 1.0")
+            for family in sorted(ROPE_CONFIGS)
+        ),
+        (
+            "nanbeige",
+            {"rope_parameters": {"rope_theta": 7e7, "partial_rotary_factor": 0.25}},
+            "rope_parameters.partial_rotary_factor=0.25: only 1.0",
+        ),
+        ("ouro", {"partial_rotary_factor": True}, "partial_rotary_factor=True: only 1.0"),
+        (
+            "nanbeige",
+            {"use_sliding_window": True, "sliding_window": 8},
+            "use_sliding_window=True: only False is supported",
+        ),
+        (
+            "ouro",
+            {"use_sliding_window": True, "sliding_window": 8},
+            "use_sliding_window=True: only False is supported",
+        ),
+    ],
+)
+def test_keys_that_would_change_the_attention_are_refused_naming_key_and_value(
+    family, changes, message
+):
+    cls, raw, _ = ROPE_CONFIGS[family]
+    with pytest.raises(ValueError, match=re.escape(f"{family} config: {message}")):
+        cls.from_dict({**raw, **changes})
+
+
+@pytest.mark.parametrize(
+    ("cls", "raw"),
+    [(OuroConfig, OURO_1_4B), (NanbeigeConfig, NANBEIGE_4_2_3B), (NanbeigeConfig, NANBEIGE_TINY)],
+)
+def test_those_keys_load_in_the_values_real_configs_write(cls, raw):
+    want = cls.from_dict(raw)
+    head_dim = want.head_dim
+    for extra in (
+        {"use_sliding_window": False, "sliding_window": 4096},
+        {"use_sliding_window": False, "sliding_window": None},
+        {"partial_rotary_factor": 1.0},
+        {"partial_rotary_factor": 1, "rope_scaling": {"partial_rotary_factor": 1.0}},
+        {"partial_rotary_factor": None},
+        {"head_dim": head_dim, "kv_channels": head_dim} if cls is NanbeigeConfig else {},
+    ):
+        assert cls.from_dict({**raw, **extra}) == want, extra
 
 
 def test_a_rope_base_given_nowhere_is_refused_not_defaulted():

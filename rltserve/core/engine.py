@@ -140,7 +140,13 @@ class EngineCore:
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``EngineStats.step_rows_counts``)
         planes = len(self.kv.planes_of(spec.num_loops))
         self.info = EngineInfo.of_model(
-            spec, config.cache, str(mc.model), self.max_model_len, num_blocks, planes
+            spec,
+            config.cache,
+            str(mc.model),
+            self.max_model_len,
+            num_blocks,
+            planes,
+            self._pool_limited,
         )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
@@ -244,7 +250,7 @@ class EngineCore:
             return None
         noise = None
         if self.spec.needs_noise:  # Huginn's initial state: zeros, or random per seed
-            init = request.params.init_state
+            init = request.params.init_state or "random"
             noise = (init, request.seed) if init == "random" else init
         return make_salt(
             self.config.model.model,
@@ -252,7 +258,9 @@ class EngineCore:
             self.weight_version,
             self.config.model.dtype,
             self.runner.device.type,  # (kernels differ across device types)
-            str(request.kv_policy or self.policy),
+            # Not the request's KV policy: a cached block's positions all ran every loop
+            # (prompt tokens; generated ones up to the first early exit, ``on_finished``), so
+            # full and last_exited write the same KV there, and only they cache (``per_depth``).
             self.config.cache.block_size,
             request.num_loops,
             noise,

@@ -107,16 +107,20 @@ class EngineInfo:
     block_size: int
     kv_policy: str
     has_gate: bool = False  # tokens exit by a learned gate (Ouro), else fixed or a criterion
+    needs_noise: bool = False  # a recurrent initial state requests set (Huginn's init_state)
     stop_reason_ids: tuple[int, ...] = ()  # (``LoopedSpec.stop_reason_ids``)
     # KV planes a token takes at the model's depth (``num_loops``): it holds a block slot on
     # each (the policy's core planes, plus the coda's with coda attention), so the pool holds
     # ``num_blocks * block_size / kv_planes`` tokens, not ``num_blocks * block_size``.
     kv_planes: int = 1
+    # max_model_len is what the KV pool holds, lowered from the model's (``kv_sizing``): a
+    # prompt past it is told to grow the pool, not that the model is too short.
+    pool_limited: bool = False
 
     @classmethod
     def of_model(
         cls, spec: LoopedSpec, cache: CacheConfig, model_path: str, max_model_len: int,
-        num_blocks: int, kv_planes: int,
+        num_blocks: int, kv_planes: int, pool_limited: bool = False,
     ) -> EngineInfo:  # fmt: skip
         """What an engine of ``spec`` on a pool of ``num_blocks`` tells its clients."""
         return cls(
@@ -131,8 +135,10 @@ class EngineInfo:
             block_size=cache.block_size,
             kv_policy=cache.kv_policy,
             has_gate=spec.has_gate,
+            needs_noise=spec.needs_noise,
             stop_reason_ids=tuple(spec.stop_reason_ids),
             kv_planes=kv_planes,
+            pool_limited=pool_limited,
         )
 
     @property

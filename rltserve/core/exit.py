@@ -11,7 +11,7 @@ A request's exit mode is fixed when it is created:
 - ``delayed``: the gate's decision after loop t takes effect after loop t+1, so when loop t+1 is
   planned the scheduler need not have read loop t's result yet (async scheduling).
 
-On a model without a gate (Huginn), ``gate`` and ``delayed`` apply the request's zero-shot
+On a model without a gate (Huginn, Nanbeige), ``gate`` and ``delayed`` apply the request's zero-shot
 criterion (``Request.criterion``, ``step_criteria``) where the gate rule would run, except to the
 first output: the prompt's last position runs the cap, as Hugging Face's adaptive generation
 means to ("do not exit in prefill"; its guard never holds, docs/architecture.md), so every

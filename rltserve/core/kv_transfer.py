@@ -8,7 +8,7 @@ its own pool and caches them under those hashes; admission then finds them as an
 hit and computes only the rest of the prompt (at least its last token, as every hit does).
 
 Exactness does not depend on the transfer: the hashes cover everything the KV depends on (the
-cache salt: model, weights version, dtype, device type, policy, loops, Huginn's initial state,
+cache salt: model, weights version, dtype, device type, loops, Huginn's initial state,
 the client's ``cache_salt``), so a file written under other conditions matches none of the
 request's hashes and is ignored, and blocks the decode pool cannot take are computed there
 instead. Output equals a single stage's.

@@ -238,11 +238,13 @@ class PDClient:
         if params.prompt_logprobs is not None:
             return False
         try:  # (EngineInfo has the model facts the checks read)
-            check_params(prompt, params, info, self._decode_config, info.max_model_len, False)
+            check_params(
+                prompt, params, info, self._decode_config, info.max_model_len, info.pool_limited
+            )
         except ValueError:
             return False  # the decode stage refuses it at once, in its own words
         return not (
-            info.family == "huginn_raven" and params.init_state == "random" and params.seed is None
+            info.family == "huginn_raven" and params.init_state != "zero" and params.seed is None
         )
 
     def _one_token(self, params: SamplingParams) -> SamplingParams:

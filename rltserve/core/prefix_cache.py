@@ -6,7 +6,8 @@ A cached *entry* is one logical prompt block: the block ids holding its position
 of a request (core planes, then the boundary plane), all with the same KV because prompt tokens
 always run every loop. It is named by a chained hash: block i's hash covers block i-1's hash and
 block i's token ids, and block 0's covers a *salt* naming everything else the KV depends on
-(model, weights version, dtype, KV policy, block size, loops, Huginn's initial state). The
+(model, weights version, dtype, block size, loops, Huginn's initial state; not the KV policy:
+cached positions ran every loop, which writes the same KV under full and last_exited). The
 digest is BLAKE2b-128, so two different prefixes never share an entry in practice.
 
 Reference counting: the cache holds one reference on every block of an entry. An entry whose

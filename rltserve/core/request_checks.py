@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 POOL_ADVICE = "; lower max_tokens or max_loops, or raise num_blocks"
 
 
+def no_room(name: str, num_tokens: int, max_model_len: int, pool_limited: bool) -> str:
+    """Why a prompt of ``num_tokens`` tokens cannot run: it leaves no room to generate."""
+    why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
+    return (
+        f"{name}: {num_tokens} tokens leave no room to generate within the context limit of "
+        f"{max_model_len} tokens" + (why if pool_limited else "")
+    )
+
+
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """vLLM's rule: a priority the engine would ignore (under ``fcfs``) is refused, not
     dropped silently."""
@@ -48,11 +57,7 @@ def check_params(
             raise ValueError(message)
     params = _bounded_logprobs(params, spec.vocab_size, config.model.max_logprobs)
     if len(prompt_token_ids) >= max_model_len:
-        why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
-        raise ValueError(
-            f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within the "
-            f"context limit of {max_model_len} tokens" + (why if pool_limited else "")
-        )
+        raise ValueError(no_room("prompt", len(prompt_token_ids), max_model_len, pool_limited))
     if params.max_loops is not None and params.max_loops > spec.max_loops:
         raise ValueError(
             f"max_loops={params.max_loops}: this model allows at most {spec.max_loops}"
@@ -82,7 +87,13 @@ def check_params(
     if params.exit_criterion is not None and spec.has_gate:
         raise ValueError(
             f"exit_criterion={params.exit_criterion!r}: this model's tokens exit by its learned "
-            "gate (exit_threshold); the zero-shot criteria are for models without one (Huginn)"
+            "gate (exit_threshold); the zero-shot criteria are for models without one "
+            "(Huginn, Nanbeige)"
+        )
+    if params.init_state is not None and not spec.needs_noise:
+        raise ValueError(
+            f"init_state={params.init_state!r}: this model has no recurrent initial state to "
+            "set (it starts from the embedding); init_state is for Huginn"
         )
     if params.min_loops > cap:
         raise ValueError(

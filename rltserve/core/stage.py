@@ -9,8 +9,9 @@ update to the ``sink`` given with the request, on the client's reader thread.
 Messages are plain tuples: to the stage ("add", rid, prompt_ids, params[, group[, transfer]]),
 ("abort", rid), ("shutdown",); from the stage ("ready", EngineInfo), ("updates", [update fields,
 ...], stats) (each update as a tuple of plain values: ``updates.to_wire``, with an EngineStats
-snapshot), ("fatal", message[, refused]): ``refused`` is the message of a ValueError the engine
-raised at construction (a config it refuses: bad input, not a failure).
+snapshot), ("fatal", message[, refused[, unloadable]]): ``refused`` is the message of a
+ValueError the engine raised at construction (a config it refuses: bad input, not a failure),
+``unloadable`` that of a CheckpointError (a checkpoint that does not load).
 A weight update ("update_weights", token, paths, abort, timeout_s), ("sleep", token, level,
 timeout_s), ("wake_up", token, tags) and ("reset_prefix_cache", token) are each answered by
 ("reply", token, error or None, weight_version, the parts asleep).
@@ -55,6 +56,13 @@ class StageConfigError(StageError, ValueError):
     pool cannot hold): bad input, caught as a ValueError like the config's own checks."""
 
 
+class StageCheckpointError(StageError, ValueError):
+    """The engine's checkpoint does not load (a config.json it does not support, missing or
+    corrupt weights; the loader's ``CheckpointError``): a ValueError, as vLLM raises for a model
+    config it does not support, but not bad usage (the path was checked before), so the CLI
+    still exits 1 for it."""
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -75,8 +83,16 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
         core = EngineCore(config)
     except Exception as exc:
         # (A checkpoint that does not load is a failure: its path was checked before.)
-        refused = isinstance(exc, ValueError) and not isinstance(exc, CheckpointError)
-        send(("fatal", f"{type(exc).__name__}: {exc}", str(exc) if refused else None))
+        unloadable = isinstance(exc, CheckpointError)
+        refused = isinstance(exc, ValueError) and not unloadable
+        send(
+            (
+                "fatal",
+                f"{type(exc).__name__}: {exc}",
+                str(exc) if refused else None,
+                str(exc) if unloadable else None,
+            )
+        )
         return
     send(("ready", core.info))
     loop = _new_event_loop()
@@ -127,6 +143,7 @@ class _ClientBase(ABC):
         self._ready = threading.Event()
         self._fatal: str | None = None
         self._refused: str | None = None  # the engine refused its config: why
+        self._unloadable: str | None = None  # the checkpoint did not load: why
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None  # the latest engine counters the stage sent
         self._closed = False
@@ -174,6 +191,8 @@ class _ClientBase(ABC):
         elif kind == "fatal":
             if len(message) > 2 and message[2] is not None:
                 self._refused = message[2]
+            if len(message) > 3 and message[3] is not None:
+                self._unloadable = message[3]
             self._die(message[1])
 
     def _deliver(self, update: RequestUpdate, sink: Sink) -> None:
@@ -266,6 +285,8 @@ class _ClientBase(ABC):
             raise StageError("stage did not become ready in time")
         if self.info is None and self._refused is not None:
             raise StageConfigError(self._refused)
+        if self.info is None and self._unloadable is not None:
+            raise StageCheckpointError(self._unloadable)
         if self.info is None or self._fatal is not None or self._closed:
             raise StageError(f"stage failed: {self.error}")
         return self.info

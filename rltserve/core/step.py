@@ -317,7 +317,7 @@ class Step:
         return step_rows.gather_tokens([lives[i].input_token(starts[i]) for i in decodes])
 
     def _noise(self, live: LiveRequest, start: int, count: int) -> torch.Tensor:
-        seed = live.setup.seed if live.setup.params.init_state == "random" else None
+        seed = live.setup.seed if live.setup.params.init_state != "zero" else None
         return self.r.model.draw_noise(seed, list(range(start, start + count)))
 
     def _coda_and_sample(

@@ -1,5 +1,5 @@
-"""Zero-shot exit criteria of models without an exit gate (Huginn; MODELS.md §2.5, DESIGN §5),
-for a ``Step``'s output rows at their current loop.
+"""Zero-shot exit criteria of models without an exit gate (Huginn, Nanbeige; MODELS.md §2.5,
+DESIGN §5), for a ``Step``'s output rows at their current loop.
 
 A row's value compares its state after this loop, ``s_t``, with its state before it, ``s_{t-1}``
 (the loop's input, which the step holds):

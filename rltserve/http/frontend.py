@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.request_checks import no_room
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.http.encoding import TextCodec
@@ -251,6 +252,8 @@ class Frontend:
         if not ids:
             raise bad_request(f"{param}: must contain at least one token", param)
         if len(ids) >= info.max_model_len:  # first: it is cheap, a long scan is not
+            if info.pool_limited:  # (the engine's words: the pool, not the model, is short)
+                raise bad_request(no_room(param, len(ids), info.max_model_len, True), param)
             raise bad_request(
                 f"{param}: {len(ids)} tokens leave no room to generate within this model's "
                 f"maximum context length of {info.max_model_len} tokens",

@@ -2,10 +2,10 @@
 
 Field names and defaults are OpenAI's (``max_tokens`` 16 for completions, ``temperature`` 1.0),
 plus the common vLLM/SGLang extensions and the looped-model fields ``min_loops``, ``max_loops``
-(alias ``num_steps``, Huginn's name), ``exit_threshold``, ``exit_criterion`` (Huginn's zero-shot
-exit criteria), ``kv_policy`` (per request) and ``priority``, and bounded thinking
-(``max_thinking_tokens``, alias ``thinking_token_budget``, vLLM's name; ``thinking_interruption``,
-text or token ids; ``thinking_end_token_ids``). Two opt-in
+(alias ``num_steps``, Huginn's name), ``exit_threshold``, ``exit_criterion`` (the zero-shot
+exit criteria of models without a gate: Huginn, Nanbeige), ``kv_policy`` (per request) and
+``priority``, and bounded thinking (``max_thinking_tokens``, alias ``thinking_token_budget``,
+vLLM's name; ``thinking_interruption``, text or token ids; ``thinking_end_token_ids``). Two opt-in
 response extensions: ``return_exit_depths`` and ``return_token_ids`` add per-choice arrays.
 Parsing is in ``validation``; ``validate()`` adds the cross-field rules; ``sampling_params``
 maps a request onto ``SamplingParams``, whose ValueErrors name the field.
@@ -92,7 +92,7 @@ class GenerationFields:
     exit_criterion: str | None = None
     kv_policy: str | None = None  # "full" or "last_exited" (None: the server's)
     priority: int = field(default=0, metadata={"range": PRIORITY_RANGE})
-    init_state: str = "random"  # Huginn: the recurrent state's start ("random" or "zero")
+    init_state: str | None = None  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
     # thinking span, the engine appends the interruption and the end ids itself.
     max_thinking_tokens: int | None = None

@@ -121,10 +121,12 @@ def read_rope_base(raw: dict[str, Any], family: str, key: str = "rope_theta") ->
     transformers 5 writes ``rope_parameters`` (``{"rope_theta": ..., "rope_type": "default"}``)
     and reads ``rope_scaling`` as an alias of it. Either dict means plain RoPE when its
     ``rope_type`` (or legacy ``type``; absent: ``"default"``) is ``"default"`` and it holds no key
-    beyond ``rope_theta``; any other type changes the frequencies or the attention scale and is
-    refused naming it. The base is ``raw[key]`` (Huginn names it ``rope_base``), else the dicts'
-    ``rope_theta``; copies that disagree are refused rather than one silently winning. Never
-    transformers' class default (10000): a config without a base is refused."""
+    beyond ``rope_theta`` (and a ``partial_rotary_factor`` of 1, as may the top level); any other
+    type changes the frequencies or the attention scale and is refused naming it. The base is
+    ``raw[key]`` (Huginn names it ``rope_base``), else the dicts' ``rope_theta``; copies that
+    disagree are refused rather than one silently winning. Never transformers' class default
+    (10000): a config without a base is refused."""
+    check_full_rotary(raw.get("partial_rotary_factor"), family)
     found: dict[str, Any] = {}  # where the base was given -> its value
     if key in raw:
         found[key] = raw[key]
@@ -138,7 +140,8 @@ def read_rope_base(raw: dict[str, Any], family: str, key: str = "rope_theta") ->
         if kinds != {"default"}:
             kind = ", ".join(repr(k) for k in sorted(kinds, key=str) if k != "default")
             raise bad(family, name, params, f"rope_type {kind} is not supported (only plain RoPE)")
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        check_full_rotary(params.get("partial_rotary_factor"), family, f"{name}.")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
         if extra:
             raise bad(family, name, params, f"keys {extra} are not supported (only plain RoPE)")
         if "rope_theta" in params:
@@ -152,6 +155,17 @@ def read_rope_base(raw: dict[str, Any], family: str, key: str = "rope_theta") ->
         if other != value:
             raise ValueError(f"{family} config: {first}={value!r} and {where}={other!r} disagree")
     return value
+
+
+def check_full_rotary(value: object, family: str, where: str = "") -> None:
+    """``partial_rotary_factor`` (transformers rotates only that fraction of head_dim) may be
+    absent, null or 1; the models here rotate the full head_dim."""
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+    if not ok:
+        why = "only 1.0 is supported (RoPE over the full head_dim)"
+        raise bad(family, f"{where}partial_rotary_factor", value, why)
 
 
 def check_full_attention(family: str, layer_types: object, num_layers: int) -> None:

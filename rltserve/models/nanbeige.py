@@ -38,6 +38,7 @@ _FIXED = {
     "attention_bias": False,
     "mlp_bias": False,
     "skip_loop_final_norm": False,
+    "use_sliding_window": False,  # (``sliding_window`` alone is inert, as in transformers)
 }
 # Upstream features that change the math; all are off in Nanbeige4.2-3B and rejected when on.
 _BOOL_FEATURES = (
@@ -96,7 +97,14 @@ class NanbeigeConfig:
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         layers = get("num_hidden_layers")
         hc.check_full_attention(FAMILY, raw.get("layer_types"), layers)
-        head_dim = raw.get("head_dim") or raw.get("kv_channels")
+        head_dim = raw.get("head_dim")
+        channels = raw.get("kv_channels")
+        if head_dim is None:
+            head_dim = channels
+        elif channels is not None and channels != head_dim:  # (one would be used silently)
+            raise ValueError(
+                f"{FAMILY} config: head_dim={head_dim!r} and kv_channels={channels!r} disagree"
+            )
         if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads:
             head_dim = hidden // heads
         return cls(
