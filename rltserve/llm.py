@@ -493,7 +493,9 @@ class LLM(TrainerControls, Refusals):
                         tokenizer,
                         p.stop if tokenizer is not None else None,
                         p.logprobs is not None,
-                        reported_stop_ids(p, self.info.stop_reason_ids, self.info.eos_token_ids),
+                        reported_stop_ids(
+                            p, self.info.stop_reason_ids, getattr(tokenizer, "eos_token_id", None)
+                        ),
                         skip_special_tokens=p.skip_special_tokens,
                         include_stop_str_in_output=p.include_stop_str_in_output,
                         min_tokens=p.min_tokens,

@@ -147,18 +147,18 @@ class TextDelta:
 
 
 def reported_stop_ids(
-    params: SamplingParams, stop_reason_ids: tuple[int, ...], eos_token_ids: tuple[int, ...] = ()
+    params: SamplingParams, stop_reason_ids: tuple[int, ...], eos_token_id: int | None = None
 ) -> tuple[int, ...]:
     """The ids a stop on which an output reports as its ``stop_reason``: the request's
     ``stop_token_ids`` and, unless it ignores end ids, the generation config's beyond the
     model's own (``EngineInfo.stop_reason_ids``), as vLLM adds those to ``stop_token_ids``.
-    Unless the request ignores end ids, the model's own (``eos_token_ids`` less those) are
-    not among them even when listed in ``stop_token_ids``: vLLM checks its EOS first, and a
-    stop there reports None."""
+    Unless the request ignores end ids, the tokenizer's EOS (``eos_token_id``) is not among
+    them even when listed in ``stop_token_ids``: vLLM checks that one id first, and a stop
+    there reports None. The other ids the engine stops on by default (Ouro's ``<|im_end|>``,
+    Huginn's chat ends) report themselves when listed, as any stop token does in vLLM."""
     if params.ignore_eos:
         return tuple(params.stop_token_ids)
-    own = set(eos_token_ids) - set(stop_reason_ids)
-    return (*(t for t in params.stop_token_ids if t not in own), *stop_reason_ids)
+    return (*(t for t in params.stop_token_ids if t != eos_token_id), *stop_reason_ids)
 
 
 class OutputAssembler:

@@ -6,26 +6,32 @@ made before anything is submitted."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NotRequired, TypedDict
+from typing import Any, TypedDict
 
 from rltserve.http.chat_messages import joined_text_parts, template_role
 from rltserve.sampling import outside_vocab, plain_number
 
 
-class TextPrompt(TypedDict):
+# (Optional keys through ``total=False`` bases: ``typing.NotRequired`` is Python 3.11's.)
+class _Salted(TypedDict, total=False):
+    cache_salt: str
+
+
+class TextPrompt(_Salted):
     """vLLM's text prompt dict (``vllm.inputs.TextPrompt``)."""
 
     prompt: str
-    cache_salt: NotRequired[str]
 
 
-class TokensPrompt(TypedDict):
+class _SaltedText(_Salted, total=False):
+    prompt: str
+
+
+class TokensPrompt(_SaltedText):
     """vLLM's token-id prompt dict (``vllm.inputs.TokensPrompt``); ``prompt``: its text, for
     the output's ``prompt``."""
 
     prompt_token_ids: list[int]
-    prompt: NotRequired[str]
-    cache_salt: NotRequired[str]
 
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]

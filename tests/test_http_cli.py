@@ -6,6 +6,7 @@ reaching the benchmark, bad values named before connecting, and its exit codes."
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 
@@ -217,6 +218,24 @@ def test_uvicorn_log_level_sets_aiohttps_loggers_apart(monkeypatch):
     assert logging.getLogger("aiohttp.access").getEffectiveLevel() == logging.DEBUG
     with pytest.raises(ValueError, match="^--log-config-file /nowhere.json: "):
         configure_logging(_parser().parse_args(["serve", "--log-config-file", "/nowhere.json"]))
+
+
+def test_a_log_config_file_leaves_the_servers_loggers_on(tmp_path, monkeypatch):
+    """The server's modules (and their loggers) are imported before the file is read:
+    dictConfig's default would disable them all; a file may still ask for that itself."""
+    import logging
+
+    from rltserve.http.cli import configure_logging
+
+    root, server = logging.getLogger(), logging.getLogger("rltserve.http")
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # (restored after)
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(server, "disabled", server.disabled)
+    path = tmp_path / "logging.json"
+    for extra, disabled in [({}, False), ({"disable_existing_loggers": True}, True)]:
+        path.write_text(json.dumps({"version": 1, "root": {"level": "WARNING"}, **extra}))
+        configure_logging(_parser().parse_args(["serve", "--log-config-file", str(path)]))
+        assert (server.disabled, root.level) == (disabled, logging.WARNING)
 
 
 def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch, caplog):

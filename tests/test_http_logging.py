@@ -132,6 +132,11 @@ async def test_request_id_headers_name_every_response_and_its_request(ckpt, capl
         assert first != second and re.fullmatch("[0-9a-f]{32}", first)
         _, headers, _ = await live.get("/health", headers={"X-Request-Id": "mine"})
         assert headers["X-Request-Id"] == "mine"  # the client's, as before
+        _, headers, raw = await live.post(  # an empty header: as none sent (vLLM's)
+            "/v1/completions", {"prompt": [5], "max_tokens": 1}, headers={"X-Request-Id": ""}
+        )
+        assert orjson.loads(raw)["id"] == f"cmpl-{headers['X-Request-Id']}"
+        assert re.fullmatch("[0-9a-f]{32}", headers["X-Request-Id"])
     async with running(ckpt, client_factory=scripted_factory(_stage(ckpt))) as live:
         _, headers, raw = await live.post("/v1/completions", {"prompt": [5], "max_tokens": 1})
         assert "X-Request-Id" not in headers and orjson.loads(raw)["id"] == "cmpl-test"

@@ -213,6 +213,9 @@ def test_queue_and_prefill_split_at_the_first_scheduling():
     assert round(got[("rltserve:request_prefill_time_seconds_sum", m)], 9) == 0.21
     assert got[("rltserve:request_decode_time_seconds_sum", m)] == 7.25 + 1.0
     assert got[("rltserve:e2e_request_latency_seconds_count", m)] == 3.0
+    # vLLM's TPOT: every finished request that got a token, 0 for a single token
+    assert got[("rltserve:request_time_per_output_token_seconds_count", m)] == 2.0
+    assert got[("rltserve:request_time_per_output_token_seconds_sum", m)] == 0.0
 
 
 def test_the_vllm_prefix_names_every_series():
@@ -227,6 +230,8 @@ def test_the_vllm_prefix_names_every_series():
     metrics.on_http("/v1/completions", "POST", 200, 0.25)
     metrics.on_http("unmatched", "GET", 404, 2.0)
     metrics.on_http("/v1/completions", "POST", 499, 0.5)
+    for probe in ("/metrics", "/health", "/ping", "/version"):  # (the instrumentator's excluded)
+        metrics.on_http(probe, "GET", 200, 0.01)
     metrics.stage_restarts.inc()
     got = samples(metrics.render()[0].decode())
     m = (("model_name", "m"),)
@@ -244,7 +249,7 @@ def test_the_vllm_prefix_names_every_series():
     }
     assert http[("http_request_duration_seconds_bucket", (post[0], ("le", "0.5"), post[1]))] == 2
     assert http[("http_request_duration_seconds_sum", post)] == 0.75
-    assert http[("http_request_duration_highr_seconds_count", ())] == 3.0
+    assert http[("http_request_duration_highr_seconds_count", ())] == 3.0  # (no probe counted)
     assert http[("http_request_duration_highr_seconds_bucket", (("le", "1.5"),))] == 2.0
     ours = {name for name, _ in got if not name.startswith(("python_", "process_", "http_"))}
     assert ours and all(name.startswith("vllm:") for name in ours)

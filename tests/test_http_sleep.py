@@ -5,11 +5,20 @@ while asleep; bad query parameters; the 409 of a sleep that waited for a running
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import orjson
 import pytest
 import pytest_asyncio
-from test_http_harness import error_of, running, tiny_checkpoint
+from test_http_harness import (
+    Script,
+    ScriptedStage,
+    error_of,
+    running,
+    scripted_factory,
+    scripted_info,
+    tiny_checkpoint,
+)
 from test_http_metrics import samples
 
 from rltserve.core.pd import PDClient
@@ -169,3 +178,35 @@ async def test_sleep_drops_the_prefix_cache_gauge_and_runs_no_step(server):
         assert await scrape() == {**dropped, "awake": 0.0, label: 1.0}
         assert (await server.post("/wake_up", None, headers=AUTH))[0] == 200
         assert await scrape() == {**dropped, "awake": 1.0}
+
+
+class _SlowSleep(ScriptedStage):
+    """A scripted stage whose sleep waits for ``release`` (a sleep still waiting for its
+    running requests)."""
+
+    def __init__(self, info, script) -> None:
+        super().__init__(info, script)
+        self.release = threading.Event()
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        self.release.wait(30)
+        super().sleep(level, timeout_s)
+
+
+async def test_a_sleep_whose_caller_gave_up_shows_in_the_sleep_state(ckpt):
+    """The stage goes on with a sleep its HTTP caller stopped waiting for (the handler is
+    cancelled): engine_sleep_state then shows the level it sleeps at, not awake."""
+    stage = _SlowSleep(scripted_info(ckpt), Script([5]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(live.post("/sleep?level=2", None), 0.3)
+        stage.release.set()
+        while not await _sleeping(live):
+            await asyncio.sleep(0.01)
+        got = samples((await live.get("/metrics"))[2].decode())
+        states = {
+            dict(labels)["sleep_state"]: value
+            for (name, labels), value in got.items()
+            if name == "rltserve:engine_sleep_state"
+        }
+        assert states == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}

@@ -465,16 +465,20 @@ def test_cache_salt_of_a_prompt_dict_separates_prefix_cache_tenants(llm):
 
 
 def test_a_stop_on_the_models_end_id_reports_no_stop_reason(llm):
-    """vLLM checks EOS before stop_token_ids: an end id listed in stop_token_ids reports
-    stop_reason None, unless ignore_eos (then it stops as a stop token and reports its id)."""
-    eos = llm.info.eos_token_ids[0]
-    base = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={eos: 100.0})
-    for params, reason in [
-        (base.replace(stop_token_ids=[eos]), None),
-        (base.replace(stop_token_ids=[eos], ignore_eos=True), eos),
+    """vLLM checks the tokenizer's EOS before stop_token_ids: that id listed in stop_token_ids
+    reports stop_reason None, unless ignore_eos (then it stops as a stop token and reports its
+    id). Ouro's <|im_end|> (2), an end id the engine adds, reports itself when listed."""
+    eos = llm.tokenizer.eos_token_id
+    assert (eos, 2) == llm.info.eos_token_ids[:2] == (0, 2)
+    for token, params, reason in [
+        (eos, SamplingParams(stop_token_ids=[eos]), None),
+        (eos, SamplingParams(stop_token_ids=[eos], ignore_eos=True), eos),
+        (2, SamplingParams(stop_token_ids=[2]), 2),
+        (2, SamplingParams(), None),
     ]:
+        params = params.replace(temperature=0.0, max_tokens=3, logit_bias={token: 100.0})
         out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
-        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", reason)
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", reason)
 
 
 def test_preprocess_chat_gives_the_prompts_chat_generates(llm):

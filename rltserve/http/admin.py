@@ -85,8 +85,15 @@ async def sleep(request: web.Request) -> web.Response:
     if (problem := _timeout_problem(timeout)) is not None:
         raise bad_request(problem, "timeout")
     log.info("sleep the engine with level %d", level)  # (vLLM's words, as each line here)
-    await _run(request, "sleep", level, timeout)
-    request.app[STATE].metrics.sleep_level = level  # (engine_sleep_state's label)
+    metrics = request.app[STATE].metrics
+    # engine_sleep_state's label, set before the call: a caller that gives up (its handler
+    # cancelled) leaves the sleep going on in the stage. A refused sleep keeps the old level.
+    previous, metrics.sleep_level = metrics.sleep_level, level
+    try:
+        await _run(request, "sleep", level, timeout)
+    except Exception:
+        metrics.sleep_level = previous
+        raise
     return web.Response()
 
 

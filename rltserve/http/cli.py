@@ -91,7 +91,10 @@ def configure_logging(args: argparse.Namespace) -> None:
     else:
         try:
             with open(args.log_config_file) as file:
-                logging.config.dictConfig(json.load(file))
+                config = json.load(file)
+            if isinstance(config, dict):  # (the server's loggers exist by now: keep them on)
+                config.setdefault("disable_existing_loggers", False)
+            logging.config.dictConfig(config)
         except (OSError, ValueError, TypeError, AttributeError, ImportError) as exc:
             raise ValueError(f"--log-config-file {args.log_config_file}: {exc}") from exc
     if args.uvicorn_log_level is not None:

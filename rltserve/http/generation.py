@@ -81,7 +81,9 @@ class Generation:
                     c.params.stop,
                     c.params.logprobs is not None,
                     reported_stop_ids(
-                        c.params, frontend.info.stop_reason_ids, frontend.info.eos_token_ids
+                        c.params,
+                        frontend.info.stop_reason_ids,
+                        getattr(frontend.tokenizer, "eos_token_id", None),
                     ),
                     skip_special_tokens=c.params.skip_special_tokens,
                     include_stop_str_in_output=c.params.include_stop_str_in_output,

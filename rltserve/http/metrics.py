@@ -64,6 +64,8 @@ N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 # prometheus-fastapi-instrumentator's (vLLM's HTTP metrics): few buckets for the labelled
 # histogram, many for the unlabelled one.
 HTTP_BUCKETS = (0.1, 0.5, 1.0)
+# The routes vLLM's instrumentator leaves out (probes and scrapes would swamp request rates).
+INSTRUMENTATOR_EXCLUDED = frozenset({"/metrics", "/health", "/ping", "/version"})
 HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
                       3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
 
@@ -334,8 +336,9 @@ class ServingMetrics:
             self.prefill.observe(first - scheduled)
             self.decode.observe(now - first)
             self.inference.observe(now - scheduled)
-            if timeline.num_tokens > 1:
-                self.tpot.observe((now - first) / (timeline.num_tokens - 1))
+            # (vLLM's: every finished request, 0 for one of a single token)
+            n = timeline.num_tokens
+            self.tpot.observe((now - first) / (n - 1) if n > 1 else 0.0)
         self.request_generation.observe(timeline.num_tokens)
         if timeline.max_tokens:  # (vLLM's: a request without one is not observed)
             self.params_max_tokens.observe(timeline.max_tokens)
@@ -350,6 +353,8 @@ class ServingMetrics:
         """One HTTP response; ``seconds``: from its arrival to the end of its body (None: no
         duration observed, as for the interim answer to ``Expect``)."""
         if self.vllm_http:
+            if handler in INSTRUMENTATOR_EXCLUDED:
+                return
             handler = "none" if handler == "unmatched" else handler
             self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
         else:

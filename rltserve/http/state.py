@@ -343,7 +343,7 @@ class ServingState:
         fresh id kept on the request (its response header, response id and log lines agree);
         else None."""
         rid = request.headers.get(REQUEST_ID_HEADER)
-        if rid is None and self.config.enable_request_id_headers:
+        if not rid and self.config.enable_request_id_headers:  # (an empty header: none sent)
             rid = request.get(_FRESH_ID) or request.setdefault(_FRESH_ID, uuid.uuid4().hex)
         return rid
 
