@@ -9,6 +9,13 @@ later turns. ``--enable-thinking`` asks a thinking model's template to think
 (``chat_template_kwargs``, as the request field; ``--chat-template-kwargs`` gives any).
 ``complete`` streams a completion of each prompt. Without ``-q`` both read one message or
 prompt per line from stdin until end of input, so they work in a pipe too.
+
+A conversation that outgrows the server's context limit goes on, as a chat product's does: its
+oldest exchanges are dropped (never the system prompt) until the new message fits, and stderr
+says so. A message the server refuses even so (400 or 413: alone too long, say) is dropped with
+its error on stderr, the conversation left as it was, and the chat goes on; the command then
+exits 1. Any other error (a wrong key, an unknown model) ends the chat, as does any error of
+``-q``'s one message.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rltserve.http.config import API_KEY_ENV
+
+if TYPE_CHECKING:
+    from rltserve.client import APIError
 
 DEFAULT_URL = "http://localhost:8000/v1"  # (vLLM's; the server's root works too)
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
@@ -88,12 +98,12 @@ def _run(args: argparse.Namespace, session: Callable) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     try:
-        asyncio.run(session(args, _lines(args.quick), sys.stdout))
+        dropped = asyncio.run(session(args, _lines(args.quick), sys.stdout))
     except APIConnectionError as exc:  # (it names the URL)
         raise RuntimeError(str(exc)) from exc
     except APIError as exc:  # (a wrong key, an unknown model, ...: one line, exit 1)
         raise RuntimeError(f"{args.url}: {exc}") from exc
-    return 0
+    return 1 if dropped else 0
 
 
 def _lines(quick: str | None):
@@ -136,7 +146,36 @@ def _params(args: argparse.Namespace, model: str) -> dict:
     return params
 
 
-async def _chat(args: argparse.Namespace, lines, out: TextIO) -> None:
+# Refusals of one message (the rest of the chat may still be answered): 400 (one the context
+# cannot hold, among others) and 413 (a body past the server's limit).
+_TURN_REFUSALS = (400, 413)
+
+
+def _past_context(exc: APIError) -> bool:
+    """Whether the server refused the conversation as longer than its context (the wordings of
+    ``http.plans`` and ``http.frontend``: the model's limit, or what its KV pool holds)."""
+    return exc.status == 400 and any(
+        words in exc.message for words in ("maximum context length", "context limit")
+    )
+
+
+def _drop_oldest(messages: list[dict]) -> int:
+    """Drops the oldest exchange (a user message and the answers up to the next one) of
+    ``messages``, keeping the system prompt and the last message; returns how many went."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    after = next(
+        (i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), None
+    )
+    if after is None:
+        return 0  # (the new message alone is left)
+    del messages[first:after]
+    return after - first
+
+
+async def _chat(args: argparse.Namespace, lines, out: TextIO) -> int:
+    """The chat; returns how many messages the server refused (each dropped)."""
+    from rltserve.client import APIError
+
     client, model = await _open(args)
     messages = (
         [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
@@ -149,27 +188,59 @@ async def _chat(args: argparse.Namespace, lines, out: TextIO) -> None:
         params["chat_template_kwargs"] = template_kwargs
     # A terminal tells reasoning from the answer by dimming it; other outputs by its tags.
     opening, closing = (_DIM, _RESET) if out.isatty() else ("<think>", "</think>")
+    refused = 0
     async with client:
         for line in lines:
+            history = list(messages)  # (what a refused message leaves)
             messages.append({"role": "user", "content": line})
-            answer: list[str] = []
-            thinking = False
-            async for chunk in client.chat_stream(messages, **params):
-                for choice in chunk["choices"]:
-                    delta = choice["delta"]
-                    if reasoning := delta.get("reasoning") or delta.get("reasoning_content"):
-                        out.write(reasoning if thinking else opening + reasoning)
-                        thinking = True
-                    if content := delta.get("content"):
-                        answer.append(content)
-                        out.write(closing + content if thinking else content)
-                        thinking = False
-                out.flush()
-            out.write(closing + "\n" if thinking else "\n")
-            messages.append({"role": "assistant", "content": "".join(answer)})
+            gone = 0
+            while True:
+                try:
+                    answer = await _answer(client, messages, params, out, opening, closing)
+                except APIError as exc:
+                    if args.quick is not None or exc.status not in _TURN_REFUSALS:
+                        raise
+                    if _past_context(exc) and (dropped := _drop_oldest(messages)):
+                        gone += dropped
+                        continue
+                    print(f"rltserve: message dropped: {exc}", file=sys.stderr)
+                    messages[:] = history
+                    refused += 1
+                    break
+                messages.append({"role": "assistant", "content": answer})
+                if gone:
+                    print(
+                        f"rltserve: the conversation outgrew the context: its oldest {gone} "
+                        "messages were dropped",
+                        file=sys.stderr,
+                    )
+                break
+    return refused
 
 
-async def _complete(args: argparse.Namespace, lines, out: TextIO) -> None:
+async def _answer(
+    client, messages: list[dict], params: dict, out: TextIO, opening: str, closing: str
+) -> str:
+    """Streams the answer to ``messages`` to ``out``; returns its text (the reasoning left
+    out)."""
+    answer: list[str] = []
+    thinking = False
+    async for chunk in client.chat_stream(messages, **params):
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            if reasoning := delta.get("reasoning") or delta.get("reasoning_content"):
+                out.write(reasoning if thinking else opening + reasoning)
+                thinking = True
+            if content := delta.get("content"):
+                answer.append(content)
+                out.write(closing + content if thinking else content)
+                thinking = False
+        out.flush()
+    out.write(closing + "\n" if thinking else "\n")
+    return "".join(answer)
+
+
+async def _complete(args: argparse.Namespace, lines, out: TextIO) -> int:
     client, model = await _open(args)
     async with client:
         for line in lines:
@@ -178,3 +249,4 @@ async def _complete(args: argparse.Namespace, lines, out: TextIO) -> None:
                     out.write(choice["text"])
                 out.flush()
             out.write("\n")
+    return 0

@@ -72,7 +72,11 @@ class ModelConfig:
     device: str = field(default="cpu", metadata=_help("torch device, e.g. cpu or cuda"))
     seed: int = field(default=0, metadata=_help("engine seed for requests without a seed"))
     max_model_len: int | None = field(
-        default=None, metadata=_help("context limit in tokens (default: the model's)")
+        default=None,
+        metadata=_help(
+            "context limit in tokens, e.g. 4096, 4k or 4K (default, or -1 or auto as vLLM's: "
+            "the model's, lowered to what the KV pool holds)"
+        ),
     )
     logprobs_mode: str = field(
         default="raw_logprobs",
@@ -105,8 +109,11 @@ class ModelConfig:
         _check_device("device", self.device)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r}: must be an int")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len!r}: must be >= 2")
+        if self.max_model_len == -1:  # vLLM's "auto": the model's, fitted to the KV pool
+            object.__setattr__(self, "max_model_len", None)
+        length = self.max_model_len
+        if length is not None and (type(length) is not int or length < 2):
+            raise ValueError(f"max_model_len={length!r}: must be an int >= 2 (or -1: the model's)")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Engine flags for every command that builds an engine (``generate``, ``serve``, ``bench
 offline``): one flag per field of the engine config dataclasses (``--max-num-seqs`` from
-``SchedulerConfig.max_num_seqs``), so names and help texts have one source.
+``SchedulerConfig.max_num_seqs``), so names and help texts have one source; and vLLM's flags of
+the arguments ``LLM`` takes as vLLM's (``vllm_args.FLAGS``), accepted where their values ask
+for nothing rltserve lacks, as ``LLM`` accepts them, so a ``vllm serve`` line ports unchanged.
 
 Below both CLIs (``rltserve.cli`` and ``rltserve.http.cli`` import it, it imports neither) and
 torch-free: argparse, the configs and the preflight checks only.
@@ -10,14 +12,61 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
+from collections.abc import Callable
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.preflight import check_engine, resolve_dtype, resolve_model, resolve_tokenizer
-from rltserve.vllm_args import pool_kv_cache_gb
+from rltserve.vllm_args import (
+    FLAGS,
+    INERT,
+    NAMED,
+    SHORT_FLAGS,
+    check_flags,
+    pool_kv_cache_gb,
+)
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's token counts: an int, or a number with a suffix, decimal k, m, g, t (25.6k is
+    25600) or binary K, M, G, T (1K is 1024; whole numbers only)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {text!r} (e.g. 2048, 2k, 25.6k or 2K)"
+            ) from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a binary suffix takes a whole number (did you mean "
+            f"{number}{suffix.lower()}?)"
+        )
+    return int(number) * _BINARY[suffix]
+
+
+def human_readable_int_or_auto(text: str) -> int:
+    """``human_readable_int``, or vLLM's -1 or ``auto``: the model's context (what the KV pool
+    holds of it, ``ModelConfig``)."""
+    return -1 if text.strip().lower() in ("-1", "auto") else human_readable_int(text)
+
+
+# The fields whose flags take vLLM's human-readable values (its own special cases).
+_FIELD_PARSERS: dict[str, Callable[[str], int]] = {
+    "max_model_len": human_readable_int_or_auto,
+    "max_num_batched_tokens": human_readable_int,
+}
 
 
 def _flag_type(hint: object) -> type:
@@ -47,7 +96,7 @@ def add_dataclass_args(
             action = argparse.BooleanOptionalAction
             group.add_argument(*flags, dest=f.name, action=action, default=default, help=help_text)
         else:
-            kind = _flag_type(hints[f.name])
+            kind = _FIELD_PARSERS.get(f.name) or _flag_type(hints[f.name])
             nargs = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
             group.add_argument(
                 *flags, dest=f.name, type=kind, default=default, help=help_text, **nargs
@@ -71,6 +120,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for cls in ENGINE_CONFIGS:
         add_dataclass_args(parser, cls, cls.__name__, keep_defaults=True)
     parser.set_defaults(kv_cache_gb=None)
+    add_vllm_args(parser)
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags (``vllm_args.FLAGS``), each None unless given; one the command
+    already has (``serve``'s ``--disable-log-stats``) is left to it. ``checked_engine_kwargs``
+    refuses a value that asks for what rltserve lacks."""
+    group = parser.add_argument_group("vLLM's engine flags (vllm serve's spellings)")
+    for name, kind in FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in parser._option_string_actions:
+            continue
+        why = (NAMED.get(name) or INERT[name])[1]
+        help_text = "accepted where the value asks for nothing rltserve lacks" + (
+            f" (else refused: {why})" if why else ""
+        )
+        if kind is bool:
+            action = argparse.BooleanOptionalAction
+            group.add_argument(flag, dest=name, action=action, default=None, help=help_text)
+        else:
+            short = (SHORT_FLAGS[name],) if name in SHORT_FLAGS else ()
+            group.add_argument(flag, *short, dest=name, type=kind, default=None, help=help_text)
+
+
+def vllm_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The ``add_vllm_args`` flags given."""
+    return {name: getattr(args, name) for name in FLAGS if getattr(args, name, None) is not None}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -97,8 +173,13 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     (None), so that ``LLM(**kw)`` takes the directories as they are. ``kv_cache_gb`` is the
     pool's size as ``LLM`` finds it (``vllm_args.pool_kv_cache_gb``: on CUDA, what
     ``--gpu-memory-utilization`` leaves, unless ``--kv-cache-gb`` or ``--num-blocks`` is
-    given)."""
+    given). vLLM's flags are checked (``vllm_args.check_flags``); ``--enforce-eager`` turns
+    CUDA graphs off, as ``LLM``'s ``enforce_eager``."""
     kw = engine_kwargs(args)
+    vllm = vllm_flags(args)
+    check_flags(vllm)
+    if vllm.get("enforce_eager"):
+        kw["cuda_graphs"] = False
     if kw["exit_mode"] == "trace":
         raise ValueError(
             "--exit-mode trace: replays the exit depths each request gives "

@@ -148,7 +148,63 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
         lambda v: v is None or (isinstance(v, (list, tuple)) and not v),
         "no custom logits processors (logit_bias and allowed_token_ids shape sampling)",
     ),
+    # (any: the prefix cache keys blocks by its own BLAKE2b digests, ``prefix_cache``)
+    "prefix_caching_hash_algo": (lambda v: isinstance(v, str), "an algorithm's name"),
 }
+ONE_DEVICE = (
+    "rltserve runs an engine on one device; for more devices run replicas "
+    "(rltserve.ray.generate, serve --replicas)"
+)
+# LLM's own vLLM arguments that have flags, as INERT's entries (``check_flags``).
+NAMED: dict[str, tuple[Callable[[object], bool], str]] = {
+    "trust_remote_code": (_any_bool, ""),  # (rltserve never runs a checkpoint's code)
+    "tensor_parallel_size": (_one_of(1), ONE_DEVICE),
+    "enforce_eager": (_any_bool, ""),  # (no CUDA graphs: cuda_graphs off)
+}
+# The engine commands' flags of vLLM's for these arguments (``engine_args.add_vllm_args``), as
+# ``vllm serve`` spells them: name -> the value's type (bool: --name and --no-name, as vLLM's),
+# and vLLM's short forms. The ones whose values are dicts or objects (hf_overrides,
+# speculative_config, ...) have none.
+FLAGS: dict[str, type] = {
+    "trust_remote_code": bool,
+    "tensor_parallel_size": int,
+    "enforce_eager": bool,
+    "enable_sleep_mode": bool,
+    "model_impl": str,
+    "distributed_executor_backend": str,
+    "quantization": str,
+    "kv_cache_dtype": str,
+    "load_format": str,
+    "enable_chunked_prefill": bool,
+    "disable_log_stats": bool,
+    "disable_custom_all_reduce": bool,
+    "disable_mm_preprocessor_cache": bool,
+    "enable_lora": bool,
+    "max_lora_rank": int,
+    "max_loras": int,
+    "tokenizer_mode": str,
+    "task": str,
+    "cpu_offload_gb": float,
+    "pipeline_parallel_size": int,
+    "data_parallel_size": int,
+    "max_seq_len_to_capture": int,
+    "compilation_config": str,
+    "disable_cascade_attn": bool,
+    "num_scheduler_steps": int,
+    "disable_async_output_proc": bool,
+    "runner": str,
+    "tokenizer_revision": str,
+    "code_revision": str,
+    "disable_sliding_window": bool,
+    "disable_log_requests": bool,
+    "enable_prompt_embeds": bool,
+    "guided_decoding_backend": str,
+    "hf_token": str,
+    "max_num_partial_prefills": int,
+    "prefix_caching_hash_algo": str,
+}
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+               "data_parallel_size": "-dp"}  # fmt: skip
 
 
 def generation_config_folder(value: object, model: str) -> str | None:
@@ -200,12 +256,23 @@ def check_inert(options: Mapping[str, object]) -> None:
             raise ValueError(f"{name}={value!r}: not supported ({why or 'wrong type'})")
 
 
+def check_flags(given: Mapping[str, object]) -> None:
+    """``check_inert`` for the ``FLAGS`` an engine command was given, ValueErrors naming the
+    flag (``--tensor-parallel-size 2: not supported (...)``)."""
+    for name, value in given.items():
+        accepts, why = NAMED.get(name) or INERT[name]
+        if not accepts(value):
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):  # (--name or --no-name)
+                flag = flag if value else "--no-" + flag[2:]
+            else:
+                flag += f" {value}"
+            raise ValueError(f"{flag}: not supported ({why or 'wrong type'})")
+
+
 def check_parallel(tensor_parallel_size: int) -> None:
     if tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size!r}: rltserve runs an engine on one "
-            "device; for more devices run replicas (rltserve.ray.generate, serve --replicas)"
-        )
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: {ONE_DEVICE}")
 
 
 def check_utilization(utilization: float) -> None:

@@ -103,3 +103,39 @@ def test_input_is_quicks_message_or_stdins_nonblank_lines(monkeypatch):
     assert list(chat_cli._lines("just this")) == ["just this"]
     monkeypatch.setattr("sys.stdin", io.StringIO("first\n\n  \nsecond line\n"))
     assert list(chat_cli._lines(None)) == ["first", "second line"]
+
+
+@pytest.mark.asyncio
+async def test_a_chat_past_the_context_drops_its_oldest_turns_and_goes_on(ckpt, capsys):
+    """A 64-token context holds the system prompt and two exchanges (74 tokens with a third
+    message): the oldest exchange goes, stderr says so, and every message is answered. A
+    message that cannot fit alone is refused on stderr and dropped, the conversation kept."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))  # "Hi"
+    lines = ["tell me more", "tell me again", "tell me once", "x " * 60, "tell me last"]
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        out = io.StringIO()
+        args = _args(live.url + "/v1", system_prompt="be brief")
+        assert await chat_cli._chat(args, iter(lines), out) == 1
+    assert out.getvalue() == "Hi\n" * 4
+    err = capsys.readouterr().err.splitlines()
+    dropped = "rltserve: the conversation outgrew the context: its oldest 2 messages were dropped"
+    assert (len(err), err[0], err[2]) == (3, dropped, dropped)
+    assert err[1] == (
+        "rltserve: message dropped: 400: messages: 146 tokens leave no room to generate within "
+        "this model's maximum context length of 64 tokens"
+    )
+
+    def chat(*turns: str) -> list[int]:
+        messages = [{"role": "system", "content": "be brief"}]
+        for i, text in enumerate(turns):
+            messages += [{"role": "user", "content": text}]
+            messages += [{"role": "assistant", "content": "Hi"}] * (i < len(turns) - 1)
+        return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+    tok = load_tokenizer(ckpt)
+    assert stage.added_prompts == [
+        chat(lines[0]),
+        chat(lines[0], lines[1]),
+        chat(lines[1], lines[2]),
+        chat(lines[2], lines[4]),  # (the long message refused, its conversation as it was)
+    ]

@@ -28,9 +28,11 @@ def test_model_settings_name_the_bad_value():
     _refused(ModelConfig, r"logprobs_mode='raw_logits': must be one of", logprobs_mode="raw_logits")
     _refused(ModelConfig, r"dtype='half': must be one of", dtype="half")
     _refused(ModelConfig, r"seed='1': must be an int", seed="1")
-    _refused(ModelConfig, r"max_model_len=1: must be >= 2", max_model_len=1)
+    _refused(ModelConfig, r"max_model_len=1: must be an int >= 2 \(or -1", max_model_len=1)
+    _refused(ModelConfig, r"max_model_len='1k': must be an int", max_model_len="1k")  # (as vLLM)
     config = ModelConfig(max_logprobs=-1, max_model_len=2, logprobs_mode="processed_logprobs")
     assert (config.max_logprobs, config.max_model_len) == (-1, 2)
+    assert ModelConfig(max_model_len=-1).max_model_len is None  # vLLM's -1: the model's
 
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda0", "cuda:", "cpux", "cuda:1x", "CPU", "", None])

@@ -264,3 +264,82 @@ def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch
         "(--enable-log-requests turns them on)",
     ]
     assert "sk-secret" not in caplog.text
+
+
+VLLM_SERVE_LINE = [
+    "serve", "--max-model-len", "512", "--enable-chunked-prefill", "--max-num-batched-tokens",
+    "512", "--trust-remote-code", "--tensor-parallel-size", "1", "--enable-prompt-tokens-details",
+    "--disable-log-requests", "--prefix-caching-hash-algo", "sha256", "--no-enable-chunked-prefill",
+    "-tp", "1", "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
+    "--disable-log-stats", "--gpu-memory-utilization", "0.9",
+]  # fmt: skip
+
+
+def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
+    """A ``vllm serve`` line ports unchanged: vLLM's engine flags (``vllm_args.FLAGS``, which
+    ``LLM(...)`` takes as keywords) are accepted where their values ask for nothing rltserve
+    lacks, as ``LLM`` accepts them."""
+    args = _parser().parse_args(VLLM_SERVE_LINE)
+    server, engine = serve_configs(args)
+    assert (engine.model.max_model_len, engine.scheduler.max_num_batched_tokens) == (512, 512)
+    assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, False)
+    assert args.trust_remote_code and args.enforce_eager and server.disable_log_stats
+    assert not engine.execution.cuda_graphs
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["-tp", "2"], "--tensor-parallel-size 2: not supported (rltserve runs an engine on one "
+         "device; for more devices run replicas (rltserve.ray.generate, serve --replicas))"),
+        (["--enable-lora"], "--enable-lora: not supported (LoRA adapters are not supported)"),
+        (["--kv-cache-dtype", "fp8"],
+         "--kv-cache-dtype fp8: not supported (the KV cache has the model's dtype)"),
+        (["--pipeline-parallel-size", "2"],
+         "--pipeline-parallel-size 2: not supported (an engine runs on one device)"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", [["serve"], ["generate", "Hi"], ["bench", "offline"]])
+def test_vllms_flags_asking_for_what_rltserve_lacks_are_usage_errors(
+    capsys, command, flags, message
+):
+    """Refused before any model loads, with LLM's reason (generate and bench offline build
+    their engines from the same flags)."""
+    from rltserve.cli import main
+
+    assert main([*command, *flags]) == 2
+    assert capsys.readouterr().err == f"rltserve: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    "value,length",
+    [("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("2048", 2048), ("-1", None), ("auto", None),
+     ("AUTO", None)],
+)  # fmt: skip
+def test_token_counts_take_vllms_human_readable_values(value, length):
+    """vLLM's parsers: k/m/g/t decimal, K/M/G/T binary; --max-model-len also -1 or auto (the
+    model's context, within the KV pool)."""
+    _, engine = serve_configs(_parser().parse_args(["serve", "--max-model-len", value]))
+    assert engine.model.max_model_len == length
+    if length is not None:
+        args = _parser().parse_args(["serve", "--max-num-batched-tokens", value])
+        assert args.max_num_batched_tokens == length
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--max-model-len", "1.5K"],
+         "argument --max-model-len: '1.5K': a binary suffix takes a whole number (did you mean "
+         "1.5k?)"),
+        (["--max-model-len", "lots"],
+         "argument --max-model-len: invalid int value: 'lots' (e.g. 2048, 2k, 25.6k or 2K)"),
+        (["--max-num-batched-tokens", "auto"],
+         "argument --max-num-batched-tokens: invalid int value: 'auto' (e.g. 2048, 2k, 25.6k or "
+         "2K)"),
+    ],
+)  # fmt: skip
+def test_a_token_count_that_does_not_parse_names_the_flag(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["serve", *flags])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")

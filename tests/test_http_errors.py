@@ -183,6 +183,43 @@ async def test_the_engines_refusals_are_400s_in_its_own_words(ckpt):
             ), body
 
 
+async def test_a_prompt_that_fills_the_context_is_scored_alone(ckpt):
+    """echo with max_tokens=0 (lm-eval's loglikelihood) of a prompt of max_model_len tokens
+    is scored, as vLLM's check (prompt + max_tokens) allows: the engine's one dropped token
+    takes no place in the context. Its logprobs extend those of its prefix. More is refused,
+    and so is the whole context where the pool holds only the context less one position."""
+    prompt = [5, 9, 14, 3, 7, 11, 2, 8, 6, 4, 13, 10, 12, 15, 1, 16]
+    score = {"echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    async with running(ckpt, engine={"max_model_len": 16}) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": prompt, **score})
+        assert status == 200, raw
+        body = orjson.loads(raw)
+        whole = body["choices"][0]["logprobs"]["token_logprobs"]
+        assert (len(whole), whole[0], body["usage"]["completion_tokens"]) == (16, None, 0)
+        status, _, raw = await live.post("/v1/completions", {"prompt": prompt[:15], **score})
+        assert orjson.loads(raw)["choices"][0]["logprobs"]["token_logprobs"] == whole[:15]
+        for body, message in (
+            (
+                {"prompt": [*prompt, 5], **score},
+                "prompt: 17 tokens exceed this model's maximum context length of 16 tokens",
+            ),
+            (
+                {"prompt": prompt, **score, "max_tokens": 1},
+                "prompt: 16 tokens leave no room to generate within this model's maximum "
+                "context length of 16 tokens",
+            ),
+        ):
+            status, _, raw = await live.post("/v1/completions", body)
+            assert (status, error_of(raw)["message"]) == (400, message)
+    async with running(ckpt, engine={"num_blocks": 8, "block_size": 4}) as live:
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5] * 9, **score})
+        assert (status, error_of(raw)["message"]) == (
+            400,
+            "prompt: 9 tokens leave no room to generate within the context limit of 9 tokens "
+            "(what the KV pool holds: raise kv_cache_gb or num_blocks)",
+        )
+
+
 async def test_body_and_routing_errors(ckpt):
     factory = scripted_factory(stage_for(ckpt))
     async with running(ckpt, client_factory=factory, max_body_bytes=2048) as live:

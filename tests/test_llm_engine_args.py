@@ -252,6 +252,7 @@ def test_vllms_engine_arguments_at_harmless_values_are_accepted():
             "hf_token": None,
             "max_num_partial_prefills": 1,
             "logits_processors": None,
+            "prefix_caching_hash_algo": "sha256",
         }
     )
     for name, value, why in [
@@ -265,3 +266,15 @@ def test_vllms_engine_arguments_at_harmless_values_are_accepted():
     ]:
         with pytest.raises(ValueError, match=f"{name}=.*: not supported \\(.*{why}"):
             check_inert({name: value})
+
+
+def test_the_engine_commands_vllm_flags_are_llms_arguments():
+    """Each vLLM flag of generate, serve and bench (``vllm_args.FLAGS``) is an argument LLM
+    takes, checked by the same table: the commands and LLM(...) accept the same values."""
+    import inspect
+
+    from rltserve.vllm_args import FLAGS, INERT, NAMED
+
+    named = set(inspect.signature(LLM).parameters)
+    assert set(NAMED) <= named and not set(INERT) & named
+    assert set(FLAGS) <= set(INERT) | set(NAMED)

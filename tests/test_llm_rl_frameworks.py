@@ -152,7 +152,7 @@ def test_a_hub_id_resolves_from_the_local_cache_only(tiny, tmp_path, monkeypatch
     args = build_parser().parse_args(
         ["serve", "--model", "someorg/ouro-tiny", "--served-model-name", "mine"]
     )
-    assert serve_configs(args)[0].served_model_name == "mine"  # (a given name is kept)
+    assert serve_configs(args)[0].served_model_name == ("mine",)  # (a given name is kept)
     args = build_parser().parse_args(["serve", "--model", str(tiny)])
     assert serve_configs(args)[0].served_model_name is None  # a directory: its name
     with pytest.raises(ValueError) as err:

@@ -194,3 +194,28 @@ def test_sampling_params_validate_prompt_logprobs(value):
     # (-1 is vLLM's every token; a count above the engine's max_logprobs is the engine's call)
     with pytest.raises(ValueError, match="^prompt_logprobs="):
         SamplingParams(temperature=0.0, prompt_logprobs=value)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{}, {"prefill_chunk_size": 4}, {"num_blocks": 4 * 3}],
+    ids=["whole", "chunked", "pool-of-the-context"],
+)
+def test_a_prompt_that_fills_the_context_is_scored(ckpts, ouro_ref, engine):
+    """lm-eval's loglikelihood of a full-context prompt (the HTTP API's echo with
+    max_tokens=0): one token asked for, which the last prompt position predicts and whose KV
+    is never written, so the prompt may take every position (4 planes of 3 blocks of 4 hold
+    12)."""
+    core = make_core(ckpts["ouro"], block_size=4, max_model_len=12, **engine)
+    assert not core.info.pool_limited
+    prompt = list(range(30, 42))
+    scored = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=TOP)
+    run = run_core(core, [prompt], [scored])
+    _check(ouro_ref, prompt, scored, run.prompt_logprobs["r0"])
+    assert run.tokens["r0"] == oracle_run(ouro_ref, prompt, scored).tokens
+    assert run.finish["r0"] == "length"
+    for more in (scored.replace(max_tokens=2), scored.replace(max_tokens=None)):
+        with pytest.raises(ValueError, match="^prompt: 12 tokens leave no room to generate"):
+            core.make_request(None, prompt, more)
+    with pytest.raises(ValueError, match="^prompt: 13 tokens leave no room"):
+        core.make_request(None, [*prompt, 5], scored)

@@ -209,7 +209,9 @@ class Request:
         eos = () if params.ignore_eos else self.eos_token_ids
         self.stop_ids = frozenset(eos).union(params.stop_token_ids)
         self.banned_ids = tuple(sorted(self.stop_ids)) if params.min_tokens else ()
-        room = self.max_total_tokens - self.num_prompt_tokens  # what the context leaves
+        # What the context leaves; a prompt that fills it (scored: ``request_checks``) still
+        # gets the one token its last position predicts, which takes no place in the context.
+        room = max(1, self.max_total_tokens - self.num_prompt_tokens)
         self.max_outputs = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)

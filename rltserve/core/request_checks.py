@@ -56,7 +56,11 @@ def check_params(
         if message := outside_vocab(name, ids, spec.vocab_size):
             raise ValueError(message)
     params = _bounded_logprobs(params, spec.vocab_size, config.model.max_logprobs)
-    if len(prompt_token_ids) >= max_model_len:
+    # A prompt may fill the context when it asks for one token (scoring: prompt_logprobs, the
+    # HTTP API's echo with max_tokens=0): that token is the last position's prediction, whose
+    # KV is never written. Not where the pool holds only the context less that position.
+    scored = params.max_tokens == 1 and not pool_limited
+    if len(prompt_token_ids) > max_model_len - 1 + scored:
         raise ValueError(no_room("prompt", len(prompt_token_ids), max_model_len, pool_limited))
     if params.max_loops is not None and params.max_loops > spec.max_loops:
         raise ValueError(

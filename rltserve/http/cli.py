@@ -46,7 +46,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     add_dataclass_args(parser, ServerConfig, "server")
     add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
-    add_engine_args(parser)
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="deprecated, as vLLM's: request logs are off unless --enable-log-requests",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's; accepted: usage.prompt_tokens_details (cached_tokens) is always there when "
+        "some prompt tokens were cached, as vLLM's with this flag",
+    )
+    add_engine_args(parser)  # (after serve's own: vLLM's engine flags leave those to it)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -67,11 +79,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="a JSON logging configuration (Python's logging.config.dictConfig schema, as "
         "vLLM's) that replaces the one --log-level sets up",
-    )
-    parser.add_argument(
-        "--disable-log-requests",
-        action="store_true",
-        help="deprecated, as vLLM's: request logs are off unless --enable-log-requests",
     )
     parser.set_defaults(func=cmd_serve)
     return parser

@@ -149,17 +149,22 @@ class Frontend:
         return self.codec
 
     async def completion_prompts(
-        self, items: list, keep: int | None = None, add_special_tokens: bool = True
+        self,
+        items: list,
+        keep: int | None = None,
+        add_special_tokens: bool = True,
+        scored: bool = False,
     ) -> list[PromptInput]:
         """``items``: a request's prompts (``CompletionRequest.prompts``), texts or token ids;
-        ``keep``: ``truncate_prompt_tokens`` (a truncated text echoes what was run)."""
+        ``keep``: ``truncate_prompt_tokens`` (a truncated text echoes what was run);
+        ``scored``: the prompts alone are asked for (``check_prompt``)."""
         if not items:
             raise bad_request("prompt: must not be empty", "prompt")
         out = []
         for item in items:
             if not isinstance(item, str):
                 ids = self.truncated(list(item), keep)
-                out.append(PromptInput(self.check_prompt(ids, "prompt")))
+                out.append(PromptInput(self.check_prompt(ids, "prompt", scored)))
                 continue
             codec = self.require_codec("prompt")
             if keep is None:
@@ -168,7 +173,9 @@ class Frontend:
                 ids = await codec.encode_any(item, add_special_tokens)
             kept = self.truncated(ids, keep)
             out.append(
-                PromptInput(self.check_prompt(kept, "prompt"), item if kept is ids else None)
+                PromptInput(
+                    self.check_prompt(kept, "prompt", scored), item if kept is ids else None
+                )
             )
         return out
 
@@ -246,12 +253,22 @@ class Frontend:
             return await codec.encode(text, "messages", add_special_tokens)
         return await codec.encode_any(text, add_special_tokens)
 
-    def check_prompt(self, ids: list[int], param: str) -> list[int]:
-        """The engine's own admission checks, run here so they are a 400 before streaming."""
+    def check_prompt(self, ids: list[int], param: str, scored: bool = False) -> list[int]:
+        """The engine's own admission checks, run here so they are a 400 before streaming.
+        ``scored``: the prompt alone is asked for (echo with max_tokens=0), so it may fill the
+        context as vLLM's may: the engine's one token takes no place in it
+        (``request_checks.check_params``), unless the pool holds only the context less one."""
         info = self.info
         if not ids:
             raise bad_request(f"{param}: must contain at least one token", param)
-        if len(ids) >= info.max_model_len:  # first: it is cheap, a long scan is not
+        whole = scored and not info.pool_limited
+        if len(ids) > info.max_model_len - 1 + whole:  # first: it is cheap, a long scan is not
+            if whole:
+                raise bad_request(
+                    f"{param}: {len(ids)} tokens exceed this model's maximum context length "
+                    f"of {info.max_model_len} tokens",
+                    param,
+                )
             if info.pool_limited:  # (the engine's words: the pool, not the model, is short)
                 raise bad_request(no_room(param, len(ids), info.max_model_len, True), param)
             raise bad_request(

@@ -110,6 +110,8 @@ def _choices(
     choices = []
     for p, prompt in enumerate(prompts):
         limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
+        if limit == 0:  # (echo's max_tokens=0: the engine samples one token, which is dropped)
+            limit = 1
         unsent = None  # (``ChoiceRequest.default_max_tokens``)
         if max_tokens is None:
             whole = limit == frontend.info.max_model_len - len(prompt.token_ids)
@@ -161,15 +163,14 @@ async def completion_plan(
     # Before any prompt is tokenized: a million prompts would hold the event loop for a minute.
     check_sequences(state, len(items), req.n)
     prompts = await frontend.completion_prompts(
-        items, req.truncate_prompt_tokens, req.add_special_tokens
+        items, req.truncate_prompt_tokens, req.add_special_tokens, req.prompt_only
     )
-    max_tokens = 1 if req.prompt_only else req.max_tokens
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
     choices = _choices(
         frontend,
         req,
         prompts,
-        max_tokens,
+        req.max_tokens,
         req.logprobs,
         "max_tokens",
         default,
