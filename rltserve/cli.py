@@ -62,7 +62,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--exit-threshold",
         type=float,
-        default=1.0,
+        default=None,
         help="adaptive exit below 1: Ouro's gate CDF level, or the zero-shot criterion's "
         "threshold (Huginn, Nanbeige)",
     )
@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument(
         "--exit-threshold",
         type=float,
-        default=1.0,
-        help="adaptive exit below 1 (default: 1.0, full depth)",
+        default=None,
+        help="adaptive exit below 1 (default: full depth, or the --exit-criterion's own)",
     )
     off.add_argument(
         "--exit-criterion",

@@ -9,13 +9,14 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from rltserve.kv_policy import KVPolicy
 from rltserve.prompt_truncation import truncation_error
 
 logger = logging.getLogger(__name__)
 
 INIT_STATES = ("random", "zero")
 # Zero-shot exit criteria of models without an exit gate (Huginn, Nanbeige; MODELS.md §2.5), with
-# the threshold each takes when ``exit_threshold`` is left at 1.0 (Hugging Face's "auto" values).
+# the threshold each takes when ``exit_threshold`` is not given (Hugging Face's "auto" values).
 # ``argmax-stability``'s threshold counts loops; ``none`` never exits early (a fixed depth).
 EXIT_CRITERIA = {
     "kl": 5e-4,
@@ -25,7 +26,8 @@ EXIT_CRITERIA = {
     "argmax-stability": 5,
     "none": 1.0,
 }
-# KV policies a request may pick for itself (the per-depth ones: the same planes).
+# KV policies a request may pick for itself on an engine running either (the per-depth ones: the
+# same planes); besides, any engine takes a request naming its own policy (``check_kv_policy``).
 REQUEST_KV_POLICIES = ("full", "last_exited")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 # vLLM's temperature floor: logits divided by a smaller one overflow to inf (then NaN
@@ -52,11 +54,12 @@ class SamplingParams:
 
     Loop controls: a token exits at the first depth ``t >= min_loops`` whose exit-gate CDF reaches
     ``exit_threshold``, and at ``max_loops`` at the latest (None = the model's loop count).
-    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``. Models without a gate (Huginn,
-    Nanbeige) exit by a zero-shot criterion instead (``exit_criterion``, Huginn's names; "kl" when
-    unset and ``exit_threshold < 1``): a token exits at the first depth ``t >= min_loops`` where the
-    criterion's value after loop t is below ``exit_threshold`` (with a criterion named, any positive
-    threshold; left at 1.0, that criterion's default, ``EXIT_CRITERIA``), or, for
+    ``exit_threshold >= 1.0`` means a fixed depth of ``max_loops``; not given (None), it is 1.0.
+    Models without a gate (Huginn, Nanbeige) exit by a zero-shot criterion instead
+    (``exit_criterion``, Huginn's names; "kl" when unset and ``exit_threshold < 1``): a token exits
+    at the first depth ``t >= min_loops`` where the criterion's value after loop t is below
+    ``exit_threshold`` (with a criterion named, any positive threshold, 1.0 included; not given,
+    that criterion's default, ``EXIT_CRITERIA``), or, for
     ``argmax-stability``, where the argmax of the next-token logits has stayed the same for
     ``exit_threshold`` loops in a row (a whole number); ``none`` runs ``max_loops``; the first
     output token, the prompt's, always runs ``max_loops``. ``trace_depths`` (benchmarks and tests;
@@ -65,7 +68,8 @@ class SamplingParams:
 
     vLLM's names mean what they mean there: ``max_tokens`` (None: all the context the prompt
     leaves), ``n`` samples per prompt (sample j seeded with
-    ``seed + j`` when ``seed`` is set; -1 means unset), ``stop`` and ``stop_token_ids`` (lists,
+    ``seed + j`` when ``seed`` is set; a ``seed`` of -1 means unset, a derived -1 does not:
+    ``sample_seed``), ``stop`` and ``stop_token_ids`` (lists,
     empty when not given), ``logprobs=k`` returns the sampled token's logprob plus
     the top ``k``, ``skip_special_tokens``, ``include_stop_str_in_output`` and ``detokenize``
     (False: token ids only, no text work) shape the text.
@@ -108,10 +112,14 @@ class SamplingParams:
     min_tokens: int = 0
     min_loops: int = 1
     max_loops: int | None = None
-    exit_threshold: float = 1.0
+    # None (not given): 1.0, or the named criterion's default (``EXIT_CRITERIA``); a value
+    # given is kept, 1.0 too (a sweep over thresholds must not jump at 1.0). A number once
+    # constructed.
+    exit_threshold: float | None = None
     exit_criterion: str | None = None
     # The request's KV policy where it differs from the engine's: "full" or "last_exited", on
-    # an engine running either (they lay out planes alike); None: the engine's.
+    # an engine running either (they lay out planes alike); the engine's own (a no-op) on any;
+    # None: the engine's.
     kv_policy: str | None = None
     priority: int = 0
     logprobs: int | None = None
@@ -221,8 +229,9 @@ class SamplingParams:
                 MIN_TEMPERATURE,
             )
             self.temperature = MIN_TEMPERATURE
-        if isinstance(self.exit_criterion, str) and self.exit_threshold == 1.0:
-            self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0)
+        if self.exit_threshold is None:
+            named = isinstance(self.exit_criterion, str)  # (another type: refused below)
+            self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0) if named else 1.0
         self._validate()
         self._validate_vllm()
 
@@ -297,8 +306,12 @@ class SamplingParams:
             and not float(self.exit_threshold).is_integer()
         ):
             raise bad("exit_threshold", "argmax-stability counts loops: must be a whole number")
-        if self.kv_policy is not None and self.kv_policy not in REQUEST_KV_POLICIES:
-            raise bad("kv_policy", f"must be one of {REQUEST_KV_POLICIES} (or None: the engine's)")
+        if self.kv_policy is not None and not _is_kv_policy(self.kv_policy):
+            raise bad(
+                "kv_policy",
+                f"must be one of {REQUEST_KV_POLICIES} or the engine's own policy (None: the "
+                "engine's)",
+            )
         _check_int(self, "priority")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -347,7 +360,9 @@ class SamplingParams:
             raise bad("output_kind", "must be a RequestOutputKind (0, 1 or 2)")
         if self.flat_logprobs is not False:
             raise bad("flat_logprobs", "not supported (False: logprobs are lists of dicts)")
-        # Sample j draws with seed + j, and torch's generators take 64-bit seeds.
+        # Sample j draws with seed + j (``sample_seed``). torch reads a seed modulo 2**64 (a
+        # negative one draws what seed + 2**64 does), and the generators tell those 64 bits
+        # apart (``rltserve.seeds``: the CPU's mt19937 alone reads only the low 32).
         if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
             raise bad(
                 "seed", f"must be in [-2**63, 2**64 - n] (n={self.n}: sample j uses seed + j)"
@@ -460,6 +475,17 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_kv_policy(value: object) -> bool:
+    """A policy's name (which ones a request may ask for depends on the engine's)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        KVPolicy.parse(value)
+    except ValueError:
+        return False
+    return True
+
+
 def _nonempty(value: object) -> bool:
     """Whether an optional list field asks for something (a value that is no list does)."""
     return value is not None and not (isinstance(value, (list, tuple)) and not value)
@@ -481,18 +507,26 @@ def _check_number(obj: object, name: str) -> None:
         raise ValueError(f"{name}={value!r}: must be a number")
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: ``seed + index``
+    (vLLM's). Only the seed a user gives may be vLLM's "no seed" (-1): a derived -1 is written
+    2**64 - 1, the seed torch reads for it, so that the sample is seeded all the same."""
+    derived = seed + index
+    return 2**64 - 1 if derived == -1 else derived
+
+
 def expand_samples(params: SamplingParams) -> list[SamplingParams]:
     """The ``n`` single-sample requests that make up ``params``: sample j is seeded with
-    ``seed + j`` when ``seed`` is set (the HTTP server's convention) and unseeded otherwise.
-    Only the first scores the prompt (``prompt_logprobs``: the same for every sample), so the
-    others may share its prefill."""
+    ``sample_seed(seed, j)`` when ``seed`` is set (the HTTP server's convention) and unseeded
+    otherwise. Only the first scores the prompt (``prompt_logprobs``: the same for every
+    sample), so the others may share its prefill."""
     if params.n == 1:
         return [params]
     return [
         params.replace(
             n=1,
             best_of=None,
-            seed=None if params.seed is None else params.seed + j,
+            seed=None if params.seed is None else sample_seed(params.seed, j),
             prompt_logprobs=params.prompt_logprobs if j == 0 else None,
         )
         for j in range(params.n)

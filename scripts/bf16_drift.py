@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         fixed = base.replace(init_state="zero")
         cases["huginn_full_depth"] = compare(args.huginn, args.low, prompts, fixed)
         zero_shot = fixed.replace(
-            exit_criterion=args.huginn_criterion, exit_threshold=args.huginn_threshold or 1.0
+            exit_criterion=args.huginn_criterion, exit_threshold=args.huginn_threshold
         )
         name = f"huginn_{args.huginn_criterion}_{zero_shot.exit_threshold}"
         cases[name] = compare(args.huginn, args.low, prompts, zero_shot, teacher=False)

@@ -42,7 +42,7 @@ from reference_parts import (
     RefOutput,
     causal_attention,
     load_checkpoint,
-    noise_seed,
+    noise_generator,
     parse_kv_policy,
     plane_of,
     rms_norm,
@@ -184,7 +184,7 @@ class Reference:
         rows = []
         sd = self.init_std
         for p in range(start, start + e.shape[0]):
-            g = torch.Generator().manual_seed(noise_seed(seed, p))
+            g = noise_generator(seed, p)
             r = torch.nn.init.trunc_normal_(
                 torch.empty(self.hidden, dtype=torch.float32),
                 mean=0.0,

@@ -223,6 +223,22 @@ def noise_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (2**63)
 
 
+def noise_generator(seed: int, position: int) -> torch.Generator:
+    """The CPU generator of one position's initial state: ``manual_seed(noise_seed(...))``
+    (its mt19937 reads the low 32 bits); where the seed (mod 2**64) has high 32 bits, mt19937
+    state words 2..623 are XORed with those of ``manual_seed(high)``."""
+    gen = torch.Generator().manual_seed(noise_seed(seed, position))
+    high = (seed % 2**64) // 2**32
+    if high:
+        # torch's CPU state: uint64 seed, int32 left, int32 seeded, uint64 next, then the 624
+        # mt19937 words as uint64.
+        state, other = gen.get_state(), torch.Generator().manual_seed(high).get_state()
+        words = state[24 : 24 + 624 * 8].view(torch.int64)
+        words[2:] ^= other[24 : 24 + 624 * 8].view(torch.int64)[2:]
+        gen.set_state(state)
+    return gen
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

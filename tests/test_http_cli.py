@@ -230,7 +230,9 @@ def test_a_log_config_file_leaves_the_servers_loggers_on(tmp_path, monkeypatch):
     root, server = logging.getLogger(), logging.getLogger("rltserve.http")
     monkeypatch.setattr(root, "handlers", list(root.handlers))  # (restored after)
     monkeypatch.setattr(root, "level", root.level)
-    monkeypatch.setattr(server, "disabled", server.disabled)
+    for logger in logging.root.manager.loggerDict.values():  # (dictConfig may disable any)
+        if isinstance(logger, logging.Logger):
+            monkeypatch.setattr(logger, "disabled", logger.disabled)
     path = tmp_path / "logging.json"
     for extra, disabled in [({}, False), ({"disable_existing_loggers": True}, True)]:
         path.write_text(json.dumps({"version": 1, "root": {"level": "WARNING"}, **extra}))

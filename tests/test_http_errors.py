@@ -357,7 +357,8 @@ async def test_engine_rejection_is_a_400(ckpt):
 async def test_a_default_max_tokens_past_the_kv_pool_is_named_as_the_servers(ckpt):
     """A request without max_tokens that the whole KV pool cannot hold at the depth it asks
     for: the 400 says the server chose max_tokens (chat: the rest of the context; completions:
-    the default 16) and names max_loops; one that sent max_tokens keeps the engine's words."""
+    the default 16) and names max_loops; one that sent max_tokens keeps the engine's words.
+    Either names the depth field as sent (max_loops, or num_steps) as its param."""
     engine = {"num_blocks": 64, "block_size": 4, "max_model_len": 64}  # 64 tokens at 4 loops
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_loops": 8}
     advice = "set max_tokens or lower max_loops, or raise num_blocks"
@@ -379,10 +380,14 @@ async def test_a_default_max_tokens_past_the_kv_pool_is_named_as_the_servers(ckp
             f"{advice}"
         )
         status, _, raw = await live.post("/v1/chat/completions", {**chat, "max_tokens": 50})
-        assert (status, error_of(raw)["param"]) == (400, None)
+        assert (status, error_of(raw)["param"]) == (400, "max_loops")
         assert error_of(raw)["message"].endswith(
             "but the pool has 64; lower max_tokens or max_loops, or raise num_blocks"
         )
+        steps = {**body, "max_loops": None, "num_steps": 8}
+        for sent in ({}, {"max_tokens": 30}):
+            status, _, raw = await live.post("/v1/completions", {**steps, **sent})
+            assert (status, error_of(raw)["param"]) == (400, "num_steps"), raw
 
 
 async def test_a_request_aborted_before_any_update_counts_a_start_and_an_abort(ckpt):

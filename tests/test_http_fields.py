@@ -4,6 +4,7 @@ against the context. Uses the scripted stage (context of 64 tokens)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -155,8 +156,9 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
 
 async def test_sampling_fields_reach_the_engine(ckpt):
     """Fields that only the engine reads arrive in the request's SamplingParams: Huginn's
-    ``init_state`` and ``exit_criterion``, ``logit_bias`` (string keys), ``allowed_token_ids``;
-    ``num_steps`` errors name ``num_steps``."""
+    ``init_state`` and ``exit_criterion`` (a threshold sent, 1 included, is kept; one not sent is
+    the criterion's default), ``logit_bias`` (string keys), ``allowed_token_ids``, the seeds of
+    n samples (a derived -1 seeds); ``num_steps`` errors name ``num_steps``."""
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         body = {"prompt": [5], "max_tokens": 2, "init_state": "zero", "logit_bias": {"7": -2}}
@@ -184,9 +186,18 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         assert stage.added_params[-1].exit_threshold == 3
         status, _, raw = await live.post("/v1/completions", {**body, "exit_threshold": 2.5})
         assert status == 400 and error_of(raw)["param"] == "exit_threshold", raw
+        for criterion in ("argmax-stability", "kl"):
+            body = {"prompt": [5], "exit_criterion": criterion, "exit_threshold": 1}
+            assert (await live.post("/v1/completions", body))[0] == 200
+            assert stage.added_params[-1].exit_threshold == 1
+        body = {"prompt": [5], "max_tokens": 2, "n": 3, "seed": -2}
+        assert (await live.post("/v1/completions", body))[0] == 200
+        assert [p.seed for p in stage.added_params[-3:]] == [-2, 2**64 - 1, 0]
         assert (await live.post("/v1/completions", {"prompt": [5], "kv_policy": "full"}))[0] == 200
         assert stage.added_params[-1].kv_policy == "full"
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "kv_policy": "ring:2"})
+        assert status == 400 and error_of(raw)["param"] == "kv_policy", raw
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "kv_policy": "shared"})
         assert status == 400 and error_of(raw)["param"] == "kv_policy", raw
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 0})
         error = error_of(raw)
@@ -410,3 +421,22 @@ async def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(ckpt):
         status, _, raw = await live.post("/v1/completions", {**body, "truncate_prompt_tokens": "5"})
         assert (status, error_of(raw)["param"]) == (400, "truncate_prompt_tokens")
         assert len(stage.added_prompts) == n  # (nothing reached the engine)
+
+
+async def test_a_request_may_name_the_servers_own_kv_policy(ckpt):
+    """On a ring:2 server a request's kv_policy "ring:2" is the server's own (a no-op), as
+    last_exited is on a last_exited server; any other is refused before the engine sees it."""
+    info = dataclasses.replace(scripted_info(ckpt, max_model_len=64), kv_policy="ring:2")
+    stage = ScriptedStage(info, Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "kv_policy": "ring:2"}
+        assert (await live.post("/v1/completions", body))[0] == 200
+        assert stage.added_params[-1].kv_policy == "ring:2"
+        for other in ("ring:3", "shared", "full"):
+            status, _, raw = await live.post("/v1/completions", {**body, "kv_policy": other})
+            error = error_of(raw)
+            assert (status, error["param"]) == (400, "kv_policy"), raw
+            assert error["message"].startswith(
+                f"kv_policy='{other}': this engine runs kv_policy='ring:2', whose planes"
+            )
+        assert len(stage.added_params) == 1

@@ -1,7 +1,7 @@
 """A request's own KV policy (``SamplingParams.kv_policy``: ``full`` or ``last_exited`` on an
 engine running either, whose planes they share): in one batch beside requests on the engine's
 policy, every engine mode reproduces the oracle run with each request's policy; an engine whose
-planes differ (``shared``, ``ring:k``) refuses another policy."""
+planes differ (``shared``, ``ring:k``) refuses another policy, and every engine takes its own."""
 
 from __future__ import annotations
 
@@ -95,15 +95,50 @@ def test_huginn_criteria_under_both_policies(ckpts, huginn_ref):
 
 def test_settings_are_checked():
     assert REQUEST_KV_POLICIES == ("full", "last_exited")
-    for bad in ("shared", "ring:2", "", 3):
+    for bad in ("ring:0", "dense", "", 3):
         with pytest.raises(ValueError, match=r"^kv_policy=.*: must be one of"):
             SamplingParams(kv_policy=bad)
+    # (Any policy's name: whether a request may run it is the engine's to say.)
+    assert SamplingParams(kv_policy="ring:2").kv_policy == "ring:2"
 
 
 @pytest.mark.parametrize("engine_policy", ["shared", "ring:2"])
 def test_an_engine_with_other_planes_refuses_another_policy(ckpts, engine_policy):
     core = make_core(ckpts["huginn"], kv_policy=engine_policy)
-    with pytest.raises(ValueError, match=r"^kv_policy='full': this engine runs kv_policy="):
-        core.make_request(None, [5, 6], SamplingParams(kv_policy="full"))
+    unlike = "ring:2" if engine_policy == "shared" else "shared"
+    for other in ("full", "last_exited", "ring:3", unlike):
+        with pytest.raises(ValueError, match=rf"^kv_policy='{other}': this engine runs kv_policy="):
+            core.make_request(None, [5, 6], SamplingParams(kv_policy=other))
     core.make_request(None, [5, 6], SamplingParams())  # (its own: fine)
+    request = core.make_request(None, [5, 6], SamplingParams(kv_policy=engine_policy))
+    assert request.kv_policy is None  # (named: the engine's own, a no-op)
     core.shutdown()
+
+
+def test_a_per_depth_engine_refuses_shared_and_ring(ckpts):
+    core = make_core(ckpts["huginn"], kv_policy="full")
+    for other in ("shared", "ring:2"):
+        message = (
+            rf"^kv_policy='{other}': this engine runs kv_policy='full', where a request may pick "
+            r"one of \('full', 'last_exited'\)"
+        )
+        with pytest.raises(ValueError, match=message):
+            core.make_request(None, [5, 6], SamplingParams(kv_policy=other))
+    core.shutdown()
+
+
+def test_requests_naming_a_ring_engines_policy_equal_the_oracle(ckpts, huginn_ref):
+    """A ring:2 engine runs requests that name ring:2 as those that name none."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(384) for _ in range(rng.randint(2, 11))] for _ in range(4)]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=5, ignore_eos=True, init_state="random", seed=i,
+            kv_policy=("ring:2", None)[i % 2],
+        )
+        for i in range(4)
+    ]  # fmt: skip
+    core = make_core(ckpts["huginn"], kv_policy="ring:2")
+    run = run_core(core, prompts, params)
+    core.shutdown()
+    _check(huginn_ref, prompts, params, run, "ring:2")

@@ -12,7 +12,7 @@ from engine_util import make_core, run_core
 
 from rltserve.generation_config import generation_config_defaults
 from rltserve.prompt_truncation import truncated_prompt
-from rltserve.sampling import SamplingParams, outside_vocab
+from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, sample_seed
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -87,6 +87,29 @@ def test_seed_range_leaves_room_for_every_sample():
         SamplingParams(temperature=0.0, seed=2**64 - 1, n=2)
     with pytest.raises(ValueError, match="seed="):
         SamplingParams(temperature=0.0, seed=-(2**63) - 1)
+
+
+def test_only_the_users_seed_of_minus_one_is_no_seed():
+    """vLLM checks the seed a user gives for -1 ("no seed") once; sample j of n gets seed + j
+    without that check: a derived -1 is 2**64 - 1, the seed torch reads for it."""
+    assert SamplingParams(seed=-1).seed is None
+    assert [sample_seed(-2, j) for j in range(3)] == [-2, 2**64 - 1, 0]
+    samples = expand_samples(SamplingParams(temperature=1.0, seed=-2, n=3))
+    assert [p.seed for p in samples] == [-2, 2**64 - 1, 0]
+    assert samples[1].clone().seed == 2**64 - 1  # (the submitted copy keeps it)
+    assert [p.seed for p in expand_samples(SamplingParams(seed=-1, n=2))] == [None, None]
+
+
+def test_a_sample_derived_at_minus_one_is_the_same_on_every_call(ouro_rv1):
+    """seed=-2, n=3: sample 1 draws with seed -1 (that is 2**64 - 1), not with a seed the
+    engine picks anew for each call."""
+    core = make_core(ouro_rv1)
+    samples = expand_samples(SamplingParams(temperature=1.0, max_tokens=6, seed=-2, n=3))
+    calls = [run_core(core, [[5, 6, 7]] * 3, samples).tokens for _ in range(2)]
+    alone = run_core(core, [[5, 6, 7]], [samples[1].replace(seed=2**64 - 1)]).tokens["r0"]
+    core.shutdown()
+    assert calls[0] == calls[1] and calls[0]["r1"] == alone
+    assert calls[0]["r0"] != calls[0]["r1"] != calls[0]["r2"]  # (three seeds)
 
 
 def test_temperature_takes_vllms_range():
@@ -202,7 +225,7 @@ def test_the_edges_of_each_range_are_accepted(kw):
         {"exit_threshold": float("nan")},
         {"exit_threshold": 2.5, "exit_criterion": "argmax-stability"},
         {"exit_criterion": "entropy"},
-        {"kv_policy": "ring:2"},
+        {"kv_policy": "ring:0"},
         {"priority": 1.5},
         {"seed": 1.5},
         {"logprobs": -2},

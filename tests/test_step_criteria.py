@@ -301,8 +301,32 @@ def test_argmax_stability_equals_the_oracle(huginn_rv1, huginn_ref, mode):
     assert min(counted) < 8 == max(counted), counted
 
 
+@pytest.mark.parametrize("mode", [m for m in ENGINE_MODES if m != "pipelined"])
+def test_a_threshold_of_one_given_is_one(huginn_rv1, huginn_ref, mode):
+    """An explicit 1 is a threshold like any other (a sweep over thresholds has no jump there):
+    argmax-stability at 1 exits after one loop whose argmax repeats the loop before's (loop 2
+    at the earliest; at the default 5, loop 6), kl below 1.0."""
+    prompts, params = workload(n=4, seed=13, max_loops=6)
+    params = [
+        p.replace(exit_criterion=c, exit_threshold=1.0, max_tokens=5)
+        for p, c in zip(params, ["argmax-stability", "kl"] * 2)
+    ]
+    engine = dict(ENGINE_MODES[mode])
+    core, run = run_mode(huginn_rv1, prompts, params, **engine)
+    core.shutdown()
+    exit_mode = engine.get("exit_mode", "gate")
+    depths = check(huginn_ref, prompts, params, run, exit_mode, kv_policy="last_exited")
+    counted = [d for out in depths[::2] for d in out[1:]]
+    assert min(counted) == (3 if exit_mode == "delayed" else 2), counted
+
+
 def test_sampling_params_criterion_fields():
     assert SamplingParams(exit_criterion="kl").exit_threshold == 5e-4
+    assert SamplingParams(exit_criterion="kl", exit_threshold=None).exit_threshold == 5e-4
+    assert SamplingParams(exit_criterion="kl", exit_threshold=1.0).exit_threshold == 1.0
+    assert SamplingParams(exit_criterion="argmax-stability", exit_threshold=1).exit_threshold == 1
+    assert SamplingParams().exit_threshold == 1.0 and not SamplingParams().adaptive_exit
+    assert not SamplingParams(exit_threshold=1.0).adaptive_exit  # (no criterion: fixed depth)
     assert SamplingParams(exit_criterion="latent-diff").exit_threshold == 0.03
     assert SamplingParams(exit_criterion="kl", exit_threshold=0.2).exit_threshold == 0.2
     assert SamplingParams(exit_criterion="minp-kl").clone().exit_threshold == 1e-6

@@ -141,7 +141,8 @@ def run_graphs_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
     e.g. to smoke-test scripts/gpu_check.sh on a CPU)."""
     cuda = engine_kw["device"].startswith("cuda")
     modes = {"eager": False, "graphs": True} if cuda else {"eager": False}
-    thresholds = list(dict.fromkeys((args.exit_threshold, 1.0)))
+    chosen = 1.0 if args.exit_threshold is None else args.exit_threshold  # (None: full depth)
+    thresholds = list(dict.fromkeys((chosen, 1.0)))
     out: dict[str, Any] = {"modes": list(modes), "exit_thresholds": thresholds}
     if not cuda:
         out["note"] = f"device={engine_kw['device']}: CUDA graphs need a CUDA device; eager only"
@@ -164,10 +165,8 @@ def run_graphs_compare(model: LoopedModel, engine_kw: dict, args: argparse.Names
                 )
                 _release_device_memory()
         for mode in modes:
-            if args.exit_threshold != 1.0:
-                row[f"{mode}_vs_full_depth"] = _ratio(
-                    row[f"{mode}_q{args.exit_threshold}"], row[f"{mode}_q1.0"]
-                )
+            if chosen != 1.0:
+                row[f"{mode}_vs_full_depth"] = _ratio(row[f"{mode}_q{chosen}"], row[f"{mode}_q1.0"])
         if "graphs" in modes:
             for q in thresholds:
                 row[f"graphs_vs_eager_q{q}"] = _ratio(row[f"graphs_q{q}"], row[f"eager_q{q}"])

@@ -35,6 +35,7 @@ from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
+from rltserve.seeds import seeded_generator
 from rltserve.updates import ASLEEP, RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class EngineCore:
             pad_budget=config.execution.attention_pad_budget,
             logprobs_mode=mc.logprobs_mode,
         )
-        self._seed_rng = torch.Generator().manual_seed(mc.seed)
+        self._seed_rng = seeded_generator(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
         # Requests whose prompt KV goes to a decode stage when they finish: request, file.
         self._exports: dict[str, tuple[Request, str]] = {}
@@ -222,7 +223,7 @@ class EngineCore:
             group=group,
         )
         check_bans(request, spec.vocab_size)
-        if params.kv_policy is not None and params.kv_policy != str(self.policy):
+        if params.kv_policy is not None and KVPolicy.parse(params.kv_policy) != self.policy:
             request.kv_policy = KVPolicy.parse(params.kv_policy)
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: a first output's exit is

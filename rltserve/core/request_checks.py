@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rltserve.config import EngineConfig
-from rltserve.sampling import SamplingParams, outside_vocab
+from rltserve.kv_policy import KVPolicy
+from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams, outside_vocab
 
 if TYPE_CHECKING:
     from rltserve.core.request import Request
@@ -37,6 +38,26 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
             f"scheduling_policy={scheduling_policy!r}; start it with "
             "scheduling_policy='priority')"
         )
+
+
+def check_kv_policy(asked: str | None, policy: str) -> None:
+    """A request's own KV policy (``asked``; None: the engine's) on an engine running
+    ``policy``: the engine's own (a no-op), or on a full or last_exited engine the other of
+    those two (they lay out planes alike). Any other needs planes the engine does not lay out."""
+    if asked is None:
+        return
+    engine, request = KVPolicy.parse(policy), KVPolicy.parse(asked)
+    if request == engine or (engine.per_depth and request.per_depth):
+        return
+    if engine.per_depth:
+        raise ValueError(
+            f"kv_policy={asked!r}: this engine runs kv_policy={policy!r}, where a request may "
+            f"pick one of {REQUEST_KV_POLICIES} (shared and ring:K are the engine's choice)"
+        )
+    raise ValueError(
+        f"kv_policy={asked!r}: this engine runs kv_policy={policy!r}, whose "
+        "planes a request cannot change (full and last_exited engines take either)"
+    )
 
 
 def check_params(
@@ -82,12 +103,7 @@ def check_params(
             "exit rule would make every step wait for the previous one"
         )
     cap = params.max_loops or spec.num_loops
-    policy = config.cache.kv_policy
-    if params.kv_policy not in (None, policy) and policy not in ("full", "last_exited"):
-        raise ValueError(
-            f"kv_policy={params.kv_policy!r}: this engine runs kv_policy={policy!r}, whose "
-            "planes a request cannot change (full and last_exited engines take either)"
-        )
+    check_kv_policy(params.kv_policy, config.cache.kv_policy)
     if params.exit_criterion is not None and spec.has_gate:
         raise ValueError(
             f"exit_criterion={params.exit_criterion!r}: this model's tokens exit by its learned "

@@ -29,6 +29,7 @@ import torch
 
 from rltserve.core.staging import to_device
 from rltserve.sampling import SamplingParams
+from rltserve.seeds import seeded_generator
 
 
 class SeededGenerator:
@@ -41,7 +42,7 @@ class SeededGenerator:
 
     def __init__(self, seed: int, device: torch.device | str) -> None:
         self.seed = seed
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = seeded_generator(seed, device)
         self.draws = 0
 
     def noise(self, width: int) -> torch.Tensor:

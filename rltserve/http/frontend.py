@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.request_checks import no_room
+from rltserve.core.request_checks import check_kv_policy, no_room
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.http.encoding import TextCodec
@@ -107,6 +107,9 @@ class ChoiceRequest:
     # What max_tokens is when the request sent none ("the rest of the context, 509 tokens"):
     # a refusal it causes says so, as the client never chose it. None: the client's own.
     default_max_tokens: str | None = None
+    # The depth field as the request sent it ("max_loops", or Huginn's "num_steps"; None: not
+    # sent): the param of a refusal for want of KV blocks, which the depth sizes.
+    loops_param: str | None = None
 
 
 class Frontend:
@@ -294,6 +297,10 @@ class Frontend:
             raise bad_request(
                 f"max_loops={params.max_loops}: this model allows at most {cap}", "max_loops"
             )
+        try:  # (the engine's own check)
+            check_kv_policy(params.kv_policy, self.info.kv_policy)
+        except ValueError as exc:
+            raise bad_request(str(exc), "kv_policy") from exc
         if params.max_thinking_tokens is not None:
             try:
                 params = resolve_thinking(params, self.tokenizer)

@@ -37,6 +37,7 @@ class ChoiceEvent:
     output: Completion
     rejected: bool
     default_max_tokens: str | None = None  # (``ChoiceRequest``'s)
+    loops_param: str | None = None  # (``ChoiceRequest``'s)
 
 
 @dataclass
@@ -239,6 +240,7 @@ class Generation:
             choice.assembler.output,
             update.rejected,
             choice.request.default_max_tokens,
+            choice.request.loops_param,
         )
 
 
@@ -268,7 +270,7 @@ def failure(
         if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
             return unavailable("the model is sleeping: POST /wake_up first", retry_after_s)
         if event.rejected:
-            return bad_request(*_refusal(message, event.default_max_tokens))
+            return bad_request(*_refusal(message, event.default_max_tokens, event.loops_param))
         if message.startswith("stage died"):
             return unavailable(message, retry_after_s)
         return HTTPError(500, message)
@@ -278,14 +280,22 @@ def failure(
     return None
 
 
-def _refusal(message: str, default_max_tokens: str | None) -> tuple[str, str | None]:
+def _refusal(
+    message: str, default_max_tokens: str | None, loops_param: str | None = None
+) -> tuple[str, str | None]:
     """The message and param of the 400 for a request the engine refused. One larger than the
-    whole KV pool whose max_tokens the server chose (``default_max_tokens``) says so, as the
-    client never set it, and names max_loops: the pool holds a whole context at the model's
-    own depth (``kv_sizing``): a deeper max_loops (or a kv_policy of more planes) made it
-    too large."""
-    if default_max_tokens is None or not message.endswith(POOL_ADVICE):
+    whole KV pool names the depth field the client sent (``loops_param``: max_loops or
+    num_steps), the pool holding a whole context at the model's own depth (``kv_sizing``): a
+    deeper max_loops (or a kv_policy of more planes) made it too large. Where the server chose
+    max_tokens (``default_max_tokens``) it says so, as the client never set it, and names
+    max_loops even unsent."""
+    if not message.endswith(POOL_ADVICE):
         return message, param_of(message)
+    if default_max_tokens is None:
+        return message, loops_param
     head = message[: -len(POOL_ADVICE)]
     advice = "set max_tokens or lower max_loops, or raise num_blocks"
-    return f"{head} (max_tokens not set: {default_max_tokens}); {advice}", "max_loops"
+    return (
+        f"{head} (max_tokens not set: {default_max_tokens}); {advice}",
+        loops_param or "max_loops",
+    )

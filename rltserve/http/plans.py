@@ -108,6 +108,7 @@ def _choices(
     defaults: dict[str, object] | None = None,
 ) -> list[ChoiceRequest]:
     choices = []
+    loops_param = next((n for n in ("max_loops", "num_steps") if getattr(req, n) is not None), None)
     for p, prompt in enumerate(prompts):
         limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
         if limit == 0:  # (echo's max_tokens=0: the engine samples one token, which is dropped)
@@ -130,7 +131,14 @@ def _choices(
                 raise bad_request(message, param_of(message)) from exc
             choices.append(
                 ChoiceRequest(
-                    p * req.n + j, p, prompt, checked, group, session, default_max_tokens=unsent
+                    p * req.n + j,
+                    p,
+                    prompt,
+                    checked,
+                    group,
+                    session,
+                    default_max_tokens=unsent,
+                    loops_param=loops_param,
                 )
             )
     return choices

@@ -29,7 +29,7 @@ from rltserve.http.chat_messages import (
 from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
-from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams, sample_seed
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
@@ -88,9 +88,9 @@ class GenerationFields:
     min_loops: int = 1
     max_loops: int | None = None
     num_steps: int | None = None  # Huginn's name for max_loops
-    exit_threshold: float = 1.0
+    exit_threshold: float | None = None  # None: 1.0, or the named criterion's default
     exit_criterion: str | None = None
-    kv_policy: str | None = None  # "full" or "last_exited" (None: the server's)
+    kv_policy: str | None = None  # "full" or "last_exited", or the server's own (None: it)
     priority: int = field(default=0, metadata={"range": PRIORITY_RANGE})
     init_state: str | None = None  # Huginn: the recurrent state's start ("random" or "zero")
     # Bounded thinking (SamplingParams' fields): after this many output tokens inside the
@@ -339,15 +339,16 @@ def sampling_params(
     sample_index: int,
     defaults: dict[str, object] | None = None,
 ) -> SamplingParams:
-    """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j`` so
-    that n > 1 gives distinct but reproducible samples; a seed of -1 is none (vLLM's), for
-    every sample. A sampling field the request leaves out takes ``defaults``' value (the
-    server's generation config), else ``SamplingParams``' default."""
+    """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j``
+    (``sample_seed``: a derived -1 seeds too) so that n > 1 gives distinct but reproducible
+    samples; a seed of -1 is none (vLLM's), for every sample. A sampling field the request
+    leaves out takes ``defaults``' value (the server's generation config), else
+    ``SamplingParams``' default."""
     given = {name: getattr(req, name) for name in GENERATION_CONFIG_KEYS}
     chosen = {name: (defaults or {}).get(name) if v is None else v for name, v in given.items()}
     sampling = {name: value for name, value in chosen.items() if value is not None}
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
-    seed = None if req.seed in (None, -1) else req.seed + sample_index
+    seed = None if req.seed in (None, -1) else sample_seed(req.seed, sample_index)
     if req.min_tokens > max_tokens >= 1:  # (a max_tokens below 1 is SamplingParams' error)
         asked = req.max_tokens is not None or getattr(req, "max_completion_tokens", None)
         limit = f"max_tokens ({max_tokens})" if asked else f"the default max_tokens ({max_tokens})"

@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from rltserve.seeds import LOW_BITS, SEED_MODULUS, cpu_generator
+
 
 class AttentionFn(Protocol):
     """Stores K/V of the current rows and returns causal attention over each row's context.
@@ -86,7 +88,7 @@ class LoopedModel(nn.Module, metaclass=ABCMeta):
     def draw_noise(self, seed: int | None, positions: list[int]) -> torch.Tensor:
         """Initial recurrent state of the given positions of one request, on the CPU in fp32:
         [len(positions), S]. ``seed=None`` means the all-zero state. Each position draws from its
-        own generator seeded with ``noise_seed(seed, position)``, so the values do not depend on
+        own generator (``noise_generator(seed, position)``), so the values do not depend on
         chunking, batching or recomputation. Models without a recurrent state return zeros."""
         return torch.zeros(len(positions), self.spec.state_size, dtype=torch.float32)
 
@@ -118,3 +120,12 @@ class LoopedModel(nn.Module, metaclass=ABCMeta):
 def noise_seed(seed: int, position: int) -> int:
     """Seed of the generator that draws the initial state of one position of a request."""
     return (seed * 1_000_003 + position) % (2**63)
+
+
+def noise_generator(seed: int, position: int) -> torch.Generator:
+    """The generator that draws the initial state of one position of a request:
+    ``manual_seed(noise_seed(seed, position))``, whose mt19937 reads the low 32 bits, with the
+    seed's high 32 bits mixed in where they are not 0 (``seeds``), so that seeds apart by a
+    multiple of 2**32 draw different states."""
+    high = (seed % SEED_MODULUS) >> LOW_BITS
+    return cpu_generator(noise_seed(seed, position), high)

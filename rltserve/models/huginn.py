@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from rltserve.models import hfconfig as hc
-from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec, noise_seed
+from rltserve.models.base import AttentionFn, LoopedModel, LoopedSpec, noise_generator
 from rltserve.models.layers import (
     Embedding,
     Linear,
@@ -306,7 +306,7 @@ class HuginnModel(LoopedModel):
         if seed is None or std == 0:
             return out
         for row, pos in zip(out, positions):
-            gen = torch.Generator().manual_seed(noise_seed(seed, pos))
+            gen = noise_generator(seed, pos)
             nn.init.trunc_normal_(row, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
         return out * self.config.embed_scale
 
