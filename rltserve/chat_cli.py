@@ -8,14 +8,18 @@ older servers) is shown dimmed on a terminal, between
 later turns. ``--enable-thinking`` asks a thinking model's template to think
 (``chat_template_kwargs``, as the request field; ``--chat-template-kwargs`` gives any).
 ``complete`` streams a completion of each prompt. Without ``-q`` both read one message or
-prompt per line from stdin until end of input, so they work in a pipe too.
+prompt per line from stdin until end of input, so they work in a pipe too. Sampling and loop
+flags (``--seed``, ``--top-p``, ``--max-loops``, ``--init-state``, ...) are spelled as
+``rltserve generate``'s and sent only when given: the server's defaults stand for the rest.
 
 A conversation that outgrows the server's context limit goes on, as a chat product's does: its
 oldest exchanges are dropped (never the system prompt) until the new message fits, and stderr
 says so. A message the server refuses even so (400 or 413: alone too long, say) is dropped with
 its error on stderr, the conversation left as it was, and the chat goes on; the command then
-exits 1. Any other error (a wrong key, an unknown model) ends the chat, as does any error of
-``-q``'s one message.
+exits 2. Any other error (a wrong key, an unknown model) ends the chat, as does any error of
+``-q``'s one message. Exit codes follow ``rltserve``'s: 2 when the server refused the input
+(400, 404, 413, 422: a flag's value, a model name, a message), 1 for a failure at run time (no
+server, a 5xx, a wrong key).
 """
 
 from __future__ import annotations
@@ -28,12 +32,29 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from rltserve.http.config import API_KEY_ENV
+from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 if TYPE_CHECKING:
     from rltserve.client import APIError
 
 DEFAULT_URL = "http://localhost:8000/v1"  # (vLLM's; the server's root works too)
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
+# Statuses of a server that refused what the user gave (a flag's value, a model name, a
+# message): bad input, exit 2; any other error is a failure at run time, exit 1.
+_INPUT_REFUSALS = (400, 404, 413, 422)
+# The request fields of the optional sampling and loop flags (argparse dest = field name).
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_loops",
+    "max_loops",
+    "exit_threshold",
+    "exit_criterion",
+    "init_state",
+)
 
 
 def add_client_parsers(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +91,45 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help=f"or env {API_KEY_ENV}")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer")
     parser.add_argument("--temperature", type=float, default=None, help="(default: the server's)")
+    # (generate's names; none has a default here: what is not given is not sent)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling")
+    parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (-1: off)")
+    parser.add_argument(
+        "--seed",
+        "--request-seed",
+        dest="seed",
+        type=int,
+        default=None,
+        help="sampling seed (Huginn: also its random initial state), for repeatable answers",
+    )
+    parser.add_argument("--min-loops", type=int, default=None, help="loops per token at least")
+    parser.add_argument(
+        "--max-loops",
+        "--num-steps",
+        dest="max_loops",
+        type=int,
+        default=None,
+        help="loops per token at most (Huginn, Nanbeige: their depth; default: the server's)",
+    )
+    parser.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="adaptive exit below 1: Ouro's gate CDF level, or the zero-shot criterion's "
+        "threshold (Huginn, Nanbeige)",
+    )
+    parser.add_argument(
+        "--exit-criterion",
+        choices=sorted(EXIT_CRITERIA),
+        default=None,
+        help="models without a gate (Huginn, Nanbeige): the zero-shot exit criterion",
+    )
+    parser.add_argument(
+        "--init-state",
+        choices=INIT_STATES,
+        default=None,
+        help="Huginn: the recurrent state's start (random per seed, or zeros)",
+    )
 
 
 def _json_object(text: str) -> dict:
@@ -101,9 +161,10 @@ def _run(args: argparse.Namespace, session: Callable) -> int:
         dropped = asyncio.run(session(args, _lines(args.quick), sys.stdout))
     except APIConnectionError as exc:  # (it names the URL)
         raise RuntimeError(str(exc)) from exc
-    except APIError as exc:  # (a wrong key, an unknown model, ...: one line, exit 1)
-        raise RuntimeError(f"{args.url}: {exc}") from exc
-    return 1 if dropped else 0
+    except APIError as exc:  # (one line; a refused input exits 2, as a bad flag does)
+        error = ValueError if exc.status in _INPUT_REFUSALS else RuntimeError
+        raise error(f"{args.url}: {exc}") from exc
+    return 2 if dropped else 0
 
 
 def _lines(quick: str | None):
@@ -139,10 +200,9 @@ async def _open(args: argparse.Namespace):
 
 def _params(args: argparse.Namespace, model: str) -> dict:
     params: dict = {"model": model}
-    if args.max_tokens is not None:
-        params["max_tokens"] = args.max_tokens
-    if args.temperature is not None:
-        params["temperature"] = args.temperature
+    for name in _OPTIONAL_FIELDS:
+        if (value := getattr(args, name, None)) is not None:
+            params[name] = value
     return params
 
 

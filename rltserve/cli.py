@@ -90,15 +90,41 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _stdin_prompts() -> list[str]:
+    """stdin's non-blank lines, one prompt each (as ``rltserve complete`` reads its input)."""
+    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError(
+            "prompt: none on stdin (read, one per line, for '-' or when no prompt is given "
+            "and stdin is not a terminal)"
+        )
+    return prompts
+
+
+def _prompt_args(args: argparse.Namespace) -> list[str]:
+    """``generate``'s prompt arguments, "-" standing for stdin's lines; with none given,
+    stdin's lines when it is not a terminal (a pipe), else the default 'Hello' (or, with
+    ``--token-ids``, nothing)."""
+    if not args.prompt:
+        if not sys.stdin.isatty():
+            return _stdin_prompts()
+        return [] if args.token_ids else ["Hello"]
+    prompts: list[str] = []
+    for text in args.prompt:
+        prompts += _stdin_prompts() if text == "-" else [text]
+    return prompts
+
+
 def _prompts(args: argparse.Namespace) -> list:
     """``generate``'s prompts as ``LLM.generate`` takes them: texts, or token-id prompts with
     ``--token-ids`` (ValueError naming a prompt that is not ids)."""
+    texts = _prompt_args(args)
     if not args.token_ids:
-        return args.prompt or ["Hello"]
-    if not args.prompt:
+        return texts
+    if not texts:
         raise ValueError("--token-ids: give each prompt's ids, e.g. --token-ids 1,5,7")
     out = []
-    for text in args.prompt:
+    for text in texts:
         try:
             ids = [int(t) for t in text.split(",")]
         except ValueError:
@@ -194,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline")
-    gen.add_argument("prompt", nargs="*", help="prompt text(s) (default: 'Hello')")
+    gen.add_argument(
+        "prompt",
+        nargs="*",
+        help="prompt text(s); '-', or none with stdin a pipe: stdin's lines, one prompt each "
+        "(default on a terminal: 'Hello')",
+    )
     gen.add_argument(
         "--token-ids",
         action="store_true",

@@ -1,17 +1,19 @@
 """``rltserve chat`` / ``rltserve complete`` against a scripted server: the conversation grows
-turn by turn, answers stream to the output, and a server that cannot be reached or refuses is
-one line and exit code 1."""
+turn by turn, answers stream to the output, sampling and loop flags are sent only when given,
+and a server that cannot be reached or fails is one line and exit code 1 (2 when it refused
+the input)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 
 import pytest
 from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
 
 from rltserve import chat_cli
-from rltserve.cli import main
+from rltserve.cli import build_parser, main
 from rltserve.models.tokenizer import load_tokenizer
 
 
@@ -139,3 +141,62 @@ async def test_a_chat_past_the_context_drops_its_oldest_turns_and_goes_on(ckpt, 
         chat(lines[1], lines[2]),
         chat(lines[2], lines[4]),  # (the long message refused, its conversation as it was)
     ]
+
+
+def test_sampling_and_loop_flags_are_sent_only_when_given():
+    """generate's names (--seed also as --request-seed, --max-loops also as Huginn's
+    --num-steps); a flag not given sends nothing, leaving the server's default."""
+    flags = ["--seed", "7", "--top-p", "0.5", "--top-k", "3", "--min-loops", "2",
+             "--num-steps", "6", "--exit-threshold", "0.9", "--exit-criterion", "kl",
+             "--init-state", "zero", "--max-tokens", "4", "--temperature", "0.7"]  # fmt: skip
+    want = {"model": "m", "max_tokens": 4, "temperature": 0.7, "top_p": 0.5, "top_k": 3,
+            "seed": 7, "min_loops": 2, "max_loops": 6, "exit_threshold": 0.9,
+            "exit_criterion": "kl", "init_state": "zero"}  # fmt: skip
+    for command in ("chat", "complete"):
+        args = build_parser().parse_args([command, *flags])
+        assert chat_cli._params(args, "m") == want
+        args = build_parser().parse_args([command, "--request-seed", "8"])
+        assert chat_cli._params(args, "m") == {"model": "m", "seed": 8}
+
+
+@pytest.mark.asyncio
+async def test_loop_flags_reach_the_engine(ckpt):
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    flags = ["--url", "U", "--max-tokens", "2", "--seed", "7", "--max-loops", "3",
+             "--init-state", "zero"]  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for command, session in (("complete", chat_cli._complete), ("chat", chat_cli._chat)):
+            args = build_parser().parse_args([command, *flags])
+            args.url = live.url
+            await session(args, iter(["hello"]), io.StringIO())
+    seen = [(p.seed, p.max_loops, p.init_state, p.max_tokens) for p in stage.added_params]
+    assert seen == [(7, 3, "zero", 2)] * 2
+
+
+@pytest.mark.asyncio
+async def test_a_refused_input_exits_2_and_a_run_time_failure_1(ckpt, capsys, monkeypatch):
+    """A flag's value (400), a model name (404) or a chat message (400) the server refuses is
+    bad input, exit 2, as a bad flag is; a wrong key (401) fails at run time, exit 1."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    async with running(ckpt, client_factory=scripted_factory(stage), api_key="k") as live:
+        url = live.url + "/v1"
+
+        async def run(*argv: str) -> tuple[int, str]:
+            code = await asyncio.to_thread(main, [*argv, "--url", url])
+            return code, capsys.readouterr().err
+
+        key = ("--api-key", "k")
+        assert await run("complete", "-q", "hi", "--temperature", "9", *key) == (
+            2,
+            f"rltserve: error: {url}: 400: temperature=9.0: must be in [0, 2]\n",
+        )
+        code, err = await run("chat", "-q", "hi", "--model-name", "nope", *key)
+        assert (code, err) == (
+            2,
+            f"rltserve: error: {url}: 404: The model `nope` does not exist.\n",
+        )
+        monkeypatch.setattr("sys.stdin", io.StringIO("x " * 60 + "\nhello\n"))
+        code, err = await run("chat", "--max-tokens", "2", *key)
+        assert code == 2 and err.startswith("rltserve: message dropped: 400: messages: ")
+        code, err = await run("complete", "-q", "hi", "--api-key", "wrong")
+        assert code == 1 and err.startswith(f"rltserve: error: {url}: 401: ")

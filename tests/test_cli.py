@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import io
 import math
 import re
 
@@ -196,9 +197,21 @@ class _FakeLLM:
         return [RequestOutput(str(i), p, [1], [sample]) for i, p in enumerate(prompts)]
 
 
+class _Stdin(io.StringIO):
+    """stdin holding ``text``: a terminal (``tty``) or a pipe."""
+
+    def __init__(self, text: str = "", tty: bool = False):
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
 def test_generate_without_prompts_says_hello_and_prints_each_samples_summary(monkeypatch, capsys):
     monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
     monkeypatch.setattr(_FakeLLM, "calls", [])
+    monkeypatch.setattr("sys.stdin", _Stdin(tty=True))  # (an interactive run)
     assert main(["generate", "--max-num-seqs", "3"]) == 0
     [(engine, prompts, params)] = _FakeLLM.calls
     assert prompts == ["Hello"] and params.max_tokens == 32
@@ -206,9 +219,38 @@ def test_generate_without_prompts_says_hello_and_prints_each_samples_summary(mon
     assert capsys.readouterr().out == "ab\n[3 tokens, mean exit depth 2.33, length]\n"
 
 
+def test_generate_reads_prompts_from_a_pipe_or_dash_one_per_line(monkeypatch, capsys):
+    """With no prompt argument and stdin a pipe, or for '-', each non-blank line of stdin is a
+    prompt (as `rltserve complete` reads it); an empty one is an error before any model
+    loads."""
+    monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
+    monkeypatch.setattr(_FakeLLM, "calls", [])
+    monkeypatch.setattr("sys.stdin", _Stdin("Hello world\n\n  \nsecond\n"))
+    assert main(["generate"]) == 0
+    monkeypatch.setattr("sys.stdin", _Stdin("Hello world\n", tty=True))
+    assert main(["generate", "first", "-", "last"]) == 0
+    monkeypatch.setattr("sys.stdin", _Stdin("1,5\n9\n"))
+    assert main(["generate", "--token-ids", "-"]) == 0
+    assert [prompts for _, prompts, _ in _FakeLLM.calls] == [
+        ["Hello world", "second"],
+        ["first", "Hello world", "last"],
+        [{"prompt_token_ids": [1, 5]}, {"prompt_token_ids": [9]}],
+    ]
+    capsys.readouterr()
+    for argv in (["generate"], ["generate", "-"]):
+        monkeypatch.setattr("sys.stdin", _Stdin("\n"))
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (
+            "rltserve: error: prompt: none on stdin (read, one per line, for '-' or when no "
+            "prompt is given and stdin is not a terminal)\n"
+        )
+    assert len(_FakeLLM.calls) == 3
+
+
 def test_generate_token_ids_prompts(monkeypatch, capsys):
     monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
     monkeypatch.setattr(_FakeLLM, "calls", [])
+    monkeypatch.setattr("sys.stdin", _Stdin(tty=True))
     assert main(["generate", "--token-ids", "1,5,7", "9", "--json"]) == 0
     [(_, prompts, _)] = _FakeLLM.calls
     assert prompts == [{"prompt_token_ids": [1, 5, 7]}, {"prompt_token_ids": [9]}]

@@ -5,8 +5,16 @@ accepted, and the API key comes from the environment only when no flag gives one
 from __future__ import annotations
 
 import pytest
+from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
 
 from rltserve.http.config import API_KEY_ENV, ServerConfig
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_http_harness import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory)
 
 
 @pytest.mark.parametrize(
@@ -57,6 +65,40 @@ from rltserve.http.config import API_KEY_ENV, ServerConfig
             r"default_chat_template_kwargs: 'messages' is not a template variable "
             r"\(requests set it\)$",
         ),
+        ({"max_loops_limit": 0}, r"max_loops_limit=0: must be an int >= 1$"),
+        ({"max_loops_limit": True}, r"max_loops_limit=True: must be an int >= 1$"),
+        ({"override_generation_config": "{"}, r"override_generation_config: not JSON \("),
+        (
+            {"override_generation_config": "[1]"},
+            r"override_generation_config='\[1\]': must be a JSON object$",
+        ),
+        (
+            {"override_generation_config": '{"temprature": 0.5}'},
+            r"override_generation_config: 'temprature' is not a default it sets \(one of: "
+            r"repetition_penalty, temperature, top_k, top_p, min_p, max_new_tokens, max_loops, "
+            r"num_steps, exit_criterion, exit_threshold, init_state\)$",
+        ),
+        (
+            {"override_generation_config": '{"min_loops": 2}'},
+            r"override_generation_config: 'min_loops' cannot be a server default \(a "
+            r"request that omits it sends its default; send it per request\)$",
+        ),
+        (
+            {"override_generation_config": '{"max_loops": 4, "num_steps": 8}'},
+            r"override_generation_config: 'num_steps' repeats another key's field$",
+        ),
+        (
+            {"override_generation_config": '{"top_p": 0}'},
+            r"override_generation_config: top_p=0: must be in \(0, 1\]$",
+        ),
+        (
+            {"override_generation_config": '{"init_state": "noise"}'},
+            r"override_generation_config: init_state='noise': must be one of",
+        ),
+        (
+            {"override_generation_config": '{"num_steps": 9}', "max_loops_limit": 8},
+            r"override_generation_config: max_loops=9 is above max_loops_limit \(8\)$",
+        ),
     ],
 )
 def test_a_bad_setting_is_named_with_its_value(kwargs, prefix):
@@ -78,6 +120,7 @@ def test_settings_at_the_edges_of_their_ranges_are_taken():
         "max_logprobs": 20,
         "max_header_bytes": 256,
         "max_tokens_limit": 1,
+        "max_loops_limit": 1,
         "stage_watchdog_s": 0,  # (no watchdog)
         "stage_restarts": 0,
         "stage_restart_backoff_s": 0,
@@ -111,3 +154,54 @@ def test_default_template_variables_are_a_json_object():
     config = ServerConfig(default_chat_template_kwargs='{"enable_thinking": true, "x": [1]}')
     assert config.template_defaults == {"enable_thinking": True, "x": [1]}
     assert ServerConfig().template_defaults == {}
+
+
+def test_generation_overrides_are_sampling_params_keywords():
+    """``--override-generation-config`` (vLLM's flag) in ``SamplingParams``' names: vLLM's
+    max_new_tokens is max_tokens, Huginn's num_steps max_loops; a null sets nothing."""
+    config = ServerConfig(
+        override_generation_config='{"temperature": 0.5, "max_new_tokens": 7, "num_steps": 8, '
+        '"init_state": "zero", "exit_criterion": "kl", "top_k": null}',
+        max_loops_limit=8,
+    )
+    assert config.generation_overrides == {
+        "temperature": 0.5,
+        "max_tokens": 7,
+        "max_loops": 8,
+        "init_state": "zero",
+        "exit_criterion": "kl",
+    }
+    assert ServerConfig().generation_overrides == {}
+
+
+async def test_generation_overrides_are_the_defaults_of_requests_that_leave_fields_out(ckpt):
+    """The overrides replace the generation config's defaults (the loop fields too); a
+    request's own values win; a default depth beyond the model's stops the server from
+    starting (health says why)."""
+    overrides = (
+        '{"temperature": 0.5, "top_p": 0.9, "max_new_tokens": 3, "max_loops": 3, '
+        '"init_state": "zero", "exit_criterion": "kl", "exit_threshold": 0.25}'
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, override_generation_config=overrides) as live:
+        assert (await live.post("/v1/chat/completions", chat))[0] == 200
+        given = {"prompt": [5], "temperature": 0.0, "num_steps": 2, "init_state": "random",
+                 "exit_criterion": "none", "exit_threshold": 1.0, "max_tokens": 2}  # fmt: skip
+        assert (await live.post("/v1/completions", given))[0] == 200
+    fields = ("temperature", "top_p", "max_tokens", "max_loops", "init_state", "exit_criterion",
+              "exit_threshold")  # fmt: skip
+    assert [tuple(getattr(p, f) for f in fields) for p in stage.added_params] == [
+        (0.5, 0.9, 3, 3, "zero", "kl", 0.25),
+        (0.0, 0.9, 2, 2, "random", "none", 1.0),  # (an explicit 1.0 is kept, not the default)
+    ]
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))  # (8 loops at most)
+    factory, too_deep = scripted_factory(stage), '{"max_loops": 9}'
+    async with running(
+        ckpt, client_factory=factory, override_generation_config=too_deep, wait=False
+    ) as live:
+        await live.state.ready.wait()
+        assert live.state.load_error == (
+            "ValueError: --override-generation-config: max_loops=9: this model allows at most 8"
+        )

@@ -172,7 +172,7 @@ async def test_one_request_larger_than_the_kv_pool(ckpt):
         )
         assert [status for status, _, _ in statuses] == [400, 200, 200]
         message = orjson.loads(statuses[0][2])["error"]["message"]
-        assert "maximum context length of 9 tokens" in message
+        assert "the context limit of 9 tokens (what the KV pool holds" in message
         body = orjson.loads(statuses[2][2])
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 6

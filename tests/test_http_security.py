@@ -161,6 +161,37 @@ async def test_max_tokens_limit_bounds_requests_that_ask_none(ckpt):
             assert status == 200 and usage["completion_tokens"] == want_completion
 
 
+async def test_max_loops_limit_refuses_deeper_requests_naming_the_field_sent(ckpt):
+    """A request asking more loops than --max-loops-limit (max_loops, Huginn's num_steps, or a
+    min_loops above it) is a 400 naming the field as sent; at the limit it is served."""
+    async with running(ckpt, client_factory=scripted(ckpt), max_loops_limit=4) as live:
+        for field in ("max_loops", "num_steps", "min_loops"):
+            status, _, raw = await live.post("/v1/completions", {"prompt": [5], field: 5})
+            error = error_of(raw)
+            assert (status, error["param"], error["message"]) == (
+                400,
+                field,
+                f"{field}=5: must be <= 4 (this server's max_loops_limit)",
+            )
+            status, _, raw = await live.post("/v1/completions", {"prompt": [5], field: 4})
+            assert status == 200, raw
+        chat = {**BODIES["/v1/chat/completions"], "num_steps": 64}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        assert (status, error_of(raw)["param"]) == (400, "num_steps")
+
+
+async def test_max_loops_limit_bounds_requests_that_ask_none(ckpt):
+    """A request asking no depth runs the model's (4 loops here) unless the limit is lower,
+    as max_tokens_limit bounds an unasked max_tokens."""
+    for limit, want in ((2, 2), (4, None), (None, None)):
+        stage = ScriptedStage(scripted_info(ckpt), Script([44, 45]))
+        factory = scripted_factory(stage)
+        async with running(ckpt, client_factory=factory, max_loops_limit=limit) as live:
+            for path, body in BODIES.items():
+                assert (await live.post(path, body))[0] == 200
+        assert [p.max_loops for p in stage.added_params] == [want, want]
+
+
 def test_config_rejects_bad_bounds():
     for kwargs, fragment in [
         ({"max_n": 0}, "max_n=0: must be an int in [1, 128]"),

@@ -11,13 +11,28 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-from rltserve.sampling import MAX_LOGPROBS
+from rltserve.generation_config import GENERATION_CONFIG_KEYS
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 from rltserve.vllm_args import generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
 MAX_N = 128
 
 API_KEY_ENV = "RLTSERVE_API_KEY"
+
+# ``override_generation_config``'s keys beyond GENERATION_CONFIG_KEYS, as SamplingParams names
+# them: vLLM's max_new_tokens, and the loop fields a request leaves unset by sending nothing
+# (None), so that a server-wide value can stand in for them. (min_loops has a request default,
+# 1, that a default from here could not tell from a sent value.)
+OVERRIDE_KEYS = {
+    **{key: key for key in GENERATION_CONFIG_KEYS},
+    "max_new_tokens": "max_tokens",
+    "max_loops": "max_loops",
+    "num_steps": "max_loops",
+    "exit_criterion": "exit_criterion",
+    "exit_threshold": "exit_threshold",
+    "init_state": "init_state",
+}
 
 # What /metrics names its series with (``metrics_prefix``): rltserve's own, or vLLM's.
 METRICS_PREFIXES = ("rltserve", "vllm")
@@ -85,6 +100,15 @@ class ServerConfig:
             "generation_config.json, 'vllm' vLLM's own, or a folder holding one"
         ),
     )
+    override_generation_config: str | None = field(
+        default=None,
+        metadata=_help(
+            "sampling defaults over --generation-config's, a JSON object (as "
+            '\'{"temperature": 0.5, "max_loops": 16}\'; vLLM\'s): temperature, top_p, top_k, '
+            "min_p, repetition_penalty, max_new_tokens, and the looped-model fields max_loops "
+            "(num_steps), exit_criterion, init_state; a request's own values win"
+        ),
+    )
     allowed_origins: str = field(
         default="*",
         metadata=_help(
@@ -121,6 +145,14 @@ class ServerConfig:
         metadata=_help(
             "largest max_tokens a request may ask for, and the most one that asks none gets "
             "(chat: the rest of the context, completions: 16; default: the context length)"
+        ),
+    )
+    max_loops_limit: int | None = field(
+        default=None,
+        metadata=_help(
+            "largest max_loops (num_steps) or min_loops a request may ask for, and the most "
+            "loops per token one that asks none gets (default: the model's depth, up to what "
+            "it allows)"
         ),
     )
     max_stop: int = field(default=16, metadata=_help("most stop strings in one request"))
@@ -295,6 +327,16 @@ class ServerConfig:
         bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
         if limit is not None and bad_limit:
             raise ValueError(f"max_tokens_limit={limit!r}: must be an int >= 1")
+        loops = self.max_loops_limit
+        bad_loops = not isinstance(loops, int) or isinstance(loops, bool) or loops < 1
+        if loops is not None and bad_loops:
+            raise ValueError(f"max_loops_limit={loops!r}: must be an int >= 1")
+        overrides = self.generation_overrides  # (ValueError naming the key)
+        if loops is not None and overrides.get("max_loops", 0) > loops:
+            raise ValueError(
+                f"override_generation_config: max_loops={overrides['max_loops']} is above "
+                f"max_loops_limit ({loops})"
+            )
         for name in ("idle_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -354,6 +396,40 @@ class ServerConfig:
             if key in TEMPLATE_CALL_ARGUMENTS:
                 raise ValueError(f"{name}: {key!r} is not a template variable (requests set it)")
         return value
+
+    @property
+    def generation_overrides(self) -> dict[str, object]:
+        """``override_generation_config`` parsed as ``SamplingParams`` keywords (empty when not
+        set); ValueError naming a key it does not take or a value SamplingParams refuses."""
+        text = self.override_generation_config
+        if text is None:
+            return {}
+        name = "override_generation_config"
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except ValueError as exc:
+            raise ValueError(f"{name}: not JSON ({exc})") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={text!r}: must be a JSON object")
+        overrides: dict[str, object] = {}
+        for key, item in value.items():
+            if key == "min_loops":
+                raise ValueError(
+                    f"{name}: {key!r} cannot be a server default (a request that omits it "
+                    "sends its default; send it per request)"
+                )
+            if key not in OVERRIDE_KEYS:
+                known = ", ".join(OVERRIDE_KEYS)
+                raise ValueError(f"{name}: {key!r} is not a default it sets (one of: {known})")
+            if OVERRIDE_KEYS[key] in overrides:
+                raise ValueError(f"{name}: {key!r} repeats another key's field")
+            if item is not None:  # (null: no default, as generation_config_defaults reads it)
+                overrides[OVERRIDE_KEYS[key]] = item
+        try:
+            SamplingParams(**overrides)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return overrides
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

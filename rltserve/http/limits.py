@@ -1,6 +1,7 @@
-"""The server's per-request bounds (``ServerConfig.max_n``, ``max_tokens_limit``, ``max_stop``,
-``max_stop_chars``, ``max_logprobs``), checked after parsing and before any tokenizing, so that a
-request asking for more than this server gives one is a cheap 400 naming the field.
+"""The server's per-request bounds (``ServerConfig.max_n``, ``max_tokens_limit``,
+``max_loops_limit``, ``max_stop``, ``max_stop_chars``, ``max_logprobs``), checked after parsing
+and before any tokenizing, so that a request asking for more than this server gives one is a
+cheap 400 naming the field.
 
 The schema's own ranges (n in [1, 128], logprobs in [0, 20]) are hard ceilings; these are the
 operator's, at or below them.
@@ -27,6 +28,14 @@ def check_limits(req: CompletionRequest | ChatCompletionRequest, config: ServerC
     if limit is not None and tokens is not None and tokens > limit:
         message = f"{tokens_param}={tokens}: must be <= {limit} (this server's max_tokens_limit)"
         raise SchemaError(tokens_param, message)
+    loops = config.max_loops_limit
+    if loops is not None:
+        # (num_steps, Huginn's name for max_loops, is named as the client sent it)
+        sent = "max_loops" if req.max_loops is not None else "num_steps"
+        for name, value in ((sent, getattr(req, sent)), ("min_loops", req.min_loops)):
+            if value is not None and value > loops:
+                message = f"{name}={value}: must be <= {loops} (this server's max_loops_limit)"
+                raise SchemaError(name, message)
     prompt_logprobs = getattr(req, "prompt_logprobs", None)  # (completions: vLLM's field)
     for value, name in ((logprobs, logprobs_param), (prompt_logprobs, "prompt_logprobs")):
         if value is not None and value > config.max_logprobs:

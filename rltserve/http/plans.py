@@ -86,6 +86,29 @@ def _default_max_tokens(state: ServingState, default: int | None = None) -> int 
     return min(default, limit)
 
 
+def _with_loop_defaults(
+    req: CompletionRequest | ChatCompletionRequest, state: ServingState, depth: int
+) -> CompletionRequest | ChatCompletionRequest:
+    """``req`` with the server's defaults (``sampling_defaults``) in the loop fields it left
+    unset, and a request that asks no depth held to ``max_loops_limit`` when the default depth
+    (the server's, else the model's ``depth``) is beyond it, as ``_default_max_tokens`` holds
+    an unasked max_tokens to ``max_tokens_limit``."""
+    defaults = state.sampling_defaults
+    changes = {
+        name: defaults[name]
+        for name in ("exit_criterion", "exit_threshold", "init_state")
+        if getattr(req, name) is None and defaults.get(name) is not None
+    }
+    if req.max_loops is None and req.num_steps is None:
+        loops = defaults.get("max_loops")
+        limit = state.config.max_loops_limit
+        if limit is not None and (depth if loops is None else loops) > limit:
+            loops = limit
+        if loops is not None:
+            changes["max_loops"] = loops
+    return dataclasses.replace(req, **changes) if changes else req
+
+
 def _header(
     state: ServingState, prefix: str, response_id: str | None, model: str | None
 ) -> ResponseHeader:
@@ -176,7 +199,7 @@ async def completion_plan(
     default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
     choices = _choices(
         frontend,
-        req,
+        _with_loop_defaults(req, state, frontend.info.num_loops),
         prompts,
         req.max_tokens,
         req.logprobs,
@@ -221,7 +244,7 @@ async def chat_plan(
     param = req.token_limit_param
     choices = _choices(
         frontend,
-        req,
+        _with_loop_defaults(req, state, frontend.info.num_loops),
         [prompt],
         req.token_limit,
         logprobs,

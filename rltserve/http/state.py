@@ -108,8 +108,9 @@ class ServingState:
         self._stats_log: asyncio.Task | None = None  # (``disable_log_stats``: none)
         self._frontend: Frontend | None = None
         self._ignored_fields: set[str] = set()  # names already warned about
-        # What a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty
-        # and (chat) max_tokens: the generation config's, read at start (vLLM's).
+        # What a request leaves out of temperature, top_p, top_k, min_p, repetition_penalty,
+        # (chat) max_tokens, max_loops, exit_criterion and init_state: the generation
+        # config's, read at start, under --override-generation-config's (vLLM's).
         self.sampling_defaults: dict[str, object] = {}
         # Owned here, shut down in stop(): long bodies and texts are parsed and encoded on it.
         self.executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="rltserve-tok")
@@ -124,7 +125,10 @@ class ServingState:
         tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
         try:
             folder = generation_config_folder(self.config.generation_config, path)
-            self.sampling_defaults = generation_config_defaults(folder)
+            self.sampling_defaults = {
+                **generation_config_defaults(folder),
+                **self.config.generation_overrides,
+            }
             self._client = await asyncio.to_thread(
                 SupervisedStage,
                 self._client_factory,
@@ -134,6 +138,12 @@ class ServingState:
                 request_names=self._request_names,
             )
             info = await self._wait_ready(self._client)
+            loops = self.sampling_defaults.get("max_loops")
+            if loops is not None and loops > info.max_loops:
+                raise ValueError(
+                    f"--override-generation-config: max_loops={loops}: this model allows at "
+                    f"most {info.max_loops}"
+                )
             tokenizer, token_chars = await tokenizer_job
             if tokenizer is not None and self.config.chat_template is not None:
                 tokenizer.use_chat_template(read_chat_template(self.config.chat_template))
