@@ -321,9 +321,9 @@ async def test_update_weights_hands_its_options_to_the_stage(ckpt):
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         body = {"model_path": "/ckpt/a", "abort": True, "timeout": 5}
         status, _, raw = await live.post("/v1/update_weights", body)
-        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+        assert status == 200 and orjson.loads(raw) == {"weight_version": "1"}
         status, _, raw = await live.post("/v1/update_weights", {"model_path": "/ckpt/b"})
-        assert status == 200 and orjson.loads(raw) == {"weight_version": 2}
+        assert status == 200 and orjson.loads(raw) == {"weight_version": "2"}
     assert stage.update_calls == [(["/ckpt/a"], True, 5.0), (["/ckpt/b"], False, 300.0)]
 
 
@@ -353,7 +353,7 @@ async def test_a_hub_snapshot_is_served_by_its_repo_id_and_updates_take_repo_ids
         assert [m["id"] for m in orjson.loads(raw)["data"]] == ["someorg/ouro-tiny"]
         body = {"model_path": "someorg/ouro-tiny"}
         status, _, raw = await live.post("/v1/update_weights", body)
-        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+        assert status == 200 and orjson.loads(raw) == {"weight_version": "1"}
         status, _, raw = await live.post("/v1/update_weights", {"model_path": "someorg/none"})
         assert status == 400 and error_of(raw)["param"] == "model_path"
         hub = tmp_path / "hub"

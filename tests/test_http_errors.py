@@ -518,6 +518,29 @@ async def test_json_content_types_absent_types_and_the_exact_body_bound(ckpt):
             assert error_of(await r.read())["message"] == "request body of 2049 bytes exceeds 2048"
 
 
+async def test_a_body_that_is_not_utf8_names_its_first_bad_byte(ckpt):
+    """Not orjson's "str is not valid UTF-8: surrogates not allowed" (the body has no str and no
+    surrogate): the first byte that is not UTF-8, and where, on small bodies and on the long
+    ones parsed on the tokenizer pool alike."""
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
+        s, url = live.session, live.url + "/v1/completions"
+        json_type = {"Content-Type": "application/json"}
+        for raw_body, byte, offset in [
+            (b'{"prompt": "\xff\xfe hi", "max_tokens": 2}', "0xff", 12),
+            (b'{"prompt": "\xed\xa0\x80"}', "0xed", 12),  # (a surrogate, encoded)
+            (b'{"prompt": "' + b"a" * 100_000 + b'\xc3"}', "0xc3", 100_012),
+        ]:
+            async with s.post(url, data=raw_body, headers=json_type) as r:
+                assert r.status == 400
+                assert error_of(await r.read())["message"] == (
+                    f"body: not valid UTF-8 (byte {byte} at offset {offset})"
+                )
+        async with s.post(url, data=b'{"prompt": "\\ud800"}', headers=json_type) as r:
+            assert r.status == 400  # (valid UTF-8: orjson's own words)
+            message = error_of(await r.read())["message"]
+            assert message.startswith("body: invalid JSON: no low surrogate in string")
+
+
 async def test_a_body_its_content_encoding_does_not_decode_is_a_400(ckpt, caplog):
     factory = scripted_factory(stage_for(ckpt))
     async with running(ckpt, client_factory=factory) as live:

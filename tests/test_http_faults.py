@@ -331,12 +331,11 @@ async def test_a_client_that_stalls_or_resets_is_no_server_error(ckpt, monkeypat
     event, or while the body is read) are the client's doing: the request is aborted, nothing
     is logged as an unhandled error and /metrics counts no 500; a reset before any response
     went out is nginx's 499."""
-    from aiohttp import web
-
+    from rltserve.http import body as body_module
     from rltserve.http.sse import SSEWriter, StreamStalled
 
     stage = ScriptedStage(scripted_info(ckpt), Script([44, 45], interval_s=0.005))
-    real_send, real_read = SSEWriter.send, web.Request.read
+    real_send, real_read = SSEWriter.send, body_module.read_within
     mode: list[str] = []
 
     async def send(self, *objs):
@@ -348,13 +347,13 @@ async def test_a_client_that_stalls_or_resets_is_no_server_error(ckpt, monkeypat
             raise ConnectionError("Connection lost")
         await real_send(self, *objs)
 
-    async def read(self):
+    async def read(content, limit):
         if mode == ["body-reset"]:
             raise ConnectionResetError("Connection lost")
-        return await real_read(self)
+        return await real_read(content, limit)
 
     monkeypatch.setattr(SSEWriter, "send", send)
-    monkeypatch.setattr(web.Request, "read", read)
+    monkeypatch.setattr(body_module, "read_within", read)
     body = {"prompt": [5], "max_tokens": 50, "stream": True}
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         statuses = []

@@ -78,7 +78,9 @@ async def _tokens(server) -> list[int]:
 
 async def _version(server) -> int:
     _, _, raw = await server.get("/v1/models", headers=AUTH)
-    return orjson.loads(raw)["data"][0]["weight_version"]
+    version = orjson.loads(raw)["data"][0]["weight_version"]
+    assert isinstance(version, str), version  # (as metadata's and /v1/update_weights')
+    return int(version)
 
 
 async def test_update_weights_endpoint(server, new_ckpt, ckpt, tmp_path, offline):
@@ -102,7 +104,7 @@ async def test_update_weights_endpoint(server, new_ckpt, ckpt, tmp_path, offline
         assert fragment in error["message"]
     assert await _version(server) == 0 and await _tokens(server) == old
     status, _, raw = await server.post(path, {"model_path": str(new_ckpt)}, headers=AUTH)
-    assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+    assert status == 200 and orjson.loads(raw) == {"weight_version": "1"}
     assert await _version(server) == 1
     assert await _tokens(server) == offline["new"] != old
     # Each answer says which weights produced it (SGLang's metadata), and so does /metrics.

@@ -5,7 +5,9 @@ ServerConfig, slow clients timed out, no secrets, paths or tracebacks in respons
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
+import zlib
 
 import orjson
 import pytest
@@ -18,6 +20,7 @@ from test_http_harness import (
     scripted_info,
 )
 
+from rltserve.http import body
 from rltserve.http.config import ServerConfig
 from rltserve.http.handlers import ROUTES
 
@@ -213,6 +216,9 @@ async def test_oversized_bodies_and_headers(ckpt):
     ) as live:
         status, _, raw = await live.post("/v1/completions", {"prompt": "x" * 5000})
         assert status == 413 and error_of(raw)["type"] == "invalid_request_error"
+        # The body unread (here never sent), its connection is not reused after the 413.
+        head, _ = await _answer(live, _head("/v1/completions", 5000))
+        assert head.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in head
         status, _, _ = await live.post(
             "/v1/completions", {"prompt": [5]}, headers={"X-Long": "a" * 2000}
         )
@@ -225,6 +231,82 @@ async def test_oversized_bodies_and_headers(ckpt):
 
 async def _read_all(reader: asyncio.StreamReader, timeout: float) -> bytes:
     return await asyncio.wait_for(reader.read(), timeout)
+
+
+async def _exchange(live, request: bytes) -> bytes:
+    """Everything the server sends back on a connection of its own until it closes it (a
+    connection it kept open fails the wait)."""
+    host, port = live.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await _read_all(reader, 10)
+    finally:
+        writer.close()
+
+
+async def _answer(live, request: bytes) -> tuple[bytes, bytes]:
+    """The head and body of the response to ``request``, sent on a connection of its own (then
+    closed by the client)."""
+    host, port = live.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        return head, await asyncio.wait_for(reader.readexactly(length), 10)
+    finally:
+        writer.close()
+
+
+def _head(path: str, length: int, extra: bytes = b"") -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%s\r\n" % (path.encode(), length, extra)
+    )
+
+
+INFLATED = 16 * 2**20  # a compression bomb's bytes once inflated: 1000 times its size
+COMPRESS = {"gzip": lambda b: gzip.compress(b, 1), "deflate": lambda b: zlib.compress(b, 1)}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compression_bomb_is_refused_before_it_is_inflated(ckpt, monkeypatch, encoding):
+    """16 MiB of JSON (blanks first) in under 80 KiB of gzip or deflate against a 1 MiB limit:
+    a 413 once the inflated bytes pass the limit, the rest never inflated (aiohttp's stream
+    counts what it inflated into it: the limit, and at most its buffer of two 256 KiB pieces
+    and the piece being inflated), and its connection not reused (that would read and inflate
+    the rest); so for one sent to a route that reads no body."""
+    streams = []
+    read_within = body.read_within
+
+    async def spy(content, limit):
+        streams.append(content)
+        return await read_within(content, limit)
+
+    monkeypatch.setattr(body, "read_within", spy)
+    json_text = b'{"prompt": [5], "max_tokens": 1}'
+    bomb = COMPRESS[encoding](b" " * (INFLATED - len(json_text)) + json_text)
+    assert len(bomb) < INFLATED // 200
+    limit = 2**20
+    async with running(ckpt, client_factory=scripted(ckpt), max_body_bytes=limit) as live:
+        extra = b"Content-Encoding: %s\r\n" % encoding.encode()
+        head, payload = await _answer(live, _head("/v1/completions", len(bomb), extra) + bomb)
+        assert head.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close\r\n" in head
+        assert error_of(payload)["message"] == f"request body exceeds {limit} bytes"
+        # A route that reads no body (/ping: no key needed): the same, not inflated to reuse
+        # the connection.
+        head, _ = await _answer(live, _head("/ping", len(bomb), extra) + bomb)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nConnection: close" in head
+        # (a body within the limit, in the same encoding, is read whole)
+        small = COMPRESS[encoding](json_text)
+        extra += b"Connection: close\r\n"
+        raw = await _exchange(live, _head("/v1/completions", len(small), extra) + small)
+        assert raw.startswith(b"HTTP/1.1 200 "), raw
+    # (counted once the server is closed: nothing more was inflated after the answer either)
+    stream = streams[0]
+    assert limit < stream.total_bytes <= limit + 1 + 3 * 2**18, stream.total_bytes
 
 
 async def test_slow_loris_headers_are_cut_off(ckpt):
@@ -271,9 +353,12 @@ async def test_slow_body_gets_408(ckpt, path, start):
             + start
         )
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        # The rest of the body would make the connection useless: it closes after the 408
+        # (not after the idle timeout of 60 s: that fails the wait).
+        raw = await _read_all(reader, 10)
         writer.close()
-        assert head.startswith(b"HTTP/1.1 408"), head
+        head = raw.partition(b"\r\n\r\n")[0]
+        assert head.startswith(b"HTTP/1.1 408") and b"\r\nConnection: close\r\n" in head, raw
         assert stage.added == [] and stage.weight_updates == []
 
 
@@ -298,7 +383,7 @@ async def test_update_weights_body_is_checked_like_every_route(ckpt):
         assert stage.weight_updates == []
         body = {"model_path": "/ckpt", "abort": True, "timeout": 5}
         status, _, raw = await live.post("/v1/update_weights", body)
-        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}
+        assert status == 200 and orjson.loads(raw) == {"weight_version": "1"}
         assert stage.weight_updates == [["/ckpt"]]
 
 
@@ -417,6 +502,16 @@ async def test_expect_continue_asks_for_the_key_before_the_body(ckpt):
                 assert error["message"].startswith(message)
             else:
                 assert error["message"] == "Expect: 'teapot': only '100-continue' is supported"
+        # A body its Content-Length puts over max_body_bytes: the 413 at once, no 100 first
+        # (without the key, the 401 still comes first).
+        big = _head("/v1/completions", 8 * 2**20 + 1, b"Expect: 100-continue\r\n")
+        raw = await _exchange(
+            live, big.replace(b"\r\n\r\n", b"\r\nAuthorization: Bearer %s\r\n\r\n" % KEY.encode())
+        )
+        head413, _, payload = raw.partition(b"\r\n\r\n")
+        assert head413.startswith(b"HTTP/1.1 413 ") and b"\r\nConnection: close" in head413
+        assert error_of(payload)["message"] == "request body of 8388609 bytes exceeds 8388608"
+        assert (await _exchange(live, big)).startswith(b"HTTP/1.1 401 ")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(head + b"Expect: 100-continue\r\nAuthorization: Bearer " + KEY.encode())
         writer.write(b"\r\nConnection: close\r\n\r\n")

@@ -65,7 +65,7 @@ async def test_models_version_and_request_id(ckpt):
                     "root": "tiny",
                     "max_model_len": 64,
                     "vocab_size": 512,
-                    "weight_version": 0,
+                    "weight_version": "0",
                 }
             ],
         }

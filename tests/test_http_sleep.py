@@ -23,6 +23,7 @@ from test_http_metrics import samples
 
 from rltserve.core.pd import PDClient
 from rltserve.core.stage import InProcessStageClient
+from rltserve.updates import UpdateTimeout
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 KEY = "admin-key"
@@ -32,6 +33,7 @@ GREEDY = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": Tru
           "return_token_ids": True}  # fmt: skip
 ENGINE = {"block_size": 8}
 MODEL = ("model_name", "tiny")
+PENDING = "a sleep is in progress (waiting for running requests)"
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +190,44 @@ class _SlowSleep(ScriptedStage):
         super().__init__(info, script)
         self.release = threading.Event()
 
+        self.started = threading.Event()
+        self.times_out = False  # the sleep ends in its 409 once released
+
     def sleep(self, level: int, timeout_s: float) -> None:
+        self.started.set()
         self.release.wait(30)
+        if self.times_out:
+            raise UpdateTimeout(f"{UpdateTimeout.PREFIX} 1 sequence(s) still running after 1 s")
         super().sleep(level, timeout_s)
+
+
+async def test_requests_while_a_sleep_waits_are_refused_at_once(ckpt):
+    """While /sleep waits for running requests, completions and chat are a 503 + Retry-After
+    at once (not held by the engine for the whole wait, to be refused once asleep), and
+    /is_sleeping still says false; a sleep that timed out (409) leaves them served again, one
+    that succeeded refuses them as asleep."""
+    stage = _SlowSleep(scripted_info(ckpt), Script([5]))
+    completion = {"prompt": [5], "max_tokens": 1}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for times_out, sleep_status, after in [(True, 409, 200), (False, 200, 503)]:
+            stage.started.clear()
+            stage.release.clear()
+            stage.times_out = times_out
+            sleep = asyncio.ensure_future(live.post("/sleep?level=1&timeout=1", None))
+            await asyncio.to_thread(stage.started.wait, 10)
+            for path, body in [("/v1/completions", completion), ("/v1/chat/completions", chat)]:
+                status, headers, raw = await live.post(path, body)
+                assert (status, headers["Retry-After"]) == (503, "1"), raw
+                assert error_of(raw)["message"] == PENDING
+            assert not await _sleeping(live)
+            stage.release.set()
+            status, _, raw = await sleep
+            assert status == sleep_status, raw
+            status, _, raw = await live.post("/v1/completions", completion)
+            assert status == after, raw
+        assert error_of(raw)["message"] == "the model is sleeping: POST /wake_up first"
+        assert len(stage.added) == 1  # (the one served after the 409)
 
 
 async def test_a_sleep_whose_caller_gave_up_shows_in_the_sleep_state(ckpt):
@@ -200,6 +237,9 @@ async def test_a_sleep_whose_caller_gave_up_shows_in_the_sleep_state(ckpt):
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(live.post("/sleep?level=2", None), 0.3)
+        # (still pending in the stage: generation is refused meanwhile all the same)
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5], "max_tokens": 1})
+        assert status == 503 and error_of(raw)["message"] == PENDING, raw
         stage.release.set()
         while not await _sleeping(live):
             await asyncio.sleep(0.01)

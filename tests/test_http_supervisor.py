@@ -296,7 +296,7 @@ async def test_a_restarted_stage_serves_the_updated_weights_again(ckpt, tmp_path
     async with running(ckpt, client_factory=StageClient, **FAST) as live:
         old_tokens = (await live.post(COMPLETIONS, BODY))[2]
         status, _, raw = await live.post("/v1/update_weights", {"model_path": str(new)})
-        assert status == 200 and orjson.loads(raw) == {"weight_version": 1}, raw
+        assert status == 200 and orjson.loads(raw) == {"weight_version": "1"}, raw
         updated = (await live.post(COMPLETIONS, BODY))[2]
         assert orjson.loads(updated)["choices"] != orjson.loads(old_tokens)["choices"]
         stage = live.state.client
@@ -304,7 +304,7 @@ async def test_a_restarted_stage_serves_the_updated_weights_again(ckpt, tmp_path
         await wait_for(lambda: stage.restarts == 1, 120)
         await recovers(live, updated)
         _, _, models = await live.get("/v1/models")
-        assert orjson.loads(models)["data"][0]["weight_version"] == 1
+        assert orjson.loads(models)["data"][0]["weight_version"] == "1"
 
 
 # ---------------------------------------------------------------- SupervisedStage, unit level

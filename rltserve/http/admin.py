@@ -11,8 +11,10 @@ needs it, like every ``/v1`` route. The body is read like every other route's
 (``body.read_body``), except that unknown fields are always an error: a misspelled option must
 not be dropped silently here.
 
-Answers ``{"weight_version": N}``; a rejected update is a 400 naming ``model_path`` (nothing
-applied, the old weights keep serving), one that timed out waiting for running requests a 409.
+Answers ``{"weight_version": "N"}``, a string as in ``/v1/models`` and every response's
+``metadata`` (OpenAI's ``metadata`` holds strings: one type to compare); a rejected update is a
+400 naming ``model_path`` (nothing applied, the old weights keep serving), one that timed out
+waiting for running requests a 409.
 Engine replicas (``--replicas``) refuse it, as they refuse sleep mode and
 ``/reset_prefix_cache``: a 400 naming no parameter (a Serve call reaches one replica).
 """
@@ -20,6 +22,7 @@ Engine replicas (``--replicas``) refuse it, as they refuse sleep mode and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from aiohttp import web
 from rltserve.core.stage import StageConfigError, StageError
 from rltserve.http.body import read_body
 from rltserve.http.errors import HTTPError, bad_request, json_response, unavailable
-from rltserve.http.state import STATE
+from rltserve.http.state import STATE, ServingState
 from rltserve.http.supervisor import NotWithReplicas
 from rltserve.http.validation import SchemaError
 from rltserve.preflight import resolve_model
@@ -65,7 +68,7 @@ async def update_weights(request: web.Request) -> web.Response:
         raise bad_request(str(exc), "model_path") from None
     call = (client.update_weights, [path], req.abort, float(req.timeout))
     version = await _call(state, *call, param="model_path")
-    return json_response({"weight_version": version})
+    return json_response({"weight_version": str(version)})
 
 
 # vLLM's sleep mode over HTTP, for a trainer that shares the device with the server between
@@ -73,8 +76,10 @@ async def update_weights(request: web.Request) -> web.Response:
 # CUDA, the weights (level 1 keeps a host copy); it waits for running requests up to ``timeout``
 # seconds (our query parameter, default 300: a 409 after it, nothing freed). ``POST /wake_up``
 # (``?tags=weights&tags=kv_cache``, none: both) restores them; ``GET /is_sleeping`` answers
-# ``{"is_sleeping": bool}``. While asleep, completions and chat are a 503 (the rest answers).
-# Each answers an empty 200, as vLLM's; a replica set has none of them (400).
+# ``{"is_sleeping": bool}`` (false until the sleep is done). While asleep, completions and chat
+# are a 503 (the rest answers); while a sleep waits for running requests, new ones are a 503
+# at once too (``delivery``), and are served again if the sleep times out. Each answers an
+# empty 200, as vLLM's; a replica set has none of them (400).
 
 
 async def sleep(request: web.Request) -> web.Response:
@@ -85,16 +90,27 @@ async def sleep(request: web.Request) -> web.Response:
     if (problem := _timeout_problem(timeout)) is not None:
         raise bad_request(problem, "timeout")
     log.info("sleep the engine with level %d", level)  # (vLLM's words, as each line here)
-    metrics = request.app[STATE].metrics
+    state = request.app[STATE]
+    metrics = state.metrics
     # engine_sleep_state's label, set before the call: a caller that gives up (its handler
     # cancelled) leaves the sleep going on in the stage. A refused sleep keeps the old level.
     previous, metrics.sleep_level = metrics.sleep_level, level
+    # Pending until the stage answers, whether or not this caller still waits (shielded).
+    call = asyncio.ensure_future(_run(request, "sleep", level, timeout))
+    state.sleeps_pending += 1
+    call.add_done_callback(functools.partial(_sleep_answered, state))
     try:
-        await _run(request, "sleep", level, timeout)
+        await asyncio.shield(call)
     except Exception:
         metrics.sleep_level = previous
         raise
     return web.Response()
+
+
+def _sleep_answered(state: ServingState, call: asyncio.Future) -> None:
+    state.sleeps_pending -= 1
+    if not call.cancelled():
+        call.exception()  # (retrieved: a caller that gave up never reads it)
 
 
 async def wake_up(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from rltserve.http.admission import Overloaded
 from rltserve.http.errors import json_response, unavailable
+from rltserve.http.frontend import Frontend
 from rltserve.http.generation import ChoiceEvent, Generation, failure, request_timelines
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
@@ -31,12 +32,10 @@ async def deliver(
     gate = state.gate  # (plans refused requests of more sequences than it holds)
     admitted = False
     try:
+        _refuse_while_sleeping(state)  # (not after a wait for a seat the sleep frees)
         async with gate.slots(len(plan.choices)):
             admitted = True
-            frontend = state.require_frontend()
-            if frontend.client.sleeping:  # (vLLM's answer while asleep)
-                retry = state.config.retry_after_s  # (as every 503's: a hint, not a promise)
-                raise unavailable("the model is sleeping: POST /wake_up first", retry)
+            frontend = _refuse_while_sleeping(state)
             state.request_log.received(plan.request_id, plan.choices[0].params, plan.prompts())
             generation = frontend.open(plan.choices, plan.arrival, plan.request_id)
             try:
@@ -56,6 +55,19 @@ async def deliver(
             for timeline in request_timelines(plan.choices, plan.arrival):
                 state.metrics.on_finish(timeline, now, "abort")
         raise
+
+
+def _refuse_while_sleeping(state: ServingState) -> Frontend:
+    """The frontend, or a 503 while the model sleeps (vLLM's answer) or a sleep waits for the
+    running requests: the engine would hold a request until then, to refuse it once asleep (a
+    trainer's sleep wants the server drained; a load balancer tries elsewhere)."""
+    frontend = state.require_frontend()
+    retry = state.config.retry_after_s  # (as every 503's: a hint, not a promise)
+    if frontend.client.sleeping:
+        raise unavailable("the model is sleeping: POST /wake_up first", retry)
+    if state.sleeps_pending:
+        raise unavailable("a sleep is in progress (waiting for running requests)", retry)
+    return frontend
 
 
 def _log_end(state: ServingState, plan: GenerationPlan, generation: Generation) -> None:

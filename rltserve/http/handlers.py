@@ -105,7 +105,8 @@ def model_card(state: ServingState, name: str | None = None) -> dict:
         "root": info.model_path if state.config.expose_model_path else state.model_name,
         "max_model_len": info.max_model_len,
         "vocab_size": info.vocab_size,
-        "weight_version": getattr(frontend.client, "weight_version", 0),
+        # (a string, as every response's metadata.weight_version and /v1/update_weights')
+        "weight_version": str(getattr(frontend.client, "weight_version", 0)),
     }
 
 

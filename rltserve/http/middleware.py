@@ -17,6 +17,7 @@ import logging
 
 from aiohttp import HttpVersion11, web
 
+from rltserve.http.body import abandon, declared_too_large, discard
 from rltserve.http.errors import HTTPError, error_response
 from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
@@ -70,6 +71,12 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = error_response(HTTPError(500, "internal server error"))
+    if "Content-Encoding" in request.headers and not request.content.is_eof():
+        # A compressed body its route never read (POST /ping with a gzip bomb): aiohttp would
+        # read and inflate the rest, for up to 10 s, to reuse the connection.
+        discard(request)
+        if not response.prepared:
+            response.force_close()
     if not response.prepared:
         for name, value in state.passthrough_headers(request).items():
             response.headers.setdefault(name, value)
@@ -121,15 +128,19 @@ async def auth(request: web.Request, handler) -> web.StreamResponse:
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """Every route's ``Expect`` handler. aiohttp runs it before any middleware, and its own
-    sends ``100 Continue`` to anyone: a client without the key would upload its whole body only
-    to be refused. Here such a client (and an unknown expectation) gets its error at once, on a
+    sends ``100 Continue`` to anyone: a client without the key, or with a body its
+    ``Content-Length`` already puts over ``max_body_bytes``, would upload the body only to be
+    refused. Here such a client (and an unknown expectation) gets its error at once, on a
     connection then closed since its body is never read."""
+    state = request.app[STATE]
     failure = auth_failure(request)
     expect = request.headers.get("Expect", "")
     if failure is None and expect.lower() != "100-continue":
         failure = HTTPError(417, f"Expect: {expect!r}: only '100-continue' is supported")
+    if failure is None:
+        failure = declared_too_large(request)
     if failure is not None:
-        state = request.app[STATE]
+        abandon(request)  # (else aiohttp would wait up to 10 s for the body, to drain it)
         response = error_response(failure)
         response.force_close()
         response.headers.update(state.passthrough_headers(request))

@@ -98,6 +98,10 @@ class ServingState:
         self.metrics = ServingMetrics(self.model_name, config.metrics_prefix)
         self.created = int(clock())
         self.closing = False
+        # /sleep calls the stage has not answered (their callers may have gone): meanwhile
+        # completions and chat are refused at once (``delivery``), not held by the engine
+        # until the sleep ends only to be refused then.
+        self.sleeps_pending = 0
         self._drain_cut = False  # a second shutdown signal: abort in-flight requests now
         self.load_error: str | None = None
         self.load_exception: Exception | None = None  # what load_error says
