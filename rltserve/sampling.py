@@ -296,7 +296,7 @@ class SamplingParams:
                 raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
         _check_number(self, "exit_threshold")
         if self.exit_threshold <= 0.0:
-            raise bad("exit_threshold", "must be > 0 (>= 1.0 means fixed depth)")
+            raise bad("exit_threshold", "must be > 0")
         if self.exit_criterion is not None and not (
             isinstance(self.exit_criterion, str) and self.exit_criterion in EXIT_CRITERIA
         ):
