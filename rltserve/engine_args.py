@@ -16,6 +16,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
+from decimal import Decimal
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.preflight import check_engine, resolve_dtype, resolve_model, resolve_tokenizer
@@ -46,8 +47,11 @@ def human_readable_int(text: str) -> int:
                 f"invalid int value: {text!r} (e.g. 2048, 2k, 25.6k or 2K)"
             ) from None
     number, suffix = match.groups()
-    if suffix in _DECIMAL:
-        return int(float(number) * _DECIMAL[suffix])
+    if suffix in _DECIMAL:  # (in decimal arithmetic: float's would make 1.001k 1000)
+        count = Decimal(number) * _DECIMAL[suffix]
+        if count != count.to_integral_value():
+            raise argparse.ArgumentTypeError(f"{text!r}: not a whole number of tokens")
+        return int(count)
     if "." in number:
         raise argparse.ArgumentTypeError(
             f"{text!r}: a binary suffix takes a whole number (did you mean "

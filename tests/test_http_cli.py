@@ -315,8 +315,8 @@ def test_vllms_flags_asking_for_what_rltserve_lacks_are_usage_errors(
 
 @pytest.mark.parametrize(
     "value,length",
-    [("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("2048", 2048), ("-1", None), ("auto", None),
-     ("AUTO", None)],
+    [("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("1.001k", 1001), ("2048", 2048),
+     ("-1", None), ("auto", None), ("AUTO", None)],
 )  # fmt: skip
 def test_token_counts_take_vllms_human_readable_values(value, length):
     """vLLM's parsers: k/m/g/t decimal, K/M/G/T binary; --max-model-len also -1 or auto (the
@@ -334,6 +334,8 @@ def test_token_counts_take_vllms_human_readable_values(value, length):
         (["--max-model-len", "1.5K"],
          "argument --max-model-len: '1.5K': a binary suffix takes a whole number (did you mean "
          "1.5k?)"),
+        (["--max-model-len", "1.0005k"],
+         "argument --max-model-len: '1.0005k': not a whole number of tokens"),
         (["--max-model-len", "lots"],
          "argument --max-model-len: invalid int value: 'lots' (e.g. 2048, 2k, 25.6k or 2K)"),
         (["--max-num-batched-tokens", "auto"],

@@ -4,6 +4,8 @@ accepted, and the API key comes from the environment only when no flag gives one
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
 
@@ -183,7 +185,8 @@ async def test_generation_overrides_are_the_defaults_of_requests_that_leave_fiel
         '"init_state": "zero", "exit_criterion": "kl", "exit_threshold": 0.25}'
     )
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    huginn_like = dataclasses.replace(scripted_info(ckpt), needs_noise=True)  # (an initial state)
+    stage = ScriptedStage(huginn_like, Script([44, 77]))
     factory = scripted_factory(stage)
     async with running(ckpt, client_factory=factory, override_generation_config=overrides) as live:
         assert (await live.post("/v1/chat/completions", chat))[0] == 200
@@ -205,3 +208,20 @@ async def test_generation_overrides_are_the_defaults_of_requests_that_leave_fiel
         assert live.state.load_error == (
             "ValueError: --override-generation-config: max_loops=9: this model allows at most 8"
         )
+    # Defaults the model cannot take stop it at start too, not every request later.
+    for info, bad, why in [
+        (scripted_info(ckpt), '{"init_state": "zero"}', "init_state='zero': this model has no"),
+        (
+            dataclasses.replace(scripted_info(ckpt), has_gate=True),
+            '{"exit_criterion": "kl"}',
+            "exit_criterion='kl': this model's tokens exit by its learned gate",
+        ),
+    ]:
+        factory = scripted_factory(ScriptedStage(info, Script([44])))
+        async with running(
+            ckpt, client_factory=factory, override_generation_config=bad, wait=False
+        ) as live:
+            await live.state.ready.wait()
+            assert live.state.load_error.startswith(
+                f"ValueError: --override-generation-config: {why}"
+            )

@@ -219,3 +219,15 @@ def test_a_prompt_that_fills_the_context_is_scored(ckpts, ouro_ref, engine):
             core.make_request(None, prompt, more)
     with pytest.raises(ValueError, match="^prompt: 13 tokens leave no room"):
         core.make_request(None, [*prompt, 5], scored)
+
+
+def test_a_pool_of_the_context_less_one_position_scores_no_full_prompt(ckpts):
+    """8 blocks over 4 planes hold 8 positions: a context of 9 for a request that generates
+    (its last token writes no KV), but a 9-token prompt to score would write all 9: refused at
+    once, naming the pool, as the KV reservation would refuse it later."""
+    core = make_core(ckpts["ouro"], block_size=4, num_blocks=8, max_model_len=9)
+    assert core.info.pool_limited
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    with pytest.raises(ValueError, match=r"^prompt: 9 tokens leave no room .*\(what the KV pool"):
+        core.make_request(None, list(range(30, 39)), scored)
+    assert core.make_request(None, list(range(30, 38)), scored) is not None

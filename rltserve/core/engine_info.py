@@ -113,8 +113,8 @@ class EngineInfo:
     # each (the policy's core planes, plus the coda's with coda attention), so the pool holds
     # ``num_blocks * block_size / kv_planes`` tokens, not ``num_blocks * block_size``.
     kv_planes: int = 1
-    # max_model_len is what the KV pool holds, lowered from the model's (``kv_sizing``): a
-    # prompt past it is told to grow the pool, not that the model is too short.
+    # max_model_len is what the KV pool holds (``kv_sizing.PoolSize.pool_limited``): a prompt
+    # past it is told to grow the pool, not that the model is too short.
     pool_limited: bool = False
 
     @classmethod

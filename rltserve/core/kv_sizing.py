@@ -22,8 +22,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class PoolSize:
     num_blocks: int
     max_model_len: int
-    # The model's context limit was lowered to what the pool holds (a prompt past it is told
-    # so).
+    # The pool bounds the context: the model's limit was lowered to what it holds, or (an
+    # explicit max_model_len) it holds that context only as one that generates, whose last
+    # token writes no KV, so a prompt filling the context cannot be scored. A prompt past the
+    # limit is told to grow the pool.
     pool_limited: bool
 
 
@@ -57,7 +59,7 @@ def pool_size(spec: LoopedSpec, config: EngineConfig, policy: KVPolicy) -> PoolS
     planes = policy.num_planes(spec.num_loops) + (spec.num_boundary_layers > 0)
     fits = num_blocks // planes * cache.block_size + 1  # (a context's last token writes no KV)
     if fits >= context:
-        return PoolSize(num_blocks, context, pool_limited=False)
+        return PoolSize(num_blocks, context, pool_limited=fits == context)
     planes_text = f"{planes} plane" + "s" * (planes != 1)
     pool = (
         f"the KV pool ({num_blocks} blocks of {cache.block_size} tokens; a request at "

@@ -11,6 +11,7 @@ from rltserve.kv_policy import KVPolicy
 from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams, outside_vocab
 
 if TYPE_CHECKING:
+    from rltserve.core.engine_info import EngineInfo
     from rltserve.core.request import Request
     from rltserve.models.base import LoopedSpec
 
@@ -104,17 +105,8 @@ def check_params(
         )
     cap = params.max_loops or spec.num_loops
     check_kv_policy(params.kv_policy, config.cache.kv_policy)
-    if params.exit_criterion is not None and spec.has_gate:
-        raise ValueError(
-            f"exit_criterion={params.exit_criterion!r}: this model's tokens exit by its learned "
-            "gate (exit_threshold); the zero-shot criteria are for models without one "
-            "(Huginn, Nanbeige)"
-        )
-    if params.init_state is not None and not spec.needs_noise:
-        raise ValueError(
-            f"init_state={params.init_state!r}: this model has no recurrent initial state to "
-            "set (it starts from the embedding); init_state is for Huginn"
-        )
+    if problem := model_field_problem(params.exit_criterion, params.init_state, spec):
+        raise ValueError(problem)
     if params.min_loops > cap:
         raise ValueError(
             f"min_loops={params.min_loops}: above the {cap} loops this request runs at most "
@@ -126,6 +118,26 @@ def check_params(
             f"{cap} loops at most"
         )
     return params
+
+
+def model_field_problem(
+    exit_criterion: str | None, init_state: str | None, model: LoopedSpec | EngineInfo
+) -> str | None:
+    """Why a model cannot take ``exit_criterion`` or ``init_state`` (a request's, or a server
+    default's), else None: a gated model exits by its gate, and only Huginn has an initial
+    state to set."""
+    if exit_criterion is not None and model.has_gate:
+        return (
+            f"exit_criterion={exit_criterion!r}: this model's tokens exit by its learned "
+            "gate (exit_threshold); the zero-shot criteria are for models without one "
+            "(Huginn, Nanbeige)"
+        )
+    if init_state is not None and not model.needs_noise:
+        return (
+            f"init_state={init_state!r}: this model has no recurrent initial state to "
+            "set (it starts from the embedding); init_state is for Huginn"
+        )
+    return None
 
 
 def check_bans(request: Request, vocab_size: int) -> None:

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.request_checks import model_field_problem
 from rltserve.core.stage import StageError
 from rltserve.generation_config import generation_config_defaults
 from rltserve.http.admission import AdmissionGate
@@ -142,12 +143,16 @@ class ServingState:
                 request_names=self._request_names,
             )
             info = await self._wait_ready(self._client)
-            loops = self.sampling_defaults.get("max_loops")
+            defaults = self.sampling_defaults
+            loops = defaults.get("max_loops")
             if loops is not None and loops > info.max_loops:
                 raise ValueError(
                     f"--override-generation-config: max_loops={loops}: this model allows at "
                     f"most {info.max_loops}"
                 )
+            fields = (defaults.get("exit_criterion"), defaults.get("init_state"))
+            if problem := model_field_problem(*fields, info):
+                raise ValueError(f"--override-generation-config: {problem}")
             tokenizer, token_chars = await tokenizer_job
             if tokenizer is not None and self.config.chat_template is not None:
                 tokenizer.use_chat_template(read_chat_template(self.config.chat_template))
