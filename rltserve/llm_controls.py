@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rltserve.caller_values import plain_number
 from rltserve.core.stage import StageError
-from rltserve.sampling import plain_number
 from rltserve.updates import SLEEP_TAGS
 from rltserve.weights import WeightsArg, update_paths
 

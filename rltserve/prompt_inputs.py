@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
+from rltserve.caller_values import outside_vocab, plain_number
 from rltserve.http.chat_messages import joined_text_parts, template_role
-from rltserve.sampling import outside_vocab, plain_number
 
 
 # (Optional keys through ``total=False`` bases: ``typing.NotRequired`` is Python 3.11's.)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import numbers
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from rltserve.caller_values import plain_number
 from rltserve.kv_policy import KVPolicy
 from rltserve.prompt_truncation import truncation_error
 
@@ -451,26 +450,6 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def plain_number(value: object) -> object:
-    """A NumPy integer (token ids from an array, as RL code has them) as the int it holds, a
-    NumPy float as a float; anything else as it is, for the field's check to judge."""
-    if isinstance(value, (int, float)):  # (bool too: the checks refuse it)
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
-
-
-def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
-    """The message for the first of ``ids`` (the field ``name``'s) outside the vocabulary."""
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is None:
-        return None
-    return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
-
-
 def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -505,29 +484,3 @@ def _check_number(obj: object, name: str) -> None:
     value = getattr(obj, name)
     if not _is_number(value):
         raise ValueError(f"{name}={value!r}: must be a number")
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of sample ``index`` of a request seeded with ``seed``: ``seed + index``
-    (vLLM's). Only the seed a user gives may be vLLM's "no seed" (-1): a derived -1 is written
-    2**64 - 1, the seed torch reads for it, so that the sample is seeded all the same."""
-    derived = seed + index
-    return 2**64 - 1 if derived == -1 else derived
-
-
-def expand_samples(params: SamplingParams) -> list[SamplingParams]:
-    """The ``n`` single-sample requests that make up ``params``: sample j is seeded with
-    ``sample_seed(seed, j)`` when ``seed`` is set (the HTTP server's convention) and unseeded
-    otherwise. Only the first scores the prompt (``prompt_logprobs``: the same for every
-    sample), so the others may share its prefill."""
-    if params.n == 1:
-        return [params]
-    return [
-        params.replace(
-            n=1,
-            best_of=None,
-            seed=None if params.seed is None else sample_seed(params.seed, j),
-            prompt_logprobs=params.prompt_logprobs if j == 0 else None,
-        )
-        for j in range(params.n)
-    ]

@@ -16,7 +16,7 @@ from engine_util import make_core, run_core
 
 from rltserve import LLM, SamplingParams
 from rltserve.outputs import CompletionOutput, RequestOutput
-from rltserve.sampling import expand_samples
+from rltserve.samples import expand_samples
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from engine_util import ENGINE_MODES, make_core, oracle_run, run_core, run_mode
 
-from rltserve.sampling import SamplingParams, expand_samples
+from rltserve.samples import expand_samples
+from rltserve.sampling import SamplingParams
 
 TOP = 3
 

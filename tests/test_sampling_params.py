@@ -10,9 +10,11 @@ import pytest
 from builders import build_nanbeige_tiny
 from engine_util import make_core, run_core
 
+from rltserve.caller_values import outside_vocab
 from rltserve.generation_config import generation_config_defaults
 from rltserve.prompt_truncation import truncated_prompt
-from rltserve.sampling import SamplingParams, expand_samples, outside_vocab, sample_seed
+from rltserve.samples import expand_samples, sample_seed
+from rltserve.sampling import SamplingParams
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -299,7 +301,8 @@ def test_vllms_best_of_bad_words_logits_processors_and_output_kind():
     """vLLM's fields that scripts pass: accepted where they ask for nothing rltserve lacks
     (``best_of`` equal to ``n``, empty lists, any ``output_kind``, kept as vLLM's enum), else a
     ValueError naming the field and what to use instead."""
-    from rltserve.sampling import RequestOutputKind, expand_samples
+    from rltserve.samples import expand_samples
+    from rltserve.sampling import RequestOutputKind
 
     p = SamplingParams(best_of=1, bad_words=[], logits_processors=[], output_kind=2)
     want = (1, [], [], RequestOutputKind.FINAL_ONLY)

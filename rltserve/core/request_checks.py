@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rltserve.caller_values import outside_vocab
 from rltserve.config import EngineConfig
 from rltserve.kv_policy import KVPolicy
-from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams, outside_vocab
+from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams
 
 if TYPE_CHECKING:
     from rltserve.core.engine_info import EngineInfo

@@ -13,6 +13,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
+from rltserve.caller_values import outside_vocab
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_kv_policy, no_room
 from rltserve.core.stage import Sink
@@ -24,7 +25,7 @@ from rltserve.http.metrics import ServingMetrics
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.prompt_truncation import truncated_prompt
-from rltserve.sampling import SamplingParams, outside_vocab
+from rltserve.sampling import SamplingParams
 from rltserve.thinking import (
     THINK_END,
     THINK_START,

@@ -29,7 +29,8 @@ from rltserve.http.chat_messages import (
 from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
-from rltserve.sampling import MAX_LOGPROBS, SamplingParams, sample_seed
+from rltserve.samples import sample_seed
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).

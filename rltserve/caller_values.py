@@ -1,0 +1,28 @@
+"""Values as callers hand them over, made plain or checked before any field check: NumPy
+numbers (token ids from an array, as RL code has them) as Python's, and token ids against the
+vocabulary (a message naming the field)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+
+def plain_number(value: object) -> object:
+    """A NumPy integer (token ids from an array, as RL code has them) as the int it holds, a
+    NumPy float as a float; anything else as it is, for the field's check to judge."""
+    if isinstance(value, (int, float)):  # (bool too: the checks refuse it)
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
+    """The message for the first of ``ids`` (the field ``name``'s) outside the vocabulary."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return None
+    return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
