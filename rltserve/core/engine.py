@@ -140,15 +140,8 @@ class EngineCore:
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``EngineStats.step_rows_counts``)
         planes = len(self.kv.planes_of(spec.num_loops))
-        self.info = EngineInfo.of_model(
-            spec,
-            config.cache,
-            str(mc.model),
-            self.max_model_len,
-            num_blocks,
-            planes,
-            self._pool_limited,
-        )
+        pool = (self.max_model_len, num_blocks, planes, self._pool_limited)
+        self.info = EngineInfo.of_model(spec, config.cache, str(mc.model), *pool)
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
         """An empty KV manager and scheduler (no requests, every block free)."""
