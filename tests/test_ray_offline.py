@@ -126,7 +126,7 @@ def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fai
 
         def remote(self, engine_kw: dict, threads: int) -> object:
             ref = types.SimpleNamespace(remote=lambda: "vocab-ref")
-            return types.SimpleNamespace(vocab_size=ref, threads=threads)
+            return types.SimpleNamespace(vocab_size=ref, threads=threads, seed=engine_kw["seed"])
 
     def get(refs, timeout=None):
         raise RuntimeError("the actor died")
@@ -140,7 +140,25 @@ def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fai
         offline.ReplicaPool(config, {"model": "/m"})
     assert placed == [{"num_cpus": 2.0, "num_gpus": 0.5}]
     assert [actor.threads for actor in killed] == [2, 2]  # both started, both stopped
+    assert [actor.seed for actor in killed] == [0, 1]  # (unseeded requests differ by replica)
     assert stops == [True]
+
+
+def test_each_replica_has_an_engine_seed_of_its_own():
+    """One engine seed on every replica would draw the same samples for the k-th unseeded
+    request on each: offline replica i takes seed + i (None: each its own), a Serve replica
+    the seed mixed with its id."""
+    from rltserve.config import EngineConfig
+    from rltserve.ray.replica import replica_config
+
+    assert [offline.replica_engine_kw({"model": "/m"}, i)["seed"] for i in range(3)] == [0, 1, 2]
+    assert offline.replica_engine_kw({"seed": 7}, 2) == {"seed": 9}
+    assert offline.replica_engine_kw({"seed": None}, 2) == {"seed": None}
+    config = EngineConfig.from_flat(model="/m", seed=5)
+    seeds = {replica_config(config, rid).model.seed for rid in ("7hsxm4wn", "a1b2c3d4", "x")}
+    assert len(seeds) == 3 and all(seed >= 5 for seed in seeds)
+    assert replica_config(config, "x") == replica_config(config, "x")  # (the id decides)
+    assert replica_config(config, "x").model.model == "/m"
 
 
 def test_replicas_the_cluster_cannot_place_time_out_saying_what_they_ask(monkeypatch):

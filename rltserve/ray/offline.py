@@ -22,6 +22,14 @@ from rltserve.ray.config import ReplicaConfig
 from rltserve.sampling import SamplingParams
 
 
+def replica_engine_kw(engine_kw: dict, index: int) -> dict:
+    """Replica ``index``'s engine arguments: its engine seed is ``seed + index`` (None: each
+    draws its own), so that unseeded requests on different replicas sample different streams
+    (one engine seed would repeat the same samples on every replica)."""
+    seed = engine_kw.get("seed", 0)
+    return {**engine_kw, "seed": None if seed is None else seed + index}
+
+
 class _Shard:
     """The actor's body: one LLM for the actor's lifetime."""
 
@@ -68,7 +76,10 @@ class ReplicaPool:
             cls = ray.remote(_Shard).options(
                 num_cpus=config.replica_cpus, num_gpus=config.replica_gpus
             )
-            self._actors = [cls.remote(engine_kw, config.threads) for _ in range(config.replicas)]
+            self._actors = [
+                cls.remote(replica_engine_kw(engine_kw, i), config.threads)
+                for i in range(config.replicas)
+            ]
             refs = [a.vocab_size.remote() for a in self._actors]
             try:
                 sizes = ray.get(refs, timeout=startup_timeout_s)

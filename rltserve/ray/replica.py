@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -41,6 +43,16 @@ def _replica_id() -> str:
         return f"pid-{os.getpid()}"
 
 
+def replica_config(engine_config: EngineConfig, replica_id: str) -> EngineConfig:
+    """The replica's engine config: its engine seed mixes the configured one with the replica's
+    id, so that unseeded requests on different replicas sample different streams (every replica
+    has the same config: one seed would repeat the same samples on each)."""
+    digest = hashlib.blake2b(replica_id.encode(), digest_size=4).digest()
+    model = engine_config.model
+    seed = model.seed + int.from_bytes(digest, "big")
+    return dataclasses.replace(engine_config, model=dataclasses.replace(model, seed=seed))
+
+
 class EngineReplica:
     def __init__(self, engine_config: EngineConfig, threads: int) -> None:
         import torch
@@ -49,9 +61,9 @@ class EngineReplica:
         from rltserve.core.stage import InProcessStageClient
 
         torch.set_num_threads(threads)
-        self._client = stage_client(engine_config, InProcessStageClient)
-        self._info = self._client.wait_ready(600.0)
         self._id = _replica_id()
+        self._client = stage_client(replica_config(engine_config, self._id), InProcessStageClient)
+        self._info = self._client.wait_ready(600.0)
 
     def info(self) -> EngineInfo:
         return self._info
