@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -265,13 +266,16 @@ class _ReplicaSetStage(ScriptedStage):
     update_weights = sleep = wake_up = reset_prefix_cache = None
 
 
-async def test_replicas_refuse_the_engine_controls_naming_the_route(ckpt):
+async def test_replicas_refuse_the_engine_controls_naming_the_route(ckpt, caplog):
+    """A 400 naming the route, and no log line saying the engine does it."""
+    caplog.set_level(logging.INFO, logger="rltserve.http")
     stage = _ReplicaSetStage(scripted_info(ckpt), Script([44]))
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         calls = (
             ("/v1/update_weights", {"model_path": str(ckpt)}),
             ("/reset_prefix_cache", None),
             ("/sleep", None),
+            ("/wake_up", None),
         )
         errors = []
         for path, body in calls:
@@ -282,7 +286,10 @@ async def test_replicas_refuse_the_engine_controls_naming_the_route(ckpt):
         ("update_weights: not with engine replicas: restart them with the new checkpoint", None),
         ("reset_prefix_cache: not with engine replicas", None),
         ("sleep: not with engine replicas", None),
+        ("wake_up: not with engine replicas", None),
     ]
+    said = [r.getMessage() for r in caplog.records if r.name == "rltserve.http"]
+    assert not [m for m in said if m.startswith(("sleep the", "wake up the", "Resetting"))]
 
 
 async def test_a_restarted_stage_serves_the_updated_weights_again(ckpt, tmp_path):

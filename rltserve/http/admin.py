@@ -89,6 +89,7 @@ async def sleep(request: web.Request) -> web.Response:
     timeout = _query_number(request, "timeout", 300.0, float)
     if (problem := _timeout_problem(timeout)) is not None:
         raise bad_request(problem, "timeout")
+    _check_control(request, "sleep")
     log.info("sleep the engine with level %d", level)  # (vLLM's words, as each line here)
     state = request.app[STATE]
     metrics = state.metrics
@@ -117,6 +118,7 @@ async def wake_up(request: web.Request) -> web.Response:
     tags = request.query.getall("tags", []) or list(SLEEP_TAGS)
     if not set(tags) <= set(SLEEP_TAGS):
         raise bad_request(f"tags={tags}: each must be one of {list(SLEEP_TAGS)}", "tags")
+    _check_control(request, "wake_up")
     log.info("wake up the engine with tags: %s", tags)
     await _run(request, "wake_up", tags)
     return web.Response()
@@ -129,9 +131,19 @@ async def is_sleeping(request: web.Request) -> web.Response:
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's: forgets every cached prefix (blocks running requests hold stay theirs)."""
+    _check_control(request, "reset_prefix_cache")
     log.info("Resetting prefix cache...")
     await _run(request, "reset_prefix_cache")
     return web.Response()
+
+
+def _check_control(request: web.Request, name: str) -> None:
+    """A 400 for a control a replica set does not have, before its log line says it runs."""
+    client = request.app[STATE].require_frontend().client
+    try:
+        getattr(client, "check_control", lambda name: None)(name)
+    except NotWithReplicas as exc:
+        raise bad_request(str(exc)) from exc
 
 
 async def _run(request: web.Request, name: str, *args: object) -> None:

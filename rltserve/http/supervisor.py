@@ -225,6 +225,12 @@ class SupervisedStage:
         """What ``sleep`` freed and ``wake_up`` has not restored (nothing for a replica set)."""
         return set(getattr(self._client, "sleeping", ()))
 
+    def check_control(self, name: str) -> None:
+        """NotWithReplicas where the stage has no ``name`` control (a replica set), before a
+        caller says it runs it."""
+        if getattr(self._client, name, None) is None:
+            raise NotWithReplicas(f"{name}: not with engine replicas")
+
     def _control(self, name: str, advice: str = "") -> Callable:
         self._check_running()
         control = getattr(self._client, name, None)
