@@ -71,6 +71,21 @@ async def test_request_logs_name_the_request_with_its_params_and_outputs(ckpt, c
     ]
 
 
+async def test_a_request_its_stage_failed_is_logged_as_failed(ckpt, caplog):
+    """Not "Finished": a failed stage or replica ends it with an error (a WARNING, with it)."""
+    caplog.set_level(logging.INFO, logger="rltserve.http.requests")
+    stage = _stage(ckpt, fail="stage died: replica r1 failed", fail_after=1)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, enable_log_requests=True) as live:
+        for stream in (False, True):
+            body = {"prompt": [5], "max_tokens": 3, "stream": stream}
+            await live.post("/v1/completions", body, headers={"X-Request-Id": f"f{stream:d}"})
+    said = _lines(caplog, "rltserve.http.requests")
+    for rid in ("cmpl-f0", "cmpl-f1"):
+        assert f"Failed request {rid}: stage died: replica r1 failed" in said
+        assert f"Finished request {rid}." not in said
+
+
 async def test_request_logs_are_off_by_default_and_outputs_need_them(ckpt, caplog):
     caplog.set_level(logging.DEBUG, logger="rltserve.http.requests")
     for flags in ({}, {"enable_log_outputs": True}):

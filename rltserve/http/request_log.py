@@ -71,7 +71,11 @@ class RequestLog:
                     self._cut(output.token_ids),
                     output.finish_reason,
                 )
-        log.info("Finished request %s.", request_id)
+        failed = next((o.error or "failed" for o in outputs if o.finish_reason == "error"), None)
+        if failed is not None:  # (a failed stage or replica: not a finished request)
+            log.warning("Failed request %s: %s", request_id, failed)
+        else:
+            log.info("Finished request %s.", request_id)
 
     def aborted(self, request_id: str) -> None:
         if self.enabled:
