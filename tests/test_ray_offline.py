@@ -199,7 +199,10 @@ def test_pool_outputs_are_numbered_in_input_order(monkeypatch):
 
     from rltserve.outputs import RequestOutput
 
-    def shard(prompts, params):
+    dealt = []
+
+    def shard(prompts, params, priority):
+        dealt.append(priority)
         return [RequestOutput("0" if i == 0 else str(i), p, [1], []) for i, p in enumerate(prompts)]
 
     pool = object.__new__(offline.ReplicaPool)
@@ -209,6 +212,21 @@ def test_pool_outputs_are_numbered_in_input_order(monkeypatch):
     monkeypatch.setattr(ray, "get", lambda calls: calls)
     outs = pool.generate(["a", "b", "c"], GREEDY)
     assert [(o.request_id, o.prompt) for o in outs] == [("0", "a"), ("1", "b"), ("2", "c")]
+    pool.generate(["a", "b", "c"], GREEDY, priority=[3, 4, 5])  # (dealt as the prompts)
+    assert dealt == [None, None, [3, 5], [4]]
+    with pytest.raises(ValueError, match="^priority: 2 values for 3 prompts$"):
+        pool.generate(["a", "b", "c"], GREEDY, priority=[1, 2])
+
+
+def test_what_llm_would_refuse_is_refused_before_a_cluster_starts(monkeypatch, ouro_rv1):
+    """Not as a dead actor's error, after the replicas started."""
+    monkeypatch.setattr(offline, "ReplicaPool", None)  # (never reached)
+    with pytest.raises(TypeError, match="foo"):
+        offline.generate(["a"], GREEDY, replicas=2, model=str(ouro_rv1), foo=1)
+    with pytest.raises(ValueError, match="enable_prompt_embeds"):
+        offline.generate(["a"], GREEDY, replicas=2, model=str(ouro_rv1), enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="^priority: 1 values for 2 prompts$"):
+        offline.generate(["a", "b"], GREEDY, replicas=2, model=str(ouro_rv1), priority=[0])
 
 
 def test_a_config_the_engine_refuses_is_its_value_error_and_the_replicas_stop(monkeypatch):

@@ -11,6 +11,7 @@ stay the Python objects ``LLM.generate`` returns instead of passing through Arro
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,9 +52,13 @@ class _Shard:
         """The model's vocabulary size, or the ValueError the engine refused its config with."""
         return self.refused if self.refused is not None else self.llm.info.vocab_size
 
-    def generate(self, prompts: list, params: list[SamplingParams] | None) -> list:
+    def generate(
+        self, prompts: list, params: list[SamplingParams] | None, priority: list[int] | None
+    ) -> list:
         """``params`` None: the LLM's defaults (``get_default_sampling_params``)."""
-        return self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        if not prompts:
+            return []
+        return self.llm.generate(prompts, params, use_tqdm=False, priority=priority)
 
 
 class ReplicaPool:
@@ -106,13 +111,22 @@ class ReplicaPool:
         self,
         prompts: Sequence[Any],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list:
+        """``LLM.generate``'s outputs, the batch dealt over the replicas; ``priority``: one per
+        prompt, as ``LLM.generate``'s."""
         import ray
 
         prompts, plist = _batch(prompts, params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts")
         n = len(self._actors)
         calls = [
-            actor.generate.remote(prompts[k::n], None if plist is None else plist[k::n])
+            actor.generate.remote(
+                prompts[k::n],
+                None if plist is None else plist[k::n],
+                None if priority is None else list(priority[k::n]),
+            )
             for k, actor in enumerate(self._actors)
         ]
         shards = ray.get(calls)  # a failed shard raises its own error (ValueError, ...)
@@ -144,13 +158,15 @@ def generate(
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
     startup_timeout_s: float = 600.0,
+    priority: Sequence[int] | None = None,
     **engine_kw: Any,
 ) -> list:
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
     connected to, or ``RAY_ADDRESS``), else starts a local one for the call;
-    ``startup_timeout_s``: ``ReplicaPool``'s; ``prompt_token_ids``: as ``LLM.generate``'s (older
-    vLLM's keyword)."""
+    ``startup_timeout_s``: ``ReplicaPool``'s; ``prompt_token_ids`` and ``priority``: as
+    ``LLM.generate``'s (``prompt_token_ids``: older vLLM's keyword). An argument ``LLM`` does not
+    take is its TypeError here, before a cluster starts."""
     if prompt_token_ids is not None:
         prompts = token_id_prompts(prompt_token_ids, prompts)
     if prompts is None:
@@ -165,9 +181,22 @@ def generate(
     )
     # What LLM would refuse at once, refused before a cluster starts (not as a dead actor).
     check_checkpoint_dir(engine_kw.get("model"), "model=")
+    check_llm_arguments(engine_kw)
     prompts, plist = _batch(prompts, params)
+    if priority is not None and len(priority) != len(prompts):
+        raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts")
     with ReplicaPool(config, engine_kw, startup_timeout_s) as pool:
-        return pool.generate(prompts, plist)
+        return pool.generate(prompts, plist, priority)
+
+
+def check_llm_arguments(engine_kw: dict) -> None:
+    """The TypeError (or ValueError) ``LLM(**engine_kw)`` raises for an argument it does not take
+    or a vLLM argument at a value it refuses, raised here rather than as an actor's death."""
+    from rltserve.llm import LLM
+    from rltserve.vllm_args import check_inert
+
+    named = inspect.signature(LLM.__init__).parameters
+    check_inert({k: v for k, v in engine_kw.items() if k not in named})
 
 
 def _batch(
