@@ -134,6 +134,19 @@ BAD_REQUESTS = [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
      "messages[1].tool_calls", "tool calls are not supported"),
+    ("chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+        {"role": "function", "name": "f", "content": "42"}]},
+     "messages[1].function_call", "function calls are not supported"),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format", 'only {"type": "text"}'),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "modalities": ["text", "audio"]}, "modalities", 'only ["text"]'),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "web_search_options": {}}, "web_search_options", "not supported"),
 ]  # fmt: skip
 
 

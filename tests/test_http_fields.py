@@ -152,6 +152,10 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
             assert status == 400 and error_of(raw)["param"] == field
         ok = {**CHAT, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
         assert (await live.post("/v1/chat/completions", {**ok, "max_tokens": 2}))[0] == 200
+        ok = {**ok, "modalities": ["text"], "max_tokens": 2}
+        assert (await live.post("/v1/chat/completions", ok))[0] == 200
+        plain = {"prompt": [5], "max_tokens": 2, "response_format": {"type": "text"}}
+        assert (await live.post("/v1/completions", plain))[0] == 200
 
 
 async def test_sampling_fields_reach_the_engine(ckpt):
@@ -332,6 +336,26 @@ async def test_continue_final_message_leaves_the_last_message_open(ckpt):
         assert status == 400 and error_of(raw)["param"] == "continue_final_message"
         status, _, raw = await live.post("/tokenize", {**closed, "chat_template": "{{ 1 }}"})
         assert status == 400 and error_of(raw)["param"] == "chat_template"
+
+
+async def test_an_assistant_refusal_part_renders_as_its_text(ckpt):
+    """OpenAI's assistant ``refusal`` part (a history replayed from an OpenAI model) renders as
+    the text it said; another role's refusal part is still not text."""
+    said = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "I cannot"}]
+    refused = [
+        said[0],
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot"}]},
+    ]
+    async with running(ckpt, client_factory=factory(ckpt)) as live:
+        tokens = []
+        for messages in (said, refused):
+            status, _, raw = await live.post("/tokenize", {"messages": messages})
+            assert status == 200, raw
+            tokens.append(orjson.loads(raw)["tokens"])
+        assert tokens[0] == tokens[1]
+        user = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+        status, _, raw = await live.post("/tokenize", {"messages": user})
+        assert (status, error_of(raw)["param"]) == (400, "messages[0].content[0]")
 
 
 async def test_left_out_sampling_fields_take_the_generation_config(ckpt, tmp_path):

@@ -123,6 +123,7 @@ def template_variables(
 class ContentPart:
     type: str
     text: str | None = None
+    refusal: str | None = None  # (an assistant's refusal part: its text, for the template)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,13 +132,22 @@ class ChatMessage:
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # A conversation replayed from a server with tools: refused (as ``tools`` is) rather than
-    # rendered without its calls; ``tool_call_id`` alone is harmless.
+    # rendered without its calls, in OpenAI's form and its legacy one; ``tool_call_id`` alone
+    # is harmless.
     tool_calls: list[Any] | None = None
+    function_call: Any = None
     tool_call_id: str | None = None
     # An earlier answer's thinking, for templates that render it: vLLM's ``reasoning`` and its
     # older name ``reasoning_content`` (templates get both keys, as they read either).
     reasoning: str | None = None
     reasoning_content: str | None = None
+
+    def _part(self, part: ContentPart) -> tuple[object, object]:
+        """A content part as ``(type, text)``: an assistant's refusal (OpenAI's part, in a
+        history replayed from an OpenAI model) is the text it said."""
+        if part.type == "refusal" and self.role == "assistant":
+            return "text", part.refusal
+        return part.type, part.text
 
     def as_template_input(self, path: str) -> dict[str, Any]:
         """The message as chat templates expect it: text content only. A role other than
@@ -148,6 +158,9 @@ class ChatMessage:
         if self.tool_calls:
             where = f"{path}.tool_calls"
             raise SchemaError(where, f"{where}: tool calls are not supported (nor is tools)")
+        if self.function_call is not None:
+            where = f"{path}.function_call"
+            raise SchemaError(where, f"{where}: function calls are not supported (nor is tools)")
         content = self.content
         if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
             where = f"{path}.content"
@@ -156,7 +169,7 @@ class ChatMessage:
             where = f"{path}.content"
             raise SchemaError(where, f"{where}: must not be an empty array")
         if isinstance(content, list):
-            content = joined_text_parts([(part.type, part.text) for part in content], path)
+            content = joined_text_parts([self._part(part) for part in content], path)
         message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

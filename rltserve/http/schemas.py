@@ -112,12 +112,18 @@ class GenerationFields:
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: bool = False
+    # OpenAI's (vLLM's completions take it too): only plain text, as constrained decoding.
+    response_format: dict[str, Any] | None = None
 
     def validate(self) -> None:
         for name in UNSUPPORTED_FIELDS:
             value = getattr(self, name)
             if value is not None and value is not False:  # (0 == False: a guided_json of 0)
                 raise SchemaError(name, f"{name}: not supported (no constrained decoding or beams)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise SchemaError(
+                "response_format", 'response_format: only {"type": "text"} is supported'
+            )
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:  # OpenAI's range
@@ -233,7 +239,10 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # OpenAI's audio output and web search: known so that asking for them is a clear 400.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -245,10 +254,11 @@ class ChatCompletionRequest(GenerationFields):
                 raise SchemaError(name, f"{name}={value}: must be >= 1")
         check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         check_reasoning_effort(self.reasoning_effort)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise SchemaError(
-                "response_format", 'response_format: only {"type": "text"} is supported'
-            )
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise SchemaError("modalities", 'modalities: only ["text"] is supported')
+        for name in ("audio", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise SchemaError(name, f"{name}: not supported (text generation only)")
         check_template_kwargs(self.chat_template_kwargs, self.chat_template)
         check_generation_prompt(self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None:
