@@ -380,16 +380,8 @@ class ServerConfig:
     def template_defaults(self) -> dict:
         """``default_chat_template_kwargs`` parsed (empty when not set); ValueError when it is
         not a JSON object of template variables."""
-        text = self.default_chat_template_kwargs
-        if text is None:
-            return {}
         name = "default_chat_template_kwargs"
-        try:
-            value = json.loads(text) if isinstance(text, str) else None
-        except ValueError as exc:
-            raise ValueError(f"{name}: not JSON ({exc})") from exc
-        if not isinstance(value, dict):
-            raise ValueError(f"{name}={text!r}: must be a JSON object")
+        value = _json_object(name, self.default_chat_template_kwargs)
         from rltserve.http.chat_messages import TEMPLATE_CALL_ARGUMENTS
 
         for key in value:
@@ -401,16 +393,8 @@ class ServerConfig:
     def generation_overrides(self) -> dict[str, object]:
         """``override_generation_config`` parsed as ``SamplingParams`` keywords (empty when not
         set); ValueError naming a key it does not take or a value SamplingParams refuses."""
-        text = self.override_generation_config
-        if text is None:
-            return {}
         name = "override_generation_config"
-        try:
-            value = json.loads(text) if isinstance(text, str) else None
-        except ValueError as exc:
-            raise ValueError(f"{name}: not JSON ({exc})") from exc
-        if not isinstance(value, dict):
-            raise ValueError(f"{name}={text!r}: must be a JSON object")
+        value = _json_object(name, self.override_generation_config)
         overrides: dict[str, object] = {}
         for key, item in value.items():
             if key == "min_loops":
@@ -459,3 +443,17 @@ class ServerConfig:
     @property
     def uses_tls(self) -> bool:
         return self.ssl_certfile is not None
+
+
+def _json_object(name: str, text: object) -> dict:
+    """The JSON object a flag's ``text`` holds ({} for None); a ValueError naming ``name``
+    otherwise."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError as exc:
+        raise ValueError(f"{name}: not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={text!r}: must be a JSON object")
+    return value
