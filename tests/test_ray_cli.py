@@ -128,7 +128,7 @@ def test_offline_generate_takes_older_vllms_prompt_token_ids(monkeypatch):
         def __exit__(self, *exc) -> None:
             pass
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, priority=None):
             return prompts
 
     monkeypatch.setattr(offline, "ReplicaPool", Pool)
@@ -197,7 +197,7 @@ def test_bench_offline_replicas_runs_the_single_engines_requests(monkeypatch):
         def __exit__(self, *exc) -> None:
             pass
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, priority=None):
             sent.append(params)
             return [None] * len(prompts)
 

@@ -56,7 +56,7 @@ class FakePool:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, priority=None):
         self.calls.append((prompts, params))
         return list(prompts)
 
