@@ -31,6 +31,14 @@ def no_room(name: str, num_tokens: int, max_model_len: int, pool_limited: bool) 
     )
 
 
+def longest_prompt(max_model_len: int, scored: bool, pool_limited: bool) -> int:
+    """The most tokens a prompt may have: one less than the context, leaving room for a token;
+    or, ``scored`` (one token asked for: prompt_logprobs, the HTTP API's echo with
+    max_tokens=0), the whole context, that token being the last position's prediction, whose
+    KV is never written. Not where the pool holds only the context less that position."""
+    return max_model_len if scored and not pool_limited else max_model_len - 1
+
+
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """vLLM's rule: a priority the engine would ignore (under ``fcfs``) is refused, not
     dropped silently."""
@@ -79,11 +87,7 @@ def check_params(
         if message := outside_vocab(name, ids, spec.vocab_size):
             raise ValueError(message)
     params = _bounded_logprobs(params, spec.vocab_size, config.model.max_logprobs)
-    # A prompt may fill the context when it asks for one token (scoring: prompt_logprobs, the
-    # HTTP API's echo with max_tokens=0): that token is the last position's prediction, whose
-    # KV is never written. Not where the pool holds only the context less that position.
-    scored = params.max_tokens == 1 and not pool_limited
-    if len(prompt_token_ids) > max_model_len - 1 + scored:
+    if len(prompt_token_ids) > longest_prompt(max_model_len, params.max_tokens == 1, pool_limited):
         raise ValueError(no_room("prompt", len(prompt_token_ids), max_model_len, pool_limited))
     if params.max_loops is not None and params.max_loops > spec.max_loops:
         raise ValueError(

@@ -106,7 +106,7 @@ class ServerConfig:
             "sampling defaults over --generation-config's, a JSON object (as "
             '\'{"temperature": 0.5, "max_loops": 16}\'; vLLM\'s): temperature, top_p, top_k, '
             "min_p, repetition_penalty, max_new_tokens, and the looped-model fields max_loops "
-            "(num_steps), exit_criterion, init_state; a request's own values win"
+            "(num_steps), exit_criterion, exit_threshold, init_state; a request's own values win"
         ),
     )
     allowed_origins: str = field(
@@ -241,8 +241,8 @@ class ServerConfig:
         default=False,
         metadata=_help(
             "log each generating request: 'Received request ID: params: ..., prompt_tokens: N' "
-            "(its prompt and token ids at --log-level debug), then 'Finished request ID.' or "
-            "'Aborted request ID.'"
+            "(its prompt and token ids at --log-level debug), then 'Finished request ID.', "
+            "'Failed request ID: ERROR' or 'Aborted request ID.'"
         ),
     )
     enable_log_outputs: bool = field(
@@ -310,27 +310,25 @@ class ServerConfig:
         self.template_defaults  # noqa: B018 - ValueError naming the field
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
-        bounds = (
-            ("max_n", 1, MAX_N),
-            ("max_stop", 0, None),
-            ("max_stop_chars", 1, None),
-            ("max_logprobs", 0, MAX_LOGPROBS),
-            ("max_header_bytes", 256, None),
+        bounds = (  # (field, least, most or None, None allowed)
+            ("max_n", 1, MAX_N, False),
+            ("max_stop", 0, None, False),
+            ("max_stop_chars", 1, None, False),
+            ("max_logprobs", 0, MAX_LOGPROBS, False),
+            ("max_header_bytes", 256, None, False),
+            ("max_tokens_limit", 1, None, True),
+            ("max_loops_limit", 1, None, True),
+            ("max_log_len", 0, None, True),
         )
-        for name, low, high in bounds:
+        for name, low, high, optional in bounds:
             value = getattr(self, name)
+            if value is None and optional:
+                continue
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
             if not ok or (high is not None and value > high):
                 where = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{name}={value!r}: must be an int {where}")
-        limit = self.max_tokens_limit
-        bad_limit = not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
-        if limit is not None and bad_limit:
-            raise ValueError(f"max_tokens_limit={limit!r}: must be an int >= 1")
         loops = self.max_loops_limit
-        bad_loops = not isinstance(loops, int) or isinstance(loops, bool) or loops < 1
-        if loops is not None and bad_loops:
-            raise ValueError(f"max_loops_limit={loops!r}: must be an int >= 1")
         overrides = self.generation_overrides  # (ValueError naming the key)
         if loops is not None and overrides.get("max_loops", 0) > loops:
             raise ValueError(
@@ -366,10 +364,6 @@ class ServerConfig:
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
-        length = self.max_log_len
-        bad_length = not isinstance(length, int) or isinstance(length, bool) or length < 0
-        if length is not None and bad_length:
-            raise ValueError(f"max_log_len={length!r}: must be an int >= 0")
         for path in self.quiet_paths:
             if not path.startswith("/"):
                 raise ValueError(

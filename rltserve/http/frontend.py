@@ -15,7 +15,7 @@ from typing import Protocol
 
 from rltserve.caller_values import outside_vocab
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.request_checks import check_kv_policy, no_room
+from rltserve.core.request_checks import check_kv_policy, longest_prompt, no_room
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.http.encoding import TextCodec
@@ -260,14 +260,13 @@ class Frontend:
     def check_prompt(self, ids: list[int], param: str, scored: bool = False) -> list[int]:
         """The engine's own admission checks, run here so they are a 400 before streaming.
         ``scored``: the prompt alone is asked for (echo with max_tokens=0), so it may fill the
-        context as vLLM's may: the engine's one token takes no place in it
-        (``request_checks.check_params``), unless the pool holds only the context less one."""
+        context as vLLM's may (``request_checks.longest_prompt``)."""
         info = self.info
         if not ids:
             raise bad_request(f"{param}: must contain at least one token", param)
-        whole = scored and not info.pool_limited
-        if len(ids) > info.max_model_len - 1 + whole:  # first: it is cheap, a long scan is not
-            if whole:
+        longest = longest_prompt(info.max_model_len, scored, info.pool_limited)
+        if len(ids) > longest:  # first: it is cheap, a long scan is not
+            if longest == info.max_model_len:  # (a scored prompt may fill the context)
                 raise bad_request(
                     f"{param}: {len(ids)} tokens exceed this model's maximum context length "
                     f"of {info.max_model_len} tokens",

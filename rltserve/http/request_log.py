@@ -8,8 +8,9 @@ sent one), which is what vLLM's lines name too:
   (``Request ID details: prompt: ..., prompt_token_ids: [...]``), as vLLM keeps them there;
 - ``Generated response ID: output: ..., output_token_ids: [...], finish_reason: ...`` per
   choice with ``--enable-log-outputs`` (`` (streaming complete)`` after the ID for a stream);
-- ``Finished request ID.``, or ``Aborted request ID.`` for one cut short (its client left, its
-  stream stalled, the server shut down).
+- ``Finished request ID.``; ``Failed request ID: <error>`` (a warning) for one its stage or
+  replica failed; or ``Aborted request ID.`` for one cut short (its client left, its stream
+  stalled, the server shut down).
 
 ``max_len`` (``--max-log-len``) bounds the characters and token ids a line shows.
 """

@@ -225,18 +225,16 @@ class SupervisedStage:
         """What ``sleep`` freed and ``wake_up`` has not restored (nothing for a replica set)."""
         return set(getattr(self._client, "sleeping", ()))
 
-    def check_control(self, name: str) -> None:
-        """NotWithReplicas where the stage has no ``name`` control (a replica set), before a
-        caller says it runs it."""
+    def check_control(self, name: str, advice: str = "") -> None:
+        """NotWithReplicas where the stage has no ``name`` control (a replica set: each replica
+        is its own deployment), before a caller says it runs it."""
         if getattr(self._client, name, None) is None:
-            raise NotWithReplicas(f"{name}: not with engine replicas")
+            raise NotWithReplicas(f"{name}: not with engine replicas{advice}")
 
     def _control(self, name: str, advice: str = "") -> Callable:
         self._check_running()
-        control = getattr(self._client, name, None)
-        if control is None:  # (a replica set: each replica is its own deployment)
-            raise NotWithReplicas(f"{name}: not with engine replicas{advice}")
-        return control
+        self.check_control(name, advice)
+        return getattr(self._client, name)
 
     def add_request(
         self,
