@@ -1,9 +1,10 @@
 """Edges of the HTTP front end that the other HTTP tests leave open (found by mutation testing):
 echo of a text prompt, special tokens in the text, a failed add, interrupted generations, chat
-with n > 1, stream_options, /tokenize of a long conversation, the operator's chat template,
+with n > 1, stream_options, /tokenize of a long conversation,
 /v1/update_weights' options, the group shared by n samples, token texts in logprobs and the
 model check of every route. Uses the scripted stage (context of 64 tokens) and the real
-ouro-tiny tokenizer. The rules that need no socket are in test_http_request_rules."""
+ouro-tiny tokenizer. The rules that need no socket are in test_http_request_rules; chat
+templates and thinking in test_http_templates."""
 
 from __future__ import annotations
 
@@ -95,29 +96,6 @@ async def test_a_failed_add_aborts_the_choices_already_added(ckpt):
         hold.set()
 
 
-async def test_thinking_errors_without_a_tokenizer_name_the_field(ckpt, tmp_path):
-    """Bounded thinking needs the tokenizer's ``</think>`` (or explicit ids) and a text
-    interruption needs the tokenizer: without one each is a 400 naming its field."""
-    stage = ScriptedStage(scripted_info(tmp_path), Script([44]))
-    async with running(tmp_path, client_factory=scripted_factory(stage)) as live:
-        body = {"prompt": [5], "max_tokens": 2, "max_thinking_tokens": 1}
-        status, _, raw = await live.post("/v1/completions", body)
-        assert status == 400 and error_of(raw) == {
-            "message": "thinking_end_token_ids: required (no tokenizer is loaded)",
-            "type": "invalid_request_error",
-            "param": "thinking_end_token_ids",
-            "code": 400,
-        }
-        body = {**body, "thinking_end_token_ids": [4], "thinking_interruption": "Enough."}
-        status, _, raw = await live.post("/v1/completions", body)
-        error = error_of(raw)
-        assert (status, error["param"]) == (400, "thinking_interruption"), error
-        assert error["message"].startswith("thinking_interruption: text needs a tokenizer")
-        body["thinking_interruption"] = None
-        status, _, raw = await live.post("/v1/completions", body)
-        assert status == 200, raw
-
-
 async def test_interrupting_open_generations_aborts_them_in_the_stage(ckpt):
     """``interrupt_all`` (what a drain that runs out calls) ends each open stream with an abort
     event and tells the stage at once, not only when the stage is closed later."""
@@ -204,106 +182,6 @@ async def test_tokenize_counts_a_conversation_longer_than_the_context(ckpt):
         assert status == 400 and error_of(raw)["param"] == "messages"
 
 
-async def test_the_operators_chat_template_renders_any_role_and_earlier_reasoning(ckpt, tmp_path):
-    """``--chat-template`` (a file, or the template itself) replaces the checkpoint's, for chats
-    and /tokenize alike; a role other than OpenAI's reaches the template as given (vLLM's custom
-    roles) and so does an earlier answer's ``reasoning_content``."""
-    from rltserve.models.tokenizer import load_tokenizer
-
-    template = (
-        "{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}({{ m.reasoning_content"
-        " }}){% endif %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[Huginn]"
-        "{% endif %}"
-    )
-    (tmp_path / "t.jinja").write_text(template)
-    messages = [
-        {"role": "user", "content": "hi"},
-        {"role": "Huginn", "content": "yo", "reasoning_content": "hmm"},
-        {"role": "user", "content": "more"},
-    ]
-    want = load_tokenizer(ckpt).encode("[user]hi\n[Huginn](hmm)yo\n[user]more\n[Huginn]", False)
-    for given in (str(tmp_path / "t.jinja"), template):
-        stage = stage_for(ckpt)
-        async with running(
-            ckpt, client_factory=scripted_factory(stage), chat_template=given
-        ) as live:
-            status, _, raw = await live.post("/tokenize", {"messages": messages})
-            assert status == 200 and orjson.loads(raw)["tokens"] == want, raw
-            status, _, raw = await live.post("/v1/chat/completions", {"messages": messages})
-            assert status == 200, raw
-            assert stage.added_prompts == [want]
-
-
-async def test_template_variables_of_requests_and_the_operators_defaults(ckpt):
-    """``reasoning_effort`` and ``tools`` (with tool_choice "none") reach the template as
-    variables, over ``chat_template_kwargs``' keys of the same name; the operator's
-    ``--default-chat-template-kwargs`` lie under each request's (its keys win); an earlier
-    answer's ``reasoning`` (vLLM's name) reaches the template as ``reasoning_content`` does.
-    Chat and /tokenize render alike."""
-    from rltserve.models.tokenizer import load_tokenizer
-
-    template = (
-        "{% for m in messages %}[{{ m.role }}]{% if m.reasoning %}({{ m.reasoning }}){% endif %}"
-        "{{ m.content }}|{% endfor %}{% for t in tools or [] %}tool:{{ t.function.name }}|"
-        "{% endfor %}effort={{ reasoning_effort }}|a={{ a }}|b={{ b }}"
-    )
-    messages = [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "yo", "reasoning": "hmm"},
-        {"role": "user", "content": "more"},
-    ]
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    tok = load_tokenizer(ckpt)
-    stage = stage_for(ckpt)
-    defaults = '{"a": "server", "b": "server", "reasoning_effort": "low"}'
-    async with running(
-        ckpt,
-        client_factory=scripted_factory(stage),
-        chat_template=template,
-        default_chat_template_kwargs=defaults,
-    ) as live:
-        for extra, want in [
-            ({}, "effort=low|a=server|b=server"),
-            ({"chat_template_kwargs": {"b": "req", "reasoning_effort": "medium"}},
-             "effort=medium|a=server|b=req"),
-            ({"chat_template_kwargs": {"reasoning_effort": "medium"}, "reasoning_effort": "high"},
-             "effort=high|a=server|b=server"),
-            ({"tools": tools, "tool_choice": "none"}, "tool:f|effort=low|a=server|b=server"),
-        ]:  # fmt: skip
-            ids = tok.encode("[user]hi|[assistant](hmm)yo|[user]more|" + want, False)
-            body = {"messages": messages, **extra}
-            status, _, raw = await live.post("/v1/chat/completions", body)
-            assert status == 200, raw
-            assert stage.added_prompts[-1] == ids, tok.decode(stage.added_prompts[-1])
-            status, _, raw = await live.post("/tokenize", body)  # (reasoning_effort too)
-            assert status == 200 and orjson.loads(raw)["tokens"] == ids, raw
-
-
-async def test_tool_fields_are_refused_alike_on_chat_and_tokenize(ckpt):
-    """No tool calling: ``tools`` with tool_choice auto, required or absent, and the legacy
-    ``functions`` / ``function_call``, are a 400 naming the field on chat and /tokenize alike
-    (``functions`` was ignored, /tokenize took ``tools`` silently)."""
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    functions = [{"name": "f", "parameters": {}}]
-    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
-        for extra, param in [
-            ({"tools": tools}, "tools"),
-            ({"tools": tools, "tool_choice": "auto"}, "tools"),
-            ({"tools": tools, "tool_choice": "required"}, "tools"),
-            ({"tool_choice": "required"}, "tool_choice"),
-            ({"functions": functions}, "functions"),
-            ({"functions": functions, "function_call": "auto"}, "functions"),
-            ({"function_call": {"name": "f"}}, "function_call"),
-        ]:
-            for path in ("/v1/chat/completions", "/tokenize"):
-                status, _, raw = await live.post(path, {**CHAT, **extra})
-                assert (status, error_of(raw)["param"]) == (400, param), (path, extra, raw)
-        for extra in ({"tools": tools, "tool_choice": "none"}, {"function_call": "none"}):
-            for path in ("/v1/chat/completions", "/tokenize"):
-                status, _, raw = await live.post(path, {**CHAT, **extra, "max_tokens": 1})
-                assert status == 200, (path, raw)
-
-
 class RecordingUpdates(ScriptedStage):
     """A scripted stage that records each weight update's arguments."""
 
@@ -365,15 +243,6 @@ async def test_a_hub_snapshot_is_served_by_its_repo_id_and_updates_take_repo_ids
     assert stage.update_calls == [([str(snapshot)], False, 300.0)]
 
 
-def no_template_checkpoint(ckpt, path):
-    """The tiny checkpoint's tokenizer, without its chat template, in ``path``."""
-    path.joinpath("tokenizer.json").write_bytes(ckpt.joinpath("tokenizer.json").read_bytes())
-    config = orjson.loads(ckpt.joinpath("tokenizer_config.json").read_bytes())
-    del config["chat_template"]
-    path.joinpath("tokenizer_config.json").write_bytes(orjson.dumps(config))
-    return path
-
-
 async def test_max_loops_may_be_the_models_cap(ckpt):
     """``max_loops`` up to the model's cap (8 here) is accepted and reaches the stage."""
     stage = stage_for(ckpt)
@@ -404,21 +273,6 @@ async def test_logprobs_name_tokens_by_their_text_special_tokens_included(ckpt, 
         logprobs = choices_of(raw)[0]["logprobs"]
         assert logprobs["tokens"] == ["token_id:44"]
         assert logprobs["top_logprobs"] == [{"token_id:44": -0.5}]
-
-
-async def test_a_tokenizer_without_a_chat_template_is_a_400_naming_messages(ckpt, tmp_path):
-    path = no_template_checkpoint(ckpt, tmp_path)
-    stage = ScriptedStage(scripted_info(path), Script([44]))
-    async with running(path, client_factory=scripted_factory(stage)) as live:
-        status, _, raw = await live.post("/v1/chat/completions", CHAT)
-        assert status == 400, raw
-        assert error_of(raw) == {
-            "message": f"messages: the tokenizer in {path} has no chat_template",
-            "type": "invalid_request_error",
-            "param": "messages",
-            "code": 400,
-        }
-        assert stage.added == []
 
 
 async def test_update_weights_timeout_may_be_the_maximum(ckpt):

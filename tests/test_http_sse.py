@@ -1,6 +1,7 @@
 """Exact bytes of streams and bodies, with a scripted stage (model-independent tokens) and the
 real ouro-tiny tokenizer: completion and chat streams, usage, n > 1, echo, stop strings across
-token boundaries, the looped-model extensions, and a graceful shutdown mid-stream."""
+token boundaries, the looped-model extensions, and a graceful shutdown mid-stream. Logprobs:
+``test_http_logprobs.py``."""
 
 from __future__ import annotations
 
@@ -28,13 +29,17 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def hi_tokens(ckpt) -> list[int]:
+def hi_token_ids(ckpt) -> list[int]:
     """Token ids of " Hi!": four byte-level tokens whatever the merges."""
     tok = load_tokenizer(ckpt)
     ids = tok.encode(" Hi!")
     assert [tok.decode([i]) for i in ids] == [" ", "H", "i", "!"]
     return ids
+
+
+@pytest.fixture(scope="module")
+def hi_tokens(ckpt) -> list[int]:
+    return hi_token_ids(ckpt)
 
 
 def stage_for(ckpt, tokens, **script) -> ScriptedStage:
@@ -247,38 +252,6 @@ async def test_chat_return_token_ids_lists_the_prompt_once_at_the_top(ckpt, hi_t
     assert [c.get("prompt_token_ids") for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
 
 
-async def test_logprobs_shapes(ckpt, hi_tokens):
-    stage = stage_for(ckpt, hi_tokens)
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        body = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
-        _, _, raw = await live.post("/v1/completions", body)
-        (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]
-        assert choice["logprobs"] == {
-            "tokens": [" ", "H"],
-            "token_logprobs": [-0.5, -0.5],
-            "top_logprobs": [{" ": -0.5}, {"H": -0.5}],
-            "text_offset": [0, 1],
-        }
-        chat = {
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 1,
-            "logprobs": True,
-            "top_logprobs": 1,
-        }
-        _, _, raw = await live.post("/v1/chat/completions", chat)
-    (choice,) = sse_payloads(b"data: " + raw + b"\n\n")[0]["choices"]
-    assert choice["logprobs"] == {
-        "content": [
-            {
-                "token": " ",
-                "logprob": -0.5,
-                "bytes": [32],
-                "top_logprobs": [{"token": " ", "logprob": -0.5, "bytes": [32]}],
-            }
-        ]
-    }
-
-
 async def test_a_second_signal_cuts_the_drain_short(ckpt, hi_tokens):
     stage = stage_for(ckpt, hi_tokens, interval_s=0.01)
     body = {"prompt": [5], "max_tokens": 63, "stream": True}
@@ -347,106 +320,6 @@ async def test_stream_usage_reports_cached_prompt_tokens(ckpt, hi_tokens):
         b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,' + details
         + b"data: [DONE]\n\n"
     )  # fmt: skip
-
-
-async def test_minus_infinity_logprobs_are_clamped(ckpt, hi_tokens):
-    """JSON has no -inf: a logprob the engine reports as -inf (a masked token) is -9999.0, as
-    vLLM clamps it, in completions and chat; chat's ``logprobs: true`` without
-    ``top_logprobs`` lists each token with no alternatives."""
-
-    def masked(update: RequestUpdate) -> RequestUpdate:
-        update.new_logprobs = [float("-inf") for _ in update.new_logprobs]
-        update.new_top_logprobs = [
-            [(t, float("-inf")) for t, _ in top or []] for top in update.new_top_logprobs
-        ]
-        return update
-
-    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), masked)
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        body = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
-        _, _, raw = await live.post("/v1/completions", body)
-        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
-        _, _, chat_raw = await live.post("/v1/chat/completions", chat)
-    assert body_of(raw)["choices"][0]["logprobs"] == {
-        "tokens": [" ", "H"],
-        "token_logprobs": [-9999.0, -9999.0],
-        "top_logprobs": [{" ": -9999.0}, {"H": -9999.0}],
-        "text_offset": [0, 1],
-    }
-    assert body_of(chat_raw)["choices"][0]["logprobs"] == {
-        "content": [{"token": " ", "logprob": -9999.0, "bytes": [32], "top_logprobs": []}]
-    }
-
-
-async def test_completions_top_logprobs_list_the_sampled_token_first(ckpt, hi_tokens):
-    """A completions choice's ``top_logprobs`` holds the sampled token besides the top k (up
-    to logprobs+1 entries, OpenAI's and vLLM's), so ``logprobs: 0`` lists the token alone."""
-    i = hi_tokens[2]
-
-    def unlikely(update: RequestUpdate) -> RequestUpdate:
-        update.new_logprobs = [-2.0 for _ in update.new_logprobs]
-        update.new_top_logprobs = [[(i, -0.1)][: len(top or [])] for top in update.new_top_logprobs]
-        return update
-
-    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), unlikely)
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        tops = []
-        for k in (1, 0):
-            body = {"prompt": [5], "max_tokens": 2, "logprobs": k}
-            _, _, raw = await live.post("/v1/completions", body)
-            tops.append(body_of(raw)["choices"][0]["logprobs"]["top_logprobs"])
-    assert tops[0] == [{" ": -2.0, "i": -0.1}, {"H": -2.0, "i": -0.1}]
-    assert [list(top) for top in tops[0]] == [[" ", "i"], ["H", "i"]]
-    assert tops[1] == [{" ": -2.0}, {"H": -2.0}]
-
-
-async def test_chat_logprobs_leave_out_forced_tokens(ckpt, hi_tokens):
-    """A token the engine appends without sampling it (bounded thinking's interruption and
-    ``</think>``) has no logprob: chat's ``logprobs.content`` leaves it out (OpenAI's schema
-    has a number for every entry), streamed or not; completions list it with null."""
-
-    def forced_second(update: RequestUpdate) -> RequestUpdate:
-        update.new_logprobs = [
-            None if t == hi_tokens[1] else lp
-            for t, lp in zip(update.new_token_ids, update.new_logprobs)
-        ]
-        return update
-
-    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), forced_second)
-    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True}
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        _, _, raw = await live.post("/v1/chat/completions", chat)
-        _, _, streamed = await live.post("/v1/chat/completions", {**chat, "stream": True})
-        body = {"prompt": [5], "max_tokens": 2, "logprobs": 0}
-        _, _, completion = await live.post("/v1/completions", body)
-    content = body_of(raw)["choices"][0]["logprobs"]["content"]
-    assert [(c["token"], c["logprob"]) for c in content] == [(" ", -0.5), ("i", -0.5)]
-    chunks = [c["choices"] for c in sse_payloads(streamed)[:-1]]
-    listed = [c[0]["logprobs"]["content"] for c in chunks if c and c[0]["logprobs"]]
-    assert [e["token"] for entries in listed for e in entries] == [" ", "i"]
-    logprobs = body_of(completion)["choices"][0]["logprobs"]
-    assert logprobs["token_logprobs"] == [-0.5, None]
-    assert logprobs["top_logprobs"] == [{" ": -0.5}, {}]
-
-
-async def test_prompt_logprobs_zero_lists_the_prompt_tokens(ckpt, hi_tokens):
-    """vLLM's ``prompt_logprobs: 0`` asks for each prompt token's own logprob (no
-    alternatives): the list is there, null for the first token."""
-
-    def scored(update: RequestUpdate) -> None:
-        update.prompt_logprobs = [(-1.25, [], 7), (-2.5, [], 1)]
-
-    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), first_updates(scored))
-    tok = load_tokenizer(ckpt)
-    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
-        body = {"prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": 0}
-        status, _, raw = await live.post("/v1/completions", body)
-    assert status == 200
-    assert body_of(raw)["choices"][0]["prompt_logprobs"] == [
-        None,
-        {"6": {"logprob": -1.25, "rank": 7, "decoded_token": tok.decode([6])}},
-        {"7": {"logprob": -2.5, "rank": 1, "decoded_token": tok.decode([7])}},
-    ]
 
 
 async def test_echo_alone_ends_by_length_whatever_the_engine_sampled(ckpt, hi_tokens):
