@@ -290,6 +290,9 @@ def _kinds_vs(run: dict, padded: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) != 6 or argv[1] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if argv[1:2] in (["-h"], ["--help"]) else 2
     work, out = Path(argv[1]), Path(argv[2])
     setup = {"device": argv[3], "preset": argv[4], "dtype": argv[5]}
     graphs_cmp = None

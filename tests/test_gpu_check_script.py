@@ -217,3 +217,11 @@ def test_summary_compares_kv_runs_without_and_with_a_pad_budget(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kv_pressure_pad_budget"] == pad["kv_pressure"]
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["work-only"], 2)])
+def test_the_summary_states_its_usage(args, code):
+    script = str(REPO / "scripts" / "gpu_check_summary.py")
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    assert proc.returncode == code
+    assert "Usage: gpu_check_summary.py WORK OUT DEVICE SMALL_PRESET SMALL_DTYPE" in proc.stderr

@@ -184,8 +184,8 @@ class Frontend:
         return out
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
-        """``ids`` as ``truncate_prompt_tokens=keep`` runs them (``sampling.truncated_prompt``);
-        ``ids`` itself when nothing is cut."""
+        """``ids`` as ``truncate_prompt_tokens=keep`` runs them
+        (``prompt_truncation.truncated_prompt``); ``ids`` itself when nothing is cut."""
         try:
             return truncated_prompt(ids, keep, self.info.max_model_len)
         except ValueError as exc:
