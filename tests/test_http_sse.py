@@ -483,3 +483,26 @@ async def test_running_usage_is_each_chunks_choice_so_far(ckpt, hi_tokens):
         per_choice.setdefault(choice["index"], []).append(c["usage"]["completion_tokens"])
     assert per_choice == {0: [0, 1, 2], 1: [0, 1, 2]}  # role chunk, then each token
     assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_running_usage_reports_the_prompts_cached_tokens_for_every_sample(ckpt, hi_tokens):
+    """With n > 1 a later sample reuses blocks an earlier one computed; the running usage of
+    every chunk reports the request's figure for the prompt (the fewest its samples found
+    cached, as the final usage), not each sample's own."""
+    seen: list[str] = []
+
+    def cached(update: RequestUpdate) -> None:
+        seen.append(update.request_id)
+        update.num_cached_tokens = 2 if len(seen) == 1 else 3
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), first_updates(cached))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": [5, 6, 7], "n": 2, "max_tokens": 2, "stream": True,
+            "stream_options": options}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+    assert status == 200
+    events = sse_payloads(raw)[:-1]  # ([DONE])
+    assert len(seen) == 2 and [len(e["choices"]) for e in events] == [1, 1, 1, 1, 0]
+    details = [e["usage"]["prompt_tokens_details"] for e in events]
+    assert details == [{"cached_tokens": 2}] * 5

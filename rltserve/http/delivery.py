@@ -106,7 +106,11 @@ async def _stream(
                     if plan.include_usage:
                         done = before if "role" in choice.get("delta", ()) else counted[event.index]
                         chunk["usage"] = (
-                            _choice_usage(plan, event, done) if plan.continuous_usage else None
+                            _choice_usage(
+                                plan, event, done, generation.num_cached_tokens(event.index)
+                            )
+                            if plan.continuous_usage
+                            else None
                         )
                     chunks.append(chunk)
             await writer.send(*chunks)
@@ -140,14 +144,13 @@ async def _stream(
             return writer.response
 
 
-def _choice_usage(plan: GenerationPlan, event: ChoiceEvent, done: int) -> dict:
+def _choice_usage(plan: GenerationPlan, event: ChoiceEvent, done: int, cached: int) -> dict:
     """``continuous_usage_stats``: the chunk's choice so far, as vLLM counts it: its prompt and
     the ``done`` tokens its chunks carried up to this one (a chat's role chunk: before the
     event's tokens; a batch's events arrive before it is written, so ``event.output`` may hold
-    later ones)."""
-    output = event.output
+    later ones), and its prompt's ``cached`` tokens."""
     done = 0 if plan.prompt_only else done
-    return usage(len(output.prompt_token_ids), done, output.num_cached_tokens or 0)
+    return usage(len(event.output.prompt_token_ids), done, cached)
 
 
 async def _collect(

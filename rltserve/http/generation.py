@@ -51,7 +51,7 @@ class _Choice:
     # start is counted then, so a request the engine refuses (a 400) counts neither a start
     # nor a finish.
     started: bool = False
-    cached_tokens: int = 0  # prompt tokens the stage reused instead of computing
+    cached_tokens: int | None = None  # prompt tokens the stage reused (its first update says)
 
 
 class Generation:
@@ -192,13 +192,18 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(c.assembler.output.token_ids) for c in self._choices.values())
 
-    def num_cached_tokens(self) -> int:
+    def num_cached_tokens(self, index: int | None = None) -> int:
         """Prompt tokens reused, each prompt counted once (as in ``prompt_tokens``): those
-        that none of its choices computed."""
+        that none of its choices computed (of the choices whose engine said so yet). With
+        ``index``, those of choice ``index``'s prompt alone: the request-level figure its
+        running usage reports (vLLM's), whichever sample of the prompt the chunk carries
+        (a later sample reuses what an earlier one computed)."""
+        prompt = None if index is None else self._choices[index].request.prompt_index
         per_prompt: dict[int, int] = {}
         for c in self._choices.values():
             p = c.request.prompt_index
-            per_prompt[p] = min(per_prompt.get(p, c.cached_tokens), c.cached_tokens)
+            if c.cached_tokens is not None and prompt in (None, p):
+                per_prompt[p] = min(per_prompt.get(p, c.cached_tokens), c.cached_tokens)
         return sum(per_prompt.values())
 
     async def batches(self) -> AsyncIterator[list[ChoiceEvent]]:
