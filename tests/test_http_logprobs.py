@@ -159,3 +159,19 @@ async def test_prompt_logprobs_zero_lists_the_prompt_tokens(ckpt, hi_tokens):
         {"6": {"logprob": -1.25, "rank": 7, "decoded_token": tok.decode([6])}},
         {"7": {"logprob": -2.5, "rank": 1, "decoded_token": tok.decode([7])}},
     ]
+
+
+async def test_chat_logprob_bytes_are_each_tokens_own(ckpt):
+    """A character split across tokens: each token's text is U+FFFD, its ``bytes`` its own
+    bytes (OpenAI's), which join into the character."""
+    ids = load_tokenizer(ckpt).encode("😀", add_special_tokens=False)
+    assert len(ids) > 1
+    stage = stage_for(ckpt, ids)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": len(ids)}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.post("/v1/chat/completions", {**chat, "logprobs": True})
+    (choice,) = body_of(raw)["choices"]
+    assert choice["message"]["content"] == "😀"
+    content = choice["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == ["\ufffd"] * len(ids)
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == "😀".encode()

@@ -360,3 +360,29 @@ def test_an_appended_token_that_is_no_stop_id_stays_in_a_prompt(
     ids = tok.encode("Hi", add_special_tokens=True)
     assert ids[-1] == 481 and tok.appended_end is None
     assert tok.encode_prompt("Hi") == ids
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny", "nanbeige-tiny"])
+def test_token_bytes_join_into_the_characters_split_across_tokens(toks, name) -> None:
+    """A token holding part of a character decodes to U+FFFD alone; its bytes (OpenAI's
+    logprob ``bytes``) are its own, so a text's tokens' bytes join into its UTF-8."""
+    tok = toks[name]
+    text = "😀 é中 the"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # (some character is split)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    for i in ids:
+        piece = tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" not in piece:
+            assert tok.token_bytes(i) == piece.encode()
+    special = min(tok.special_ids)
+    assert tok.token_bytes(special) == tok.decode([special], skip_special_tokens=False).encode()
+
+
+def test_token_bytes_of_a_sentencepiece_byte_token(toks, monkeypatch) -> None:
+    tok = toks["ouro-tiny"]
+    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens=True: "\ufffd")
+    monkeypatch.setattr(tok, "token_strings", lambda ids: ["<0xF0>"])
+    assert tok.token_bytes(7) == b"\xf0"
+    monkeypatch.setattr(tok, "token_strings", lambda ids: ["▁x"])  # (no byte-level alphabet)
+    assert tok.token_bytes(7) == "\ufffd".encode()

@@ -321,6 +321,13 @@ class Frontend:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's bytes as chat logprobs list them (``Tokenizer.token_bytes``: a token that
+        holds part of a character gives its own bytes, not U+FFFD's)."""
+        if self.tokenizer is None:
+            return list(self.token_text(token_id).encode())
+        return list(self.tokenizer.token_bytes(token_id))
+
     async def prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is not None:
             return prompt.text

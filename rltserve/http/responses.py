@@ -407,11 +407,11 @@ class ChatFormat(_Format):
         return self._extensions(entry, output.token_ids, output.exit_depths)
 
     def _logprobs(self, entries: list[dict]) -> dict:
-        text_of = self.frontend.token_text
+        text_of, bytes_of = self.frontend.token_text, self.frontend.token_bytes
 
         def item(token_id: int, value: float | None) -> dict:
             token = text_of(token_id)
-            return {"token": token, "logprob": _logprob(value), "bytes": list(token.encode())}
+            return {"token": token, "logprob": _logprob(value), "bytes": bytes_of(token_id)}
 
         content = []
         for entry in entries:

@@ -15,7 +15,9 @@ configs get these wrong (MODELS.md §1.7: Ouro says eos=0 while chat turns end w
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,18 @@ FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {
     "nanbeige": ("<|im_end|>", "<|endoftext|>"),
 }
 DEFAULT_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_turn|>", "<|eot_id|>")
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+@cache
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE vocabulary's character for each byte, inverted (GPT-2's table: the
+    printable Latin-1 bytes stand for themselves, the others for chars from U+0100 up)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    others = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(0x100 + n) for n, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
 
 
 class TokenizerError(ValueError):
@@ -143,6 +157,22 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (OpenAI's logprob ``bytes``): its text's UTF-8, except that a
+        token holding part of a character (its text alone decodes to U+FFFD) gives the bytes
+        its vocabulary entry stands for (byte-level BPE's alphabet, or a ``<0xHH>`` byte
+        token), so that the bytes of consecutive tokens join into the character."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        (piece,) = self.token_strings([token_id])
+        if match := BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        alphabet = byte_level_alphabet()
+        if piece and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(
         self,
