@@ -161,6 +161,9 @@ def test_pipelining_compare_against_block_mode(ouro_rv1, monkeypatch):
     )  # fmt: skip
     cmp = report["pipelining_compare"]
     assert (cmp["speculative_tokens"], cmp["draft_loops"]) == (2, 3)
+    # (its own concurrencies, a prompt per request: the header leaves out what it did not use)
+    assert "num_prompts" not in report and "concurrency" not in report
+    assert (report["input_len"], report["output_len"]) == (4, 3)
     for concurrency, piped_stats in (("1", stats[1]), ("8", stats[3])):
         block, piped = cmp[concurrency]["block"], cmp[concurrency]["pipelined"]
         assert block["output_tokens"] == piped["output_tokens"] == 3 * int(concurrency)
@@ -189,6 +192,8 @@ def test_wavefront_compare_counts_the_steps_to_the_first_token(ouro_rv1, monkeyp
     )  # fmt: skip
     cmp = report["wcpb_compare"]
     assert (cmp["num_chunks"], cmp["decode_load"]) == (16, 8)
+    unused = ("num_prompts", "input_len", "output_len", "concurrency")
+    assert not any(key in report for key in unused)
     for chunk in (4, 8):
         for load in ("alone", "under_decode_load"):
             cell = cmp[str(chunk)][load]
@@ -365,6 +370,7 @@ def test_async_compare_runs_sync_then_async_at_each_concurrency(ouro_rv1, monkey
     )  # fmt: skip
     cmp = report["async_compare"]
     assert cmp["2"]["async_vs_sync"] == cmp["5"]["async_vs_sync"] == 2.0
+    assert "concurrency" not in report and report["num_prompts"] == 3
     # Every concurrency is filled; async needs exits decided a loop ahead.
     assert [(r["max_num_seqs"], r["async_scheduling"], r["num_prompts"]) for r in runs] == [
         (2, False, 3), (2, True, 3), (5, False, 5), (5, True, 5),

@@ -243,16 +243,20 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
 
         report["prefix_compare"] = run_prefix_compare(model, engine_kw, args)
         return report
-    # With --compare, the wavefront, async and pipelining flags select their own comparisons.
+    # With --compare, the wavefront, async and pipelining flags select their own comparisons;
+    # each runs its own workload, so the report leaves out the workload flags it does not use.
     if engine_kw["speculative_tokens"] and args.compare:
+        _drop(report, "num_prompts", "concurrency")  # (concurrency 1 and 8, a prompt each)
         report["pipelining_compare"] = run_pipelining_compare(model, engine_kw, args)
         return report
     if engine_kw["wavefront_prefill"] and args.compare:
         from rltserve.bench.prefill import run_wcpb_compare
 
+        _drop(report, "num_prompts", "input_len", "output_len", "concurrency")
         report["wcpb_compare"] = run_wcpb_compare(model, engine_kw, args.chunk_sizes)
         return report
     if engine_kw["async_scheduling"] and args.compare:
+        _drop(report, "concurrency")  # (--concurrency-list)
         report["async_compare"] = run_async_compare(engine_kw, args, model.spec.vocab_size)
         return report
     if engine_kw["disaggregate"]:  # (the in-process arms below run one engine)
@@ -268,6 +272,7 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
             report["kv_pressure"] = run_kv_pressure(model, engine_kw, args, prompts_for)
         return report
     if engine_kw["cuda_graphs"] and args.compare:
+        _drop(report, "num_prompts", "concurrency")  # (--concurrency-list, 2c prompts each)
         report["graphs_compare"] = run_graphs_compare(model, engine_kw, args)
         return report
     show = _show(args)
@@ -400,6 +405,11 @@ def run_pd_compare(engine_kw: dict, prompts, params: SamplingParams, show: bool)
         out[name] = run_stage(kw, prompts, params, name, show)
     out["disaggregated_vs_one_stage"] = _ratio(out["disaggregated"], out["one_stage"])
     return out
+
+
+def _drop(report: dict, *keys: str) -> None:
+    for key in keys:
+        del report[key]
 
 
 def _ratio(a: dict, b: dict) -> float:
