@@ -154,7 +154,9 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, session: Callable) -> int:
     from rltserve.client import APIConnectionError, APIError
+    from rltserve.client_request import check_url
 
+    check_url(args.url, "--url")  # (AsyncClient's check, naming the flag)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
     try:

@@ -42,8 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import numbers
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -51,7 +50,6 @@ from typing import Any, TypeVar
 
 import aiohttp
 import orjson
-from aiohttp.http_exceptions import HttpProcessingError
 
 from rltserve import client_retry
 from rltserve.client_errors import (
@@ -73,8 +71,17 @@ from rltserve.client_errors import (
     error_from,
     retry_after_of,
 )
+from rltserve.client_request import (
+    RequestOptions,
+    check_stream,
+    check_timeout,
+    check_url,
+    non_finite,
+    request_of,
+    server_root,
+)
 from rltserve.client_retry import DEFAULT_MAX_RETRIES
-from rltserve.client_sse import MAX_EVENT_BYTES, SSEDecoder, iter_sse
+from rltserve.client_sse import MAX_EVENT_BYTES, SSEDecoder, broken, iter_sse
 
 __all__ = [
     "APIConnectionError",
@@ -100,16 +107,21 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_Body = dict | None  # a request's JSON body, and its options (None: the client's)
+_Opts = RequestOptions | None
+# A gateway's answers on /health while the server behind it (re)starts: not ready yet.
+_NOT_READY_STATUSES = (502, 503, 504)
 
 
 class ChunkStream:
     """An open streaming response. Iterate it for chunk dicts; use ``async with`` (or let the
     iteration finish) to release the connection."""
 
-    def __init__(self, client: AsyncClient, path: str, body: dict) -> None:
+    def __init__(self, client: AsyncClient, path: str, body: dict, options: RequestOptions) -> None:
         self._client = client
         self._path = path
         self._body = body
+        self._options = options
         self._response: aiohttp.ClientResponse | None = None
         self._events: AsyncIterator[dict] | None = None
         self._closed = False
@@ -117,7 +129,9 @@ class ChunkStream:
     async def __aenter__(self) -> ChunkStream:
         # Retried only while opening: once a chunk is out, the caller has seen tokens.
         client = self._client
-        self._response = await client._with_retries(lambda: client._post(self._path, self._body))
+        self._response = await client._with_retries(
+            lambda: client._request("POST", self._path, self._body, self._options)
+        )
         self._events = iter_sse(self._response, self._client.max_event_bytes)
         self._client._streams.add(self)
         return self
@@ -144,7 +158,7 @@ class ChunkStream:
                 yield chunk
         except asyncio.TimeoutError as exc:  # (aiohttp's read timeout is one)
             raise APITimeoutError(
-                None, f"stream stalled: nothing for {self._client.timeout} s"
+                None, f"stream stalled: nothing for {self._options.timeout} s"
             ) from exc
         except (aiohttp.ClientError, APIConnectionError) as exc:
             if self._client._closed or self._closed:  # (the break is this side's doing)
@@ -152,39 +166,34 @@ class ChunkStream:
                 raise APIConnectionError(None, f"the {closer} was closed while reading") from exc
             if isinstance(exc, APIConnectionError):
                 raise
-            raise APIConnectionError(None, f"stream broke: {_broken(exc, 'mid-stream')}") from exc
+            raise APIConnectionError(None, f"stream broke: {broken(exc, 'mid-stream')}") from exc
         finally:
             if owned:
                 await self.close()
 
 
-def _broken(exc: aiohttp.ClientError, where: str) -> str:
-    """A broken connection in words. aiohttp tells a body cut short as its parser's error, whose
-    text opens with "400" (the status aiohttp's server would answer): no status the server
-    sent, so the parser's message is kept without it."""
-    cause = exc.__cause__
-    if not (isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError)):
-        return str(exc)
-    detail = f"{type(cause).__name__}: {cause.message}"
-    if str(exc).startswith("Response payload is not completed"):  # (the connection ended)
-        return f"the server closed the connection {where} ({detail})"
-    return f"the response body is malformed ({detail})"
-
-
-def server_root(url: str) -> str:
-    """The server's base URL for ``AsyncClient``: a URL ending in ``/v1``, as OpenAI clients
-    take it, names the same server."""
-    return url.rstrip("/").removesuffix("/v1")
+def _let_go_of(connector: aiohttp.BaseConnector) -> None:
+    """Closes a connector without awaiting (its loop may have ended or not be running): with
+    ``_close``, what its own ``__del__`` calls (aiohttp has no public synchronous close), which
+    closes the pooled connections (on a closed loop, marks them closed) and the session."""
+    if not connector.closed:
+        with contextlib.suppress(RuntimeError):  # (a callback on a closed loop: moot)
+            connector._close()
 
 
 class AsyncClient:
-    """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000``; one ending in
-    ``/v1``, as the OpenAI SDK takes it, names the same server. Extra keyword arguments of the
-    request methods go into the JSON body as they are (None values are left out; a NaN or
-    infinite number is a ValueError). ``timeout`` is the longest wait for the server to
-    connect or to send anything (None: no limit; it applies to a ``session`` passed in too);
-    ``max_connections=0`` means unlimited (it sizes the client's own session only); a streamed
-    event larger than ``max_event_bytes`` ends the stream with ``APIConnectionError``. Closing
+    """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (an http(s) URL
+    with a host, else ValueError); one ending in ``/v1``, as the OpenAI SDK takes it, names the
+    same server. Extra keyword arguments of the request methods go into the JSON body as they
+    are (None values are left out; a NaN or infinite number is a ValueError), except the OpenAI
+    SDK's per-request ones: ``extra_body`` (a dict merged into the body, over the other
+    fields), ``extra_headers`` (sent over the client's; e.g. ``X-Request-Id``),
+    ``extra_query`` (query parameters) and ``timeout`` (this call's, over the client's).
+    ``timeout`` is the longest wait for the server to connect or to send anything (None: no
+    limit; it applies to a ``session`` passed in too, whose ``raise_for_status`` the client
+    overrides: it maps statuses itself); ``max_connections=0`` means unlimited (it sizes the
+    client's own session only); a streamed event larger than ``max_event_bytes`` (an int >= 1)
+    ends the stream with ``APIConnectionError``. Closing
     the client closes its open streams (their readers get ``APIConnectionError``); a closed
     client takes no more requests (RuntimeError, as the OpenAI SDK's client refuses them).
 
@@ -193,9 +202,13 @@ class AsyncClient:
     loading, at capacity, restarting or shutting down), after the server's ``Retry-After`` (or
     ``retry-after-ms``) when it asks for more than 0 and at most 120 s, else after 0.5 s
     doubling up to 8 s, less up to 25 % jitter; a longer Retry-After is not retried. Any other
-    error is raised at once. A stream is retried only while it opens, never once a chunk has
-    been yielded. ``timeout`` bounds each attempt, as the SDK's does, not the whole call (bound
-    that with ``asyncio.timeout``). ``health`` and ``wait_ready`` (probes) are not retried.
+    error is raised at once. The default 2 retries after rltserve's ``Retry-After: 1`` wait out
+    about 2 s of 503s: a moment at capacity, not a model still loading or a stage restarting
+    (seconds or minutes): ``await wait_ready()`` after starting a server, and raise
+    ``max_retries`` to ride out restarts. A stream is retried only while it opens, never once a
+    chunk has been yielded. ``timeout`` bounds each attempt, as the SDK's does, not the whole
+    call (bound that with ``asyncio.timeout``). ``health`` and ``wait_ready`` (probes) are not
+    retried.
 
     Each event loop gets the client's own session afresh: a client used under one
     ``asyncio.run()`` after another works (one loop at a time; a loop still running in another
@@ -213,14 +226,18 @@ class AsyncClient:
         max_event_bytes: int = MAX_EVENT_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
     ) -> None:
-        if timeout is not None and (
-            not isinstance(timeout, numbers.Real) or isinstance(timeout, bool) or not timeout > 0
-        ):
-            raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds or None")
+        check_url(base_url, "base_url")  # (not at the first call, after its retries)
+        check_timeout(timeout)
         if not isinstance(max_connections, int) or max_connections < 0:
             raise ValueError(f"max_connections={max_connections!r}: must be an int >= 0")
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r}: must be an int >= 0 (0: no retries)")
+        if (
+            not isinstance(max_event_bytes, int)
+            or isinstance(max_event_bytes, bool)
+            or max_event_bytes < 1
+        ):
+            raise ValueError(f"max_event_bytes={max_event_bytes!r}: must be an int >= 1")
         self.base_url = server_root(base_url)
         self.max_retries = max_retries
         self.max_event_bytes = max_event_bytes
@@ -229,8 +246,8 @@ class AsyncClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._owns_session = session is None
         self._session = session
-        # An idle-read limit, not a total: a long stream is fine while tokens keep coming.
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+        self._let_go: weakref.finalize | None = None  # closes the own session's connector
+        self._lock = threading.Lock()  # (two threads' first calls would both make a session)
         self._max_connections = max_connections
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the own session runs on
         self._closed = False
@@ -252,28 +269,16 @@ class AsyncClient:
             await stream.close()
         if self._owns_session and self._session is not None:
             await self._session.close()
-            self._session = None
-
-    def __del__(self) -> None:
-        # Never closed: let go of the session quietly, as the OpenAI SDK's client does, rather
-        # than leave aiohttp to warn "Unclosed client session" at collection or exit.
-        if getattr(self, "_owns_session", False) and self._session is not None:
-            try:  # noqa: SIM105 - (at exit, the modules it uses may be gone)
-                self._release_session()
-            except Exception:
-                pass
+            self._release_session()
 
     def _release_session(self) -> None:
-        """Closes the own session without awaiting (its loop may have ended or not be running).
-        aiohttp has no public synchronous close; the connector's ``_close`` is what its own
-        ``__del__`` calls: it closes the pooled connections (on a loop that is closed, it
-        marks them closed) and leaves the session closed, so nothing warns later."""
-        session, self._session, self._loop = self._session, None, None
+        """Closes the own session without awaiting (its loop may have ended or not be
+        running), as ``_let_go`` would when the client is collected."""
+        if self._let_go is not None:  # (first: a session dropped while open would warn)
+            self._let_go()
+            self._let_go = None
+        self._session, self._loop = None, None
         self._streams.clear()  # (their connections close with the connector)
-        connector = session.connector if session is not None else None
-        if connector is not None and not connector.closed:
-            with contextlib.suppress(RuntimeError):  # (a callback on a closed loop: moot)
-                connector._close()
 
     def _refuse_other_thread(self, advice: str) -> None:
         """Its session's loop runs in another thread: its connections are that thread's."""
@@ -288,22 +293,34 @@ class AsyncClient:
             raise RuntimeError("AsyncClient: closed; make a new client to send more requests")
         if self._owns_session:
             loop = asyncio.get_running_loop()
-            if self._session is not None and self._loop is not loop:
-                self._refuse_other_thread("make one client per thread")
-                self._release_session()  # (an earlier asyncio.run(): its loop has ended)
-            if self._session is None:
-                connector = aiohttp.TCPConnector(limit=self._max_connections)
-                self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-                self._loop = loop
+            with self._lock:
+                if self._session is not None and self._loop is not loop:
+                    self._refuse_other_thread("make one client per thread")
+                    self._release_session()  # (an earlier asyncio.run(): its loop has ended)
+                if self._session is None:
+                    self._open_session(loop)
         assert self._session is not None
         return self._session
 
+    def _open_session(self, loop: asyncio.AbstractEventLoop) -> None:
+        connector = aiohttp.TCPConnector(limit=self._max_connections)
+        self._session = aiohttp.ClientSession(connector=connector)  # (timeouts: per request)
+        self._loop = loop
+        # Never closed: let go of quietly when the client is collected, as the OpenAI SDK's
+        # is. Not in __del__: in a reference cycle (a traceback's frames hold the client), the
+        # connector's __del__ ("Unclosed connector") may run first; weakref callbacks run
+        # before any __del__ of the same garbage.
+        self._let_go = weakref.finalize(self, _let_go_of, connector)
+
     # ------------------------------------------------------------------ transport
 
-    async def _request(self, method: str, path: str, body: dict | None = None):
+    async def _request(
+        self, method: str, path: str, body: _Body = None, options: _Opts = None
+    ) -> aiohttp.ClientResponse:
+        options = options or RequestOptions(self.timeout)
         data = None
         if body is not None:
-            if (where := _non_finite(body)) is not None:  # (orjson would send null)
+            if (where := non_finite(body)) is not None:  # (orjson would send null)
                 raise ValueError(f"{where}: must be a finite number")
             try:  # (NumPy arrays and numbers as JSON)
                 data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -312,39 +329,47 @@ class AsyncClient:
         headers = dict(self._headers)
         if data is not None:
             headers["Content-Type"] = "application/json"
+        headers.update(options.headers)
+        seconds = options.timeout
         try:
             response = await self.session.request(
-                method, self.base_url + path, data=data, headers=headers, timeout=self._timeout
+                method,
+                self.base_url + path,
+                params=options.query or None,
+                data=data,
+                headers={k: v for k, v in headers.items() if v is not None},
+                # An idle-read limit, not a total: a long stream is fine while tokens come.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds),
+                raise_for_status=False,  # (a caller's session may say True: statuses are ours)
             )
         except asyncio.TimeoutError as exc:
-            raise APITimeoutError(None, f"{self.base_url}: no answer in {self.timeout} s") from exc
+            raise APITimeoutError(None, f"{self.base_url}: no answer in {seconds} s") from exc
         except aiohttp.ClientError as exc:
             if self._closed:  # (close() dropped the connection: not the server's doing)
                 raise APIConnectionError(None, "the client was closed during the call") from exc
             raise APIConnectionError(None, f"cannot reach {self.base_url}: {exc}") from exc
         if response.status >= 400:
-            raw = await self._read(response)
+            raw = await self._read(response, seconds)
             try:
                 parsed: object = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 parsed = raw.decode(errors="replace")
-            raise error_from(response.status, parsed, retry_after_of(response.headers))
+            retry_after = retry_after_of(response.headers)
+            request_id = response.headers.get("X-Request-Id")
+            raise error_from(response.status, parsed, retry_after, request_id)
         return response
 
-    async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
-        return await self._request("POST", path, body)
-
-    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+    async def _read(self, response: aiohttp.ClientResponse, seconds: float | None) -> bytes:
         try:
             async with response:
                 return await response.read()
         except asyncio.TimeoutError as exc:
-            raise APITimeoutError(None, f"the response stalled for {self.timeout} s") from exc
+            raise APITimeoutError(None, f"the response stalled for {seconds} s") from exc
         except aiohttp.ClientError as exc:
             if self._closed:
                 raise APIConnectionError(None, "the client was closed during the call") from exc
             raise APIConnectionError(
-                None, f"the response broke off: {_broken(exc, 'mid-response')}"
+                None, f"the response broke off: {broken(exc, 'mid-response')}"
             ) from exc
 
     async def _with_retries(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
@@ -373,16 +398,20 @@ class AsyncClient:
                     ) from error
             retries_taken += 1
 
-    async def _fetch(self, method: str, path: str, body: dict | None = None) -> bytes:
+    async def _fetch(
+        self, method: str, path: str, body: _Body = None, options: _Opts = None
+    ) -> bytes:
         """One whole response body, retried as a unit (a body that breaks off is too)."""
+        options = options or RequestOptions(self.timeout)
 
         async def attempt() -> bytes:
-            return await self._read(await self._request(method, path, body))
+            response = await self._request(method, path, body, options)
+            return await self._read(response, options.timeout)
 
         return await self._with_retries(attempt)
 
-    async def _json(self, method: str, path: str, body: dict | None = None) -> Any:
-        raw = await self._fetch(method, path, body)
+    async def _json(self, method: str, path: str, body: _Body = None, options: _Opts = None) -> Any:
+        raw = await self._fetch(method, path, body, options)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -392,34 +421,42 @@ class AsyncClient:
 
     async def complete(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> dict:
         """POST /v1/completions; returns the completion object."""
-        _check_stream(params, False, "complete", "stream")
-        return await self._json("POST", "/v1/completions", _body(prompt=prompt, **params))
+        body, options = request_of(params, self.timeout, prompt=prompt)
+        check_stream(body, False, "complete", "stream")
+        return await self._json("POST", "/v1/completions", body, options)
 
     def stream(self, prompt: str | Sequence[int] | Sequence, **params: Any) -> ChunkStream:
         """Streaming /v1/completions: ``async for chunk in client.stream("Hi")``."""
-        _check_stream(params, True, "stream", "complete")
-        return ChunkStream(self, "/v1/completions", _body(prompt=prompt, stream=True, **params))
+        body, options = request_of(params, self.timeout, prompt=prompt)
+        check_stream(body, True, "stream", "complete")
+        return ChunkStream(self, "/v1/completions", {**body, "stream": True}, options)
 
     async def chat(self, messages: Sequence[dict], **params: Any) -> dict:
         """POST /v1/chat/completions; returns the chat.completion object."""
-        _check_stream(params, False, "chat", "chat_stream")
-        return await self._json("POST", "/v1/chat/completions", _body(messages=messages, **params))
+        body, options = request_of(params, self.timeout, messages=messages)
+        check_stream(body, False, "chat", "chat_stream")
+        return await self._json("POST", "/v1/chat/completions", body, options)
 
     def chat_stream(self, messages: Sequence[dict], **params: Any) -> ChunkStream:
         """Streaming chat: chunks whose choices carry ``delta``s (the role first)."""
-        _check_stream(params, True, "chat_stream", "chat")
-        body = _body(messages=messages, stream=True, **params)
-        return ChunkStream(self, "/v1/chat/completions", body)
+        body, options = request_of(params, self.timeout, messages=messages)
+        check_stream(body, True, "chat_stream", "chat")
+        return ChunkStream(self, "/v1/chat/completions", {**body, "stream": True}, options)
 
     async def models(self) -> list[dict]:
         return (await self._json("GET", "/v1/models"))["data"]
 
     async def health(self) -> bool:
-        """True when the server is up and its engine ready (False while loading or down); the
-        status decides (vLLM and SGLang answer 200 with an empty body)."""
+        """True when the server is up and its engine ready (False while loading or down, or
+        while a gateway before it answers 502 or 504); the status decides (vLLM and SGLang
+        answer 200 with an empty body)."""
         try:
-            await self._read(await self._request("GET", "/health"))
-        except (ServiceUnavailableError, APIConnectionError):
+            await self._read(await self._request("GET", "/health"), self.timeout)
+        except InternalServerError as exc:
+            if exc.status in _NOT_READY_STATUSES:
+                return False
+            raise
+        except APIConnectionError:
             return False
         return True
 
@@ -440,8 +477,8 @@ class AsyncClient:
     async def tokenize(
         self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, **params: Any
     ) -> list[int]:
-        body = _body(prompt=prompt, messages=messages, **params)
-        return (await self._json("POST", "/tokenize", body))["tokens"]
+        body, options = request_of(params, self.timeout, prompt=prompt, messages=messages)
+        return (await self._json("POST", "/tokenize", body, options))["tokens"]
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         return (await self._json("POST", "/detokenize", {"tokens": list(tokens)}))["prompt"]
@@ -451,35 +488,3 @@ class AsyncClient:
 
     async def metrics(self) -> str:
         return (await self._fetch("GET", "/metrics")).decode()
-
-
-def _check_stream(params: dict, streams: bool, method: str, other: str) -> None:
-    if "stream" in params and bool(params["stream"]) is not streams:
-        raise ValueError(f"stream={params['stream']!r}: {method}() does not; use {other}()")
-    params.pop("stream", None)
-
-
-def _non_finite(value: object, where: str = "") -> str | None:
-    """Where in a request body a NaN or infinite number is (JSON has none), or None."""
-    if isinstance(value, dict):
-        paths = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
-        return next((w for path, v in paths if (w := _non_finite(v, path))), None)
-    if type(value).__name__ == "ndarray":  # (NumPy's, sent as lists: OPT_SERIALIZE_NUMPY)
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return next(
-            (w for i, v in enumerate(value) if (w := _non_finite(v, f"{where}[{i}]"))), None
-        )
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        return None if math.isfinite(value) else f"{where}={value!r}"
-    return None
-
-
-def _body(**fields: Any) -> dict:
-    body = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items() if v is not None}
-    bias = body.get("logit_bias")
-    if isinstance(bias, dict):  # token ids as keys, as Python holds them: OpenAI's strings
-        body["logit_bias"] = {
-            str(int(k)) if isinstance(k, numbers.Integral) else k: v for k, v in bias.items()
-        }
-    return body

@@ -1,5 +1,6 @@
 """The errors ``AsyncClient`` raises: one class per HTTP status family, as the OpenAI SDK
-names them, each carrying the server's ``message``, ``type``, ``param`` and ``Retry-After``."""
+names them, each carrying the server's ``message``, ``type``, ``param``, ``code``, the error
+``body``, the response's ``X-Request-Id`` and its ``Retry-After``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Mapping
 
 
 class APIError(Exception):
-    """An error response (or an error event inside a stream)."""
+    """An error response (or an error event inside a stream). As the OpenAI SDK's: ``code`` is
+    the error object's ``code``, ``body`` the error object (the body's ``error``, else the
+    whole body as parsed, or its text), ``request_id`` the response's ``X-Request-Id``."""
 
     status: int | None = None
 
@@ -19,6 +22,9 @@ class APIError(Exception):
         type: str | None = None,  # noqa: A002 - the OpenAI field name
         param: str | None = None,
         retry_after: float | None = None,
+        code: object = None,
+        body: object = None,
+        request_id: str | None = None,
     ) -> None:
         super().__init__(f"{status}: {message}" if status is not None else message)
         self.status = status
@@ -26,9 +32,13 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.retry_after = retry_after
+        self.code = code
+        self.body = body
+        self.request_id = request_id
 
     def __reduce__(self):  # (pickled and copied whole: Ray and multiprocessing carry errors)
-        return type(self), (self.status, self.message, self.type, self.param, self.retry_after)
+        fields = (self.status, self.message, self.type, self.param, self.retry_after)
+        return type(self), (*fields, self.code, self.body, self.request_id)
 
 
 class APIStatusError(APIError):
@@ -121,17 +131,24 @@ def retry_after_of(headers: Mapping[str, str]) -> float | None:
     return None
 
 
-def error_from(status: int, body: object, retry_after: str | float | None = None) -> APIError:
+def error_from(
+    status: int,
+    body: object,
+    retry_after: str | float | None = None,
+    request_id: str | None = None,
+) -> APIError:
     """The typed error for an error response body (OpenAI or llama.cpp shape)."""
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         error = {"message": str(body) if body else f"HTTP {status}"}
+    sdk_body = body.get("error", body) if isinstance(body, dict) else body  # (the SDK's body)
     cls = _ERRORS.get(status) or (InternalServerError if status >= 500 else APIStatusError)
     try:
         retry = float(retry_after) if retry_after is not None else None
     except ValueError:
         retry = None
-    return cls(status, str(error.get("message")), error.get("type"), error.get("param"), retry)
+    fields = (error.get("type"), error.get("param"), retry, error.get("code"), sdk_body)
+    return cls(status, str(error.get("message")), *fields, request_id)
 
 
 def status_of(code: object) -> int:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 from rltserve.client_errors import APIConnectionError, error_from, status_of
 
@@ -105,12 +106,25 @@ async def iter_sse(
             except orjson.JSONDecodeError as exc:
                 raise APIConnectionError(None, f"the stream sent invalid JSON: {exc}") from exc
             if isinstance(obj, dict) and "choices" not in obj:
+                request_id = response.headers.get("X-Request-Id")
                 if "error" in obj:
                     error = obj["error"]
-                    raise error_from(
-                        status_of(error.get("code") if isinstance(error, dict) else 0), obj
-                    )
+                    code = error.get("code") if isinstance(error, dict) else 0
+                    raise error_from(status_of(code), obj, None, request_id)
                 if obj.get("object") == "error":  # (vLLM's top-level ErrorResponse)
-                    raise error_from(status_of(obj.get("code")), {"error": obj})
+                    raise error_from(status_of(obj.get("code")), {"error": obj}, None, request_id)
             yield obj
     raise APIConnectionError(None, "the stream ended without [DONE]")
+
+
+def broken(exc: aiohttp.ClientError, where: str) -> str:
+    """A broken connection in words. aiohttp tells a body cut short as its parser's error, whose
+    text opens with "400" (the status aiohttp's server would answer): no status the server
+    sent, so the parser's message is kept without it."""
+    cause = exc.__cause__
+    if not (isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError)):
+        return str(exc)
+    detail = f"{type(cause).__name__}: {cause.message}"
+    if str(exc).startswith("Response payload is not completed"):  # (the connection ended)
+        return f"the server closed the connection {where} ({detail})"
+    return f"the response body is malformed ({detail})"

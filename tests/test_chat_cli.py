@@ -101,6 +101,16 @@ def test_a_server_that_cannot_be_reached_is_one_line_and_exit_1(capsys, unused_t
     assert main(["complete", "-q", "hi", "--max-tokens", "0"]) == 2
 
 
+def test_a_url_without_a_scheme_is_refused_at_once_exit_2(capsys):
+    """The check AsyncClient and ``bench serve --url`` make, before any request or retry."""
+    for command in ("chat", "complete"):
+        assert main([command, "-q", "hi", "--url", "127.0.0.1:8000/v1"]) == 2
+        assert capsys.readouterr().err == (
+            "rltserve: error: --url='127.0.0.1:8000/v1': must be an http(s) URL with a host, "
+            "e.g. http://127.0.0.1:8000\n"
+        )
+
+
 def test_input_is_quicks_message_or_stdins_nonblank_lines(monkeypatch):
     assert list(chat_cli._lines("just this")) == ["just this"]
     monkeypatch.setattr("sys.stdin", io.StringIO("first\n\n  \nsecond line\n"))

@@ -68,6 +68,30 @@ async def test_every_method(ckpt):
             assert "rltserve:generation_tokens_total" in await client.metrics()
 
 
+async def test_the_openai_sdks_request_options_reach_the_server(ckpt):
+    """extra_body's fields (vLLM's docs pass its own parameters so) reach the engine, over the
+    call's (not sent as a field named extra_body, which the server would ignore);
+    extra_headers' X-Request-Id names the request."""
+    stage = stage_for(ckpt)
+    async with (
+        running(ckpt, client_factory=scripted_factory(stage)) as live,
+        AsyncClient(live.url + "/v1") as client,
+    ):
+        result = await client.complete(
+            [5, 6],
+            max_tokens=4,
+            top_k=5,
+            extra_body={"top_k": 1, "seed": 3},
+            extra_headers={"X-Request-Id": "trace-42"},
+        )
+        chunks = [c async for c in client.stream([5], max_tokens=2, extra_body={"top_k": 2})]
+    assert result["id"] == "cmpl-trace-42" and result["choices"][0]["text"] == " Hi!"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " H"
+    assert [(p.top_k, p.seed, p.max_tokens) for p in stage.added_params] == [
+        (1, 3, 4), (2, None, 2),
+    ]  # fmt: skip
+
+
 async def test_typed_errors(ckpt):
     factory = scripted_factory(stage_for(ckpt))
     async with running(ckpt, client_factory=factory, api_key="k", max_body_bytes=4096) as live:
@@ -157,10 +181,12 @@ def test_errors_survive_pickling_and_copying():
     import copy
     import pickle
 
-    error = ServiceUnavailableError(503, "loading", "unavailable_error", None, 1.0)
+    body = {"message": "loading", "type": "unavailable_error", "code": 503}
+    error = ServiceUnavailableError(503, "loading", "unavailable_error", None, 1.0, 503, body, "r1")
     for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
         assert type(clone) is ServiceUnavailableError and str(clone) == str(error)
         assert (clone.status, clone.message, clone.type, clone.retry_after) == (
             503, "loading", "unavailable_error", 1.0,
         )  # fmt: skip
+        assert (clone.code, clone.body, clone.request_id) == (503, body, "r1")
     assert isinstance(error, InternalServerError)  # (every 5xx, as the OpenAI SDK has it)

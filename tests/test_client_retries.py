@@ -234,6 +234,19 @@ async def test_what_is_not_retried(no_backoff):
         )
 
 
+async def test_a_callers_session_that_raises_for_status_gets_typed_errors_unretried():
+    """aiohttp's raise_for_status=True would make a 400 a ClientResponseError, which the
+    retry rules take for a connection failure: the client maps statuses itself."""
+    async with scripted_server(("status", 400, {}), ("ok",)) as (url, received):
+        async with aiohttp.ClientSession(raise_for_status=True) as session:
+            client = AsyncClient(url, session=session)
+            with pytest.raises(BadRequestError) as err:
+                await client.complete("x")
+            assert (err.value.status, err.value.message) == (400, "got 400")
+            assert await client.complete("y") == {"attempt": 2}
+        assert received == ["x", "y"]
+
+
 async def test_a_timeout_bounds_each_attempt_as_in_the_sdk(no_backoff):
     async with scripted_server(("hang",)) as (url, received):
         async with AsyncClient(url, timeout=0.1, max_retries=1) as client:
@@ -426,6 +439,28 @@ def test_a_client_never_closed_is_collected_quietly(caplog):
         del client
         gc.collect()
     assert received == ["x", "s"]
+
+
+def test_a_client_collected_in_a_reference_cycle_lets_go_before_any_finaliser_runs(caplog):
+    """A client held only by a reference cycle (a traceback's frames hold it, as after a
+    refused call) is collected in one pass with its session and connector, whose finalisers
+    run in the collector's order: its connector is closed before any of them runs, else the
+    connector's own (first, here) would say "Unclosed connector"."""
+    seen: list[bool] = []
+
+    class Witness:  # another finaliser of the same garbage, older than the client
+        def __del__(self) -> None:
+            seen.append(self.connector.closed)
+
+    with server_thread() as (url, received), no_unclosed_warnings(caplog):
+        witness = Witness()
+        client = AsyncClient(url)
+        assert asyncio.run(client.complete("x")) == {"n": 1}  # (its connection stays pooled)
+        witness.connector = client._session.connector
+        witness.cycle = [witness, client]
+        del witness, client
+        gc.collect()
+    assert seen == [True] and received == ["x"]
 
 
 async def test_a_client_in_use_on_a_loop_of_another_thread_refuses_this_one():

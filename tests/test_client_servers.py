@@ -78,6 +78,10 @@ async def test_client_error_paths_end_clearly():
         with pytest.raises(InternalServerError) as err:
             await asyncio.wait_for(client.complete("text-error"), 10)
         assert err.value.status == 500 and err.value.message == "upstream exploded"
+        # the OpenAI SDK's body is then the text; no code, no X-Request-Id
+        assert (err.value.body, err.value.code, err.value.request_id) == (
+            "upstream exploded", None, None,
+        )  # fmt: skip
         with pytest.raises(APIConnectionError, match="invalid JSON"):
             await asyncio.wait_for(client.complete("not-json"), 10)
         with pytest.raises(APIConnectionError, match="broke off"):
@@ -190,6 +194,45 @@ async def test_client_edges_as_other_servers_and_callers_make_them():
             AsyncClient("http://127.0.0.1:1", **bad)
 
 
+def test_arguments_that_could_never_work_are_refused_when_the_client_is_made():
+    """Not at the first call, after its retries: a base URL without a scheme or host (the
+    check ``bench serve --url`` makes), and an event bound that is no int >= 1."""
+    why = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
+    for url in ("localhost:8000", "127.0.0.1:8000/v1", "ftp://127.0.0.1:8000", "http://"):
+        with pytest.raises(ValueError) as err:
+            AsyncClient(url)
+        assert str(err.value) == f"base_url={url!r}: {why}"
+    with pytest.raises(ValueError, match=r"^base_url='http://h:x': must be an http\(s\) URL"):
+        AsyncClient("http://h:x")
+    for bad in (0, -5, 1.5, "1MB", None, True):
+        with pytest.raises(ValueError) as err:
+            AsyncClient("http://127.0.0.1:1", max_event_bytes=bad)
+        assert str(err.value) == f"max_event_bytes={bad!r}: must be an int >= 1"
+    assert AsyncClient("https://h/v1", max_event_bytes=1).max_event_bytes == 1
+
+
+async def test_health_is_false_while_a_gateway_answers_for_a_starting_server():
+    """A proxy answers 502, 503 or 504 while the server behind it starts: not ready, as the
+    server's own 503; wait_ready waits through them. Another 5xx is an error."""
+    answers = [502, 503, 504, 502, 504, 200, 500]
+    probes: list[int] = []
+
+    async def health(request):
+        status = answers[len(probes)]
+        probes.append(status)
+        return web.Response(status=status, text="<html>gateway</html>", content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with serve(app) as url, AsyncClient(url, max_retries=0) as client:
+        assert [await client.health() for _ in range(3)] == [False, False, False]
+        await asyncio.wait_for(client.wait_ready(timeout=10, interval=0.01), 10)
+        assert probes == [502, 503, 504, 502, 504, 200]
+        with pytest.raises(InternalServerError) as err:
+            await client.health()
+        assert err.value.status == 500
+
+
 async def test_wait_ready_bounds_a_probe_the_server_never_answers():
     release = asyncio.Event()  # (let go when the test ends: the server's shutdown waits)
 
@@ -224,9 +267,11 @@ async def echo_server():
         mode = body.get("prompt")
         if isinstance(mode, str) and mode.startswith("status-"):
             status = int(mode.split("-")[1])
-            headers = {"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"} if status == 503 else {}
-            error = {"error": {"message": f"got {status}", "type": "x", "param": None}}
-            return web.json_response(error, status=status, headers=headers)
+            headers = {"X-Request-Id": f"req-{status}"}
+            if status == 503:
+                headers["Retry-After"] = "Wed, 21 Oct 2026 07:28:00 GMT"
+            error = {"message": f"got {status}", "type": "x", "param": None, "code": f"c{status}"}
+            return web.json_response({"error": error}, status=status, headers=headers)
         if mode == "hold":  # waits for a second request (at most 0.5 s) before it answers
             load["now"] += 1
             load["peak"] = max(load["peak"], load["now"])
@@ -255,6 +300,8 @@ async def echo_server():
                 "content_type": request.headers.get("Content-Type"),
                 "authorization": request.headers.get("Authorization"),
                 "path": request.path,
+                "request_id": request.headers.get("X-Request-Id"),
+                "query": dict(request.query),
             }
         )
 
@@ -278,6 +325,8 @@ async def test_client_sends_json_as_other_servers_need_it_and_maps_statuses():
             "content_type": "application/json",  # (FastAPI servers need it)
             "authorization": None,  # no key: no header
             "path": "/v1/completions",
+            "request_id": None,
+            "query": {},
         }
         async with AsyncClient(url, api_key="k", max_retries=0) as client:
             assert (await client.complete([5]))["authorization"] == "Bearer k"
@@ -294,6 +343,11 @@ async def test_client_sends_json_as_other_servers_need_it_and_maps_statuses():
                 assert type(err.value) is cls
                 assert (err.value.status, err.value.message) == (status, f"got {status}")
                 assert str(err.value) == f"{status}: got {status}"
+                # the OpenAI SDK's code, body (the error object) and request_id
+                assert (err.value.code, err.value.request_id) == (f"c{status}", f"req-{status}")
+                assert err.value.body == {
+                    "message": f"got {status}", "type": "x", "param": None, "code": f"c{status}",
+                }  # fmt: skip
             # a Retry-After given as an HTTP date is no number of seconds: None, not a crash
             with pytest.raises(ServiceUnavailableError) as err:
                 await client.complete("status-503")
@@ -309,6 +363,47 @@ async def test_client_sends_json_as_other_servers_need_it_and_maps_statuses():
         async with AsyncClient(url, max_connections=1) as client:  # one request at a time
             await asyncio.gather(client.complete("hold"), client.complete("hold"))
         assert load["peak"] == 1
+
+
+async def test_the_openai_sdks_per_request_keywords():
+    """extra_body joins the body (over the call's own fields), extra_headers go over the
+    client's (None leaves one out), extra_query makes the query string, and timeout is the
+    call's own; none of them is sent as a body field."""
+    async with echo_server() as (url, _), AsyncClient(url, api_key="k", timeout=20) as client:
+        sent = await client.complete(
+            [5],
+            top_k=5,
+            seed=1,
+            extra_body={"top_k": 1, "vllm_only": [1, 2]},
+            extra_headers={"X-Request-Id": "trace-42", "Authorization": None},
+            extra_query={"api-version": "1", "n": 2},
+            timeout=5,
+        )
+        assert sent == {
+            "body": {"prompt": [5], "top_k": 1, "seed": 1, "vllm_only": [1, 2]},
+            "content_type": "application/json",
+            "authorization": None,
+            "path": "/v1/completions",
+            "request_id": "trace-42",
+            "query": {"api-version": "1", "n": "2"},
+        }
+        # a stream's timeout is the call's too: it stalls after 0.3 s, not the client's 20
+        got = []
+        with pytest.raises(APITimeoutError, match=r"^stream stalled: nothing for 0.3 s$"):
+            async for chunk in client.stream("stall", timeout=0.3):
+                got.append(chunk["choices"][0]["text"])
+        assert got == ["a"]
+        bad = [
+            ({"extra_body": [1]}, r"^extra_body=\[1\]: must be a dict$"),
+            ({"extra_headers": {"X-N": 1}}, r"^extra_headers\['X-N'\]=1: must be a str or None"),
+            ({"extra_query": {"q": None}}, r"^extra_query\['q'\]=None: must be a str or int"),
+            ({"timeout": 0}, r"^timeout=0: must be a positive number of seconds or None$"),
+            ({"extra_body": {"stream": True}}, r"^stream=True: complete\(\) does not"),
+            ({"extra_body": {"t": float("nan")}}, r"^t=nan: must be a finite number$"),
+        ]
+        for kwargs, message in bad:
+            with pytest.raises(ValueError, match=message):
+                await client.complete("x", **kwargs)
 
 
 async def test_client_stream_skips_empty_events_and_times_out_a_stalled_stream():

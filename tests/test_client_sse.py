@@ -27,9 +27,11 @@ def framed(eol: str) -> bytes:
     return "".join(parts).encode()
 
 
-def app_sending(body: bytes, piece: int) -> web.Application:
+def app_sending(body: bytes, piece: int, headers: dict | None = None) -> web.Application:
     async def handler(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", **(headers or {})}
+        )
         await response.prepare(request)
         for i in range(0, len(body), piece):  # small writes: events split across reads
             await response.write(body[i : i + piece])
@@ -98,10 +100,15 @@ async def test_client_stops_at_the_bound_and_reads_error_events():
         with pytest.raises(APIConnectionError, match="an SSE event exceeds 4096 bytes"):
             await asyncio.wait_for(_collect(client), 10)
     error = b'data: {"error": {"message": "bad", "type": "x", "param": "n", "code": 400}}\r\n\r\n'
-    async with serve(app_sending(error, 5)) as url, AsyncClient(url) as client:
+    async with (
+        serve(app_sending(error, 5, {"X-Request-Id": "r7"})) as url,
+        AsyncClient(url) as client,
+    ):
         with pytest.raises(BadRequestError) as err:
             await asyncio.wait_for(_collect(client), 10)
-    assert (err.value.message, err.value.param) == ("bad", "n")
+    assert (err.value.message, err.value.param, err.value.code) == ("bad", "n", 400)
+    assert err.value.body == {"message": "bad", "type": "x", "param": "n", "code": 400}
+    assert err.value.request_id == "r7"  # (the stream's response header)
 
 
 def test_decoder_holds_exactly_its_bound():

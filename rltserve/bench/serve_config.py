@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from rltserve.client import server_root
+from rltserve.client_request import check_url, server_root
 
 ENDPOINTS = ("completions", "chat")
 # vLLM's ``--backend`` names of the endpoints streamed here (its ``vllm`` backend streams
@@ -52,7 +51,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "url", server_root(self.url))
-        _check_url(self.url)
+        check_url(self.url)
         for name in ("num_prompts", "input_len", "output_len", "num_turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
@@ -77,17 +76,6 @@ class BenchConfig:
             )
         _check_goodput(self.goodput)
         _check_percentiles(self.percentile_metrics, self.metric_percentiles)
-
-
-def _check_url(url: str) -> None:
-    why = "must be an http(s) URL with a host, e.g. http://127.0.0.1:8000"
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
-    except ValueError as exc:
-        raise ValueError(f"url={url!r}: {why} ({exc})") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"url={url!r}: {why}")
 
 
 def _check_goodput(goodput: tuple[tuple[str, float], ...]) -> None:
