@@ -1,9 +1,10 @@
 """Values as callers hand them over, made plain or checked before any field check: NumPy
 numbers (token ids from an array, as RL code has them) as Python's, and token ids against the
-vocabulary (a message naming the field)."""
+vocabulary (a message naming the field); and the type checks ``SamplingParams``' fields share."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -26,3 +27,28 @@ def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
     if bad is None:
         return None
     return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
+
+
+def is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def check_int(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be an int")
+
+
+def check_number(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not is_number(value):
+        raise ValueError(f"{name}={value!r}: must be a number")
+
+
+def nonempty(value: object) -> bool:
+    """Whether an optional list field asks for something (a value that is no list does)."""
+    return value is not None and not (isinstance(value, (list, tuple)) and not value)

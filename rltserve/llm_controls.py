@@ -47,16 +47,27 @@ class TrainerControls:
         ``weights``: a checkpoint directory (or ``.safetensors`` file), a Hugging Face repo id
         in the local cache (as the model's, ``download_dir`` included), or an iterable of
         ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
-        ``state_dict().items()``; a subset updates only those tensors. Strict: an unknown name,
-        a wrong shape or a non-float tensor rejects the whole update (``ValueError`` listing
-        them) and the old weights keep serving. The update runs once no request is running:
-        requests submitted meanwhile wait for it, running ones finish first (``UpdateTimeout``,
-        a ValueError, if they still run after ``timeout`` seconds; nothing is applied) or are
-        aborted at once with ``abort=True``. Later outputs report the new ``weight_version``."""
+        ``state_dict().items()``; a subset updates only those tensors, and no pairs at all
+        (an empty last bucket of a streamed update) change nothing: the version stays. Strict:
+        an unknown name, a wrong shape, a non-float tensor or a name given twice rejects the
+        whole update (``ValueError`` listing them) and the old weights keep serving (vLLM's
+        ``load_weights``, the path below, takes a repeated name's last tensor instead). The
+        update runs once no request is running: requests submitted meanwhile wait for it,
+        running ones finish first (``UpdateTimeout``, a ValueError, if they still run after
+        ``timeout`` seconds; nothing is applied) or are aborted at once with ``abort=True``.
+        Later outputs report the new ``weight_version``."""
+        return self._update_weights(weights, abort, timeout, last_wins=False)
+
+    def _update_weights(
+        self, weights: WeightsArg, abort: bool, timeout: float, last_wins: bool
+    ) -> int:
+        """``update_weights``; ``last_wins``: a name given twice takes its last tensor."""
         if not isinstance(abort, bool):
             raise ValueError(f"abort={abort!r}: must be a bool")
         timeout = seconds("timeout", timeout)
-        with update_paths(weights, self._download_dir) as paths, self._stage():
+        with update_paths(weights, self._download_dir, last_wins) as paths, self._stage():
+            if not paths:  # (no pairs: the stage would refuse an update of nothing)
+                return self._client.weight_version
             return self._client.update_weights(paths, abort, timeout)
 
     @property
@@ -229,12 +240,12 @@ class _ModelHop(EnginePath):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """vLLM's: loads ``(name, tensor)`` pairs in checkpoint names (all of a trainer's
-        ``state_dict().items()`` or a few) and returns the names loaded; here one strict
-        ``update_weights`` (a bad name or shape is a ValueError and nothing changes). An empty
-        iterable loads nothing; a dict is taken as its items."""
+        ``state_dict().items()`` or a few) and returns the names loaded; here one
+        ``update_weights`` (a bad name or shape is a ValueError and nothing changes). As vLLM
+        copies pairs in order, a name given twice (a re-sent bucket) ends with its last tensor,
+        and an empty iterable loads nothing; a dict is taken as its items."""
         pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
-        if pairs:
-            self._llm.update_weights(pairs)
+        self._llm._update_weights(pairs, False, 300.0, last_wins=True)  # (update_weights' defaults)
         return {pair[0] for pair in pairs}
 
 

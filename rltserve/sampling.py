@@ -5,9 +5,16 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 
-from rltserve.caller_values import plain_number
+from rltserve.caller_values import (
+    check_int,
+    check_number,
+    is_number,
+    is_token_id,
+    nonempty,
+    plain_number,
+)
 from rltserve.kv_policy import KVPolicy
 from rltserve.prompt_truncation import truncation_error
 
@@ -32,6 +39,9 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 # vLLM's temperature floor: logits divided by a smaller one overflow to inf (then NaN
 # probabilities), so a positive temperature below it is raised to it, with a warning.
 MIN_TEMPERATURE = 1e-2
+# vLLM's name for ``max_thinking_tokens`` (its SamplingParams' field and its server's); both
+# ``SamplingParams`` and the HTTP schema take it, reconciled by ``thinking_budget``.
+THINKING_BUDGET_ALIAS = "thinking_token_budget"
 
 
 class RequestOutputKind(enum.Enum):
@@ -80,7 +90,8 @@ class SamplingParams:
     by ``thinking_end_token_ids`` to the output as forced tokens (they count toward
     ``max_tokens``) and decodes the answer in the same request (``core/thinking.py``).
     ``thinking_end_token_ids`` defaults to the tokenizer's ``</think>``; the interruption may be
-    text (the ``LLM`` front end tokenizes it) or token ids.
+    text (the ``LLM`` front end tokenizes it) or token ids. ``thinking_token_budget`` (vLLM's
+    name) is an alias of ``max_thinking_tokens``: given, read or set, it is that field.
 
     ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's) is added to the logits and
     ``allowed_token_ids`` (vLLM's) restricts sampling to the ids listed. Both shape what is
@@ -163,6 +174,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's logprobs layout: False only (outputs hold vLLM's list of dicts).
     flat_logprobs: bool = False
+    # vLLM's hint that its engine may use the params without copying them: without effect (the
+    # front ends always submit a copy, ``clone``).
+    skip_clone: bool = False
+    # Not stored: the property below reads and sets ``max_thinking_tokens`` under this name.
+    thinking_token_budget: InitVar[int | None] = None
 
     @classmethod
     def from_optional(cls, **kwargs: object) -> SamplingParams:
@@ -189,7 +205,8 @@ class SamplingParams:
             kwargs["logit_bias"] = bias
         return cls(**kwargs)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, thinking_token_budget: int | None) -> None:
+        self.max_thinking_tokens = thinking_budget(self.max_thinking_tokens, thinking_token_budget)
         # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
         # rltserve's as tuples; copies either way (the caller's list may change). A bare string
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
@@ -219,7 +236,7 @@ class SamplingParams:
         kinds = {k.value: k for k in RequestOutputKind}
         if type(self.output_kind) is int and self.output_kind in kinds:  # (another: refused)
             self.output_kind = kinds[self.output_kind]
-        if _is_number(self.temperature) and 0.0 < self.temperature < MIN_TEMPERATURE:
+        if is_number(self.temperature) and 0.0 < self.temperature < MIN_TEMPERATURE:
             logger.warning(
                 "temperature %s is below %s, which would overflow the logits: raised to %s "
                 "(as vLLM does; 0 is greedy)",
@@ -249,51 +266,51 @@ class SamplingParams:
             return ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
         if self.max_tokens is not None:
-            _check_int(self, "max_tokens")
+            check_int(self, "max_tokens")
             if self.max_tokens < 1:
                 raise bad("max_tokens", "must be >= 1 (or None: up to the context)")
-        _check_number(self, "temperature")
+        check_number(self, "temperature")
         # vLLM's range; the HTTP API keeps OpenAI's [0, 2] (``http/schemas.py``).
         if not 0.0 <= self.temperature < math.inf:
             raise bad("temperature", "must be a finite number >= 0")
-        _check_number(self, "top_p")
+        check_number(self, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        _check_int(self, "top_k")
+        check_int(self, "top_k")
         if self.top_k < -1:
             raise bad("top_k", "must be 0 or -1 (disabled) or >= 1")
-        _check_number(self, "min_p")
+        check_number(self, "min_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        _check_number(self, "repetition_penalty")
+        check_number(self, "repetition_penalty")
         if self.repetition_penalty <= 0.0:
             raise bad("repetition_penalty", "must be > 0")
         for name in ("presence_penalty", "frequency_penalty"):
-            _check_number(self, name)
+            check_number(self, name)
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
         if self.seed is not None:
-            _check_int(self, "seed")
+            check_int(self, "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "must be non-empty strings")
-        if not all(map(_is_token_id, self.stop_token_ids)):
+        if not all(map(is_token_id, self.stop_token_ids)):
             raise bad("stop_token_ids", "must be non-negative ints")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be a bool")
-        _check_int(self, "min_tokens")
+        check_int(self, "min_tokens")
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        _check_int(self, "min_loops")
+        check_int(self, "min_loops")
         if self.min_loops < 1:
             raise bad("min_loops", "must be >= 1")
         if self.max_loops is not None:
-            _check_int(self, "max_loops")
+            check_int(self, "max_loops")
             if self.max_loops < self.min_loops:
                 raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
-        _check_number(self, "exit_threshold")
+        check_number(self, "exit_threshold")
         if self.exit_threshold <= 0.0:
             raise bad("exit_threshold", "must be > 0")
         if self.exit_criterion is not None and not (
@@ -311,10 +328,10 @@ class SamplingParams:
                 f"must be one of {REQUEST_KV_POLICIES} or the engine's own policy (None: the "
                 "engine's)",
             )
-        _check_int(self, "priority")
+        check_int(self, "priority")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(self, name)
+                check_int(self, name)
                 if getattr(self, name) < -1:  # (the engine bounds it: ``max_logprobs``)
                     raise bad(name, "must be >= 0 (or -1: every token)")
         for name in ("guided_decoding", "structured_outputs"):
@@ -341,16 +358,16 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
-        _check_int(self, "n")
+        check_int(self, "n")
         if self.n < 1:
             raise bad("n", "must be >= 1")
         if self.best_of is not None:
-            _check_int(self, "best_of")
+            check_int(self, "best_of")
             if self.best_of != self.n:
                 raise bad("best_of", f"no best-of or beam search (must be None or n={self.n})")
-        if _nonempty(self.bad_words):
+        if nonempty(self.bad_words):
             raise bad("bad_words", "not supported (None or empty; logit_bias={id: -100} bans)")
-        if _nonempty(self.logits_processors):
+        if nonempty(self.logits_processors):
             raise bad(
                 "logits_processors",
                 "not supported (None or empty; logit_bias and allowed_token_ids shape sampling)",
@@ -371,23 +388,24 @@ class SamplingParams:
             "include_stop_str_in_output",
             "detokenize",
             "spaces_between_special_tokens",
+            "skip_clone",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if self.max_thinking_tokens is not None:
-            _check_int(self, "max_thinking_tokens")
+            check_int(self, "max_thinking_tokens")
             if self.max_thinking_tokens < 1:
                 raise bad("max_thinking_tokens", "must be >= 1")
         for name in ("thinking_end_token_ids", "thinking_interruption"):
             value = getattr(self, name)
             if value is None or isinstance(value, str):
                 continue
-            if not all(map(_is_token_id, value)):
+            if not all(map(is_token_id, value)):
                 raise bad(name, "must be non-negative token ids")
         if self.thinking_end_token_ids is not None and not self.thinking_end_token_ids:
             raise bad("thinking_end_token_ids", "must hold at least one token id")
         for token, bias in (self.logit_bias or {}).items():
-            if not _is_token_id(token):
+            if not is_token_id(token):
                 raise bad("logit_bias", f"key {token!r} is not a token id (an int >= 0)")
             if not isinstance(bias, (int, float)) or isinstance(bias, bool):
                 raise bad("logit_bias", f"the bias of {token} must be a number")
@@ -398,13 +416,13 @@ class SamplingParams:
         ):
             raise bad("cache_salt", "must be a non-empty string (or None)")
         if self.truncate_prompt_tokens is not None:
-            _check_int(self, "truncate_prompt_tokens")
+            check_int(self, "truncate_prompt_tokens")
             if why := truncation_error(self.truncate_prompt_tokens):
                 raise ValueError(why)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "must hold at least one token id")
-            if not all(map(_is_token_id, self.allowed_token_ids)):
+            if not all(map(is_token_id, self.allowed_token_ids)):
                 raise bad("allowed_token_ids", "must be non-negative token ids")
 
     def vocab_token_ids(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -450,8 +468,24 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+# (Set after the class is made: in its body the property would be the InitVar's default.)
+SamplingParams.thinking_token_budget = property(  # type: ignore[assignment]
+    lambda self: self.max_thinking_tokens,
+    lambda self, value: setattr(self, "max_thinking_tokens", value),
+    doc="vLLM's name for ``max_thinking_tokens``.",
+)
+
+
+def thinking_budget(
+    max_thinking_tokens: int | None, thinking_token_budget: int | None
+) -> int | None:
+    """The thinking budget given as ``max_thinking_tokens`` or as its alias (either may be
+    None); ValueError where both are given and differ."""
+    if thinking_token_budget is None:
+        return max_thinking_tokens
+    if max_thinking_tokens is not None and max_thinking_tokens != thinking_token_budget:
+        raise ValueError(f"{THINKING_BUDGET_ALIAS}: an alias of max_thinking_tokens; they disagree")
+    return thinking_token_budget
 
 
 def _is_kv_policy(value: object) -> bool:
@@ -463,24 +497,3 @@ def _is_kv_policy(value: object) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _nonempty(value: object) -> bool:
-    """Whether an optional list field asks for something (a value that is no list does)."""
-    return value is not None and not (isinstance(value, (list, tuple)) and not value)
-
-
-def _check_int(obj: object, name: str) -> None:
-    value = getattr(obj, name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: must be an int")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
-
-
-def _check_number(obj: object, name: str) -> None:
-    value = getattr(obj, name)
-    if not _is_number(value):
-        raise ValueError(f"{name}={value!r}: must be a number")

@@ -14,6 +14,10 @@ from rltserve.sampling import SamplingParams
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+# ChatML's turn start (Ouro's and Nanbeige's templates): a prompt's thinking span is opened in
+# the turn being answered, after the last one; a <think> before it (in a user's words, which
+# encode to the very same token) opens none. A prompt without one is judged whole.
+TURN_START = "<|im_start|>"
 
 
 def think_end_ids(tokenizer) -> tuple[int, ...]:
@@ -67,15 +71,16 @@ def split_reasoning(text: str, prompt_open: bool) -> tuple[str | None, str]:
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
-    """Whether a rendered prompt ends inside a thinking span (its last ``<think>`` is not
-    closed)."""
-    start = prompt_text.rfind(THINK_START)
+    """Whether a rendered prompt ends inside a thinking span: its last ``<think>`` is not
+    closed, and comes after the last ``TURN_START``."""
+    start = prompt_text.rfind(THINK_START, max(prompt_text.rfind(TURN_START), 0))
     return start >= 0 and prompt_text.find(THINK_END, start) < 0
 
 
 def ids_open_thinking(ids: list[int], tokenizer) -> bool:
     """Whether prompt ids end inside a thinking span: a ``<think>`` token after the last
-    ``</think>`` token (False for a tokenizer without them)."""
+    ``</think>`` token and the last ``TURN_START`` token where the vocabulary has one (False
+    for a tokenizer without ``<think>`` and ``</think>``)."""
     return bool(_open_span(ids, tokenizer))
 
 
@@ -87,11 +92,12 @@ def _think_tags(tokenizer) -> tuple[int | None, int | None]:
 
 def _open_span(ids: list[int], tokenizer) -> bool | None:
     """As ``ids_open_thinking``; None where the tokenizer has no such tokens to tell by."""
-    start, end = _think_tags(tokenizer)
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    start, end, turn = (vocab.get(tag) for tag in (THINK_START, THINK_END, TURN_START))
     if start is None or end is None:
         return None
     for token in reversed(ids):
-        if token == end:
+        if token in (end, turn):  # (a turn of None: no id equals it)
             return False
         if token == start:
             return True

@@ -34,6 +34,9 @@
   engine arguments at their defaults or other harmless values (``runner="generate"``,
   ``served_model_name``, ``hf_token``, ``disable_log_requests``, ``logits_processors=None``,
   ``kv_transfer_config=None``, ...).
+- ``reasoning_parser`` (also ``--reasoning-parser``): one of vLLM's parsers of
+  ``<think>...</think>`` spans (``THINK_TAG_PARSERS``) or none: rltserve splits a chat answer's
+  reasoning at those tags itself; a parser of another format is a ValueError.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ def _is_str_or_none(value: object) -> bool:
 def _is_str_list(value: object) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
 
+
+# vLLM's reasoning parsers of <think>...</think> spans: rltserve splits a chat answer's
+# reasoning at those tags itself (``thinking.split_reasoning``), so naming one asks for nothing
+# more; "" (or None) names none, as vLLM's default.
+THINK_TAG_PARSERS = ("deepseek_r1", "qwen3", "glm45", "minimax_m2")
 
 # name -> (the values that ask for nothing rltserve lacks, why another value cannot be had).
 INERT: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -150,6 +158,11 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     # (any: the prefix cache keys blocks by its own BLAKE2b digests, ``prefix_cache``)
     "prefix_caching_hash_algo": (lambda v: isinstance(v, str), "an algorithm's name"),
+    "reasoning_parser": (
+        _one_of(None, "", *THINK_TAG_PARSERS),
+        "rltserve splits reasoning at <think> and </think> itself; the parsers of that format: "
+        + ", ".join(THINK_TAG_PARSERS),
+    ),
 }
 ONE_DEVICE = (
     "rltserve runs an engine on one device; for more devices run replicas "
@@ -202,6 +215,7 @@ FLAGS: dict[str, type] = {
     "hf_token": str,
     "max_num_partial_prefills": int,
     "prefix_caching_hash_algo": str,
+    "reasoning_parser": str,
 }
 SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
                "data_parallel_size": "-dp"}  # fmt: skip

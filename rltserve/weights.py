@@ -5,7 +5,7 @@ id, as ``LLM`` takes one, as its snapshot in the local cache (``preflight.resolv
 iterable of ``(name, tensor)`` pairs in checkpoint names (a trainer's ``state_dict().items()``)
 is written to a temporary safetensors file first: the stage runs in another process, and a
 file is the one form both sides already read strictly (``core/weight_update.py`` validates it
-there).
+there). An empty iterable is no update: no paths.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ WeightsArg = str | os.PathLike | Iterable[tuple[str, Any]]
 
 @contextmanager
 def update_paths(
-    weights: WeightsArg, cache_dir: str | os.PathLike | None = None
+    weights: WeightsArg, cache_dir: str | os.PathLike | None = None, last_wins: bool = False
 ) -> Iterator[list[str]]:
-    """The paths to send for ``weights``; a temporary file lives until the block ends.
-    ``cache_dir``: the Hugging Face cache a repo id is found in (None: the default one)."""
+    """The paths to send for ``weights`` (none for an empty iterable); a temporary file lives
+    until the block ends. ``cache_dir``: the Hugging Face cache a repo id is found in (None:
+    the default one). ``last_wins``: a name given twice among the pairs takes its last tensor,
+    as vLLM's ``load_weights`` copies pairs in order (else a ValueError)."""
     if isinstance(weights, (str, os.PathLike)):
         from rltserve.preflight import resolve_model
 
@@ -41,7 +43,10 @@ def update_paths(
         return
     if isinstance(weights, dict):
         weights = weights.items()
-    tensors = _collect(weights)
+    tensors = _collect(weights, last_wins)
+    if not tensors:
+        yield []
+        return
     from safetensors.torch import save_file
 
     folder = tempfile.mkdtemp(prefix="rltserve-weights-", dir=_scratch_dir(tensors))
@@ -66,7 +71,7 @@ def _scratch_dir(tensors: dict) -> str | None:
     return shm if free > 2 * need else None
 
 
-def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+def _collect(weights: Iterable[tuple[str, Any]], last_wins: bool) -> dict[str, Any]:
     import torch
 
     try:
@@ -85,7 +90,7 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"weights[{i}]: name {name!r} must be a string")
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"weights[{i}] ({name}): must be a torch.Tensor")
-        if name in tensors:
+        if name in tensors and not last_wins:
             raise ValueError(f"weights: tensor {name!r} is given twice")
         if value.is_meta or value.layout is not torch.strided:
             kind = "a meta tensor (no data)" if value.is_meta else f"{value.layout} (not dense)"
@@ -95,8 +100,6 @@ def _collect(weights: Iterable[tuple[str, Any]]) -> dict[str, Any]:
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
         tensors[name] = t
-    if not tensors:
-        raise ValueError("weights: no tensors given")
     return tensors
 
 

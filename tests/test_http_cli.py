@@ -273,7 +273,7 @@ VLLM_SERVE_LINE = [
     "512", "--trust-remote-code", "--tensor-parallel-size", "1", "--enable-prompt-tokens-details",
     "--disable-log-requests", "--prefix-caching-hash-algo", "sha256", "--no-enable-chunked-prefill",
     "-tp", "1", "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
-    "--disable-log-stats", "--gpu-memory-utilization", "0.9",
+    "--disable-log-stats", "--gpu-memory-utilization", "0.9", "--reasoning-parser", "deepseek_r1",
 ]  # fmt: skip
 
 
@@ -286,6 +286,7 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
     assert (engine.model.max_model_len, engine.scheduler.max_num_batched_tokens) == (512, 512)
     assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, False)
     assert args.trust_remote_code and args.enforce_eager and server.disable_log_stats
+    assert args.reasoning_parser == "deepseek_r1"  # (rltserve splits <think>...</think> itself)
     assert not engine.execution.cuda_graphs
 
 

@@ -222,12 +222,18 @@ def test_more_vllm_engine_arguments(tiny):
         pipeline_parallel_size=1,
         data_parallel_size=1,
         max_seq_len_to_capture=8192,
+        reasoning_parser="deepseek_r1",  # (rltserve splits <think>...</think> itself)
         load_format="dummy",  # (verl's: the checkpoint's weights, until update_weights)
         **kw,
     ) as llm:
         assert llm.config.model.dtype == "float32" and llm.config.cache.swap_space_gb == 2
         assert isinstance(llm.config.model.seed, int)
-    for name, value in [("pipeline_parallel_size", 2), ("cpu_offload_gb", 4), ("task", "embed")]:
+    for name, value in [
+        ("pipeline_parallel_size", 2),
+        ("cpu_offload_gb", 4),
+        ("task", "embed"),
+        ("reasoning_parser", "granite"),
+    ]:
         with pytest.raises(ValueError, match=f"{name}={value!r}: not supported"):
             LLM(str(tiny), **{name: value}, **kw)
 
@@ -266,6 +272,26 @@ def test_vllms_engine_arguments_at_harmless_values_are_accepted():
     ]:
         with pytest.raises(ValueError, match=f"{name}=.*: not supported \\(.*{why}"):
             check_inert({name: value})
+
+
+def test_reasoning_parsers_of_think_tags_are_what_rltserve_does(capsys):
+    """vLLM's ``reasoning_parser`` (LLM's argument, the commands' ``--reasoning-parser``, one
+    table): a parser of <think>...</think> spans, or none, asks for the split rltserve makes
+    itself; a parser of another format is refused, saying so."""
+    from rltserve.cli import main
+    from rltserve.vllm_args import check_inert
+
+    for value in (None, "", "deepseek_r1", "qwen3", "glm45", "minimax_m2"):
+        check_inert({"reasoning_parser": value})
+    why = (
+        "not supported (rltserve splits reasoning at <think> and </think> itself; the parsers "
+        "of that format: deepseek_r1, qwen3, glm45, minimax_m2)"
+    )
+    with pytest.raises(ValueError) as err:
+        check_inert({"reasoning_parser": "granite"})
+    assert str(err.value) == f"reasoning_parser='granite': {why}"
+    assert main(["serve", "--reasoning-parser", "mistral"]) == 2
+    assert capsys.readouterr().err == f"rltserve: error: --reasoning-parser mistral: {why}\n"
 
 
 def test_the_engine_commands_vllm_flags_are_llms_arguments():

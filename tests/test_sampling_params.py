@@ -349,3 +349,34 @@ def test_from_optional_is_vllms():
     assert p == SamplingParams(max_tokens=3, logit_bias={5: 100.0, 7: -100.0, 9: 2.5})
     with pytest.raises(ValueError, match="logit_bias=.*: must map token ids to biases"):
         SamplingParams.from_optional(logit_bias={"x": 1.0})
+
+
+def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
+    """One field under two names, as the HTTP API takes them: given, read, set, cloned or
+    replaced, either name is ``max_thinking_tokens``; both given must agree."""
+    import dataclasses
+
+    p = SamplingParams(thinking_token_budget=5)
+    assert (p.max_thinking_tokens, p.thinking_token_budget) == (5, 5)
+    assert p == SamplingParams(max_thinking_tokens=5)
+    assert SamplingParams(max_thinking_tokens=4).thinking_token_budget == 4
+    assert SamplingParams(thinking_token_budget=5, max_thinking_tokens=5).max_thinking_tokens == 5
+    q = p.clone()
+    q.thinking_token_budget = 7  # (RL code sets a field on a clone of its template)
+    assert (q.max_thinking_tokens, p.max_thinking_tokens) == (7, 5)
+    assert q.clone().thinking_token_budget == 7
+    assert dataclasses.replace(q, n=2).thinking_token_budget == 7
+    assert p.replace(max_thinking_tokens=None).thinking_token_budget is None
+    with pytest.raises(ValueError, match="^thinking_token_budget: an alias of max_thinking_tok"):
+        SamplingParams(thinking_token_budget=5, max_thinking_tokens=4)
+    with pytest.raises(ValueError, match="max_thinking_tokens=0: must be >= 1"):
+        SamplingParams(thinking_token_budget=0)
+
+
+def test_vllms_skip_clone_is_accepted_without_effect():
+    """vLLM's hint that its engine may skip copying the params: rltserve copies them anyway."""
+    p = SamplingParams(skip_clone=True, max_tokens=3)
+    assert p.skip_clone and p.clone() == p and p.clone() is not p
+    assert SamplingParams().skip_clone is False
+    with pytest.raises(ValueError, match="skip_clone=1: must be a bool"):
+        SamplingParams(skip_clone=1)

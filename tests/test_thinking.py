@@ -14,6 +14,7 @@ from rltserve.sampling import SamplingParams
 from rltserve.thinking import (
     ReasoningStream,
     bound_thinking,
+    ids_open_thinking,
     prompt_opens_thinking,
     resolve_thinking,
     split_reasoning,
@@ -186,20 +187,43 @@ def test_reasoning_stream_splits_across_deltas():
     assert s.feed("x</") == ("x", "") and s.flush() == ("</", "")
 
 
+class _Vocab:
+    def get_vocab(self):
+        return {"<think>": 3, "</think>": 4}
+
+
 def test_bound_thinking_applies_to_an_open_span_only():
-    class Vocab:
+    p = SamplingParams(
+        temperature=0.0, max_tokens=8, max_thinking_tokens=2, thinking_end_token_ids=(4,)
+    )
+    assert bound_thinking(p, [1, 3], _Vocab()) is p
+    assert bound_thinking(p, [1, 3, 2, 2], _Vocab()) is p  # still open
+    assert bound_thinking(p, [1, 2], _Vocab()).max_thinking_tokens is None
+    assert bound_thinking(p, [3, 2, 4, 1], _Vocab()).max_thinking_tokens is None  # closed
+    # No tokenizer (or one without the tags) cannot tell: the caller's end ids stand.
+    assert bound_thinking(p, [1, 2], None) is p
+
+
+def test_a_raw_prompts_span_is_opened_only_after_its_last_turn_start():
+    # ChatML (<|im_start|> = 1): a <think> in a user's words, before the turn being answered,
+    # opens no span; one after the last turn start does. Without the token, the whole prompt.
+    class ChatML:
         def get_vocab(self):
-            return {"<think>": 3, "</think>": 4}
+            return {"<|im_start|>": 1, "<think>": 3, "</think>": 4}
 
     p = SamplingParams(
         temperature=0.0, max_tokens=8, max_thinking_tokens=2, thinking_end_token_ids=(4,)
     )
-    assert bound_thinking(p, [1, 3], Vocab()) is p
-    assert bound_thinking(p, [1, 3, 2, 2], Vocab()) is p  # still open
-    assert bound_thinking(p, [1, 2], Vocab()).max_thinking_tokens is None
-    assert bound_thinking(p, [3, 2, 4, 1], Vocab()).max_thinking_tokens is None  # closed
-    # No tokenizer (or one without the tags) cannot tell: the caller's end ids stand.
-    assert bound_thinking(p, [1, 2], None) is p
+    user_think = [1, 5, 3, 6, 2, 1, 7]  # user: "... <think> ..." then the assistant's turn
+    assert bound_thinking(p, user_think, ChatML()).max_thinking_tokens is None
+    assert bound_thinking(p, [*user_think, 3], ChatML()) is p
+    assert bound_thinking(p, [3, 5, 6], ChatML()) is p  # (no turn start: judged whole)
+    assert not ids_open_thinking(user_think, ChatML())
+    assert ids_open_thinking(user_think, _Vocab())  # (no <|im_start|> in this vocabulary)
+    head = "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n"
+    assert not prompt_opens_thinking(head)
+    assert prompt_opens_thinking(head + "<think>\n")
+    assert prompt_opens_thinking("What does <think> do?")
 
 
 def test_forced_tokens_have_no_logprob(ouro_rv1, ouro_ref):
@@ -367,6 +391,27 @@ def test_llm_chat_bounds_only_a_span_its_generation_prompt_opens(tiny):
         for conversation, kwargs in ((mention, think), (prefill, cont)):
             assert answer(conversation, free, **kwargs)[2] != end
             assert answer(conversation, bounded, **kwargs)[2] == end
+
+
+def test_a_chats_ids_given_to_generate_are_bounded_as_chat_bounds_them(tiny):
+    # Pre-tokenized chat prompts (verl's, TRL's) whose user mentions <think>: the span is the
+    # generation prompt's alone, through generate as through chat.
+    from rltserve import LLM
+
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        start, end = (llm.tokenizer.get_vocab()[t] for t in ("<think>", "</think>"))
+        bounded = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, max_thinking_tokens=2
+        )
+        mention = [{"role": "user", "content": "What does the <think> tag do?"}]
+        for thinking in (False, True):
+            kwargs = {"enable_thinking": thinking}
+            (chat,) = llm.chat(mention, bounded, use_tqdm=False, chat_template_kwargs=kwargs)
+            ids = chat.prompt_token_ids
+            assert ids.count(start) == 1 + thinking  # (the user's <think> is the token)
+            (raw,) = llm.generate({"prompt_token_ids": ids}, bounded, use_tqdm=False)
+            assert raw.outputs[0].token_ids == chat.outputs[0].token_ids
+            assert (chat.outputs[0].token_ids[2] == end) is thinking
 
 
 def test_a_budget_on_a_model_without_thinking_tags_is_a_no_op(tmp_path):

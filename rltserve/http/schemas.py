@@ -30,7 +30,12 @@ from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
 from rltserve.samples import sample_seed
-from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.sampling import (
+    MAX_LOGPROBS,
+    THINKING_BUDGET_ALIAS,
+    SamplingParams,
+    thinking_budget,
+)
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
@@ -143,19 +148,15 @@ class GenerationFields:
             and self.num_steps != self.max_loops
         ):
             raise SchemaError("num_steps", "num_steps: an alias of max_loops; they disagree")
-        budget = self.thinking_token_budget
-        if budget is not None and self.max_thinking_tokens not in (None, budget):
-            raise SchemaError(
-                "thinking_token_budget",
-                "thinking_token_budget: an alias of max_thinking_tokens; they disagree",
-            )
+        try:
+            thinking_budget(self.max_thinking_tokens, self.thinking_token_budget)
+        except ValueError as exc:
+            raise SchemaError(THINKING_BUDGET_ALIAS, str(exc)) from None
 
     @property
     def thinking_budget(self) -> int | None:
         """``max_thinking_tokens``, or its alias ``thinking_token_budget``."""
-        if self.max_thinking_tokens is not None:
-            return self.max_thinking_tokens
-        return self.thinking_token_budget
+        return thinking_budget(self.max_thinking_tokens, self.thinking_token_budget)
 
     @property
     def include_usage(self) -> bool:
