@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     host.add_argument("--quick", action="store_true", help="smoke run: rows 8,32, context 128")
     host.add_argument("--out", help="also write the JSON report to this file")
     host.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")
+    # (its report is JSON either way: taken as every other bench command takes it)
+    host.add_argument("--json", action="store_true", help="the report as JSON (always)")
     host.set_defaults(func=cmd_bench_host)
     for commands in (sub, bench_sub):  # a missing one is named by its choices, not its dest
         commands.metavar = "{" + ",".join(commands.choices) + "}"

@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -188,7 +188,8 @@ class AsyncClient:
     are (None values are left out; a NaN or infinite number is a ValueError), except the OpenAI
     SDK's per-request ones: ``extra_body`` (a dict merged into the body, over the other
     fields), ``extra_headers`` (sent over the client's; e.g. ``X-Request-Id``),
-    ``extra_query`` (query parameters) and ``timeout`` (this call's, over the client's).
+    ``extra_query`` (query parameters) and ``timeout`` (this call's, over the client's);
+    ``default_headers`` go with every request, probes included (the SDK's).
     ``timeout`` is the longest wait for the server to connect or to send anything (None: no
     limit; it applies to a ``session`` passed in too, whose ``raise_for_status`` the client
     overrides: it maps statuses itself); ``max_connections=0`` means unlimited (it sizes the
@@ -225,6 +226,7 @@ class AsyncClient:
         session: aiohttp.ClientSession | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        default_headers: Mapping[str, str] | None = None,
     ) -> None:
         check_url(base_url, "base_url")  # (not at the first call, after its retries)
         check_timeout(timeout)
@@ -244,6 +246,7 @@ class AsyncClient:
         self.timeout = timeout
         self._streams: weakref.WeakSet[ChunkStream] = weakref.WeakSet()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers.update(default_headers or {})  # (the SDK's: on every request)
         self._owns_session = session is None
         self._session = session
         self._let_go: weakref.finalize | None = None  # closes the own session's connector

@@ -24,9 +24,9 @@ run_mode() {
     2> "$OUT/$name.server.log" &
   local pid=$!
   "${RLT[@]}" bench serve --url "http://127.0.0.1:$PORT" --num-prompts "$N1" --max-concurrency 1 \
-    --input-len 64 --output-len "$OUT1" --quiet --json > "$OUT/$name.c1.json"
+    --input-len 64 --output-len "$OUT1" --ignore-eos --quiet --json > "$OUT/$name.c1.json"
   "${RLT[@]}" bench serve --url "http://127.0.0.1:$PORT" --num-prompts "$N16" --max-concurrency 16 \
-    --input-len 64 --output-len "$OUT16" --quiet --json > "$OUT/$name.c16.json"
+    --input-len 64 --output-len "$OUT16" --ignore-eos --quiet --json > "$OUT/$name.c16.json"
   kill -TERM "$pid"; wait "$pid" || true
 }
 

@@ -20,12 +20,14 @@ for _ in $(seq 1 120); do
   sleep 1
 done
 url="http://127.0.0.1:$port"
+# --ignore-eos: every request makes its whole --output-len (the recorded figures' workload;
+# bench serve sends ignore_eos only when asked, as vLLM's does)
 # Every run sends prompts of its own seed: with one seed, the runs after the first would find
 # their prompts in the server's prefix cache and time warm-cache TTFTs.
 rltserve bench serve --url "$url" "${shape[@]}" --request-rate inf --max-concurrency 32 \
-  --seed 0 --no-progress --json >"$out/serve_c32.json"
+  --ignore-eos --seed 0 --no-progress --json >"$out/serve_c32.json"
 for rate in 2 4 8; do
   rltserve bench serve --url "$url" "${shape[@]}" --request-rate "$rate" --max-concurrency 32 \
-    --seed "$rate" --no-progress --json >"$out/serve_rate$rate.json"
+    --ignore-eos --seed "$rate" --no-progress --json >"$out/serve_rate$rate.json"
 done
 echo "wrote $out/serve_*.json"

@@ -51,3 +51,5 @@ def test_every_serving_run_sends_prompts_of_its_own_seed(tmp_path):
     seeds = [argv[argv.index("--seed") + 1] for argv in runs]
     # One server holds every run's prompts in its prefix cache: a seed used twice would be warm.
     assert len(set(seeds)) == len(seeds)
+    # The recorded figures are of fixed-length outputs: every run asks for them.
+    assert all("--ignore-eos" in argv for argv in runs)

@@ -455,3 +455,13 @@ async def test_a_closed_client_takes_no_more_requests():
             assert (await used.complete("hi"))["body"]["prompt"] == "hi"
         with pytest.raises(RuntimeError, match="closed"):
             await used.health()
+
+
+async def test_default_headers_go_with_every_request():
+    """The SDK's ``default_headers``: on every request (under a call's extra_headers)."""
+    headers = {"X-Request-Id": "every", "Authorization": "Bearer d"}
+    async with echo_server() as (url, _), AsyncClient(url, default_headers=headers) as client:
+        sent = await client.complete([5])
+        assert (sent["request_id"], sent["authorization"]) == ("every", "Bearer d")
+        sent = await client.complete([5], extra_headers={"X-Request-Id": "mine"})
+        assert sent["request_id"] == "mine"

@@ -219,9 +219,20 @@ async def test_one_request_times_ttft_and_each_gap_between_chunks(monkeypatch):
     assert (result.output_tokens, result.prompt_len, result.cached_tokens) == (3, 4, 2)
     [(endpoint, prompt, body)] = client.calls
     assert (endpoint, prompt) == ("completions", [1, 2, 3, 4])
-    assert body == {
-        "max_tokens": 3, "temperature": 0.5, "ignore_eos": True, "model": "m",
+    assert body == {  # (no ignore_eos: vLLM's sends it with --ignore-eos alone)
+        "max_tokens": 3, "temperature": 0.5, "model": "m",
         "exit_threshold": 0.7, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+def test_a_body_adds_the_sampling_fields_given_then_the_extra_body():
+    config = BenchConfig(
+        url="http://x", output_len=3, ignore_eos=True, top_p=0.9, top_k=5, min_p=0.1,
+        extra_body={"max_loops": 4, "temperature": 1.0, "seed": 7},
+    )  # fmt: skip
+    assert serve_bench.request_body(config, 9) == {
+        "max_tokens": 9, "temperature": 1.0, "stream_options": {"include_usage": True},
+        "ignore_eos": True, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "max_loops": 4, "seed": 7,
     }  # fmt: skip
 
 

@@ -1,11 +1,16 @@
 """``rltserve bench serve``: a serving benchmark client in the manner of ``vllm bench serve``.
 
 Every request streams ``/v1/completions`` with a random token-id prompt of ``input_len`` tokens
-(after ``prefix_len`` tokens every prompt shares), ``max_tokens=output_len`` and ``ignore_eos``,
-so each produces exactly ``output_len`` tokens (with ``range_ratio``, lengths drawn around those
-per conversation: ``serve_datasets``).
+(after ``prefix_len`` tokens every prompt shares; ids drawn from the vocabulary less the special
+ids of ``tokenizer``, where given: the server tells none) and ``max_tokens=output_len`` (with
+``range_ratio``, lengths drawn around those per conversation: ``serve_datasets``); with
+``ignore_eos`` (vLLM's --ignore-eos) each produces exactly that many tokens, else it may stop at
+its end token. ``dataset`` sharegpt or custom sends a file's text prompts instead
+(``serve_text_datasets``). Every body adds the sampling fields given, then ``extra_body``.
 Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burstiness`` 1 =
-Poisson), optionally capped at ``max_concurrency`` in flight.
+Poisson; vLLM's ramp-up: the rate of each gap moves from the start to the end rate over the
+requests), optionally capped at ``max_concurrency`` in flight, after ``num_warmups`` unmeasured
+requests of the first prompt (vLLM's).
 
 Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
 after another; turn t's prompt is turn t-1's prompt + its answer (token ids; from a server that
@@ -32,7 +37,9 @@ each random prompt is sent as the text the server decodes it to (``/detokenize``
 message, and a multi-turn chat sends the conversation as messages (the answers as text). The
 prompt lengths are the server's ``usage.prompt_tokens`` (the template adds its tokens, and
 decoded text may re-encode to other ids), output chunks those that carry token ids or text (the
-role's and a closing one's carry neither).
+role's and a closing one's carry neither). A server without ``/detokenize`` is named as such
+before the run. A stream without ``usage`` leaves a prompt its own token count (a chat's without
+the template's tokens): stderr warns, and the report counts ``requests_without_usage``.
 """
 
 from __future__ import annotations
@@ -47,10 +54,12 @@ import time
 # (BenchConfig, ENDPOINTS and format_report are imported from here too, where they once lived)
 from rltserve.bench.serve_config import ENDPOINTS as ENDPOINTS
 from rltserve.bench.serve_config import BenchConfig
-from rltserve.bench.serve_datasets import random_prompts, request_lengths
+from rltserve.bench.serve_datasets import random_prompts, request_lengths, token_pool
 from rltserve.bench.serve_report import RequestResult, summarize
 from rltserve.bench.serve_report import format_report as format_report
+from rltserve.bench.serve_text_datasets import TokenCounter, text_requests
 from rltserve.client import APIError, AsyncClient
+from rltserve.client_errors import NotFoundError
 from rltserve.progress import progress_bar
 
 _FALLBACK_VOCAB = 1000  # servers whose model card has no vocab_size
@@ -61,15 +70,51 @@ class ServerNotReadyError(ConnectionError):
     """No server answered ready at the URL within the wait."""
 
 
+class MissingRouteError(RuntimeError):
+    """The server lacks a route the run needs (``/detokenize`` for random chat prompts)."""
+
+
+def request_rates(config: BenchConfig) -> list[float]:
+    """The rate of each request's gap after it: ``request_rate``, or vLLM's ramp-up from the
+    start rate (first request) to the end rate (last), linear or geometric in the index."""
+    n = config.num_prompts
+    if config.ramp_up_strategy is None:
+        return [config.request_rate] * n
+    start, end = config.ramp_up_start_rps, config.ramp_up_end_rps
+    progress = [i / max(n - 1, 1) for i in range(n)]
+    if config.ramp_up_strategy == "linear":
+        return [start + (end - start) * p for p in progress]
+    return [start * (end / start) ** p for p in progress]
+
+
 def arrival_gaps(config: BenchConfig) -> list[float]:
     """Seconds to wait before sending each request (gamma gaps; all zero at rate inf)."""
-    if math.isinf(config.request_rate):
+    rates = request_rates(config)
+    if math.isinf(rates[0]):
         return [0.0] * config.num_prompts
     rng = random.Random(config.seed + 1)
-    theta = 1.0 / (config.request_rate * config.burstiness)
     return [0.0] + [
-        rng.gammavariate(config.burstiness, theta) for _ in range(config.num_prompts - 1)
+        rng.gammavariate(config.burstiness, 1.0 / (rate * config.burstiness)) for rate in rates[:-1]
     ]
+
+
+def request_body(config: BenchConfig, max_tokens: int | None = None) -> dict:
+    """A request's fields besides its prompt: vLLM's, then ``extra_body`` over them."""
+    body: dict = {
+        "max_tokens": max_tokens or config.output_len,
+        "temperature": config.temperature,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    for name in ("top_p", "top_k", "min_p", "exit_threshold"):
+        if getattr(config, name) is not None:
+            body[name] = getattr(config, name)
+    if config.model is not None:
+        body["model"] = config.model
+    if config.num_turns > 1 or config.endpoint == "chat":
+        body["return_token_ids"] = True
+    return {**body, **config.extra_body}
 
 
 async def _one(
@@ -77,24 +122,22 @@ async def _one(
     config: BenchConfig,
     prompt: list[int] | list[dict],
     max_tokens: int | None = None,
+    prompt_len: int | None = None,
+    origin: float | None = None,
+    request_id: str | None = None,
 ) -> RequestResult:
     """One streamed request: ``prompt`` is token ids (completions) or messages (chat);
-    ``max_tokens`` (default: ``output_len``) the conversation's output length."""
+    ``max_tokens`` (default: ``output_len``) the conversation's output length; ``prompt_len``
+    its tokens where the server reports no usage (default: the ids'; a chat's: 0);
+    ``origin``: the benchmark's start, from which ``result.start`` counts; ``request_id``: its
+    X-Request-Id (``--request-id-prefix``)."""
     chat = config.endpoint == "chat"
-    result = RequestResult(0 if chat else len(prompt))
-    body: dict = {
-        "max_tokens": max_tokens or config.output_len,
-        "temperature": config.temperature,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    if config.model is not None:
-        body["model"] = config.model
-    if config.exit_threshold is not None:
-        body["exit_threshold"] = config.exit_threshold
-    if config.num_turns > 1 or chat:
-        body["return_token_ids"] = True
+    result = RequestResult(prompt_len if prompt_len is not None else 0 if chat else len(prompt))
+    body = request_body(config, max_tokens)
+    if request_id is not None:
+        body["extra_headers"] = {"X-Request-Id": request_id}
     start = time.perf_counter()
+    result.start = start - (origin if origin is not None else start)
     last = start
     outputs = 0  # chunks that carried output
     usage = None
@@ -124,6 +167,7 @@ async def _one(
                     last = now
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                    result.usage = True
                     result.prompt_len = usage["prompt_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = int(details.get("cached_tokens") or 0)
@@ -161,20 +205,57 @@ async def _wait_for_server(client: AsyncClient, config: BenchConfig) -> None:
         ) from exc
 
 
+async def _detokenized(client: AsyncClient, ids: list[int]) -> str:
+    """The text of random prompt ids, naming the route a server without it lacks."""
+    try:
+        return await client.detokenize(ids)
+    except NotFoundError as exc:
+        raise MissingRouteError(
+            f"POST /detokenize: {exc} - --endpoint chat sends random prompts as their text, "
+            "which needs the server's /detokenize (rltserve's and vLLM's have one); use "
+            "--endpoint completions or a text dataset (--dataset-name sharegpt|custom)"
+        ) from None
+
+
+def _special_ids(config: BenchConfig) -> frozenset[int]:
+    """The special token ids of ``tokenizer`` (none without it: the server does not say)."""
+    if config.tokenizer is None or config.dataset != "random":
+        return frozenset()
+    from rltserve.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.tokenizer)
+    if tokenizer is None:
+        raise ValueError(f"--tokenizer {config.tokenizer}: no tokenizer files there")
+    return tokenizer.special_ids
+
+
 async def run_bench(config: BenchConfig) -> dict:
     # No retries: a benchmark counts failures, and a retried stream would skew its TTFT.
-    client = AsyncClient(config.url, config.api_key, timeout=None, max_connections=0, max_retries=0)
+    client = AsyncClient(
+        config.url, config.api_key, timeout=None, max_connections=0, max_retries=0,
+        default_headers=dict(config.headers),  # (vLLM's --header: every request's)
+    )  # fmt: skip
     async with client:
         await _wait_for_server(client, config)
         cards = await client.models()
         vocab = int(cards[0].get("vocab_size") or _FALLBACK_VOCAB) if cards else _FALLBACK_VOCAB
         context = cards[0].get("max_model_len") if cards else None
-        prompts = random_prompts(config, vocab)
-        lengths = request_lengths(config)
+        pool = token_pool(vocab, _special_ids(config))
+        chat = config.endpoint == "chat"
+        if config.dataset == "random":
+            prompts = random_prompts(config, vocab, pool)
+            lengths = request_lengths(config)
+            counted = [len(p) for p in prompts]
+            texts = [await _detokenized(client, p) for p in prompts] if chat else []
+        else:
+            requests = await text_requests(config, TokenCounter(client, config.tokenizer))
+            prompts = [r.prompt for r in requests]
+            texts = prompts if chat else []
+            lengths = [(r.prompt_len, r.output_len) for r in requests]
+            counted = [r.prompt_len for r in requests]
         gaps = arrival_gaps(config)
         limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
         total = config.num_prompts * config.num_turns
-        progress = progress_bar(total, "requests", config.progress, unit="req")
         past_context = 0  # turns not sent: the context would not hold them
 
         async def fits(prompt: list[int], messages: list[dict], output_len: int) -> bool:
@@ -189,39 +270,54 @@ async def run_bench(config: BenchConfig) -> dict:
                 return True
             return len(ids) + output_len <= context
 
+        def request_id(index: int, turn: int) -> str | None:
+            prefix = config.request_id_prefix
+            if prefix is None:
+                return None
+            return f"{prefix}{index}" if config.num_turns == 1 else f"{prefix}{index}-{turn}"
+
         async def conversation(index: int, prompt: list[int]) -> list[RequestResult]:
             """One request, or the turns of one chat, each turn extending the last."""
             nonlocal past_context
             rng = random.Random(config.seed * 7919 + index + 2)
             input_len, output_len = lengths[index]
-            chat = config.endpoint == "chat"
-            messages = []
-            if chat:
-                messages = [{"role": "user", "content": await client.detokenize(prompt)}]
+            messages = [{"role": "user", "content": texts[index]}] if chat else []
+            prompt_len = counted[index]
             results = []
             for turn in range(config.num_turns):
                 async with limit:
-                    result = await _one(client, config, messages if chat else prompt, output_len)
+                    result = await _one(
+                        client, config, messages if chat else prompt, output_len,
+                        prompt_len, origin, request_id(index, turn),
+                    )  # fmt: skip
                 progress.update()
                 results.append(result)
                 if not result.success or turn + 1 == config.num_turns:
                     break
-                user = [rng.randrange(vocab) for _ in range(input_len)]
+                user = [pool[rng.randrange(len(pool))] for _ in range(input_len)]
                 answer = result.output_ids
                 if not (chat or answer) and result.output_text:  # (a server that sends no ids)
                     answer = await client.tokenize(result.output_text, add_special_tokens=False)
                 prompt = prompt + answer + user
+                prompt_len = len(prompt)  # (a chat's: no better count without usage)
                 if chat:
                     messages += [
                         {"role": "assistant", "content": result.output_text},
-                        {"role": "user", "content": await client.detokenize(user)},
+                        {"role": "user", "content": await _detokenized(client, user)},
                     ]
                 if not await fits(prompt, messages, output_len):
                     past_context += config.num_turns - turn - 1
                     break
             return results
 
-        start = time.perf_counter()
+        if config.num_warmups:  # (vLLM's: the first request, unmeasured, bounded alike)
+            first = [{"role": "user", "content": texts[0]}] if chat else prompts[0]
+            await asyncio.gather(*[
+                _bounded(limit, _one(client, config, first, lengths[0][1]))
+                for _ in range(config.num_warmups)
+            ])  # fmt: skip
+        progress = progress_bar(total, "requests", config.progress, unit="req")
+        start = origin = time.perf_counter()
         tasks = []
         with progress:
             for index, (prompt, gap) in enumerate(zip(prompts, gaps)):
@@ -231,4 +327,18 @@ async def run_bench(config: BenchConfig) -> dict:
             results = [r for turns in await asyncio.gather(*tasks) for r in turns]
         duration = time.perf_counter() - start
     served = cards[0].get("id") if cards else None
-    return summarize(config, results, duration, served, context, past_context)
+    report = summarize(config, results, duration, served, context, past_context)
+    if report["requests_without_usage"]:
+        print(
+            f"warning: {report['requests_without_usage']} of {report['completed']} streams "
+            "carried no usage: their input tokens are the prompts' own counts"
+            + (" (without the chat template's tokens)" if chat else "")
+            + " and their output tokens the chunks' (or token ids')",
+            file=sys.stderr,
+        )
+    return report
+
+
+async def _bounded(limit: asyncio.Semaphore, request) -> RequestResult:
+    async with limit:
+        return await request

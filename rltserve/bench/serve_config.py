@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rltserve.client_request import check_url, server_root
 
@@ -12,15 +12,22 @@ ENDPOINTS = ("completions", "chat")
 # vLLM's ``--backend`` names of the endpoints streamed here (its ``vllm`` backend streams
 # /v1/completions too).
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+ENDPOINT_BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # (a report's default)
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # (vLLM's: ITL is per gap, not per request)
+DATASETS = ("random", "sharegpt", "custom")  # vLLM's --dataset-name values taken here
+RAMP_UP_STRATEGIES = ("linear", "exponential")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     url: str
     api_key: str | None = None
-    model: str | None = None
+    model: str | None = None  # the name sent (vLLM's --served-model-name, else --model)
+    model_id: str | None = None  # vLLM's --model, as the report names it (default: model)
+    tokenizer: str | None = None  # a local tokenizer directory (vLLM's --tokenizer)
+    label: str | None = None  # vLLM's --label (the report's and the result file name's)
+    backend: str | None = None  # vLLM's --backend (default: the endpoint's, see BACKENDS)
     num_prompts: int = 100
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -35,7 +42,30 @@ class BenchConfig:
     prefix_len: int = 0
     seed: int = 0
     temperature: float = 0.0
+    # vLLM's sampling flags; None: not sent (the server's default)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    # vLLM's --ignore-eos: sent only when asked for, so a request may stop at its end token
+    ignore_eos: bool = False
     exit_threshold: float | None = None
+    # vLLM's --extra-body: merged into every request body last (rltserve's loop fields too)
+    extra_body: dict = field(default_factory=dict)
+    headers: tuple[tuple[str, str], ...] = ()  # vLLM's --header KEY=VALUE: on every request
+    # vLLM's --request-id-prefix: request i sends X-Request-Id PREFIX{i} (None: the server's ids)
+    request_id_prefix: str | None = None
+    # vLLM's --dataset-name and --dataset-path: text prompts from a file (serve_text_datasets)
+    dataset: str = "random"
+    dataset_path: str | None = None
+    sharegpt_output_len: int | None = None  # None: each reply's own token count
+    custom_output_len: int = 256
+    skip_chat_template: bool = False
+    num_warmups: int = 0  # requests sent one at a time before the run, not measured
+    # vLLM's --ramp-up-strategy: the rate goes from ramp_up_start_rps to ramp_up_end_rps over
+    # the run (linearly or geometrically, by request index), in place of request_rate
+    ramp_up_strategy: str | None = None
+    ramp_up_start_rps: float | None = None
+    ramp_up_end_rps: float | None = None
     num_turns: int = 1  # > 1: multi-turn chat conversations (see rltserve.bench.serve)
     endpoint: str = "completions"  # or "chat" (see rltserve.bench.serve)
     progress: bool = False
@@ -76,6 +106,42 @@ class BenchConfig:
             )
         _check_goodput(self.goodput)
         _check_percentiles(self.percentile_metrics, self.metric_percentiles)
+        self._check_dataset()
+        self._check_ramp_up()
+        if self.num_warmups < 0:
+            raise ValueError(f"num_warmups={self.num_warmups}: must be >= 0")
+        if not isinstance(self.extra_body, dict):
+            raise ValueError(f"extra_body={self.extra_body!r}: must be a dict (a JSON object)")
+
+    def _check_dataset(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset={self.dataset!r}: must be one of {DATASETS}")
+        if (self.dataset == "random") != (self.dataset_path is None):
+            raise ValueError(
+                f"dataset_path={self.dataset_path!r}: the {self.dataset} dataset "
+                + ("reads no file" if self.dataset == "random" else "needs one")
+            )
+        if self.dataset != "random" and self.num_turns > 1:
+            raise ValueError(f"num_turns={self.num_turns}: multi-turn runs random prompts only")
+        for name in ("sharegpt_output_len", "custom_output_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value}: must be >= 1")
+
+    def _check_ramp_up(self) -> None:
+        bounds = (self.ramp_up_start_rps, self.ramp_up_end_rps)
+        if self.ramp_up_strategy is None:
+            if bounds != (None, None):
+                raise ValueError("ramp_up_start_rps/ramp_up_end_rps: need ramp_up_strategy")
+            return
+        if self.ramp_up_strategy not in RAMP_UP_STRATEGIES:
+            raise ValueError(
+                f"ramp_up_strategy={self.ramp_up_strategy!r}: must be one of {RAMP_UP_STRATEGIES}"
+            )
+        if None in bounds or not all(0 < b < math.inf for b in bounds):
+            raise ValueError(f"ramp_up rps {bounds}: give both, finite and > 0")
+        if not math.isinf(self.request_rate):
+            raise ValueError(f"request_rate={self.request_rate}: not with ramp_up_strategy")
 
 
 def _check_goodput(goodput: tuple[tuple[str, float], ...]) -> None:

@@ -12,6 +12,11 @@ With ``prefix_len`` (vLLM's ``--random-prefix-len``) every prompt starts with th
 drawn length tokens (as vLLM's, ``input_len`` leaves the prefix out, and the range ratio does
 not vary it). The prefix is a stream of its own, so the tokens after it are those of a run
 without it.
+
+Token ids are drawn from a pool: the vocabulary less the tokenizer's special ids, as recent
+vLLM's (``--tokenizer`` gives them; the server's model card does not, so without it every id
+of the vocabulary may be drawn). With no special id the pool is the whole vocabulary and the
+draws are those of ``randrange(vocab_size)``.
 """
 
 from __future__ import annotations
@@ -40,11 +45,22 @@ def request_lengths(config: BenchConfig) -> list[tuple[int, int]]:
     ]
 
 
-def random_prompts(config: BenchConfig, vocab_size: int) -> list[list[int]]:
+def token_pool(vocab_size: int, special_ids: frozenset[int] = frozenset()) -> range | list[int]:
+    """The ids random prompts are drawn from: the vocabulary less ``special_ids``."""
+    if not special_ids.intersection(range(vocab_size)):
+        return range(vocab_size)
+    return [i for i in range(vocab_size) if i not in special_ids]
+
+
+def random_prompts(
+    config: BenchConfig, vocab_size: int, pool: range | list[int] | None = None
+) -> list[list[int]]:
+    """Each conversation's first prompt; ids from ``pool`` (default: the whole vocabulary)."""
+    pool = range(vocab_size) if pool is None else pool
     shared = random.Random(f"{config.seed}:prefix")
-    prefix = [shared.randrange(vocab_size) for _ in range(config.prefix_len)]
+    prefix = [pool[shared.randrange(len(pool))] for _ in range(config.prefix_len)]
     rng = random.Random(config.seed)
     return [
-        prefix + [rng.randrange(vocab_size) for _ in range(input_len)]
+        prefix + [pool[rng.randrange(len(pool))] for _ in range(input_len)]
         for input_len, _ in request_lengths(config)
     ]

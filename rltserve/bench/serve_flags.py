@@ -12,11 +12,12 @@ Naming either of those saves the report without ``--save-result`` too.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from pathlib import Path
 
-from rltserve.bench.serve_config import BACKENDS, GOODPUT_METRICS, PERCENTILE_METRICS
+from rltserve.bench.serve_config import BACKENDS, DATASETS, GOODPUT_METRICS, PERCENTILE_METRICS
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # (where `rltserve serve` listens by default)
 _LABELS = {"completions": "openai", "chat": "openai-chat"}
@@ -24,25 +25,29 @@ _LABELS = {"completions": "openai", "chat": "openai-chat"}
 
 def config_kwargs(args: argparse.Namespace) -> dict:
     """The ``BenchConfig`` fields of the vLLM-style flags."""
-    if args.dataset_name != "random":
+    dataset = args.dataset_name
+    if dataset not in DATASETS:
         raise ValueError(
-            f"--dataset-name {args.dataset_name}: not supported; bench serve sends vLLM's "
-            "'random' dataset (random token-id prompts: --random-input-len, "
-            "--random-output-len, --random-range-ratio)"
+            f"--dataset-name {dataset}: not supported; bench serve sends vLLM's random, "
+            "sharegpt or custom datasets"
         )
-    if args.dataset_path is not None:
+    if (dataset == "random") != (args.dataset_path is None):
         raise ValueError(
-            f"--dataset-path {args.dataset_path}: the 'random' dataset reads no file "
-            "(bench serve supports no other)"
+            f"--dataset-path {args.dataset_path}: the 'random' dataset reads no file"
+            if dataset == "random"
+            else f"--dataset-name {dataset}: needs --dataset-path FILE"
         )
+    if dataset != "random":
+        _check_text_dataset(args)
     if args.random_prefix_len < 0:
         raise ValueError(f"--random-prefix-len {args.random_prefix_len}: must be >= 0")
     ratio = args.random_range_ratio
     if not 0 <= ratio < 1:
         raise ValueError(f"--random-range-ratio {ratio:g}: must be in [0, 1)")
     if math.floor(args.input_len * (1 - ratio)) < 1:
+        flag = args.spelled.get("input_len") or "--input-len"
         raise ValueError(
-            f"--random-range-ratio {ratio:g}: the shortest prompt of --input-len "
+            f"--random-range-ratio {ratio:g}: the shortest prompt of {flag} "
             f"{args.input_len} would have no tokens"
         )
     return {
@@ -54,6 +59,92 @@ def config_kwargs(args: argparse.Namespace) -> dict:
         "percentile_metrics": parse_percentile_metrics(args.percentile_metrics),
         "metric_percentiles": parse_metric_percentiles(args.metric_percentiles),
         "detailed": args.save_detailed,
+        "dataset": dataset,
+        "dataset_path": args.dataset_path,
+        "sharegpt_output_len": args.sharegpt_output_len,
+        "custom_output_len": args.custom_output_len,
+        "skip_chat_template": args.skip_chat_template,
+        "extra_body": parse_extra_body(args.extra_body),
+        "headers": parse_headers(args.header or []),
+        "request_id_prefix": args.request_id_prefix,
+        **ramp_up(args),
+    }
+
+
+def _check_text_dataset(args: argparse.Namespace) -> None:
+    """A sharegpt or custom file that can be read, and no flag of the random dataset or of
+    multi-turn runs (they would be ignored)."""
+    path = Path(args.dataset_path)
+    if not path.is_file():
+        raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
+    for flag, value in (
+        ("--random-prefix-len", args.random_prefix_len),
+        ("--random-range-ratio", args.random_range_ratio),
+    ):
+        if value:
+            raise ValueError(f"{flag} {value:g}: random prompts only, not --dataset-name "
+                             f"{args.dataset_name}")  # fmt: skip
+    if args.num_turns > 1:
+        raise ValueError(f"--num-turns {args.num_turns}: random prompts only, not "
+                         f"--dataset-name {args.dataset_name}")  # fmt: skip
+    for flag, value in (
+        ("--sharegpt-output-len", args.sharegpt_output_len),
+        ("--custom-output-len", args.custom_output_len),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+
+
+def parse_extra_body(text: str | None) -> dict:
+    """``--extra-body '{"max_loops": 4}'``: a JSON object merged into every request body."""
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--extra-body {text}: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"--extra-body {text}: must be a JSON object, e.g. '{{\"seed\": 1}}'")
+    if taken := sorted({"prompt", "messages", "stream"} & set(body)):
+        raise ValueError(f"--extra-body {text}: {', '.join(taken)} is the benchmark's to send")
+    return body
+
+
+def parse_headers(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--header X-A=1 --header X-B=2`` -> (("X-A", "1"), ("X-B", "2"))."""
+    headers = []
+    for item in items:
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise ValueError(f"--header {item}: give KEY=VALUE, e.g. --header X-Tenant=a")
+        headers.append((key.strip(), value.strip()))
+    return tuple(headers)
+
+
+def ramp_up(args: argparse.Namespace) -> dict:
+    """vLLM's ``--ramp-up-strategy`` and its bounds (both needed, > 0, not with
+    ``--request-rate``)."""
+    bounds = {"--ramp-up-start-rps": args.ramp_up_start_rps,
+              "--ramp-up-end-rps": args.ramp_up_end_rps}  # fmt: skip
+    if args.ramp_up_strategy is None:
+        given = [f"{flag} {value:g}" for flag, value in bounds.items() if value is not None]
+        if given:
+            raise ValueError(f"{' '.join(given)}: needs --ramp-up-strategy linear|exponential")
+        return {}
+    for flag, value in bounds.items():
+        if value is None:
+            raise ValueError(f"--ramp-up-strategy {args.ramp_up_strategy}: needs {flag}")
+        if not 0 < value < math.inf:
+            raise ValueError(f"{flag} {value:g}: must be a finite rate > 0")
+    if not math.isinf(args.request_rate):
+        raise ValueError(
+            f"--request-rate {args.request_rate:g}: not with --ramp-up-strategy (the ramp-up "
+            "sets the rate)"
+        )
+    return {
+        "ramp_up_strategy": args.ramp_up_strategy,
+        "ramp_up_start_rps": args.ramp_up_start_rps,
+        "ramp_up_end_rps": args.ramp_up_end_rps,
     }
 
 
@@ -156,7 +247,14 @@ def prepare_result_dir(args: argparse.Namespace) -> None:
     if args.result_dir:
         if Path(args.result_dir).exists() and not Path(args.result_dir).is_dir():
             raise ValueError(f"--result-dir {args.result_dir}: is not a directory")
-        os.makedirs(args.result_dir, exist_ok=True)
+        try:
+            os.makedirs(args.result_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(
+                f"--result-dir {args.result_dir}: cannot be made ({exc.strerror})"
+            ) from None
+        if not os.access(args.result_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"--result-dir {args.result_dir}: cannot be written")
     if args.result_filename:
         path = Path(args.result_dir or ".") / args.result_filename
         if path.is_dir():
@@ -173,3 +271,17 @@ def result_path(args: argparse.Namespace, report: dict) -> Path:
     label = args.label or args.backend or _LABELS[report["endpoint"]]
     name = args.result_filename or result_filename(report, label)
     return Path(args.result_dir or ".") / name
+
+
+def write_result(path: Path, report: dict, text: str, append: bool) -> None:
+    """The report's ``text`` (the indented ``--json``), or (vLLM's ``--append-result``) one
+    more line of compact JSON after what the file holds."""
+    if not append:
+        path.write_text(text + "\n")
+        return
+    with path.open("a+", encoding="utf-8") as out:
+        out.seek(0)
+        held = out.read()
+        if held and not held.endswith("\n"):
+            out.write("\n")
+        out.write(json.dumps(report) + "\n")

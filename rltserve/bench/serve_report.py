@@ -10,6 +10,11 @@ TPOT of 0. With ``detailed`` (vLLM's ``--save-detailed``) the report adds vLLM's
 arrays, in the order the requests were sent: ``input_lens``, ``output_lens`` (0 for a failed
 request), ``ttfts``, ``itls``, ``latencies`` (s), ``generated_texts`` and ``errors`` (``""`` for
 a success; this replaces the list of the first five distinct errors).
+
+The peaks are vLLM's: ``max_output_tokens_per_s`` the most output chunks (tokens, one per
+chunk) that arrived within one 1-second bucket of the run (counted from the first request's
+send), ``max_concurrent_requests`` the most successful requests in flight within one such
+bucket (a request counts in each bucket from its send's to its end's).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from datetime import datetime
 
 import numpy as np
 
-from rltserve.bench.serve_config import BenchConfig, percentile_word
+from rltserve.bench.serve_config import ENDPOINT_BACKENDS, BenchConfig, percentile_word
 
 _SECTIONS = (
     ("ttft", "Time to First Token"),
@@ -45,6 +50,8 @@ class RequestResult:
     cached_tokens: int = 0  # prompt tokens the server reused (usage.prompt_tokens_details)
     output_ids: list[int] = field(default_factory=list)  # multi-turn: the answer's token ids
     output_text: str = ""  # chat: the answer's text
+    start: float = 0.0  # when it was sent, seconds after the benchmark's start
+    usage: bool = False  # whether the stream carried the server's usage
 
     @property
     def tpot(self) -> float:
@@ -72,6 +79,23 @@ def good_requests(config: BenchConfig, ok: list[RequestResult]) -> int:
     return sum(all(bound >= getattr(r, name) for name, bound in bounds_s) for r in ok)
 
 
+def peaks(results: list[RequestResult]) -> tuple[float, float]:
+    """(max_output_tokens_per_s, max_concurrent_requests) of the successful ``results``, as
+    vLLM computes them."""
+    ok = [r for r in results if r.success]
+    if not ok:
+        return 0.0, 0.0
+    first = min(r.start for r in ok)
+    seconds = int(math.ceil(max(r.start + r.e2el for r in ok) - first)) + 1
+    tokens, concurrent = np.zeros(seconds), np.zeros(seconds)
+    for r in ok:
+        concurrent[int(r.start - first) : int(r.start + r.e2el - first) + 1] += 1
+        times = r.start + r.ttft + np.cumsum([0.0, *r.itl])
+        for t in times:
+            tokens[int(t - first)] += 1
+    return float(tokens.max()), float(concurrent.max())
+
+
 def summarize(
     config: BenchConfig,
     results: list[RequestResult],
@@ -87,17 +111,31 @@ def summarize(
     ok = [r for r in results if r.success]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
+    peak_tokens, peak_requests = peaks(ok)
+    backend = config.backend or ENDPOINT_BACKENDS[config.endpoint]
     report: dict = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),  # (vLLM's format)
         "url": config.url,
         "endpoint": config.endpoint,
+        "backend": backend,
+        "endpoint_type": backend,  # (vLLM's name of the backend in newer reports)
+        "label": config.label,
         "model": config.model or served,
+        "model_id": config.model_id or config.model or served,
+        "tokenizer_id": config.tokenizer or config.model_id or config.model or served,
+        "dataset_name": config.dataset,
+        "dataset_path": config.dataset_path,
+        "ignore_eos": config.ignore_eos,
+        "num_warmups": config.num_warmups,
         "seed": config.seed,
         "temperature": config.temperature,
         "exit_threshold": config.exit_threshold,
         "num_prompts": config.num_prompts,
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
         "burstiness": config.burstiness,
+        "ramp_up_strategy": config.ramp_up_strategy,
+        "ramp_up_start_rps": config.ramp_up_start_rps,
+        "ramp_up_end_rps": config.ramp_up_end_rps,
         "max_concurrency": config.max_concurrency,
         "input_len": config.input_len,
         "prefix_len": config.prefix_len,
@@ -118,6 +156,9 @@ def summarize(
         "request_goodput": good_requests(config, ok) / duration if config.goodput else None,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "max_output_tokens_per_s": peak_tokens,
+        "max_concurrent_requests": peak_requests,
+        "requests_without_usage": sum(not r.usage for r in ok),
         "num_turns": config.num_turns,
         "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / max(input_tokens, 1),
@@ -161,13 +202,23 @@ def format_report(report: dict) -> str:
         rows.append(("Request goodput (req/s)", f"{report['request_goodput']:.2f}"))
     rows += [
         ("Output token throughput (tok/s)", f"{report['output_throughput']:.2f}"),
-        ("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"),
-        ("Turns per conversation", report["num_turns"]),
-        ("Turns not sent (after a failed turn)", report["skipped_turns"] - context_skipped),
     ]
-    if (context := report.get("max_model_len")) is not None:
-        rows.append((f"Turns not sent (past max_model_len {context})", context_skipped))
-    rows.append(("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"))
+    if "max_output_tokens_per_s" in report:  # (a report saved before the peaks)
+        rows += [
+            ("Peak output token throughput (tok/s)", f"{report['max_output_tokens_per_s']:.2f}"),
+            ("Peak concurrent requests", f"{report['max_concurrent_requests']:.2f}"),
+        ]
+    rows.append(("Total token throughput (tok/s)", f"{report['total_token_throughput']:.2f}"))
+    if report["num_turns"] > 1:
+        rows += [
+            ("Turns per conversation", report["num_turns"]),
+            ("Turns not sent (after a failed turn)", report["skipped_turns"] - context_skipped),
+        ]
+        if (context := report.get("max_model_len")) is not None:
+            rows.append((f"Turns not sent (past max_model_len {context})", context_skipped))
+    # (meaningful where prompts share tokens or the server reports a cache hit)
+    if report["num_turns"] > 1 or report.get("prefix_len") or report["total_cached_tokens"]:
+        rows.append(("Prefix cache hit rate", f"{report['prefix_cache_hit_rate']:.3f}"))
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
     lines += [f"{name + ':':<45}{value!s:>15}" for name, value in rows]
     for metric, title in _SECTIONS:
