@@ -64,6 +64,15 @@ async def test_unknown_fields_are_ignored_with_one_warning_per_name(ckpt, caplog
         # a known field with a bad value is still a 400
         status, _, raw = await live.post("/v1/completions", {**body, "temperature": 9})
         assert status == 400 and error_of(raw)["param"] == "temperature"
+        # a request refused for another reason ignored nothing: its unknown fields go unnamed
+        refused = {**body, "temperature": 9, "refused_only": 1}
+        status, _, raw = await live.post("/v1/completions", refused)
+        assert status == 400 and error_of(raw)["param"] == "temperature"
+        parts = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+        status, _, raw = await live.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]}
+        )
+        assert status == 400, raw
     ignored = sorted(m for m in warnings_of(caplog) if m.startswith("ignoring unknown"))
     # each named with the request that sent it first (its response id)
     names = [("messages[].extra_a", "chatcmpl-test"), ("metadata", "cmpl-test"),

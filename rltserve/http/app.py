@@ -21,6 +21,7 @@ from aiohttp import web
 
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
+from rltserve.http.body import warn_ignored_fields
 from rltserve.http.config import ServerConfig
 from rltserve.http.cors import allow_origin, preflight
 from rltserve.http.handlers import add_routes
@@ -59,6 +60,7 @@ def create_app(
     app[STATE] = state
     add_routes(app)
     app.on_response_prepare.append(allow_origin)
+    app.on_response_prepare.append(warn_ignored_fields)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_drain)
     return app

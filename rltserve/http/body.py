@@ -30,6 +30,8 @@ from rltserve.http.validation import loads, parse_object
 _JSON_TYPES = ("application/json",)
 _INLINE_BODY_BYTES = 64 * 1024  # larger bodies are parsed on the tokenizer pool
 _CLOSE = {"Connection": "close"}  # (on the answer to a body left unread)
+# A request's unknown body fields (their paths) and the id the log names it by.
+IGNORED_FIELDS = web.RequestKey("rltserve.ignored_fields", tuple)
 
 
 class BodyTooLarge(Exception):
@@ -78,11 +80,22 @@ async def read_body(
         parsed, unknown = await loop.run_in_executor(state.executor, _parse, raw, cls, strict)
     else:
         parsed, unknown = _parse(raw, cls, strict)
-    if unknown and request_id is None:
-        request_id = state.request_id(request)
-    for name in unknown:
-        state.ignore_field(name, request_id)
+    if unknown:
+        # Warned of once the request is answered without an error (``warn_ignored_fields``): a
+        # request refused for another reason ignored nothing.
+        request[IGNORED_FIELDS] = (unknown, request_id or state.request_id(request))
     return parsed
+
+
+async def warn_ignored_fields(request: web.Request, response: web.StreamResponse) -> None:
+    """The app's ``on_response_prepare``: the unknown fields a request's body had, logged
+    (``ServingState.ignore_field``) when its response is no error."""
+    ignored = request.get(IGNORED_FIELDS)
+    if ignored is None or response.status >= 400:
+        return
+    names, request_id = ignored
+    for name in names:
+        request.app[STATE].ignore_field(name, request_id)
 
 
 def declared_too_large(request: web.Request) -> HTTPError | None:
