@@ -118,6 +118,9 @@ def test_compare_runs_every_arm_on_one_workload(ouro_rv1, ouro_ref):
     for arm in ("refill", "no_refill", "full_depth"):
         assert report[arm]["output_tokens"] == 9 * 3, arm
         assert report[arm]["step_overhead"] >= 1  # model calls are part of the wall time
+        seconds = report[arm]["seconds"]  # (rounded: the rates are of the unrounded time)
+        assert abs(report[arm]["requests_per_s"] * seconds - 9) < 0.01 * 9
+        assert abs(report[arm]["total_tokens_per_s"] * seconds - 9 * 7) < 0.01 * 63
     assert report["no_refill"]["mean_exit_depth"] == refill["mean_exit_depth"] < 4.0
     # The workload (seed 0) through the oracle: the same exits.
     rng = random.Random(0)

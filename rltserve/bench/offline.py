@@ -94,6 +94,9 @@ def run_engine(
         "output_tokens": tokens,
         "seconds": round(elapsed, 4),
         "output_tokens_per_s": round(tokens / elapsed, 2),
+        # (vllm bench throughput's requests/s and tokens/s: prompt and output tokens)
+        "requests_per_s": round(len(prompts) / elapsed, 3),
+        "total_tokens_per_s": round((sum(map(len, prompts)) + tokens) / elapsed, 2),
         "steps": stats.num_steps,
         "mean_rows_per_step": round(stats.num_rows / max(stats.num_steps, 1), 2),
         "mean_exit_depth": round(sum(depths) / max(len(depths), 1), 3),
