@@ -48,6 +48,11 @@ def cuda_possible() -> tuple[bool, str]:
         return False, f"torch {torch.__version__} is a CPU build"
     if CUDA_HOME is None:
         return False, "no CUDA toolkit (nvcc / CUDA_HOME) found"
+    # torch builds for the visible GPUs' architectures, or those TORCH_CUDA_ARCH_LIST names:
+    # with neither (a CUDA torch and a toolkit on a machine without a GPU) it has none to
+    # build for and fails inside torch (an IndexError).
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        return False, "no GPU visible and no TORCH_CUDA_ARCH_LIST naming one to build for"
     return True, f"CUDA {torch.version.cuda}, toolkit at {CUDA_HOME}"
 
 

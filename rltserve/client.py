@@ -208,8 +208,8 @@ class AsyncClient:
     (seconds or minutes): ``await wait_ready()`` after starting a server, and raise
     ``max_retries`` to ride out restarts. A stream is retried only while it opens, never once a
     chunk has been yielded. ``timeout`` bounds each attempt, as the SDK's does, not the whole
-    call (bound that with ``asyncio.timeout``). ``health`` and ``wait_ready`` (probes) are not
-    retried.
+    call (bound that with ``asyncio.timeout``; on 3.10 ``asyncio.wait_for``). ``health`` and
+    ``wait_ready`` (probes) are not retried.
 
     Each event loop gets the client's own session afresh: a client used under one
     ``asyncio.run()`` after another works (one loop at a time; a loop still running in another

@@ -17,6 +17,7 @@ import types
 import typing
 from collections.abc import Callable
 from decimal import Decimal
+from typing import Any
 
 from rltserve.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rltserve.preflight import check_engine, resolve_dtype, resolve_model, resolve_tokenizer
@@ -80,6 +81,16 @@ def _flag_type(hint: object) -> type:
     return hint if hint in (int, float, str) else str
 
 
+class BoolFlag(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag`` with its help as given: Python 3.10's action appends its own
+    " (default: ...)" to a flag with a default, which the help here states already (3.11 on
+    append nothing)."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
 def add_dataclass_args(
     parser: argparse.ArgumentParser, cls: type, title: str, keep_defaults: bool = False
 ) -> None:
@@ -97,7 +108,7 @@ def add_dataclass_args(
             help_text += f" (default: {f.default})"
         default = f.default if keep_defaults else None
         if hints[f.name] in (bool, bool | None):
-            action = argparse.BooleanOptionalAction
+            action = BoolFlag
             group.add_argument(*flags, dest=f.name, action=action, default=default, help=help_text)
         else:
             kind = _FIELD_PARSERS.get(f.name) or _flag_type(hints[f.name])

@@ -347,6 +347,25 @@ def test_no_compiler_skip_reason(monkeypatch) -> None:
     assert shutil.which("definitely-not-a-compiler") is None
 
 
+def test_a_cuda_torch_without_a_gpu_or_arch_list_builds_the_cpu_kernel(monkeypatch) -> None:
+    """A CUDA build of torch and a toolkit on a machine without a GPU: torch has no
+    architecture to build for (it fails with an IndexError), so auto builds the CPU kernel
+    alone, unless TORCH_CUDA_ARCH_LIST names one."""
+    import torch.utils.cpp_extension as cpp
+
+    build = _load_build_module()
+    monkeypatch.setattr(build.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert build.cuda_possible() == (
+        False,
+        "no GPU visible and no TORCH_CUDA_ARCH_LIST naming one to build for",
+    )
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert build.cuda_possible() == (True, "CUDA 13.0, toolkit at /usr/local/cuda")
+
+
 # --------------------------------------------------------------------------- loader pieces
 # (no build needed: pure functions, and dispatch with the loaded ops replaced by recorders)
 

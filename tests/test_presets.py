@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -293,9 +295,17 @@ def test_demo_cache_builds_once_and_is_race_safe(tmp_path: Path, monkeypatch) ->
 
 
 def test_demo_replaces_incomplete_leftover(tmp_path: Path, monkeypatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
     monkeypatch.setenv("RLTSERVE_CACHE", str(tmp_path / "env"))
+    monkeypatch.setattr(sys, "stderr", Terminal())
     path = demo_model_path(tmp_path)
     assert path.parent == tmp_path  # an explicit root wins over the cache variable
+    demo_model_path(tmp_path)  # (built: nothing to say)
+    # a person at a terminal is told why the first run waits, once
+    assert sys.stderr.getvalue() == f"building the demo model (once, some seconds) in {path}\n"
     (path / COMPLETE).unlink()
     (path / "model.safetensors").write_bytes(b"junk")
     assert demo_model_path(tmp_path) == path

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def demo_model_path(root: str | Path | None = None) -> Path:
         return final
     base.mkdir(parents=True, exist_ok=True)
     from rltserve.models.presets import make_model  # imports torch: only when building
+    from rltserve.progress import in_notebook, progress_enabled
+
+    if progress_enabled() or in_notebook():  # (a person waits: say why, once)
+        print(f"building the demo model (once, some seconds) in {final}", file=sys.stderr)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=base))
     try:
