@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "RequestOutput",
     "RequestOutputKind",
@@ -21,6 +22,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from rltserve.async_llm import AsyncLLM
     from rltserve.llm import LLM
     from rltserve.outputs import CompletionOutput, RequestOutput
     from rltserve.prompt_inputs import TextPrompt, TokensPrompt
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "LLM": "rltserve.llm",
+    "AsyncLLM": "rltserve.async_llm",
     "CompletionOutput": "rltserve.outputs",
     "RequestOutput": "rltserve.outputs",
     "RequestOutputKind": "rltserve.sampling",

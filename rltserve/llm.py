@@ -269,6 +269,31 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         """``generate`` on normalized prompts. ``thinking``: per prompt, whether it leaves a
         thinking span open where its chat rendering decided it (``ChatPrompt.thinking``);
         None: judged from its ids (``bound_thinking``)."""
+        encoded, plist = self._prepare(batch, sampling_params, priority, thinking)
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise ValueError(f"use_tqdm={use_tqdm!r}: must be a bool or a tqdm class")
+        with self._running:
+            self._running.wait_for(lambda: not self._paused)
+            self._active += 1
+        try:
+            with self._stage():
+                return self._run(batch, encoded, plist, use_tqdm)
+        finally:
+            with self._running:
+                self._active -= 1
+                self._running.notify_all()
+
+    def _prepare(
+        self,
+        batch: list,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None = None,
+        thinking: Sequence[bool | None] | None = None,
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Checks normalized prompts and their params as the engine would, before anything is
+        submitted; returns each prompt's token ids and its validated copy of the params
+        (``generate``'s and ``AsyncLLM.generate``'s shared front half; ``_generate`` says
+        what ``thinking`` is)."""
         params = sampling_params
         if params is None:
             params = self.get_default_sampling_params()
@@ -303,18 +328,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span)
             for p, ids, span in zip(plist, encoded, spans)
         ]
-        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
-            raise ValueError(f"use_tqdm={use_tqdm!r}: must be a bool or a tqdm class")
-        with self._running:
-            self._running.wait_for(lambda: not self._paused)
-            self._active += 1
-        try:
-            with self._stage():
-                return self._run(batch, encoded, plist, use_tqdm)
-        finally:
-            with self._running:
-                self._active -= 1
-                self._running.notify_all()
+        return encoded, plist
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the
@@ -354,20 +368,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
                 prompt_ids.append(prompt_id)
                 for j, sample in enumerate(samples):
                     rid = prompt_id if key is None else f"{j}_{prompt_id}"
-                    tokenizer = self.tokenizer if p.detokenize else None
-                    asm = OutputAssembler(
-                        rid,
-                        ids,
-                        tokenizer,
-                        p.stop if tokenizer is not None else None,
-                        p.logprobs is not None,
-                        reported_stop_ids(
-                            p, self.info.stop_reason_ids, getattr(tokenizer, "eos_token_id", None)
-                        ),
-                        skip_special_tokens=p.skip_special_tokens,
-                        include_stop_str_in_output=p.include_stop_str_in_output,
-                        min_tokens=p.min_tokens,
-                    )
+                    asm = self._assembler(rid, ids, p)
                     group.append(asm)
                     pending.add(asm, index)
                     sink = pending.sink(asm, self._client.abort)
@@ -393,6 +394,23 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         ]
 
     # ---------------------------------------------------------------- internals
+
+    def _assembler(self, request_id: str, ids: list[int], p: SamplingParams) -> OutputAssembler:
+        """The assembler of one sample of a prompt with token ids ``ids`` and params ``p``."""
+        tokenizer = self.tokenizer if p.detokenize else None
+        return OutputAssembler(
+            request_id,
+            ids,
+            tokenizer,
+            p.stop if tokenizer is not None else None,
+            p.logprobs is not None,
+            reported_stop_ids(
+                p, self.info.stop_reason_ids, getattr(tokenizer, "eos_token_id", None)
+            ),
+            skip_special_tokens=p.skip_special_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            min_tokens=p.min_tokens,
+        )
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:
         """Checks what needs text and the token ids the params name (the engine's own checks,

@@ -28,8 +28,15 @@ def readme_example() -> str:
     return match.group(1)
 
 
-def example_on(model: Path) -> str:
-    code = readme_example()
+def readme_async_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    (code,) = [b for b in blocks if "AsyncLLM(" in b]
+    return code
+
+
+def example_on(model: Path, code: str | None = None) -> str:
+    code = readme_example() if code is None else code
     assert '"path/to/Ouro-1.4B"' in code
     return code.replace('"path/to/Ouro-1.4B"', repr(str(model)))
 
@@ -57,6 +64,14 @@ def test_readme_example_runs_as_a_script_file(tiny, tmp_path):
 
 def test_readme_example_runs_from_stdin(tiny, tmp_path):
     check_example_output(run_python(["-"], input=example_on(tiny), cwd=tmp_path))
+
+
+def test_readme_async_example_runs_as_a_script_file(tiny, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(example_on(tiny, readme_async_example()))
+    proc = run_python([str(script)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith((" [length]\n", " [stop]\n")), proc.stdout
 
 
 def test_readme_example_runs_with_a_main_guard(tiny, tmp_path):

@@ -1,0 +1,329 @@
+"""AsyncLLM: one prompt's outputs as an async stream, equal to ``LLM.generate``'s and the dense
+oracle's (token ids, exit depths, text, logprobs) in every output kind, alone and many at once;
+cancelling, aborting, refusing bad input and shutting down, with nothing left running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from engine_util import oracle_run
+from reference import Reference
+
+from rltserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+
+ENGINE = {"in_process": True, "num_blocks": 128, "max_model_len": 256}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    engine = AsyncLLM(str(tiny), **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(str(tiny), **ENGINE) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def tiny_ref(tiny) -> Reference:
+    return Reference.load(tiny)
+
+
+def samples(out) -> list[tuple]:
+    """What a RequestOutput says of each sample (everything LLM.generate's says)."""
+    return [
+        (
+            c.index,
+            c.token_ids,
+            c.exit_depths,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            c.logprobs,
+            c.cumulative_logprob,
+        )
+        for c in out.outputs
+    ]
+
+
+async def collect(engine, prompt, params, request_id=None) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def wait_idle(engine) -> None:
+    """Until the engine's latest stats show nothing running, waiting or holding KV (a hang
+    guard, not a timing assertion)."""
+    for _ in range(3000):
+        stats = engine._llm._client.stats
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine did not become idle: {stats}")
+
+
+async def settle(engine) -> None:
+    """Until every update the stage sent so far is on its stream's queue: a command's reply
+    comes on the same delivering thread after them, and its own hand-over to the loop after
+    theirs."""
+    await asyncio.to_thread(engine._llm._client.reset_prefix_cache)
+
+
+def test_is_exported_and_shares_llms_defaults(engine, llm):
+    import rltserve
+
+    assert rltserve.AsyncLLM is AsyncLLM and "AsyncLLM" in rltserve.__all__
+    assert engine.get_default_sampling_params() == llm.get_default_sampling_params()
+    assert engine.tokenizer.encode_prompt("Hi there") == llm.tokenizer.encode_prompt("Hi there")
+    assert engine.is_running and not engine.errored
+
+
+async def test_greedy_streams_reproduce_the_oracle_and_llm(engine, llm, tiny_ref):
+    params = GREEDY.replace(logprobs=2)
+    for prompt in ("Hello there", {"prompt_token_ids": [5, 6, 7]}, [9, 10, 11, 12]):
+        outs = await collect(engine, prompt, params)
+        (want,) = llm.generate(prompt if not isinstance(prompt, list) else [prompt], params)
+        last = outs[-1]
+        assert samples(last) == samples(want)
+        assert last.prompt_token_ids == want.prompt_token_ids and last.prompt == want.prompt
+        oracle = oracle_run(tiny_ref, want.prompt_token_ids, params)
+        assert last.token_ids == oracle.tokens and last.exit_depths == oracle.exit_depths
+        # A yield per engine update (one token each here; updates that queued while the
+        # consumer was busy come merged), each holding everything so far.
+        lengths = [len(o.token_ids) for o in outs]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 8
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert all(o.token_ids == last.token_ids[: len(o.token_ids)] for o in outs)
+        assert all(o.text == last.text[: len(o.text)] for o in outs)
+
+
+async def test_seeded_sampling_with_n_equals_llm(engine, llm):
+    params = SamplingParams(temperature=0.9, max_tokens=6, ignore_eos=True, seed=11, n=2)
+    (want,) = llm.generate(["Once upon"], params)
+    outs = await collect(engine, "Once upon", params)
+    assert samples(outs[-1]) == samples(want) and outs[-1].finished
+    assert [c.index for c in outs[-1].outputs] == [0, 1]
+    assert want.outputs[0].token_ids != want.outputs[1].token_ids  # two samples, not one twice
+    # FINAL_ONLY: one yield, both samples; DELTA: each sample's pieces add up to its whole.
+    (final,) = await collect(engine, "Once upon", params.replace(output_kind=FINAL_ONLY))
+    assert samples(final) == samples(want) and final.finished
+    deltas = await collect(engine, "Once upon", params.replace(output_kind=DELTA))
+    for j, whole in enumerate(want.outputs):
+        mine = [c for o in deltas for c in o.outputs if c.index == j]
+        assert sum((c.token_ids for c in mine), []) == whole.token_ids
+        assert sum((c.exit_depths for c in mine), []) == whole.exit_depths
+        assert "".join(c.text for c in mine) == whole.text
+        assert mine[-1].finish_reason == "length"
+    assert [o.finished for o in deltas].index(True) == len(deltas) - 1
+
+
+async def test_delta_pieces_add_up_to_the_cumulative_output(engine):
+    params = GREEDY.replace(max_tokens=12, logprobs=1)
+    cumulative = (await collect(engine, "The weather", params))[-1]
+    deltas = await collect(engine, "The weather", params.replace(output_kind=DELTA))
+    assert all(len(o.outputs) == 1 and o.outputs[0].token_ids for o in deltas)
+    pieces = [o.outputs[0] for o in deltas]
+    assert sum((c.token_ids for c in pieces), []) == cumulative.token_ids
+    assert sum((c.exit_depths for c in pieces), []) == cumulative.exit_depths
+    assert sum((c.logprobs for c in pieces), []) == cumulative.outputs[0].logprobs
+    assert "".join(c.text for c in pieces) == cumulative.text
+    assert pieces[-1].cumulative_logprob == cumulative.outputs[0].cumulative_logprob
+    assert [c.finish_reason for c in pieces] == [None] * (len(pieces) - 1) + ["length"]
+    (final,) = await collect(engine, "The weather", params.replace(output_kind=FINAL_ONLY))
+    assert samples(final) == samples(cumulative) and final.finished
+    # A consumer that falls behind gets what queued meanwhile as one output, not a backlog.
+    stream = engine.generate("The weather", params.replace(output_kind=DELTA))
+    first = await anext(stream)
+    await wait_idle(engine)  # (the engine has made every token by now)
+    await settle(engine)
+    rest = [o async for o in stream]
+    assert len(rest) == 1 and rest[0].finished
+    merged = first.outputs[0].token_ids + rest[0].outputs[0].token_ids
+    assert merged == cumulative.token_ids
+    assert samples(final) == samples(cumulative) and final.finished
+
+
+async def test_many_concurrent_requests_each_equal_their_solo_run(engine, tiny_ref):
+    requests = [
+        ([3 + i, 40 + 2 * i, 7], GREEDY.replace(max_tokens=3 + i, logprobs=1 if i % 2 else None))
+        for i in range(6)
+    ]
+    requests += [("A story about", SamplingParams(temperature=0.8, max_tokens=5, seed=3, n=2))]
+    requests += [("A story about", GREEDY.replace(output_kind=DELTA))]
+    solo = [await collect(engine, p, sp) for p, sp in requests]
+    together = await asyncio.gather(
+        *(collect(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(requests))
+    )
+    for i, (alone, mixed) in enumerate(zip(solo, together)):
+        # Exact but for logprobs: a batch's float32 sums may differ from one row's in the last
+        # bits. (How many yields each got depends on the consumers' pace: updates merge.)
+        assert [s[:6] for s in samples(mixed[-1])] == [s[:6] for s in samples(alone[-1])], i
+        for a, b in zip(alone[-1].outputs, mixed[-1].outputs):
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for x, y in zip(a.logprobs or (), b.logprobs or (), strict=True):
+                assert list(x) == list(y)
+                assert [v.logprob for v in y.values()] == pytest.approx(
+                    [v.logprob for v in x.values()], abs=1e-4
+                )
+        assert {o.request_id for o in mixed} == {f"r{i}"} and mixed[-1].finished
+    for (prompt, p), outs in zip(requests[:6], solo):
+        oracle = oracle_run(tiny_ref, prompt, p)
+        assert outs[-1].token_ids == oracle.tokens and outs[-1].exit_depths == oracle.exit_depths
+    await wait_idle(engine)
+
+
+async def test_a_stop_string_ends_the_stream_and_its_engine_request(engine, llm):
+    (free,) = llm.generate(["Hello there"], LONG.replace(max_tokens=16))
+    stop = free.text[len(free.text) // 2 :][:3]
+    params = LONG.replace(stop=[stop])
+    (want,) = llm.generate(["Hello there"], params)
+    outs = await collect(engine, "Hello there", params)
+    assert samples(outs[-1]) == samples(want)
+    assert outs[-1].finish_reason == "stop" and outs[-1].outputs[0].stop_reason == stop
+    assert len(outs[-1].token_ids) < 200
+    await wait_idle(engine)  # the stage's request was aborted, not left to run 200 tokens
+
+
+async def test_leaving_the_stream_early_aborts_the_request(engine):
+    async with contextlib.aclosing(engine.generate([1, 2, 3], LONG, "gone")) as stream:
+        async for out in stream:
+            if len(out.token_ids) >= 2:
+                break
+    assert not engine._streams
+    await wait_idle(engine)
+    # A plain break: asyncio closes the dropped generator, which aborts the same way.
+    async for _ in engine.generate([1, 2, 3], LONG, "dropped"):
+        break
+    await wait_idle(engine)
+    assert not engine._streams
+
+
+async def test_cancelling_the_consumer_task_aborts_the_request(engine):
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate([4, 5], LONG, "cancelled"):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not engine._streams
+    await wait_idle(engine)
+    # Its id is free again at once; the new request runs from the start.
+    outs = await collect(engine, [4, 5], GREEDY, "cancelled")
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 8
+
+
+async def test_abort_ends_the_stream_with_an_abort_output(engine):
+    outs = []
+    async for out in engine.generate([6, 7, 8], LONG, "stop-me"):
+        if not outs:
+            await engine.abort("stop-me")
+        outs.append(out)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(outs[0].token_ids) <= len(outs[-1].token_ids) < 200
+    assert outs[-1].token_ids[: len(outs[0].token_ids)] == outs[0].token_ids
+    # FINAL_ONLY yields nothing before the end: aborted from another task, its one output.
+    final_only = LONG.replace(output_kind=FINAL_ONLY)
+    task = asyncio.create_task(collect(engine, [6, 7, 8], final_only, "stop-me"))
+    while "stop-me" not in engine._streams:
+        await asyncio.sleep(0)
+    await engine.abort(["stop-me", "never-was"])  # (an id not running is ignored)
+    (out,) = await task
+    assert out.finished and out.finish_reason == "abort" and len(out.token_ids) < 200
+    await wait_idle(engine)
+
+
+async def test_a_running_request_id_cannot_be_reused(engine):
+    first = engine.generate([1, 2], GREEDY, "dup")
+    out = await anext(first)
+    with pytest.raises(ValueError, match="request_id='dup': a request with this id is running"):
+        await anext(engine.generate([3, 4], GREEDY, "dup"))
+    rest = [o async for o in first]
+    assert out.token_ids == rest[-1].token_ids[: len(out.token_ids)]
+    assert len(rest[-1].token_ids) == 8 and rest[-1].finish_reason == "length"
+    assert len((await collect(engine, [3, 4], GREEDY, "dup"))[-1].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda e: e.generate([1, 2], GREEDY, lora_request=object()), "lora_request"),
+        (lambda e: e.generate([1, 2], [GREEDY]), "sampling_params"),
+        (lambda e: e.generate([[1, 2], [3]], GREEDY), "one prompt per generate call"),
+        (lambda e: e.generate([1, 999], GREEDY), "vocabulary"),
+        (lambda e: e.generate([1, 2], GREEDY, 7), "request_id=7"),
+        (lambda e: e.generate([1, 2], GREEDY, priority="high"), "priority"),
+        (lambda e: e.generate({"text": "hi"}, GREEDY), "unknown key 'text'"),
+        (lambda e: e.generate("hi", GREEDY.replace(stop=["x"], detokenize=False)), "stop"),
+        # (refused by the engine itself: the error comes through the stream)
+        (lambda e: e.generate([1] * 300, GREEDY), "context limit"),
+    ],
+)
+async def test_bad_input_is_a_value_error_before_any_output(engine, call, match):
+    stream = call(engine)
+    with pytest.raises(ValueError, match=match):
+        await anext(stream)
+    assert not engine._streams
+    assert len((await collect(engine, [1, 2], GREEDY))[-1].token_ids) == 8
+
+
+async def test_a_failed_stage_raises_from_the_stream(tiny):
+    engine = AsyncLLM(str(tiny), **ENGINE)
+    try:
+        stream = engine.generate([1, 2, 3], LONG)
+        await anext(stream)
+        # The path a crashed worker takes: every open request fails.
+        engine._llm._client._die("injected failure")
+        with pytest.raises(RuntimeError, match="failed: stage died: injected failure"):
+            async for _ in stream:
+                pass
+        assert engine.errored and not engine.is_running
+        with pytest.raises(RuntimeError, match="injected failure"):
+            await engine.check_health()
+        with pytest.raises(RuntimeError, match="stage is not running"):
+            await anext(engine.generate([1, 2], GREEDY))
+    finally:
+        engine.shutdown()
+
+
+async def test_shutdown_ends_open_streams_and_refuses_new_ones(tiny):
+    async with AsyncLLM(str(tiny), **ENGINE) as engine:
+        stream = engine.generate([1, 2, 3], LONG)
+        await anext(stream)
+        engine.shutdown()
+        rest = [out async for out in stream]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert len(rest[-1].token_ids) < 200
+    assert not engine.is_running and not engine.errored
+    with pytest.raises(RuntimeError, match="shut down"):
+        await anext(engine.generate([1, 2], GREEDY))
+    with pytest.raises(RuntimeError, match="shut down"):
+        await engine.check_health()
+    engine.close()  # (again: nothing to do)
+
+
+async def test_a_worker_process_stage_streams_the_same(tiny, engine):
+    """The default stage (a worker process): updates come on the client's reader thread."""
+    params = GREEDY.replace(logprobs=1)
+    want = await collect(engine, "Hello there", params)
+    spawned = AsyncLLM(str(tiny), **{**ENGINE, "in_process": False})
+    try:
+        got = await collect(spawned, "Hello there", params)
+        assert samples(got[-1]) == samples(want[-1])
+        async for _ in spawned.generate([1, 2, 3], LONG):
+            break
+        await wait_idle(spawned)
+        assert not spawned._streams
+    finally:
+        spawned.shutdown()
