@@ -268,7 +268,8 @@ class SchedulerConfig:
         metadata=_help(
             "fcfs: admit and preempt by arrival (a request's priority other than 0 is refused, "
             "as vLLM refuses it); priority: by SamplingParams.priority (lower first), and a "
-            "better-priority arrival preempts running requests"
+            "better-priority arrival preempts running requests (not under --kv-reservation "
+            "full, which never preempts: it waits for a seat)"
         ),
     )
 

@@ -74,7 +74,11 @@ class ServerConfig:
     )
     max_queued: int = field(
         default=1024,
-        metadata=_help("requests waiting for a slot; beyond it requests get 503 + Retry-After"),
+        metadata=_help(
+            "requests waiting for one of --max-concurrent's slots; beyond it requests get 503 + "
+            "Retry-After (a request with a slot but no engine seat or KV yet waits in the engine "
+            "and is not counted: to shed load early, set --max-concurrent near --max-num-seqs)"
+        ),
     )
     max_body_bytes: int = field(
         default=8 * 2**20, metadata=_help("largest request body accepted (else 413)")
