@@ -67,6 +67,8 @@ class TrainerControls:
         timeout = seconds("timeout", timeout)
         with update_paths(weights, self._download_dir, last_wins) as paths, self._stage():
             if not paths:  # (no pairs: the stage would refuse an update of nothing)
+                if self._closed:  # (what an update of something raises then)
+                    raise StageError("this LLM is closed (close() was called)")
                 return self._client.weight_version
             return self._client.update_weights(paths, abort, timeout)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from rltserve.caller_values import (
     check_int,
@@ -17,6 +17,7 @@ from rltserve.caller_values import (
 )
 from rltserve.kv_policy import KVPolicy
 from rltserve.prompt_truncation import truncation_error
+from rltserve.thinking_budget import add_budget_alias
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 MIN_TEMPERATURE = 1e-2
 # vLLM's name for ``max_thinking_tokens`` (its SamplingParams' field and its server's); both
 # ``SamplingParams`` and the HTTP schema take it, reconciled by ``thinking_budget``.
-THINKING_BUDGET_ALIAS = "thinking_token_budget"
 
 
 class RequestOutputKind(enum.Enum):
@@ -177,8 +177,6 @@ class SamplingParams:
     # vLLM's hint that its engine may use the params without copying them: without effect (the
     # front ends always submit a copy, ``clone``).
     skip_clone: bool = False
-    # Not stored: the property below reads and sets ``max_thinking_tokens`` under this name.
-    thinking_token_budget: InitVar[int | None] = None
 
     @classmethod
     def from_optional(cls, **kwargs: object) -> SamplingParams:
@@ -205,8 +203,7 @@ class SamplingParams:
             kwargs["logit_bias"] = bias
         return cls(**kwargs)
 
-    def __post_init__(self, thinking_token_budget: int | None) -> None:
-        self.max_thinking_tokens = thinking_budget(self.max_thinking_tokens, thinking_token_budget)
+    def __post_init__(self) -> None:
         # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
         # rltserve's as tuples; copies either way (the caller's list may change). A bare string
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
@@ -468,24 +465,7 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
-# (Set after the class is made: in its body the property would be the InitVar's default.)
-SamplingParams.thinking_token_budget = property(  # type: ignore[assignment]
-    lambda self: self.max_thinking_tokens,
-    lambda self, value: setattr(self, "max_thinking_tokens", value),
-    doc="vLLM's name for ``max_thinking_tokens``.",
-)
-
-
-def thinking_budget(
-    max_thinking_tokens: int | None, thinking_token_budget: int | None
-) -> int | None:
-    """The thinking budget given as ``max_thinking_tokens`` or as its alias (either may be
-    None); ValueError where both are given and differ."""
-    if thinking_token_budget is None:
-        return max_thinking_tokens
-    if max_thinking_tokens is not None and max_thinking_tokens != thinking_token_budget:
-        raise ValueError(f"{THINKING_BUDGET_ALIAS}: an alias of max_thinking_tokens; they disagree")
-    return thinking_token_budget
+add_budget_alias(SamplingParams)  # (vLLM's thinking_token_budget)
 
 
 def _is_kv_policy(value: object) -> bool:

@@ -367,6 +367,9 @@ def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
     assert q.clone().thinking_token_budget == 7
     assert dataclasses.replace(q, n=2).thinking_token_budget == 7
     assert p.replace(max_thinking_tokens=None).thinking_token_budget is None
+    # dataclasses.replace changes the budget too (an InitVar alias would bring the old back)
+    assert dataclasses.replace(p, max_thinking_tokens=None).max_thinking_tokens is None
+    assert dataclasses.replace(p, max_thinking_tokens=9).thinking_token_budget == 9
     with pytest.raises(ValueError, match="^thinking_token_budget: an alias of max_thinking_tok"):
         SamplingParams(thinking_token_budget=5, max_thinking_tokens=4)
     with pytest.raises(ValueError, match="max_thinking_tokens=0: must be >= 1"):

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from rltserve import LLM, SamplingParams
 from rltserve.core.engine_loop import run_engine_loop
 from rltserve.core.request import FinishReason
+from rltserve.core.stage import StageError
 from rltserve.updates import UpdateTimeout
 
 PROMPTS = [[3, 17, 42, 7], [99, 5]]
@@ -383,6 +384,10 @@ def test_load_weights_copies_pairs_in_order_as_vllms_does(llm, ouro_rv1, new_ckp
     with pytest.raises(ValueError, match=f"weights: tensor '{norm}' is given twice"):
         llm.update_weights([(norm, new[norm]), (norm, old[norm])])
     assert llm.weight_version == 1 and _generate(llm) == want
+    llm.close()  # a closed LLM takes no update, not even of nothing
+    for call in (lambda: llm.update_weights([]), lambda: model.load_weights([])):
+        with pytest.raises(StageError, match=r"^this LLM is closed \(close\(\) was called\)$"):
+            call()
 
 
 def test_the_engine_path_names_what_it_does_not_have(llm):

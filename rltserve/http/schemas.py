@@ -30,12 +30,8 @@ from rltserve.http.config import MAX_N
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
 from rltserve.samples import sample_seed
-from rltserve.sampling import (
-    MAX_LOGPROBS,
-    THINKING_BUDGET_ALIAS,
-    SamplingParams,
-    thinking_budget,
-)
+from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.thinking_budget import THINKING_BUDGET_ALIAS, thinking_budget
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
 # max_tokens the client asked for is held to the context).
