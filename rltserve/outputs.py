@@ -33,8 +33,9 @@ class Logprob:
 class CompletionOutput:
     """One sample of a prompt (vLLM's shape). ``logprobs``: with ``SamplingParams.logprobs=k``,
     per token a dict ``{token_id: Logprob}`` holding the sampled token and the top ``k`` (a
-    token forced by bounded thinking has an empty dict); None when not asked for.
-    ``cumulative_logprob`` sums the sampled tokens' logprobs (None without logprobs)."""
+    token forced by bounded thinking has an empty dict until a later update scores it);
+    None when not asked for. ``cumulative_logprob`` sums the tokens' logprobs (None without
+    logprobs)."""
 
     index: int
     text: str | None
@@ -108,7 +109,8 @@ class RequestOutput:
 @dataclass
 class Completion:
     """One sequence as the assembler builds it. ``logprobs`` is the engine's form: per token
-    ``{"token_id", "logprob", "top_logprobs"}`` (``logprob`` None for a forced token)."""
+    ``{"token_id", "logprob", "top_logprobs"}`` (``logprob`` None for a forced token until a
+    later update's ``forced_logprobs`` gives it: ``core/thinking.py``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -219,6 +221,11 @@ class OutputAssembler:
                     {"token_id": tok, "logprob": lp, "top_logprobs": top or [], "rank": rank}
                 )
             out.logprobs.extend(lps)
+            # Forced tokens scored since they went out (a stop string may have cut them off).
+            for index, lp, top, rank in update.forced_logprobs or ():
+                if index < len(out.logprobs):
+                    entry = {"token_id": out.token_ids[index], "logprob": lp, "rank": rank}
+                    out.logprobs[index] = {**entry, "top_logprobs": top or []}
         if update.num_cached_tokens is not None:
             out.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:

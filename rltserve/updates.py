@@ -61,6 +61,9 @@ class RequestUpdate:
     # timestamp: the engine may run in another process or on another host, whose clock the
     # front end cannot compare with its own.
     queued_s: float | None = None
+    # Bounded thinking (``core/thinking.py``), with logprobs: (output index, logprob, top
+    # logprobs, rank) of forced tokens output by earlier updates (or this one), scored since.
+    forced_logprobs: list[tuple[int, float, list[tuple[int, float]], int]] | None = None
 
     def add_rank(self, rank: int | None) -> None:
         """Records the rank of the token just appended to ``new_token_ids``."""
@@ -89,6 +92,7 @@ class RequestUpdate:
                 self.prompt_logprobs,
                 self.new_ranks,
                 self.queued_s,
+                self.forced_logprobs,
             ),
         )
 
@@ -182,6 +186,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
         and u.num_cached_tokens is None
         and u.prompt_logprobs is None
         and u.queued_s is None
+        and u.forced_logprobs is None
         and not u.rejected
         else (
             u.request_id,
@@ -197,6 +202,7 @@ def to_wire(updates: Iterable[RequestUpdate] | StepUpdates) -> list[tuple]:
             u.prompt_logprobs,
             u.new_ranks,
             u.queued_s,
+            u.forced_logprobs,
         )
         for u in updates
     ]

@@ -26,6 +26,7 @@ class Run:
     finish: dict[str, str] = field(default_factory=dict)
     logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     top_logprobs: dict[str, list] = field(default_factory=dict)
+    forced_ranks: dict[str, dict[int, int]] = field(default_factory=dict)  # (bounded thinking)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)  # (as the update has them)
     cached: dict[str, int] = field(default_factory=dict)  # num_cached_tokens, once reported
     steps: int = 0
@@ -169,6 +170,10 @@ def run_core(
             run.depths[u.request_id].extend(u.new_exit_depths)
             run.logprobs[u.request_id].extend(u.new_logprobs)
             run.top_logprobs[u.request_id].extend(u.new_top_logprobs)
+            for j, lp, top, rank in u.forced_logprobs or ():  # (bounded thinking)
+                assert run.logprobs[u.request_id][j] is None, "forced logprob sent twice"
+                run.logprobs[u.request_id][j], run.top_logprobs[u.request_id][j] = lp, top
+                run.forced_ranks.setdefault(u.request_id, {})[j] = rank
             if u.num_cached_tokens is not None:
                 run.cached[u.request_id] = u.num_cached_tokens
             if u.prompt_logprobs is not None:

@@ -330,3 +330,28 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     else:
         tensors = load_file(str(path / "model.safetensors"))
     return cfg, tensors
+
+
+def thinking_logprobs(
+    ref, prompt: list[int], out: list[int], depths: list[int], forced: set[int], top: int, **kw
+) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Bounded thinking's oracle: the (raw logprob, top ``top``, rank) of every output token of
+    a run given its output ``out`` and exit depths ``depths``, from a dense recompute of prompt
+    + output at those depths (``Reference.full_recompute``; ``kw``: its ``kv_policy``): a
+    sampled token's at its exit depth, a forced one's (output indices ``forced``) at the cap,
+    as ``prompt_logprobs`` would score prompt + output there (``core/thinking.py``)."""
+    n = len(prompt)
+    cap, depth = ref.depths(None)
+    full = ref.full_recompute(prompt + out[:-1], [depth] * (n - 1) + depths, prompt_len=n, **kw)
+    entries = []
+    for j, token in enumerate(out):
+        q = n - 1 + j
+        if j in forced and full.depth_logits is None:  # (coda attention: no per-depth logits)
+            assert depths[j] == cap, "no per-depth logits to read a forced token at the cap"
+        at_cap = j in forced and full.depth_logits is not None
+        logits = full.depth_logits[cap - 1, q] if at_cap else full.logits[q]
+        logp = torch.log_softmax(logits, -1)
+        values, ids = logp.topk(top)
+        rank = int((logp >= logp[token]).sum())
+        entries.append((logp[token].item(), list(zip(ids.tolist(), values.tolist())), rank))
+    return entries

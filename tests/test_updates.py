@@ -26,6 +26,7 @@ def test_request_update_pickles_every_field():
         "prompt_logprobs": [(-1.5, [(3, -0.25)], 4)],
         "new_ranks": [1, None],
         "queued_s": 2.5,
+        "forced_logprobs": [(0, -2.0, [(5, -0.5)], 3)],
     }
     # Every field is set to a value other than its default: a field added without being
     # pickled fails here.
@@ -64,11 +65,12 @@ def test_a_one_token_update_goes_as_plain_values():
     ending = RequestUpdate("r2", [8], [2], [None], [None], finish_reason=FinishReason.STOP)
     first = RequestUpdate("r3", [9], [4], [None], [None], num_cached_tokens=16)
     waited = RequestUpdate("r4", [9], [4], [None], [None], queued_s=0.75)  # (engine wait)
+    scored = RequestUpdate("r5", [9], [4], [None], [None], forced_logprobs=[(1, -1.0, [], 2)])
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
-        wire = pickle.loads(pickle.dumps(to_wire([one, ending, first, waited]), protocol))
+        wire = pickle.loads(pickle.dumps(to_wire([one, ending, first, waited, scored]), protocol))
         assert wire[0] == ("r1", 7, 3, -0.25, [(7, -0.25), (9, -1.5)], 1, 4)
-        assert [len(row) for row in wire[1:]] == [13, 13, 13]
-        assert from_wire(wire) == [one, ending, first, waited]
+        assert [len(row) for row in wire[1:]] == [14, 14, 14, 14]
+        assert from_wire(wire) == [one, ending, first, waited, scored]
 
 
 def test_ranks_stay_parallel_to_the_tokens_around_forced_ones():
@@ -89,4 +91,4 @@ def test_ranks_stay_parallel_to_the_tokens_around_forced_ones():
 def test_a_one_token_update_with_prompt_logprobs_goes_whole():
     scored = RequestUpdate("r", [9], [4], [None], [None], prompt_logprobs=[(-1.0, [], 2)])
     wire = to_wire([scored])
-    assert len(wire[0]) == 13 and from_wire(wire) == [scored]
+    assert len(wire[0]) == 14 and from_wire(wire) == [scored]

@@ -44,8 +44,11 @@ class Applier:
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 s.sharing.on_prompt_done(request, item.start, item.end)
-            if scored and k in scored:  # (a prompt item after its request's max_loops)
-                self._record_prompt_logprobs(request, item.start, scored[k], updates)
+            if scored and k in scored:  # (a prompt or replay item after its max_loops)
+                if item.start < request.num_prompt_tokens:
+                    self._record_prompt_logprobs(request, item.start, scored[k], updates)
+                else:
+                    self._record_forced(request, item.start, scored[k], updates)
                 if request.is_finished:
                     continue  # (ended by what it withheld)
             if outcome is None:
@@ -230,7 +233,8 @@ class Applier:
             reason = FinishReason.LENGTH
         if reason is None:
             return
-        if request.scoring:  # it ends once its prompt logprobs are out; no more tokens start
+        # It ends once its prompt logprobs (or its forced tokens') are out; no more tokens start.
+        if request.scoring or request.forced_pending:
             request.finish_pending = reason
             request.max_outputs = n
             return
@@ -263,7 +267,39 @@ class Applier:
         update.prompt_logprobs = slots
         updates.updates[rid] = update  # (none of its own this step: it was withholding)
         reason = request.finish_pending
-        if reason is not None:
+        if reason is not None and not request.forced_pending:
+            self.s.finish(request, reason)
+            update.finish_reason = reason
+
+    def _record_forced(
+        self,
+        request: Request,
+        start: int,
+        scores: list[tuple[float, list[tuple[int, float]], int]],
+        updates: StepUpdates,
+    ) -> None:
+        """Bounded thinking: a replay item's logprobs (after its request's ``max_loops``) of the
+        output tokens its rows predict, into the forced tokens' slots still empty (a recompute
+        after a preemption finds the others filled); they go out as ``forced_logprobs``, and
+        a request whose end waited for them ends."""
+        slots = request.forced_scores
+        first = start - request.num_prompt_tokens + 1  # (the output its first row predicts)
+        new = [(j, *v) for j, v in enumerate(scores, first) if j in slots and slots[j] is None]
+        if not new:
+            return
+        for j, *score in new:
+            slots[j] = tuple(score)
+        rid = request.request_id
+        update = request.withheld if request.scoring else updates.update_of(rid)
+        if update is None:
+            update = RequestUpdate(rid)
+            if request.scoring:
+                request.withheld = update
+            else:
+                updates.updates[rid] = update
+        update.forced_logprobs = (update.forced_logprobs or []) + new
+        reason = request.finish_pending
+        if reason is not None and not request.scoring and not request.forced_pending:
             self.s.finish(request, reason)
             update.finish_reason = reason
 

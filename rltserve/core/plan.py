@@ -133,6 +133,9 @@ class WorkItem:
     # whose prompts loop on to the model's count): the prompt tokens its rows predict (row k
     # predicts ``prompt_targets[k]``; one fewer than its rows when it holds the last).
     prompt_targets: list[int] | None = None
+    # ... or, bounded thinking with logprobs, a replayed item's output tokens (up to a forced
+    # one: ``Request.forced_targets``). The top logprobs to give with each target's.
+    targets_top: int = 0
 
     @property
     def end(self) -> int:

@@ -196,6 +196,9 @@ class Preemptor:
         starts = [it.start for it in victim.items] + [victim.num_scheduled, limit]
         if victim.scoring:  # a prompt item whose result is not applied is scored again
             starts.append(victim.prompt_logprobs.index(None))
+        if victim.forced_pending:  # so is a replay item's that holds a forced token's scores
+            scores = victim.forced_scores
+            starts.append(victim.num_prompt_tokens - 1 + min(j for j in scores if not scores[j]))
         keep = max(0, min(min(starts), self.s.kv.covered(victim.request_id)))
         if keep < victim.num_prompt_tokens and not self.s.kv.policy.per_depth:
             # Under shared/ring a chunk's positions read each other's version of every loop,

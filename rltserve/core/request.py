@@ -149,6 +149,9 @@ class Request:
     # and whether the thinking span is over (ended by the model or forced).
     num_forced: int = 0
     thinking_closed: bool = False
+    # With logprobs: the forced tokens' (logprob, top, rank) by output index, None until the
+    # replay item holding the position before one has run loop ``max_loops`` (``Applier``).
+    forced_scores: dict[int, tuple | None] | None = None
     # Prompt sharing (``prompt_sharing.py``). ``cache_salt`` names everything but the tokens
     # that prompt KV depends on (None: this request's blocks are never shared); the hashes
     # name its full prompt blocks. ``group``: requests sampling one prompt (the first leads).
@@ -264,3 +267,19 @@ class Request:
         return (
             self.prompt_token_ids[position] if position < p else self.output_token_ids[position - p]
         )
+
+    @property
+    def forced_pending(self) -> bool:
+        """Whether a forced token still lacks its logprob (its end then waits for it)."""
+        return self.forced_scores is not None and None in self.forced_scores.values()
+
+    def forced_targets(self, start: int, end: int) -> list[int] | None:
+        """The output tokens that generated positions [start, end) predict, up to the last
+        forced one among them still lacking its logprob; None when none does."""
+        slots = self.forced_scores
+        if not slots:
+            return None
+        first = start - self.num_prompt_tokens + 1  # the output index ``start`` predicts
+        rows = range(first, first + end - start)
+        last = max((j for j in rows if slots.get(j, 0) is None), default=-1)
+        return self.output_token_ids[first : last + 1] if last >= 0 else None

@@ -406,8 +406,8 @@ class Step:
         return exits
 
     def _score_prompt(self, positions: torch.Tensor, state: torch.Tensor) -> None:
-        """prompt_logprobs: the logprobs of the prompt tokens the rows of the items in
-        ``scored`` predict (their ``prompt_targets``: at their request's ``max_loops``), and the
+        """prompt_logprobs: the logprobs of the tokens the rows of the items in ``scored``
+        predict (their ``prompt_targets``: at their request's ``max_loops``), and the
         top ones, from each row's state now (its coda's output, which models with coda
         attention have computed already: their prompts end at ``max_loops``)."""
         r, items, scored = self.r, self.items, self.scored
@@ -425,7 +425,7 @@ class Step:
                 r.model.coda, state.index_select(0, index), positions.index_select(0, index), None
             )
         targets = r.tensor([t for i in scored for t in items[i].prompt_targets])  # [M]
-        top = max(self.lives[i].setup.params.prompt_logprobs or 0 for i in scored)
+        top = max(items[i].targets_top for i in scored)
         chosen, ranks, values, ids = [], [], [], []
         # In slabs of rows: a long prompt chunk's [M, V] logits would take gigabytes.
         for at in range(0, len(rows), PROMPT_SLAB):
@@ -455,7 +455,7 @@ class Step:
         out, row = {}, 0
         for i in self.scored:
             n = len(self.items[i].prompt_targets)
-            k = self.lives[i].setup.params.prompt_logprobs or 0
+            k = self.items[i].targets_top
             out[i] = [
                 (chosen[j], list(zip(ids[j][:k], values[j][:k])) if k else [], ranks[j])
                 for j in range(row, row + n)

@@ -13,9 +13,24 @@ context leave room for), and decoding continues in the same request with no re-p
 
 So the output equals the oracle run on prompt + the K thinking tokens (at their recorded exit
 depths) + the forced ids, and a recompute after preemption replays the forced ids like any
-recorded token. Forced tokens are in the output's token ids, with no logprob, and never count as
-stop tokens. Refused with a clear error where a step can be planned before the previous one's
-result is applied (async scheduling: the already planned next position would have to be
+recorded token. Forced tokens are in the output's token ids and never count as stop tokens.
+
+Logprobs (``logprobs=k``): a forced token goes out with none, and a later update gives it
+(``RequestUpdate.forced_logprobs``, which ``OutputAssembler`` writes into the earlier entries):
+the model's raw logprob of the forced token given everything before it, with its top k and
+rank, exactly what ``prompt_logprobs`` would give scoring prompt + output at that position
+(the state after ``max_loops``). The replay item holding the position before each forced token
+(the first: the K-th sampled token's) gets it as a target (``Request.forced_targets``,
+``WorkItem.prompt_targets``) and the applier records it once (``Request.forced_scores``: a
+recompute after preemption finds it filled; a swap keeps no position whose score is missing);
+forced ids that fill ``max_tokens`` end the request only once scored. Raw in either
+``logprobs_mode``: the forced token was drawn from no processed distribution. Offline results
+(final and cumulative outputs, ``cumulative_logprob`` included) and HTTP non-streaming
+responses have them; what a stream (DELTA, SSE) already delivered keeps its empty entry (SSE
+chat leaves it out, completions give a null logprob).
+
+Refused with a clear error where a step can be planned before the previous one's result is
+applied (async scheduling: the already planned next position would have to be
 unwound) and with penalties (the runner's penalty history holds sampled tokens only). On an
 engine with token pipelining such a request decodes without it (``EngineCore._pipelined``; an
 explicit ``speculative=True`` is refused there).
@@ -73,6 +88,9 @@ def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
     room = request.max_outputs - len(out)
     forced = forced[: max(0, room)]
     depth = request.num_loops
+    if p.logprobs is not None:  # (scored later: the module doc)
+        slots = request.forced_scores = request.forced_scores or {}
+        slots.update(dict.fromkeys(range(len(out), len(out) + len(forced))))
     for token in forced:
         out.append(token)
         request.exit_depths.append(depth)

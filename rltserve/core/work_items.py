@@ -141,6 +141,13 @@ class ItemMaker:
         # the planes later tokens read); its logprobs are those after the request's most loops.
         if depth == request.max_loops and request.prompt_logprobs is not None:
             work.prompt_targets = request.prompt_targets(item.start, item.end)
+            work.targets_top = request.params.prompt_logprobs or 0
+        # Bounded thinking: a forced token's logprob is its position's at that loop too, from
+        # the replay item holding the position before it (``core/thinking.py``).
+        replayed = not item.has_output and item.start >= request.num_prompt_tokens
+        if depth == request.max_loops and request.forced_scores and replayed:
+            work.prompt_targets = request.forced_targets(item.start, item.end)
+            work.targets_top = request.params.logprobs or 0
         return work
 
     def carries_next(self, request: Request) -> bool:
