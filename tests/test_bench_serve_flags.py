@@ -137,13 +137,44 @@ def test_a_random_prefix_starts_every_prompt_before_its_input_len_tokens():
 
 
 def test_result_file_name_is_vllms():
-    report = {"request_rate": 4.0, "max_concurrency": 8, "model": "org/m-1b/",
-              "date": "20250101-120000"}  # fmt: skip
+    report = {"request_rate": 4.0, "max_concurrency": 8, "model": "served", "model_id": "org/m-1b/",
+              "ramp_up_strategy": None, "date": "20250101-120000"}  # fmt: skip
+    # (the model part: --model's, not the name sent)
     assert (
         result_filename(report, "openai") == "openai-4.0qps-concurrency8-m-1b-20250101-120000.json"
     )
-    report.update(request_rate="inf", max_concurrency=None, model=None)
+    report.update(request_rate="inf", max_concurrency=None, model_id=None)
     assert result_filename(report, "vllm") == "vllm-infqps-unknown-20250101-120000.json"
+    # A ramp-up's: its strategy and bounds (ints, as vLLM's flags take them; fractions kept)
+    report.update(ramp_up_strategy="linear", ramp_up_start_rps=1.0, ramp_up_end_rps=2.5,
+                  model_id="m", max_concurrency=4)  # fmt: skip
+    assert result_filename(report, "openai") == (
+        "openai-ramp-up-linear-1qps-2.5qps-concurrency4-m-20250101-120000.json"
+    )
+
+
+def test_append_result_alone_saves_and_appends_one_line_per_run(monkeypatch, tmp_path):
+    async def fake_run_bench(config):
+        ok = RequestResult(4, True, 2, ttft=0.1, e2el=0.3, itl=[0.2], usage=True)
+        return summarize(config, [ok], 1.0, served="served")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", fake_run_bench)
+    monkeypatch.chdir(tmp_path)
+    ramp = ("--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "1",
+            "--ramp-up-end-rps", "8")  # fmt: skip
+    flags = ("--quiet", "--model", "org/m-1b", "--served-model-name", "m", "--max-concurrency", "2")
+    assert cmd_bench_serve(_parse(*flags, *ramp, "--append-result")) == 0
+    [path] = tmp_path.iterdir()
+    name = r"openai-ramp-up-exponential-1qps-8qps-concurrency2-m-1b-\d{8}-\d{6}\.json"
+    assert re.fullmatch(name, path.name)
+    [line] = path.read_text().splitlines()
+    assert json.loads(line)["model_id"] == "org/m-1b"
+    path.unlink()
+    saved = ("--result-filename", "r.jsonl")
+    assert cmd_bench_serve(_parse(*flags, "--save-result", *saved)) == 0
+    assert cmd_bench_serve(_parse(*flags, "--append-result", "--label", "b", *saved)) == 0
+    reports = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in reports] == [None, "b"]
 
 
 def _parse(*flags: str) -> argparse.Namespace:

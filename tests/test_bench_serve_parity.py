@@ -6,7 +6,9 @@ stand-in of test_bench_serve_live)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 
 import pytest
 from aiohttp import web
@@ -17,8 +19,9 @@ from test_client_sse import serve
 from rltserve.bench import serve as serve_bench
 from rltserve.bench.serve import BenchConfig, RequestResult, format_report, run_bench, summarize
 from rltserve.bench.serve_datasets import random_prompts, token_pool
-from rltserve.bench.serve_flags import write_result
+from rltserve.bench.serve_flags import parse_headers, saving, write_result
 from rltserve.bench.serve_report import peaks
+from rltserve.bench.serve_text_datasets import TokenCounter, text_requests
 from rltserve.http.cli import cmd_bench_serve
 
 
@@ -34,14 +37,15 @@ def _sharegpt(path) -> str:
         conv(("human", _words(1, 2, 3, 4, 5)), ("gpt", _words(6, 7, 8, 9))),
         conv(("human", _words(1, 2, 3, 4))),  # one turn: skipped
         conv(("human", _words(1, 2)), ("gpt", _words(3, 4, 5, 6))),  # a 2-token prompt
-        conv(("system", "s"), ("human", _words(9, 9, 9, 9)), ("gpt", _words(5, 5, 5, 5, 5))),
+        # vLLM's: turns 0 and 1 whatever their roles (a reply, then a question, here)
+        conv(("gpt", _words(9, 9, 9, 9)), ("human", _words(5, 5, 5, 5, 5)), ("gpt", "w1")),
         conv(("human", _words(7, 7, 7, 7)), ("gpt", _words(1, 2))),  # a 2-token reply
     ]
     path.write_text(json.dumps(data))
     return str(path)
 
 
-async def test_sharegpt_sends_the_first_human_turns_with_their_replies_lengths(tmp_path):
+async def test_sharegpt_sends_the_first_two_turns_as_prompt_and_reply_lengths(tmp_path):
     bodies: list[dict] = []
     path = _sharegpt(tmp_path / "sg.json")
     async with serve(_vllm_like(True, bodies)) as url:
@@ -139,13 +143,45 @@ def test_vllm_flags_reach_the_config(monkeypatch):
 def test_ramp_up_rates_move_from_the_start_to_the_end_rate():
     def rates(strategy):
         config = BenchConfig(url="http://x", num_prompts=5, ramp_up_strategy=strategy,
-                             ramp_up_start_rps=1.0, ramp_up_end_rps=16.0)  # fmt: skip
-        return serve_bench.request_rates(config), serve_bench.arrival_gaps(config)
+                             ramp_up_start_rps=1.0, ramp_up_end_rps=16.0, seed=2)  # fmt: skip
+        return serve_bench.request_rates(config), serve_bench.arrival_offsets(config)
 
-    (linear, gaps), (exponential, _) = rates("linear"), rates("exponential")
+    (linear, offsets), (exponential, _) = rates("linear"), rates("exponential")
     assert linear == [1.0, 4.75, 8.5, 12.25, 16.0]
     assert exponential == [1.0, 2.0, 4.0, 8.0, 16.0]
-    assert len(gaps) == 5 and gaps[0] == 0.0 and all(g > 0 for g in gaps[1:])
+    # vLLM's: request i's delay drawn at request i's rate (the first's at the start rate, the
+    # last's at the end rate), summed from the start; a ramp-up's offsets are not rescaled.
+    rng = random.Random(3)  # (seed + 1: the arrivals' own stream)
+    delays = [rng.gammavariate(1.0, 1.0 / rate) for rate in linear]
+    assert offsets == list(itertools.accumulate(delays))
+
+
+async def test_sharegpt_shuffles_every_entry_of_two_turns_as_vllm_then_walks_it(tmp_path, capsys):
+    """vLLM's order: keep the entries of >= 2 turns, random.seed(seed) and shuffle them, walk
+    them for turn 0 and turn 1; oversample with random.seed(seed) and a choice per request."""
+
+    def conv(*turns):
+        return {"conversations": [{"from": who, "value": _words(*ids)} for who, ids in turns]}
+
+    data = [conv(("human", [i] * 4), ("gpt", [0] * 4)) for i in range(6)]
+    data[2] = conv(("gpt", [2] * 4), ("gpt", [0] * 4))  # no human turn: kept all the same
+    data.insert(4, conv(("human", [8] * 4)))  # one turn: left out before the shuffle
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+
+    class Words:  # (the stand-in's /tokenize)
+        async def tokenize(self, text):
+            return [int(word[1:]) for word in text.split()]
+
+    config = BenchConfig(url="http://x", num_prompts=8, dataset="sharegpt",
+                         dataset_path=str(path), seed=7)  # fmt: skip
+    requests = await text_requests(config, TokenCounter(Words()))
+    order = list(range(6))
+    random.Random(7).shuffle(order)  # (vLLM's random.seed(7); random.shuffle(data))
+    assert [r.prompt for r in requests[:6]] == [[i] * 4 for i in order]
+    again = random.Random(7)
+    assert requests[6:] == [again.choice(requests[:6]) for _ in range(2)]
+    assert "6 usable prompts for --num-prompts 8" in capsys.readouterr().err
 
 
 def test_peaks_are_vllms_one_second_buckets():
@@ -154,8 +190,9 @@ def test_peaks_are_vllms_one_second_buckets():
         RequestResult(4, True, 2, ttft=0.1, e2el=1.1, itl=[0.9], start=1.5),
         RequestResult(4, False, start=0.2, e2el=9.0),  # (a failure is not counted)
     ]
-    assert peaks(results) == (3.0, 2.0)  # 1.0, 1.2 and 1.6 s; both requests in second 1
-    assert peaks([]) == (0.0, 0.0)
+    assert peaks(results) == (3.0, 2)  # 1.0, 1.2 and 1.6 s; both requests in second 1
+    assert isinstance(peaks(results)[1], int)  # (a count, an int in vLLM's report too)
+    assert peaks([]) == (0.0, 0) and isinstance(peaks([])[1], int)
 
 
 def test_the_report_has_vllms_keys_and_single_turn_lines():
@@ -174,7 +211,8 @@ def test_the_report_has_vllms_keys_and_single_turn_lines():
         "requests_without_usage",
     )
     assert [report[k] for k in keys] == ["openai", "openai", "mine", "m", "org/m", "org/m",
-                                         2.0, 1.0, 0]  # fmt: skip
+                                         2.0, 1, 0]  # fmt: skip
+    assert json.dumps(report["max_concurrent_requests"]) == "1"
     lines = format_report(report).splitlines()
     assert f"{'Peak output token throughput (tok/s):':<45}{'2.00':>15}" in lines
     assert f"{'Peak concurrent requests:':<45}{'1.00':>15}" in lines
@@ -193,16 +231,26 @@ def test_random_prompts_leave_out_the_special_ids():
     assert token_pool(6) == range(6)
 
 
-def test_append_result_adds_a_line_after_what_the_file_holds(tmp_path):
+def test_a_saved_report_is_one_line_that_appends_add_to(tmp_path):
     path = tmp_path / "r.jsonl"
-    write_result(path, {"a": 1}, '{\n  "a": 1\n}', append=False)
-    assert path.read_text() == '{\n  "a": 1\n}\n'
-    path.write_text('{"a": 1}')  # (no newline at its end)
-    write_result(path, {"b": 2}, "unused", append=True)
-    write_result(path, {"c": 3}, "unused", append=True)
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"a": 1}, {"b": 2}, {"c": 3}
-    ]  # fmt: skip
+    write_result(path, {"a": 1, "b": [1, 2]}, append=False)  # (vLLM's json.dump: compact)
+    assert path.read_text() == '{"a": 1, "b": [1, 2]}\n'
+    write_result(path, {"c": 3}, append=True)
+    assert path.read_text() == '{"a": 1, "b": [1, 2]}\n{"c": 3}\n'
+    path.write_text('{"a": 1}')  # (no newline at its end: vLLM's own file)
+    write_result(path, {"b": 2}, append=True)
+    write_result(path, {"c": 3}, append=True)
+    assert path.read_text() == '{"a": 1}\n{"b": 2}\n{"c": 3}\n'
+    fresh = tmp_path / "new.jsonl"  # (vLLM's "a+": made if missing)
+    write_result(fresh, {"d": 4}, append=True)
+    assert fresh.read_text() == '{"d": 4}\n'
+
+
+def test_append_result_alone_saves_and_headers_take_several_per_flag():
+    assert saving(_parse("--append-result")) and not saving(_parse())
+    args = _parse("--header", "X-A=1", "X-B = 2", "--header", "X-C=3", "--json")
+    assert args.json and parse_headers(args.header) == (("X-A", "1"), ("X-B", "2"), ("X-C", "3"))
+    assert _parse("--header").header == []  # (vLLM's nargs="*": no header)
 
 
 def test_a_result_dir_that_cannot_be_made_is_a_usage_error(monkeypatch, tmp_path):

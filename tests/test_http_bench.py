@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
+import random
 import re
 import statistics
 
@@ -17,7 +19,7 @@ from rltserve.bench.serve import (
     BenchConfig,
     RequestResult,
     _one,
-    arrival_gaps,
+    arrival_offsets,
     format_report,
     random_prompts,
     run_bench,
@@ -86,10 +88,11 @@ def test_summary_counts_the_turns_a_failed_conversation_did_not_send():
 
 def test_arrivals_and_prompts_are_seeded():
     config = BenchConfig(url="http://x", num_prompts=2000, request_rate=50.0, seed=3, input_len=8)
-    gaps = arrival_gaps(config)
-    assert gaps == arrival_gaps(config) and gaps[0] == 0.0
-    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.1)  # Poisson at 50 req/s
-    assert arrival_gaps(BenchConfig(url="http://x", num_prompts=3)) == [0.0, 0.0, 0.0]
+    offsets = arrival_offsets(config)
+    assert offsets == arrival_offsets(config)
+    other = BenchConfig(url="http://x", num_prompts=2000, request_rate=50.0, seed=4)
+    assert offsets != arrival_offsets(other)
+    assert arrival_offsets(BenchConfig(url="http://x", num_prompts=3)) == [0.0, 0.0, 0.0]
     prompts = random_prompts(config, 512)
     assert prompts == random_prompts(config, 512)
     assert all(len(p) == 8 and all(0 <= t < 512 for t in p) for p in prompts)
@@ -143,11 +146,24 @@ def test_config_accepts_the_smallest_values():
     assert config.max_concurrency == 1
 
 
+def test_a_fixed_rate_sends_at_vllms_rescaled_offsets():
+    """Recent vLLM's get_request: every request's delay (the first's too) drawn at the rate,
+    summed into offsets from the start, rescaled so the last is num_prompts / rate."""
+    config = BenchConfig(url="http://x", num_prompts=4, request_rate=2.0, burstiness=0.5, seed=3)
+    rng = random.Random(4)  # (seed + 1: the arrivals' own stream)
+    draws = [rng.gammavariate(0.5, 1.0) for _ in range(4)]  # scale 1 / (rate * burstiness)
+    sums = list(itertools.accumulate(draws))
+    offsets = arrival_offsets(config)
+    assert offsets == [total * (4 / 2.0 / sums[-1]) for total in sums]
+    assert offsets[-1] == pytest.approx(2.0) and offsets[0] > 0
+
+
 def test_burstiness_shapes_the_gaps_at_the_same_rate():
     config = BenchConfig(url="http://x", num_prompts=4000, request_rate=50.0, burstiness=4.0)
-    gaps = arrival_gaps(config)[1:]
+    offsets = arrival_offsets(config)
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *offsets])]
     mean = statistics.fmean(gaps)
-    assert mean == pytest.approx(1 / 50, rel=0.05)
+    assert mean == pytest.approx(1 / 50)  # (rescaled: the last is sent at 4000 / 50 s)
     # Gamma gaps of shape 4: a coefficient of variation of 1/2 (Poisson's is 1).
     assert statistics.pstdev(gaps) / mean == pytest.approx(0.5, rel=0.1)
 
@@ -393,22 +409,47 @@ async def test_run_bench_keeps_at_most_max_concurrency_requests_in_flight(monkey
     assert sorted(server.prompts) == sorted(random_prompts(config, 50))
 
 
-async def test_run_bench_sends_at_the_seeded_arrival_gaps(monkeypatch):
-    server = _FakeServer(tokens=2)
-    monkeypatch.setattr(serve_bench, "AsyncClient", server)
-    real_sleep, slept = asyncio.sleep, []
+async def test_run_bench_sends_each_request_at_its_offset_from_the_start(monkeypatch):
+    """Each wait counts from the start, so a late wake-up delays one request, not the rest."""
+    server, clock = _FakeServer(tokens=2), _Clock()
+    sent: list[float] = []
+    stream = server.stream
+
+    def timed_stream(prompt, **body):
+        sent.append(clock.now)
+        return stream(prompt, **body)
+
+    server.stream = timed_stream
+    real_sleep = asyncio.sleep
 
     async def sleep(seconds, *args):
-        slept.append(seconds)
-        await real_sleep(0)
+        await real_sleep(0)  # (the requests sent so far start, at the clock's time)
+        if seconds > 0:
+            clock.now += seconds + 0.01  # every wait wakes 10 ms late
 
+    monkeypatch.setattr(serve_bench, "AsyncClient", server)
+    monkeypatch.setattr(serve_bench, "time", clock)
     monkeypatch.setattr(asyncio, "sleep", sleep)
     config = BenchConfig(
         url="http://x", num_prompts=5, input_len=3, output_len=2, request_rate=20.0
     )
     report = await run_bench(config)
     assert report["completed"] == 5
-    assert [s for s in slept if s > 0] == [g for g in arrival_gaps(config) if g > 0]
+    assert sent == pytest.approx([offset + 0.01 for offset in arrival_offsets(config)])
+
+
+async def test_send_at_waits_for_the_rest_of_the_offset_or_not_at_all(monkeypatch):
+    clock, slept = _Clock(), []
+
+    async def sleep(seconds, *args):
+        slept.append(seconds)
+
+    monkeypatch.setattr(serve_bench, "time", clock)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    clock.now = 5.0
+    await serve_bench.send_at(2.0, 4.0)  # due at 6.0
+    await serve_bench.send_at(2.0, 2.5)  # past due
+    assert slept == [1.0]
 
 
 async def test_a_conversation_ends_at_its_first_failed_turn(monkeypatch):

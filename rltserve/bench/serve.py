@@ -7,10 +7,12 @@ ids of ``tokenizer``, where given: the server tells none) and ``max_tokens=outpu
 ``ignore_eos`` (vLLM's --ignore-eos) each produces exactly that many tokens, else it may stop at
 its end token. ``dataset`` sharegpt or custom sends a file's text prompts instead
 (``serve_text_datasets``). Every body adds the sampling fields given, then ``extra_body``.
-Requests are sent all at once (rate inf) or with gamma-distributed gaps (``burstiness`` 1 =
-Poisson; vLLM's ramp-up: the rate of each gap moves from the start to the end rate over the
-requests), optionally capped at ``max_concurrency`` in flight, after ``num_warmups`` unmeasured
-requests of the first prompt (vLLM's).
+Requests are sent all at once (rate inf) or at gamma-distributed arrival times (``burstiness``
+1 = Poisson; recent vLLM's schedule, ``arrival_offsets``: each request's delay drawn at its own
+rate, which a ramp-up moves from the start to the end rate over the requests; a fixed rate's
+times rescaled to end at ``num_prompts / request_rate``), optionally capped at
+``max_concurrency`` in flight, after ``num_warmups`` unmeasured requests of the first prompt
+(vLLM's).
 
 Multi-turn chat (``num_turns > 1``): each of the ``num_prompts`` conversations sends its turns one
 after another; turn t's prompt is turn t-1's prompt + its answer (token ids; from a server that
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import sys
@@ -75,7 +78,7 @@ class MissingRouteError(RuntimeError):
 
 
 def request_rates(config: BenchConfig) -> list[float]:
-    """The rate of each request's gap after it: ``request_rate``, or vLLM's ramp-up from the
+    """The rate each request's delay is drawn at: ``request_rate``, or vLLM's ramp-up from the
     start rate (first request) to the end rate (last), linear or geometric in the index."""
     n = config.num_prompts
     if config.ramp_up_strategy is None:
@@ -87,15 +90,32 @@ def request_rates(config: BenchConfig) -> list[float]:
     return [start * (end / start) ** p for p in progress]
 
 
-def arrival_gaps(config: BenchConfig) -> list[float]:
-    """Seconds to wait before sending each request (gamma gaps; all zero at rate inf)."""
+def arrival_offsets(config: BenchConfig) -> list[float]:
+    """Seconds after the benchmark's start at which each request is sent, as recent vLLM's
+    ``get_request``: request i's delay is a gamma draw at its own rate (the first request's
+    too), the offsets their running sums; at a fixed rate they are rescaled so that the last
+    is ``num_prompts / request_rate`` (a ramp-up's are not). All zero at rate inf."""
     rates = request_rates(config)
-    if math.isinf(rates[0]):
+    if math.isinf(rates[0]):  # (a ramp-up's rates are finite)
         return [0.0] * config.num_prompts
     rng = random.Random(config.seed + 1)
-    return [0.0] + [
-        rng.gammavariate(config.burstiness, 1.0 / (rate * config.burstiness)) for rate in rates[:-1]
-    ]
+    shape = config.burstiness
+    delays = [rng.gammavariate(shape, 1.0 / (rate * shape)) for rate in rates]
+    offsets = list(itertools.accumulate(delays))
+    if config.ramp_up_strategy is None and offsets[-1] > 0:
+        # (vLLM's: the draws' sum strays from N / rate by ~1/sqrt(N * burstiness); rescaled,
+        # runs of different seeds offer the same load)
+        scale = config.num_prompts / config.request_rate / offsets[-1]
+        offsets = [offset * scale for offset in offsets]
+    return offsets
+
+
+async def send_at(origin: float, offset: float) -> None:
+    """Waits until ``origin + offset`` (perf_counter seconds): each request's wait is counted
+    from the start, not from the previous send, so time lost sending does not add up."""
+    wait = origin + offset - time.perf_counter()
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 def request_body(config: BenchConfig, max_tokens: int | None = None) -> dict:
@@ -253,7 +273,7 @@ async def run_bench(config: BenchConfig) -> dict:
             texts = prompts if chat else []
             lengths = [(r.prompt_len, r.output_len) for r in requests]
             counted = [r.prompt_len for r in requests]
-        gaps = arrival_gaps(config)
+        offsets = arrival_offsets(config)
         limit = asyncio.Semaphore(config.max_concurrency or config.num_prompts)
         total = config.num_prompts * config.num_turns
         past_context = 0  # turns not sent: the context would not hold them
@@ -320,9 +340,8 @@ async def run_bench(config: BenchConfig) -> dict:
         start = origin = time.perf_counter()
         tasks = []
         with progress:
-            for index, (prompt, gap) in enumerate(zip(prompts, gaps)):
-                if gap > 0:
-                    await asyncio.sleep(gap)
+            for index, (prompt, offset) in enumerate(zip(prompts, offsets)):
+                await send_at(start, offset)
                 tasks.append(asyncio.create_task(conversation(index, prompt)))
             results = [r for turns in await asyncio.gather(*tasks) for r in turns]
         duration = time.perf_counter() - start

@@ -195,10 +195,11 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     )
     parser.add_argument(
         "--header",
-        action="append",
+        nargs="*",
+        action="extend",  # (vLLM's nargs="*", and a repeated --header adds to the first)
         metavar="KEY=VALUE",
         default=None,
-        help="vLLM's: an HTTP header sent with every request (repeatable)",
+        help="vLLM's: HTTP headers sent with every request, e.g. --header X-A=1 X-B=2",
     )
     parser.add_argument(
         "--num-warmups",
@@ -253,7 +254,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         help="percentiles reported, e.g. 50,90,99.9 (p50_ttft_ms, ...; default: 99)",
     )
     parser.add_argument(
-        "--save-result", action="store_true", help="write the JSON report to a file"
+        "--save-result", action="store_true", help="write the JSON report to a file (one line)"
     )
     parser.add_argument(
         "--save-detailed",
@@ -264,7 +265,9 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument(
         "--result-filename",
         default=None,
-        help="the file's name (default vLLM's: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json)",
+        help="the file's name (default vLLM's: LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json, "
+        "a ramp-up's LABEL-ramp-up-STRATEGY-STARTqps-ENDqps[-concurrencyN]-MODEL-DATE.json; "
+        "MODEL: --model's last part)",
     )
     parser.add_argument(
         "--label", default=None, help="the file name's prefix (default: the backend's name)"
@@ -272,7 +275,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     parser.add_argument(
         "--append-result",
         action="store_true",
-        help="vLLM's: add the report as one more line of an existing result file",
+        help="vLLM's: save the report as one more line of the result file (made if missing)",
     )
     parser.add_argument(
         "--metadata",
@@ -366,6 +369,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     print(text if args.json else format_report(report), flush=True)
     if serve_flags.saving(args):  # (after the print: a file not written must not lose it)
         path = serve_flags.result_path(args, report)
-        serve_flags.write_result(path, report, text, args.append_result)
+        serve_flags.write_result(path, report, args.append_result)
         print(f"saved the report to {path}", file=sys.stderr)
     return 0 if report["completed"] > 0 else 1

@@ -12,7 +12,8 @@ ENDPOINTS = ("completions", "chat")
 # vLLM's ``--backend`` names of the endpoints streamed here (its ``vllm`` backend streams
 # /v1/completions too).
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
-ENDPOINT_BACKENDS = {"completions": "openai", "chat": "openai-chat"}  # (a report's default)
+# The report's backend without --backend, and so the result file's label without --label.
+ENDPOINT_BACKENDS = {"completions": "openai", "chat": "openai-chat"}
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # (vLLM's: ITL is per gap, not per request)
 DATASETS = ("random", "sharegpt", "custom")  # vLLM's --dataset-name values taken here
@@ -60,7 +61,9 @@ class BenchConfig:
     sharegpt_output_len: int | None = None  # None: each reply's own token count
     custom_output_len: int = 256
     skip_chat_template: bool = False
-    num_warmups: int = 0  # requests sent one at a time before the run, not measured
+    # vLLM's --num-warmups: requests of the first prompt before the run, not measured; sent at
+    # once, at most max_concurrency of them in flight (as the run's)
+    num_warmups: int = 0
     # vLLM's --ramp-up-strategy: the rate goes from ramp_up_start_rps to ramp_up_end_rps over
     # the run (linearly or geometrically, by request index), in place of request_rate
     ramp_up_strategy: str | None = None

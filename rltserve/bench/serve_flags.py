@@ -2,11 +2,13 @@
 strings parsed into ``BenchConfig`` fields (a ValueError naming the flag, exit 2), the URL of
 ``--host``/``--port``, the endpoint of ``--backend``, and where ``--save-result`` writes.
 
-The result file holds the ``--json`` report (with ``--metadata``'s keys). Its name is vLLM's,
-``{label}-{request_rate}qps[-concurrency{N}]-{model's last part}-{date}.json`` (``label``:
-``--label``, else the backend: ``openai`` for completions, ``openai-chat`` for chat), or
-``--result-filename``, under ``--result-dir`` (made if missing) or the working directory.
-Naming either of those saves the report without ``--save-result`` too.
+The result file holds the ``--json`` report (with ``--metadata``'s keys) as one line of
+compact JSON, as vLLM's ``json.dump``; ``--append-result`` adds it as one more line, so a file
+saved then appended to has one report per line. Its name is vLLM's (``serve_report``'s
+``result_filename``; ``label``: ``--label``, else the report's backend: ``openai`` for
+completions, ``openai-chat`` for chat), or ``--result-filename``, under ``--result-dir`` (made if
+missing) or the working directory. ``--save-result`` or ``--append-result`` saves the report (as
+vLLM's), and so does naming ``--result-dir`` or ``--result-filename`` here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pathlib import Path
 from rltserve.bench.serve_config import BACKENDS, DATASETS, GOODPUT_METRICS, PERCENTILE_METRICS
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # (where `rltserve serve` listens by default)
-_LABELS = {"completions": "openai", "chat": "openai-chat"}
 
 
 def config_kwargs(args: argparse.Namespace) -> dict:
@@ -111,7 +112,8 @@ def parse_extra_body(text: str | None) -> dict:
 
 
 def parse_headers(items: list[str]) -> tuple[tuple[str, str], ...]:
-    """``--header X-A=1 --header X-B=2`` -> (("X-A", "1"), ("X-B", "2"))."""
+    """``--header X-A=1 X-B=2`` (vLLM's; or ``--header X-A=1 --header X-B=2``) ->
+    (("X-A", "1"), ("X-B", "2"))."""
     headers = []
     for item in items:
         key, equals, value = item.partition("=")
@@ -238,7 +240,7 @@ def parse_metadata(items: list[str], report_keys: set[str]) -> dict[str, str]:
 
 
 def saving(args: argparse.Namespace) -> bool:
-    return bool(args.save_result or args.result_dir or args.result_filename)
+    return bool(args.save_result or args.append_result or args.result_dir or args.result_filename)
 
 
 def prepare_result_dir(args: argparse.Namespace) -> None:
@@ -268,16 +270,16 @@ def prepare_result_dir(args: argparse.Namespace) -> None:
 def result_path(args: argparse.Namespace, report: dict) -> Path:
     from rltserve.bench.serve_report import result_filename
 
-    label = args.label or args.backend or _LABELS[report["endpoint"]]
+    label = args.label or report["backend"]  # (--backend, else the endpoint's)
     name = args.result_filename or result_filename(report, label)
     return Path(args.result_dir or ".") / name
 
 
-def write_result(path: Path, report: dict, text: str, append: bool) -> None:
-    """The report's ``text`` (the indented ``--json``), or (vLLM's ``--append-result``) one
-    more line of compact JSON after what the file holds."""
+def write_result(path: Path, report: dict, append: bool) -> None:
+    """The report as one line of compact JSON (vLLM's ``json.dump``): the file's only line, or
+    (vLLM's ``--append-result``) one more line after what the file holds."""
     if not append:
-        path.write_text(text + "\n")
+        path.write_text(json.dumps(report) + "\n", encoding="utf-8")
         return
     with path.open("a+", encoding="utf-8") as out:
         out.seek(0)

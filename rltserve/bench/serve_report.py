@@ -79,12 +79,12 @@ def good_requests(config: BenchConfig, ok: list[RequestResult]) -> int:
     return sum(all(bound >= getattr(r, name) for name, bound in bounds_s) for r in ok)
 
 
-def peaks(results: list[RequestResult]) -> tuple[float, float]:
+def peaks(results: list[RequestResult]) -> tuple[float, int]:
     """(max_output_tokens_per_s, max_concurrent_requests) of the successful ``results``, as
     vLLM computes them."""
     ok = [r for r in results if r.success]
     if not ok:
-        return 0.0, 0.0
+        return 0.0, 0
     first = min(r.start for r in ok)
     seconds = int(math.ceil(max(r.start + r.e2el for r in ok) - first)) + 1
     tokens, concurrent = np.zeros(seconds), np.zeros(seconds)
@@ -93,7 +93,7 @@ def peaks(results: list[RequestResult]) -> tuple[float, float]:
         times = r.start + r.ttft + np.cumsum([0.0, *r.itl])
         for t in times:
             tokens[int(t - first)] += 1
-    return float(tokens.max()), float(concurrent.max())
+    return float(tokens.max()), int(concurrent.max())  # (vLLM's types: a count is an int)
 
 
 def summarize(
@@ -239,10 +239,22 @@ def format_report(report: dict) -> str:
 
 
 def result_filename(report: dict, label: str) -> str:
-    """vLLM's name of the result file:
-    ``{label}-{request_rate}qps[-concurrency{max_concurrency}]-{model's last part}-{date}.json``."""
-    rate = report["request_rate"]
+    """vLLM's name of the result file: ``{label}-{rate}[-concurrency{max_concurrency}]-{model}-
+    {date}.json``; ``rate``: ``{request_rate}qps``, or a ramp-up's
+    ``ramp-up-{strategy}-{start}qps-{end}qps``; ``model``: the last part of ``model_id`` (vLLM's
+    ``--model``, not the name sent)."""
     concurrency = report["max_concurrency"]
-    model = (report["model"] or "unknown").rstrip("/").split("/")[-1]
+    model = (report["model_id"] or "unknown").rstrip("/").split("/")[-1]
     bound = f"-concurrency{concurrency}" if concurrency is not None else ""
-    return f"{label}-{rate}qps{bound}-{model}-{report['date']}.json"
+    if report.get("ramp_up_strategy") is not None:
+        start, end = _rps(report["ramp_up_start_rps"]), _rps(report["ramp_up_end_rps"])
+        rate = f"ramp-up-{report['ramp_up_strategy']}-{start}qps-{end}qps"
+    else:
+        rate = f"{report['request_rate']}qps"
+    return f"{label}-{rate}{bound}-{model}-{report['date']}.json"
+
+
+def _rps(rate: float) -> float | int:
+    """A ramp-up bound as vLLM's name writes it: its flags take ints (1, not 1.0); the rates
+    here may be fractions, which keep their digits."""
+    return int(rate) if rate == int(rate) else rate

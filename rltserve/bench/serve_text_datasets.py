@@ -1,20 +1,22 @@
 """The text datasets ``rltserve bench serve`` reads (vLLM's ``--dataset-name sharegpt|custom``
 with ``--dataset-path``): each request's prompt, its prompt tokens and its output tokens.
 
-``sharegpt``: a JSON list of ``{"conversations": [{"from": "human"|"gpt", "value": ...}, ...]}``;
-a conversation gives its first human turn as the prompt and the first gpt reply after it, whose
-token count is the output length (``sharegpt_output_len`` replaces it). As vLLM's, the
-conversations are shuffled by ``seed`` and taken in that order, skipping those of fewer than 2
-turns and those whose lengths vLLM skips: a prompt or (counted) reply under 4 tokens, a prompt
-over 1024, or prompt and output over 2048.
+``sharegpt``: a JSON list of ``{"conversations": [{"from": "human"|"gpt", "value": ...}, ...]}``.
+As vLLM's, in its order: the entries of at least 2 turns are kept (the others before the
+shuffle, so they do not change it), shuffled by ``seed`` (vLLM's ``random.seed(seed)``, then
+``random.shuffle``), then taken in that order, each giving its turn 0 as the prompt and turn 1
+as the reply, whatever their roles (vLLM's), the reply's token count the output length
+(``sharegpt_output_len`` replaces it); a pair whose lengths vLLM skips is passed over: a prompt
+or (counted) reply under 4 tokens, a prompt over 1024, or prompt and output over 2048.
 
 ``custom``: JSONL, a ``"prompt"`` per line, every output ``custom_output_len`` tokens (vLLM's
 default 256); shuffled by ``seed`` as vLLM's. Sent to ``/v1/completions`` a prompt goes in the
 model's chat template (as one user message, with the generation prompt) unless
 ``skip_chat_template``.
 
-Fewer usable prompts than ``num_prompts``: the list is filled with seeded repeats of them (vLLM
-oversamples so too), and stderr says so.
+Fewer usable prompts than ``num_prompts``: the list is filled with repeats of them, drawn as
+vLLM oversamples (``random.seed(seed)``, then a ``random.choice`` per missing request), and
+stderr says so.
 
 Tokens are counted by the server's ``/tokenize`` (rltserve's and vLLM's; the counts are then the
 server's own), or by the local tokenizer of ``--tokenizer``. A completions prompt is sent as
@@ -75,7 +77,7 @@ class TokenCounter:
 
 
 def read_sharegpt(path: str) -> list[tuple[str, str]]:
-    """(first human turn, first gpt reply after it) of each conversation that has both."""
+    """(turn 0, turn 1) of each conversation of at least 2 turns, in the file's order."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -87,13 +89,10 @@ def read_sharegpt(path: str) -> list[tuple[str, str]]:
         turns = entry.get("conversations") if isinstance(entry, dict) else None
         if not isinstance(turns, list) or len(turns) < 2:
             continue
-        roles = [t.get("from") if isinstance(t, dict) else None for t in turns]
-        if "human" not in roles:
-            continue
-        first = roles.index("human")
-        reply = next((i for i in range(first + 1, len(turns)) if roles[i] == "gpt"), None)
-        if reply is not None:
-            pairs.append((str(turns[first].get("value", "")), str(turns[reply].get("value", ""))))
+        # Kept whatever the turns hold (a turn without text gives "", too short to be sent):
+        # dropping an entry here would change the shuffle of all the others.
+        texts = [str(t.get("value", "")) if isinstance(t, dict) else "" for t in turns[:2]]
+        pairs.append((texts[0], texts[1]))
     return pairs
 
 
@@ -147,7 +146,7 @@ async def text_requests(config: BenchConfig, counter: TokenCounter) -> list[Text
     if not requests:
         raise ValueError(
             f"--dataset-path {config.dataset_path}: no usable prompt in it (sharegpt: a "
-            f"conversation with a human turn and a gpt reply, within vLLM's lengths)"
+            f"conversation of 2 or more turns whose first two are within vLLM's lengths)"
         )
     if len(requests) < config.num_prompts:
         print(
@@ -155,5 +154,6 @@ async def text_requests(config: BenchConfig, counter: TokenCounter) -> list[Text
             f"--num-prompts {config.num_prompts}; the rest repeat them (as vLLM oversamples)",
             file=sys.stderr,
         )
-        requests += rng.choices(requests, k=config.num_prompts - len(requests))
+        again = random.Random(config.seed)  # (vLLM's: reseeded, then a choice per request)
+        requests += [again.choice(requests) for _ in range(config.num_prompts - len(requests))]
     return requests
