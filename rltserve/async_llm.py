@@ -14,40 +14,74 @@ import asyncio
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Iterable
+import weakref
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from rltserve.async_controls import (
+    SHUT_DOWN,
+    AsyncTrainerControls,
+    PauseGate,
+    check_vllm_keywords,
+)
 from rltserve.caller_values import plain_number
 from rltserve.core.stage import StageError
 from rltserve.llm import LLM
 from rltserve.output_stream import OutputStream
 from rltserve.outputs import RequestOutput
-from rltserve.prompt_inputs import PromptInput, prompt_text
+from rltserve.prompt_inputs import PromptInput
+from rltserve.prompt_inputs import prompt_text as text_of
 from rltserve.samples import expand_samples
 from rltserve.sampling import SamplingParams
 
-_SHUT_DOWN = "this AsyncLLM is shut down (shutdown() was called)"
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call from its first iteration: its stream, and its generator held weakly
+    (dead once nobody can iterate it any more: a ``break`` out of ``async for`` drops it)."""
+
+    generator: weakref.ref[AsyncGenerator[RequestOutput, None]] | None = None
+    stream: OutputStream | None = None
+    submitted: bool = False  # its samples are in the stage
+    aborted: bool = False  # abort() reached it (before its submission too)
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncTrainerControls):
     """Asynchronous generation over the same stage as ``LLM``: it takes ``LLM``'s arguments
     (``AsyncLLM(model, **kwargs)``), checks prompts and params as ``LLM.generate`` does and
-    gives the same outputs (token ids, exit depths, text, logprobs) for the same requests.
+    gives the same outputs (token ids, exit depths, text; logprobs but for the last float32
+    digits, which depend on the batch a request ran in) for the same requests.
 
-    Construction is synchronous, as vLLM's ``AsyncLLM.from_engine_args``, and waits for the
-    stage to load the model, as ``LLM()`` does: called in a running event loop (a notebook cell)
-    it holds that loop for the start-up (seconds for a small checkpoint; longer for large ones).
-    Everything after that leaves the loop free: the stage runs in its worker process (or on a
-    thread with ``in_process=True``) and its updates reach each ``generate`` through the loop.
-    Stop it with ``shutdown()`` (or ``async with``); requests still streaming then end as
-    aborted."""
+    Construction is synchronous, as vLLM's ``AsyncLLM.from_engine_args`` (``from_engine_args``
+    here takes a mapping of ``LLM``'s keyword arguments), and waits for the stage to load the
+    model, as ``LLM()`` does: called in a running event loop (a notebook cell) it holds that loop
+    for the start-up (seconds for a small checkpoint; longer for large ones). Everything after
+    that leaves the loop free: the stage runs in its worker process (or on a thread with
+    ``in_process=True``), its updates reach each ``generate`` through the loop, and the trainer
+    controls (``update_weights``, ``sleep``, ``wake_up``, ``reset_prefix_cache``, ...:
+    ``AsyncTrainerControls``) run ``LLM``'s on a thread. Stop it with ``shutdown()`` (or
+    ``async with``); requests still streaming then end as aborted."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """``model`` and ``kwargs``: ``LLM``'s, checked as it checks them."""
         self._llm = LLM(model, **kwargs)
-        self._streams: dict[str, OutputStream] = {}  # request id -> its stream, while it runs
+        self._streams: dict[str, _Call] = {}  # request id -> its call, while it runs
         self._ids = itertools.count()  # the stage ids of samples (request ids are the caller's)
         self._closed = False
+        self._gate = PauseGate(self._llm)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Mapping[str, Any]) -> AsyncLLM:
+        """vLLM's constructor from ``AsyncEngineArgs``, whose fields are ``LLM``'s keyword
+        arguments: here a mapping of them (``{"model": path, "max_model_len": 4096}``),
+        checked as ``LLM`` checks them."""
+        if not isinstance(engine_args, Mapping):
+            raise ValueError(
+                f"engine_args={engine_args!r:.80}: must be a mapping of LLM's keyword "
+                "arguments (vLLM's AsyncEngineArgs is not read)"
+            )
+        return cls(**dict(engine_args))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -63,6 +97,7 @@ class AsyncLLM:
         Idempotent."""
         self._closed = True
         self._llm.close(timeout)
+        self._gate.wake()  # calls held by a pause end too (they raise, as later calls do)
 
     def close(self, timeout: float = 10.0) -> None:
         """``shutdown()`` (``LLM``'s name for it)."""
@@ -85,7 +120,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """vLLM's: raises (RuntimeError, the stage's failure) unless the engine is running."""
         if self._closed:
-            raise RuntimeError(_SHUT_DOWN)
+            raise RuntimeError(SHUT_DOWN)
         if not self._llm._client.alive:
             raise StageError(f"stage is not running: {self._llm._client.error}")
 
@@ -111,15 +146,19 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptInput,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
-        priority: int = 0,
+        prompt_text: str | None = None,
         lora_request: None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        tokenization_kwargs: Mapping[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Generates for one prompt (text, ``{"prompt": text}``, ``{"prompt_token_ids": ids}``
         or a list of ids) and yields its ``RequestOutput`` as the engine makes tokens;
         the last has ``finished`` True. ``sampling_params.output_kind`` (vLLM's) decides what
@@ -130,18 +169,58 @@ class AsyncLLM:
         ``LLM.generate``'s output (vLLM V1's CUMULATIVE yields the changed sample only).
         A consumer slower than the engine gets the updates in between merged into one yield.
 
-        ``request_id``: the caller's (default: a fresh one); a second ``generate`` with the id
-        of one still running is a ValueError, as is ``lora_request``, a bad prompt or bad
-        params, raised on the first iteration before anything is submitted. ``priority``
-        replaces the params' unless 0. Leaving the iteration early (``break``, an exception,
-        cancelling its task) aborts the request in the engine, at once inside
-        ``contextlib.aclosing(...)``, else when asyncio finalizes the dropped generator;
-        ``abort(request_id)`` ends it with a final "abort" output. A request the engine
-        refuses raises ValueError, one that fails RuntimeError, as ``LLM.generate``'s."""
+        ``request_id``: the caller's (default: a fresh one). A second ``generate`` with the id
+        of one still running is a ValueError while anything still holds the first's generator
+        (a task iterating it); one whose generator was dropped (a ``break`` out of
+        ``async for``) is aborted then, so the id is free at once, as in vLLM. A bad prompt or
+        params is a ValueError too, raised on the first iteration before anything is
+        submitted. ``priority`` replaces the params' unless 0. vLLM's other keywords are
+        accepted when they ask for nothing rltserve lacks: ``prompt_text`` is the outputs'
+        ``prompt`` for a token-id prompt (a text prompt's own text wins, as in vLLM);
+        ``lora_request`` must be None, ``tokenization_kwargs`` and ``trace_headers`` None or
+        empty, ``data_parallel_rank`` None or 0 (one engine), else a ValueError.
+
+        While generation is paused (``pause_generation``) the call waits, off the loop, for
+        ``resume_generation``, as ``LLM.generate`` does. Leaving the iteration early
+        (``break``, an exception, cancelling its task) aborts the request in the engine, at
+        once inside ``contextlib.aclosing(...)``, else when asyncio finalizes the dropped
+        generator; ``abort(request_id)`` ends it with a final "abort" output. A request the
+        engine refuses raises ValueError, one that fails RuntimeError, as ``LLM.generate``'s."""
+        call = _Call()
+        generator = self._generate(
+            call,
+            prompt,
+            sampling_params,
+            request_id,
+            prompt_text,
+            lora_request,
+            tokenization_kwargs,
+            trace_headers,
+            priority,
+            data_parallel_rank,
+        )
+        call.generator = weakref.ref(generator)
+        return generator
+
+    async def _generate(
+        self,
+        call: _Call,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        prompt_text: str | None,
+        lora_request: None,
+        tokenization_kwargs: Mapping[str, Any] | None,
+        trace_headers: Mapping[str, str] | None,
+        priority: int,
+        data_parallel_rank: int | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``generate``'s body (``generate`` makes it and holds its generator weakly)."""
         if self._closed:
-            raise RuntimeError(_SHUT_DOWN)
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
+            raise RuntimeError(SHUT_DOWN)
+        check_vllm_keywords(
+            lora_request, tokenization_kwargs, trace_headers, data_parallel_rank, prompt_text
+        )
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r:.80}: must be SamplingParams")
         request_id = _request_id(request_id)
@@ -153,39 +232,74 @@ class AsyncLLM:
         (ids,), (params,) = self._llm._prepare(
             [prompt], sampling_params, [priority] if priority else None
         )
-        if request_id in self._streams:
-            raise ValueError(f"request_id={request_id!r}: a request with this id is running")
+        self._claim(request_id)
         # Stage ids of our own: a caller's id may come back while its aborted samples still
         # wind down in the stage.
         prompt_id = f"async-{next(self._ids)}"
-        stream = self._stream(request_id, prompt, ids, params, prompt_id)
-        self._streams[request_id] = stream
+        text = text_of(prompt)
+        text = prompt_text if text is None else text
+        stream = call.stream = self._stream(request_id, text, ids, params, prompt_id)
+        self._streams[request_id] = call
         try:
+            # (registered first: abort() reaches a call held here; it ends after the resume)
+            await self._gate.wait()
+            if self._closed:
+                raise RuntimeError(SHUT_DOWN)
+            call.submitted = True  # (before: a submission that fails part way is undone too)
             self._submit(stream, params, prompt_id)
+            if call.aborted:
+                self._abort_stream(stream)
             async for output in stream.outputs():
                 yield output
         finally:
             # Whatever ended the iteration: nothing of it may keep running in the stage.
-            if self._streams.get(request_id) is stream:
+            if self._streams.get(request_id) is call:
                 del self._streams[request_id]
-            self._abort_stream(stream)
-
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        """vLLM's: ends the running request(s) ``request_id``; each ``generate`` yields a final
-        output with ``finish_reason`` "abort" (tokens made before it stay). An id that is not
-        running is ignored."""
-        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
-        for rid in ids:
-            stream = self._streams.get(rid)
-            if stream is not None:
+            if call.submitted:
                 self._abort_stream(stream)
 
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """vLLM's: ends the running request(s) ``request_id``; each ``generate`` yields a final
+        output with ``finish_reason`` "abort" (tokens made before it stay). An id that is not
+        running is ignored. ``internal`` (vLLM's: the ids are its internal ones) changes
+        nothing: the ids are the caller's either way.
+
+        A ``generate`` registers its id on its first iteration. So that a sweep right after
+        ``asyncio.create_task(...)`` reaches the tasks it just made, this first lets every
+        ready task run a step (one loop turn); a ``generate`` not iterated by then (its task
+        still awaits something else first) is not reached, as in vLLM. One held by
+        ``pause_generation`` ends as aborted after the resume."""
+        del internal
+        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
+        await asyncio.sleep(0)
+        for rid in ids:
+            call = self._streams.get(rid)
+            if call is None:
+                continue
+            call.aborted = True
+            if call.submitted and call.stream is not None:
+                self._abort_stream(call.stream)
+
     # ------------------------------------------------------------------ internals
+
+    def _claim(self, request_id: str) -> None:
+        """Takes ``request_id`` for a new call. A running call with it keeps it while its
+        generator is alive; a dropped one (its weak reference dead: nobody can iterate it again,
+        asyncio has yet to close it) is aborted now, and its own clean-up later leaves the new
+        call's registration alone."""
+        held = self._streams.get(request_id)
+        if held is None:
+            return
+        if held.generator is not None and held.generator() is not None:
+            raise ValueError(f"request_id={request_id!r}: a request with this id is running")
+        del self._streams[request_id]
+        if held.submitted and held.stream is not None:
+            self._abort_stream(held.stream)
 
     def _stream(
         self,
         request_id: str,
-        prompt: PromptInput,
+        prompt: str | None,
         ids: list[int],
         params: SamplingParams,
         prompt_id: str,
@@ -195,7 +309,7 @@ class AsyncLLM:
         llm = self._llm
         stream = OutputStream(
             request_id,
-            prompt_text(prompt),
+            prompt,
             ids,
             params.output_kind,
             llm.tokenizer if params.detokenize else None,

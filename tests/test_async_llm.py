@@ -1,6 +1,7 @@
 """AsyncLLM: one prompt's outputs as an async stream, equal to ``LLM.generate``'s and the dense
 oracle's (token ids, exit depths, text, logprobs) in every output kind, alone and many at once;
-cancelling, aborting, refusing bad input and shutting down, with nothing left running."""
+cancelling, aborting, reusing ids, refusing bad input and shutting down, with nothing left
+running; the trainer controls (weights, sleep, pause), awaited with the loop left free."""
 
 from __future__ import annotations
 
@@ -255,6 +256,142 @@ async def test_a_running_request_id_cannot_be_reused(engine):
     assert len((await collect(engine, [3, 4], GREEDY, "dup"))[-1].token_ids) == 8
 
 
+async def test_a_dropped_streams_id_is_free_at_once(engine):
+    """A break drops the generator; asyncio closes it loop turns later. A new generate with its
+    id takes the id over at once (aborting the old request); abort then reaches the new one."""
+    async for _ in engine.generate([1, 2, 3], LONG, "again"):
+        break
+    assert "again" in engine._streams  # (not closed yet: the id is still registered)
+    outs = await collect(engine, [4, 5], GREEDY, "again")
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 8
+    async for _ in engine.generate([1, 2, 3], LONG, "again"):
+        break
+    newest = engine.generate([4, 5], LONG, "again")
+    first = await anext(newest)
+    await settle(engine)  # (the dropped generator's own clean-up has run by now)
+    assert engine._streams["again"].generator() is newest
+    await engine.abort("again")
+    rest = [o async for o in newest]
+    assert rest[-1].finish_reason == "abort" and len(rest[-1].token_ids) < 200
+    assert rest[-1].token_ids[: len(first.token_ids)] == first.token_ids
+    await wait_idle(engine)  # the dropped requests were aborted, not left to run 200 tokens
+
+
+async def test_an_id_a_task_is_consuming_stays_refused(engine):
+    started = asyncio.Event()
+
+    async def consume() -> list:
+        outs = []
+        async for out in engine.generate([1, 2], GREEDY.replace(max_tokens=30), "busy"):
+            outs.append(out)
+            started.set()
+        return outs
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    with pytest.raises(ValueError, match="request_id='busy': a request with this id is running"):
+        await anext(engine.generate([3, 4], GREEDY, "busy"))
+    outs = await task
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 30
+
+
+async def test_abort_reaches_a_task_created_just_before(engine):
+    task = asyncio.create_task(collect(engine, [6, 7, 8], LONG, "swept"))
+    await engine.abort(["swept"], internal=True)  # (before the task ran at all)
+    outs = await task
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(outs[-1].token_ids) < 200
+    await wait_idle(engine)
+
+
+async def test_vllm_generate_keywords_asking_for_nothing_are_accepted(engine):
+    want = await collect(engine, [5, 6, 7], GREEDY)
+    outs = await collect_with(
+        engine,
+        [5, 6, 7],
+        prompt_text="five six seven",
+        tokenization_kwargs={},
+        trace_headers=None,
+        data_parallel_rank=0,
+    )
+    assert samples(outs[-1]) == samples(want[-1])
+    assert outs[-1].prompt == "five six seven" and want[-1].prompt is None
+    # A text prompt's own text wins, as in vLLM.
+    text = [o async for o in engine.generate("Hi", GREEDY, prompt_text="other")]
+    assert text[-1].prompt == "Hi"
+
+
+async def collect_with(engine, prompt, **keywords) -> list:
+    return [out async for out in engine.generate(prompt, GREEDY, **keywords)]
+
+
+async def test_trainer_controls_are_llms_awaited(engine, llm, tiny):
+    assert await engine.is_sleeping() is False and await engine.is_paused() is False
+    assert await engine.reset_prefix_cache() is True
+    assert [m.name for m in engine.get_metrics()] == [m.name for m in llm.get_metrics()]
+    for refused, match in [
+        (engine.collective_rpc("load_weights"), "collective_rpc: not supported"),
+        (engine.start_profile(), "start_profile: not supported"),
+        (engine.stop_profile(), "stop_profile: not supported"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            await refused
+    with pytest.raises(ValueError, match="encode: not supported"):
+        engine.encode("Hi")
+    with pytest.raises(ValueError, match="level=3: must be 1 or 2"):
+        await engine.sleep(3)
+    # An update waits for the running request, whose outputs keep coming through the loop.
+    before = engine.weight_version
+    stream = engine.generate([1, 2, 3], GREEDY.replace(max_tokens=30), "pre-update")
+    first = await anext(stream)
+    update = asyncio.create_task(engine.update_weights(str(tiny)))  # (the same weights)
+    rest = [o async for o in stream]
+    assert len(rest[-1].token_ids) == 30 and rest[-1].weight_version == before
+    assert first.token_ids == rest[-1].token_ids[: len(first.token_ids)]
+    assert await update == before + 1 == engine.weight_version
+    (want,) = llm.generate([[1, 2, 3]], GREEDY)
+    after = await collect(engine, [1, 2, 3], GREEDY)
+    assert samples(after[-1]) == samples(want) and after[-1].weight_version == before + 1
+    # Sleep mode: generate is refused until wake_up, as LLM's.
+    await engine.sleep(level=1)
+    assert await engine.is_sleeping()
+    with pytest.raises(ValueError, match="asleep"):
+        await collect(engine, [1, 2, 3], GREEDY)
+    await engine.wake_up(["weights"])
+    await engine.wake_up(tags=["kv_cache"])
+    assert not await engine.is_sleeping()
+    assert samples((await collect(engine, [1, 2, 3], GREEDY))[-1]) == samples(want)
+
+
+async def test_pause_holds_new_generate_calls_until_resume(engine):
+    running = engine.generate([1, 2], GREEDY, "running")
+    await anext(running)
+    await engine.pause_generation()
+    assert await engine.is_paused() and engine._llm._paused
+    held = asyncio.create_task(collect(engine, [3, 4], GREEDY, "held"))
+    aborted = asyncio.create_task(collect(engine, [5, 6], LONG, "held-aborted"))
+    await asyncio.sleep(0)  # (both reach the pause)
+    assert not engine._streams["held"].submitted
+    rest = [o async for o in running]  # a request already running continues
+    assert rest[-1].finish_reason == "length" and len(rest[-1].token_ids) == 8
+    await engine.abort("held-aborted")
+    await engine.reset_prefix_cache()  # (the loop stays free while calls wait)
+    assert not held.done() and not engine._streams["held"].submitted
+    engine._llm.resume_generation()  # the LLM's own resume releases them too
+    assert len((await held)[-1].token_ids) == 8
+    out = (await aborted)[-1]
+    assert out.finish_reason == "abort" and len(out.token_ids) < 200
+    assert not await engine.is_paused()
+    # A pause made on the LLM holds AsyncLLM.generate too.
+    engine._llm.pause_generation()
+    task = asyncio.create_task(collect(engine, [3, 4], GREEDY, "held-again"))
+    await asyncio.sleep(0)
+    assert not engine._streams["held-again"].submitted
+    await engine.resume_generation()
+    assert len((await task)[-1].token_ids) == 8
+    await wait_idle(engine)
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -264,6 +401,13 @@ async def test_a_running_request_id_cannot_be_reused(engine):
         (lambda e: e.generate([1, 999], GREEDY), "vocabulary"),
         (lambda e: e.generate([1, 2], GREEDY, 7), "request_id=7"),
         (lambda e: e.generate([1, 2], GREEDY, priority="high"), "priority"),
+        (
+            lambda e: e.generate([1, 2], GREEDY, tokenization_kwargs={"truncation": True}),
+            "tokenization_kwargs=.*not supported",
+        ),
+        (lambda e: e.generate([1, 2], GREEDY, trace_headers={"a": "b"}), "tracing"),
+        (lambda e: e.generate([1, 2], GREEDY, data_parallel_rank=1), "one engine"),
+        (lambda e: e.generate([1, 2], GREEDY, prompt_text=5), "prompt_text=5"),
         (lambda e: e.generate({"text": "hi"}, GREEDY), "unknown key 'text'"),
         (lambda e: e.generate("hi", GREEDY.replace(stop=["x"], detokenize=False)), "stop"),
         # (refused by the engine itself: the error comes through the stream)
@@ -298,18 +442,28 @@ async def test_a_failed_stage_raises_from_the_stream(tiny):
 
 
 async def test_shutdown_ends_open_streams_and_refuses_new_ones(tiny):
-    async with AsyncLLM(str(tiny), **ENGINE) as engine:
+    with pytest.raises(ValueError, match="engine_args=.*mapping of LLM's keyword arguments"):
+        AsyncLLM.from_engine_args(str(tiny))
+    async with AsyncLLM.from_engine_args({"model": str(tiny), **ENGINE}) as engine:
         stream = engine.generate([1, 2, 3], LONG)
         await anext(stream)
+        # A call held by a pause ends too: it raises, as calls after the shutdown do.
+        await engine.pause_generation()
+        held = asyncio.create_task(collect(engine, [1, 2], GREEDY))
+        await asyncio.sleep(0)  # (it reaches the pause)
         engine.shutdown()
         rest = [out async for out in stream]
         assert rest[-1].finished and rest[-1].finish_reason == "abort"
         assert len(rest[-1].token_ids) < 200
+        with pytest.raises(RuntimeError, match="shut down"):
+            await held
     assert not engine.is_running and not engine.errored
     with pytest.raises(RuntimeError, match="shut down"):
         await anext(engine.generate([1, 2], GREEDY))
     with pytest.raises(RuntimeError, match="shut down"):
         await engine.check_health()
+    with pytest.raises(RuntimeError, match="AsyncLLM is shut down"):
+        await engine.reset_prefix_cache()
     engine.close()  # (again: nothing to do)
 
 
