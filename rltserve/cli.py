@@ -26,6 +26,7 @@ from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
 from rltserve.progress import progress_enabled, watch_dir_growth
+from rltserve.ray.config import add_resource_args
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 
@@ -331,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument(
         "--ray-address", default=None, help="Ray cluster for --replicas (default: a local one)"
     )
+    add_resource_args(off)  # (--replica-cpus, --replica-gpus: ReplicaConfig's)
     off.add_argument(
         "--shared-prefix-len",
         type=int,

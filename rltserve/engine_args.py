@@ -192,7 +192,7 @@ def checked_engine_kwargs(args: argparse.Namespace, **as_run: object) -> dict:
     CUDA graphs off, as ``LLM``'s ``enforce_eager``."""
     kw = engine_kwargs(args)
     vllm = vllm_flags(args)
-    check_flags(vllm)
+    check_flags(vllm, replicas=hasattr(args, "replicas"))  # (its refusals name --replicas N)
     if vllm.get("enforce_eager"):
         kw["cuda_graphs"] = False
     if kw["exit_mode"] == "trace":

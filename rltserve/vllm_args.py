@@ -270,11 +270,14 @@ def check_inert(options: Mapping[str, object]) -> None:
             raise ValueError(f"{name}={value!r}: not supported ({why or 'wrong type'})")
 
 
-def check_flags(given: Mapping[str, object]) -> None:
+def check_flags(given: Mapping[str, object], replicas: bool = False) -> None:
     """``check_inert`` for the ``FLAGS`` an engine command was given, ValueErrors naming the
-    flag (``--tensor-parallel-size 2: not supported (...)``)."""
+    flag (``--tensor-parallel-size 2: not supported (...)``). ``replicas``: the command has
+    ``--replicas N`` (``serve``, ``bench offline``), which data parallelism's refusal names."""
     for name, value in given.items():
         accepts, why = NAMED.get(name) or INERT[name]
+        if name == "data_parallel_size" and replicas and _is_int(value) and value > 1:
+            why = f"one engine per replica; for {value} engines: --replicas {value}"
         if not accepts(value):
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):  # (--name or --no-name)

@@ -85,12 +85,36 @@ def test_ray_address_also_comes_from_ray_address_in_the_environment(monkeypatch)
         ({"ray_address": "auto", "replica_gpus": 1}, "--ray-address, --replica-gpus: only with"),
         ({"replica_cpus": 2.0}, "--replica-cpus: only with --replicas N"),
         ({"replicas": 1, "ray_app": " "}, "--ray-app ' ': must not be empty"),
+        ({"ray_replace_app": True}, "--ray-replace-app: only with --replicas N"),
+        ({"replicas": 1, "ray_replace_app": "yes"}, "--ray-replace-app 'yes': must be a bool"),
     ],
 )
 def test_replica_config_names_the_bad_flag(kwargs, message):
     with pytest.raises(ValueError) as info:
         ReplicaConfig(**kwargs)
     assert str(info.value).startswith(message)
+
+
+def test_replica_gpus_follow_the_engines_devices_unless_given():
+    """One GPU per distinct CUDA device (``cuda`` is ``cuda:0``), none on CPU; a CUDA engine on
+    0 GPUs is refused (Ray would leave every replica every GPU, and they would share GPU 0)."""
+    config = ReplicaConfig(replicas=2)
+    assert config.replica_gpus is None
+    gpus = [
+        config.for_devices(devices).replica_gpus
+        for devices in [("cpu", None), ("cuda", None), ("cuda", "cuda:0"), ("cuda:0", "cuda:1")]
+    ]
+    assert gpus == [0.0, 1.0, 1.0, 2.0]
+    given = ReplicaConfig(replicas=2, replica_gpus=0.5)
+    assert given.for_devices(("cuda", None)) is given
+    assert ReplicaConfig(replicas=1, replica_gpus=1).for_devices(("cpu", None)).replica_gpus == 1
+    with pytest.raises(ValueError) as info:
+        ReplicaConfig(replicas=2, replica_gpus=0).for_devices(("cuda", "cuda:1"))
+    assert str(info.value) == (
+        "--replica-gpus 0: the engine runs on CUDA (cuda:0, cuda:1), so each replica needs GPUs "
+        "from Ray; leave --replica-gpus out (one per CUDA device) or give a share (0.5: two "
+        "replicas per GPU)"
+    )
 
 
 def test_replica_threads_follow_cpus():
@@ -138,8 +162,8 @@ def test_offline_generate_takes_older_vllms_prompt_token_ids(monkeypatch):
 
 
 def test_serve_with_replicas_hands_its_limits_to_the_replica_set(monkeypatch):
-    """``serve --replicas``: the replica set takes --max-concurrent and the cluster it owns
-    (neither a cluster nor a model is started here: only what serve passes on)."""
+    """``serve --replicas``: the replica set takes --max-concurrent, --drain-timeout-s and the
+    cluster it owns (neither a cluster nor a model is started here: only what serve passes on)."""
     import rltserve.http.server
     import rltserve.ray.cluster
     from rltserve.cli import build_parser
@@ -152,9 +176,12 @@ def test_serve_with_replicas_hands_its_limits_to_the_replica_set(monkeypatch):
     monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: served.append(a) or 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     flags = ["--replicas", "2", "--max-concurrent", "8", "--port", "0", "--log-level", "error"]
+    flags += ["--drain-timeout-s", "42"]
     assert cmd_serve(build_parser().parse_args(["serve", *flags])) == 0
-    [(replica_config, max_ongoing, owned)] = factories
+    [(replica_config, max_ongoing, owned, drain_timeout_s)] = factories
     assert (replica_config.replicas, max_ongoing, owned) == (2, 8, True)
+    # A replica Serve stops (`ray drain-node`) gives its streams what the server gives its own.
+    assert drain_timeout_s == 42.0
     [(server_config, _, factory)] = served
     assert server_config.max_concurrent == 8 and factory == "made"
 
@@ -207,3 +234,30 @@ def test_bench_offline_replicas_runs_the_single_engines_requests(monkeypatch):
     offline.run_replicas_bench(args, {"model": "/m"})
     assert sent == [_params(args)] * 2  # (the warm-up's and the run's)
     assert (sent[0].max_loops, sent[0].exit_criterion) == (3, "kl")
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (["serve", "--port", "0"], "one engine per replica; for 2 engines: --replicas 2"),
+        (["bench", "offline"], "one engine per replica; for 2 engines: --replicas 2"),
+        (["generate", "x"], "one engine per LLM (replicas: rltserve.ray.generate)"),
+    ],
+)
+def test_data_parallelism_is_refused_naming_the_commands_way_to_replicas(command, expected):
+    from rltserve.cli import build_parser
+    from rltserve.engine_args import checked_engine_kwargs
+
+    args = build_parser().parse_args([*command, "--data-parallel-size", "2"])
+    with pytest.raises(ValueError) as info:
+        checked_engine_kwargs(args)
+    assert str(info.value) == f"--data-parallel-size 2: not supported ({expected})"
+
+
+def test_bench_offline_refuses_replica_resources_without_replicas():
+    from rltserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "offline", "--replica-gpus", "1"])
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    assert str(info.value) == "--replica-gpus: only with --replicas N"

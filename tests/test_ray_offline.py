@@ -90,6 +90,8 @@ def test_the_replicas_bench_reports_its_workload(monkeypatch):
     assert report == {
         "model": "/m",
         "replicas": 2,
+        "replica_cpus": 1.0,
+        "replica_gpus": 0.0,  # (a CPU engine: none)
         "num_prompts": 6,
         "input_len": 4,
         "output_len": 3,
@@ -260,3 +262,41 @@ def test_a_shard_keeps_the_refusal_of_its_engine_for_the_pool(monkeypatch, ouro_
     shard = offline._Shard({"model": str(ouro_rv1), "max_model_len": 10**6}, threads=1)
     refused = shard.vocab_size()
     assert isinstance(refused, ValueError) and "max_model_len=1000000" in str(refused)
+
+
+def test_the_replicas_bench_places_replicas_as_its_flags_and_device_say(monkeypatch):
+    """``bench offline --replicas``: ``--replica-cpus``/``--replica-gpus`` (ReplicaConfig's) reach
+    the pool; without ``--replica-gpus`` a CUDA engine's replicas get one GPU each."""
+    from rltserve.cli import build_parser
+
+    monkeypatch.setattr(offline, "ReplicaPool", FakePool)
+    monkeypatch.setattr(FakePool, "made", [])
+    for flags, device, expected in [
+        (["--replica-cpus", "2", "--replica-gpus", "0.5"], "cuda", (2.0, 0.5)),
+        ([], "cuda", (1.0, 1.0)),
+        ([], "cpu", (1.0, 0.0)),
+    ]:
+        argv = ["bench", "offline", "--replicas", "2", "--num-prompts", "2", *flags]
+        report = offline.run_replicas_bench(build_parser().parse_args(argv), {"device": device})
+        config = FakePool.made[-1].config
+        assert (config.replica_cpus, config.replica_gpus) == expected
+        assert (report["replica_cpus"], report["replica_gpus"]) == expected
+
+
+def test_offline_generate_asks_a_gpu_per_replica_of_a_cuda_engine(monkeypatch):
+    configs = []
+
+    class Pool(FakePool):
+        def __init__(self, config, engine_kw, startup_timeout_s) -> None:
+            configs.append(config)
+            super().__init__(config, engine_kw)
+
+    monkeypatch.setattr(offline, "ReplicaPool", Pool)
+    monkeypatch.setattr(offline, "check_checkpoint_dir", lambda *a: None)
+    offline.generate([[1]], replicas=2, model="/m", device="cuda")
+    offline.generate([[1]], replicas=2, model="/m")  # (LLM's default device: cpu)
+    offline.generate([[1]], replicas=2, model="/m", device="cuda:0", replica_gpus=0.25)
+    assert [c.replica_gpus for c in configs] == [1.0, 0.0, 0.25]
+    with pytest.raises(ValueError, match="--replica-gpus 0: the engine runs on CUDA"):
+        offline.generate([[1]], replicas=2, model="/m", device="cuda", replica_gpus=0)
+    assert len(configs) == 3  # (refused before a cluster starts)

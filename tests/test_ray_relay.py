@@ -66,6 +66,7 @@ def _client(call: FakeCall) -> ReplicaSetClient:
     client._tasks, client._replicas = {}, {}
     client._retired, client._closed, client._fatal = None, False, None
     client._retired_prefill = None
+    client._deployment, client._deployed, client._seen, client._lost = "d-1", True, False, None
     client._stream = FakeStream(call)
     return client
 

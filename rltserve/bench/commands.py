@@ -37,6 +37,9 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     _check_kv_pressure_swap(args)
     if args.replicas is not None:
         _check_replica_benchmark(args)
+    from rltserve.ray.offline import bench_replica_config
+
+    bench_replica_config(args)  # (a bad replica flag, or one given without --replicas)
     if not args.chunk_sizes or min(args.chunk_sizes) < 1:
         raise ValueError(f"--chunk-sizes {args.chunk_sizes}: every value must be >= 1")
     if args.repeats > 1 and not kv_pressure_requested(args):

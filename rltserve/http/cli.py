@@ -195,7 +195,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "deployments; pass the cluster's GCS address (host:port, the head's --port)"
         )
     owned = connect(replica_config)  # before the model loads: a bad address is a usage error
-    factory = ReplicaSetClient.factory(replica_config, server_config.max_concurrent, owned)
+    # (Replicas Serve stops, e.g. on `ray drain-node`, give their streams what the server gives)
+    factory = ReplicaSetClient.factory(
+        replica_config, server_config.max_concurrent, owned, server_config.drain_timeout_s
+    )
     return run_server(server_config, engine_config, factory)
 
 

@@ -15,6 +15,13 @@ stream). Serve's health checks replace the replica. A poller (one thread) counts
 from ``serve.status()``; with none live, ``unavailable_reason`` says so and the server answers
 503 with Retry-After instead of queueing into a deployment that cannot serve.
 
+One app per name: the app (``--ray-app``) belongs to the server that deployed it, known by its
+deployment's name, which carries a tag drawn at deploy time. A server refuses to start while an
+app of its name runs (unless ``--ray-replace-app``), deletes the app on stop only while that
+deployment is still its own, and when the poller finds its deployment gone (the app deleted, or
+replaced by another server's) it logs that once and answers 503 with the reason from then on:
+the replicas it knew are gone, and another server's would run another model.
+
 Invariant: every request whose ``add_request`` returned gets exactly one final update.
 """
 
@@ -26,6 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from rltserve.config import EngineConfig
@@ -57,21 +65,29 @@ class ReplicaState:
     in_flight: int = 0  # of which still streaming
 
 
-def deployment_name(config: ReplicaConfig) -> str:
-    """The deployment's name; it differs per router because a process's handles keep the router
-    they were first built with for a deployment name, even after it is redeployed."""
-    return DEPLOYMENT if config.replica_affinity == "none" else f"{DEPLOYMENT}-session"
+def deployment_name(config: ReplicaConfig, tag: str) -> str:
+    """The deployment's name: ``tag`` (drawn per deploy) tells this server's deployment from
+    another's under the same app name, which Serve's status shows by name only. (Its router is
+    in it too: a process's handles keep the router they were first built with for a deployment
+    name, even after it is redeployed.)"""
+    router = "" if config.replica_affinity == "none" else "-session"
+    return f"{DEPLOYMENT}{router}-{tag}"
 
 
-def deployment_options(config: ReplicaConfig, max_ongoing: int) -> dict:
+def deployment_options(
+    config: ReplicaConfig, max_ongoing: int, drain_timeout_s: float, name: str
+) -> dict:
+    """``drain_timeout_s``: how long a stopping replica (``ray drain-node``, a node's
+    replacement, the app's deletion) gives its requests in flight before Serve kills it; the
+    server's ``--drain-timeout-s``, so that a replica drains as the server does."""
     options = {
-        "name": deployment_name(config),
+        "name": name,
         "num_replicas": config.replicas,
         "ray_actor_options": {"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
         "max_ongoing_requests": max_ongoing,
         "health_check_period_s": _HEALTH_PERIOD_S,
         "health_check_timeout_s": _HEALTH_TIMEOUT_S,
-        "graceful_shutdown_timeout_s": 5.0,
+        "graceful_shutdown_timeout_s": drain_timeout_s,
     }
     if config.replica_affinity == "session":
         options["request_router_config"] = {"request_router_class": _CONSISTENT_HASH}
@@ -89,6 +105,21 @@ def _refusal(lines: list[str]) -> str | None:
     return None
 
 
+def engine_devices(engine_config: EngineConfig) -> tuple[str, str | None]:
+    """The devices a replica's engine runs on (its prefill stage's: None when it has none of
+    its own)."""
+    return engine_config.model.device, engine_config.execution.prefill_device
+
+
+def app_taken(config: ReplicaConfig) -> str:
+    """The refusal to deploy over a running app of this server's name."""
+    return (
+        f"--ray-app {config.ray_app}: a Ray Serve app of that name is already running on the "
+        "cluster (another server's, or one a killed server left); give this server its own "
+        "--ray-app NAME, stop the other server, or pass --ray-replace-app to replace it"
+    )
+
+
 class ReplicaSetClient:
     """N engine replicas behind one Ray Serve deployment (see the module doc)."""
 
@@ -98,17 +129,23 @@ class ReplicaSetClient:
         config: ReplicaConfig,
         max_ongoing: int = 256,
         owns_cluster: bool = False,
+        drain_timeout_s: float = 10.0,
     ) -> None:
+        """``drain_timeout_s``: the server's ``--drain-timeout-s`` (``deployment_options``)."""
         require_ray()
         from ray import serve
 
         from rltserve.ray.replica import EngineReplica
 
-        self.config = config
+        self.config = config = config.for_devices(engine_devices(engine_config))
+        self._deployment = deployment_name(config, uuid.uuid4().hex[:8])
+        self._deployed = False  # run_many was called (the app may be this server's)
+        self._seen = False  # Serve has shown this server's deployment in the app
+        self._lost: str | None = None  # why the app is no longer this server's
         # Owned: started here or by the caller (the CLI connects first, to fail fast on a bad
         # address); then it stops with this client.
         self._owns_cluster = connect(config) or owns_cluster
-        self._lock = threading.Lock()  # guards _tasks, _replicas and _closed
+        self._lock = threading.Lock()  # guards _tasks, _replicas, _closed and _lost
         self._tasks: dict[str, asyncio.Task] = {}
         self._replicas: dict[str, ReplicaState] = {}
         self._retired: EngineStats | None = None  # counters of replicas that died
@@ -119,17 +156,25 @@ class ReplicaSetClient:
         self.live_replicas = 0
         try:
             serve.start(proxy_location="Disabled", logging_config=_SERVE_LOGGING)
-            app = serve.deployment(EngineReplica, **deployment_options(config, max_ongoing))
+            options = deployment_options(config, max_ongoing, drain_timeout_s, self._deployment)
+            app = serve.deployment(EngineReplica, **options)
             target = app.bind(engine_config, config.threads)
+            # Serve replaces an app of the same name: that app's server would go on answering
+            # with its model's name and tokenizer while this one's replicas generate. (Checked,
+            # then deployed: two servers starting within the same moment can both pass; the
+            # one deployed last keeps the app and the other finds its deployment gone.)
+            if config.ray_app in serve.status().applications:
+                if not config.ray_replace_app:
+                    raise ValueError(app_taken(config))
+                log.warning(
+                    "--ray-replace-app: replacing the Serve app %r running on the cluster; "
+                    "its server (if any) answers 503 from now on",
+                    config.ray_app,
+                )
             # Not waiting for the replicas here: ``wait_ready`` does, so that the server's
             # startup timeout and shutdown apply (replicas that can never be scheduled leave
             # the app deploying forever) and a failure says why.
-            if not self._owns_cluster and config.ray_app in serve.status().applications:
-                log.warning(
-                    "replacing the Serve app %r already on the cluster (another server's? "
-                    "give each server its own --ray-app)",
-                    config.ray_app,
-                )
+            self._deployed = True
             (self._handle,) = serve.run_many(
                 [serve.RunTarget(target, config.ray_app, None, _SERVE_LOGGING)],
                 wait_for_applications_running=False,
@@ -145,9 +190,15 @@ class ReplicaSetClient:
 
     @classmethod
     def factory(
-        cls, config: ReplicaConfig, max_ongoing: int = 256, owns_cluster: bool = False
+        cls,
+        config: ReplicaConfig,
+        max_ongoing: int = 256,
+        owns_cluster: bool = False,
+        drain_timeout_s: float = 10.0,
     ) -> Callable[[EngineConfig], ReplicaSetClient]:
-        return lambda engine_config: cls(engine_config, config, max_ongoing, owns_cluster)
+        return lambda engine_config: cls(
+            engine_config, config, max_ongoing, owns_cluster, drain_timeout_s
+        )
 
     # ------------------------------------------------------------------ stage client API
 
@@ -172,6 +223,8 @@ class ReplicaSetClient:
 
     @property
     def unavailable_reason(self) -> str | None:
+        if self._lost is not None:  # (for good: restarting here would take the app back)
+            return self._lost
         if self.live_replicas == 0:
             return f"no engine replica is alive (0 of {self.config.replicas}); retry later"
         return None
@@ -208,6 +261,9 @@ class ReplicaSetClient:
             why = "; ".join(lines)
             if status == "RUNNING":
                 break
+            if status == "LOST":
+                self._fatal = self._lost
+                raise StageError(self._fatal)
             if status == "DEPLOY_FAILED":
                 self._fatal = f"the replicas failed to start: {why}"
                 refused = _refusal(lines)
@@ -229,19 +285,25 @@ class ReplicaSetClient:
         from ray import serve
 
         app = serve.status().applications.get(self.config.ray_app)
-        deployment = app.deployments.get(deployment_name(self.config)) if app is not None else None
+        deployment = app.deployments.get(self._deployment) if app is not None else None
         return app, deployment
 
     def _app_state(self) -> tuple[str, list[str]]:
         """The app's status (Serve's ``ApplicationStatus`` value) and what Serve says of it
         and of its deployment, a line each: for a replica whose engine raised, the error's
-        last line."""
+        last line. "LOST": the deployment Serve showed is gone (``_check_owner``)."""
         app, deployment = self._serve_app()
+        self._check_owner(app, deployment)
+        if self._lost is not None:
+            return "LOST", [self._lost]
         if app is None:
             return "NOT_STARTED", []
         words = [app.message, deployment.message if deployment is not None else ""]
         lines = [w.strip().splitlines()[-1] for w in words if w and w.strip()]
-        return str(getattr(app.status, "value", app.status)), list(dict.fromkeys(lines))
+        status = str(getattr(app.status, "value", app.status))
+        if deployment is None and status == "RUNNING":  # (Serve shows it within a moment)
+            status = "DEPLOYING"
+        return status, list(dict.fromkeys(lines))
 
     def add_request(
         self,
@@ -336,9 +398,51 @@ class ReplicaSetClient:
     # ------------------------------------------------------------------ replicas
 
     def _count_live(self) -> None:
-        _, deployment = self._serve_app()
+        app, deployment = self._serve_app()
+        self._check_owner(app, deployment)
         states = deployment.replica_states if deployment is not None else {}
         self.live_replicas = int(states.get("RUNNING", 0))
+
+    def _check_owner(self, app, deployment) -> None:
+        """Notes (and logs, once) that the app is no longer this server's: it shows another
+        deployment (Serve shows a deploy's deployments from the moment it is taken, so one
+        deployed before this server's cannot be there), or it is gone after Serve showed this
+        server's deployment. (Between the deploy and Serve's first showing of its deployment,
+        a moment, the app shows none.)"""
+        if deployment is not None:
+            self._seen = True
+            return
+        if not self._deployed or self._lost is not None or self._closed:
+            return
+        name = self.config.ray_app
+        if app is not None and app.deployments:
+            lost = (
+                f"the Ray Serve app {name!r} was replaced by another deployment (a server "
+                f"started with --ray-app {name} --ray-replace-app?): this server's replicas are "
+                "gone and it cannot serve again; stop it, or restart it with its own --ray-app"
+            )
+        elif app is None and self._seen:
+            lost = (
+                f"the Ray Serve app {name!r} was deleted from the cluster (`serve shutdown`, or "
+                "an older server's stop?): this server's replicas are gone; restart it to "
+                "deploy them again"
+            )
+        else:
+            return
+        with self._lock:  # (the poller and wait_ready both look: logged once)
+            if self._lost is not None:
+                return
+            self._lost = lost
+        log.error("%s", lost)
+
+    def _owns_app(self) -> bool:
+        """Whether the app is this server's to delete: Serve shows its deployment in it, or
+        shows none in it yet and never showed it (deployed a moment ago; once shown, an app
+        showing none is being replaced)."""
+        app, deployment = self._serve_app()
+        if deployment is not None:
+            return True
+        return app is not None and not self._seen and not app.deployments
 
     def _poll(self) -> None:
         while not self._closed:
@@ -371,7 +475,12 @@ class ReplicaSetClient:
         from ray import serve
 
         try:
-            serve.delete(self.config.ray_app)
+            # Only this server's deployment: the app may be another server's by now (it
+            # replaced this one's, or this one was refused); deleting it would stop that
+            # server's replicas under it. (Read, then deleted: another server replacing the
+            # app within that moment loses it.)
+            if self._deployed and not self._owns_cluster and self._owns_app():
+                serve.delete(self.config.ray_app)
             if self._owns_cluster:
                 serve.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone already

@@ -19,7 +19,7 @@ from typing import Any
 from rltserve.preflight import check_checkpoint_dir
 from rltserve.prompt_inputs import normalize_prompts, token_id_prompts
 from rltserve.ray.cluster import connect, replica_needs, require_ray
-from rltserve.ray.config import ReplicaConfig
+from rltserve.ray.config import ReplicaConfig, resource_kwargs
 from rltserve.sampling import SamplingParams
 
 
@@ -70,11 +70,13 @@ class ReplicaPool:
     ) -> None:
         """``startup_timeout_s``: how long the replicas may take to start (placed and loaded):
         a replica the cluster cannot place (resources no node has) is a TimeoutError saying
-        what it asks for, not a wait forever."""
+        what it asks for, not a wait forever. ``config.replica_gpus`` None: as the engine's
+        devices need (``ReplicaConfig.for_devices``)."""
         if not config.enabled:
             raise ValueError("replicas: must be an int >= 1")
+        devices = (engine_kw.get("device"), engine_kw.get("prefill_device"))
+        self.config = config = config.for_devices(devices)
         ray = require_ray("replicas")
-        self.config = config
         self._owned = connect(config)
         self._actors: list = []
         try:
@@ -156,7 +158,7 @@ def generate(
     prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ray_address: str | None = None,
     replica_cpus: float = 1.0,
-    replica_gpus: float = 0.0,
+    replica_gpus: float | None = None,
     startup_timeout_s: float = 600.0,
     priority: Sequence[int] | None = None,
     **engine_kw: Any,
@@ -164,7 +166,8 @@ def generate(
     """``LLM(**engine_kw).generate(prompts, params)`` split over ``replicas`` Ray actors; the
     outputs in input order. Joins the cluster at ``ray_address`` (or the one this process is
     connected to, or ``RAY_ADDRESS``), else starts a local one for the call;
-    ``startup_timeout_s``: ``ReplicaPool``'s; ``prompt_token_ids`` and ``priority``: as
+    ``replica_gpus`` None: one per CUDA device the engine runs on (``device``, ``prefill_device``),
+    0 on CPU; ``startup_timeout_s``: ``ReplicaPool``'s; ``prompt_token_ids`` and ``priority``: as
     ``LLM.generate``'s (``prompt_token_ids``: older vLLM's keyword). An argument ``LLM`` does not
     take is its TypeError here, before a cluster starts."""
     if prompt_token_ids is not None:
@@ -178,7 +181,7 @@ def generate(
         ray_address=ray_address,
         replica_cpus=replica_cpus,
         replica_gpus=replica_gpus,
-    )
+    ).for_devices((engine_kw.get("device"), engine_kw.get("prefill_device")))
     # What LLM would refuse at once, refused before a cluster starts (not as a dead actor).
     check_checkpoint_dir(engine_kw.get("model"), "model=")
     check_llm_arguments(engine_kw)
@@ -213,12 +216,22 @@ def _batch(
     return prompts, plist
 
 
+def bench_replica_config(args) -> ReplicaConfig:
+    """``bench offline``'s replica flags (``--replicas``, ``--ray-address``, ``--replica-cpus``,
+    ``--replica-gpus``) as a ``ReplicaConfig`` (ValueError naming a bad one, or one given
+    without ``--replicas``)."""
+    return ReplicaConfig(
+        replicas=args.replicas, ray_address=args.ray_address, **resource_kwargs(args)
+    )
+
+
 def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
     """``bench offline --replicas N``: the offline workload split over N replicas."""
     from rltserve.bench.offline import _params, _workload
 
-    config = ReplicaConfig(replicas=args.replicas, ray_address=args.ray_address)
     engine_kw = {**engine_kw, "max_num_seqs": args.concurrency}
+    devices = (engine_kw.get("device"), engine_kw.get("prefill_device"))
+    config = bench_replica_config(args).for_devices(devices)  # (reported as placed)
     started = time.perf_counter()
     with ReplicaPool(config, engine_kw) as pool:
         ready = time.perf_counter() - started
@@ -232,6 +245,8 @@ def run_replicas_bench(args, engine_kw: dict) -> dict[str, Any]:
     return {
         "model": engine_kw.get("model"),
         "replicas": config.replicas,
+        "replica_cpus": config.replica_cpus,
+        "replica_gpus": config.replica_gpus,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
