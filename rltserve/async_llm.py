@@ -286,11 +286,13 @@ class AsyncLLM(AsyncTrainerControls):
         """Takes ``request_id`` for a new call. A running call with it keeps it while its
         generator is alive; a dropped one (its weak reference dead: nobody can iterate it again,
         asyncio has yet to close it) is aborted now, and its own clean-up later leaves the new
-        call's registration alone."""
+        call's registration alone. A finished call's id is free, its generator held or not."""
         held = self._streams.get(request_id)
         if held is None:
             return
-        if held.generator is not None and held.generator() is not None:
+        # (a finished request's generator may still be held, suspended at its last yield)
+        running = held.stream is None or not held.stream.finished
+        if running and held.generator is not None and held.generator() is not None:
             raise ValueError(f"request_id={request_id!r}: a request with this id is running")
         del self._streams[request_id]
         if held.submitted and held.stream is not None:

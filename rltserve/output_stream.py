@@ -138,10 +138,10 @@ class OutputStream:
                     sample.cumulative_logprob += entry["logprob"]
             sample.logprobs.extend(vllm_logprobs(delta.logprobs, self.tokenizer) or ())
             entries = asm.output.logprobs or ()
-            for index, lp, *_ in update.forced_logprobs or ():  # (yielded ones keep theirs)
-                if index < len(sample.logprobs) and index < len(entries):
+            for j, lp, *_ in update.forced_logprobs or ():  # (yielded ones keep theirs)
+                if j < len(sample.logprobs) and j < len(entries):
                     sample.cumulative_logprob += lp
-                    sample.logprobs[index] = vllm_logprobs([entries[index]], self.tokenizer)[0]
+                    sample.logprobs[j] = vllm_logprobs([entries[j]], self.tokenizer)[0]
         if index == 0 and self._prompt_logprobs is None and asm.output.prompt_logprobs is not None:
             lps = vllm_logprobs(asm.output.prompt_logprobs, self.tokenizer) or []
             self._prompt_logprobs = [None, *lps]

@@ -277,6 +277,17 @@ async def test_a_dropped_streams_id_is_free_at_once(engine):
     await wait_idle(engine)  # the dropped requests were aborted, not left to run 200 tokens
 
 
+async def test_a_finished_requests_id_is_free_while_its_generator_is_held(engine):
+    """A consumer that stops at the final output leaves the generator suspended at its last
+    yield (held by a variable here): the request is over, so its id is free."""
+    held = engine.generate([1, 2], GREEDY, "done")
+    while not (out := await anext(held)).finished:
+        pass
+    outs = await collect(engine, [3, 4], GREEDY, "done")
+    assert outs[-1].finish_reason == out.finish_reason == "length"
+    assert held is not None  # (still held until here)
+
+
 async def test_an_id_a_task_is_consuming_stays_refused(engine):
     started = asyncio.Event()
 
