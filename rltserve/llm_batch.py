@@ -25,6 +25,9 @@ class PendingBatch:
         self._progress = progress
         self._prompt_of: dict[str, int] = {}  # request id -> its prompt's index
         self._samples_left: dict[int, int] = {}  # prompt index -> its samples not finished
+        # Requests a stop string ended before their forced tokens' scores came (their later
+        # updates bring them: ``OutputAssembler.add_late``).
+        self._scoring: set[str] = set()
 
     def add(self, asm: OutputAssembler, prompt: int) -> None:
         """Registers ``asm``'s request, one sample of prompt ``prompt``, before it is added."""
@@ -37,26 +40,41 @@ class PendingBatch:
         self, asm: OutputAssembler, abort: Callable[[str], None]
     ) -> Callable[[RequestUpdate], None]:
         """The update callback of ``asm``'s request: assembles each update; a request that
-        ends on a stop string (the engine does not know it ended) is ``abort``ed."""
+        ends on a stop string (the engine does not know it ended) is ``abort``ed, once its
+        kept forced tokens have their scores (``OutputAssembler.stopped_awaiting_scores``)."""
+        request_id = asm.output.request_id
 
         def sink(update: RequestUpdate) -> None:
             with self.cond:
-                if asm.output.request_id in self.finished:
+                if request_id in self.finished:
                     return
-                try:
-                    delta = asm.add(update)
-                    finish = delta.finish_reason
-                    asm.weight_version = update.weight_version
-                except Exception as exc:  # fail this request rather than the client's thread
-                    asm.output.finish_reason = finish = "error"
-                    asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
-                if finish is None:
-                    return
-                self._finish(asm.output.request_id, failed=finish == "error")
+                if request_id in self._scoring:  # (a stop string ended it already)
+                    if not asm.add_late(update):
+                        return
+                    self._scoring.discard(request_id)
+                    self._finish(request_id, failed=False)
+                else:
+                    if not self._add(asm, update):
+                        return
+                    if asm.stopped_awaiting_scores(update):
+                        self._scoring.add(request_id)
+                        return
+                    self._finish(request_id, failed=asm.output.finish_reason == "error")
             if update.finish_reason is None:  # a stop string: stop the stage's work too
-                abort(asm.output.request_id)
+                abort(request_id)
 
         return sink
+
+    @staticmethod
+    def _add(asm: OutputAssembler, update: RequestUpdate) -> bool:
+        """Assembles ``update``; True when it ended the output."""
+        try:
+            finish = asm.add(update).finish_reason
+            asm.weight_version = update.weight_version
+        except Exception as exc:  # fail this request rather than the client's thread
+            asm.output.finish_reason = finish = "error"
+            asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
+        return finish is not None
 
     def _finish(self, request_id: str, failed: bool) -> None:
         """Called with ``cond`` held."""

@@ -38,6 +38,9 @@ class _Sample:
     sent_tokens: int = 0  # tokens (and their depths, logprobs) already yielded: DELTA's start
     sent_text: int = 0  # characters of text already yielded
     changed: bool = False  # an update arrived since the last yield
+    # A stop string ended it before its forced tokens' scores came: later updates bring them
+    # (``OutputAssembler.add_late``); it finishes, and is aborted in the stage, once they have.
+    scoring: bool = False
 
 
 @dataclass
@@ -123,6 +126,15 @@ class OutputStream:
         if sample.finished:  # (the stage's abort update after a stop string ended it)
             return
         asm = sample.asm
+        if sample.scoring:  # (a stop string ended it: only the forced tokens' scores count)
+            done = asm.add_late(update)
+            self._add_scores(sample, update)
+            if done:
+                sample.scoring = False
+                sample.finished = sample.changed = True
+                if update.finish_reason is None:
+                    self.abort(sample.stage_id)
+            return
         try:
             delta = asm.add(update)
             finish = delta.finish_reason
@@ -137,15 +149,14 @@ class OutputStream:
                 if entry["logprob"] is not None:
                     sample.cumulative_logprob += entry["logprob"]
             sample.logprobs.extend(vllm_logprobs(delta.logprobs, self.tokenizer) or ())
-            entries = asm.output.logprobs or ()
-            for j, lp, *_ in update.forced_logprobs or ():  # (yielded ones keep theirs)
-                if j < len(sample.logprobs) and j < len(entries):
-                    sample.cumulative_logprob += lp
-                    sample.logprobs[j] = vllm_logprobs([entries[j]], self.tokenizer)[0]
+            self._add_scores(sample, update)
         if index == 0 and self._prompt_logprobs is None and asm.output.prompt_logprobs is not None:
             lps = vllm_logprobs(asm.output.prompt_logprobs, self.tokenizer) or []
             self._prompt_logprobs = [None, *lps]
         if finish is None:
+            return
+        if asm.stopped_awaiting_scores(update):
+            sample.scoring = True  # (not finished, nor aborted, until the scores come)
             return
         sample.finished = True
         if asm.rejected or finish == "error":
@@ -155,17 +166,32 @@ class OutputStream:
         elif update.finish_reason is None:  # a stop string: stop the stage's work too
             self.abort(sample.stage_id)
 
+    def _add_scores(self, sample: _Sample, update: RequestUpdate) -> None:
+        """The vLLM form of the forced tokens' entries ``update`` scored (in the kept output;
+        yielded ones keep theirs), and the sum again (in token order: ``LLM``'s sum)."""
+        entries = sample.asm.output.logprobs or ()
+        scored = False
+        for j, *_ in update.forced_logprobs or ():
+            if j < len(sample.logprobs) and j < len(entries):
+                sample.logprobs[j] = vllm_logprobs([entries[j]], self.tokenizer)[0]
+                scored = True
+        if scored:
+            lps = (e["logprob"] for e in entries[: len(sample.logprobs)])
+            sample.cumulative_logprob = sum(lp for lp in lps if lp is not None)
+
     def _output(self) -> RequestOutput:
         """What this yield holds: every sample so far (CUMULATIVE, FINAL_ONLY), or the new part
         of each sample that changed since the last yield (DELTA)."""
         delta = self.kind is RequestOutputKind.DELTA
+        # (DELTA holds back a sample awaiting its forced tokens' scores: its new part goes
+        # out whole, scores included, once they came.)
         outputs = [
             self._completion(j, s, delta)
             for j, s in enumerate(self.samples)
-            if s.changed or not delta
+            if (s.changed and not s.scoring) or not delta
         ]
         for s in self.samples:
-            s.changed = False
+            s.changed = s.changed and s.scoring
         first = self.samples[0].asm.output
         prompt_logprobs = self._prompt_logprobs
         if delta and prompt_logprobs is not None:
@@ -187,6 +213,7 @@ class OutputStream:
         """Sample ``index`` as yielded now: copies, since the assembler keeps extending its
         lists after the consumer has them."""
         out = sample.asm.output
+        ended = not sample.scoring  # (one awaiting scores has not finished yet)
         start = sample.sent_tokens if delta else 0
         text_start = sample.sent_text if delta else 0
         sample.sent_tokens, sample.sent_text = len(out.token_ids), len(out.text)
@@ -198,7 +225,7 @@ class OutputStream:
                 None if sample.logprobs is None else float(sample.cumulative_logprob)
             ),
             logprobs=None if sample.logprobs is None else sample.logprobs[start:],
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
+            finish_reason=out.finish_reason if ended else None,
+            stop_reason=out.stop_reason if ended else None,
             exit_depths=out.exit_depths[start:],
         )

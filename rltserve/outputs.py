@@ -221,11 +221,7 @@ class OutputAssembler:
                     {"token_id": tok, "logprob": lp, "top_logprobs": top or [], "rank": rank}
                 )
             out.logprobs.extend(lps)
-            # Forced tokens scored since they went out (a stop string may have cut them off).
-            for index, lp, top, rank in update.forced_logprobs or ():
-                if index < len(out.logprobs):
-                    entry = {"token_id": out.token_ids[index], "logprob": lp, "rank": rank}
-                    out.logprobs[index] = {**entry, "top_logprobs": top or []}
+            self._add_scores(update)
         if update.num_cached_tokens is not None:
             out.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:
@@ -282,6 +278,42 @@ class OutputAssembler:
             stop_reason,
             update.error,
         )
+
+    @property
+    def awaiting_scores(self) -> bool:
+        """Whether the output kept so far holds a token forced by bounded thinking whose
+        logprob a later update has yet to give (``core/thinking.py``). A front end whose stop
+        string ended the output (the engine does not know) keeps the engine request until it
+        is False (``add_late``), so that the result has every score."""
+        entries = self.output.logprobs
+        return entries is not None and any(e["logprob"] is None for e in entries)
+
+    def stopped_awaiting_scores(self, update: RequestUpdate) -> bool:
+        """After ``add(update)``: True when a stop string ended the output at ``update`` (the
+        engine has not ended the request) while ``awaiting_scores``: the front end then gives
+        the request's later updates to ``add_late``, and aborts it and delivers the result
+        only once that returns True."""
+        out = self.output
+        return out.finish_reason == "stop" and update.finish_reason is None and self.awaiting_scores
+
+    def add_late(self, update: RequestUpdate) -> bool:
+        """An update of a request whose output a stop string ended while ``awaiting_scores``:
+        writes its ``forced_logprobs`` into the kept output's entries and takes nothing else
+        (no tokens, text or finish). True once nothing more is to come from the request: no
+        forced entry lacks its score, or the engine ended the request (the output keeps what
+        it has)."""
+        self._add_scores(update)
+        return update.finish_reason is not None or not self.awaiting_scores
+
+    def _add_scores(self, update: RequestUpdate) -> None:
+        """Forced tokens scored since they went out (a stop string may have cut them off)."""
+        entries = self.output.logprobs
+        if entries is None:
+            return
+        for index, lp, top, rank in update.forced_logprobs or ():
+            if index < len(entries):
+                entry = {"token_id": self.output.token_ids[index], "logprob": lp, "rank": rank}
+                entries[index] = {**entry, "top_logprobs": top or []}
 
     def _add_text(self, ids: list[int], before: int) -> list[int]:
         """Decodes ``ids``, which follow ``before`` tokens, noting where the text of the

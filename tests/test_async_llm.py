@@ -192,6 +192,34 @@ async def test_a_stop_string_ends_the_stream_and_its_engine_request(engine, llm)
     await wait_idle(engine)  # the stage's request was aborted, not left to run 200 tokens
 
 
+async def test_a_stop_string_in_forced_thinking_tokens_waits_for_their_scores(engine, llm):
+    """Bounded thinking with logprobs: a stop string matching in the forced text ends the
+    output before the engine scored them; the stream takes the request's next updates until
+    they came (then aborts it), and its final output has every one, as ``LLM``'s has."""
+    params = SamplingParams(
+        temperature=0.0, max_thinking_tokens=2, logprobs=2, stop=["</think>"], max_tokens=20
+    )
+    (want,) = llm.chat(
+        [{"role": "user", "content": "hi"}],
+        params,
+        use_tqdm=False,
+        chat_template_kwargs={"enable_thinking": True},
+    )
+    assert want.finish_reason == "stop" and all(want.outputs[0].logprobs)
+    prompt = {"prompt_token_ids": want.prompt_token_ids}
+    for kind in (CUMULATIVE, FINAL_ONLY):
+        outs = await collect(engine, prompt, params.replace(output_kind=kind))
+        assert samples(outs[-1]) == samples(want) and outs[-1].finished
+        assert all(not o.finished and o.finish_reason is None for o in outs[:-1])
+    deltas = await collect(engine, prompt, params.replace(output_kind=DELTA))
+    pieces = [o.outputs[0] for o in deltas]
+    assert sum((c.token_ids for c in pieces), []) == want.token_ids
+    assert sum((c.logprobs for c in pieces), []) == want.outputs[0].logprobs  # (none empty)
+    assert pieces[-1].cumulative_logprob == want.outputs[0].cumulative_logprob
+    assert [c.finish_reason for c in pieces] == [None] * (len(pieces) - 1) + ["stop"]
+    await wait_idle(engine)  # the stage's request was aborted, not left to run
+
+
 async def test_leaving_the_stream_early_aborts_the_request(engine):
     async with contextlib.aclosing(engine.generate([1, 2, 3], LONG, "gone")) as stream:
         async for out in stream:

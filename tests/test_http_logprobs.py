@@ -175,3 +175,43 @@ async def test_chat_logprob_bytes_are_each_tokens_own(ckpt):
     content = choice["logprobs"]["content"]
     assert [entry["token"] for entry in content] == ["\ufffd"] * len(ids)
     assert b"".join(bytes(entry["bytes"]) for entry in content) == "😀".encode()
+
+
+async def test_a_stop_string_waits_for_the_forced_tokens_scores(ckpt, hi_tokens):
+    """Bounded thinking: a forced token goes out without a logprob and a later update scores
+    it (``forced_logprobs``). A stop string that ends the choice before that keeps the
+    engine request until the score came: the non-streaming body lists every token's logprob
+    (aligned with ``token_ids``); a stream ends as before, leaving the forced entry out."""
+    forced = hi_tokens[1]
+
+    def forced_then_scored(update: RequestUpdate) -> RequestUpdate:
+        if update.new_token_ids[:1] == [forced]:
+            update.new_logprobs, update.new_top_logprobs = [None], [None]
+        elif update.new_token_ids[:1] == [hi_tokens[2]]:  # (the next step scores it)
+            update.forced_logprobs = [(1, -3.0, [(forced, -3.0)], 1)]
+        return update
+
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), forced_then_scored)
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "stop": ["H"],
+        "return_token_ids": True,
+    }
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        _, _, raw = await live.post("/v1/chat/completions", chat)
+        _, _, streamed = await live.post("/v1/chat/completions", {**chat, "stream": True})
+    (choice,) = body_of(raw)["choices"]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == " "
+    assert choice["token_ids"] == hi_tokens[:2]
+    content = choice["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(" ", -0.5), ("H", -3.0)]
+    assert content[1]["top_logprobs"] == [{"token": "H", "logprob": -3.0, "bytes": [72]}]
+    assert len(stage.aborted) == 2  # (each request, once scored)
+    chunks = [c["choices"] for c in sse_payloads(streamed)[:-1]]
+    assert [c[0]["finish_reason"] for c in chunks if c][-1] == "stop"
+    listed = [c[0]["logprobs"]["content"] for c in chunks if c and c[0].get("logprobs")]
+    assert [e["token"] for entries in listed for e in entries] == [" "]
+    assert streamed.endswith(b"data: [DONE]\n\n")

@@ -140,3 +140,67 @@ def test_huginn_forced_logprobs_equal_the_oracle(huginn_rv1, huginn_ref, top):
     ]
     run = run_core(make_core(huginn_rv1, kv_policy="last_exited"), PROMPTS, params)
     _check(huginn_ref, run, PROMPTS, params)
+
+
+def test_the_assembler_holds_a_stopped_output_until_its_forced_tokens_are_scored():
+    from rltserve.outputs import OutputAssembler
+    from rltserve.updates import FinishReason, RequestUpdate
+
+    asm = OutputAssembler("r", [1, 2], want_logprobs=True)
+    asm.add(RequestUpdate("r", [5], [3], [-0.5], [[(5, -0.5)]]))
+    assert not asm.awaiting_scores
+    # A stop string (the front end's: the engine goes on) ends the output at a forced token.
+    stopped = RequestUpdate("r", [40, 41], [4, 4], [None, None], [None, None])
+    asm.add(stopped)
+    asm.output.finish_reason = "stop"
+    assert asm.awaiting_scores and asm.stopped_awaiting_scores(stopped)
+    later = RequestUpdate("r", [7], [2], [-0.25], [[(7, -0.25)]])
+    later.forced_logprobs = [(1, -3.0, [(9, -0.1)], 4)]
+    assert not asm.add_late(later)  # (index 2 still missing)
+    later = RequestUpdate("r", [8], [2], [-0.5], [[(8, -0.5)]])
+    later.forced_logprobs = [(2, -2.0, [(41, -2.0)], 1), (3, -1.0, [], 1)]
+    assert asm.add_late(later) and not asm.awaiting_scores
+    out = asm.output
+    assert out.token_ids == [5, 40, 41] and out.finish_reason == "stop"  # (nothing else taken)
+    assert [e["logprob"] for e in out.logprobs] == [-0.5, -3.0, -2.0]
+    # The engine's end gives up waiting: the output keeps what it has.
+    asm = OutputAssembler("r", [1, 2], want_logprobs=True)
+    asm.add(stopped)
+    assert asm.add_late(RequestUpdate("r", finish_reason=FinishReason.ABORT))
+    assert asm.awaiting_scores
+
+
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+STOPPED = SamplingParams(
+    temperature=0.0, max_thinking_tokens=2, logprobs=2, stop=["</think>"], max_tokens=20
+)
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_a_stop_string_in_the_forced_tokens_leaves_none_unscored(tiny, include):
+    """A stop string matching in the forced text ends the output before the engine scored the
+    forced tokens: the request runs on until their scores came, then is aborted, and the
+    result has every one, equal to the oracle's (TRL reads ``next(iter(lp.values()))``)."""
+    from reference import Reference
+
+    from rltserve import LLM
+
+    params = STOPPED.replace(include_stop_str_in_output=include)
+    with LLM(str(tiny), in_process=True, num_blocks=64) as llm:
+        end = llm.tokenizer.get_vocab()["</think>"]
+        (out,) = llm.chat([[{"role": "user", "content": "hi"}]], params, use_tqdm=False, **THINK)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "stop" and sample.stop_reason == "</think>"
+    assert sample.token_ids[2:] == [end] and sample.text.endswith("</think>") == include
+    assert len(sample.logprobs) == len(sample.token_ids)
+    want = thinking_logprobs(
+        Reference.load(tiny), out.prompt_token_ids, sample.token_ids, sample.exit_depths, {2}, 2
+    )
+    for token, lp, (logprob, top, rank) in zip(sample.token_ids, sample.logprobs, want):
+        assert (
+            next(iter(lp.values())).logprob == lp[token].logprob == pytest.approx(logprob, abs=1e-4)
+        )
+        assert [t for t in lp if t != token or t in dict(top)] == [t for t, _ in top]
+        assert abs(lp[token].rank - rank) <= 1
+    total = sum(lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs))
+    assert sample.cumulative_logprob == pytest.approx(total)

@@ -23,11 +23,13 @@ rank, exactly what ``prompt_logprobs`` would give scoring prompt + output at tha
 (the first: the K-th sampled token's) gets it as a target (``Request.forced_targets``,
 ``WorkItem.prompt_targets``) and the applier records it once (``Request.forced_scores``: a
 recompute after preemption finds it filled; a swap keeps no position whose score is missing);
-forced ids that fill ``max_tokens`` end the request only once scored. Raw in either
-``logprobs_mode``: the forced token was drawn from no processed distribution. Offline results
-(final and cumulative outputs, ``cumulative_logprob`` included) and HTTP non-streaming
-responses have them; what a stream (DELTA, SSE) already delivered keeps its empty entry (SSE
-chat leaves it out, completions give a null logprob).
+forced ids that fill ``max_tokens`` end the request only once scored, and a front end whose
+stop string ended the output there keeps taking the request's updates (only their scores:
+``OutputAssembler.add_late``) until the forced tokens it kept have theirs, then aborts it and
+delivers the result. Raw in either ``logprobs_mode``: the forced token was drawn from no
+processed distribution. Offline results (final and cumulative outputs, ``cumulative_logprob``
+included) and HTTP non-streaming responses have them; what a stream (DELTA, SSE) already
+delivered keeps its empty entry (SSE chat leaves it out, completions give a null logprob).
 
 Refused with a clear error where a step can be planned before the previous one's result is
 applied (async scheduling: the already planned next position would have to be
