@@ -25,9 +25,6 @@ class PendingBatch:
         self._progress = progress
         self._prompt_of: dict[str, int] = {}  # request id -> its prompt's index
         self._samples_left: dict[int, int] = {}  # prompt index -> its samples not finished
-        # Requests a stop string ended before their forced tokens' scores came (their later
-        # updates bring them: ``OutputAssembler.add_late``).
-        self._scoring: set[str] = set()
 
     def add(self, asm: OutputAssembler, prompt: int) -> None:
         """Registers ``asm``'s request, one sample of prompt ``prompt``, before it is added."""
@@ -48,16 +45,14 @@ class PendingBatch:
             with self.cond:
                 if request_id in self.finished:
                     return
-                if request_id in self._scoring:  # (a stop string ended it already)
+                if asm.scoring:  # (a stop string ended it already)
                     if not asm.add_late(update):
                         return
-                    self._scoring.discard(request_id)
                     self._finish(request_id, failed=False)
                 else:
                     if not self._add(asm, update):
                         return
                     if asm.stopped_awaiting_scores(update):
-                        self._scoring.add(request_id)
                         return
                     self._finish(request_id, failed=asm.output.finish_reason == "error")
             if update.finish_reason is None:  # a stop string: stop the stage's work too

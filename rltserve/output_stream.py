@@ -38,9 +38,6 @@ class _Sample:
     sent_tokens: int = 0  # tokens (and their depths, logprobs) already yielded: DELTA's start
     sent_text: int = 0  # characters of text already yielded
     changed: bool = False  # an update arrived since the last yield
-    # A stop string ended it before its forced tokens' scores came: later updates bring them
-    # (``OutputAssembler.add_late``); it finishes, and is aborted in the stage, once they have.
-    scoring: bool = False
 
 
 @dataclass
@@ -126,11 +123,12 @@ class OutputStream:
         if sample.finished:  # (the stage's abort update after a stop string ended it)
             return
         asm = sample.asm
-        if sample.scoring:  # (a stop string ended it: only the forced tokens' scores count)
+        # A stop string ended it before its forced tokens' scores came: it finishes, and is
+        # aborted in the stage, once later updates have brought them.
+        if asm.scoring:
             done = asm.add_late(update)
             self._add_scores(sample, update)
             if done:
-                sample.scoring = False
                 sample.finished = sample.changed = True
                 if update.finish_reason is None:
                     self.abort(sample.stage_id)
@@ -156,8 +154,7 @@ class OutputStream:
         if finish is None:
             return
         if asm.stopped_awaiting_scores(update):
-            sample.scoring = True  # (not finished, nor aborted, until the scores come)
-            return
+            return  # (not finished, nor aborted, until the scores come)
         sample.finished = True
         if asm.rejected or finish == "error":
             if self._failure is None:
@@ -188,10 +185,10 @@ class OutputStream:
         outputs = [
             self._completion(j, s, delta)
             for j, s in enumerate(self.samples)
-            if (s.changed and not s.scoring) or not delta
+            if (s.changed and not s.asm.scoring) or not delta
         ]
         for s in self.samples:
-            s.changed = s.changed and s.scoring
+            s.changed = s.changed and s.asm.scoring
         first = self.samples[0].asm.output
         prompt_logprobs = self._prompt_logprobs
         if delta and prompt_logprobs is not None:
@@ -213,7 +210,7 @@ class OutputStream:
         """Sample ``index`` as yielded now: copies, since the assembler keeps extending its
         lists after the consumer has them."""
         out = sample.asm.output
-        ended = not sample.scoring  # (one awaiting scores has not finished yet)
+        ended = not sample.asm.scoring  # (one awaiting scores has not finished yet)
         start = sample.sent_tokens if delta else 0
         text_start = sample.sent_text if delta else 0
         sample.sent_tokens, sample.sent_text = len(out.token_ids), len(out.text)

@@ -205,6 +205,9 @@ class OutputAssembler:
         self._stop_from = 0  # the text of the first min_tokens tokens ends here
         self.rejected = False  # the engine refused the request (invalid arguments)
         self.weight_version = 0  # of the weights that produced the tokens (latest update)
+        # A stop string ended the output while forced tokens' scores were still to come
+        # (``stopped_awaiting_scores``): its later updates go to ``add_late`` until they have.
+        self.scoring = False
 
     def add(self, update: RequestUpdate) -> TextDelta:
         out = self.output
@@ -289,21 +292,24 @@ class OutputAssembler:
         return entries is not None and any(e["logprob"] is None for e in entries)
 
     def stopped_awaiting_scores(self, update: RequestUpdate) -> bool:
-        """After ``add(update)``: True when a stop string ended the output at ``update`` (the
-        engine has not ended the request) while ``awaiting_scores``: the front end then gives
-        the request's later updates to ``add_late``, and aborts it and delivers the result
-        only once that returns True."""
+        """After ``add(update)``: True, and ``scoring`` set, when a stop string ended the output
+        at ``update`` (the engine has not ended the request) while ``awaiting_scores``: the
+        front end then gives the request's later updates to ``add_late``, and aborts it and
+        delivers the result only once that returns True."""
         out = self.output
-        return out.finish_reason == "stop" and update.finish_reason is None and self.awaiting_scores
+        stopped = out.finish_reason == "stop" and update.finish_reason is None
+        self.scoring = stopped and self.awaiting_scores
+        return self.scoring
 
     def add_late(self, update: RequestUpdate) -> bool:
         """An update of a request whose output a stop string ended while ``awaiting_scores``:
         writes its ``forced_logprobs`` into the kept output's entries and takes nothing else
         (no tokens, text or finish). True once nothing more is to come from the request: no
         forced entry lacks its score, or the engine ended the request (the output keeps what
-        it has)."""
+        it has); ``scoring`` is cleared then."""
         self._add_scores(update)
-        return update.finish_reason is not None or not self.awaiting_scores
+        self.scoring = update.finish_reason is None and self.awaiting_scores
+        return not self.scoring
 
     def _add_scores(self, update: RequestUpdate) -> None:
         """Forced tokens scored since they went out (a stop string may have cut them off)."""

@@ -52,10 +52,6 @@ class _Choice:
     # nor a finish.
     started: bool = False
     cached_tokens: int | None = None  # prompt tokens the stage reused (its first update says)
-    # A stop string ended it (its event went out) before its forced tokens' scores came: it
-    # stays in the stage, its later updates bringing them (``OutputAssembler.add_late``), so
-    # that the final outputs have them.
-    scoring: bool = False
 
 
 class Generation:
@@ -145,8 +141,8 @@ class Generation:
         """Aborts every unfinished choice in the stage (idempotent)."""
         now = time.monotonic()
         for choice in self._choices.values():
-            if choice.scoring:  # (finished for the client: only its scores are missing)
-                choice.scoring = False
+            if choice.assembler.scoring:  # (finished for the client: only its scores are missing)
+                choice.assembler.scoring = False
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
             if choice.open:
@@ -166,7 +162,7 @@ class Generation:
         """Aborts unfinished choices and ends each with an abort event, so that its handler
         still writes a proper ending (the stage's own abort update may never come)."""
         for index, choice in self._choices.items():
-            if choice.open or choice.scoring:
+            if choice.open or choice.assembler.scoring:
                 self.aborted = self.aborted or choice.open
                 with contextlib.suppress(StageError):
                     self._frontend.client.abort(choice.stage_id)
@@ -180,7 +176,7 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        return not any(c.open or c.scoring for c in self._choices.values())
+        return not any(c.open or c.assembler.scoring for c in self._choices.values())
 
     def outputs(self) -> dict[int, Completion]:
         return {i: c.assembler.output for i, c in self._choices.items()}
@@ -226,12 +222,13 @@ class Generation:
 
     def _apply(self, index: int, update: RequestUpdate) -> ChoiceEvent | None:
         choice = self._choices[index]
-        if choice.scoring:  # (a stop string ended it: only the forced tokens' scores count)
-            if choice.assembler.add_late(update):
-                choice.scoring = False
-                if update.finish_reason is None:
-                    with contextlib.suppress(StageError):
-                        self._frontend.client.abort(choice.stage_id)
+        # A stop string ended it (its event went out) before its forced tokens' scores came: it
+        # stays in the stage until its later updates have brought them, so that the final
+        # outputs have them.
+        if choice.assembler.scoring:
+            if choice.assembler.add_late(update) and update.finish_reason is None:
+                with contextlib.suppress(StageError):
+                    self._frontend.client.abort(choice.stage_id)
             return None
         if not choice.open:
             return None  # late updates after a stop string ended the choice, or after abort
@@ -249,12 +246,12 @@ class Generation:
         metrics.on_tokens(choice.timeline, now, delta.exit_depths)
         if delta.finish_reason is not None:
             choice.open = False
-            if update.finish_reason is None:  # a stop string: stop the engine's work too ...
-                if choice.assembler.stopped_awaiting_scores(update):
-                    choice.scoring = True  # (... once its forced tokens are scored)
-                else:
-                    with contextlib.suppress(StageError):
-                        self._frontend.client.abort(choice.stage_id)
+            # A stop string: stop the engine's work too, now or, while forced tokens it kept
+            # await their scores, once they have come (above).
+            stopped = update.finish_reason is None
+            if stopped and not choice.assembler.stopped_awaiting_scores(update):
+                with contextlib.suppress(StageError):
+                    self._frontend.client.abort(choice.stage_id)
             if not update.rejected:  # (a request the engine refused is a 400, not a finish)
                 metrics.on_finish(choice.timeline, now, delta.finish_reason)
         return ChoiceEvent(
