@@ -329,13 +329,13 @@ def pool_kv_cache_gb(config: EngineConfig, given: float | None) -> float:
     if cache.gpu_memory_utilization is None or cache.num_blocks is not None:
         return cache.kv_cache_gb
     device, prefill = model.device, execution.prefill_device
-    shared = prefill is None or _device_key(prefill) == _device_key(device)
+    shared = prefill is None or device_key(prefill) == device_key(device)
     stages = 2 if execution.disaggregate and shared else 1
     gb = kv_cache_gb_for(cache.gpu_memory_utilization, device, model.model, model.dtype, stages)
     return cache.kv_cache_gb if gb is None else gb
 
 
-def _device_key(device: str) -> tuple[str, int]:
+def device_key(device: str) -> tuple[str, int]:
     """A device name as the device it names: "cuda" is "cuda:0" (the current device of a
     process that set none), so "cuda" and "cuda:0" are one GPU."""
     kind, _, index = device.partition(":")

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from rltserve.vllm_args import device_key
+
 AFFINITIES = ("none", "session")
 RESOURCE_FIELDS = ("replica_cpus", "replica_gpus")  # (the flags ``bench offline`` shares)
 
@@ -117,7 +119,7 @@ class ReplicaConfig:
         device (``cuda`` is ``cuda:0``: Ray shows a replica its own GPUs only, from index 0),
         else 0. A replica on CUDA with 0 GPUs is refused: Ray would place it without a GPU
         and leave it every GPU of its node to pick from, so replicas pile up on GPU 0."""
-        cuda = {d if ":" in d else d + ":0" for d in devices if d and d.startswith("cuda")}
+        cuda = {"{}:{}".format(*device_key(d)) for d in devices if d and d.startswith("cuda")}
         if self.replica_gpus is None:
             return dataclasses.replace(self, replica_gpus=float(len(cuda)))
         if cuda and self.replica_gpus == 0:
