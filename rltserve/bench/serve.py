@@ -60,7 +60,7 @@ from rltserve.bench.serve_config import BenchConfig
 from rltserve.bench.serve_datasets import random_prompts, request_lengths, token_pool
 from rltserve.bench.serve_report import RequestResult, summarize
 from rltserve.bench.serve_report import format_report as format_report
-from rltserve.bench.serve_text_datasets import TokenCounter, text_requests
+from rltserve.bench.serve_text_datasets import TokenCounter, local_tokenizer, text_requests
 from rltserve.client import APIError, AsyncClient
 from rltserve.client_errors import NotFoundError
 from rltserve.progress import progress_bar
@@ -241,12 +241,7 @@ def _special_ids(config: BenchConfig) -> frozenset[int]:
     """The special token ids of ``tokenizer`` (none without it: the server does not say)."""
     if config.tokenizer is None or config.dataset != "random":
         return frozenset()
-    from rltserve.models.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(config.tokenizer)
-    if tokenizer is None:
-        raise ValueError(f"--tokenizer {config.tokenizer}: no tokenizer files there")
-    return tokenizer.special_ids
+    return local_tokenizer(config.tokenizer).special_ids
 
 
 async def run_bench(config: BenchConfig) -> dict:

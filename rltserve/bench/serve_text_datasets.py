@@ -50,18 +50,22 @@ class TextRequest:
     output_len: int
 
 
+def local_tokenizer(path: str) -> Any:
+    """The tokenizer of ``--tokenizer`` (ValueError naming the flag where it has none)."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ValueError(f"--tokenizer {path}: no tokenizer files there")
+    return tokenizer
+
+
 class TokenCounter:
     """Counts tokens with a local tokenizer (``--tokenizer``) or the server's ``/tokenize``."""
 
     def __init__(self, client: Any, tokenizer_path: str | None = None) -> None:
         self._client = client
-        self._local = None
-        if tokenizer_path is not None:
-            from rltserve.models.tokenizer import load_tokenizer
-
-            self._local = load_tokenizer(tokenizer_path)
-            if self._local is None:
-                raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer files there")
+        self._local = None if tokenizer_path is None else local_tokenizer(tokenizer_path)
 
     async def encode(self, text: str) -> list[int]:
         if self._local is not None:
