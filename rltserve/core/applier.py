@@ -266,10 +266,7 @@ class Applier:
         request.withheld = None
         update.prompt_logprobs = slots
         updates.updates[rid] = update  # (none of its own this step: it was withholding)
-        reason = request.finish_pending
-        if reason is not None and not request.forced_pending:
-            self.s.finish(request, reason)
-            update.finish_reason = reason
+        self._end_once_scored(request, update)
 
     def _record_forced(
         self,
@@ -298,6 +295,11 @@ class Applier:
             else:
                 updates.updates[rid] = update
         update.forced_logprobs = (update.forced_logprobs or []) + new
+        self._end_once_scored(request, update)
+
+    def _end_once_scored(self, request: Request, update: RequestUpdate) -> None:
+        """Ends a request whose end waited for scores (``finish_pending``: its prompt's, its
+        forced tokens') once none is missing, in ``update``."""
         reason = request.finish_pending
         if reason is not None and not request.scoring and not request.forced_pending:
             self.s.finish(request, reason)
