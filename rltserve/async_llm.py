@@ -32,7 +32,7 @@ from rltserve.output_stream import OutputStream
 from rltserve.outputs import RequestOutput
 from rltserve.prompt_inputs import PromptInput
 from rltserve.prompt_inputs import prompt_text as text_of
-from rltserve.samples import expand_samples
+from rltserve.samples import expand_samples, sample_ids
 from rltserve.sampling import SamplingParams
 
 
@@ -317,8 +317,7 @@ class AsyncLLM(AsyncTrainerControls):
             llm.tokenizer if params.detokenize else None,
             llm._client.abort,
         )
-        for j in range(params.n):
-            stage_id = prompt_id if params.n == 1 else f"{j}_{prompt_id}"
+        for stage_id in sample_ids(prompt_id, params.n)[0]:
             stream.add_sample(stage_id, llm._assembler(stage_id, ids, params))
         return stream
 
@@ -326,8 +325,7 @@ class AsyncLLM(AsyncTrainerControls):
         """Adds the stream's samples to the stage; their updates go to the running loop."""
         loop = asyncio.get_running_loop()
         samples = expand_samples(params)
-        # The samples of one prompt share its prefill: the stage computes it once.
-        group = prompt_id if len(samples) > 1 else None
+        group = sample_ids(prompt_id, params.n)[1]
         with self._llm._stage():
             for j, (sample, p) in enumerate(zip(stream.samples, samples)):
                 self._llm._client.add_request(

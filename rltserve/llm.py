@@ -47,7 +47,7 @@ from rltserve.prompt_inputs import (
     token_id_prompts,
 )
 from rltserve.prompt_truncation import truncated_prompt
-from rltserve.samples import expand_samples
+from rltserve.samples import expand_samples, sample_ids
 from rltserve.sampling import SamplingParams
 from rltserve.thinking import bound_thinking, resolve_thinking
 from rltserve.vllm_args import (
@@ -360,14 +360,10 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         try:
             for index, (ids, p) in enumerate(zip(encoded, plist)):
                 group = []
-                samples = expand_samples(p)
-                # vLLM's ids: the prompt's a number, its samples' "j_<id>" when n > 1. The
-                # samples of one prompt share its prefill: the stage computes it once.
-                prompt_id = str(next(self._ids))
-                key = prompt_id if len(samples) > 1 else None
+                prompt_id = str(next(self._ids))  # (vLLM's: a number)
+                rids, key = sample_ids(prompt_id, p.n)
                 prompt_ids.append(prompt_id)
-                for j, sample in enumerate(samples):
-                    rid = prompt_id if key is None else f"{j}_{prompt_id}"
+                for rid, sample in zip(rids, expand_samples(p)):
                     asm = self._assembler(rid, ids, p)
                     group.append(asm)
                     pending.add(asm, index)

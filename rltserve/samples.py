@@ -30,3 +30,12 @@ def expand_samples(params: SamplingParams) -> list[SamplingParams]:
         )
         for j in range(params.n)
     ]
+
+
+def sample_ids(prompt_id: str, n: int) -> tuple[list[str], str | None]:
+    """The stage ids of a prompt's ``n`` samples, vLLM's (the prompt's id for one sample, else
+    "j_<id>" for sample j), and their group (the prompt's id when n > 1: the samples of one
+    prompt share its prefill, which the stage computes once; None for one sample)."""
+    if n == 1:
+        return [prompt_id], None
+    return [f"{j}_{prompt_id}" for j in range(n)], prompt_id

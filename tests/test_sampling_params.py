@@ -13,7 +13,7 @@ from engine_util import make_core, run_core
 from rltserve.caller_values import outside_vocab
 from rltserve.generation_config import generation_config_defaults
 from rltserve.prompt_truncation import truncated_prompt
-from rltserve.samples import expand_samples, sample_seed
+from rltserve.samples import expand_samples, sample_ids, sample_seed
 from rltserve.sampling import SamplingParams
 
 
@@ -100,6 +100,11 @@ def test_only_the_users_seed_of_minus_one_is_no_seed():
     assert [p.seed for p in samples] == [-2, 2**64 - 1, 0]
     assert samples[1].clone().seed == 2**64 - 1  # (the submitted copy keeps it)
     assert [p.seed for p in expand_samples(SamplingParams(seed=-1, n=2))] == [None, None]
+
+
+def test_sample_ids_are_vllms_and_name_the_group():
+    assert sample_ids("7", 1) == (["7"], None)
+    assert sample_ids("7", 3) == (["0_7", "1_7", "2_7"], "7")
 
 
 def test_a_sample_derived_at_minus_one_is_the_same_on_every_call(ouro_rv1):
