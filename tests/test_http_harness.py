@@ -30,6 +30,7 @@ from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
 from rltserve.http.server import RunningServer, serving
 from rltserve.http.state import STATE, ServingState
+from rltserve.models.tokenizer import load_tokenizer
 from rltserve.updates import RequestUpdate
 
 FIXED_CREATED = 1730000000
@@ -325,3 +326,42 @@ def metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, name
     return float(match.group(1))
+
+
+def hi_token_ids(ckpt: Path) -> list[int]:
+    """Token ids of " Hi!": four byte-level tokens whatever the merges."""
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode(" Hi!")
+    assert [tok.decode([i]) for i in ids] == [" ", "H", "i", "!"]
+    return ids
+
+
+class RewritingStage(ScriptedStage):
+    """A scripted stage whose updates pass through ``rewrite`` on their way to the server:
+    values the script never makes (-inf logprobs, cached prompt tokens, prompt logprobs)."""
+
+    def __init__(self, info, script, rewrite) -> None:
+        super().__init__(info, script)
+        self.rewrite = rewrite
+
+    def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
+        rewrite = self.rewrite
+        super().add_request(request_id, prompt_token_ids, params, lambda u: sink(rewrite(u)), group)
+
+
+def first_updates(change):
+    """A ``rewrite`` that applies ``change`` to the first update of each request."""
+    seen: set[str] = set()
+
+    def rewrite(update: RequestUpdate) -> RequestUpdate:
+        if update.request_id not in seen:
+            seen.add(update.request_id)
+            change(update)
+        return update
+
+    return rewrite
+
+
+def body_of(raw: bytes) -> dict:
+    """A non-streaming body read with the SSE parser."""
+    return sse_payloads(b"data: " + raw + b"\n\n")[0]

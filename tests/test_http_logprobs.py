@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import pytest
 from test_http_harness import (
+    RewritingStage,
     Script,
+    body_of,
+    first_updates,
+    hi_token_ids,
     running,
     scripted_factory,
     scripted_info,
     sse_payloads,
+    stage_for,
     tiny_checkpoint,
 )
-from test_http_sse import RewritingStage, body_of, first_updates, hi_token_ids, stage_for
 
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.updates import RequestUpdate
