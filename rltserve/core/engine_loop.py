@@ -20,16 +20,24 @@ from rltserve.updates import RequestUpdate, StepUpdates
 
 # (A step's updates come as ``StepUpdates``: ``to_wire`` sends either.)
 Emit = Callable[[list[RequestUpdate] | StepUpdates, EngineStats], None]
+# Seconds without work or commands before ``on_idle`` runs: a pause between a client's
+# requests is shorter, so a busy engine never pays for it.
+IDLE_S = 1.0
 
 
 async def run_engine_loop(
-    core: EngineCore, inbox: asyncio.Queue, emit: Emit, reply: Reply | None = None
+    core: EngineCore,
+    inbox: asyncio.Queue,
+    emit: Emit,
+    reply: Reply | None = None,
+    on_idle: Callable[[], None] | None = None,
 ) -> None:
     """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params) or
     ("add", rid, prompt_ids, params, group[, transfer]), ("abort", rid), ("update_weights",
     token, paths, abort, timeout_s), ("sleep", token, level, timeout_s), ("wake_up", token,
     tags) (``weight_gate``; its outcome goes to ``reply``) and ("reset_prefix_cache",
-    token). A rejected add is emitted as an ERROR update for that request id.
+    token). A rejected add is emitted as an ERROR update for that request id. ``on_idle`` runs
+    once per idle spell, ``IDLE_S`` into it (the worker process gives its free heap back).
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
@@ -50,7 +58,8 @@ async def run_engine_loop(
     while True:
         for command in gate.poll(busy=bool(in_flight)):
             _handle(core, command, emit, gate)
-        if not in_flight and not core.has_work() and _handle(core, await inbox.get(), emit, gate):
+        idle = not in_flight and not core.has_work()
+        if idle and _handle(core, await next_when_idle(inbox, on_idle), emit, gate):
             break
         while not inbox.empty():
             if _handle(core, inbox.get_nowait(), emit, gate):
@@ -77,6 +86,19 @@ async def run_engine_loop(
         plan, future = in_flight.popleft()
         result = await future.wait()
         emit(core.apply(plan, result), _stats(core, gate))
+
+
+async def next_when_idle(
+    inbox: asyncio.Queue, on_idle: Callable[[], None] | None, idle_s: float = IDLE_S
+) -> tuple:
+    """The next command for an idle engine; ``on_idle`` runs if none comes in ``idle_s``."""
+    if on_idle is None or not inbox.empty():
+        return await inbox.get()
+    try:
+        return await asyncio.wait_for(inbox.get(), idle_s)
+    except asyncio.TimeoutError:
+        on_idle()
+        return await inbox.get()
 
 
 def _stats(core: EngineCore, gate: WeightGate) -> EngineStats:

@@ -72,8 +72,14 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple], None]) -> None:
-    """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``."""
+def serve(
+    config: EngineConfig,
+    recv: Callable[[], tuple],
+    send: Callable[[tuple], None],
+    on_idle: Callable[[], None] | None = None,
+) -> None:
+    """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``.
+    ``on_idle``: as ``run_engine_loop``'s."""
     # Imported here: torch comes with the engine, and only the process that runs it needs it.
     from rltserve.core.engine import EngineCore
     from rltserve.core.engine_loop import run_engine_loop
@@ -121,6 +127,7 @@ def serve(config: EngineConfig, recv: Callable[[], tuple], send: Callable[[tuple
                 lambda token, error, version: send(
                     ("reply", token, error, version, sorted(core.sleeping))
                 ),
+                on_idle,
             )
         )
     except Exception as exc:
