@@ -158,9 +158,13 @@ class ReasoningStream:
 
 def with_thinking_prefix(prompt_text: str, start: int = 0) -> str:
     """A rendered chat prompt asked to think (``enable_thinking``): ``<think>\\n`` appended, as
-    the Ouro-Thinking recipes do, unless the template already opened the span (after
-    ``start``, where its generation region begins: ``ChatPrompt``)."""
-    if prompt_opens_thinking(prompt_text[start:]):
+    the Ouro-Thinking recipes do, unless the template wrote a ``<think>`` in its generation
+    region (after ``start``, where that region begins: ``ChatPrompt``; and after its last
+    ``TURN_START``): one it left open is the span already, and one it opened and closed (the
+    "thinking off" pre-fill of Qwen3-style templates, ``<think>\\n\\n</think>\\n\\n``) is the
+    template's decision, which a new ``<think>`` would turn into an answer all reasoning."""
+    region = prompt_text[start:]
+    if THINK_START in region[max(region.rfind(TURN_START), 0) :]:
         return prompt_text
     return prompt_text + THINK_START + "\n"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from test_http_harness import (
+    RewritingStage,
     Script,
     ScriptedStage,
     running,
@@ -19,6 +20,7 @@ from test_http_harness import (
 )
 
 from rltserve.models.tokenizer import load_tokenizer
+from rltserve.updates import RequestUpdate
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ async def test_chat_reasoning_stream_flushes_the_tail_it_held_back(ckpt):
         status, _, raw = await live.post("/v1/chat/completions", body)
         assert status == 200, raw
         assert body_of(raw)["choices"][0]["message"] == {
-            "role": "assistant", "content": "", "reasoning": "H<", "reasoning_content": "H<",
+            "role": "assistant", "content": None, "reasoning": "H<", "reasoning_content": "H<",
         }  # fmt: skip
         status, _, raw = await live.post("/v1/chat/completions", {**body, "stream": True})
     assert status == 200
@@ -155,15 +157,15 @@ async def test_an_answer_that_opens_its_own_thinking_span_is_split(ckpt):
 
 
 async def test_an_answer_still_thinking_at_its_limit_is_all_reasoning(ckpt):
-    """An answer that opened its span and ran out of tokens inside it: all reasoning, every
-    token counted."""
+    """An answer that opened its span and ran out of tokens inside it: all reasoning (its
+    content null, as vLLM's parsers give it), every token counted."""
     stage = stage_for(ckpt, [THINK, H_ID, I_ID])
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:
         _, _, raw = await live.post("/v1/chat/completions", body)
     result = body_of(raw)
     assert result["choices"][0]["message"] == {
-        "role": "assistant", "content": "", "reasoning": "Hi", "reasoning_content": "Hi",
+        "role": "assistant", "content": None, "reasoning": "Hi", "reasoning_content": "Hi",
     }  # fmt: skip
     assert result["choices"][0]["finish_reason"] == "length"
     assert result["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
@@ -185,3 +187,79 @@ async def test_an_own_span_is_split_only_where_the_text_keeps_its_end(ckpt, tmp_
     assert body_of(kept)["choices"][0]["message"] == {
         "role": "assistant", "content": "i", "reasoning": "H", "reasoning_content": "H",
     }  # fmt: skip
+
+
+async def test_an_answer_with_no_content_after_its_span_has_null_content(ckpt):
+    """vLLM's parsers return ``content or None``: an answer that ends right after ``</think>``
+    (EOS) or on a stop string inside its span has null content (streamed deltas as before:
+    no content chunk); an answer with no span keeps its empty text as ""."""
+    think = {"messages": [{"role": "user", "content": "hi"}],
+             "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    ended = stage_for(ckpt, [H_ID, END, EOS_ID])
+    async with running(ckpt, client_factory=scripted_factory(ended)) as live:
+        _, _, raw = await live.post("/v1/chat/completions", think)
+        _, _, streamed = await live.post("/v1/chat/completions", {**think, "stream": True})
+        _, _, stopped = await live.post("/v1/chat/completions", {**think, "stop": ["</think>"]})
+        plain = {"messages": think["messages"], "stop": ["H"]}
+        _, _, empty = await live.post("/v1/chat/completions", plain)
+    message = {"role": "assistant", "content": None, "reasoning": "H", "reasoning_content": "H"}
+    assert body_of(raw)["choices"][0]["message"] == message
+    assert [e["choices"][0]["delta"] for e in sse_payloads(streamed)[:-1]] == [
+        {"role": "assistant", "content": ""},
+        {"reasoning": "H", "reasoning_content": "H"},
+        {},
+    ]
+    choice = body_of(stopped)["choices"][0]
+    assert (choice["message"], choice["stop_reason"]) == (message, "</think>")
+    choice = body_of(empty)["choices"][0]
+    assert (choice["message"], choice["finish_reason"]) == ({"role": "assistant", "content": ""},
+                                                            "stop")  # fmt: skip
+
+
+async def test_a_forced_think_end_makes_no_chunk_with_logprobs(ckpt):
+    """Bounded thinking's forced ``</think>`` (no logprob: nothing sampled) shows nothing and
+    lists no logprob entry: no chunk for it with ``logprobs`` as without (vLLM sends no empty
+    delta); the other chunks, the finish and the usage are as ever."""
+
+    def forced_end(update: RequestUpdate) -> RequestUpdate:
+        update.new_logprobs = [
+            None if t == END else lp for t, lp in zip(update.new_token_ids, update.new_logprobs)
+        ]
+        return update
+
+    stage = RewritingStage(scripted_info(ckpt), Script([H_ID, END, I_ID, EOS_ID]), forced_end)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+            "thinking_token_budget": 2, "logprobs": True, "stream_options": {"include_usage": True},
+            "chat_template_kwargs": {"enable_thinking": True}}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        rendered = {key: body[key] for key in ("messages", "chat_template_kwargs")}
+        _, _, tokenized = await live.post("/tokenize", rendered)
+        status, _, streamed = await live.post("/v1/chat/completions", body)
+    assert status == 200, streamed
+    n = len(body_of(tokenized)["tokens"])
+    head = b'data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1730000000,'
+    head += b'"model":"tiny","choices":[{"index":0,"delta":'
+
+    def logprob(token: bytes) -> bytes:
+        listed = b",".join(b"%d" % byte for byte in token)
+        return (
+            b'{"content":[{"token":"' + token + b'","logprob":-0.5,"bytes":[' + listed
+            + b'],"top_logprobs":[]}]}'
+        )  # fmt: skip
+
+    usage = (
+        b'{"prompt_tokens":%d,"completion_tokens":4,"total_tokens":%d,'
+        b'"completion_tokens_details":{"reasoning_tokens":2}}' % (n, n + 4)
+    )
+    assert streamed == (
+        head + b'{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+        b'"usage":null}\n\n'
+        + head + b'{"reasoning":"H","reasoning_content":"H"},"logprobs":' + logprob(b"H")
+        + b',"finish_reason":null}],"usage":null}\n\n'
+        + head + b'{"content":"i"},"logprobs":' + logprob(b"i")
+        + b',"finish_reason":null}],"usage":null}\n\n'
+        + head + b'{},"logprobs":' + logprob(b"<|im_end|>")
+        + b',"finish_reason":"stop","stop_reason":null}],"usage":null}\n\n'
+        + head[: head.index(b"[") + 1] + b'],"usage":' + usage + b"}\n\n"
+        + b"data: [DONE]\n\n"
+    )  # fmt: skip

@@ -135,7 +135,8 @@ async def test_chat_thinking_fills_reasoning_content(server, offline):
     message = result["choices"][0]["message"]
     want = offline["chat"][await _version(server)].text
     reasoning, _, content = want.partition("</think>")
-    assert message["reasoning_content"] == reasoning and message["content"] == content
+    # (the offline text is raw; an answer with no content after its span has null content)
+    assert message["reasoning_content"] == reasoning and message["content"] == (content or None)
     assert result["usage"]["prompt_tokens"] == offline["chat_prompt_tokens"]
     status, _, raw = await server.post(
         "/v1/chat/completions", {**body, "stream": True}, headers=AUTH

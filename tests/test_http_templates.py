@@ -171,3 +171,68 @@ async def test_a_tokenizer_without_a_chat_template_is_a_400_naming_messages(ckpt
             "code": 400,
         }
         assert stage.added == []
+
+
+async def test_a_generation_prompt_that_closes_its_thinking_span_gets_no_prefix(ckpt):
+    """A template whose generation prompt pre-fills a closed span (Nanbeige's and Qwen3's
+    "thinking off", ``<think>\\n\\n</think>\\n\\n``), asked to think: the prompt is the
+    template's (no ``<think>\\n`` after it), so the answer is content, not reasoning, and a
+    thinking budget bounds nothing."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n"
+        "</think>\n\n{% endif %}"
+    )
+    want = load_tokenizer(ckpt).encode(
+        "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", False
+    )
+    stage = stage_for(ckpt)
+    body = {**CHAT, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": True},
+            "thinking_token_budget": 1}  # fmt: skip
+    async with running(
+        ckpt, client_factory=scripted_factory(stage), chat_template=template
+    ) as live:
+        status, _, raw = await live.post("/v1/chat/completions", body)
+    assert status == 200, raw
+    assert stage.added_prompts == [want]
+    assert stage.added_params[0].max_thinking_tokens is None
+    result = orjson.loads(raw)
+    assert result["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    assert "completion_tokens_details" not in result["usage"]
+
+
+async def test_an_openai_answer_sent_back_in_a_history_is_taken(ckpt):
+    """The OpenAI SDK's ``message.model_dump()`` of an answer, sent back as history: its null
+    ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls`` (and empty
+    ``annotations``) are known fields, under --strict-fields too, rendered as the plain message;
+    a ``refusal`` text is not rendered (vLLM's), so with null content the turn is empty. An
+    ``audio`` answer is a 400 (no audio), as is a ``refusal`` on a user's message."""
+    plain = {"role": "assistant", "content": "yo"}
+    dumped = {**plain, "refusal": None, "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}  # fmt: skip
+    user, more = {"role": "user", "content": "x"}, {"role": "user", "content": "more"}
+    refused = {"role": "assistant", "content": None, "refusal": "I can't", "annotations": []}
+
+    async def tokens(live, message) -> tuple[int, bytes]:
+        """/tokenize's answer for a history holding ``message`` (chat's status is the same)."""
+        body = {"messages": [user, message, more]}
+        chat, _, chat_raw = await live.post("/v1/chat/completions", body)
+        status, _, raw = await live.post("/tokenize", body)
+        assert chat == status, chat_raw
+        return status, raw
+
+    stage = stage_for(ckpt)
+    async with running(ckpt, client_factory=scripted_factory(stage), strict_fields=True) as live:
+        taken = [await tokens(live, m) for m in (plain, dumped, {**dumped, "annotations": []})]
+        assert [status for status, _ in taken] == [200] * 3, taken
+        assert {raw for _, raw in taken} == {taken[0][1]}
+        assert stage.added_prompts[0] == stage.added_prompts[1] == stage.added_prompts[2]
+        assert await tokens(live, refused) == await tokens(live, {**refused, "refusal": None})
+        for message, param in [
+            ({**dumped, "audio": {"id": "audio_1"}}, "messages[1].audio"),
+            ({**user, "refusal": "no"}, "messages[1].refusal"),
+        ]:
+            status, raw = await tokens(live, message)
+            assert (status, error_of(raw)["param"]) == (400, param), raw

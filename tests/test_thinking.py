@@ -316,6 +316,20 @@ def test_the_thinking_prefix_is_for_a_generation_prompt_only():
     assert chat_prompt_text(turn, True, {"enable_thinking": False}, Tok()) == turn
 
 
+def test_the_thinking_prefix_keeps_a_span_the_template_opened_or_closed():
+    # Only a generation region with no <think> at all gets the prefix: a closed span there is
+    # the template's "thinking off" pre-fill (Qwen3's, Nanbeige's), an open one is the span.
+    turn = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    closed = turn + "<think>\n\n</think>\n\n"
+    assert with_thinking_prefix(closed) == closed
+    assert with_thinking_prefix(turn + "<think>\n") == turn + "<think>\n"
+    assert with_thinking_prefix(turn) == turn + "<think>\n"
+    # A span closed in an earlier turn (or a user's words) is not the generation region's.
+    earlier = "<|im_start|>user\n<think>a</think><|im_end|>\n<|im_start|>assistant\n"
+    assert with_thinking_prefix(earlier) == earlier + "<think>\n"
+    assert with_thinking_prefix(closed, start=len(closed)) == closed + "<think>\n"
+
+
 def test_only_the_generation_region_of_a_chat_opens_a_thinking_span(tiny):
     # A <think> in a message's words encodes to the very token a thinking template writes;
     # only the region after the messages (generation prompt, thinking prefix, a continued
@@ -344,6 +358,21 @@ def test_only_the_generation_region_of_a_chat_opens_a_thinking_span(tiny):
     assert chat(prefill, False, continue_final=True) == ChatPrompt(head + "<think>\nLet me", True)
     closed = [*mention, {"role": "assistant", "content": "<think>a</think>b"}]
     assert chat(closed, False, continue_final=True).thinking is False
+    # A template whose generation prompt pre-fills a closed span: asked to think, the prompt
+    # stays as rendered (no <think> after the template's </think>), with no span open.
+    off = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n"
+        "</think>\n\n{% endif %}"
+    )
+
+    def thinking_off(turns, agp, cfm):
+        return tok.apply_chat_template(turns, agp, tokenize=False, chat_template=off)
+
+    rendered = thinking_off(mention, True, False)
+    assert rendered.endswith("assistant\n<think>\n\n</think>\n\n")
+    think = {"enable_thinking": True}
+    assert chat(mention, kwargs=think, render=thinking_off) == ChatPrompt(rendered, False)
     # A template that writes no <think> itself still gets the prefix after a user's <think>.
     plain = (
         "{% for m in messages %}[{{ m.content }}]{% endfor %}"

@@ -119,6 +119,18 @@ def template_variables(
     return out
 
 
+# The role of every chat answer (vLLM's default ``response_role``).
+RESPONSE_ROLE = "assistant"
+
+
+def echoed_text(messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat ``echo``: the text of the last message (as its template got it: content
+    parts joined) where its role is the answer's, as an assistant prefill the answer
+    continues; "" otherwise (nothing echoed)."""
+    last = messages[-1] if messages else {}
+    return (last.get("content") or "") if last.get("role") == RESPONSE_ROLE else ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ContentPart:
     type: str
@@ -141,6 +153,13 @@ class ChatMessage:
     # older name ``reasoning_content`` (templates get both keys, as they read either).
     reasoning: str | None = None
     reasoning_content: str | None = None
+    # The rest of an OpenAI answer's message, as its SDK's ``model_dump()`` sends it back in a
+    # history (mostly nulls). A ``refusal`` is not rendered (vLLM's templates never see it),
+    # nor are ``annotations`` (citations of the text); an ``audio`` answer (its id) is refused:
+    # its words are not in the history, and this server has no audio.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
 
     def _part(self, part: ContentPart) -> tuple[object, object]:
         """A content part as ``(type, text)``: an assistant's refusal (OpenAI's part, in a
@@ -161,6 +180,14 @@ class ChatMessage:
         if self.function_call is not None:
             where = f"{path}.function_call"
             raise SchemaError(where, f"{where}: function calls are not supported (nor is tools)")
+        if self.audio is not None:
+            where = f"{path}.audio"
+            raise SchemaError(where, f"{where}: audio is not supported (text messages only)")
+        if self.role != "assistant":  # (OpenAI's: an answer's fields)
+            for name in ("refusal", "annotations"):
+                if getattr(self, name):
+                    where = f"{path}.{name}"
+                    raise SchemaError(where, f"{where}: only an assistant message has one")
         content = self.content
         if content is None and self.role != "assistant":  # (OpenAI's: only an assistant's)
             where = f"{path}.content"

@@ -101,10 +101,11 @@ async def _stream(
                     generation.abort()
                     await writer.send(*chunks)
                     return await writer.finish((error.status, error.message))
-                for choice in fmt.stream_choices(event):
+                opening, entries = fmt.stream_choices(event)
+                for k, choice in enumerate(opening + entries):
                     chunk = fmt.chunk([choice])
                     if plan.include_usage:
-                        done = before if "role" in choice.get("delta", ()) else counted[event.index]
+                        done = before if k < len(opening) else counted[event.index]
                         chunk["usage"] = (
                             _choice_usage(
                                 plan, event, done, generation.num_cached_tokens(event.index)
@@ -146,9 +147,9 @@ async def _stream(
 
 def _choice_usage(plan: GenerationPlan, event: ChoiceEvent, done: int, cached: int) -> dict:
     """``continuous_usage_stats``: the chunk's choice so far, as vLLM counts it: its prompt and
-    the ``done`` tokens its chunks carried up to this one (a chat's role chunk: before the
-    event's tokens; a batch's events arrive before it is written, so ``event.output`` may hold
-    later ones), and its prompt's ``cached`` tokens."""
+    the ``done`` tokens its chunks carried up to this one (a chat's role and echo chunks:
+    before the event's tokens; a batch's events arrive before it is written, so
+    ``event.output`` may hold later ones), and its prompt's ``cached`` tokens."""
     done = 0 if plan.prompt_only else done
     return usage(len(event.output.prompt_token_ids), done, cached)
 

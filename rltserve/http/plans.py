@@ -15,6 +15,7 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
+from rltserve.http.chat_messages import echoed_text
 from rltserve.http.errors import HTTPError, bad_request
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
@@ -232,8 +233,9 @@ async def chat_plan(
     """As ``completion_plan``."""
     frontend = state.require_frontend()
     check_sequences(state, 1, req.n)
+    messages = req.template_messages()
     prompt = await frontend.chat_prompt(
-        req.template_messages(),
+        messages,
         req.add_generation_prompt,
         req.template_kwargs,
         req.continue_final_message,
@@ -259,7 +261,11 @@ async def chat_plan(
     return GenerationPlan(
         choices=choices,
         format=ChatFormat(
-            _header(state, "chatcmpl", response_id, req.model), req, frontend, reasoning=reasoning
+            _header(state, "chatcmpl", response_id, req.model),
+            req,
+            frontend,
+            reasoning=reasoning,
+            echo=echoed_text(messages) if req.echo else "",
         ),
         stream=req.stream,
         include_usage=req.include_usage,

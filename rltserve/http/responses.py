@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rltserve.http.frontend import Frontend
 from rltserve.http.generation import ChoiceEvent
@@ -61,6 +61,15 @@ def _logprob(value: float | None) -> float | None:
     return value if math.isfinite(value) else _MIN_LOGPROB
 
 
+class StreamEntries(NamedTuple):
+    """The chunk entries of one stream event: ``opening`` ones (a chat's role chunk and echo,
+    which carry none of the event's tokens, so a running usage counts them before it), then
+    those of its tokens."""
+
+    opening: list[dict]
+    tokens: list[dict]
+
+
 class _Format(ABC):
     object_name = ""
     chunk_object_name = ""
@@ -104,11 +113,16 @@ class _Format(ABC):
             entry["token_ids"] = token_ids
         return entry
 
-    def stream_choices(self, event: ChoiceEvent) -> list[dict]:
+    def stream_choices(self, event: ChoiceEvent) -> StreamEntries:
         """The choice entries (one per chunk) that one event turns into."""
         first = event.index not in self._started
         self._started.add(event.index)
-        return self._stream_choices(event, first)
+        opening = self._opening(event) if first else []
+        return StreamEntries(opening, self._stream_choices(event, first))
+
+    def _opening(self, event: ChoiceEvent) -> list[dict]:
+        """The entries that open a choice's stream, ahead of its first event's tokens."""
+        return []
 
     @abstractmethod
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
@@ -272,15 +286,22 @@ class ChatFormat(_Format):
     ``enable_thinking`` renders), else the answer's own where its first token is ``<think>``
     (as vLLM's deepseek_r1 and qwen3 parsers split it; only where the tokenizer has both tags
     as tokens and the text keeps ``</think>``). An answer still thinking is all reasoning.
+    A split answer with nothing after its span has null ``content`` (vLLM's parsers return
+    ``content or None``); an answer with no span keeps its text, "" included.
     ``include_reasoning`` false (vLLM's) leaves the reasoning out; ``usage`` counts its tokens
-    either way."""
+    either way.
+
+    ``echo`` (vLLM's chat ``echo``): the text of the request's last message, where it is the
+    assistant's, is put before each choice's content (in a stream: a chunk of its own after
+    the role chunk); it is content even beside a reasoning split and has no logprobs."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, header, req, frontend, reasoning: bool = False) -> None:
+    def __init__(self, header, req, frontend, reasoning: bool = False, echo: str = "") -> None:
         super().__init__(header, req, frontend)
         self.reasoning = reasoning
+        self.echo = echo  # (``chat_messages.echoed_text``: "" where nothing is echoed)
         self.include_reasoning = req.include_reasoning
         self._start_id, self._end_id = frontend.think_ids
         # (where skip_special_tokens drops a special </think>, the split would find no end)
@@ -360,21 +381,27 @@ class ChatFormat(_Format):
             out["content"] = content
         return out
 
+    def _opening(self, event: ChoiceEvent) -> list[dict]:
+        self._note_prompt(event.output)
+        deltas = [{"role": "assistant", "content": ""}]
+        if self.echo:
+            deltas.append({"content": self.echo})
+        return [
+            {"index": event.index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas
+        ]
+
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
         delta = event.delta
-        out = []
-        if first:
-            self._note_prompt(event.output)
-            role = {"role": "assistant", "content": ""}
-            out.append(
-                {"index": event.index, "delta": role, "logprobs": None, "finish_reason": None}
-            )
+        out: list[dict] = []
         final = delta.finish_reason is not None
         content = self._delta(event.index, delta.text, final, event.output.token_ids)
         logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
-        if not (content or final or logprobs or self.want_ids or self.want_depths):
-            # Tokens that show nothing (a </think>, reasoning left out by include_reasoning):
-            # no chunk, as vLLM's reasoning parsers send none, so no client reads one as output.
+        listed = logprobs is not None and logprobs["content"]  # (forced tokens list none)
+        if not (content or final or listed or self.want_ids or self.want_depths):
+            # Tokens that show nothing (a </think>, forced or sampled without logprobs, and
+            # reasoning left out by include_reasoning): no chunk, as vLLM's reasoning parsers
+            # send none, so no client reads one as output.
             return out
         entry = {
             "index": event.index,
@@ -390,13 +417,15 @@ class ChatFormat(_Format):
     def final_choice(self, index: int, output: Completion) -> dict:
         self._note_prompt(output)
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
-        message = {"role": "assistant", "content": output.text}
+        message: dict[str, Any] = {"role": "assistant", "content": output.text}
         if self._has_span(output.token_ids):
             text = output.text if self.reasoning else output.text.removeprefix(THINK_START)
             reasoning, content = split_reasoning(text, prompt_open=True)
-            message["content"] = content
+            message["content"] = content or None
             if self.include_reasoning:
                 message["reasoning"] = message["reasoning_content"] = reasoning
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         entry = {
             "index": index,
             "message": message,

@@ -223,6 +223,9 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     # vLLM's: the final message (an assistant prefill) left open for the model to continue.
     continue_final_message: bool = False
+    # vLLM's: each choice's content starts with the last message's text where that message is
+    # the assistant's (``chat_messages.echoed_text``), as a continued prefill reads whole.
+    echo: bool = False
     # vLLM's: special tokens added on top of what the chat template renders (off: templates
     # render their own).
     add_special_tokens: bool = False
