@@ -1,7 +1,9 @@
 """rltserve: an inference and serving engine for looped (recurrent-depth) language models.
 
 The public names load lazily so that torch-free modules (the scheduler, the KV manager) can be
-imported without pulling in torch.
+imported without pulling in torch. vLLM's import paths of the offline API's names are modules
+here too (``rltserve.inputs``, ``rltserve.sampling_params``, ``rltserve.logprobs``), and
+``get_metrics``' classes (vLLM's ``vllm.v1.metrics.reader``) are ``rltserve.metrics_reader``'s.
 """
 
 from __future__ import annotations
@@ -13,18 +15,25 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "Logprob",
+    "Metric",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "TextPrompt",
     "TokensPrompt",
+    "Vector",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from rltserve.async_llm import AsyncLLM
     from rltserve.llm import LLM
-    from rltserve.outputs import CompletionOutput, RequestOutput
+    from rltserve.metrics_reader import Counter, Gauge, Histogram, Metric, Vector
+    from rltserve.outputs import CompletionOutput, Logprob, RequestOutput
     from rltserve.prompt_inputs import TextPrompt, TokensPrompt
     from rltserve.sampling import RequestOutputKind, SamplingParams
 
@@ -32,6 +41,12 @@ _EXPORTS = {
     "LLM": "rltserve.llm",
     "AsyncLLM": "rltserve.async_llm",
     "CompletionOutput": "rltserve.outputs",
+    "Counter": "rltserve.metrics_reader",
+    "Gauge": "rltserve.metrics_reader",
+    "Histogram": "rltserve.metrics_reader",
+    "Logprob": "rltserve.outputs",
+    "Metric": "rltserve.metrics_reader",
+    "Vector": "rltserve.metrics_reader",
     "RequestOutput": "rltserve.outputs",
     "RequestOutputKind": "rltserve.sampling",
     "SamplingParams": "rltserve.sampling",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from rltserve.caller_values import plain_number
 from rltserve.core.stage import StageError
-from rltserve.llm_refusals import Metric
+from rltserve.metrics_reader import Metric
 from rltserve.weights import WeightsArg
 
 if TYPE_CHECKING:

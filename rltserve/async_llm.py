@@ -256,6 +256,7 @@ class AsyncLLM(AsyncTrainerControls):
             if self._streams.get(request_id) is call:
                 del self._streams[request_id]
             if call.submitted:
+                stream.abandon()
                 self._abort_stream(stream)
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:

@@ -27,6 +27,7 @@ from rltserve.generation_config import generation_config_defaults
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
+from rltserve.llm_metrics import RequestCounts
 from rltserve.llm_refusals import Refusals
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import OutputAssembler, RequestOutput, reported_stop_ids, request_output
@@ -209,6 +210,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             self._client.close(timeout=2.0)
             raise
         self._ids = itertools.count()
+        self._request_counts = RequestCounts()  # (get_metrics' request series)
         self._running = threading.Condition()  # guards _paused and _active
         self._paused = False
         self._active = 0  # generate calls in progress
@@ -406,6 +408,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             skip_special_tokens=p.skip_special_tokens,
             include_stop_str_in_output=p.include_stop_str_in_output,
             min_tokens=p.min_tokens,
+            observer=self._request_counts.request(len(ids)),
         )
 
     def _resolve_thinking(self, p: SamplingParams) -> SamplingParams:

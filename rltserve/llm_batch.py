@@ -67,8 +67,8 @@ class PendingBatch:
             finish = asm.add(update).finish_reason
             asm.weight_version = update.weight_version
         except Exception as exc:  # fail this request rather than the client's thread
-            asm.output.finish_reason = finish = "error"
-            asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
+            asm.fail(exc)
+            finish = "error"
         return finish is not None
 
     def _finish(self, request_id: str, failed: bool) -> None:

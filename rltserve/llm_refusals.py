@@ -6,10 +6,11 @@ has no counterpart of (pooling, beam search, the profiler, swapping the tokenize
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from rltserve.core.engine_info import EngineStats
+from rltserve.llm_metrics import RequestCounts, vllm_labels
+from rltserve.metrics_reader import Counter, Gauge, Metric
 
 _POOLING = (
     "rltserve runs generative models, with no pooling head; for a prompt's token logprobs use "
@@ -17,32 +18,10 @@ _POOLING = (
 )
 
 
-@dataclass
-class Metric:
-    """vLLM's ``vllm.v1.metrics.reader.Metric``: a name (``vllm:...``) and its labels."""
-
-    name: str
-    labels: dict[str, str]
-
-
-@dataclass
-class Counter(Metric):
-    """A count since the engine started (vLLM's ``Counter``)."""
-
-    value: int
-
-
-@dataclass
-class Gauge(Metric):
-    """A value at the time of reading (vLLM's ``Gauge``)."""
-
-    value: float
-
-
 def engine_metrics(stats: EngineStats | None, model_name: str) -> list[Metric]:
     """vLLM's metrics that ``stats`` (the engine's latest counters; None before its first
     step: zeros) holds, labelled as vLLM labels them."""
-    labels = {"model_name": model_name, "engine": "0"}
+    labels = vllm_labels(model_name)
     s = stats or EngineStats(0, 0, 0.0, 0, 0, 0, 0.0)
     return [
         Gauge("vllm:num_requests_running", dict(labels), float(s.num_running)),
@@ -60,6 +39,7 @@ class Refusals:
 
     _client: Any
     _model_name: str
+    _request_counts: RequestCounts
 
     def encode(self, *args: Any, **kwargs: Any) -> list:
         raise ValueError(f"encode: not supported: {_POOLING}")
@@ -100,7 +80,13 @@ class Refusals:
         )
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's: the engine's metrics as ``Gauge`` and ``Counter`` objects (vLLM's names):
-        running and waiting requests, KV cache usage (a fraction), preemptions, prefix cache
-        queries and hits, from the latest counters the engine sent."""
-        return engine_metrics(self._client.stats, self._model_name)
+        """vLLM's: the metrics as ``Gauge``, ``Counter`` and ``Histogram`` objects
+        (``metrics_reader``, vLLM's names): running and waiting requests, KV cache usage (a
+        fraction), preemptions, prefix cache queries and hits, from the latest counters the
+        engine sent; then the requests this ``LLM`` (and an ``AsyncLLM`` over it) ran:
+        prompt and generated tokens, finished requests by ``finished_reason``, time to first
+        token and end-to-end latency (``llm_metrics``)."""
+        return [
+            *engine_metrics(self._client.stats, self._model_name),
+            *self._request_counts.metrics(self._model_name),
+        ]

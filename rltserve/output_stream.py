@@ -92,6 +92,13 @@ class OutputStream:
         """The stage ids of the samples that have not ended."""
         return [s.stage_id for s in self.samples if not s.finished]
 
+    def abandon(self) -> None:
+        """The consumer left before every sample ended: each unfinished one ends as aborted
+        for its assembler's observer (``OutputAssembler.abandon``)."""
+        for s in self.samples:
+            if not s.finished:
+                s.asm.abandon()
+
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
@@ -137,8 +144,8 @@ class OutputStream:
             delta = asm.add(update)
             finish = delta.finish_reason
         except Exception as exc:  # fail this request rather than the loop's other work
-            finish = asm.output.finish_reason = "error"
-            asm.output.error = f"{type(exc).__name__} while assembling output: {exc}"
+            asm.fail(exc)
+            finish = "error"
             delta = None
         sample.changed = True
         sample.weight_version = update.weight_version

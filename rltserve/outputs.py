@@ -9,6 +9,7 @@ and the server).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING
@@ -171,7 +172,10 @@ class OutputAssembler:
     may span token boundaries: text that could be the start of a stop string is held back until
     it is known not to be one. As in vLLM, stop strings count only once more than
     ``min_tokens`` tokens exist: a match must end in the text of a later token.
-    ``kept_special_ids``: special tokens whose text stays with ``skip_special_tokens``."""
+    ``kept_special_ids``: special tokens whose text stays with ``skip_special_tokens``.
+    ``observer`` is called with every delta ``add`` makes (not a refused request's) and with
+    the end ``fail`` or ``abandon`` makes (the offline front ends' request metrics:
+    ``llm_metrics``)."""
 
     def __init__(
         self,
@@ -186,8 +190,10 @@ class OutputAssembler:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
         kept_special_ids: frozenset[int] = frozenset(),
+        observer: Callable[[TextDelta], None] | None = None,
     ) -> None:
         self.output = Completion(request_id, list(prompt_token_ids))
+        self._observer = observer
         if want_logprobs:
             self.output.logprobs = []
         self._detok = (
@@ -272,7 +278,7 @@ class OutputAssembler:
             out.finish_reason = finish
             out.stop_reason = stop_reason
             out.error = update.error
-        return TextDelta(
+        made = TextDelta(
             delta,
             list(new_ids),
             list(new_depths),
@@ -281,6 +287,24 @@ class OutputAssembler:
             stop_reason,
             update.error,
         )
+        if self._observer is not None and not update.rejected:
+            self._observer(made)
+        return made
+
+    def abandon(self) -> None:
+        """The front end stops reading the request before it ended (a dropped ``AsyncLLM``
+        stream, whose engine request it aborts): the observer sees it end as aborted, as
+        the engine's abort update, which nobody will assemble, would have ended it."""
+        if self.output.finish_reason is None and self._observer is not None:
+            self._observer(TextDelta("", [], [], [], "abort"))
+
+    def fail(self, exc: Exception) -> None:
+        """Ends the output as failed by ``exc``, raised while assembling an update (a front
+        end fails the request rather than the thread or loop it runs on)."""
+        self.output.finish_reason = "error"
+        self.output.error = f"{type(exc).__name__} while assembling output: {exc}"
+        if self._observer is not None:
+            self._observer(TextDelta("", [], [], [], "error", error=self.output.error))
 
     @property
     def awaiting_scores(self) -> bool:

@@ -54,9 +54,12 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
-@dataclass
+# Keyword-only: vLLM's SamplingParams (a msgspec Struct) takes ``n`` first, so a positional
+# argument from code written for vLLM would silently set another field here.
+@dataclass(kw_only=True)
 class SamplingParams:
-    """How one request is decoded. Validated on construction: a bad value raises ``ValueError``
+    """How one request is decoded, from keyword arguments only (a positional one is a
+    ``TypeError``). Validated on construction: a bad value raises ``ValueError``
     naming the field. Mutable, as vLLM's (RL code sets ``max_tokens`` on a clone): the front
     ends submit a validated copy (``clone``), so a change after submission touches no request
     in flight and a bad value set later is refused then.

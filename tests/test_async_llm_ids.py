@@ -33,6 +33,25 @@ async def test_leaving_the_stream_early_aborts_the_request(engine):
     assert not engine._streams
 
 
+async def test_a_stream_left_early_counts_as_aborted_in_the_metrics(engine):
+    def read() -> dict:
+        return {(m.name, m.labels.get("finished_reason")): m for m in engine.get_metrics()}
+
+    before = read()
+    async for out in engine.generate([1, 2, 3], LONG, "left"):
+        if len(out.token_ids) >= 2:
+            break
+    await wait_idle(engine)
+    after = read()
+
+    def grew(name: str, reason: str | None = None) -> int:
+        return after[name, reason].value - before[name, reason].value
+
+    # (the tokens its outputs held: nobody assembles the updates after the break)
+    assert grew("vllm:generation_tokens") == len(out.token_ids) and grew("vllm:prompt_tokens") == 3
+    assert [grew("vllm:request_success", r) for r in ("abort", "length", "stop")] == [1, 0, 0]
+
+
 async def test_cancelling_the_consumer_task_aborts_the_request(engine):
     started = asyncio.Event()
 

@@ -134,6 +134,17 @@ def test_clone_is_an_equal_copy_that_can_be_changed():
     assert q.replace(n=2).n == 2 and p.n == 4
 
 
+def test_fields_are_keyword_only():
+    """vLLM's first positional field is ``n``; here a positional argument is a TypeError rather
+    than silently setting another field."""
+    for args, kwargs in [((2,), {}), ((2,), {"thinking_token_budget": 3}), ((1, 0.5), {})]:
+        with pytest.raises(TypeError, match="positional argument"):
+            SamplingParams(*args, **kwargs)
+    p = SamplingParams(n=2, max_tokens=3)
+    assert (p.n, p.max_tokens) == (2, 3)
+    assert p.replace(n=3).n == 3 and SamplingParams.from_optional(n=None).n == 1
+
+
 def test_the_engine_refuses_what_its_model_and_mode_cannot_run(ouro_rv1):
     greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     core = make_core(ouro_rv1)

@@ -51,14 +51,11 @@ from prometheus_client.platform_collector import PlatformCollector
 
 from rltserve.core.engine_info import EngineStats
 from rltserve.http.engine_metrics import EngineCollector
+from rltserve.llm_metrics import REQUEST_BUCKETS, TTFT_BUCKETS  # (vLLM's, as offline)
 from rltserve.updates import FinishReason
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 # prometheus-fastapi-instrumentator's (vLLM's HTTP metrics): few buckets for the labelled
