@@ -214,8 +214,9 @@ _TURN_REFUSALS = (400, 413)
 
 
 def _past_context(exc: APIError) -> bool:
-    """Whether the server refused the conversation as longer than its context (the wordings of
-    ``http.plans`` and ``http.frontend``: the model's limit, or what its KV pool holds)."""
+    """Whether the server refused the conversation as longer than its context (vLLM's wording,
+    ``http.context_limit``'s; "context limit": an older rltserve's, where its KV pool held
+    less than the model's context)."""
     return exc.status == 400 and any(
         words in exc.message for words in ("maximum context length", "context limit")
     )

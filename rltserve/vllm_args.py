@@ -33,7 +33,8 @@
   and ``hf_overrides`` (empty only: the checkpoint's config is loaded as it is); vLLM's
   engine arguments at their defaults or other harmless values (``runner="generate"``,
   ``served_model_name``, ``hf_token``, ``disable_log_requests``, ``logits_processors=None``,
-  ``kv_transfer_config=None``, ...).
+  ``kv_transfer_config=None``, ...). ``enable_chunked_prefill`` only True (or None): rltserve
+  always prefills in chunks, and no setting of its own runs a prompt whole.
 - ``reasoning_parser`` (also ``--reasoning-parser``): one of vLLM's parsers of
   ``<think>...</think>`` spans (``THINK_TAG_PARSERS``) or none: rltserve splits a chat answer's
   reasoning at those tags itself; a parser of another format is a ValueError.
@@ -103,7 +104,12 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     # "dummy" (verl's: the trainer sends the weights before the first rollout) loads the
     # checkpoint's, which update_weights then replaces.
     "load_format": (_one_of("auto", "safetensors", "dummy"), "checkpoints load from safetensors"),
-    "enable_chunked_prefill": (_one_of(None, True, False), ""),  # prompts always run in chunks
+    # No scheduler mode runs a prompt whole: a chunk is cut wherever the step's budget ends.
+    "enable_chunked_prefill": (
+        _one_of(None, True),
+        "rltserve always prefills prompts in chunks of at most prefill_chunk_size tokens; "
+        "raise it, up to max_num_batched_tokens, for fewer chunks",
+    ),
     "disable_log_stats": (_any_bool, ""),
     "disable_custom_all_reduce": (_any_bool, ""),
     "disable_mm_preprocessor_cache": (_any_bool, ""),

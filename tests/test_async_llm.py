@@ -295,7 +295,7 @@ async def test_pause_holds_new_generate_calls_until_resume(engine):
         (lambda e: e.generate({"text": "hi"}, GREEDY), "unknown key 'text'"),
         (lambda e: e.generate("hi", GREEDY.replace(stop=["x"], detokenize=False)), "stop"),
         # (refused by the engine itself: the error comes through the stream)
-        (lambda e: e.generate([1] * 300, GREEDY), "context limit"),
+        (lambda e: e.generate([1] * 300, GREEDY), "maximum context length"),
     ],
 )
 async def test_bad_input_is_a_value_error_before_any_output(engine, call, match):

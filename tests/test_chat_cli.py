@@ -133,8 +133,9 @@ async def test_a_chat_past_the_context_drops_its_oldest_turns_and_goes_on(ckpt, 
     dropped = "rltserve: the conversation outgrew the context: its oldest 2 messages were dropped"
     assert (len(err), err[0], err[2]) == (3, dropped, dropped)
     assert err[1] == (
-        "rltserve: message dropped: 400: messages: 146 tokens leave no room to generate within "
-        "this model's maximum context length of 64 tokens"
+        "rltserve: message dropped: 400: This model's maximum context length is 64 tokens. "
+        "However, your request has 146 input tokens. Please reduce the length of the input "
+        "messages."
     )
 
     def chat(*turns: str) -> list[int]:
@@ -207,6 +208,8 @@ async def test_a_refused_input_exits_2_and_a_run_time_failure_1(ckpt, capsys, mo
         )
         monkeypatch.setattr("sys.stdin", io.StringIO("x " * 60 + "\nhello\n"))
         code, err = await run("chat", "--max-tokens", "2", *key)
-        assert code == 2 and err.startswith("rltserve: message dropped: 400: messages: ")
+        assert code == 2 and err.startswith(
+            "rltserve: message dropped: 400: This model's maximum context length is "
+        )
         code, err = await run("complete", "-q", "hi", "--api-key", "wrong")
         assert code == 1 and err.startswith(f"rltserve: error: {url}: 401: ")

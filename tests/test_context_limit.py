@@ -34,7 +34,9 @@ def test_the_model_limit_is_lowered_to_what_the_pool_holds(ckpts, ouro_ref, capl
     )
     for rid in ("r0", "r1"):
         assert run.tokens[rid] == want.tokens and run.finish[rid] == "length"
-    with pytest.raises(ValueError, match=r"context limit of 9 tokens \(what the KV pool holds"):
+    with pytest.raises(
+        ValueError, match=r"maximum context length of 9 tokens \(what the KV pool holds"
+    ):
         core.make_request(None, list(range(9)), params)
 
 
@@ -134,3 +136,30 @@ def test_the_boundary_plane_counts_in_what_the_pool_holds(ckpts):
 
 def test_an_explicit_limit_of_the_models_context_is_kept(ckpts):
     assert make_core(ckpts["ouro"], max_model_len=512).max_model_len == 512
+
+
+def test_a_request_without_max_tokens_runs_to_what_the_pool_holds_at_its_depth(ckpts, huginn_ref):
+    """Huginn at 8 loops (4 by default) takes more planes than the pool holds the whole
+    context on: a request without max_tokens gets what the pool holds for it alone at that
+    depth, and ends "length" there with the tokens of a run the pool does not bound. An
+    explicit max_tokens past it, and a prompt the pool cannot hold at that depth, are still
+    refused."""
+    core = make_core(ckpts["huginn"], num_blocks=40, block_size=4)
+    deep = 8
+    held = 40 // (deep + 1) * 4 + 1  # a plane per loop, and the boundary plane: 17
+    assert held < core.max_model_len and core.info.context_alone(deep) == held
+    assert core.info.context_alone(None) == core.max_model_len
+    prompt = [5, 6, 7]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=None, ignore_eos=True, max_loops=deep, seed=1
+    )
+    run = run_core(core, [prompt], [params])
+    unbounded = params.replace(max_tokens=core.max_model_len - len(prompt))
+    want = oracle_run(huginn_ref, prompt, unbounded, kv_policy="last_exited")
+    n = held - len(prompt)
+    assert (run.tokens["r0"], run.depths["r0"]) == (want.tokens[:n], want.exit_depths[:n])
+    assert run.finish["r0"] == "length"
+    with pytest.raises(ValueError, match="KV blocks .* lower max_tokens or max_loops"):
+        core.add_request("asked", prompt, params.replace(max_tokens=n + 1))
+    with pytest.raises(ValueError, match=f"needs .* KV blocks \\({held} tokens of prompt"):
+        core.add_request("long", list(range(5, 5 + held)), params)

@@ -271,8 +271,8 @@ def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch
 VLLM_SERVE_LINE = [
     "serve", "--max-model-len", "512", "--enable-chunked-prefill", "--max-num-batched-tokens",
     "512", "--trust-remote-code", "--tensor-parallel-size", "1", "--enable-prompt-tokens-details",
-    "--disable-log-requests", "--prefix-caching-hash-algo", "sha256", "--no-enable-chunked-prefill",
-    "-tp", "1", "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
+    "--disable-log-requests", "--prefix-caching-hash-algo", "sha256", "-tp", "1",
+    "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
     "--disable-log-stats", "--gpu-memory-utilization", "0.9", "--reasoning-parser", "deepseek_r1",
 ]  # fmt: skip
 
@@ -284,7 +284,7 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
     args = _parser().parse_args(VLLM_SERVE_LINE)
     server, engine = serve_configs(args)
     assert (engine.model.max_model_len, engine.scheduler.max_num_batched_tokens) == (512, 512)
-    assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, False)
+    assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, True)
     assert args.trust_remote_code and args.enforce_eager and server.disable_log_stats
     assert args.reasoning_parser == "deepseek_r1"  # (rltserve splits <think>...</think> itself)
     assert not engine.execution.cuda_graphs
@@ -296,6 +296,10 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
         (["-tp", "2"], "--tensor-parallel-size 2: not supported (rltserve runs an engine on one "
          "device; for more devices run replicas (rltserve.ray.generate, serve --replicas))"),
         (["--enable-lora"], "--enable-lora: not supported (LoRA adapters are not supported)"),
+        # (no scheduler setting of rltserve's runs a prompt whole, as vLLM's False asks)
+        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported (rltserve "
+         "always prefills prompts in chunks of at most prefill_chunk_size tokens; raise it, up "
+         "to max_num_batched_tokens, for fewer chunks)"),
         (["--kv-cache-dtype", "fp8"],
          "--kv-cache-dtype fp8: not supported (the KV cache has the model's dtype)"),
         (["--pipeline-parallel-size", "2"],

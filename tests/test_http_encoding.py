@@ -186,9 +186,9 @@ async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
         body = {"prompt": "x" * 2_000_000, "max_tokens": 1}
         status, _, raw = await live.post("/v1/completions", body)
         assert status == 400 and orjson.loads(raw)["error"] == {
-            "message": "prompt: 2000000 characters cannot fit this model's maximum context "
-            "length of 64 tokens (no token covers more than 13 characters, so at most 832 "
-            "characters can)",
+            "message": "This model's maximum context length is 64 tokens. However, your request "
+            "has 2000000 input characters, more than 832 (no token covers more than 13). Please "
+            "reduce the length of the input messages.",
             "type": "invalid_request_error",
             "param": "prompt",
             "code": 400,
@@ -197,11 +197,16 @@ async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
         status, _, raw = await live.post("/v1/chat/completions", chat)
         error = orjson.loads(raw)["error"]
         assert status == 400 and error["param"] == "messages"
-        assert "cannot fit this model's maximum context length of 64 tokens" in error["message"]
+        assert error["message"].startswith(
+            "This model's maximum context length is 64 tokens. However, your request has 5"
+        )
         assert calls == []  # neither was encoded
         # just under the bound: encoded, then refused on its token count
         status, _, raw = await live.post("/v1/completions", {"prompt": "x" * 832})
-        assert status == 400 and "tokens leave no room" in orjson.loads(raw)["error"]["message"]
+        message = orjson.loads(raw)["error"]["message"]
+        assert status == 400 and message.endswith(
+            "input tokens. Please reduce the length of the input messages."
+        )
         assert calls == [832]
         # /tokenize counts whatever it is given (off the loop), without the bound
         status, _, raw = await live.post("/tokenize", {"prompt": "x" * 5000})

@@ -73,7 +73,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 512]}, "prompt", "outside the vocabulary"),
     ("completions", {"prompt": "x", "max_thinking_tokens": 2, "thinking_end_token_ids": [512]},
      "thinking_end_token_ids", "outside the vocabulary"),
-    ("completions", {"prompt": [1] * 64}, "prompt", "maximum context length of 64"),
+    ("completions", {"prompt": [1] * 64}, "prompt",
+     "This model's maximum context length is 64 tokens. However, your request has 64 input "
+     "tokens, which leave no room for the completion."),
     ("completions", {"prompt": True}, "prompt", "must be a string"),
     ("completions", {"max_tokens": 3}, "prompt", "is required"),
     ("chat/completions", {"messages": []}, "messages", "must not be empty"),
@@ -172,8 +174,10 @@ async def test_the_engines_refusals_are_400s_in_its_own_words(ckpt):
             (
                 {"prompt": [5] * 9},
                 "prompt",
-                "prompt: 9 tokens leave no room to generate within the context limit of 9 "
-                "tokens (what the KV pool holds: raise kv_cache_gb or num_blocks)",
+                "This model's maximum context length is 9 tokens. However, your request has "
+                "9 input tokens, which leave no room for the completion. Please reduce the "
+                "length of the input messages. (This limit is what the server's KV cache "
+                "holds.)",
             ),
             (
                 {"prompt": [5], "init_state": "random"},
@@ -196,6 +200,29 @@ async def test_the_engines_refusals_are_400s_in_its_own_words(ckpt):
             ), body
 
 
+async def test_a_context_the_pool_lowered_is_refused_in_vllms_words_and_says_so(ckpt):
+    """The phrase agent frameworks look for ("maximum context length") in every context
+    overflow, the pool's part said for the client (the operator's advice is the log's)."""
+    note = " (This limit is what the server's KV cache holds.)"
+    async with running(ckpt, engine={"num_blocks": 8, "block_size": 4}) as live:
+        chat = {"messages": [{"role": "user", "content": "x " * 40}]}
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        error = error_of(raw)
+        assert (status, error["param"], error["code"]) == (400, "messages", 400)
+        assert error["message"].startswith(
+            "This model's maximum context length is 9 tokens. However, your request has "
+        )
+        assert error["message"].endswith("Please reduce the length of the input messages." + note)
+        status, _, raw = await live.post("/v1/completions", {"prompt": [5, 6], "max_tokens": 20})
+        assert (status, error_of(raw)["param"], error_of(raw)["message"]) == (
+            400,
+            "max_tokens",
+            "This model's maximum context length is 9 tokens. However, you requested 22 tokens "
+            "(2 in the messages, 20 in the completion). Please reduce the length of the "
+            "messages or completion." + note,
+        )
+
+
 async def test_a_prompt_that_fills_the_context_is_scored_alone(ckpt):
     """echo with max_tokens=0 (lm-eval's loglikelihood) of a prompt of max_model_len tokens
     is scored, as vLLM's check (prompt + max_tokens) allows: the engine's one dropped token
@@ -214,12 +241,14 @@ async def test_a_prompt_that_fills_the_context_is_scored_alone(ckpt):
         for body, message in (
             (
                 {"prompt": [*prompt, 5], **score},
-                "prompt: 17 tokens exceed this model's maximum context length of 16 tokens",
+                "This model's maximum context length is 16 tokens. However, your request has "
+                "17 input tokens. Please reduce the length of the input messages.",
             ),
             (
                 {"prompt": prompt, **score, "max_tokens": 1},
-                "prompt: 16 tokens leave no room to generate within this model's maximum "
-                "context length of 16 tokens",
+                "This model's maximum context length is 16 tokens. However, your request has "
+                "16 input tokens, which leave no room for the completion. Please reduce the "
+                "length of the input messages.",
             ),
         ):
             status, _, raw = await live.post("/v1/completions", body)
@@ -228,8 +257,9 @@ async def test_a_prompt_that_fills_the_context_is_scored_alone(ckpt):
         status, _, raw = await live.post("/v1/completions", {"prompt": [5] * 9, **score})
         assert (status, error_of(raw)["message"]) == (
             400,
-            "prompt: 9 tokens leave no room to generate within the context limit of 9 tokens "
-            "(what the KV pool holds: raise kv_cache_gb or num_blocks)",
+            "This model's maximum context length is 9 tokens. However, your request has 9 "
+            "input tokens, which leave no room for the completion. Please reduce the length of "
+            "the input messages. (This limit is what the server's KV cache holds.)",
         )
 
 
@@ -325,38 +355,40 @@ async def test_engine_rejection_is_a_400(ckpt):
         assert metric(text, "rltserve:request_queue_time_seconds_count") == 0
 
 
-async def test_a_default_max_tokens_past_the_kv_pool_is_named_as_the_servers(ckpt):
-    """A request without max_tokens that the whole KV pool cannot hold at the depth it asks
-    for: the 400 says the server chose max_tokens (chat: the rest of the context; completions:
-    the default 16) and names max_loops; one that sent max_tokens keeps the engine's words.
-    Either names the depth field as sent (max_loops, or num_steps) as its param."""
+async def test_a_default_max_tokens_is_held_to_what_the_kv_pool_holds_at_its_depth(ckpt):
+    """A request without max_tokens whose default (chat: the rest of the context; completions:
+    16) the whole KV pool cannot hold at the depth it asks for runs to what the pool holds for
+    it alone there and ends "length"; one that sent such a max_tokens keeps the engine's 400,
+    and so does a prompt the pool cannot hold at that depth, saying the server chose
+    max_tokens. Either names the depth field as sent (max_loops, or num_steps) as its param."""
     engine = {"num_blocks": 64, "block_size": 4, "max_model_len": 64}  # 64 tokens at 4 loops
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_loops": 8}
-    advice = "set max_tokens or lower max_loops, or raise num_blocks"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_loops": 8, "ignore_eos": True}
+    # 8 planes at 8 loops: 8 blocks of 4 a plane hold 32 positions, 33 with the last token's.
     async with running(ckpt, engine=engine) as live:
-        for stream in (False, True):
-            status, _, raw = await live.post("/v1/chat/completions", {**chat, "stream": stream})
-            assert (status, error_of(raw)["param"]) == (400, "max_loops")
-            assert error_of(raw)["message"] == (
-                "the request needs 128 KV blocks (63 tokens of prompt and output on 8 KV planes, "
-                "for 8 loops) but the pool has 64 (max_tokens not set: the rest of the context, "
-                f"51 tokens); {advice}"
-            )
-        body = {"prompt": list(range(1, 21)), "max_loops": 8}
+        assert live.state.require_frontend().info.context_alone(8) == 33
+        status, _, raw = await live.post("/v1/chat/completions", chat)
+        body = orjson.loads(raw)
+        assert (status, body["choices"][0]["finish_reason"]) == (200, "length"), raw
+        usage = body["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 33
+        body = {"prompt": list(range(1, 21)), "max_loops": 8, "ignore_eos": True}
         status, _, raw = await live.post("/v1/completions", body)
-        assert (status, error_of(raw)["param"]) == (400, "max_loops")
-        assert error_of(raw)["message"] == (
-            "the request needs 72 KV blocks (35 tokens of prompt and output on 8 KV planes, for "
-            "8 loops) but the pool has 64 (max_tokens not set: the server default, 16 tokens); "
-            f"{advice}"
-        )
+        assert (status, orjson.loads(raw)["usage"]["completion_tokens"]) == (200, 13)
         status, _, raw = await live.post("/v1/chat/completions", {**chat, "max_tokens": 50})
         assert (status, error_of(raw)["param"]) == (400, "max_loops")
         assert error_of(raw)["message"].endswith(
             "but the pool has 64; lower max_tokens or max_loops, or raise num_blocks"
         )
-        steps = {**body, "max_loops": None, "num_steps": 8}
-        for sent in ({}, {"max_tokens": 30}):
+        long = {"prompt": list(range(1, 41)), "max_loops": 8}
+        status, _, raw = await live.post("/v1/completions", long)
+        assert (status, error_of(raw)["param"]) == (400, "max_loops")
+        assert error_of(raw)["message"] == (
+            "the request needs 80 KV blocks (40 tokens of prompt and output on 8 KV planes, for "
+            "8 loops) but the pool has 64 (max_tokens not set: the prompt alone is more than the "
+            "pool holds at this depth); lower max_loops, or raise num_blocks"
+        )
+        steps = {**long, "max_loops": None, "num_steps": 8}
+        for sent in ({}, {"max_tokens": 10}):
             status, _, raw = await live.post("/v1/completions", {**steps, **sent})
             assert (status, error_of(raw)["param"]) == (400, "num_steps"), raw
 

@@ -172,7 +172,11 @@ async def test_one_request_larger_than_the_kv_pool(ckpt):
         )
         assert [status for status, _, _ in statuses] == [400, 200, 200]
         message = orjson.loads(statuses[0][2])["error"]["message"]
-        assert "the context limit of 9 tokens (what the KV pool holds" in message
+        assert message == (
+            "This model's maximum context length is 9 tokens. However, your request has 55 "
+            "input tokens. Please reduce the length of the input messages. (This limit is what "
+            "the server's KV cache holds.)"
+        )
         body = orjson.loads(statuses[2][2])
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 6

@@ -259,9 +259,9 @@ async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
             "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 100_000}
         )
         assert status == 400 and error_of(raw) == {
-            "message": "This model's maximum context length is 64 tokens; requested 100003 "
-            "tokens (3 in the prompt, 100000 for the completion). Reduce the prompt or "
-            "max_tokens.",
+            "message": "This model's maximum context length is 64 tokens. However, you "
+            "requested 100003 tokens (3 in the messages, 100000 in the completion). Please "
+            "reduce the length of the messages or completion.",
             "type": "invalid_request_error",
             "param": "max_tokens",
             "code": 400,
@@ -279,6 +279,10 @@ async def test_max_tokens_beyond_the_context_is_a_400(ckpt):
         for prompt, expected in (([5] * 10, 16), ([5] * 60, 4)):
             status, _, raw = await live.post("/v1/completions", {"prompt": prompt})
             assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == expected
+        # ... and with an explicit null the rest of the context, as vLLM's
+        body = {"prompt": [5] * 10, "max_tokens": None}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200 and orjson.loads(raw)["usage"]["completion_tokens"] == 54
         # chat without a limit uses the rest of the context
         status, _, raw = await live.post("/v1/chat/completions", CHAT)
         usage = orjson.loads(raw)["usage"]

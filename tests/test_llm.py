@@ -66,10 +66,13 @@ def test_per_prompt_params_and_logprobs(spawned, ouro_ref):
 def test_invalid_requests_raise_value_error(spawned):
     with pytest.raises(ValueError, match="vocabulary"):
         spawned.generate([[999]])
-    with pytest.raises(ValueError, match="context limit"):
+    with pytest.raises(ValueError, match="maximum context length"):
         spawned.generate([[1] * 600])
     # 64 blocks of 16 over 4 planes: a context of 257 tokens at the default depth ...
-    with pytest.raises(ValueError, match=r"context limit of 257 tokens \(what the KV pool"):
+    with pytest.raises(
+        ValueError,
+        match=r"300 tokens exceed the maximum context length of 257 tokens \(what the KV pool",
+    ):
         spawned.generate([[1] * 300], SamplingParams(temperature=0.0, max_tokens=200))
     # ... and at 8 loops (8 planes) half as many.
     with pytest.raises(ValueError, match="KV blocks"):
@@ -302,7 +305,7 @@ def test_a_failed_start_stops_the_stage_it_started(tiny, monkeypatch):
 def test_a_rejected_prompt_aborts_the_requests_of_its_batch(tiny):
     slow = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     with LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=256) as llm:
-        with pytest.raises(ValueError, match="context limit"):
+        with pytest.raises(ValueError, match="maximum context length"):
             llm.generate([[1, 2], [1] * 300], slow)
         # The first prompt's request was aborted before the error came: none is left running.
         llm.sleep(timeout=0)
@@ -321,3 +324,15 @@ def test_a_closed_llm_says_so(tiny):
     ):
         with pytest.raises(StageError, match=r"^this LLM is closed \(close\(\) was called\)$"):
             call()
+
+
+def test_a_prompt_that_fills_the_context_gets_one_token_whatever_max_tokens(tiny):
+    """vLLM's offline check refuses only a prompt longer than the context: one that fills it
+    gets the one token its last position predicts, ending "length"."""
+    with LLM(str(tiny), in_process=True, max_model_len=32) as llm:
+        for max_tokens in (1, 2, None, 5):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            out = llm.generate([[1] * 32], params)[0].outputs[0]
+            assert (len(out.token_ids), out.finish_reason) == (1, "length"), max_tokens
+        with pytest.raises(ValueError, match="^prompt: 33 tokens exceed the maximum context "):
+            llm.generate([[1] * 33], params)

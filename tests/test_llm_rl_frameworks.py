@@ -115,6 +115,12 @@ def test_the_arguments_trl_and_verl_pass_are_accepted(tiny):
         ({"distributed_executor_backend": "ray"}, "one device"),
         ({"revision": "main"}, "revision='main': only for a Hugging Face repo id"),
         ({"hf_overrides": {"rope_theta": 1e6}}, "loads the checkpoint's config as it is"),
+        # (vLLM's False runs each prompt whole; rltserve has no such mode)
+        (
+            {"enable_chunked_prefill": False},
+            "enable_chunked_prefill=False: not supported (rltserve "
+            "always prefills prompts in chunks of at most prefill_chunk_size tokens",
+        ),
     ],
 )
 def test_arguments_asking_for_what_is_not_built_are_refused(tiny, kw, message):

@@ -199,26 +199,29 @@ def test_sampling_params_validate_prompt_logprobs(value):
 
 @pytest.mark.parametrize(
     "engine",
-    [{}, {"prefill_chunk_size": 4}, {"num_blocks": 4 * 3}],
-    ids=["whole", "chunked", "pool-of-the-context"],
+    [{}, {"prefill_chunk_size": 4}, {"num_blocks": 4 * 3}, {"kv_reservation": "full"}],
+    ids=["whole", "chunked", "pool-of-the-context", "full-reservation"],
 )
 def test_a_prompt_that_fills_the_context_is_scored(ckpts, ouro_ref, engine):
     """lm-eval's loglikelihood of a full-context prompt (the HTTP API's echo with
     max_tokens=0): one token asked for, which the last prompt position predicts and whose KV
     is never written, so the prompt may take every position (4 planes of 3 blocks of 4 hold
-    12)."""
+    12). Offline, as vLLM's, any max_tokens: the context leaves that one token, which ends
+    "length" (on demand and under a full reservation alike)."""
     core = make_core(ckpts["ouro"], block_size=4, max_model_len=12, **engine)
     assert not core.info.pool_limited
     prompt = list(range(30, 42))
     scored = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=TOP)
-    run = run_core(core, [prompt], [scored])
-    _check(ouro_ref, prompt, scored, run.prompt_logprobs["r0"])
-    assert run.tokens["r0"] == oracle_run(ouro_ref, prompt, scored).tokens
-    assert run.finish["r0"] == "length"
-    for more in (scored.replace(max_tokens=2), scored.replace(max_tokens=None)):
-        with pytest.raises(ValueError, match="^prompt: 12 tokens leave no room to generate"):
-            core.make_request(None, prompt, more)
-    with pytest.raises(ValueError, match="^prompt: 13 tokens leave no room"):
+    want = oracle_run(ouro_ref, prompt, scored)
+    for params in (scored, *(scored.replace(max_tokens=n) for n in (2, None, 5))):
+        run = run_core(core, [prompt], [params])
+        _check(ouro_ref, prompt, scored, run.prompt_logprobs["r0"])  # (whatever max_tokens)
+        assert (run.tokens["r0"], run.depths["r0"]) == (want.tokens, want.exit_depths)
+        assert run.finish["r0"] == "length", params.max_tokens
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    run = run_core(core, [prompt], [plain])
+    assert (run.tokens["r0"], run.finish["r0"]) == (want.tokens, "length")
+    with pytest.raises(ValueError, match="^prompt: 13 tokens exceed the maximum context length"):
         core.make_request(None, [*prompt, 5], scored)
 
 

@@ -377,8 +377,8 @@ def test_stage_error_part_way_aborts_what_was_submitted(llm, monkeypatch):
 
 
 def test_rejection_part_way_aborts_the_others_at_once(llm):
-    with pytest.raises(ValueError, match="context limit of 2048 tokens"):
-        bounded(llm.generate, [[1, 2, 3], [4, 5, 6], [7] * 2048], LONG)
+    with pytest.raises(ValueError, match="maximum context length of 2048 tokens"):
+        bounded(llm.generate, [[1, 2, 3], [4, 5, 6], [7] * 2049], LONG)
     assert_idle(llm)
 
 

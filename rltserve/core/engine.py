@@ -210,7 +210,11 @@ class EngineCore:
             num_loops=num_loops,
             max_loops=cap,
             eos_token_ids=eos,
-            max_total_tokens=self.max_model_len,
+            # Unbounded by max_tokens, at most what the pool holds for it alone: a deep
+            # max_loops (Huginn's) may need more planes than the pool has for the whole context.
+            max_total_tokens=self.max_model_len
+            if params.max_tokens is not None
+            else self.info.context_alone(params.max_loops),
             seed=seed,
             pipelined=pipelined,
             group=group,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+from rltserve.kv_policy import KVPolicy
+
 if TYPE_CHECKING:
     from rltserve.config import CacheConfig
     from rltserve.models.base import LoopedSpec
@@ -145,6 +147,19 @@ class EngineInfo:
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV pool holds at the model's depth (vLLM's "KV cache size")."""
         return self.num_blocks // self.kv_planes * self.block_size
+
+    def context_alone(self, max_loops: int | None) -> int:
+        """The most positions (prompt and output) a request asking ``max_loops`` (None: the
+        model's depth) can take holding the whole KV pool alone: the context, or less where
+        the depth it runs at takes more planes than the model's (its last token writes no
+        KV). What a request that names no max_tokens gets at most (``Engine.make_request``,
+        ``http.plans``): the rest of the context would be refused as larger than the pool."""
+        cap = max_loops or self.num_loops
+        loops = max(self.num_loops, cap) if self.has_gate else cap  # (``Engine.make_request``)
+        policy = KVPolicy.parse(self.kv_policy)
+        boundary = max(0, self.kv_planes - policy.num_planes(self.num_loops))  # (coda's plane)
+        planes = policy.num_planes(loops) + boundary
+        return min(self.max_model_len, self.num_blocks // planes * self.block_size + 1)
 
     @property
     def max_concurrency(self) -> float:

@@ -23,19 +23,25 @@ POOL_ADVICE = "; lower max_tokens or max_loops, or raise num_blocks"
 
 
 def no_room(name: str, num_tokens: int, max_model_len: int, pool_limited: bool) -> str:
-    """Why a prompt of ``num_tokens`` tokens cannot run: it leaves no room to generate."""
+    """Why a prompt of ``num_tokens`` tokens cannot run: it is longer than the context, or
+    (where the pool is the limit) fills it, leaving no room to generate."""
     why = " (what the KV pool holds: raise kv_cache_gb or num_blocks)"
-    return (
-        f"{name}: {num_tokens} tokens leave no room to generate within the context limit of "
-        f"{max_model_len} tokens" + (why if pool_limited else "")
+    if num_tokens > max_model_len:
+        head = f"{name}: {num_tokens} tokens exceed"
+    else:
+        head = f"{name}: {num_tokens} tokens leave no room to generate within"
+    return f"{head} the maximum context length of {max_model_len} tokens" + (
+        why if pool_limited else ""
     )
 
 
 def longest_prompt(max_model_len: int, scored: bool, pool_limited: bool) -> int:
     """The most tokens a prompt may have: one less than the context, leaving room for a token;
-    or, ``scored`` (one token asked for: prompt_logprobs, the HTTP API's echo with
-    max_tokens=0), the whole context, that token being the last position's prediction, whose
-    KV is never written. Not where the pool holds only the context less that position."""
+    or, ``scored``, the whole context, the one token it then gets being the last position's
+    prediction, whose KV is never written. Scored: the HTTP API's echo with max_tokens=0, and
+    every offline request (vLLM's offline check refuses only a prompt longer than the context;
+    one that fills it gets one token, ending "length"). Not where the pool holds only the
+    context less that position."""
     return max_model_len if scored and not pool_limited else max_model_len - 1
 
 
@@ -87,7 +93,7 @@ def check_params(
         if message := outside_vocab(name, ids, spec.vocab_size):
             raise ValueError(message)
     params = _bounded_logprobs(params, spec.vocab_size, config.model.max_logprobs)
-    if len(prompt_token_ids) > longest_prompt(max_model_len, params.max_tokens == 1, pool_limited):
+    if len(prompt_token_ids) > longest_prompt(max_model_len, True, pool_limited):
         raise ValueError(no_room("prompt", len(prompt_token_ids), max_model_len, pool_limited))
     if params.max_loops is not None and params.max_loops > spec.max_loops:
         raise ValueError(

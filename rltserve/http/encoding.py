@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+from rltserve.http.context_limit import chars_too_many
 from rltserve.http.errors import bad_request
 from rltserve.models.tokenizer import Tokenizer
 from rltserve.thinking import ChatPrompt, chat_prompt
@@ -124,8 +125,11 @@ class TextCodec:
         max_model_len: int,
         executor: Executor | None,
         token_chars: int | None,
+        pool_limited: bool = False,
     ) -> None:
+        """``pool_limited``: ``max_model_len`` is what the KV pool holds (``EngineInfo``'s)."""
         self.tokenizer = tokenizer
+        self.pool_limited = pool_limited
         self.max_model_len = max_model_len
         self._executor = executor
         self.token_chars = token_chars
@@ -141,12 +145,10 @@ class TextCodec:
         """A 400 for a text too long to fit the context whatever its tokens."""
         limit = self.limit_chars
         if limit is not None and len(text) > limit:
-            raise bad_request(
-                f"{param}: {len(text)} characters cannot fit this model's maximum context "
-                f"length of {self.max_model_len} tokens (no token covers more than "
-                f"{self.token_chars} characters, so at most {limit} characters can)",
-                param,
+            message = chars_too_many(
+                len(text), self.max_model_len, self.token_chars, self.pool_limited
             )
+            raise bad_request(message, param)
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids (``encode_any``); a text that cannot fit is a 400 before any

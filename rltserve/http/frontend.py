@@ -15,9 +15,10 @@ from typing import Protocol
 
 from rltserve.caller_values import outside_vocab
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.request_checks import check_kv_policy, longest_prompt, no_room
+from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
+from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import bad_request
 from rltserve.http.generation import Generation
@@ -138,7 +139,7 @@ class Frontend:
             vocab.get(THINK_END),
         )
         self.codec = (
-            TextCodec(tokenizer, info.max_model_len, executor, token_chars)
+            TextCodec(tokenizer, info.max_model_len, executor, token_chars, info.pool_limited)
             if tokenizer is not None
             else None
         )
@@ -266,19 +267,8 @@ class Frontend:
             raise bad_request(f"{param}: must contain at least one token", param)
         longest = longest_prompt(info.max_model_len, scored, info.pool_limited)
         if len(ids) > longest:  # first: it is cheap, a long scan is not
-            if longest == info.max_model_len:  # (a scored prompt may fill the context)
-                raise bad_request(
-                    f"{param}: {len(ids)} tokens exceed this model's maximum context length "
-                    f"of {info.max_model_len} tokens",
-                    param,
-                )
-            if info.pool_limited:  # (the engine's words: the pool, not the model, is short)
-                raise bad_request(no_room(param, len(ids), info.max_model_len, True), param)
-            raise bad_request(
-                f"{param}: {len(ids)} tokens leave no room to generate within this model's "
-                f"maximum context length of {info.max_model_len} tokens",
-                param,
-            )
+            message = prompt_too_long(len(ids), info.max_model_len, info.pool_limited)
+            raise bad_request(message, param)
         self._check_vocab(ids, param)
         return ids
 

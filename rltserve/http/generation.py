@@ -307,15 +307,13 @@ def _refusal(
     whole KV pool names the depth field the client sent (``loops_param``: max_loops or
     num_steps), the pool holding a whole context at the model's own depth (``kv_sizing``): a
     deeper max_loops (or a kv_policy of more planes) made it too large. Where the server chose
-    max_tokens (``default_max_tokens``) it says so, as the client never set it, and names
-    max_loops even unsent."""
+    max_tokens (``default_max_tokens``) it says so, and names max_loops even unsent: that
+    default is held to what the pool holds at the request's depth (``plans._token_limit``), so
+    only its prompt can be too large there, which no max_tokens would help."""
     if not message.endswith(POOL_ADVICE):
         return message, param_of(message)
     if default_max_tokens is None:
         return message, loops_param
     head = message[: -len(POOL_ADVICE)]
-    advice = "set max_tokens or lower max_loops, or raise num_blocks"
-    return (
-        f"{head} (max_tokens not set: {default_max_tokens}); {advice}",
-        loops_param or "max_loops",
-    )
+    why = "max_tokens not set: the prompt alone is more than the pool holds at this depth"
+    return f"{head} ({why}); lower max_loops, or raise num_blocks", loops_param or "max_loops"

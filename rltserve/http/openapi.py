@@ -58,7 +58,7 @@ def object_schema(cls: type) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     required: list[str] = []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or "null_of" in f.metadata:  # (no key of the body: ``parse_object``)
             continue
         schema = json_schema(hints[f.name], f.metadata.get("range"))
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

@@ -4,9 +4,10 @@ checked, one ``ChoiceRequest`` per (prompt, sample), and the response format to 
 Choice ``index`` is ``prompt_index * n + sample_index``, as OpenAI numbers them. With ``n > 1``
 the samples of one prompt form a group: the stage computes the prompt once for all of them.
 
-A request without ``max_tokens`` gets its default (chat: all the context its prompt leaves;
-completions: 16, or less if the context ends sooner); one whose prompt plus the ``max_tokens``
-it asked for exceeds the context is a 400 (as in vLLM), never silently shortened.
+A request without ``max_tokens`` gets its default (chat, and completions' explicit null: all the
+context its prompt leaves; completions without the field: 16, or less if the context ends
+sooner), within what the KV pool holds for it alone at its depth; one whose prompt plus the
+``max_tokens`` it asked for exceeds the context is a 400 (as in vLLM), never silently shortened.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from rltserve.http.chat_messages import echoed_text
+from rltserve.http.context_limit import tokens_too_many
 from rltserve.http.errors import HTTPError, bad_request
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
@@ -59,20 +61,35 @@ class GenerationPlan:
 
 
 def _token_limit(
-    asked: int | None, param: str, frontend: Frontend, prompt: PromptInput, default: int | None
-) -> int:
-    context, prompt_len = frontend.info.max_model_len, len(prompt.token_ids)
-    if asked is None:
-        rest = context - prompt_len
-        return rest if default is None else min(default, rest)
-    if prompt_len + asked > context:
-        raise bad_request(
-            f"This model's maximum context length is {context} tokens; requested "
-            f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} for the "
-            "completion). Reduce the prompt or " + param + ".",
-            param,
-        )
-    return asked
+    asked: int | None,
+    param: str,
+    frontend: Frontend,
+    prompt: PromptInput,
+    default: int | None,
+    max_loops: int | None,
+) -> tuple[int, str | None]:
+    """The max_tokens a choice runs with, and, where the client named none, what it is (in
+    ``ChoiceRequest.default_max_tokens``' words): ``default`` (None: all the context leaves)
+    within the context and within what the KV pool holds for the request alone at its depth
+    (``EngineInfo.context_alone``), so that it runs and ends "length" there. Asked for more than
+    the context holds, a 400."""
+    info, prompt_len = frontend.info, len(prompt.token_ids)
+    if asked is not None:
+        if prompt_len + asked > info.max_model_len:
+            message = tokens_too_many(prompt_len, asked, info.max_model_len, info.pool_limited)
+            raise bad_request(message, param)
+        return asked, None
+    rest = info.max_model_len - prompt_len
+    # (At least 1: a prompt the pool cannot hold at this depth is the engine's refusal.)
+    held = max(1, info.context_alone(max_loops) - prompt_len)
+    limit = min(rest, held) if default is None else min(default, rest, held)
+    if limit == rest:
+        what = "the rest of the context"
+    elif limit == held:
+        what = "what the KV cache holds for it at this depth"
+    else:
+        what = "the server default"
+    return limit, f"{what}, {limit} tokens"
 
 
 def _default_max_tokens(state: ServingState, default: int | None = None) -> int | None:
@@ -133,15 +150,13 @@ def _choices(
 ) -> list[ChoiceRequest]:
     choices = []
     loops_param = next((n for n in ("max_loops", "num_steps") if getattr(req, n) is not None), None)
+    max_loops = req.max_loops if req.max_loops is not None else req.num_steps
     for p, prompt in enumerate(prompts):
-        limit = _token_limit(max_tokens, max_tokens_param, frontend, prompt, default_max_tokens)
+        limit, unsent = _token_limit(
+            max_tokens, max_tokens_param, frontend, prompt, default_max_tokens, max_loops
+        )
         if limit == 0:  # (echo's max_tokens=0: the engine samples one token, which is dropped)
             limit = 1
-        unsent = None  # (``ChoiceRequest.default_max_tokens``)
-        if max_tokens is None:
-            whole = limit == frontend.info.max_model_len - len(prompt.token_ids)
-            unsent = f"{'the rest of the context' if whole else 'the server default'}, {limit}"
-            unsent += " tokens"
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(
@@ -197,7 +212,7 @@ async def completion_plan(
     prompts = await frontend.completion_prompts(
         items, req.truncate_prompt_tokens, req.add_special_tokens, req.prompt_only
     )
-    default = _default_max_tokens(state, COMPLETION_MAX_TOKENS)
+    default = _default_max_tokens(state, None if req.max_tokens_null else COMPLETION_MAX_TOKENS)
     choices = _choices(
         frontend,
         _with_loop_defaults(req, state, frontend.info.num_loops),

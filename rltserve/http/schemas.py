@@ -167,6 +167,9 @@ class GenerationFields:
 class CompletionRequest(GenerationFields):
     prompt: Prompt
     max_tokens: int | None = None  # absent: COMPLETION_MAX_TOKENS, within the context
+    # Sent as an explicit null: the rest of the context, as vLLM's (its default of 16 is for
+    # an absent field only).
+    max_tokens_null: bool = field(default=False, metadata={"null_of": "max_tokens"})
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

@@ -80,18 +80,24 @@ def parse_object(
     cls: type, data: object, path: str = "", on_unknown: UnknownField | None = None
 ) -> Any:
     """Builds ``cls`` from ``data`` (a decoded JSON object); raises SchemaError. Unknown keys
-    are passed to ``on_unknown`` and dropped, or are errors when it is None."""
+    are passed to ``on_unknown`` and dropped, or are errors when it is None. A field whose
+    metadata has ``null_of`` is no key of the body: it is true where the body sent that field
+    as an explicit null (where the two differ: completions' max_tokens)."""
     if not isinstance(data, dict):
         raise SchemaError(path or None, f"{path or 'body'}: must be a JSON object")
     hints, fields = _schema(cls)
     for key in data:
-        if key not in fields:
+        if key not in fields or "null_of" in fields[key].metadata:
             name = _join(path, str(key))
             if on_unknown is None:
                 raise SchemaError(name, f"{name}: unknown field")
             on_unknown(name)
     values: dict[str, Any] = {}
     for name, f in fields.items():
+        if (of := f.metadata.get("null_of")) is not None:
+            if of in data and data[of] is None:
+                values[name] = True
+            continue
         full = _join(path, name)
         value = data.get(name)
         required = f.default is _MISSING and f.default_factory is _MISSING
