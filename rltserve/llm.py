@@ -210,7 +210,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             self._client.close(timeout=2.0)
             raise
         self._ids = itertools.count()
-        self._request_counts = RequestCounts()  # (get_metrics' request series)
+        self._request_counts = RequestCounts(self.info.max_loops)  # (get_metrics' series)
         self._running = threading.Condition()  # guards _paused and _active
         self._paused = False
         self._active = 0  # generate calls in progress

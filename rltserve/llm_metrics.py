@@ -1,10 +1,13 @@
 """The offline front ends' request series for ``get_metrics`` (``LLM``'s and ``AsyncLLM``'s),
 under vLLM's names: prompt and generated tokens, finished requests by reason, time to first
-token and end-to-end latency. Counted where the outputs are assembled (``OutputAssembler``
-calls a request's ``RequestTimer`` with each update's delta), so the tokens are those the
-outputs hold (after a stop string cut them) and the finish reason is the one they report;
-the engine's own series (running, KV usage, prefix cache, ...) are ``llm_refusals``'. Every
-sample of a prompt (``n``) is a request here, as vLLM's child requests are."""
+token and end-to-end latency; and the server's looped-model series of generated tokens,
+``rltserve:token_exit_depth`` (the loop each exited at; the server's name, buckets and
+``model_name`` label) and its mean, ``rltserve:loops_per_token``. Counted where the outputs
+are assembled (``OutputAssembler`` calls a request's ``RequestTimer`` with each update's
+delta), so the tokens and exit depths are those the outputs hold (after a stop string cut
+them) and the finish reason is the one they report; the engine's own series (running, KV
+usage, prefix cache, ...) are ``llm_refusals``'. Every sample of a prompt (``n``) is a
+request here, as vLLM's child requests are."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from rltserve.metrics_reader import Counter, Histogram, Metric
+from rltserve.metrics_reader import Counter, Gauge, Histogram, Metric
 from rltserve.outputs import TextDelta
 from rltserve.updates import FinishReason
 
@@ -23,6 +26,22 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+DEPTH_BUCKETS = 32  # every loop up to here has its bucket; past it, powers of two
+# The exit-depth series' help texts (the server's /metrics and get_metrics name the same thing).
+EXIT_DEPTH_HELP = "Loop at which each generated token exited."
+LOOPS_PER_TOKEN_HELP = (
+    "Mean exit depth of generated tokens (the mean of token_exit_depth), not the loops run: "
+    "under kv_policy full every token loops to max_loops; engine_rows_total counts rows run."
+)
+
+
+def depth_buckets(max_loops: int) -> list[int]:
+    """The exit-depth histogram's bucket bounds: every loop up to 32 (Ouro's 4, Nanbeige's),
+    then doubling up to ``max_loops`` (Huginn's 256: 35 buckets, not 256 series)."""
+    out = list(range(1, min(max_loops, DEPTH_BUCKETS) + 1))
+    while out[-1] < max_loops:
+        out.append(min(out[-1] * 2, max_loops))
+    return out
 
 
 def vllm_labels(model_name: str) -> dict[str, str]:
@@ -59,7 +78,9 @@ class RequestCounts:
     """The request series of one ``LLM`` since it started; thread-safe (updates arrive on the
     stage client's thread or an event loop, ``metrics`` is read on the caller's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_loops: int) -> None:
+        """``max_loops``: the engine's deepest loop (``EngineInfo.max_loops``), the exit-depth
+        histogram's last bucket."""
         self.lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -67,6 +88,7 @@ class RequestCounts:
         self.success = dict.fromkeys((r.value for r in FinishReason), 0)
         self.ttft = _Buckets(TTFT_BUCKETS)
         self.e2e = _Buckets(REQUEST_BUCKETS)
+        self.exit_depth = _Buckets(tuple(depth_buckets(max_loops)))
 
     def request(self, num_prompt_tokens: int) -> RequestTimer:
         """The timer of one request (one sample), arriving now with its prompt's length."""
@@ -75,6 +97,9 @@ class RequestCounts:
     def metrics(self, model_name: str) -> list[Metric]:
         labels = vllm_labels(model_name)
         with self.lock:
+            depths = self.exit_depth
+            n = sum(depths.counts)
+            loops_per_token = depths.total / n if n else 0.0
             return [
                 Counter("vllm:prompt_tokens", dict(labels), self.prompt_tokens),
                 Counter("vllm:generation_tokens", dict(labels), self.generation_tokens),
@@ -84,6 +109,9 @@ class RequestCounts:
                 ),
                 self.ttft.read("vllm:time_to_first_token_seconds", dict(labels)),
                 self.e2e.read("vllm:e2e_request_latency_seconds", dict(labels)),
+                # (the server's series: its name and its one label)
+                self.exit_depth.read("rltserve:token_exit_depth", {"model_name": model_name}),
+                Gauge("rltserve:loops_per_token", {"model_name": model_name}, loops_per_token),
             ]
 
 
@@ -111,6 +139,8 @@ class RequestTimer:
                     counts.prompt_tokens += self.num_prompt_tokens
                     counts.ttft.observe(now - self.arrival)
                 counts.generation_tokens += len(delta.token_ids)
+                for depth in delta.exit_depths:
+                    counts.exit_depth.observe(depth)
         if delta.finish_reason is not None:
             self.finish(delta.finish_reason)
 

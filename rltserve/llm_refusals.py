@@ -85,7 +85,8 @@ class Refusals:
         fraction), preemptions, prefix cache queries and hits, from the latest counters the
         engine sent; then the requests this ``LLM`` (and an ``AsyncLLM`` over it) ran:
         prompt and generated tokens, finished requests by ``finished_reason``, time to first
-        token and end-to-end latency (``llm_metrics``)."""
+        token and end-to-end latency, and the server's exit-depth histogram and its mean
+        (``rltserve:token_exit_depth``, ``rltserve:loops_per_token``; ``llm_metrics``)."""
         return [
             *engine_metrics(self._client.stats, self._model_name),
             *self._request_counts.metrics(self._model_name),

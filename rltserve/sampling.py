@@ -308,6 +308,8 @@ class SamplingParams:
             raise bad("min_loops", "must be >= 1")
         if self.max_loops is not None:
             check_int(self, "max_loops")
+            if self.max_loops < 1:  # (below any min_loops: the bound itself is the fault)
+                raise bad("max_loops", "must be >= 1")
             if self.max_loops < self.min_loops:
                 raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
         check_number(self, "exit_threshold")

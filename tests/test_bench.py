@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from engine_util import oracle_run
 
-from rltserve.bench.offline import _params, flop_bound, flops_per_token, run_offline_bench
+from rltserve.bench.flops import exit_criterion_run, flop_bound, flops_per_token, run_flop_bound
+from rltserve.bench.offline import _params, run_offline_bench
 from rltserve.cli import build_parser
 from rltserve.engine_args import engine_kwargs
 from rltserve.models import load_model
@@ -90,6 +91,48 @@ def test_flop_bounds_on_round_numbers():
     assert bounds["flop_bound_decode"] == pytest.approx((10 + 4 * 5) / (10 + 2 * 5))
     full, adaptive = 3 * 4 * 5 + 2 * (10 + 4 * 5), 3 * 4 * 5 + 2 * (10 + 2 * 5)
     assert bounds["flop_bound_workload"] == pytest.approx(full / adaptive)
+
+
+def test_the_bound_is_one_where_every_loop_runs_and_none_where_the_head_runs_per_loop():
+    """kv_policy full runs every token to the full depth: nothing to save (1.0). A criterion
+    that runs the coda and head at every loop has no bound (None) and says why; the gate,
+    latent-diff and a fixed depth keep the formula."""
+    args = (10.0, 5.0, 4, 2.0, 3, 2)
+    formula = flop_bound(*args)
+    assert run_flop_bound(*args, "last_exited", None) == formula
+    assert run_flop_bound(*args, "last_exited", "latent-diff") == formula
+    full = run_flop_bound(*args, "full", None)
+    assert (full["flop_bound_decode"], full["flop_bound_workload"]) == (1.0, 1.0)
+    assert full["flop_bound_note"].startswith("kv_policy full: every token runs every loop")
+    for criterion in ("kl", "minp-kl", "entropy-diff", "argmax-stability"):
+        for policy in ("last_exited", "full"):
+            none = run_flop_bound(*args, policy, criterion)
+            assert (none["flop_bound_decode"], none["flop_bound_workload"]) == (None, None)
+            assert none["flop_bound_note"].startswith(f"exit_criterion {criterion} runs the coda")
+    # The criterion a request runs: kl for an adaptive threshold alone, none on a gated model.
+    assert exit_criterion_run(None, 0.5, has_gate=False) == "kl"
+    assert exit_criterion_run(None, 1.0, has_gate=False) is None
+    assert exit_criterion_run("argmax-stability", 5, has_gate=False) == "argmax-stability"
+    assert exit_criterion_run(None, 0.5, has_gate=True) is None
+
+
+def test_the_report_bound_follows_the_kv_policy_and_the_criterion(ouro_rv1, huginn_rv1):
+    report = bench(
+        "--model", str(ouro_rv1), "--num-prompts", "3", "--input-len", "4", "--output-len", "3",
+        "--exit-threshold", "0.5", "--kv-policy", "full", "--compare",
+    )  # fmt: skip
+    assert report["refill"]["mean_exit_depth"] < 4.0  # (exits early, yet loops on)
+    assert (report["flop_bound_decode"], report["flop_bound_workload"]) == (1.0, 1.0)
+    assert "kv_policy full" in report["flop_bound_note"]
+    ratios = report["ratios"]
+    assert ratios["refill_speedup_vs_flop_bound"] == round(ratios["refill_vs_full_depth"], 3)
+    report = bench(
+        "--model", str(huginn_rv1), "--num-prompts", "2", "--input-len", "4", "--output-len",
+        "3", "--exit-threshold", "0.5", "--compare",
+    )  # fmt: skip
+    assert (report["flop_bound_decode"], report["flop_bound_workload"]) == (None, None)
+    assert report["flop_bound_note"].startswith("exit_criterion kl runs the coda")
+    assert report["ratios"]["refill_speedup_vs_flop_bound"] is None
 
 
 LOOP_PARTS = ("transformer.adapter.", "transformer.core_block.")  # Huginn's looped weights

@@ -221,6 +221,24 @@ def test_vllm_spellings_reach_the_config(monkeypatch):
     assert _config(monkeypatch, "--random-prefix-len", "300").prefix_len == 300
 
 
+def test_the_report_records_the_extra_body_and_the_loop_fields_it_sends(monkeypatch):
+    """``--extra-body`` goes over the flags in every body, so the report's ``exit_threshold``
+    (and ``temperature``) are what it sent; the report keeps the whole of it too."""
+    extra = {"max_loops": 6, "exit_criterion": "kl", "exit_threshold": 0.5, "init_state": "zero"}
+    config = _config(monkeypatch, "--extra-body", json.dumps(extra), "--exit-threshold", "0.9")
+    report = summarize(config, [], duration=1.0)
+    assert (report["extra_body"], report["exit_threshold"], report["temperature"]) == (
+        extra, 0.5, 0.0
+    )  # fmt: skip
+    hot = _config(monkeypatch, "--extra-body", '{"temperature": 0.7}', "--exit-threshold", "0.9")
+    report = summarize(hot, [], duration=1.0)
+    assert (report["extra_body"], report["exit_threshold"], report["temperature"]) == (
+        {"temperature": 0.7}, 0.9, 0.7
+    )  # fmt: skip
+    report = summarize(_config(monkeypatch), [], duration=1.0)
+    assert (report["extra_body"], report["exit_threshold"]) == ({}, None)
+
+
 def test_the_backend_choices_are_the_configs():
     from rltserve.bench.serve_config import BACKENDS
 

@@ -215,7 +215,12 @@ async def test_sampling_fields_reach_the_engine(ckpt):
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 0})
         error = error_of(raw)
         assert (status, error["param"]) == (400, "num_steps"), error
-        assert error["message"].startswith("num_steps=0: must be >= min_loops"), error
+        assert error["message"] == "num_steps=0: must be >= 1", error
+        body = {"prompt": [5], "num_steps": 1, "min_loops": 2}
+        status, _, raw = await live.post("/v1/completions", body)
+        error = error_of(raw)
+        assert (status, error["param"]) == (400, "num_steps"), error
+        assert error["message"] == "num_steps=1: must be >= min_loops (2)", error
         # (above the model's cap, checked against the model: named as sent too)
         status, _, raw = await live.post("/v1/completions", {"prompt": [5], "num_steps": 10**4})
         error = error_of(raw)

@@ -1,9 +1,10 @@
 """Logprobs in HTTP bodies, with a scripted stage and the real ouro-tiny tokenizer: completion
 and chat shapes, -inf clamping, the sampled token first among top_logprobs, forced tokens left
-out of chat logprobs, and prompt_logprobs=0."""
+out of chat logprobs, prompt_logprobs=0, and (on the real engine) the depth echo scores at."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from test_http_harness import (
     RewritingStage,
@@ -219,3 +220,20 @@ async def test_a_stop_string_waits_for_the_forced_tokens_scores(ckpt, hi_tokens)
     listed = [c[0]["logprobs"]["content"] for c in chunks if c and c[0].get("logprobs")]
     assert [e["token"] for entries in listed for e in entries] == [" "]
     assert streamed.endswith(b"data: [DONE]\n\n")
+
+
+async def test_echo_scores_the_prompt_at_max_loops_whatever_the_exit(ckpt):
+    """Echo's prompt logprobs (prompt_logprobs') come after ``max_loops`` loops: a scoring
+    request's ``exit_threshold`` changes nothing, while its ``max_loops`` sets the depth."""
+    score = {"prompt": [5, 9, 14, 3, 7], "echo": True, "max_tokens": 0, "logprobs": 1}
+    async with running(ckpt) as live:
+
+        async def scored(**fields) -> list:
+            status, _, raw = await live.post("/v1/completions", {**score, **fields})
+            assert status == 200, raw
+            return orjson.loads(raw)["choices"][0]["logprobs"]["token_logprobs"]
+
+        full = await scored()
+        assert await scored(exit_threshold=0.3) == full
+        assert await scored(exit_threshold=0.3, max_loops=4) == full  # (ouro-tiny's depth)
+        assert await scored(exit_threshold=0.3, max_loops=2) != full

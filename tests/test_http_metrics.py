@@ -397,3 +397,76 @@ async def test_per_request_metrics_in_the_body(tmp_path_factory):
         assert list(chunks[-2])[-2:] == ["usage", "metrics"] and list(chunks[-2]["metrics"]) == keys
     async with running(ckpt, client_factory=factory) as live:
         assert "metrics" not in orjson.loads((await live.post("/v1/completions", body))[2])
+
+
+def test_a_scoring_update_marks_the_first_token_and_counts_no_token():
+    """``generated=False`` (echo with max_tokens=0): the prompt scored is the request's first
+    token moment (TTFT, queue, prefill, as vLLM observes it), but the engine's one token is
+    neither a generated token nor an exit depth."""
+    metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (None, 0, 0))
+    timeline = RequestTimeline(arrival=1.0, admitted=1.0, max_tokens=1)
+    metrics.on_start(timeline, 5)
+    metrics.on_tokens(timeline, 1.5, [4], generated=False)
+    metrics.on_finish(timeline, 1.5, "length")
+    got = samples(metrics.render()[0].decode())
+    m = (("model_name", "m"),)
+    expected = {
+        "generation_tokens_total": 0.0, "token_exit_depth_count": 0.0, "loops_per_token": 0.0,
+        "request_generation_tokens_count": 1.0, "request_generation_tokens_sum": 0.0,
+        "request_max_num_generation_tokens_sum": 0.0, "inter_token_latency_seconds_count": 0.0,
+        "time_to_first_token_seconds_sum": 0.5, "request_prefill_time_seconds_count": 1.0,
+        "request_decode_time_seconds_sum": 0.0, "request_time_per_output_token_seconds_sum": 0.0,
+        "prompt_tokens_total": 5.0,
+    }  # fmt: skip
+    assert {k: got[(f"rltserve:{k}", m)] for k in expected} == expected
+    assert (timeline.num_tokens, metrics.num_tokens, metrics.num_prefilled) == (0, 0, 5)
+    assert per_request_metrics(timeline)["tokens_per_second"] == 0.0
+
+
+async def test_scoring_requests_count_no_generated_token(tmp_path_factory):
+    """Completions' echo with max_tokens=0 answers with no completion token, and /metrics
+    counts none (the engine's internal one is left out), while a generating request counts
+    its tokens and exit depths as its response has them."""
+    ckpt = tiny_checkpoint(tmp_path_factory)
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    scoring = {"prompt": [5, 6], "echo": True, "max_tokens": 0, "return_exit_depths": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        for body in (scoring, {**scoring, "stream": True}):
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 200, raw
+        got = orjson.loads((await live.post("/v1/completions", scoring))[2])
+        assert got["usage"]["completion_tokens"] == 0 and got["choices"][0]["exit_depths"] == []
+        scored = samples((await live.get("/metrics"))[2].decode())
+        body = {"prompt": [5], "max_tokens": 3, "return_exit_depths": True}
+        depths = orjson.loads((await live.post("/v1/completions", body))[2])["choices"][0]
+        after = samples((await live.get("/metrics"))[2].decode())
+    m = (("model_name", "tiny"),)
+    zero = ("generation_tokens_total", "token_exit_depth_count", "token_exit_depth_sum",
+            "loops_per_token", "request_generation_tokens_sum",
+            "inter_token_latency_seconds_count")  # fmt: skip
+    assert {k: scored[(f"rltserve:{k}", m)] for k in zero} == dict.fromkeys(zero, 0.0)
+    assert scored[("rltserve:time_to_first_token_seconds_count", m)] == 3.0
+    assert scored[("rltserve:request_generation_tokens_count", m)] == 3.0
+    assert depths["exit_depths"] == [1, 2, 3]
+    assert after[("rltserve:generation_tokens_total", m)] == 3.0
+    assert after[("rltserve:token_exit_depth_sum", m)] == 6.0
+    assert after[("rltserve:loops_per_token", m)] == 2.0
+
+
+def test_loops_per_token_says_it_is_the_mean_exit_depth():
+    """Its value is the mean of token_exit_depth, which its help says, pointing to the rows
+    run (under kv_policy full every token loops to max_loops whatever its exit)."""
+    metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (stats(num_rows=40), 0, 0))
+    metrics.on_tokens(RequestTimeline(0.0, 0.0), 1.0, [1, 2])
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render()[0].decode())}
+    family = families["rltserve:loops_per_token"]
+    assert family.documentation == (
+        "Mean exit depth of generated tokens (the mean of token_exit_depth), not the loops run: "
+        "under kv_policy full every token loops to max_loops; engine_rows_total counts rows run."
+    )
+    assert family.samples[0].value == 1.5
+    assert families["rltserve:token_exit_depth"].documentation == (
+        "Loop at which each generated token exited."
+    )

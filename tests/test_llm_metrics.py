@@ -1,7 +1,8 @@
 """``get_metrics``' request series (``llm_metrics``): histograms read as vLLM's reader gives
 them (cumulative buckets keyed by Prometheus' ``le`` text), a request's tokens, time to first
-token and finish counted once, and what an ``OutputAssembler`` tells its observer: the tokens
-its outputs hold and the reason they report. An LLM run's counts: ``test_llm_vllm.py``."""
+token and finish counted once, the exit-depth series (of a run's outputs too), and what an
+``OutputAssembler`` tells its observer: the tokens its outputs hold and the reason they report.
+An LLM run's other counts: ``test_llm_vllm.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from test_outputs import CharTokenizer
 
 import rltserve
 from rltserve.llm_metrics import RequestCounts, _Buckets
-from rltserve.metrics_reader import Counter, Histogram
+from rltserve.metrics_reader import Counter, Gauge, Histogram
 from rltserve.outputs import OutputAssembler, TextDelta
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -48,7 +49,7 @@ def delta(n: int, finish: str | None = None) -> TextDelta:
 
 
 def test_a_request_counts_its_prompt_at_its_first_token_and_its_finish_once(clock):
-    counts = RequestCounts()
+    counts = RequestCounts(4)
     timer = counts.request(5)
     clock[0] = 100.25
     timer(delta(0))  # (an update without tokens: nothing yet)
@@ -101,3 +102,43 @@ def test_the_assembler_tells_its_observer_what_the_output_holds():
     asm.add(RequestUpdate("r", [ord("a")], [1]))
     asm.abandon()
     assert [d.finish_reason for d in seen] == [None, "abort"] and asm.output.finish_reason is None
+
+
+def test_exit_depths_are_the_servers_series_of_the_tokens_the_outputs_hold(clock):
+    """``rltserve:token_exit_depth`` as ``/metrics`` has it (name, buckets, ``model_name``) and
+    its mean as ``rltserve:loops_per_token``; a token after the finish is not counted."""
+    counts = RequestCounts(40)
+    timer = counts.request(3)
+    labels = {"model_name": "m"}
+    assert counts.metrics("m")[-1] == Gauge("rltserve:loops_per_token", labels, 0.0)
+    timer(TextDelta("", [7, 8], [2, 33], [], None))
+    timer(TextDelta("", [9], [40], [], "length"))
+    timer(TextDelta("", [9], [1], [], None))  # (finished: not counted)
+    *_, depths, mean = counts.metrics("m")
+    bounds = [*range(1, 33), 40]  # (the server's depth_buckets(40))
+    assert depths.name == "rltserve:token_exit_depth" and depths.labels == labels
+    assert list(depths.buckets) == [*(repr(float(b)) for b in bounds), "+Inf"]
+    assert (depths.count, depths.sum) == (3, 75.0)
+    assert (depths.buckets["1.0"], depths.buckets["2.0"], depths.buckets["32.0"]) == (0, 1, 1)
+    assert depths.buckets["40.0"] == depths.buckets["+Inf"] == 3
+    assert mean == Gauge("rltserve:loops_per_token", labels, 25.0)
+
+
+def test_an_llm_runs_exit_depths_are_its_outputs(tiny):
+    """get_metrics' exit-depth series against the outputs of a run that exits early."""
+    params = rltserve.SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, exit_threshold=0.5, n=2
+    )
+    with rltserve.LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=64) as llm:
+        outs = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics()}
+        max_loops = llm.info.max_loops
+    depths = [d for o in outs for c in o.outputs for d in c.exit_depths]
+    histogram = metrics["rltserve:token_exit_depth"]
+    assert len(depths) == 24 and len(set(depths)) > 1  # (exits at several depths)
+    assert (histogram.count, histogram.sum) == (24, sum(depths))
+    assert histogram.buckets == {
+        **{repr(float(b)): sum(d <= b for d in depths) for b in range(1, max_loops + 1)},
+        "+Inf": 24,
+    }
+    assert metrics["rltserve:loops_per_token"].value == sum(depths) / 24

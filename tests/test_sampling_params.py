@@ -26,6 +26,20 @@ def test_min_tokens_above_max_tokens_is_rejected():
 @pytest.mark.parametrize(
     "kw,message",
     [
+        # Below 1 the bound itself is the fault, whatever min_loops is.
+        ({"max_loops": 0}, r"max_loops=0: must be >= 1$"),
+        ({"max_loops": -3, "min_loops": 2}, r"max_loops=-3: must be >= 1$"),
+        ({"max_loops": 1, "min_loops": 2}, r"max_loops=1: must be >= min_loops \(2\)$"),
+    ],
+)
+def test_max_loops_below_one_says_so(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
         ({"min_loops": 2, "trace_depths": [2, 1]}, r"depth 1 is below min_loops \(2\)"),
         ({"max_loops": 3, "trace_depths": [3, 4]}, r"depth 4 is above max_loops \(3\)"),
         ({"trace_depths": [1, 0]}, "must be ints >= 1"),

@@ -191,7 +191,8 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
         default=None,
         metavar="JSON",
         help="vLLM's: a JSON object merged into every request body, e.g. "
-        '\'{"max_loops": 4, "exit_criterion": "threshold", "seed": 1}\'',
+        '\'{"max_loops": 6, "exit_criterion": "kl", "exit_threshold": 0.5}\' (the report '
+        "records it, and the exit_threshold and temperature it sends)",
     )
     parser.add_argument(
         "--header",

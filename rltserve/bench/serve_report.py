@@ -105,7 +105,8 @@ def summarize(
     context_skipped: int = 0,
 ) -> dict:
     """The report: the run's settings (``model``: the one sent, else ``served``, the server's
-    first; ``max_model_len``: its context, where its model card gives it), then what it
+    first; ``temperature`` and ``exit_threshold`` as sent, ``extra_body``'s over the flags';
+    ``max_model_len``: its context, where its model card gives it), then what it
     measured. ``context_skipped``: the turns not sent because the context would not hold
     them."""
     ok = [r for r in results if r.success]
@@ -113,6 +114,10 @@ def summarize(
     output_tokens = sum(r.output_tokens for r in ok)
     peak_tokens, peak_requests = peaks(ok)
     backend = config.backend or ENDPOINT_BACKENDS[config.endpoint]
+    # What each request sent: ``extra_body`` goes over the flags (``serve.request_body``), so
+    # the settings recorded are those the server got.
+    sent = {"temperature": config.temperature, "exit_threshold": config.exit_threshold}
+    sent.update(config.extra_body)
     report: dict = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),  # (vLLM's format)
         "url": config.url,
@@ -128,8 +133,9 @@ def summarize(
         "ignore_eos": config.ignore_eos,
         "num_warmups": config.num_warmups,
         "seed": config.seed,
-        "temperature": config.temperature,
-        "exit_threshold": config.exit_threshold,
+        "temperature": sent["temperature"],
+        "exit_threshold": sent["exit_threshold"],
+        "extra_body": dict(config.extra_body),  # (rltserve's loop fields: max_loops, ...)
         "num_prompts": config.num_prompts,
         "request_rate": "inf" if math.isinf(config.request_rate) else config.request_rate,
         "burstiness": config.burstiness,

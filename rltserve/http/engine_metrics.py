@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
+from rltserve.llm_metrics import LOOPS_PER_TOKEN_HELP
 
 if TYPE_CHECKING:
     from rltserve.http.metrics import ServingMetrics, StatsSource
@@ -95,7 +96,7 @@ class EngineCollector(Collector):
         yield _sleep_state(P, self.model_name, m.sleep_level if self.asleep() else 0)
         yield gauge(
             "loops_per_token",
-            "Mean loops run per generated token.",
+            LOOPS_PER_TOKEN_HELP,
             m.sum_depths / m.num_tokens if m.num_tokens else 0.0,
         )
         steps, rows = stat("num_steps"), stat("num_rows")

@@ -112,6 +112,9 @@ class ChoiceRequest:
     # The depth field as the request sent it ("max_loops", or Huginn's "num_steps"; None: not
     # sent): the param of a refusal for want of KV blocks, which the depth sizes.
     loops_param: str | None = None
+    # Completions' echo with max_tokens=0 (scoring): the engine samples one token to finish
+    # the prompt, which the response leaves out, and so do the generated-token metrics.
+    prompt_only: bool = False
 
 
 class Frontend:

@@ -243,7 +243,9 @@ class Generation:
         metrics = self._frontend.metrics
         if not update.rejected:
             self._started(choice)
-        metrics.on_tokens(choice.timeline, now, delta.exit_depths)
+        metrics.on_tokens(
+            choice.timeline, now, delta.exit_depths, generated=not choice.request.prompt_only
+        )
         if delta.finish_reason is not None:
             choice.open = False
             # A stop string: stop the engine's work too, now or, while forced tokens it kept

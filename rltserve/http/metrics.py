@@ -27,8 +27,11 @@ row is a token at one loop, the unit of a step's work; its sum is ``engine_rows_
 on each of its planes) and ``kv_capacity_tokens`` turn them into tokens.
 
 Looped-model metrics: ``token_exit_depth`` (the loop at which each generated token exited),
-``loops_per_token`` (its mean), ``rows_per_step`` (mean core-batch rows per engine step) and the
-step/row counters behind it.
+``loops_per_token`` (its mean: exit depth, not loops run, which differ under ``kv_policy=full``,
+where every token loops to ``max_loops``; ``engine_rows_total`` counts the rows run),
+``rows_per_step`` (mean core-batch rows per engine step) and the step/row counters behind it.
+Only tokens a response holds count as generated: a scoring request's (completions' echo with
+``max_tokens=0``) one internal token does not (``on_tokens``).
 
 Exposition is ``prometheus_client``'s, from a registry per app (two apps in one process do not
 mix their numbers) that also holds the standard process, platform and GC collectors. Events
@@ -51,7 +54,12 @@ from prometheus_client.platform_collector import PlatformCollector
 
 from rltserve.core.engine_info import EngineStats
 from rltserve.http.engine_metrics import EngineCollector
-from rltserve.llm_metrics import REQUEST_BUCKETS, TTFT_BUCKETS  # (vLLM's, as offline)
+from rltserve.llm_metrics import (  # (vLLM's buckets, and the exit-depth series', as offline)
+    EXIT_DEPTH_HELP,
+    REQUEST_BUCKETS,
+    TTFT_BUCKETS,
+    depth_buckets,
+)
 from rltserve.updates import FinishReason
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -65,17 +73,6 @@ HTTP_BUCKETS = (0.1, 0.5, 1.0)
 INSTRUMENTATOR_EXCLUDED = frozenset({"/metrics", "/health", "/ping", "/version"})
 HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
                       3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
-
-DEPTH_BUCKETS = 32  # every loop up to here has its bucket; past it, powers of two
-
-
-def depth_buckets(max_loops: int) -> list[int]:
-    """The exit-depth histogram's bucket bounds: every loop up to 32 (Ouro's 4, Nanbeige's),
-    then doubling up to ``max_loops`` (Huginn's 256: 35 buckets, not 256 series)."""
-    out = list(range(1, min(max_loops, DEPTH_BUCKETS) + 1))
-    while out[-1] < max_loops:
-        out.append(min(out[-1] * 2, max_loops))
-    return out
 
 
 @dataclass
@@ -285,7 +282,7 @@ class ServingMetrics:
         if self.exit_depth is None:
             self.exit_depth = Histogram(
                 self.prefix + "token_exit_depth",
-                "Loop at which each generated token exited.",
+                EXIT_DEPTH_HELP,
                 ("model_name",),
                 registry=self.registry,
                 buckets=depth_buckets(max_loops),
@@ -302,7 +299,18 @@ class ServingMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.request_prompt.observe(num_prompt_tokens)
 
-    def on_tokens(self, timeline: RequestTimeline, now: float, exit_depths: list[int]) -> None:
+    def on_tokens(
+        self,
+        timeline: RequestTimeline,
+        now: float,
+        exit_depths: list[int],
+        generated: bool = True,
+    ) -> None:
+        """An update's new tokens (``exit_depths``: one per token). ``generated=False``: those
+        of a scoring request (completions' echo with ``max_tokens=0``), whose one token the
+        engine samples to finish the prompt is left out of the response: it marks the request's
+        first-token moment (its prompt scored: TTFT, queue, prefill, as vLLM observes such a
+        request) but counts as no generated token, exit depth or ITL gap."""
         if not exit_depths:
             return
         if timeline.first_token is None:
@@ -310,9 +318,11 @@ class ServingMetrics:
             self.ttft.observe(now - timeline.arrival)
             self.num_prefilled += timeline.num_prompt_tokens
             self.prompt_tokens_cached.inc(timeline.num_cached_tokens)
-        elif timeline.last_token is not None:
+        elif timeline.last_token is not None and generated:
             self.itl.observe(now - timeline.last_token)
         timeline.last_token = now
+        if not generated:
+            return
         timeline.num_tokens += len(exit_depths)
         self.generation_tokens.inc(len(exit_depths))
         self.num_tokens += len(exit_depths)

@@ -155,7 +155,8 @@ def _choices(
         limit, unsent = _token_limit(
             max_tokens, max_tokens_param, frontend, prompt, default_max_tokens, max_loops
         )
-        if limit == 0:  # (echo's max_tokens=0: the engine samples one token, which is dropped)
+        prompt_only = limit == 0  # (echo's max_tokens=0: the engine samples one token, dropped)
+        if prompt_only:
             limit = 1
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
@@ -178,6 +179,7 @@ def _choices(
                     session,
                     default_max_tokens=unsent,
                     loops_param=loops_param,
+                    prompt_only=prompt_only,
                 )
             )
     return choices
