@@ -78,7 +78,7 @@ class _FakeStage:
 
     calls: list = []
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, role=None) -> None:
         self.stats = None
         self.alive = True
         self.error = None

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_util import oracle_run, stream_all, wait_pd_idle
+from engine_util import decode_took, oracle_run, stream_all, wait_pd_idle
 from test_pd import GREEDY, _client, _collect
 
+from rltserve.core import pd_prefill
 from rltserve.core.pd import _Handoff
 from rltserve.core.stage import StageClient, StageError
 from rltserve.sampling import SamplingParams
@@ -140,29 +141,110 @@ def test_bad_requests_are_refused_as_by_one_stage(ckpts, monkeypatch):
         client.close()
 
 
-def test_a_dead_prefill_stage_costs_only_the_transfer(ckpts, ouro_ref):
-    """Killed under a request (in its prefill or already decoding): the request is still served
-    (without a file, the decode stage computes the prompt); then the client is not alive and
-    refuses new requests, naming the stage."""
+def _ended(updates, rids) -> bool:
+    return all(updates.get(r) and updates[r][-1].finish_reason for r in rids)
+
+
+def test_a_dead_prefill_stage_fails_nothing_and_is_started_again(ckpts, ouro_ref, monkeypatch):
+    """Killed under requests (in their prefill, decoding, decode-only; greedy and seeded): each
+    is served as by one stage (without a file, the decode stage computes the prompt); the
+    client stays alive, starts the prefill stage again (its worker named on its command line)
+    and moves KV again."""
+    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.05)
     client = _client(ckpts["ouro"], cls=StageClient)
     try:
-        run = stream_all(client, [list(range(10, 40))], [GREEDY])  # through both processes
-        assert len(run.tokens["r0"]) == 4
-        updates, ended, sink = _collect()
+        old = client.prefill
+        assert "--role prefill" in _cmdline(old.pid)
+        assert "--role decode" in _cmdline(client.decode.pid)
         long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        client.add_request("k", list(range(10, 90)), long, sink)
-        client.prefill.kill()
-        assert ended.wait(60)
-        want = oracle_run(ouro_ref, list(range(10, 90)), long, kv_policy="last_exited")
-        assert [t for u in updates["k"] for t in u.new_token_ids] == want.tokens
-        assert updates["k"][-1].finish_reason is FinishReason.LENGTH
-        deadline = time.monotonic() + 30
-        while client.alive:
-            assert time.monotonic() < deadline, "the client did not notice the dead stage"
+        seeded = SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True, seed=5)
+        runs = {
+            "k": (list(range(10, 90)), long),
+            "s": (list(range(20, 70)), seeded),
+            "d": ([5, 6, 7], long),  # no full block: straight to the decode stage
+        }
+        updates, ended, sink = _collect()
+        for rid, (prompt, params) in runs.items():
+            client.add_request(rid, prompt, params, sink)
+        old.kill()
+        deadline = time.monotonic() + 120  # (hang guard)
+        while not _ended(updates, runs):
+            assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert client.error.startswith("prefill stage: ")
-        with pytest.raises(StageError):
-            client.add_request("k", list(range(10, 40)), GREEDY, lambda update: None)
+        for rid in runs:
+            assert updates[rid][-1].finish_reason is FinishReason.LENGTH, rid
+        for rid in ("k", "d"):
+            want = oracle_run(ouro_ref, runs[rid][0], long, kv_policy="last_exited").tokens
+            assert [t for u in updates[rid] for t in u.new_token_ids] == want, rid
+        assert client.alive and client.error is None
+        while client.prefill is old or client.prefill_down is not None:
+            assert time.monotonic() < deadline, client.prefill_down
+            time.sleep(0.05)
+        assert "--role prefill" in _cmdline(client.prefill.pid)
+        prompt = list(range(100, 130))
+        run = stream_all(client, [prompt], [GREEDY])
+        assert (
+            run.tokens["r0"] == oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+        )
+        assert decode_took(client) > 0  # the restarted stage moved the prompt's blocks
+        # The seeded request again, its prompt moved as by an intact pair (one stage's output:
+        # test_pd.py): the same tokens.
+        again = stream_all(client, [runs["s"][0]], [seeded])
+        assert [t for u in updates["s"] for t in u.new_token_ids] == again.tokens["r0"]
+        wait_pd_idle(client)
+    finally:
+        client.kill()
+        client.close(timeout=5)
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_a_prefill_stage_that_cannot_come_back_leaves_the_decode_stage_serving(
+    ckpts, ouro_ref, monkeypatch, caplog
+):
+    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.0)
+    client = _client(ckpts["ouro"])
+    try:
+        dead = client.prefill
+
+        def cannot_start():
+            raise StageError("no device left")
+
+        client._prefill._start = cannot_start
+        dead._die("injected")
+        deadline = time.monotonic() + 60  # (hang guard)
+        while not (client.prefill_down or "").startswith("not restarted after 3 attempt(s)"):
+            assert time.monotonic() < deadline, client.prefill_down
+            time.sleep(0.02)
+        assert "giving up on the prefill stage" in caplog.text
+        assert client.alive
+        client.reset_prefix_cache()  # (the commands skip the missing stage)
+        prompt = list(range(10, 40))
+        run = stream_all(client, [prompt], [GREEDY])  # to the decode stage directly
+        assert (
+            run.tokens["r0"] == oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited").tokens
+        )
+        assert decode_took(client) == 0 and not client._open
+        wait_pd_idle(client)
+    finally:
+        client.close()
+
+
+def test_a_dead_decode_stage_names_itself(ckpts):
+    client = _client(ckpts["ouro"], cls=StageClient)
+    try:
+        updates, ended, sink = _collect()
+        long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+        client.add_request("d", [5, 6, 7], long, sink)
+        client.decode.kill()
+        assert ended.wait(60)
+        last = updates["d"][-1]
+        assert last.finish_reason is FinishReason.ERROR
+        assert last.error == "stage died: decode stage: worker process killed by signal 9"
+        assert not client.alive
+        assert client.error == "decode stage: worker process killed by signal 9"
     finally:
         client.kill()
         client.close(timeout=5)

@@ -7,6 +7,7 @@ and the watchdog measuring only open requests without progress."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 
@@ -392,3 +393,41 @@ def test_supervised_stage_watchdog_measures_only_open_requests_without_progress(
     sup.add_request("r1", [1], None, lambda u: None)
     clock.now += 1000
     assert sup.check() is None
+
+
+def test_supervised_stage_watchdog_names_the_hung_stage_and_kills_only_a_prefill_stage():
+    clock = _Clock()
+    a = _FakeStage("a")  # a disaggregated engine: which stage holds progress back
+    a.stalled = "decode"
+    a.stalled_stage = lambda: a.stalled
+    a.kill_prefill = lambda: setattr(a, "prefill_killed", True)
+    sup, _, _ = _supervised(a, clock=clock, watchdog_s=10.0)
+    sup.add_request("r1", [1], None, lambda u: None)
+    clock.now += 11
+    assert sup.check().startswith("decode stage: no engine step finished within 10 s")
+    # A hung prefill stage: killed alone (the client moves its prefills on and starts it
+    # again); the client is not replaced and the watchdog measures afresh.
+    a.stalled = "prefill"
+    assert sup.check() is None and a.prefill_killed and not a.killed
+    clock.now += 5
+    assert sup.check() is None
+
+
+async def test_supervised_stage_lists_the_requests_a_dying_client_ended(caplog):
+    """A client that ends its own requests as it dies (a dead decode stage): they end once,
+    from here, named in the log line, with the client's error."""
+    a, b = _FakeStage("a"), _FakeStage("b")
+    sup, _, _ = _supervised(a, b)
+    got, sink = _collecting()
+    sup.add_request("r1", [1], None, sink)
+    a.alive, a.error = False, "decode stage: worker process killed by signal 9"
+    dying = RequestUpdate("r1", finish_reason=FinishReason.ERROR, error="stage died: x")
+    a.sinks["r1"](dying)
+    assert got == []  # (left for _replace)
+    with caplog.at_level(logging.ERROR):
+        await sup._replace(sup.check())
+    assert [(u.finish_reason, u.error) for u in got] == [
+        (FinishReason.ERROR, "stage died: decode stage: worker process killed by signal 9")
+    ]
+    assert "failing 1 request(s): r1" in caplog.text
+    sup.close()

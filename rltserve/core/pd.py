@@ -15,7 +15,9 @@ on. Weight updates, sleep and wake-up run on both stages, one at a time; after a
 applied on the decode stage only (the prefill stage failed to load it) the stages hold
 different weights, so transfers stop. The samples of one prompt (a group) make one transfer:
 the first goes through the prefill stage, the others wait here and follow it to the decode
-stage, where they share its prompt.
+stage, where they share its prompt. A dead prefill stage fails no request: its prefills move on
+without a file, new requests go to the decode stage directly, and it is started again in the
+background (``pd_prefill``); a dead decode stage is the client's death (``alive``).
 
 A request's updates reach its sink from the decode stage (also when its prefill failed: the
 decode stage then computes the prompt itself), or one final update from here when it ended
@@ -38,8 +40,10 @@ from dataclasses import dataclass, field, replace
 from rltserve.config import EngineConfig
 from rltserve.core import transfer_dir
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.pd_prefill import PrefillStage, prefill_params
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
+from rltserve.http.update_log import UpdateLog, stamps
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate
@@ -83,9 +87,10 @@ class _Handoff:
     sink: Sink  # the user's, wrapped by ``_ending``
     group: str | None
     path: str
+    stage: object = None  # the prefill stage client it runs on
     aborted: bool = False
-    # A weight update that does not abort running requests aborted its prefill: the decode
-    # stage computes the prompt instead.
+    # A weight update that does not abort running requests aborted its prefill, or its stage
+    # died: the decode stage computes the prompt instead.
     reroute: bool = False
     # The group's other samples, waiting to follow it to the decode stage: (request id,
     # prompt, params, sink).
@@ -98,9 +103,9 @@ class PDClient:
     def __init__(self, config: EngineConfig, client_cls: Callable = StageClient) -> None:
         prefill_config, decode_config = stage_configs(config)
         self._decode_config = decode_config
-        self.prefill = client_cls(prefill_config)
+        self._prefill = PrefillStage(lambda: client_cls(prefill_config, role="prefill"))
         try:
-            self.decode = client_cls(decode_config)
+            self.decode = client_cls(decode_config, role="decode")
         except BaseException:
             self.prefill.close(timeout=2.0)
             raise
@@ -120,6 +125,8 @@ class PDClient:
         # need the last update to have succeeded on both (``update_weights``).
         self._commands = threading.Lock()
         self._in_sync = True
+        # The updates applied on the decode stage, for a restarted prefill stage to apply.
+        self._updates = UpdateLog()
         self.info: EngineInfo | None = None
         self._stats_of: tuple = (None, None)
         self._stats: EngineStats | None = None
@@ -131,24 +138,41 @@ class PDClient:
         decode = self.decode.wait_ready(timeout)
         length = min(prefill.max_model_len, decode.max_model_len)
         self.info = replace(decode, max_model_len=length)
+        if not self._closed:
+            self._prefill.watch(self)  # (once both serve: a failed start is the caller's)
         return self.info
 
     @property
+    def prefill(self):
+        """The current prefill stage client (a dead one until its restart serves)."""
+        return self._prefill.client
+
+    @property
+    def prefill_down(self) -> str | None:
+        """Why no prefill stage serves now (the decode stage computes every prompt meanwhile);
+        None while one does."""
+        return self._prefill.down
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def alive(self) -> bool:
-        return self.prefill.alive and self.decode.alive and not self._closed
+        """The decode stage's: without a prefill stage the decode stage serves alone."""
+        return self.decode.alive and not self._closed
 
     @property
     def error(self) -> str | None:
-        for name, stage in (("prefill", self.prefill), ("decode", self.decode)):
-            if stage.error is not None:
-                return f"{name} stage: {stage.error}"
+        if self.decode.error is not None:
+            return f"decode stage: {self.decode.error}"
         return "closed" if self._closed else None
 
     def close(self, timeout: float = 10.0) -> None:
         """Closes both stages; a request still in its prefill ends as aborted."""
         with self._lock:
             self._closed = True
-        self.prefill.close(timeout)
+        self._prefill.close(timeout)
         self.decode.close(timeout)
         self._finalizer()
 
@@ -158,6 +182,20 @@ class PDClient:
             kill = getattr(stage, "kill", None)
             if kill is not None:
                 kill()
+
+    def kill_prefill(self) -> None:
+        """Kills the prefill stage's worker (a hung one: the server's watchdog); its prefills
+        move on to the decode stage, and it is started again (``pd_prefill``)."""
+        kill = getattr(self.prefill, "kill", None)
+        if kill is not None:
+            kill()
+
+    def _prefill_died(self, stage) -> None:
+        """For ``PrefillStage``, once ``stage`` died: its prefills move on to the decode stage
+        whatever final update they get (closing it aborts those its death did not end)."""
+        with self._lock:
+            for handoff in self._open.values():
+                handoff.reroute = handoff.reroute or handoff.stage is stage
 
     # ---------------------------------------------------------------- requests
 
@@ -198,7 +236,7 @@ class PDClient:
                 if transfers:
                     path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
                     ending = self._ending(request_id, sink, path)
-                    handoff = _Handoff(prompt, params, ending, group, path)
+                    handoff = _Handoff(prompt, params, ending, group, path, self.prefill)
                     self._open[request_id] = handoff
                     if group is not None:
                         self._leaders[group] = handoff
@@ -214,8 +252,16 @@ class PDClient:
                     client._prefilled(request_id, update)
 
             transfer = ("export", handoff.path)
-            one_token = self._one_token(params)
-            self.prefill.add_request(request_id, prompt, one_token, on_prefill, group, transfer)
+            one_token = prefill_params(params, self.info)
+            try:
+                handoff.stage.add_request(
+                    request_id, prompt, one_token, on_prefill, group, transfer
+                )
+            except StageError:  # it died since _transfers: as a prefill that failed
+                if handoff.stage.alive:
+                    raise
+                failed = RequestUpdate(request_id, finish_reason=FinishReason.ERROR)
+                self._prefilled(request_id, failed)
         except BaseException:
             with self._lock:
                 self._ids.discard(request_id)
@@ -233,7 +279,10 @@ class PDClient:
         info = self.info
         if info is None or len(prompt) - 1 < info.block_size:
             return False
-        if self.prefill.weight_version != self.decode.weight_version or self.prefill.sleeping:
+        prefill = self.prefill
+        if self._prefill.down is not None or not prefill.alive or prefill.sleeping:
+            return False
+        if self._prefill.weight_version != self.decode.weight_version:
             return False
         if params.prompt_logprobs is not None:
             return False
@@ -245,27 +294,6 @@ class PDClient:
             return False  # the decode stage refuses it at once, in its own words
         return not (
             info.family == "huginn_raven" and params.init_state != "zero" and params.seed is None
-        )
-
-    def _one_token(self, params: SamplingParams) -> SamplingParams:
-        """The prefill stage's request: greedy, one token, with what the prompt's KV and its
-        hashes depend on, its token at the request's full depth (one that exited earlier
-        would end the request before the prompt's last loops ran)."""
-        info = self.info
-        cap = params.max_loops
-        if cap is not None and info.has_gate:  # a gated request runs max(loops, cap) loops
-            cap = max(cap, info.num_loops)
-        traced = params.trace_depths is not None  # (the engine runs exit_mode='trace')
-        return SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            seed=params.seed,
-            max_loops=cap,
-            trace_depths=(cap or info.num_loops,) if traced else None,
-            init_state=params.init_state,
-            kv_policy=params.kv_policy,
-            priority=params.priority,
-            cache_salt=params.cache_salt,
         )
 
     def _ending(self, request_id: str, sink: Sink, path: str | None = None) -> Sink:
@@ -365,7 +393,7 @@ class PDClient:
         if leader is not None:
             follower[3](RequestUpdate(request_id, finish_reason=FinishReason.ABORT))
             return
-        (self.prefill if handoff is not None else self.decode).abort(request_id)
+        (handoff.stage if handoff is not None else self.decode).abort(request_id)
 
     # ---------------------------------------------------------------- both stages
 
@@ -377,19 +405,24 @@ class PDClient:
         not abort move on to the decode stage, whose prompts it computes under the new
         weights. Applied once the decode stage has it: should the prefill stage fail to
         load what the decode stage loaded, it keeps its weights and no KV moves from it
-        again (logged)."""
+        again (logged). A prefill stage that is down gets it when it is started again."""
         with self._commands:
             in_sync, self._in_sync = self._in_sync, False
             try:
-                self.decode.update_weights(paths, abort, timeout_s)
+                before: tuple | str = stamps(paths)
+            except (OSError, ValueError) as exc:  # (the stage will say so, if it fails too)
+                before = str(exc)
+            try:
+                version = self.decode.update_weights(paths, abort, timeout_s)
             except BaseException:
                 self._in_sync = in_sync  # (nothing changed on either stage)
                 raise
+            self._updates.add(list(paths), version, before)
             with self._lock:
                 for handoff in self._open.values():
                     handoff.reroute = not abort
             try:
-                self.prefill.update_weights(paths, True, timeout_s)
+                self._prefill.command("update_weights", paths, True, timeout_s)
             except Exception as exc:
                 logger.warning(
                     "weight update applied on the decode stage only; the prefill stage failed "
@@ -406,25 +439,25 @@ class PDClient:
         then waits for them), then the decode stage; if that fails the prefill stage is woken
         again (after level 2 with weights to load: no KV moves until an update)."""
         with self._commands:
-            self.prefill.sleep(level, timeout_s)
+            self._prefill.command("sleep", level, timeout_s)
             try:
                 self.decode.sleep(level, timeout_s)
             except BaseException:
                 if level == 2:
                     self._in_sync = False
                 with contextlib.suppress(Exception):
-                    self.prefill.wake_up(list(SLEEP_TAGS))
+                    self._prefill.command("wake_up", list(SLEEP_TAGS))
                 raise
 
     def wake_up(self, tags: list[str]) -> None:
         with self._commands:
             self.decode.wake_up(tags)
-            self.prefill.wake_up(tags)
+            self._prefill.command("wake_up", tags)
 
     def reset_prefix_cache(self) -> None:
         with self._commands:
             self.decode.reset_prefix_cache()
-            self.prefill.reset_prefix_cache()
+            self._prefill.command("reset_prefix_cache")
 
     @property
     def weight_version(self) -> int:
@@ -436,8 +469,14 @@ class PDClient:
 
     @property
     def prefill_stats(self) -> EngineStats | None:
-        """The prefill stage's own stats (its KV pool and cache; ``stats`` is the decode's)."""
-        return self.prefill.stats
+        """The prefill stage's own stats (its KV pool and cache; ``stats`` is the decode's),
+        its counters carried over its restarts."""
+        return self._prefill.stats
+
+    def stalled_stage(self) -> str:
+        """The stage ``stats`` waits for (the server's watchdog names it): the prefill stage
+        while it has prefills and sent no stats since they last moved, else the decode's."""
+        return "prefill" if self._open and self.prefill.stats is self._stats_of[0] else "decode"
 
     @property
     def stats(self) -> EngineStats | None:

@@ -144,7 +144,10 @@ class _ClientBase(ABC):
     """Routes updates to per-request sinks; fails every open request when the stage dies or the
     client closes."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str | None = None) -> None:
+        # Which stage of a disaggregated engine this is ("prefill", "decode"): its failures
+        # name it, as an operator sees two of them.
+        self.role = role
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()  # guards _sinks, _fatal and _closed together
         self._ready = threading.Event()
@@ -226,8 +229,9 @@ class _ClientBase(ABC):
                 self._fatal = reason
             reason = self._fatal
         self._ready.set()
-        self._fail_open(FinishReason.ERROR, f"stage died: {reason}")
-        self._fail_replies(f"stage died: {reason}")
+        named = f"{self.role} stage: {reason}" if self.role else reason
+        self._fail_open(FinishReason.ERROR, f"stage died: {named}")
+        self._fail_replies(f"stage died: {named}")
 
     def _fail_replies(self, error: str) -> None:
         with self._lock:
@@ -385,9 +389,9 @@ def _read(ref: weakref.ref, worker: WorkerProcess) -> None:
 class StageClient(_ClientBase):
     """Runs the stage in a worker process and talks to it over a socket pair."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
-        self._worker = WorkerProcess.start(config)
+    def __init__(self, config: EngineConfig, role: str | None = None) -> None:
+        super().__init__(role)
+        self._worker = WorkerProcess.start(config, role)
         self.pid = self._worker.pid
         self._reader = threading.Thread(
             target=_read, args=(weakref.ref(self), self._worker), name="rltserve-stage-reader"
@@ -431,8 +435,8 @@ class StageClient(_ClientBase):
 class InProcessStageClient(_ClientBase):
     """The same stage loop on a thread of this process; same interface as StageClient."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
+    def __init__(self, config: EngineConfig, role: str | None = None) -> None:
+        super().__init__(role)
         self._commands: queue.Queue = queue.Queue()
         ref = weakref.ref(self)
 

@@ -1,4 +1,4 @@
-"""The stage worker process: ``main()`` with ``--fd N --parent-pid P`` (``python -m
+"""The stage worker process: ``main()`` with ``--fd N --parent-pid P [--role R]`` (``python -m
 rltserve.core.stage_worker`` runs it too; the client starts it with a bootstrap that keeps the
 caller's current directory off ``sys.path``).
 
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument(
         "--log-level", type=int, default=None, help="the parent's, when it set one up"
+    )
+    parser.add_argument(
+        "--role", default=None, help="the stage it runs (prefill, decode): for ps only"
     )
     args = parser.parse_args(argv)
     if args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)

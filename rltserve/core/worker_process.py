@@ -106,9 +106,10 @@ class WorkerProcess:
         self.pid = proc.pid
 
     @classmethod
-    def start(cls, config: EngineConfig) -> WorkerProcess:
+    def start(cls, config: EngineConfig, role: str | None = None) -> WorkerProcess:
         """Launches a worker and hands it ``config``; raises ``StageError`` naming the cause
-        when it cannot be started."""
+        when it cannot be started. ``role`` goes on its command line (``--role prefill``), so
+        that ``ps`` tells a disaggregated engine's two workers apart."""
         from rltserve.core.stage import StageError
 
         command = f"{sys.executable or 'python'} -c <{WORKER_MODULE}.main>"
@@ -129,6 +130,7 @@ class WorkerProcess:
                     "--parent-pid",
                     str(os.getpid()),
                     *_log_args(),
+                    *(["--role", role] if role else []),
                 ],  # fmt: skip
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,

@@ -328,11 +328,13 @@ class ServingState:
         return self._frontend
 
     def health(self) -> dict:
-        """The body of a 200 /health: replica counts when serving a replica set."""
+        """The body of a 200 /health: replica counts when serving a replica set; why the
+        prefill stage of a disaggregated engine is down (the decode stage serves alone)."""
         inner = self._client.inner if self._client is not None else None
         live = getattr(inner, "live_replicas", None)
         if live is None:
-            return {"status": "ok"}
+            down = getattr(inner, "prefill_down", None)
+            return {"status": "ok", "prefill_stage": f"down: {down}"} if down else {"status": "ok"}
         return {"status": "ok", "replicas": {"live": live, "configured": inner.config.replicas}}
 
     def ignore_field(self, path: str, request_id: str | None = None) -> None:

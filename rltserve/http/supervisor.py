@@ -8,10 +8,14 @@ the stage every tick:
 - dead: the client reports it is no longer alive (worker exit or ``kill -9``: channel EOF; a
   fatal error of the engine loop);
 - hung: requests are open and neither an update nor fresh engine stats arrived for
-  ``watchdog_s`` seconds (one engine step sends both); the stage is then killed.
+  ``watchdog_s`` seconds (one engine step sends both); the stage is then killed. A
+  disaggregated engine names the stage waited for (``stalled_stage``): a hung prefill stage
+  is killed alone (``kill_prefill``: the client serves on without it and starts it again),
+  nothing here fails or restarts.
 
 Either way every request still open on that stage ends with an ERROR update whose message starts
-with "stage died" (the frontend turns it into a 503 body, or an error event then ``[DONE]`` in a
+with "stage died" (those the dying client ends itself are left to end here, so that the log line
+names them all) (the frontend turns it into a 503 body, or an error event then ``[DONE]`` in a
 stream), and the stage is restarted after a backoff that doubles per consecutive attempt. While
 it restarts ``alive`` is False (the server answers 503 with Retry-After). The supervisor gives
 up when the stage fails after ``max_restarts`` restart attempts in a row, each of which failed
@@ -298,6 +302,8 @@ class SupervisedStage:
                 entry = self._open.get(rid)
                 if entry is None or entry.client is not client:
                     return  # already ended here (hung stage), or a stale update
+                if _died_with(client, update):
+                    return  # ended by _replace, which names the stage's requests in its log
                 self._last_progress = self._clock()
                 if update.finish_reason is not None:
                     del self._open[rid]
@@ -340,7 +346,19 @@ class SupervisedStage:
         if getattr(client, "self_supervised", False):
             return None  # it replaces its own failed parts (Ray Serve replicas)
         if watchdog and self._hung_for() > watchdog:
-            return f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
+            hung = f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
+            stalled = getattr(client, "stalled_stage", None)  # (a disaggregated engine)
+            if stalled is None:
+                return hung
+            stage = stalled()
+            if stage != "prefill":
+                return f"{stage} stage: {hung}"
+            # Its prefills move on to the decode stage, which serves alone until the client
+            # has started the prefill stage again: nothing to fail or restart here.
+            log.error("prefill stage: %s", hung)
+            client.kill_prefill()
+            with self._lock:
+                self._last_progress = self._clock()
         return None
 
     async def watch(self, tick_s: float = 0.1) -> None:
@@ -462,6 +480,12 @@ class SupervisedStage:
             self.failure = f"restart failed: {getattr(client, 'error', None)}"
             return False
         return False
+
+
+def _died_with(client: StageClientLike, update: RequestUpdate) -> bool:
+    """Whether ``update`` is the final error a dying stage client gives its open requests."""
+    failed = update.finish_reason is FinishReason.ERROR and not client.alive
+    return failed and (update.error or "").startswith("stage died")
 
 
 def _stop(client: StageClientLike) -> None:

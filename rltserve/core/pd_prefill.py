@@ -1,0 +1,237 @@
+"""The prefill stage of a ``PDClient``, started again when it dies (DESIGN §8).
+
+The prefill stage only saves the decode stage work: while it is down the decode stage computes
+every prompt (as it does for a prefill that failed), so its death fails no request. Its
+prefills in flight move on to the decode stage without a file, and new requests go there
+directly. ``PrefillStage`` owns the current prefill stage client; a thread notices that it died
+(worker exit, ``kill -9``, a watchdog's kill: the client is no longer alive) and starts another
+after a backoff that doubles per attempt, at most ``MAX_ATTEMPTS`` in a row (a stage that served
+``STABLE_S`` seconds starts a fresh count). A new stage serves only with the decode stage's
+weights (the updates applied since start, applied again from the owner's ``UpdateLog``) and
+only while the decode stage is awake: it starts awake, so while the decode stage sleeps it is
+not started (wake-up brings it back). When it cannot come back the decode stage serves alone;
+``down`` says why (the server's /health shows it) and the log says so. Also here: the prefill
+stage's request for a prompt (``prefill_params``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
+from rltserve.core.stage import StageError
+from rltserve.http.update_log import UpdateLost
+from rltserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+BACKOFF_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_S = 60.0
+POLL_S = 0.2
+READY_TIMEOUT_S = 600.0  # (a model load: the server's --startup-timeout-s default)
+
+
+class PrefillStage:
+    """The current prefill stage client (``client``) and whether one serves (``down``)."""
+
+    def __init__(self, start: Callable[[], object]) -> None:
+        self._start = start
+        self.client = start()
+        self.down: str | None = None  # why no prefill stage serves now (None while one does)
+        self.restarts = 0
+        # Weight versions the stage skipped: a restarted stage applies only the updates still
+        # needed, yet holds the weights of the decode stage's version.
+        self.version_offset = 0
+        self._retired: EngineStats | None = None  # the counters of the stages that died
+        self._attempts = 0
+        self._since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def weight_version(self) -> int:
+        return self.client.weight_version + self.version_offset
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The current stage's stats, its counters on top of those of the stages that died
+        (they never go down); while it is down the gauges read idle."""
+        current = self.client.stats if self.down is None else None
+        if self._retired is None:
+            return current
+        return sum_stats([current] if current is not None else [], self._retired)
+
+    def command(self, name: str, *args) -> None:
+        """Runs the client's command ``name`` unless the stage is down or dies meanwhile (a
+        restarted one gets the decode stage's weights, and starts only while it is awake)."""
+        stage = self.client
+        if self.down is not None or not stage.alive:
+            return
+        try:
+            getattr(stage, name)(*args)
+        except StageError:
+            if stage.alive:
+                raise
+
+    def watch(self, owner) -> None:
+        """Starts the thread that restarts the stage for ``owner`` (a PDClient, held weakly)."""
+        self._thread = threading.Thread(
+            target=self._run, args=(weakref.ref(owner),), name="rltserve-prefill-keeper"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def close(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.client.close(timeout)
+
+    def _run(self, ref: weakref.ref) -> None:
+        while not self._stop.wait(POLL_S):
+            owner = ref()
+            if owner is None:
+                return
+            old = self.client
+            if old.alive or owner.closed:
+                del owner
+                continue
+            owner._prefill_died(old)
+            del owner
+            if old.stats is not None:  # (before down is set: counters must not dip)
+                self._retired = sum_stats([old.stats], self._retired)
+            self.down = f"died: {old.error}"
+            logger.error(
+                "prefill stage died: %s; its prefills in flight continue on the decode stage, "
+                "which computes every prompt until the prefill stage is back",
+                old.error,
+            )
+            _stop(old)
+            if not self._revive(ref):
+                return
+
+    def _revive(self, ref: weakref.ref) -> bool:
+        """Starts stages until one serves (True), or the attempts run out or the owner closed."""
+        if time.monotonic() - self._since >= STABLE_S:
+            self._attempts = 0
+        while not self._stop.is_set():
+            if self._attempts >= MAX_ATTEMPTS:
+                self.down = f"not restarted after {self._attempts} attempt(s): {self.down}"
+                logger.error(
+                    "giving up on the prefill stage (%s); the decode stage serves alone, "
+                    "computing every prompt",
+                    self.down,
+                )
+                return False
+            self._attempts += 1
+            delay = min(BACKOFF_S * 2 ** (self._attempts - 1), BACKOFF_MAX_S)
+            logger.info(
+                "restarting the prefill stage in %.1f s (attempt %d)", delay, self._attempts
+            )
+            if self._stop.wait(delay) or not self._awake(ref):
+                return False
+            new = None
+            try:
+                new = self._start()
+                self._ready(new)
+                adopted = self._adopt(ref, new)
+            except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
+                failure = f"{type(exc).__name__}: {exc}"
+                if new is not None:
+                    _stop(new)
+                if isinstance(exc, UpdateLost):  # (no attempt can get those weights back)
+                    self.down = f"not restarted: cannot restore {exc}"
+                    logger.error("giving up on the prefill stage: %s", self.down)
+                    return False
+                self.down = f"restart failed: {failure}"
+                logger.warning("prefill stage restart attempt %d: %s", self._attempts, failure)
+                continue
+            if not adopted:  # the decode stage fell asleep meanwhile, or the owner closed
+                _stop(new)
+                self._attempts -= 1
+                continue
+            self._since = time.monotonic()
+            self.restarts += 1
+            logger.info("prefill stage restarted (%d restart(s) so far)", self.restarts)
+            return True
+        return False
+
+    def _awake(self, ref: weakref.ref) -> bool:
+        """Waits while the decode stage sleeps; False once the owner is closed or gone."""
+        while not self._stop.is_set():
+            owner = ref()
+            if owner is None or owner.closed:
+                return False
+            if not owner.decode.sleeping:
+                return True
+            del owner
+            self._stop.wait(POLL_S)
+        return False
+
+    def _ready(self, new) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if self._stop.is_set():
+                raise StageError("closed while starting")
+            try:
+                new.wait_ready(POLL_S)
+                return
+            except StageError:
+                if not new.alive or time.monotonic() > deadline:
+                    raise
+
+    def _adopt(self, ref: weakref.ref, new) -> bool:
+        """Gives ``new`` the decode stage's weights and makes it the stage, unless the owner
+        closed or its decode stage sleeps; under the owner's command lock, so no update,
+        sleep or wake-up runs meanwhile."""
+        owner = ref()
+        if owner is None:
+            return False
+        with owner._commands:
+            if owner.closed or owner.decode.sleeping:
+                return False
+            needed, version = owner._updates.replay()
+            for update in needed:
+                new.update_weights(list(update.paths), True, READY_TIMEOUT_S)
+            self.version_offset = version - len(needed)
+            self.client = new
+            self.down = None
+        return True
+
+
+def prefill_params(params: SamplingParams, info: EngineInfo) -> SamplingParams:
+    """The prefill stage's request: greedy, one token, with what the prompt's KV and its
+    hashes depend on, its token at the request's full depth (one that exited earlier
+    would end the request before the prompt's last loops ran)."""
+    cap = params.max_loops
+    if cap is not None and info.has_gate:  # a gated request runs max(loops, cap) loops
+        cap = max(cap, info.num_loops)
+    traced = params.trace_depths is not None  # (the engine runs exit_mode='trace')
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        seed=params.seed,
+        max_loops=cap,
+        trace_depths=(cap or info.num_loops,) if traced else None,
+        init_state=params.init_state,
+        kv_policy=params.kv_policy,
+        priority=params.priority,
+        cache_salt=params.cache_salt,
+    )
+
+
+def _stop(client) -> None:
+    """Stops a failed stage for good: killed first (it may be hung), then closed."""
+    kill = getattr(client, "kill", None)
+    if kill is not None:
+        with contextlib.suppress(Exception):
+            kill()
+    with contextlib.suppress(Exception):
+        client.close(timeout=5.0)
