@@ -315,3 +315,30 @@ async def test_a_restarted_stage_serves_the_updated_weights_again(ckpt, tmp_path
 
 
 # ---------------------------------------------------------------- SupervisedStage, unit level
+
+
+@pytest.mark.parametrize("disaggregate", [False, True])
+async def test_a_stage_killed_while_asleep_restarts_asleep(ckpt, disaggregate):
+    """kill -9 of a stage worker while the engine sleeps: the restarted stage is put back to
+    sleep (a trainer that freed the memory keeps it free), completions stay a 503 until
+    /wake_up, then serve the same tokens."""
+    from rltserve.core.pd import PDClient
+
+    factory, engine = StageClient, {}
+    if disaggregate:
+        factory, engine = (lambda config: PDClient(config, StageClient)), {"disaggregate": True}
+    async with running(ckpt, client_factory=factory, engine=engine, **FAST) as live:
+        baseline = (await live.post(COMPLETIONS, BODY))[2]
+        assert (await live.post("/sleep?level=1", None))[0] == 200
+        stage = live.state.client
+        worker = stage.inner.decode if disaggregate else stage.inner
+        os.kill(worker.pid, signal.SIGKILL)
+        await wait_for(lambda: stage.restarts == 1 and stage.alive, 120)
+        assert orjson.loads((await live.get("/is_sleeping"))[2]) == {"is_sleeping": True}
+        assert stage.sleeping == {"weights", "kv_cache"}
+        status, _, raw = await live.post(COMPLETIONS, BODY)
+        assert status == 503 and b"sleeping" in raw, raw
+        _, _, metrics = await live.get("/metrics")
+        assert b'sleep_state="weights_offloaded"} 1.0' in metrics
+        assert (await live.post("/wake_up", None))[0] == 200
+        await recovers(live, baseline)

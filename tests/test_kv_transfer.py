@@ -215,3 +215,48 @@ def test_a_file_of_another_dtype_or_for_a_prompt_scoring_request_moves_nothing(c
     assert import_prompt(decode.kv, decode.runner, scoring, str(file)) == 0
     assert decode.kv.cache.num_blocks == 0 and not file.exists()
     decode.kv.check_no_leaks()
+
+
+def test_a_burst_of_imports_larger_than_the_pool_uses_every_file(ckpts, ouro_ref, tmp_path):
+    """More moved prompts than the decode pool holds at once: each file is read when its
+    request is admitted (blocks reserved first), not when it is added, so none is evicted
+    unused; outputs equal the oracle's."""
+    prefill, decode = _cores(ckpts["ouro"], decode_blocks=48)
+    prompts = [[100 + 7 * i + j for j in range(23)] for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        file = str(tmp_path / f"{i}.safetensors")
+        _prefill(prefill, prompt, file)
+        decode.add_request(f"d{i}", prompt, GREEDY, None, ("import", file))
+    tokens: dict[str, list[int]] = {f"d{i}": [] for i in range(6)}
+    while decode.has_work():
+        for u in decode.step():
+            tokens[u.request_id] += u.new_token_ids
+    for i, prompt in enumerate(prompts):
+        want = oracle_run(ouro_ref, prompt, GREEDY, kv_policy="last_exited")
+        assert tokens[f"d{i}"] == want.tokens
+    stats = decode.stats()
+    assert stats.kv_transfer_hits == 6 * 20 and stats.kv_transfer_unused == 0
+    assert not list(tmp_path.iterdir())
+    decode.kv.check_no_leaks()
+
+
+def test_moved_prompt_tokens_no_hit_used_count_as_unused(ckpts, tmp_path):
+    """``kv_transfer_unused``: a file that matches nothing (another weight version) and one
+    whose request is aborted before admission read it: each its prompt's moved tokens."""
+    prefill, decode = _cores(ckpts["ouro"])
+    prompt = list(range(50, 73))  # 5 moved blocks: 20 tokens
+    stale, pending = tmp_path / "stale.safetensors", tmp_path / "pending.safetensors"
+    _prefill(prefill, prompt, stale)
+    decode.reset_prefix_cache()  # a new weight version: the file's hashes match nothing
+    decode.add_request("stale", prompt, GREEDY, None, ("import", str(stale)))
+    while decode.has_work():
+        decode.step()
+    assert not stale.exists()  # (read at admission)
+    stats = decode.stats()
+    assert (stats.kv_transfer_hits, stats.kv_transfer_unused) == (0, 20)
+    _prefill(prefill, [t + 1 for t in prompt], pending)
+    decode.add_request("pending", [t + 1 for t in prompt], GREEDY, None, ("import", str(pending)))
+    decode.abort("pending")
+    assert pending.exists()  # (never read: the stage client that named it removes it)
+    assert decode.stats().kv_transfer_unused == 40
+    decode.kv.check_no_leaks()

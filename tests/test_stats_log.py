@@ -32,6 +32,13 @@ def test_the_kv_capacity_counts_every_plane_of_a_token():
     shared = _info(kv_policy="shared", kv_planes=1, max_model_len=2048)
     assert shared.kv_capacity_tokens == 2560
     assert kv_capacity_lines(shared)[1] == "Maximum concurrency for 2048 tokens per request: 1.25x"
+    # Disaggregated: two stages, each with a pool of that size; requests decode on one.
+    assert kv_capacity_lines(_info(), disaggregated=True) == [
+        "KV cache size: 640 tokens at 4 loops (160 blocks of 16 tokens; a token takes a block "
+        "slot on each of its 4 KV planes, kv_policy last_exited; two stages, prefill and "
+        "decode, each with its own pool of this size)",
+        "Maximum concurrency for 512 tokens per request: 1.25x (on the decode stage)",
+    ]
     # A context's last token writes no KV: 513 tokens still fit 32 blocks a plane.
     assert _info(max_model_len=513).max_concurrency == 1.25
 

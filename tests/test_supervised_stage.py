@@ -298,28 +298,79 @@ async def test_supervised_stage_a_stage_that_cannot_take_the_updates_never_serve
     assert sup.error.startswith(f"restart failed: weight update ['{w1}'] again")
 
 
+class _Sleepy(_FakeStage):
+    """A stage with sleep mode, recording its sleep controls."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.sleeping: set[str] = set()
+        self.controls: list[tuple] = []
+
+    def sleep(self, level, timeout_s) -> None:
+        self.controls.append(("sleep", level))
+        self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags) -> None:
+        self.controls.append(("wake_up", list(tags)))
+        self.sleeping = self.sleeping - set(tags)
+
+
 async def test_supervised_stage_sleep_controls_are_the_current_stages():
-    class Sleepy(_FakeStage):
-        sleeping: set[str] = set()
-
-        def sleep(self, level, timeout_s) -> None:
-            self.sleeping = {"weights", "kv_cache"}
-
-        def wake_up(self, tags) -> None:
-            self.sleeping = self.sleeping - set(tags)
-
-    a, b = Sleepy("a"), _FakeStage("replicas")  # (b: a stage without sleep mode)
-    sup, _, _ = _supervised(a, b)
+    a, b, c = _Sleepy("a"), _Sleepy("b"), _FakeStage("replicas")  # (c: without sleep mode)
+    sup, _, _ = _supervised(a, b, c)
     sup.sleep(1, 5.0)
     assert sup.sleeping == {"weights", "kv_cache"}
     sup.wake_up(["weights"])
     assert sup.sleeping == {"kv_cache"}
+    sup.wake_up(["kv_cache"])
     await sup._replace("boom")
-    assert sup.sleeping == set()  # (a restarted stage starts awake)
+    assert sup.inner is b and sup.sleeping == set() and b.controls == []  # (it was awake)
+    await sup._replace("boom")
+    assert sup.inner is c
     with pytest.raises(ValueError, match="sleep: not with engine replicas"):
         sup.sleep(1, 5.0)
     with pytest.raises(ValueError, match="reset_prefix_cache: not with engine replicas"):
         sup.reset_prefix_cache()
+
+
+@pytest.mark.parametrize(
+    ("level", "woken", "controls"),
+    [
+        (1, [], [("sleep", 1)]),
+        (2, [], [("sleep", 2)]),  # (its weights come back undefined, for the trainer to load)
+        (1, ["kv_cache"], [("sleep", 1), ("wake_up", ["kv_cache"])]),
+        # Weights woken after level 2 may hold what the trainer loaded since (applied to the
+        # new stage again): level 1 keeps them.
+        (2, ["weights"], [("sleep", 1), ("wake_up", ["weights"])]),
+    ],
+)
+async def test_supervised_stage_a_restarted_stage_sleeps_as_the_failed_one(level, woken, controls):
+    """A stage restarted while the engine sleeps is put back to sleep before it serves: the
+    trainer that freed the device memory gets no weights or KV allocated behind its back."""
+    a, b, c = _Sleepy("a"), _Sleepy("b"), _Sleepy("c")
+    sup, _, _ = _supervised(a, b, c)
+    sup.sleep(level, 5.0)
+    if woken:
+        sup.wake_up(woken)
+    await sup._replace("boom")
+    assert sup.inner is b and b.controls == controls
+    assert sup.sleeping == {"weights", "kv_cache"} - set(woken)
+    sup.wake_up(["weights", "kv_cache"])
+    await sup._replace("boom")
+    assert sup.inner is c and c.controls == [] and sup.sleeping == set()  # (woken: it was awake)
+
+
+async def test_supervised_stage_a_stage_that_cannot_sleep_again_never_serves():
+    class Sleepless(_Sleepy):
+        def sleep(self, level, timeout_s) -> None:
+            raise RuntimeError("cannot free the memory")
+
+    a, bad = _Sleepy("a"), Sleepless("bad")
+    sup, _, _ = _supervised(a, bad, max_restarts=1)
+    sup.sleep(1, 5.0)
+    await sup._replace("boom")
+    assert sup.gave_up and sup.inner is a and bad.killed
+    assert sup.error == "restart failed: putting it back to sleep: cannot free the memory"
 
 
 async def test_supervised_stage_counters_carry_over_a_restart_and_gauges_idle_meanwhile():

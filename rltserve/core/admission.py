@@ -6,11 +6,15 @@ order (arrival alone under fcfs) while seats (``max_num_seqs``), KV and the step
 allow, never past one that does not fit (no overtaking). ``kv_reservation="full"`` reserves a
 request's whole context; on-demand admission checks its first item plus the watermark, and a
 resumed request the positions it had (``preemption.resume_tokens``). A request with a cached
-prefix starts after it (``prompt_sharing.py``); a group's follower waits for its leader.
+prefix starts after it (``prompt_sharing.py``); a group's follower waits for its leader. On a
+PD decode stage a request's moved prompt KV (``Request.transfer``) is read when the request is
+next in line and the pool has room for its prompt (DESIGN §8's admission contract), so its
+blocks are hit in that admission rather than evicted while it waits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rltserve.core.plan import RequestSetup, WorkItem
@@ -25,6 +29,9 @@ if TYPE_CHECKING:
 class Admission:
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
+        # Reads a request's transfer file into the prefix cache (the engine's: it needs the
+        # device pool); None drops the file's KV unread.
+        self.importer: Callable[[Request, str], None] | None = None
 
     def blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
         """Free blocks admitting ``request`` with first item ``item`` needs (watermark
@@ -56,6 +63,12 @@ class Admission:
                 reserved += s.sharing.waits_for_leader(request)
                 i += 1
                 continue
+            if request.transfer is not None:
+                if not self._room_for_transfer(request):
+                    break  # (its file waits; a later step reads it)
+                path, request.transfer = request.transfer, None
+                if self.importer is not None:
+                    self.importer(request, path)
             hit = s.sharing.lookup(request)
             before = request.num_scheduled
             request.num_scheduled = max(before, hit.start)
@@ -99,6 +112,18 @@ class Admission:
             budget -= s.start(request, item, items, owners)
             if request.num_scheduled < request.replay_until:
                 budget = s.wavefront.start_runs(request, item, items, owners, budget)
+
+    def _room_for_transfer(self, request: Request) -> bool:
+        """Whether the pool has room for the request's prompt (its whole context with
+        ``kv_reservation="full"``) and the watermark, as admitting it after the import takes:
+        blocks read earlier would only be evicted again. With nothing running the file is read
+        anyway (the pool frees nothing more by waiting; admission then decides as usual)."""
+        s = self.s
+        if not s.running:
+            return True
+        tokens = request.num_prompt_tokens if s.ondemand else request.kv_tokens
+        need = s.kv.blocks_needed(tokens, request.num_loops) + s.watermark_blocks
+        return need <= s.kv.num_free_blocks
 
 
 def _uses_penalties(request: Request) -> bool:

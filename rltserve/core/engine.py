@@ -22,7 +22,7 @@ from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.kv_sizing import block_bytes as kv_block_bytes
 from rltserve.core.kv_sizing import pool_size
-from rltserve.core.kv_transfer import export_prompt, import_prompt
+from rltserve.core.kv_transfer import admit_import, export_prompt
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
@@ -166,6 +166,7 @@ class EngineCore:
             watermark=config.cache.kv_watermark,
             swap=swap,
         )
+        scheduler.admission.importer = lambda r, path: admit_import(kv, self.runner, r, path)
         return kv, scheduler
 
     def _max_decode_rows(self) -> int:
@@ -322,17 +323,15 @@ class EngineCore:
         prompt once; the others reuse its KV and compute only the last prompt token. Outputs
         equal those of independent requests. ``transfer`` (prefill/decode stages,
         ``kv_transfer``): ("export", file) writes the prompt's KV there when the request
-        finishes; ("import", file) caches the KV such a file holds before admitting it."""
+        finishes; ("import", file) caches the KV such a file holds as admission takes the
+        request (``Admission.importer``): the file waits until then."""
         if self.sleeping:
             parts = " and ".join(sorted(self.sleeping))
             raise ValueError(f"{ASLEEP} ({parts} put to sleep): wake_up() first")
         request = self.make_request(request_id, prompt_token_ids, params, group)
         kind, path = transfer or (None, "")
         if kind == "import":
-            try:
-                import_prompt(self.kv, self.runner, request, path)
-            except Exception:  # (nothing was cached) the prompt is computed here instead
-                logger.exception("importing the prompt KV of %s failed", request.request_id)
+            request.transfer = path
         self.scheduler.add_request(request)
         if kind == "export":
             self._exports[request.request_id] = (request, path)
@@ -370,6 +369,7 @@ class EngineCore:
             prefix_cache_evictions=self.kv.cache.evictions,
             step_rows_counts=tuple(self._step_rows),
             kv_transfer_hits=self.kv.cache.transfer_hits,
+            kv_transfer_unused=self.kv.cache.transfer_unused,
         )
 
     def execute(self, plan: StepPlan) -> list[RequestUpdate]:

@@ -49,6 +49,8 @@ class EngineStats:
     # for the request (moved by ``kv_transfer``, or held from an earlier answer); not in
     # ``prefix_cache_hits``.
     kv_transfer_hits: int = 0
+    # PD decode stage: prompt tokens the prefill stage moved here that no hit used (waste).
+    kv_transfer_unused: int = 0
     # Steps by their rows (vLLM's ``iteration_tokens``): the count of steps with at most
     # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the
     # last bound at the end.

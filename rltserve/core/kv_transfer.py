@@ -3,9 +3,11 @@
 The prefill stage computes the prompt and, as its request finishes, writes the KV of the
 prompt's cached full blocks (every plane, the boundary plane too) to a file the client named:
 a safetensors file, in shared memory where the host has it, whose metadata holds the blocks'
-chained hashes. The decode stage, adding the same prompt, reads the file into fresh blocks of
-its own pool and caches them under those hashes; admission then finds them as any prefix-cache
-hit and computes only the rest of the prompt (at least its last token, as every hit does).
+chained hashes. The decode stage keeps the file while the request waits and reads it when it
+admits the request, once its pool has room for the prompt (DESIGN §8's admission contract:
+blocks cached as the request is added would be evicted while a burst waits): into fresh blocks
+of its own pool, cached under those hashes, which admission at once finds as any prefix-cache
+hit; it computes only the rest of the prompt (at least its last token, as every hit does).
 
 Exactness does not depend on the transfer: the hashes cover everything the KV depends on (the
 cache salt: model, weights version, dtype, device type, loops, Huginn's initial state,
@@ -89,7 +91,7 @@ def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
     try:
         with safe_open(path, "pt") as f:
             metadata = f.metadata() or {}
-            hashes = [bytes.fromhex(h) for h in metadata.get("hashes", "").split(",")]
+            hashes = [bytes.fromhex(h) for h in metadata.get("hashes", "").split(",") if h]
             cached = int(metadata.get("cached_tokens", 0))
             data = f.get_tensor("kv")
     except FileNotFoundError:
@@ -100,6 +102,7 @@ def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
     finally:
         with contextlib.suppress(OSError):
             os.remove(path)
+    request.transfer_tokens = len(hashes) * kv.block_size  # (moved, whether used or not)
     wanted = cacheable_prefix(kv, request)
     n = 0
     while n < min(len(hashes), len(wanted)) and hashes[n] == wanted[n]:
@@ -123,3 +126,12 @@ def import_prompt(kv: KVManager, runner: ModelRunner, request: Request, path: st
     # The prompt's KV was computed on the prefill stage: its reuse is what that stage reused.
     request.prefill_cached_tokens = cached
     return len(held) + kv.adopt_cached(wanted[len(held) : n], request.num_loops, held, write)
+
+
+def admit_import(kv: KVManager, runner: ModelRunner, request: Request, path: str) -> None:
+    """``import_prompt`` as admission takes the request (``Admission.importer``); a failure
+    (nothing cached) costs the prompt's computation here and a log entry."""
+    try:
+        import_prompt(kv, runner, request, path)
+    except Exception:
+        log.exception("importing the prompt KV of %s failed", request.request_id)

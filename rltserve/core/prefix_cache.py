@@ -71,6 +71,9 @@ class PrefixCache:
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of which reused: found cached (or shared within a group)
         self.transfer_hits = 0  # PD decode stage: found cached but computed by the prefill stage
+        # PD decode stage: prompt tokens the prefill stage moved here that were not hit (the
+        # pool had no room, the file did not match, the request ended before admission).
+        self.transfer_unused = 0
         self.evictions = 0  # entries evicted to make room
 
     # -- state ----------------------------------------------------------------------------------
@@ -108,10 +111,13 @@ class PrefixCache:
             hits.append(entry)
         return hits
 
-    def record_query(self, num_tokens: int, num_hit: int, num_transferred: int = 0) -> None:
+    def record_query(
+        self, num_tokens: int, num_hit: int, num_transferred: int = 0, num_unused: int = 0
+    ) -> None:
         self.queries += num_tokens
         self.hits += num_hit
         self.transfer_hits += num_transferred
+        self.transfer_unused += num_unused
 
     def acquire(self, entries: list[CachedBlock]) -> None:
         """A request takes a reference on every block of ``entries`` (a hit)."""

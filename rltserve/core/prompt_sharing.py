@@ -77,6 +77,10 @@ class PromptSharing:
             self._leaders.setdefault(request.group, request.request_id)
 
     def forget(self, request: Request) -> None:
+        if request.transfer is not None:  # ended before admission read its moved prompt KV
+            request.transfer = None
+            bs = self.s.kv.block_size
+            self.s.kv.cache.transfer_unused += reusable_blocks(request, bs) * bs
         if request.group is not None and self._leaders.get(request.group) == request.request_id:
             del self._leaders[request.group]
 
@@ -175,7 +179,9 @@ class PromptSharing:
             reused = min(start, request.prefill_cached_tokens)
         request.num_cached_tokens = reused
         if request.block_hashes is not None:
-            self.s.kv.cache.record_query(request.num_prompt_tokens, reused, start - reused)
+            unused = max(0, request.transfer_tokens - start)  # (evicted, or no room to read)
+            cache = self.s.kv.cache
+            cache.record_query(request.num_prompt_tokens, reused, start - reused, unused)
 
     def admission_blocks(self, request: Request, hit: Hit) -> int:
         """Blocks of the pool's free count that ``hit`` itself uses up: shared blocks are not

@@ -164,6 +164,11 @@ class Request:
     # tokens the prefill stage reused. Admission's hit then covers blocks the prefill stage
     # computed, which count as computed (``PromptSharing._first_hit``).
     prefill_cached_tokens: int | None = None
+    # PD decode stage: the file of prompt KV the prefill stage wrote, read when the request is
+    # first admitted (blocks added earlier would be evicted while it waits); then the prompt
+    # tokens that file held, for ``PrefixCache.transfer_unused``.
+    transfer: str | None = None
+    transfer_tokens: int = 0
     # ``prompt_logprobs``: entry q is (logprob, top) of prompt token q + 1 as predicted at
     # position q, None until the item holding q ends (``Applier``); None without them.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None

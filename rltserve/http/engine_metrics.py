@@ -43,6 +43,9 @@ _ENGINE_COUNTERS = (
     ("kv_transfer_hits",
      "Disaggregation: prompt tokens the decode stage took from KV the prefill stage computed.",
      "kv_transfer_hits"),
+    ("kv_transfer_unused",
+     "Disaggregation: prompt tokens the prefill stage moved that the decode stage did not use.",
+     "kv_transfer_unused"),
     ("prefix_cache_evictions", "Cached prompt blocks evicted to make room.",
      "prefix_cache_evictions"),
 )  # fmt: skip

@@ -193,7 +193,7 @@ class ServingState:
                 info.num_blocks,
                 info.block_size,
             )
-            for line in kv_capacity_lines(info):
+            for line in kv_capacity_lines(info, self.engine_config.execution.disaggregate):
                 log.info("%s", line)
             if not self.config.disable_log_stats:
                 stats_log = StatsLog(self.metrics, stats, time.monotonic())

@@ -26,15 +26,18 @@ from rltserve.http.metrics import ServingMetrics, StatsSource
 INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 
 
-def kv_capacity_lines(info: EngineInfo) -> list[str]:
-    """vLLM's start lines about the KV pool, in tokens at the model's depth."""
+def kv_capacity_lines(info: EngineInfo, disaggregated: bool = False) -> list[str]:
+    """vLLM's start lines about the KV pool, in tokens at the model's depth; ``disaggregated``:
+    the prefill and the decode stage each have a pool of that size, and requests decode (and
+    so run concurrently) on the decode stage's."""
     planes = f"{info.kv_planes} KV plane" + "s" * (info.kv_planes != 1)
+    each = "; two stages, prefill and decode, each with its own pool of this size" * disaggregated
     return [
         f"KV cache size: {info.kv_capacity_tokens} tokens at {info.num_loops} loops "
         f"({info.num_blocks} blocks of {info.block_size} tokens; a token takes a block slot "
-        f"on each of its {planes}, kv_policy {info.kv_policy})",
+        f"on each of its {planes}, kv_policy {info.kv_policy}{each})",
         f"Maximum concurrency for {info.max_model_len} tokens per request: "
-        f"{info.max_concurrency:.2f}x",
+        f"{info.max_concurrency:.2f}x" + " (on the decode stage)" * disaggregated,
     ]
 
 

@@ -43,6 +43,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
 from rltserve.http.request_log import id_list
+from rltserve.http.sleep_state import SleepState
 from rltserve.http.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
@@ -131,6 +132,7 @@ class SupervisedStage:
         self._retired: EngineStats | None = None  # the counters of the stages replaced
         self._retired_prefill: EngineStats | None = None  # (their prefill stages', under PD)
         self._version_offset = 0
+        self._sleep = SleepState()  # what a restarted stage is put back to
 
     # ------------------------------------------------------------------ StageClientLike
 
@@ -213,13 +215,15 @@ class SupervisedStage:
         return version
 
     # Sleep mode and the prefix cache (``POST /sleep``, ...): the current stage's. A stage that
-    # is restarted starts awake, with an empty cache.
+    # is restarted is put back to sleep as the failed one was (``SleepState``), its cache empty.
 
     def sleep(self, level: int, timeout_s: float) -> None:
         self._control("sleep")(level, timeout_s)
+        self._sleep.slept(level, self.sleeping)
 
     def wake_up(self, tags: list[str]) -> None:
         self._control("wake_up")(tags)
+        self._sleep.woke(self.sleeping)
 
     def reset_prefix_cache(self) -> None:
         self._control("reset_prefix_cache")()
@@ -416,7 +420,11 @@ class SupervisedStage:
                 self._failed_starts += 1
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
                 continue
-            if await self._ready(new) and await self._reapply_updates(new, needed, version):
+            if (
+                await self._ready(new)
+                and await self._reapply_updates(new, needed, version)
+                and await self._restore_sleep(new)
+            ):
                 with self._lock:
                     self._client = new
                     self._last_stats = None
@@ -463,6 +471,15 @@ class SupervisedStage:
                 self.failure = f"restart failed: weight update {list(update.paths)} again: {exc}"
                 return False
         self._version_offset = version - len(needed)
+        return True
+
+    async def _restore_sleep(self, client: StageClientLike) -> bool:
+        """Puts the new stage to sleep as the failed one was, before it serves."""
+        try:
+            await asyncio.to_thread(self._sleep.restore, client, self.policy.startup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - awake, it would hold what the trainer freed
+            self.failure = f"restart failed: putting it back to sleep: {exc}"
+            return False
         return True
 
     async def _ready(self, client: StageClientLike) -> bool:
