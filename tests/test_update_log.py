@@ -1,4 +1,4 @@
-"""``http.update_log``: which applied weight updates a restarted stage needs, and when their
+"""``core.update_log``: which applied weight updates a restarted stage needs, and when their
 files can no longer give back what they gave."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from rltserve.http.update_log import UpdateLog, UpdateLost, stamps, tensor_names
+from rltserve.core.update_log import UpdateLog, UpdateLost, stamps, tensor_names
 
 
 def _write(path, *names: str) -> str:

@@ -43,7 +43,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.pd_prefill import PrefillStage, prefill_params
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
-from rltserve.http.update_log import UpdateLog, stamps
+from rltserve.core.update_log import UpdateLog, stamps
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
 from rltserve.updates import SLEEP_TAGS, FinishReason, RequestUpdate

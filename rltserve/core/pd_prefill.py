@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import StageError
-from rltserve.http.update_log import UpdateLost
+from rltserve.core.update_log import UpdateLost
 from rltserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

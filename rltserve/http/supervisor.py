@@ -44,7 +44,7 @@ from rltserve.core.stage import Sink, StageError
 from rltserve.http.frontend import StageClientLike
 from rltserve.http.request_log import id_list
 from rltserve.http.sleep_state import SleepState
-from rltserve.http.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
+from rltserve.core.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
