@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.stage import Sink, StageError
+from rltserve.core.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.http.frontend import StageClientLike
 from rltserve.http.request_log import id_list
 from rltserve.http.sleep_state import SleepState
-from rltserve.core.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
