@@ -53,7 +53,7 @@ async def test_body_and_routing_errors(ckpt):
         assert status == 405 and error_of(raw)["code"] == 405
         assert headers["Allow"] == "POST"  # (RFC 9110, as Starlette sends it)
         status, headers, raw = await live.post("/v1/models", {})
-        assert status == 405 and headers["Allow"] == "GET"
+        assert status == 405 and headers["Allow"] == "GET,HEAD"  # (every GET route takes HEAD)
         status, _, _ = await live.post("/v1/completions", {"prompt": "x", "model": "tiny"})
         assert status == 200
         # an empty model names the served one, as a missing one does (vLLM's)

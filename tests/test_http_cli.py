@@ -97,6 +97,7 @@ def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
     from rltserve.http.cli import cmd_serve
 
     monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: 0)
     monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
     for flags, warned in (
@@ -233,11 +234,16 @@ def test_a_log_config_file_leaves_the_servers_loggers_on(tmp_path, monkeypatch):
     for logger in logging.root.manager.loggerDict.values():  # (dictConfig may disable any)
         if isinstance(logger, logging.Logger):
             monkeypatch.setattr(logger, "disabled", logger.disabled)
+    from rltserve.core import worker_process
+
+    monkeypatch.setenv(worker_process.LOG_CONFIG_ENV, "")
     path = tmp_path / "logging.json"
     for extra, disabled in [({}, False), ({"disable_existing_loggers": True}, True)]:
         path.write_text(json.dumps({"version": 1, "root": {"level": "WARNING"}, **extra}))
         configure_logging(_parser().parse_args(["serve", "--log-config-file", str(path)]))
         assert (server.disabled, root.level) == (disabled, logging.WARNING)
+        # (the stage workers it starts load the same file: test_stage_lifecycle.py)
+        assert worker_process._log_args() == ["--log-config-file", str(path)]
 
 
 def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch, caplog):
@@ -268,12 +274,31 @@ def test_serve_logs_its_version_and_non_default_args_without_secrets(monkeypatch
     assert "sk-secret" not in caplog.text
 
 
+def test_serve_takes_vllms_api_key_variable_and_logs_only_where_it_came_from(monkeypatch, caplog):
+    import rltserve.http.server
+    from rltserve.http.cli import cmd_serve
+
+    served = []
+    monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-vllm-secret")
+    monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: served.append(a[0]) or 0)
+    monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
+    caplog.set_level("INFO", logger="rltserve.http")
+    assert cmd_serve(_parser().parse_args(["serve", "--port", "0", "--host", "0.0.0.0"])) == 0
+    assert served[0].api_key == "sk-vllm-secret"
+    assert "API key: from the environment (VLLM_API_KEY)" in caplog.messages
+    assert "without an API key" not in caplog.text and "sk-vllm-secret" not in caplog.text
+    server, _ = serve_configs(_parser().parse_args(["serve", "--metrics-auth"]))
+    assert server.metrics_auth and server.api_key == "sk-vllm-secret"
+
+
 VLLM_SERVE_LINE = [
     "serve", "--max-model-len", "512", "--enable-chunked-prefill", "--max-num-batched-tokens",
     "512", "--trust-remote-code", "--tensor-parallel-size", "1", "--enable-prompt-tokens-details",
     "--disable-log-requests", "--prefix-caching-hash-algo", "sha256", "-tp", "1",
     "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
     "--disable-log-stats", "--gpu-memory-utilization", "0.9", "--reasoning-parser", "deepseek_r1",
+    "--enable-force-include-usage", "--enable-server-load-tracking",
 ]  # fmt: skip
 
 
@@ -286,6 +311,7 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
     assert (engine.model.max_model_len, engine.scheduler.max_num_batched_tokens) == (512, 512)
     assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, True)
     assert args.trust_remote_code and args.enforce_eager and server.disable_log_stats
+    assert server.enable_force_include_usage and server.enable_server_load_tracking
     assert args.reasoning_parser == "deepseek_r1"  # (rltserve splits <think>...</think> itself)
     assert not engine.execution.cuda_graphs
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
 
-from rltserve.http.config import API_KEY_ENV, ServerConfig
+from rltserve.http.config import API_KEY_ENV, API_KEY_ENVS, ServerConfig, api_key_env
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +149,22 @@ def test_the_api_key_comes_from_the_environment_only_when_none_is_given(monkeypa
     assert ServerConfig(api_key="flag").with_env().api_key == "flag"
     monkeypatch.setenv(API_KEY_ENV, "")  # (set but empty: no auth, not an empty key)
     assert ServerConfig().with_env().api_key is None
+
+
+def test_vllms_api_key_variable_counts_after_rltserves_own(monkeypatch):
+    """A deployment configured for vLLM (VLLM_API_KEY) must not come up unauthenticated:
+    --api-key, then RLTSERVE_API_KEY, then VLLM_API_KEY (an empty one is unset)."""
+    assert API_KEY_ENVS == (API_KEY_ENV, "VLLM_API_KEY")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    assert (ServerConfig().with_env().api_key, api_key_env()) == ("vllm-key", "VLLM_API_KEY")
+    assert ServerConfig(api_key="flag").with_env().api_key == "flag"
+    monkeypatch.setenv(API_KEY_ENV, "ours")
+    assert (ServerConfig().with_env().api_key, api_key_env()) == ("ours", API_KEY_ENV)
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert ServerConfig().with_env().api_key == "vllm-key"
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert (ServerConfig().with_env().api_key, api_key_env()) == (None, None)
 
 
 def test_default_template_variables_are_a_json_object():

@@ -24,10 +24,12 @@ from test_http_harness import (
     wait_for,
 )
 
-# aiohttp's combined format, which every access line has (a grok COMBINEDAPACHELOG-style match)
+# Apache's Combined Log Format, which every access line has: grok's COMBINEDAPACHELOG
+# (%{IPORHOST} %{USER:ident} %{USER:auth} \[%{HTTPDATE}\] "%{WORD} %{NOTSPACE} HTTP/%{NUMBER}"
+# %{NUMBER} (?:%{NUMBER}|-) %{QS:referrer} %{QS:agent}), spelled as a regex
 ACCESS_LINE = re.compile(
-    r"^(?P<remote>\S+) \[\d{2}/\w{3}/\d{4}:\d{2}:\d{2}:\d{2} [+-]\d{4}\] "
-    r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/1\.1" (?P<status>\d{3}) (?P<bytes>\d+) '
+    r"^(?P<remote>\S+) - - \[\d{2}/\w{3}/\d{4}:\d{2}:\d{2}:\d{2} [+-]\d{4}\] "
+    r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/1\.1" (?P<status>\d{3}) (?P<bytes>[1-9]\d*|-) '
     r'"(?P<referer>[^"]*)" "(?P<agent>[^"]*)"$'
 )
 
@@ -110,10 +112,36 @@ async def test_a_client_that_leaves_is_an_aborted_request_and_a_combined_access_
         await wait_for(lambda: len(_lines(caplog, "aiohttp.access")) == 2)
     served, left = (ACCESS_LINE.match(line) for line in _lines(caplog, "aiohttp.access"))
     assert served and left, _lines(caplog, "aiohttp.access")
-    assert (served["status"], left["status"], left["bytes"]) == ("200", "499", "0")
+    assert (served["status"], left["status"], left["bytes"]) == ("200", "499", "-")
     assert left["path"] == "/v1/completions" and left["remote"] == "127.0.0.1"
     assert left["agent"] == served["agent"] and left["agent"].startswith("Python/")
     assert "Finished request cmpl-test." in caplog.messages  # (the first one)
+
+
+async def test_access_lines_count_body_bytes_as_apache_does(ckpt, caplog):
+    """%b is the body's bytes (aiohttp's own counts the status line and headers, and a
+    stream's chunk framing): a stream's as its client read them, none ('-') for a HEAD."""
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
+    async with running(ckpt, client_factory=scripted_factory(_stage(ckpt))) as live:
+        _, _, version = await live.get("/version", headers={"Referer": "http://a.example/"})
+        async with live.session.head(live.url + "/health") as r:
+            assert r.status == 200 and int(r.headers["Content-Length"]) > 0
+        body = {"prompt": [5], "max_tokens": 3, "stream": True}
+        async with live.stream("/v1/completions", body) as r:
+            streamed = await r.read()
+        _, _, missing = await live.get("/nowhere")
+        await wait_for(lambda: len(_lines(caplog, "aiohttp.access")) == 4)
+    lines = [ACCESS_LINE.match(m) for m in _lines(caplog, "aiohttp.access")]
+    assert all(lines), _lines(caplog, "aiohttp.access")
+    assert [(m["method"], m["path"], m["status"], m["bytes"]) for m in lines] == [
+        ("GET", "/version", "200", str(len(version))),
+        ("HEAD", "/health", "200", "-"),
+        ("POST", "/v1/completions", "200", str(len(streamed))),
+        ("GET", "/nowhere", "404", str(len(missing))),
+    ]
+    assert (lines[0]["referer"], lines[1]["referer"]) == ("http://a.example/", "-")
+    [record] = [r for r in caplog.records if r.name == "aiohttp.access"][:1]
+    assert (record.response_status, record.response_size) == (200, len(version))
 
 
 async def test_access_lines_can_be_turned_off_for_some_paths_or_all(ckpt, caplog):

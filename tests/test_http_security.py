@@ -1,7 +1,7 @@
 """Security bounds of the server: auth on every route but the probes vLLM leaves open (/health,
-/ping, /version, /openapi.json, and /metrics unless configured), per-request limits from
-ServerConfig (``test_http_limits.py``), slow clients timed out, no secrets, paths or tracebacks
-in responses."""
+/ping, /version, /openapi.json, /load, and /metrics unless configured; HEAD as GET),
+per-request limits from ServerConfig (``test_http_limits.py``), slow clients timed out, no
+secrets, paths or tracebacks in responses."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ async def test_every_route_but_the_probes_needs_the_key(ckpt, metrics_auth):
     """As vLLM's: read-only probes answer without the key (a liveness probe on /version, a
     SageMaker /ping); everything else needs it, the admin routes (/sleep, /wake_up,
     /reset_prefix_cache, /v1/update_weights) included."""
-    probes = {"/health", "/ping", "/version", "/openapi.json"}
+    probes = {"/health", "/ping", "/version", "/openapi.json", "/load"}
     open_routes = probes | (set() if metrics_auth else {"/metrics"})
     admin = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/v1/update_weights"}
     assert admin <= {route.path for route in ROUTES} - open_routes
@@ -92,6 +92,38 @@ async def test_every_route_but_the_probes_needs_the_key(ckpt, metrics_auth):
                 live, route.method, route.path, {"Authorization": f"Bearer {KEY}"}
             )
             assert status == 200, (route.path, raw)
+
+
+async def _head_request(live, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    async with live.session.head(live.url + path, headers=headers or {}) as r:
+        return r.status, r.headers, await r.read()
+
+
+@pytest.mark.parametrize("api_key", [None, KEY])
+async def test_every_get_route_answers_head_as_get_without_the_body(ckpt, api_key):
+    """Load balancers' health checks (HAProxy's ``option httpchk HEAD /health``) and uptime
+    monitors send HEAD: the GET's status and headers, no body, and the same key rules."""
+    same = ("Content-Type", "Content-Length")
+    async with running(ckpt, client_factory=scripted(ckpt), api_key=api_key) as live:
+        auth = {"Authorization": f"Bearer {KEY}"} if api_key else {}
+        for path in ("/health", "/ping", "/version", "/load", "/v1/models", "/v1/models/tiny"):
+            status, got, raw = await live.get(path, headers=auth)
+            head_status, head, head_raw = await _head_request(live, path, auth)
+            assert (head_status, head_raw) == (200, b"") and status == 200, path
+            assert [head[h] for h in same] == [got[h] for h in same] == [
+                "application/json", str(len(raw))
+            ], path  # fmt: skip
+        status, head, raw = await _head_request(live, "/metrics")  # (open unless --metrics-auth)
+        assert (status, raw) == (200, b"") and head["Content-Type"].startswith("text/plain")
+        assert int(head["Content-Length"]) > 0
+        status, head, raw = await _head_request(live, "/v1/models")  # (no key)
+        if api_key is None:
+            assert (status, raw) == (200, b"")
+        else:
+            assert (status, raw, head["WWW-Authenticate"]) == (401, b"", "Bearer")
+            assert int(head["Content-Length"]) == len((await live.get("/v1/models"))[2])
+        status, head, _ = await _head_request(live, "/v1/completions", auth)  # (POST: no HEAD)
+        assert (status, head["Allow"]) == (405, "POST")
 
 
 async def test_oversized_bodies_and_headers(ckpt):

@@ -1,5 +1,5 @@
 """The server with its default, spawned stage process (the production path), TLS, and the small
-endpoints (/v1/models with one or several served names, /version, /ping, request-id
+endpoints (/v1/models with one or several served names, /version, /ping, /load, request-id
 passthrough)."""
 
 from __future__ import annotations
@@ -63,12 +63,32 @@ async def test_models_version_and_request_id(ckpt):
                     "created": 1730000000,
                     "owned_by": "rltserve",
                     "root": "tiny",
+                    "parent": None,
                     "max_model_len": 64,
+                    "permission": [
+                        {  # (vLLM's ModelPermission, its defaults)
+                            "id": "modelperm-test",
+                            "object": "model_permission",
+                            "created": 1730000000,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
                     "vocab_size": 512,
                     "weight_version": "0",
                 }
             ],
         }
+        assert list(orjson.loads(raw)["data"][0])[:8] == [  # (vLLM ModelCard's order)
+            "id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission",
+        ]  # fmt: skip
         card = orjson.loads(raw)["data"][0]
         # the SDK's models.retrieve; an id with a slash reaches the handler (repo ids have one)
         status, _, raw = await live.get("/v1/models/tiny")
@@ -147,3 +167,35 @@ async def test_ping_is_health_for_sagemaker(ckpt):
         for call in (live.get("/ping"), live.post("/ping", None)):
             status, _, raw = await call
             assert (status, orjson.loads(raw)) == (200, {"status": "ok"})  # /health's answer
+
+
+@pytest.mark.parametrize("tracking", [False, True])
+async def test_load_counts_generating_requests_in_flight_when_tracked(ckpt, tracking):
+    """vLLM's GET /load: with enable_server_load_tracking the completion and chat requests in
+    flight, a stream until its end, a refused one no more once answered; without it 0."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 45, 46], interval_s=0.05))
+    flags = {"enable_server_load_tracking": tracking}
+    async with running(ckpt, client_factory=scripted_factory(stage), **flags) as live:
+
+        async def server_load() -> dict:
+            status, headers, raw = await live.get("/load")
+            assert status == 200 and headers["Content-Type"] == "application/json"
+            return orjson.loads(raw)
+
+        assert await server_load() == {"server_load": 0}
+        body = {"prompt": [5], "max_tokens": 3, "stream": True}
+        chat = {**body, "messages": [{"role": "user", "content": "x"}]}
+        del chat["prompt"]
+        async with (
+            live.stream("/v1/completions", body) as one,
+            live.stream("/v1/chat/completions", chat) as two,
+        ):
+            await one.content.readuntil(b"\n\n")
+            await two.content.readuntil(b"\n\n")
+            assert await server_load() == {"server_load": 2 if tracking else 0}
+            await one.read()
+            await two.read()
+        await wait_for(lambda: live.state.server_load == 0)  # (handlers end after the EOF)
+        assert (await live.post("/v1/completions", {"prompt": [5], "n": 0}))[0] == 400
+        assert await server_load() == {"server_load": 0}
+        assert live.state.server_load == 0

@@ -184,3 +184,32 @@ async def test_running_usage_reports_the_prompts_cached_tokens_for_every_sample(
     assert len(seen) == 2 and [len(e["choices"]) for e in events] == [1, 1, 1, 1, 0]
     details = [e["usage"]["prompt_tokens_details"] for e in events]
     assert details == [{"cached_tokens": 2}] * 5
+
+
+async def test_force_include_usage_ends_every_stream_with_usage(ckpt, hi_tokens):
+    """``enable_force_include_usage`` (vLLM's): a stream that sent no stream_options ends with
+    the usage chunk as if it had asked for it (its other chunks carry ``usage: null``, as
+    with include_usage); one that asks for continuous usage gets that too."""
+    stage = stage_for(ckpt, hi_tokens)
+    body = {"prompt": [5, 6], "max_tokens": 2, "stream": True}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
+    continuous = {**body, "stream_options": {"continuous_usage_stats": True}}
+    async with running(
+        ckpt, client_factory=scripted_factory(stage), enable_force_include_usage=True
+    ) as live:
+        _, _, raw = await live.post("/v1/completions", body)
+        _, _, chat_raw = await live.post("/v1/chat/completions", chat)
+        _, _, continuous_raw = await live.post("/v1/completions", continuous)
+    for events in (sse_payloads(raw), sse_payloads(chat_raw)):
+        assert events[-1] == "[DONE]"
+        final = events[-2]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] == 2
+        assert all(e["usage"] is None for e in events[:-2])
+    assert sse_payloads(raw)[-2]["usage"] == {
+        "prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4
+    }  # fmt: skip
+    events = sse_payloads(continuous_raw)[:-1]
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 2]
+    async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt, hi_tokens))) as live:
+        _, _, raw = await live.post("/v1/completions", body)
+    assert all("usage" not in e for e in sse_payloads(raw)[:-1])  # (without the flag)

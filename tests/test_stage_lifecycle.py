@@ -425,3 +425,41 @@ def test_the_worker_logs_as_the_parent_set_up_logging(tiny, capfd, level):
     else:
         [line] = lowered
         assert " WARNING rltserve." in line  # (the server's format: time, level, logger)
+
+
+def test_the_worker_logs_through_the_servers_log_config_file(tiny, capfd, tmp_path, monkeypatch):
+    """With ``--log-config-file`` the worker loads the same dictConfig file (its engine
+    warnings as JSON lines, say, as the server's), not ``--log-level``'s plain format."""
+    from rltserve.core import worker_process
+
+    path = tmp_path / "logging.json"
+    fmt = '{"level": "%(levelname)s", "logger": "%(name)s", "message": "%(message)s"}'
+    path.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "formatters": {"json": {"format": fmt}},
+                "handlers": {
+                    "err": {
+                        "class": "logging.StreamHandler",
+                        "formatter": "json",
+                        "stream": "ext://sys.stderr",
+                    }
+                },
+                "root": {"level": "INFO", "handlers": ["err"]},
+            }
+        )
+    )
+    monkeypatch.setenv(worker_process.LOG_CONFIG_ENV, "")  # (restored after)
+    monkeypatch.chdir(tmp_path)
+    worker_process.set_log_config_file("logging.json")  # (relative: the worker gets it whole)
+    assert worker_process._log_args() == ["--log-config-file", str(path)]
+    client = StageClient(EngineConfig.from_flat(model=str(tiny), num_blocks=16))
+    try:
+        client.wait_ready(WAIT_S)
+    finally:
+        client.close()
+    err = capfd.readouterr().err
+    [line] = [line for line in err.splitlines() if "max_model_len lowered" in line]
+    record = json.loads(line)
+    assert record["level"] == "WARNING" and record["logger"].startswith("rltserve.")

@@ -1,4 +1,5 @@
-"""The stage worker process: ``main()`` with ``--fd N --parent-pid P [--role R]`` (``python -m
+"""The stage worker process: ``main()`` with ``--fd N --parent-pid P [--role R]
+[--log-level L | --log-config-file F]`` (``python -m
 rltserve.core.stage_worker`` runs it too; the client starts it with a bootstrap that keeps the
 caller's current directory off ``sys.path``).
 
@@ -33,6 +34,23 @@ GC_GEN0_THRESHOLD = 20_000
 
 # How the server logs (``rltserve serve``); a worker whose parent set up logging logs so too.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def load_log_config(path: str) -> None:
+    """Sets up logging from a JSON ``logging.config.dictConfig`` file (``rltserve serve
+    --log-config-file``, whose stage workers load the same file); ValueError saying why it
+    does not load."""
+    import json
+    import logging.config
+
+    try:
+        with open(path) as file:
+            config = json.load(file)
+        if isinstance(config, dict):  # (the caller's loggers exist by now: keep them on)
+            config.setdefault("disable_existing_loggers", False)
+        logging.config.dictConfig(config)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def tune_gc() -> tuple[int, int, int]:
@@ -107,10 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level", type=int, default=None, help="the parent's, when it set one up"
     )
     parser.add_argument(
+        "--log-config-file", default=None, help="the parent's dictConfig file, when it has one"
+    )
+    parser.add_argument(
         "--role", default=None, help="the stage it runs (prefill, decode): for ps only"
     )
     args = parser.parse_args(argv)
-    if args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)
+    if args.log_config_file is not None:  # (its handlers and formats, as the parent's lines)
+        load_log_config(args.log_config_file)
+    elif args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)
         logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     # Children of the worker must not hold the channel open: its EOF is how the parent learns
     # that the worker died.

@@ -56,9 +56,29 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
+# The dictConfig file this process's logging came from (``rltserve serve --log-config-file``),
+# which its workers load too: their records then go through the same handlers and formats. An
+# environment variable, as vLLM's VLLM_LOGGING_CONFIG_PATH: the process's own setting, seen by
+# whatever starts workers in it ("" or unset: none).
+LOG_CONFIG_ENV = "RLTSERVE_LOG_CONFIG_FILE"
+
+
+def set_log_config_file(path: str | None) -> None:
+    """Workers started from now on set up logging from ``path`` (None: as ``_log_args`` says
+    without one)."""
+    if path is None:
+        os.environ.pop(LOG_CONFIG_ENV, None)
+    else:
+        os.environ[LOG_CONFIG_ENV] = os.path.abspath(path)
+
+
 def _log_args() -> list[str]:
-    """The worker logs at this process's level, formatted as the server's, when this process
-    set up logging (the server does; a script usually does not: then neither does the worker)."""
+    """The worker logs with this process's logging configuration file when it has one
+    (``set_log_config_file``), else at this process's level, formatted as the server's, when
+    this process set up logging (the server does; a script usually does not: then neither does
+    the worker)."""
+    if path := os.environ.get(LOG_CONFIG_ENV):
+        return ["--log-config-file", path]
     root = logging.getLogger()
     if not root.handlers:
         return []

@@ -78,32 +78,27 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--log-config-file",
         default=None,
         help="a JSON logging configuration (Python's logging.config.dictConfig schema, as "
-        "vLLM's) that replaces the one --log-level sets up",
+        "vLLM's) that replaces the one --log-level sets up, in the stage workers too",
     )
     parser.set_defaults(func=cmd_serve)
     return parser
 
 
 def configure_logging(args: argparse.Namespace) -> None:
-    """The process's logging: ``--log-config-file``'s configuration, else ``--log-level``'s
-    lines on stderr; ``--uvicorn-log-level`` sets aiohttp's loggers apart (ValueError naming a
-    configuration file that does not load)."""
-    import json
-    import logging.config
-
-    from rltserve.core.stage_worker import LOG_FORMAT
+    """The process's logging: ``--log-config-file``'s configuration (which the stage workers
+    it starts then load too), else ``--log-level``'s lines on stderr; ``--uvicorn-log-level``
+    sets aiohttp's loggers apart (ValueError naming a configuration file that does not load)."""
+    from rltserve.core import worker_process
+    from rltserve.core.stage_worker import LOG_FORMAT, load_log_config
 
     if args.log_config_file is None:
         logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     else:
         try:
-            with open(args.log_config_file) as file:
-                config = json.load(file)
-            if isinstance(config, dict):  # (the server's loggers exist by now: keep them on)
-                config.setdefault("disable_existing_loggers", False)
-            logging.config.dictConfig(config)
-        except (OSError, ValueError, TypeError, AttributeError, ImportError) as exc:
+            load_log_config(args.log_config_file)
+        except ValueError as exc:
             raise ValueError(f"--log-config-file {args.log_config_file}: {exc}") from exc
+        worker_process.set_log_config_file(args.log_config_file)
     if args.uvicorn_log_level is not None:
         level = "debug" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level
         logging.getLogger("aiohttp").setLevel(level.upper())
@@ -125,12 +120,13 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
     from rltserve.engine_args import checked_engine_kwargs
-    from rltserve.http.config import API_KEY_ENV, ServerConfig
+    from rltserve.http.config import API_KEY_ENVS, ServerConfig
 
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
     if server_config.metrics_auth and server_config.api_key is None:
         # (a missing key Secret must not leave an operator believing /metrics is guarded)
-        raise ValueError(f"--metrics-auth: needs an API key (--api-key or {API_KEY_ENV})")
+        envs = " or ".join(API_KEY_ENVS)
+        raise ValueError(f"--metrics-auth: needs an API key (--api-key, {envs})")
     engine_config = EngineConfig.from_flat(**checked_engine_kwargs(args))
     if server_config.served_model_name is None and engine_config.model.model != args.model:
         # A Hugging Face repo id served from its cached snapshot goes by the id (as vLLM),
@@ -165,10 +161,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_replica_server_flags(server_config, replica_config)
     configure_logging(args)
     from rltserve import __version__
+    from rltserve.http.config import api_key_env
 
     log = logging.getLogger("rltserve.http")
     log.info("rltserve API server version %s", __version__)
     log.info("non-default args: %s", non_default_args(args))
+    if args.api_key is None and server_config.api_key is not None:
+        # (the key itself never: only where it came from, as non-default args show ***)
+        log.info("API key: from the environment (%s)", api_key_env())
     if args.disable_log_requests:
         log.warning(
             "--disable-log-requests is deprecated: request logs are off by default "
@@ -180,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning(
             "serving on %s without an API key: anyone who reaches the port may generate, and "
             "load weights or put the model to sleep (POST /v1/update_weights, /sleep); set "
-            "--api-key or RLTSERVE_API_KEY",
+            "--api-key, RLTSERVE_API_KEY or VLLM_API_KEY",
             server_config.host,
         )
     if not replica_config.enabled:

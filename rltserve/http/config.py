@@ -19,6 +19,9 @@ from rltserve.vllm_args import generation_config_folder
 MAX_N = 128
 
 API_KEY_ENV = "RLTSERVE_API_KEY"
+# Where ``with_env`` looks for the API key, the first set wins: rltserve's own variable, then vLLM's
+# (a deployment configured for vLLM must not come up unauthenticated).
+API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")
 
 # ``override_generation_config``'s keys beyond GENERATION_CONFIG_KEYS, as SamplingParams names
 # them: vLLM's max_new_tokens, and the loop fields a request leaves unset by sending nothing
@@ -63,7 +66,8 @@ class ServerConfig:
         default=None,
         metadata=_help(
             f"require 'Authorization: Bearer KEY' on every route but the probes /health, /ping, "
-            f"/version, /openapi.json (and /metrics unless --metrics-auth; or env {API_KEY_ENV})"
+            f"/version, /openapi.json, /load (and /metrics unless --metrics-auth); default: env "
+            f"{API_KEY_ENVS[0]}, else {API_KEY_ENVS[1]}"
         ),
     )
     ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
@@ -236,6 +240,21 @@ class ServerConfig:
             "final usage chunk; only for one prompt with n=1; vLLM's)"
         ),
     )
+    enable_force_include_usage: bool = field(
+        default=False,
+        metadata=_help(
+            "every stream ends with a usage chunk, as if the request had sent "
+            "stream_options.include_usage (vLLM's)"
+        ),
+    )
+    enable_server_load_tracking: bool = field(
+        default=False,
+        metadata=_help(
+            "count the completion and chat requests in flight (streams until their end) for "
+            'GET /load\'s {"server_load": N}, as load-aware routers read it (without it: '
+            "always 0; vLLM's)"
+        ),
+    )
     expose_model_path: bool = field(
         default=False,
         metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
@@ -364,6 +383,8 @@ class ServerConfig:
             "enable_request_id_headers",
             "disable_uvicorn_access_log",
             "enable_per_request_metrics",
+            "enable_force_include_usage",
+            "enable_server_load_tracking",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
@@ -433,14 +454,21 @@ class ServerConfig:
         return frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
 
     def with_env(self) -> ServerConfig:
-        """The config with ``api_key`` taken from the environment when not given; resolved
-        after parsing so that a key never shows up as a flag default in ``--help``."""
-        key = os.environ.get(API_KEY_ENV)
-        return replace(self, api_key=key) if self.api_key is None and key else self
+        """The config with ``api_key`` taken from the environment when not given (the first
+        of ``API_KEY_ENVS`` set to a non-empty value); resolved after parsing so that a key
+        never shows up as a flag default in ``--help``."""
+        name = api_key_env()
+        return replace(self, api_key=os.environ[name]) if self.api_key is None and name else self
 
     @property
     def uses_tls(self) -> bool:
         return self.ssl_certfile is not None
+
+
+def api_key_env() -> str | None:
+    """The environment variable ``ServerConfig.with_env`` takes the API key from (None: none
+    set)."""
+    return next((name for name in API_KEY_ENVS if os.environ.get(name)), None)
 
 
 def _json_object(name: str, text: object) -> dict:

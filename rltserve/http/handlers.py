@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import time
 
@@ -34,6 +35,26 @@ from rltserve.http.session import session_key
 from rltserve.http.state import STATE, ServingState
 
 
+def load_aware(handler):
+    """``handler``, counted in ``state.server_load`` from its start until its response ended
+    (a stream's handler returns once the stream has) when the server tracks load, as vLLM's
+    ``load_aware_call`` counts its generating routes."""
+
+    @functools.wraps(handler)
+    async def counted(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        if not state.config.enable_server_load_tracking:
+            return await handler(request)
+        state.server_load += 1
+        try:
+            return await handler(request)
+        finally:
+            state.server_load -= 1
+
+    return counted
+
+
+@load_aware
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
@@ -46,6 +67,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await deliver(request, state, plan)
 
 
+@load_aware
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
@@ -103,10 +125,32 @@ def model_card(state: ServingState, name: str | None = None) -> dict:
         "owned_by": "rltserve",
         # A filesystem path tells clients about the host; shown only when configured.
         "root": info.model_path if state.config.expose_model_path else state.model_name,
+        "parent": None,  # (vLLM's: a LoRA adapter's base model; rltserve serves none)
         "max_model_len": info.max_model_len,
+        "permission": [model_permission(state)],
         "vocab_size": info.vocab_size,
         # (a string, as every response's metadata.weight_version and /v1/update_weights')
         "weight_version": str(getattr(frontend.client, "weight_version", 0)),
+    }
+
+
+def model_permission(state: ServingState) -> dict:
+    """vLLM's ``ModelPermission`` with its defaults (a fresh id and the time of the call, as
+    vLLM makes one per card and call), for clients that read the OpenAI model object's
+    legacy ``permission`` list."""
+    return {
+        "id": state.ids("modelperm"),
+        "object": "model_permission",
+        "created": int(state.clock()),
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
     }
 
 
@@ -166,6 +210,12 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": text})
 
 
+async def load(request: web.Request) -> web.Response:
+    """vLLM's ``GET /load``: the requests in flight (always 0 without
+    ``enable_server_load_tracking``, as vLLM's)."""
+    return json_response({"server_load": request.app[STATE].server_load})
+
+
 async def version(request: web.Request) -> web.Response:
     return json_response({"version": __version__})
 
@@ -188,6 +238,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/metrics", metrics),
     Route("POST", "/tokenize", tokenize, TokenizeRequest),
     Route("POST", "/detokenize", detokenize, DetokenizeRequest),
+    Route("GET", "/load", load),
     Route("GET", "/version", version),
     Route("GET", "/openapi.json", openapi),
     Route("POST", "/v1/update_weights", update_weights, UpdateWeightsRequest),
@@ -200,7 +251,11 @@ ROUTES: tuple[Route, ...] = (
 
 
 def add_routes(app: web.Application) -> None:
+    """The routes of ``ROUTES``; every GET route answers HEAD too, as Starlette's (vLLM's) and
+    aiohttp's own ``add_get`` do: load balancers' health checks (HAProxy's ``option httpchk
+    HEAD /health``) and uptime monitors send it. aiohttp sends a HEAD response's status and
+    headers (Content-Length included) without its body."""
     for route in ROUTES:
-        app.router.add_route(
-            route.method, route.path, route.handler, expect_handler=expect_continue
-        )
+        methods = ("HEAD", "GET") if route.method == "GET" else (route.method,)
+        for method in methods:
+            app.router.add_route(method, route.path, route.handler, expect_handler=expect_continue)

@@ -25,10 +25,11 @@ from rltserve.http.validation import SchemaError
 log = logging.getLogger("rltserve.http")
 CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the connection
 # Read-only routes that answer without the API key, as vLLM leaves them open: probes (load
-# balancers, Kubernetes, SageMaker's /ping) and the API description carry no key. Every other
-# route needs it, the admin ones (/sleep, /wake_up, /reset_prefix_cache, /v1/update_weights)
-# included.
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json"})
+# balancers, Kubernetes, SageMaker's /ping, load-aware routers' /load) and the API description
+# carry no key. Every other route needs it, the admin ones (/sleep, /wake_up,
+# /reset_prefix_cache, /v1/update_weights) included. (A path's rules are its methods' alike:
+# HEAD as GET.)
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/load"})
 
 
 def _route_name(request: web.Request) -> str:

@@ -13,6 +13,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
+from rltserve.http.access_log import BODY_BYTES
 from rltserve.http.errors import error_body
 
 DONE = b"data: [DONE]\n\n"
@@ -65,6 +66,7 @@ class SSEWriter:
             )
             response.content_type = CONTENT_TYPE
             await response.prepare(self._request)
+            response[BODY_BYTES] = 0  # (the access line's %b)
             self._response = response
         return self._response
 
@@ -84,9 +86,11 @@ class SSEWriter:
             # Below the transport's low-water mark writing never waits: no timer needed (the
             # common case, kept free of wait_for's extra task per write).
             await response.write(data)
+            response[BODY_BYTES] += len(data)
             return
         try:
             await asyncio.wait_for(response.write(data), self._stall_timeout_s)
+            response[BODY_BYTES] += len(data)
         except asyncio.TimeoutError:
             transport = self._request.transport
             if transport is not None:

@@ -103,6 +103,9 @@ class ServingState:
         # completions and chat are refused at once (``delivery``), not held by the engine
         # until the sleep ends only to be refused then.
         self.sleeps_pending = 0
+        # Completion and chat requests in flight, for GET /load (only with
+        # enable_server_load_tracking: ``handlers.load_aware``).
+        self.server_load = 0
         self._drain_cut = False  # a second shutdown signal: abort in-flight requests now
         self.load_error: str | None = None
         self.load_exception: Exception | None = None  # what load_error says
