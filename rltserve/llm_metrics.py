@@ -2,7 +2,7 @@
 under vLLM's names: prompt and generated tokens, finished requests by reason, time to first
 token and end-to-end latency; and the server's looped-model series of generated tokens,
 ``rltserve:token_exit_depth`` (the loop each exited at; the server's name, buckets and
-``model_name`` label) and its mean, ``rltserve:loops_per_token``. Counted where the outputs
+labels) and its mean, ``rltserve:loops_per_token``. Counted where the outputs
 are assembled (``OutputAssembler`` calls a request's ``RequestTimer`` with each update's
 delta), so the tokens and exit depths are those the outputs hold (after a stop string cut
 them) and the finish reason is the one they report; the engine's own series (running, KV
@@ -44,9 +44,12 @@ def depth_buckets(max_loops: int) -> list[int]:
     return out
 
 
+ENGINE_INDEX = "0"  # vLLM's ``engine`` label of its one engine (its data-parallel rank)
+
+
 def vllm_labels(model_name: str) -> dict[str, str]:
-    """The labels vLLM gives every series of one engine."""
-    return {"model_name": model_name, "engine": "0"}
+    """The labels vLLM gives every series of one engine (rltserve's own engine series too)."""
+    return {"model_name": model_name, "engine": ENGINE_INDEX}
 
 
 @dataclass
@@ -109,9 +112,9 @@ class RequestCounts:
                 ),
                 self.ttft.read("vllm:time_to_first_token_seconds", dict(labels)),
                 self.e2e.read("vllm:e2e_request_latency_seconds", dict(labels)),
-                # (the server's series: its name and its one label)
-                self.exit_depth.read("rltserve:token_exit_depth", {"model_name": model_name}),
-                Gauge("rltserve:loops_per_token", {"model_name": model_name}, loops_per_token),
+                # (the server's series: its names and labels)
+                self.exit_depth.read("rltserve:token_exit_depth", dict(labels)),
+                Gauge("rltserve:loops_per_token", dict(labels), loops_per_token),
             ]
 
 

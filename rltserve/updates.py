@@ -116,6 +116,9 @@ class StepUpdates:
     ranks: list[int | None] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)  # request id -> its row
     weight_version: int = 0  # the engine's weights when the step was applied (every update's)
+    # Prompt tokens of the requests the step gave their first token (vLLM's iteration tokens
+    # count them then, with the step's output tokens: ``num_tokens``); engine-side only.
+    num_prompt_tokens: int = 0
 
     def update_of(self, request_id: str) -> RequestUpdate | None:
         """The request's update in ``updates`` (for a second token or its end in the same
@@ -146,6 +149,12 @@ class StepUpdates:
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.updates)
+
+    def num_tokens(self) -> int:
+        """vLLM's iteration tokens of the step: its output tokens (a column row holds one)
+        plus ``num_prompt_tokens``."""
+        outputs = sum(len(update.new_token_ids) for update in self.updates.values())
+        return len(self.rows) + outputs + self.num_prompt_tokens
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         version = self.weight_version

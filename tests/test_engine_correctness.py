@@ -184,6 +184,12 @@ def test_32_concurrent_staggered_arrivals(ckpts, ouro_ref):
     assert sum(stats.step_rows_counts) == stats.num_steps
     top = max(i for i, n in enumerate(stats.step_rows_counts) if n)
     assert STEP_ROW_BUCKETS[top - 1] < run.max_rows <= STEP_ROW_BUCKETS[top]
+    # vLLM's iteration tokens: every step has its entry, and they add up to the prompt
+    # tokens (counted at the first token) and the tokens output.
+    assert sum(stats.step_tokens_counts) == stats.num_steps
+    outputs = sum(map(len, run.tokens.values()))
+    assert stats.num_step_tokens == sum(map(len, prompts)) + outputs
+    assert stats.num_step_tokens < stats.num_rows  # (a token runs a row at each loop)
 
 
 @pytest.mark.parametrize("exit_mode", ["delayed", "trace"])

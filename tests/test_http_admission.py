@@ -166,6 +166,7 @@ async def test_a_shutdown_closes_idle_keep_alive_connections_at_once(ckpt):
 
 
 MODEL = ("model_name", "tiny")
+ENGINE = ("engine", "0")
 
 
 async def test_a_client_that_leaves_the_admission_queue_counts_an_abort(ckpt):
@@ -173,14 +174,14 @@ async def test_a_client_that_leaves_the_admission_queue_counts_an_abort(ckpt):
     "abort"}`` (with its e2e latency, the wait), besides the 499."""
     async with _one_slot_taken(ckpt, 1) as (live, hold, stage, first, [queued]):
         queued.cancel()
-        abort = ("rltserve:request_success_total", (("finished_reason", "abort"), MODEL))
+        abort = ("rltserve:request_success_total", (("finished_reason", "abort"), MODEL, ENGINE))
         for _ in range(500):  # (the server sees the closed connection a moment later)
             got = samples((await live.get("/metrics"))[2].decode())
             if got[abort] == 1.0:
                 break
             await asyncio.sleep(0.01)
         assert got[abort] == 1.0
-        assert got[("rltserve:e2e_request_latency_seconds_count", (MODEL,))] == 1.0
+        assert got[("rltserve:e2e_request_latency_seconds_count", (MODEL, ENGINE))] == 1.0
         status = (("handler", "/v1/completions"), ("method", "POST"), ("status", "499"))
         assert got[("rltserve:http_requests_total", status)] == 1.0
         hold.set()

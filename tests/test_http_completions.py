@@ -254,9 +254,12 @@ async def test_metrics_after_traffic(server):
         assert metric(text, f"rltserve:{name}_count") > 0
     assert metric(text, "rltserve:generation_tokens_total") > 0
     assert metric(text, "rltserve:prompt_tokens_total") > 0
-    assert 'rltserve:request_success_total{finished_reason="length",model_name="tiny"}' in text
+    assert (
+        'rltserve:request_success_total{engine="0",finished_reason="length",model_name="tiny"}'
+        in text
+    )
     # looped-model metrics: depth buckets 1..max_loops, default runs the model's 4 loops
-    assert 'rltserve:token_exit_depth_bucket{le="8.0",model_name="tiny"}' in text
+    assert 'rltserve:token_exit_depth_bucket{engine="0",le="8.0",model_name="tiny"}' in text
     assert 2 < metric(text, "rltserve:loops_per_token") <= 4
     assert metric(text, "rltserve:rows_per_step") > 0
     assert metric(text, "rltserve:engine_steps_total") > 0

@@ -349,7 +349,10 @@ async def test_engine_rejection_is_a_400(ckpt):
         _, _, raw = await live.get("/metrics")
         text = raw.decode()
         # refused, never finished (the series is there from the start: 0) ...
-        assert 'request_success_total{finished_reason="error",model_name="tiny"} 0.0' in text
+        assert (
+            'request_success_total{engine="0",finished_reason="error",model_name="tiny"} 0.0'
+            in text
+        )
         for name in ("prompt_tokens_total", "request_prompt_tokens_count"):  # ... nor started
             assert metric(text, f"rltserve:{name}") == 0, name
         assert metric(text, "rltserve:request_queue_time_seconds_count") == 0
@@ -403,7 +406,10 @@ async def test_a_request_aborted_before_any_update_counts_a_start_and_an_abort(c
         await wait_for(lambda: len(stage.aborted) == 1)
         text = (await live.get("/metrics"))[2].decode()
         assert metric(text, "rltserve:prompt_tokens_total") == 3
-        assert 'request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
+        assert (
+            'request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 1.0'
+            in text
+        )
         hold.set()
 
 

@@ -3,10 +3,12 @@ registry per app, the standard process/GC collectors and content negotiation."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gzip
 
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_http_harness import (
     Script,
@@ -27,13 +29,29 @@ from rltserve.http.metrics import (
 )
 
 
-def samples(text: str) -> dict[tuple[str, tuple], float]:
+class Samples(dict):
+    """(sample name, sorted labels) -> value; looked up with its labels in any order."""
+
+    def __getitem__(self, key: tuple[str, tuple]) -> float:
+        return super().__getitem__((key[0], tuple(sorted(key[1]))))
+
+    def get(self, key: tuple[str, tuple], default=None):
+        return super().get((key[0], tuple(sorted(key[1]))), default)
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__((key[0], tuple(sorted(key[1]))))
+
+
+def samples(text: str) -> Samples:
     """(sample name, sorted labels) -> value, parsed by prometheus-client's own parser."""
-    out = {}
+    out = Samples()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            dict.__setitem__(out, (s.name, tuple(sorted(s.labels.items()))), s.value)
     return out
+
+
+ENGINE = ("engine", "0")  # (vLLM's label of its one engine, on every engine series)
 
 
 def stats(**values) -> EngineStats:
@@ -49,9 +67,10 @@ def test_values_of_a_known_sequence():
         prefix_cache_queries=40, prefix_cache_hits=24, prefix_cache_blocks=12, kv_transfer_hits=16,
         prefix_cache_evictions=3, kv_transfer_unused=6,
         step_rows_counts=(1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        step_tokens_counts=(3, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), num_step_tokens=11,
     )  # fmt: skip
     cache = {"block_size": "16", "num_gpu_blocks": "160", "kv_planes": "4"}
-    metrics.configure(4, lambda: (engine, 2, 3), cache_info=cache)
+    metrics.configure(4, lambda: (engine, 2, 3), cache_info=cache, max_model_len=64)
     timeline = RequestTimeline(arrival=10.0, admitted=10.5, max_tokens=3)
     metrics.on_start(timeline, 7)
     timeline.engine_queued = 0.25  # (the first token's update: it waited 0.25 s in the engine)
@@ -63,7 +82,7 @@ def test_values_of_a_known_sequence():
     body, content_type = metrics.render()
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
     got = samples(body.decode())
-    m = (("model_name", "m"),)
+    m = (("model_name", "m"), ENGINE)
     expected = {
         ("rltserve:prompt_tokens_total", m): 7.0,
         ("rltserve:generation_tokens_total", m): 3.0,
@@ -86,9 +105,9 @@ def test_values_of_a_known_sequence():
         ("rltserve:prompt_tokens_cached_total", m): 4.0,
         ("rltserve:http_request_duration_seconds_sum",
          (("handler", "/v1/completions"), ("method", "POST"))): 0.75,
-        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "awake"))): 1.0,
-        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "weights_offloaded"))): 0.0,
-        ("rltserve:engine_sleep_state", (m[0], ("sleep_state", "discard_all"))): 0.0,
+        ("rltserve:engine_sleep_state", (*m, ("sleep_state", "awake"))): 1.0,
+        ("rltserve:engine_sleep_state", (*m, ("sleep_state", "weights_offloaded"))): 0.0,
+        ("rltserve:engine_sleep_state", (*m, ("sleep_state", "discard_all"))): 0.0,
         # Every finished_reason has its series from the start (vLLM's).
         ("rltserve:request_success_total", (("finished_reason", "stop"),) + m): 0.0,
         ("rltserve:request_success_total", (("finished_reason", "abort"),) + m): 0.0,
@@ -118,16 +137,33 @@ def test_values_of_a_known_sequence():
         ("rltserve:kv_transfer_unused_total", m): 6.0,
         ("rltserve:prefix_cache_blocks", m): 12.0,
         ("rltserve:weight_version", m): 3.0,
-        # Steps by rows (vLLM's iteration_tokens_total): one of 1 row, three of 2..8.
-        ("rltserve:iteration_tokens_total_bucket", (("le", "1.0"),) + m): 1.0,
-        ("rltserve:iteration_tokens_total_bucket", (("le", "8.0"),) + m): 4.0,
+        # Steps by tokens (vLLM's iteration_tokens_total): three of at most 1 (a looped
+        # model's step may output none), one of 9..16, 11 in all ...
+        ("rltserve:iteration_tokens_total_bucket", (("le", "1.0"),) + m): 3.0,
+        ("rltserve:iteration_tokens_total_bucket", (("le", "8.0"),) + m): 3.0,
+        ("rltserve:iteration_tokens_total_bucket", (("le", "16.0"),) + m): 4.0,
         ("rltserve:iteration_tokens_total_bucket", (("le", "+Inf"),) + m): 4.0,
         ("rltserve:iteration_tokens_total_count", m): 4.0,
-        ("rltserve:iteration_tokens_total_sum", m): 10.0,
+        ("rltserve:iteration_tokens_total_sum", m): 11.0,
+        # ... and by rows: one of 1 row, three of 2..8 (their sum engine_rows_total).
+        ("rltserve:iteration_rows_bucket", (("le", "1.0"),) + m): 1.0,
+        ("rltserve:iteration_rows_bucket", (("le", "8.0"),) + m): 4.0,
+        ("rltserve:iteration_rows_bucket", (("le", "+Inf"),) + m): 4.0,
+        ("rltserve:iteration_rows_count", m): 4.0,
+        ("rltserve:iteration_rows_sum", m): 10.0,
         ("rltserve:cache_config_info",
-         (("block_size", "16"), ("kv_planes", "4"), m[0], ("num_gpu_blocks", "160"))): 1.0,
+         (("block_size", "16"), ("kv_planes", "4"), *m, ("num_gpu_blocks", "160"))): 1.0,
     }  # fmt: skip
     assert {k: got.get(k) for k in expected} == expected
+    # vLLM's labels on every series but the HTTP ones (its instrumentator's) and the standard
+    # collectors'; no prefill stage's series without disaggregation, no hidden vLLM series
+    assert {
+        name for (name, labels) in got if name.startswith("rltserve:") and ENGINE not in labels
+    } == {"rltserve:http_requests_total"} | {
+        f"rltserve:http_request_duration_seconds_{part}" for part in ("bucket", "count", "sum")
+    }
+    assert not [name for name, _ in got if "prefill_stage" in name or "gpu_" in name]
+    assert not [name for name, _ in got if ":time_per_output_token_seconds" in name]
     # the standard collectors come with every app's registry; no ``_created`` series (vLLM's)
     names = {name for name, _ in got}
     assert not [name for name in names if name.endswith("_created")]
@@ -152,12 +188,12 @@ def test_exit_depth_buckets_stay_few_for_deep_models():
 def test_each_app_has_its_own_registry():
     a, b = ServingMetrics("a"), ServingMetrics("b")
     for metrics in (a, b):
-        metrics.configure(2, lambda: (None, 0, 0))
+        metrics.configure(2, lambda: (None, 0, 0), max_model_len=64)
     a.on_start(RequestTimeline(0.0, 0.0), 5)
     got_a, got_b = samples(a.render()[0].decode()), samples(b.render()[0].decode())
-    assert got_a[("rltserve:prompt_tokens_total", (("model_name", "a"),))] == 5.0
-    assert got_b[("rltserve:prompt_tokens_total", (("model_name", "b"),))] == 0.0
-    assert not any(labels == (("model_name", "a"),) for _, labels in got_b)
+    assert got_a[("rltserve:prompt_tokens_total", (("model_name", "a"), ENGINE))] == 5.0
+    assert got_b[("rltserve:prompt_tokens_total", (("model_name", "b"), ENGINE))] == 0.0
+    assert not any(("model_name", "a") in labels for _, labels in got_b)
 
 
 async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
@@ -168,7 +204,7 @@ async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
         status, headers, raw = await live.get("/metrics")
         assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
         got = samples(raw.decode())
-        assert got[("rltserve:generation_tokens_total", (("model_name", "tiny"),))] == 2.0
+        assert got[("rltserve:generation_tokens_total", (("model_name", "tiny"), ENGINE))] == 2.0
         # OpenMetrics where names go unescaped (Prometheus 3's Accept) ...
         accept = {"Accept": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8"}
         status, headers, raw = await live.get("/metrics", headers=accept)
@@ -182,7 +218,7 @@ async def test_metrics_endpoint_negotiates_openmetrics(tmp_path_factory):
         for accept in (prometheus2, "application/openmetrics-text; version=1.0.0"):
             status, headers, raw = await live.get("/metrics", headers={"Accept": accept})
             assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            key = ("rltserve:generation_tokens_total", (("model_name", "tiny"),))
+            key = ("rltserve:generation_tokens_total", (("model_name", "tiny"), ENGINE))
             assert samples(raw.decode())[key] == 2.0
 
 
@@ -204,7 +240,7 @@ def test_queue_and_prefill_split_at_the_first_scheduling():
     metrics.on_start(never, 3)
     metrics.on_finish(never, 230.0, "abort")
     got = samples(metrics.render()[0].decode())
-    m = (("model_name", "m"),)
+    m = (("model_name", "m"), ENGINE)
     series = ("request_queue_time_seconds", "request_prefill_time_seconds",
               "request_decode_time_seconds")  # fmt: skip
     assert {name: got[(f"rltserve:{name}_count", m)] for name in series} == dict.fromkeys(
@@ -224,7 +260,9 @@ def test_the_vllm_prefix_names_every_series():
     """``--metrics-prefix vllm``: vLLM's dashboards query ``vllm:num_requests_waiting`` and the
     like; every series of the app (looped-model ones too) then has that prefix."""
     metrics = ServingMetrics("m", prefix="vllm")
-    metrics.configure(4, lambda: (stats(num_waiting=2), 1, 0), lambda: stats(), {"x": "1"})
+    metrics.configure(
+        4, lambda: (stats(num_waiting=2), 1, 0), lambda: stats(), {"x": "1"}, max_model_len=64
+    )
     timeline = RequestTimeline(0.0, 0.0)
     metrics.on_start(timeline, 5)
     metrics.on_tokens(timeline, 1.0, [3])
@@ -236,10 +274,10 @@ def test_the_vllm_prefix_names_every_series():
         metrics.on_http(probe, "GET", 200, 0.01)
     metrics.stage_restarts.inc()
     got = samples(metrics.render()[0].decode())
-    m = (("model_name", "m"),)
+    m = (("model_name", "m"), ENGINE)
     assert got[("vllm:num_requests_waiting", m)] == 3.0
     assert got[("vllm:request_queue_time_seconds_count", m)] == 1.0
-    assert got[("vllm:cache_config_info", (m[0], ("x", "1")))] == 1.0
+    assert got[("vllm:cache_config_info", (*m, ("x", "1")))] == 1.0
     # The HTTP series as prometheus-fastapi-instrumentator names them (vLLM's): unprefixed,
     # status classes, unmatched routes as "none".
     http = {key: value for key, value in got.items() if key[0].startswith("http_")}
@@ -282,12 +320,14 @@ class _WaitedStage(ScriptedStage):
 
 
 async def test_the_server_takes_the_engine_wait_and_names_series_as_configured(
-    tmp_path_factory, caplog
+    tmp_path_factory, caplog, monkeypatch
 ):
     """The engine's wait reaches the queue time through the stage: one the front end's clock
     cannot have seen (a million seconds) leaves no prefill time at all. ``metrics_prefix``
     names the series; ``cache_config_info`` has the pool's facts; the start log gives the
-    pool in tokens (at the scripted engine's one plane, 64 blocks of 16)."""
+    pool in tokens (at the scripted engine's one plane, 64 blocks of 16), and the stats line
+    comes every ``VLLM_LOG_STATS_INTERVAL`` seconds."""
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.05")
     ckpt = tiny_checkpoint(tmp_path_factory)
     stage = _WaitedStage(scripted_info(ckpt), Script([44]), queued_s=1e6)
     caplog.set_level("INFO", logger="rltserve.http")
@@ -296,7 +336,13 @@ async def test_the_server_takes_the_engine_wait_and_names_series_as_configured(
         assert (await live.post("/v1/completions", {"prompt": [5], "max_tokens": 2}))[0] == 200
         got = samples((await live.get("/metrics"))[2].decode())
         assert live.state._stats_log is not None  # (vLLM's periodic line, by default)
-    m = (("model_name", "tiny"),)
+        for _ in range(200):
+            if any(m.startswith("Engine 000: Avg prompt throughput: ") for m in caplog.messages):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("no stats line within 2 s at a 0.05 s interval")
+    m = (("model_name", "tiny"), ENGINE)
     assert got[("vllm:request_queue_time_seconds_count", m)] == 1.0
     assert got[("vllm:request_prefill_time_seconds_count", m)] == 1.0
     assert got[("vllm:request_prefill_time_seconds_sum", m)] == 0.0
@@ -304,6 +350,7 @@ async def test_the_server_takes_the_engine_wait_and_names_series_as_configured(
     assert info == {
         ("vllm:cache_config_info", (
             ("block_size", "16"), ("cache_dtype", "float32"), ("enable_prefix_caching", "True"),
+            ENGINE,
             ("kv_capacity_tokens", "1024"), ("kv_planes", "1"), ("kv_policy", "last_exited"),
             ("model_name", "tiny"), ("num_gpu_blocks", "64"), ("swap_space", "4.0"),
         )): 1.0,
@@ -319,12 +366,13 @@ def test_the_samples_of_a_prompt_count_once_as_it_finishes():
     observe a prompt once its last sample finished; ``request_params_max_tokens`` observes each
     sample that has one."""
     metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (None, 0, 0), max_model_len=64)
     group = SampleGroup(n=2, unfinished=2)
     short, long = (RequestTimeline(0.0, 0.0, max_tokens=8, group=group) for _ in range(2))
     metrics.on_tokens(short, 1.0, [1])
     metrics.on_tokens(long, 1.0, [1, 2, 3])
     metrics.on_finish(short, 2.0, "stop")
-    m = (("model_name", "m"),)
+    m = (("model_name", "m"), ENGINE)
     got = samples(metrics.render()[0].decode())
     assert got[("rltserve:request_params_n_count", m)] == 0.0
     metrics.on_finish(long, 3.0, "length")
@@ -372,7 +420,10 @@ async def test_metrics_gzip_when_asked(tmp_path_factory):
             "/metrics", headers={"Accept-Encoding": "gzip, deflate"}, auto_decompress=False
         )
     assert "Content-Encoding" not in plain[1] and zipped[1]["Content-Encoding"] == "gzip"
-    key = ("rltserve:request_success_total", (("finished_reason", "stop"), ("model_name", "tiny")))
+    key = (
+        "rltserve:request_success_total",
+        (("finished_reason", "stop"), ("model_name", "tiny"), ENGINE),
+    )
     assert samples(gzip.decompress(zipped[2]).decode())[key] == 0.0
     assert len(zipped[2]) < len(plain[2]) / 4
 
@@ -406,13 +457,13 @@ def test_a_scoring_update_marks_the_first_token_and_counts_no_token():
     token moment (TTFT, queue, prefill, as vLLM observes it), but the engine's one token is
     neither a generated token nor an exit depth."""
     metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (None, 0, 0))
+    metrics.configure(4, lambda: (None, 0, 0), max_model_len=64)
     timeline = RequestTimeline(arrival=1.0, admitted=1.0, max_tokens=1)
     metrics.on_start(timeline, 5)
     metrics.on_tokens(timeline, 1.5, [4], generated=False)
     metrics.on_finish(timeline, 1.5, "length")
     got = samples(metrics.render()[0].decode())
-    m = (("model_name", "m"),)
+    m = (("model_name", "m"), ENGINE)
     expected = {
         "generation_tokens_total": 0.0, "token_exit_depth_count": 0.0, "loops_per_token": 0.0,
         "request_generation_tokens_count": 1.0, "request_generation_tokens_sum": 0.0,
@@ -443,7 +494,7 @@ async def test_scoring_requests_count_no_generated_token(tmp_path_factory):
         body = {"prompt": [5], "max_tokens": 3, "return_exit_depths": True}
         depths = orjson.loads((await live.post("/v1/completions", body))[2])["choices"][0]
         after = samples((await live.get("/metrics"))[2].decode())
-    m = (("model_name", "tiny"),)
+    m = (("model_name", "tiny"), ENGINE)
     zero = ("generation_tokens_total", "token_exit_depth_count", "token_exit_depth_sum",
             "loops_per_token", "request_generation_tokens_sum",
             "inter_token_latency_seconds_count")  # fmt: skip
@@ -460,7 +511,7 @@ def test_loops_per_token_says_it_is_the_mean_exit_depth():
     """Its value is the mean of token_exit_depth, which its help says, pointing to the rows
     run (under kv_policy full every token loops to max_loops whatever its exit)."""
     metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (stats(num_rows=40), 0, 0))
+    metrics.configure(4, lambda: (stats(num_rows=40), 0, 0), max_model_len=64)
     metrics.on_tokens(RequestTimeline(0.0, 0.0), 1.0, [1, 2])
     families = {f.name: f for f in text_string_to_metric_families(metrics.render()[0].decode())}
     family = families["rltserve:loops_per_token"]
@@ -472,3 +523,101 @@ def test_loops_per_token_says_it_is_the_mean_exit_depth():
     assert families["rltserve:token_exit_depth"].documentation == (
         "Loop at which each generated token exited."
     )
+
+
+def test_per_request_token_buckets_are_vllms_up_to_the_context():
+    """vLLM's ``build_1_2_5_buckets(max_model_len)`` for the four per-request token
+    histograms, made once the engine's context is known; a request past every bound (a
+    prompt cannot be, but ``max_tokens`` may ask for more) counts in +Inf only."""
+    from rltserve.http.metrics import build_1_2_5_buckets
+
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    metrics = ServingMetrics("m")
+    metrics.configure(4, lambda: (None, 0, 0), max_model_len=512)
+    timeline = RequestTimeline(0.0, 0.0, max_tokens=1000)
+    metrics.on_start(timeline, 7)
+    metrics.on_tokens(timeline, 1.0, [1])
+    metrics.on_finish(timeline, 2.0, "stop")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render()[0].decode())}
+    names = ("request_prompt_tokens", "request_generation_tokens",
+             "request_max_num_generation_tokens", "request_params_max_tokens")  # fmt: skip
+    bounds = ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+    for name in names:
+        les = [s.labels["le"] for s in families["rltserve:" + name].samples if "le" in s.labels]
+        assert les == bounds, name
+    got = samples(metrics.render()[0].decode())
+    m = (("model_name", "m"), ENGINE)
+    assert got[("rltserve:request_params_max_tokens_bucket", (("le", "500.0"), *m))] == 0.0
+    assert got[("rltserve:request_params_max_tokens_bucket", (("le", "+Inf"), *m))] == 1.0
+    assert got[("rltserve:request_prompt_tokens_bucket", (("le", "10.0"), *m))] == 1.0
+
+
+def test_hidden_vllm_series_come_back_for_their_version():
+    """``--show-hidden-metrics-for-version``: vLLM's deprecated names, with the values of their
+    successors: ``time_per_output_token_seconds`` observes each inter-token gap,
+    ``gpu_cache_usage_perc`` is the KV usage and ``gpu_prefix_cache_*`` the prefix cache's
+    counters. 0.11 shows what vLLM 0.11 still exported; 0.10 also what it hid in 0.11."""
+    from rltserve.http.hidden_metrics import shown_hidden_metrics
+
+    engine = stats(kv_usage=0.5, prefix_cache_queries=30, prefix_cache_hits=12)
+    m = (("model_name", "m"), ENGINE)
+    got = {}
+    for version in ("0.10", "0.11", "0.12", None):
+        metrics = ServingMetrics("m", "vllm", shown_hidden_metrics(version))
+        metrics.configure(4, lambda: (engine, 0, 0), max_model_len=64)
+        timeline = RequestTimeline(0.0, 0.0)
+        for now in (1.0, 1.25, 1.75):  # gaps of 0.25 and 0.5
+            metrics.on_tokens(timeline, now, [2])
+        got[version] = samples(metrics.render()[0].decode())
+    assert {
+        name: got["0.10"][("vllm:" + name, m)]
+        for name in ("time_per_output_token_seconds_sum", "time_per_output_token_seconds_count",
+                     "inter_token_latency_seconds_sum", "gpu_cache_usage_perc",
+                     "kv_cache_usage_perc", "gpu_prefix_cache_queries_total",
+                     "gpu_prefix_cache_hits_total")
+    } == {
+        "time_per_output_token_seconds_sum": 0.75, "time_per_output_token_seconds_count": 2.0,
+        "inter_token_latency_seconds_sum": 0.75, "gpu_cache_usage_perc": 0.5,
+        "kv_cache_usage_perc": 0.5, "gpu_prefix_cache_queries_total": 30.0,
+        "gpu_prefix_cache_hits_total": 12.0,
+    }  # fmt: skip
+
+    def hidden(version) -> set[str]:
+        names = {name for name, _ in got[version]}
+        return {n for n in names if ":time_per_output_token_seconds" in n or "gpu_" in n}
+
+    assert hidden("0.11") == {
+        f"vllm:time_per_output_token_seconds_{part}" for part in ("bucket", "count", "sum")
+    }
+    assert hidden("0.12") == hidden(None) == set()
+    assert shown_hidden_metrics("v0.9.2") == shown_hidden_metrics("0.10")
+    for bad in ("latest", "0", "0.11.x", 11):
+        with pytest.raises(ValueError, match="show_hidden_metrics_for_version"):
+            shown_hidden_metrics(bad)
+
+
+def test_a_disaggregated_prefill_stage_has_its_series_from_the_start():
+    """Under ``--disaggregate`` the ``prefill_stage_*`` series read 0 until the prefill stage
+    first reports (``absent()`` alerts and fresh dashboards see them); without it there are
+    none."""
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+             "prefix_cache_blocks", "engine_steps_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total")  # fmt: skip
+    m = (("model_name", "m"), ENGINE)
+    reported = {"stats": None}
+    metrics = ServingMetrics("m")
+    metrics.configure(
+        4, lambda: (None, 0, 0), lambda: reported["stats"], max_model_len=64, disaggregated=True
+    )
+    got = samples(metrics.render()[0].decode())
+    assert {n: got.get((f"rltserve:prefill_stage_{n}", m)) for n in names} == dict.fromkeys(
+        names, 0.0
+    )
+    reported["stats"] = stats(num_running=2, num_steps=5)
+    got = samples(metrics.render()[0].decode())
+    assert got[("rltserve:prefill_stage_num_requests_running", m)] == 2.0
+    assert got[("rltserve:prefill_stage_engine_steps_total", m)] == 5.0
+    single = ServingMetrics("m")
+    single.configure(4, lambda: (None, 0, 0), max_model_len=64)
+    assert not [name for name, _ in samples(single.render()[0].decode()) if "prefill_stage" in name]

@@ -161,7 +161,7 @@ def test_openapi_paths_parameters_and_defaults():
 
 def test_inter_token_latency_runs_from_the_previous_update():
     metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (None, 0, 0))
+    metrics.configure(4, lambda: (None, 0, 0), max_model_len=64)
     timeline = RequestTimeline(arrival=10.0, admitted=10.0)
     for now in (11.0, 11.25, 11.75):  # gaps of 0.25 and 0.5
         metrics.on_tokens(timeline, now, [1])
@@ -193,7 +193,7 @@ def test_an_update_without_tokens_is_no_token_to_the_latencies():
     """Updates with no tokens (an abort, a finish of its own) are left out of TTFT and of the
     gaps between tokens."""
     metrics = ServingMetrics("m")
-    metrics.configure(4, lambda: (None, 0, 0))
+    metrics.configure(4, lambda: (None, 0, 0), max_model_len=64)
     timeline = RequestTimeline(arrival=10.0, admitted=10.0)
     for now, depths in ((10.5, []), (11.0, [2]), (11.5, []), (12.0, [3]), (12.5, [])):
         metrics.on_tokens(timeline, now, depths)

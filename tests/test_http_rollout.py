@@ -111,7 +111,7 @@ async def test_update_weights_endpoint(server, new_ckpt, ckpt, tmp_path, offline
     status, _, raw = await server.post("/v1/completions", {"prompt": PROMPT}, headers=AUTH)
     assert orjson.loads(raw)["metadata"] == {"weight_version": "1"}
     _, _, raw = await server.get("/metrics", headers=AUTH)
-    assert b'rltserve:weight_version{model_name="tiny"} 1.0' in raw
+    assert b'rltserve:weight_version{engine="0",model_name="tiny"} 1.0' in raw
 
 
 async def test_update_during_a_stream_times_out_with_409(server, new_ckpt):

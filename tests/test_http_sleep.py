@@ -33,6 +33,7 @@ GREEDY = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": Tru
           "return_token_ids": True}  # fmt: skip
 ENGINE = {"block_size": 8}
 MODEL = ("model_name", "tiny")
+ENGINE_LABEL = ("engine", "0")
 PENDING = "a sleep is in progress (waiting for running requests)"
 
 
@@ -166,10 +167,10 @@ async def test_sleep_drops_the_prefix_cache_gauge_and_runs_no_step(server):
 
     async def scrape() -> dict:
         got = samples((await server.get("/metrics", headers=AUTH))[2].decode())
-        state = {s: got[("rltserve:engine_sleep_state", (MODEL, ("sleep_state", s)))]
+        state = {s: got[("rltserve:engine_sleep_state", (MODEL, ENGINE_LABEL, ("sleep_state", s)))]
                  for s in ("awake", "weights_offloaded", "discard_all")}  # fmt: skip
         names = ("prefix_cache_blocks", "engine_steps_total", "iteration_tokens_total_count")
-        return {**{n: got[(f"rltserve:{n}", (MODEL,))] for n in names}, **state}
+        return {**{n: got[(f"rltserve:{n}", (MODEL, ENGINE_LABEL))] for n in names}, **state}
 
     before = await scrape()
     assert before["prefix_cache_blocks"] > 0 and before["awake"] == 1.0

@@ -105,11 +105,11 @@ def test_the_assembler_tells_its_observer_what_the_output_holds():
 
 
 def test_exit_depths_are_the_servers_series_of_the_tokens_the_outputs_hold(clock):
-    """``rltserve:token_exit_depth`` as ``/metrics`` has it (name, buckets, ``model_name``) and
+    """``rltserve:token_exit_depth`` as ``/metrics`` has it (name, buckets, labels) and
     its mean as ``rltserve:loops_per_token``; a token after the finish is not counted."""
     counts = RequestCounts(40)
     timer = counts.request(3)
-    labels = {"model_name": "m"}
+    labels = LABELS  # (the engine label too, as /metrics gives every engine series)
     assert counts.metrics("m")[-1] == Gauge("rltserve:loops_per_token", labels, 0.0)
     timer(TextDelta("", [7, 8], [2, 33], [], None))
     timer(TextDelta("", [9], [40], [], "length"))

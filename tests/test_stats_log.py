@@ -9,7 +9,7 @@ import dataclasses
 
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.http.metrics import RequestTimeline, ServingMetrics
-from rltserve.http.stats_log import StatsLog, kv_capacity_lines
+from rltserve.http.stats_log import StatsLog, kv_capacity_lines, log_stats_interval
 
 
 def _info(**facts) -> EngineInfo:
@@ -64,22 +64,33 @@ def test_the_stats_line_covers_the_interval_and_stays_quiet_when_idle():
     )  # fmt: skip
     source["queued"] = 1
     assert log.line(20.0) == (
-        "Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
-        "Running: 1 reqs, Waiting: 3 reqs, KV cache usage: 43.8%, "
-        "Prefix cache hit rate: 37.5%, Preemptions: 3"
+        "Engine 000: Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 "
+        "tokens/s, Running: 1 reqs, Waiting: 3 reqs, Preemptions: 3, GPU KV cache usage: 43.8%, "
+        "Prefix cache hit rate: 37.5%"
     )
     # All done: one line shows it went idle, then nothing until work comes again.
     source["stats"] = dataclasses.replace(
         source["stats"], num_running=0, num_waiting=0, kv_usage=0.0
     )
     source["queued"] = 0
-    assert log.line(25.0) == (
-        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
-        "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
-        "Prefix cache hit rate: 0.0%, Preemptions: 0"
+    assert log.line(25.0) == (  # (vLLM's: no preemptions, no "Preemptions")
+        "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 "
+        "tokens/s, Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, "
+        "Prefix cache hit rate: 0.0%"
     )
     assert log.line(35.0) is None
     # A restarted stage counts from zero again: no negative interval.
     source["stats"] = _stats(num_running=1, prefix_cache_queries=10, prefix_cache_hits=10)
-    assert log.line(45.0).endswith("Running: 1 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
-                                   "Prefix cache hit rate: 0.0%, Preemptions: 0")  # fmt: skip
+    assert log.line(45.0).endswith("Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, "
+                                   "Prefix cache hit rate: 0.0%")  # fmt: skip
+
+
+def test_the_interval_is_vllms_variable(caplog):
+    """``VLLM_LOG_STATS_INTERVAL`` as vLLM reads it: seconds as a float, 10 unless above 0; one
+    that is no number is warned about (the stats line does not stop the server)."""
+    assert log_stats_interval({}) == 10.0
+    assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "2.5"}) == 2.5
+    assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "0"}) == 10.0
+    assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "-1"}) == 10.0
+    assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "soon"}) == 10.0
+    assert caplog.messages == ["VLLM_LOG_STATS_INTERVAL='soon' is not a number: stats every 10 s"]

@@ -218,6 +218,7 @@ class Applier:
             update.add_rank(rank)
         n = len(request.output_token_ids)
         if n == 1:
+            updates.num_prompt_tokens += request.num_prompt_tokens
             update.num_cached_tokens = request.num_cached_tokens or 0
             update.queued_s = request.queued_s
             if request.prompt_logprobs == []:  # (a one-token prompt: none to score)

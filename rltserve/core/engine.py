@@ -139,6 +139,8 @@ class EngineCore:
         self._exports: dict[str, tuple[Request, str]] = {}
         self._num_steps = self._num_rows = self._num_coda_rows = 0
         self._step_rows = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``EngineStats.step_rows_counts``)
+        self._step_tokens = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``step_tokens_counts``)
+        self._num_step_tokens = 0
         planes = len(self.kv.planes_of(spec.num_loops))
         pool = (self.max_model_len, num_blocks, planes, self._pool_limited)
         self.info = EngineInfo.of_model(spec, config.cache, str(mc.model), *pool)
@@ -368,6 +370,8 @@ class EngineCore:
             prefix_cache_blocks=self.kv.cache.num_blocks,
             prefix_cache_evictions=self.kv.cache.evictions,
             step_rows_counts=tuple(self._step_rows),
+            step_tokens_counts=tuple(self._step_tokens),
+            num_step_tokens=self._num_step_tokens,
             kv_transfer_hits=self.kv.cache.transfer_hits,
             kv_transfer_unused=self.kv.cache.transfer_unused,
         )
@@ -389,7 +393,8 @@ class EngineCore:
             self._num_coda_rows += result.num_coda_rows
         _remove(self._outstanding, plan)
         if _remove(self._stale, plan):
-            return StepUpdates()  # planned by a scheduler that was replaced: its requests failed
+            # planned by a scheduler that was replaced: its requests failed
+            return self._count_tokens(result, StepUpdates())
         try:
             updates = self.scheduler.apply(plan, result)
         except Exception as exc:
@@ -418,6 +423,15 @@ class EngineCore:
             update.weight_version = version
             if update.finish_reason is not None and self._exports:
                 self._export(update)
+        return self._count_tokens(result, updates)
+
+    def _count_tokens(self, result: StepResult, updates: StepUpdates) -> StepUpdates:
+        """A step's tokens as vLLM counts them (``EngineStats.step_tokens_counts``), once its
+        updates are known: every step that ``num_steps`` counts has its entry, as its rows."""
+        if result.num_rows:
+            n = updates.num_tokens()
+            self._num_step_tokens += n
+            self._step_tokens[bisect_left(STEP_ROW_BUCKETS, n)] += 1
         return updates
 
     def _export(self, update: RequestUpdate) -> None:

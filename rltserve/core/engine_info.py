@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from rltserve.config import CacheConfig
     from rltserve.models.base import LoopedSpec
 
-# Upper bounds of the rows-per-step histogram's buckets (vLLM's ``iteration_tokens_total``).
+# Upper bounds of the per-step histograms' buckets: tokens (vLLM's ``iteration_tokens_total``,
+# its buckets) and rows.
 STEP_ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -55,6 +56,11 @@ class EngineStats:
     # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the
     # last bound at the end.
     step_rows_counts: tuple[int, ...] = ()
+    # Steps by their tokens, as ``step_rows_counts`` (vLLM's ``iteration_tokens``: the prompt
+    # tokens of the requests a step gave their first token plus the tokens it output), and
+    # those tokens, all steps together.
+    step_tokens_counts: tuple[int, ...] = ()
+    num_step_tokens: int = 0
 
     def __reduce__(self) -> tuple:
         # Positional (one goes with every step's updates): a quarter of the default's bytes
@@ -76,6 +82,7 @@ IDLE_GAUGES = {
     "swapped_bytes": 0,
 }
 GAUGE_FIELDS = (*IDLE_GAUGES, "prefix_cache_blocks")
+_HISTOGRAMS = ("step_rows_counts", "step_tokens_counts")  # (bucket counts: summed bucketwise)
 
 
 def sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> EngineStats | None:
@@ -84,10 +91,11 @@ def sum_stats(stats: list[EngineStats], retired: EngineStats | None = None) -> E
     live engine the gauges read 0)."""
     if not stats and retired is None:
         return None
-    names = [f.name for f in fields(EngineStats) if f.name != "step_rows_counts"]
+    names = [f.name for f in fields(EngineStats) if f.name not in _HISTOGRAMS]
     total = {name: sum(getattr(s, name) for s in stats) for name in names}
-    counts = [s.step_rows_counts for s in [*stats, retired] if s is not None and s.step_rows_counts]
-    total["step_rows_counts"] = tuple(map(sum, zip(*counts))) if counts else ()
+    for name in _HISTOGRAMS:
+        counts = [getattr(s, name) for s in [*stats, retired] if s is not None and getattr(s, name)]
+        total[name] = tuple(map(sum, zip(*counts))) if counts else ()
     total["kv_usage"] = total["kv_usage"] / len(stats) if stats else 0.0
     if retired is not None:
         for name in names:

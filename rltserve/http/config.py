@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from rltserve.generation_config import GENERATION_CONFIG_KEYS
+from rltserve.http.hidden_metrics import shown_hidden_metrics
 from rltserve.sampling import MAX_LOGPROBS, SamplingParams
 from rltserve.vllm_args import generation_config_folder
 
@@ -224,12 +225,20 @@ class ServerConfig:
             "vLLM; series vLLM lacks get it too)"
         ),
     )
+    show_hidden_metrics_for_version: str | None = field(
+        default=None,
+        metadata=_help(
+            "vLLM's: the vLLM version (e.g. 0.11) whose deprecated /metrics series, hidden now, "
+            "are shown again (0.10: gpu_cache_usage_perc, gpu_prefix_cache_queries/_hits and "
+            "time_per_output_token_seconds; 0.11: time_per_output_token_seconds)"
+        ),
+    )
     disable_log_stats: bool = field(
         default=False,
         metadata=_help(
             "no periodic stats line in the log (throughput, running and waiting requests, KV "
-            "cache usage, prefix cache hit rate, preemptions; every 10 s while serving; vLLM's "
-            "--disable-log-stats)"
+            "cache usage, prefix cache hit rate, preemptions; every VLLM_LOG_STATS_INTERVAL "
+            "seconds, 10 by default, while serving; vLLM's --disable-log-stats)"
         ),
     )
     enable_per_request_metrics: bool = field(
@@ -374,6 +383,7 @@ class ServerConfig:
         if self.metrics_prefix not in METRICS_PREFIXES:
             choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
+        shown_hidden_metrics(self.show_hidden_metrics_for_version)  # (ValueError if malformed)
         flags = (
             "metrics_auth",
             "expose_model_path",

@@ -1,8 +1,9 @@
 """The engine's side of the server's Prometheus metrics, read at each scrape from the latest
 ``EngineStats`` the stage sent: running/waiting, KV usage and the prefix cache, preemption and
-swap, steps and rows (vLLM's ``iteration_tokens_total``), the sleep state, a disaggregated
-prefill stage's numbers and ``cache_config_info``. The front end's own series (requests,
-latencies, HTTP) are ``metrics.ServingMetrics``'."""
+swap, steps, their tokens (vLLM's ``iteration_tokens_total``) and rows, the sleep state, a
+disaggregated prefill stage's numbers, ``cache_config_info`` and the hidden vLLM series shown
+(``hidden_metrics``). Every series has vLLM's labels ``model_name`` and ``engine``. The front
+end's own series (requests, latencies, HTTP) are ``metrics.ServingMetrics``'."""
 
 from __future__ import annotations
 
@@ -19,13 +20,30 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineStats
-from rltserve.llm_metrics import LOOPS_PER_TOKEN_HELP
+from rltserve.http.hidden_metrics import (
+    GPU_CACHE_USAGE,
+    GPU_PREFIX_CACHE_HITS,
+    GPU_PREFIX_CACHE_QUERIES,
+)
+from rltserve.llm_metrics import ENGINE_INDEX, LOOPS_PER_TOKEN_HELP
 
 if TYPE_CHECKING:
     from rltserve.http.metrics import ServingMetrics, StatsSource
 
 # vLLM's engine_sleep_state labels: awake, or asleep at level 1 or 2.
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+LABELS = ["model_name", "engine"]  # (vLLM's, on every engine series)
+# The hidden vLLM series (``hidden_metrics``) and the fields they read.
+_HIDDEN_GAUGES = (
+    (GPU_CACHE_USAGE, "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
+     "kv_cache_usage_perc.", "kv_usage"),
+)  # fmt: skip
+_HIDDEN_COUNTERS = (
+    (GPU_PREFIX_CACHE_QUERIES, "GPU prefix cache queries, in tokens. DEPRECATED: use "
+     "prefix_cache_queries.", "prefix_cache_queries"),
+    (GPU_PREFIX_CACHE_HITS, "GPU prefix cache hits, in tokens. DEPRECATED: use "
+     "prefix_cache_hits.", "prefix_cache_hits"),
+)  # fmt: skip
 
 _ENGINE_COUNTERS = (
     ("engine_steps", "Engine steps run.", "num_steps"),
@@ -69,17 +87,24 @@ class EngineCollector(Collector):
         self.prefill_stats: Callable[[], EngineStats | None] = lambda: None
         self.cache_info: dict[str, str] | None = None  # (known once the engine is up)
         self.asleep: Callable[[], bool] = lambda: False
+        self.disaggregated = False  # (a prefill stage's series from the start)
 
     def collect(self) -> Iterator[Metric]:
         stats, queued, version = self.stats()
-        labels = [self.model_name]
+        labels = [self.model_name, ENGINE_INDEX]
         P = self.metrics.prefix
+        hidden = self.metrics.hidden
 
         def stat(name: str) -> float:  # before the first update there are no stats
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
 
         def gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(P + name, help_text, labels=["model_name"])
+            family = GaugeMetricFamily(P + name, help_text, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(P + name, help_text, labels=LABELS)
             family.add_metric(labels, value)
             return family
 
@@ -92,11 +117,17 @@ class EngineCollector(Collector):
             stat("num_waiting") + queued,
         )
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stat("kv_usage"))
+        for name, help_text, field_name in _HIDDEN_GAUGES:
+            if name in hidden:
+                yield gauge(name, help_text, stat(field_name))
+        for name, help_text, field_name in _HIDDEN_COUNTERS:
+            if name in hidden:
+                yield counter(name, help_text, stat(field_name))
         for name, help_text, field_name in _ENGINE_GAUGES:
             yield gauge(name, help_text, stat(field_name))
         yield gauge("weight_version", "Weight updates applied since start (serving now).", version)
         m = self.metrics
-        yield _sleep_state(P, self.model_name, m.sleep_level if self.asleep() else 0)
+        yield _sleep_state(P, labels, m.sleep_level if self.asleep() else 0)
         yield gauge(
             "loops_per_token",
             LOOPS_PER_TOKEN_HELP,
@@ -109,16 +140,30 @@ class EngineCollector(Collector):
             rows / steps if steps else 0.0,
         )
         for name, help_text, field_name in _ENGINE_COUNTERS:
-            family = CounterMetricFamily(P + name, help_text, labels=["model_name"])
-            family.add_metric(labels, stat(field_name))
-            yield family
-        yield _step_rows(P, labels, stats)
-        yield from _prefill_stage(P, labels, self.prefill_stats())
+            yield counter(name, help_text, stat(field_name))
+        yield _per_step(
+            P + "iteration_tokens_total",
+            "Tokens per engine step: prompt tokens of the requests it gave their first token "
+            "plus the tokens it output (vLLM's).",
+            labels,
+            getattr(stats, "step_tokens_counts", None),
+            stat("num_step_tokens"),
+        )
+        yield _per_step(
+            P + "iteration_rows",
+            "Rows (tokens at one loop) per engine step.",
+            labels,
+            getattr(stats, "step_rows_counts", None),
+            stat("num_rows"),
+        )
+        prefill = self.prefill_stats()
+        if prefill is not None or self.disaggregated:
+            yield from _prefill_stage(P, labels, prefill)
         if self.cache_info is not None:
             info = GaugeMetricFamily(
                 P + "cache_config_info",
                 "Information of the KV cache config (the value is 1).",
-                labels=["model_name", *self.cache_info],
+                labels=[*LABELS, *self.cache_info],
             )
             info.add_metric([*labels, *self.cache_info.values()], 1.0)
             yield info
@@ -141,39 +186,40 @@ _PREFILL_STAGE = (
 )  # fmt: skip
 
 
-def _sleep_state(prefix: str, model_name: str, level: int) -> GaugeMetricFamily:
+def _sleep_state(prefix: str, labels: list[str], level: int) -> GaugeMetricFamily:
     """vLLM's ``engine_sleep_state``: 1 on ``awake``, or on the label of the sleep level."""
     family = GaugeMetricFamily(
         prefix + "engine_sleep_state",
         "Engine sleep state: awake = 1 while awake; weights_offloaded = 1 asleep at level 1; "
         "discard_all = 1 asleep at level 2.",
-        labels=["model_name", "sleep_state"],
+        labels=[*LABELS, "sleep_state"],
     )
     for k, state in enumerate(SLEEP_STATES):
-        family.add_metric([model_name, state], float(k == level))
+        family.add_metric([*labels, state], float(k == level))
     return family
 
 
 def _prefill_stage(prefix: str, labels: list[str], stats: EngineStats | None) -> Iterator[Metric]:
-    """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's)."""
-    if stats is None:
-        return
+    """A disaggregated engine's prefill stage (the unprefixed series are the decode stage's);
+    zeros before it first reports, so that dashboards and ``absent()`` alerts see the series
+    from the start."""
     for kind, name, help_text, field_name in _PREFILL_STAGE:
-        family = kind(prefix + "prefill_stage_" + name, help_text, labels=["model_name"])
-        family.add_metric(labels, float(getattr(stats, field_name)))
+        family = kind(prefix + "prefill_stage_" + name, help_text, labels=LABELS)
+        family.add_metric(labels, float(getattr(stats, field_name)) if stats is not None else 0.0)
         yield family
 
 
-def _step_rows(prefix: str, labels: list[str], stats: EngineStats | None) -> HistogramMetricFamily:
-    """vLLM's ``iteration_tokens_total``: engine steps by their rows (a row is a token at one
-    loop: a step's work), from ``EngineStats.step_rows_counts``."""
-    help_text = "Rows (tokens at one loop) per engine step."
-    name = prefix + "iteration_tokens_total"
-    family = HistogramMetricFamily(name, help_text, labels=["model_name"])
-    counts = getattr(stats, "step_rows_counts", None) or (0,) * (len(STEP_ROW_BUCKETS) + 1)
+def _per_step(
+    name: str, help_text: str, labels: list[str], counts: tuple[int, ...] | None, total: float
+) -> HistogramMetricFamily:
+    """Engine steps by a count (``EngineStats.step_tokens_counts``, ``step_rows_counts``: the
+    steps in each of ``STEP_ROW_BUCKETS``, vLLM's ``iteration_tokens_total`` buckets), with
+    ``total`` as its sum."""
+    family = HistogramMetricFamily(name, help_text, labels=LABELS)
     cumulative, buckets = 0, []
+    counts = counts or (0,) * (len(STEP_ROW_BUCKETS) + 1)
     for bound, count in zip([*map(floatToGoString, STEP_ROW_BUCKETS), "+Inf"], counts):
         cumulative += count
         buckets.append((bound, cumulative))
-    family.add_metric(labels, buckets, sum_value=float(getattr(stats, "num_rows", 0) or 0))
+    family.add_metric(labels, buckets, sum_value=total)
     return family

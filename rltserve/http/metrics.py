@@ -13,15 +13,25 @@ process or a Ray actor, whose clock is not this one's). The three are observed a
 finishes that got a first token (as vLLM observes them for finished requests), and add up to
 its ``e2e_request_latency_seconds``. (Under disaggregation the first token comes from the
 decode stage, whose wait is the engine's part; the prefill stage's time, its wait there
-included, counts as prefill.) Every request and engine sample carries a ``model_name``
-label; ``http_requests_total`` carries ``handler, method, status`` (under ``vllm``, as
-prometheus-fastapi-instrumentator's that vLLM uses: unprefixed, status classes ``2xx``).
+included, counts as prefill.) Every request and engine sample carries vLLM's labels
+``model_name`` and ``engine="0"`` (vLLM's one engine), rltserve's own too, so that PromQL
+joins them with vLLM's series without ``ignoring(engine)``; the HTTP series have neither
+(vLLM's instrumentator's): ``http_requests_total`` carries ``handler, method, status`` (under
+``vllm``, as prometheus-fastapi-instrumentator's that vLLM uses: unprefixed, status classes
+``2xx``). The per-request token histograms have vLLM's buckets, 1-2-5 up to
+``max_model_len`` (known once the engine is up: ``configure`` makes them).
 ``request_params_n`` and ``request_max_num_generation_tokens`` are observed once per prompt,
 as its last sample finishes (vLLM's parent request). Engine-side numbers
 (running/waiting, KV usage, steps and rows) come from the latest ``EngineStats`` the stage sent.
 
-``iteration_tokens_total`` (vLLM's name) is a histogram of the rows of each engine step (a
-row is a token at one loop, the unit of a step's work; its sum is ``engine_rows_total``).
+``iteration_tokens_total`` is vLLM's histogram of each engine step's tokens: the prompt tokens
+of the requests it gave their first token plus the tokens it output (its sum is the engine's
+prompt plus generated tokens, as vLLM's; its count ``engine_steps_total``).
+``iteration_rows`` is the same steps by their rows (a row is a token at one loop, the unit of a
+step's work; its sum is ``engine_rows_total``). ``--show-hidden-metrics-for-version``
+(``hidden_metrics.py``) brings back series vLLM hid: ``time_per_output_token_seconds`` observes
+what ``inter_token_latency_seconds`` does (vLLM's rename), ``gpu_cache_usage_perc`` is
+``kv_cache_usage_perc`` and ``gpu_prefix_cache_*`` are ``prefix_cache_*``.
 ``cache_config_info`` (vLLM's, value 1) has the KV pool's facts as labels: with
 ``kv_cache_usage_perc`` it gives the blocks in use; ``kv_planes`` (a token takes a block slot
 on each of its planes) and ``kv_capacity_tokens`` turn them into tokens.
@@ -54,7 +64,9 @@ from prometheus_client.platform_collector import PlatformCollector
 
 from rltserve.core.engine_info import EngineStats
 from rltserve.http.engine_metrics import EngineCollector
+from rltserve.http.hidden_metrics import TIME_PER_OUTPUT_TOKEN
 from rltserve.llm_metrics import (  # (vLLM's buckets, and the exit-depth series', as offline)
+    ENGINE_INDEX,
     EXIT_DEPTH_HELP,
     REQUEST_BUCKETS,
     TTFT_BUCKETS,
@@ -64,7 +76,6 @@ from rltserve.updates import FinishReason
 
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 # prometheus-fastapi-instrumentator's (vLLM's HTTP metrics): few buckets for the labelled
 # histogram, many for the unlabelled one.
@@ -73,6 +84,18 @@ HTTP_BUCKETS = (0.1, 0.5, 1.0)
 INSTRUMENTATOR_EXCLUDED = frozenset({"/metrics", "/health", "/ping", "/version"})
 HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
                       3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's buckets of the per-request token histograms: 1, 2, 5, 10, 20, 50, ... up to
+    ``max_value`` (its ``max_model_len``)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass
@@ -143,17 +166,21 @@ StatsSource = Callable[[], tuple[EngineStats | None, int, int]]
 class ServingMetrics:
     """The serving metrics of one app, in their own registry (``render`` exposes it)."""
 
-    def __init__(self, model_name: str, prefix: str = "rltserve") -> None:
+    def __init__(
+        self, model_name: str, prefix: str = "rltserve", hidden: frozenset[str] = frozenset()
+    ) -> None:
         """``prefix``: every series' name before the colon (``ServerConfig.metrics_prefix``).
         Under ``vllm`` the HTTP series are prometheus-fastapi-instrumentator's, as vLLM's:
-        unprefixed, status classes (``2xx``) and unmatched routes as ``none``."""
+        unprefixed, status classes (``2xx``) and unmatched routes as ``none``. ``hidden``: the
+        hidden vLLM series shown (``hidden_metrics.shown_hidden_metrics``)."""
         self.model_name = model_name
+        self.hidden = hidden
         self.prefix = P = prefix + ":"
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        reg, model = self.registry, ("model_name",)
+        reg, model, engine = self.registry, ("model_name", "engine"), (model_name, ENGINE_INDEX)
 
         def histogram(name: str, help_text: str, buckets) -> Histogram:
             return Histogram(P + name, help_text, model, registry=reg, buckets=buckets)
@@ -161,24 +188,23 @@ class ServingMetrics:
         def counter(name: str, help_text: str) -> Counter:
             return Counter(P + name, help_text, model, registry=reg)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(model_name)
+        self._histogram = histogram  # (``configure`` makes those whose buckets need the engine)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(*engine)
         self.prompt_tokens_cached = counter(
             "prompt_tokens_cached",
             "Prompt tokens reused from the prefix cache (or shared by n "
             "samples) instead of computed.",
-        ).labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(
-            model_name
-        )
+        ).labels(*engine)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(*engine)
         success = Counter(
             P + "request_success",
             "Finished requests by finished_reason.",
-            ("model_name", "finished_reason"),
+            (*model, "finished_reason"),
             registry=reg,
         )
         # Every reason's series from the start, as vLLM's: increase() on a fresh server is 0,
         # not no data.
-        self.success = {r.value: success.labels(model_name, r.value) for r in FinishReason}
+        self.success = {r.value: success.labels(*engine, r.value) for r in FinishReason}
         self.vllm_http = prefix == "vllm"
         http = "" if self.vllm_http else P
         self.http_requests = Counter(
@@ -206,57 +232,57 @@ class ServingMetrics:
         )
         self.ttft = histogram(
             "time_to_first_token_seconds", "Request arrival to first token.", TTFT_BUCKETS
-        ).labels(model_name)
+        ).labels(*engine)
         self.itl = histogram(
             "inter_token_latency_seconds", "Gap between streamed token updates.", ITL_BUCKETS
-        ).labels(model_name)
+        ).labels(*engine)
         self.tpot = histogram(
             "request_time_per_output_token_seconds",
             "Per request: decode time over its generated tokens but the first.",
             ITL_BUCKETS,
-        ).labels(model_name)
+        ).labels(*engine)
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Request arrival to finish.", REQUEST_BUCKETS
-        ).labels(model_name)
+        ).labels(*engine)
         self.queue = histogram(
             "request_queue_time_seconds",
             "Time from arrival until the engine first scheduled the request (the server's "
             "admission queue plus the engine's waiting queue).",
             REQUEST_BUCKETS,
-        ).labels(model_name)
+        ).labels(*engine)
         self.inference = histogram(
             "request_inference_time_seconds",
             "Time from the engine first scheduling the request to its finish (prefill + decode).",
             REQUEST_BUCKETS,
-        ).labels(model_name)
+        ).labels(*engine)
         self.prefill = histogram(
             "request_prefill_time_seconds",
             "Time from the engine first scheduling the request to its first token.",
             REQUEST_BUCKETS,
-        ).labels(model_name)
+        ).labels(*engine)
         self.decode = histogram(
             "request_decode_time_seconds", "Time from the first token to finish.", REQUEST_BUCKETS
-        ).labels(model_name)
-        self.request_prompt = histogram(
-            "request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS
-        ).labels(model_name)
-        self.request_generation = histogram(
-            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
-        ).labels(model_name)
-        self.request_max_generation = histogram(
-            "request_max_num_generation_tokens",
-            "Per prompt: the most tokens any of its n samples generated.",
-            TOKEN_BUCKETS,
-        ).labels(model_name)
+        ).labels(*engine)
+        # (tokens per request: buckets up to max_model_len, made by ``configure``)
+        self.request_prompt: Histogram | None = None
+        self.request_generation: Histogram | None = None
+        self.request_max_generation: Histogram | None = None
+        self.params_max_tokens: Histogram | None = None
         self.params_n = histogram(
             "request_params_n", "The n request parameter, per prompt.", N_BUCKETS
-        ).labels(model_name)
-        self.params_max_tokens = histogram(
-            "request_params_max_tokens", "The max_tokens request parameter.", TOKEN_BUCKETS
-        ).labels(model_name)
+        ).labels(*engine)
+        self.tpot_hidden = (  # (vLLM's name before inter_token_latency_seconds)
+            histogram(
+                TIME_PER_OUTPUT_TOKEN,
+                "Gap between streamed token updates. DEPRECATED: use inter_token_latency_seconds.",
+                ITL_BUCKETS,
+            ).labels(*engine)
+            if TIME_PER_OUTPUT_TOKEN in hidden
+            else None
+        )
         self.stage_restarts = Counter(
             P + "stage_restarts", "Stage restarts after a dead or hung stage.", model, registry=reg
-        ).labels(model_name)
+        ).labels(*engine)
         self.exit_depth: Histogram | None = None  # buckets 1..max_loops: known once loaded
         self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
         self.sum_depths = 0  # loops_per_token
@@ -274,30 +300,51 @@ class ServingMetrics:
         prefill_stats: Callable[[], EngineStats | None] = lambda: None,
         cache_info: dict[str, str] | None = None,
         asleep: Callable[[], bool] = lambda: False,
+        *,
+        max_model_len: int,
+        disaggregated: bool = False,
     ) -> None:
-        """Once the engine is up: the exit-depth buckets (``depth_buckets``), where
-        engine-side numbers come from (``prefill_stats``: a disaggregated engine's prefill
-        stage, whose series are ``<prefix>:prefill_stage_*``), ``cache_config_info``'s
-        labels (``cache_info``) and whether the engine sleeps (``asleep``)."""
+        """Once the engine is up: the exit-depth buckets (``depth_buckets``), the per-request
+        token histograms' (vLLM's: ``build_1_2_5_buckets(max_model_len)``), where engine-side
+        numbers come from (``prefill_stats``: a disaggregated engine's prefill stage, whose
+        series are ``<prefix>:prefill_stage_*``, zeros until it reports, from the start when
+        ``disaggregated``), ``cache_config_info``'s labels (``cache_info``) and whether the
+        engine sleeps (``asleep``)."""
         if self.exit_depth is None:
-            self.exit_depth = Histogram(
-                self.prefix + "token_exit_depth",
-                EXIT_DEPTH_HELP,
-                ("model_name",),
-                registry=self.registry,
-                buckets=depth_buckets(max_loops),
-            ).labels(self.model_name)
+            engine, tokens = (self.model_name, ENGINE_INDEX), build_1_2_5_buckets(max_model_len)
+
+            def histogram(name: str, help_text: str, buckets) -> Histogram:
+                return self._histogram(name, help_text, buckets).labels(*engine)
+
+            self.exit_depth = histogram(
+                "token_exit_depth", EXIT_DEPTH_HELP, depth_buckets(max_loops)
+            )
+            self.request_prompt = histogram(
+                "request_prompt_tokens", "Prompt tokens per request.", tokens
+            )
+            self.request_generation = histogram(
+                "request_generation_tokens", "Generated tokens per request.", tokens
+            )
+            self.request_max_generation = histogram(
+                "request_max_num_generation_tokens",
+                "Per prompt: the most tokens any of its n samples generated.",
+                tokens,
+            )
+            self.params_max_tokens = histogram(
+                "request_params_max_tokens", "The max_tokens request parameter.", tokens
+            )
         self._engine.stats = stats
         self._engine.prefill_stats = prefill_stats
         self._engine.cache_info = cache_info
         self._engine.asleep = asleep
+        self._engine.disaggregated = disaggregated
 
     # ------------------------------------------------------------------ events
 
     def on_start(self, timeline: RequestTimeline, num_prompt_tokens: int) -> None:
         timeline.num_prompt_tokens = num_prompt_tokens
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.request_prompt.observe(num_prompt_tokens)
+        _observe(self.request_prompt, num_prompt_tokens)
 
     def on_tokens(
         self,
@@ -320,6 +367,7 @@ class ServingMetrics:
             self.prompt_tokens_cached.inc(timeline.num_cached_tokens)
         elif timeline.last_token is not None and generated:
             self.itl.observe(now - timeline.last_token)
+            _observe(self.tpot_hidden, now - timeline.last_token)
         timeline.last_token = now
         if not generated:
             return
@@ -346,15 +394,15 @@ class ServingMetrics:
             # (vLLM's: every finished request, 0 for one of a single token)
             n = timeline.num_tokens
             self.tpot.observe((now - first) / (n - 1) if n > 1 else 0.0)
-        self.request_generation.observe(timeline.num_tokens)
+        _observe(self.request_generation, timeline.num_tokens)
         if timeline.max_tokens:  # (vLLM's: a request without one is not observed)
-            self.params_max_tokens.observe(timeline.max_tokens)
+            _observe(self.params_max_tokens, timeline.max_tokens)
         group = timeline.group or SampleGroup(1, 1)
         group.unfinished -= 1
         group.max_generated = max(group.max_generated, timeline.num_tokens)
         if group.unfinished == 0:
             self.params_n.observe(group.n)
-            self.request_max_generation.observe(group.max_generated)
+            _observe(self.request_max_generation, group.max_generated)
 
     def on_http(self, handler: str, method: str, status: int, seconds: float | None = None) -> None:
         """One HTTP response; ``seconds``: from its arrival to the end of its body (None: no
@@ -383,6 +431,13 @@ class ServingMetrics:
         if "escaping=" in content_type and "escaping=allow-utf-8" not in content_type:
             encoder, content_type = choose_encoder("")
         return encoder(self._exposed), content_type
+
+
+def _observe(histogram: Histogram | None, value: float) -> None:
+    """Observes ``value`` on a histogram ``configure`` makes (none before: no engine, and so no
+    request, yet)."""
+    if histogram is not None:
+        histogram.observe(value)
 
 
 class _WithoutCreated:

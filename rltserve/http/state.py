@@ -30,9 +30,10 @@ from rltserve.http.config import ServerConfig
 from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
+from rltserve.http.hidden_metrics import shown_hidden_metrics
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.request_log import RequestLog, id_list
-from rltserve.http.stats_log import INTERVAL_S, StatsLog, kv_capacity_lines
+from rltserve.http.stats_log import StatsLog, kv_capacity_lines, log_stats_interval
 from rltserve.http.supervisor import RestartPolicy, SupervisedStage
 from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
@@ -96,7 +97,8 @@ class ServingState:
         self.request_log = RequestLog(
             config.enable_log_requests, config.enable_log_outputs, config.max_log_len
         )
-        self.metrics = ServingMetrics(self.model_name, config.metrics_prefix)
+        hidden = shown_hidden_metrics(config.show_hidden_metrics_for_version)
+        self.metrics = ServingMetrics(self.model_name, config.metrics_prefix, hidden)
         self.created = int(clock())
         self.closing = False
         # /sleep calls the stage has not answered (their callers may have gone): meanwhile
@@ -170,6 +172,8 @@ class ServingState:
                 lambda: client.prefill_stats,
                 self.cache_info(info),
                 lambda: bool(client.sleeping),
+                max_model_len=info.max_model_len,
+                disaggregated=self.engine_config.execution.disaggregate,
             )
             self._frontend = Frontend(
                 self._client,
@@ -201,7 +205,7 @@ class ServingState:
             if not self.config.disable_log_stats:
                 stats_log = StatsLog(self.metrics, stats, time.monotonic())
                 self._stats_log = asyncio.create_task(
-                    self._log_stats(stats_log), name="rltserve-stats-log"
+                    self._log_stats(stats_log, log_stats_interval()), name="rltserve-stats-log"
                 )
         except Exception as exc:  # noqa: BLE001 - any startup failure is reported by /health
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -232,10 +236,10 @@ class ServingState:
             "kv_capacity_tokens": str(info.kv_capacity_tokens),
         }
 
-    async def _log_stats(self, stats_log: StatsLog) -> None:
-        """vLLM's periodic stats line (``stats_log``), every ``INTERVAL_S`` until stopped."""
+    async def _log_stats(self, stats_log: StatsLog, interval_s: float) -> None:
+        """vLLM's periodic stats line (``stats_log``), every ``interval_s`` until stopped."""
         while True:
-            await asyncio.sleep(INTERVAL_S)
+            await asyncio.sleep(interval_s)
             line = stats_log.line(time.monotonic())
             if line is not None:
                 log.info("%s", line)

@@ -1,5 +1,6 @@
 """What the server logs about its engine, as vLLM logs it: the KV pool's capacity at start, and
-a stats line every ``INTERVAL_S`` while serving.
+a stats line every ``VLLM_LOG_STATS_INTERVAL`` seconds (vLLM's variable; 10 by default) while
+serving.
 
 vLLM's start lines ("GPU KV cache size: N tokens", "Maximum concurrency for M tokens per
 request: X x") count tokens, and a looped model's token takes a block slot on each of its KV
@@ -7,9 +8,12 @@ planes (4 at Ouro's 4 loops under ``last_exited``): the pool's blocks times thei
 overstate it by that factor. The periodic line reads what ``/metrics`` reads (the latest
 ``EngineStats`` and the server's counters), over the interval since the last line:
 
-``Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
-Waiting: M reqs, KV cache usage: Z%, Prefix cache hit rate: W%, Preemptions: K``
+``Engine 000: Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s,
+Running: N reqs, Waiting: M reqs, Preemptions: K, GPU KV cache usage: Z%, Prefix cache hit
+rate: W%``
 
+vLLM's line, word for word (log parsers key on it): its engine index, and ``Preemptions`` only
+when the interval had some. "GPU KV cache usage" whatever the device, as vLLM's on the CPU.
 Prompt tokens count once their request's first token comes (vLLM's accounting), the hit rate
 is over the interval's prefix cache lookups, and preemptions are the interval's. An idle
 server logs nothing: a line is due while anything runs, waits or was processed in the
@@ -18,12 +22,34 @@ interval, plus one more after that (which shows it went idle).
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rltserve.core.engine_info import EngineInfo
 from rltserve.http.metrics import ServingMetrics, StatsSource
+from rltserve.llm_metrics import ENGINE_INDEX
 
-INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
+INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
+INTERVAL_S = 10.0  # its default
+
+log = logging.getLogger(__name__)
+
+
+def log_stats_interval(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds between stats lines: ``VLLM_LOG_STATS_INTERVAL`` as vLLM reads it (a float; not
+    above 0: the default). One that is no number is warned about and the default used: the
+    stats line is not worth failing the server's start."""
+    text = environ.get(INTERVAL_ENV)
+    if text is None:
+        return INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        log.warning("%s=%r is not a number: stats every %g s", INTERVAL_ENV, text, INTERVAL_S)
+        return INTERVAL_S
+    return value if value > 0 else INTERVAL_S
 
 
 def kv_capacity_lines(info: EngineInfo, disaggregated: bool = False) -> list[str]:
@@ -96,10 +122,12 @@ class StatsLog:
         seconds = max(totals.at - last.at, 1e-9)
         usage = stats.kv_usage if stats is not None else 0.0
         return (
+            f"Engine {ENGINE_INDEX:0>3}: "
             f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
             f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
             f"Running: {running} reqs, Waiting: {waiting} reqs, "
-            f"KV cache usage: {100 * usage:.1f}%, "
-            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
-            f"Preemptions: {preempted}"
+            + f"Preemptions: {preempted}, "
+            * bool(preempted)
+            + f"GPU KV cache usage: {100 * usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
