@@ -26,7 +26,7 @@ from rltserve.core.kv_transfer import admit_import, export_prompt
 from rltserve.core.plan import StepPlan, StepResult
 from rltserve.core.prefix_cache import block_hashes, make_salt
 from rltserve.core.request import FinishReason, Request
-from rltserve.core.request_checks import check_bans, check_params
+from rltserve.core.request_checks import check_bans, check_params, check_pipelining
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
@@ -204,7 +204,7 @@ class EngineCore:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         eos = frozenset(spec.eos_token_ids)
-        pipelined = self._pipelined(params, cap)
+        pipelined = check_pipelining(params, cap, sched, spec.num_loops)
         check_thinking(params, sched)
         request = Request(
             request_id=rid,
@@ -286,31 +286,6 @@ class EngineCore:
     def sleeping(self) -> set[str]:
         """The parts whose memory ``sleep`` freed (``core/sleep.py``: the runner's record)."""
         return self.runner.memory.asleep
-
-    def _pipelined(self, params: SamplingParams, cap: int) -> bool:
-        """Whether the request decodes with token pipelining; raises when it asks for it and
-        cannot have it."""
-        sched = self.config.scheduler
-        if params.speculative is False or (
-            params.speculative is None and not sched.speculative_tokens
-        ):
-            return False
-        reasons = []
-        if not sched.speculative_tokens:
-            reasons.append("the engine runs with speculative_tokens=0")
-        if not params.greedy:
-            reasons.append("it needs greedy sampling (temperature=0)")
-        if params.adaptive_exit or cap != self.spec.num_loops:
-            reasons.append("it needs a fixed full depth (exit_threshold >= 1, max_loops unset)")
-        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-            reasons.append("it does not combine with penalties")
-        if sched.exit_mode == "trace":
-            reasons.append("it does not combine with exit_mode='trace'")
-        if params.max_thinking_tokens is not None:  # (forced ids would unwind drafts)
-            reasons.append("it does not combine with bounded thinking (max_thinking_tokens)")
-        if reasons and params.speculative:
-            raise ValueError("speculative=True: " + "; ".join(reasons))
-        return not reasons
 
     def add_request(
         self,

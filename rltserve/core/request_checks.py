@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rltserve.caller_values import outside_vocab
-from rltserve.config import EngineConfig
+from rltserve.config import EngineConfig, SchedulerConfig
 from rltserve.kv_policy import KVPolicy
 from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams
 
@@ -184,3 +184,29 @@ def _bounded_logprobs(params: SamplingParams, vocab_size: int, cap: int) -> Samp
         if k > vocab_size:
             raise ValueError(f"{name}={k}: more than the vocabulary's {vocab_size} tokens")
     return params.replace(**changes) if changes else params
+
+
+def check_pipelining(
+    params: SamplingParams, cap: int, sched: SchedulerConfig, num_loops: int
+) -> bool:
+    """Whether a request of depth cap ``cap`` decodes with token pipelining on an engine of
+    ``sched`` for a model of ``num_loops`` loops; a ValueError where it asks for it
+    (``speculative=True``) and cannot have it."""
+    if params.speculative is False or (params.speculative is None and not sched.speculative_tokens):
+        return False
+    reasons = []
+    if not sched.speculative_tokens:
+        reasons.append("the engine runs with speculative_tokens=0")
+    if not params.greedy:
+        reasons.append("it needs greedy sampling (temperature=0)")
+    if params.adaptive_exit or cap != num_loops:
+        reasons.append("it needs a fixed full depth (exit_threshold >= 1, max_loops unset)")
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        reasons.append("it does not combine with penalties")
+    if sched.exit_mode == "trace":
+        reasons.append("it does not combine with exit_mode='trace'")
+    if params.max_thinking_tokens is not None:  # (forced ids would unwind drafts)
+        reasons.append("it does not combine with bounded thinking (max_thinking_tokens)")
+    if reasons and params.speculative:
+        raise ValueError("speculative=True: " + "; ".join(reasons))
+    return not reasons

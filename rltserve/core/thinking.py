@@ -34,8 +34,8 @@ delivered keeps its empty entry (SSE chat leaves it out, completions give a null
 Refused with a clear error where a step can be planned before the previous one's result is
 applied (async scheduling: the already planned next position would have to be
 unwound) and with penalties (the runner's penalty history holds sampled tokens only). On an
-engine with token pipelining such a request decodes without it (``EngineCore._pipelined``; an
-explicit ``speculative=True`` is refused there).
+engine with token pipelining such a request decodes without it
+(``request_checks.check_pipelining``; an explicit ``speculative=True`` is refused there).
 """
 
 from __future__ import annotations
