@@ -232,6 +232,33 @@ def test_a_prefill_stage_that_cannot_come_back_leaves_the_decode_stage_serving(
         client.close()
 
 
+def test_a_restart_after_superseded_updates_moves_kv_the_decode_stage_uses(ckpts, monkeypatch):
+    """Two updates that each rewrite every tensor: the restarted stage applies the last one only
+    (the log dropped the first), yet its block hashes carry the decode stage's version, so the
+    decode stage finds every block it moves."""
+    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.0)
+    client = _client(ckpts["ouro"])
+    try:
+        for _ in range(2):
+            client.update_weights([str(ckpts["ouro"])], False, 30.0)
+        assert len(client._updates) == 1
+        old = client.prefill
+        old._die("injected")
+        deadline = time.monotonic() + 120  # (hang guard)
+        while client.prefill is old or client.prefill_down is not None:
+            assert time.monotonic() < deadline, client.prefill_down
+            time.sleep(0.05)
+        assert client.prefill.weight_version == client.decode.weight_version == 2
+        stream_all(client, [list(range(100, 130))], [GREEDY])
+        wait_pd_idle(client)
+        stats = client.decode.stats
+        assert (stats.kv_transfer_hits, stats.kv_transfer_unused) == (28, 0)
+        with pytest.raises(ValueError, match="below"):  # (blocks of older weights would hit)
+            client.prefill.set_weight_version(1)
+    finally:
+        client.close()
+
+
 def test_a_dead_decode_stage_names_itself(ckpts):
     client = _client(ckpts["ouro"], cls=StageClient)
     try:

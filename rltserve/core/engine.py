@@ -277,6 +277,15 @@ class EngineCore:
         self.weight_version += 1
         self.clear_prefix_cache()
 
+    def set_weight_version(self, version: int) -> None:
+        """The weights in place are those a peer stage calls ``version`` (a restarted stage
+        applied only the updates still needed): block hashes then match the peer's. Never
+        down, where blocks of older weights could hit."""
+        if version < self.weight_version:
+            raise ValueError(f"weight version {version}: below this engine's {self.weight_version}")
+        self.weight_version = version
+        self.clear_prefix_cache()  # (blocks salted with the old version can no longer hit)
+
     def clear_prefix_cache(self) -> None:
         """Forgets every cached prefix: cached blocks no request holds go back to the pool,
         those requests hold stay theirs (safe between any two steps)."""

@@ -35,9 +35,10 @@ async def run_engine_loop(
     """Serves commands until ("shutdown",) arrives. Commands: ("add", rid, prompt_ids, params) or
     ("add", rid, prompt_ids, params, group[, transfer]), ("abort", rid), ("update_weights",
     token, paths, abort, timeout_s), ("sleep", token, level, timeout_s), ("wake_up", token,
-    tags) (``weight_gate``; its outcome goes to ``reply``) and ("reset_prefix_cache",
-    token). A rejected add is emitted as an ERROR update for that request id. ``on_idle`` runs
-    once per idle spell, ``IDLE_S`` into it (the worker process gives its free heap back).
+    tags) (``weight_gate``; its outcome goes to ``reply``), ("reset_prefix_cache", token)
+    and ("set_weight_version", token, version) (at once). A rejected add is emitted as an
+    ERROR update for that request id. ``on_idle`` runs once per idle spell, ``IDLE_S`` into it
+    (the worker process gives its free heap back).
 
     With ``async_scheduling`` up to two steps are in flight: the next step is planned and
     submitted before the current one's result is applied, so planning, IPC and output handling
@@ -137,6 +138,13 @@ def _handle(core: EngineCore, command: tuple, emit: Emit, gate: WeightGate) -> b
     elif kind == "reset_prefix_cache":
         core.clear_prefix_cache()
         gate.reply(command[1], None, core.weight_version)
+    elif kind == "set_weight_version":  # (its caller waits for its updates before)
+        try:
+            core.set_weight_version(command[2])
+        except ValueError as exc:
+            gate.reply(command[1], str(exc), core.weight_version)
+        else:
+            gate.reply(command[1], None, core.weight_version)
     elif gate.waiting and kind == "add":  # runs once the update is done
         gate.held.append(command)
         emit([], _stats(core, gate))  # (it waits: the front end's gauges say so)

@@ -282,7 +282,7 @@ class PDClient:
         prefill = self.prefill
         if self._prefill.down is not None or not prefill.alive or prefill.sleeping:
             return False
-        if self._prefill.weight_version != self.decode.weight_version:
+        if prefill.weight_version != self.decode.weight_version:
             return False
         if params.prompt_logprobs is not None:
             return False
@@ -465,7 +465,7 @@ class PDClient:
 
     @property
     def sleeping(self) -> set[str]:
-        return self.prefill.sleeping | self.decode.sleeping
+        return self._prefill.sleeping | self.decode.sleeping  # (a dead stage's would stick)
 
     @property
     def prefill_stats(self) -> EngineStats | None:

@@ -7,9 +7,10 @@ directly. ``PrefillStage`` owns the current prefill stage client; a thread notic
 (worker exit, ``kill -9``, a watchdog's kill: the client is no longer alive) and starts another
 after a backoff that doubles per attempt, at most ``MAX_ATTEMPTS`` in a row (a stage that served
 ``STABLE_S`` seconds starts a fresh count). A new stage serves only with the decode stage's
-weights (the updates applied since start, applied again from the owner's ``UpdateLog``) and
-only while the decode stage is awake: it starts awake, so while the decode stage sleeps it is
-not started (wake-up brings it back). When it cannot come back the decode stage serves alone;
+weights (the updates applied since start, applied again from the owner's ``UpdateLog``, under
+the decode stage's weight version: block hashes name it) and only while the decode stage is
+awake: it starts awake, so while the decode stage sleeps it is not started (wake-up brings it
+back). When it cannot come back the decode stage serves alone;
 ``down`` says why (the server's /health shows it) and the log says so. Also here: the prefill
 stage's request for a prompt (``prefill_params``).
 """
@@ -43,36 +44,57 @@ class PrefillStage:
 
     def __init__(self, start: Callable[[], object]) -> None:
         self._start = start
-        self.client = start()
-        self.down: str | None = None  # why no prefill stage serves now (None while one does)
+        # (client, why no stage serves now or None, the counters of the stages that died),
+        # swapped whole by the keeper thread: readers see one consistent state, never a
+        # dead stage's counters both retired and still current.
+        self._view: tuple[object, str | None, EngineStats | None] = (start(), None, None)
         self.restarts = 0
-        # Weight versions the stage skipped: a restarted stage applies only the updates still
-        # needed, yet holds the weights of the decode stage's version.
-        self.version_offset = 0
-        self._retired: EngineStats | None = None  # the counters of the stages that died
         self._attempts = 0
         self._since = time.monotonic()
         self._stop = threading.Event()
+        # Starting or publishing a client and closing exclude each other: once _stop is set
+        # no client is started or published, and close() stops those that were.
+        self._swap = threading.Lock()
+        self._starting = None  # the client a restart starts and gives weights to
         self._thread: threading.Thread | None = None
 
     @property
-    def weight_version(self) -> int:
-        return self.client.weight_version + self.version_offset
+    def client(self):
+        return self._view[0]
+
+    @property
+    def down(self) -> str | None:
+        """Why no prefill stage serves now (None while one does)."""
+        return self._view[1]
+
+    @property
+    def serving(self):
+        """The client while it serves, else None."""
+        client, down, _ = self._view
+        return client if down is None and client.alive else None
+
+    @property
+    def sleeping(self) -> set[str]:
+        """What is asleep in the serving stage (nothing while none serves: a restarted one
+        starts awake)."""
+        client = self.serving
+        return set() if client is None else client.sleeping
 
     @property
     def stats(self) -> EngineStats | None:
         """The current stage's stats, its counters on top of those of the stages that died
         (they never go down); while it is down the gauges read idle."""
-        current = self.client.stats if self.down is None else None
-        if self._retired is None:
+        client, down, retired = self._view
+        current = client.stats if down is None else None
+        if retired is None:
             return current
-        return sum_stats([current] if current is not None else [], self._retired)
+        return sum_stats([current] if current is not None else [], retired)
 
     def command(self, name: str, *args) -> None:
         """Runs the client's command ``name`` unless the stage is down or dies meanwhile (a
         restarted one gets the decode stage's weights, and starts only while it is awake)."""
-        stage = self.client
-        if self.down is not None or not stage.alive:
+        stage = self.serving
+        if stage is None:
             return
         try:
             getattr(stage, name)(*args)
@@ -81,33 +103,45 @@ class PrefillStage:
                 raise
 
     def watch(self, owner) -> None:
-        """Starts the thread that restarts the stage for ``owner`` (a PDClient, held weakly)."""
-        self._thread = threading.Thread(
-            target=self._run, args=(weakref.ref(owner),), name="rltserve-prefill-keeper"
-        )
-        self._thread.daemon = True
-        self._thread.start()
+        """Starts the thread that restarts the stage for ``owner`` (a PDClient, held weakly),
+        once (``wait_ready`` may be called again)."""
+        with self._swap:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._run, args=(weakref.ref(owner),), name="rltserve-prefill-keeper"
+            )
+            self._thread.daemon = True
+            self._thread.start()
 
     def close(self, timeout: float) -> None:
-        self._stop.set()
+        with self._swap:
+            self._stop.set()
+            starting = self._starting
+        if starting is not None:  # (its start or replay then fails at once)
+            starting.close(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self.client.close(timeout)
+
+    def _set_down(self, why: str) -> None:
+        client, _, retired = self._view
+        self._view = (client, why, retired)
 
     def _run(self, ref: weakref.ref) -> None:
         while not self._stop.wait(POLL_S):
             owner = ref()
             if owner is None:
                 return
-            old = self.client
+            old, _, retired = self._view
             if old.alive or owner.closed:
                 del owner
                 continue
             owner._prefill_died(old)
             del owner
-            if old.stats is not None:  # (before down is set: counters must not dip)
-                self._retired = sum_stats([old.stats], self._retired)
-            self.down = f"died: {old.error}"
+            if (last := old.stats) is not None:
+                retired = sum_stats([last], retired)
+            self._view = (old, f"died: {old.error}", retired)
             logger.error(
                 "prefill stage died: %s; its prefills in flight continue on the decode stage, "
                 "which computes every prompt until the prefill stage is back",
@@ -123,7 +157,7 @@ class PrefillStage:
             self._attempts = 0
         while not self._stop.is_set():
             if self._attempts >= MAX_ATTEMPTS:
-                self.down = f"not restarted after {self._attempts} attempt(s): {self.down}"
+                self._set_down(f"not restarted after {self._attempts} attempt(s): {self.down}")
                 logger.error(
                     "giving up on the prefill stage (%s); the decode stage serves alone, "
                     "computing every prompt",
@@ -140,21 +174,27 @@ class PrefillStage:
             new = None
             try:
                 new = self._start()
+                with self._swap:
+                    self._starting = new
+                    if self._stop.is_set():
+                        raise StageError("closed while starting")
                 self._ready(new)
                 adopted = self._adopt(ref, new)
             except Exception as exc:  # noqa: BLE001 - a failed start is one failed attempt
                 failure = f"{type(exc).__name__}: {exc}"
                 if new is not None:
-                    _stop(new)
+                    self._drop(new)
+                if self._stop.is_set():  # (closed: close() failed it, no attempt failed)
+                    return False
                 if isinstance(exc, UpdateLost):  # (no attempt can get those weights back)
-                    self.down = f"not restarted: cannot restore {exc}"
+                    self._set_down(f"not restarted: cannot restore {exc}")
                     logger.error("giving up on the prefill stage: %s", self.down)
                     return False
-                self.down = f"restart failed: {failure}"
+                self._set_down(f"restart failed: {failure}")
                 logger.warning("prefill stage restart attempt %d: %s", self._attempts, failure)
                 continue
             if not adopted:  # the decode stage fell asleep meanwhile, or the owner closed
-                _stop(new)
+                self._drop(new)
                 self._attempts -= 1
                 continue
             self._since = time.monotonic()
@@ -162,6 +202,12 @@ class PrefillStage:
             logger.info("prefill stage restarted (%d restart(s) so far)", self.restarts)
             return True
         return False
+
+    def _drop(self, new) -> None:
+        """Stops a client a restart started that will not serve."""
+        _stop(new)
+        with self._swap:
+            self._starting = None
 
     def _awake(self, ref: weakref.ref) -> bool:
         """Waits while the decode stage sleeps; False once the owner is closed or gone."""
@@ -188,9 +234,11 @@ class PrefillStage:
                     raise
 
     def _adopt(self, ref: weakref.ref, new) -> bool:
-        """Gives ``new`` the decode stage's weights and makes it the stage, unless the owner
-        closed or its decode stage sleeps; under the owner's command lock, so no update,
-        sleep or wake-up runs meanwhile."""
+        """Gives ``new`` the decode stage's weights, under the decode stage's version (the
+        replay skips superseded updates: the engine's own count would salt its block hashes
+        apart from the decode stage's), and makes it the stage, unless the owner closed or its
+        decode stage sleeps; under the owner's command lock, so no update, sleep or wake-up
+        runs meanwhile."""
         owner = ref()
         if owner is None:
             return False
@@ -200,9 +248,14 @@ class PrefillStage:
             needed, version = owner._updates.replay()
             for update in needed:
                 new.update_weights(list(update.paths), True, READY_TIMEOUT_S)
-            self.version_offset = version - len(needed)
-            self.client = new
-            self.down = None
+            if new.weight_version != version:
+                new.set_weight_version(version)
+            with self._swap:
+                if self._stop.is_set():  # (closed meanwhile: the caller stops new)
+                    return False
+                self._view, self._starting = (new, None, self._view[2]), None
+            # The stages hold the same weights again: transfers resume.
+            owner._in_sync = True
         return True
 
 

@@ -13,8 +13,9 @@ snapshot), ("fatal", message[, refused[, unloadable]]): ``refused`` is the messa
 ValueError the engine raised at construction (a config it refuses: bad input, not a failure),
 ``unloadable`` that of a CheckpointError (a checkpoint that does not load).
 A weight update ("update_weights", token, paths, abort, timeout_s), ("sleep", token, level,
-timeout_s), ("wake_up", token, tags) and ("reset_prefix_cache", token) are each answered by
-("reply", token, error or None, weight_version, the parts asleep).
+timeout_s), ("wake_up", token, tags), ("reset_prefix_cache", token) and ("set_weight_version",
+token, version) are each answered by ("reply", token, error or None, weight_version, the parts
+asleep).
 
 Invariants of a client: every request whose ``add_request`` returned gets exactly one final
 update (finished, aborted or failed), whatever the stage does; the first known cause of a stage
@@ -255,6 +256,11 @@ class _ClientBase(ABC):
 
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
+
+    def set_weight_version(self, version: int) -> int:
+        """Tells the stage that its weights are those of ``version``
+        (``EngineCore.set_weight_version``); returns the stage's weight version."""
+        return self._call("set_weight_version", version)
 
     def _call(self, kind: str, *args: object) -> int:
         """Sends ``(kind, token, *args)`` and waits for the stage's reply; returns the weight
