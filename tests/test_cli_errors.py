@@ -113,8 +113,11 @@ def test_make_model_out_on_a_file_or_an_uncreatable_path(ckpts):
 
 def test_serve_usage_errors(tmp_path, monkeypatch):
     monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     proc = rltserve("serve", "--metrics-auth", "--port", "0")
-    assert_fails(proc, 2, "--metrics-auth: needs an API key (--api-key or RLTSERVE_API_KEY)")
+    assert_fails(
+        proc, 2, "--metrics-auth: needs an API key (--api-key, RLTSERVE_API_KEY or VLLM_API_KEY)"
+    )
     proc = rltserve("serve", "--metrics-prefix", "sglang", "--port", "0")
     assert_fails(proc, 2, "metrics_prefix='sglang': must be one of 'rltserve', 'vllm'")
     proc = rltserve("serve", "--host", "no-such-host.invalid", "--port", "0")

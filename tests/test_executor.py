@@ -93,6 +93,7 @@ def test_an_engine_dropped_without_shutdown_stops_its_step_thread(ckpts):
     def step_threads() -> int:
         return sum(t.name == "rltserve-step" for t in threading.enumerate())
 
+    gc.collect()  # (engines other tests dropped go first: their threads would count here)
     before = step_threads()
     core = make_core(ckpts["ouro"], async_scheduling=True, exit_mode="delayed")
     assert step_threads() == before + 1
