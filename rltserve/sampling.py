@@ -250,6 +250,11 @@ class SamplingParams:
             self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0) if named else 1.0
         self._validate()
         self._validate_vllm()
+        # A repeated id changes nothing a request does, yet each copy is carried to the engine
+        # and per sample: one of each is kept, in the order first given.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     def _to_tuple(self, name: str) -> None:
         self._to_list(name, getattr(self, name))
@@ -459,6 +464,13 @@ class SamplingParams:
             ("thinking_end_token_ids", self.thinking_end_token_ids or ()),
             ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
         ]
+
+    def stops_in_vocab(self, vocab_size: int) -> SamplingParams:
+        """These params without the ``stop_token_ids`` outside a vocabulary of ``vocab_size``:
+        such an id can never be produced, and vLLM takes it unchecked, so it is dropped rather
+        than refused (unlike an ``allowed_token_ids`` one, see ``vocab_token_ids``)."""
+        kept = [t for t in self.stop_token_ids if t < vocab_size]
+        return self if len(kept) == len(self.stop_token_ids) else self.replace(stop_token_ids=kept)
 
     def clone(self) -> SamplingParams:
         """A copy (vLLM's ``clone``: RL code clones a template and changes ``n`` or ``seed``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import re
 
@@ -101,14 +102,29 @@ def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
     monkeypatch.setattr(rltserve.http.server, "run_server", lambda *a: 0)
     monkeypatch.setattr("rltserve.preflight.check_listen_address", lambda *a: None)
     for flags, warned in (
-        (["--host", "0.0.0.0"], True),
-        (["--host", "0.0.0.0", "--api-key", "k"], False),
-        ([], False),  # (127.0.0.1: this machine only)
+        (["--host", "0.0.0.0"], "'0.0.0.0'"),
+        (["--host", "::"], "'::'"),
+        (["--host", ""], "''"),  # (every interface)
+        (["--host", "example.internal"], "'example.internal'"),
+        (["--host", "0.0.0.0", "--api-key", "k"], None),
+        ([], None),  # (127.0.0.1: this machine only)
+        (["--host", "127.0.0.2"], None),
+        (["--host", "::1"], None),
+        (["--host", "localhost"], None),
     ):
         caplog.clear()
         assert cmd_serve(_parser().parse_args(["serve", "--port", "0", *flags])) == 0
         said = [r for r in caplog.records if "without an API key" in r.getMessage()]
-        assert len(said) == int(warned), flags
+        expected = [] if warned is None else [
+            (
+                logging.WARNING,
+                f"serving on {warned} without an API key: anyone who reaches the port may "
+                "generate and call the admin routes (POST /v1/update_weights, /sleep, /wake_up, "
+                "/reset_prefix_cache: load weights, put the model to sleep); set --api-key, "
+                "RLTSERVE_API_KEY or VLLM_API_KEY",
+            )
+        ]  # fmt: skip
+        assert [(r.levelno, r.getMessage()) for r in said] == expected, flags
 
 
 def test_bench_serve_targets_where_serve_listens_by_default():

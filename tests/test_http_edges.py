@@ -169,17 +169,26 @@ async def test_echo_without_max_tokens_generates_the_default(ckpt):
 
 
 async def test_tokenize_counts_a_conversation_longer_than_the_context(ckpt):
-    """/tokenize reports what a rendering costs even past the context, beyond the character
-    bound that chat completions refuse without encoding (64 tokens x 13 characters): the count
-    is what a client needs to trim its conversation."""
+    """/tokenize reports what a rendering costs even past the context, up to the character
+    bound that chat completions refuse without encoding (64 tokens x 13 characters), which
+    /tokenize applies too: the count is what a client needs to trim its conversation."""
     async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
-        long_chat = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        long_chat = {"messages": [{"role": "user", "content": "x" * 700}]}
         status, _, raw = await live.post("/tokenize", long_chat)
         assert status == 200, raw
         body = orjson.loads(raw)
         assert body["max_model_len"] == 64 and body["count"] == len(body["tokens"]) > 64
         status, _, raw = await live.post("/v1/chat/completions", long_chat)
         assert status == 400 and error_of(raw)["param"] == "messages"
+        hopeless = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        for path in ("/tokenize", "/v1/chat/completions"):
+            status, _, raw = await live.post(path, hopeless)
+            error = error_of(raw)
+            assert status == 400 and error["param"] == "messages", path
+            assert error["message"].startswith(
+                "This model's maximum context length is 64 tokens. However, your request has "
+                "5050 input characters, more than 832"
+            ), path
 
 
 class RecordingUpdates(ScriptedStage):

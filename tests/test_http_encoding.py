@@ -208,9 +208,26 @@ async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
             "input tokens. Please reduce the length of the input messages."
         )
         assert calls == [832]
-        # /tokenize counts whatever it is given (off the loop), without the bound
+        # /tokenize: the same bound, on its prompt and on its rendered messages
         status, _, raw = await live.post("/tokenize", {"prompt": "x" * 5000})
-        assert status == 200 and orjson.loads(raw)["count"] == len(real_encode("x" * 5000))
+        assert status == 400 and orjson.loads(raw)["error"] == {
+            "message": "This model's maximum context length is 64 tokens. However, your request "
+            "has 5000 input characters, more than 832 (no token covers more than 13). Please "
+            "reduce the length of the input messages.",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": 400,
+        }
+        status, _, raw = await live.post("/tokenize", chat)
+        error = orjson.loads(raw)["error"]
+        assert status == 400 and error["param"] == "messages"
+        assert error["message"].startswith(
+            "This model's maximum context length is 64 tokens. However, your request has 5"
+        )
+        assert calls == [832]  # neither was encoded
+        # under the bound /tokenize counts what it is given, even past the context
+        status, _, raw = await live.post("/tokenize", {"prompt": "x" * 832})
+        assert status == 200 and orjson.loads(raw)["count"] == len(real_encode("x" * 832)) > 64
 
 
 def test_no_bound_for_normalizers_that_compose_or_delete():

@@ -84,6 +84,46 @@ async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
         assert status == 200, raw  # the server goes on serving
 
 
+async def test_a_client_that_does_not_read_a_large_body_is_dropped(ckpt):
+    """A non-streaming body of megabytes (echo with n) to a client that never reads it: past
+    stream_stall_timeout_s the connection is dropped, as a stalled stream's is, instead of
+    holding it and the body for as long as the client likes; the server goes on serving, and a
+    client that reads gets the whole body."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=10**7), Script([44]))
+    async with running(
+        ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
+    ) as live:
+        server = live.server.runner.server
+        host, port = live.url.removeprefix("http://").rsplit(":", 1)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: fills fast
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, (host, int(port)))
+        body = {"prompt": [44] * 300_000, "max_tokens": 1, "echo": True, "n": 32}
+        data = orjson.dumps(body)
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        await loop.sock_sendall(sock, request)
+        try:  # never read: the body's writes block once the socket buffers are full
+            await wait_for(lambda: len(stage.added) == 32, timeout=60)
+            await wait_for(lambda: released(live), timeout=60)  # generated: the body is due
+            await wait_for(lambda: not server.connections, timeout=60)  # (liveness bounds only)
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
+                    received += chunk
+        finally:
+            sock.close()
+        status, headers, raw = await live.post(COMPLETIONS, body)
+        assert status == 200 and len(raw) == int(headers["Content-Length"]) > 8 * 2**20
+        assert raw == orjson.dumps(orjson.loads(raw))  # whole, as json_response makes it
+        assert len(received) < len(raw)  # cut off (or reset before anything was read)
+        assert not stage.aborted  # (generation had ended; only the delivery was dropped)
+
+
 async def test_disconnects_at_every_phase_release_everything(ckpt):
     hold = threading.Event()
     stage = ScriptedStage(scripted_info(ckpt), Script([44], hold=hold, interval_s=0.01))

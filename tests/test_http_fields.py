@@ -482,3 +482,31 @@ async def test_a_request_may_name_the_servers_own_kv_policy(ckpt):
                 f"kv_policy='{other}': this engine runs kv_policy='ring:2', whose planes"
             )
         assert len(stage.added_params) == 1
+
+
+async def test_repeated_token_ids_are_sent_once_and_stop_ids_outside_the_vocab_dropped(ckpt):
+    """Repeats in ``stop_token_ids`` and ``allowed_token_ids`` reach the engine once each;
+    a stop id outside the vocabulary (it never comes) is dropped as vLLM would take it, an
+    allowed one is a 400 as vLLM's."""
+    stage = ScriptedStage(scripted_info(ckpt, max_model_len=64), Script([44, 77]))
+    vocab = scripted_info(ckpt).vocab_size
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        body = {"prompt": [5], "max_tokens": 2, "n": 2,
+                "stop_token_ids": [9, vocab + 3, 7, 9, 7] * 1000,
+                "allowed_token_ids": [44, 77, 44] * 1000}  # fmt: skip
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 200, raw
+        assert [(p.stop_token_ids, p.allowed_token_ids) for p in stage.added_params] == [
+            ([9, 7], [44, 77])
+        ] * 2
+        for chat in (False, True):
+            path, prompt = ("/v1/chat/completions", CHAT) if chat else ("/v1/completions", body)
+            status, _, raw = await live.post(path, {**prompt, "allowed_token_ids": [44, vocab]})
+            assert status == 400 and error_of(raw) == {
+                "message": f"allowed_token_ids: token id {vocab} is outside the vocabulary "
+                f"[0, {vocab})",
+                "type": "invalid_request_error",
+                "param": "allowed_token_ids",
+                "code": 400,
+            }
+        assert len(stage.added_params) == 2

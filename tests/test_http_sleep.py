@@ -110,10 +110,11 @@ async def test_reset_prefix_cache_forgets_cached_prompts(server):
     ("path", "param", "message"),
     [
         ("/sleep?level=3", "level", "level=3: must be 1 or 2"),
-        ("/sleep?level=one", "level", "level='one': must be a number"),
+        ("/sleep?level=one", "level", "level='one': must be an integer"),
+        ("/sleep?level=1.5", "level", "level='1.5': must be an integer"),
         ("/sleep?timeout=-1", "timeout", "timeout=-1: must be in [0, 3600] seconds"),
         ("/sleep?timeout=nan", "timeout", "timeout='nan': must be a number"),
-        ("/sleep?level=1_0", "level", "level='1_0': must be a number"),
+        ("/sleep?level=1_0", "level", "level='1_0': must be an integer"),
         ("/wake_up?tags=weights&tags=kv", "tags", "tags=['weights', 'kv']: each must be one of"),
     ],
 )

@@ -140,6 +140,23 @@ def test_bad_prompts_and_params_name_the_field(llm):
         [[1]], SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4])
     )
     assert set(out.outputs[0].token_ids) <= {3, 4}
+    with pytest.raises(ValueError, match=f"^allowed_token_ids: token id {vocab} is outside"):
+        llm.generate([[1]], SamplingParams(temperature=0.0, allowed_token_ids=[3, vocab]))
+
+
+def test_stop_ids_outside_the_vocabulary_are_dropped(llm):
+    """A stop id the model cannot produce is dropped, not refused (vLLM takes it unchecked);
+    the caller's params are left as given."""
+    (free,) = llm.generate([[1]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    first = free.outputs[0].token_ids[0]
+    vocab = llm.get_tokenizer().vocab_size
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, stop_token_ids=[vocab + 9, first, first]
+    )
+    (out,) = llm.generate([[1]], params)
+    assert out.outputs[0].token_ids == [first]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", first)
+    assert params.stop_token_ids == [vocab + 9, first]
 
 
 def test_numpy_and_torch_ids_are_taken_as_ints(llm):

@@ -178,7 +178,8 @@ def _query_number(request: web.Request, name: str, default: float, kind: type) -
         value = math.nan
     # (Python's int() and float() take "1_0" as 10; NaN compares with nothing)
     if "_" in raw or value != value:
-        raise bad_request(f"{name}={raw!r}: must be a number", name)
+        what = "an integer" if kind is int else "a number"
+        raise bad_request(f"{name}={raw!r}: must be {what}", name)
     return value
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 from typing import TYPE_CHECKING
 
@@ -20,8 +21,21 @@ if TYPE_CHECKING:
     from rltserve.http.config import ServerConfig
     from rltserve.ray.config import ReplicaConfig
 
-# Hosts only this machine reaches: serving there without an API key is not worth a warning.
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# The routes that change the server for everyone, open to anyone without an API key (vLLM
+# registers sleep and wake only in its dev mode; RL trainers call them here).
+ADMIN_ROUTES = ("/v1/update_weights", "/sleep", "/wake_up", "/reset_prefix_cache")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is an address only this machine reaches (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name (or "" for every interface): it may be reachable
+        return False
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # uvicorn's levels, as vLLM's --uvicorn-log-level takes them (trace: debug here, aiohttp has none
 # below it)
@@ -176,12 +190,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if server_config.enable_log_outputs and not server_config.enable_log_requests:
         log.warning("--enable-log-outputs: logs nothing without --enable-log-requests")
-    if server_config.api_key is None and server_config.host not in LOOPBACK_HOSTS:
+    if server_config.api_key is None and not is_loopback(server_config.host):
         log.warning(
-            "serving on %s without an API key: anyone who reaches the port may generate, and "
-            "load weights or put the model to sleep (POST /v1/update_weights, /sleep); set "
+            "serving on %r without an API key: anyone who reaches the port may generate and "
+            "call the admin routes (POST %s: load weights, put the model to sleep); set "
             "--api-key, RLTSERVE_API_KEY or VLLM_API_KEY",
             server_config.host,
+            ", ".join(ADMIN_ROUTES),
         )
     if not replica_config.enabled:
         return run_server(server_config, engine_config)

@@ -185,7 +185,8 @@ class ServerConfig:
     stream_stall_timeout_s: float = field(
         default=30.0,
         metadata=_help(
-            "seconds a stream may wait for its client to read before the request is aborted"
+            "seconds a stream (or a response body) may wait for its client to read before the "
+            "request is aborted (its connection dropped)"
         ),
     )
     # A dead or hung stage is restarted (see rltserve.http.supervisor); when restarts run out

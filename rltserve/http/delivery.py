@@ -12,15 +12,16 @@ import asyncio
 import logging
 import time
 
+import orjson
 from aiohttp import web
 
 from rltserve.http.admission import Overloaded
-from rltserve.http.errors import json_response, unavailable
+from rltserve.http.errors import unavailable
 from rltserve.http.frontend import Frontend
 from rltserve.http.generation import ChoiceEvent, Generation, failure, request_timelines
 from rltserve.http.plans import GenerationPlan
 from rltserve.http.responses import usage
-from rltserve.http.sse import SSEWriter
+from rltserve.http.sse import BoundedResponse, SSEWriter
 from rltserve.http.state import ServingState
 
 log = logging.getLogger("rltserve.http")
@@ -42,7 +43,7 @@ async def deliver(
                 async with generation:
                     if plan.stream:
                         return await _stream(request, state, plan, generation)
-                    return await _collect(state, plan, generation)
+                    return await _collect(request, state, plan, generation)
             finally:  # (after the generation's exit, which aborts what a cancellation left)
                 _log_end(state, plan, generation)
     except Overloaded as exc:
@@ -155,7 +156,7 @@ def _choice_usage(plan: GenerationPlan, event: ChoiceEvent, done: int, cached: i
 
 
 async def _collect(
-    state: ServingState, plan: GenerationPlan, generation: Generation
+    request: web.Request, state: ServingState, plan: GenerationPlan, generation: Generation
 ) -> web.Response:
     async for events in generation.batches():
         for event in events:
@@ -180,7 +181,14 @@ async def _collect(
     # A string, as SGLang sends it: OpenAI's ``metadata`` maps strings to strings (its SDK's
     # type), so a number would warn on every ``model_dump``.
     body["metadata"] = {"weight_version": str(generation.weight_version())}
-    return json_response(body)
+    # (n, echo and prompt_logprobs make a body of megabytes from a small request: a client that
+    # stops reading it is dropped as a stalled stream is)
+    return BoundedResponse(
+        request,
+        state.config.stream_stall_timeout_s,
+        body=orjson.dumps(body),
+        content_type="application/json",
+    )
 
 
 def _add_request_metrics(body: dict, generation: Generation) -> None:

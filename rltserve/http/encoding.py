@@ -157,7 +157,7 @@ class TextCodec:
         return await self.encode_any(text, add_special_tokens)
 
     async def encode_any(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids of any text, however long (``/tokenize`` counts what it is given): with
+        """Ids of any text, however long (a prompt to truncate may exceed the context): with
         ``add_special_tokens``, a text prompt's as ``Tokenizer.encode_prompt`` has them."""
         if add_special_tokens:
             return await self.run(len(text), self.tokenizer.encode_prompt, text)

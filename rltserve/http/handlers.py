@@ -180,14 +180,15 @@ async def tokenize(request: web.Request) -> web.Response:
             messages,
             req.add_generation_prompt,
             req.template_kwargs,
-            check_length=False,
             continue_final_message=req.continue_final_message,
             add_special_tokens=bool(req.add_special_tokens),
         )
     else:
         codec = frontend.require_codec("prompt")
         special = req.add_special_tokens is not False
-        ids = await codec.encode_any(req.prompt or "", add_special_tokens=special)
+        # (the completions' character bound: a text that cannot fit the context is refused
+        # unencoded, as its tokens and their list would take many times its bytes)
+        ids = await codec.encode(req.prompt or "", "prompt", add_special_tokens=special)
     body = {"count": len(ids), "max_model_len": frontend.info.max_model_len, "tokens": ids}
     if req.return_token_strs:
         body["token_strs"] = frontend.require_codec("prompt").tokenizer.token_strings(ids)

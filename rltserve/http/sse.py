@@ -4,6 +4,8 @@ Every event is ``data: <compact json>\\n\\n``; a stream ends with ``data: [DONE]
 error inside a stream (after the 200 went out) is ``data: {"error": {...}}\\n\\n`` followed by
 ``[DONE]``, as vLLM and SGLang send it. The response is prepared lazily, on the first event, so
 that a request the engine rejects before producing anything still gets a proper 4xx status.
+A client that stops reading is dropped after a stall timeout, here and (``BoundedResponse``)
+on a non-streaming body.
 """
 
 from __future__ import annotations
@@ -77,27 +79,8 @@ class SSEWriter:
             await self._write(response, b"".join(encode_event(o) for o in objs))
 
     async def _write(self, response: web.StreamResponse, data: bytes) -> None:
-        transport = self._request.transport
-        if (
-            self._stall_timeout_s is None
-            or transport is None
-            or (transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES)
-        ):
-            # Below the transport's low-water mark writing never waits: no timer needed (the
-            # common case, kept free of wait_for's extra task per write).
-            await response.write(data)
-            response[BODY_BYTES] += len(data)
-            return
-        try:
-            await asyncio.wait_for(response.write(data), self._stall_timeout_s)
-            response[BODY_BYTES] += len(data)
-        except asyncio.TimeoutError:
-            transport = self._request.transport
-            if transport is not None:
-                transport.abort()
-            raise StreamStalled(
-                f"client read nothing for {self._stall_timeout_s:g} s; stream dropped"
-            ) from None
+        await write_bounded(self._request, response, data, self._stall_timeout_s)
+        response[BODY_BYTES] += len(data)
 
     async def finish(self, error: tuple[int, str] | None = None) -> web.StreamResponse:
         """Ends the stream: an optional error event, then ``[DONE]``."""
@@ -106,3 +89,62 @@ class SSEWriter:
         await self._write(response, tail)
         await response.write_eof()
         return response
+
+
+async def write_bounded(
+    request: web.BaseRequest,
+    response: web.StreamResponse,
+    data: bytes | memoryview,
+    stall_timeout_s: float | None,
+) -> None:
+    """``response.write(data)``; a write that waits longer than ``stall_timeout_s`` for the
+    client to read drops the connection and raises ``StreamStalled``."""
+    transport = request.transport
+    if (
+        stall_timeout_s is None
+        or transport is None
+        or (transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES)
+    ):
+        # Below the transport's low-water mark writing never waits: no timer needed (the
+        # common case, kept free of wait_for's extra task per write).
+        await response.write(data)
+        return
+    try:
+        await asyncio.wait_for(response.write(data), stall_timeout_s)
+    except asyncio.TimeoutError:
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        raise StreamStalled(f"client read nothing for {stall_timeout_s:g} s; dropped") from None
+
+
+class BoundedResponse(web.Response):
+    """A ``web.Response`` (same headers and bytes) whose body is written a piece at a time,
+    each write bounded as a stream's (``write_bounded``): a client that stops reading a large
+    body is dropped instead of holding the connection and the body forever."""
+
+    PIECE = 0x10000  # the payload writer's own drain threshold
+
+    def __init__(
+        self, request: web.BaseRequest, stall_timeout_s: float | None, **kwargs: object
+    ) -> None:
+        super().__init__(**kwargs)
+        self._bounded_request = request
+        self._stall_timeout_s = stall_timeout_s
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        body = self.body
+        if (
+            self._stall_timeout_s is None
+            or not isinstance(body, bytes)
+            or len(body) < _UNBLOCKED_BYTES
+            or self.compression
+            or self._bounded_request.method == "HEAD"
+        ):
+            await super().write_eof(data)
+            return
+        view = memoryview(body)
+        for start in range(0, len(body), self.PIECE):
+            piece = view[start : start + self.PIECE]
+            await write_bounded(self._bounded_request, self, piece, self._stall_timeout_s)
+        await web.StreamResponse.write_eof(self)
