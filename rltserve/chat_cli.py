@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from rltserve.http.config import API_KEY_ENV
+from rltserve.http.config import API_KEY_ENVS, api_key_env
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-name", default=None, help="model to ask for (default: the server's first)"
     )
-    parser.add_argument("--api-key", default=None, help=f"or env {API_KEY_ENV}")
+    parser.add_argument("--api-key", default=None, help="or env " + " or ".join(API_KEY_ENVS))
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per answer")
     parser.add_argument("--temperature", type=float, default=None, help="(default: the server's)")
     # (generate's names; none has a default here: what is not given is not sent)
@@ -191,7 +191,9 @@ async def _open(args: argparse.Namespace):
     from rltserve.client import AsyncClient
 
     # (AsyncClient takes a URL ending in /v1, as OpenAI clients give it)
-    client = AsyncClient(args.url, args.api_key or os.environ.get(API_KEY_ENV))
+    # (the server's variables, in its order: a key set for it reaches it from here too)
+    env = api_key_env()
+    client = AsyncClient(args.url, args.api_key or (os.environ[env] if env else None))
     try:
         model = args.model_name or (await client.models())[0]["id"]
     except BaseException:

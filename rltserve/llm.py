@@ -422,7 +422,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             )
         if p.max_thinking_tokens is not None:
             p = resolve_thinking(p, self.tokenizer)
-        p = p.stops_in_vocab(self.info.vocab_size)
+        p = p.for_engine(self.info.vocab_size)
         for name, ids in p.vocab_token_ids():
             if message := outside_vocab(name, ids, self.info.vocab_size):
                 raise ValueError(message)

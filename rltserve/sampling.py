@@ -250,11 +250,6 @@ class SamplingParams:
             self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0) if named else 1.0
         self._validate()
         self._validate_vllm()
-        # A repeated id changes nothing a request does, yet each copy is carried to the engine
-        # and per sample: one of each is kept, in the order first given.
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     def _to_tuple(self, name: str) -> None:
         self._to_list(name, getattr(self, name))
@@ -465,12 +460,20 @@ class SamplingParams:
             ("thinking_interruption", () if isinstance(interruption, str) else interruption or ()),
         ]
 
-    def stops_in_vocab(self, vocab_size: int) -> SamplingParams:
-        """These params without the ``stop_token_ids`` outside a vocabulary of ``vocab_size``:
-        such an id can never be produced, and vLLM takes it unchecked, so it is dropped rather
-        than refused (unlike an ``allowed_token_ids`` one, see ``vocab_token_ids``)."""
-        kept = [t for t in self.stop_token_ids if t < vocab_size]
-        return self if len(kept) == len(self.stop_token_ids) else self.replace(stop_token_ids=kept)
+    def for_engine(self, vocab_size: int) -> SamplingParams:
+        """These params as the front ends hand them to the engine (the caller's stay as given,
+        as vLLM keeps them): each ``stop_token_ids`` and ``allowed_token_ids`` id once, in the
+        order first given (a repeat changes nothing a request does, yet every copy would ride
+        to the engine with each sample), and no stop id outside a vocabulary of ``vocab_size``
+        (never produced; vLLM takes such ids unchecked, so they are dropped rather than
+        refused, unlike ``allowed_token_ids`` ones: ``vocab_token_ids``)."""
+        stops = [t for t in dict.fromkeys(self.stop_token_ids) if t < vocab_size]
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            allowed = list(dict.fromkeys(allowed))
+        if stops == self.stop_token_ids and allowed == self.allowed_token_ids:
+            return self
+        return self.replace(stop_token_ids=stops, allowed_token_ids=allowed)
 
     def clone(self) -> SamplingParams:
         """A copy (vLLM's ``clone``: RL code clones a template and changes ``n`` or ``seed``)."""

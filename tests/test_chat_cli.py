@@ -213,3 +213,7 @@ async def test_a_refused_input_exits_2_and_a_run_time_failure_1(ckpt, capsys, mo
         )
         code, err = await run("complete", "-q", "hi", "--api-key", "wrong")
         assert code == 1 and err.startswith(f"rltserve: error: {url}: 401: ")
+        # A key the server took from vLLM's variable reaches it from there too.
+        monkeypatch.delenv("RLTSERVE_API_KEY", raising=False)
+        monkeypatch.setenv("VLLM_API_KEY", "k")
+        assert await run("complete", "-q", "hi") == (0, "")

@@ -84,11 +84,13 @@ async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
         assert status == 200, raw  # the server goes on serving
 
 
-async def test_a_client_that_does_not_read_a_large_body_is_dropped(ckpt):
+async def test_a_client_that_does_not_read_a_large_body_is_dropped(ckpt, caplog):
     """A non-streaming body of megabytes (echo with n) to a client that never reads it: past
     stream_stall_timeout_s the connection is dropped, as a stalled stream's is, instead of
     holding it and the body for as long as the client likes; the server goes on serving, and a
-    client that reads gets the whole body."""
+    client that reads gets the whole body. The drop is logged with the bytes sent (the 200
+    was counted when the handler returned)."""
+    caplog.set_level("WARNING", logger="rltserve.http")
     stage = ScriptedStage(scripted_info(ckpt, max_model_len=10**7), Script([44]))
     async with running(
         ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
@@ -122,6 +124,8 @@ async def test_a_client_that_does_not_read_a_large_body_is_dropped(ckpt):
         assert raw == orjson.dumps(orjson.loads(raw))  # whole, as json_response makes it
         assert len(received) < len(raw)  # cut off (or reset before anything was read)
         assert not stage.aborted  # (generation had ended; only the delivery was dropped)
+        [dropped] = [r.getMessage() for r in caplog.records if "body bytes" in r.getMessage()]
+        assert dropped.startswith("POST /v1/completions: client read nothing for 0.5 s; dropped")
 
 
 async def test_disconnects_at_every_phase_release_everything(ckpt):

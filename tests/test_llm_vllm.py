@@ -156,7 +156,7 @@ def test_stop_ids_outside_the_vocabulary_are_dropped(llm):
     (out,) = llm.generate([[1]], params)
     assert out.outputs[0].token_ids == [first]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", first)
-    assert params.stop_token_ids == [vocab + 9, first]
+    assert params.stop_token_ids == [vocab + 9, first, first]
 
 
 def test_numpy_and_torch_ids_are_taken_as_ints(llm):

@@ -209,18 +209,20 @@ def test_min_tokens_bans_are_refused_only_when_nothing_is_left_to_sample(ouro_rv
     core.make_request(None, [1, 2], base.replace(stop_token_ids=[5, 6], allowed_token_ids=[5, 7]))
 
 
-def test_repeated_token_ids_are_kept_once_in_the_order_first_given():
+def test_the_engine_gets_repeated_token_ids_once_in_the_order_first_given():
     p = SamplingParams(stop_token_ids=[7, 3, 7, 9, 3] * 1000, allowed_token_ids=[5, 2, 5, 2, 8])
-    assert (p.stop_token_ids, p.allowed_token_ids) == ([7, 3, 9], [5, 2, 8])
-    assert p.replace(stop_token_ids=[1, 1]).stop_token_ids == [1]
+    sent = p.for_engine(64)
+    assert (sent.stop_token_ids, sent.allowed_token_ids) == ([7, 3, 9], [5, 2, 8])
+    assert len(p.stop_token_ids) == 5000  # (the caller's params stay as given, as vLLM's)
+    assert p.replace(stop_token_ids=[1, 1]).for_engine(64).stop_token_ids == [1]
 
 
-def test_stops_in_vocab_drops_only_the_stop_ids_the_model_cannot_produce():
+def test_the_engine_gets_no_stop_id_the_model_cannot_produce():
     p = SamplingParams(stop_token_ids=[70, 3, 64, 63], allowed_token_ids=[99])
-    kept = p.stops_in_vocab(64)
+    kept = p.for_engine(64)
     assert (kept.stop_token_ids, kept.allowed_token_ids) == ([3, 63], [99])
     assert p.stop_token_ids == [70, 3, 64, 63]  # (a copy: the caller's stay as given)
-    assert p.stops_in_vocab(71) is p
+    assert p.for_engine(71) is p
     assert [n for n, ids in kept.vocab_token_ids() if ids] == ["allowed_token_ids"]
 
 

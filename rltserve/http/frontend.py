@@ -299,7 +299,7 @@ class Frontend:
                 params = resolve_thinking(params, self.tokenizer)
             except ValueError as exc:
                 raise bad_request(str(exc), param_of(str(exc))) from exc
-        params = params.stops_in_vocab(self.info.vocab_size)
+        params = params.for_engine(self.info.vocab_size)
         for name, ids in params.vocab_token_ids():  # (the engine's own check)
             self._check_vocab(ids, name)
         params = bound_thinking(params, prompt_ids, self.tokenizer, thinking)

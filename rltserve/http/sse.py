@@ -11,12 +11,15 @@ on a non-streaming body.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 from aiohttp import web
 
 from rltserve.http.access_log import BODY_BYTES
 from rltserve.http.errors import error_body
+
+log = logging.getLogger("rltserve.http")
 
 DONE = b"data: [DONE]\n\n"
 _UNBLOCKED_BYTES = 16 * 1024  # asyncio's default low-water mark: a transport below it is writable
@@ -144,7 +147,23 @@ class BoundedResponse(web.Response):
             await super().write_eof(data)
             return
         view = memoryview(body)
+        self[BODY_BYTES] = 0  # (the access line's %b: what was sent, as a stream's)
         for start in range(0, len(body), self.PIECE):
             piece = view[start : start + self.PIECE]
-            await write_bounded(self._bounded_request, self, piece, self._stall_timeout_s)
+            try:
+                await write_bounded(self._bounded_request, self, piece, self._stall_timeout_s)
+            except StreamStalled as exc:
+                # (the handler returned long ago: its status is counted, and aiohttp drops
+                # this error quietly, so the log is where the drop shows)
+                request = self._bounded_request
+                log.warning(
+                    "%s %s: %s after %d of %d body bytes",
+                    request.method,
+                    request.path,
+                    exc,
+                    self[BODY_BYTES],
+                    len(body),
+                )
+                raise
+            self[BODY_BYTES] += len(piece)
         await web.StreamResponse.write_eof(self)
