@@ -130,6 +130,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Huginn: the recurrent state's start (random per seed, or zeros)",
     )
+    parser.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="more request fields, over the flags' (as the OpenAI SDK's extra_body), e.g. "
+        '\'{"max_thinking_tokens": 64, "stop": ["\\n\\n"]}\'',
+    )
 
 
 def _json_object(text: str) -> dict:
@@ -207,6 +215,7 @@ def _params(args: argparse.Namespace, model: str) -> dict:
     for name in _OPTIONAL_FIELDS:
         if (value := getattr(args, name, None)) is not None:
             params[name] = value
+    params.update(getattr(args, "extra_body", None) or {})
     return params
 
 

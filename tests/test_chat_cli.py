@@ -168,6 +168,14 @@ def test_sampling_and_loop_flags_are_sent_only_when_given():
         assert chat_cli._params(args, "m") == want
         args = build_parser().parse_args([command, "--request-seed", "8"])
         assert chat_cli._params(args, "m") == {"model": "m", "seed": 8}
+        extra = '{"seed": 9, "max_thinking_tokens": 64, "stop": ["\\n"]}'
+        args = build_parser().parse_args([command, "--seed", "8", "--extra-body", extra])
+        assert chat_cli._params(args, "m") == {
+            "model": "m",
+            "seed": 9,
+            "max_thinking_tokens": 64,
+            "stop": ["\n"],
+        }
 
 
 @pytest.mark.asyncio
