@@ -46,6 +46,33 @@ def released(live) -> bool:
     return state.gate.in_use == 0 and state.gate.num_queued == 0 and state._frontend.num_open == 0
 
 
+async def send_unread(live, body: dict) -> socket.socket:
+    """A raw client that POSTs ``body`` to completions and never reads: its receive buffer is
+    small (set before connecting) so that the server's writes soon block."""
+    host, port = live.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    data = orjson.dumps(body)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
+    await loop.sock_sendall(sock, request)
+    return sock
+
+
+async def read_rest(sock: socket.socket) -> bytes:
+    """What the server left for ``sock`` to read, up to its close (or a reset)."""
+    loop, received = asyncio.get_running_loop(), b""
+    with contextlib.suppress(ConnectionResetError):
+        while data := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
+            received += data
+    return received
+
+
 async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
     """A client that stops reading mid-stream: past stream_stall_timeout_s its request is
     aborted, its slot freed and its connection dropped at once; the server does not wait for
@@ -55,27 +82,14 @@ async def test_a_stalled_reader_is_aborted_and_its_slot_freed(ckpt):
     async with running(
         ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
     ) as live:
-        host, port = live.url.removeprefix("http://").rsplit(":", 1)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: fills fast
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, (host, int(port)))
-        body = orjson.dumps({"prompt": [5], "max_tokens": 1_000_000, "stream": True})
-        request = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
-        await loop.sock_sendall(sock, request)
+        body = {"prompt": [5], "max_tokens": 1_000_000, "stream": True}
+        sock = await send_unread(live, body)
         try:  # never read: the server's writes block once the socket buffers are full
             # (Filling the kernel's send buffer takes ~2 s alone; late in a full suite, whose
             # process holds many engines' objects, several times that: a liveness bound only.)
             await wait_for(lambda: len(stage.aborted) == 1, timeout=120)
             await wait_for(lambda: released(live), timeout=5)
-            received = b""
-            with contextlib.suppress(ConnectionResetError):
-                while data := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
-                    received += data
+            received = await read_rest(sock)
         finally:
             sock.close()
         assert not received.endswith(b"\r\n0\r\n\r\n")  # no final chunk: cut off
@@ -96,27 +110,13 @@ async def test_a_client_that_does_not_read_a_large_body_is_dropped(ckpt, caplog)
         ckpt, client_factory=scripted_factory(stage), stream_stall_timeout_s=0.5
     ) as live:
         server = live.server.runner.server
-        host, port = live.url.removeprefix("http://").rsplit(":", 1)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: fills fast
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, (host, int(port)))
         body = {"prompt": [44] * 300_000, "max_tokens": 1, "echo": True, "n": 32}
-        data = orjson.dumps(body)
-        request = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
-        )
-        await loop.sock_sendall(sock, request)
+        sock = await send_unread(live, body)
         try:  # never read: the body's writes block once the socket buffers are full
             await wait_for(lambda: len(stage.added) == 32, timeout=60)
             await wait_for(lambda: released(live), timeout=60)  # generated: the body is due
             await wait_for(lambda: not server.connections, timeout=60)  # (liveness bounds only)
-            received = b""
-            with contextlib.suppress(ConnectionResetError):
-                while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 30):
-                    received += chunk
+            received = await read_rest(sock)
         finally:
             sock.close()
         status, headers, raw = await live.post(COMPLETIONS, body)
