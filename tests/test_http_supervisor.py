@@ -33,9 +33,9 @@ from test_http_harness import (
     wait_for,
 )
 
+from rltserve.core.restart import RestartPolicy
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.http.config import ServerConfig
-from rltserve.http.supervisor import RestartPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPLETIONS = "/v1/completions"

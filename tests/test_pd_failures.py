@@ -6,6 +6,7 @@ leave no blocks or files behind. Modes and the oracle: ``test_pd.py``."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,7 @@ def test_a_dead_prefill_stage_fails_nothing_and_is_started_again(ckpts, ouro_ref
     is served as by one stage (without a file, the decode stage computes the prompt); the
     client stays alive, starts the prefill stage again (its worker named on its command line)
     and moves KV again."""
-    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(pd_prefill, "RESTARTS", replace(pd_prefill.RESTARTS, backoff_s=0.05))
     client = _client(ckpts["ouro"], cls=StageClient)
     try:
         old = client.prefill
@@ -204,7 +205,7 @@ def _cmdline(pid: int) -> str:
 def test_a_prefill_stage_that_cannot_come_back_leaves_the_decode_stage_serving(
     ckpts, ouro_ref, monkeypatch, caplog
 ):
-    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(pd_prefill, "RESTARTS", replace(pd_prefill.RESTARTS, backoff_s=0.0))
     client = _client(ckpts["ouro"])
     try:
         dead = client.prefill
@@ -236,7 +237,7 @@ def test_a_restart_after_superseded_updates_moves_kv_the_decode_stage_uses(ckpts
     """Two updates that each rewrite every tensor: the restarted stage applies the last one only
     (the log dropped the first), yet its block hashes carry the decode stage's version, so the
     decode stage finds every block it moves."""
-    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(pd_prefill, "RESTARTS", replace(pd_prefill.RESTARTS, backoff_s=0.0))
     client = _client(ckpts["ouro"])
     try:
         for _ in range(2):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -62,7 +63,7 @@ def _stats(steps: int) -> EngineStats:
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(pd_prefill, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(pd_prefill, "RESTARTS", replace(pd_prefill.RESTARTS, backoff_s=0.0))
     monkeypatch.setattr(pd_prefill, "POLL_S", 0.01)
 
 
@@ -96,7 +97,7 @@ def test_a_dead_prefill_stage_that_slept_does_not_keep_the_client_asleep(fast):
         assert release.wait(HANG_S)
         raise RuntimeError("no device left")
 
-    client = _client([cannot_start] * pd_prefill.MAX_ATTEMPTS)
+    client = _client([cannot_start] * pd_prefill.RESTARTS.max_restarts)
     try:
         client._prefill.watch(client)
         client.sleep(1, 1.0)

@@ -14,8 +14,8 @@ import threading
 import numpy as np
 import pytest
 
+from rltserve.core.restart import RestartPolicy
 from rltserve.core.stage import StageError
-from rltserve.http.supervisor import RestartPolicy
 from rltserve.updates import FinishReason, RequestUpdate
 
 

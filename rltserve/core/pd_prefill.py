@@ -5,8 +5,8 @@ every prompt (as it does for a prefill that failed), so its death fails no reque
 prefills in flight move on to the decode stage without a file, and new requests go there
 directly. ``PrefillStage`` owns the current prefill stage client; a thread notices that it died
 (worker exit, ``kill -9``, a watchdog's kill: the client is no longer alive) and starts another
-after a backoff that doubles per attempt, at most ``MAX_ATTEMPTS`` in a row (a stage that served
-``STABLE_S`` seconds starts a fresh count). A new stage serves only with the decode stage's
+under ``RESTARTS`` (a backoff that doubles per attempt, at most 3 attempts in a row; a stage
+that served 60 s starts a fresh count). A new stage serves only with the decode stage's
 weights (the updates applied since start, applied again from the owner's ``UpdateLog``, under
 the decode stage's weight version: block hashes name it) and only while the decode stage is
 awake: it starts awake, so while the decode stage sleeps it is not started (wake-up brings it
@@ -17,7 +17,6 @@ stage's request for a prompt (``prefill_params``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -25,16 +24,16 @@ import weakref
 from collections.abc import Callable
 
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
+from rltserve.core.restart import RestartPolicy, stop_stage
 from rltserve.core.stage import StageError
 from rltserve.core.update_log import UpdateLost
 from rltserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
-BACKOFF_S = 1.0
-BACKOFF_MAX_S = 30.0
-STABLE_S = 60.0
+# (the attempts, backoff and stable time; not the server's --stage-* flags, which rule whole
+# stages: its watchdog and start-up timeout are not this one's)
+RESTARTS = RestartPolicy(max_restarts=3, backoff_s=1.0, backoff_max_s=30.0, stable_s=60.0)
 POLL_S = 0.2
 READY_TIMEOUT_S = 600.0  # (a model load: the server's --startup-timeout-s default)
 
@@ -147,16 +146,16 @@ class PrefillStage:
                 "which computes every prompt until the prefill stage is back",
                 old.error,
             )
-            _stop(old)
+            stop_stage(old, timeout=5.0)
             if not self._revive(ref):
                 return
 
     def _revive(self, ref: weakref.ref) -> bool:
         """Starts stages until one serves (True), or the attempts run out or the owner closed."""
-        if time.monotonic() - self._since >= STABLE_S:
+        if time.monotonic() - self._since >= RESTARTS.stable_s:
             self._attempts = 0
         while not self._stop.is_set():
-            if self._attempts >= MAX_ATTEMPTS:
+            if self._attempts >= RESTARTS.max_restarts:
                 self._set_down(f"not restarted after {self._attempts} attempt(s): {self.down}")
                 logger.error(
                     "giving up on the prefill stage (%s); the decode stage serves alone, "
@@ -165,7 +164,7 @@ class PrefillStage:
                 )
                 return False
             self._attempts += 1
-            delay = min(BACKOFF_S * 2 ** (self._attempts - 1), BACKOFF_MAX_S)
+            delay = RESTARTS.backoff(self._attempts)
             logger.info(
                 "restarting the prefill stage in %.1f s (attempt %d)", delay, self._attempts
             )
@@ -205,7 +204,7 @@ class PrefillStage:
 
     def _drop(self, new) -> None:
         """Stops a client a restart started that will not serve."""
-        _stop(new)
+        stop_stage(new, timeout=5.0)
         with self._swap:
             self._starting = None
 
@@ -278,13 +277,3 @@ def prefill_params(params: SamplingParams, info: EngineInfo) -> SamplingParams:
         priority=params.priority,
         cache_salt=params.cache_salt,
     )
-
-
-def _stop(client) -> None:
-    """Stops a failed stage for good: killed first (it may be hung), then closed."""
-    kill = getattr(client, "kill", None)
-    if kill is not None:
-        with contextlib.suppress(Exception):
-            kill()
-    with contextlib.suppress(Exception):
-        client.close(timeout=5.0)

@@ -23,6 +23,7 @@ from aiohttp import web
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import model_field_problem
+from rltserve.core.restart import RestartPolicy
 from rltserve.core.stage import StageError
 from rltserve.generation_config import generation_config_defaults
 from rltserve.http.admission import AdmissionGate
@@ -34,7 +35,7 @@ from rltserve.http.hidden_metrics import shown_hidden_metrics
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.request_log import RequestLog, id_list
 from rltserve.http.stats_log import StatsLog, kv_capacity_lines, log_stats_interval
-from rltserve.http.supervisor import RestartPolicy, SupervisedStage
+from rltserve.http.supervisor import SupervisedStage
 from rltserve.models.chat_template import read_chat_template
 from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 from rltserve.preflight import snapshot_repo_id

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
+from rltserve.core.restart import RestartPolicy, stop_stage
 from rltserve.core.stage import Sink, StageError
 from rltserve.core.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.http.frontend import StageClientLike
@@ -56,33 +57,6 @@ _POLL_S = 0.25  # wait_ready polls, so shutdown can interrupt a restart
 class NotWithReplicas(ValueError):
     """A control a replica set lacks (each replica is its own deployment, and a Serve call
     reaches one of them): bad input that names no parameter."""
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """How a failed stage is handled. ``watchdog_s`` 0 turns hang detection off."""
-
-    watchdog_s: float = 300.0
-    max_restarts: int = 3
-    backoff_s: float = 1.0
-    backoff_max_s: float = 30.0
-    stable_s: float = 60.0  # a stage that ran this long starts a fresh count of restarts
-    startup_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for name in ("watchdog_s", "backoff_s", "backoff_max_s", "stable_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}={value!r}: must be a number >= 0")
-        restarts = self.max_restarts
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            raise ValueError(f"max_restarts={restarts!r}: must be an int >= 0")
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
-
-    def backoff(self, attempt: int) -> float:
-        """Seconds before restart attempt ``attempt`` (1-based)."""
-        return min(self.backoff_s * 2 ** (attempt - 1), self.backoff_max_s)
 
 
 @dataclass
@@ -393,7 +367,7 @@ class SupervisedStage:
             log.error("stage failed: %s", reason)
         # Requests on the failed stage end now (a hung stage would never end them).
         self._fail_open(old, FinishReason.ERROR, f"stage died: {reason}")
-        await asyncio.to_thread(_stop, old)
+        await asyncio.to_thread(stop_stage, old)
         if self._clock() - self._started >= self.policy.stable_s:
             self._attempts = self._failed_starts = 0
         while not self._closing:
@@ -436,11 +410,11 @@ class SupervisedStage:
                 self._on_restart()
                 log.info("stage restarted (%d restart(s) so far)", self.restarts)
                 return
-            await asyncio.to_thread(_stop, new)
+            await asyncio.to_thread(stop_stage, new)
             self._failed_starts += 1
             if not self._closing:
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
-        await asyncio.to_thread(_stop, self._client)
+        await asyncio.to_thread(stop_stage, self._client)
 
     def _spent(self) -> str:
         """How the restarts were used up, in the words of the rule (``RestartPolicy``)."""
@@ -503,13 +477,3 @@ def _died_with(client: StageClientLike, update: RequestUpdate) -> bool:
     """Whether ``update`` is the final error a dying stage client gives its open requests."""
     failed = update.finish_reason is FinishReason.ERROR and not client.alive
     return failed and (update.error or "").startswith("stage died")
-
-
-def _stop(client: StageClientLike) -> None:
-    """Stops a failed stage for good: killed first (it may be hung), then closed."""
-    kill = getattr(client, "kill", None)
-    if kill is not None:
-        with contextlib.suppress(Exception):
-            kill()
-    with contextlib.suppress(Exception):
-        client.close()
