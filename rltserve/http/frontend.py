@@ -220,18 +220,17 @@ class Frontend:
         messages: list[dict],
         add_generation_prompt: bool,
         template_kwargs: dict | None,
-        check_length: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
     ) -> list[int]:
-        """The conversation's prompt ids; with ``check_length`` a rendering too long to fit the
+        """The conversation's prompt ids (``/tokenize``); a rendering too long to fit the
         context is a 400 before it is encoded. ``continue_final_message``: the last message
         left open (``Tokenizer.apply_chat_template``); ``add_special_tokens``: the tokenizer's
         special tokens on top of the template's."""
         chat = await self._render_chat(
             messages, add_generation_prompt, template_kwargs, continue_final_message
         )
-        return await self._encode_chat(chat.text, check_length, add_special_tokens)
+        return await self._encode_chat(chat.text, True, add_special_tokens)
 
     async def _render_chat(
         self,
