@@ -200,69 +200,6 @@ async def test_the_engines_refusals_are_400s_in_its_own_words(ckpt):
             ), body
 
 
-async def test_a_context_the_pool_lowered_is_refused_in_vllms_words_and_says_so(ckpt):
-    """The phrase agent frameworks look for ("maximum context length") in every context
-    overflow, the pool's part said for the client (the operator's advice is the log's)."""
-    note = " (This limit is what the server's KV cache holds.)"
-    async with running(ckpt, engine={"num_blocks": 8, "block_size": 4}) as live:
-        chat = {"messages": [{"role": "user", "content": "x " * 40}]}
-        status, _, raw = await live.post("/v1/chat/completions", chat)
-        error = error_of(raw)
-        assert (status, error["param"], error["code"]) == (400, "messages", 400)
-        assert error["message"].startswith(
-            "This model's maximum context length is 9 tokens. However, your request has "
-        )
-        assert error["message"].endswith("Please reduce the length of the input messages." + note)
-        status, _, raw = await live.post("/v1/completions", {"prompt": [5, 6], "max_tokens": 20})
-        assert (status, error_of(raw)["param"], error_of(raw)["message"]) == (
-            400,
-            "max_tokens",
-            "This model's maximum context length is 9 tokens. However, you requested 22 tokens "
-            "(2 in the messages, 20 in the completion). Please reduce the length of the "
-            "messages or completion." + note,
-        )
-
-
-async def test_a_prompt_that_fills_the_context_is_scored_alone(ckpt):
-    """echo with max_tokens=0 (lm-eval's loglikelihood) of a prompt of max_model_len tokens
-    is scored, as vLLM's check (prompt + max_tokens) allows: the engine's one dropped token
-    takes no place in the context. Its logprobs extend those of its prefix. More is refused,
-    and so is the whole context where the pool holds only the context less one position."""
-    prompt = [5, 9, 14, 3, 7, 11, 2, 8, 6, 4, 13, 10, 12, 15, 1, 16]
-    score = {"echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
-    async with running(ckpt, engine={"max_model_len": 16}) as live:
-        status, _, raw = await live.post("/v1/completions", {"prompt": prompt, **score})
-        assert status == 200, raw
-        body = orjson.loads(raw)
-        whole = body["choices"][0]["logprobs"]["token_logprobs"]
-        assert (len(whole), whole[0], body["usage"]["completion_tokens"]) == (16, None, 0)
-        status, _, raw = await live.post("/v1/completions", {"prompt": prompt[:15], **score})
-        assert orjson.loads(raw)["choices"][0]["logprobs"]["token_logprobs"] == whole[:15]
-        for body, message in (
-            (
-                {"prompt": [*prompt, 5], **score},
-                "This model's maximum context length is 16 tokens. However, your request has "
-                "17 input tokens. Please reduce the length of the input messages.",
-            ),
-            (
-                {"prompt": prompt, **score, "max_tokens": 1},
-                "This model's maximum context length is 16 tokens. However, your request has "
-                "16 input tokens, which leave no room for the completion. Please reduce the "
-                "length of the input messages.",
-            ),
-        ):
-            status, _, raw = await live.post("/v1/completions", body)
-            assert (status, error_of(raw)["message"]) == (400, message)
-    async with running(ckpt, engine={"num_blocks": 8, "block_size": 4}) as live:
-        status, _, raw = await live.post("/v1/completions", {"prompt": [5] * 9, **score})
-        assert (status, error_of(raw)["message"]) == (
-            400,
-            "This model's maximum context length is 9 tokens. However, your request has 9 "
-            "input tokens, which leave no room for the completion. Please reduce the length of "
-            "the input messages. (This limit is what the server's KV cache holds.)",
-        )
-
-
 async def test_string_prompt_without_tokenizer(ckpt, tmp_path):
     # A checkpoint directory without tokenizer files serves token ids only.
     stage = ScriptedStage(scripted_info(tmp_path), Script([44]))
@@ -356,44 +293,6 @@ async def test_engine_rejection_is_a_400(ckpt):
         for name in ("prompt_tokens_total", "request_prompt_tokens_count"):  # ... nor started
             assert metric(text, f"rltserve:{name}") == 0, name
         assert metric(text, "rltserve:request_queue_time_seconds_count") == 0
-
-
-async def test_a_default_max_tokens_is_held_to_what_the_kv_pool_holds_at_its_depth(ckpt):
-    """A request without max_tokens whose default (chat: the rest of the context; completions:
-    16) the whole KV pool cannot hold at the depth it asks for runs to what the pool holds for
-    it alone there and ends "length"; one that sent such a max_tokens keeps the engine's 400,
-    and so does a prompt the pool cannot hold at that depth, saying the server chose
-    max_tokens. Either names the depth field as sent (max_loops, or num_steps) as its param."""
-    engine = {"num_blocks": 64, "block_size": 4, "max_model_len": 64}  # 64 tokens at 4 loops
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_loops": 8, "ignore_eos": True}
-    # 8 planes at 8 loops: 8 blocks of 4 a plane hold 32 positions, 33 with the last token's.
-    async with running(ckpt, engine=engine) as live:
-        assert live.state.require_frontend().info.context_alone(8) == 33
-        status, _, raw = await live.post("/v1/chat/completions", chat)
-        body = orjson.loads(raw)
-        assert (status, body["choices"][0]["finish_reason"]) == (200, "length"), raw
-        usage = body["usage"]
-        assert usage["prompt_tokens"] + usage["completion_tokens"] == 33
-        body = {"prompt": list(range(1, 21)), "max_loops": 8, "ignore_eos": True}
-        status, _, raw = await live.post("/v1/completions", body)
-        assert (status, orjson.loads(raw)["usage"]["completion_tokens"]) == (200, 13)
-        status, _, raw = await live.post("/v1/chat/completions", {**chat, "max_tokens": 50})
-        assert (status, error_of(raw)["param"]) == (400, "max_loops")
-        assert error_of(raw)["message"].endswith(
-            "but the pool has 64; lower max_tokens or max_loops, or raise num_blocks"
-        )
-        long = {"prompt": list(range(1, 41)), "max_loops": 8}
-        status, _, raw = await live.post("/v1/completions", long)
-        assert (status, error_of(raw)["param"]) == (400, "max_loops")
-        assert error_of(raw)["message"] == (
-            "the request needs 80 KV blocks (40 tokens of prompt and output on 8 KV planes, for "
-            "8 loops) but the pool has 64 (max_tokens not set: the prompt alone is more than the "
-            "pool holds at this depth); lower max_loops, or raise num_blocks"
-        )
-        steps = {**long, "max_loops": None, "num_steps": 8}
-        for sent in ({}, {"max_tokens": 10}):
-            status, _, raw = await live.post("/v1/completions", {**steps, **sent})
-            assert (status, error_of(raw)["param"]) == (400, "num_steps"), raw
 
 
 async def test_a_request_aborted_before_any_update_counts_a_start_and_an_abort(ckpt):

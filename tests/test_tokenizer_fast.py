@@ -17,7 +17,6 @@ import pytest
 from rltserve.models.presets import make_model
 from rltserve.models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from rltserve.models.tokenizer_backend import FastBackend, TransformersBackend
-from rltserve.models.tokenizer_files import TokenizerFiles, TokenizerFilesError
 
 NAMES = ("ouro-tiny", "huginn-tiny", "nanbeige-tiny")
 TEXTS = [
@@ -256,16 +255,6 @@ def test_a_tokenizer_config_without_a_tokenizer_is_refused(dirs: dict, tmp_path:
         load_tokenizer(tmp_path)
 
 
-def test_tokenizer_files_read_errors(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="expected a JSON object"):
-        TokenizerFiles.read(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text("{")
-    with pytest.raises(ValueError, match="invalid JSON"):
-        TokenizerFiles.read(tmp_path)
-    assert TokenizerFiles.read(tmp_path / "absent") == TokenizerFiles()
-
-
 def test_config_tokens_win_over_special_tokens_map_with_added_tokens_decoder(
     dirs: dict, tmp_path: Path
 ) -> None:
@@ -309,36 +298,6 @@ def test_template_variables_of_other_types_are_opaque(dirs: dict, tmp_path: Path
     tok = load_tokenizer(path)
     assert tok is not None
     assert tok.apply_chat_template([], tokenize=False, x=Secret()) == "|<Secret>"
-
-
-def test_tokenizer_files_named_and_extra_tokens_and_template_files(tmp_path: Path) -> None:
-    a = tmp_path / "a"
-    a.mkdir()
-    (a / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": {"content": "<e>", "special": True},
-                "pad_token": None,
-                "extra_special_tokens": {"image_token": "<img>", "audio": {"content": "<aud>"}},
-            }
-        )
-    )
-    files = TokenizerFiles.read(a)
-    assert files.named == {"eos_token": "<e>"} and files.extra == ("<img>", "<aud>")
-    # Legacy layout: special_tokens_map.json adds its extra tokens, each once.
-    b = tmp_path / "b"
-    b.mkdir()
-    (b / "tokenizer_config.json").write_text(json.dumps({"additional_special_tokens": ["<a>"]}))
-    smap = {"additional_special_tokens": ["<a>", "<b>"], "bos_token": "<s>"}
-    (b / "special_tokens_map.json").write_text(json.dumps(smap))
-    files = TokenizerFiles.read(b)
-    assert files.extra == ("<a>", "<b>") and files.named == {"bos_token": "<s>"}
-    # chat_template.jinja alone is the template; with additional_chat_templates/ a named set.
-    (b / "chat_template.jinja").write_text("J")
-    assert TokenizerFiles.read(b).chat_template == "J"
-    (b / "additional_chat_templates").mkdir()
-    (b / "additional_chat_templates" / "tool_use.jinja").write_text("T")
-    assert TokenizerFiles.read(b).chat_template == {"default": "J", "tool_use": "T"}
 
 
 def test_transformers_fallback_decodes_without_clean_up_and_restores_logging(
@@ -447,33 +406,6 @@ def test_named_tokens_of_the_base_vocabulary_are_special_as_in_transformers(
     assert "".join(det.add(i) for i in ids) + det.flush() == want
     text = "Hello <unk> world again"
     assert tok.encode(text, False) == hf.encode(text, add_special_tokens=False) == [1, 0, 0, 2, 3]
-
-
-def test_tokenizer_files_ignore_malformed_tokens_and_templates(tmp_path: Path) -> None:
-    config = {
-        "eos_token": {"content": 5},
-        "bos_token": "<s>",
-        "chat_template": [{"name": "default", "template": "D"}, {"name": "broken"}, "x"],
-    }
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    files = TokenizerFiles.read(tmp_path)
-    assert files.named == {"bos_token": "<s>"}
-    assert files.chat_template == {"default": "D"}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ""}))
-    assert TokenizerFiles.read(tmp_path).chat_template is None
-
-
-def test_tokenizer_files_of_invalid_utf8_are_a_tokenizer_files_error(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer_config.json").write_bytes(b'{"bos_token": "\xff"}')
-    with pytest.raises(TokenizerFilesError, match="invalid JSON"):
-        TokenizerFiles.read(tmp_path)
-
-
-def test_only_jinja_files_are_named_templates(tmp_path: Path) -> None:
-    (tmp_path / "additional_chat_templates").mkdir()
-    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("T")
-    (tmp_path / "additional_chat_templates" / "README.md").write_text("notes")
-    assert TokenizerFiles.read(tmp_path).chat_template == {"tool_use": "T"}
 
 
 def test_encoding_lets_other_threads_run(dirs: dict) -> None:
