@@ -227,6 +227,9 @@ async def test_api_key(ckpt):
         assert (await live.get("/v1/models"))[0] == 401
         status, _, raw = await live.get("/health")  # health stays open
         assert status == 200 and orjson.loads(raw) == {"status": "ok"}
+        for path in ("/metrics", "/metrics/"):  # so do the metrics (vLLM's answers both)
+            status, _, raw = await live.get(path)
+            assert status == 200 and b"rltserve:num_requests_running" in raw, path
         ok = {"Authorization": "Bearer sesame"}
         status, _, _ = await live.post("/v1/completions", {"prompt": "x"}, headers=ok)
         assert status == 200

@@ -71,7 +71,7 @@ async def test_every_route_but_the_probes_needs_the_key(ckpt, metrics_auth):
     SageMaker /ping); everything else needs it, the admin routes (/sleep, /wake_up,
     /reset_prefix_cache, /v1/update_weights) included."""
     probes = {"/health", "/ping", "/version", "/openapi.json", "/load"}
-    open_routes = probes | (set() if metrics_auth else {"/metrics"})
+    open_routes = probes | (set() if metrics_auth else {"/metrics", "/metrics/"})
     admin = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/v1/update_weights"}
     assert admin <= {route.path for route in ROUTES} - open_routes
     async with running(

@@ -237,6 +237,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/ping", health),
     Route("POST", "/ping", health),
     Route("GET", "/metrics", metrics),
+    # (vLLM mounts its metrics app there, answering with the slash too: scrape configs name both)
+    Route("GET", "/metrics/", metrics),
     Route("POST", "/tokenize", tokenize, TokenizeRequest),
     Route("POST", "/detokenize", detokenize, DetokenizeRequest),
     Route("GET", "/load", load),

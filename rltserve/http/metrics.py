@@ -81,7 +81,7 @@ N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 # histogram, many for the unlabelled one.
 HTTP_BUCKETS = (0.1, 0.5, 1.0)
 # The routes vLLM's instrumentator leaves out (probes and scrapes would swamp request rates).
-INSTRUMENTATOR_EXCLUDED = frozenset({"/metrics", "/health", "/ping", "/version"})
+INSTRUMENTATOR_EXCLUDED = frozenset({"/metrics", "/metrics/", "/health", "/ping", "/version"})
 HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0,
                       3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)  # fmt: skip
 

@@ -30,6 +30,7 @@ CLIENT_CLOSED = 499  # nginx's status for a request whose client closed the conn
 # /reset_prefix_cache, /v1/update_weights) included. (A path's rules are its methods' alike:
 # HEAD as GET.)
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/openapi.json", "/load"})
+METRICS_PATHS = frozenset({"/metrics", "/metrics/"})
 
 
 def _route_name(request: web.Request) -> str:
@@ -98,7 +99,7 @@ def _log_access(request: web.Request, response: web.Response, started: float) ->
 def needs_key(path: str, metrics_auth: bool) -> bool:
     """Every route needs the key except the probes (``PUBLIC_PATHS``) and, unless
     ``metrics_auth``, ``/metrics`` (scrapers rarely carry keys)."""
-    return path not in PUBLIC_PATHS and (metrics_auth or path != "/metrics")
+    return path not in PUBLIC_PATHS and (metrics_auth or path not in METRICS_PATHS)
 
 
 def auth_failure(request: web.Request) -> HTTPError | None:
