@@ -19,15 +19,18 @@ its error on stderr, the conversation left as it was, and the chat goes on; the 
 exits 2. Any other error (a wrong key, an unknown model) ends the chat, as does any error of
 ``-q``'s one message. Exit codes follow ``rltserve``'s: 2 when the server refused the input
 (400, 404, 413, 422: a flag's value, a model name, a message), 1 for a failure at run time (no
-server, a 5xx, a wrong key).
+server, a 5xx, a wrong key), 130 on Ctrl-C (at the prompt too).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
@@ -167,6 +170,7 @@ def _run(args: argparse.Namespace, session: Callable) -> int:
     check_url(args.url, "--url")  # (AsyncClient's check, naming the flag)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens}: must be >= 1")
+    _check_extra_body(args)
     try:
         dropped = asyncio.run(session(args, _lines(args.quick), sys.stdout))
     except APIConnectionError as exc:  # (it names the URL)
@@ -177,6 +181,19 @@ def _run(args: argparse.Namespace, session: Callable) -> int:
     return 2 if dropped else 0
 
 
+def _check_extra_body(args: argparse.Namespace) -> None:
+    """ValueError for ``--extra-body`` fields the commands cannot show: several choices (their
+    streamed text would interleave on the output, and a chat keeps one answer) or an answer
+    not streamed."""
+    extra = args.extra_body or {}
+    if extra.get("n", 1) not in (1, None):
+        raise ValueError(
+            f"--extra-body n={extra['n']!r}: one answer per message here (n must be 1)"
+        )
+    if "stream" in extra and not extra["stream"]:
+        raise ValueError(f"--extra-body stream={extra['stream']!r}: answers are always streamed")
+
+
 def _lines(quick: str | None):
     """The messages to send: ``-q``'s, else stdin's lines (a prompt shown on a terminal)."""
     if quick is not None:
@@ -185,13 +202,31 @@ def _lines(quick: str | None):
     tty = sys.stdin.isatty()
     while True:
         try:
-            line = input("> ") if tty else sys.stdin.readline()
+            with _interruptible():
+                line = input("> ") if tty else sys.stdin.readline()
         except EOFError:
             return
         if not tty and not line:
             return
         if line.strip():
             yield line.rstrip("\n")
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C raises KeyboardInterrupt within it. Lines are read while ``asyncio.run`` runs the
+    session, and its SIGINT handler (Python 3.11+) only cancels the main task, which a read
+    blocked on stdin never notices: the prompt would ignore Ctrl-C until a line came."""
+    main = threading.current_thread() is threading.main_thread()  # (only it handles signals)
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    if not callable(previous) or previous is signal.default_int_handler:
+        yield  # (no asyncio handler to undo: another thread, SIGINT ignored or raising)
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def _open(args: argparse.Namespace):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import signal
 
 import pytest
 from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
@@ -117,6 +118,30 @@ def test_input_is_quicks_message_or_stdins_nonblank_lines(monkeypatch):
     assert list(chat_cli._lines(None)) == ["first", "second line"]
 
 
+def test_ctrl_c_while_waiting_for_a_line_interrupts_at_once(monkeypatch):
+    """Under asyncio.run (Python 3.11+) a SIGINT only cancels the main task, which a blocked
+    read of stdin never notices: the prompt ignored Ctrl-C until a line came, and then threw
+    that line away. The read itself raises KeyboardInterrupt, before any line is taken."""
+
+    class Stdin(io.StringIO):
+        def readline(self, *args):
+            signal.raise_signal(signal.SIGINT)  # (Ctrl-C while the read blocks)
+            return super().readline(*args)
+
+    monkeypatch.setattr("sys.stdin", Stdin("hello\n"))
+    taken = []
+
+    async def session():
+        for line in chat_cli._lines(None):
+            taken.append(line)
+            await asyncio.sleep(0)
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(session())
+    assert taken == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (asyncio's undone)
+
+
 @pytest.mark.asyncio
 async def test_a_chat_past_the_context_drops_its_oldest_turns_and_goes_on(ckpt, capsys):
     """A 64-token context holds the system prompt and two exchanges (74 tokens with a third
@@ -176,6 +201,25 @@ def test_sampling_and_loop_flags_are_sent_only_when_given():
             "max_thinking_tokens": 64,
             "stop": ["\n"],
         }
+
+
+def test_extra_body_cannot_ask_for_more_answers_or_no_stream(capsys):
+    """One answer per message, streamed: ``n`` > 1 would interleave the choices' text on the
+    output (and a chat would keep them as one answer), and ``stream: false`` was refused in
+    the client's words (``use complete()``). Both are exit 2 naming the flag, before any
+    request."""
+    for command in ("chat", "complete"):
+        for extra, why in (
+            ('{"n": 2}', "--extra-body n=2: one answer per message here (n must be 1)"),
+            ('{"stream": false}', "--extra-body stream=False: answers are always streamed"),
+        ):
+            assert (
+                main([command, "-q", "hi", "--url", "http://127.0.0.1:9", "--extra-body", extra])
+                == 2
+            )
+            assert capsys.readouterr().err == f"rltserve: error: {why}\n"
+    args = build_parser().parse_args(["chat", "--extra-body", '{"n": 1, "stream": true}'])
+    chat_cli._check_extra_body(args)  # (what the command does anyway)
 
 
 @pytest.mark.asyncio
