@@ -1,8 +1,11 @@
-"""``ReplicaSetClient``'s pure parts, without Ray: the replicas' stats summed into one."""
+"""``ReplicaSetClient``'s pure parts, without Ray: the replicas' stats summed into one, what a
+failed deployment says, the logging the replicas get."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import pytest
 
 from rltserve.core.engine_info import EngineStats, sum_stats
 from rltserve.ray.client import _refusal
@@ -32,3 +35,29 @@ def test_a_failed_deployment_says_whether_the_engine_refused_its_config():
     assert _refusal(lines) == "max_model_len=9: too long; lower it"
     assert _refusal(["Failed to update the deployments ['d'].", "RuntimeError: boom"]) is None
     assert _refusal([]) is None
+
+
+def test_replicas_get_the_callers_log_config_as_read(tmp_path, monkeypatch):
+    """``caller_logging`` hands a replica the configuration itself (its node may not have the
+    file) and the level without one; a file gone since the server loaded it is a ValueError."""
+    import logging
+
+    from rltserve.core.worker_process import LOG_CONFIG_ENV
+    from rltserve.ray.logs import caller_logging
+
+    path = tmp_path / "logging.json"
+    path.write_text('{"version": 1, "root": {"level": "ERROR"}}')
+    monkeypatch.setenv(LOG_CONFIG_ENV, str(path))
+    assert caller_logging() == {"version": 1, "root": {"level": "ERROR"}}
+    path.unlink()
+    with pytest.raises(ValueError, match="--log-config-file"):
+        caller_logging()
+    monkeypatch.delenv(LOG_CONFIG_ENV)
+    root = logging.getLogger()
+    handler = logging.NullHandler()
+    monkeypatch.setattr(root, "level", 15)
+    root.addHandler(handler)
+    try:
+        assert caller_logging() == 15
+    finally:
+        root.removeHandler(handler)

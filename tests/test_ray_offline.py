@@ -126,7 +126,7 @@ def test_a_pool_places_replicas_with_their_resources_and_stops_them_when_one_fai
             placed.append(resources)
             return self
 
-        def remote(self, engine_kw: dict, threads: int) -> object:
+        def remote(self, engine_kw: dict, threads: int, log_setup=None) -> object:
             ref = types.SimpleNamespace(remote=lambda: "vocab-ref")
             return types.SimpleNamespace(vocab_size=ref, threads=threads, seed=engine_kw["seed"])
 
@@ -174,7 +174,7 @@ def test_replicas_the_cluster_cannot_place_time_out_saying_what_they_ask(monkeyp
         def options(self, **resources) -> Actors:
             return self
 
-        def remote(self, engine_kw: dict, threads: int) -> object:
+        def remote(self, engine_kw: dict, threads: int, log_setup=None) -> object:
             return types.SimpleNamespace(vocab_size=types.SimpleNamespace(remote=lambda: "ref"))
 
     def get(refs, timeout=None):
@@ -243,7 +243,7 @@ def test_a_config_the_engine_refuses_is_its_value_error_and_the_replicas_stop(mo
         def options(self, **resources) -> Actors:
             return self
 
-        def remote(self, engine_kw: dict, threads: int) -> object:
+        def remote(self, engine_kw: dict, threads: int, log_setup=None) -> object:
             return types.SimpleNamespace(vocab_size=types.SimpleNamespace(remote=lambda: "ref"))
 
     monkeypatch.setattr(ray, "remote", lambda cls: Actors())

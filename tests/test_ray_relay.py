@@ -16,6 +16,7 @@ from rltserve.core.engine_info import EngineStats
 from rltserve.ray.client import ReplicaSetClient
 from rltserve.ray.config import ReplicaConfig
 from rltserve.ray.replica import EngineReplica, ReplicaBatch
+from rltserve.ray.roster import Retired
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -64,8 +65,7 @@ def _client(call: FakeCall) -> ReplicaSetClient:
     client.config = ReplicaConfig(replicas=1)
     client._lock = threading.Lock()
     client._tasks, client._replicas = {}, {}
-    client._retired, client._closed, client._fatal = None, False, None
-    client._retired_prefill = None
+    client._retired, client._closed, client._fatal = Retired(), False, None
     client._deployment, client._deployed, client._seen, client._lost = "d-1", True, False, None
     client._stream = FakeStream(call)
     return client
@@ -306,6 +306,28 @@ async def test_a_failed_replicas_gauges_leave_the_sums():
     await _run(client)
     assert client.stats.prefix_cache_blocks == 0  # blocks its cache held: gone with it
     assert client.stats.prefix_cache_evictions == 2  # a counter: kept
+
+
+def test_replicas_serve_no_longer_lists_leave_the_roster_once_idle(monkeypatch):
+    """A replica that died running nothing here (so no request failed on it) used to stay in
+    the roster for good: its series in /metrics beside its replacement's."""
+    import rltserve.ray.client as ray_client
+    from rltserve.ray.roster import ReplicaState
+
+    client = _client(None)
+    client._replicas = {
+        "gone": ReplicaState(1, _stats(num_steps=7, kv_usage=0.5), requests=2),
+        "busy-gone": ReplicaState(2, _stats(num_steps=1), in_flight=1),  # (its relay's to drop)
+        "live": ReplicaState(3, _stats(num_steps=3)),
+    }
+    monkeypatch.setattr(ray_client, "serve_replica_ids", lambda app, deployment: {"live"})
+    client._forget_gone()
+    assert set(client.replicas()) == {"busy-gone", "live"}
+    assert client.stats.num_steps == 11  # its counters stay in the sums, its gauges do not
+    assert client.stats.kv_usage == 0.0
+    monkeypatch.setattr(ray_client, "serve_replica_ids", lambda app, deployment: None)
+    client._forget_gone()  # (Serve does not say: nothing dropped)
+    assert set(client.replicas()) == {"busy-gone", "live"}
 
 
 def test_with_no_live_replica_the_client_says_it_is_unavailable():

@@ -101,6 +101,34 @@ async def test_two_replicas_answer_as_one_stage_and_share_the_load(cluster, ckpt
         assert metric(text, "rltserve:engine_steps_total") > 0
 
 
+async def test_replicas_log_through_the_servers_log_config_file(
+    cluster, ckpt, tmp_path, monkeypatch
+):
+    """``--log-config-file`` reaches the replicas as it reaches stage workers: their engine
+    warnings go through its handlers (a file here) instead of Ray's worker output bare."""
+    from rltserve.core import worker_process
+
+    records = tmp_path / "replicas.jsonl"
+    fmt = '{"pid": %(process)d, "level": "%(levelname)s", "message": "%(message)s"}'
+    handler = {"class": "logging.FileHandler", "formatter": "json", "filename": str(records)}
+    config = {
+        "version": 1,
+        "formatters": {"json": {"format": fmt}},
+        "handlers": {"file": handler},
+        "loggers": {"rltserve.core": {"level": "WARNING", "handlers": ["file"]}},
+    }
+    path = tmp_path / "logging.json"
+    path.write_text(orjson.dumps(config).decode())
+    monkeypatch.setenv(worker_process.LOG_CONFIG_ENV, "")  # (restored after)
+    worker_process.set_log_config_file(str(path))  # (as `serve --log-config-file` does)
+    async with running(ckpt, client_factory=replicas(1), engine={"num_blocks": 16}):
+        pass  # (the replica warned at start: the pool holds less than the model's context)
+    lines = [orjson.loads(x) for x in records.read_text().splitlines()]
+    lowered = [x for x in lines if "max_model_len lowered" in x["message"]]
+    assert lowered and all(x["level"] == "WARNING" for x in lowered), lines
+    assert os.getpid() not in {x["pid"] for x in lowered}  # (the replica's: only it has the file)
+
+
 async def _open_streams(live, sessions: list[str]):
     contexts = [
         live.session.post(live.url + "/v1/completions", json=LONG, headers={"X-Session-Id": s})
@@ -167,6 +195,31 @@ async def test_a_killed_replica_ends_only_its_streams_and_comes_back(cluster, ck
     # The server closed: its deployment and replica processes are gone, the cluster stays.
     assert APP not in serve.status().applications
     await wait_for(lambda: not any(_alive(p) for p in pids), timeout=30)
+
+
+async def test_a_replica_that_died_idle_leaves_the_metrics(cluster, ckpt):
+    """A replica killed while it ran nothing (no request failed on it) left its series in
+    /metrics for good beside its replacement's, and its gauges in the sums."""
+    async with running(ckpt, client_factory=replicas(2)) as live:
+        client = live.state.client.inner
+
+        async def until_both_answered() -> None:  # (a replica joins the roster as it answers)
+            for _ in range(30):  # (concurrent: Serve spreads them by load)
+                await asyncio.gather(*(live.post("/v1/completions", COMPLETION) for _ in range(4)))
+                if len(client.replicas()) == 2:
+                    return
+            pytest.fail(f"one replica answered all: {client.replicas()}")
+
+        await until_both_answered()
+        victim, state = sorted(client.replicas().items())[0]
+        os.kill(state.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # Serve replaces it; the poller drops it
+        while victim in client.replicas() or client.live_replicas < 2:
+            assert time.monotonic() < deadline, (client.replicas(), client.live_replicas)
+            await asyncio.sleep(0.5)
+        await until_both_answered()
+        per_replica = replica_requests((await live.get("/metrics"))[2])
+        assert victim not in per_replica and len(per_replica) == 2, per_replica
 
 
 def _alive(pid: int) -> bool:

@@ -36,16 +36,20 @@ GC_GEN0_THRESHOLD = 20_000
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def load_log_config(path: str) -> None:
+def load_log_config(source: str | dict) -> None:
     """Sets up logging from a JSON ``logging.config.dictConfig`` file (``rltserve serve
-    --log-config-file``, whose stage workers load the same file); ValueError saying why it
-    does not load."""
+    --log-config-file``, whose stage workers load the same file) or from its configuration as
+    read (``source`` a dict: a Ray replica's, whose node may not have the file); ValueError
+    saying why it does not load."""
     import json
     import logging.config
 
     try:
-        with open(path) as file:
-            config = json.load(file)
+        if isinstance(source, dict):
+            config = source
+        else:
+            with open(source) as file:
+                config = json.load(file)
         if isinstance(config, dict):  # (the caller's loggers exist by now: keep them on)
             config.setdefault("disable_existing_loggers", False)
         logging.config.dictConfig(config)

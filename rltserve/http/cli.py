@@ -92,7 +92,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--log-config-file",
         default=None,
         help="a JSON logging configuration (Python's logging.config.dictConfig schema, as "
-        "vLLM's) that replaces the one --log-level sets up, in the stage workers too",
+        "vLLM's) that replaces the one --log-level sets up, in the stage workers and Ray "
+        "replicas too",
     )
     parser.set_defaults(func=cmd_serve)
     return parser

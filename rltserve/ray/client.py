@@ -41,6 +41,8 @@ from rltserve.core.engine_info import IDLE_GAUGES, EngineInfo, EngineStats, sum_
 from rltserve.core.stage import Sink, StageConfigError, StageError
 from rltserve.ray.cluster import cluster_gone, connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
+from rltserve.ray.logs import caller_logging
+from rltserve.ray.roster import ReplicaState, Retired, serve_replica_ids
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
@@ -52,17 +54,6 @@ _HEALTH_PERIOD_S = 2.0
 _HEALTH_TIMEOUT_S = 30.0
 _SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 _CONSISTENT_HASH = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-
-
-@dataclasses.dataclass
-class ReplicaState:
-    """What the front end knows of one replica (from the batches it streamed)."""
-
-    pid: int
-    stats: EngineStats | None = None
-    prefill_stats: EngineStats | None = None  # its prefill stage's, under --disaggregate
-    requests: int = 0  # requests routed to it
-    in_flight: int = 0  # of which still streaming
 
 
 def deployment_name(config: ReplicaConfig, tag: str) -> str:
@@ -148,8 +139,7 @@ class ReplicaSetClient:
         self._lock = threading.Lock()  # guards _tasks, _replicas, _closed and _lost
         self._tasks: dict[str, asyncio.Task] = {}
         self._replicas: dict[str, ReplicaState] = {}
-        self._retired: EngineStats | None = None  # counters of replicas that died
-        self._retired_prefill: EngineStats | None = None  # (of their prefill stages)
+        self._retired = Retired()  # counters of replicas that are gone
         self._closed = False
         self._fatal: str | None = None
         self.info: EngineInfo | None = None
@@ -158,7 +148,7 @@ class ReplicaSetClient:
             serve.start(proxy_location="Disabled", logging_config=_SERVE_LOGGING)
             options = deployment_options(config, max_ongoing, drain_timeout_s, self._deployment)
             app = serve.deployment(EngineReplica, **options)
-            target = app.bind(engine_config, config.threads)
+            target = app.bind(engine_config, config.threads, caller_logging())
             # Serve replaces an app of the same name: that app's server would go on answering
             # with its model's name and tokenizer while this one's replicas generate. (Checked,
             # then deployed: two servers starting within the same moment can both pass; the
@@ -233,7 +223,7 @@ class ReplicaSetClient:
     def stats(self) -> EngineStats | None:
         with self._lock:
             live = [r.stats for r in self._replicas.values() if r.stats is not None]
-            return sum_stats(live, self._retired)
+            return sum_stats(live, self._retired.stats)
 
     @property
     def prefill_stats(self) -> EngineStats | None:
@@ -241,7 +231,7 @@ class ReplicaSetClient:
         replica has one)."""
         with self._lock:
             live = [r.prefill_stats for r in self._replicas.values() if r.prefill_stats is not None]
-            return sum_stats(live, self._retired_prefill)
+            return sum_stats(live, self._retired.prefill_stats)
 
     def replicas(self) -> dict[str, ReplicaState]:
         with self._lock:
@@ -363,13 +353,7 @@ class ReplicaSetClient:
             log.warning("request %s: %s", request_id, error)
             if replica is not None:
                 with self._lock:  # a replacement reports anew; its counters stay in the sums
-                    dead = self._replicas.pop(replica, None)
-                    if dead is not None and dead.stats is not None:
-                        self._retired = sum_stats([dead.stats], self._retired)
-                    if dead is not None and dead.prefill_stats is not None:
-                        self._retired_prefill = sum_stats(
-                            [dead.prefill_stats], self._retired_prefill
-                        )
+                    self._forget(replica)
                 replica = None
             sink(RequestUpdate(request_id, finish_reason=FinishReason.ERROR, error=error))
         finally:
@@ -402,6 +386,25 @@ class ReplicaSetClient:
         self._check_owner(app, deployment)
         states = deployment.replica_states if deployment is not None else {}
         self.live_replicas = int(states.get("RUNNING", 0))
+        if deployment is not None and len(self._replicas) > self.live_replicas:
+            self._forget_gone()
+
+    def _forget(self, replica: str) -> None:
+        """Drops a replica that is gone from the roster, its counters kept (under the lock)."""
+        dead = self._replicas.pop(replica, None)
+        if dead is not None:
+            self._retired.add(dead)
+
+    def _forget_gone(self) -> None:
+        """Drops the replicas Serve no longer lists that run nothing here (``roster``'s doc;
+        one with requests in flight goes when they fail)."""
+        listed = serve_replica_ids(self.config.ray_app, self._deployment)
+        if listed is None:
+            return
+        with self._lock:
+            gone = [r for r, s in self._replicas.items() if r not in listed and not s.in_flight]
+            for replica in gone:
+                self._forget(replica)
 
     def _check_owner(self, app, deployment) -> None:
         """Notes (and logs, once) that the app is no longer this server's: it shows another

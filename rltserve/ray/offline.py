@@ -20,6 +20,7 @@ from rltserve.preflight import check_checkpoint_dir
 from rltserve.prompt_inputs import normalize_prompts, token_id_prompts
 from rltserve.ray.cluster import connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig, resource_kwargs
+from rltserve.ray.logs import LogSetup, caller_logging, set_up_logging
 from rltserve.sampling import SamplingParams
 
 
@@ -34,7 +35,8 @@ def replica_engine_kw(engine_kw: dict, index: int) -> dict:
 class _Shard:
     """The actor's body: one LLM for the actor's lifetime."""
 
-    def __init__(self, engine_kw: dict, threads: int) -> None:
+    def __init__(self, engine_kw: dict, threads: int, log_setup: LogSetup = None) -> None:
+        """``log_setup``: the caller's logging (``rltserve.ray.logs.caller_logging``)."""
         import torch
 
         from rltserve.llm import LLM
@@ -44,6 +46,7 @@ class _Shard:
         # would reach the caller as Ray's ActorDiedError with the ValueError buried in its text.
         self.refused: ValueError | None = None
         try:
+            set_up_logging(log_setup)  # (a log config that does not load: its ValueError too)
             self.llm = LLM(in_process=True, **engine_kw)
         except ValueError as exc:
             self.refused = exc
@@ -80,11 +83,12 @@ class ReplicaPool:
         self._owned = connect(config)
         self._actors: list = []
         try:
+            log_setup = caller_logging()
             cls = ray.remote(_Shard).options(
                 num_cpus=config.replica_cpus, num_gpus=config.replica_gpus
             )
             self._actors = [
-                cls.remote(replica_engine_kw(engine_kw, i), config.threads)
+                cls.remote(replica_engine_kw(engine_kw, i), config.threads, log_setup)
                 for i in range(config.replicas)
             ]
             refs = [a.vocab_size.remote() for a in self._actors]

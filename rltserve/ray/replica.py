@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.ray.logs import LogSetup, set_up_logging
 from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate
 
@@ -54,12 +55,16 @@ def replica_config(engine_config: EngineConfig, replica_id: str) -> EngineConfig
 
 
 class EngineReplica:
-    def __init__(self, engine_config: EngineConfig, threads: int) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, threads: int, log_setup: LogSetup = None
+    ) -> None:
+        """``log_setup``: the server's logging (``rltserve.ray.logs.caller_logging``)."""
         import torch
 
         from rltserve.core.pd import stage_client
         from rltserve.core.stage import InProcessStageClient
 
+        set_up_logging(log_setup)  # (before the engine loads: its start-up warnings too)
         torch.set_num_threads(threads)
         self._id = _replica_id()
         self._client = stage_client(replica_config(engine_config, self._id), InProcessStageClient)
