@@ -357,6 +357,15 @@ class ExecutionConfig:
         default=None,
         metadata=_help("disaggregate: the prefill stage's torch device (default: device)"),
     )
+    kv_transfer_gb: float | None = field(
+        default=None,
+        metadata=_help(
+            "disaggregate: GiB of moved prompt KV that may wait in shared memory (files whose "
+            "requests the decode stage has not admitted yet); a prompt past it is computed on "
+            "the decode stage instead (0: none moves; default: half the space free there at "
+            "start)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.disaggregate not in (True, False):
@@ -367,6 +376,12 @@ class ExecutionConfig:
                     f"prefill_device={self.prefill_device!r}: only with disaggregate=True"
                 )
             _check_device("prefill_device", self.prefill_device)
+        space = self.kv_transfer_gb
+        if space is not None:
+            if isinstance(space, bool) or not isinstance(space, (int, float)) or not space >= 0:
+                raise ValueError(f"kv_transfer_gb={space!r}: must be None or a number >= 0")
+            if not self.disaggregate:
+                raise ValueError(f"kv_transfer_gb={space!r}: only with disaggregate=True")
         for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

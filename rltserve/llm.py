@@ -103,6 +103,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         max_logprobs: int = 20,
         disaggregate: bool = False,
         prefill_device: str | None = None,
+        kv_transfer_gb: float | None = None,
         in_process: bool = False,
         startup_timeout: float = 300.0,
         skip_tokenizer_init: bool = False,
@@ -190,6 +191,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             max_logprobs=max_logprobs,
             disaggregate=disaggregate,
             prefill_device=prefill_device,
+            kv_transfer_gb=kv_transfer_gb,
         )
         # Usage errors as ValueErrors here, not as a stage that failed to start.
         check_checkpoint_dir(model, "model=")

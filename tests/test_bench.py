@@ -425,12 +425,13 @@ def test_async_compare_runs_sync_then_async_at_each_concurrency(ouro_rv1, monkey
     assert {r["exit_mode"] for r in runs} == {"delayed"}
 
 
-def test_pd_compare_gives_the_prefill_device_to_the_disaggregated_arm_only(ouro_rv1, monkeypatch):
+def test_pd_compare_gives_the_pd_settings_to_the_disaggregated_arm_only(ouro_rv1, monkeypatch):
     runs = _stub_stage_runs(monkeypatch)
     report = bench(
-        "--model", str(ouro_rv1), "--disaggregate", "--prefill-device", "cpu", "--num-prompts", "2"
-    )
+        "--model", str(ouro_rv1), "--disaggregate", "--prefill-device", "cpu",
+        "--kv-transfer-gb", "0.5", "--num-prompts", "2",
+    )  # fmt: skip
     assert report["pd_compare"]["disaggregated_vs_one_stage"] == 2.0
-    assert [(r["disaggregate"], r["prefill_device"]) for r in runs] == [
-        (False, None), (True, "cpu"),
+    assert [(r["disaggregate"], r["prefill_device"], r["kv_transfer_gb"]) for r in runs] == [
+        (False, None, None), (True, "cpu", 0.5),
     ]  # fmt: skip

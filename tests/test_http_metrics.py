@@ -32,7 +32,7 @@ def test_values_of_a_known_sequence():
         num_running=3, num_waiting=1, kv_usage=0.25, num_steps=4, num_rows=10,
         num_preemptions=5, swap_fallbacks=1, num_swapped=2, num_recomputing=1, swapped_bytes=4096,
         prefix_cache_queries=40, prefix_cache_hits=24, prefix_cache_blocks=12, kv_transfer_hits=16,
-        prefix_cache_evictions=3, kv_transfer_unused=6,
+        prefix_cache_evictions=3, kv_transfer_unused=6, kv_transfer_skipped=5,
         step_rows_counts=(1, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
         step_tokens_counts=(3, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), num_step_tokens=11,
     )  # fmt: skip
@@ -102,6 +102,7 @@ def test_values_of_a_known_sequence():
         ("rltserve:prefix_cache_evictions_total", m): 3.0,
         ("rltserve:kv_transfer_hits_total", m): 16.0,
         ("rltserve:kv_transfer_unused_total", m): 6.0,
+        ("rltserve:kv_transfer_skipped_total", m): 5.0,
         ("rltserve:prefix_cache_blocks", m): 12.0,
         ("rltserve:weight_version", m): 3.0,
         # Steps by tokens (vLLM's iteration_tokens_total): three of at most 1 (a looped

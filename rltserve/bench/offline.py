@@ -396,8 +396,10 @@ def run_pd_compare(engine_kw: dict, prompts, params: SamplingParams, show: bool)
     """One stage against prefill/decode stages, all requests at once (each arm spawned)."""
     out: dict[str, Any] = {}
     for name, pd in (("one_stage", False), ("disaggregated", True)):
-        device = engine_kw.get("prefill_device") if pd else None
-        kw = {**engine_kw, "disaggregate": pd, "prefill_device": device}
+        pd_only = {
+            k: engine_kw.get(k) if pd else None for k in ("prefill_device", "kv_transfer_gb")
+        }
+        kw = {**engine_kw, "disaggregate": pd, **pd_only}
         out[name] = run_stage(kw, prompts, params, name, show)
     out["disaggregated_vs_one_stage"] = _ratio(out["disaggregated"], out["one_stage"])
     return out

@@ -48,7 +48,9 @@ def _draft_loops(spec: LoopedSpec) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LoopedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: LoopedModel | None = None, role: str | None = None
+    ) -> None:
         if config.execution.disaggregate:
             raise ValueError(
                 "disaggregate=True: an EngineCore runs one stage; a stage client runs the "
@@ -105,7 +107,7 @@ class EngineCore:
                 f"kv_policy={config.cache.kv_policy!r}: wavefront_prefill needs a per-depth "
                 "policy (last_exited or full); chunks at different depths would share a plane"
             )
-        size = pool_size(spec, config, self.policy)
+        size = pool_size(spec, config, self.policy, role)
         self.max_model_len = size.max_model_len
         num_blocks = self._num_blocks = size.num_blocks
         self._pool_limited = size.pool_limited
@@ -142,7 +144,8 @@ class EngineCore:
         self._step_tokens = [0] * (len(STEP_ROW_BUCKETS) + 1)  # (``step_tokens_counts``)
         self._num_step_tokens = 0
         planes = len(self.kv.planes_of(spec.num_loops))
-        pool = (self.max_model_len, num_blocks, planes, self._pool_limited)
+        block_bytes = kv_block_bytes(spec, config)
+        pool = (self.max_model_len, num_blocks, planes, self._pool_limited, block_bytes)
         self.info = EngineInfo.of_model(spec, config.cache, str(mc.model), *pool)
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:

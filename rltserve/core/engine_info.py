@@ -52,6 +52,9 @@ class EngineStats:
     kv_transfer_hits: int = 0
     # PD decode stage: prompt tokens the prefill stage moved here that no hit used (waste).
     kv_transfer_unused: int = 0
+    # PD client: prompt tokens whose KV did not move because the transfer files' bound
+    # (``kv_transfer_gb``) was reached; the decode stage computed them.
+    kv_transfer_skipped: int = 0
     # Steps by their rows (vLLM's ``iteration_tokens``): the count of steps with at most
     # ``STEP_ROW_BUCKETS[i]`` rows (and more than the bound before) at i, those above the
     # last bound at the end.
@@ -128,11 +131,12 @@ class EngineInfo:
     # max_model_len is what the KV pool holds (``kv_sizing.PoolSize.pool_limited``): a prompt
     # past it is told to grow the pool, not that the model is too short.
     pool_limited: bool = False
+    kv_block_bytes: int = 0  # one KV block on one plane (a PD client bounds its files by it)
 
     @classmethod
     def of_model(
         cls, spec: LoopedSpec, cache: CacheConfig, model_path: str, max_model_len: int,
-        num_blocks: int, kv_planes: int, pool_limited: bool = False,
+        num_blocks: int, kv_planes: int, pool_limited: bool = False, kv_block_bytes: int = 0,
     ) -> EngineInfo:  # fmt: skip
         """What an engine of ``spec`` on a pool of ``num_blocks`` tells its clients."""
         return cls(
@@ -151,6 +155,7 @@ class EngineInfo:
             stop_reason_ids=tuple(spec.stop_reason_ids),
             kv_planes=kv_planes,
             pool_limited=pool_limited,
+            kv_block_bytes=kv_block_bytes,
         )
 
     @property

@@ -36,13 +36,17 @@ def block_bytes(spec: LoopedSpec, config: EngineConfig) -> int:
     return layers * 2 * config.cache.block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
-def pool_size(spec: LoopedSpec, config: EngineConfig, policy: KVPolicy) -> PoolSize:
+def pool_size(
+    spec: LoopedSpec, config: EngineConfig, policy: KVPolicy, role: str | None = None
+) -> PoolSize:
     """The pool's blocks (``num_blocks``, else as many as ``kv_cache_gb`` holds, never more
     than every running request at full context could use) and ``max_model_len`` within them:
     one request of that context at the model's default depth fits in the whole pool (without
     it, a chat request that sends no max_tokens, so asks for the whole context, could never be
     admitted). The model's own limit is lowered to it (logged); an explicit max_model_len past
-    it is a ValueError, as is one past the model's."""
+    it is a ValueError, as is one past the model's. ``role``: the stage of a disaggregated
+    engine this pool is for (prefill, decode), which the log line names (each stage logs its
+    own, and their pools may differ)."""
     cache, sched = config.cache, config.scheduler
     asked = config.model.max_model_len
     if asked is not None and asked > spec.max_position:
@@ -72,8 +76,9 @@ def pool_size(spec: LoopedSpec, config: EngineConfig, policy: KVPolicy) -> PoolS
     if fits < 2:
         raise ValueError(f"num_blocks={num_blocks}: {pool}; raise kv_cache_gb or num_blocks")
     logger.warning(
-        "max_model_len lowered to %d (the model's: %d): %s; raise kv_cache_gb or num_blocks "
+        "%smax_model_len lowered to %d (the model's: %d): %s; raise kv_cache_gb or num_blocks "
         "for longer contexts",
+        f"{role} stage: " if role else "",
         fits,
         context,
         pool,

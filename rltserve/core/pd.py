@@ -15,9 +15,11 @@ on. Weight updates, sleep and wake-up run on both stages, one at a time; after a
 applied on the decode stage only (the prefill stage failed to load it) the stages hold
 different weights, so transfers stop. The samples of one prompt (a group) make one transfer:
 the first goes through the prefill stage, the others wait here and follow it to the decode
-stage, where they share its prompt. A dead prefill stage fails no request: its prefills move on
-without a file, new requests go to the decode stage directly, and it is started again in the
-background (``pd_prefill``); a dead decode stage is the client's death (``alive``).
+stage, where they share its prompt. The files waiting for the decode stage hold at most
+``kv_transfer_gb`` (``transfer_files``): a prompt past it goes to the decode stage directly. A
+dead prefill stage fails no request: its prefills move on without a file, new requests go to
+the decode stage directly, and it is started again in the background (``pd_prefill``); a dead
+decode stage is the client's death (``alive``).
 
 A request's updates reach its sink from the decode stage (also when its prefill failed: the
 decode stage then computes the prompt itself), or one final update from here when it ended
@@ -29,20 +31,18 @@ the hand-over, so an ``abort`` reaches whichever stage holds the request.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from rltserve.config import EngineConfig
-from rltserve.core import transfer_dir
 from rltserve.core.engine_info import EngineInfo, EngineStats
-from rltserve.core.pd_prefill import PrefillStage, prefill_params
+from rltserve.core.pd_prefill import PrefillStage, prefill_params, stage_configs
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
+from rltserve.core.transfer_files import TransferFiles, transfer_bytes
 from rltserve.core.update_log import UpdateLog, stamps
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
@@ -59,23 +59,6 @@ def stage_client(config: EngineConfig, client_cls: Callable = StageClient):
     if config.execution.disaggregate:
         return PDClient(config, client_cls)
     return client_cls(config)
-
-
-def stage_configs(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
-    """The prefill stage's config and the decode stage's: one stage each, prefix caching on
-    (the decode stage finds transferred blocks in its cache); the prefill stage on
-    ``prefill_device`` and without CUDA graphs (they serve decode steps only)."""
-    execution = replace(config.execution, disaggregate=False, prefill_device=None)
-    decode = replace(
-        config, execution=execution, cache=replace(config.cache, enable_prefix_caching=True)
-    )
-    device = config.execution.prefill_device or config.model.device
-    prefill = replace(
-        decode,
-        model=replace(config.model, device=device),
-        execution=replace(execution, cuda_graphs=False),
-    )
-    return prefill, decode
 
 
 @dataclass
@@ -109,8 +92,8 @@ class PDClient:
         except BaseException:
             self.prefill.close(timeout=2.0)
             raise
-        self._dir, owner = transfer_dir.create()
-        self._finalizer = weakref.finalize(self, transfer_dir.drop, self._dir, owner)
+        self._files = TransferFiles(config.execution.kv_transfer_gb)  # (bounded: its doc)
+        self._dir = self._files.dir
         # Guards _ids, _open, _leaders, _following, _moving, _closed and the hand-over.
         self._lock = threading.Lock()
         self._ids: set[str] = set()  # every open request, wherever it is
@@ -120,7 +103,6 @@ class PDClient:
         # Requests on their way to the decode stage (added outside the lock) -> aborted since.
         self._moving: dict[str, bool] = {}
         self._closed = False
-        self._files = itertools.count()
         # Weight updates, sleep and wake-up run one at a time, on both stages; transfers
         # need the last update to have succeeded on both (``update_weights``).
         self._commands = threading.Lock()
@@ -174,7 +156,7 @@ class PDClient:
             self._closed = True
         self._prefill.close(timeout)
         self.decode.close(timeout)
-        self._finalizer()
+        self._files.close()
 
     def kill(self) -> None:
         """Kills both stages' workers (clients without workers have nothing to kill)."""
@@ -233,8 +215,11 @@ class PDClient:
                     leader.followers.append((request_id, prompt, params, ending))
                     self._following[request_id] = leader
                     return
-                if transfers:
-                    path = os.path.join(self._dir, f"{next(self._files)}.safetensors")
+                path = None
+                if transfers:  # (None past the files' bound: the decode stage computes it)
+                    moved = (len(prompt) - 1) // self.info.block_size * self.info.block_size
+                    path = self._files.claim(transfer_bytes(self.info, prompt, params), moved)
+                if path is not None:
                     ending = self._ending(request_id, sink, path)
                     handoff = _Handoff(prompt, params, ending, group, path, self.prefill)
                     self._open[request_id] = handoff
@@ -267,6 +252,7 @@ class PDClient:
                 self._ids.discard(request_id)
                 moves = []
                 if handoff is not None and self._open.pop(request_id, None) is handoff:
+                    self._files.release(handoff.path)
                     for follower in self._detach(handoff):  # (a leader that never was)
                         self._moving[follower[0]] = False
                         moves.append((follower, None))
@@ -297,13 +283,16 @@ class PDClient:
         )
 
     def _ending(self, request_id: str, sink: Sink, path: str | None = None) -> Sink:
-        """``sink``, which on the request's final update first forgets the request and its
-        transfer file (the decode stage deletes it when it reads it: this covers the rest)."""
+        """``sink``, which on the request's first update frees its transfer file (the decode
+        stage read it by then, or the request ended without it) and on its final update
+        forgets the request."""
 
         def ending(update: RequestUpdate) -> None:
+            nonlocal path
+            if path is not None:
+                self._files.release(path)
+                path = None
             if update.finish_reason is not None:
-                if path is not None:
-                    transfer_dir.remove(path)
                 with self._lock:
                     self._ids.discard(request_id)
             sink(update)
@@ -335,6 +324,9 @@ class PDClient:
             else:
                 done = update.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
                 entry = (request_id, handoff.prompt, handoff.params, handoff.sink)
+                # (the file's real size is held until the decode stage reads it; a prefill
+                # that failed may have left part of one)
+                (self._files.settle if done else self._files.release)(handoff.path)
                 moves.append((entry, ("import", handoff.path) if done else None))
             for follower in followers:
                 if self._closed:
@@ -491,8 +483,10 @@ class PDClient:
         if (moved_p or moved_d) and (moved_p or not busy_p) and (moved_d or not busy_d):
             self._stats_of = (prefill, decode)
             self._stats = decode
-            if decode is not None and prefill is not None:
-                waiting = decode.num_waiting + prefill.num_running + prefill.num_waiting
-                waiting += len(self._following)
-                self._stats = replace(decode, num_waiting=waiting)
+            if decode is not None:
+                waiting = decode.num_waiting + len(self._following)
+                if prefill is not None:
+                    waiting += prefill.num_running + prefill.num_waiting
+                skipped = self._files.skipped_tokens
+                self._stats = replace(decode, num_waiting=waiting, kv_transfer_skipped=skipped)
         return self._stats

@@ -12,7 +12,8 @@ the decode stage's weight version: block hashes name it) and only while the deco
 awake: it starts awake, so while the decode stage sleeps it is not started (wake-up brings it
 back). When it cannot come back the decode stage serves alone;
 ``down`` says why (the server's /health shows it) and the log says so. Also here: the prefill
-stage's request for a prompt (``prefill_params``).
+stage's request for a prompt (``prefill_params``), and both stages' configs
+(``stage_configs``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 
+from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats, sum_stats
 from rltserve.core.restart import RestartPolicy, stop_stage
 from rltserve.core.stage import StageError
@@ -31,8 +34,10 @@ from rltserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# (the attempts, backoff and stable time; not the server's --stage-* flags, which rule whole
-# stages: its watchdog and start-up timeout are not this one's)
+# (the attempts, backoff and stable time; not the server's --stage-* flags: those decide when
+# the server gives up and exits for an outer supervisor, while a prefill stage that runs out of
+# attempts only leaves the decode stage serving alone; --stage-restarts 0, asking for a dead
+# engine to be handed on, would here quietly end disaggregation at the first prefill crash)
 RESTARTS = RestartPolicy(max_restarts=3, backoff_s=1.0, backoff_max_s=30.0, stable_s=60.0)
 POLL_S = 0.2
 READY_TIMEOUT_S = 600.0  # (a model load: the server's --startup-timeout-s default)
@@ -277,3 +282,22 @@ def prefill_params(params: SamplingParams, info: EngineInfo) -> SamplingParams:
         priority=params.priority,
         cache_salt=params.cache_salt,
     )
+
+
+def stage_configs(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+    """The prefill stage's config and the decode stage's: one stage each, prefix caching on
+    (the decode stage finds transferred blocks in its cache); the prefill stage on
+    ``prefill_device`` and without CUDA graphs (they serve decode steps only)."""
+    execution = replace(
+        config.execution, disaggregate=False, prefill_device=None, kv_transfer_gb=None
+    )
+    decode = replace(
+        config, execution=execution, cache=replace(config.cache, enable_prefix_caching=True)
+    )
+    device = config.execution.prefill_device or config.model.device
+    prefill = replace(
+        decode,
+        model=replace(config.model, device=device),
+        execution=replace(execution, cuda_graphs=False),
+    )
+    return prefill, decode

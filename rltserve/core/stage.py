@@ -78,16 +78,17 @@ def serve(
     recv: Callable[[], tuple],
     send: Callable[[tuple], None],
     on_idle: Callable[[], None] | None = None,
+    role: str | None = None,
 ) -> None:
     """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``.
-    ``on_idle``: as ``run_engine_loop``'s."""
+    ``on_idle``: as ``run_engine_loop``'s; ``role``: the stage it is (its log lines say so)."""
     # Imported here: torch comes with the engine, and only the process that runs it needs it.
     from rltserve.core.engine import EngineCore
     from rltserve.core.engine_loop import run_engine_loop
     from rltserve.models.loader import CheckpointError
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, role=role)
     except Exception as exc:
         # (A checkpoint that does not load is a failure: its path was checked before.)
         unloadable = isinstance(exc, CheckpointError)
@@ -453,7 +454,7 @@ class InProcessStageClient(_ClientBase):
 
         self._thread = threading.Thread(
             target=serve,
-            args=(config, self._commands.get, deliver),
+            args=(config, self._commands.get, deliver, None, role),
             name="rltserve-stage-loop",
             daemon=True,
         )

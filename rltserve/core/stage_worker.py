@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "--log-config-file", default=None, help="the parent's dictConfig file, when it has one"
     )
     parser.add_argument(
-        "--role", default=None, help="the stage it runs (prefill, decode): for ps only"
+        "--role", default=None, help="the stage it runs (prefill, decode): for ps and its log lines"
     )
     args = parser.parse_args(argv)
     if args.log_config_file is not None:  # (its handlers and formats, as the parent's lines)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_gc()  # this process runs nothing but the engine
     tuned = tune_malloc()
     try:
-        serve(config, conn.recv, send, on_idle=trim_heap if tuned else None)
+        serve(config, conn.recv, send, on_idle=trim_heap if tuned else None, role=args.role)
     finally:
         conn.close()
     return 0

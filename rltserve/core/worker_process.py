@@ -129,7 +129,8 @@ class WorkerProcess:
     def start(cls, config: EngineConfig, role: str | None = None) -> WorkerProcess:
         """Launches a worker and hands it ``config``; raises ``StageError`` naming the cause
         when it cannot be started. ``role`` goes on its command line (``--role prefill``), so
-        that ``ps`` tells a disaggregated engine's two workers apart."""
+        that ``ps`` (and the log lines that name their stage) tell a disaggregated engine's two
+        workers apart."""
         from rltserve.core.stage import StageError
 
         command = f"{sys.executable or 'python'} -c <{WORKER_MODULE}.main>"

@@ -64,6 +64,9 @@ _ENGINE_COUNTERS = (
     ("kv_transfer_unused",
      "Disaggregation: prompt tokens the prefill stage moved that the decode stage did not use.",
      "kv_transfer_unused"),
+    ("kv_transfer_skipped",
+     "Disaggregation: prompt tokens the decode stage computed because the transfer files' "
+     "bound (--kv-transfer-gb) was reached.", "kv_transfer_skipped"),
     ("prefix_cache_evictions", "Cached prompt blocks evicted to make room.",
      "prefix_cache_evictions"),
 )  # fmt: skip
