@@ -199,6 +199,8 @@ def _lines(quick: str | None):
     if quick is not None:
         yield quick
         return
+    if sys.stdin is None:  # (started with stdin closed, ``<&-``: no lines to read)
+        return
     tty = sys.stdin.isatty()
     while True:
         try:

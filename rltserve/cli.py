@@ -25,7 +25,7 @@ from rltserve.chat_cli import add_client_parsers
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
 from rltserve.preflight import check_output_dir
-from rltserve.progress import progress_enabled, watch_dir_growth
+from rltserve.progress import is_terminal, progress_enabled, watch_dir_growth
 from rltserve.ray.config import add_resource_args
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
@@ -93,7 +93,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _stdin_prompts() -> list[str]:
     """stdin's non-blank lines, one prompt each (as ``rltserve complete`` reads its input)."""
-    prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    lines = sys.stdin or ()  # (None: started with stdin closed, ``<&-``)
+    prompts = [line.rstrip("\n") for line in lines if line.strip()]
     if not prompts:
         raise ValueError(
             "prompt: none on stdin (read, one per line, for '-' or when no prompt is given "
@@ -107,7 +108,7 @@ def _prompt_args(args: argparse.Namespace) -> list[str]:
     stdin's lines when it is not a terminal (a pipe), else the default 'Hello' (or, with
     ``--token-ids``, nothing)."""
     if not args.prompt:
-        if not sys.stdin.isatty():
+        if sys.stdin is not None and not is_terminal(sys.stdin):  # (None: no stdin at all)
             return _stdin_prompts()
         return [] if args.token_ids else ["Hello"]
     prompts: list[str] = []

@@ -19,7 +19,17 @@ _POLL_S = 0.25  # how often a watched directory's size is read
 
 
 def progress_enabled(quiet: bool = False) -> bool:
-    return not quiet and sys.stderr.isatty()
+    return not quiet and is_terminal(sys.stderr)
+
+
+def is_terminal(stream: object) -> bool:
+    """Whether ``stream`` is a terminal. Not one: None (a process started without stderr,
+    ``2>&-``), a closed file, or a stand-in without ``isatty`` (a logging shim with ``write``
+    alone, as scripts assign to ``sys.stderr``): no bar then, rather than a failed call."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def in_notebook() -> bool:

@@ -116,6 +116,8 @@ def test_input_is_quicks_message_or_stdins_nonblank_lines(monkeypatch):
     assert list(chat_cli._lines("just this")) == ["just this"]
     monkeypatch.setattr("sys.stdin", io.StringIO("first\n\n  \nsecond line\n"))
     assert list(chat_cli._lines(None)) == ["first", "second line"]
+    monkeypatch.setattr("sys.stdin", None)  # (started with stdin closed, ``<&-``)
+    assert list(chat_cli._lines(None)) == []
 
 
 def test_ctrl_c_while_waiting_for_a_line_interrupts_at_once(monkeypatch):

@@ -247,6 +247,19 @@ def test_generate_reads_prompts_from_a_pipe_or_dash_one_per_line(monkeypatch, ca
     assert len(_FakeLLM.calls) == 3
 
 
+def test_generate_with_stdin_closed_says_hello_and_reads_no_dash(monkeypatch, capsys):
+    # A process started with stdin closed (``<&-``, some job runners) has sys.stdin None: no
+    # prompts to read, as on a terminal; '-' then reads none.
+    monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
+    monkeypatch.setattr(_FakeLLM, "calls", [])
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["generate"]) == 0
+    assert [prompts for _, prompts, _ in _FakeLLM.calls] == [["Hello"]]
+    capsys.readouterr()
+    assert main(["generate", "-"]) == 2
+    assert capsys.readouterr().err.startswith("rltserve: error: prompt: none on stdin")
+
+
 def test_generate_token_ids_prompts(monkeypatch, capsys):
     monkeypatch.setattr(rltserve.llm, "LLM", _FakeLLM)
     monkeypatch.setattr(_FakeLLM, "calls", [])

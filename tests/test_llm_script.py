@@ -184,3 +184,46 @@ def test_worker_ignores_modules_in_the_current_directory(tiny, tmp_path):
     script = scripts / "example.py"
     script.write_text(example_on(tiny))
     check_example_output(run_python([str(script)], cwd=tmp_path))
+
+
+def test_ctrl_c_while_an_in_process_stage_loads_lets_it_end_before_exit(tiny, tmp_path):
+    # Ctrl-C during LLM(..., in_process=True): close() stops waiting for the stage's thread,
+    # which cannot stop before its model has loaded. It must still end before the interpreter
+    # finalizes: a daemon thread caught in torch's C++ code there aborts the process ("terminate
+    # called without an active exception", exit code 134). A slow load stands in for a large
+    # checkpoint; the check, registered first, runs last among the exit hooks.
+    code = f"""
+import atexit, os, signal, threading, time
+def check():
+    alive = [t.name for t in threading.enumerate() if t.name == "rltserve-stage-loop"]
+    print("ALIVE AT EXIT", alive, flush=True)
+atexit.register(check)
+from rltserve import LLM
+from rltserve.core import engine
+load = engine.EngineCore.__init__
+def slow_load(self, *args, **kwargs):
+    time.sleep(4.0)  # longer than close()'s wait after the interrupt
+    load(self, *args, **kwargs)
+engine.EngineCore.__init__ = slow_load
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    LLM({str(tiny)!r}, in_process=True, num_blocks=64)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+"""
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["INTERRUPTED", "ALIVE AT EXIT []"], proc.stdout
+
+
+def test_generate_runs_with_stderr_closed(tiny, tmp_path):
+    # generate's default use_tqdm=True asks whether stderr is a terminal; a script run with
+    # stderr closed (``2>&-``: Python's sys.stderr is None) has none to ask.
+    code = (
+        "from rltserve import LLM, SamplingParams\n"
+        f"with LLM({str(tiny)!r}, num_blocks=64) as llm:\n"
+        "    out = llm.generate([[1, 2]], SamplingParams(max_tokens=2))\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+    )
+    proc = run_python(["-c", code], cwd=tmp_path, preexec_fn=lambda: os.close(2))
+    assert (proc.returncode, proc.stdout) == (0, "2\n")

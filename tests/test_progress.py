@@ -83,6 +83,20 @@ def test_bars_only_for_a_terminal_and_not_when_quiet(monkeypatch):
     assert not progress_enabled()
 
 
+class WriteOnly:
+    """A stand-in for stderr with ``write`` alone, as a script's logging shim has it."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+@pytest.mark.parametrize("stream", [None, WriteOnly()], ids=["no-stderr", "write-only"])
+def test_a_stderr_that_is_no_file_means_no_bar(monkeypatch, stream):
+    # (None: a process started with stderr closed, ``python script.py 2>&-``)
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert not progress_enabled()
+
+
 def test_bench_offline_json_without_a_terminal_has_no_bar(model):
     code, out, err = run(*bench_args(model), terminal=False)
     assert code == 0, err

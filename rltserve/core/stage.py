@@ -26,6 +26,7 @@ is collected and its finalizer stops the stage.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import logging
@@ -46,6 +47,9 @@ Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)
 
 _CLOSED = "stage closed before the request finished"
+# How long the exit waits for an in-process stage loop that outlived its close (``_stop_loop``):
+# a load or a step ends well within it; a wedged loop does not hold the exit forever.
+_EXIT_JOIN_S = 300.0
 
 
 class StageError(RuntimeError):
@@ -480,7 +484,11 @@ def _stop_loop(commands: queue.Queue, thread: threading.Thread, timeout: float =
     """Stops an in-process client's loop and waits for it (``close``, and the finalizer of an
     unreferenced client, also run at interpreter exit: the loop must have ended before the
     interpreter goes on, else its daemon thread, still freeing tensors, is stopped at shutdown
-    and the C++ runtime aborts the process)."""
+    and the C++ runtime aborts the process). A loop still busy after ``timeout`` (a model still
+    loading when Ctrl-C interrupted ``LLM(...)``: it reads the shutdown once loaded) is waited
+    for again at exit, up to ``_EXIT_JOIN_S``, for the same reason."""
     commands.put(("shutdown",))
     if threading.current_thread() is not thread:
         thread.join(timeout)
+        if thread.is_alive():
+            atexit.register(thread.join, _EXIT_JOIN_S)

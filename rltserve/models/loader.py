@@ -42,6 +42,7 @@ from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.hfconfig import generation_eos_ids
 from rltserve.models.registry import Family, get_family
 from rltserve.models.weight_file import Extent, extents, read_concat
+from rltserve.progress import is_terminal
 
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -169,7 +170,7 @@ def _progress_bar(total_bytes: int, files: int, progress: bool | None) -> Any:
     """A tqdm bar over the checkpoint's bytes, or None (see module docstring)."""
     if progress is None:
         large = total_bytes >= PROGRESS_MIN_BYTES or files >= PROGRESS_MIN_FILES
-        progress = large and sys.stderr is not None and sys.stderr.isatty()
+        progress = large and is_terminal(sys.stderr)
     if not progress:
         return None
     from tqdm import tqdm
