@@ -298,8 +298,8 @@ def test_a_failed_write_caches_nothing_and_returns_the_blocks():
 
 def test_finished_answers_are_cached_where_they_ran_the_whole_depth():
     """Stop or length: the answer's full blocks after the prompt's (14 + 3 outputs: 16 written
-    positions, four blocks); an abort, an answer below the request's depth (``max_loops`` 1 of
-    2 loops) or caching off: the prompt's only."""
+    positions, four blocks); an abort two outputs in (15 written positions), an answer below
+    the request's depth (``max_loops`` 1 of 2 loops) or caching off: the prompt's only."""
     for kind, expected in (("done", 4), ("abort", 3), ("shallow", 3), ("off", 0)):
         s = _scheduler(retain=kind != "off")
         request = _request("a", list(range(14)))

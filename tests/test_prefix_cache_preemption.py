@@ -1,7 +1,8 @@
 """The prefix cache when requests leave early, torch-free with hand-built step results: group
-followers whose leader is preempted, answers cached after a resume from swap or recompute, and
-the one waiting request that takes a prefix over when its computer is aborted or preempted.
-Hits, eviction and group admission: ``test_prefix_cache.py``."""
+followers whose leader is preempted, answers cached after a resume from swap or recompute or
+after an abort (only their final blocks), and the one waiting request that takes a prefix over
+when its computer is aborted or preempted. Hits, eviction and group admission:
+``test_prefix_cache.py``."""
 
 from __future__ import annotations
 
@@ -130,3 +131,39 @@ def test_aborted_prefix_computers_leave_no_claims():
         s.abort(f"r{r}")
         _drain(s)
     assert s.sharing._computing == {}
+
+
+def test_an_aborted_answer_caches_its_final_blocks_for_the_next_turn():
+    """An answer cut short (a stop string ends it in the front end with an abort, as does a
+    client that leaves) caches its full-depth blocks as a finished one does: the next turn,
+    its prompt and the answer so far, computes only what is new."""
+    s = _scheduler()
+    prompt = list(range(14))
+    answer = _request("a", prompt, max_tokens=8)
+    s.add_request(answer)
+    while len(answer.output_token_ids) < 5:  # 18 positions written: four full blocks
+        _step(s)
+    s.abort("a")
+    _drain(s)
+    s.add_request(_request("b", prompt + answer.output_token_ids + [5]))
+    assert {w.request_id: w.start for w in s.schedule().items} == {"b": 16}
+
+
+def test_an_answer_aborted_while_it_recomputes_caches_only_recomputed_blocks():
+    """Aborted after its recompute resumed but before the replay's last loop: the positions
+    past the prompt's cached block have no final KV yet, so none of their blocks is cached
+    (a later hit would read KV that was never written)."""
+    s = _scheduler(max_num_seqs=1, scheduling_policy="priority")
+    prompt = list(range(6))
+    answer = _request("a", prompt, max_tokens=8, priority=1)
+    s.add_request(answer)
+    while len(answer.output_token_ids) < 4:
+        _step(s)
+    s.add_request(_request("h", list(range(50, 55)), max_tokens=1))
+    assert _step(s).preempted == ["a"]
+    while answer not in s.running:
+        _step(s)
+    assert answer.items and answer.items[0].start == 4  # its replay, after the cached block
+    s.abort("a")
+    _drain(s)
+    assert s.kv.cache.num_entries == 1 + 1  # a's prompt block, h's one

@@ -12,12 +12,13 @@ depends only on the tokens up to it and on what the request's salt names (``Requ
 - Caching: a prompt block is cached once every prompt position up to its end has run its last
   loop *and that result was applied* (so a failed step never caches garbage, and any later
   step that reads the block runs after the steps that wrote it).
-- Generated tokens: when a request finishes (stop or length), the full blocks after its prompt
-  whose every position looped the request's whole depth (its output there exited at
-  ``num_loops``: a fixed full depth, the chat default) are cached too, chained after the
-  prompt's: their KV on every plane is what a prompt holding those tokens computes, so the next
-  turn of a conversation, whose prompt repeats this one and its answer, hits them. A position
-  that exited earlier has KV a prompt never has (copies, or loops still to run under ``full``);
+- Generated tokens: when a request ends (stop, length or abort: the front end ends an answer
+  at a stop string with one), the full blocks after its prompt whose every position looped
+  the request's whole depth (its output there exited at ``num_loops``: a fixed full depth, the
+  chat default) and whose KV is final are cached too, chained after the prompt's: their KV on
+  every plane is what a prompt holding those tokens computes, so the next turn of a
+  conversation, whose prompt repeats this one and its answer, hits them. A position that
+  exited earlier has KV a prompt never has (copies, or loops still to run under ``full``);
   the blocks from its own on are not cached.
 - In flight: a request whose first uncached prompt block is being computed by a running
   request waits until that block is cached instead of computing it again, so a burst of
@@ -212,16 +213,17 @@ class PromptSharing:
                     del computing[key]
         request.blocks_cached = max(request.blocks_cached, upto)
 
-    def on_finished(self, request: Request) -> None:
-        """A request ended with its outputs (stop or length), its KV still held: caches the
-        full blocks of its generated tokens that a prompt would have computed the same way
-        (see the module doc), after its prompt's."""
+    def on_finished(self, request: Request, final: int) -> None:
+        """A request ended with its outputs (stop, length or abort), its KV still held: caches
+        the full blocks of its generated tokens that a prompt would have computed the same way
+        (see the module doc), after its prompt's, below ``final`` (positions past it may still
+        be computing: a recompute's replay, or a forced token's)."""
         if request.block_hashes is None or request.first_coda_at or not self.s.kv.cache.retain:
             return
         p, loops = request.num_prompt_tokens, request.num_loops
         depths = request.exit_depths
         # Positions p-1 .. p+k-2 produced outputs 0 .. k-1; the last output was never an input.
-        written = p + len(request.output_token_ids) - 1
+        written = min(p + len(request.output_token_ids) - 1, final)
         end = p - 1
         while end < written and depths[end - p + 1] >= loops:
             end += 1
@@ -234,6 +236,20 @@ class PromptSharing:
         keys = block_hashes(request.cache_salt, tokens[first * bs :], bs, parent)
         self.s.kv.cache_blocks(request.request_id, first, keys)
         request.blocks_cached = upto
+
+
+def final_positions(request: Request) -> int:
+    """Positions ``[0, n)`` whose KV is final, for ``on_finished``: those below every item
+    whose work is not done (an item is done once its output is recorded: every loop of its rows
+    ran) and below the first position no item covered yet. An abort may come while a recompute
+    replays the answer, or a forced token's position runs, below the last output."""
+    outputs = len(request.output_token_ids)
+    starts = [
+        item.start
+        for item in request.items
+        if not (item.has_output and item.output_index < outputs)
+    ]
+    return min([request.num_scheduled, *starts])
 
 
 def reusable_blocks(request: Request, block_size: int) -> int:

@@ -49,14 +49,9 @@ from rltserve.core.admission import Admission
 from rltserve.core.applier import Applier
 from rltserve.core.exit import choose_exit_mode, exit_known
 from rltserve.core.kv_cache import KVManager
-from rltserve.core.plan import (
-    RequestSetup,
-    StepPlan,
-    StepResult,
-    WorkItem,
-)
+from rltserve.core.plan import RequestSetup, StepPlan, StepResult, WorkItem
 from rltserve.core.preemption import Preemptor
-from rltserve.core.prompt_sharing import PromptSharing
+from rltserve.core.prompt_sharing import PromptSharing, final_positions
 from rltserve.core.request import FinishReason, InFlight, Request, RequestStatus, Resume
 from rltserve.core.request_checks import POOL_ADVICE
 from rltserve.core.standing import Standing
@@ -481,6 +476,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.finished_ids.append(request.request_id)
+        final = final_positions(request)  # (before its items go)
         self.drop_carried(request)
         request.items.clear()
         if request in self.running:
@@ -490,8 +486,8 @@ class Scheduler:
         self.sharing.forget(request)
         if request.admitted:
             self.sharing.release(request)
-            if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
-                self.sharing.on_finished(request)
+            if reason is not FinishReason.ERROR:  # (an abort too: stop strings end with one)
+                self.sharing.on_finished(request, final)
             self.kv.free(request.request_id)
             self._released.append(request.request_id)
         elif self.preemptor.forget(request):
