@@ -78,6 +78,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loops", type=int, default=1, help="loops per token at least (default 1)")
     g.add_argument(
         "--max-loops",
+        "--num-steps",  # (Huginn's name, as chat's and complete's)
+        dest="max_loops",
         type=int,
         default=None,
         help="loops per token at most (Huginn, Nanbeige: their depth; default: the model's)",
@@ -284,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument(
         "--max-loops",
+        "--num-steps",
+        dest="max_loops",
         type=int,
         default=None,
         help="loops per token at most (Huginn, Nanbeige: their depth; default: the model's)",

@@ -81,3 +81,14 @@ class KVPolicy:
     def per_depth(self) -> bool:
         """Every depth has its own plane."""
         return self.kind in ("full", "last_exited")
+
+
+def is_policy_name(value: object) -> bool:
+    """A policy's name (which ones a request may ask for depends on the engine's)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        KVPolicy.parse(value)
+    except ValueError:
+        return False
+    return True

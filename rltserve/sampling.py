@@ -15,7 +15,7 @@ from rltserve.caller_values import (
     nonempty,
     plain_number,
 )
-from rltserve.kv_policy import KVPolicy
+from rltserve.kv_policy import is_policy_name
 from rltserve.prompt_truncation import truncation_error
 from rltserve.thinking_budget import add_budget_alias
 
@@ -187,14 +187,8 @@ class SamplingParams:
         meaning their defaults, and each ``logit_bias`` entry clamped to [-100, 100] (its
         keys may be strings of digits), as vLLM's OpenAI server builds them."""
         defaults = {f.name: f.default for f in fields(cls)}
-        for name in (
-            "n",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "temperature",
-            "top_p",
-        ):
+        nullable = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in (*nullable, "temperature", "top_p"):
             if name in kwargs and kwargs[name] is None:
                 kwargs[name] = defaults[name]
         bias = kwargs.get("logit_bias")
@@ -248,6 +242,7 @@ class SamplingParams:
         if self.exit_threshold is None:
             named = isinstance(self.exit_criterion, str)  # (another type: refused below)
             self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0) if named else 1.0
+            self._auto_threshold = True  # (``__setattr__``)
         self._validate()
         self._validate_vllm()
 
@@ -324,7 +319,7 @@ class SamplingParams:
             and not float(self.exit_threshold).is_integer()
         ):
             raise bad("exit_threshold", "argmax-stability counts loops: must be a whole number")
-        if self.kv_policy is not None and not _is_kv_policy(self.kv_policy):
+        if self.kv_policy is not None and not is_policy_name(self.kv_policy):
             raise bad(
                 "kv_policy",
                 f"must be one of {REQUEST_KV_POLICIES} or the engine's own policy (None: the "
@@ -479,21 +474,23 @@ class SamplingParams:
         """A copy (vLLM's ``clone``: RL code clones a template and changes ``n`` or ``seed``)."""
         return self.replace()
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # A threshold defaulted at construction belongs to the criterion then named: one set
+        # later (``params.exit_criterion = "argmax-stability"``) takes its own default, not
+        # kl's or 1.0 (copies too: ``replace``). A threshold set by hand is given, and kept.
+        if name == "exit_threshold":
+            self.__dict__.pop("_auto_threshold", None)
+        elif name == "exit_criterion" and self.__dict__.get("_auto_threshold"):
+            auto = EXIT_CRITERIA.get(value, 1.0) if isinstance(value, str) else 1.0
+            object.__setattr__(self, "exit_threshold", auto)
+        object.__setattr__(self, name, value)
+
     def replace(self, **changes: object) -> SamplingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.__dict__.get("_auto_threshold") and "exit_threshold" not in changes:
+            values["exit_threshold"] = None
         values.update(changes)
         return SamplingParams(**values)
 
 
 add_budget_alias(SamplingParams)  # (vLLM's thinking_token_budget)
-
-
-def _is_kv_policy(value: object) -> bool:
-    """A policy's name (which ones a request may ask for depends on the engine's)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        KVPolicy.parse(value)
-    except ValueError:
-        return False
-    return True

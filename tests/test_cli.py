@@ -174,6 +174,9 @@ def test_generate_sampling_flags_and_their_defaults_reach_the_request():
     assert (params.seed, params.exit_threshold, params.exit_criterion) == (11, 0.4, "kl")
     assert (params.min_loops, params.max_loops, params.ignore_eos) == (2, 3, True)
     assert params.init_state == "zero"
+    # Huginn's num_steps names max_loops here too, as in chat, complete and HTTP bodies.
+    for command in (["generate"], ["bench", "offline"]):
+        assert build_parser().parse_args([*command, "--num-steps", "64"]).max_loops == 64
 
 
 class _FakeLLM:

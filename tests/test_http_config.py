@@ -241,3 +241,39 @@ async def test_generation_overrides_are_the_defaults_of_requests_that_leave_fiel
             assert live.state.load_error.startswith(
                 f"ValueError: --override-generation-config: {why}"
             )
+
+
+async def test_a_default_threshold_stays_with_its_criterion(ckpt):
+    """A server's default ``exit_threshold`` is on its default criterion's scale: a request
+    naming another criterion without a threshold takes that criterion's own default (it was a
+    400 for argmax-stability, "exit_threshold=0.5: ... must be a whole number", a threshold the
+    request never sent, and latent-diff ran at kl's 0.5); the same criterion, or a threshold
+    alone, keeps the server's pairing. A default threshold below 1 alone is kl's."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    sent = [
+        {"exit_criterion": "argmax-stability"},
+        {"exit_criterion": "latent-diff"},
+        {"exit_criterion": "kl"},
+        {"exit_threshold": 0.2},
+        {"exit_criterion": "latent-diff", "exit_threshold": 0.4},
+    ]
+    for overrides, want in [
+        (
+            '{"exit_criterion": "kl", "exit_threshold": 0.5}',
+            [("argmax-stability", 5), ("latent-diff", 0.03), ("kl", 0.5), ("kl", 0.2)],
+        ),
+        (
+            '{"exit_threshold": 0.5}',
+            [("argmax-stability", 5), ("latent-diff", 0.03), ("kl", 0.5), (None, 0.2)],
+        ),
+    ]:
+        stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+        factory = scripted_factory(stage)
+        async with running(
+            ckpt, client_factory=factory, override_generation_config=overrides
+        ) as live:
+            for body in sent:
+                status, _, raw = await live.post("/v1/chat/completions", {**chat, **body})
+                assert status == 200, raw
+        got = [(p.exit_criterion, p.exit_threshold) for p in stage.added_params]
+        assert got == [*want, ("latent-diff", 0.4)], overrides

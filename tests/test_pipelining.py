@@ -140,3 +140,10 @@ def test_requirements_are_enforced(ouro_rv1):
         make_core(ouro_rv1, draft_loops=2)  # (was silently unused)
     with pytest.raises(ValueError, match="per-depth"):
         make_core(ouro_rv1, speculative_tokens=1, kv_policy="shared")
+
+
+def test_huginn_is_refused_by_name(huginn_rv1):
+    """Token pipelining needs a model without coda attention: the refusal names the model
+    (it said "a model without coda attention", which a Huginn user cannot map to Huginn)."""
+    with pytest.raises(ValueError, match=r"without coda attention, not huginn_raven \(Huginn\)$"):
+        make_core(huginn_rv1, speculative_tokens=2)

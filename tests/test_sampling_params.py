@@ -14,7 +14,7 @@ from rltserve.caller_values import outside_vocab
 from rltserve.generation_config import generation_config_defaults
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.samples import expand_samples, sample_ids, sample_seed
-from rltserve.sampling import SamplingParams
+from rltserve.sampling import EXIT_CRITERIA, SamplingParams
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -430,3 +430,30 @@ def test_vllms_skip_clone_is_accepted_without_effect():
     assert SamplingParams().skip_clone is False
     with pytest.raises(ValueError, match="skip_clone=1: must be a bool"):
         SamplingParams(skip_clone=1)
+
+
+def test_a_criterion_set_later_takes_its_own_default_threshold():
+    """SamplingParams are mutable (vLLM's): a criterion set on params built without a
+    threshold takes that criterion's default (``EXIT_CRITERIA``), as the constructor would
+    give it, in the params and in the copy a request runs (``clone``); it kept kl's or 1.0, so
+    argmax-stability exited after one stable loop instead of five. A threshold given, or set
+    by hand, is kept."""
+    sweep = SamplingParams(temperature=0.0)
+    for name, default in EXIT_CRITERIA.items():
+        sweep.exit_criterion = name
+        assert (sweep.exit_threshold, sweep.clone().exit_threshold) == (default, default), name
+    sweep.exit_criterion = None
+    assert sweep.exit_threshold == 1.0 and not sweep.adaptive_exit
+    copied = SamplingParams(exit_criterion="kl").clone()
+    copied.exit_criterion = "latent-diff"
+    assert copied.exit_threshold == 0.03
+    assert (
+        SamplingParams(exit_criterion="kl").replace(exit_criterion="minp-kl").exit_threshold == 1e-6
+    )
+    given = SamplingParams(exit_threshold=0.5)
+    given.exit_criterion = "entropy-diff"
+    assert given.clone().exit_threshold == 0.5
+    by_hand = SamplingParams()
+    by_hand.exit_threshold = 1.0
+    by_hand.exit_criterion = "kl"
+    assert by_hand.clone().exit_threshold == 1.0

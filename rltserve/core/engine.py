@@ -97,10 +97,12 @@ class EngineCore:
                     if spec.num_loops > 1
                     else "speculative_tokens: token pipelining needs a model of 2 loops or more"
                 )
-            if not self.policy.per_depth or spec.num_boundary_layers:
+            coda = spec.num_boundary_layers  # (named: "coda attention" alone means little)
+            if not self.policy.per_depth or coda:
+                why = f"{spec.family} (Huginn)" if coda else f"kv_policy={config.cache.kv_policy!r}"
                 raise ValueError(
                     "speculative_tokens: token pipelining needs a per-depth KV policy "
-                    "(last_exited or full) and a model without coda attention"
+                    f"(last_exited or full) and a model without coda attention, not {why}"
                 )
         if config.scheduler.wavefront_prefill and not self.policy.per_depth:
             raise ValueError(

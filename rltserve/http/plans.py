@@ -117,6 +117,8 @@ def _with_loop_defaults(
         for name in ("exit_criterion", "exit_threshold", "init_state")
         if getattr(req, name) is None and defaults.get(name) is not None
     }
+    if not _default_threshold_applies(req.exit_criterion, defaults):
+        changes.pop("exit_threshold", None)
     if req.max_loops is None and req.num_steps is None:
         loops = defaults.get("max_loops")
         limit = state.config.max_loops_limit
@@ -125,6 +127,21 @@ def _with_loop_defaults(
         if loops is not None:
             changes["max_loops"] = loops
     return dataclasses.replace(req, **changes) if changes else req
+
+
+def _default_threshold_applies(criterion: str | None, defaults: dict[str, object]) -> bool:
+    """Whether the server's default ``exit_threshold`` applies to a request naming
+    ``criterion``: a threshold is on its criterion's scale (kl's 5e-4, argmax-stability's whole
+    loops), so a request naming another criterion than the default's takes that one's own
+    default, as on a server without overrides (not a 400 for a threshold it never sent). A
+    default threshold below 1 without a default criterion is kl's (README, Models)."""
+    if criterion is None:
+        return True
+    own = defaults.get("exit_criterion")
+    threshold = defaults.get("exit_threshold")
+    if own is None and isinstance(threshold, (int, float)) and threshold < 1.0:
+        own = "kl"
+    return criterion == own
 
 
 def _header(
