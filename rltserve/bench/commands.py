@@ -1,6 +1,6 @@
 """The ``rltserve bench offline|rollout|host`` commands: their flag checks, the run, and the
 report printed for people (``--json``: for programs). ``rltserve.cli`` builds their parsers;
-``bench serve`` is ``rltserve.http.cli``'s."""
+``bench serve`` is ``rltserve.bench.serve_cli``'s."""
 
 from __future__ import annotations
 
