@@ -47,8 +47,9 @@ class TrainerControls:
         ``weights``: a checkpoint directory (or ``.safetensors`` file), a Hugging Face repo id
         in the local cache (as the model's, ``download_dir`` included), or an iterable of
         ``(name, tensor)`` pairs in checkpoint names, such as a trainer's
-        ``state_dict().items()``; a subset updates only those tensors, and no pairs at all
-        (an empty last bucket of a streamed update) change nothing: the version stays. Strict:
+        ``state_dict().items()`` (or a mapping of names to tensors: the state_dict itself); a
+        subset updates only those tensors, and no pairs at all (an empty last bucket of a
+        streamed update) change nothing: the version stays. Strict:
         an unknown name, a wrong shape, a non-float tensor or a name given twice rejects the
         whole update (``ValueError`` listing them) and the old weights keep serving (vLLM's
         ``load_weights``, the path below, takes a repeated name's last tensor instead). The

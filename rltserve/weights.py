@@ -15,12 +15,12 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-WeightsArg = str | os.PathLike | Iterable[tuple[str, Any]]
+WeightsArg = str | os.PathLike | Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 @contextmanager
@@ -41,7 +41,9 @@ def update_paths(
             raise ValueError(f"weights: {str(path)!r} does not exist")
         yield [str(path.resolve())]
         return
-    if isinstance(weights, dict):
+    # Any mapping of names to tensors (a state_dict, or a read-only or lazy view of one), as the
+    # load_weights path takes it: iterating one would give the names alone.
+    if isinstance(weights, Mapping):
         weights = weights.items()
     tensors = _collect(weights, last_wins)
     if not tensors:

@@ -11,6 +11,7 @@ import os
 import re
 import threading
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -365,6 +366,15 @@ def test_vllm_scripts_load_weights_through_the_engine_path(llm, new_ckpt):
         model.load_weights({"model.nope.weight": torch.zeros(2)}.items())
     assert llm.weight_version == len(new)
     assert model.load_weights(new) == set(new) and llm.weight_version == len(new) + 1  # (a dict)
+
+
+def test_update_weights_takes_any_mapping_of_names_to_tensors(llm, new_ckpt):
+    """A state_dict passed whole is taken as its items, whatever kind of mapping holds it (a
+    read-only view here; a plain dict and the load_weights path already were): iterating a
+    mapping gives its names alone, which read as malformed pairs."""
+    new = load_file(new_ckpt / "model.safetensors")
+    assert llm.update_weights(MappingProxyType(new)) == 1
+    assert _generate(llm) == _oracle(new_ckpt)
 
 
 def test_load_weights_copies_pairs_in_order_as_vllms_does(llm, ouro_rv1, new_ckpt, tmp_path):
