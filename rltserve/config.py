@@ -6,6 +6,7 @@ flags (``--max-num-seqs`` from ``max_num_seqs``) and help texts from these datac
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -378,8 +379,10 @@ class ExecutionConfig:
             _check_device("prefill_device", self.prefill_device)
         space = self.kv_transfer_gb
         if space is not None:
-            if isinstance(space, bool) or not isinstance(space, (int, float)) or not space >= 0:
-                raise ValueError(f"kv_transfer_gb={space!r}: must be None or a number >= 0")
+            # (not inf: the bound is counted in whole bytes; a large number is no bound)
+            number = isinstance(space, (int, float)) and not isinstance(space, bool)
+            if not number or not 0 <= space < math.inf:
+                raise ValueError(f"kv_transfer_gb={space!r}: must be None or a finite number >= 0")
             if not self.disaggregate:
                 raise ValueError(f"kv_transfer_gb={space!r}: only with disaggregate=True")
         for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):

@@ -216,6 +216,31 @@ except KeyboardInterrupt:
     assert proc.stdout.splitlines() == ["INTERRUPTED", "ALIVE AT EXIT []"], proc.stdout
 
 
+def test_a_stage_still_loading_at_exit_ends_before_the_interpreter(tiny, tmp_path):
+    # An in-process stage never closed: its finalizer stops it at exit, and a loop that
+    # outlives the finalizer's wait (still loading here) must still end before the interpreter
+    # finalizes. An exit hook registered from within the finalizer is dropped, never run.
+    code = f"""
+import atexit, threading, time
+def check():
+    alive = [t.name for t in threading.enumerate() if t.name == "rltserve-stage-loop"]
+    print("ALIVE AT EXIT", alive, flush=True)
+atexit.register(check)
+from rltserve.config import EngineConfig
+from rltserve.core import engine, stage
+stage._stop_loop.__defaults__ = (0.5,)  # (the finalizer's wait, shortened)
+load = engine.EngineCore.__init__
+def slow_load(self, *args, **kwargs):
+    time.sleep(3.0)  # longer than the finalizer's wait
+    load(self, *args, **kwargs)
+engine.EngineCore.__init__ = slow_load
+client = stage.InProcessStageClient(EngineConfig.from_flat(model={str(tiny)!r}, num_blocks=64))
+"""
+    proc = run_python(["-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["ALIVE AT EXIT []"], proc.stdout
+
+
 def test_generate_runs_with_stderr_closed(tiny, tmp_path):
     # generate's default use_tqdm=True asks whether stderr is a terminal; a script run with
     # stderr closed (``2>&-``: Python's sys.stderr is None) has none to ask.

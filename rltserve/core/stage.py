@@ -490,5 +490,10 @@ def _stop_loop(commands: queue.Queue, thread: threading.Thread, timeout: float =
     commands.put(("shutdown",))
     if threading.current_thread() is not thread:
         thread.join(timeout)
-        if thread.is_alive():
+        if not thread.is_alive():
+            return
+        # (At exit, the main thread marked stopped, an exit hook registered now never runs.)
+        if threading.main_thread().is_alive():
             atexit.register(thread.join, _EXIT_JOIN_S)
+        else:
+            thread.join(_EXIT_JOIN_S)
