@@ -185,8 +185,10 @@ class CacheConfig:
             )
         if not isinstance(self.kv_watermark, (int, float)) or not 0.0 <= self.kv_watermark < 1.0:
             raise ValueError(f"kv_watermark={self.kv_watermark!r}: must be in [0, 1)")
-        if not isinstance(self.swap_space_gb, (int, float)) or not self.swap_space_gb >= 0:
-            raise ValueError(f"swap_space_gb={self.swap_space_gb!r}: must be >= 0")
+        swap = self.swap_space_gb
+        # (not inf: the space is counted in whole bytes at start)
+        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not 0 <= swap < math.inf:
+            raise ValueError(f"swap_space_gb={swap!r}: must be a finite number >= 0")
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(
                 f"enable_prefix_caching={self.enable_prefix_caching!r}: must be True, False "

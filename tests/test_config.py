@@ -56,7 +56,9 @@ def test_cache_settings_name_the_bad_value():
     _refused(CacheConfig, r"kv_reservation='partial': must be one of", kv_reservation="partial")
     for bad in (1.0, -0.01, "0.1"):
         _refused(CacheConfig, rf"kv_watermark={bad!r}: must be in \[0, 1\)", kv_watermark=bad)
-    _refused(CacheConfig, r"swap_space_gb=-1: must be >= 0", swap_space_gb=-1)
+    for bad in (-1, float("inf"), float("nan"), True):  # (inf: counted in whole bytes)
+        why = rf"swap_space_gb={bad!r}: must be a finite number >= 0"
+        _refused(CacheConfig, why, swap_space_gb=bad)
     _refused(CacheConfig, r"enable_prefix_caching='yes'", enable_prefix_caching="yes")
     for bad in (0, 1.01, -0.5, True, "0.5", float("nan")):
         why = r": must be in \(0, 1\]$"
