@@ -172,8 +172,9 @@ class CacheConfig:
             raise ValueError(f"block_size={self.block_size!r}: must be a power of two")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks!r}: must be >= 1")
-        if not self.kv_cache_gb > 0:
-            raise ValueError(f"kv_cache_gb={self.kv_cache_gb!r}: must be > 0")
+        gb = self.kv_cache_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+            raise ValueError(f"kv_cache_gb={gb!r}: must be a finite number > 0")
         share = self.gpu_memory_utilization
         if share is not None and (
             isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1

@@ -52,7 +52,8 @@ def test_cache_settings_name_the_bad_value():
     for bad in (0, 3, 12, -16):
         _refused(CacheConfig, rf"block_size={bad}: must be a power of two", block_size=bad)
     _refused(CacheConfig, r"num_blocks=0: must be >= 1", num_blocks=0)
-    _refused(CacheConfig, r"kv_cache_gb=0: must be > 0", kv_cache_gb=0)
+    for bad in (0, float("inf"), "1"):  # (inf: the pool is sized in whole blocks)
+        _refused(CacheConfig, rf"kv_cache_gb={bad!r}: must be a finite number > 0", kv_cache_gb=bad)
     _refused(CacheConfig, r"kv_reservation='partial': must be one of", kv_reservation="partial")
     for bad in (1.0, -0.01, "0.1"):
         _refused(CacheConfig, rf"kv_watermark={bad!r}: must be in \[0, 1\)", kv_watermark=bad)
