@@ -301,6 +301,43 @@ def test_bad_vllm_flags_are_usage_errors_naming_the_flag(monkeypatch, tmp_path, 
         cmd_bench_serve(_parse("--quiet", *flags))
 
 
+def test_extra_body_of_several_choices_per_request_is_refused(monkeypatch):
+    """``"n": 2`` streamed both choices into one request: its chunks timed as one answer
+    (TPOT halved, twice the output tokens per request), silently."""
+
+    async def connects(config):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr("rltserve.bench.serve.run_bench", connects)
+    with pytest.raises(ValueError, match=r'^--extra-body \{"n": 2\}: n 2: bench serve times one'):
+        cmd_bench_serve(_parse("--quiet", "--extra-body", '{"n": 2}'))
+    with pytest.raises(ValueError, match="one choice per request"):
+        BenchConfig(url="http://x", extra_body={"n": 3})
+    assert _config(monkeypatch, "--extra-body", '{"n": 1}').extra_body == {"n": 1}
+
+
+def test_random_length_flags_with_a_text_dataset_are_refused(monkeypatch, tmp_path):
+    """A file's prompts and output lengths are the dataset's: --random-input-len and
+    --random-output-len (or their other spellings) were ignored silently, and the report
+    recorded their defaults as the run's lengths."""
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"prompt": "hi there"}\n')
+    text = ("--dataset-name", "custom", "--dataset-path", str(path))
+    for flag, message in (
+        ("--random-input-len", "sends the file's prompts as they are"),
+        ("--input-len", "sends the file's prompts as they are"),
+        ("--random-output-len", "takes --custom-output-len for output lengths"),
+        ("--max-tokens", "takes --custom-output-len for output lengths"),
+    ):
+        with pytest.raises(ValueError, match=f"^{flag} 64: random prompts only; --dataset-name "
+                                             f"custom {message}"):  # fmt: skip
+            cmd_bench_serve(_parse("--quiet", *text, flag, "64"))
+    config = _config(monkeypatch, *text, "--custom-output-len", "9")
+    report = summarize(config, [], duration=1.0)
+    assert (report["input_len"], report["output_len"]) == (None, None)
+    assert summarize(_config(monkeypatch), [], 1.0)["input_len"] == 128
+
+
 def test_a_result_file_that_cannot_be_written_is_refused_before_the_run(monkeypatch, tmp_path):
     async def connects(config):
         raise AssertionError("the benchmark started")

@@ -295,6 +295,33 @@ async def test_a_request_that_streams_no_output_fails_saying_so(monkeypatch):
         assert result.error == "no output: the stream carried no chunk with text or token_ids"
 
 
+async def test_a_first_token_that_ends_the_request_is_its_output_not_a_failure(monkeypatch):
+    """A first token that is an end or stop token streams one closing chunk without text
+    (usage counts the token): vLLM's bench times it as a success; it was a failure here, so
+    the completed and output token counts fell short of the server's."""
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    for endpoint, closing in (
+        ("completions", {"choices": [{"text": "", "finish_reason": "stop"}]}),
+        ("chat", {"choices": [{"delta": {}, "finish_reason": "stop"}]}),
+    ):
+        clock.now = 0.0
+        role = (0.05, {"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+        chunks = [role] * (endpoint == "chat") + [(0.2, closing), (0.25, _usage(1, 4))]
+        client = _OneStreamClient(_Stream(clock, chunks, 0.3))
+        result = await _one(client, BenchConfig(url="http://x", endpoint=endpoint), [1, 2])
+        assert result.success and result.error is None, endpoint
+        assert result.ttft == pytest.approx(0.2) and result.itl == []
+        assert (result.output_tokens, result.output_text) == (1, "")
+    # ... but a request the server aborted before any output failed
+    clock.now = 0.0
+    chunks = [(0.2, {"choices": [{"text": "", "finish_reason": "abort"}]})]
+    result = await _one(
+        _OneStreamClient(_Stream(clock, chunks, 0.3)), BenchConfig(url="http://x"), [1]
+    )
+    assert not result.success and result.error.startswith("no output")
+
+
 async def test_chat_without_token_ids_is_timed_by_its_text(monkeypatch):
     """Servers that send no per-chunk token_ids (older vLLM, SGLang, proxies): output chunks
     are those with content; without usage, each counts one token."""

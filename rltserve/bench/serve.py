@@ -30,9 +30,11 @@ Definitions (as vLLM's): TTFT = send -> first streamed chunk with output; ITL = 
 consecutive streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1) per request; E2EL = send
 -> last byte. Output tokens are the server's ``usage.completion_tokens`` (without usage: the
 token ids streamed, else the output chunks). Throughputs divide by the benchmark's wall time.
-A request that streams no output fails with an error saying so. The report (``serve_report``:
-its statistics, goodput and per-request arrays) starts with the run's settings (URL, endpoint,
-model, seed, ...) and its ``date``; ``serve_config`` checks the settings.
+A request that streams no output fails with an error saying so; one whose only chunk closes
+it (a first token that was an end or stop token, which has no text) succeeds, timed at that
+chunk. The report (``serve_report``: its statistics, goodput and per-request arrays) starts
+with the run's settings (URL, endpoint, model, seed, ...) and its ``date``; ``serve_config``
+checks the settings.
 
 ``endpoint="chat"`` streams ``/v1/chat/completions`` instead (vLLM's ``openai-chat`` backend):
 each random prompt is sent as the text the server decodes it to (``/detokenize``), as one user
@@ -67,6 +69,8 @@ from rltserve.progress import progress_bar
 
 _FALLBACK_VOCAB = 1000  # servers whose model card has no vocab_size
 _FIRST_PROBE_S = 5.0  # the first readiness probe; a longer wait is announced on stderr
+# finish reasons of a request the server ended without its answer (vLLM's abort; an error)
+_ABNORMAL_FINISH = ("abort", "error")
 
 
 class ServerNotReadyError(ConnectionError):
@@ -174,8 +178,13 @@ async def _one(
                     # Output is token ids or, from servers that send none per chunk (vLLM
                     # without return_token_ids, SGLang, proxies), text. A chat's role chunk and
                     # a closing chunk (the finish reason alone) carry neither; a completion
-                    # chunk without text otherwise holds a token whose text is held back.
-                    if not (ids or text) and (chat or choice.get("finish_reason")):
+                    # chunk without text otherwise holds a token whose text is held back. A
+                    # closing chunk before any output ends a request whose first token was an
+                    # end or stop token (no text, counted in usage): that chunk is its output,
+                    # as vLLM's bench times it, not a failure.
+                    finish = choice.get("finish_reason")
+                    first_ends = outputs == 0 and finish and finish not in _ABNORMAL_FINISH
+                    if not (ids or text) and (chat or finish) and not first_ends:
                         continue
                     result.output_ids.extend(ids)
                     result.output_text += text or ""

@@ -115,6 +115,8 @@ class BenchConfig:
             raise ValueError(f"num_warmups={self.num_warmups}: must be >= 0")
         if not isinstance(self.extra_body, dict):
             raise ValueError(f"extra_body={self.extra_body!r}: must be a dict (a JSON object)")
+        if self.extra_body.get("n", 1) != 1:  # (its choices would be timed as one answer)
+            raise ValueError(f"extra_body={self.extra_body!r}: one choice per request (n 1)")
 
     def _check_dataset(self) -> None:
         if self.dataset not in DATASETS:

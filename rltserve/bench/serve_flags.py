@@ -73,8 +73,8 @@ def config_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _check_text_dataset(args: argparse.Namespace) -> None:
-    """A sharegpt or custom file that can be read, and no flag of the random dataset or of
-    multi-turn runs (they would be ignored)."""
+    """A sharegpt or custom file that can be read, and no flag of the random dataset (its
+    lengths too) or of multi-turn runs (they would be ignored)."""
     path = Path(args.dataset_path)
     if not path.is_file():
         raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
@@ -88,6 +88,15 @@ def _check_text_dataset(args: argparse.Namespace) -> None:
     if args.num_turns > 1:
         raise ValueError(f"--num-turns {args.num_turns}: random prompts only, not "
                          f"--dataset-name {args.dataset_name}")  # fmt: skip
+    # (the file gives each prompt, and its reply or --*-output-len each output length)
+    name = args.dataset_name
+    for dest, instead in (
+        ("input_len", "sends the file's prompts as they are"),
+        ("output_len", f"takes --{name}-output-len for output lengths"),
+    ):
+        if flag := args.spelled.get(dest):
+            raise ValueError(f"{flag} {getattr(args, dest)}: random prompts only; --dataset-name "
+                             f"{name} {instead}")  # fmt: skip
     for flag, value in (
         ("--sharegpt-output-len", args.sharegpt_output_len),
         ("--custom-output-len", args.custom_output_len),
@@ -108,6 +117,12 @@ def parse_extra_body(text: str | None) -> dict:
         raise ValueError(f"--extra-body {text}: must be a JSON object, e.g. '{{\"seed\": 1}}'")
     if taken := sorted({"prompt", "messages", "stream"} & set(body)):
         raise ValueError(f"--extra-body {text}: {', '.join(taken)} is the benchmark's to send")
+    if body.get("n", 1) != 1:
+        # (its choices' chunks would be timed as one answer: halved TPOT, doubled tokens)
+        raise ValueError(
+            f"--extra-body {text}: n {body['n']}: bench serve times one choice per request; "
+            "send more requests (--num-prompts) instead"
+        )
     return body
 
 

@@ -143,9 +143,10 @@ def summarize(
         "ramp_up_start_rps": config.ramp_up_start_rps,
         "ramp_up_end_rps": config.ramp_up_end_rps,
         "max_concurrency": config.max_concurrency,
-        "input_len": config.input_len,
+        # (a text dataset's lengths are its prompts' and replies', not these)
+        "input_len": config.input_len if config.dataset == "random" else None,
         "prefix_len": config.prefix_len,
-        "output_len": config.output_len,
+        "output_len": config.output_len if config.dataset == "random" else None,
         "range_ratio": config.range_ratio,
         "goodput": dict(config.goodput) or None,
         "completed": len(ok),
