@@ -31,6 +31,8 @@ class UpdateTimeout(ValueError):
 SLEEP_TAGS = ("weights", "kv_cache")
 # How the error of a request refused while the engine sleeps begins (the server: a 503).
 ASLEEP = "the engine is asleep"
+# The error of a request a weight update with ``abort=True`` aborted (the server: a 503).
+UPDATE_ABORTED = "aborted by a weight update (abort=True); retry to run on the new weights"
 
 
 @dataclass(slots=True)

@@ -18,10 +18,12 @@ from test_http_harness import (
     special_think_end_checkpoint,
     sse_payloads,
     tiny_checkpoint,
+    wait_for,
 )
 
 from rltserve import LLM, SamplingParams
 from rltserve.models.tokenizer import load_tokenizer
+from rltserve.updates import UPDATE_ABORTED
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 KEY = "admin-key"
@@ -124,6 +126,28 @@ async def test_update_during_a_stream_times_out_with_409(server, new_ckpt):
     assert status == 409, raw
     assert orjson.loads(raw)["error"]["param"] == "timeout"
     await asyncio.sleep(0)
+
+
+async def test_an_update_that_aborts_tells_the_aborted_requests_why(ckpt, new_ckpt):
+    """``abort: true`` ends the running requests: a stream with an error event that names the
+    weight update (it said only "the request was aborted"), then [DONE]; a non-streaming one
+    a 503 with Retry-After saying the same. (Its own server: the module's keeps version 1.)"""
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True}
+    async with running(ckpt) as live:
+        plain = asyncio.create_task(live.post("/v1/completions", body))
+        stream = {**body, "stream": True}
+        async with live.session.post(live.url + "/v1/completions", json=stream) as r:
+            first = await r.content.readuntil(b"\n\n")  # the stream has started: it runs
+            await wait_for(lambda: live.state.require_frontend().num_open == 2)  # (both sent)
+            update = {"model_path": str(new_ckpt), "abort": True}
+            status, _, raw = await live.post("/v1/update_weights", update)
+            assert status == 200, raw
+            events = sse_payloads(first + await asyncio.wait_for(r.content.read(), 30))
+        status, headers, raw = await asyncio.wait_for(plain, 30)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == UPDATE_ABORTED
+    assert status == 503 and "Retry-After" in headers, raw
+    assert orjson.loads(raw)["error"]["message"] == UPDATE_ABORTED
 
 
 async def test_chat_thinking_fills_reasoning_content(server, offline):

@@ -184,6 +184,29 @@ async def test_sleep_drops_the_prefix_cache_gauge_and_runs_no_step(server):
         assert await scrape() == {**dropped, "awake": 1.0}
 
 
+async def test_a_sleep_over_sleeping_weights_keeps_their_level_in_the_sleep_state(server):
+    """A second /sleep leaves sleeping weights as the first left them (level 2's dropped, or
+    level 1's host copy): ``engine_sleep_state`` keeps the first level, which says whether
+    the trainer must load weights (it showed the second)."""
+
+    async def state() -> str:
+        got = samples((await server.get("/metrics", headers=AUTH))[2].decode())
+        (on,) = (dict(labels)["sleep_state"] for (name, labels), value in got.items()
+                 if name == "rltserve:engine_sleep_state" and value == 1.0)  # fmt: skip
+        return on
+
+    for first, second, label in ((2, 1, "discard_all"), (1, 2, "weights_offloaded")):
+        for level in (first, second):
+            assert (await server.post(f"/sleep?level={level}", None, headers=AUTH))[0] == 200
+        assert await state() == label
+        # Weights woken (the KV cache still asleep) sleep again at the new level.
+        assert (await server.post("/wake_up?tags=weights", None, headers=AUTH))[0] == 200
+        assert (await server.post(f"/sleep?level={second}", None, headers=AUTH))[0] == 200
+        assert await state() == ("discard_all" if second == 2 else "weights_offloaded")
+        assert (await server.post("/wake_up", None, headers=AUTH))[0] == 200
+        assert await state() == "awake"
+
+
 class _SlowSleep(ScriptedStage):
     """A scripted stage whose sleep waits for ``release`` (a sleep still waiting for its
     running requests)."""

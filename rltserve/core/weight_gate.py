@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rltserve.core.weight_update import update_weights
-from rltserve.updates import UpdateTimeout
+from rltserve.updates import UPDATE_ABORTED, UpdateTimeout
 from rltserve.weights import update_files
 
 if TYPE_CHECKING:
@@ -66,7 +66,10 @@ class WeightGate:
         if not abort:
             return []
         core = self.core
-        return [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
+        aborts = [u for rid in list(core.scheduler.requests) if (u := core.abort(rid))]
+        for update in aborts:  # (the client's 503 says why, not only that it was aborted)
+            update.error = UPDATE_ABORTED
+        return aborts
 
     def drop_held(self, request_id: str) -> bool:
         """Forgets a held request (it was aborted); True when it was held."""

@@ -95,7 +95,11 @@ async def sleep(request: web.Request) -> web.Response:
     metrics = state.metrics
     # engine_sleep_state's label, set before the call: a caller that gives up (its handler
     # cancelled) leaves the sleep going on in the stage. A refused sleep keeps the old level.
-    previous, metrics.sleep_level = metrics.sleep_level, level
+    # A sleep over sleeping weights leaves them as the first sleep left them (``core/sleep``:
+    # level 2's dropped, or level 1's host copy): that level is still the one to show.
+    previous = metrics.sleep_level
+    weights_asleep = "weights" in state.require_frontend().client.sleeping
+    metrics.sleep_level = previous if weights_asleep and previous else level
     # Pending until the stage answers, whether or not this caller still waits (shielded).
     call = asyncio.ensure_future(_run(request, "sleep", level, timeout))
     state.sleeps_pending += 1

@@ -297,7 +297,8 @@ def failure(
             return unavailable(message, retry_after_s)
         return HTTPError(500, message)
     if delta.finish_reason == "abort":
-        why = "the server is shutting down" if closing else "the request was aborted"
+        # (an abort that says why, such as a weight update's, passes its reason on)
+        why = "the server is shutting down" if closing else delta.error or "the request was aborted"
         return unavailable(why, retry_after_s)
     return None
 
