@@ -256,9 +256,8 @@ def test_one_raising_sink_does_not_keep_the_others_waiting_when_the_stage_dies(t
 
 
 def test_close_wakes_a_thread_waiting_for_a_stage_that_is_not_ready(tiny, monkeypatch):
-    def never_ready(
-        config, recv, send, on_idle=None, role=None
-    ):  # a stage that is still starting when close() comes
+    def never_ready(config, recv, send, on_idle=None, role=None):
+        # a stage that is still starting when close() comes (serve's signature)
         while recv()[0] != "shutdown":
             pass
 
