@@ -434,7 +434,11 @@ def vllm_logprobs(entries: list[dict] | None, tokenizer) -> list[dict[int, Logpr
     if entries is None:
         return None
 
+    cached = getattr(tokenizer, "token_text", None)  # (rltserve's tokenizer caches them)
+
     def decoded(token: int) -> str | None:
+        if cached is not None:
+            return cached(token)
         return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else None
 
     out = []

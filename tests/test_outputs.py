@@ -174,3 +174,26 @@ def test_cumulative_logprob_sums_every_sampled_token():
     (out,) = request_output([asm], None).outputs
     assert out.cumulative_logprob == pytest.approx(-3.75)  # the forced token adds nothing
     assert out.text == "abcd" and [len(d) for d in out.logprobs] == [1, 0, 1, 1]
+
+
+def test_logprob_tokens_are_decoded_once_per_id(tiny):
+    """A dataset's prompt logprobs name the same ids again and again: each id's text is decoded
+    once (``Tokenizer.token_text``) and shared, not decoded per entry."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny)
+    calls = []
+    decode = tokenizer.backend.decode
+    tokenizer.backend.decode = lambda ids, skip: calls.append(ids) or decode(ids, skip)
+    entries = [
+        {"token_id": 5 + i % 3, "logprob": -1.0, "top_logprobs": [(7, -0.5), (8, -0.7)]}
+        for i in range(300)
+    ]
+    first = vllm_logprobs(entries, tokenizer)
+    again = vllm_logprobs(entries, tokenizer)  # (another request of the batch)
+    assert len(calls) == 4  # ids 5, 6, 7 and 8
+    assert first == again
+    for e, d in zip(entries, first):
+        expected = [e["token_id"], *(t for t in (7, 8) if t != e["token_id"])]
+        assert list(d) == expected
+        assert [d[t].decoded_token for t in expected] == [decode([t], False) for t in expected]

@@ -32,6 +32,17 @@ class Admission:
         # Reads a request's transfer file into the prefix cache (the engine's: it needs the
         # device pool); None drops the file's KV unread.
         self.importer: Callable[[Request, str], None] | None = None
+        # ``waiting`` may be out of order: ``admit`` sorts it only then (a sort on every step
+        # calls ``order_key`` per waiting request per step: quadratic in a batch of thousands).
+        self.unsorted = False
+
+    def enqueue(self, request: Request) -> None:
+        """Queues a new or preempted request last (its ``order_key`` fixed while it waits),
+        noting when that breaks the queue's order."""
+        s = self.s
+        if s.waiting and s.order_key(request) < s.order_key(s.waiting[-1]):
+            self.unsorted = True
+        s.waiting.append(request)
 
     def blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
         """Free blocks admitting ``request`` with first item ``item`` needs (watermark
@@ -49,7 +60,9 @@ class Admission:
         """Admits waiting requests in (priority, arrival) order while seats, KV and the token
         budget allow, each with its first item planned in the step being built."""
         s = self.s
-        s.waiting.sort(key=s.order_key)
+        if self.unsorted:  # (in order otherwise: ``enqueue``)
+            s.waiting.sort(key=s.order_key)
+            self.unsorted = False
         i = reserved = 0
         while i < len(s.waiting) and budget > 0:
             request = s.waiting[i]

@@ -143,8 +143,8 @@ class Preemptor:
         for victim in ripe:
             if s.admission.blocks(head, item) <= kv.num_free_blocks:
                 break
+            victim.seq = s.next_seq()  # (before it queues: ``Admission.enqueue``)
             self.preempt(victim)
-            victim.seq = s.next_seq()
             self.num_rotations += 1
 
     # ---------------------------------------------------------------- state changes
@@ -178,7 +178,7 @@ class Preemptor:
         victim.status = RequestStatus.WAITING
         victim.preempted_step = s.next_step_id
         s.running.remove(victim)
-        s.waiting.append(victim)
+        s.admission.enqueue(victim)
         self._recomputing.add(rid)  # (swapped ones recompute what follows their swapped KV)
         self._preempted.append(rid)
         self._now.add(rid)

@@ -139,7 +139,7 @@ class Scheduler:
             request.criterion = request.params.exit_criterion or "kl"
         request.seq = self.next_seq()
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.admission.enqueue(request)
         self.sharing.on_add(request)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
@@ -473,6 +473,7 @@ class Scheduler:
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends the request: out of the queues, its KV freed, the runner told to drop it."""
+        was_waiting = request.status is RequestStatus.WAITING
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.finished_ids.append(request.request_id)
@@ -481,7 +482,7 @@ class Scheduler:
         request.items.clear()
         if request in self.running:
             self.running.remove(request)
-        if request in self.waiting:
+        if was_waiting:  # (no scan of ``waiting`` per finished request: quadratic)
             self.waiting.remove(request)
         self.sharing.forget(request)
         if request.admitted:

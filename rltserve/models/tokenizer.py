@@ -93,6 +93,7 @@ class Tokenizer:
         )
         self.has_think_token = "<think>" in vocab  # (thinking-model chat prefixes)
         self._pieces: dict[int, str] | None = None  # id -> token, built on first use
+        self._texts: dict[int, str] = {}  # id -> its text alone (``token_text``), as asked
         # A tokenizer whose post-processor closes every text with an end token (Huginn's
         # appends <|end_text|>): a prompt to continue must not end with it.
         plain, full = backend.encode("a", False), backend.encode("a", True)
@@ -157,6 +158,16 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens kept (a logprob's ``decoded_token``),
+        cached: a dataset's logprobs name the same ids again and again, and a decode call for
+        each was most of ``generate``'s time after the engine finished (one string per id,
+        shared by every entry, not one per entry)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes (OpenAI's logprob ``bytes``): its text's UTF-8, except that a
