@@ -98,6 +98,42 @@ async def test_requests_in_the_admission_queue_count_as_waiting(ckpt):
         assert metric(text, "rltserve:num_requests_waiting") == 0
 
 
+async def test_a_better_priority_leaves_the_admission_queue_before_worse_ones(ckpt):
+    """Under --scheduling-policy priority the admission queue is in the engine's order: an
+    interactive request (priority 0) queued after batch ones (priority 10) reaches the engine
+    first when a slot frees. In FIFO order it waited for every batch request queued before it
+    to end (seconds of TTFT under batch load with --max-concurrent near --max-num-seqs)."""
+    async with _one_slot_taken(ckpt, 0) as (live, hold, stage, first, _):
+        queued = []
+        for n, priority in enumerate((10, 10, 0), 1):
+            body = {"prompt": [5], "max_tokens": 1, "priority": priority}
+            queued.append(asyncio.create_task(live.post("/v1/completions", body)))
+            await wait_for(lambda n=n: live.state.gate.num_queued == n)
+        hold.set()
+        for task in (first, *queued):
+            assert (await task)[0] == 200
+        assert [p.priority for p in stage.added_params] == [0, 0, 10, 10]
+
+
+async def test_admission_gate_lets_waiters_in_by_priority_then_arrival():
+    gate = AdmissionGate(max_concurrent=1, max_queued=8)
+    order: list[str] = []
+
+    async def hold(name: str, priority: int) -> None:
+        async with gate.slots(1, priority):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    async with gate.slots(1):
+        tasks = []
+        for name, priority in (("a", 10), ("b", 0), ("c", 10), ("d", -1), ("e", 0)):
+            tasks.append(asyncio.create_task(hold(name, priority)))
+            await asyncio.sleep(0)
+        assert gate.num_queued == 5
+    await asyncio.gather(*tasks)
+    assert order == ["d", "b", "e", "a", "c"] and gate.in_use == 0
+
+
 async def test_admission_gate_a_cancelled_head_lets_the_next_waiter_in():
     """The head waiter (too big to fit) goes away: a smaller one behind it that fits now is
     let in at once, not only at the next release."""

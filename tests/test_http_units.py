@@ -48,6 +48,34 @@ async def test_admission_gate_fifo_and_limits():
     assert d.cancelled() and gate.in_use == 0
 
 
+async def test_a_full_admission_queue_gives_a_worse_waiters_place_to_a_better_request():
+    """A queue full of batch requests (priority 10) does not turn an interactive one (priority
+    0) away: the latest worst waiter gets the 503 instead. An equal or worse priority is
+    refused as before."""
+    gate = AdmissionGate(max_concurrent=1, max_queued=2)
+    order: list[str] = []
+
+    async def hold(name: str, priority: int) -> None:
+        async with gate.slots(1, priority):
+            order.append(name)
+
+    async with gate.slots(1):
+        a = asyncio.create_task(hold("a", 10))
+        b = asyncio.create_task(hold("b", 10))
+        await asyncio.sleep(0)
+        for worse_or_equal in (10, 11):
+            with pytest.raises(Overloaded, match="queue is full"):
+                async with gate.slots(1, worse_or_equal):
+                    pass
+        c = asyncio.create_task(hold("c", 0))
+        await asyncio.sleep(0)
+        assert gate.num_queued == 2
+        with pytest.raises(Overloaded, match="a better priority took its place"):
+            await b
+    await asyncio.gather(a, c)
+    assert order == ["c", "a"] and gate.in_use == 0 and gate.num_queued == 0
+
+
 async def test_a_closed_admission_gate_refuses_its_waiters_at_once():
     gate = AdmissionGate(max_concurrent=1, max_queued=4)
     release = asyncio.Event()

@@ -1,18 +1,23 @@
 """Bounded concurrency and queueing in front of the engine.
 
 At most ``max_concurrent`` sequences are in the engine at once (a request with n choices holds n
-slots); up to ``max_queued`` requests wait for slots in FIFO order; any request beyond that is
-refused at once with ``Overloaded`` (the server answers 503 + Retry-After, so a load balancer can
-try elsewhere). A waiter that is cancelled (client gone) leaves the queue without a trace. A
-closed gate (the server drains) refuses its waiters and later requests at once, rather than
-hold them for slots they would get only to be refused.
+slots); up to ``max_queued`` requests wait for slots in (priority, arrival) order, the engine's
+``--scheduling-policy priority`` order (FIFO under fcfs, where every priority is 0). A FIFO
+queue here would undo priority scheduling whenever it holds anyone: a better-priority request
+would wait behind every worse one queued before it, never reaching the engine that would let it
+overtake them. A request beyond ``max_queued`` is refused at once with ``Overloaded`` (the
+server answers 503 + Retry-After, so a load balancer can try elsewhere), unless it is better
+than the worst queued one, which is refused in its place. A waiter that is cancelled (client
+gone) leaves the queue without a trace. A closed gate (the server drains) refuses its waiters and
+later requests at once, rather than hold them for slots they would get only to be refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ class Overloaded(Exception):
 class _Waiter:
     weight: int
     future: asyncio.Future[None]
+    key: tuple[int, int]  # (priority, arrival): lower is let in first
 
 
 class AdmissionGate:
@@ -32,7 +38,8 @@ class AdmissionGate:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.in_use = 0
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiters: list[_Waiter] = []  # in ``key`` order
+        self._arrivals = itertools.count()
         self._closed: str | None = None  # why the gate refuses every request now
 
     def close(self, reason: str) -> None:
@@ -40,7 +47,7 @@ class AdmissionGate:
         held stay until released."""
         self._closed = reason
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop(0)
             if not waiter.future.done():
                 waiter.future.set_exception(Overloaded(reason))
 
@@ -49,15 +56,16 @@ class AdmissionGate:
         return len(self._waiters)
 
     @contextlib.asynccontextmanager
-    async def slots(self, weight: int = 1) -> AsyncIterator[None]:
-        """Holds ``weight`` slots for the body; raises Overloaded or ValueError (weight too big)."""
-        await self._acquire(weight)
+    async def slots(self, weight: int = 1, priority: int = 0) -> AsyncIterator[None]:
+        """Holds ``weight`` slots for the body; raises Overloaded or ValueError (weight too big).
+        Waiters are let in by ``priority`` (lower first), then arrival."""
+        await self._acquire(weight, priority)
         try:
             yield
         finally:
             self._release(weight)
 
-    async def _acquire(self, weight: int) -> None:
+    async def _acquire(self, weight: int, priority: int) -> None:
         if weight > self.max_concurrent:
             raise ValueError(
                 f"n={weight}: exceeds the server's max_concurrent={self.max_concurrent}"
@@ -68,9 +76,19 @@ class AdmissionGate:
             self.in_use += weight
             return
         if len(self._waiters) >= self.max_queued:
-            raise Overloaded("the server is at capacity and its queue is full")
-        waiter = _Waiter(weight, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+            worst = self._waiters[-1] if self._waiters else None
+            if worst is None or worst.key[0] <= priority:
+                raise Overloaded("the server is at capacity and its queue is full")
+            # A full queue of worse requests (a batch flood) must not turn a better one away:
+            # the worst queued gets the 503 it would have got arriving now.
+            self._waiters.pop()
+            if not worst.future.done():
+                worst.future.set_exception(
+                    Overloaded("the server is at capacity; a better priority took its place")
+                )
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(weight, future, (priority, next(self._arrivals)))
+        bisect.insort(self._waiters, waiter, key=_key)
         try:
             await waiter.future
         except asyncio.CancelledError:
@@ -89,14 +107,18 @@ class AdmissionGate:
         self._wake()
 
     def _wake(self) -> None:
-        # FIFO: the head waiter blocks later, smaller ones so a big request cannot starve.
+        # In order: the head waiter blocks later, smaller ones so a big request cannot starve.
         while self._waiters:
             waiter = self._waiters[0]
             if waiter.future.done():  # cancelled, its task not yet run: it takes no slot
-                self._waiters.popleft()
+                self._waiters.pop(0)
                 continue
             if self.in_use + waiter.weight > self.max_concurrent:
                 return
-            self._waiters.popleft()
+            self._waiters.pop(0)
             self.in_use += waiter.weight
             waiter.future.set_result(None)
+
+
+def _key(waiter: _Waiter) -> tuple[int, int]:
+    return waiter.key

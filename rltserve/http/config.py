@@ -75,14 +75,16 @@ class ServerConfig:
     ssl_keyfile: str | None = field(default=None, metadata=_help("TLS private key (PEM)"))
     max_concurrent: int = field(
         default=256,
-        metadata=_help("sequences in the engine at once (a request with n=4 counts 4)"),
+        metadata=_help("sequences in the engine at once (n=4 counts 4); queued: by priority"),
     )
     max_queued: int = field(
         default=1024,
         metadata=_help(
             "requests waiting for one of --max-concurrent's slots; beyond it requests get 503 + "
-            "Retry-After (a request with a slot but no engine seat or KV yet waits in the engine "
-            "and is not counted: to shed load early, set --max-concurrent near --max-num-seqs)"
+            "Retry-After (the worst waiter does, for a better priority; a request with a slot "
+            "but no engine seat or KV waits in the engine, not counted: to shed load early, set "
+            "--max-concurrent near --max-num-seqs, though a better priority then waits for a "
+            "slot to free, as it cannot preempt a request out of one)"
         ),
     )
     max_body_bytes: int = field(

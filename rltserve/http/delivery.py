@@ -34,7 +34,8 @@ async def deliver(
     admitted = False
     try:
         _refuse_while_sleeping(state)  # (not after a wait for a seat the sleep frees)
-        async with gate.slots(len(plan.choices)):
+        # (The engine's order, so that a better priority is not queued behind worse ones.)
+        async with gate.slots(len(plan.choices), plan.choices[0].params.priority):
             admitted = True
             frontend = _refuse_while_sleeping(state)
             state.request_log.received(plan.request_id, plan.choices[0].params, plan.prompts())
