@@ -10,13 +10,13 @@ import logging
 import uuid
 import weakref
 from bisect import bisect_left
-from dataclasses import replace
 from operator import attrgetter
 
 import torch
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import STEP_ROW_BUCKETS, EngineInfo, EngineStats
+from rltserve.core.engine_modes import checked_modes
 from rltserve.core.executor import StepThread
 from rltserve.core.exit import fixed_exit_depth
 from rltserve.core.kv_cache import KVManager, KVPolicy
@@ -32,7 +32,7 @@ from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
 from rltserve.core.thinking import check_thinking
 from rltserve.models import load_model, read_config
-from rltserve.models.base import LoopedModel, LoopedSpec
+from rltserve.models.base import LoopedModel
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
 from rltserve.seeds import seeded_generator
@@ -40,11 +40,6 @@ from rltserve.updates import ASLEEP, RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
 _REQUEST_ID = attrgetter("request_id")
-
-
-def _draft_loops(spec: LoopedSpec) -> int:
-    """Default draft depth of token pipelining: 2 loops, fewer on a model of 2 loops."""
-    return max(1, min(2, spec.num_loops - 1))
 
 
 class EngineCore:
@@ -81,34 +76,8 @@ class EngineCore:
         self.model = model
         spec = model.spec
         self.spec = spec
-        if config.scheduler.speculative_tokens and config.scheduler.draft_loops is None:
-            config = replace(
-                config, scheduler=replace(config.scheduler, draft_loops=_draft_loops(spec))
-            )
-            self.config = config
-        self.policy = KVPolicy.parse(config.cache.kv_policy)
-        if self.policy.kind == "ring" and spec.family != "huginn_raven":
-            raise ValueError(f"kv_policy={config.cache.kv_policy!r}: ring:K is for Huginn only")
-        if config.scheduler.speculative_tokens:
-            if config.scheduler.draft_loops >= spec.num_loops:
-                raise ValueError(
-                    f"draft_loops={config.scheduler.draft_loops}: must be below the model's "
-                    f"{spec.num_loops} loops (at most {spec.num_loops - 1}; unset picks a default)"
-                    if spec.num_loops > 1
-                    else "speculative_tokens: token pipelining needs a model of 2 loops or more"
-                )
-            coda = spec.num_boundary_layers  # (named: "coda attention" alone means little)
-            if not self.policy.per_depth or coda:
-                why = f"{spec.family} (Huginn)" if coda else f"kv_policy={config.cache.kv_policy!r}"
-                raise ValueError(
-                    "speculative_tokens: token pipelining needs a per-depth KV policy "
-                    f"(last_exited or full) and a model without coda attention, not {why}"
-                )
-        if config.scheduler.wavefront_prefill and not self.policy.per_depth:
-            raise ValueError(
-                f"kv_policy={config.cache.kv_policy!r}: wavefront_prefill needs a per-depth "
-                "policy (last_exited or full); chunks at different depths would share a plane"
-            )
+        config, self.policy = checked_modes(config, spec)
+        self.config = config
         size = pool_size(spec, config, self.policy, role)
         self.max_model_len = size.max_model_len
         num_blocks = self._num_blocks = size.num_blocks
