@@ -482,7 +482,7 @@ class Scheduler:
         request.items.clear()
         if request in self.running:
             self.running.remove(request)
-        if was_waiting:  # (no scan of ``waiting`` per finished request: quadratic)
+        if was_waiting and request in self.waiting:  # (no scan per running one: quadratic)
             self.waiting.remove(request)
         self.sharing.forget(request)
         if request.admitted:
