@@ -76,6 +76,30 @@ async def test_a_full_admission_queue_gives_a_worse_waiters_place_to_a_better_re
     assert order == ["c", "a"] and gate.in_use == 0 and gate.num_queued == 0
 
 
+async def test_a_better_priority_that_fits_is_let_in_past_a_head_too_big_for_the_free_slots():
+    """A batch request of n=4 waits for 4 slots (1 is taken); an interactive request of n=1
+    queued ahead of it by priority fits in the 3 free ones: it is let in at once, not only at
+    the next release (a whole generation later)."""
+    gate = AdmissionGate(max_concurrent=4, max_queued=4)
+    granted: list[str] = []
+    done = asyncio.Event()
+
+    async def hold(name: str, weight: int, priority: int) -> None:
+        async with gate.slots(weight, priority):
+            granted.append(name)
+            await done.wait()
+
+    async with gate.slots(1):
+        batch = asyncio.create_task(hold("batch", 4, 10))
+        await asyncio.sleep(0)
+        interactive = asyncio.create_task(hold("interactive", 1, 0))
+        await asyncio.sleep(0.01)
+        assert granted == ["interactive"] and gate.in_use == 2 and gate.num_queued == 1
+        done.set()
+    await asyncio.gather(batch, interactive)
+    assert granted == ["interactive", "batch"] and gate.in_use == 0 and gate.num_queued == 0
+
+
 async def test_a_closed_admission_gate_refuses_its_waiters_at_once():
     gate = AdmissionGate(max_concurrent=1, max_queued=4)
     release = asyncio.Event()

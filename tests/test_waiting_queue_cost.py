@@ -96,3 +96,22 @@ def test_admission_order_is_that_of_a_sort_on_every_step(policy, time_slice):
     kept = _admissions(policy, time_slice, always_sort=False)
     assert kept == _admissions(policy, time_slice, always_sort=True)
     assert sum(map(len, kept)) > 9  # (re-admissions: the pool's pressure took effect)
+
+
+def test_a_waiting_request_whose_finish_raised_leaves_the_queue_when_finished_again():
+    """A fault inside ``finish`` (before it took the request out of the queue) is followed by
+    the engine's recovery aborting the request again: that must take it out of ``waiting``,
+    not leave a request the scheduler no longer knows there for admission to run."""
+    s = make_scheduler(64)
+    s.add_request(make_request("a", 4, 3))
+    drop_carried = s.drop_carried
+
+    def fault(request) -> None:
+        s.drop_carried = drop_carried
+        raise RuntimeError("fault inside finish")
+
+    s.drop_carried = fault
+    with pytest.raises(RuntimeError):
+        s.abort("a")
+    s.abort("a")  # (``Engine.apply``'s recovery)
+    assert not s.requests and not s.waiting and not s.has_work()

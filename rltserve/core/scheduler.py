@@ -474,7 +474,6 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends the request: out of the queues, its KV freed, the runner told to drop it."""
         was_waiting = request.status is RequestStatus.WAITING
-        request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.finished_ids.append(request.request_id)
         final = final_positions(request)  # (before its items go)
@@ -484,6 +483,9 @@ class Scheduler:
             self.running.remove(request)
         if was_waiting and request in self.waiting:  # (no scan per running one: quadratic)
             self.waiting.remove(request)
+        # (Only now: a finish that raised before this is repeated by the engine's recovery,
+        # which must still find the request waiting.)
+        request.status = RequestStatus.FINISHED
         self.sharing.forget(request)
         if request.admitted:
             self.sharing.release(request)

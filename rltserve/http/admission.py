@@ -89,6 +89,9 @@ class AdmissionGate:
         future = asyncio.get_running_loop().create_future()
         waiter = _Waiter(weight, future, (priority, next(self._arrivals)))
         bisect.insort(self._waiters, waiter, key=_key)
+        # Ahead of a head too big for the free slots (n > 1), it may fit now: it does not wait
+        # for a release.
+        self._wake()
         try:
             await waiter.future
         except asyncio.CancelledError:
