@@ -38,8 +38,12 @@ def _drive(s, limit: int = 5000) -> list[str]:
     return admitted
 
 
-def test_many_waiting_requests_are_neither_sorted_nor_scanned_per_step():
-    s = make_scheduler(256, max_num_seqs=2)
+@pytest.mark.parametrize(("policy", "time_slice"), [("fcfs", 0), ("priority", 0), ("fcfs", 2)])
+def test_many_waiting_requests_are_neither_sorted_nor_scanned_per_step(policy, time_slice):
+    """(Priority preemption and time slicing look at the queue's head every step too.)"""
+    s = make_scheduler(
+        256, max_num_seqs=2, scheduling_policy=policy, preemption_time_slice=time_slice
+    )
     s.waiting = _Watched()
     order_keys = 0
     key = s.order_key

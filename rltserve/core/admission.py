@@ -44,6 +44,16 @@ class Admission:
             self.unsorted = True
         s.waiting.append(request)
 
+    def head(self) -> Request:
+        """The first of the (non-empty) waiting queue in admission order."""
+        self._sort()
+        return self.s.waiting[0]
+
+    def _sort(self) -> None:
+        if self.unsorted:  # (in order otherwise: ``enqueue``)
+            self.s.waiting.sort(key=self.s.order_key)
+            self.unsorted = False
+
     def blocks(self, request: Request, item: InFlight, hit: Hit = NO_HIT) -> int:
         """Free blocks admitting ``request`` with first item ``item`` needs (watermark
         included: on-demand admission keeps it free for running requests to grow into), less
@@ -60,9 +70,7 @@ class Admission:
         """Admits waiting requests in (priority, arrival) order while seats, KV and the token
         budget allow, each with its first item planned in the step being built."""
         s = self.s
-        if self.unsorted:  # (in order otherwise: ``enqueue``)
-            s.waiting.sort(key=s.order_key)
-            self.unsorted = False
+        self._sort()
         i = reserved = 0
         while i < len(s.waiting) and budget > 0:
             request = s.waiting[i]

@@ -85,7 +85,7 @@ class Preemptor:
         s = self.s
         if not (s.priority and s.ondemand and s.waiting):
             return
-        best = min(s.waiting, key=s.order_key)
+        best = s.admission.head()  # (no scan of the queue per step: it is kept in order)
         budget = s.config.max_num_batched_tokens
         while True:
             item = s.item_maker.next_item(best, budget)
@@ -112,7 +112,7 @@ class Preemptor:
         q = s.config.preemption_time_slice
         if not (q and s.ondemand and s.waiting):
             return
-        head = min(s.waiting, key=s.order_key)
+        head = s.admission.head()
         step = s.next_step_id
         if not head.num_preemptions or step - head.preempted_step < q:
             return
