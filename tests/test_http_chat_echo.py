@@ -39,9 +39,11 @@ def ckpt(tmp_path_factory):
 
 
 def chunk(delta: bytes, usage: bytes, finish: bytes = b"null") -> bytes:
+    """A stream's chunk; the one that ends the choice (a finish) has the weight version."""
+    metadata = b"" if finish == b"null" else b',"metadata":{"weight_version":"0"}'
     return (
         HEAD + b'{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":' + finish
-        + b'}],"usage":' + usage + b"}\n\n"
+        + b'}],"usage":' + usage + metadata + b"}\n\n"
     )  # fmt: skip
 
 

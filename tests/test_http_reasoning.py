@@ -75,16 +75,18 @@ def chat_bytes(message: bytes, usage: bytes, finish: bytes = b'"stop"') -> bytes
 
 def chat_stream_bytes(deltas: list[bytes], usage: bytes) -> bytes:
     """A chat stream with include_usage: a role chunk, one chunk per delta (the last ends the
-    choice by "stop"), the usage chunk and [DONE]."""
+    choice by "stop", with the weight version), the usage chunk and [DONE]."""
     head = b'data: {"id":"chatcmpl-test","object":"chat.completion.chunk","created":1730000000,'
     head += b'"model":"tiny","choices":['
     role = b'{"role":"assistant","content":""}'
     out = []
     for i, delta in enumerate([role, *deltas]):
-        finish = b'"stop","stop_reason":null' if i == len(deltas) else b"null"
+        last = i == len(deltas)
+        finish = b'"stop","stop_reason":null' if last else b"null"
+        metadata = b',"metadata":{"weight_version":"0"}' if last else b""
         out.append(
             head + b'{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":'
-            + finish + b'}],"usage":null}\n\n'
+            + finish + b'}],"usage":null' + metadata + b"}\n\n"
         )  # fmt: skip
     out.append(head + b'],"usage":' + usage + b"}\n\n")
     return b"".join(out) + b"data: [DONE]\n\n"
@@ -259,7 +261,8 @@ async def test_a_forced_think_end_makes_no_chunk_with_logprobs(ckpt):
         + head + b'{"content":"i"},"logprobs":' + logprob(b"i")
         + b',"finish_reason":null}],"usage":null}\n\n'
         + head + b'{},"logprobs":' + logprob(b"<|im_end|>")
-        + b',"finish_reason":"stop","stop_reason":null}],"usage":null}\n\n'
+        + b',"finish_reason":"stop","stop_reason":null}],"usage":null,'
+        b'"metadata":{"weight_version":"0"}}\n\n'
         + head[: head.index(b"[") + 1] + b'],"usage":' + usage + b"}\n\n"
         + b"data: [DONE]\n\n"
     )  # fmt: skip

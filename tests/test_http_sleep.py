@@ -18,6 +18,7 @@ from test_http_harness import (
     scripted_factory,
     scripted_info,
     tiny_checkpoint,
+    wait_for,
 )
 from test_http_metrics import samples
 
@@ -275,3 +276,73 @@ async def test_a_sleep_whose_caller_gave_up_shows_in_the_sleep_state(ckpt):
             if name == "rltserve:engine_sleep_state"
         }
         assert states == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+
+
+class _OrderedSleeps(ScriptedStage):
+    """A scripted stage that applies sleeps one at a time in their order, as the engine's gate
+    does, the first held until ``release``; the calls numbered in ``refuse`` time out."""
+
+    def __init__(self, info, script, refuse=()) -> None:
+        super().__init__(info, script)
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.refuse = set(refuse)
+        self.levels: list[int] = []  # each call's level, in the order they reached it
+        self._order = threading.Lock()
+
+    def sleep(self, level: int, timeout_s: float) -> None:
+        with self._order:
+            call = len(self.levels)
+            self.levels.append(level)
+            self.started.set()
+            self.release.wait(30)
+            if call in self.refuse:
+                raise UpdateTimeout(f"{UpdateTimeout.PREFIX} 1 sequence(s) still running")
+            super().sleep(level, timeout_s)
+
+
+async def _sleep_states_on(live) -> list[str]:
+    got = samples((await live.get("/metrics"))[2].decode())
+    return [dict(labels)["sleep_state"] for (name, labels), value in got.items()
+            if name == "rltserve:engine_sleep_state" and value == 1.0]  # fmt: skip
+
+
+@pytest.mark.parametrize(("refuse", "statuses", "label"), [
+    ((), [200, 200], "discard_all"),  # level 2 dropped the weights; level 1 found them asleep
+    ((0,), [409, 200], "weights_offloaded"),  # level 2 refused: level 1 put them to sleep
+])  # fmt: skip
+async def test_a_sleep_sent_while_another_waits_shows_the_level_the_stage_slept_at(
+    ckpt, refuse, statuses, label
+):
+    """A level-1 sleep sent while a level-2 one still waits (for running requests): the
+    label follows the stage's order, not the order the calls arrived in (the second showed
+    level 1 over the weights the first dropped, or, where the first timed out, its restored
+    label hid the second's)."""
+    stage = _OrderedSleeps(scripted_info(ckpt), Script([5]), refuse)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        first = asyncio.ensure_future(live.post("/sleep?level=2", None))
+        await asyncio.to_thread(stage.started.wait, 10)
+        second = asyncio.ensure_future(live.post("/sleep?level=1", None))
+        await wait_for(lambda: live.state.sleeps_pending == 2)
+        stage.release.set()
+        assert [(await first)[0], (await second)[0]] == statuses
+        assert stage.levels == [2, 1] and await _sleeping(live)
+        assert await _sleep_states_on(live) == [label]
+
+
+async def test_a_sleep_waiting_behind_another_times_out_in_its_own_timeout(ckpt):
+    """A sleep that waits for an earlier one counts that wait in its ``timeout`` (the stage
+    counts it from a command's arrival): a 409 naming timeout, never sent to the stage."""
+    stage = _OrderedSleeps(scripted_info(ckpt), Script([5]))
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        first = asyncio.ensure_future(live.post("/sleep?level=2", None))
+        await asyncio.to_thread(stage.started.wait, 10)
+        status, _, raw = await live.post("/sleep?level=1&timeout=0", None)
+        assert status == 409 and error_of(raw) == {
+            "message": "timeout: an earlier sleep still waiting after 0 s",
+            "type": "conflict_error", "param": "timeout", "code": 409,
+        }  # fmt: skip
+        assert await _sleep_states_on(live) == ["awake"]
+        stage.release.set()
+        assert (await first)[0] == 200
+        assert stage.levels == [2] and await _sleep_states_on(live) == ["discard_all"]

@@ -62,7 +62,8 @@ async def test_completion_stream_exact_bytes(ckpt, hi_tokens):
         + head + b'"model":"tiny","choices":[{"index":0,"text":"i","logprobs":null,'
         b'"finish_reason":null}],"usage":null}\n\n'
         + head + b'"model":"tiny","choices":[{"index":0,"text":"!","logprobs":null,'
-        b'"finish_reason":"length","stop_reason":null}],"usage":null}\n\n'
+        b'"finish_reason":"length","stop_reason":null}],"usage":null,'
+        b'"metadata":{"weight_version":"0"}}\n\n'
         + head + b'"model":"tiny","choices":[],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}\n\n'
         b"data: [DONE]\n\n"
@@ -85,7 +86,8 @@ async def test_chat_stream_exact_bytes(ckpt, hi_tokens):
         + head + b'"model":"tiny","choices":[{"index":0,"delta":{"content":"i"},'
         b'"logprobs":null,"finish_reason":null}]}\n\n'
         + head + b'"model":"tiny","choices":[{"index":0,"delta":{},'
-        b'"logprobs":null,"finish_reason":"stop","stop_reason":null}]}\n\n'
+        b'"logprobs":null,"finish_reason":"stop","stop_reason":null}],'
+        b'"metadata":{"weight_version":"0"}}\n\n'
         b"data: [DONE]\n\n"
     )  # fmt: skip
 
@@ -268,7 +270,7 @@ async def test_echo_alone_ends_by_length_whatever_the_engine_sampled(ckpt, hi_to
     metadata = b',"metadata":{"weight_version":"0"}}'
     assert raw == head + b'"choices":[' + choice + b"]," + usage[:-1] + metadata
     assert streamed == (
-        b"data: " + head + b'"choices":[' + choice + b"]," + usage + b"\n\n"
+        b"data: " + head + b'"choices":[' + choice + b"]," + usage[:-1] + metadata + b"\n\n"
         + b"data: " + head + b'"choices":[],' + usage + b"\n\n"
         + b"data: [DONE]\n\n"
     )  # fmt: skip

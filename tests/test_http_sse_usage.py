@@ -58,7 +58,8 @@ async def test_stream_usage_reports_cached_prompt_tokens(ckpt, hi_tokens):
         b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,' + details
         + head + b'"model":"tiny","choices":[{"index":0,"text":"H","logprobs":null,'
         b'"finish_reason":"length","stop_reason":null}],'
-        b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,' + details
+        b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,'
+        b'"prompt_tokens_details":{"cached_tokens":2}},"metadata":{"weight_version":"0"}}\n\n'
         + head + b'"model":"tiny","choices":[],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,' + details
         + b"data: [DONE]\n\n"
@@ -213,3 +214,34 @@ async def test_force_include_usage_ends_every_stream_with_usage(ckpt, hi_tokens)
     async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt, hi_tokens))) as live:
         _, _, raw = await live.post("/v1/completions", body)
     assert all("usage" not in e for e in sse_payloads(raw)[:-1])  # (without the flag)
+
+
+async def test_a_stream_ends_with_the_weight_version_of_its_tokens(ckpt, hi_tokens):
+    """The chunk that ends a stream's last choice carries ``metadata.weight_version``, as a
+    non-streaming body does: the latest weights any choice's tokens came from (a choice that
+    straddled an update counts its last token's; here the choice that ends first), whether
+    or not a usage chunk follows; no other chunk has it."""
+    h, i = hi_tokens[1:3]
+    length = {"finish_reason": FinishReason.LENGTH}
+    turn = [
+        (0, token(h, 1, weight_version=1)),
+        (1, token(h, 1, weight_version=1)),
+        (1, token(i, 2, weight_version=3, **length)),  # (an update applied mid-choice)
+        (0, token(i, 2, weight_version=2, **length)),  # (an older one's: held behind it)
+    ]
+    body = {"prompt": [5], "n": 2, "max_tokens": 2}
+    usage = {"stream_options": {"include_usage": True}}
+    raws = []
+    for extra in ({}, {"stream": True}, {"stream": True, **usage}):
+        stage = TurnStage(scripted_info(ckpt), 2, [turn])
+        async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+            status, _, raw = await live.post("/v1/completions", {**body, **extra})
+        assert status == 200, raw
+        raws.append(raw)
+    (whole,) = sse_payloads(b"data: " + raws[0] + b"\n\n")
+    assert whole["metadata"] == {"weight_version": "3"}
+    for raw, tail in ((raws[1], 0), (raws[2], 1)):
+        events = sse_payloads(raw)[:-1]
+        assert [c["index"] for e in events for c in e["choices"]] == [0, 1, 1, 0]
+        assert ["metadata" in e for e in events] == [False] * 3 + [True] + [False] * tail
+        assert events[3]["metadata"] == whole["metadata"]

@@ -25,6 +25,7 @@ import asyncio
 import functools
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -92,24 +93,50 @@ async def sleep(request: web.Request) -> web.Response:
     _check_control(request, "sleep")
     log.info("sleep the engine with level %d", level)  # (vLLM's words, as each line here)
     state = request.app[STATE]
-    metrics = state.metrics
-    # engine_sleep_state's label, set before the call: a caller that gives up (its handler
-    # cancelled) leaves the sleep going on in the stage. A refused sleep keeps the old level.
-    # A sleep over sleeping weights leaves them as the first sleep left them (``core/sleep``:
-    # level 2's dropped, or level 1's host copy): that level is still the one to show.
-    previous = metrics.sleep_level
-    weights_asleep = "weights" in state.require_frontend().client.sleeping
-    metrics.sleep_level = previous if weights_asleep and previous else level
     # Pending until the stage answers, whether or not this caller still waits (shielded).
-    call = asyncio.ensure_future(_run(request, "sleep", level, timeout))
+    call = asyncio.ensure_future(_sleep(state, level, timeout))
     state.sleeps_pending += 1
     call.add_done_callback(functools.partial(_sleep_answered, state))
-    try:
-        await asyncio.shield(call)
-    except Exception:
-        metrics.sleep_level = previous
-        raise
+    await asyncio.shield(call)
     return web.Response()
+
+
+async def _sleep(state: ServingState, level: int, timeout: float) -> None:
+    """One sleep, to the stage's answer, and ``engine_sleep_state``'s label with it.
+
+    Sleeps reach the stage one at a time, each once those before it have answered: the label
+    is set before the call (a scrape as the stage's reply lands must not find it asleep at no
+    level), from what the sleeps before left, and a refused sleep puts back the label it found,
+    which no other sleep changed meanwhile. Sent together, a level-1 sleep would see the
+    weights awake and show level 1 while a level-2 one waiting before it in the stage drops
+    them (and that one's timeout would restore a label over the other's). The stage applies
+    them in that order all the same (``weight_gate``); the wait for the ones before counts in
+    ``timeout``, as the stage counts it from a command's arrival."""
+    start = time.monotonic()
+    lock = state.sleep_lock
+    try:
+        if lock.locked():  # (wait_for on a free lock may time out at 0 s before taking it)
+            await asyncio.wait_for(lock.acquire(), timeout)
+        else:
+            await lock.acquire()
+    except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
+        message = f"{UpdateTimeout.PREFIX} an earlier sleep still waiting after {timeout:g} s"
+        raise HTTPError(409, message, param="timeout") from None
+    try:
+        client, metrics = state.require_frontend().client, state.metrics
+        previous = metrics.sleep_level
+        # A sleep over sleeping weights leaves them as the first sleep left them
+        # (``core/sleep``: level 2's dropped, or level 1's host copy): that level still shows.
+        weights_asleep = "weights" in client.sleeping
+        metrics.sleep_level = previous if weights_asleep and previous else level
+        left = max(0.0, timeout - (time.monotonic() - start))
+        try:
+            await _call(state, client.sleep, level, left)
+        except BaseException:
+            metrics.sleep_level = previous
+            raise
+    finally:
+        state.sleep_lock.release()
 
 
 def _sleep_answered(state: ServingState, call: asyncio.Future) -> None:

@@ -91,6 +91,7 @@ async def _stream(
     fmt = plan.format
     try:
         counted: dict[int, int] = {}  # choice index -> its tokens in the chunks made so far
+        unfinished = len(plan.choices)
         async for events in generation.batches():
             chunks = []
             for event in events:
@@ -116,6 +117,10 @@ async def _stream(
                             else None
                         )
                     chunks.append(chunk)
+                if event.delta.finish_reason is not None:
+                    unfinished -= 1
+                    if not unfinished:  # (its one entry, with the finish_reason, is the last)
+                        chunks[-1]["metadata"] = weight_metadata(generation)
             await writer.send(*chunks)
         if plan.include_usage:
             final = fmt.chunk([])
@@ -178,10 +183,7 @@ async def _collect(
     )
     if state.config.enable_per_request_metrics:
         _add_request_metrics(body, generation)
-    # SGLang's: the weights that produced the answer, for an RL trainer's staleness bookkeeping.
-    # A string, as SGLang sends it: OpenAI's ``metadata`` maps strings to strings (its SDK's
-    # type), so a number would warn on every ``model_dump``.
-    body["metadata"] = {"weight_version": str(generation.weight_version())}
+    body["metadata"] = weight_metadata(generation)
     # (n, echo and prompt_logprobs make a body of megabytes from a small request: a client that
     # stops reading it is dropped as a stalled stream is)
     return BoundedResponse(
@@ -190,6 +192,18 @@ async def _collect(
         body=orjson.dumps(body),
         content_type="application/json",
     )
+
+
+def weight_metadata(generation: Generation) -> dict[str, str]:
+    """SGLang's ``metadata``: the weights that produced the answer (the latest any of its
+    choices' tokens came from), for an RL trainer's staleness bookkeeping. A string, as SGLang
+    sends it: OpenAI's ``metadata`` maps strings to strings (its SDK's type), so a number would
+    warn on every ``model_dump``.
+
+    A stream carries it on the chunk that ends its last choice: every stream has that one (the
+    usage chunk only where asked for), and every choice's tokens are in by then, so the version
+    is the one a non-streaming body of the same tokens says."""
+    return {"weight_version": str(generation.weight_version())}
 
 
 def _add_request_metrics(body: dict, generation: Generation) -> None:

@@ -106,6 +106,7 @@ class ServingState:
         # completions and chat are refused at once (``delivery``), not held by the engine
         # until the sleep ends only to be refused then.
         self.sleeps_pending = 0
+        self.sleep_lock = asyncio.Lock()  # held by the sleep the stage has now (``admin``)
         # Completion and chat requests in flight, for GET /load (only with
         # enable_server_load_tracking: ``handlers.load_aware``).
         self.server_load = 0
