@@ -385,7 +385,8 @@ def test_huginn_traced_exits_under_pressure(ckpts, huginn_ref, mode, kv_policy):
     _oracle(huginn_ref, tight, prompts, params, kv_policy, exit_mode="trace")
 
 
-def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref):
+def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref, caplog):
+    """... and the log says so, as it says the engine preempts (the first of every 50 each)."""
     prompts, params, arrivals = _workload(6, seed=9)
     tight, stats = _run(
         ckpts["ouro"],
@@ -397,6 +398,10 @@ def test_swap_full_falls_back_to_recompute(ckpts, ouro_ref):
         **TIGHT,
     )
     assert stats.swap_fallbacks > 0
+    said = [r.getMessage() for r in caplog.records if r.name == "rltserve.core.preemption"]
+    assert len(said) == 2 + (stats.num_preemptions - 1) // 50 + (stats.swap_fallbacks - 1) // 50
+    assert "swap space full:" in said[0] and "(1 such so far); raise swap_space_gb" in said[0]
+    assert "preempted (recompute) to free KV blocks: 1 preemptions so far" in said[1]
     _oracle(ouro_ref, tight, prompts, params, "last_exited")
 
 

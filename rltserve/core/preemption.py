@@ -18,6 +18,7 @@ incarnation still in flight are dropped by the scheduler (``InFlight.life``).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from rltserve.core.request import InFlight, Request, RequestStatus, Resume
@@ -26,6 +27,12 @@ from rltserve.kv_policy import KVPolicy
 
 if TYPE_CHECKING:
     from rltserve.core.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+# Preemptions and swap fallbacks cost throughput an operator can buy back with a larger pool:
+# the log says so at the first and every LOG_EVERY-th after (vLLM warns of its preemptions
+# every 50), not at each one (a pressured engine preempts many times a second).
+LOG_EVERY = 50
 
 
 class Preemptor:
@@ -165,6 +172,13 @@ class Preemptor:
             else:
                 self.swap_fallbacks += 1
                 keep = 0
+                if self.swap_fallbacks % LOG_EVERY == 1:
+                    log.warning(
+                        "swap space full: request %s recomputes instead (%d such so far); "
+                        "raise swap_space_gb",
+                        rid,
+                        self.swap_fallbacks,
+                    )
         victim.swapped_tokens = keep
         s.drop_carried(victim)
         s.sharing.release(victim)
@@ -183,6 +197,15 @@ class Preemptor:
         self._preempted.append(rid)
         self._now.add(rid)
         self.num_preemptions += 1
+        if self.num_preemptions % LOG_EVERY == 1:
+            log.warning(
+                "request %s preempted (%s) to free KV blocks: %d preemptions so far; a larger "
+                "KV pool (kv_cache_gb, num_blocks, gpu_memory_utilization) or a lower "
+                "max_num_seqs avoids them",
+                rid,
+                victim.resume.value,
+                self.num_preemptions,
+            )
 
     def _final_positions(self, victim: Request) -> int:
         """Swap mode: positions ``[0, n)`` whose KV is final on every plane: below every item
