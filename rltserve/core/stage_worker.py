@@ -57,6 +57,16 @@ def load_log_config(source: str | dict) -> None:
         raise ValueError(str(exc)) from exc
 
 
+def set_up_logging(setup: str | dict | int | None) -> None:
+    """This process's logging as its parent handed it (``worker_process.handed_logging``): a
+    dictConfig file, or its configuration as read, else a level in the server's format; None
+    leaves Python's bare last-resort output, as the parent's."""
+    if isinstance(setup, (str, dict)):
+        load_log_config(setup)
+    elif setup is not None:
+        logging.basicConfig(level=setup, format=LOG_FORMAT)
+
+
 def tune_gc() -> tuple[int, int, int]:
     """Collector settings for a process that runs an engine; returns the previous thresholds.
 
@@ -135,10 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "--role", default=None, help="the stage it runs (prefill, decode): for ps and its log lines"
     )
     args = parser.parse_args(argv)
-    if args.log_config_file is not None:  # (its handlers and formats, as the parent's lines)
-        load_log_config(args.log_config_file)
-    elif args.log_level is not None:  # (else Python's bare last-resort output, as the caller's)
-        logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    # (a configuration file: its handlers and formats, as the parent's lines)
+    set_up_logging(args.log_config_file if args.log_config_file is not None else args.log_level)
     # Children of the worker must not hold the channel open: its EOF is how the parent learns
     # that the worker died.
     os.set_inheritable(args.fd, False)

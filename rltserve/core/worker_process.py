@@ -72,17 +72,25 @@ def set_log_config_file(path: str | None) -> None:
         os.environ[LOG_CONFIG_ENV] = os.path.abspath(path)
 
 
-def _log_args() -> list[str]:
-    """The worker logs with this process's logging configuration file when it has one
-    (``set_log_config_file``), else at this process's level, formatted as the server's, when
-    this process set up logging (the server does; a script usually does not: then neither does
-    the worker)."""
+def handed_logging() -> str | int | None:
+    """The logging this process hands to the engines it starts (workers, Ray replicas): its
+    logging configuration file when it has one (``set_log_config_file``), else its level,
+    formatted as the server's, when it set up logging (the server does; a script usually does
+    not: then neither do they)."""
     if path := os.environ.get(LOG_CONFIG_ENV):
-        return ["--log-config-file", path]
+        return path
     root = logging.getLogger()
-    if not root.handlers:
+    return root.getEffectiveLevel() if root.handlers else None  # (a number: custom names too)
+
+
+def _log_args() -> list[str]:
+    """The worker's logging flags: ``handed_logging``'s."""
+    setup = handed_logging()
+    if setup is None:
         return []
-    return ["--log-level", str(root.getEffectiveLevel())]  # (a number: custom names too)
+    if isinstance(setup, str):
+        return ["--log-config-file", setup]
+    return ["--log-level", str(setup)]
 
 
 class LastException:

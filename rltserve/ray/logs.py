@@ -6,35 +6,28 @@ another node, so it gets the same as a constructor argument instead: the configu
 ``--log-config-file`` as read here (the replica's node may not have the file), else the level
 of this process's logging when it set one up. Without it a replica's engine warnings came out
 bare (Python's last-resort output) and a log config file's handlers and formats never applied.
+The replica sets it up with ``set_up_logging``, as a worker does.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
 
-from rltserve.core.stage_worker import LOG_FORMAT, load_log_config
-from rltserve.core.worker_process import LOG_CONFIG_ENV
+from rltserve.core.stage_worker import set_up_logging
+from rltserve.core.worker_process import handed_logging
 
 LogSetup = dict | int | None  # a dictConfig configuration, a level, or nothing to set up
+
+__all__ = ["LogSetup", "caller_logging", "set_up_logging"]
 
 
 def caller_logging() -> LogSetup:
     """This process's logging as its replicas should set it up (see the module doc)."""
-    if path := os.environ.get(LOG_CONFIG_ENV):
-        try:
-            with open(path) as file:
-                return json.load(file)
-        except (OSError, ValueError) as exc:  # (the server loaded it at start: moved since?)
-            raise ValueError(f"--log-config-file {path}: {exc}") from exc
-    root = logging.getLogger()
-    return root.getEffectiveLevel() if root.handlers else None
-
-
-def set_up_logging(setup: LogSetup) -> None:
-    """In the replica's process: its logging as ``caller_logging`` described the caller's."""
-    if isinstance(setup, dict):
-        load_log_config(setup)
-    elif setup is not None:
-        logging.basicConfig(level=setup, format=LOG_FORMAT)
+    setup = handed_logging()
+    if not isinstance(setup, str):
+        return setup
+    try:
+        with open(setup) as file:
+            return json.load(file)
+    except (OSError, ValueError) as exc:  # (the server loaded it at start: moved since?)
+        raise ValueError(f"--log-config-file {setup}: {exc}") from exc
