@@ -316,7 +316,7 @@ def wait_pd_idle(client, timeout: float = 30.0) -> None:
     while True:
         stats = [s.stats for s in (client.prefill, client.decode)]  # (None: never ran a step)
         busy = [s for s in stats if s and (s.num_running or s.num_waiting or s.kv_usage)]
-        files = sorted(set(os.listdir(client._dir)) - {"owner.lock"})
+        files = sorted(set(os.listdir(client._files.dir)) - {"owner.lock"})
         if not busy and not files:
             return
         assert time.monotonic() < deadline, f"stages not idle: {busy}, transfer files {files}"

@@ -229,7 +229,7 @@ def test_a_dead_process_transfer_directory_is_swept(tmp_path, monkeypatch):
         client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
         try:
             assert not dead.exists() and alive.exists() and unlocked.exists()
-            mine = client._dir
+            mine = client._files.dir
             assert os.path.exists(os.path.join(mine, "owner.lock"))
             other = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
             other.close()

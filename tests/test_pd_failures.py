@@ -39,7 +39,7 @@ def test_abort_during_prefill_and_during_decode(ckpts):
         wait_pd_idle(client)
     finally:
         client.close()
-    assert not Path(client._dir).exists()
+    assert not Path(client._files.dir).exists()
 
 
 def test_a_waiting_sample_aborts_alone_and_a_rerouted_prefill_is_served(

@@ -18,7 +18,7 @@ from test_pd import BS, GREEDY, _client, _collect, _moved
 
 from rltserve.config import EngineConfig
 from rltserve.core.stage import InProcessStageClient, StageClient
-from rltserve.core.transfer_files import TransferFiles, transfer_bytes
+from rltserve.core.transfer_files import TransferFiles, transfer_size
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason
 
@@ -26,7 +26,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 
 
 def _files(client) -> list[str]:
-    return sorted(set(os.listdir(client._dir)) - {"owner.lock"})
+    return sorted(set(os.listdir(client._files.dir)) - {"owner.lock"})
 
 
 def _wait(predicate, timeout: float = 60.0) -> None:
@@ -102,7 +102,7 @@ def test_a_transfer_past_the_bound_is_skipped_while_another_file_waits(
     a, b = list(range(10, 40)), list(range(100, 130))
     probe = _client(ckpts["ouro"])
     try:
-        size = transfer_bytes(probe.info, a, GREEDY)
+        size, _ = transfer_size(probe.info, a, GREEDY)
     finally:
         probe.close()
     assert size > 0
@@ -157,7 +157,7 @@ def test_a_file_waiting_on_the_decode_stage_goes_with_its_aborted_request(ckpts)
         _settled(client)
     finally:
         client.close()
-    assert not Path(client._dir).exists()
+    assert not Path(client._files.dir).exists()
 
 
 def test_a_dead_decode_stage_leaves_no_file(ckpts):
@@ -176,7 +176,7 @@ def test_a_dead_decode_stage_leaves_no_file(ckpts):
     finally:
         client.kill()
         client.close(timeout=5)
-    assert not Path(client._dir).exists()
+    assert not Path(client._files.dir).exists()
 
 
 def test_the_lowered_context_warning_names_the_stage(ckpts, caplog):

@@ -42,7 +42,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.pd_prefill import PrefillStage, prefill_params, stage_configs
 from rltserve.core.request_checks import check_params
 from rltserve.core.stage import Sink, StageClient, StageError
-from rltserve.core.transfer_files import TransferFiles, transfer_bytes
+from rltserve.core.transfer_files import TransferFiles, transfer_size
 from rltserve.core.update_log import UpdateLog, stamps
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
@@ -93,7 +93,6 @@ class PDClient:
             self.prefill.close(timeout=2.0)
             raise
         self._files = TransferFiles(config.execution.kv_transfer_gb)  # (bounded: its doc)
-        self._dir = self._files.dir
         # Guards _ids, _open, _leaders, _following, _moving, _closed and the hand-over.
         self._lock = threading.Lock()
         self._ids: set[str] = set()  # every open request, wherever it is
@@ -217,8 +216,7 @@ class PDClient:
                     return
                 path = None
                 if transfers:  # (None past the files' bound: the decode stage computes it)
-                    moved = (len(prompt) - 1) // self.info.block_size * self.info.block_size
-                    path = self._files.claim(transfer_bytes(self.info, prompt, params), moved)
+                    path = self._files.claim(*transfer_size(self.info, prompt, params))
                 if path is not None:
                     ending = self._ending(request_id, sink, path)
                     handoff = _Handoff(prompt, params, ending, group, path, self.prefill)

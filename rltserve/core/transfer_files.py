@@ -84,11 +84,13 @@ class TransferFiles:
         self._finalizer()
 
 
-def transfer_bytes(info: EngineInfo, prompt: list[int], params: SamplingParams) -> int:
-    """What the file of ``prompt``'s KV takes at most (``kv_transfer``'s layout: its full
-    blocks before the last token, on every plane the request's depth takes)."""
+def transfer_size(info: EngineInfo, prompt: list[int], params: SamplingParams) -> tuple[int, int]:
+    """What the file of ``prompt``'s KV takes at most, and the prompt tokens it moves
+    (``kv_transfer``'s layout: its full blocks before the last token, on every plane the
+    request's depth takes)."""
     policy = KVPolicy.parse(info.kv_policy)
     boundary = info.kv_planes - policy.num_planes(info.num_loops)  # (the coda's plane)
     loops = max(info.num_loops, params.max_loops or 0)  # (a gated request runs at least these)
     blocks = (len(prompt) - 1) // info.block_size
-    return blocks * (policy.num_planes(loops) + boundary) * info.kv_block_bytes
+    size = blocks * (policy.num_planes(loops) + boundary) * info.kv_block_bytes
+    return size, blocks * info.block_size
