@@ -10,6 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+from rltserve.caller_values import is_number
 from rltserve.kv_policy import KVPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -173,7 +174,7 @@ class CacheConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks!r}: must be >= 1")
         gb = self.kv_cache_gb
-        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not 0 < gb < math.inf:
+        if not (is_number(gb) and 0 < gb < math.inf):
             raise ValueError(f"kv_cache_gb={gb!r}: must be a finite number > 0")
         share = self.gpu_memory_utilization
         if share is not None and (
@@ -188,7 +189,7 @@ class CacheConfig:
             raise ValueError(f"kv_watermark={self.kv_watermark!r}: must be in [0, 1)")
         swap = self.swap_space_gb
         # (not inf: the space is counted in whole bytes at start)
-        if isinstance(swap, bool) or not isinstance(swap, (int, float)) or not 0 <= swap < math.inf:
+        if not (is_number(swap) and 0 <= swap < math.inf):
             raise ValueError(f"swap_space_gb={swap!r}: must be a finite number >= 0")
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(
@@ -383,8 +384,7 @@ class ExecutionConfig:
         space = self.kv_transfer_gb
         if space is not None:
             # (not inf: the bound is counted in whole bytes; a large number is no bound)
-            number = isinstance(space, (int, float)) and not isinstance(space, bool)
-            if not number or not 0 <= space < math.inf:
+            if not (is_number(space) and 0 <= space < math.inf):
                 raise ValueError(f"kv_transfer_gb={space!r}: must be None or a finite number >= 0")
             if not self.disaggregate:
                 raise ValueError(f"kv_transfer_gb={space!r}: only with disaggregate=True")
