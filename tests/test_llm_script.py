@@ -186,31 +186,42 @@ def test_worker_ignores_modules_in_the_current_directory(tiny, tmp_path):
     check_example_output(run_python([str(script)], cwd=tmp_path))
 
 
+# A script's first lines for the exit tests below: an exit hook, registered first so that it
+# runs last, that prints the stage loop threads still alive; and a model load made slower by
+# ``SLOW_S`` (a large checkpoint's), to be filled in.
+EXIT_CHECK = """
+import atexit, os, signal, threading, time
+def check():
+    alive = [t.name for t in threading.enumerate() if t.name == "rltserve-stage-loop"]
+    print("ALIVE AT EXIT", alive, flush=True)
+atexit.register(check)
+from rltserve.core import engine
+load = engine.EngineCore.__init__
+def slow_load(self, *args, **kwargs):
+    time.sleep(SLOW_S)
+    load(self, *args, **kwargs)
+engine.EngineCore.__init__ = slow_load
+"""
+
+
 def test_ctrl_c_while_an_in_process_stage_loads_lets_it_end_before_exit(tiny, tmp_path):
     # Ctrl-C during LLM(..., in_process=True): close() stops waiting for the stage's thread,
     # which cannot stop before its model has loaded. It must still end before the interpreter
     # finalizes: a daemon thread caught in torch's C++ code there aborts the process ("terminate
     # called without an active exception", exit code 134). A slow load stands in for a large
     # checkpoint; the check, registered first, runs last among the exit hooks.
-    code = f"""
-import atexit, os, signal, threading, time
-def check():
-    alive = [t.name for t in threading.enumerate() if t.name == "rltserve-stage-loop"]
-    print("ALIVE AT EXIT", alive, flush=True)
-atexit.register(check)
+    slow = EXIT_CHECK.replace("SLOW_S", "4.0")  # (longer than close()'s wait after Ctrl-C)
+    code = (
+        slow
+        + f"""
 from rltserve import LLM
-from rltserve.core import engine
-load = engine.EngineCore.__init__
-def slow_load(self, *args, **kwargs):
-    time.sleep(4.0)  # longer than close()'s wait after the interrupt
-    load(self, *args, **kwargs)
-engine.EngineCore.__init__ = slow_load
 threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 try:
     LLM({str(tiny)!r}, in_process=True, num_blocks=64)
 except KeyboardInterrupt:
     print("INTERRUPTED", flush=True)
 """
+    )
     proc = run_python(["-c", code], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["INTERRUPTED", "ALIVE AT EXIT []"], proc.stdout
@@ -220,22 +231,16 @@ def test_a_stage_still_loading_at_exit_ends_before_the_interpreter(tiny, tmp_pat
     # An in-process stage never closed: its finalizer stops it at exit, and a loop that
     # outlives the finalizer's wait (still loading here) must still end before the interpreter
     # finalizes. An exit hook registered from within the finalizer is dropped, never run.
-    code = f"""
-import atexit, threading, time
-def check():
-    alive = [t.name for t in threading.enumerate() if t.name == "rltserve-stage-loop"]
-    print("ALIVE AT EXIT", alive, flush=True)
-atexit.register(check)
+    slow = EXIT_CHECK.replace("SLOW_S", "3.0")  # (longer than the finalizer's wait)
+    code = (
+        slow
+        + f"""
 from rltserve.config import EngineConfig
-from rltserve.core import engine, stage
+from rltserve.core import stage
 stage._stop_loop.__defaults__ = (0.5,)  # (the finalizer's wait, shortened)
-load = engine.EngineCore.__init__
-def slow_load(self, *args, **kwargs):
-    time.sleep(3.0)  # longer than the finalizer's wait
-    load(self, *args, **kwargs)
-engine.EngineCore.__init__ = slow_load
 client = stage.InProcessStageClient(EngineConfig.from_flat(model={str(tiny)!r}, num_blocks=64))
 """
+    )
     proc = run_python(["-c", code], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["ALIVE AT EXIT []"], proc.stdout
