@@ -31,6 +31,10 @@ class UpdateTimeout(ValueError):
 SLEEP_TAGS = ("weights", "kv_cache")
 # How the error of a request refused while the engine sleeps begins (the server: a 503).
 ASLEEP = "the engine is asleep"
+# How the error of a request refused after ``sleep(level=2)`` woke without a weight load begins
+# (the server: a 503). On CUDA the woken weights are uninitialised memory: generating from them
+# would answer garbage without an error.
+WEIGHTS_DROPPED = "the weights were dropped by sleep(level=2)"
 # The error of a request a weight update with ``abort=True`` aborted (the server: a 503).
 UPDATE_ABORTED = "aborted by a weight update (abort=True); retry to run on the new weights"
 

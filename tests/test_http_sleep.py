@@ -158,6 +158,11 @@ async def test_two_stages_sleep_and_wake_together(ckpt):
         assert status == 503
         status, _, _ = await live.post("/wake_up", None)
         assert status == 200 and not await _sleeping(live)
+        # Level 2 dropped the weights (on CUDA; refused on every device): a load comes first.
+        status, _, raw = await live.post("/v1/completions", GREEDY)
+        assert status == 503 and "POST /v1/update_weights first" in error_of(raw)["message"]
+        status, _, raw = await live.post("/v1/update_weights", {"model_path": str(ckpt)})
+        assert status == 200, raw
         assert (await _complete(live))[0] == tokens
 
 

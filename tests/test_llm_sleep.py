@@ -66,8 +66,28 @@ def test_trl_cycle_level_two_then_new_weights(tiny, tmp_path):
         llm.wake_up(tags=["kv_cache"])
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
         llm.sleep(level=2)
-        llm.wake_up()  # both
+        llm.wake_up()  # both, and no load: on CUDA the weights would be uninitialised memory
+        with pytest.raises(ValueError, match=r"dropped by sleep\(level=2\).*update_weights"):
+            llm.generate(PROMPTS, GREEDY)
+        llm.sleep(level=1)  # (still not loaded: a level-1 copy of dropped weights is no load)
+        llm.wake_up()
+        with pytest.raises(ValueError, match="dropped by sleep"):
+            llm.generate(PROMPTS, GREEDY)
+        llm.update_weights(other)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_a_level_two_sleep_over_sleeping_weights_drops_nothing(tiny):
+    """Weights asleep at level 1 keep their host copy through a level-2 sleep (the first sleep
+    decides, ``core/sleep``): waking them needs no load."""
+    core = make_core(tiny, num_blocks=64)
+    before = run_core(core, PROMPTS, [GREEDY] * 2).tokens
+    core.sleep(1)
+    core.sleep(2)
+    core.wake_up(["weights", "kv_cache"])
+    assert not core.weights_dropped
+    assert run_core(core, PROMPTS, [GREEDY] * 2).tokens == before
+    core.shutdown()
 
 
 def test_sleep_waits_for_running_requests_or_times_out(tiny):

@@ -36,7 +36,7 @@ from rltserve.models.base import LoopedModel
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
 from rltserve.seeds import seeded_generator
-from rltserve.updates import ASLEEP, RequestUpdate, StepUpdates
+from rltserve.updates import ASLEEP, WEIGHTS_DROPPED, RequestUpdate, StepUpdates
 
 logger = logging.getLogger(__name__)
 _REQUEST_ID = attrgetter("request_id")
@@ -108,6 +108,10 @@ class EngineCore:
         )
         self._seed_rng = seeded_generator(mc.seed)
         self.weight_version = 0  # in-place weight updates so far (``weight_gate``)
+        # sleep(level=2) dropped the weights and no update has loaded any since. Kept on every
+        # device (the CPU keeps its weights) so that a loop missing its load fails where it is
+        # tested, not only on a GPU.
+        self.weights_dropped = False
         # Requests whose prompt KV goes to a decode stage when they finish: request, file.
         self._exports: dict[str, tuple[Request, str]] = {}
         self._num_steps = self._num_rows = self._num_coda_rows = 0
@@ -288,6 +292,11 @@ class EngineCore:
         if self.sleeping:
             parts = " and ".join(sorted(self.sleeping))
             raise ValueError(f"{ASLEEP} ({parts} put to sleep): wake_up() first")
+        if self.weights_dropped:
+            raise ValueError(
+                f"{WEIGHTS_DROPPED} and none were loaded since: update_weights() first "
+                "(sleep(level=1) keeps them)"
+            )
         request = self.make_request(request_id, prompt_token_ids, params, group)
         kind, path = transfer or (None, "")
         if kind == "import":
@@ -436,11 +445,15 @@ class EngineCore:
     def sleep(self, level: int) -> None:
         """Frees the device memory of an idle engine (no request in it): the KV pool, whose
         contents (the prefix cache) are forgotten, and on CUDA the weights (level 1 keeps a
-        host copy, level 2 drops them). Requests are refused until ``wake_up`` restores both."""
+        host copy, level 2 drops them). Requests are refused until ``wake_up`` restores both,
+        and after level 2 until a weight update loads weights (``weights_dropped``)."""
         if level not in (1, 2):
             raise ValueError(f"level={level!r}: must be 1 or 2")
+        # (Weights already asleep stay as the first sleep left them: a level-1 copy survives.)
+        drops = level == 2 and "weights" not in self.sleeping
         self.clear_prefix_cache()
         self.runner.sleep(level)
+        self.weights_dropped = self.weights_dropped or drops
 
     def wake_up(self, tags: list[str]) -> None:
         """Restores the parts named in ``tags`` ("weights", "kv_cache")."""
@@ -449,6 +462,7 @@ class EngineCore:
     def on_weights_updated(self) -> None:
         """New weights are in place (no request is running): the version moves on. State
         derived from the old weights is keyed on ``weight_version`` and goes with it."""
+        self.weights_dropped = False
         self.reset_prefix_cache()
 
     def shutdown(self) -> None:

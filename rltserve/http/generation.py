@@ -22,7 +22,7 @@ from rltserve.http.errors import HTTPError, bad_request, unavailable
 from rltserve.http.metrics import RequestTimeline, SampleGroup, per_request_metrics
 from rltserve.http.validation import param_of
 from rltserve.outputs import Completion, OutputAssembler, TextDelta, reported_stop_ids
-from rltserve.updates import ASLEEP, FinishReason, RequestUpdate
+from rltserve.updates import ASLEEP, WEIGHTS_DROPPED, FinishReason, RequestUpdate
 
 if TYPE_CHECKING:
     from rltserve.http.frontend import ChoiceRequest, Frontend
@@ -291,6 +291,11 @@ def failure(
         message = delta.error or "the engine failed"
         if event.rejected and message.startswith(ASLEEP):  # (sent as /sleep came)
             return unavailable("the model is sleeping: POST /wake_up first", retry_after_s)
+        if event.rejected and message.startswith(WEIGHTS_DROPPED):
+            return unavailable(
+                f"{WEIGHTS_DROPPED} and none were loaded since: POST /v1/update_weights first",
+                retry_after_s,
+            )
         if event.rejected:
             return bad_request(*_refusal(message, event.default_max_tokens, event.loops_param))
         if message.startswith("stage died"):
