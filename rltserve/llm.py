@@ -24,7 +24,7 @@ from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
-from rltserve.llm_batch import PendingBatch
+from rltserve.llm_batch import PendingBatch, at_prompt
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
 from rltserve.llm_metrics import RequestCounts
@@ -321,12 +321,13 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         plist = [p if s is None else p.replace(cache_salt=s) for p, s in zip(plist, salts)]
         vocab = self.info.vocab_size
         context = self.info.max_model_len
-        encoded = [
-            truncated_prompt(
-                encode_prompt(prompt, self.tokenizer, vocab), p.truncate_prompt_tokens, context
-            )
-            for prompt, p in zip(batch, plist)
-        ]
+        encoded = []
+        for index, (prompt, p) in enumerate(zip(batch, plist)):
+            try:
+                ids = encode_prompt(prompt, self.tokenizer, vocab)
+                encoded.append(truncated_prompt(ids, p.truncate_prompt_tokens, context))
+            except ValueError as exc:
+                raise ValueError(f"{exc}{at_prompt(index, len(batch))}") from None
         spans = [None] * len(batch) if thinking is None else thinking
         plist = [
             bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span)
@@ -382,7 +383,8 @@ class LLM(TrainerControls, ChatRendering, Refusals):
                 bar.close()
         for asm in pending.assemblers:
             if asm.rejected:
-                raise ValueError(asm.output.error)
+                where = at_prompt(pending.prompt_index(asm), len(batch))
+                raise ValueError(f"{asm.output.error}{where}")
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
         # detokenize=False: no text work at all, decoded logprob tokens included (vLLM's).

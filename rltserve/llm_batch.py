@@ -12,6 +12,12 @@ from rltserve.outputs import OutputAssembler
 from rltserve.updates import RequestUpdate
 
 
+def at_prompt(index: int, size: int) -> str:
+    """What a refusal of prompt ``index`` of ``size`` adds to its message: in a batch of
+    thousands the message alone does not find the prompt."""
+    return f" (prompt index {index})" if size > 1 else ""
+
+
 class PendingBatch:
     """The assemblers of one call's requests. ``cond`` guards ``finished``; the waiter wakes
     when every request has finished or one has failed (the caller then aborts the rest).
@@ -32,6 +38,10 @@ class PendingBatch:
             self.assemblers.append(asm)
             self._prompt_of[asm.output.request_id] = prompt
             self._samples_left[prompt] = self._samples_left.get(prompt, 0) + 1
+
+    def prompt_index(self, asm: OutputAssembler) -> int:
+        """The index, in the call's prompts, of the prompt ``asm``'s request samples."""
+        return self._prompt_of[asm.output.request_id]
 
     def sink(
         self, asm: OutputAssembler, abort: Callable[[str], None]

@@ -88,6 +88,11 @@ def test_invalid_requests_raise_value_error(spawned):
         spawned.generate("text needs a tokenizer")
     with pytest.raises(ValueError, match="chat needs the checkpoint's tokenizer"):
         spawned.chat([{"role": "user", "content": "hi"}])
+    # In a batch the refusal names its prompt's index (alone, there is nothing to find).
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, \d+\) \(prompt index 2\)$"):
+        spawned.generate([[5], [6], [999], [7]])
+    with pytest.raises(ValueError, match=r"length of 257 tokens .*\) \(prompt index 1\)$"):
+        spawned.generate([[5], [1] * 300], SamplingParams(temperature=0.0, max_tokens=200))
     # The stage keeps serving after rejections.
     assert (
         len(spawned.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids)
