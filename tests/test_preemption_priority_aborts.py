@@ -97,3 +97,45 @@ def test_priority_preemption_equals_oracle(ckpts, ouro_ref, mode, full):
     _oracle(ouro_ref, run, prompts, params, "last_exited")
     order = list(run.finish)  # (in the order requests finished)
     assert set(order[:4]) == {"r4", "r5", "r6", "r7"}
+
+
+def test_priority_preempts_nothing_when_the_worse_requests_cannot_make_room():
+    """A better request whose first chunk needs more blocks than the free ones and those every
+    worse request holds together preempts none of them: each victim would only wait behind it
+    while the pool idled. Once they hold enough it preempts them."""
+    from fixed_exits import FixedExits, make_request, make_scheduler
+
+    s = make_scheduler(24, scheduling_policy="priority", prefill_chunk_size=16, max_num_seqs=8)
+    s.add_request(make_request("r0", 16, 30, priority=0))
+    runner = FixedExits()
+    preemptor, by_priority = s.preemptor, []
+    admit = preemptor.admit_by_priority
+
+    def counted():
+        before = preemptor.num_preemptions
+        admit()
+        by_priority.append(preemptor.num_preemptions - before)
+
+    preemptor.admit_by_priority = counted
+
+    def step():
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+        return plan
+
+    while s.kv.num_free_blocks > 6:
+        step()
+    s.add_request(make_request("r1", 4, 40, priority=5))
+    step()
+    assert s.kv.num_free_blocks == 4  # r0 holds 18 blocks, r1 2
+    s.add_request(make_request("best", 16, 5, priority=2))  # its first chunk: 8 blocks
+    plan = step()
+    assert plan.preempted == [] and {r.request_id for r in s.running} == {"r0", "r1"}
+    assert by_priority[-1] == 0
+    while "best" not in {r.request_id for r in s.running}:
+        step()
+        if by_priority[-1]:  # (only once r1 holds what best lacks: best is in at once)
+            assert "best" in {r.request_id for r in s.running}
+    while s.has_work():
+        step()
+    assert s.kv.usage == 0.0

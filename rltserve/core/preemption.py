@@ -88,20 +88,29 @@ class Preemptor:
     def admit_by_priority(self) -> None:
         """Priority policy, before a step is built: while the best waiting request cannot be
         admitted (seats or KV full), preempt the worst running request of strictly worse
-        priority."""
+        priority; none when all of them together do not hold the blocks it lacks (they would
+        wait behind it while the pool idles)."""
         s = self.s
         if not (s.priority and s.ondemand and s.waiting):
             return
         best = s.admission.head()  # (no scan of the queue per step: it is kept in order)
         budget = s.config.max_num_batched_tokens
+        kv = s.kv
+        checked = False
         while True:
             item = s.item_maker.next_item(best, budget)
             seats = len(s.running) >= s.config.max_num_seqs
-            if item is None or not (seats or s.admission.blocks(best, item) > s.kv.num_free_blocks):
+            short = 0 if item is None else s.admission.blocks(best, item) - kv.num_free_blocks
+            if item is None or not (seats or short > 0):
                 return
             worse = [r for r in s.running if r.params.priority > best.params.priority]
             if not worse:
                 return
+            if not checked:  # (what they hold only grows the free count as they go)
+                held = sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in worse)
+                if held < short:
+                    return
+                checked = True
             self.preempt(max(worse, key=s.order_key))
 
     def rotate(self) -> None:
