@@ -189,3 +189,33 @@ def test_the_lowered_context_warning_names_the_stage(ckpts, caplog):
             client.close()
     lowered = [r.getMessage() for r in caplog.records if "max_model_len lowered" in r.getMessage()]
     assert lowered and all(m.startswith("prefill stage: max_model_len lowered") for m in lowered)
+
+
+def test_the_start_up_log_gives_the_bound_and_a_fallback_to_disk(monkeypatch, caplog):
+    """A container's /dev/shm is 64 MiB unless the operator mounts a larger one: the files then
+    go to disk, which the log says, with what to change."""
+    from rltserve.core import transfer_dir
+
+    caplog.set_level(logging.INFO, logger="rltserve.core.transfer_files")
+    monkeypatch.setattr(transfer_dir, "shm_free", lambda: 64 * 2**20)
+    files = TransferFiles(0.5)
+    try:
+        info, warning = (r.getMessage() for r in caplog.records)
+        assert info == f"KV transfer files: at most 0.50 GiB in {files.dir} (--kv-transfer-gb)"
+        assert warning.startswith("KV transfer files go to ") and "(disk), not /dev/shm" in warning
+        assert "64 MiB free" in warning and "--shm-size" in warning and "medium: Memory" in warning
+    finally:
+        files.close()
+    caplog.clear()
+    monkeypatch.setattr(transfer_dir, "file_dir", lambda: None)
+    files = TransferFiles(None)
+    try:
+        assert (
+            caplog.records[0].getMessage().endswith("(--kv-transfer-gb: half the space free there)")
+        )
+    finally:
+        files.close()
+    # (in shared memory, or on a host without any: nothing to warn of)
+    assert transfer_dir.fallback_warning("/dev/shm/rltserve-pd-x") is None
+    monkeypatch.setattr(transfer_dir, "shm_free", lambda: None)
+    assert transfer_dir.fallback_warning("/tmp/rltserve-pd-x") is None

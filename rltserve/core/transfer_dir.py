@@ -30,12 +30,30 @@ def create() -> tuple[str, int]:
 def file_dir() -> str | None:
     """Where transfer files go: shared memory where the host has enough of it (Docker's
     default is 64 MiB), else the default temporary directory."""
+    free = shm_free()
+    return _SHM if free is not None and free >= _MIN_SHM_BYTES else None
+
+
+def shm_free() -> int | None:
+    """The bytes free in shared memory (None: the host has none)."""
     try:
-        if shutil.disk_usage(_SHM).free >= _MIN_SHM_BYTES:
-            return _SHM
+        return shutil.disk_usage(_SHM).free
     except OSError:
-        pass
-    return None
+        return None
+
+
+def fallback_warning(directory: str) -> str | None:
+    """What an operator should know when transfer files went to ``directory`` instead of
+    shared memory (a container's small default /dev/shm): they are written to disk."""
+    free = shm_free()
+    if directory.startswith(_SHM + "/") or free is None:
+        return None
+    return (
+        f"KV transfer files go to {os.path.dirname(directory)} (disk), not {_SHM}: it has "
+        f"{free / 2**20:.0f} MiB free, under the {_MIN_SHM_BYTES // 2**30} GiB they need there; "
+        f"give the container a larger {_SHM} (Docker: --shm-size; Kubernetes: an emptyDir "
+        f"volume with medium: Memory mounted at {_SHM})"
+    )
 
 
 def own(directory: str) -> int:

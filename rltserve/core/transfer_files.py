@@ -13,6 +13,7 @@ move (``rltserve:kv_transfer_skipped_total``)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import threading
@@ -26,6 +27,7 @@ from rltserve.sampling import SamplingParams
 # The default bound's share of the space free in the directory at start: the rest stays for
 # everything else that uses shared memory (the stages' own tensors, other processes).
 DEFAULT_SHARE = 0.5
+logger = logging.getLogger(__name__)
 
 
 class TransferFiles:
@@ -39,6 +41,15 @@ class TransferFiles:
             self.limit = int(shutil.disk_usage(self.dir).free * DEFAULT_SHARE)
         else:
             self.limit = int(limit_gb * 2**30)
+        # (tmpfs pages count against a container's memory limit: the operator sizes one by it)
+        logger.info(
+            "KV transfer files: at most %.2f GiB in %s (--kv-transfer-gb%s)",
+            self.limit / 2**30,
+            self.dir,
+            ": half the space free there" if limit_gb is None else "",
+        )
+        if (warning := transfer_dir.fallback_warning(self.dir)) is not None:
+            logger.warning("%s", warning)
         self._lock = threading.Lock()  # guards the rest (claims come from request threads)
         self._held: dict[str, int] = {}  # path -> its bytes, while the file may exist
         self.held_bytes = 0

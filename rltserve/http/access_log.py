@@ -20,6 +20,8 @@ from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import Response, StreamResponse
 
+from rltserve.http.root_path import ROOT_PATH
+
 # The body bytes a stream's writer has written (``sse.SSEWriter``), on its response: aiohttp
 # counts only what went on the wire, headers and chunk framing included. (A typed key where
 # aiohttp has them, 3.12 on: it warns of plain string keys.)
@@ -56,7 +58,9 @@ class CombinedAccessLogger(AbstractAccessLogger):
                 line, referer, agent = "-", "-", "-"
             else:
                 version = f"HTTP/{request.version.major}.{request.version.minor}"
-                line = f"{request.method} {request.path_qs} {version}"
+                # (a path under --root-path as sent, though served without the prefix)
+                path = request.raw_path if ROOT_PATH in request else request.path_qs
+                line = f"{request.method} {path} {version}"
                 referer = request.headers.get(hdrs.REFERER, "-")
                 agent = request.headers.get(hdrs.USER_AGENT, "-")
             size = body_bytes(request, response)

@@ -7,13 +7,13 @@ help texts from this dataclass.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 
-from rltserve.generation_config import GENERATION_CONFIG_KEYS
 from rltserve.http.hidden_metrics import shown_hidden_metrics
-from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.http.request_defaults import generation_overrides, template_defaults
+from rltserve.http.root_path import normal_root_path
+from rltserve.sampling import MAX_LOGPROBS
 from rltserve.vllm_args import generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
@@ -23,20 +23,6 @@ API_KEY_ENV = "RLTSERVE_API_KEY"
 # Where ``with_env`` looks for the API key, the first set wins: rltserve's own variable, then vLLM's
 # (a deployment configured for vLLM must not come up unauthenticated).
 API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")
-
-# ``override_generation_config``'s keys beyond GENERATION_CONFIG_KEYS, as SamplingParams names
-# them: vLLM's max_new_tokens, and the loop fields a request leaves unset by sending nothing
-# (None), so that a server-wide value can stand in for them. (min_loops has a request default,
-# 1, that a default from here could not tell from a sent value.)
-OVERRIDE_KEYS = {
-    **{key: key for key in GENERATION_CONFIG_KEYS},
-    "max_new_tokens": "max_tokens",
-    "max_loops": "max_loops",
-    "num_steps": "max_loops",
-    "exit_criterion": "exit_criterion",
-    "exit_threshold": "exit_threshold",
-    "init_state": "init_state",
-}
 
 # What /metrics names its series with (``metrics_prefix``): rltserve's own, or vLLM's.
 METRICS_PREFIXES = ("rltserve", "vllm")
@@ -50,6 +36,14 @@ def _help(text: str) -> dict:
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("interface to listen on"))
     port: int = field(default=8000, metadata=_help("TCP port (0 picks a free one)"))
+    root_path: str | None = field(
+        default=None,
+        metadata=_help(
+            "the path prefix a path-based proxy passes requests on with (as '/llm' for an "
+            "nginx 'location /llm/' or an ingress path without a rewrite): a request under it "
+            "is served as the same path without it, and paths outside it as they are (vLLM's)"
+        ),
+    )
     served_model_name: str | tuple[str, ...] | None = field(
         default=None,
         metadata={
@@ -314,6 +308,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port!r}: must be an int in [0, 65535]")
+        if self.root_path is not None:
+            object.__setattr__(self, "root_path", normal_root_path(self.root_path))
         names = self.served_model_name
         if names is not None and not isinstance(names, str):
             # (a list from argparse's nargs: kept as a tuple, which a frozen config can hash)
@@ -410,42 +406,13 @@ class ServerConfig:
 
     @property
     def template_defaults(self) -> dict:
-        """``default_chat_template_kwargs`` parsed (empty when not set); ValueError when it is
-        not a JSON object of template variables."""
-        name = "default_chat_template_kwargs"
-        value = _json_object(name, self.default_chat_template_kwargs)
-        from rltserve.http.chat_messages import TEMPLATE_CALL_ARGUMENTS
-
-        for key in value:
-            if key in TEMPLATE_CALL_ARGUMENTS:
-                raise ValueError(f"{name}: {key!r} is not a template variable (requests set it)")
-        return value
+        """``default_chat_template_kwargs`` parsed (``request_defaults``)."""
+        return template_defaults(self.default_chat_template_kwargs)
 
     @property
     def generation_overrides(self) -> dict[str, object]:
-        """``override_generation_config`` parsed as ``SamplingParams`` keywords (empty when not
-        set); ValueError naming a key it does not take or a value SamplingParams refuses."""
-        name = "override_generation_config"
-        value = _json_object(name, self.override_generation_config)
-        overrides: dict[str, object] = {}
-        for key, item in value.items():
-            if key == "min_loops":
-                raise ValueError(
-                    f"{name}: {key!r} cannot be a server default (a request that omits it "
-                    "sends its default; send it per request)"
-                )
-            if key not in OVERRIDE_KEYS:
-                known = ", ".join(OVERRIDE_KEYS)
-                raise ValueError(f"{name}: {key!r} is not a default it sets (one of: {known})")
-            if OVERRIDE_KEYS[key] in overrides:
-                raise ValueError(f"{name}: {key!r} repeats another key's field")
-            if item is not None:  # (null: no default, as generation_config_defaults reads it)
-                overrides[OVERRIDE_KEYS[key]] = item
-        try:
-            SamplingParams(**overrides)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        return overrides
+        """``override_generation_config`` as ``SamplingParams`` keywords (``request_defaults``)."""
+        return generation_overrides(self.override_generation_config)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -482,17 +449,3 @@ def api_key_env() -> str | None:
     """The environment variable ``ServerConfig.with_env`` takes the API key from (None: none
     set)."""
     return next((name for name in API_KEY_ENVS if os.environ.get(name)), None)
-
-
-def _json_object(name: str, text: object) -> dict:
-    """The JSON object a flag's ``text`` holds ({} for None); a ValueError naming ``name``
-    otherwise."""
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text) if isinstance(text, str) else None
-    except ValueError as exc:
-        raise ValueError(f"{name}: not JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}={text!r}: must be a JSON object")
-    return value

@@ -222,7 +222,8 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return json_response(openapi_document(ROUTES, __version__))
+    root = request.app[STATE].config.root_path
+    return json_response(openapi_document(ROUTES, __version__, root))
 
 
 # (method, path, handler, request body schema): the table /openapi.json is generated from.

@@ -109,8 +109,12 @@ def openapi_path(path: str) -> str:
     return PATH_PARAMETER.sub(r"{\1}", path)
 
 
-def openapi_document(routes: typing.Iterable[Route], version: str) -> dict[str, Any]:
-    """An OpenAPI 3.1 document of ``routes`` (request bodies from their dataclasses)."""
+def openapi_document(
+    routes: typing.Iterable[Route], version: str, root_path: str | None = None
+) -> dict[str, Any]:
+    """An OpenAPI 3.1 document of ``routes`` (request bodies from their dataclasses); with a
+    ``root_path``, its ``servers`` name it, as FastAPI's (vLLM's) document does, so that tools
+    reading the document through the proxy call the paths under the prefix."""
     paths: dict[str, Any] = {}
     schemas: dict[str, Any] = {"Error": ERROR_SCHEMA}
     for route in routes:
@@ -141,9 +145,12 @@ def openapi_document(routes: typing.Iterable[Route], version: str) -> dict[str, 
             ]
             operation["responses"]["404"] = _error_response("no such item")
         paths.setdefault(path, {})[route.method.lower()] = operation
-    return {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "rltserve", "version": version},
         "paths": paths,
         "components": {"schemas": schemas},
     }
+    if root_path:
+        document["servers"] = [{"url": root_path}]
+    return document

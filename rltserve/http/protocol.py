@@ -20,6 +20,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from rltserve.http.errors import HTTPError, error_response
+from rltserve.http.root_path import under_root_path
 
 log = logging.getLogger("rltserve.http")
 
@@ -87,9 +88,19 @@ class JSONErrorServer(web.Server):
 
 
 class JSONErrorRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections answer parse errors with JSON."""
+    """``web.AppRunner`` whose connections answer parse errors with JSON, and serve requests
+    under ``root_path`` without it (``root_path.py``: before routing, which no middleware
+    precedes)."""
+
+    __slots__ = ("_root_path",)
+
+    def __init__(self, app: web.Application, *, root_path: str | None = None, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self._root_path = root_path
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JSONErrorServer  # adds no state: only how handlers are made
+        if self._root_path is not None:
+            server.request_factory = under_root_path(server.request_factory, self._root_path)
         return server

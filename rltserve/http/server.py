@@ -60,6 +60,7 @@ async def start_server(app: web.Application, config: ServerConfig) -> RunningSer
         access = {"access_log_class": access_logger_class(config.quiet_paths)}
     runner = JSONErrorRunner(
         app,
+        root_path=config.root_path,
         handler_cancellation=True,
         shutdown_timeout=config.drain_timeout_s + _SHUTDOWN_MARGIN_S,
         # aiohttp arms this timer when a connection opens, so it also closes a connection that
@@ -118,7 +119,8 @@ async def serve_until_signalled(
         return 1
     code = 0
     if not stop.is_set():
-        log.info("serving %s on %s", state.model_name, server.url)
+        under = f" (and under {server_config.root_path})" if server_config.root_path else ""
+        log.info("serving %s on %s%s", state.model_name, server.url, under)
         failed = asyncio.create_task(state.gave_up())
         await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
         if failed.done() and not stop.is_set():  # (a failure as the stop comes is its effect)
