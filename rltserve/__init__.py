@@ -4,6 +4,7 @@ The public names load lazily so that torch-free modules (the scheduler, the KV m
 imported without pulling in torch. vLLM's import paths of the offline API's names are modules
 here too (``rltserve.inputs``, ``rltserve.sampling_params``, ``rltserve.logprobs``), and
 ``get_metrics``' classes (vLLM's ``vllm.v1.metrics.reader``) are ``rltserve.metrics_reader``'s.
+vLLM's top-level ``EngineArgs``, ``AsyncEngineArgs`` and ``AsyncLLMEngine`` are here too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "AsyncLLMEngine",
+    "AsyncEngineArgs",
+    "EngineArgs",
     "CompletionOutput",
     "Counter",
     "Gauge",
@@ -30,8 +34,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rltserve.async_llm import AsyncLLM
+    from rltserve.async_llm import AsyncLLM, AsyncLLMEngine
     from rltserve.llm import LLM
+    from rltserve.llm_args import AsyncEngineArgs, EngineArgs
     from rltserve.metrics_reader import Counter, Gauge, Histogram, Metric, Vector
     from rltserve.outputs import CompletionOutput, Logprob, RequestOutput
     from rltserve.prompt_inputs import TextPrompt, TokensPrompt
@@ -40,6 +45,9 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "LLM": "rltserve.llm",
     "AsyncLLM": "rltserve.async_llm",
+    "AsyncLLMEngine": "rltserve.async_llm",
+    "AsyncEngineArgs": "rltserve.llm_args",
+    "EngineArgs": "rltserve.llm_args",
     "CompletionOutput": "rltserve.outputs",
     "Counter": "rltserve.metrics_reader",
     "Gauge": "rltserve.metrics_reader",

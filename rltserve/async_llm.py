@@ -28,6 +28,7 @@ from rltserve.async_controls import (
 from rltserve.caller_values import plain_number
 from rltserve.core.stage import StageError
 from rltserve.llm import LLM
+from rltserve.llm_args import EngineArgs
 from rltserve.output_stream import OutputStream
 from rltserve.outputs import RequestOutput
 from rltserve.prompt_inputs import PromptInput
@@ -72,14 +73,27 @@ class AsyncLLM(AsyncTrainerControls):
         self._gate = PauseGate(self._llm)
 
     @classmethod
-    def from_engine_args(cls, engine_args: Mapping[str, Any]) -> AsyncLLM:
-        """vLLM's constructor from ``AsyncEngineArgs``, whose fields are ``LLM``'s keyword
-        arguments: here a mapping of them (``{"model": path, "max_model_len": 4096}``),
-        checked as ``LLM`` checks them."""
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs | Mapping[str, Any],
+        start_engine_loop: bool = True,
+        usage_context: object = None,
+        stat_loggers: None = None,
+    ) -> AsyncLLM:
+        """vLLM's constructor from ``AsyncEngineArgs`` (``rltserve.AsyncEngineArgs``, or a
+        mapping of ``LLM``'s keyword arguments: ``{"model": path, "max_model_len": 4096}``),
+        checked as ``LLM`` checks them. vLLM's ``start_engine_loop`` and ``usage_context``
+        change nothing (the engine always runs); ``stat_loggers`` must be None (no stat
+        logger plug-ins: ``get_metrics`` reads the metrics)."""
+        del start_engine_loop, usage_context
+        if stat_loggers is not None:
+            raise ValueError("stat_loggers: not supported (get_metrics() reads the metrics)")
+        if isinstance(engine_args, EngineArgs):
+            return cls(**vars(engine_args))
         if not isinstance(engine_args, Mapping):
             raise ValueError(
-                f"engine_args={engine_args!r:.80}: must be a mapping of LLM's keyword "
-                "arguments (vLLM's AsyncEngineArgs is not read)"
+                f"engine_args={engine_args!r:.80}: must be an AsyncEngineArgs or a mapping of "
+                "LLM's keyword arguments"
             )
         return cls(**dict(engine_args))
 
@@ -143,6 +157,16 @@ class AsyncLLM(AsyncTrainerControls):
     def get_default_sampling_params(self) -> SamplingParams:
         """``LLM.get_default_sampling_params``: what ``generate`` uses when given none."""
         return self._llm.get_default_sampling_params()
+
+    @property
+    def model_config(self) -> Any:
+        """vLLM's: the engine's model settings (``max_model_len``, ``model``, ``dtype``, ...),
+        ``LLM.llm_engine.model_config``."""
+        return self._llm.llm_engine.model_config
+
+    async def get_model_config(self) -> Any:
+        """``model_config``, awaited (older vLLM's engine clients have it so)."""
+        return self.model_config
 
     # ------------------------------------------------------------------ generation
 
@@ -269,12 +293,14 @@ class AsyncLLM(AsyncTrainerControls):
         ``asyncio.create_task(...)`` reaches the tasks it just made, this first lets every
         ready task run a step (one loop turn); a ``generate`` not iterated by then (its task
         still awaits something else first) is not reached, as in vLLM. One held by
-        ``pause_generation`` ends as aborted after the resume."""
+        ``pause_generation`` ends as aborted after the resume. An aborted id is free for a new
+        ``generate`` once this returns, as in vLLM, while the old stream still ends with its
+        abort output."""
         del internal
         ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
         await asyncio.sleep(0)
         for rid in ids:
-            call = self._streams.get(rid)
+            call = self._streams.pop(rid, None)
             if call is None:
                 continue
             call.aborted = True
@@ -347,3 +373,7 @@ def _request_id(request_id: object) -> str:
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id={request_id!r:.80}: must be a non-empty string")
     return request_id
+
+
+# vLLM's name of the same class (``vllm.AsyncLLMEngine`` is its V1 ``AsyncLLM``).
+AsyncLLMEngine = AsyncLLM

@@ -148,6 +148,7 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     ),  # (a server's; offline nothing reads it)
     "disable_sliding_window": (_any_bool, ""),  # (the model families attend to all)
     "disable_log_requests": (_any_bool, ""),
+    "enable_log_requests": (_any_bool, ""),  # (AsyncEngineArgs' newer name of the above)
     "enable_prompt_embeds": (_one_of(False), "prompts are token ids or text, not embeddings"),
     "kv_transfer_config": (
         _one_of(None),

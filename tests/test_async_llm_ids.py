@@ -159,3 +159,26 @@ async def test_abort_reaches_a_task_created_just_before(engine):
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     assert len(outs[-1].token_ids) < 200
     await wait_idle(engine)
+
+
+async def test_an_aborted_id_is_free_once_abort_returns(engine):
+    """vLLM forgets an aborted request at once: a retry under the same id may follow the abort
+    while the first stream's task has yet to read its abort output."""
+    started = asyncio.Event()
+
+    async def consume() -> list:
+        outs = []
+        async for out in engine.generate([1, 2, 3], LONG, "retried"):
+            outs.append(out)
+            started.set()
+        return outs
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    await engine.abort("retried")
+    outs = await collect(engine, [4, 5], GREEDY, "retried")
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 8
+    first = await task
+    assert first[-1].finish_reason == "abort" and len(first[-1].token_ids) < 200
+    assert not engine._streams
+    await wait_idle(engine)
