@@ -206,6 +206,8 @@ class SamplingParams:
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
         if isinstance(self.seed, int) and self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        if type(self.max_thinking_tokens) is int and self.max_thinking_tokens == -1:
+            self.max_thinking_tokens = None  # vLLM's thinking_token_budget=-1: "unlimited"
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop
         for name in ("stop", "stop_token_ids"):
             self._to_list(name, [] if getattr(self, name) is None else getattr(self, name))
@@ -392,7 +394,7 @@ class SamplingParams:
         if self.max_thinking_tokens is not None:
             check_int(self, "max_thinking_tokens")
             if self.max_thinking_tokens < 1:
-                raise bad("max_thinking_tokens", "must be >= 1")
+                raise bad("max_thinking_tokens", "must be >= 1 (-1: no bound)")
         for name in ("thinking_end_token_ids", "thinking_interruption"):
             value = getattr(self, name)
             if value is None or isinstance(value, str):

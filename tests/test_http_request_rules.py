@@ -346,11 +346,14 @@ def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
         params(thinking_token_budget=0)
     assert (err.value.param, err.value.message) == (
         "thinking_token_budget",
-        "thinking_token_budget=0: must be >= 1",
+        "thinking_token_budget=0: must be >= 1 (-1: no bound)",
     )
     with pytest.raises(SchemaError) as err:
         params(max_thinking_tokens=0)
     assert err.value.param == "max_thinking_tokens"
+    # vLLM's -1: "unlimited", a client's default for no budget
+    assert params(thinking_token_budget=-1).max_thinking_tokens is None
+    assert params(max_thinking_tokens=-1).max_thinking_tokens is None
 
 
 def test_thinking_interruption_is_text_or_token_ids():

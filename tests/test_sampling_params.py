@@ -457,3 +457,16 @@ def test_a_criterion_set_later_takes_its_own_default_threshold():
     by_hand.exit_threshold = 1.0
     by_hand.exit_criterion = "kl"
     assert by_hand.clone().exit_threshold == 1.0
+
+
+def test_a_thinking_budget_of_minus_one_is_no_bound_as_vllms():
+    """vLLM's ``thinking_token_budget=-1`` is "unlimited" (its validator maps it to None): a
+    config ported from vLLM that sends it runs unbounded rather than being refused."""
+    assert SamplingParams(thinking_token_budget=-1).max_thinking_tokens is None
+    assert SamplingParams(max_thinking_tokens=-1).thinking_token_budget is None
+    p = SamplingParams(max_thinking_tokens=5)
+    p.thinking_token_budget = -1  # (set on a template, then validated by each call's copy)
+    assert p.clone().max_thinking_tokens is None
+    for bad in (-2, 0):
+        with pytest.raises(ValueError, match=rf"={bad}: must be >= 1 \(-1: no bound\)"):
+            SamplingParams(thinking_token_budget=bad)

@@ -485,3 +485,13 @@ def test_resolve_thinking_needs_end_ids_only_where_a_span_can_open():
         resolve_thinking(p, Tok({"<think>": 3}))  # a span can open; its end is unknown
     named = resolve_thinking(p.replace(thinking_end_token_ids=(9,)), Tok({}))
     assert (named.max_thinking_tokens, named.thinking_end_token_ids) == (2, (9,))
+
+
+def test_an_interruption_that_holds_the_end_is_forced_without_a_second_end(ouro_rv1, ouro_ref):
+    """vLLM's forced end strings hold ``</think>`` ("Time is up.</think>"): no second end."""
+    closing = (40, *_params(ouro_ref, PROMPTS[0]).thinking_end_token_ids, 41)
+    p = _params(ouro_ref, PROMPTS[0], thinking_interruption=closing)
+    run = run_core(make_core(ouro_rv1), PROMPTS[:1], [p])
+    thinking = ouro_ref.generate(PROMPTS[0], K, kv_policy="last_exited").tokens
+    rest = ouro_ref.generate(PROMPTS[0] + thinking + list(closing), 10 - K - len(closing))
+    assert run.tokens["r0"] == thinking + list(closing) + rest.tokens

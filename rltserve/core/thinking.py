@@ -3,8 +3,9 @@
 Semantics (``SamplingParams.max_thinking_tokens = K``): the thinking span is open from the
 start of the output until the output contains ``thinking_end_token_ids``. When the K-th output
 token has been sampled and the span is still open, the forced ids ``thinking_interruption +
-thinking_end_token_ids`` are appended to the output at once (as many as ``max_tokens`` and the
-context leave room for), and decoding continues in the same request with no re-prefill:
+thinking_end_token_ids`` (the interruption alone where it holds the end ids: ``forced_ids``) are
+appended to the output at once (as many as ``max_tokens`` and the context leave room for), and
+decoding continues in the same request with no re-prefill:
 
 - the positions whose inputs are the K-th output token and the forced ids but the last run to
   full depth without sampling, exactly as a recompute replays positions after preemption
@@ -71,6 +72,16 @@ def check_thinking(params: SamplingParams, sched: SchedulerConfig | None = None)
         )
 
 
+def forced_ids(interruption: tuple[int, ...], end: tuple[int, ...]) -> list[int]:
+    """The ids forced at the budget: the interruption, then the end ids unless the interruption
+    holds them already. vLLM's forced end string includes ``</think>`` (``"Time is
+    up.</think>"``), and a config ported from it would otherwise close the span twice: a stray
+    ``</think>`` in the answer, and a model conditioned on it."""
+    n = len(end)
+    closes = any(interruption[i : i + n] == end for i in range(len(interruption) - n + 1))
+    return list(interruption) if closes else [*interruption, *end]
+
+
 def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
     """Called after each sampled token of a request still running. Appends the forced ids when
     the thinking budget is spent (see the module doc); True when that filled the request's
@@ -86,7 +97,7 @@ def force_thinking_end(request: Request, update: RequestUpdate) -> bool:
     if len(out) < p.max_thinking_tokens:
         return False
     request.thinking_closed = True
-    forced = [*(p.thinking_interruption or ()), *end]
+    forced = forced_ids(p.thinking_interruption or (), end)
     room = request.max_outputs - len(out)
     forced = forced[: max(0, room)]
     depth = request.num_loops
