@@ -419,6 +419,12 @@ class EngineConfig:
                     "preemption_mode='swap': needs swap_space_gb > 0 (without swap space every "
                     "preemption recomputes; use preemption_mode='recompute')"
                 )
+        if self.scheduler.preemption_time_slice and self.cache.kv_reservation == "full":
+            raise ValueError(
+                f"preemption_time_slice={self.scheduler.preemption_time_slice}: only with "
+                "kv_reservation='ondemand' (a request that reserves its whole context is never "
+                "preempted, so there are no turns to take)"
+            )
         if self.execution.disaggregate:
             if not KVPolicy.parse(self.cache.kv_policy).per_depth:
                 raise ValueError(

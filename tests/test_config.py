@@ -137,6 +137,14 @@ def test_cuda_graphs_need_a_cuda_device_of_any_index():
         assert EngineConfig.from_flat(cuda_graphs=True, device=device).execution.cuda_graphs
 
 
+def test_time_slices_are_refused_where_nothing_is_preempted():
+    """(They were ignored: a fully reserved request never takes turns.)"""
+    with pytest.raises(ValueError, match=r"^preemption_time_slice=4: only with kv_reservation="):
+        EngineConfig.from_flat(preemption_time_slice=4, kv_reservation="full")
+    assert EngineConfig.from_flat(preemption_time_slice=4).scheduler.preemption_time_slice == 4
+    assert EngineConfig.from_flat(kv_reservation="full").cache.kv_reservation == "full"
+
+
 def test_swap_preemption_is_refused_where_nothing_could_be_swapped():
     """A fully reserved request is never preempted, and without swap space every preemption
     recomputes: swap would only seem to be on."""

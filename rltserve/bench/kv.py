@@ -38,9 +38,9 @@ SWEEP_FRACTIONS = (0.7, 0.85)  # of the unpressured run's peak blocks, after the
 SWEEP_TIME_SLICE = 8
 
 CASES = (
-    # (recompute whatever --preemption-mode says: a full reservation never preempts, and
-    # EngineConfig refuses swap with it)
-    ("full", {"kv_reservation": "full", "preemption_mode": "recompute"}),
+    # (recompute and no time slice whatever the flags say: a full reservation never preempts,
+    # and EngineConfig refuses swap and slices with it)
+    ("full", {"kv_reservation": "full", "preemption_mode": "recompute", "preemption_time_slice": 0}),
     ("ondemand_recompute", {"kv_reservation": "ondemand", "preemption_mode": "recompute"}),
     ("ondemand_swap", {"kv_reservation": "ondemand", "preemption_mode": "swap"}),
 )
