@@ -170,6 +170,29 @@ async def test_a_long_prompt_does_not_stall_a_concurrent_stream(ckpt, monkeypatc
     assert log[start + 1 : end].count("event") >= 3, log
 
 
+async def test_a_chat_of_many_short_messages_renders_off_the_event_loop(ckpt, monkeypatch):
+    """The render's size counts each message, not only its content: thousands of empty
+    messages (a few bytes each in the body) took the template seconds on the event loop,
+    freezing every stream; a short chat still renders inline."""
+    stage = stage_for(ckpt, max_model_len=10**7)
+    threads: list[bool] = []  # per render: whether it ran on the event loop's thread
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        tokenizer = live.state.require_frontend().codec.tokenizer
+        real_render = tokenizer.apply_chat_template
+        loop_thread = threading.get_ident()
+
+        def render(*args, **kwargs):
+            threads.append(threading.get_ident() == loop_thread)
+            return real_render(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "apply_chat_template", render)
+        for count in (2, 2000):
+            body = {"messages": [{"role": "user", "content": ""}] * count}
+            status, _, raw = await live.post("/tokenize", body)
+            assert status == 200, raw
+    assert threads == [True, False]
+
+
 async def test_an_oversized_prompt_is_a_400_before_encoding(ckpt, monkeypatch):
     stage = stage_for(ckpt, max_model_len=64)
     async with running(ckpt, client_factory=scripted_factory(stage)) as live:

@@ -20,7 +20,7 @@ from test_http_harness import (
     tiny_checkpoint,
 )
 
-from rltserve.models.tokenizer import load_tokenizer
+from rltserve.models.tokenizer import Tokenizer, load_tokenizer
 from rltserve.updates import RequestUpdate
 
 
@@ -164,6 +164,44 @@ async def test_prompt_logprobs_zero_lists_the_prompt_tokens(ckpt, hi_tokens):
         {"6": {"logprob": -1.25, "rank": 7, "decoded_token": tok.decode([6])}},
         {"7": {"logprob": -2.5, "rank": 1, "decoded_token": tok.decode([7])}},
     ]
+
+
+async def test_logprob_texts_decode_each_token_once(ckpt, hi_tokens, monkeypatch):
+    """A body names the same ids many times (n choices each echoing the prompt, k alternatives
+    per token): each id's text is decoded once (the tokenizer's cache), not once per entry,
+    which held the event loop for seconds on one request of a large n (completions and chat
+    alike, ``bytes`` included)."""
+
+    def scored(update: RequestUpdate) -> None:
+        update.prompt_logprobs = [(-1.0, [(6, -1.0), (9, -2.0)], 1), (-2.0, [(9, -1.5)], 2)]
+
+    singles: list[int] = []
+    decode = Tokenizer.decode
+
+    def counting(self, ids, skip_special_tokens=True):
+        if len(ids) == 1 and not skip_special_tokens:  # (a token's text alone: not detokenizing)
+            singles.append(ids[0])
+        return decode(self, ids, skip_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "decode", counting)
+    stage = RewritingStage(scripted_info(ckpt), Script(hi_tokens), first_updates(scored))
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "n": 8, "echo": True, "logprobs": 2}
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 2,
+        "n": 8,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+        chat_status, _, chat_raw = await live.post("/v1/chat/completions", chat)
+    assert (status, chat_status) == (200, 200)
+    choices = body_of(raw)["choices"]
+    assert len(choices) == 8
+    assert all(len(c["logprobs"]["tokens"]) == 5 for c in choices)
+    assert all(len(c["logprobs"]["content"]) == 2 for c in body_of(chat_raw)["choices"])
+    assert len(singles) == len(set(singles))
 
 
 async def test_chat_logprob_bytes_are_each_tokens_own(ckpt):

@@ -151,3 +151,20 @@ async def test_header_bytes_that_are_not_utf8_are_a_4xx_not_a_500(ckpt):
         assert orjson.loads(raw)["error"]["message"] == "X-Request-Id header: must be UTF-8 text"
         status, _, raw = await _exchange(live.url, request(b"Authorization: Bearer k\r\n"))
         assert status == 200 and len(stage.added) == 1, raw  # (the 400 reached no engine)
+
+
+async def test_an_http_1_0_keep_alive_stream_ends_with_its_connection(ckpt):
+    """HTTP/1.0 has no chunked encoding, so a stream (a body of no length) ends only when the
+    connection closes: a 1.0 client asking for keep-alive got every event and ``[DONE]`` and
+    then waited for that end until the idle timeout. Its connection closes after the stream."""
+    stage = ScriptedStage(scripted_info(ckpt), Script([44, 77]))
+    body = b'{"prompt": [5], "max_tokens": 2, "stream": true}'
+    request = (
+        b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    async with running(ckpt, client_factory=scripted_factory(stage), idle_timeout_s=60) as live:
+        status, headers, raw = await _exchange(live.url, request)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers.get("connection", "close").lower() == "close"
+    assert raw.endswith(b"data: [DONE]\n\n")

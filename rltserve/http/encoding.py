@@ -32,6 +32,7 @@ from rltserve.models.tokenizer import Tokenizer
 from rltserve.thinking import ChatPrompt, chat_prompt
 
 INLINE_SIZE = 4096  # characters (or token ids) handled on the event loop itself
+TURN_SIZE = 32  # what one chat message counts towards INLINE_SIZE besides its content
 _T = TypeVar("_T")
 # Normalizers that never merge or drop characters (each input character stays at least one).
 _SAFE_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD", "Prepend"})
@@ -172,7 +173,9 @@ class TextCodec:
     ) -> ChatPrompt:
         """The chat template rendered as the engine takes it, its thinking span judged
         (``thinking.chat_prompt``; on the pool for long conversations)."""
-        size = sum(len(str(m.get("content") or "")) for m in messages)
+        # Each message costs the template a turn (its header, its role's rules) whatever its
+        # content: a conversation of many empty messages is as slow to render as a long text.
+        size = sum(len(str(m.get("content") or "")) + TURN_SIZE for m in messages)
 
         def render(turns, generation_prompt: bool, continue_final: bool) -> str:
             text = self.tokenizer.apply_chat_template(

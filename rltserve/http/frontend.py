@@ -309,10 +309,13 @@ class Frontend:
         return params
 
     def token_text(self, token_id: int) -> str:
-        """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer."""
+        """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer. The
+        tokenizer's cached text: a response's logprobs name each id many times over (k top
+        entries per token, an echoed prompt's once per choice), and a decode call for each held
+        the event loop for seconds on a large ``n`` with ``echo``."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.token_text(token_id)
 
     def token_bytes(self, token_id: int) -> list[int]:
         """A token's bytes as chat logprobs list them (``Tokenizer.token_bytes``: a token that

@@ -14,7 +14,7 @@ import asyncio
 import logging
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from rltserve.http.access_log import BODY_BYTES
 from rltserve.http.errors import error_body
@@ -70,6 +70,11 @@ class SSEWriter:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self._headers}
             )
             response.content_type = CONTENT_TYPE
+            if self._request.version < HttpVersion11:
+                # HTTP/1.0 has no chunked encoding: the stream ends where its connection does.
+                # (aiohttp would keep a keep-alive 1.0 connection open, and its client would
+                # wait for an end that never comes, until the idle timeout.)
+                response.force_close()
             await response.prepare(self._request)
             response[BODY_BYTES] = 0  # (the access line's %b)
             self._response = response

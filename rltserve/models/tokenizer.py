@@ -174,7 +174,7 @@ class Tokenizer:
         token holding part of a character (its text alone decodes to U+FFFD) gives the bytes
         its vocabulary entry stands for (byte-level BPE's alphabet, or a ``<0xHH>`` byte
         token), so that the bytes of consecutive tokens join into the character."""
-        text = self.decode([token_id], skip_special_tokens=False)
+        text = self.token_text(token_id)
         if "\ufffd" not in text:
             return text.encode()
         (piece,) = self.token_strings([token_id])
