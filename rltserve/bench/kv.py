@@ -37,10 +37,11 @@ from rltserve.sampling import SamplingParams
 SWEEP_FRACTIONS = (0.7, 0.85)  # of the unpressured run's peak blocks, after the main pool
 SWEEP_TIME_SLICE = 8
 
+_NO_SLICE = {"preemption_time_slice": 0}
 CASES = (
     # (recompute and no time slice whatever the flags say: a full reservation never preempts,
     # and EngineConfig refuses swap and slices with it)
-    ("full", {"kv_reservation": "full", "preemption_mode": "recompute", "preemption_time_slice": 0}),
+    ("full", {"kv_reservation": "full", "preemption_mode": "recompute", **_NO_SLICE}),
     ("ondemand_recompute", {"kv_reservation": "ondemand", "preemption_mode": "recompute"}),
     ("ondemand_swap", {"kv_reservation": "ondemand", "preemption_mode": "swap"}),
 )
