@@ -315,6 +315,7 @@ VLLM_SERVE_LINE = [
     "--enforce-eager", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
     "--disable-log-stats", "--gpu-memory-utilization", "0.9", "--reasoning-parser", "deepseek_r1",
     "--enable-force-include-usage", "--enable-server-load-tracking",
+    "--enable-tokenizer-info-endpoint",
 ]  # fmt: skip
 
 
@@ -328,6 +329,7 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
     assert (args.tensor_parallel_size, args.enable_chunked_prefill) == (1, True)
     assert args.trust_remote_code and args.enforce_eager and server.disable_log_stats
     assert server.enable_force_include_usage and server.enable_server_load_tracking
+    assert server.enable_tokenizer_info_endpoint
     assert args.reasoning_parser == "deepseek_r1"  # (rltserve splits <think>...</think> itself)
     assert not engine.execution.cuda_graphs
 

@@ -144,3 +144,30 @@ async def test_a_default_max_tokens_is_held_to_what_the_kv_pool_holds_at_its_dep
         for sent in ({}, {"max_tokens": 10}):
             status, _, raw = await live.post("/v1/completions", {**steps, **sent})
             assert (status, error_of(raw)["param"]) == (400, "num_steps"), raw
+
+
+async def test_a_refused_prompt_of_a_batch_names_its_index(ckpt):
+    """A scoring client's batch of 64 prompts is refused for one of them: the message names
+    which (as the offline ``LLM``'s), after vLLM's words; a request of one prompt says none."""
+    head = "This model's maximum context length is 16 tokens. However, "
+    score = {"echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0}
+    async with running(ckpt, engine={"max_model_len": 16}) as live:
+        cases = (
+            ([[5, 6], [7] * 17, [8]], "your request has 17 input tokens.", 1),
+            ([[5, 6], [8], [7] * 16], "your request has 16 input tokens, which leave no", 2),
+            (["Hi", "x " * 40], "your request has ", 1),
+            ([[5, 6], [8, 600]], "prompt: token id 600 is outside the vocabulary", 1),
+        )
+        for prompts, words, index in cases:
+            status, _, raw = await live.post("/v1/completions", {"prompt": prompts, **score})
+            message = error_of(raw)["message"]
+            assert status == 400 and words in message, message
+            assert message.endswith(f" (prompt index {index})"), message
+        body = {"prompt": [[5, 6], [7] * 12], "max_tokens": 8}
+        status, _, raw = await live.post("/v1/completions", body)
+        assert status == 400 and error_of(raw)["message"] == (
+            head + "you requested 20 tokens (12 in the messages, 8 in the completion). Please "
+            "reduce the length of the messages or completion. (prompt index 1)"
+        )
+        status, _, raw = await live.post("/v1/completions", {"prompt": [7] * 17, **score})
+        assert "prompt index" not in error_of(raw)["message"]

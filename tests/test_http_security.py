@@ -74,9 +74,8 @@ async def test_every_route_but_the_probes_needs_the_key(ckpt, metrics_auth):
     open_routes = probes | (set() if metrics_auth else {"/metrics", "/metrics/"})
     admin = {"/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache", "/v1/update_weights"}
     assert admin <= {route.path for route in ROUTES} - open_routes
-    async with running(
-        ckpt, client_factory=scripted(ckpt), api_key=KEY, metrics_auth=metrics_auth
-    ) as live:
+    flags = {"metrics_auth": metrics_auth, "enable_tokenizer_info_endpoint": True}
+    async with running(ckpt, client_factory=scripted(ckpt), api_key=KEY, **flags) as live:
         for route in ROUTES:
             status, raw = await _call(live, route.method, route.path, {})
             if route.path in open_routes:

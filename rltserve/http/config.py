@@ -261,6 +261,14 @@ class ServerConfig:
             "always 0; vLLM's)"
         ),
     )
+    enable_tokenizer_info_endpoint: bool = field(
+        default=False,
+        metadata=_help(
+            "serve GET /tokenizer_info: the tokenizer's configuration and chat template, from "
+            "which clients such as lm-eval's remote tokenizer encode through /tokenize (vLLM's; "
+            "off by default: it shows the chat template)"
+        ),
+    )
     expose_model_path: bool = field(
         default=False,
         metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
@@ -394,6 +402,7 @@ class ServerConfig:
             "enable_per_request_metrics",
             "enable_force_include_usage",
             "enable_server_load_tracking",
+            "enable_tokenizer_info_endpoint",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):

@@ -59,6 +59,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     }
 
 
+def in_batch(error: HTTPError, index: int, count: int) -> HTTPError:
+    """``error`` naming prompt ``index`` of a request's ``count`` prompts (as the offline
+    ``LLM`` names it): in a batch of 64 the message alone does not find the prompt. One
+    prompt: ``error`` as it is."""
+    if count <= 1:
+        return error
+    message = f"{error.message} (prompt index {index})"
+    return HTTPError(error.status, message, param=error.param, headers=error.headers)
+
+
 def bad_request(message: str, param: str | None = None) -> HTTPError:
     return HTTPError(400, message, param=param)
 

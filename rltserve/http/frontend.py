@@ -20,7 +20,7 @@ from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
-from rltserve.http.errors import bad_request
+from rltserve.http.errors import HTTPError, bad_request, in_batch
 from rltserve.http.generation import Generation
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.validation import param_of
@@ -169,23 +169,27 @@ class Frontend:
         if not items:
             raise bad_request("prompt: must not be empty", "prompt")
         out = []
-        for item in items:
-            if not isinstance(item, str):
-                ids = self.truncated(list(item), keep)
-                out.append(PromptInput(self.check_prompt(ids, "prompt", scored)))
-                continue
-            codec = self.require_codec("prompt")
-            if keep is None:
-                ids = await codec.encode(item, "prompt", add_special_tokens)
-            else:  # (a text too long for the context is what truncation is for)
-                ids = await codec.encode_any(item, add_special_tokens)
-            kept = self.truncated(ids, keep)
-            out.append(
-                PromptInput(
-                    self.check_prompt(kept, "prompt", scored), item if kept is ids else None
-                )
-            )
+        for index, item in enumerate(items):
+            try:
+                out.append(await self._completion_prompt(item, keep, add_special_tokens, scored))
+            except HTTPError as exc:
+                raise in_batch(exc, index, len(items)) from None
         return out
+
+    async def _completion_prompt(
+        self, item, keep: int | None, add_special_tokens: bool, scored: bool
+    ) -> PromptInput:
+        """One of ``completion_prompts``' items."""
+        if not isinstance(item, str):
+            ids = self.truncated(list(item), keep)
+            return PromptInput(self.check_prompt(ids, "prompt", scored))
+        codec = self.require_codec("prompt")
+        if keep is None:
+            ids = await codec.encode(item, "prompt", add_special_tokens)
+        else:  # (a text too long for the context is what truncation is for)
+            ids = await codec.encode_any(item, add_special_tokens)
+        kept = self.truncated(ids, keep)
+        return PromptInput(self.check_prompt(kept, "prompt", scored), item if kept is ids else None)
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """``ids`` as ``truncate_prompt_tokens=keep`` runs them

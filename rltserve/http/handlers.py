@@ -20,7 +20,7 @@ from rltserve.http.admin import (
 )
 from rltserve.http.body import read_body
 from rltserve.http.delivery import deliver
-from rltserve.http.errors import bad_request, json_response
+from rltserve.http.errors import HTTPError, bad_request, json_response
 from rltserve.http.limits import check_limits
 from rltserve.http.middleware import expect_continue
 from rltserve.http.openapi import Route, openapi_document
@@ -33,6 +33,7 @@ from rltserve.http.schemas import (
 )
 from rltserve.http.session import session_key
 from rltserve.http.state import STATE, ServingState
+from rltserve.http.tokenizer_info import tokenizer_info
 
 
 def load_aware(handler):
@@ -211,6 +212,20 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": text})
 
 
+async def get_tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's ``GET /tokenizer_info`` (``tokenizer_info``); a 404 unless the server was started
+    with it, as vLLM's, so that clients probing for it (lm-eval's) take a tokenizer of their
+    own instead."""
+    state = request.app[STATE]
+    if not state.config.enable_tokenizer_info_endpoint:
+        message = "/tokenizer_info: off (start the server with --enable-tokenizer-info-endpoint)"
+        raise HTTPError(404, message)
+    tokenizer = state.require_frontend().tokenizer
+    if tokenizer is None:
+        raise HTTPError(404, "/tokenizer_info: this model has no tokenizer; send token ids")
+    return json_response(tokenizer_info(tokenizer))
+
+
 async def load(request: web.Request) -> web.Response:
     """vLLM's ``GET /load``: the requests in flight (always 0 without
     ``enable_server_load_tracking``, as vLLM's)."""
@@ -242,6 +257,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/metrics/", metrics),
     Route("POST", "/tokenize", tokenize, TokenizeRequest),
     Route("POST", "/detokenize", detokenize, DetokenizeRequest),
+    Route("GET", "/tokenizer_info", get_tokenizer_info),
     Route("GET", "/load", load),
     Route("GET", "/version", version),
     Route("GET", "/openapi.json", openapi),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from rltserve.http.chat_messages import echoed_text
 from rltserve.http.context_limit import tokens_too_many
-from rltserve.http.errors import HTTPError, bad_request
+from rltserve.http.errors import HTTPError, bad_request, in_batch
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
 from rltserve.http.responses import ChatFormat, CompletionFormat, ResponseHeader
 from rltserve.http.schemas import (
@@ -169,9 +169,12 @@ def _choices(
     loops_param = next((n for n in ("max_loops", "num_steps") if getattr(req, n) is not None), None)
     max_loops = req.max_loops if req.max_loops is not None else req.num_steps
     for p, prompt in enumerate(prompts):
-        limit, unsent = _token_limit(
-            max_tokens, max_tokens_param, frontend, prompt, default_max_tokens, max_loops
-        )
+        try:
+            limit, unsent = _token_limit(
+                max_tokens, max_tokens_param, frontend, prompt, default_max_tokens, max_loops
+            )
+        except HTTPError as exc:
+            raise in_batch(exc, p, len(prompts)) from None
         prompt_only = limit == 0  # (echo's max_tokens=0: the engine samples one token, dropped)
         if prompt_only:
             limit = 1
@@ -183,9 +186,10 @@ def _choices(
             try:
                 checked = frontend.check_params(params, prompt.token_ids, prompt.thinking)
             except HTTPError as exc:
-                if (message := as_sent(req, exc.message, defaults)) == exc.message:
-                    raise
-                raise bad_request(message, param_of(message)) from exc
+                error, message = exc, as_sent(req, exc.message, defaults)
+                if message != exc.message:  # (the field named as the client sent it)
+                    error = bad_request(message, param_of(message))
+                raise in_batch(error, p, len(prompts)) from None
             choices.append(
                 ChoiceRequest(
                     p * req.n + j,

@@ -129,6 +129,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def chat_template_sources(self) -> dict[str, str]:
+        """The Jinja source of each chat template chats render with, by name (``default``,
+        ``tool_use``); {} without one."""
+        return dict(self._template.sources) if self._template is not None else {}
+
     def use_chat_template(self, source: str) -> None:
         """Renders chats with ``source`` (a Jinja template) instead of the checkpoint's."""
         self._template = ChatTemplate(source)
