@@ -3,10 +3,13 @@
 The loader (``models.loader``) reports a file it cannot parse as "corrupt or unreadable
 safetensors" with the parser's reason, which blames the wrong thing for the files that are
 not safetensors at all: an unreadable file, a Hugging Face cache link to a blob whose download
-never finished, a Git LFS pointer left by a clone without git-lfs. A directory with PyTorch
-``.bin`` weights only, or with quantized weights, fails there as "no .safetensors" or as a list
-of unexpected tensors. Each is named here, from the files' links, modes and first bytes (and,
-for a ``quantization_config``, their headers), torch-free; anything else is the loader's.
+never finished, a Git LFS pointer left by a clone without git-lfs, a file cut short (by an
+interrupted download or copy). A directory with PyTorch ``.bin`` weights only, or with
+quantized weights, fails there as "no .safetensors" or as a list of unexpected tensors. Each
+is named here, from the files' links, modes, sizes and first bytes (and, for a
+``quantization_config``, their headers), torch-free; anything else is the loader's.
+The other files read (``READ_FILES``: config, tokenizer) are checked for links to nothing,
+which a test for the file alone takes for a missing file.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 from pathlib import Path
 
 from rltserve.preflight import snapshot_repo_id
@@ -41,25 +45,67 @@ QUANT_TENSORS = (
     "SCB",
 )
 _SHOWN = 5  # file or tensor names an error lists
+# The files beside the weights that the engine or its tokenizer reads when they are there.
+READ_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def link_problem(file: Path) -> str | None:
+    """Why ``file``, a link whose target does not exist, cannot be read; None for anything
+    else. A Hugging Face cache snapshot's files are relative links into ``../../blobs``, so a
+    snapshot folder copied without ``-L`` (``cp -r``) holds nothing but such links."""
+    if not (file.is_symlink() and not file.exists()):
+        return None
+    target = Path(os.path.realpath(file))
+    if Path(f"{target}.incomplete").exists():
+        return (
+            f"{file}: its download is incomplete (the blob {target.name}.incomplete in "
+            f"{target.parent} is partial); download it again{_fetch_hint(file)}"
+        )
+    if snapshot_repo_id(file.parent) is not None:
+        return (
+            f"{file}: a link to the blob {target}, which does not exist (deleted or pruned); "
+            f"download it again{_fetch_hint(file)}"
+        )
+    if target.parent.name == "blobs" and not os.path.isabs(os.readlink(file)):
+        return (
+            f"{file}: a link to {target}, which does not exist: a Hugging Face cache "
+            "snapshot's link, copied without its blob; copy the snapshot with `cp -rL` (the "
+            "files, not the links), or name the snapshot in the cache itself"
+        )
+    return f"{file}: a link to {target}, which does not exist"
+
+
+def missing_link_targets(root: str | Path) -> str | None:
+    """What ``link_problem`` finds among the files of ``READ_FILES`` in ``root`` (files the
+    engine or its tokenizer would read, which a test for the file alone takes for absent: "no
+    config.json"): the first in full, the others by name; None when there is none."""
+    root = Path(root)
+    found = [(name, p) for name in READ_FILES if (p := link_problem(root / name)) is not None]
+    if not found:
+        return None
+    others = [name for name, _ in found[1:]]
+    return found[0][1] + (f" (so are the links {', '.join(others)})" if others else "")
 
 
 def weight_file_problem(file: Path) -> str | None:
     """Why ``file`` (a weight file the checkpoint names) cannot be safetensors, or None when
     it may be (a missing plain file, too: the loader names those). Only a regular file is
     opened (a FIFO would block)."""
-    if file.is_symlink() and not file.exists():
-        target = Path(os.path.realpath(file))
-        if Path(f"{target}.incomplete").exists():
-            return (
-                f"{file}: its download is incomplete (the blob {target.name}.incomplete in "
-                f"{target.parent} is partial); download it again{_fetch_hint(file)}"
-            )
-        if snapshot_repo_id(file.parent) is None:
-            return f"{file}: a link to {target}, which does not exist"
-        return (
-            f"{file}: a link to the blob {target}, which does not exist (deleted or pruned); "
-            f"download it again{_fetch_hint(file)}"
-        )
+    if (problem := link_problem(file)) is not None:
+        return problem
     if not file.is_file():
         return None
     try:
@@ -79,7 +125,34 @@ def weight_file_problem(file: Path) -> str | None:
             f"{file}: a Git LFS pointer{real}, not the weights (cloned without git-lfs); fetch "
             f"the real weights (`git lfs pull` in the clone){_fetch_hint(file)}"
         )
-    return None
+    return _truncation(file)
+
+
+def _truncation(file: Path) -> str | None:
+    """A file shorter than its safetensors header says (an interrupted download or copy),
+    named with both sizes; the parser said "incomplete metadata, file not fully covered" or
+    "invalid header length". None when its header does not parse (the loader reports that)
+    or the size is right."""
+    again = f"(an interrupted download or copy); download or copy it again{_fetch_hint(file)}"
+    try:
+        size = file.stat().st_size
+        if size < 8:
+            return f"{file}: truncated: {size} bytes, not even a header's length {again}"
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+        if length > 1 << 40:  # (not a length: garbage, not a cut file)
+            return None
+        if 8 + length > size:
+            return f"{file}: truncated: {size} bytes, within its {8 + length}-byte header {again}"
+        header, base = safetensors_header(file)
+        want = base + max(
+            (e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0
+        )
+    except Exception:  # (struct, JSON, shape or I/O errors: the loader reports the file)
+        return None
+    if size >= want:
+        return None
+    return f"{file}: truncated: {size} bytes of the {want} its header describes {again}"
 
 
 def check_weight_files(root: str | Path) -> None:

@@ -105,6 +105,8 @@ def _fetch(model: str, revision: str | None, cache_dir: str | os.PathLike | None
 def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:
     """``model`` names a directory with a config.json (None: the built-in demo model).
     ``flag``: the name the error gives it (the CLI's flag, or ``"model="`` for a keyword)."""
+    from rltserve.checkpoint_files import missing_link_targets  # (it imports this module)
+
     if model is None:
         return
     path = Path(model)
@@ -112,6 +114,8 @@ def check_checkpoint_dir(model: str | None, flag: str = "--model") -> None:
         raise ValueError(f"{_named(flag, model)}: no such checkpoint directory")
     if not path.is_dir():
         raise ValueError(f"{_named(flag, model)}: is a file; pass the checkpoint's directory")
+    if (problem := missing_link_targets(path)) is not None:
+        raise ValueError(f"{_named(flag, model)}: {problem}")
     if not (path / "config.json").is_file():
         raise ValueError(f"{_named(flag, model)}: has no config.json, so it is not a checkpoint")
 

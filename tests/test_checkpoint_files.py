@@ -1,12 +1,14 @@
 """Weight files the loader could not tell apart from corrupt ones, named
 (``checkpoint_files``): a Git LFS pointer, an interrupted Hugging Face download, a dangling
-shard link, an unreadable file, ``.bin`` weights only, quantized weights; the loader and the
-engine name them before parsing, and a weight update from such a directory is refused alike."""
+shard link, a file cut short, an unreadable file, ``.bin`` weights only, quantized weights;
+the loader and the engine name them before parsing, and a weight update from such a directory
+is refused alike; config and tokenizer files linked to nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,28 @@ def test_a_shard_linked_to_nothing_is_named_before_the_index_calls_it_missing(tm
     with pytest.raises(CheckpointError) as err:
         check_weight_files(path)
     assert str(err.value) == f"{shard}: a link to {tmp_path / 'gone'}, which does not exist"
+
+
+def test_truncated_safetensors_says_so_with_both_sizes(tmp_path):
+    """A file cut short (an interrupted download or copy) was "corrupt or unreadable
+    safetensors (... incomplete metadata, file not fully covered)"."""
+    path = build(tmp_path, "ouro")
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    assert str(err.value) == (
+        f"{file}: truncated: {len(data) // 2} bytes of the {len(data)} its header describes (an "
+        "interrupted download or copy); download or copy it again"
+    )
+    (length,) = struct.unpack("<Q", data[:8])
+    file.write_bytes(data[:100])  # (within the header)
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    assert str(err.value).startswith(
+        f"{file}: truncated: 100 bytes, within its {8 + length}-byte header (an interrupted"
+    )
 
 
 def test_an_unreadable_weight_file_says_permission_denied(tmp_path, monkeypatch):
@@ -161,3 +185,63 @@ def test_the_engine_names_such_files_before_loading(tmp_path):
     (path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: a Git LFS pointer, not the"):
         EngineCore(EngineConfig.from_flat(model=str(path), num_blocks=8))
+
+
+def _cache_snapshot(tmp_path: Path, source: Path) -> Path:
+    """``source``'s files as a Hugging Face cache snapshot holds them: relative links into
+    ``../../blobs``."""
+    repo = tmp_path / "hub" / "models--someorg--ouro"
+    snapshot = repo / "snapshots" / ("c0" * 20)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for n, f in enumerate(sorted(source.iterdir())):
+        os.replace(f, repo / "blobs" / f"b{n}")
+        (snapshot / f.name).symlink_to(f"../../blobs/b{n}")
+    return snapshot
+
+
+def test_a_snapshot_copied_without_its_blobs_is_named_not_called_no_checkpoint(tmp_path):
+    """``cp -r`` of a cache snapshot copies its relative links, which then point nowhere:
+    the config and tokenizer files were called absent ("has no config.json, so it is not a
+    checkpoint", "tokenizer_config.json but no tokenizer.json") though ``ls`` lists them."""
+    import shutil
+
+    from rltserve.models.loader import read_config
+    from rltserve.models.tokenizer import TokenizerError, load_tokenizer
+    from rltserve.preflight import check_checkpoint_dir
+
+    source = build(tmp_path, "ouro", name="src")
+    (source / "tokenizer_config.json").write_text("{}")
+    copy = tmp_path / "models" / "ouro"
+    shutil.copytree(_cache_snapshot(tmp_path, source), copy, symlinks=True)  # (cp -r)
+    gone = tmp_path / "blobs" / "b0"
+    want = (
+        f"{copy}/config.json: a link to {gone}, which does not exist: a Hugging Face cache "
+        "snapshot's link, copied without its blob; copy the snapshot with `cp -rL` (the files, "
+        "not the links), or name the snapshot in the cache itself (so are the links "
+        "tokenizer_config.json)"
+    )
+    with pytest.raises(ValueError) as err:
+        check_checkpoint_dir(str(copy), "model=")
+    assert str(err.value) == f"model='{copy}': {want}"
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(copy)
+    assert str(err.value) == want
+    with pytest.raises(CheckpointError) as err:
+        read_config(copy)
+    assert str(err.value) == want.split(" (so are")[0]
+
+
+def test_a_pruned_config_blob_in_a_snapshot_is_named(tmp_path):
+    from rltserve.preflight import check_checkpoint_dir
+
+    snapshot = _cache_snapshot(tmp_path, build(tmp_path, "ouro", name="src"))
+    blob = (snapshot / "config.json").resolve()
+    blob.rename(f"{blob}.incomplete")
+    with pytest.raises(ValueError) as err:
+        check_checkpoint_dir(str(snapshot))
+    assert str(err.value) == (
+        f"--model {snapshot}: {snapshot}/config.json: its download is incomplete (the blob "
+        f"{blob.name}.incomplete in {blob.parent} is partial); download it again "
+        "(`hf download someorg/ouro`)"
+    )

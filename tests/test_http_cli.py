@@ -222,6 +222,25 @@ def test_serve_takes_vllms_logging_flags():
         )
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(tmp_path):
+    """``rltserve serve MODEL`` (``vllm serve MODEL``'s spelling) is ``--model MODEL``; it was
+    "unrecognized arguments"."""
+    from rltserve.models.presets import make_model
+
+    ckpt = make_model("ouro-tiny", tmp_path / "ouro", tokenizer=False)
+    for argv in (["serve", str(ckpt), "--port", "0"], ["serve", "--port", "0", str(ckpt)]):
+        args = _parser().parse_args(argv)
+        _, engine = serve_configs(args)
+        assert engine.model.model == args.model == str(ckpt)
+    _, engine = serve_configs(_parser().parse_args(["serve", str(ckpt), "--model", str(ckpt)]))
+    assert engine.model.model == str(ckpt)
+    args = _parser().parse_args(["serve", str(ckpt), "--model", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"^MODEL '.*/ouro' and --model '.*': name the model once"):
+        serve_configs(args)
+    _, engine = serve_configs(_parser().parse_args(["serve"]))
+    assert engine.model.model is None  # (the demo model, as before)
+
+
 def test_uvicorn_log_level_sets_aiohttps_loggers_apart(monkeypatch):
     import logging
 

@@ -369,6 +369,23 @@ async def test_without_a_served_name_the_checkpoint_path_names_the_model_too(ckp
             assert status == 404, raw
 
 
+async def test_a_relative_model_path_is_named_for_the_folder_it_names(ckpt, monkeypatch):
+    """``--model .`` run inside the checkpoint (or ``--model ../ckpt``) is named for that
+    folder: the name of "." itself is "", which /v1/models listed and responses repeated."""
+    body = {"prompt": [5], "max_tokens": 1}
+    monkeypatch.chdir(ckpt)
+    for given in (".", f"../{ckpt.name}"):
+        factory = scripted_factory(stage_for(ckpt))
+        async with running(given, client_factory=factory, served_model_name=None) as live:
+            status, _, raw = await live.get("/v1/models")
+            assert status == 200, raw
+            assert [m["id"] for m in orjson.loads(raw)["data"]] == [ckpt.name]
+            status, _, raw = await live.post("/v1/completions", body)
+            assert status == 200 and orjson.loads(raw)["model"] == ckpt.name, raw
+            status, _, raw = await live.post("/v1/completions", {**body, "model": given})
+            assert status == 200 and orjson.loads(raw)["model"] == given, raw  # (as given)
+
+
 class DeafStage(ScriptedStage):
     """A stage that takes aborts without ever answering them (a wedged or dying stage)."""
 

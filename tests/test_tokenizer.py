@@ -220,6 +220,37 @@ def test_corrupt_tokenizer_raises_clear_error(tmp_path: Path, ckpt_dirs: dict[st
     assert str(tmp_path) in str(err.value)
 
 
+def test_a_sentencepiece_model_alone_names_the_package_it_needs(
+    tmp_path: Path, ckpt_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint whose tokenizer is ``tokenizer.model`` only (no ``tokenizer.json``) goes
+    through transformers, which without the sentencepiece package said that `tiktoken` was
+    required."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "sentencepiece" else real(name, *a),
+    )
+    src = ckpt_dirs["nanbeige-tiny"]
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    (tmp_path / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path}/tokenizer.model: a SentencePiece model, the tokenizer's only vocabulary "
+        "(there is no tokenizer.json); reading it needs the sentencepiece package: `pip "
+        "install sentencepiece` (or give the checkpoint a tokenizer.json)"
+    )
+    (tmp_path / "tokenizer.model").write_text("IQ== 0\nIg== 1\n")  # (tiktoken's: not this)
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path)
+    assert "sentencepiece package" not in str(err.value)
+
+
 def test_missing_chat_template_raises(tmp_path: Path, ckpt_dirs: dict[str, Path]) -> None:
     src = ckpt_dirs["ouro-tiny"]
     (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())

@@ -408,6 +408,31 @@ def test_named_tokens_of_the_base_vocabulary_are_special_as_in_transformers(
     assert tok.encode(text, False) == hf.encode(text, add_special_tokens=False) == [1, 0, 0, 2, 3]
 
 
+def test_added_tokens_of_tokenizer_config_alone_are_added_as_in_transformers(
+    dirs: dict, tmp_path: Path
+) -> None:
+    """tokenizer_config.json's ``added_tokens_decoder`` lists a token tokenizer.json lacks as
+    an added token (in its vocabulary, or new): transformers adds it, so it encodes whole
+    (a tool token added by hand, a hand-edited tokenizer.json). It was split into pieces."""
+    path = tmp_path / "ouro"
+    shutil.copytree(dirs["ouro-tiny"], path)
+    fast = json.loads((path / "tokenizer.json").read_text())
+    fast["added_tokens"] = [t for t in fast["added_tokens"] if t["content"] != "<think>"]
+    (path / "tokenizer.json").write_text(json.dumps(fast))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    flags = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    config["added_tokens_decoder"]["512"] = {"content": "<|tool|>", "special": True, **flags}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, hf = load_tokenizer(path), _hf(path)
+    assert tok is not None and tok.vocab_size == len(hf) == 513
+    text = "a <think>b</think> <|tool|> c"
+    for add in (True, False):
+        assert tok.encode(text, add) == hf.encode(text, add_special_tokens=add)
+    ids = tok.encode(text, False)
+    assert 3 in ids and 512 in ids and 512 in tok.special_ids
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
 def test_encoding_lets_other_threads_run(dirs: dict) -> None:
     """The server encodes on a codec thread: other threads (its event loop) keep running while a
     large text is encoded. tokenizers' ``encode`` holds the GIL nearly throughout (another

@@ -58,6 +58,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         description="Serves /v1/completions, /v1/chat/completions and friends. Without --model "
         "it serves the built-in demo model.",
     )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the checkpoint, as vLLM's `vllm serve MODEL` takes it: the same as --model",
+    )
     add_dataclass_args(parser, ServerConfig, "server")
     add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
     parser.add_argument(
@@ -131,12 +138,24 @@ def non_default_args(args: argparse.Namespace) -> dict[str, object]:
     return {name: "***" if name in SECRET_FLAGS else v for name, v in changed.items()}
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """``serve MODEL`` (vLLM's spelling) is ``serve --model MODEL``: ``args.model`` takes the
+    positional argument; both, naming different models, are a ValueError."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"MODEL {tag!r} and --model {args.model!r}: name the model once")
+    args.model = tag
+
+
 def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
     from rltserve.engine_args import checked_engine_kwargs
     from rltserve.http.config import API_KEY_ENVS, ServerConfig
 
+    take_model_tag(args)
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
     if server_config.metrics_auth and server_config.api_key is None:
         # (a missing key Secret must not leave an operator believing /metrics is guarded)

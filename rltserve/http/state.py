@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 import uuid
@@ -66,8 +67,10 @@ def _load_tokenizer(path: str) -> tuple[Tokenizer | None, int | None]:
 
 def default_model_name(engine_config: EngineConfig) -> str:
     """The served name of a model given no --served-model-name: its directory's name, or for
-    a Hugging Face cache snapshot its repo id (the directory's name is a commit hash)."""
-    path = str(engine_config.model.model)
+    a Hugging Face cache snapshot its repo id (the directory's name is a commit hash). A
+    relative path counts from the working directory, so ``--model .`` is named for the folder
+    it is run in (its own name is "", and ``..``'s is ".."); links are not followed."""
+    path = os.path.abspath(engine_config.model.model)
     return snapshot_repo_id(path) or Path(path).name
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from rltserve.checkpoint_files import INDEX_FILE, SINGLE_FILE, check_weight_files
+from rltserve.checkpoint_files import INDEX_FILE, SINGLE_FILE, check_weight_files, link_problem
 from rltserve.models.base import LoopedModel, LoopedSpec
 from rltserve.models.hfconfig import generation_eos_ids
 from rltserve.models.registry import Family, get_family
@@ -88,6 +88,8 @@ def _check_dir(path: str | Path) -> Path:
 def read_config(path: str | Path) -> dict[str, Any]:
     """The raw ``config.json`` of a checkpoint directory, with its ``model_type`` checked."""
     p = _check_dir(path) / "config.json"
+    if (problem := link_problem(p)) is not None:
+        raise CheckpointError(problem)
     if not p.is_file():
         raise CheckpointError(f"{str(p.parent)!r} has no config.json")
     try:

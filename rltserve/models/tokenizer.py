@@ -42,6 +42,8 @@ FAMILY_STOP_TOKENS: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_STOP_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|end_turn|>", "<|eot_id|>")
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
+TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+\r?\n")  # a tiktoken file's first line
 
 
 @cache
@@ -304,7 +306,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
 
     Raises ``TokenizerError`` (naming the directory) when tokenizer files exist but do not load.
     """
+    from rltserve.checkpoint_files import missing_link_targets
+
     path = Path(path)
+    if (problem := missing_link_targets(path)) is not None:  # (else taken for no files)
+        raise TokenizerError(problem)
     if not has_tokenizer_files(path):
         if (path / "tokenizer_config.json").is_file():  # (a download that stopped short?)
             raise TokenizerError(
@@ -313,6 +319,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
                 "(skip_tokenizer_init=True, or without tokenizer_config.json)"
             )
         return None
+    if not (path / FAST_FILE).is_file() and (problem := _sentencepiece_problem(path)):
+        raise TokenizerError(problem)
     try:
         files = TokenizerFiles.read(path)
         if (path / FAST_FILE).is_file():
@@ -324,6 +332,26 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
             f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
         ) from exc
     return Tokenizer(backend, files, path)
+
+
+def _sentencepiece_problem(path: Path) -> str | None:
+    """Why the SentencePiece model of a directory without ``tokenizer.json`` cannot be read
+    here: transformers needs the ``sentencepiece`` package for it (not a dependency), and
+    without it reports that ``tiktoken`` is missing. None when it can (or there is none; a
+    tiktoken ``tokenizer.model``, base64 text, is transformers' business)."""
+    import importlib.util
+
+    model = next((path / n for n in SENTENCEPIECE_FILES if (path / n).is_file()), None)
+    if model is None or importlib.util.find_spec("sentencepiece") is not None:
+        return None
+    with open(model, "rb") as f:
+        if TIKTOKEN_LINE.match(f.read(256)):
+            return None
+    return (
+        f"{model}: a SentencePiece model, the tokenizer's only vocabulary (there is no "
+        f"{FAST_FILE}); reading it needs the sentencepiece package: `pip install "
+        f"sentencepiece` (or give the checkpoint a {FAST_FILE})"
+    )
 
 
 def _open_final(text: str, final: object) -> str:

@@ -42,7 +42,14 @@ class FastBackend:
         from tokenizers import AddedToken, Tokenizer
 
         tok = Tokenizer.from_file(str(path))
-        # As transformers does: named or extra special tokens that are not special added tokens
+        # As transformers does: tokenizer_config.json's added tokens that tokenizer.json does
+        # not hold as added tokens become ones, with their flags (a token of the base
+        # vocabulary keeps its id and is then matched whole; others get new ids at the end).
+        present = {t.content for t in tok.get_added_tokens_decoder().values()}
+        added = [_added_token(AddedToken, e) for e in files.added if e["content"] not in present]
+        if added:
+            tok.add_tokens(added)
+        # Then named or extra special tokens that are not special added tokens
         # yet become ones (new ids at the end for those missing from the vocabulary; a token of
         # the base vocabulary keeps its id), so decode(skip_special_tokens=True) drops them all.
         special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
@@ -67,6 +74,14 @@ class FastBackend:
 
     def special_added_ids(self) -> set[int]:
         return {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+
+def _added_token(cls: Any, entry: dict[str, Any]) -> Any:
+    """A ``tokenizers.AddedToken`` from its serialised form (transformers' defaults)."""
+    flags = {"special": False, "lstrip": False, "rstrip": False, "single_word": False}
+    kwargs = {k: bool(entry.get(k, v)) for k, v in flags.items()}
+    normalized = entry.get("normalized", not kwargs["special"])
+    return cls(entry["content"], normalized=bool(normalized), **kwargs)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ special tokens and chat templates, read the way ``transformers`` reads them.
   ``extra_special_tokens``) come from ``tokenizer_config.json``; ``special_tokens_map.json``
   overrides them only when the config has no ``added_tokens_decoder`` (legacy layouts). A token is
   a string or a serialised ``AddedToken`` (a dict with ``content``).
+- Added tokens: ``tokenizer_config.json``'s ``added_tokens_decoder`` entries, in id order, which
+  transformers adds to the tokenizer (``tokenizer.json`` may lack some of them).
 - Chat templates: ``chat_template.jinja`` and ``additional_chat_templates/<name>.jinja`` take
   priority over the config's ``chat_template``, which is a string or a list of
   ``{"name", "template"}`` entries.
@@ -67,6 +69,18 @@ def _extras(value: object) -> list[str]:
     return [t for t in (token_text(v) for v in value) if t is not None]
 
 
+def _added(value: object) -> tuple[dict[str, Any], ...]:
+    """The serialised ``AddedToken``s of an ``added_tokens_decoder``, in id order."""
+    if not isinstance(value, dict):
+        return ()
+    entries = [
+        (int(key), entry)
+        for key, entry in value.items()
+        if isinstance(key, str) and key.isdigit() and token_text(entry) is not None
+    ]
+    return tuple(entry for _, entry in sorted(entries, key=lambda e: e[0]))
+
+
 def _templates(root: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
     named: dict[str, str] = {}
     if (root / TEMPLATE_FILE).is_file():
@@ -90,6 +104,7 @@ class TokenizerFiles:
     named: dict[str, str] = field(default_factory=dict)  # e.g. {"eos_token": "<|im_end|>"}
     extra: tuple[str, ...] = ()
     chat_template: str | dict[str, str] | None = None
+    added: tuple[dict[str, Any], ...] = ()  # added_tokens_decoder's entries, in id order
 
     @classmethod
     def read(cls, root: str | Path) -> TokenizerFiles:
@@ -103,4 +118,9 @@ class TokenizerFiles:
             for key in _EXTRA_KEYS:
                 extra += [t for t in _extras(legacy.get(key)) if t not in extra]
         named = {k: t for k, t in ((k, token_text(v)) for k, v in tokens.items()) if t}
-        return cls(named=named, extra=tuple(extra), chat_template=_templates(root, config))
+        return cls(
+            named=named,
+            extra=tuple(extra),
+            chat_template=_templates(root, config),
+            added=_added(config.get("added_tokens_decoder")),
+        )
