@@ -388,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Python's default collector settings instead of the stage worker's",
     )
+    host.add_argument(
+        "--temperature", type=float, default=0.0, help="decode rows' (0: greedy; > 0: seeded draws)"
+    )
+    host.add_argument("--repetition-penalty", type=float, default=1.0, help="decode rows'")
     host.add_argument("--quick", action="store_true", help="smoke run: rows 8,32, context 128")
     host.add_argument("--out", help="also write the JSON report to this file")
     host.add_argument("--quiet", action="store_true", help="no per-cell lines on stderr")

@@ -18,6 +18,9 @@ timings on a shared machine cannot. (Instructions are not time: cache misses and
 each torch call differ; a change that moves work into fewer, larger calls gains more time
 than instructions.) The two checkouts run at once, one per process. Needs valgrind.
 
+``--temperature`` / ``--repetition-penalty``: the decode rows sample (each from its request's
+seeded generator) and are penalized, as a rollout's, instead of greedy ones.
+
 ``--cache-sim`` (with ``--instructions``): callgrind also simulates the caches (about twice as
 slow), and the report adds its cycle estimate per step, instructions plus 10 per first-level
 miss and 100 per last-level miss (callgrind's documented weights): a deterministic figure for
@@ -38,6 +41,18 @@ import tempfile
 from pathlib import Path
 
 PHASES = ("host_cpu_ms", "plan_cpu_ms", "runner_cpu_ms", "apply_cpu_ms", "emit_cpu_ms")
+
+# Run before _ONE or _COUNT: the decode requests' sampling fields (``--temperature``,
+# ``--repetition-penalty``), set where ``_Cell`` makes their params, so that a checkout from
+# before ``_Cell`` took them runs them too.
+_SAMPLING = """
+import json, sys
+import rltserve.bench.host as _host
+_extra = json.loads(sys.argv[6])
+if _extra:
+    _made = _host.SamplingParams
+    _host.SamplingParams = lambda **k: _made(**({**k, **_extra} if k["max_tokens"] > 1 else k))
+"""
 
 # Run inside each checkout, with that checkout first on sys.path.
 _ONE = """
@@ -83,6 +98,7 @@ def _count(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, di
     """Per checkout, instructions per measured step (and with ``--cache-sim`` the estimated
     cycles), both checkouts run at once under callgrind."""
     argv = [str(args.rows), str(args.context), args.kind, str(args.warmup), str(args.steps)]
+    argv.append(json.dumps(_sampling(args)))
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         for name, checkout in checkouts.items():
@@ -96,7 +112,7 @@ def _count(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, di
                     f"--callgrind-out-file={out}",
                     sys.executable,
                     "-c",
-                    _COUNT,
+                    _SAMPLING + _COUNT,
                     *argv,
                 ],
                 cwd=checkout,
@@ -123,8 +139,9 @@ def _count(checkouts: dict[str, Path], args: argparse.Namespace) -> dict[str, di
 def _run(checkout: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
     argv = [str(args.rows), str(args.context), args.kind, str(args.warmup), str(args.steps)]
+    argv.append(json.dumps(_sampling(args)))
     out = subprocess.run(
-        [sys.executable, "-c", _ONE, *argv],
+        [sys.executable, "-c", _SAMPLING + _ONE, *argv],
         cwd=checkout,
         env=env,
         capture_output=True,
@@ -132,6 +149,16 @@ def _run(checkout: Path, args: argparse.Namespace) -> dict:
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, float]:
+    """The decode requests' sampling fields the flags set (none: greedy, as ``bench host``)."""
+    out = {}
+    if args.temperature:
+        out["temperature"] = args.temperature
+    if args.repetition_penalty != 1.0:
+        out["repetition_penalty"] = args.repetition_penalty
+    return out
 
 
 def main() -> None:
@@ -144,6 +171,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--temperature", type=float, default=0.0, help="decode rows' (0: greedy)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="decode rows'")
     parser.add_argument(
         "--instructions",
         action="store_true",
@@ -162,7 +191,7 @@ def main() -> None:
             parser.error("--instructions needs valgrind (callgrind) on PATH")
         counts = _count({"base": args.base.resolve(), "new": args.new.resolve()}, args)
         cell = f"{args.kind}/sync/rows{args.rows}/ctx{args.context}"
-        report: dict = {"cell": cell, "steps": args.steps}
+        report: dict = {"cell": cell, "steps": args.steps, "sampling": _sampling(args)}
         for figure in counts["base"]:
             per_step = {k: round(v[figure]) for k, v in counts.items()}
             report[f"{figure}_per_step"] = per_step
@@ -174,6 +203,7 @@ def main() -> None:
         for name in ("base", "new") if i % 2 == 0 else ("new", "base"):
             runs[name].append(_run(getattr(args, name).resolve(), args))
     report = {"cell": f"{args.kind}/sync/rows{args.rows}/ctx{args.context}", "pairs": args.pairs}
+    report["sampling"] = _sampling(args)
     for phase in PHASES:
         ratios = [n[phase] / b[phase] for b, n in zip(runs["base"], runs["new"])]
         report[phase] = {

@@ -145,6 +145,7 @@ def test_ab_script_compares_two_checkouts_by_pairwise_ratios():
 
     root = Path(__file__).resolve().parents[1]
     args = ["--rows", "4", "--context", "64", "--pairs", "1", "--warmup", "2", "--steps", "4"]
+    args += ["--temperature", "1.0"]  # (sampled decode rows, as a rollout's)
     out = subprocess.run(
         [sys.executable, str(root / "scripts" / "bench_host_ab.py"), "--base", str(root)]
         + ["--new", str(root), "--kind", "mixed", *args],
@@ -154,6 +155,7 @@ def test_ab_script_compares_two_checkouts_by_pairwise_ratios():
     )
     report = orjson.loads(out.stdout)
     assert report["cell"] == "mixed/sync/rows4/ctx64" and report["pairs"] == 1
+    assert report["sampling"] == {"temperature": 1.0}
     for phase in PHASES:
         entry = report[f"{phase}_cpu_ms"]
         assert entry["base_median"] > 0 and entry["new_median"] > 0
@@ -208,3 +210,19 @@ def test_repeats_merge_into_medians():
     runs = [{"steps_per_s": 10.0, "gc_ms": 0.5}, {"steps_per_s": 40.0, "gc_ms": 0.1},
             {"steps_per_s": 20.0, "gc_ms": 0.2}]  # fmt: skip
     assert _median(runs) == {"steps_per_s": 20.0, "gc_ms": 0.2}
+
+
+def test_sampled_rows_as_a_rollouts(capsys):
+    """``--temperature`` / ``--repetition-penalty``: the decode requests sample from their own
+    generators and are penalized (the report says so); the probe stays greedy."""
+    cell = _Cell(StandInModel(), 2, 16, sampling={"temperature": 1.0, "repetition_penalty": 1.1})
+    params = [r.params for r in cell.core.scheduler.running]
+    assert [(p.temperature, p.repetition_penalty) for p in params] == [(1.0, 1.1)] * 2
+    assert cell.probe.temperature == 0.0
+    cell.core.shutdown()
+    argv = ["bench", "host", "--quick", "--quiet", "--modes", "sync", "--kinds", "decode"]
+    assert main([*argv, "--temperature", "1.0", "--repetition-penalty", "1.1"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    assert report["sampling"] == {"temperature": 1.0, "repetition_penalty": 1.1}
+    assert all(c["steps_per_s"] > 0 for c in report["cells"].values())
+    assert main([*argv, "--temperature", "-1"]) == 2  # SamplingParams' own check

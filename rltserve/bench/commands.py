@@ -183,6 +183,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         threads=args.threads,
         stage_gc=not args.default_gc,
         progress=(lambda line: print(line, file=sys.stderr)) if not args.quiet else None,
+        sampling={"temperature": args.temperature, "repetition_penalty": args.repetition_penalty},
     )
     text = orjson.dumps(report, option=orjson.OPT_INDENT_2).decode()
     print(text, flush=True)  # first: a file that cannot be written must not lose the report

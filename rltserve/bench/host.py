@@ -54,7 +54,16 @@ BLOCK = 16
 class _Cell:
     """One engine at (rows, context): decode requests brought to their context, then stepped."""
 
-    def __init__(self, model: StandInModel, rows: int, context: int, carry: bool = True) -> None:
+    def __init__(
+        self,
+        model: StandInModel,
+        rows: int,
+        context: int,
+        carry: bool = True,
+        sampling: dict[str, float] | None = None,
+    ) -> None:
+        """``sampling``: the decode requests' sampling fields over greedy ones (``temperature``
+        > 0: each row draws from its own seeded generator, as a rollout's rows do)."""
         self.rows, self.context = rows, context
         self.max_tokens = 4096
         loops = model.spec.num_loops
@@ -74,8 +83,9 @@ class _Cell:
         )
         self.core = EngineCore(config, model=model)
         self.core.runner.count_model_cpu = True  # (its host figures leave the stand-in out)
+        decode = {"temperature": 0.0, **(sampling or {})}
         self.decode = SamplingParams(
-            temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, exit_threshold=0.8
+            max_tokens=self.max_tokens, ignore_eos=True, exit_threshold=0.8, **decode
         )
         self.probe = SamplingParams(
             temperature=0.0, max_tokens=1, ignore_eos=True, exit_threshold=0.8
@@ -228,6 +238,7 @@ def run_host_bench(
     threads: int = 1,
     stage_gc: bool = True,
     progress: Callable[[str], None] | None = None,
+    sampling: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The benchmark's JSON report. Cells are keyed ``"{kind}/{mode}/rows{R}/ctx{C}"``, with
     ``"/reference"`` appended for the reference schedule (``carry_decode=False``; ``schedules``
@@ -238,13 +249,16 @@ def run_host_bench(
     GPU host the small torch ops of a step are device work; a thread pool only adds wake-ups.
     ``stage_gc``: the collector settings of the stage's worker process (``tune_gc``) while it
     runs, and its allocator settings (``tune_malloc``, left in place: glibc has no way back);
-    ``gc_ms`` per cell is the collector's time per step either way."""
+    ``gc_ms`` per cell is the collector's time per step either way. ``sampling``: the decode
+    requests' sampling fields (``_Cell``; greedy without)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     thresholds = tune_gc() if stage_gc else None  # as in the stage's worker process
     malloc = tune_malloc() if stage_gc else False
     try:
-        cells = _run_cells(rows_list, contexts, steps, repeats, modes, kinds, schedules, progress)
+        cells = _run_cells(
+            rows_list, contexts, steps, repeats, modes, kinds, schedules, progress, sampling
+        )
     finally:
         torch.set_num_threads(previous)
         if thresholds is not None:
@@ -258,6 +272,7 @@ def run_host_bench(
         "stage_gc": stage_gc,
         "stage_malloc": malloc,
         "chunk_tokens": CHUNK,
+        "sampling": {"temperature": 0.0, **(sampling or {})},
         "cells": cells,
         "ratios": _ratios(cells),
         "targets": _targets(cells),
@@ -265,13 +280,13 @@ def run_host_bench(
 
 
 def _run_cells(
-    rows_list, contexts, steps, repeats, modes, kinds, schedules, progress
+    rows_list, contexts, steps, repeats, modes, kinds, schedules, progress, sampling
 ) -> dict[str, Any]:
     model = StandInModel()
     cells: dict[str, Any] = {}
     for context in contexts:
         for rows in rows_list:
-            made = {s: _Cell(model, rows, context, s == "carried") for s in schedules}
+            made = {s: _Cell(model, rows, context, s == "carried", sampling) for s in schedules}
             runs: dict[str, list] = {}
             # Sync first: once a step thread exists, execute() goes through it.
             for mode in [m for m in ("sync", "async") if m in modes]:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
 import torch
 
-from rltserve.core.staging import to_device
+from rltserve.core.staging import move_to, to_device
 from rltserve.sampling import SamplingParams
 from rltserve.seeds import seeded_generator
 
@@ -47,8 +48,14 @@ class SeededGenerator:
 
     def noise(self, width: int) -> torch.Tensor:
         """[width] ~ Exp(1): the draw of one sampled token."""
+        return self.draw_into(torch.empty(width, device=self.generator.device))
+
+    def draw_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``noise(len(out))`` written into ``out`` (a contiguous float32 row of the step's
+        noise, same values): the sampler draws each seeded row in place, without a tensor of
+        its own and a copy per row (two device operations and an allocation per sampled row
+        per step, the largest host cost of a sampled decode step)."""
         self.draws += 1
-        out = torch.empty(width, device=self.generator.device)
         return out.exponential_(generator=self.generator)
 
     @classmethod
@@ -89,11 +96,23 @@ class SampleRow:
     # The row is the argmax and nothing else is asked of it (greedy, no penalties, no bias, no
     # logprobs): a step whose rows all are skips the per-row work.
     plain: bool = field(init=False)
+    # The prompt's distinct ids on the logits' device (``prompt_ids``), made on the first
+    # penalized step: a request's prompt never changes, and converting its whole list again
+    # every step was most of a penalized step's host time (O(rows x prompt length)).
+    _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self.params
         penalized = self.penalty_tokens is not None and _uses_penalties(p)
         self.plain = p.greedy and p.logprobs is None and not penalized and self.bias is None
+
+    def prompt_ids(self, device: torch.device) -> torch.Tensor:
+        """[N] int64 on ``device``: the distinct ids of the prompt in ``penalty_tokens``."""
+        ids = self._prompt_ids
+        if ids is None or ids.device != device:
+            prompt = self.penalty_tokens[0] if self.penalty_tokens else []
+            ids = self._prompt_ids = to_device(sorted(set(prompt)), device, torch.int64)
+        return ids
 
 
 @dataclass
@@ -233,7 +252,11 @@ class Sampler:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         described = choice if self.processed else raw  # [R, V]: what logprobs describe
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
+        if len(sampled) == len(rows):  # (a rollout's batch: no gather, no scatter back)
+            tokens, drawn_from = _sample_rows(choice, rows)
+            if self.processed and wanted:
+                described = drawn_from
+        elif sampled:
             idx = to_device(sampled, device)
             tokens[idx], drawn_from = _sample_rows(choice[idx], [rows[i] for i in sampled])
             if self.processed and wanted:
@@ -268,21 +291,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     """[P, V] -> [P, V] with repetition, presence and frequency penalties applied."""
     p, vocab = logits.shape
     device = logits.device
-    seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
-    for j, row in enumerate(rows):
-        prompt, output = row.penalty_tokens or ([], [])
-        seen_ids += prompt
-        seen_ids += output
-        seen_rows += [j] * (len(prompt) + len(output))
-        out_ids += output
-        out_rows += [j] * len(output)
+    outputs = [row.penalty_tokens[1] if row.penalty_tokens else [] for row in rows]
+    out_ids = list(chain.from_iterable(outputs))
     counts = torch.zeros(p, vocab, device=device)  # [P, V]: occurrences in the output
     if out_ids:
-        flat = to_device(out_rows, device) * vocab + to_device(out_ids, device)
+        flat = _row_starts([len(o) for o in outputs], vocab, device) + to_device(out_ids, device)
         counts.view(-1).index_add_(0, flat, torch.ones(len(out_ids), device=device))
-    seen = torch.zeros(p, vocab, dtype=torch.bool, device=device)  # [P, V]: in prompt or output
-    if seen_ids:
-        seen[to_device(seen_rows, device), to_device(seen_ids, device)] = True
+    seen = counts > 0  # [P, V]: in the output, then the prompt too
+    prompts = [row.prompt_ids(device) for row in rows]
+    flat = _row_starts([len(ids) for ids in prompts], vocab, device) + torch.cat(prompts)
+    seen.view(-1).index_fill_(0, flat, True)
 
     rep = to_device([r.params.repetition_penalty for r in rows], device)[:, None]
     pres = to_device([r.params.presence_penalty for r in rows], device)[:, None]
@@ -290,6 +308,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     repeated = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, repeated, logits)
     return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _row_starts(lengths: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """[sum(lengths)] int64 on ``device``: ``j * vocab`` (row j's start in a flattened [P, V])
+    repeated ``lengths[j]`` times."""
+    starts = np.arange(len(lengths), dtype=np.int64) * vocab
+    return move_to(torch.from_numpy(np.repeat(starts, lengths)), device)
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,8 +359,8 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Ten
         noise[to_device(shared, device)] = torch.empty(
             len(shared), vocab, device=device
         ).exponential_()
-    for j, row in enumerate(rows):
+    for row_noise, row in zip(noise, rows):  # (rows of ``noise`` as views: one unbind)
         if row.generator is not None:
-            noise[j] = row.generator.noise(vocab)
+            row.generator.draw_into(row_noise)
     # argmax(probs / q) with q ~ Exp(1) draws from probs; q is kept > 0 so 0/0 cannot occur.
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1), logits
