@@ -139,3 +139,28 @@ def test_priority_preempts_nothing_when_the_worse_requests_cannot_make_room():
     while s.has_work():
         step()
     assert s.kv.usage == 0.0
+
+
+def test_priority_preempts_when_only_the_watermark_kept_the_better_request_out():
+    """The watermark is kept free only while requests run: a better request whose first chunk
+    fits the pool once every (worse) running request is gone preempts them, rather than
+    waiting behind them for all their outputs."""
+    from fixed_exits import FixedExits, make_request, make_scheduler
+
+    s = make_scheduler(20, watermark=0.2, scheduling_policy="priority", prefill_chunk_size=64)
+    s.add_request(make_request("worse", 4, 20, priority=5))
+    runner = FixedExits()
+
+    def step():
+        plan = s.schedule()
+        s.apply(plan, runner.result(plan))
+        return plan
+
+    for _ in range(3):
+        step()
+    s.add_request(make_request("best", 36, 5, priority=0))  # 18 blocks, 4 of watermark
+    plan = step()
+    assert plan.preempted == ["worse"] and [r.request_id for r in s.running] == ["best"]
+    while s.has_work():
+        step()
+    assert s.kv.usage == 0.0

@@ -339,9 +339,9 @@ async def test_supervised_stage_sleep_controls_are_the_current_stages():
         (1, [], [("sleep", 1)]),
         (2, [], [("sleep", 2)]),  # (its weights come back undefined, for the trainer to load)
         (1, ["kv_cache"], [("sleep", 1), ("wake_up", ["kv_cache"])]),
-        # Weights woken after level 2 may hold what the trainer loaded since (applied to the
-        # new stage again): level 1 keeps them.
-        (2, ["weights"], [("sleep", 1), ("wake_up", ["weights"])]),
+        # Weights woken after level 2 and not loaded since: the new stage drops its own too
+        # (it refuses requests until the trainer's load, as the failed one did).
+        (2, ["weights"], [("sleep", 2), ("wake_up", ["weights"])]),
     ],
 )
 async def test_supervised_stage_a_restarted_stage_sleeps_as_the_failed_one(level, woken, controls):
@@ -357,7 +357,30 @@ async def test_supervised_stage_a_restarted_stage_sleeps_as_the_failed_one(level
     assert sup.sleeping == {"weights", "kv_cache"} - set(woken)
     sup.wake_up(["weights", "kv_cache"])
     await sup._replace("boom")
-    assert sup.inner is c and c.controls == [] and sup.sleeping == set()  # (woken: it was awake)
+    # (woken: it was awake, but after level 2 without a load its weights stay dropped)
+    dropped = [("sleep", 2), ("wake_up", ["weights", "kv_cache"])] if level == 2 else []
+    assert sup.inner is c and c.controls == dropped and sup.sleeping == set()
+
+
+async def test_supervised_stage_a_restarted_stage_keeps_dropped_weights_until_a_load(tmp_path):
+    """After sleep(level=2) the engine refuses requests until a weight update, woken or not; a
+    stage restarted before that load drops its weights too (a level-2 sleep and a wake-up)
+    rather than serving the checkpoint's. Once the trainer loaded, level 1 keeps them."""
+    a, b, c, d = _Sleepy("a"), _Sleepy("b"), _Sleepy("c"), _Sleepy("d")
+    sup, _, _ = _supervised(a, b, c, d)
+    sup.sleep(2, 5.0)
+    sup.wake_up(["weights", "kv_cache"])
+    await sup._replace("boom")
+    assert sup.inner is b and sup.sleeping == set()
+    assert b.controls == [("sleep", 2), ("wake_up", ["weights", "kv_cache"])]
+    sup.sleep(2, 5.0)
+    sup.wake_up(["weights"])
+    sup.update_weights([_update_file(tmp_path / "w.safetensors", x=1.0)], False, 5.0)
+    await sup._replace("boom")
+    assert sup.inner is c and c.controls == [("sleep", 1), ("wake_up", ["weights"])]
+    sup.wake_up(["kv_cache"])
+    await sup._replace("boom")
+    assert sup.inner is d and d.controls == []
 
 
 async def test_supervised_stage_a_stage_that_cannot_sleep_again_never_serves():

@@ -108,6 +108,8 @@ class Preemptor:
                 return
             if not checked:  # (what they hold only grows the free count as they go)
                 held = sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in worse)
+                if len(worse) == len(s.running):  # (none left running: no watermark to keep)
+                    held += s.watermark_blocks
                 if held < short:
                     return
                 checked = True

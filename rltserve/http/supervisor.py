@@ -186,6 +186,7 @@ class SupervisedStage:
             before = str(exc)
         version = update(paths, abort, timeout_s) + self._version_offset
         self._updates.add(list(paths), version, before)
+        self._sleep.loaded()
         return version
 
     # Sleep mode and the prefix cache (``POST /sleep``, ...): the current stage's. A stage that
