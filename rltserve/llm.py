@@ -383,8 +383,11 @@ class LLM(TrainerControls, ChatRendering, Refusals):
                 bar.close()
         for asm in pending.assemblers:
             if asm.rejected:
-                where = at_prompt(pending.prompt_index(asm), len(batch))
-                raise ValueError(f"{asm.output.error}{where}")
+                index, error = pending.prompt_index(asm), asm.output.error
+                # (An error of the request's settings names no prompt: at index 0 only the
+                # engine's prompt checks, "prompt: ...", are known to be the prompt's.)
+                named = index > 0 or error.startswith("prompt")
+                raise ValueError(f"{error}{at_prompt(index, len(batch)) if named else ''}")
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")
         # detokenize=False: no text work at all, decoded logprob tokens included (vLLM's).

@@ -171,3 +171,8 @@ async def test_a_refused_prompt_of_a_batch_names_its_index(ckpt):
         )
         status, _, raw = await live.post("/v1/completions", {"prompt": [7] * 17, **score})
         assert "prompt index" not in error_of(raw)["message"]
+        # The request's own settings are wrong for every prompt: none is named.
+        body = {"prompt": [[5, 6], [8]], "max_loops": 99}
+        status, _, raw = await live.post("/v1/completions", body)
+        message = error_of(raw)["message"]
+        assert status == 400 and "max_loops=99" in message and "prompt index" not in message

@@ -93,6 +93,9 @@ def test_invalid_requests_raise_value_error(spawned):
         spawned.generate([[5], [6], [999], [7]])
     with pytest.raises(ValueError, match=r"length of 257 tokens .*\) \(prompt index 1\)$"):
         spawned.generate([[5], [1] * 300], SamplingParams(temperature=0.0, max_tokens=200))
+    with pytest.raises(ValueError, match="max_loops") as err:  # (the settings': no index)
+        spawned.generate([[5], [6]], SamplingParams(temperature=0.0, max_tokens=2, max_loops=99))
+    assert "prompt index" not in str(err.value)
     # The stage keeps serving after rejections.
     assert (
         len(spawned.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids)

@@ -189,7 +189,9 @@ def _choices(
                 error, message = exc, as_sent(req, exc.message, defaults)
                 if message != exc.message:  # (the field named as the client sent it)
                     error = bad_request(message, param_of(message))
-                raise in_batch(error, p, len(prompts)) from None
+                if p == 0:  # (the request's settings may be what is wrong: no prompt to name)
+                    raise error from None
+                raise in_batch(error, p, len(prompts)) from None  # (they passed for prompt 0)
             choices.append(
                 ChoiceRequest(
                     p * req.n + j,
