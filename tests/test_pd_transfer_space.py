@@ -207,6 +207,9 @@ def test_the_start_up_log_gives_the_bound_and_a_fallback_to_disk(monkeypatch, ca
     finally:
         files.close()
     caplog.clear()
+    TransferFiles(0).close()  # (--kv-transfer-gb 0 writes no file: no disk to warn of)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    caplog.clear()
     monkeypatch.setattr(transfer_dir, "file_dir", lambda: None)
     files = TransferFiles(None)
     try:

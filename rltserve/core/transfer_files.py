@@ -48,7 +48,8 @@ class TransferFiles:
             self.dir,
             ": half the space free there" if limit_gb is None else "",
         )
-        if (warning := transfer_dir.fallback_warning(self.dir)) is not None:
+        warning = transfer_dir.fallback_warning(self.dir)
+        if warning is not None and self.limit > 0:  # (0: no file is written anywhere)
             logger.warning("%s", warning)
         self._lock = threading.Lock()  # guards the rest (claims come from request threads)
         self._held: dict[str, int] = {}  # path -> its bytes, while the file may exist
