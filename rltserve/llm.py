@@ -385,8 +385,9 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             if asm.rejected:
                 index, error = pending.prompt_index(asm), asm.output.error
                 # (An error of the request's settings names no prompt: at index 0 only the
-                # engine's prompt checks, "prompt: ...", are known to be the prompt's.)
-                named = index > 0 or error.startswith("prompt")
+                # engine's prompt checks, "prompt: ...", are known to be the prompt's; not
+                # "prompt_logprobs=...", a setting.)
+                named = index > 0 or error.startswith("prompt:")
                 raise ValueError(f"{error}{at_prompt(index, len(batch)) if named else ''}")
             if asm.output.finish_reason == "error":
                 raise RuntimeError(f"request {asm.output.request_id} failed: {asm.output.error}")

@@ -157,6 +157,7 @@ async def test_a_refused_prompt_of_a_batch_names_its_index(ckpt):
             ([[5, 6], [8], [7] * 16], "your request has 16 input tokens, which leave no", 2),
             (["Hi", "x " * 40], "your request has ", 1),
             ([[5, 6], [8, 600]], "prompt: token id 600 is outside the vocabulary", 1),
+            ([[8, 600], [5, 6]], "prompt: token id 600 is outside the vocabulary", 0),
         )
         for prompts, words, index in cases:
             status, _, raw = await live.post("/v1/completions", {"prompt": prompts, **score})

@@ -96,6 +96,11 @@ def test_invalid_requests_raise_value_error(spawned):
     with pytest.raises(ValueError, match="max_loops") as err:  # (the settings': no index)
         spawned.generate([[5], [6]], SamplingParams(temperature=0.0, max_tokens=2, max_loops=99))
     assert "prompt index" not in str(err.value)
+    with pytest.raises(ValueError, match="prompt_logprobs") as err:  # (a setting, too)
+        spawned.generate([[5], [6]], SamplingParams(max_tokens=2, prompt_logprobs=10**6))
+    assert "prompt index" not in str(err.value)
+    with pytest.raises(ValueError, match=r"outside the vocabulary .*\(prompt index 0\)$"):
+        spawned.generate([[999], [6]])
     # The stage keeps serving after rejections.
     assert (
         len(spawned.generate([[5, 6]], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids)

@@ -433,6 +433,28 @@ def test_added_tokens_of_tokenizer_config_alone_are_added_as_in_transformers(
     assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
+def test_added_tokens_of_tokenizer_config_with_other_flags_take_them_as_in_transformers(
+    dirs: dict, tmp_path: Path
+) -> None:
+    """tokenizer_config.json gives a token tokenizer.json holds as an added token other flags
+    (lstrip/rstrip, special): transformers adds it again with the config's, same id."""
+    path = tmp_path / "ouro"
+    shutil.copytree(dirs["ouro-tiny"], path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    decoder = config["added_tokens_decoder"]
+    decoder["3"] = {**decoder["3"], "lstrip": True, "rstrip": True}  # <think>
+    decoder["4"] = {**decoder["4"], "special": True}  # </think>
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, hf = load_tokenizer(path), _hf(path)
+    assert tok is not None and tok.vocab_size == len(hf)
+    text = "a <think> b </think> c"
+    for add in (True, False):
+        assert tok.encode(text, add) == hf.encode(text, add_special_tokens=add)
+    ids = tok.encode(text, False)
+    assert 4 in tok.special_ids and 3 not in tok.special_ids
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True) == "a<think>b  c"
+
+
 def test_encoding_lets_other_threads_run(dirs: dict) -> None:
     """The server encodes on a codec thread: other threads (its event loop) keep running while a
     large text is encoded. tokenizers' ``encode`` holds the GIL nearly throughout (another

@@ -43,10 +43,13 @@ class FastBackend:
 
         tok = Tokenizer.from_file(str(path))
         # As transformers does: tokenizer_config.json's added tokens that tokenizer.json does
-        # not hold as added tokens become ones, with their flags (a token of the base
-        # vocabulary keeps its id and is then matched whole; others get new ids at the end).
-        present = {t.content for t in tok.get_added_tokens_decoder().values()}
-        added = [_added_token(AddedToken, e) for e in files.added if e["content"] not in present]
+        # not hold as added tokens, or holds with other flags, become ones with the config's
+        # flags (a named token special); a token of the base vocabulary or one already added
+        # keeps its id (matched whole from then on), others get new ids at the end.
+        present = {_flags(t) for t in tok.get_added_tokens_decoder().values()}
+        named = set(files.named.values())
+        config = [_added_token(AddedToken, e, e["content"] in named) for e in files.added]
+        added = [t for t in config if _flags(t) not in present]
         if added:
             tok.add_tokens(added)
         # Then named or extra special tokens that are not special added tokens
@@ -76,12 +79,20 @@ class FastBackend:
         return {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
 
-def _added_token(cls: Any, entry: dict[str, Any]) -> Any:
-    """A ``tokenizers.AddedToken`` from its serialised form (transformers' defaults)."""
+def _added_token(cls: Any, entry: dict[str, Any], named: bool = False) -> Any:
+    """A ``tokenizers.AddedToken`` from its serialised form (transformers' defaults); a
+    ``named`` one (bos_token, eos_token, ...) is special, as transformers makes it."""
     flags = {"special": False, "lstrip": False, "rstrip": False, "single_word": False}
     kwargs = {k: bool(entry.get(k, v)) for k, v in flags.items()}
     normalized = entry.get("normalized", not kwargs["special"])
+    kwargs["special"] = kwargs["special"] or named
     return cls(entry["content"], normalized=bool(normalized), **kwargs)
+
+
+def _flags(token: Any) -> tuple:
+    """An added token's content and flags: what tells two apart."""
+    t = token
+    return (t.content, t.special, t.lstrip, t.rstrip, t.single_word, t.normalized)
 
 
 @contextlib.contextmanager
