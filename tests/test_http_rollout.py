@@ -184,7 +184,7 @@ async def test_bounded_thinking_over_http_equals_the_offline_api(ckpt):
         assert status == 200, raw
         assert orjson.loads(raw)["choices"][0]["token_ids"] == want
         for bad, param in [
-            ({"max_thinking_tokens": -1}, "max_thinking_tokens"),
+            ({"max_thinking_tokens": -2}, "max_thinking_tokens"),  # (-1: no bound, vLLM's)
             ({"max_thinking_tokens": 2, "thinking_end_token_ids": "x"}, "thinking_end_token_ids"),
         ]:
             status, _, raw = await live.post("/v1/completions", {**body, **bad})

@@ -4,6 +4,7 @@ files can no longer give back what they gave."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,9 +83,10 @@ def test_an_update_whose_files_changed_while_it_ran_or_went_is_lost(tmp_path):
     _add(log, _write(tmp_path / "full.safetensors", "x"), 2)  # (what it changed is unknown)
     with pytest.raises(UpdateLost, match="update 1 .*unreadable before it: weights: gone"):
         log.replay()
-    torn = tmp_path / "torn.safetensors"
-    torn.write_bytes(b"\x01")  # (a header shorter than its length field)
+    torn = _write(tmp_path / "torn.safetensors", "x")
+    before = stamps([torn])
+    Path(torn).write_bytes(b"\x01")  # (torn as the update ran: shorter than a length field)
     log = UpdateLog()
-    log.add([str(torn)], 1, stamps([str(torn)]))
+    log.add([torn], 1, before)
     with pytest.raises(UpdateLost, match="unreadable after it"):
         log.replay()

@@ -5,7 +5,8 @@ Torch-free; works on the scheduler's queues. Requests are admitted in (priority,
 order (arrival alone under fcfs) while seats (``max_num_seqs``), KV and the step's token budget
 allow, never past one that does not fit (no overtaking). ``kv_reservation="full"`` reserves a
 request's whole context; on-demand admission checks its first item plus the watermark, and a
-resumed request the positions it had (``preemption.resume_tokens``). A request with a cached
+resumed request the positions it had (``preemption.resume_tokens``), one that preempted itself
+those it was growing to (``Request.resume_need``). A request with a cached
 prefix starts after it (``prompt_sharing.py``); a group's follower waits for its leader. On a
 PD decode stage a request's moved prompt KV (``Request.transfer``) is read when the request is
 next in line and the pool has room for its prompt (DESIGN §8's admission contract), so its
@@ -63,7 +64,8 @@ class Admission:
         shared = s.sharing.admission_blocks(request, hit)
         if not s.ondemand:
             return s.kv.blocks_needed(request.kv_tokens, loops) + shared
-        need = s.kv.blocks_needed(max(item.end, resume_tokens(request)), loops) + shared
+        tokens = max(item.end, resume_tokens(request), request.resume_need)
+        need = s.kv.blocks_needed(tokens, loops) + shared
         return need + (s.watermark_blocks if s.running else 0)
 
     def admit(self, items: list[WorkItem], owners: list[InFlight], budget: int) -> None:

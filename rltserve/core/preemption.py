@@ -82,6 +82,7 @@ class Preemptor:
                 continue
             if not worse and not s.in_step(request):
                 self.preempt(request)
+                request.resume_need = num_tokens  # (its re-admission waits for room for them)
             return False
         return True
 
@@ -191,6 +192,7 @@ class Preemptor:
                         self.swap_fallbacks,
                     )
         victim.swapped_tokens = keep
+        victim.resume_need = 0  # (``make_room`` sets it for a request preempting itself)
         s.drop_carried(victim)
         s.sharing.release(victim)
         victim.items.clear()

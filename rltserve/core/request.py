@@ -136,6 +136,10 @@ class Request:
         False  # some of its items are replay runs in lockstep (``Wavefront.start_runs``)
     )
     swapped_tokens: int = 0  # swap mode: positions whose KV waits in host swap space
+    # Positions a request that preempted itself (``Preemptor.make_room``) was growing to:
+    # its re-admission waits for room for them, not just its first item (else it is admitted
+    # again at once, recomputes up to where it stopped and preempts itself again).
+    resume_need: int = 0
     # The first positions of the prompt chunks committed, in order: under shared/ring a swap
     # keeps whole chunks (``Preemptor._final_positions``).
     chunk_starts: list[int] = field(default_factory=list)
