@@ -46,5 +46,7 @@ def test_a_preempted_request_keeps_its_first_scheduling():
     vLLM's queued interval ends at the first scheduling."""
     s = make_scheduler(7, max_num_seqs=4)
     first = _first_updates(s, [("a", 6, 6), ("b", 6, 6), ("c", 2, 2)])
-    assert s.preemptor.num_preemptions == 4
+    # (c, then b once: b waits for the room it was growing to instead of coming back at once
+    # and preempting itself again)
+    assert s.preemptor.num_preemptions == 2
     assert first == {"c": (0.0, 1.0), "a": (0.0, 3.0), "b": (0.0, 17.0)}
