@@ -21,6 +21,13 @@ def plain_number(value: object) -> object:
     return value
 
 
+def at_prompt(index: int, size: int) -> str:
+    """What a refusal of prompt ``index`` of a call's ``size`` prompts adds to its message (the
+    offline ``LLM``'s and the server's): in a batch of thousands the message alone does not
+    find the prompt. One prompt: nothing."""
+    return f" (prompt index {index})" if size > 1 else ""
+
+
 def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
     """The message for the first of ``ids`` (the field ``name``'s) outside the vocabulary."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)

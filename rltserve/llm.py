@@ -18,13 +18,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rltserve.caller_values import outside_vocab, plain_number
+from rltserve.caller_values import at_prompt, outside_vocab, plain_number
 from rltserve.config import EngineConfig
 from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
-from rltserve.llm_batch import PendingBatch, at_prompt
+from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
 from rltserve.llm_metrics import RequestCounts

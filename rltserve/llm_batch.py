@@ -12,12 +12,6 @@ from rltserve.outputs import OutputAssembler
 from rltserve.updates import RequestUpdate
 
 
-def at_prompt(index: int, size: int) -> str:
-    """What a refusal of prompt ``index`` of ``size`` adds to its message: in a batch of
-    thousands the message alone does not find the prompt."""
-    return f" (prompt index {index})" if size > 1 else ""
-
-
 class PendingBatch:
     """The assemblers of one call's requests. ``cond`` guards ``finished``; the waiter wakes
     when every request has finished or one has failed (the caller then aborts the rest).

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 import orjson
 from aiohttp import web
 
+from rltserve.caller_values import at_prompt
+
 # The ``type`` sent for each status; statuses not listed use "api_error".
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -65,7 +67,7 @@ def in_batch(error: HTTPError, index: int, count: int) -> HTTPError:
     prompt: ``error`` as it is."""
     if count <= 1:
         return error
-    message = f"{error.message} (prompt index {index})"
+    message = f"{error.message}{at_prompt(index, count)}"
     return HTTPError(error.status, message, param=error.param, headers=error.headers)
 
 
