@@ -34,12 +34,12 @@ def normal_root_path(value: object) -> str | None:
     return value.rstrip("/") or None
 
 
-def strip_root_path(message: RawRequestMessage, root: str) -> RawRequestMessage:
-    """``message`` with ``root`` off the front of its URL's path (the same message when its path
-    is not under ``root``). Its raw request target (``message.path``) stays as sent."""
+def strip_root_path(message: RawRequestMessage, prefix: str) -> RawRequestMessage:
+    """``message`` with ``prefix`` (the root path percent-encoded, as paths are compared as
+    sent) off the front of its URL's path (the same message when its path is not under it). Its
+    raw request target (``message.path``) stays as sent."""
     url = message.url
     path = url.raw_path
-    prefix = URL.build(path=root).raw_path  # (compared as sent: percent-encoded)
     if path != prefix and not path.startswith(prefix + "/"):
         return message
     rest = path[len(prefix) :] or "/"
@@ -50,8 +50,10 @@ def under_root_path(factory: RequestFactory, root: str) -> RequestFactory:
     """A request factory (``web.Server.request_factory``) that serves the requests under
     ``root`` without it, marking them with ``ROOT_PATH``."""
 
+    prefix = URL.build(path=root).raw_path  # (once, not per request)
+
     def make_request(message, *args, **kwargs) -> web.BaseRequest:
-        stripped = strip_root_path(message, root)
+        stripped = strip_root_path(message, prefix)
         request = factory(stripped, *args, **kwargs)
         if stripped is not message:
             request[ROOT_PATH] = root
