@@ -108,7 +108,7 @@ class Preemptor:
             if not worse:
                 return
             if not checked:  # (what they hold only grows the free count as they go)
-                held = sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in worse)
+                held = self._held_blocks(worse)
                 if len(worse) == len(s.running):  # (none left running: no watermark to keep)
                     held += s.watermark_blocks
                 if held < short:
@@ -152,7 +152,7 @@ class Preemptor:
             and not (s.priority and r.params.priority < priority)
         ]
         kv = s.kv
-        if sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in ripe) < need:
+        if self._held_blocks(ripe) < need:
             return  # (its turn would take more than those whose slice is over hold)
         # Victims in order of preference, taken until the head fits.
         if self.swap is not None:
@@ -165,6 +165,12 @@ class Preemptor:
             victim.seq = s.next_seq()  # (before it queues: ``Admission.enqueue``)
             self.preempt(victim)
             self.num_rotations += 1
+
+    def _held_blocks(self, requests: list[Request]) -> int:
+        """The blocks ``requests`` hold (their covered positions on their planes): what
+        preempting all of them would free, shared prefix blocks aside."""
+        kv = self.s.kv
+        return sum(kv.blocks_needed(kv.covered(r.request_id), r.num_loops) for r in requests)
 
     # ---------------------------------------------------------------- state changes
 
