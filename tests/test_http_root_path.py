@@ -51,6 +51,10 @@ async def test_requests_under_the_root_path_are_served_without_it(ckpt):
         assert (await live.post("/llm/v1/completions", body))[0] == 401  # (the key rules hold)
         status, _, raw = await live.get("/llmx/v1/models", headers=auth)  # (not under /llm)
         assert status == 404 and "/llmx/v1/models" in error_of(raw)["message"]
+        status, _, raw = await live.get("/llm/v1/nothing", headers=auth)  # (named as sent)
+        assert status == 404 and error_of(raw)["message"] == "no route GET /llm/v1/nothing"
+        status, _, raw = await live.get("/llm/v1/completions", headers=auth)
+        assert status == 405 and "on /llm/v1/completions" in error_of(raw)["message"]
         _, _, raw = await live.get("/llm/openapi.json")
         assert orjson.loads(raw)["servers"] == [{"url": "/llm"}]
         _, _, raw = await live.get("/llm/metrics")

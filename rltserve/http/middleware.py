@@ -19,6 +19,7 @@ from aiohttp import HttpVersion11, web
 
 from rltserve.http.body import abandon, declared_too_large, discard
 from rltserve.http.errors import HTTPError, error_response
+from rltserve.http.root_path import ROOT_PATH
 from rltserve.http.state import STATE
 from rltserve.http.validation import SchemaError
 
@@ -52,10 +53,12 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = exc.text if exc.status != 404 else f"no route {request.method} {request.path}"
+        # (the path as the client sent it: under --root-path, with its prefix)
+        path = request.get(ROOT_PATH, "") + request.path
+        message = exc.text if exc.status != 404 else f"no route {request.method} {path}"
         headers = None
         if exc.status == 405:  # (RFC 9110: a 405 names the methods the route takes)
-            message = f"method {request.method} not allowed on {request.path}"
+            message = f"method {request.method} not allowed on {path}"
             headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
         response = error_response(HTTPError(exc.status, message or exc.reason, headers=headers))
     except ConnectionError:
