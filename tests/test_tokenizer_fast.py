@@ -207,7 +207,10 @@ def test_template_file_and_named_templates(dirs: dict, tmp_path: Path) -> None:
 
 def test_invalid_template_is_a_clear_error(dirs: dict, tmp_path: Path) -> None:
     path = _with_config(dirs["ouro-tiny"], tmp_path / "t", chat_template="{% if %}")
-    with pytest.raises(TokenizerError, match="invalid chat_template in"):
+    with pytest.raises(TokenizerError, match="invalid chat_template in .*tokenizer_config.json"):
+        load_tokenizer(path)
+    (path / "chat_template.jinja").write_text("{% for %}")  # (this file wins: it is named)
+    with pytest.raises(TokenizerError, match="invalid chat_template in .*chat_template.jinja"):
         load_tokenizer(path)
 
 

@@ -29,7 +29,7 @@ from rltserve.models.tokenizer_backend import (
     TransformersBackend,
     quiet_transformers,
 )
-from rltserve.models.tokenizer_files import NAMED_TOKENS, TokenizerFiles
+from rltserve.models.tokenizer_files import NAMED_TOKENS, TokenizerFiles, template_origin
 
 FAST_FILE = "tokenizer.json"
 # Files whose presence means "this directory has a tokenizer" (vocabulary-bearing files).
@@ -105,7 +105,8 @@ class Tokenizer:
         try:
             self._template = ChatTemplate(source) if source else None
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
-            raise TokenizerError(f"invalid chat_template in {path}: {exc}") from exc
+            origin = template_origin(path)
+            raise TokenizerError(f"invalid chat_template in {origin}: {exc}") from exc
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"

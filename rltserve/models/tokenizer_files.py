@@ -97,6 +97,15 @@ def _templates(root: Path, config: dict[str, Any]) -> str | dict[str, str] | Non
     return source if isinstance(source, str) and source else None
 
 
+def template_origin(root: Path) -> Path:
+    """The file (or folder) the chat templates of ``root`` come from, as ``_templates`` reads
+    them: for an error to name what to fix."""
+    for name in (TEMPLATE_FILE, TEMPLATE_DIR):
+        if (root / name).exists():
+            return root / name
+    return root / CONFIG_FILE
+
+
 @dataclass(frozen=True)
 class TokenizerFiles:
     """Special tokens and chat templates of one tokenizer directory (see module docstring)."""
