@@ -88,11 +88,12 @@ async def test_chat_endpoint_streams_messages(tmp_path_factory):
         BenchConfig(url="http://x", endpoint="rest")
 
 
-def _vllm_like(usage: bool, bodies: list[dict]) -> web.Application:
+def _vllm_like(usage: bool, bodies: list[dict], thinking: int = 0) -> web.Application:
     """A stand-in shaped like vLLM's OpenAI server without per-chunk token ids: completion
     chunks carry ``text``, chat chunks ``delta.content`` (after a role chunk, before a finish
-    chunk), usage last when asked for (``usage``); the model card has no vocab_size. Token id
-    i is the text ``w{i} ``; every answer is ids 1, 2, ... ``max_tokens``."""
+    chunk; the first ``thinking`` as ``delta.reasoning_content``, a reasoning parser's),
+    usage last when asked for (``usage``); the model card has no vocab_size. Token id i is the
+    text ``w{i} ``; every answer is ids 1, 2, ... ``max_tokens``."""
 
     async def health(request: web.Request) -> web.Response:
         return web.Response()
@@ -122,7 +123,8 @@ def _vllm_like(usage: bool, bodies: list[dict]) -> web.Application:
         if chat:
             await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         for i in range(1, body["max_tokens"] + 1):
-            part = {"delta": {"content": f"w{i} "}} if chat else {"text": f"w{i} "}
+            key = "reasoning_content" if i <= thinking else "content"
+            part = {"delta": {key: f"w{i} "}} if chat else {"text": f"w{i} "}
             await send({"choices": [{"index": 0, **part, "finish_reason": None}]})
         await send({"choices": [{"index": 0, "delta": {}, "text": "", "finish_reason": "length"}]})
         if usage and body["stream_options"]["include_usage"]:
@@ -172,3 +174,18 @@ async def test_multi_turn_chat_against_a_server_that_sends_no_token_ids():
     for messages in second:  # the answer's text goes back as the assistant's message
         assert [m["role"] for m in messages] == ["user", "assistant", "user"]
         assert messages[1]["content"] == "w1 w2 "
+
+
+async def test_chat_reasoning_deltas_are_output_but_not_the_answer():
+    bodies: list[dict] = []
+    async with serve(_vllm_like(False, bodies, thinking=2)) as url:
+        config = BenchConfig(
+            url=url, num_prompts=2, input_len=3, output_len=3, num_turns=2, endpoint="chat"
+        )
+        report = await run_bench(config)
+    assert (report["completed"], report["failed"], report["errors"]) == (4, 0, [])
+    # Without usage, one token per chunk with output: the thinking chunks count (and time the
+    # first token); the next turn sends back the answer alone.
+    assert report["total_output_tokens"] == 4 * 3
+    second = [b["messages"] for b in bodies if len(b["messages"]) > 1]
+    assert len(second) == 2 and all(m[1]["content"] == "w3 " for m in second)

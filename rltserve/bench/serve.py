@@ -175,6 +175,9 @@ async def _one(
                     ids = choice.get("token_ids") or ()
                     delta = choice.get("delta") or {}
                     text = delta.get("content") if chat else choice.get("text")
+                    # A reasoning server's thinking deltas are output too (its first token is
+                    # the TTFT), though not the answer's text a next turn sends back.
+                    thought = chat and (delta.get("reasoning_content") or delta.get("reasoning"))
                     # Output is token ids or, from servers that send none per chunk (vLLM
                     # without return_token_ids, SGLang, proxies), text. A chat's role chunk and
                     # a closing chunk (the finish reason alone) carry neither; a completion
@@ -184,7 +187,7 @@ async def _one(
                     # as vLLM's bench times it, not a failure.
                     finish = choice.get("finish_reason")
                     first_ends = outputs == 0 and finish and finish not in _ABNORMAL_FINISH
-                    if not (ids or text) and (chat or finish) and not first_ends:
+                    if not (ids or text or thought) and (chat or finish) and not first_ends:
                         continue
                     result.output_ids.extend(ids)
                     result.output_text += text or ""
