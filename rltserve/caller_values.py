@@ -21,6 +21,24 @@ def plain_number(value: object) -> object:
     return value
 
 
+# SamplingParams' scalar number fields. vLLM's msgspec params keep whatever they are given, so
+# RL code passes ``seed=rng.integers(...)`` or a float32 temperature: taken as Python's numbers
+# (``plain_fields``) before the int and number checks, which would refuse NumPy's.
+NUMBER_FIELDS = (
+    *("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"),
+    *("presence_penalty", "frequency_penalty", "seed", "min_tokens", "min_loops", "max_loops"),
+    *("exit_threshold", "priority", "logprobs", "n", "max_thinking_tokens", "prompt_logprobs"),
+    *("truncate_prompt_tokens", "best_of"),
+)
+
+
+def plain_fields(obj: object, names: Sequence[str] = NUMBER_FIELDS) -> None:
+    """``obj``'s fields ``names`` as ``plain_number`` makes them (set with object's
+    ``__setattr__``: no setter side effects, such as SamplingParams' threshold bookkeeping)."""
+    for name in names:
+        object.__setattr__(obj, name, plain_number(getattr(obj, name)))
+
+
 def at_prompt(index: int, size: int) -> str:
     """What a refusal of prompt ``index`` of a call's ``size`` prompts adds to its message (the
     offline ``LLM``'s and the server's): in a batch of thousands the message alone does not

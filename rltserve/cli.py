@@ -1,4 +1,4 @@
-"""The ``rltserve`` command: generate, serve, bench, make-model, info.
+"""The ``rltserve`` command: generate, serve, chat, complete, bench, make-model, info.
 
 Engine flags are derived from the config dataclasses (``rltserve.engine_args``), so names and
 help texts have one source.

@@ -13,6 +13,7 @@ from rltserve.caller_values import (
     is_number,
     is_token_id,
     nonempty,
+    plain_fields,
     plain_number,
 )
 from rltserve.kv_policy import is_policy_name
@@ -204,6 +205,7 @@ class SamplingParams:
         # vLLM's fields are stored as lists, as vLLM stores them (RL code appends to ``stop``),
         # rltserve's as tuples; copies either way (the caller's list may change). A bare string
         # is one stop string, None none; a ``logit_bias`` is a dict of plain numbers.
+        plain_fields(self)  # (NumPy numbers as Python's: ``NUMBER_FIELDS``)
         if isinstance(self.seed, int) and self.seed == -1:  # vLLM's "no seed"
             self.seed = None
         if type(self.max_thinking_tokens) is int and self.max_thinking_tokens == -1:

@@ -147,7 +147,9 @@ def test_python_m_rltserve_is_the_command():
     assert orjson.loads(proc.stdout)["version"]
     proc = rltserve("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: rltserve")
-    assert "The rltserve command: generate" in proc.stdout  # (plain text, no RST markup)
+    # (plain text, no RST markup; every subcommand named, chat and complete too)
+    words = " ".join(proc.stdout.split())
+    assert "The rltserve command: generate, serve, chat, complete, bench, make-model" in words
     proc = rltserve("--version")
     assert proc.returncode == 0 and proc.stdout == f"rltserve {__version__}\n"
 

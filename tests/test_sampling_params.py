@@ -23,6 +23,25 @@ def test_min_tokens_above_max_tokens_is_rejected():
     assert SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3).min_tokens == 3
 
 
+def test_numpy_scalars_are_taken_as_plain_numbers():
+    """vLLM's params keep a NumPy seed or temperature (RL code draws them from arrays): they are
+    taken as the int or float they hold, and a NumPy bool is still no int."""
+    import numpy as np
+
+    kw = {"max_tokens": 8, "seed": 7, "top_k": 5, "n": 2, "logprobs": 1, "min_loops": 2}
+    params = SamplingParams(
+        **{k: np.int64(v) for k, v in kw.items()},
+        temperature=np.float32(0.5),
+        top_p=np.float16(0.5),
+        thinking_token_budget=np.int32(4),
+    )
+    assert params == SamplingParams(**kw, temperature=0.5, top_p=0.5, max_thinking_tokens=4)
+    assert all(type(getattr(params, k)) is int for k in kw) and type(params.top_p) is float
+    assert SamplingParams(seed=np.int64(-1)).seed is None  # vLLM's "no seed"
+    with pytest.raises(ValueError, match=r"top_k=np.True_: must be an int"):
+        SamplingParams(top_k=np.bool_(True))
+
+
 @pytest.mark.parametrize(
     "kw,message",
     [
