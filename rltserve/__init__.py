@@ -27,6 +27,8 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "TextPrompt",
     "TokensPrompt",
     "Vector",
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from rltserve.outputs import CompletionOutput, Logprob, RequestOutput
     from rltserve.prompt_inputs import TextPrompt, TokensPrompt
     from rltserve.sampling import RequestOutputKind, SamplingParams
+    from rltserve.structured import GuidedDecodingParams, StructuredOutputsParams
 
 _EXPORTS = {
     "LLM": "rltserve.llm",
@@ -58,6 +61,8 @@ _EXPORTS = {
     "RequestOutput": "rltserve.outputs",
     "RequestOutputKind": "rltserve.sampling",
     "SamplingParams": "rltserve.sampling",
+    "StructuredOutputsParams": "rltserve.structured",
+    "GuidedDecodingParams": "rltserve.structured",
     "TextPrompt": "rltserve.prompt_inputs",
     "TokensPrompt": "rltserve.prompt_inputs",
 }

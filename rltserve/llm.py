@@ -24,6 +24,7 @@ from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
+from rltserve.guide_index import bind
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
@@ -309,7 +310,9 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         if not all(isinstance(p, SamplingParams) for p in plist):
             raise ValueError("sampling_params: must be SamplingParams or a list of them")
         # Validated copies, one per object given: the caller may change its params later.
-        clones = {id(p): p.clone() for p in {id(p): p for p in plist}.values()}
+        # Structured outputs are compiled for the tokenizer here, once per object given.
+        unique = {id(p): p for p in plist}.values()
+        clones = {id(p): bind(p.clone(), self.tokenizer) for p in unique}
         plist = [clones[id(p)] for p in plist]
         if priority is not None:
             if isinstance(priority, (str, bytes)) or len(priority) != len(batch):

@@ -18,6 +18,7 @@ from rltserve.caller_values import (
 )
 from rltserve.kv_policy import is_policy_name
 from rltserve.prompt_truncation import truncation_error
+from rltserve.structured import StructuredOutputsParams, resolve
 from rltserve.thinking_budget import add_budget_alias
 
 logger = logging.getLogger(__name__)
@@ -162,10 +163,11 @@ class SamplingParams:
     # vLLM's ``cache_salt`` (a prompt dict's key there, and an HTTP field): prompts with
     # different salts never share prefix-cache blocks (tenants cannot probe each other's).
     cache_salt: str | None = None
-    # vLLM's, accepted at their defaults: constrained decoding is not built; ``extra_args``
-    # (for custom sampling code, which has no hook here) is carried along unused.
-    guided_decoding: None = None
-    structured_outputs: None = None
+    # vLLM's structured outputs (``structured.StructuredOutputsParams``): ``guided_decoding``,
+    # its older name, is moved here. ``extra_args`` (for custom sampling code, which has no
+    # hook here) is carried along unused.
+    guided_decoding: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict | None = None
     # vLLM's, accepted where they ask for nothing more: ``best_of`` None or ``n`` (no best-of
     # selection or beam search), ``bad_words`` and ``logits_processors`` empty (no hook for
@@ -247,6 +249,8 @@ class SamplingParams:
             named = isinstance(self.exit_criterion, str)  # (another type: refused below)
             self.exit_threshold = EXIT_CRITERIA.get(self.exit_criterion, 1.0) if named else 1.0
             self._auto_threshold = True  # (``__setattr__``)
+        self.structured_outputs = resolve(self.guided_decoding, self.structured_outputs)
+        self.guided_decoding = None  # (one field holds it, as vLLM's moves it)
         self._validate()
         self._validate_vllm()
 
@@ -335,9 +339,6 @@ class SamplingParams:
                 check_int(self, name)
                 if getattr(self, name) < -1:  # (the engine bounds it: ``max_logprobs``)
                     raise bad(name, "must be >= 0 (or -1: every token)")
-        for name in ("guided_decoding", "structured_outputs"):
-            if getattr(self, name) is not None:
-                raise bad(name, "constrained decoding is not supported (must be None)")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise bad("extra_args", "must be a dict or None")
         if self.speculative is not None and not isinstance(self.speculative, bool):

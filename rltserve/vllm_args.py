@@ -154,8 +154,11 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
         _one_of(None),
         "no KV connectors (prefill/decode disaggregation: disaggregate=True)",
     ),
-    "structured_outputs_config": (_one_of(None), "constrained decoding is not supported"),
-    # (any backend: every request asking for constrained decoding is refused anyway)
+    # (Any backend named: structured outputs run on outlines-core, ``structured``.)
+    "structured_outputs_config": (
+        lambda v: v is None or isinstance(v, Mapping),
+        "a dict of vLLM's StructuredOutputsConfig fields",
+    ),
     "guided_decoding_backend": (_is_str_or_none, "a backend name"),
     "hf_token": (lambda v: v is None or isinstance(v, (bool, str)), ""),  # (nothing downloads)
     "max_num_partial_prefills": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),

@@ -155,7 +155,7 @@ async def test_seed_range_min_tokens_and_unsupported_chat_fields(ckpt):
         assert error_of(raw)["message"] == "min_tokens=17: must be <= the default max_tokens (16)"
         for field, value in (
             ("tool_choice", "required"),
-            ("response_format", {"type": "json_object"}),
+            ("response_format", {"type": "grammar"}),
         ):
             status, _, raw = await live.post("/v1/chat/completions", {**CHAT, field: value})
             assert status == 400 and error_of(raw)["param"] == field

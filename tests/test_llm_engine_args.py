@@ -261,12 +261,13 @@ def test_vllms_engine_arguments_at_harmless_values_are_accepted():
             "prefix_caching_hash_algo": "sha256",
         }
     )
+    check_inert({"structured_outputs_config": {"backend": "xgrammar"}})  # (outlines-core's)
     for name, value, why in [
         ("runner", "pooling", "rltserve generates"),
         ("tokenizer_revision", "v2", "the tokenizer loads at the model's revision"),
         ("enable_prompt_embeds", True, "not embeddings"),
         ("kv_transfer_config", {"kv_connector": "x"}, "disaggregate=True"),
-        ("structured_outputs_config", {"backend": "xgrammar"}, "constrained decoding"),
+        ("structured_outputs_config", "xgrammar", "StructuredOutputsConfig"),
         ("max_num_partial_prefills", 0, "an int >= 1"),
         ("logits_processors", [print], "no custom logits processors"),
     ]:

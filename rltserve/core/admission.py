@@ -118,6 +118,8 @@ class Admission:
             request.admitted_replay = replay
             s.running.append(request)
             penalties = _uses_penalties(request)
+            # A guide is advanced over the tokens sampled before a preemption (``LiveRequest``).
+            replayed = penalties or request.params.structured_outputs is not None
             s.new_setups.append(
                 RequestSetup(
                     rid,
@@ -126,7 +128,7 @@ class Admission:
                     request.seed,
                     list(request.prompt_token_ids) if penalties else None,
                     num_sampled=len(request.output_token_ids) - request.num_forced,
-                    output_token_ids=list(request.output_token_ids) if penalties else None,
+                    output_token_ids=list(request.output_token_ids) if replayed else None,
                     banned_ids=request.banned_ids,
                     banned_below=request.num_prompt_tokens - 1 + request.params.min_tokens,
                     epoch=request.epoch,

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rltserve.core.guide import Guide
 from rltserve.core.plan import RequestSetup
 from rltserve.core.sampler import SampleRow, SeededGenerator
+from rltserve.guide_index import compiled_index
 from rltserve.sampling import SamplingParams
 
 
@@ -110,6 +112,8 @@ class LiveRequest:
     drafts: dict[int, Draft] = field(default_factory=dict)  # by the position it feeds
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
     sample_row: SampleRow | None = None  # what the sampler needs of this request
+    guide: Guide | None = None  # structured outputs: where the output is in its constraint
+    commits: bool = False  # sampled tokens are recorded on the host (history, guide, drafts)
 
     @classmethod
     def create(
@@ -121,7 +125,8 @@ class LiveRequest:
     ) -> LiveRequest:
         """A resumed request (``setup.num_sampled > 0``) gets its generator at the state after
         the tokens it sampled before preemption: ``kept`` (the generator it had) when that has
-        not drawn past them, else one replayed from the seed (``SeededGenerator.resume``)."""
+        not drawn past them, else one replayed from the seed (``SeededGenerator.resume``), and
+        its guide (structured outputs) advanced over them."""
         generator = None
         if not setup.params.greedy:
             generator = SeededGenerator.resume(
@@ -130,13 +135,19 @@ class LiveRequest:
         history = None
         if setup.prompt_token_ids is not None:
             history = list(setup.output_token_ids or [])
-        live = cls(setup, generator, history=history, epoch=setup.epoch)
+        guide = None
+        if setup.params.structured_outputs is not None:
+            compiled = compiled_index(setup.params.structured_outputs)
+            guide = Guide(compiled).replay(setup.output_token_ids or ())
+        live = cls(setup, generator, history=history, epoch=setup.epoch, guide=guide)
+        live.commits = history is not None or guide is not None
         # One per request: its fields never change (the history list grows in place).
         live.sample_row = SampleRow(
             params=setup.params,
             generator=generator,
             penalty_tokens=live.penalty_tokens(),
-            bias=_bias(setup.params, vocab_size, device),
+            bias=_bias(setup.params, vocab_size, device, guide is not None),
+            guide=guide,
         )
         if setup.banned_ids:
             ids = [i for i in setup.banned_ids if i < vocab_size]  # (others cannot come)
@@ -160,6 +171,8 @@ class LiveRequest:
         draft = self.drafts.pop(next_position, None)
         if self.history is not None:
             self.history.append(token)
+        if self.guide is not None:
+            self.guide.advance(token)
         if draft is None:
             return False
         if draft.value is None:
@@ -180,10 +193,13 @@ class LiveRequest:
         return self.setup.prompt_token_ids, self.history
 
 
-def _bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+def _bias(
+    params: SamplingParams, vocab_size: int, device: torch.device, guided: bool = False
+) -> torch.Tensor | None:
     """[V] fp32 added to the request's logits before it samples (``SampleRow.bias``): its
-    ``logit_bias``, and -inf on every id ``allowed_token_ids`` leaves out; None without them."""
-    if not params.logit_bias and params.allowed_token_ids is None:
+    ``logit_bias``, and -inf on every id ``allowed_token_ids`` leaves out; None without them,
+    unless ``guided`` (the sampler looks for guides among biased rows only)."""
+    if not params.logit_bias and params.allowed_token_ids is None and not guided:
         return None
     bias = torch.zeros(vocab_size)
     if params.allowed_token_ids is not None:

@@ -43,7 +43,8 @@ class RequestSetup:
     # A request resumed after preemption: the tokens it has already sampled. Their count is how
     # many draws the sampling generator skips (each sampled token draws one ``Exp(1)`` row of
     # the vocabulary), so the continuation draws what an uninterrupted run draws; the tokens
-    # themselves seed the penalty history when ``prompt_token_ids`` is set.
+    # themselves seed the penalty history when ``prompt_token_ids`` is set, and the guide of
+    # structured outputs (sent for those two only).
     num_sampled: int = 0
     output_token_ids: list[int] | None = None
     # min_tokens (vLLM's rule): the ids it may not sample (EOS unless ignored, and

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from rltserve.caller_values import outside_vocab
 from rltserve.config import EngineConfig, SchedulerConfig
+from rltserve.guide_index import check_bound
 from rltserve.kv_policy import KVPolicy
 from rltserve.sampling import REQUEST_KV_POLICIES, SamplingParams
 
@@ -116,6 +117,7 @@ def check_params(
         )
     cap = params.max_loops or spec.num_loops
     check_kv_policy(params.kv_policy, config.cache.kv_policy)
+    check_bound(params)
     if problem := model_field_problem(params.exit_criterion, params.init_state, spec):
         raise ValueError(problem)
     if params.min_loops > cap:
@@ -207,6 +209,8 @@ def check_pipelining(
         reasons.append("it does not combine with exit_mode='trace'")
     if params.max_thinking_tokens is not None:  # (forced ids would unwind drafts)
         reasons.append("it does not combine with bounded thinking (max_thinking_tokens)")
+    if params.structured_outputs is not None:  # (a draft ignores the constraint: rejected)
+        reasons.append("it does not combine with structured outputs")
     if reasons and params.speculative:
         raise ValueError("speculative=True: " + "; ".join(reasons))
     return not reasons

@@ -1,10 +1,10 @@
 """Batched token sampling with per-request seeded generators.
 
-Order of operations per row (vLLM V1's): allowed ids -> min_tokens bans -> logit bias ->
-penalties (repetition over prompt + output tokens, vLLM style; presence/frequency over output
-tokens, OpenAI style) -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
-exponential-race sampling. So a bias is scaled by the repetition penalty as the logit is
-(``(l + b) / r``), and top-p's mass is that of what min-p and top-k leave.
+Order of operations per row (vLLM V1's): allowed ids and structured outputs' mask -> min_tokens
+bans -> logit bias -> penalties (repetition over prompt + output tokens, vLLM style;
+presence/frequency over output tokens, OpenAI style) -> greedy argmax, or temperature -> min-p
+-> top-k -> top-p -> exponential-race sampling. So a bias is scaled by the repetition penalty
+as the logit is (``(l + b) / r``), and top-p's mass is that of what min-p and top-k leave.
 Filters run vectorized over the rows that sample, with per-row parameters as tensors, and are
 skipped when no row uses them.
 
@@ -28,6 +28,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from rltserve.core.guide import Guide, apply_guides
 from rltserve.core.staging import move_to, to_device
 from rltserve.sampling import SamplingParams
 from rltserve.seeds import seeded_generator
@@ -91,8 +92,10 @@ class SampleRow:
     banned: torch.Tensor | None = None
     banned_below: int = 0
     # [V] fp32 on the logits' device, added to the row's logits before it samples (logit_bias;
-    # -inf outside allowed_token_ids).
+    # -inf outside allowed_token_ids). A guided row has one (zeros at least).
     bias: torch.Tensor | None = None
+    # Structured outputs: the request's guide, whose state masks what the row may sample.
+    guide: Guide | None = None
     # The row is the argmax and nothing else is asked of it (greedy, no penalties, no bias, no
     # logprobs): a step whose rows all are skips the per-row work.
     plain: bool = field(init=False)
@@ -228,13 +231,17 @@ class Sampler:
         # One reduction per step over the model's logits; read with the tokens, no sync. The
         # tokens are the result of greedy rows nothing below changes.
         tokens, finite = _greedy(raw)  # [R]
-        # What tokens are drawn from, in vLLM's order: allowed ids and bias (one [V] row each),
-        # min_tokens bans, then penalties (which scale a biased logit as they scale any other).
+        # What tokens are drawn from, in vLLM's order: allowed ids, structured outputs' mask and
+        # bias (one [V] row each), min_tokens bans, then penalties (which scale a biased logit
+        # as they scale any other). Guided rows are among the biased: others never look.
         biased = [i for i, r in enumerate(rows) if r.bias is not None]
         choice = logits
         if biased:
             idx = to_device(biased, device)
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
+            guided = [i for i in biased if rows[i].guide is not None]
+            if guided:
+                choice = apply_guides(choice, [rows[i].guide for i in guided], guided)
         if banned:
             choice = _ban(choice, [rows[i].banned for i in banned], banned)
         penalized = [

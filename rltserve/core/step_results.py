@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import gt, is_not, or_
+from itertools import compress
+from operator import gt, or_
 from typing import TYPE_CHECKING
 
 from rltserve.core import step_rows
@@ -60,12 +60,12 @@ def read_results(step: Step) -> tuple[list[ItemResult | None], CarriedEvents | N
                 None if q else ItemResult(x, nxt) for q, x, nxt in zip(quiet, exited, nexts)
             ]
     lives = step.lives
-    # (Nothing to do when every row is a carried token's, none with drafts or a penalty
-    # history: a decode batch's exits.)
+    # (Nothing to do when every row is a carried token's, none with drafts, a penalty
+    # history or a guide: a decode batch's exits.)
     if sample is not None and (
         step.num_carrying < len(items)
         or any(map(step_rows.DRAFTS, lives))
-        or any(map(is_not, map(step_rows.HISTORY, lives), repeat(None)))
+        or any(map(step_rows.COMMITS, lives))
     ):
         _sampled_results(step, sample, outcomes)
     events = _events(step, nexts, sample) if step.num_carrying else None
@@ -170,7 +170,7 @@ def _sampled_results(step: Step, sample: SampleOutput, outcomes: list[ItemResult
             outcome.finite = finite[j] if finite else True
             if items[i].coda_state_at:  # its coda ran on that loop's state (Huginn's first)
                 outcome.exit_depth = items[i].coda_state_at
-        if live.drafts or live.history is not None:
+        if live.drafts or live.commits:
             end = step.starts[i] + items[i].num_tokens
             checked = end in live.drafts
             r.drafts_checked += checked

@@ -7,26 +7,30 @@ long texts are encoded off the event loop, see ``encoding``) and opens ``Generat
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rltserve.caller_values import outside_vocab
 from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
+from rltserve.guide_index import check_bound
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, in_batch
 from rltserve.http.generation import Generation
 from rltserve.http.metrics import ServingMetrics
+from rltserve.http.structured_fields import compile_structured, requested
 from rltserve.http.validation import param_of
 from rltserve.models.tokenizer import Tokenizer, TokenizerError
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
+from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking import (
     THINK_END,
     THINK_START,
@@ -35,6 +39,9 @@ from rltserve.thinking import (
     ids_open_thinking,
     resolve_thinking,
 )
+
+if TYPE_CHECKING:
+    from rltserve.http.schemas import GenerationFields
 
 
 class StageClientLike(Protocol):
@@ -148,6 +155,7 @@ class Frontend:
         )
         self._ids = itertools.count()
         self._generations: set[Generation] = set()
+        self._executor = executor
 
     # ------------------------------------------------------------------ prompts
 
@@ -308,9 +316,18 @@ class Frontend:
         params = bound_thinking(params, prompt_ids, self.tokenizer, thinking)
         try:
             check_thinking(params)  # (a 400 before a stream starts; the engine checks again)
+            check_bound(params)
         except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc))) from exc
         return params
+
+    async def structured(self, req: GenerationFields) -> StructuredOutputsParams | None:
+        """The request's structured outputs compiled for the tokenizer, off the event loop
+        (a schema's first compile on a large vocabulary takes seconds); None without."""
+        if requested(req) is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, compile_structured, req, self.tokenizer)
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer. The

@@ -30,6 +30,7 @@ from rltserve.http.schemas import (
 )
 from rltserve.http.state import ServingState
 from rltserve.http.validation import param_of
+from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking import reasoning_kept_ids
 
 
@@ -164,6 +165,7 @@ def _choices(
     default_max_tokens: int | None = None,
     session: str | None = None,
     defaults: dict[str, object] | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> list[ChoiceRequest]:
     choices = []
     loops_param = next((n for n in ("max_loops", "num_steps") if getattr(req, n) is not None), None)
@@ -181,7 +183,12 @@ def _choices(
         group = f"{uuid.uuid4().hex}-{p}" if req.n > 1 else None
         for j in range(req.n):
             params = sampling_params(
-                req, max_tokens=limit, logprobs=logprobs, sample_index=j, defaults=defaults
+                req,
+                max_tokens=limit,
+                logprobs=logprobs,
+                sample_index=j,
+                defaults=defaults,
+                structured=structured,
             )
             try:
                 checked = frontend.check_params(params, prompt.token_ids, prompt.thinking)
@@ -248,6 +255,7 @@ async def completion_plan(
         default,
         session,
         state.sampling_defaults,
+        await frontend.structured(req),
     )
     echo = {c.index: await frontend.prompt_text(c.prompt) for c in choices} if req.echo else {}
     header = _header(state, "cmpl", response_id, req.model)
@@ -294,6 +302,7 @@ async def chat_plan(
         _default_max_tokens(state),
         session,
         state.sampling_defaults,
+        await frontend.structured(req),
     )
     reasoning = bool(prompt.thinking)  # (the split follows what bounds the budget)
     if reasoning and (kept := reasoning_kept_ids(frontend.tokenizer)):

@@ -27,10 +27,12 @@ from rltserve.http.chat_messages import (
     template_variables,
 )
 from rltserve.http.config import MAX_N
+from rltserve.http.structured_fields import requested
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
 from rltserve.samples import sample_seed
 from rltserve.sampling import MAX_LOGPROBS, SamplingParams
+from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking_budget import THINKING_BUDGET_ALIAS, thinking_budget
 
 # OpenAI's default for completions; a prompt that leaves less room gets what is left (only a
@@ -43,14 +45,7 @@ PRIORITY_RANGE = SEED_RANGE  # (a 64-bit int, as vLLM's)
 Prompt = str | list[int] | list[str] | list[list[int]]
 
 
-UNSUPPORTED_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "use_beam_search",
-)
+UNSUPPORTED_FIELDS = ("guided_grammar", "use_beam_search")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,26 +100,25 @@ class GenerationFields:
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: run only the prompt's last k tokens
     cache_salt: str | None = None  # vLLM's: prompts share prefix-cache blocks only within one
-    # vLLM's constrained decoding and beam search: known so that asking for them is a clear 400
-    # (ignored, they would give unconstrained output that looks like an answer).
+    # Structured outputs (``structured_fields``): OpenAI's response_format (vLLM's completions
+    # take it too), vLLM's guided_* fields and its structured_outputs object; at most one.
+    response_format: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
-    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    # vLLM's grammars and beam search: known so that asking for them is a clear 400 (ignored,
+    # they would give unconstrained output that looks like an answer).
+    guided_grammar: Any = None
     use_beam_search: bool = False
-    # OpenAI's (vLLM's completions take it too): only plain text, as constrained decoding.
-    response_format: dict[str, Any] | None = None
 
     def validate(self) -> None:
         for name in UNSUPPORTED_FIELDS:
             value = getattr(self, name)
-            if value is not None and value is not False:  # (0 == False: a guided_json of 0)
-                raise SchemaError(name, f"{name}: not supported (no constrained decoding or beams)")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise SchemaError(
-                "response_format", 'response_format: only {"type": "text"} is supported'
-            )
+            if value is not None and value is not False:
+                raise SchemaError(name, f"{name}: not supported (no grammars or beam search)")
+        requested(self)  # (a bad constraint's 400 before any prompt is encoded)
         if not 1 <= self.n <= MAX_N:
             raise SchemaError("n", f"n={self.n}: must be in [1, {MAX_N}]")
         if self.temperature is not None and not 0 <= self.temperature <= 2:  # OpenAI's range
@@ -352,12 +346,13 @@ def sampling_params(
     logprobs: int | None,
     sample_index: int,
     defaults: dict[str, object] | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine parameters of one choice. Sample ``j`` of a seeded request uses ``seed + j``
-    (``sample_seed``: a derived -1 seeds too) so that n > 1 gives distinct but reproducible
-    samples; a seed of -1 is none (vLLM's), for every sample. A sampling field the request
-    leaves out takes ``defaults``' value (the server's generation config), else
-    ``SamplingParams``' default."""
+    """The engine parameters of one choice (``structured``: its compiled constraint). Sample
+    ``j`` of a seeded request uses ``seed + j`` (``sample_seed``: a derived -1 seeds too) so
+    that n > 1 gives distinct but reproducible samples; a seed of -1 is none (vLLM's), for
+    every sample. A sampling field the request leaves out takes ``defaults``' value (the
+    server's generation config), else ``SamplingParams``' default."""
     given = {name: getattr(req, name) for name in GENERATION_CONFIG_KEYS}
     chosen = {name: (defaults or {}).get(name) if v is None else v for name, v in given.items()}
     sampling = {name: value for name, value in chosen.items() if value is not None}
@@ -398,6 +393,7 @@ def sampling_params(
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             cache_salt=req.cache_salt,
             max_thinking_tokens=req.thinking_budget,
+            structured_outputs=structured,
             thinking_interruption=(
                 req.thinking_interruption
                 if isinstance(req.thinking_interruption, str | None)

@@ -1,0 +1,92 @@
+"""A guided request's position in its constraint: the sampler state of structured outputs.
+
+The runner keeps one ``Guide`` per guided request beside its sampling generator
+(``LiveRequest.guide``). Each step that samples the request masks its logits to the tokens the
+guide allows (``Sampler``: with ``allowed_token_ids``, before bans, bias and penalties), and
+each sampled token, once its step's result is on the host, advances it (``LiveRequest.commit``).
+The runner delivers every earlier step before a step samples (``Step.run``), so the state a mask
+is read from always follows the request's last token, async scheduling and token pipelining
+included. A request resumed after preemption (recompute or swap) gets a fresh guide advanced
+over the tokens it had sampled (``replay``), so its continuation is an uninterrupted run's.
+
+Where the regex is matched in full and nothing may follow, only the end id is allowed: the
+request stops there ("stop"). A token the guide cannot take (never sampled under its mask; a
+forced one) leaves it at that end too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from weakref import WeakKeyDictionary
+
+import torch
+
+from rltserve.core.staging import move_to, to_device
+from rltserve.guide_index import GuideIndex
+
+MASKS_PER_INDEX = 256  # device masks kept per compiled index, by state (least recently used go)
+
+
+class Guide:
+    def __init__(self, compiled: GuideIndex) -> None:
+        self.compiled = compiled
+        self.state: int | None = compiled.index.get_initial_state()  # None: at the end
+
+    def replay(self, tokens: Iterable[int]) -> Guide:
+        for token in tokens:
+            self.advance(token)
+        return self
+
+    def advance(self, token: int) -> None:
+        state = self.state
+        if state is None:
+            return
+        index = self.compiled.index
+        if token == self.compiled.eos and index.is_final_state(state):
+            self.state = None
+            return
+        self.state = index.get_next_state(state, token)
+
+    def allowed(self) -> list[int]:
+        """The ids the next token may be."""
+        if self.state is None:
+            return [self.compiled.eos]
+        return self.compiled.index.get_allowed_tokens(self.state)
+
+    def mask(self, width: int, device: torch.device) -> torch.Tensor:
+        """[width] bool on ``device``: the ids the next token may be. Kept per state of the
+        compiled index (the samples of one request, and requests of one schema, share them)."""
+        key = (self.state, width, device)
+        with _lock:  # (runners of two stages may share an index in one process)
+            masks = _masks.get(self.compiled)
+            if masks is None:
+                masks = _masks[self.compiled] = OrderedDict()
+            mask = masks.get(key)
+            if mask is not None:
+                masks.move_to_end(key)
+                return mask
+        ids = [t for t in self.allowed() if t < width]
+        mask = torch.zeros(width, dtype=torch.bool)
+        mask[ids] = True
+        mask = move_to(mask, device)
+        with _lock:
+            masks[key] = mask
+            if len(masks) > MASKS_PER_INDEX:
+                masks.popitem(last=False)
+        return mask
+
+
+# Device masks by compiled index, then by (state, width, device); an index's go with it.
+_masks: WeakKeyDictionary[GuideIndex, OrderedDict] = WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def apply_guides(logits: torch.Tensor, guides: list[Guide], rows: list[int]) -> torch.Tensor:
+    """A copy of ``logits`` [R, V] with -inf where row ``rows[k]``'s guide allows nothing."""
+    width, device = logits.shape[1], logits.device
+    allowed = torch.stack([g.mask(width, device) for g in guides])  # [G, V]
+    index = to_device(rows, device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, masked)

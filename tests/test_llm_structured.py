@@ -1,0 +1,88 @@
+"""Structured outputs through the offline API (vLLM's ``SamplingParams(structured_outputs=
+StructuredOutputsParams(...))`` and its older ``guided_decoding=GuidedDecodingParams(...)``), on
+ouro-tiny in a worker process (the compiled constraint travels with the params): a choice, a
+regex and a JSON schema hold for sampled outputs that junk weights would never give; n > 1
+samples each follow their own guide and seed."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from rltserve import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"age": {"type": "integer"}, "color": {"enum": ["red", "green"]}},
+    "required": ["age", "color"],
+}
+CHOICES = ["yes", "no", "maybe so"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(str(tiny), dtype="float32", num_blocks=256) as llm:
+        yield llm
+
+
+def sampled(**kw) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_tokens=48, **kw)
+
+
+def test_constraints_hold_for_sampled_outputs(llm):
+    prompts = ["Hello", "The answer is", "x"]
+    outs = llm.generate(
+        prompts, sampled(seed=1, structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    )
+    assert all(o.outputs[0].text in CHOICES for o in outs)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    regex = "[0-9]{3}-[a-z]{2}"
+    outs = llm.generate(prompts, sampled(seed=2, guided_decoding=GuidedDecodingParams(regex=regex)))
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    outs = llm.generate(
+        prompts, sampled(seed=3, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    )
+    finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert finished
+    for out in finished:  # (checked by hand: the schema's two required fields and their types)
+        value = json.loads(out.text)
+        assert set(value) == {"age", "color"} and type(value["age"]) is int
+        assert value["color"] in ("red", "green")
+    unguided = llm.generate(prompts, sampled(seed=3))
+    assert not any(o.outputs[0].text in CHOICES for o in unguided)
+
+
+def test_json_object_is_any_json_object(llm):
+    p = sampled(seed=4, structured_outputs=StructuredOutputsParams(json_object=True))
+    for out in llm.generate(["a", "b", "c", "d"], p):
+        text = out.outputs[0].text
+        assert text.startswith("{")
+        if out.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def test_n_samples_each_follow_their_guide_and_seed(llm):
+    structured = StructuredOutputsParams(regex="[a-z ]{12}")
+    (both,) = llm.generate(["Hi"], sampled(n=2, seed=11, structured_outputs=structured))
+    texts = [c.text for c in both.outputs]
+    assert all(re.fullmatch("[a-z ]{12}", t) for t in texts) and texts[0] != texts[1]
+    for j, text in enumerate(texts):  # sample j draws as a request seeded seed + j does
+        (one,) = llm.generate(["Hi"], sampled(seed=11 + j, structured_outputs=structured))
+        assert one.outputs[0].text == text
+
+
+def test_refusals_name_the_field(llm, monkeypatch):
+    bad = sampled(structured_outputs=StructuredOutputsParams(json={"type": "nope"}))
+    with pytest.raises(ValueError, match="json: cannot use this schema"):
+        llm.generate(["x"], bad)
+    with pytest.raises(ValueError, match="regex: cannot compile this constraint"):
+        llm.generate(["x"], sampled(structured_outputs=StructuredOutputsParams(regex="(")))
+    thinking = sampled(structured_outputs=StructuredOutputsParams(regex="a"), max_thinking_tokens=2)
+    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
+        llm.generate(["x"], thinking)
+    monkeypatch.setitem(sys.modules, "outlines_core", None)
+    with pytest.raises(ValueError, match=r"pip install 'rltserve\[structured\]'"):
+        llm.generate(["x"], sampled(structured_outputs=StructuredOutputsParams(regex="b")))

@@ -1,0 +1,136 @@
+"""Structured outputs' params and compilation (``structured``, ``guide_index``): each constraint
+as a regex, the refusals naming their field, vLLM's names, the vocabulary built from the local
+tokenizer, the bounded cache of compiled indexes, and the error without outlines-core."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from rltserve import guide_index
+from rltserve.guide_index import bind, compile_index, compiled_index, token_bytes_table
+from rltserve.models.tokenizer import load_tokenizer
+from rltserve.sampling import SamplingParams
+from rltserve.structured import (
+    GuidedDecodingParams,
+    StructuredOutputsParams,
+    StructuredOutputsUnavailable,
+)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return load_tokenizer(tiny)
+
+
+def test_each_constraint_is_a_regex():
+    choice = StructuredOutputsParams(choice=["a b", "x.y", "c-d+"]).pattern()
+    assert [bool(re.fullmatch(choice, s)) for s in ("a b", "x.y", "c-d+", "xzy", "a")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert StructuredOutputsParams(regex="[0-9]{3}").pattern() == "[0-9]{3}"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    pattern = StructuredOutputsParams(json=schema).pattern()
+    assert re.fullmatch(pattern, '{"n": 12}') and not re.fullmatch(pattern, '{"n": "x"}')
+    assert StructuredOutputsParams(json='{"type": "integer"}').pattern()  # (a JSON string)
+    any_object = StructuredOutputsParams(json_object=True).pattern()
+    assert re.fullmatch(any_object, '{"a": {"b": 1}, "c": [1, "x", null]}')
+    assert not re.fullmatch(any_object, "[1]")
+    tight = StructuredOutputsParams(json=schema, disable_any_whitespace=True).pattern()
+    assert re.fullmatch(tight, '{"n":12}') and not re.fullmatch(tight, '{"n": 12}')
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "give exactly one of"),
+        ({"regex": "a", "choice": ["b"]}, r"got regex, choice"),
+        ({"choice": []}, "choice=.*non-empty list of strings"),
+        ({"choice": "ab"}, "choice=.*non-empty list of strings"),
+        ({"choice": ["a", 3]}, "choice=.*non-empty list of strings"),
+        ({"json": 3}, "json=3: must be a JSON schema"),
+        ({"regex": ""}, "regex=.*non-empty string"),
+        ({"grammar": "root ::= x"}, "grammar: context-free grammars are not supported"),
+        ({"json_object": True, "disable_fallback": True}, "disable_fallback: not supported"),
+    ],
+)
+def test_bad_params_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_a_schema_outlines_cannot_translate_names_the_field():
+    with pytest.raises(ValueError, match="guided_json: cannot use this schema: .*nope"):
+        StructuredOutputsParams(json={"type": "nope"}).pattern("guided_json")
+
+
+def test_sampling_params_take_vllms_names():
+    regex = StructuredOutputsParams(regex="a+")
+    assert GuidedDecodingParams is StructuredOutputsParams
+    p = SamplingParams(guided_decoding=regex)
+    assert p.structured_outputs is regex and p.guided_decoding is None
+    assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs.choice == ["x"]
+    assert p.clone().structured_outputs == regex
+    with pytest.raises(ValueError, match="guided_decoding: differs from structured_outputs"):
+        SamplingParams(guided_decoding=regex, structured_outputs=StructuredOutputsParams(regex="b"))
+    with pytest.raises(ValueError, match="structured_outputs=.*StructuredOutputsParams"):
+        SamplingParams(structured_outputs="a+")
+    with pytest.raises(ValueError, match="structured_outputs: .*unexpected keyword"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    from rltserve import sampling_params
+
+    assert sampling_params.StructuredOutputsParams is StructuredOutputsParams
+    assert sampling_params.GuidedDecodingParams is StructuredOutputsParams
+
+
+def test_the_vocabulary_is_each_tokens_bytes(tok):
+    """Every regular token's bytes are what it decodes to in context (byte-level BPE); special
+    tokens and the stop ids are left out; the end id is the tokenizer's first stop id."""
+    table, eos = token_bytes_table(tok)
+    assert eos == tok.eos_token_ids[0]
+    ids = {i: data for data, group in table.items() for i in group}
+    assert not set(ids) & (set(tok.special_ids) | set(tok.eos_token_ids))
+    assert len(ids) > 400
+    text = 'Hello, world: {"a": 12}'
+    encoded = tok.encode(text, add_special_tokens=False)
+    assert b"".join(ids[i] for i in encoded).decode() == text
+
+
+def test_compiled_indexes_are_cached_per_pattern_and_bounded(tok, monkeypatch):
+    monkeypatch.setattr(guide_index, "CACHE_SIZE", 2)
+    first = compile_index("(ab|cd)", tok)
+    assert compile_index("(ab|cd)", tok) is first
+    compile_index("x", tok)
+    compile_index("y", tok)
+    assert compile_index("(ab|cd)", tok) is not first  # (dropped: least recently used)
+    with pytest.raises(ValueError, match="guided_regex: cannot compile this constraint"):
+        compile_index("(", tok, "guided_regex")
+
+
+def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    bound = bind(p, tok)
+    guide = compiled_index(bound.structured_outputs)
+    assert guide is not None and guide.eos == tok.eos_token_ids[0]
+    assert bind(bound, tok) is bound and bound.clone().structured_outputs == p.structured_outputs
+    assert compiled_index(bound.clone().structured_outputs) is guide
+    assert bind(SamplingParams(), tok) == SamplingParams()
+    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
+        bind(p.replace(max_thinking_tokens=4), tok)
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        bind(p, None)
+
+
+def test_without_outlines_core_the_error_says_what_to_install(tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "outlines_core", None)  # (an import of it fails)
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    with pytest.raises(StructuredOutputsUnavailable, match=r"pip install 'rltserve\[structured\]'"):
+        bind(p, tok)
+    with pytest.raises(ValueError, match="outlines-core"):
+        StructuredOutputsParams(json={"type": "object"}).pattern()
