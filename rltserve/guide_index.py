@@ -6,8 +6,8 @@ The vocabulary is built from the local tokenizer, never downloaded: each token i
 (byte-level BPE's alphabet mapped back to bytes, SentencePiece's ``<0xHH>`` byte tokens and
 ``▁`` spaces), special tokens left out (a constraint never produces them) and the first of the
 tokenizer's stop ids as its end. Compiling takes time on a large vocabulary (seconds for a JSON
-schema over 150k tokens), so indexes are cached per (regex, tokenizer), a bounded number of
-them. Torch-free.
+schema over 150k tokens), so the front end holding the tokenizer (``LLM``, the server's
+``Frontend``) owns a ``GuideCompiler``, which keeps a bounded number of them. Torch-free.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
-from weakref import WeakKeyDictionary
 
 from rltserve.structured import StructuredOutputsParams, outlines_core
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
     from rltserve.models.tokenizer import Tokenizer
     from rltserve.sampling import SamplingParams
 
-CACHE_SIZE = 64  # compiled indexes kept per tokenizer (least recently used dropped)
+CACHE_SIZE = 64  # compiled indexes a GuideCompiler keeps (least recently used dropped)
 SPIECE_SPACE = "\u2581"  # SentencePiece's word boundary
 
 
@@ -37,19 +36,6 @@ class GuideIndex:
     pattern: str
     index: Any
     eos: int
-
-
-class _Compiled:
-    """One tokenizer's vocabulary (built once) and its compiled indexes (LRU)."""
-
-    def __init__(self, vocabulary: Any, eos: int) -> None:
-        self.vocabulary = vocabulary
-        self.eos = eos
-        self.indexes: OrderedDict[str, GuideIndex] = OrderedDict()
-
-
-_compiled: WeakKeyDictionary[Any, _Compiled] = WeakKeyDictionary()
-_lock = threading.Lock()  # (the server compiles on worker threads)
 
 
 def token_bytes_table(tokenizer: Tokenizer) -> tuple[dict[bytes, list[int]], int]:
@@ -94,48 +80,69 @@ def _piece_bytes(piece: str, spiece: bool, alphabet: dict[str, int]) -> bytes:
     return piece.encode()
 
 
-def compile_index(pattern: str, tokenizer: Tokenizer, field: str = "regex") -> GuideIndex:
-    """``pattern`` compiled for ``tokenizer`` (cached). An invalid regex, or one the vocabulary
-    cannot spell, is a ValueError naming ``field``."""
-    core = outlines_core()
-    with _lock:
-        compiled = _compiled.get(tokenizer)
-        if compiled is None:
-            table, eos = token_bytes_table(tokenizer)
-            compiled = _compiled[tokenizer] = _Compiled(core.Vocabulary(eos, table), eos)
-        known = compiled.indexes.get(pattern)
-        if known is not None:
-            compiled.indexes.move_to_end(pattern)
-            return known
-    # Compiled outside the lock: a long compile does not hold up requests whose index is known.
-    try:
-        index = core.Index(pattern, compiled.vocabulary)
-    except Exception as exc:  # (outlines-core's ValueError: a bad regex, unspellable text)
-        raise ValueError(f"{field}: cannot compile this constraint: {exc}") from None
-    guide = GuideIndex(pattern, index, compiled.eos)
-    with _lock:
-        compiled.indexes[pattern] = guide
-        while len(compiled.indexes) > CACHE_SIZE:
-            compiled.indexes.popitem(last=False)
-    return guide
+class GuideCompiler:
+    """Constraints compiled for one tokenizer (None: a checkpoint without one, whose
+    constraints are refused): its vocabulary as outlines-core takes it, built on first use, and
+    the last ``cache_size`` indexes compiled (least recently used dropped). Thread-safe: the
+    server compiles on worker threads."""
+
+    def __init__(self, tokenizer: Tokenizer | None, cache_size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._vocabulary: tuple[Any, int] | None = None  # (outlines-core's Vocabulary, end id)
+        self._indexes: OrderedDict[str, GuideIndex] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, pattern: str, field: str = "regex") -> GuideIndex:
+        """``pattern`` compiled (cached). An invalid regex, one the vocabulary cannot spell, or
+        no tokenizer is a ValueError naming ``field``."""
+        if self.tokenizer is None:
+            raise ValueError(f"{field}: this model has no tokenizer to constrain its output")
+        core = outlines_core()
+        with self._lock:
+            if self._vocabulary is None:
+                table, eos = token_bytes_table(self.tokenizer)
+                self._vocabulary = (core.Vocabulary(eos, table), eos)
+            vocabulary, eos = self._vocabulary
+            known = self._indexes.get(pattern)
+            if known is not None:
+                self._indexes.move_to_end(pattern)
+                return known
+        # Compiled outside the lock: a long compile does not hold up requests whose index is
+        # known.
+        try:
+            index = core.Index(pattern, vocabulary)
+        except Exception as exc:  # (outlines-core's ValueError: a bad regex, unspellable text)
+            raise ValueError(f"{field}: cannot compile this constraint: {exc}") from None
+        guide = GuideIndex(pattern, index, eos)
+        with self._lock:
+            self._indexes[pattern] = guide
+            while len(self._indexes) > self.cache_size:
+                self._indexes.popitem(last=False)
+        return guide
+
+    def bind(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with their structured outputs compiled (the engine takes a constraint
+        only so); unchanged without one."""
+        structured = params.structured_outputs
+        if structured is None:
+            return params
+        _check_combination(params)
+        if compiled_index(structured) is not None:
+            return params
+        if self.tokenizer is None:
+            raise ValueError(
+                f"structured_outputs: {structured.kind} needs the model's tokenizer, which this "
+                "checkpoint lacks"
+            )
+        guide = self.compile(structured.pattern(), structured.kind)
+        return params.replace(structured_outputs=with_index(structured, guide))
 
 
 def bind(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
-    """``params`` with their structured outputs compiled for ``tokenizer`` (the engine takes a
-    constraint only so); unchanged without one."""
-    structured = params.structured_outputs
-    if structured is None:
-        return params
-    _check_combination(params)
-    if compiled_index(structured) is not None:
-        return params
-    if tokenizer is None:
-        raise ValueError(
-            f"structured_outputs: {structured.kind} needs the model's tokenizer, which this "
-            "checkpoint lacks"
-        )
-    guide = compile_index(structured.pattern(), tokenizer, structured.kind)
-    return params.replace(structured_outputs=with_index(structured, guide))
+    """``params`` compiled for ``tokenizer`` once, uncached (``GuideCompiler.bind``: for
+    callers that build engine requests themselves)."""
+    return GuideCompiler(tokenizer).bind(params)
 
 
 def with_index(structured: StructuredOutputsParams, guide: GuideIndex) -> StructuredOutputsParams:

@@ -24,7 +24,7 @@ from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
-from rltserve.guide_index import bind
+from rltserve.guide_index import GuideCompiler
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
@@ -208,6 +208,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         self._client = stage_client(self.config, client_cls)
         try:
             self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
+            self._guides = GuideCompiler(self.tokenizer)  # (structured outputs' constraints)
             self.info = self._client.wait_ready(startup_timeout)
         except BaseException:  # Ctrl-C while loading too: the worker must not outlive this
             self._client.close(timeout=2.0)
@@ -312,7 +313,7 @@ class LLM(TrainerControls, ChatRendering, Refusals):
         # Validated copies, one per object given: the caller may change its params later.
         # Structured outputs are compiled for the tokenizer here, once per object given.
         unique = {id(p): p for p in plist}.values()
-        clones = {id(p): bind(p.clone(), self.tokenizer) for p in unique}
+        clones = {id(p): self._guides.bind(p.clone()) for p in unique}
         plist = [clones[id(p)] for p in plist]
         if priority is not None:
             if isinstance(priority, (str, bytes)) or len(priority) != len(batch):

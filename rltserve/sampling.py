@@ -42,8 +42,6 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
 # vLLM's temperature floor: logits divided by a smaller one overflow to inf (then NaN
 # probabilities), so a positive temperature below it is raised to it, with a warning.
 MIN_TEMPERATURE = 1e-2
-# vLLM's name for ``max_thinking_tokens`` (its SamplingParams' field and its server's); both
-# ``SamplingParams`` and the HTTP schema take it, reconciled by ``thinking_budget``.
 
 
 class RequestOutputKind(enum.Enum):

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from rltserve import guide_index
-from rltserve.guide_index import bind, compile_index, compiled_index, token_bytes_table
+from rltserve.guide_index import GuideCompiler, bind, compiled_index, token_bytes_table
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.sampling import SamplingParams
 from rltserve.structured import (
@@ -102,15 +101,17 @@ def test_the_vocabulary_is_each_tokens_bytes(tok):
     assert b"".join(ids[i] for i in encoded).decode() == text
 
 
-def test_compiled_indexes_are_cached_per_pattern_and_bounded(tok, monkeypatch):
-    monkeypatch.setattr(guide_index, "CACHE_SIZE", 2)
-    first = compile_index("(ab|cd)", tok)
-    assert compile_index("(ab|cd)", tok) is first
-    compile_index("x", tok)
-    compile_index("y", tok)
-    assert compile_index("(ab|cd)", tok) is not first  # (dropped: least recently used)
+def test_compiled_indexes_are_cached_per_pattern_and_bounded(tok):
+    compiler = GuideCompiler(tok, cache_size=2)
+    first = compiler.compile("(ab|cd)")
+    assert compiler.compile("(ab|cd)") is first
+    compiler.compile("x")
+    compiler.compile("y")
+    assert compiler.compile("(ab|cd)") is not first  # (dropped: least recently used)
     with pytest.raises(ValueError, match="guided_regex: cannot compile this constraint"):
-        compile_index("(", tok, "guided_regex")
+        compiler.compile("(", "guided_regex")
+    with pytest.raises(ValueError, match="guided_regex: this model has no tokenizer"):
+        GuideCompiler(None).compile("x", "guided_regex")
 
 
 def test_bind_compiles_once_and_refuses_bounded_thinking(tok):

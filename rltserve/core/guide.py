@@ -16,20 +16,23 @@ forced one) leaves it at that end too.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from weakref import WeakKeyDictionary
 
 import torch
 
 from rltserve.core.staging import move_to, to_device
 from rltserve.guide_index import GuideIndex
 
-MASKS_PER_INDEX = 256  # device masks kept per compiled index, by state (least recently used go)
+# Device masks a sampler keeps (least recently used go): [V] bools, 150 KB each at a 150k
+# vocabulary.
+MASKS_KEPT = 512
 
 
 class Guide:
+    """A request's state in its compiled constraint (``state``: None once it ended); advanced
+    by each token the request samples."""
+
     def __init__(self, compiled: GuideIndex) -> None:
         self.compiled = compiled
         self.state: int | None = compiled.index.get_initial_state()  # None: at the end
@@ -55,38 +58,36 @@ class Guide:
             return [self.compiled.eos]
         return self.compiled.index.get_allowed_tokens(self.state)
 
-    def mask(self, width: int, device: torch.device) -> torch.Tensor:
-        """[width] bool on ``device``: the ids the next token may be. Kept per state of the
-        compiled index (the samples of one request, and requests of one schema, share them)."""
-        key = (self.state, width, device)
-        with _lock:  # (runners of two stages may share an index in one process)
-            masks = _masks.get(self.compiled)
-            if masks is None:
-                masks = _masks[self.compiled] = OrderedDict()
-            mask = masks.get(key)
-            if mask is not None:
-                masks.move_to_end(key)
-                return mask
-        ids = [t for t in self.allowed() if t < width]
+
+class GuideMasks:
+    """Device masks of guide states, by (constraint, state), the ``size`` last used kept: the
+    samples of one request and the requests of one constraint share them (each request's
+    index arrives as its own copy from a worker's pipe, so they are keyed by pattern, not by
+    object). Owned by one ``Sampler``: one device, one vocabulary, one thread."""
+
+    def __init__(self, size: int = MASKS_KEPT) -> None:
+        self.size = size
+        self._masks: OrderedDict[tuple[str, int, int | None, int], torch.Tensor] = OrderedDict()
+
+    def mask(self, guide: Guide, width: int, device: torch.device) -> torch.Tensor:
+        """[width] bool on ``device``: the ids ``guide``'s next token may be."""
+        key = (guide.compiled.pattern, guide.compiled.eos, guide.state, width)
+        mask = self._masks.get(key)
+        if mask is not None:
+            self._masks.move_to_end(key)
+            return mask
+        ids = [t for t in guide.allowed() if t < width]
         mask = torch.zeros(width, dtype=torch.bool)
         mask[ids] = True
-        mask = move_to(mask, device)
-        with _lock:
-            masks[key] = mask
-            if len(masks) > MASKS_PER_INDEX:
-                masks.popitem(last=False)
+        mask = self._masks[key] = move_to(mask, device)
+        if len(self._masks) > self.size:
+            self._masks.popitem(last=False)
         return mask
 
-
-# Device masks by compiled index, then by (state, width, device); an index's go with it.
-_masks: WeakKeyDictionary[GuideIndex, OrderedDict] = WeakKeyDictionary()
-_lock = threading.Lock()
-
-
-def apply_guides(logits: torch.Tensor, guides: list[Guide], rows: list[int]) -> torch.Tensor:
-    """A copy of ``logits`` [R, V] with -inf where row ``rows[k]``'s guide allows nothing."""
-    width, device = logits.shape[1], logits.device
-    allowed = torch.stack([g.mask(width, device) for g in guides])  # [G, V]
-    index = to_device(rows, device)
-    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    def apply(self, logits: torch.Tensor, guides: list[Guide], rows: list[int]) -> torch.Tensor:
+        """A copy of ``logits`` [R, V] with -inf where row ``rows[k]``'s guide allows nothing."""
+        width, device = logits.shape[1], logits.device
+        allowed = torch.stack([self.mask(g, width, device) for g in guides])  # [G, V]
+        index = to_device(rows, device)
+        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        return logits.index_copy(0, index, masked)

@@ -28,7 +28,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
-from rltserve.core.guide import Guide, apply_guides
+from rltserve.core.guide import Guide, GuideMasks
 from rltserve.core.staging import move_to, to_device
 from rltserve.sampling import SamplingParams
 from rltserve.seeds import seeded_generator
@@ -198,7 +198,7 @@ class DeviceSample:
 
 
 class Sampler:
-    """Stateless; all per-request state (generators, token history) comes in the rows.
+    """No request state: all of it (generators, token history, guides) comes in the rows.
 
     ``logprobs_mode`` (vLLM's): what a row's logprobs describe: ``"raw_logprobs"``, the
     model's distribution (before penalties and everything after them); ``"processed_logprobs"``,
@@ -208,6 +208,7 @@ class Sampler:
 
     def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
         self.processed = logprobs_mode == "processed_logprobs"
+        self.guide_masks = GuideMasks()  # (structured outputs: a cache, no request state)
 
     def sample(
         self, logits: torch.Tensor, rows: list[SampleRow], banned: Sequence[int] = ()
@@ -241,7 +242,7 @@ class Sampler:
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
             guided = [i for i in biased if rows[i].guide is not None]
             if guided:
-                choice = apply_guides(choice, [rows[i].guide for i in guided], guided)
+                choice = self.guide_masks.apply(choice, [rows[i].guide for i in guided], guided)
         if banned:
             choice = _ban(choice, [rows[i].banned for i in banned], banned)
         penalized = [

@@ -19,7 +19,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
-from rltserve.guide_index import check_bound
+from rltserve.guide_index import GuideCompiler, check_bound
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, in_batch
@@ -140,6 +140,7 @@ class Frontend:
         self.client = client
         self.info = info
         self.tokenizer = tokenizer
+        self.guides = GuideCompiler(tokenizer)  # (structured outputs' compiled constraints)
         self.metrics = metrics
         self.template_defaults = dict(template_defaults or {})
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
@@ -327,7 +328,7 @@ class Frontend:
         if requested(req) is None:
             return None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, compile_structured, req, self.tokenizer)
+        return await loop.run_in_executor(self._executor, compile_structured, req, self.guides)
 
     def token_text(self, token_id: int) -> str:
         """A token as logprobs show it: its text, or ``token_id:N`` without a tokenizer. The

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from rltserve.guide_index import compile_index, with_index
+from rltserve.guide_index import GuideCompiler, with_index
 from rltserve.http.errors import bad_request
 from rltserve.http.validation import SchemaError
 from rltserve.structured import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from rltserve.http.schemas import GenerationFields
-    from rltserve.models.tokenizer import Tokenizer
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs")
@@ -90,18 +89,16 @@ def _schema(value: Any) -> dict:
 
 
 def compile_structured(
-    req: GenerationFields, tokenizer: Tokenizer | None
+    req: GenerationFields, compiler: GuideCompiler
 ) -> StructuredOutputsParams | None:
-    """The request's constraint compiled for ``tokenizer`` (slow on a large vocabulary the
+    """The request's constraint compiled by ``compiler`` (slow on a large vocabulary the
     first time: run it off the event loop); an HTTPError 400 naming the field if it cannot."""
     asked = requested(req)
     if asked is None:
         return None
     structured, name = asked
-    if tokenizer is None:
-        raise bad_request(f"{name}: this model has no tokenizer to constrain its output", name)
     try:
-        guide = compile_index(structured.pattern(name), tokenizer, name)
-    except ValueError as exc:  # (outlines-core missing too: its message says what to install)
+        guide = compiler.compile(structured.pattern(name), name)
+    except ValueError as exc:  # (no tokenizer, outlines-core missing: the message says so)
         raise bad_request(str(exc), name) from None
     return with_index(structured, guide)
