@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
+import torch
 from engine_util import (
     ENGINE_MODES,
     decode_took,
@@ -23,6 +25,7 @@ from reference import Reference
 
 from rltserve.core.guide import Guide
 from rltserve.core.live import LiveRequest
+from rltserve.core.sampler import Sampler, SampleRow
 from rltserve.guide_index import bind, compiled_index
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.sampling import SamplingParams
@@ -182,3 +185,35 @@ def test_disaggregated_stages_give_the_single_stage_outputs(tiny, tok):
         wait_pd_idle(client)
     finally:
         client.close()
+
+
+def test_a_matched_constraint_pads_min_tokens_with_its_end_id(tiny, tok):
+    """``min_tokens`` bans the end id, which is all a constraint matched in full allows: the
+    constraint wins, so the output is the match and then end ids (which stop nothing before
+    ``min_tokens``), never a token outside it."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [
+        guided(tok, choice, temperature=t, seed=3, min_tokens=12, max_tokens=20) for t in (0, 1)
+    ]
+    _, run = run_mode(tiny, PROMPTS[:2], params)
+    for rid in ("r0", "r1"):
+        ids = run.tokens[rid]
+        matched = next(n for n in range(len(ids)) if tok.decode(ids[:n]) in ("yes", "no"))
+        assert run.finish[rid] == "stop" and len(ids) == 12
+        assert set(ids[matched:]) == {tok.eos_token_ids[0]}
+
+
+def test_min_tokens_bans_do_not_empty_a_guided_row():
+    """The sampler's side of it, with an end id that is not 0 (an all -inf row's argmax): a
+    guided row whose bans would leave nothing samples what its guide allows."""
+    ended = SimpleNamespace(
+        compiled=SimpleNamespace(pattern="x", eos=5), state=None, allowed=lambda: [5]
+    )
+    banned = torch.zeros(16, dtype=torch.bool)
+    banned[[5, 6]] = True
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)):
+        rows = [SampleRow(p, bias=torch.zeros(16), guide=ended), SampleRow(p, bias=torch.zeros(16))]
+        for row in rows:
+            row.banned = banned
+        out = Sampler().sample(torch.randn(2, 16), rows, banned=[0, 1])
+        assert out.token_ids[0] == 5 and out.token_ids[1] not in (5, 6)

@@ -91,3 +91,13 @@ class GuideMasks:
         index = to_device(rows, device)
         masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
         return logits.index_copy(0, index, masked)
+
+    @staticmethod
+    def keep_ends(unbanned: torch.Tensor, banned: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``banned`` (logits [R, V] after min_tokens' bans) with guided row ``rows[k]`` as it
+        was before them where they leave it nothing: a constraint matched in full allows only
+        the end id, which min_tokens bans; the constraint wins, and the request stops."""
+        index = to_device(rows, banned.device)
+        before, after = unbanned.index_select(0, index), banned.index_select(0, index)
+        dead = torch.isneginf(after).all(dim=-1, keepdim=True)  # [G, 1]
+        return banned.index_copy(0, index, torch.where(dead, before, after))

@@ -237,6 +237,7 @@ class Sampler:
         # as they scale any other). Guided rows are among the biased: others never look.
         biased = [i for i, r in enumerate(rows) if r.bias is not None]
         choice = logits
+        guided: list[int] = []
         if biased:
             idx = to_device(biased, device)
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
@@ -244,7 +245,10 @@ class Sampler:
             if guided:
                 choice = self.guide_masks.apply(choice, [rows[i].guide for i in guided], guided)
         if banned:
+            unbanned = choice
             choice = _ban(choice, [rows[i].banned for i in banned], banned)
+            if guided_banned := sorted(set(guided) & set(banned)):
+                choice = GuideMasks.keep_ends(unbanned, choice, guided_banned)
         penalized = [
             i for i, r in enumerate(rows) if r.penalty_tokens and _uses_penalties(r.params)
         ]
