@@ -24,6 +24,7 @@ from rltserve.bench.rollout import add_rollout_parser
 from rltserve.chat_cli import add_client_parsers
 from rltserve.engine_args import add_engine_args, checked_engine_kwargs
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
+from rltserve.http.config_file import apply_config_file
 from rltserve.preflight import check_output_dir
 from rltserve.progress import is_terminal, progress_enabled, watch_dir_growth
 from rltserve.ray.config import add_resource_args
@@ -467,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # (parse_args would show the top-level usage, not the command's)
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if getattr(args, "config", None) is not None:  # serve --config FILE: the flags win
+            apply_config_file(_command_parser(parser, args), args.config)
+            args = parser.parse_known_args(argv)[0]
         return args.func(args)
     except KeyboardInterrupt:
         print("rltserve: interrupted", file=sys.stderr)

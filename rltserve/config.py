@@ -157,7 +157,10 @@ class CacheConfig:
     )
     swap_space_gb: float = field(
         default=4.0,
-        metadata=_help("host memory in GiB for KV of swapped-out requests (preemption_mode=swap)"),
+        metadata=_help(
+            "host memory in GiB for KV of swapped-out requests (preemption_mode=swap)",
+            aliases=("--swap-space",),  # (vLLM's name of the flag, in GiB too)
+        ),
     )
     enable_prefix_caching: bool | None = field(
         default=None,

@@ -212,6 +212,8 @@ def test_serve_takes_vllms_logging_flags():
     assert server.enable_request_id_headers and server.disable_uvicorn_access_log
     assert server.quiet_paths == {"/health", "/metrics", "/ping"}
     assert server.served_model_names == ("a", "org/b")
+    server, _ = serve_configs(_parser().parse_args(["serve", "--disable-fastapi-docs"]))
+    assert server.disable_fastapi_docs
     for level in ("critical", "CRITICAL", "Debug"):
         assert _parser().parse_args(["serve", "--log-level", level]).log_level == level.lower()
     with pytest.raises(SystemExit):
@@ -254,6 +256,19 @@ def test_uvicorn_log_level_sets_aiohttps_loggers_apart(monkeypatch):
     assert logging.getLogger("aiohttp.access").getEffectiveLevel() == logging.DEBUG
     with pytest.raises(ValueError, match="^--log-config-file /nowhere.json: "):
         configure_logging(_parser().parse_args(["serve", "--log-config-file", "/nowhere.json"]))
+
+
+def test_serve_takes_its_log_level_from_vllms_variable_under_the_flag(monkeypatch):
+    """``VLLM_LOGGING_LEVEL`` (vLLM's, which deployments set) is the default of --log-level; it
+    was ignored, leaving the server at info."""
+    from rltserve.http.cli import configure_logging
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    assert _parser().parse_args(["serve"]).log_level == "warning"
+    assert _parser().parse_args(["serve", "--log-level", "debug"]).log_level == "debug"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "TRACE")
+    with pytest.raises(ValueError, match="^VLLM_LOGGING_LEVEL='TRACE': must be one of DEBUG, "):
+        configure_logging(_parser().parse_args(["serve"]))
 
 
 def test_a_log_config_file_leaves_the_servers_loggers_on(tmp_path, monkeypatch):

@@ -313,6 +313,15 @@ async def test_update_weights_is_in_openapi(ckpt):
     assert set(schema["properties"]) == {"model_path", "abort", "timeout"}
 
 
+async def test_disable_fastapi_docs_hides_the_api_description(ckpt):
+    """vLLM's ``--disable-fastapi-docs`` (production manifests' flag): /openapi.json is a 404;
+    the flag was "unrecognized arguments", so the server did not start."""
+    async with running(ckpt, client_factory=scripted(ckpt), disable_fastapi_docs=True) as live:
+        status, _, raw = await live.get("/openapi.json")
+        assert status == 404 and "--disable-fastapi-docs" in error_of(raw)["message"]
+        assert (await live.get("/health"))[0] == 200
+
+
 class _Exploding(ScriptedStage):
     def add_request(self, request_id, prompt_token_ids, params, sink, group=None) -> None:
         raise RuntimeError(f"boom in /srv/secret/{KEY}")
@@ -376,6 +385,23 @@ async def test_browsers_on_allowed_origins_may_call_the_api(ckpt):
             assert r.status == 405  # (no preflight answer: the browser refuses the call)
     with pytest.raises(ValueError, match="allowed_origins=3: must be a string"):
         ServerConfig(allowed_origins=3)
+
+
+async def test_allowed_origins_take_vllms_json_list(ckpt):
+    """``--allowed-origins '["*"]'`` (vLLM's spelling, its manifests') allows any origin: taken
+    as one comma-separated origin it turned CORS off without a word."""
+    chat = "/v1/chat/completions"
+    assert ServerConfig(allowed_origins='["*"]').origins == {"*"}
+    assert ServerConfig(allowed_origins=" []").origins == frozenset()
+    two = '["https://app.example", "https://b.example"]'
+    assert ServerConfig(allowed_origins=two).origins == {"https://app.example", "https://b.example"}
+    for bad in ('["*"', "[3]", '["a"], ["b"]'):
+        with pytest.raises(ValueError, match=r"^allowed_origins=.*: not a JSON list of origins"):
+            ServerConfig(allowed_origins=bad)
+    async with running(ckpt, client_factory=scripted(ckpt), allowed_origins='["*"]') as live:
+        origin = {"Origin": "https://app.example"}
+        status, got, _ = await live.post(chat, BODIES[chat], headers=origin)
+        assert status == 200 and got["Access-Control-Allow-Origin"] == "*"
 
 
 async def test_expect_continue_asks_for_the_key_before_the_body(ckpt):

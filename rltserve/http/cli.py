@@ -12,9 +12,11 @@ import argparse
 import dataclasses
 import ipaddress
 import logging
+import os
 from typing import TYPE_CHECKING
 
 from rltserve.engine_args import add_dataclass_args, dataclass_kwargs
+from rltserve.http.config_file import CONFIG_SET, named_file
 
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig
@@ -40,6 +42,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # uvicorn's levels, as vLLM's --uvicorn-log-level takes them (trace: debug here, aiohttp has none
 # below it)
 HTTP_LOG_LEVELS = ("trace", *LOG_LEVELS)
+# vLLM's variable of its log level, which deployments set for the server (--log-level wins)
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
 # Flags whose values the startup line hides (vLLM's redact_sensitive_args)
 SECRET_FLAGS = frozenset({"api_key"})
 
@@ -65,6 +69,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         metavar="MODEL",
         help="the checkpoint, as vLLM's `vllm serve MODEL` takes it: the same as --model",
     )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of serve's flags, as vLLM's: keys are the flag names (with dashes or "
+        "underscores, model for MODEL), values scalars, true/false, lists or mappings; the "
+        "command line's flags win over it; an unknown key is an error",
+    )
     add_dataclass_args(parser, ServerConfig, "server")
     add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
     parser.add_argument(
@@ -82,10 +94,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_engine_args(parser)  # (after serve's own: vLLM's engine flags leave those to it)
     parser.add_argument(
         "--log-level",
-        default="info",
+        default=os.environ.get(LOG_LEVEL_ENV) or "info",  # (a bad one: configure_logging's)
         type=str.lower,
         choices=LOG_LEVELS,
-        help="server log level, in any case (default: info)",
+        help=f"server log level, in any case (default: info, or env {LOG_LEVEL_ENV}, vLLM's)",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -109,10 +121,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def configure_logging(args: argparse.Namespace) -> None:
     """The process's logging: ``--log-config-file``'s configuration (which the stage workers
     it starts then load too), else ``--log-level``'s lines on stderr; ``--uvicorn-log-level``
-    sets aiohttp's loggers apart (ValueError naming a configuration file that does not load)."""
+    sets aiohttp's loggers apart (ValueError naming a configuration file that does not load,
+    or a ``VLLM_LOGGING_LEVEL`` that names no level)."""
     from rltserve.core import worker_process
     from rltserve.core.stage_worker import LOG_FORMAT, load_log_config
 
+    if args.log_level not in LOG_LEVELS:  # (the environment's: argparse checks the flag's)
+        levels = ", ".join(level.upper() for level in LOG_LEVELS)
+        raise ValueError(
+            f"{LOG_LEVEL_ENV}={os.environ.get(LOG_LEVEL_ENV)!r}: must be one of {levels}"
+        )
     if args.log_config_file is None:
         logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     else:
@@ -140,11 +158,14 @@ def non_default_args(args: argparse.Namespace) -> dict[str, object]:
 
 def take_model_tag(args: argparse.Namespace) -> None:
     """``serve MODEL`` (vLLM's spelling) is ``serve --model MODEL``: ``args.model`` takes the
-    positional argument; both, naming different models, are a ValueError."""
+    positional argument; both, naming different models, are a ValueError. MODEL replaces the
+    ``model`` of a ``--config`` file, as vLLM's."""
     tag = getattr(args, "model_tag", None)
     if tag is None:
         return
-    if args.model is not None and args.model != tag:
+    from_file = getattr(args, CONFIG_SET, {}).get("model", (None, None))[1]
+    from_file = args.model is not None and args.model == from_file
+    if args.model is not None and args.model != tag and not from_file:
         raise ValueError(f"MODEL {tag!r} and --model {args.model!r}: name the model once")
     args.model = tag
 
@@ -184,6 +205,15 @@ def check_replica_server_flags(server_config: ServerConfig, replica_config: Repl
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except ValueError as exc:  # (its kind kept: a checkpoint that does not load exits 1)
+        if (message := named_file(str(exc), args)) != str(exc):
+            exc.args = (message,)
+        raise
+
+
+def _serve(args: argparse.Namespace) -> int:
     from rltserve.http.server import run_server
     from rltserve.preflight import check_listen_address, check_tls_files
     from rltserve.ray.config import ReplicaConfig

@@ -7,6 +7,7 @@ help texts from this dataclass.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -117,8 +118,8 @@ class ServerConfig:
     allowed_origins: str = field(
         default="*",
         metadata=_help(
-            "origins whose web pages may call the API (CORS), comma-separated: '*' any "
-            "(vLLM's default), '' none"
+            "origins whose web pages may call the API (CORS), comma-separated or as vLLM's "
+            "JSON list ('[\"https://a.example\"]'): '*' any (vLLM's default), '' or '[]' none"
         ),
     )
     chat_template: str | None = field(
@@ -269,6 +270,13 @@ class ServerConfig:
             "off by default: it shows the chat template)"
         ),
     )
+    disable_fastapi_docs: bool = field(
+        default=False,
+        metadata=_help(
+            "no GET /openapi.json, the API's description (vLLM's flag, which also drops its "
+            "/docs and /redoc pages: none here)"
+        ),
+    )
     expose_model_path: bool = field(
         default=False,
         metadata=_help("show the checkpoint's filesystem path as 'root' in /v1/models"),
@@ -387,6 +395,7 @@ class ServerConfig:
             raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")
         if not isinstance(self.allowed_origins, str):
             raise ValueError(f"allowed_origins={self.allowed_origins!r}: must be a string")
+        self.origins  # noqa: B018 - ValueError for a malformed JSON list
         if self.metrics_prefix not in METRICS_PREFIXES:
             choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
@@ -403,6 +412,7 @@ class ServerConfig:
             "enable_force_include_usage",
             "enable_server_load_tracking",
             "enable_tokenizer_info_endpoint",
+            "disable_fastapi_docs",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
@@ -439,8 +449,22 @@ class ServerConfig:
 
     @property
     def origins(self) -> frozenset[str]:
-        """``allowed_origins`` as a set (empty: no cross-origin page may call the API)."""
-        return frozenset(o.strip() for o in self.allowed_origins.split(",") if o.strip())
+        """``allowed_origins`` as a set (empty: no cross-origin page may call the API). vLLM's
+        flag takes a JSON list (``'["*"]'``, its manifests' spelling), which taken as one
+        comma-separated origin would turn CORS off without a word."""
+        text = self.allowed_origins.strip()
+        if not text.startswith("["):
+            return frozenset(o.strip() for o in text.split(",") if o.strip())
+        try:
+            origins = json.loads(text)
+        except ValueError:
+            origins = None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError(
+                f"allowed_origins={self.allowed_origins!r}: not a JSON list of origins "
+                "(as '[\"https://a.example\"]') nor comma-separated ones"
+            )
+        return frozenset(o.strip() for o in origins if o.strip())
 
     def with_env(self) -> ServerConfig:
         """The config with ``api_key`` taken from the environment when not given (the first

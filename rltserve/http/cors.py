@@ -5,8 +5,9 @@ A web page on another origin that calls the API first sends a preflight (``OPTIO
 is checked (browsers never send credentials with a preflight) with the method and headers asked
 for. ``allow_origin`` (the app's ``on_response_prepare``) marks every response to an allowed
 ``Origin``, streams included, so the page may read it. ``--allowed-origins``: a comma-separated
-list of origins, ``*`` for any (the default, as vLLM's), empty for none. No credentials mode:
-clients authenticate with the ``Authorization`` header, which a preflight lets through.
+list of origins or vLLM's JSON list, ``*`` for any (the default, as vLLM's), empty for none.
+No credentials mode: clients authenticate with the ``Authorization`` header, which a preflight
+lets through.
 """
 
 from __future__ import annotations

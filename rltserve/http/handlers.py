@@ -237,6 +237,10 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
+    if request.app[STATE].config.disable_fastapi_docs:  # (as vLLM's: no such route)
+        raise HTTPError(
+            404, "/openapi.json: off (the server was started with --disable-fastapi-docs)"
+        )
     root = request.app[STATE].config.root_path
     return json_response(openapi_document(ROUTES, __version__, root))
 
