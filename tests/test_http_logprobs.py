@@ -275,3 +275,34 @@ async def test_echo_scores_the_prompt_at_max_loops_whatever_the_exit(ckpt):
         assert await scored(exit_threshold=0.3) == full
         assert await scored(exit_threshold=0.3, max_loops=4) == full  # (ouro-tiny's depth)
         assert await scored(exit_threshold=0.3, max_loops=2) != full
+
+
+async def test_tokens_as_token_ids_per_request_and_by_the_server(ckpt, hi_tokens):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:N`` (its
+    bytes: that text's), asked per request or as the server's default, which a request's own
+    ``false`` turns off."""
+    a, b = hi_tokens[:2]
+    completion = {"prompt": [5], "max_tokens": 2, "logprobs": 1}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": True}
+    chat["top_logprobs"] = 1
+    named = f"token_id:{a}"
+    for flags, ask, as_ids in (
+        ({}, True, True),
+        ({"return_tokens_as_token_ids": True}, None, True),
+        ({"return_tokens_as_token_ids": True}, False, False),
+    ):
+        extra = {} if ask is None else {"return_tokens_as_token_ids": ask}
+        stage = stage_for(ckpt, hi_tokens)
+        async with running(ckpt, client_factory=scripted_factory(stage), **flags) as live:
+            _, _, raw = await live.post("/v1/completions", {**completion, **extra})
+            logprobs = body_of(raw)["choices"][0]["logprobs"]
+            _, _, raw = await live.post("/v1/chat/completions", {**chat, **extra})
+            (content,) = body_of(raw)["choices"][0]["logprobs"]["content"]
+        if as_ids:
+            assert logprobs["tokens"] == [named, f"token_id:{b}"]
+            assert logprobs["top_logprobs"][0] == {named: -0.5}
+            assert logprobs["text_offset"] == [0, len(named)]  # (vLLM's: the names' lengths)
+            assert content["token"] == named and content["bytes"] == list(named.encode())
+            assert content["top_logprobs"][0]["token"] == named
+        else:
+            assert logprobs["tokens"] == [" ", "H"] and content["token"] == " "

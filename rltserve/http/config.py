@@ -270,6 +270,14 @@ class ServerConfig:
             "off by default: it shows the chat template)"
         ),
     )
+    return_tokens_as_token_ids: bool = field(
+        default=False,
+        metadata=_help(
+            "logprobs name each token 'token_id:N' instead of its text (vLLM's; a request's "
+            "own return_tokens_as_token_ids wins): ids survive where a token's text does not "
+            "round-trip (a token that holds part of a character)"
+        ),
+    )
     disable_fastapi_docs: bool = field(
         default=False,
         metadata=_help(
@@ -412,6 +420,7 @@ class ServerConfig:
             "enable_force_include_usage",
             "enable_server_load_tracking",
             "enable_tokenizer_info_endpoint",
+            "return_tokens_as_token_ids",
             "disable_fastapi_docs",
         )
         for name in flags:

@@ -134,15 +134,19 @@ class Frontend:
         executor: Executor | None = None,
         token_chars: int | None = None,
         template_defaults: dict | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         """``template_defaults``: the operator's template variables
-        (``ServerConfig.default_chat_template_kwargs``), under each request's."""
+        (``ServerConfig.default_chat_template_kwargs``), under each request's;
+        ``tokens_as_ids``: ``ServerConfig.return_tokens_as_token_ids``, the requests'
+        default."""
         self.client = client
         self.info = info
         self.tokenizer = tokenizer
         self.guides = GuideCompiler(tokenizer)  # (structured outputs' compiled constraints)
         self.metrics = metrics
         self.template_defaults = dict(template_defaults or {})
+        self.tokens_as_ids = tokens_as_ids
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         # The thinking span's tags as token ids (None: not in the vocabulary), read once.
         self.think_ids: tuple[int | None, int | None] = (

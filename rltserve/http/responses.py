@@ -70,6 +70,14 @@ class StreamEntries(NamedTuple):
     tokens: list[dict]
 
 
+def _as_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _as_id_bytes(token_id: int) -> list[int]:
+    return list(_as_id(token_id).encode())
+
+
 class _Format(ABC):
     object_name = ""
     chunk_object_name = ""
@@ -84,6 +92,11 @@ class _Format(ABC):
         self.frontend = frontend
         self.want_depths = req.return_exit_depths
         self.want_ids = req.return_token_ids
+        as_ids = req.return_tokens_as_token_ids
+        as_ids = frontend.tokens_as_ids if as_ids is None else as_ids
+        # How logprobs name a token: its text and bytes, or vLLM's "token_id:N" and its bytes.
+        self.token_text = _as_id if as_ids else frontend.token_text
+        self.token_bytes = _as_id_bytes if as_ids else frontend.token_bytes
         self._started: set[int] = set()
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
@@ -230,7 +243,7 @@ class CompletionFormat(_Format):
     def _logprobs(self, index: int, entries: list[dict]) -> dict:
         tokens, values, tops, offsets = [], [], [], []
         offset = self._offsets.get(index, 0)
-        text_of = self.frontend.token_text
+        text_of = self.token_text
         for entry in entries:
             token = text_of(entry["token_id"])
             tokens.append(token)
@@ -436,7 +449,7 @@ class ChatFormat(_Format):
         return self._extensions(entry, output.token_ids, output.exit_depths)
 
     def _logprobs(self, entries: list[dict]) -> dict:
-        text_of, bytes_of = self.frontend.token_text, self.frontend.token_bytes
+        text_of, bytes_of = self.token_text, self.token_bytes
 
         def item(token_id: int, value: float | None) -> dict:
             token = text_of(token_id)

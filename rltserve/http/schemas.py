@@ -98,6 +98,8 @@ class GenerationFields:
     thinking_end_token_ids: list[int] | None = None
     return_exit_depths: bool = False
     return_token_ids: bool = False
+    # vLLM's: logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: run only the prompt's last k tokens
     cache_salt: str | None = None  # vLLM's: prompts share prefix-cache blocks only within one
     # Structured outputs (``structured_fields``): OpenAI's response_format (vLLM's completions

@@ -188,6 +188,7 @@ class ServingState:
                 self.executor,
                 token_chars,
                 self.config.template_defaults,
+                self.config.return_tokens_as_token_ids,
             )
             if hasattr(client.inner, "replicas"):
                 from rltserve.ray.metrics import ReplicaCollector
