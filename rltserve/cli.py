@@ -304,10 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     off.add_argument(
         "--kv-pressure",
-        action="store_true",
-        help="the KV pressure workload: a pool for --concurrency/8 worst-case requests, "
-        "--concurrency requests that stop early; full reservation vs on-demand (recompute, "
-        "swap) vs an unpressured pool in one run (also: --kv-reservation full --compare)",
+        nargs="?",
+        const="decode",
+        choices=("decode", "prefill"),
+        default=None,
+        help="a KV pressure workload. decode (the default): a pool for --concurrency/8 "
+        "worst-case requests, --concurrency requests that stop early; full reservation vs "
+        "on-demand (recompute, swap) vs an unpressured pool in one run (also: "
+        "--kv-reservation full --compare). prefill: 14 fixed prompts that preempt themselves "
+        "during their chunked prefill (its own pool, context, step and chunk sizes), in "
+        "every engine mode (sync, chunked, async, wavefront+async) under recompute and swap, "
+        "each against an unpressured run",
     )
     off.add_argument(
         "--repeats",

@@ -91,7 +91,8 @@ class SamplingParams:
     until ``thinking_end_token_ids`` appears in the output. When the K-th output token is
     generated and the span is still open, the engine appends ``thinking_interruption`` followed
     by ``thinking_end_token_ids`` to the output as forced tokens (they count toward
-    ``max_tokens``) and decodes the answer in the same request (``core/thinking.py``).
+    ``max_tokens``) and decodes the answer in the same request (``core/thinking.py``); K = 0
+    forces them before the first output token, so the model answers without thinking.
     ``thinking_end_token_ids`` defaults to the tokenizer's ``</think>``; the interruption may be
     text (the ``LLM`` front end tokenizes it) or token ids. ``thinking_token_budget`` (vLLM's
     name) is an alias of ``max_thinking_tokens``: given, read or set, it is that field.
@@ -394,8 +395,8 @@ class SamplingParams:
                 raise bad(name, "must be a bool")
         if self.max_thinking_tokens is not None:
             check_int(self, "max_thinking_tokens")
-            if self.max_thinking_tokens < 1:
-                raise bad("max_thinking_tokens", "must be >= 1 (-1: no bound)")
+            if self.max_thinking_tokens < 0:
+                raise bad("max_thinking_tokens", "must be >= 0 (-1: no bound)")
         for name in ("thinking_end_token_ids", "thinking_interruption"):
             value = getattr(self, name)
             if value is None or isinstance(value, str):

@@ -209,8 +209,7 @@ def test_min_tokens_bans_do_not_empty_a_guided_row():
     ended = SimpleNamespace(
         compiled=SimpleNamespace(pattern="x", eos=5), state=None, allowed=lambda: [5]
     )
-    banned = torch.zeros(16, dtype=torch.bool)
-    banned[[5, 6]] = True
+    banned = torch.tensor([5, 6])  # (min_tokens' ids: the end ids)
     for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)):
         rows = [SampleRow(p, bias=torch.zeros(16), guide=ended), SampleRow(p, bias=torch.zeros(16))]
         for row in rows:

@@ -342,14 +342,17 @@ def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
         "thinking_token_budget",
         "thinking_token_budget: an alias of max_thinking_tokens; they disagree",
     )
+    # vLLM's 0: no thinking (the end of the span is forced first: ``core/thinking.py``)
+    assert params(thinking_token_budget=0).max_thinking_tokens == 0
+    assert params(max_thinking_tokens=0).thinking_token_budget == 0
     with pytest.raises(SchemaError) as err:
-        params(thinking_token_budget=0)
+        params(thinking_token_budget=-2)
     assert (err.value.param, err.value.message) == (
         "thinking_token_budget",
-        "thinking_token_budget=0: must be >= 1 (-1: no bound)",
+        "thinking_token_budget=-2: must be >= 0 (-1: no bound)",
     )
     with pytest.raises(SchemaError) as err:
-        params(max_thinking_tokens=0)
+        params(max_thinking_tokens=-2)
     assert err.value.param == "max_thinking_tokens"
     # vLLM's -1: "unlimited", a client's default for no budget
     assert params(thinking_token_budget=-1).max_thinking_tokens is None

@@ -259,6 +259,7 @@ def test_the_engine_gets_no_stop_id_the_model_cannot_produce():
         {"exit_threshold": 1e-9},
         {"exit_criterion": "argmax-stability", "exit_threshold": 3.0},
         {"max_thinking_tokens": 1},
+        {"max_thinking_tokens": 0},  # (vLLM's 0: no thinking)
         {"logit_bias": {0: -100.0, 1: 100}},
         {"stop_token_ids": [0], "allowed_token_ids": [0]},
         {"truncate_prompt_tokens": 1},
@@ -302,7 +303,7 @@ def test_the_edges_of_each_range_are_accepted(kw):
         {"init_state": "ones"},
         {"include_stop_str_in_output": 1},
         {"skip_special_tokens": None},
-        {"max_thinking_tokens": 0},
+        {"max_thinking_tokens": -2},
         {"thinking_end_token_ids": []},
         {"thinking_interruption": [-1]},
         {"logit_bias": {-1: 1.0}},
@@ -438,8 +439,9 @@ def test_thinking_token_budget_is_vllms_name_for_max_thinking_tokens():
     assert dataclasses.replace(p, max_thinking_tokens=9).thinking_token_budget == 9
     with pytest.raises(ValueError, match="^thinking_token_budget: an alias of max_thinking_tok"):
         SamplingParams(thinking_token_budget=5, max_thinking_tokens=4)
-    with pytest.raises(ValueError, match="max_thinking_tokens=0: must be >= 1"):
-        SamplingParams(thinking_token_budget=0)
+    assert SamplingParams(thinking_token_budget=0).max_thinking_tokens == 0
+    with pytest.raises(ValueError, match="max_thinking_tokens=-2: must be >= 0"):
+        SamplingParams(thinking_token_budget=-2)
 
 
 def test_vllms_skip_clone_is_accepted_without_effect():
@@ -486,6 +488,6 @@ def test_a_thinking_budget_of_minus_one_is_no_bound_as_vllms():
     p = SamplingParams(max_thinking_tokens=5)
     p.thinking_token_budget = -1  # (set on a template, then validated by each call's copy)
     assert p.clone().max_thinking_tokens is None
-    for bad in (-2, 0):
-        with pytest.raises(ValueError, match=rf"={bad}: must be >= 1 \(-1: no bound\)"):
+    for bad in (-2, -3):
+        with pytest.raises(ValueError, match=rf"={bad}: must be >= 0 \(-1: no bound\)"):
             SamplingParams(thinking_token_budget=bad)

@@ -123,8 +123,8 @@ def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
         core.make_request(None, PROMPTS[0], p.replace(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="thinking_end_token_ids: required"):
         core.make_request(None, PROMPTS[0], p.replace(thinking_end_token_ids=None))
-    with pytest.raises(ValueError, match="max_thinking_tokens=0"):
-        SamplingParams(temperature=0.0, max_thinking_tokens=0)
+    with pytest.raises(ValueError, match=r"max_thinking_tokens=-2: must be >= 0"):
+        SamplingParams(temperature=0.0, max_thinking_tokens=-2)
     # Forced ids are fed back as inputs: outside the vocabulary they are refused up front.
     vocab = core.spec.vocab_size
     with pytest.raises(ValueError, match=rf"thinking_end_token_ids: token id {vocab} is outside"):

@@ -65,7 +65,7 @@ def _check_one_benchmark(args: argparse.Namespace) -> None:
     sharing = [f"--shared-prefix-len {args.shared_prefix_len}"] * bool(args.shared_prefix_len)
     sharing += [f"--n {args.n}"] * (args.n > 1)
     if args.kv_pressure:
-        kv, kv_others = "--kv-pressure", ("disaggregate", "compare")
+        kv, kv_others = _kv_flag(args), ("disaggregate", "compare")
     else:  # (the older spelling: its --compare is part of it)
         kv, kv_others = "--kv-reservation full --compare", ("disaggregate",)
     rules = [
@@ -86,9 +86,14 @@ def _check_kv_pressure_swap(args: argparse.Namespace) -> None:
     without swap space they would fail after the runs before them."""
     if args.kv_pressure and args.swap_space_gb == 0:
         raise ValueError(
-            "--swap-space-gb 0: --kv-pressure runs swap preemption cases, which need swap "
+            f"--swap-space-gb 0: {_kv_flag(args)} runs swap preemption cases, which need swap "
             "space; give some (default 4)"
         )
+
+
+def _kv_flag(args: argparse.Namespace) -> str:
+    """``--kv-pressure`` as given: the decode workload's spelling alone (its default)."""
+    return "--kv-pressure" + (" prefill" if args.kv_pressure == "prefill" else "")
 
 
 def _check_replica_benchmark(args: argparse.Namespace) -> None:
@@ -96,7 +101,7 @@ def _check_replica_benchmark(args: argparse.Namespace) -> None:
     throughput of one sample per prompt spread over the replicas, with no comparison."""
     given = [f"--n {args.n}"] * (args.n > 1)
     given += [f"--shared-prefix-len {args.shared_prefix_len}"] * bool(args.shared_prefix_len)
-    given += ["--compare"] * args.compare + ["--kv-pressure"] * args.kv_pressure
+    given += ["--compare"] * args.compare + [_kv_flag(args)] * bool(args.kv_pressure)
     if given:
         raise ValueError(
             f"{', '.join(given)}: not with --replicas N (it measures one sample per prompt "
@@ -111,6 +116,10 @@ def print_report(report: dict, as_json: bool) -> None:
     for key, value in report.items():
         if key == "kv_pressure":
             from rltserve.bench.kv import format_report
+
+            print(format_report(value))
+        elif key == "prefill_pressure":
+            from rltserve.bench.prefill_pressure import format_report
 
             print(format_report(value))
         else:

@@ -193,8 +193,9 @@ def run_naive(
 
 
 def kv_pressure_requested(args: argparse.Namespace) -> bool:
-    """``--kv-pressure``, or its older spelling ``--kv-reservation full --compare``."""
-    return args.kv_pressure or (args.kv_reservation == "full" and args.compare)
+    """``--kv-pressure`` (either workload), or the decode workload's older spelling
+    ``--kv-reservation full --compare``."""
+    return bool(args.kv_pressure) or (args.kv_reservation == "full" and args.compare)
 
 
 def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, Any]:
@@ -243,6 +244,14 @@ def run_offline_bench(args: argparse.Namespace, engine_kw: dict) -> dict[str, An
         return report
     if engine_kw["disaggregate"]:  # (the in-process arms below run one engine)
         report["pd_compare"] = run_pd_compare(engine_kw, prompts, params, _show(args))
+        return report
+    if args.kv_pressure == "prefill":
+        from rltserve.bench.kv import pool_warnings
+        from rltserve.bench.prefill_pressure import run_prefill_pressure
+
+        _drop(report, "num_prompts", "input_len", "output_len", "concurrency")  # (its own)
+        with pool_warnings(getattr(args, "quiet", False)):
+            report["prefill_pressure"] = run_prefill_pressure(model, engine_kw, args)
         return report
     if kv_pressure_requested(args):
         from rltserve.bench.kv import pool_warnings, run_kv_pressure

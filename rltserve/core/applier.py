@@ -11,7 +11,7 @@ from __future__ import annotations
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult
+from rltserve.core.plan import CarriedEvents, ItemResult, StepPlan, StepResult, WorkItem
 from rltserve.core.request import FinishReason, InFlight, Request
 from rltserve.core.thinking import force_thinking_end
 from rltserve.updates import RequestUpdate, StepUpdates
@@ -44,11 +44,12 @@ class Applier:
             item.applied = work.depth
             if work.depth == item.ends_at and item.start < request.num_prompt_tokens:
                 s.sharing.on_prompt_done(request, item.start, item.end)
+            if request.forced_unsent and item.end == request.num_prompt_tokens:
+                self._send_forced(request, updates)  # (a thinking budget of 0)
+                if request.is_finished:
+                    continue  # (the forced ids filled max_tokens)
             if scored and k in scored:  # (a prompt or replay item after its max_loops)
-                if item.start < request.num_prompt_tokens:
-                    self._record_prompt_logprobs(request, item.start, scored[k], updates)
-                else:
-                    self._record_forced(request, item.start, scored[k], updates)
+                self._record_scores(request, work, scored[k], updates)
                 if request.is_finished:
                     continue  # (ended by what it withheld)
             if outcome is None:
@@ -218,11 +219,7 @@ class Applier:
             update.add_rank(rank)
         n = len(request.output_token_ids)
         if n == 1:
-            updates.num_prompt_tokens += request.num_prompt_tokens
-            update.num_cached_tokens = request.num_cached_tokens or 0
-            update.queued_s = request.queued_s
-            if request.prompt_logprobs == []:  # (a one-token prompt: none to score)
-                update.prompt_logprobs = []
+            _first_output(request, update, updates)
         # What stops it (a stop id once ``min_tokens`` are out; the most tokens it may have).
         reason = None
         if token in request.stop_ids and n >= request.params.min_tokens:
@@ -232,15 +229,61 @@ class Applier:
         bounded = request.params.max_thinking_tokens is not None  # (bounded thinking only)
         if reason is None and bounded and force_thinking_end(request, update):
             reason = FinishReason.LENGTH
-        if reason is None:
-            return
-        # It ends once its prompt logprobs (or its forced tokens') are out; no more tokens start.
+        if reason is not None:
+            self._end(request, update, reason)
+
+    def _end(self, request: Request, update: RequestUpdate, reason: FinishReason) -> None:
+        """Ends the request with ``reason`` in ``update``, once its prompt logprobs (or its
+        forced tokens') are out: until then the end waits, and no more tokens start."""
         if request.scoring or request.forced_pending:
             request.finish_pending = reason
-            request.max_outputs = n
+            request.max_outputs = len(request.output_token_ids)
             return
         self.s.finish(request, reason)
         update.finish_reason = reason
+
+    def _send_forced(self, request: Request, updates: StepUpdates) -> None:
+        """A thinking budget of 0 (``thinking.force_at_start``): the forced ids that open the
+        output go out, as its first outputs (no logprob yet: scored later, as any forced
+        token's), when the result of the prompt's last chunk is first applied; a request
+        whose forced ids fill ``max_tokens`` ends (with logprobs, once they are scored)."""
+        request.forced_unsent = False
+        rid = request.request_id
+        n = request.num_forced
+        update = RequestUpdate(
+            rid,
+            request.output_token_ids[:n],
+            request.exit_depths[:n],
+            [None] * n,
+            [None] * n,
+        )
+        if request.scoring:  # (nothing withheld yet: no output came before these)
+            request.withheld = update
+        else:
+            updates.updates[rid] = update  # (nor in this step: ``update_of`` finds none)
+        _first_output(request, update, updates)
+        if n >= request.max_outputs:
+            self._end(request, update, FinishReason.LENGTH)
+
+    def _record_scores(
+        self,
+        request: Request,
+        work: WorkItem,
+        scores: list[tuple[float, list[tuple[int, float]], int]],
+        updates: StepUpdates,
+    ) -> None:
+        """An item's scores (``WorkItem.prompt_targets``): its rows before the prompt's last
+        position score prompt tokens, the others output tokens (forced ones), each with its
+        own number of top logprobs (one item may score both: a budget of 0's last chunk)."""
+        start = work.start + work.targets_from
+        split = max(0, min(len(scores), request.num_prompt_tokens - 1 - start))
+        params = request.params
+        if split:
+            prompt = _top(scores[:split], params.prompt_logprobs or 0, work.targets_top)
+            self._record_prompt_logprobs(request, start, prompt, updates)
+        if split < len(scores) and not request.is_finished:
+            forced = _top(scores[split:], params.logprobs or 0, work.targets_top)
+            self._record_forced(request, start + split, forced, updates)
 
     def _record_prompt_logprobs(
         self,
@@ -341,3 +384,22 @@ class Applier:
             self.s.finish(request, FinishReason.ERROR)
             updates.updates[rid] = RequestUpdate(rid, finish_reason=FinishReason.ERROR, error=error)
         return updates
+
+
+def _first_output(request: Request, update: RequestUpdate, updates: StepUpdates) -> None:
+    """What the update holding a request's first output token says once: its prompt (for the
+    step's prompt-token count), its reused prompt tokens and its time in the queue."""
+    updates.num_prompt_tokens += request.num_prompt_tokens
+    update.num_cached_tokens = request.num_cached_tokens or 0
+    update.queued_s = request.queued_s
+    if request.prompt_logprobs == []:  # (a one-token prompt: none to score)
+        update.prompt_logprobs = []
+
+
+def _top(
+    scores: list[tuple[float, list[tuple[int, float]], int]], k: int, scored: int
+) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """``scores`` with ``k`` top logprobs each, of the ``scored`` the runner gave."""
+    if k >= scored:
+        return scores
+    return [(logprob, top[:k], rank) for logprob, top, rank in scores]

@@ -30,7 +30,7 @@ from rltserve.core.request_checks import check_bans, check_params, check_pipelin
 from rltserve.core.runner import ModelRunner
 from rltserve.core.scheduler import Scheduler
 from rltserve.core.swap import SwapSpace
-from rltserve.core.thinking import check_thinking
+from rltserve.core.thinking import check_thinking, force_at_start
 from rltserve.models import load_model, read_config
 from rltserve.models.base import LoopedModel
 from rltserve.prompt_truncation import truncated_prompt
@@ -201,12 +201,14 @@ class EngineCore:
             group=group,
         )
         check_bans(request, spec.vocab_size)
+        force_at_start(request)  # (a thinking budget of 0: the forced ids come first)
         if params.kv_policy is not None and KVPolicy.parse(params.kv_policy) != self.policy:
             request.kv_policy = KVPolicy.parse(params.kv_policy)
         # Coda attention: a first output exiting before the prompt's last loop has its coda
         # wait for that loop (DESIGN §4). (Such models have no gate: a first output's exit is
         # fixed, under a zero-shot criterion too: ``exit.exit_spec``.)
-        if spec.num_boundary_layers:
+        # (Not where forced ids open the output: the prompt's last position samples nothing.)
+        if spec.num_boundary_layers and not request.num_forced:
             first = fixed_exit_depth(request, 0)
             request.first_coda_at = first if first < num_loops else 0
         request.cache_salt = self._cache_salt(request)

@@ -137,6 +137,9 @@ class WorkItem:
     # ... or, bounded thinking with logprobs, a replayed item's output tokens (up to a forced
     # one: ``Request.forced_targets``). The top logprobs to give with each target's.
     targets_top: int = 0
+    # The row that predicts ``prompt_targets[0]`` (a budget of 0 scores the first forced token
+    # at a prompt chunk's last row alone, without ``prompt_logprobs``).
+    targets_from: int = 0
 
     @property
     def end(self) -> int:

@@ -296,8 +296,13 @@ def resume_tokens(request: Request) -> int:
     """Positions a preempted request must be able to cover to be re-admitted: all it had
     written (swapped in or recomputed), as vLLM admits a recomputed request with its whole
     prefill. Admitted on its first chunk alone, it would take the rest by preempting later
-    arrivals, whose own resumes preempt in turn: every preemption costs its victim a replay."""
-    return max(request.swapped_tokens, request.replay_until + 1 if request.replay_until else 0)
+    arrivals, whose own resumes preempt in turn: every preemption costs its victim a replay.
+    (The position after ``replay_until`` is the next decode token's, none where the recorded
+    outputs fill ``max_tokens``: forced thinking ids, which a thinking budget of 0 records
+    before the request first runs.)"""
+    if not request.replay_until:
+        return request.swapped_tokens
+    return max(request.swapped_tokens, min(request.replay_until + 1, request.kv_tokens))
 
 
 def replay_item(

@@ -153,6 +153,10 @@ class Request:
     # and whether the thinking span is over (ended by the model or forced).
     num_forced: int = 0
     thinking_closed: bool = False
+    # A budget of 0 (``thinking.force_at_start``): the forced ids open the output before it
+    # runs; True until the update that delivers them (``Applier``), which a preemption or
+    # recompute never repeats.
+    forced_unsent: bool = False
     # With logprobs: the forced tokens' (logprob, top, rank) by output index, None until the
     # replay item holding the position before one has run loop ``max_loops`` (``Applier``).
     forced_scores: dict[int, tuple | None] | None = None
@@ -282,13 +286,17 @@ class Request:
         """Whether a forced token still lacks its logprob (its end then waits for it)."""
         return self.forced_scores is not None and None in self.forced_scores.values()
 
-    def forced_targets(self, start: int, end: int) -> list[int] | None:
-        """The output tokens that generated positions [start, end) predict, up to the last
-        forced one among them still lacking its logprob; None when none does."""
+    def forced_targets(self, start: int, end: int) -> tuple[int, list[int]] | None:
+        """(row, ids): the output tokens that positions [start, end) predict, from the item's
+        row ``row`` on (the first at or after the prompt's last position, which predicts the
+        first output) up to the last forced one among them still lacking its logprob; None
+        when none does."""
         slots = self.forced_scores
         if not slots:
             return None
-        first = start - self.num_prompt_tokens + 1  # the output index ``start`` predicts
-        rows = range(first, first + end - start)
+        p = self.num_prompt_tokens
+        row = max(0, p - 1 - start)
+        first = start + row - p + 1  # (the output index row ``row`` predicts)
+        rows = range(first, end - p + 1)
         last = max((j for j in rows if slots.get(j, 0) is None), default=-1)
-        return self.output_token_ids[first : last + 1] if last >= 0 else None
+        return (row, self.output_token_ids[first : last + 1]) if last >= 0 else None

@@ -412,15 +412,19 @@ class Step:
         attention have computed already: their prompts end at ``max_loops``)."""
         r, items, scored = self.r, self.items, self.scored
         widths = [len(items[i].prompt_targets) for i in scored]
+        # (Row ``targets_from`` of an item predicts its first target: ``WorkItem``.)
         if self._coda_rows is not None:
             hidden, coda_items, coda_widths = self._coda_rows
             first = dict(zip(coda_items, step_rows.offsets(coda_widths)))
-            rows = [first[i] + k for i, n in zip(scored, widths) for k in range(n)]
-            hidden = hidden.index_select(0, r.tensor(rows))  # [M, E]
         else:
-            offsets = self.offsets
-            rows = [offsets[i] + k for i, n in zip(scored, widths) for k in range(n)]
-            index = r.tensor(rows)
+            hidden, first = None, self.offsets
+        rows = [
+            first[i] + items[i].targets_from + k for i, n in zip(scored, widths) for k in range(n)
+        ]
+        index = r.tensor(rows)
+        if hidden is not None:
+            hidden = hidden.index_select(0, index)  # [M, E]
+        else:
             hidden = r.timed(
                 r.model.coda, state.index_select(0, index), positions.index_select(0, index), None
             )

@@ -32,6 +32,16 @@ processed distribution. Offline results (final and cumulative outputs, ``cumulat
 included) and HTTP non-streaming responses have them; what a stream (DELTA, SSE) already
 delivered keeps its empty entry (SSE chat leaves it out, completions give a null logprob).
 
+A budget of 0 (vLLM's ``thinking_token_budget=0``: the model answers without thinking) forces
+the ids before the first output (``force_at_start``): they are recorded when the request is
+made, as a recompute after preemption finds its output, so the prompt runs without sampling
+and the forced positions but the last replay; the position of the last forced id samples the
+first token. The output equals the oracle run on prompt + forced ids. With logprobs the first
+forced token is scored by the prompt's last chunk (its last row: ``WorkItem.targets_from``),
+the others by the replay items. They go out in one update, when the result of the prompt's
+last chunk is first applied (every later output comes from positions after it, whose loops
+start in later steps); that update is the request's first output (``num_cached_tokens``).
+
 Refused with a clear error where a step can be planned before the previous one's result is
 applied (async scheduling: the already planned next position would have to be
 unwound) and with penalties (the runner's penalty history holds sampled tokens only). On an
@@ -80,6 +90,24 @@ def forced_ids(interruption: tuple[int, ...], end: tuple[int, ...]) -> list[int]
     n = len(end)
     closes = any(interruption[i : i + n] == end for i in range(len(interruption) - n + 1))
     return list(interruption) if closes else [*interruption, *end]
+
+
+def force_at_start(request: Request) -> None:
+    """A budget of 0: records the forced ids as the request's first outputs (as many as
+    ``max_tokens`` and the context leave room for) before it runs (see the module doc)."""
+    p = request.params
+    if p.max_thinking_tokens != 0:
+        return
+    request.thinking_closed = True
+    forced = forced_ids(p.thinking_interruption or (), p.thinking_end_token_ids)
+    forced = forced[: request.max_outputs]
+    request.output_token_ids.extend(forced)
+    request.exit_depths.extend([request.num_loops] * len(forced))
+    request.num_forced = len(forced)
+    request.forced_unsent = True
+    if p.logprobs is not None:  # (scored by the prompt's last chunk and the replay items)
+        request.forced_scores = dict.fromkeys(range(len(forced)))
+    request.replay_until = request.num_prompt_tokens + len(forced) - 1
 
 
 def force_thinking_end(request: Request, update: RequestUpdate) -> bool:

@@ -137,17 +137,8 @@ class ItemMaker:
         )
         if item.coda_state_at:
             work.coda_state_at = item.coda_state_at
-        # A prompt runs every loop up to ``num_loops`` (Ouro: at least the model's count, for
-        # the planes later tokens read); its logprobs are those after the request's most loops.
-        if depth == request.max_loops and request.prompt_logprobs is not None:
-            work.prompt_targets = request.prompt_targets(item.start, item.end)
-            work.targets_top = request.params.prompt_logprobs or 0
-        # Bounded thinking: a forced token's logprob is its position's at that loop too, from
-        # the replay item holding the position before it (``core/thinking.py``).
-        replayed = not item.has_output and item.start >= request.num_prompt_tokens
-        if depth == request.max_loops and request.forced_scores and replayed:
-            work.prompt_targets = request.forced_targets(item.start, item.end)
-            work.targets_top = request.params.logprobs or 0
+        if depth == request.max_loops and (request.prompt_logprobs or request.forced_scores):
+            _set_targets(request, item, work)
         return work
 
     def carries_next(self, request: Request) -> bool:
@@ -285,3 +276,28 @@ class ItemMaker:
             item.epoch,  # epoch
             carry,  # carry
         )
+
+
+def _set_targets(request: Request, item: InFlight, work: WorkItem) -> None:
+    """The tokens loop ``max_loops`` of ``item`` scores. A prompt runs every loop up to
+    ``num_loops`` (Ouro: at least the model's count, for the planes later tokens read); its
+    logprobs are those after the request's most loops. Bounded thinking: a forced token's
+    logprob is its position's at that loop too, from the item holding the position before it
+    (``core/thinking.py``): a replay item, or under a budget of 0 the prompt's last chunk,
+    whose rows before the last score the prompt (with ``prompt_logprobs``) or nothing."""
+    targets = top = None
+    if request.prompt_logprobs is not None:
+        targets = request.prompt_targets(item.start, item.end)
+        top = request.params.prompt_logprobs or 0
+    forced = None if item.has_output else request.forced_targets(item.start, item.end)
+    if forced is not None:
+        row, ids = forced
+        logprobs = request.params.logprobs or 0
+        if targets is None:
+            work.targets_from = row
+            targets, top = ids, logprobs
+        else:  # (the prompt's rows end where the forced ones start: one list)
+            targets, top = targets + ids, max(top, logprobs)
+    if targets is not None:
+        work.prompt_targets = targets
+        work.targets_top = top
