@@ -141,6 +141,26 @@ def test_stats_show_progress_only_once_every_busy_stage_moved():
         client.close()
 
 
+def test_stats_show_no_progress_while_a_decode_stage_that_hung_idle_holds_requests():
+    """A decode stage that hung while idle sends no stats again: its last ones say it has no
+    request, yet the client handed it some (straight, or after their prefill). The prefill
+    stage stepping on through a burst must not keep the watchdog from noticing."""
+    client = PDClient(EngineConfig.from_flat(disaggregate=True), _FakeStage)
+    try:
+        client.prefill.stats = _stats(running=1, steps=1)
+        client.decode.stats = _stats(running=0, steps=1)  # its last stats: idle
+        first = client.stats
+        client._ids.update({"moved", "p"})  # one on the decode stage, one in its prefill
+        client._open["p"] = None
+        client.prefill.stats = _stats(running=1, steps=2)
+        assert client.stats is first
+        assert client.stalled_stage() == "decode"
+        client.decode.stats = _stats(running=1, steps=2)
+        assert client.stats is not first
+    finally:
+        client.close()
+
+
 def test_llm_sleep_update_and_reset_reach_both_stages(tiny, tmp_path):
     from rltserve.models.presets import make_model
 

@@ -1,8 +1,9 @@
 """The stage clients' and the step thread's boundaries on unhappy paths that the lifecycle tests
 leave out: a failing sink's request leaves the engine, a command waiting for its reply ends when
 the stage dies or the client closes, one raising sink at a failure does not keep the others
-waiting, ``wait_ready`` ends at close, a worker that does not stop is killed, and the step thread
-survives a raising idle hook and a cancelled job. Every wait is bounded."""
+waiting, ``wait_ready`` ends at close, a worker that does not stop is killed, a worker that stops
+reading never blocks a sender, and the step thread survives a raising idle hook and a cancelled
+job. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -288,6 +289,33 @@ def test_close_kills_and_reaps_a_worker_that_does_not_stop(tiny):
         bounded(client.close, 1.0, timeout=BOUND_S)
         with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
             os.kill(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        client.close()
+
+
+def test_requests_to_a_worker_that_stopped_reading_never_block_the_sender(tiny):
+    """A burst past what the channel buffers, while the worker does not read (stopped, frozen):
+    each add and abort returns at once (the server sends them from its event loop, where its
+    watchdog runs too), and the requests end once the client closes."""
+    client = StageClient(_config(tiny))
+    pid = client.pid
+    finals: list = []
+    prompt = list(range(3, 4003))  # (about 12 KB a message: 100 of them fill any buffer)
+    try:
+        client.wait_ready(WAIT_S)
+        os.kill(pid, signal.SIGSTOP)
+
+        def burst() -> None:
+            for i in range(100):
+                client.add_request(f"r{i}", prompt, LONG, finals.append)
+                client.abort(f"r{i}")
+
+        bounded(burst, timeout=BOUND_S)
+        bounded(client.close, 1.0, timeout=BOUND_S)
+        assert sorted(u.request_id for u in finals) == sorted(f"r{i}" for i in range(100))
+        assert {u.finish_reason for u in finals} == {FinishReason.ABORT}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

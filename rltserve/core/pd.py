@@ -477,7 +477,10 @@ class PDClient:
         prefill, decode = self.prefill.stats, self.decode.stats
         moved_p, moved_d = prefill is not self._stats_of[0], decode is not self._stats_of[1]
         busy_p = bool(self._open)
-        busy_d = decode is not None and bool(decode.num_running or decode.num_waiting)
+        # (also the requests handed to it: the last stats of a stage that hung idle show none)
+        busy_d = len(self._ids) > len(self._open) + len(self._following) or (
+            decode is not None and bool(decode.num_running or decode.num_waiting)
+        )
         if (moved_p or moved_d) and (moved_p or not busy_p) and (moved_d or not busy_d):
             self._stats_of = (prefill, decode)
             self._stats = decode

@@ -8,8 +8,12 @@ the exception that ended the worker ("ModuleNotFoundError: ..." after its traceb
 ``exit_reason``, which clients see: any other line (a startup warning long before a kill) would
 be unrelated log text there.
 
+Messages to the worker are pickled by the caller and written by a sender thread, so ``send``
+never blocks: a worker that stops reading (stopped, frozen) would otherwise block whoever sends,
+the server's event loop among them, and with it the watchdog that would kill that worker.
+
 Invariant: this handle holds no reference to any client, so a client that owns it can be
-collected while the reader and relay threads run.
+collected while the reader, relay and sender threads run.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import site
 import socket
 import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import IO
 
@@ -120,11 +126,34 @@ def _relay(stream: IO[bytes], last: LastException) -> None:
     stream.close()
 
 
+class _Outbox:
+    """The messages on their way to the worker, in order, written by one thread; ``failed``: the
+    error that broke the channel (nothing more is written then)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.failed: Exception | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        thread = threading.Thread(target=self._write, args=(conn,), name="rltserve-stage-sender")
+        thread.daemon = True
+        thread.start()
+
+    def put(self, data: memoryview | None) -> None:
+        self._queue.put(data)
+
+    def _write(self, conn: Connection) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                conn.send_bytes(data)
+            except Exception as exc:  # (OSError; TypeError once close() dropped the handle)
+                self.failed = exc
+                return
+
+
 class WorkerProcess:
     def __init__(self, proc: subprocess.Popen, conn: Connection) -> None:
         self._proc = proc
         self._conn = conn
-        self._send_lock = threading.Lock()
+        self._outbox = _Outbox(conn)
         self._last_exception = LastException()
         self._relay = threading.Thread(
             target=_relay, args=(proc.stderr, self._last_exception), name="rltserve-stage-stderr"
@@ -177,24 +206,20 @@ class WorkerProcess:
         return worker
 
     def send(self, message: object) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        """Queues ``message`` for the worker; never blocks. A message that cannot be pickled
+        raises here; OSError once the channel broke (the worker is gone)."""
+        if (failed := self._outbox.failed) is not None:
+            raise OSError(f"the stage channel is broken: {failed}")
+        self._outbox.put(ForkingPickler.dumps(message))
 
     def recv(self) -> tuple:
         return self._conn.recv()
 
     def request_stop(self) -> None:
-        """Sends ("shutdown",) from a helper thread: the send may block while the worker does
-        not read (stopped, or stuck in a step), and the caller must not."""
-
-        def send() -> None:
-            with contextlib.suppress(OSError):
-                self.send(("shutdown",))
-
-        try:
-            threading.Thread(target=send, name="rltserve-stage-stop", daemon=True).start()
-        except RuntimeError:  # interpreter shutdown (3.12 starts no new threads then)
-            self.close()  # EOF on the channel stops the worker just as well
+        """Queues ("shutdown",), after what was sent before (a worker that does not read,
+        stopped or stuck in a step, is killed by ``stop``)."""
+        with contextlib.suppress(OSError):
+            self.send(("shutdown",))
 
     def stop(self, timeout: float) -> None:
         """Asks the worker to shut down and waits up to ``timeout`` seconds; then kills it."""
@@ -205,12 +230,14 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
                 self._proc.wait()
+        self._outbox.put(None)  # (the worker is gone: its sender thread ends)
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
             self._proc.kill()
 
     def close(self) -> None:
+        self._outbox.put(None)
         self._conn.close()
 
     def exit_reason(self) -> str:
