@@ -282,9 +282,15 @@ async def test_pause_holds_new_generate_calls_until_resume(engine):
         (lambda e: e.generate([1, 2], GREEDY, lora_request=object()), "lora_request"),
         (lambda e: e.generate([1, 2], [GREEDY]), "sampling_params"),
         (lambda e: e.generate([[1, 2], [3]], GREEDY), "one prompt per generate call"),
+        (lambda e: e.generate(["a", "b"], GREEDY), "one prompt per generate call"),
+        (lambda e: e.generate([], GREEDY), "at least one token"),
         (lambda e: e.generate([1, 999], GREEDY), "vocabulary"),
         (lambda e: e.generate([1, 2], GREEDY, 7), "request_id=7"),
+        (lambda e: e.generate([1, 2], GREEDY, ""), "request_id='': must be a non-empty"),
         (lambda e: e.generate([1, 2], GREEDY, priority="high"), "priority"),
+        (lambda e: e.generate([1, 2], GREEDY, priority=True), "priority=True: must be an int"),
+        # (priority=0 leaves the params' own, which this fcfs engine refuses)
+        (lambda e: e.generate([1, 2], GREEDY.replace(priority=3)), "priority=3: priority sch"),
         (
             lambda e: e.generate([1, 2], GREEDY, tokenization_kwargs={"truncation": True}),
             "tokenization_kwargs=.*not supported",
@@ -349,6 +355,37 @@ async def test_shutdown_ends_open_streams_and_refuses_new_ones(tiny):
     with pytest.raises(RuntimeError, match="AsyncLLM is shut down"):
         await engine.reset_prefix_cache()
     engine.close()  # (again: nothing to do)
+
+
+async def test_detokenize_false_streams_token_ids_without_text(engine, llm):
+    """No text, and no logprob token text either, as ``LLM.generate``'s."""
+    params = GREEDY.replace(detokenize=False, logprobs=1)
+    (last,) = (await collect(engine, [1, 2], params))[-1].outputs
+    (want,) = llm.generate([[1, 2]], params, use_tqdm=False)[0].outputs
+    assert last.text == want.text == "" and last.token_ids == want.token_ids
+    assert len(last.logprobs) == len(last.token_ids) == 8
+
+    def texts(logprobs):
+        return [lp.decoded_token for step in logprobs for lp in step.values()]
+
+    assert set(texts(last.logprobs)) == set(texts(want.logprobs)) == {None}
+
+
+async def test_shutdown_ends_a_call_held_by_a_pause_with_nothing_running(tiny):
+    """No other request's end wakes the pause's watcher here: the shutdown itself must."""
+    engine = AsyncLLM(str(tiny), **ENGINE)
+    try:
+        await engine.pause_generation()
+        held = asyncio.create_task(collect(engine, [1, 2], GREEDY))
+        # Until the pause's watcher thread waits (started later, it would see the shutdown)
+        for _ in range(1000):
+            if engine._llm._running._waiters:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        await asyncio.wait_for(held, 10)
 
 
 async def test_a_worker_process_stage_streams_the_same(tiny, engine):

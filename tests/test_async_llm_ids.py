@@ -123,6 +123,34 @@ async def test_a_dropped_streams_id_is_free_at_once(engine):
     await wait_idle(engine)  # the dropped requests were aborted, not left to run 200 tokens
 
 
+async def test_a_dropped_streams_request_ends_before_its_ids_next_one_starts(engine):
+    """Taking the id over aborts the dropped request then, not loop turns later when asyncio
+    closes its generator: the two never run (and hold KV) side by side."""
+    client, calls = engine._llm._client, []
+    add, abort = client.add_request, client.abort
+    async for _ in engine.generate([1, 2, 3], LONG, "over"):
+        break
+    (old,) = engine._streams["over"].stream.unfinished()
+    try:
+        client.add_request, client.abort = _spied("add", add, calls), _spied("abort", abort, calls)
+        outs = await collect(engine, [4, 5], GREEDY, "over")
+    finally:
+        del client.add_request, client.abort
+    assert outs[-1].finish_reason == "length"
+    assert calls[0] == ("abort", old) and calls[1][0] == "add"
+    await wait_idle(engine)
+
+
+def _spied(name: str, call, calls: list):
+    """``call`` (a stage client method taking a stage id first), noting its name and id."""
+
+    def spied(stage_id, *args, **kwargs):
+        calls.append((name, stage_id))
+        return call(stage_id, *args, **kwargs)
+
+    return spied
+
+
 async def test_a_finished_requests_id_is_free_while_its_generator_is_held(engine):
     """A consumer that stops at the final output leaves the generator suspended at its last
     yield (held by a variable here): the request is over, so its id is free."""

@@ -138,6 +138,16 @@ def test_bin_weights_only_are_named_with_the_safetensors_only_rule(tmp_path):
         "(pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin); rltserve loads "
         "safetensors only: convert them (transformers' save_pretrained writes safetensors)"
     )
+    shards = "pytorch_model-00001-of-00002.bin, pytorch_model-00002-of-00002.bin"
+    for name in ("a.bin", "b.bin", "c.bin"):  # (5 files: all named)
+        (path / name).write_bytes(b"PK")
+    with pytest.raises(CheckpointError) as err:
+        check_weight_files(path)
+    assert f".bin files (a.bin, b.bin, c.bin, {shards}); " in str(err.value)
+    (path / "d.bin").write_bytes(b"PK")  # (6: the first 5, then "...")
+    with pytest.raises(CheckpointError) as err:
+        check_weight_files(path)
+    assert f".bin files (a.bin, b.bin, c.bin, d.bin, {shards[:32]}, ...); " in str(err.value)
 
 
 def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path):
@@ -172,7 +182,11 @@ def test_full_precision_weights_beside_a_quantization_config_load_with_a_warning
     ]
     load_model(path)
     caplog.clear()
-    (path / "config.json").write_text(json.dumps({**CONFIGS["ouro"], "quantization_config": None}))
+    for odd in (None, "fp8"):  # (no dict: no quantization to judge)
+        config = {**CONFIGS["ouro"], "quantization_config": odd}
+        (path / "config.json").write_text(json.dumps(config))
+        check_weight_files(path)
+    (path / "config.json").write_text("[]")  # (read_config's to report)
     check_weight_files(path)
     assert caplog.messages == []
 
@@ -245,3 +259,74 @@ def test_a_pruned_config_blob_in_a_snapshot_is_named(tmp_path):
         f"{blob.name}.incomplete in {blob.parent} is partial); download it again "
         "(`hf download someorg/ouro`)"
     )
+
+
+def _safetensors(file: Path, header: dict, data: bytes = b"") -> Path:
+    """A file laid out as safetensors: the header's length, the header, then ``data``."""
+    raw = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return file
+
+
+def test_the_edges_of_a_cut_file(tmp_path):
+    """Shorter than the length field; cut within the header (a length past any real header is
+    garbage, the loader's to report) or within the data, a header with ``__metadata__`` too;
+    a file holding all its header describes, none included, is whole."""
+    problem, f = checkpoint_files.weight_file_problem, tmp_path / "model.safetensors"
+    again = "(an interrupted download or copy); download or copy it again"
+    f.write_bytes(bytes(7))
+    assert problem(f) == f"{f}: truncated: 7 bytes, not even a header's length {again}"
+    f.write_bytes(bytes(8))  # (a zero length: no header to parse, the loader's)
+    assert problem(f) is None
+    f.write_bytes(struct.pack("<Q", 2**21) + b"{}")
+    assert problem(f) == f"{f}: truncated: 10 bytes, within its {8 + 2**21}-byte header {again}"
+    f.write_bytes(struct.pack("<Q", 2**41) + b"{}")
+    assert problem(f) is None
+    assert problem(_safetensors(f, {})) is None  # (no tensors: 10 bytes are all of it)
+    entry = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+    raw = _safetensors(f, {"__metadata__": {"format": "pt"}, "w": entry}, bytes(16)).read_bytes()
+    assert problem(f) is None
+    f.write_bytes(raw[:-1])
+    want = f"{f}: truncated: {len(raw) - 1} bytes of the {len(raw)} its header describes {again}"
+    assert problem(f) == want
+    (length,) = struct.unpack("<Q", raw[:8])
+    f.write_bytes(raw[: 4 + length])  # (the header's last 4 bytes cut)
+    assert (
+        problem(f)
+        == f"{f}: truncated: {4 + length} bytes, within its {8 + length}-byte header {again}"
+    )
+
+
+def test_what_is_no_dangling_link_or_regular_file_is_the_loaders(tmp_path):
+    """An intact cache snapshot (every link resolves) has nothing to name; a link to nothing
+    gets the cache-copy advice only when relative and into a ``blobs`` folder; a folder is not
+    opened, an index naming no file names none."""
+    snapshot = _cache_snapshot(tmp_path, build(tmp_path, "ouro", name="src"))
+    check_weight_files(snapshot)
+    assert checkpoint_files.missing_link_targets(snapshot) is None
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "relative").symlink_to("gone")
+    (elsewhere / "absolute").symlink_to(tmp_path / "blobs" / "gone")
+    for name, target in (
+        ("relative", elsewhere / "gone"),
+        ("absolute", tmp_path / "blobs" / "gone"),
+    ):
+        link = elsewhere / name
+        assert (
+            checkpoint_files.link_problem(link)
+            == f"{link}: a link to {target}, which does not exist"
+        )
+    (elsewhere / "model.safetensors").mkdir()
+    assert checkpoint_files.weight_file_problem(elsewhere / "model.safetensors") is None
+    (elsewhere / "model.safetensors.index.json").write_text('{"weight_map": {"w": 5}}')
+    check_weight_files(elsewhere)
+
+
+def test_float64_weights_beside_a_quantization_config_are_full_precision(tmp_path, caplog):
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "fp8"}}')
+    entry = {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}
+    _safetensors(tmp_path / "model.safetensors", {"w": entry}, bytes(16))
+    with caplog.at_level("WARNING", logger="rltserve.checkpoint_files"):
+        check_weight_files(tmp_path)
+    assert "but the weights are full precision" in caplog.text

@@ -5,9 +5,14 @@ and early stream exit aborting the request. Against other servers and proxies:
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
+import time
 
+import aiohttp
 import pytest
+from aiohttp import web
+from test_client_sse import serve
 from test_http_harness import (
     Script,
     ScriptedStage,
@@ -175,6 +180,66 @@ async def test_closing_the_client_ends_its_open_streams(ckpt):
         with pytest.raises(APIConnectionError, match="^the client was closed while reading$"):
             await asyncio.wait_for(reader, 10)
         await wait_for(lambda: stage.aborted == stage.added)
+
+
+async def test_closing_a_stream_another_task_reads_ends_that_read(ckpt):
+    stage = stage_for(ckpt, interval_s=0.01)
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        async with AsyncClient(live.url) as client:
+            stream, started = client.stream([5], max_tokens=63), asyncio.Event()
+
+            async def read():
+                async with stream:
+                    async for _ in stream:
+                        started.set()
+
+            reader = asyncio.create_task(read())
+            await asyncio.wait_for(started.wait(), 10)
+            await stream.close()
+            with pytest.raises(APIConnectionError, match="^the stream was closed while reading$"):
+                await asyncio.wait_for(reader, 10)
+            await wait_for(lambda: stage.aborted == stage.added)
+        # The decoder's own error keeps its words (not "stream broke")
+        async with AsyncClient(live.url, max_event_bytes=8) as client:
+            message = "^an SSE event exceeds 8 bytes; is this an SSE stream\\?$"
+            with pytest.raises(APIConnectionError, match=message):
+                async for _ in client.stream([5], max_tokens=2):
+                    pass
+
+
+async def test_what_a_request_carries_and_what_the_client_leaves_alone():
+    """No Authorization header without a key; ``extra_query`` in the URL; a caller's session
+    stays open; ``max_connections=0`` is unlimited; a NaN is refused before sending."""
+    seen = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append((request.headers.get("Authorization"), dict(request.query)))
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve(app) as url:
+        async with aiohttp.ClientSession() as session:
+            client = AsyncClient(url, session=session)
+            await client.complete("x", extra_query={"api-version": "1"})
+            await client.close()
+            assert not session.closed
+        async with AsyncClient(url, api_key="k", max_connections=0) as client:
+            await client.complete("x")
+            with pytest.raises(ValueError, match=r"^temperature=nan: must be a finite number$"):
+                await client.complete("x", temperature=float("nan"))
+    assert seen == [(None, {"api-version": "1"}), ("Bearer k", {})]
+
+
+async def test_wait_ready_gives_up_at_its_timeout_whatever_the_interval():
+    with socket.socket() as sock:  # (a port nothing listens on once closed)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    async with AsyncClient(f"http://127.0.0.1:{port}") as client:
+        start = time.monotonic()
+        with pytest.raises(APIConnectionError, match="not ready after 0.3 s"):
+            await client.wait_ready(timeout=0.3, interval=30)
+        assert time.monotonic() - start < 1.0
 
 
 def test_errors_survive_pickling_and_copying():

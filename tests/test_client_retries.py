@@ -349,6 +349,19 @@ async def test_closing_the_client_mid_call_is_named_as_such():
         assert received == ["x"]  # (not retried)
 
 
+async def test_closing_the_client_during_a_retry_wait_is_named_as_such():
+    async with scripted_server(("status", 503, {"retry-after-ms": "300"})) as (url, received):
+        client = AsyncClient(url)
+        call = asyncio.create_task(client.complete("x"))
+        while not received:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # (into the wait before the retry)
+        await client.close()
+        with pytest.raises(APIConnectionError, match="^the client was closed during the call$"):
+            await asyncio.wait_for(call, 10)
+        assert received == ["x"]
+
+
 @contextlib.contextmanager
 def server_thread():
     """An app on a loopback port served by its own thread and loop, so that the test's

@@ -222,6 +222,9 @@ def test_queue_and_prefill_split_at_the_first_scheduling():
     # vLLM's TPOT: every finished request that got a token, 0 for a single token
     assert got[("rltserve:request_time_per_output_token_seconds_count", m)] == 2.0
     assert got[("rltserve:request_time_per_output_token_seconds_sum", m)] == 0.0
+    # A negative engine wait (another clock) is none: scheduled as it went to the stage
+    skewed = RequestTimeline(arrival=0.0, admitted=1.0, engine_queued=-0.5, first_token=2.0)
+    assert skewed.scheduled == 1.0
 
 
 def test_the_vllm_prefix_names_every_series():
@@ -238,7 +241,8 @@ def test_the_vllm_prefix_names_every_series():
     metrics.on_http("/v1/completions", "POST", 200, 0.25)
     metrics.on_http("unmatched", "GET", 404, 2.0)
     metrics.on_http("/v1/completions", "POST", 499, 0.5)
-    for probe in ("/metrics", "/health", "/ping", "/version"):  # (the instrumentator's excluded)
+    # (the instrumentator's excluded routes)
+    for probe in ("/metrics", "/metrics/", "/health", "/ping", "/version"):
         metrics.on_http(probe, "GET", 200, 0.01)
     metrics.stage_restarts.inc()
     got = samples(metrics.render()[0].decode())
@@ -339,11 +343,11 @@ def test_the_samples_of_a_prompt_count_once_as_it_finishes():
     short, long = (RequestTimeline(0.0, 0.0, max_tokens=8, group=group) for _ in range(2))
     metrics.on_tokens(short, 1.0, [1])
     metrics.on_tokens(long, 1.0, [1, 2, 3])
-    metrics.on_finish(short, 2.0, "stop")
+    metrics.on_finish(long, 2.0, "length")  # (the longest first: the most is kept)
     m = (("model_name", "m"), ENGINE)
     got = samples(metrics.render()[0].decode())
     assert got[("rltserve:request_params_n_count", m)] == 0.0
-    metrics.on_finish(long, 3.0, "length")
+    metrics.on_finish(short, 3.0, "stop")
     unbounded = RequestTimeline(0.0, 0.0)  # (no max_tokens: not observed, as vLLM)
     metrics.on_finish(unbounded, 4.0, "abort")
     got = samples(metrics.render()[0].decode())
@@ -376,6 +380,11 @@ def test_per_request_metrics_are_vllms():
         "time_to_first_token_ms": 500.0, "generation_time_ms": 1000.0, "queue_time_ms": 500.0,
         "mean_itl_ms": 1.0 / 9 * 1000, "tokens_per_second": 10 / 1.5,
     }  # fmt: skip
+    # An engine wait overstated up to the one token: no time to divide by, no rate
+    capped = RequestTimeline(arrival=0.0, admitted=0.5, engine_queued=9.0)
+    metrics.on_tokens(capped, 1.0, [1])
+    assert per_request_metrics(capped)["tokens_per_second"] is None
+    assert per_request_metrics(capped)["queue_time_ms"] == 1000.0
 
 
 async def test_metrics_gzip_when_asked(tmp_path_factory):

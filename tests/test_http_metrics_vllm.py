@@ -29,7 +29,9 @@ def test_a_scoring_update_marks_the_first_token_and_counts_no_token():
     metrics.configure(4, lambda: (None, 0, 0), max_model_len=64)
     timeline = RequestTimeline(arrival=1.0, admitted=1.0, max_tokens=1)
     metrics.on_start(timeline, 5)
+    metrics.on_tokens(timeline, 1.25, [])  # (an update without tokens: no first token yet)
     metrics.on_tokens(timeline, 1.5, [4], generated=False)
+    metrics.on_tokens(timeline, 1.5, [5], generated=False)  # (a forced token's scores: no gap)
     metrics.on_finish(timeline, 1.5, "length")
     got = samples(metrics.render()[0].decode())
     m = (("model_name", "m"), ENGINE)
@@ -44,6 +46,19 @@ def test_a_scoring_update_marks_the_first_token_and_counts_no_token():
     assert {k: got[(f"rltserve:{k}", m)] for k in expected} == expected
     assert (timeline.num_tokens, metrics.num_tokens, metrics.num_prefilled) == (0, 0, 5)
     assert per_request_metrics(timeline)["tokens_per_second"] == 0.0
+
+
+def test_a_two_token_requests_time_per_output_token_is_its_one_gap():
+    metrics = ServingMetrics("m")
+    timeline = RequestTimeline(arrival=0.0, admitted=0.0)
+    metrics.on_tokens(timeline, 1.0, [1])
+    metrics.on_tokens(timeline, 1.5, [1])
+    metrics.on_finish(timeline, 1.5, "length")
+    got = samples(metrics.render()[0].decode())
+    assert (
+        got[("rltserve:request_time_per_output_token_seconds_sum", (("model_name", "m"), ENGINE))]
+        == 0.5
+    )
 
 
 async def test_scoring_requests_count_no_generated_token(tmp_path_factory):

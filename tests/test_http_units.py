@@ -267,6 +267,8 @@ def test_error_helpers():
         ("max_tokens=9: too many", True, 400),
         ("stage died: exit 9", False, 503),
         ("engine error while planning a step: boom", False, 500),
+        # (only a refusal says the engine sleeps: a failure worded alike is still a failure)
+        ("the engine is asleep, it said as it failed", False, 500),
     ],
 )
 def test_an_ended_choice_is_the_error_its_engine_update_stands_for(error, rejected, status):

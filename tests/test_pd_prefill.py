@@ -1,7 +1,8 @@
 """The prefill stage's restarts (``core/pd_prefill.py``) over fake stage clients: what the
 client reports while the stage is down (not asleep), what a restart gives the new stage (the
 decode stage's version, transfers back on), closing during a restart, counters that never go
-back, and one keeper per client. Real stages: ``test_pd_failures.py``."""
+back, and one keeper per client; when attempts count, and none while the decode stage sleeps;
+the prefill stage's request. Real stages: ``test_pd_failures.py``."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import pytest
 
 from rltserve.config import EngineConfig
 from rltserve.core import pd_prefill
-from rltserve.core.engine_info import EngineStats
+from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.pd import PDClient
-from rltserve.core.pd_prefill import PrefillStage
-from rltserve.core.update_log import AppliedUpdate
+from rltserve.core.pd_prefill import PrefillStage, prefill_params
+from rltserve.core.stage import StageError
+from rltserve.core.update_log import AppliedUpdate, UpdateLost
+from rltserve.sampling import SamplingParams
 
 HANG_S = 30.0  # (hang guard)
 
@@ -212,5 +215,147 @@ def test_waiting_ready_again_starts_no_second_keeper(fast):
         thread = client._prefill._thread
         client._prefill.watch(client)  # (what a second wait_ready does)
         assert client._prefill._thread is thread and _keepers() == before + 1
+    finally:
+        client.close()
+
+
+def test_a_stage_dead_but_not_yet_noticed_is_not_served_and_a_live_ones_refusal_is_raised():
+    """Between a prefill stage's death and its keeper noticing, the client reads nothing of it
+    (a dead stage's sleep would stick) and sends it nothing; a live stage refusing a command
+    is the caller's error."""
+    client = _client()
+    try:
+        prefill = client.prefill
+        prefill.sleeping = {"weights"}
+        prefill.alive = False  # (no keeper runs here: nobody noticed)
+        assert client._prefill.serving is None and client.sleeping == set()
+        client.wake_up(["weights"])  # (not sent to the dead stage)
+        assert prefill.sleeping == {"weights"}
+        prefill.alive = True
+
+        def refusing(tags) -> None:
+            raise StageError("refused")
+
+        prefill.wake_up = refusing
+        with pytest.raises(StageError, match="refused"):
+            client.wake_up(["weights"])
+    finally:
+        client.close()
+
+
+def test_a_stage_that_served_a_while_gets_its_restarts_back(fast):
+    """Attempts spent on earlier deaths count only within ``stable_s`` of the last restart."""
+    new = _Stage()
+    client = _client([lambda: new])
+    try:
+        client._prefill._attempts = pd_prefill.RESTARTS.max_restarts
+        client._prefill._since -= pd_prefill.RESTARTS.stable_s
+        _restarted(client, new)
+    finally:
+        client.close()
+
+
+def test_no_stage_is_started_while_the_decode_stage_sleeps(fast):
+    """A stage started then could not take the weights: it waits for the wake-up."""
+    new, starts = _Stage(), []
+    client = _client()
+    client._prefill._start = lambda: starts.append(new) or new
+    try:
+        client._prefill.watch(client)
+        client.sleep(1, 1.0)
+        client.prefill.die()
+        _until(lambda: client.prefill_down is not None)
+        time.sleep(20 * pd_prefill.POLL_S)
+        assert starts == []
+        client.wake_up(["weights", "kv_cache"])
+        _until(lambda: client.prefill is new and client.prefill_down is None, client.prefill_down)
+        assert starts == [new]
+    finally:
+        client.close()
+
+
+def test_weights_that_cannot_be_restored_end_the_restarts_at_once(fast):
+    """No other attempt would get them back: one start, then the decode stage serves alone."""
+    starts = []
+    client = _client()
+    client._prefill._start = lambda: starts.append(_Stage()) or starts[-1]
+
+    def lost():
+        raise UpdateLost("update 3: its files are gone")
+
+    client._updates.replay = lost
+    try:
+        client._prefill.watch(client)
+        client.prefill.die()
+        _until(lambda: (client.prefill_down or "").startswith("not restarted: cannot restore"))
+        assert len(starts) == 1 and starts[0].closed
+    finally:
+        client.close()
+
+
+def test_the_restarts_count_again_from_the_last_restart(fast):
+    """A stage that served ``stable_s`` gets all its attempts back; the one it restarted into,
+    dying soon after, only those left."""
+    starts = []
+
+    def start():
+        starts.append(_Stage())
+        if len(starts) > 1:
+            raise RuntimeError("no device left")
+        return starts[0]
+
+    client = _client()
+    client._prefill._start = start
+    client._prefill._since -= pd_prefill.RESTARTS.stable_s
+    try:
+        client._prefill.watch(client)
+        client.prefill.die()
+        _until(lambda: starts and client.prefill is starts[0] and client.prefill_down is None)
+        starts[0].die()
+        _until(lambda: (client.prefill_down or "").startswith("not restarted after"))
+        assert len(starts) == pd_prefill.RESTARTS.max_restarts, client.prefill_down
+    finally:
+        client.close()
+
+
+def test_the_prefill_request_keeps_what_its_kv_and_its_place_depend_on():
+    """One greedy token at the request's full depth (a gated model's at least its own loop
+    count), under the request's seed, KV policy, priority and cache salt."""
+    info = EngineInfo("m", "ouro", 4, 8, 64, 512, (0,), 64, 16, "full", has_gate=True)
+    asked = SamplingParams(
+        temperature=0.7, max_tokens=9, seed=5, max_loops=2, kv_policy="last_exited",
+        priority=3, cache_salt="tenant",
+    )  # fmt: skip
+    got = prefill_params(asked, info)
+    want = (1, 0.0, 5, 4, "last_exited", 3, "tenant")
+    assert (got.max_tokens, got.temperature, got.seed, got.max_loops) + (
+        got.kv_policy,
+        got.priority,
+        got.cache_salt,
+    ) == want
+    ungated = prefill_params(asked, replace(info, has_gate=False))
+    assert ungated.max_loops == 2
+
+
+def test_a_stage_started_as_the_decode_stage_fell_asleep_is_dropped_uncounted(fast):
+    """It could not take the weights: stopped, and the attempt given back; the next start,
+    once the decode stage is awake, serves."""
+    first, second = _Stage(), _Stage()
+    client = _client()
+
+    def start():
+        if first.closed:
+            return second
+        client.decode.sleeping = {"weights"}  # (a sleep that came meanwhile)
+        return first
+
+    client._prefill._start = start
+    try:
+        client._prefill.watch(client)
+        client.prefill.die()
+        _until(lambda: first.closed)
+        client.decode.sleeping = set()
+        _until(lambda: client.prefill is second and client.prefill_down is None)
+        assert client._prefill._attempts == 1 and client._prefill.restarts == 1
     finally:
         client.close()

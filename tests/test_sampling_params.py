@@ -383,11 +383,14 @@ def test_vllms_best_of_bad_words_logits_processors_and_output_kind():
     assert [s.best_of for s in expand_samples(four)] == [None] * 4
     for kw, message in [
         ({"n": 2, "best_of": 3}, r"best_of=3: no best-of or beam search \(must be None or n=2"),
+        ({"n": 3, "best_of": 2}, r"best_of=2: no best-of or beam search \(must be None or n=3"),
         ({"best_of": True}, "best_of=True: must be an int"),
         ({"bad_words": ["x"]}, r"bad_words=\['x'\]: not supported .*logit_bias"),
         ({"logits_processors": [print]}, "logits_processors=.*: not supported .*logit_bias"),
         ({"output_kind": 3}, r"output_kind=3: must be a RequestOutputKind \(0, 1 or 2\)"),
         ({"output_kind": "delta"}, "output_kind='delta': must be a RequestOutputKind"),
+        ({"output_kind": True}, "output_kind=True: must be a RequestOutputKind"),
+        ({"output_kind": 1.0}, "output_kind=1.0: must be a RequestOutputKind"),
         ({"flat_logprobs": True}, r"flat_logprobs=True: not supported \(False"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -402,7 +405,10 @@ def test_a_temperature_below_vllms_floor_is_raised_to_it(caplog):
     assert (tiny.temperature, tiny.greedy) == (0.01, False)
     assert "temperature 1e-38 is below 0.01" in caplog.text
     assert SamplingParams(temperature=0.004).temperature == 0.01
-    assert SamplingParams(temperature=0.01).temperature == 0.01
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rltserve.sampling"):
+        assert SamplingParams(temperature=0.01).temperature == 0.01
+    assert not caplog.records  # (the floor itself is not raised: nothing to warn of)
     assert SamplingParams(temperature=0.0).greedy
 
 
@@ -460,11 +466,14 @@ def test_a_criterion_set_later_takes_its_own_default_threshold():
     argmax-stability exited after one stable loop instead of five. A threshold given, or set
     by hand, is kept."""
     sweep = SamplingParams(temperature=0.0)
+    assert sweep.exit_threshold == 1.0 and not sweep.adaptive_exit  # (a fixed depth)
     for name, default in EXIT_CRITERIA.items():
         sweep.exit_criterion = name
         assert (sweep.exit_threshold, sweep.clone().exit_threshold) == (default, default), name
     sweep.exit_criterion = None
     assert sweep.exit_threshold == 1.0 and not sweep.adaptive_exit
+    # "none" never exits early, whatever its threshold
+    assert not SamplingParams(exit_criterion="none", exit_threshold=0.5).adaptive_exit
     copied = SamplingParams(exit_criterion="kl").clone()
     copied.exit_criterion = "latent-diff"
     assert copied.exit_threshold == 0.03
@@ -491,3 +500,5 @@ def test_a_thinking_budget_of_minus_one_is_no_bound_as_vllms():
     for bad in (-2, -3):
         with pytest.raises(ValueError, match=rf"={bad}: must be >= 0 \(-1: no bound\)"):
             SamplingParams(thinking_token_budget=bad)
+    with pytest.raises(ValueError, match=r"max_thinking_tokens=-1.0: must be an int"):
+        SamplingParams(max_thinking_tokens=-1.0)  # (only the int -1 is vLLM's "unlimited")
