@@ -131,11 +131,14 @@ BAD_REQUESTS = [
      "top_logprobs", "requires logprobs=true"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}], "tool_choice": "required"},
+     "tools[0].function", "required"),
     ("chat/completions", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
-     "messages[1].tool_calls", "tool calls are not supported"),
+     "messages[1].tool_calls[0]", 'must be {"id": ..., "type": "function"'),
     ("chat/completions", {"messages": [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},

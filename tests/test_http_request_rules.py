@@ -1,6 +1,6 @@
 """Request rules and documents of the HTTP front end that need no socket (found by mutation
 testing): how bodies parse and validate (nested objects, bounds of n, logit_bias, temperature,
-logprobs counts, suffix, /tokenize, assistant turns, message names, tool_choice), how a request
+logprobs counts, suffix, /tokenize, assistant turns, message names), how a request
 becomes sampling parameters (prompt logprobs, min_tokens against a chat limit, fields as sent),
 the operator's chat template setting, the OpenAPI document, latency metrics and error types."""
 
@@ -243,50 +243,6 @@ def test_a_message_name_reaches_the_template():
         ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "name": "ann"}]}
     )
     assert chat.template_messages() == [{"role": "user", "content": "x", "name": "ann"}]
-
-
-def test_tool_choice_auto_is_no_tool_call():
-    """Without tools, ``tool_choice`` "auto" asks for nothing (the model answers in text)."""
-    for choice in ("auto", "none"):
-        assert parsed(ChatCompletionRequest, {**CHAT, "tool_choice": choice}).tool_choice == choice
-    assert schema_error(ChatCompletionRequest, {**CHAT, "tool_choice": "required"}) == (
-        "tool_choice",
-        "tool_choice: not supported (no tool calling)",
-    )
-
-
-TOOLS = [{"type": "function", "function": {"name": "f"}}]
-
-
-@pytest.mark.parametrize("cls", [ChatCompletionRequest, TokenizeRequest])
-def test_tools_only_with_tool_choice_none_and_no_legacy_functions(cls):
-    """vLLM's: tools with tool_choice "none" go to the template (the model answers in text);
-    with any other tool_choice they ask for tool calls, which are refused, as OpenAI's legacy
-    ``functions`` and ``function_call`` are (they were ignored). /tokenize has chat's rules."""
-    req = parsed(cls, {**CHAT, "tools": TOOLS, "tool_choice": "none"})
-    assert req.template_kwargs == {"tools": TOOLS}
-    assert parsed(cls, {**CHAT, "tools": [], "chat_template_kwargs": {"k": 1}}).template_kwargs == {
-        "k": 1
-    }
-    refused = 'tools: not supported (this server has no tool calling); with tool_choice "none" '
-    refused += "they go to the chat template only"
-    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
-        assert schema_error(cls, {**CHAT, "tools": TOOLS, "tool_choice": choice}) == (
-            "tools",
-            refused,
-        )
-    functions = [{"name": "f", "parameters": {}}]
-    for body in ({"functions": functions}, {"functions": functions, "function_call": "none"}):
-        assert schema_error(cls, {**CHAT, **body}) == (
-            "functions",
-            "functions: not supported (no function calling)",
-        )
-    assert schema_error(cls, {**CHAT, "function_call": {"name": "f"}}) == (
-        "function_call",
-        "function_call: not supported (no function calling)",
-    )
-    for call in ("none", "auto"):
-        parsed(cls, {**CHAT, "function_call": call})
 
 
 def test_reasoning_effort_is_a_template_variable_of_openais_values():

@@ -1,7 +1,7 @@
 """Chat templates and thinking over HTTP, with the scripted stage and the real ouro-tiny
 tokenizer: the operator's template and its defaults, request template variables, tool fields
-refused alike on chat and /tokenize, a tokenizer without a template, and bounded thinking
-without a tokenizer. Other edges: ``test_http_edges.py``."""
+alike on chat and /tokenize, a history of tool calls, a tokenizer without a template, and
+bounded thinking without a tokenizer. Other edges: ``test_http_edges.py``."""
 
 from __future__ import annotations
 
@@ -124,17 +124,16 @@ async def test_template_variables_of_requests_and_the_operators_defaults(ckpt):
             assert status == 200 and orjson.loads(raw)["tokens"] == ids, raw
 
 
-async def test_tool_fields_are_refused_alike_on_chat_and_tokenize(ckpt):
-    """No tool calling: ``tools`` with tool_choice auto, required or absent, and the legacy
-    ``functions`` / ``function_call``, are a 400 naming the field on chat and /tokenize alike
-    (``functions`` was ignored, /tokenize took ``tools`` silently)."""
+async def test_tool_fields_have_the_same_rules_on_chat_and_tokenize(ckpt):
+    """Tool calling needs a forcing tool_choice: ``tools`` with tool_choice auto or absent, and
+    the legacy ``functions`` / ``function_call``, are a 400 naming the field on chat and
+    /tokenize alike; "none", "required" and a named function render the tools."""
     tools = [{"type": "function", "function": {"name": "f"}}]
     functions = [{"name": "f", "parameters": {}}]
     async with running(ckpt, client_factory=scripted_factory(stage_for(ckpt))) as live:
         for extra, param in [
             ({"tools": tools}, "tools"),
-            ({"tools": tools, "tool_choice": "auto"}, "tools"),
-            ({"tools": tools, "tool_choice": "required"}, "tools"),
+            ({"tools": tools, "tool_choice": "auto"}, "tool_choice"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"functions": functions}, "functions"),
             ({"functions": functions, "function_call": "auto"}, "functions"),
@@ -143,10 +142,44 @@ async def test_tool_fields_are_refused_alike_on_chat_and_tokenize(ckpt):
             for path in ("/v1/chat/completions", "/tokenize"):
                 status, _, raw = await live.post(path, {**CHAT, **extra})
                 assert (status, error_of(raw)["param"]) == (400, param), (path, extra, raw)
-        for extra in ({"tools": tools, "tool_choice": "none"}, {"function_call": "none"}):
-            for path in ("/v1/chat/completions", "/tokenize"):
-                status, _, raw = await live.post(path, {**CHAT, **extra, "max_tokens": 1})
-                assert status == 200, (path, raw)
+        named = {"type": "function", "function": {"name": "f"}}
+        for extra in (
+            {"tools": tools, "tool_choice": "none"},
+            {"function_call": "none"},
+            {"tools": tools, "tool_choice": "required"},
+            {"tools": tools, "tool_choice": named},
+        ):
+            status, _, raw = await live.post("/tokenize", {**CHAT, **extra})
+            assert status == 200, raw
+
+
+async def test_a_tool_call_history_renders_as_transformers_templates_read_it(ckpt):
+    """An answer's tool calls reach the template with their arguments as a dict (templates
+    render ``arguments | tojson``, vLLM parses the JSON text for them) and a tool's result with
+    its ``tool_call_id``, on chat and /tokenize alike."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<call {{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }} "
+        "city={{ c.function.arguments.city }}>{% endfor %}{% if m.tool_call_id %}"
+        "(for {{ m.tool_call_id }}){% endif %}|{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city":"P"}'}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "22 C"},
+    ]
+    rendered = '[user]hi|[assistant]<call c1 w {"city": "P"} city=P>|[tool]22 C(for c1)|'
+    want = load_tokenizer(ckpt).encode(rendered, False)
+    stage = stage_for(ckpt)
+    factory = scripted_factory(stage)
+    async with running(ckpt, client_factory=factory, chat_template=template) as live:
+        status, _, raw = await live.post("/tokenize", {"messages": messages})
+        assert status == 200 and orjson.loads(raw)["tokens"] == want, raw
+        status, _, raw = await live.post("/v1/chat/completions", {"messages": messages})
+        assert status == 200 and stage.added_prompts == [want], raw
 
 
 def no_template_checkpoint(ckpt, path):

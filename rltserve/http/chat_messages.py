@@ -1,10 +1,12 @@
 """Chat messages as a request carries them and as chat templates take them: the message and
 content-part schemas, the rules of the template-related request fields (template variables,
-tools, the generation prompt) and the roles and text a template renders. Shared by the chat
-endpoint, /tokenize and ``LLM.chat`` (``prompt_inputs``)."""
+the generation prompt) and the roles and text a template renders, an earlier answer's tool calls
+and the tools' results among them (the tool fields' rules are ``tool_choice``'s). Shared by the
+chat endpoint, /tokenize and ``LLM.chat`` (``prompt_inputs``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,30 +35,6 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, chat_template: str | No
         if key in TEMPLATE_CALL_ARGUMENTS:
             name = f"chat_template_kwargs.{key}"
             raise SchemaError(name, f"{name}: not a template variable a request may set")
-
-
-def check_tools(
-    tools: list[dict[str, Any]] | None,
-    tool_choice: str | dict[str, Any] | None,
-    functions: list[dict[str, Any]] | None,
-    function_call: str | dict[str, Any] | None,
-) -> None:
-    """No tool calling here (no tool-call parser): ``tools`` only with ``tool_choice`` "none",
-    where the model answers in text and the chat template still sees the tools (vLLM's
-    default); OpenAI's legacy ``functions`` and ``function_call`` are refused as ``tools`` is
-    (ignored, the answer would look like one that had them)."""
-    if tools and tool_choice != "none":
-        raise SchemaError(
-            "tools",
-            'tools: not supported (this server has no tool calling); with tool_choice "none" '
-            "they go to the chat template only",
-        )
-    if tool_choice not in (None, "none", "auto"):
-        raise SchemaError("tool_choice", "tool_choice: not supported (no tool calling)")
-    if functions:
-        raise SchemaError("functions", "functions: not supported (no function calling)")
-    if function_call not in (None, "none", "auto"):
-        raise SchemaError("function_call", "function_call: not supported (no function calling)")
 
 
 # OpenAI's reasoning efforts (its SDK's ``ReasoningEffort``; vLLM's ``ReasoningEffortValue``).
@@ -119,6 +97,34 @@ def template_variables(
     return out
 
 
+def template_tool_calls(calls: list[Any], path: str) -> list[dict[str, Any]]:
+    """An answer's tool calls as chat templates take them (transformers' convention, vLLM's
+    too): ``{"id", "type", "function": {"name", "arguments"}}`` with the arguments a dict,
+    parsed from the JSON text OpenAI's API carries (templates render ``arguments | tojson``)."""
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{path}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            message = f'{where}: must be {{"id": ..., "type": "function", "function": {{"name": '
+            raise SchemaError(where, message + '..., "arguments": "<JSON text>"}}')
+        arguments = function.get("arguments")
+        if arguments is None or arguments == "":  # (vLLM's: a call of no arguments)
+            arguments = {}
+        elif isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                where = f"{where}.function.arguments"
+                raise SchemaError(where, f"{where}: not valid JSON ({exc})") from None
+        entry = {"type": call.get("type", "function"), "function": {**function}}
+        entry["function"]["arguments"] = arguments
+        if call.get("id") is not None:
+            entry = {"id": call["id"], **entry}
+        out.append(entry)
+    return out
+
+
 # The role of every chat answer (vLLM's default ``response_role``).
 RESPONSE_ROLE = "assistant"
 
@@ -143,9 +149,9 @@ class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # A conversation replayed from a server with tools: refused (as ``tools`` is) rather than
-    # rendered without its calls, in OpenAI's form and its legacy one; ``tool_call_id`` alone
-    # is harmless.
+    # An earlier answer's tool calls (OpenAI's form) and a tool's result (``role: "tool"``
+    # with the ``tool_call_id`` it answers) go to the template; the legacy ``function_call``
+    # is refused rather than rendered without its call.
     tool_calls: list[Any] | None = None
     function_call: Any = None
     tool_call_id: str | None = None
@@ -174,12 +180,10 @@ class ChatMessage:
         vLLM's custom roles do (Huginn's history may name its answers' role ``Huginn``)."""
         if not self.role.strip():
             raise SchemaError(f"{path}.role", f"{path}.role: must not be empty")
-        if self.tool_calls:
-            where = f"{path}.tool_calls"
-            raise SchemaError(where, f"{where}: tool calls are not supported (nor is tools)")
         if self.function_call is not None:
             where = f"{path}.function_call"
-            raise SchemaError(where, f"{where}: function calls are not supported (nor is tools)")
+            message = f"{where}: legacy function calls are not supported (send tool_calls)"
+            raise SchemaError(where, message)
         if self.audio is not None:
             where = f"{path}.audio"
             raise SchemaError(where, f"{where}: audio is not supported (text messages only)")
@@ -200,6 +204,13 @@ class ChatMessage:
         message: dict[str, Any] = {"role": template_role(self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":  # (OpenAI's: only an answer calls tools)
+                where = f"{path}.tool_calls"
+                raise SchemaError(where, f"{where}: only an assistant message has tool calls")
+            message["tool_calls"] = template_tool_calls(self.tool_calls, f"{path}.tool_calls")
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
         if self.reasoning_content not in (None, reasoning):
             where = f"{path}.reasoning_content"

@@ -29,6 +29,7 @@ from rltserve.http.schemas import (
     sampling_params,
 )
 from rltserve.http.state import ServingState
+from rltserve.http.tool_calls import ToolCallFormat
 from rltserve.http.validation import param_of
 from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking import reasoning_kept_ids
@@ -304,17 +305,18 @@ async def chat_plan(
         state.sampling_defaults,
         await frontend.structured(req),
     )
-    reasoning = bool(prompt.thinking)  # (the split follows what bounds the budget)
+    forced = req.forced_tools  # (the answers are tool calls: no thinking span to split off)
+    reasoning = bool(prompt.thinking) and forced is None  # (the split follows the budget's)
     if reasoning and (kept := reasoning_kept_ids(frontend.tokenizer)):
         choices = [dataclasses.replace(c, kept_special_ids=kept) for c in choices]
+    header = _header(state, "chatcmpl", response_id, req.model)
+    echo = echoed_text(messages) if req.echo else ""
     return GenerationPlan(
         choices=choices,
-        format=ChatFormat(
-            _header(state, "chatcmpl", response_id, req.model),
-            req,
-            frontend,
-            reasoning=reasoning,
-            echo=echoed_text(messages) if req.echo else "",
+        format=(
+            ChatFormat(header, req, frontend, reasoning=reasoning, echo=echo)
+            if forced is None
+            else ToolCallFormat(header, req, frontend, forced, echo=echo)
         ),
         stream=req.stream,
         include_usage=req.include_usage or state.config.enable_force_include_usage,

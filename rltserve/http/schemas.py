@@ -23,11 +23,11 @@ from rltserve.http.chat_messages import (
     check_generation_prompt,
     check_reasoning_effort,
     check_template_kwargs,
-    check_tools,
     template_variables,
 )
 from rltserve.http.config import MAX_N
 from rltserve.http.structured_fields import requested
+from rltserve.http.tool_choice import ForcedTools, check_tools, forced_tools
 from rltserve.http.validation import SchemaError, param_of
 from rltserve.prompt_truncation import truncation_error
 from rltserve.samples import sample_seed
@@ -146,6 +146,12 @@ class GenerationFields:
             raise SchemaError(THINKING_BUDGET_ALIAS, str(exc)) from None
 
     @property
+    def forced_tools(self) -> ForcedTools | None:
+        """The tool calls the request's ``tool_choice`` forces (chat's; structured outputs
+        generate them)."""
+        return None
+
+    @property
     def thinking_budget(self) -> int | None:
         """``max_thinking_tokens``, or its alias ``thinking_token_budget``."""
         return thinking_budget(self.max_thinking_tokens, self.thinking_token_budget)
@@ -232,10 +238,12 @@ class ChatCompletionRequest(GenerationFields):
     include_reasoning: bool = True
     # OpenAI's; a template variable (``reasoning_effort``), as vLLM and SGLang pass it.
     reasoning_effort: str | None = None
-    # ``tools`` with ``tool_choice`` "none" go to the template; otherwise tools and the legacy
-    # ``functions`` are known so that asking for them is a clear 400 (``check_tools``).
+    # ``tools`` go to the template; a named ``tool_choice`` or "required" constrains the output
+    # to the calls (``tool_choice``); "auto" and the legacy ``functions`` are known so that
+    # asking for them is a clear 400 (``check_tools``).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # (false: "required" makes one call at most)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     # OpenAI's audio output and web search: known so that asking for them is a clear 400.
@@ -244,6 +252,8 @@ class ChatCompletionRequest(GenerationFields):
     web_search_options: dict[str, Any] | None = None
 
     def validate(self) -> None:
+        # (first: the structured-output rules of ``super()`` read ``forced_tools``)
+        check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         super().validate()
         if not self.messages:
             raise SchemaError("messages", "messages: must not be empty")
@@ -251,7 +261,6 @@ class ChatCompletionRequest(GenerationFields):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SchemaError(name, f"{name}={value}: must be >= 1")
-        check_tools(self.tools, self.tool_choice, self.functions, self.function_call)
         check_reasoning_effort(self.reasoning_effort)
         if self.modalities is not None and set(self.modalities) - {"text"}:
             raise SchemaError("modalities", 'modalities: only ["text"] is supported')
@@ -265,6 +274,10 @@ class ChatCompletionRequest(GenerationFields):
                 raise SchemaError("top_logprobs", "top_logprobs: requires logprobs=true")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise SchemaError("top_logprobs", f"top_logprobs: must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def forced_tools(self) -> ForcedTools | None:
+        return forced_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input(f"messages[{i}]") for i, m in enumerate(self.messages)]
@@ -298,7 +311,7 @@ class TokenizeRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # (vLLM's; refused)
-    # As chat's (``check_tools``): tools with tool_choice "none" go to the template.
+    # As chat's (``check_tools``): tools go to the template.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None

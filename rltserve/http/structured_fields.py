@@ -1,8 +1,9 @@
 """Structured outputs as the HTTP API asks for them: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` (with
-``guided_whitespace_pattern``) and its newer ``structured_outputs`` object. A request gives at
-most one; each refusal (two at once, a bad shape, a schema or regex that cannot be compiled) is
-a 400 naming the field as the client sent it. Compiling runs off the event loop
+``guided_whitespace_pattern``) and its newer ``structured_outputs`` object, and chat's named or
+required ``tool_choice`` (its calls' schema, ``tool_choice``). A request gives at most one; each
+refusal (two at once, a bad shape, a schema or regex that cannot be compiled) is a 400 naming the
+field as the client sent it. Compiling runs off the event loop
 (``compile_structured``, on the frontend's executor).
 """
 
@@ -29,6 +30,12 @@ def requested(req: GenerationFields) -> tuple[StructuredOutputsParams, str] | No
     given = [name for name in FIELDS if _asks(name, getattr(req, name))]
     if len(given) > 1:
         raise SchemaError(given[1], f"{given[1]}: give one of {', '.join(given)}, not both")
+    forced = req.forced_tools  # (chat's named or required tool_choice: the calls' schema)
+    if forced is not None:
+        if given:
+            message = f"{given[0]}: not with a named or required tool_choice (it sets the output)"
+            raise SchemaError(given[0], message)
+        return forced.constraint(), forced.field
     space = req.guided_whitespace_pattern
     if space is not None and not isinstance(space, str):
         raise SchemaError("guided_whitespace_pattern", "guided_whitespace_pattern: a string")
