@@ -110,7 +110,7 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "(" + "|".join(map(_escape, self.choice)) + ")"
         space = "" if self.disable_any_whitespace else self.whitespace_pattern
-        if self.json is None:
+        if self.json is None or _any_object(self.json):
             return json_object_pattern(space)
         schema = json.dumps(self.json) if isinstance(self.json, dict) else self.json
         build = outlines_core().json_schema.build_regex_from_schema
@@ -138,6 +138,27 @@ def json_object_pattern(space: str | None = None, depth: int = JSON_OBJECT_DEPTH
         array = rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
         value = f"({scalar}|{obj}|{array})"
     return obj
+
+
+# A schema of any object: its type and words for people, nothing that constrains the members.
+_ANY_OBJECT_KEYS = {"type", "title", "description", "$schema", "additionalProperties"}
+
+
+def _any_object(schema: str | dict) -> bool:
+    """Whether ``schema`` allows any JSON object (``{"type": "object"}``, as MCP tools declare
+    their parameters): outlines-core's translation of that takes seconds to compile against a
+    512-token vocabulary (minutes against a real one), so it is ``json_object``'s regex."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return False  # (refused by the translation, naming the field)
+    return (
+        isinstance(schema, dict)
+        and schema.get("type") == "object"
+        and schema.get("additionalProperties", True) is True
+        and set(schema) <= _ANY_OBJECT_KEYS
+    )
 
 
 def _escape(text: str) -> str:

@@ -135,3 +135,21 @@ def test_without_outlines_core_the_error_says_what_to_install(tok, monkeypatch):
         bind(p, tok)
     with pytest.raises(ValueError, match="outlines-core"):
         StructuredOutputsParams(json={"type": "object"}).pattern()
+
+
+def test_a_schema_of_any_object_is_json_objects_regex():
+    """``{"type": "object"}`` (MCP tools' parameters, a bare response_format schema): outlines'
+    translation compiled for seconds on a 512-token vocabulary; it is json_object's regex."""
+    generic = StructuredOutputsParams(json_object=True).pattern()
+    for schema in (
+        {"type": "object"},
+        '{"type": "object", "description": "any arguments"}',
+        {"type": "object", "title": "Args", "additionalProperties": True},
+    ):
+        assert StructuredOutputsParams(json=schema).pattern() == generic
+    for schema in (
+        {"type": "object", "properties": {"a": {"type": "integer"}}},
+        {"type": "object", "properties": {}},
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+    ):
+        assert StructuredOutputsParams(json=schema).pattern() != generic
