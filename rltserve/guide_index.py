@@ -12,7 +12,9 @@ schema over 150k tokens), so the front end holding the tokenizer (``LLM``, the s
 
 from __future__ import annotations
 
+import hashlib
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,14 @@ if TYPE_CHECKING:
     from rltserve.sampling import SamplingParams
 
 CACHE_SIZE = 64  # compiled indexes a GuideCompiler keeps (least recently used dropped)
+# Each regex is compiled followed by an end mark, a pseudo token of the vocabulary (``END_ID``,
+# beyond any real id; its text a noncharacter no real token may spell). outlines-core's automaton
+# reports a match one byte late, and its index drops a one-byte step out of a state where the
+# regex is matched in full: "1" then "0" under choice ["1", "10"], or "." after "3" under
+# ``[0-9]+(\.[0-9]+)?``. With the mark, the regex is matched in full only after it, and the
+# output may end wherever the mark may follow (``GuideIndex.ends``).
+END_ID = 2**31 - 1
+END_MARK = "\U0010ffff"
 SPIECE_SPACE = "\u2581"  # SentencePiece's word boundary
 
 
@@ -34,8 +44,40 @@ class GuideIndex:
     allows where the regex is matched in full."""
 
     pattern: str
-    index: Any
+    index: Any  # (of the pattern followed by ``END_MARK``)
     eos: int
+
+    def ends(self, state: int) -> bool:
+        """Whether the output may end in ``state``: the pattern is matched in full there."""
+        after = self.index.get_next_state(state, END_ID)
+        return after is not None and self.index.is_final_state(after)
+
+    def __reduce__(self) -> tuple:
+        # To a worker process with every request that uses it: serialized once (the index is
+        # megabytes at a large vocabulary; outlines-core's own form, its rebuild function and
+        # bytes), and restored once per process while requests hold it (``_restore``), not as
+        # a copy per request.
+        reduced = self.__dict__.get("_reduced")
+        if reduced is None:
+            rebuild, (data,) = self.index.__reduce__()
+            reduced = (rebuild, data)
+            object.__setattr__(self, "_reduced", reduced)
+        return _restore, (self.pattern, self.eos, *reduced)
+
+
+# The indexes restored in this process, by content, while requests hold them (weakly: an entry
+# goes with the last request using it).
+_RESTORED: weakref.WeakValueDictionary[tuple, GuideIndex] = weakref.WeakValueDictionary()
+_RESTORING = threading.Lock()
+
+
+def _restore(pattern: str, eos: int, rebuild: Any, data: bytes) -> GuideIndex:
+    key = (pattern, eos, hashlib.blake2b(data, digest_size=16).digest())
+    with _RESTORING:
+        known = _RESTORED.get(key)
+        if known is None:
+            known = _RESTORED[key] = GuideIndex(pattern, rebuild(data), eos)
+        return known
 
 
 def token_bytes_table(tokenizer: Tokenizer) -> tuple[dict[bytes, list[int]], int]:
@@ -80,6 +122,13 @@ def _piece_bytes(piece: str, spiece: bool, alphabet: dict[str, int]) -> bytes:
     return piece.encode()
 
 
+def _with_end_mark(pattern: str) -> str:
+    body = pattern[:-1]
+    if pattern.endswith("$") and (len(body) - len(body.rstrip("\\"))) % 2 == 0:
+        pattern = body  # (a trailing ``$`` would assert the end before the mark; whole anyway)
+    return f"(?:{pattern}){END_MARK}"
+
+
 class GuideCompiler:
     """Constraints compiled for one tokenizer (None: a checkpoint without one, whose
     constraints are refused): its vocabulary as outlines-core takes it, built on first use, and
@@ -102,6 +151,10 @@ class GuideCompiler:
         with self._lock:
             if self._vocabulary is None:
                 table, eos = token_bytes_table(self.tokenizer)
+                # No real token may spell the mark: those holding its lead byte (0xF4, which
+                # only begins the private-use characters of plane 16) are left out.
+                table = {text: ids for text, ids in table.items() if 0xF4 not in text}
+                table[END_MARK.encode()] = [END_ID]
                 self._vocabulary = (core.Vocabulary(eos, table), eos)
             vocabulary, eos = self._vocabulary
             known = self._indexes.get(pattern)
@@ -111,7 +164,7 @@ class GuideCompiler:
         # Compiled outside the lock: a long compile does not hold up requests whose index is
         # known.
         try:
-            index = core.Index(pattern, vocabulary)
+            index = core.Index(_with_end_mark(pattern), vocabulary)
         except Exception as exc:  # (outlines-core's ValueError: a bad regex, unspellable text)
             raise ValueError(f"{field}: cannot compile this constraint: {exc}") from None
         guide = GuideIndex(pattern, index, eos)
@@ -155,6 +208,23 @@ def with_index(structured: StructuredOutputsParams, guide: GuideIndex) -> Struct
 
 def compiled_index(structured: StructuredOutputsParams) -> GuideIndex | None:
     return getattr(structured, "_index", None)
+
+
+def after_reasoning(structured: StructuredOutputsParams, end_id: int) -> StructuredOutputsParams:
+    """A copy of compiled ``structured`` that applies once the output has closed the thinking
+    span its prompt left open (token ``end_id``, ``</think>``), as vLLM's structured outputs
+    under a reasoning parser: the thinking is free, the answer after it constrained. (A
+    constraint from the first token would put the whole answer in the span.)"""
+    bound = replace(structured)
+    object.__setattr__(bound, "_index", compiled_index(structured))
+    object.__setattr__(bound, "_reasoning_end", end_id)
+    return bound
+
+
+def reasoning_end(structured: StructuredOutputsParams) -> int | None:
+    """The id that closes the thinking span before the constraint applies (None: from the
+    first token: ``after_reasoning``)."""
+    return getattr(structured, "_reasoning_end", None)
 
 
 def check_bound(params: SamplingParams) -> None:

@@ -22,6 +22,11 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # escapes these and nothing else (Python's ``re.escape`` escapes more than that dialect reads).
 _META = set("\\.+*?()|[]{}^$#&-~")
 JSON_OBJECT_DEPTH = 2  # json_object: an object's values may be objects or arrays of scalars
+# json_object's strings and numbers: JSON's own (RFC 8259). outlines-core's leave out ``\uXXXX``
+# escapes (Python's json.dumps writes every non-ASCII character so), U+007F-U+009F and an
+# exponent without a sign ("1e5").
+JSON_STRING = r'"([^"\\\x00-\x1F]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4}))*"'
+JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
 class StructuredOutputsUnavailable(ValueError):
@@ -131,9 +136,9 @@ def json_object_pattern(space: str | None = None, depth: int = JSON_OBJECT_DEPTH
     against a 512-token vocabulary, this one a fraction of a second."""
     js = outlines_core().json_schema
     ws = js.WHITESPACE if space is None else space
-    scalar = value = f"({js.STRING}|{js.NUMBER}|{js.BOOLEAN}|{js.NULL})"
+    scalar = value = f"({JSON_STRING}|{JSON_NUMBER}|{js.BOOLEAN}|{js.NULL})"
     for _ in range(depth):
-        member = f"{js.STRING}{ws}:{ws}{value}"
+        member = f"{JSON_STRING}{ws}:{ws}{value}"
         obj = rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
         array = rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
         value = f"({scalar}|{obj}|{array})"

@@ -207,7 +207,7 @@ def test_min_tokens_bans_do_not_empty_a_guided_row():
     """The sampler's side of it, with an end id that is not 0 (an all -inf row's argmax): a
     guided row whose bans would leave nothing samples what its guide allows."""
     ended = SimpleNamespace(
-        compiled=SimpleNamespace(pattern="x", eos=5), state=None, allowed=lambda: [5]
+        compiled=SimpleNamespace(pattern="x", eos=5), state=None, allowed=lambda: [5], active=True
     )
     banned = torch.tensor([5, 6])  # (min_tokens' ids: the end ids)
     for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)):
@@ -216,3 +216,44 @@ def test_min_tokens_bans_do_not_empty_a_guided_row():
             row.banned = banned
         out = Sampler().sample(torch.randn(2, 16), rows, banned=[0, 1])
         assert out.token_ids[0] == 5 and out.token_ids[1] not in (5, 6)
+
+
+def test_a_guide_after_reasoning_masks_nothing_until_the_span_closes(tok):
+    """``after_reasoning`` (a chat prompt that leaves ``<think>`` open): the sampler leaves
+    the row free until ``</think>`` is sampled, then masks it; a resumed request's replay
+    (over the same tokens) lands in the same place."""
+    from rltserve.guide_index import after_reasoning
+
+    think_end = tok.get_vocab()["</think>"]
+    p = guided(tok, StructuredOutputsParams(choice=["yes", "no"]), temperature=0.0)
+    structured = after_reasoning(p.structured_outputs, think_end)
+    guide = Guide.of(structured)
+    logits = torch.zeros(1, tok.vocab_size)
+    logits[0, 7] = 5.0  # (an id the choice never allows)
+    row = SampleRow(p, bias=torch.zeros(tok.vocab_size), guide=guide)
+    assert Sampler().sample(logits, [row]).token_ids == [7]
+    guide.advance(7)
+    assert not guide.active and Sampler().sample(logits, [row]).token_ids == [7]
+    guide.advance(think_end)
+    assert guide.active and Sampler().sample(logits, [row]).token_ids != [7]
+    replayed = Guide.of(structured).replay([7, think_end])
+    assert replayed.active and replayed.state == guide.state
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_describe_the_masked_distribution(tok, mode):
+    """vLLM masks the model's logits before its sampler: a guided row's logprobs, raw ones
+    included, are over what the guide allows (a choice's top logprobs are its options'), and
+    its logits' finiteness is still the model's."""
+    p = guided(tok, StructuredOutputsParams(choice=["yes", "no"]), temperature=0.0, logprobs=3)
+    guide = Guide(compiled_index(p.structured_outputs))
+    allowed = guide.allowed()
+    logits = torch.randn(2, tok.vocab_size, generator=torch.Generator().manual_seed(0))
+    rows = [SampleRow(p, bias=torch.zeros(tok.vocab_size), guide=guide), SampleRow(p)]
+    out = Sampler(mode).sample(logits, rows)
+    want = torch.log_softmax(logits[0, allowed], dim=-1)
+    assert out.token_ids[0] == allowed[int(want.argmax())]
+    assert out.logprobs[0] == pytest.approx(float(want.max()), abs=1e-5)
+    tops = [t for t, _ in out.top_logprobs[0]]
+    assert set(tops[: len(allowed)]) == set(allowed) and out.finite == [True, True]
+    assert out.token_ids[1] == int(logits[1].argmax())  # (an unguided row: unmasked)

@@ -110,3 +110,31 @@ async def test_without_outlines_core_a_400_says_what_to_install(ckpt, monkeypatc
         status, _, raw = await live.post("/v1/completions", body)
     assert status == 400 and error_of(raw)["param"] == "guided_regex"
     assert "pip install 'rltserve[structured]'" in error_of(raw)["message"]
+
+
+async def test_a_thinking_chat_is_constrained_after_its_span(ckpt):
+    """A template that opens ``<think>``: the answer after ``</think>`` is what the constraint
+    shapes (vLLM's under a reasoning parser), not the span, which would hold the whole match
+    and leave ``content`` null. A bias makes the model close the span at once; it then
+    cannot sample ``</think>`` again (the constraint masks it)."""
+    from rltserve.models.tokenizer import load_tokenizer
+
+    think_end = load_tokenizer(ckpt).get_vocab()["</think>"]
+    body = {
+        **CHAT,
+        "seed": 1,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "guided_choice": CHOICES,
+        "logit_bias": {str(think_end): 100},
+    }
+    async with running(ckpt) as live:
+        status, _, raw = await live.post("/v1/chat/completions", body)
+        assert status == 200, raw
+        (choice,) = orjson.loads(raw)["choices"]
+        assert choice["finish_reason"] == "stop", choice
+        assert choice["message"]["content"] in CHOICES and choice["message"]["reasoning"] == ""
+        del body["logit_bias"]  # (free thinking, never closed in 48 tokens: all reasoning)
+        status, _, raw = await live.post("/v1/chat/completions", body)
+        (choice,) = orjson.loads(raw)["choices"]
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+        assert len(choice["message"]["reasoning"]) > max(map(len, CHOICES)), choice

@@ -128,6 +128,84 @@ def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
         bind(p, None)
 
 
+@pytest.mark.parametrize(
+    ("structured", "texts"),
+    [
+        (StructuredOutputsParams(choice=["1", "10", "100"]), ["1", "10", "100"]),
+        (StructuredOutputsParams(choice=["yes sir", "y", "yes"]), ["y", "yes", "yes sir"]),
+        (StructuredOutputsParams(choice=["a", "a.b"]), ["a", "a.b"]),
+        (StructuredOutputsParams(regex=r"[0-9]+(\.[0-9]+)?"), ["3", "3.25", "12.5"]),
+        (StructuredOutputsParams(regex="[a-z]+-?$"), ["ab", "ab-"]),
+        (StructuredOutputsParams(json={"type": "number"}), ["3", "3.25", "-1.5e+10"]),
+    ],
+)
+def test_what_a_match_may_go_on_to_is_reachable(tok, structured, texts):
+    """Each text the constraint matches can be spelled token by token under the guide, and may
+    end there, also where a shorter match comes first ("1" before "10", "3" before "3.25":
+    outlines-core's own index drops a one-byte step out of a full match)."""
+    from rltserve.core.guide import Guide
+
+    compiled = GuideCompiler(tok).compile(structured.pattern())
+    for text in texts:
+        guide = Guide(compiled)
+        for token in tok.encode(text, add_special_tokens=False):
+            assert token in guide.allowed(), (text, tok.decode([token]))
+            guide.advance(token)
+        assert compiled.eos in guide.allowed() and guide.state is not None, text
+        guide.advance(compiled.eos)
+        assert guide.state is None and guide.allowed() == [compiled.eos]
+    assert compiled.eos not in Guide(compiled).allowed()  # (nothing matched yet)
+
+
+def test_json_object_takes_what_json_dumps_writes(tok):
+    """Objects within json_object's depth, as ``json.dumps`` writes them (non-ASCII as
+    ``\\uXXXX`` escapes by default, DEL raw otherwise, compact or not), and "1e5"; spelled
+    under the guide too; a value outside JSON is refused."""
+    import json
+    import random
+
+    from rltserve.core.guide import Guide
+
+    pattern = StructuredOutputsParams(json_object=True).pattern()
+    rng = random.Random(0)
+    scalars = [0, -1, 2.5, 1e20, -2.5e-7, True, None, "", "é", 'q"t', "b\\s", "\x7f", "😀", "日本"]
+    for _ in range(300):
+        obj = {
+            f"k{j}": rng.choice([rng.choice(scalars), [rng.choice(scalars)], {"x": 1}])
+            for j in range(rng.randint(0, 3))
+        }
+        for kw in ({}, {"ensure_ascii": False}, {"separators": (",", ":")}):
+            text = json.dumps(obj, **kw)
+            assert re.fullmatch(pattern, text), text
+    assert re.fullmatch(pattern, '{"n": 1e5}') and not re.fullmatch(pattern, '{"n": 01}')
+    assert not re.fullmatch(pattern, '{"s": "\\x"}') and not re.fullmatch(pattern, '{"a": NaN}')
+    compiled = GuideCompiler(tok).compile(pattern)
+    guide = Guide(compiled)
+    for token in tok.encode('{"k": "\\u00e9", "n": 1e5}', add_special_tokens=False):
+        assert token in guide.allowed(), tok.decode([token])
+        guide.advance(token)
+    assert compiled.eos in guide.allowed()
+
+
+def test_a_pickled_index_is_one_object_per_process(tok):
+    """Each request's params reach a worker process pickled on their own: the requests of one
+    constraint restore one index there (not a copy of megabytes each), which still masks as the
+    compiled one, with the serialized form made once."""
+    import pickle
+
+    p = bind(SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), tok)
+    guide = compiled_index(p.structured_outputs)
+    blobs = [pickle.dumps(("add", f"r{i}", [1, 2], p)) for i in range(3)]
+    restored = [compiled_index(pickle.loads(b)[3].structured_outputs) for b in blobs]
+    assert restored[0] is restored[1] is restored[2] and restored[0] is not guide
+    index, original = restored[0].index, guide.index
+    state = original.get_initial_state()
+    assert index.get_allowed_tokens(state) == original.get_allowed_tokens(state)
+    assert (restored[0].pattern, restored[0].eos) == (guide.pattern, guide.eos)
+    other = bind(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")), tok)
+    assert compiled_index(pickle.loads(pickle.dumps(other)).structured_outputs) is not index
+
+
 def test_without_outlines_core_the_error_says_what_to_install(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "outlines_core", None)  # (an import of it fails)
     p = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))

@@ -9,6 +9,10 @@ is read from always follows the request's last token, async scheduling and token
 included. A request resumed after preemption (recompute or swap) gets a fresh guide advanced
 over the tokens it had sampled (``replay``), so its continuation is an uninterrupted run's.
 
+A prompt that leaves a thinking span open (a chat template's ``<think>``) starts its guide
+inactive (``after_reasoning``): nothing is masked until the output samples ``</think>``, as
+vLLM's reasoning parsers do.
+
 Where the regex is matched in full and nothing may follow, only the end id is allowed: the
 request stops there ("stop"). A token the guide cannot take (never sampled under its mask; a
 forced one) leaves it at that end too.
@@ -22,7 +26,8 @@ from collections.abc import Iterable
 import torch
 
 from rltserve.core.staging import move_to, to_device
-from rltserve.guide_index import GuideIndex
+from rltserve.guide_index import END_ID, GuideIndex, compiled_index, reasoning_end
+from rltserve.structured import StructuredOutputsParams
 
 # Device masks a sampler keeps (least recently used go): [V] bools, 150 KB each at a 150k
 # vocabulary.
@@ -33,9 +38,22 @@ class Guide:
     """A request's state in its compiled constraint (``state``: None once it ended); advanced
     by each token the request samples."""
 
-    def __init__(self, compiled: GuideIndex) -> None:
+    def __init__(self, compiled: GuideIndex, reasoning_end: int | None = None) -> None:
         self.compiled = compiled
         self.state: int | None = compiled.index.get_initial_state()  # None: at the end
+        # The id that ends the thinking span before the constraint applies; None once it has
+        # (or where there was none).
+        self.reasoning_end = reasoning_end
+
+    @classmethod
+    def of(cls, structured: StructuredOutputsParams) -> Guide:
+        """The guide of a compiled constraint at its start."""
+        return cls(compiled_index(structured), reasoning_end(structured))
+
+    @property
+    def active(self) -> bool:
+        """Whether the constraint applies to the next token (not while the output thinks)."""
+        return self.reasoning_end is None
 
     def replay(self, tokens: Iterable[int]) -> Guide:
         for token in tokens:
@@ -43,20 +61,29 @@ class Guide:
         return self
 
     def advance(self, token: int) -> None:
+        if self.reasoning_end is not None:
+            if token == self.reasoning_end:
+                self.reasoning_end = None
+            return
         state = self.state
         if state is None:
             return
-        index = self.compiled.index
-        if token == self.compiled.eos and index.is_final_state(state):
+        compiled = self.compiled
+        if token == compiled.eos and compiled.ends(state):
             self.state = None
             return
-        self.state = index.get_next_state(state, token)
+        self.state = compiled.index.get_next_state(state, token)
 
     def allowed(self) -> list[int]:
-        """The ids the next token may be."""
+        """The ids the next token may be: the index's, its end mark as the end id."""
+        compiled = self.compiled
         if self.state is None:
-            return [self.compiled.eos]
-        return self.compiled.index.get_allowed_tokens(self.state)
+            return [compiled.eos]
+        ids = compiled.index.get_allowed_tokens(self.state)
+        if END_ID not in ids:
+            return ids
+        ids = [t for t in ids if t != END_ID]
+        return [*ids, compiled.eos] if compiled.ends(self.state) else ids
 
 
 class GuideMasks:

@@ -22,7 +22,6 @@ import torch
 from rltserve.core.guide import Guide
 from rltserve.core.plan import RequestSetup
 from rltserve.core.sampler import SampleRow, SeededGenerator
-from rltserve.guide_index import compiled_index
 from rltserve.sampling import SamplingParams
 
 
@@ -137,8 +136,7 @@ class LiveRequest:
             history = list(setup.output_token_ids or [])
         guide = None
         if setup.params.structured_outputs is not None:
-            compiled = compiled_index(setup.params.structured_outputs)
-            guide = Guide(compiled).replay(setup.output_token_ids or ())
+            guide = Guide.of(setup.params.structured_outputs).replay(setup.output_token_ids or ())
         live = cls(setup, generator, history=history, epoch=setup.epoch, guide=guide)
         live.commits = history is not None or guide is not None
         # One per request: its fields never change (the history list grows in place).

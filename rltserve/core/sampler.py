@@ -1,12 +1,13 @@
 """Batched token sampling with per-request seeded generators.
 
-Order of operations per row (vLLM V1's): allowed ids and structured outputs' mask -> min_tokens
-bans -> logit bias -> penalties (repetition over prompt + output tokens, vLLM style;
-presence/frequency over output tokens, OpenAI style) -> greedy argmax, or temperature -> min-p
--> top-k -> top-p -> exponential-race sampling. So a bias is scaled by the repetition penalty
-as the logit is (``(l + b) / r``), and top-p's mass is that of what min-p and top-k leave.
-Filters run vectorized over the rows that sample, with per-row parameters as tensors, and are
-skipped when no row uses them.
+Order of operations per row (vLLM V1's): structured outputs' mask (on the model's logits, so
+raw logprobs are masked too, as vLLM's) -> allowed ids -> min_tokens bans -> logit bias ->
+penalties (repetition over prompt + output tokens, vLLM style; presence/frequency over output
+tokens, OpenAI style) -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
+exponential-race sampling. So a bias is scaled by the repetition penalty as the logit is
+(``(l + b) / r``), and top-p's mass is that of what min-p and top-k leave. Filters run
+vectorized over the rows that sample, with per-row parameters as tensors, and are skipped when
+no row uses them.
 
 Reproducibility: a seeded request's row draws its ``Exp(1)`` noise ``[V]`` from its own generator
 and nothing else does, and every other operation is row-wise, so its tokens do not depend on the
@@ -201,10 +202,10 @@ class Sampler:
     """No request state: all of it (generators, token history, guides) comes in the rows.
 
     ``logprobs_mode`` (vLLM's): what a row's logprobs describe: ``"raw_logprobs"``, the
-    model's distribution (before penalties and everything after them); ``"processed_logprobs"``,
-    the distribution the token was drawn from: after penalties, logit_bias, allowed ids and
-    min_tokens bans, and for a sampled (non-greedy) row temperature, top_k, top_p and min_p
-    (ids they remove have logprob -inf)."""
+    model's distribution (before penalties and everything after them; masked by structured
+    outputs, as vLLM's); ``"processed_logprobs"``, the distribution the token was drawn from:
+    after penalties, logit_bias, allowed ids and min_tokens bans, and for a sampled (non-greedy)
+    row temperature, top_k, top_p and min_p (ids they remove have logprob -inf)."""
 
     def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
         self.processed = logprobs_mode == "processed_logprobs"
@@ -228,22 +229,23 @@ class Sampler:
         if not banned and all(map(_PLAIN, rows)):  # every row greedy, nothing more asked
             return DeviceSample(*_greedy(logits), [], [])
         device = logits.device
-        raw = logits
         # One reduction per step over the model's logits; read with the tokens, no sync. The
         # tokens are the result of greedy rows nothing below changes.
-        tokens, finite = _greedy(raw)  # [R]
-        # What tokens are drawn from, in vLLM's order: allowed ids, structured outputs' mask and
-        # bias (one [V] row each), min_tokens bans, then penalties (which scale a biased logit
-        # as they scale any other). Guided rows are among the biased: others never look.
+        tokens, finite = _greedy(logits)  # [R]
+        # Structured outputs' mask first: vLLM applies it to the model's logits before its
+        # sampler, so even raw logprobs describe the masked distribution (a choice's logprobs
+        # are its options'). Guided rows are among the biased: others never look.
         biased = [i for i, r in enumerate(rows) if r.bias is not None]
+        guided = [i for i in biased if rows[i].guide is not None and rows[i].guide.active]
+        if guided:
+            logits = self.guide_masks.apply(logits, [rows[i].guide for i in guided], guided)
+        raw = logits
+        # What tokens are drawn from, in vLLM's order: allowed ids and bias (one [V] row each),
+        # min_tokens bans, then penalties (which scale a biased logit as they scale any other).
         choice = logits
-        guided: list[int] = []
         if biased:
             idx = to_device(biased, device)
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
-            guided = [i for i in biased if rows[i].guide is not None]
-            if guided:
-                choice = self.guide_masks.apply(choice, [rows[i].guide for i in guided], guided)
         if banned:
             unbanned = choice
             choice = _ban(choice, [rows[i].banned for i in banned], banned)

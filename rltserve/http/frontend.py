@@ -19,7 +19,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
-from rltserve.guide_index import GuideCompiler, check_bound
+from rltserve.guide_index import GuideCompiler, after_reasoning, check_bound
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, in_batch
@@ -300,7 +300,8 @@ class Frontend:
     ) -> SamplingParams:
         """``params`` checked against the model, as ``prompt_ids`` run with them (bounded
         thinking in token ids, and only where the prompt leaves a thinking span open;
-        ``thinking``: ``PromptInput.thinking``)."""
+        ``thinking``: ``PromptInput.thinking``; a chat prompt's open span also defers structured
+        outputs to the answer after it)."""
         cap = self.info.max_loops
         if params.max_loops is not None and params.max_loops > cap:
             raise bad_request(
@@ -319,6 +320,10 @@ class Frontend:
         for name, ids in params.vocab_token_ids():  # (the engine's own check)
             self._check_vocab(ids, name)
         params = bound_thinking(params, prompt_ids, self.tokenizer, thinking)
+        structured, think_end = params.structured_outputs, self.think_ids[1]
+        if structured is not None and thinking and think_end is not None:
+            # (The answer is split at ``</think>``: its constraint starts there.)
+            params = params.replace(structured_outputs=after_reasoning(structured, think_end))
         try:
             check_thinking(params)  # (a 400 before a stream starts; the engine checks again)
             check_bound(params)
