@@ -231,6 +231,9 @@ class OutputAssembler:
                 )
             out.logprobs.extend(lps)
             self._add_scores(update)
+            # A score may come with its token (a thinking budget of 0: the prompt's last chunk
+            # scores the first forced id as the withheld forced ids go out): the delta has it.
+            lps = out.logprobs[before[2] :]
         if update.num_cached_tokens is not None:
             out.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None:

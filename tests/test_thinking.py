@@ -10,6 +10,7 @@ import torch
 from engine_util import make_core, run_core
 from engine_util import tight_blocks as _tight_blocks
 
+from rltserve.core.thinking import check_thinking
 from rltserve.sampling import SamplingParams
 from rltserve.thinking import (
     ReasoningStream,
@@ -108,10 +109,12 @@ def test_preemption_replays_forced_tokens(ouro_rv1, ouro_ref, mode):
 
 def test_refused_combinations_name_the_reason(ouro_rv1, ouro_ref):
     p = _params(ouro_ref, PROMPTS[0])
+    lagged = make_core(ouro_rv1, async_scheduling=True, exit_mode="delayed")
     with pytest.raises(ValueError, match="async_scheduling"):
-        make_core(ouro_rv1, async_scheduling=True, exit_mode="delayed").make_request(
-            None, PROMPTS[0], p
-        )
+        lagged.make_request(None, PROMPTS[0], p)
+    # (Its front ends refuse it before sending, from what the engine tells them.)
+    with pytest.raises(ValueError, match="max_thinking_tokens=3: does not combine with async"):
+        check_thinking(p, lagged.info)
     # On a pipelining engine it decodes without pipelining; asking for both is refused.
     piped = make_core(ouro_rv1, speculative_tokens=2, draft_loops=2)
     assert not piped.make_request(None, PROMPTS[0], p).pipelined

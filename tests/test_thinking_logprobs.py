@@ -111,6 +111,21 @@ def test_the_assembler_writes_forced_logprobs_into_earlier_entries():
     assert all(vllm_logprobs(entries, None))  # (no empty dict left)
 
 
+def test_a_score_that_comes_with_its_token_is_in_the_delta():
+    """A budget of 0 with prompt logprobs: the withheld forced ids go out with the prompt's
+    last chunk's score of the first one, in one update. The delta a stream sends has it."""
+    from rltserve.outputs import OutputAssembler
+    from rltserve.updates import RequestUpdate
+
+    asm = OutputAssembler("r", [1, 2], want_logprobs=True)
+    update = RequestUpdate("r", [40, 41], [4, 4], [None, None], [None, None])
+    update.forced_logprobs = [(0, -3.0, [(9, -0.1)], 4)]
+    delta = asm.add(update)
+    assert [e["logprob"] for e in delta.logprobs] == [-3.0, None]
+    assert delta.logprobs == asm.output.logprobs
+    assert delta.logprobs[0]["top_logprobs"] == [(9, -0.1)]
+
+
 def test_llm_outputs_have_every_forced_logprob(tiny):
     from rltserve import LLM
 

@@ -14,6 +14,7 @@ from rltserve import LLM, AsyncLLM, SamplingParams
 
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 MESSAGES = [{"role": "user", "content": "Why?"}]
+PROMPT = "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\n"
 ZERO = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, thinking_token_budget=0)
 
 
@@ -99,6 +100,14 @@ async def test_http_chat_answers_without_thinking(tiny):
         usage = orjson.loads(raw)["usage"]
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         status, _, raw = await live.post("/v1/chat/completions", streamed)
+        # Completions' echo scores the prompt: the forced id goes out with the prompt's
+        # logprobs, its own score among them, in the stream as in the whole response.
+        echo = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                "thinking_token_budget": 0, "logprobs": 1, "echo": True}  # fmt: skip
+        _, _, whole = await live.post("/v1/completions", echo)
+        _, _, echoed = await live.post("/v1/completions", {**echo, "stream": True})
+        # Without echo the forced id's score comes after it: that update sends no chunk.
+        _, _, plain = await live.post("/v1/completions", {**echo, "echo": False, "stream": True})
     message = choice["message"]
     assert message["reasoning"] == message["reasoning_content"] == ""
     tokens = [e["token"] for e in choice["logprobs"]["content"]]
@@ -111,6 +120,11 @@ async def test_http_chat_answers_without_thinking(tiny):
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert all(set(d) == {"content"} for d in deltas[1:])
     assert "".join(d["content"] for d in deltas) == message["content"]
+    want = orjson.loads(whole)["choices"][0]["logprobs"]["token_logprobs"]
+    chunks = [e["choices"][0]["logprobs"]["token_logprobs"] for e in sse_payloads(echoed)[:-1]]
+    assert sum(chunks, []) == want and want[-3] < 0  # (the forced id's: scored)
+    texts = [e["choices"][0]["text"] for e in sse_payloads(plain)[:-1]]
+    assert texts[0] == "</think>" and all(texts) and len(texts) == 3, texts
     streamed_usage = events[-2]["usage"]  # (its prompt came from the prefix cache)
     assert streamed_usage["completion_tokens_details"] == {"reasoning_tokens": 1}
     assert streamed_usage["completion_tokens"] == 6

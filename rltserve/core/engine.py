@@ -121,7 +121,9 @@ class EngineCore:
         planes = len(self.kv.planes_of(spec.num_loops))
         block_bytes = kv_block_bytes(spec, config)
         pool = (self.max_model_len, num_blocks, planes, self._pool_limited, block_bytes)
-        self.info = EngineInfo.of_model(spec, config.cache, str(mc.model), *pool)
+        self.info = EngineInfo.of_model(
+            spec, config.cache, str(mc.model), *pool, config.scheduler.async_scheduling
+        )
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
         """An empty KV manager and scheduler (no requests, every block free)."""

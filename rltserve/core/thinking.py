@@ -30,7 +30,9 @@ stop string ended the output there keeps taking the request's updates (only thei
 delivers the result. Raw in either ``logprobs_mode``: the forced token was drawn from no
 processed distribution. Offline results (final and cumulative outputs, ``cumulative_logprob``
 included) and HTTP non-streaming responses have them; what a stream (DELTA, SSE) already
-delivered keeps its empty entry (SSE chat leaves it out, completions give a null logprob).
+delivered keeps its empty entry (SSE chat leaves it out, completions give a null logprob),
+and an update that only scores sends no SSE chunk; a score that comes with its token (a budget
+of 0 with prompt logprobs, below) is in that token's delta.
 
 A budget of 0 (vLLM's ``thinking_token_budget=0``: the model answers without thinking) forces
 the ids before the first output (``force_at_start``): they are recorded when the request is
@@ -55,14 +57,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rltserve.config import SchedulerConfig
+    from rltserve.core.engine_info import EngineInfo
     from rltserve.core.request import Request
     from rltserve.sampling import SamplingParams
     from rltserve.updates import RequestUpdate
 
 
-def check_thinking(params: SamplingParams, sched: SchedulerConfig | None = None) -> None:
-    """Raises ValueError when a request's bounded thinking cannot run on this engine (None: on
-    any engine, as the server checks it before a request reaches one)."""
+def check_thinking(
+    params: SamplingParams, sched: SchedulerConfig | EngineInfo | None = None
+) -> None:
+    """Raises ValueError when a request's bounded thinking cannot run on this engine, as its
+    scheduler config or the ``EngineInfo`` a front end holds says (None: on any engine)."""
     if params.max_thinking_tokens is None:
         return
     if params.thinking_end_token_ids is None:

@@ -324,8 +324,10 @@ class Frontend:
         if structured is not None and thinking and think_end is not None:
             # (The answer is split at ``</think>``: its constraint starts there.)
             params = params.replace(structured_outputs=after_reasoning(structured, think_end))
+        # (A 400 before a stream starts, naming the field as sent: ``plans``. The engine
+        # checks again.)
         try:
-            check_thinking(params)  # (a 400 before a stream starts; the engine checks again)
+            check_thinking(params, self.info)
             check_bound(params)
         except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc))) from exc

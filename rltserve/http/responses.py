@@ -169,6 +169,10 @@ class CompletionFormat(_Format):
             text, ids, depths, entries = "", [], [], []
         if first:
             text = self._echo(event.index, output) + text
+        elif not (text or ids or delta.finish_reason):
+            # An update that only scores forced thinking tokens sent before (their logprobs
+            # stay null in a stream): no chunk, as none is sent for nothing new.
+            return []
         logprobs = None
         if output.logprobs is not None:  # the request asked for logprobs
             logprobs = self._logprobs(event.index, self._prompt_entries(output, first) + entries)
