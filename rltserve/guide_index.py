@@ -41,11 +41,13 @@ SPIECE_SPACE = "\u2581"  # SentencePiece's word boundary
 class GuideIndex:
     """A regex compiled for one vocabulary: ``index`` is outlines-core's ``Index`` (its states
     are ints; ``get_allowed_tokens``, ``get_next_state``, ``is_final_state``), ``eos`` the id it
-    allows where the regex is matched in full."""
+    allows where the regex is matched in full, ``size`` the ids a bitmask of its allowed ids
+    covers: one past the largest real id (the end mark, ``END_ID``, is not one: ``ends``)."""
 
     pattern: str
     index: Any  # (of the pattern followed by ``END_MARK``)
     eos: int
+    size: int = 0
 
     def ends(self, state: int) -> bool:
         """Whether the output may end in ``state``: the pattern is matched in full there."""
@@ -62,7 +64,7 @@ class GuideIndex:
             rebuild, (data,) = self.index.__reduce__()
             reduced = (rebuild, data)
             object.__setattr__(self, "_reduced", reduced)
-        return _restore, (self.pattern, self.eos, *reduced)
+        return _restore, (self.pattern, self.eos, self.size, *reduced)
 
 
 # The indexes restored in this process, by content, while requests hold them (weakly: an entry
@@ -71,12 +73,12 @@ _RESTORED: weakref.WeakValueDictionary[tuple, GuideIndex] = weakref.WeakValueDic
 _RESTORING = threading.Lock()
 
 
-def _restore(pattern: str, eos: int, rebuild: Any, data: bytes) -> GuideIndex:
-    key = (pattern, eos, hashlib.blake2b(data, digest_size=16).digest())
+def _restore(pattern: str, eos: int, size: int, rebuild: Any, data: bytes) -> GuideIndex:
+    key = (pattern, eos, size, hashlib.blake2b(data, digest_size=16).digest())
     with _RESTORING:
         known = _RESTORED.get(key)
         if known is None:
-            known = _RESTORED[key] = GuideIndex(pattern, rebuild(data), eos)
+            known = _RESTORED[key] = GuideIndex(pattern, rebuild(data), eos, size)
         return known
 
 
@@ -122,6 +124,17 @@ def _piece_bytes(piece: str, spiece: bool, alphabet: dict[str, int]) -> bytes:
     return piece.encode()
 
 
+def _mask_size(table: dict[bytes, list[int]], eos: int) -> int:
+    """The ids a bitmask of a state's allowed ids covers (``GuideIndex.size``): one past the
+    largest real id (outlines-core checks a buffer against its count of ids, which a sparse
+    vocabulary's largest id can exceed), and no fewer than that count with the end mark and the
+    end id, which outlines-core requires. The mark itself, 2**31 - 1, stays outside: a buffer
+    covering it would take 256 MB."""
+    largest = max((max(ids) for ids in table.values()), default=eos)
+    count = sum(len(ids) for ids in table.values())
+    return max(largest + 1, eos + 1, count + 2)
+
+
 def _with_end_mark(pattern: str) -> str:
     body = pattern[:-1]
     if pattern.endswith("$") and (len(body) - len(body.rstrip("\\"))) % 2 == 0:
@@ -138,7 +151,8 @@ class GuideCompiler:
     def __init__(self, tokenizer: Tokenizer | None, cache_size: int = CACHE_SIZE) -> None:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
-        self._vocabulary: tuple[Any, int] | None = None  # (outlines-core's Vocabulary, end id)
+        # (outlines-core's Vocabulary, end id, one past the largest id)
+        self._vocabulary: tuple[Any, int, int] | None = None
         self._indexes: OrderedDict[str, GuideIndex] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -154,9 +168,10 @@ class GuideCompiler:
                 # No real token may spell the mark: those holding its lead byte (0xF4, which
                 # only begins the private-use characters of plane 16) are left out.
                 table = {text: ids for text, ids in table.items() if 0xF4 not in text}
+                size = _mask_size(table, eos)
                 table[END_MARK.encode()] = [END_ID]
-                self._vocabulary = (core.Vocabulary(eos, table), eos)
-            vocabulary, eos = self._vocabulary
+                self._vocabulary = (core.Vocabulary(eos, table), eos, size)
+            vocabulary, eos, size = self._vocabulary
             known = self._indexes.get(pattern)
             if known is not None:
                 self._indexes.move_to_end(pattern)
@@ -167,7 +182,7 @@ class GuideCompiler:
             index = core.Index(_with_end_mark(pattern), vocabulary)
         except Exception as exc:  # (outlines-core's ValueError: a bad regex, unspellable text)
             raise ValueError(f"{field}: cannot compile this constraint: {exc}") from None
-        guide = GuideIndex(pattern, index, eos)
+        guide = GuideIndex(pattern, index, eos, size)
         with self._lock:
             self._indexes[pattern] = guide
             while len(self._indexes) > self.cache_size:

@@ -207,7 +207,11 @@ def test_min_tokens_bans_do_not_empty_a_guided_row():
     """The sampler's side of it, with an end id that is not 0 (an all -inf row's argmax): a
     guided row whose bans would leave nothing samples what its guide allows."""
     ended = SimpleNamespace(
-        compiled=SimpleNamespace(pattern="x", eos=5), state=None, allowed=lambda: [5], active=True
+        compiled=SimpleNamespace(pattern="x", eos=5),
+        state=None,
+        allowed=lambda: [5],
+        mask=lambda width: torch.arange(width) == 5,
+        active=True,
     )
     banned = torch.tensor([5, 6])  # (min_tokens' ids: the end ids)
     for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)):

@@ -86,3 +86,24 @@ def test_refusals_name_the_field(llm, monkeypatch):
     monkeypatch.setitem(sys.modules, "outlines_core", None)
     with pytest.raises(ValueError, match=r"pip install 'rltserve\[structured\]'"):
         llm.generate(["x"], sampled(structured_outputs=StructuredOutputsParams(regex="b")))
+
+
+def test_a_constraint_crosses_to_the_worker_once(llm, monkeypatch):
+    """Its compiled index (megabytes at a real vocabulary) is pickled in full with the first
+    request that uses it, and by reference with its other samples and later requests."""
+    from rltserve.core.guide_registry import GuidePickler, _register
+
+    full = []
+    reduce = GuidePickler.reduce
+
+    def spy(self, index):
+        out = reduce(self, index)
+        full.append(out[0] is _register)
+        return out
+
+    monkeypatch.setattr(GuidePickler, "reduce", spy)
+    structured = StructuredOutputsParams(regex="[a-z]{5}!")
+    for seed in (21, 22):
+        (out,) = llm.generate(["Hi"], sampled(n=3, seed=seed, structured_outputs=structured))
+        assert all(re.fullmatch("[a-z]{5}!", c.text) for c in out.outputs)
+    assert full == [True] + [False] * 5

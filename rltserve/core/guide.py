@@ -27,20 +27,24 @@ import torch
 
 from rltserve.core.staging import move_to, to_device
 from rltserve.guide_index import END_ID, GuideIndex, compiled_index, reasoning_end
-from rltserve.structured import StructuredOutputsParams
+from rltserve.structured import StructuredOutputsParams, outlines_core
 
-# Device masks a sampler keeps (least recently used go): [V] bools, 150 KB each at a 150k
-# vocabulary.
+# Device masks a sampler keeps (least recently used go): [V] bools, 166 KB each at a 166k
+# vocabulary (83 MB in all).
 MASKS_KEPT = 512
+_BITS = torch.tensor([1 << b for b in range(32)], dtype=torch.int64).to(torch.int32)
 
 
 class Guide:
     """A request's state in its compiled constraint (``state``: None once it ended); advanced
-    by each token the request samples."""
+    by each token the request samples. The state is held by an outlines-core ``Guide`` over the
+    shared index (``_cursor``), which writes the state's allowed ids as a bitmask: a mask is
+    built without a Python list of up to the whole vocabulary."""
 
     def __init__(self, compiled: GuideIndex, reasoning_end: int | None = None) -> None:
         self.compiled = compiled
-        self.state: int | None = compiled.index.get_initial_state()  # None: at the end
+        self._cursor = outlines_core().Guide(compiled.index)
+        self.state: int | None = self._cursor.get_state()  # None: at the end
         # The id that ends the thinking span before the constraint applies; None once it has
         # (or where there was none).
         self.reasoning_end = reasoning_end
@@ -69,10 +73,16 @@ class Guide:
         if state is None:
             return
         compiled = self.compiled
+        # (The end mark is never sampled: the end id stands for it where it may follow.)
         if token == compiled.eos and compiled.ends(state):
             self.state = None
             return
-        self.state = compiled.index.get_next_state(state, token)
+        try:
+            self._cursor.advance(token, return_tokens=False)
+        except ValueError:  # (a token the state does not allow: a forced one)
+            self.state = None
+            return
+        self.state = self._cursor.get_state()
 
     def allowed(self) -> list[int]:
         """The ids the next token may be: the index's, its end mark as the end id."""
@@ -84,6 +94,23 @@ class Guide:
             return ids
         ids = [t for t in ids if t != END_ID]
         return [*ids, compiled.eos] if compiled.ends(self.state) else ids
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[width] bool on the host: ``allowed()`` as a mask (ids past ``width`` dropped)."""
+        compiled, state = self.compiled, self.state
+        if state is None:
+            mask = torch.zeros(width, dtype=torch.bool)
+        else:
+            # The buffer covers the real ids (``size``: outlines-core checks it against its
+            # count of ids, which the largest id may exceed) and not the end mark, 2**31 - 1,
+            # which outlines-core leaves out of a buffer that ends before it; whether the mark
+            # may follow is ``ends``, the end id's bit below.
+            words = torch.empty((max(width, compiled.size) + 31) // 32, dtype=torch.int32)
+            self._cursor.write_mask_into(words.data_ptr(), words.numel(), 4)
+            mask = (words.unsqueeze(-1) & _BITS).ne(0).view(-1)[:width]
+        if compiled.eos < width:
+            mask[compiled.eos] = state is None or compiled.ends(state)
+        return mask
 
 
 class GuideMasks:
@@ -103,10 +130,7 @@ class GuideMasks:
         if mask is not None:
             self._masks.move_to_end(key)
             return mask
-        ids = [t for t in guide.allowed() if t < width]
-        mask = torch.zeros(width, dtype=torch.bool)
-        mask[ids] = True
-        mask = self._masks[key] = move_to(mask, device)
+        mask = self._masks[key] = move_to(guide.mask(width), device)
         if len(self._masks) > self.size:
             self._masks.popitem(last=False)
         return mask
@@ -115,8 +139,10 @@ class GuideMasks:
         """A copy of ``logits`` [R, V] with -inf where row ``rows[k]``'s guide allows nothing."""
         width, device = logits.shape[1], logits.device
         allowed = torch.stack([self.mask(g, width, device) for g in guides])  # [G, V]
+        if len(rows) == logits.shape[0] and rows == list(range(len(rows))):  # (every row guided)
+            return torch.where(allowed, logits, float("-inf"))
         index = to_device(rows, device)
-        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        masked = torch.where(allowed, logits.index_select(0, index), float("-inf"))
         return logits.index_copy(0, index, masked)
 
     @staticmethod

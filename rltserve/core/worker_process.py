@@ -10,7 +10,9 @@ be unrelated log text there.
 
 Messages to the worker are pickled by the caller and written by a sender thread, so ``send``
 never blocks: a worker that stops reading (stopped, frozen) would otherwise block whoever sends,
-the server's event loop among them, and with it the watchdog that would kill that worker.
+the server's event loop among them, and with it the watchdog that would kill that worker. A
+compiled constraint crosses once (``guide_registry``): messages are pickled, and queued, one at a
+time, so the worker unpickles them in the order the channel's record of what it holds assumed.
 
 Invariant: this handle holds no reference to any client, so a client that owns it can be
 collected while the reader, relay and sender threads run.
@@ -28,12 +30,12 @@ import subprocess
 import sys
 import threading
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import IO
 
 import rltserve
 from rltserve.config import EngineConfig
+from rltserve.core.guide_registry import GuidePickler
 
 WORKER_MODULE = "rltserve.core.stage_worker"
 _TRACEBACK = "Traceback (most recent call last):"
@@ -154,6 +156,8 @@ class WorkerProcess:
         self._proc = proc
         self._conn = conn
         self._outbox = _Outbox(conn)
+        self._pickler = GuidePickler()
+        self._pickling = threading.Lock()  # (pickle and queue in one order: see the module doc)
         self._last_exception = LastException()
         self._relay = threading.Thread(
             target=_relay, args=(proc.stderr, self._last_exception), name="rltserve-stage-stderr"
@@ -210,7 +214,8 @@ class WorkerProcess:
         raises here; OSError once the channel broke (the worker is gone)."""
         if (failed := self._outbox.failed) is not None:
             raise OSError(f"the stage channel is broken: {failed}")
-        self._outbox.put(ForkingPickler.dumps(message))
+        with self._pickling:
+            self._outbox.put(self._pickler.dumps(message))
 
     def recv(self) -> tuple:
         return self._conn.recv()
