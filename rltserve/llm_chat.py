@@ -40,9 +40,11 @@ class ChatRendering:
         (``enable_thinking`` among ``chat_template_kwargs`` opens the thinking span), then
         ``generate``d: one ``RequestOutput`` per conversation, its ``prompt`` the rendered text.
         ``continue_final_message`` leaves the last message open for the model to continue.
-        ``tools`` must be None or empty, ``lora_request`` and ``mm_processor_kwargs`` None (no
-        tool calling, adapters or images); content parts are joined text whatever the content
-        format, and no content (an assistant turn carrying ``tool_calls``) is "" (vLLM's). A
+        ``tools`` (OpenAI's tool definitions) go to the template as its ``tools``, as vLLM's
+        (the output is the model's text: parsing calls out of it is the caller's);
+        ``lora_request`` and ``mm_processor_kwargs`` must be None (no adapters or images);
+        content parts are joined text whatever the content format, no content (an assistant
+        turn carrying ``tool_calls``) is "" and the calls' JSON arguments dicts (vLLM's). A
         template that raises on a conversation is a ValueError naming the conversation."""
         prompts, thinking = self._render_chats(
             messages,
@@ -99,7 +101,6 @@ class ChatRendering:
         """``chat``'s prompts (``preprocess_chat``'s) and whether each leaves a thinking span
         open (``ChatPrompt.thinking``)."""
         for name, value in (
-            ("tools", tools or None),  # (an empty list asks for nothing)
             ("lora_request", lora_request),
             ("mm_processor_kwargs", mm_processor_kwargs),
         ):
@@ -117,6 +118,10 @@ class ChatRendering:
         one = isinstance(messages[0], Mapping)
         conversations = [messages] if one else list(messages)
         kwargs = dict(chat_template_kwargs or {})
+        if tools:  # (an empty list asks for nothing)
+            if isinstance(tools, (str, Mapping)) or not all(isinstance(t, Mapping) for t in tools):
+                raise ValueError("tools: must be a list of tool definitions (dicts)")
+            kwargs["tools"] = [dict(t) for t in tools]
         tokenizer = self.tokenizer
 
         def render(turns, generation_prompt: bool, continue_final: bool) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from rltserve.caller_values import outside_vocab, plain_number
-from rltserve.http.chat_messages import joined_text_parts, template_role
+from rltserve.http.chat_messages import joined_text_parts, template_role, template_tool_calls
 
 
 # (Optional keys through ``total=False`` bases: ``typing.NotRequired`` is Python 3.11's.)
@@ -159,9 +159,10 @@ def check_ids(prompt: object, vocab_size: int) -> list[int]:
 def template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any]:
     """``message`` as the server's chat endpoint gives it to the template: OpenAI-style content
     parts (``[{"type": "text", "text": ...}]``) joined into one text (other content as it is),
-    no content (None: an assistant turn that carries ``tool_calls``) as "" (vLLM's), a
-    ``developer`` message as ``system``. (The template's own normalisation would drop a None
-    content, and templates read ``message.content``.)"""
+    no content (None: an assistant turn that carries ``tool_calls``) as "" (vLLM's), the calls'
+    JSON arguments as dicts (``template_tool_calls``), a ``developer`` message as ``system``.
+    (The template's own normalisation would drop a None content, and templates read
+    ``message.content``.)"""
     if callable(getattr(message, "model_dump", None)):
         message = message.model_dump()  # (a pydantic message, such as openai's)
     if not isinstance(message, Mapping):
@@ -175,5 +176,10 @@ def template_message(message: Mapping[str, Any], path: str) -> Mapping[str, Any]
             for p in content
         ]
         message = {**message, "content": joined_text_parts(parts, path)}
+    calls = message.get("tool_calls")
+    if calls:  # (templates render ``arguments | tojson``: a dict, as the server gives them)
+        if not isinstance(calls, list):
+            raise ValueError(f"{path}.tool_calls: must be a list of tool calls")
+        message = {**message, "tool_calls": template_tool_calls(calls, f"{path}.tool_calls")}
     role = template_role(message.get("role"))
     return message if role == message.get("role") else {**message, "role": role}

@@ -98,3 +98,30 @@ def test_preprocess_chat_gives_the_prompts_chat_generates(llm):
         assert llm.preprocess_chat(messages, chat_template_content_format=fmt) == prompts
     with pytest.raises(ValueError, match="chat_template_content_format='bogus': must be one"):
         llm.chat(messages, GREEDY, chat_template_content_format="bogus")
+
+
+def test_tools_and_tool_call_histories_reach_the_template(llm):
+    """vLLM's ``LLM.chat(tools=...)``: the definitions are the template's ``tools``, and an
+    earlier answer's calls carry their JSON arguments as dicts (templates render them)."""
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{% endfor %}|{% endfor %}"
+    )
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    call = {"id": "c1", "type": "function"}
+    call["function"] = {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    conv = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    (out,) = llm.chat(conv, GREEDY, chat_template=template, tools=[tool])
+    assert out.prompt == "[weather]user:Weather?|assistant:weather(Oslo)|tool:sunny|"
+    bad = [
+        conv[0],
+        {**conv[1], "tool_calls": [{**call, "function": {"name": "weather", "arguments": "{"}}]},
+    ]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[1\].tool_calls\[0\].function.arguments"):
+        llm.chat(bad, GREEDY, chat_template=template, tools=[tool])

@@ -314,8 +314,8 @@ def test_chat_takes_a_template_and_continues_the_final_message(llm):
     assert out.prompt == "[user] Hi\n"
     with pytest.raises(ValueError, match="continue_final_message: not with add_generation_prompt"):
         llm.chat(conversation, GREEDY, continue_final_message=True)
-    with pytest.raises(ValueError, match="tools: not supported"):
-        llm.chat(conversation[:1], GREEDY, tools=[{"type": "function"}])
+    with pytest.raises(ValueError, match="tools: must be a list of tool definitions"):
+        llm.chat(conversation[:1], GREEDY, tools="get_weather")
     with pytest.raises(ValueError, match="mm_processor_kwargs: not supported"):
         llm.chat(conversation[:1], GREEDY, mm_processor_kwargs={"num_crops": 4})
 
