@@ -6,11 +6,12 @@ refusal a 400 naming the field; /tokenize has chat's rules."""
 from __future__ import annotations
 
 import pytest
+from test_http_request_rules import parsed, schema_error
 
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from rltserve.http.structured_fields import requested
 from rltserve.http.tool_choice import NO_PARAMETERS
-from rltserve.http.validation import SchemaError, parse_object
+from rltserve.http.validation import SchemaError
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 WEATHER = {
@@ -23,18 +24,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "ping"}},  # (no parameters: none taken)
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-def parsed(cls, body: dict):
-    req = parse_object(cls, body)
-    req.validate()
-    return req
-
-
-def schema_error(cls, body: dict) -> tuple[str | None, str]:
-    with pytest.raises(SchemaError) as err:
-        parsed(cls, body)
-    return err.value.param, err.value.message
 
 
 @pytest.mark.parametrize("cls", [ChatCompletionRequest, TokenizeRequest])
