@@ -404,5 +404,7 @@ def test_template_message_gives_a_turn_without_content_empty_text():
 
     call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
     turn = {"role": "assistant", "content": None, "tool_calls": [call]}
-    assert template_message(turn, "m") == {**turn, "content": ""}
+    parsed = [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    # (and its calls' JSON arguments as dicts, as the server gives them to templates)
+    assert template_message(turn, "m") == {**turn, "content": "", "tool_calls": parsed}
     assert template_message({"role": "assistant"}, "m") == {"role": "assistant", "content": ""}
