@@ -115,9 +115,9 @@ class Guide:
 
 class GuideMasks:
     """Device masks of guide states, by (constraint, state), the ``size`` last used kept: the
-    samples of one request and the requests of one constraint share them (each request's
-    index arrives as its own copy from a worker's pipe, so they are keyed by pattern, not by
-    object). Owned by one ``Sampler``: one device, one vocabulary, one thread."""
+    samples of one request and the requests of one constraint share them (keyed by pattern,
+    not by index object: a Ray replica restores an index per call). Owned by one ``Sampler``:
+    one device, one vocabulary, one thread."""
 
     def __init__(self, size: int = MASKS_KEPT) -> None:
         self.size = size

@@ -144,7 +144,7 @@ class LiveRequest:
             params=setup.params,
             generator=generator,
             penalty_tokens=live.penalty_tokens(),
-            bias=_bias(setup.params, vocab_size, device, guide is not None),
+            bias=_bias(setup.params, vocab_size, device),
             guide=guide,
         )
         if setup.banned_ids:
@@ -191,13 +191,10 @@ class LiveRequest:
         return self.setup.prompt_token_ids, self.history
 
 
-def _bias(
-    params: SamplingParams, vocab_size: int, device: torch.device, guided: bool = False
-) -> torch.Tensor | None:
+def _bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """[V] fp32 added to the request's logits before it samples (``SampleRow.bias``): its
-    ``logit_bias``, and -inf on every id ``allowed_token_ids`` leaves out; None without them,
-    unless ``guided`` (the sampler looks for guides among biased rows only)."""
-    if not params.logit_bias and params.allowed_token_ids is None and not guided:
+    ``logit_bias``, and -inf on every id ``allowed_token_ids`` leaves out; None without them."""
+    if not params.logit_bias and params.allowed_token_ids is None:
         return None
     bias = torch.zeros(vocab_size)
     if params.allowed_token_ids is not None:

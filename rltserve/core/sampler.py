@@ -93,12 +93,12 @@ class SampleRow:
     banned: torch.Tensor | None = None
     banned_below: int = 0
     # [V] fp32 on the logits' device, added to the row's logits before it samples (logit_bias;
-    # -inf outside allowed_token_ids). A guided row has one (zeros at least).
+    # -inf outside allowed_token_ids).
     bias: torch.Tensor | None = None
     # Structured outputs: the request's guide, whose state masks what the row may sample.
     guide: Guide | None = None
     # The row is the argmax and nothing else is asked of it (greedy, no penalties, no bias, no
-    # logprobs): a step whose rows all are skips the per-row work.
+    # guide, no logprobs): a step whose rows all are skips the per-row work.
     plain: bool = field(init=False)
     # The prompt's distinct ids on the logits' device (``prompt_ids``), made on the first
     # penalized step: a request's prompt never changes, and converting its whole list again
@@ -108,7 +108,9 @@ class SampleRow:
     def __post_init__(self) -> None:
         p = self.params
         penalized = self.penalty_tokens is not None and _uses_penalties(p)
-        self.plain = p.greedy and p.logprobs is None and not penalized and self.bias is None
+        self.plain = (
+            p.greedy and p.logprobs is None and not penalized and self.bias is None
+        ) and self.guide is None
 
     def prompt_ids(self, device: torch.device) -> torch.Tensor:
         """[N] int64 on ``device``: the distinct ids of the prompt in ``penalty_tokens``."""
@@ -234,15 +236,15 @@ class Sampler:
         tokens, finite = _greedy(logits)  # [R]
         # Structured outputs' mask first: vLLM applies it to the model's logits before its
         # sampler, so even raw logprobs describe the masked distribution (a choice's logprobs
-        # are its options'). Guided rows are among the biased: others never look.
-        biased = [i for i, r in enumerate(rows) if r.bias is not None]
-        guided = [i for i in biased if rows[i].guide is not None and rows[i].guide.active]
+        # are its options').
+        guided = [i for i, r in enumerate(rows) if r.guide is not None and r.guide.active]
         if guided:
             logits = self.guide_masks.apply(logits, [rows[i].guide for i in guided], guided)
         raw = logits
         # What tokens are drawn from, in vLLM's order: allowed ids and bias (one [V] row each),
         # min_tokens bans, then penalties (which scale a biased logit as they scale any other).
         choice = logits
+        biased = [i for i, r in enumerate(rows) if r.bias is not None]
         if biased:
             idx = to_device(biased, device)
             choice = logits.index_add(0, idx, torch.stack([rows[i].bias for i in biased]))
@@ -258,7 +260,7 @@ class Sampler:
             choice = choice.clone() if choice is raw else choice
             idx = to_device(penalized, device)
             choice[idx] = _apply_penalties(choice[idx], [rows[i] for i in penalized])
-        changed = sorted({*banned, *biased, *penalized})
+        changed = sorted({*banned, *guided, *biased, *penalized})
         greedy_filtered = [i for i in changed if rows[i].params.greedy]
         if greedy_filtered:
             idx = to_device(greedy_filtered, device)
