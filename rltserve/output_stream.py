@@ -189,10 +189,12 @@ class OutputStream:
         delta = self.kind is RequestOutputKind.DELTA
         # (DELTA holds back a sample awaiting its forced tokens' scores: its new part goes
         # out whole, scores included, once they came.)
+        # (nor a sample whose update only scored tokens already yielded: vLLM's DELTA yields
+        # no empty parts.)
         outputs = [
             self._completion(j, s, delta)
             for j, s in enumerate(self.samples)
-            if (s.changed and not s.asm.scoring) or not delta
+            if not delta or (s.changed and not s.asm.scoring and self._has_news(s))
         ]
         for s in self.samples:
             s.changed = s.changed and s.asm.scoring
@@ -201,7 +203,9 @@ class OutputStream:
         if delta and prompt_logprobs is not None:
             if self._prompt_logprobs_sent:
                 prompt_logprobs = None
-            self._prompt_logprobs_sent = True
+            # (sent with the first yield: one with no part is not yielded)
+            yielded = bool(outputs) or self.finished
+            self._prompt_logprobs_sent = self._prompt_logprobs_sent or yielded
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -212,6 +216,13 @@ class OutputStream:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
         )
+
+    @staticmethod
+    def _has_news(sample: _Sample) -> bool:
+        """Whether ``sample`` has tokens or text not yielded yet, or has finished."""
+        out = sample.asm.output
+        grown = len(out.token_ids) > sample.sent_tokens or len(out.text) > sample.sent_text
+        return grown or sample.finished
 
     def _completion(self, index: int, sample: _Sample, delta: bool) -> CompletionOutput:
         """Sample ``index`` as yielded now: copies, since the assembler keeps extending its

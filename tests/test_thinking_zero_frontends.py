@@ -85,6 +85,25 @@ async def test_async_llm_streams_the_forced_end_first(tiny, llm):
         engine.shutdown()
 
 
+async def test_async_llm_delta_yields_nothing_for_a_late_score(tiny, llm):
+    """The forced id's score comes one step after it: that update yields no empty part (the
+    delta keeps the entry it went out with, as README says of streams)."""
+    engine = AsyncLLM(str(tiny), **ENGINE)
+    try:
+        params = ZERO.replace(logprobs=1)
+        (want,) = llm.chat(MESSAGES, params, use_tqdm=False, **THINK)
+        prompt = {"prompt_token_ids": want.prompt_token_ids}
+        outs = await collect(engine, prompt, params.replace(output_kind=DELTA))
+        assert all(o.outputs[0].token_ids for o in outs[:-1])
+        assert sum((o.outputs[0].token_ids for o in outs), []) == want.outputs[0].token_ids
+        assert outs[0].outputs[0].logprobs[0] == {}  # (went out before its score came)
+        assert outs[-1].outputs[0].cumulative_logprob == pytest.approx(
+            want.outputs[0].cumulative_logprob
+        )
+    finally:
+        engine.shutdown()
+
+
 async def test_http_chat_answers_without_thinking(tiny):
     """vLLM's request field: the answer is all content, the (empty) reasoning is the span the
     forced ``</think>`` closed, which usage counts; a stream sends no chunk for that token."""
