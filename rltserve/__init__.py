@@ -2,7 +2,8 @@
 
 The public names load lazily so that torch-free modules (the scheduler, the KV manager) can be
 imported without pulling in torch. vLLM's import paths of the offline API's names are modules
-here too (``rltserve.inputs``, ``rltserve.sampling_params``, ``rltserve.logprobs``), and
+here too (``rltserve.inputs``, ``rltserve.sampling_params``, ``rltserve.logprobs``,
+``rltserve.utils``' ``FlexibleArgumentParser``), and
 ``get_metrics``' classes (vLLM's ``vllm.v1.metrics.reader``) are ``rltserve.metrics_reader``'s.
 vLLM's top-level ``EngineArgs``, ``AsyncEngineArgs`` and ``AsyncLLMEngine`` are here too.
 """

@@ -127,21 +127,23 @@ def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict:
     }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, vllm_default: object = None) -> None:
     """Adds one flag per engine config field, with the field's default; except
     ``--kv-cache-gb``, None unless given: an explicit size wins over
     ``--gpu-memory-utilization``, as ``LLM``'s ``kv_cache_gb`` does (``checked_engine_kwargs``
-    resolves it; ``engine_kwargs`` gives the field's default)."""
+    resolves it; ``engine_kwargs`` gives the field's default). ``vllm_default``: as
+    ``add_vllm_args``'."""
     for cls in ENGINE_CONFIGS:
         add_dataclass_args(parser, cls, cls.__name__, keep_defaults=True)
     parser.set_defaults(kv_cache_gb=None)
-    add_vllm_args(parser)
+    add_vllm_args(parser, vllm_default)
 
 
-def add_vllm_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags (``vllm_args.FLAGS``), each None unless given; one the command
-    already has (``serve``'s ``--disable-log-stats``) is left to it. ``checked_engine_kwargs``
-    refuses a value that asks for what rltserve lacks."""
+def add_vllm_args(parser: argparse.ArgumentParser, default: object = None) -> None:
+    """vLLM's engine flags (``vllm_args.FLAGS``), each ``default`` unless given (None; or
+    ``argparse.SUPPRESS``: not in the namespace, for ``EngineArgs.add_cli_args``); one the
+    command already has (``serve``'s ``--disable-log-stats``) is left to it.
+    ``checked_engine_kwargs`` refuses a value that asks for what rltserve lacks."""
     group = parser.add_argument_group("vLLM's engine flags (vllm serve's spellings)")
     for name, kind in FLAGS.items():
         flag = "--" + name.replace("_", "-")
@@ -153,10 +155,10 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
         )
         if kind is bool:
             action = argparse.BooleanOptionalAction
-            group.add_argument(flag, dest=name, action=action, default=None, help=help_text)
+            group.add_argument(flag, dest=name, action=action, default=default, help=help_text)
         else:
             short = (SHORT_FLAGS[name],) if name in SHORT_FLAGS else ()
-            group.add_argument(flag, *short, dest=name, type=kind, default=None, help=help_text)
+            group.add_argument(flag, *short, dest=name, type=kind, default=default, help=help_text)
 
 
 def vllm_flags(args: argparse.Namespace) -> dict[str, object]:

@@ -4,6 +4,8 @@ the import changed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from async_llm_util import ENGINE, GREEDY, collect
 
@@ -49,3 +51,55 @@ async def test_from_engine_args_builds_the_engine(tiny):
         assert outs[-1].finished and len(outs[-1].token_ids) == 8
     finally:
         engine.shutdown()
+
+
+def test_engine_args_are_a_dataclass_of_llms_arguments(tiny):
+    """vLLM's scripts build the engine from ``asdict(engine_args)``; an accepted vLLM argument
+    changes nothing, so asdict leaving it out loses nothing, and one LLM would refuse is
+    refused when the arguments are made, not dropped."""
+    args = EngineArgs(model=str(tiny), disable_log_stats=True, **{**ENGINE, "max_model_len": 64})
+    kwargs = dataclasses.asdict(args)
+    assert list(kwargs)[0] == "model" and kwargs["max_model_len"] == 64
+    assert kwargs["max_num_seqs"] == 64 and "disable_log_stats" not in kwargs
+    assert dataclasses.replace(args, max_num_seqs=4).max_num_seqs == 4
+    assert dataclasses.is_dataclass(AsyncEngineArgs("m"))
+    with pytest.raises(ValueError, match="quantization='awq': not supported"):
+        EngineArgs(model="m", quantization="awq")
+    with rltserve.LLM(**kwargs) as llm:
+        (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_vllms_example_command_line_runs(tiny):
+    """vLLM's ``examples/offline_inference/basic/generate.py``, the import changed: engine
+    flags from ``EngineArgs.add_cli_args``, the script's own popped, ``LLM(**args)``."""
+    from rltserve.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(model=str(tiny))
+    parser.add_argument_group("Sampling parameters").add_argument("--max-tokens", type=int)
+    line = ["--max_model_len=64", "--num_blocks", "128", "--enable-prefix-caching"]
+    args = vars(parser.parse_args([*line, "--max-tokens", "5"]))
+    max_tokens = args.pop("max_tokens")
+    assert "quantization" not in args and args["enable_prefix_caching"] is True
+    with rltserve.LLM(**args, in_process=True) as llm:
+        params = GREEDY.replace(max_tokens=max_tokens)
+        (out,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, params, use_tqdm=False)
+        assert llm.llm_engine.model_config.max_model_len == 64
+    assert len(out.outputs[0].token_ids) == 5
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(line))
+    assert engine_args.max_model_len == 64 and engine_args.model == str(tiny)
+    assert engine_args.enable_prefix_caching is True and engine_args.num_blocks == 128
+    with pytest.raises(ValueError, match="quantization='awq'"):
+        EngineArgs.from_cli_args(parser.parse_args(["--quantization", "awq"]))
+
+
+def test_flexible_parser_leaves_values_and_positionals_as_they_are():
+    from rltserve.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--stop-text")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--stop_text=a_b", "--", "--x_y"])
+    assert args.stop_text == "a_b" and args.rest == ["--x_y"]

@@ -1,0 +1,37 @@
+"""vLLM's import path ``vllm.utils`` for the one name its example scripts take from it:
+``FlexibleArgumentParser``, so that ``parser = FlexibleArgumentParser();
+EngineArgs.add_cli_args(parser)`` runs with the package name changed."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+__all__ = ["FlexibleArgumentParser"]
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that takes a long flag with underscores as with dashes
+    (``--max_model_len 4096`` is ``--max-model-len 4096``), as vLLM's."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        import sys
+
+        given = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(_dashed(given), namespace)
+
+
+def _dashed(args: list[str]) -> list[str]:
+    """``--a_b`` and ``--a_b=v`` as ``--a-b`` and ``--a-b=v``; values, what follows a flag's
+    ``=``, and everything after a bare ``--`` (positional arguments) as they are."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            arg = flag.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
