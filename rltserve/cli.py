@@ -29,6 +29,7 @@ from rltserve.preflight import check_output_dir
 from rltserve.progress import is_terminal, progress_enabled, watch_dir_growth
 from rltserve.ray.config import add_resource_args
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
+from rltserve.utils import FlexibleArgumentParser
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -220,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     from rltserve.models.presets import add_make_model_args
 
     description = __doc__.splitlines()[0].replace("``", "")
-    parser = argparse.ArgumentParser(prog="rltserve", description=description)
+    # (vLLM's parser: ``--max_model_len`` is ``--max-model-len``, in every command)
+    parser = FlexibleArgumentParser(prog="rltserve", description=description)
     parser.add_argument("--version", action="version", version=f"rltserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

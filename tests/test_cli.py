@@ -369,6 +369,15 @@ def test_list_flags_and_aliases():
     assert math.isinf(parse(["bench", "serve"]).request_rate)
 
 
+def test_flags_spelled_with_underscores_as_vllms():
+    parse = build_parser().parse_args
+    args = parse(
+        ["serve", "--max_model_len=4k", "--max_num_seqs", "8", "--served_model_name", "a_b"]
+    )
+    assert (args.max_model_len, args.max_num_seqs, args.served_model_name) == (4000, 8, ["a_b"])
+    assert parse(["generate", "--max_tokens", "3", "--", "--a_b"]).prompt == ["--a_b"]
+
+
 @pytest.mark.parametrize(
     ("raised", "code", "line"),
     [
