@@ -32,11 +32,20 @@ NUMBER_FIELDS = (
 )
 
 
+# The counts vLLM takes a bool for, as the int it is (``logprobs=True``: 1, ``False``: 0, the
+# sampled token's alone), since its msgspec params keep the value and compare it as a number.
+BOOL_COUNT_FIELDS = ("logprobs", "prompt_logprobs")
+
+
 def plain_fields(obj: object, names: Sequence[str] = NUMBER_FIELDS) -> None:
     """``obj``'s fields ``names`` as ``plain_number`` makes them (set with object's
-    ``__setattr__``: no setter side effects, such as SamplingParams' threshold bookkeeping)."""
+    ``__setattr__``: no setter side effects, such as SamplingParams' threshold bookkeeping),
+    a bool in ``BOOL_COUNT_FIELDS`` as its int."""
     for name in names:
-        object.__setattr__(obj, name, plain_number(getattr(obj, name)))
+        value = plain_number(getattr(obj, name))
+        if name in BOOL_COUNT_FIELDS and isinstance(value, bool):
+            value = int(value)
+        object.__setattr__(obj, name, value)
 
 
 def at_prompt(index: int, size: int) -> str:

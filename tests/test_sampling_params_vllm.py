@@ -28,6 +28,16 @@ def test_numpy_scalars_are_taken_as_plain_numbers():
         SamplingParams(top_k=np.bool_(True))
 
 
+def test_logprobs_take_a_bool_as_vllm_does():
+    """vLLM compares ``logprobs`` as a number: True asks for one top logprob, False for the
+    sampled token's alone (0); another count field still refuses a bool."""
+    assert SamplingParams(logprobs=True) == SamplingParams(logprobs=1)
+    assert type(SamplingParams(logprobs=True).logprobs) is int
+    assert SamplingParams(prompt_logprobs=False).prompt_logprobs == 0
+    with pytest.raises(ValueError, match=r"top_k=True: must be an int"):
+        SamplingParams(top_k=True)
+
+
 def test_temperature_takes_vllms_range():
     # vLLM accepts any temperature >= 0 (the HTTP API keeps OpenAI's [0, 2]).
     assert SamplingParams(temperature=5.0).temperature == 5.0
