@@ -14,9 +14,14 @@ from rltserve import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
 
 
 def test_the_names_are_exported_as_vllms():
+    from rltserve.engine import arg_utils, async_llm_engine
+
     assert AsyncLLMEngine is AsyncLLM
     assert {"EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine"} <= set(rltserve.__all__)
     assert issubclass(AsyncEngineArgs, EngineArgs)
+    # (vLLM's module paths: vllm.engine.arg_utils, vllm.engine.async_llm_engine)
+    assert (arg_utils.EngineArgs, arg_utils.AsyncEngineArgs) == (EngineArgs, AsyncEngineArgs)
+    assert async_llm_engine.AsyncLLMEngine is AsyncLLM
 
 
 def test_engine_args_hold_llms_keyword_arguments():
