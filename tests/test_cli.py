@@ -21,6 +21,7 @@ from rltserve.bench.commands import print_report
 from rltserve.cli import build_parser, main
 from rltserve.config import EngineConfig
 from rltserve.engine_args import ENGINE_CONFIGS, checked_engine_kwargs, engine_kwargs
+from rltserve.generate_command import sampling_from_args
 from rltserve.http.config import ServerConfig
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.outputs import CompletionOutput, RequestOutput
@@ -160,20 +161,21 @@ def test_dataclass_flags_state_their_fields_default():
 
 
 def test_generate_sampling_flags_and_their_defaults_reach_the_request():
-    params = cli._sampling_from_args(build_parser().parse_args(["generate", "--seed", "5"]))
+    params = sampling_from_args(build_parser().parse_args(["generate", "--seed", "5"]))
     assert (params.max_tokens, params.temperature, params.top_p) == (32, 0.0, 1.0)
     assert (params.seed, params.min_loops, params.max_loops) == (None, 1, None)
     assert (params.exit_threshold, params.exit_criterion, params.ignore_eos) == (1.0, None, False)
     assert params.init_state is None and params.top_k in (-1, 0)  # (the model's; both: off)
+    assert params.truncate_prompt_tokens is None
     flags = ["--max-tokens", "7", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "3",
              "--request-seed", "11", "--exit-threshold", "0.4", "--exit-criterion", "kl",
              "--min-loops", "2", "--max-loops", "3", "--ignore-eos",
-             "--init-state", "zero"]  # fmt: skip
-    params = cli._sampling_from_args(build_parser().parse_args(["generate", *flags]))
+             "--init-state", "zero", "--truncate-prompt-tokens", "4"]  # fmt: skip
+    params = sampling_from_args(build_parser().parse_args(["generate", *flags]))
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (7, 0.5, 0.9, 3)
     assert (params.seed, params.exit_threshold, params.exit_criterion) == (11, 0.4, "kl")
     assert (params.min_loops, params.max_loops, params.ignore_eos) == (2, 3, True)
-    assert params.init_state == "zero"
+    assert params.init_state == "zero" and params.truncate_prompt_tokens == 4
     # Huginn's num_steps names max_loops here too, as in chat, complete and HTTP bodies.
     for command in (["generate"], ["bench", "offline"]):
         assert build_parser().parse_args([*command, "--num-steps", "64"]).max_loops == 64
