@@ -1,7 +1,8 @@
 """The parsers and commands of ``rltserve serve`` and ``rltserve bench serve``
 (``rltserve/http/cli.py``): flags derived from ServerConfig, the API key from the environment,
-vLLM's flag spellings, the warning of a reachable server without a key, and bench serve's flags
-reaching the benchmark, bad values named before connecting, and its exit codes."""
+vLLM's flag spellings (its auto tool choice flags among them), the warning of a reachable server
+without a key, and bench serve's flags reaching the benchmark, bad values named before
+connecting, and its exit codes."""
 
 from __future__ import annotations
 
@@ -222,6 +223,20 @@ def test_serve_takes_vllms_logging_flags():
         serve_configs(
             _parser().parse_args(["serve", "--disable-access-log-for-endpoints", "health"])
         )
+
+
+def test_serve_takes_vllms_auto_tool_choice_flags_both_or_neither():
+    flags = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    server, _ = serve_configs(_parser().parse_args(flags))
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "hermes"
+    for flags, message in [
+        (["--tool-call-parser", "hermes"], "--tool-call-parser hermes: needs --enable-auto-tool"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call-parser"),
+        (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"],
+         "--tool-call-parser 'llama3_json': unknown (choices: hermes)"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            serve_configs(_parser().parse_args(["serve", *flags]))
 
 
 def test_serve_takes_the_model_as_vllm_serve_does(tmp_path):

@@ -212,8 +212,8 @@ async def test_a_conversation_goes_on_after_the_tools_answer(client):
     [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
          "'nope' is not among tools"),
-        ({"tool_choice": "auto"}, "tool_choice", "needs a tool-call parser"),
-        ({}, "tools", "needs a tool-call parser"),
+        ({"tool_choice": "auto"}, "tool_choice", "requires --enable-auto-tool-choice"),
+        ({}, "tools", "requires --enable-auto-tool-choice and --tool-call-parser"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}],
           "tool_choice": {"type": "function", "function": {"name": "f"}}},
          "tools[0].function.parameters", "cannot use this schema"),

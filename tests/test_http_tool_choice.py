@@ -1,16 +1,19 @@
 """A chat request's ``tools`` and ``tool_choice`` (``http.tool_choice``), and the tool calls of
 a history (``chat_messages``), parsed and validated as the server reads them: which choices are
-served (vLLM's named function and "required", as structured outputs) and which refused, each
-refusal a 400 naming the field; /tokenize has chat's rules."""
+served (vLLM's named function and "required", as structured outputs; "auto" where the server
+enables it) and which refused, each refusal a 400 naming the field; /tokenize has chat's
+rules."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from test_http_request_rules import parsed, schema_error
 
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from rltserve.http.structured_fields import requested
-from rltserve.http.tool_choice import NO_PARAMETERS
+from rltserve.http.tool_choice import NO_PARAMETERS, check_auto_choice, check_tool_call_parser
 from rltserve.http.validation import SchemaError
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -40,13 +43,46 @@ def test_text_answers_keep_the_tools_for_the_template(cls):
     assert req.template_kwargs == {"tools": TOOLS}
 
 
-@pytest.mark.parametrize("cls", [ChatCompletionRequest, TokenizeRequest])
-def test_auto_and_bad_choices_are_refused_naming_the_field(cls):
-    param, message = schema_error(cls, {**CHAT, "tools": TOOLS})
+def auto_error(body: dict, enabled: bool = False) -> tuple[str | None, str] | None:
+    """The refusal of a parsed request's "auto" on a server with or without auto tool choice
+    (None: served)."""
+    req = parsed(ChatCompletionRequest, {**CHAT, **body})
+    try:
+        check_auto_choice(req.tools, req.tool_choice, enabled)
+    except SchemaError as exc:
+        return exc.param, str(exc)
+    return None
+
+
+def test_auto_is_refused_unless_the_server_enables_it_in_vllms_words():
+    param, message = auto_error({"tools": TOOLS})
     assert param == "tools" and message.startswith('tools: tool_choice "auto" (the default')
-    assert "needs a tool-call parser" in message and 'Send tool_choice "required"' in message
-    param, message = schema_error(cls, {**CHAT, "tools": TOOLS, "tool_choice": "auto"})
-    assert param == "tool_choice" and message.startswith('tool_choice: "auto" (the default')
+    vllms = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    assert vllms in message and 'send tool_choice "required"' in message
+    param, message = auto_error({"tools": TOOLS, "tool_choice": "auto"})
+    assert param == "tool_choice" and message.startswith(f"tool_choice: {vllms}")
+    for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        assert auto_error(body, enabled=True) is None
+        assert parsed(ChatCompletionRequest, {**CHAT, **body}).forced_tools is None
+    for body in ({"tool_choice": "auto"}, {"tools": [], "tool_choice": "auto"}, {"tools": TOOLS,
+                 "tool_choice": "none"}, {"tools": TOOLS, "tool_choice": "required"}):  # fmt: skip
+        assert auto_error(body) is None  # (nothing for the model to choose)
+
+
+def test_the_servers_auto_tool_flags_are_vllms_both_or_neither():
+    check_tool_call_parser(False, None)
+    check_tool_call_parser(True, "hermes")
+    for enable, parser, message in [
+        (True, None, "--enable-auto-tool-choice: needs --tool-call-parser (hermes)"),
+        (False, "hermes", "--tool-call-parser hermes: needs --enable-auto-tool-choice"),
+        (True, "mistral", "--tool-call-parser 'mistral': unknown (choices: hermes)"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(message)):
+            check_tool_call_parser(enable, parser)
+
+
+@pytest.mark.parametrize("cls", [ChatCompletionRequest, TokenizeRequest])
+def test_bad_choices_are_refused_naming_the_field(cls):
     assert schema_error(cls, {**CHAT, "tools": TOOLS, "tool_choice": "any"}) == (
         "tool_choice",
         'tool_choice=\'any\': must be "none", "auto", "required" or '

@@ -7,13 +7,14 @@ help texts from this dataclass.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 
 from rltserve.http.hidden_metrics import shown_hidden_metrics
+from rltserve.http.origins import allowed_origins
 from rltserve.http.request_defaults import generation_overrides, template_defaults
 from rltserve.http.root_path import normal_root_path
+from rltserve.http.tool_choice import TOOL_CALL_PARSERS, check_tool_call_parser
 from rltserve.sampling import MAX_LOGPROBS
 from rltserve.vllm_args import generation_config_folder
 
@@ -135,6 +136,23 @@ class ServerConfig:
             "template variables of every chat request, a JSON object (as "
             "'{\"enable_thinking\": true}'); a request's chat_template_kwargs win over them "
             "(vLLM's --default-chat-template-kwargs)"
+        ),
+    )
+    enable_auto_tool_choice: bool = field(
+        default=False,
+        metadata=_help(
+            "serve tool_choice 'auto' (the default of a chat request that gives tools): the "
+            "model answers freely and the calls it writes are read with --tool-call-parser "
+            "(vLLM's; without it 'auto' is a 400)"
+        ),
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata=_help(
+            f"the call format --enable-auto-tool-choice reads (vLLM's names): "
+            f'{", ".join(TOOL_CALL_PARSERS)}; hermes reads <tool_call>{{"name": ..., '
+            '"arguments": {...}}</tool_call> blocks, as Hermes, Qwen and most open chat '
+            "templates have models write them"
         ),
     )
     drain_timeout_s: float = field(
@@ -422,10 +440,12 @@ class ServerConfig:
             "enable_tokenizer_info_endpoint",
             "return_tokens_as_token_ids",
             "disable_fastapi_docs",
+            "enable_auto_tool_choice",
         )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        check_tool_call_parser(self.enable_auto_tool_choice, self.tool_call_parser)
         for path in self.quiet_paths:
             if not path.startswith("/"):
                 raise ValueError(
@@ -458,22 +478,8 @@ class ServerConfig:
 
     @property
     def origins(self) -> frozenset[str]:
-        """``allowed_origins`` as a set (empty: no cross-origin page may call the API). vLLM's
-        flag takes a JSON list (``'["*"]'``, its manifests' spelling), which taken as one
-        comma-separated origin would turn CORS off without a word."""
-        text = self.allowed_origins.strip()
-        if not text.startswith("["):
-            return frozenset(o.strip() for o in text.split(",") if o.strip())
-        try:
-            origins = json.loads(text)
-        except ValueError:
-            origins = None
-        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
-            raise ValueError(
-                f"allowed_origins={self.allowed_origins!r}: not a JSON list of origins "
-                "(as '[\"https://a.example\"]') nor comma-separated ones"
-            )
-        return frozenset(o.strip() for o in origins if o.strip())
+        """``allowed_origins`` as a set (``origins.allowed_origins``)."""
+        return allowed_origins(self.allowed_origins)
 
     def with_env(self) -> ServerConfig:
         """The config with ``api_key`` taken from the environment when not given (the first

@@ -34,6 +34,7 @@ from rltserve.http.schemas import (
 from rltserve.http.session import session_key
 from rltserve.http.state import STATE, ServingState
 from rltserve.http.tokenizer_info import tokenizer_info
+from rltserve.http.tool_choice import check_auto_choice
 
 
 def load_aware(handler):
@@ -76,6 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, request_id=rid)
     state.check_model(req.model)
     check_limits(req, state.config)
+    check_auto_choice(req.tools, req.tool_choice, state.config.enable_auto_tool_choice)
     session = session_key(request.headers, req.user)
     plan = await chat_plan(state, req, arrival, session, rid)
     return await deliver(request, state, plan)
@@ -174,6 +176,7 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req: TokenizeRequest = await read_body(request, TokenizeRequest)
     state.check_model(req.model)
+    check_auto_choice(req.tools, req.tool_choice, state.config.enable_auto_tool_choice)
     frontend = state.require_frontend()
     if req.messages is not None:
         messages = [m.as_template_input(f"messages[{i}]") for i, m in enumerate(req.messages)]

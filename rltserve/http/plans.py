@@ -16,6 +16,7 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
+from rltserve.http.auto_tools import AutoToolFormat, tool_tag_ids
 from rltserve.http.chat_messages import echoed_text
 from rltserve.http.context_limit import tokens_too_many
 from rltserve.http.errors import HTTPError, bad_request, in_batch
@@ -30,6 +31,7 @@ from rltserve.http.schemas import (
 )
 from rltserve.http.state import ServingState
 from rltserve.http.tool_calls import ToolCallFormat
+from rltserve.http.tool_choice import asks_auto
 from rltserve.http.validation import param_of
 from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking import reasoning_kept_ids
@@ -307,17 +309,23 @@ async def chat_plan(
     )
     forced = req.forced_tools  # (the answers are tool calls: no thinking span to split off)
     reasoning = bool(prompt.thinking) and forced is None  # (the split follows the budget's)
-    if reasoning and (kept := reasoning_kept_ids(frontend.tokenizer)):
+    # ("auto" tools: the server's parser reads the calls the answer writes, if any)
+    parser = state.config.tool_call_parser if asks_auto(req.tools, req.tool_choice) else None
+    kept = reasoning_kept_ids(frontend.tokenizer) if reasoning else frozenset()
+    kept |= tool_tag_ids(frontend.tokenizer, parser) if parser else frozenset()
+    if kept:
         choices = [dataclasses.replace(c, kept_special_ids=kept) for c in choices]
     header = _header(state, "chatcmpl", response_id, req.model)
     echo = echoed_text(messages) if req.echo else ""
+    if forced is not None:
+        format_: ChatFormat = ToolCallFormat(header, req, frontend, forced, echo=echo)
+    elif parser is not None:
+        format_ = AutoToolFormat(header, req, frontend, parser, reasoning=reasoning, echo=echo)
+    else:
+        format_ = ChatFormat(header, req, frontend, reasoning=reasoning, echo=echo)
     return GenerationPlan(
         choices=choices,
-        format=(
-            ChatFormat(header, req, frontend, reasoning=reasoning, echo=echo)
-            if forced is None
-            else ToolCallFormat(header, req, frontend, forced, echo=echo)
-        ),
+        format=format_,
         stream=req.stream,
         include_usage=req.include_usage or state.config.enable_force_include_usage,
         continuous_usage=req.continuous_usage,

@@ -239,8 +239,9 @@ class ChatCompletionRequest(GenerationFields):
     # OpenAI's; a template variable (``reasoning_effort``), as vLLM and SGLang pass it.
     reasoning_effort: str | None = None
     # ``tools`` go to the template; a named ``tool_choice`` or "required" constrains the output
-    # to the calls (``tool_choice``); "auto" and the legacy ``functions`` are known so that
-    # asking for them is a clear 400 (``check_tools``).
+    # to the calls (``tool_choice``); "auto" is read for calls where the server enables it
+    # (``auto_tools``; else a 400, ``check_auto_choice``); the legacy ``functions`` are known
+    # so that asking for them is a clear 400 (``check_tools``).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # (false: "required" makes one call at most)

@@ -14,17 +14,13 @@ so far, their arguments as far as they got.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from rltserve.http.generation import ChoiceEvent
+from rltserve.http.hermes_tools import tool_call_id
 from rltserve.http.responses import ChatFormat
 from rltserve.http.tool_choice import ForcedTools
 from rltserve.outputs import Completion
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def finish_reason(forced: ForcedTools, reason: str | None) -> str | None:

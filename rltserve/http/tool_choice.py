@@ -1,5 +1,6 @@
-"""A chat request's ``tools`` and ``tool_choice``, served as vLLM serves them without a
-model-specific tool-call parser: by constraining the output (structured outputs).
+"""A chat request's ``tools`` and ``tool_choice``, served as vLLM serves them: a forcing choice
+by constraining the output (structured outputs), ``"auto"`` by reading calls from the answer's
+text with the server's tool-call parser.
 
 - ``"none"`` (and ``"auto"`` without tools): the model answers in text; the chat template still
   gets the tools.
@@ -8,8 +9,10 @@ model-specific tool-call parser: by constraining the output (structured outputs)
 - ``"required"``: the output is a JSON array of ``{"name": <a tool's name>, "parameters": <its
   schema>}`` objects (vLLM's schema; at most one with ``parallel_tool_calls`` false), each
   returned as a tool call.
-- ``"auto"`` with tools (the default where tools are given) is refused: telling a call from an
-  answer in text needs a parser of the model's own call format, which this server has not.
+- ``"auto"`` with tools (the default where tools are given): the model answers as it likes and
+  ``auto_tools`` reads the calls it writes (``hermes_tools``). Served only where the operator
+  named the model's call format (``serve --enable-auto-tool-choice --tool-call-parser hermes``,
+  vLLM's flags, ``check_tool_call_parser``); elsewhere a 400 (``check_auto_choice``).
 
 OpenAI's legacy ``functions`` and ``function_call`` are refused (ignored, the answer would look
 like one that had them). The answer's side is ``tool_calls``.
@@ -27,12 +30,48 @@ from rltserve.structured import StructuredOutputsParams
 # A function without parameters takes none: its arguments are "{}" (vLLM's).
 NO_PARAMETERS = {"type": "object", "properties": {}}
 NAMED_SHAPE = '{"type": "function", "function": {"name": ...}}'
+# The tool-call formats ``--tool-call-parser`` names (vLLM's names; ``auto_tools.PARSERS``).
+TOOL_CALL_PARSERS = ("hermes",)
 AUTO_REFUSED = (
-    '"auto" (the default with tools) is not supported: it needs a tool-call parser '
-    "for the model's own call format, which this server has not. Send tool_choice "
-    f'"required" or a named function {NAMED_SHAPE} (the output is constrained to the call), or '
-    '"none" (the model answers in text)'
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+    f'(the server\'s flags); or send tool_choice "required" or a named function {NAMED_SHAPE} '
+    '(the output is constrained to the call), or "none" (the model answers in text)'
 )
+
+
+def check_tool_call_parser(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """The server's auto tool choice flags, as vLLM's: both or neither, a parser it has
+    (ValueError naming the flag)."""
+    choices = ", ".join(TOOL_CALL_PARSERS)
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r}: unknown (choices: {choices})")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice: needs --tool-call-parser ({choices})")
+    if tool_call_parser is not None and not enable_auto_tool_choice:
+        raise ValueError(
+            f"--tool-call-parser {tool_call_parser}: needs --enable-auto-tool-choice (the "
+            'parser reads the calls of tool_choice "auto", which is refused without it)'
+        )
+
+
+def asks_auto(tools: list[dict[str, Any]] | None, tool_choice: object) -> bool:
+    """Whether the model chooses whether to call: tools given, ``tool_choice`` "auto" or
+    left out (its default where tools are given)."""
+    return bool(tools) and tool_choice in (None, "auto")
+
+
+def check_auto_choice(
+    tools: list[dict[str, Any]] | None, tool_choice: object, enabled: bool
+) -> None:
+    """Refuses "auto" with tools (a SchemaError naming the field as sent) unless ``enabled``
+    (the server's ``enable_auto_tool_choice``)."""
+    if enabled or not asks_auto(tools, tool_choice):
+        return
+    if tool_choice is None:
+        raise SchemaError(
+            "tools", f'tools: tool_choice "auto" (the default with tools): {AUTO_REFUSED}'
+        )
+    raise SchemaError("tool_choice", f"tool_choice: {AUTO_REFUSED}")
 
 
 @dataclass(frozen=True)
@@ -98,17 +137,13 @@ def forced_tools(
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool | None = None,
 ) -> ForcedTools | None:
-    """The calls ``tool_choice`` forces, or None where the model answers in text; a
-    SchemaError (400) naming the field for a choice or tool list this server cannot serve.
-    Cheap (nothing compiled)."""
-    if tool_choice is None or tool_choice == "none":
-        if tools and tool_choice is None:
-            raise SchemaError("tools", f"tools: tool_choice {AUTO_REFUSED}")
-        return None
-    if tool_choice == "auto":
-        if tools:
-            raise SchemaError("tool_choice", f"tool_choice: {AUTO_REFUSED}")
-        return None  # (no tools: nothing to call, the model answers in text)
+    """The calls ``tool_choice`` forces, or None where the model answers in text (with
+    "auto", text that may hold calls of its own); a SchemaError (400) naming the field for a
+    choice or tool list this server cannot serve. Cheap (nothing compiled)."""
+    if tool_choice in (None, "none", "auto"):
+        if asks_auto(tools, tool_choice):
+            _check_tools(tools or [])  # (the calls read from the answer are of these)
+        return None  # ("auto": no constraint; the server reads any calls, ``check_auto_choice``)
     if tools is None:
         raise SchemaError("tool_choice", "tool_choice: give the tools it chooses from (tools)")
     if tool_choice == "required":
