@@ -1,13 +1,20 @@
-"""vLLM's import path ``vllm.utils`` for the one name its example scripts take from it:
-``FlexibleArgumentParser``, so that ``parser = FlexibleArgumentParser();
-EngineArgs.add_cli_args(parser)`` runs with the package name changed."""
+"""vLLM's import path ``vllm.utils`` for the names its example scripts take from it:
+``FlexibleArgumentParser`` (``parser = FlexibleArgumentParser();
+EngineArgs.add_cli_args(parser)``) and ``random_uuid`` (an ``AsyncLLM.generate`` request id),
+so that they run with the package name changed."""
 
 from __future__ import annotations
 
 import argparse
+import uuid
 from collections.abc import Sequence
 
-__all__ = ["FlexibleArgumentParser"]
+__all__ = ["FlexibleArgumentParser", "random_uuid"]
+
+
+def random_uuid() -> str:
+    """A random request id: 32 hex digits, as vLLM's."""
+    return uuid.uuid4().hex
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

@@ -101,7 +101,9 @@ def test_vllms_example_command_line_runs(tiny):
 
 
 def test_flexible_parser_leaves_values_and_positionals_as_they_are():
-    from rltserve.utils import FlexibleArgumentParser
+    from rltserve.utils import FlexibleArgumentParser, random_uuid
+
+    assert len(random_uuid()) == 32 and random_uuid() != random_uuid()  # (vLLM's request ids)
 
     parser = FlexibleArgumentParser()
     parser.add_argument("--stop-text")
