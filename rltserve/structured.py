@@ -4,15 +4,17 @@ what a request's output must match, as one regular expression.
 A JSON schema, a generic JSON object, a regex or a choice of strings each become a regex here
 (``pattern``); ``guide_index`` compiles it against the tokenizer and the runner masks what each
 step may sample (``core/guide.py``). The regex dialect and the JSON schema translation are
-outlines-core's, imported lazily: only a structured request needs it (``pip install
-'rltserve[structured]'``). Torch-free; imports nothing from the engine or the front ends.
+outlines-core's (the latter mended where it falls short: ``schema_regex``), imported lazily:
+only a structured request needs it (``pip install 'rltserve[structured]'``). Torch-free;
+imports nothing from the engine or the front ends.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from rltserve.schema_regex import json_object_pattern, schema_regex
 
 INSTALL_HINT = "pip install 'rltserve[structured]'"
 # The constraints a request picks one of (vLLM's fields); ``grammar`` (a context-free grammar)
@@ -21,12 +23,6 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # Characters that mean something in outlines-core's regex dialect (Rust's ``regex``): a choice
 # escapes these and nothing else (Python's ``re.escape`` escapes more than that dialect reads).
 _META = set("\\.+*?()|[]{}^$#&-~")
-JSON_OBJECT_DEPTH = 2  # json_object: an object's values may be objects or arrays of scalars
-# json_object's strings and numbers: JSON's own (RFC 8259). outlines-core's leave out ``\uXXXX``
-# escapes (Python's json.dumps writes every non-ASCII character so), U+007F-U+009F and an
-# exponent without a sign ("1e5").
-JSON_STRING = r'"([^"\\\x00-\x1F]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4}))*"'
-JSON_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
 class StructuredOutputsUnavailable(ValueError):
@@ -115,55 +111,18 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "(" + "|".join(map(_escape, self.choice)) + ")"
         space = "" if self.disable_any_whitespace else self.whitespace_pattern
-        if self.json is None or _any_object(self.json):
+        if self.json is None:
             return json_object_pattern(space)
-        schema = json.dumps(self.json) if isinstance(self.json, dict) else self.json
-        build = outlines_core().json_schema.build_regex_from_schema
         try:
-            return build(schema) if space is None else build(schema, space)
+            return schema_regex(self.json, space)
+        except StructuredOutputsUnavailable:
+            raise
         except Exception as exc:  # (outlines-core raises ValueError, a bad JSON string too)
             raise ValueError(f"{field}: cannot use this schema: {exc}") from None
 
 
 # vLLM's older name (``vllm.sampling_params.GuidedDecodingParams``), the same class.
 GuidedDecodingParams = StructuredOutputsParams
-
-
-def json_object_pattern(space: str | None = None, depth: int = JSON_OBJECT_DEPTH) -> str:
-    """``json_object``'s regex: a JSON object whose values are scalars, or objects and arrays
-    nested ``depth - 1`` levels deeper. A regex cannot nest without bound, and the DFA grows
-    fast with depth: outlines-core's own ``{"type": "object"}`` takes seconds to compile
-    against a 512-token vocabulary, this one a fraction of a second."""
-    js = outlines_core().json_schema
-    ws = js.WHITESPACE if space is None else space
-    scalar = value = f"({JSON_STRING}|{JSON_NUMBER}|{js.BOOLEAN}|{js.NULL})"
-    for _ in range(depth):
-        member = f"{JSON_STRING}{ws}:{ws}{value}"
-        obj = rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
-        array = rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
-        value = f"({scalar}|{obj}|{array})"
-    return obj
-
-
-# A schema of any object: its type and words for people, nothing that constrains the members.
-_ANY_OBJECT_KEYS = {"type", "title", "description", "$schema", "additionalProperties"}
-
-
-def _any_object(schema: str | dict) -> bool:
-    """Whether ``schema`` allows any JSON object (``{"type": "object"}``, as MCP tools declare
-    their parameters): outlines-core's translation of that takes seconds to compile against a
-    512-token vocabulary (minutes against a real one), so it is ``json_object``'s regex."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            return False  # (refused by the translation, naming the field)
-    return (
-        isinstance(schema, dict)
-        and schema.get("type") == "object"
-        and schema.get("additionalProperties", True) is True
-        and set(schema) <= _ANY_OBJECT_KEYS
-    )
 
 
 def _escape(text: str) -> str:

@@ -107,3 +107,24 @@ def test_a_constraint_crosses_to_the_worker_once(llm, monkeypatch):
         (out,) = llm.generate(["Hi"], sampled(n=3, seed=seed, structured_outputs=structured))
         assert all(re.fullmatch("[a-z]{5}!", c.text) for c in out.outputs)
     assert full == [True] + [False] * 5
+
+
+def test_a_pydantic_schema_with_bounds_and_any_holds(llm):
+    """``Field(ge=1, le=5)`` and an ``Any`` field, as pydantic writes them: every finished answer
+    is JSON within the bounds (outlines-core's own translation let 900 and ``{ }}`` through)."""
+    schema = {
+        "properties": {
+            "stars": {"maximum": 5, "minimum": 1, "title": "Stars", "type": "integer"},
+            "extra": {"title": "Extra"},
+        },
+        "required": ["stars", "extra"],
+        "title": "Review",
+        "type": "object",
+    }
+    params = sampled(n=6, seed=5, structured_outputs=StructuredOutputsParams(json=schema))
+    (out,) = llm.generate(["Rate it"], params)
+    finished = [c.text for c in out.outputs if c.finish_reason == "stop"]
+    assert finished
+    for text in finished:
+        value = json.loads(text)
+        assert set(value) == {"stars", "extra"} and value["stars"] in range(1, 6), text
