@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from rltserve.http.config import API_KEY_ENVS, api_key_env
+from rltserve.http.api_keys import API_KEY_ENVS, api_key_env
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 if TYPE_CHECKING:

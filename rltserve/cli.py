@@ -25,7 +25,7 @@ from rltserve.chat_cli import add_client_parsers
 from rltserve.engine_args import add_engine_args
 from rltserve.generate_command import add_generate_parser
 from rltserve.http.cli import add_bench_serve_parser, add_serve_parser
-from rltserve.http.config_file import apply_config_file
+from rltserve.http.config_file import add_config_flag, apply_config_file, named_file
 from rltserve.preflight import check_output_dir
 from rltserve.progress import progress_enabled, watch_dir_growth
 from rltserve.ray.config import add_resource_args
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rltserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    add_generate_parser(sub)
+    gen = add_generate_parser(sub)
 
     mm = sub.add_parser("make-model", help="write a random checkpoint of a preset shape")
     add_make_model_args(mm)
@@ -213,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = add_rollout_parser(bench_sub)
     add_engine_args(rollout)
     rollout.set_defaults(func=cmd_bench_rollout)
+    for command in (gen, off, rollout):  # (the engine commands: serve has its own)
+        add_config_flag(command)
     host = bench_sub.add_parser("host", help="host work per engine step, with a stand-in model")
     host.add_argument(
         "--rows", type=_int_list, default=[32, 128, 256, 512], help="decode rows per step (list)"
@@ -320,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # (parse_args would show the top-level usage, not the command's)
         _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        if getattr(args, "config", None) is not None:  # serve --config FILE: the flags win
+        if getattr(args, "config", None) is not None:  # --config FILE: the flags win over it
             apply_config_file(_command_parser(parser, args), args.config)
             args = parser.parse_known_args(argv)[0]
         return args.func(args)
@@ -334,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = exit_code(exc)
         if code is None:
             raise
-        print(f"rltserve: error: {one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        message = named_file(one_line(str(exc)), args)  # (a value the --config file set)
+        print(f"rltserve: error: {message or type(exc).__name__}", file=sys.stderr)
         return code
 
 

@@ -13,7 +13,7 @@ from rltserve.progress import is_terminal
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
 
 
-def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline")
     gen.add_argument(
         "prompt",
@@ -31,6 +31,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    return gen
 
 
 def sampling_from_args(args: argparse.Namespace):

@@ -15,6 +15,8 @@ from test_http_harness import (
     tiny_checkpoint,
 )
 
+from rltserve.http.config import ServerConfig
+
 H_ID, I_ID, END = 44, 77, 4  # "H", "i", </think> on ouro-tiny
 PREFILL = {
     "messages": [
@@ -151,3 +153,27 @@ async def test_echo_is_content_beside_reasoning_and_only_the_assistants(ckpt):
     ]
     assert body_of(raw_parts)["choices"][0]["message"]["content"] == "Su\nreH"
     assert body_of(raw_user)["choices"][0]["message"]["content"] == "H"
+
+
+async def test_response_role_names_the_answers_role(ckpt):
+    """``--response-role`` (vLLM's): the role of an answer the template opened, whole and in a
+    stream's role chunk (the flag was refused); an answer that continues the last message
+    (add_generation_prompt false) takes that message's role, and echo follows the role."""
+    stage = stage_for(ckpt, [H_ID, I_ID])
+    user = {"messages": PREFILL["messages"][:1], "max_tokens": 2, "echo": True}
+    role = {"response_role": "bot"}
+    async with running(ckpt, client_factory=scripted_factory(stage), **role) as live:
+        _, _, whole = await live.post("/v1/chat/completions", user)
+        _, _, streamed = await live.post("/v1/chat/completions", {**user, "stream": True})
+        _, _, continued = await live.post("/v1/chat/completions", PREFILL)
+        user_continued = {**user, "add_generation_prompt": False}
+        _, _, own = await live.post("/v1/chat/completions", user_continued)
+    assert body_of(whole)["choices"][0]["message"] == {"role": "bot", "content": "Hi"}
+    deltas = [e["choices"][0]["delta"] for e in sse_payloads(streamed)[:-1]]
+    assert deltas == [{"role": "bot", "content": ""}, {"content": "H"}, {"content": "i"}]
+    message = {"role": "assistant", "content": "SureHi"}
+    assert body_of(continued)["choices"][0]["message"] == message
+    # (vLLM's: the answer continues the user's message, so it is the user's, echo included)
+    assert body_of(own)["choices"][0]["message"] == {"role": "user", "content": "Hi thereHi"}
+    with pytest.raises(ValueError, match="^response_role=' ': must be a role's name"):
+        ServerConfig(response_role=" ")

@@ -70,7 +70,21 @@ def test_serve_takes_the_api_key_from_the_environment_unless_a_flag_gives_one(mo
     server, engine = serve_configs(_parser().parse_args(["serve", "--max-num-seqs", "4"]))
     assert server.api_key == "from-env" and engine.scheduler.max_num_seqs == 4
     server, _ = serve_configs(_parser().parse_args(["serve", "--api-key", "flag"]))
-    assert server.api_key == "flag"
+    assert server.api_keys == ("flag",)
+
+
+def test_serve_takes_several_api_keys_as_vllm_does(monkeypatch):
+    """``--api-key K1 K2`` (vLLM's api_key is a list): the second key was taken for MODEL, so
+    the server tried to load a checkpoint named after the secret and printed it in the error."""
+    monkeypatch.setenv("RLTSERVE_API_KEY", "from-env")
+    args = _parser().parse_args(["serve", "--api-key", "sk-one", "sk-two", "--max-num-seqs", "4"])
+    assert args.model_tag is None
+    server, _ = serve_configs(args)
+    assert server.api_keys == ("sk-one", "sk-two")  # (the flag's: the variable's is unused)
+    assert ServerConfig(api_key="k").api_keys == ("k",) and ServerConfig().api_keys == ()
+    for bad in ((), ("k", ""), [""]):
+        with pytest.raises(ValueError, match="^api_key='': must not be empty"):
+            ServerConfig(api_key=bad)
 
 
 def test_serve_stage_stable_s_is_the_restart_policys():
@@ -445,3 +459,13 @@ def test_a_token_count_that_does_not_parse_names_the_flag(capsys, flags, message
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["serve", *flags])
     assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"error: {message}\n")
+
+
+def test_serve_refuses_vllms_asgi_middleware_saying_why():
+    """``--middleware`` (vLLM's: an ASGI middleware's import path) cannot run on aiohttp: a
+    usage error saying so, not argparse's bare "unrecognized arguments"."""
+    args = _parser().parse_args(["serve", "--middleware", "my.mod.Auth", "--middleware", "b.C"])
+    with pytest.raises(
+        ValueError, match=r"^--middleware my\.mod\.Auth: not supported: .* aiohttp, not an ASGI app"
+    ):
+        serve_configs(args)

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 from test_http_harness import Script, ScriptedStage, running, scripted_factory, scripted_info
 
-from rltserve.http.config import API_KEY_ENV, API_KEY_ENVS, ServerConfig, api_key_env
+from rltserve.http.api_keys import API_KEY_ENV, API_KEY_ENVS, api_key_env
+from rltserve.http.config import ServerConfig
 
 
 @pytest.fixture(scope="module")

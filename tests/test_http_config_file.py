@@ -129,3 +129,27 @@ def test_a_refused_flag_that_replaced_the_files_value_is_the_command_lines(tmp_p
     path.write_text("max-num-seqs: 8\n")
     assert main(["serve", "--config", str(path), "--max-num-seqs", "0"]) == 2
     assert capsys.readouterr().err == "rltserve: error: max_num_seqs=0: must be an int >= 1\n"
+
+
+@pytest.mark.parametrize(
+    "command", [["generate", "hi"], ["bench", "offline"], ["bench", "rollout"]]
+)
+def test_the_other_engine_commands_take_a_config_file_too(tmp_path, capsys, command):
+    """``generate``, ``bench offline`` and ``bench rollout`` take their engine flags from a
+    file as ``serve`` does (the flag was refused), under the command line's; a key that is
+    none of the command's flags names the command, and a value refused later the file."""
+    path = tmp_path / "config.yaml"
+    path.write_text("max-num-seqs: 8\nmax_model_len: 1k\nenable-prefix-caching: false\n")
+    args = _args(*command, "--config", str(path), "--max-num-seqs", "4")
+    assert (args.max_num_seqs, args.max_model_len, args.enable_prefix_caching) == (4, 1000, False)
+    path.write_text("max-num-seq: 4\n")
+    assert main([*command, "--config", str(path)]) == 2
+    name = " ".join(c for c in command if c != "hi")
+    assert f"({name} has no --max-num-seq flag; did you mean 'max-num-seqs'?)" in (
+        capsys.readouterr().err
+    )
+    path.write_text("max-num-seqs: 0\n")
+    assert main([*command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err  # (bench offline refuses the flag itself: its own words)
+    assert err.startswith("rltserve: error: ") and "max-num-seqs" in err.replace("_", "-")
+    assert err.endswith(f" (set by 'max-num-seqs' in --config {path})\n"), err

@@ -125,16 +125,24 @@ def template_tool_calls(calls: list[Any], path: str) -> list[dict[str, Any]]:
     return out
 
 
-# The role of every chat answer (vLLM's default ``response_role``).
+# The role of a chat answer the template opens (vLLM's default ``response_role``; the
+# server's ``--response-role``).
 RESPONSE_ROLE = "assistant"
 
 
-def echoed_text(messages: list[dict[str, Any]]) -> str:
+def answer_role(add_generation_prompt: bool, last_role: str, response_role: str) -> str:
+    """The role of a chat answer, as vLLM's ``get_chat_request_role``: the server's response
+    role where the template opened the answer (``add_generation_prompt``), else that of the
+    last message, which the answer continues."""
+    return response_role if add_generation_prompt else last_role
+
+
+def echoed_text(messages: list[dict[str, Any]], role: str = RESPONSE_ROLE) -> str:
     """vLLM's chat ``echo``: the text of the last message (as its template got it: content
-    parts joined) where its role is the answer's, as an assistant prefill the answer
-    continues; "" otherwise (nothing echoed)."""
+    parts joined) where its role is the answer's (``answer_role``), as an assistant prefill
+    the answer continues; "" otherwise (nothing echoed)."""
     last = messages[-1] if messages else {}
-    return (last.get("content") or "") if last.get("role") == RESPONSE_ROLE else ""
+    return (last.get("content") or "") if last.get("role") == role else ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from rltserve.engine_args import add_dataclass_args, dataclass_kwargs
-from rltserve.http.config_file import CONFIG_SET, named_file
+from rltserve.http.config_file import CONFIG_SET, add_config_flag, named_file
 
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig
@@ -69,14 +69,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         metavar="MODEL",
         help="the checkpoint, as vLLM's `vllm serve MODEL` takes it: the same as --model",
     )
-    parser.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="a YAML file of serve's flags, as vLLM's: keys are the flag names (with dashes or "
-        "underscores, model for MODEL), values scalars, true/false, lists or mappings; the "
-        "command line's flags win over it; an unknown key is an error",
-    )
+    add_config_flag(parser)
     add_dataclass_args(parser, ServerConfig, "server")
     add_dataclass_args(parser, ReplicaConfig, "replicas (Ray Serve; the 'ray' extra)")
     parser.add_argument(
@@ -90,6 +83,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         default=None,
         help="vLLM's; accepted: usage.prompt_tokens_details (cached_tokens) is always there when "
         "some prompt tokens were cached, as vLLM's with this flag",
+    )
+    parser.add_argument(
+        "--middleware",
+        action="append",
+        default=None,
+        metavar="IMPORT_PATH",
+        help="vLLM's ASGI middleware (an import path); refused: this server is aiohttp, not an "
+        "ASGI app, so it cannot run one (put the logic in a proxy in front of it)",
     )
     add_engine_args(parser)  # (after serve's own: vLLM's engine flags leave those to it)
     parser.add_argument(
@@ -174,8 +175,15 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
     from rltserve.engine_args import checked_engine_kwargs
-    from rltserve.http.config import API_KEY_ENVS, ServerConfig
+    from rltserve.http.api_keys import API_KEY_ENVS
+    from rltserve.http.config import ServerConfig
 
+    if getattr(args, "middleware", None):  # (before the model loads: a usage error)
+        raise ValueError(
+            f"--middleware {args.middleware[0]}: not supported: rltserve's server is aiohttp, "
+            "not an ASGI app (FastAPI, Starlette), so it cannot run an ASGI middleware; run "
+            "that logic in a proxy in front of the server"
+        )
     take_model_tag(args)
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
     if server_config.metrics_auth and server_config.api_key is None:
@@ -225,7 +233,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_replica_server_flags(server_config, replica_config)
     configure_logging(args)
     from rltserve import __version__
-    from rltserve.http.config import api_key_env
+    from rltserve.http.api_keys import api_key_env
 
     log = logging.getLogger("rltserve.http")
     log.info("rltserve API server version %s", __version__)

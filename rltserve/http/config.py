@@ -8,10 +8,13 @@ help texts from this dataclass.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 
+from rltserve.http.api_keys import API_KEY_ENVS, api_key_env
+from rltserve.http.config_numbers import check_numbers
+from rltserve.http.cors_policy import CorsPolicy
 from rltserve.http.hidden_metrics import shown_hidden_metrics
-from rltserve.http.origins import allowed_origins
 from rltserve.http.request_defaults import generation_overrides, template_defaults
 from rltserve.http.root_path import normal_root_path
 from rltserve.http.tool_choice import TOOL_CALL_PARSERS, check_tool_call_parser
@@ -20,11 +23,6 @@ from rltserve.vllm_args import generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
 MAX_N = 128
-
-API_KEY_ENV = "RLTSERVE_API_KEY"
-# Where ``with_env`` looks for the API key, the first set wins: rltserve's own variable, then vLLM's
-# (a deployment configured for vLLM must not come up unauthenticated).
-API_KEY_ENVS = (API_KEY_ENV, "VLLM_API_KEY")
 
 # What /metrics names its series with (``metrics_prefix``): rltserve's own, or vLLM's.
 METRICS_PREFIXES = ("rltserve", "vllm")
@@ -59,13 +57,17 @@ class ServerConfig:
             "nargs": "+",
         },
     )
-    api_key: str | None = field(
+    api_key: str | tuple[str, ...] | None = field(
         default=None,
-        metadata=_help(
-            f"require 'Authorization: Bearer KEY' on every route but the probes /health, /ping, "
-            f"/version, /openapi.json, /load (and /metrics unless --metrics-auth); default: env "
-            f"{API_KEY_ENVS[0]}, else {API_KEY_ENVS[1]}"
-        ),
+        metadata={
+            **_help(
+                "require 'Authorization: Bearer KEY', one of the keys given (as vLLM's: "
+                "'--api-key K1 K2'), on every route but the probes /health, /ping, /version, "
+                "/openapi.json, /load (and /metrics unless --metrics-auth); default: env "
+                f"{API_KEY_ENVS[0]}, else {API_KEY_ENVS[1]}"
+            ),
+            "nargs": "+",
+        },
     )
     ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
     ssl_keyfile: str | None = field(default=None, metadata=_help("TLS private key (PEM)"))
@@ -121,6 +123,31 @@ class ServerConfig:
         metadata=_help(
             "origins whose web pages may call the API (CORS), comma-separated or as vLLM's "
             "JSON list ('[\"https://a.example\"]'): '*' any (vLLM's default), '' or '[]' none"
+        ),
+    )
+    allowed_methods: str = field(
+        default="*",
+        metadata=_help("methods those pages may use (CORS), as --allowed-origins: '*' any"),
+    )
+    allowed_headers: str = field(
+        default="*",
+        metadata=_help(
+            "request headers those pages may send (CORS), as --allowed-origins: '*' any; "
+            "Accept, Accept-Language, Content-Language and Content-Type always"
+        ),
+    )
+    allow_credentials: bool = field(
+        default=False,
+        metadata=_help(
+            "let those pages send cookies and HTTP authentication (CORS "
+            "Access-Control-Allow-Credentials; an allowed origin is then named, not '*')"
+        ),
+    )
+    response_role: str = field(
+        default="assistant",
+        metadata=_help(
+            "the role of a chat answer's message (vLLM's; where add_generation_prompt is false "
+            "the answer continues the last message and takes its role)"
         ),
     )
     chat_template: str | None = field(
@@ -361,46 +388,22 @@ class ServerConfig:
         for name in self.served_model_names:
             if not isinstance(name, str) or not name.strip():
                 raise ValueError("served_model_name='': must not be empty")
-        if self.api_key is not None and not self.api_key:
+        keys = self.api_key
+        if keys is not None and not isinstance(keys, str):
+            object.__setattr__(self, "api_key", keys := tuple(keys))  # (as served_model_name)
+        if keys is not None and (not keys or not all(isinstance(k, str) and k for k in keys)):
             raise ValueError("api_key='': must not be empty (omit it to disable auth)")
+        if not isinstance(self.response_role, str) or not self.response_role.strip():
+            raise ValueError(f"response_role={self.response_role!r}: must be a role's name")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile, ssl_keyfile: give both or neither")
-        for name, low in (("max_concurrent", 1), ("max_queued", 0), ("max_body_bytes", 1024)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}={value!r}: must be an int >= {low}")
-        if not isinstance(self.retry_after_s, int) or self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s={self.retry_after_s!r}: must be an int >= 0")
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s={self.startup_timeout_s!r}: must be > 0")
-        if not isinstance(self.strict_fields, bool):
-            raise ValueError(f"strict_fields={self.strict_fields!r}: must be a bool")
+        check_numbers(self, MAX_N)  # (ValueError naming the field)
         generation_config_folder(self.generation_config, "")  # (ValueError naming it)
         if self.chat_template is not None:
             from rltserve.models.chat_template import read_chat_template
 
             read_chat_template(self.chat_template)  # (before the model loads: a usage error)
         self.template_defaults  # noqa: B018 - ValueError naming the field
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r}: must be >= 0")
-        bounds = (  # (field, least, most or None, None allowed)
-            ("max_n", 1, MAX_N, False),
-            ("max_stop", 0, None, False),
-            ("max_stop_chars", 1, None, False),
-            ("max_logprobs", 0, MAX_LOGPROBS, False),
-            ("max_header_bytes", 256, None, False),
-            ("max_tokens_limit", 1, None, True),
-            ("max_loops_limit", 1, None, True),
-            ("max_log_len", 0, None, True),
-        )
-        for name, low, high, optional in bounds:
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-            if not ok or (high is not None and value > high):
-                where = f"in [{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"{name}={value!r}: must be an int {where}")
         loops = self.max_loops_limit
         overrides = self.generation_overrides  # (ValueError naming the key)
         if loops is not None and overrides.get("max_loops", 0) > loops:
@@ -408,41 +411,12 @@ class ServerConfig:
                 f"override_generation_config: max_loops={overrides['max_loops']} is above "
                 f"max_loops_limit ({loops})"
             )
-        for name in ("idle_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}={value!r}: must be a number > 0")
-        for name in ("stage_watchdog_s", "stage_restart_backoff_s", "stage_stable_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}={value!r}: must be a number >= 0")
-        restarts = self.stage_restarts
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")
-        if not isinstance(self.allowed_origins, str):
-            raise ValueError(f"allowed_origins={self.allowed_origins!r}: must be a string")
-        self.origins  # noqa: B018 - ValueError for a malformed JSON list
+        self.cors  # noqa: B018 - ValueError naming a malformed list
         if self.metrics_prefix not in METRICS_PREFIXES:
             choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
             raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
         shown_hidden_metrics(self.show_hidden_metrics_for_version)  # (ValueError if malformed)
-        flags = (
-            "metrics_auth",
-            "expose_model_path",
-            "disable_log_stats",
-            "enable_log_requests",
-            "enable_log_outputs",
-            "enable_request_id_headers",
-            "disable_uvicorn_access_log",
-            "enable_per_request_metrics",
-            "enable_force_include_usage",
-            "enable_server_load_tracking",
-            "enable_tokenizer_info_endpoint",
-            "return_tokens_as_token_ids",
-            "disable_fastapi_docs",
-            "enable_auto_tool_choice",
-        )
-        for name in flags:
+        for name in (f.name for f in fields(self) if f.type == "bool"):  # (the switches)
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         check_tool_call_parser(self.enable_auto_tool_choice, self.tool_call_parser)
@@ -477,9 +451,22 @@ class ServerConfig:
         return frozenset(p.strip() for p in text.split(",") if p.strip())
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """``api_key`` as a tuple (empty: no auth)."""
+        keys = self.api_key
+        return () if keys is None else (keys,) if isinstance(keys, str) else keys
+
+    @cached_property  # (read by every response to a page; the fields are frozen)
+    def cors(self) -> CorsPolicy:
+        """The CORS flags as a policy (``cors_policy``; ValueError naming a malformed one)."""
+        return CorsPolicy.parse(
+            self.allowed_origins, self.allowed_methods, self.allowed_headers, self.allow_credentials
+        )
+
+    @property
     def origins(self) -> frozenset[str]:
-        """``allowed_origins`` as a set (``origins.allowed_origins``)."""
-        return allowed_origins(self.allowed_origins)
+        """``allowed_origins`` as a set (empty: no cross-origin page may call the API)."""
+        return self.cors.origins
 
     def with_env(self) -> ServerConfig:
         """The config with ``api_key`` taken from the environment when not given (the first
@@ -491,9 +478,3 @@ class ServerConfig:
     @property
     def uses_tls(self) -> bool:
         return self.ssl_certfile is not None
-
-
-def api_key_env() -> str | None:
-    """The environment variable ``ServerConfig.with_env`` takes the API key from (None: none
-    set)."""
-    return next((name for name in API_KEY_ENVS if os.environ.get(name)), None)

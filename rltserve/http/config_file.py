@@ -1,4 +1,6 @@
-"""``rltserve serve --config FILE``: vLLM's YAML file of ``serve``'s flags.
+"""``rltserve serve --config FILE``: vLLM's YAML file of ``serve``'s flags; the other engine
+commands (``generate``, ``bench offline``, ``bench rollout``) take one of their own flags too,
+so one deployment's engine settings need not be spelled out again for a benchmark of them.
 
 As ``vllm serve --config config.yaml``: the file maps flag names, spelled with dashes or
 underscores (``max-num-seqs`` or ``max_num_seqs``), to values: scalars, ``true``/``false`` for
@@ -8,7 +10,8 @@ comma-separated one (``allowed-origins: ["*"]``), a mapping for a JSON one
 positional MODEL does. The file's values become the flags' defaults, so a flag given on the
 command line wins over the file, wherever it stands. A key that names no flag of ``serve``, or
 a value its flag refuses, is a ValueError naming the key and the file before anything starts
-(vLLM refuses an unknown key too: a typo must not leave a setting silently at its default).
+(vLLM refuses an unknown key too: a typo must not leave a setting silently at its default), and
+so is a value refused later that the file set (``named_file``, which ``cli.main`` applies).
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ from pathlib import Path
 # names the file (``named_file``).
 CONFIG_SET = "config_set"
 _SWITCHES = (argparse.BooleanOptionalAction, argparse._StoreTrueAction)
+
+
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    """The command's ``--config FILE`` (``cli.main`` applies it: ``apply_config_file``)."""
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of this command's flags, as vLLM's: keys are the flag names (with "
+        "dashes or underscores, model for MODEL), values scalars, true/false, lists or "
+        "mappings; the command line's flags win over it; an unknown key is an error",
+    )
 
 
 def read_config_file(path: str) -> dict[str, object]:
@@ -99,7 +114,10 @@ def _action(parser: argparse.ArgumentParser, key: str, path: str) -> argparse.Ac
         names = sorted({f[2:] for f in flags if f.startswith("--")} - {"help", "config"})
         close = difflib.get_close_matches(flag[2:], names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"--config {path}: unknown key {key!r} (serve has no {flag} flag{hint})")
+        command = parser.prog.removeprefix("rltserve ")
+        raise ValueError(
+            f"--config {path}: unknown key {key!r} ({command} has no {flag} flag{hint})"
+        )
     return action
 
 

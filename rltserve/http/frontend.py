@@ -20,6 +20,7 @@ from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
 from rltserve.guide_index import GuideCompiler, after_reasoning, check_bound
+from rltserve.http.chat_messages import RESPONSE_ROLE
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
 from rltserve.http.errors import HTTPError, bad_request, in_batch
@@ -135,11 +136,12 @@ class Frontend:
         token_chars: int | None = None,
         template_defaults: dict | None = None,
         tokens_as_ids: bool = False,
+        response_role: str = RESPONSE_ROLE,
     ) -> None:
         """``template_defaults``: the operator's template variables
         (``ServerConfig.default_chat_template_kwargs``), under each request's;
         ``tokens_as_ids``: ``ServerConfig.return_tokens_as_token_ids``, the requests'
-        default."""
+        default; ``response_role``: ``ServerConfig.response_role``, chat answers' role."""
         self.client = client
         self.info = info
         self.tokenizer = tokenizer
@@ -147,6 +149,7 @@ class Frontend:
         self.metrics = metrics
         self.template_defaults = dict(template_defaults or {})
         self.tokens_as_ids = tokens_as_ids
+        self.response_role = response_role
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         # The thinking span's tags as token ids (None: not in the vocabulary), read once.
         self.think_ids: tuple[int | None, int | None] = (

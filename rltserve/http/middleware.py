@@ -12,11 +12,11 @@ middleware: ``protocol.py`` renders those.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from aiohttp import HttpVersion11, web
 
+from rltserve.http.api_keys import matches
 from rltserve.http.body import abandon, declared_too_large, discard
 from rltserve.http.errors import HTTPError, error_response
 from rltserve.http.root_path import ROOT_PATH
@@ -108,17 +108,14 @@ def needs_key(path: str, metrics_auth: bool) -> bool:
 def auth_failure(request: web.Request) -> HTTPError | None:
     """The 401 of a request without the key its route needs, else None."""
     config = request.app[STATE].config
-    key = config.api_key
-    if key is None or not needs_key(request.path, config.metrics_auth):
+    keys = config.api_keys
+    if not keys or not needs_key(request.path, config.metrics_auth):
         return None
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
         return _unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
-    # (aiohttp keeps header bytes that are not UTF-8 as surrogates: compared as sent)
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        token.strip().encode("utf-8", "surrogateescape"), key.encode()
-    ):
+    if scheme.lower() != "bearer" or not matches(token.strip(), keys):
         return _unauthorized("Invalid API Key")
     return None
 

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 
 from rltserve.http.auto_tools import AutoToolFormat, tool_tag_ids
-from rltserve.http.chat_messages import echoed_text
+from rltserve.http.chat_messages import answer_role, echoed_text
 from rltserve.http.context_limit import tokens_too_many
 from rltserve.http.errors import HTTPError, bad_request, in_batch
 from rltserve.http.frontend import ChoiceRequest, Frontend, PromptInput
@@ -316,7 +316,8 @@ async def chat_plan(
     if kept:
         choices = [dataclasses.replace(c, kept_special_ids=kept) for c in choices]
     header = _header(state, "chatcmpl", response_id, req.model)
-    echo = echoed_text(messages) if req.echo else ""
+    role = answer_role(req.add_generation_prompt, req.messages[-1].role, frontend.response_role)
+    echo = echoed_text(messages, role) if req.echo else ""
     if forced is not None:
         format_: ChatFormat = ToolCallFormat(header, req, frontend, forced, echo=echo)
     elif parser is not None:

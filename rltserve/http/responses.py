@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from rltserve.http.chat_messages import answer_role
 from rltserve.http.frontend import Frontend
 from rltserve.http.generation import ChoiceEvent
 from rltserve.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -308,8 +309,11 @@ class ChatFormat(_Format):
     ``include_reasoning`` false (vLLM's) leaves the reasoning out; ``usage`` counts its tokens
     either way.
 
-    ``echo`` (vLLM's chat ``echo``): the text of the request's last message, where it is the
-    assistant's, is put before each choice's content (in a stream: a chunk of its own after
+    The answer's ``role`` is the server's ``response_role`` (``assistant``), or the last
+    message's where the answer continues it (``chat_messages.answer_role``).
+
+    ``echo`` (vLLM's chat ``echo``): the text of the request's last message, where its role
+    is the answer's, is put before each choice's content (in a stream: a chunk of its own after
     the role chunk); it is content even beside a reasoning split and has no logprobs."""
 
     object_name = "chat.completion"
@@ -317,6 +321,9 @@ class ChatFormat(_Format):
 
     def __init__(self, header, req, frontend, reasoning: bool = False, echo: str = "") -> None:
         super().__init__(header, req, frontend)
+        self.role = answer_role(
+            req.add_generation_prompt, req.messages[-1].role, frontend.response_role
+        )
         self.reasoning = reasoning
         self.echo = echo  # (``chat_messages.echoed_text``: "" where nothing is echoed)
         self.include_reasoning = req.include_reasoning
@@ -400,7 +407,7 @@ class ChatFormat(_Format):
 
     def _opening(self, event: ChoiceEvent) -> list[dict]:
         self._note_prompt(event.output)
-        deltas = [{"role": "assistant", "content": ""}]
+        deltas = [{"role": self.role, "content": ""}]
         if self.echo:
             deltas.append({"content": self.echo})
         return [
@@ -434,7 +441,7 @@ class ChatFormat(_Format):
     def final_choice(self, index: int, output: Completion) -> dict:
         self._note_prompt(output)
         logprobs = None if output.logprobs is None else self._logprobs(output.logprobs)
-        message: dict[str, Any] = {"role": "assistant", "content": output.text}
+        message: dict[str, Any] = {"role": self.role, "content": output.text}
         if self._has_span(output.token_ids):
             text = output.text if self.reasoning else output.text.removeprefix(THINK_START)
             reasoning, content = split_reasoning(text, prompt_open=True)

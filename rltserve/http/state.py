@@ -189,6 +189,7 @@ class ServingState:
                 token_chars,
                 self.config.template_defaults,
                 self.config.return_tokens_as_token_ids,
+                self.config.response_role,
             )
             if hasattr(client.inner, "replicas"):
                 from rltserve.ray.metrics import ReplicaCollector
