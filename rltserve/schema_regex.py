@@ -79,8 +79,8 @@ def schema_regex(schema: str | dict, space: str | None = None) -> str:
     slots: dict[str, str] = {}
     marked = _mark(schema, slots, space, json.dumps(schema))
     if isinstance(marked, dict) and set(marked) == {"const"} and marked["const"] in slots:
-        return _ascii_classes(slots[marked["const"]])
-    pattern = _ascii_classes(_build(js, json.dumps(marked), space))
+        return ascii_classes(slots[marked["const"]])
+    pattern = ascii_classes(_build(js, json.dumps(marked), space))
     for name, regex in slots.items():
         pattern = pattern.replace(f'"{name}"', f"({regex})")
     return pattern
@@ -256,7 +256,7 @@ _ASCII_NOT = {"D": "[^0-9]", "W": "[^0-9A-Za-z_]"}
 _ESCAPE = re.compile(r"\\(.)|(\[)|(\])", re.DOTALL)
 
 
-def _ascii_classes(pattern: str) -> str:
+def ascii_classes(pattern: str) -> str:
     """``pattern`` with ``\\d``, ``\\w``, ``\\D`` and ``\\W`` spelled as ASCII classes."""
     out = []
     depth = 0  # inside a class (``[...]``; Rust's may nest)

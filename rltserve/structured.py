@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rltserve.schema_regex import json_object_pattern, schema_regex
+from rltserve.schema_regex import ascii_classes, json_object_pattern, schema_regex
 
 INSTALL_HINT = "pip install 'rltserve[structured]'"
 # The constraints a request picks one of (vLLM's fields); ``grammar`` (a context-free grammar)
@@ -107,7 +107,9 @@ class StructuredOutputsParams:
         """The regex the output must match in full. A schema outlines-core cannot translate
         is a ValueError naming ``field`` (the schema's field as the caller sent it)."""
         if self.regex is not None:
-            return self.regex
+            # (``\d`` as users mean it, and vLLM's default backend reads it: outlines-core's
+            # Unicode one lets a model spell digits in other scripts)
+            return ascii_classes(self.regex)
         if self.choice is not None:
             return "(" + "|".join(map(_escape, self.choice)) + ")"
         space = "" if self.disable_any_whitespace else self.whitespace_pattern

@@ -34,6 +34,9 @@ def test_each_constraint_is_a_regex():
         False,
     ]
     assert StructuredOutputsParams(regex="[0-9]{3}").pattern() == "[0-9]{3}"
+    # (\d as vLLM's default backend reads it: outlines-core's took any script's digits)
+    digits = StructuredOutputsParams(regex=r"\d{3}[\w.]").pattern()
+    assert re.fullmatch(digits, "123a") and not re.fullmatch(digits, "\u0661\u0662\u0663a")
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     pattern = StructuredOutputsParams(json=schema).pattern()
     assert re.fullmatch(pattern, '{"n": 12}') and not re.fullmatch(pattern, '{"n": "x"}')
