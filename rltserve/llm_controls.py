@@ -237,6 +237,13 @@ class LLMEngine(EnginePath):
     def is_sleeping(self) -> bool:
         return self._llm.is_sleeping()
 
+    def __delattr__(self, name: str) -> None:
+        # (vLLM's memory clean-up, ``del llm.llm_engine.model_executor``: its workers and their
+        # device memory go; here the stage does, as ``llm.close()``)
+        if name != "model_executor":
+            raise AttributeError(f"llm.llm_engine.{name}: cannot be deleted")
+        self._llm.close()
+
 
 class _ModelHop(EnginePath):
     """``...model_runner.model``: the model, as far as ``load_weights``."""

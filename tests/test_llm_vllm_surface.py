@@ -34,6 +34,27 @@ def test_vllms_other_llm_methods_say_what_to_use_instead(llm):
             getattr(llm, name)(["x"])
 
 
+def test_vllms_clean_up_before_a_second_engine_stops_the_first(tiny):
+    """The lines scripts run to free the device before building the next engine in the same
+    process: no-ops but deleting the executor, which stops the stage as ``close()``."""
+    from rltserve.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    first = LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=128)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    del first.llm_engine.model_executor
+    with pytest.raises(RuntimeError):
+        first.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del first.llm_engine.model_config
+    with LLM(str(tiny), in_process=True, num_blocks=64, max_model_len=128) as second:
+        (out,) = second.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_get_metrics_are_vllms_gauges_and_counters(llm):
     from rltserve.core.engine_info import EngineStats
     from rltserve.llm_refusals import engine_metrics
