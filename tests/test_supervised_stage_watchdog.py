@@ -1,10 +1,14 @@
 """``SupervisedStage``'s watchdog (rltserve/http/supervisor.py) on fake stages and a
 hand-advanced clock: it measures only open requests without progress, names the stage that
-holds a disaggregated engine back and kills only a hung prefill stage."""
+holds a disaggregated engine back, kills only a hung prefill stage, and kills a stage that
+leaves a control call unanswered."""
 
 from __future__ import annotations
 
-from test_supervised_stage import _Clock, _FakeStage, _supervised, _token
+import contextlib
+import threading
+
+from test_supervised_stage import _Clock, _FakeStage, _Sleepy, _supervised, _token
 
 
 def test_supervised_stage_watchdog_measures_only_open_requests_without_progress():
@@ -51,3 +55,52 @@ def test_supervised_stage_watchdog_names_the_hung_stage_and_kills_only_a_prefill
     assert sup.check() is None and a.prefill_killed and not a.killed
     clock.now += 5
     assert sup.check() is None
+
+
+@contextlib.contextmanager
+def _unanswered(stage, name: str, call):
+    """``call()`` on a thread while the fake ``stage``'s control ``name`` waits for an answer
+    that comes at the end of the block."""
+    called, answer = threading.Event(), threading.Event()
+
+    def control(*args):
+        called.set()
+        assert answer.wait(30), "never answered"
+
+    setattr(stage, name, control)
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    try:
+        assert called.wait(30)
+        yield
+    finally:
+        answer.set()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_supervised_stage_watchdog_kills_a_stage_that_leaves_a_control_unanswered():
+    """An idle stage that stopped reading (SIGSTOP) has no request to go without progress: a
+    sleep it never answers would wait for good, and with it every request the server holds back
+    meanwhile. A control gets its own timeout (the wait for running requests) plus
+    ``watchdog_s`` (to apply it) before the stage counts as hung."""
+    clock = _Clock()
+    a = _Sleepy("a")
+    sup, _, _ = _supervised(a, clock=clock, watchdog_s=10.0)
+    with _unanswered(a, "sleep", lambda: sup.sleep(1, 60.0)):
+        clock.now += 69  # (within 60 s of waiting for requests plus 10 s to apply)
+        assert sup.check() is None
+        clock.now += 2
+        assert sup.check() == (
+            "no answer to sleep within 10 s past its timeout (stage watchdog); killed it"
+        )
+    clock.now += 1000  # (answered: nothing left to wait for)
+    assert sup.check() is None
+    with _unanswered(a, "reset_prefix_cache", sup.reset_prefix_cache):  # (waits for nothing)
+        clock.now += 11
+        assert sup.check().startswith("no answer to reset_prefix_cache within 10 s (stage")
+    # watchdog 0: off
+    sup, _, _ = _supervised(a, clock=clock, watchdog_s=0.0)
+    with _unanswered(a, "wake_up", lambda: sup.wake_up(["weights"])):
+        clock.now += 1000
+        assert sup.check() is None

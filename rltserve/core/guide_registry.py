@@ -20,8 +20,10 @@ starts empty. Torch-free: the client imports it.
 from __future__ import annotations
 
 import io
+import pickle
 from collections import OrderedDict
 from multiprocessing.reduction import ForkingPickler
+from types import FunctionType
 from typing import Any
 
 from rltserve.guide_index import CACHE_SIZE, GuideIndex
@@ -33,8 +35,9 @@ registry: dict[int, GuideIndex] = {}
 
 
 class GuidePickler:
-    """Pickles messages to one worker, each ``GuideIndex`` in full once (see the module doc).
-    Not thread-safe: the caller serialises ``dumps`` with the writes."""
+    """Pickles messages to one worker, each ``GuideIndex`` in full once (see the module doc),
+    refusing classes and functions of the caller's ``__main__`` (the worker could not read
+    them). Not thread-safe: the caller serialises ``dumps`` with the writes."""
 
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
@@ -77,6 +80,15 @@ class _Pickler(ForkingPickler):
         # (Called for objects other than plain ints, strings, lists...: a prompt's ids cost
         # nothing here.)
         if type(obj) is not GuideIndex:
+            if isinstance(obj, (type, FunctionType)) and obj.__module__ == "__main__":
+                # Pickled by name, and the worker's __main__ is not the caller's: it could not
+                # read the message, and would fail the stage (``stage_loop.serve``). Refused here,
+                # the request alone fails.
+                raise pickle.PicklingError(
+                    f"{obj.__qualname__} is defined in __main__, which the stage worker does "
+                    "not run: it cannot cross to the worker (define it in a module the worker "
+                    "imports: an installed one, or one on PYTHONPATH)"
+                )
             return NotImplemented
         if self.before is None:
             self.before = OrderedDict(self.owner._sent)

@@ -25,23 +25,22 @@ is collected and its finalizer stops the stage.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import itertools
 import logging
 import queue
 import threading
-import traceback
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.core.stage_loop import serve
 from rltserve.core.worker_process import WorkerProcess
 from rltserve.sampling import SamplingParams
-from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout, from_wire, to_wire
+from rltserve.updates import FinishReason, RequestUpdate, UpdateTimeout, from_wire
 
 Sink = Callable[[RequestUpdate], None]
 log = logging.getLogger(__name__)
@@ -66,84 +65,6 @@ class StageCheckpointError(StageError, ValueError):
     corrupt weights; the loader's ``CheckpointError``): a ValueError, as vLLM raises for a model
     config it does not support, but not bad usage (the path was checked before), so the CLI
     still exits 1 for it."""
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-        return asyncio.new_event_loop()
-
-
-def serve(
-    config: EngineConfig,
-    recv: Callable[[], tuple],
-    send: Callable[[tuple], None],
-    on_idle: Callable[[], None] | None = None,
-    role: str | None = None,
-) -> None:
-    """Builds the engine and runs its loop until shutdown; commands arrive through ``recv``.
-    ``on_idle``: as ``run_engine_loop``'s; ``role``: the stage it is (its log lines say so)."""
-    # Imported here: torch comes with the engine, and only the process that runs it needs it.
-    from rltserve.core.engine import EngineCore
-    from rltserve.core.engine_loop import run_engine_loop
-    from rltserve.models.loader import CheckpointError
-
-    try:
-        core = EngineCore(config, role=role)
-    except Exception as exc:
-        # (A checkpoint that does not load is a failure: its path was checked before.)
-        unloadable = isinstance(exc, CheckpointError)
-        refused = isinstance(exc, ValueError) and not unloadable
-        send(
-            (
-                "fatal",
-                f"{type(exc).__name__}: {exc}",
-                str(exc) if refused else None,
-                str(exc) if unloadable else None,
-            )
-        )
-        return
-    send(("ready", core.info))
-    loop = _new_event_loop()
-    inbox: asyncio.Queue = asyncio.Queue()
-
-    def pump() -> None:
-        while True:
-            try:
-                command = recv()
-            except (EOFError, OSError):
-                command = ("shutdown",)
-            with contextlib.suppress(RuntimeError):  # the loop already closed
-                loop.call_soon_threadsafe(inbox.put_nowait, command)
-            if command[0] == "shutdown":
-                return
-
-    threading.Thread(target=pump, name="rltserve-stage-inbox", daemon=True).start()
-    try:
-        loop.run_until_complete(
-            run_engine_loop(
-                core,
-                inbox,
-                lambda u, st: send(("updates", to_wire(u), st)),
-                # (Every reply carries what is asleep: the client's view follows the engine's,
-                # whatever became of the command.)
-                lambda token, error, version: send(
-                    ("reply", token, error, version, sorted(core.sleeping))
-                ),
-                on_idle,
-            )
-        )
-    except Exception as exc:
-        # The traceback goes to this process's error output (the server's log); clients get
-        # only the exception's type and message.
-        traceback.print_exc()
-        send(("fatal", f"engine loop failed: {type(exc).__name__}: {exc}"))
-    finally:
-        core.shutdown()
-        loop.close()
 
 
 class _ClientBase(ABC):
@@ -350,11 +271,11 @@ class _ClientBase(ABC):
             elif group is not None:
                 message = (*message, group)
             self._send(message)
-        except StageError:
+        except Exception as exc:  # (StageError; or params that do not pickle: nothing sent)
             with self._lock:
                 ours = self._sinks.pop(request_id, None) is not None
-            if ours:  # else close() or a failure already gave the sink its final update
-                raise
+            if ours or not isinstance(exc, StageError):
+                raise  # (a StageError otherwise: close() or a failure ended the sink already)
 
     def abort(self, request_id: str) -> None:
         if self.alive:

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             raise SystemExit(0) from None  # the client is gone: stop quietly
 
-    from rltserve.core.stage import serve
+    from rltserve.core.stage_loop import serve
 
     tune_gc()  # this process runs nothing but the engine
     tuned = tune_malloc()

@@ -211,7 +211,8 @@ class WorkerProcess:
 
     def send(self, message: object) -> None:
         """Queues ``message`` for the worker; never blocks. A message that cannot be pickled
-        raises here; OSError once the channel broke (the worker is gone)."""
+        raises here, as one naming the caller's ``__main__`` does (the worker could not read
+        it: ``GuidePickler``); OSError once the channel broke (the worker is gone)."""
         if (failed := self._outbox.failed) is not None:
             raise OSError(f"the stage channel is broken: {failed}")
         with self._pickling:

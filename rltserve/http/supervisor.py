@@ -8,7 +8,9 @@ the stage every tick:
 - dead: the client reports it is no longer alive (worker exit or ``kill -9``: channel EOF; a
   fatal error of the engine loop);
 - hung: requests are open and neither an update nor fresh engine stats arrived for
-  ``watchdog_s`` seconds (one engine step sends both); the stage is then killed. A
+  ``watchdog_s`` seconds (one engine step sends both), or a control call (sleep, a weight
+  update...) went unanswered ``watchdog_s`` past its own timeout (``pending_controls``: an
+  idle stage that stopped reading shows no other sign); the stage is then killed. A
   disaggregated engine names the stage waited for (``stalled_stage``): a hung prefill stage
   is killed alone (``kill_prefill``: the client serves on without it and starts it again),
   nothing here fails or restarts.
@@ -44,6 +46,7 @@ from rltserve.core.restart import RestartPolicy, stop_stage
 from rltserve.core.stage import Sink, StageError
 from rltserve.core.update_log import AppliedUpdate, Stamps, UpdateLog, UpdateLost, stamps
 from rltserve.http.frontend import StageClientLike
+from rltserve.http.pending_controls import PendingControls
 from rltserve.http.request_log import id_list
 from rltserve.http.sleep_state import SleepState
 from rltserve.sampling import SamplingParams
@@ -92,6 +95,7 @@ class SupervisedStage:
         self._started = clock()
         self._last_progress = clock()
         self._last_stats: EngineStats | None = None
+        self._controls = PendingControls(clock)  # (of the current stage: the watchdog's)
         self._attempts = 0  # consecutive restarts without a stable stage between them
         self._failed_starts = 0  # of which failed to start a stage
         self.restarts = 0  # successful restarts
@@ -179,7 +183,9 @@ class SupervisedStage:
 
     def update_weights(self, paths: list[str], abort: bool, timeout_s: float) -> int:
         """The current stage's ``update_weights``, remembered so a restart applies it again."""
-        update = self._control("update_weights", ": restart them with the new checkpoint")
+        update = self._control(
+            "update_weights", ": restart them with the new checkpoint", timeout_s
+        )
         try:
             before: Stamps | str = stamps(paths)
         except (OSError, ValueError) as exc:  # (the stage will say so, if it fails too)
@@ -193,7 +199,7 @@ class SupervisedStage:
     # is restarted is put back to sleep as the failed one was (``SleepState``), its cache empty.
 
     def sleep(self, level: int, timeout_s: float) -> None:
-        self._control("sleep")(level, timeout_s)
+        self._control("sleep", wait_s=timeout_s)(level, timeout_s)
         self._sleep.slept(level, self.sleeping)
 
     def wake_up(self, tags: list[str]) -> None:
@@ -214,10 +220,17 @@ class SupervisedStage:
         if getattr(self._client, name, None) is None:
             raise NotWithReplicas(f"{name}: not with engine replicas{advice}")
 
-    def _control(self, name: str, advice: str = "") -> Callable:
+    def _control(self, name: str, advice: str = "", wait_s: float = 0.0) -> Callable:
+        """The stage's control ``name``, watched (``wait_s``: its wait for running requests)."""
         self._check_running()
         self.check_control(name, advice)
-        return getattr(self._client, name)
+        method = getattr(self._client, name)
+
+        def call(*args: object):
+            with self._controls.waiting(name, wait_s):
+                return method(*args)
+
+        return call
 
     def add_request(
         self,
@@ -324,6 +337,8 @@ class SupervisedStage:
         watchdog = self.policy.watchdog_s
         if getattr(client, "self_supervised", False):
             return None  # it replaces its own failed parts (Ray Serve replicas)
+        if watchdog and (late := self._controls.overdue(watchdog)) is not None:
+            return f"{late}; killed it"
         if watchdog and self._hung_for() > watchdog:
             hung = f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
             stalled = getattr(client, "stalled_stage", None)  # (a disaggregated engine)
