@@ -261,3 +261,34 @@ def test_logprobs_describe_the_masked_distribution(tok, mode):
     tops = [t for t, _ in out.top_logprobs[0]]
     assert set(tops[: len(allowed)]) == set(allowed) and out.finite == [True, True]
     assert out.token_ids[1] == int(logits[1].argmax())  # (an unguided row: unmasked)
+
+
+def test_min_tokens_bans_the_end_where_the_constraint_may_go_on(tok):
+    """A constraint matched in full that may still go on (``[0-9]+`` after "7"): min_tokens'
+    ban of the end id holds, and the row samples what else the guide allows (the end stays
+    only where it is all that is left)."""
+    p = guided(tok, StructuredOutputsParams(regex="[0-9]+"), temperature=0.0, min_tokens=4)
+    guide = Guide(compiled_index(p.structured_outputs))
+    guide.advance(tok.encode("7", add_special_tokens=False)[0])
+    eos = guide.compiled.eos
+    assert eos in guide.allowed() and len(guide.allowed()) > 1
+    logits = torch.zeros(1, tok.vocab_size)
+    logits[0, eos] = 10.0
+    row = SampleRow(p, bias=torch.zeros(tok.vocab_size), guide=guide)
+    row.banned = torch.tensor([eos])
+    (token,) = Sampler().sample(logits, [row], banned=[0]).token_ids
+    assert token != eos and tok.decode([token]).isdigit()
+
+
+def test_a_token_the_guide_does_not_allow_ends_it(tok):
+    """A token outside the constraint (one forced into the output) leaves nothing to match:
+    the guide allows only the end id from there, as after a full match."""
+    compiled = compiled_index(
+        guided(tok, StructuredOutputsParams(choice=["yes", "no"])).structured_outputs
+    )
+    guide = Guide(compiled)
+    outside = tok.encode("Z", add_special_tokens=False)[0]
+    assert outside not in guide.allowed()
+    guide.advance(outside)
+    assert guide.state is None and guide.allowed() == [compiled.eos]
+    assert guide.mask(tok.vocab_size).nonzero().flatten().tolist() == [compiled.eos]

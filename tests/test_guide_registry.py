@@ -70,11 +70,26 @@ def test_the_worker_drops_what_the_sender_forgets(compiler, worker):
     assert pickle.loads(again)[3].structured_outputs._index.pattern == "[a-z]{1}"
 
 
+def test_an_index_in_use_outlives_older_ones(compiler, worker):
+    """The least recently sent index is the one forgotten: a constraint every request uses
+    keeps crossing by reference however many others come and go."""
+    hot, *others = [compiler.compile(f"[0-9]{{{k}}}") for k in range(1, 5)]
+    sender = GuidePickler(kept=2)
+    pickle.loads(sender.dumps(add(hot)))
+    by_reference = len(sender.dumps(add(hot)))
+    for other in others:
+        pickle.loads(sender.dumps(add(other)))
+        again = sender.dumps(add(hot))
+        assert len(again) == by_reference  # (the worker still holds it)
+        assert pickle.loads(again)[3].structured_outputs._index.pattern == hot.pattern
+    assert {i.pattern for i in worker.registry.values()} == {hot.pattern, others[-1].pattern}
+
+
 def test_a_message_that_fails_to_pickle_changes_no_record(compiler, worker):
-    index = compiler.compile("[0-9]{2}")
+    index, other = compiler.compile("[0-9]{2}"), compiler.compile("[0-9]{3}")
     sender = GuidePickler()
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
-        sender.dumps((*add(index), lambda: None))
+        sender.dumps((add(index), add(other), lambda: None))  # (two new indexes, then a failure)
     assert len(sender) == 0
     message = pickle.loads(sender.dumps(add(index)))  # (in full: the worker never had it)
     assert message[3].structured_outputs._index.pattern == "[0-9]{2}"

@@ -223,3 +223,15 @@ async def test_a_client_that_leaves_the_admission_queue_counts_an_abort(ckpt):
         hold.set()
         assert (await first)[0] == 200
         assert len(stage.added) == 1
+
+
+async def test_the_wait_for_a_seat_is_queue_time(ckpt):
+    """A request that waited in the admission queue was queued that long (vLLM's queue time,
+    from arrival to the first scheduling): its time in the engine starts when it got a seat."""
+    async with _one_slot_taken(ckpt, 1) as (live, hold, stage, first, [queued]):
+        await asyncio.sleep(0.5)
+        hold.set()
+        for task in (first, queued):
+            assert (await task)[0] == 200
+        got = samples((await live.get("/metrics"))[2].decode())
+    assert got[("rltserve:request_queue_time_seconds_sum", (MODEL, ENGINE))] >= 0.5

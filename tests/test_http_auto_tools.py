@@ -148,6 +148,22 @@ async def test_answers_that_call_nothing_or_are_cut_short(client, stage):
 
 
 @module_loop
+async def test_arguments_that_hold_the_end_tag_or_are_named_parameters(client, stage):
+    """A file a call writes may hold "</tool_call>": inside a JSON string it ends no block;
+    arguments a model writes as ``parameters`` are the call's, not dropped for "{}"."""
+    page = 'Close each call with </tool_call> (a "tag").'
+    written = json.dumps({"name": "write_file", "arguments": {"text": page}})
+    asked = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    stage.answer(f"Done.\n<tool_call>\n{written}\n</tool_call>\n<tool_call>\n{asked}\n</tool_call>")
+    done, streamed = await both(client)
+    for choice in (done, streamed):
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Done.\n"
+        assert calls_of(choice.message) == [
+            ["write_file", json.dumps({"text": page})], ["get_weather", '{"city": "Paris"}']
+        ]  # fmt: skip
+
+
+@module_loop
 async def test_calls_are_read_after_the_thinking_span_only(client, stage):
     """With the prompt's thinking span open, a block inside it is reasoning, not a call."""
     thought = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'

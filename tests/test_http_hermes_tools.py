@@ -85,6 +85,33 @@ def test_an_answer_cut_inside_a_block():
     assert summary(f"{WEATHER}\n<tool_call>") == ("\n<tool_call>", [summary(WEATHER)[1][0]])
 
 
+def test_an_end_tag_inside_a_json_string_does_not_end_the_block():
+    """A call's arguments are any text: a file it writes may hold the tag (an escaped quote
+    does not end the string it is in). A string that never closes ends the block at its first
+    tag after all, as if it had not been skipped: the blocks after it are read as ever."""
+    text = 'Writing. <tool_call>\n{"name": "write", "arguments": {"text": "a \\" </tool_call>"}}'
+    text += "\n</tool_call>\nDone."
+    assert summary(text) == ("Writing. \nDone.", [["write", '{"text": "a \\" </tool_call>"}']])
+    contents, calls = streamed(list(text))
+    assert "".join(contents) == "Writing. \nDone." and calls == summary(text)[1]
+    unclosed = '<tool_call>{"name": "f", "arguments": {"a": "x}}</tool_call>'
+    assert summary(f"{unclosed} then{CLOCK}") == (f"{unclosed} then", [["get_time", '{"hour": 7}']])
+    assert summary(f"{unclosed}\n") == (f"{unclosed}\n", [])
+    # (text that is no JSON object is not read for strings: its first tag ends it)
+    assert summary('<tool_call>say "</tool_call>"') == ('<tool_call>say "</tool_call>"', [])
+
+
+def test_arguments_named_parameters_or_null():
+    """Some models write the arguments under ``parameters`` (the Llama 3 JSON format's name):
+    the call has them, never "{}" in their place; null arguments are none."""
+    raw = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert summary(block("", raw=raw)) == (None, [["get_weather", '{"city": "Paris"}']])
+    raw = '{"name": "get_time", "arguments": null}'
+    assert summary(block("", raw=raw)) == (None, [["get_time", "{}"]])
+    raw = '{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}'
+    assert summary(block("", raw=raw)) == (None, [["f", '{"a": 1}']])
+
+
 def streamed(pieces: list[str], max_calls: int | None = None) -> tuple[list[str], list[list]]:
     """The content pieces and the calls a stream of ``pieces`` sends."""
     reader, contents, calls = HermesCalls(max_calls), [], []
@@ -111,6 +138,8 @@ SEGMENTS = [
     "a < b",
     "</tool_call>",
     "<tool_ca",
+    block("write", {"text": 'a "</tool_call>" {'}),  # (the end tag inside a string)
+    '<tool_call>{"name": "f", "arguments": {"a": "x</tool_call>',  # (a string never closed)
 ]
 
 

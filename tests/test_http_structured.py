@@ -138,3 +138,30 @@ async def test_a_thinking_chat_is_constrained_after_its_span(ckpt):
         (choice,) = orjson.loads(raw)["choices"]
         assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
         assert len(choice["message"]["reasoning"]) > max(map(len, CHOICES)), choice
+
+
+async def test_what_each_field_asks_for():
+    """The constraint each field gives, as parsed (nothing compiled): ``text`` asks for none,
+    a json_schema without a schema is any object (OpenAI's), vLLM's ``json_schema`` key is
+    read too, and ``guided_whitespace_pattern`` goes with each ``guided_*`` field."""
+    from test_http_request_rules import parsed, schema_error
+
+    from rltserve.http.schemas import CompletionRequest
+    from rltserve.http.structured_fields import requested
+    from rltserve.structured import StructuredOutputsParams
+
+    def asked(**body):
+        got = requested(parsed(CompletionRequest, {"prompt": "x", **body}))
+        return got and got[0]
+
+    assert asked(response_format={"type": "text"}) is None
+    named = {"type": "json_schema", "json_schema": {"name": "cat"}}
+    assert asked(response_format=named) == StructuredOutputsParams(json_object=True)
+    vllms = {"type": "json_schema", "json_schema": {"name": "cat", "json_schema": SCHEMA}}
+    assert asked(response_format=vllms) == StructuredOutputsParams(json=SCHEMA)
+    for field, value in (("guided_json", SCHEMA), ("guided_regex", "[a-z]+"),
+                         ("guided_choice", CHOICES)):  # fmt: skip
+        got = asked(**{field: value, "guided_whitespace_pattern": "\n?"})
+        assert got.whitespace_pattern == "\n?", field
+    body = {"prompt": "x", "guided_whitespace_pattern": 3}
+    assert schema_error(CompletionRequest, body)[0] == "guided_whitespace_pattern"

@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from rltserve.guide_index import GuideCompiler, bind, compiled_index, token_bytes_table
+from rltserve.guide_index import (
+    GuideCompiler,
+    bind,
+    check_bound,
+    compiled_index,
+    token_bytes_table,
+)
 from rltserve.models.tokenizer import load_tokenizer
 from rltserve.sampling import SamplingParams
 from rltserve.structured import (
@@ -37,6 +43,8 @@ def test_each_constraint_is_a_regex():
     # (\d as vLLM's default backend reads it: outlines-core's took any script's digits)
     digits = StructuredOutputsParams(regex=r"\d{3}[\w.]").pattern()
     assert re.fullmatch(digits, "123a") and not re.fullmatch(digits, "\u0661\u0662\u0663a")
+    given = StructuredOutputsParams(choice=(c for c in ("yes", "no")))  # (any iterable)
+    assert given.choice == ["yes", "no"] and re.fullmatch(given.pattern(), "no")
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     pattern = StructuredOutputsParams(json=schema).pattern()
     assert re.fullmatch(pattern, '{"n": 12}') and not re.fullmatch(pattern, '{"n": "x"}')
@@ -46,6 +54,10 @@ def test_each_constraint_is_a_regex():
     assert not re.fullmatch(any_object, "[1]")
     tight = StructuredOutputsParams(json=schema, disable_any_whitespace=True).pattern()
     assert re.fullmatch(tight, '{"n":12}') and not re.fullmatch(tight, '{"n": 12}')
+    lines = StructuredOutputsParams(json=schema, whitespace_pattern="\n?").pattern()
+    assert re.fullmatch(lines, '{"n":\n12}') and not re.fullmatch(lines, '{"n": 12}')
+    tight = StructuredOutputsParams(json_object=True, disable_any_whitespace=True).pattern()
+    assert re.fullmatch(tight, '{"a":[1]}') and not re.fullmatch(tight, '{"a": [1]}')
 
 
 @pytest.mark.parametrize(
@@ -60,6 +72,10 @@ def test_each_constraint_is_a_regex():
         ({"regex": ""}, "regex=.*non-empty string"),
         ({"grammar": "root ::= x"}, "grammar: context-free grammars are not supported"),
         ({"json_object": True, "disable_fallback": True}, "disable_fallback: not supported"),
+        ({"json_object": "yes"}, "json_object='yes': must be a bool"),
+        ({"regex": "a", "disable_any_whitespace": 1}, "disable_any_whitespace: must be a bool"),
+        ({"regex": "a", "whitespace_pattern": 3}, "whitespace_pattern=3: must be a string"),
+        ({"regex": "a", "structural_tag": "{}"}, "structural_tag: not supported"),
     ],
 )
 def test_bad_params_name_the_field(kwargs, message):
@@ -109,6 +125,10 @@ def test_compiled_indexes_are_cached_per_pattern_and_bounded(tok):
     first = compiler.compile("(ab|cd)")
     assert compiler.compile("(ab|cd)") is first
     compiler.compile("x")
+    assert compiler.compile("(ab|cd)") is first  # (used again: now the most recent)
+    compiler.compile("y")
+    assert compiler.compile("(ab|cd)") is first  # ("x" went)
+    compiler.compile("x")
     compiler.compile("y")
     assert compiler.compile("(ab|cd)") is not first  # (dropped: least recently used)
     with pytest.raises(ValueError, match="guided_regex: cannot compile this constraint"):
@@ -127,6 +147,8 @@ def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
     assert bind(SamplingParams(), tok) == SamplingParams()
     with pytest.raises(ValueError, match="does not combine with bounded thinking"):
         bind(p.replace(max_thinking_tokens=4), tok)
+    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
+        check_bound(bound.replace(max_thinking_tokens=4))  # (the engine's check: bound later)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         bind(p, None)
 
@@ -139,6 +161,7 @@ def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
         (StructuredOutputsParams(choice=["a", "a.b"]), ["a", "a.b"]),
         (StructuredOutputsParams(regex=r"[0-9]+(\.[0-9]+)?"), ["3", "3.25", "12.5"]),
         (StructuredOutputsParams(regex="[a-z]+-?$"), ["ab", "ab-"]),
+        (StructuredOutputsParams(regex=r"[0-9]+\$"), ["12$", "7$"]),  # (a dollar sign, escaped)
         (StructuredOutputsParams(json={"type": "number"}), ["3", "3.25", "-1.5e+10"]),
     ],
 )
@@ -234,3 +257,15 @@ def test_a_schema_of_any_object_is_json_objects_regex():
         {"type": "object", "additionalProperties": {"type": "integer"}},
     ):
         assert StructuredOutputsParams(json=schema).pattern() != generic
+
+
+def test_sentencepiece_pieces_are_their_bytes():
+    """A SentencePiece vocabulary's byte tokens (``<0x0A>``) are that one byte, and its ``▁``
+    a space; a byte-level vocabulary's pieces map through GPT-2's alphabet."""
+    from rltserve.guide_index import _byte_alphabet, _piece_bytes
+
+    assert _piece_bytes("<0x0A>", True, {}) == b"\n"
+    assert _piece_bytes("<0xF0>", True, {}) == bytes([0xF0])
+    assert _piece_bytes("\u2581the", True, {}) == b" the"
+    assert _piece_bytes("<0xZZ>", True, {}) == b"<0xZZ>"  # (not a byte token)
+    assert _piece_bytes("\u0120the", False, _byte_alphabet()) == b" the"

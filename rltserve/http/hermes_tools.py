@@ -9,12 +9,17 @@ one or more, possibly after some text. ``HermesCalls`` reads them from an answer
 arrives, so that a stream and a whole answer read alike:
 
 - a block is a call when its text is a JSON object with a non-empty string ``name`` and
-  ``arguments`` an object (or a JSON string of one; left out: ``{}``). Its arguments are that
-  object as vLLM writes it (``json.dumps``, ``ensure_ascii=False``). A call of a function the
+  ``arguments`` an object (or a JSON string of one; left out or null: ``{}``). Its arguments are
+  that object as vLLM writes it (``json.dumps``, ``ensure_ascii=False``); a block that names
+  them ``parameters`` (as models trained on the Llama 3 JSON format write them) has them there
+  (never a call without the arguments it was given). A call of a function the
   request's ``tools`` lack is returned as any other, as vLLM's parser returns it: the client's
   tool dispatch is where an unknown name is answered.
 - a block that is not a call (not JSON, no name) stays text, tags and all (as vLLM's parser
   leaves an answer whose blocks do not parse);
+- a ``</tool_call>`` inside one of a block's JSON strings (arguments are any text: a file a
+  call writes may hold the tag) does not end it; where the string never closes, the block ends
+  at that first tag after all (judged at the answer's end);
 - the answer's content is its text outside the calls: all of it where no call was made (the
   answer as any other); else the text before the first call and any text after one that holds
   more than whitespace (the line breaks between blocks are not content); null where that leaves
@@ -30,6 +35,7 @@ follows it), and a block (held until it closes, then sent as a call or as text).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -60,7 +66,9 @@ def call_of(block: str) -> tuple[str, str] | None:
         return None
     if not isinstance(value, dict):
         return None
-    name, arguments = value.get("name"), value.get("arguments", {})
+    name, arguments = value.get("name"), value.get("arguments", value.get("parameters"))
+    if arguments is None:  # (left out or null: a function that takes none)
+        arguments = {}
     if isinstance(arguments, str):  # (some models write the arguments as a JSON string)
         try:
             arguments = json.loads(arguments)
@@ -82,6 +90,8 @@ class HermesCalls:
         self.max_calls = max_calls
         self._pending = ""  # text not judged yet: a possible tag's start, or an open block
         self._in_block = False
+        self._strings = JsonStrings()  # (the open block's JSON strings, read as far as needed)
+        self._skipped: int | None = None  # the first end tag the open block went past, if any
         self._space = ""  # whitespace held: it is content only if text follows it
         self._sent = False  # (content sent since the last call, or before any)
 
@@ -92,12 +102,18 @@ class HermesCalls:
         self._pending += text
         while self._pending:
             if self._in_block:
-                end, searched = self._pending.find(END, searched), 0
+                end = self._pending.find(END, searched)
                 if end < 0:
                     break
+                if self._strings.open_at(self._pending, end):
+                    if self._skipped is None:
+                        self._skipped = end
+                    searched = end + 1
+                    continue
                 block, self._pending = self._pending[:end], self._pending[end + len(END) :]
-                self._in_block = False
+                self._close()
                 self._block(block, closed=True, out=out)
+                searched = 0
                 continue
             start = self._pending.find(START)
             if start < 0:
@@ -109,20 +125,32 @@ class HermesCalls:
             self._pending, self._in_block = self._pending[start + len(START) :], True
         return _merged(out)
 
+    def _close(self) -> None:
+        self._in_block, self._strings, self._skipped = False, JsonStrings(), None
+
     def flush(self) -> list[tuple[str, Any]]:
         """The end of the answer: an open block judged as it stands, held text sent where it
         is content (whitespace only where no call was made: the answer as it is)."""
         out: list[tuple[str, Any]] = []
-        pending, self._pending = self._pending, ""
-        if self._in_block:
-            self._in_block = False
+        while True:
+            pending, self._pending = self._pending, ""
+            if not self._in_block:
+                self._text(pending, out)
+                break
+            skipped = self._skipped
+            self._close()
             # (an answer cut short inside "</tool_call>": its JSON may be whole before it)
             whole = pending[: len(pending) - held_prefix(pending, END)]
             if call_of(whole) is not None:
-                pending = whole
-            self._block(pending, closed=False, out=out)
-        else:
-            self._text(pending, out)
+                self._block(whole, closed=False, out=out)
+                break
+            if skipped is None:
+                self._block(pending, closed=False, out=out)
+                break
+            # (a string that never closed: the first tag it went past ended the block after
+            # all; the text after it is read again, as it would have been)
+            self._block(pending[:skipped], closed=True, out=out)
+            out += self.feed(pending[skipped + len(END) :])
         if self._space and not self.calls:
             out.append(("content", self._space))
         self._space = ""
@@ -164,6 +192,35 @@ class HermesCalls:
         if self.calls:
             return (content if content.strip() else None), self.calls
         return content, []
+
+
+class JsonStrings:
+    """Whether a point of an open block's text falls inside one of its JSON strings, read once
+    however often it is asked (each text read from where the last question left off)."""
+
+    _MARKS = re.compile(r'["\\]')
+    _OBJECT = re.compile(r"\s*\{")
+
+    def __init__(self) -> None:
+        self._read = 0  # (the block's text read so far, in characters)
+        self._quoted = False
+        self._object: bool | None = None  # (whether the block's text opens a JSON object)
+
+    def open_at(self, text: str, end: int) -> bool:
+        """Whether ``text[end]`` is inside a string of the JSON object ``text`` opens."""
+        if self._object is None:
+            self._object = self._OBJECT.match(text) is not None
+        if not self._object:
+            return False
+        pos = self._read
+        while (mark := self._MARKS.search(text, pos, end)) is not None:
+            if mark.group() == '"':
+                self._quoted = not self._quoted
+                pos = mark.end()
+            else:  # (an escape: the next character is the string's, whatever it is)
+                pos = mark.end() + (1 if self._quoted else 0)
+        self._read = max(pos, end)
+        return self._quoted
 
 
 def _merged(pieces: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
