@@ -190,9 +190,10 @@ def test_a_one_token_prompt_has_none_to_score(ckpts):
     assert run.prompt_logprobs["r0"] == []
 
 
-@pytest.mark.parametrize("value", [-2, 1.5, True])
+@pytest.mark.parametrize("value", [-2, 1.5, "1"])
 def test_sampling_params_validate_prompt_logprobs(value):
-    # (-1 is vLLM's every token; a count above the engine's max_logprobs is the engine's call)
+    # (-1 is vLLM's every token; a count above the engine's max_logprobs is the engine's call;
+    # True is 1, as vLLM takes it: test_sampling_params_vllm)
     with pytest.raises(ValueError, match="^prompt_logprobs="):
         SamplingParams(temperature=0.0, prompt_logprobs=value)
 
