@@ -87,7 +87,10 @@ class Admission:
                 i += 1
                 continue
             if request.transfer is not None:
-                if not self._room_for_transfer(request):
+                # The file is read into the pool now (on the step thread, after the steps
+                # already submitted): not into a victim's blocks this plan swaps out, which
+                # hold its KV until the plan runs (the swapped KV came back overwritten).
+                if s.preemptor.swapping_out or not self._room_for_transfer(request):
                     break  # (its file waits; a later step reads it)
                 path, request.transfer = request.transfer, None
                 if self.importer is not None:

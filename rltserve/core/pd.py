@@ -351,8 +351,8 @@ class PDClient:
     def _move(self, moves: list[tuple[tuple, tuple | None]], group: str | None) -> None:
         """Adds each (request id, prompt, params, sink) to the decode stage with its transfer,
         in order, outside the lock (a send pickles its message, a compiled index's too, which
-        the decode stage's updates need not wait for); an abort that came meanwhile (``_moving``) follows the add, and a failed add
-        ends the request with the error."""
+        the decode stage's updates need not wait for); an abort that came meanwhile
+        (``_moving``) follows the add, and a failed add ends the request with the error."""
         for (request_id, prompt, params, sink), transfer in moves:
             final = None
             try:

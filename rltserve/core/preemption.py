@@ -64,6 +64,12 @@ class Preemptor:
     def preempted_now(self, request: Request) -> bool:
         return request.request_id in self._now
 
+    @property
+    def swapping_out(self) -> bool:
+        """Whether the plan being built swaps a victim out: its blocks are free here but hold
+        its KV until the runner copies them out, as the plan runs."""
+        return bool(self._swap_out)
+
     # ---------------------------------------------------------------- decisions
 
     def make_room(self, request: Request, num_tokens: int) -> bool:
