@@ -10,7 +10,8 @@ those it was growing to (``Request.resume_need``). A request with a cached
 prefix starts after it (``prompt_sharing.py``); a group's follower waits for its leader. On a
 PD decode stage a request's moved prompt KV (``Request.transfer``) is read when the request is
 next in line and the pool has room for its prompt (DESIGN §8's admission contract), so its
-blocks are hit in that admission rather than evicted while it waits.
+blocks are hit in that admission rather than evicted while it waits; not in a plan that swaps a
+victim out (the read runs before the plan's swap-out copies the victim's blocks).
 """
 
 from __future__ import annotations
