@@ -86,11 +86,17 @@ class EngineArgs:
         return f"{type(self).__name__}({given})"
 
     def __eq__(self, other: object) -> bool:
+        # (every field, as a dataclass compares them: an argument given at LLM's default, or
+        # set by ``dataclasses.replace``, equals one left out; then the vLLM ones given)
         if type(other) is not type(self):
             return NotImplemented
-        return vars(self) == vars(other)
+        return _compared(self) == _compared(other)
 
     __hash__ = None  # (mutable, as vLLM's dataclass)
+
+
+def _compared(args: EngineArgs) -> dict[str, Any]:
+    return {**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}, **vars(args)}
 
 
 class AsyncEngineArgs(EngineArgs):

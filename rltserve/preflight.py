@@ -63,6 +63,20 @@ def snapshot_repo_id(path: str | os.PathLike) -> str | None:
     return repo.removeprefix("models--").replace("--", "/", 1)
 
 
+def names_checkpoint(text: str) -> bool:
+    """Whether ``text`` names a checkpoint ``resolve_model`` would find: an existing path, or
+    a Hugging Face repo id in the local cache (never downloaded)."""
+    if Path(text).exists():
+        return True
+    if not _REPO_ID.fullmatch(text):
+        return False
+    try:
+        _snapshot(text, None, None, "model")
+    except ValueError:
+        return False
+    return True
+
+
 def _snapshot(
     model: str, revision: str | None, cache_dir: str | os.PathLike | None, name: str
 ) -> str:

@@ -32,13 +32,16 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
 
 def _dashed(args: list[str]) -> list[str]:
     """``--a_b`` and ``--a_b=v`` as ``--a-b`` and ``--a-b=v``; values, what follows a flag's
-    ``=``, and everything after a bare ``--`` (positional arguments) as they are."""
+    ``=``, and everything after a bare ``--`` (positional arguments) as they are. An argument
+    whose name part holds whitespace is no flag: argparse takes it as a value (a prompt such
+    as ``"--- title_case ---"``), so it keeps its underscores."""
     out = []
     for i, arg in enumerate(args):
         if arg == "--":
             return out + args[i:]
         if arg.startswith("--"):
             flag, eq, value = arg.partition("=")
-            arg = flag.replace("_", "-") + eq + value
+            if not any(c.isspace() for c in flag):
+                arg = flag.replace("_", "-") + eq + value
         out.append(arg)
     return out

@@ -87,6 +87,19 @@ def test_serve_takes_several_api_keys_as_vllm_does(monkeypatch):
             ServerConfig(api_key=bad)
 
 
+def test_serve_refuses_a_model_read_as_a_second_api_key(tiny):
+    """``serve --api-key KEY MODEL`` took MODEL when the flag took one key; with several keys
+    MODEL became a key: the demo model was served and the checkpoint's path passed as a key."""
+    model = tiny
+    args = _parser().parse_args(["serve", "--api-key", "sk-one", str(model)])
+    with pytest.raises(ValueError, match="names a checkpoint, not a key") as caught:
+        serve_configs(args)
+    assert "sk-one" not in str(caught.value)  # (a key is never printed)
+    args = _parser().parse_args(["serve", str(model), "--api-key", "sk-one", "sk-two/x"])
+    server, _ = serve_configs(args)
+    assert server.api_keys == ("sk-one", "sk-two/x") and args.model == str(model)
+
+
 def test_serve_stage_stable_s_is_the_restart_policys():
     from types import SimpleNamespace
 

@@ -67,6 +67,10 @@ def test_engine_args_are_a_dataclass_of_llms_arguments(tiny):
     assert list(kwargs)[0] == "model" and kwargs["max_model_len"] == 64
     assert kwargs["max_num_seqs"] == 64 and "disable_log_stats" not in kwargs
     assert dataclasses.replace(args, max_num_seqs=4).max_num_seqs == 4
+    # (equal as dataclasses are: field by field, whether a value was given or is the default)
+    plain = EngineArgs(model="m", max_model_len=64)
+    assert dataclasses.replace(plain) == plain == EngineArgs("m", max_model_len=64, seed=0)
+    assert plain != dataclasses.replace(plain, max_num_seqs=4)
     assert dataclasses.is_dataclass(AsyncEngineArgs("m"))
     with pytest.raises(ValueError, match="quantization='awq': not supported"):
         EngineArgs(model="m", quantization="awq")
@@ -110,3 +114,19 @@ def test_flexible_parser_leaves_values_and_positionals_as_they_are():
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args(["--stop_text=a_b", "--", "--x_y"])
     assert args.stop_text == "a_b" and args.rest == ["--x_y"]
+
+
+def test_flexible_parser_leaves_a_value_with_spaces_as_it_is():
+    """argparse reads an argument that starts with ``--`` and holds a space as a value, not a
+    flag: a prompt (YAML front matter, a Markdown rule) keeps its underscores."""
+    from rltserve.cli import build_parser
+    from rltserve.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--max-model-len")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--max_model_len=a_b c", "--- title: snake_case ---"])
+    assert args.max_model_len == "a_b c" and args.rest == ["--- title: snake_case ---"]
+    prompt = "---\nname: my_doc\n---\nSummarise it."
+    args = build_parser().parse_args(["generate", "--max_tokens", "3", prompt])
+    assert args.prompt == [prompt] and args.max_tokens == 3

@@ -55,6 +55,19 @@ def test_vllms_clean_up_before_a_second_engine_stops_the_first(tiny):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_vllms_clean_up_calls_import_from_the_package_too():
+    """vLLM's ``vllm.distributed`` holds ``parallel_state``'s names, and scripts import them
+    from there (``from vllm.distributed import destroy_model_parallel``)."""
+    from rltserve import distributed
+    from rltserve.distributed import parallel_state
+
+    assert distributed.destroy_model_parallel is parallel_state.destroy_model_parallel
+    assert (
+        distributed.destroy_distributed_environment
+        is parallel_state.destroy_distributed_environment
+    )
+
+
 def test_get_metrics_are_vllms_gauges_and_counters(llm):
     from rltserve.core.engine_info import EngineStats
     from rltserve.llm_refusals import engine_metrics

@@ -171,6 +171,24 @@ def take_model_tag(args: argparse.Namespace) -> None:
     args.model = tag
 
 
+def check_model_not_key(keys: list[str] | None) -> None:
+    """``--api-key`` takes several keys (vLLM's), so a MODEL written after it (``serve
+    --api-key KEY MODEL``, which took MODEL when the flag took one key) is read as a second
+    key: the demo model would be served, and the checkpoint's path would pass as a key. A last
+    key that names a checkpoint (a path here, or a repo id in the local Hugging Face cache) is
+    a ValueError saying so; the keys themselves are never printed."""
+    if not keys or len(keys) < 2:
+        return
+    from rltserve.preflight import names_checkpoint
+
+    if names_checkpoint(keys[-1]):
+        raise ValueError(
+            f"--api-key: its last value {keys[-1]!r} names a checkpoint, not a key (--api-key "
+            "takes several keys, as vLLM's, so MODEL after it is read as one); give the model "
+            "first, 'rltserve serve MODEL --api-key KEY', or as --model"
+        )
+
+
 def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
     """The server and engine configs of ``serve``'s flags (ValueError naming a bad one)."""
     from rltserve.config import EngineConfig
@@ -185,6 +203,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
             "that logic in a proxy in front of the server"
         )
     take_model_tag(args)
+    check_model_not_key(getattr(args, "api_key", None))
     server_config = ServerConfig(**dataclass_kwargs(args, ServerConfig)).with_env()
     if server_config.metrics_auth and server_config.api_key is None:
         # (a missing key Secret must not leave an operator believing /metrics is guarded)
