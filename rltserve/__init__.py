@@ -5,7 +5,8 @@ imported without pulling in torch. vLLM's import paths of the offline API's name
 here too (``rltserve.inputs``, ``rltserve.sampling_params``, ``rltserve.logprobs``,
 ``rltserve.utils``' ``FlexibleArgumentParser``), and
 ``get_metrics``' classes (vLLM's ``vllm.v1.metrics.reader``) are ``rltserve.metrics_reader``'s.
-vLLM's top-level ``EngineArgs``, ``AsyncEngineArgs`` and ``AsyncLLMEngine`` are here too.
+vLLM's top-level ``EngineArgs``, ``AsyncEngineArgs`` and ``AsyncLLMEngine`` are here too, and
+its ``LLMEngine``, a ValueError when made that says what to use instead.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ _EXPORTS = {
     "GuidedDecodingParams": "rltserve.structured",
     "TextPrompt": "rltserve.prompt_inputs",
     "TokensPrompt": "rltserve.prompt_inputs",
+    # Not in __all__: it only refuses (rltserve has no step-wise engine).
+    "LLMEngine": "rltserve.engine.llm_engine",
 }
 
 

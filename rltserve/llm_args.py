@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 from typing import Any
 
 from rltserve.engine_args import add_engine_args
@@ -66,6 +67,7 @@ class EngineArgs:
         given; vLLM's flags are in the namespace only when given, so that
         ``LLM(**vars(parser.parse_args()))`` runs (after the script pops its own flags)."""
         add_engine_args(parser, vllm_default=argparse.SUPPRESS)
+        _add_llm_flags(parser)
         return parser
 
     @classmethod
@@ -102,3 +104,38 @@ def _compared(args: EngineArgs) -> dict[str, Any]:
 class AsyncEngineArgs(EngineArgs):
     """vLLM's ``AsyncEngineArgs``: the same arguments (vLLM's logging switches among them:
     ``enable_log_requests``, ``disable_log_requests``)."""
+
+
+def _add_llm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags of the ``LLM`` arguments that no engine command has (``serve`` has its own
+    ``--generation-config``), in the namespace only when given, as vLLM's other flags."""
+    group = parser.add_argument_group("LLM's other arguments (vLLM's flags)")
+    unset = argparse.SUPPRESS
+    group.add_argument(
+        "--generation-config",
+        default=unset,
+        help="sampling defaults: 'auto' the checkpoint's generation_config.json, 'vllm' "
+        "vLLM's own, or a folder holding one",
+    )
+    group.add_argument(
+        "--override-generation-config",
+        type=_json,
+        default=unset,
+        help="sampling defaults over --generation-config's, a JSON object",
+    )
+    group.add_argument(
+        "--max-logprobs", type=int, default=unset, help="the most logprobs a request may ask for"
+    )
+    group.add_argument(
+        "--skip-tokenizer-init",
+        action=argparse.BooleanOptionalAction,
+        default=unset,
+        help="no tokenizer: prompts are token ids and outputs have no text",
+    )
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None

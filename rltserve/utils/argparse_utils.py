@@ -1,20 +1,12 @@
-"""vLLM's import path ``vllm.utils`` for the names its example scripts take from it:
-``FlexibleArgumentParser`` (``parser = FlexibleArgumentParser();
-EngineArgs.add_cli_args(parser)``) and ``random_uuid`` (an ``AsyncLLM.generate`` request id),
-so that they run with the package name changed."""
+"""vLLM's ``vllm.utils.argparse_utils``: ``FlexibleArgumentParser``, the parser its example
+scripts build their command lines with."""
 
 from __future__ import annotations
 
 import argparse
-import uuid
 from collections.abc import Sequence
 
-__all__ = ["FlexibleArgumentParser", "random_uuid"]
-
-
-def random_uuid() -> str:
-    """A random request id: 32 hex digits, as vLLM's."""
-    return uuid.uuid4().hex
+__all__ = ["FlexibleArgumentParser"]
 
 
 class FlexibleArgumentParser(argparse.ArgumentParser):

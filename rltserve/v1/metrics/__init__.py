@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.v1.metrics``: see ``rltserve.v1``."""
