@@ -252,12 +252,14 @@ def test_serve_takes_vllms_logging_flags():
         )
 
 
-def test_serve_takes_vllms_auto_tool_choice_flags_both_or_neither():
+def test_serve_takes_vllms_auto_tool_choice_flags():
     flags = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     server, _ = serve_configs(_parser().parse_args(flags))
     assert server.enable_auto_tool_choice and server.tool_call_parser == "hermes"
+    # (a parser alone, as vLLM manifests may carry it: taken, "auto" still refused)
+    server, _ = serve_configs(_parser().parse_args(["serve", "--tool-call-parser", "hermes"]))
+    assert not server.enable_auto_tool_choice and server.tool_call_parser == "hermes"
     for flags, message in [
-        (["--tool-call-parser", "hermes"], "--tool-call-parser hermes: needs --enable-auto-tool"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call-parser"),
         (["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"],
          "--tool-call-parser 'llama3_json': unknown (choices: hermes)"),

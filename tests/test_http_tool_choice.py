@@ -69,12 +69,12 @@ def test_auto_is_refused_unless_the_server_enables_it_in_vllms_words():
         assert auto_error(body) is None  # (nothing for the model to choose)
 
 
-def test_the_servers_auto_tool_flags_are_vllms_both_or_neither():
+def test_the_servers_auto_tool_flags_are_vllms():
     check_tool_call_parser(False, None)
     check_tool_call_parser(True, "hermes")
+    check_tool_call_parser(False, "hermes")  # (vLLM takes it: "auto" stays refused)
     for enable, parser, message in [
         (True, None, "--enable-auto-tool-choice: needs --tool-call-parser (hermes)"),
-        (False, "hermes", "--tool-call-parser hermes: needs --enable-auto-tool-choice"),
         (True, "mistral", "--tool-call-parser 'mistral': unknown (choices: hermes)"),
     ]:
         with pytest.raises(ValueError, match="^" + re.escape(message)):

@@ -40,18 +40,14 @@ AUTO_REFUSED = (
 
 
 def check_tool_call_parser(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
-    """The server's auto tool choice flags, as vLLM's: both or neither, a parser it has
-    (ValueError naming the flag)."""
+    """The server's auto tool choice flags, as vLLM's: a parser it has, named wherever auto
+    tool choice is on (ValueError naming the flag). A parser alone is taken, as vLLM takes it
+    (manifests carry it): "auto" stays refused without ``--enable-auto-tool-choice``."""
     choices = ", ".join(TOOL_CALL_PARSERS)
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: unknown (choices: {choices})")
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice: needs --tool-call-parser ({choices})")
-    if tool_call_parser is not None and not enable_auto_tool_choice:
-        raise ValueError(
-            f"--tool-call-parser {tool_call_parser}: needs --enable-auto-tool-choice (the "
-            'parser reads the calls of tool_choice "auto", which is refused without it)'
-        )
 
 
 def asks_auto(tools: list[dict[str, Any]] | None, tool_choice: object) -> bool:
