@@ -120,6 +120,15 @@ def test_serve_takes_default_template_variables_as_vllm_spells_the_flag():
         serve_configs(_parser().parse_args(["serve", "--default-chat-template-kwargs", "x"]))
 
 
+def test_serve_takes_vllms_chat_template_content_format():
+    """A vLLM command line's ``--chat-template-content-format string``: taken (text parts are
+    joined whichever it names, as ``LLM.chat`` does), an unknown one refused naming it."""
+    flags = ["serve", "--chat-template-content-format", "string"]
+    assert serve_configs(_parser().parse_args(flags))[0].chat_template_content_format == "string"
+    with pytest.raises(ValueError, match="^chat_template_content_format='html': must be one of"):
+        serve_configs(_parser().parse_args(["serve", "--chat-template-content-format", "html"]))
+
+
 def test_serve_on_a_reachable_host_without_a_key_warns(monkeypatch, caplog):
     """Anyone who reaches such a server may load weights or put it to sleep: say so once."""
     import rltserve.http.server

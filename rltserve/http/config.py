@@ -19,7 +19,7 @@ from rltserve.http.request_defaults import generation_overrides, template_defaul
 from rltserve.http.root_path import normal_root_path
 from rltserve.http.tool_choice import TOOL_CALL_PARSERS, check_tool_call_parser
 from rltserve.sampling import MAX_LOGPROBS
-from rltserve.vllm_args import generation_config_folder
+from rltserve.vllm_args import CONTENT_FORMATS, generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
 MAX_N = 128
@@ -155,6 +155,13 @@ class ServerConfig:
         metadata=_help(
             "a chat template that replaces the checkpoint's: a Jinja file, or the template "
             "itself (vLLM's --chat-template)"
+        ),
+    )
+    chat_template_content_format: str = field(
+        default="auto",
+        metadata=_help(
+            "vLLM's: how message content lists reach the template, auto, string or openai; "
+            "taken for its command lines, the same in each (a message's text parts are joined)"
         ),
     )
     default_chat_template_kwargs: str | None = field(
@@ -398,6 +405,11 @@ class ServerConfig:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile, ssl_keyfile: give both or neither")
         check_numbers(self, MAX_N)  # (ValueError naming the field)
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format={self.chat_template_content_format!r}: must be "
+                f"one of {', '.join(CONTENT_FORMATS)}"
+            )
         generation_config_folder(self.generation_config, "")  # (ValueError naming it)
         if self.chat_template is not None:
             from rltserve.models.chat_template import read_chat_template
