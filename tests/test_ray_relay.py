@@ -15,6 +15,7 @@ import pytest
 from rltserve.core.engine_info import EngineStats
 from rltserve.ray.client import ReplicaSetClient
 from rltserve.ray.config import ReplicaConfig
+from rltserve.ray.guides import GuideShipper, GuideStore
 from rltserve.ray.replica import EngineReplica, ReplicaBatch
 from rltserve.ray.roster import Retired
 from rltserve.sampling import SamplingParams
@@ -68,6 +69,7 @@ def _client(call: FakeCall) -> ReplicaSetClient:
     client._retired, client._closed, client._fatal = Retired(), False, None
     client._deployment, client._deployed, client._seen, client._lost = "d-1", True, False, None
     client._stream = FakeStream(call)
+    client._guides = GuideShipper(put=lambda index: ("ref", index))
     return client
 
 
@@ -191,6 +193,7 @@ class FakeStage:
 def _replica(stage: FakeStage) -> EngineReplica:
     replica = object.__new__(EngineReplica)
     replica._client, replica._id = stage, "rep-1"
+    replica._guides = GuideStore()
     return replica
 
 

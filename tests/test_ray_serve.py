@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 
@@ -33,6 +34,27 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "stream": True}),
     ("/v1/chat/completions", CHAT),
     ("/v1/chat/completions", {**CHAT, "stream": True}),
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": SCHEMA}}]
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+THINKING = {"chat_template_kwargs": {"enable_thinking": True}, "max_thinking_tokens": 3}
+SAMPLED = {"n": 2, "seed": 3, "temperature": 1.0, "max_tokens": 24}
+USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+# Structured outputs (their compiled index crosses to each replica once: ray/guides.py), tools,
+# a thinking budget, seeded samples, logprobs and a stream's usage.
+FEATURES = [
+    ("/v1/chat/completions", {**CHAT, **SAMPLED, "response_format": JSON_FORMAT}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 24, "tools": TOOLS, "tool_choice": "required"}),
+    (
+        "/v1/completions",
+        {"prompt": "pick", "temperature": 0, "logprobs": 2, "guided_choice": ["alpha", "beta"]},
+    ),
+    ("/v1/chat/completions", {**CHAT, **THINKING, **USAGE}),
 ]
 LONG = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
 
@@ -99,6 +121,25 @@ async def test_two_replicas_answer_as_one_stage_and_share_the_load(cluster, ckpt
         running_lines = [x for x in text.splitlines() if x.startswith("rltserve:replica_num_req")]
         assert len(running_lines) == 2 and all(x.endswith(" 0.0") for x in running_lines)
         assert metric(text, "rltserve:engine_steps_total") > 0
+
+
+async def test_replicas_answer_guided_tool_thinking_and_sampled_requests_as_one_stage(
+    cluster, ckpt
+):
+    async def answer(live):
+        out = []
+        for path, body in FEATURES * 2:  # (again: a replica that has the index reuses it)
+            status, _, raw = await live.post(path, body)
+            assert status == 200, raw
+            raw = re.sub(rb"chatcmpl-tool-[0-9a-f]+", b"TOOL-ID", raw)  # (random ids)
+            # (Each replica has a prefix cache of its own: what a prompt found cached differs.)
+            out.append(re.sub(rb'"prompt_tokens_details":\{"cached_tokens":\d+\},', b"", raw))
+        return out
+
+    async with running(ckpt) as single:
+        expected = await answer(single)
+    async with running(ckpt, client_factory=replicas(2)) as live:
+        assert await answer(live) == expected
 
 
 async def test_replicas_log_through_the_servers_log_config_file(

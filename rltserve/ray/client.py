@@ -41,6 +41,7 @@ from rltserve.core.engine_info import IDLE_GAUGES, EngineInfo, EngineStats, sum_
 from rltserve.core.stage import Sink, StageConfigError, StageError
 from rltserve.ray.cluster import cluster_gone, connect, replica_needs, require_ray
 from rltserve.ray.config import ReplicaConfig
+from rltserve.ray.guides import GuideShipper
 from rltserve.ray.logs import caller_logging
 from rltserve.ray.roster import ReplicaState, Retired, serve_replica_ids
 from rltserve.sampling import SamplingParams
@@ -142,6 +143,7 @@ class ReplicaSetClient:
         self._retired = Retired()  # counters of replicas that are gone
         self._closed = False
         self._fatal: str | None = None
+        self._guides = GuideShipper()  # (compiled constraints: once per replica, not per call)
         self.info: EngineInfo | None = None
         self.live_replicas = 0
         try:
@@ -314,6 +316,7 @@ class ReplicaSetClient:
             stream = self._stream
             if session is not None and self.routes_by_session:
                 stream = stream.options(session_id=session)
+            params = self._guides.detach(params)
             call = stream.remote(request_id, list(prompt_token_ids), params, group)
             task = asyncio.get_running_loop().create_task(self._relay(request_id, call, sink))
             self._tasks[request_id] = task

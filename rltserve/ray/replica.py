@@ -4,8 +4,10 @@ A replica runs the stage loop on a thread of its own actor process (``InProcessS
 the actor already is the separate process). ``generate`` streams a request's updates in
 batches; each batch carries the replica's identity and its latest ``EngineStats`` so the front
 end can label metrics per replica without polling replicas one by one. Cancelling the stream
-(the client went away, or aborted) aborts the request in the engine. ``check_health`` is Ray
-Serve's health check: a replica whose stage died raises there and Serve replaces it.
+(the client went away, or aborted) aborts the request in the engine. A guided request's
+compiled index comes as a ref to Ray's object store, fetched once per replica
+(``rltserve.ray.guides``). ``check_health`` is Ray Serve's health check: a replica whose stage
+died raises there and Serve replaces it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from rltserve.config import EngineConfig
 from rltserve.core.engine_info import EngineInfo, EngineStats
+from rltserve.ray.guides import GuideStore
 from rltserve.ray.logs import LogSetup, set_up_logging
 from rltserve.sampling import SamplingParams
 from rltserve.updates import RequestUpdate
@@ -67,6 +70,7 @@ class EngineReplica:
         set_up_logging(log_setup)  # (before the engine loads: its start-up warnings too)
         torch.set_num_threads(threads)
         self._id = _replica_id()
+        self._guides = GuideStore()
         self._client = stage_client(replica_config(engine_config, self._id), InProcessStageClient)
         self._info = self._client.wait_ready(600.0)
 
@@ -94,6 +98,7 @@ class EngineReplica:
             with contextlib.suppress(RuntimeError):  # the loop closed
                 loop.call_soon_threadsafe(queue.put_nowait, update)
 
+        params = await self._guides.attach(params)  # (a constraint the front end put: its index)
         # Samples of one prompt (``group``) share its prefill when they land on this replica;
         # one whose group's leader runs elsewhere computes its own prompt (same outputs).
         self._client.add_request(request_id, prompt_token_ids, params, sink, group)
