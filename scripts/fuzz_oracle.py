@@ -6,11 +6,15 @@ preempted again and again, prompt-sharing groups, prefix caching, the scheduler'
 (budgets, lockstep cohorts, carried rows, token pipelining, time slices, priority), sometimes
 prefill and decode on two stages; and a workload: random prompts, arrivals and aborts, the
 family's exit rule (Ouro's gate, Huginn's zero-shot criteria, a fixed depth), loop bounds, a
-request's own KV policy, stops, biases, prompt logprobs, zero or seeded random initial states.
-It runs the case with ``tests/engine_util.run_core`` (which fails on a leaked KV block) and
-compares every greedy request's token ids, exit depths and prompt logprobs with the oracle's;
+request's own KV policy, stops, biases, prompt logprobs, zero or seeded random initial states,
+thinking budgets (K = 0 included) and structured outputs (a choice or a regex, on the family's
+tiny preset, which has a tokenizer), with logprobs (``tests/fuzz_features.py``). It runs the
+case with ``tests/engine_util.run_core`` (which fails on a leaked KV block) and compares every
+greedy request's token ids, exit depths and prompt logprobs with the oracle's (a steered one's
+logprobs too, as the oracle scores its output: a forced token's is the model's raw score);
 in some cases the requests sample (seeded, with top-k/top-p/min-p and penalties) and each is
-compared with itself run alone on a plain engine. Combinations the engine refuses (a
+compared with itself run alone on a plain engine (its forced ids, constraint and logprobs
+checked by the oracle's rules, ``tests/reference_guided.py``). Combinations the engine refuses (a
 ``ValueError`` naming them) are counted, not failed; so are differences within float32 rounding
 of a decision (``Tie``).
 
@@ -47,6 +51,15 @@ from engine_util import (  # noqa: E402
     stream_all,
     tight_blocks,
     wait_pd_idle,
+)
+from fuzz_features import (  # noqa: E402
+    chosen_logits,
+    draw_guided,
+    draw_thinking,
+    engine_params,
+    logprobs_diff,
+    output_diff,
+    steer_for,
 )
 from recipe import build_huginn_rv1, build_ouro_rv1  # noqa: E402
 from reference import Reference  # noqa: E402
@@ -86,9 +99,25 @@ class Case:
     # Seeded sampling: the oracle is greedy, so each request is compared with itself run alone
     # on a plain engine (same KV policy and exit mode) instead.
     sampled: bool = False
+    # Structured outputs need a tokenizer: the case runs on the family's tiny preset.
+    tokenized: bool = False
+
+    @property
+    def model(self) -> str:
+        """The checkpoint's key in ``build_checkpoints``'."""
+        return f"{self.family}-tok" if self.tokenized else self.family
 
     def describe(self) -> dict:
-        params = [{k: v for k, v in dataclasses.asdict(p).items() if v} for p in self.params]
+        """The case as JSON takes it: each request's params that are set (a 0 that is not the
+        default, as a thinking budget of 0 or ``logprobs=0``, included)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
+        def shown(k, v) -> bool:
+            return bool(v) or isinstance(v, (int, float)) and v != defaults[k]
+
+        params = [
+            {k: v for k, v in dataclasses.asdict(p).items() if shown(k, v)} for p in self.params
+        ]
         return {**dataclasses.asdict(self), "params": params}
 
 
@@ -144,7 +173,11 @@ def draw_case(seed: int) -> Case:
         arrivals = [pd.choice([0, 0, pd.randint(1, 12)]) for _ in range(n)]
         aborts = {i: pd.choice([0, pd.randint(1, 6)]) for i in range(n) if pd.random() < 0.2}
         lag = 0
-    return Case(seed, family, engine, prompts, params, arrivals, groups, lag, aborts, sampled)
+    params = draw_thinking(random.Random(seed + 5 * 10**6), params)
+    params, tokenized = draw_guided(random.Random(seed + 6 * 10**6), params)
+    return Case(
+        seed, family, engine, prompts, params, arrivals, groups, lag, aborts, sampled, tokenized
+    )
 
 
 def draw_sampling(rng: random.Random, params: list[SamplingParams]):
@@ -223,7 +256,8 @@ def draw_params(rng: random.Random, family: str, engine_policy: str) -> Sampling
 def run_case(case: Case, checkpoints: dict, refs: dict, device: str = "cpu") -> str | None:
     """None when the engine (on ``device``; the oracle runs on the CPU) equals the oracle;
     else what differs. Raises ValueError for a combination the engine refuses."""
-    path = checkpoints[case.family]
+    path = checkpoints[case.model]
+    case = dataclasses.replace(case, params=engine_params(case.params, path))
     engine = {**case.engine, "device": device}
     if device.startswith("cuda") and random.Random(case.seed).random() < 0.5:
         engine["cuda_graphs"] = True  # (decode-only steps replay graphs)
@@ -246,23 +280,26 @@ def run_case(case: Case, checkpoints: dict, refs: dict, device: str = "cpu") -> 
 
 def _compare(case: Case, path, run, engine: dict, refs: dict) -> str | None:
     exit_mode = engine.get("exit_mode", "gate")
+    ref = refs[case.model]
     if case.sampled:
-        return _against_alone(case, path, run, exit_mode, engine["device"])
+        return _against_alone(case, path, run, exit_mode, engine["device"], ref)
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or engine["kv_policy"]
         kw = {"exit_mode": exit_mode, "kv_policy": policy, "prompt_chunks": _chunks(prompt, case)}
-        want = oracle_run(refs[case.family], prompt, p, **kw)
+        kw["steer"] = steer = steer_for(p, ref, path)
+        want = oracle_run(ref, prompt, p, **kw)
         got = (run.tokens[f"r{i}"], run.depths[f"r{i}"])
         aborted = run.finish.get(f"r{i}") == "abort"  # (what it produced before the abort)
         if not _same(got, (want.tokens, want.exit_depths), aborted):
             diff = f"r{i}: engine {got}, oracle {(want.tokens, want.exit_depths)}"
-            ref = refs[case.family]
             if _tie(ref, prompt, p, got, want, aborted, kw):
                 raise Tie(diff)
             return diff
         scored = p.prompt_logprobs is not None and got[0]  # (they come with the first token)
         got_scores = run.prompt_logprobs.get(f"r{i}")
         if scored and (diff := _prompt_logprobs_diff(got_scores, want.prompt_logits, prompt, p)):
+            return f"r{i}: {diff}"
+        if diff := logprobs_diff(ref, prompt, p, steer, run, f"r{i}", policy):
             return f"r{i}: {diff}"
     return None
 
@@ -322,7 +359,7 @@ def _run_disaggregated(case: Case, path, engine: dict) -> Run:
     return run
 
 
-def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | None:
+def _against_alone(case: Case, path, run, exit_mode: str, device: str, ref) -> str | None:
     for i, (prompt, p) in enumerate(zip(case.prompts, case.params)):
         policy = p.kv_policy or case.engine["kv_policy"]
         kw = {"kv_policy": policy, "exit_mode": exit_mode, "device": device}
@@ -337,6 +374,11 @@ def _against_alone(case: Case, path, run, exit_mode: str, device: str) -> str | 
         want = (alone.tokens["r0"], alone.depths["r0"])
         if not _same(got, want, run.finish.get(f"r{i}") == "abort"):
             return f"r{i}: engine {got}, alone {want}"
+        steer = steer_for(p, ref, path)
+        if diff := output_diff(steer, got[0]):
+            return f"r{i}: {diff}"
+        if diff := logprobs_diff(ref, prompt, p, steer, run, f"r{i}", policy):
+            return f"r{i}: {diff}"
     return None
 
 
@@ -364,7 +406,8 @@ def _tie(ref, prompt, p: SamplingParams, got: tuple, want, aborted: bool, kw: di
         min(len(got[0]), len(want.tokens)) - 1,
     )
     if 0 <= k < len(want.logits):
-        top = want.logits[k].float().topk(2).values
+        logits = chosen_logits(kw.get("steer"), want.tokens[:k], want.logits[k].float())
+        top = logits.topk(2).values
         if float(top[0] - top[1]) < TIE * max(1.0, float(top[0].abs())):
             return True
     if not p.adaptive_exit or p.exit_criterion == "argmax-stability":
@@ -386,7 +429,10 @@ def build_checkpoints(work: Path) -> tuple[dict, dict]:
         "ouro": build_ouro_rv1(work / "ouro"),
         "huginn": build_huginn_rv1(work / "huginn"),
         "nanbeige": make_model("nanbeige-tiny", work / "nanbeige"),
+        "ouro-tok": make_model("ouro-tiny", work / "ouro-tok"),
+        "huginn-tok": make_model("huginn-tiny", work / "huginn-tok"),
     }
+    checkpoints["nanbeige-tok"] = checkpoints["nanbeige"]  # (it has a tokenizer)
     return checkpoints, {name: Reference.load(p) for name, p in checkpoints.items()}
 
 

@@ -257,25 +257,35 @@ def stream_all(
     is sent once the run has produced that many tokens in all (or when nothing sent is still
     running); ``aborts[i]``: request i is aborted once it has that many tokens (0: as soon as
     it is sent). The client's methods are called on this thread, never under the sink's lock
-    (a stage may deliver updates while it holds its own)."""
+    (a stage may deliver updates while it holds its own). A request the engine refused (an
+    update that says ``rejected``) raises ValueError with its error, as ``LLM.generate``'s."""
     n = len(prompts)
     arrivals = arrivals or [0] * n
     run = Run()
     for i in range(n):
         run.tokens[f"r{i}"], run.depths[f"r{i}"] = [], []
+        run.logprobs[f"r{i}"], run.top_logprobs[f"r{i}"] = [], []
     changed = threading.Condition()
     produced = [0]
+    refused: list[str] = []
 
     def sink(update):
         with changed:
-            run.tokens[update.request_id].extend(update.new_token_ids)
-            run.depths[update.request_id].extend(update.new_exit_depths)
+            rid = update.request_id
+            run.tokens[rid].extend(update.new_token_ids)
+            run.depths[rid].extend(update.new_exit_depths)
+            run.logprobs[rid].extend(update.new_logprobs)
+            run.top_logprobs[rid].extend(update.new_top_logprobs)
+            for j, lp, top, _ in update.forced_logprobs or ():  # (bounded thinking)
+                run.logprobs[rid][j], run.top_logprobs[rid][j] = lp, top
             produced[0] += len(update.new_token_ids)
             if update.prompt_logprobs is not None:
                 assert update.request_id not in run.prompt_logprobs, "prompt logprobs sent twice"
                 run.prompt_logprobs[update.request_id] = update.prompt_logprobs
             if update.finish_reason is not None:
-                run.finish[update.request_id] = update.error or update.finish_reason.value
+                run.finish[rid] = update.error or update.finish_reason.value
+            if update.rejected:
+                refused.append(update.error)
             changed.notify_all()
 
     unsent = sorted(range(n), key=lambda i: arrivals[i])
@@ -304,6 +314,8 @@ def stream_all(
         for i in abort + [i for i in send if unaborted.get(i) == 0]:
             unaborted.pop(i, None)
             client.abort(f"r{i}")
+    if refused:
+        raise ValueError("; ".join(refused))
     errors = {rid: f for rid, f in run.finish.items() if f not in ("stop", "length", "abort")}
     assert not errors, errors
     return run

@@ -41,6 +41,7 @@ from reference_parts import (
     RecomputeOutput,
     RefOutput,
     causal_attention,
+    choose_token,
     load_checkpoint,
     noise_generator,
     parse_kv_policy,
@@ -284,6 +285,7 @@ class Reference:
         logit_bias: dict[int, float] | None = None,
         allowed_token_ids: tuple[int, ...] | None = None,
         prompt_chunks: list[int] | None = None,
+        steer=None,
     ) -> RefOutput:
         """Greedy generation of one request; see the module docstring for the semantics.
 
@@ -296,7 +298,10 @@ class Reference:
         (``Criterion``; "kl" when None); the prompt runs all its loops. ``prompt_chunks``
         (the prompt's chunk starts, 0 first) runs the prompt chunk by chunk, each through
         every loop before the next: under ``shared`` and ``ring`` a later chunk then reads an
-        earlier one's last versions (under the other policies chunking changes nothing)."""
+        earlier one's last versions (under the other policies chunking changes nothing).
+        ``steer`` (``reference_guided``) sees the output before each token: ``forced(tokens)``,
+        an id output unchosen (never a stop) by a position run through all D_r loops, which
+        records D_r (bounded thinking); ``allowed(tokens)``, the ids a constraint leaves."""
         if not prompt:
             raise ValueError("empty prompt")
         if exit_mode not in EXIT_MODES:
@@ -327,27 +332,20 @@ class Reference:
                 trace_depth=trace,
             )
 
-        def emit(rule: ExitRule, exit_d: int, logits: torch.Tensor) -> bool:
-            choice = logits.clone()
-            if allowed_token_ids is not None:
-                outside = torch.ones_like(choice, dtype=torch.bool)
-                outside[list(allowed_token_ids)] = False
-                choice[outside] = float("-inf")
-            for t, bias in (logit_bias or {}).items():
-                choice[t] += bias
-            if len(out.tokens) < min_tokens:
-                for t in (*stop_token_ids, *eos_token_ids):
-                    if 0 <= t < choice.shape[-1]:
-                        choice[t] = float("-inf")
-            tok = int(torch.argmax(choice))
+        def emit(rule: ExitRule, exit_d: int, logits: torch.Tensor, force: int | None) -> bool:
+            narrowed = steer.allowed(out.tokens) if steer is not None else None
+            allowed = allowed_token_ids if narrowed is None else narrowed
+            stop_ids = (*stop_token_ids, *eos_token_ids)
+            banned = stop_ids if len(out.tokens) < min_tokens else ()
+            tok = force
+            if force is None:
+                tok = choose_token(logits, allowed=allowed, logit_bias=logit_bias, banned=banned)
             out.tokens.append(tok)
             out.exit_depths.append(exit_d)
             out.logits.append(logits)
             out.gate_logits.append(rule.gate_logits)
             out.cdfs.append(rule.cdfs)
-            stops = len(out.tokens) >= min_tokens and (
-                tok in stop_token_ids or tok in eos_token_ids
-            )
+            stops = force is None and len(out.tokens) >= min_tokens and tok in stop_ids
             return stops or len(out.tokens) >= max_tokens
 
         n = len(prompt)
@@ -360,7 +358,8 @@ class Reference:
         starts = list(prompt_chunks or [0])
         if starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= n:
             raise ValueError(f"prompt_chunks={prompt_chunks!r}: not chunk starts of the prompt")
-        rule = rule_for(0)
+        rule, force = rule_for(0), steer and steer.forced(out.tokens)
+        decide = rule.update if force is None else lambda t, _: t == depth  # (forced: D_r)
         prompt_logits = []
         for start, end in zip(starts, starts[1:] + [n]):
             e = self._prelude(list(prompt[start:end]), start, bkv)
@@ -371,7 +370,7 @@ class Reference:
                 attn = kv.attn_fn(plane_of(kind, planes, d), start, self.scale)
                 s = self._loop(s, e, start, attn)
                 g = self._gate(s[-1:])
-                if last and exit_d is None and rule.update(d, None if g is None else g[0]):
+                if last and exit_d is None and decide(d, None if g is None else g[0]):
                     exit_d, exit_state = d, s[-1:].clone()
                 if d == cap:
                     at_cap = s.clone() if not last else s[:-1].clone()
@@ -385,7 +384,7 @@ class Reference:
                 if last:
                     logits = self._coda(exit_state, start, bkv)[-1]
         out.prompt_logits = torch.cat(prompt_logits)
-        if emit(rule, exit_d, logits):
+        if emit(rule, exit_d, logits, force):
             return out
 
         # Decode: one token at a time.
@@ -394,15 +393,16 @@ class Reference:
             pos = n + k - 1
             e = self._prelude([out.tokens[-1]], pos, bkv)
             s = self._initial_state(e, pos, init_state, seed)
-            rule = rule_for(k)
-            exit_d, exit_state = None, None
-            crit = None
+            rule, force = rule_for(k), steer and steer.forced(out.tokens)
+            exit_d, exit_state, crit = None, None, None
             if zero_shot:
                 vocab = self.w["lm_head.weight"].shape[0]
                 crit = Criterion(exit_criterion or "kl", exit_threshold, vocab, s)
             for d in range(1, depth + 1):
                 s = self._loop(s, e, pos, kv.attn_fn(plane_of(kind, planes, d), pos, self.scale))
-                if exit_d is None:
+                if force is not None and d == depth:
+                    exit_d, exit_state = d, s
+                if exit_d is None and force is None:
                     g = self._gate(s)
                     below = None
                     if crit is not None:  # (its coda writes the position's coda K/V, as HF's)
@@ -418,7 +418,7 @@ class Reference:
                 # Planes it never wrote get its exit version (a deeper loop's plane it did
                 # write keeps its own): nothing stale is ever read.
                 kv.copy_position(exit_d - 1, range(exit_d, min(planes, depth)), pos)
-            if emit(rule, exit_d, self._coda(exit_state, pos, bkv)[0]):
+            if emit(rule, exit_d, self._coda(exit_state, pos, bkv)[0], force):
                 return out
 
     @torch.no_grad()

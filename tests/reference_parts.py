@@ -216,6 +216,35 @@ class Criterion:
         return bool(value < torch.tensor(self.threshold, dtype=torch.float32))
 
 
+# --------------------------------------------------------------------------- choosing
+
+
+def choose_token(
+    logits: torch.Tensor,
+    *,
+    allowed: list[int] | tuple[int, ...] | None = None,
+    logit_bias: dict[int, float] | None = None,
+    banned: tuple[int, ...] = (),
+) -> int:
+    """The greedy choice among ``allowed`` (all when None) after ``logit_bias``, never a
+    ``banned`` id (``min_tokens``' stop and EOS ids) unless the bans would leave nothing: a
+    constraint matched in full allows only the end id, and the constraint wins (README)."""
+    choice = logits.clone()
+    if allowed is not None:
+        outside = torch.ones_like(choice, dtype=torch.bool)
+        outside[list(allowed)] = False
+        choice[outside] = float("-inf")
+    for t, bias in (logit_bias or {}).items():
+        choice[t] += bias
+    unbanned = choice.clone()
+    for t in banned:
+        if 0 <= t < choice.shape[-1]:
+            choice[t] = float("-inf")
+    if not bool(torch.isfinite(choice).any()):
+        choice = unbanned
+    return int(torch.argmax(choice))
+
+
 # --------------------------------------------------------------------------- math helpers
 
 
@@ -333,15 +362,24 @@ def load_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def thinking_logprobs(
-    ref, prompt: list[int], out: list[int], depths: list[int], forced: set[int], top: int, **kw
+    ref,
+    prompt: list[int],
+    out: list[int],
+    depths: list[int],
+    forced: set[int],
+    top: int,
+    steer=None,
+    **kw,
 ) -> list[tuple[float, list[tuple[int, float]], int]]:
     """Bounded thinking's oracle: the (raw logprob, top ``top``, rank) of every output token of
     a run given its output ``out`` and exit depths ``depths``, from a dense recompute of prompt
     + output at those depths (``Reference.full_recompute``; ``kw``: its ``kv_policy``): a
     sampled token's at its exit depth, a forced one's (output indices ``forced``) at the cap,
-    as ``prompt_logprobs`` would score prompt + output there (``core/thinking.py``)."""
+    as ``prompt_logprobs`` would score prompt + output there (``core/thinking.py``). With a
+    constraint (``steer``, ``reference_guided.Constraint``) each is over the tokens it allows
+    after the output before it, as README says a constrained request's logprobs are."""
     n = len(prompt)
-    cap, depth = ref.depths(None)
+    cap, depth = ref.depths(kw.get("max_loops"))
     full = ref.full_recompute(prompt + out[:-1], [depth] * (n - 1) + depths, prompt_len=n, **kw)
     entries = []
     for j, token in enumerate(out):
@@ -350,6 +388,11 @@ def thinking_logprobs(
             assert depths[j] == cap, "no per-depth logits to read a forced token at the cap"
         at_cap = j in forced and full.depth_logits is not None
         logits = full.depth_logits[cap - 1, q] if at_cap else full.logits[q]
+        allowed = None if steer is None else steer.allowed(out[:j])
+        if allowed is not None:
+            logits = torch.full_like(logits, float("-inf")).index_copy(
+                0, torch.tensor(allowed), logits[allowed]
+            )
         logp = torch.log_softmax(logits, -1)
         values, ids = logp.topk(top)
         rank = int((logp >= logp[token]).sum())

@@ -30,6 +30,16 @@ def test_cases_are_reproducible_and_varied():
     assert any(p.kv_policy for p in params) and any(c.aborts for c in cases)
     assert any(p.prompt_logprobs is not None for p in params)
     assert any(c.groups for c in cases) and any(c.sampled for c in cases)
+    budgets = {p.max_thinking_tokens for p in params}
+    assert {0, 1, 2, 3} <= budgets and any(p.thinking_interruption == () for p in params)
+    structured = [p.structured_outputs for p in params if p.structured_outputs]
+    assert any(s.choice for s in structured) and any(s.regex for s in structured)
+    guided = [c for c in cases if c.tokenized]
+    assert {c.family for c in guided} == {"ouro", "huginn", "nanbeige"}
+    assert any(c.sampled for c in guided) and any("preemption_mode" in c.engine for c in guided)
+    # (A budget never comes with a constraint or penalties: the engine refuses both.)
+    budgeted = [p for p in params if p.max_thinking_tokens is not None]
+    assert not any(p.structured_outputs or p.repetition_penalty != 1.0 for p in budgeted)
     assert all(p.temperature > 0 for c in cases if c.sampled for p in c.params)
     # Shared/ring engines chunk prompts (the oracle runs the same chunks) but refuse wavefront
     # prefill and never share prompt blocks.
@@ -107,3 +117,77 @@ def test_a_failure_reports_the_case_that_reproduces_it(tmp_path, capsys, monkeyp
     assert mismatch["diff"].startswith("r0: engine") and mismatch["case"]["seed"] == seed
     assert mismatch["case"]["aborts"] == {str(k): v for k, v in fuzz.draw_case(seed).aborts.items()}
     assert "RuntimeError: boom" in crash["error"] and crash["case"]["seed"] == seed + 1
+
+
+def _first(wanted, start: int = 0) -> int:
+    return next(s for s in range(start, start + 2000) if wanted(fuzz.draw_case(s)))
+
+
+def _feature(case, name: str) -> list:
+    return [p for p in case.params if getattr(p, name) is not None]
+
+
+def test_thinking_and_structured_cases_equal_the_oracle(tmp_path, monkeypatch):
+    """A handful of cases with thinking budgets (greedy with logprobs, K = 0 among them;
+    seeded sampling; under preemption) and constraints (greedy with logprobs, sampled): each
+    equals the oracle, logprobs included."""
+
+    def budgeted(case, k=None):
+        runs = not case.engine.get("async_scheduling")  # (refused there)
+        ps = _feature(case, "max_thinking_tokens")
+        return runs and any(k is None or p.max_thinking_tokens == k for p in ps)
+
+    def scored(case, k=None):
+        ps = _feature(case, "max_thinking_tokens")
+        return budgeted(case, k) and not case.sampled and any(p.logprobs is not None for p in ps)
+
+    seeds = [
+        _first(lambda c: scored(c, 0)),
+        _first(lambda c: scored(c) and c.family == "huginn"),
+        _first(lambda c: budgeted(c) and c.sampled),
+        _first(lambda c: budgeted(c) and "preemption_mode" in c.engine),
+        _first(lambda c: c.tokenized and not c.sampled and _feature(c, "logprobs")),
+        _first(lambda c: c.tokenized and c.sampled),
+    ]
+    compared = []
+    real = fuzz.logprobs_diff
+
+    def spy(ref, prompt, p, steer, run, rid, policy):
+        if p.logprobs is not None and steer is not None and policy in ("full", "last_exited"):
+            compared.append(type(steer).__name__)
+        return real(ref, prompt, p, steer, run, rid, policy)
+
+    monkeypatch.setattr(fuzz, "logprobs_diff", spy)
+    report = fuzz.fuzz(seeds, tmp_path)
+    assert not report["failures"] and report["counts"]["refused"] == 0
+    assert report["counts"]["equal"] + report["counts"]["tie"] == len(seeds)
+    # (Forced and constrained tokens' logprobs were compared with the oracle's.)
+    assert {"ThinkingBudget", "Constraint"} <= set(compared)
+
+
+def test_the_new_checks_catch_what_they_are_for(tiny):
+    """A forced id missing, a token outside a constraint and a forced logprob off are each
+    reported."""
+    from engine_util import Run
+    from reference import Reference
+    from reference_guided import Constraint, ThinkingBudget
+
+    budget = ThinkingBudget(1, (40,), (300,))
+    assert fuzz.output_diff(budget, [9, 40, 300, 7]) is None
+    assert "not the forced 300" in fuzz.output_diff(budget, [9, 40, 301, 7])
+    choice = Constraint(tiny, 0, 512, choice=["yes", "no"])
+    assert "outside the constraint after 'n'" in fuzz.output_diff(choice, [82, 82])
+    ref, prompt = Reference.load(tiny), [5, 6, 7]
+    p = fuzz.SamplingParams(temperature=0.0, max_tokens=4, max_thinking_tokens=1, logprobs=1,
+                            thinking_interruption=(40,), thinking_end_token_ids=(300,))  # fmt: skip
+    out = ref.generate(prompt, 4, steer=budget)
+    run = Run(tokens={"r0": out.tokens}, depths={"r0": out.exit_depths}, finish={"r0": "length"})
+    from reference_parts import thinking_logprobs
+
+    want = thinking_logprobs(ref, prompt, out.tokens, out.exit_depths, {1, 2}, 1)
+    run.logprobs["r0"] = [w[0] for w in want]
+    run.top_logprobs["r0"] = [w[1] for w in want]
+    assert fuzz.logprobs_diff(ref, prompt, p, budget, run, "r0", "full") is None
+    run.logprobs["r0"][2] += 0.01
+    diff = fuzz.logprobs_diff(ref, prompt, p, budget, run, "r0", "full")
+    assert diff.startswith("forced token 2: logprob")

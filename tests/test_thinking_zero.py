@@ -171,3 +171,21 @@ def test_forced_ids_filling_a_pool_sized_context_are_admitted(ouro_rv1, logprobs
     run = run_core(core, [prompt], [params], max_steps=500)
     assert run.tokens["r0"] == [END] and run.finish["r0"] == "length"
     assert (run.logprobs["r0"][0] is None) == (logprobs is None)
+
+
+@pytest.mark.parametrize("kv_policy", ["last_exited", "full"])
+def test_wavefront_prefill_sends_prompt_logprobs_and_forced_ids_together(ouro_rv1, kv_policy):
+    """Wavefront prefill at 2 loops, a prompt whose last chunk is its last position alone:
+    that chunk's first loop (which sends the forced ids) runs in the step whose earlier chunk
+    completes the prompt's logprobs. Both go out in one update (the forced ids' own update
+    replaced the other: the prompt logprobs never came)."""
+    prompts = [[3, 17, 42, 7, 8], [12, 250, 31, 4, 77, 2, 6]]  # (odd: a last chunk of one)
+    params = [_params(prompt_logprobs=2, max_loops=2, max_tokens=5) for _ in prompts]
+    wave = make_core(ouro_rv1, kv_policy=kv_policy, prefill_chunk_size=2, wavefront_prefill=True)
+    run = run_core(wave, prompts, params)
+    want = run_core(make_core(ouro_rv1, kv_policy=kv_policy), prompts, params)
+    for rid, scores in want.prompt_logprobs.items():
+        assert run.tokens[rid] == want.tokens[rid] and run.tokens[rid][:3] == FORCED
+        got = run.prompt_logprobs.get(rid)
+        assert got is not None and len(got) == len(scores), rid
+        assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in scores], abs=1e-5)

@@ -250,17 +250,19 @@ class Applier:
         request.forced_unsent = False
         rid = request.request_id
         n = request.num_forced
-        update = RequestUpdate(
-            rid,
-            request.output_token_ids[:n],
-            request.exit_depths[:n],
-            [None] * n,
-            [None] * n,
-        )
         if request.scoring:  # (nothing withheld yet: no output came before these)
-            request.withheld = update
+            update = request.withheld = RequestUpdate(rid)
         else:
-            updates.updates[rid] = update  # (nor in this step: ``update_of`` finds none)
+            # No output came before these, but under wavefront prefill an earlier chunk's
+            # scores may have completed the prompt's logprobs in this step, in an update of
+            # their own: the forced ids join it (a second update would replace it).
+            update = updates.update_of(rid)
+            if update is None:
+                update = updates.updates[rid] = RequestUpdate(rid)
+        update.new_token_ids += request.output_token_ids[:n]
+        update.new_exit_depths += request.exit_depths[:n]
+        update.new_logprobs += [None] * n
+        update.new_top_logprobs += [None] * n
         _first_output(request, update, updates)
         if n >= request.max_outputs:
             self._end(request, update, FinishReason.LENGTH)
