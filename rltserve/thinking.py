@@ -20,9 +20,22 @@ THINK_END = "</think>"
 TURN_START = "<|im_start|>"
 
 
+def tag_id(tokenizer, tag: str) -> int | None:
+    """``tag``'s token id (None: not in the vocabulary, or no tokenizer). rltserve's
+    ``Tokenizer`` answers from a cache (``Tokenizer.token_id``): the chat path asks on every
+    request, and ``get_vocab`` copies the whole vocabulary (tens of ms at 50k ids and more).
+    Another tokenizer (one with ``get_vocab`` alone) is read whole."""
+    if tokenizer is None:
+        return None
+    lookup = getattr(tokenizer, "token_id", None)
+    if callable(lookup):
+        return lookup(tag)
+    return tokenizer.get_vocab().get(tag)
+
+
 def think_end_ids(tokenizer) -> tuple[int, ...]:
     """The tokenizer's ``</think>`` as token ids; ValueError when it has no such token."""
-    token = tokenizer.get_vocab().get(THINK_END) if tokenizer is not None else None
+    token = tag_id(tokenizer, THINK_END)
     if token is None:
         why = "no tokenizer is loaded" if tokenizer is None else f"the tokenizer has no {THINK_END}"
         raise ValueError(f"thinking_end_token_ids: required ({why})")
@@ -51,7 +64,7 @@ def resolve_thinking(params: SamplingParams, tokenizer) -> SamplingParams:
 def reasoning_kept_ids(tokenizer) -> frozenset[int]:
     """The ``</think>`` id where the tokenizer makes it a special token: a reasoning split needs
     its text, which ``skip_special_tokens`` would drop (and with it the split)."""
-    token = tokenizer.get_vocab().get(THINK_END) if tokenizer is not None else None
+    token = tag_id(tokenizer, THINK_END)
     return frozenset({token}) if token in getattr(tokenizer, "special_ids", ()) else frozenset()
 
 
@@ -86,14 +99,12 @@ def ids_open_thinking(ids: list[int], tokenizer) -> bool:
 
 def _think_tags(tokenizer) -> tuple[int | None, int | None]:
     """The ids of ``<think>`` and ``</think>`` (None: not in the vocabulary)."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    return vocab.get(THINK_START), vocab.get(THINK_END)
+    return tag_id(tokenizer, THINK_START), tag_id(tokenizer, THINK_END)
 
 
 def _open_span(ids: list[int], tokenizer) -> bool | None:
     """As ``ids_open_thinking``; None where the tokenizer has no such tokens to tell by."""
-    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    start, end, turn = (vocab.get(tag) for tag in (THINK_START, THINK_END, TURN_START))
+    start, end, turn = (tag_id(tokenizer, tag) for tag in (THINK_START, THINK_END, TURN_START))
     if start is None or end is None:
         return None
     for token in reversed(ids):

@@ -417,3 +417,16 @@ def test_token_bytes_of_a_sentencepiece_byte_token(toks, monkeypatch) -> None:
     assert tok.token_bytes(7) == b"\xf0"
     monkeypatch.setattr(tok, "token_strings", lambda ids: ["▁x"])  # (no byte-level alphabet)
     assert tok.token_bytes(7) == "\ufffd".encode()
+
+
+def test_token_id_reads_the_vocabulary_once_per_token(toks: dict[str, Tokenizer], monkeypatch):
+    tok = toks["ouro-tiny"]
+    vocab = tok.get_vocab()
+    reads = []
+    read = tok.backend.get_vocab
+    monkeypatch.setattr(tok.backend, "get_vocab", lambda: reads.append(1) or read())
+    for token in ("<think>", "</think>", "<|im_start|>", "no such token"):
+        for _ in range(3):
+            assert tok.token_id(token) == vocab.get(token)
+    assert vocab.get("<think>") is not None and tok.token_id("no such token") is None
+    assert len(reads) <= 4  # (at most one read per token, however often it is asked)

@@ -19,6 +19,7 @@ from rltserve.http.generation import ChoiceEvent
 from rltserve.http.hermes_tools import TAGS, HermesCalls
 from rltserve.http.responses import ChatFormat
 from rltserve.outputs import Completion
+from rltserve.thinking import tag_id
 
 # ``--tool-call-parser`` names -> the reader of that call format (``tool_choice``'s
 # ``TOOL_CALL_PARSERS`` lists the names for the config, which must not import this).
@@ -31,8 +32,9 @@ def tool_tag_ids(tokenizer, parser: str) -> frozenset[int]:
     ``skip_special_tokens`` off for the same reason)."""
     if tokenizer is None or parser != "hermes":
         return frozenset()
-    vocab, special = tokenizer.get_vocab(), getattr(tokenizer, "special_ids", ())
-    return frozenset(vocab[tag] for tag in TAGS if vocab.get(tag) in special)
+    special = getattr(tokenizer, "special_ids", ())
+    ids = (tag_id(tokenizer, tag) for tag in TAGS)  # (not the whole vocabulary per request)
+    return frozenset(i for i in ids if i is not None and i in special)
 
 
 def finish_reason(called: bool, reason: str | None) -> str | None:

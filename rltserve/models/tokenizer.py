@@ -96,6 +96,7 @@ class Tokenizer:
         self.has_think_token = "<think>" in vocab  # (thinking-model chat prefixes)
         self._pieces: dict[int, str] | None = None  # id -> token, built on first use
         self._texts: dict[int, str] = {}  # id -> its text alone (``token_text``), as asked
+        self._token_ids: dict[str, int | None] = {}  # token -> its id (``token_id``), as asked
         # A tokenizer whose post-processor closes every text with an end token (Huginn's
         # appends <|end_text|>): a prompt to continue must not end with it.
         plain, full = backend.encode("a", False), backend.encode("a", True)
@@ -145,6 +146,17 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         """Token text -> id, added tokens included."""
         return self.backend.get_vocab()
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` as the vocabulary spells it (added tokens too; None: not in
+        it), cached. For the fixed tags the front ends look up per request (``<think>``,
+        ``</think>``, a turn start, tool-call tags): ``get_vocab`` copies the whole vocabulary,
+        about 28 ms at Ouro's 49k ids, which every chat request paid."""
+        try:
+            return self._token_ids[token]
+        except KeyError:
+            found = self._token_ids[token] = self.backend.get_vocab().get(token)
+            return found
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens)
