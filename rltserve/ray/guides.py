@@ -55,11 +55,8 @@ class GuideShipper:
     on the server's event loop (one thread)."""
 
     def __init__(self, put=None) -> None:
-        """``put``: ``ray.put`` (tests count its calls)."""
-        if put is None:
-            import ray
-
-            put = ray.put
+        """``put``: ``ray.put`` (tests count its calls), looked up when an index first ships:
+        a server that never sees a guided request needs nothing of Ray's object store."""
         self._put = put
         self._refs: weakref.WeakKeyDictionary[GuideIndex, GuideRef] = weakref.WeakKeyDictionary()
 
@@ -72,6 +69,10 @@ class GuideShipper:
             return params
         shipped = self._refs.get(index)
         if shipped is None:
+            if self._put is None:
+                import ray
+
+                self._put = ray.put
             shipped = self._refs[index] = GuideRef(_key(index), self._put(index))
         return _with_index(params, shipped)
 
