@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rltserve.http.generation import ChoiceEvent
 from rltserve.http.hermes_tools import TAGS, HermesCalls
 from rltserve.http.responses import ChatFormat
 from rltserve.outputs import Completion
@@ -65,14 +64,10 @@ class AutoToolFormat(ChatFormat):
             entry["finish_reason"] = finish_reason(True, output.finish_reason)
         return entry
 
-    def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
-        """A chunk for the event's reasoning and content, and two for each call it closed (its
-        opening, then its arguments); the last carries the event's logprobs and finish_reason
-        (a chunk of its own where the event shows nothing)."""
-        delta = event.delta
-        final = delta.finish_reason is not None
-        shown = self._delta(event.index, delta.text, final, event.output.token_ids)
-        reader = self._readers.setdefault(event.index, self._reader(self._max_calls))
+    def _stream_deltas(self, index: int, shown: dict, final: bool) -> list[dict]:
+        """The event's reasoning and content, and two deltas for each call it closed (its
+        opening, then its arguments)."""
+        reader = self._readers.setdefault(index, self._reader(self._max_calls))
         pieces = reader.feed(shown.pop("content", ""))
         if final:
             pieces += reader.flush()
@@ -84,24 +79,13 @@ class AutoToolFormat(ChatFormat):
                 else:
                     deltas.append({"content": value})
                 continue
-            index = next(i for i, call in enumerate(reader.calls) if call is value)
+            call = next(i for i, c in enumerate(reader.calls) if c is value)
             function = value["function"]
             opening = {**value, "function": {"name": function["name"], "arguments": ""}}
-            deltas.append({"tool_calls": [{"index": index, **opening}]})
+            deltas.append({"tool_calls": [{"index": call, **opening}]})
             arguments = {"arguments": function["arguments"]}
-            deltas.append({"tool_calls": [{"index": index, "function": arguments}]})
-        logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
-        listed = logprobs is not None and logprobs["content"]  # (forced tokens list none)
-        if not (deltas or final or listed or self.want_ids or self.want_depths):
-            return []  # (text held back, or a </think> that shows nothing: ChatFormat's rule)
-        entries = [
-            {"index": event.index, "delta": d, "logprobs": None, "finish_reason": None}
-            for d in deltas or [{}]
-        ]
-        last = entries[-1]
-        last["logprobs"] = logprobs
-        last["finish_reason"] = finish_reason(bool(reader.calls), delta.finish_reason)
-        if final:
-            last["stop_reason"] = delta.stop_reason
-        self._extensions(last, delta.token_ids, delta.exit_depths)
-        return entries
+            deltas.append({"tool_calls": [{"index": call, "function": arguments}]})
+        return deltas
+
+    def _stream_finish(self, index: int, reason: str | None) -> str | None:
+        return finish_reason(bool(self._readers[index].calls), reason)

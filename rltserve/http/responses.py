@@ -416,27 +416,39 @@ class ChatFormat(_Format):
         ]
 
     def _stream_choices(self, event: ChoiceEvent, first: bool) -> list[dict]:
+        """A chunk per delta the event shows (``_stream_deltas``: one here); the last carries
+        the event's logprobs and finish_reason (a chunk of its own where it shows nothing)."""
         delta = event.delta
-        out: list[dict] = []
         final = delta.finish_reason is not None
-        content = self._delta(event.index, delta.text, final, event.output.token_ids)
+        shown = self._delta(event.index, delta.text, final, event.output.token_ids)
+        deltas = self._stream_deltas(event.index, shown, final)
         logprobs = self._logprobs(delta.logprobs) if event.output.logprobs is not None else None
         listed = logprobs is not None and logprobs["content"]  # (forced tokens list none)
-        if not (content or final or listed or self.want_ids or self.want_depths):
+        if not (deltas or final or listed or self.want_ids or self.want_depths):
             # Tokens that show nothing (a </think>, forced or sampled without logprobs, and
             # reasoning left out by include_reasoning): no chunk, as vLLM's reasoning parsers
             # send none, so no client reads one as output.
-            return out
-        entry = {
-            "index": event.index,
-            "delta": content,
-            "logprobs": logprobs,
-            "finish_reason": delta.finish_reason,
-        }
-        if delta.finish_reason is not None:
-            entry["stop_reason"] = delta.stop_reason
-        out.append(self._extensions(entry, delta.token_ids, delta.exit_depths))
-        return out
+            return []
+        entries = [
+            {"index": event.index, "delta": d, "logprobs": None, "finish_reason": None}
+            for d in deltas or [{}]
+        ]
+        last = entries[-1]
+        last["logprobs"] = logprobs
+        last["finish_reason"] = self._stream_finish(event.index, delta.finish_reason)
+        if final:
+            last["stop_reason"] = delta.stop_reason
+        self._extensions(last, delta.token_ids, delta.exit_depths)
+        return entries
+
+    def _stream_deltas(self, index: int, shown: dict, final: bool) -> list[dict]:
+        """The chunk deltas of what choice ``index``'s event shows (its reasoning and content:
+        one delta, none where it shows nothing)."""
+        return [shown] if shown else []
+
+    def _stream_finish(self, index: int, reason: str | None) -> str | None:
+        """Choice ``index``'s finish_reason as its stream sends it."""
+        return reason
 
     def final_choice(self, index: int, output: Completion) -> dict:
         self._note_prompt(output)
