@@ -50,7 +50,7 @@ def resolve_thinking(params: SamplingParams, tokenizer) -> SamplingParams:
     serves every model), not an error."""
     end = params.thinking_end_token_ids
     if end is None:
-        if tokenizer is not None and _think_tags(tokenizer) == (None, None):
+        if tokenizer is not None and think_tag_ids(tokenizer) == (None, None):
             return params.replace(max_thinking_tokens=None)
         end = think_end_ids(tokenizer)
     interruption = params.thinking_interruption
@@ -97,7 +97,7 @@ def ids_open_thinking(ids: list[int], tokenizer) -> bool:
     return bool(_open_span(ids, tokenizer))
 
 
-def _think_tags(tokenizer) -> tuple[int | None, int | None]:
+def think_tag_ids(tokenizer) -> tuple[int | None, int | None]:
     """The ids of ``<think>`` and ``</think>`` (None: not in the vocabulary)."""
     return tag_id(tokenizer, THINK_START), tag_id(tokenizer, THINK_END)
 

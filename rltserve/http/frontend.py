@@ -33,12 +33,11 @@ from rltserve.prompt_truncation import truncated_prompt
 from rltserve.sampling import SamplingParams
 from rltserve.structured import StructuredOutputsParams
 from rltserve.thinking import (
-    THINK_END,
-    THINK_START,
     ChatPrompt,
     bound_thinking,
     ids_open_thinking,
     resolve_thinking,
+    think_tag_ids,
 )
 
 if TYPE_CHECKING:
@@ -150,12 +149,8 @@ class Frontend:
         self.template_defaults = dict(template_defaults or {})
         self.tokens_as_ids = tokens_as_ids
         self.response_role = response_role
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         # The thinking span's tags as token ids (None: not in the vocabulary), read once.
-        self.think_ids: tuple[int | None, int | None] = (
-            vocab.get(THINK_START),
-            vocab.get(THINK_END),
-        )
+        self.think_ids: tuple[int | None, int | None] = think_tag_ids(tokenizer)
         self.codec = (
             TextCodec(tokenizer, info.max_model_len, executor, token_chars, info.pool_limited)
             if tokenizer is not None
