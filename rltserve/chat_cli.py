@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from rltserve.http.api_keys import API_KEY_ENVS, api_key_env
 from rltserve.sampling import EXIT_CRITERIA, INIT_STATES
+from rltserve.utils.argparse_utils import json_object_arg
 
 if TYPE_CHECKING:
     from rltserve.client import APIError
@@ -72,7 +73,7 @@ def add_client_parsers(sub: argparse._SubParsersAction) -> None:
     )
     chat.add_argument(
         "--chat-template-kwargs",
-        type=_json_object,
+        type=json_object_arg,
         default=None,
         metavar="JSON",
         help="the request's chat_template_kwargs, e.g. '{\"enable_thinking\": true}'",
@@ -135,24 +136,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--extra-body",
-        type=_json_object,
+        type=json_object_arg,
         default=None,
         metavar="JSON",
         help="more request fields, over the flags' (as the OpenAI SDK's extra_body), e.g. "
         '\'{"max_thinking_tokens": 64, "stop": ["\\n\\n"]}\'',
     )
-
-
-def _json_object(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a JSON object")
-    return value
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

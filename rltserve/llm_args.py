@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 from typing import Any
 
 from rltserve.engine_args import add_engine_args
 from rltserve.llm import LLM
+from rltserve.utils.argparse_utils import json_object_arg
 from rltserve.vllm_args import INERT, check_inert
 
 # ``LLM``'s named keyword arguments, in its order (``model`` first, as vLLM's).
@@ -119,7 +119,7 @@ def _add_llm_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--override-generation-config",
-        type=_json,
+        type=json_object_arg,
         default=unset,
         help="sampling defaults over --generation-config's, a JSON object",
     )
@@ -132,10 +132,3 @@ def _add_llm_flags(parser: argparse.ArgumentParser) -> None:
         default=unset,
         help="no tokenizer: prompts are token ids and outputs have no text",
     )
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None

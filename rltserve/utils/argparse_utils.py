@@ -1,9 +1,11 @@
 """vLLM's ``vllm.utils.argparse_utils``: ``FlexibleArgumentParser``, the parser its example
-scripts build their command lines with."""
+scripts build their command lines with; and ``json_object_arg``, the type of rltserve's flags
+that take a JSON object."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 
 __all__ = ["FlexibleArgumentParser"]
@@ -37,3 +39,15 @@ def _dashed(args: list[str]) -> list[str]:
                 arg = flag.replace("_", "-") + eq + value
         out.append(arg)
     return out
+
+
+def json_object_arg(text: str) -> dict:
+    """A flag's JSON object (``--chat-template-kwargs``, ``--override-generation-config``);
+    argparse's usage error for anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a JSON object")
+    return value
