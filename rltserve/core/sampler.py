@@ -108,9 +108,8 @@ class SampleRow:
     def __post_init__(self) -> None:
         p = self.params
         penalized = self.penalty_tokens is not None and _uses_penalties(p)
-        self.plain = (
-            p.greedy and p.logprobs is None and not penalized and self.bias is None
-        ) and self.guide is None
+        unchanged = self.bias is None and self.guide is None  # (the logits as the model gave them)
+        self.plain = p.greedy and p.logprobs is None and not penalized and unchanged
 
     def prompt_ids(self, device: torch.device) -> torch.Tensor:
         """[N] int64 on ``device``: the distinct ids of the prompt in ``penalty_tokens``."""
