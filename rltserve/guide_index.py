@@ -12,11 +12,12 @@ schema over 150k tokens), so the front end holding the tokenizer (``LLM``, the s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rltserve.structured import StructuredOutputsParams, outlines_core
@@ -213,10 +214,11 @@ def bind(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
     return GuideCompiler(tokenizer).bind(params)
 
 
-def with_index(structured: StructuredOutputsParams, guide: GuideIndex) -> StructuredOutputsParams:
+def with_index(structured: StructuredOutputsParams, guide: object) -> StructuredOutputsParams:
     """A copy of ``structured`` carrying its compiled ``guide`` (to the engine, pickled along
-    with the params to a worker process)."""
-    bound = replace(structured)
+    with the params to a worker process; or a Ray replica's ``GuideRef`` standing for it), its
+    other marks (``after_reasoning``'s) kept."""
+    bound = copy.copy(structured)
     object.__setattr__(bound, "_index", guide)
     return bound
 
@@ -230,8 +232,7 @@ def after_reasoning(structured: StructuredOutputsParams, end_id: int) -> Structu
     span its prompt left open (token ``end_id``, ``</think>``), as vLLM's structured outputs
     under a reasoning parser: the thinking is free, the answer after it constrained. (A
     constraint from the first token would put the whole answer in the span.)"""
-    bound = replace(structured)
-    object.__setattr__(bound, "_index", compiled_index(structured))
+    bound = copy.copy(structured)  # (its index with it)
     object.__setattr__(bound, "_reasoning_end", end_id)
     return bound
 

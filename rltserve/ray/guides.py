@@ -17,14 +17,13 @@ after it went is put again, and a replica that holds its key takes it from its o
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from rltserve.core.guide_registry import KEPT
-from rltserve.guide_index import GuideIndex, compiled_index
+from rltserve.guide_index import GuideIndex, compiled_index, with_index
 from rltserve.sampling import SamplingParams
 
 
@@ -38,16 +37,6 @@ class GuideRef:
 
 def _key(index: GuideIndex) -> tuple[str, int, int]:
     return (index.pattern, index.eos, index.size)
-
-
-def _with_index(params: SamplingParams, index: object) -> SamplingParams:
-    """A shallow copy of ``params`` whose structured outputs carry ``index`` (their other
-    marks, such as ``after_reasoning``'s, kept)."""
-    structured = copy.copy(params.structured_outputs)
-    object.__setattr__(structured, "_index", index)
-    out = copy.copy(params)
-    object.__setattr__(out, "structured_outputs", structured)
-    return out
 
 
 class GuideShipper:
@@ -74,7 +63,7 @@ class GuideShipper:
 
                 self._put = ray.put
             shipped = self._refs[index] = GuideRef(_key(index), self._put(index))
-        return _with_index(params, shipped)
+        return params.replace(structured_outputs=with_index(structured, shipped))
 
     def __len__(self) -> int:
         return len(self._refs)
@@ -103,7 +92,7 @@ class GuideStore:
         self._indexes.move_to_end(shipped.key)
         while len(self._indexes) > self.kept:
             self._indexes.popitem(last=False)
-        return _with_index(params, index)
+        return params.replace(structured_outputs=with_index(structured, index))
 
     def __len__(self) -> int:
         return len(self._indexes)
