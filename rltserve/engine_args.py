@@ -151,8 +151,9 @@ def add_vllm_args(parser: argparse.ArgumentParser, default: object = None) -> No
             continue
         why = (NAMED.get(name) or INERT[name])[1]
         help_text = "accepted where the value asks for nothing rltserve lacks" + (
-            f" (else refused: {why})" if why else ""
-        )
+            " (else refused, saying why)" if callable(why) else f" (else refused: {why})" if why
+            else ""
+        )  # fmt: skip
         if kind is bool:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, dest=name, action=action, default=default, help=help_text)

@@ -42,6 +42,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING
 from rltserve.generation_config import GENERATION_CONFIG_KEYS
 from rltserve.preflight import resolve_dtype
 from rltserve.sampling import SamplingParams
+from rltserve.utils.argparse_utils import json_object_arg
 
 if TYPE_CHECKING:
     from rltserve.config import EngineConfig
@@ -91,8 +93,41 @@ def _is_str_list(value: object) -> bool:
 # more; "" (or None) names none, as vLLM's default.
 THINK_TAG_PARSERS = ("deepseek_r1", "qwen3", "glm45", "minimax_m2")
 
-# name -> (the values that ask for nothing rltserve lacks, why another value cannot be had).
-INERT: dict[str, tuple[Callable[[object], bool], str]] = {
+# vLLM's structured output backends: any of them is outlines-core's work here (``structured``),
+# whose constraints are the same languages (JSON schema, regex, choice).
+STRUCTURED_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+# vLLM's StructuredOutputsConfig switches rltserve has only off, and what to do instead.
+STRUCTURED_OFF = {
+    "disable_any_whitespace": "a request's structured_outputs.disable_any_whitespace asks for it",
+    "disable_additional_properties": "give the schema additionalProperties: false",
+    "enable_in_reasoning": "the constraint binds where the reasoning ends",
+}
+
+
+def structured_outputs_problem(value: object) -> str | None:
+    """Why vLLM's ``structured_outputs_config`` (a dict of its StructuredOutputsConfig fields)
+    asks for what rltserve lacks; None where it asks for nothing."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        return "a dict of vLLM's StructuredOutputsConfig fields"
+    for key, field_value in value.items():
+        if key == "backend" and field_value not in STRUCTURED_BACKENDS:
+            return f"backend: one of {', '.join(STRUCTURED_BACKENDS)}"
+        if key == "disable_fallback" and not isinstance(field_value, bool):
+            return "disable_fallback: true or false"
+        if key == "reasoning_parser" and not _one_of(None, "", *THINK_TAG_PARSERS)(field_value):
+            return f"reasoning_parser: one of {', '.join(THINK_TAG_PARSERS)}, or none"
+        if key in STRUCTURED_OFF and field_value is not False:
+            return f"{key}: false only ({STRUCTURED_OFF[key]})"
+        if key not in ("backend", "disable_fallback", "reasoning_parser", *STRUCTURED_OFF):
+            return f"{key!r} is no StructuredOutputsConfig field rltserve knows"
+    return None
+
+
+# name -> (the values that ask for nothing rltserve lacks, why another value cannot be had:
+# a text, or a function of the value giving one).
+INERT: dict[str, tuple[Callable[[object], bool], str | Callable[[object], str | None]]] = {
     "enable_sleep_mode": (_any_bool, ""),  # sleep() and wake_up() need no preparation
     "model_impl": (_one_of("auto", "vllm"), "rltserve runs its own model code"),
     "distributed_executor_backend": (
@@ -114,7 +149,10 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
     "disable_custom_all_reduce": (_any_bool, ""),
     "disable_mm_preprocessor_cache": (_any_bool, ""),
     "limit_mm_per_prompt": (lambda v: v is None or isinstance(v, Mapping), ""),  # text only
-    "enable_lora": (_one_of(False), "LoRA adapters are not supported"),
+    "enable_lora": (
+        _one_of(False),
+        "LoRA adapters are not supported; serve a checkpoint with the adapter merged in",
+    ),
     "max_lora_rank": (_is_int, ""),  # (without enable_lora: unused)
     "max_loras": (_is_int, ""),
     "speculative_config": (
@@ -154,10 +192,9 @@ INERT: dict[str, tuple[Callable[[object], bool], str]] = {
         _one_of(None),
         "no KV connectors (prefill/decode disaggregation: disaggregate=True)",
     ),
-    # (Any backend named: structured outputs run on outlines-core, ``structured``.)
     "structured_outputs_config": (
-        lambda v: v is None or isinstance(v, Mapping),
-        "a dict of vLLM's StructuredOutputsConfig fields",
+        lambda v: structured_outputs_problem(v) is None,
+        structured_outputs_problem,
     ),
     "guided_decoding_backend": (_is_str_or_none, "a backend name"),
     "hf_token": (lambda v: v is None or isinstance(v, (bool, str)), ""),  # (nothing downloads)
@@ -185,10 +222,10 @@ NAMED: dict[str, tuple[Callable[[object], bool], str]] = {
     "enforce_eager": (_any_bool, ""),  # (no CUDA graphs: cuda_graphs off)
 }
 # The engine commands' flags of vLLM's for these arguments (``engine_args.add_vllm_args``), as
-# ``vllm serve`` spells them: name -> the value's type (bool: --name and --no-name, as vLLM's),
-# and vLLM's short forms. The ones whose values are dicts or objects (hf_overrides,
-# speculative_config, ...) have none.
-FLAGS: dict[str, type] = {
+# ``vllm serve`` spells them: name -> the value's type (bool: --name and --no-name, as vLLM's;
+# json_object_arg: a JSON object), and vLLM's short forms. The ones whose values are objects
+# (logits_processors, ...) have none.
+FLAGS: dict[str, Callable[[str], object]] = {
     "trust_remote_code": bool,
     "tensor_parallel_size": int,
     "enforce_eager": bool,
@@ -226,6 +263,7 @@ FLAGS: dict[str, type] = {
     "max_num_partial_prefills": int,
     "prefix_caching_hash_algo": str,
     "reasoning_parser": str,
+    "structured_outputs_config": json_object_arg,
 }
 SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
                "data_parallel_size": "-dp"}  # fmt: skip
@@ -277,7 +315,7 @@ def check_inert(options: Mapping[str, object]) -> None:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
         accepts, why = INERT[name]
         if not accepts(value):
-            raise ValueError(f"{name}={value!r}: not supported ({why or 'wrong type'})")
+            raise ValueError(f"{name}={value!r}: not supported ({refusal(why, value)})")
 
 
 def check_flags(given: Mapping[str, object], replicas: bool = False) -> None:
@@ -292,9 +330,14 @@ def check_flags(given: Mapping[str, object], replicas: bool = False) -> None:
             flag = "--" + name.replace("_", "-")
             if isinstance(value, bool):  # (--name or --no-name)
                 flag = flag if value else "--no-" + flag[2:]
-            else:
-                flag += f" {value}"
-            raise ValueError(f"{flag}: not supported ({why or 'wrong type'})")
+            else:  # (a JSON flag's value as it was written)
+                flag += f" {json.dumps(value) if isinstance(value, dict) else value}"
+            raise ValueError(f"{flag}: not supported ({refusal(why, value)})")
+
+
+def refusal(why: str | Callable[[object], str | None], value: object) -> str:
+    """An ``INERT`` entry's reason for refusing ``value``."""
+    return (why(value) if callable(why) else why) or "wrong type"
 
 
 def check_parallel(tensor_parallel_size: int) -> None:

@@ -51,7 +51,12 @@ def test_cache_settings_name_the_bad_value():
     _refused(CacheConfig, r"kv policy 'dense'", kv_policy="dense")
     for bad in (0, 3, 12, -16):
         _refused(CacheConfig, rf"block_size={bad}: must be a power of two", block_size=bad)
-    _refused(CacheConfig, r"num_blocks=0: must be >= 1", num_blocks=0)
+    _refused(CacheConfig, r"num_blocks=0: must be an int >= 1", num_blocks=0)
+    # (a str, a float or a bool from Python: a ValueError naming the field, not a TypeError)
+    for bad in ("16", 16.0, True):
+        _refused(CacheConfig, rf"block_size={bad!r}: must be a power of two", block_size=bad)
+    for bad in ("10", 2.5, True):
+        _refused(CacheConfig, rf"num_blocks={bad!r}: must be an int >= 1", num_blocks=bad)
     for bad in (0, float("inf"), "1"):  # (inf: the pool is sized in whole blocks)
         _refused(CacheConfig, rf"kv_cache_gb={bad!r}: must be a finite number > 0", kv_cache_gb=bad)
     _refused(CacheConfig, r"kv_reservation='partial': must be one of", kv_reservation="partial")
@@ -91,6 +96,10 @@ def test_scheduler_choices_name_the_bad_value(field, bad):
 
 def test_scheduler_counts_name_the_bad_value():
     _refused(SchedulerConfig, r"speculative_tokens=-1: must be >= 0", speculative_tokens=-1)
+    _refused(SchedulerConfig, r"max_num_seqs=True: must be an int >= 1", max_num_seqs=True)
+    _refused(ModelConfig, r"seed=True: must be an int", seed=True)
+    _refused(ExecutionConfig, r"attention_pad_budget='0': must be an int >= 0",
+             attention_pad_budget="0")  # fmt: skip
     for field in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
         _refused(SchedulerConfig, rf"{field}=0: must be an int >= 1", **{field: 0})
     _refused(

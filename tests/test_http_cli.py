@@ -426,7 +426,8 @@ def test_serve_takes_vllms_engine_flags_at_values_it_can_honour():
     [
         (["-tp", "2"], "--tensor-parallel-size 2: not supported (rltserve runs an engine on one "
          "device; for more devices run replicas (rltserve.ray.generate, serve --replicas))"),
-        (["--enable-lora"], "--enable-lora: not supported (LoRA adapters are not supported)"),
+        (["--enable-lora"], "--enable-lora: not supported (LoRA adapters are not supported; "
+         "serve a checkpoint with the adapter merged in)"),
         # (no scheduler setting of rltserve's runs a prompt whole, as vLLM's False asks)
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: not supported (rltserve "
          "always prefills prompts in chunks of at most prefill_chunk_size tokens; raise it, up "

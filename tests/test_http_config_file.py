@@ -121,7 +121,8 @@ def test_a_value_refused_later_names_the_file_that_set_it(tmp_path, capsys, text
     path.write_text(text)
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert message in err and f"in --config {path})" in err, err
+    assert message in err and err.endswith(f"in --config {path})\n"), err
+    assert err.count("(set by ") == 1, err  # (named once, not once by serve and once by main)
 
 
 def test_a_refused_flag_that_replaced_the_files_value_is_the_command_lines(tmp_path, capsys):

@@ -160,6 +160,18 @@ async def test_oversized_bodies_and_headers(ckpt):
         assert status == 200
 
 
+async def test_the_number_of_header_fields_is_bounded(ckpt):
+    """``max_header_count`` (vLLM's --h11-max-header-count) reaches the parser: a request with
+    more header fields is a 400, one within it is served."""
+    async with running(ckpt, client_factory=scripted(ckpt), max_header_count=16) as live:
+        # (aiohttp's client adds 6 fields of its own: Host, Accept, ...)
+        for extra, status in ((8, 200), (12, 400)):
+            fields = {f"X-F{i}": "1" for i in range(extra)}
+            assert (await live.post("/v1/completions", {"prompt": [5]}, headers=fields))[
+                0
+            ] == status
+
+
 async def _read_all(reader: asyncio.StreamReader, timeout: float) -> bytes:
     return await asyncio.wait_for(reader.read(), timeout)
 

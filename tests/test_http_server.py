@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import shutil
 import ssl
+import stat
 import subprocess
 
+import aiohttp
 import orjson
 import pytest
 from test_http_harness import (
@@ -135,6 +137,71 @@ async def test_tls(ckpt, tmp_path):
         context = ssl.create_default_context(cafile=str(cert))
         context.check_hostname = False
         assert (await live.get("/health", ssl=context))[0] == 200
+
+
+async def test_a_unix_socket_serves_requests(ckpt, tmp_path):
+    """vLLM's --uds: the server listens on the socket (open to local users, 0666, as uvicorn
+    leaves it), not on a port, and removes it when it stops."""
+    path = tmp_path / "api.sock"
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    async with running(ckpt, client_factory=scripted_factory(stage), uds=str(path)) as live:
+        assert live.url == f"unix:{path}"
+        assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o666
+        connector = aiohttp.UnixConnector(path=str(path))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            body = {"prompt": [5], "max_tokens": 1}
+            async with session.post("http://localhost/v1/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.json())["usage"]["completion_tokens"] == 1
+            async with session.get("http://localhost/health") as r:
+                assert r.status == 200
+    assert not path.exists()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _certificate(folder, name: str, ca: str | None = None) -> tuple[str, str]:
+    """A key and certificate for ``name`` (CN), signed by CA ``ca`` (a name made before) or
+    by itself."""
+    cert, key = str(folder / f"{name}.pem"), str(folder / f"{name}.key")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    if ca is None:
+        _openssl("req", "-x509", *ec, "-days", "1", "-subj", f"/CN={name}", "-keyout", key,
+                 "-out", cert)  # fmt: skip
+        return cert, key
+    request = str(folder / f"{name}.csr")
+    _openssl("req", *ec, "-subj", f"/CN={name}", "-keyout", key, "-out", request)
+    _openssl("x509", "-req", "-in", request, "-CA", str(folder / f"{ca}.pem"), "-CAkey",
+             str(folder / f"{ca}.key"), "-CAcreateserial", "-days", "1", "-out", cert)  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary")
+async def test_client_certificates_are_verified_against_the_given_cas(ckpt, tmp_path):
+    """vLLM's --ssl-ca-certs and --ssl-cert-reqs 2: a client must show a certificate the given
+    CA signed; none, or one only the client vouches for, ends the connection."""
+    server_cert, server_key = _certificate(tmp_path, "127.0.0.1")
+    ca, _ = _certificate(tmp_path, "ca")
+    good = _certificate(tmp_path, "client", ca="ca")
+    rogue = _certificate(tmp_path, "rogue")
+    stage = ScriptedStage(scripted_info(ckpt), Script([44]))
+    tls = {"ssl_certfile": server_cert, "ssl_keyfile": server_key, "ssl_ca_certs": ca,
+           "ssl_cert_reqs": 2}  # fmt: skip
+    async with running(ckpt, client_factory=scripted_factory(stage), **tls) as live:
+
+        def context(client: tuple[str, str] | None) -> ssl.SSLContext:
+            made = ssl.create_default_context(cafile=server_cert)
+            made.check_hostname = False
+            if client is not None:
+                made.load_cert_chain(*client)
+            return made
+
+        assert (await live.get("/health", ssl=context(good)))[0] == 200
+        for client in (None, rogue):
+            with pytest.raises(aiohttp.ClientError):
+                await live.get("/health", ssl=context(client))
 
 
 async def test_several_served_model_names(ckpt):

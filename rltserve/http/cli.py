@@ -45,7 +45,7 @@ HTTP_LOG_LEVELS = ("trace", *LOG_LEVELS)
 # vLLM's variable of its log level, which deployments set for the server (--log-level wins)
 LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
 # Flags whose values the startup line hides (vLLM's redact_sensitive_args)
-SECRET_FLAGS = frozenset({"api_key"})
+SECRET_FLAGS = frozenset({"api_key", "hf_token"})
 
 
 # ---------------------------------------------------------------------- serve
@@ -54,6 +54,7 @@ SECRET_FLAGS = frozenset({"api_key"})
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from rltserve.engine_args import add_engine_args
     from rltserve.http.config import ServerConfig
+    from rltserve.http.vllm_frontend import add_vllm_frontend_args
     from rltserve.ray.config import ReplicaConfig
 
     parser = subparsers.add_parser(
@@ -92,6 +93,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="vLLM's ASGI middleware (an import path); refused: this server is aiohttp, not an "
         "ASGI app, so it cannot run one (put the logic in a proxy in front of it)",
     )
+    add_vllm_frontend_args(parser)
     add_engine_args(parser)  # (after serve's own: vLLM's engine flags leave those to it)
     parser.add_argument(
         "--log-level",
@@ -195,7 +197,9 @@ def serve_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     from rltserve.engine_args import checked_engine_kwargs
     from rltserve.http.api_keys import API_KEY_ENVS
     from rltserve.http.config import ServerConfig
+    from rltserve.http.vllm_frontend import check_vllm_frontend_args
 
+    check_vllm_frontend_args(args)
     if getattr(args, "middleware", None):  # (before the model loads: a usage error)
         raise ValueError(
             f"--middleware {args.middleware[0]}: not supported: rltserve's server is aiohttp, "
@@ -241,13 +245,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rltserve.http.listener import check_listener_files
     from rltserve.http.server import run_server
-    from rltserve.preflight import check_listen_address, check_tls_files
+    from rltserve.http.vllm_frontend import ignored_vllm_frontend_args
+    from rltserve.preflight import check_listen_address
     from rltserve.ray.config import ReplicaConfig
 
     server_config, engine_config = serve_configs(args)
-    check_tls_files(server_config.ssl_certfile, server_config.ssl_keyfile)
-    check_listen_address(server_config.host, server_config.port)  # before the model loads
+    check_listener_files(server_config)  # (before the model loads)
+    if server_config.uds is None:
+        check_listen_address(server_config.host, server_config.port)
     replica_config = ReplicaConfig(**dataclass_kwargs(args, ReplicaConfig))
     check_replica_server_flags(server_config, replica_config)
     configure_logging(args)
@@ -265,9 +272,19 @@ def _serve(args: argparse.Namespace) -> int:
             "--disable-log-requests is deprecated: request logs are off by default "
             "(--enable-log-requests turns them on)"
         )
+    for line in ignored_vllm_frontend_args(args):
+        log.info("%s", line)
+    if server_config.ssl_ca_certs is not None and not server_config.ssl_cert_reqs:
+        log.warning("--ssl-ca-certs: clients are not asked for certificates without "
+                    "--ssl-cert-reqs 1 (verified when sent) or 2 (required)")  # fmt: skip
+    backend = (getattr(args, "structured_outputs_config", None) or {}).get("backend", "auto")
+    if backend not in ("auto", "outlines"):
+        log.info("--structured-outputs-config: backend %r: structured outputs run on "
+                 "outlines-core (the same constraints)", backend)  # fmt: skip
     if server_config.enable_log_outputs and not server_config.enable_log_requests:
         log.warning("--enable-log-outputs: logs nothing without --enable-log-requests")
-    if server_config.api_key is None and not is_loopback(server_config.host):
+    reachable = server_config.uds is None and not is_loopback(server_config.host)
+    if server_config.api_key is None and reachable:
         log.warning(
             "serving on %r without an API key: anyone who reaches the port may generate and "
             "call the admin routes (POST %s: load weights, put the model to sleep); set "

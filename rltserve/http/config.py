@@ -8,34 +8,38 @@ help texts from this dataclass.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from rltserve.http.api_keys import API_KEY_ENVS, api_key_env
-from rltserve.http.config_numbers import check_numbers
+from rltserve.http.config_checks import check_server_config
 from rltserve.http.cors_policy import CorsPolicy
-from rltserve.http.hidden_metrics import shown_hidden_metrics
 from rltserve.http.request_defaults import generation_overrides, template_defaults
-from rltserve.http.root_path import normal_root_path
-from rltserve.http.tool_choice import TOOL_CALL_PARSERS, check_tool_call_parser
+from rltserve.http.tool_choice import TOOL_CALL_PARSERS
 from rltserve.sampling import MAX_LOGPROBS
-from rltserve.vllm_args import CONTENT_FORMATS, generation_config_folder
 
 # The hard ceiling on n (a request's sequences); ServerConfig.max_n may lower it.
 MAX_N = 128
 
-# What /metrics names its series with (``metrics_prefix``): rltserve's own, or vLLM's.
-METRICS_PREFIXES = ("rltserve", "vllm")
 
-
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more: object) -> dict:
+    return {"help": text, **more}
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=_help("interface to listen on"))
     port: int = field(default=8000, metadata=_help("TCP port (0 picks a free one)"))
+    uds: str | None = field(
+        default=None,
+        metadata=_help(
+            "listen on this Unix domain socket instead of --host/--port (vLLM's; the socket is "
+            "made 0666, as uvicorn makes it, and removed on exit)"
+        ),
+    )
+    api_server_count: int = field(
+        default=1, metadata=_help("vLLM's API server processes: 1 (one process serves the API)")
+    )
     root_path: str | None = field(
         default=None,
         metadata=_help(
@@ -71,6 +75,17 @@ class ServerConfig:
     )
     ssl_certfile: str | None = field(default=None, metadata=_help("TLS certificate (PEM)"))
     ssl_keyfile: str | None = field(default=None, metadata=_help("TLS private key (PEM)"))
+    ssl_ca_certs: str | None = field(
+        default=None,
+        metadata=_help("CA certificates (PEM) that client certificates are verified against"),
+    )
+    ssl_cert_reqs: int = field(
+        default=0,
+        metadata=_help(
+            "client certificates (vLLM's, the ssl module's values): 0 not asked for, 1 verified "
+            "when sent, 2 required; 1 and 2 need --ssl-ca-certs"
+        ),
+    )
     max_concurrent: int = field(
         default=256,
         metadata=_help("sequences in the engine at once (n=4 counts 4); queued: by priority"),
@@ -220,7 +235,18 @@ class ServerConfig:
         metadata=_help(f"largest logprobs / top_logprobs (at most {MAX_LOGPROBS})"),
     )
     max_header_bytes: int = field(
-        default=8190, metadata=_help("longest request line or header field (else 400)")
+        default=8190,
+        metadata=_help(
+            "longest request line or header field (else 400); vLLM's "
+            "--h11-max-incomplete-event-size, its bound on the whole head, sets it here",
+            aliases=("--h11-max-incomplete-event-size",),
+        ),
+    )
+    max_header_count: int = field(
+        default=256,
+        metadata=_help(
+            "most header fields in a request (else 400)", aliases=("--h11-max-header-count",)
+        ),
     )
     # Slow clients: a connection that sends no complete request, a body that trickles in, or a
     # stream nobody reads would otherwise hold its socket (and a stream its engine slot) forever.
@@ -382,61 +408,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port!r}: must be an int in [0, 65535]")
-        if self.root_path is not None:
-            object.__setattr__(self, "root_path", normal_root_path(self.root_path))
-        names = self.served_model_name
-        if names is not None and not isinstance(names, str):
-            # (a list from argparse's nargs: kept as a tuple, which a frozen config can hash)
-            object.__setattr__(self, "served_model_name", names := tuple(names))
-            if not names:
-                raise ValueError("served_model_name=(): must name at least one model")
-        for name in self.served_model_names:
-            if not isinstance(name, str) or not name.strip():
-                raise ValueError("served_model_name='': must not be empty")
-        keys = self.api_key
-        if keys is not None and not isinstance(keys, str):
-            object.__setattr__(self, "api_key", keys := tuple(keys))  # (as served_model_name)
-        if keys is not None and (not keys or not all(isinstance(k, str) and k for k in keys)):
-            raise ValueError("api_key='': must not be empty (omit it to disable auth)")
-        if not isinstance(self.response_role, str) or not self.response_role.strip():
-            raise ValueError(f"response_role={self.response_role!r}: must be a role's name")
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile, ssl_keyfile: give both or neither")
-        check_numbers(self, MAX_N)  # (ValueError naming the field)
-        if self.chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(
-                f"chat_template_content_format={self.chat_template_content_format!r}: must be "
-                f"one of {', '.join(CONTENT_FORMATS)}"
-            )
-        generation_config_folder(self.generation_config, "")  # (ValueError naming it)
-        if self.chat_template is not None:
-            from rltserve.models.chat_template import read_chat_template
-
-            read_chat_template(self.chat_template)  # (before the model loads: a usage error)
-        self.template_defaults  # noqa: B018 - ValueError naming the field
-        loops = self.max_loops_limit
-        overrides = self.generation_overrides  # (ValueError naming the key)
-        if loops is not None and overrides.get("max_loops", 0) > loops:
-            raise ValueError(
-                f"override_generation_config: max_loops={overrides['max_loops']} is above "
-                f"max_loops_limit ({loops})"
-            )
-        self.cors  # noqa: B018 - ValueError naming a malformed list
-        if self.metrics_prefix not in METRICS_PREFIXES:
-            choices = ", ".join(repr(p) for p in METRICS_PREFIXES)
-            raise ValueError(f"metrics_prefix={self.metrics_prefix!r}: must be one of {choices}")
-        shown_hidden_metrics(self.show_hidden_metrics_for_version)  # (ValueError if malformed)
-        for name in (f.name for f in fields(self) if f.type == "bool"):  # (the switches)
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
-        check_tool_call_parser(self.enable_auto_tool_choice, self.tool_call_parser)
-        for path in self.quiet_paths:
-            if not path.startswith("/"):
-                raise ValueError(
-                    f"disable_access_log_for_endpoints: {path!r} is not a path (starts with /)"
-                )
+        check_server_config(self, MAX_N)  # (ValueError naming the field)
 
     @property
     def template_defaults(self) -> dict:

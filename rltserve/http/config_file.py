@@ -101,8 +101,10 @@ def named_file(message: str, args: argparse.Namespace) -> str:
     for dest, (key, value) in getattr(args, CONFIG_SET, {}).items():
         flag = "--" + dest.replace("_", "-")
         named = message.startswith((f"{dest}=", f"{flag} ", f"{flag}:"))
-        if named and getattr(args, dest, None) == value:
-            return f"{message} (set by {key!r} in --config {args.config})"
+        suffix = f" (set by {key!r} in --config {args.config})"
+        # (once: ``serve`` names the file, and ``cli.main`` then sees the named message)
+        if named and getattr(args, dest, None) == value and not message.endswith(suffix):
+            return message + suffix
     return message
 
 

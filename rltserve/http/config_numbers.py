@@ -3,6 +3,7 @@ range, before anything starts."""
 
 from __future__ import annotations
 
+from rltserve.caller_values import is_number
 from rltserve.sampling import MAX_LOGPROBS
 
 
@@ -13,13 +14,25 @@ def check_numbers(config: object, max_n: int) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
-    if not isinstance(config.retry_after_s, int) or config.retry_after_s < 0:
-        raise ValueError(f"retry_after_s={config.retry_after_s!r}: must be an int >= 0")
-    if not config.startup_timeout_s > 0:
-        raise ValueError(f"startup_timeout_s={config.startup_timeout_s!r}: must be > 0")
-    if not config.drain_timeout_s >= 0:
-        raise ValueError(f"drain_timeout_s={config.drain_timeout_s!r}: must be >= 0")
+    # (a str, as a value read from the environment is, refused here: comparing it would be a
+    # TypeError naming no field)
+    for name in ("startup_timeout_s", "idle_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
+        value = getattr(config, name)
+        if not is_number(value) or not value > 0:
+            raise ValueError(f"{name}={value!r}: must be a number > 0")
+    for name in (
+        "drain_timeout_s",
+        "stage_watchdog_s",
+        "stage_restart_backoff_s",
+        "stage_stable_s",
+    ):
+        value = getattr(config, name)
+        if not is_number(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a number >= 0")
     bounds = (  # (field, least, most or None, None allowed)
+        ("retry_after_s", 0, None, False),
+        ("stage_restarts", 0, None, False),
+        ("max_header_count", 1, None, False),
         ("max_n", 1, max_n, False),
         ("max_stop", 0, None, False),
         ("max_stop_chars", 1, None, False),
@@ -37,14 +50,3 @@ def check_numbers(config: object, max_n: int) -> None:
         if not ok or (high is not None and value > high):
             where = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise ValueError(f"{name}={value!r}: must be an int {where}")
-    for name in ("idle_timeout_s", "body_timeout_s", "stream_stall_timeout_s"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name}={value!r}: must be a number > 0")
-    for name in ("stage_watchdog_s", "stage_restart_backoff_s", "stage_stable_s"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}={value!r}: must be a number >= 0")
-    restarts = config.stage_restarts
-    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-        raise ValueError(f"stage_restarts={restarts!r}: must be an int >= 0")

@@ -59,7 +59,8 @@ class JSONErrorProtocol(RequestHandler):
         else:
             # A client's malformed request: one line, not a traceback quoting its bytes (any
             # client could fill the log); refused as aiohttp's when a response has started.
-            log.info("malformed request from %s: %d %s", request.remote, status, text)
+            peer = request.remote or "a Unix socket's client"  # (a socket's peer has no address)
+            log.info("malformed request from %s: %d %s", peer, status, text)
             if request.writer.output_size > 0:
                 raise ConnectionError("a response was sent already")
         response = error_response(HTTPError(status, text))

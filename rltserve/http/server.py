@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from rltserve.config import EngineConfig
 from rltserve.http.access_log import access_logger_class
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
+from rltserve.http.listener import open_site, remove_socket
 from rltserve.http.protocol import JSONErrorRunner
 from rltserve.http.state import STATE, ClientFactory
 
@@ -30,27 +30,22 @@ _SHUTDOWN_MARGIN_S = 5.0  # beyond drain_timeout_s, for aborted handlers to writ
 
 @dataclass
 class RunningServer:
-    """An app listening on a socket. ``url`` has the bound port (useful with port 0)."""
+    """An app listening on a socket. ``url`` has the bound port (useful with port 0), or is
+    ``unix:PATH`` on a Unix socket."""
 
     app: web.Application
     runner: web.AppRunner
     url: str
+    config: ServerConfig
     closed: bool = False
 
     async def close(self) -> None:
         """Graceful stop: no new connections, drain or abort in-flight requests, close the
-        engine. Idempotent."""
+        engine, remove a Unix socket. Idempotent."""
         if not self.closed:
             self.closed = True
             await self.runner.cleanup()
-
-
-def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
-    if not config.uses_tls:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
-    return context
+            remove_socket(self.config)
 
 
 async def start_server(app: web.Application, config: ServerConfig) -> RunningServer:
@@ -68,19 +63,16 @@ async def start_server(app: web.Application, config: ServerConfig) -> RunningSer
         keepalive_timeout=config.idle_timeout_s,
         max_line_size=config.max_header_bytes,
         max_field_size=config.max_header_bytes,
+        max_headers=config.max_header_count,
         **access,
     )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context(config))
     try:
-        await site.start()
+        url = await open_site(runner, config)
     except BaseException:
         await runner.cleanup()
         raise
-    host, port = runner.addresses[0][:2]
-    host = f"[{host}]" if ":" in host else host
-    scheme = "https" if config.uses_tls else "http"
-    return RunningServer(app, runner, f"{scheme}://{host}:{port}")
+    return RunningServer(app, runner, url, config)
 
 
 @contextlib.asynccontextmanager
