@@ -4,11 +4,14 @@ given regexes of our own.
 outlines-core's translation (``build_regex_from_schema``) drops integer bounds (``minimum``,
 ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``: pydantic's ``Field(ge=..., le=...)``),
 writes a schema of any value (``{}``, pydantic's ``Any``) as an ungrouped alternation that
-breaks the object around it (``{"a": {}}`` allows ``{ }}``) and takes minutes to compile, allows
-years of any length in ``date-time``, and leaves ``\\d`` and ``\\w`` to Rust's Unicode classes
-(``format: date`` could spell its year in other scripts' digits; JSON Schema's regexes are
-ECMA-262's, whose ``\\d`` and ``\\w`` are ASCII). Such a subschema is swapped for a ``const``
-slot before the translation and its own regex put in the slot's place after it. Torch-free.
+breaks the object around it (``{"a": {}}`` allows ``{ }}``) and takes minutes to compile (as
+does its any array, ``{"type": "array"}``), gets the formats ``date``, ``time``, ``date-time``,
+``email`` and ``uri`` wrong (years of any length, 02-30, no time zone, characters a JSON string
+must escape: no JSON at all), writes ``allOf``'s schemas one after another, and leaves ``\\d``
+and ``\\w`` to Rust's Unicode classes (``format: date`` could spell its year in other scripts'
+digits; JSON Schema's regexes are ECMA-262's, whose ``\\d`` and ``\\w`` are ASCII). Such a
+subschema is swapped for a ``const`` slot before the translation and its own regex put in the
+slot's place after it; an ``allOf`` of several schemas is refused. Torch-free.
 """
 
 from __future__ import annotations
@@ -38,11 +41,36 @@ ANNOTATIONS = {
     "writeOnly",
 }
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-# RFC 3339's date-time (JSON Schema's format): a four-digit year and a time zone.
-DATE_TIME = (
-    r'"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5]'
-    r'[0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"'
+# RFC 3339's full-date, full-time and date-time (JSON Schema's formats ``date``, ``time`` and
+# ``date-time``). outlines-core's allow years of any length, days a month lacks (02-30), no
+# time zone, and a time's fraction after a backslash (an invalid JSON escape).
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # (0000: no validator's year)
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
 )
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+# outlines-core's ``email`` and ``uri`` put characters JSON must escape in the string (an email's
+# quoted local part, any character of a URI's path but white space): these keep to the ones it
+# need not, an email's dot-atom local part and a URI's characters but '"', '\\' and controls.
+_ATOM = "[a-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LABEL = "[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+_EMAIL = rf"{_ATOM}(\.{_ATOM})*@({_LABEL}\.)+{_LABEL}"
+_URI_CHAR = r'[^\s"\\\x00-\x1F'
+_URI = (
+    rf"((https?|ftp)://({_URI_CHAR}:@]+(:{_URI_CHAR}:@]*)?@)?([a-zA-Z0-9.-]+\.[a-zA-Z]{{2,}}"
+    rf"|localhost)(:[0-9]+)?(/{_URI_CHAR}?#]*)?(\?{_URI_CHAR}#]*)?(#{_URI_CHAR}]*)?"
+    rf"|urn:[a-zA-Z0-9][a-zA-Z0-9-]{{0,31}}:{_URI_CHAR}]+)"
+)
+FORMATS = {
+    "date": f'"{_DATE}"',
+    "time": f'"{_TIME}"',
+    "date-time": f'"{_DATE}T{_TIME}"',
+    "email": f'"{_EMAIL}"',
+    "uri": f'"{_URI}"',
+}
+DATE_TIME = FORMATS["date-time"]
 # Where a schema's subschemas are: keyword -> whether it holds one, a list or a name -> schema.
 _ONE, _LIST, _MAP = "one", "list", "map"
 _SUBSCHEMAS = {
@@ -78,8 +106,9 @@ def schema_regex(schema: str | dict, space: str | None = None) -> str:
         return _build(js, json.dumps(schema), space)
     slots: dict[str, str] = {}
     marked = _mark(schema, slots, space, json.dumps(schema))
-    if isinstance(marked, dict) and set(marked) == {"const"} and marked["const"] in slots:
-        return ascii_classes(slots[marked["const"]])
+    root = marked.get("const") if isinstance(marked, dict) and set(marked) == {"const"} else None
+    if isinstance(root, str) and root in slots:  # (a const of the schema's own: any JSON)
+        return ascii_classes(slots[root])
     pattern = ascii_classes(_build(js, json.dumps(marked), space))
     for name, regex in slots.items():
         pattern = pattern.replace(f'"{name}"', f"({regex})")
@@ -105,10 +134,27 @@ def json_object_pattern(space: str | None = None, depth: int = JSON_OBJECT_DEPTH
     return _json_patterns(space, depth)[1]
 
 
+def json_array_pattern(
+    space: str | None = None, min_items: int = 0, max_items: int | None = None
+) -> str:
+    """Any JSON array (``{"type": "array"}``, pydantic's ``list[Any]``) of ``min_items`` to
+    ``max_items`` values, which nest as ``json_object``'s: outlines-core's own translation
+    takes seconds to compile against a 512-token vocabulary."""
+    js = outlines_json_schema()
+    ws = js.WHITESPACE if space is None else space
+    item = _json_patterns(space, JSON_OBJECT_DEPTH - 1)[0]
+    if max_items == 0:
+        return rf"\[{ws}\]"
+    more = f"{{{max(min_items - 1, 0)},{'' if max_items is None else max_items - 1}}}"
+    items = f"{item}({ws},{ws}{item}){more}"
+    return rf"\[{ws}({items}){'' if min_items else '?'}{ws}\]"
+
+
 def _json_patterns(space: str | None, depth: int) -> tuple[str, str]:
     js = outlines_json_schema()
     ws = js.WHITESPACE if space is None else space
     scalar = value = f"({JSON_STRING}|{JSON_NUMBER}|{js.BOOLEAN}|{js.NULL})"
+    obj = ""
     for _ in range(depth):
         member = f"{JSON_STRING}{ws}:{ws}{value}"
         obj = rf"\{{{ws}({member}({ws},{ws}{member})*)?{ws}\}}"
@@ -129,6 +175,39 @@ def any_object(schema: Any) -> bool:
     )
 
 
+def any_array(schema: Any) -> bool:
+    """Whether ``schema`` allows any JSON array of its length (``{"type": "array"}``, items
+    left out or any value; ``minItems``, ``maxItems``)."""
+    if not (isinstance(schema, dict) and schema.get("type") == "array"):
+        return False
+    items = schema.get("items", True)
+    counts = [schema.get(k, 0) for k in ("minItems", "maxItems")]
+    return (
+        (items is True or (isinstance(items, dict) and set(items) <= ANNOTATIONS))
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+        and schema.get("minItems", 0) <= schema.get("maxItems", math.inf)
+        and set(schema) <= ANNOTATIONS | {"type", "items", "minItems", "maxItems"}
+    )
+
+
+def _all_of(schema: dict) -> dict:
+    """``schema`` with an ``allOf`` outlines-core can translate. It writes the values of its
+    schemas one after another (``{"allOf": [A, B]}`` as an A followed by a B: no JSON), so
+    those that allow anything are dropped and more than one left is refused."""
+    members = schema.get("allOf")
+    if not isinstance(members, list):
+        return schema
+    kept = [
+        m for m in members if not (m is True or (isinstance(m, dict) and not set(m) - ANNOTATIONS))
+    ]
+    if len(kept) > 1:
+        raise ValueError(
+            "allOf of more than one schema is not supported (merge them into one schema)"
+        )
+    rest = {k: v for k, v in schema.items() if k != "allOf"}
+    return {**rest, "allOf": kept} if kept else rest
+
+
 def _mark(schema: Any, slots: dict[str, str], space: str | None, text: str) -> Any:
     """A copy of ``schema`` whose subschemas outlines-core would get wrong are ``const`` slots
     (``slots``: each slot's name -> its regex); ``text`` the schema's JSON, which no slot name
@@ -137,6 +216,7 @@ def _mark(schema: Any, slots: dict[str, str], space: str | None, text: str) -> A
         schema = {}
     if not isinstance(schema, dict):
         return schema
+    schema = _all_of(schema)
     regex = _own_regex(schema, space)
     if regex is not None:
         name = f"rltserveslot{len(slots)}"
@@ -166,26 +246,32 @@ def _own_regex(schema: dict, space: str | None) -> str | None:
     kind = schema.get("type")
     if kind == "integer" and keys & set(_BOUNDS) and keys <= {"type", *_BOUNDS}:
         return integer_pattern(*_integer_bounds(schema))
-    if kind == "string" and schema.get("format") == "date-time" and keys == {"type", "format"}:
-        return DATE_TIME
+    if kind == "string" and schema.get("format") in FORMATS and keys == {"type", "format"}:
+        return FORMATS[schema["format"]]
+    if any_array(schema):
+        return json_array_pattern(space, schema.get("minItems", 0), schema.get("maxItems"))
     return None
 
 
 def _integer_bounds(schema: dict) -> tuple[int | None, int | None]:
     low = high = None
+
+    def exclusive(key: str) -> bool:
+        return schema.get(key) is True
+
     for key in _BOUNDS:
         value = schema.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value):
             # (draft 4's boolean exclusiveMinimum / exclusiveMaximum tighten their bound)
             continue
-        if key == "minimum":
-            bound = math.ceil(value) + (schema.get("exclusiveMinimum") is True)
-        elif key == "exclusiveMinimum":
+        if key == "exclusiveMinimum" or (key == "minimum" and exclusive("exclusiveMinimum")):
             bound = math.floor(value) + 1
-        elif key == "maximum":
-            bound = math.floor(value) - (schema.get("exclusiveMaximum") is True)
-        else:
+        elif key == "minimum":
+            bound = math.ceil(value)
+        elif key == "exclusiveMaximum" or exclusive("exclusiveMaximum"):
             bound = math.ceil(value) - 1
+        else:
+            bound = math.floor(value)
         if key.endswith("inimum"):
             low = bound if low is None else max(low, bound)
         else:
