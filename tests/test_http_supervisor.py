@@ -1,7 +1,9 @@
 """The server survives its stage: ``kill -9`` of the stage worker mid-stream, an exception that
 ends the engine loop, and a hung stage (SIGSTOP, caught by the watchdog) each fail the stage's
 open requests with a 5xx (an error event then ``[DONE]`` in a stream), answer 503 + Retry-After
-while the stage restarts, then serve the same tokens again; restarts are counted in /metrics.
+while the stage restarts, then serve the same tokens again; restarts are counted in /metrics. A
+control a stopped stage leaves unanswered gets the watchdog's reason (a disaggregated engine's
+prefill stage is killed alone).
 When restarts run out, /health stays 503 and ``rltserve serve`` exits with code 1."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -140,6 +143,45 @@ async def test_a_hung_stage_is_killed_by_the_watchdog_and_restarted(ckpt):
         assert_stage_error(events, "watchdog")
         await recovers(live, baseline)
         await wait_for(lambda: _gone(old_pid), timeout=10)  # killed and reaped
+
+
+@pytest.mark.parametrize("disaggregate", [False, True])
+async def test_a_control_a_stopped_stage_leaves_unanswered(ckpt, disaggregate):
+    """SIGSTOP of an idle stage worker, then ``POST /reset_prefix_cache``: the watchdog kills
+    it. One stage: the caller's 503 says why (not "stage closed"), and the stage restarts.
+    A disaggregated engine's prefill stage: killed alone, the reset done on the decode stage
+    (200), the engine not restarted; the prefill stage comes back on its own."""
+    from rltserve.core.pd import PDClient
+
+    factory, engine = StageClient, {}
+    if disaggregate:
+        factory, engine = (lambda config: PDClient(config, StageClient)), {"disaggregate": True}
+    async with running(ckpt, client_factory=factory, engine=engine, **FAST) as live:
+        baseline = (await live.post(COMPLETIONS, BODY))[2]
+        stage = live.state.client
+        # (short from here: a loaded machine's first steps may take longer)
+        stage.policy = replace(stage.policy, watchdog_s=1.0)
+        worker = stage.inner.prefill if disaggregate else stage.inner
+        os.kill(worker.pid, signal.SIGSTOP)
+        status, _, raw = await asyncio.wait_for(live.post("/reset_prefix_cache", None), 30)
+        stage.policy = replace(stage.policy, watchdog_s=300.0)
+        if not disaggregate:
+            assert status == 503, raw
+            assert error_of(raw)["message"] == (
+                "stage died: no answer to reset_prefix_cache within 1 s (stage watchdog); killed it"
+            )
+            await recovers(live, baseline)
+            return
+        assert status == 200, raw
+        decode = stage.inner.decode
+        assert stage.restarts == 0 and stage.alive and decode.alive
+        status, _, raw = await live.post(COMPLETIONS, BODY)
+        assert status == 200, raw
+        assert orjson.loads(raw)["choices"] == orjson.loads(baseline)["choices"]
+        await wait_for(lambda: stage.inner.prefill.pid != worker.pid, 60)
+        await wait_for(lambda: stage.inner.prefill_down is None, 60)
+        assert stage.inner.decode is decode and _gone(worker.pid)
+        assert restarts_metric((await live.get("/metrics"))[2]) == 0
 
 
 def _child_of(pid: int) -> int | None:

@@ -359,3 +359,53 @@ def test_a_stage_started_as_the_decode_stage_fell_asleep_is_dropped_uncounted(fa
         assert client._prefill._attempts == 1 and client._prefill.restarts == 1
     finally:
         client.close()
+
+
+class _Hung(_Stage):
+    """A prefill stage that stopped answering (SIGSTOP): its weight updates wait until it is
+    killed, then fail as a dead stage client's do."""
+
+    def __init__(self, config=None, role=None) -> None:
+        super().__init__(config, role)
+        self.entered, self.killed = threading.Event(), threading.Event()
+
+    def update_weights(self, paths, abort, timeout_s) -> int:
+        self.entered.set()
+        assert self.killed.wait(HANG_S), "never killed"
+        raise StageError("stage died: prefill stage: worker process killed by signal 9")
+
+    def kill(self) -> None:
+        self.die()
+        self.killed.set()
+
+
+def test_a_command_or_replay_that_a_prefill_stage_holds_up_names_it_and_a_kill_ends_it(fast):
+    """The server's watchdog kills only the prefill stage when a command waits for it
+    (``control_stage``): the command goes on without it, the decode stage serving on; a
+    restart's replay that hangs the same way is killed (the stage being started), and the
+    next attempt serves."""
+    hung, starting, new = _Hung(), _Hung(), _Stage()
+    client = PDClient(
+        EngineConfig.from_flat(disaggregate=True),
+        lambda config, role: hung if role == "prefill" else _Stage(),
+    )
+    client._prefill._start = iter([starting, new]).__next__
+    try:
+        _replaying(client, 1)
+        client._prefill.watch(client)
+        assert client.control_stage() == "decode"
+        update = threading.Thread(target=client.update_weights, args=(["w"], False, 1.0))
+        update.start()
+        assert hung.entered.wait(HANG_S)
+        assert client.control_stage() == "prefill"
+        client.kill_prefill()
+        update.join(HANG_S)
+        assert not update.is_alive() and client.decode.weight_version == 1
+        assert client.control_stage() == "decode" and client.decode.alive
+        assert starting.entered.wait(HANG_S)  # (its replay, under the command lock)
+        assert client.control_stage() == "prefill"
+        client.kill_prefill()
+        _until(lambda: client.prefill is new and client.prefill_down is None, client.prefill_down)
+        assert new.weight_version == 1 and client._prefill._attempts == 2
+    finally:
+        client.close()

@@ -165,11 +165,10 @@ class PDClient:
                 kill()
 
     def kill_prefill(self) -> None:
-        """Kills the prefill stage's worker (a hung one: the server's watchdog); its prefills
-        move on to the decode stage, and it is started again (``pd_prefill``)."""
-        kill = getattr(self.prefill, "kill", None)
-        if kill is not None:
-            kill()
+        """Kills the prefill stage's worker (a hung one: the server's watchdog); its prefills,
+        and a command waiting for it, move on to the decode stage, and it is started again
+        (``pd_prefill``)."""
+        self._prefill.kill()
 
     def _prefill_died(self, stage) -> None:
         """For ``PrefillStage``, once ``stage`` died: its prefills move on to the decode stage
@@ -467,6 +466,11 @@ class PDClient:
         """The stage ``stats`` waits for (the server's watchdog names it): the prefill stage
         while it has prefills and sent no stats since they last moved, else the decode's."""
         return "prefill" if self._open and self.prefill.stats is self._stats_of[0] else "decode"
+
+    def control_stage(self) -> str:
+        """The stage a command (update, sleep, wake-up, cache reset) waits for (the server's
+        watchdog names it): the prefill stage while it runs one, else the decode's."""
+        return "prefill" if self._prefill.commanding else "decode"
 
     @property
     def stats(self) -> EngineStats | None:

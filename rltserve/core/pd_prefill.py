@@ -18,11 +18,12 @@ stage's request for a prompt (``prefill_params``), and both stages' configs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from rltserve.config import EngineConfig
@@ -61,6 +62,9 @@ class PrefillStage:
         self._swap = threading.Lock()
         self._starting = None  # the client a restart starts and gives weights to
         self._thread: threading.Thread | None = None
+        # A command (or a restart's weight updates) waits for a prefill stage's answer: the
+        # server's watchdog kills only the prefill stage when such a wait is overdue.
+        self.commanding = False
 
     @property
     def client(self):
@@ -101,10 +105,29 @@ class PrefillStage:
         if stage is None:
             return
         try:
-            getattr(stage, name)(*args)
+            with self._commanding():
+                getattr(stage, name)(*args)
         except StageError:
             if stage.alive:
                 raise
+
+    @contextlib.contextmanager
+    def _commanding(self) -> Iterator[None]:
+        """Around a command on a prefill stage (under the owner's command lock, so one at a
+        time): ``commanding`` is True meanwhile."""
+        self.commanding = True
+        try:
+            yield
+        finally:
+            self.commanding = False
+
+    def kill(self) -> None:
+        """Kills the stage's worker, and that of one a restart is starting (a hung one: the
+        server's watchdog); the keeper then starts another."""
+        for stage in (self.client, self._starting):
+            kill = getattr(stage, "kill", None)
+            if kill is not None:
+                kill()
 
     def watch(self, owner) -> None:
         """Starts the thread that restarts the stage for ``owner`` (a PDClient, held weakly),
@@ -250,10 +273,11 @@ class PrefillStage:
             if owner.closed or owner.decode.sleeping:
                 return False
             needed, version = owner._updates.replay()
-            for update in needed:
-                new.update_weights(list(update.paths), True, READY_TIMEOUT_S)
-            if new.weight_version != version:
-                new.set_weight_version(version)
+            with self._commanding():
+                for update in needed:
+                    new.update_weights(list(update.paths), True, READY_TIMEOUT_S)
+                if new.weight_version != version:
+                    new.set_weight_version(version)
             with self._swap:
                 if self._stop.is_set():  # (closed meanwhile: the caller stops new)
                     return False

@@ -36,6 +36,13 @@ class PendingControls:
             with self._lock:
                 del self._calls[key]
 
+    def renew(self) -> None:
+        """Measures every pending call afresh (the stage it waited for was replaced)."""
+        now = self._clock()
+        with self._lock:
+            for key, (name, wait_s, _) in self._calls.items():
+                self._calls[key] = (name, wait_s, now)
+
     def overdue(self, watchdog_s: float) -> str | None:
         """Why the stage is hung, if a call went unanswered ``watchdog_s`` past its wait."""
         now = self._clock()

@@ -11,15 +11,19 @@ the stage every tick:
   ``watchdog_s`` seconds (one engine step sends both), or a control call (sleep, a weight
   update...) went unanswered ``watchdog_s`` past its own timeout (``pending_controls``: an
   idle stage that stopped reading shows no other sign); the stage is then killed. A
-  disaggregated engine names the stage waited for (``stalled_stage``): a hung prefill stage
-  is killed alone (``kill_prefill``: the client serves on without it and starts it again),
-  nothing here fails or restarts.
+  disaggregated engine names the stage waited for (``stalled_stage``, ``control_stage``): a
+  hung prefill stage is killed alone (``kill_prefill``: the client serves on without it, a
+  control goes on to the decode stage, and it starts the prefill stage again), nothing here
+  fails or restarts.
 
 Either way every request still open on that stage ends with an ERROR update whose message starts
 with "stage died" (those the dying client ends itself are left to end here, so that the log line
 names them all) (the frontend turns it into a 503 body, or an error event then ``[DONE]`` in a
-stream), and the stage is restarted after a backoff that doubles per consecutive attempt. While
-it restarts ``alive`` is False (the server answers 503 with Retry-After). The supervisor gives
+stream), a control call left waiting on it fails with the same reason (a StageError, not the
+"stage closed" of the client that ended it), and the stage is restarted after a backoff that
+doubles per consecutive attempt; a new stage must load and take back the weight updates and
+sleep of the old one within bounds (``stage_restore``) before it serves. While it restarts
+``alive`` is False (the server answers 503 with Retry-After). The supervisor gives
 up when the stage fails after ``max_restarts`` restart attempts in a row, each of which failed
 to start a stage or started one that failed within ``stable_s`` seconds (a stage that ran that
 long starts a fresh count): ``given_up`` is set and the server process exits non-zero so that
@@ -37,6 +41,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,12 +54,11 @@ from rltserve.http.frontend import StageClientLike
 from rltserve.http.pending_controls import PendingControls
 from rltserve.http.request_log import id_list
 from rltserve.http.sleep_state import SleepState
+from rltserve.http.stage_restore import RestoreFailed, restore
 from rltserve.sampling import SamplingParams
 from rltserve.updates import FinishReason, RequestUpdate
 
 log = logging.getLogger("rltserve.http")
-
-_POLL_S = 0.25  # wait_ready polls, so shutdown can interrupt a restart
 
 
 class NotWithReplicas(ValueError):
@@ -111,6 +115,8 @@ class SupervisedStage:
         self._retired_prefill: EngineStats | None = None  # (their prefill stages', under PD)
         self._version_offset = 0
         self._sleep = SleepState()  # what a restarted stage is put back to
+        # The stage last replaced (held weakly) and why: its control calls' errors say so.
+        self._ended: tuple[weakref.ref, str] | None = None
 
     # ------------------------------------------------------------------ StageClientLike
 
@@ -224,11 +230,20 @@ class SupervisedStage:
         """The stage's control ``name``, watched (``wait_s``: its wait for running requests)."""
         self._check_running()
         self.check_control(name, advice)
-        method = getattr(self._client, name)
+        client = self._client
+        method = getattr(client, name)
 
         def call(*args: object):
             with self._controls.waiting(name, wait_s):
-                return method(*args)
+                try:
+                    return method(*args)
+                except StageError as exc:
+                    # The watchdog stopped the stage (hung): the call ended as the stage
+                    # closed, and the caller is owed the reason, as its requests get it.
+                    ended = self._ended
+                    if ended is None or ended[0]() is not client:
+                        raise
+                    raise StageError(f"stage died: {ended[1]}") from exc
 
         return call
 
@@ -338,21 +353,28 @@ class SupervisedStage:
         if getattr(client, "self_supervised", False):
             return None  # it replaces its own failed parts (Ray Serve replicas)
         if watchdog and (late := self._controls.overdue(watchdog)) is not None:
-            return f"{late}; killed it"
+            # (a disaggregated engine names the stage its control waits for)
+            return self._hung(client, f"{late}; killed it", "control_stage")
         if watchdog and self._hung_for() > watchdog:
             hung = f"no engine step finished within {watchdog:g} s (stage watchdog); killed it"
-            stalled = getattr(client, "stalled_stage", None)  # (a disaggregated engine)
-            if stalled is None:
-                return hung
-            stage = stalled()
-            if stage != "prefill":
-                return f"{stage} stage: {hung}"
-            # Its prefills move on to the decode stage, which serves alone until the client
-            # has started the prefill stage again: nothing to fail or restart here.
-            log.error("prefill stage: %s", hung)
-            client.kill_prefill()
-            with self._lock:
-                self._last_progress = self._clock()
+            return self._hung(client, hung, "stalled_stage")
+        return None
+
+    def _hung(self, client: StageClientLike, hung: str, blamed: str) -> str | None:
+        """Why ``client`` must be replaced, hung as ``hung`` says; None for a disaggregated
+        engine whose method ``blamed`` names its prefill stage, which is killed alone: its
+        prefills, and a control waiting for it, move on to the decode stage, which serves
+        alone until the client has started the prefill stage again."""
+        stage = getattr(client, blamed, lambda: None)()
+        if stage is None:
+            return hung
+        if stage != "prefill":
+            return f"{stage} stage: {hung}"
+        log.error("prefill stage: %s", hung)
+        client.kill_prefill()
+        self._controls.renew()  # (each measured afresh, as progress is)
+        with self._lock:
+            self._last_progress = self._clock()
         return None
 
     async def watch(self, tick_s: float = 0.1) -> None:
@@ -372,6 +394,7 @@ class SupervisedStage:
             self._retired_prefill = sum_stats([prefill], self._retired_prefill)
         self.failure = reason
         self.restarting = True
+        self._ended = (weakref.ref(old), reason)
         with self._lock:
             failing = [rid for rid, e in self._open.items() if e.client is old]
         if failing:
@@ -410,11 +433,12 @@ class SupervisedStage:
                 self._failed_starts += 1
                 log.warning("restart attempt %d: %s", self._attempts, self.failure)
                 continue
-            if (
-                await self._ready(new)
-                and await self._reapply_updates(new, needed, version)
-                and await self._restore_sleep(new)
-            ):
+            try:
+                restored = await self._restore(new, needed, version)
+            except asyncio.CancelledError:  # (a shutdown: the new stage must not outlive it)
+                await asyncio.to_thread(stop_stage, new)
+                raise
+            if restored:
                 with self._lock:
                     self._client = new
                     self._last_stats = None
@@ -448,45 +472,21 @@ class SupervisedStage:
             f"start it and {died} started a stage that failed within {stable:g} s ({flags})"
         )
 
-    async def _reapply_updates(
+    async def _restore(
         self, client: StageClientLike, needed: list[AppliedUpdate], version: int
     ) -> bool:
-        """Applies ``needed`` to the new stage, which then serves ``version``."""
-        for update in needed:
-            try:
-                await asyncio.to_thread(
-                    client.update_weights, list(update.paths), False, self.policy.startup_timeout_s
-                )
-            except Exception as exc:  # noqa: BLE001 - the stage must not serve older weights
-                self.failure = f"restart failed: weight update {list(update.paths)} again: {exc}"
-                return False
+        """Waits for the new stage, gives it ``needed`` and the failed one's sleep
+        (``stage_restore``: bounded, a new stage that hangs there is killed); it then serves
+        ``version``."""
+        try:
+            await restore(
+                client, needed, self._sleep, self.policy, lambda: self._closing, self._clock
+            )
+        except RestoreFailed as exc:
+            self.failure = f"restart failed: {exc}"
+            return False
         self._version_offset = version - len(needed)
         return True
-
-    async def _restore_sleep(self, client: StageClientLike) -> bool:
-        """Puts the new stage to sleep as the failed one was, before it serves."""
-        try:
-            await asyncio.to_thread(self._sleep.restore, client, self.policy.startup_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - awake, it would hold what the trainer freed
-            self.failure = f"restart failed: putting it back to sleep: {exc}"
-            return False
-        return True
-
-    async def _ready(self, client: StageClientLike) -> bool:
-        deadline = self._clock() + self.policy.startup_timeout_s
-        while not self._closing:
-            try:
-                await asyncio.to_thread(client.wait_ready, _POLL_S)
-            except StageError as exc:
-                if not client.alive or self._clock() > deadline:
-                    self.failure = f"restart failed: {exc}"
-                    return False
-                continue
-            if client.alive:
-                return True
-            self.failure = f"restart failed: {getattr(client, 'error', None)}"
-            return False
-        return False
 
 
 def _died_with(client: StageClientLike, update: RequestUpdate) -> bool:
