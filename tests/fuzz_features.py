@@ -42,14 +42,13 @@ REGEXES = (
     r"[a-c]+x?",
     r"-?[1-9][0-9]?",
 )
-PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def draw_thinking(rng: random.Random, params: list[SamplingParams]) -> list[SamplingParams]:
     """In some cases, a thinking budget on some requests: K of 0 (forced before the first
     token), 1 to 3, or -1 (no bound), by either of its names; an interruption of 0 to 2 ids,
     sometimes holding the end ids; room for none, some or all of the forced ids and an answer;
-    logprobs sometimes. (Penalties do not combine with a budget: they are dropped.)"""
+    logprobs sometimes (a sampled case's penalties stay: they count the forced tokens)."""
     if rng.random() >= 0.2:
         return params
     drawn = []
@@ -68,7 +67,7 @@ def draw_thinking(rng: random.Random, params: list[SamplingParams]) -> list[Samp
         if rng.random() < 0.4:
             kw["logprobs"] = rng.choice([0, 2])
         max_tokens = max(p.min_tokens, rng.randint(max(budget, 0) + 1, room))
-        drawn.append(p.replace(max_tokens=max_tokens, **kw, **PENALTIES))
+        drawn.append(p.replace(max_tokens=max_tokens, **kw))
     return drawn
 
 

@@ -37,9 +37,13 @@ def test_cases_are_reproducible_and_varied():
     guided = [c for c in cases if c.tokenized]
     assert {c.family for c in guided} == {"ouro", "huginn", "nanbeige"}
     assert any(c.sampled for c in guided) and any("preemption_mode" in c.engine for c in guided)
-    # (A budget never comes with a constraint or penalties: the engine refuses both.)
+    # (A budget never comes with a constraint, which the engine refuses; it comes with
+    # penalties, and under async scheduling.)
     budgeted = [p for p in params if p.max_thinking_tokens is not None]
-    assert not any(p.structured_outputs or p.repetition_penalty != 1.0 for p in budgeted)
+    assert not any(p.structured_outputs for p in budgeted)
+    assert any(p.repetition_penalty != 1.0 or p.presence_penalty for p in budgeted)
+    lagged = [c for c in cases if c.engine.get("async_scheduling")]
+    assert any(_feature(c, "max_thinking_tokens") for c in lagged)
     assert all(p.temperature > 0 for c in cases if c.sampled for p in c.params)
     # Shared/ring engines chunk prompts (the oracle runs the same chunks) but refuse wavefront
     # prefill and never share prompt blocks.
@@ -129,13 +133,20 @@ def _feature(case, name: str) -> list:
 
 def test_thinking_and_structured_cases_equal_the_oracle(tmp_path, monkeypatch):
     """A handful of cases with thinking budgets (greedy with logprobs, K = 0 among them;
-    seeded sampling; under preemption) and constraints (greedy with logprobs, sampled): each
-    equals the oracle, logprobs included."""
+    seeded sampling, with penalties; under preemption; under async scheduling, with logprobs)
+    and constraints (greedy with logprobs, sampled): each equals the oracle, logprobs
+    included."""
 
     def budgeted(case, k=None):
-        runs = not case.engine.get("async_scheduling")  # (refused there)
         ps = _feature(case, "max_thinking_tokens")
-        return runs and any(k is None or p.max_thinking_tokens == k for p in ps)
+        return any(k is None or p.max_thinking_tokens == k for p in ps)
+
+    def lagged(case):
+        return case.engine.get("async_scheduling") and not case.engine.get("disaggregate")
+
+    def penalized(case):
+        ps = _feature(case, "max_thinking_tokens")
+        return any(p.repetition_penalty != 1.0 or p.presence_penalty for p in ps)
 
     def scored(case, k=None):
         ps = _feature(case, "max_thinking_tokens")
@@ -146,6 +157,8 @@ def test_thinking_and_structured_cases_equal_the_oracle(tmp_path, monkeypatch):
         _first(lambda c: scored(c) and c.family == "huginn"),
         _first(lambda c: budgeted(c) and c.sampled),
         _first(lambda c: budgeted(c) and "preemption_mode" in c.engine),
+        _first(lambda c: scored(c, 2) and lagged(c)),
+        _first(lambda c: budgeted(c) and lagged(c) and c.sampled and penalized(c)),
         _first(lambda c: c.tokenized and not c.sampled and _feature(c, "logprobs")),
         _first(lambda c: c.tokenized and c.sampled),
     ]

@@ -280,26 +280,27 @@ async def test_a_thinking_budget_on_a_model_without_thinking_tags_changes_nothin
             assert got[0] == got[1]
 
 
-async def test_a_generation_config_penalty_that_refuses_thinking_says_where_it_came_from(
-    ckpt, tmp_path
-):
+async def test_a_generation_config_penalty_bounds_thinking_too(ckpt, tmp_path):
+    """A thinking checkpoint's default repetition penalty (Ouro-Thinking's 1.05) takes a
+    budget: its forced ids come after the budget's tokens, penalized or not."""
     model = tmp_path / "m"
     shutil.copytree(ckpt, model)
     (model / "generation_config.json").write_text('{"repetition_penalty": 1.05}')
+    end = load_tokenizer(ckpt).get_vocab()["</think>"]
     think = {"enable_thinking": True}
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-            "max_thinking_tokens": 2, "chat_template_kwargs": think}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "chat_template_kwargs": think}  # fmt: skip
     async with running(model) as live:
-        status, _, raw = await live.post("/v1/chat/completions", body)
-        assert status == 400, raw
-        error = orjson.loads(raw)["error"]
-        assert error["param"] == "max_thinking_tokens"
-        assert error["message"].endswith(
-            "(repetition_penalty=1.05 is the checkpoint's generation_config default: send "
-            "repetition_penalty 1.0 to bound thinking)"
-        )
-        status, _, raw = await live.post("/v1/chat/completions", {**body, "repetition_penalty": 1})
-        assert status == 200, raw
+        for extra in ({}, {"repetition_penalty": 1}):
+            got = []
+            for budget in ({}, {"max_thinking_tokens": 2}):
+                status, _, raw = await live.post(
+                    "/v1/chat/completions", {**body, **extra, **budget}
+                )
+                assert status == 200, raw
+                got.append(orjson.loads(raw)["choices"][0]["token_ids"])
+            assert got[0][2] != end and got[1][:3] == [*got[0][:2], end]
 
 
 async def test_a_stop_on_a_generation_config_end_id_reports_it(ckpt, tmp_path):

@@ -1,6 +1,6 @@
 """Bounded thinking's rules before a request runs (``core/thinking.py``): the ids forced at the
 budget (an interruption that holds the end ids, as vLLM's ``"Time is up.</think>"`` does, gets
-no second end) and the combinations refused, each penalty among them."""
+no second end) and each penalty taken with a budget."""
 
 from __future__ import annotations
 
@@ -26,11 +26,8 @@ def test_the_forced_ids_close_the_span_once(interruption, end, forced):
 
 
 @pytest.mark.parametrize("penalty", ["repetition_penalty", "presence_penalty", "frequency_penalty"])
-def test_each_penalty_is_refused_with_a_budget(penalty):
-    """The runner's penalty history holds sampled tokens only: a forced one would be missed."""
-    p = SamplingParams(max_thinking_tokens=2, thinking_end_token_ids=(4,), **{penalty: 1.5})
-    with pytest.raises(
-        ValueError, match="max_thinking_tokens=2: does not combine with .*penalties"
-    ):
-        check_thinking(p)
-    check_thinking(p.replace(max_thinking_tokens=None))  # (no budget: nothing to refuse)
+def test_each_penalty_combines_with_a_budget(penalty):
+    """The runner's penalty history takes the forced tokens too (``test_thinking_async.py``)."""
+    check_thinking(
+        SamplingParams(max_thinking_tokens=2, thinking_end_token_ids=(4,), **{penalty: 1.5})
+    )

@@ -42,7 +42,7 @@ def test_output_equals_the_oracle_on_prompt_and_forced_ids(ouro_rv1, ouro_ref, k
         assert run.cached[f"r{i}"] == 0  # (the first output's update says it)
 
 
-@pytest.mark.parametrize("mode", [m for m in ENGINE_MODES if m != "async"])
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_every_engine_mode_equals_the_unbudgeted_run_on_prompt_and_forced_ids(ouro_rv1, mode):
     """Seeded sampling with adaptive exits: the sampled tokens equal those of a run without
     the budget whose prompts end with the forced ids (the same seeds, the same draws)."""

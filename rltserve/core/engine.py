@@ -121,9 +121,7 @@ class EngineCore:
         planes = len(self.kv.planes_of(spec.num_loops))
         block_bytes = kv_block_bytes(spec, config)
         pool = (self.max_model_len, num_blocks, planes, self._pool_limited, block_bytes)
-        self.info = EngineInfo.of_model(
-            spec, config.cache, str(mc.model), *pool, config.scheduler.async_scheduling
-        )
+        self.info = EngineInfo.of_model(spec, config.cache, str(mc.model), *pool)
 
     def _fresh_scheduler(self) -> tuple[KVManager, Scheduler]:
         """An empty KV manager and scheduler (no requests, every block free)."""
@@ -185,7 +183,7 @@ class EngineCore:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         eos = frozenset(spec.eos_token_ids)
         pipelined = check_pipelining(params, cap, sched, spec.num_loops)
-        check_thinking(params, sched)
+        check_thinking(params)
         request = Request(
             request_id=rid,
             prompt_token_ids=list(prompt_token_ids),

@@ -132,15 +132,11 @@ class EngineInfo:
     # past it is told to grow the pool, not that the model is too short.
     pool_limited: bool = False
     kv_block_bytes: int = 0  # one KV block on one plane (a PD client bounds its files by it)
-    # Two steps in flight: a front end refuses what the engine cannot plan that way (a
-    # thinking budget) before sending it, naming the field as its client sent it.
-    async_scheduling: bool = False
 
     @classmethod
     def of_model(
         cls, spec: LoopedSpec, cache: CacheConfig, model_path: str, max_model_len: int,
         num_blocks: int, kv_planes: int, pool_limited: bool = False, kv_block_bytes: int = 0,
-        async_scheduling: bool = False,
     ) -> EngineInfo:  # fmt: skip
         """What an engine of ``spec`` on a pool of ``num_blocks`` tells its clients."""
         return cls(
@@ -160,7 +156,6 @@ class EngineInfo:
             kv_planes=kv_planes,
             pool_limited=pool_limited,
             kv_block_bytes=kv_block_bytes,
-            async_scheduling=async_scheduling,
         )
 
     @property

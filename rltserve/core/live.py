@@ -4,7 +4,7 @@ The scheduler owns request progress; the runner owns what the device computed th
 needs, so the next step can be planned, and launched, before this one's result is read: the
 in-flight items' hidden states and exit-gate states (several items of one request may be in
 flight at different depths: wavefront prefill, token pipelining), the last sampled token (the
-next decode token's input), drafts, the sampling generator and, for penalties, the sampled
+next decode token's input), drafts, the sampling generator and, for penalties, the output
 history.
 
 Device-resident values (tensors) feed the next step directly. Their host copies (``pending``,
@@ -107,7 +107,9 @@ class LiveRequest:
     # step's [R] int64 tokens), so a step gathers its decode inputs with one index_select.
     last_tokens: torch.Tensor | None = None
     last_row: int = 0
-    history: list[int] | None = None  # sampled tokens (host), kept only for penalties
+    # Output tokens (host), kept only for penalties: sampled ones as committed, forced ones
+    # (bounded thinking) as they enter as inputs (``record_inputs``).
+    history: list[int] | None = None
     drafts: dict[int, Draft] = field(default_factory=dict)  # by the position it feeds
     epoch: int = 0  # rollbacks so far; plan items of an older epoch are stale
     sample_row: SampleRow | None = None  # what the sampler needs of this request
@@ -176,6 +178,18 @@ class LiveRequest:
         if draft.value is None:
             raise RuntimeError(f"{self.setup.request_id}: draft at {next_position} never read")
         return draft.value != token
+
+    def record_inputs(self, start: int, token_ids: list[int]) -> None:
+        """Extends the penalty history with the outputs among an item's recorded inputs
+        (positions ``start`` on) that it lacks: bounded thinking's forced ids, which reach the
+        runner only as inputs (never sampled, never committed). A replay after preemption
+        adds nothing: its setup's history holds every recorded output already."""
+        history = self.history
+        if history is None:
+            return
+        k = len(self.setup.prompt_token_ids or ()) + len(history) - start  # (the next output's)
+        if 0 <= k < len(token_ids):
+            history.extend(token_ids[k:])
 
     def rollback(self, position: int) -> None:
         """Drops the in-flight items and drafts at ``position`` and beyond."""

@@ -38,13 +38,13 @@ class RequestSetup:
     num_loops: int  # D_r: loops of a prompt token (and of every token under the `full` policy)
     seed: int  # effective seed of the request's generators (the engine derives one if unset)
     # The prompt, sent only when the request uses repetition/presence/frequency penalties: the
-    # runner keeps the sampled history itself, so penalties never wait for the CPU.
+    # runner keeps the output history itself, so penalties never wait for the CPU.
     prompt_token_ids: list[int] | None = None
-    # A request resumed after preemption: the tokens it has already sampled. Their count is how
-    # many draws the sampling generator skips (each sampled token draws one ``Exp(1)`` row of
-    # the vocabulary), so the continuation draws what an uninterrupted run draws; the tokens
-    # themselves seed the penalty history when ``prompt_token_ids`` is set, and the guide of
-    # structured outputs (sent for those two only).
+    # A request resumed after preemption: how many tokens it has already sampled, the draws
+    # the sampling generator skips (each sampled token draws one ``Exp(1)`` row of the
+    # vocabulary), so the continuation draws what an uninterrupted run draws; its outputs so
+    # far (forced thinking ids too) seed the penalty history when ``prompt_token_ids`` is set,
+    # and the guide of structured outputs (sent for those two only).
     num_sampled: int = 0
     output_token_ids: list[int] | None = None
     # min_tokens (vLLM's rule): the ids it may not sample (EOS unless ignored, and

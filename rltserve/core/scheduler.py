@@ -367,8 +367,8 @@ class Scheduler:
                     budget -= 1
                     continue
             item = maker.next_item(request, budget)
-            if item is None:
-                continue  # every output is planned; the request ends with its last result
+            if item is None:  # every output is planned (the request ends with its last
+                continue  # result), or what its next position is waits for a result
             rid = request.request_id
             # (Most decode tokens' blocks are there already: no room to make.)
             if self.kv.extend(rid, item.end) and not self._grow(request, item.end):

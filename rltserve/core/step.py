@@ -263,11 +263,7 @@ class Step:
             every = False
         else:
             decodes = entering
-        parts = []
-        if len(prompts) == 1:  # (one recorded-input item, e.g. a chunk: its ids as they are)
-            parts.append(r.tensor(items[prompts[0]].token_ids))
-        elif prompts:
-            parts.append(r.tensor([t for i in prompts for t in items[i].token_ids]))
+        parts = step_rows.recorded_inputs(r, items, lives, self.starts, prompts)
         if decodes:  # rows of the tensors that sampled (or drafted) them
             parts.append(self._decode_inputs(decodes))
         ids = torch.cat(parts) if len(parts) > 1 else parts[0]  # [n_enter]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from rltserve.core.attention import copy_slots
+from rltserve.core.live import LiveRequest
 from rltserve.core.plan import WorkItem
 from rltserve.core.staging import move_to, to_device
 from rltserve.core.step_host import StepHost
@@ -97,6 +98,26 @@ def gather_tokens(refs: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
             last = src
         picks.append((k, row, 1))
     return gather_rows(sources, picks, in_order=True)
+
+
+def recorded_inputs(
+    r: StepHost,
+    items: Sequence[WorkItem],
+    lives: Sequence[LiveRequest],
+    starts: Sequence[int],
+    prompts: list[int],
+) -> list[torch.Tensor]:
+    """The inputs of the items ``prompts`` (entering with recorded ``token_ids``: prompt
+    chunks, replays) as one tensor, in a list ([] without them). The outputs among them join
+    their requests' penalty histories (``LiveRequest.record_inputs``: forced thinking ids)."""
+    for i in prompts:
+        if lives[i].history is not None:
+            lives[i].record_inputs(starts[i], items[i].token_ids)
+    if len(prompts) == 1:  # (one recorded-input item, e.g. a chunk: its ids as they are)
+        return [r.tensor(items[prompts[0]].token_ids)]
+    if prompts:
+        return [r.tensor([t for i in prompts for t in items[i].token_ids])]
+    return []
 
 
 def gather_rows(

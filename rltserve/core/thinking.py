@@ -44,10 +44,14 @@ the others by the replay items. They go out in one update, when the result of th
 last chunk is first applied (every later output comes from positions after it, whose loops
 start in later steps); that update is the request's first output (``num_cached_tokens``).
 
-Refused with a clear error where a step can be planned before the previous one's result is
-applied (async scheduling: the already planned next position would have to be
-unwound) and with penalties (the runner's penalty history holds sampled tokens only). On an
-engine with token pipelining such a request decodes without it
+Async scheduling plans a step before the previous one's result is applied, but whether the
+position after the token that may spend the budget replays the first forced id or decodes is
+what that token decides: that position waits for its result (``awaits_budget``, once per
+request: a step later), so the request runs the very items synchronous scheduling gives it
+(token ids, exit depths, forced logprobs and generator draws alike). Penalties count forced
+tokens as output tokens: the runner's penalty history takes them as they enter as recorded
+inputs (``LiveRequest.record_inputs``), and a resumed request's setup has them with the
+sampled ones. On an engine with token pipelining such a request decodes without it
 (``request_checks.check_pipelining``; an explicit ``speculative=True`` is refused there).
 """
 
@@ -56,35 +60,32 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rltserve.config import SchedulerConfig
-    from rltserve.core.engine_info import EngineInfo
     from rltserve.core.request import Request
     from rltserve.sampling import SamplingParams
     from rltserve.updates import RequestUpdate
 
 
-def check_thinking(
-    params: SamplingParams, sched: SchedulerConfig | EngineInfo | None = None
-) -> None:
-    """Raises ValueError when a request's bounded thinking cannot run on this engine, as its
-    scheduler config or the ``EngineInfo`` a front end holds says (None: on any engine)."""
+def check_thinking(params: SamplingParams) -> None:
+    """Raises ValueError when a request's bounded thinking is incomplete: no end ids, or an
+    interruption still in text (the front ends tokenize it)."""
     if params.max_thinking_tokens is None:
         return
     if params.thinking_end_token_ids is None:
         raise ValueError("thinking_end_token_ids: required with max_thinking_tokens")
     if isinstance(params.thinking_interruption, str):
         raise ValueError("thinking_interruption: the engine takes token ids, not text")
-    reasons = []
-    if sched is not None and sched.async_scheduling:
-        reasons.append("async_scheduling")
-    p = params
-    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-        reasons.append("repetition/presence/frequency penalties")
-    if reasons:
-        raise ValueError(
-            f"max_thinking_tokens={p.max_thinking_tokens}: does not combine with "
-            + ", ".join(reasons)
-        )
+
+
+def awaits_budget(request: Request) -> bool:
+    """Whether the request's next position must wait for the result of the token before it
+    (async scheduling plans a step before the last one's result is applied): its input is an
+    output not yet applied after which the budget may be spent, when the position is the
+    first forced id's replay (what the applied token decides) rather than a decode token."""
+    p = request.params
+    if p.max_thinking_tokens is None or request.thinking_closed:
+        return False
+    index = request.num_scheduled - request.num_prompt_tokens  # (the output it takes as input)
+    return index >= len(request.output_token_ids) and index + 1 >= p.max_thinking_tokens
 
 
 def forced_ids(interruption: tuple[int, ...], end: tuple[int, ...]) -> list[int]:

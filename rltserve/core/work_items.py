@@ -14,6 +14,7 @@ from rltserve.core.kv_cache import KVManager, KVPolicy
 from rltserve.core.plan import Carry, WorkItem
 from rltserve.core.preemption import replay_item
 from rltserve.core.request import InFlight, Request
+from rltserve.core.thinking import awaits_budget
 
 
 class ItemMaker:
@@ -25,8 +26,9 @@ class ItemMaker:
 
     def next_item(self, request: Request, budget: int) -> InFlight | None:
         """The request's next item, of at most ``budget`` tokens (not yet started: the
-        scheduler's ``start`` commits it); None when every output is planned, or when its next
-        prompt chunk must not be cut and does not fit ``budget``."""
+        scheduler's ``start`` commits it); None when every output is planned, when its next
+        prompt chunk must not be cut and does not fit ``budget``, or while its next decode
+        token waits for a result (``decode_item``)."""
         start = request.num_scheduled
         p = request.num_prompt_tokens
         if start < p:
@@ -63,11 +65,14 @@ class ItemMaker:
 
     def decode_item(self, request: Request) -> InFlight | None:
         """The request's next decode token (its prompt is scheduled, nothing is left to
-        replay), not yet started; None when every output is planned."""
+        replay), not yet started; None when every output is planned, or while its input, not
+        yet applied, may spend the thinking budget (``awaits_budget``: async scheduling)."""
         start = request.num_scheduled
         produces = start - request.num_prompt_tokens + 1  # the output this token produces
         if produces >= request.max_outputs or start + 1 >= request.max_total_tokens:
             return None
+        if request.params.max_thinking_tokens is not None and awaits_budget(request):
+            return None  # (it may be the first forced id's replay: the input decides)
         full = self._policy(request).kind == "full"  # loops on past its exit
         draft_at = self.config.draft_loops if request.pipelined else 0
         # Positional, in field order (one per decode token; keywords cost 2-3x as much).

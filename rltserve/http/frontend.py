@@ -325,7 +325,7 @@ class Frontend:
         # (A 400 before a stream starts, naming the field as sent: ``plans``. The engine
         # checks again.)
         try:
-            check_thinking(params, self.info)
+            check_thinking(params)
             check_bound(params)
         except ValueError as exc:
             raise bad_request(str(exc), param_of(str(exc))) from exc

@@ -196,7 +196,7 @@ def _choices(
             try:
                 checked = frontend.check_params(params, prompt.token_ids, prompt.thinking)
             except HTTPError as exc:
-                error, message = exc, as_sent(req, exc.message, defaults)
+                error, message = exc, as_sent(req, exc.message)
                 if message != exc.message:  # (the field named as the client sent it)
                     error = bad_request(message, param_of(message))
                 if p == 0:  # (the request's settings may be what is wrong: no prompt to name)

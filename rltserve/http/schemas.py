@@ -13,7 +13,6 @@ maps a request onto ``SamplingParams``, whose ValueErrors name the field.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,24 +423,13 @@ def sampling_params(
         raise SchemaError(param_of(message), message) from exc
 
 
-def as_sent(
-    req: CompletionRequest | ChatCompletionRequest,
-    message: str,
-    defaults: Mapping[str, object] | None = None,
-) -> str:
+def as_sent(req: CompletionRequest | ChatCompletionRequest, message: str) -> str:
     """``message`` with the field named as the client sent it: ``num_steps`` (Huginn's name)
     where it names ``max_loops``, ``thinking_token_budget`` (vLLM's) where it names
-    ``max_thinking_tokens``; a refusal caused by a default the client never sent (the
-    generation config's ``repetition_penalty``) says where it came from."""
+    ``max_thinking_tokens``."""
     if req.max_loops is None and req.num_steps is not None and message.startswith("max_loops="):
         return "num_steps" + message[len("max_loops") :]
     alias = req.max_thinking_tokens is None and req.thinking_token_budget is not None
     if alias and message.startswith("max_thinking_tokens"):
-        message = "thinking_token_budget" + message[len("max_thinking_tokens") :]
-    penalty = (defaults or {}).get("repetition_penalty")
-    if "penalties" in message and req.repetition_penalty is None and penalty not in (None, 1.0):
-        return (
-            f"{message} (repetition_penalty={penalty} is the checkpoint's generation_config "
-            "default: send repetition_penalty 1.0 to bound thinking)"
-        )
+        return "thinking_token_budget" + message[len("max_thinking_tokens") :]
     return message
