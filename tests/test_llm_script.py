@@ -74,6 +74,19 @@ def test_readme_async_example_runs_as_a_script_file(tiny, tmp_path):
     assert proc.stdout.endswith((" [length]\n", " [stop]\n")), proc.stdout
 
 
+def test_readme_structured_outputs_example_runs_as_a_script_file(tiny, tmp_path):
+    # Every offline example names its checkpoint the same way, so a reader (and this test)
+    # swaps one placeholder for their path.
+    pytest.importorskip("outlines_core")
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (code,) = [b for b in blocks if "StructuredOutputsParams(" in b]
+    script = tmp_path / "example.py"
+    script.write_text(example_on(tiny, code))
+    proc = run_python([str(script)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.lstrip().startswith("{") and '"age"' in proc.stdout, proc.stdout
+
+
 def test_readme_example_runs_with_a_main_guard(tiny, tmp_path):
     body = "".join(f"    {line}\n" for line in example_on(tiny).splitlines())
     script = tmp_path / "guarded.py"
