@@ -73,13 +73,13 @@ def test_the_stats_line_covers_the_interval_and_stays_quiet_when_idle():
         source["stats"], num_running=0, num_waiting=0, kv_usage=0.0
     )
     source["queued"] = 0
-    assert log.line(25.0) == (  # (vLLM's: no preemptions, no "Preemptions")
+    assert log.line(25.0) == (  # (vLLM's: no preemptions, no "Preemptions"; the recent rate)
         "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 "
         "tokens/s, Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, "
-        "Prefix cache hit rate: 0.0%"
+        "Prefix cache hit rate: 37.5%"
     )
     assert log.line(35.0) is None
-    # A restarted stage counts from zero again: no negative interval.
+    # A restarted stage counts from zero again: no negative interval, and its cache is new.
     source["stats"] = _stats(num_running=1, prefix_cache_queries=10, prefix_cache_hits=10)
     assert log.line(45.0).endswith("Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, "
                                    "Prefix cache hit rate: 0.0%")  # fmt: skip
@@ -94,3 +94,59 @@ def test_the_interval_is_vllms_variable(caplog):
     assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "-1"}) == 10.0
     assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "soon"}) == 10.0
     assert caplog.messages == ["VLLM_LOG_STATS_INTERVAL='soon' is not a number: stats every 10 s"]
+
+
+def test_the_hit_rate_is_over_recent_requests_not_the_interval():
+    """vLLM's line shows the hit rate of the most recent 1000 requests' lookups: a chat server
+    whose intervals mostly decode (long answers, a new prompt now and then) keeps showing the
+    cache's rate rather than 0.0% whenever no prompt arrived in the last 10 seconds."""
+    metrics = ServingMetrics("m")
+    source = {"stats": _stats()}
+    log = StatsLog(metrics, lambda: (source["stats"], 0, 0), now=0.0)
+
+    def prefill(at: float, prompt: int, cached: int) -> None:
+        """One request admitted (its prompt looked up) and given its first token at ``at``."""
+        stats = source["stats"]
+        source["stats"] = dataclasses.replace(
+            stats,
+            num_running=1,
+            prefix_cache_queries=stats.prefix_cache_queries + prompt,
+            prefix_cache_hits=stats.prefix_cache_hits + cached,
+        )
+        timeline = RequestTimeline(at, at)
+        metrics.on_start(timeline, prompt)
+        metrics.on_tokens(timeline, at, [4])
+
+    prefill(1.0, 1000, 900)
+    assert log.line(10.0).endswith("Prefix cache hit rate: 90.0%")
+    # 10 s of decoding only: no lookup, and the rate stays
+    assert log.line(20.0).endswith("Prefix cache hit rate: 90.0%")
+    prefill(21.0, 1000, 700)
+    assert log.line(30.0).endswith("Prefix cache hit rate: 80.0%")
+    # A request admitted late in an interval gets its first token in the next: its lookup
+    # counts there, with it.
+    source["stats"] = dataclasses.replace(
+        source["stats"],
+        prefix_cache_queries=source["stats"].prefix_cache_queries + 1000,
+        prefix_cache_hits=source["stats"].prefix_cache_hits + 1000,
+    )
+    assert log.line(40.0).endswith("Prefix cache hit rate: 80.0%")
+    timeline = RequestTimeline(39.0, 39.0)
+    metrics.on_start(timeline, 1000)
+    metrics.on_tokens(timeline, 41.0, [4])
+    assert log.line(50.0).endswith("Prefix cache hit rate: 86.7%")
+
+
+def test_the_hit_rate_window_drops_the_oldest_requests():
+    from rltserve.http.stats_log import RecentHitRate
+
+    window = RecentHitRate(window=10)
+    window.observe(6, 600, 0)
+    window.observe(4, 400, 400)
+    assert window.rate == 0.4
+    window.observe(5, 500, 500)  # 15 requests: the oldest 6 go
+    assert window.requests == 9 and window.rate == 1.0
+    window.observe(50, 100, 50)  # more than the window alone: the latest stays
+    assert window.requests == 50 and window.rate == 0.5
+    window.reset()
+    assert window.rate == 0.0

@@ -287,6 +287,7 @@ class ServingMetrics:
         self.num_tokens = 0  # generated tokens and the sum of their exit depths, for
         self.sum_depths = 0  # loops_per_token
         self.num_prefilled = 0  # prompt tokens of requests that got their first token
+        self.num_prefilled_requests = 0  # and those requests (the stats line's hit-rate window)
         self.sleep_level = 0  # the level of the latest /sleep (engine_sleep_state's label)
         self._engine = EngineCollector(model_name, self)
         reg.register(self._engine)
@@ -364,6 +365,7 @@ class ServingMetrics:
             timeline.first_token = now
             self.ttft.observe(now - timeline.arrival)
             self.num_prefilled += timeline.num_prompt_tokens
+            self.num_prefilled_requests += 1
             self.prompt_tokens_cached.inc(timeline.num_cached_tokens)
         elif timeline.last_token is not None and generated:
             self.itl.observe(now - timeline.last_token)

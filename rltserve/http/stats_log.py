@@ -14,8 +14,10 @@ rate: W%``
 
 vLLM's line, word for word (log parsers key on it): its engine index, and ``Preemptions`` only
 when the interval had some. "GPU KV cache usage" whatever the device, as vLLM's on the CPU.
-Prompt tokens count once their request's first token comes (vLLM's accounting), the hit rate
-is over the interval's prefix cache lookups, and preemptions are the interval's. An idle
+Prompt tokens count once their request's first token comes (vLLM's accounting), preemptions
+are the interval's, and the hit rate is vLLM's: over the prefix cache lookups of the most recent
+1000 requests (``RecentHitRate``), not the interval's alone, which would read 0.0% in every
+interval that only decodes (a chat server's long answers) however well the cache serves. An idle
 server logs nothing: a line is due while anything runs, waits or was processed in the
 interval, plus one more after that (which shows it went idle).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ from rltserve.llm_metrics import ENGINE_INDEX
 
 INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
 INTERVAL_S = 10.0  # its default
+RECENT_REQUESTS = 1000  # vLLM's CachingMetrics window
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +76,49 @@ class _Totals:
     """The running totals one line's interval is measured against."""
 
     at: float  # (time.monotonic())
+    requests: int  # requests that got their first token (and so looked their prompt up)
     prompt_tokens: int
     generation_tokens: int
     prefix_queries: int
     prefix_hits: int
     preemptions: int
+
+
+class RecentHitRate:
+    """vLLM's ``CachingMetrics``: the prefix cache hit rate over the lookups of the most recent
+    ``RECENT_REQUESTS`` requests, kept as (requests, queries, hits) per interval. An interval
+    without requests adds nothing (so the rate outlasts a stretch of decoding); its lookups (a
+    request admitted, its first token still to come) go with the next interval's requests. The
+    oldest intervals go once the rest hold more requests than the window; the latest stays."""
+
+    def __init__(self, window: int = RECENT_REQUESTS) -> None:
+        self.window = window
+        self.reset()
+
+    def reset(self) -> None:
+        self.intervals: deque[tuple[int, int, int]] = deque()
+        self.requests = self.queries = self.hits = 0
+        self.pending = (0, 0)  # lookups of an interval without requests
+
+    def observe(self, requests: int, queries: int, hits: int) -> None:
+        queries, hits = queries + self.pending[0], hits + self.pending[1]
+        if not requests:
+            self.pending = (queries, hits)
+            return
+        self.pending = (0, 0)
+        self.intervals.append((requests, queries, hits))
+        self.requests += requests
+        self.queries += queries
+        self.hits += hits
+        while len(self.intervals) > 1 and self.requests > self.window:
+            old_requests, old_queries, old_hits = self.intervals.popleft()
+            self.requests -= old_requests
+            self.queries -= old_queries
+            self.hits -= old_hits
+
+    @property
+    def rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class StatsLog:
@@ -87,11 +129,13 @@ class StatsLog:
         self.stats = stats
         self._last = self._totals(now)
         self._active = False  # the last line reported activity
+        self.hit_rate = RecentHitRate()
 
     def _totals(self, now: float) -> _Totals:
         stats = self.stats()[0]
         return _Totals(
             now,
+            self.metrics.num_prefilled_requests,
             self.metrics.num_prefilled,
             self.metrics.num_tokens,
             stats.prefix_cache_queries if stats is not None else 0,
@@ -111,7 +155,9 @@ class StatsLog:
             return max(0, getattr(totals, name) - getattr(last, name))
 
         prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
-        queries, hits = delta("prefix_queries"), delta("prefix_hits")
+        if totals.prefix_queries < last.prefix_queries:  # a restarted stage: a new cache
+            self.hit_rate.reset()
+        self.hit_rate.observe(delta("requests"), delta("prefix_queries"), delta("prefix_hits"))
         preempted = delta("preemptions")
         running = stats.num_running if stats is not None else 0
         waiting = (stats.num_waiting if stats is not None else 0) + queued
@@ -129,5 +175,5 @@ class StatsLog:
             + f"Preemptions: {preempted}, "
             * bool(preempted)
             + f"GPU KV cache usage: {100 * usage:.1f}%, "
-            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+            f"Prefix cache hit rate: {100 * self.hit_rate.rate:.1f}%"
         )
