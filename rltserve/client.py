@@ -5,7 +5,7 @@ Streams are async iterators of chunk dicts; leaving a stream early (``break``, a
 closing its ``async with``) closes the connection, which makes the server abort the request.
 Failed calls are retried as the OpenAI SDK retries them (``max_retries``). A client may serve
 one ``asyncio.run()`` after another (a module-level client in a script or notebook): each new
-event loop gets a fresh connection pool.
+event loop gets a fresh connection pool, closed as ``asyncio.run()`` ends that loop.
 
 Embedding it in an aiohttp app (one client per app, closed with the app)::
 
@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -71,6 +71,7 @@ from rltserve.client_errors import (
     error_from,
     retry_after_of,
 )
+from rltserve.client_pool import open_session
 from rltserve.client_request import (
     RequestOptions,
     check_stream,
@@ -172,15 +173,6 @@ class ChunkStream:
                 await self.close()
 
 
-def _let_go_of(connector: aiohttp.BaseConnector) -> None:
-    """Closes a connector without awaiting (its loop may have ended or not be running): with
-    ``_close``, what its own ``__del__`` calls (aiohttp has no public synchronous close), which
-    closes the pooled connections (on a closed loop, marks them closed) and the session."""
-    if not connector.closed:
-        with contextlib.suppress(RuntimeError):  # (a callback on a closed loop: moot)
-            connector._close()
-
-
 class AsyncClient:
     """Client of one server. ``base_url`` is e.g. ``http://127.0.0.1:8000`` (an http(s) URL
     with a host, else ValueError); one ending in ``/v1``, as the OpenAI SDK takes it, names the
@@ -213,8 +205,10 @@ class AsyncClient:
 
     Each event loop gets the client's own session afresh: a client used under one
     ``asyncio.run()`` after another works (one loop at a time; a loop still running in another
-    thread is refused with RuntimeError). A client never closed lets go of its connections
-    quietly when garbage-collected; ``close()`` or ``async with`` closes it cleanly."""
+    thread is refused with RuntimeError); the connections opened under one ``asyncio.run()``
+    close as it ends (a loop closed otherwise leaves them to the collector). A client never
+    closed lets go of its connections quietly when garbage-collected; ``close()`` or
+    ``async with`` closes it cleanly."""
 
     def __init__(
         self,
@@ -250,6 +244,7 @@ class AsyncClient:
         self._owns_session = session is None
         self._session = session
         self._let_go: weakref.finalize | None = None  # closes the own session's connector
+        self._closer: AsyncGenerator[None] | None = None  # closes it as asyncio.run() ends
         self._lock = threading.Lock()  # (two threads' first calls would both make a session)
         self._max_connections = max_connections
         self._loop: asyncio.AbstractEventLoop | None = None  # the one the own session runs on
@@ -272,6 +267,8 @@ class AsyncClient:
             await stream.close()
         if self._owns_session and self._session is not None:
             await self._session.close()
+            if self._closer is not None:  # (its work done: the loop forgets it)
+                await self._closer.aclose()
             self._release_session()
 
     def _release_session(self) -> None:
@@ -280,7 +277,7 @@ class AsyncClient:
         if self._let_go is not None:  # (first: a session dropped while open would warn)
             self._let_go()
             self._let_go = None
-        self._session, self._loop = None, None
+        self._session, self._loop, self._closer = None, None, None
         self._streams.clear()  # (their connections close with the connector)
 
     def _refuse_other_thread(self, advice: str) -> None:
@@ -300,20 +297,16 @@ class AsyncClient:
                 if self._session is not None and self._loop is not loop:
                     self._refuse_other_thread("make one client per thread")
                     self._release_session()  # (an earlier asyncio.run(): its loop has ended)
+                elif self._session is not None and self._session.closed:
+                    self._release_session()  # (its loop shut down its async generators)
                 if self._session is None:
                     self._open_session(loop)
         assert self._session is not None
         return self._session
 
     def _open_session(self, loop: asyncio.AbstractEventLoop) -> None:
-        connector = aiohttp.TCPConnector(limit=self._max_connections)
-        self._session = aiohttp.ClientSession(connector=connector)  # (timeouts: per request)
+        self._session, self._let_go, self._closer = open_session(self, self._max_connections)
         self._loop = loop
-        # Never closed: let go of quietly when the client is collected, as the OpenAI SDK's
-        # is. Not in __del__: in a reference cycle (a traceback's frames hold the client), the
-        # connector's __del__ ("Unclosed connector") may run first; weakref callbacks run
-        # before any __del__ of the same garbage.
-        self._let_go = weakref.finalize(self, _let_go_of, connector)
 
     # ------------------------------------------------------------------ transport
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -13,6 +15,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from rltserve.client_errors import APIConnectionError, error_from, status_of
 
 MAX_EVENT_BYTES = 16 * 2**20  # an SSE event (or line) larger than this is a broken stream
+# How long a stream waits after [DONE] for its body's end, which lets the connection go back to
+# the pool (a server ends it at once, though often in a write of its own); a body still open
+# then is dropped with its connection when the stream closes.
+END_GRACE_S = 1.0
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -100,6 +106,7 @@ async def iter_sse(
             if not payload:
                 continue  # an empty data line: nothing to parse
             if payload == b"[DONE]":
+                await _read_to_end(response.content)
                 return
             try:
                 obj = orjson.loads(payload)
@@ -115,6 +122,18 @@ async def iter_sse(
                     raise error_from(status_of(obj.get("code")), {"error": obj}, None, request_id)
             yield obj
     raise APIConnectionError(None, "the stream ended without [DONE]")
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> None:
+    """What follows [DONE], discarded, up to the body's end: aiohttp then gives the connection
+    back to the pool (closing a response cut short drops it). ``END_GRACE_S`` at most."""
+
+    async def drain() -> None:
+        while await content.readany():
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+        await asyncio.wait_for(drain(), END_GRACE_S)
 
 
 def broken(exc: aiohttp.ClientError, where: str) -> str:

@@ -1,6 +1,7 @@
 """The async client reads SSE framed with any of the three line endings (``\\r\\n`` as
 sse-starlette sends it, ``\\n``, ``\\r``), split across reads anywhere, and bounds what it
-buffers. A tiny aiohttp server plays each framing."""
+buffers; a stream read to its end gives its connection back to the pool. A tiny aiohttp server
+plays each framing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import pytest
 from aiohttp import web
 
+from rltserve import client_sse
 from rltserve.client import APIConnectionError, AsyncClient, BadRequestError
 from rltserve.client_sse import SSEDecoder
 
@@ -117,3 +119,49 @@ def test_decoder_holds_exactly_its_bound():
     assert decoder.feed(b"data: 1234") == []
     with pytest.raises(APIConnectionError, match="exceeds 10 bytes"):
         decoder.feed(b"5")
+
+
+def app_ending_late(after_done: float | None) -> tuple[web.Application, list]:
+    """A stream whose body ends ``after_done`` seconds after its ``[DONE]`` (None: it goes on
+    sending comments until the client leaves); the list gets each request's client address."""
+    peers: list = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(framed("\n"))
+        if after_done is None:
+            with contextlib.suppress(ConnectionError):  # (until the client drops it)
+                while True:
+                    await asyncio.sleep(0.02)
+                    await response.write(b": still here\n\n")
+            return response
+        await asyncio.sleep(after_done)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    return app, peers
+
+
+async def test_a_finished_stream_gives_its_connection_back_to_the_pool():
+    """The body's end may come after [DONE] (a write of its own): the client waits for it, so
+    the next request reuses the connection instead of opening another."""
+    app, peers = app_ending_late(0.05)
+    async with serve(app) as url, AsyncClient(url) as client:
+        for _ in range(2):
+            assert await asyncio.wait_for(_collect(client), 10) == CHUNKS
+            chunks = [chunk async for chunk in client.stream("x")]  # (no async with)
+            assert chunks == CHUNKS
+    assert len(peers) == 4 and len(set(peers)) == 1
+
+
+async def test_a_body_left_open_after_done_ends_the_stream_all_the_same(monkeypatch):
+    monkeypatch.setattr(client_sse, "END_GRACE_S", 0.1)
+    app, peers = app_ending_late(None)
+    async with serve(app) as url, AsyncClient(url) as client:
+        for _ in range(2):
+            assert await asyncio.wait_for(_collect(client), 10) == CHUNKS
+    assert len(set(peers)) == 2  # (each such connection is dropped, not pooled)

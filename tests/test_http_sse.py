@@ -313,3 +313,30 @@ async def test_choice_index_is_prompt_times_n_plus_sample(ckpt, hi_tokens):
     assert status == 200
     texts = [(c["index"], c["text"]) for c in body_of(raw)["choices"]]
     assert texts == [(0, "H "), (1, "H "), (2, "! "), (3, "! ")]
+
+
+async def test_done_goes_out_with_the_end_of_the_body(ckpt, hi_tokens, monkeypatch):
+    # In one write: a client that stops reading at [DONE] has the body's end too, so its
+    # connection goes back to its pool instead of being dropped.
+    from aiohttp.http_writer import StreamWriter
+
+    writes: list[bytes] = []
+    write, writelines = StreamWriter._write, StreamWriter._writelines
+
+    def record(self, data):
+        writes.append(bytes(data))
+        write(self, data)
+
+    def record_lines(self, chunks):
+        writes.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", record)
+    monkeypatch.setattr(StreamWriter, "_writelines", record_lines)
+    stage = stage_for(ckpt, hi_tokens)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "stream": True}
+    async with running(ckpt, client_factory=scripted_factory(stage)) as live:
+        status, _, raw = await live.post("/v1/completions", body)
+    assert status == 200 and raw.endswith(DONE)
+    last = writes[-1]
+    assert DONE in last and last.endswith(b"\r\n0\r\n\r\n")

@@ -94,6 +94,13 @@ class SSEWriter:
         """Ends the stream: an optional error event, then ``[DONE]``."""
         response = await self._ensure_started()
         tail = encode_error(*error) + DONE if error is not None else DONE
+        transport = self._request.transport
+        if transport is not None and transport.get_write_buffer_size() < _UNBLOCKED_BYTES:
+            # One write with the body's end (never waiting: the buffer is low): a client that
+            # stops reading at [DONE] finds the end there too and keeps the connection pooled.
+            await response.write_eof(tail)
+            response[BODY_BYTES] += len(tail)
+            return response
         await self._write(response, tail)
         await response.write_eof()
         return response
