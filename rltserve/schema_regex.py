@@ -1,16 +1,16 @@
 """A JSON schema as one regex: outlines-core's translation, with the subschemas it gets wrong
 given regexes of our own.
 
-outlines-core's translation (``build_regex_from_schema``) drops integer bounds (``minimum``,
-``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``: pydantic's ``Field(ge=..., le=...)``),
-writes a schema of any value (``{}``, pydantic's ``Any``) as an ungrouped alternation that
-breaks the object around it (``{"a": {}}`` allows ``{ }}``) and takes minutes to compile (as
-does its any array, ``{"type": "array"}``), gets the formats ``date``, ``time``, ``date-time``,
-``email`` and ``uri`` wrong (years of any length, 02-30, no time zone, characters a JSON string
-must escape: no JSON at all), writes ``allOf``'s schemas one after another, and leaves ``\\d``
-and ``\\w`` to Rust's Unicode classes (``format: date`` could spell its year in other scripts'
-digits; JSON Schema's regexes are ECMA-262's, whose ``\\d`` and ``\\w`` are ASCII). Such a
-subschema is swapped for a ``const`` slot before the translation and its own regex put in the
+outlines-core's translation (``build_regex_from_schema``) drops the bounds of integers and numbers
+(``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``: pydantic's ``Field(ge=...,
+le=...)``; ours are number_pattern's), writes a schema of any value (``{}``, pydantic's ``Any``) as
+an ungrouped alternation that breaks the object around it (``{"a": {}}`` allows ``{ }}``) and takes
+minutes to compile (as does its any array, ``{"type": "array"}``), gets the formats ``date``,
+``time``, ``date-time``, ``email`` and ``uri`` wrong (years of any length, 02-30, no time zone,
+characters a JSON string must escape: no JSON at all), writes ``allOf``'s schemas one after another,
+and leaves ``\\d`` and ``\\w`` to Rust's Unicode classes (``format: date`` could spell its year in
+other scripts' digits; JSON Schema's regexes are ECMA-262's, whose ``\\d`` and ``\\w`` are ASCII).
+Such a subschema is swapped for a ``const`` slot before the translation and its own regex put in the
 slot's place after it; an ``allOf`` of several schemas is refused. Torch-free.
 """
 
@@ -20,6 +20,8 @@ import json
 import math
 import re
 from typing import Any
+
+from rltserve.number_pattern import BOUNDS, bounded_pattern
 
 # json_object's strings and numbers: JSON's own (RFC 8259). outlines-core's leave out ``\uXXXX``
 # escapes (Python's json.dumps writes every non-ASCII character so), U+007F-U+009F and an
@@ -40,7 +42,8 @@ ANNOTATIONS = {
     "readOnly",
     "writeOnly",
 }
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# The keywords of a number's subschema of our own (bounds, a whole multipleOf).
+_BOUNDED = {"type", "multipleOf", *BOUNDS}
 # RFC 3339's full-date, full-time and date-time (JSON Schema's formats ``date``, ``time`` and
 # ``date-time``). outlines-core's allow years of any length, days a month lacks (02-30), no
 # time zone, and a time's fraction after a backslash (an invalid JSON escape).
@@ -208,6 +211,22 @@ def _all_of(schema: dict) -> dict:
     return {**rest, "allOf": kept} if kept else rest
 
 
+def _of_each_type(schema: dict) -> dict:
+    """A bounded number of several types (``{"type": ["number", "null"], "minimum": 0}``) as an
+    ``anyOf`` of one schema per type, so the number's bounds are ours (each keyword applies to
+    its own type alone: the same values)."""
+    kinds = schema.get("type")
+    keys = set(schema) - ANNOTATIONS
+    if not (isinstance(kinds, list) and all(isinstance(kind, str) for kind in kinds)):
+        return schema
+    if not (keys & set(BOUNDS) and keys <= _BOUNDED):
+        return schema
+    rest = {k: v for k, v in schema.items() if k in _BOUNDED - {"type"}}
+    each = [{"type": kind, **rest} if kind in ("integer", "number") else {"type": kind}
+            for kind in kinds]  # fmt: skip
+    return {k: v for k, v in schema.items() if k in ANNOTATIONS} | {"anyOf": each}
+
+
 def _mark(schema: Any, slots: dict[str, str], space: str | None, text: str) -> Any:
     """A copy of ``schema`` whose subschemas outlines-core would get wrong are ``const`` slots
     (``slots``: each slot's name -> its regex); ``text`` the schema's JSON, which no slot name
@@ -216,7 +235,7 @@ def _mark(schema: Any, slots: dict[str, str], space: str | None, text: str) -> A
         schema = {}
     if not isinstance(schema, dict):
         return schema
-    schema = _all_of(schema)
+    schema = _of_each_type(_all_of(schema))
     regex = _own_regex(schema, space)
     if regex is not None:
         name = f"rltserveslot{len(slots)}"
@@ -244,96 +263,13 @@ def _own_regex(schema: dict, space: str | None) -> str | None:
     if any_object(schema):
         return json_object_pattern(space)
     kind = schema.get("type")
-    if kind == "integer" and keys & set(_BOUNDS) and keys <= {"type", *_BOUNDS}:
-        return integer_pattern(*_integer_bounds(schema))
+    if kind in ("integer", "number") and keys & set(BOUNDS) and keys <= _BOUNDED:
+        return bounded_pattern(schema)
     if kind == "string" and schema.get("format") in FORMATS and keys == {"type", "format"}:
         return FORMATS[schema["format"]]
     if any_array(schema):
         return json_array_pattern(space, schema.get("minItems", 0), schema.get("maxItems"))
     return None
-
-
-def _integer_bounds(schema: dict) -> tuple[int | None, int | None]:
-    low = high = None
-
-    def exclusive(key: str) -> bool:
-        return schema.get(key) is True
-
-    for key in _BOUNDS:
-        value = schema.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value):
-            # (draft 4's boolean exclusiveMinimum / exclusiveMaximum tighten their bound)
-            continue
-        if key == "exclusiveMinimum" or (key == "minimum" and exclusive("exclusiveMinimum")):
-            bound = math.floor(value) + 1
-        elif key == "minimum":
-            bound = math.ceil(value)
-        elif key == "exclusiveMaximum" or exclusive("exclusiveMaximum"):
-            bound = math.ceil(value) - 1
-        else:
-            bound = math.floor(value)
-        if key.endswith("inimum"):
-            low = bound if low is None else max(low, bound)
-        else:
-            high = bound if high is None else min(high, bound)
-    if low is not None and high is not None and low > high:
-        raise ValueError(f"no integer lies within the bounds {schema}")
-    return low, high
-
-
-def integer_pattern(low: int | None, high: int | None) -> str:
-    """The integers from ``low`` to ``high`` (None: unbounded) as JSON writes them."""
-    parts = []
-    if high is None or high >= 0:
-        parts += _naturals(max(low, 0) if low is not None else 0, high)
-    if low is None or low < 0:
-        # (the magnitudes of the negative ones, written after a minus; never "-0")
-        smallest = 1 if high is None or high >= 0 else -high
-        magnitudes = _naturals(smallest, None if low is None else -low)
-        parts.append("-(" + "|".join(magnitudes) + ")")
-    return "|".join(parts)
-
-
-def _naturals(low: int, high: int | None) -> list[str]:
-    """Alternatives matching the integers ``low``..``high`` (>= 0; None: unbounded)."""
-    parts = []
-    digits = len(str(low))
-    while high is None or digits <= len(str(high)):
-        first = 0 if digits == 1 else 10 ** (digits - 1)
-        last = 10**digits - 1
-        start = max(low, first)
-        if high is None and start == first and digits > 1:
-            parts.append(f"[1-9][0-9]{{{digits - 1},}}")  # (every longer number too)
-            break
-        end = last if high is None else min(high, last)
-        if start <= end:
-            parts += _same_length(str(start), str(end))
-        digits += 1
-    return parts
-
-
-def _same_length(low: str, high: str) -> list[str]:
-    """Alternatives matching the digit strings of one length from ``low`` to ``high``."""
-    if low == high:
-        return [low]
-    if len(low) == 1:
-        return [f"[{low}-{high}]"]
-    if low[0] == high[0]:
-        return [low[0] + rest for rest in _same_length(low[1:], high[1:])]
-    rest = len(low) - 1
-    parts = []
-    first, last = int(low[0]), int(high[0])
-    if low[1:] != "0" * rest:
-        parts += [low[0] + tail for tail in _same_length(low[1:], "9" * rest)]
-        first += 1
-    if high[1:] != "9" * rest:
-        last -= 1
-    if first <= last:
-        head = str(first) if first == last else f"[{first}-{last}]"
-        parts.append(f"{head}[0-9]{{{rest}}}")
-    if high[1:] != "9" * rest:
-        parts += [high[0] + tail for tail in _same_length("0" * rest, high[1:])]
-    return parts
 
 
 # ``\d`` and ``\w`` (and their complements outside a class) as ECMA-262 reads them: ASCII.

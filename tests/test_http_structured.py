@@ -91,6 +91,11 @@ async def test_a_streamed_choice_and_its_usage(ckpt):
             "response_format",
             "cannot use this schema",
         ),
+        (
+            {"guided_json": {"type": "number", "exclusiveMinimum": 1, "maximum": 1}},
+            "guided_json",
+            "no number lies within the bounds",
+        ),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "unexpected keyword"),
         ({"structured_outputs": ["a"]}, "structured_outputs", "an object"),
     ],

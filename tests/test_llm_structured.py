@@ -128,3 +128,22 @@ def test_a_pydantic_schema_with_bounds_and_any_holds(llm):
     for text in finished:
         value = json.loads(text)
         assert set(value) == {"stars", "extra"} and value["stars"] in range(1, 6), text
+
+
+def test_a_pydantic_schema_with_float_bounds_holds(llm):
+    """``Field(ge=0, le=1)``, ``Field(gt=0)`` and ``confloat(ge=-50.5, le=60)``: every finished
+    answer parses with the model (outlines-core's own translation let confidence 2.36 through,
+    finish_reason "stop", and ``model_validate_json`` raised)."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Reading(pydantic.BaseModel):
+        confidence: float = pydantic.Field(ge=0, le=1)
+        price: float = pydantic.Field(gt=0)
+        temperature: pydantic.confloat(ge=-50.5, le=60)
+
+    structured = StructuredOutputsParams(json=Reading.model_json_schema())
+    (out,) = llm.generate(["Read it"], sampled(n=6, seed=7, structured_outputs=structured))
+    finished = [c.text for c in out.outputs if c.finish_reason == "stop"]
+    assert finished
+    for text in finished:
+        Reading.model_validate_json(text)

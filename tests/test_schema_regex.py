@@ -1,6 +1,6 @@
 """A JSON schema's regex (``schema_regex``): the subschemas outlines-core's translation gets wrong
-(integer bounds, a schema of any value, date-time's year and zone, Unicode ``\\d``) are ours,
-checked with Python's ``re`` against values a validator takes or refuses."""
+(integer and number bounds, a schema of any value, date-time's year and zone, Unicode ``\\d``)
+are ours, checked with Python's ``re`` against values a validator takes or refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from rltserve.schema_regex import integer_pattern, schema_regex
+from rltserve.number_pattern import integer_pattern
+from rltserve.schema_regex import schema_regex
 from rltserve.structured import StructuredOutputsParams
 
 pytest.importorskip("outlines_core")
@@ -182,3 +183,66 @@ def test_digits_and_word_characters_are_ascii():
     word = {"type": "string", "pattern": r"^\w+[\d]$"}
     assert matches(word, '"ab_1"') and not matches(word, '"\u00e9\u00e9\u0661"')
     assert schema_regex({"type": "string", "pattern": r"a\\d"}) == r'("a\\d")'
+
+
+def test_number_bounds_hold_as_pydantic_writes_them():
+    """``Field(ge=0, le=1)``, ``Field(gt=0)``, ``confloat(ge=-50.5, le=60)`` and an
+    ``Optional`` one: outlines-core's translation dropped a number's bounds (a finished answer
+    of confidence 2.36 or 289006, which the model's ``parse`` refused)."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Reading(pydantic.BaseModel):
+        confidence: float = pydantic.Field(ge=0, le=1)
+        price: float = pydantic.Field(gt=0)
+        temperature: pydantic.confloat(ge=-50.5, le=60)
+        drift: float | None = pydantic.Field(lt=0)
+
+    schema = Reading.model_json_schema()
+    good = {"confidence": 0.5, "price": 0.01, "temperature": -50.5, "drift": -0.25}
+    for text in (json.dumps(good), json.dumps(good | {"confidence": 1.0, "drift": None})):
+        assert matches(schema, text), text
+        Reading.model_validate_json(text)
+    bad = [
+        {"confidence": 2.36},
+        {"confidence": -0.0},
+        {"price": 0},
+        {"price": 0.0},
+        {"temperature": 60.01},
+        {"temperature": -50.51},
+        {"drift": 0},
+        {"drift": 1.5},
+    ]
+    for change in bad:
+        assert not matches(schema, json.dumps(good | change)), change
+
+
+def test_a_whole_multiple_of_holds_within_bounds():
+    """``Field(ge=0, le=100, multiple_of=5)``: outlines-core's translation dropped the bounds
+    with the ``multipleOf`` (any integer). Whole multiples within bounds are written out; where
+    they cannot be (a fraction's, or no bound on a side) the bounds still hold."""
+    percent = {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 5}
+    assert [v for v in range(-10, 120) if matches(percent, str(v))] == list(range(0, 101, 5))
+    number = {"type": "number", "exclusiveMinimum": -10, "maximum": 10, "multipleOf": 5}
+    taken = ["-5", "0", "5.0", "10", "10.00"]
+    assert [t for t in [*taken, "-10", "5.5", "15", "-0", "7"] if matches(number, t)] == taken
+    one_sided = {"type": "integer", "minimum": 0, "multipleOf": 5}
+    assert matches(one_sided, "7") and not matches(one_sided, "-5")
+    halves = {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.5}
+    assert matches(halves, "0.25") and not matches(halves, "1.5")
+    none = StructuredOutputsParams(
+        json={"type": "integer", "minimum": 1, "maximum": 4, "multipleOf": 5}
+    )
+    with pytest.raises(ValueError, match="json: cannot use this schema: no multiple of 5"):
+        none.pattern("json")
+
+
+def test_a_bounded_number_of_several_types_keeps_its_bounds():
+    """``{"type": ["number", "null"], "minimum": 0, "maximum": 1}``: the bounds were dropped."""
+    schema = {"type": ["number", "null"], "minimum": 0, "maximum": 1, "title": "Share"}
+    assert [t for t in ("0.5", "null", "1", "2", "-1", '"x"') if matches(schema, t)] == [
+        "0.5",
+        "null",
+        "1",
+    ]
+    assert matches({"type": ["integer", "string"], "maximum": 3}, '"9"')
+    assert not matches({"type": ["integer", "string"], "maximum": 3}, "9")
