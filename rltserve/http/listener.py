@@ -5,7 +5,10 @@ config is built, ``check_listener_files`` the files they name before the model l
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import socket
 import ssl
 import stat
 from pathlib import Path
@@ -71,7 +74,8 @@ def check_listener(config: ServerConfig) -> None:
 
 def check_listener_files(config: ServerConfig) -> None:
     """Before the model loads: the TLS files exist and load, and the socket's folder takes
-    it (ValueError naming the flag); a stale socket left by an earlier server is replaced."""
+    it (ValueError naming the flag); a stale socket left by an earlier server is replaced, a
+    live one is another server's (OSError, as a port in use)."""
     check_tls_files(config.ssl_certfile, config.ssl_keyfile)
     if config.ssl_ca_certs is not None:
         if not Path(config.ssl_ca_certs).is_file():
@@ -91,6 +95,27 @@ def check_listener_files(config: ServerConfig) -> None:
             raise ValueError(f"--uds {path}: no such folder {str(folder)!r}")
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"--uds {path}: folder {str(folder)!r} is not writable")
+        check_socket_free(config.uds)
+
+
+def check_socket_free(path: str) -> None:
+    """OSError (EADDRINUSE) if a server answers on the Unix socket at ``path``. Binding would
+    unlink any socket file there (asyncio's create_unix_server does), so without this a second
+    server would take a live server's path, and the first serve nobody."""
+    if not os.path.exists(path) or not stat.S_ISSOCK(os.stat(path).st_mode):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # (no one listens: a socket a killed server left, stale)
+        except TimeoutError:
+            pass  # (a server whose backlog is full: live)
+        except OSError:
+            return  # (not ours to judge, as a folder we may not search: binding says)
+    message = f"cannot listen on {path}: another server is listening on it"
+    raise OSError(errno.EADDRINUSE, message)
 
 
 def ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
@@ -111,6 +136,7 @@ async def open_site(runner: web.AppRunner, config: ServerConfig) -> str:
 
     context = ssl_context(config)
     if config.uds is not None:
+        check_socket_free(config.uds)
         site: web.BaseSite = web.UnixSite(runner, config.uds, ssl_context=context)
         await site.start()
         os.chmod(config.uds, UDS_MODE)
@@ -121,8 +147,22 @@ async def open_site(runner: web.AppRunner, config: ServerConfig) -> str:
     return f"{'https' if config.uses_tls else 'http'}://{host}:{port}"
 
 
-def remove_socket(config: ServerConfig) -> None:
-    """Removes the Unix socket the server listened on (Python before 3.13 leaves it)."""
-    path = config.uds
-    if path is not None and os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
-        os.unlink(path)
+def socket_file(config: ServerConfig) -> tuple[int, int] | None:
+    """The bound Unix socket file's (device, inode): by it ``remove_socket`` knows the file at
+    the path is still this server's. None on a TCP port."""
+    if config.uds is None:
+        return None
+    found = os.stat(config.uds)
+    return found.st_dev, found.st_ino
+
+
+def remove_socket(config: ServerConfig, bound: tuple[int, int] | None) -> None:
+    """Removes the Unix socket the server listened on (Python before 3.13 leaves it), unless
+    the file at its path is no longer the one it bound (``socket_file``): a server started
+    since then listens there."""
+    if config.uds is None or bound is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        found = os.stat(config.uds)
+        if (found.st_dev, found.st_ino) == bound:
+            os.unlink(config.uds)

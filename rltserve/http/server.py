@@ -20,7 +20,7 @@ from rltserve.config import EngineConfig
 from rltserve.http.access_log import access_logger_class
 from rltserve.http.app import create_app
 from rltserve.http.config import ServerConfig
-from rltserve.http.listener import open_site, remove_socket
+from rltserve.http.listener import open_site, remove_socket, socket_file
 from rltserve.http.protocol import JSONErrorRunner
 from rltserve.http.state import STATE, ClientFactory
 
@@ -37,6 +37,7 @@ class RunningServer:
     runner: web.AppRunner
     url: str
     config: ServerConfig
+    socket_file: tuple[int, int] | None = None  # (a Unix socket's, ``listener.socket_file``)
     closed: bool = False
 
     async def close(self) -> None:
@@ -45,7 +46,7 @@ class RunningServer:
         if not self.closed:
             self.closed = True
             await self.runner.cleanup()
-            remove_socket(self.config)
+            remove_socket(self.config, self.socket_file)
 
 
 async def start_server(app: web.Application, config: ServerConfig) -> RunningServer:
@@ -72,7 +73,7 @@ async def start_server(app: web.Application, config: ServerConfig) -> RunningSer
     except BaseException:
         await runner.cleanup()
         raise
-    return RunningServer(app, runner, url, config)
+    return RunningServer(app, runner, url, config, socket_file(config))
 
 
 @contextlib.asynccontextmanager
