@@ -196,7 +196,6 @@ class GuideCompiler:
         structured = params.structured_outputs
         if structured is None:
             return params
-        _check_combination(params)
         if compiled_index(structured) is not None:
             return params
         if self.tokenizer is None:
@@ -231,7 +230,8 @@ def after_reasoning(structured: StructuredOutputsParams, end_id: int) -> Structu
     """A copy of compiled ``structured`` that applies once the output has closed the thinking
     span its prompt left open (token ``end_id``, ``</think>``), as vLLM's structured outputs
     under a reasoning parser: the thinking is free, the answer after it constrained. (A
-    constraint from the first token would put the whole answer in the span.)"""
+    constraint from the first token would put the whole answer in the span.) A thinking budget
+    in the request's params bounds that span with its own end ids (``Guide.of``)."""
     bound = copy.copy(structured)  # (its index with it)
     object.__setattr__(bound, "_reasoning_end", end_id)
     return bound
@@ -244,21 +244,12 @@ def reasoning_end(structured: StructuredOutputsParams) -> int | None:
 
 
 def check_bound(params: SamplingParams) -> None:
-    """The engine's check of a request with structured outputs: compiled (``bind``), and
-    without what it cannot combine with."""
+    """The engine's check of a request with structured outputs: compiled (``bind``)."""
     structured = params.structured_outputs
     if structured is None:
         return
-    _check_combination(params)
     if compiled_index(structured) is None:
         raise ValueError(
             "structured_outputs: not compiled for the model's tokenizer (LLM, AsyncLLM and the "
             "server compile it; rltserve.guide_index.bind(params, tokenizer) does)"
-        )
-
-
-def _check_combination(params: SamplingParams) -> None:
-    if params.max_thinking_tokens is not None:  # (its forced tokens would break the match)
-        raise ValueError(
-            "structured_outputs: does not combine with bounded thinking (max_thinking_tokens)"
         )

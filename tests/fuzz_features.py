@@ -2,7 +2,8 @@
 their draws, the oracle's steer of a request (``reference_guided``), and the checks beyond
 token ids and exit depths: logprobs against the oracle's dense scores of the output
 (``reference_parts.thinking_logprobs``: each forced token's, raw, at the cap; a constrained
-token's over what the constraint allows), and a sampled output's forced ids and constraint.
+token's over what the constraint allows), and a sampled output's forced ids and constraint
+(both on one request: ``reference_guided.Answer``).
 
 Their draws use random streams of their own, so a case's other draws stay as they were. A
 structured output needs the model's tokenizer: such a case runs on its family's tiny preset
@@ -15,7 +16,7 @@ import random
 from pathlib import Path
 
 import torch
-from reference_guided import Constraint, ThinkingBudget
+from reference_guided import Answer, Constraint, ThinkingBudget
 from reference_parts import thinking_logprobs
 
 from rltserve.guide_index import bind
@@ -72,14 +73,16 @@ def draw_thinking(rng: random.Random, params: list[SamplingParams]) -> list[Samp
 
 
 def draw_guided(rng: random.Random, params: list[SamplingParams]):
-    """-> (params, tokenized): in some cases a choice or a regex on some requests (not those
-    with a budget: the engine refuses both), ending at EOS (or not: ``ignore_eos``), with
-    ``min_tokens`` sometimes longer than a match; logprobs sometimes."""
-    if rng.random() >= 0.2:
+    """-> (params, tokenized): in some cases a choice or a regex on some requests (on one with
+    a budget too: the answer after its span is constrained), ending at EOS (or not:
+    ``ignore_eos``), with ``min_tokens`` sometimes longer than a match; logprobs sometimes. A
+    case with budgets draws them more often (their combination is rare otherwise)."""
+    budgeted = any(p.max_thinking_tokens is not None for p in params)
+    if rng.random() >= (0.5 if budgeted else 0.2):
         return params, False
     drawn = []
     for p in params:
-        if p.max_thinking_tokens is not None or rng.random() < 0.25:
+        if rng.random() < 0.25:
             drawn.append(p)
             continue
         if rng.random() < 0.5:
@@ -87,13 +90,18 @@ def draw_guided(rng: random.Random, params: list[SamplingParams]):
         else:
             structured = StructuredOutputsParams(regex=rng.choice(REGEXES))
         min_tokens = rng.choice([0, 0, 0, 2, 6])
+        max_tokens = rng.randint(max(min_tokens, 3), 10)
+        logprobs = rng.choice([None, None, 0, 2])
+        if p.max_thinking_tokens is not None:  # (an answer after the thinking, or none)
+            max_tokens = max(min_tokens, p.max_tokens + rng.randint(0, 8))
+            logprobs = p.logprobs if p.logprobs is not None else logprobs
         drawn.append(
             p.replace(
                 structured_outputs=structured,
                 ignore_eos=rng.random() < 0.15,
                 min_tokens=min_tokens,
-                max_tokens=rng.randint(max(min_tokens, 3), 10),
-                logprobs=rng.choice([None, None, 0, 2]),
+                max_tokens=max_tokens,
+                logprobs=logprobs,
             )
         )
     return drawn, True
@@ -111,15 +119,19 @@ def engine_params(params: list[SamplingParams], path: Path) -> list[SamplingPara
 
 def steer_for(p: SamplingParams, ref, path: Path):
     """The oracle's steer of ``p`` (``Reference.generate``'s), or None."""
+    budget = constraint = None
     if p.max_thinking_tokens is not None:
         interruption = p.thinking_interruption or ()
-        return ThinkingBudget(p.max_thinking_tokens, interruption, p.thinking_end_token_ids)
-    structured = p.structured_outputs
-    if structured is None:
-        return None
-    vocab = ref.w["lm_head.weight"].shape[0]
-    end = ref.eos_token_ids[0]
-    return Constraint(path, end, vocab, choice=structured.choice, pattern=structured.regex)
+        budget = ThinkingBudget(p.max_thinking_tokens, interruption, p.thinking_end_token_ids)
+    if (structured := p.structured_outputs) is not None:
+        vocab = ref.w["lm_head.weight"].shape[0]
+        end = ref.eos_token_ids[0]
+        constraint = Constraint(
+            path, end, vocab, choice=structured.choice, pattern=structured.regex
+        )
+    if budget is not None and constraint is not None:
+        return Answer(budget, constraint)
+    return budget or constraint
 
 
 def chosen_logits(steer, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -135,12 +147,12 @@ def chosen_logits(steer, tokens: list[int], logits: torch.Tensor) -> torch.Tenso
 def output_diff(steer, tokens: list[int]) -> str | None:
     """What a (sampled) output breaks of its steer's rules: a forced id missing, or a token
     its constraint did not allow."""
-    if isinstance(steer, ThinkingBudget):
+    if isinstance(steer, (ThinkingBudget, Answer)):
         for j in range(len(tokens)):
             want = steer.forced(tokens[:j])
             if want is not None and tokens[j] != want:
                 return f"token {j} is {tokens[j]}, not the forced {want}"
-    elif isinstance(steer, Constraint) and (j := steer.first_outside(tokens)) is not None:
+    if isinstance(steer, (Constraint, Answer)) and (j := steer.first_outside(tokens)) is not None:
         return f"token {j} ({tokens[j]}) is outside the constraint after {steer.text(tokens[:j])!r}"
     return None
 
@@ -155,8 +167,8 @@ def logprobs_diff(ref, prompt, p: SamplingParams, steer, run, rid, policy) -> st
     if policy not in ("full", "last_exited") or run.finish.get(rid) == "abort":
         return None
     out, depths = run.tokens[rid], run.depths[rid]
-    forced = steer.forced_at(out) if isinstance(steer, ThinkingBudget) else set()
-    constraint = steer if isinstance(steer, Constraint) else None
+    forced = steer.forced_at(out) if isinstance(steer, (ThinkingBudget, Answer)) else set()
+    constraint = steer if isinstance(steer, (Constraint, Answer)) else None
     kw = {"kv_policy": policy, "max_loops": p.max_loops}
     if ref.family == "huginn_raven":
         kw.update(init_state=p.init_state or "random", seed=p.seed)

@@ -1,6 +1,7 @@
 """Oracles of two per-request features, as steers of ``Reference.generate`` (its ``steer``: seen
-before each output token): bounded thinking's forced end of a thinking span, and a structured
-output's constraint (a choice of strings or a regular expression).
+before each output token): bounded thinking's forced end of a thinking span, a structured
+output's constraint (a choice of strings or a regular expression), and both together (the
+constraint on the answer after the span: ``Answer``).
 
 Written from README's rules alone and, like the oracle, never importing ``rltserve``. The
 constraint is not compiled to an automaton over token bytes, as the engine's guide is: each
@@ -106,3 +107,45 @@ class Constraint:
     def first_outside(self, tokens: list[int]) -> int | None:
         """The first index of ``tokens`` (an output) the constraint did not allow, or None."""
         return next((j for j, t in enumerate(tokens) if t not in self.allowed(tokens[:j])), None)
+
+
+class Answer:
+    """A constraint with a thinking budget (README's "Structured outputs"): the budget's span is
+    open from the start of the output, its tokens free and its forced ids forced; the answer
+    starts after the span's end, the end ids where the output holds them within its first
+    ``budget`` tokens (the model closed it), else after the forced ids, and the constraint
+    applies to the answer alone (its text, from its first token)."""
+
+    def __init__(self, budget: ThinkingBudget, constraint: Constraint) -> None:
+        self.budget, self.constraint = budget, constraint
+
+    def start(self, tokens: list[int]) -> int | None:
+        """Where the answer starts in an output beginning ``tokens`` (None: not yet)."""
+        k, end = self.budget.budget, self.budget.end
+        n = len(end)
+        closed = next((i for i in range(n, k + 1) if tuple(tokens[i - n : i]) == end), None)
+        if closed is not None:
+            return closed
+        begins = k + len(self.budget.forced_ids)
+        return begins if len(tokens) >= begins else None
+
+    def text(self, tokens: list[int]) -> str:
+        return self.constraint.text(tokens)
+
+    def forced(self, tokens: list[int]) -> int | None:
+        return self.budget.forced(tokens)
+
+    def forced_at(self, tokens: list[int]) -> set[int]:
+        return self.budget.forced_at(tokens)
+
+    def allowed(self, tokens: list[int]) -> list[int] | None:
+        start = self.start(tokens)
+        return None if start is None else self.constraint.allowed(tokens[start:])
+
+    def first_outside(self, tokens: list[int]) -> int | None:
+        """The first index of ``tokens`` (an output) the constraint did not allow, or None."""
+        for j, token in enumerate(tokens):
+            allowed = self.allowed(tokens[:j])
+            if allowed is not None and token not in allowed:
+                return j
+        return None

@@ -376,8 +376,9 @@ def thinking_logprobs(
     + output at those depths (``Reference.full_recompute``; ``kw``: its ``kv_policy``): a
     sampled token's at its exit depth, a forced one's (output indices ``forced``) at the cap,
     as ``prompt_logprobs`` would score prompt + output there (``core/thinking.py``). With a
-    constraint (``steer``, ``reference_guided.Constraint``) each is over the tokens it allows
-    after the output before it, as README says a constrained request's logprobs are."""
+    constraint (``steer``, ``reference_guided.Constraint`` or ``Answer``) each is over the
+    tokens it allows after the output before it, as README says a constrained request's
+    logprobs are."""
     n = len(prompt)
     cap, depth = ref.depths(kw.get("max_loops"))
     full = ref.full_recompute(prompt + out[:-1], [depth] * (n - 1) + depths, prompt_len=n, **kw)

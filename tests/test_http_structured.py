@@ -145,6 +145,46 @@ async def test_a_thinking_chat_is_constrained_after_its_span(ckpt):
         assert len(choice["message"]["reasoning"]) > max(map(len, CHOICES)), choice
 
 
+@pytest.mark.parametrize("budget", [0, 8])
+async def test_a_thinking_budget_then_the_schema(ckpt, budget):
+    """vLLM's ``thinking_token_budget`` with ``response_format`` on a chat whose template
+    opens ``<think>``: ``reasoning`` is the bounded thinking and the forced interruption,
+    ``content`` the JSON the schema asks for; streamed, the same text. On completions (no span
+    open) the budget never spends: the whole text is the constrained answer."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "cat", "schema": SCHEMA}}
+    body = {
+        **CHAT,
+        "max_tokens": 120,
+        "seed": 3,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "response_format": schema_format,
+        "thinking_token_budget": budget,
+        "thinking_interruption": " Time is up.",
+        "return_token_ids": True,
+    }
+    async with running(ckpt) as live:
+        status, _, raw = await live.post("/v1/chat/completions", body)
+        assert status == 200, raw
+        (choice,) = orjson.loads(raw)["choices"]
+        message = choice["message"]
+        assert choice["finish_reason"] == "stop", choice
+        thinking, interruption = message["reasoning"].rsplit(" Time is up.", 1)
+        assert not interruption and bool(thinking) == bool(budget), message
+        value = json.loads(message["content"])
+        assert set(value) == {"age", "color"} and value["color"] in ("red", "green")
+        status, _, raw = await live.post("/v1/chat/completions", {**body, "stream": True})
+        assert status == 200, raw
+        deltas = [c["choices"][0]["delta"] for c in sse_payloads(raw)[:-1] if c["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+        plain = {"prompt": "Hello", "max_tokens": 120, "seed": 3, "guided_json": SCHEMA}
+        plain.update(thinking_token_budget=budget, thinking_interruption=" Time is up.")
+        status, _, raw = await live.post("/v1/completions", plain)
+        assert status == 200, raw
+        (choice,) = orjson.loads(raw)["choices"]
+        assert set(json.loads(choice["text"])) == {"age", "color"}, choice
+
+
 async def test_what_each_field_asks_for():
     """The constraint each field gives, as parsed (nothing compiled): ``text`` asks for none,
     a json_schema without a schema is any object (OpenAI's), vLLM's ``json_schema`` key is

@@ -80,9 +80,6 @@ def test_refusals_name_the_field(llm, monkeypatch):
         llm.generate(["x"], bad)
     with pytest.raises(ValueError, match="regex: cannot compile this constraint"):
         llm.generate(["x"], sampled(structured_outputs=StructuredOutputsParams(regex="(")))
-    thinking = sampled(structured_outputs=StructuredOutputsParams(regex="a"), max_thinking_tokens=2)
-    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
-        llm.generate(["x"], thinking)
     monkeypatch.setitem(sys.modules, "outlines_core", None)
     with pytest.raises(ValueError, match=r"pip install 'rltserve\[structured\]'"):
         llm.generate(["x"], sampled(structured_outputs=StructuredOutputsParams(regex="b")))
@@ -147,3 +144,30 @@ def test_a_pydantic_schema_with_float_bounds_holds(llm):
     assert finished
     for text in finished:
         Reading.model_validate_json(text)
+
+
+def test_a_thinking_chat_answers_in_its_constraint_after_a_bounded_span(llm):
+    """vLLM's ``thinking_token_budget`` with a constraint, on a chat whose template opens
+    ``<think>``: at most 6 thinking tokens, the interruption and ``</think>`` (forced), then
+    the answer in the constraint; each of n = 2 seeded samples is a request seeded seed + j.
+    A prompt that opens no span: the budget never spends, the constraint holds from the
+    first token."""
+    regex = "[0-9]{3}-[a-z]{2}"
+    p = sampled(
+        n=2, seed=5, thinking_token_budget=6, thinking_interruption=" Time is up.",
+        structured_outputs=StructuredOutputsParams(regex=regex),
+    )  # fmt: skip
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    messages = [{"role": "user", "content": "Your code?"}]
+    (out,) = llm.chat(messages, p, use_tqdm=False, **think)
+    tok = llm.tokenizer
+    end = tok.get_vocab()["</think>"]
+    forced = [*tok.encode(" Time is up.", add_special_tokens=False), end]
+    for j, sample in enumerate(out.outputs):
+        ids = list(sample.token_ids)
+        assert ids[6 : 6 + len(forced)] == forced and sample.finish_reason == "stop"
+        assert re.fullmatch(regex, tok.decode(ids[6 + len(forced) :])), sample.text
+        (alone,) = llm.chat(messages, p.replace(n=1, seed=5 + j), use_tqdm=False, **think)
+        assert alone.outputs[0].token_ids == sample.token_ids
+    (plain,) = llm.generate(["Hello"], p.replace(n=1))
+    assert re.fullmatch(regex, plain.outputs[0].text) and end not in plain.outputs[0].token_ids

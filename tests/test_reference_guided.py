@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from reference import Reference
-from reference_guided import Constraint, ThinkingBudget
+from reference_guided import Answer, Constraint, ThinkingBudget
 
 PROMPT = [3, 17, 42, 7, 8]
 
@@ -70,3 +70,17 @@ def test_generate_with_a_constraint_pads_min_tokens_with_the_end(tiny, digits):
     out = ref.generate(PROMPT, 8, steer=digits, min_tokens=5, eos_token_ids=ref.eos_token_ids)
     text = digits.text([t for t in out.tokens if t != 0])
     assert text in ("1", "10") and out.tokens[-1] == 0 and len(out.tokens) == 5
+
+
+def test_with_a_budget_the_constraint_applies_to_the_answer_after_the_span(digits):
+    """``Answer``: free thinking, the forced ids, then the constraint on the answer alone; the
+    answer starts after end ids the output holds within its budget, else after the forced ids."""
+    one, zero = 21, 20
+    answer = Answer(ThinkingBudget(2, (40,), (300,)), digits)
+    assert answer.allowed([9]) is None and answer.forced([9, 9]) == 40
+    assert answer.start([9, 9, 40, 300]) == 4 and answer.allowed([9, 9, 40, 300]) == [one]
+    assert answer.start([300]) == 1 and answer.allowed([300, one]) == digits.allowed([one])
+    assert answer.start([9, 300, one]) == 2  # (the model closed the span at its budget)
+    assert answer.first_outside([9, 9, 40, 300, one, zero, 0]) is None
+    assert answer.first_outside([9, 9, 40, 300, zero]) == 4
+    assert Answer(ThinkingBudget(0, (), (300,)), digits).start([300]) == 1

@@ -137,7 +137,7 @@ def test_compiled_indexes_are_cached_per_pattern_and_bounded(tok):
         GuideCompiler(None).compile("x", "guided_regex")
 
 
-def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
+def test_bind_compiles_once_and_takes_bounded_thinking(tok):
     p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     bound = bind(p, tok)
     guide = compiled_index(bound.structured_outputs)
@@ -145,10 +145,11 @@ def test_bind_compiles_once_and_refuses_bounded_thinking(tok):
     assert bind(bound, tok) is bound and bound.clone().structured_outputs == p.structured_outputs
     assert compiled_index(bound.clone().structured_outputs) is guide
     assert bind(SamplingParams(), tok) == SamplingParams()
-    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
-        bind(p.replace(max_thinking_tokens=4), tok)
-    with pytest.raises(ValueError, match="does not combine with bounded thinking"):
-        check_bound(bound.replace(max_thinking_tokens=4))  # (the engine's check: bound later)
+    # (The constraint then applies after the thinking span: ``core.guide.Guide.of``.)
+    thinking = bind(bound.replace(max_thinking_tokens=4), tok)
+    assert compiled_index(thinking.structured_outputs) is guide
+    check_bound(thinking)  # (the engine's check)
+    assert compiled_index(bind(p.replace(max_thinking_tokens=0), tok).structured_outputs)
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         bind(p, None)
 

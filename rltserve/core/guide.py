@@ -11,23 +11,35 @@ over the tokens it had sampled (``replay``), so its continuation is an uninterru
 
 A prompt that leaves a thinking span open (a chat template's ``<think>``) starts its guide
 inactive (``after_reasoning``): nothing is masked until the output samples ``</think>``, as
-vLLM's reasoning parsers do.
+vLLM's reasoning parsers do. A thinking budget (``max_thinking_tokens``: the engine's span is
+open from the first output) does the same with its own end ids (``thinking_end_token_ids``),
+and the span also closes where the budget is spent: after the K-th thinking token the engine
+forces the interruption and the end ids (``core/thinking.py``), which never reach a live guide
+(they are not sampled), so the guide turns active at that token and masks the first token
+sampled after them, as it would the token after a sampled ``</think>``. A resumed request's
+replay skips the forced ids among its outputs (``replay``'s ``num_forced``), so it lands
+where the live guide was. (vLLM's budget forces the end as logits masked before sampling, so
+there too the constraint starts at the answer's first sampled token.)
 
 Where the regex is matched in full and nothing may follow, only the end id is allowed: the
-request stops there ("stop"). A token the guide cannot take (never sampled under its mask; a
-forced one) leaves it at that end too.
+request stops there ("stop"). A token the guide cannot take (never sampled under its mask)
+leaves it at that end too.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from rltserve.core.staging import move_to, to_device
 from rltserve.guide_index import END_ID, GuideIndex, compiled_index, reasoning_end
 from rltserve.structured import StructuredOutputsParams, outlines_core
+
+if TYPE_CHECKING:
+    from rltserve.sampling import SamplingParams
 
 # Device masks a sampler keeps (least recently used go): [V] bools, 166 KB each at a 166k
 # vocabulary (83 MB in all).
@@ -41,32 +53,57 @@ class Guide:
     shared index (``_cursor``), which writes the state's allowed ids as a bitmask: a mask is
     built without a Python list of up to the whole vocabulary."""
 
-    def __init__(self, compiled: GuideIndex, reasoning_end: int | None = None) -> None:
+    def __init__(
+        self,
+        compiled: GuideIndex,
+        reasoning_end: int | tuple[int, ...] | None = None,
+        budget: int | None = None,
+    ) -> None:
         self.compiled = compiled
         self._cursor = outlines_core().Guide(compiled.index)
         self.state: int | None = self._cursor.get_state()  # None: at the end
-        # The id that ends the thinking span before the constraint applies; None once it has
-        # (or where there was none).
-        self.reasoning_end = reasoning_end
+        # The ids that end the thinking span before the constraint applies; None once they
+        # have (or where there was none). ``budget``: the span's length at most (a thinking
+        # budget's K, whose end the engine forces unsampled); ``_thought`` its tokens so far.
+        if isinstance(reasoning_end, int):
+            reasoning_end = (reasoning_end,)
+        self.budget = budget
+        self.reasoning_end = None if budget == 0 else reasoning_end
+        self._thought = 0
+        self._tail: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, structured: StructuredOutputsParams) -> Guide:
-        """The guide of a compiled constraint at its start."""
-        return cls(compiled_index(structured), reasoning_end(structured))
+    def of(cls, structured: StructuredOutputsParams, params: SamplingParams | None = None) -> Guide:
+        """The guide of a compiled constraint at its start; with ``params`` holding a thinking
+        budget, one that applies after the span the budget bounds (see the module doc)."""
+        compiled = compiled_index(structured)
+        if params is not None and params.max_thinking_tokens is not None:
+            return cls(compiled, params.thinking_end_token_ids, params.max_thinking_tokens)
+        return cls(compiled, reasoning_end(structured))
 
     @property
     def active(self) -> bool:
         """Whether the constraint applies to the next token (not while the output thinks)."""
         return self.reasoning_end is None
 
-    def replay(self, tokens: Iterable[int]) -> Guide:
-        for token in tokens:
-            self.advance(token)
+    def replay(self, tokens: Sequence[int], num_forced: int = 0) -> Guide:
+        """Advanced over a resumed request's outputs, ``num_forced`` of which a thinking budget
+        forced (they follow its K-th thinking token: the live guide never saw them)."""
+        forced = range(0)
+        if num_forced and self.budget is not None:
+            forced = range(self.budget, self.budget + num_forced)
+        for i, token in enumerate(tokens):
+            if i not in forced:
+                self.advance(token)
         return self
 
     def advance(self, token: int) -> None:
-        if self.reasoning_end is not None:
-            if token == self.reasoning_end:
+        end = self.reasoning_end
+        if end is not None:
+            self._thought += 1
+            self._tail = (*self._tail, token)[-len(end) :]
+            # (Closed by its end ids, or by the budget: the engine forces the end after them.)
+            if self._tail == end or (self.budget is not None and self._thought >= self.budget):
                 self.reasoning_end = None
             return
         state = self.state
@@ -79,7 +116,7 @@ class Guide:
             return
         try:
             self._cursor.advance(token, return_tokens=False)
-        except ValueError:  # (a token the state does not allow: a forced one)
+        except ValueError:  # (a token the state does not allow)
             self.state = None
             return
         self.state = self._cursor.get_state()

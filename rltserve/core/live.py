@@ -127,7 +127,8 @@ class LiveRequest:
         """A resumed request (``setup.num_sampled > 0``) gets its generator at the state after
         the tokens it sampled before preemption: ``kept`` (the generator it had) when that has
         not drawn past them, else one replayed from the seed (``SeededGenerator.resume``), and
-        its guide (structured outputs) advanced over them."""
+        its guide (structured outputs) advanced over them (over its outputs but the forced
+        thinking ids: ``Guide.replay``)."""
         generator = None
         if not setup.params.greedy:
             generator = SeededGenerator.resume(
@@ -138,7 +139,9 @@ class LiveRequest:
             history = list(setup.output_token_ids or [])
         guide = None
         if setup.params.structured_outputs is not None:
-            guide = Guide.of(setup.params.structured_outputs).replay(setup.output_token_ids or ())
+            outputs = setup.output_token_ids or []
+            guide = Guide.of(setup.params.structured_outputs, setup.params)
+            guide.replay(outputs, num_forced=len(outputs) - setup.num_sampled)
         live = cls(setup, generator, history=history, epoch=setup.epoch, guide=guide)
         live.commits = history is not None or guide is not None
         # One per request: its fields never change (the history list grows in place).

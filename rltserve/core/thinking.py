@@ -51,7 +51,10 @@ request: a step later), so the request runs the very items synchronous schedulin
 (token ids, exit depths, forced logprobs and generator draws alike). Penalties count forced
 tokens as output tokens: the runner's penalty history takes them as they enter as recorded
 inputs (``LiveRequest.record_inputs``), and a resumed request's setup has them with the
-sampled ones. On an engine with token pipelining such a request decodes without it
+sampled ones. A constraint (structured outputs) applies to the answer after the span: the
+request's guide turns active at the token that spends the budget, so the first token sampled
+after the forced ids is the answer's first (``core/guide.py``). On an engine with token
+pipelining such a request decodes without it
 (``request_checks.check_pipelining``; an explicit ``speculative=True`` is refused there).
 """
 
