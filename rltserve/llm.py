@@ -24,7 +24,7 @@ from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
-from rltserve.guide_index import GuideCompiler
+from rltserve.guide_index import GuideCompiler, after_reasoning
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
@@ -51,7 +51,7 @@ from rltserve.prompt_inputs import (
 from rltserve.prompt_truncation import truncated_prompt
 from rltserve.samples import expand_samples, sample_ids
 from rltserve.sampling import SamplingParams
-from rltserve.thinking import bound_thinking, resolve_thinking
+from rltserve.thinking import bound_thinking, resolve_thinking, think_tag_ids
 from rltserve.vllm_args import (
     check_inert,
     check_parallel,
@@ -334,10 +334,21 @@ class LLM(TrainerControls, ChatRendering, Refusals):
                 raise ValueError(f"{exc}{at_prompt(index, len(batch))}") from None
         spans = [None] * len(batch) if thinking is None else thinking
         plist = [
-            bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span)
+            self._after_reasoning(
+                bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span), span
+            )
             for p, ids, span in zip(plist, encoded, spans)
         ]
         return encoded, plist
+
+    def _after_reasoning(self, p: SamplingParams, thinking: bool | None) -> SamplingParams:
+        """A chat's constraint applies to its answer after ``</think>`` where its template left
+        a thinking span open (``thinking``: ``ChatPrompt.thinking``), as the server's does."""
+        structured = p.structured_outputs
+        if structured is None or not thinking:
+            return p
+        end = think_tag_ids(self.tokenizer)[1]
+        return p if end is None else p.replace(structured_outputs=after_reasoning(structured, end))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the

@@ -171,3 +171,20 @@ def test_a_thinking_chat_answers_in_its_constraint_after_a_bounded_span(llm):
         assert alone.outputs[0].token_ids == sample.token_ids
     (plain,) = llm.generate(["Hello"], p.replace(n=1))
     assert re.fullmatch(regex, plain.outputs[0].text) and end not in plain.outputs[0].token_ids
+
+
+def test_a_thinking_chat_thinks_freely_before_its_constraint(llm):
+    """Without a budget, as the server: where the chat's template opens ``<think>`` the
+    constraint waits for ``</think>``; until then the output is the unconstrained one's."""
+    think = {"chat_template_kwargs": {"enable_thinking": True}}
+    messages = [{"role": "user", "content": "Your code?"}]
+    p = SamplingParams(max_tokens=24, temperature=0.0)
+    (free,) = llm.chat(messages, p, use_tqdm=False, **think)
+    guided = p.replace(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = llm.chat(messages, guided, use_tqdm=False, **think)
+    free_ids, ids = list(free.outputs[0].token_ids), list(out.outputs[0].token_ids)
+    end = llm.tokenizer.get_vocab()["</think>"]
+    span = free_ids.index(end) + 1 if end in free_ids else len(free_ids)
+    assert ids[:span] == free_ids[:span] and span > 0
+    (plain,) = llm.chat(messages, guided, use_tqdm=False)  # (thinking off: from the start)
+    assert plain.outputs[0].text in ("yes", "no")
