@@ -25,7 +25,7 @@ from rltserve.http.body import warn_ignored_fields
 from rltserve.http.config import ServerConfig
 from rltserve.http.cors import allow_origin, preflight
 from rltserve.http.handlers import add_routes
-from rltserve.http.middleware import auth, errors
+from rltserve.http.middleware import activity, auth, errors
 from rltserve.http.state import STATE, ClientFactory, Clock, IdFactory, ServingState, random_id
 
 __all__ = ["STATE", "create_app", "resolve_model"]
@@ -53,9 +53,8 @@ def create_app(
     stage client (default: a spawned ``StageClient`` process, or two for ``disaggregate``:
     ``pd.stage_client``)."""
     engine_config = resolve_model(engine_config)
-    app = web.Application(
-        middlewares=[errors, preflight, auth], client_max_size=server_config.max_body_bytes
-    )
+    middlewares = [activity, errors, preflight, auth]
+    app = web.Application(middlewares=middlewares, client_max_size=server_config.max_body_bytes)
     state = ServingState(server_config, engine_config, client_factory, ids=ids, clock=clock)
     app[STATE] = state
     add_routes(app)

@@ -2,7 +2,8 @@
 the probes (``PUBLIC_PATHS``, and ``/metrics`` unless ``metrics_auth``), header passthrough and
 the HTTP request counter.
 
-Order (outermost first): ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
+Order (outermost first): ``activity`` counts the requests in flight for the idle heap trim
+(``heap_trim``); ``errors`` renders ``HTTPError``, ``SchemaError``, aiohttp's own
 ``HTTPException``s (404 route, 405 method, 413 body) and any unexpected exception (500, logged)
 as JSON; then ``auth``, which guards every route but the probes. Error bodies never carry a
 traceback or a request's own header values. Requests that do not parse never reach a
@@ -38,6 +39,18 @@ def _route_name(request: web.Request) -> str:
     route = request.match_info.route
     resource = route.resource if route is not None else None
     return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def activity(request: web.Request, handler) -> web.StreamResponse:
+    """Counts the request in flight until its handler returns (a stream's once it has ended)
+    or is cancelled: the heap is trimmed once none is (``heap_trim.IdleTrim``)."""
+    idle_trim = request.app[STATE].idle_trim
+    idle_trim.begin()
+    try:
+        return await handler(request)
+    finally:
+        idle_trim.end()
 
 
 @web.middleware

@@ -32,6 +32,7 @@ from rltserve.http.config import ServerConfig
 from rltserve.http.encoding import max_token_chars
 from rltserve.http.errors import HTTPError, unavailable
 from rltserve.http.frontend import Frontend, StageClientLike
+from rltserve.http.heap_trim import IdleTrim, heap_trimmer
 from rltserve.http.hidden_metrics import shown_hidden_metrics
 from rltserve.http.metrics import ServingMetrics
 from rltserve.http.request_log import RequestLog, id_list
@@ -129,6 +130,8 @@ class ServingState:
         self.sampling_defaults: dict[str, object] = {}
         # Owned here, shut down in stop(): long bodies and texts are parsed and encoded on it.
         self.executor = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="rltserve-tok")
+        # What the requests freed, given back to the kernel once they stop (on the pool above).
+        self.idle_trim = IdleTrim(heap_trimmer(), self.executor)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -309,6 +312,7 @@ class ServingState:
 
     async def stop(self) -> None:
         self.closing = True
+        self.idle_trim.close()
         for task in (self._watch, self._stats_log):
             if task is not None:
                 task.cancel()
