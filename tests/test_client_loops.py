@@ -34,3 +34,26 @@ def test_each_asyncio_run_closes_the_connections_it_opened():
         gc.collect()
     assert unclosed_sockets(caught) == []
     assert received == ["x", "x", "s", "y"]
+
+
+async def test_requests_run_side_by_side_up_to_max_connections():
+    """``max_connections`` bounds the requests in flight at once (the pool's size)."""
+    from aiohttp import web
+    from test_client_sse import serve
+
+    flight = {"now": 0, "most": 0}
+
+    async def completions(request: web.Request) -> web.Response:
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        await asyncio.sleep(0.1)
+        flight["now"] -= 1
+        return web.json_response({"n": 1})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    for limit, most in ((1, 1), (3, 3)):
+        flight["most"] = 0
+        async with serve(app) as url, AsyncClient(url, max_connections=limit) as client:
+            await asyncio.gather(*(client.complete("x") for _ in range(3)))
+        assert flight["most"] == most, limit

@@ -121,9 +121,12 @@ def test_decoder_holds_exactly_its_bound():
         decoder.feed(b"5")
 
 
-def app_ending_late(after_done: float | None) -> tuple[web.Application, list]:
+def app_ending_late(
+    after_done: float | None, trailer: bytes = b"", cut: bool = False
+) -> tuple[web.Application, list]:
     """A stream whose body ends ``after_done`` seconds after its ``[DONE]`` (None: it goes on
-    sending comments until the client leaves); the list gets each request's client address."""
+    sending comments until the client leaves), ``trailer`` sent in between, or its connection
+    ``cut`` there (no end of body); the list gets each request's client address."""
     peers: list = []
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -138,6 +141,12 @@ def app_ending_late(after_done: float | None) -> tuple[web.Application, list]:
                     await response.write(b": still here\n\n")
             return response
         await asyncio.sleep(after_done)
+        if trailer:
+            await response.write(trailer)
+            await asyncio.sleep(after_done)
+        if cut:
+            request.transport.abort()
+            return response
         await response.write_eof()
         return response
 
@@ -156,6 +165,21 @@ async def test_a_finished_stream_gives_its_connection_back_to_the_pool():
             chunks = [chunk async for chunk in client.stream("x")]  # (no async with)
             assert chunks == CHUNKS
     assert len(peers) == 4 and len(set(peers)) == 1
+    # What a server writes after [DONE] before the end (a comment) is read past as well.
+    app, peers = app_ending_late(0.05, trailer=b": bye\n\n")
+    async with serve(app) as url, AsyncClient(url) as client:
+        for _ in range(2):
+            assert await asyncio.wait_for(_collect(client), 10) == CHUNKS
+    assert len(peers) == 2 and len(set(peers)) == 1
+
+
+async def test_a_connection_cut_after_done_still_ends_the_stream_whole():
+    """Every event came: a body cut short after [DONE] drops its connection, not the stream."""
+    app, peers = app_ending_late(0.05, cut=True)
+    async with serve(app) as url, AsyncClient(url) as client:
+        for _ in range(2):
+            assert await asyncio.wait_for(_collect(client), 10) == CHUNKS
+    assert len(set(peers)) == 2
 
 
 async def test_a_body_left_open_after_done_ends_the_stream_all_the_same(monkeypatch):

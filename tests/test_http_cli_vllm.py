@@ -51,6 +51,10 @@ def test_client_certificate_flags_reach_the_server_config(tmp_path):
          "supported: LoRA adapters are not supported; merge the adapter into its base model (as "
          "peft's merge_and_unload does), and serve that checkpoint under the adapter's name with "
          "--served-model-name"),
+        (["--lora-modules", "sql=/a/sql", "chat=/a/chat"], "--lora-modules sql=/a/sql "
+         "chat=/a/chat: not supported: LoRA adapters are not supported; merge the adapter into "
+         "its base model (as peft's merge_and_unload does), and serve that checkpoint under the "
+         "adapter's name with --served-model-name"),
         (["--enable-ssl-refresh"], "--enable-ssl-refresh: not supported: the TLS certificate "
          "and key load once, at start; restart the server (roll the pods) to serve renewed ones"),
         (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin p.py: not supported: no tool "
@@ -149,3 +153,22 @@ def test_flags_that_change_nothing_are_taken_and_logged(monkeypatch, caplog):
         "outlines-core (the same constraints)" in lines  # fmt: skip
     assert any(line.startswith("--ssl-ca-certs: clients are not asked for") for line in lines)
     assert "hf_secret" not in caplog.text and "'hf_token': '***'" in caplog.text
+
+
+def test_only_the_flags_given_are_logged_with_their_values():
+    from rltserve.http.vllm_frontend import ignored_vllm_frontend_args
+
+    args = _args("ckpt", "--collect-detailed-traces", "model,worker")  # (a value: a flag's)
+    assert ignored_vllm_frontend_args(args) == [
+        "--collect-detailed-traces: has no effect: no OpenTelemetry traces are exported"
+    ]
+
+
+def test_help_says_why_each_of_vllms_flags_changes_nothing_or_is_refused(capsys):
+    from rltserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "vLLM's; refused: LoRA adapters are not supported" in shown
+    assert "vLLM's; accepted, no effect: no OpenTelemetry traces are exported" in shown

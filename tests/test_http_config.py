@@ -36,6 +36,7 @@ def ckpt(tmp_path_factory):
             r"disable_access_log_for_endpoints: 'metrics' is not a path \(starts with /\)$",
         ),
         ({"api_key": ""}, r"api_key='': must not be empty"),
+        ({"response_role": "  "}, r"response_role='  ': must be a role's name$"),
         ({"max_concurrent": 0}, r"max_concurrent=0: must be an int >= 1"),
         ({"max_concurrent": True}, r"max_concurrent=True:"),
         ({"max_queued": -1}, r"max_queued=-1: must be an int >= 0"),
@@ -299,3 +300,12 @@ async def test_a_default_threshold_stays_with_its_criterion(ckpt):
                 assert status == 200, raw
         got = [(p.exit_criterion, p.exit_threshold) for p in stage.added_params]
         assert got == [*want, ("latent-diff", 0.4)], overrides
+
+
+def test_lists_of_names_and_keys_are_kept_as_tuples_a_frozen_config_hashes():
+    """argparse's nargs gives lists: a config holding them hashes and compares as one given
+    tuples (a frozen dataclass hashes its fields: a list there would be a TypeError)."""
+    listed = ServerConfig(served_model_name=["a", "b"], api_key=["k1", "k2"])
+    given = ServerConfig(served_model_name=("a", "b"), api_key=("k1", "k2"))
+    assert (listed.served_model_name, listed.api_key) == (("a", "b"), ("k1", "k2"))
+    assert hash(listed) == hash(given) and listed == given

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from rltserve.http.config import ServerConfig
-from rltserve.http.listener import check_listener_files
+from rltserve.http.listener import UDS_MAX_BYTES, check_listener_files, check_socket_free
 from rltserve.http.server import serving
 
 
@@ -77,3 +77,54 @@ async def test_a_server_leaves_a_later_servers_socket_in_place(sock_path):
             await first.close()
             assert await _who(sock_path) == "second"
     assert not os.path.exists(sock_path)
+
+
+async def test_any_local_user_may_connect_to_the_socket(sock_path):
+    """As uvicorn leaves it (the API key guards it, as a loopback port), whatever the umask."""
+    old = os.umask(0o077)
+    try:
+        async with serving(_app("open"), ServerConfig(uds=sock_path)):
+            assert os.stat(sock_path).st_mode & 0o777 == 0o666
+    finally:
+        os.umask(old)
+
+
+def test_a_socket_path_may_have_as_many_bytes_as_a_socket_takes():
+    ServerConfig(uds="/" + "s" * (UDS_MAX_BYTES - 1))
+    with pytest.raises(ValueError, match="longer than a Unix socket's path may be"):
+        ServerConfig(uds="/" + "s" * UDS_MAX_BYTES)
+
+
+def test_a_server_too_busy_to_accept_is_live(sock_path):
+    """A connection that times out (the server's backlog full) is a live server's, not a stale
+    socket to replace."""
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    busy.bind(sock_path)
+    busy.listen(0)
+    waiting = []
+    try:
+        while True:  # (until the backlog is full)
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            waiting.append(client)
+            try:
+                client.connect(sock_path)
+            except BlockingIOError:
+                break
+        with pytest.raises(OSError, match="another server is listening on it"):
+            check_socket_free(sock_path)
+    finally:
+        for client in waiting:
+            client.close()
+        busy.close()
+
+
+async def test_an_ipv6_address_is_bracketed_in_the_url():
+    async with serving(_app("six"), ServerConfig(host="::1", port=0)) as server:
+        assert server.url.startswith("http://[::1]:")
+        port = int(server.url.rsplit(":", 1)[1])
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://[::1]:{port}/who") as r,
+        ):
+            assert await r.text() == "six"

@@ -39,3 +39,33 @@ def test_a_resumed_request_keeps_its_penalty_history(ckpts):
     assert core.stats().num_preemptions > 0
     _unseen(run, PROMPTS)
     assert run.tokens == run_core(make_core(ckpts["ouro"]), PROMPTS, params).tokens
+
+
+def test_forced_ids_join_the_history_once_as_they_enter_as_inputs():
+    """Bounded thinking's forced ids reach the runner only as recorded inputs (a replay item's
+    ``token_ids`` from ``start``): the outputs among them that the history lacks join it, in
+    order, each once; a prompt chunk adds nothing, nor does a replay after preemption (its
+    history holds them already). Prompt [1, 2, 3]: output j is the input at 3 + j."""
+    from types import SimpleNamespace
+
+    from rltserve.core.live import LiveRequest
+
+    def live(history: list[int]) -> LiveRequest:
+        return LiveRequest(SimpleNamespace(prompt_token_ids=[1, 2, 3]), None, history=history)
+
+    budget_1 = live([7])  # (the K-th token sampled; forced 40, 41, 300 follow)
+    budget_1.record_inputs(3, [7, 40, 41])
+    budget_1.record_inputs(6, [300])
+    assert budget_1.history == [7, 40, 41, 300]
+    budget_1.record_inputs(3, [7, 40, 41])  # (replayed after a preemption)
+    assert budget_1.history == [7, 40, 41, 300]
+    budget_0 = live([])  # (forced before the first output)
+    budget_0.record_inputs(0, [1, 2, 3])
+    budget_0.record_inputs(3, [40, 41])
+    assert budget_0.history == [40, 41]
+    behind = live([7])  # (inputs past outputs the history does not hold yet: not its next)
+    behind.record_inputs(5, [40, 41])
+    assert behind.history == [7]
+    unpenalized = live(None)  # (no penalties: no history kept)
+    unpenalized.record_inputs(3, [7, 40])
+    assert unpenalized.history is None

@@ -136,6 +136,8 @@ def test_bounds_as_schemas_write_them():
     assert number_bounds(draft_4) == ((Decimal("-2.5"), True), (6, True))
     both = {"minimum": 1, "exclusiveMinimum": 1, "maximum": 3, "exclusiveMaximum": 3.5}
     assert number_bounds(both) == ((1, True), (3, False))
+    tied = {"maximum": 3, "exclusiveMaximum": 3, "minimum": -1, "exclusiveMinimum": -2}
+    assert number_bounds(tied) == ((-1, False), (3, True))  # (a tie: the exclusive one holds)
     assert number_bounds({"minimum": float("-inf"), "maximum": True}) == (None, None)
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from rltserve.number_pattern import integer_pattern
-from rltserve.schema_regex import schema_regex
+from rltserve.schema_regex import json_object_pattern, schema_regex
 from rltserve.structured import StructuredOutputsParams
 
 pytest.importorskip("outlines_core")
@@ -246,3 +246,74 @@ def test_a_bounded_number_of_several_types_keeps_its_bounds():
     ]
     assert matches({"type": ["integer", "string"], "maximum": 3}, '"9"')
     assert not matches({"type": ["integer", "string"], "maximum": 3}, "9")
+
+
+def test_whole_multiples_at_the_edges():
+    """An integer's multiples are written as integers (never ``5.0``), equal bounds are that one
+    number, the most multiples written out is ``MULTIPLES_LISTED`` (beyond it the bounds alone
+    hold), and a ``multipleOf`` that is no positive number constrains nothing more."""
+    from rltserve.number_pattern import MULTIPLES_LISTED
+
+    five = {"type": "integer", "minimum": -10, "maximum": 10, "multipleOf": 5}
+    assert [t for t in ("5", "5.0", "-10", "10.00", "7") if matches(five, t)] == ["5", "-10"]
+    seven = {"type": "integer", "minimum": 7, "maximum": 7}
+    assert [v for v in range(-10, 20) if matches(seven, str(v))] == [7]
+    last = 5 * (MULTIPLES_LISTED - 1)  # (0, 5, ..., last: MULTIPLES_LISTED of them)
+    listed = {"type": "integer", "minimum": 0, "maximum": last, "multipleOf": 5}
+    assert not matches(listed, "3") and matches(listed, str(last))
+    assert matches(listed | {"maximum": last + 5}, "3")  # (one more: the bounds alone)
+    for step in (0, -5):
+        bounded = {"type": "integer", "minimum": 0, "maximum": 10, "multipleOf": step}
+        assert [v for v in range(-2, 13) if matches(bounded, str(v))] == list(range(11))
+
+
+def compiles(pattern: str) -> bool:
+    """Whether outlines-core builds an index of ``pattern`` (Python's ``re`` reads some regexes
+    it refuses, e.g. ``{0,-1}`` as literal text)."""
+    import outlines_core
+
+    table = {chr(c): [c] for c in range(32, 127)}
+    try:
+        outlines_core.Index(pattern, outlines_core.Vocabulary(0, table))
+    except Exception:  # noqa: BLE001 - its errors are of no one class
+        return False
+    return True
+
+
+def test_any_array_is_ours_only_where_it_allows_any_item():
+    """Items of a schema, other array keywords, or counts no array has leave the array to
+    outlines-core's translation, which enforces them; an empty array's regex compiles; items
+    nest as json_object's values do."""
+    from rltserve.schema_regex import JSON_OBJECT_DEPTH, any_array
+
+    assert compiles(schema_regex({"type": "array", "maxItems": 0}))
+    ints = {"type": "array", "items": {"type": "integer"}}
+    assert matches(ints, "[1, 2]") and not matches(ints, '["x"]')
+    first = {"type": "array", "prefixItems": [{"type": "integer"}]}
+    assert matches(first, "[1]") and not matches(first, '["x"]')
+    for counts in ({"minItems": -1}, {"maxItems": True}, {"minItems": 1.5}):
+        assert not any_array({"type": "array", **counts}), counts
+    deepest = "[" * JSON_OBJECT_DEPTH + "1" + "]" * JSON_OBJECT_DEPTH
+    assert matches({"type": "array"}, deepest)
+    assert re.fullmatch(json_object_pattern(), '{"a": ' + deepest[1:-1] + "}")
+    assert not matches({"type": "array"}, f"[{deepest}]")
+
+
+def test_subschemas_of_our_own_keep_their_other_keywords():
+    """A number's bounds, a format or an ``allOf`` with keywords of their own besides (an
+    ``enum``, a string's ``maxLength``, the rest of the schema): those keywords still hold."""
+    enum = {"type": "integer", "minimum": 0, "enum": [1, 2]}
+    assert matches(enum, "1") and not matches(enum, "3")
+    dated = {"type": "string", "format": "date", "enum": ["2020-01-01"]}
+    assert matches(dated, '"2020-01-01"') and not matches(dated, '"2021-01-01"')
+    short = {"type": ["string", "integer"], "minimum": 0, "maxLength": 2}
+    assert matches(short, '"ab"') and not matches(short, '"abc"')
+    anything = {"allOf": [{}, True], "type": "integer"}
+    assert matches(anything, "5") and not matches(anything, '"x"')
+
+
+def test_an_email_keeps_to_its_dot_atom():
+    email = {"type": "string", "format": "email"}
+    assert matches(email, '"a.b_c-d@x.io"')
+    for text in ('"a b@x.io"', '"a\\\\b@x.io"', '"a\\"b@x.io"', '"a..b@x.io"', '"a@x..io"'):
+        assert not matches(email, text), text

@@ -83,6 +83,12 @@ def test_the_stats_line_covers_the_interval_and_stays_quiet_when_idle():
     source["stats"] = _stats(num_running=1, prefix_cache_queries=10, prefix_cache_hits=10)
     assert log.line(45.0).endswith("Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%, "
                                    "Prefix cache hit rate: 0.0%")  # fmt: skip
+    # Its lookups so far (a request admitted, its first token to come) count with that request.
+    timeline = RequestTimeline(44.0, 44.0)
+    metrics.on_start(timeline, 20)
+    metrics.on_tokens(timeline, 46.0, [4])
+    source["stats"] = _stats(num_running=1, prefix_cache_queries=20, prefix_cache_hits=15)
+    assert log.line(55.0).endswith("Prefix cache hit rate: 75.0%")
 
 
 def test_the_interval_is_vllms_variable(caplog):
@@ -148,5 +154,9 @@ def test_the_hit_rate_window_drops_the_oldest_requests():
     assert window.requests == 9 and window.rate == 1.0
     window.observe(50, 100, 50)  # more than the window alone: the latest stays
     assert window.requests == 50 and window.rate == 0.5
+    window.observe(0, 100, 100)  # lookups of requests whose first token is still to come
+    window.observe(1, 0, 0)
+    window.observe(1, 200, 0)  # (those lookups counted once)
+    assert (window.requests, window.queries, window.hits) == (2, 300, 100)
     window.reset()
     assert window.rate == 0.0

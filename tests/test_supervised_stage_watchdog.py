@@ -223,6 +223,42 @@ async def test_a_restarted_stage_that_hangs_taking_its_weights_back_is_killed(tm
     )
 
 
+async def test_with_the_watchdog_off_a_restore_is_bounded_by_the_start_timeout(caplog):
+    """``watchdog_s`` 0: the bound is ``startup_timeout_s``, and the reason names that flag."""
+    caplog.set_level(logging.INFO, logger="rltserve.http")
+    hung, good = _Hanging("hung", "sleep"), _Sleepy("good")
+    sup, _, _ = _supervised(
+        _Sleepy("a"), hung, good, clock=time.monotonic, watchdog_s=0.0, startup_timeout_s=0.3
+    )
+    sup.sleep(1, 5.0)
+    await asyncio.wait_for(sup._replace("boom"), 10)
+    assert hung.killed and sup.inner is good
+    assert (
+        "restart attempt 1: restart failed: putting it back to sleep: no answer to sleep within "
+        "0.3 s (--startup-timeout-s); killed it"
+    ) in caplog.messages
+
+
+class _Loading(_Sleepy):
+    """A new stage that never gets past its load (alive, never ready)."""
+
+    def wait_ready(self, timeout=None):
+        time.sleep(0.01)
+        raise StageError("timed out waiting for the stage to load")
+
+
+async def test_a_restarted_stage_that_never_loads_fails_its_attempt(caplog):
+    caplog.set_level(logging.INFO, logger="rltserve.http")
+    slow, good = _Loading("slow"), _Sleepy("good")
+    sup, _, _ = _supervised(_Sleepy("a"), slow, good, clock=time.monotonic, startup_timeout_s=0.3)
+    await asyncio.wait_for(sup._replace("boom"), 10)
+    assert slow.closed and sup.inner is good and sup.alive
+    assert (
+        "restart attempt 1: restart failed: timed out waiting for the stage to load"
+        in caplog.messages
+    )
+
+
 @pytest.mark.parametrize("how", ["close", "cancel"])
 async def test_a_shutdown_during_a_hung_restore_kills_the_new_stage(how):
     """With the watchdog off the bound is the start's (long): a shutdown meanwhile must not
@@ -236,3 +272,4 @@ async def test_a_shutdown_during_a_hung_restore_kills_the_new_stage(how):
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert hung.killed and hung.closed and sup.inner is not hung
+    assert "no answer" not in str(sup.error)  # (cut short by the shutdown, not a hang)

@@ -158,3 +158,64 @@ def test_llm_chat_with_n_samples_and_a_text_interruption_equals_the_sync_llm(tin
         assert lagged.exit_depths == sync.exit_depths
         assert lagged.cumulative_logprob == pytest.approx(sync.cumulative_logprob, abs=1e-4)
         assert end in sync.token_ids[3:] and "Time is up." in sync.text
+
+
+def _waits(core, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """Runs one request as async scheduling does (each step planned before the previous one's
+    result is applied): its tokens, and the steps it could not plan (waiting for a result)."""
+    from collections import deque
+
+    core.add_request("r", prompt, params)
+    pending: deque = deque()
+    tokens: list[int] = []
+    waits = 0
+    while core.has_work() or pending:
+        plan = core.plan()
+        if plan is None:
+            waits += 1
+        else:
+            pending.append((plan, core.runner.launch(plan)))
+        if len(pending) > 1 or (plan is None and pending):
+            oldest, handle = pending.popleft()
+            for update in core.apply(oldest, handle.result()):
+                tokens.extend(update.new_token_ids)
+    return tokens, waits
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3])
+def test_the_budget_costs_one_wait_per_request(ouro_rv1, budget):
+    """Only the position after the token that may spend the budget waits for its result, once:
+    the steps before and after it (the span closed, forced or not) overlap as without a
+    budget."""
+    plain = _params(budget).replace(max_thinking_tokens=None)
+    tokens, base = _waits(make_core(ouro_rv1, **ASYNC), PROMPTS[0], plain)
+    forced, waits = _waits(make_core(ouro_rv1, **ASYNC), PROMPTS[0], _params(budget))
+    assert forced[budget : budget + 3] == FORCED
+    assert waits == base + (budget > 0)
+    closed = _params(budget + 2, thinking_end_token_ids=(tokens[0],), max_tokens=budget + 6)
+    early, waits = _waits(make_core(ouro_rv1, **ASYNC), PROMPTS[0], closed)
+    assert early == tokens[: budget + 6] and waits == base
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_huge_repetition_penalty_never_repeats_a_forced_token(ouro_rv1, mode):
+    """Greedy with a repetition penalty so large that a seen token is never taken again: the
+    forced ids (here tokens the model favours: the ones a run without a budget takes next)
+    are seen tokens too, so none comes again after them."""
+    never = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1e4)
+    _, plain = run_mode(ouro_rv1, PROMPTS, [never] * len(PROMPTS), **ENGINE_MODES[mode])
+    params = []
+    for i in range(len(PROMPTS)):
+        favoured = plain.tokens[f"r{i}"]
+        params.append(
+            never.replace(
+                max_thinking_tokens=1,
+                thinking_interruption=tuple(favoured[1:4]),
+                thinking_end_token_ids=(favoured[4],),
+            )
+        )
+    _, run = run_mode(ouro_rv1, PROMPTS, params, **ENGINE_MODES[mode])
+    for i, prompt in enumerate(PROMPTS):
+        out = run.tokens[f"r{i}"]
+        assert out[1:5] == plain.tokens[f"r{i}"][1:5]  # (the forced ids)
+        assert len(set(out)) == len(out) and not set(out) & set(prompt), i

@@ -110,8 +110,10 @@ def check_socket_free(path: str) -> None:
             probe.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
             return  # (no one listens: a socket a killed server left, stale)
-        except TimeoutError:
-            pass  # (a server whose backlog is full: live)
+        except (TimeoutError, BlockingIOError):
+            # (a server whose backlog is full: live; Linux refuses such a connection at once
+            # with EAGAIN rather than let it wait out the timeout)
+            pass
         except OSError:
             return  # (not ours to judge, as a folder we may not search: binding says)
     message = f"cannot listen on {path}: another server is listening on it"

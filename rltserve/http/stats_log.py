@@ -155,9 +155,11 @@ class StatsLog:
             return max(0, getattr(totals, name) - getattr(last, name))
 
         prompt, generated = delta("prompt_tokens"), delta("generation_tokens")
+        queries, hits = delta("prefix_queries"), delta("prefix_hits")
         if totals.prefix_queries < last.prefix_queries:  # a restarted stage: a new cache
             self.hit_rate.reset()
-        self.hit_rate.observe(delta("requests"), delta("prefix_queries"), delta("prefix_hits"))
+            queries, hits = totals.prefix_queries, totals.prefix_hits  # (its own, from zero)
+        self.hit_rate.observe(delta("requests"), queries, hits)
         preempted = delta("preemptions")
         running = stats.num_running if stats is not None else 0
         waiting = (stats.num_waiting if stats is not None else 0) + queued
