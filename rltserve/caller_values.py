@@ -63,8 +63,13 @@ def outside_vocab(name: str, ids: Sequence[int], vocab_size: int) -> str | None:
     return f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})"
 
 
+def is_int(value: object) -> bool:
+    """An int, but not a bool (``True`` is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def is_number(value: object) -> bool:
@@ -73,7 +78,7 @@ def is_number(value: object) -> bool:
 
 def check_int(obj: object, name: str) -> None:
     value = getattr(obj, name)
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise ValueError(f"{name}={value!r}: must be an int")
 
 

@@ -10,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
-from rltserve.caller_values import is_number
+from rltserve.caller_values import is_int, is_number
 from rltserve.kv_policy import KVPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -109,7 +109,7 @@ class ModelConfig:
         if type(self.device).__name__ == "device":  # a torch.device: kept as its string
             object.__setattr__(self, "device", str(self.device))
         _check_device("device", self.device)
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an int")
         if self.max_model_len == -1:  # vLLM's "auto": the model's, fitted to the KV pool
             object.__setattr__(self, "max_model_len", None)
@@ -173,9 +173,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         KVPolicy.parse(self.kv_policy)  # raises ValueError naming the bad value
         size = self.block_size
-        if not _is_int(size) or size < 1 or size & (size - 1):
+        if not is_int(size) or size < 1 or size & (size - 1):
             raise ValueError(f"block_size={size!r}: must be a power of two")
-        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 1):
+        if self.num_blocks is not None and (not is_int(self.num_blocks) or self.num_blocks < 1):
             raise ValueError(f"num_blocks={self.num_blocks!r}: must be an int >= 1")
         gb = self.kv_cache_gb
         if not (is_number(gb) and 0 < gb < math.inf):
@@ -305,17 +305,17 @@ class SchedulerConfig:
                 f"scheduling_policy={self.scheduling_policy!r}: must be one of "
                 f"{SCHEDULING_POLICIES}"
             )
-        if not _is_int(self.preemption_time_slice) or self.preemption_time_slice < 0:
+        if not is_int(self.preemption_time_slice) or self.preemption_time_slice < 0:
             raise ValueError(
                 f"preemption_time_slice={self.preemption_time_slice!r}: must be an int >= 0"
             )
-        if not _is_int(self.speculative_tokens) or self.speculative_tokens < 0:
+        if not is_int(self.speculative_tokens) or self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens={self.speculative_tokens!r}: must be >= 0")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "draft_loops"):
             value = getattr(self, name)
             if name == "draft_loops" and value is None:
                 continue  # resolved against the model's loop count when the engine starts
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if self.draft_loops is not None and not self.speculative_tokens:
             raise ValueError(
@@ -394,10 +394,10 @@ class ExecutionConfig:
                 raise ValueError(f"kv_transfer_gb={space!r}: only with disaggregate=True")
         for name in ("cuda_graph_max_rows", "cuda_graph_max_context"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         budget = self.attention_pad_budget
-        if not _is_int(budget) or budget < 0:
+        if not is_int(budget) or budget < 0:
             raise ValueError(f"attention_pad_budget={budget!r}: must be an int >= 0")
 
 
@@ -457,10 +457,6 @@ class EngineConfig:
         if values:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(values))}")
         return cls(**parts)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # (True is no count)
 
 
 def _take(values: dict, cls: type) -> dict:

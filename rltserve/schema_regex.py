@@ -21,6 +21,7 @@ import math
 import re
 from typing import Any
 
+from rltserve.caller_values import is_int
 from rltserve.number_pattern import BOUNDS, bounded_pattern
 
 # json_object's strings and numbers: JSON's own (RFC 8259). outlines-core's leave out ``\uXXXX``
@@ -187,7 +188,7 @@ def any_array(schema: Any) -> bool:
     counts = [schema.get(k, 0) for k in ("minItems", "maxItems")]
     return (
         (items is True or (isinstance(items, dict) and set(items) <= ANNOTATIONS))
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+        and all(is_int(n) and n >= 0 for n in counts)
         and schema.get("minItems", 0) <= schema.get("maxItems", math.inf)
         and set(schema) <= ANNOTATIONS | {"type", "items", "minItems", "maxItems"}
     )

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rltserve.caller_values import is_int
 from rltserve.generation_config import GENERATION_CONFIG_KEYS
 from rltserve.preflight import resolve_dtype
 from rltserve.sampling import SamplingParams
@@ -70,10 +71,6 @@ def _one_of(*accepted: object) -> Callable[[object], bool]:
     return lambda value: any(
         value is a or (value == a and type(value) is type(a)) for a in accepted
     )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _anything(value: object) -> bool:
@@ -153,8 +150,8 @@ INERT: dict[str, tuple[Callable[[object], bool], str | Callable[[object], str | 
         _one_of(False),
         "LoRA adapters are not supported; serve a checkpoint with the adapter merged in",
     ),
-    "max_lora_rank": (_is_int, ""),  # (without enable_lora: unused)
-    "max_loras": (_is_int, ""),
+    "max_lora_rank": (is_int, ""),  # (without enable_lora: unused)
+    "max_loras": (is_int, ""),
     "speculative_config": (
         _one_of(None),
         "draft models are not supported (token pipelining: speculative_tokens=K)",
@@ -165,10 +162,10 @@ INERT: dict[str, tuple[Callable[[object], bool], str | Callable[[object], str | 
     "cpu_offload_gb": (_one_of(0, 0.0), "the weights stay on the device"),
     "pipeline_parallel_size": (_one_of(1), "an engine runs on one device"),
     "data_parallel_size": (_one_of(1), "one engine per LLM (replicas: rltserve.ray.generate)"),
-    "max_seq_len_to_capture": (_is_int, ""),  # (CUDA graphs: cuda_graph_max_context)
+    "max_seq_len_to_capture": (is_int, ""),  # (CUDA graphs: cuda_graph_max_context)
     "compilation_config": (_anything, ""),  # (vLLM's graph capture; rltserve's: cuda_graphs)
     "disable_cascade_attn": (_any_bool, ""),
-    "num_scheduler_steps": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "num_scheduler_steps": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "disable_async_output_proc": (_any_bool, ""),
     "hf_overrides": (
         lambda v: v is None or (isinstance(v, Mapping) and not v),
@@ -198,7 +195,7 @@ INERT: dict[str, tuple[Callable[[object], bool], str | Callable[[object], str | 
     ),
     "guided_decoding_backend": (_is_str_or_none, "a backend name"),
     "hf_token": (lambda v: v is None or isinstance(v, (bool, str)), ""),  # (nothing downloads)
-    "max_num_partial_prefills": (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    "max_num_partial_prefills": (lambda v: is_int(v) and v >= 1, "an int >= 1"),
     "logits_processors": (
         lambda v: v is None or (isinstance(v, (list, tuple)) and not v),
         "no custom logits processors (logit_bias and allowed_token_ids shape sampling)",
@@ -324,7 +321,7 @@ def check_flags(given: Mapping[str, object], replicas: bool = False) -> None:
     ``--replicas N`` (``serve``, ``bench offline``), which data parallelism's refusal names."""
     for name, value in given.items():
         accepts, why = NAMED.get(name) or INERT[name]
-        if name == "data_parallel_size" and replicas and _is_int(value) and value > 1:
+        if name == "data_parallel_size" and replicas and is_int(value) and value > 1:
             why = f"one engine per replica; for {value} engines: --replicas {value}"
         if not accepts(value):
             flag = "--" + name.replace("_", "-")

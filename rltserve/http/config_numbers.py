@@ -3,7 +3,7 @@ range, before anything starts."""
 
 from __future__ import annotations
 
-from rltserve.caller_values import is_number
+from rltserve.caller_values import is_int, is_number
 from rltserve.sampling import MAX_LOGPROBS
 
 
@@ -12,7 +12,7 @@ def check_numbers(config: object, max_n: int) -> None:
     largest ``max_n`` a server takes)."""
     for name, low in (("max_concurrent", 1), ("max_queued", 0), ("max_body_bytes", 1024)):
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name}={value!r}: must be an int >= {low}")
     # (a str, as a value read from the environment is, refused here: comparing it would be a
     # TypeError naming no field)
@@ -46,7 +46,7 @@ def check_numbers(config: object, max_n: int) -> None:
         value = getattr(config, name)
         if value is None and optional:
             continue
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        ok = is_int(value) and value >= low
         if not ok or (high is not None and value > high):
             where = f"in [{low}, {high}]" if high is not None else f">= {low}"
             raise ValueError(f"{name}={value!r}: must be an int {where}")

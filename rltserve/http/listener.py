@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rltserve.caller_values import is_int
 from rltserve.preflight import check_tls_files
 
 if TYPE_CHECKING:
@@ -35,13 +36,9 @@ API_SERVERS = (
 )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_listener(config: ServerConfig) -> None:
     """ValueError naming the field of a listening setting that cannot work."""
-    if not _is_int(config.port) or not 0 <= config.port <= 65535:
+    if not is_int(config.port) or not 0 <= config.port <= 65535:
         raise ValueError(f"port={config.port!r}: must be an int in [0, 65535]")
     uds = config.uds
     if uds is not None:
@@ -55,7 +52,7 @@ def check_listener(config: ServerConfig) -> None:
     if (config.ssl_certfile is None) != (config.ssl_keyfile is None):
         raise ValueError("ssl_certfile, ssl_keyfile: give both or neither")
     reqs = config.ssl_cert_reqs
-    if not _is_int(reqs) or reqs not in CERT_REQS:
+    if not is_int(reqs) or reqs not in CERT_REQS:
         choices = ", ".join(f"{k} ({v})" for k, v in CERT_REQS.items())
         raise ValueError(f"ssl_cert_reqs={reqs!r}: must be one of {choices}")
     for name in ("ssl_ca_certs", "ssl_cert_reqs"):
@@ -68,7 +65,7 @@ def check_listener(config: ServerConfig) -> None:
             "certificates are verified against"
         )
     count = config.api_server_count
-    if not _is_int(count) or count != 1:
+    if not is_int(count) or count != 1:
         raise ValueError(f"api_server_count={count!r}: {API_SERVERS}")
 
 
