@@ -237,6 +237,19 @@ def after_reasoning(structured: StructuredOutputsParams, end_id: int) -> Structu
     return bound
 
 
+def after_open_span(
+    params: SamplingParams, thinking: bool | None, end_id: int | None
+) -> SamplingParams:
+    """``params`` with their constraint bound ``after_reasoning`` where a chat's prompt left a
+    thinking span open (``thinking``: ``ChatPrompt.thinking``) and the tokenizer has
+    ``</think>`` (``end_id``): a chat's answer is split there, and its constraint starts
+    there. Unchanged otherwise (the server's chat and ``LLM.chat`` alike)."""
+    structured = params.structured_outputs
+    if structured is None or not thinking or end_id is None:
+        return params
+    return params.replace(structured_outputs=after_reasoning(structured, end_id))
+
+
 def reasoning_end(structured: StructuredOutputsParams) -> int | None:
     """The id that closes the thinking span before the constraint applies (None: from the
     first token: ``after_reasoning``)."""

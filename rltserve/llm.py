@@ -24,7 +24,7 @@ from rltserve.core.pd import stage_client
 from rltserve.core.request_checks import check_priority
 from rltserve.core.stage import InProcessStageClient, StageClient
 from rltserve.generation_config import generation_config_defaults
-from rltserve.guide_index import GuideCompiler, after_reasoning
+from rltserve.guide_index import GuideCompiler, after_open_span
 from rltserve.llm_batch import PendingBatch
 from rltserve.llm_chat import ChatRendering
 from rltserve.llm_controls import TrainerControls, seconds
@@ -333,22 +333,16 @@ class LLM(TrainerControls, ChatRendering, Refusals):
             except ValueError as exc:
                 raise ValueError(f"{exc}{at_prompt(index, len(batch))}") from None
         spans = [None] * len(batch) if thinking is None else thinking
+        think_end = think_tag_ids(self.tokenizer)[1]
         plist = [
-            self._after_reasoning(
-                bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span), span
+            after_open_span(
+                bound_thinking(self._resolve_thinking(p), ids, self.tokenizer, span),
+                span,
+                think_end,
             )
             for p, ids, span in zip(plist, encoded, spans)
         ]
         return encoded, plist
-
-    def _after_reasoning(self, p: SamplingParams, thinking: bool | None) -> SamplingParams:
-        """A chat's constraint applies to its answer after ``</think>`` where its template left
-        a thinking span open (``thinking``: ``ChatPrompt.thinking``), as the server's does."""
-        structured = p.structured_outputs
-        if structured is None or not thinking:
-            return p
-        end = think_tag_ids(self.tokenizer)[1]
-        return p if end is None else p.replace(structured_outputs=after_reasoning(structured, end))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the ``SamplingParams`` ``generate`` and ``chat`` use when given none: the

@@ -19,7 +19,7 @@ from rltserve.core.engine_info import EngineInfo, EngineStats
 from rltserve.core.request_checks import check_kv_policy, longest_prompt
 from rltserve.core.stage import Sink
 from rltserve.core.thinking import check_thinking
-from rltserve.guide_index import GuideCompiler, after_reasoning, check_bound
+from rltserve.guide_index import GuideCompiler, after_open_span, check_bound
 from rltserve.http.chat_messages import RESPONSE_ROLE
 from rltserve.http.context_limit import prompt_too_long
 from rltserve.http.encoding import TextCodec
@@ -318,10 +318,7 @@ class Frontend:
         for name, ids in params.vocab_token_ids():  # (the engine's own check)
             self._check_vocab(ids, name)
         params = bound_thinking(params, prompt_ids, self.tokenizer, thinking)
-        structured, think_end = params.structured_outputs, self.think_ids[1]
-        if structured is not None and thinking and think_end is not None:
-            # (The answer is split at ``</think>``: its constraint starts there.)
-            params = params.replace(structured_outputs=after_reasoning(structured, think_end))
+        params = after_open_span(params, thinking, self.think_ids[1])
         # (A 400 before a stream starts, naming the field as sent: ``plans``. The engine
         # checks again.)
         try:
