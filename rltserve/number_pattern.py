@@ -187,11 +187,9 @@ def _after(bound: str | None, exclusive: bool, digit: int, above: bool):
 
 
 def _digit_class(digits: list[int]) -> str:
-    if len(digits) == 1:
-        return str(digits[0])
-    if digits == list(range(digits[0], digits[-1] + 1)):
-        return f"[{digits[0]}-{digits[-1]}]"
-    return "[" + "".join(map(str, digits)) + "]"
+    """One digit, or a range: the digits ``_fractions`` groups always run without a gap (those
+    strictly between the bounds' digits, or a bound's digit alone)."""
+    return str(digits[0]) if len(digits) == 1 else f"[{digits[0]}-{digits[-1]}]"
 
 
 def integer_pattern(low: int | None, high: int | None) -> str:

@@ -74,7 +74,6 @@ FORMATS = {
     "email": f'"{_EMAIL}"',
     "uri": f'"{_URI}"',
 }
-DATE_TIME = FORMATS["date-time"]
 # Where a schema's subschemas are: keyword -> whether it holds one, a list or a name -> schema.
 _ONE, _LIST, _MAP = "one", "list", "map"
 _SUBSCHEMAS = {

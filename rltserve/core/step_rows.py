@@ -111,8 +111,7 @@ def recorded_inputs(
     chunks, replays) as one tensor, in a list ([] without them). The outputs among them join
     their requests' penalty histories (``LiveRequest.record_inputs``: forced thinking ids)."""
     for i in prompts:
-        if lives[i].history is not None:
-            lives[i].record_inputs(starts[i], items[i].token_ids)
+        lives[i].record_inputs(starts[i], items[i].token_ids)  # (without penalties: nothing)
     if len(prompts) == 1:  # (one recorded-input item, e.g. a chunk: its ids as they are)
         return [r.tensor(items[prompts[0]].token_ids)]
     if prompts:
