@@ -35,6 +35,9 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_probe import percentile, stop_server, wait_healthy  # noqa: E402
+
 REQUEST_TIMEOUT_S = 120.0  # a request not ended by then is "stuck"
 CUT_FRACTION = 0.3
 BURST_EVERY_S = 5.0
@@ -70,13 +73,6 @@ def tree_rss_bytes(pid: int) -> int:
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
     return total
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def _body(rng: random.Random, chat: bool, stream: bool) -> dict:
@@ -274,20 +270,6 @@ async def soak(url: str, pid: int, minutes: float, concurrency: int, burst: int)
     return report
 
 
-async def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"rltserve serve exited with {process.returncode}")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"the server was not healthy within {timeout} s")
-
-
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "rltserve.cli", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--max-concurrent", str(args.max_concurrent)]
@@ -317,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         burst = args.burst if args.burst is not None else 2 * args.concurrency
         report = asyncio.run(soak(url, process.pid, args.minutes, args.concurrency, burst))
     finally:
-        process.terminate()
-        try:
-            code = process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
+        code = stop_server(process)
     report["server_exit_code"] = code
     report["passed"] = report["passed"] and code == 0
     print(json.dumps(report, indent=2))

@@ -37,7 +37,14 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_probe import delta, ms_percentiles, process_tree, slope_per_min  # noqa: E402
+from soak_probe import (  # noqa: E402
+    delta,
+    ms_percentiles,
+    process_tree,
+    slope_per_min,
+    stop_server,
+    wait_healthy,
+)
 from soak_users import REQUEST_TIMEOUT_S, WEIGHTS, Soak, system_prompt  # noqa: E402
 
 RSS_GROWTH_LIMIT = 0.10  # idle RSS, first quiet window to the end
@@ -253,22 +260,6 @@ def serve_command(args: argparse.Namespace) -> list[str]:
     return cmd + list(args.serve_arg)
 
 
-async def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"rltserve serve exited with {process.returncode}")
-            try:
-                async with session.get(url + "/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise RuntimeError(f"the server was not healthy within {timeout} s")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20.0)
@@ -302,12 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(url, pid, args))
     finally:
         if process is not None:
-            process.terminate()
-            try:
-                code = process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = process.wait()
+            code = stop_server(process)
     if process is not None:
         result["server_exit_code"] = code
         result["passed"] = result["passed"] and code == 0

@@ -1,11 +1,17 @@
 """What a soak watches on the server side: the process tree's RSS, open fds and threads (from
-/proc) and the engine's series in ``/metrics``; plus the small statistics helpers the soak
-reports with. Used by ``scripts/soak_chat.py``."""
+/proc) and the engine's series in ``/metrics``; the server it starts (``wait_healthy``,
+``stop_server``); plus the small statistics helpers the soak reports with. Used by
+``scripts/soak_chat.py`` and ``scripts/soak.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import subprocess
+import time
 from pathlib import Path
+
+import aiohttp
 
 # /metrics series a soak samples (without the prefix); counters end in _total
 SERIES = (
@@ -83,6 +89,32 @@ def delta(after: dict, before: dict) -> dict:
         for r in sorted(reasons)
     }
     return out
+
+
+async def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float) -> None:
+    """Until ``url``'s /health answers 200 (RuntimeError if ``process``, the server started
+    for the soak, exits first or ``timeout`` seconds pass)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"rltserve serve exited with {process.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url + "/health") as response:
+                    if response.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"the server was not healthy within {timeout} s")
+
+
+def stop_server(process: subprocess.Popen) -> int:
+    """SIGTERM (a graceful stop), SIGKILL after 60 s; the exit code."""
+    process.terminate()
+    try:
+        return process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def percentile(values: list[float], q: float) -> float | None:
