@@ -150,10 +150,11 @@ def add_vllm_args(parser: argparse.ArgumentParser, default: object = None) -> No
         if flag in parser._option_string_actions:
             continue
         why = (NAMED.get(name) or INERT[name])[1]
-        help_text = "accepted where the value asks for nothing rltserve lacks" + (
-            " (else refused, saying why)" if callable(why) else f" (else refused: {why})" if why
-            else ""
-        )  # fmt: skip
+        if callable(why):  # (the reason depends on the value)
+            refused = " (else refused, saying why)"
+        else:
+            refused = f" (else refused: {why})" if why else ""
+        help_text = "accepted where the value asks for nothing rltserve lacks" + refused
         if kind is bool:
             action = argparse.BooleanOptionalAction
             group.add_argument(flag, dest=name, action=action, default=default, help=help_text)

@@ -340,3 +340,23 @@ def decode_took(client) -> int:
     from the prefill stage (``kv_transfer_hits``) and real reuse (``prefix_cache_hits``)."""
     stats = client.decode.stats
     return stats.prefix_cache_hits + stats.kv_transfer_hits
+
+
+def run_pd(path, prompts, params, **engine) -> tuple[Run, int]:
+    """``prompts`` through an in-process prefill/decode disaggregated engine of ``engine``'s
+    settings (``stream_all``), and what its decode stage took from its prefix cache
+    (``decode_took``); both stages left idle (``wait_pd_idle``) and closed."""
+    from rltserve.config import EngineConfig
+    from rltserve.core.pd import PDClient
+    from rltserve.core.stage import InProcessStageClient
+
+    config = EngineConfig.from_flat(model=str(path), disaggregate=True, **engine)
+    client = PDClient(config, InProcessStageClient)
+    try:
+        client.wait_ready(120)
+        run = stream_all(client, prompts, params)
+        took = decode_took(client)
+        wait_pd_idle(client)
+    finally:
+        client.close()
+    return run, took

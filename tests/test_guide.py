@@ -14,12 +14,10 @@ import pytest
 import torch
 from engine_util import (
     ENGINE_MODES,
-    decode_took,
     make_core,
     run_core,
     run_mode,
-    stream_all,
-    wait_pd_idle,
+    run_pd,
 )
 from reference import Reference
 
@@ -166,25 +164,12 @@ def test_unbound_or_pipelined_guided_requests_are_refused(tiny, tok):
 def test_disaggregated_stages_give_the_single_stage_outputs(tiny, tok):
     """Prefill/decode disaggregation: the prefill stage runs the prompt without the constraint
     and the decode stage samples every output token under it."""
-    from rltserve.config import EngineConfig
-    from rltserve.core.pd import PDClient
-    from rltserve.core.stage import InProcessStageClient
-
     params = workload(tok)
     prompts = [p * 3 for p in PROMPTS[: len(params)]]  # (whole blocks to move)
     _, want = run_mode(tiny, prompts, params)
-    config = EngineConfig.from_flat(
-        model=str(tiny), disaggregate=True, num_blocks=512, kv_policy="last_exited", block_size=4
-    )
-    client = PDClient(config, InProcessStageClient)
-    client.wait_ready(120)
-    try:
-        run = stream_all(client, prompts, params)
-        assert run.tokens == want.tokens
-        assert decode_took(client) > 0  # (the decode stage used moved prompt blocks)
-        wait_pd_idle(client)
-    finally:
-        client.close()
+    run, took = run_pd(tiny, prompts, params, num_blocks=512, kv_policy="last_exited", block_size=4)
+    assert run.tokens == want.tokens
+    assert took > 0  # (the decode stage used moved prompt blocks)
 
 
 def test_a_matched_constraint_pads_min_tokens_with_its_end_id(tiny, tok):

@@ -13,7 +13,7 @@ import json
 import re
 
 import pytest
-from engine_util import ENGINE_MODES, oracle_run, run_mode, stream_all, wait_pd_idle
+from engine_util import ENGINE_MODES, oracle_run, run_mode, run_pd
 from reference import Reference
 from reference_guided import Answer, Constraint, ThinkingBudget
 
@@ -180,21 +180,8 @@ def test_a_request_resumed_after_its_forced_ids_stays_in_its_constraint(
 
 def test_disaggregated_stages_give_the_single_stage_outputs(tiny, tok, end, interruption):
     """The prefill stage runs the prompt alone; the decode stage forces, and constrains."""
-    from rltserve.config import EngineConfig
-    from rltserve.core.pd import PDClient
-    from rltserve.core.stage import InProcessStageClient
-
     params = workload(tok, end, interruption)
     prompts = [p * 3 for p in PROMPTS]  # (whole blocks to move)
     _, want = run_mode(tiny, prompts, params)
-    config = EngineConfig.from_flat(
-        model=str(tiny), disaggregate=True, num_blocks=512, kv_policy="last_exited", block_size=4
-    )
-    client = PDClient(config, InProcessStageClient)
-    client.wait_ready(120)
-    try:
-        run = stream_all(client, prompts, params)
-        assert run.tokens == want.tokens
-        wait_pd_idle(client)
-    finally:
-        client.close()
+    run, _ = run_pd(tiny, prompts, params, num_blocks=512, kv_policy="last_exited", block_size=4)
+    assert run.tokens == want.tokens
